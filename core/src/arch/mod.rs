@@ -1,0 +1,1 @@
+//! Hardware access. The only `unsafe` in this crate lives below this module.

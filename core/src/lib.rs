@@ -1,0 +1,38 @@
+//! # vmtsync-core
+//!
+//! Host↔guest TSC synchronization for tracing, for guests without Linux: unikernels, minimal
+//! guests, firmware. `#![no_std]`, no heap, no floats.
+//!
+//! Layers, bottom to top (see ARCHITECTURE.md for the invariants):
+//!
+//! - [`units`]: newtypes that carry units (`HostTicks`, `GuestTicks`, `Nanos`).
+//! - [`arch`]: the only hardware code (TSC, CPUID, MSR, hypercall), behind small traits.
+//! - [`pvclock`]: the KVM pvclock ABI page and its seqlock read.
+//! - [`mapping`]: exact KVM offset/scaling math, its inverse, nested composition, ticks→ns.
+//! - [`proto`]: the versioned postcard + COBS probe protocol.
+//! - [`estimate`]: offset and drift estimators over probe samples, with guaranteed bounds.
+//! - [`timeline`]: per-vCPU piecewise-linear guest→host conversion, streaming and random access.
+//! - [`agent`]: the transport-agnostic guest agent state machine.
+//! - [`sim`] (feature `sim`): seeded simulated clocks and link delays.
+#![no_std]
+#![deny(unsafe_code)]
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
+#[cfg(test)]
+extern crate std;
+
+#[macro_use]
+mod log;
+
+pub mod agent;
+pub mod arch;
+pub mod estimate;
+pub mod mapping;
+pub mod proto;
+pub mod pvclock;
+#[cfg(any(test, feature = "sim"))]
+pub mod sim;
+pub mod timeline;
+pub mod units;
+
+pub use units::{GuestTicks, HostTicks, Nanos};

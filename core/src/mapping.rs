@@ -1,0 +1,1 @@
+//! TODO(skeleton): see the module contract in the workspace issue.

@@ -1,0 +1,7 @@
+//! The `vmtsync` command-line tool.
+
+use std::process::ExitCode;
+
+fn main() -> ExitCode {
+    ExitCode::SUCCESS
+}

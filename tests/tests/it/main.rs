@@ -1,0 +1,4 @@
+//! vmtsync's one integration test binary. Each module is one area; tier-2 modules check their
+//! prerequisites with `vmtsync_tests::require`.
+
+mod smoke;

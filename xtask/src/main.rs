@@ -1,0 +1,167 @@
+//! `cargo xtask …`: project automation (rust-analyzer style: few dependencies, plain std).
+//!
+//! Subcommands:
+//! - `ci`: everything CI checks, in order; collects every failure, then reports them all.
+//! - `check-nostd`: build `vmtsync-core` for `x86_64-unknown-none`, with and without `defmt`.
+//! - `bench`: run the criterion benchmarks.
+//! - `setup`: install what the tier-2 tests need on a fresh machine (rustup target, Debian
+//!   packages, debugfs mount).
+
+mod setup;
+
+use std::env;
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode};
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+
+fn main() -> ExitCode {
+    match run() {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("xtask: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run() -> Result<()> {
+    let args: Vec<String> = env::args().skip(1).collect();
+    let (cmd, rest) = match args.split_first() {
+        Some((c, r)) => (c.as_str(), r),
+        None => ("help", &[][..]),
+    };
+    match cmd {
+        "ci" => ci(rest),
+        "check-nostd" => check_nostd(),
+        "bench" => bench(rest),
+        "setup" => setup::setup(),
+        "help" | "--help" | "-h" => {
+            println!("{HELP}");
+            Ok(())
+        }
+        other => bail!("unknown subcommand `{other}`\n\n{HELP}"),
+    }
+}
+
+const HELP: &str = "\
+usage: cargo xtask <command>
+
+commands:
+  ci            fmt, clippy, tests (incl. tier 2 on real KVM), no_std build, fuzz smoke run
+  check-nostd   build vmtsync-core for x86_64-unknown-none, with and without defmt
+  bench         run the criterion benchmarks (cargo bench -p vmtsync-core)
+  setup         install tier-2 prerequisites (rustup target, apt packages, debugfs mount)
+
+environment:
+  CI=true       a missing tier-2 prerequisite fails the run instead of skipping";
+
+/// The workspace root (the parent of `xtask/`).
+pub(crate) fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask lives one level below the workspace root")
+        .to_path_buf()
+}
+
+pub(crate) fn is_ci() -> bool {
+    env::var("CI").is_ok_and(|v| v == "true" || v == "1")
+}
+
+/// Runs `cmd`, echoing it first; fails if it exits non-zero.
+pub(crate) fn sh(cmd: &mut Command) -> Result<()> {
+    eprintln!("$ {}", display(cmd));
+    let status = cmd
+        .status()
+        .with_context(|| format!("could not start `{}`", display(cmd)))?;
+    if !status.success() {
+        bail!("`{}` failed: {status}", display(cmd));
+    }
+    Ok(())
+}
+
+fn display(cmd: &Command) -> String {
+    let mut s = cmd.get_program().to_string_lossy().into_owned();
+    for a in cmd.get_args() {
+        s.push(' ');
+        s.push_str(&a.to_string_lossy());
+    }
+    s
+}
+
+pub(crate) fn cargo() -> Command {
+    let mut c = Command::new(env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+    c.current_dir(root());
+    c
+}
+
+fn ci(_args: &[String]) -> Result<()> {
+    type Step = (&'static str, fn() -> Result<()>);
+    let steps: &[Step] = &[
+        ("setup", setup::setup),
+        ("fmt", || sh(cargo().args(["fmt", "--all", "--check"]))),
+        ("clippy", || {
+            sh(cargo().args([
+                "clippy",
+                "--workspace",
+                "--all-targets",
+                "--all-features",
+                "--",
+                "-D",
+                "warnings",
+            ]))
+        }),
+        ("tests", || {
+            // Tier-2 tests look at CI to decide between "skip with a reason" and "fail".
+            sh(cargo().args(["test", "--workspace", "--all-features"]))
+        }),
+        ("no_std build", check_nostd),
+        ("benches compile", || {
+            sh(cargo().args(["bench", "--workspace", "--no-run"]))
+        }),
+    ];
+
+    let mut failed = Vec::new();
+    for (name, step) in steps {
+        let t = Instant::now();
+        eprintln!("\n==> {name}");
+        match step() {
+            Ok(()) => eprintln!("==> {name}: ok ({:.1?})", t.elapsed()),
+            Err(e) => {
+                eprintln!("==> {name}: FAILED: {e:#}");
+                failed.push(*name);
+            }
+        }
+    }
+    if failed.is_empty() {
+        eprintln!("\nci: all {} steps passed", steps.len());
+        Ok(())
+    } else {
+        bail!(
+            "{} of {} steps failed: {}",
+            failed.len(),
+            steps.len(),
+            failed.join(", ")
+        )
+    }
+}
+
+fn check_nostd() -> Result<()> {
+    for features in [&[][..], &["--features", "defmt"][..]] {
+        sh(cargo()
+            .args([
+                "build",
+                "-p",
+                "vmtsync-core",
+                "--target",
+                "x86_64-unknown-none",
+            ])
+            .args(features))?;
+    }
+    Ok(())
+}
+
+fn bench(args: &[String]) -> Result<()> {
+    sh(cargo().args(["bench", "-p", "vmtsync-core"]).args(args))
+}

@@ -120,7 +120,7 @@ pub enum ArchError {
 #[cfg(feature = "ring0")]
 pub unsafe fn register_pvclock(phys: u64) -> Result<(), ArchError> {
     use super::kvm::{KVM_SYSTEM_TIME_ENABLE, MSR_KVM_SYSTEM_TIME_NEW};
-    if phys % 8 != 0 {
+    if !phys.is_multiple_of(8) {
         return Err(ArchError::Misaligned);
     }
     info!("pvclock: registering page at {=u64:#x}", phys);
@@ -165,7 +165,7 @@ pub unsafe fn clock_pairing(
     phys: u64,
 ) -> Result<super::kvm::KvmClockPairing, ArchError> {
     use super::kvm::{KVM_CLOCK_PAIRING_WALLCLOCK, KVM_HC_CLOCK_PAIRING};
-    if phys % 8 != 0 {
+    if !phys.is_multiple_of(8) {
         return Err(ArchError::Misaligned);
     }
     let ret: u64;

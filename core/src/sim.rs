@@ -199,7 +199,10 @@ impl GuestClock {
     pub fn drift_ppb_within(&self, min: i64, max: i64) -> Option<bool> {
         let den = i128::from(self.rate_den);
         let truth = (i128::from(self.rate_num) - den).checked_mul(1_000_000_000)?;
-        Some(i128::from(min).checked_mul(den)? <= truth && truth <= i128::from(max).checked_mul(den)?)
+        Some(
+            i128::from(min).checked_mul(den)? <= truth
+                && truth <= i128::from(max).checked_mul(den)?,
+        )
     }
 }
 
@@ -218,7 +221,13 @@ pub struct Sim {
 impl Sim {
     /// A simulation starting at host time `start`, fully determined by `seed`.
     #[must_use]
-    pub const fn new(seed: u64, start: HostTicks, clock: GuestClock, link: Link, vcpu: u32) -> Self {
+    pub const fn new(
+        seed: u64,
+        start: HostTicks,
+        clock: GuestClock,
+        link: Link,
+        vcpu: u32,
+    ) -> Self {
         Self {
             rng: SplitMix64::new(seed),
             clock,
@@ -299,9 +308,16 @@ mod tests {
     fn delays_stay_in_range_and_have_the_mean() {
         let mut r = SplitMix64::new(7);
         let u = Delay::Uniform { min: 10, max: 20 };
-        assert!((0..1000).map(|_| u.sample(&mut r)).all(|d| (10..=20).contains(&d)));
+        assert!(
+            (0..1000)
+                .map(|_| u.sample(&mut r))
+                .all(|d| (10..=20).contains(&d))
+        );
         assert_eq!(Delay::Uniform { min: 5, max: 1 }.sample(&mut r), 5);
-        let e = Delay::Exponential { min: 100, mean: 1_000 };
+        let e = Delay::Exponential {
+            min: 100,
+            mean: 1_000,
+        };
         let n = 20_000_u64;
         let sum: u64 = (0..n).map(|_| e.sample(&mut r)).sum();
         let mean = sum / n;
@@ -315,7 +331,10 @@ mod tests {
         assert_eq!(c.guest_at(HostTicks(10)), Some(GuestTicks(5)));
         assert_eq!(c.guest_at(HostTicks(4)), None);
         let d = GuestClock::with_drift_ppb(0, 50_000).unwrap();
-        assert_eq!(d.guest_at(HostTicks(1_000_000_000)), Some(GuestTicks(1_000_050_000)));
+        assert_eq!(
+            d.guest_at(HostTicks(1_000_000_000)),
+            Some(GuestTicks(1_000_050_000))
+        );
         assert_eq!(d.guest_at(HostTicks(19_999)), Some(GuestTicks(19_999)));
         assert_eq!(d.guest_at(HostTicks(20_000)), Some(GuestTicks(20_001)));
         assert_eq!(d.offset_within(HostTicks(1_000_000), 50, 50), Some(true));
@@ -331,10 +350,16 @@ mod tests {
     #[test]
     fn probes_bracket_the_reading() {
         let link = Link {
-            forward: Delay::Exponential { min: 300, mean: 200 },
+            forward: Delay::Exponential {
+                min: 300,
+                mean: 200,
+            },
             backward: Delay::Uniform { min: 100, max: 900 },
             outlier_ppm: 100_000,
-            outlier: Delay::Uniform { min: 10_000, max: 100_000 },
+            outlier: Delay::Uniform {
+                min: 10_000,
+                max: 100_000,
+            },
             gap: Delay::Constant(1_000),
         };
         let mut sim = Sim::new(3, HostTicks(1 << 40), GuestClock::constant(12_345), link, 2);
@@ -353,7 +378,13 @@ mod tests {
         assert_eq!(sim.now(), HostTicks(prev));
         let mut again = Sim::new(3, HostTicks(1 << 40), GuestClock::constant(12_345), link, 2);
         assert_eq!(again.probe(), Some(buf[0]));
-        let mut end = Sim::new(3, HostTicks(u64::MAX - 10), GuestClock::constant(0), link, 0);
+        let mut end = Sim::new(
+            3,
+            HostTicks(u64::MAX - 10),
+            GuestClock::constant(0),
+            link,
+            0,
+        );
         assert_eq!(end.probe(), None);
     }
 }

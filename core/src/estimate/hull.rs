@@ -47,8 +47,14 @@ struct Point {
 
 /// `(a - o) × (b - o)`: positive when `o → a → b` turns counter-clockwise.
 fn cross(o: Point, a: Point, b: Point) -> i128 {
-    let (ax, ay) = (i128::from(a.x) - i128::from(o.x), i128::from(a.y) - i128::from(o.y));
-    let (bx, by) = (i128::from(b.x) - i128::from(o.x), i128::from(b.y) - i128::from(o.y));
+    let (ax, ay) = (
+        i128::from(a.x) - i128::from(o.x),
+        i128::from(a.y) - i128::from(o.y),
+    );
+    let (bx, by) = (
+        i128::from(b.x) - i128::from(o.x),
+        i128::from(b.y) - i128::from(o.y),
+    );
     // |differences| < 2^63, so each product < 2^126 and their difference < 2^127.
     ax * by - ay * bx
 }
@@ -67,13 +73,13 @@ fn make_room<const N: usize>(hull: &mut Vec<Point, N>) -> bool {
 
 /// Appends `p` to a lower hull (the line must pass on or below every point), x non-decreasing.
 fn push_lower<const N: usize>(hull: &mut Vec<Point, N>, p: Point) -> bool {
-    if let Some(last) = hull.last() {
-        if last.x == p.x {
-            if p.y >= last.y {
-                return false;
-            }
-            hull.pop();
+    if let Some(last) = hull.last()
+        && last.x == p.x
+    {
+        if p.y >= last.y {
+            return false;
         }
+        hull.pop();
     }
     while let [.., a, b] = hull.as_slice() {
         if cross(*a, *b, p) > 0 {
@@ -89,13 +95,13 @@ fn push_lower<const N: usize>(hull: &mut Vec<Point, N>, p: Point) -> bool {
 
 /// Appends `p` to an upper hull (the line must pass on or above every point), x non-decreasing.
 fn push_upper<const N: usize>(hull: &mut Vec<Point, N>, p: Point) -> bool {
-    if let Some(last) = hull.last() {
-        if last.x == p.x {
-            if p.y <= last.y {
-                return false;
-            }
-            hull.pop();
+    if let Some(last) = hull.last()
+        && last.x == p.x
+    {
+        if p.y <= last.y {
+            return false;
         }
+        hull.pop();
     }
     while let [.., a, b] = hull.as_slice() {
         if cross(*a, *b, p) < 0 {
@@ -209,7 +215,10 @@ impl<const N: usize> DriftEstimator<N> {
             x: send,
             y: rel(y + 1)?,
         };
-        let above = Point { x: recv, y: rel(y)? };
+        let above = Point {
+            x: recv,
+            y: rel(y)?,
+        };
         let full_b = push_lower(&mut self.below, below);
         let full_a = push_upper(&mut self.above, above);
         self.saturated |= full_b || full_a;
@@ -249,7 +258,10 @@ impl<const N: usize> DriftEstimator<N> {
                 }
             }
         }
-        let (lo, hi) = (lo.ok_or(EstimateError::Unbounded)?, hi.ok_or(EstimateError::Unbounded)?);
+        let (lo, hi) = (
+            lo.ok_or(EstimateError::Unbounded)?,
+            hi.ok_or(EstimateError::Unbounded)?,
+        );
         if hi.try_lt(&lo).ok_or(EstimateError::Overflow)? {
             return Err(EstimateError::SegmentBreak);
         }
@@ -295,8 +307,16 @@ impl<const N: usize> DriftEstimator<N> {
                     continue;
                 }
                 // (-cj)·row_i + ci·row_j eliminates a: e·y <= r.
-                let e = (-cj).checked_mul(ei).ok_or(OVF)?.checked_add(ci.checked_mul(ej).ok_or(OVF)?).ok_or(OVF)?;
-                let r = (-cj).checked_mul(di).ok_or(OVF)?.checked_add(ci.checked_mul(dj).ok_or(OVF)?).ok_or(OVF)?;
+                let e = (-cj)
+                    .checked_mul(ei)
+                    .ok_or(OVF)?
+                    .checked_add(ci.checked_mul(ej).ok_or(OVF)?)
+                    .ok_or(OVF)?;
+                let r = (-cj)
+                    .checked_mul(di)
+                    .ok_or(OVF)?
+                    .checked_add(ci.checked_mul(dj).ok_or(OVF)?)
+                    .ok_or(OVF)?;
                 if e > 0 {
                     upper(div_ceil(r, e).ok_or(OVF)?);
                 } else if e < 0 {
@@ -306,7 +326,10 @@ impl<const N: usize> DriftEstimator<N> {
                 }
             }
         }
-        let (lo, hi) = (lo.ok_or(EstimateError::Unbounded)?, hi.ok_or(EstimateError::Unbounded)?);
+        let (lo, hi) = (
+            lo.ok_or(EstimateError::Unbounded)?,
+            hi.ok_or(EstimateError::Unbounded)?,
+        );
         if lo > hi {
             return Err(EstimateError::SegmentBreak);
         }
@@ -375,7 +398,9 @@ fn rel(v: i128) -> Result<i64, EstimateError> {
 ///
 /// # Errors
 /// As [`DriftEstimator::push`] and [`DriftEstimator::estimate`].
-pub fn estimate_drift<const N: usize>(samples: &[ProbeSample]) -> Result<DriftEstimate, EstimateError> {
+pub fn estimate_drift<const N: usize>(
+    samples: &[ProbeSample],
+) -> Result<DriftEstimate, EstimateError> {
     let mut acc = DriftEstimator::<N>::new();
     for s in samples {
         acc.push(s)?;
@@ -472,7 +497,10 @@ mod tests {
         // a ∈ [(2027 - 28)/1000, (2028 - 27)/1000] = [1.999, 2.001].
         assert!(same(e.rate_min, Ratio::new(1_999, 1_000).unwrap()));
         assert!(same(e.rate_max, Ratio::new(2_001, 1_000).unwrap()));
-        assert_eq!((e.drift_ppb_min, e.drift_ppb_max), (999_000_000, 1_001_000_000));
+        assert_eq!(
+            (e.drift_ppb_min, e.drift_ppb_max),
+            (999_000_000, 1_001_000_000)
+        );
         assert_eq!(e.at, HostTicks(510));
         // Truth at 510: guest 1027 → offset 517.
         assert!(e.offset_min <= 517 && 517 <= e.offset_max, "{e:?}");
@@ -503,11 +531,17 @@ mod tests {
         let mut other = p(300, 1_200, 400);
         other.vcpu = 1;
         assert_eq!(acc.push(&other), Err(EstimateError::VcpuMismatch));
-        assert_eq!(acc.push(&p(1 << 63, 0, 1 << 63)), Err(EstimateError::Overflow));
+        assert_eq!(
+            acc.push(&p(1 << 63, 0, 1 << 63)),
+            Err(EstimateError::Overflow)
+        );
         assert_eq!(acc.samples(), before.samples());
         assert_eq!(acc.below, before.below);
         assert_eq!(acc.above, before.above);
-        assert_eq!(acc.offset_bounds_at(HostTicks(u64::MAX)), Err(EstimateError::Overflow));
+        assert_eq!(
+            acc.offset_bounds_at(HostTicks(u64::MAX)),
+            Err(EstimateError::Overflow)
+        );
     }
 
     #[test]

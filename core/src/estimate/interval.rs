@@ -71,8 +71,10 @@ impl OffsetInterval {
             return Err(EstimateError::VcpuMismatch);
         }
         let g = i128::from(s.guest.0);
-        let lo = i64::try_from(g - i128::from(s.host_recv.0)).map_err(|_| EstimateError::Overflow)?;
-        let hi = i64::try_from(g - i128::from(s.host_send.0)).map_err(|_| EstimateError::Overflow)?;
+        let lo =
+            i64::try_from(g - i128::from(s.host_recv.0)).map_err(|_| EstimateError::Overflow)?;
+        let hi =
+            i64::try_from(g - i128::from(s.host_send.0)).map_err(|_| EstimateError::Overflow)?;
         let (min, max) = (self.min.max(lo), self.max.min(hi));
         if min > max {
             return Err(EstimateError::SegmentBreak);
@@ -150,7 +152,10 @@ mod tests {
         let mut acc = OffsetInterval::new();
         acc.push(&p(100, 1_105, 120)).unwrap();
         let before = acc;
-        assert_eq!(acc.push(&p(200, 5_230, 240)), Err(EstimateError::SegmentBreak));
+        assert_eq!(
+            acc.push(&p(200, 5_230, 240)),
+            Err(EstimateError::SegmentBreak)
+        );
         assert_eq!(acc, before);
         assert_eq!(acc.estimate().map(|e| e.samples), Ok(1));
     }
@@ -160,7 +165,10 @@ mod tests {
         let mut acc = OffsetInterval::new();
         assert_eq!(acc.estimate(), Err(EstimateError::NoSamples));
         assert_eq!(acc.push(&p(10, 0, 9)), Err(EstimateError::InvalidSample));
-        assert_eq!(acc.push(&p(u64::MAX, 0, u64::MAX)), Err(EstimateError::Overflow));
+        assert_eq!(
+            acc.push(&p(u64::MAX, 0, u64::MAX)),
+            Err(EstimateError::Overflow)
+        );
         acc.push(&p(1, 1, 2)).unwrap();
         let mut other = p(3, 3, 4);
         other.vcpu = 9;

@@ -27,4 +27,6 @@ mod sim_tests;
 pub use hull::{DriftEstimate, DriftEstimator, estimate_drift};
 pub use interval::{OffsetEstimate, OffsetInterval, estimate_offset};
 pub use sample::{EstimateError, ProbeSample, Ratio};
-pub use tracecmd::{TRACE_CMD_PTP_SYNC_LOOP, TraceCmdEstimate, trace_cmd_fastest, trace_cmd_histogram};
+pub use tracecmd::{
+    TRACE_CMD_PTP_SYNC_LOOP, TraceCmdEstimate, trace_cmd_fastest, trace_cmd_histogram,
+};

@@ -8,6 +8,10 @@
 //! An empty intersection is a proof that no constant offset explains the samples (a step, a
 //! migration, a rate change): a segment break, reported as an error, never a wrong number.
 //!
+//! The model is a constant offset at identity rate. A drifting or scaled guest clock
+//! eventually contradicts it and shows up as a segment break; use
+//! [`DriftEstimator`](super::DriftEstimator) there.
+//!
 //! State is four integers: O(1) per sample, no storage.
 
 use super::sample::{EstimateError, ProbeSample, midpoint_floor};
@@ -36,12 +40,18 @@ impl OffsetEstimate {
 }
 
 /// Incremental intersection of per-probe offset intervals for one vCPU.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct OffsetInterval {
     min: i64,
     max: i64,
     samples: u32,
     vcpu: u32,
+}
+
+impl Default for OffsetInterval {
+    fn default() -> Self {
+        Self::new()
+    }
 }
 
 impl OffsetInterval {
@@ -162,7 +172,8 @@ mod tests {
 
     #[test]
     fn rejects_bad_input() {
-        let mut acc = OffsetInterval::new();
+        assert_eq!(OffsetInterval::default(), OffsetInterval::new());
+        let mut acc = OffsetInterval::default();
         assert_eq!(acc.estimate(), Err(EstimateError::NoSamples));
         assert_eq!(acc.push(&p(10, 0, 9)), Err(EstimateError::InvalidSample));
         assert_eq!(

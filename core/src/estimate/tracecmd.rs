@@ -125,6 +125,83 @@ pub fn trace_cmd_histogram(samples: &[ProbeSample]) -> Result<TraceCmdEstimate, 
 mod tests {
     use super::*;
     use crate::GuestTicks;
+    use proptest::prelude::*;
+    use std::vec::Vec;
+
+    /// Line-by-line transliteration of ptp.c:322-384 (arrays, `llabs`, the `ind < 339` test),
+    /// with trace-cmd's markers mapped to our roles; `bin == 0` becomes 1 as documented.
+    fn c_histogram(samples: &[ProbeSample]) -> (i64, i64) {
+        let mut timestamps = Vec::new();
+        let mut offsets = Vec::new();
+        let (mut offset_min, mut offset_max) = (i128::from(i64::MAX), 0_i128);
+        for s in samples {
+            let ts = (i128::from(s.host_send.0) + i128::from(s.host_recv.0)) / 2;
+            let off = i128::from(s.guest.0) - ts;
+            offset_max = offset_max.max(off.abs());
+            offset_min = offset_min.min(off.abs());
+            timestamps.push(ts);
+            offsets.push(off);
+        }
+        let mut bin = (offset_max - offset_min) / 339;
+        if bin == 0 {
+            bin = 1;
+        }
+        let mut hist = [0_i32; 339];
+        let (mut max, mut ret) = (0, (0, 0));
+        for (ts, off) in timestamps.iter().zip(&offsets) {
+            let ind = (off.abs() - offset_min) / bin;
+            if ind < 339 {
+                let ind = usize::try_from(ind).unwrap();
+                hist[ind] += 1;
+                if max < hist[ind] {
+                    max = hist[ind];
+                    ret = (i64::try_from(*off).unwrap(), i64::try_from(*ts).unwrap());
+                }
+            }
+        }
+        ret
+    }
+
+    /// ptp.c:272-320 transliterated.
+    fn c_fastest(samples: &[ProbeSample]) -> (i64, i64) {
+        let mut delta_min = i128::MAX;
+        let mut ret = (0, 0);
+        for s in samples {
+            let ts = (i128::from(s.host_send.0) + i128::from(s.host_recv.0)) / 2;
+            let off = i128::from(s.guest.0) - ts;
+            let delta = i128::from(s.host_recv.0) - i128::from(s.host_send.0);
+            if delta_min > delta {
+                delta_min = delta;
+                ret = (i64::try_from(off).unwrap(), i64::try_from(ts).unwrap());
+            }
+        }
+        ret
+    }
+
+    proptest! {
+        #[test]
+        fn ports_match_c_transliteration(
+            base in 0_u64..1 << 50,
+            probes in proptest::collection::vec((0_u64..1 << 20, 0_u64..1 << 14, 0_u64..1 << 14), 1..339),
+            offset in -(1_i64 << 12)..(1_i64 << 12),
+        ) {
+            // Offsets near zero make |offset| fold both signs, as in the C code.
+            let samples: Vec<ProbeSample> = probes
+                .iter()
+                .map(|&(start, fwd, back)| {
+                    let send = base + start;
+                    let g = i128::from(send + fwd) + i128::from(offset);
+                    p(send, u64::try_from(g.max(0)).unwrap(), send + fwd + back)
+                })
+                .collect();
+            let h = trace_cmd_histogram(&samples).unwrap();
+            let want = c_histogram(&samples);
+            prop_assert_eq!((h.offset, i64::try_from(h.at.0).unwrap()), want);
+            let f = trace_cmd_fastest(&samples).unwrap();
+            let want = c_fastest(&samples);
+            prop_assert_eq!((f.offset, i64::try_from(f.at.0).unwrap()), want);
+        }
+    }
 
     fn p(send: u64, guest: u64, recv: u64) -> ProbeSample {
         ProbeSample {

@@ -7,6 +7,7 @@
 //! - `setup`: install what the tier-2 tests need on a fresh machine (rustup target, Debian
 //!   packages, debugfs mount).
 
+mod fuzz;
 mod setup;
 
 use std::env;
@@ -120,6 +121,7 @@ fn ci(_args: &[String]) -> Result<()> {
         ("benches compile", || {
             sh(cargo().args(["bench", "--workspace", "--no-run"]))
         }),
+        ("fuzz", fuzz::smoke),
     ];
 
     let mut failed = Vec::new();

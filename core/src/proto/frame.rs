@@ -268,8 +268,6 @@ pub struct ProbeReplyFrame {
     prefix_code: u8,
     /// 4 for the compact reply, 8 for the full one.
     tsc_bytes: usize,
-    /// State of the last `finish`.
-    len: usize,
 }
 
 impl ProbeReplyFrame {
@@ -286,8 +284,9 @@ impl ProbeReplyFrame {
     }
 
     fn prepare(tag: u8, seq: u16, vcpu: u32, tsc_bytes: usize) -> Self {
+        let mut buf = [0; PROBE_FRAME_CAP];
         let mut enc = CobsSmall {
-            buf: [0; PROBE_FRAME_CAP],
+            buf: &mut buf,
             len: 1,
             code_idx: 0,
             code: 1,
@@ -295,13 +294,13 @@ impl ProbeReplyFrame {
         enc.push(tag);
         enc.push_varint(u32::from(seq));
         enc.push_varint(vcpu);
+        let (prefix_len, prefix_code_idx, prefix_code) = (enc.len, enc.code_idx, enc.code);
         Self {
-            buf: enc.buf,
-            prefix_len: enc.len,
-            prefix_code_idx: enc.code_idx,
-            prefix_code: enc.code,
+            buf,
+            prefix_len,
+            prefix_code_idx,
+            prefix_code,
             tsc_bytes,
-            len: 0,
         }
     }
 
@@ -311,7 +310,7 @@ impl ProbeReplyFrame {
     #[inline]
     pub fn finish(&mut self, tsc: GuestTicks) -> &[u8] {
         let mut enc = CobsSmall {
-            buf: self.buf,
+            buf: &mut self.buf,
             len: self.prefix_len,
             code_idx: self.prefix_code_idx,
             code: self.prefix_code,
@@ -322,23 +321,22 @@ impl ProbeReplyFrame {
         }
         enc.put(enc.code_idx, enc.code);
         enc.put(enc.len, 0);
-        self.buf = enc.buf;
-        self.len = enc.len + 1;
-        self.buf.get(..self.len).unwrap_or_default()
+        let len = enc.len + 1;
+        self.buf.get(..len).unwrap_or_default()
     }
 }
 
 /// A COBS encoder for bodies shorter than 254 bytes (no 0xFF blocks), writing into a fixed
 /// array; out-of-range writes are dropped instead of panicking (they cannot happen for the
 /// probe replies, whose size is bounded by `PROBE_FRAME_CAP`).
-struct CobsSmall {
-    buf: [u8; PROBE_FRAME_CAP],
+struct CobsSmall<'a> {
+    buf: &'a mut [u8; PROBE_FRAME_CAP],
     len: usize,
     code_idx: usize,
     code: u8,
 }
 
-impl CobsSmall {
+impl CobsSmall<'_> {
     #[inline]
     fn put(&mut self, i: usize, b: u8) {
         if let Some(slot) = self.buf.get_mut(i) {

@@ -114,6 +114,9 @@ pub fn decode_frame(frame: &mut [u8]) -> Result<Message, DecodeError> {
 }
 
 /// The result of one [`FrameReceiver::feed`] call.
+// The message is returned by value: without a heap there is nothing to box it into, and it is
+// moved once, to the caller.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, PartialEq, Eq)]
 pub enum Feed<'a> {
     /// Every input byte was taken; no frame completed.
@@ -365,7 +368,6 @@ mod tests {
     use crate::proto::testutil::arb_message;
     use proptest::collection::vec as pvec;
     use proptest::prelude::*;
-    use std::vec;
     use std::vec::Vec;
 
     fn frame_of(msg: &Message) -> Vec<u8> {
@@ -397,8 +399,23 @@ mod tests {
 
     #[test]
     fn max_sizes_are_consistent() {
-        // The largest message is a full event batch; the frame adds COBS and the delimiter.
-        assert!(MAX_MESSAGE_SIZE >= 8 * 16);
+        // The largest message is a full event batch of extreme values; it must fit.
+        let rec = crate::proto::EventRecord {
+            id: u32::MAX,
+            stamp: crate::proto::EventStamp::Guest(GuestTicks(u64::MAX)),
+        };
+        let worst = Message::Events(crate::proto::EventBatch {
+            vcpu: u32::MAX,
+            dropped: u32::MAX,
+            remaining: u32::MAX,
+            events: heapless::Vec::from_slice(&[rec; crate::proto::EVENT_BATCH_MAX]).unwrap(),
+        });
+        let mut buf = [0u8; MAX_FRAME_SIZE];
+        let bare = encode(&worst, &mut buf).unwrap().len();
+        assert!(bare <= MAX_MESSAGE_SIZE, "{bare} > {MAX_MESSAGE_SIZE}");
+        let framed = encode_frame(&worst, &mut buf).unwrap().len();
+        assert!(framed <= MAX_FRAME_SIZE, "{framed} > {MAX_FRAME_SIZE}");
+        std::println!("largest message {bare} B, frame {framed} B; buffers {MAX_FRAME_SIZE} B");
         assert_eq!(
             MAX_FRAME_SIZE,
             MAX_MESSAGE_SIZE + MAX_MESSAGE_SIZE.div_ceil(254) + 1
@@ -495,7 +512,7 @@ mod tests {
         let probe = frame_of(&Message::Probe { seq: 9 });
         // An overlong run whose tail, alone, would be a valid probe frame body: the receiver
         // must not decode that tail.
-        let mut long = vec![0x01u8; MAX_FRAME_SIZE + 10];
+        let mut long = [0x01u8; MAX_FRAME_SIZE + 10];
         let n = long.len();
         long[n - 3..].copy_from_slice(&probe[..3]);
         for split in [1, 50, MAX_FRAME_SIZE - 1, MAX_FRAME_SIZE, long.len()] {

@@ -1,0 +1,268 @@
+//! `vmtsync probe --continuous --out FILE`: re-sync every `resync` period and append one
+//! segment per round to a sync file (schema in [`crate::syncfile`]).
+//!
+//! Each round starts with a full-width probe (the guest may have been paused or migrated since
+//! the last round), then `probes - 1` compact ones. The drift estimator accumulates every round
+//! since the last break, so the rate bound tightens as the run grows (about `2·RTT / span`); a
+//! round that no constant rate fits together with the earlier ones starts a new estimate and
+//! is written with `"break": true`.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use vmtsync_core::estimate::{DriftEstimator, EstimateError, ProbeSample};
+
+use super::progress::Progress;
+use super::report::{HULL_CAPACITY, OffsetModel, ProbeSummary};
+use super::session::ProbeSession;
+use super::transport::StampedTransport;
+use super::{ProbeError, ProbeOptions};
+use crate::syncfile::{SYNC_SCHEMA, SyncHeader, SyncSegment, SyncWriter};
+
+/// Settings of continuous mode.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ContinuousOptions {
+    /// The sync file to append to (created with a header if missing or empty).
+    pub out: PathBuf,
+    /// Time between the starts of two rounds.
+    pub resync: Duration,
+    /// Stop after this many rounds; `None` runs until the stop flag is set or the process is
+    /// killed (every written segment is already complete on disk).
+    pub rounds: Option<u64>,
+}
+
+/// What a continuous run did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ContinuousSummary {
+    /// Segments appended.
+    pub segments: u64,
+    /// Of which started a new estimate.
+    pub breaks: u64,
+    /// Rounds that yielded no sample (nothing written for them).
+    pub empty_rounds: u64,
+    /// The last round's summary.
+    pub last: Option<ProbeSummary>,
+}
+
+/// The cumulative estimate across rounds since the last break.
+#[derive(Debug)]
+struct Cumulative {
+    est: DriftEstimator<HULL_CAPACITY>,
+    rounds: u64,
+}
+
+impl Cumulative {
+    fn new() -> Self {
+        Self {
+            est: DriftEstimator::new(),
+            rounds: 0,
+        }
+    }
+
+    /// Adds a round; returns whether it broke the previous estimate (then the estimate
+    /// restarts from this round alone).
+    fn add(&mut self, samples: &[ProbeSample]) -> bool {
+        let mut trial = self.est.clone();
+        let fits = samples.iter().all(|s| trial.push(s).is_ok())
+            && !matches!(trial.estimate(), Err(EstimateError::SegmentBreak));
+        if fits {
+            self.est = trial;
+            self.rounds += 1;
+            return false;
+        }
+        let had_rounds = self.rounds > 0;
+        self.est = DriftEstimator::new();
+        for s in samples {
+            // A round the estimator refuses on its own leaves it empty; the round's own
+            // offset bounds are used then.
+            if self.est.push(s).is_err() {
+                self.est = DriftEstimator::new();
+                break;
+            }
+        }
+        self.rounds = 1;
+        had_rounds
+    }
+}
+
+/// Runs rounds until `cont.rounds` or the stop flag; writes one segment per round.
+pub(super) fn run<T: StampedTransport>(
+    session: &mut ProbeSession<T>,
+    opts: &ProbeOptions,
+    cont: &ContinuousOptions,
+    out: &mut dyn Write,
+    progress: &mut Progress,
+) -> Result<ContinuousSummary, ProbeError> {
+    let header = SyncHeader {
+        schema: SYNC_SCHEMA,
+        tool: format!("vmtsync {}", env!("CARGO_PKG_VERSION")),
+        host_clock: "x86-tsc".to_owned(),
+        created_unix_s: SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs()),
+        source: opts.addr.to_string(),
+    };
+    let mut writer = SyncWriter::open(&cont.out, &header)?;
+    let mut cumulative = Cumulative::new();
+    let mut summary = ContinuousSummary {
+        segments: 0,
+        breaks: 0,
+        empty_rounds: 0,
+        last: None,
+    };
+    let mut round = 0_u64;
+    loop {
+        if cont.rounds.is_some_and(|n| round >= n) || opts.stopped() {
+            break;
+        }
+        let started = Instant::now();
+        session.forget_reference();
+        let samples = session.probe_round(opts.probes, opts.interval, &mut Progress::hidden())?;
+        if samples.is_empty() {
+            summary.empty_rounds += 1;
+            writeln!(out, "round {round}: every probe was lost").map_err(ProbeError::Output)?;
+        } else {
+            let s = ProbeSummary::from_samples(session.info(), &samples, session.stats())?;
+            let is_break = cumulative.add(&samples);
+            let seg = segment(&cumulative, &s, &samples, round, is_break)?;
+            writer.append(&seg)?;
+            summary.segments += 1;
+            summary.breaks += u64::from(is_break);
+            if opts.json {
+                s.write_json(out).map_err(ProbeError::Output)?;
+            } else {
+                writeln!(
+                    out,
+                    "round {round}: offset {} in [{}, {}] at host {}, drift {} ppb, {} probes, rtt min {}{}",
+                    seg.offset,
+                    seg.offset_lo,
+                    seg.offset_hi,
+                    seg.host_anchor,
+                    seg.drift_ppb,
+                    seg.probes,
+                    seg.rtt_min_ticks,
+                    if is_break { ", BREAK" } else { "" }
+                )
+                .map_err(ProbeError::Output)?;
+            }
+            out.flush().map_err(ProbeError::Output)?;
+            progress.status(&format!(
+                "vmtsync probe: round {round}, {} segments in {}",
+                summary.segments,
+                cont.out.display()
+            ));
+            summary.last = Some(s);
+        }
+        round += 1;
+        if cont.rounds.is_some_and(|n| round >= n) {
+            break;
+        }
+        // Sleep out the period in short steps so the stop flag is seen promptly.
+        while let Some(left) = cont.resync.checked_sub(started.elapsed()) {
+            if left.is_zero() || opts.stopped() {
+                break;
+            }
+            std::thread::sleep(left.min(Duration::from_millis(50)));
+        }
+    }
+    progress.clear();
+    Ok(summary)
+}
+
+/// Builds the round's segment from the cumulative estimate (constant rate since the last
+/// break), falling back to the round's own constant-offset bounds while the rate is unbounded.
+fn segment(
+    cumulative: &Cumulative,
+    s: &ProbeSummary,
+    samples: &[ProbeSample],
+    round: u64,
+    is_break: bool,
+) -> Result<SyncSegment, ProbeError> {
+    let anchor = s.at_host;
+    let (model, lo, hi) = match cumulative.est.offset_bounds_at(anchor) {
+        Ok((lo, hi)) if cumulative.est.samples() > 1 => (OffsetModel::Drift, lo, hi),
+        _ => (s.model, s.bound_lo, s.bound_hi),
+    };
+    let drift = cumulative.est.estimate().ok();
+    let (dlo, dhi) = (drift.map(|d| d.drift_ppb_min), drift.map(|d| d.drift_ppb_max));
+    // The feasible rate closest to identity (KVM's default): any rate in the bounds fits.
+    let used = match (dlo, dhi) {
+        (Some(lo), Some(hi)) => 0_i64.clamp(lo, hi.max(lo)),
+        _ => 0,
+    };
+    let offset = lo + i64::try_from((i128::from(hi) - i128::from(lo)) / 2).unwrap_or(0);
+    let guest_anchor = anchor
+        .0
+        .checked_add_signed(offset)
+        .ok_or(ProbeError::Estimate(EstimateError::Overflow))?;
+    let first = samples.first().ok_or(ProbeError::Estimate(EstimateError::NoSamples))?;
+    let last = samples.last().ok_or(ProbeError::Estimate(EstimateError::NoSamples))?;
+    Ok(SyncSegment {
+        vcpu: s.vcpu,
+        round,
+        guest_start: first.guest.0,
+        host_anchor: anchor.0,
+        guest_anchor,
+        offset,
+        offset_lo: lo,
+        offset_hi: hi,
+        drift_ppb: used,
+        drift_ppb_lo: dlo,
+        drift_ppb_hi: dhi,
+        model,
+        probes: s.probes,
+        rtt_min_ticks: s.rtt.min,
+        host_first: first.host_send.0,
+        host_last: last.host_recv.0,
+        is_break,
+    })
+}
+
+impl ProbeOptions {
+    fn stopped(&self) -> bool {
+        self.stop.as_ref().is_some_and(|f| f.load(Ordering::Relaxed))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use vmtsync_core::{GuestTicks, HostTicks};
+
+    fn round(start: u64, n: u64, offset: u64) -> Vec<ProbeSample> {
+        (0..n)
+            .map(|i| {
+                let send = start + i * 1000;
+                ProbeSample {
+                    host_send: HostTicks(send),
+                    guest: GuestTicks(send + 100 + offset),
+                    host_recv: HostTicks(send + 200),
+                    vcpu: 0,
+                }
+            })
+            .collect()
+    }
+
+    #[test]
+    fn cumulative_estimate_tightens_and_detects_a_step() {
+        let mut c = Cumulative::new();
+        assert!(!c.add(&round(1_000_000, 16, 5_000)));
+        let short = c.est.estimate().unwrap();
+        assert!(!c.add(&round(1_000_000_000, 16, 5_000)));
+        let long = c.est.estimate().unwrap();
+        assert_eq!(c.rounds, 2);
+        // A span a thousand times longer bounds the rate far more tightly.
+        assert!(
+            long.drift_ppb_max - long.drift_ppb_min < (short.drift_ppb_max - short.drift_ppb_min) / 100,
+            "{short:?} {long:?}"
+        );
+        assert!(long.drift_ppb_min <= 0 && 0 <= long.drift_ppb_max);
+        // The guest TSC jumps by a million ticks: a break, and the estimate restarts.
+        assert!(c.add(&round(2_000_000_000, 16, 1_005_000)));
+        assert_eq!(c.rounds, 1);
+        let (lo, hi) = c.est.offset_bounds_at(HostTicks(2_000_000_000)).unwrap();
+        assert!(lo <= 1_005_000 && 1_005_000 <= hi, "{lo} {hi}");
+    }
+}

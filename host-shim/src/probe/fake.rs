@@ -1,0 +1,127 @@
+//! A loopback guest agent for tests and demos: `vmtsync_core::agent`'s real state machine
+//! over a host socket, reading the host TSC plus a known skew as its "guest TSC".
+//!
+//! Because the skewed clock is the host's own `lfence; rdtsc`, the true offset of such an
+//! agent is exactly the skew, which lets tests check that a probe run's bounds contain the
+//! truth on real sockets and real timing.
+
+use std::io;
+use std::net::{TcpListener, TcpStream};
+use std::os::unix::net::UnixStream;
+use std::thread::{self, JoinHandle};
+use std::time::Duration;
+
+use vmtsync_core::GuestTicks;
+use vmtsync_core::agent::{Agent, AgentClock, AgentState, AgentStats, Link, LinkError};
+use vmtsync_core::proto::Transport;
+
+use super::transport::{SocketStream, host_tsc_now};
+
+/// A guest clock equal to the host TSC plus `skew` (wrapping): true offset `guest - host`
+/// is `skew`, up to the ordering of the two reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SkewedClock {
+    /// `guest - host`, in ticks.
+    pub skew: i64,
+    /// The vCPU id reported.
+    pub vcpu: u32,
+}
+
+impl AgentClock for SkewedClock {
+    fn read_tsc(&mut self) -> GuestTicks {
+        GuestTicks(host_tsc_now().0.wrapping_add_signed(self.skew))
+    }
+
+    fn vcpu_id(&self) -> u32 {
+        self.vcpu
+    }
+}
+
+/// How long one `recv` of the agent's link blocks before reporting "nothing pending".
+const POLL_WAIT: Duration = Duration::from_millis(20);
+
+/// The agent's [`Link`] over a blocking socket with a short read timeout.
+#[derive(Debug)]
+pub struct SocketLink<S> {
+    stream: S,
+}
+
+impl<S: SocketStream> SocketLink<S> {
+    /// Wraps a connected socket.
+    ///
+    /// # Errors
+    /// If the read timeout cannot be set.
+    pub fn new(stream: S) -> io::Result<Self> {
+        stream.set_read_timeout(Some(POLL_WAIT))?;
+        stream.set_write_timeout(Some(Duration::from_secs(5)))?;
+        Ok(Self { stream })
+    }
+}
+
+impl<S: SocketStream> Link for SocketLink<S> {
+    fn send(&mut self, frame: &[u8]) -> Result<(), LinkError> {
+        self.stream.write_all(frame).map_err(|_| LinkError::Closed)
+    }
+
+    fn recv(&mut self, buf: &mut [u8]) -> Result<usize, LinkError> {
+        match self.stream.read(buf) {
+            Ok(0) => Err(LinkError::Closed),
+            Ok(n) => Ok(n),
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut | io::ErrorKind::Interrupted
+                ) =>
+            {
+                Ok(0)
+            }
+            Err(_) => Err(LinkError::Io),
+        }
+    }
+
+    fn transport(&self) -> Transport {
+        Transport::Memory
+    }
+}
+
+/// Serves one session on `stream` until the host shuts it down or disconnects; returns the
+/// agent's counters.
+pub fn serve<S: SocketStream>(stream: S, clock: SkewedClock) -> AgentStats {
+    let Ok(link) = SocketLink::new(stream) else {
+        return AgentStats::default();
+    };
+    let mut agent: Agent<_, _> = Agent::new(link, clock);
+    while let Ok(state) = agent.poll() {
+        if state == AgentState::Exited {
+            break;
+        }
+    }
+    agent.stats()
+}
+
+/// Starts an agent on a Unix socket pair; returns the host's end and the agent thread.
+///
+/// # Errors
+/// If the pair cannot be created.
+pub fn spawn_unix_pair(clock: SkewedClock) -> io::Result<(UnixStream, JoinHandle<AgentStats>)> {
+    let (host, guest) = UnixStream::pair()?;
+    Ok((host, thread::spawn(move || serve(guest, clock))))
+}
+
+/// Starts an agent listening on a loopback TCP port for one connection; returns its port and
+/// the agent thread.
+///
+/// # Errors
+/// If the port cannot be bound.
+pub fn spawn_tcp(clock: SkewedClock) -> io::Result<(u16, JoinHandle<AgentStats>)> {
+    let listener = TcpListener::bind("127.0.0.1:0")?;
+    let port = listener.local_addr()?.port();
+    let handle = thread::spawn(move || match listener.accept() {
+        Ok((s, _)) => {
+            let _ = TcpStream::set_nodelay(&s, true);
+            serve(s, clock)
+        }
+        Err(_) => AgentStats::default(),
+    });
+    Ok((port, handle))
+}

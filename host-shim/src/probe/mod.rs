@@ -1,0 +1,204 @@
+//! `vmtsync probe`: measure a guest's TSC offset (and drift) by ping-pong probes against the
+//! guest agent, with guaranteed bounds, next to trace-cmd's estimate on the same samples.
+//!
+//! Layers:
+//! - [`addr`]: the `--connect ADDR` forms and the AF_VSOCK socket address.
+//! - [`connect`]: opening an address (retries, vhost-device-vsock handshake, deadlines).
+//! - [`transport`]: [`StampedTransport`], the byte stream that stamps with the host TSC, and
+//!   its socket implementation; an in-process VMM implements the trait with its own stamps.
+//! - [`session`]: hello, probes, TSC unwrap, garbage and timeout handling.
+//! - [`report`]: estimates, RTT statistics, text and `--json` (schema 1) output.
+//! - [`continuous`]: periodic re-sync into a sync file ([`crate::syncfile`]).
+//! - [`fake`]: a loopback agent (the core's state machine, host TSC plus a skew) for tests.
+//!
+//! The CLI calls [`run_probe`] with [`ProbeOptions`]; in-process users call [`run_probe_on`]
+//! with their own transport.
+
+pub mod addr;
+pub mod connect;
+pub mod continuous;
+pub mod fake;
+pub mod progress;
+pub mod report;
+pub mod session;
+pub mod transport;
+
+use std::io::{self, Write};
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+use std::time::Duration;
+
+use thiserror::Error;
+use vmtsync_core::estimate::EstimateError;
+
+pub use addr::{AddrError, ProbeAddr};
+pub use connect::{ConnectError, ConnectOptions};
+pub use continuous::{ContinuousOptions, ContinuousSummary};
+pub use progress::Progress;
+pub use report::{OffsetModel, ProbeSummary};
+pub use session::{AgentInfo, ProbeSession, SessionStats};
+pub use transport::{FrameStamps, Received, StampedTransport, StreamTransport, TransportError};
+
+use crate::syncfile::SyncFileError;
+
+/// Default number of probes per round.
+pub const DEFAULT_PROBES: u32 = 64;
+
+/// Everything `vmtsync probe` needs; build with [`ProbeOptions::new`] and adjust fields.
+#[derive(Clone, Debug)]
+pub struct ProbeOptions {
+    /// Where the agent is.
+    pub addr: ProbeAddr,
+    /// Probes per round (`--probes`, default 64).
+    pub probes: u32,
+    /// Pause between probes (`--interval MS`, default 0: back to back).
+    pub interval: Duration,
+    /// The longest wait for any reply (`--timeout MS`, default 2 s).
+    pub timeout: Duration,
+    /// The longest wait to connect, retries included (default 10 s).
+    pub connect_timeout: Duration,
+    /// Print the schema-1 JSON object instead of text (`--json`).
+    pub json: bool,
+    /// Show progress on stderr when it is a terminal.
+    pub progress: bool,
+    /// Continuous mode (`--continuous --out FILE`), or one round.
+    pub continuous: Option<ContinuousOptions>,
+    /// Set from another thread (e.g. a signal handler) to end continuous mode after the
+    /// current round.
+    pub stop: Option<Arc<AtomicBool>>,
+}
+
+impl ProbeOptions {
+    /// Defaults: 64 back-to-back probes, 2 s reply timeout, 10 s connect timeout, text
+    /// output, progress on a terminal, one round.
+    #[must_use]
+    pub fn new(addr: ProbeAddr) -> Self {
+        Self {
+            addr,
+            probes: DEFAULT_PROBES,
+            interval: Duration::ZERO,
+            timeout: Duration::from_secs(2),
+            connect_timeout: Duration::from_secs(10),
+            json: false,
+            progress: true,
+            continuous: None,
+            stop: None,
+        }
+    }
+}
+
+/// Why a probe run failed. Each message says what to try next.
+#[derive(Debug, Error)]
+#[non_exhaustive]
+pub enum ProbeError {
+    /// The connection could not be established.
+    #[error(transparent)]
+    Connect(#[from] ConnectError),
+    /// No (complete) reply within the timeout.
+    #[error(
+        "the guest agent did not send {what} within {after:?} ({bad_frames} undecodable frames so far): is the agent running on this socket? (raise --timeout for slow guests)"
+    )]
+    Timeout {
+        /// What we were waiting for.
+        what: &'static str,
+        /// The timeout.
+        after: Duration,
+        /// Frames skipped as garbage so far (many: the peer is not a vmtsync agent).
+        bad_frames: u64,
+    },
+    /// The transport failed.
+    #[error("while waiting for {what}: {source}")]
+    Transport {
+        /// What we were doing.
+        what: &'static str,
+        /// The error.
+        source: TransportError,
+    },
+    /// The agent speaks another protocol version.
+    #[error(
+        "the guest agent speaks protocol version {agent}, this vmtsync speaks {host}: rebuild the agent and vmtsync from the same release"
+    )]
+    VersionMismatch {
+        /// Ours.
+        host: u16,
+        /// The agent's.
+        agent: u16,
+    },
+    /// The agent forgot the session (it restarted?).
+    #[error("the guest agent answered NotReady: it restarted or lost the session; run probe again")]
+    AgentNotReady,
+    /// The agent shut down.
+    #[error("the guest agent exited during the session")]
+    AgentExited,
+    /// No usable sample, or the samples contradict every model.
+    #[error("cannot estimate: {0:?} (NoSamples: every probe was lost; SegmentBreak: the guest clock stepped during the round, run again)")]
+    Estimate(EstimateError),
+    /// The sync file could not be written.
+    #[error(transparent)]
+    SyncFile(#[from] SyncFileError),
+    /// Writing the report failed.
+    #[error("writing output: {0}")]
+    Output(io::Error),
+    /// A bug: an invariant of this crate did not hold.
+    #[error("internal error: {0}")]
+    Internal(&'static str),
+}
+
+impl From<EstimateError> for ProbeError {
+    fn from(e: EstimateError) -> Self {
+        Self::Estimate(e)
+    }
+}
+
+/// Connects to `opts.addr` and runs [`run_probe_on`].
+///
+/// # Errors
+/// [`ProbeError`].
+pub fn run_probe(opts: &ProbeOptions, out: &mut dyn Write) -> Result<ProbeSummary, ProbeError> {
+    let transport = connect::connect(
+        &opts.addr,
+        &ConnectOptions {
+            connect_timeout: opts.connect_timeout,
+            io_timeout: opts.timeout,
+        },
+    )?;
+    run_probe_on(transport, opts, out)
+}
+
+/// Runs hello, then one round of `opts.probes` (printing its report), or continuous mode;
+/// then shuts the session down. Returns the (last) round's summary.
+///
+/// # Errors
+/// [`ProbeError`]; in continuous mode, `Estimate(NoSamples)` if no round produced a sample.
+pub fn run_probe_on<T: StampedTransport>(
+    transport: T,
+    opts: &ProbeOptions,
+    out: &mut dyn Write,
+) -> Result<ProbeSummary, ProbeError> {
+    let mut progress = Progress::stderr_if_terminal(opts.progress);
+    let mut session = ProbeSession::hello(transport, opts.timeout)?;
+    let result = match &opts.continuous {
+        Some(cont) => continuous::run(&mut session, opts, cont, out, &mut progress)
+            .and_then(|c| c.last.ok_or(ProbeError::Estimate(EstimateError::NoSamples))),
+        None => one_round(&mut session, opts, out, &mut progress),
+    };
+    session.shutdown();
+    result
+}
+
+fn one_round<T: StampedTransport>(
+    session: &mut ProbeSession<T>,
+    opts: &ProbeOptions,
+    out: &mut dyn Write,
+    progress: &mut Progress,
+) -> Result<ProbeSummary, ProbeError> {
+    let samples = session.probe_round(opts.probes, opts.interval, progress)?;
+    let summary = ProbeSummary::from_samples(session.info(), &samples, session.stats())?;
+    if opts.json {
+        summary.write_json(out)
+    } else {
+        writeln!(out, "vmtsync probe {}", opts.addr).and_then(|()| summary.write_text(out))
+    }
+    .map_err(ProbeError::Output)?;
+    Ok(summary)
+}

@@ -1,0 +1,384 @@
+//! What a probe round measured: our bounded estimates, trace-cmd's on the same samples, and
+//! round-trip statistics, printed as text or as the versioned `--json` object.
+//!
+//! # `vmtsync probe --json`, schema 1
+//!
+//! One JSON object per round (continuous mode prints one line per round):
+//!
+//! | key | type | meaning |
+//! |---|---|---|
+//! | `schema` | 1 | this table's version |
+//! | `vcpu` | u32 | the vCPU the agent reads |
+//! | `offset_ticks` | i64 | `guest - host` TSC offset at `at_host_tsc`: centre of the bounds |
+//! | `bound_lo`, `bound_hi` | i64 | guaranteed bounds of that offset (inclusive) |
+//! | `model` | `"offset"` / `"drift"` | `offset`: one constant offset explains every sample (identity rate); `drift`: it does not, the bounds come from the constant-rate hull estimator |
+//! | `at_host_tsc` | u64 | host TSC the offset refers to (middle of the sampled span) |
+//! | `drift_ppb` | i64 or null | guest rate against the host, `(rate - 1)·1e9`, centre of its bounds; null until two probes bound it |
+//! | `drift_ppb_lo`, `drift_ppb_hi` | i64 or null | guaranteed drift bounds |
+//! | `rtt_min_ticks`, `rtt_median_ticks`, `rtt_max_ticks` | u64 | round-trip times in host TSC ticks |
+//! | `probes` | u32 | samples used |
+//! | `sent`, `lost_probes`, `bad_frames`, `stale_replies` | u64 | what did not become a sample |
+//! | `tracecmd_fastest_rtt_offset` | i64 | trace-cmd's PTP estimate (fastest round trip's midpoint) on the same samples, same sign |
+//! | `tsc_khz` | u32 or null | guest TSC frequency if the agent reported it |
+
+use std::io::{self, Write};
+
+use serde::Serialize;
+use vmtsync_core::HostTicks;
+use vmtsync_core::estimate::{
+    DriftEstimator, EstimateError, OffsetInterval, ProbeSample, trace_cmd_fastest,
+};
+
+use super::session::{AgentInfo, SessionStats};
+
+/// Vertices per hull of the drift estimator (bounds stay sound when it saturates).
+pub const HULL_CAPACITY: usize = 64;
+
+/// Which model the offset bounds come from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OffsetModel {
+    /// One constant offset at identity rate explains every sample (KVM without TSC scaling).
+    Offset,
+    /// Constant rate and offset (convex-hull bounds); used when no constant offset fits.
+    Drift,
+}
+
+/// Round-trip time order statistics in host ticks.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RttStats {
+    /// Fastest round trip.
+    pub min: u64,
+    /// Median (lower middle for an even count).
+    pub median: u64,
+    /// Slowest round trip.
+    pub max: u64,
+}
+
+/// Drift bounds of a round.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DriftSummary {
+    /// Centre of the bounds, ppb.
+    pub ppb: i64,
+    /// Lower bound, ppb (rounded down).
+    pub lo: i64,
+    /// Upper bound, ppb (rounded up).
+    pub hi: i64,
+}
+
+/// Everything one probe round measured.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ProbeSummary {
+    /// The vCPU.
+    pub vcpu: u32,
+    /// Samples used.
+    pub probes: u32,
+    /// Offset `guest - host` at `at_host`, centre of the bounds.
+    pub offset: i64,
+    /// Guaranteed lower bound of the offset.
+    pub bound_lo: i64,
+    /// Guaranteed upper bound of the offset.
+    pub bound_hi: i64,
+    /// Where the bounds come from.
+    pub model: OffsetModel,
+    /// Host TSC the offset refers to.
+    pub at_host: HostTicks,
+    /// Drift bounds, once two probes bound the rate.
+    pub drift: Option<DriftSummary>,
+    /// Round-trip statistics.
+    pub rtt: RttStats,
+    /// trace-cmd's fastest-RTT offset on the same samples (our sign).
+    pub tracecmd_fastest: i64,
+    /// Guest TSC frequency, if known.
+    pub tsc_khz: Option<u32>,
+    /// Session counters at the end of the round.
+    pub stats: SessionStats,
+}
+
+/// The JSON shape of [`ProbeSummary`] (schema 1, see the module docs).
+#[derive(Serialize)]
+struct JsonSummary {
+    schema: u32,
+    vcpu: u32,
+    offset_ticks: i64,
+    bound_lo: i64,
+    bound_hi: i64,
+    model: OffsetModel,
+    at_host_tsc: u64,
+    drift_ppb: Option<i64>,
+    drift_ppb_lo: Option<i64>,
+    drift_ppb_hi: Option<i64>,
+    rtt_min_ticks: u64,
+    rtt_median_ticks: u64,
+    rtt_max_ticks: u64,
+    probes: u32,
+    sent: u64,
+    lost_probes: u64,
+    bad_frames: u64,
+    stale_replies: u64,
+    tracecmd_fastest_rtt_offset: i64,
+    tsc_khz: Option<u32>,
+}
+
+/// The current `--json` schema version.
+pub const JSON_SCHEMA: u32 = 1;
+
+impl ProbeSummary {
+    /// Estimates from one round's samples.
+    ///
+    /// # Errors
+    /// `NoSamples` for an empty round; `SegmentBreak` if not even a constant rate explains the
+    /// samples (the clock stepped mid-round); `VcpuMismatch`, `OutOfOrder`, `Overflow` for
+    /// samples the estimators refuse.
+    pub fn from_samples(
+        info: &AgentInfo,
+        samples: &[ProbeSample],
+        stats: SessionStats,
+    ) -> Result<Self, EstimateError> {
+        let first = samples.first().ok_or(EstimateError::NoSamples)?;
+        let last = samples.last().ok_or(EstimateError::NoSamples)?;
+        let mut drift_est = DriftEstimator::<HULL_CAPACITY>::new();
+        let mut interval = OffsetInterval::new();
+        let mut interval_ok = true;
+        for s in samples {
+            drift_est.push(s)?;
+            if interval_ok && interval.push(s).is_err() {
+                interval_ok = false;
+            }
+        }
+        let at = HostTicks(
+            first.host_send.0 + last.host_recv.0.saturating_sub(first.host_send.0) / 2,
+        );
+        let drift = match drift_est.estimate() {
+            Ok(d) => Some(DriftSummary {
+                ppb: d.drift_ppb,
+                lo: d.drift_ppb_min,
+                hi: d.drift_ppb_max,
+            }),
+            Err(EstimateError::Unbounded) => None,
+            Err(e) => return Err(e),
+        };
+        let (model, lo, hi) = if interval_ok {
+            let e = interval.estimate()?;
+            (OffsetModel::Offset, e.min, e.max)
+        } else {
+            let (lo, hi) = drift_est.offset_bounds_at(at)?;
+            (OffsetModel::Drift, lo, hi)
+        };
+        let tc = trace_cmd_fastest(samples)?;
+        let mut rtts: Vec<u64> = samples.iter().filter_map(ProbeSample::rtt).collect();
+        rtts.sort_unstable();
+        let rtt = RttStats {
+            min: rtts.first().copied().unwrap_or(0),
+            median: rtts.get(rtts.len().saturating_sub(1) / 2).copied().unwrap_or(0),
+            max: rtts.last().copied().unwrap_or(0),
+        };
+        Ok(Self {
+            vcpu: info.vcpu,
+            probes: u32::try_from(samples.len()).unwrap_or(u32::MAX),
+            offset: lo + i64::try_from((i128::from(hi) - i128::from(lo)) / 2).unwrap_or(0),
+            bound_lo: lo,
+            bound_hi: hi,
+            model,
+            at_host: at,
+            drift,
+            rtt,
+            tracecmd_fastest: tc.offset,
+            tsc_khz: info.tsc_khz,
+            stats,
+        })
+    }
+
+    /// The guaranteed width of the offset bounds, `bound_hi - bound_lo`.
+    #[must_use]
+    pub const fn width(&self) -> u64 {
+        self.bound_hi.abs_diff(self.bound_lo)
+    }
+
+    /// The schema-1 JSON object (see the module docs).
+    #[must_use]
+    pub fn to_json(&self) -> serde_json::Value {
+        let j = JsonSummary {
+            schema: JSON_SCHEMA,
+            vcpu: self.vcpu,
+            offset_ticks: self.offset,
+            bound_lo: self.bound_lo,
+            bound_hi: self.bound_hi,
+            model: self.model,
+            at_host_tsc: self.at_host.0,
+            drift_ppb: self.drift.map(|d| d.ppb),
+            drift_ppb_lo: self.drift.map(|d| d.lo),
+            drift_ppb_hi: self.drift.map(|d| d.hi),
+            rtt_min_ticks: self.rtt.min,
+            rtt_median_ticks: self.rtt.median,
+            rtt_max_ticks: self.rtt.max,
+            probes: self.probes,
+            sent: self.stats.sent,
+            lost_probes: self.stats.lost_probes,
+            bad_frames: self.stats.bad_frames,
+            stale_replies: self.stats.stale_replies,
+            tracecmd_fastest_rtt_offset: self.tracecmd_fastest,
+            tsc_khz: self.tsc_khz,
+        };
+        // A struct of integers and options always serializes.
+        serde_json::to_value(j).unwrap_or(serde_json::Value::Null)
+    }
+
+    /// Writes the JSON object on one line.
+    ///
+    /// # Errors
+    /// The writer's.
+    pub fn write_json(&self, out: &mut dyn Write) -> io::Result<()> {
+        writeln!(out, "{}", self.to_json())
+    }
+
+    /// Writes the human-readable report.
+    ///
+    /// # Errors
+    /// The writer's.
+    pub fn write_text(&self, out: &mut dyn Write) -> io::Result<()> {
+        let ns = |ticks: u64| match self.tsc_khz {
+            Some(khz) if khz > 0 => {
+                format!(" ({} ns)", u128::from(ticks) * 1_000_000 / u128::from(khz))
+            }
+            _ => String::new(),
+        };
+        writeln!(
+            out,
+            "vCPU {}: {} probes ({} sent, {} lost, {} bad frames, {} stale replies)",
+            self.vcpu,
+            self.probes,
+            self.stats.sent,
+            self.stats.lost_probes,
+            self.stats.bad_frames,
+            self.stats.stale_replies
+        )?;
+        writeln!(
+            out,
+            "offset (guest - host): {} ticks, guaranteed in [{}, {}] (width {}{}), {} model, at host TSC {}",
+            self.offset,
+            self.bound_lo,
+            self.bound_hi,
+            self.width(),
+            ns(self.width()),
+            match self.model {
+                OffsetModel::Offset => "constant-offset",
+                OffsetModel::Drift => "constant-rate",
+            },
+            self.at_host.0
+        )?;
+        match self.drift {
+            Some(d) => writeln!(out, "drift: {:+} ppb, guaranteed in [{}, {}] ppb", d.ppb, d.lo, d.hi)?,
+            None => writeln!(out, "drift: not bounded yet (needs two non-overlapping probes)")?,
+        }
+        writeln!(
+            out,
+            "rtt: min {}{}, median {}{}, max {}{} ticks",
+            self.rtt.min,
+            ns(self.rtt.min),
+            self.rtt.median,
+            ns(self.rtt.median),
+            self.rtt.max,
+            ns(self.rtt.max)
+        )?;
+        writeln!(
+            out,
+            "trace-cmd fastest-RTT estimate on the same samples: {} ticks ({:+} from ours, {} the bounds)",
+            self.tracecmd_fastest,
+            i128::from(self.tracecmd_fastest) - i128::from(self.offset),
+            if (self.bound_lo..=self.bound_hi).contains(&self.tracecmd_fastest) {
+                "inside"
+            } else {
+                "OUTSIDE"
+            }
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use vmtsync_core::GuestTicks;
+
+    fn info() -> AgentInfo {
+        AgentInfo {
+            vcpu: 2,
+            transport: vmtsync_core::proto::Transport::Memory,
+            features: vmtsync_core::proto::Features::NONE,
+            tsc_khz: Some(1_000_000),
+            hello_tsc: GuestTicks(0),
+        }
+    }
+
+    fn sample(send: u64, fwd: u64, back: u64, offset: i64) -> ProbeSample {
+        ProbeSample {
+            host_send: HostTicks(send),
+            guest: GuestTicks((send + fwd).checked_add_signed(offset).unwrap()),
+            host_recv: HostTicks(send + fwd + back),
+            vcpu: 2,
+        }
+    }
+
+    #[test]
+    fn summary_bounds_contain_the_truth_and_json_has_the_schema() {
+        let truth = 5_000_000;
+        let samples: Vec<_> = (0..20_u64)
+            .map(|i| sample(1_000_000 + i * 10_000, 100 + i * 7 % 50, 300 - i * 3, truth))
+            .collect();
+        let s = ProbeSummary::from_samples(&info(), &samples, SessionStats::default()).unwrap();
+        assert_eq!(s.model, OffsetModel::Offset);
+        assert!(s.bound_lo <= truth && truth <= s.bound_hi, "{s:?}");
+        assert!(s.bound_lo <= s.offset && s.offset <= s.bound_hi);
+        assert_eq!(s.rtt.min, samples.iter().filter_map(ProbeSample::rtt).min().unwrap());
+        let d = s.drift.unwrap();
+        assert!(d.lo <= 0 && 0 <= d.hi, "{d:?}");
+        let j = s.to_json();
+        assert_eq!(j["schema"], 1);
+        assert_eq!(j["vcpu"], 2);
+        assert_eq!(j["offset_ticks"], s.offset);
+        assert_eq!(j["bound_lo"], s.bound_lo);
+        assert_eq!(j["bound_hi"], s.bound_hi);
+        assert_eq!(j["probes"], 20);
+        assert_eq!(j["rtt_min_ticks"], s.rtt.min);
+        assert_eq!(j["tracecmd_fastest_rtt_offset"], s.tracecmd_fastest);
+        assert_eq!(j["model"], "offset");
+        let mut text = Vec::new();
+        s.write_text(&mut text).unwrap();
+        let text = String::from_utf8(text).unwrap();
+        assert!(text.contains("guaranteed in"), "{text}");
+        assert!(text.contains("trace-cmd fastest-RTT"), "{text}");
+    }
+
+    #[test]
+    fn drifting_guest_falls_back_to_the_rate_model() {
+        // 1000 ppm fast guest: no constant offset fits over this span.
+        let samples: Vec<_> = (0..40_u64)
+            .map(|i| {
+                let send = 10_000_000 + i * 1_000_000;
+                let t = send + 50;
+                ProbeSample {
+                    host_send: HostTicks(send),
+                    guest: GuestTicks(t + t / 1000),
+                    host_recv: HostTicks(t + 50),
+                    vcpu: 2,
+                }
+            })
+            .collect();
+        let s = ProbeSummary::from_samples(&info(), &samples, SessionStats::default()).unwrap();
+        assert_eq!(s.model, OffsetModel::Drift);
+        let d = s.drift.unwrap();
+        assert!(d.lo <= 1_000_000 && 1_000_000 <= d.hi, "{d:?}");
+        let at = i64::try_from(s.at_host.0).unwrap();
+        // The true offset at `at` is at/1000 (real); integer bounds containing it contain its floor.
+        let truth = at / 1000;
+        assert!(s.bound_lo <= truth && truth <= s.bound_hi, "{s:?} truth {truth}");
+    }
+
+    #[test]
+    fn no_samples_is_an_error() {
+        assert_eq!(
+            ProbeSummary::from_samples(&info(), &[], SessionStats::default()),
+            Err(EstimateError::NoSamples)
+        );
+    }
+}

@@ -1,0 +1,330 @@
+//! The host's side of one probe session: hello, probes, shutdown, over any
+//! [`StampedTransport`].
+//!
+//! Untrusted guest bytes go through a fixed 256-byte read buffer and the core's
+//! [`FrameReceiver`] (a fixed [`vmtsync_core::proto::MAX_FRAME_SIZE`] buffer): memory is
+//! bounded whatever the guest sends. A frame that does not decode, or is too long, is counted
+//! in [`SessionStats::bad_frames`] and skipped; a reply to an older probe is counted as stale
+//! and skipped; nothing the guest sends can make this code panic. Every wait has a deadline,
+//! so a guest that stops answering is a [`ProbeError::Timeout`], never a hang.
+//!
+//! The guest answers a [`Message::Probe`] with the low 32 bits of its TSC. The host unwraps
+//! them against its estimate of the guest TSC: the last full reading plus the host ticks
+//! elapsed since (identity rate). That estimate is trusted for [`UNWRAP_HORIZON`] host ticks,
+//! far inside the 2^31-tick window of [`try_unwrap_tsc_low32`]; after that (and at the start
+//! of every round) the host asks with [`Message::ProbeFull`] instead.
+
+use std::time::{Duration, Instant};
+
+use vmtsync_core::estimate::ProbeSample;
+use vmtsync_core::proto::{
+    Capabilities, ErrorCode, Feed, FrameReceiver, Hello, MAX_FRAME_SIZE, Message,
+    PROTOCOL_VERSION, Features, encode_frame, try_unwrap_tsc_low32,
+};
+use vmtsync_core::{GuestTicks, HostTicks};
+
+use super::ProbeError;
+use super::progress::Progress;
+use super::transport::{FrameStamps, StampedTransport, TransportError};
+
+/// Host ticks for which a compact reply is unwrapped against the last full reading (2^30:
+/// about 0.35 s at 3 GHz, half the unwrap window, leaving room for any drift or delay).
+pub const UNWRAP_HORIZON: u64 = 1 << 30;
+
+/// Bytes read from the transport at a time.
+const READ_CHUNK: usize = 256;
+
+/// What the agent said about itself in its [`Capabilities`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AgentInfo {
+    /// The vCPU whose TSC the agent reads.
+    pub vcpu: u32,
+    /// The agent's protocol transport (informational).
+    pub transport: vmtsync_core::proto::Transport,
+    /// The agent's features.
+    pub features: Features,
+    /// The guest TSC frequency, if the agent knows it.
+    pub tsc_khz: Option<u32>,
+    /// The full guest TSC read while answering the hello.
+    pub hello_tsc: GuestTicks,
+}
+
+/// Counters of everything that did not become a sample.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SessionStats {
+    /// Probes sent (compact and full).
+    pub sent: u64,
+    /// Frames that did not decode or were too long (skipped).
+    pub bad_frames: u64,
+    /// Replies to an earlier probe (skipped).
+    pub stale_replies: u64,
+    /// Probes the agent answered with an error, or whose reply could not be used.
+    pub lost_probes: u64,
+    /// Well-formed messages that were not expected at that point (skipped).
+    pub unexpected: u64,
+}
+
+/// A connected, greeted agent.
+#[derive(Debug)]
+pub struct ProbeSession<T> {
+    transport: T,
+    rx: FrameReceiver,
+    buf: [u8; READ_CHUNK],
+    /// Unconsumed bytes are `buf[pos..end]`; they arrived before `buf_stamp`.
+    pos: usize,
+    end: usize,
+    buf_stamp: HostTicks,
+    info: AgentInfo,
+    /// The last full guest reading and the host stamp it is tied to.
+    reference: Option<(HostTicks, GuestTicks)>,
+    seq: u16,
+    timeout: Duration,
+    stats: SessionStats,
+}
+
+impl<T: StampedTransport> ProbeSession<T> {
+    /// Greets the agent: sends a lone delimiter (flushing a receiver stuck mid-garbage) and a
+    /// [`Hello`], and waits up to `timeout` for its [`Capabilities`]. `timeout` is also the
+    /// deadline of every later reply.
+    ///
+    /// # Errors
+    /// [`ProbeError::Timeout`] if no capabilities arrive, [`ProbeError::VersionMismatch`],
+    /// [`ProbeError::Transport`].
+    pub fn hello(transport: T, timeout: Duration) -> Result<Self, ProbeError> {
+        let mut s = Self {
+            transport,
+            rx: FrameReceiver::new(),
+            buf: [0; READ_CHUNK],
+            pos: 0,
+            end: 0,
+            buf_stamp: HostTicks(0),
+            info: AgentInfo {
+                vcpu: 0,
+                transport: vmtsync_core::proto::Transport::Other,
+                features: Features::NONE,
+                tsc_khz: None,
+                hello_tsc: GuestTicks(0),
+            },
+            reference: None,
+            seq: 0,
+            timeout,
+            stats: SessionStats::default(),
+        };
+        s.transport.send(&[0]).map_err(|e| s.io("hello", e))?;
+        s.send(&Message::Hello(Hello {
+            version: PROTOCOL_VERSION,
+            features: Features::NONE,
+        }))?;
+        let deadline = Instant::now() + timeout;
+        let caps: Capabilities = loop {
+            match s.next_message(deadline, "the capabilities (hello reply)")? {
+                (Message::Capabilities(c), _) => break c,
+                // An error answering the delimiter or earlier garbage: keep waiting.
+                (Message::Error(_), _) => s.stats.unexpected += 1,
+                _ => s.stats.unexpected += 1,
+            }
+        };
+        if caps.version != PROTOCOL_VERSION {
+            return Err(ProbeError::VersionMismatch {
+                host: PROTOCOL_VERSION,
+                agent: caps.version,
+            });
+        }
+        s.info = AgentInfo {
+            vcpu: caps.vcpu,
+            transport: caps.transport,
+            features: caps.features,
+            tsc_khz: caps.tsc_khz,
+            hello_tsc: caps.tsc,
+        };
+        s.reference = Some((s.buf_stamp, caps.tsc));
+        Ok(s)
+    }
+
+    /// What the agent reported in its hello reply.
+    pub const fn info(&self) -> &AgentInfo {
+        &self.info
+    }
+
+    /// Counters so far.
+    pub const fn stats(&self) -> SessionStats {
+        self.stats
+    }
+
+    /// Forgets the unwrap reference, so the next probe asks for the full TSC (done at the start
+    /// of each continuous-mode round, when the guest may have been paused or migrated).
+    pub fn forget_reference(&mut self) {
+        self.reference = None;
+    }
+
+    /// One probe round trip. `Ok(None)` if this probe was lost (the agent answered with an
+    /// error, or the reply was unusable); it is counted in [`SessionStats::lost_probes`].
+    ///
+    /// # Errors
+    /// [`ProbeError::Timeout`] when no reply arrives within the session timeout,
+    /// [`ProbeError::AgentNotReady`] / [`ProbeError::AgentExited`] when the agent lost the
+    /// session, [`ProbeError::Transport`].
+    pub fn probe(&mut self) -> Result<Option<ProbeSample>, ProbeError> {
+        self.seq = self.seq.wrapping_add(1);
+        let seq = self.seq;
+        let now = super::transport::host_tsc_now();
+        let reference = self
+            .reference
+            .filter(|(host, _)| now.0.saturating_sub(host.0) < UNWRAP_HORIZON);
+        let msg = if reference.is_some() {
+            Message::Probe { seq }
+        } else {
+            Message::ProbeFull { seq }
+        };
+        let send = self.send(&msg)?;
+        self.stats.sent += 1;
+        let deadline = Instant::now() + self.timeout;
+        let (guest, vcpu, recv) = loop {
+            let (msg, stamp) = self.next_message(deadline, "a probe reply")?;
+            match msg {
+                Message::ProbeReply(r) if r.seq == seq => {
+                    let Some((ref_host, ref_guest)) = reference else {
+                        // We asked for a full reply; a compact one cannot be unwrapped safely.
+                        self.stats.unexpected += 1;
+                        continue;
+                    };
+                    let elapsed = send.0.saturating_sub(ref_host.0);
+                    let estimate = GuestTicks(ref_guest.0.saturating_add(elapsed));
+                    match try_unwrap_tsc_low32(estimate, r.tsc_low32) {
+                        Some(g) => break (g, r.vcpu, stamp),
+                        None => return Ok(self.lost()),
+                    }
+                }
+                Message::ProbeReplyFull(r) if r.seq == seq => break (r.guest_tsc(), r.vcpu, stamp),
+                Message::ProbeReply(_) | Message::ProbeReplyFull(_) => self.stats.stale_replies += 1,
+                Message::Error(ErrorCode::NotReady) => return Err(ProbeError::AgentNotReady),
+                Message::Error(_) => return Ok(self.lost()),
+                Message::Exiting => return Err(ProbeError::AgentExited),
+                _ => self.stats.unexpected += 1,
+            }
+        };
+        if vcpu != self.info.vcpu {
+            return Ok(self.lost());
+        }
+        let stamps = self.transport.refine(FrameStamps { send, recv });
+        if stamps.recv < stamps.send {
+            return Ok(self.lost());
+        }
+        self.reference = Some((stamps.recv, guest));
+        Ok(Some(ProbeSample {
+            host_send: stamps.send,
+            guest,
+            host_recv: stamps.recv,
+            vcpu,
+        }))
+    }
+
+    /// `n` probes, `interval` apart (0: back to back); lost probes are skipped, so fewer than
+    /// `n` samples may come back.
+    ///
+    /// # Errors
+    /// As [`ProbeSession::probe`]; the samples gathered so far are discarded.
+    pub fn probe_round(
+        &mut self,
+        n: u32,
+        interval: Duration,
+        progress: &mut Progress,
+    ) -> Result<Vec<ProbeSample>, ProbeError> {
+        let mut samples = Vec::with_capacity(usize::try_from(n).unwrap_or(0).min(1 << 16));
+        for i in 0..n {
+            if i > 0 && !interval.is_zero() {
+                std::thread::sleep(interval);
+            }
+            if let Some(s) = self.probe()? {
+                samples.push(s);
+            }
+            progress.step(u64::from(i) + 1, u64::from(n));
+        }
+        progress.clear();
+        Ok(samples)
+    }
+
+    /// Ends the session: sends [`Message::Shutdown`] and waits (up to the timeout) for
+    /// [`Message::Exiting`]. Errors are ignored: the samples are already taken.
+    pub fn shutdown(mut self) -> SessionStats {
+        if self.send(&Message::Shutdown).is_ok() {
+            let deadline = Instant::now() + self.timeout;
+            while let Ok((msg, _)) = self.next_message(deadline, "exit") {
+                if msg == Message::Exiting {
+                    break;
+                }
+            }
+        }
+        self.stats
+    }
+
+    /// The transport back (e.g. to reuse it).
+    pub fn into_transport(self) -> T {
+        self.transport
+    }
+
+    fn lost(&mut self) -> Option<ProbeSample> {
+        self.stats.lost_probes += 1;
+        // The reply we could not use may mean we lost track of the guest TSC.
+        self.reference = None;
+        None
+    }
+
+    fn send(&mut self, msg: &Message) -> Result<HostTicks, ProbeError> {
+        let mut frame = [0u8; MAX_FRAME_SIZE];
+        // MAX_FRAME_SIZE holds every message by construction.
+        let frame = encode_frame(msg, &mut frame).map_err(|_| ProbeError::Internal("encode"))?;
+        self.transport.send(frame).map_err(|e| self.io("send", e))
+    }
+
+    /// The next decodable message and a stamp taken after its last byte arrived.
+    fn next_message(
+        &mut self,
+        deadline: Instant,
+        what: &'static str,
+    ) -> Result<(Message, HostTicks), ProbeError> {
+        loop {
+            if self.pos >= self.end {
+                let r = match self.transport.recv(&mut self.buf, deadline) {
+                    Ok(r) => r,
+                    Err(TransportError::Timeout(_)) => {
+                        return Err(ProbeError::Timeout {
+                            what,
+                            after: self.timeout,
+                            bad_frames: self.stats.bad_frames,
+                        });
+                    }
+                    Err(e) => return Err(self.io(what, e)),
+                };
+                self.pos = 0;
+                self.end = r.len.min(self.buf.len());
+                self.buf_stamp = r.stamp;
+            }
+            let input = self.buf.get(self.pos..self.end).unwrap_or_default();
+            let (msg, rest_len) = match self.rx.feed(input) {
+                Feed::Consumed => (None, 0),
+                Feed::Message { msg, rest } => (Some(msg), rest.len()),
+                Feed::Error { rest, .. } => {
+                    self.stats.bad_frames += 1;
+                    (None, rest.len())
+                }
+            };
+            self.pos = self.end - rest_len.min(self.end);
+            if let Some(msg) = msg {
+                return Ok((msg, self.buf_stamp));
+            }
+        }
+    }
+
+    fn io(&self, what: &'static str, e: TransportError) -> ProbeError {
+        match e {
+            TransportError::Timeout(after) => ProbeError::Timeout {
+                what,
+                after,
+                bad_frames: self.stats.bad_frames,
+            },
+            e => ProbeError::Transport { what, source: e },
+        }
+    }
+}
+

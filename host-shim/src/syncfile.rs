@@ -1,0 +1,594 @@
+//! Sync files: the append-only record of `vmtsync probe --continuous`, and the guest→host
+//! conversion `vmtsync convert --sync FILE --vcpu N` does with it.
+//!
+//! # Format (schema 1)
+//!
+//! JSON Lines, UTF-8, one object per `\n`-terminated line; every object has a `"type"`.
+//! The first line is the header, every later line a segment; lines of other types are
+//! skipped (room for additions within schema 1), a different `schema` is refused.
+//!
+//! ```text
+//! {"type":"header","schema":1,"tool":"vmtsync 0.1.0","host_clock":"x86-tsc","created_unix_s":1796000000,"source":"tcp:127.0.0.1:4444"}
+//! {"type":"segment","vcpu":0,"round":0,"guest_start":…,"host_anchor":…,"guest_anchor":…,"offset":…,"offset_lo":…,"offset_hi":…,"drift_ppb":0,"drift_ppb_lo":null,"drift_ppb_hi":null,"model":"offset","probes":64,"rtt_min_ticks":…,"host_first":…,"host_last":…,"break":false}
+//! ```
+//!
+//! A segment is one re-sync round of one vCPU. All ticks are TSC ticks, `offset = guest - host`:
+//!
+//! | key | meaning |
+//! |---|---|
+//! | `vcpu` | the vCPU the agent read |
+//! | `round` | round number within the run that wrote it |
+//! | `guest_start` | first guest tick this segment applies to (its first probe's reading); it applies up to the next segment of the same vCPU |
+//! | `host_anchor`, `guest_anchor` | the point the segment's line passes through: `guest_anchor = host_anchor + offset` |
+//! | `offset`, `offset_lo`, `offset_hi` | offset at `host_anchor`: centre and guaranteed bounds |
+//! | `drift_ppb` | the rate used for conversion: the value in `[drift_ppb_lo, drift_ppb_hi]` closest to 0 (0 when unbounded), since KVM's default is identity rate and any value in the bounds fits every sample |
+//! | `drift_ppb_lo`, `drift_ppb_hi` | guaranteed drift bounds over all rounds since the last break, or null |
+//! | `model` | `"offset"` (constant offset fits) or `"drift"` (constant rate) |
+//! | `probes`, `rtt_min_ticks` | samples of the round and its fastest round trip |
+//! | `host_first`, `host_last` | host TSC span of the round |
+//! | `break` | the offset or rate changed since the previous round (migration, reset): a new estimate starts here |
+//!
+//! Conversion inside a segment: `host = host_anchor + floor((guest - guest_anchor) · 1e9 /
+//! (1e9 + drift_ppb))`, exact in 128-bit integers. Before the first segment the first one is
+//! extrapolated backwards. The error is the segment's offset half-width plus the drift
+//! uncertainty times the distance from the anchor.
+//!
+//! **Append-only, readable while written**: each segment is one `write(2)` of a whole line,
+//! so a reader sees complete lines plus at most one partial last line, which it ignores
+//! ([`SyncFile::partial_tail`]). A writer reopening a file first truncates such a partial
+//! line left by a crash.
+//!
+//! The lookup here is a plain per-vCPU piecewise search; `vmtsync_core::timeline` had not
+//! landed on main when this was written.
+
+use std::fs::{File, OpenOptions};
+use std::io::{self, BufRead, BufReader, Read, Seek, SeekFrom, Write};
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+use vmtsync_core::{GuestTicks, HostTicks};
+
+pub use crate::probe::report::OffsetModel;
+
+/// The sync file schema this crate writes and reads.
+pub const SYNC_SCHEMA: u32 = 1;
+
+/// The longest line accepted (sync file or conversion input).
+const MAX_LINE: usize = 4096;
+
+/// The first line of a sync file.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SyncHeader {
+    /// Always [`SYNC_SCHEMA`] for files this crate writes.
+    pub schema: u32,
+    /// The writer, e.g. `vmtsync 0.1.0`.
+    pub tool: String,
+    /// The host clock the `host_*` values are in (`x86-tsc`).
+    pub host_clock: String,
+    /// When the file was created (seconds since the Unix epoch).
+    pub created_unix_s: u64,
+    /// Where the samples came from (the `--connect` address).
+    #[serde(default)]
+    pub source: String,
+}
+
+/// One re-sync round of one vCPU (see the module docs for every field).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SyncSegment {
+    /// The vCPU.
+    pub vcpu: u32,
+    /// Round number within the run.
+    pub round: u64,
+    /// First guest tick this segment applies to.
+    pub guest_start: u64,
+    /// Host tick of the anchor.
+    pub host_anchor: u64,
+    /// Guest tick of the anchor (`host_anchor + offset`).
+    pub guest_anchor: u64,
+    /// Offset at the anchor, centre of the bounds.
+    pub offset: i64,
+    /// Guaranteed lower bound of the offset at the anchor.
+    pub offset_lo: i64,
+    /// Guaranteed upper bound of the offset at the anchor.
+    pub offset_hi: i64,
+    /// The drift used for conversion, ppb.
+    pub drift_ppb: i64,
+    /// Guaranteed lower drift bound, ppb, if bounded.
+    pub drift_ppb_lo: Option<i64>,
+    /// Guaranteed upper drift bound, ppb, if bounded.
+    pub drift_ppb_hi: Option<i64>,
+    /// Which model the bounds come from.
+    pub model: OffsetModel,
+    /// Samples in the round.
+    pub probes: u32,
+    /// Fastest round trip of the round, host ticks.
+    pub rtt_min_ticks: u64,
+    /// Host TSC of the round's first send.
+    pub host_first: u64,
+    /// Host TSC of the round's last receive.
+    pub host_last: u64,
+    /// A new estimate starts here (the previous rounds' relation no longer fits).
+    #[serde(rename = "break")]
+    pub is_break: bool,
+}
+
+impl SyncSegment {
+    /// `host_anchor + floor((guest - guest_anchor)·1e9 / (1e9 + drift_ppb))`, or `None` if
+    /// the result is not a host tick or the rate is not positive.
+    #[must_use]
+    pub fn try_host_from_guest_floor(&self, guest: GuestTicks) -> Option<HostTicks> {
+        let den = 1_000_000_000_i128 + i128::from(self.drift_ppb);
+        if den <= 0 {
+            return None;
+        }
+        let d = i128::from(guest.0) - i128::from(self.guest_anchor);
+        // |d| < 2^64 and 1e9 < 2^30: the product fits an i128.
+        let h = i128::from(self.host_anchor) + (d * 1_000_000_000).div_euclid(den);
+        u64::try_from(h).ok().map(HostTicks)
+    }
+}
+
+/// Why a sync file could not be written, read or used.
+#[derive(Debug, Error)]
+#[non_exhaustive]
+pub enum SyncFileError {
+    /// Opening, reading or writing the file failed.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The error.
+        source: io::Error,
+    },
+    /// A line is not a JSON object of the expected shape.
+    #[error("sync file line {line}: {why}")]
+    BadLine {
+        /// Line number (from 1).
+        line: u64,
+        /// What is wrong.
+        why: String,
+    },
+    /// The first line is not a header.
+    #[error(
+        "not a vmtsync sync file (the first line is not a {{\"type\":\"header\"}} object); write one with vmtsync probe --continuous --out FILE"
+    )]
+    NoHeader,
+    /// The header has another schema version.
+    #[error(
+        "sync file schema {found} is not supported (this vmtsync reads schema {SYNC_SCHEMA}); use a matching vmtsync"
+    )]
+    Schema {
+        /// The version found.
+        found: u64,
+    },
+    /// A vCPU's segments do not start at increasing guest ticks.
+    #[error(
+        "sync file line {line}: vCPU {vcpu}'s segment does not start after the previous one (the guest TSC went backwards: a reboot?); split the file at that line"
+    )]
+    NotIncreasing {
+        /// Line number.
+        line: u64,
+        /// The vCPU.
+        vcpu: u32,
+    },
+    /// No segment for the requested vCPU.
+    #[error("the sync file has no segment for vCPU {vcpu} (vCPUs present: {present:?})")]
+    NoSegments {
+        /// The vCPU asked for.
+        vcpu: u32,
+        /// The vCPUs that have segments.
+        present: Vec<u32>,
+    },
+    /// A conversion input line is not a decimal u64.
+    #[error(
+        "input line {line}: expected one decimal guest TSC value, found \"{shown}\" (use --skip-bad to skip such lines)"
+    )]
+    BadInput {
+        /// Line number.
+        line: u64,
+        /// The line's start, escaped.
+        shown: String,
+    },
+    /// A converted value is outside the host tick range.
+    #[error("input line {line}: {value} maps outside the host TSC range")]
+    OutOfRange {
+        /// Line number.
+        line: u64,
+        /// The input value.
+        value: u64,
+    },
+    /// Writing the conversion output failed.
+    #[error("writing output: {0}")]
+    Output(io::Error),
+}
+
+/// Appends segments to a sync file, one whole line per `write(2)`.
+#[derive(Debug)]
+pub struct SyncWriter {
+    file: File,
+    path: PathBuf,
+}
+
+impl SyncWriter {
+    /// Opens `path` for appending: a new or empty file gets `header` as its first line; an
+    /// existing file must have a schema-1 header (its own is kept) and a partial last line
+    /// left by a crash is truncated.
+    ///
+    /// # Errors
+    /// [`SyncFileError::Io`], or the header errors of [`SyncFile::parse`].
+    pub fn open(path: &Path, header: &SyncHeader) -> Result<Self, SyncFileError> {
+        let io_err = |source| SyncFileError::Io {
+            path: path.to_owned(),
+            source,
+        };
+        let mut file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(path)
+            .map_err(io_err)?;
+        let len = file.metadata().map_err(io_err)?.len();
+        if len == 0 {
+            let mut line = serde_json::to_string(&Tagged::Header(header.clone()))
+                .map_err(|e| io_err(io::Error::other(e)))?;
+            line.push('\n');
+            file.write_all(line.as_bytes()).map_err(io_err)?;
+        } else {
+            // Validate the existing header, and find where the last complete line ends.
+            let existing = SyncFile::parse(BufReader::new(&mut file))?;
+            if existing.partial_tail {
+                let mut all = Vec::new();
+                file.seek(SeekFrom::Start(0)).map_err(io_err)?;
+                file.read_to_end(&mut all).map_err(io_err)?;
+                let keep = all.iter().rposition(|&b| b == b'\n').map_or(0, |i| i + 1);
+                file.set_len(u64::try_from(keep).unwrap_or(len)).map_err(io_err)?;
+            }
+        }
+        file.seek(SeekFrom::End(0)).map_err(io_err)?;
+        Ok(Self {
+            file,
+            path: path.to_owned(),
+        })
+    }
+
+    /// Appends one segment as one line with a single write, so concurrent readers see it
+    /// whole or not at all (short of a partial write, which they skip).
+    ///
+    /// # Errors
+    /// [`SyncFileError::Io`].
+    pub fn append(&mut self, seg: &SyncSegment) -> Result<(), SyncFileError> {
+        let io_err = |source| SyncFileError::Io {
+            path: self.path.clone(),
+            source,
+        };
+        let mut line =
+            serde_json::to_string(&Tagged::Segment(*seg)).map_err(|e| io_err(io::Error::other(e)))?;
+        line.push('\n');
+        self.file.write_all(line.as_bytes()).map_err(io_err)?;
+        self.file.flush().map_err(io_err)
+    }
+
+    /// The file's path.
+    #[must_use]
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+/// The on-disk line shapes, tagged by `"type"`.
+#[derive(Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "lowercase")]
+enum Tagged {
+    Header(SyncHeader),
+    Segment(SyncSegment),
+}
+
+/// A sync file read into memory.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SyncFile {
+    /// The header line.
+    pub header: SyncHeader,
+    /// Every segment, in file order.
+    pub segments: Vec<SyncSegment>,
+    /// The line number of each segment, for error messages.
+    lines: Vec<u64>,
+    /// The file ended in a line without `\n` (a write in progress), which was ignored.
+    pub partial_tail: bool,
+}
+
+impl SyncFile {
+    /// Reads and validates a sync file.
+    ///
+    /// # Errors
+    /// [`SyncFileError::Io`] and the errors of [`SyncFile::parse`].
+    pub fn read(path: &Path) -> Result<Self, SyncFileError> {
+        let file = File::open(path).map_err(|source| SyncFileError::Io {
+            path: path.to_owned(),
+            source,
+        })?;
+        Self::parse(BufReader::new(file))
+    }
+
+    /// Parses a sync file: a schema-1 header line, then segment lines; unknown line types are
+    /// skipped, a final line without `\n` is ignored.
+    ///
+    /// # Errors
+    /// [`SyncFileError::NoHeader`], [`SyncFileError::Schema`], [`SyncFileError::BadLine`].
+    pub fn parse(mut input: impl BufRead) -> Result<Self, SyncFileError> {
+        let mut header = None;
+        let mut segments = Vec::new();
+        let mut lines = Vec::new();
+        let mut partial_tail = false;
+        let mut line_no = 0_u64;
+        let mut line = Vec::new();
+        loop {
+            line.clear();
+            let complete = read_line_bounded(&mut input, &mut line).map_err(|source| {
+                SyncFileError::Io {
+                    path: PathBuf::from("<sync file>"),
+                    source,
+                }
+            })?;
+            match complete {
+                LineRead::Eof => break,
+                LineRead::Partial => {
+                    partial_tail = true;
+                    break;
+                }
+                LineRead::TooLong | LineRead::Line => {}
+            }
+            line_no += 1;
+            let bad = |why: String| SyncFileError::BadLine { line: line_no, why };
+            if complete == LineRead::TooLong {
+                return Err(bad(format!("longer than {MAX_LINE} bytes")));
+            }
+            let value: serde_json::Value =
+                serde_json::from_slice(&line).map_err(|e| bad(e.to_string()))?;
+            if header.is_none() {
+                if value.get("type").and_then(|t| t.as_str()) != Some("header") {
+                    return Err(SyncFileError::NoHeader);
+                }
+                let schema = value.get("schema").and_then(serde_json::Value::as_u64);
+                if schema != Some(u64::from(SYNC_SCHEMA)) {
+                    return Err(SyncFileError::Schema {
+                        found: schema.unwrap_or(0),
+                    });
+                }
+            }
+            match value.get("type").and_then(|t| t.as_str()) {
+                Some("header" | "segment") => {}
+                // Other line types may be added within schema 1: skip them.
+                _ => continue,
+            }
+            match serde_json::from_value::<Tagged>(value).map_err(|e| bad(e.to_string()))? {
+                Tagged::Header(h) if header.is_none() => header = Some(h),
+                Tagged::Header(_) => return Err(bad("a second header".to_owned())),
+                Tagged::Segment(s) => {
+                    if s.offset_lo > s.offset || s.offset > s.offset_hi {
+                        return Err(bad("offset outside [offset_lo, offset_hi]".to_owned()));
+                    }
+                    if i128::from(s.guest_anchor) != i128::from(s.host_anchor) + i128::from(s.offset)
+                    {
+                        return Err(bad("guest_anchor != host_anchor + offset".to_owned()));
+                    }
+                    segments.push(s);
+                    lines.push(line_no);
+                }
+            }
+        }
+        Ok(Self {
+            header: header.ok_or(SyncFileError::NoHeader)?,
+            segments,
+            lines,
+            partial_tail,
+        })
+    }
+
+    /// The vCPUs that have segments, sorted.
+    #[must_use]
+    pub fn vcpus(&self) -> Vec<u32> {
+        let mut v: Vec<u32> = self.segments.iter().map(|s| s.vcpu).collect();
+        v.sort_unstable();
+        v.dedup();
+        v
+    }
+
+    /// The piecewise guest→host mapping of one vCPU.
+    ///
+    /// # Errors
+    /// [`SyncFileError::NoSegments`], [`SyncFileError::NotIncreasing`].
+    pub fn timeline(&self, vcpu: u32) -> Result<SyncTimeline, SyncFileError> {
+        let mut segs: Vec<SyncSegment> = Vec::new();
+        for (s, &line) in self.segments.iter().zip(&self.lines) {
+            if s.vcpu != vcpu {
+                continue;
+            }
+            if segs.last().is_some_and(|p| p.guest_start >= s.guest_start) {
+                return Err(SyncFileError::NotIncreasing { line, vcpu });
+            }
+            segs.push(*s);
+        }
+        if segs.is_empty() {
+            return Err(SyncFileError::NoSegments {
+                vcpu,
+                present: self.vcpus(),
+            });
+        }
+        Ok(SyncTimeline { segments: segs })
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum LineRead {
+    Eof,
+    Line,
+    Partial,
+    TooLong,
+}
+
+/// Reads one `\n`-terminated line into `line` (without it), keeping at most [`MAX_LINE`]
+/// bytes; the rest of an overlong line is consumed and dropped.
+fn read_line_bounded(input: &mut impl BufRead, line: &mut Vec<u8>) -> io::Result<LineRead> {
+    let mut too_long = false;
+    let mut any = false;
+    loop {
+        let buf = match input.fill_buf() {
+            Ok(b) => b,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        };
+        if buf.is_empty() {
+            return Ok(if !any { LineRead::Eof } else { LineRead::Partial });
+        }
+        any = true;
+        let (chunk, found) = match buf.iter().position(|&b| b == b'\n') {
+            Some(i) => (&buf[..i], Some(i + 1)),
+            None => (buf, None),
+        };
+        let room = MAX_LINE.saturating_sub(line.len());
+        if chunk.len() > room {
+            too_long = true;
+        }
+        line.extend_from_slice(&chunk[..chunk.len().min(room)]);
+        let used = found.unwrap_or(buf.len());
+        input.consume(used);
+        if found.is_some() {
+            return Ok(if too_long { LineRead::TooLong } else { LineRead::Line });
+        }
+    }
+}
+
+/// One vCPU's segments, sorted by guest start: the piecewise guest→host mapping.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SyncTimeline {
+    segments: Vec<SyncSegment>,
+}
+
+impl SyncTimeline {
+    /// The segments, by increasing `guest_start`.
+    #[must_use]
+    pub fn segments(&self) -> &[SyncSegment] {
+        &self.segments
+    }
+
+    /// Index of the segment for `guest`: the last starting at or before it, or 0 before the
+    /// first (extrapolated backwards).
+    #[must_use]
+    pub fn segment_index(&self, guest: GuestTicks) -> usize {
+        self.segments
+            .partition_point(|s| s.guest_start <= guest.0)
+            .saturating_sub(1)
+    }
+
+    /// Converts one guest tick, rounding down; `None` outside the host range.
+    #[must_use]
+    pub fn try_host_from_guest_floor(&self, guest: GuestTicks) -> Option<HostTicks> {
+        self.segments
+            .get(self.segment_index(guest))?
+            .try_host_from_guest_floor(guest)
+    }
+
+    /// A streaming converter that remembers its segment: O(1) per value for non-decreasing
+    /// input, a binary search otherwise.
+    #[must_use]
+    pub fn cursor(&self) -> SyncCursor<'_> {
+        SyncCursor {
+            timeline: self,
+            idx: 0,
+        }
+    }
+}
+
+/// See [`SyncTimeline::cursor`].
+#[derive(Clone, Copy, Debug)]
+pub struct SyncCursor<'a> {
+    timeline: &'a SyncTimeline,
+    idx: usize,
+}
+
+impl SyncCursor<'_> {
+    /// Converts one guest tick (same result as [`SyncTimeline::try_host_from_guest_floor`]).
+    #[must_use]
+    pub fn try_host_from_guest_floor(&mut self, guest: GuestTicks) -> Option<HostTicks> {
+        let segs = &self.timeline.segments;
+        let here = segs.get(self.idx).is_some_and(|s| s.guest_start <= guest.0 || self.idx == 0);
+        let before_next = segs.get(self.idx + 1).is_none_or(|n| guest.0 < n.guest_start);
+        if !(here && before_next) {
+            self.idx = self.timeline.segment_index(guest);
+        }
+        segs.get(self.idx)?.try_host_from_guest_floor(guest)
+    }
+}
+
+/// What [`convert_with_sync`] did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SyncConvertStats {
+    /// Values converted and written.
+    pub converted: u64,
+    /// Bad lines skipped (with `skip_bad`).
+    pub skipped: u64,
+}
+
+/// `vmtsync convert --sync FILE --vcpu N`: reads one decimal guest TSC per line from `input`,
+/// writes the host TSC (rounded down, see the module docs) per line to `output`.
+///
+/// Lines may have surrounding blanks; anything else is a bad line: an error, or skipped and
+/// counted when `skip_bad`. Memory is bounded (lines over 4 KiB are bad lines).
+///
+/// # Errors
+/// The timeline errors of [`SyncFile::timeline`], [`SyncFileError::BadInput`],
+/// [`SyncFileError::OutOfRange`], [`SyncFileError::Output`], [`SyncFileError::Io`].
+pub fn convert_with_sync(
+    sync: &SyncFile,
+    vcpu: u32,
+    input: &mut dyn BufRead,
+    output: &mut dyn Write,
+    skip_bad: bool,
+) -> Result<SyncConvertStats, SyncFileError> {
+    let timeline = sync.timeline(vcpu)?;
+    let mut cursor = timeline.cursor();
+    let mut stats = SyncConvertStats::default();
+    let mut line = Vec::with_capacity(32);
+    let mut line_no = 0_u64;
+    let mut input = input;
+    loop {
+        line.clear();
+        let r = read_line_bounded(&mut input, &mut line).map_err(|source| SyncFileError::Io {
+            path: PathBuf::from("<input>"),
+            source,
+        })?;
+        if r == LineRead::Eof {
+            break;
+        }
+        line_no += 1;
+        let text = line.trim_ascii();
+        let value = (r != LineRead::TooLong && !text.is_empty() && text.iter().all(u8::is_ascii_digit))
+            .then(|| std::str::from_utf8(text).ok()?.parse::<u64>().ok())
+            .flatten();
+        let result = match value {
+            None => Err(SyncFileError::BadInput {
+                line: line_no,
+                shown: text.get(..text.len().min(64)).unwrap_or_default().escape_ascii().to_string(),
+            }),
+            Some(v) => cursor
+                .try_host_from_guest_floor(GuestTicks(v))
+                .ok_or(SyncFileError::OutOfRange { line: line_no, value: v }),
+        };
+        match result {
+            Ok(h) => {
+                writeln!(output, "{}", h.0).map_err(SyncFileError::Output)?;
+                stats.converted += 1;
+            }
+            Err(_) if skip_bad => stats.skipped += 1,
+            Err(e) => return Err(e),
+        }
+        if r == LineRead::Partial {
+            break;
+        }
+    }
+    output.flush().map_err(SyncFileError::Output)?;
+    Ok(stats)
+}
+

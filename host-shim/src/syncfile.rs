@@ -592,3 +592,227 @@ pub fn convert_with_sync(
     Ok(stats)
 }
 
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn header() -> SyncHeader {
+        SyncHeader {
+            schema: SYNC_SCHEMA,
+            tool: "vmtsync test".into(),
+            host_clock: "x86-tsc".into(),
+            created_unix_s: 1_796_000_000,
+            source: "tcp:127.0.0.1:1".into(),
+        }
+    }
+
+    fn seg(vcpu: u32, round: u64, host_anchor: u64, offset: i64, drift_ppb: i64) -> SyncSegment {
+        let guest_anchor = host_anchor.checked_add_signed(offset).unwrap();
+        SyncSegment {
+            vcpu,
+            round,
+            guest_start: guest_anchor - 1000,
+            host_anchor,
+            guest_anchor,
+            offset,
+            offset_lo: offset - 10,
+            offset_hi: offset + 10,
+            drift_ppb,
+            drift_ppb_lo: Some(drift_ppb - 5),
+            drift_ppb_hi: None,
+            model: OffsetModel::Drift,
+            probes: 64,
+            rtt_min_ticks: 3000,
+            host_first: host_anchor - 1000,
+            host_last: host_anchor + 1000,
+            is_break: round == 0,
+        }
+    }
+
+    fn tmp(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("vmtsync-syncfile-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join(name);
+        let _ = std::fs::remove_file(&p);
+        p
+    }
+
+    #[test]
+    fn schema_round_trip_through_writer_and_reader() {
+        let path = tmp("rt.jsonl");
+        let segs = [seg(0, 0, 1_000_000, 5_000_000, 0), seg(0, 1, 9_000_000, 5_000_100, 3)];
+        let mut w = SyncWriter::open(&path, &header()).unwrap();
+        w.append(&segs[0]).unwrap();
+        drop(w);
+        // Reopening appends after the existing header (its own header is kept).
+        let mut other = header();
+        other.source = "ignored".into();
+        let mut w = SyncWriter::open(&path, &other).unwrap();
+        w.append(&segs[1]).unwrap();
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert_eq!(text.lines().count(), 3, "{text}");
+        assert!(text.starts_with("{\"type\":\"header\",\"schema\":1,"), "{text}");
+        assert!(text.contains("\"break\":true"), "{text}");
+        let f = SyncFile::read(&path).unwrap();
+        assert_eq!(f.header, header());
+        assert_eq!(f.segments, segs);
+        assert!(!f.partial_tail);
+        assert_eq!(f.vcpus(), [0]);
+        std::fs::remove_file(path).unwrap();
+    }
+
+    #[test]
+    fn partial_last_line_is_ignored_and_truncated_on_reopen() {
+        let path = tmp("partial.jsonl");
+        let mut w = SyncWriter::open(&path, &header()).unwrap();
+        w.append(&seg(1, 0, 1_000_000, -50, 0)).unwrap();
+        drop(w);
+        let mut f = OpenOptions::new().append(true).open(&path).unwrap();
+        f.write_all(b"{\"type\":\"segment\",\"vcpu\":1,\"rou").unwrap();
+        drop(f);
+        let r = SyncFile::read(&path).unwrap();
+        assert!(r.partial_tail);
+        assert_eq!(r.segments.len(), 1);
+        let mut w = SyncWriter::open(&path, &header()).unwrap();
+        w.append(&seg(1, 1, 2_000_000, -50, 0)).unwrap();
+        let r = SyncFile::read(&path).unwrap();
+        assert!(!r.partial_tail);
+        assert_eq!(r.segments.len(), 2);
+        std::fs::remove_file(path).unwrap();
+    }
+
+    #[test]
+    fn refuses_foreign_or_inconsistent_files_and_skips_unknown_lines() {
+        let parse = |s: &str| SyncFile::parse(s.as_bytes());
+        assert!(matches!(parse(""), Err(SyncFileError::NoHeader)));
+        assert!(matches!(parse("{\"type\":\"segment\"}\n"), Err(SyncFileError::NoHeader)));
+        assert!(matches!(
+            parse("{\"type\":\"header\",\"schema\":2}\n"),
+            Err(SyncFileError::Schema { found: 2 })
+        ));
+        assert!(matches!(parse("not json\n"), Err(SyncFileError::BadLine { line: 1, .. })));
+        let h = serde_json::to_string(&Tagged::Header(header())).unwrap();
+        let mut bad = seg(0, 0, 100_000, 5, 0);
+        bad.guest_anchor += 1;
+        let bad = serde_json::to_string(&Tagged::Segment(bad)).unwrap();
+        let err = parse(&format!("{h}\n{bad}\n")).unwrap_err();
+        assert!(matches!(err, SyncFileError::BadLine { line: 2, .. }), "{err}");
+        let good = serde_json::to_string(&Tagged::Segment(seg(0, 0, 100_000, 5, 0))).unwrap();
+        let f = parse(&format!("{h}\n{{\"type\":\"note\",\"text\":\"hi\"}}\n{good}\n")).unwrap();
+        assert_eq!(f.segments.len(), 1);
+        let err = parse(&format!("{h}\n{h}\n")).unwrap_err();
+        assert!(err.to_string().contains("second header"), "{err}");
+        let long = "x".repeat(MAX_LINE + 10);
+        assert!(matches!(
+            parse(&format!("{h}\n{long}\n")),
+            Err(SyncFileError::BadLine { line: 2, .. })
+        ));
+    }
+
+    fn file(segs: &[SyncSegment]) -> SyncFile {
+        SyncFile {
+            header: header(),
+            segments: segs.to_vec(),
+            lines: (2..).take(segs.len()).collect(),
+            partial_tail: false,
+        }
+    }
+
+    #[test]
+    fn timeline_is_piecewise_and_validated() {
+        let a = seg(0, 0, 1_000_000, 5_000_000, 0);
+        let b = seg(0, 1, 2_000_000, 5_000_500, 0);
+        let other = seg(4, 0, 1_500_000, 7, 0);
+        let f = file(&[a, other, b]);
+        let t = f.timeline(0).unwrap();
+        assert_eq!(t.segments(), [a, b]);
+        // Exact inverse of a pure offset inside each segment, and before the first.
+        for g in [a.guest_start - 77, a.guest_start, b.guest_start - 1] {
+            assert_eq!(t.try_host_from_guest_floor(GuestTicks(g)), Some(HostTicks(g - 5_000_000)));
+        }
+        for g in [b.guest_start, b.guest_start + 10_000_000] {
+            assert_eq!(t.try_host_from_guest_floor(GuestTicks(g)), Some(HostTicks(g - 5_000_500)));
+        }
+        // Below host tick 0 is None, not a wrapped value.
+        assert_eq!(t.try_host_from_guest_floor(GuestTicks(5)), None);
+        let err = f.timeline(9).unwrap_err();
+        assert!(matches!(&err, SyncFileError::NoSegments { vcpu: 9, present } if present == &[0, 4]), "{err}");
+        let err = file(&[b, a]).timeline(0).unwrap_err();
+        assert!(matches!(err, SyncFileError::NotIncreasing { line: 3, vcpu: 0 }), "{err}");
+    }
+
+    #[test]
+    fn convert_with_sync_streams_lines() {
+        let a = seg(2, 0, 1_000_000, 5_000_000, 0);
+        let b = seg(2, 1, 2_000_000, 5_000_500, 1_000);
+        let f = file(&[a, b]);
+        let input = format!(
+            "{}\n  {}  \n{}\n",
+            a.guest_start,
+            b.guest_anchor,
+            b.guest_anchor + 1_000_000_000
+        );
+        let mut out = Vec::new();
+        let stats = convert_with_sync(&f, 2, &mut input.as_bytes(), &mut out, false).unwrap();
+        assert_eq!(stats, SyncConvertStats { converted: 3, skipped: 0 });
+        let got: Vec<u64> = String::from_utf8(out)
+            .unwrap()
+            .lines()
+            .map(|l| l.parse().unwrap())
+            .collect();
+        // 1e9 guest ticks past the anchor at +1000 ppb: 1e9 * 1e9 / (1e9 + 1000) host ticks,
+        // i.e. 999_999 fewer, rounded down.
+        assert_eq!(
+            got,
+            [a.guest_start - 5_000_000, b.host_anchor, b.host_anchor + 999_999_000]
+        );
+        let bad = "6000000\nabc\n\n99999999999999999999\n12\n";
+        let err = convert_with_sync(&f, 2, &mut bad.as_bytes(), &mut Vec::new(), false).unwrap_err();
+        assert!(matches!(err, SyncFileError::BadInput { line: 2, .. }), "{err}");
+        let mut out = Vec::new();
+        let stats = convert_with_sync(&f, 2, &mut bad.as_bytes(), &mut out, true).unwrap();
+        // "12" maps below host 0 (out of range), the other three are not numbers.
+        assert_eq!(stats, SyncConvertStats { converted: 1, skipped: 4 });
+        assert_eq!(out, b"1000000\n");
+    }
+
+    proptest! {
+        /// The cursor equals random access for any order of queries, and each segment's
+        /// conversion equals a naive rational floor.
+        #[test]
+        fn cursor_matches_random_access_and_naive_floor(
+            anchors in proptest::collection::vec((1u64 << 20..1u64 << 40, -1_000_000i64..1_000_000, -100_000i64..100_000), 1..8),
+            queries in proptest::collection::vec(0u64..1u64 << 42, 1..64),
+            sorted in any::<bool>(),
+        ) {
+            let mut hosts: Vec<_> = anchors.clone();
+            hosts.sort_by_key(|a| a.0);
+            hosts.dedup_by_key(|a| a.0);
+            let segs: Vec<SyncSegment> = hosts
+                .iter()
+                .enumerate()
+                .map(|(i, &(h, off, ppb))| {
+                    let mut s = seg(0, i as u64, h << 1, off, ppb);
+                    s.guest_start = (h << 1) + 5_000;
+                    s
+                })
+                .collect();
+            let f = file(&segs);
+            let Ok(t) = f.timeline(0) else { return Ok(()); };
+            let mut q = queries.clone();
+            if sorted { q.sort_unstable(); }
+            let mut c = t.cursor();
+            for g in q {
+                let want = t.try_host_from_guest_floor(GuestTicks(g));
+                prop_assert_eq!(c.try_host_from_guest_floor(GuestTicks(g)), want);
+                let s = &t.segments()[t.segment_index(GuestTicks(g))];
+                let num = (i128::from(g) - i128::from(s.guest_anchor)) * 1_000_000_000;
+                let den = 1_000_000_000 + i128::from(s.drift_ppb);
+                let naive = i128::from(s.host_anchor) + num.div_euclid(den);
+                prop_assert_eq!(want.map(|h| i128::from(h.0)), (naive >= 0).then_some(naive));
+            }
+        }
+    }
+}

@@ -271,6 +271,10 @@ mod tests {
         ));
         assert!(matches!(
             ProbeAddr::parse("vsock-uds:/tmp/v.sock"),
+            Err(AddrError::Missing { part: "PORT", .. })
+        ));
+        assert!(matches!(
+            ProbeAddr::parse("vsock-uds:/tmp/v.sock:x"),
             Err(AddrError::BadNumber { part: "PORT", .. })
         ));
         assert!(matches!(

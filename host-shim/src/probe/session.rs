@@ -31,6 +31,9 @@ use super::transport::{FrameStamps, StampedTransport, TransportError};
 /// about 0.35 s at 3 GHz, half the unwrap window, leaving room for any drift or delay).
 pub const UNWRAP_HORIZON: u64 = 1 << 30;
 
+/// Consecutive probes that may time out while only garbage arrives before the run fails.
+const MAX_GARBAGE_LOSSES: u32 = 3;
+
 /// Bytes read from the transport at a time.
 const READ_CHUNK: usize = 256;
 
@@ -80,6 +83,8 @@ pub struct ProbeSession<T> {
     seq: u16,
     timeout: Duration,
     stats: SessionStats,
+    /// Consecutive probes lost to garbage (timeouts with bad frames received).
+    garbage_losses: u32,
 }
 
 impl<T: StampedTransport> ProbeSession<T> {
@@ -109,6 +114,7 @@ impl<T: StampedTransport> ProbeSession<T> {
             seq: 0,
             timeout,
             stats: SessionStats::default(),
+            garbage_losses: 0,
         };
         s.transport.send(&[0]).map_err(|e| s.io("hello", e))?;
         s.send(&Message::Hello(Hello {
@@ -179,8 +185,21 @@ impl<T: StampedTransport> ProbeSession<T> {
         let send = self.send(&msg)?;
         self.stats.sent += 1;
         let deadline = Instant::now() + self.timeout;
+        let bad_before = self.stats.bad_frames;
         let (guest, vcpu, recv) = loop {
-            let (msg, stamp) = self.next_message(deadline, "a probe reply")?;
+            let (msg, stamp) = match self.next_message(deadline, "a probe reply") {
+                Ok(m) => m,
+                // Garbage arrived instead of the reply (noise on a serial line eats a frame):
+                // the guest is not silent, so lose this probe, up to a few in a row.
+                Err(ProbeError::Timeout { .. })
+                    if self.stats.bad_frames > bad_before
+                        && self.garbage_losses < MAX_GARBAGE_LOSSES =>
+                {
+                    self.garbage_losses += 1;
+                    return Ok(self.lost());
+                }
+                Err(e) => return Err(e),
+            };
             match msg {
                 Message::ProbeReply(r) if r.seq == seq => {
                     let Some((ref_host, ref_guest)) = reference else {
@@ -211,6 +230,7 @@ impl<T: StampedTransport> ProbeSession<T> {
             return Ok(self.lost());
         }
         self.reference = Some((stamps.recv, guest));
+        self.garbage_losses = 0;
         Ok(Some(ProbeSample {
             host_send: stamps.send,
             guest,
@@ -328,3 +348,225 @@ impl<T: StampedTransport> ProbeSession<T> {
     }
 }
 
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use vmtsync_core::agent::Agent;
+    use vmtsync_core::agent::fake::{FakeClock, FakeLink};
+    use crate::probe::transport::Received;
+    use vmtsync_core::estimate::estimate_offset;
+
+    /// An in-process transport in the style of a built-in VMM: a simulated host clock, the
+    /// core agent on a fake link, and exact stamps of when the guest consumed the request and
+    /// produced the reply (returned through `refine` when `exact` is set).
+    struct SimTransport {
+        agent: Agent<FakeLink, FakeClock>,
+        now: u64,
+        offset: u64,
+        fwd: u64,
+        back: u64,
+        /// Host time per probe between rounds (drives the TSC across 2^32 boundaries).
+        gap: u64,
+        pending: Vec<u8>,
+        garbage: Vec<Vec<u8>>,
+        exact: bool,
+        guest_read_at: u64,
+    }
+
+    impl SimTransport {
+        fn new(offset: u64) -> Self {
+            Self {
+                agent: Agent::new(FakeLink::new(), FakeClock::new(0, 0, 3)),
+                now: 1 << 40,
+                offset,
+                fwd: 700,
+                back: 900,
+                gap: 0,
+                pending: Vec::new(),
+                garbage: Vec::new(),
+                exact: false,
+                guest_read_at: 0,
+            }
+        }
+    }
+
+    impl StampedTransport for SimTransport {
+        fn send(&mut self, frame: &[u8]) -> Result<HostTicks, TransportError> {
+            self.now += self.gap;
+            let stamp = HostTicks(self.now);
+            self.now += self.fwd;
+            assert!(self.agent.link_mut().push_inbound(frame));
+            self.guest_read_at = self.now;
+            self.agent.clock_mut().tsc = self.now + self.offset;
+            self.agent.poll().unwrap();
+            self.now += self.back;
+            if let Some(g) = self.garbage.pop() {
+                self.pending.extend_from_slice(&g);
+            }
+            let mut f = [0u8; MAX_FRAME_SIZE];
+            while let Some(n) = self.agent.link_mut().next_sent_frame(&mut f) {
+                self.pending.extend_from_slice(&f[..n.min(f.len())]);
+            }
+            Ok(stamp)
+        }
+
+        fn recv(&mut self, buf: &mut [u8], _deadline: Instant) -> Result<Received, TransportError> {
+            if self.pending.is_empty() {
+                return Err(TransportError::Timeout(Duration::ZERO));
+            }
+            // Hand out odd-sized chunks to exercise reassembly.
+            let n = self.pending.len().min(buf.len()).min(7);
+            buf[..n].copy_from_slice(&self.pending[..n]);
+            self.pending.drain(..n);
+            Ok(Received {
+                len: n,
+                stamp: HostTicks(self.now),
+            })
+        }
+
+        fn refine(&mut self, stamps: FrameStamps) -> FrameStamps {
+            if self.exact {
+                FrameStamps {
+                    send: HostTicks(self.guest_read_at),
+                    recv: HostTicks(self.guest_read_at),
+                }
+            } else {
+                stamps
+            }
+        }
+    }
+
+    fn run(t: SimTransport, n: u32) -> (Vec<ProbeSample>, SessionStats) {
+        let mut s = ProbeSession::hello(t, Duration::from_secs(1)).unwrap();
+        assert_eq!(s.info().vcpu, 3);
+        let samples = s.probe_round(n, Duration::ZERO, &mut Progress::hidden()).unwrap();
+        let stats = s.shutdown();
+        (samples, stats)
+    }
+
+    #[test]
+    fn samples_bracket_the_truth_across_tsc_low_word_wraps() {
+        let offset = 5_000_000;
+        let mut t = SimTransport::new(offset);
+        // 0.5 * 2^30 host ticks between probes: 64 probes cross 2^32 eight times, each compact
+        // reply unwrapped against the previous one.
+        t.gap = 1 << 29;
+        let (samples, stats) = run(t, 64);
+        assert_eq!(samples.len(), 64);
+        assert_eq!(stats.sent, 64);
+        assert_eq!((stats.bad_frames, stats.lost_probes, stats.stale_replies), (0, 0, 0));
+        let e = estimate_offset(&samples).unwrap();
+        let truth = i64::try_from(offset).unwrap();
+        assert!(e.min <= truth && truth <= e.max, "{e:?}");
+        // Every sample brackets a reading 700 ticks after send.
+        for s in &samples {
+            assert_eq!(s.guest.0 - offset, s.host_send.0 + 700);
+        }
+    }
+
+    #[test]
+    fn a_long_pause_switches_to_full_width_probes() {
+        let mut t = SimTransport::new(123);
+        t.gap = UNWRAP_HORIZON + 1;
+        let mut s = ProbeSession::hello(t, Duration::from_secs(1)).unwrap();
+        for _ in 0..4 {
+            let sample = s.probe().unwrap().unwrap();
+            assert_eq!(sample.guest.0 - 123, sample.host_send.0 + 700);
+        }
+        let t = s.into_transport();
+        // Every probe after a gap beyond the horizon was a ProbeFull (8 TSC bytes).
+        assert_eq!(t.agent.stats().probes, 4);
+    }
+
+    #[test]
+    fn in_process_stamps_through_refine_give_exact_bounds() {
+        let mut t = SimTransport::new(42);
+        t.exact = true;
+        let (samples, _) = run(t, 8);
+        let e = estimate_offset(&samples).unwrap();
+        assert_eq!((e.min, e.max), (42, 42));
+    }
+
+    #[test]
+    fn garbage_and_overlong_frames_are_counted_and_skipped() {
+        let mut t = SimTransport::new(7);
+        // Popped from the end, one per send: before the hello's delimiter, before the
+        // capabilities, before probe 1's reply, before probe 2's reply.
+        let mut overlong = vec![0x11; MAX_FRAME_SIZE * 3];
+        overlong.push(0);
+        t.garbage = vec![
+            vec![0xde, 0xad, 0xbe, 0xef, 0],
+            overlong,
+            vec![0x00, 0x00, 0x05, 0x01, 0x00],
+            vec![0x11; 5000],
+        ];
+        let (samples, stats) = run(t, 10);
+        assert_eq!(samples.len(), 10);
+        // 5000 bytes ended by the next delimiter (too long), a bad COBS code, an overlong
+        // frame with its own delimiter, a malformed one: four, each skipped.
+        assert_eq!(stats.bad_frames, 4, "{stats:?}");
+        assert_eq!(stats.lost_probes, 0);
+        let e = estimate_offset(&samples).unwrap();
+        assert!(e.min <= 7 && 7 <= e.max);
+    }
+
+    #[test]
+    fn a_reply_eaten_by_garbage_is_a_lost_probe_not_a_failed_run() {
+        let mut t = SimTransport::new(9);
+        // No delimiter: the run swallows probe 1's reply up to its delimiter.
+        t.garbage = vec![vec![0x11; MAX_FRAME_SIZE * 2], vec![], vec![]];
+        let (samples, stats) = run(t, 5);
+        assert_eq!(samples.len(), 4);
+        assert_eq!((stats.lost_probes, stats.bad_frames), (1, 1), "{stats:?}");
+    }
+
+    #[test]
+    fn silence_is_a_timeout_not_a_hang() {
+        struct Silent;
+        impl StampedTransport for Silent {
+            fn send(&mut self, _: &[u8]) -> Result<HostTicks, TransportError> {
+                Ok(HostTicks(1))
+            }
+            fn recv(&mut self, _: &mut [u8], _: Instant) -> Result<Received, TransportError> {
+                Err(TransportError::Timeout(Duration::from_millis(5)))
+            }
+        }
+        let Err(err) = ProbeSession::hello(Silent, Duration::from_millis(5)) else {
+            panic!("a silent peer must not complete the hello");
+        };
+        assert!(matches!(err, ProbeError::Timeout { what, .. } if what.contains("capabilities")), "{err}");
+    }
+
+    proptest! {
+        /// Whatever bytes the "guest" sends, the session returns samples or an error, never
+        /// panics, and its memory stays bounded (fixed buffers).
+        #[test]
+        fn arbitrary_guest_bytes_never_panic(chunks in proptest::collection::vec(
+            proptest::collection::vec(any::<u8>(), 0..300), 0..20)) {
+            struct Scripted(Vec<Vec<u8>>);
+            impl StampedTransport for Scripted {
+                fn send(&mut self, _: &[u8]) -> Result<HostTicks, TransportError> {
+                    Ok(HostTicks(10))
+                }
+                fn recv(&mut self, buf: &mut [u8], _: Instant) -> Result<Received, TransportError> {
+                    loop {
+                        let Some(c) = self.0.pop() else {
+                            return Err(TransportError::Closed);
+                        };
+                        if c.is_empty() { continue; }
+                        let n = c.len().min(buf.len());
+                        buf[..n].copy_from_slice(&c[..n]);
+                        return Ok(Received { len: n, stamp: HostTicks(20) });
+                    }
+                }
+            }
+            if let Ok(mut s) = ProbeSession::hello(Scripted(chunks), Duration::from_millis(1)) {
+                for _ in 0..5 {
+                    if s.probe().is_err() { break; }
+                }
+            }
+        }
+    }
+}

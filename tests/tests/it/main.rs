@@ -2,3 +2,4 @@
 //! prerequisites with `vmtsync_tests::require`.
 
 mod smoke;
+mod probe;

@@ -243,7 +243,8 @@ impl SyncWriter {
                 file.seek(SeekFrom::Start(0)).map_err(io_err)?;
                 file.read_to_end(&mut all).map_err(io_err)?;
                 let keep = all.iter().rposition(|&b| b == b'\n').map_or(0, |i| i + 1);
-                file.set_len(u64::try_from(keep).unwrap_or(len)).map_err(io_err)?;
+                file.set_len(u64::try_from(keep).unwrap_or(len))
+                    .map_err(io_err)?;
             }
         }
         file.seek(SeekFrom::End(0)).map_err(io_err)?;
@@ -263,8 +264,8 @@ impl SyncWriter {
             path: self.path.clone(),
             source,
         };
-        let mut line =
-            serde_json::to_string(&Tagged::Segment(*seg)).map_err(|e| io_err(io::Error::other(e)))?;
+        let mut line = serde_json::to_string(&Tagged::Segment(*seg))
+            .map_err(|e| io_err(io::Error::other(e)))?;
         line.push('\n');
         self.file.write_all(line.as_bytes()).map_err(io_err)?;
         self.file.flush().map_err(io_err)
@@ -325,12 +326,11 @@ impl SyncFile {
         let mut line = Vec::new();
         loop {
             line.clear();
-            let complete = read_line_bounded(&mut input, &mut line).map_err(|source| {
-                SyncFileError::Io {
+            let complete =
+                read_line_bounded(&mut input, &mut line).map_err(|source| SyncFileError::Io {
                     path: PathBuf::from("<sync file>"),
                     source,
-                }
-            })?;
+                })?;
             match complete {
                 LineRead::Eof => break,
                 LineRead::Partial => {
@@ -369,7 +369,8 @@ impl SyncFile {
                     if s.offset_lo > s.offset || s.offset > s.offset_hi {
                         return Err(bad("offset outside [offset_lo, offset_hi]".to_owned()));
                     }
-                    if i128::from(s.guest_anchor) != i128::from(s.host_anchor) + i128::from(s.offset)
+                    if i128::from(s.guest_anchor)
+                        != i128::from(s.host_anchor) + i128::from(s.offset)
                     {
                         return Err(bad("guest_anchor != host_anchor + offset".to_owned()));
                     }
@@ -440,7 +441,11 @@ fn read_line_bounded(input: &mut impl BufRead, line: &mut Vec<u8>) -> io::Result
             Err(e) => return Err(e),
         };
         if buf.is_empty() {
-            return Ok(if !any { LineRead::Eof } else { LineRead::Partial });
+            return Ok(if !any {
+                LineRead::Eof
+            } else {
+                LineRead::Partial
+            });
         }
         any = true;
         let (chunk, found) = match buf.iter().position(|&b| b == b'\n') {
@@ -455,7 +460,11 @@ fn read_line_bounded(input: &mut impl BufRead, line: &mut Vec<u8>) -> io::Result
         let used = found.unwrap_or(buf.len());
         input.consume(used);
         if found.is_some() {
-            return Ok(if too_long { LineRead::TooLong } else { LineRead::Line });
+            return Ok(if too_long {
+                LineRead::TooLong
+            } else {
+                LineRead::Line
+            });
         }
     }
 }
@@ -513,8 +522,12 @@ impl SyncCursor<'_> {
     #[must_use]
     pub fn try_host_from_guest_floor(&mut self, guest: GuestTicks) -> Option<HostTicks> {
         let segs = &self.timeline.segments;
-        let here = segs.get(self.idx).is_some_and(|s| s.guest_start <= guest.0 || self.idx == 0);
-        let before_next = segs.get(self.idx + 1).is_none_or(|n| guest.0 < n.guest_start);
+        let here = segs
+            .get(self.idx)
+            .is_some_and(|s| s.guest_start <= guest.0 || self.idx == 0);
+        let before_next = segs
+            .get(self.idx + 1)
+            .is_none_or(|n| guest.0 < n.guest_start);
         if !(here && before_next) {
             self.idx = self.timeline.segment_index(guest);
         }
@@ -564,18 +577,27 @@ pub fn convert_with_sync(
         }
         line_no += 1;
         let text = line.trim_ascii();
-        let value = (r != LineRead::TooLong && !text.is_empty() && text.iter().all(u8::is_ascii_digit))
-            .then(|| std::str::from_utf8(text).ok()?.parse::<u64>().ok())
-            .flatten();
-        let result = match value {
-            None => Err(SyncFileError::BadInput {
-                line: line_no,
-                shown: text.get(..text.len().min(64)).unwrap_or_default().escape_ascii().to_string(),
-            }),
-            Some(v) => cursor
-                .try_host_from_guest_floor(GuestTicks(v))
-                .ok_or(SyncFileError::OutOfRange { line: line_no, value: v }),
-        };
+        let value =
+            (r != LineRead::TooLong && !text.is_empty() && text.iter().all(u8::is_ascii_digit))
+                .then(|| std::str::from_utf8(text).ok()?.parse::<u64>().ok())
+                .flatten();
+        let result =
+            match value {
+                None => Err(SyncFileError::BadInput {
+                    line: line_no,
+                    shown: text
+                        .get(..text.len().min(64))
+                        .unwrap_or_default()
+                        .escape_ascii()
+                        .to_string(),
+                }),
+                Some(v) => cursor.try_host_from_guest_floor(GuestTicks(v)).ok_or(
+                    SyncFileError::OutOfRange {
+                        line: line_no,
+                        value: v,
+                    },
+                ),
+            };
         match result {
             Ok(h) => {
                 writeln!(output, "{}", h.0).map_err(SyncFileError::Output)?;
@@ -591,7 +613,6 @@ pub fn convert_with_sync(
     output.flush().map_err(SyncFileError::Output)?;
     Ok(stats)
 }
-
 
 #[cfg(test)]
 mod tests {
@@ -642,7 +663,10 @@ mod tests {
     #[test]
     fn schema_round_trip_through_writer_and_reader() {
         let path = tmp("rt.jsonl");
-        let segs = [seg(0, 0, 1_000_000, 5_000_000, 0), seg(0, 1, 9_000_000, 5_000_100, 3)];
+        let segs = [
+            seg(0, 0, 1_000_000, 5_000_000, 0),
+            seg(0, 1, 9_000_000, 5_000_100, 3),
+        ];
         let mut w = SyncWriter::open(&path, &header()).unwrap();
         w.append(&segs[0]).unwrap();
         drop(w);
@@ -653,7 +677,10 @@ mod tests {
         w.append(&segs[1]).unwrap();
         let text = std::fs::read_to_string(&path).unwrap();
         assert_eq!(text.lines().count(), 3, "{text}");
-        assert!(text.starts_with("{\"type\":\"header\",\"schema\":1,"), "{text}");
+        assert!(
+            text.starts_with("{\"type\":\"header\",\"schema\":1,"),
+            "{text}"
+        );
         assert!(text.contains("\"break\":true"), "{text}");
         let f = SyncFile::read(&path).unwrap();
         assert_eq!(f.header, header());
@@ -670,7 +697,8 @@ mod tests {
         w.append(&seg(1, 0, 1_000_000, -50, 0)).unwrap();
         drop(w);
         let mut f = OpenOptions::new().append(true).open(&path).unwrap();
-        f.write_all(b"{\"type\":\"segment\",\"vcpu\":1,\"rou").unwrap();
+        f.write_all(b"{\"type\":\"segment\",\"vcpu\":1,\"rou")
+            .unwrap();
         drop(f);
         let r = SyncFile::read(&path).unwrap();
         assert!(r.partial_tail);
@@ -687,20 +715,32 @@ mod tests {
     fn refuses_foreign_or_inconsistent_files_and_skips_unknown_lines() {
         let parse = |s: &str| SyncFile::parse(s.as_bytes());
         assert!(matches!(parse(""), Err(SyncFileError::NoHeader)));
-        assert!(matches!(parse("{\"type\":\"segment\"}\n"), Err(SyncFileError::NoHeader)));
+        assert!(matches!(
+            parse("{\"type\":\"segment\"}\n"),
+            Err(SyncFileError::NoHeader)
+        ));
         assert!(matches!(
             parse("{\"type\":\"header\",\"schema\":2}\n"),
             Err(SyncFileError::Schema { found: 2 })
         ));
-        assert!(matches!(parse("not json\n"), Err(SyncFileError::BadLine { line: 1, .. })));
+        assert!(matches!(
+            parse("not json\n"),
+            Err(SyncFileError::BadLine { line: 1, .. })
+        ));
         let h = serde_json::to_string(&Tagged::Header(header())).unwrap();
         let mut bad = seg(0, 0, 100_000, 5, 0);
         bad.guest_anchor += 1;
         let bad = serde_json::to_string(&Tagged::Segment(bad)).unwrap();
         let err = parse(&format!("{h}\n{bad}\n")).unwrap_err();
-        assert!(matches!(err, SyncFileError::BadLine { line: 2, .. }), "{err}");
+        assert!(
+            matches!(err, SyncFileError::BadLine { line: 2, .. }),
+            "{err}"
+        );
         let good = serde_json::to_string(&Tagged::Segment(seg(0, 0, 100_000, 5, 0))).unwrap();
-        let f = parse(&format!("{h}\n{{\"type\":\"note\",\"text\":\"hi\"}}\n{good}\n")).unwrap();
+        let f = parse(&format!(
+            "{h}\n{{\"type\":\"note\",\"text\":\"hi\"}}\n{good}\n"
+        ))
+        .unwrap();
         assert_eq!(f.segments.len(), 1);
         let err = parse(&format!("{h}\n{h}\n")).unwrap_err();
         assert!(err.to_string().contains("second header"), "{err}");
@@ -730,17 +770,29 @@ mod tests {
         assert_eq!(t.segments(), [a, b]);
         // Exact inverse of a pure offset inside each segment, and before the first.
         for g in [a.guest_start - 77, a.guest_start, b.guest_start - 1] {
-            assert_eq!(t.try_host_from_guest_floor(GuestTicks(g)), Some(HostTicks(g - 5_000_000)));
+            assert_eq!(
+                t.try_host_from_guest_floor(GuestTicks(g)),
+                Some(HostTicks(g - 5_000_000))
+            );
         }
         for g in [b.guest_start, b.guest_start + 10_000_000] {
-            assert_eq!(t.try_host_from_guest_floor(GuestTicks(g)), Some(HostTicks(g - 5_000_500)));
+            assert_eq!(
+                t.try_host_from_guest_floor(GuestTicks(g)),
+                Some(HostTicks(g - 5_000_500))
+            );
         }
         // Below host tick 0 is None, not a wrapped value.
         assert_eq!(t.try_host_from_guest_floor(GuestTicks(5)), None);
         let err = f.timeline(9).unwrap_err();
-        assert!(matches!(&err, SyncFileError::NoSegments { vcpu: 9, present } if present == &[0, 4]), "{err}");
+        assert!(
+            matches!(&err, SyncFileError::NoSegments { vcpu: 9, present } if present == &[0, 4]),
+            "{err}"
+        );
         let err = file(&[b, a]).timeline(0).unwrap_err();
-        assert!(matches!(err, SyncFileError::NotIncreasing { line: 3, vcpu: 0 }), "{err}");
+        assert!(
+            matches!(err, SyncFileError::NotIncreasing { line: 3, vcpu: 0 }),
+            "{err}"
+        );
     }
 
     #[test]
@@ -756,7 +808,13 @@ mod tests {
         );
         let mut out = Vec::new();
         let stats = convert_with_sync(&f, 2, &mut input.as_bytes(), &mut out, false).unwrap();
-        assert_eq!(stats, SyncConvertStats { converted: 3, skipped: 0 });
+        assert_eq!(
+            stats,
+            SyncConvertStats {
+                converted: 3,
+                skipped: 0
+            }
+        );
         let got: Vec<u64> = String::from_utf8(out)
             .unwrap()
             .lines()
@@ -766,15 +824,29 @@ mod tests {
         // i.e. 999_999 fewer, rounded down.
         assert_eq!(
             got,
-            [a.guest_start - 5_000_000, b.host_anchor, b.host_anchor + 999_999_000]
+            [
+                a.guest_start - 5_000_000,
+                b.host_anchor,
+                b.host_anchor + 999_999_000
+            ]
         );
         let bad = "6000000\nabc\n\n99999999999999999999\n12\n";
-        let err = convert_with_sync(&f, 2, &mut bad.as_bytes(), &mut Vec::new(), false).unwrap_err();
-        assert!(matches!(err, SyncFileError::BadInput { line: 2, .. }), "{err}");
+        let err =
+            convert_with_sync(&f, 2, &mut bad.as_bytes(), &mut Vec::new(), false).unwrap_err();
+        assert!(
+            matches!(err, SyncFileError::BadInput { line: 2, .. }),
+            "{err}"
+        );
         let mut out = Vec::new();
         let stats = convert_with_sync(&f, 2, &mut bad.as_bytes(), &mut out, true).unwrap();
         // "12" maps below host 0 (out of range), the other three are not numbers.
-        assert_eq!(stats, SyncConvertStats { converted: 1, skipped: 4 });
+        assert_eq!(
+            stats,
+            SyncConvertStats {
+                converted: 1,
+                skipped: 4
+            }
+        );
         assert_eq!(out, b"1000000\n");
     }
 

@@ -171,7 +171,12 @@ impl fmt::Display for ProbeAddr {
 }
 
 /// Parses a decimal number no larger than `max` (and no larger than `T` holds).
-fn number<T: TryFrom<u64>>(addr: &str, part: &'static str, v: &str, max: u64) -> Result<T, AddrError> {
+fn number<T: TryFrom<u64>>(
+    addr: &str,
+    part: &'static str,
+    v: &str,
+    max: u64,
+) -> Result<T, AddrError> {
     let bad = || AddrError::BadNumber {
         addr: addr.to_owned(),
         part,
@@ -213,7 +218,10 @@ mod tests {
     #[test]
     fn parses_every_form_and_prints_it_back() {
         let cases = [
-            ("unix:/tmp/qemu.sock", ProbeAddr::Unix("/tmp/qemu.sock".into())),
+            (
+                "unix:/tmp/qemu.sock",
+                ProbeAddr::Unix("/tmp/qemu.sock".into()),
+            ),
             (
                 "unix-listen:/tmp/v.sock_1234",
                 ProbeAddr::UnixListen("/tmp/v.sock_1234".into()),
@@ -225,13 +233,7 @@ mod tests {
                     port: 5000,
                 },
             ),
-            (
-                "vsock:3:1234",
-                ProbeAddr::Vsock {
-                    cid: 3,
-                    port: 1234,
-                },
-            ),
+            ("vsock:3:1234", ProbeAddr::Vsock { cid: 3, port: 1234 }),
             (
                 "tcp:127.0.0.1:4444",
                 ProbeAddr::Tcp {
@@ -295,7 +297,11 @@ mod tests {
         ));
         assert!(matches!(
             ProbeAddr::parse("tcp:localhost:65536"),
-            Err(AddrError::BadNumber { part: "PORT", max: 65535, .. })
+            Err(AddrError::BadNumber {
+                part: "PORT",
+                max: 65535,
+                ..
+            })
         ));
         assert!(matches!(
             ProbeAddr::parse("tcp::80"),

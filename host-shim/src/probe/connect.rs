@@ -380,13 +380,7 @@ impl VsockStream {
     /// The failing system call's error.
     pub fn connect(cid: u32, port: u32, timeout: Duration) -> io::Result<Self> {
         // SAFETY: socket(2) takes no pointers; a negative result is checked below.
-        let fd = unsafe {
-            libc::socket(
-                libc::AF_VSOCK,
-                libc::SOCK_STREAM | libc::SOCK_CLOEXEC,
-                0,
-            )
-        };
+        let fd = unsafe { libc::socket(libc::AF_VSOCK, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
         if fd < 0 {
             return Err(io::Error::last_os_error());
         }
@@ -509,7 +503,9 @@ mod tests {
         let opts = ConnectOptions::default();
         let mut t = connect(&ProbeAddr::Unix(path.clone()), &opts).unwrap();
         let mut b = [0u8; 1];
-        let r = t.recv(&mut b, Instant::now() + Duration::from_secs(5)).unwrap();
+        let r = t
+            .recv(&mut b, Instant::now() + Duration::from_secs(5))
+            .unwrap();
         assert_eq!((r.len, b[0]), (1, b'x'));
         server.join().unwrap();
         let _ = std::fs::remove_file(path);
@@ -537,17 +533,25 @@ mod tests {
             let mut s = connect_unix(&p2, "c", &mut retry, &opts).unwrap();
             s.write_all(b"y").unwrap();
         });
-        let mut t = connect(&ProbeAddr::UnixListen(path.clone()), &ConnectOptions::default()).unwrap();
+        let mut t = connect(
+            &ProbeAddr::UnixListen(path.clone()),
+            &ConnectOptions::default(),
+        )
+        .unwrap();
         let mut b = [0u8; 1];
-        t.recv(&mut b, Instant::now() + Duration::from_secs(5)).unwrap();
+        t.recv(&mut b, Instant::now() + Duration::from_secs(5))
+            .unwrap();
         assert_eq!(b[0], b'y');
         client.join().unwrap();
         assert!(!path.exists());
         // An existing path is refused rather than clobbered.
         std::fs::write(&path, b"").unwrap();
-        let err = connect(&ProbeAddr::UnixListen(path.clone()), &ConnectOptions::default())
-            .err()
-            .unwrap();
+        let err = connect(
+            &ProbeAddr::UnixListen(path.clone()),
+            &ConnectOptions::default(),
+        )
+        .err()
+        .unwrap();
         assert!(matches!(err, ConnectError::PathInUse(_)), "{err}");
         std::fs::remove_file(path).unwrap();
     }

@@ -186,7 +186,10 @@ fn segment(
         _ => (s.model, s.bound_lo, s.bound_hi),
     };
     let drift = cumulative.est.estimate().ok();
-    let (dlo, dhi) = (drift.map(|d| d.drift_ppb_min), drift.map(|d| d.drift_ppb_max));
+    let (dlo, dhi) = (
+        drift.map(|d| d.drift_ppb_min),
+        drift.map(|d| d.drift_ppb_max),
+    );
     // The feasible rate closest to identity (KVM's default): any rate in the bounds fits.
     let used = match (dlo, dhi) {
         (Some(lo), Some(hi)) => 0_i64.clamp(lo, hi.max(lo)),
@@ -197,8 +200,12 @@ fn segment(
         .0
         .checked_add_signed(offset)
         .ok_or(ProbeError::Estimate(EstimateError::Overflow))?;
-    let first = samples.first().ok_or(ProbeError::Estimate(EstimateError::NoSamples))?;
-    let last = samples.last().ok_or(ProbeError::Estimate(EstimateError::NoSamples))?;
+    let first = samples
+        .first()
+        .ok_or(ProbeError::Estimate(EstimateError::NoSamples))?;
+    let last = samples
+        .last()
+        .ok_or(ProbeError::Estimate(EstimateError::NoSamples))?;
     Ok(SyncSegment {
         vcpu: s.vcpu,
         round,
@@ -222,7 +229,9 @@ fn segment(
 
 impl ProbeOptions {
     fn stopped(&self) -> bool {
-        self.stop.as_ref().is_some_and(|f| f.load(Ordering::Relaxed))
+        self.stop
+            .as_ref()
+            .is_some_and(|f| f.load(Ordering::Relaxed))
     }
 }
 
@@ -255,7 +264,8 @@ mod tests {
         assert_eq!(c.rounds, 2);
         // A span a thousand times longer bounds the rate far more tightly.
         assert!(
-            long.drift_ppb_max - long.drift_ppb_min < (short.drift_ppb_max - short.drift_ppb_min) / 100,
+            long.drift_ppb_max - long.drift_ppb_min
+                < (short.drift_ppb_max - short.drift_ppb_min) / 100,
             "{short:?} {long:?}"
         );
         assert!(long.drift_ppb_min <= 0 && 0 <= long.drift_ppb_max);

@@ -131,7 +131,9 @@ pub enum ProbeError {
     #[error("the guest agent exited during the session")]
     AgentExited,
     /// No usable sample, or the samples contradict every model.
-    #[error("cannot estimate: {0:?} (NoSamples: every probe was lost; SegmentBreak: the guest clock stepped during the round, run again)")]
+    #[error(
+        "cannot estimate: {0:?} (NoSamples: every probe was lost; SegmentBreak: the guest clock stepped during the round, run again)"
+    )]
     Estimate(EstimateError),
     /// The sync file could not be written.
     #[error(transparent)]

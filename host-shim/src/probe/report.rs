@@ -146,9 +146,8 @@ impl ProbeSummary {
                 interval_ok = false;
             }
         }
-        let at = HostTicks(
-            first.host_send.0 + last.host_recv.0.saturating_sub(first.host_send.0) / 2,
-        );
+        let at =
+            HostTicks(first.host_send.0 + last.host_recv.0.saturating_sub(first.host_send.0) / 2);
         let drift = match drift_est.estimate() {
             Ok(d) => Some(DriftSummary {
                 ppb: d.drift_ppb,
@@ -170,7 +169,10 @@ impl ProbeSummary {
         rtts.sort_unstable();
         let rtt = RttStats {
             min: rtts.first().copied().unwrap_or(0),
-            median: rtts.get(rtts.len().saturating_sub(1) / 2).copied().unwrap_or(0),
+            median: rtts
+                .get(rtts.len().saturating_sub(1) / 2)
+                .copied()
+                .unwrap_or(0),
             max: rtts.last().copied().unwrap_or(0),
         };
         Ok(Self {
@@ -268,8 +270,15 @@ impl ProbeSummary {
             self.at_host.0
         )?;
         match self.drift {
-            Some(d) => writeln!(out, "drift: {:+} ppb, guaranteed in [{}, {}] ppb", d.ppb, d.lo, d.hi)?,
-            None => writeln!(out, "drift: not bounded yet (needs two non-overlapping probes)")?,
+            Some(d) => writeln!(
+                out,
+                "drift: {:+} ppb, guaranteed in [{}, {}] ppb",
+                d.ppb, d.lo, d.hi
+            )?,
+            None => writeln!(
+                out,
+                "drift: not bounded yet (needs two non-overlapping probes)"
+            )?,
         }
         writeln!(
             out,
@@ -329,7 +338,10 @@ mod tests {
         assert_eq!(s.model, OffsetModel::Offset);
         assert!(s.bound_lo <= truth && truth <= s.bound_hi, "{s:?}");
         assert!(s.bound_lo <= s.offset && s.offset <= s.bound_hi);
-        assert_eq!(s.rtt.min, samples.iter().filter_map(ProbeSample::rtt).min().unwrap());
+        assert_eq!(
+            s.rtt.min,
+            samples.iter().filter_map(ProbeSample::rtt).min().unwrap()
+        );
         let d = s.drift.unwrap();
         assert!(d.lo <= 0 && 0 <= d.hi, "{d:?}");
         let j = s.to_json();
@@ -371,7 +383,10 @@ mod tests {
         let at = i64::try_from(s.at_host.0).unwrap();
         // The true offset at `at` is at/1000 (real); integer bounds containing it contain its floor.
         let truth = at / 1000;
-        assert!(s.bound_lo <= truth && truth <= s.bound_hi, "{s:?} truth {truth}");
+        assert!(
+            s.bound_lo <= truth && truth <= s.bound_hi,
+            "{s:?} truth {truth}"
+        );
     }
 
     #[test]

@@ -18,8 +18,8 @@ use std::time::{Duration, Instant};
 
 use vmtsync_core::estimate::ProbeSample;
 use vmtsync_core::proto::{
-    Capabilities, ErrorCode, Feed, FrameReceiver, Hello, MAX_FRAME_SIZE, Message,
-    PROTOCOL_VERSION, Features, encode_frame, try_unwrap_tsc_low32,
+    Capabilities, ErrorCode, Features, Feed, FrameReceiver, Hello, MAX_FRAME_SIZE, Message,
+    PROTOCOL_VERSION, encode_frame, try_unwrap_tsc_low32,
 };
 use vmtsync_core::{GuestTicks, HostTicks};
 
@@ -215,7 +215,9 @@ impl<T: StampedTransport> ProbeSession<T> {
                     }
                 }
                 Message::ProbeReplyFull(r) if r.seq == seq => break (r.guest_tsc(), r.vcpu, stamp),
-                Message::ProbeReply(_) | Message::ProbeReplyFull(_) => self.stats.stale_replies += 1,
+                Message::ProbeReply(_) | Message::ProbeReplyFull(_) => {
+                    self.stats.stale_replies += 1
+                }
                 Message::Error(ErrorCode::NotReady) => return Err(ProbeError::AgentNotReady),
                 Message::Error(_) => return Ok(self.lost()),
                 Message::Exiting => return Err(ProbeError::AgentExited),
@@ -348,14 +350,13 @@ impl<T: StampedTransport> ProbeSession<T> {
     }
 }
 
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::probe::transport::Received;
     use proptest::prelude::*;
     use vmtsync_core::agent::Agent;
     use vmtsync_core::agent::fake::{FakeClock, FakeLink};
-    use crate::probe::transport::Received;
     use vmtsync_core::estimate::estimate_offset;
 
     /// An in-process transport in the style of a built-in VMM: a simulated host clock, the
@@ -441,7 +442,9 @@ mod tests {
     fn run(t: SimTransport, n: u32) -> (Vec<ProbeSample>, SessionStats) {
         let mut s = ProbeSession::hello(t, Duration::from_secs(1)).unwrap();
         assert_eq!(s.info().vcpu, 3);
-        let samples = s.probe_round(n, Duration::ZERO, &mut Progress::hidden()).unwrap();
+        let samples = s
+            .probe_round(n, Duration::ZERO, &mut Progress::hidden())
+            .unwrap();
         let stats = s.shutdown();
         (samples, stats)
     }
@@ -456,7 +459,10 @@ mod tests {
         let (samples, stats) = run(t, 64);
         assert_eq!(samples.len(), 64);
         assert_eq!(stats.sent, 64);
-        assert_eq!((stats.bad_frames, stats.lost_probes, stats.stale_replies), (0, 0, 0));
+        assert_eq!(
+            (stats.bad_frames, stats.lost_probes, stats.stale_replies),
+            (0, 0, 0)
+        );
         let e = estimate_offset(&samples).unwrap();
         let truth = i64::try_from(offset).unwrap();
         assert!(e.min <= truth && truth <= e.max, "{e:?}");
@@ -536,7 +542,10 @@ mod tests {
         let Err(err) = ProbeSession::hello(Silent, Duration::from_millis(5)) else {
             panic!("a silent peer must not complete the hello");
         };
-        assert!(matches!(err, ProbeError::Timeout { what, .. } if what.contains("capabilities")), "{err}");
+        assert!(
+            matches!(err, ProbeError::Timeout { what, .. } if what.contains("capabilities")),
+            "{err}"
+        );
     }
 
     proptest! {

@@ -24,7 +24,10 @@ use vmtsync::syncfile::{SyncFile, convert_with_sync};
 const SKEW: i64 = 5_000_000;
 
 fn clock() -> SkewedClock {
-    SkewedClock { skew: SKEW, vcpu: 0 }
+    SkewedClock {
+        skew: SKEW,
+        vcpu: 0,
+    }
 }
 
 fn tmp(name: &str) -> PathBuf {
@@ -66,14 +69,24 @@ fn check_truth(label: &str, s: &ProbeSummary) {
         s.bound_lo,
         s.bound_hi
     );
-    assert_eq!(s.model, OffsetModel::Offset, "{label}: identity rate must fit");
+    assert_eq!(
+        s.model,
+        OffsetModel::Offset,
+        "{label}: identity rate must fit"
+    );
     // The guaranteed width is the fastest round trip (the best probe's bracket) at most.
     assert!(s.width() <= s.rtt.min, "{label}: {s:?}");
     // trace-cmd's midpoint of the fastest probe lies in that probe's bracket, so it is at
     // most one RTT from the truth, but it carries no bound of its own.
-    assert!((s.tracecmd_fastest - SKEW).unsigned_abs() <= s.rtt.min, "{label}: {s:?}");
+    assert!(
+        (s.tracecmd_fastest - SKEW).unsigned_abs() <= s.rtt.min,
+        "{label}: {s:?}"
+    );
     if let Some(d) = s.drift {
-        assert!(d.lo <= 0 && 0 <= d.hi, "{label}: drift {d:?} excludes the true 0");
+        assert!(
+            d.lo <= 0 && 0 <= d.hi,
+            "{label}: drift {d:?} excludes the true 0"
+        );
     }
 }
 
@@ -252,7 +265,10 @@ fn continuous_mode_writes_a_sync_file_that_convert_reads_back() {
     let width = last_seg.offset_hi.abs_diff(last_seg.offset_lo);
     for (line, h) in BufReader::new(&converted[..]).lines().zip(&hosts) {
         let got: u64 = line.unwrap().parse().unwrap();
-        println!("convert: true host {h}, converted {got}, error {:+}", i128::from(got) - i128::from(*h));
+        println!(
+            "convert: true host {h}, converted {got}, error {:+}",
+            i128::from(got) - i128::from(*h)
+        );
         assert!(got.abs_diff(*h) <= width, "{got} vs {h}, width {width}");
     }
     std::fs::remove_file(path).unwrap();

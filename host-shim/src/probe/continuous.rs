@@ -40,7 +40,8 @@ pub struct ContinuousSummary {
     pub segments: u64,
     /// Of which started a new estimate.
     pub breaks: u64,
-    /// Rounds that yielded no sample (nothing written for them).
+    /// Rounds that yielded no usable samples (all lost, or a clock step inside the round);
+    /// nothing was written for them.
     pub empty_rounds: u64,
     /// The last round's summary.
     pub last: Option<ProbeSummary>,
@@ -123,6 +124,13 @@ pub(super) fn run<T: StampedTransport>(
         if samples.is_empty() {
             summary.empty_rounds += 1;
             writeln!(out, "round {round}: every probe was lost").map_err(ProbeError::Output)?;
+        } else if let Err(e) = ProbeSummary::from_samples(session.info(), &samples, session.stats())
+        {
+            // The guest clock stepped inside this round (no constant rate fits it alone):
+            // nothing trustworthy to write; the next round measures the new relation.
+            summary.empty_rounds += 1;
+            writeln!(out, "round {round}: skipped, samples inconsistent ({e:?})")
+                .map_err(ProbeError::Output)?;
         } else {
             let s = ProbeSummary::from_samples(session.info(), &samples, session.stats())?;
             let is_break = cumulative.add(&samples);
@@ -238,7 +246,59 @@ impl ProbeOptions {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::probe::testutil::SimTransport;
+    use crate::probe::{ProbeAddr, run_probe_on};
+    use crate::syncfile::{SyncFile, convert_with_sync};
     use vmtsync_core::{GuestTicks, HostTicks};
+
+    #[test]
+    fn a_migration_between_rounds_is_a_break_and_converts_exactly() {
+        let dir = std::env::temp_dir().join(format!("vmtsync-cont-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("migration.jsonl");
+        let _ = std::fs::remove_file(&path);
+        let mut t = SimTransport::new(1_000);
+        t.exact = true;
+        t.gap = 1_000_000;
+        // Flush + hello, then two rounds of 8 probes; the third round sees the new offset.
+        t.step_at = Some((2 + 16, 9_000_000));
+        let mut opts = ProbeOptions::new(ProbeAddr::Unix("sim".into()));
+        opts.progress = false;
+        opts.probes = 8;
+        opts.continuous = Some(ContinuousOptions {
+            out: path.clone(),
+            resync: Duration::ZERO,
+            rounds: Some(4),
+        });
+        let mut out = Vec::new();
+        let last = run_probe_on(t, &opts, &mut out).unwrap();
+        let text = String::from_utf8(out).unwrap();
+        assert_eq!(text.matches("BREAK").count(), 1, "{text}");
+        assert_eq!((last.bound_lo, last.offset), (9_000_000, 9_000_000));
+        let sync = SyncFile::read(&path).unwrap();
+        let breaks: Vec<bool> = sync.segments.iter().map(|s| s.is_break).collect();
+        assert_eq!(breaks, [false, false, true, false]);
+        for (i, seg) in sync.segments.iter().enumerate() {
+            let truth = if i < 2 { 1_000 } else { 9_000_000 };
+            // Exact stamps: the bounds are the truth, widened by at most the one tick of the
+            // rate model's rounding (a reading is the line rounded down).
+            assert_eq!((seg.offset_lo, seg.offset), (truth, truth), "{seg:?}");
+            assert!(seg.offset_hi - truth <= 1, "{seg:?}");
+            assert_eq!(seg.drift_ppb, 0);
+        }
+        // Guest ticks inside each segment convert back exactly.
+        let (s1, s2) = (sync.segments[1], sync.segments[2]);
+        let input = format!("{}\n{}\n", s1.guest_start + 5, s2.guest_start + 5);
+        let mut conv = Vec::new();
+        convert_with_sync(&sync, 3, &mut input.as_bytes(), &mut conv, false).unwrap();
+        let want = format!(
+            "{}\n{}\n",
+            s1.guest_start + 5 - 1_000,
+            s2.guest_start + 5 - 9_000_000
+        );
+        assert_eq!(String::from_utf8(conv).unwrap(), want);
+        std::fs::remove_file(path).unwrap();
+    }
 
     fn round(start: u64, n: u64, offset: u64) -> Vec<ProbeSample> {
         (0..n)

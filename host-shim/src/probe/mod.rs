@@ -21,6 +21,8 @@ pub mod fake;
 pub mod progress;
 pub mod report;
 pub mod session;
+#[cfg(test)]
+pub(crate) mod testutil;
 pub mod transport;
 
 use std::io::{self, Write};

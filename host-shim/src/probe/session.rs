@@ -34,6 +34,9 @@ pub const UNWRAP_HORIZON: u64 = 1 << 30;
 /// Consecutive probes that may time out while only garbage arrives before the run fails.
 const MAX_GARBAGE_LOSSES: u32 = 3;
 
+/// The longest [`ProbeSession::shutdown`] waits for the agent's goodbye.
+const SHUTDOWN_WAIT: Duration = Duration::from_millis(500);
+
 /// Bytes read from the transport at a time.
 const READ_CHUNK: usize = 256;
 
@@ -267,10 +270,11 @@ impl<T: StampedTransport> ProbeSession<T> {
     }
 
     /// Ends the session: sends [`Message::Shutdown`] and waits (up to the timeout) for
-    /// [`Message::Exiting`]. Errors are ignored: the samples are already taken.
+    /// [`Message::Exiting`] (at most 500 ms). Errors are ignored: the samples are already taken.
     pub fn shutdown(mut self) -> SessionStats {
         if self.send(&Message::Shutdown).is_ok() {
-            let deadline = Instant::now() + self.timeout;
+            // Best effort: do not make a failing run wait a second full timeout.
+            let deadline = Instant::now() + self.timeout.min(SHUTDOWN_WAIT);
             while let Ok((msg, _)) = self.next_message(deadline, "exit") {
                 if msg == Message::Exiting {
                     break;
@@ -353,91 +357,10 @@ impl<T: StampedTransport> ProbeSession<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::probe::testutil::SimTransport;
     use crate::probe::transport::Received;
     use proptest::prelude::*;
-    use vmtsync_core::agent::Agent;
-    use vmtsync_core::agent::fake::{FakeClock, FakeLink};
     use vmtsync_core::estimate::estimate_offset;
-
-    /// An in-process transport in the style of a built-in VMM: a simulated host clock, the
-    /// core agent on a fake link, and exact stamps of when the guest consumed the request and
-    /// produced the reply (returned through `refine` when `exact` is set).
-    struct SimTransport {
-        agent: Agent<FakeLink, FakeClock>,
-        now: u64,
-        offset: u64,
-        fwd: u64,
-        back: u64,
-        /// Host time per probe between rounds (drives the TSC across 2^32 boundaries).
-        gap: u64,
-        pending: Vec<u8>,
-        garbage: Vec<Vec<u8>>,
-        exact: bool,
-        guest_read_at: u64,
-    }
-
-    impl SimTransport {
-        fn new(offset: u64) -> Self {
-            Self {
-                agent: Agent::new(FakeLink::new(), FakeClock::new(0, 0, 3)),
-                now: 1 << 40,
-                offset,
-                fwd: 700,
-                back: 900,
-                gap: 0,
-                pending: Vec::new(),
-                garbage: Vec::new(),
-                exact: false,
-                guest_read_at: 0,
-            }
-        }
-    }
-
-    impl StampedTransport for SimTransport {
-        fn send(&mut self, frame: &[u8]) -> Result<HostTicks, TransportError> {
-            self.now += self.gap;
-            let stamp = HostTicks(self.now);
-            self.now += self.fwd;
-            assert!(self.agent.link_mut().push_inbound(frame));
-            self.guest_read_at = self.now;
-            self.agent.clock_mut().tsc = self.now + self.offset;
-            self.agent.poll().unwrap();
-            self.now += self.back;
-            if let Some(g) = self.garbage.pop() {
-                self.pending.extend_from_slice(&g);
-            }
-            let mut f = [0u8; MAX_FRAME_SIZE];
-            while let Some(n) = self.agent.link_mut().next_sent_frame(&mut f) {
-                self.pending.extend_from_slice(&f[..n.min(f.len())]);
-            }
-            Ok(stamp)
-        }
-
-        fn recv(&mut self, buf: &mut [u8], _deadline: Instant) -> Result<Received, TransportError> {
-            if self.pending.is_empty() {
-                return Err(TransportError::Timeout(Duration::ZERO));
-            }
-            // Hand out odd-sized chunks to exercise reassembly.
-            let n = self.pending.len().min(buf.len()).min(7);
-            buf[..n].copy_from_slice(&self.pending[..n]);
-            self.pending.drain(..n);
-            Ok(Received {
-                len: n,
-                stamp: HostTicks(self.now),
-            })
-        }
-
-        fn refine(&mut self, stamps: FrameStamps) -> FrameStamps {
-            if self.exact {
-                FrameStamps {
-                    send: HostTicks(self.guest_read_at),
-                    recv: HostTicks(self.guest_read_at),
-                }
-            } else {
-                stamps
-            }
-        }
-    }
 
     fn run(t: SimTransport, n: u32) -> (Vec<ProbeSample>, SessionStats) {
         let mut s = ProbeSession::hello(t, Duration::from_secs(1)).unwrap();

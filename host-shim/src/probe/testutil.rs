@@ -1,0 +1,103 @@
+//! Test support: an in-process transport in the style of a built-in VMM, running the core
+//! agent on a fake link against a simulated host clock.
+
+use std::time::{Duration, Instant};
+
+use vmtsync_core::HostTicks;
+use vmtsync_core::agent::Agent;
+use vmtsync_core::agent::fake::{FakeClock, FakeLink};
+use vmtsync_core::proto::MAX_FRAME_SIZE;
+
+use super::transport::{FrameStamps, Received, StampedTransport, TransportError};
+
+/// An in-process transport in the style of a built-in VMM: a simulated host clock, the
+/// core agent on a fake link, and exact stamps of when the guest consumed the request and
+/// produced the reply (returned through `refine` when `exact` is set).
+pub(crate) struct SimTransport {
+    pub(crate) agent: Agent<FakeLink, FakeClock>,
+    pub(crate) now: u64,
+    pub(crate) offset: u64,
+    pub(crate) fwd: u64,
+    pub(crate) back: u64,
+    /// Host time per probe between rounds (drives the TSC across 2^32 boundaries).
+    pub(crate) gap: u64,
+    pub(crate) pending: Vec<u8>,
+    pub(crate) garbage: Vec<Vec<u8>>,
+    pub(crate) exact: bool,
+    pub(crate) guest_read_at: u64,
+    /// Frames sent so far.
+    pub(crate) sends: u64,
+    /// After this many sends, the guest offset becomes the second value (a migration).
+    pub(crate) step_at: Option<(u64, u64)>,
+}
+
+impl SimTransport {
+    pub(crate) fn new(offset: u64) -> Self {
+        Self {
+            agent: Agent::new(FakeLink::new(), FakeClock::new(0, 0, 3)),
+            now: 1 << 40,
+            offset,
+            fwd: 700,
+            back: 900,
+            gap: 0,
+            pending: Vec::new(),
+            garbage: Vec::new(),
+            exact: false,
+            guest_read_at: 0,
+            sends: 0,
+            step_at: None,
+        }
+    }
+}
+
+impl StampedTransport for SimTransport {
+    fn send(&mut self, frame: &[u8]) -> Result<HostTicks, TransportError> {
+        self.sends += 1;
+        if let Some((at, offset)) = self.step_at
+            && self.sends > at
+        {
+            self.offset = offset;
+        }
+        self.now += self.gap;
+        let stamp = HostTicks(self.now);
+        self.now += self.fwd;
+        assert!(self.agent.link_mut().push_inbound(frame));
+        self.guest_read_at = self.now;
+        self.agent.clock_mut().tsc = self.now + self.offset;
+        self.agent.poll().unwrap();
+        self.now += self.back;
+        if let Some(g) = self.garbage.pop() {
+            self.pending.extend_from_slice(&g);
+        }
+        let mut f = [0u8; MAX_FRAME_SIZE];
+        while let Some(n) = self.agent.link_mut().next_sent_frame(&mut f) {
+            self.pending.extend_from_slice(&f[..n.min(f.len())]);
+        }
+        Ok(stamp)
+    }
+
+    fn recv(&mut self, buf: &mut [u8], _deadline: Instant) -> Result<Received, TransportError> {
+        if self.pending.is_empty() {
+            return Err(TransportError::Timeout(Duration::ZERO));
+        }
+        // Hand out odd-sized chunks to exercise reassembly.
+        let n = self.pending.len().min(buf.len()).min(7);
+        buf[..n].copy_from_slice(&self.pending[..n]);
+        self.pending.drain(..n);
+        Ok(Received {
+            len: n,
+            stamp: HostTicks(self.now),
+        })
+    }
+
+    fn refine(&mut self, stamps: FrameStamps) -> FrameStamps {
+        if self.exact {
+            FrameStamps {
+                send: HostTicks(self.guest_read_at),
+                recv: HostTicks(self.guest_read_at),
+            }
+        } else {
+            stamps
+        }
+    }
+}

@@ -13,7 +13,7 @@ use anyhow::Result;
 use crate::{cargo, root, sh};
 
 /// Fuzz targets in `core/fuzz/fuzz_targets/`.
-const TARGETS: &[&str] = &["decode"];
+const TARGETS: &[&str] = &["decode", "agent"];
 
 /// Seconds each target runs in CI: long enough to reach deep into the decoder (hundreds of
 /// thousands of inputs here), short enough for every CI run.

@@ -380,3 +380,42 @@ fn shutdown_answers_exiting_and_stops() {
     assert_eq!(a.poll(), Ok(AgentState::Exited));
     assert_eq!(drain(&mut a), []);
 }
+
+proptest::proptest! {
+    /// Arbitrary bytes, in arbitrary chunk sizes, never panic the agent, and once a delimiter
+    /// has closed whatever they left open, the next probe is answered according to the state
+    /// the garbage left (it may itself hold valid frames, such as a shutdown).
+    #[test]
+    fn arbitrary_input_then_probe(
+        garbage in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..600),
+        chunk in 1usize..80,
+        seq: u16,
+    ) {
+        let mut a = agent(5);
+        open(&mut a);
+        a.link_mut().max_recv = chunk;
+        for piece in garbage.chunks(1000) {
+            proptest::prop_assert!(a.link_mut().push_inbound(piece));
+        }
+        proptest::prop_assert!(a.link_mut().push_inbound(&[0]));
+        while a.link().inbound_len() > 0 && a.state() != AgentState::Exited {
+            let _ = a.poll();
+        }
+        drain(&mut a);
+        let state = a.state();
+        let answer = exchange(&mut a, &Message::Probe { seq });
+        match state {
+            AgentState::Ready => {
+                let ok = matches!(
+                    answer.as_slice(),
+                    [Message::ProbeReply(r)] if r.seq == seq && r.vcpu == VCPU
+                );
+                proptest::prop_assert!(ok, "{:?}", answer);
+            }
+            AgentState::AwaitHello => {
+                proptest::prop_assert_eq!(answer, [Message::Error(ErrorCode::NotReady)]);
+            }
+            AgentState::Exited => proptest::prop_assert_eq!(answer, []),
+        }
+    }
+}

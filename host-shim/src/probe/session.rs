@@ -269,7 +269,7 @@ impl<T: StampedTransport> ProbeSession<T> {
         Ok(samples)
     }
 
-    /// Ends the session: sends [`Message::Shutdown`] and waits (up to the timeout) for
+    /// Ends the session: sends [`Message::Shutdown`] and waits for
     /// [`Message::Exiting`] (at most 500 ms). Errors are ignored: the samples are already taken.
     pub fn shutdown(mut self) -> SessionStats {
         if self.send(&Message::Shutdown).is_ok() {

@@ -26,7 +26,6 @@ pub(crate) mod testutil;
 pub mod transport;
 
 use std::io::{self, Write};
-use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 use std::time::Duration;
 
@@ -65,9 +64,9 @@ pub struct ProbeOptions {
     pub progress: bool,
     /// Continuous mode (`--continuous --out FILE`), or one round.
     pub continuous: Option<ContinuousOptions>,
-    /// Set from another thread (e.g. a signal handler) to end continuous mode after the
-    /// current round.
-    pub stop: Option<Arc<AtomicBool>>,
+    /// Set from another thread or a signal handler (e.g. the CLI's `static STOP`) to end
+    /// continuous mode after the current round.
+    pub stop: Option<&'static AtomicBool>,
 }
 
 impl ProbeOptions {

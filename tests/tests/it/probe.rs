@@ -338,3 +338,70 @@ fn vsock_addresses_parse_and_build_without_opening_a_socket() {
         (libc::AF_VSOCK, 3, 5000)
     );
 }
+
+#[test]
+fn continuous_mode_without_a_round_limit_stops_on_the_flag() {
+    static STOP: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    let path = tmp("stop.jsonl");
+    let (host, agent) = fake::spawn_unix_pair(clock()).unwrap();
+    let mut opts = quiet(ProbeAddr::Unix("socketpair".into()));
+    opts.probes = 8;
+    opts.stop = Some(&STOP);
+    opts.continuous = Some(ContinuousOptions {
+        out: path.clone(),
+        resync: Duration::from_millis(10),
+        rounds: None,
+    });
+    let stopper = thread::spawn(|| {
+        thread::sleep(Duration::from_millis(100));
+        STOP.store(true, std::sync::atomic::Ordering::Relaxed);
+    });
+    let t = StreamTransport::new(host, opts.timeout).unwrap();
+    let mut out = Vec::new();
+    let last = run_probe_on(t, &opts, &mut out).unwrap();
+    stopper.join().unwrap();
+    check_truth("stopped continuous", &last);
+    let rounds = String::from_utf8(out).unwrap().lines().count();
+    let sync = SyncFile::read(&path).unwrap();
+    println!("stopped after {rounds} rounds");
+    assert!(rounds >= 1);
+    assert_eq!(sync.segments.len(), rounds);
+    assert_eq!(
+        agent.join().unwrap().probes,
+        u32::try_from(rounds * 8).unwrap()
+    );
+    std::fs::remove_file(path).unwrap();
+}
+
+/// vhost-device-vsock sometimes accepts a host connection and never answers the `CONNECT`
+/// line (DESIGN.md §4): the attempt times out and a new connection succeeds.
+#[test]
+fn vsock_uds_handshake_survives_a_hung_attempt() {
+    let path = tmp("hung.vsock");
+    let listener = UnixListener::bind(&path).unwrap();
+    let server = thread::spawn(move || {
+        // Attempt 0: read the line, then hold the connection open without answering.
+        let (hung, _) = listener.accept().unwrap();
+        let mut r = BufReader::new(hung);
+        let mut line = String::new();
+        r.read_line(&mut line).unwrap();
+        // Attempt 1: answer.
+        let (s, _) = listener.accept().unwrap();
+        let mut r2 = BufReader::new(s);
+        let mut line2 = String::new();
+        r2.read_line(&mut line2).unwrap();
+        let mut s = r2.into_inner();
+        s.write_all(b"OK 5\n").unwrap();
+        let stats = fake::serve(s, clock());
+        drop(r);
+        (line, line2, stats)
+    });
+    let mut opts = quiet(ProbeAddr::parse(&format!("vsock-uds:{}:77", path.display())).unwrap());
+    opts.probes = 8;
+    let s = run_probe(&opts, &mut Vec::new()).unwrap();
+    check_truth("vsock-uds after a hung attempt", &s);
+    let (l1, l2, stats) = server.join().unwrap();
+    assert_eq!((l1.as_str(), l2.as_str()), ("CONNECT 77\n", "CONNECT 77\n"));
+    assert_eq!(stats.probes, 8);
+    std::fs::remove_file(path).unwrap();
+}

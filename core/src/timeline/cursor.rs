@@ -6,7 +6,7 @@
 //! a binary search in the last step), so even a sparse stream that skips many segments pays
 //! O(log gap), and a dense one pays O(1). Going backwards costs one binary search.
 
-use super::{ConvertError, Segment, Timeline};
+use super::{ConvertError, Segment, Timeline, fast};
 use crate::units::{GuestTicks, HostTicks};
 
 /// A position in a [`Timeline`] that converts guest ticks to host ticks, fastest when the ticks
@@ -61,11 +61,11 @@ impl<'a> Cursor<'a> {
     /// fast path. Results equal [`Cursor::try_convert_floor`] element by element.
     ///
     /// While the input stays inside the current segment's fast range, each element costs one
-    /// wrapping subtract and compare (which checks both ends of the range at once), one
-    /// 64×64→128 multiply, one 128-bit add, one shift and one add; no bounds checks and no
-    /// overflow checks, because the range was computed so that none can fail. Anything else
-    /// (next segment, a backwards step, a value near overflow) takes the checked path for that
-    /// one element.
+    /// wrapping subtract and compare (checked eight at a time; it tests both ends of the range
+    /// at once), one 64×64→128 multiply and a few adds; no bounds checks and no overflow checks,
+    /// because the range was computed so that none can fail (see the `fast` module). Anything
+    /// else (next segment, a backwards step, a value near overflow) takes the checked path for
+    /// that one element.
     ///
     /// # Errors
     ///
@@ -75,26 +75,7 @@ impl<'a> Cursor<'a> {
         let mut rest = ticks;
         let mut done = 0usize;
         loop {
-            let start = self.segment.start;
-            let span = self.fast_span;
-            let base = self.segment.base;
-            let frac = self.segment.frac;
-            let mul = u128::from(self.segment.slope.mul());
-            let shift = self.segment.slope.shift();
-            let mut run = 0usize;
-            for tick in rest.iter_mut() {
-                // Below `start` wraps to a huge distance: one compare checks both ends.
-                let d = tick.wrapping_sub(start);
-                if d > span {
-                    break;
-                }
-                let whole = (u128::from(d) * mul + frac) >> shift;
-                // d <= fast_span guarantees whole + base <= u64::MAX.
-                #[allow(clippy::cast_possible_truncation)]
-                let whole = whole as u64;
-                *tick = base.wrapping_add(whole);
-                run += 1;
-            }
+            let run = fast::convert_run(self.segment, self.fast_span, rest);
             done += run;
             let Some((tick, tail)) = rest.get_mut(run..).and_then(<[u64]>::split_first_mut) else {
                 return Ok(());
@@ -400,6 +381,35 @@ mod tests {
         fn cursor_equals_random_access_unsorted(segs in segments(), picks in pick()) {
             let timeline = Timeline::new(&segs).unwrap();
             check_stream(timeline, &ticks(&segs, &picks))?;
+        }
+    }
+
+    #[test]
+    fn batch_kernels_match_random_access_on_long_runs() {
+        // Both kernel shapes: unit, ppb and KVM slopes take the Q64.64 kernel (shift <= 64);
+        // a slope of 1/1000 (shift > 64) takes the general one. Runs of hundreds of ticks per
+        // segment exercise the eight-wide chunks, their tails and the chunk that leaves a segment.
+        let g = GuestTicks;
+        let segs = [
+            Segment::identity(g(1_000)),
+            Segment::try_from_anchor_ppb(g(50_000), g(49_000), HostTicks(60_000), -12_345).unwrap(),
+            Segment::try_from_anchor_ratio(g(90_001), g(90_001), HostTicks(100_000), 1, 1_000)
+                .unwrap(),
+            Segment::try_from_kvm(g(150_000), 777, (1 << 48) + 12_345_678, 48).unwrap(),
+            Segment::try_from_anchor_ratio(g(200_000), g(0), HostTicks(0), 1_000_001, 1_000_000)
+                .unwrap(),
+        ];
+        assert!(segs[2].slope().shift() > 64 && segs[1].slope().shift() <= 64);
+        let timeline = Timeline::new(&segs).unwrap();
+        let stream: Vec<u64> = (0..300_000u64).step_by(7).chain(250_000..250_100).collect();
+        let mut batch = stream.clone();
+        timeline.try_convert_slice_floor(&mut batch).unwrap();
+        for (&guest, &host) in stream.iter().zip(&batch) {
+            assert_eq!(
+                Some(HostTicks(host)),
+                timeline.try_convert_floor(GuestTicks(guest)),
+                "guest {guest}"
+            );
         }
     }
 

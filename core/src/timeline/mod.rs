@@ -25,6 +25,7 @@
 //! here panics or allocates, and there are no floats.
 
 mod cursor;
+mod fast;
 mod segment;
 mod slope;
 

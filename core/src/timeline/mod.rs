@@ -26,10 +26,12 @@
 
 mod cursor;
 mod fast;
+mod owned;
 mod segment;
 mod slope;
 
 pub use cursor::Cursor;
+pub use owned::TimelineBuf;
 pub use segment::Segment;
 pub use slope::Slope;
 
@@ -47,6 +49,11 @@ pub enum TimelineError {
         /// The first offending segment.
         index: usize,
     },
+    /// A [`TimelineBuf`] already holds its `capacity` segments.
+    Full {
+        /// The buffer's fixed capacity.
+        capacity: usize,
+    },
 }
 
 impl core::fmt::Display for TimelineError {
@@ -57,6 +64,10 @@ impl core::fmt::Display for TimelineError {
                 f,
                 "segment {index} does not start after segment {}: sort the segments by guest start and drop duplicates",
                 index.wrapping_sub(1)
+            ),
+            Self::Full { capacity } => write!(
+                f,
+                "timeline buffer holds its {capacity} segments: use a larger capacity"
             ),
         }
     }
@@ -91,7 +102,7 @@ impl core::error::Error for ConvertError {}
 /// A validated, borrowed sequence of segments: strictly increasing guest starts, at least one.
 ///
 /// It borrows rather than owns so that `core` needs no heap: the host keeps its segments in a
-/// `Vec`, a guest in a fixed array or a `heapless::Vec`.
+/// `Vec`, a guest in a fixed array or a [`TimelineBuf`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Timeline<'a> {
     segments: &'a [Segment],

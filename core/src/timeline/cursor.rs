@@ -133,7 +133,10 @@ impl<'a> Cursor<'a> {
     fn set_bounds(&mut self, next: Option<&Segment>) {
         // Validation made starts strictly increasing, so next.start >= 1.
         self.end = next.map_or(u64::MAX, |n| n.start.saturating_sub(1));
-        self.fast_span = (self.end - self.segment.start).min(self.segment.fast_span);
+        self.fast_span = self
+            .end
+            .saturating_sub(self.segment.start)
+            .min(self.segment.fast_span);
     }
 }
 
@@ -146,8 +149,8 @@ mod tests {
     use proptest::prelude::*;
     use std::vec::Vec;
 
-    /// One random segment kind starting at `start`; an unrepresentable choice falls back to a
-    /// plain offset so that every generated timeline has all its starts.
+    /// One random segment kind starting at `start`; an unrepresentable choice falls back to the
+    /// identity so that every generated timeline has all its starts.
     #[derive(Clone, Debug)]
     enum Kind {
         Identity,

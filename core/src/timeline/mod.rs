@@ -12,9 +12,17 @@
 //! - random access, [`Timeline::try_convert_floor`]: a binary search per timestamp, which is
 //!   what trace-cmd's reader does for every event (trace-cmd-tsync.md §4.3);
 //! - streaming, [`Cursor`]: remembers the current segment, so a non-decreasing stream costs
-//!   amortized O(1) per timestamp; [`Cursor::try_convert_slice_floor`] is the batch fast path
-//!   (one compare, one 64×64→128 multiply, one add, one shift per timestamp). A timestamp that
-//!   goes backwards falls back to a binary search: slower, never wrong.
+//!   amortized O(1) per timestamp (a jump over many segments gallops: O(log gap));
+//!   [`Cursor::try_convert_slice_floor`] is the batch fast path (a range compare checked eight
+//!   at a time, one 64×64→128 multiply and a few adds per timestamp, no shift for every slope
+//!   of at least 1/4). A timestamp that goes backwards falls back to a binary search: slower,
+//!   never wrong.
+//!
+//! `cargo bench -p vmtsync-core --bench timeline` (4096 segments, 1 Mi monotone events)
+//! measures the batch path against the per-event binary search in the same run.
+//!
+//! Segments live in a caller-owned slice (a `Vec` on the host) or in a [`TimelineBuf`], a
+//! fixed-capacity owner for heap-less callers.
 //!
 //! **Before the first segment** the first segment is extrapolated backwards (trace-cmd does the
 //! same), so an event recorded just before the first sync still lands on the host timeline.

@@ -4,9 +4,11 @@
 //! - `ci`: everything CI checks, in order; collects every failure, then reports them all.
 //! - `check-nostd`: build `vmtsync-core` for `x86_64-unknown-none`, with and without `defmt`.
 //! - `bench`: run the criterion benchmarks.
+//! - `fuzz`: the `ci` fuzz smoke run on its own.
 //! - `setup`: install what the tier-2 tests need on a fresh machine (rustup target, Debian
 //!   packages, debugfs mount).
 
+mod fuzz;
 mod setup;
 
 use std::env;
@@ -36,6 +38,7 @@ fn run() -> Result<()> {
         "ci" => ci(rest),
         "check-nostd" => check_nostd(),
         "bench" => bench(rest),
+        "fuzz" => fuzz::smoke(),
         "setup" => setup::setup(),
         "help" | "--help" | "-h" => {
             println!("{HELP}");
@@ -52,6 +55,7 @@ commands:
   ci            fmt, clippy, tests (incl. tier 2 on real KVM), no_std build, fuzz smoke run
   check-nostd   build vmtsync-core for x86_64-unknown-none, with and without defmt
   bench         run the criterion benchmarks (cargo bench -p vmtsync-core)
+  fuzz          build the core/fuzz targets and run each for 20 s (the ci fuzz step)
   setup         install tier-2 prerequisites (rustup target, apt packages, debugfs mount)
 
 environment:
@@ -120,6 +124,7 @@ fn ci(_args: &[String]) -> Result<()> {
         ("benches compile", || {
             sh(cargo().args(["bench", "--workspace", "--no-run"]))
         }),
+        ("fuzz", fuzz::smoke),
     ];
 
     let mut failed = Vec::new();

@@ -1,0 +1,119 @@
+//! # vmtsync-agent
+//!
+//! A bare-metal x86_64 guest that answers vmtsync probes. It boots through PVH (a Xen ELF note
+//! naming a 32-bit entry), so QEMU `-kernel` and the built-in VMM in `vmtsync-tests` load the
+//! same ELF unchanged. COM1 (0x3f8) carries the probe protocol, COM2 (0x2f8) human-readable
+//! logs; isa-debug-exit (0xf4) ends the VM.
+//!
+//! Boot options (PVH command line): see [`options`].
+//!
+//! ## Wire protocol (TEMPORARY placeholder)
+//!
+//! Until the postcard + COBS protocol and the agent state machine of `vmtsync-core` land, COM1
+//! speaks a line protocol, one request byte at a time:
+//!
+//! - at boot the agent sends `H vmtsync-agent\n`;
+//! - `p` → `T<16 lowercase hex digits of the (skewed) TSC>\n`. The TSC is read with
+//!   `lfence; rdtsc` right after THR is known empty, and `T` is written the next instruction,
+//!   so the VM exit carrying `T` is the host's upper bound on the read;
+//! - `q` → `Q\n`, then isa-debug-exit with the `exit=` code;
+//! - any other byte is echoed back.
+#![no_std]
+#![no_main]
+
+mod boot;
+mod options;
+mod port;
+mod pvh;
+mod tsc;
+mod uart;
+
+use core::fmt::Write as _;
+
+use options::Options;
+use uart::{COM1, COM2};
+
+/// Writes one formatted line to the COM2 log.
+macro_rules! log {
+    ($($arg:tt)*) => {{
+        let mut w = $crate::uart::COM2;
+        // COM2 writes cannot fail (`Uart::write_str` always returns Ok).
+        let _ = ::core::writeln!(w, $($arg)*);
+    }};
+}
+
+/// Rust entry, called by `boot.rs` in long mode with the physical address of the PVH start info.
+#[unsafe(no_mangle)]
+pub extern "C" fn kmain(start_info_phys: u64) -> ! {
+    COM2.init();
+    COM1.init();
+    log!(
+        "vmtsync-agent {}: long mode, start_info at {start_info_phys:#x}",
+        env!("CARGO_PKG_VERSION")
+    );
+
+    // SAFETY: boot.rs passes the loader's ebx unchanged and identity-maps the first 4 GiB.
+    let Some(si) = (unsafe { pvh::read(start_info_phys) }) else {
+        log!("bad hvm_start_info magic; exiting");
+        port::exit(port::PANIC_EXIT_CODE);
+    };
+    // SAFETY: `si` came from `pvh::read`.
+    let cmdline = unsafe { pvh::cmdline(&si) };
+    log!(
+        "start_info v{} cmdline {:?}",
+        si.version,
+        core::str::from_utf8(cmdline).unwrap_or("<not utf-8>")
+    );
+    let opts = Options::parse(cmdline, |word, err| {
+        log!(
+            "ignoring option {:?}: {err:?}",
+            core::str::from_utf8(word).unwrap_or("<not utf-8>")
+        );
+    });
+    log!(
+        "options: transport={:?} exit={} skew={}+(tsc*{})>>{}",
+        opts.transport,
+        opts.exit_code,
+        opts.skew.offset,
+        opts.skew.ratio,
+        opts.skew.frac_bits
+    );
+    log!("tsc at ready: {}", tsc::read());
+
+    COM1.write_all(b"H vmtsync-agent\n");
+    serve_placeholder(&opts)
+}
+
+/// The TEMPORARY line protocol described in the crate docs; replaced by the core agent state
+/// machine once it lands.
+fn serve_placeholder(opts: &Options) -> ! {
+    loop {
+        match COM1.read() {
+            b'p' => {
+                COM1.wait_thr_empty();
+                let raw = tsc::read();
+                COM1.write_unchecked(b'T');
+                let t = opts.skew.apply(raw);
+                let mut hex = [0u8; 16];
+                for (i, d) in hex.iter_mut().enumerate() {
+                    let nibble = (t >> (60 - 4 * i)) & 0xf;
+                    *d = b"0123456789abcdef"[usize::try_from(nibble).unwrap_or(0)];
+                }
+                COM1.write_all(&hex);
+                COM1.write(b'\n');
+            }
+            b'q' => {
+                COM1.write_all(b"Q\n");
+                log!("quit: isa-debug-exit {}", opts.exit_code);
+                port::exit(opts.exit_code);
+            }
+            other => COM1.write(other),
+        }
+    }
+}
+
+#[panic_handler]
+fn panic(info: &core::panic::PanicInfo<'_>) -> ! {
+    log!("PANIC: {info}");
+    port::exit(port::PANIC_EXIT_CODE)
+}

@@ -1,0 +1,54 @@
+//! The guest TSC, read as `lfence; rdtsc`, and the optional software skew.
+//!
+//! RDTSCP is never used: it is not exposed to guests on the project's machines and executing it
+//! kills the VM (DESIGN.md §4). `lfence` before `rdtsc` keeps the read from being hoisted above
+//! the UART read that delivered the probe.
+
+use core::arch::asm;
+
+/// Reads the TSC after all earlier instructions have completed.
+#[inline(always)]
+pub fn read() -> u64 {
+    let lo: u32;
+    let hi: u32;
+    // SAFETY: lfence and rdtsc have no memory effects; CR4.TSD is clear (never set by the
+    // agent), so rdtsc is allowed at CPL 0.
+    unsafe {
+        asm!("lfence", "rdtsc", out("eax") lo, out("edx") hi, options(nomem, nostack, preserves_flags));
+    }
+    (u64::from(hi) << 32) | u64::from(lo)
+}
+
+/// A software skew applied to every TSC value the agent reports, in KVM's own form:
+/// `reported = offset + ((tsc * ratio) >> frac_bits)` (wrapping add, 128-bit product). It lets
+/// tests exercise non-zero offsets and scaling end to end on machines where KVM refuses to
+/// set them (DESIGN.md §4).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Skew {
+    /// Added (wrapping) after scaling, like KVM's `tsc_offset`.
+    pub offset: u64,
+    /// Fixed-point multiplier with `frac_bits` fractional bits.
+    pub ratio: u64,
+    /// Fractional bits of `ratio` (at most 63).
+    pub frac_bits: u32,
+}
+
+impl Skew {
+    /// The identity skew: offset 0, ratio 1.0.
+    pub const IDENTITY: Self = Self {
+        offset: 0,
+        ratio: 1,
+        frac_bits: 0,
+    };
+
+    /// Applies the skew to a raw TSC value. The scaled value is truncated to 64 bits (KVM keeps
+    /// the low 64 bits of the shifted product too).
+    #[must_use]
+    pub fn apply(self, tsc: u64) -> u64 {
+        let scaled = (u128::from(tsc) * u128::from(self.ratio)) >> self.frac_bits;
+        // Truncation is KVM's own behaviour for the guest TSC (kvm_scale_tsc returns u64).
+        #[allow(clippy::cast_possible_truncation)]
+        let scaled = scaled as u64;
+        scaled.wrapping_add(self.offset)
+    }
+}

@@ -17,6 +17,8 @@
 //!   `lfence; rdtsc` right after THR is known empty, and `T` is written the next instruction,
 //!   so the VM exit carrying `T` is the host's upper bound on the read;
 //! - `q` → `Q\n`, then isa-debug-exit with the `exit=` code;
+//! - `!` → a deliberate panic (tests the panic path: log on COM2, exit code 0x7e);
+//! - `w` → `W\n`, then a spin loop with no VM exits (tests the host's watchdog);
 //! - any other byte is echoed back.
 #![no_std]
 #![no_main]
@@ -106,6 +108,14 @@ fn serve_placeholder(opts: &Options) -> ! {
                 COM1.write_all(b"Q\n");
                 log!("quit: isa-debug-exit {}", opts.exit_code);
                 port::exit(opts.exit_code);
+            }
+            b'!' => panic!("host asked for a panic"),
+            b'w' => {
+                COM1.write_all(b"W\n");
+                log!("spinning without exits until the host's watchdog ends the VM");
+                loop {
+                    core::hint::spin_loop();
+                }
             }
             other => COM1.write(other),
         }

@@ -333,11 +333,13 @@ fn run_vcpu(
     let start = Instant::now();
     let mut io_exits = 0u64;
     let exit = loop {
-        if stop.load(Ordering::SeqCst) {
-            break VmExit::Stopped;
-        }
+        // The deadline first: the watchdog also raises `stop` to get here, and its run must
+        // read as a timeout, not as a requested stop.
         if Instant::now() >= deadline {
             break VmExit::Timeout;
+        }
+        if stop.load(Ordering::SeqCst) {
+            break VmExit::Stopped;
         }
         match vcpu.run() {
             Ok(VcpuExit::IoIn(port, data)) => {

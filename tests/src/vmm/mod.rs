@@ -15,6 +15,7 @@
 
 mod agent_build;
 mod boot;
+pub mod qemu;
 pub mod serial;
 pub mod tsc;
 

@@ -24,21 +24,16 @@
 #![no_main]
 
 mod boot;
-mod options;
-mod port;
-mod pvh;
-mod tsc;
-mod uart;
-
 use core::fmt::Write as _;
 
-use options::Options;
-use uart::{COM1, COM2};
+use vmtsync_agent::options::Options;
+use vmtsync_agent::uart::{COM1, COM2};
+use vmtsync_agent::{port, pvh, tsc};
 
 /// Writes one formatted line to the COM2 log.
 macro_rules! log {
     ($($arg:tt)*) => {{
-        let mut w = $crate::uart::COM2;
+        let mut w = vmtsync_agent::uart::COM2;
         // COM2 writes cannot fail (`Uart::write_str` always returns Ok).
         let _ = ::core::writeln!(w, $($arg)*);
     }};

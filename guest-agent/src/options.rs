@@ -61,7 +61,10 @@ impl Options {
     }
 
     fn apply(&mut self, word: &[u8]) -> Result<(), OptionError> {
-        let eq = word.iter().position(|&b| b == b'=').ok_or(OptionError::UnknownKey)?;
+        let eq = word
+            .iter()
+            .position(|&b| b == b'=')
+            .ok_or(OptionError::UnknownKey)?;
         let (key, value) = (&word[..eq], &word[eq + 1..]);
         match key {
             b"transport" => match value {
@@ -118,4 +121,73 @@ pub fn parse_u64(v: &[u8]) -> Option<u64> {
         n = n.checked_mul(u64::from(radix))?.checked_add(u64::from(x))?;
     }
     Some(n)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(s: &str) -> (Options, Vec<(String, OptionError)>) {
+        let mut errs = Vec::new();
+        let o = Options::parse(s.as_bytes(), |w, e| {
+            errs.push((String::from_utf8_lossy(w).into_owned(), e));
+        });
+        (o, errs)
+    }
+
+    #[test]
+    fn empty_command_line_gives_defaults() {
+        assert_eq!(parse(""), (Options::default(), vec![]));
+        assert_eq!(parse("   "), (Options::default(), vec![]));
+    }
+
+    #[test]
+    fn known_options_parse() {
+        let (o, errs) = parse("transport=uart exit=0x2a  skew=-1000,0x3,1");
+        assert!(errs.is_empty(), "{errs:?}");
+        assert_eq!(o.transport, Transport::Uart);
+        assert_eq!(o.exit_code, 42);
+        assert_eq!(
+            o.skew,
+            Skew {
+                offset: 0u64.wrapping_sub(1000),
+                ratio: 3,
+                frac_bits: 1
+            }
+        );
+    }
+
+    #[test]
+    fn bad_words_are_reported_and_ignored() {
+        let (o, errs) =
+            parse("exit=256 foo transport=vsock skew=1,0,0 skew=1,1,64 skew=1,1 bar=1 exit=7");
+        assert_eq!(o.exit_code, 7);
+        assert_eq!(o.skew, Skew::IDENTITY);
+        let kinds: Vec<_> = errs.iter().map(|(w, e)| (w.as_str(), *e)).collect();
+        assert_eq!(
+            kinds,
+            vec![
+                ("exit=256", OptionError::BadValue),
+                ("foo", OptionError::UnknownKey),
+                ("transport=vsock", OptionError::BadValue),
+                ("skew=1,0,0", OptionError::BadValue),
+                ("skew=1,1,64", OptionError::BadValue),
+                ("skew=1,1", OptionError::BadValue),
+                ("bar=1", OptionError::UnknownKey),
+            ]
+        );
+    }
+
+    #[test]
+    fn numbers_parse_in_both_radixes_and_reject_overflow() {
+        assert_eq!(parse_u64(b"0"), Some(0));
+        assert_eq!(parse_u64(b"18446744073709551615"), Some(u64::MAX));
+        assert_eq!(parse_u64(b"18446744073709551616"), None);
+        assert_eq!(parse_u64(b"0xffffffffffffffff"), Some(u64::MAX));
+        assert_eq!(parse_u64(b"0x10000000000000000"), None);
+        assert_eq!(parse_u64(b"0x"), None);
+        assert_eq!(parse_u64(b""), None);
+        assert_eq!(parse_u64(b"12a"), None);
+        assert_eq!(parse_i64_wrapping(b"-1"), Some(u64::MAX));
+    }
 }

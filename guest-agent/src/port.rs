@@ -18,7 +18,9 @@ pub fn inb(port: u16) -> u8 {
     let v: u8;
     // SAFETY: port input has no memory effects; the agent owns the whole (virtual) machine and
     // only reads the UART and debug-exit ports it was configured with.
-    unsafe { asm!("in al, dx", out("al") v, in("dx") port, options(nomem, nostack, preserves_flags)) };
+    unsafe {
+        asm!("in al, dx", out("al") v, in("dx") port, options(nomem, nostack, preserves_flags))
+    };
     v
 }
 
@@ -27,14 +29,18 @@ pub fn inb(port: u16) -> u8 {
 pub fn outb(port: u16, v: u8) {
     // SAFETY: port output has no effect on Rust-visible memory; the ports used are the 16550
     // UARTs and isa-debug-exit, whose side effects are the point.
-    unsafe { asm!("out dx, al", in("dx") port, in("al") v, options(nomem, nostack, preserves_flags)) };
+    unsafe {
+        asm!("out dx, al", in("dx") port, in("al") v, options(nomem, nostack, preserves_flags))
+    };
 }
 
 /// Writes one 32-bit value to `port`.
 #[inline(always)]
 pub fn outl(port: u16, v: u32) {
     // SAFETY: as for `outb`: no memory effects, only the device's.
-    unsafe { asm!("out dx, eax", in("dx") port, in("eax") v, options(nomem, nostack, preserves_flags)) };
+    unsafe {
+        asm!("out dx, eax", in("dx") port, in("eax") v, options(nomem, nostack, preserves_flags))
+    };
 }
 
 /// Asks the VMM to end the VM with `code` through isa-debug-exit, then halts forever in case no

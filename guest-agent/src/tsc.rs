@@ -52,3 +52,37 @@ impl Skew {
         scaled.wrapping_add(self.offset)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn identity_skew_changes_nothing() {
+        for t in [0, 1, 1 << 40, u64::MAX] {
+            assert_eq!(Skew::IDENTITY.apply(t), t);
+        }
+    }
+
+    #[test]
+    fn skew_matches_kvm_formula_against_u128_reference() {
+        // A small deterministic LCG: no dependencies in the agent crate.
+        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+        let mut next = || {
+            x = x.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+            x
+        };
+        for _ in 0..10_000 {
+            let s = Skew {
+                offset: next(),
+                ratio: next() >> (next() % 64),
+                frac_bits: u32::try_from(next() % 64).expect("below 64"),
+            };
+            let t = next() >> (next() % 64);
+            let reference = ((u128::from(t) * u128::from(s.ratio)) >> s.frac_bits)
+                .wrapping_add(u128::from(s.offset))
+                % (1u128 << 64);
+            assert_eq!(u128::from(s.apply(t)), reference, "{s:?} tsc {t}");
+        }
+    }
+}

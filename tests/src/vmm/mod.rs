@@ -175,7 +175,8 @@ impl Vm {
             .map_err(|e| VmmError::Kvm("KVM_CREATE_VM", e))?;
         let mem = boot::guest_memory(cfg.mem_bytes)?;
         map_memory(&vm, &mem)?;
-        let mem_bytes = u64::try_from(cfg.mem_bytes).map_err(|e| VmmError::Memory(e.to_string()))?;
+        let mem_bytes =
+            u64::try_from(cfg.mem_bytes).map_err(|e| VmmError::Memory(e.to_string()))?;
         let entry = boot::load_pvh(&mem, mem_bytes, elf, &cfg.cmdline)?;
         let vcpu = vm
             .create_vcpu(0)
@@ -240,6 +241,12 @@ impl Vm {
             }
             std::thread::sleep(Duration::from_millis(2));
         }
+    }
+
+    /// True once the run has ended (guest exit, fault, stop, or watchdog).
+    #[must_use]
+    pub fn is_finished(&self) -> bool {
+        self.thread.as_ref().is_none_or(JoinHandle::is_finished)
     }
 
     /// Asks the vCPU to stop; [`Vm::wait`] then returns [`VmExit::Stopped`].

@@ -229,7 +229,9 @@ mod tests {
         assert_eq!(u.read(0), b'b');
         assert_eq!(u.read(5) & LSR_DR, 0);
         let d1 = h.delivered_timeout(Duration::ZERO).expect("first delivery");
-        let d2 = h.delivered_timeout(Duration::ZERO).expect("second delivery");
+        let d2 = h
+            .delivered_timeout(Duration::ZERO)
+            .expect("second delivery");
         assert_eq!((d1.byte, d2.byte), (b'a', b'b'));
         assert!(d1.host_tsc <= d2.host_tsc);
     }
@@ -243,7 +245,9 @@ mod tests {
         assert_eq!(u.read(0), 0x01);
         u.write(3, 0x03);
         u.write(0, b'x');
-        let b = h.recv_timeout(Duration::ZERO).expect("one byte transmitted");
+        let b = h
+            .recv_timeout(Duration::ZERO)
+            .expect("one byte transmitted");
         assert_eq!(b.byte, b'x');
         assert!(h.recv_timeout(Duration::ZERO).is_none());
     }

@@ -113,8 +113,15 @@ fn boots_under(machine: Machine, test: &str) {
         "{machine:?}: hello after {boot_time:?}, exit status {status}, total {:?}",
         started.elapsed()
     );
-    assert_eq!(status.code(), Some(debug_exit_status(9)), "COM2 log:\n{log}");
-    assert!(log.contains("cmdline \"transport=uart exit=9\""), "COM2 log:\n{log}");
+    assert_eq!(
+        status.code(),
+        Some(debug_exit_status(9)),
+        "COM2 log:\n{log}"
+    );
+    assert!(
+        log.contains("cmdline \"transport=uart exit=9\""),
+        "COM2 log:\n{log}"
+    );
     assert!(log.contains("quit: isa-debug-exit 9"), "COM2 log:\n{log}");
     let _ = std::fs::remove_dir_all(&dir);
 }

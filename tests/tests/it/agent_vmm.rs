@@ -32,14 +32,20 @@ fn builtin_vmm_boots_agent_and_brackets_its_tsc() {
     let hello = hello.unwrap_or_else(|| panic!("no hello on COM1; COM2 log:\n{log}"));
     assert_eq!(text(&hello), "H vmtsync-agent\n");
     assert!(log.contains("vmtsync-agent"), "COM2 log: {log}");
-    assert!(log.contains("cmdline \"transport=uart exit=5\""), "COM2 log: {log}");
+    assert!(
+        log.contains("cmdline \"transport=uart exit=5\""),
+        "COM2 log: {log}"
+    );
 
     for round in 0..5 {
         let before = host_tsc();
         vm.com1().send(b"p");
         let line = vm.com1().recv_line(STEP).expect("probe answer");
         let after = host_tsc();
-        let delivered = vm.com1().delivered_timeout(STEP).expect("probe byte was read");
+        let delivered = vm
+            .com1()
+            .delivered_timeout(STEP)
+            .expect("probe byte was read");
         let s = text(&line);
         assert!(s.starts_with('T') && s.len() == 18, "answer {s:?}");
         let guest = u64::from_str_radix(&s[1..17], 16).expect("hex TSC");
@@ -71,7 +77,11 @@ fn builtin_vmm_boots_agent_and_brackets_its_tsc() {
         out.exit, out.io_exits, out.run_time
     );
     assert_eq!(out.exit, VmExit::DebugExit(5), "log:\n{}", out.log);
-    assert!(out.log.contains("quit: isa-debug-exit 5"), "log:\n{}", out.log);
+    assert!(
+        out.log.contains("quit: isa-debug-exit 5"),
+        "log:\n{}",
+        out.log
+    );
 }
 
 fn boot_agent(test: &str, cmdline: &str, timeout: Duration) -> Option<Vm> {
@@ -124,7 +134,10 @@ fn builtin_vmm_watchdog_ends_a_guest_that_spins_without_exits() {
     assert_eq!(text(&ack), "W\n");
     assert!(vm.wait_log("spinning without exits", STEP));
     let out = vm.wait().expect("watchdog stops the vCPU");
-    eprintln!("watchdog: {:?} after {:?}, rip {:#x}", out.exit, out.run_time, out.rip);
+    eprintln!(
+        "watchdog: {:?} after {:?}, rip {:#x}",
+        out.exit, out.run_time, out.rip
+    );
     assert_eq!(out.exit, VmExit::Timeout, "log:\n{}", out.log);
     assert!(out.run_time >= timeout);
 }
@@ -140,13 +153,17 @@ fn builtin_vmm_agent_applies_software_skew() {
         return;
     };
     assert!(
-        vm.log_text().contains(&format!("skew={}+(tsc*3)>>1", 0u64.wrapping_sub(1000))),
+        vm.log_text()
+            .contains(&format!("skew={}+(tsc*3)>>1", 0u64.wrapping_sub(1000))),
         "log:\n{}",
         vm.log_text()
     );
     vm.com1().send(b"p");
     let line = vm.com1().recv_line(STEP).expect("probe answer");
-    let rx = vm.com1().delivered_timeout(STEP).expect("probe byte was read");
+    let rx = vm
+        .com1()
+        .delivered_timeout(STEP)
+        .expect("probe byte was read");
     let s = text(&line);
     let reported = u64::from_str_radix(&s[1..17], 16).expect("hex TSC");
     let skew = |t: u64| {

@@ -1,0 +1,14 @@
+//! Hardware-facing building blocks of the vmtsync guest agent: a polled 16550 UART, x86 port
+//! I/O and isa-debug-exit, the PVH `hvm_start_info`, the TSC read and its software skew, and
+//! boot-option parsing. The bootable ELF (`src/main.rs`) puts them together; another
+//! unikernel can embed them the same way.
+//!
+//! `no_std`; built for the host only for its unit tests
+//! (`cargo test --target x86_64-unknown-linux-gnu`).
+#![cfg_attr(not(test), no_std)]
+
+pub mod options;
+pub mod port;
+pub mod pvh;
+pub mod tsc;
+pub mod uart;

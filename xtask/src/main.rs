@@ -10,6 +10,7 @@
 //!   packages, debugfs mount).
 
 mod agent;
+mod fuzz;
 mod setup;
 
 use std::env;
@@ -130,6 +131,7 @@ fn ci(_args: &[String]) -> Result<()> {
         ("benches compile", || {
             sh(cargo().args(["bench", "--workspace", "--no-run"]))
         }),
+        ("fuzz", fuzz::smoke),
     ];
 
     let mut failed = Vec::new();

@@ -1,0 +1,591 @@
+//! Framing: postcard + COBS, one checked decode path, a stream receiver, and the agent's
+//! late-TSC probe reply encoder.
+//!
+//! A frame on the wire is `COBS(postcard(message))` followed by one `0x00` delimiter. COBS
+//! removes every zero from the body, so a receiver that lost sync (line noise, a reset peer,
+//! a frame too long) recovers at the next `0x00`. Empty frames (`0x00 0x00`) are skipped, so a
+//! sender may emit a lone `0x00` first to flush a receiver that is mid-garbage.
+//!
+//! Untrusted bytes enter only through [`decode`], [`decode_frame`] and [`FrameReceiver::feed`];
+//! all three end in postcard's decoder followed by the same semantic check, never panic, and
+//! return a [`DecodeError`]. As in postcard, bytes after a complete message inside one frame
+//! are ignored.
+
+use postcard::accumulator::{CobsAccumulator, FeedResult};
+use postcard::experimental::max_size::MaxSize;
+
+use super::message::Message;
+use crate::units::GuestTicks;
+
+/// The largest postcard encoding of any [`Message`] (from `MaxSize`, so a slight overestimate).
+pub const MAX_MESSAGE_SIZE: usize = Message::POSTCARD_MAX_SIZE;
+
+/// The largest frame: [`MAX_MESSAGE_SIZE`] plus COBS overhead (one byte per started 254-byte
+/// block) plus the `0x00` delimiter. Every frame buffer in this crate has this size.
+pub const MAX_FRAME_SIZE: usize = cobs_max_len(MAX_MESSAGE_SIZE) + 1;
+
+/// COBS output length bound for `n` input bytes (the cobs crate's `max_encoding_length`, made
+/// at least 1 because an empty body still gets a code byte).
+const fn cobs_max_len(n: usize) -> usize {
+    n + if n == 0 { 1 } else { n.div_ceil(254) }
+}
+
+/// Why bytes did not decode to a message.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "defmt", derive(defmt::Format))]
+#[non_exhaustive]
+pub enum DecodeError {
+    /// The bytes ended before the message was complete.
+    Truncated,
+    /// The frame is not valid COBS.
+    BadCobs,
+    /// postcard rejected the bytes (unknown tag, bad varint, too many events, ...); from the
+    /// stream receiver this also covers COBS errors, which it cannot tell apart.
+    Malformed,
+    /// The message decoded but breaks an invariant (e.g. a mapping with `ratio == 0`).
+    InvalidValue,
+    /// The frame is longer than [`MAX_FRAME_SIZE`]; the receiver dropped it up to the next
+    /// delimiter.
+    FrameTooLong,
+}
+
+impl DecodeError {
+    fn from_postcard(e: postcard::Error) -> Self {
+        match e {
+            postcard::Error::DeserializeUnexpectedEnd => Self::Truncated,
+            postcard::Error::DeserializeBadEncoding => Self::BadCobs,
+            _ => Self::Malformed,
+        }
+    }
+}
+
+/// Why a message could not be encoded.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "defmt", derive(defmt::Format))]
+#[non_exhaustive]
+pub enum EncodeError {
+    /// The output buffer is too small; [`MAX_FRAME_SIZE`] always suffices for a frame and
+    /// [`MAX_MESSAGE_SIZE`] for a bare message.
+    BufferTooSmall,
+}
+
+/// Encodes `msg` without framing (bare postcard) into `buf`; returns the used prefix.
+///
+/// # Errors
+/// [`EncodeError::BufferTooSmall`] if `buf` cannot hold the encoding.
+pub fn encode<'a>(msg: &Message, buf: &'a mut [u8]) -> Result<&'a mut [u8], EncodeError> {
+    postcard::to_slice(msg, buf).map_err(|_| EncodeError::BufferTooSmall)
+}
+
+/// Encodes `msg` as one frame (COBS body plus the `0x00` delimiter) into `buf`; returns the
+/// used prefix, ready to send.
+///
+/// # Errors
+/// [`EncodeError::BufferTooSmall`] if `buf` cannot hold the frame.
+pub fn encode_frame<'a>(msg: &Message, buf: &'a mut [u8]) -> Result<&'a mut [u8], EncodeError> {
+    postcard::to_slice_cobs(msg, buf).map_err(|_| EncodeError::BufferTooSmall)
+}
+
+/// The checked decoder for bare postcard bytes (no COBS).
+///
+/// # Errors
+/// Any [`DecodeError`] but `FrameTooLong`; never panics.
+pub fn decode(bytes: &[u8]) -> Result<Message, DecodeError> {
+    let msg = postcard::from_bytes::<Message>(bytes).map_err(DecodeError::from_postcard)?;
+    check(msg)
+}
+
+/// The checked decoder for one COBS frame, with or without its trailing `0x00`. Decodes in
+/// place (the buffer is scratch afterwards) and stops at the first `0x00`.
+///
+/// # Errors
+/// Any [`DecodeError`]; a frame longer than [`MAX_FRAME_SIZE`] (delimiter included) is
+/// `FrameTooLong` exactly as in [`FrameReceiver`]. Never panics.
+pub fn decode_frame(frame: &mut [u8]) -> Result<Message, DecodeError> {
+    let body_len = frame.iter().position(|&b| b == 0).unwrap_or(frame.len());
+    if body_len + 1 > MAX_FRAME_SIZE {
+        return Err(DecodeError::FrameTooLong);
+    }
+    let msg = postcard::from_bytes_cobs::<Message>(frame).map_err(DecodeError::from_postcard)?;
+    check(msg)
+}
+
+/// The semantic checks every decode path applies after postcard.
+fn check(msg: Message) -> Result<Message, DecodeError> {
+    match &msg {
+        // A zero ratio maps every host time to one guest time; more than 63 fraction bits
+        // cannot express identity (1 << frac_bits) in the u64 ratio.
+        Message::SetMapping(m) if m.ratio == 0 || m.frac_bits > 63 => {
+            Err(DecodeError::InvalidValue)
+        }
+        _ => Ok(msg),
+    }
+}
+
+/// The result of one [`FrameReceiver::feed`] call.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Feed<'a> {
+    /// Every input byte was taken; no frame completed.
+    Consumed,
+    /// A frame completed and decoded. Feed `rest` next.
+    Message {
+        /// The decoded message.
+        msg: Message,
+        /// Input after the frame's delimiter, not yet looked at.
+        rest: &'a [u8],
+    },
+    /// A frame completed but did not decode, or overflowed. The receiver is already resynced;
+    /// feed `rest` next.
+    Error {
+        /// What was wrong.
+        error: DecodeError,
+        /// Input not yet looked at.
+        rest: &'a [u8],
+    },
+}
+
+/// Reassembles frames from a byte stream in any chunking (UART, vsock), in a fixed buffer of
+/// [`MAX_FRAME_SIZE`] bytes, around postcard's [`CobsAccumulator`].
+///
+/// On top of the accumulator it skips empty frames and, after an overlong frame, drops bytes
+/// up to the next delimiter instead of decoding the frame's tail as a new frame.
+pub struct FrameReceiver {
+    acc: CobsAccumulator<MAX_FRAME_SIZE>,
+    /// Bytes of the current frame held by `acc` (it does not expose its own count).
+    pending: usize,
+    /// Set after an overflow until the next delimiter.
+    discarding: bool,
+}
+
+impl core::fmt::Debug for FrameReceiver {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        // The accumulator has no Debug; its fill level is `pending`.
+        f.debug_struct("FrameReceiver")
+            .field("pending", &self.pending)
+            .field("discarding", &self.discarding)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Default for FrameReceiver {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl FrameReceiver {
+    /// An empty receiver.
+    #[must_use]
+    pub const fn new() -> Self {
+        Self {
+            acc: CobsAccumulator::new(),
+            pending: 0,
+            discarding: false,
+        }
+    }
+
+    /// Feeds received bytes; returns at the first completed frame (with the unread rest) or
+    /// once all input is taken. Call again with `rest` until [`Feed::Consumed`].
+    pub fn feed<'a>(&mut self, input: &'a [u8]) -> Feed<'a> {
+        let mut input = input;
+        if self.discarding {
+            match input.iter().position(|&b| b == 0) {
+                Some(i) => {
+                    self.discarding = false;
+                    input = input.get(i + 1..).unwrap_or_default();
+                }
+                None => return Feed::Consumed,
+            }
+        }
+        if self.pending == 0 {
+            // Skip empty frames (delimiters with nothing before them).
+            let start = input.iter().position(|&b| b != 0).unwrap_or(input.len());
+            input = input.get(start..).unwrap_or_default();
+        }
+        if input.is_empty() {
+            return Feed::Consumed;
+        }
+        let has_delimiter = input.contains(&0);
+        match self.acc.feed::<Message>(input) {
+            FeedResult::Consumed => {
+                self.pending += input.len();
+                Feed::Consumed
+            }
+            FeedResult::OverFull(rest) => {
+                self.pending = 0;
+                // Without a delimiter in this chunk, `rest` is the middle of the long frame.
+                self.discarding = !has_delimiter;
+                let rest = if has_delimiter { rest } else { &[] };
+                Feed::Error {
+                    error: DecodeError::FrameTooLong,
+                    rest,
+                }
+            }
+            FeedResult::DeserError(rest) => {
+                self.pending = 0;
+                Feed::Error {
+                    error: DecodeError::Malformed,
+                    rest,
+                }
+            }
+            FeedResult::Success { data, remaining } => {
+                self.pending = 0;
+                match check(data) {
+                    Ok(msg) => Feed::Message {
+                        msg,
+                        rest: remaining,
+                    },
+                    Err(error) => Feed::Error {
+                        error,
+                        rest: remaining,
+                    },
+                }
+            }
+        }
+    }
+}
+
+/// postcard tag of [`Message::ProbeReply`] (pinned by the golden tests).
+const TAG_PROBE_REPLY: u8 = 3;
+/// postcard tag of [`Message::ProbeReplyFull`] (pinned by the golden tests).
+const TAG_PROBE_REPLY_FULL: u8 = 5;
+/// Largest probe reply frame: tag 1 + seq 3 + vcpu 5 + TSC 8, + 1 COBS code + 1 delimiter.
+const PROBE_FRAME_CAP: usize = 19;
+
+/// A probe reply frame encoded up to the TSC, so the agent's path from reading the TSC to
+/// handing the frame to the link is a handful of byte stores.
+///
+/// The TSC is the last field of [`super::ProbeReply`] / [`super::ProbeReplyFull`] and is
+/// fixed-width, so its bytes never change the encoding of what precedes it. The body is
+/// under 254 bytes, so COBS needs one code byte per zero and nothing else. Output is
+/// byte-identical to [`encode_frame`] (tested for arbitrary values).
+#[derive(Clone, Copy, Debug)]
+pub struct ProbeReplyFrame {
+    buf: [u8; PROBE_FRAME_CAP],
+    /// Length, open COBS code index and code after the prefix: `finish` restarts from here.
+    prefix_len: usize,
+    prefix_code_idx: usize,
+    prefix_code: u8,
+    /// 4 for the compact reply, 8 for the full one.
+    tsc_bytes: usize,
+    /// State of the last `finish`.
+    len: usize,
+}
+
+impl ProbeReplyFrame {
+    /// Prepares a compact [`Message::ProbeReply`] (low 32 bits of the TSC).
+    #[must_use]
+    pub fn compact(seq: u16, vcpu: u32) -> Self {
+        Self::prepare(TAG_PROBE_REPLY, seq, vcpu, 4)
+    }
+
+    /// Prepares a full-width [`Message::ProbeReplyFull`].
+    #[must_use]
+    pub fn full(seq: u16, vcpu: u32) -> Self {
+        Self::prepare(TAG_PROBE_REPLY_FULL, seq, vcpu, 8)
+    }
+
+    fn prepare(tag: u8, seq: u16, vcpu: u32, tsc_bytes: usize) -> Self {
+        let mut enc = CobsSmall {
+            buf: [0; PROBE_FRAME_CAP],
+            len: 1,
+            code_idx: 0,
+            code: 1,
+        };
+        enc.push(tag);
+        enc.push_varint(u32::from(seq));
+        enc.push_varint(vcpu);
+        Self {
+            buf: enc.buf,
+            prefix_len: enc.len,
+            prefix_code_idx: enc.code_idx,
+            prefix_code: enc.code,
+            tsc_bytes,
+            len: 0,
+        }
+    }
+
+    /// Appends the TSC (its low 4 or all 8 bytes, little-endian), closes the COBS block and
+    /// appends the delimiter; returns the frame to send. May be called again with a newer
+    /// reading (it restarts from the prepared prefix).
+    #[inline]
+    pub fn finish(&mut self, tsc: GuestTicks) -> &[u8] {
+        let mut enc = CobsSmall {
+            buf: self.buf,
+            len: self.prefix_len,
+            code_idx: self.prefix_code_idx,
+            code: self.prefix_code,
+        };
+        let bytes = tsc.0.to_le_bytes();
+        for &b in bytes.iter().take(self.tsc_bytes) {
+            enc.push(b);
+        }
+        enc.put(enc.code_idx, enc.code);
+        enc.put(enc.len, 0);
+        self.buf = enc.buf;
+        self.len = enc.len + 1;
+        self.buf.get(..self.len).unwrap_or_default()
+    }
+}
+
+/// A COBS encoder for bodies shorter than 254 bytes (no 0xFF blocks), writing into a fixed
+/// array; out-of-range writes are dropped instead of panicking (they cannot happen for the
+/// probe replies, whose size is bounded by `PROBE_FRAME_CAP`).
+struct CobsSmall {
+    buf: [u8; PROBE_FRAME_CAP],
+    len: usize,
+    code_idx: usize,
+    code: u8,
+}
+
+impl CobsSmall {
+    #[inline]
+    fn put(&mut self, i: usize, b: u8) {
+        if let Some(slot) = self.buf.get_mut(i) {
+            *slot = b;
+        }
+    }
+
+    #[inline]
+    fn push(&mut self, b: u8) {
+        if b == 0 {
+            self.put(self.code_idx, self.code);
+            self.code_idx = self.len;
+            self.code = 1;
+        } else {
+            self.put(self.len, b);
+            self.code = self.code.saturating_add(1);
+        }
+        self.len += 1;
+    }
+
+    /// postcard's varint: 7 bits per byte, low first, high bit = more.
+    fn push_varint(&mut self, mut v: u32) {
+        loop {
+            // Masked to 7 bits, so the cast keeps every bit.
+            #[allow(clippy::cast_possible_truncation)]
+            let low = (v & 0x7f) as u8;
+            v >>= 7;
+            if v == 0 {
+                self.push(low);
+                return;
+            }
+            self.push(low | 0x80);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::proto::message::{MappingPush, ProbeReply, ProbeReplyFull};
+    use crate::proto::testutil::arb_message;
+    use proptest::collection::vec as pvec;
+    use proptest::prelude::*;
+    use std::vec;
+    use std::vec::Vec;
+
+    fn frame_of(msg: &Message) -> Vec<u8> {
+        let mut buf = [0u8; MAX_FRAME_SIZE];
+        encode_frame(msg, &mut buf).unwrap().to_vec()
+    }
+
+    /// Feeds `chunks` in order, collecting every result.
+    fn feed_all(rx: &mut FrameReceiver, chunks: &[&[u8]]) -> Vec<Result<Message, DecodeError>> {
+        let mut out = Vec::new();
+        for chunk in chunks {
+            let mut input: &[u8] = chunk;
+            loop {
+                match rx.feed(input) {
+                    Feed::Consumed => break,
+                    Feed::Message { msg, rest } => {
+                        out.push(Ok(msg));
+                        input = rest;
+                    }
+                    Feed::Error { error, rest } => {
+                        out.push(Err(error));
+                        input = rest;
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn max_sizes_are_consistent() {
+        // The largest message is a full event batch; the frame adds COBS and the delimiter.
+        assert!(MAX_MESSAGE_SIZE >= 8 * 16);
+        assert_eq!(
+            MAX_FRAME_SIZE,
+            MAX_MESSAGE_SIZE + MAX_MESSAGE_SIZE.div_ceil(254) + 1
+        );
+        assert_eq!(cobs_max_len(0), 1);
+    }
+
+    #[test]
+    fn decode_rejects_invalid_mapping() {
+        for (ratio, frac_bits) in [(0, 48), (1 << 48, 64)] {
+            let m = Message::SetMapping(MappingPush {
+                vcpu: 0,
+                offset: 0,
+                ratio,
+                frac_bits,
+            });
+            let mut f = frame_of(&m);
+            assert_eq!(decode_frame(&mut f), Err(DecodeError::InvalidValue));
+            let mut rx = FrameReceiver::new();
+            assert_eq!(
+                feed_all(&mut rx, &[&frame_of(&m)]),
+                [Err(DecodeError::InvalidValue)]
+            );
+        }
+    }
+
+    #[test]
+    fn decode_error_kinds() {
+        assert_eq!(decode(&[]), Err(DecodeError::Truncated));
+        assert_eq!(decode(&[2]), Err(DecodeError::Truncated));
+        assert_eq!(decode(&[99]), Err(DecodeError::Malformed));
+        // A COBS code byte pointing past the end of the frame.
+        assert_eq!(decode_frame(&mut [5, 1, 0]), Err(DecodeError::BadCobs));
+        let mut long = [1u8; MAX_FRAME_SIZE];
+        assert_eq!(decode_frame(&mut long), Err(DecodeError::FrameTooLong));
+    }
+
+    #[test]
+    fn receiver_skips_empty_frames_and_resyncs_after_garbage() {
+        let probe = frame_of(&Message::Probe { seq: 7 });
+        let mut stream = Vec::new();
+        stream.extend_from_slice(&[0, 0]);
+        stream.extend_from_slice(&[0xde, 0xad, 0xbe, 0xef, 0]);
+        stream.extend_from_slice(&probe);
+        let mut rx = FrameReceiver::new();
+        let got = feed_all(&mut rx, &[&stream]);
+        assert_eq!(got.len(), 2, "{got:?}");
+        assert!(got[0].is_err());
+        assert_eq!(got[1], Ok(Message::Probe { seq: 7 }));
+    }
+
+    #[test]
+    fn receiver_drops_overlong_frame_up_to_delimiter() {
+        let probe = frame_of(&Message::Probe { seq: 9 });
+        // An overlong run whose tail, alone, would be a valid probe frame body: the receiver
+        // must not decode that tail.
+        let mut long = vec![0x01u8; MAX_FRAME_SIZE + 10];
+        let n = long.len();
+        long[n - 3..].copy_from_slice(&probe[..3]);
+        for split in [1, 50, MAX_FRAME_SIZE - 1, MAX_FRAME_SIZE, long.len()] {
+            let mut rx = FrameReceiver::new();
+            let (a, b) = long.split_at(split);
+            let got = feed_all(&mut rx, &[a, b, &[0], &probe]);
+            assert_eq!(
+                got,
+                [
+                    Err(DecodeError::FrameTooLong),
+                    Ok(Message::Probe { seq: 9 })
+                ],
+                "split {split}"
+            );
+        }
+    }
+
+    #[test]
+    fn probe_reply_frame_matches_postcard() {
+        let mut f = ProbeReplyFrame::compact(300, 3);
+        let reply = Message::ProbeReply(ProbeReply {
+            seq: 300,
+            vcpu: 3,
+            tsc_low32: 0x0012_0034,
+        });
+        assert_eq!(
+            f.finish(GuestTicks(0x2000_0012_0034)),
+            &frame_of(&reply)[..]
+        );
+        // Finishing again with another reading restarts from the prefix.
+        let reply2 = Message::ProbeReply(ProbeReply {
+            seq: 300,
+            vcpu: 3,
+            tsc_low32: 0xffff_ffff,
+        });
+        assert_eq!(f.finish(GuestTicks(0xffff_ffff)), &frame_of(&reply2)[..]);
+    }
+
+    proptest! {
+        #[test]
+        fn roundtrip_bare_and_framed(msg in arb_message()) {
+            let mut buf = [0u8; MAX_MESSAGE_SIZE];
+            let bare = encode(&msg, &mut buf).unwrap();
+            prop_assert!(bare.len() <= MAX_MESSAGE_SIZE);
+            prop_assert_eq!(decode(bare), Ok(msg.clone()));
+            let mut f = frame_of(&msg);
+            prop_assert!(f.len() <= MAX_FRAME_SIZE);
+            prop_assert_eq!(f.iter().filter(|&&b| b == 0).count(), 1);
+            prop_assert_eq!(f.last(), Some(&0));
+            prop_assert_eq!(decode_frame(&mut f), Ok(msg));
+        }
+
+        #[test]
+        fn arbitrary_bytes_never_panic(bytes in pvec(any::<u8>(), 0..400)) {
+            let _ = decode(&bytes);
+            let mut copy = bytes.clone();
+            let _ = decode_frame(&mut copy);
+            let mut rx = FrameReceiver::new();
+            let _ = feed_all(&mut rx, &[&bytes]);
+        }
+
+        /// The stream receiver agrees with decode_frame on any single frame body: same
+        /// message, or an error from both.
+        #[test]
+        fn receiver_agrees_with_decode_frame(body in pvec(1u8..=255, 1..200)) {
+            let mut frame = body.clone();
+            frame.push(0);
+            let direct = decode_frame(&mut frame.clone());
+            let mut rx = FrameReceiver::new();
+            let got = feed_all(&mut rx, &[&frame]);
+            prop_assert_eq!(got.len(), 1);
+            match (&got[0], &direct) {
+                (Ok(a), Ok(b)) => prop_assert_eq!(a, b),
+                (Err(_), Err(_)) => {}
+                _ => prop_assert!(false, "receiver {:?} vs decode_frame {:?}", got[0], direct),
+            }
+        }
+
+        /// Any chunking of a stream of frames yields the same messages in order.
+        #[test]
+        fn receiver_any_chunking(
+            msgs in pvec(arb_message(), 1..6),
+            cuts in pvec(any::<prop::sample::Index>(), 0..12),
+        ) {
+            let mut stream = Vec::new();
+            for m in &msgs {
+                stream.extend_from_slice(&frame_of(m));
+            }
+            let mut points: Vec<usize> = cuts.iter().map(|i| i.index(stream.len() + 1)).collect();
+            points.sort_unstable();
+            let mut chunks: Vec<&[u8]> = Vec::new();
+            let mut start = 0;
+            for p in points {
+                chunks.push(&stream[start..p]);
+                start = p;
+            }
+            chunks.push(&stream[start..]);
+            let mut rx = FrameReceiver::new();
+            let got = feed_all(&mut rx, &chunks);
+            let want: Vec<Result<Message, DecodeError>> = msgs.into_iter().map(Ok).collect();
+            prop_assert_eq!(got, want);
+        }
+
+        /// The late-TSC encoder is byte-identical to encode_frame for any values.
+        #[test]
+        fn probe_reply_frame_equals_encode_frame(seq: u16, vcpu: u32, tsc: u64) {
+            let low = u32::try_from(tsc & 0xffff_ffff).unwrap();
+            let compact = Message::ProbeReply(ProbeReply { seq, vcpu, tsc_low32: low });
+            let mut f = ProbeReplyFrame::compact(seq, vcpu);
+            prop_assert_eq!(f.finish(GuestTicks(tsc)), &frame_of(&compact)[..]);
+            let full = Message::ProbeReplyFull(ProbeReplyFull { seq, vcpu, tsc });
+            let mut f = ProbeReplyFrame::full(seq, vcpu);
+            prop_assert_eq!(f.finish(GuestTicks(tsc)), &frame_of(&full)[..]);
+        }
+    }
+}

@@ -1,0 +1,419 @@
+//! The one message enum of the probe protocol, its payloads, and the TSC unwrap helper.
+//!
+//! Every message is a variant of [`Message`]. postcard encodes the variant index as a varint,
+//! so all tags here are one byte. **Tags are part of the wire format**: a variant is never
+//! renumbered within a [`PROTOCOL_VERSION`], and [`Message::Hello`] / [`Message::Capabilities`]
+//! keep tags 0 and 1 in every version, so two peers of different versions can always decode
+//! each other's hello and see the mismatch instead of misreading later messages.
+//!
+//! Integers are postcard varints (7 bits per byte) unless a field says "fixed": the probe
+//! replies carry the TSC as fixed little-endian bytes, placed last, so the agent can encode
+//! everything else before it reads the TSC (see [`super::ProbeReplyFrame`]).
+
+use postcard::experimental::max_size::MaxSize;
+use serde::{Deserialize, Serialize};
+
+use crate::units::GuestTicks;
+
+/// The protocol version this crate speaks, sent in [`Hello`] and [`Capabilities`].
+///
+/// Bump it whenever any encoding below changes; peers with different versions stop after the
+/// hello exchange.
+pub const PROTOCOL_VERSION: u16 = 1;
+
+/// The most event records one [`EventBatch`] carries.
+///
+/// Eight records bound the largest message (and so every frame buffer) to a few hundred bytes
+/// while still amortizing the per-frame overhead over several events.
+pub const EVENT_BATCH_MAX: usize = 8;
+
+/// The protocol messages. The doc line of each variant says who sends it and what the peer does.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, MaxSize)]
+#[cfg_attr(feature = "defmt", derive(defmt::Format))]
+pub enum Message {
+    /// Host → guest, tag 0: opens a session. The agent answers with [`Message::Capabilities`].
+    Hello(Hello),
+    /// Guest → host, tag 1: the agent's version, transport, features and a full-width TSC
+    /// reading that seeds the host's [`try_unwrap_tsc_low32`] reference.
+    Capabilities(Capabilities),
+    /// Host → guest, tag 2: the common probe. The agent answers with [`Message::ProbeReply`]
+    /// carrying the low 32 bits of its TSC, read as late as possible before the send.
+    Probe {
+        /// Sequence number echoed in the reply, so late replies can be matched or dropped.
+        seq: u16,
+    },
+    /// Guest → host, tag 3: the compact answer to [`Message::Probe`].
+    ProbeReply(ProbeReply),
+    /// Host → guest, tag 4: a probe asking for the full 64-bit TSC, used when the host has no
+    /// unwrap reference within 2^31 ticks. Answered with [`Message::ProbeReplyFull`].
+    ProbeFull {
+        /// Sequence number echoed in the reply.
+        seq: u16,
+    },
+    /// Guest → host, tag 5: the full-width answer to [`Message::ProbeFull`].
+    ProbeReplyFull(ProbeReplyFull),
+    /// Host → guest, tag 6: the KVM mapping host→guest of one vCPU, so the agent can stamp its
+    /// events in the host's clock. Answered with [`Message::MappingApplied`] or an error.
+    SetMapping(MappingPush),
+    /// Guest → host, tag 7: the mapping pushed for this vCPU is now in use.
+    MappingApplied {
+        /// The vCPU whose mapping was applied.
+        vcpu: u32,
+    },
+    /// Host → guest, tag 8: asks for a pvclock snapshot. Answered with
+    /// [`Message::PvclockReport`], or [`ErrorCode::Unsupported`] without a pvclock page.
+    PvclockRequest,
+    /// Guest → host, tag 9: the vCPU's pvclock page and the TSC read inside the same seqlock
+    /// section.
+    PvclockReport(PvclockReport),
+    /// Host → guest, tag 10: asks for queued event records. Answered with one
+    /// [`Message::Events`] (possibly empty).
+    EventsRequest {
+        /// The most records the host wants in the reply (the agent also caps at
+        /// [`EVENT_BATCH_MAX`]).
+        max: u16,
+    },
+    /// Guest → host, tag 11: a batch of event records for the trace pipeline.
+    Events(EventBatch),
+    /// Host → guest, tag 12: end of session. The agent answers [`Message::Exiting`] and stops.
+    Shutdown,
+    /// Guest → host, tag 13: the agent acknowledges [`Message::Shutdown`]; nothing follows.
+    Exiting,
+    /// Either direction, tag 14: the last request (or the bytes received) could not be served.
+    Error(ErrorCode),
+}
+
+/// Payload of [`Message::Hello`]: what the host speaks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, MaxSize)]
+#[cfg_attr(feature = "defmt", derive(defmt::Format))]
+pub struct Hello {
+    /// The host's [`PROTOCOL_VERSION`]. The agent serves only an equal version.
+    pub version: u16,
+    /// Features the host can use; the session uses the intersection with the agent's.
+    pub features: Features,
+}
+
+/// Payload of [`Message::Capabilities`]: what the agent is and can do.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, MaxSize)]
+#[cfg_attr(feature = "defmt", derive(defmt::Format))]
+pub struct Capabilities {
+    /// The agent's [`PROTOCOL_VERSION`]. If it differs from the hello's, the agent serves no
+    /// further requests until a hello with its version arrives.
+    pub version: u16,
+    /// The transport the agent talks over.
+    pub transport: Transport,
+    /// Features the agent supports.
+    pub features: Features,
+    /// The vCPU the agent runs on (the one whose TSC it reads).
+    pub vcpu: u32,
+    /// The full 64-bit guest TSC read while answering the hello: the first unwrap reference.
+    pub tsc: GuestTicks,
+    /// The guest TSC frequency in kHz if the agent knows it (CPUID leaf 0x15/0x40000010 or
+    /// pvclock), else `None`.
+    pub tsc_khz: Option<u32>,
+}
+
+/// Payload of [`Message::ProbeReply`]: the compact probe answer.
+///
+/// Field order is the wire order; the TSC bytes come last so the agent can encode the rest
+/// before reading the TSC.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, MaxSize)]
+#[cfg_attr(feature = "defmt", derive(defmt::Format))]
+pub struct ProbeReply {
+    /// The request's sequence number.
+    pub seq: u16,
+    /// The vCPU whose TSC was read.
+    pub vcpu: u32,
+    /// Low 32 bits of the guest TSC, fixed 4 bytes little-endian. The host recovers the full
+    /// value with [`try_unwrap_tsc_low32`].
+    #[serde(with = "postcard::fixint::le")]
+    pub tsc_low32: u32,
+}
+
+/// Payload of [`Message::ProbeReplyFull`]: the full-width probe answer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, MaxSize)]
+#[cfg_attr(feature = "defmt", derive(defmt::Format))]
+pub struct ProbeReplyFull {
+    /// The request's sequence number.
+    pub seq: u16,
+    /// The vCPU whose TSC was read.
+    pub vcpu: u32,
+    /// The guest TSC, fixed 8 bytes little-endian (fixed so the agent's late-read path is the
+    /// same as for [`ProbeReply`]).
+    #[serde(with = "postcard::fixint::le")]
+    pub tsc: u64,
+}
+
+impl ProbeReplyFull {
+    /// The TSC as a unit-carrying value.
+    #[must_use]
+    pub const fn guest_tsc(&self) -> GuestTicks {
+        GuestTicks(self.tsc)
+    }
+}
+
+/// Payload of [`Message::SetMapping`]: KVM's per-vCPU relation
+/// `guest = offset + ((host * ratio) >> frac_bits)` (128-bit product), as the host read it
+/// from debugfs or computed it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, MaxSize)]
+#[cfg_attr(feature = "defmt", derive(defmt::Format))]
+pub struct MappingPush {
+    /// The vCPU the mapping belongs to.
+    pub vcpu: u32,
+    /// `tsc-offset`, two's complement as KVM stores it.
+    pub offset: i64,
+    /// `tsc-scaling-ratio`; identity is `1 << frac_bits`. Never zero (checked on decode).
+    pub ratio: u64,
+    /// `tsc-scaling-ratio-frac-bits` (48 on VMX, 32 on SVM). At most 63 (checked on decode).
+    pub frac_bits: u32,
+}
+
+/// Payload of [`Message::PvclockReport`]: the fields of `struct pvclock_vcpu_time_info`
+/// (arch/x86/include/asm/pvclock-abi.h) from one consistent seqlock read, plus the TSC read
+/// inside that read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, MaxSize)]
+#[cfg_attr(feature = "defmt", derive(defmt::Format))]
+pub struct PvclockReport {
+    /// The vCPU whose pvclock page this is.
+    pub vcpu: u32,
+    /// Seqlock version (even: a consistent read).
+    pub version: u32,
+    /// `tsc_timestamp`: guest TSC at the last kvmclock update.
+    pub tsc_timestamp: u64,
+    /// `system_time`: kvmclock ns at `tsc_timestamp`.
+    pub system_time: u64,
+    /// `tsc_to_system_mul` (32.32 fixed point).
+    pub mul: u32,
+    /// `tsc_shift`.
+    pub shift: i8,
+    /// `flags` (bit 0 TSC_STABLE, bit 1 GUEST_STOPPED).
+    pub flags: u8,
+    /// The guest TSC read between the two version reads.
+    pub tsc: GuestTicks,
+}
+
+/// One guest event for the trace pipeline.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, MaxSize)]
+#[cfg_attr(feature = "defmt", derive(defmt::Format))]
+pub struct EventRecord {
+    /// Application-defined event id.
+    pub id: u32,
+    /// When it happened, in the host clock if the agent had a mapping, else the guest clock.
+    pub stamp: EventStamp,
+}
+
+/// An event timestamp, tagged with the clock it is in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, MaxSize)]
+#[cfg_attr(feature = "defmt", derive(defmt::Format))]
+pub enum EventStamp {
+    /// Raw guest TSC: the agent had no mapping, or the conversion did not fit.
+    Guest(GuestTicks),
+    /// Host TSC, converted by the agent with the pushed mapping, rounded up (ceil).
+    Host(crate::units::HostTicks),
+}
+
+/// Payload of [`Message::Events`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, MaxSize)]
+#[cfg_attr(feature = "defmt", derive(defmt::Format))]
+pub struct EventBatch {
+    /// The vCPU whose TSC stamped these events.
+    pub vcpu: u32,
+    /// Events lost so far because the agent's queue was full (cumulative, wrapping).
+    pub dropped: u32,
+    /// Records still queued after this batch: the host asks again while it is non-zero.
+    pub remaining: u32,
+    /// The records, oldest first.
+    pub events: heapless::Vec<EventRecord, EVENT_BATCH_MAX>,
+}
+
+/// The transport an agent talks over (informational, for logs and sync files).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, MaxSize)]
+#[cfg_attr(feature = "defmt", derive(defmt::Format))]
+pub enum Transport {
+    /// A 16550 UART (port I/O).
+    Uart16550,
+    /// virtio-vsock.
+    VirtioVsock,
+    /// An in-memory link (tests, simulation, shared-memory rings).
+    Memory,
+    /// Anything else.
+    Other,
+}
+
+/// Feature bits exchanged in [`Hello`] and [`Capabilities`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, MaxSize)]
+#[cfg_attr(feature = "defmt", derive(defmt::Format))]
+#[serde(transparent)]
+pub struct Features(pub u32);
+
+impl Features {
+    /// No features.
+    pub const NONE: Self = Self(0);
+    /// The agent can answer [`Message::PvclockRequest`].
+    pub const PVCLOCK: Self = Self(1 << 0);
+    /// The agent queues events and answers [`Message::EventsRequest`].
+    pub const EVENTS: Self = Self(1 << 1);
+    /// The agent applies [`Message::SetMapping`] and stamps events in the host clock.
+    pub const MAPPING: Self = Self(1 << 2);
+    /// The guest's TSC is invariant (CPUID 0x8000_0007 EDX bit 8).
+    pub const INVARIANT_TSC: Self = Self(1 << 3);
+
+    /// Whether every bit of `other` is set in `self`.
+    #[must_use]
+    pub const fn contains(self, other: Self) -> bool {
+        self.0 & other.0 == other.0
+    }
+
+    /// The bits set in either.
+    #[must_use]
+    pub const fn union(self, other: Self) -> Self {
+        Self(self.0 | other.0)
+    }
+
+    /// The bits set in both (what a session can use).
+    #[must_use]
+    pub const fn intersection(self, other: Self) -> Self {
+        Self(self.0 & other.0)
+    }
+}
+
+/// Why a request was refused; carried by [`Message::Error`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, MaxSize)]
+#[cfg_attr(feature = "defmt", derive(defmt::Format))]
+#[non_exhaustive]
+pub enum ErrorCode {
+    /// A frame failed COBS or postcard decoding, or held invalid values.
+    Malformed,
+    /// A frame was longer than the largest message; it was dropped up to the next delimiter.
+    FrameTooLong,
+    /// A request arrived before a hello with a matching version.
+    NotReady,
+    /// The hello's protocol version differs from the agent's.
+    VersionMismatch,
+    /// The request needs a feature the agent lacks (e.g. no pvclock page).
+    Unsupported,
+    /// The message is one the receiver never accepts (e.g. a guest→host message sent to the
+    /// guest).
+    Unexpected,
+    /// The message names a vCPU the receiver does not serve.
+    UnknownVcpu,
+    /// The pushed mapping cannot be used (e.g. it maps no guest time back to host time).
+    InvalidMapping,
+}
+
+/// Recovers a full guest TSC from its low 32 bits and a reference reading.
+///
+/// Returns the unique value `v` with `v mod 2^32 == low32` and
+/// `reference - 2^31 <= v < reference + 2^31`, or `None` if that `v` is outside `u64`.
+/// The result is correct whenever the true TSC lies in that window, i.e. while the reference
+/// is within 2^31 ticks (about 0.7 s at 3 GHz) of it. The host's reference is its best
+/// estimate of the guest TSC at the probe: the last full reading it knows (the hello's
+/// [`Capabilities::tsc`], a [`ProbeReplyFull`], or a previously unwrapped reply) plus the host
+/// ticks elapsed since, scaled by the mapping. If no such estimate is that close, ask with
+/// [`Message::ProbeFull`] instead.
+#[must_use]
+pub fn try_unwrap_tsc_low32(reference: GuestTicks, low32: u32) -> Option<GuestTicks> {
+    // The low 32 bits of the reference: truncation is the point.
+    #[allow(clippy::cast_possible_truncation)]
+    let ref_low = reference.0 as u32;
+    // Signed distance from the reference modulo 2^32, in [-2^31, 2^31).
+    let delta = low32.wrapping_sub(ref_low).cast_signed();
+    reference
+        .0
+        .checked_add_signed(i64::from(delta))
+        .map(GuestTicks)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn low(v: u64) -> u32 {
+        u32::try_from(v & 0xffff_ffff).unwrap()
+    }
+
+    #[test]
+    fn unwrap_same_and_small_steps() {
+        let r = GuestTicks(0x2000_1234_5678);
+        assert_eq!(try_unwrap_tsc_low32(r, low(r.0)), Some(r));
+        assert_eq!(
+            try_unwrap_tsc_low32(r, low(r.0 + 1000)),
+            Some(GuestTicks(r.0 + 1000))
+        );
+        assert_eq!(
+            try_unwrap_tsc_low32(r, low(r.0 - 1000)),
+            Some(GuestTicks(r.0 - 1000))
+        );
+    }
+
+    #[test]
+    fn unwrap_across_low_word_wrap() {
+        // Forward across a 2^32 boundary: the low word wraps to a small number.
+        let r = GuestTicks(0x1f_ffff_fff0);
+        assert_eq!(
+            try_unwrap_tsc_low32(r, 0x20),
+            Some(GuestTicks(0x20_0000_0020))
+        );
+        // Backward across it: the reference is just past the boundary.
+        let r = GuestTicks(0x20_0000_0010);
+        assert_eq!(
+            try_unwrap_tsc_low32(r, 0xffff_fff0),
+            Some(GuestTicks(0x1f_ffff_fff0))
+        );
+    }
+
+    #[test]
+    fn unwrap_window_edges() {
+        let r = GuestTicks(1 << 45);
+        let fwd = r.0 + (1 << 31) - 1;
+        assert_eq!(try_unwrap_tsc_low32(r, low(fwd)), Some(GuestTicks(fwd)));
+        let back = r.0 - (1 << 31);
+        assert_eq!(try_unwrap_tsc_low32(r, low(back)), Some(GuestTicks(back)));
+        // Exactly 2^31 ahead is outside the window: it aliases to 2^31 behind.
+        let too_far = r.0 + (1 << 31);
+        assert_eq!(
+            try_unwrap_tsc_low32(r, low(too_far)),
+            Some(GuestTicks(too_far - (1 << 32)))
+        );
+    }
+
+    #[test]
+    fn unwrap_out_of_u64_is_none() {
+        // Near zero, a "backward" low word would need a negative TSC.
+        assert_eq!(try_unwrap_tsc_low32(GuestTicks(5), 0xffff_ff00), None);
+        // Near u64::MAX, a "forward" one would overflow.
+        assert_eq!(try_unwrap_tsc_low32(GuestTicks(u64::MAX - 5), 0x10), None);
+        assert_eq!(
+            try_unwrap_tsc_low32(GuestTicks(u64::MAX), u32::MAX),
+            Some(GuestTicks(u64::MAX))
+        );
+    }
+
+    #[test]
+    fn features_set_ops() {
+        let f = Features::PVCLOCK.union(Features::EVENTS);
+        assert!(f.contains(Features::PVCLOCK));
+        assert!(!f.contains(Features::MAPPING));
+        assert_eq!(
+            f.intersection(Features::EVENTS.union(Features::MAPPING)),
+            Features::EVENTS
+        );
+    }
+
+    proptest! {
+        /// Against a u128/i128 reference: any true value within [-2^31, 2^31) of the reference
+        /// is recovered exactly; outside u64 gives None.
+        #[test]
+        fn unwrap_matches_reference(r in any::<u64>(), d in -(1i64 << 31)..(1i64 << 31)) {
+            let truth = i128::from(r) + i128::from(d);
+            let lo = u32::try_from(truth.rem_euclid(1 << 32)).unwrap();
+            let got = try_unwrap_tsc_low32(GuestTicks(r), lo);
+            if (0..=i128::from(u64::MAX)).contains(&truth) {
+                prop_assert_eq!(got, Some(GuestTicks(u64::try_from(truth).unwrap())));
+            } else {
+                prop_assert_eq!(got, None);
+            }
+        }
+    }
+}

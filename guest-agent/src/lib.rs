@@ -12,3 +12,5 @@ pub mod port;
 pub mod pvh;
 pub mod tsc;
 pub mod uart;
+pub mod link;
+pub mod server;

@@ -5,17 +5,23 @@
 //! same ELF unchanged. COM1 (0x3f8) carries the probe protocol, COM2 (0x2f8) human-readable
 //! logs; isa-debug-exit (0xf4) ends the VM.
 //!
-//! Boot options (PVH command line): see [`options`].
+//! Boot options (PVH command line): see [`vmtsync_agent::options`].
 //!
-//! ## Wire protocol (TEMPORARY placeholder)
+//! ## `wire=postcard` (default)
 //!
-//! Until the postcard + COBS protocol and the agent state machine of `vmtsync-core` land, COM1
-//! speaks a line protocol, one request byte at a time:
+//! The vmtsync probe protocol (`vmtsync_core::proto`), served by
+//! [`vmtsync_agent::server::Server`]. When COM1 is ready the agent sends one `0x00` byte (an
+//! empty frame, which receivers skip): a host may wait for it instead of retrying its hello.
+//! After `Shutdown` → `Exiting` the agent writes its `exit=` code to isa-debug-exit.
+//!
+//! ## `wire=line` (debugging by hand)
+//!
+//! One request byte, one text line back:
 //!
 //! - at boot the agent sends `H vmtsync-agent\n`;
-//! - `p` → `T<16 lowercase hex digits of the (skewed) TSC>\n`. The TSC is read with
-//!   `lfence; rdtsc` right after THR is known empty, and `T` is written the next instruction,
-//!   so the VM exit carrying `T` is the host's upper bound on the read;
+//! - `p` → `T<16 lowercase hex digits of the (skewed) TSC>\n`. The TSC is read right after THR
+//!   is known empty, and `T` is written the next instruction, so the VM exit carrying `T` is
+//!   the host's upper bound on the read;
 //! - `q` → `Q\n`, then isa-debug-exit with the `exit=` code;
 //! - `!` → a deliberate panic (tests the panic path: log on COM2, exit code 0x7e);
 //! - `w` → `W\n`, then a spin loop with no VM exits (tests the host's watchdog);
@@ -24,11 +30,17 @@
 #![no_main]
 
 mod boot;
+
 use core::fmt::Write as _;
 
-use vmtsync_agent::options::Options;
+use vmtsync_agent::options::{Options, Wire};
+use vmtsync_agent::server::{Outcome, Server};
 use vmtsync_agent::uart::{COM1, COM2};
-use vmtsync_agent::{port, pvh, tsc};
+use vmtsync_agent::{port, pvh};
+use vmtsync_core::arch::Tsc;
+use vmtsync_core::arch::cpuid::{has_invariant_tsc, tsc_freq};
+use vmtsync_core::arch::x86_64::{NativeCpuid, NativeTsc};
+use vmtsync_core::proto::Features;
 
 /// Writes one formatted line to the COM2 log.
 macro_rules! log {
@@ -68,27 +80,63 @@ pub extern "C" fn kmain(start_info_phys: u64) -> ! {
         );
     });
     log!(
-        "options: transport={:?} exit={} skew={}+(tsc*{})>>{}",
+        "options: transport={:?} wire={:?} exit={} skew={}+(tsc*{})>>{}",
         opts.transport,
+        opts.wire,
         opts.exit_code,
         opts.skew.offset,
         opts.skew.ratio,
         opts.skew.frac_bits
     );
-    log!("tsc at ready: {}", tsc::read());
 
-    COM1.write_all(b"H vmtsync-agent\n");
-    serve_placeholder(&opts)
+    let cpuid = NativeCpuid;
+    let mut features = Features::NONE;
+    if has_invariant_tsc(&cpuid) {
+        features = features.union(Features::INVARIANT_TSC);
+    }
+    let tsc_khz = tsc_freq(&cpuid).and_then(|f| u32::try_from(f.hz / 1000).ok());
+    // Never RDTSCP here: it kills the VM on the project's nested KVM (DESIGN.md §4).
+    let tsc = NativeTsc::lfence_rdtsc();
+    log!(
+        "cpu: invariant tsc {}, tsc_khz {:?}, tsc at ready {}",
+        features.contains(Features::INVARIANT_TSC),
+        tsc_khz,
+        tsc.read_ordered()
+    );
+
+    match opts.wire {
+        Wire::Postcard => serve_postcard(&opts, tsc, features, tsc_khz),
+        Wire::Line => serve_line(&opts, tsc),
+    }
 }
 
-/// The TEMPORARY line protocol described in the crate docs; replaced by the core agent state
-/// machine once it lands.
-fn serve_placeholder(opts: &Options) -> ! {
+fn serve_postcard(opts: &Options, tsc: NativeTsc, features: Features, tsc_khz: Option<u32>) -> ! {
+    let mut server = Server::new(COM1, tsc, opts.skew, features, tsc_khz);
+    log!("ready: postcard on COM1");
+    // Ready beacon: an empty frame, skipped by every frame receiver.
+    COM1.write(0);
+    loop {
+        if server.poll() == Outcome::Shutdown {
+            let s = server.stats();
+            log!(
+                "shutdown after {} probes, {} bad frames: isa-debug-exit {}",
+                s.probes,
+                s.bad_frames,
+                opts.exit_code
+            );
+            port::exit(opts.exit_code);
+        }
+    }
+}
+
+fn serve_line(opts: &Options, tsc: NativeTsc) -> ! {
+    COM1.write_all(b"H vmtsync-agent\n");
+    log!("ready: line protocol on COM1");
     loop {
         match COM1.read() {
             b'p' => {
                 COM1.wait_thr_empty();
-                let raw = tsc::read();
+                let raw = tsc.read_ordered();
                 COM1.write_unchecked(b'T');
                 let t = opts.skew.apply(raw);
                 let mut hex = [0u8; 16];

@@ -1,6 +1,8 @@
 //! Boot options from the PVH command line: space-separated `key=value` words.
 //!
 //! - `transport=uart`: probes over COM1 (the only transport so far).
+//! - `wire=postcard|line`: the vmtsync probe protocol (postcard + COBS, the default), or a
+//!   human-typable line protocol for debugging (`cargo xtask run-agent -- wire=line`).
 //! - `exit=N`: the code written to isa-debug-exit when the host says quit (default 0).
 //! - `skew=OFFSET,RATIO,FRAC`: report `OFFSET + ((tsc * RATIO) >> FRAC)` instead of the raw TSC.
 //!   OFFSET may be negative (it wraps, like KVM's offset); numbers are decimal or `0x` hex.
@@ -17,11 +19,22 @@ pub enum Transport {
     Uart,
 }
 
+/// What COM1 speaks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Wire {
+    /// `vmtsync_core::proto` frames: postcard + COBS, `0x00`-delimited.
+    Postcard,
+    /// One request byte, one text line back (see the agent binary's docs).
+    Line,
+}
+
 /// Parsed boot options.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Options {
     /// Probe transport.
     pub transport: Transport,
+    /// Protocol on the transport.
+    pub wire: Wire,
     /// Code for isa-debug-exit on quit.
     pub exit_code: u8,
     /// Software skew applied to reported TSC values.
@@ -42,6 +55,7 @@ impl Default for Options {
     fn default() -> Self {
         Self {
             transport: Transport::Uart,
+            wire: Wire::Postcard,
             exit_code: 0,
             skew: Skew::IDENTITY,
         }
@@ -69,6 +83,11 @@ impl Options {
         match key {
             b"transport" => match value {
                 b"uart" => self.transport = Transport::Uart,
+                _ => return Err(OptionError::BadValue),
+            },
+            b"wire" => match value {
+                b"postcard" => self.wire = Wire::Postcard,
+                b"line" => self.wire = Wire::Line,
                 _ => return Err(OptionError::BadValue),
             },
             b"exit" => {
@@ -143,8 +162,9 @@ mod tests {
 
     #[test]
     fn known_options_parse() {
-        let (o, errs) = parse("transport=uart exit=0x2a  skew=-1000,0x3,1");
+        let (o, errs) = parse("transport=uart exit=0x2a  skew=-1000,0x3,1 wire=line");
         assert!(errs.is_empty(), "{errs:?}");
+        assert_eq!(o.wire, Wire::Line);
         assert_eq!(o.transport, Transport::Uart);
         assert_eq!(o.exit_code, 42);
         assert_eq!(
@@ -160,13 +180,14 @@ mod tests {
     #[test]
     fn bad_words_are_reported_and_ignored() {
         let (o, errs) =
-            parse("exit=256 foo transport=vsock skew=1,0,0 skew=1,1,64 skew=1,1 bar=1 exit=7");
+            parse("wire=json exit=256 foo transport=vsock skew=1,0,0 skew=1,1,64 skew=1,1 bar=1 exit=7");
         assert_eq!(o.exit_code, 7);
         assert_eq!(o.skew, Skew::IDENTITY);
         let kinds: Vec<_> = errs.iter().map(|(w, e)| (w.as_str(), *e)).collect();
         assert_eq!(
             kinds,
             vec![
+                ("wire=json", OptionError::BadValue),
                 ("exit=256", OptionError::BadValue),
                 ("foo", OptionError::UnknownKey),
                 ("transport=vsock", OptionError::BadValue),

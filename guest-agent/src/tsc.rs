@@ -1,23 +1,9 @@
-//! The guest TSC, read as `lfence; rdtsc`, and the optional software skew.
+//! The software TSC skew the agent can apply to every value it reports.
 //!
-//! RDTSCP is never used: it is not exposed to guests on the project's machines and executing it
-//! kills the VM (DESIGN.md §4). `lfence` before `rdtsc` keeps the read from being hoisted above
-//! the UART read that delivered the probe.
-
-use core::arch::asm;
-
-/// Reads the TSC after all earlier instructions have completed.
-#[inline(always)]
-pub fn read() -> u64 {
-    let lo: u32;
-    let hi: u32;
-    // SAFETY: lfence and rdtsc have no memory effects; CR4.TSD is clear (never set by the
-    // agent), so rdtsc is allowed at CPL 0.
-    unsafe {
-        asm!("lfence", "rdtsc", out("eax") lo, out("edx") hi, options(nomem, nostack, preserves_flags));
-    }
-    (u64::from(hi) << 32) | u64::from(lo)
-}
+//! The TSC itself is read with `vmtsync_core::arch::x86_64::NativeTsc::lfence_rdtsc()`: never
+//! RDTSCP, which is not exposed to guests on the project's machines and kills the VM when
+//! executed (DESIGN.md §4); `lfence` keeps the read after the UART read that delivered the
+//! probe.
 
 /// A software skew applied to every TSC value the agent reports, in KVM's own form:
 /// `reported = offset + ((tsc * ratio) >> frac_bits)` (wrapping add, 128-bit product). It lets

@@ -15,6 +15,7 @@
 
 mod agent_build;
 mod boot;
+pub mod client;
 pub mod qemu;
 pub mod serial;
 pub mod tsc;
@@ -33,8 +34,8 @@ use vm_memory::{GuestAddress, GuestMemoryBackend, GuestMemoryMmap};
 use vmm_sys_util::signal::{Killable, SIGRTMIN, register_signal_handler};
 
 pub use agent_build::agent_elf;
+use serial::{ExitStamp, TxSink, Uart16550, lock};
 pub use serial::{SerialByte, SerialHost};
-use serial::{TxSink, Uart16550, lock};
 
 /// I/O base of COM1, the probe UART.
 pub const COM1_BASE: u16 = 0x3f8;
@@ -94,7 +95,7 @@ pub struct VmOutcome {
     pub io_exits: u64,
     /// Guest `rip` when the run ended (for diagnosing faults).
     pub rip: u64,
-    /// Time from the first `KVM_RUN` to the end of the run.
+    /// Time from [`Vm::boot`] (which also starts the watchdog) to the end of the run.
     pub run_time: Duration,
 }
 
@@ -190,7 +191,8 @@ impl Vm {
         let log = Arc::new(Mutex::new(Vec::new()));
         let com2 = Uart16550::new(None, None, TxSink::Log(log.clone()));
         let stop = Arc::new(AtomicBool::new(false));
-        let deadline = Instant::now() + cfg.timeout;
+        let started = Instant::now();
+        let deadline = started + cfg.timeout;
 
         let devices = Devices { com1, com2 };
         let thread_stop = stop.clone();
@@ -199,7 +201,7 @@ impl Vm {
             .spawn(move || {
                 // The VM fd and memory must outlive the vCPU's runs.
                 let _keep = (vm, mem);
-                run_vcpu(vcpu, devices, &thread_stop, deadline)
+                run_vcpu(vcpu, devices, &thread_stop, started, deadline)
             })
             .map_err(|e| VmmError::Thread(e.to_string()))?;
         let _ = kick;
@@ -336,10 +338,11 @@ fn run_vcpu(
     mut vcpu: VcpuFd,
     mut dev: Devices,
     stop: &AtomicBool,
+    start: Instant,
     deadline: Instant,
 ) -> Result<RunResult, VmmError> {
-    let start = Instant::now();
     let mut io_exits = 0u64;
+    let mut last_exit_tsc = 0u64;
     let exit = loop {
         // The deadline first: the watchdog also raises `stop` to get here, and its run must
         // read as a timeout, not as a requested stop.
@@ -349,12 +352,24 @@ fn run_vcpu(
         if stop.load(Ordering::SeqCst) {
             break VmExit::Stopped;
         }
-        match vcpu.run() {
+        let r = vcpu.run();
+        // Stamp every exit first thing, so device models see the same time for this exit and
+        // the next exit can report it as its predecessor.
+        let at = ExitStamp {
+            now: tsc::host_tsc(),
+            prev: last_exit_tsc,
+        };
+        last_exit_tsc = at.now;
+        match r {
             Ok(VcpuExit::IoIn(port, data)) => {
                 io_exits += 1;
                 let v = match port {
-                    p if (COM1_BASE..COM1_BASE + 8).contains(&p) => dev.com1.read(p - COM1_BASE),
-                    p if (COM2_BASE..COM2_BASE + 8).contains(&p) => dev.com2.read(p - COM2_BASE),
+                    p if (COM1_BASE..COM1_BASE + 8).contains(&p) => {
+                        dev.com1.read(p - COM1_BASE, at)
+                    }
+                    p if (COM2_BASE..COM2_BASE + 8).contains(&p) => {
+                        dev.com2.read(p - COM2_BASE, at)
+                    }
                     _ => 0xff,
                 };
                 data.fill(0xff);
@@ -373,10 +388,10 @@ fn run_vcpu(
                         break VmExit::DebugExit(u32::from_le_bytes(v));
                     }
                     p if (COM1_BASE..COM1_BASE + 8).contains(&p) => {
-                        dev.com1.write(p - COM1_BASE, first);
+                        dev.com1.write(p - COM1_BASE, first, at);
                     }
                     p if (COM2_BASE..COM2_BASE + 8).contains(&p) => {
-                        dev.com2.write(p - COM2_BASE, first);
+                        dev.com2.write(p - COM2_BASE, first, at);
                     }
                     _ => {}
                 }

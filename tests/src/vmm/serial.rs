@@ -12,8 +12,6 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use super::tsc::host_tsc;
-
 const LSR_DR: u8 = 0x01;
 const LSR_THRE: u8 = 0x20;
 const LSR_TEMT: u8 = 0x40;
@@ -32,6 +30,30 @@ pub struct SerialByte {
     /// Host TSC at the exit: for guest→host bytes the THR write, for host→guest bytes the RBR
     /// read that handed the byte to the guest.
     pub host_tsc: u64,
+    /// Host TSC at the vCPU's previous VM exit (of any kind; 0 for the first). Any guest
+    /// instruction between the two exits, such as a TSC read right before a THR write, ran
+    /// inside `[prev_exit_host_tsc, host_tsc]`.
+    pub prev_exit_host_tsc: u64,
+}
+
+/// The host TSC of the current VM exit and of the one before it, taken by the vCPU loop right
+/// after `KVM_RUN` returns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(crate) struct ExitStamp {
+    /// This exit.
+    pub(crate) now: u64,
+    /// The previous exit (0 before the first).
+    pub(crate) prev: u64,
+}
+
+impl ExitStamp {
+    fn byte(self, byte: u8) -> SerialByte {
+        SerialByte {
+            byte,
+            host_tsc: self.now,
+            prev_exit_host_tsc: self.prev,
+        }
+    }
 }
 
 /// Where a UART's transmitted bytes go.
@@ -81,19 +103,18 @@ impl Uart16550 {
         self.rx.as_ref().is_some_and(|q| !lock(q).is_empty())
     }
 
-    /// Handles a guest `in` from register `offset` (0..=7).
-    pub(crate) fn read(&mut self, offset: u16) -> u8 {
+    /// Handles a guest `in` from register `offset` (0..=7) at the exit stamped `at`.
+    pub(crate) fn read(&mut self, offset: u16, at: ExitStamp) -> u8 {
         let dlab = self.lcr & LCR_DLAB != 0;
         match offset {
             0 if dlab => self.divisor[0],
             0 => {
-                let t = host_tsc();
                 let b = self.rx.as_ref().and_then(|q| lock(q).pop_front());
                 match b {
                     Some(byte) => {
                         if let Some(d) = &self.delivered {
                             // The host endpoint may be gone; the guest does not care.
-                            let _ = d.send(SerialByte { byte, host_tsc: t });
+                            let _ = d.send(at.byte(byte));
                         }
                         byte
                     }
@@ -112,23 +133,17 @@ impl Uart16550 {
         }
     }
 
-    /// Handles a guest `out` of `v` to register `offset` (0..=7).
-    pub(crate) fn write(&mut self, offset: u16, v: u8) {
+    /// Handles a guest `out` of `v` to register `offset` (0..=7) at the exit stamped `at`.
+    pub(crate) fn write(&mut self, offset: u16, v: u8, at: ExitStamp) {
         let dlab = self.lcr & LCR_DLAB != 0;
         match offset {
             0 if dlab => self.divisor[0] = v,
-            0 => {
-                let t = host_tsc();
-                match &self.tx {
-                    TxSink::Channel(s) => {
-                        let _ = s.send(SerialByte {
-                            byte: v,
-                            host_tsc: t,
-                        });
-                    }
-                    TxSink::Log(buf) => lock(buf).push(v),
+            0 => match &self.tx {
+                TxSink::Channel(s) => {
+                    let _ = s.send(at.byte(v));
                 }
-            }
+                TxSink::Log(buf) => lock(buf).push(v),
+            },
             1 if dlab => self.divisor[1] = v,
             1 => self.ier = v,
             // FCR bit 1 clears the receive FIFO, as on real hardware.
@@ -206,6 +221,8 @@ mod tests {
 
     use super::*;
 
+    const AT: ExitStamp = ExitStamp { now: 20, prev: 10 };
+
     fn com1() -> (Uart16550, SerialHost) {
         let q = Arc::new(Mutex::new(VecDeque::new()));
         let (tx, from_guest) = channel();
@@ -222,29 +239,29 @@ mod tests {
     #[test]
     fn lsr_reports_data_ready_only_while_bytes_are_queued() {
         let (mut u, h) = com1();
-        assert_eq!(u.read(5), LSR_THRE | LSR_TEMT);
+        assert_eq!(u.read(5, AT), LSR_THRE | LSR_TEMT);
         h.send(b"ab");
-        assert_eq!(u.read(5), LSR_THRE | LSR_TEMT | LSR_DR);
-        assert_eq!(u.read(0), b'a');
-        assert_eq!(u.read(0), b'b');
-        assert_eq!(u.read(5) & LSR_DR, 0);
+        assert_eq!(u.read(5, AT), LSR_THRE | LSR_TEMT | LSR_DR);
+        assert_eq!(u.read(0, AT), b'a');
+        assert_eq!(u.read(0, AT), b'b');
+        assert_eq!(u.read(5, AT) & LSR_DR, 0);
         let d1 = h.delivered_timeout(Duration::ZERO).expect("first delivery");
         let d2 = h
             .delivered_timeout(Duration::ZERO)
             .expect("second delivery");
         assert_eq!((d1.byte, d2.byte), (b'a', b'b'));
-        assert!(d1.host_tsc <= d2.host_tsc);
+        assert_eq!((d1.host_tsc, d1.prev_exit_host_tsc), (20, 10));
     }
 
     #[test]
     fn divisor_latch_writes_are_not_transmitted() {
         let (mut u, h) = com1();
-        u.write(3, 0x80);
-        u.write(0, 0x01);
-        u.write(1, 0x00);
-        assert_eq!(u.read(0), 0x01);
-        u.write(3, 0x03);
-        u.write(0, b'x');
+        u.write(3, 0x80, AT);
+        u.write(0, 0x01, AT);
+        u.write(1, 0x00, AT);
+        assert_eq!(u.read(0, AT), 0x01);
+        u.write(3, 0x03, AT);
+        u.write(0, b'x', AT);
         let b = h
             .recv_timeout(Duration::ZERO)
             .expect("one byte transmitted");
@@ -256,10 +273,10 @@ mod tests {
     fn fifo_reset_drops_pending_input_and_lines_collect() {
         let (mut u, h) = com1();
         h.send(b"zz");
-        u.write(2, 0x07);
-        assert_eq!(u.read(5) & LSR_DR, 0);
+        u.write(2, 0x07, AT);
+        assert_eq!(u.read(5, AT) & LSR_DR, 0);
         for &b in b"hi\n" {
-            u.write(0, b);
+            u.write(0, b, AT);
         }
         let line = h.recv_line(Duration::ZERO).expect("a full line");
         assert_eq!(line.iter().map(|b| b.byte).collect::<Vec<_>>(), b"hi\n");
@@ -270,9 +287,9 @@ mod tests {
         let buf = Arc::new(Mutex::new(Vec::new()));
         let mut u = Uart16550::new(None, None, TxSink::Log(buf.clone()));
         for &b in b"ok" {
-            u.write(0, b);
+            u.write(0, b, AT);
         }
-        assert_eq!(u.read(5) & LSR_DR, 0);
+        assert_eq!(u.read(5, AT) & LSR_DR, 0);
         assert_eq!(lock(&buf).as_slice(), b"ok");
     }
 }

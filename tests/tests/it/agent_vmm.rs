@@ -1,8 +1,18 @@
 //! Tier 2: the guest agent under the built-in VMM on real KVM.
+//!
+//! Truth on the project's machines: guest TSC == host TSC (KVM here cannot offset or scale
+//! it, DESIGN.md §4), so every TSC the agent reports must lie between the host TSCs of the VM
+//! exits that bracket the exchange: the exit where the guest read the request's last byte and
+//! the exit where it wrote the reply's first byte.
 
 use std::time::Duration;
 
-use vmtsync_tests::vmm::{SerialByte, Vm, VmConfig, VmExit, agent_elf, tsc::host_tsc};
+use vmtsync_core::GuestTicks;
+use vmtsync_core::proto::{
+    Features, Hello, Message, PROTOCOL_VERSION, Transport, try_unwrap_tsc_low32,
+};
+use vmtsync_tests::vmm::client::{Exchange, ProtoClient};
+use vmtsync_tests::vmm::{SerialByte, Vm, VmConfig, VmExit, agent_elf};
 use vmtsync_tests::{have_kvm, require};
 
 const STEP: Duration = Duration::from_secs(20);
@@ -11,80 +21,7 @@ fn text(line: &[SerialByte]) -> String {
     line.iter().map(|b| char::from(b.byte)).collect()
 }
 
-#[test]
-fn builtin_vmm_boots_agent_and_brackets_its_tsc() {
-    if !require(
-        "builtin_vmm_boots_agent_and_brackets_its_tsc",
-        have_kvm(),
-        "/dev/kvm is not accessible read-write",
-    ) {
-        return;
-    }
-    let elf = agent_elf().expect("agent builds");
-    let cfg = VmConfig {
-        cmdline: "transport=uart exit=5".into(),
-        timeout: Duration::from_secs(60),
-        ..VmConfig::default()
-    };
-    let vm = Vm::boot(&elf, &cfg).expect("VM boots");
-    let hello = vm.com1().recv_line(STEP);
-    let log = vm.log_text();
-    let hello = hello.unwrap_or_else(|| panic!("no hello on COM1; COM2 log:\n{log}"));
-    assert_eq!(text(&hello), "H vmtsync-agent\n");
-    assert!(log.contains("vmtsync-agent"), "COM2 log: {log}");
-    assert!(
-        log.contains("cmdline \"transport=uart exit=5\""),
-        "COM2 log: {log}"
-    );
-
-    for round in 0..5 {
-        let before = host_tsc();
-        vm.com1().send(b"p");
-        let line = vm.com1().recv_line(STEP).expect("probe answer");
-        let after = host_tsc();
-        let delivered = vm
-            .com1()
-            .delivered_timeout(STEP)
-            .expect("probe byte was read");
-        let s = text(&line);
-        assert!(s.starts_with('T') && s.len() == 18, "answer {s:?}");
-        let guest = u64::from_str_radix(&s[1..17], 16).expect("hex TSC");
-        let sent = line[0].host_tsc;
-        eprintln!(
-            "round {round}: delivered {} guest {} T-exit {} | rx->guest {} guest->tx {} cycles, \
-             host bracket {}",
-            delivered.host_tsc,
-            guest,
-            sent,
-            guest.wrapping_sub(delivered.host_tsc),
-            sent.wrapping_sub(guest),
-            after - before
-        );
-        assert!(before <= delivered.host_tsc && delivered.host_tsc <= sent && sent <= after);
-        assert!(
-            delivered.host_tsc <= guest && guest <= sent,
-            "guest TSC {guest} outside the exit bracket [{}, {sent}]",
-            delivered.host_tsc
-        );
-    }
-
-    vm.com1().send(b"q");
-    let bye = vm.com1().recv_line(STEP).expect("quit answer");
-    assert_eq!(text(&bye), "Q\n");
-    let out = vm.wait().expect("run ends");
-    eprintln!(
-        "exit {:?} after {} I/O exits in {:?}",
-        out.exit, out.io_exits, out.run_time
-    );
-    assert_eq!(out.exit, VmExit::DebugExit(5), "log:\n{}", out.log);
-    assert!(
-        out.log.contains("quit: isa-debug-exit 5"),
-        "log:\n{}",
-        out.log
-    );
-}
-
-fn boot_agent(test: &str, cmdline: &str, timeout: Duration) -> Option<Vm> {
+fn boot(test: &str, cmdline: &str, timeout: Duration) -> Option<Vm> {
     if !require(test, have_kvm(), "/dev/kvm is not accessible read-write") {
         return None;
     }
@@ -94,21 +31,198 @@ fn boot_agent(test: &str, cmdline: &str, timeout: Duration) -> Option<Vm> {
         timeout,
         ..VmConfig::default()
     };
-    let vm = Vm::boot(&elf, &cfg).expect("VM boots");
+    Some(Vm::boot(&elf, &cfg).expect("VM boots"))
+}
+
+fn hello() -> Message {
+    Message::Hello(Hello {
+        version: PROTOCOL_VERSION,
+        features: Features::NONE,
+    })
+}
+
+fn median(mut v: Vec<u64>) -> u64 {
+    v.sort_unstable();
+    v[v.len() / 2]
+}
+
+#[test]
+fn builtin_vmm_agent_answers_probes_within_the_exit_bracket() {
+    let Some(vm) = boot(
+        "builtin_vmm_agent_answers_probes_within_the_exit_bracket",
+        "transport=uart exit=5",
+        Duration::from_secs(60),
+    ) else {
+        return;
+    };
+    let mut c = ProtoClient::new(vm.com1());
+    assert!(
+        c.wait_ready(STEP),
+        "no ready beacon; COM2 log:\n{}",
+        vm.log_text()
+    );
+    let log = vm.log_text();
+    assert!(
+        log.contains("cmdline \"transport=uart exit=5\""),
+        "COM2 log:\n{log}"
+    );
+    assert!(log.contains("ready: postcard on COM1"), "COM2 log:\n{log}");
+
+    let caps = c.exchange(&hello(), STEP).expect("capabilities");
+    let Message::Capabilities(k) = caps.reply else {
+        panic!("expected capabilities, got {:?}", caps.reply)
+    };
+    assert_eq!(k.version, PROTOCOL_VERSION);
+    assert_eq!(k.transport, Transport::Uart16550);
+    assert_eq!(k.vcpu, 0);
+    assert!(
+        caps.request_read_tsc <= k.tsc.0 && k.tsc.0 <= caps.reply_first_byte_tsc,
+        "hello TSC {} outside [{}, {}]",
+        k.tsc.0,
+        caps.request_read_tsc,
+        caps.reply_first_byte_tsc
+    );
+
+    let (mut before, mut tight, mut after) = (Vec::new(), Vec::new(), Vec::new());
+    for seq in 0..40u16 {
+        let full = seq % 2 == 0;
+        let req = if full {
+            Message::ProbeFull { seq }
+        } else {
+            Message::Probe { seq }
+        };
+        let Exchange {
+            reply,
+            request_read_tsc: lo,
+            reply_first_byte_tsc: hi,
+            reply_prev_exit_tsc: prev,
+        } = c.exchange(&req, STEP).expect("probe reply");
+        let guest = match reply {
+            Message::ProbeReplyFull(r) if full => {
+                assert_eq!((r.seq, r.vcpu), (seq, 0));
+                r.tsc
+            }
+            Message::ProbeReply(r) if !full => {
+                assert_eq!((r.seq, r.vcpu), (seq, 0));
+                // Identity mapping: the host TSC at the request read is a reference within
+                // far less than 2^31 ticks of the guest's reading.
+                try_unwrap_tsc_low32(GuestTicks(lo), r.tsc_low32)
+                    .expect("unwraps")
+                    .0
+            }
+            other => panic!("probe {seq}: unexpected reply {other:?}"),
+        };
+        assert!(
+            lo <= guest && guest <= hi,
+            "probe {seq}: guest TSC {guest} outside the exit bracket [{lo}, {hi}]"
+        );
+        // No exit between the agent's TSC read and its first reply byte: the two exits
+        // around that byte bracket the read.
+        assert!(
+            lo <= prev && prev <= guest,
+            "probe {seq}: guest TSC {guest} before the exit preceding its reply ({prev})"
+        );
+        before.push(guest - lo);
+        tight.push(guest - prev);
+        after.push(hi - guest);
+    }
+    eprintln!(
+        "40 probes, median cycles: request-read exit -> guest TSC {}, \
+         previous exit -> guest TSC {}, guest TSC -> reply's first-byte exit {}",
+        median(before),
+        median(tight),
+        median(after)
+    );
+
+    let bye = c.exchange(&Message::Shutdown, STEP).expect("exiting");
+    assert_eq!(bye.reply, Message::Exiting);
+    let out = vm.wait().expect("run ends");
+    eprintln!(
+        "exit {:?} after {} I/O exits in {:?}",
+        out.exit, out.io_exits, out.run_time
+    );
+    assert_eq!(out.exit, VmExit::DebugExit(5), "log:\n{}", out.log);
+    assert!(
+        out.log
+            .contains("shutdown after 40 probes, 0 bad frames: isa-debug-exit 5"),
+        "log:\n{}",
+        out.log
+    );
+}
+
+#[test]
+fn builtin_vmm_agent_applies_software_skew() {
+    // reported = offset + ((tsc * ratio) >> frac): ratio 3/2 (frac 1), offset -1000.
+    let Some(vm) = boot(
+        "builtin_vmm_agent_applies_software_skew",
+        "skew=-1000,3,1 exit=0",
+        Duration::from_secs(60),
+    ) else {
+        return;
+    };
+    let mut c = ProtoClient::new(vm.com1());
+    assert!(c.wait_ready(STEP));
+    let skew = |t: u64| {
+        let scaled = u64::try_from((u128::from(t) * 3) >> 1).expect("fits");
+        scaled.wrapping_sub(1000)
+    };
+    let caps = c.exchange(&hello(), STEP).expect("capabilities");
+    let Message::Capabilities(k) = caps.reply else {
+        panic!("{:?}", caps.reply)
+    };
+    // The skew is monotonic, so the exit bracket maps through it.
+    assert!(skew(caps.request_read_tsc) <= k.tsc.0 && k.tsc.0 <= skew(caps.reply_first_byte_tsc));
+    let p = c
+        .exchange(&Message::ProbeFull { seq: 1 }, STEP)
+        .expect("probe");
+    let Message::ProbeReplyFull(r) = p.reply else {
+        panic!("{:?}", p.reply)
+    };
+    assert!(
+        skew(p.request_read_tsc) <= r.tsc && r.tsc <= skew(p.reply_first_byte_tsc),
+        "reported {} outside [{}, {}]",
+        r.tsc,
+        skew(p.request_read_tsc),
+        skew(p.reply_first_byte_tsc)
+    );
+    assert_eq!(
+        c.exchange(&Message::Shutdown, STEP).expect("bye").reply,
+        Message::Exiting
+    );
+    assert_eq!(vm.wait().expect("run ends").exit, VmExit::DebugExit(0));
+}
+
+/// Boots in `wire=line` mode and reads the hello line.
+fn boot_line(test: &str, timeout: Duration) -> Option<Vm> {
+    let vm = boot(test, "wire=line", timeout)?;
     let hello = vm.com1().recv_line(STEP).expect("hello on COM1");
     assert_eq!(text(&hello), "H vmtsync-agent\n");
     Some(vm)
 }
 
 #[test]
-fn builtin_vmm_agent_panic_logs_and_exits_with_failure_code() {
-    let Some(vm) = boot_agent(
-        "builtin_vmm_agent_panic_logs_and_exits_with_failure_code",
-        "",
+fn builtin_vmm_line_mode_probe_then_panic_logs_and_exits_with_failure_code() {
+    let Some(vm) = boot_line(
+        "builtin_vmm_line_mode_probe_then_panic_logs_and_exits_with_failure_code",
         Duration::from_secs(60),
     ) else {
         return;
     };
+    vm.com1().send(b"p");
+    let line = vm.com1().recv_line(STEP).expect("probe answer");
+    let read = vm
+        .com1()
+        .delivered_timeout(STEP)
+        .expect("probe byte was read");
+    let s = text(&line);
+    assert!(s.starts_with('T') && s.len() == 18, "answer {s:?}");
+    let guest = u64::from_str_radix(&s[1..17], 16).expect("hex TSC");
+    assert!(read.host_tsc <= guest && guest <= line[0].host_tsc);
+    assert!(
+        line[0].prev_exit_host_tsc <= guest,
+        "an exit between TSC read and 'T'"
+    );
+
     vm.com1().send(b"!");
     let out = vm.wait().expect("run ends");
     assert_eq!(out.exit, VmExit::DebugExit(0x7e), "log:\n{}", out.log);
@@ -122,9 +236,8 @@ fn builtin_vmm_agent_panic_logs_and_exits_with_failure_code() {
 #[test]
 fn builtin_vmm_watchdog_ends_a_guest_that_spins_without_exits() {
     let timeout = Duration::from_secs(3);
-    let Some(vm) = boot_agent(
+    let Some(vm) = boot_line(
         "builtin_vmm_watchdog_ends_a_guest_that_spins_without_exits",
-        "",
         timeout,
     ) else {
         return;
@@ -143,40 +256,16 @@ fn builtin_vmm_watchdog_ends_a_guest_that_spins_without_exits() {
 }
 
 #[test]
-fn builtin_vmm_agent_applies_software_skew() {
-    // reported = offset + ((tsc * ratio) >> frac): ratio 3/2 (frac 1), offset -1000.
-    let Some(vm) = boot_agent(
-        "builtin_vmm_agent_applies_software_skew",
-        "skew=-1000,3,1 exit=0",
-        Duration::from_secs(60),
-    ) else {
+fn builtin_vmm_rejects_an_elf_without_pvh_note() {
+    if !require(
+        "builtin_vmm_rejects_an_elf_without_pvh_note",
+        have_kvm(),
+        "/dev/kvm is not accessible read-write",
+    ) {
         return;
-    };
-    assert!(
-        vm.log_text()
-            .contains(&format!("skew={}+(tsc*3)>>1", 0u64.wrapping_sub(1000))),
-        "log:\n{}",
-        vm.log_text()
-    );
-    vm.com1().send(b"p");
-    let line = vm.com1().recv_line(STEP).expect("probe answer");
-    let rx = vm
-        .com1()
-        .delivered_timeout(STEP)
-        .expect("probe byte was read");
-    let s = text(&line);
-    let reported = u64::from_str_radix(&s[1..17], 16).expect("hex TSC");
-    let skew = |t: u64| {
-        let scaled = u64::try_from((u128::from(t) * 3) >> 1).expect("fits");
-        scaled.wrapping_sub(1000)
-    };
-    // The skew is monotonic, so the exit bracket maps through it.
-    assert!(
-        skew(rx.host_tsc) <= reported && reported <= skew(line[0].host_tsc),
-        "reported {reported} outside [{}, {}]",
-        skew(rx.host_tsc),
-        skew(line[0].host_tsc)
-    );
-    vm.com1().send(b"q");
-    assert_eq!(vm.wait().expect("run ends").exit, VmExit::DebugExit(0));
+    }
+    // The test binary itself is an ELF without a Xen PVH note.
+    let me = std::env::current_exe().expect("own path");
+    let err = Vm::boot(&me, &VmConfig::default()).expect_err("no PVH entry");
+    assert!(err.to_string().contains("loading the guest ELF"), "{err}");
 }

@@ -7,10 +7,10 @@
 //! (`cargo test --target x86_64-unknown-linux-gnu`).
 #![cfg_attr(not(test), no_std)]
 
+pub mod link;
 pub mod options;
 pub mod port;
 pub mod pvh;
+pub mod server;
 pub mod tsc;
 pub mod uart;
-pub mod link;
-pub mod server;

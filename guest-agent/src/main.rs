@@ -80,9 +80,10 @@ pub extern "C" fn kmain(start_info_phys: u64) -> ! {
         );
     });
     log!(
-        "options: transport={:?} wire={:?} exit={} skew={}+(tsc*{})>>{}",
+        "options: transport={:?} wire={:?} ring={} exit={} skew={}+(tsc*{})>>{}",
         opts.transport,
         opts.wire,
+        opts.ring,
         opts.exit_code,
         opts.skew.offset,
         opts.skew.ratio,
@@ -104,9 +105,37 @@ pub extern "C" fn kmain(start_info_phys: u64) -> ! {
         tsc.read_ordered()
     );
 
-    match opts.wire {
-        Wire::Postcard => serve_postcard(&opts, tsc, features, tsc_khz),
-        Wire::Line => serve_line(&opts, tsc),
+    let ctx = Ctx {
+        opts,
+        tsc,
+        features,
+        tsc_khz,
+    };
+    if opts.ring == 3 {
+        log!("entering ring 3 with IOPL 3");
+        // SAFETY: we are in ring 0 on boot.rs's GDT and page tables; `ctx` lives in this frame,
+        // which never returns (enter_ring3 diverges), so the pointer stays valid.
+        unsafe { boot::enter_ring3(serve, core::ptr::from_ref(&ctx) as usize) }
+    }
+    serve(core::ptr::from_ref(&ctx) as usize)
+}
+
+/// What the protocol loop needs from boot.
+struct Ctx {
+    opts: Options,
+    tsc: NativeTsc,
+    features: Features,
+    tsc_khz: Option<u32>,
+}
+
+/// The protocol loop, in ring 3 or ring 0. `ctx` is the address of a [`Ctx`] that lives forever.
+extern "C" fn serve(ctx: usize) -> ! {
+    // SAFETY: kmain passes the address of its `Ctx`, in a frame that is never unwound.
+    let ctx = unsafe { &*(ctx as *const Ctx) };
+    log!("serving at CPL {}", port::cpl());
+    match ctx.opts.wire {
+        Wire::Postcard => serve_postcard(&ctx.opts, ctx.tsc, ctx.features, ctx.tsc_khz),
+        Wire::Line => serve_line(&ctx.opts, ctx.tsc),
     }
 }
 

@@ -3,6 +3,8 @@
 //! - `transport=uart`: probes over COM1 (the only transport so far).
 //! - `wire=postcard|line`: the vmtsync probe protocol (postcard + COBS, the default), or a
 //!   human-typable line protocol for debugging (`cargo xtask run-agent -- wire=line`).
+//! - `ring=3|0`: run the protocol loop in ring 3 with IOPL 3 (default; native speed on nested
+//!   KVM where ring 0 is emulated) or stay in ring 0.
 //! - `exit=N`: the code written to isa-debug-exit when the host says quit (default 0).
 //! - `skew=OFFSET,RATIO,FRAC`: report `OFFSET + ((tsc * RATIO) >> FRAC)` instead of the raw TSC.
 //!   OFFSET may be negative (it wraps, like KVM's offset); numbers are decimal or `0x` hex.
@@ -35,6 +37,8 @@ pub struct Options {
     pub transport: Transport,
     /// Protocol on the transport.
     pub wire: Wire,
+    /// Privilege level of the protocol loop: 0 or 3.
+    pub ring: u8,
     /// Code for isa-debug-exit on quit.
     pub exit_code: u8,
     /// Software skew applied to reported TSC values.
@@ -56,6 +60,7 @@ impl Default for Options {
         Self {
             transport: Transport::Uart,
             wire: Wire::Postcard,
+            ring: 3,
             exit_code: 0,
             skew: Skew::IDENTITY,
         }
@@ -88,6 +93,11 @@ impl Options {
             b"wire" => match value {
                 b"postcard" => self.wire = Wire::Postcard,
                 b"line" => self.wire = Wire::Line,
+                _ => return Err(OptionError::BadValue),
+            },
+            b"ring" => match value {
+                b"0" => self.ring = 0,
+                b"3" => self.ring = 3,
                 _ => return Err(OptionError::BadValue),
             },
             b"exit" => {
@@ -162,9 +172,10 @@ mod tests {
 
     #[test]
     fn known_options_parse() {
-        let (o, errs) = parse("transport=uart exit=0x2a  skew=-1000,0x3,1 wire=line");
+        let (o, errs) = parse("transport=uart exit=0x2a  skew=-1000,0x3,1 wire=line ring=0");
         assert!(errs.is_empty(), "{errs:?}");
         assert_eq!(o.wire, Wire::Line);
+        assert_eq!(o.ring, 0);
         assert_eq!(o.transport, Transport::Uart);
         assert_eq!(o.exit_code, 42);
         assert_eq!(
@@ -179,14 +190,16 @@ mod tests {
 
     #[test]
     fn bad_words_are_reported_and_ignored() {
-        let (o, errs) =
-            parse("wire=json exit=256 foo transport=vsock skew=1,0,0 skew=1,1,64 skew=1,1 bar=1 exit=7");
+        let (o, errs) = parse(
+            "ring=1 wire=json exit=256 foo transport=vsock skew=1,0,0 skew=1,1,64 skew=1,1 bar=1 exit=7",
+        );
         assert_eq!(o.exit_code, 7);
         assert_eq!(o.skew, Skew::IDENTITY);
         let kinds: Vec<_> = errs.iter().map(|(w, e)| (w.as_str(), *e)).collect();
         assert_eq!(
             kinds,
             vec![
+                ("ring=1", OptionError::BadValue),
                 ("wire=json", OptionError::BadValue),
                 ("exit=256", OptionError::BadValue),
                 ("foo", OptionError::UnknownKey),

@@ -50,10 +50,26 @@ pub fn exit(code: u8) -> ! {
     halt_forever()
 }
 
-/// Halts the CPU forever with interrupts disabled.
+/// The current privilege level (the low two bits of CS).
+#[inline(always)]
+pub fn cpl() -> u8 {
+    let cs: u16;
+    // SAFETY: reading CS has no side effects.
+    unsafe { asm!("mov {0:x}, cs", out(reg) cs, options(nomem, nostack, preserves_flags)) };
+    // Masked to two bits, so the cast cannot truncate.
+    #[allow(clippy::cast_possible_truncation)]
+    let level = (cs & 3) as u8;
+    level
+}
+
+/// Stops this CPU for good: `cli; hlt` in ring 0; in ring 3, where `hlt` would fault, a spin.
 pub fn halt_forever() -> ! {
     loop {
-        // SAFETY: `cli; hlt` only stops this CPU; nothing is left in an inconsistent state.
-        unsafe { asm!("cli", "hlt", options(nomem, nostack)) };
+        if cpl() == 0 {
+            // SAFETY: `cli; hlt` at CPL 0 only stops this CPU; nothing is left inconsistent.
+            unsafe { asm!("cli", "hlt", options(nomem, nostack)) };
+        } else {
+            core::hint::spin_loop();
+        }
     }
 }

@@ -46,13 +46,10 @@ fn median(mut v: Vec<u64>) -> u64 {
     v[v.len() / 2]
 }
 
-#[test]
-fn builtin_vmm_agent_answers_probes_within_the_exit_bracket() {
-    let Some(vm) = boot(
-        "builtin_vmm_agent_answers_probes_within_the_exit_bracket",
-        "transport=uart exit=5",
-        Duration::from_secs(60),
-    ) else {
+/// Boots the agent with `cmdline` (which must set `exit=5`), runs hello, 40 probes (full and
+/// compact alternating) and shutdown, and checks every reported TSC against the exit bracket.
+fn probe_session(test: &str, cmdline: &str) {
+    let Some(vm) = boot(test, cmdline, Duration::from_secs(60)) else {
         return;
     };
     let mut c = ProtoClient::new(vm.com1());
@@ -63,7 +60,7 @@ fn builtin_vmm_agent_answers_probes_within_the_exit_bracket() {
     );
     let log = vm.log_text();
     assert!(
-        log.contains("cmdline \"transport=uart exit=5\""),
+        log.contains(&format!("cmdline \"{cmdline}\"")),
         "COM2 log:\n{log}"
     );
     assert!(log.contains("ready: postcard on COM1"), "COM2 log:\n{log}");
@@ -127,7 +124,7 @@ fn builtin_vmm_agent_answers_probes_within_the_exit_bracket() {
         after.push(hi - guest);
     }
     eprintln!(
-        "40 probes, median cycles: request-read exit -> guest TSC {}, \
+        "{cmdline:?}: 40 probes, median cycles: request-read exit -> guest TSC {}, \
          previous exit -> guest TSC {}, guest TSC -> reply's first-byte exit {}",
         median(before),
         median(tight),
@@ -138,7 +135,7 @@ fn builtin_vmm_agent_answers_probes_within_the_exit_bracket() {
     assert_eq!(bye.reply, Message::Exiting);
     let out = vm.wait().expect("run ends");
     eprintln!(
-        "exit {:?} after {} I/O exits in {:?}",
+        "{cmdline:?}: exit {:?} after {} I/O exits in {:?}",
         out.exit, out.io_exits, out.run_time
     );
     assert_eq!(out.exit, VmExit::DebugExit(5), "log:\n{}", out.log);
@@ -147,6 +144,28 @@ fn builtin_vmm_agent_answers_probes_within_the_exit_bracket() {
             .contains("shutdown after 40 probes, 0 bad frames: isa-debug-exit 5"),
         "log:\n{}",
         out.log
+    );
+    let cpl = if cmdline.contains("ring=0") { 0 } else { 3 };
+    assert!(
+        out.log.contains(&format!("serving at CPL {cpl}")),
+        "log:\n{}",
+        out.log
+    );
+}
+
+#[test]
+fn builtin_vmm_agent_answers_probes_within_the_exit_bracket_ring3() {
+    probe_session(
+        "builtin_vmm_agent_answers_probes_within_the_exit_bracket_ring3",
+        "transport=uart exit=5",
+    );
+}
+
+#[test]
+fn builtin_vmm_agent_answers_probes_within_the_exit_bracket_ring0() {
+    probe_session(
+        "builtin_vmm_agent_answers_probes_within_the_exit_bracket_ring0",
+        "transport=uart ring=0 exit=5",
     );
 }
 

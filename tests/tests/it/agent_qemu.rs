@@ -5,6 +5,10 @@ use std::process::Stdio;
 use std::sync::mpsc::{Receiver, channel};
 use std::time::{Duration, Instant};
 
+use vmtsync_core::proto::{
+    Features, Feed, FrameReceiver, Hello, MAX_FRAME_SIZE, Message, PROTOCOL_VERSION, Transport,
+    encode_frame,
+};
 use vmtsync_tests::vmm::qemu::{self, Machine, debug_exit_status, have_qemu};
 use vmtsync_tests::vmm::{agent_elf, tsc::host_tsc};
 use vmtsync_tests::{ChildGuard, have_kvm, require};
@@ -25,16 +29,39 @@ fn reader(mut out: impl Read + Send + 'static) -> Receiver<u8> {
     rx
 }
 
-fn line(rx: &Receiver<u8>) -> String {
+/// Waits for the agent's ready beacon (a lone `0x00`).
+fn wait_ready(rx: &Receiver<u8>) -> bool {
     let end = Instant::now() + STEP;
-    let mut s = String::new();
     while let Ok(b) = rx.recv_timeout(end.saturating_duration_since(Instant::now())) {
-        s.push(char::from(b));
-        if b == b'\n' {
-            break;
+        if b == 0 {
+            return true;
         }
     }
-    s
+    false
+}
+
+/// Sends `msg` as a frame and returns the next message from the guest.
+fn exchange(
+    stdin: &mut impl Write,
+    rx: &Receiver<u8>,
+    frames: &mut FrameReceiver,
+    msg: &Message,
+) -> Message {
+    let mut buf = [0u8; MAX_FRAME_SIZE];
+    let frame = encode_frame(msg, &mut buf).expect("encodes");
+    stdin.write_all(frame).expect("write request");
+    stdin.flush().expect("flush request");
+    let end = Instant::now() + STEP;
+    loop {
+        let b = rx
+            .recv_timeout(end.saturating_duration_since(Instant::now()))
+            .expect("reply in time");
+        match frames.feed(&[b]) {
+            Feed::Consumed => {}
+            Feed::Message { msg, .. } => return msg,
+            Feed::Error { error, .. } => panic!("bad frame from the agent: {error:?}"),
+        }
+    }
 }
 
 fn boots_under(machine: Machine, test: &str) {
@@ -60,6 +87,7 @@ fn boots_under(machine: Machine, test: &str) {
     let dir = std::env::temp_dir().join(format!("vmtsync-{test}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
     let com2 = dir.join("com2.log");
+    let com2_text = || std::fs::read_to_string(&com2).unwrap_or_default();
     let started = Instant::now();
     let child = qemu::command(machine, &elf, "transport=uart exit=9", &com2)
         .stdin(Stdio::piped())
@@ -71,46 +99,58 @@ fn boots_under(machine: Machine, test: &str) {
     let rx = reader(guard.child().stdout.take().expect("stdout"));
     let mut stdin = guard.child().stdin.take().expect("stdin");
 
-    let hello = line(&rx);
-    let boot_time = started.elapsed();
-    assert_eq!(
-        hello,
-        "H vmtsync-agent\n",
-        "COM2 log: {}",
-        std::fs::read_to_string(&com2).unwrap_or_default()
+    assert!(
+        wait_ready(&rx),
+        "no ready beacon; COM2 log:\n{}",
+        com2_text()
     );
-    for round in 0..3 {
+    let boot_time = started.elapsed();
+    let mut frames = FrameReceiver::new();
+    let hello = Message::Hello(Hello {
+        version: PROTOCOL_VERSION,
+        features: Features::NONE,
+    });
+    let Message::Capabilities(k) = exchange(&mut stdin, &rx, &mut frames, &hello) else {
+        panic!("expected capabilities; COM2 log:\n{}", com2_text())
+    };
+    assert_eq!(
+        (k.version, k.transport),
+        (PROTOCOL_VERSION, Transport::Uart16550)
+    );
+    let mut widths = Vec::new();
+    for seq in 0..10u16 {
         let before = host_tsc();
-        stdin.write_all(b"p").expect("write probe");
-        stdin.flush().expect("flush probe");
-        let s = line(&rx);
+        let reply = exchange(&mut stdin, &rx, &mut frames, &Message::ProbeFull { seq });
         let after = host_tsc();
-        assert!(s.starts_with('T') && s.len() == 18, "answer {s:?}");
-        let guest = u64::from_str_radix(&s[1..17], 16).expect("hex TSC");
-        eprintln!(
-            "{machine:?} round {round}: host {before} guest {guest} host {after} \
-             (bracket {} cycles)",
-            after - before
-        );
+        let Message::ProbeReplyFull(r) = reply else {
+            panic!("probe {seq}: unexpected reply {reply:?}")
+        };
+        assert_eq!(r.seq, seq);
         assert!(
-            before <= guest && guest <= after,
-            "guest TSC {guest} outside host bracket [{before}, {after}]"
+            before <= r.tsc && r.tsc <= after,
+            "guest TSC {} outside host bracket [{before}, {after}]",
+            r.tsc
         );
+        widths.push(after - before);
     }
-    stdin.write_all(b"q").expect("write quit");
-    stdin.flush().expect("flush quit");
-    assert_eq!(line(&rx), "Q\n");
+    widths.sort_unstable();
+    assert_eq!(
+        exchange(&mut stdin, &rx, &mut frames, &Message::Shutdown),
+        Message::Exiting
+    );
     let end = Instant::now() + STEP;
     let status = loop {
         if let Some(s) = guard.child().try_wait().expect("wait qemu") {
             break s;
         }
-        assert!(Instant::now() < end, "QEMU did not exit after quit");
+        assert!(Instant::now() < end, "QEMU did not exit after shutdown");
         std::thread::sleep(Duration::from_millis(10));
     };
-    let log = std::fs::read_to_string(&com2).expect("COM2 log");
+    let log = com2_text();
     eprintln!(
-        "{machine:?}: hello after {boot_time:?}, exit status {status}, total {:?}",
+        "{machine:?}: ready after {boot_time:?}, median host bracket over stdio {} cycles, \
+         exit status {status}, total {:?}",
+        widths[widths.len() / 2],
         started.elapsed()
     );
     assert_eq!(
@@ -122,7 +162,11 @@ fn boots_under(machine: Machine, test: &str) {
         log.contains("cmdline \"transport=uart exit=9\""),
         "COM2 log:\n{log}"
     );
-    assert!(log.contains("quit: isa-debug-exit 9"), "COM2 log:\n{log}");
+    assert!(log.contains("serving at CPL 3"), "COM2 log:\n{log}");
+    assert!(
+        log.contains("shutdown after 10 probes, 0 bad frames: isa-debug-exit 9"),
+        "COM2 log:\n{log}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -33,14 +33,17 @@ mod boot;
 
 use core::fmt::Write as _;
 
+use core::cell::UnsafeCell;
 use vmtsync_agent::options::{Options, Wire};
 use vmtsync_agent::server::{Outcome, Server};
 use vmtsync_agent::uart::{COM1, COM2};
 use vmtsync_agent::{port, pvh};
-use vmtsync_core::arch::Tsc;
-use vmtsync_core::arch::cpuid::{has_invariant_tsc, tsc_freq};
-use vmtsync_core::arch::x86_64::{NativeCpuid, NativeTsc};
+
+use vmtsync_core::arch::cpuid::{has_invariant_tsc, kvm_info, tsc_freq};
+use vmtsync_core::arch::x86_64::{NativeCpuid, NativeTsc, register_pvclock};
+use vmtsync_core::arch::{PvclockPage, Tsc};
 use vmtsync_core::proto::Features;
+use vmtsync_core::pvclock::PvclockVcpuTimeInfo;
 
 /// Writes one formatted line to the COM2 log.
 macro_rules! log {
@@ -49,6 +52,50 @@ macro_rules! log {
         // COM2 writes cannot fail (`Uart::write_str` always returns Ok).
         let _ = ::core::writeln!(w, $($arg)*);
     }};
+}
+
+/// The pvclock page KVM writes once registered: 32 bytes, aligned so it never crosses a page.
+#[repr(C, align(64))]
+struct PvclockCell(UnsafeCell<PvclockVcpuTimeInfo>);
+
+// SAFETY: the agent is single-CPU; the only writer is the hypervisor, and every read goes
+// through `PvclockPage`'s volatile loads and seqlock.
+unsafe impl Sync for PvclockCell {}
+
+/// Zero-initialised, so it lives in .bss (32 bytes zeroed at boot) and reads version 0 until
+/// KVM publishes it.
+static PVCLOCK: PvclockCell = PvclockCell(UnsafeCell::new(PvclockVcpuTimeInfo {
+    version: 0,
+    pad0: 0,
+    tsc_timestamp: 0,
+    system_time: 0,
+    tsc_to_system_mul: 0,
+    tsc_shift: 0,
+    flags: 0,
+    pad: [0; 2],
+}));
+
+/// Registers [`PVCLOCK`] with KVM when CPUID offers `KVM_FEATURE_CLOCKSOURCE2`. Ring 0 only.
+fn register_pvclock_page(cpuid: &NativeCpuid) -> Option<PvclockPage<'static>> {
+    let kvm = kvm_info(cpuid)?;
+    if !kvm.features.clocksource2() {
+        log!("pvclock: KVM without CLOCKSOURCE2; not registering");
+        return None;
+    }
+    let ptr = PVCLOCK.0.get().cast_const();
+    // The first 4 GiB are identity-mapped, so the static's address is its physical address.
+    let phys = ptr as u64;
+    // SAFETY: we run at CPL 0 (kmain, before any ring switch) under KVM with CLOCKSOURCE2, and
+    // `phys` is 32 bytes of RAM reserved for the page for the rest of the run.
+    if unsafe { register_pvclock(phys) }.is_err() {
+        return None;
+    }
+    log!(
+        "pvclock: page at {phys:#x}, stable bit {}",
+        kvm.features.stable_bit()
+    );
+    // SAFETY: PVCLOCK is a static (valid forever), aligned, and only the hypervisor writes it.
+    unsafe { PvclockPage::new(ptr) }
 }
 
 /// Rust entry, called by `boot.rs` in long mode with the physical address of the PVH start info.
@@ -105,9 +152,11 @@ pub extern "C" fn kmain(start_info_phys: u64) -> ! {
         tsc.read_ordered()
     );
 
+    let pvclock = register_pvclock_page(&cpuid);
     let ctx = Ctx {
         opts,
         tsc,
+        pvclock,
         features,
         tsc_khz,
     };
@@ -124,6 +173,7 @@ pub extern "C" fn kmain(start_info_phys: u64) -> ! {
 struct Ctx {
     opts: Options,
     tsc: NativeTsc,
+    pvclock: Option<PvclockPage<'static>>,
     features: Features,
     tsc_khz: Option<u32>,
 }
@@ -134,13 +184,21 @@ extern "C" fn serve(ctx: usize) -> ! {
     let ctx = unsafe { &*(ctx as *const Ctx) };
     log!("serving at CPL {}", port::cpl());
     match ctx.opts.wire {
-        Wire::Postcard => serve_postcard(&ctx.opts, ctx.tsc, ctx.features, ctx.tsc_khz),
+        Wire::Postcard => serve_postcard(ctx),
         Wire::Line => serve_line(&ctx.opts, ctx.tsc),
     }
 }
 
-fn serve_postcard(opts: &Options, tsc: NativeTsc, features: Features, tsc_khz: Option<u32>) -> ! {
-    let mut server = Server::new(COM1, tsc, opts.skew, features, tsc_khz);
+fn serve_postcard(ctx: &Ctx) -> ! {
+    let opts = &ctx.opts;
+    let mut server = Server::new(
+        COM1,
+        ctx.tsc,
+        ctx.pvclock,
+        opts.skew,
+        ctx.features,
+        ctx.tsc_khz,
+    );
     log!("ready: postcard on COM1");
     // Ready beacon: an empty frame, skipped by every frame receiver.
     COM1.write(0);
@@ -148,8 +206,9 @@ fn serve_postcard(opts: &Options, tsc: NativeTsc, features: Features, tsc_khz: O
         if server.poll() == Outcome::Shutdown {
             let s = server.stats();
             log!(
-                "shutdown after {} probes, {} bad frames: isa-debug-exit {}",
+                "shutdown after {} probes, {} pvclock reports, {} bad frames: isa-debug-exit {}",
                 s.probes,
+                s.pvclock_reports,
                 s.bad_frames,
                 opts.exit_code
             );

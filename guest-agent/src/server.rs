@@ -11,7 +11,9 @@
 //!   the TSC before the link is made ready and the TSC read, so read → first byte on the wire
 //!   is the TSC read, the skew (a multiply, shift and add), the frame close, and one `out`.
 //! - `Shutdown` → `Exiting`, then [`Outcome::Shutdown`].
-//! - `PvclockRequest`, `SetMapping`, `EventsRequest` → `Error(Unsupported)` (not yet served).
+//! - `PvclockRequest` → `PvclockReport` (one seqlock read of the registered pvclock page with a
+//!   TSC read inside it), or `Error(Unsupported)` without a page.
+//! - `SetMapping`, `EventsRequest` → `Error(Unsupported)` (not yet served).
 //! - guest→host messages → `Error(Unexpected)`; undecodable frames → `Error(Malformed)` or
 //!   `Error(FrameTooLong)`.
 
@@ -19,8 +21,9 @@ use vmtsync_core::GuestTicks;
 use vmtsync_core::arch::Tsc;
 use vmtsync_core::proto::{
     Capabilities, DecodeError, ErrorCode, Features, Feed, FrameReceiver, MAX_FRAME_SIZE, Message,
-    PROTOCOL_VERSION, ProbeReplyFrame, Transport, encode_frame,
+    PROTOCOL_VERSION, ProbeReplyFrame, PvclockReport, Transport, encode_frame,
 };
+use vmtsync_core::pvclock::{DEFAULT_MAX_ATTEMPTS, PvclockSource, try_read_with_tsc};
 
 use crate::link::Link;
 use crate::tsc::Skew;
@@ -42,15 +45,19 @@ pub enum Outcome {
 pub struct Stats {
     /// Probes answered (compact and full).
     pub probes: u32,
+    /// Pvclock reports sent.
+    pub pvclock_reports: u32,
     /// Frames that did not decode.
     pub bad_frames: u32,
 }
 
-/// Serves the probe protocol on `L`, reading time from `T` through a software [`Skew`].
+/// Serves the probe protocol on `L`, reading time from `T` through a software [`Skew`], and
+/// pvclock snapshots from `P` when it has a page.
 #[derive(Debug)]
-pub struct Server<L, T> {
+pub struct Server<L, T, P> {
     link: L,
     tsc: T,
+    pvclock: Option<P>,
     skew: Skew,
     features: Features,
     tsc_khz: Option<u32>,
@@ -59,12 +66,30 @@ pub struct Server<L, T> {
     stats: Stats,
 }
 
-impl<L: Link, T: Tsc> Server<L, T> {
+impl<L: Link, T: Tsc, P: PvclockSource> Server<L, T, P> {
     /// A server that advertises `features` and `tsc_khz` in its `Capabilities`.
-    pub fn new(link: L, tsc: T, skew: Skew, features: Features, tsc_khz: Option<u32>) -> Self {
+    ///
+    /// With a `pvclock` page it answers pvclock requests (and adds [`Features::PVCLOCK`]) only
+    /// when `skew` is the identity: the page describes the real TSC, and mixing it with skewed
+    /// values would report an inconsistent clock.
+    pub fn new(
+        link: L,
+        tsc: T,
+        pvclock: Option<P>,
+        skew: Skew,
+        features: Features,
+        tsc_khz: Option<u32>,
+    ) -> Self {
+        let pvclock = pvclock.filter(|_| skew == Skew::IDENTITY);
+        let features = if pvclock.is_some() {
+            features.union(Features::PVCLOCK)
+        } else {
+            features
+        };
         Self {
             link,
             tsc,
+            pvclock,
             skew,
             features,
             tsc_khz,
@@ -148,7 +173,31 @@ impl<L: Link, T: Tsc> Server<L, T> {
             {
                 self.send(&Message::Error(ErrorCode::NotReady));
             }
-            Message::PvclockRequest | Message::SetMapping(_) | Message::EventsRequest { .. } => {
+            Message::PvclockRequest => {
+                let reply = match &self.pvclock {
+                    None => Message::Error(ErrorCode::Unsupported),
+                    Some(page) => match try_read_with_tsc(page, &self.tsc, DEFAULT_MAX_ATTEMPTS) {
+                        Ok(s) => {
+                            self.stats.pvclock_reports = self.stats.pvclock_reports.wrapping_add(1);
+                            let f = s.read.fields;
+                            Message::PvclockReport(PvclockReport {
+                                vcpu: VCPU,
+                                version: s.read.version,
+                                tsc_timestamp: f.tsc_timestamp.0,
+                                system_time: f.system_time.0,
+                                mul: f.scale.mul,
+                                shift: f.scale.shift,
+                                flags: f.flags.0,
+                                tsc: s.tsc,
+                            })
+                        }
+                        // A page never published or always mid-update: nothing to report.
+                        Err(_) => Message::Error(ErrorCode::Unsupported),
+                    },
+                };
+                self.send(&reply);
+            }
+            Message::SetMapping(_) | Message::EventsRequest { .. } => {
                 self.send(&Message::Error(ErrorCode::Unsupported));
             }
             Message::Capabilities(_)
@@ -184,6 +233,7 @@ mod tests {
 
     use vmtsync_core::arch::FakeTsc;
     use vmtsync_core::proto::{FrameReceiver, Hello, ProbeReply, ProbeReplyFull, decode_frame};
+    use vmtsync_core::pvclock::PvclockVcpuTimeInfo;
 
     use super::*;
 
@@ -208,23 +258,42 @@ mod tests {
         }
     }
 
-    fn server(skew: Skew) -> Server<FakeLink, FakeTsc> {
+    type TestServer = Server<FakeLink, FakeTsc, PvclockVcpuTimeInfo>;
+
+    fn page() -> PvclockVcpuTimeInfo {
+        PvclockVcpuTimeInfo {
+            version: 4,
+            tsc_timestamp: 900,
+            system_time: 5_000,
+            tsc_to_system_mul: 0x8000_0000,
+            tsc_shift: 1,
+            flags: 1,
+            ..PvclockVcpuTimeInfo::default()
+        }
+    }
+
+    fn server(skew: Skew) -> TestServer {
+        server_with(skew, None)
+    }
+
+    fn server_with(skew: Skew, pvclock: Option<PvclockVcpuTimeInfo>) -> TestServer {
         Server::new(
             FakeLink::default(),
             FakeTsc::new(1_000, 10),
+            pvclock,
             skew,
             Features::INVARIANT_TSC,
             Some(2_000_000),
         )
     }
 
-    fn push(s: &mut Server<FakeLink, FakeTsc>, msg: &Message) {
+    fn push(s: &mut TestServer, msg: &Message) {
         let mut buf = [0u8; MAX_FRAME_SIZE];
         let f = encode_frame(msg, &mut buf).expect("encodes");
         s.link_mut().inbox.extend(f.iter().copied());
     }
 
-    fn run(s: &mut Server<FakeLink, FakeTsc>) -> Vec<Outcome> {
+    fn run(s: &mut TestServer) -> Vec<Outcome> {
         let mut out = Vec::new();
         while !s.link_mut().inbox.is_empty() {
             out.push(s.poll());
@@ -232,7 +301,7 @@ mod tests {
         out
     }
 
-    fn replies(s: &mut Server<FakeLink, FakeTsc>) -> Vec<Message> {
+    fn replies(s: &mut TestServer) -> Vec<Message> {
         let sent = core::mem::take(&mut s.link_mut().sent);
         let mut rx = FrameReceiver::new();
         let mut msgs = Vec::new();
@@ -356,6 +425,60 @@ mod tests {
         assert_eq!(r[3], Message::Error(ErrorCode::Malformed));
         assert!(matches!(r[4], Message::ProbeReply(p) if p.seq == 3));
         assert_eq!(s.stats().bad_frames, 1);
+    }
+
+    #[test]
+    fn pvclock_request_reports_the_page_and_a_tsc_read_inside_it() {
+        let mut s = server_with(Skew::IDENTITY, Some(page()));
+        push(&mut s, &hello());
+        push(&mut s, &Message::PvclockRequest);
+        run(&mut s);
+        let r = replies(&mut s);
+        let Message::Capabilities(c) = r[0] else {
+            panic!("{r:?}")
+        };
+        assert!(
+            c.features
+                .contains(Features::PVCLOCK.union(Features::INVARIANT_TSC))
+        );
+        assert_eq!(
+            r[1],
+            Message::PvclockReport(PvclockReport {
+                vcpu: VCPU,
+                version: 4,
+                tsc_timestamp: 900,
+                system_time: 5_000,
+                mul: 0x8000_0000,
+                shift: 1,
+                flags: 1,
+                // The hello read 1000; the pvclock read is the next one.
+                tsc: GuestTicks(1_010),
+            })
+        );
+        assert_eq!(s.stats().pvclock_reports, 1);
+    }
+
+    #[test]
+    fn pvclock_is_withheld_under_skew_and_unpublished_pages_are_unsupported() {
+        let skew = Skew {
+            offset: 1,
+            ..Skew::IDENTITY
+        };
+        let mut s = server_with(skew, Some(page()));
+        push(&mut s, &hello());
+        push(&mut s, &Message::PvclockRequest);
+        run(&mut s);
+        let r = replies(&mut s);
+        assert!(
+            matches!(r[0], Message::Capabilities(c) if !c.features.contains(Features::PVCLOCK))
+        );
+        assert_eq!(r[1], Message::Error(ErrorCode::Unsupported));
+
+        let mut s = server_with(Skew::IDENTITY, Some(PvclockVcpuTimeInfo::default()));
+        push(&mut s, &hello());
+        push(&mut s, &Message::PvclockRequest);
+        run(&mut s);
+        assert_eq!(replies(&mut s)[1], Message::Error(ErrorCode::Unsupported));
     }
 
     #[test]

@@ -135,6 +135,7 @@ struct RunResult {
 /// A running VM. Dropping it stops the vCPU.
 #[derive(Debug)]
 pub struct Vm {
+    vm: Arc<VmFd>,
     com1: SerialHost,
     log: Arc<Mutex<Vec<u8>>>,
     stop: Arc<AtomicBool>,
@@ -196,16 +197,19 @@ impl Vm {
 
         let devices = Devices { com1, com2 };
         let thread_stop = stop.clone();
+        let vm = Arc::new(vm);
+        let thread_vm = vm.clone();
         let thread = std::thread::Builder::new()
             .name("vmtsync-vcpu0".into())
             .spawn(move || {
                 // The VM fd and memory must outlive the vCPU's runs.
-                let _keep = (vm, mem);
+                let _keep = (thread_vm, mem);
                 run_vcpu(vcpu, devices, &thread_stop, started, deadline)
             })
             .map_err(|e| VmmError::Thread(e.to_string()))?;
         let _ = kick;
         Ok(Self {
+            vm,
             com1: SerialHost {
                 to_guest,
                 from_guest,
@@ -216,6 +220,18 @@ impl Vm {
             thread: Some(thread),
             deadline,
         })
+    }
+
+    /// `KVM_GET_CLOCK`: the VM's kvmclock in ns, with (when `flags` has `KVM_CLOCK_HOST_TSC`,
+    /// 8) the host TSC it was taken at and (`KVM_CLOCK_REALTIME`, 4) host `CLOCK_REALTIME`.
+    /// The truth to check the guest's pvclock against.
+    ///
+    /// # Errors
+    /// The ioctl's error.
+    pub fn kvm_clock(&self) -> Result<kvm_bindings::kvm_clock_data, VmmError> {
+        self.vm
+            .get_clock()
+            .map_err(|e| VmmError::Kvm("KVM_GET_CLOCK", e))
     }
 
     /// The host end of COM1.

@@ -11,6 +11,7 @@ use vmtsync_core::GuestTicks;
 use vmtsync_core::proto::{
     Features, Hello, Message, PROTOCOL_VERSION, Transport, try_unwrap_tsc_low32,
 };
+use vmtsync_core::pvclock::PvclockVcpuTimeInfo;
 use vmtsync_tests::vmm::client::{Exchange, ProtoClient};
 use vmtsync_tests::vmm::{SerialByte, Vm, VmConfig, VmExit, agent_elf};
 use vmtsync_tests::{have_kvm, require};
@@ -131,6 +132,8 @@ fn probe_session(test: &str, cmdline: &str) {
         median(after)
     );
 
+    check_pvclock_against_kvm_get_clock(&vm, &mut c, k.features);
+
     let bye = c.exchange(&Message::Shutdown, STEP).expect("exiting");
     assert_eq!(bye.reply, Message::Exiting);
     let out = vm.wait().expect("run ends");
@@ -140,8 +143,9 @@ fn probe_session(test: &str, cmdline: &str) {
     );
     assert_eq!(out.exit, VmExit::DebugExit(5), "log:\n{}", out.log);
     assert!(
-        out.log
-            .contains("shutdown after 40 probes, 0 bad frames: isa-debug-exit 5"),
+        out.log.contains(
+            "shutdown after 40 probes, 1 pvclock reports, 0 bad frames: isa-debug-exit 5"
+        ),
         "log:\n{}",
         out.log
     );
@@ -151,6 +155,77 @@ fn probe_session(test: &str, cmdline: &str) {
         "log:\n{}",
         out.log
     );
+}
+
+/// Asks for a pvclock report and checks it against the host's own view of the same clock:
+/// `KVM_GET_CLOCK` gives kvmclock ns at a host TSC; with guest TSC == host TSC and a stable
+/// clock, the guest's pvclock ns at its TSC must match kvmclock extrapolated to that TSC.
+fn check_pvclock_against_kvm_get_clock(vm: &Vm, c: &mut ProtoClient<'_>, features: Features) {
+    assert!(
+        features.contains(Features::PVCLOCK),
+        "agent did not register a pvclock page; log:\n{}",
+        vm.log_text()
+    );
+    let ex = c
+        .exchange(&Message::PvclockRequest, STEP)
+        .expect("pvclock report");
+    let Message::PvclockReport(p) = ex.reply else {
+        panic!("expected a pvclock report, got {:?}", ex.reply)
+    };
+    assert_eq!(p.version % 2, 0, "{p:?}");
+    assert!(p.version > 0, "{p:?}");
+    assert!(
+        ex.request_read_tsc <= p.tsc.0 && p.tsc.0 <= ex.reply_first_byte_tsc,
+        "pvclock TSC {} outside the exit bracket",
+        p.tsc.0
+    );
+    let fields = PvclockVcpuTimeInfo {
+        version: p.version,
+        tsc_timestamp: p.tsc_timestamp,
+        system_time: p.system_time,
+        tsc_to_system_mul: p.mul,
+        tsc_shift: p.shift,
+        flags: p.flags,
+        ..PvclockVcpuTimeInfo::default()
+    }
+    .fields();
+    let guest_ns = fields.try_ns_at_floor(p.tsc).expect("pvclock ns").0;
+    let clock = vm.kvm_clock().expect("KVM_GET_CLOCK");
+    eprintln!(
+        "pvclock v{} flags {:#x} mul {:#x} shift {}; KVM_GET_CLOCK flags {:#x}",
+        p.version, p.flags, p.mul, p.shift, clock.flags
+    );
+    // KVM_CLOCK_HOST_TSC: `clock` is kvmclock at host TSC `host_tsc`.
+    if clock.flags & 8 != 0 {
+        // kvmclock extrapolated from (host_tsc, clock) to the guest's TSC with the same scale.
+        let host_ns_at_guest_tsc = if p.tsc.0 >= clock.host_tsc {
+            fields
+                .scale
+                .try_scale_floor(p.tsc.0 - clock.host_tsc)
+                .map(|d| clock.clock + d)
+        } else {
+            fields
+                .scale
+                .try_scale_floor(clock.host_tsc - p.tsc.0)
+                .map(|d| clock.clock - d)
+        }
+        .expect("scales");
+        let diff = i128::from(guest_ns) - i128::from(host_ns_at_guest_tsc);
+        eprintln!(
+            "pvclock at guest TSC {}: {guest_ns} ns; KVM_GET_CLOCK extrapolated: \
+             {host_ns_at_guest_tsc} ns; difference {diff} ns",
+            p.tsc.0
+        );
+        assert!(
+            diff.abs() < 1_000,
+            "pvclock and KVM_GET_CLOCK differ by {diff} ns"
+        );
+    } else {
+        assert!(
+            guest_ns <= clock.clock,
+            "pvclock {guest_ns} ns ahead of KVM_GET_CLOCK"
+        );
+    }
 }
 
 #[test]

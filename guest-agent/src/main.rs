@@ -9,8 +9,9 @@
 //!
 //! ## `wire=postcard` (default)
 //!
-//! The vmtsync probe protocol (`vmtsync_core::proto`), served by
-//! [`vmtsync_agent::server::Server`]. When COM1 is ready the agent sends one `0x00` byte (an
+//! The vmtsync probe protocol (`vmtsync_core::proto`), served by the core state machine
+//! `vmtsync_core::agent::Agent` over [`vmtsync_agent::link::UartLink`] and
+//! [`vmtsync_agent::clock::GuestClock`]. When COM1 is ready the agent sends one `0x00` byte (an
 //! empty frame, which receivers skip): a host may wait for it instead of retrying its hello.
 //! After `Shutdown` → `Exiting` the agent writes its `exit=` code to isa-debug-exit.
 //!
@@ -34,10 +35,13 @@ mod boot;
 use core::fmt::Write as _;
 
 use core::cell::UnsafeCell;
+use vmtsync_agent::clock::GuestClock;
+use vmtsync_agent::link::UartLink;
 use vmtsync_agent::options::{Options, Wire};
-use vmtsync_agent::server::{Outcome, Server};
 use vmtsync_agent::uart::{COM1, COM2};
 use vmtsync_agent::{port, pvh};
+use vmtsync_core::agent::{Agent, AgentState};
+use vmtsync_core::arch::Cpuid as _;
 
 use vmtsync_core::arch::cpuid::{has_invariant_tsc, kvm_info, tsc_freq};
 use vmtsync_core::arch::x86_64::{NativeCpuid, NativeTsc, register_pvclock};
@@ -153,11 +157,14 @@ pub extern "C" fn kmain(start_info_phys: u64) -> ! {
     );
 
     let pvclock = register_pvclock_page(&cpuid);
+    // The initial APIC id (CPUID.1:EBX[31:24]) is the id KVM names `vcpuN` after.
+    let vcpu = cpuid.cpuid(1, 0).ebx >> 24;
     let ctx = Ctx {
         opts,
         tsc,
         pvclock,
-        features,
+        vcpu,
+        invariant_tsc: features.contains(Features::INVARIANT_TSC),
         tsc_khz,
     };
     if opts.ring == 3 {
@@ -174,7 +181,8 @@ struct Ctx {
     opts: Options,
     tsc: NativeTsc,
     pvclock: Option<PvclockPage<'static>>,
-    features: Features,
+    vcpu: u32,
+    invariant_tsc: bool,
     tsc_khz: Option<u32>,
 }
 
@@ -191,28 +199,34 @@ extern "C" fn serve(ctx: usize) -> ! {
 
 fn serve_postcard(ctx: &Ctx) -> ! {
     let opts = &ctx.opts;
-    let mut server = Server::new(
-        COM1,
+    let clock = GuestClock::new(
         ctx.tsc,
         ctx.pvclock,
         opts.skew,
-        ctx.features,
+        ctx.vcpu,
         ctx.tsc_khz,
+        ctx.invariant_tsc,
     );
-    log!("ready: postcard on COM1");
+    let mut agent: Agent<_, _> = Agent::new(UartLink::new(COM1), clock);
+    log!("ready: postcard on COM1, vcpu {}", ctx.vcpu);
     // Ready beacon: an empty frame, skipped by every frame receiver.
     COM1.write(0);
     loop {
-        if server.poll() == Outcome::Shutdown {
-            let s = server.stats();
-            log!(
-                "shutdown after {} probes, {} pvclock reports, {} bad frames: isa-debug-exit {}",
-                s.probes,
-                s.pvclock_reports,
-                s.bad_frames,
-                opts.exit_code
-            );
-            port::exit(opts.exit_code);
+        match agent.poll() {
+            Ok(AgentState::Exited) => {
+                let s = agent.stats();
+                log!(
+                    "shutdown after {} probes, {} messages, {} bad frames: isa-debug-exit {}",
+                    s.probes,
+                    s.messages_in,
+                    s.bad_frames,
+                    opts.exit_code
+                );
+                port::exit(opts.exit_code);
+            }
+            Ok(AgentState::AwaitHello | AgentState::Ready) => {}
+            // The UART link never fails; log anything else and keep serving.
+            Err(e) => log!("agent: {e:?}"),
         }
     }
 }

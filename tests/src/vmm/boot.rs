@@ -129,9 +129,19 @@ fn flat_segment(selector: u16, type_: u8) -> kvm_segment {
 /// 32-bit code (type 0xb) and data (type 0x3) segments, a busy TSS in TR as VM entry requires,
 /// `rip` = entry, `rbx` = start-info address.
 pub(crate) fn setup_vcpu(kvm: &Kvm, vcpu: &VcpuFd, entry: u64) -> Result<(), VmmError> {
-    let cpuid = kvm
+    let mut cpuid = kvm
         .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
         .map_err(|e| VmmError::Kvm("KVM_GET_SUPPORTED_CPUID", e))?;
+    // The supported set carries whatever APIC id the host CPU that answered the ioctl has;
+    // a VMM must put the vCPU's own there (as QEMU does): CPUID.1:EBX[31:24] and the x2APIC
+    // id in EDX of the topology leaves 0xB and 0x1F. This VMM has one vCPU, APIC id 0.
+    for e in cpuid.as_mut_slice() {
+        match e.function {
+            0x1 => e.ebx &= 0x00ff_ffff,
+            0xb | 0x1f => e.edx = 0,
+            _ => {}
+        }
+    }
     vcpu.set_cpuid2(&cpuid)
         .map_err(|e| VmmError::Kvm("KVM_SET_CPUID2", e))?;
 

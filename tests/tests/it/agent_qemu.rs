@@ -180,7 +180,7 @@ fn boots_under(machine: Machine, test: &str) {
     );
     assert!(log.contains("serving at CPL 3"), "COM2 log:\n{log}");
     assert!(
-        log.contains("shutdown after 10 probes, 1 pvclock reports, 0 bad frames: isa-debug-exit 9"),
+        log.contains("shutdown after 10 probes, 13 messages, 0 bad frames: isa-debug-exit 9"),
         "COM2 log:\n{log}"
     );
     let _ = std::fs::remove_dir_all(&dir);

@@ -143,9 +143,8 @@ fn probe_session(test: &str, cmdline: &str) {
     );
     assert_eq!(out.exit, VmExit::DebugExit(5), "log:\n{}", out.log);
     assert!(
-        out.log.contains(
-            "shutdown after 40 probes, 1 pvclock reports, 0 bad frames: isa-debug-exit 5"
-        ),
+        out.log
+            .contains("shutdown after 40 probes, 43 messages, 0 bad frames: isa-debug-exit 5"),
         "log:\n{}",
         out.log
     );

@@ -362,3 +362,62 @@ fn builtin_vmm_rejects_an_elf_without_pvh_note() {
     let err = Vm::boot(&me, &VmConfig::default()).expect_err("no PVH entry");
     assert!(err.to_string().contains("loading the guest ELF"), "{err}");
 }
+
+#[test]
+fn vmtsync_vmm_binary_bridges_com1_to_stdio_and_returns_the_exit_code() {
+    use std::io::{Read, Write};
+    use std::process::{Command, Stdio};
+
+    if !require(
+        "vmtsync_vmm_binary_bridges_com1_to_stdio_and_returns_the_exit_code",
+        have_kvm(),
+        "/dev/kvm is not accessible read-write",
+    ) {
+        return;
+    }
+    let elf = agent_elf().expect("agent builds");
+    let child = Command::new(env!("CARGO_BIN_EXE_vmtsync-vmm"))
+        .arg(&elf)
+        .args(["--timeout", "60", "--", "wire=line", "exit=3"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("vmtsync-vmm starts");
+    let mut guard = vmtsync_tests::ChildGuard::new(child);
+    let mut stdin = guard.child().stdin.take().expect("stdin");
+    // Bytes sent before the agent's UART init are dropped by its FIFO reset: wait for the hello
+    // line first.
+    let mut stdout = guard.child().stdout.take().expect("stdout");
+    let mut got = Vec::new();
+    let mut b = [0u8; 1];
+    while !got.ends_with(b"H vmtsync-agent\n") {
+        assert_eq!(
+            stdout.read(&mut b).expect("read stdout"),
+            1,
+            "EOF after {got:?}"
+        );
+        got.push(b[0]);
+    }
+    stdin.write_all(b"xpq").expect("write stdin");
+    stdin.flush().expect("flush");
+    let mut rest = String::new();
+    stdout.read_to_string(&mut rest).expect("read rest");
+    let status = guard.child().wait().expect("wait");
+    let mut err = String::new();
+    guard
+        .child()
+        .stderr
+        .take()
+        .expect("stderr")
+        .read_to_string(&mut err)
+        .expect("read stderr");
+    assert!(
+        rest.starts_with("xT") && rest.ends_with("\nQ\n"),
+        "stdout: {rest:?}"
+    );
+    assert_eq!(rest.len(), 2 + 16 + 1 + 2, "stdout: {rest:?}");
+    assert_eq!(status.code(), Some(3), "stderr:\n{err}");
+    assert!(err.contains("quit: isa-debug-exit 3"), "stderr:\n{err}");
+    assert!(err.contains("DebugExit(3)"), "stderr:\n{err}");
+}

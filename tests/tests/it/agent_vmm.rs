@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use vmtsync_core::GuestTicks;
 use vmtsync_core::proto::{
-    Features, Hello, Message, PROTOCOL_VERSION, Transport, try_unwrap_tsc_low32,
+    Capabilities, Features, Hello, Message, PROTOCOL_VERSION, Transport, try_unwrap_tsc_low32,
 };
 use vmtsync_core::pvclock::PvclockVcpuTimeInfo;
 use vmtsync_tests::vmm::client::{Exchange, ProtoClient};
@@ -132,7 +132,7 @@ fn probe_session(test: &str, cmdline: &str) {
         median(after)
     );
 
-    check_pvclock_against_kvm_get_clock(&vm, &mut c, k.features);
+    check_pvclock_against_kvm_get_clock(&vm, &mut c, &k);
 
     let bye = c.exchange(&Message::Shutdown, STEP).expect("exiting");
     assert_eq!(bye.reply, Message::Exiting);
@@ -159,7 +159,8 @@ fn probe_session(test: &str, cmdline: &str) {
 /// Asks for a pvclock report and checks it against the host's own view of the same clock:
 /// `KVM_GET_CLOCK` gives kvmclock ns at a host TSC; with guest TSC == host TSC and a stable
 /// clock, the guest's pvclock ns at its TSC must match kvmclock extrapolated to that TSC.
-fn check_pvclock_against_kvm_get_clock(vm: &Vm, c: &mut ProtoClient<'_>, features: Features) {
+fn check_pvclock_against_kvm_get_clock(vm: &Vm, c: &mut ProtoClient<'_>, caps: &Capabilities) {
+    let features = caps.features;
     assert!(
         features.contains(Features::PVCLOCK),
         "agent did not register a pvclock page; log:\n{}",
@@ -189,6 +190,18 @@ fn check_pvclock_against_kvm_get_clock(vm: &Vm, c: &mut ProtoClient<'_>, feature
     }
     .fields();
     let guest_ns = fields.try_ns_at_floor(p.tsc).expect("pvclock ns").0;
+    // The TSC frequency the agent read from CPUID (the VMM's timing leaf, from
+    // KVM_GET_TSC_KHZ) agrees with the one implied by KVM's pvclock scale.
+    let caps_khz = u64::from(caps.tsc_khz.expect("agent reports the TSC frequency"));
+    let pvclock_khz = fields
+        .scale
+        .try_tsc_khz_floor()
+        .expect("pvclock scale gives a frequency");
+    eprintln!("TSC kHz: CPUID {caps_khz}, pvclock scale {pvclock_khz}");
+    assert!(
+        caps_khz.abs_diff(pvclock_khz) <= 2,
+        "{caps_khz} vs {pvclock_khz} kHz"
+    );
     let clock = vm.kvm_clock().expect("KVM_GET_CLOCK");
     eprintln!(
         "pvclock v{} flags {:#x} mul {:#x} shift {}; KVM_GET_CLOCK flags {:#x}",

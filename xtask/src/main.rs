@@ -5,9 +5,12 @@
 //! - `check-nostd`: build `vmtsync-core` for `x86_64-unknown-none`, with and without `defmt`.
 //! - `bench`: run the criterion benchmarks.
 //! - `fuzz`: the `ci` fuzz smoke run on its own.
+//! - `build-agent`: build the bare-metal guest agent, print its ELF path and `.text` size.
+//! - `run-agent`: boot the agent under QEMU or the built-in VMM, COM1 on this terminal.
 //! - `setup`: install what the tier-2 tests need on a fresh machine (rustup target, Debian
 //!   packages, debugfs mount).
 
+mod agent;
 mod fuzz;
 mod setup;
 
@@ -40,6 +43,8 @@ fn run() -> Result<()> {
         "bench" => bench(rest),
         "fuzz" => fuzz::smoke(),
         "setup" => setup::setup(),
+        "build-agent" => agent::build_agent(),
+        "run-agent" => agent::run_agent(rest),
         "help" | "--help" | "-h" => {
             println!("{HELP}");
             Ok(())
@@ -48,7 +53,7 @@ fn run() -> Result<()> {
     }
 }
 
-const HELP: &str = "\
+pub(crate) const HELP: &str = "\
 usage: cargo xtask <command>
 
 commands:
@@ -57,6 +62,11 @@ commands:
   bench         run the criterion benchmarks (cargo bench -p vmtsync-core)
   fuzz          build the core/fuzz targets and run each for 20 s (the ci fuzz step)
   setup         install tier-2 prerequisites (rustup target, apt packages, debugfs mount)
+  build-agent   build guest-agent/ (release, x86_64-unknown-none); print ELF path, .text size
+  run-agent [--vmm qemu|builtin] [--machine microvm|q35] [--timeout SECS] [-- AGENT OPTIONS]
+                boot the agent; COM1 on this terminal, COM2 log on stderr. Agent options:
+                transport=uart wire=postcard|line ring=3|0 exit=N skew=OFFSET,RATIO,FRAC;
+                with `-- wire=line` type p (probe: T<hex tsc>) and q (quit)
 
 environment:
   CI=true       a missing tier-2 prerequisite fails the run instead of skipping";
@@ -85,7 +95,7 @@ pub(crate) fn sh(cmd: &mut Command) -> Result<()> {
     Ok(())
 }
 
-fn display(cmd: &Command) -> String {
+pub(crate) fn display(cmd: &Command) -> String {
     let mut s = cmd.get_program().to_string_lossy().into_owned();
     for a in cmd.get_args() {
         s.push(' ');
@@ -121,6 +131,7 @@ fn ci(_args: &[String]) -> Result<()> {
             sh(cargo().args(["test", "--workspace", "--all-features"]))
         }),
         ("no_std build", check_nostd),
+        ("guest agent", agent::ci_check),
         ("benches compile", || {
             sh(cargo().args(["bench", "--workspace", "--no-run"]))
         }),

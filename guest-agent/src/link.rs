@@ -1,0 +1,55 @@
+//! The COM1 UART as a `vmtsync_core::agent::Link`.
+
+use vmtsync_core::agent::{Link, LinkError};
+use vmtsync_core::proto::Transport;
+
+use crate::uart::Uart;
+
+/// A polled 16550 carrying protocol frames.
+///
+/// Invariant: the transmit holding register is empty whenever [`Link::send`] is entered. Each
+/// byte is followed by a wait for THRE instead of preceded by one, so the first byte of a frame
+/// leaves with no VM exit between the agent's TSC read and that byte's `out`: the host's exits
+/// around the first byte bracket the read.
+#[derive(Debug)]
+pub struct UartLink {
+    uart: Uart,
+}
+
+impl UartLink {
+    /// Takes over an initialised UART and waits until it can transmit (the invariant).
+    #[must_use]
+    pub fn new(uart: Uart) -> Self {
+        uart.wait_thr_empty();
+        Self { uart }
+    }
+}
+
+impl Link for UartLink {
+    #[inline]
+    fn send(&mut self, frame: &[u8]) -> Result<(), LinkError> {
+        for &b in frame {
+            self.uart.write_unchecked(b);
+            self.uart.wait_thr_empty();
+        }
+        Ok(())
+    }
+
+    fn recv(&mut self, buf: &mut [u8]) -> Result<usize, LinkError> {
+        let mut n = 0;
+        for slot in buf.iter_mut() {
+            match self.uart.try_read() {
+                Some(b) => {
+                    *slot = b;
+                    n += 1;
+                }
+                None => break,
+            }
+        }
+        Ok(n)
+    }
+
+    fn transport(&self) -> Transport {
+        Transport::Uart16550
+    }
+}

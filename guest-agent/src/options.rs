@@ -1,0 +1,227 @@
+//! Boot options from the PVH command line: space-separated `key=value` words.
+//!
+//! - `transport=uart`: probes over COM1 (the only transport so far).
+//! - `wire=postcard|line`: the vmtsync probe protocol (postcard + COBS, the default), or a
+//!   human-typable line protocol for debugging (`cargo xtask run-agent -- wire=line`).
+//! - `ring=3|0`: run the protocol loop in ring 3 with IOPL 3 (default; native speed on nested
+//!   KVM where ring 0 is emulated) or stay in ring 0.
+//! - `exit=N`: the code written to isa-debug-exit when the host says quit (default 0).
+//! - `skew=OFFSET,RATIO,FRAC`: report `OFFSET + ((tsc * RATIO) >> FRAC)` instead of the raw TSC.
+//!   OFFSET may be negative (it wraps, like KVM's offset); numbers are decimal or `0x` hex.
+//!
+//! Unknown words are reported in the log and otherwise ignored, so a host can pass options a
+//! newer agent understands.
+
+use crate::tsc::Skew;
+
+/// The transport that carries probes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Transport {
+    /// 16550 UART on COM1.
+    Uart,
+}
+
+/// What COM1 speaks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Wire {
+    /// `vmtsync_core::proto` frames: postcard + COBS, `0x00`-delimited.
+    Postcard,
+    /// One request byte, one text line back (see the agent binary's docs).
+    Line,
+}
+
+/// Parsed boot options.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Options {
+    /// Probe transport.
+    pub transport: Transport,
+    /// Protocol on the transport.
+    pub wire: Wire,
+    /// Privilege level of the protocol loop: 0 or 3.
+    pub ring: u8,
+    /// Code for isa-debug-exit on quit.
+    pub exit_code: u8,
+    /// Software skew applied to reported TSC values.
+    pub skew: Skew,
+}
+
+/// Why an option word was rejected.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum OptionError {
+    /// The key is not one the agent knows.
+    UnknownKey,
+    /// The value does not parse for its key.
+    BadValue,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Self {
+            transport: Transport::Uart,
+            wire: Wire::Postcard,
+            ring: 3,
+            exit_code: 0,
+            skew: Skew::IDENTITY,
+        }
+    }
+}
+
+impl Options {
+    /// Parses `cmdline`, calling `on_error(word, error)` for every word it does not accept.
+    pub fn parse(cmdline: &[u8], mut on_error: impl FnMut(&[u8], OptionError)) -> Self {
+        let mut o = Self::default();
+        for word in cmdline.split(|&b| b == b' ').filter(|w| !w.is_empty()) {
+            if let Err(e) = o.apply(word) {
+                on_error(word, e);
+            }
+        }
+        o
+    }
+
+    fn apply(&mut self, word: &[u8]) -> Result<(), OptionError> {
+        let eq = word
+            .iter()
+            .position(|&b| b == b'=')
+            .ok_or(OptionError::UnknownKey)?;
+        let (key, value) = (&word[..eq], &word[eq + 1..]);
+        match key {
+            b"transport" => match value {
+                b"uart" => self.transport = Transport::Uart,
+                _ => return Err(OptionError::BadValue),
+            },
+            b"wire" => match value {
+                b"postcard" => self.wire = Wire::Postcard,
+                b"line" => self.wire = Wire::Line,
+                _ => return Err(OptionError::BadValue),
+            },
+            b"ring" => match value {
+                b"0" => self.ring = 0,
+                b"3" => self.ring = 3,
+                _ => return Err(OptionError::BadValue),
+            },
+            b"exit" => {
+                let v = parse_u64(value).ok_or(OptionError::BadValue)?;
+                self.exit_code = u8::try_from(v).map_err(|_| OptionError::BadValue)?;
+            }
+            b"skew" => self.skew = parse_skew(value).ok_or(OptionError::BadValue)?,
+            _ => return Err(OptionError::UnknownKey),
+        }
+        Ok(())
+    }
+}
+
+fn parse_skew(v: &[u8]) -> Option<Skew> {
+    let mut parts = v.split(|&b| b == b',');
+    let offset = parse_i64_wrapping(parts.next()?)?;
+    let ratio = parse_u64(parts.next()?)?;
+    let frac_bits = u32::try_from(parse_u64(parts.next()?)?).ok()?;
+    if parts.next().is_some() || frac_bits > 63 || ratio == 0 {
+        return None;
+    }
+    Some(Skew {
+        offset,
+        ratio,
+        frac_bits,
+    })
+}
+
+/// Parses an optionally negative number into its two's-complement u64 (KVM stores the TSC
+/// offset the same way).
+fn parse_i64_wrapping(v: &[u8]) -> Option<u64> {
+    match v.split_first() {
+        Some((b'-', rest)) => parse_u64(rest).map(u64::wrapping_neg),
+        _ => parse_u64(v),
+    }
+}
+
+/// Parses decimal or `0x`-prefixed hex; `None` on empty input, bad digits or overflow.
+pub fn parse_u64(v: &[u8]) -> Option<u64> {
+    let (digits, radix) = match v {
+        [b'0', b'x' | b'X', rest @ ..] => (rest, 16),
+        _ => (v, 10),
+    };
+    if digits.is_empty() {
+        return None;
+    }
+    let mut n: u64 = 0;
+    for &d in digits {
+        let x = char::from(d).to_digit(radix)?;
+        n = n.checked_mul(u64::from(radix))?.checked_add(u64::from(x))?;
+    }
+    Some(n)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(s: &str) -> (Options, Vec<(String, OptionError)>) {
+        let mut errs = Vec::new();
+        let o = Options::parse(s.as_bytes(), |w, e| {
+            errs.push((String::from_utf8_lossy(w).into_owned(), e));
+        });
+        (o, errs)
+    }
+
+    #[test]
+    fn empty_command_line_gives_defaults() {
+        assert_eq!(parse(""), (Options::default(), vec![]));
+        assert_eq!(parse("   "), (Options::default(), vec![]));
+    }
+
+    #[test]
+    fn known_options_parse() {
+        let (o, errs) = parse("transport=uart exit=0x2a  skew=-1000,0x3,1 wire=line ring=0");
+        assert!(errs.is_empty(), "{errs:?}");
+        assert_eq!(o.wire, Wire::Line);
+        assert_eq!(o.ring, 0);
+        assert_eq!(o.transport, Transport::Uart);
+        assert_eq!(o.exit_code, 42);
+        assert_eq!(
+            o.skew,
+            Skew {
+                offset: 0u64.wrapping_sub(1000),
+                ratio: 3,
+                frac_bits: 1
+            }
+        );
+    }
+
+    #[test]
+    fn bad_words_are_reported_and_ignored() {
+        let (o, errs) = parse(
+            "ring=1 wire=json exit=256 foo transport=vsock skew=1,0,0 skew=1,1,64 skew=1,1 bar=1 exit=7",
+        );
+        assert_eq!(o.exit_code, 7);
+        assert_eq!(o.skew, Skew::IDENTITY);
+        let kinds: Vec<_> = errs.iter().map(|(w, e)| (w.as_str(), *e)).collect();
+        assert_eq!(
+            kinds,
+            vec![
+                ("ring=1", OptionError::BadValue),
+                ("wire=json", OptionError::BadValue),
+                ("exit=256", OptionError::BadValue),
+                ("foo", OptionError::UnknownKey),
+                ("transport=vsock", OptionError::BadValue),
+                ("skew=1,0,0", OptionError::BadValue),
+                ("skew=1,1,64", OptionError::BadValue),
+                ("skew=1,1", OptionError::BadValue),
+                ("bar=1", OptionError::UnknownKey),
+            ]
+        );
+    }
+
+    #[test]
+    fn numbers_parse_in_both_radixes_and_reject_overflow() {
+        assert_eq!(parse_u64(b"0"), Some(0));
+        assert_eq!(parse_u64(b"18446744073709551615"), Some(u64::MAX));
+        assert_eq!(parse_u64(b"18446744073709551616"), None);
+        assert_eq!(parse_u64(b"0xffffffffffffffff"), Some(u64::MAX));
+        assert_eq!(parse_u64(b"0x10000000000000000"), None);
+        assert_eq!(parse_u64(b"0x"), None);
+        assert_eq!(parse_u64(b""), None);
+        assert_eq!(parse_u64(b"12a"), None);
+        assert_eq!(parse_i64_wrapping(b"-1"), Some(u64::MAX));
+    }
+}

@@ -1,0 +1,436 @@
+//! Tier 2: the guest agent under the built-in VMM on real KVM.
+//!
+//! Truth on the project's machines: guest TSC == host TSC (KVM here cannot offset or scale
+//! it, DESIGN.md §4), so every TSC the agent reports must lie between the host TSCs of the VM
+//! exits that bracket the exchange: the exit where the guest read the request's last byte and
+//! the exit where it wrote the reply's first byte.
+
+use std::time::Duration;
+
+use vmtsync_core::GuestTicks;
+use vmtsync_core::proto::{
+    Capabilities, Features, Hello, Message, PROTOCOL_VERSION, Transport, try_unwrap_tsc_low32,
+};
+use vmtsync_core::pvclock::PvclockVcpuTimeInfo;
+use vmtsync_tests::vmm::client::{Exchange, ProtoClient};
+use vmtsync_tests::vmm::{SerialByte, Vm, VmConfig, VmExit, agent_elf};
+use vmtsync_tests::{have_kvm, require};
+
+const STEP: Duration = Duration::from_secs(20);
+
+fn text(line: &[SerialByte]) -> String {
+    line.iter().map(|b| char::from(b.byte)).collect()
+}
+
+fn boot(test: &str, cmdline: &str, timeout: Duration) -> Option<Vm> {
+    if !require(test, have_kvm(), "/dev/kvm is not accessible read-write") {
+        return None;
+    }
+    let elf = agent_elf().expect("agent builds");
+    let cfg = VmConfig {
+        cmdline: cmdline.into(),
+        timeout,
+        ..VmConfig::default()
+    };
+    Some(Vm::boot(&elf, &cfg).expect("VM boots"))
+}
+
+fn hello() -> Message {
+    Message::Hello(Hello {
+        version: PROTOCOL_VERSION,
+        features: Features::NONE,
+    })
+}
+
+fn median(mut v: Vec<u64>) -> u64 {
+    v.sort_unstable();
+    v[v.len() / 2]
+}
+
+/// Boots the agent with `cmdline` (which must set `exit=5`), runs hello, 40 probes (full and
+/// compact alternating) and shutdown, and checks every reported TSC against the exit bracket.
+fn probe_session(test: &str, cmdline: &str) {
+    let Some(vm) = boot(test, cmdline, Duration::from_secs(60)) else {
+        return;
+    };
+    let mut c = ProtoClient::new(vm.com1());
+    assert!(
+        c.wait_ready(STEP),
+        "no ready beacon; COM2 log:\n{}",
+        vm.log_text()
+    );
+    let log = vm.log_text();
+    assert!(
+        log.contains(&format!("cmdline \"{cmdline}\"")),
+        "COM2 log:\n{log}"
+    );
+    assert!(log.contains("ready: postcard on COM1"), "COM2 log:\n{log}");
+
+    let caps = c.exchange(&hello(), STEP).expect("capabilities");
+    let Message::Capabilities(k) = caps.reply else {
+        panic!("expected capabilities, got {:?}", caps.reply)
+    };
+    assert_eq!(k.version, PROTOCOL_VERSION);
+    assert_eq!(k.transport, Transport::Uart16550);
+    assert_eq!(k.vcpu, 0);
+    assert!(
+        caps.request_read_tsc <= k.tsc.0 && k.tsc.0 <= caps.reply_first_byte_tsc,
+        "hello TSC {} outside [{}, {}]",
+        k.tsc.0,
+        caps.request_read_tsc,
+        caps.reply_first_byte_tsc
+    );
+
+    let (mut before, mut tight, mut after) = (Vec::new(), Vec::new(), Vec::new());
+    for seq in 0..40u16 {
+        let full = seq % 2 == 0;
+        let req = if full {
+            Message::ProbeFull { seq }
+        } else {
+            Message::Probe { seq }
+        };
+        let Exchange {
+            reply,
+            request_read_tsc: lo,
+            reply_first_byte_tsc: hi,
+            reply_prev_exit_tsc: prev,
+        } = c.exchange(&req, STEP).expect("probe reply");
+        let guest = match reply {
+            Message::ProbeReplyFull(r) if full => {
+                assert_eq!((r.seq, r.vcpu), (seq, 0));
+                r.tsc
+            }
+            Message::ProbeReply(r) if !full => {
+                assert_eq!((r.seq, r.vcpu), (seq, 0));
+                // Identity mapping: the host TSC at the request read is a reference within
+                // far less than 2^31 ticks of the guest's reading.
+                try_unwrap_tsc_low32(GuestTicks(lo), r.tsc_low32)
+                    .expect("unwraps")
+                    .0
+            }
+            other => panic!("probe {seq}: unexpected reply {other:?}"),
+        };
+        assert!(
+            lo <= guest && guest <= hi,
+            "probe {seq}: guest TSC {guest} outside the exit bracket [{lo}, {hi}]"
+        );
+        // No exit between the agent's TSC read and its first reply byte: the two exits
+        // around that byte bracket the read.
+        assert!(
+            lo <= prev && prev <= guest,
+            "probe {seq}: guest TSC {guest} before the exit preceding its reply ({prev})"
+        );
+        before.push(guest - lo);
+        tight.push(guest - prev);
+        after.push(hi - guest);
+    }
+    eprintln!(
+        "{cmdline:?}: 40 probes, median cycles: request-read exit -> guest TSC {}, \
+         previous exit -> guest TSC {}, guest TSC -> reply's first-byte exit {}",
+        median(before),
+        median(tight),
+        median(after)
+    );
+
+    check_pvclock_against_kvm_get_clock(&vm, &mut c, &k);
+
+    let bye = c.exchange(&Message::Shutdown, STEP).expect("exiting");
+    assert_eq!(bye.reply, Message::Exiting);
+    let out = vm.wait().expect("run ends");
+    eprintln!(
+        "{cmdline:?}: exit {:?} after {} I/O exits in {:?}",
+        out.exit, out.io_exits, out.run_time
+    );
+    assert_eq!(out.exit, VmExit::DebugExit(5), "log:\n{}", out.log);
+    assert!(
+        out.log
+            .contains("shutdown after 40 probes, 43 messages, 0 bad frames: isa-debug-exit 5"),
+        "log:\n{}",
+        out.log
+    );
+    let cpl = if cmdline.contains("ring=0") { 0 } else { 3 };
+    assert!(
+        out.log.contains(&format!("serving at CPL {cpl}")),
+        "log:\n{}",
+        out.log
+    );
+}
+
+/// Asks for a pvclock report and checks it against the host's own view of the same clock:
+/// `KVM_GET_CLOCK` gives kvmclock ns at a host TSC; with guest TSC == host TSC and a stable
+/// clock, the guest's pvclock ns at its TSC must match kvmclock extrapolated to that TSC.
+fn check_pvclock_against_kvm_get_clock(vm: &Vm, c: &mut ProtoClient<'_>, caps: &Capabilities) {
+    let features = caps.features;
+    assert!(
+        features.contains(Features::PVCLOCK),
+        "agent did not register a pvclock page; log:\n{}",
+        vm.log_text()
+    );
+    let ex = c
+        .exchange(&Message::PvclockRequest, STEP)
+        .expect("pvclock report");
+    let Message::PvclockReport(p) = ex.reply else {
+        panic!("expected a pvclock report, got {:?}", ex.reply)
+    };
+    assert_eq!(p.version % 2, 0, "{p:?}");
+    assert!(p.version > 0, "{p:?}");
+    assert!(
+        ex.request_read_tsc <= p.tsc.0 && p.tsc.0 <= ex.reply_first_byte_tsc,
+        "pvclock TSC {} outside the exit bracket",
+        p.tsc.0
+    );
+    let fields = PvclockVcpuTimeInfo {
+        version: p.version,
+        tsc_timestamp: p.tsc_timestamp,
+        system_time: p.system_time,
+        tsc_to_system_mul: p.mul,
+        tsc_shift: p.shift,
+        flags: p.flags,
+        ..PvclockVcpuTimeInfo::default()
+    }
+    .fields();
+    let guest_ns = fields.try_ns_at_floor(p.tsc).expect("pvclock ns").0;
+    // The TSC frequency the agent read from CPUID (the VMM's timing leaf, from
+    // KVM_GET_TSC_KHZ) agrees with the one implied by KVM's pvclock scale.
+    let caps_khz = u64::from(caps.tsc_khz.expect("agent reports the TSC frequency"));
+    let pvclock_khz = fields
+        .scale
+        .try_tsc_khz_floor()
+        .expect("pvclock scale gives a frequency");
+    eprintln!("TSC kHz: CPUID {caps_khz}, pvclock scale {pvclock_khz}");
+    assert!(
+        caps_khz.abs_diff(pvclock_khz) <= 2,
+        "{caps_khz} vs {pvclock_khz} kHz"
+    );
+    let clock = vm.kvm_clock().expect("KVM_GET_CLOCK");
+    eprintln!(
+        "pvclock v{} flags {:#x} mul {:#x} shift {}; KVM_GET_CLOCK flags {:#x}",
+        p.version, p.flags, p.mul, p.shift, clock.flags
+    );
+    // KVM_CLOCK_HOST_TSC: `clock` is kvmclock at host TSC `host_tsc`.
+    if clock.flags & 8 != 0 {
+        // kvmclock extrapolated from (host_tsc, clock) to the guest's TSC with the same scale.
+        let host_ns_at_guest_tsc = if p.tsc.0 >= clock.host_tsc {
+            fields
+                .scale
+                .try_scale_floor(p.tsc.0 - clock.host_tsc)
+                .map(|d| clock.clock + d)
+        } else {
+            fields
+                .scale
+                .try_scale_floor(clock.host_tsc - p.tsc.0)
+                .map(|d| clock.clock - d)
+        }
+        .expect("scales");
+        let diff = i128::from(guest_ns) - i128::from(host_ns_at_guest_tsc);
+        eprintln!(
+            "pvclock at guest TSC {}: {guest_ns} ns; KVM_GET_CLOCK extrapolated: \
+             {host_ns_at_guest_tsc} ns; difference {diff} ns",
+            p.tsc.0
+        );
+        assert!(
+            diff.abs() < 1_000,
+            "pvclock and KVM_GET_CLOCK differ by {diff} ns"
+        );
+    } else {
+        assert!(
+            guest_ns <= clock.clock,
+            "pvclock {guest_ns} ns ahead of KVM_GET_CLOCK"
+        );
+    }
+}
+
+#[test]
+fn builtin_vmm_agent_answers_probes_within_the_exit_bracket_ring3() {
+    probe_session(
+        "builtin_vmm_agent_answers_probes_within_the_exit_bracket_ring3",
+        "transport=uart exit=5",
+    );
+}
+
+#[test]
+fn builtin_vmm_agent_answers_probes_within_the_exit_bracket_ring0() {
+    probe_session(
+        "builtin_vmm_agent_answers_probes_within_the_exit_bracket_ring0",
+        "transport=uart ring=0 exit=5",
+    );
+}
+
+#[test]
+fn builtin_vmm_agent_applies_software_skew() {
+    // reported = offset + ((tsc * ratio) >> frac): ratio 3/2 (frac 1), offset -1000.
+    let Some(vm) = boot(
+        "builtin_vmm_agent_applies_software_skew",
+        "skew=-1000,3,1 exit=0",
+        Duration::from_secs(60),
+    ) else {
+        return;
+    };
+    let mut c = ProtoClient::new(vm.com1());
+    assert!(c.wait_ready(STEP));
+    let skew = |t: u64| {
+        let scaled = u64::try_from((u128::from(t) * 3) >> 1).expect("fits");
+        scaled.wrapping_sub(1000)
+    };
+    let caps = c.exchange(&hello(), STEP).expect("capabilities");
+    let Message::Capabilities(k) = caps.reply else {
+        panic!("{:?}", caps.reply)
+    };
+    // The skew is monotonic, so the exit bracket maps through it.
+    assert!(skew(caps.request_read_tsc) <= k.tsc.0 && k.tsc.0 <= skew(caps.reply_first_byte_tsc));
+    let p = c
+        .exchange(&Message::ProbeFull { seq: 1 }, STEP)
+        .expect("probe");
+    let Message::ProbeReplyFull(r) = p.reply else {
+        panic!("{:?}", p.reply)
+    };
+    assert!(
+        skew(p.request_read_tsc) <= r.tsc && r.tsc <= skew(p.reply_first_byte_tsc),
+        "reported {} outside [{}, {}]",
+        r.tsc,
+        skew(p.request_read_tsc),
+        skew(p.reply_first_byte_tsc)
+    );
+    assert_eq!(
+        c.exchange(&Message::Shutdown, STEP).expect("bye").reply,
+        Message::Exiting
+    );
+    assert_eq!(vm.wait().expect("run ends").exit, VmExit::DebugExit(0));
+}
+
+/// Boots in `wire=line` mode and reads the hello line.
+fn boot_line(test: &str, timeout: Duration) -> Option<Vm> {
+    let vm = boot(test, "wire=line", timeout)?;
+    let hello = vm.com1().recv_line(STEP).expect("hello on COM1");
+    assert_eq!(text(&hello), "H vmtsync-agent\n");
+    Some(vm)
+}
+
+#[test]
+fn builtin_vmm_line_mode_probe_then_panic_logs_and_exits_with_failure_code() {
+    let Some(vm) = boot_line(
+        "builtin_vmm_line_mode_probe_then_panic_logs_and_exits_with_failure_code",
+        Duration::from_secs(60),
+    ) else {
+        return;
+    };
+    vm.com1().send(b"p");
+    let line = vm.com1().recv_line(STEP).expect("probe answer");
+    let read = vm
+        .com1()
+        .delivered_timeout(STEP)
+        .expect("probe byte was read");
+    let s = text(&line);
+    assert!(s.starts_with('T') && s.len() == 18, "answer {s:?}");
+    let guest = u64::from_str_radix(&s[1..17], 16).expect("hex TSC");
+    assert!(read.host_tsc <= guest && guest <= line[0].host_tsc);
+    assert!(
+        line[0].prev_exit_host_tsc <= guest,
+        "an exit between TSC read and 'T'"
+    );
+
+    vm.com1().send(b"!");
+    let out = vm.wait().expect("run ends");
+    assert_eq!(out.exit, VmExit::DebugExit(0x7e), "log:\n{}", out.log);
+    assert!(
+        out.log.contains("PANIC: panicked at") && out.log.contains("host asked for a panic"),
+        "log:\n{}",
+        out.log
+    );
+}
+
+#[test]
+fn builtin_vmm_watchdog_ends_a_guest_that_spins_without_exits() {
+    let timeout = Duration::from_secs(3);
+    let Some(vm) = boot_line(
+        "builtin_vmm_watchdog_ends_a_guest_that_spins_without_exits",
+        timeout,
+    ) else {
+        return;
+    };
+    vm.com1().send(b"w");
+    let ack = vm.com1().recv_line(STEP).expect("spin acknowledged");
+    assert_eq!(text(&ack), "W\n");
+    assert!(vm.wait_log("spinning without exits", STEP));
+    let out = vm.wait().expect("watchdog stops the vCPU");
+    eprintln!(
+        "watchdog: {:?} after {:?}, rip {:#x}",
+        out.exit, out.run_time, out.rip
+    );
+    assert_eq!(out.exit, VmExit::Timeout, "log:\n{}", out.log);
+    assert!(out.run_time >= timeout);
+}
+
+#[test]
+fn builtin_vmm_rejects_an_elf_without_pvh_note() {
+    if !require(
+        "builtin_vmm_rejects_an_elf_without_pvh_note",
+        have_kvm(),
+        "/dev/kvm is not accessible read-write",
+    ) {
+        return;
+    }
+    // The test binary itself is an ELF without a Xen PVH note.
+    let me = std::env::current_exe().expect("own path");
+    let err = Vm::boot(&me, &VmConfig::default()).expect_err("no PVH entry");
+    assert!(err.to_string().contains("loading the guest ELF"), "{err}");
+}
+
+#[test]
+fn vmtsync_vmm_binary_bridges_com1_to_stdio_and_returns_the_exit_code() {
+    use std::io::{Read, Write};
+    use std::process::{Command, Stdio};
+
+    if !require(
+        "vmtsync_vmm_binary_bridges_com1_to_stdio_and_returns_the_exit_code",
+        have_kvm(),
+        "/dev/kvm is not accessible read-write",
+    ) {
+        return;
+    }
+    let elf = agent_elf().expect("agent builds");
+    let child = Command::new(env!("CARGO_BIN_EXE_vmtsync-vmm"))
+        .arg(&elf)
+        .args(["--timeout", "60", "--", "wire=line", "exit=3"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("vmtsync-vmm starts");
+    let mut guard = vmtsync_tests::ChildGuard::new(child);
+    let mut stdin = guard.child().stdin.take().expect("stdin");
+    // Bytes sent before the agent's UART init are dropped by its FIFO reset: wait for the hello
+    // line first.
+    let mut stdout = guard.child().stdout.take().expect("stdout");
+    let mut got = Vec::new();
+    let mut b = [0u8; 1];
+    while !got.ends_with(b"H vmtsync-agent\n") {
+        assert_eq!(
+            stdout.read(&mut b).expect("read stdout"),
+            1,
+            "EOF after {got:?}"
+        );
+        got.push(b[0]);
+    }
+    stdin.write_all(b"xpq").expect("write stdin");
+    stdin.flush().expect("flush");
+    let mut rest = String::new();
+    stdout.read_to_string(&mut rest).expect("read rest");
+    let status = guard.child().wait().expect("wait");
+    let mut err = String::new();
+    guard
+        .child()
+        .stderr
+        .take()
+        .expect("stderr")
+        .read_to_string(&mut err)
+        .expect("read stderr");
+    assert!(
+        rest.starts_with("xT") && rest.ends_with("\nQ\n"),
+        "stdout: {rest:?}"
+    );
+    assert_eq!(rest.len(), 2 + 16 + 1 + 2, "stdout: {rest:?}");
+    assert_eq!(status.code(), Some(3), "stderr:\n{err}");
+    assert!(err.contains("quit: isa-debug-exit 3"), "stderr:\n{err}");
+    assert!(err.contains("DebugExit(3)"), "stderr:\n{err}");
+}

@@ -1,0 +1,307 @@
+//! `cargo xtask build-agent` and `cargo xtask run-agent`: build the bare-metal guest agent and
+//! boot it under QEMU or the built-in VMM (`vmtsync-tests`' `vmtsync-vmm` binary).
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitStatus, Stdio};
+
+use anyhow::{Context, Result, bail};
+
+use crate::{cargo, root, sh};
+
+/// Largest `.text` the agent may have: it is meant to be embedded in other people's guests.
+const TEXT_LIMIT: u64 = 64 * 1024;
+/// QEMU's exit status for a guest write of 0 to isa-debug-exit is `(0 << 1) | 1`.
+const QEMU_DEBUG_EXIT_BIT: i32 = 1;
+
+/// The agent crate's directory.
+fn agent_dir() -> PathBuf {
+    root().join("guest-agent")
+}
+
+/// Builds the agent (release) and returns its ELF. Runs in `guest-agent/` so its own
+/// `.cargo/config.toml` (target x86_64-unknown-none, static relocation model) applies, and
+/// drops any host `RUSTFLAGS`.
+fn build() -> Result<PathBuf> {
+    let dir = agent_dir();
+    let mut c = cargo();
+    c.current_dir(&dir)
+        .env_remove("RUSTFLAGS")
+        .env_remove("CARGO_ENCODED_RUSTFLAGS")
+        .env_remove("CARGO_BUILD_TARGET")
+        .args(["build", "--release", "--target-dir"])
+        .arg(dir.join("target"));
+    sh(&mut c)?;
+    let elf = dir.join("target/x86_64-unknown-none/release/vmtsync-agent");
+    if !elf.is_file() {
+        bail!("build succeeded but {} is missing", elf.display());
+    }
+    Ok(elf)
+}
+
+/// `cargo xtask build-agent`: builds, prints the ELF path and `.text` size, and fails when
+/// `.text` exceeds 64 KiB.
+pub(crate) fn build_agent() -> Result<()> {
+    let elf = build()?;
+    let text = section_size(&elf, ".text")?;
+    println!("{}", elf.display());
+    println!(
+        ".text: {text} bytes ({:.1} KiB of {} KiB allowed)",
+        kib(text),
+        TEXT_LIMIT / 1024
+    );
+    if text > TEXT_LIMIT {
+        bail!("agent .text is {text} bytes, over the {TEXT_LIMIT}-byte limit");
+    }
+    Ok(())
+}
+
+/// The `ci` step for the agent, which the host workspace's fmt/clippy/test do not reach (it is
+/// excluded from the workspace): fmt check, clippy for the bare-metal target and for the host
+/// unit tests, the host unit tests, and the release build with its `.text` limit.
+pub(crate) fn ci_check() -> Result<()> {
+    let dir = agent_dir();
+    let agent_cargo = || {
+        let mut c = cargo();
+        c.current_dir(&dir)
+            .env_remove("RUSTFLAGS")
+            .env_remove("CARGO_ENCODED_RUSTFLAGS");
+        c
+    };
+    let host = "x86_64-unknown-linux-gnu";
+    sh(agent_cargo().args(["fmt", "--check"]))?;
+    sh(agent_cargo().args(["clippy", "--release", "--", "-D", "warnings"]))?;
+    sh(agent_cargo().args([
+        "clippy", "--lib", "--tests", "--target", host, "--", "-D", "warnings",
+    ]))?;
+    sh(agent_cargo().args(["test", "--lib", "--target", host]))?;
+    build_agent()
+}
+
+#[allow(clippy::cast_precision_loss)] // Display only; sizes are far below 2^52.
+fn kib(bytes: u64) -> f64 {
+    bytes as f64 / 1024.0
+}
+
+/// Options of `run-agent`.
+struct RunArgs {
+    vmm: String,
+    machine: String,
+    timeout: u64,
+    agent_opts: Vec<String>,
+}
+
+fn parse_run_args(args: &[String]) -> Result<RunArgs> {
+    let (ours, agent) = match args.iter().position(|a| a == "--") {
+        Some(i) => (&args[..i], &args[i + 1..]),
+        None => (args, &[][..]),
+    };
+    let mut r = RunArgs {
+        vmm: "qemu".into(),
+        machine: "microvm".into(),
+        timeout: 3600,
+        agent_opts: agent.to_vec(),
+    };
+    let mut it = ours.iter();
+    while let Some(a) = it.next() {
+        let mut value = || it.next().with_context(|| format!("{a} needs a value"));
+        match a.as_str() {
+            "--vmm" => r.vmm = value()?.clone(),
+            "--machine" => r.machine = value()?.clone(),
+            "--timeout" => {
+                r.timeout = value()?.parse().context("--timeout takes whole seconds")?;
+            }
+            other => bail!("run-agent: unknown option `{other}`\n\n{}", crate::HELP),
+        }
+    }
+    if !matches!(r.vmm.as_str(), "qemu" | "builtin") {
+        bail!("--vmm must be qemu or builtin, not `{}`", r.vmm);
+    }
+    if !matches!(r.machine.as_str(), "microvm" | "q35") {
+        bail!("--machine must be microvm or q35, not `{}`", r.machine);
+    }
+    Ok(r)
+}
+
+/// `cargo xtask run-agent [--vmm qemu|builtin] [--machine microvm|q35] [--timeout S]
+/// [-- AGENT OPTIONS]`: builds the agent and boots it with COM1 on this terminal and COM2 (the
+/// log) on stderr. Fails unless the guest ends through isa-debug-exit with code 0.
+pub(crate) fn run_agent(args: &[String]) -> Result<()> {
+    let r = parse_run_args(args)?;
+    let elf = build()?;
+    let append = r.agent_opts.join(" ");
+    match r.vmm.as_str() {
+        "builtin" => {
+            let mut c = cargo();
+            c.args([
+                "run",
+                "-q",
+                "-p",
+                "vmtsync-tests",
+                "--bin",
+                "vmtsync-vmm",
+                "--",
+            ])
+            .arg(&elf)
+            .args(["--timeout", &r.timeout.to_string(), "--"])
+            .args(&r.agent_opts);
+            let status = run_interactive(&mut c)?;
+            match status.code() {
+                Some(0) => Ok(()),
+                Some(code) => bail!("agent ended with code {code} (see vmtsync-vmm's exit codes)"),
+                None => bail!("vmtsync-vmm was killed: {status}"),
+            }
+        }
+        _ => {
+            ensure_qemu()?;
+            let mut c = qemu_command(&r.machine, &elf, &append, r.timeout);
+            let status = run_interactive(&mut c)?;
+            match status.code() {
+                Some(s) if s & 1 == QEMU_DEBUG_EXIT_BIT && s >> 1 == 0 => Ok(()),
+                Some(s) if s & 1 == QEMU_DEBUG_EXIT_BIT => {
+                    bail!(
+                        "agent exited through isa-debug-exit with code {:#x}",
+                        s >> 1
+                    )
+                }
+                _ => bail!("QEMU ended without isa-debug-exit: {status}"),
+            }
+        }
+    }
+}
+
+fn run_interactive(c: &mut Command) -> Result<ExitStatus> {
+    eprintln!("$ {}", crate::display(c));
+    c.stdin(Stdio::inherit())
+        .status()
+        .with_context(|| format!("could not start `{}`", crate::display(c)))
+}
+
+/// The QEMU command line, kept in step with `vmtsync_tests::vmm::qemu::command` (xtask does
+/// not depend on the test crate). `timeout` bounds the run with coreutils `timeout`.
+fn qemu_command(machine: &str, elf: &Path, append: &str, timeout: u64) -> Command {
+    let mut c = Command::new("timeout");
+    c.arg(timeout.to_string()).arg("qemu-system-x86_64");
+    match machine {
+        "q35" => c.args(["-M", "q35", "-bios", "/usr/share/qemu/qboot.rom"]),
+        _ => c.args(["-M", "microvm"]),
+    };
+    // `-arch-capabilities`: QEMU's `host` CPU model otherwise aborts on this nested KVM with
+    // "failed to set MSR 0x10a".
+    c.args([
+        "-enable-kvm",
+        "-cpu",
+        "host,+invtsc,-arch-capabilities",
+        "-m",
+        "64M",
+        "-display",
+        "none",
+        "-monitor",
+        "none",
+        "-no-reboot",
+        "-serial",
+        "stdio",
+        "-chardev",
+        "file,id=com2,path=/dev/stderr,append=on",
+        "-device",
+        "isa-serial,chardev=com2,iobase=0x2f8,irq=3",
+        "-device",
+        "isa-debug-exit,iobase=0xf4,iosize=4",
+        "-kernel",
+    ]);
+    c.arg(elf).arg("-append").arg(append);
+    c
+}
+
+/// Installs QEMU with apt when it is missing.
+fn ensure_qemu() -> Result<()> {
+    let ok = Command::new("qemu-system-x86_64")
+        .arg("--version")
+        .stdout(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !ok {
+        sh(Command::new("apt-get")
+            .env("DEBIAN_FRONTEND", "noninteractive")
+            .args(["install", "-y", "-qq", "qemu-system-x86"]))?;
+    }
+    Ok(())
+}
+
+/// Size of section `name` in a 64-bit little-endian ELF, read from its section headers.
+pub(crate) fn section_size(elf: &Path, name: &str) -> Result<u64> {
+    let b = std::fs::read(elf).with_context(|| format!("reading {}", elf.display()))?;
+    parse_section_size(&b, name).with_context(|| format!("{}: no section {name}", elf.display()))
+}
+
+fn parse_section_size(b: &[u8], name: &str) -> Option<u64> {
+    let u16_at = |o: usize| Some(u16::from_le_bytes(b.get(o..o + 2)?.try_into().ok()?));
+    let u32_at = |o: usize| Some(u32::from_le_bytes(b.get(o..o + 4)?.try_into().ok()?));
+    let u64_at = |o: usize| Some(u64::from_le_bytes(b.get(o..o + 8)?.try_into().ok()?));
+    if b.get(..5)? != b"\x7fELF\x02" {
+        return None;
+    }
+    let shoff = usize::try_from(u64_at(0x28)?).ok()?;
+    let shentsize = usize::from(u16_at(0x3a)?);
+    let shnum = usize::from(u16_at(0x3c)?);
+    let shstrndx = usize::from(u16_at(0x3e)?);
+    let sh = |i: usize| shoff.checked_add(i.checked_mul(shentsize)?);
+    let strtab = usize::try_from(u64_at(sh(shstrndx)? + 0x18)?).ok()?;
+    (0..shnum).find_map(|i| {
+        let h = sh(i)?;
+        let name_off = strtab.checked_add(usize::try_from(u32_at(h)?).ok()?)?;
+        let rest = b.get(name_off..)?;
+        let end = rest.iter().position(|&c| c == 0)?;
+        (&rest[..end] == name.as_bytes()).then(|| u64_at(h + 0x20))?
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A minimal ELF64 with sections ["", ".shstrtab", ".text"] and `.text` of size 0x1234.
+    fn tiny_elf() -> Vec<u8> {
+        let strtab = b"\0.shstrtab\0.text\0";
+        let mut b = vec![0u8; 0x40];
+        b[..5].copy_from_slice(b"\x7fELF\x02");
+        let str_off = b.len();
+        b.extend_from_slice(strtab);
+        let shoff = b.len();
+        b[0x28..0x30].copy_from_slice(&(shoff as u64).to_le_bytes());
+        b[0x3a..0x3c].copy_from_slice(&64u16.to_le_bytes());
+        b[0x3c..0x3e].copy_from_slice(&3u16.to_le_bytes());
+        b[0x3e..0x40].copy_from_slice(&1u16.to_le_bytes());
+        for (name, off, size) in [(0u32, 0u64, 0u64), (1, str_off as u64, 17), (11, 0, 0x1234)] {
+            let mut h = [0u8; 64];
+            h[..4].copy_from_slice(&name.to_le_bytes());
+            h[0x18..0x20].copy_from_slice(&off.to_le_bytes());
+            h[0x20..0x28].copy_from_slice(&size.to_le_bytes());
+            b.extend_from_slice(&h);
+        }
+        b
+    }
+
+    #[test]
+    fn finds_section_sizes_and_rejects_garbage() {
+        let b = tiny_elf();
+        assert_eq!(parse_section_size(&b, ".text"), Some(0x1234));
+        assert_eq!(parse_section_size(&b, ".shstrtab"), Some(17));
+        assert_eq!(parse_section_size(&b, ".data"), None);
+        assert_eq!(parse_section_size(&b[..0x50], ".text"), None);
+        assert_eq!(parse_section_size(b"not an elf", ".text"), None);
+    }
+
+    #[test]
+    fn run_args_split_at_double_dash_and_validate() {
+        let a = |v: &[&str]| v.iter().map(|s| (*s).to_string()).collect::<Vec<_>>();
+        let r =
+            parse_run_args(&a(&["--vmm", "builtin", "--", "exit=1", "skew=5,1,0"])).expect("valid");
+        assert_eq!(r.vmm, "builtin");
+        assert_eq!(r.machine, "microvm");
+        assert_eq!(r.agent_opts, a(&["exit=1", "skew=5,1,0"]));
+        assert!(parse_run_args(&a(&["--vmm", "xen"])).is_err());
+        assert!(parse_run_args(&a(&["--machine", "pc"])).is_err());
+        assert!(parse_run_args(&a(&["--timeout", "soon"])).is_err());
+        assert!(parse_run_args(&a(&["--vmm"])).is_err());
+    }
+}

@@ -29,8 +29,9 @@
 //! | `break` | the offset or rate changed since the previous round (migration, reset): a new estimate starts here |
 //!
 //! Conversion inside a segment: `host = host_anchor + floor((guest - guest_anchor) · 1e9 /
-//! (1e9 + drift_ppb))`, exact in 128-bit integers. Before the first segment the first one is
-//! extrapolated backwards. The error is the segment's offset half-width plus the drift
+//! (1e9 + drift_ppb))`: exact for a zero drift, at most one tick low otherwise (the core
+//! timeline's slope rounding). Before the first segment the first one is extrapolated
+//! backwards. The error is the segment's offset half-width plus the drift
 //! uncertainty times the distance from the anchor.
 //!
 //! **Append-only, readable while written**: each segment is one `write(2)` of a whole line,
@@ -38,8 +39,8 @@
 //! ([`SyncFile::partial_tail`]). A writer reopening a file first truncates such a partial
 //! line left by a crash.
 //!
-//! The lookup here is a plain per-vCPU piecewise search; `vmtsync_core::timeline` had not
-//! landed on main when this was written.
+//! Conversion runs on `vmtsync_core::timeline` ([`SyncTimeline`] builds its segments with
+//! [`SyncSegment::to_timeline_segment`]).
 
 use std::fs::{File, OpenOptions};
 use std::io::{self, BufRead, BufReader, Read, Seek, SeekFrom, Write};
@@ -47,6 +48,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
+use vmtsync_core::timeline::{Segment, Timeline, TimelineError};
 use vmtsync_core::{GuestTicks, HostTicks};
 
 pub use crate::probe::report::OffsetModel;
@@ -114,18 +116,27 @@ pub struct SyncSegment {
 }
 
 impl SyncSegment {
-    /// `host_anchor + floor((guest - guest_anchor)·1e9 / (1e9 + drift_ppb))`, or `None` if
-    /// the result is not a host tick or the rate is not positive.
+    /// This segment as a `vmtsync_core::timeline` segment: the line through
+    /// `(guest_anchor, host_anchor)` with `1e9 / (1e9 + drift_ppb)` host ticks per guest tick,
+    /// used from `guest_start` on. A zero drift is an exact offset; otherwise the slope is
+    /// rounded down by less than 2^-62 relative ([`vmtsync_core::timeline::Slope::try_from_ratio_floor`]), so a
+    /// result is at most one tick below the exact floor for host values below 2^62.
+    ///
+    /// `None` if the rate is not positive or `guest_start` maps outside the host range.
     #[must_use]
-    pub fn try_host_from_guest_floor(&self, guest: GuestTicks) -> Option<HostTicks> {
-        let den = 1_000_000_000_i128 + i128::from(self.drift_ppb);
-        if den <= 0 {
-            return None;
+    pub fn to_timeline_segment(&self) -> Option<Segment> {
+        let start = GuestTicks(self.guest_start);
+        if self.drift_ppb == 0 {
+            return Segment::try_offset(start, self.offset.checked_neg()?);
         }
-        let d = i128::from(guest.0) - i128::from(self.guest_anchor);
-        // |d| < 2^64 and 1e9 < 2^30: the product fits an i128.
-        let h = i128::from(self.host_anchor) + (d * 1_000_000_000).div_euclid(den);
-        u64::try_from(h).ok().map(HostTicks)
+        let den = u64::try_from(1_000_000_000_i64.checked_add(self.drift_ppb)?).ok()?;
+        Segment::try_from_anchor_ratio(
+            start,
+            GuestTicks(self.guest_anchor),
+            HostTicks(self.host_anchor),
+            1_000_000_000,
+            den,
+        )
     }
 }
 
@@ -396,28 +407,39 @@ impl SyncFile {
         v
     }
 
-    /// The piecewise guest→host mapping of one vCPU.
+    /// The piecewise guest→host mapping of one vCPU, on `vmtsync_core::timeline`.
     ///
     /// # Errors
-    /// [`SyncFileError::NoSegments`], [`SyncFileError::NotIncreasing`].
+    /// [`SyncFileError::NoSegments`], [`SyncFileError::NotIncreasing`], and
+    /// [`SyncFileError::BadLine`] for a segment with no valid line (a rate at or below -100 %,
+    /// or a start before host tick 0).
     pub fn timeline(&self, vcpu: u32) -> Result<SyncTimeline, SyncFileError> {
-        let mut segs: Vec<SyncSegment> = Vec::new();
+        let mut records: Vec<SyncSegment> = Vec::new();
+        let mut segments: Vec<Segment> = Vec::new();
         for (s, &line) in self.segments.iter().zip(&self.lines) {
             if s.vcpu != vcpu {
                 continue;
             }
-            if segs.last().is_some_and(|p| p.guest_start >= s.guest_start) {
+            if records
+                .last()
+                .is_some_and(|p| p.guest_start >= s.guest_start)
+            {
                 return Err(SyncFileError::NotIncreasing { line, vcpu });
             }
-            segs.push(*s);
+            let seg = s.to_timeline_segment().ok_or_else(|| SyncFileError::BadLine {
+                line,
+                why: "the segment maps its guest_start outside the host TSC range, or its rate is not positive".to_owned(),
+            })?;
+            records.push(*s);
+            segments.push(seg);
         }
-        if segs.is_empty() {
+        if segments.is_empty() {
             return Err(SyncFileError::NoSegments {
                 vcpu,
                 present: self.vcpus(),
             });
         }
-        Ok(SyncTimeline { segments: segs })
+        Ok(SyncTimeline { records, segments })
     }
 }
 
@@ -469,69 +491,36 @@ fn read_line_bounded(input: &mut impl BufRead, line: &mut Vec<u8>) -> io::Result
     }
 }
 
-/// One vCPU's segments, sorted by guest start: the piecewise guest→host mapping.
+/// One vCPU's segments, sorted by guest start: the piecewise guest→host mapping, converted
+/// by `vmtsync_core::timeline` (floor; before the first segment, the first is extrapolated
+/// backwards).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SyncTimeline {
-    segments: Vec<SyncSegment>,
+    records: Vec<SyncSegment>,
+    segments: Vec<Segment>,
 }
 
 impl SyncTimeline {
-    /// The segments, by increasing `guest_start`.
+    /// The sync file records, by increasing `guest_start`.
     #[must_use]
-    pub fn segments(&self) -> &[SyncSegment] {
-        &self.segments
+    pub fn records(&self) -> &[SyncSegment] {
+        &self.records
     }
 
-    /// Index of the segment for `guest`: the last starting at or before it, or 0 before the
-    /// first (extrapolated backwards).
-    #[must_use]
-    pub fn segment_index(&self, guest: GuestTicks) -> usize {
-        self.segments
-            .partition_point(|s| s.guest_start <= guest.0)
-            .saturating_sub(1)
+    /// The core timeline over these segments.
+    ///
+    /// # Errors
+    /// Never for a `SyncTimeline` from [`SyncFile::timeline`], which already checked what
+    /// `Timeline::new` checks (non-empty, strictly increasing starts).
+    pub fn timeline(&self) -> Result<Timeline<'_>, TimelineError> {
+        Timeline::new(&self.segments)
     }
 
-    /// Converts one guest tick, rounding down; `None` outside the host range.
+    /// Converts one guest tick, rounding down; `None` outside the host range. For streams use
+    /// the core timeline's cursor (see [`convert_with_sync`]).
     #[must_use]
     pub fn try_host_from_guest_floor(&self, guest: GuestTicks) -> Option<HostTicks> {
-        self.segments
-            .get(self.segment_index(guest))?
-            .try_host_from_guest_floor(guest)
-    }
-
-    /// A streaming converter that remembers its segment: O(1) per value for non-decreasing
-    /// input, a binary search otherwise.
-    #[must_use]
-    pub fn cursor(&self) -> SyncCursor<'_> {
-        SyncCursor {
-            timeline: self,
-            idx: 0,
-        }
-    }
-}
-
-/// See [`SyncTimeline::cursor`].
-#[derive(Clone, Copy, Debug)]
-pub struct SyncCursor<'a> {
-    timeline: &'a SyncTimeline,
-    idx: usize,
-}
-
-impl SyncCursor<'_> {
-    /// Converts one guest tick (same result as [`SyncTimeline::try_host_from_guest_floor`]).
-    #[must_use]
-    pub fn try_host_from_guest_floor(&mut self, guest: GuestTicks) -> Option<HostTicks> {
-        let segs = &self.timeline.segments;
-        let here = segs
-            .get(self.idx)
-            .is_some_and(|s| s.guest_start <= guest.0 || self.idx == 0);
-        let before_next = segs
-            .get(self.idx + 1)
-            .is_none_or(|n| guest.0 < n.guest_start);
-        if !(here && before_next) {
-            self.idx = self.timeline.segment_index(guest);
-        }
-        segs.get(self.idx)?.try_host_from_guest_floor(guest)
+        self.timeline().ok()?.try_convert_floor(guest)
     }
 }
 
@@ -561,7 +550,13 @@ pub fn convert_with_sync(
     skip_bad: bool,
 ) -> Result<SyncConvertStats, SyncFileError> {
     let timeline = sync.timeline(vcpu)?;
-    let mut cursor = timeline.cursor();
+    let mut cursor = timeline
+        .timeline()
+        .map_err(|e| SyncFileError::BadLine {
+            line: 0,
+            why: e.to_string(),
+        })?
+        .cursor();
     let mut stats = SyncConvertStats::default();
     let mut line = Vec::with_capacity(32);
     let mut line_no = 0_u64;
@@ -581,23 +576,22 @@ pub fn convert_with_sync(
             (r != LineRead::TooLong && !text.is_empty() && text.iter().all(u8::is_ascii_digit))
                 .then(|| std::str::from_utf8(text).ok()?.parse::<u64>().ok())
                 .flatten();
-        let result =
-            match value {
-                None => Err(SyncFileError::BadInput {
+        let result = match value {
+            None => Err(SyncFileError::BadInput {
+                line: line_no,
+                shown: text
+                    .get(..text.len().min(64))
+                    .unwrap_or_default()
+                    .escape_ascii()
+                    .to_string(),
+            }),
+            Some(v) => cursor
+                .try_convert_floor(GuestTicks(v))
+                .ok_or(SyncFileError::OutOfRange {
                     line: line_no,
-                    shown: text
-                        .get(..text.len().min(64))
-                        .unwrap_or_default()
-                        .escape_ascii()
-                        .to_string(),
+                    value: v,
                 }),
-                Some(v) => cursor.try_host_from_guest_floor(GuestTicks(v)).ok_or(
-                    SyncFileError::OutOfRange {
-                        line: line_no,
-                        value: v,
-                    },
-                ),
-            };
+        };
         match result {
             Ok(h) => {
                 writeln!(output, "{}", h.0).map_err(SyncFileError::Output)?;
@@ -767,7 +761,7 @@ mod tests {
         let other = seg(4, 0, 1_500_000, 7, 0);
         let f = file(&[a, other, b]);
         let t = f.timeline(0).unwrap();
-        assert_eq!(t.segments(), [a, b]);
+        assert_eq!(t.records(), [a, b]);
         // Exact inverse of a pure offset inside each segment, and before the first.
         for g in [a.guest_start - 77, a.guest_start, b.guest_start - 1] {
             assert_eq!(
@@ -851,8 +845,9 @@ mod tests {
     }
 
     proptest! {
-        /// The cursor equals random access for any order of queries, and each segment's
-        /// conversion equals a naive rational floor.
+        /// The core cursor equals random access for any order of queries, and every
+        /// conversion equals a naive rational floor of the record's line (one tick low at most
+        /// for a non-zero drift).
         #[test]
         fn cursor_matches_random_access_and_naive_floor(
             anchors in proptest::collection::vec((1u64 << 20..1u64 << 40, -1_000_000i64..1_000_000, -100_000i64..100_000), 1..8),
@@ -872,18 +867,26 @@ mod tests {
                 })
                 .collect();
             let f = file(&segs);
-            let Ok(t) = f.timeline(0) else { return Ok(()); };
+            let t = f.timeline(0).unwrap();
             let mut q = queries.clone();
             if sorted { q.sort_unstable(); }
-            let mut c = t.cursor();
+            let core = t.timeline().unwrap();
+            let mut c = core.cursor();
             for g in q {
                 let want = t.try_host_from_guest_floor(GuestTicks(g));
-                prop_assert_eq!(c.try_host_from_guest_floor(GuestTicks(g)), want);
-                let s = &t.segments()[t.segment_index(GuestTicks(g))];
+                prop_assert_eq!(c.try_convert_floor(GuestTicks(g)), want);
+                let idx = segs.iter().rposition(|s| s.guest_start <= g).unwrap_or(0);
+                let s = &segs[idx];
                 let num = (i128::from(g) - i128::from(s.guest_anchor)) * 1_000_000_000;
                 let den = 1_000_000_000 + i128::from(s.drift_ppb);
                 let naive = i128::from(s.host_anchor) + num.div_euclid(den);
-                prop_assert_eq!(want.map(|h| i128::from(h.0)), (naive >= 0).then_some(naive));
+                // Exact for a pure offset; the core slope may round one tick low otherwise.
+                let tol = i128::from(s.drift_ppb != 0);
+                match want {
+                    Some(h) => prop_assert!(naive - tol <= i128::from(h.0) && i128::from(h.0) <= naive,
+                        "got {} naive {} ppb {}", h.0, naive, s.drift_ppb),
+                    None => prop_assert!(naive - tol < 0, "None but naive {}", naive),
+                }
             }
         }
     }

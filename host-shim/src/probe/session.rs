@@ -34,6 +34,9 @@ pub const UNWRAP_HORIZON: u64 = 1 << 30;
 /// Consecutive probes that may time out while only garbage arrives before the run fails.
 const MAX_GARBAGE_LOSSES: u32 = 3;
 
+/// How often the hello is repeated while the agent does not answer.
+const HELLO_RESEND: Duration = Duration::from_millis(500);
+
 /// The longest [`ProbeSession::shutdown`] waits for the agent's goodbye.
 const SHUTDOWN_WAIT: Duration = Duration::from_millis(500);
 
@@ -92,8 +95,8 @@ pub struct ProbeSession<T> {
 
 impl<T: StampedTransport> ProbeSession<T> {
     /// Greets the agent: sends a lone delimiter (flushing a receiver stuck mid-garbage) and a
-    /// [`Hello`], and waits up to `timeout` for its [`Capabilities`]. `timeout` is also the
-    /// deadline of every later reply.
+    /// [`Hello`], repeated every 500 ms, until its [`Capabilities`] arrive or `timeout`
+    /// passes. `timeout` is also the deadline of every later reply.
     ///
     /// # Errors
     /// [`ProbeError::Timeout`] if no capabilities arrive, [`ProbeError::VersionMismatch`],
@@ -119,18 +122,35 @@ impl<T: StampedTransport> ProbeSession<T> {
             stats: SessionStats::default(),
             garbage_losses: 0,
         };
-        s.transport.send(&[0]).map_err(|e| s.io("hello", e))?;
-        s.send(&Message::Hello(Hello {
-            version: PROTOCOL_VERSION,
-            features: Features::NONE,
-        }))?;
         let deadline = Instant::now() + timeout;
-        let caps: Capabilities = loop {
-            match s.next_message(deadline, "the capabilities (hello reply)")? {
-                (Message::Capabilities(c), _) => break c,
-                // An error answering the delimiter or earlier garbage: keep waiting.
-                (Message::Error(_), _) => s.stats.unexpected += 1,
-                _ => s.stats.unexpected += 1,
+        let caps: Capabilities = 'greet: loop {
+            // An agent that is still booting (or drains its receiver when it becomes ready)
+            // never sees an early hello: say it again every HELLO_RESEND until the deadline.
+            s.transport.send(&[0]).map_err(|e| s.io("hello", e))?;
+            s.send(&Message::Hello(Hello {
+                version: PROTOCOL_VERSION,
+                features: Features::NONE,
+            }))?;
+            let step = (Instant::now() + HELLO_RESEND).min(deadline);
+            loop {
+                match s.next_message(step, "the capabilities (hello reply)") {
+                    Ok((Message::Capabilities(c), _)) => break 'greet c,
+                    // An error answering the delimiter or earlier garbage: keep waiting.
+                    Ok(_) => s.stats.unexpected += 1,
+                    Err(ProbeError::Timeout { .. }) if Instant::now() < deadline => {
+                        continue 'greet;
+                    }
+                    Err(ProbeError::Timeout {
+                        what, bad_frames, ..
+                    }) => {
+                        return Err(ProbeError::Timeout {
+                            what,
+                            after: timeout,
+                            bad_frames,
+                        });
+                    }
+                    Err(e) => return Err(e),
+                }
             }
         };
         if caps.version != PROTOCOL_VERSION {
@@ -393,6 +413,16 @@ mod tests {
         for s in &samples {
             assert_eq!(s.guest.0 - offset, s.host_send.0 + 700);
         }
+    }
+
+    #[test]
+    fn the_hello_is_repeated_until_a_late_agent_answers() {
+        let mut t = SimTransport::new(11);
+        // Two greetings (delimiter + hello each) go unheard.
+        t.drop_first = 4;
+        let (samples, stats) = run(t, 3);
+        assert_eq!(samples.len(), 3);
+        assert_eq!(stats.lost_probes, 0);
     }
 
     #[test]

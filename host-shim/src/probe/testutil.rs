@@ -29,6 +29,8 @@ pub(crate) struct SimTransport {
     pub(crate) sends: u64,
     /// After this many sends, the guest offset becomes the second value (a migration).
     pub(crate) step_at: Option<(u64, u64)>,
+    /// The first this-many frames are lost (an agent not yet listening).
+    pub(crate) drop_first: u64,
 }
 
 impl SimTransport {
@@ -46,6 +48,7 @@ impl SimTransport {
             guest_read_at: 0,
             sends: 0,
             step_at: None,
+            drop_first: 0,
         }
     }
 }
@@ -59,6 +62,9 @@ impl StampedTransport for SimTransport {
             self.offset = offset;
         }
         self.now += self.gap;
+        if self.sends <= self.drop_first {
+            return Ok(HostTicks(self.now));
+        }
         let stamp = HostTicks(self.now);
         self.now += self.fwd;
         assert!(self.agent.link_mut().push_inbound(frame));

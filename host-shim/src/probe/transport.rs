@@ -116,6 +116,20 @@ impl<T: StampedTransport + ?Sized> StampedTransport for Box<T> {
     }
 }
 
+impl<T: StampedTransport + ?Sized> StampedTransport for &mut T {
+    fn send(&mut self, frame: &[u8]) -> Result<HostTicks, TransportError> {
+        (**self).send(frame)
+    }
+
+    fn recv(&mut self, buf: &mut [u8], deadline: Instant) -> Result<Received, TransportError> {
+        (**self).recv(buf, deadline)
+    }
+
+    fn refine(&mut self, stamps: FrameStamps) -> FrameStamps {
+        (**self).refine(stamps)
+    }
+}
+
 /// A connected stream socket with kernel-side read timeouts.
 pub trait SocketStream: Read + Write {
     /// Sets `SO_RCVTIMEO` (`None`: block forever, which [`StreamTransport`] never asks for).

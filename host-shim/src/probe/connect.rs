@@ -423,11 +423,11 @@ fn set_timeval(
     name: libc::c_int,
     t: Option<Duration>,
 ) -> io::Result<()> {
-    let t = t.unwrap_or_default();
-    let tv = libc::timeval {
-        tv_sec: libc::time_t::try_from(t.as_secs()).unwrap_or(libc::time_t::MAX),
-        tv_usec: libc::suseconds_t::from(t.subsec_micros().min(999_999).cast_signed()),
-    };
+    let mut tv = timeval_of(t.unwrap_or_default());
+    // A zero timeval means "no timeout": round a sub-microsecond wait up, like std does.
+    if t.is_some() && tv.tv_sec == 0 && tv.tv_usec == 0 {
+        tv.tv_usec = 1;
+    }
     // timeval is 16 bytes; the cast cannot truncate.
     #[allow(clippy::cast_possible_truncation)]
     let len = std::mem::size_of::<libc::timeval>() as libc::socklen_t;
@@ -445,6 +445,14 @@ fn set_timeval(
         Ok(())
     } else {
         Err(io::Error::last_os_error())
+    }
+}
+
+/// `t` as a `struct timeval`, truncated to microseconds (saturating at `time_t::MAX` s).
+fn timeval_of(t: Duration) -> libc::timeval {
+    libc::timeval {
+        tv_sec: libc::time_t::try_from(t.as_secs()).unwrap_or(libc::time_t::MAX),
+        tv_usec: libc::suseconds_t::from(t.subsec_micros().min(999_999).cast_signed()),
     }
 }
 
@@ -488,6 +496,27 @@ mod tests {
         let p = dir.join(name);
         let _ = std::fs::remove_file(&p);
         p
+    }
+
+    #[test]
+    fn timeouts_convert_to_timeval_without_opening_a_vsock() {
+        let tv = timeval_of(Duration::new(3, 250_999_000));
+        assert_eq!((tv.tv_sec, tv.tv_usec), (3, 250_999));
+        let tv = timeval_of(Duration::from_nanos(500));
+        assert_eq!((tv.tv_sec, tv.tv_usec), (0, 0));
+        // set_timeval rounds that up to 1 µs so it never means "forever"; checked on a Unix
+        // socket, since AF_VSOCK must not be opened here.
+        let (a, _b) = UnixStream::pair().unwrap();
+        set_timeval(
+            a.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_RCVTIMEO,
+            Some(Duration::from_nanos(500)),
+        )
+        .unwrap();
+        // The kernel rounds up to a jiffy; what matters is that it is a timeout, not None.
+        let got = a.read_timeout().unwrap();
+        assert!(matches!(got, Some(d) if !d.is_zero()), "{got:?}");
     }
 
     #[test]

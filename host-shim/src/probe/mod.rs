@@ -3,6 +3,7 @@
 //!
 //! Layers:
 //! - [`addr`]: the `--connect ADDR` forms and the AF_VSOCK socket address.
+//! - [`args`]: the flags as a clap `Args` struct for the CLI.
 //! - [`connect`]: opening an address (retries, vhost-device-vsock handshake, deadlines).
 //! - [`transport`]: [`StampedTransport`], the byte stream that stamps with the host TSC, and
 //!   its socket implementation; an in-process VMM implements the trait with its own stamps.
@@ -11,10 +12,11 @@
 //! - [`continuous`]: periodic re-sync into a sync file ([`crate::syncfile`]).
 //! - [`fake`]: a loopback agent (the core's state machine, host TSC plus a skew) for tests.
 //!
-//! The CLI calls [`run_probe`] with [`ProbeOptions`]; in-process users call [`run_probe_on`]
-//! with their own transport.
+//! The CLI parses [`ProbeArgs`] and calls [`run_probe`] with [`ProbeArgs::to_options`];
+//! in-process users call [`run_probe_on`] with their own transport.
 
 pub mod addr;
+pub mod args;
 pub mod connect;
 pub mod continuous;
 pub mod fake;
@@ -33,6 +35,7 @@ use thiserror::Error;
 use vmtsync_core::estimate::EstimateError;
 
 pub use addr::{AddrError, ProbeAddr};
+pub use args::ProbeArgs;
 pub use connect::{ConnectError, ConnectOptions};
 pub use continuous::{ContinuousOptions, ContinuousSummary};
 pub use progress::Progress;

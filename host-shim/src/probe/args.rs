@@ -1,0 +1,163 @@
+//! The `vmtsync probe` flags as a clap `Args` struct, so the CLI adds the subcommand with one
+//! line (`Probe(vmtsync::probe::ProbeArgs)`) and calls [`ProbeArgs::to_options`] then
+//! [`super::run_probe`].
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use super::addr::ProbeAddr;
+use super::continuous::ContinuousOptions;
+use super::{DEFAULT_PROBES, ProbeOptions};
+
+/// `vmtsync probe`: measure a guest's TSC offset and drift against the vmtsync agent, with
+/// guaranteed bounds and trace-cmd's estimate on the same samples.
+#[derive(Clone, Debug, PartialEq, Eq, clap::Args)]
+pub struct ProbeArgs {
+    /// Where the agent listens: unix:PATH (e.g. a QEMU serial chardev socket), unix-listen:PATH
+    /// (accept the guest's connection, e.g. vhost-device-vsock's UDS_PATH_PORT),
+    /// vsock-uds:PATH:PORT (vhost-device-vsock's host side), vsock:CID:PORT (AF_VSOCK) or
+    /// tcp:HOST:PORT.
+    #[arg(long, value_name = "ADDR")]
+    pub connect: ProbeAddr,
+    /// Probes per round.
+    #[arg(long, value_name = "N", default_value_t = DEFAULT_PROBES,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    pub probes: u32,
+    /// Pause between two probes, in milliseconds (0: back to back).
+    #[arg(long, value_name = "MS", default_value_t = 0)]
+    pub interval: u64,
+    /// The longest wait for any reply from the agent, in milliseconds.
+    #[arg(long, value_name = "MS", default_value_t = 2000,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub timeout: u64,
+    /// The longest wait to connect (retries included), in milliseconds.
+    #[arg(long, value_name = "MS", default_value_t = 10_000)]
+    pub connect_timeout: u64,
+    /// Re-sync periodically and append one segment per round to the sync file given by --out
+    /// (JSON Lines, schema 1); runs until --rounds or Ctrl-C.
+    #[arg(long, requires = "out")]
+    pub continuous: bool,
+    /// The sync file continuous mode appends to (created with a header if missing).
+    #[arg(long, value_name = "SYNCFILE", requires = "continuous")]
+    pub out: Option<PathBuf>,
+    /// Time between the starts of two continuous-mode rounds, in milliseconds.
+    #[arg(
+        long,
+        value_name = "MS",
+        default_value_t = 1000,
+        requires = "continuous"
+    )]
+    pub resync: u64,
+    /// Stop continuous mode after this many rounds.
+    #[arg(long, value_name = "N", requires = "continuous")]
+    pub rounds: Option<u64>,
+    /// Print one JSON object per round (schema 1: schema, vcpu, offset_ticks, bound_lo,
+    /// bound_hi, drift_ppb, rtt_min_ticks, probes, tracecmd_fastest_rtt_offset, ...).
+    #[arg(long)]
+    pub json: bool,
+    /// Never draw the progress line (it is only drawn when stderr is a terminal anyway).
+    #[arg(long)]
+    pub no_progress: bool,
+}
+
+impl ProbeArgs {
+    /// The options for [`super::run_probe`]; `stop` ends continuous mode after the current
+    /// round when set (e.g. by the CLI's SIGINT handler).
+    #[must_use]
+    pub fn to_options(&self, stop: Option<&'static std::sync::atomic::AtomicBool>) -> ProbeOptions {
+        let mut o = ProbeOptions::new(self.connect.clone());
+        o.probes = self.probes;
+        o.interval = Duration::from_millis(self.interval);
+        o.timeout = Duration::from_millis(self.timeout);
+        o.connect_timeout = Duration::from_millis(self.connect_timeout);
+        o.json = self.json;
+        o.progress = !self.no_progress;
+        o.stop = stop;
+        o.continuous = match (&self.out, self.continuous) {
+            (Some(out), true) => Some(ContinuousOptions {
+                out: out.clone(),
+                resync: Duration::from_millis(self.resync),
+                rounds: self.rounds,
+            }),
+            _ => None,
+        };
+        o
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::{CommandFactory, Parser};
+
+    #[derive(Debug, clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        probe: ProbeArgs,
+    }
+
+    fn parse(args: &[&str]) -> Result<ProbeArgs, clap::Error> {
+        Cli::try_parse_from(std::iter::once("probe").chain(args.iter().copied())).map(|c| c.probe)
+    }
+
+    #[test]
+    fn clap_definition_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn flags_map_to_options() {
+        let a = parse(&["--connect", "tcp:127.0.0.1:4444"]).unwrap();
+        let o = a.to_options(None);
+        assert_eq!(o.probes, 64);
+        assert_eq!(o.timeout, Duration::from_secs(2));
+        assert!(o.continuous.is_none() && !o.json && o.progress);
+
+        let a = parse(&[
+            "--connect",
+            "vsock-uds:/tmp/v.sock:5000",
+            "--probes",
+            "339",
+            "--interval",
+            "5",
+            "--continuous",
+            "--out",
+            "s.jsonl",
+            "--resync",
+            "250",
+            "--rounds",
+            "3",
+            "--json",
+            "--no-progress",
+        ])
+        .unwrap();
+        let o = a.to_options(None);
+        assert_eq!(o.probes, 339);
+        assert_eq!(o.interval, Duration::from_millis(5));
+        assert!(o.json && !o.progress);
+        assert_eq!(
+            o.continuous,
+            Some(ContinuousOptions {
+                out: "s.jsonl".into(),
+                resync: Duration::from_millis(250),
+                rounds: Some(3),
+            })
+        );
+    }
+
+    #[test]
+    fn bad_flag_combinations_are_refused() {
+        assert!(parse(&[]).is_err(), "--connect is required");
+        assert!(parse(&["--connect", "nope"]).is_err());
+        assert!(parse(&["--connect", "tcp:h:1", "--probes", "0"]).is_err());
+        assert!(
+            parse(&["--connect", "tcp:h:1", "--continuous"]).is_err(),
+            "needs --out"
+        );
+        assert!(
+            parse(&["--connect", "tcp:h:1", "--out", "f"]).is_err(),
+            "needs --continuous"
+        );
+        assert!(parse(&["--connect", "tcp:h:1", "--rounds", "2"]).is_err());
+    }
+}

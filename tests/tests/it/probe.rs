@@ -560,3 +560,116 @@ mod vmm {
         assert_eq!(outcome.exit, VmExit::DebugExit(5), "log:\n{}", outcome.log);
     }
 }
+
+/// `vmtsync probe --connect unix:PATH` against the agent under QEMU, COM1 on a chardev socket
+/// (tier 2: /dev/kvm and QEMU).
+mod qemu_serial {
+    use std::process::Stdio;
+    use std::time::{Duration, Instant};
+
+    use vmtsync::probe::{ProbeAddr, ProbeOptions, run_probe};
+    use vmtsync_tests::vmm::agent_elf;
+    use vmtsync_tests::vmm::qemu::{QEMU, debug_exit_status, have_qemu};
+    use vmtsync_tests::{ChildGuard, have_kvm, require};
+
+    #[test]
+    fn probe_over_a_qemu_serial_chardev_socket() {
+        let test = "probe_over_a_qemu_serial_chardev_socket";
+        if !require(test, have_kvm(), "/dev/kvm is not accessible read-write")
+            || !require(
+                test,
+                have_qemu(),
+                "qemu-system-x86_64 is missing (apt-get install qemu-system-x86)",
+            )
+        {
+            return;
+        }
+        let elf = agent_elf().expect("agent builds");
+        let dir = std::env::temp_dir().join(format!("vmtsync-{test}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let sock = dir.join("com1.sock");
+        let com2 = dir.join("com2.log");
+        let _ = std::fs::remove_file(&sock);
+        let skew = 5_000_000_i64;
+        // The same machine as vmtsync_tests::vmm::qemu::command, with COM1 on a socket QEMU
+        // listens on (server=on,wait=off: the guest boots without waiting for us).
+        let child = std::process::Command::new(QEMU)
+            .args([
+                "-M",
+                "microvm",
+                "-accel",
+                "kvm",
+                "-cpu",
+                "host,+invtsc,-arch-capabilities",
+            ])
+            .args([
+                "-m",
+                "64M",
+                "-smp",
+                "1",
+                "-display",
+                "none",
+                "-monitor",
+                "none",
+                "-no-reboot",
+            ])
+            .arg("-chardev")
+            .arg(format!(
+                "socket,id=com1,path={},server=on,wait=off",
+                sock.display()
+            ))
+            .args(["-serial", "chardev:com1"])
+            .args(["-device", "isa-serial,chardev=com2,iobase=0x2f8,irq=3"])
+            .args(["-device", "isa-debug-exit,iobase=0xf4,iosize=4"])
+            .arg("-chardev")
+            .arg(format!("file,id=com2,path={}", com2.display()))
+            .arg("-kernel")
+            .arg(&elf)
+            .args(["-append", "transport=uart exit=9 skew=5000000,1,0"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("qemu starts");
+        let mut guard = ChildGuard::new(child);
+        let mut opts =
+            ProbeOptions::new(ProbeAddr::parse(&format!("unix:{}", sock.display())).unwrap());
+        opts.progress = false;
+        opts.timeout = Duration::from_secs(20);
+        opts.connect_timeout = Duration::from_secs(20);
+        let mut out = Vec::new();
+        let s = run_probe(&opts, &mut out).unwrap_or_else(|e| {
+            panic!(
+                "{e}; COM2 log:\n{}",
+                std::fs::read_to_string(&com2).unwrap_or_default()
+            )
+        });
+        print!("{}", String::from_utf8_lossy(&out));
+        println!(
+            "qemu serial: offset error {:+}, width {}, rtt min {} median {}, trace-cmd fastest error {:+}",
+            s.offset - skew,
+            s.width(),
+            s.rtt.min,
+            s.rtt.median,
+            s.tracecmd_fastest - skew
+        );
+        assert!(
+            s.bound_lo <= skew && skew <= s.bound_hi,
+            "truth {skew} outside [{}, {}]",
+            s.bound_lo,
+            s.bound_hi
+        );
+        assert_eq!(s.probes, 64);
+        // The agent exits through isa-debug-exit after our shutdown.
+        let end = Instant::now() + Duration::from_secs(20);
+        let status = loop {
+            if let Some(st) = guard.child().try_wait().expect("wait qemu") {
+                break st;
+            }
+            assert!(Instant::now() < end, "qemu did not exit after shutdown");
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        assert_eq!(status.code(), Some(debug_exit_status(9)));
+        let _ = std::fs::remove_dir_all(dir);
+    }
+}

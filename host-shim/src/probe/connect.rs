@@ -144,7 +144,19 @@ pub fn connect(
             wrap(s, opts.io_timeout).map_err(io_err)
         }
         ProbeAddr::Vsock { cid, port } => {
-            let s = VsockStream::connect(*cid, *port, opts.connect_timeout).map_err(io_err)?;
+            // A guest whose agent is not listening yet resets the connection: retry.
+            let s = loop {
+                let left = retry.left().max(Duration::from_millis(1));
+                match VsockStream::connect(*cid, *port, left) {
+                    Ok(s) => break s,
+                    Err(e) if retryable(&e) => {
+                        if !retry.again(&e) {
+                            return Err(timeout_err(&name, &retry, opts));
+                        }
+                    }
+                    Err(e) => return Err(io_err(e)),
+                }
+            };
             wrap(s, opts.io_timeout).map_err(io_err)
         }
     }

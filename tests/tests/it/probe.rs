@@ -19,7 +19,7 @@ use vmtsync::probe::{
     ContinuousOptions, OffsetModel, ProbeAddr, ProbeError, ProbeOptions, ProbeSummary,
     StreamTransport, run_probe, run_probe_on,
 };
-use vmtsync::syncfile::{SyncFile, convert_with_sync};
+use vmtsync::syncfile::{SyncFile, SyncFileError, convert_with_sync};
 
 const SKEW: i64 = 5_000_000;
 
@@ -352,14 +352,34 @@ fn continuous_mode_without_a_round_limit_stops_on_the_flag() {
         resync: Duration::from_millis(10),
         rounds: None,
     });
-    let stopper = thread::spawn(|| {
-        thread::sleep(Duration::from_millis(100));
+    // A reader polls the file while it is being written: every read parses (complete lines,
+    // at most a partial tail that is ignored), and segments only ever get added.
+    let reader_path = path.clone();
+    let stopper = thread::spawn(move || {
+        let start = Instant::now();
+        let (mut reads, mut seen) = (0_u32, 0_usize);
+        while start.elapsed() < Duration::from_millis(100) {
+            match SyncFile::read(&reader_path) {
+                Ok(f) => {
+                    assert!(f.segments.len() >= seen, "segments disappeared");
+                    seen = f.segments.len();
+                    reads += 1;
+                }
+                // Before the writer created the file or finished its header line.
+                Err(SyncFileError::Io { .. } | SyncFileError::NoHeader) if seen == 0 => {}
+                Err(e) => panic!("reading while written: {e}"),
+            }
+            thread::sleep(Duration::from_millis(2));
+        }
         STOP.store(true, std::sync::atomic::Ordering::Relaxed);
+        (reads, seen)
     });
     let t = StreamTransport::new(host, opts.timeout).unwrap();
     let mut out = Vec::new();
     let last = run_probe_on(t, &opts, &mut out).unwrap();
-    stopper.join().unwrap();
+    let (reads, seen) = stopper.join().unwrap();
+    println!("concurrent reader: {reads} reads, up to {seen} segments seen while writing");
+    assert!(reads > 0);
     check_truth("stopped continuous", &last);
     let rounds = String::from_utf8(out).unwrap().lines().count();
     let sync = SyncFile::read(&path).unwrap();

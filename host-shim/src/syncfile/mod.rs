@@ -225,7 +225,9 @@ pub struct SyncWriter {
 }
 
 impl SyncWriter {
-    /// Opens `path` for appending: a new or empty file gets `header` as its first line; an
+    /// Opens `path` for appending: a new file is created holding `header` as its first line
+    /// (through a rename, so readers never see it without the header), an empty one gets it
+    /// written; an
     /// existing file must have a schema-1 header (its own is kept) and a partial last line
     /// left by a crash is truncated.
     ///
@@ -236,6 +238,21 @@ impl SyncWriter {
             path: path.to_owned(),
             source,
         };
+        let mut header_line = serde_json::to_string(&Tagged::Header(header.clone()))
+            .map_err(|e| io_err(io::Error::other(e)))?;
+        header_line.push('\n');
+        if !path.exists() {
+            // Create through a rename, so a concurrent reader never sees a file without its
+            // whole header line.
+            let mut tmp = path.as_os_str().to_owned();
+            tmp.push(format!(".tmp{}", std::process::id()));
+            let tmp = PathBuf::from(tmp);
+            std::fs::write(&tmp, header_line.as_bytes()).map_err(io_err)?;
+            if let Err(e) = std::fs::rename(&tmp, path) {
+                let _ = std::fs::remove_file(&tmp);
+                return Err(io_err(e));
+            }
+        }
         let mut file = OpenOptions::new()
             .read(true)
             .write(true)
@@ -245,10 +262,8 @@ impl SyncWriter {
             .map_err(io_err)?;
         let len = file.metadata().map_err(io_err)?.len();
         if len == 0 {
-            let mut line = serde_json::to_string(&Tagged::Header(header.clone()))
-                .map_err(|e| io_err(io::Error::other(e)))?;
-            line.push('\n');
-            file.write_all(line.as_bytes()).map_err(io_err)?;
+            // An existing empty file (e.g. made by `touch`): adopt it.
+            file.write_all(header_line.as_bytes()).map_err(io_err)?;
         } else {
             // Validate the existing header, and find where the last complete line ends.
             let existing = SyncFile::parse(BufReader::new(&mut file))?;

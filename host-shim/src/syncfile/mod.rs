@@ -34,10 +34,10 @@
 //! backwards. The error is the segment's offset half-width plus the drift
 //! uncertainty times the distance from the anchor.
 //!
-//! **Append-only, readable while written**: each segment is one `write(2)` of a whole line,
-//! so a reader sees complete lines plus at most one partial last line, which it ignores
-//! ([`SyncFile::partial_tail`]). A writer reopening a file first truncates such a partial
-//! line left by a crash.
+//! **Append-only, readable while written**: a new file appears (by rename) already holding its
+//! header; each segment is one `write(2)` of a whole line, so a reader sees complete lines plus
+//! at most one partial last line, which it ignores ([`SyncFile::partial_tail`]). A writer
+//! reopening a file keeps its header and first truncates such a partial line left by a crash.
 //!
 //! Conversion runs on `vmtsync_core::timeline` ([`SyncTimeline`] builds its segments with
 //! [`SyncSegment::to_timeline_segment`]).

@@ -228,6 +228,10 @@ fn continuous_mode_writes_a_sync_file_that_convert_reads_back() {
     check_truth("continuous last round", &last);
     assert_eq!(agent.join().unwrap().probes, 64);
 
+    let text = std::fs::read_to_string(&path).unwrap();
+    for line in text.lines().take(2) {
+        println!("sync file: {line}");
+    }
     let sync = SyncFile::read(&path).unwrap();
     assert_eq!(sync.header.schema, 1);
     assert_eq!(sync.segments.len(), 4);

@@ -150,6 +150,15 @@ pub enum ProbeError {
     Internal(&'static str),
 }
 
+impl ProbeError {
+    /// True for a write to a closed pipe (`vmtsync probe --json | head -1`), which the CLI
+    /// treats as success.
+    #[must_use]
+    pub fn is_broken_pipe(&self) -> bool {
+        matches!(self, Self::Output(e) if e.kind() == io::ErrorKind::BrokenPipe)
+    }
+}
+
 impl From<EstimateError> for ProbeError {
     fn from(e: EstimateError) -> Self {
         Self::Estimate(e)

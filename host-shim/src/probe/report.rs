@@ -390,6 +390,16 @@ mod tests {
     }
 
     #[test]
+    fn broken_pipe_is_recognised() {
+        use crate::probe::ProbeError;
+        let e = ProbeError::Output(io::Error::from(io::ErrorKind::BrokenPipe));
+        assert!(e.is_broken_pipe());
+        assert!(!ProbeError::AgentExited.is_broken_pipe());
+        let e = crate::syncfile::SyncFileError::Output(io::Error::from(io::ErrorKind::BrokenPipe));
+        assert!(e.is_broken_pipe());
+    }
+
+    #[test]
     fn no_samples_is_an_error() {
         assert_eq!(
             ProbeSummary::from_samples(&info(), &[], SessionStats::default()),

@@ -217,6 +217,15 @@ pub enum SyncFileError {
     Output(io::Error),
 }
 
+impl SyncFileError {
+    /// True for a write to a closed pipe (`vmtsync convert --sync F | head`), which the CLI
+    /// treats as success.
+    #[must_use]
+    pub fn is_broken_pipe(&self) -> bool {
+        matches!(self, Self::Output(e) if e.kind() == io::ErrorKind::BrokenPipe)
+    }
+}
+
 /// Appends segments to a sync file, one whole line per `write(2)`.
 #[derive(Debug)]
 pub struct SyncWriter {

@@ -184,7 +184,7 @@ fn row<S: Copy>(
         .iter()
         .map(|s| evaluate(&s.samples(pick), truth).map_err(|e| anyhow::anyhow!("{name}: {e:?}")))
         .collect::<Result<Vec<_>>>()?;
-    Ok(Row::aggregate(name, probes, &evals))
+    Ok(Row::aggregate(name, probes, truth, &evals))
 }
 
 /// The per-probe request and reply sizes seen, as `(min, max)` each.

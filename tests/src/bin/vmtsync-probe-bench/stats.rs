@@ -48,6 +48,13 @@ impl Truth {
         self.guest_at(host).wrapping_sub(host).cast_signed()
     }
 
+    /// Whether the rate differs from 1, so the offset changes with time and only the drift
+    /// estimator's model fits.
+    #[must_use]
+    pub fn drifts(self) -> bool {
+        1_u128.checked_shl(self.frac) != Some(u128::from(self.ratio))
+    }
+
     /// Whether the truth's rate lies in `[lo, hi]`; `None` on overflow.
     #[must_use]
     pub fn rate_within(self, lo: Ratio, hi: Ratio) -> Option<bool> {
@@ -172,6 +179,9 @@ pub fn median_signed(v: &[i64]) -> Option<i64> {
 pub struct Row {
     /// Short label of the path and bracket, e.g. `builtin/exit-tight`.
     pub name: String,
+    /// The truth's rate is not 1: the drift estimator is the right model, the constant-offset
+    /// interval is not (its segment breaks are then correct answers).
+    pub drifting: bool,
     /// Sessions evaluated.
     pub sessions: usize,
     /// Probes per session.
@@ -186,6 +196,8 @@ pub struct Row {
     pub tc_max_err: u64,
     /// `ours_median_err / tc_median_err` (the goal is <= 0.25).
     pub ratio: Option<f64>,
+    /// `drift_median_err / tc_median_err`.
+    pub drift_ratio: Option<f64>,
     /// Sessions where our |error| is at most trace-cmd's.
     pub ours_not_worse: usize,
     /// Median and largest width of our interval, ticks.
@@ -215,9 +227,10 @@ pub struct Row {
 }
 
 impl Row {
-    /// Aggregates `evals` (at least one) under `name`.
+    /// Aggregates `evals` (at least one) under `name`; `truth` is what they were measured
+    /// against.
     #[must_use]
-    pub fn aggregate(name: &str, probes: usize, evals: &[SessionEval]) -> Self {
+    pub fn aggregate(name: &str, probes: usize, truth: Truth, evals: &[SessionEval]) -> Self {
         let ours: Vec<u64> = evals.iter().filter_map(|e| e.ours_err).collect();
         let tc: Vec<u64> = evals.iter().map(|e| e.tc_err).collect();
         let widths: Vec<u64> = evals.iter().filter_map(|e| e.ours_width).collect();
@@ -230,18 +243,22 @@ impl Row {
         let ours_median_err = median(&ours);
         let tc_median_err = median(&tc).unwrap_or(0);
         #[allow(clippy::cast_precision_loss)] // A displayed ratio of tick counts far below 2^52.
-        let ratio = ours_median_err
-            .filter(|_| tc_median_err > 0)
-            .map(|o| o as f64 / tc_median_err as f64);
+        let over_tc = |o: Option<u64>| {
+            o.filter(|_| tc_median_err > 0)
+                .map(|o| o as f64 / tc_median_err as f64)
+        };
+        let drift_median_err = median(&drift);
         Self {
             name: name.to_owned(),
+            drifting: truth.drifts(),
             sessions: evals.len(),
             probes,
             ours_median_err,
             ours_max_err: ours.iter().copied().max(),
             tc_median_err,
             tc_max_err: tc.iter().copied().max().unwrap_or(0),
-            ratio,
+            ratio: over_tc(ours_median_err),
+            drift_ratio: over_tc(drift_median_err),
             ours_not_worse: evals
                 .iter()
                 .filter(|e| e.ours_err.is_some_and(|o| o <= e.tc_err))
@@ -253,11 +270,23 @@ impl Row {
             ours_bias_median: median_signed(&ours_bias),
             tc_bias_median: median_signed(&tc_bias).unwrap_or(0),
             drift_ppb_width_median: median(&ppb),
-            drift_median_err: median(&drift),
+            drift_median_err,
             drift_width_median: median(&drift_w),
             drift_contains: evals.iter().filter(|e| e.drift_contains).count(),
             rtt_min: rtts.iter().copied().min().unwrap_or(0),
             rtt_median: median(&rtts).unwrap_or(0),
+        }
+    }
+
+    /// The ratio the goal is judged on: ours over trace-cmd's median |error|, where
+    /// "ours" is the estimator whose model matches the truth (the drift estimator when the
+    /// rate is not 1, else the constant-offset interval).
+    #[must_use]
+    pub fn headline_ratio(&self) -> Option<f64> {
+        if self.drifting {
+            self.drift_ratio
+        } else {
+            self.ratio
         }
     }
 }
@@ -334,7 +363,7 @@ mod tests {
         // trace-cmd: fastest is rtt 22 at mid 2_011, offset 9.
         assert_eq!(e.tc_err, 9);
         assert!(e.ours_contains && e.drift_contains);
-        let row = Row::aggregate("t", 4, &[e]);
+        let row = Row::aggregate("t", 4, Truth::IDENTITY, &[e]);
         assert_eq!(row.ratio, Some(0.0));
         assert_eq!((row.rtt_min, row.rtt_median), (22, 33));
         assert_eq!((row.contains, row.ours_not_worse), (1, 1));
@@ -359,8 +388,10 @@ mod tests {
         assert_eq!(e.ours_err, None);
         assert!(!e.ours_contains);
         assert!(e.drift_contains, "{e:?}");
-        let row = Row::aggregate("skew", 16, &[e]);
+        let row = Row::aggregate("skew", 16, t, &[e]);
         assert_eq!((row.segment_breaks, row.drift_contains), (1, 1));
+        assert!(row.drifting && !Truth::IDENTITY.drifts());
+        assert_eq!(row.headline_ratio(), row.drift_ratio);
     }
 
     #[test]

@@ -3,4 +3,5 @@
 
 mod agent_qemu;
 mod agent_vmm;
+mod probe_bench;
 mod smoke;

@@ -20,7 +20,8 @@
 //!              "drift_contains": count, "rtt_min": ticks, "rtt_median": ticks,
 //!              "ours_median_err_ns": …, "tc_median_err_ns": …, "rtt_min_ns": …,
 //!              "rtt_median_ns": …, "ours_bias_median": signed ticks|null,
-//!              "tc_bias_median": signed ticks, "drift_ppb_width_median": ppb|null }] }
+//!              "ours_bias_range": [min, max]|null, "tc_bias_median": signed ticks,
+//!              "tc_bias_range": [min, max], "drift_ppb_width_median": ppb|null }] }
 //! ```
 //!
 //! Errors and widths are in host TSC ticks; `_ns` fields convert with `tsc_khz`, rounded down.
@@ -144,15 +145,19 @@ impl Report {
         }
         let _ = writeln!(
             s,
-            "signed median error ours/trace-cmd (ticks; same sign = path asymmetry): {}",
+            "signed error median [min..max] ours | trace-cmd (ticks; one sign = path asymmetry): {}",
             self.rows
                 .iter()
                 .map(|r| format!(
-                    "{} {}/{}",
+                    "{} {} | {} [{}..{}]",
                     r.name,
-                    r.ours_bias_median
-                        .map_or_else(|| "-".into(), |b| b.to_string()),
-                    r.tc_bias_median
+                    match (r.ours_bias_median, r.ours_bias_range) {
+                        (Some(m), Some((lo, hi))) => format!("{m} [{lo}..{hi}]"),
+                        _ => "-".into(),
+                    },
+                    r.tc_bias_median,
+                    r.tc_bias_range.0,
+                    r.tc_bias_range.1
                 ))
                 .collect::<Vec<_>>()
                 .join(", ")
@@ -242,7 +247,8 @@ impl Report {
                      \"drift_width_median\":{},\"drift_contains\":{},\"rtt_min\":{},\
                      \"rtt_median\":{},\"ours_median_err_ns\":{},\"tc_median_err_ns\":{},\
                      \"rtt_min_ns\":{},\"rtt_median_ns\":{},\"ours_bias_median\":{},\
-                     \"tc_bias_median\":{},\"drift_ppb_width_median\":{}}}",
+                     \"ours_bias_range\":{},\"tc_bias_median\":{},\"tc_bias_range\":[{},{}],\
+                     \"drift_ppb_width_median\":{}}}",
                     r.name,
                     r.sessions,
                     r.probes,
@@ -270,7 +276,11 @@ impl Report {
                     self.ns(r.rtt_median),
                     r.ours_bias_median
                         .map_or_else(|| "null".into(), |b| b.to_string()),
+                    r.ours_bias_range
+                        .map_or_else(|| "null".into(), |(a, b)| format!("[{a},{b}]")),
                     r.tc_bias_median,
+                    r.tc_bias_range.0,
+                    r.tc_bias_range.1,
                     opt(r.drift_ppb_width_median),
                 )
             })
@@ -364,6 +374,10 @@ mod tests {
             "{j}"
         );
         assert!(j.contains("\"rtt_median_ns\":2000"), "{j}");
+        assert!(
+            j.contains("\"ours_bias_range\":[-2,-2],\"tc_bias_median\":8,\"tc_bias_range\":[8,8]"),
+            "{j}"
+        );
         assert_eq!(j.matches('{').count(), j.matches('}').count());
     }
 

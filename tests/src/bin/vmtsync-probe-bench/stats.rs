@@ -210,8 +210,13 @@ pub struct Row {
     pub segment_breaks: usize,
     /// Median of our signed error (`centre - truth`), ticks: the systematic part.
     pub ours_bias_median: Option<i64>,
+    /// Smallest and largest of our signed errors: a narrow range far from 0 is a systematic
+    /// path asymmetry, not noise.
+    pub ours_bias_range: Option<(i64, i64)>,
     /// Median of trace-cmd's signed error, ticks.
     pub tc_bias_median: i64,
+    /// Smallest and largest of trace-cmd's signed errors.
+    pub tc_bias_range: (i64, i64),
     /// Median width of the drift estimator's rate interval, ppb.
     pub drift_ppb_width_median: Option<u64>,
     /// Median of the drift estimator's |error|.
@@ -268,7 +273,16 @@ impl Row {
             contains: evals.iter().filter(|e| e.ours_contains).count(),
             segment_breaks: evals.iter().filter(|e| e.ours_err.is_none()).count(),
             ours_bias_median: median_signed(&ours_bias),
+            ours_bias_range: ours_bias
+                .iter()
+                .min()
+                .copied()
+                .zip(ours_bias.iter().max().copied()),
             tc_bias_median: median_signed(&tc_bias).unwrap_or(0),
+            tc_bias_range: (
+                tc_bias.iter().min().copied().unwrap_or(0),
+                tc_bias.iter().max().copied().unwrap_or(0),
+            ),
             drift_ppb_width_median: median(&ppb),
             drift_median_err,
             drift_width_median: median(&drift_w),

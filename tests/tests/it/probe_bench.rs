@@ -48,7 +48,7 @@ fn probe_bench_intervals_contain_the_truth_on_real_kvm() {
     // Identity rows: every session's offset interval held the truth. Every row, skewed ones
     // included: the drift estimator's offset and rate bounds held it.
     let rows: Vec<&str> = json.split("{\"name\":").skip(1).collect();
-    assert_eq!(rows.len(), 3 + usize::from(have_qemu()) + 2, "{json}");
+    assert_eq!(rows.len(), 4 + 2 * usize::from(have_qemu()) + 2, "{json}");
     for row in rows {
         if !row.starts_with("\"skew/") {
             assert!(row.contains("\"contains\":3,"), "{row}");

@@ -11,6 +11,8 @@
 //!   first byte]`: the guest cannot have acted on the request before the first.
 //! - `host-thread`: `[rdtsc before queueing the request, rdtsc after the reply's delimiter
 //!   reached this thread]`: what a tool outside the VMM sees, including thread wake-ups.
+//! - `host-thread-first`: the same, closed when the reply's first byte reached this thread
+//!   (the agent read its TSC before writing that byte, so this is as honest and tighter).
 
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -38,6 +40,8 @@ pub struct ExitStamps {
     pub thread_send: u64,
     /// This thread, right after the reply's last byte arrived.
     pub thread_recv: u64,
+    /// This thread, right after the reply's first byte arrived.
+    pub thread_first: u64,
 }
 
 /// COM1 of a running VM as a [`ProbeLink`].
@@ -65,7 +69,7 @@ impl ProbeLink for Com1<'_> {
                 .context("no reply from the agent in time")?;
             received += 1;
             if first.is_none() {
-                first = Some(b);
+                first = Some((b, host_tsc()));
             }
             match self.rx.feed(&[b.byte]) {
                 Feed::Consumed => {}
@@ -82,7 +86,7 @@ impl ProbeLink for Com1<'_> {
                 .context("request byte delivery not recorded")?
                 .host_tsc;
         }
-        let first = first.context("empty reply")?;
+        let (first, thread_first) = first.context("empty reply")?;
         Ok(Exchanged {
             reply,
             sent,
@@ -93,6 +97,7 @@ impl ProbeLink for Com1<'_> {
                 first_byte: first.host_tsc,
                 thread_send,
                 thread_recv,
+                thread_first,
             },
         })
     }

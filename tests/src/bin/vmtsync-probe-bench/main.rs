@@ -6,9 +6,11 @@
 //! - the built-in VMM's COM1 (ring-3 agent, the default), bracketed three ways (see
 //!   [`builtin`]): by the VM exits around the reply's first byte (`exit-tight`), by the exits
 //!   of the request's last read and the reply's first write (`exit-loose`), and by this
-//!   thread's own TSC reads around queueing and receiving (`host-thread`);
-//! - QEMU's COM1 on a stdio chardev, bracketed by `rdtsc` around `write()`/`read()`
-//!   (`qemu-stdio`, see [`qemu`]);
+//!   thread's own TSC reads around queueing and receiving the whole reply (`host-thread`) or
+//!   its first byte (`host-thread-first`);
+//! - QEMU's COM1 on a stdio chardev, bracketed by `rdtsc` around `write()` and the `read()`
+//!   that completed the reply (`…/stdio`) or returned its first bytes (`…/stdio-first`), see
+//!   [`qemu`];
 //! - the built-in VMM again with the agent's software skew (`skew=OFFSET,RATIO,FRAC`), so the
 //!   truth is a non-identity line (`skew/…`).
 //!
@@ -298,6 +300,9 @@ fn bench(args: &Args) -> Result<Report> {
     rows.push(row("builtin/host-thread", &s, id, |x| {
         (x.thread_send, x.thread_recv)
     })?);
+    rows.push(row("builtin/host-thread-first", &s, id, |x| {
+        (x.thread_send, x.thread_first)
+    })?);
 
     let mut qemu_wire = None;
     if args.qemu {
@@ -317,10 +322,13 @@ fn bench(args: &Args) -> Result<Report> {
             );
             qemu_wire = Some(wire_bytes(&q));
             let name = match args.machine {
-                Machine::Microvm => "qemu-microvm/stdio",
-                Machine::Q35 => "qemu-q35/stdio",
+                Machine::Microvm => "qemu-microvm",
+                Machine::Q35 => "qemu-q35",
             };
-            rows.push(row(name, &q, id, |x| (x.send, x.recv))?);
+            rows.push(row(&format!("{name}/stdio"), &q, id, |x| (x.send, x.recv))?);
+            rows.push(row(&format!("{name}/stdio-first"), &q, id, |x| {
+                (x.send, x.first_recv)
+            })?);
         }
     }
 

@@ -4,6 +4,10 @@
 //! right after the `read()` that completed the reply frame, in one thread with no channel in
 //! between. The guest's TSC read certainly lies between: the request cannot reach the guest
 //! before it is written, and the reply cannot be read before the guest wrote it.
+//!
+//! It also keeps the stamp right after the first `read()` that returned reply bytes: the agent
+//! reads its TSC before it writes the reply's first byte, so that stamp is an equally honest
+//! upper bound, and a tighter one (the rest of the frame's per-byte UART exits stay out).
 
 use std::io::{Read, Write};
 use std::os::fd::AsRawFd;
@@ -29,6 +33,8 @@ pub struct StdioStamps {
     pub send: u64,
     /// Right after the `read()` that completed the reply frame.
     pub recv: u64,
+    /// Right after the first `read()` that returned reply bytes.
+    pub first_recv: u64,
 }
 
 /// QEMU's stdio as a [`ProbeLink`]. Bytes read past a frame's end stay in `pending`.
@@ -65,23 +71,28 @@ impl QemuStdio {
         Ok(buf[..got].to_vec())
     }
 
-    /// Feeds bytes until a frame completes; returns it, the bytes it took and the stamp taken
-    /// right after the read that completed it.
-    fn next_frame(&mut self, end: Instant) -> Result<(Message, usize, u64)> {
+    /// Feeds bytes until a frame completes; returns it, the bytes it took, and the stamps taken
+    /// right after the first read of its bytes and after the read that completed it. Call it
+    /// with nothing pending, so that every byte read is the reply's.
+    fn next_frame(&mut self, end: Instant) -> Result<(Message, usize, u64, u64)> {
         let mut used = 0;
-        let mut stamp = host_tsc();
+        let mut stamp = 0;
+        let mut first = None;
         loop {
             while !self.pending.is_empty() {
                 let b = self.pending.remove(0);
                 used += 1;
                 match self.rx.feed(&[b]) {
                     Feed::Consumed => {}
-                    Feed::Message { msg, .. } => return Ok((msg, used, stamp)),
+                    Feed::Message { msg, .. } => {
+                        return Ok((msg, used, first.unwrap_or(stamp), stamp));
+                    }
                     Feed::Error { error, .. } => bail!("bad frame from the agent: {error:?}"),
                 }
             }
             let bytes = self.read_some(end)?;
             stamp = host_tsc();
+            first.get_or_insert(stamp);
             self.pending.extend_from_slice(&bytes);
         }
     }
@@ -99,12 +110,16 @@ impl ProbeLink for QemuStdio {
         let sent = frame.len();
         let send = host_tsc();
         self.stdin.write_all(frame).context("writing to QEMU")?;
-        let (reply, received, recv) = self.next_frame(Instant::now() + STEP)?;
+        let (reply, received, first_recv, recv) = self.next_frame(Instant::now() + STEP)?;
         Ok(Exchanged {
             reply,
             sent,
             received,
-            stamps: StdioStamps { send, recv },
+            stamps: StdioStamps {
+                send,
+                recv,
+                first_recv,
+            },
         })
     }
 }

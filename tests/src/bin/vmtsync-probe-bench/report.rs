@@ -101,7 +101,7 @@ impl Report {
         let tc = self
             .rows
             .iter()
-            .find(|r| r.name.starts_with("qemu-"))?
+            .find(|r| r.name.starts_with("qemu-") && r.name.ends_with("/stdio"))?
             .tc_median_err;
         #[allow(clippy::cast_precision_loss)] // A displayed ratio of tick counts far below 2^52.
         let ratio = ours as f64 / tc.max(1) as f64;
@@ -121,7 +121,7 @@ impl Report {
         );
         let _ = writeln!(
             s,
-            "{:<20} {:>17} {:>17} {:>6} {:>6} {:>13} {:>6} {:>17} {:>7} {:>6} {:>6} {:>21}",
+            "{:<25} {:>17} {:>17} {:>6} {:>6} {:>13} {:>6} {:>17} {:>7} {:>6} {:>6} {:>21}",
             "path/bracket",
             "ours med|err|",
             "trace-cmd med|err|",
@@ -143,7 +143,7 @@ impl Report {
             };
             let _ = writeln!(
                 s,
-                "{:<20} {:>17} {:>17} {:>6} {:>6} {:>13} {:>6} {:>17} {:>7} {:>6} {:>6} {:>21}",
+                "{:<25} {:>17} {:>17} {:>6} {:>6} {:>13} {:>6} {:>17} {:>7} {:>6} {:>6} {:>21}",
                 r.name,
                 self.ticks_ns(r.ours_median_err),
                 self.ticks_ns(Some(r.tc_median_err)),

@@ -4,6 +4,7 @@
 //! - `ci`: everything CI checks, in order; collects every failure, then reports them all.
 //! - `check-nostd`: build `vmtsync-core` for `x86_64-unknown-none`, with and without `defmt`.
 //! - `bench`: run the criterion benchmarks.
+//! - `bench-probe`: the real-KVM probe benchmark (`vmtsync-probe-bench`), table and JSON.
 //! - `fuzz`: the `ci` fuzz smoke run on its own.
 //! - `build-agent`: build the bare-metal guest agent, print its ELF path and `.text` size.
 //! - `run-agent`: boot the agent under QEMU or the built-in VMM, COM1 on this terminal.
@@ -12,6 +13,7 @@
 
 mod agent;
 mod fuzz;
+mod probe_bench;
 mod setup;
 
 use std::env;
@@ -41,6 +43,7 @@ fn run() -> Result<()> {
         "ci" => ci(rest),
         "check-nostd" => check_nostd(),
         "bench" => bench(rest),
+        "bench-probe" => probe_bench::bench_probe(rest),
         "fuzz" => fuzz::smoke(),
         "setup" => setup::setup(),
         "build-agent" => agent::build_agent(),
@@ -60,6 +63,9 @@ commands:
   ci            fmt, clippy, tests (incl. tier 2 on real KVM), no_std build, fuzz smoke run
   check-nostd   build vmtsync-core for x86_64-unknown-none, with and without defmt
   bench         run the criterion benchmarks (cargo bench -p vmtsync-core)
+  bench-probe [--sessions K] [--probes N] [--machine microvm|q35] [--no-qemu] [--no-skew]
+                real-KVM probe benchmark: our estimator vs trace-cmd fastest-RTT on the same
+                samples (built-in VMM, QEMU stdio, software skew); table + JSON line
   fuzz          build the core/fuzz targets and run each for 20 s (the ci fuzz step)
   setup         install tier-2 prerequisites (rustup target, apt packages, debugfs mount)
   build-agent   build guest-agent/ (release, x86_64-unknown-none); print ELF path, .text size

@@ -4,4 +4,5 @@
 mod agent_qemu;
 mod agent_vmm;
 mod probe;
+mod probe_bench;
 mod smoke;

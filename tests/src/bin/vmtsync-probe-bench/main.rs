@@ -1,0 +1,465 @@
+//! `vmtsync-probe-bench`: our bounded offset estimator against trace-cmd's fastest-RTT
+//! estimator, on the same real probe samples, on this machine's KVM (`cargo xtask bench-probe`).
+//!
+//! The guest agent answers `K` sessions of `N` compact probes each, through
+//!
+//! - the built-in VMM's COM1 (ring-3 agent, the default), bracketed three ways (see
+//!   [`builtin`]): by the VM exits around the reply's first byte (`exit-tight`), by the exits
+//!   of the request's last read and the reply's first write (`exit-loose`), and by this
+//!   thread's own TSC reads around queueing and receiving the whole reply (`host-thread`) or
+//!   its first byte (`host-thread-first`);
+//! - QEMU's COM1 on a stdio chardev, bracketed by `rdtsc` around `write()` and the `read()`
+//!   that completed the reply (`…/stdio`) or returned its first bytes (`…/stdio-first`), see
+//!   [`qemu`];
+//! - the built-in VMM again with the agent's software skew (`skew=OFFSET,RATIO,FRAC`), so the
+//!   truth is a non-identity line (`skew/…`).
+//!
+//! Truth: guest TSC == host TSC here (KVM cannot offset or scale it, DESIGN.md §4), or the skew
+//! the agent was told to apply. Each session's samples go to `estimate_offset` (interval and
+//! centre), `DriftEstimator` (rate and offset bounds) and `trace_cmd_fastest`; the table reports
+//! median |error| over sessions, their ratio, interval widths, whether every interval contained
+//! the truth, probe bracket widths and the bytes each probe put on the wire. The last line is
+//! one JSON object (schema `vmtsync-probe-bench/1`, documented in [`report`]).
+//!
+//! Usage: `vmtsync-probe-bench [--sessions K] [--probes N] [--machine microvm|q35] [--no-qemu]
+//! [--no-skew] [--skew OFFSET,RATIO,FRAC]`
+//!
+//! Exit codes: 0 when every guaranteed interval contained the truth; 3 when one did not (a
+//! soundness bug: the table says where); 2 on usage errors; 1 when the benchmark could not run.
+
+mod builtin;
+mod qemu;
+mod report;
+mod stats;
+
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use vmtsync_core::estimate::ProbeSample;
+use vmtsync_core::proto::{Features, Hello, Message, PROTOCOL_VERSION, try_unwrap_tsc_low32};
+use vmtsync_core::{GuestTicks, HostTicks};
+use vmtsync_tests::vmm::qemu::{Machine, have_qemu};
+use vmtsync_tests::vmm::{agent_elf, tsc::host_tsc};
+use vmtsync_tests::{have_kvm, is_ci};
+
+use report::Report;
+use stats::{Row, Truth, evaluate};
+
+/// The longest any single wait (boot, reply) may take.
+pub const STEP: Duration = Duration::from_secs(20);
+
+const USAGE: &str = "\
+usage: vmtsync-probe-bench [--sessions K] [--probes N] [--machine microvm|q35] [--no-qemu]
+                           [--no-skew] [--skew OFFSET,RATIO,FRAC]
+  --sessions K      sessions per path (default 30); each is a hello and N probes
+  --probes N        compact probes per session (default 64)
+  --machine M       QEMU machine: microvm (default) or q35 (with qboot)
+  --no-qemu         skip the QEMU stdio path
+  --no-skew         skip the software-skew path
+  --skew O,R,F      agent skew: guest = O + ((tsc * R) >> F) (default -3000000000000,
+                    281503124208327,48: offset -3e12 ticks, rate 1.0001)";
+
+/// One request/reply exchange and the host stamps the link took around it.
+#[derive(Debug, Clone)]
+pub struct Exchanged<S> {
+    /// The reply.
+    pub reply: Message,
+    /// Bytes written for the request (the whole frame with its delimiter).
+    pub sent: usize,
+    /// Bytes read for the reply (the whole frame with its delimiter).
+    pub received: usize,
+    /// Link-specific host TSC stamps.
+    pub stamps: S,
+}
+
+/// A transport to the agent that stamps exchanges with the host TSC.
+pub trait ProbeLink {
+    /// The host TSC stamps this link takes per exchange.
+    type Stamps: Copy;
+    /// Sends `msg` and returns the next frame from the agent.
+    ///
+    /// # Errors
+    /// Timeouts, undecodable frames, I/O errors.
+    fn exchange(&mut self, msg: &Message) -> Result<Exchanged<Self::Stamps>>;
+}
+
+/// One probe: the (unwrapped) guest TSC and the link's stamps.
+#[derive(Debug, Clone, Copy)]
+pub struct Probe<S> {
+    /// The full guest TSC the agent reported.
+    pub guest: u64,
+    /// Host TSC stamps around it.
+    pub stamps: S,
+    /// Request bytes on the wire.
+    pub sent: usize,
+    /// Reply bytes on the wire.
+    pub received: usize,
+}
+
+/// One session: a hello, then probes.
+#[derive(Debug, Clone)]
+pub struct Session<S> {
+    /// The TSC frequency the agent reported in its capabilities.
+    pub tsc_khz: Option<u32>,
+    /// The agent's vCPU.
+    pub vcpu: u32,
+    /// The probes in order.
+    pub probes: Vec<Probe<S>>,
+}
+
+impl<S: Copy> Session<S> {
+    /// The session's samples under the bracket `pick(stamps) = (host_send, host_recv)`.
+    pub fn samples(&self, pick: impl Fn(&S) -> (u64, u64)) -> Vec<ProbeSample> {
+        self.probes
+            .iter()
+            .map(|p| {
+                let (send, recv) = pick(&p.stamps);
+                ProbeSample {
+                    host_send: HostTicks(send),
+                    guest: GuestTicks(p.guest),
+                    host_recv: HostTicks(recv),
+                    vcpu: self.vcpu,
+                }
+            })
+            .collect()
+    }
+}
+
+/// Runs `sessions` sessions of a hello and `probes` compact probes over `link`. Each compact
+/// reply is unwrapped against the previous full reading (the hello's TSC, then each probe).
+///
+/// # Errors
+/// Link errors and unexpected replies.
+pub fn run_sessions<L: ProbeLink>(
+    link: &mut L,
+    sessions: usize,
+    probes: usize,
+) -> Result<Vec<Session<L::Stamps>>> {
+    let hello = Message::Hello(Hello {
+        version: PROTOCOL_VERSION,
+        features: Features::NONE,
+    });
+    let mut out = Vec::with_capacity(sessions);
+    for _ in 0..sessions {
+        let caps = match link.exchange(&hello)?.reply {
+            Message::Capabilities(c) => c,
+            other => bail!("hello answered with {other:?}"),
+        };
+        let mut reference = caps.tsc;
+        let mut got = Vec::with_capacity(probes);
+        for i in 0..probes {
+            let seq = u16::try_from(i).context("at most 65536 probes per session")?;
+            let ex = link.exchange(&Message::Probe { seq })?;
+            let r = match ex.reply {
+                Message::ProbeReply(r) if r.seq == seq => r,
+                other => bail!("probe {seq} answered with {other:?}"),
+            };
+            let guest = try_unwrap_tsc_low32(reference, r.tsc_low32)
+                .context("compact probe does not unwrap")?;
+            reference = guest;
+            got.push(Probe {
+                guest: guest.0,
+                stamps: ex.stamps,
+                sent: ex.sent,
+                received: ex.received,
+            });
+        }
+        out.push(Session {
+            tsc_khz: caps.tsc_khz,
+            vcpu: caps.vcpu,
+            probes: got,
+        });
+    }
+    Ok(out)
+}
+
+/// Evaluates every session under one bracket and aggregates a row.
+fn row<S: Copy>(
+    name: &str,
+    sessions: &[Session<S>],
+    truth: Truth,
+    pick: impl Fn(&S) -> (u64, u64) + Copy,
+) -> Result<Row> {
+    let probes = sessions.first().map_or(0, |s| s.probes.len());
+    let evals = sessions
+        .iter()
+        .map(|s| evaluate(&s.samples(pick), truth).map_err(|e| anyhow::anyhow!("{name}: {e:?}")))
+        .collect::<Result<Vec<_>>>()?;
+    Ok(Row::aggregate(name, probes, truth, &evals))
+}
+
+/// The per-probe request and reply sizes seen, as `(min, max)` each.
+fn wire_bytes<S>(sessions: &[Session<S>]) -> ((usize, usize), (usize, usize)) {
+    let all = sessions.iter().flat_map(|s| s.probes.iter());
+    let (mut req, mut rep) = ((usize::MAX, 0), (usize::MAX, 0));
+    for p in all {
+        req = (req.0.min(p.sent), req.1.max(p.sent));
+        rep = (rep.0.min(p.received), rep.1.max(p.received));
+    }
+    (req, rep)
+}
+
+/// Parsed command line.
+#[derive(Debug, Clone)]
+struct Args {
+    sessions: usize,
+    probes: usize,
+    machine: Machine,
+    qemu: bool,
+    skew: Option<Truth>,
+}
+
+/// The default skew: offset -3e12 ticks, rate 1 + 2^-48·⌊2^48/10^4⌋ ≈ 1.0001 (+100 ppm).
+const DEFAULT_SKEW: Truth = Truth {
+    offset: (-3_000_000_000_000_i64).cast_unsigned(),
+    ratio: (1 << 48) + (1 << 48) / 10_000,
+    frac: 48,
+};
+
+fn parse_skew(v: &str) -> Option<Truth> {
+    let mut it = v.split(',');
+    let offset = it.next()?.parse::<i64>().ok()?.cast_unsigned();
+    let ratio = it.next()?.parse::<u64>().ok()?;
+    let frac = it.next()?.parse::<u32>().ok()?;
+    (it.next().is_none() && ratio > 0 && frac <= 63).then_some(Truth {
+        offset,
+        ratio,
+        frac,
+    })
+}
+
+fn parse_args(args: &[String]) -> Result<Args, String> {
+    let mut a = Args {
+        sessions: 30,
+        probes: 64,
+        machine: Machine::Microvm,
+        qemu: true,
+        skew: Some(DEFAULT_SKEW),
+    };
+    let mut it = args.iter();
+    while let Some(flag) = it.next() {
+        let mut value = || it.next().ok_or(format!("{flag} needs a value"));
+        match flag.as_str() {
+            "--sessions" => a.sessions = value()?.parse().map_err(|e| format!("{flag}: {e}"))?,
+            "--probes" => a.probes = value()?.parse().map_err(|e| format!("{flag}: {e}"))?,
+            "--machine" => {
+                a.machine = match value()?.as_str() {
+                    "microvm" => Machine::Microvm,
+                    "q35" => Machine::Q35,
+                    m => return Err(format!("unknown machine {m}")),
+                }
+            }
+            "--no-qemu" => a.qemu = false,
+            "--no-skew" => a.skew = None,
+            "--skew" => a.skew = Some(parse_skew(value()?).ok_or("bad --skew value")?),
+            other => return Err(format!("unexpected argument `{other}`")),
+        }
+    }
+    if a.sessions == 0 || a.probes < 2 || a.probes > 65_536 {
+        return Err("need --sessions >= 1 and 2 <= --probes <= 65536".into());
+    }
+    Ok(a)
+}
+
+/// The TSC frequency from `/proc/cpuinfo`'s first `cpu MHz` line, in kHz (fallback when the
+/// agent does not report one).
+fn cpuinfo_khz() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/cpuinfo").ok()?;
+    let mhz = text.lines().find(|l| l.starts_with("cpu MHz"))?;
+    let (int, frac) = mhz.split(':').nth(1)?.trim().split_once('.')?;
+    let frac3: String = frac.chars().chain("000".chars()).take(3).collect();
+    Some(int.parse::<u64>().ok()? * 1000 + frac3.parse::<u64>().ok()?)
+}
+
+fn bench(args: &Args) -> Result<Report> {
+    if !have_kvm() {
+        bail!("/dev/kvm is not accessible read-write (run as root on a KVM host)");
+    }
+    let started = Instant::now();
+    let elf = agent_elf().context("building the guest agent")?;
+    eprintln!(
+        "agent built in {:.1?}: {}",
+        started.elapsed(),
+        elf.display()
+    );
+    let mut rows = Vec::new();
+
+    let t = Instant::now();
+    let s = builtin::run(&elf, "transport=uart", args.sessions, args.probes)?;
+    eprintln!("built-in VMM: {} sessions in {:.1?}", s.len(), t.elapsed());
+    let khz_agent = s.first().and_then(|x| x.tsc_khz);
+    let wire = wire_bytes(&s);
+    let id = Truth::IDENTITY;
+    rows.push(row("builtin/exit-tight", &s, id, |x| {
+        (x.prev_exit, x.first_byte)
+    })?);
+    rows.push(row("builtin/exit-loose", &s, id, |x| {
+        (x.request_read, x.first_byte)
+    })?);
+    rows.push(row("builtin/host-thread", &s, id, |x| {
+        (x.thread_send, x.thread_recv)
+    })?);
+    rows.push(row("builtin/host-thread-first", &s, id, |x| {
+        (x.thread_send, x.thread_first)
+    })?);
+
+    let mut qemu_wire = None;
+    if args.qemu {
+        if !have_qemu() {
+            if is_ci() {
+                bail!("qemu-system-x86_64 is missing (apt-get install qemu-system-x86)");
+            }
+            eprintln!("SKIP qemu-stdio: qemu-system-x86_64 is missing (or pass --no-qemu)");
+        } else {
+            let t = Instant::now();
+            let q = qemu::run(&elf, args.machine, args.sessions, args.probes)?;
+            eprintln!(
+                "QEMU {:?}: {} sessions in {:.1?}",
+                args.machine,
+                q.len(),
+                t.elapsed()
+            );
+            qemu_wire = Some(wire_bytes(&q));
+            let name = match args.machine {
+                Machine::Microvm => "qemu-microvm",
+                Machine::Q35 => "qemu-q35",
+            };
+            rows.push(row(&format!("{name}/stdio"), &q, id, |x| (x.send, x.recv))?);
+            rows.push(row(&format!("{name}/stdio-first"), &q, id, |x| {
+                (x.send, x.first_recv)
+            })?);
+        }
+    }
+
+    let mut skew_used = None;
+    if let Some(mut skew) = args.skew {
+        // A negative offset larger than the scaled TSC would wrap the guest clock below zero,
+        // which no real guest has; keep the magnitude but make it positive then (a host booted
+        // less than ~20 minutes ago with the default).
+        let now = host_tsc();
+        let scaled = Truth { offset: 0, ..skew }.guest_at(now);
+        let neg = skew.offset.cast_signed();
+        if neg < 0 && scaled < neg.unsigned_abs().saturating_add(1 << 36) {
+            skew.offset = skew.offset.wrapping_neg();
+            eprintln!(
+                "host TSC {now} is below |skew offset|: using offset +{}",
+                skew.offset
+            );
+        }
+        let cmdline = format!(
+            "transport=uart skew={},{},{}",
+            skew.offset.cast_signed(),
+            skew.ratio,
+            skew.frac
+        );
+        let t = Instant::now();
+        let s = builtin::run(&elf, &cmdline, args.sessions, args.probes)?;
+        eprintln!(
+            "built-in VMM, {cmdline}: {} sessions in {:.1?}",
+            s.len(),
+            t.elapsed()
+        );
+        rows.push(row("skew/exit-tight", &s, skew, |x| {
+            (x.prev_exit, x.first_byte)
+        })?);
+        rows.push(row("skew/exit-loose", &s, skew, |x| {
+            (x.request_read, x.first_byte)
+        })?);
+        skew_used = Some(skew);
+    }
+
+    let tsc_khz = khz_agent
+        .map(u64::from)
+        .or_else(cpuinfo_khz)
+        .context("no TSC frequency from the agent or /proc/cpuinfo")?;
+    Ok(Report {
+        tsc_khz,
+        tsc_khz_source: if khz_agent.is_some() {
+            "agent"
+        } else {
+            "cpuinfo"
+        },
+        sessions: args.sessions,
+        probes: args.probes,
+        skew: skew_used,
+        builtin_wire: wire,
+        qemu_wire,
+        rows,
+        run_time: started.elapsed(),
+    })
+}
+
+fn main() -> ExitCode {
+    let argv: Vec<String> = std::env::args().skip(1).collect();
+    if argv.iter().any(|a| a == "-h" || a == "--help") {
+        println!("{USAGE}");
+        return ExitCode::SUCCESS;
+    }
+    let args = match parse_args(&argv) {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("vmtsync-probe-bench: {e}\n{USAGE}");
+            return ExitCode::from(2);
+        }
+    };
+    match bench(&args) {
+        Ok(report) => {
+            print!("{}", report.table());
+            println!("{}", report.json());
+            let unsound = report.unsound();
+            if unsound.is_empty() {
+                ExitCode::SUCCESS
+            } else {
+                eprintln!(
+                    "vmtsync-probe-bench: a guaranteed interval missed the truth in: {}",
+                    unsound.join(", ")
+                );
+                ExitCode::from(3)
+            }
+        }
+        Err(e) => {
+            eprintln!("vmtsync-probe-bench: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(v: &[&str]) -> Result<Args, String> {
+        parse_args(&v.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>())
+    }
+
+    #[test]
+    fn parses_flags_and_rejects_nonsense() {
+        let a = args(&[]).unwrap();
+        assert_eq!((a.sessions, a.probes, a.qemu), (30, 64, true));
+        assert_eq!(a.skew, Some(DEFAULT_SKEW));
+        let a = args(&["--sessions", "3", "--probes", "8", "--no-qemu", "--no-skew"]).unwrap();
+        assert_eq!((a.sessions, a.probes, a.qemu, a.skew), (3, 8, false, None));
+        let a = args(&["--skew", "-5,3,1", "--machine", "q35"]).unwrap();
+        assert_eq!(a.machine, Machine::Q35);
+        assert_eq!(
+            a.skew,
+            Some(Truth {
+                offset: (-5_i64).cast_unsigned(),
+                ratio: 3,
+                frac: 1
+            })
+        );
+        assert!(args(&["--probes", "1"]).is_err());
+        assert!(args(&["--sessions"]).is_err());
+        assert!(args(&["--skew", "1,0,4"]).is_err());
+        assert!(args(&["--bogus"]).is_err());
+    }
+
+    #[test]
+    fn default_skew_is_a_hundred_ppm() {
+        // (ratio - 2^48) / 2^48 in ppb, floored.
+        let ppb = (u128::from(DEFAULT_SKEW.ratio - (1 << 48)) * 1_000_000_000) >> 48;
+        assert_eq!(ppb, 99_999);
+    }
+}

@@ -357,7 +357,8 @@ fn continuous_mode_without_a_round_limit_stops_on_the_flag() {
     let stopper = thread::spawn(move || {
         let start = Instant::now();
         let (mut reads, mut seen) = (0_u32, 0_usize);
-        while start.elapsed() < Duration::from_millis(100) {
+        // Stop once three segments are on disk (the deadline only guards against a hang).
+        while seen < 3 && start.elapsed() < Duration::from_secs(60) {
             match SyncFile::read(&reader_path) {
                 Ok(f) => {
                     assert!(f.segments.len() >= seen, "segments disappeared");
@@ -384,7 +385,7 @@ fn continuous_mode_without_a_round_limit_stops_on_the_flag() {
     let rounds = String::from_utf8(out).unwrap().lines().count();
     let sync = SyncFile::read(&path).unwrap();
     println!("stopped after {rounds} rounds");
-    assert!(rounds >= 1);
+    assert!(rounds >= 3);
     assert_eq!(sync.segments.len(), rounds);
     assert_eq!(
         agent.join().unwrap().probes,

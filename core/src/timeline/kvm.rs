@@ -183,7 +183,9 @@ mod tests {
                 let d = 1u64 << frac;
                 // ppm in -10 %..=10 % of identity, plus a sub-ppm random part.
                 let step = d / 1_000_000;
-                let base = d.checked_add_signed(ppm * i64::try_from(step).unwrap()).unwrap();
+                let base = d
+                    .checked_add_signed(ppm * i64::try_from(step).unwrap())
+                    .unwrap();
                 let ratio = if ppm == 0 { d } else { base + wiggle % step };
                 KvmTscMapping::try_new(offset, ratio, frac).unwrap()
             })

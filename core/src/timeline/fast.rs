@@ -29,7 +29,7 @@ const LANES: usize = 8;
 /// Converts the longest prefix of `ticks` with `0 <= tick - segment.start <= span` and returns
 /// its length. `span` must not exceed the segment's own overflow-free span.
 pub(super) fn convert_run(segment: &Segment, span: u64, ticks: &mut [u64]) -> usize {
-    match segment.kvm {
+    match segment.kvm() {
         None => convert_run_with(segment, span, ticks, |_, host| host),
         Some(map) => kvm::convert_run(segment, map, span, ticks),
     }

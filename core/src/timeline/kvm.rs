@@ -16,8 +16,9 @@
 //! - While `h0 <= 2^62 - 2` ([`ESTIMATE_MAX`]), `s * S' < 2^62 - 1`, so
 //!   `x * (1 - 2^-62) < 2^62 - 1`, i.e. `x < 2^62`; then `x - s * S' < 1` and
 //!   `c < x + 1 < s * S' + 2 < h0 + 3`, so `c <= h0 + 2`.
-//! - A step `h += (F(h) < s)` moves up exactly while `h < c` (`F` is monotone), so two of them
-//!   turn any `h0` in `c - 2..=c` into `c`, and `c <= 2^62` cannot overflow.
+//! - `F(h) < s` holds exactly for `h < c` (`F` is monotone), so `c = h0 + [F(h0) < s] +
+//!   [F(h0 + 1) < s]` for any `h0` in `c - 2..=c`, and `c <= 2^62` cannot overflow. The kernel
+//!   tests `F(h) < s` as `h * ratio < s * 2^frac_bits`, which is the same for integer `s`.
 //!
 //! The fast range of a KVM segment is therefore capped where the estimate passes
 //! [`ESTIMATE_MAX`] (48 years of a 3 GHz TSC) and where `s` would leave `u64` (beyond it the
@@ -59,11 +60,14 @@ pub(super) fn convert_run(
     // s = tick - offset: exact in u64 inside the fast range (see `exact_span`).
     let scaled_at_start = segment.start.wrapping_sub(map.offset().cast_unsigned());
     fast::convert_run_with(segment, span, ticks, move |d, host| {
-        let s = u128::from(scaled_at_start.wrapping_add(d));
-        let below = |h: u64| (u128::from(h) * ratio) >> frac_bits < s;
+        // F(h) < s exactly when h * ratio < s * 2^frac_bits (s is an integer), so both steps
+        // compare against one threshold: h0 * ratio and (h0 + 1) * ratio, one multiply.
+        // s < 2^64 and frac_bits <= 63: the threshold fits; h0 < 2^62: so does h0 * ratio + ratio.
+        let threshold = u128::from(scaled_at_start.wrapping_add(d)) << frac_bits;
+        let at_estimate = u128::from(host) * ratio;
+        let steps = u64::from(at_estimate < threshold) + u64::from(at_estimate + ratio < threshold);
         // host <= ESTIMATE_MAX, so host + 2 cannot overflow.
-        let host = host.wrapping_add(u64::from(below(host)));
-        host.wrapping_add(u64::from(below(host)))
+        host.wrapping_add(steps)
     })
 }
 
@@ -151,6 +155,18 @@ mod tests {
             assert_eq!(seg.try_convert_floor(GuestTicks(g)), want, "guest {g}");
             assert_eq!(batch(seg, &[g]), [want.map(|h| h.0)], "guest {g}");
         }
+        // A guest 8x faster with a large negative offset: from guest 3 * 2^62 on, `s` passes
+        // 2^64 and the mapping wraps it, while the estimate's line does not; the fast range
+        // must end there.
+        let fast = KvmTscMapping::try_new(-(1 << 62), 8 << 32, 32).unwrap();
+        let seg = Segment::try_from_kvm_mapping(GuestTicks(0), fast).unwrap();
+        let ticks = [0, 1 << 62, (3 << 62) - 1, 3 << 62, u64::MAX];
+        let want: Vec<Option<u64>> = ticks
+            .iter()
+            .map(|&g| fast.try_host_from_guest_ceil(GuestTicks(g)).map(|h| h.0))
+            .collect();
+        assert_eq!(want[4], Some(1 << 59));
+        assert_eq!(batch(seg, &ticks), want);
         // A slower guest: the top guest ticks have no host tick.
         let slow = KvmTscMapping::try_new(0, (1 << 32) / 2, 32).unwrap();
         let seg = Segment::try_from_kvm_mapping(GuestTicks(0), slow).unwrap();

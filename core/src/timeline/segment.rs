@@ -46,9 +46,46 @@ pub struct Segment {
     /// fast path relies on it to skip the overflow checks. For a KVM segment it is the largest
     /// `d` for which the batch kernel's corrected estimate is exact (see the `kvm` module).
     pub(super) fast_span: u64,
-    /// The exact relation of a KVM segment, whose inverse this segment computes; `None` for a
-    /// linear segment.
-    pub(super) kvm: Option<KvmTscMapping>,
+    /// The exact relation of a KVM segment, whose inverse this segment computes; `ratio` 0
+    /// for a linear segment. Stored as raw fields rather than an `Option<KvmTscMapping>`
+    /// because that would add a tag and grow every segment from 80 to 96 bytes, which the
+    /// per-event binary search over the segments pays for in cache misses.
+    kvm: KvmParts,
+}
+
+/// A [`KvmTscMapping`]'s fields, or `ratio == 0` for none (a mapping's ratio is never 0).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "defmt", derive(defmt::Format))]
+struct KvmParts {
+    offset: i64,
+    ratio: u64,
+    frac_bits: u32,
+}
+
+impl KvmParts {
+    /// A linear segment's marker.
+    const NONE: Self = Self {
+        offset: 0,
+        ratio: 0,
+        frac_bits: 0,
+    };
+
+    const fn of(map: KvmTscMapping) -> Self {
+        Self {
+            offset: map.offset(),
+            ratio: map.ratio(),
+            frac_bits: map.frac_bits(),
+        }
+    }
+
+    /// The mapping back; only `NONE` (ratio 0) has none, since the fields came from a valid
+    /// mapping.
+    const fn get(self) -> Option<KvmTscMapping> {
+        match KvmTscMapping::try_new(self.offset, self.ratio, self.frac_bits) {
+            Ok(map) => Some(map),
+            Err(_) => None,
+        }
+    }
 }
 
 impl Segment {
@@ -64,7 +101,7 @@ impl Segment {
             slope: Slope::ONE,
             // base + d fits while d <= u64::MAX - base.
             fast_span: u64::MAX - start.0,
-            kvm: None,
+            kvm: KvmParts::NONE,
         }
     }
 
@@ -81,7 +118,7 @@ impl Segment {
             frac: 0,
             slope: Slope::ONE,
             fast_span: u64::MAX - base,
-            kvm: None,
+            kvm: KvmParts::NONE,
         })
     }
 
@@ -182,7 +219,7 @@ impl Segment {
         let scaled_at_start = u64::try_from(i128::from(start.0) - i128::from(map.offset())).ok()?;
         Some(Self {
             fast_span: super::kvm::exact_span(&line, scaled_at_start),
-            kvm: Some(map),
+            kvm: KvmParts::of(map),
             ..line
         })
     }
@@ -207,7 +244,7 @@ impl Segment {
             frac,
             slope,
             fast_span: fast_span(base.0, frac, slope),
-            kvm: None,
+            kvm: KvmParts::NONE,
         })
     }
 
@@ -239,7 +276,7 @@ impl Segment {
             frac,
             slope,
             fast_span: fast_span(base, frac, slope),
-            kvm: None,
+            kvm: KvmParts::NONE,
         })
     }
 
@@ -274,7 +311,7 @@ impl Segment {
     /// linear segment.
     #[must_use]
     pub const fn kvm(&self) -> Option<KvmTscMapping> {
-        self.kvm
+        self.kvm.get()
     }
 
     /// The host tick of `guest`, for any `guest`, before `start` too (that is how a timeline
@@ -287,8 +324,8 @@ impl Segment {
     /// read `guest` at, i.e. the floor of the instant in host time.
     #[must_use]
     pub fn try_convert_floor(&self, guest: GuestTicks) -> Option<HostTicks> {
-        if let Some(map) = self.kvm {
-            return map.try_host_from_guest_ceil(guest);
+        if self.kvm.ratio != 0 {
+            return self.try_convert_kvm(guest);
         }
         let mul = u128::from(self.slope.mul());
         let shift = self.slope.shift();
@@ -311,6 +348,14 @@ impl Segment {
                 .checked_sub(u64::try_from(ceil).ok()?)
                 .map(HostTicks)
         }
+    }
+
+    /// A KVM segment's single conversion: the mapping's exact inverse. Kept out of line so
+    /// that the linear path of [`Segment::try_convert_floor`] stays small enough to inline into
+    /// the per-event loops.
+    #[inline(never)]
+    fn try_convert_kvm(&self, guest: GuestTicks) -> Option<HostTicks> {
+        self.kvm.get()?.try_host_from_guest_ceil(guest)
     }
 }
 
@@ -459,6 +504,12 @@ mod tests {
         assert_eq!(Segment::try_from_kvm(GuestTicks(9), 0, 0, 32), None);
         // A reciprocal slope of 2^63 cannot be stored.
         assert_eq!(Segment::try_from_kvm(GuestTicks(9), 0, 1, 63), None);
+    }
+
+    #[test]
+    fn kvm_fields_do_not_grow_segments_past_80_bytes() {
+        // The per-event binary search touches one segment per step: keep them compact.
+        assert!(core::mem::size_of::<Segment>() <= 80);
     }
 
     #[test]

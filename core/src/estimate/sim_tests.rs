@@ -318,7 +318,7 @@ fn tight_run<const N: usize>(seed: u64) -> Result<bool, std::string::String> {
 
 #[test]
 fn estimate_tight_probes_keep_truth_inside_bounds() {
-    const RUNS: u64 = 20_000;
+    const RUNS: u64 = 8_000;
     let (mut bounded, mut failures) = (0u32, Vec::new());
     for seed in 0..RUNS {
         for (capacity, result) in [(64, tight_run::<64>(seed)), (3, tight_run::<3>(seed))] {

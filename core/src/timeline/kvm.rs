@@ -208,7 +208,7 @@ mod tests {
     }
 
     proptest! {
-        #![proptest_config(ProptestConfig::with_cases(2_000))]
+        #![proptest_config(ProptestConfig::with_cases(1_000))]
 
         /// A KVM segment is the mapping's exact inverse, on the batch path and the single path:
         /// on the images of host ticks (where it gives back the host tick whenever the guest

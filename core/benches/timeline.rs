@@ -15,10 +15,15 @@
 //! - `memory_floor_add_one`: not a converter; adds 1 to every tick of the same buffer, the
 //!   cost of just streaming it through the cache hierarchy, for scale.
 //!
+//! A second group, `timeline_kvm_guest_to_host`, converts the same number of events on one
+//! exact KVM segment (ratio 1.1 on VMX): `cursor_batch` there runs the corrected reciprocal
+//! kernel, `binary_search_per_event` the mapping's exact division per event.
+//!
 //! Throughput is reported in events (elements) per second.
 
 use criterion::{BatchSize, Criterion, Throughput, criterion_group, criterion_main};
 use std::hint::black_box;
+use vmtsync_core::mapping::KvmTscMapping;
 use vmtsync_core::timeline::{Cursor, Segment, Timeline};
 use vmtsync_core::{GuestTicks, HostTicks};
 
@@ -114,8 +119,8 @@ fn convert_binary_search(timeline: Timeline<'_>, buf: &mut [u64]) {
     }
 }
 
-/// The baseline with the search on a dense array of starts (8 bytes per segment instead of the
-/// 64-byte segments), the most cache-friendly per-event binary search.
+/// The baseline with the search on a dense array of starts (8 bytes per segment instead of a
+/// whole `Segment`), the most cache-friendly per-event binary search.
 fn convert_binary_search_dense(timeline: Timeline<'_>, starts: &[u64], buf: &mut [u64]) {
     let segs = timeline.segments();
     for tick in buf.iter_mut() {
@@ -169,6 +174,47 @@ fn bench(c: &mut Criterion) {
     let mut group = c.benchmark_group("timeline_guest_to_host_4096_segments");
     group.throughput(Throughput::Elements(u64::try_from(EVENTS).expect("fits")));
     group.sample_size(30);
+    for (name, convert) in variants {
+        group.bench_function(name, |b| {
+            b.iter_batched_ref(
+                || input.clone(),
+                |buf| convert(black_box(buf.as_mut_slice())),
+                BatchSize::LargeInput,
+            );
+        });
+    }
+    group.finish();
+    bench_kvm(c, &input);
+}
+
+/// One exact KVM segment (guest booted 10^12 host ticks after the host, ratio 1.1 on VMX) and
+/// guest readings spread over ~12 s of it.
+fn bench_kvm(c: &mut Criterion, linear_input: &[u64]) {
+    let ratio = (1u64 << 48) + (1u64 << 48) / 10;
+    let map = KvmTscMapping::try_new(-1_000_000_000_000, ratio, 48).expect("valid mapping");
+    let segs = [Segment::try_from_kvm_mapping(GuestTicks(0), map).expect("valid segment")];
+    let timeline = Timeline::new(&segs).expect("one segment");
+    // Reuse the sorted linear workload's spacing, moved to where the KVM guest clock is.
+    let first = linear_input[0];
+    let input: Vec<u64> = linear_input
+        .iter()
+        .map(|&t| t - first + 2_000_000_000_000)
+        .collect();
+    let mut reference = input.clone();
+    convert_binary_search(timeline, &mut reference);
+    let mut out = input.clone();
+    convert_batch(timeline, &mut out);
+    assert!(out == reference, "KVM batch differs from the exact inverse");
+
+    let mut group = c.benchmark_group("timeline_kvm_guest_to_host");
+    group.throughput(Throughput::Elements(u64::try_from(EVENTS).expect("fits")));
+    group.sample_size(30);
+    let variants: [Variant<'_>; 2] = [
+        ("cursor_batch", &|buf| convert_batch(timeline, buf)),
+        ("binary_search_per_event", &|buf| {
+            convert_binary_search(timeline, buf)
+        }),
+    ];
     for (name, convert) in variants {
         group.bench_function(name, |b| {
             b.iter_batched_ref(

@@ -60,8 +60,9 @@ pub enum Delay {
         max: u64,
     },
     /// `min` plus an approximately exponential excess with the given mean: a geometric
-    /// integer part (leading zeros of a random word) plus a uniform fraction. Its tail
-    /// reaches about 64× the mean, like queueing and scheduling delays do.
+    /// integer part (leading zeros of a random word, at most 64) plus a uniform fraction.
+    /// Its tail is long, like queueing and scheduling delays: the excess is capped at
+    /// `mean · 2/3 · (64 + 65535/65536)`, about 43× the mean.
     Exponential {
         /// The floor every delay includes (propagation, fixed processing).
         min: u64,

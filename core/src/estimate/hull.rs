@@ -200,17 +200,20 @@ impl<const N: usize> DriftEstimator<N> {
         if s.host_recv < s.host_send {
             return Err(EstimateError::InvalidSample);
         }
-        if self.samples == 0 {
-            self.origin_host = s.host_send.0;
-            self.origin_guest = s.guest.0;
+        // The first sample becomes the origin, but only once every check below has passed:
+        // until then it lives in locals, so an error leaves the state untouched.
+        let (origin_host, origin_guest) = if self.samples == 0 {
+            (s.host_send.0, s.guest.0)
         } else if s.vcpu != self.vcpu {
             return Err(EstimateError::VcpuMismatch);
         } else if s.host_send.0 < self.last_send || s.host_recv.0 < self.last_recv {
             return Err(EstimateError::OutOfOrder);
-        }
-        let send = self.rel_x(s.host_send.0)?;
-        let recv = self.rel_x(s.host_recv.0)?;
-        let y = i128::from(s.guest.0) - i128::from(self.origin_guest);
+        } else {
+            (self.origin_host, self.origin_guest)
+        };
+        let send = rel(i128::from(s.host_send.0) - i128::from(origin_host))?;
+        let recv = rel(i128::from(s.host_recv.0) - i128::from(origin_host))?;
+        let y = i128::from(s.guest.0) - i128::from(origin_guest);
         let below = Point {
             x: send,
             y: rel(y + 1)?,
@@ -219,6 +222,8 @@ impl<const N: usize> DriftEstimator<N> {
             x: recv,
             y: rel(y)?,
         };
+        self.origin_host = origin_host;
+        self.origin_guest = origin_guest;
         let full_b = push_lower(&mut self.below, below);
         let full_a = push_upper(&mut self.above, above);
         self.saturated |= full_b || full_a;
@@ -542,6 +547,23 @@ mod tests {
             acc.offset_bounds_at(HostTicks(u64::MAX)),
             Err(EstimateError::Overflow)
         );
+    }
+
+    #[test]
+    fn failed_first_push_leaves_no_origin() {
+        // The first sample fails only after its origin is known (its receive lies 2^63 ticks
+        // after its send): the estimator must stay exactly as new, origin included.
+        let mut acc = DriftEstimator::<4>::new();
+        assert_eq!(
+            acc.push(&p(5, 7, (1 << 63) + 5)),
+            Err(EstimateError::Overflow)
+        );
+        let fresh = DriftEstimator::<4>::new();
+        assert_eq!(
+            (acc.origin_host, acc.origin_guest, acc.samples()),
+            (fresh.origin_host, fresh.origin_guest, fresh.samples())
+        );
+        assert_eq!((acc.below.len(), acc.above.len()), (0, 0));
     }
 
     #[test]

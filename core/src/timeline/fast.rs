@@ -17,8 +17,11 @@
 //! Both test the range for eight ticks at a time (one branch per chunk, which the compiler may
 //! turn into a single vector compare), then convert the chunk branch-free; the tail and the
 //! chunk that leaves the range go one tick at a time.
+//!
+//! A KVM segment runs the same kernels with a correction step appended (see the `kvm` module);
+//! the linear kernels are instantiated with a no-op correction, so they pay nothing for it.
 
-use super::Segment;
+use super::{Segment, kvm};
 
 /// Ticks tested and converted per chunk.
 const LANES: usize = 8;
@@ -26,6 +29,21 @@ const LANES: usize = 8;
 /// Converts the longest prefix of `ticks` with `0 <= tick - segment.start <= span` and returns
 /// its length. `span` must not exceed the segment's own overflow-free span.
 pub(super) fn convert_run(segment: &Segment, span: u64, ticks: &mut [u64]) -> usize {
+    match segment.kvm() {
+        None => convert_run_with(segment, span, ticks, |_, host| host),
+        Some(map) => kvm::convert_run(segment, map, span, ticks),
+    }
+}
+
+/// [`convert_run`] on the segment's line, then `fix(d, host)` on each result, where `d` is
+/// `tick - start` and `host` the line's value there.
+#[inline(always)]
+pub(super) fn convert_run_with(
+    segment: &Segment,
+    span: u64,
+    ticks: &mut [u64],
+    fix: impl Fn(u64, u64) -> u64,
+) -> usize {
     let start = segment.start;
     let base = segment.base;
     let slope = segment.slope;
@@ -43,7 +61,7 @@ pub(super) fn convert_run(segment: &Segment, span: u64, ticks: &mut [u64]) -> us
             let low = u128::from(d) * u128::from(f) + frac;
             #[allow(clippy::cast_possible_truncation)] // The high half of a u128.
             let hi = (low >> 64) as u64;
-            base.wrapping_add(d.wrapping_mul(k)).wrapping_add(hi)
+            fix(d, base.wrapping_add(d.wrapping_mul(k)).wrapping_add(hi))
         })
     } else {
         let mul = u128::from(slope.mul());
@@ -53,7 +71,7 @@ pub(super) fn convert_run(segment: &Segment, span: u64, ticks: &mut [u64]) -> us
             // d <= span keeps the result below 2^64 - base.
             #[allow(clippy::cast_possible_truncation)]
             let whole = ((u128::from(d) * mul + frac) >> shift) as u64;
-            base.wrapping_add(whole)
+            fix(d, base.wrapping_add(whole))
         })
     }
 }

@@ -27,13 +27,15 @@
 //! **Before the first segment** the first segment is extrapolated backwards (trace-cmd does the
 //! same), so an event recorded just before the first sync still lands on the host timeline.
 //!
-//! **Rounding**: every result is the floor of the segment's exact rational line; see
-//! [`Segment`] for the error against the true rate. **Overflow**: a result below 0 or above
+//! **Rounding**: a linear segment's result is the floor of its exact rational line; see
+//! [`Segment`] for the error against the true rate. A KVM segment's result is exactly
+//! [`crate::mapping::KvmTscMapping::try_host_from_guest_ceil`], no error at all. **Overflow**: a result below 0 or above
 //! `u64::MAX` is `None` (or a [`ConvertError`] naming the element, in the batch API); nothing
 //! here panics or allocates, and there are no floats.
 
 mod cursor;
 mod fast;
+mod kvm;
 mod owned;
 mod segment;
 mod slope;

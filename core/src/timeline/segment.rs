@@ -13,10 +13,16 @@
 //! rounding of a segment is the floor of that one expression, wherever the anchor lies.
 //! The intermediate never overflows: `mul < 2^63` and `frac < 2^shift <= 2^127` (see
 //! [`Slope`]). The error against the *true* rate (the ratio or ppb the slope was built from)
-//! comes only from the slope's own rounding, documented on [`Slope::try_from_ratio_floor`] and
-//! on [`Segment::try_from_kvm`].
+//! comes only from the slope's own rounding, documented on [`Slope::try_from_ratio_floor`].
+//!
+//! A KVM segment ([`Segment::try_from_kvm`]) is the exception: it also keeps the
+//! [`KvmTscMapping`] and converts with that mapping's exact inverse,
+//! [`KvmTscMapping::try_host_from_guest_ceil`]. Its line (through `(tsc_offset, 0)` with the
+//! reciprocal slope rounded down) is only the estimate the batch kernel starts from and then
+//! corrects (see the `kvm` module).
 
 use super::slope::Slope;
+use crate::mapping::KvmTscMapping;
 use crate::units::{GuestTicks, HostTicks};
 
 /// A linear guest→host mapping that a [`super::Timeline`] applies from [`Segment::start`] up to
@@ -37,8 +43,49 @@ pub struct Segment {
     /// Host ticks per guest tick.
     pub(super) slope: Slope,
     /// The largest `d` for which `base + ((d * mul + frac) >> shift)` fits a `u64`. The cursor's
-    /// fast path relies on it to skip the overflow checks.
+    /// fast path relies on it to skip the overflow checks. For a KVM segment it is the largest
+    /// `d` for which the batch kernel's corrected estimate is exact (see the `kvm` module).
     pub(super) fast_span: u64,
+    /// The exact relation of a KVM segment, whose inverse this segment computes; `ratio` 0
+    /// for a linear segment. Stored as raw fields rather than an `Option<KvmTscMapping>`
+    /// because that would add a tag and grow every segment from 80 to 96 bytes, which the
+    /// per-event binary search over the segments pays for in cache misses.
+    kvm: KvmParts,
+}
+
+/// A [`KvmTscMapping`]'s fields, or `ratio == 0` for none (a mapping's ratio is never 0).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "defmt", derive(defmt::Format))]
+struct KvmParts {
+    offset: i64,
+    ratio: u64,
+    frac_bits: u32,
+}
+
+impl KvmParts {
+    /// A linear segment's marker.
+    const NONE: Self = Self {
+        offset: 0,
+        ratio: 0,
+        frac_bits: 0,
+    };
+
+    const fn of(map: KvmTscMapping) -> Self {
+        Self {
+            offset: map.offset(),
+            ratio: map.ratio(),
+            frac_bits: map.frac_bits(),
+        }
+    }
+
+    /// The mapping back; only `NONE` (ratio 0) has none, since the fields came from a valid
+    /// mapping.
+    const fn get(self) -> Option<KvmTscMapping> {
+        match KvmTscMapping::try_new(self.offset, self.ratio, self.frac_bits) {
+            Ok(map) => Some(map),
+            Err(_) => None,
+        }
+    }
 }
 
 impl Segment {
@@ -54,6 +101,7 @@ impl Segment {
             slope: Slope::ONE,
             // base + d fits while d <= u64::MAX - base.
             fast_span: u64::MAX - start.0,
+            kvm: KvmParts::NONE,
         }
     }
 
@@ -70,6 +118,7 @@ impl Segment {
             frac: 0,
             slope: Slope::ONE,
             fast_span: u64::MAX - base,
+            kvm: KvmParts::NONE,
         })
     }
 
@@ -129,21 +178,12 @@ impl Segment {
         )
     }
 
-    /// The inverse of a KVM vCPU relation `guest = tsc_offset + ((host * ratio) >> frac_bits)`
-    /// (DESIGN §2), used from `start` on: `host ≈ ((guest - tsc_offset) << frac_bits) / ratio`.
+    /// The exact inverse of a KVM vCPU relation `guest = tsc_offset + ((host * ratio) >>
+    /// frac_bits)` (DESIGN §2), used from `start` on: [`Segment::try_from_kvm_mapping`] with
+    /// the three values KVM prints in debugfs (`tsc-offset` is signed).
     ///
-    /// The division is replaced by a reciprocal precomputed here ([`Slope::try_from_kvm_ratio_floor`]),
-    /// so the hot path only multiplies. Rounding, against `exact = floor(((guest - tsc_offset)
-    /// << frac_bits) / ratio)` computed with unbounded integers: the result is never above
-    /// `exact` and at most `1 + (exact >> 62)` below it, that is **at most one tick low for
-    /// every host value below 2^62** (about 48 years of a 3 GHz TSC). It is exactly `exact`
-    /// when `ratio` is a power of two (identity scaling included). Proof: the stored slope `s'`
-    /// is below the true `s` by less than `2^-shift <= s'·2^-62`, so the real-valued results
-    /// differ by less than `(guest - tsc_offset)·s'·2^-62 <= exact_real/2^62`.
-    ///
-    /// `tsc_offset` is the signed value KVM prints in debugfs `tsc-offset`. `None` if `ratio`
-    /// is 0, `frac_bits >= 63`, or `start` maps outside the host range (in particular when
-    /// `start < tsc_offset`: those guest ticks precede host tick 0).
+    /// `None` if they do not form a [`KvmTscMapping`] (`ratio` 0, `frac_bits > 63`) or for the
+    /// reasons given on [`Segment::try_from_kvm_mapping`].
     #[must_use]
     pub fn try_from_kvm(
         start: GuestTicks,
@@ -151,13 +191,43 @@ impl Segment {
         ratio: u64,
         frac_bits: u32,
     ) -> Option<Self> {
-        let slope = Slope::try_from_kvm_ratio_floor(ratio, frac_bits)?;
-        Self::try_new(start.0, i128::from(tsc_offset), 0, slope)
+        let map = KvmTscMapping::try_new(tsc_offset, ratio, frac_bits).ok()?;
+        Self::try_from_kvm_mapping(start, map)
     }
 
-    /// A segment from the parts returned by [`Segment::start`], [`Segment::host_at_start`],
-    /// [`Segment::host_frac_at_start`] and [`Segment::slope`]: the lossless way to store or
-    /// send a segment. `None` unless `frac < 2^slope.shift()`.
+    /// A segment that converts every guest tick with `map`'s exact inverse,
+    /// [`KvmTscMapping::try_host_from_guest_ceil`]: the first host tick whose guest image is at
+    /// or after the guest tick, so a guest TSC read taken during host tick `h` converts back to
+    /// exactly `h` whenever the guest clock runs at least as fast as the host's (and to the
+    /// first of the host ticks sharing its value otherwise). No rounding error at all.
+    ///
+    /// The hot path does not divide: the batch kernel multiplies by a reciprocal rounded down
+    /// ([`Slope::try_from_kvm_ratio_floor`]), which can only land at or below the answer, and
+    /// then steps up while the forward map of its guess is still below the guest tick (at most
+    /// two steps, proved in the `kvm` module). Single conversions use the mapping directly.
+    ///
+    /// `None` if `start` precedes host tick 0 (`start < tsc_offset`), if `start` maps beyond
+    /// `u64::MAX`, or if the reciprocal slope exceeds `2^62` (a guest clock `2^62` times
+    /// slower than the host's). Guest ticks before `start` convert exactly as the mapping says,
+    /// wrapping included: one numerically below `tsc_offset` lies `2^64` ticks later.
+    #[must_use]
+    pub fn try_from_kvm_mapping(start: GuestTicks, map: KvmTscMapping) -> Option<Self> {
+        let slope = Slope::try_from_kvm_ratio_floor(map.ratio(), map.frac_bits())?;
+        let line = Self::try_new(start.0, i128::from(map.offset()), 0, slope)?;
+        // try_new succeeded, so start >= offset (else the host value at start is negative) and
+        // start - offset < 2^64.
+        let scaled_at_start = u64::try_from(i128::from(start.0) - i128::from(map.offset())).ok()?;
+        Some(Self {
+            fast_span: super::kvm::exact_span(&line, scaled_at_start),
+            kvm: KvmParts::of(map),
+            ..line
+        })
+    }
+
+    /// A linear segment from the parts returned by [`Segment::start`],
+    /// [`Segment::host_at_start`], [`Segment::host_frac_at_start`] and [`Segment::slope`]: the
+    /// lossless way to store or send a linear segment (store a KVM segment as its start and
+    /// [`Segment::kvm`] instead). `None` unless `frac < 2^slope.shift()`.
     #[must_use]
     pub fn try_from_parts(
         start: GuestTicks,
@@ -174,6 +244,7 @@ impl Segment {
             frac,
             slope,
             fast_span: fast_span(base.0, frac, slope),
+            kvm: KvmParts::NONE,
         })
     }
 
@@ -205,6 +276,7 @@ impl Segment {
             frac,
             slope,
             fast_span: fast_span(base, frac, slope),
+            kvm: KvmParts::NONE,
         })
     }
 
@@ -214,7 +286,9 @@ impl Segment {
         GuestTicks(self.start)
     }
 
-    /// The host tick of [`Segment::start`], rounded down.
+    /// The host tick of [`Segment::start`] on this segment's line, rounded down (for a KVM
+    /// segment: on the reciprocal estimate's line, which may be up to two ticks below
+    /// [`Segment::try_convert_floor`] of the start).
     #[must_use]
     pub const fn host_at_start(&self) -> HostTicks {
         HostTicks(self.base)
@@ -227,17 +301,32 @@ impl Segment {
         self.frac
     }
 
-    /// Host ticks per guest tick.
+    /// Host ticks per guest tick (for a KVM segment: the reciprocal of its ratio, rounded down).
     #[must_use]
     pub const fn slope(&self) -> Slope {
         self.slope
     }
 
-    /// This segment's line at `guest`, rounded down: `floor(host_at_start + host_frac_at_start /
-    /// 2^shift + (guest - start) * slope)`, for any `guest`, before `start` too (that is how a
-    /// timeline extrapolates backwards). `None` if the result is below 0 or above `u64::MAX`.
+    /// The KVM relation a segment built by [`Segment::try_from_kvm`] inverts; `None` for a
+    /// linear segment.
+    #[must_use]
+    pub const fn kvm(&self) -> Option<KvmTscMapping> {
+        self.kvm.get()
+    }
+
+    /// The host tick of `guest`, for any `guest`, before `start` too (that is how a timeline
+    /// extrapolates backwards).
+    ///
+    /// A linear segment returns its line rounded down: `floor(host_at_start +
+    /// host_frac_at_start / 2^shift + (guest - start) * slope)`, `None` if that is below 0 or
+    /// above `u64::MAX`. A KVM segment returns exactly
+    /// [`KvmTscMapping::try_host_from_guest_ceil`]: the earliest host tick the guest could have
+    /// read `guest` at, i.e. the floor of the instant in host time.
     #[must_use]
     pub fn try_convert_floor(&self, guest: GuestTicks) -> Option<HostTicks> {
+        if self.kvm.ratio != 0 {
+            return self.try_convert_kvm(guest);
+        }
         let mul = u128::from(self.slope.mul());
         let shift = self.slope.shift();
         if let Some(d) = guest.0.checked_sub(self.start) {
@@ -260,6 +349,14 @@ impl Segment {
                 .map(HostTicks)
         }
     }
+
+    /// A KVM segment's single conversion: the mapping's exact inverse. Kept out of line so
+    /// that the linear path of [`Segment::try_convert_floor`] stays small enough to inline into
+    /// the per-event loops.
+    #[inline(never)]
+    fn try_convert_kvm(&self, guest: GuestTicks) -> Option<HostTicks> {
+        self.kvm.get()?.try_host_from_guest_ceil(guest)
+    }
 }
 
 /// `2^shift - 1` for `shift <= 127`.
@@ -268,18 +365,24 @@ const fn low_mask(shift: u32) -> u128 {
 }
 
 /// The largest `d: u64` with `base + ((d * mul + frac) >> shift) <= u64::MAX`.
-///
-/// With `room = 2^64 - base`, the condition is `d * mul + frac < room * 2^shift`. When
-/// `room * 2^shift >= 2^128` it holds for every `d` (the left side is below `2^128`).
 fn fast_span(base: u64, frac: u128, slope: Slope) -> u64 {
-    let room = u128::from(u64::MAX - base) + 1;
+    fast_span_up_to(u64::MAX, base, frac, slope).unwrap_or(0)
+}
+
+/// The largest `d: u64` with `base + ((d * mul + frac) >> shift) <= top`; `None` if even
+/// `d = 0` exceeds it (`base > top`).
+///
+/// With `room = top + 1 - base`, the condition is `d * mul + frac < room * 2^shift`. When
+/// `room * 2^shift >= 2^128` it holds for every `d` (the left side is below `2^128`).
+pub(super) fn fast_span_up_to(top: u64, base: u64, frac: u128, slope: Slope) -> Option<u64> {
+    let room = u128::from(top.checked_sub(base)?) + 1;
     let shift = slope.shift();
     if room.leading_zeros() < shift {
-        return u64::MAX;
+        return Some(u64::MAX);
     }
     // room << shift > frac (room >= 1, frac < 2^shift), so this is at least 0.
     let limit = (room << shift) - frac - 1;
-    u64::try_from(limit / u128::from(slope.mul())).unwrap_or(u64::MAX)
+    Some(u64::try_from(limit / u128::from(slope.mul())).unwrap_or(u64::MAX))
 }
 
 #[cfg(test)]
@@ -389,15 +492,24 @@ mod tests {
             s.try_convert_floor(GuestTicks(123_456)),
             Some(HostTicks(124_456))
         );
-        // Guest runs at twice the host rate: host = (guest - offset) / 2, floored.
+        // Guest runs at twice the host rate: guest = offset + 2 * host, so a guest tick converts
+        // to the first host tick whose image reaches it, ceil((guest - offset) / 2).
         let s = Segment::try_from_kvm(GuestTicks(10), 10, 1 << 33, 32).unwrap();
         assert_eq!(s.try_convert_floor(GuestTicks(10)), Some(HostTicks(0)));
-        assert_eq!(s.try_convert_floor(GuestTicks(13)), Some(HostTicks(1)));
+        assert_eq!(s.try_convert_floor(GuestTicks(12)), Some(HostTicks(1)));
+        assert_eq!(s.try_convert_floor(GuestTicks(13)), Some(HostTicks(2)));
         assert_eq!(s.try_convert_floor(GuestTicks(14)), Some(HostTicks(2)));
         // Guest ticks before tsc_offset precede host tick 0.
         assert_eq!(Segment::try_from_kvm(GuestTicks(9), 10, 1 << 33, 32), None);
         assert_eq!(Segment::try_from_kvm(GuestTicks(9), 0, 0, 32), None);
+        // A reciprocal slope of 2^63 cannot be stored.
         assert_eq!(Segment::try_from_kvm(GuestTicks(9), 0, 1, 63), None);
+    }
+
+    #[test]
+    fn kvm_fields_do_not_grow_segments_past_80_bytes() {
+        // The per-event binary search touches one segment per step: keep them compact.
+        assert!(core::mem::size_of::<Segment>() <= 80);
     }
 
     #[test]
@@ -448,58 +560,6 @@ mod tests {
                 prop_assert!(seg.try_convert_floor(GuestTicks(edge)).is_some());
                 if let Some(beyond) = edge.checked_add(1) {
                     prop_assert_eq!(seg.try_convert_floor(GuestTicks(beyond)), None);
-                }
-            }
-        }
-
-        /// KVM inverse: never above the exact `floor((g - off) * 2^frac / ratio)`, and at most
-        /// `1 + (exact >> 62)` below it (at most one tick below 2^62).
-        #[test]
-        fn kvm_inverse_error_bound(
-            tsc_offset in any::<i64>(),
-            ratio_ppm in -300_000i64..300_000,
-            ratio_raw in 1u64..,
-            use_raw in any::<bool>(),
-            frac_bits in prop_oneof![Just(32u32), Just(48u32), 1u32..63],
-            guests in prop::collection::vec(any::<u64>(), 16),
-            near_offset in prop::collection::vec(0u64..1 << 50, 16),
-        ) {
-            let ratio = if use_raw {
-                ratio_raw
-            } else {
-                // A realistic ratio: within ±30 % of identity.
-                let scaled = (1i128 << frac_bits) * (1_000_000 + i128::from(ratio_ppm)) / 1_000_000;
-                u64::try_from(scaled.max(1)).unwrap_or(u64::MAX)
-            };
-            let lowest = u64::try_from(tsc_offset.max(0)).unwrap();
-            let Some(seg) = Segment::try_from_kvm(GuestTicks(lowest), tsc_offset, ratio, frac_bits)
-            else {
-                // Refused only when the start itself maps beyond u64::MAX.
-                let dist = u128::try_from(i128::from(lowest) - i128::from(tsc_offset)).unwrap();
-                prop_assert!((dist << frac_bits) / u128::from(ratio) > u128::from(u64::MAX));
-                return Ok(());
-            };
-            let mut all = guests;
-            all.extend(near_offset.iter().map(|&n| lowest.saturating_add(n)));
-            for g in all {
-                let Some(dist) = u128::try_from(i128::from(g) - i128::from(tsc_offset)).ok() else {
-                    continue;
-                };
-                // dist < 2^65, frac_bits < 63: dist << frac fits u128.
-                let exact = (dist << frac_bits) / u128::from(ratio);
-                let got = seg.try_convert_floor(GuestTicks(g));
-                match u64::try_from(exact) {
-                    Ok(exact) => {
-                        // 0 <= result <= exact <= u64::MAX: it must be representable.
-                        let got = got.map(|h| h.0);
-                        prop_assert!(got.is_some(), "g {} exact {} got None", g, exact);
-                        let got = got.unwrap_or(0);
-                        prop_assert!(got <= exact, "g {} got {} > exact {}", g, got, exact);
-                        prop_assert!(exact - got <= 1 + (exact >> 62),
-                            "g {} got {} exact {}", g, got, exact);
-                    }
-                    // Out of range exactly; the floor below may still fit by the same bound.
-                    Err(_) => prop_assert!(got.is_none_or(|h| h.0 >= u64::MAX - 1 - (u64::MAX >> 62))),
                 }
             }
         }

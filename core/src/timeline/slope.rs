@@ -108,11 +108,15 @@ impl Slope {
     /// tick, precomputed once as a reciprocal and rounded down.
     ///
     /// KVM scales `guest = offset + ((host * ratio) >> frac_bits)` (DESIGN §2); trace
-    /// conversion needs the inverse. `None` if `ratio` is 0 or `frac_bits >= 63`
-    /// (KVM uses 48 on Intel and 32 on AMD).
+    /// conversion needs the inverse. This rounded reciprocal is **not** that inverse (the
+    /// floor of a line through it lands up to two ticks below
+    /// [`crate::mapping::KvmTscMapping::try_host_from_guest_ceil`]); a KVM
+    /// [`crate::timeline::Segment`] uses it only as the estimate it then corrects. `None` if
+    /// `ratio` is 0, `frac_bits > 63` (KVM uses 48 on Intel and 32 on AMD), or the slope
+    /// exceeds `2^62`.
     #[must_use]
     pub const fn try_from_kvm_ratio_floor(ratio: u64, frac_bits: u32) -> Option<Self> {
-        if frac_bits >= 63 {
+        if frac_bits > 63 {
             return None;
         }
         Self::try_from_ratio_floor(1 << frac_bits, ratio)
@@ -205,6 +209,11 @@ mod tests {
         assert!(Slope::try_from_ppb_floor(i64::MAX).is_some());
         assert_eq!(Slope::try_from_kvm_ratio_floor(0, 48), None);
         assert_eq!(Slope::try_from_kvm_ratio_floor(1, 63), None);
+        assert_eq!(Slope::try_from_kvm_ratio_floor(1 << 1, 64), None);
+        assert_eq!(
+            Slope::try_from_kvm_ratio_floor(1 << 63, 63),
+            Some(Slope::ONE)
+        );
         assert_eq!(Slope::try_from_raw(0, 3), None);
         assert_eq!(Slope::try_from_raw(1 << 63, 3), None);
         assert_eq!(Slope::try_from_raw(5, 128), None);

@@ -402,11 +402,21 @@ fn run_kvm(a: &KvmArgs) -> Result<(), CliError> {
 /// Resolves the mapping `convert` uses, from flags or from debugfs.
 fn convert_mapping(a: &ConvertArgs) -> Result<KvmTscMapping, CliError> {
     if let Some(offset) = a.offset {
-        return Ok(KvmTscMapping {
-            offset,
-            ratio: a.ratio.unwrap_or(1),
-            frac_bits: a.frac_bits.unwrap_or(0),
-        });
+        return match (a.ratio, a.frac_bits) {
+            (Some(r), Some(f)) => KvmTscMapping::try_new(offset, r, f).map_err(|e| {
+                ComposeError::Field {
+                    field: "--ratio/--frac-bits",
+                    value: format!("{r}/{f}"),
+                    why: if matches!(e, vmtsync_core::mapping::MappingError::ZeroRatio) {
+                        "the ratio must be non-zero"
+                    } else {
+                        "frac bits must be at most 63"
+                    },
+                }
+                .into()
+            }),
+            _ => Ok(KvmTscMapping::offset_only(offset)),
+        };
     }
     let (Some(sel), Some(vcpu)) = (a.vm.as_ref(), a.vcpu) else {
         // clap enforces one of the two forms.
@@ -441,10 +451,9 @@ fn convert_mapping(a: &ConvertArgs) -> Result<KvmTscMapping, CliError> {
     if v.guest_mode == Some(true) && !a.nested_l2 {
         return Err(CliError::Nested { vm: vm_name, vcpu });
     }
-    Ok(KvmTscMapping {
-        offset: v.tsc_offset,
-        ratio: v.tsc_scaling_ratio,
-        frac_bits: v.tsc_frac_bits,
+    // The debugfs parser already rejected ratio 0 and frac bits above 63.
+    KvmTscMapping::try_new(v.tsc_offset, v.tsc_scaling_ratio, v.tsc_frac_bits).map_err(|e| {
+        CliError::Output(io::Error::other(format!("VM {vm_name} vcpu{vcpu}: {e}")))
     })
 }
 
@@ -481,7 +490,7 @@ fn run_compose(a: &ComposeArgs) -> Result<(), CliError> {
         writeln!(
             out,
             "L0->L2: tsc_offset {} tsc_scaling_ratio {} tsc_frac_bits {}",
-            m.offset, m.ratio, m.frac_bits
+            m.offset(), m.ratio(), m.frac_bits()
         )?;
     }
     out.flush()?;

@@ -65,11 +65,10 @@ impl FromStr for MappingArg {
             .ok()
             .filter(|&f| f < 64)
             .ok_or_else(|| field("FRAC", f, "fraction bits from 0 to 63"))?;
-        Ok(Self(KvmTscMapping {
-            offset,
-            ratio,
-            frac_bits,
-        }))
+        // Both invariants were checked above with field-specific messages.
+        KvmTscMapping::try_new(offset, ratio, frac_bits)
+            .map(Self)
+            .map_err(|e| ComposeError::Syntax(format!("{s}: {e}")))
     }
 }
 
@@ -91,10 +90,10 @@ pub struct ComposedJson {
 /// # Errors
 /// [`ComposeError::Compose`] when the fraction bits differ or the result overflows.
 pub fn compose(l01: &KvmTscMapping, l12: &KvmTscMapping) -> Result<KvmTscMapping, ComposeError> {
-    if l01.frac_bits != l12.frac_bits {
+    if l01.frac_bits() != l12.frac_bits() {
         return Err(ComposeError::Compose(format!(
             "frac bits differ ({} vs {})",
-            l01.frac_bits, l12.frac_bits
+            l01.frac_bits(), l12.frac_bits()
         )));
     }
     KvmTscMapping::try_compose_nested(l01, l12)
@@ -106,9 +105,9 @@ pub fn compose(l01: &KvmTscMapping, l12: &KvmTscMapping) -> Result<KvmTscMapping
 pub fn to_json(m: &KvmTscMapping) -> ComposedJson {
     ComposedJson {
         schema: SCHEMA_VERSION,
-        tsc_offset: m.offset,
-        tsc_scaling_ratio: m.ratio,
-        tsc_frac_bits: m.frac_bits,
+        tsc_offset: m.offset(),
+        tsc_scaling_ratio: m.ratio(),
+        tsc_frac_bits: m.frac_bits(),
     }
 }
 
@@ -119,7 +118,7 @@ mod tests {
     #[test]
     fn parses_args() {
         let m = "-5,281474976710656,48".parse::<MappingArg>().unwrap().0;
-        assert_eq!((m.offset, m.ratio, m.frac_bits), (-5, 1 << 48, 48));
+        assert_eq!((m.offset(), m.ratio(), m.frac_bits()), (-5, 1 << 48, 48));
         assert_eq!(
             "1,2".parse::<MappingArg>(),
             Err(ComposeError::Syntax("1,2".into()))
@@ -140,8 +139,7 @@ mod tests {
 
     #[test]
     fn different_frac_bits_refused() {
-        let a = KvmTscMapping { offset: 0, ratio: 1 << 48, frac_bits: 48 };
-        let b = KvmTscMapping { offset: 0, ratio: 1 << 32, frac_bits: 32 };
+        let (a, b) = (KvmTscMapping::IDENTITY_VMX, KvmTscMapping::IDENTITY_SVM);
         assert!(matches!(compose(&a, &b), Err(ComposeError::Compose(_))));
     }
 }

@@ -282,11 +282,7 @@ mod tests {
     }
 
     fn offset(o: i64) -> KvmTscMapping {
-        KvmTscMapping {
-            offset: o,
-            ratio: 1,
-            frac_bits: 0,
-        }
+        KvmTscMapping::offset_only(o)
     }
 
     #[test]
@@ -328,9 +324,13 @@ mod tests {
 
     #[test]
     fn out_of_range_is_reported() {
-        let (r, _, _) = run(b"5\n", &opts(offset(10), Direction::Host, false));
+        // Ratio 1/2: the guest runs at half the host rate, so a guest value above 2^63 has no
+        // host tick in u64.
+        let half = KvmTscMapping::try_new(0, 1, 1).unwrap();
+        let (r, out, _) = run(b"10\n18446744073709551615\n", &opts(half, Direction::Host, false));
+        assert_eq!(out, "20\n");
         assert!(
-            r.unwrap_err().starts_with("line 1: 5 is outside the range"),
+            r.unwrap_err().starts_with("line 2: 18446744073709551615 is outside the range"),
         );
     }
 

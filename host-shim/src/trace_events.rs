@@ -95,7 +95,7 @@ pub struct Subscription {
     pub tsc_clock: bool,
 }
 
-fn io_err(action: &'static str, path: &Path) -> impl FnOnce(io::Error) -> TraceError + '_ {
+fn io_err<'a>(action: &'static str, path: &'a Path) -> impl FnOnce(io::Error) -> TraceError + 'a {
     move |source| TraceError::Io {
         action,
         path: path.to_path_buf(),

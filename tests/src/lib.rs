@@ -6,6 +6,8 @@
 
 use std::process::Child;
 
+pub mod idle_vmm;
+
 /// True when running under CI (`CI=true` or `CI=1`).
 #[must_use]
 pub fn is_ci() -> bool {

@@ -1,6 +1,7 @@
 //! `vmtsync kvm --watch`: poll debugfs and emit one JSON line per change.
 //!
 //! Events (each a JSON object on one line, all with `"schema":1` and `"event"`):
+//! - `watch_started`: `host_tsc`, `trace_events` (whether the tracepoint is subscribed), first.
 //! - `vm_found` (at start) / `vm_added` (later): `pid`, `fd`, `name`, `vcpus` (as in
 //!   `vmtsync kvm --json`).
 //! - `vcpu_added`: `pid`, `fd`, `vcpu` (one vCPU object).
@@ -99,6 +100,15 @@ pub fn watch(scanner: &Scanner, mut opts: WatchOptions<'_>, out: &mut dyn Write)
         Some(sel) => Some(scanner.select(Some(sel))?.iter().map(|(v, _)| v.id).collect()),
         None => None,
     };
+    emit(
+        out,
+        &json!({
+            "schema": SCHEMA_VERSION,
+            "event": "watch_started",
+            "host_tsc": read_host_tsc().0,
+            "trace_events": opts.trace.is_some(),
+        }),
+    )?;
     let mut first = true;
     loop {
         poll_once(scanner, selected.as_deref(), &mut state, first, out)?;

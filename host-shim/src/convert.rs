@@ -260,6 +260,7 @@ pub fn convert_stream(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
 
     fn opts(m: KvmTscMapping, to: Direction, skip_bad: bool) -> ConvertOptions {
         ConvertOptions {
@@ -348,5 +349,49 @@ mod tests {
         let mut b = [0u8; 21];
         assert_eq!(fmt_line(0, &mut b), b"0\n");
         assert_eq!(fmt_line(u64::MAX, &mut b), b"18446744073709551615\n");
+    }
+
+    proptest! {
+        /// The stream writes exactly what the core computes for each value, in order, and
+        /// skips exactly the values the core cannot map.
+        #[test]
+        fn stream_matches_core(
+            offset: i64,
+            frac in prop_oneof![Just(32u32), Just(48u32)],
+            ratio_frac in 1u64..(1 << 16),
+            to_guest: bool,
+            floor: bool,
+            values in proptest::collection::vec(any::<u64>(), 0..64),
+        ) {
+            let ratio = ratio_frac << (frac - 16);
+            let m = KvmTscMapping::try_new(offset, ratio, frac).unwrap();
+            let o = ConvertOptions {
+                mapping: m,
+                to: if to_guest { Direction::Guest } else { Direction::Host },
+                rounding: if floor { Rounding::Floor } else { Rounding::Ceil },
+                skip_bad: true,
+            };
+            let mut input = String::new();
+            let mut expect = String::new();
+            let mut bad = 0u64;
+            for v in &values {
+                input.push_str(&format!("{v}\n"));
+                let r = if to_guest {
+                    m.try_guest_from_host(HostTicks(*v)).map(|g| g.0)
+                } else if floor {
+                    m.try_host_from_guest_floor(GuestTicks(*v)).map(|h| h.0)
+                } else {
+                    m.try_host_from_guest_ceil(GuestTicks(*v)).map(|h| h.0)
+                };
+                match r {
+                    Some(r) => expect.push_str(&format!("{r}\n")),
+                    None => bad += 1,
+                }
+            }
+            let (r, out, _) = run(input.as_bytes(), &o);
+            let stats = r.unwrap();
+            prop_assert_eq!(out, expect);
+            prop_assert_eq!(stats.skipped, bad);
+        }
     }
 }

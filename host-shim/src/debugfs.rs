@@ -14,8 +14,10 @@
 //! Every file is read with one bounded read into a stack buffer and parsed strictly: any byte
 //! sequence yields a value or a [`DebugfsError`] naming the file and the bytes, never a panic.
 
+use std::ffi::CStr;
 use std::fs::{self, File};
 use std::io::{self, Read};
+use std::os::fd::{AsRawFd, FromRawFd};
 use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
@@ -30,15 +32,20 @@ pub const DEFAULT_KVM_DEBUGFS: &str = "/sys/kernel/debug/kvm";
 pub const DEBUGFS_MOUNTPOINT: &str = "/sys/kernel/debug";
 
 /// Per-vCPU file with the signed TSC offset (`"%lld\n"`, arch/x86/kvm/debugfs.c).
-pub const TSC_OFFSET_FILE: &str = "tsc-offset";
+pub const TSC_OFFSET_FILE: &CStr = c"tsc-offset";
 /// Per-vCPU file with the TSC scaling multiplier (`"%llu\n"`), present only with TSC scaling.
-pub const TSC_RATIO_FILE: &str = "tsc-scaling-ratio";
+pub const TSC_RATIO_FILE: &CStr = c"tsc-scaling-ratio";
 /// Per-vCPU file with the multiplier's fraction bits (`"%llu\n"`: 48 on VMX, 32 on SVM).
-pub const TSC_FRAC_FILE: &str = "tsc-scaling-ratio-frac-bits";
+pub const TSC_FRAC_FILE: &CStr = c"tsc-scaling-ratio-frac-bits";
 /// Per-vCPU file: `1` while the vCPU runs a nested (L2) guest (arch/x86/kvm/debugfs.c).
-pub const GUEST_MODE_FILE: &str = "guest_mode";
+pub const GUEST_MODE_FILE: &CStr = c"guest_mode";
 /// Per-vCPU file with the TID of the thread that last ran the vCPU, `0` if none yet.
-pub const THREAD_PID_FILE: &str = "pid";
+pub const THREAD_PID_FILE: &CStr = c"pid";
+
+/// A file-name constant as a path component.
+fn os(name: &CStr) -> &std::ffi::OsStr {
+    std::os::unix::ffi::OsStrExt::from_bytes(name.to_bytes())
+}
 
 /// The longest file content accepted. A 64-bit decimal with sign and newline is 21 bytes; more
 /// than this means the file is not what we think it is.
@@ -410,35 +417,58 @@ enum Small {
     Absent,
 }
 
-/// Reads at most `MAX_FILE_BYTES + 1` bytes of `path` into `buf`. Opened non-blocking so a
+/// Reads at most `MAX_FILE_BYTES + 1` bytes of `name` in the open directory `dir` into `buf`.
+/// `path` names the file in errors. Opened relative to the directory (one path component to
+/// resolve instead of the whole path: this is most of a scan's cost) and non-blocking, so a
 /// FIFO in the tree cannot hang us.
-fn read_small(path: &Path, buf: &mut [u8; MAX_FILE_BYTES + 1]) -> Result<Small, DebugfsError> {
-    let mut f = match File::options()
-        .read(true)
-        .custom_flags(libc::O_NONBLOCK)
-        .open(path)
-    {
-        Ok(f) => f,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Small::Absent),
-        Err(e) => return Err(io_error(path, e)),
+fn read_small(
+    dir: &File,
+    name: &CStr,
+    path: &dyn Fn() -> PathBuf,
+    buf: &mut [u8; MAX_FILE_BYTES + 1],
+) -> Result<Small, DebugfsError> {
+    // SAFETY: `dir` is an open directory fd and `name` a NUL-terminated string, both valid for
+    // the duration of the call.
+    let fd = unsafe {
+        libc::openat(
+            dir.as_raw_fd(),
+            name.as_ptr(),
+            libc::O_RDONLY | libc::O_NONBLOCK | libc::O_CLOEXEC,
+        )
     };
+    if fd < 0 {
+        let e = io::Error::last_os_error();
+        if e.kind() == io::ErrorKind::NotFound {
+            return Ok(Small::Absent);
+        }
+        return Err(io_error(&path(), e));
+    }
+    // SAFETY: `fd` was just returned by openat and is owned by nothing else.
+    let mut f = unsafe { File::from_raw_fd(fd) };
     let mut n = 0;
     while n < buf.len() {
         match f.read(&mut buf[n..]) {
             Ok(0) => break,
-            Ok(k) => n += k,
+            Ok(k) => {
+                n += k;
+                // A regular file returns everything up to the buffer size in one read; the
+                // kernel's values end in a newline. Skip the read that would return 0.
+                if buf[n - 1] == b'\n' && n < buf.len() {
+                    break;
+                }
+            }
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
             Err(e) if e.raw_os_error() == Some(libc::EISDIR) => {
                 return Err(DebugfsError::NotAFile {
-                    path: path.to_path_buf(),
+                    path: path(),
                     kind: "a directory",
                 });
             }
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                return Err(not_a_file(path, &f));
+                return Err(not_a_file(&path(), &f));
             }
             // A debugfs file of an exiting VM can fail with ENODEV/EIO; the caller decides.
-            Err(e) => return Err(io_error(path, e)),
+            Err(e) => return Err(io_error(&path(), e)),
         }
     }
     if n == 0 {
@@ -446,7 +476,7 @@ fn read_small(path: &Path, buf: &mut [u8; MAX_FILE_BYTES + 1]) -> Result<Small, 
         if let Ok(m) = f.metadata()
             && !m.file_type().is_file()
         {
-            return Err(not_a_file(path, &f));
+            return Err(not_a_file(&path(), &f));
         }
     }
     Ok(Small::Bytes(n))
@@ -466,14 +496,16 @@ fn not_a_file(path: &Path, f: &File) -> DebugfsError {
     }
 }
 
-/// Reads and parses one file; `Ok(None)` if it does not exist.
+/// Reads and parses one file of the open directory `dir`; `Ok(None)` if it does not exist.
 fn read_parsed<T>(
-    path: &Path,
+    dir: &File,
+    name: &CStr,
+    path: &dyn Fn() -> PathBuf,
     expected: &'static str,
     parse: impl FnOnce(&[u8]) -> Option<T>,
 ) -> Result<Option<T>, DebugfsError> {
     let mut buf = [0u8; MAX_FILE_BYTES + 1];
-    match read_small(path, &mut buf)? {
+    match read_small(dir, name, path, &mut buf)? {
         Small::Absent => Ok(None),
         Small::Bytes(n) => {
             let bytes = &buf[..n];
@@ -483,7 +515,7 @@ fn read_parsed<T>(
                 parse(bytes)
             };
             parsed.map(Some).ok_or_else(|| DebugfsError::Malformed {
-                path: path.to_path_buf(),
+                path: path(),
                 expected,
                 shown: show(bytes),
             })
@@ -497,50 +529,50 @@ fn read_parsed<T>(
 /// [`DebugfsError::VmExited`] if the directory vanished; [`DebugfsError::Missing`] without
 /// `tsc-offset`; parse and I/O errors naming the file.
 pub fn read_vcpu(dir: &Path, vcpu: u32) -> Result<VcpuState, DebugfsError> {
-    let mut path = dir.to_path_buf();
-    let mut file = |name: &str| {
-        path.push(name);
-        let p = path.clone();
-        path.pop();
-        p
+    let exited = || DebugfsError::VmExited {
+        path: dir.parent().unwrap_or(dir).to_path_buf(),
     };
-    let (p_off, p_ratio, p_frac, p_gm, p_pid) = (
-        file(TSC_OFFSET_FILE),
-        file(TSC_RATIO_FILE),
-        file(TSC_FRAC_FILE),
-        file(GUEST_MODE_FILE),
-        file(THREAD_PID_FILE),
-    );
+    let dirf = match File::options()
+        .read(true)
+        .custom_flags(libc::O_DIRECTORY | libc::O_CLOEXEC)
+        .open(dir)
+    {
+        Ok(f) => f,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Err(exited()),
+        Err(e) => return Err(io_error(dir, e)),
+    };
+    let p_off = || dir.join(os(TSC_OFFSET_FILE));
+    let p_ratio = || dir.join(os(TSC_RATIO_FILE));
+    let p_frac = || dir.join(os(TSC_FRAC_FILE));
+    let p_gm = || dir.join(os(GUEST_MODE_FILE));
+    let p_pid = || dir.join(os(THREAD_PID_FILE));
 
     let before = read_host_tsc();
-    let offset = read_parsed(&p_off, "a signed decimal integer", parse_i64_contents);
-    let ratio = read_parsed(&p_ratio, "a non-zero unsigned decimal integer", |b| {
+    let offset = read_parsed(&dirf, TSC_OFFSET_FILE, &p_off, "a signed decimal integer", parse_i64_contents);
+    let ratio = read_parsed(&dirf, TSC_RATIO_FILE, &p_ratio, "a non-zero unsigned decimal integer", |b| {
         parse_u64_contents(b).filter(|&r| r != 0)
     });
-    let frac = read_parsed(&p_frac, "an integer from 0 to 63", |b| {
+    let frac = read_parsed(&dirf, TSC_FRAC_FILE, &p_frac, "an integer from 0 to 63", |b| {
         parse_u64_contents(b)
             .filter(|&f| f < 64)
             .and_then(|f| u32::try_from(f).ok())
     });
-    let guest_mode = read_parsed(&p_gm, "0 or 1", |b| match strip_newline(b) {
+    let guest_mode = read_parsed(&dirf, GUEST_MODE_FILE, &p_gm, "0 or 1", |b| match strip_newline(b) {
         b"0" => Some(false),
         b"1" => Some(true),
         _ => None,
     });
-    let thread = read_parsed(&p_pid, "a thread id (unsigned decimal)", |b| {
+    let thread = read_parsed(&dirf, THREAD_PID_FILE, &p_pid, "a thread id (unsigned decimal)", |b| {
         parse_u64_contents(b).and_then(|p| u32::try_from(p).ok())
     });
     let after = read_host_tsc();
 
     // Any absent file may mean the VM exited mid-read: check before believing "absent".
     let gone = || !dir.exists();
-    let exited = || DebugfsError::VmExited {
-        path: dir.parent().unwrap_or(dir).to_path_buf(),
-    };
     let tsc_offset = match offset? {
         Some(o) => o,
         None if gone() => return Err(exited()),
-        None => return Err(DebugfsError::Missing { path: p_off }),
+        None => return Err(DebugfsError::Missing { path: p_off() }),
     };
     let (ratio, frac, guest_mode, thread) = (ratio?, frac?, guest_mode?, thread?);
     if (ratio.is_none() || frac.is_none() || guest_mode.is_none() || thread.is_none()) && gone()
@@ -556,14 +588,14 @@ pub fn read_vcpu(dir: &Path, vcpu: u32) -> Result<VcpuState, DebugfsError> {
         (None, None) => Scaling::ABSENT,
         (Some(_), None) => {
             return Err(DebugfsError::InconsistentScaling {
-                present: p_ratio,
-                missing: p_frac,
+                present: p_ratio(),
+                missing: p_frac(),
             });
         }
         (None, Some(_)) => {
             return Err(DebugfsError::InconsistentScaling {
-                present: p_frac,
-                missing: p_ratio,
+                present: p_frac(),
+                missing: p_ratio(),
             });
         }
     };

@@ -203,9 +203,34 @@ impl Scanner {
     /// # Errors
     /// Debugfs errors (naming the file); [`ScanError::NoMatch`].
     pub fn scan(&self, sel: Option<&VmSelector>) -> Result<KvmReport, ScanError> {
-        let mut vms = Vec::new();
-        for (vm, name) in self.select(sel)? {
-            match self.debugfs.read_vm(&vm) {
+        let selected = self.select(sel)?;
+        // Reading is one openat+read+close per file: spread big hosts over the CPUs.
+        let threads = std::thread::available_parallelism()
+            .map_or(1, std::num::NonZero::get)
+            .min(selected.len().div_ceil(PARALLEL_MIN_VMS));
+        let read_all = |part: &[(VmDir, Option<String>)]| {
+            part.iter()
+                .map(|(vm, _)| self.debugfs.read_vm(vm))
+                .collect::<Vec<_>>()
+        };
+        let results: Vec<Result<Vec<VcpuState>, DebugfsError>> = if threads > 1 {
+            let chunk = selected.len().div_ceil(threads);
+            std::thread::scope(|s| {
+                let handles: Vec<_> = selected
+                    .chunks(chunk)
+                    .map(|part| s.spawn(move || read_all(part)))
+                    .collect();
+                handles
+                    .into_iter()
+                    .flat_map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+                    .collect()
+            })
+        } else {
+            read_all(&selected)
+        };
+        let mut vms = Vec::with_capacity(selected.len());
+        for ((vm, name), r) in selected.into_iter().zip(results) {
+            match r {
                 Ok(vcpus) => vms.push(VmReport {
                     pid: vm.id.pid,
                     fd: vm.id.fd,
@@ -222,6 +247,9 @@ impl Scanner {
         })
     }
 }
+
+/// Below this many VMs per thread, a scan stays on one thread (spawning costs more).
+const PARALLEL_MIN_VMS: usize = 64;
 
 /// Warnings a reader of `report` must see: nested vCPUs (values are L0→L2) and, once, the
 /// absence of scaling files (identity assumed).

@@ -281,11 +281,12 @@ impl KvmDebugfs {
             }
         }
         ids.sort_unstable();
+        let vmf = open_dir(&vm.path)?;
         let mut path = vm.path.clone();
         let mut out = Vec::with_capacity(ids.len());
         for id in ids {
             path.push(format!("vcpu{id}"));
-            let r = read_vcpu(&path, id);
+            let r = read_vcpu_at(&vmf, &path, id);
             path.pop();
             match r {
                 Ok(v) => out.push(v),
@@ -529,18 +530,46 @@ fn read_parsed<T>(
 /// [`DebugfsError::VmExited`] if the directory vanished; [`DebugfsError::Missing`] without
 /// `tsc-offset`; parse and I/O errors naming the file.
 pub fn read_vcpu(dir: &Path, vcpu: u32) -> Result<VcpuState, DebugfsError> {
-    let exited = || DebugfsError::VmExited {
-        path: dir.parent().unwrap_or(dir).to_path_buf(),
-    };
-    let dirf = match File::options()
+    let vm_dir = dir.parent().unwrap_or(dir);
+    let vmf = open_dir(vm_dir)?;
+    read_vcpu_at(&vmf, dir, vcpu)
+}
+
+/// Opens a directory for `openat`; a missing one means the VM exited.
+fn open_dir(dir: &Path) -> Result<File, DebugfsError> {
+    match File::options()
         .read(true)
         .custom_flags(libc::O_DIRECTORY | libc::O_CLOEXEC)
         .open(dir)
     {
-        Ok(f) => f,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Err(exited()),
-        Err(e) => return Err(io_error(dir, e)),
+        Ok(f) => Ok(f),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Err(DebugfsError::VmExited {
+            path: dir.to_path_buf(),
+        }),
+        Err(e) => Err(io_error(dir, e)),
+    }
+}
+
+/// `vcpu<N>/<name>` as a C string in `buf`, for `openat` relative to the VM directory.
+fn rel_name<'a>(buf: &'a mut [u8; 64], vcpu: u32, name: &CStr) -> &'a CStr {
+    use std::io::Write;
+    let mut cur = io::Cursor::new(&mut buf[..]);
+    // "vcpu" + at most 10 digits + "/" + the longest name (28 bytes with NUL) fits in 64.
+    let _ = write!(cur, "vcpu{vcpu}/");
+    let _ = cur.write_all(name.to_bytes_with_nul());
+    let n = usize::try_from(cur.position()).unwrap_or(0);
+    // No interior NUL can occur (decimal digits and constant names), so this never falls back.
+    CStr::from_bytes_with_nul(&buf[..n]).unwrap_or(c"")
+}
+
+/// Reads vCPU `vcpu` of the VM whose directory is open as `vmf`; `dir` is the vCPU
+/// directory's path, used in messages and to tell "absent" from "VM exited".
+fn read_vcpu_at(vmf: &File, dir: &Path, vcpu: u32) -> Result<VcpuState, DebugfsError> {
+    let exited = || DebugfsError::VmExited {
+        path: dir.parent().unwrap_or(dir).to_path_buf(),
     };
+    let mut nb = [0u8; 64];
+    let dirf = vmf;
     let p_off = || dir.join(os(TSC_OFFSET_FILE));
     let p_ratio = || dir.join(os(TSC_RATIO_FILE));
     let p_frac = || dir.join(os(TSC_FRAC_FILE));
@@ -548,21 +577,21 @@ pub fn read_vcpu(dir: &Path, vcpu: u32) -> Result<VcpuState, DebugfsError> {
     let p_pid = || dir.join(os(THREAD_PID_FILE));
 
     let before = read_host_tsc();
-    let offset = read_parsed(&dirf, TSC_OFFSET_FILE, &p_off, "a signed decimal integer", parse_i64_contents);
-    let ratio = read_parsed(&dirf, TSC_RATIO_FILE, &p_ratio, "a non-zero unsigned decimal integer", |b| {
+    let offset = read_parsed(dirf, rel_name(&mut nb, vcpu, TSC_OFFSET_FILE), &p_off, "a signed decimal integer", parse_i64_contents);
+    let ratio = read_parsed(dirf, rel_name(&mut nb, vcpu, TSC_RATIO_FILE), &p_ratio, "a non-zero unsigned decimal integer", |b| {
         parse_u64_contents(b).filter(|&r| r != 0)
     });
-    let frac = read_parsed(&dirf, TSC_FRAC_FILE, &p_frac, "an integer from 0 to 63", |b| {
+    let frac = read_parsed(dirf, rel_name(&mut nb, vcpu, TSC_FRAC_FILE), &p_frac, "an integer from 0 to 63", |b| {
         parse_u64_contents(b)
             .filter(|&f| f < 64)
             .and_then(|f| u32::try_from(f).ok())
     });
-    let guest_mode = read_parsed(&dirf, GUEST_MODE_FILE, &p_gm, "0 or 1", |b| match strip_newline(b) {
+    let guest_mode = read_parsed(dirf, rel_name(&mut nb, vcpu, GUEST_MODE_FILE), &p_gm, "0 or 1", |b| match strip_newline(b) {
         b"0" => Some(false),
         b"1" => Some(true),
         _ => None,
     });
-    let thread = read_parsed(&dirf, THREAD_PID_FILE, &p_pid, "a thread id (unsigned decimal)", |b| {
+    let thread = read_parsed(dirf, rel_name(&mut nb, vcpu, THREAD_PID_FILE), &p_pid, "a thread id (unsigned decimal)", |b| {
         parse_u64_contents(b).and_then(|p| u32::try_from(p).ok())
     });
     let after = read_host_tsc();

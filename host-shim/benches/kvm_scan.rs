@@ -24,7 +24,11 @@ fn write_tree(root: &Path, vms: u32, vcpus: u32) {
         for c in 0..vcpus {
             let d = root.join(format!("{}-{}/vcpu{c}", 10_000 + vm, 10 + vm % 7));
             fs::create_dir_all(&d).unwrap();
-            fs::write(d.join("tsc-offset"), format!("-{}\n", 1_000_000_007 * u64::from(vm + 1))).unwrap();
+            fs::write(
+                d.join("tsc-offset"),
+                format!("-{}\n", 1_000_000_007 * u64::from(vm + 1)),
+            )
+            .unwrap();
             fs::write(d.join("tsc-scaling-ratio"), "281474976710656\n").unwrap();
             fs::write(d.join("tsc-scaling-ratio-frac-bits"), "48\n").unwrap();
             fs::write(d.join("guest_mode"), "0\n").unwrap();
@@ -76,7 +80,10 @@ fn bench_convert(c: &mut Criterion) {
     g.throughput(Throughput::Elements(lines));
     for (name, m) in [
         ("offset_only", KvmTscMapping::offset_only(-123_456_789)),
-        ("intel_scaled", KvmTscMapping::try_new(-123_456_789, 351_843_720_888_320, 48).unwrap()),
+        (
+            "intel_scaled",
+            KvmTscMapping::try_new(-123_456_789, 351_843_720_888_320, 48).unwrap(),
+        ),
     ] {
         let o = ConvertOptions {
             mapping: m,
@@ -88,7 +95,8 @@ fn bench_convert(c: &mut Criterion) {
             let mut out = Vec::with_capacity(input.len() * 2);
             b.iter(|| {
                 out.clear();
-                let s = convert_stream(&mut &input[..], &mut out, &mut std::io::sink(), &o).unwrap();
+                let s =
+                    convert_stream(&mut &input[..], &mut out, &mut std::io::sink(), &o).unwrap();
                 black_box(s.converted)
             });
         });

@@ -135,8 +135,13 @@ pub struct KvmArgs {
 #[derive(Debug, Args)]
 pub struct ConvertArgs {
     /// The vCPU's TSC offset (guest = offset + host * ratio >> frac).
-    #[arg(long, value_name = "O", allow_negative_numbers = true,
-          required_unless_present = "vm", conflicts_with = "vm")]
+    #[arg(
+        long,
+        value_name = "O",
+        allow_negative_numbers = true,
+        required_unless_present = "vm",
+        conflicts_with = "vm"
+    )]
     pub offset: Option<i64>,
     /// The scaling ratio (default: none, i.e. identity).
     #[arg(long, value_name = "R", requires = "offset", requires = "frac_bits",
@@ -271,7 +276,9 @@ impl CliError {
     #[must_use]
     pub fn is_broken_pipe(&self) -> bool {
         let io = match self {
-            Self::Output(e) | Self::Convert(ConvertError::Io(e)) | Self::Watch(WatchError::Output(e)) => e,
+            Self::Output(e)
+            | Self::Convert(ConvertError::Io(e))
+            | Self::Watch(WatchError::Output(e)) => e,
             _ => return false,
         };
         io.kind() == io::ErrorKind::BrokenPipe
@@ -365,10 +372,13 @@ fn run_kvm(a: &KvmArgs) -> Result<(), CliError> {
     let stdout = io::stdout();
     if a.watch {
         let trace = if a.trace_events {
-            let root = trace_events::find_tracefs(a.tracefs.as_deref()).map_err(WatchError::from)?;
+            let root =
+                trace_events::find_tracefs(a.tracefs.as_deref()).map_err(WatchError::from)?;
             let sub = Subscription::start(&root).map_err(WatchError::from)?;
             if !sub.tsc_clock {
-                eprintln!("vmtsync: warning: could not set the trace clock to x86-tsc: tracepoint timestamps are not host TSC");
+                eprintln!(
+                    "vmtsync: warning: could not set the trace clock to x86-tsc: tracepoint timestamps are not host TSC"
+                );
             }
             Some(sub)
         } else {
@@ -420,7 +430,9 @@ fn convert_mapping(a: &ConvertArgs) -> Result<KvmTscMapping, CliError> {
     }
     let (Some(sel), Some(vcpu)) = (a.vm.as_ref(), a.vcpu) else {
         // clap enforces one of the two forms.
-        return Err(CliError::Output(io::Error::other("give --offset or --vm with --vcpu")));
+        return Err(CliError::Output(io::Error::other(
+            "give --offset or --vm with --vcpu",
+        )));
     };
     let report = scanner(&a.source)?.scan(Some(sel))?;
     let [vm] = report.vms.as_slice() else {
@@ -452,9 +464,8 @@ fn convert_mapping(a: &ConvertArgs) -> Result<KvmTscMapping, CliError> {
         return Err(CliError::Nested { vm: vm_name, vcpu });
     }
     // The debugfs parser already rejected ratio 0 and frac bits above 63.
-    KvmTscMapping::try_new(v.tsc_offset, v.tsc_scaling_ratio, v.tsc_frac_bits).map_err(|e| {
-        CliError::Output(io::Error::other(format!("VM {vm_name} vcpu{vcpu}: {e}")))
-    })
+    KvmTscMapping::try_new(v.tsc_offset, v.tsc_scaling_ratio, v.tsc_frac_bits)
+        .map_err(|e| CliError::Output(io::Error::other(format!("VM {vm_name} vcpu{vcpu}: {e}"))))
 }
 
 fn run_convert(a: &ConvertArgs) -> Result<(), CliError> {
@@ -490,7 +501,9 @@ fn run_compose(a: &ComposeArgs) -> Result<(), CliError> {
         writeln!(
             out,
             "L0->L2: tsc_offset {} tsc_scaling_ratio {} tsc_frac_bits {}",
-            m.offset(), m.ratio(), m.frac_bits()
+            m.offset(),
+            m.ratio(),
+            m.frac_bits()
         )?;
     }
     out.flush()?;
@@ -511,25 +524,80 @@ mod tests {
     fn parses_contract_forms() {
         let p = |args: &[&str]| Cli::try_parse_from(args.iter().copied());
         assert!(p(&["vmtsync", "kvm", "--json", "--vm", "123"]).is_ok());
-        assert!(p(&["vmtsync", "kvm", "--watch", "--interval", "50", "--trace-events"]).is_ok());
-        assert!(p(&["vmtsync", "kvm", "--interval", "50"]).is_err(), "--interval needs --watch");
+        assert!(
+            p(&[
+                "vmtsync",
+                "kvm",
+                "--watch",
+                "--interval",
+                "50",
+                "--trace-events"
+            ])
+            .is_ok()
+        );
+        assert!(
+            p(&["vmtsync", "kvm", "--interval", "50"]).is_err(),
+            "--interval needs --watch"
+        );
         assert!(p(&["vmtsync", "convert", "--offset", "-5"]).is_ok());
-        assert!(p(&["vmtsync", "convert", "--offset", "-5", "--ratio", "3", "--frac-bits", "1", "--to", "guest"]).is_ok());
-        assert!(p(&["vmtsync", "convert", "--offset", "1", "--ratio", "3"]).is_err(), "ratio needs frac bits");
+        assert!(
+            p(&[
+                "vmtsync",
+                "convert",
+                "--offset",
+                "-5",
+                "--ratio",
+                "3",
+                "--frac-bits",
+                "1",
+                "--to",
+                "guest"
+            ])
+            .is_ok()
+        );
+        assert!(
+            p(&["vmtsync", "convert", "--offset", "1", "--ratio", "3"]).is_err(),
+            "ratio needs frac bits"
+        );
         assert!(p(&["vmtsync", "convert", "--vm", "web", "--vcpu", "2"]).is_ok());
-        assert!(p(&["vmtsync", "convert", "--vm", "web"]).is_err(), "--vm needs --vcpu");
+        assert!(
+            p(&["vmtsync", "convert", "--vm", "web"]).is_err(),
+            "--vm needs --vcpu"
+        );
         assert!(p(&["vmtsync", "convert"]).is_err(), "a mapping is required");
-        assert!(p(&["vmtsync", "convert", "--offset", "1", "--vm", "1", "--vcpu", "0"]).is_err());
-        assert!(p(&["vmtsync", "tsc", "compose", "--l1", "-5,1,0", "--l2", "7,1,0", "--json"]).is_ok());
+        assert!(
+            p(&[
+                "vmtsync", "convert", "--offset", "1", "--vm", "1", "--vcpu", "0"
+            ])
+            .is_err()
+        );
+        assert!(
+            p(&[
+                "vmtsync", "tsc", "compose", "--l1", "-5,1,0", "--l2", "7,1,0", "--json"
+            ])
+            .is_ok()
+        );
     }
 
     #[test]
     fn exit_codes() {
-        let nm = CliError::Scan(ScanError::Debugfs(DebugfsError::NotMounted { root: "/x".into() }));
+        let nm = CliError::Scan(ScanError::Debugfs(DebugfsError::NotMounted {
+            root: "/x".into(),
+        }));
         assert_eq!(nm.exit_code(), 3);
-        let nomatch = CliError::Scan(ScanError::NoMatch { selector: "a".into(), available: "none".into() });
+        let nomatch = CliError::Scan(ScanError::NoMatch {
+            selector: "a".into(),
+            available: "none".into(),
+        });
         assert_eq!(nomatch.exit_code(), 4);
-        assert_eq!(CliError::Nested { vm: "1-2".into(), vcpu: 0 }.exit_code(), 6);
+        assert_eq!(
+            CliError::Nested {
+                vm: "1-2".into(),
+                vcpu: 0
+            }
+            .exit_code(),
+            6
+        );
         let bp = CliError::Output(io::Error::from(io::ErrorKind::BrokenPipe));
         assert!(bp.is_broken_pipe());
         assert!(!nm.is_broken_pipe());

@@ -93,7 +93,8 @@ pub fn compose(l01: &KvmTscMapping, l12: &KvmTscMapping) -> Result<KvmTscMapping
     if l01.frac_bits() != l12.frac_bits() {
         return Err(ComposeError::Compose(format!(
             "frac bits differ ({} vs {})",
-            l01.frac_bits(), l12.frac_bits()
+            l01.frac_bits(),
+            l12.frac_bits()
         )));
     }
     KvmTscMapping::try_compose_nested(l01, l12)
@@ -133,7 +134,10 @@ mod tests {
         ));
         assert!(matches!(
             "x,1,0".parse::<MappingArg>(),
-            Err(ComposeError::Field { field: "OFFSET", .. })
+            Err(ComposeError::Field {
+                field: "OFFSET",
+                ..
+            })
         ));
     }
 

@@ -36,7 +36,9 @@ pub enum Rounding {
 #[non_exhaustive]
 pub enum ConvertError {
     /// A line is not a decimal u64.
-    #[error("line {line}: expected one decimal TSC value (0..=18446744073709551615), found \"{shown}\" (use --skip-bad to skip such lines)")]
+    #[error(
+        "line {line}: expected one decimal TSC value (0..=18446744073709551615), found \"{shown}\" (use --skip-bad to skip such lines)"
+    )]
     BadLine {
         /// The line number.
         line: u64,
@@ -44,7 +46,9 @@ pub enum ConvertError {
         shown: String,
     },
     /// The converted value does not fit in 64 bits.
-    #[error("line {line}: {value} is outside the range of this mapping (the result does not fit 64 bits) (use --skip-bad to skip such lines)")]
+    #[error(
+        "line {line}: {value} is outside the range of this mapping (the result does not fit 64 bits) (use --skip-bad to skip such lines)"
+    )]
     OutOfRange {
         /// The line number.
         line: u64,
@@ -204,30 +208,31 @@ pub fn convert_stream(
     let mut line_no: u64 = 1;
     let mut st = LineState::new();
     let mut digits = [0u8; 21];
-    let mut finish = |st: &LineState, line_no: u64, stats: &mut ConvertStats| -> Result<(), ConvertError> {
-        let err = if st.bad || st.digits == 0 {
-            ConvertError::BadLine {
-                line: line_no,
-                shown: st.shown(),
-            }
-        } else if let Some(out) = convert_one(opts, st.value) {
-            output.write_all(fmt_line(out, &mut digits))?;
-            stats.converted += 1;
-            return Ok(());
-        } else {
-            ConvertError::OutOfRange {
-                line: line_no,
-                value: st.value,
+    let mut finish =
+        |st: &LineState, line_no: u64, stats: &mut ConvertStats| -> Result<(), ConvertError> {
+            let err = if st.bad || st.digits == 0 {
+                ConvertError::BadLine {
+                    line: line_no,
+                    shown: st.shown(),
+                }
+            } else if let Some(out) = convert_one(opts, st.value) {
+                output.write_all(fmt_line(out, &mut digits))?;
+                stats.converted += 1;
+                return Ok(());
+            } else {
+                ConvertError::OutOfRange {
+                    line: line_no,
+                    value: st.value,
+                }
+            };
+            if opts.skip_bad {
+                stats.skipped += 1;
+                writeln!(warn, "vmtsync: skipped {err}")?;
+                Ok(())
+            } else {
+                Err(err)
             }
         };
-        if opts.skip_bad {
-            stats.skipped += 1;
-            writeln!(warn, "vmtsync: skipped {err}")?;
-            Ok(())
-        } else {
-            Err(err)
-        }
-    };
     loop {
         let chunk = match input.fill_buf() {
             Ok(c) => c,
@@ -288,7 +293,10 @@ mod tests {
 
     #[test]
     fn offset_only_both_ways() {
-        let (r, out, _) = run(b"1000\n 2000 \n3000", &opts(offset(-100), Direction::Host, false));
+        let (r, out, _) = run(
+            b"1000\n 2000 \n3000",
+            &opts(offset(-100), Direction::Host, false),
+        );
         assert_eq!(r.unwrap().converted, 3);
         assert_eq!(out, "1100\n2100\n3100\n");
         let (_, out, _) = run(b"1100\n", &opts(offset(-100), Direction::Guest, false));
@@ -328,10 +336,14 @@ mod tests {
         // Ratio 1/2: the guest runs at half the host rate, so a guest value above 2^63 has no
         // host tick in u64.
         let half = KvmTscMapping::try_new(0, 1, 1).unwrap();
-        let (r, out, _) = run(b"10\n18446744073709551615\n", &opts(half, Direction::Host, false));
+        let (r, out, _) = run(
+            b"10\n18446744073709551615\n",
+            &opts(half, Direction::Host, false),
+        );
         assert_eq!(out, "20\n");
         assert!(
-            r.unwrap_err().starts_with("line 2: 18446744073709551615 is outside the range"),
+            r.unwrap_err()
+                .starts_with("line 2: 18446744073709551615 is outside the range"),
         );
     }
 

@@ -72,7 +72,9 @@ pub enum DebugfsError {
         root: PathBuf,
     },
     /// The caller may not read debugfs.
-    #[error("permission denied reading {path}: KVM debugfs is readable by root only (run as root, e.g. with sudo)")]
+    #[error(
+        "permission denied reading {path}: KVM debugfs is readable by root only (run as root, e.g. with sudo)"
+    )]
     PermissionDenied {
         /// The path that refused.
         path: PathBuf,
@@ -577,23 +579,49 @@ fn read_vcpu_at(vmf: &File, dir: &Path, vcpu: u32) -> Result<VcpuState, DebugfsE
     let p_pid = || dir.join(os(THREAD_PID_FILE));
 
     let before = read_host_tsc();
-    let offset = read_parsed(dirf, rel_name(&mut nb, vcpu, TSC_OFFSET_FILE), &p_off, "a signed decimal integer", parse_i64_contents);
-    let ratio = read_parsed(dirf, rel_name(&mut nb, vcpu, TSC_RATIO_FILE), &p_ratio, "a non-zero unsigned decimal integer", |b| {
-        parse_u64_contents(b).filter(|&r| r != 0)
-    });
-    let frac = read_parsed(dirf, rel_name(&mut nb, vcpu, TSC_FRAC_FILE), &p_frac, "an integer from 0 to 63", |b| {
-        parse_u64_contents(b)
-            .filter(|&f| f < 64)
-            .and_then(|f| u32::try_from(f).ok())
-    });
-    let guest_mode = read_parsed(dirf, rel_name(&mut nb, vcpu, GUEST_MODE_FILE), &p_gm, "0 or 1", |b| match strip_newline(b) {
-        b"0" => Some(false),
-        b"1" => Some(true),
-        _ => None,
-    });
-    let thread = read_parsed(dirf, rel_name(&mut nb, vcpu, THREAD_PID_FILE), &p_pid, "a thread id (unsigned decimal)", |b| {
-        parse_u64_contents(b).and_then(|p| u32::try_from(p).ok())
-    });
+    let offset = read_parsed(
+        dirf,
+        rel_name(&mut nb, vcpu, TSC_OFFSET_FILE),
+        &p_off,
+        "a signed decimal integer",
+        parse_i64_contents,
+    );
+    let ratio = read_parsed(
+        dirf,
+        rel_name(&mut nb, vcpu, TSC_RATIO_FILE),
+        &p_ratio,
+        "a non-zero unsigned decimal integer",
+        |b| parse_u64_contents(b).filter(|&r| r != 0),
+    );
+    let frac = read_parsed(
+        dirf,
+        rel_name(&mut nb, vcpu, TSC_FRAC_FILE),
+        &p_frac,
+        "an integer from 0 to 63",
+        |b| {
+            parse_u64_contents(b)
+                .filter(|&f| f < 64)
+                .and_then(|f| u32::try_from(f).ok())
+        },
+    );
+    let guest_mode = read_parsed(
+        dirf,
+        rel_name(&mut nb, vcpu, GUEST_MODE_FILE),
+        &p_gm,
+        "0 or 1",
+        |b| match strip_newline(b) {
+            b"0" => Some(false),
+            b"1" => Some(true),
+            _ => None,
+        },
+    );
+    let thread = read_parsed(
+        dirf,
+        rel_name(&mut nb, vcpu, THREAD_PID_FILE),
+        &p_pid,
+        "a thread id (unsigned decimal)",
+        |b| parse_u64_contents(b).and_then(|p| u32::try_from(p).ok()),
+    );
     let after = read_host_tsc();
 
     // Any absent file may mean the VM exited mid-read: check before believing "absent".
@@ -604,8 +632,7 @@ fn read_vcpu_at(vmf: &File, dir: &Path, vcpu: u32) -> Result<VcpuState, DebugfsE
         None => return Err(DebugfsError::Missing { path: p_off() }),
     };
     let (ratio, frac, guest_mode, thread) = (ratio?, frac?, guest_mode?, thread?);
-    if (ratio.is_none() || frac.is_none() || guest_mode.is_none() || thread.is_none()) && gone()
-    {
+    if (ratio.is_none() || frac.is_none() || guest_mode.is_none() || thread.is_none()) && gone() {
         return Err(exited());
     }
     let scaling = match (ratio, frac) {
@@ -653,7 +680,16 @@ mod tests {
             parse_vm_dir_name("1234-11-extra-9"),
             Some(VmId { pid: 1234, fd: 11 })
         );
-        for bad in ["", "1234", "1234-", "-11", "blocking", "12a-1", "1-1x", "99999999999-1"] {
+        for bad in [
+            "",
+            "1234",
+            "1234-",
+            "-11",
+            "blocking",
+            "12a-1",
+            "1-1x",
+            "99999999999-1",
+        ] {
             assert_eq!(parse_vm_dir_name(bad), None, "{bad}");
         }
     }

@@ -154,7 +154,13 @@ mod tests {
     fn qemu_names() {
         let q = "qemu-system-x86_64";
         assert_eq!(
-            qemu_guest_name(&cmd(&[q, "-m", "1G", "-name", "guest=web1,debug-threads=on"])),
+            qemu_guest_name(&cmd(&[
+                q,
+                "-m",
+                "1G",
+                "-name",
+                "guest=web1,debug-threads=on"
+            ])),
             Some("web1".into())
         );
         assert_eq!(

@@ -160,7 +160,10 @@ impl Scanner {
     ///
     /// # Errors
     /// Debugfs errors; [`ScanError::NoMatch`] if `sel` is given and nothing matches.
-    pub fn select(&self, sel: Option<&VmSelector>) -> Result<Vec<(VmDir, Option<String>)>, ScanError> {
+    pub fn select(
+        &self,
+        sel: Option<&VmSelector>,
+    ) -> Result<Vec<(VmDir, Option<String>)>, ScanError> {
         let all = self.debugfs.vms()?;
         let mut out = Vec::new();
         let mut seen = Vec::new();
@@ -298,10 +301,20 @@ pub fn write_table(report: &KvmReport, out: &mut dyn std::io::Write) -> std::io:
         writeln!(
             out,
             "  {:>5}  {:>8}  {:>21}  {:>20}  {:>4}  {:>7}  {:>6}  {:>20}  {:>20}",
-            "vcpu", "thread", "tsc-offset", "ratio", "frac", "scaling", "nested", "host-tsc-before", "host-tsc-after"
+            "vcpu",
+            "thread",
+            "tsc-offset",
+            "ratio",
+            "frac",
+            "scaling",
+            "nested",
+            "host-tsc-before",
+            "host-tsc-after"
         )?;
         for v in &vm.vcpus {
-            let thread = v.thread_pid.map_or_else(|| "-".to_owned(), |t| t.to_string());
+            let thread = v
+                .thread_pid
+                .map_or_else(|| "-".to_owned(), |t| t.to_string());
             let nested = match v.guest_mode {
                 Some(true) => "L2!",
                 Some(false) => "no",
@@ -369,7 +382,13 @@ mod tests {
                 pid: 5,
                 fd: 9,
                 name: None,
-                vcpus: vec![v, VcpuReport { guest_mode: Some(false), ..v }],
+                vcpus: vec![
+                    v,
+                    VcpuReport {
+                        guest_mode: Some(false),
+                        ..v
+                    },
+                ],
             }],
         };
         let w = warnings(&r);

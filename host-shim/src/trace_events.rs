@@ -201,7 +201,11 @@ impl Subscription {
             }
         }
         let mut out = Vec::new();
-        let complete = self.buf.iter().rposition(|&b| b == b'\n').map_or(0, |i| i + 1);
+        let complete = self
+            .buf
+            .iter()
+            .rposition(|&b| b == b'\n')
+            .map_or(0, |i| i + 1);
         for line in self.buf[..complete].split(|&b| b == b'\n') {
             if let Some(ev) = std::str::from_utf8(line).ok().and_then(parse_line) {
                 out.push(ev);

@@ -93,11 +93,21 @@ fn emit(out: &mut dyn Write, v: &impl Serialize) -> Result<(), WatchError> {
 ///
 /// # Errors
 /// Scan errors (other than a VM exiting, which is an event), trace errors, output errors.
-pub fn watch(scanner: &Scanner, mut opts: WatchOptions<'_>, out: &mut dyn Write) -> Result<(), WatchError> {
+pub fn watch(
+    scanner: &Scanner,
+    mut opts: WatchOptions<'_>,
+    out: &mut dyn Write,
+) -> Result<(), WatchError> {
     let mut state: BTreeMap<VmId, VmState> = BTreeMap::new();
     // The fixed set of VMs to watch when a selector is given.
     let selected: Option<Vec<VmId>> = match opts.selector {
-        Some(sel) => Some(scanner.select(Some(sel))?.iter().map(|(v, _)| v.id).collect()),
+        Some(sel) => Some(
+            scanner
+                .select(Some(sel))?
+                .iter()
+                .map(|(v, _)| v.id)
+                .collect(),
+        ),
         None => None,
     };
     emit(
@@ -137,11 +147,9 @@ fn emit_trace(
     selected: Option<&[VmId]>,
     out: &mut dyn Write,
 ) -> Result<(), WatchError> {
-    let owner = state.iter().find(|(_, s)| {
-        s.vcpus
-            .values()
-            .any(|v| v.thread_pid == Some(ev.thread))
-    });
+    let owner = state
+        .iter()
+        .find(|(_, s)| s.vcpus.values().any(|v| v.thread_pid == Some(ev.thread)));
     let owner_id = owner.map(|(id, _)| *id);
     // With --vm, only events of the watched VMs (when the thread is known) are reported.
     if selected.is_some() && owner_id.is_none() {
@@ -183,8 +191,10 @@ fn poll_once(
             Err(e) => return Err(e.into()),
         };
         present.push(vm.id);
-        let now: BTreeMap<u32, VcpuReport> =
-            vcpus.iter().map(|v| (v.vcpu, VcpuReport::from(v))).collect();
+        let now: BTreeMap<u32, VcpuReport> = vcpus
+            .iter()
+            .map(|v| (v.vcpu, VcpuReport::from(v)))
+            .collect();
         let last_seen = now
             .values()
             .map(|v| v.host_tsc_after)
@@ -283,6 +293,12 @@ mod tests {
         };
         assert!(!changed(&a, &b));
         assert!(changed(&a, &VcpuReport { tsc_offset: 6, ..b }));
-        assert!(changed(&a, &VcpuReport { guest_mode: Some(true), ..b }));
+        assert!(changed(
+            &a,
+            &VcpuReport {
+                guest_mode: Some(true),
+                ..b
+            }
+        ));
     }
 }

@@ -42,7 +42,8 @@ pub struct IdleVm {
 pub fn start_idle_vm(kvm: &Kvm, vcpu_ids: &[u32]) -> Result<IdleVm> {
     let vm = kvm.create_vm().context("KVM_CREATE_VM")?;
     // Intel needs a TSS address before real-mode guests run; harmless elsewhere.
-    vm.set_tss_address(0xfffb_d000).context("KVM_SET_TSS_ADDR")?;
+    vm.set_tss_address(0xfffb_d000)
+        .context("KVM_SET_TSS_ADDR")?;
     vm.create_irq_chip().context("KVM_CREATE_IRQCHIP")?;
     // SAFETY: an anonymous private mapping with no address hint; the result is checked below.
     let mem = unsafe {
@@ -121,7 +122,10 @@ pub fn start_idle_vm(kvm: &Kvm, vcpu_ids: &[u32]) -> Result<IdleVm> {
     // Each thread sends once and keeps its sender: take exactly one message per vCPU.
     let mut vcpus = Vec::with_capacity(vcpu_ids.len());
     for _ in vcpu_ids {
-        vcpus.push(rx.recv().context("a vCPU thread died before reporting its TID")?);
+        vcpus.push(
+            rx.recv()
+                .context("a vCPU thread died before reporting its TID")?,
+        );
     }
     vcpus.sort_by_key(|&(id, _)| vcpu_ids.iter().position(|&x| x == id));
     Ok(IdleVm { vm, vcpus })

@@ -308,8 +308,7 @@ impl KvmTscMapping {
         let offset = scaled_offset
             .wrapping_add(l12.offset.cast_unsigned())
             .cast_signed();
-        let ratio =
-            u64::try_from((u128::from(l01.ratio) * u128::from(l12.ratio)) >> frac).ok()?;
+        let ratio = u64::try_from((u128::from(l01.ratio) * u128::from(l12.ratio)) >> frac).ok()?;
         Self::try_new(offset, ratio, frac).ok()
     }
 

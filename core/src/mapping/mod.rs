@@ -56,7 +56,5 @@ mod kvm;
 mod perf;
 
 pub use error::MappingError;
-pub use kvm::{
-    FRAC_BITS_SVM, FRAC_BITS_VMX, KvmTscMapping, MAX_FRAC_BITS, NestedDeviation,
-};
+pub use kvm::{FRAC_BITS_SVM, FRAC_BITS_VMX, KvmTscMapping, MAX_FRAC_BITS, NestedDeviation};
 pub use perf::{MAX_PERF_SHIFT, PerfTimeConv, clocks_calc_mult_shift};

@@ -85,7 +85,12 @@ fn intel_tree_exact_json_and_names() {
     );
     assert_eq!(stderr(&o), "", "no warnings for a plain Intel tree");
     // --vm by QEMU name, by process name, by PID and by PID-FD.
-    for (sel, pid) in [("web1", 1001), ("firecracker", 2002), ("2002", 2002), ("1001-11", 1001)] {
+    for (sel, pid) in [
+        ("web1", 1001),
+        ("firecracker", 2002),
+        ("2002", 2002),
+        ("1001-11", 1001),
+    ] {
         let v = normalized(&kvm_json(&tree, &["--vm", sel]));
         let vms = v["vms"].as_array().unwrap();
         assert_eq!(vms.len(), 1, "{sel}");
@@ -144,7 +149,10 @@ fn nested_vcpu_is_flagged_and_never_used_as_l1() {
     let o = convert(&["--vcpu", "1"]);
     assert_eq!(o.status.code(), Some(6));
     assert_eq!(stdout(&o), "");
-    assert!(stderr(&o).starts_with("vmtsync: VM 4004-12 vcpu1 is running a nested guest (guest_mode=1)"));
+    assert!(
+        stderr(&o)
+            .starts_with("vmtsync: VM 4004-12 vcpu1 is running a nested guest (guest_mode=1)")
+    );
     let o = convert(&["--vcpu", "1", "--nested-l2"]);
     assert!(o.status.success(), "{}", stderr(&o));
     assert_eq!(stdout(&o), "2554000\n");
@@ -189,15 +197,70 @@ fn malformed_files_name_the_file_and_bytes() {
     let f = fixtures();
     let vcpu0 = |t: &str| f.join(t).join("kvm/6006-3/vcpu0");
     let cases: Vec<(&str, String)> = vec![
-        ("bad-garbage", format!("malformed {}/tsc-offset: expected a signed decimal integer, found \"12abc\\n\"", vcpu0("bad-garbage").display())),
-        ("bad-empty", format!("malformed {}/tsc-offset: expected a signed decimal integer, found \"\"", vcpu0("bad-empty").display())),
-        ("bad-overlong", format!("malformed {}/tsc-offset: expected a signed decimal integer, found \"{}...\"", vcpu0("bad-overlong").display(), "1".repeat(64))),
-        ("bad-nonutf8", format!("malformed {}/tsc-offset: expected a signed decimal integer, found \"\\xff\\xfe\\x00-1\\n\"", vcpu0("bad-nonutf8").display())),
-        ("bad-guest-mode", format!("malformed {}/guest_mode: expected 0 or 1, found \"2\\n\"", vcpu0("bad-guest-mode").display())),
-        ("bad-frac", format!("malformed {}/tsc-scaling-ratio-frac-bits: expected an integer from 0 to 63, found \"64\\n\"", vcpu0("bad-frac").display())),
-        ("bad-ratio-zero", format!("malformed {}/tsc-scaling-ratio: expected a non-zero unsigned decimal integer, found \"0\\n\"", vcpu0("bad-ratio-zero").display())),
-        ("bad-half-scaling", format!("{0}/tsc-scaling-ratio exists but {0}/tsc-scaling-ratio-frac-bits does not: the kernel creates both or neither", vcpu0("bad-half-scaling").display())),
-        ("bad-missing-offset", format!("{}/tsc-offset is missing: every KVM vCPU directory has it (is the debugfs root right?)", vcpu0("bad-missing-offset").display())),
+        (
+            "bad-garbage",
+            format!(
+                "malformed {}/tsc-offset: expected a signed decimal integer, found \"12abc\\n\"",
+                vcpu0("bad-garbage").display()
+            ),
+        ),
+        (
+            "bad-empty",
+            format!(
+                "malformed {}/tsc-offset: expected a signed decimal integer, found \"\"",
+                vcpu0("bad-empty").display()
+            ),
+        ),
+        (
+            "bad-overlong",
+            format!(
+                "malformed {}/tsc-offset: expected a signed decimal integer, found \"{}...\"",
+                vcpu0("bad-overlong").display(),
+                "1".repeat(64)
+            ),
+        ),
+        (
+            "bad-nonutf8",
+            format!(
+                "malformed {}/tsc-offset: expected a signed decimal integer, found \"\\xff\\xfe\\x00-1\\n\"",
+                vcpu0("bad-nonutf8").display()
+            ),
+        ),
+        (
+            "bad-guest-mode",
+            format!(
+                "malformed {}/guest_mode: expected 0 or 1, found \"2\\n\"",
+                vcpu0("bad-guest-mode").display()
+            ),
+        ),
+        (
+            "bad-frac",
+            format!(
+                "malformed {}/tsc-scaling-ratio-frac-bits: expected an integer from 0 to 63, found \"64\\n\"",
+                vcpu0("bad-frac").display()
+            ),
+        ),
+        (
+            "bad-ratio-zero",
+            format!(
+                "malformed {}/tsc-scaling-ratio: expected a non-zero unsigned decimal integer, found \"0\\n\"",
+                vcpu0("bad-ratio-zero").display()
+            ),
+        ),
+        (
+            "bad-half-scaling",
+            format!(
+                "{0}/tsc-scaling-ratio exists but {0}/tsc-scaling-ratio-frac-bits does not: the kernel creates both or neither",
+                vcpu0("bad-half-scaling").display()
+            ),
+        ),
+        (
+            "bad-missing-offset",
+            format!(
+                "{}/tsc-offset is missing: every KVM vCPU directory has it (is the debugfs root right?)",
+                vcpu0("bad-missing-offset").display()
+            ),
+        ),
     ];
     for (tree, msg) in cases {
         let (code, err) = failing(&f.join(tree).join("kvm"));
@@ -242,7 +305,10 @@ fn unreadable_entries_are_errors_not_hangs() {
     assert_eq!(code, Some(1));
     assert_eq!(
         err,
-        format!("vmtsync: {} is not a regular file (a directory): is the debugfs root right?\n", off.display())
+        format!(
+            "vmtsync: {} is not a regular file (a directory): is the debugfs root right?\n",
+            off.display()
+        )
     );
     fs::remove_dir(&off).unwrap();
     fs::write(&off, "0\n").unwrap();
@@ -257,7 +323,10 @@ fn unreadable_entries_are_errors_not_hangs() {
     assert_eq!(code, Some(1));
     assert_eq!(
         err,
-        format!("vmtsync: {} is not a regular file (a FIFO): is the debugfs root right?\n", gm.display())
+        format!(
+            "vmtsync: {} is not a regular file (a FIFO): is the debugfs root right?\n",
+            gm.display()
+        )
     );
     fs::remove_file(&gm).unwrap();
 
@@ -275,7 +344,10 @@ fn unreadable_entries_are_errors_not_hangs() {
         assert_eq!(o.status.code(), Some(3), "{}", stderr(&o));
         assert_eq!(
             stderr(&o),
-            format!("vmtsync: permission denied reading {}: KVM debugfs is readable by root only (run as root, e.g. with sudo)\n", kvm.display())
+            format!(
+                "vmtsync: permission denied reading {}: KVM debugfs is readable by root only (run as root, e.g. with sudo)\n",
+                kvm.display()
+            )
         );
     }
     fs::remove_dir_all(&d).unwrap();
@@ -288,7 +360,10 @@ fn missing_debugfs_says_how_to_mount() {
     assert_eq!(code, Some(3));
     assert_eq!(
         err,
-        format!("vmtsync: {}/kvm does not exist: debugfs is not mounted (as root: mount -t debugfs none /sys/kernel/debug, or rerun with --mount-debugfs)\n", d.display())
+        format!(
+            "vmtsync: {}/kvm does not exist: debugfs is not mounted (as root: mount -t debugfs none /sys/kernel/debug, or rerun with --mount-debugfs)\n",
+            d.display()
+        )
     );
     fs::write(d.join("other"), "").unwrap();
     let (code, err) = failing(&d.join("kvm"));

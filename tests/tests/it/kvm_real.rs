@@ -50,11 +50,7 @@ fn scan_until_threads_known(pid: u32, vcpus: usize) -> Value {
             .args(["kvm", "--json", "--vm", &pid.to_string()])
             .output()
             .unwrap();
-        assert!(
-            o.status.success(),
-            "{}",
-            String::from_utf8_lossy(&o.stderr)
-        );
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
         let v: Value = serde_json::from_slice(&o.stdout).unwrap();
         let known = v["vms"]
             .as_array()
@@ -96,7 +92,10 @@ fn finds_real_vms_with_exact_vcpus_threads_and_identity_mapping() {
         assert_eq!(vcpus.len(), ids.len());
         for (c, &(id, tid)) in vcpus.iter().zip(&child_vm.vcpus) {
             assert_eq!(c["vcpu"], id);
-            assert_eq!(c["thread_pid"], tid, "vcpu{id} runs on the thread the VMM reported");
+            assert_eq!(
+                c["thread_pid"], tid,
+                "vcpu{id} runs on the thread the VMM reported"
+            );
             assert_eq!(c["tsc_offset"], 0, "no offset injection possible here");
             let (ratio, frac) = (
                 c["tsc_scaling_ratio"].as_u64().unwrap(),
@@ -108,7 +107,10 @@ fn finds_real_vms_with_exact_vcpus_threads_and_identity_mapping() {
                 c["host_tsc_before"].as_u64().unwrap(),
                 c["host_tsc_after"].as_u64().unwrap(),
             );
-            assert!(t0 <= b && b <= a && a <= t1, "bracket {b}..{a} outside {t0}..{t1}");
+            assert!(
+                t0 <= b && b <= a && a <= t1,
+                "bracket {b}..{a} outside {t0}..{t1}"
+            );
         }
     }
     // --vm by the process name finds the same VMs (among possibly others).
@@ -142,14 +144,19 @@ fn line_reader(stdout: std::process::ChildStdout) -> mpsc::Receiver<String> {
 }
 
 /// Next JSON event satisfying `pred`, within `secs`.
-fn next_event(rx: &mpsc::Receiver<String>, secs: u64, mut pred: impl FnMut(&Value) -> bool) -> Value {
+fn next_event(
+    rx: &mpsc::Receiver<String>,
+    secs: u64,
+    mut pred: impl FnMut(&Value) -> bool,
+) -> Value {
     let deadline = Instant::now() + Duration::from_secs(secs);
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
         let line = rx
             .recv_timeout(left)
             .unwrap_or_else(|e| panic!("no matching watch event within {secs} s: {e}"));
-        let v: Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("bad JSON line {line}: {e}"));
+        let v: Value =
+            serde_json::from_str(&line).unwrap_or_else(|e| panic!("bad JSON line {line}: {e}"));
         assert_eq!(v["schema"], 1, "{line}");
         if pred(&v) {
             return v;
@@ -167,7 +174,14 @@ fn watch_reports_vm_gone_and_exits_zero() {
     scan_until_threads_known(pid, 4);
     let mut watch = ChildGuard::new(
         vmtsync()
-            .args(["kvm", "--watch", "--interval", "20", "--vm", &pid.to_string()])
+            .args([
+                "kvm",
+                "--watch",
+                "--interval",
+                "20",
+                "--vm",
+                &pid.to_string(),
+            ])
             .stdout(Stdio::piped())
             .spawn()
             .unwrap(),
@@ -175,7 +189,9 @@ fn watch_reports_vm_gone_and_exits_zero() {
     let rx = line_reader(watch.child().stdout.take().unwrap());
     next_event(&rx, 10, |v| v["event"] == "watch_started");
     for child_vm in &vmm.vms {
-        let v = next_event(&rx, 10, |v| v["event"] == "vm_found" && v["fd"] == child_vm.fd);
+        let v = next_event(&rx, 10, |v| {
+            v["event"] == "vm_found" && v["fd"] == child_vm.fd
+        });
         assert_eq!(v["pid"], pid);
         assert_eq!(v["vcpus"].as_array().unwrap().len(), 2);
     }
@@ -197,7 +213,10 @@ fn watch_reports_vm_gone_and_exits_zero() {
         if let Some(s) = watch.child().try_wait().unwrap() {
             break s;
         }
-        assert!(Instant::now() < deadline, "watch did not exit after its VMs were gone");
+        assert!(
+            Instant::now() < deadline,
+            "watch did not exit after its VMs were gone"
+        );
         std::thread::sleep(Duration::from_millis(20));
     };
     assert!(status.success(), "{status}");
@@ -231,7 +250,10 @@ fn trace_events_see_offset_writes_and_clean_up() {
     let rx = line_reader(watch.child().stdout.take().unwrap());
     let started = next_event(&rx, 10, |v| v["event"] == "watch_started");
     assert_eq!(started["trace_events"], true);
-    assert!(instance.is_dir(), "private tracefs instance exists while watching");
+    assert!(
+        instance.is_dir(),
+        "private tracefs instance exists while watching"
+    );
 
     let mut vmm = IdleVmmChild::spawn(idle_vmm(), 1, &[0, 2]).expect("start idle-vmm");
     let pid = vmm.pid();
@@ -255,13 +277,16 @@ fn trace_events_see_offset_writes_and_clean_up() {
         assert!(w["host_tsc"].as_u64().unwrap() >= started["host_tsc"].as_u64().unwrap());
     }
     assert!(
-        seen.iter().any(|v| v["event"] == "vm_added" && v["pid"] == pid),
+        seen.iter()
+            .any(|v| v["event"] == "vm_added" && v["pid"] == pid),
         "{seen:?}"
     );
 
     // SIGTERM ends watch mode cleanly: status 0 and the tracefs instance removed.
+    let target = libc::pid_t::try_from(watch_pid).unwrap();
     // SAFETY: kill(2) on the PID of our own child, which ChildGuard has not reaped yet.
-    assert_eq!(unsafe { libc::kill(libc::pid_t::try_from(watch_pid).unwrap(), libc::SIGTERM) }, 0);
+    let killed = unsafe { libc::kill(target, libc::SIGTERM) };
+    assert_eq!(killed, 0);
     let deadline = Instant::now() + Duration::from_secs(10);
     let status = loop {
         if let Some(s) = watch.child().try_wait().unwrap() {

@@ -730,6 +730,42 @@ mod tests {
     }
 
     #[test]
+    fn vm_exiting_between_listing_and_reading_is_reported_as_exited() {
+        let root = std::env::temp_dir().join(format!("vmtsync-exit-{}", std::process::id()));
+        let vcpu0 = root.join("kvm/77-5/vcpu0");
+        fs::create_dir_all(&vcpu0).unwrap();
+        fs::write(vcpu0.join("tsc-offset"), "-3\n").unwrap();
+        let d = KvmDebugfs::open(root.join("kvm")).unwrap();
+        let vms = d.vms().unwrap();
+        assert_eq!(vms.len(), 1);
+        let v = d.read_vm(&vms[0]).unwrap();
+        assert_eq!(
+            (v[0].vcpu, v[0].tsc_offset, v[0].scaling),
+            (0, -3, Scaling::ABSENT)
+        );
+        assert!(v[0].bracket.before <= v[0].bracket.after);
+        fs::remove_dir_all(root.join("kvm/77-5")).unwrap();
+        let e = d.read_vm(&vms[0]).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            format!(
+                "{} vanished while reading it: the VM exited",
+                vms[0].path.display()
+            )
+        );
+        // A vCPU directory whose files vanish (VM torn down mid-read) is "exited", not
+        // "identity scaling" or "missing tsc-offset".
+        fs::create_dir_all(&vcpu0).unwrap();
+        let vmf = open_dir(&root.join("kvm/77-5")).unwrap();
+        fs::remove_dir_all(root.join("kvm/77-5")).unwrap();
+        assert!(matches!(
+            read_vcpu_at(&vmf, &vcpu0, 0),
+            Err(DebugfsError::VmExited { .. })
+        ));
+        fs::remove_dir_all(&root).unwrap();
+    }
+
+    #[test]
     fn show_escapes_and_cuts() {
         assert_eq!(show(b"ab\xff\n"), "ab\\xff\\n");
         assert_eq!(show(&[b'7'; 80]), format!("{}...", "7".repeat(64)));

@@ -42,7 +42,7 @@ Exit codes:
 /// vmtsync: exact host<->guest TSC mappings from KVM, for putting VM trace events on the host
 /// timeline.
 #[derive(Debug, Parser)]
-#[command(name = "vmtsync", version, after_help = EXIT_CODES)]
+#[command(name = "vmtsync", bin_name = "vmtsync", version, after_help = EXIT_CODES)]
 pub struct Cli {
     /// The command.
     #[command(subcommand)]
@@ -81,8 +81,9 @@ pub enum Command {
 pub enum TscCommand {
     /// Compose the L0->L1 and L1->L2 mappings into the nested L0->L2 one, as KVM does.
     ///
-    /// offset_02 = ((offset_01 * ratio_12) >> frac) + offset_12,
-    /// ratio_02 = (ratio_01 * ratio_12) >> frac. Both levels must use the same frac bits.
+    /// offset_02 = trunc(offset_01 * ratio_12 / 2^frac) + offset_12 (mod 2^64),
+    /// ratio_02 = floor(ratio_01 * ratio_12 / 2^frac) (kvm_calc_nested_tsc_offset /
+    /// _multiplier). Both levels must use the same frac bits.
     #[command(after_help = EXIT_CODES)]
     Compose(ComposeArgs),
 }

@@ -312,3 +312,71 @@ fn cli_binary_is_this_builds() {
         format!("vmtsync {}", env!("CARGO_PKG_VERSION"))
     );
 }
+
+/// Runs `vmtsync args…` in a private mount namespace where debugfs is unmounted, so the
+/// "not mounted" advice and `--mount-debugfs` are tested for real without touching the host's
+/// mounts.
+fn in_unmounted_namespace(args: &[&str]) -> std::process::Output {
+    use std::os::unix::process::CommandExt;
+    let mut c = vmtsync();
+    c.args(args);
+    // SAFETY: the closure runs between fork and exec and only makes raw syscalls (no
+    // allocation, no locks), which is what pre_exec requires.
+    unsafe {
+        c.pre_exec(|| {
+            if libc::unshare(libc::CLONE_NEWNS) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            // Keep our mount changes out of the parent namespace.
+            if libc::mount(
+                c"none".as_ptr(),
+                c"/".as_ptr(),
+                std::ptr::null(),
+                libc::MS_REC | libc::MS_PRIVATE,
+                std::ptr::null(),
+            ) != 0
+            {
+                return Err(std::io::Error::last_os_error());
+            }
+            // Detach every mount stacked on the debugfs mount point.
+            while libc::umount2(c"/sys/kernel/debug".as_ptr(), libc::MNT_DETACH) == 0 {}
+            Ok(())
+        });
+    }
+    c.output().expect("run vmtsync in a new mount namespace")
+}
+
+#[test]
+fn unmounted_debugfs_is_explained_and_mounted_on_request() {
+    if !prerequisites("unmounted_debugfs_is_explained_and_mounted_on_request") {
+        return;
+    }
+    let o = in_unmounted_namespace(&["kvm", "--json"]);
+    assert_eq!(
+        o.status.code(),
+        Some(3),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert_eq!(
+        String::from_utf8_lossy(&o.stderr),
+        "vmtsync: /sys/kernel/debug/kvm does not exist: debugfs is not mounted (as root: mount -t debugfs none /sys/kernel/debug, or rerun with --mount-debugfs)\n"
+    );
+    let mut vmm = IdleVmmChild::spawn(idle_vmm(), 1, &[0]).expect("start idle-vmm");
+    let o = in_unmounted_namespace(&[
+        "kvm",
+        "--json",
+        "--mount-debugfs",
+        "--vm",
+        &vmm.pid().to_string(),
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let v: Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["vms"][0]["pid"], vmm.pid());
+    assert_eq!(v["vms"][0]["vcpus"][0]["vcpu"], 0);
+    vmm.shutdown().unwrap();
+    assert!(
+        Path::new(DEFAULT_KVM_DEBUGFS).is_dir(),
+        "the host's debugfs mount is untouched"
+    );
+}

@@ -14,6 +14,12 @@
 //!   known vCPU thread, `vcpu`, `previous_tsc_offset`, `tsc_offset`, `host_tsc` (the event's
 //!   timestamp) and `host_tsc_clock` (false if the trace clock could not be set to x86-tsc).
 //!
+//! The tracepoint reports the offset KVM *wrote* (its L1 bookkeeping); debugfs reports the
+//! offset in effect. They can differ: on this project's nested `kvm_pvm` hosts the tracepoint
+//! shows KVM's creation-time offset (about minus the host TSC) while debugfs, and the guest's
+//! real TSC, say 0. So a `tsc_offset_written` event is a "re-read now" trigger and a record that
+//! a write happened; the mapping is always the debugfs reading that follows it.
+//!
 //! With `--vm`, the VMs selected at start are watched and the command exits 0 once all of them
 //! are gone; without it, every VM is watched until the process is interrupted.
 

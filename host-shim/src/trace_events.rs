@@ -131,6 +131,7 @@ impl Subscription {
     /// # Errors
     /// Any tracefs write failure (the instance is removed again).
     pub fn start(tracefs: &Path) -> Result<Self, TraceError> {
+        remove_stale_instances(&tracefs.join("instances"));
         let instance = tracefs
             .join("instances")
             .join(format!("vmtsync-watch-{}", std::process::id()));
@@ -213,6 +214,27 @@ impl Subscription {
         }
         self.buf.drain(..complete);
         Ok(out)
+    }
+}
+
+/// Removes instances left by a `vmtsync` watch that was killed (SIGKILL skips our cleanup):
+/// `vmtsync-watch-<pid>` whose process no longer exists.
+fn remove_stale_instances(instances: &Path) {
+    let Ok(rd) = fs::read_dir(instances) else {
+        return;
+    };
+    for e in rd.flatten() {
+        let name = e.file_name();
+        let Some(pid) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix("vmtsync-watch-"))
+            .and_then(|p| p.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if !Path::new("/proc").join(pid.to_string()).exists() {
+            let _ = fs::remove_dir(e.path());
+        }
     }
 }
 

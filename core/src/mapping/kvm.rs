@@ -1,4 +1,4 @@
-//! The KVM per-vCPU TSC relation, its exact inverse and nested composition.
+//! The KVM per-vCPU TSC relation and its exact inverse (nested composition is in `nested.rs`).
 //!
 //! See the [module docs](crate::mapping) for the relation, the sign conventions and why
 //! every function rounds the way it does.
@@ -70,30 +70,6 @@ impl From<KvmTscMapping> for KvmTscMappingRepr {
 
 impl postcard::experimental::max_size::MaxSize for KvmTscMapping {
     const POSTCARD_MAX_SIZE: usize = KvmTscMappingRepr::POSTCARD_MAX_SIZE;
-}
-
-/// How far host→L1→L2 applied one after the other can stray from the composed L0→L2 mapping.
-///
-/// Returned by [`KvmTscMapping::try_nested_deviation_bound`]: for a host tick `h`, the
-/// sequential L2 tick lies in `[composed - below, composed + above]` (modulo 2^64).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[cfg_attr(feature = "defmt", derive(defmt::Format))]
-pub struct NestedDeviation {
-    /// The sequential L2 tick is at most this many ticks below the composed one.
-    pub below: u64,
-    /// The sequential L2 tick is at most this many ticks above the composed one.
-    pub above: u64,
-}
-
-/// The low 64 bits of a 128-bit value: the same truncation a C `u64` assignment performs.
-///
-/// Used only where the kernel's arithmetic is modulo 2^64 on purpose (the nested offset).
-#[inline]
-const fn low_u64(x: u128) -> u64 {
-    // The truncation is the point: the value is a residue modulo 2^64.
-    #[allow(clippy::cast_possible_truncation)]
-    let low = x as u64;
-    low
 }
 
 impl KvmTscMapping {
@@ -236,9 +212,10 @@ impl KvmTscMapping {
     /// Guarantees: for every `g` in the image of [`Self::try_guest_from_host`],
     /// `try_guest_from_host(try_host_from_guest_ceil(g)) == g`; when `ratio >= 2^frac_bits`
     /// every host tick survives host→guest→host unchanged. A guest tick that the forward map
-    /// skips (ratio above identity) rounds to the next host tick that reaches it. Note that a
-    /// guest tick numerically below `offset` has a huge `s`: it lies 2^64 ticks later, as KVM's
-    /// wrapping addition says. Identity ratios take a fast path without division.
+    /// skips (ratio above identity) rounds to the next host tick that passes it; within
+    /// `ratio / 2^frac_bits` of `s = 2^64` that host tick's own image no longer fits a `u64`.
+    /// A guest tick numerically below `offset` has a huge `s`: it lies 2^64 ticks later, as
+    /// KVM's wrapping addition says. Identity ratios take a fast path without division.
     #[inline]
     #[must_use]
     pub fn try_host_from_guest_ceil(self, guest: GuestTicks) -> Option<HostTicks> {
@@ -274,73 +251,224 @@ impl KvmTscMapping {
             .ok()
             .map(HostTicks)
     }
+}
 
-    /// The L0→L2 mapping KVM programs while a vCPU runs a nested guest.
-    ///
-    /// `l01` maps the host (L0) TSC to the L1 guest; `l12` is what L1 programmed for its own
-    /// guest L2. Bit for bit as arch/x86/kvm/x86.c `kvm_calc_nested_tsc_offset` and
-    /// `kvm_calc_nested_tsc_multiplier`:
-    ///
-    /// - `offset_02 = trunc(offset_01 * ratio_12 / 2^frac) + offset_12 (mod 2^64)`, where
-    ///   `trunc` rounds toward zero: the kernel's `mul_s64_u64_shr` multiplies the magnitude,
-    ///   shifts, and negates. Its 64-bit truncation is harmless because the offset is a residue
-    ///   modulo 2^64 anyway, so this never fails.
-    /// - `ratio_02 = floor(ratio_01 * ratio_12 / 2^frac)` (`mul_u64_u64_shr`).
-    ///
-    /// The kernel's shortcut for `ratio_12 == 1 << frac` gives the same bits as the formula.
-    /// Returns `None` if the `frac_bits` differ, or if `ratio_02` does not fit a `u64` or is
-    /// zero (the kernel would silently truncate; such a ratio is not a usable mapping).
-    ///
-    /// The composition is what the hardware really runs, but it differs slightly from
-    /// applying `l01` and then `l12`, because each of the kernel's shifts floors (or
-    /// truncates). [`Self::try_nested_deviation_bound`] gives the exact bound; the derivation
-    /// is there.
-    #[must_use]
-    pub fn try_compose_nested(l01: &Self, l12: &Self) -> Option<Self> {
-        if l01.frac_bits != l12.frac_bits {
-            return None;
-        }
-        let frac = l01.frac_bits;
-        // |offset_01| <= 2^63 and ratio_12 < 2^64, so the signed product fits an i128; Rust's
-        // i128 division truncates toward zero, which is what mul_s64_u64_shr does.
-        let product = i128::from(l01.offset) * i128::from(l12.ratio);
-        let scaled_offset = low_u64((product / (1i128 << frac)).cast_unsigned());
-        let offset = scaled_offset
-            .wrapping_add(l12.offset.cast_unsigned())
-            .cast_signed();
-        let ratio = u64::try_from((u128::from(l01.ratio) * u128::from(l12.ratio)) >> frac).ok()?;
-        Self::try_new(offset, ratio, frac).ok()
+#[cfg(test)]
+mod tests {
+    // The naive references below work in i128/u128 and narrow only after range checks.
+    #![allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+
+    use super::*;
+    use proptest::prelude::*;
+
+    use super::super::test_support::*;
+
+    #[test]
+    fn constructor_rejects_bad_parameters() {
+        assert_eq!(
+            KvmTscMapping::try_new(0, 0, 48),
+            Err(MappingError::ZeroRatio)
+        );
+        assert_eq!(
+            KvmTscMapping::try_new(0, 1, 64),
+            Err(MappingError::FracBitsTooLarge)
+        );
+        assert_eq!(
+            KvmTscMapping::identity(64),
+            Err(MappingError::FracBitsTooLarge)
+        );
+        assert_eq!(KvmTscMapping::identity(48), Ok(KvmTscMapping::IDENTITY_VMX));
+        assert_eq!(KvmTscMapping::identity(32), Ok(KvmTscMapping::IDENTITY_SVM));
+        let top = KvmTscMapping::identity(63).expect("63 is allowed");
+        assert_eq!(top.ratio(), 1 << 63);
+        assert!(top.is_identity_ratio());
+        assert!(KvmTscMapping::offset_only(-5).is_identity_ratio());
+        assert_eq!(KvmTscMapping::IDENTITY_VMX.with_offset(-7).offset(), -7);
+        assert_eq!(KvmTscMapping::IDENTITY_SVM.default_ratio(), 1 << 32);
     }
 
-    /// How far `l12(l01(host))` can be from `try_compose_nested(l01, l12)(host)`.
-    ///
-    /// With `D = 2^frac`, `m2 = l12.ratio`, and `h` the host tick, the sequential L2 tick minus
-    /// the composed one lies in `[-(1 + ceil(m2 / D)), 1 + ceil(h / D)]` (modulo 2^64), for
-    /// every `l01` with the same `frac_bits`, provided the L1 tick `offset_01 + F_01(h)` does
-    /// not wrap (lies in `[0, 2^64)` as an integer) and no step overflows.
-    ///
-    /// Derivation. Let `o1, m1` be `l01`'s offset and ratio, `X = o1 * m2 / D`,
-    /// `A = floor(h * m1 / D) = h * m1 / D - a` and `m = floor(m1 * m2 / D) = m1 * m2 / D - b`
-    /// with `a, b` in `[0, 1)`. Then, dropping `offset_12` from both sides,
-    /// sequential `= floor(X + A * m2 / D)` and composed `= trunc(X) + floor(h * m / D)`.
-    /// Now `A * m2 / D - h * m / D = h * b / D - a * m2 / D =: e`, which lies in
-    /// `(-m2 / D, h / D)`. With `x = X - trunc(X)` in `(-1, 1)` and `z = frac(h * m / D)` in
-    /// `[0, 1)`, the difference is `floor(x + z + e)` with `x + z + e` in
-    /// `(-1 - m2 / D, 2 + h / D)`, hence the bound. The `h / D` term is the floored combined
-    /// ratio losing up to one unit per `D` host ticks: about one tick per 26 hours of a 3 GHz
-    /// host for VMX, but one tick per 1.4 s for SVM.
-    ///
-    /// Returns `None` only if a bound does not fit a `u64` (`frac_bits == 0` with a huge
-    /// ratio or host tick).
-    #[must_use]
-    pub fn try_nested_deviation_bound(l12: &Self, host: HostTicks) -> Option<NestedDeviation> {
-        let frac = l12.frac_bits;
-        let d_minus_1 = (1u128 << frac) - 1;
-        let below = 1 + ((u128::from(l12.ratio) + d_minus_1) >> frac);
-        let above = 1 + ((u128::from(host.0) + d_minus_1) >> frac);
-        Some(NestedDeviation {
-            below: u64::try_from(below).ok()?,
-            above: u64::try_from(above).ok()?,
-        })
+    #[test]
+    fn forward_known_values() {
+        // Ratio 1.5 on VMX, guest booted 1000 ticks after the host: offset -1000.
+        let map = m(-1000, 3 << 47, 48);
+        assert_eq!(
+            map.try_guest_from_host(HostTicks(10_000)),
+            Some(GuestTicks(14_000))
+        );
+        // The offset wraps modulo 2^64 exactly like KVM's addition.
+        assert_eq!(
+            map.try_guest_from_host(HostTicks(0)),
+            Some(GuestTicks(u64::MAX - 999))
+        );
+        // Floor of the product: 3 * 1.5 = 4.5 -> 4.
+        assert_eq!(
+            m(0, 3 << 47, 48).try_guest_from_host(HostTicks(3)),
+            Some(GuestTicks(4))
+        );
+        // The scaled value overflows u64 for a ratio of 2 at the top of the host range.
+        assert_eq!(
+            m(0, 2 << 48, 48).try_guest_from_host(HostTicks(u64::MAX)),
+            None
+        );
+        // An identity ratio never overflows: offset_only is trace-cmd's normalized form.
+        assert_eq!(
+            KvmTscMapping::offset_only(-1).try_guest_from_host(HostTicks(u64::MAX)),
+            Some(GuestTicks(u64::MAX - 1))
+        );
+    }
+
+    #[test]
+    fn inverse_known_values() {
+        let map = m(-1000, 3 << 47, 48);
+        let g = GuestTicks(14_000);
+        assert_eq!(map.try_host_from_guest_ceil(g), Some(HostTicks(10_000)));
+        assert_eq!(map.try_host_from_guest_floor(g), Some(HostTicks(10_000)));
+        // 14_001 is skipped by the 1.5x clock: 10_000 -> 14_000, 10_001 -> 14_001 (floor
+        // of 15_001.5 - 1000), 10_002 -> 14_003. Guest 14_002 is skipped.
+        assert_eq!(
+            map.try_host_from_guest_ceil(GuestTicks(14_002)),
+            Some(HostTicks(10_002))
+        );
+        assert_eq!(
+            map.try_host_from_guest_floor(GuestTicks(14_002)),
+            Some(HostTicks(10_001))
+        );
+        // Half-rate guest: host 20 and 21 both map to guest 10.
+        let half = m(0, 1 << 47, 48);
+        assert_eq!(
+            half.try_host_from_guest_ceil(GuestTicks(10)),
+            Some(HostTicks(20))
+        );
+        assert_eq!(
+            half.try_host_from_guest_floor(GuestTicks(10)),
+            Some(HostTicks(21))
+        );
+        // Every host tick maps at or before a huge guest tick: the floor is beyond u64.
+        assert_eq!(half.try_host_from_guest_floor(GuestTicks(u64::MAX)), None);
+        // A half-rate guest never reaches the top guest ticks from a u64 host tick.
+        assert_eq!(half.try_host_from_guest_ceil(GuestTicks(u64::MAX)), None);
+        // A double-rate guest skips u64::MAX; the first host tick past it is 2^63, whose own
+        // image (2^64) no longer fits: the documented edge at the very top of the range.
+        let double = m(0, 2 << 48, 48);
+        assert_eq!(
+            double.try_host_from_guest_ceil(GuestTicks(u64::MAX)),
+            Some(HostTicks(1 << 63))
+        );
+        assert_eq!(double.try_guest_from_host(HostTicks(1 << 63)), None);
+    }
+
+    #[test]
+    fn trace_cmd_formula_is_wrong_for_scaled_guests() {
+        // Guest runs 10 % faster than the host, VMX, guest booted 5e9 ticks after the host.
+        let ratio = (1u64 << 48) + (1u64 << 48) / 10;
+        let map = m(-5_000_000_000, ratio, 48);
+        let host = HostTicks(3_000_000_000_000); // ~17 min of a 3 GHz host
+        let guest = map.try_guest_from_host(host).expect("in range");
+        assert_eq!(map.try_host_from_guest_ceil(guest), Some(host));
+        // trace-cmd: ts = (ts * scaling) >> frac in 64 bits, then subtract tsc_offset.
+        let tc = (guest.0.wrapping_mul(ratio) >> 48).wrapping_sub(map.offset().cast_unsigned());
+        assert_ne!(
+            tc, host.0,
+            "trace-cmd's 64-bit forward formula cannot invert"
+        );
+    }
+
+    #[test]
+    fn postcard_round_trip_and_checked_decode() {
+        use postcard::experimental::max_size::MaxSize;
+        let mut buf = [0u8; KvmTscMapping::POSTCARD_MAX_SIZE];
+        assert_eq!(KvmTscMapping::POSTCARD_MAX_SIZE, 10 + 10 + 5);
+        let extreme = m(i64::MIN, u64::MAX, 63);
+        let used = postcard::to_slice(&extreme, &mut buf)
+            .expect("fits max size")
+            .len();
+        let back: KvmTscMapping = postcard::from_bytes(&buf[..used]).expect("decodes");
+        assert_eq!(back, extreme);
+
+        let bad = KvmTscMappingRepr {
+            offset: 1,
+            ratio: 0,
+            frac_bits: 48,
+        };
+        let used = postcard::to_slice(&bad, &mut buf).expect("fits").len();
+        assert!(postcard::from_bytes::<KvmTscMapping>(&buf[..used]).is_err());
+        let bad = KvmTscMappingRepr {
+            offset: 1,
+            ratio: 1,
+            frac_bits: 64,
+        };
+        let used = postcard::to_slice(&bad, &mut buf).expect("fits").len();
+        assert!(postcard::from_bytes::<KvmTscMapping>(&buf[..used]).is_err());
+    }
+
+    proptest! {
+        #[test]
+        fn forward_matches_reference(map in mapping(), h in any::<u64>(), pick in any::<u64>(), which in any::<u8>()) {
+            prop_assert_eq!(map.try_guest_from_host(HostTicks(h)).map(GuestTicks::get), ref_forward(map, h));
+            let h = host_in_domain(map, pick, which);
+            prop_assert_eq!(map.try_guest_from_host(HostTicks(h)).map(GuestTicks::get), ref_forward(map, h));
+        }
+
+        /// ceil(g) = min{h >= 0 : F(h) >= s}, floor(g) = max{h >= 0 : F(h) <= s}; None iff
+        /// that integer is above u64::MAX. Checked on guests near the image and anywhere.
+        #[test]
+        fn ceil_and_floor_definitions(
+            map in mapping(), pick in any::<u64>(), which in any::<u8>(),
+            delta in -3i64..=3, raw in any::<u64>(), use_raw in any::<bool>(),
+        ) {
+            let g = if use_raw {
+                raw
+            } else {
+                let h = host_in_domain(map, pick, which);
+                ref_forward(map, h).expect("in domain").wrapping_add(delta.cast_unsigned())
+            };
+            let s = ref_s(map, g);
+            match map.try_host_from_guest_ceil(GuestTicks(g)) {
+                Some(HostTicks(h)) => {
+                    prop_assert!(ref_scaled(map, u128::from(h)) >= s);
+                    prop_assert!(h == 0 || ref_scaled(map, u128::from(h) - 1) < s);
+                }
+                None => prop_assert!(ref_scaled(map, u128::from(u64::MAX)) < s),
+            }
+            match map.try_host_from_guest_floor(GuestTicks(g)) {
+                Some(HostTicks(h)) => {
+                    prop_assert!(ref_scaled(map, u128::from(h)) <= s);
+                    prop_assert!(ref_scaled(map, u128::from(h) + 1) > s);
+                }
+                None => prop_assert!(ref_scaled(map, TWO_64) <= s),
+            }
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(2000))]
+
+        /// ratio >= 2^frac: host -> guest -> host is the identity through both inverses.
+        #[test]
+        fn host_guest_host_round_trip(map in mapping_injective(), pick in any::<u64>(), which in any::<u8>()) {
+            let h = HostTicks(host_in_domain(map, pick, which));
+            let g = map.try_guest_from_host(h).expect("in domain");
+            prop_assert_eq!(map.try_host_from_guest_ceil(g), Some(h));
+            prop_assert_eq!(map.try_host_from_guest_floor(g), Some(h));
+        }
+
+        /// Any ratio: every guest tick in the image comes back exactly; the ceil is the first
+        /// and the floor the last host tick of the (possibly several) that reach it.
+        #[test]
+        fn guest_host_guest_round_trip(map in mapping(), pick in any::<u64>(), which in any::<u8>()) {
+            let h0 = HostTicks(host_in_domain(map, pick, which));
+            let g = map.try_guest_from_host(h0).expect("in domain");
+            let hc = map.try_host_from_guest_ceil(g).expect("g is in the image");
+            prop_assert!(hc <= h0);
+            prop_assert_eq!(map.try_guest_from_host(hc), Some(g));
+            if let Some(hf) = map.try_host_from_guest_floor(g) {
+                prop_assert!(hf >= h0);
+                prop_assert_eq!(map.try_guest_from_host(hf), Some(g));
+            } else {
+                // Only a slower guest clock can have its last preimage beyond u64::MAX.
+                prop_assert!(map.ratio() < map.default_ratio());
+                prop_assert!(ref_scaled(map, TWO_64) <= ref_s(map, g.0));
+            }
+        }
     }
 }

@@ -53,8 +53,12 @@
 
 mod error;
 mod kvm;
+mod nested;
 mod perf;
+#[cfg(test)]
+mod test_support;
 
 pub use error::MappingError;
-pub use kvm::{FRAC_BITS_SVM, FRAC_BITS_VMX, KvmTscMapping, MAX_FRAC_BITS, NestedDeviation};
+pub use kvm::{FRAC_BITS_SVM, FRAC_BITS_VMX, KvmTscMapping, MAX_FRAC_BITS};
+pub use nested::NestedDeviation;
 pub use perf::{MAX_PERF_SHIFT, PerfTimeConv, clocks_calc_mult_shift};

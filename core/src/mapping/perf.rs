@@ -190,3 +190,209 @@ impl PerfTimeConv {
         u64::try_from(num / u128::from(self.mult)).ok().map(T::from)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{GuestTicks, HostTicks};
+    use proptest::prelude::*;
+
+    /// `clocks_calc_mult_shift` written as the kernel's loop, step by step.
+    fn k_clocks_calc_mult_shift(from: u32, to: u32, maxsec: u32) -> (u32, u32, bool) {
+        let mut tmp: u64 = (u64::from(maxsec) * u64::from(from)) >> 32;
+        let mut sftacc: u32 = 32;
+        while tmp != 0 {
+            tmp >>= 1;
+            sftacc -= 1;
+        }
+        let mut sft: u32 = 32;
+        let mut broke = false;
+        while sft > 0 {
+            tmp = u64::from(to) << sft;
+            tmp += u64::from(from) / 2;
+            tmp /= u64::from(from);
+            if (tmp >> sftacc) == 0 {
+                broke = true;
+                break;
+            }
+            sft -= 1;
+        }
+        (
+            u32::try_from(tmp & 0xffff_ffff).expect("masked"),
+            sft,
+            broke,
+        )
+    }
+
+    /// `floor(t * mult / 2^shift) + zero` over unbounded integers.
+    fn ref_nanos(c: PerfTimeConv, t: u128) -> u128 {
+        ((t * u128::from(c.mult())) >> c.shift()) + u128::from(c.zero())
+    }
+
+    fn conv() -> impl Strategy<Value = PerfTimeConv> {
+        (
+            prop_oneof![1u32..=u32::MAX, (1u32 << 30)..(1u32 << 31), 1u32..=8],
+            prop_oneof![0u32..=63, 20u32..=32],
+            prop_oneof![Just(0u64), any::<u64>(), 0u64..(1 << 50)],
+        )
+            .prop_map(|(m, s, z)| PerfTimeConv::try_new(m, s, z).expect("valid"))
+    }
+
+    #[test]
+    fn constructor_rejects_bad_parameters() {
+        assert_eq!(PerfTimeConv::try_new(0, 10, 0), Err(MappingError::ZeroMult));
+        assert_eq!(
+            PerfTimeConv::try_new(1, 64, 0),
+            Err(MappingError::ShiftTooLarge)
+        );
+        let c = PerfTimeConv::try_new(3, 63, 9).expect("valid");
+        assert_eq!((c.mult(), c.shift(), c.zero()), (3, 63, 9));
+        assert_eq!(c.with_zero(1).zero(), 1);
+        assert_eq!(PerfTimeConv::try_from_tsc_khz(0, 0), None);
+    }
+
+    #[test]
+    fn tsc_khz_known_values() {
+        // 3 GHz: round(2^32 / 3) = 1431655765 at shift 32, halved to 715827882 at shift 31.
+        let c = PerfTimeConv::try_from_tsc_khz(3_000_000, 0).expect("valid");
+        assert_eq!((c.mult(), c.shift()), (715_827_882, 31));
+        assert_eq!(
+            c.try_nanos_from_ticks(3_000_000_000u64),
+            Some(Nanos(999_999_999))
+        );
+        // 1 GHz: exactly 1 ns per tick, 2^31 at shift 31.
+        let c = PerfTimeConv::try_from_tsc_khz(1_000_000, 0).expect("valid");
+        assert_eq!((c.mult(), c.shift()), (1 << 31, 31));
+        assert_eq!(
+            c.try_nanos_from_ticks(HostTicks(12_345)),
+            Some(Nanos(12_345))
+        );
+        // 2.5 GHz: round(0.4 * 2^32) = 1717986918, halved to 858993459.
+        let c = PerfTimeConv::try_from_tsc_khz(2_500_000, 0).expect("valid");
+        assert_eq!((c.mult(), c.shift()), (858_993_459, 31));
+        // A 100 MHz counter stays below 32 bits of multiplier at shift 28 (10 * 2^28 < 2^32).
+        assert_eq!(
+            clocks_calc_mult_shift(100_000, NSEC_PER_MSEC, 0),
+            Some((10 << 28, 28))
+        );
+        assert_eq!(clocks_calc_mult_shift(0, NSEC_PER_MSEC, 0), None);
+    }
+
+    #[test]
+    fn conversions_known_values() {
+        let c = PerfTimeConv::try_new(3, 1, 100).expect("valid"); // 1.5 ns per tick
+        assert_eq!(c.try_nanos_from_ticks(GuestTicks(3)), Some(Nanos(104)));
+        assert_eq!(c.try_ticks_from_nanos_ceil::<u64>(Nanos(105)), Some(4));
+        assert_eq!(c.try_ticks_from_nanos_floor::<u64>(Nanos(105)), Some(3));
+        assert_eq!(c.try_ticks_from_nanos_ceil::<u64>(Nanos(50)), Some(0));
+        assert_eq!(c.try_ticks_from_nanos_floor::<u64>(Nanos(99)), None);
+        assert_eq!(c.try_nanos_from_ticks(u64::MAX), None);
+        let c = PerfTimeConv::try_new(1, 1, 0).expect("valid"); // 0.5 ns per tick
+        assert_eq!(c.try_ticks_from_nanos_floor::<u64>(Nanos(u64::MAX)), None);
+    }
+
+    #[test]
+    fn postcard_round_trip_and_checked_decode() {
+        use postcard::experimental::max_size::MaxSize;
+        let mut buf = [0u8; PerfTimeConv::POSTCARD_MAX_SIZE];
+        let c = PerfTimeConv::try_new(u32::MAX, 63, u64::MAX).expect("valid");
+        let used = postcard::to_slice(&c, &mut buf)
+            .expect("fits max size")
+            .len();
+        assert_eq!(postcard::from_bytes::<PerfTimeConv>(&buf[..used]), Ok(c));
+        for (mult, shift) in [(0, 10), (1, 64)] {
+            let bad = PerfTimeConvRepr {
+                mult,
+                shift,
+                zero: 0,
+            };
+            let used = postcard::to_slice(&bad, &mut buf).expect("fits").len();
+            assert!(postcard::from_bytes::<PerfTimeConv>(&buf[..used]).is_err());
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn calc_mult_shift_matches_kernel_loop(from in 1u32..=u32::MAX, to in any::<u32>(), maxsec in prop_oneof![Just(0u32), 0u32..=3600, any::<u32>()]) {
+            let (km, ks, broke) = k_clocks_calc_mult_shift(from, to, maxsec);
+            match clocks_calc_mult_shift(from, to, maxsec) {
+                Some((m, s)) => {
+                    prop_assert!(broke);
+                    prop_assert_eq!((m, s), (km, ks));
+                    // The kernel's promise: maxsec seconds of counter times mult fit 64 bits.
+                    prop_assert!(u128::from(m) * u128::from(maxsec) * u128::from(from) < (1u128 << 64));
+                }
+                None => prop_assert!(!broke),
+            }
+        }
+
+        #[test]
+        fn tsc_khz_accuracy(khz in prop_oneof![1u32..=u32::MAX, 100_000u32..=10_000_000]) {
+            let c = PerfTimeConv::try_from_tsc_khz(khz, 0).expect("nonzero khz");
+            prop_assert!(c.shift() <= 31);
+            let err = (i128::from(c.mult()) * i128::from(khz)
+                - (i128::from(NSEC_PER_MSEC) << c.shift())).abs();
+            prop_assert!(err <= i128::from(khz), "err {} > khz {}", err, khz);
+            // Maximal precision: one more shift bit would have needed a 33-bit multiplier
+            // (shift 31 is the cap the kernel imposes for perf).
+            if c.shift() < 31 {
+                let next = ((u128::from(NSEC_PER_MSEC) << (c.shift() + 1)) + u128::from(khz / 2)) / u128::from(khz);
+                prop_assert!(next >= (1u128 << 32));
+            }
+        }
+
+        #[test]
+        fn nanos_matches_reference(c in conv(), t in any::<u64>()) {
+            let r = ref_nanos(c, u128::from(t));
+            let want = u64::try_from(r).ok().map(Nanos);
+            prop_assert_eq!(c.try_nanos_from_ticks(t), want);
+        }
+
+        /// ceil = min{t : ns(t) >= n}, floor = max{t : ns(t) <= n}; None iff not in u64.
+        #[test]
+        fn ceil_and_floor_definitions(c in conv(), n in any::<u64>(), t0 in any::<u64>(), near in any::<bool>(), delta in -2i64..=2) {
+            let n = if near {
+                match c.try_nanos_from_ticks(t0) {
+                    Some(Nanos(v)) => v.wrapping_add(delta.cast_unsigned()),
+                    None => n,
+                }
+            } else {
+                n
+            };
+            let n128 = u128::from(n);
+            match c.try_ticks_from_nanos_ceil::<u64>(Nanos(n)) {
+                Some(t) => {
+                    prop_assert!(ref_nanos(c, u128::from(t)) >= n128);
+                    prop_assert!(t == 0 || ref_nanos(c, u128::from(t) - 1) < n128);
+                }
+                None => prop_assert!(ref_nanos(c, u128::from(u64::MAX)) < n128),
+            }
+            match c.try_ticks_from_nanos_floor::<u64>(Nanos(n)) {
+                Some(t) => {
+                    prop_assert!(ref_nanos(c, u128::from(t)) <= n128);
+                    prop_assert!(ref_nanos(c, u128::from(t) + 1) > n128);
+                }
+                None => prop_assert!(ref_nanos(c, 0) > n128 || ref_nanos(c, 1u128 << 64) <= n128),
+            }
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(2000))]
+
+        /// Every nanosecond value in the image converts back to a tick that gives it again;
+        /// with at least one ns per tick (mult >= 2^shift) ticks survive ticks->ns->ticks.
+        #[test]
+        fn round_trips(c in conv(), t in any::<u64>()) {
+            if let Some(ns) = c.try_nanos_from_ticks(t) {
+                let back: u64 = c.try_ticks_from_nanos_ceil(ns).expect("in image");
+                prop_assert!(back <= t);
+                prop_assert_eq!(c.try_nanos_from_ticks(back), Some(ns));
+                if u64::from(c.mult()) >= (1u64 << c.shift()) {
+                    prop_assert_eq!(back, t);
+                    prop_assert_eq!(c.try_ticks_from_nanos_floor::<u64>(ns), Some(t));
+                }
+            }
+        }
+    }
+}

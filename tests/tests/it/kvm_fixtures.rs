@@ -388,3 +388,116 @@ fn table_output_lists_every_vcpu() {
     assert!(lines[2].contains("-9223372036854775808") && lines[2].contains("4294901760"));
     assert!(lines[4].trim_start().starts_with("10 "), "{}", lines[4]);
 }
+
+/// Watch mode on a fixture tree changed under it: every kind of change gives exactly one
+/// event with the old and new values.
+#[test]
+fn watch_reports_each_change_once() {
+    use std::io::BufRead;
+    use std::sync::mpsc;
+    use std::time::Duration;
+
+    let d = temp_dir("watch");
+    let kvm = d.join("kvm");
+    copy_tree(&fixtures().join("noscaling/kvm"), &kvm);
+    let mut guard = vmtsync_tests::ChildGuard::new(
+        vmtsync()
+            .args(["kvm", "--watch", "--interval", "10", "--debugfs-root"])
+            .arg(&kvm)
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let out = guard.child().stdout.take().unwrap();
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for l in std::io::BufReader::new(out).lines().map_while(Result::ok) {
+            if tx.send(l).is_err() {
+                break;
+            }
+        }
+    });
+    // Changes must be atomic, or the watcher could catch a half-written file (a real error).
+    let write = |p: PathBuf, text: &str| {
+        let tmp = p.with_extension("new");
+        fs::write(&tmp, text).unwrap();
+        fs::rename(&tmp, &p).unwrap();
+    };
+    let stage = d.join("stage");
+    let next = || -> Value {
+        let l = rx
+            .recv_timeout(Duration::from_secs(10))
+            .expect("a watch event within 10 s");
+        serde_json::from_str(&l).unwrap()
+    };
+    assert_eq!(next()["event"], "watch_started");
+    let found = next();
+    assert_eq!(
+        (found["event"].as_str(), found["pid"].as_u64()),
+        (Some("vm_found"), Some(5005))
+    );
+    assert_eq!(found["vcpus"].as_array().unwrap().len(), 2);
+
+    // Offset change: one vcpu_changed with the previous and new offsets.
+    write(kvm.join("5005-7/vcpu1/tsc-offset"), "-42\n");
+    let e = next();
+    assert_eq!(e["event"], "vcpu_changed", "{e}");
+    assert_eq!(
+        (e["vcpu"]["vcpu"].as_u64(), e["vcpu"]["tsc_offset"].as_i64()),
+        (Some(1), Some(-42))
+    );
+    assert_eq!(e["previous"]["tsc_offset"], 0);
+
+    // Nested entry: guest_mode flips.
+    write(kvm.join("5005-7/vcpu0/guest_mode"), "1\n");
+    let e = next();
+    assert_eq!(
+        (e["event"].as_str(), e["vcpu"]["guest_mode"].as_bool()),
+        (Some("vcpu_changed"), Some(true))
+    );
+
+    // vCPU added, then removed.
+    let v3 = kvm.join("5005-7/vcpu3");
+    fs::create_dir_all(stage.join("vcpu3")).unwrap();
+    fs::write(stage.join("vcpu3/tsc-offset"), "7\n").unwrap();
+    fs::rename(stage.join("vcpu3"), &v3).unwrap();
+    let e = next();
+    assert_eq!(
+        (
+            e["event"].as_str(),
+            e["vcpu"]["vcpu"].as_u64(),
+            e["vcpu"]["tsc_offset"].as_i64()
+        ),
+        (Some("vcpu_added"), Some(3), Some(7))
+    );
+    fs::rename(&v3, stage.join("vcpu3-gone")).unwrap();
+    let e = next();
+    assert_eq!(
+        (e["event"].as_str(), e["vcpu"].as_u64()),
+        (Some("vcpu_removed"), Some(3))
+    );
+
+    // A second VM appears, then the first goes.
+    copy_tree(&kvm.join("5005-7"), &stage.join("6006-9"));
+    fs::rename(stage.join("6006-9"), kvm.join("6006-9")).unwrap();
+    let e = next();
+    assert_eq!(
+        (e["event"].as_str(), e["pid"].as_u64(), e["fd"].as_u64()),
+        (Some("vm_added"), Some(6006), Some(9))
+    );
+    fs::remove_dir_all(kvm.join("5005-7")).unwrap();
+    let e = next();
+    assert_eq!(
+        (e["event"].as_str(), e["pid"].as_u64()),
+        (Some("vm_gone"), Some(5005))
+    );
+    assert!(e["host_tsc_before"].as_u64() <= e["host_tsc_after"].as_u64());
+
+    // Nothing else happened, so nothing else is reported.
+    assert!(
+        rx.recv_timeout(Duration::from_millis(200)).is_err(),
+        "spurious event"
+    );
+    drop(guard);
+    fs::remove_dir_all(&d).unwrap();
+}

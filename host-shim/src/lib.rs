@@ -2,6 +2,33 @@
 //!
 //! Finds VMs in KVM debugfs and reads their exact per-vCPU TSC mappings, runs probe rounds
 //! against the guest agent, writes sync files, converts guest timestamps and exports them.
+//!
+//! Layers:
+//! - [`hosttsc`]: the host TSC read that brackets every debugfs reading.
+//! - [`debugfs`]: discovery of `<pid>-<fd>/vcpuN` and strict parsing of each file.
+//! - [`procinfo`]: the VM's process (`comm`, QEMU `-name`), from an injectable `/proc`.
+//! - [`scan`]: one scan joined with `/proc`, in the versioned `vmtsync kvm --json` shape.
+//! - [`watch`] and [`trace_events`]: change events by polling and by the
+//!   `kvm:kvm_write_tsc_offset` tracepoint.
+//! - [`convert`], [`compose`]: streaming timestamp conversion and nested composition, on
+//!   `vmtsync_core::mapping`.
+//! - [`probe`]: `vmtsync probe`: hello + probe rounds against the guest agent, bounded
+//!   estimates, continuous re-sync.
+//! - [`syncfile`]: the versioned JSON Lines sync file and `convert --sync`.
+//! - [`cli`]: the command line, its errors and exit codes.
+//!
+//! Guarantees: no file content makes this crate panic; a reading is never presented as a VM's
+//! own (L1) mapping while its vCPU runs a nested guest; every reading carries the host TSC
+//! interval in which it was true.
 
+pub mod cli;
+pub mod compose;
+pub mod convert;
+pub mod debugfs;
+pub mod hosttsc;
 pub mod probe;
+pub mod procinfo;
+pub mod scan;
 pub mod syncfile;
+pub mod trace_events;
+pub mod watch;

@@ -1,7 +1,7 @@
-//! The `vmtsync` command-line tool.
+//! The `vmtsync` command-line tool; everything lives in the library's [`vmtsync::cli`].
 
 use std::process::ExitCode;
 
 fn main() -> ExitCode {
-    ExitCode::SUCCESS
+    vmtsync::cli::main()
 }

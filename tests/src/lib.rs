@@ -6,6 +6,7 @@
 
 use std::process::Child;
 
+pub mod idle_vmm;
 pub mod vmm;
 
 /// True when running under CI (`CI=true` or `CI=1`).

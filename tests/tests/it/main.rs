@@ -3,6 +3,9 @@
 
 mod agent_qemu;
 mod agent_vmm;
+mod cli;
+mod kvm_fixtures;
+mod kvm_real;
 mod probe;
 mod probe_bench;
 mod smoke;

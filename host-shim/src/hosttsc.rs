@@ -1,0 +1,56 @@
+//! Reading the host's TSC, the clock every debugfs reading is bracketed with.
+//!
+//! The host trace clock (`x86-tsc`) is the raw TSC, so a reading of KVM's per-vCPU state is
+//! only useful together with the host TSC interval in which it was taken: the offset may change
+//! (e.g. on migration or a guest `wrmsr`), and the bracket says when the reading was true.
+
+use vmtsync_core::HostTicks;
+
+/// Reads the host TSC, ordered after every earlier load (`lfence; rdtsc`).
+///
+/// `lfence` keeps the read from being executed before the debugfs reads that precede it in
+/// program order, so `before <= reading <= after` holds for a bracket built from two calls.
+#[must_use]
+#[inline]
+pub fn read_host_tsc() -> HostTicks {
+    #[cfg(target_arch = "x86_64")]
+    {
+        // SAFETY: `lfence` and `rdtsc` are available on every x86_64 CPU (SSE2 is part of the
+        // x86_64 baseline; RDTSC is only unavailable when CR4.TSD is set, which Linux never sets
+        // for user space). Neither touches memory.
+        let t = unsafe {
+            core::arch::x86_64::_mm_lfence();
+            core::arch::x86_64::_rdtsc()
+        };
+        HostTicks(t)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        // Not an x86 host: there is no TSC and KVM debugfs has no tsc-offset either. A zero
+        // bracket is honest ("unknown") rather than a made-up clock.
+        HostTicks(0)
+    }
+}
+
+/// A host TSC interval `[before, after]` in which a reading was true.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TscBracket {
+    /// Host TSC read just before the first file of the reading was opened.
+    pub before: HostTicks,
+    /// Host TSC read just after the last file of the reading was read.
+    pub after: HostTicks,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tsc_is_monotonic_on_one_thread() {
+        let a = read_host_tsc();
+        let b = read_host_tsc();
+        assert!(b >= a, "{b:?} < {a:?}");
+        #[cfg(target_arch = "x86_64")]
+        assert_ne!(a.0, 0);
+    }
+}

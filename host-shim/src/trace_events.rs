@@ -1,0 +1,277 @@
+//! Subscribing to the `kvm:kvm_write_tsc_offset` tracepoint so watch mode misses no offset
+//! change between two polls.
+//!
+//! A private tracefs instance (`instances/vmtsync-watch-<pid>`) is created with its own
+//! `trace_clock` set to `x86-tsc`, so the global tracing state other tools use is untouched and
+//! every event carries a host TSC timestamp. The instance is removed on drop.
+
+use std::fs::{self, File};
+use std::io::{self, Read};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use thiserror::Error;
+
+/// Where tracefs is normally mounted, in the order tried.
+pub const TRACEFS_CANDIDATES: [&str; 2] = ["/sys/kernel/tracing", "/sys/kernel/debug/tracing"];
+
+/// The tracepoint KVM fires on every TSC offset write (arch/x86/kvm/trace.h).
+pub const EVENT: &str = "kvm/kvm_write_tsc_offset";
+
+/// Errors setting up or reading the tracepoint.
+#[derive(Debug, Error)]
+#[non_exhaustive]
+pub enum TraceError {
+    /// No tracefs with the KVM event was found.
+    #[error(
+        "no tracefs with events/{EVENT} found (tried {tried}): mount debugfs/tracefs as root (mount -t tracefs nodev /sys/kernel/tracing) and load kvm, or drop --trace-events"
+    )]
+    NoTracefs {
+        /// The directories tried.
+        tried: String,
+    },
+    /// A tracefs operation failed.
+    #[error("tracefs: {action} {path}: {source}")]
+    Io {
+        /// What was being done.
+        action: &'static str,
+        /// The file.
+        path: PathBuf,
+        /// The OS error.
+        #[source]
+        source: io::Error,
+    },
+}
+
+/// One `kvm_write_tsc_offset` event.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TscOffsetWrite {
+    /// TID of the thread that wrote the offset.
+    pub thread: u32,
+    /// The event's timestamp: host TSC when the instance clock is `x86-tsc`.
+    pub timestamp: u64,
+    /// The vCPU id.
+    pub vcpu: u32,
+    /// The offset before (as the kernel's u64, reinterpreted as the signed offset).
+    pub previous: i64,
+    /// The offset after.
+    pub next: i64,
+}
+
+/// Parses one `trace_pipe` line of the event, e.g.
+/// `  qemu-1234  [001] d..1.  987654321: kvm_write_tsc_offset: vcpu=0 prev=0 next=5`.
+/// Returns `None` for any other line.
+#[must_use]
+pub fn parse_line(line: &str) -> Option<TscOffsetWrite> {
+    let (head, tail) = line.split_once(": kvm_write_tsc_offset: ")?;
+    let mut fields = tail.split_ascii_whitespace();
+    let mut field = |key: &str| fields.next()?.strip_prefix(key)?.parse::<u64>().ok();
+    let vcpu = u32::try_from(field("vcpu=")?).ok()?;
+    // The kernel stores offsets as u64; the debugfs file prints them signed. Same bits.
+    let previous = i64::from_ne_bytes(field("prev=")?.to_ne_bytes());
+    let next = i64::from_ne_bytes(field("next=")?.to_ne_bytes());
+    let mut words = head.split_ascii_whitespace();
+    let task = words.next()?;
+    let thread = task.rsplit_once('-')?.1.parse().ok()?;
+    let timestamp = words.next_back()?.parse().ok()?;
+    Some(TscOffsetWrite {
+        thread,
+        timestamp,
+        vcpu,
+        previous,
+        next,
+    })
+}
+
+/// A live subscription: a private tracefs instance with the event enabled.
+#[derive(Debug)]
+pub struct Subscription {
+    instance: PathBuf,
+    pipe: File,
+    buf: Vec<u8>,
+    /// True if the instance clock could be set to `x86-tsc` (timestamps are host TSC).
+    pub tsc_clock: bool,
+}
+
+fn io_err<'a>(action: &'static str, path: &'a Path) -> impl FnOnce(io::Error) -> TraceError + 'a {
+    move |source| TraceError::Io {
+        action,
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// Finds a tracefs root with the KVM event: `explicit` if given, else the standard places.
+///
+/// # Errors
+/// [`TraceError::NoTracefs`].
+pub fn find_tracefs(explicit: Option<&Path>) -> Result<PathBuf, TraceError> {
+    let cands: Vec<PathBuf> = match explicit {
+        Some(p) => vec![p.to_path_buf()],
+        None => TRACEFS_CANDIDATES.iter().map(PathBuf::from).collect(),
+    };
+    cands
+        .iter()
+        .find(|c| c.join("events").join(EVENT).is_dir())
+        .cloned()
+        .ok_or_else(|| TraceError::NoTracefs {
+            tried: cands
+                .iter()
+                .map(|c| c.display().to_string())
+                .collect::<Vec<_>>()
+                .join(", "),
+        })
+}
+
+impl Subscription {
+    /// Creates the instance under `tracefs` and enables the event.
+    ///
+    /// # Errors
+    /// Any tracefs write failure (the instance is removed again).
+    pub fn start(tracefs: &Path) -> Result<Self, TraceError> {
+        remove_stale_instances(&tracefs.join("instances"));
+        let instance = tracefs
+            .join("instances")
+            .join(format!("vmtsync-watch-{}", std::process::id()));
+        fs::create_dir(&instance).map_err(io_err("create", &instance))?;
+        // From here on, Drop cleans up.
+        let mut sub = Self {
+            pipe: File::open("/dev/null").map_err(io_err("open", Path::new("/dev/null")))?,
+            instance,
+            buf: Vec::with_capacity(8192),
+            tsc_clock: false,
+        };
+        sub.tsc_clock = fs::write(sub.instance.join("trace_clock"), "x86-tsc").is_ok();
+        let enable = sub.instance.join("events").join(EVENT).join("enable");
+        fs::write(&enable, "1").map_err(io_err("enable", &enable))?;
+        let pipe = sub.instance.join("trace_pipe");
+        sub.pipe = File::options()
+            .read(true)
+            .custom_flags(libc::O_NONBLOCK)
+            .open(&pipe)
+            .map_err(io_err("open", &pipe))?;
+        Ok(sub)
+    }
+
+    /// Waits up to `timeout` for events and returns those that arrived (possibly none).
+    ///
+    /// # Errors
+    /// Read errors on `trace_pipe`.
+    pub fn wait(&mut self, timeout: Duration) -> Result<Vec<TscOffsetWrite>, TraceError> {
+        let mut pfd = libc::pollfd {
+            fd: self.pipe.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        let ms = libc::c_int::try_from(timeout.as_millis()).unwrap_or(libc::c_int::MAX);
+        // SAFETY: `pfd` is a valid pollfd for the duration of the call and nfds is 1.
+        let r = unsafe { libc::poll(&raw mut pfd, 1, ms) };
+        if r < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                return Ok(Vec::new());
+            }
+            return Err(TraceError::Io {
+                action: "poll",
+                path: self.instance.join("trace_pipe"),
+                source: e,
+            });
+        }
+        let mut chunk = [0u8; 4096];
+        loop {
+            match self.pipe.read(&mut chunk) {
+                Ok(0) => break,
+                Ok(n) => self.buf.extend_from_slice(&chunk[..n]),
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted
+                    ) =>
+                {
+                    break;
+                }
+                Err(source) => {
+                    return Err(TraceError::Io {
+                        action: "read",
+                        path: self.instance.join("trace_pipe"),
+                        source,
+                    });
+                }
+            }
+        }
+        let mut out = Vec::new();
+        let complete = self
+            .buf
+            .iter()
+            .rposition(|&b| b == b'\n')
+            .map_or(0, |i| i + 1);
+        for line in self.buf[..complete].split(|&b| b == b'\n') {
+            if let Some(ev) = std::str::from_utf8(line).ok().and_then(parse_line) {
+                out.push(ev);
+            }
+        }
+        self.buf.drain(..complete);
+        Ok(out)
+    }
+}
+
+/// Removes instances left by a `vmtsync` watch that was killed (SIGKILL skips our cleanup):
+/// `vmtsync-watch-<pid>` whose process no longer exists.
+fn remove_stale_instances(instances: &Path) {
+    let Ok(rd) = fs::read_dir(instances) else {
+        return;
+    };
+    for e in rd.flatten() {
+        let name = e.file_name();
+        let Some(pid) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix("vmtsync-watch-"))
+            .and_then(|p| p.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if !Path::new("/proc").join(pid.to_string()).exists() {
+            let _ = fs::remove_dir(e.path());
+        }
+    }
+}
+
+impl Drop for Subscription {
+    fn drop(&mut self) {
+        // Best effort: disable the event, close the pipe (rmdir fails while it is open), remove.
+        let _ = fs::write(self.instance.join("events").join(EVENT).join("enable"), "0");
+        self.pipe = match File::open("/dev/null") {
+            Ok(f) => f,
+            Err(_) => return,
+        };
+        let _ = fs::remove_dir(&self.instance);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_event_lines() {
+        let l = "           idle-vmm-4242    [001] d..1.  123456789012: kvm_write_tsc_offset: vcpu=3 prev=0 next=18446744073709551611";
+        assert_eq!(
+            parse_line(l),
+            Some(TscOffsetWrite {
+                thread: 4242,
+                timestamp: 123_456_789_012,
+                vcpu: 3,
+                previous: 0,
+                next: -5,
+            })
+        );
+        assert_eq!(parse_line("foo-1 [000] ... 5: kvm_pio: x"), None);
+        assert_eq!(
+            parse_line("x-1 [0] 5: kvm_write_tsc_offset: vcpu=a prev=0 next=0"),
+            None
+        );
+        assert_eq!(parse_line(""), None);
+    }
+}

@@ -1,0 +1,310 @@
+//! `vmtsync kvm --watch`: poll debugfs and emit one JSON line per change.
+//!
+//! Events (each a JSON object on one line, all with `"schema":1` and `"event"`):
+//! - `watch_started`: `host_tsc`, `trace_events` (whether the tracepoint is subscribed), first.
+//! - `vm_found` (at start) / `vm_added` (later): `pid`, `fd`, `name`, `vcpus` (as in
+//!   `vmtsync kvm --json`).
+//! - `vcpu_added`: `pid`, `fd`, `vcpu` (one vCPU object).
+//! - `vcpu_changed`: `pid`, `fd`, `vcpu` (new state), `previous` (old state): any change of
+//!   offset, scaling, guest_mode or thread.
+//! - `vcpu_removed`: `pid`, `fd`, `vcpu` (id), `host_tsc_before`/`host_tsc_after`.
+//! - `vm_gone`: `pid`, `fd`, `name`, `host_tsc_before` (last time it was seen) and
+//!   `host_tsc_after` (first time it was missing).
+//! - `tsc_offset_written` (with `--trace-events`): `thread`, `pid`/`fd` when the thread is a
+//!   known vCPU thread, `vcpu`, `previous_tsc_offset`, `tsc_offset`, `host_tsc` (the event's
+//!   timestamp) and `host_tsc_clock` (false if the trace clock could not be set to x86-tsc).
+//!
+//! The tracepoint reports the offset KVM *wrote* (its L1 bookkeeping); debugfs reports the
+//! offset in effect. They can differ: on this project's nested `kvm_pvm` hosts the tracepoint
+//! shows KVM's creation-time offset (about minus the host TSC) while debugfs, and the guest's
+//! real TSC, say 0. So a `tsc_offset_written` event is a "re-read now" trigger and a record that
+//! a write happened; the mapping is always the debugfs reading that follows it.
+//!
+//! With `--vm`, the VMs selected at start are watched and the command exits 0 once all of them
+//! are gone; without it, every VM is watched until the process is interrupted.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use serde::Serialize;
+use serde_json::json;
+use thiserror::Error;
+
+use crate::debugfs::{DebugfsError, VmId};
+use crate::hosttsc::read_host_tsc;
+use crate::scan::{SCHEMA_VERSION, ScanError, Scanner, VcpuReport, VmSelector};
+use crate::trace_events::{Subscription, TraceError, TscOffsetWrite};
+
+/// Errors of watch mode.
+#[derive(Debug, Error)]
+#[non_exhaustive]
+pub enum WatchError {
+    /// Scanning failed.
+    #[error(transparent)]
+    Scan(#[from] ScanError),
+    /// The tracepoint subscription failed.
+    #[error(transparent)]
+    Trace(#[from] TraceError),
+    /// Writing output failed (a broken pipe is handled by the caller).
+    #[error("writing output: {0}")]
+    Output(#[from] std::io::Error),
+}
+
+impl From<DebugfsError> for WatchError {
+    fn from(e: DebugfsError) -> Self {
+        Self::Scan(e.into())
+    }
+}
+
+/// Watch-mode settings.
+#[derive(Debug)]
+pub struct WatchOptions<'a> {
+    /// Poll interval.
+    pub interval: Duration,
+    /// Only these VMs (fixed at start); the stream ends when they are all gone.
+    pub selector: Option<&'a VmSelector>,
+    /// The tracepoint subscription, if `--trace-events`.
+    pub trace: Option<Subscription>,
+    /// Set (e.g. by a SIGINT handler) to stop after the current poll.
+    pub stop: &'a AtomicBool,
+}
+
+struct VmState {
+    name: Option<String>,
+    vcpus: BTreeMap<u32, VcpuReport>,
+    last_seen: u64,
+}
+
+/// True if two readings of a vCPU differ in anything but their host TSC bracket.
+fn changed(a: &VcpuReport, b: &VcpuReport) -> bool {
+    let strip = |v: &VcpuReport| VcpuReport {
+        host_tsc_before: 0,
+        host_tsc_after: 0,
+        ..*v
+    };
+    strip(a) != strip(b)
+}
+
+fn emit(out: &mut dyn Write, v: &impl Serialize) -> Result<(), WatchError> {
+    serde_json::to_writer(&mut *out, v).map_err(std::io::Error::from)?;
+    out.write_all(b"\n")?;
+    // One line per change, visible at once to whoever reads the pipe.
+    out.flush()?;
+    Ok(())
+}
+
+/// Runs watch mode until the selected VMs are gone or `opts.stop` is set.
+///
+/// # Errors
+/// Scan errors (other than a VM exiting, which is an event), trace errors, output errors.
+pub fn watch(
+    scanner: &Scanner,
+    mut opts: WatchOptions<'_>,
+    out: &mut dyn Write,
+) -> Result<(), WatchError> {
+    let mut state: BTreeMap<VmId, VmState> = BTreeMap::new();
+    // The fixed set of VMs to watch when a selector is given.
+    let selected: Option<Vec<VmId>> = match opts.selector {
+        Some(sel) => Some(
+            scanner
+                .select(Some(sel))?
+                .iter()
+                .map(|(v, _)| v.id)
+                .collect(),
+        ),
+        None => None,
+    };
+    emit(
+        out,
+        &json!({
+            "schema": SCHEMA_VERSION,
+            "event": "watch_started",
+            "host_tsc": read_host_tsc().0,
+            "trace_events": opts.trace.is_some(),
+        }),
+    )?;
+    let mut first = true;
+    loop {
+        poll_once(scanner, selected.as_deref(), &mut state, first, out)?;
+        first = false;
+        if selected.is_some() && state.is_empty() {
+            return Ok(());
+        }
+        if opts.stop.load(Ordering::Relaxed) {
+            return Ok(());
+        }
+        match opts.trace.as_mut() {
+            Some(sub) => {
+                for ev in sub.wait(opts.interval)? {
+                    emit_trace(&ev, &state, sub.tsc_clock, selected.as_deref(), out)?;
+                }
+            }
+            None => std::thread::sleep(opts.interval),
+        }
+    }
+}
+
+fn emit_trace(
+    ev: &TscOffsetWrite,
+    state: &BTreeMap<VmId, VmState>,
+    tsc_clock: bool,
+    selected: Option<&[VmId]>,
+    out: &mut dyn Write,
+) -> Result<(), WatchError> {
+    let owner = state
+        .iter()
+        .find(|(_, s)| s.vcpus.values().any(|v| v.thread_pid == Some(ev.thread)));
+    let owner_id = owner.map(|(id, _)| *id);
+    // With --vm, only events of the watched VMs (when the thread is known) are reported.
+    if selected.is_some() && owner_id.is_none() {
+        return Ok(());
+    }
+    emit(
+        out,
+        &json!({
+            "schema": SCHEMA_VERSION,
+            "event": "tsc_offset_written",
+            "pid": owner_id.map(|i| i.pid),
+            "fd": owner_id.map(|i| i.fd),
+            "thread": ev.thread,
+            "vcpu": ev.vcpu,
+            "previous_tsc_offset": ev.previous,
+            "tsc_offset": ev.next,
+            "host_tsc": ev.timestamp,
+            "host_tsc_clock": tsc_clock,
+        }),
+    )
+}
+
+fn poll_once(
+    scanner: &Scanner,
+    selected: Option<&[VmId]>,
+    state: &mut BTreeMap<VmId, VmState>,
+    first: bool,
+    out: &mut dyn Write,
+) -> Result<(), WatchError> {
+    let listing = scanner.debugfs.vms()?;
+    let mut present = Vec::with_capacity(listing.len());
+    for vm in &listing {
+        if selected.is_some_and(|s| !s.contains(&vm.id)) {
+            continue;
+        }
+        let vcpus = match scanner.debugfs.read_vm(vm) {
+            Ok(v) => v,
+            Err(DebugfsError::VmExited { .. }) => continue,
+            Err(e) => return Err(e.into()),
+        };
+        present.push(vm.id);
+        let now: BTreeMap<u32, VcpuReport> = vcpus
+            .iter()
+            .map(|v| (v.vcpu, VcpuReport::from(v)))
+            .collect();
+        let last_seen = now
+            .values()
+            .map(|v| v.host_tsc_after)
+            .max()
+            .unwrap_or_else(|| read_host_tsc().0);
+        let Some(old) = state.get_mut(&vm.id) else {
+            let name = scanner
+                .proc
+                .process(vm.id.pid)
+                .display_name()
+                .map(str::to_owned);
+            emit(
+                out,
+                &json!({
+                    "schema": SCHEMA_VERSION,
+                    "event": if first { "vm_found" } else { "vm_added" },
+                    "pid": vm.id.pid,
+                    "fd": vm.id.fd,
+                    "name": name,
+                    "vcpus": now.values().collect::<Vec<_>>(),
+                }),
+            )?;
+            state.insert(
+                vm.id,
+                VmState {
+                    name,
+                    vcpus: now,
+                    last_seen,
+                },
+            );
+            continue;
+        };
+        let (pid, fd) = (vm.id.pid, vm.id.fd);
+        for (id, new) in &now {
+            match old.vcpus.get(id) {
+                None => emit(
+                    out,
+                    &json!({"schema": SCHEMA_VERSION, "event": "vcpu_added", "pid": pid, "fd": fd, "vcpu": new}),
+                )?,
+                Some(prev) if changed(prev, new) => emit(
+                    out,
+                    &json!({"schema": SCHEMA_VERSION, "event": "vcpu_changed", "pid": pid, "fd": fd, "vcpu": new, "previous": prev}),
+                )?,
+                Some(_) => {}
+            }
+        }
+        for id in old.vcpus.keys().filter(|id| !now.contains_key(id)) {
+            emit(
+                out,
+                &json!({"schema": SCHEMA_VERSION, "event": "vcpu_removed", "pid": pid, "fd": fd, "vcpu": id,
+                        "host_tsc_before": old.last_seen, "host_tsc_after": last_seen}),
+            )?;
+        }
+        old.vcpus = now;
+        old.last_seen = last_seen;
+    }
+    let gone: Vec<VmId> = state
+        .keys()
+        .filter(|id| !present.contains(id))
+        .copied()
+        .collect();
+    for id in gone {
+        let now = read_host_tsc().0;
+        if let Some(s) = state.remove(&id) {
+            emit(
+                out,
+                &json!({"schema": SCHEMA_VERSION, "event": "vm_gone", "pid": id.pid, "fd": id.fd, "name": s.name,
+                        "host_tsc_before": s.last_seen, "host_tsc_after": now}),
+            )?;
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn change_ignores_bracket_only() {
+        let a = VcpuReport {
+            vcpu: 0,
+            tsc_offset: 5,
+            tsc_scaling_ratio: 1,
+            tsc_frac_bits: 0,
+            scaling_present: false,
+            guest_mode: Some(false),
+            thread_pid: Some(7),
+            host_tsc_before: 1,
+            host_tsc_after: 2,
+        };
+        let b = VcpuReport {
+            host_tsc_before: 10,
+            host_tsc_after: 20,
+            ..a
+        };
+        assert!(!changed(&a, &b));
+        assert!(changed(&a, &VcpuReport { tsc_offset: 6, ..b }));
+        assert!(changed(
+            &a,
+            &VcpuReport {
+                guest_mode: Some(true),
+                ..b
+            }
+        ));
+    }
+}

@@ -1,0 +1,382 @@
+//! Tier 2: `vmtsync kvm` against real KVM VMs created by the `idle-vmm` child process.
+//!
+//! Truth on this machine (DESIGN §4): TSC offsets cannot be injected, so every vCPU reads
+//! offset 0 with identity scaling; the vCPU thread TIDs are what the child printed.
+
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+use vmtsync::debugfs::DEFAULT_KVM_DEBUGFS;
+use vmtsync::hosttsc::read_host_tsc;
+use vmtsync_tests::idle_vmm::IdleVmmChild;
+use vmtsync_tests::{ChildGuard, have_kvm, is_root, require};
+
+use crate::kvm_fixtures::vmtsync;
+
+fn idle_vmm() -> &'static Path {
+    Path::new(env!("CARGO_BIN_EXE_idle-vmm"))
+}
+
+/// Checks the tier-2 prerequisites and mounts debugfs through `--mount-debugfs` if needed.
+fn prerequisites(test: &str) -> bool {
+    if !require(test, is_root(), "needs root (KVM debugfs is root-only)")
+        || !require(test, have_kvm(), "/dev/kvm is not accessible read-write")
+    {
+        return false;
+    }
+    let o = vmtsync()
+        .args(["kvm", "--json", "--mount-debugfs"])
+        .output()
+        .expect("run vmtsync");
+    require(
+        test,
+        o.status.success() && Path::new(DEFAULT_KVM_DEBUGFS).is_dir(),
+        &format!(
+            "KVM debugfs unavailable: {}",
+            String::from_utf8_lossy(&o.stderr)
+        ),
+    )
+}
+
+/// `vmtsync kvm --json --vm PID`, polled until every vCPU has run (its `pid` file is set).
+fn scan_until_threads_known(pid: u32, vcpus: usize) -> Value {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let o = vmtsync()
+            .args(["kvm", "--json", "--vm", &pid.to_string()])
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let v: Value = serde_json::from_slice(&o.stdout).unwrap();
+        let known = v["vms"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .flat_map(|vm| vm["vcpus"].as_array().unwrap())
+            .filter(|c| !c["thread_pid"].is_null())
+            .count();
+        if known == vcpus {
+            return v;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "vCPU threads not all in debugfs after 15 s: {v}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn finds_real_vms_with_exact_vcpus_threads_and_identity_mapping() {
+    if !prerequisites("finds_real_vms_with_exact_vcpus_threads_and_identity_mapping") {
+        return;
+    }
+    // Two VMs in one process, with sparse vCPU ids: 0, 1 and 5.
+    let ids = [0u32, 1, 5];
+    let mut vmm = IdleVmmChild::spawn(idle_vmm(), 2, &ids).expect("start idle-vmm");
+    let t0 = read_host_tsc().0;
+    let v = scan_until_threads_known(vmm.pid(), 2 * ids.len());
+    let t1 = read_host_tsc().0;
+    let vms = v["vms"].as_array().unwrap();
+    assert_eq!(v["schema"], 1);
+    assert_eq!(vms.len(), 2, "{v}");
+    for (vm, child_vm) in vms.iter().zip(&vmm.vms) {
+        assert_eq!(vm["pid"], vmm.pid());
+        assert_eq!(vm["fd"], child_vm.fd, "debugfs <pid>-<fd> is the VM fd");
+        assert_eq!(vm["name"], "idle-vmm");
+        let vcpus = vm["vcpus"].as_array().unwrap();
+        assert_eq!(vcpus.len(), ids.len());
+        for (c, &(id, tid)) in vcpus.iter().zip(&child_vm.vcpus) {
+            assert_eq!(c["vcpu"], id);
+            assert_eq!(
+                c["thread_pid"], tid,
+                "vcpu{id} runs on the thread the VMM reported"
+            );
+            assert_eq!(c["tsc_offset"], 0, "no offset injection possible here");
+            let (ratio, frac) = (
+                c["tsc_scaling_ratio"].as_u64().unwrap(),
+                c["tsc_frac_bits"].as_u64().unwrap(),
+            );
+            assert_eq!(ratio, 1 << frac, "identity scaling");
+            assert_eq!(c["guest_mode"], false);
+            let (b, a) = (
+                c["host_tsc_before"].as_u64().unwrap(),
+                c["host_tsc_after"].as_u64().unwrap(),
+            );
+            assert!(
+                t0 <= b && b <= a && a <= t1,
+                "bracket {b}..{a} outside {t0}..{t1}"
+            );
+        }
+    }
+    // --vm by the process name finds the same VMs (among possibly others).
+    let o = vmtsync()
+        .args(["kvm", "--json", "--vm", "idle-vmm"])
+        .output()
+        .unwrap();
+    let by_name: Value = serde_json::from_slice(&o.stdout).unwrap();
+    let ours = by_name["vms"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|vm| vm["pid"] == vmm.pid())
+        .count();
+    assert_eq!(ours, 2);
+    vmm.shutdown().expect("idle-vmm exits cleanly");
+}
+
+/// Reads lines from a child's stdout on a thread, so waits can have deadlines.
+fn line_reader(stdout: std::process::ChildStdout) -> mpsc::Receiver<String> {
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    rx
+}
+
+/// Next JSON event satisfying `pred`, within `secs`.
+fn next_event(
+    rx: &mpsc::Receiver<String>,
+    secs: u64,
+    mut pred: impl FnMut(&Value) -> bool,
+) -> Value {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let line = rx
+            .recv_timeout(left)
+            .unwrap_or_else(|e| panic!("no matching watch event within {secs} s: {e}"));
+        let v: Value =
+            serde_json::from_str(&line).unwrap_or_else(|e| panic!("bad JSON line {line}: {e}"));
+        assert_eq!(v["schema"], 1, "{line}");
+        if pred(&v) {
+            return v;
+        }
+    }
+}
+
+#[test]
+fn watch_reports_vm_gone_and_exits_zero() {
+    if !prerequisites("watch_reports_vm_gone_and_exits_zero") {
+        return;
+    }
+    let mut vmm = IdleVmmChild::spawn(idle_vmm(), 2, &[0, 3]).expect("start idle-vmm");
+    let pid = vmm.pid();
+    scan_until_threads_known(pid, 4);
+    let mut watch = ChildGuard::new(
+        vmtsync()
+            .args([
+                "kvm",
+                "--watch",
+                "--interval",
+                "20",
+                "--vm",
+                &pid.to_string(),
+            ])
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let rx = line_reader(watch.child().stdout.take().unwrap());
+    next_event(&rx, 10, |v| v["event"] == "watch_started");
+    for child_vm in &vmm.vms {
+        let v = next_event(&rx, 10, |v| {
+            v["event"] == "vm_found" && v["fd"] == child_vm.fd
+        });
+        assert_eq!(v["pid"], pid);
+        assert_eq!(v["vcpus"].as_array().unwrap().len(), 2);
+    }
+    vmm.shutdown().expect("idle-vmm exits cleanly");
+    let mut gone = Vec::new();
+    for _ in 0..2 {
+        let v = next_event(&rx, 10, |v| v["event"] == "vm_gone");
+        assert_eq!(v["pid"], pid);
+        assert!(v["host_tsc_before"].as_u64().unwrap() <= v["host_tsc_after"].as_u64().unwrap());
+        gone.push(v["fd"].as_u64().unwrap());
+    }
+    gone.sort_unstable();
+    let mut fds: Vec<u64> = vmm.vms.iter().map(|v| u64::from(v.fd)).collect();
+    fds.sort_unstable();
+    assert_eq!(gone, fds);
+    // The stream ends by itself with status 0 once its VMs are gone.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let status = loop {
+        if let Some(s) = watch.child().try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "watch did not exit after its VMs were gone"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(status.success(), "{status}");
+}
+
+#[test]
+fn trace_events_see_offset_writes_and_clean_up() {
+    if !prerequisites("trace_events_see_offset_writes_and_clean_up") {
+        return;
+    }
+    let tracefs = vmtsync::trace_events::find_tracefs(None);
+    if !require(
+        "trace_events_see_offset_writes_and_clean_up",
+        tracefs.is_ok(),
+        "no tracefs with kvm:kvm_write_tsc_offset",
+    ) {
+        return;
+    }
+    let mut watch = ChildGuard::new(
+        vmtsync()
+            .args(["kvm", "--watch", "--interval", "20", "--trace-events"])
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let watch_pid = watch.pid();
+    let instance = tracefs
+        .unwrap()
+        .join("instances")
+        .join(format!("vmtsync-watch-{watch_pid}"));
+    let rx = line_reader(watch.child().stdout.take().unwrap());
+    let started = next_event(&rx, 10, |v| v["event"] == "watch_started");
+    assert_eq!(started["trace_events"], true);
+    assert!(
+        instance.is_dir(),
+        "private tracefs instance exists while watching"
+    );
+
+    let mut vmm = IdleVmmChild::spawn(idle_vmm(), 1, &[0, 2]).expect("start idle-vmm");
+    let pid = vmm.pid();
+    scan_until_threads_known(pid, 2);
+    vmm.shutdown().unwrap();
+    // Collect everything up to this VMM's vm_gone; the order of trace and poll events between
+    // them is not fixed.
+    let mut seen = Vec::new();
+    let gone = next_event(&rx, 10, |v| {
+        seen.push(v.clone());
+        v["event"] == "vm_gone" && v["pid"] == pid
+    });
+    assert!(gone["host_tsc_before"].as_u64() <= gone["host_tsc_after"].as_u64());
+    // KVM writes each vCPU's offset when the VMM creates it, on the VMM's creating thread.
+    for id in [0, 2] {
+        let w = seen
+            .iter()
+            .find(|v| v["event"] == "tsc_offset_written" && v["thread"] == pid && v["vcpu"] == id)
+            .unwrap_or_else(|| panic!("no kvm_write_tsc_offset for vcpu{id}: {seen:?}"));
+        assert_eq!(w["host_tsc_clock"], true);
+        assert!(w["host_tsc"].as_u64().unwrap() >= started["host_tsc"].as_u64().unwrap());
+    }
+    assert!(
+        seen.iter()
+            .any(|v| v["event"] == "vm_added" && v["pid"] == pid),
+        "{seen:?}"
+    );
+
+    // SIGTERM ends watch mode cleanly: status 0 and the tracefs instance removed.
+    let target = libc::pid_t::try_from(watch_pid).unwrap();
+    // SAFETY: kill(2) on the PID of our own child, which ChildGuard has not reaped yet.
+    let killed = unsafe { libc::kill(target, libc::SIGTERM) };
+    assert_eq!(killed, 0);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let status = loop {
+        if let Some(s) = watch.child().try_wait().unwrap() {
+            break s;
+        }
+        assert!(Instant::now() < deadline, "watch ignored SIGTERM");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(status.success(), "{status}");
+    assert!(!instance.exists(), "tracefs instance left behind");
+}
+
+/// The binary this module runs is the real CLI; make sure `Command` is not shadowed by a stale
+/// build of another crate's `vmtsync`.
+#[test]
+fn cli_binary_is_this_builds() {
+    let o = Command::new(env!("CARGO_BIN_EXE_vmtsync-cli"))
+        .arg("--version")
+        .output()
+        .unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&o.stdout).trim(),
+        format!("vmtsync {}", env!("CARGO_PKG_VERSION"))
+    );
+}
+
+/// Runs `vmtsync args…` in a private mount namespace where debugfs is unmounted, so the
+/// "not mounted" advice and `--mount-debugfs` are tested for real without touching the host's
+/// mounts.
+fn in_unmounted_namespace(args: &[&str]) -> std::process::Output {
+    use std::os::unix::process::CommandExt;
+    let mut c = vmtsync();
+    c.args(args);
+    // SAFETY: the closure runs between fork and exec and only makes raw syscalls (no
+    // allocation, no locks), which is what pre_exec requires.
+    unsafe {
+        c.pre_exec(|| {
+            if libc::unshare(libc::CLONE_NEWNS) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            // Keep our mount changes out of the parent namespace.
+            if libc::mount(
+                c"none".as_ptr(),
+                c"/".as_ptr(),
+                std::ptr::null(),
+                libc::MS_REC | libc::MS_PRIVATE,
+                std::ptr::null(),
+            ) != 0
+            {
+                return Err(std::io::Error::last_os_error());
+            }
+            // Detach every mount stacked on the debugfs mount point.
+            while libc::umount2(c"/sys/kernel/debug".as_ptr(), libc::MNT_DETACH) == 0 {}
+            Ok(())
+        });
+    }
+    c.output().expect("run vmtsync in a new mount namespace")
+}
+
+#[test]
+fn unmounted_debugfs_is_explained_and_mounted_on_request() {
+    if !prerequisites("unmounted_debugfs_is_explained_and_mounted_on_request") {
+        return;
+    }
+    let o = in_unmounted_namespace(&["kvm", "--json"]);
+    assert_eq!(
+        o.status.code(),
+        Some(3),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert_eq!(
+        String::from_utf8_lossy(&o.stderr),
+        "vmtsync: /sys/kernel/debug/kvm does not exist: debugfs is not mounted (as root: mount -t debugfs none /sys/kernel/debug, or rerun with --mount-debugfs)\n"
+    );
+    let mut vmm = IdleVmmChild::spawn(idle_vmm(), 1, &[0]).expect("start idle-vmm");
+    let o = in_unmounted_namespace(&[
+        "kvm",
+        "--json",
+        "--mount-debugfs",
+        "--vm",
+        &vmm.pid().to_string(),
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let v: Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["vms"][0]["pid"], vmm.pid());
+    assert_eq!(v["vms"][0]["vcpus"][0]["vcpu"], 0);
+    vmm.shutdown().unwrap();
+    assert!(
+        Path::new(DEFAULT_KVM_DEBUGFS).is_dir(),
+        "the host's debugfs mount is untouched"
+    );
+}

@@ -185,5 +185,14 @@ fn check_nostd() -> Result<()> {
 }
 
 fn bench(args: &[String]) -> Result<()> {
-    sh(cargo().args(["bench", "-p", "vmtsync-core"]).args(args))
+    sh(cargo()
+        .args([
+            "bench",
+            "-p",
+            "vmtsync-core",
+            "-p",
+            "vmtsync",
+            "--all-features",
+        ])
+        .args(args))
 }

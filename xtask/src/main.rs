@@ -62,7 +62,7 @@ usage: cargo xtask <command>
 commands:
   ci            fmt, clippy, tests (incl. tier 2 on real KVM), no_std build, fuzz smoke run
   check-nostd   build vmtsync-core for x86_64-unknown-none, with and without defmt
-  bench         run the criterion benchmarks (cargo bench -p vmtsync-core)
+  bench         run the criterion benchmarks (cargo bench -p vmtsync-core -p vmtsync)
   bench-probe [--sessions K] [--probes N] [--machine microvm|q35] [--no-qemu] [--no-skew]
                 real-KVM probe benchmark: our estimator vs trace-cmd fastest-RTT on the same
                 samples (built-in VMM, QEMU stdio, software skew); table + JSON line

@@ -1,5 +1,6 @@
 //! Hardware-facing building blocks of the vmtsync guest agent: a polled 16550 UART and its
-//! `vmtsync_core::agent::Link`, the guest clocks as an `AgentClock` (TSC through a software
+//! `vmtsync_core::agent::Link`, one-frame-per-poll guest events (`events=N`), the guest clocks
+//! as an `AgentClock` (TSC through a software
 //! skew, pvclock page), x86 port I/O and isa-debug-exit, the PVH `hvm_start_info`, and
 //! boot-option parsing. The bootable ELF (`src/main.rs`) runs `vmtsync_core::agent::Agent`
 //! over them; another unikernel can embed them the same way.
@@ -9,6 +10,7 @@
 #![cfg_attr(not(test), no_std)]
 
 pub mod clock;
+pub mod events;
 pub mod link;
 pub mod options;
 pub mod port;

@@ -17,12 +17,12 @@
 //! empty frame, which receivers skip): a host may wait for it instead of retrying its hello.
 //! After `Shutdown` → `Exiting` the agent writes its `exit=` code to isa-debug-exit.
 //!
-//! Guest events (`events=N`): after each poll of the loop that handled at least one message,
-//! the agent records one event (`Agent::record_event`, stamped with the guest TSC right then)
-//! whose id is the number of messages handled so far, until N events are recorded. The host
-//! drains them with `EventsRequest`; once it pushed a mapping (`SetMapping`), they come back
-//! stamped in the host clock. Each event therefore lies between the exit that carried the
-//! last reply of its poll and the guest's read of the next request.
+//! Guest events (`events=N`): after each handled message (its reply sent) the agent records one
+//! event (`Agent::record_event`, stamped with the guest TSC right then) whose id is the number
+//! of messages handled so far, until N events are recorded ([`vmtsync_agent::events`]). The
+//! host drains them with `EventsRequest`; once it pushed a mapping (`SetMapping`), they come
+//! back stamped in the host clock. Event `k` lies between the exit carrying the first byte of
+//! reply `k` and the guest's read of request `k + 1`.
 //!
 //! ## `wire=line` (debugging by hand)
 //!
@@ -44,6 +44,7 @@ mod logger;
 
 use core::cell::UnsafeCell;
 use vmtsync_agent::clock::GuestClock;
+use vmtsync_agent::events::{FramePerPoll, MessageEvents};
 use vmtsync_agent::link::UartLink;
 use vmtsync_agent::options::{Options, Wire};
 use vmtsync_agent::uart::{COM1, COM2};
@@ -216,22 +217,16 @@ fn serve_postcard(ctx: &Ctx) -> ! {
         ctx.tsc_khz,
         ctx.invariant_tsc,
     );
-    let mut agent: Agent<_, _> = Agent::new(UartLink::new(COM1), clock);
+    // One frame per poll, so `events=N` records one event per message (see `events`).
+    let mut agent: Agent<_, _> = Agent::new(FramePerPoll::new(UartLink::new(COM1)), clock);
     log!("ready: postcard on COM1, vcpu {}", ctx.vcpu);
     // Ready beacon: an empty frame, skipped by every frame receiver.
     COM1.write(0);
-    // `events=N`: after each poll that handled messages (its replies already sent), record one
-    // guest event whose id is the number of messages handled so far, until N are recorded.
-    let (mut handled, mut recorded) = (0u32, 0u32);
+    let mut events = MessageEvents::new(opts.events);
     loop {
         let polled = agent.poll();
-        let now_handled = agent.stats().messages_in;
-        if recorded < opts.events && now_handled != handled {
-            // A full queue counts the event as dropped; the host sees that in its next batch.
-            agent.record_event(now_handled);
-            recorded += 1;
-        }
-        handled = now_handled;
+        events.after_poll(&mut agent);
+        agent.link_mut().rearm();
         match polled {
             Ok(AgentState::Exited) => {
                 let s = agent.stats();
@@ -241,7 +236,7 @@ fn serve_postcard(ctx: &Ctx) -> ! {
                     s.probes,
                     s.messages_in,
                     s.bad_frames,
-                    recorded,
+                    events.recorded(),
                     opts.exit_code
                 );
                 port::exit(opts.exit_code);

@@ -110,7 +110,7 @@ fn builtin_vmm_agent_records_events_in_the_session_bracket_guest_then_host_stamp
     // full batch of 8, then the rest, including the event of the first drain request itself.
     let (guest_events, dropped) = s.drain(8);
     let ids: Vec<u32> = guest_events.iter().map(|e| e.id).collect();
-    assert_eq!(ids, (1..=12).collect::<Vec<_>>());
+    assert_eq!(ids, (1..=12).collect::<Vec<_>>(), "log:\n{}", vm.log_text());
     assert_eq!(dropped, vec![0, 0]);
     let mut prev = 0;
     for e in &guest_events {

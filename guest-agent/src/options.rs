@@ -181,7 +181,8 @@ mod tests {
 
     #[test]
     fn known_options_parse() {
-        let (o, errs) = parse("transport=uart exit=0x2a  skew=-1000,0x3,1 wire=line ring=0 events=40");
+        let (o, errs) =
+            parse("transport=uart exit=0x2a  skew=-1000,0x3,1 wire=line ring=0 events=40");
         assert!(errs.is_empty(), "{errs:?}");
         assert_eq!(o.wire, Wire::Line);
         assert_eq!(o.ring, 0);

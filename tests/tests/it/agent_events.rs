@@ -99,7 +99,10 @@ fn builtin_vmm_agent_records_events_in_the_session_bracket_guest_then_host_stamp
     let Message::Capabilities(k) = s.ask(&hello()) else {
         panic!("no capabilities")
     };
-    assert!(k.features.contains(Features::EVENTS.union(Features::MAPPING)));
+    assert!(
+        k.features
+            .contains(Features::EVENTS.union(Features::MAPPING))
+    );
     for seq in 0..10 {
         assert!(matches!(
             s.ask(&Message::ProbeFull { seq }),

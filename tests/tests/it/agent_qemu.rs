@@ -96,8 +96,7 @@ fn boots_under(machine: Machine, test: &str) {
     std::fs::create_dir_all(&dir).expect("temp dir");
     let com2 = dir.join("com2.log");
     let decoder = DefmtLog::from_elf_path(&elf).expect("the agent ELF has defmt data");
-    let com2_lines =
-        || decoder.decode(&std::fs::read(&com2).unwrap_or_default());
+    let com2_lines = || decoder.decode(&std::fs::read(&com2).unwrap_or_default());
     let com2_text = || com2_lines().text();
     let started = Instant::now();
     let started_tsc = host_tsc();

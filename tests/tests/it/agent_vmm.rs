@@ -509,7 +509,8 @@ fn builtin_vmm_agent_log_is_defmt_decoded_with_tsc_timestamps() {
     assert!(
         lines
             .iter()
-            .any(|l| l.level == Some("info") && l.text.starts_with("pvclock: registering page at 0x")),
+            .any(|l| l.level == Some("info")
+                && l.text.starts_with("pvclock: registering page at 0x")),
         "no core log line; log:\n{log}"
     );
     let mut c = ProtoClient::new(vm.com1());

@@ -164,6 +164,20 @@ impl DefmtLog {
     }
 }
 
+/// The decoded text of a COM2 capture file (QEMU's `file` chardev) of the agent `elf`, for
+/// diagnostics: on any failure, a line saying why instead.
+#[must_use]
+pub fn decode_file_text(elf: &Path, com2: &Path) -> String {
+    let decoder = match DefmtLog::from_elf_path(elf) {
+        Ok(d) => d,
+        Err(e) => return format!("(COM2 not decoded: {e})\n"),
+    };
+    match std::fs::read(com2) {
+        Ok(bytes) => decoder.decode(&bytes).text(),
+        Err(e) => format!("(COM2 capture {} unreadable: {e})\n", com2.display()),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -182,6 +196,9 @@ mod tests {
             DefmtLog::from_elf_path(Path::new("/nonexistent/agent.elf")),
             Err(DefmtLogError::Read { .. })
         ));
+        assert!(
+            decode_file_text(&me, Path::new("/nonexistent")).starts_with("(COM2 not decoded: ")
+        );
     }
 
     #[test]

@@ -1,7 +1,7 @@
 //! Hardware-facing building blocks of the vmtsync guest agent: a polled 16550 UART and its
-//! `vmtsync_core::agent::Link`, the guest clocks as an `AgentClock` (TSC through a software
-//! skew, pvclock page), x86 port I/O and isa-debug-exit, the PVH `hvm_start_info`, and
-//! boot-option parsing. The bootable ELF (`src/main.rs`) runs `vmtsync_core::agent::Agent`
+//! `vmtsync_core::agent::Link`, per-message guest events (`events=N`), the guest clocks as an
+//! `AgentClock` (TSC through a software skew, pvclock page), x86 port I/O and isa-debug-exit,
+//! the PVH `hvm_start_info`, and boot-option parsing. The bootable ELF (`src/main.rs`) runs `vmtsync_core::agent::Agent`
 //! over them; another unikernel can embed them the same way.
 //!
 //! `no_std`; built for the host only for its unit tests
@@ -9,9 +9,29 @@
 #![cfg_attr(not(test), no_std)]
 
 pub mod clock;
+pub mod events;
 pub mod link;
 pub mod options;
 pub mod port;
 pub mod pvh;
 pub mod tsc;
 pub mod uart;
+
+/// The ELF's logger lives in the binary (`src/main.rs`), but core's `defmt` feature is on for
+/// every build of this crate, so the host unit-test binary needs the defmt symbols too. This
+/// logger discards frames: the unit tests check behaviour, the real-boot tests check logs.
+#[cfg(test)]
+mod test_logger {
+    #[defmt::global_logger]
+    struct Discard;
+
+    // SAFETY: no state; every call is a no-op, so nesting and ordering cannot go wrong.
+    unsafe impl defmt::Logger for Discard {
+        fn acquire() {}
+        unsafe fn flush() {}
+        unsafe fn release() {}
+        unsafe fn write(_bytes: &[u8]) {}
+    }
+
+    defmt::timestamp!("{=u64}", 0);
+}

@@ -2,8 +2,10 @@
 //!
 //! A bare-metal x86_64 guest that answers vmtsync probes. It boots through PVH (a Xen ELF note
 //! naming a 32-bit entry), so QEMU `-kernel` and the built-in VMM in `vmtsync-tests` load the
-//! same ELF unchanged. COM1 (0x3f8) carries the probe protocol, COM2 (0x2f8) human-readable
-//! logs; isa-debug-exit (0xf4) ends the VM.
+//! same ELF unchanged. COM1 (0x3f8) carries the probe protocol, COM2 (0x2f8) defmt log frames
+//! (see `logger.rs`; the host decodes them against this ELF); isa-debug-exit (0xf4) ends the VM.
+//! A panic is logged through defmt too (`PANIC: <message and location>`, level error), after
+//! ending any frame the panic interrupted, then exits with code 0x7e.
 //!
 //! Boot options (PVH command line): see [`vmtsync_agent::options`].
 //!
@@ -14,6 +16,13 @@
 //! [`vmtsync_agent::clock::GuestClock`]. When COM1 is ready the agent sends one `0x00` byte (an
 //! empty frame, which receivers skip): a host may wait for it instead of retrying its hello.
 //! After `Shutdown` → `Exiting` the agent writes its `exit=` code to isa-debug-exit.
+//!
+//! Guest events (`events=N`): after each handled message (its reply sent) the agent records one
+//! event (`Agent::record_event`, stamped with the guest TSC right then) whose id is the number
+//! of messages handled so far, until N events are recorded ([`vmtsync_agent::events`]). The
+//! host drains them with `EventsRequest`; once it pushed a mapping (`SetMapping`), they come
+//! back stamped in the host clock. Event `k` lies between the exit carrying the first byte of
+//! reply `k` and the guest's read of request `k + 1`.
 //!
 //! ## `wire=line` (debugging by hand)
 //!
@@ -31,11 +40,11 @@
 #![no_main]
 
 mod boot;
-
-use core::fmt::Write as _;
+mod logger;
 
 use core::cell::UnsafeCell;
 use vmtsync_agent::clock::GuestClock;
+use vmtsync_agent::events::{FramePerPoll, MessageEvents};
 use vmtsync_agent::link::UartLink;
 use vmtsync_agent::options::{Options, Wire};
 use vmtsync_agent::uart::{COM1, COM2};
@@ -49,13 +58,10 @@ use vmtsync_core::arch::{PvclockPage, Tsc};
 use vmtsync_core::proto::Features;
 use vmtsync_core::pvclock::PvclockVcpuTimeInfo;
 
-/// Writes one formatted line to the COM2 log.
+/// Logs one line at info level on COM2: `defmt::info!` (defmt format syntax: `{}`/`{=u32}`
+/// with positional arguments, `defmt::Debug2Format` for `core::fmt`-only types).
 macro_rules! log {
-    ($($arg:tt)*) => {{
-        let mut w = vmtsync_agent::uart::COM2;
-        // COM2 writes cannot fail (`Uart::write_str` always returns Ok).
-        let _ = ::core::writeln!(w, $($arg)*);
-    }};
+    ($($arg:tt)*) => { defmt::info!($($arg)*) };
 }
 
 /// The pvclock page KVM writes once registered: 32 bytes, aligned so it never crosses a page.
@@ -83,7 +89,7 @@ static PVCLOCK: PvclockCell = PvclockCell(UnsafeCell::new(PvclockVcpuTimeInfo {
 fn register_pvclock_page(cpuid: &NativeCpuid) -> Option<PvclockPage<'static>> {
     let kvm = kvm_info(cpuid)?;
     if !kvm.features.clocksource2() {
-        log!("pvclock: KVM without CLOCKSOURCE2; not registering");
+        defmt::warn!("pvclock: KVM without CLOCKSOURCE2; not registering");
         return None;
     }
     let ptr = PVCLOCK.0.get().cast_const();
@@ -95,7 +101,8 @@ fn register_pvclock_page(cpuid: &NativeCpuid) -> Option<PvclockPage<'static>> {
         return None;
     }
     log!(
-        "pvclock: page at {phys:#x}, stable bit {}",
+        "pvclock: page at {=u64:#x}, stable bit {}",
+        phys,
         kvm.features.stable_bit()
     );
     // SAFETY: PVCLOCK is a static (valid forever), aligned, and only the hypervisor writes it.
@@ -108,34 +115,37 @@ pub extern "C" fn kmain(start_info_phys: u64) -> ! {
     COM2.init();
     COM1.init();
     log!(
-        "vmtsync-agent {}: long mode, start_info at {start_info_phys:#x}",
-        env!("CARGO_PKG_VERSION")
+        "vmtsync-agent {=str}: long mode, start_info at {=u64:#x}",
+        env!("CARGO_PKG_VERSION"),
+        start_info_phys
     );
 
     // SAFETY: boot.rs passes the loader's ebx unchanged and identity-maps the first 4 GiB.
     let Some(si) = (unsafe { pvh::read(start_info_phys) }) else {
-        log!("bad hvm_start_info magic; exiting");
+        defmt::error!("bad hvm_start_info magic; exiting");
         port::exit(port::PANIC_EXIT_CODE);
     };
     // SAFETY: `si` came from `pvh::read`.
     let cmdline = unsafe { pvh::cmdline(&si) };
     log!(
-        "start_info v{} cmdline {:?}",
+        "start_info v{} cmdline \"{=str}\"",
         si.version,
         core::str::from_utf8(cmdline).unwrap_or("<not utf-8>")
     );
     let opts = Options::parse(cmdline, |word, err| {
-        log!(
-            "ignoring option {:?}: {err:?}",
-            core::str::from_utf8(word).unwrap_or("<not utf-8>")
+        defmt::warn!(
+            "ignoring option \"{=str}\": {}",
+            core::str::from_utf8(word).unwrap_or("<not utf-8>"),
+            defmt::Debug2Format(&err)
         );
     });
     log!(
-        "options: transport={:?} wire={:?} ring={} exit={} skew={}+(tsc*{})>>{}",
-        opts.transport,
-        opts.wire,
+        "options: transport={} wire={} ring={} exit={} events={} skew={}+(tsc*{})>>{}",
+        defmt::Debug2Format(&opts.transport),
+        defmt::Debug2Format(&opts.wire),
         opts.ring,
         opts.exit_code,
+        opts.events,
         opts.skew.offset,
         opts.skew.ratio,
         opts.skew.frac_bits
@@ -150,7 +160,7 @@ pub extern "C" fn kmain(start_info_phys: u64) -> ! {
     // Never RDTSCP here: it kills the VM on the project's nested KVM (DESIGN.md §4).
     let tsc = NativeTsc::lfence_rdtsc();
     log!(
-        "cpu: invariant tsc {}, tsc_khz {:?}, tsc at ready {}",
+        "cpu: invariant tsc {}, tsc_khz {}, tsc at ready {}",
         features.contains(Features::INVARIANT_TSC),
         tsc_khz,
         tsc.read_ordered()
@@ -207,26 +217,33 @@ fn serve_postcard(ctx: &Ctx) -> ! {
         ctx.tsc_khz,
         ctx.invariant_tsc,
     );
-    let mut agent: Agent<_, _> = Agent::new(UartLink::new(COM1), clock);
+    // One frame per poll, so `events=N` records one event per message (see `events`).
+    let mut agent: Agent<_, _> = Agent::new(FramePerPoll::new(UartLink::new(COM1)), clock);
     log!("ready: postcard on COM1, vcpu {}", ctx.vcpu);
     // Ready beacon: an empty frame, skipped by every frame receiver.
     COM1.write(0);
+    let mut events = MessageEvents::new(opts.events);
     loop {
-        match agent.poll() {
+        let polled = agent.poll();
+        events.after_poll(&mut agent);
+        agent.link_mut().rearm();
+        match polled {
             Ok(AgentState::Exited) => {
                 let s = agent.stats();
                 log!(
-                    "shutdown after {} probes, {} messages, {} bad frames: isa-debug-exit {}",
+                    "shutdown after {} probes, {} messages, {} bad frames, {} events: \
+                     isa-debug-exit {}",
                     s.probes,
                     s.messages_in,
                     s.bad_frames,
+                    events.recorded(),
                     opts.exit_code
                 );
                 port::exit(opts.exit_code);
             }
             Ok(AgentState::AwaitHello | AgentState::Ready) => {}
             // The UART link never fails; log anything else and keep serving.
-            Err(e) => log!("agent: {e:?}"),
+            Err(e) => defmt::warn!("agent: {}", e),
         }
     }
 }
@@ -267,8 +284,11 @@ fn serve_line(opts: &Options, tsc: NativeTsc) -> ! {
     }
 }
 
+/// Logs the panic through defmt (message and location, formatted on the target: panics are
+/// rare and the text must survive whatever state the agent was in), then exits with 0x7e.
 #[panic_handler]
 fn panic(info: &core::panic::PanicInfo<'_>) -> ! {
-    log!("PANIC: {info}");
+    logger::recover();
+    defmt::error!("PANIC: {}", defmt::Display2Format(info));
     port::exit(port::PANIC_EXIT_CODE)
 }

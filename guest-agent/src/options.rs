@@ -6,6 +6,8 @@
 //! - `ring=3|0`: run the protocol loop in ring 3 with IOPL 3 (default; native speed on nested
 //!   KVM where ring 0 is emulated) or stay in ring 0.
 //! - `exit=N`: the code written to isa-debug-exit when the host says quit (default 0).
+//! - `events=N`: record up to N guest events, one per loop poll that handled messages (see the
+//!   agent binary's docs), for the host to drain with `EventsRequest` (default 0: none).
 //! - `skew=OFFSET,RATIO,FRAC`: report `OFFSET + ((tsc * RATIO) >> FRAC)` instead of the raw TSC.
 //!   OFFSET may be negative (it wraps, like KVM's offset); numbers are decimal or `0x` hex.
 //!
@@ -43,6 +45,8 @@ pub struct Options {
     pub exit_code: u8,
     /// Software skew applied to reported TSC values.
     pub skew: Skew,
+    /// How many guest events to record (0: none).
+    pub events: u32,
 }
 
 /// Why an option word was rejected.
@@ -63,6 +67,7 @@ impl Default for Options {
             ring: 3,
             exit_code: 0,
             skew: Skew::IDENTITY,
+            events: 0,
         }
     }
 }
@@ -103,6 +108,10 @@ impl Options {
             b"exit" => {
                 let v = parse_u64(value).ok_or(OptionError::BadValue)?;
                 self.exit_code = u8::try_from(v).map_err(|_| OptionError::BadValue)?;
+            }
+            b"events" => {
+                let v = parse_u64(value).ok_or(OptionError::BadValue)?;
+                self.events = u32::try_from(v).map_err(|_| OptionError::BadValue)?;
             }
             b"skew" => self.skew = parse_skew(value).ok_or(OptionError::BadValue)?,
             _ => return Err(OptionError::UnknownKey),
@@ -172,12 +181,14 @@ mod tests {
 
     #[test]
     fn known_options_parse() {
-        let (o, errs) = parse("transport=uart exit=0x2a  skew=-1000,0x3,1 wire=line ring=0");
+        let (o, errs) =
+            parse("transport=uart exit=0x2a  skew=-1000,0x3,1 wire=line ring=0 events=40");
         assert!(errs.is_empty(), "{errs:?}");
         assert_eq!(o.wire, Wire::Line);
         assert_eq!(o.ring, 0);
         assert_eq!(o.transport, Transport::Uart);
         assert_eq!(o.exit_code, 42);
+        assert_eq!(o.events, 40);
         assert_eq!(
             o.skew,
             Skew {
@@ -191,10 +202,12 @@ mod tests {
     #[test]
     fn bad_words_are_reported_and_ignored() {
         let (o, errs) = parse(
-            "ring=1 wire=json exit=256 foo transport=vsock skew=1,0,0 skew=1,1,64 skew=1,1 bar=1 exit=7",
+            "ring=1 wire=json exit=256 foo transport=vsock skew=1,0,0 skew=1,1,64 skew=1,1 bar=1 \
+             events=-1 events=4294967296 exit=7",
         );
         assert_eq!(o.exit_code, 7);
         assert_eq!(o.skew, Skew::IDENTITY);
+        assert_eq!(o.events, 0);
         let kinds: Vec<_> = errs.iter().map(|(w, e)| (w.as_str(), *e)).collect();
         assert_eq!(
             kinds,
@@ -208,6 +221,8 @@ mod tests {
                 ("skew=1,1,64", OptionError::BadValue),
                 ("skew=1,1", OptionError::BadValue),
                 ("bar=1", OptionError::UnknownKey),
+                ("events=-1", OptionError::BadValue),
+                ("events=4294967296", OptionError::BadValue),
             ]
         );
     }

@@ -23,7 +23,7 @@ pub struct Uart {
 
 /// COM1: the probe protocol.
 pub const COM1: Uart = Uart { base: 0x3f8 };
-/// COM2: human-readable logs.
+/// COM2: the defmt log (binary frames, decoded on the host; see the binary's `logger.rs`).
 pub const COM2: Uart = Uart { base: 0x2f8 };
 
 impl Uart {

@@ -124,7 +124,8 @@ fn parse_run_args(args: &[String]) -> Result<RunArgs> {
 
 /// `cargo xtask run-agent [--vmm qemu|builtin] [--machine microvm|q35] [--timeout S]
 /// [-- AGENT OPTIONS]`: builds the agent and boots it with COM1 on this terminal and COM2 (the
-/// log) on stderr. Fails unless the guest ends through isa-debug-exit with code 0.
+/// defmt log, decoded against the ELF by `vmtsync-tests`' `vmtsync-defmt` / `vmtsync-vmm`)
+/// on stderr. Fails unless the guest ends through isa-debug-exit with code 0.
 pub(crate) fn run_agent(args: &[String]) -> Result<()> {
     let r = parse_run_args(args)?;
     let elf = build()?;
@@ -153,8 +154,42 @@ pub(crate) fn run_agent(args: &[String]) -> Result<()> {
         }
         _ => {
             ensure_qemu()?;
-            let mut c = qemu_command(&r.machine, &elf, &append, r.timeout);
-            let status = run_interactive(&mut c)?;
+            // COM2 carries defmt frames: QEMU appends them to a file that `vmtsync-defmt`
+            // follows, printing decoded lines to stderr until QEMU has exited.
+            let dir =
+                std::env::temp_dir().join(format!("vmtsync-run-agent-{}", std::process::id()));
+            std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+            let com2 = dir.join("com2.defmt");
+            std::fs::write(&com2, b"").with_context(|| format!("creating {}", com2.display()))?;
+            let mut decoder = cargo();
+            decoder
+                .args([
+                    "run",
+                    "-q",
+                    "-p",
+                    "vmtsync-tests",
+                    "--bin",
+                    "vmtsync-defmt",
+                    "--",
+                ])
+                .arg(&elf)
+                .arg(&com2)
+                .arg("--follow")
+                .stdin(Stdio::piped())
+                .stdout(Stdio::from(std::io::stderr()));
+            let mut decoder = decoder
+                .spawn()
+                .context("could not start the COM2 decoder (vmtsync-defmt)")?;
+            let mut c = qemu_command(&r.machine, &elf, &append, &com2, r.timeout);
+            let status = run_interactive(&mut c);
+            // Closing its stdin tells the decoder the guest is gone: it prints the rest, exits.
+            drop(decoder.stdin.take());
+            let decoded = decoder.wait();
+            let _ = std::fs::remove_dir_all(&dir);
+            let status = status?;
+            if !decoded.context("waiting for vmtsync-defmt")?.success() {
+                bail!("vmtsync-defmt could not decode COM2 (see its message above)");
+            }
             match status.code() {
                 Some(s) if s & 1 == QEMU_DEBUG_EXIT_BIT && s >> 1 == 0 => Ok(()),
                 Some(s) if s & 1 == QEMU_DEBUG_EXIT_BIT => {
@@ -177,8 +212,9 @@ fn run_interactive(c: &mut Command) -> Result<ExitStatus> {
 }
 
 /// The QEMU command line, kept in step with `vmtsync_tests::vmm::qemu::command` (xtask does
-/// not depend on the test crate). `timeout` bounds the run with coreutils `timeout`.
-fn qemu_command(machine: &str, elf: &Path, append: &str, timeout: u64) -> Command {
+/// not depend on the test crate). COM2 (defmt frames) is appended to `com2`. `timeout`
+/// bounds the run with coreutils `timeout`.
+fn qemu_command(machine: &str, elf: &Path, append: &str, com2: &Path, timeout: u64) -> Command {
     let mut c = Command::new("timeout");
     c.arg(timeout.to_string()).arg("qemu-system-x86_64");
     match machine {
@@ -201,7 +237,9 @@ fn qemu_command(machine: &str, elf: &Path, append: &str, timeout: u64) -> Comman
         "-serial",
         "stdio",
         "-chardev",
-        "file,id=com2,path=/dev/stderr,append=on",
+    ]);
+    c.arg(format!("file,id=com2,path={},append=on", com2.display()));
+    c.args([
         "-device",
         "isa-serial,chardev=com2,iobase=0x2f8,irq=3",
         "-device",

@@ -70,8 +70,9 @@ commands:
   setup         install tier-2 prerequisites (rustup target, apt packages, debugfs mount)
   build-agent   build guest-agent/ (release, x86_64-unknown-none); print ELF path, .text size
   run-agent [--vmm qemu|builtin] [--machine microvm|q35] [--timeout SECS] [-- AGENT OPTIONS]
-                boot the agent; COM1 on this terminal, COM2 log on stderr. Agent options:
-                transport=uart wire=postcard|line ring=3|0 exit=N skew=OFFSET,RATIO,FRAC;
+                boot the agent; COM1 on this terminal, COM2 defmt log decoded on stderr.
+                Agent options: transport=uart wire=postcard|line ring=3|0 exit=N events=N
+                skew=OFFSET,RATIO,FRAC;
                 with `-- wire=line` type p (probe: T<hex tsc>) and q (quit)
 
 environment:

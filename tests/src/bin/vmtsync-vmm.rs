@@ -1,7 +1,7 @@
 //! `vmtsync-vmm`: boots a PVH ELF (the guest agent) in the built-in test VMM, interactively.
 //!
-//! COM1 is connected to this process's stdin/stdout, COM2 (the agent's log) is copied to
-//! stderr. `cargo xtask run-agent --vmm builtin` runs it.
+//! COM1 is connected to this process's stdin/stdout, COM2 (the agent's defmt log, decoded
+//! against the ELF; raw bytes for an ELF without defmt data) is copied to stderr as it grows. `cargo xtask run-agent --vmm builtin` runs it.
 //!
 //! Usage: `vmtsync-vmm ELF [--timeout SECS] [-- AGENT OPTIONS...]`
 //!
@@ -115,7 +115,8 @@ fn main() -> ExitCode {
     }
 }
 
-/// Copies COM2 text past byte `from` to stderr; returns the new length.
+/// Copies the COM2 log text past byte `from` to stderr; returns the new length. Decoding a
+/// longer stream only appends lines, so the text grows at its end.
 fn copy_log(vm: &Vm, from: usize) -> usize {
     let log = vm.log_text();
     if log.len() > from {

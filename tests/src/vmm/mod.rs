@@ -6,7 +6,9 @@
 //! - COM1 (0x3f8) is connected to an in-process [`SerialHost`]; every byte is stamped with the
 //!   host TSC at the VM exit that moved it, which gives the probe engine host send/receive times
 //!   without any scheduler or pipe latency in between.
-//! - COM2 (0x2f8) is collected as log text ([`Vm::log_text`]).
+//! - COM2 (0x2f8) is collected and decoded as the agent's defmt log against the booted ELF
+//!   ([`Vm::log_lines`], [`Vm::log_text`]; [`defmt_log`]). An ELF without defmt data gets its
+//!   COM2 bytes shown as text instead.
 //! - A write of `v` to port 0xf4 ends the run with [`VmExit::DebugExit`]`(v)`.
 //!
 //! Every exit is stamped with the host TSC right after `KVM_RUN` returns, and each COM1 byte
@@ -24,6 +26,7 @@
 mod agent_build;
 mod boot;
 pub mod client;
+pub mod defmt_log;
 pub mod qemu;
 pub mod serial;
 pub mod tsc;
@@ -42,6 +45,7 @@ use vm_memory::{GuestAddress, GuestMemoryBackend, GuestMemoryMmap};
 use vmm_sys_util::signal::{Killable, SIGRTMIN, register_signal_handler};
 
 pub use agent_build::agent_elf;
+use defmt_log::{DefmtLog, LogLine};
 use serial::{ExitStamp, TxSink, Uart16550, lock};
 pub use serial::{SerialByte, SerialHost};
 
@@ -97,8 +101,10 @@ pub enum VmExit {
 pub struct VmOutcome {
     /// How it ended.
     pub exit: VmExit,
-    /// Everything the guest wrote to COM2.
+    /// The COM2 log as text ([`Vm::log_text`] at the end of the run).
     pub log: String,
+    /// The decoded COM2 log lines (empty when the ELF has no defmt data).
+    pub log_lines: Vec<LogLine>,
     /// Port-I/O exits handled.
     pub io_exits: u64,
     /// Guest `rip` when the run ended (for diagnosing faults).
@@ -146,6 +152,8 @@ pub struct Vm {
     vm: Arc<VmFd>,
     com1: SerialHost,
     log: Arc<Mutex<Vec<u8>>>,
+    /// The COM2 decoder for the booted ELF, or why there is none.
+    log_decoder: Result<DefmtLog, String>,
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<Result<RunResult, VmmError>>>,
     deadline: Instant,
@@ -189,6 +197,7 @@ impl Vm {
         let mem_bytes =
             u64::try_from(cfg.mem_bytes).map_err(|e| VmmError::Memory(e.to_string()))?;
         let entry = boot::load_pvh(&mem, mem_bytes, elf, &cfg.cmdline)?;
+        let log_decoder = DefmtLog::from_elf_path(elf).map_err(|e| e.to_string());
         let vcpu = vm
             .create_vcpu(0)
             .map_err(|e| VmmError::Kvm("KVM_CREATE_VCPU", e))?;
@@ -224,6 +233,7 @@ impl Vm {
                 delivered,
             },
             log,
+            log_decoder,
             stop,
             thread: Some(thread),
             deadline,
@@ -248,13 +258,37 @@ impl Vm {
         &self.com1
     }
 
-    /// What the guest has written to COM2 so far (lossy UTF-8).
+    /// The raw bytes the guest has written to COM2 so far.
     #[must_use]
-    pub fn log_text(&self) -> String {
-        String::from_utf8_lossy(&lock(&self.log)).into_owned()
+    pub fn log_bytes(&self) -> Vec<u8> {
+        lock(&self.log).clone()
     }
 
-    /// Waits until the COM2 log contains `needle`, at most `timeout`. Returns whether it did.
+    /// The COM2 log lines decoded so far (empty when the ELF has no defmt data).
+    #[must_use]
+    pub fn log_lines(&self) -> Vec<LogLine> {
+        match &self.log_decoder {
+            Ok(d) => d.decode(&lock(&self.log)).lines,
+            Err(_) => Vec::new(),
+        }
+    }
+
+    /// The COM2 log so far as text: decoded lines (`<tsc> <level> <message>`), or, for an ELF
+    /// without defmt data, why not followed by the raw bytes as lossy UTF-8.
+    #[must_use]
+    pub fn log_text(&self) -> String {
+        let bytes = lock(&self.log);
+        match &self.log_decoder {
+            Ok(d) => d.decode(&bytes).text(),
+            Err(e) => format!(
+                "(COM2 not decoded: {e})\n{}",
+                String::from_utf8_lossy(&bytes)
+            ),
+        }
+    }
+
+    /// Waits until a COM2 log line contains `needle`, at most `timeout`. Returns whether one
+    /// did.
     #[must_use]
     pub fn wait_log(&self, needle: &str, timeout: Duration) -> bool {
         let end = Instant::now() + timeout;
@@ -290,6 +324,7 @@ impl Vm {
         Ok(VmOutcome {
             exit: r.exit,
             log: self.log_text(),
+            log_lines: self.log_lines(),
             io_exits: r.io_exits,
             rip: r.rip,
             run_time: r.run_time,

@@ -3,7 +3,8 @@
 //! QEMU 7.2 boots a PVH ELF with `-kernel`. Never SeaBIOS here (5–7 s of emulated ring-0
 //! code, DESIGN.md §4): `microvm` (its default firmware is qboot) or `q35` with
 //! `-bios qboot.rom`. COM1 is QEMU's stdio; COM2 is an extra `isa-serial` at 0x2f8 writing to a
-//! file, because `microvm` creates only one UART itself.
+//! file, because `microvm` creates only one UART itself. The file holds the agent's defmt
+//! frames: decode it with [`super::defmt_log`] against the same ELF.
 
 use std::path::Path;
 use std::process::Command;

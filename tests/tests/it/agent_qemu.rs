@@ -9,11 +9,19 @@ use vmtsync_core::proto::{
     Features, Feed, FrameReceiver, Hello, MAX_FRAME_SIZE, Message, PROTOCOL_VERSION, Transport,
     encode_frame,
 };
+use vmtsync_tests::vmm::defmt_log::{DefmtLog, LogLine};
 use vmtsync_tests::vmm::qemu::{self, Machine, debug_exit_status, have_qemu};
 use vmtsync_tests::vmm::{agent_elf, tsc::host_tsc};
 use vmtsync_tests::{ChildGuard, have_kvm, require};
 
 const STEP: Duration = Duration::from_secs(20);
+
+/// The decoded COM2 line at `level` whose message is exactly `text`, if any.
+fn line<'a>(lines: &'a [LogLine], level: &str, text: &str) -> Option<&'a LogLine> {
+    lines
+        .iter()
+        .find(|l| l.level == Some(level) && l.text == text)
+}
 
 /// Reads COM1 bytes from QEMU's stdout in a thread.
 fn reader(mut out: impl Read + Send + 'static) -> Receiver<u8> {
@@ -87,8 +95,11 @@ fn boots_under(machine: Machine, test: &str) {
     let dir = std::env::temp_dir().join(format!("vmtsync-{test}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
     let com2 = dir.join("com2.log");
-    let com2_text = || std::fs::read_to_string(&com2).unwrap_or_default();
+    let decoder = DefmtLog::from_elf_path(&elf).expect("the agent ELF has defmt data");
+    let com2_lines = || decoder.decode(&std::fs::read(&com2).unwrap_or_default());
+    let com2_text = || com2_lines().text();
     let started = Instant::now();
+    let started_tsc = host_tsc();
     let child = qemu::command(machine, &elf, "transport=uart exit=9", &com2)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
@@ -105,6 +116,17 @@ fn boots_under(machine: Machine, test: &str) {
         com2_text()
     );
     let boot_time = started.elapsed();
+    let ready_seen_tsc = host_tsc();
+    // The agent logs "ready" just before its beacon; QEMU's file chardev writes COM2 bytes
+    // synchronously, so the line is in the file by now.
+    let early = com2_lines();
+    let ready = line(&early.lines, "info", "ready: postcard on COM1, vcpu 0")
+        .unwrap_or_else(|| panic!("no decoded ready line; COM2 log:\n{}", early.text()));
+    let ready_tsc = ready.tsc.expect("timestamped");
+    assert!(
+        started_tsc <= ready_tsc && ready_tsc <= ready_seen_tsc,
+        "ready line TSC {ready_tsc} outside [{started_tsc}, {ready_seen_tsc}]"
+    );
     let mut frames = FrameReceiver::new();
     let hello = Message::Hello(Hello {
         version: PROTOCOL_VERSION,
@@ -162,7 +184,8 @@ fn boots_under(machine: Machine, test: &str) {
         assert!(Instant::now() < end, "QEMU did not exit after shutdown");
         std::thread::sleep(Duration::from_millis(10));
     };
-    let log = com2_text();
+    let decoded = com2_lines();
+    let log = decoded.text();
     eprintln!(
         "{machine:?}: ready after {boot_time:?}, median host bracket over stdio {} cycles, \
          exit status {status}, total {:?}",
@@ -174,13 +197,25 @@ fn boots_under(machine: Machine, test: &str) {
         Some(debug_exit_status(9)),
         "COM2 log:\n{log}"
     );
+    assert_eq!(decoded.malformed, 0, "COM2 log:\n{log}");
     assert!(
-        log.contains("cmdline \"transport=uart exit=9\""),
+        decoded
+            .lines
+            .iter()
+            .any(|l| l.text.ends_with(" cmdline \"transport=uart exit=9\"")),
         "COM2 log:\n{log}"
     );
-    assert!(log.contains("serving at CPL 3"), "COM2 log:\n{log}");
     assert!(
-        log.contains("shutdown after 10 probes, 13 messages, 0 bad frames: isa-debug-exit 9"),
+        line(&decoded.lines, "info", "serving at CPL 3").is_some(),
+        "COM2 log:\n{log}"
+    );
+    assert!(
+        line(
+            &decoded.lines,
+            "info",
+            "shutdown after 10 probes, 13 messages, 0 bad frames, 0 events: isa-debug-exit 9"
+        )
+        .is_some(),
         "COM2 log:\n{log}"
     );
     let _ = std::fs::remove_dir_all(&dir);

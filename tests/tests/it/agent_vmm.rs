@@ -13,10 +13,18 @@ use vmtsync_core::proto::{
 };
 use vmtsync_core::pvclock::PvclockVcpuTimeInfo;
 use vmtsync_tests::vmm::client::{Exchange, ProtoClient};
+use vmtsync_tests::vmm::defmt_log::{DefmtLog, LogLine, MALFORMED};
 use vmtsync_tests::vmm::{SerialByte, Vm, VmConfig, VmExit, agent_elf};
 use vmtsync_tests::{have_kvm, require};
 
 const STEP: Duration = Duration::from_secs(20);
+
+/// The decoded COM2 line at `level` whose message is exactly `text`, if any.
+fn line<'a>(lines: &'a [LogLine], level: &str, text: &str) -> Option<&'a LogLine> {
+    lines
+        .iter()
+        .find(|l| l.level == Some(level) && l.text == text)
+}
 
 fn text(line: &[SerialByte]) -> String {
     line.iter().map(|b| char::from(b.byte)).collect()
@@ -59,12 +67,18 @@ fn probe_session(test: &str, cmdline: &str) {
         "no ready beacon; COM2 log:\n{}",
         vm.log_text()
     );
+    let lines = vm.log_lines();
     let log = vm.log_text();
     assert!(
-        log.contains(&format!("cmdline \"{cmdline}\"")),
+        lines
+            .iter()
+            .any(|l| l.text.ends_with(&format!(" cmdline \"{cmdline}\""))),
         "COM2 log:\n{log}"
     );
-    assert!(log.contains("ready: postcard on COM1"), "COM2 log:\n{log}");
+    assert!(
+        line(&lines, "info", "ready: postcard on COM1, vcpu 0").is_some(),
+        "COM2 log:\n{log}"
+    );
 
     let caps = c.exchange(&hello(), STEP).expect("capabilities");
     let Message::Capabilities(k) = caps.reply else {
@@ -143,14 +157,18 @@ fn probe_session(test: &str, cmdline: &str) {
     );
     assert_eq!(out.exit, VmExit::DebugExit(5), "log:\n{}", out.log);
     assert!(
-        out.log
-            .contains("shutdown after 40 probes, 43 messages, 0 bad frames: isa-debug-exit 5"),
+        line(
+            &out.log_lines,
+            "info",
+            "shutdown after 40 probes, 43 messages, 0 bad frames, 0 events: isa-debug-exit 5"
+        )
+        .is_some(),
         "log:\n{}",
         out.log
     );
     let cpl = if cmdline.contains("ring=0") { 0 } else { 3 };
     assert!(
-        out.log.contains(&format!("serving at CPL {cpl}")),
+        line(&out.log_lines, "info", &format!("serving at CPL {cpl}")).is_some(),
         "log:\n{}",
         out.log
     );
@@ -332,11 +350,13 @@ fn builtin_vmm_line_mode_probe_then_panic_logs_and_exits_with_failure_code() {
     vm.com1().send(b"!");
     let out = vm.wait().expect("run ends");
     assert_eq!(out.exit, VmExit::DebugExit(0x7e), "log:\n{}", out.log);
-    assert!(
-        out.log.contains("PANIC: panicked at") && out.log.contains("host asked for a panic"),
-        "log:\n{}",
-        out.log
-    );
+    let panic = out
+        .log_lines
+        .iter()
+        .find(|l| l.text.starts_with("PANIC: panicked at "))
+        .unwrap_or_else(|| panic!("no PANIC line; log:\n{}", out.log));
+    assert_eq!(panic.level, Some("error"), "{panic:?}");
+    assert!(panic.text.contains("host asked for a panic"), "{panic:?}");
 }
 
 #[test]
@@ -351,7 +371,10 @@ fn builtin_vmm_watchdog_ends_a_guest_that_spins_without_exits() {
     vm.com1().send(b"w");
     let ack = vm.com1().recv_line(STEP).expect("spin acknowledged");
     assert_eq!(text(&ack), "W\n");
-    assert!(vm.wait_log("spinning without exits", STEP));
+    assert!(vm.wait_log(
+        "info  spinning without exits until the host's watchdog ends the VM",
+        STEP
+    ));
     let out = vm.wait().expect("watchdog stops the vCPU");
     eprintln!(
         "watchdog: {:?} after {:?}, rip {:#x}",
@@ -431,6 +454,88 @@ fn vmtsync_vmm_binary_bridges_com1_to_stdio_and_returns_the_exit_code() {
     );
     assert_eq!(rest.len(), 2 + 16 + 1 + 2, "stdout: {rest:?}");
     assert_eq!(status.code(), Some(3), "stderr:\n{err}");
-    assert!(err.contains("quit: isa-debug-exit 3"), "stderr:\n{err}");
+    // Decoded defmt text: the raw COM2 frames never contain the message in clear.
+    assert!(
+        err.contains(" info  quit: isa-debug-exit 3\n"),
+        "stderr:\n{err}"
+    );
     assert!(err.contains("DebugExit(3)"), "stderr:\n{err}");
+}
+
+#[test]
+fn builtin_vmm_agent_log_is_defmt_decoded_with_tsc_timestamps() {
+    let before_boot = vmtsync_tests::vmm::tsc::host_tsc();
+    let Some(vm) = boot(
+        "builtin_vmm_agent_log_is_defmt_decoded_with_tsc_timestamps",
+        "exit=0",
+        Duration::from_secs(60),
+    ) else {
+        return;
+    };
+    // In postcard mode the first COM1 byte is the ready beacon, sent right after the "ready"
+    // log line: the line's TSC lies between the boot and the exit carrying the beacon.
+    let beacon = vm.com1().recv_timeout(STEP).expect("ready beacon");
+    assert_eq!(beacon.byte, 0);
+    let lines = vm.log_lines();
+    let log = vm.log_text();
+    eprintln!("decoded COM2 log at the ready beacon:\n{log}");
+    let ready = line(&lines, "info", "ready: postcard on COM1, vcpu 0")
+        .unwrap_or_else(|| panic!("no ready line; log:\n{log}"));
+    let ready_tsc = ready.tsc.expect("timestamped");
+    assert!(
+        before_boot <= ready_tsc && ready_tsc <= beacon.host_tsc,
+        "ready line TSC {ready_tsc} outside [{before_boot}, {}]",
+        beacon.host_tsc
+    );
+    assert!(
+        lines[0].text.starts_with("vmtsync-agent ")
+            && lines[0].text.contains(": long mode, start_info at 0x"),
+        "first line {:?}",
+        lines[0]
+    );
+    // Every line decoded, timestamped with the TSC, in order, within the boot.
+    for w in lines.windows(2) {
+        let (a, b) = (w[0].tsc.expect("tsc"), w[1].tsc.expect("tsc"));
+        assert!(a <= b, "timestamps go back: {:?} then {:?}", w[0], w[1]);
+    }
+    assert!(lines.iter().all(|l| l.tsc.expect("tsc") >= before_boot));
+    assert!(lines.iter().all(|l| l.text != MALFORMED), "{log}");
+    // vmtsync-core's own log calls (its `defmt` feature) come out with the agent's.
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.level == Some("info")
+                && l.text.starts_with("pvclock: registering page at 0x")),
+        "no core log line; log:\n{log}"
+    );
+    // Resync: a cut-short frame before the stream (what a panic inside a log call leaves) is
+    // one malformed line, and a frame still being written is pending, not decoded.
+    let decoder = DefmtLog::from_elf_path(&agent_elf().expect("agent builds")).expect("defmt");
+    let bytes = vm.log_bytes();
+    let end = bytes.iter().rposition(|&b| b == 0).expect("a delimiter") + 1;
+    // defmt's encoder starts the stream with a separator, so a reboot's leftovers never
+    // merge with the first frame.
+    assert_eq!(bytes[0], 0, "{:02x?}", &bytes[..8]);
+    let garbled = [&[0x55, 0x13, 0x00][..], &bytes[..end], &bytes[1..4]].concat();
+    let d = decoder.decode(&garbled);
+    assert_eq!(d.malformed, 1);
+    assert_eq!(d.lines[0].text, MALFORMED);
+    assert_eq!(d.pending_bytes, 3);
+    assert_eq!(&d.lines[1..], &decoder.decode(&bytes[..end]).lines[..]);
+
+    let mut c = ProtoClient::new(vm.com1());
+    assert!(matches!(
+        c.exchange(&hello(), STEP).expect("capabilities").reply,
+        Message::Capabilities(_)
+    ));
+    assert_eq!(
+        c.exchange(&Message::Shutdown, STEP).expect("bye").reply,
+        Message::Exiting
+    );
+    let out = vm.wait().expect("run ends");
+    assert_eq!(out.exit, VmExit::DebugExit(0), "log:\n{}", out.log);
+    assert_eq!(
+        out.log_lines.last().map(|l| l.text.as_str()),
+        Some("shutdown after 0 probes, 2 messages, 0 bad frames, 0 events: isa-debug-exit 0")
+    );
 }

@@ -662,7 +662,7 @@ mod qemu_serial {
         let s = run_probe(&opts, &mut out).unwrap_or_else(|e| {
             panic!(
                 "{e}; COM2 log:\n{}",
-                std::fs::read_to_string(&com2).unwrap_or_default()
+                vmtsync_tests::vmm::defmt_log::decode_file_text(&elf, &com2)
             )
         });
         print!("{}", String::from_utf8_lossy(&out));

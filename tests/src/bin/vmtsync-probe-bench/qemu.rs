@@ -139,7 +139,7 @@ pub fn run(
         std::env::temp_dir().join(format!("vmtsync-probe-bench-{}", std::process::id()));
     std::fs::create_dir_all(&dir).context("temp dir")?;
     let com2 = dir.join("com2.log");
-    let com2_text = || std::fs::read_to_string(&com2).unwrap_or_default();
+    let com2_text = || vmtsync_tests::vmm::defmt_log::decode_file_text(elf, &com2);
     let append = format!("transport=uart exit={EXIT_CODE}");
     let child = qemu::command(machine, elf, &append, &com2)
         .stdin(Stdio::piped())

@@ -216,7 +216,11 @@ fn wait_for_path(path: &Path, g: &mut Guard) -> Result<()> {
             bail!("{} exited before creating {}: {s}", g.what, path.display());
         }
         if Instant::now() > end {
-            bail!("{} did not create {} within {STEP:?}", g.what, path.display());
+            bail!(
+                "{} did not create {} within {STEP:?}",
+                g.what,
+                path.display()
+            );
         }
         thread::sleep(Duration::from_millis(5));
     }
@@ -226,7 +230,8 @@ fn wait_for_path(path: &Path, g: &mut Guard) -> Result<()> {
 /// Accepts one connection on `sock` and copies bytes both ways between it and the built-in
 /// VMM's COM1 (its stdin/stdout). The threads end when either side closes.
 fn relay(sock: &Path, g: &mut Guard) -> Result<()> {
-    let listener = UnixListener::bind(sock).with_context(|| format!("binding {}", sock.display()))?;
+    let listener =
+        UnixListener::bind(sock).with_context(|| format!("binding {}", sock.display()))?;
     let mut to_vm = g.child().stdin.take().context("vmtsync-vmm stdin")?;
     let mut from_vm = g.child().stdout.take().context("vmtsync-vmm stdout")?;
     thread::spawn(move || {
@@ -246,7 +251,12 @@ fn relay(sock: &Path, g: &mut Guard) -> Result<()> {
         });
         let mut b = [0u8; 256];
         while let Ok(n) = s.read(&mut b) {
-            if n == 0 || to_vm.write_all(&b[..n]).and_then(|()| to_vm.flush()).is_err() {
+            if n == 0
+                || to_vm
+                    .write_all(&b[..n])
+                    .and_then(|()| to_vm.flush())
+                    .is_err()
+            {
                 break;
             }
         }
@@ -416,7 +426,11 @@ pub(crate) fn demo(args: &[String]) -> Result<()> {
     };
     let mut rows = Vec::new();
     let probe_vcpu = probe["vcpu"].as_u64().context("probe JSON: vcpu")?;
-    let get = |k: &str| probe[k].as_i64().with_context(|| format!("probe JSON: {k}"));
+    let get = |k: &str| {
+        probe[k]
+            .as_i64()
+            .with_context(|| format!("probe JSON: {k}"))
+    };
     let (off, lo, hi) = (get("offset_ticks")?, get("bound_lo")?, get("bound_hi")?);
     let mut vcpus: Vec<u64> = kvm.iter().map(|&(v, _)| v).collect();
     if !vcpus.contains(&probe_vcpu) {
@@ -424,8 +438,10 @@ pub(crate) fn demo(args: &[String]) -> Result<()> {
     }
     for v in vcpus {
         if let Some(&(_, o)) = kvm.iter().find(|&&(c, _)| c == v) {
-            rows.push(json!({"vcpu": v, "method": "kvm", "offset_ticks": o, "bound_lo": o,
-                "bound_hi": o, "truth_ticks": 0, "error_ticks": o}));
+            rows.push(
+                json!({"vcpu": v, "method": "kvm", "offset_ticks": o, "bound_lo": o,
+                "bound_hi": o, "truth_ticks": 0, "error_ticks": o}),
+            );
         }
         if v == probe_vcpu {
             rows.push(json!({"vcpu": v, "method": "probe", "offset_ticks": off,
@@ -478,6 +494,9 @@ pub(crate) fn demo(args: &[String]) -> Result<()> {
     Ok(())
 }
 
+/// `(vcpu, tsc_offset)` per vCPU from debugfs, the probe's JSON object, and the timings.
+type Measured = (Vec<(u64, i64)>, Value, Timings);
+
 /// How long each phase took.
 struct Timings {
     boot: Duration,
@@ -487,13 +506,7 @@ struct Timings {
 }
 
 /// Boots, scans debugfs (not in the simulation), probes, and waits for the agent to exit.
-fn run_vm(
-    vmm: Vmm,
-    elf: &Path,
-    vmtsync: &Path,
-    sock: &Path,
-    log: &Path,
-) -> Result<(Vec<(u64, i64)>, Value, Timings)> {
+fn run_vm(vmm: Vmm, elf: &Path, vmtsync: &Path, sock: &Path, log: &Path) -> Result<Measured> {
     let t = Instant::now();
     let mut g = boot(vmm, elf, sock, log)?;
     let boot = t.elapsed();

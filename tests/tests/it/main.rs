@@ -4,6 +4,7 @@
 mod agent_qemu;
 mod agent_vmm;
 mod cli;
+mod e2e;
 mod kvm_fixtures;
 mod kvm_real;
 mod probe;

@@ -419,10 +419,14 @@ pub(crate) fn demo(args: &[String]) -> Result<()> {
         result.with_context(|| format!("agent log (COM2):\n{}", log_text.trim_end()))?;
     let total = t0.elapsed();
 
-    let transport = match vmm {
-        Vmm::Qemu => "uart (COM1 16550 on a QEMU unix socket chardev)",
-        Vmm::Builtin => "uart (COM1 16550 of vmtsync-vmm, relayed to a unix socket)",
-        Vmm::Sim => "memory (loopback agent over a unix socket; no VM)",
+    // The JSON gives the agent's transport as one token; the text says how it is reached.
+    let (transport, path) = match vmm {
+        Vmm::Qemu => ("uart", "COM1 16550 on a QEMU unix socket chardev"),
+        Vmm::Builtin => (
+            "uart",
+            "COM1 16550 of vmtsync-vmm, relayed to a unix socket",
+        ),
+        Vmm::Sim => ("memory", "loopback agent over a unix socket; no VM"),
     };
     let mut rows = Vec::new();
     let probe_vcpu = probe["vcpu"].as_u64().context("probe JSON: vcpu")?;
@@ -449,11 +453,10 @@ pub(crate) fn demo(args: &[String]) -> Result<()> {
         }
     }
     if a.json {
-        let out = json!({"schema": 1, "vmm": vmm.name(), "transport": transport, "vcpus": rows});
-        println!("{out}");
+        println!("{}", json_line(vmm, transport, &rows));
     } else {
         println!("vmtsync demo: VMM {} ({why})", vmm.name());
-        println!("transport: {transport}");
+        println!("transport: {transport} ({path})");
         println!(
             "truth: guest TSC == host TSC here (KVM cannot offset it on this machine): offset 0"
         );
@@ -492,6 +495,34 @@ pub(crate) fn demo(args: &[String]) -> Result<()> {
         timings.boot, timings.scan, timings.probe, timings.exit
     );
     Ok(())
+}
+
+/// The `--json` line with keys in the documented order (serde_json's `Value` would sort them):
+/// `{"schema":1,"vmm","transport","vcpus":[{"vcpu","method","offset_ticks","bound_lo",
+/// "bound_hi","truth_ticks","error_ticks"}]}`.
+fn json_line(vmm: Vmm, transport: &str, rows: &[Value]) -> String {
+    const KEYS: [&str; 7] = [
+        "vcpu",
+        "method",
+        "offset_ticks",
+        "bound_lo",
+        "bound_hi",
+        "truth_ticks",
+        "error_ticks",
+    ];
+    let rows: Vec<String> = rows
+        .iter()
+        .map(|r| {
+            let fields: Vec<String> = KEYS.iter().map(|k| format!("\"{k}\":{}", r[k])).collect();
+            format!("{{{}}}", fields.join(","))
+        })
+        .collect();
+    format!(
+        "{{\"schema\":1,\"vmm\":{},\"transport\":{},\"vcpus\":[{}]}}",
+        Value::from(vmm.name()),
+        Value::from(transport),
+        rows.join(",")
+    )
 }
 
 /// `(vcpu, tsc_offset)` per vCPU from debugfs, the probe's JSON object, and the timings.

@@ -84,6 +84,27 @@ fn cli_probe_json_bounds_the_loopback_agents_skew() {
     assert!(stats.probes >= 40, "{stats:?}");
 }
 
+/// Tier 1: `vmtsync probe --json | head -c0`: stdout closed before the report is written is
+/// not an error (exit 0, nothing on stderr), like any filter.
+#[test]
+fn cli_probe_into_a_closed_pipe_exits_0() {
+    let (port, agent) = fake::spawn_tcp(SkewedClock { skew: 0, vcpu: 0 }).unwrap();
+    let addr = format!("tcp:127.0.0.1:{port}");
+    let mut child = vmtsync()
+        .args(["probe", "--connect", &addr, "--json", "--probes", "8"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("vmtsync-cli starts");
+    // Close the read end before vmtsync can write anything: its write fails with EPIPE.
+    drop(child.stdout.take());
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(0), "stderr: {}", text(&out.stderr));
+    assert!(out.stderr.is_empty(), "{}", text(&out.stderr));
+    assert!(agent.join().unwrap().probes >= 8);
+}
+
 /// Tier 1: nothing listening → exit 7 and a message that says what to check.
 #[test]
 fn cli_probe_without_an_agent_exits_7_with_a_clear_message() {

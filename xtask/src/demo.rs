@@ -575,3 +575,36 @@ fn run_vm(vmm: Vmm, elf: &Path, vmtsync: &Path, sock: &Path, log: &Path) -> Resu
         },
     ))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn json_line_keeps_the_documented_key_order_and_parses() {
+        let rows = [
+            json!({"error_ticks": 0, "truth_ticks": 0, "bound_hi": 0, "bound_lo": 0,
+                   "offset_ticks": 0, "method": "kvm", "vcpu": 0}),
+            json!({"vcpu": 0, "method": "probe", "offset_ticks": -5, "bound_lo": -9,
+                   "bound_hi": 2, "truth_ticks": 0, "error_ticks": -5}),
+        ];
+        let line = json_line(Vmm::Qemu, "uart", &rows);
+        assert!(
+            line.starts_with(r#"{"schema":1,"vmm":"qemu","transport":"uart","vcpus":[{"vcpu":0,"method":"kvm","offset_ticks":0,"#),
+            "{line}"
+        );
+        let v: Value = serde_json::from_str(&line).unwrap();
+        assert_eq!(v["vcpus"][1]["bound_lo"], -9);
+        assert_eq!(v["vcpus"].as_array().map(Vec::len), Some(2));
+    }
+
+    #[test]
+    fn args_parse_and_refuse_unknown_options() {
+        let s = |v: &[&str]| v.iter().map(ToString::to_string).collect::<Vec<_>>();
+        let a = parse_args(&s(&["--json", "--vmm", "builtin"])).unwrap();
+        assert!(a.json && a.vmm == Some(Vmm::Builtin));
+        assert!(parse_args(&s(&["--vmm", "auto"])).unwrap().vmm.is_none());
+        assert!(parse_args(&s(&["--vmm", "xen"])).is_err());
+        assert!(parse_args(&s(&["--fast"])).is_err());
+    }
+}

@@ -42,8 +42,9 @@ Exit codes:
   1  runtime error (I/O, malformed debugfs contents, VM exited while being read)
   2  bad command-line usage
   3  environment: debugfs not mounted, not root, no tracefs
-  4  no VM or vCPU matches --vm / --vcpu
-  5  bad input data (convert: bad line or value out of range; compose: cannot compose)
+  4  no VM or vCPU matches --vm / --vcpu (convert --sync: no segment for --vcpu)
+  5  bad input data (convert: bad line, value out of range or malformed sync file;
+     compose: cannot compose)
   6  refused: the vCPU runs a nested guest (guest_mode=1) and --nested-l2 was not given
   7  probe: the guest agent could not be reached or stopped answering (VM gone, agent
      restarted, protocol version mismatch)";

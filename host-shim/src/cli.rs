@@ -9,6 +9,11 @@
 //! - 5: bad input data (`convert`: a bad line or a value outside the mapping's range;
 //!   `tsc compose`: mappings that cannot be composed).
 //! - 6: refused: the vCPU runs a nested guest (`guest_mode` 1) and `--nested-l2` was not given.
+//! - 7: `probe`: the guest agent could not be reached, or stopped answering mid-session (the
+//!   VM exited or was killed, the agent restarted, or it speaks another protocol version).
+//!
+//! `convert --sync`: a sync file with no segment for `--vcpu` exits 4; a malformed sync file
+//! or input line exits 5.
 
 use std::ffi::CString;
 use std::io::{self, BufReader, BufWriter, Write};
@@ -24,8 +29,10 @@ use vmtsync_core::mapping::KvmTscMapping;
 use crate::compose::{self, ComposeError, MappingArg};
 use crate::convert::{self, ConvertError, ConvertOptions, Direction, Rounding};
 use crate::debugfs::{DEBUGFS_MOUNTPOINT, DEFAULT_KVM_DEBUGFS, DebugfsError, KvmDebugfs};
+use crate::probe::{self, ConnectError, ProbeArgs, ProbeError};
 use crate::procinfo::{DEFAULT_PROC_ROOT, ProcFs};
 use crate::scan::{self, ScanError, Scanner, VmSelector};
+use crate::syncfile::{self, SyncFileError};
 use crate::trace_events::{self, Subscription, TraceError};
 use crate::watch::{self, WatchError, WatchOptions};
 
@@ -35,9 +42,12 @@ Exit codes:
   1  runtime error (I/O, malformed debugfs contents, VM exited while being read)
   2  bad command-line usage
   3  environment: debugfs not mounted, not root, no tracefs
-  4  no VM or vCPU matches --vm / --vcpu
-  5  bad input data (convert: bad line or value out of range; compose: cannot compose)
-  6  refused: the vCPU runs a nested guest (guest_mode=1) and --nested-l2 was not given";
+  4  no VM or vCPU matches --vm / --vcpu (convert --sync: no segment for --vcpu)
+  5  bad input data (convert: bad line, value out of range or malformed sync file;
+     compose: cannot compose)
+  6  refused: the vCPU runs a nested guest (guest_mode=1) and --nested-l2 was not given
+  7  probe: the guest agent could not be reached or stopped answering (VM gone, agent
+     restarted, protocol version mismatch)";
 
 /// vmtsync: exact host<->guest TSC mappings from KVM, for putting VM trace events on the host
 /// timeline.
@@ -71,6 +81,14 @@ pub enum Command {
     /// number unless --skip-bad.
     #[command(after_help = EXIT_CODES)]
     Convert(ConvertArgs),
+    /// Measure a guest's TSC offset (and drift) with ping-pong probes against the vmtsync guest
+    /// agent, with guaranteed bounds and trace-cmd's estimate on the same samples.
+    ///
+    /// JSON (--json, schema 1): one object per round with schema, vcpu, offset_ticks, bound_lo,
+    /// bound_hi, model, at_host_tsc, drift_ppb(_lo/_hi), rtt_*_ticks, probes, sent,
+    /// lost_probes, bad_frames, stale_replies, tracecmd_fastest_rtt_offset, tsc_khz.
+    #[command(after_help = EXIT_CODES)]
+    Probe(ProbeArgs),
     /// TSC mapping arithmetic.
     #[command(subcommand)]
     Tsc(TscCommand),
@@ -140,7 +158,7 @@ pub struct ConvertArgs {
         long,
         value_name = "O",
         allow_negative_numbers = true,
-        required_unless_present = "vm",
+        required_unless_present_any = ["vm", "sync"],
         conflicts_with = "vm"
     )]
     pub offset: Option<i64>,
@@ -155,9 +173,14 @@ pub struct ConvertArgs {
     /// Read the mapping from this VM's debugfs entry (PID, PID-FD or name).
     #[arg(long, value_name = "PID|NAME", requires = "vcpu")]
     pub vm: Option<VmSelector>,
-    /// The vCPU id (debugfs `vcpuN`) whose mapping to use.
-    #[arg(long, value_name = "N", requires = "vm")]
+    /// The vCPU id (debugfs `vcpuN`, or the sync file's `vcpu`) whose mapping to use.
+    #[arg(long, value_name = "N", conflicts_with = "offset")]
     pub vcpu: Option<u32>,
+    /// Convert guest TSC values to host TSC (rounded down) through a sync file written by
+    /// `vmtsync probe --continuous --out FILE`: piecewise, one segment per probe round.
+    #[arg(long, value_name = "SYNCFILE", requires = "vcpu",
+          conflicts_with_all = ["offset", "vm", "to", "round", "nested_l2"])]
+    pub sync: Option<PathBuf>,
     /// Accept a vCPU in guest mode: its debugfs values are then the L0->L2 mapping, and the
     /// input must be L2 timestamps.
     #[arg(long, requires = "vm")]
@@ -206,6 +229,12 @@ pub enum CliError {
     /// From `tsc compose`.
     #[error(transparent)]
     Compose(#[from] ComposeError),
+    /// From `probe`.
+    #[error(transparent)]
+    Probe(#[from] ProbeError),
+    /// From `convert --sync`.
+    #[error(transparent)]
+    SyncFile(#[from] SyncFileError),
     /// `--vcpu` names no vCPU of the VM.
     #[error("VM {vm} has no vcpu{vcpu}; its vCPUs are: {available}")]
     NoVcpu {
@@ -270,6 +299,8 @@ impl CliError {
             Self::NoVcpu { .. } | Self::Ambiguous { .. } => 4,
             Self::Nested { .. } => 6,
             Self::NotRoot | Self::Mount(_) => 3,
+            Self::Probe(e) => probe_exit_code(e),
+            Self::SyncFile(e) => sync_exit_code(e),
         }
     }
 
@@ -277,12 +308,39 @@ impl CliError {
     #[must_use]
     pub fn is_broken_pipe(&self) -> bool {
         let io = match self {
+            Self::Probe(e) => return e.is_broken_pipe(),
+            Self::SyncFile(e) => return e.is_broken_pipe(),
             Self::Output(e)
             | Self::Convert(ConvertError::Io(e))
             | Self::Watch(WatchError::Output(e)) => e,
             _ => return false,
         };
         io.kind() == io::ErrorKind::BrokenPipe
+    }
+}
+
+/// Exit code of a `probe` failure: 7 when the agent is unreachable or stopped answering,
+/// 3 when vsock is unsupported here, 5 for a sync file that cannot be appended to, else 1.
+fn probe_exit_code(e: &ProbeError) -> u8 {
+    match e {
+        ProbeError::Connect(ConnectError::Unsupported) => 3,
+        ProbeError::Connect(_)
+        | ProbeError::Timeout { .. }
+        | ProbeError::Transport { .. }
+        | ProbeError::VersionMismatch { .. }
+        | ProbeError::AgentNotReady
+        | ProbeError::AgentExited => 7,
+        ProbeError::SyncFile(s) => sync_exit_code(s),
+        _ => 1,
+    }
+}
+
+/// Exit code of a sync-file failure: 4 for a vCPU without segments, 1 for I/O, else 5.
+fn sync_exit_code(e: &SyncFileError) -> u8 {
+    match e {
+        SyncFileError::NoSegments { .. } => 4,
+        SyncFileError::Io { .. } | SyncFileError::Output(_) => 1,
+        _ => 5,
     }
 }
 
@@ -326,6 +384,7 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
     match cli.command {
         Command::Kvm(a) => run_kvm(&a),
         Command::Convert(a) => run_convert(&a),
+        Command::Probe(a) => run_probe_cmd(&a),
         Command::Tsc(TscCommand::Compose(a)) => run_compose(&a),
     }
 }
@@ -470,6 +529,19 @@ fn convert_mapping(a: &ConvertArgs) -> Result<KvmTscMapping, CliError> {
 }
 
 fn run_convert(a: &ConvertArgs) -> Result<(), CliError> {
+    if let (Some(path), Some(vcpu)) = (a.sync.as_deref(), a.vcpu) {
+        let stdin = io::stdin();
+        let mut input = BufReader::with_capacity(64 * 1024, stdin.lock());
+        let mut output = BufWriter::with_capacity(64 * 1024, io::stdout().lock());
+        let stats = syncfile::convert_sync_file(path, vcpu, &mut input, &mut output, a.skip_bad)?;
+        if stats.skipped > 0 {
+            eprintln!(
+                "vmtsync: converted {} values, skipped {} bad lines",
+                stats.converted, stats.skipped
+            );
+        }
+        return Ok(());
+    }
     let mapping = convert_mapping(a)?;
     let opts = ConvertOptions {
         mapping,
@@ -489,6 +561,16 @@ fn run_convert(a: &ConvertArgs) -> Result<(), CliError> {
             stats.converted, stats.skipped
         )?;
     }
+    Ok(())
+}
+
+/// `vmtsync probe`: SIGINT/SIGTERM end continuous mode after the current round.
+fn run_probe_cmd(a: &ProbeArgs) -> Result<(), CliError> {
+    install_stop_handler();
+    let opts = a.to_options(Some(&STOP));
+    let mut out = io::stdout().lock();
+    probe::run_probe(&opts, &mut out)?;
+    out.flush()?;
     Ok(())
 }
 
@@ -578,6 +660,35 @@ mod tests {
             ])
             .is_ok()
         );
+        assert!(p(&["vmtsync", "convert", "--sync", "s.jsonl", "--vcpu", "0"]).is_ok());
+        assert!(
+            p(&["vmtsync", "convert", "--sync", "s.jsonl"]).is_err(),
+            "--sync needs --vcpu"
+        );
+        for extra in [&["--offset", "5"][..], &["--vm", "1"], &["--to", "guest"]] {
+            let mut args = vec!["vmtsync", "convert", "--sync", "s", "--vcpu", "0"];
+            args.extend_from_slice(extra);
+            assert!(p(&args).is_err(), "--sync conflicts with {extra:?}");
+        }
+        assert!(
+            p(&["vmtsync", "convert", "--offset", "5", "--vcpu", "0"]).is_err(),
+            "--vcpu is meaningless with --offset"
+        );
+        assert!(
+            p(&[
+                "vmtsync",
+                "probe",
+                "--connect",
+                "unix:/tmp/x.sock",
+                "--json",
+                "--probes",
+                "10",
+                "--timeout",
+                "500"
+            ])
+            .is_ok()
+        );
+        assert!(p(&["vmtsync", "probe"]).is_err(), "--connect is required");
     }
 
     #[test]
@@ -602,5 +713,25 @@ mod tests {
         let bp = CliError::Output(io::Error::from(io::ErrorKind::BrokenPipe));
         assert!(bp.is_broken_pipe());
         assert!(!nm.is_broken_pipe());
+        let gone = CliError::Probe(ProbeError::Transport {
+            what: "a probe reply",
+            source: probe::TransportError::Closed,
+        });
+        assert_eq!(gone.exit_code(), 7);
+        assert!(!gone.is_broken_pipe());
+        let probe_pipe = CliError::Probe(ProbeError::Output(io::Error::from(
+            io::ErrorKind::BrokenPipe,
+        )));
+        assert!(probe_pipe.is_broken_pipe());
+        let no_seg = CliError::SyncFile(SyncFileError::NoSegments {
+            vcpu: 3,
+            present: vec![0],
+        });
+        assert_eq!(no_seg.exit_code(), 4);
+        assert_eq!(CliError::SyncFile(SyncFileError::NoHeader).exit_code(), 5);
+        let sync_pipe = CliError::SyncFile(SyncFileError::Output(io::Error::from(
+            io::ErrorKind::BrokenPipe,
+        )));
+        assert!(sync_pipe.is_broken_pipe());
     }
 }

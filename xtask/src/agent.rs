@@ -21,7 +21,7 @@ fn agent_dir() -> PathBuf {
 /// Builds the agent (release) and returns its ELF. Runs in `guest-agent/` so its own
 /// `.cargo/config.toml` (target x86_64-unknown-none, static relocation model) applies, and
 /// drops any host `RUSTFLAGS`.
-fn build() -> Result<PathBuf> {
+pub(crate) fn build() -> Result<PathBuf> {
     let dir = agent_dir();
     let mut c = cargo();
     c.current_dir(&dir)

@@ -8,10 +8,13 @@
 //! - `fuzz`: the `ci` fuzz smoke run on its own.
 //! - `build-agent`: build the bare-metal guest agent, print its ELF path and `.text` size.
 //! - `run-agent`: boot the agent under QEMU or the built-in VMM, COM1 on this terminal.
+//! - `demo`: boot the agent, read its KVM mapping from debugfs, probe it, print both with the
+//!   truth (text or `--json`).
 //! - `setup`: install what the tier-2 tests need on a fresh machine (rustup target, Debian
 //!   packages, debugfs mount).
 
 mod agent;
+mod demo;
 mod fuzz;
 mod probe_bench;
 mod setup;
@@ -48,6 +51,7 @@ fn run() -> Result<()> {
         "setup" => setup::setup(),
         "build-agent" => agent::build_agent(),
         "run-agent" => agent::run_agent(rest),
+        "demo" => demo::demo(rest),
         "help" | "--help" | "-h" => {
             println!("{HELP}");
             Ok(())
@@ -74,6 +78,12 @@ commands:
                 Agent options: transport=uart wire=postcard|line ring=3|0 exit=N events=N
                 skew=OFFSET,RATIO,FRAC;
                 with `-- wire=line` type p (probe: T<hex tsc>) and q (quit)
+  demo [--json] [--vmm auto|qemu|builtin|sim]
+                boot the agent (QEMU, else the built-in VMM, else a loopback simulation),
+                read its vCPUs' TSC mapping from KVM debugfs (`vmtsync kvm`), probe it
+                (`vmtsync probe`), print method/offset/interval/truth/error per vCPU; JSON:
+                {\"schema\":1,\"vmm\",\"transport\",\"vcpus\":[{\"vcpu\",\"method\":\"kvm\"|\"probe\",
+                \"offset_ticks\",\"bound_lo\",\"bound_hi\",\"truth_ticks\",\"error_ticks\"}]}
 
 environment:
   CI=true       a missing tier-2 prerequisite fails the run instead of skipping";

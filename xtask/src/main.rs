@@ -145,7 +145,7 @@ fn ci(_args: &[String]) -> Result<()> {
         }),
         ("tests", || {
             // Tier-2 tests look at CI to decide between "skip with a reason" and "fail".
-            sh(cargo().args(["test", "--workspace", "--all-features"]))
+            sh(cargo().args(["test", "--workspace", "--all-features", "--no-fail-fast"]))
         }),
         ("no_std build", check_nostd),
         ("guest agent", agent::ci_check),

@@ -381,6 +381,19 @@ fn probe(vmtsync: &Path, sock: &Path) -> Result<Value> {
     serde_json::from_str(&out).with_context(|| format!("vmtsync probe --json printed: {out}"))
 }
 
+/// The agent's COM2 log as text, for an error report. Under QEMU the file holds defmt frames,
+/// decoded by the `vmtsync-defmt` tool against the agent ELF; the other VMMs log text.
+fn agent_log_text(vmm: Vmm, elf: &Path, log: &Path) -> String {
+    if vmm != Vmm::Qemu {
+        return std::fs::read_to_string(log).unwrap_or_default();
+    }
+    let decoder = target_dir().join("debug/vmtsync-defmt");
+    match Command::new(&decoder).arg(elf).arg(log).output() {
+        Ok(out) => String::from_utf8_lossy(&out.stdout).into_owned(),
+        Err(e) => format!("(could not run {}: {e})", decoder.display()),
+    }
+}
+
 /// `cargo xtask demo [--json] [--vmm auto|qemu|builtin|sim]`.
 pub(crate) fn demo(args: &[String]) -> Result<()> {
     let a = parse_args(args)?;
@@ -401,7 +414,10 @@ pub(crate) fn demo(args: &[String]) -> Result<()> {
         Vmm::Sim => {
             c.args(["-p", "vmtsync-tests", "--bin", "vmtsync-fake-agent"]);
         }
-        Vmm::Qemu => {}
+        Vmm::Qemu => {
+            // The agent logs defmt frames on COM2; this decodes them if the run fails.
+            c.args(["-p", "vmtsync-tests", "--bin", "vmtsync-defmt"]);
+        }
     }
     sh(&mut c)?;
     let vmtsync = target_dir().join("debug/vmtsync");
@@ -413,7 +429,7 @@ pub(crate) fn demo(args: &[String]) -> Result<()> {
     let log = dir.join("agent.log");
     let _ = std::fs::remove_file(&sock);
     let result = run_vm(vmm, &elf, &vmtsync, &sock, &log);
-    let log_text = std::fs::read_to_string(&log).unwrap_or_default();
+    let log_text = agent_log_text(vmm, &elf, &log);
     let _ = std::fs::remove_dir_all(&dir);
     let (kvm, probe, timings) =
         result.with_context(|| format!("agent log (COM2):\n{}", log_text.trim_end()))?;

@@ -187,7 +187,10 @@ mod tests {
         // A system binary is an ELF, but not a defmt one. (Not this test binary: with
         // `--all-features` it links vmtsync-core's defmt logging and has a `.defmt` table.)
         let me = Path::new("/bin/true");
-        assert!(me.exists(), "/bin/true (coreutils) is needed as a non-defmt ELF");
+        assert!(
+            me.exists(),
+            "/bin/true (coreutils) is needed as a non-defmt ELF"
+        );
         let err = DefmtLog::from_elf_path(me).expect_err("no .defmt section");
         assert!(matches!(err, DefmtLogError::NoTable), "{err}");
         assert!(matches!(
@@ -198,9 +201,7 @@ mod tests {
             DefmtLog::from_elf_path(Path::new("/nonexistent/agent.elf")),
             Err(DefmtLogError::Read { .. })
         ));
-        assert!(
-            decode_file_text(me, Path::new("/nonexistent")).starts_with("(COM2 not decoded: ")
-        );
+        assert!(decode_file_text(me, Path::new("/nonexistent")).starts_with("(COM2 not decoded: "));
     }
 
     #[test]

@@ -21,6 +21,7 @@ use vmtsync::syncfile::{SyncFile, convert_with_sync};
 use vmtsync_core::estimate::ProbeSample;
 use vmtsync_core::mapping::KvmTscMapping;
 use vmtsync_tests::vmm::agent_elf;
+use vmtsync_tests::vmm::defmt_log::decode_file_text;
 use vmtsync_tests::vmm::qemu::{QEMU, have_qemu};
 use vmtsync_tests::{ChildGuard, have_kvm, is_root, require};
 
@@ -307,7 +308,7 @@ fn qemu_software_skew_is_recovered_and_converted_back() {
     let info = *s.info();
     let samples = s
         .probe_round(64, Duration::ZERO, &mut Progress::hidden())
-        .unwrap_or_else(|e| panic!("{e}; COM2:\n{}", std::fs::read_to_string(&com2).unwrap()));
+        .unwrap_or_else(|e| panic!("{e}; COM2:\n{}", decode_file_text(&elf, &com2)));
     let stats = s.shutdown();
     let sum = ProbeSummary::from_samples(&info, &samples, stats).expect("estimates");
     let at = sum.at_host;
@@ -446,7 +447,8 @@ fn qemu_killed_mid_probe_ends_vmtsync_with_a_clear_error() {
     // Let the session get going: wait for the agent to serve COM1, then for ~1 s of probes
     // (each ~1 ms plus the 1 ms interval), so the kill lands mid-run.
     let end = Instant::now() + Duration::from_secs(20);
-    while !std::fs::read_to_string(&com2).is_ok_and(|l| l.contains("serving at CPL")) {
+    // COM2 carries defmt frames: decode them to look for the line.
+    while !decode_file_text(&elf, &com2).contains("serving at CPL") {
         assert!(Instant::now() < end, "the agent did not start serving");
         std::thread::sleep(Duration::from_millis(10));
     }

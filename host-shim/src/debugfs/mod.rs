@@ -276,19 +276,7 @@ impl KvmDebugfs {
     /// [`DebugfsError::VmExited`] if the VM exits while being read; parse and I/O errors of
     /// any file.
     pub fn read_vm(&self, vm: &VmDir) -> Result<Vec<VcpuState>, DebugfsError> {
-        match self.read_vm_once(vm) {
-            Err(DebugfsError::Missing { .. }) => {
-                std::thread::sleep(TEARDOWN_RECHECK);
-                if vm.path.exists() {
-                    self.read_vm_once(vm)
-                } else {
-                    Err(DebugfsError::VmExited {
-                        path: vm.path.clone(),
-                    })
-                }
-            }
-            r => r,
-        }
+        recheck_teardown(&vm.path, || self.read_vm_once(vm))
     }
 
     fn read_vm_once(&self, vm: &VmDir) -> Result<Vec<VcpuState>, DebugfsError> {
@@ -305,6 +293,7 @@ impl KvmDebugfs {
         for entry in entries {
             let entry = entry.map_err(|e| io_error(&vm.path, e))?;
             let name = entry.file_name();
+            // parse_vcpu_dir_name rejects leading zeros, so `vcpu<id>` is this entry's name.
             let Some(id) = name.to_str().and_then(parse_vcpu_dir_name) else {
                 continue;
             };
@@ -331,6 +320,50 @@ impl KvmDebugfs {
             }
         }
         Ok(out)
+    }
+}
+
+/// Runs `read` and, if it fails the way a VM being torn down makes reads fail (a missing file,
+/// or an I/O error such as the `EIO` debugfs returns for a file whose VM was destroyed between
+/// `openat` and `read`), waits [`TEARDOWN_RECHECK`] and looks again: a vanished `vm_path` means
+/// the VM exited; otherwise the read is retried once and its result stands.
+fn recheck_teardown<T>(
+    vm_path: &Path,
+    mut read: impl FnMut() -> Result<T, DebugfsError>,
+) -> Result<T, DebugfsError> {
+    match read() {
+        Err(DebugfsError::Missing { .. } | DebugfsError::Io { .. }) => {
+            std::thread::sleep(TEARDOWN_RECHECK);
+            if vm_path.exists() {
+                read()
+            } else {
+                Err(DebugfsError::VmExited {
+                    path: vm_path.to_path_buf(),
+                })
+            }
+        }
+        r => r,
+    }
+}
+
+/// True for the errors a debugfs file gives when its VM is destroyed under the reader:
+/// `EIO`/`ENODEV` from `read` on a file being removed, `ENOENT` from a path lookup racing the
+/// removal.
+fn is_teardown_error(e: &DebugfsError) -> bool {
+    matches!(e, DebugfsError::Io { source, .. }
+        if matches!(source.raw_os_error(), Some(libc::EIO | libc::ENODEV | libc::ENOENT)))
+}
+
+/// Turns a teardown-like I/O error into [`DebugfsError::VmExited`] when `gone()` confirms the
+/// vCPU directory vanished; any other error, or a directory still present, passes through.
+fn settle_teardown<T>(
+    r: Result<T, DebugfsError>,
+    gone: &dyn Fn() -> bool,
+    exited: &dyn Fn() -> DebugfsError,
+) -> Result<T, DebugfsError> {
+    match r {
+        Err(e) if is_teardown_error(&e) && gone() => Err(exited()),
+        r => r,
     }
 }
 
@@ -583,6 +616,11 @@ fn read_vcpu_at(vmf: &File, dir: &Path, vcpu: u32) -> Result<VcpuState, DebugfsE
 
     // Any absent file may mean the VM exited mid-read: check before believing "absent".
     let gone = || !dir.exists();
+    let offset = settle_teardown(offset, &gone, &exited);
+    let ratio = settle_teardown(ratio, &gone, &exited);
+    let frac = settle_teardown(frac, &gone, &exited);
+    let guest_mode = settle_teardown(guest_mode, &gone, &exited);
+    let thread = settle_teardown(thread, &gone, &exited);
     let tsc_offset = match offset? {
         Some(o) => o,
         None if gone() => return Err(exited()),
@@ -660,5 +698,83 @@ mod tests {
             Err(DebugfsError::VmExited { .. })
         ));
         fs::remove_dir_all(&root).unwrap();
+    }
+
+    fn eio(path: &str, errno: i32) -> DebugfsError {
+        DebugfsError::Io {
+            path: PathBuf::from(path),
+            source: io::Error::from_raw_os_error(errno),
+        }
+    }
+
+    #[test]
+    fn eio_from_a_vanished_vcpu_is_vm_exited_and_otherwise_stays_an_error() {
+        let exited = || DebugfsError::VmExited {
+            path: PathBuf::from("/k/1-2"),
+        };
+        for errno in [libc::EIO, libc::ENODEV, libc::ENOENT] {
+            let r: Result<(), _> =
+                settle_teardown(Err(eio("/k/1-2/vcpu0/pid", errno)), &|| true, &exited);
+            assert!(
+                matches!(r, Err(DebugfsError::VmExited { .. })),
+                "errno {errno}: {r:?}"
+            );
+            // The directory is still there: a real I/O error, reported as such.
+            let r: Result<(), _> =
+                settle_teardown(Err(eio("/k/1-2/vcpu0/pid", errno)), &|| false, &exited);
+            assert!(
+                matches!(r, Err(DebugfsError::Io { .. })),
+                "errno {errno}: {r:?}"
+            );
+        }
+        // Other errors never turn into "exited", even when the directory is gone.
+        let r: Result<(), _> = settle_teardown(
+            Err(eio("/k/1-2/vcpu0/pid", libc::EINVAL)),
+            &|| true,
+            &exited,
+        );
+        assert!(matches!(r, Err(DebugfsError::Io { .. })), "{r:?}");
+        assert_eq!(settle_teardown(Ok(7), &|| true, &exited).unwrap(), 7);
+    }
+
+    #[test]
+    fn read_vm_rechecks_after_an_io_error() {
+        // The VM directory is gone after an EIO: the VM exited (this was exit 1 before).
+        let gone = Path::new("/nonexistent/vmtsync-test/1-2");
+        let mut calls = 0;
+        let r: Result<(), _> = recheck_teardown(gone, || {
+            calls += 1;
+            Err(eio(
+                "/nonexistent/vmtsync-test/1-2/vcpu0/tsc-offset",
+                libc::EIO,
+            ))
+        });
+        assert!(
+            matches!(r, Err(DebugfsError::VmExited { ref path }) if path == gone),
+            "{r:?}"
+        );
+        assert_eq!(calls, 1);
+        // Still there: read again, and the second result stands.
+        let here = std::env::temp_dir();
+        let mut calls = 0;
+        let r = recheck_teardown(&here, || {
+            calls += 1;
+            if calls == 1 {
+                Err(eio("x", libc::EIO))
+            } else {
+                Ok(calls)
+            }
+        });
+        assert_eq!(r.unwrap(), 2);
+        // Errors that are not teardown-like are not retried.
+        let mut calls = 0;
+        let r: Result<(), _> = recheck_teardown(gone, || {
+            calls += 1;
+            Err(DebugfsError::PermissionDenied {
+                path: PathBuf::from("x"),
+            })
+        });
+        assert!(matches!(r, Err(DebugfsError::PermissionDenied { .. })));
+        assert_eq!(calls, 1);
     }
 }

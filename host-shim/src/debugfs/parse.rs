@@ -13,10 +13,16 @@ pub fn parse_vm_dir_name(name: &str) -> Option<VmId> {
     Some(VmId { pid, fd })
 }
 
-/// Parses a vCPU directory name `vcpu<N>`.
+/// Parses a vCPU directory name `vcpu<N>` as the kernel writes it (`"vcpu%d"`): no leading
+/// zeros, because the reader reopens the directory as `vcpu<N>` and `vcpu01` would name a
+/// different (absent) directory than the one listed.
 #[must_use]
 pub fn parse_vcpu_dir_name(name: &str) -> Option<u32> {
-    parse_dec_u32(name.strip_prefix("vcpu")?.as_bytes())
+    let digits = name.strip_prefix("vcpu")?.as_bytes();
+    if digits.len() > 1 && digits[0] == b'0' {
+        return None;
+    }
+    parse_dec_u32(digits)
 }
 
 fn parse_dec_u32(s: &[u8]) -> Option<u32> {
@@ -109,7 +115,9 @@ mod tests {
     fn vcpu_dir_names() {
         assert_eq!(parse_vcpu_dir_name("vcpu0"), Some(0));
         assert_eq!(parse_vcpu_dir_name("vcpu17"), Some(17));
-        for bad in ["vcpu", "vcpux", "cpu0", "vcpu-1", "vcpu1 "] {
+        for bad in [
+            "vcpu", "vcpux", "cpu0", "vcpu-1", "vcpu1 ", "vcpu01", "vcpu00",
+        ] {
             assert_eq!(parse_vcpu_dir_name(bad), None, "{bad}");
         }
     }

@@ -137,14 +137,8 @@ fn nested_vcpu_is_flagged_and_never_used_as_l1() {
         let mut c = vmtsync();
         c.args(["convert", "--vm", "4004", "--debugfs-root"])
             .arg(tree.join("kvm"))
-            .args(extra)
-            .stdin(std::process::Stdio::piped())
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped());
-        let mut child = c.spawn().unwrap();
-        use std::io::Write;
-        child.stdin.take().unwrap().write_all(b"1777000\n").unwrap();
-        child.wait_with_output().unwrap()
+            .args(extra);
+        guarded_output(&mut c, b"1777000\n")
     };
     let o = convert(&["--vcpu", "1"]);
     assert_eq!(o.status.code(), Some(6));
@@ -283,11 +277,49 @@ fn copy_tree(from: &Path, to: &Path) {
     }
 }
 
-fn temp_dir(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("vmtsync-it-{tag}-{}", std::process::id()));
-    let _ = fs::remove_dir_all(&d);
-    fs::create_dir_all(&d).unwrap();
-    d
+/// A fresh temp dir that is removed when the test ends, even when it fails.
+fn temp_dir(tag: &str) -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix(&format!("vmtsync-it-{tag}-"))
+        .tempdir()
+        .unwrap()
+}
+
+/// Runs `c` with `input` on stdin and collects its output, the child guarded by
+/// [`vmtsync_tests::ChildGuard`] throughout (killed by PID if the test panics meanwhile).
+pub fn guarded_output(c: &mut Command, input: &[u8]) -> Output {
+    use std::io::{Read, Write};
+    use std::process::Stdio;
+    let mut g = vmtsync_tests::ChildGuard::new(
+        c.stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn"),
+    );
+    let mut stdin = g.child().stdin.take().expect("stdin");
+    let mut out = g.child().stdout.take().expect("stdout");
+    let mut err = g.child().stderr.take().expect("stderr");
+    let input = input.to_vec();
+    // Separate threads so no pipe can fill up and stall the child.
+    let w = std::thread::spawn(move || {
+        let _ = stdin.write_all(&input);
+    });
+    let e = std::thread::spawn(move || {
+        let mut v = Vec::new();
+        let _ = err.read_to_end(&mut v);
+        v
+    });
+    let mut stdout = Vec::new();
+    let _ = out.read_to_end(&mut stdout);
+    let stderr = e.join().expect("stderr reader");
+    let _ = w.join();
+    let status = g.child().wait().expect("wait");
+    Output {
+        status,
+        stdout,
+        stderr,
+    }
 }
 
 /// Unreadable files, as far as root can be refused: root reads mode-000 files, so we test
@@ -295,7 +327,8 @@ fn temp_dir(tag: &str) -> PathBuf {
 /// EACCES by running the CLI as user `nobody` against a root-only (0700) tree.
 #[test]
 fn unreadable_entries_are_errors_not_hangs() {
-    let d = temp_dir("unreadable");
+    let td = temp_dir("unreadable");
+    let d = td.path();
     let kvm = d.join("kvm");
     copy_tree(&fixtures().join("noscaling/kvm"), &kvm);
     let off = kvm.join("5005-7/vcpu0/tsc-offset");
@@ -350,12 +383,12 @@ fn unreadable_entries_are_errors_not_hangs() {
             )
         );
     }
-    fs::remove_dir_all(&d).unwrap();
 }
 
 #[test]
 fn missing_debugfs_says_how_to_mount() {
-    let d = temp_dir("unmounted");
+    let td = temp_dir("unmounted");
+    let d = td.path();
     let (code, err) = failing(&d.join("kvm"));
     assert_eq!(code, Some(3));
     assert_eq!(
@@ -369,7 +402,6 @@ fn missing_debugfs_says_how_to_mount() {
     let (code, err) = failing(&d.join("kvm"));
     assert_eq!(code, Some(3));
     assert!(err.contains("is the kvm module loaded"), "{err}");
-    fs::remove_dir_all(&d).unwrap();
 }
 
 #[test]
@@ -397,7 +429,8 @@ fn watch_reports_each_change_once() {
     use std::sync::mpsc;
     use std::time::Duration;
 
-    let d = temp_dir("watch");
+    let td = temp_dir("watch");
+    let d = td.path();
     let kvm = d.join("kvm");
     copy_tree(&fixtures().join("noscaling/kvm"), &kvm);
     let mut guard = vmtsync_tests::ChildGuard::new(
@@ -499,5 +532,21 @@ fn watch_reports_each_change_once() {
         "spurious event"
     );
     drop(guard);
-    fs::remove_dir_all(&d).unwrap();
+}
+
+/// `vcpu01` is not a name the kernel writes (`"vcpu%d"`): it is skipped, and the VM's real
+/// vCPUs are still listed (it used to be read as `vcpu1`, which is absent, and the whole VM
+/// vanished from the output as if it had exited).
+#[test]
+fn vcpu_names_with_leading_zeros_are_not_vcpus() {
+    let td = temp_dir("leading-zero");
+    let kvm = td.path().join("kvm");
+    copy_tree(&fixtures().join("noscaling/kvm"), &kvm);
+    fs::rename(kvm.join("5005-7/vcpu1"), kvm.join("5005-7/vcpu01")).unwrap();
+    let o = kvm_json(td.path(), &[]);
+    assert_eq!(
+        normalized(&o),
+        json!({"schema": 1, "vms": [{"pid": 5005, "fd": 7, "name": null, "vcpus": [
+            vcpu(0, 0, 1, 0, false, Some(false), Some(5050))]}]})
+    );
 }

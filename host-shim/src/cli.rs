@@ -67,7 +67,9 @@ pub enum Command {
     /// For each vCPU: guest_tsc = tsc_offset + (host_tsc * tsc_scaling_ratio) >> tsc_frac_bits,
     /// true at some host TSC in [host_tsc_before, host_tsc_after]. vCPU numbers are the VMM's
     /// vCPU ids (debugfs `vcpuN`), not guest CPU indexes. A vCPU with guest_mode=1 runs a
-    /// nested guest: its values are the combined L0->L2 mapping, not its VM's.
+    /// nested guest: its values are the combined L0->L2 mapping, not its VM's. A host without
+    /// TSC scaling has no tsc-scaling-ratio files: the vCPU then shows ratio 1, frac bits 0
+    /// (identity, scaling_present=false), which `tsc compose` accepts with any other side.
     ///
     /// JSON (--json, schema 1): {"schema":1,"vms":[{"pid","fd","name","vcpus":[{"vcpu",
     /// "tsc_offset","tsc_scaling_ratio","tsc_frac_bits","scaling_present","guest_mode",
@@ -101,7 +103,8 @@ pub enum TscCommand {
     ///
     /// offset_02 = trunc(offset_01 * ratio_12 / 2^frac) + offset_12 (mod 2^64),
     /// ratio_02 = floor(ratio_01 * ratio_12 / 2^frac) (kvm_calc_nested_tsc_offset /
-    /// _multiplier). Both levels must use the same frac bits.
+    /// _multiplier). Both levels must use the same frac bits, except that a level that does
+    /// not scale (ratio 1<<frac, e.g. 1,0 from a host without TSC scaling) takes the other's.
     #[command(after_help = EXIT_CODES)]
     Compose(ComposeArgs),
 }

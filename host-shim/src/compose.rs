@@ -85,11 +85,40 @@ pub struct ComposedJson {
     pub tsc_frac_bits: u32,
 }
 
-/// Composes L0→L1 with L1→L2.
+/// True when `m` does not scale (`ratio == 1 << frac_bits`), whatever its fraction bits.
+fn is_identity_ratio(m: &KvmTscMapping) -> bool {
+    m.frac_bits() < 64 && m.ratio() == 1u64 << m.frac_bits()
+}
+
+/// `m` with its identity ratio written in `frac_bits` fraction bits (`1 << frac_bits`), so a
+/// no-scaling reading (`vmtsync kvm` prints ratio 1, frac bits 0 when the host has no TSC
+/// scaling) composes with a scaled one. `m` unchanged if it scales.
+fn identity_in(m: &KvmTscMapping, frac_bits: u32) -> KvmTscMapping {
+    if is_identity_ratio(m) && frac_bits < 64 {
+        KvmTscMapping::try_new(m.offset(), 1u64 << frac_bits, frac_bits).unwrap_or(*m)
+    } else {
+        *m
+    }
+}
+
+/// Composes L0→L1 with L1→L2. A side that does not scale (ratio `1 << frac`, including the
+/// `1,0` of a host without TSC scaling) is first rewritten to the other side's fraction bits,
+/// which does not change the mapping it denotes.
 ///
 /// # Errors
-/// [`ComposeError::Compose`] when the fraction bits differ or the result overflows.
+/// [`ComposeError::Compose`] when both sides scale with different fraction bits, or the result
+/// overflows.
 pub fn compose(l01: &KvmTscMapping, l12: &KvmTscMapping) -> Result<KvmTscMapping, ComposeError> {
+    let (l01, l12) = match (is_identity_ratio(l01), is_identity_ratio(l12)) {
+        // Two identities: keep the finer fraction bits (the scaling-capable host's).
+        (true, true) => {
+            let f = l01.frac_bits().max(l12.frac_bits());
+            (&identity_in(l01, f), &identity_in(l12, f))
+        }
+        (true, false) => (&identity_in(l01, l12.frac_bits()), l12),
+        (false, true) => (l01, &identity_in(l12, l01.frac_bits())),
+        (false, false) => (l01, l12),
+    };
     if l01.frac_bits() != l12.frac_bits() {
         return Err(ComposeError::Compose(format!(
             "frac bits differ ({} vs {})",
@@ -143,7 +172,26 @@ mod tests {
 
     #[test]
     fn different_frac_bits_refused() {
-        let (a, b) = (KvmTscMapping::IDENTITY_VMX, KvmTscMapping::IDENTITY_SVM);
+        let a = KvmTscMapping::try_new(0, 3 << 47, 48).unwrap();
+        let b = KvmTscMapping::try_new(0, 3 << 31, 32).unwrap();
         assert!(matches!(compose(&a, &b), Err(ComposeError::Compose(_))));
+    }
+
+    #[test]
+    fn no_scaling_side_takes_the_other_sides_frac_bits() {
+        // `tsc compose --l1 -1000,1,0 --l2 5,281474976710656,48` (was "frac bits differ").
+        let l1 = KvmTscMapping::try_new(-1000, 1, 0).unwrap();
+        let l2 = KvmTscMapping::try_new(5, 1 << 48, 48).unwrap();
+        let c = compose(&l1, &l2).unwrap();
+        assert_eq!((c.offset(), c.ratio(), c.frac_bits()), (-995, 1 << 48, 48));
+        // Either side, and with a real scaling ratio: host 1000 → L1 = 1000*1.5 + 10 = 1510,
+        // L2 = 1510 - 10 = 1500.
+        let l1 = KvmTscMapping::try_new(10, 3 << 47, 48).unwrap();
+        let l2 = KvmTscMapping::try_new(-10, 1, 0).unwrap();
+        let c = compose(&l1, &l2).unwrap();
+        assert_eq!((c.offset(), c.ratio(), c.frac_bits()), (0, 3 << 47, 48));
+        // Both identities with different bits compose too (to the finer bits).
+        let c = compose(&KvmTscMapping::IDENTITY_VMX, &KvmTscMapping::IDENTITY_SVM).unwrap();
+        assert_eq!((c.offset(), c.ratio(), c.frac_bits()), (0, 1 << 48, 48));
     }
 }

@@ -183,18 +183,21 @@ mod tests {
 
     #[test]
     fn fixture_proc() {
-        let dir = std::env::temp_dir().join(format!("vmtsync-proc-{}", std::process::id()));
+        let tmp = tempfile::Builder::new()
+            .prefix("vmtsync-proc-")
+            .tempdir()
+            .unwrap();
+        let dir = tmp.path();
         let p = dir.join("42");
         fs::create_dir_all(&p).unwrap();
         fs::write(p.join("comm"), "qemu-system-x86\n").unwrap();
         fs::write(p.join("cmdline"), cmd(&["qemu", "-name", "guest=vm7"])).unwrap();
-        let procfs = ProcFs::new(&dir);
+        let procfs = ProcFs::new(dir);
         let info = procfs.process(42);
         assert_eq!(info.comm.as_deref(), Some("qemu-system-x86"));
         assert_eq!(info.display_name(), Some("vm7"));
         assert!(info.matches_name("vm7") && info.matches_name("qemu-system-x86"));
         assert!(!info.matches_name("vm"));
         assert_eq!(procfs.process(43), ProcessInfo::default());
-        fs::remove_dir_all(&dir).unwrap();
     }
 }

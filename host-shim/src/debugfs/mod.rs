@@ -666,7 +666,11 @@ mod tests {
 
     #[test]
     fn vm_exiting_between_listing_and_reading_is_reported_as_exited() {
-        let root = std::env::temp_dir().join(format!("vmtsync-exit-{}", std::process::id()));
+        let tmp = tempfile::Builder::new()
+            .prefix("vmtsync-exit-")
+            .tempdir()
+            .unwrap();
+        let root = tmp.path();
         let vcpu0 = root.join("kvm/77-5/vcpu0");
         fs::create_dir_all(&vcpu0).unwrap();
         fs::write(vcpu0.join("tsc-offset"), "-3\n").unwrap();
@@ -697,7 +701,6 @@ mod tests {
             read_vcpu_at(&vmf, &vcpu0, 0),
             Err(DebugfsError::VmExited { .. })
         ));
-        fs::remove_dir_all(&root).unwrap();
     }
 
     fn eio(path: &str, errno: i32) -> DebugfsError {

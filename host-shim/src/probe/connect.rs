@@ -502,12 +502,14 @@ impl SocketStream for VsockStream {
 mod tests {
     use super::*;
 
-    fn tmp(name: &str) -> std::path::PathBuf {
-        let dir = std::env::temp_dir().join(format!("vmtsync-connect-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let p = dir.join(name);
-        let _ = std::fs::remove_file(&p);
-        p
+    /// `name` in a fresh temp dir, removed (with its contents) when the guard drops.
+    fn tmp(name: &str) -> (tempfile::TempDir, std::path::PathBuf) {
+        let dir = tempfile::Builder::new()
+            .prefix("vmtsync-connect-")
+            .tempdir()
+            .unwrap();
+        let p = dir.path().join(name);
+        (dir, p)
     }
 
     #[test]
@@ -533,7 +535,7 @@ mod tests {
 
     #[test]
     fn unix_connect_retries_until_the_listener_appears() {
-        let path = tmp("late.sock");
+        let (_tmp_dir, path) = tmp("late.sock");
         let p2 = path.clone();
         let server = thread::spawn(move || {
             thread::sleep(Duration::from_millis(60));
@@ -554,7 +556,7 @@ mod tests {
 
     #[test]
     fn connect_gives_up_at_the_deadline() {
-        let path = tmp("never.sock");
+        let (_tmp_dir, path) = tmp("never.sock");
         let opts = ConnectOptions {
             connect_timeout: Duration::from_millis(50),
             io_timeout: Duration::from_millis(50),
@@ -566,7 +568,7 @@ mod tests {
 
     #[test]
     fn unix_listen_accepts_and_removes_its_socket() {
-        let path = tmp("listen.sock");
+        let (_tmp_dir, path) = tmp("listen.sock");
         let p2 = path.clone();
         let client = thread::spawn(move || {
             let mut retry = Retry::new(Duration::from_secs(5));

@@ -253,10 +253,11 @@ mod tests {
 
     #[test]
     fn a_migration_between_rounds_is_a_break_and_converts_exactly() {
-        let dir = std::env::temp_dir().join(format!("vmtsync-cont-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("migration.jsonl");
-        let _ = std::fs::remove_file(&path);
+        let dir = tempfile::Builder::new()
+            .prefix("vmtsync-cont-")
+            .tempdir()
+            .unwrap();
+        let path = dir.path().join("migration.jsonl");
         let mut t = SimTransport::new(1_000);
         t.exact = true;
         t.gap = 1_000_000;

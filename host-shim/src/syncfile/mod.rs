@@ -565,17 +565,19 @@ pub(crate) mod tests {
         }
     }
 
-    fn tmp(name: &str) -> PathBuf {
-        let dir = std::env::temp_dir().join(format!("vmtsync-syncfile-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let p = dir.join(name);
-        let _ = std::fs::remove_file(&p);
-        p
+    /// `name` in a fresh temp dir, removed (with its contents) when the guard drops.
+    fn tmp(name: &str) -> (tempfile::TempDir, std::path::PathBuf) {
+        let dir = tempfile::Builder::new()
+            .prefix("vmtsync-syncfile-")
+            .tempdir()
+            .unwrap();
+        let p = dir.path().join(name);
+        (dir, p)
     }
 
     #[test]
     fn schema_round_trip_through_writer_and_reader() {
-        let path = tmp("rt.jsonl");
+        let (_tmp_dir, path) = tmp("rt.jsonl");
         let segs = [
             seg(0, 0, 1_000_000, 5_000_000, 0),
             seg(0, 1, 9_000_000, 5_000_100, 3),
@@ -605,7 +607,7 @@ pub(crate) mod tests {
 
     #[test]
     fn partial_last_line_is_ignored_and_truncated_on_reopen() {
-        let path = tmp("partial.jsonl");
+        let (_tmp_dir, path) = tmp("partial.jsonl");
         let mut w = SyncWriter::open(&path, &header()).unwrap();
         w.append(&seg(1, 0, 1_000_000, -50, 0)).unwrap();
         drop(w);

@@ -26,23 +26,9 @@ impl Rng {
     }
 }
 
-/// Runs `vmtsync args…` with `input` on stdin.
+/// Runs `vmtsync args…` with `input` on stdin (the child guarded by `ChildGuard`).
 fn run(args: &[&str], input: &[u8]) -> Output {
-    let mut child = vmtsync()
-        .args(args)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut stdin = child.stdin.take().unwrap();
-    let input = input.to_vec();
-    let writer = std::thread::spawn(move || {
-        let _ = stdin.write_all(&input);
-    });
-    let out = child.wait_with_output().unwrap();
-    writer.join().unwrap();
-    out
+    crate::kvm_fixtures::guarded_output(vmtsync().args(args), input)
 }
 
 /// A random mapping like KVM's: Intel or AMD frac bits, a ratio within ±50% of identity (or
@@ -160,13 +146,16 @@ fn convert_reports_bad_lines_by_number() {
 
 #[test]
 fn convert_exits_zero_on_broken_pipe() {
-    let mut child = vmtsync()
-        .args(["convert", "--offset", "5"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut guard = vmtsync_tests::ChildGuard::new(
+        vmtsync()
+            .args(["convert", "--offset", "5"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let child = guard.child();
     // Close the reading end first; the output buffer's first flush then hits EPIPE.
     drop(child.stdout.take());
     let mut stdin = child.stdin.take().unwrap();
@@ -177,14 +166,18 @@ fn convert_exits_zero_on_broken_pipe() {
         }
     }
     drop(stdin);
-    let out = child.wait_with_output().unwrap();
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert_eq!(String::from_utf8_lossy(&out.stderr), "");
+    let mut err = String::new();
+    use std::io::Read;
+    guard
+        .child()
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .unwrap();
+    let status = guard.child().wait().unwrap();
+    assert_eq!(status.code(), Some(0), "{err}");
+    assert_eq!(err, "");
 }
 
 #[test]
@@ -278,7 +271,7 @@ fn compose_matches_kernel_formula_and_sequential_application() {
             "--l1",
             "-5,281474976710656,48",
             "--l2",
-            "1,4294967296,32",
+            "1,4294967297,32",
         ],
         b"",
     );
@@ -291,6 +284,32 @@ fn compose_matches_kernel_formula_and_sequential_application() {
     assert_eq!(
         String::from_utf8_lossy(&out.stdout),
         "L0->L2: tsc_offset 2 tsc_scaling_ratio 1 tsc_frac_bits 0\n"
+    );
+    // A no-scaling reading (ratio 1, frac 0, what `kvm` prints without TSC scaling) composes
+    // with a scaled one: it is rewritten to the other side's fraction bits.
+    let out = run(
+        &[
+            "tsc",
+            "compose",
+            "--l1",
+            "-1000,1,0",
+            "--l2",
+            "5,422212465065984,48",
+        ],
+        b"",
+    );
+    assert_eq!(
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).into_owned()
+        ),
+        (
+            Some(0),
+            "L0->L2: tsc_offset -1495 tsc_scaling_ratio 422212465065984 tsc_frac_bits 48\n"
+                .to_owned()
+        ),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
     );
 }
 

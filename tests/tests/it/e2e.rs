@@ -6,8 +6,7 @@
 //! Truth in tier 2 (DESIGN.md §4): guest TSC == host TSC here, debugfs reads offset 0; the
 //! agent's `skew=O,R,F` boot option makes its reported TSC `O + (tsc * R) >> F`.
 
-use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
@@ -27,30 +26,18 @@ use vmtsync_tests::{ChildGuard, have_kvm, is_root, require};
 
 use crate::kvm_fixtures::vmtsync;
 
-/// A scratch directory unique to this test process and `test`.
-fn scratch(test: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("vmtsync-e2e-{test}-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+/// A scratch directory unique to this test and `test`, removed when the returned guard drops
+/// (also when the test fails).
+fn scratch(test: &str) -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix(&format!("vmtsync-e2e-{test}-"))
+        .tempdir()
+        .unwrap()
 }
 
-/// Runs `vmtsync args…` with `input` on stdin and waits for it.
+/// Runs `vmtsync args…` with `input` on stdin and waits for it (guarded by `ChildGuard`).
 fn run(args: &[&str], input: &str) -> Output {
-    let mut child = vmtsync()
-        .args(args)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("vmtsync-cli starts");
-    let mut stdin = child.stdin.take().unwrap();
-    let input = input.to_owned();
-    let writer = std::thread::spawn(move || {
-        let _ = stdin.write_all(input.as_bytes());
-    });
-    let out = child.wait_with_output().unwrap();
-    writer.join().unwrap();
-    out
+    crate::kvm_fixtures::guarded_output(vmtsync().args(args), input.as_bytes())
 }
 
 fn text(b: &[u8]) -> String {
@@ -91,16 +78,25 @@ fn cli_probe_json_bounds_the_loopback_agents_skew() {
 fn cli_probe_into_a_closed_pipe_exits_0() {
     let (port, agent) = fake::spawn_tcp(SkewedClock { skew: 0, vcpu: 0 }).unwrap();
     let addr = format!("tcp:127.0.0.1:{port}");
-    let mut child = vmtsync()
-        .args(["probe", "--connect", &addr, "--json", "--probes", "8"])
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("vmtsync-cli starts");
+    let mut guard = ChildGuard::new(
+        vmtsync()
+            .args(["probe", "--connect", &addr, "--json", "--probes", "8"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("vmtsync-cli starts"),
+    );
     // Close the read end before vmtsync can write anything: its write fails with EPIPE.
-    drop(child.stdout.take());
-    let out = child.wait_with_output().unwrap();
+    drop(guard.child().stdout.take());
+    let mut stderr = Vec::new();
+    std::io::Read::read_to_end(guard.child().stderr.as_mut().unwrap(), &mut stderr).unwrap();
+    let status = guard.child().wait().unwrap();
+    let out = Output {
+        status,
+        stdout: Vec::new(),
+        stderr,
+    };
     assert_eq!(out.status.code(), Some(0), "stderr: {}", text(&out.stderr));
     assert!(out.stderr.is_empty(), "{}", text(&out.stderr));
     assert!(agent.join().unwrap().probes >= 8);
@@ -109,7 +105,8 @@ fn cli_probe_into_a_closed_pipe_exits_0() {
 /// Tier 1: nothing listening → exit 7 and a message that says what to check.
 #[test]
 fn cli_probe_without_an_agent_exits_7_with_a_clear_message() {
-    let dir = scratch("noagent");
+    let scratch_dir = scratch("noagent");
+    let dir = scratch_dir.path();
     let sock = dir.join("nobody.sock");
     let addr = format!("unix:{}", sock.display());
     let out = run(
@@ -121,7 +118,6 @@ fn cli_probe_without_an_agent_exits_7_with_a_clear_message() {
     assert!(err.starts_with("vmtsync: "), "{err}");
     assert!(err.contains("is the VM running"), "{err}");
     assert!(out.stdout.is_empty());
-    let _ = std::fs::remove_dir_all(dir);
 }
 
 /// Tier 1: a sync file written by `vmtsync probe --continuous` is read back by `vmtsync
@@ -130,7 +126,8 @@ fn cli_probe_without_an_agent_exits_7_with_a_clear_message() {
 #[test]
 fn cli_convert_sync_reads_what_cli_probe_continuous_wrote() {
     let skew = 123_456_789_i64;
-    let dir = scratch("sync");
+    let scratch_dir = scratch("sync");
+    let dir = scratch_dir.path();
     let file = dir.join("sync.jsonl");
     let (port, agent) = fake::spawn_tcp(SkewedClock { skew, vcpu: 0 }).unwrap();
     let addr = format!("tcp:127.0.0.1:{port}");
@@ -194,7 +191,6 @@ fn cli_convert_sync_reads_what_cli_probe_continuous_wrote() {
     let out = run(&["convert", "--sync", file_arg, "--vcpu", "0"], "12x\n");
     assert_eq!(out.status.code(), Some(5), "{}", text(&out.stderr));
     assert!(text(&out.stderr).starts_with("vmtsync: input line 1"));
-    let _ = std::fs::remove_dir_all(dir);
 }
 
 /// Tier 2 prerequisites for the QEMU tests.
@@ -299,7 +295,8 @@ fn qemu_software_skew_is_recovered_and_converted_back() {
         3_000_000_000_000
     };
     let skew = KvmTscMapping::try_new(offset, ratio, 48).unwrap();
-    let dir = scratch("skew");
+    let scratch_dir = scratch("skew");
+    let dir = scratch_dir.path();
     let (sock, com2) = (dir.join("com1.sock"), dir.join("com2.log"));
     let elf = agent_elf().expect("agent builds");
     let append = format!("transport=uart exit=9 skew={offset},{ratio},48");
@@ -351,7 +348,6 @@ fn qemu_software_skew_is_recovered_and_converted_back() {
         h - send,
         recv - h
     );
-    let _ = std::fs::remove_dir_all(dir);
 }
 
 /// Tier 2 (b): `vmtsync kvm --json --vm <QEMU PID>` finds the VM's vCPU with debugfs offset 0
@@ -370,7 +366,8 @@ fn qemu_kvm_mapping_from_debugfs_maps_agent_readings_into_their_brackets() {
     {
         return;
     }
-    let dir = scratch("kvm");
+    let scratch_dir = scratch("kvm");
+    let dir = scratch_dir.path();
     let (sock, com2) = (dir.join("com1.sock"), dir.join("com2.log"));
     let elf = agent_elf().expect("agent builds");
     let qemu = boot_qemu(&elf, &sock, &com2, "transport=uart exit=9");
@@ -406,7 +403,6 @@ fn qemu_kvm_mapping_from_debugfs_maps_agent_readings_into_their_brackets() {
         widths.iter().min().unwrap(),
         widths.iter().max().unwrap()
     );
-    let _ = std::fs::remove_dir_all(dir);
 }
 
 /// True while `/proc/<pid>` exists (a running process or an unreaped zombie).
@@ -422,7 +418,8 @@ fn qemu_killed_mid_probe_ends_vmtsync_with_a_clear_error() {
     if !qemu_ready(test) {
         return;
     }
-    let dir = scratch("kill");
+    let scratch_dir = scratch("kill");
+    let dir = scratch_dir.path();
     let (sock, com2) = (dir.join("com1.sock"), dir.join("com2.log"));
     let elf = agent_elf().expect("agent builds");
     let mut qemu = boot_qemu(&elf, &sock, &com2, "transport=uart exit=9");
@@ -498,5 +495,4 @@ fn qemu_killed_mid_probe_ends_vmtsync_with_a_clear_error() {
     drop(qemu);
     assert!(!alive(qemu_pid), "QEMU {qemu_pid} still exists");
     assert!(!alive(probe_pid), "vmtsync {probe_pid} still exists");
-    let _ = std::fs::remove_dir_all(dir);
 }

@@ -30,12 +30,15 @@ fn clock() -> SkewedClock {
     }
 }
 
-fn tmp(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("vmtsync-it-probe-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let p = dir.join(name);
-    let _ = std::fs::remove_file(&p);
-    p
+/// `name` in a fresh temp dir; the dir (with whatever the test left in it) is removed when
+/// the returned guard drops, also when the test fails.
+fn tmp(name: &str) -> (tempfile::TempDir, PathBuf) {
+    let dir = tempfile::Builder::new()
+        .prefix("vmtsync-it-probe-")
+        .tempdir()
+        .unwrap();
+    let p = dir.path().join(name);
+    (dir, p)
 }
 
 fn quiet(addr: ProbeAddr) -> ProbeOptions {
@@ -207,7 +210,7 @@ fn boot_noise_before_the_agent_is_skipped() {
 
 #[test]
 fn continuous_mode_writes_a_sync_file_that_convert_reads_back() {
-    let path = tmp("continuous.jsonl");
+    let (_tmp_dir, path) = tmp("continuous.jsonl");
     let (host, agent) = fake::spawn_unix_pair(clock()).unwrap();
     let mut opts = quiet(ProbeAddr::Unix("socketpair".into()));
     opts.probes = 16;
@@ -277,7 +280,7 @@ fn continuous_mode_writes_a_sync_file_that_convert_reads_back() {
 /// `CONNECT` line (the guest's queues are "not up"), then answers `OK` and serves the agent.
 #[test]
 fn vsock_uds_handshake_retries_then_probes() {
-    let path = tmp("vhost.vsock");
+    let (_tmp_dir, path) = tmp("vhost.vsock");
     let listener = UnixListener::bind(&path).unwrap();
     let server = thread::spawn(move || {
         let mut lines = Vec::new();
@@ -307,7 +310,7 @@ fn vsock_uds_handshake_retries_then_probes() {
 
 #[test]
 fn vsock_uds_refusal_is_reported() {
-    let path = tmp("refuse.vsock");
+    let (_tmp_dir, path) = tmp("refuse.vsock");
     let listener = UnixListener::bind(&path).unwrap();
     let server = thread::spawn(move || {
         let (mut s, _) = listener.accept().unwrap();
@@ -341,7 +344,7 @@ fn vsock_addresses_parse_and_build_without_opening_a_socket() {
 #[test]
 fn continuous_mode_without_a_round_limit_stops_on_the_flag() {
     static STOP: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-    let path = tmp("stop.jsonl");
+    let (_tmp_dir, path) = tmp("stop.jsonl");
     let (host, agent) = fake::spawn_unix_pair(clock()).unwrap();
     let mut opts = quiet(ProbeAddr::Unix("socketpair".into()));
     opts.probes = 8;
@@ -398,7 +401,7 @@ fn continuous_mode_without_a_round_limit_stops_on_the_flag() {
 /// line (DESIGN.md §4): the attempt times out and a new connection succeeds.
 #[test]
 fn vsock_uds_handshake_survives_a_hung_attempt() {
-    let path = tmp("hung.vsock");
+    let (_tmp_dir, path) = tmp("hung.vsock");
     let listener = UnixListener::bind(&path).unwrap();
     let server = thread::spawn(move || {
         // Attempt 0: read the line, then hold the connection open without answering.
@@ -606,8 +609,11 @@ mod qemu_serial {
             return;
         }
         let elf = agent_elf().expect("agent builds");
-        let dir = std::env::temp_dir().join(format!("vmtsync-{test}-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+        let tmp_dir = tempfile::Builder::new()
+            .prefix(&format!("vmtsync-{test}-"))
+            .tempdir()
+            .unwrap();
+        let dir = tmp_dir.path();
         let sock = dir.join("com1.sock");
         let com2 = dir.join("com2.log");
         let _ = std::fs::remove_file(&sock);
@@ -691,6 +697,5 @@ mod qemu_serial {
             std::thread::sleep(Duration::from_millis(20));
         };
         assert_eq!(status.code(), Some(debug_exit_status(9)));
-        let _ = std::fs::remove_dir_all(dir);
     }
 }

@@ -19,7 +19,7 @@ use std::ffi::CString;
 use std::io::{self, BufReader, BufWriter, Write};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
@@ -47,7 +47,9 @@ Exit codes:
      compose: cannot compose)
   6  refused: the vCPU runs a nested guest (guest_mode=1) and --nested-l2 was not given
   7  probe: the guest agent could not be reached or stopped answering (VM gone, agent
-     restarted, protocol version mismatch)";
+     restarted, protocol version mismatch)
+  130  probe: interrupted by SIGINT (143: by SIGTERM) before it measured anything; in
+     continuous mode a signal instead ends the run after the current round";
 
 /// vmtsync: exact host<->guest TSC mappings from KVM, for putting VM trace events on the host
 /// timeline.
@@ -326,6 +328,10 @@ impl CliError {
 /// 3 when vsock is unsupported here, 5 for a sync file that cannot be appended to, else 1.
 fn probe_exit_code(e: &ProbeError) -> u8 {
     match e {
+        // The shell convention for death by a signal: 128 + its number.
+        ProbeError::Interrupted | ProbeError::Connect(ConnectError::Interrupted(_)) => {
+            128 + u8::try_from(STOP_SIGNAL.load(Ordering::Relaxed)).unwrap_or(2)
+        }
         ProbeError::Connect(ConnectError::Unsupported) => 3,
         ProbeError::Connect(_)
         | ProbeError::Timeout { .. }
@@ -350,7 +356,11 @@ fn sync_exit_code(e: &SyncFileError) -> u8 {
 /// Set by SIGINT/SIGTERM so watch mode ends cleanly (and removes its tracefs instance).
 static STOP: AtomicBool = AtomicBool::new(false);
 
-extern "C" fn on_stop_signal(_: libc::c_int) {
+/// The signal that raised [`STOP`] (SIGINT = 2 until one arrives), for the exit code.
+static STOP_SIGNAL: AtomicI32 = AtomicI32::new(libc::SIGINT);
+
+extern "C" fn on_stop_signal(sig: libc::c_int) {
+    STOP_SIGNAL.store(sig, Ordering::Relaxed);
     STOP.store(true, Ordering::Relaxed);
 }
 
@@ -567,7 +577,8 @@ fn run_convert(a: &ConvertArgs) -> Result<(), CliError> {
     Ok(())
 }
 
-/// `vmtsync probe`: SIGINT/SIGTERM end continuous mode after the current round.
+/// `vmtsync probe`: SIGINT/SIGTERM end continuous mode after the current round, and abandon
+/// anything else (connect, hello, a round) with exit code 130/143.
 fn run_probe_cmd(a: &ProbeArgs) -> Result<(), CliError> {
     install_stop_handler();
     let opts = a.to_options(Some(&STOP));
@@ -722,6 +733,12 @@ mod tests {
         });
         assert_eq!(gone.exit_code(), 7);
         assert!(!gone.is_broken_pipe());
+        // No signal has arrived in this test process: SIGINT's 128 + 2.
+        assert_eq!(CliError::Probe(ProbeError::Interrupted).exit_code(), 130);
+        assert_eq!(
+            CliError::Probe(ProbeError::Connect(ConnectError::Interrupted("x".into()))).exit_code(),
+            130
+        );
         let probe_pipe = CliError::Probe(ProbeError::Output(io::Error::from(
             io::ErrorKind::BrokenPipe,
         )));

@@ -10,6 +10,7 @@ use std::net::{TcpStream, ToSocketAddrs};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -76,7 +77,14 @@ pub enum ConnectError {
     /// AF_VSOCK is only available on Linux.
     #[error("vsock: AF_VSOCK is only supported on Linux")]
     Unsupported,
+    /// The stop flag was raised (SIGINT/SIGTERM in the CLI) while connecting.
+    #[error("{0}: interrupted while connecting")]
+    Interrupted(String),
 }
+
+/// The longest single sleep or blocking wait while connecting, so a raised stop flag is
+/// seen within about this long.
+const STOP_POLL: Duration = Duration::from_millis(20);
 
 /// Backoff between retries: starts at 20 ms, doubles, capped at 200 ms and at the deadline.
 #[derive(Debug)]
@@ -84,14 +92,17 @@ struct Retry {
     deadline: Instant,
     delay: Duration,
     last: String,
+    /// Raised from a signal handler to give up early ([`ConnectError::Interrupted`]).
+    stop: Option<&'static AtomicBool>,
 }
 
 impl Retry {
-    fn new(within: Duration) -> Self {
+    fn new(within: Duration, stop: Option<&'static AtomicBool>) -> Self {
         Self {
             deadline: Instant::now() + within,
             delay: Duration::from_millis(20),
             last: String::from("none"),
+            stop,
         }
     }
 
@@ -99,14 +110,28 @@ impl Retry {
         self.deadline.saturating_duration_since(Instant::now())
     }
 
-    /// Records a retryable error and sleeps; `false` once the deadline has passed.
+    fn stopped(&self) -> bool {
+        self.stop.is_some_and(|f| f.load(Ordering::Relaxed))
+    }
+
+    /// Records a retryable error and sleeps (in [`STOP_POLL`] steps); `false` once the
+    /// deadline has passed or the stop flag is raised ([`timeout_err`] tells which).
     fn again(&mut self, why: impl ToString) -> bool {
         self.last = why.to_string();
-        let left = self.left();
-        if left.is_zero() {
+        let until = Instant::now() + self.delay.min(self.left());
+        loop {
+            if self.stopped() {
+                return false;
+            }
+            let now = Instant::now();
+            if now >= until {
+                break;
+            }
+            thread::sleep((until - now).min(STOP_POLL));
+        }
+        if self.left().is_zero() {
             return false;
         }
-        thread::sleep(self.delay.min(left));
         self.delay = (self.delay * 2).min(Duration::from_millis(200));
         true
     }
@@ -120,12 +145,25 @@ pub fn connect(
     addr: &ProbeAddr,
     opts: &ConnectOptions,
 ) -> Result<Box<dyn StampedTransport + Send>, ConnectError> {
+    connect_until_stopped(addr, opts, None)
+}
+
+/// [`connect`], giving up with [`ConnectError::Interrupted`] within about 20 ms of `stop`
+/// being raised (the CLI's SIGINT/SIGTERM flag), so Ctrl-C is not held up by the retries.
+///
+/// # Errors
+/// As [`connect`], plus [`ConnectError::Interrupted`].
+pub fn connect_until_stopped(
+    addr: &ProbeAddr,
+    opts: &ConnectOptions,
+    stop: Option<&'static AtomicBool>,
+) -> Result<Box<dyn StampedTransport + Send>, ConnectError> {
     let name = addr.to_string();
     let io_err = |source| ConnectError::Io {
         addr: name.clone(),
         source,
     };
-    let mut retry = Retry::new(opts.connect_timeout);
+    let mut retry = Retry::new(opts.connect_timeout, stop);
     match addr {
         ProbeAddr::Unix(path) => {
             let s = connect_unix(path, &name, &mut retry, opts)?;
@@ -182,6 +220,9 @@ fn retryable(e: &io::Error) -> bool {
 }
 
 fn timeout_err(name: &str, retry: &Retry, opts: &ConnectOptions) -> ConnectError {
+    if retry.stopped() {
+        return ConnectError::Interrupted(name.to_owned());
+    }
     ConnectError::Timeout {
         addr: name.to_owned(),
         waited: opts.connect_timeout,
@@ -237,6 +278,9 @@ fn accept_unix(
                 return Ok(s);
             }
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                if retry.stopped() {
+                    return Err(ConnectError::Interrupted(name.to_owned()));
+                }
                 let left = retry.left();
                 if left.is_zero() {
                     return Err(ConnectError::Timeout {
@@ -567,11 +611,35 @@ mod tests {
     }
 
     #[test]
+    fn a_raised_stop_flag_ends_the_retries_with_interrupted() {
+        static STOP: AtomicBool = AtomicBool::new(true);
+        let (_tmp_dir, path) = tmp("stopped.sock");
+        // An hour to connect to nothing: only the flag ends it (it did not, before).
+        let opts = ConnectOptions {
+            connect_timeout: Duration::from_secs(3600),
+            io_timeout: Duration::from_millis(50),
+        };
+        for addr in [
+            ProbeAddr::Unix(path.clone()),
+            ProbeAddr::UnixListen(path.clone()),
+            ProbeAddr::VsockUds {
+                path: path.clone(),
+                port: 5000,
+            },
+        ] {
+            let err = connect_until_stopped(&addr, &opts, Some(&STOP))
+                .err()
+                .unwrap();
+            assert!(matches!(err, ConnectError::Interrupted(_)), "{addr}: {err}");
+        }
+    }
+
+    #[test]
     fn unix_listen_accepts_and_removes_its_socket() {
         let (_tmp_dir, path) = tmp("listen.sock");
         let p2 = path.clone();
         let client = thread::spawn(move || {
-            let mut retry = Retry::new(Duration::from_secs(5));
+            let mut retry = Retry::new(Duration::from_secs(5), None);
             let opts = ConnectOptions::default();
             let mut s = connect_unix(&p2, "c", &mut retry, &opts).unwrap();
             s.write_all(b"y").unwrap();

@@ -120,28 +120,51 @@ pub(super) fn run<T: StampedTransport>(
         }
         let started = Instant::now();
         session.forget_reference();
-        let samples = session.probe_round(opts.probes, opts.interval, &mut Progress::hidden())?;
-        if samples.is_empty() {
-            summary.empty_rounds += 1;
-            writeln!(out, "round {round}: every probe was lost").map_err(ProbeError::Output)?;
-        } else if let Err(e) = ProbeSummary::from_samples(session.info(), &samples, session.stats())
+        let samples = match session.probe_round(opts.probes, opts.interval, &mut Progress::hidden())
         {
+            // A stop mid-round ends continuous mode like a stop between rounds: the
+            // segments written so far stand.
+            Err(ProbeError::Interrupted) => break,
+            r => r?,
+        };
+        let estimate = if samples.is_empty() {
+            None
+        } else {
+            Some(ProbeSummary::from_samples(
+                session.info(),
+                &samples,
+                session.stats(),
+            ))
+        };
+        match estimate {
+            None => {
+                summary.empty_rounds += 1;
+                note(
+                    out,
+                    opts.json,
+                    &format!("round {round}: every probe was lost"),
+                )?;
+            }
             // The guest clock stepped inside this round (no constant rate fits it alone):
             // nothing trustworthy to write; the next round measures the new relation.
-            summary.empty_rounds += 1;
-            writeln!(out, "round {round}: skipped, samples inconsistent ({e:?})")
-                .map_err(ProbeError::Output)?;
-        } else {
-            let s = ProbeSummary::from_samples(session.info(), &samples, session.stats())?;
-            let is_break = cumulative.add(&samples);
-            let seg = segment(&cumulative, &s, &samples, round, is_break)?;
-            writer.append(&seg)?;
-            summary.segments += 1;
-            summary.breaks += u64::from(is_break);
-            if opts.json {
-                s.write_json(out).map_err(ProbeError::Output)?;
-            } else {
-                writeln!(
+            Some(Err(e)) => {
+                summary.empty_rounds += 1;
+                note(
+                    out,
+                    opts.json,
+                    &format!("round {round}: skipped, samples inconsistent ({e:?})"),
+                )?;
+            }
+            Some(Ok(s)) => {
+                let is_break = cumulative.add(&samples);
+                let seg = segment(&cumulative, &s, &samples, round, is_break)?;
+                writer.append(&seg)?;
+                summary.segments += 1;
+                summary.breaks += u64::from(is_break);
+                if opts.json {
+                    s.write_json(out).map_err(ProbeError::Output)?;
+                } else {
+                    writeln!(
                     out,
                     "round {round}: offset {} in [{}, {}] at host {}, drift {} ppb, {} probes, rtt min {}{}",
                     seg.offset,
@@ -154,14 +177,15 @@ pub(super) fn run<T: StampedTransport>(
                     if is_break { ", BREAK" } else { "" }
                 )
                 .map_err(ProbeError::Output)?;
+                }
+                out.flush().map_err(ProbeError::Output)?;
+                progress.status(&format!(
+                    "vmtsync probe: round {round}, {} segments in {}",
+                    summary.segments,
+                    cont.out.display()
+                ));
+                summary.last = Some(s);
             }
-            out.flush().map_err(ProbeError::Output)?;
-            progress.status(&format!(
-                "vmtsync probe: round {round}, {} segments in {}",
-                summary.segments,
-                cont.out.display()
-            ));
-            summary.last = Some(s);
         }
         round += 1;
         if cont.rounds.is_some_and(|n| round >= n) {
@@ -177,6 +201,17 @@ pub(super) fn run<T: StampedTransport>(
     }
     progress.clear();
     Ok(summary)
+}
+
+/// Writes a note about a round: to `out` in text mode, to stderr (`vmtsync: ` prefixed) under
+/// `--json`, where stdout carries only schema-1 objects.
+fn note(out: &mut dyn Write, json: bool, text: &str) -> Result<(), ProbeError> {
+    if json {
+        writeln!(std::io::stderr(), "vmtsync: {text}")
+    } else {
+        writeln!(out, "{text}")
+    }
+    .map_err(ProbeError::Output)
 }
 
 /// Builds the round's segment from the cumulative estimate (constant rate since the last
@@ -299,6 +334,46 @@ mod tests {
         );
         assert_eq!(String::from_utf8(conv).unwrap(), want);
         std::fs::remove_file(path).unwrap();
+    }
+
+    #[test]
+    fn json_mode_keeps_round_notes_off_stdout() {
+        let dir = tempfile::Builder::new()
+            .prefix("vmtsync-cont-")
+            .tempdir()
+            .unwrap();
+        let sim = || {
+            let mut t = SimTransport::new(1_000);
+            t.exact = true;
+            t.gap = 1_000_000;
+            // Flush + hello, one round of 8, then the offset steps in the middle of round
+            // two: that round is skipped (inconsistent samples) and a note says so.
+            t.step_at = Some((2 + 8 + 4, 9_000_000));
+            t
+        };
+        let mut opts = ProbeOptions::new(ProbeAddr::Unix("sim".into()));
+        opts.progress = false;
+        opts.probes = 8;
+        opts.continuous = Some(ContinuousOptions {
+            out: dir.path().join("notes.jsonl"),
+            resync: Duration::ZERO,
+            rounds: Some(3),
+        });
+        let mut text = Vec::new();
+        run_probe_on(sim(), &opts, &mut text).unwrap();
+        let text = String::from_utf8(text).unwrap();
+        assert!(text.contains("round 1: skipped"), "{text}");
+        opts.json = true;
+        let mut out = Vec::new();
+        run_probe_on(sim(), &opts, &mut out).unwrap();
+        let out = String::from_utf8(out).unwrap();
+        // Two measured rounds, two schema-1 objects, nothing else (the note went to stderr).
+        let lines: Vec<&str> = out.lines().collect();
+        assert_eq!(lines.len(), 2, "{out}");
+        for l in lines {
+            let v: serde_json::Value = serde_json::from_str(l).expect("a JSON line");
+            assert_eq!(v["schema"], 1, "{l}");
+        }
     }
 
     fn round(start: u64, n: u64, offset: u64) -> Vec<ProbeSample> {

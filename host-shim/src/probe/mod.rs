@@ -67,8 +67,9 @@ pub struct ProbeOptions {
     pub progress: bool,
     /// Continuous mode (`--continuous --out FILE`), or one round.
     pub continuous: Option<ContinuousOptions>,
-    /// Set from another thread or a signal handler (e.g. the CLI's `static STOP`) to end
-    /// continuous mode after the current round.
+    /// Set from another thread or a signal handler (e.g. the CLI's `static STOP`): ends
+    /// continuous mode after the current round, and otherwise abandons the connect, hello or
+    /// round within about 20 ms with [`ProbeError::Interrupted`].
     pub stop: Option<&'static AtomicBool>,
 }
 
@@ -145,6 +146,10 @@ pub enum ProbeError {
     /// Writing the report failed.
     #[error("writing output: {0}")]
     Output(io::Error),
+    /// The stop flag was raised (SIGINT/SIGTERM in the CLI) outside continuous mode, or before
+    /// continuous mode measured anything: the run was abandoned.
+    #[error("interrupted")]
+    Interrupted,
     /// A bug: an invariant of this crate did not hold.
     #[error("internal error: {0}")]
     Internal(&'static str),
@@ -170,12 +175,13 @@ impl From<EstimateError> for ProbeError {
 /// # Errors
 /// [`ProbeError`].
 pub fn run_probe(opts: &ProbeOptions, out: &mut dyn Write) -> Result<ProbeSummary, ProbeError> {
-    let transport = connect::connect(
+    let transport = connect::connect_until_stopped(
         &opts.addr,
         &ConnectOptions {
             connect_timeout: opts.connect_timeout,
             io_timeout: opts.timeout,
         },
+        opts.stop,
     )?;
     run_probe_on(transport, opts, out)
 }
@@ -191,7 +197,7 @@ pub fn run_probe_on<T: StampedTransport>(
     out: &mut dyn Write,
 ) -> Result<ProbeSummary, ProbeError> {
     let mut progress = Progress::stderr_if_terminal(opts.progress);
-    let mut session = ProbeSession::hello(transport, opts.timeout)?;
+    let mut session = ProbeSession::hello_until_stopped(transport, opts.timeout, opts.stop)?;
     let result = match &opts.continuous {
         Some(cont) => continuous::run(&mut session, opts, cont, out, &mut progress)
             .and_then(|c| c.last.ok_or(ProbeError::Estimate(EstimateError::NoSamples))),

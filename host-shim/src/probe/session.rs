@@ -14,6 +14,7 @@
 //! far inside the 2^31-tick window of [`try_unwrap_tsc_low32`]; after that (and at the start
 //! of every round) the host asks with [`Message::ProbeFull`] instead.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use vmtsync_core::estimate::ProbeSample;
@@ -39,6 +40,10 @@ const HELLO_RESEND: Duration = Duration::from_millis(500);
 
 /// The longest [`ProbeSession::shutdown`] waits for the agent's goodbye.
 const SHUTDOWN_WAIT: Duration = Duration::from_millis(500);
+
+/// With a stop flag, the longest single wait (for a reply, or between probes) before the flag
+/// is looked at again.
+pub const STOP_POLL: Duration = Duration::from_millis(20);
 
 /// Bytes read from the transport at a time.
 const READ_CHUNK: usize = 256;
@@ -91,6 +96,8 @@ pub struct ProbeSession<T> {
     stats: SessionStats,
     /// Consecutive probes lost to garbage (timeouts with bad frames received).
     garbage_losses: u32,
+    /// Raised from a signal handler: every wait gives up with [`ProbeError::Interrupted`].
+    stop: Option<&'static AtomicBool>,
 }
 
 impl<T: StampedTransport> ProbeSession<T> {
@@ -102,6 +109,20 @@ impl<T: StampedTransport> ProbeSession<T> {
     /// [`ProbeError::Timeout`] if no capabilities arrive, [`ProbeError::VersionMismatch`],
     /// [`ProbeError::Transport`].
     pub fn hello(transport: T, timeout: Duration) -> Result<Self, ProbeError> {
+        Self::hello_until_stopped(transport, timeout, None)
+    }
+
+    /// [`ProbeSession::hello`] with a stop flag (the CLI's SIGINT/SIGTERM flag): this and
+    /// every later wait of the session (hello, replies, the pause between probes) gives up
+    /// with [`ProbeError::Interrupted`] within about [`STOP_POLL`] of `stop` being raised.
+    ///
+    /// # Errors
+    /// As [`ProbeSession::hello`], plus [`ProbeError::Interrupted`].
+    pub fn hello_until_stopped(
+        transport: T,
+        timeout: Duration,
+        stop: Option<&'static AtomicBool>,
+    ) -> Result<Self, ProbeError> {
         let mut s = Self {
             transport,
             rx: FrameReceiver::new(),
@@ -121,6 +142,7 @@ impl<T: StampedTransport> ProbeSession<T> {
             timeout,
             stats: SessionStats::default(),
             garbage_losses: 0,
+            stop,
         };
         let deadline = Instant::now() + timeout;
         let caps: Capabilities = 'greet: loop {
@@ -278,7 +300,18 @@ impl<T: StampedTransport> ProbeSession<T> {
         let mut samples = Vec::with_capacity(usize::try_from(n).unwrap_or(0).min(1 << 16));
         for i in 0..n {
             if i > 0 && !interval.is_zero() {
-                std::thread::sleep(interval);
+                // In short steps, so a stop is seen promptly even with a long --interval.
+                let until = Instant::now() + interval;
+                while let Some(left) = until.checked_duration_since(Instant::now()) {
+                    if left.is_zero() || self.stopped() {
+                        break;
+                    }
+                    std::thread::sleep(left.min(STOP_POLL));
+                }
+            }
+            if self.stopped() {
+                progress.clear();
+                return Err(ProbeError::Interrupted);
             }
             if let Some(s) = self.probe()? {
                 samples.push(s);
@@ -309,6 +342,11 @@ impl<T: StampedTransport> ProbeSession<T> {
         self.transport
     }
 
+    /// Whether the stop flag is raised.
+    pub fn stopped(&self) -> bool {
+        self.stop.is_some_and(|f| f.load(Ordering::Relaxed))
+    }
+
     fn lost(&mut self) -> Option<ProbeSample> {
         self.stats.lost_probes += 1;
         // The reply we could not use may mean we lost track of the guest TSC.
@@ -331,8 +369,17 @@ impl<T: StampedTransport> ProbeSession<T> {
     ) -> Result<(Message, HostTicks), ProbeError> {
         loop {
             if self.pos >= self.end {
-                let r = match self.transport.recv(&mut self.buf, deadline) {
+                // With a stop flag, wait in STOP_POLL slices and look at the flag in between.
+                let slice = match self.stop {
+                    Some(_) => deadline.min(Instant::now() + STOP_POLL),
+                    None => deadline,
+                };
+                let r = match self.transport.recv(&mut self.buf, slice) {
                     Ok(r) => r,
+                    Err(TransportError::Timeout(_)) if self.stopped() => {
+                        return Err(ProbeError::Interrupted);
+                    }
+                    Err(TransportError::Timeout(_)) if slice < deadline => continue,
                     Err(TransportError::Timeout(_)) => {
                         return Err(ProbeError::Timeout {
                             what,
@@ -413,6 +460,34 @@ mod tests {
         for s in &samples {
             assert_eq!(s.guest.0 - offset, s.host_send.0 + 700);
         }
+    }
+
+    #[test]
+    fn a_raised_stop_flag_abandons_a_round_with_interrupted() {
+        static STOP: AtomicBool = AtomicBool::new(false);
+        let mut s = ProbeSession::hello_until_stopped(
+            SimTransport::new(1_000),
+            Duration::from_secs(2),
+            Some(&STOP),
+        )
+        .unwrap();
+        assert_eq!(
+            s.probe_round(3, Duration::ZERO, &mut Progress::hidden())
+                .unwrap()
+                .len(),
+            3
+        );
+        STOP.store(true, Ordering::Relaxed);
+        // An hour between probes: only the flag can end this round (it did not, before).
+        assert!(matches!(
+            s.probe_round(3, Duration::from_secs(3600), &mut Progress::hidden()),
+            Err(ProbeError::Interrupted)
+        ));
+        // Waiting for a reply that never comes also ends on the flag, not the deadline.
+        assert!(matches!(
+            s.next_message(Instant::now() + Duration::from_secs(3600), "x"),
+            Err(ProbeError::Interrupted)
+        ));
     }
 
     #[test]

@@ -269,7 +269,7 @@ fn compose_matches_kernel_formula_and_sequential_application() {
             "tsc",
             "compose",
             "--l1",
-            "-5,281474976710656,48",
+            "-5,281474976710657,48",
             "--l2",
             "1,4294967297,32",
         ],

@@ -102,6 +102,66 @@ fn cli_probe_into_a_closed_pipe_exits_0() {
     assert!(agent.join().unwrap().probes >= 8);
 }
 
+/// Sends SIGINT to the guarded child by PID and waits (at most 10 s) for it to exit.
+fn interrupt(guard: &mut ChildGuard) -> (Option<i32>, String) {
+    let pid = libc::pid_t::try_from(guard.pid()).unwrap();
+    // SAFETY: kill(2) on the PID of our own, not yet reaped, child.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGINT) }, 0);
+    let end = Instant::now() + Duration::from_secs(10);
+    let status = loop {
+        if let Some(s) = guard.child().try_wait().unwrap() {
+            break s;
+        }
+        assert!(Instant::now() < end, "vmtsync ignored SIGINT for 10 s");
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    let mut err = String::new();
+    std::io::Read::read_to_string(guard.child().stderr.as_mut().unwrap(), &mut err).unwrap();
+    (status.code(), err)
+}
+
+/// Tier 1: SIGINT ends a one-shot `vmtsync probe` promptly with exit code 130, both in the
+/// pause between probes (an hour-long --interval) and while retrying a connect (an hour-long
+/// --connect-timeout). Before, the signal was swallowed until the interval had passed.
+#[test]
+fn cli_probe_sigint_exits_130_promptly() {
+    let (port, _agent) = fake::spawn_tcp(SkewedClock { skew: 0, vcpu: 0 }).unwrap();
+    let addr = format!("tcp:127.0.0.1:{port}");
+    let spawn = |args: &[&str]| {
+        ChildGuard::new(
+            vmtsync()
+                .args(args)
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::piped())
+                .spawn()
+                .expect("vmtsync-cli starts"),
+        )
+    };
+    let mut g = spawn(&[
+        "probe",
+        "--connect",
+        &addr,
+        "--probes",
+        "4",
+        "--interval",
+        "3600000",
+    ]);
+    // Let it connect, greet and send its first probe; it then waits an hour for the next.
+    std::thread::sleep(Duration::from_millis(500));
+    let (code, err) = interrupt(&mut g);
+    assert_eq!(code, Some(130), "stderr: {err}");
+    assert_eq!(err, "vmtsync: interrupted\n");
+
+    let scratch_dir = scratch("sigint");
+    let addr = format!("unix:{}", scratch_dir.path().join("nobody.sock").display());
+    let mut g = spawn(&["probe", "--connect", &addr, "--connect-timeout", "3600000"]);
+    std::thread::sleep(Duration::from_millis(300));
+    let (code, err) = interrupt(&mut g);
+    assert_eq!(code, Some(130), "stderr: {err}");
+    assert!(err.contains("interrupted while connecting"), "{err}");
+}
+
 /// Tier 1: nothing listening → exit 7 and a message that says what to check.
 #[test]
 fn cli_probe_without_an_agent_exits_7_with_a_clear_message() {

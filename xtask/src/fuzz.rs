@@ -15,6 +15,10 @@ use crate::{cargo, root, sh};
 /// Fuzz targets in `core/fuzz/fuzz_targets/`.
 const TARGETS: &[&str] = &["decode", "agent"];
 
+/// The cargo-fuzz release CI installs (`--locked` pins its dependencies too), so a new
+/// cargo-fuzz cannot change or break the smoke run unannounced.
+const CARGO_FUZZ_VERSION: &str = "0.13.2";
+
 /// Seconds each target runs in CI: long enough to reach deep into the decoder (hundreds of
 /// thousands of inputs here), short enough for every CI run.
 const SECONDS_PER_TARGET: u32 = 20;
@@ -22,9 +26,23 @@ const SECONDS_PER_TARGET: u32 = 20;
 pub(crate) fn smoke() -> Result<()> {
     let bin_root = root().join(".cache/cargo-bin");
     let cargo_fuzz = bin_root.join("bin/cargo-fuzz");
-    if !cargo_fuzz.exists() {
+    let installed = Command::new(&cargo_fuzz)
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| {
+            String::from_utf8_lossy(&o.stdout).trim() == format!("cargo-fuzz {CARGO_FUZZ_VERSION}")
+        });
+    if !installed {
         sh(cargo()
-            .args(["install", "cargo-fuzz", "--locked", "--root"])
+            .args([
+                "install",
+                "cargo-fuzz",
+                "--version",
+                CARGO_FUZZ_VERSION,
+                "--locked",
+                "--force",
+                "--root",
+            ])
             .arg(&bin_root))?;
     }
     for target in TARGETS {

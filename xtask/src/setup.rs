@@ -9,10 +9,13 @@ use anyhow::{Result, bail};
 
 use crate::{is_ci, sh};
 
-/// Debian packages the tier-2 tests use, with a binary that proves each is installed.
+/// Debian packages the tier-2 tests and the fuzz smoke run use, with a binary that proves
+/// each is installed.
 const APT_PACKAGES: &[(&str, &str)] = &[
     ("qemu-system-x86", "/usr/bin/qemu-system-x86_64"),
     ("trace-cmd", "/usr/bin/trace-cmd"),
+    // cc/c++ for libfuzzer-sys (the `ci` fuzz smoke run compiles libFuzzer's C++ sources).
+    ("build-essential", "/usr/bin/c++"),
 ];
 
 pub(crate) fn setup() -> Result<()> {

@@ -6,8 +6,10 @@
 //! --json`, `vmtsync probe --json`) and parses their schema-1 JSON. That keeps xtask at two
 //! dependencies (anyhow, serde_json) and makes the demo exercise exactly what a user runs.
 //!
-//! Truth on this project's machines (DESIGN.md §4): KVM cannot offset or scale the guest TSC,
-//! so guest TSC == host TSC and the truth of every row is offset 0.
+//! Truth: the vCPU's `tsc_offset` as KVM debugfs reports it (exact: it is what the hardware
+//! adds), read by `vmtsync kvm --json` while the VM runs; in the simulation, the skew the
+//! loopback agent is started with. The demo fails (non-zero exit) when the truth lies outside
+//! the probe row's guaranteed interval `[bound_lo, bound_hi]`.
 //!
 //! VMM choice (`auto`): QEMU (`-M microvm`, COM1 on a Unix socket chardev that `vmtsync probe
 //! --connect unix:PATH` talks to) when `qemu-system-x86_64` runs and `/dev/kvm` opens; else the
@@ -29,6 +31,8 @@ use crate::{agent, cargo, display, root, sh};
 
 /// The isa-debug-exit code the agent is told to exit with after the probe's shutdown.
 const EXIT_CODE: u8 = 9;
+/// The skew (guest TSC - host TSC) the simulation's loopback agent adds: its truth.
+const SIM_SKEW: i64 = 12_345_678;
 /// The longest wait for the VM to appear in debugfs, and for the agent's replies.
 const STEP: Duration = Duration::from_secs(20);
 
@@ -315,6 +319,7 @@ fn boot(vmm: Vmm, elf: &Path, sock: &Path, log: &Path) -> Result<Guard> {
             let bin = target_dir().join("debug/vmtsync-fake-agent");
             let mut c = Command::new(bin);
             c.arg(sock)
+                .arg(SIM_SKEW.to_string())
                 .stdin(Stdio::null())
                 .stdout(Stdio::null())
                 .stderr(log_file()?);
@@ -452,20 +457,24 @@ pub(crate) fn demo(args: &[String]) -> Result<()> {
             .with_context(|| format!("probe JSON: {k}"))
     };
     let (off, lo, hi) = (get("offset_ticks")?, get("bound_lo")?, get("bound_hi")?);
+    let truth = probe_truth(vmm, &kvm, probe_vcpu)?;
     let mut vcpus: Vec<u64> = kvm.iter().map(|&(v, _)| v).collect();
     if !vcpus.contains(&probe_vcpu) {
         vcpus.push(probe_vcpu);
     }
     for v in vcpus {
         if let Some(&(_, o)) = kvm.iter().find(|&&(c, _)| c == v) {
+            // debugfs is the truth: this row shows what reading it gives (error 0 by
+            // construction), next to what probing has to work out.
             rows.push(
                 json!({"vcpu": v, "method": "kvm", "offset_ticks": o, "bound_lo": o,
-                "bound_hi": o, "truth_ticks": 0, "error_ticks": o}),
+                "bound_hi": o, "truth_ticks": o, "error_ticks": 0}),
             );
         }
         if v == probe_vcpu {
             rows.push(json!({"vcpu": v, "method": "probe", "offset_ticks": off,
-                "bound_lo": lo, "bound_hi": hi, "truth_ticks": 0, "error_ticks": off}));
+                "bound_lo": lo, "bound_hi": hi, "truth_ticks": truth,
+                "error_ticks": i128::from(off) - i128::from(truth)}));
         }
     }
     if a.json {
@@ -473,11 +482,11 @@ pub(crate) fn demo(args: &[String]) -> Result<()> {
     } else {
         println!("vmtsync demo: VMM {} ({why})", vmm.name());
         println!("transport: {transport} ({path})");
-        println!(
-            "truth: guest TSC == host TSC here (KVM cannot offset it on this machine): offset 0"
-        );
         if vmm == Vmm::Sim {
+            println!("truth: the loopback agent's skew, {SIM_SKEW} ticks");
             println!("kvm: no VM in the simulation, so no debugfs mapping to read");
+        } else {
+            println!("truth: vcpu{probe_vcpu}'s tsc_offset in KVM debugfs, {truth} ticks (exact)");
         }
         println!(
             "{:>4}  {:<6} {:>14}  {:>31}  {:>10}  {:>5}  {:>8}",
@@ -510,7 +519,33 @@ pub(crate) fn demo(args: &[String]) -> Result<()> {
         "demo: builds {built:.1?}, boot until agent reachable {:.1?}, debugfs scan {:.1?}, probe {:.1?}, VM exit {:.1?}; total {total:.1?}",
         timings.boot, timings.scan, timings.probe, timings.exit
     );
-    Ok(())
+    check_bounds(truth, lo, hi)
+}
+
+/// The probe row's truth: the probed vCPU's debugfs `tsc_offset` (a one-vCPU VM's only
+/// vCPU when the agent's CPU number is not a debugfs id), or the simulation's skew.
+fn probe_truth(vmm: Vmm, kvm: &[(u64, i64)], probe_vcpu: u64) -> Result<i64> {
+    if vmm == Vmm::Sim {
+        return Ok(SIM_SKEW);
+    }
+    match (kvm.iter().find(|&&(v, _)| v == probe_vcpu), kvm) {
+        (Some(&(_, o)), _) | (None, &[(_, o)]) => Ok(o),
+        (None, _) => bail!(
+            "the agent answered as vCPU {probe_vcpu}, which is none of the VM's debugfs vCPUs {:?}: no truth to check against",
+            kvm.iter().map(|&(v, _)| v).collect::<Vec<_>>()
+        ),
+    }
+}
+
+/// Fails the demo when the truth lies outside the probe's guaranteed interval.
+fn check_bounds(truth: i64, lo: i64, hi: i64) -> Result<()> {
+    if (lo..=hi).contains(&truth) {
+        Ok(())
+    } else {
+        bail!(
+            "FAILED: the true offset {truth} lies outside the probe's guaranteed interval [{lo}, {hi}]"
+        )
+    }
 }
 
 /// The `--json` line with keys in the documented order (serde_json's `Value` would sort them):
@@ -622,5 +657,20 @@ mod tests {
         assert!(parse_args(&s(&["--vmm", "auto"])).unwrap().vmm.is_none());
         assert!(parse_args(&s(&["--vmm", "xen"])).is_err());
         assert!(parse_args(&s(&["--fast"])).is_err());
+    }
+
+    #[test]
+    fn truth_comes_from_debugfs_and_must_lie_in_the_bounds() {
+        let kvm = [(0, -5_000), (1, -6_000)];
+        assert_eq!(probe_truth(Vmm::Qemu, &kvm, 1).unwrap(), -6_000);
+        assert_eq!(probe_truth(Vmm::Qemu, &kvm[..1], 3).unwrap(), -5_000);
+        assert!(probe_truth(Vmm::Qemu, &kvm, 3).is_err());
+        assert_eq!(probe_truth(Vmm::Sim, &[], 0).unwrap(), SIM_SKEW);
+        assert!(check_bounds(-6_000, -6_010, -6_000).is_ok());
+        let e = check_bounds(0, -6_010, -5_990).unwrap_err().to_string();
+        assert!(
+            e.contains("0 lies outside") && e.contains("[-6010, -5990]"),
+            "{e}"
+        );
     }
 }

@@ -17,6 +17,12 @@ use thiserror::Error;
 /// Where tracefs is normally mounted, in the order tried.
 pub const TRACEFS_CANDIDATES: [&str; 2] = ["/sys/kernel/tracing", "/sys/kernel/debug/tracing"];
 
+/// The most `trace_pipe` bytes one [`Subscription::wait`] reads (about 800 event lines): a
+/// guest that writes its TSC in a loop makes the kernel produce events faster than we can
+/// print them, and the reader must still get back to polling debugfs and to the stop flag.
+/// Whatever is left stays in the pipe for the next wait (or is overwritten by the kernel).
+pub const MAX_READ_PER_WAIT: usize = 64 * 1024;
+
 /// The tracepoint KVM fires on every TSC offset write (arch/x86/kvm/trace.h).
 pub const EVENT: &str = "kvm/kvm_write_tsc_offset";
 
@@ -179,41 +185,97 @@ impl Subscription {
                 source: e,
             });
         }
-        let mut chunk = [0u8; 4096];
-        loop {
-            match self.pipe.read(&mut chunk) {
-                Ok(0) => break,
-                Ok(n) => self.buf.extend_from_slice(&chunk[..n]),
-                Err(e)
-                    if matches!(
-                        e.kind(),
-                        io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted
-                    ) =>
-                {
-                    break;
-                }
-                Err(source) => {
-                    return Err(TraceError::Io {
-                        action: "read",
-                        path: self.instance.join("trace_pipe"),
-                        source,
-                    });
-                }
+        read_bounded(&mut self.pipe, &mut self.buf, MAX_READ_PER_WAIT).map_err(|source| {
+            TraceError::Io {
+                action: "read",
+                path: self.instance.join("trace_pipe"),
+                source,
             }
-        }
-        let mut out = Vec::new();
-        let complete = self
-            .buf
-            .iter()
-            .rposition(|&b| b == b'\n')
-            .map_or(0, |i| i + 1);
-        for line in self.buf[..complete].split(|&b| b == b'\n') {
-            if let Some(ev) = std::str::from_utf8(line).ok().and_then(parse_line) {
-                out.push(ev);
+        })?;
+        Ok(take_events(&mut self.buf))
+    }
+}
+
+/// Appends what `r` has ready (until it would block or ends) to `buf`, at most `cap` bytes;
+/// returns how many were read.
+fn read_bounded(r: &mut impl Read, buf: &mut Vec<u8>, cap: usize) -> io::Result<usize> {
+    let mut chunk = [0u8; 4096];
+    let mut total = 0;
+    while total < cap {
+        let want = chunk.len().min(cap - total);
+        match r.read(&mut chunk[..want]) {
+            Ok(0) => break,
+            Ok(n) => {
+                buf.extend_from_slice(&chunk[..n]);
+                total += n;
             }
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted
+                ) =>
+            {
+                break;
+            }
+            Err(e) => return Err(e),
         }
-        self.buf.drain(..complete);
-        Ok(out)
+    }
+    Ok(total)
+}
+
+/// Parses and removes the complete lines of `buf`, keeping a partial last line (unless it
+/// has grown past [`MAX_READ_PER_WAIT`] without a newline: then it is no event line and is
+/// dropped, so the buffer stays bounded).
+fn take_events(buf: &mut Vec<u8>) -> Vec<TscOffsetWrite> {
+    let complete = buf.iter().rposition(|&b| b == b'\n').map_or(0, |i| i + 1);
+    let out = buf[..complete]
+        .split(|&b| b == b'\n')
+        .filter_map(|line| std::str::from_utf8(line).ok().and_then(parse_line))
+        .collect();
+    buf.drain(..complete);
+    if buf.len() > MAX_READ_PER_WAIT {
+        buf.clear();
+    }
+    out
+}
+
+/// Offset writes of one vCPU thread merged over an interval: the first write's `previous`,
+/// the last write's `next` and timestamp, and how many writes there were.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CoalescedWrites {
+    /// The merged write (`previous` of the first, `next` and `timestamp` of the last).
+    pub write: TscOffsetWrite,
+    /// How many writes were merged (at least 1).
+    pub writes: u64,
+}
+
+/// Merges `events` per (thread, vCPU), in order of each pair's first event, so a guest
+/// writing its TSC in a loop yields one line per vCPU per interval instead of a flood.
+#[must_use]
+pub fn coalesce(events: &[TscOffsetWrite]) -> Vec<CoalescedWrites> {
+    let mut out = Vec::new();
+    coalesce_into(&mut out, events);
+    out
+}
+
+/// [`coalesce`] into an accumulator that already holds merged writes (so a whole interval of
+/// waits takes memory per vCPU, not per event).
+pub fn coalesce_into(out: &mut Vec<CoalescedWrites>, events: &[TscOffsetWrite]) {
+    for ev in events {
+        match out
+            .iter_mut()
+            .find(|c| c.write.thread == ev.thread && c.write.vcpu == ev.vcpu)
+        {
+            Some(c) => {
+                c.write.next = ev.next;
+                c.write.timestamp = ev.timestamp;
+                c.writes += 1;
+            }
+            None => out.push(CoalescedWrites {
+                write: ev.clone(),
+                writes: 1,
+            }),
+        }
     }
 }
 
@@ -273,5 +335,75 @@ mod tests {
             None
         );
         assert_eq!(parse_line(""), None);
+    }
+
+    fn ev(thread: u32, vcpu: u32, ts: u64, previous: i64, next: i64) -> TscOffsetWrite {
+        TscOffsetWrite {
+            thread,
+            timestamp: ts,
+            vcpu,
+            previous,
+            next,
+        }
+    }
+
+    #[test]
+    fn coalescing_keeps_one_write_per_vcpu_thread() {
+        let evs = [
+            ev(10, 0, 1, 0, 5),
+            ev(11, 1, 2, 0, 7),
+            ev(10, 0, 3, 5, 6),
+            ev(10, 0, 4, 6, 9),
+        ];
+        assert_eq!(
+            coalesce(&evs),
+            [
+                CoalescedWrites {
+                    write: ev(10, 0, 4, 0, 9),
+                    writes: 3
+                },
+                CoalescedWrites {
+                    write: ev(11, 1, 2, 0, 7),
+                    writes: 1
+                },
+            ]
+        );
+        // A flood of 100 000 writes from one vCPU is one line.
+        let flood: Vec<_> = (0..100_000)
+            .map(|i| ev(10, 0, i, i.cast_signed(), i.cast_signed() + 1))
+            .collect();
+        assert_eq!(
+            coalesce(&flood),
+            [CoalescedWrites {
+                write: ev(10, 0, 99_999, 0, 100_000),
+                writes: 100_000
+            }]
+        );
+    }
+
+    #[test]
+    fn reads_are_capped_and_the_buffer_stays_bounded() {
+        let line = b"  q-7 [000] d..1. 55: kvm_write_tsc_offset: vcpu=0 prev=0 next=1\n";
+        // A pipe that never runs dry (a flooding guest): one wait reads at most the cap.
+        let mut endless = std::io::repeat(b'x').take(u64::MAX);
+        let mut buf = Vec::new();
+        assert_eq!(
+            read_bounded(&mut endless, &mut buf, MAX_READ_PER_WAIT).unwrap(),
+            MAX_READ_PER_WAIT
+        );
+        assert_eq!(buf.len(), MAX_READ_PER_WAIT);
+        // Bytes without a newline: kept up to the cap, then dropped.
+        assert!(take_events(&mut buf).is_empty());
+        assert_eq!(buf.len(), MAX_READ_PER_WAIT);
+        buf.push(b'x');
+        assert!(take_events(&mut buf).is_empty());
+        assert!(buf.is_empty());
+        // Complete lines are parsed; a partial one waits for its end.
+        let mut lines = line.repeat(3);
+        lines.extend_from_slice(&line[..10]);
+        let mut r = &lines[..];
+        read_bounded(&mut r, &mut buf, MAX_READ_PER_WAIT).unwrap();
+        assert_eq!(take_events(&mut buf).len(), 3);
+        assert_eq!(buf, &line[..10]);
     }
 }

@@ -12,7 +12,14 @@
 //!   `host_tsc_after` (first time it was missing).
 //! - `tsc_offset_written` (with `--trace-events`): `thread`, `pid`/`fd` when the thread is a
 //!   known vCPU thread, `vcpu`, `previous_tsc_offset`, `tsc_offset`, `host_tsc` (the event's
-//!   timestamp) and `host_tsc_clock` (false if the trace clock could not be set to x86-tsc).
+//!   timestamp) and `host_tsc_clock` (false if the trace clock could not be set to x86-tsc),
+//!   `writes`: writes of one vCPU thread are merged per wait (at most one line per vCPU per
+//!   rescan), `previous_tsc_offset` from the first, `tsc_offset`/`host_tsc` from the last.
+//!
+//! Rate limits, so a guest writing its TSC in a loop cannot flood the output or the CPU: one
+//! wait reads at most [`crate::trace_events::MAX_READ_PER_WAIT`] bytes, writes are merged as
+//! above, and an event triggers a rescan at most once per [`rescan_gap`] (a tenth of the
+//! interval, at least 10 ms).
 //!
 //! The tracepoint reports the offset KVM *wrote* (its L1 bookkeeping); debugfs reports the
 //! offset in effect. They can differ: on this project's nested `kvm_pvm` hosts the tracepoint
@@ -26,7 +33,7 @@
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use serde::Serialize;
 use serde_json::json;
@@ -35,7 +42,17 @@ use thiserror::Error;
 use crate::debugfs::{DebugfsError, VmId};
 use crate::hosttsc::read_host_tsc;
 use crate::scan::{SCHEMA_VERSION, ScanError, Scanner, VcpuReport, VmSelector};
-use crate::trace_events::{Subscription, TraceError, TscOffsetWrite};
+use crate::trace_events::{CoalescedWrites, Subscription, TraceError, coalesce_into};
+
+/// The longest single sleep or tracepoint wait, so a raised stop flag is seen promptly.
+const STOP_POLL: Duration = Duration::from_millis(50);
+
+/// The shortest time between two scans when tracepoint events trigger them: a tenth of the
+/// poll interval, at least 10 ms, at most the interval itself.
+#[must_use]
+pub fn rescan_gap(interval: Duration) -> Duration {
+    (interval / 10).max(Duration::from_millis(10)).min(interval)
+}
 
 /// Errors of watch mode.
 #[derive(Debug, Error)]
@@ -126,33 +143,56 @@ pub fn watch(
         }),
     )?;
     let mut first = true;
+    let stopped = || opts.stop.load(Ordering::Relaxed);
     loop {
         poll_once(scanner, selected.as_deref(), &mut state, first, out)?;
+        let scanned = Instant::now();
         first = false;
         if selected.is_some() && state.is_empty() {
             return Ok(());
         }
-        if opts.stop.load(Ordering::Relaxed) {
+        if stopped() {
             return Ok(());
         }
+        let end = scanned + opts.interval;
         match opts.trace.as_mut() {
             Some(sub) => {
-                for ev in sub.wait(opts.interval)? {
-                    emit_trace(&ev, &state, sub.tsc_clock, selected.as_deref(), out)?;
+                // Wait out the interval, or after the first event until rescan_gap after the
+                // last scan, merging the writes of each vCPU thread meanwhile.
+                let early = scanned + rescan_gap(opts.interval);
+                let mut writes: Vec<CoalescedWrites> = Vec::new();
+                loop {
+                    let until = if writes.is_empty() { end } else { early };
+                    let now = Instant::now();
+                    if now >= until || stopped() {
+                        break;
+                    }
+                    coalesce_into(&mut writes, &sub.wait((until - now).min(STOP_POLL))?);
+                }
+                for w in &writes {
+                    emit_trace(w, &state, sub.tsc_clock, selected.as_deref(), out)?;
                 }
             }
-            None => std::thread::sleep(opts.interval),
+            None => {
+                while let Some(left) = end.checked_duration_since(Instant::now()) {
+                    if left.is_zero() || stopped() {
+                        break;
+                    }
+                    std::thread::sleep(left.min(STOP_POLL));
+                }
+            }
         }
     }
 }
 
 fn emit_trace(
-    ev: &TscOffsetWrite,
+    w: &CoalescedWrites,
     state: &BTreeMap<VmId, VmState>,
     tsc_clock: bool,
     selected: Option<&[VmId]>,
     out: &mut dyn Write,
 ) -> Result<(), WatchError> {
+    let ev = &w.write;
     let owner = state
         .iter()
         .find(|(_, s)| s.vcpus.values().any(|v| v.thread_pid == Some(ev.thread)));
@@ -174,6 +214,7 @@ fn emit_trace(
             "tsc_offset": ev.next,
             "host_tsc": ev.timestamp,
             "host_tsc_clock": tsc_clock,
+            "writes": w.writes,
         }),
     )
 }
@@ -306,5 +347,13 @@ mod tests {
                 ..b
             }
         ));
+    }
+
+    #[test]
+    fn rescans_are_at_most_one_per_tenth_of_the_interval() {
+        let ms = Duration::from_millis;
+        assert_eq!(rescan_gap(ms(1000)), ms(100));
+        assert_eq!(rescan_gap(ms(50)), ms(10));
+        assert_eq!(rescan_gap(ms(5)), ms(5));
     }
 }

@@ -380,3 +380,61 @@ fn unmounted_debugfs_is_explained_and_mounted_on_request() {
         "the host's debugfs mount is untouched"
     );
 }
+
+/// VMs killed (SIGKILL, by PID) while an unselected `--watch --interval 1` reads them: the
+/// kernel tears a VM's debugfs directory down under the reader, whose reads then fail with
+/// EIO/ENOENT. That is a VM exiting (a `vm_gone` event), not an error: the watch must outlive
+/// 40 rounds of four kills and still end cleanly on SIGTERM. Before the fix it died with exit 1
+/// "Input/output error" within a few kills.
+#[test]
+fn watch_survives_vms_killed_mid_read() {
+    if !prerequisites("watch_survives_vms_killed_mid_read") {
+        return;
+    }
+    let mut watch = ChildGuard::new(
+        vmtsync()
+            .args(["kvm", "--watch", "--interval", "1"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let rx = line_reader(watch.child().stdout.take().unwrap());
+    next_event(&rx, 10, |v| v["event"] == "watch_started");
+    let mut gone = 0;
+    for round in 0..40 {
+        // Four at a time, so teardowns overlap the watch's reads more often.
+        let vmms: Vec<IdleVmmChild> = (0..4)
+            .map(|_| {
+                IdleVmmChild::spawn(idle_vmm(), 2, &[0, 1, 2, 3, 4, 5, 6, 7])
+                    .expect("start idle-vmm")
+            })
+            .collect();
+        let pids: Vec<u32> = vmms.iter().map(IdleVmmChild::pid).collect();
+        // Dropping each guard sends SIGKILL to exactly its PID and reaps it.
+        drop(vmms);
+        if let Some(s) = watch.child().try_wait().unwrap() {
+            let mut err = String::new();
+            std::io::Read::read_to_string(watch.child().stderr.as_mut().unwrap(), &mut err)
+                .unwrap();
+            panic!("watch died at round {round} (idle-vmm {pids:?}): {s}: {err}");
+        }
+        while let Ok(l) = rx.try_recv() {
+            let v: Value = serde_json::from_str(&l).unwrap();
+            gone += usize::from(v["event"] == "vm_gone" && pids.iter().any(|&p| v["pid"] == p));
+        }
+    }
+    println!("160 kills survived; {gone} vm_gone events seen in passing");
+    let target = libc::pid_t::try_from(watch.pid()).unwrap();
+    // SAFETY: kill(2) on the PID of our own, not yet reaped, child.
+    assert_eq!(unsafe { libc::kill(target, libc::SIGTERM) }, 0);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let status = loop {
+        if let Some(s) = watch.child().try_wait().unwrap() {
+            break s;
+        }
+        assert!(Instant::now() < deadline, "watch ignored SIGTERM");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(status.success(), "{status}");
+}

@@ -31,6 +31,9 @@ pub enum Rounding {
     Floor,
 }
 
+/// The advice that ends a bad-line error; left out of the warning when `--skip-bad` is on.
+const SKIP_HINT: &str = " (use --skip-bad to skip such lines)";
+
 /// Errors of a conversion run. Line numbers count from 1.
 #[derive(Debug, Error)]
 #[non_exhaustive]
@@ -227,7 +230,9 @@ pub fn convert_stream(
             };
             if opts.skip_bad {
                 stats.skipped += 1;
-                writeln!(warn, "vmtsync: skipped {err}")?;
+                let msg = err.to_string();
+                let msg = msg.strip_suffix(SKIP_HINT).unwrap_or(&msg);
+                writeln!(warn, "vmtsync: skipped {msg}")?;
                 Ok(())
             } else {
                 Err(err)
@@ -329,6 +334,13 @@ mod tests {
         assert_eq!(lines.len(), 4);
         assert!(lines[0].starts_with("vmtsync: skipped line 2: "), "{warn}");
         assert!(lines[3].contains("found \"\\xff\""), "{warn}");
+        // Already skipping: no "(use --skip-bad …)" advice.
+        assert!(!warn.contains("--skip-bad"), "{warn}");
+        assert!(
+            warn.lines()
+                .all(|l| l.ends_with('"') || l.ends_with("64 bits)")),
+            "{warn}"
+        );
     }
 
     #[test]

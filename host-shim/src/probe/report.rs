@@ -200,7 +200,12 @@ impl ProbeSummary {
     /// The schema-1 JSON object (see the module docs).
     #[must_use]
     pub fn to_json(&self) -> serde_json::Value {
-        let j = JsonSummary {
+        // A struct of integers and options always serializes.
+        serde_json::to_value(self.json_summary()).unwrap_or(serde_json::Value::Null)
+    }
+
+    fn json_summary(&self) -> JsonSummary {
+        JsonSummary {
             schema: JSON_SCHEMA,
             vcpu: self.vcpu,
             offset_ticks: self.offset,
@@ -221,9 +226,7 @@ impl ProbeSummary {
             stale_replies: self.stats.stale_replies,
             tracecmd_fastest_rtt_offset: self.tracecmd_fastest,
             tsc_khz: self.tsc_khz,
-        };
-        // A struct of integers and options always serializes.
-        serde_json::to_value(j).unwrap_or(serde_json::Value::Null)
+        }
     }
 
     /// Writes the JSON object on one line.
@@ -231,7 +234,10 @@ impl ProbeSummary {
     /// # Errors
     /// The writer's.
     pub fn write_json(&self, out: &mut dyn Write) -> io::Result<()> {
-        writeln!(out, "{}", self.to_json())
+        // Serialized from the struct, not a `Value`, so the keys keep the documented order
+        // ("schema" first) instead of being sorted.
+        serde_json::to_writer(&mut *out, &self.json_summary()).map_err(io::Error::from)?;
+        out.write_all(b"\n")
     }
 
     /// Writes the human-readable report.
@@ -354,6 +360,15 @@ mod tests {
         assert_eq!(j["rtt_min_ticks"], s.rtt.min);
         assert_eq!(j["tracecmd_fastest_rtt_offset"], s.tracecmd_fastest);
         assert_eq!(j["model"], "offset");
+        // The line keeps the documented key order, schema first (a Value would sort them).
+        let mut line = Vec::new();
+        s.write_json(&mut line).unwrap();
+        let line = String::from_utf8(line).unwrap();
+        assert!(
+            line.starts_with(r#"{"schema":1,"vcpu":2,"offset_ticks":"#) && line.ends_with("}\n"),
+            "{line}"
+        );
+        assert_eq!(serde_json::from_str::<serde_json::Value>(&line).unwrap(), j);
         let mut text = Vec::new();
         s.write_text(&mut text).unwrap();
         let text = String::from_utf8(text).unwrap();

@@ -338,11 +338,14 @@ fn vsock_uds_handshake(
         }
         s.set_read_timeout(Some(wait)).map_err(io_err)?;
         s.set_write_timeout(Some(wait)).map_err(io_err)?;
+        // One deadline for the whole handshake, not a timeout per byte: a peer that dribbles
+        // bytes cannot stretch an attempt past HANDSHAKE_ATTEMPT.
+        let deadline = Instant::now() + wait;
         let attempt = s
             .write_all(format!("CONNECT {port}\n").as_bytes())
-            .and_then(|()| read_line(&mut s));
+            .and_then(|()| read_line(&mut s, deadline));
         match attempt {
-            Ok(Some(line)) if line.starts_with(b"OK") => {
+            Ok(Some(line)) if is_ok_reply(&line) => {
                 s.set_read_timeout(None).map_err(io_err)?;
                 s.set_write_timeout(None).map_err(io_err)?;
                 return Ok(s);
@@ -370,10 +373,19 @@ fn vsock_uds_handshake(
 
 /// Reads one `\n`-terminated line (without it), byte by byte so nothing after it is consumed.
 /// `None` at end of stream; an overlong line is returned truncated (and then rejected).
-fn read_line(s: &mut UnixStream) -> io::Result<Option<Vec<u8>>> {
+/// Fails with `TimedOut` once `deadline` passes.
+fn read_line(s: &mut UnixStream, deadline: Instant) -> io::Result<Option<Vec<u8>>> {
     let mut line = Vec::with_capacity(16);
     let mut b = [0u8; 1];
     loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "no complete OK line within the handshake deadline",
+            ));
+        }
+        s.set_read_timeout(Some(left))?;
         match s.read(&mut b) {
             Ok(0) => return Ok(None),
             Ok(_) if b[0] == b'\n' => return Ok(Some(line)),
@@ -387,6 +399,16 @@ fn read_line(s: &mut UnixStream) -> io::Result<Option<Vec<u8>>> {
             Err(e) => return Err(e),
         }
     }
+}
+
+/// True for exactly `OK <n>` (vhost-device-vsock's reply with the host-side port number):
+/// `OK` followed by a space and a decimal u32, nothing else.
+fn is_ok_reply(line: &[u8]) -> bool {
+    line.strip_prefix(b"OK ").is_some_and(|n| {
+        !n.is_empty()
+            && n.iter().all(u8::is_ascii_digit)
+            && std::str::from_utf8(n).is_ok_and(|t| t.parse::<u32>().is_ok())
+    })
 }
 
 fn connect_tcp(
@@ -608,6 +630,43 @@ mod tests {
         let err = connect(&ProbeAddr::Unix(path), &opts).err().unwrap();
         assert!(matches!(err, ConnectError::Timeout { .. }), "{err}");
         assert!(err.to_string().contains("agent started"), "{err}");
+    }
+
+    #[test]
+    fn only_an_exact_ok_line_completes_the_handshake() {
+        assert!(is_ok_reply(b"OK 1073741824"));
+        assert!(is_ok_reply(b"OK 5"));
+        for bad in [
+            &b"OK"[..],
+            b"OK ",
+            b"OKAY 5",
+            b"OK 5 6",
+            b"OK -5",
+            b"OK 99999999999",
+            b"ok 5",
+            b" OK 5",
+        ] {
+            assert!(!is_ok_reply(bad), "{}", bad.escape_ascii());
+        }
+    }
+
+    #[test]
+    fn the_handshake_deadline_covers_the_whole_line() {
+        // A peer that sends a byte every 20 ms forever: with a timeout per byte this never
+        // ended; with one deadline it ends with TimedOut.
+        let (mut a, mut b) = UnixStream::pair().unwrap();
+        let stop = std::sync::Arc::new(AtomicBool::new(false));
+        let s2 = stop.clone();
+        let dribbler = thread::spawn(move || {
+            while !s2.load(Ordering::Relaxed) && b.write_all(b"O").is_ok() {
+                thread::sleep(Duration::from_millis(20));
+            }
+        });
+        let err = read_line(&mut a, Instant::now() + Duration::from_millis(100)).unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::TimedOut);
+        stop.store(true, Ordering::Relaxed);
+        drop(a);
+        dribbler.join().unwrap();
     }
 
     #[test]

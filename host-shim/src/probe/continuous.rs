@@ -271,7 +271,7 @@ fn segment(
 }
 
 impl ProbeOptions {
-    fn stopped(&self) -> bool {
+    pub(super) fn stopped(&self) -> bool {
         self.stop
             .as_ref()
             .is_some_and(|f| f.load(Ordering::Relaxed))
@@ -374,6 +374,25 @@ mod tests {
             let v: serde_json::Value = serde_json::from_str(l).expect("a JSON line");
             assert_eq!(v["schema"], 1, "{l}");
         }
+    }
+
+    #[test]
+    fn stopped_before_any_round_is_interrupted_not_no_samples() {
+        static STOP: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+        let dir = tempfile::Builder::new()
+            .prefix("vmtsync-cont-")
+            .tempdir()
+            .unwrap();
+        let mut opts = ProbeOptions::new(ProbeAddr::Unix("sim".into()));
+        opts.progress = false;
+        opts.stop = Some(&STOP);
+        opts.continuous = Some(ContinuousOptions {
+            out: dir.path().join("stopped.jsonl"),
+            resync: Duration::ZERO,
+            rounds: None,
+        });
+        let r = run_probe_on(SimTransport::new(1_000), &opts, &mut Vec::new());
+        assert!(matches!(r, Err(ProbeError::Interrupted)), "{r:?}");
     }
 
     fn round(start: u64, n: u64, offset: u64) -> Vec<ProbeSample> {

@@ -199,8 +199,14 @@ pub fn run_probe_on<T: StampedTransport>(
     let mut progress = Progress::stderr_if_terminal(opts.progress);
     let mut session = ProbeSession::hello_until_stopped(transport, opts.timeout, opts.stop)?;
     let result = match &opts.continuous {
-        Some(cont) => continuous::run(&mut session, opts, cont, out, &mut progress)
-            .and_then(|c| c.last.ok_or(ProbeError::Estimate(EstimateError::NoSamples))),
+        Some(cont) => continuous::run(&mut session, opts, cont, out, &mut progress).and_then(|c| {
+            c.last.ok_or(if opts.stopped() {
+                // Stopped before any round measured something: interrupted, not "no samples".
+                ProbeError::Interrupted
+            } else {
+                ProbeError::Estimate(EstimateError::NoSamples)
+            })
+        }),
         None => one_round(&mut session, opts, out, &mut progress),
     };
     session.shutdown();

@@ -14,6 +14,7 @@
 //!   packages, debugfs mount).
 
 mod agent;
+mod bench_scan;
 mod demo;
 mod fuzz;
 mod probe_bench;
@@ -47,6 +48,7 @@ fn run() -> Result<()> {
         "check-nostd" => check_nostd(),
         "bench" => bench(rest),
         "bench-probe" => probe_bench::bench_probe(rest),
+        "bench-scan" => bench_scan::bench_scan(rest),
         "fuzz" => fuzz::smoke(),
         "setup" => setup::setup(),
         "build-agent" => agent::build_agent(),
@@ -67,6 +69,8 @@ commands:
   ci            fmt, clippy, tests (incl. tier 2 on real KVM), no_std build, fuzz smoke run
   check-nostd   build vmtsync-core for x86_64-unknown-none, with and without defmt
   bench         run the criterion benchmarks (cargo bench -p vmtsync-core -p vmtsync)
+  bench-scan [--vms N] [--vcpus N] [--runs N]
+                median wall time of `vmtsync kvm --json` over a generated debugfs tree
   bench-probe [--sessions K] [--probes N] [--machine microvm|q35] [--no-qemu] [--no-skew]
                 real-KVM probe benchmark: our estimator vs trace-cmd fastest-RTT on the same
                 samples (built-in VMM, QEMU stdio, software skew); table + JSON line

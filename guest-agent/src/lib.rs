@@ -7,10 +7,15 @@
 //! (`cargo test --target x86_64-unknown-linux-gnu`).
 #![cfg_attr(not(test), no_std)]
 
+extern crate alloc;
+
+pub mod heap;
 pub mod link;
 pub mod options;
+pub mod pci;
 pub mod port;
 pub mod pvh;
 pub mod server;
 pub mod tsc;
 pub mod uart;
+pub mod vsock;

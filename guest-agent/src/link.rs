@@ -15,6 +15,11 @@ pub trait Link {
     /// Sends `bytes`; the first without waiting (call [`Link::wait_ready`] first), the rest
     /// waiting for room as needed.
     fn send_now(&mut self, bytes: &[u8]);
+    /// What this link is, for the `Capabilities` reply. Defaults to the UART, the agent's
+    /// first link.
+    fn transport(&self) -> vmtsync_core::proto::Transport {
+        vmtsync_core::proto::Transport::Uart16550
+    }
 }
 
 impl Link for Uart {

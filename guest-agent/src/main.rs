@@ -51,6 +51,9 @@ macro_rules! log {
     }};
 }
 
+// After `log!`, which it uses.
+mod serve_vsock;
+
 /// Rust entry, called by `boot.rs` in long mode with the physical address of the PVH start info.
 #[unsafe(no_mangle)]
 pub extern "C" fn kmain(start_info_phys: u64) -> ! {
@@ -133,6 +136,9 @@ extern "C" fn serve(ctx: usize) -> ! {
     // SAFETY: kmain passes the address of its `Ctx`, in a frame that is never unwound.
     let ctx = unsafe { &*(ctx as *const Ctx) };
     log!("serving at CPL {}", port::cpl());
+    if ctx.opts.transport == vmtsync_agent::options::Transport::Vsock {
+        serve_vsock::serve(&ctx.opts, ctx.tsc, ctx.features, ctx.tsc_khz);
+    }
     match ctx.opts.wire {
         Wire::Postcard => serve_postcard(&ctx.opts, ctx.tsc, ctx.features, ctx.tsc_khz),
         Wire::Line => serve_line(&ctx.opts, ctx.tsc),

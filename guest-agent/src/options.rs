@@ -1,6 +1,7 @@
 //! Boot options from the PVH command line: space-separated `key=value` words.
 //!
-//! - `transport=uart`: probes over COM1 (the only transport so far).
+//! - `transport=uart|vsock`: probes over COM1 (default), or over a virtio-vsock stream that the
+//!   agent opens to the host (CID 2) on `port=N` (default [`DEFAULT_VSOCK_PORT`]).
 //! - `wire=postcard|line`: the vmtsync probe protocol (postcard + COBS, the default), or a
 //!   human-typable line protocol for debugging (`cargo xtask run-agent -- wire=line`).
 //! - `ring=3|0`: run the protocol loop in ring 3 with IOPL 3 (default; native speed on nested
@@ -19,7 +20,12 @@ use crate::tsc::Skew;
 pub enum Transport {
     /// 16550 UART on COM1.
     Uart,
+    /// virtio-vsock over PCI: a stream connection to host CID 2, port [`Options::vsock_port`].
+    Vsock,
 }
+
+/// The host vsock port the agent connects to unless `port=` says otherwise.
+pub const DEFAULT_VSOCK_PORT: u32 = 1234;
 
 /// What COM1 speaks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -43,6 +49,8 @@ pub struct Options {
     pub exit_code: u8,
     /// Software skew applied to reported TSC values.
     pub skew: Skew,
+    /// Host vsock port for `transport=vsock`.
+    pub vsock_port: u32,
 }
 
 /// Why an option word was rejected.
@@ -63,6 +71,7 @@ impl Default for Options {
             ring: 3,
             exit_code: 0,
             skew: Skew::IDENTITY,
+            vsock_port: DEFAULT_VSOCK_PORT,
         }
     }
 }
@@ -88,6 +97,7 @@ impl Options {
         match key {
             b"transport" => match value {
                 b"uart" => self.transport = Transport::Uart,
+                b"vsock" => self.transport = Transport::Vsock,
                 _ => return Err(OptionError::BadValue),
             },
             b"wire" => match value {
@@ -103,6 +113,10 @@ impl Options {
             b"exit" => {
                 let v = parse_u64(value).ok_or(OptionError::BadValue)?;
                 self.exit_code = u8::try_from(v).map_err(|_| OptionError::BadValue)?;
+            }
+            b"port" => {
+                let v = parse_u64(value).ok_or(OptionError::BadValue)?;
+                self.vsock_port = u32::try_from(v).map_err(|_| OptionError::BadValue)?;
             }
             b"skew" => self.skew = parse_skew(value).ok_or(OptionError::BadValue)?,
             _ => return Err(OptionError::UnknownKey),
@@ -191,7 +205,7 @@ mod tests {
     #[test]
     fn bad_words_are_reported_and_ignored() {
         let (o, errs) = parse(
-            "ring=1 wire=json exit=256 foo transport=vsock skew=1,0,0 skew=1,1,64 skew=1,1 bar=1 exit=7",
+            "ring=1 wire=json exit=256 foo transport=pci skew=1,0,0 skew=1,1,64 skew=1,1 bar=1 exit=7",
         );
         assert_eq!(o.exit_code, 7);
         assert_eq!(o.skew, Skew::IDENTITY);
@@ -203,13 +217,22 @@ mod tests {
                 ("wire=json", OptionError::BadValue),
                 ("exit=256", OptionError::BadValue),
                 ("foo", OptionError::UnknownKey),
-                ("transport=vsock", OptionError::BadValue),
+                ("transport=pci", OptionError::BadValue),
                 ("skew=1,0,0", OptionError::BadValue),
                 ("skew=1,1,64", OptionError::BadValue),
                 ("skew=1,1", OptionError::BadValue),
                 ("bar=1", OptionError::UnknownKey),
             ]
         );
+    }
+
+    #[test]
+    fn vsock_transport_and_port_parse() {
+        let (o, errs) = parse("transport=vsock port=0x10000 port=4294967296");
+        assert_eq!(o.transport, Transport::Vsock);
+        assert_eq!(o.vsock_port, 0x10000);
+        assert_eq!(errs, vec![("port=4294967296".into(), OptionError::BadValue)]);
+        assert_eq!(parse("").0.vsock_port, DEFAULT_VSOCK_PORT);
     }
 
     #[test]

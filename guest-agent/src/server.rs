@@ -19,7 +19,7 @@ use vmtsync_core::GuestTicks;
 use vmtsync_core::arch::Tsc;
 use vmtsync_core::proto::{
     Capabilities, DecodeError, ErrorCode, Features, Feed, FrameReceiver, MAX_FRAME_SIZE, Message,
-    PROTOCOL_VERSION, ProbeReplyFrame, Transport, encode_frame,
+    PROTOCOL_VERSION, ProbeReplyFrame, encode_frame,
 };
 
 use crate::link::Link;
@@ -115,7 +115,7 @@ impl<L: Link, T: Tsc> Server<L, T> {
                 self.session_open = h.version == PROTOCOL_VERSION;
                 let caps = Capabilities {
                     version: PROTOCOL_VERSION,
-                    transport: Transport::Uart16550,
+                    transport: self.link.transport(),
                     features: self.features,
                     vcpu: VCPU,
                     tsc: self.now(),
@@ -183,7 +183,9 @@ mod tests {
     use std::vec::Vec;
 
     use vmtsync_core::arch::FakeTsc;
-    use vmtsync_core::proto::{FrameReceiver, Hello, ProbeReply, ProbeReplyFull, decode_frame};
+    use vmtsync_core::proto::{
+        FrameReceiver, Hello, ProbeReply, ProbeReplyFull, Transport, decode_frame,
+    };
 
     use super::*;
 

@@ -19,6 +19,7 @@ pub mod client;
 pub mod qemu;
 pub mod serial;
 pub mod tsc;
+pub mod vsock;
 
 use std::collections::VecDeque;
 use std::path::Path;

@@ -4,3 +4,4 @@
 mod agent_qemu;
 mod agent_vmm;
 mod smoke;
+mod vsock;

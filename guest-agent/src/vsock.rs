@@ -1,0 +1,546 @@
+//! The virtio-vsock link: the probe protocol over a vsock stream the agent opens to the host.
+//!
+//! Layers, bottom up:
+//!
+//! - [`open_pci`]: finds the virtio socket device on PCI bus 0 (QEMU `vhost-user-vsock-pci`,
+//!   modern device id 0x1053), places its BARs ([`crate::pci`]), builds virtio-drivers'
+//!   `PciTransport`.
+//! - [`socket`] and [`ManagedStream::connect`]: virtio-drivers' `VirtIOSocket` + `VsockConnectionManager`, a stream
+//!   connection to host CID 2 on the given port, with a deadline. With vhost-device-vsock it
+//!   arrives on the host as a connection to the Unix socket `<uds-path>_<port>`.
+//! - [`Stream`]: what the link needs from a connection (read, send, pump the device), so the
+//!   link's logic is tested on the host against a fake; [`ManagedStream`] is the real one.
+//! - [`VsockLink`]: the agent's [`Link`] over a [`Stream`]. Sending retries, pumping the device,
+//!   while the peer has not granted credit (virtio-drivers refuses a send with
+//!   `InsufficientBufferSpaceInPeer` until a credit update arrives), up to a TSC deadline.
+//!
+//! Everything runs in ring 3 (natively on the project's nested KVM): PCI configuration through
+//! ports with IOPL 3, the BARs and virtqueues through the user-accessible identity map.
+
+use virtio_drivers::device::socket::{
+    SocketError, VMADDR_CID_HOST, VirtIOSocket, VsockAddr, VsockConnectionManager, VsockEventType,
+};
+use virtio_drivers::transport::pci::bus::{ConfigurationAccess, DeviceFunction, PciRoot};
+use virtio_drivers::transport::pci::{PciTransport, VirtioPciError, virtio_device_type};
+use virtio_drivers::transport::{DeviceType, Transport as VirtioTransport};
+use virtio_drivers::{Error, Hal};
+use vmtsync_core::arch::Tsc;
+use vmtsync_core::proto::Transport;
+
+use crate::link::Link;
+use crate::pci::{AssignedBar, BarError, MmioWindow, assign_memory_bars};
+
+/// The host's CID (virtio spec 5.10.4: `VMADDR_CID_HOST`).
+pub const HOST_CID: u64 = VMADDR_CID_HOST;
+/// The agent's own port for its connection to the host.
+pub const LOCAL_PORT: u32 = 49_152;
+/// isa-debug-exit code when the vsock transport cannot be set up (QEMU status 0xf9).
+pub const SETUP_FAILED_EXIT_CODE: u8 = 0x7c;
+/// Received bytes not yet reported to the peer after which the link sends a credit update.
+/// Every packet the agent sends carries its receive counter too, so with one reply per request
+/// this only matters if the host sends many requests without reading replies.
+const CREDIT_UPDATE_THRESHOLD: usize = 512;
+
+/// Why the vsock transport could not be set up.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum VsockError {
+    /// No virtio socket device on PCI bus 0 (is `-device vhost-user-vsock-pci` there?).
+    NoDevice,
+    /// Its BARs could not be placed.
+    Bars(BarError),
+    /// virtio-drivers rejected the PCI device.
+    Pci(VirtioPciError),
+    /// The socket device failed.
+    Device(Error),
+    /// The host reset the connection (nothing listening on the port).
+    Refused,
+    /// No answer to the connection request before the deadline.
+    Timeout,
+}
+
+impl VsockError {
+    /// A short description for the log. Deliberately not `Debug`: formatting the nested
+    /// virtio-drivers errors costs kilobytes of `.text` in an agent meant to stay small.
+    #[must_use]
+    pub fn describe(&self) -> &'static str {
+        match self {
+            Self::NoDevice => "no virtio socket device on PCI bus 0",
+            Self::Bars(BarError::WindowFull { .. }) => "BARs do not fit the MMIO window",
+            Self::Bars(_) => "a BAR does not decode or fit below 4 GiB",
+            Self::Pci(_) => "virtio-drivers rejected the PCI device",
+            Self::Device(Error::DmaError) => "out of DMA memory (heap too small)",
+            Self::Device(Error::NotReady) => "device not ready",
+            Self::Device(Error::SocketDeviceError(_)) => "socket protocol error",
+            Self::Device(_) => "virtio device error",
+            Self::Refused => "connection refused (nothing listens on the host port)",
+            Self::Timeout => "no answer to the connection request",
+        }
+    }
+}
+
+/// Finds the virtio socket device on bus 0 of `root`.
+pub fn find_socket<C: ConfigurationAccess>(root: &PciRoot<C>) -> Option<DeviceFunction> {
+    root.enumerate_bus(0)
+        .find(|(_, info)| virtio_device_type(info) == Some(DeviceType::Socket))
+        .map(|(df, _)| df)
+}
+
+/// Finds the virtio socket device, places its unassigned memory BARs in `window` (reporting
+/// each to `placed`), and builds its PCI transport.
+///
+/// # Errors
+/// [`VsockError::NoDevice`], [`VsockError::Bars`] or [`VsockError::Pci`].
+pub fn open_pci<H: Hal, C: ConfigurationAccess>(
+    cam: C,
+    window: &mut MmioWindow,
+    placed: impl FnMut(AssignedBar),
+) -> Result<(PciTransport, DeviceFunction), VsockError> {
+    let mut root = PciRoot::new(cam);
+    let df = find_socket(&root).ok_or(VsockError::NoDevice)?;
+    assign_memory_bars(&mut root, df, window, placed).map_err(VsockError::Bars)?;
+    let t = PciTransport::new::<H, C>(&mut root, df).map_err(VsockError::Pci)?;
+    Ok((t, df))
+}
+
+/// Initialises the socket device on `transport` for a stream to host CID 2, port `port`, from
+/// [`LOCAL_PORT`]. Connect it with [`ManagedStream::connect`].
+///
+/// # Errors
+/// [`VsockError::Device`] when the device does not initialise.
+pub fn socket<H: Hal, T: VirtioTransport>(
+    transport: T,
+    port: u32,
+) -> Result<ManagedStream<H, T>, VsockError> {
+    let driver = VirtIOSocket::<H, T>::new(transport).map_err(VsockError::Device)?;
+    Ok(ManagedStream {
+        mgr: VsockConnectionManager::new(driver),
+        peer: VsockAddr {
+            cid: HOST_CID,
+            port,
+        },
+        local_port: LOCAL_PORT,
+        unreported: 0,
+    })
+}
+
+/// Why a [`Stream`] operation failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum StreamError {
+    /// The peer has not granted enough credit yet: pump and retry.
+    NoCredit,
+    /// The connection is gone (reset or shut down by the peer).
+    Closed,
+    /// The device reported an error.
+    Device,
+}
+
+/// A connected byte stream, as [`VsockLink`] uses it.
+pub trait Stream {
+    /// Copies bytes already received into `buf`; `Ok(0)` when there are none. Never blocks.
+    ///
+    /// # Errors
+    /// [`StreamError::Closed`] once the connection is gone and drained.
+    fn read(&mut self, buf: &mut [u8]) -> Result<usize, StreamError>;
+    /// Sends `bytes` as one packet, or refuses with [`StreamError::NoCredit`].
+    ///
+    /// # Errors
+    /// [`StreamError`].
+    fn send(&mut self, bytes: &[u8]) -> Result<(), StreamError>;
+    /// Handles at most one pending device event (received data, a credit update, a reset).
+    ///
+    /// # Errors
+    /// [`StreamError::Device`].
+    fn pump(&mut self) -> Result<(), StreamError>;
+}
+
+/// A stream connection through virtio-drivers' connection manager.
+pub struct ManagedStream<H: Hal, T: VirtioTransport> {
+    mgr: VsockConnectionManager<H, T>,
+    peer: VsockAddr,
+    local_port: u32,
+    /// Bytes read since the peer last heard our receive counter.
+    unreported: usize,
+}
+
+impl<H: Hal, T: VirtioTransport> core::fmt::Debug for ManagedStream<H, T> {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_struct("ManagedStream")
+            .field("guest_cid", &self.mgr.guest_cid())
+            .field("peer", &self.peer)
+            .field("local_port", &self.local_port)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<H: Hal, T: VirtioTransport> ManagedStream<H, T> {
+    /// The CID the device assigned to this guest.
+    pub fn guest_cid(&self) -> u64 {
+        self.mgr.guest_cid()
+    }
+
+    /// The host port this stream is connected to.
+    pub fn peer_port(&self) -> u32 {
+        self.peer.port
+    }
+
+    /// Sends a connection request and waits at most `timeout_cycles` of `clock` for the answer.
+    /// After [`VsockError::Refused`] or [`VsockError::Timeout`] it may be called again.
+    ///
+    /// # Errors
+    /// [`VsockError::Device`], [`VsockError::Refused`] (the host reset the request: nothing
+    /// listens on the port yet) or [`VsockError::Timeout`].
+    pub fn connect<C: Tsc>(&mut self, clock: &C, timeout_cycles: u64) -> Result<(), VsockError> {
+        self.mgr
+            .connect(self.peer, self.local_port)
+            .map_err(VsockError::Device)?;
+        let start = clock.read_ordered();
+        loop {
+            if let Some(ev) = self.mgr.poll().map_err(VsockError::Device)?
+                && ev.source == self.peer
+                && ev.destination.port == self.local_port
+            {
+                match ev.event_type {
+                    VsockEventType::Connected => return Ok(()),
+                    VsockEventType::Disconnected { .. } => {
+                        // The manager may keep a closed connection around until drained.
+                        let _ = self.mgr.force_close(self.peer, self.local_port);
+                        return Err(VsockError::Refused);
+                    }
+                    _ => {}
+                }
+            }
+            if clock.read_ordered().wrapping_sub(start) > timeout_cycles {
+                let _ = self.mgr.force_close(self.peer, self.local_port);
+                return Err(VsockError::Timeout);
+            }
+        }
+    }
+}
+
+fn stream_error(e: Error) -> StreamError {
+    match e {
+        Error::SocketDeviceError(SocketError::InsufficientBufferSpaceInPeer) => {
+            StreamError::NoCredit
+        }
+        Error::SocketDeviceError(SocketError::NotConnected | SocketError::PeerSocketShutdown) => {
+            StreamError::Closed
+        }
+        _ => StreamError::Device,
+    }
+}
+
+impl<H: Hal, T: VirtioTransport> Stream for ManagedStream<H, T> {
+    fn read(&mut self, buf: &mut [u8]) -> Result<usize, StreamError> {
+        let n = self
+            .mgr
+            .recv(self.peer, self.local_port, buf)
+            .map_err(stream_error)?;
+        self.unreported += n;
+        if self.unreported >= CREDIT_UPDATE_THRESHOLD {
+            self.mgr
+                .update_credit(self.peer, self.local_port)
+                .map_err(stream_error)?;
+            self.unreported = 0;
+        }
+        Ok(n)
+    }
+
+    fn send(&mut self, bytes: &[u8]) -> Result<(), StreamError> {
+        self.mgr
+            .send(self.peer, self.local_port, bytes)
+            .map_err(stream_error)?;
+        // The packet header carried our receive counter.
+        self.unreported = 0;
+        Ok(())
+    }
+
+    fn pump(&mut self) -> Result<(), StreamError> {
+        self.mgr.poll().map(|_| ()).map_err(stream_error)
+    }
+}
+
+/// Counters of a [`VsockLink`], for the agent's log.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LinkStats {
+    /// Sends that had to wait for peer credit.
+    pub credit_waits: u32,
+    /// Sends given up (no credit before the deadline, or a stream error).
+    pub dropped_sends: u32,
+    /// Stream errors seen while receiving or pumping.
+    pub errors: u32,
+    /// The connection has closed.
+    pub closed: bool,
+}
+
+/// The agent's [`Link`] over a vsock [`Stream`].
+#[derive(Debug)]
+pub struct VsockLink<S, C> {
+    stream: S,
+    clock: C,
+    send_timeout_cycles: u64,
+    rx: [u8; 128],
+    rx_pos: usize,
+    rx_len: usize,
+    stats: LinkStats,
+}
+
+impl<S: Stream, C: Tsc> VsockLink<S, C> {
+    /// A link on `stream` whose sends give up after `send_timeout_cycles` of `clock` without
+    /// peer credit.
+    pub fn new(stream: S, clock: C, send_timeout_cycles: u64) -> Self {
+        Self {
+            stream,
+            clock,
+            send_timeout_cycles,
+            rx: [0; 128],
+            rx_pos: 0,
+            rx_len: 0,
+            stats: LinkStats::default(),
+        }
+    }
+
+    /// Counters so far.
+    pub fn stats(&self) -> LinkStats {
+        self.stats
+    }
+
+    /// The stream (tests inspect it).
+    pub fn stream_mut(&mut self) -> &mut S {
+        &mut self.stream
+    }
+
+    fn note(&mut self, e: StreamError) {
+        if e == StreamError::Closed {
+            self.stats.closed = true;
+        } else {
+            self.stats.errors = self.stats.errors.wrapping_add(1);
+        }
+    }
+
+    fn refill(&mut self) {
+        let mut n = self.stream.read(&mut self.rx);
+        if n == Ok(0) {
+            if let Err(e) = self.stream.pump() {
+                self.note(e);
+            }
+            n = self.stream.read(&mut self.rx);
+        }
+        match n {
+            Ok(n) => {
+                self.rx_pos = 0;
+                self.rx_len = n;
+            }
+            Err(e) => self.note(e),
+        }
+    }
+}
+
+impl<S: Stream, C: Tsc> Link for VsockLink<S, C> {
+    fn try_recv(&mut self) -> Option<u8> {
+        if self.rx_pos >= self.rx_len {
+            self.refill();
+        }
+        let b = *self.rx.get(self.rx_pos..self.rx_len)?.first()?;
+        self.rx_pos += 1;
+        Some(b)
+    }
+
+    /// Nothing to wait for: the peer's credit is only known inside the driver, so a send
+    /// without credit is retried in [`Link::send_now`]. That keeps the TSC read before it
+    /// within the host's bracket, only less tightly.
+    fn wait_ready(&mut self) {}
+
+    fn send_now(&mut self, bytes: &[u8]) {
+        let mut waiting_since = None;
+        loop {
+            match self.stream.send(bytes) {
+                Ok(()) => return,
+                Err(StreamError::NoCredit) => {
+                    let now = self.clock.read_ordered();
+                    let since = *waiting_since.get_or_insert_with(|| {
+                        self.stats.credit_waits = self.stats.credit_waits.wrapping_add(1);
+                        now
+                    });
+                    if now.wrapping_sub(since) > self.send_timeout_cycles {
+                        self.stats.dropped_sends = self.stats.dropped_sends.wrapping_add(1);
+                        return;
+                    }
+                    if let Err(e) = self.stream.pump() {
+                        self.note(e);
+                    }
+                }
+                Err(e) => {
+                    self.note(e);
+                    self.stats.dropped_sends = self.stats.dropped_sends.wrapping_add(1);
+                    return;
+                }
+            }
+        }
+    }
+
+    fn transport(&self) -> Transport {
+        Transport::VirtioVsock
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::VecDeque;
+    use std::vec::Vec;
+
+    use vmtsync_core::arch::FakeTsc;
+    use vmtsync_core::proto::{
+        Features, Feed, FrameReceiver, Hello, MAX_FRAME_SIZE, Message, PROTOCOL_VERSION,
+        encode_frame,
+    };
+
+    use super::*;
+    use crate::server::{Outcome, Server};
+    use crate::tsc::Skew;
+
+    /// A stream fed from chunks (each becomes readable after one pump, like a device event),
+    /// granting credit after `credit_after_pumps` pumps.
+    #[derive(Debug, Default)]
+    struct FakeStream {
+        arriving: VecDeque<Vec<u8>>,
+        readable: VecDeque<u8>,
+        sent: Vec<Vec<u8>>,
+        pumps: u32,
+        credit_after_pumps: u32,
+        closed: bool,
+    }
+
+    impl Stream for FakeStream {
+        fn read(&mut self, buf: &mut [u8]) -> Result<usize, StreamError> {
+            if self.readable.is_empty() && self.closed {
+                return Err(StreamError::Closed);
+            }
+            let n = buf.len().min(self.readable.len());
+            for (d, s) in buf.iter_mut().zip(self.readable.drain(..n)) {
+                *d = s;
+            }
+            Ok(n)
+        }
+        fn send(&mut self, bytes: &[u8]) -> Result<(), StreamError> {
+            if self.closed {
+                return Err(StreamError::Closed);
+            }
+            if self.pumps < self.credit_after_pumps {
+                return Err(StreamError::NoCredit);
+            }
+            self.sent.push(bytes.to_vec());
+            Ok(())
+        }
+        fn pump(&mut self) -> Result<(), StreamError> {
+            self.pumps += 1;
+            if let Some(c) = self.arriving.pop_front() {
+                self.readable.extend(c);
+            }
+            Ok(())
+        }
+    }
+
+    fn link(s: FakeStream) -> VsockLink<FakeStream, FakeTsc> {
+        VsockLink::new(s, FakeTsc::new(0, 10), 1_000)
+    }
+
+    #[test]
+    fn bytes_arrive_in_order_across_chunks_and_reads() {
+        let mut s = FakeStream::default();
+        s.arriving.push_back((0u8..200).collect());
+        s.arriving.push_back(vec![7, 8]);
+        let mut l = link(s);
+        let mut got = Vec::new();
+        for _ in 0..1_000 {
+            if let Some(b) = l.try_recv() {
+                got.push(b);
+            }
+        }
+        let mut want: Vec<u8> = (0u8..200).collect();
+        want.extend([7, 8]);
+        assert_eq!(got, want);
+        assert_eq!(l.try_recv(), None);
+        assert_eq!(l.stats(), LinkStats::default());
+    }
+
+    #[test]
+    fn a_send_without_credit_pumps_until_credit_arrives() {
+        let mut l = link(FakeStream {
+            credit_after_pumps: 5,
+            ..FakeStream::default()
+        });
+        l.send_now(b"abc");
+        assert_eq!(l.stream_mut().sent, vec![b"abc".to_vec()]);
+        assert_eq!(l.stream_mut().pumps, 5);
+        assert_eq!(l.stats().credit_waits, 1);
+        assert_eq!(l.stats().dropped_sends, 0);
+    }
+
+    #[test]
+    fn a_send_that_never_gets_credit_is_dropped_at_the_deadline() {
+        let mut l = link(FakeStream {
+            credit_after_pumps: u32::MAX,
+            ..FakeStream::default()
+        });
+        l.send_now(b"abc");
+        assert!(l.stream_mut().sent.is_empty());
+        // The clock advances 10 per read and the deadline is 1000 cycles.
+        let pumps = l.stream_mut().pumps;
+        assert!((99..=101).contains(&pumps), "{pumps} pumps");
+        assert_eq!(l.stats().dropped_sends, 1);
+        assert_eq!(l.stats().credit_waits, 1);
+    }
+
+    #[test]
+    fn a_closed_stream_is_reported_not_retried() {
+        let mut l = link(FakeStream {
+            closed: true,
+            ..FakeStream::default()
+        });
+        assert_eq!(l.try_recv(), None);
+        l.send_now(b"x");
+        let st = l.stats();
+        assert!(st.closed);
+        assert_eq!((st.dropped_sends, st.errors), (1, 0));
+        assert_eq!(l.stream_mut().pumps, 0);
+    }
+
+    #[test]
+    fn the_server_reports_vsock_in_its_capabilities_and_answers_probes() {
+        let mut buf = [0u8; MAX_FRAME_SIZE];
+        let mut s = FakeStream::default();
+        for m in [
+            Message::Hello(Hello {
+                version: PROTOCOL_VERSION,
+                features: Features::NONE,
+            }),
+            Message::ProbeFull { seq: 5 },
+        ] {
+            s.arriving
+                .push_back(encode_frame(&m, &mut buf).expect("encodes").to_vec());
+        }
+        let tsc = FakeTsc::new(100, 1);
+        let mut server = Server::new(link(s), &tsc, Skew::IDENTITY, Features::NONE, None);
+        for _ in 0..100 {
+            assert_eq!(server.poll(), Outcome::Continue);
+        }
+        let sent = core::mem::take(&mut server.link_mut().stream_mut().sent);
+        assert_eq!(sent.len(), 2, "one packet per reply frame");
+        let mut rx = FrameReceiver::new();
+        let mut msgs = Vec::new();
+        for pkt in &sent {
+            let Feed::Message { msg, rest } = rx.feed(pkt) else {
+                panic!("packet is not one whole frame: {pkt:?}")
+            };
+            assert!(rest.is_empty());
+            msgs.push(msg);
+        }
+        let Message::Capabilities(c) = msgs[0] else {
+            panic!("{msgs:?}")
+        };
+        assert_eq!(c.transport, Transport::VirtioVsock);
+        assert!(matches!(msgs[1], Message::ProbeReplyFull(p) if p.seq == 5));
+    }
+}

@@ -1,0 +1,446 @@
+//! The agent's virtio-vsock transport under QEMU q35 + qboot, through `vhost-device-vsock`.
+//!
+//! There is no `/dev/vhost-vsock` on the project's machines and AF_VSOCK sockets are off limits
+//! (DESIGN.md §4), so the device is QEMU's `vhost-user-vsock-pci` served by the rust-vmm
+//! `vhost-device-vsock` 0.3 backend, which maps guest connections onto Unix sockets: a guest
+//! connection to host port P arrives as a connection to `<uds-path>_P`. vhost-user needs guest
+//! memory the backend can map, hence `memory-backend-memfd,share=on` as the NUMA node's memory.
+//!
+//! [`VsockRig`] starts both processes (each under a [`ChildGuard`], killed by PID on drop),
+//! listens on `<uds-path>_P` before the guest boots, and cleans its temporary directory.
+//! [`VsockClient`] speaks the probe protocol on the accepted stream and stamps each exchange with
+//! the host TSC (`lfence; rdtsc`) just before the request is written and just after the reply's
+//! last byte is read. Every wait has a deadline.
+
+use std::io::{ErrorKind, Read, Write};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitStatus, Stdio};
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use vmtsync_core::proto::{Feed, FrameReceiver, MAX_FRAME_SIZE, Message, encode_frame};
+
+use super::qemu::{self, Machine};
+use super::tsc::host_tsc;
+use crate::ChildGuard;
+
+/// The backend version the rig is written against (its `--vm` syntax and `<uds-path>_<port>`
+/// naming).
+pub const VHOST_DEVICE_VSOCK_VERSION: &str = "0.3.0";
+/// The guest CID given to the backend.
+pub const GUEST_CID: u32 = 3;
+/// Guest RAM; the memfd backend must have the same size as `-m`.
+const GUEST_MEM: &str = "64M";
+
+/// Why the rig or the client failed.
+#[derive(Debug, thiserror::Error)]
+pub enum VsockRigError {
+    /// `cargo install vhost-device-vsock` failed.
+    #[error(
+        "installing vhost-device-vsock {VHOST_DEVICE_VSOCK_VERSION} failed ({0}); try \
+         `cargo install --locked vhost-device-vsock --version {VHOST_DEVICE_VSOCK_VERSION} \
+         --root ~/.cache/vmtsync/vhost-device-vsock`"
+    )]
+    Install(String),
+    /// A process could not be started.
+    #[error("could not start {0}: {1}")]
+    Spawn(&'static str, std::io::Error),
+    /// A socket or file operation failed.
+    #[error("{0}: {1}")]
+    Io(&'static str, std::io::Error),
+    /// Something did not happen before its deadline.
+    #[error("timed out after {1:?} waiting for {0}")]
+    Timeout(&'static str, Duration),
+    /// A process ended early.
+    #[error("{0} exited early with {1}")]
+    Exited(&'static str, ExitStatus),
+    /// The guest's bytes did not decode, or a request did not encode.
+    #[error("protocol error: {0}")]
+    Protocol(String),
+}
+
+/// Where the backend is installed: `$HOME/.cache/vmtsync/vhost-device-vsock` (`cargo install
+/// --root`), outside any worktree so every checkout shares one build.
+#[must_use]
+pub fn install_root() -> PathBuf {
+    let home = std::env::var_os("HOME").map_or_else(|| PathBuf::from("/root"), PathBuf::from);
+    home.join(".cache/vmtsync/vhost-device-vsock")
+}
+
+/// The installed backend binary, installing it first if missing (`cargo install --locked`,
+/// ~150 s; its test suite is never run: it binds AF_VSOCK). Installs at most once per process.
+///
+/// # Errors
+/// [`VsockRigError::Install`] when cargo fails.
+pub fn ensure_vhost_device_vsock() -> Result<PathBuf, VsockRigError> {
+    static BIN: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    BIN.get_or_init(|| {
+        let root = install_root();
+        let bin = root.join("bin/vhost-device-vsock");
+        if bin.is_file() {
+            return Ok(bin);
+        }
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        eprintln!(
+            "installing vhost-device-vsock {VHOST_DEVICE_VSOCK_VERSION} into {}",
+            root.display()
+        );
+        let out = Command::new(cargo)
+            .env_remove("RUSTFLAGS")
+            .env_remove("CARGO_ENCODED_RUSTFLAGS")
+            .env_remove("CARGO_BUILD_TARGET")
+            .env_remove("CARGO_TARGET_DIR")
+            .args(["install", "--locked", "vhost-device-vsock", "--version"])
+            .arg(VHOST_DEVICE_VSOCK_VERSION)
+            .arg("--root")
+            .arg(&root)
+            .output()
+            .map_err(|e| format!("starting cargo: {e}"))?;
+        if !out.status.success() || !bin.is_file() {
+            return Err(format!(
+                "{}: {}",
+                out.status,
+                String::from_utf8_lossy(&out.stderr)
+                    .lines()
+                    .rev()
+                    .take(10)
+                    .collect::<Vec<_>>()
+                    .join(" | ")
+            ));
+        }
+        Ok(bin)
+    })
+    .clone()
+    .map_err(VsockRigError::Install)
+}
+
+/// A QEMU q35 + qboot VM with `vhost-user-vsock-pci`, its backend, and a host listener.
+#[derive(Debug)]
+pub struct VsockRig {
+    dir: PathBuf,
+    port: u32,
+    listener: UnixListener,
+    // Field order is drop order: QEMU goes before its backend.
+    qemu: ChildGuard,
+    backend: ChildGuard,
+}
+
+impl VsockRig {
+    /// Starts the backend (`backend` is its binary), listens on `<uds-path>_<port>`, and boots
+    /// `elf` with `append` as its command line. COM1 goes to a file (`com1.out`), COM2 to
+    /// `com2.log`, both in the rig's directory.
+    ///
+    /// # Errors
+    /// [`VsockRigError`] when a process does not start, or the backend's socket does not appear
+    /// within `timeout`.
+    pub fn start(
+        backend: &Path,
+        elf: &Path,
+        append: &str,
+        port: u32,
+        timeout: Duration,
+    ) -> Result<Self, VsockRigError> {
+        static SEQ: AtomicU32 = AtomicU32::new(0);
+        let dir = std::env::temp_dir().join(format!(
+            "vmtsync-vsock-{}-{}",
+            std::process::id(),
+            SEQ.fetch_add(1, Ordering::Relaxed)
+        ));
+        std::fs::create_dir_all(&dir).map_err(|e| VsockRigError::Io("creating temp dir", e))?;
+        // From here on a failure must still remove `dir`: `Cleanup` does until disarmed.
+        let cleanup = Cleanup(Some(dir.clone()));
+        let vhost_sock = dir.join("vhost.sock");
+        let uds = dir.join("vm.vsock");
+        let listener = UnixListener::bind(format!("{}_{port}", uds.display()))
+            .map_err(|e| VsockRigError::Io("listening on <uds-path>_<port>", e))?;
+        listener
+            .set_nonblocking(true)
+            .map_err(|e| VsockRigError::Io("setting the listener non-blocking", e))?;
+
+        let file = |name: &str| {
+            std::fs::File::create(dir.join(name)).map_err(|e| VsockRigError::Io("log file", e))
+        };
+        let child = Command::new(backend)
+            .arg("--vm")
+            .arg(format!(
+                "guest-cid={GUEST_CID},socket={},uds-path={}",
+                vhost_sock.display(),
+                uds.display()
+            ))
+            .stdin(Stdio::null())
+            .stdout(file("backend.log")?)
+            .stderr(file("backend.err")?)
+            .spawn()
+            .map_err(|e| VsockRigError::Spawn("vhost-device-vsock", e))?;
+        let mut backend_guard = ChildGuard::new(child);
+        let end = Instant::now() + timeout;
+        while !vhost_sock.exists() {
+            if let Ok(Some(s)) = backend_guard.child().try_wait() {
+                return Err(VsockRigError::Exited("vhost-device-vsock", s));
+            }
+            if Instant::now() >= end {
+                return Err(VsockRigError::Timeout("the backend's vhost-user socket", timeout));
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+
+        let mut c = qemu::command(Machine::Q35, elf, append, &dir.join("com2.log"));
+        c.args(["-object"])
+            .arg(format!(
+                "memory-backend-memfd,id=mem,size={GUEST_MEM},share=on"
+            ))
+            .args(["-numa", "node,memdev=mem", "-chardev"])
+            .arg(format!("socket,id=vhostvsock,path={}", vhost_sock.display()))
+            .args(["-device", "vhost-user-vsock-pci,chardev=vhostvsock"])
+            .stdin(Stdio::null())
+            .stdout(file("com1.out")?)
+            .stderr(file("qemu.err")?);
+        let qemu = ChildGuard::new(
+            c.spawn()
+                .map_err(|e| VsockRigError::Spawn(qemu::QEMU, e))?,
+        );
+        cleanup.disarm();
+        Ok(Self {
+            dir,
+            port,
+            listener,
+            qemu,
+            backend: backend_guard,
+        })
+    }
+
+    /// The host port the guest connects to.
+    #[must_use]
+    pub fn port(&self) -> u32 {
+        self.port
+    }
+
+    /// Waits at most `timeout` for the guest's connection.
+    ///
+    /// # Errors
+    /// [`VsockRigError::Timeout`], or [`VsockRigError::Exited`] when QEMU ends first.
+    pub fn accept(&mut self, timeout: Duration) -> Result<VsockClient, VsockRigError> {
+        let end = Instant::now() + timeout;
+        loop {
+            match self.listener.accept() {
+                Ok((s, _)) => return VsockClient::new(s),
+                Err(e) if e.kind() == ErrorKind::WouldBlock => {}
+                Err(e) => return Err(VsockRigError::Io("accepting the guest's connection", e)),
+            }
+            if let Ok(Some(s)) = self.qemu.child().try_wait() {
+                return Err(VsockRigError::Exited("QEMU", s));
+            }
+            if Instant::now() >= end {
+                return Err(VsockRigError::Timeout("the guest's vsock connection", timeout));
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+
+    /// Waits at most `timeout` for QEMU to exit.
+    ///
+    /// # Errors
+    /// [`VsockRigError::Timeout`].
+    pub fn wait_exit(&mut self, timeout: Duration) -> Result<ExitStatus, VsockRigError> {
+        let end = Instant::now() + timeout;
+        loop {
+            if let Some(s) = self
+                .qemu
+                .child()
+                .try_wait()
+                .map_err(|e| VsockRigError::Io("waiting for QEMU", e))?
+            {
+                return Ok(s);
+            }
+            if Instant::now() >= end {
+                return Err(VsockRigError::Timeout("QEMU to exit", timeout));
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// The agent's COM2 log so far.
+    #[must_use]
+    pub fn com2_log(&self) -> String {
+        std::fs::read_to_string(self.dir.join("com2.log")).unwrap_or_default()
+    }
+
+    /// Everything the rig's processes said, for failure messages.
+    #[must_use]
+    pub fn diagnostics(&self) -> String {
+        let read = |n: &str| std::fs::read_to_string(self.dir.join(n)).unwrap_or_default();
+        format!(
+            "--- COM2 ---\n{}\n--- QEMU stderr ---\n{}\n--- vhost-device-vsock stderr ---\n{}",
+            self.com2_log(),
+            read("qemu.err"),
+            read("backend.err")
+        )
+    }
+
+    /// PIDs of QEMU and the backend.
+    #[must_use]
+    pub fn pids(&self) -> (u32, u32) {
+        (self.qemu.pid(), self.backend.pid())
+    }
+}
+
+impl Drop for VsockRig {
+    fn drop(&mut self) {
+        // The guards kill QEMU, then the backend, by PID as the fields drop after this; the
+        // sockets and logs go now (Unix lets a running process keep what it has open).
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Removes a directory on drop unless disarmed.
+struct Cleanup(Option<PathBuf>);
+
+impl Cleanup {
+    fn disarm(mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        if let Some(d) = self.0.take() {
+            let _ = std::fs::remove_dir_all(d);
+        }
+    }
+}
+
+/// One exchange and its host-TSC bracket.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TimedReply {
+    /// The guest's reply.
+    pub reply: Message,
+    /// Host TSC just before the request was written: the guest cannot have seen it earlier.
+    pub sent_tsc: u64,
+    /// Host TSC just after the reply's last byte was read: the guest wrote it before.
+    pub received_tsc: u64,
+}
+
+/// The probe-protocol client on the guest's vsock stream.
+#[derive(Debug)]
+pub struct VsockClient {
+    stream: UnixStream,
+    rx: FrameReceiver,
+    /// Bytes read past the last complete frame.
+    pending: Vec<u8>,
+    /// Whether bytes of an unfinished frame have been fed.
+    in_frame: bool,
+}
+
+impl VsockClient {
+    fn new(stream: UnixStream) -> Result<Self, VsockRigError> {
+        stream
+            .set_nonblocking(false)
+            .map_err(|e| VsockRigError::Io("configuring the stream", e))?;
+        Ok(Self {
+            stream,
+            rx: FrameReceiver::new(),
+            pending: Vec::new(),
+            in_frame: false,
+        })
+    }
+
+    /// Reads until the next complete frame; an empty frame (the ready beacon) yields `None`.
+    fn next_frame(&mut self, end: Instant) -> Result<Option<Message>, VsockRigError> {
+        let mut buf = [0u8; 256];
+        loop {
+            // Byte by byte, so an empty frame (the beacon) is seen even amid other bytes.
+            let data = std::mem::take(&mut self.pending);
+            for (i, &b) in data.iter().enumerate() {
+                match self.rx.feed(&[b]) {
+                    Feed::Consumed => {
+                        let empty_frame = b == 0 && !self.in_frame;
+                        self.in_frame = b != 0;
+                        if empty_frame {
+                            self.pending = data[i + 1..].to_vec();
+                            return Ok(None);
+                        }
+                    }
+                    Feed::Message { msg, .. } => {
+                        self.in_frame = false;
+                        self.pending = data[i + 1..].to_vec();
+                        return Ok(Some(msg));
+                    }
+                    Feed::Error { error, .. } => {
+                        return Err(VsockRigError::Protocol(format!(
+                            "undecodable frame from the agent: {error:?}"
+                        )));
+                    }
+                }
+            }
+            let left = end.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(VsockRigError::Timeout("a frame from the agent", left));
+            }
+            self.stream
+                .set_read_timeout(Some(left))
+                .map_err(|e| VsockRigError::Io("setting the read timeout", e))?;
+            match self.stream.read(&mut buf) {
+                Ok(0) => {
+                    return Err(VsockRigError::Io(
+                        "reading from the agent",
+                        ErrorKind::UnexpectedEof.into(),
+                    ));
+                }
+                Ok(n) => self.pending.extend_from_slice(&buf[..n]),
+                Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
+                    return Err(VsockRigError::Timeout(
+                        "a frame from the agent",
+                        end.saturating_duration_since(Instant::now()),
+                    ));
+                }
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) => return Err(VsockRigError::Io("reading from the agent", e)),
+            }
+        }
+    }
+
+    /// Waits at most `timeout` for the agent's ready beacon (an empty frame).
+    ///
+    /// # Errors
+    /// [`VsockRigError`] on timeout, a closed stream, or a message instead of the beacon.
+    pub fn wait_ready(&mut self, timeout: Duration) -> Result<(), VsockRigError> {
+        match self.next_frame(Instant::now() + timeout)? {
+            None => Ok(()),
+            Some(m) => Err(VsockRigError::Protocol(format!(
+                "expected the ready beacon, got {m:?}"
+            ))),
+        }
+    }
+
+    /// Sends `msg` and waits at most `timeout` for the next message, stamping both ends with
+    /// the host TSC.
+    ///
+    /// # Errors
+    /// [`VsockRigError`] on timeout, I/O failure or a bad frame.
+    pub fn exchange(
+        &mut self,
+        msg: &Message,
+        timeout: Duration,
+    ) -> Result<TimedReply, VsockRigError> {
+        let mut buf = [0u8; MAX_FRAME_SIZE];
+        let frame = encode_frame(msg, &mut buf)
+            .map_err(|e| VsockRigError::Protocol(format!("request does not encode: {e:?}")))?;
+        let end = Instant::now() + timeout;
+        let sent_tsc = host_tsc();
+        self.stream
+            .write_all(frame)
+            .map_err(|e| VsockRigError::Io("writing to the agent", e))?;
+        loop {
+            if let Some(reply) = self.next_frame(end)? {
+                let received_tsc = host_tsc();
+                return Ok(TimedReply {
+                    reply,
+                    sent_tsc,
+                    received_tsc,
+                });
+            }
+        }
+    }
+}

@@ -1,0 +1,141 @@
+//! Tier 2: the agent's virtio-vsock transport, end to end under QEMU q35 + qboot with
+//! `vhost-user-vsock-pci` and the `vhost-device-vsock` backend (installed on demand).
+//!
+//! Truth here: guest TSC == host TSC (DESIGN.md §4), so every probe's host bracket
+//! `[sent, received]` must contain the guest's TSC, and the offset interval they imply must
+//! contain 0.
+
+use std::time::{Duration, Instant};
+
+use vmtsync_core::proto::{Features, Hello, Message, PROTOCOL_VERSION, Transport};
+use vmtsync_tests::vmm::agent_elf;
+use vmtsync_tests::vmm::qemu::{self, debug_exit_status, have_qemu};
+use vmtsync_tests::vmm::vsock::{VsockRig, ensure_vhost_device_vsock};
+use vmtsync_tests::{have_kvm, require};
+
+const STEP: Duration = Duration::from_secs(20);
+const PORT: u32 = 1234;
+const PROBES: u16 = 200;
+
+#[test]
+fn vsock_probes_bracket_the_guest_tsc_under_qemu_q35() {
+    let test = "vsock_probes_bracket_the_guest_tsc_under_qemu_q35";
+    if !require(test, have_kvm(), "/dev/kvm is not accessible read-write")
+        || !require(
+            test,
+            have_qemu(),
+            "qemu-system-x86_64 is missing (apt-get install qemu-system-x86)",
+        )
+        || !require(
+            test,
+            std::path::Path::new(qemu::QBOOT).is_file(),
+            "qboot.rom is missing (apt-get install qemu-system-x86)",
+        )
+    {
+        return;
+    }
+    let backend = match ensure_vhost_device_vsock() {
+        Ok(b) => b,
+        Err(e) => {
+            if !require(test, false, &e.to_string()) {
+                return;
+            }
+            unreachable!("require fails the test under CI");
+        }
+    };
+    let elf = agent_elf().expect("agent builds");
+    let started = Instant::now();
+    let append = format!("transport=vsock port={PORT} exit=5");
+    let mut rig = VsockRig::start(&backend, &elf, &append, PORT, STEP).expect("rig starts");
+    let mut client = match rig.accept(STEP) {
+        Ok(c) => c,
+        Err(e) => panic!("{e}\n{}", rig.diagnostics()),
+    };
+    let connected = started.elapsed();
+    if let Err(e) = client.wait_ready(STEP) {
+        panic!("{e}\n{}", rig.diagnostics());
+    }
+
+    let hello = Message::Hello(Hello {
+        version: PROTOCOL_VERSION,
+        features: Features::NONE,
+    });
+    let caps = client.exchange(&hello, STEP).expect("capabilities");
+    let Message::Capabilities(k) = caps.reply else {
+        panic!("expected capabilities, got {:?}", caps.reply)
+    };
+    assert_eq!(
+        (k.version, k.transport),
+        (PROTOCOL_VERSION, Transport::VirtioVsock)
+    );
+
+    // Offset = host - guest. Each probe gives offset ∈ [sent - tsc, received - tsc]; the truth
+    // (0) must lie in every one of them, hence in their intersection.
+    let (mut lo, mut hi) = (i128::MIN, i128::MAX);
+    let mut rtts = Vec::new();
+    let mut errors = Vec::new();
+    for seq in 0..PROBES {
+        let t = client
+            .exchange(&Message::ProbeFull { seq }, STEP)
+            .unwrap_or_else(|e| panic!("probe {seq}: {e}\n{}", rig.diagnostics()));
+        let Message::ProbeReplyFull(r) = t.reply else {
+            panic!("probe {seq}: unexpected reply {:?}", t.reply)
+        };
+        assert_eq!(r.seq, seq);
+        assert!(
+            t.sent_tsc <= r.tsc && r.tsc <= t.received_tsc,
+            "probe {seq}: guest TSC {} outside host bracket [{}, {}]",
+            r.tsc,
+            t.sent_tsc,
+            t.received_tsc
+        );
+        lo = lo.max(i128::from(t.sent_tsc) - i128::from(r.tsc));
+        hi = hi.min(i128::from(t.received_tsc) - i128::from(r.tsc));
+        rtts.push(t.received_tsc - t.sent_tsc);
+        // The midpoint estimate's error against the truth 0, in cycles (doubled, to stay exact).
+        let mid2 = i128::from(t.sent_tsc) + i128::from(t.received_tsc) - 2 * i128::from(r.tsc);
+        errors.push(mid2.unsigned_abs());
+    }
+    assert!(
+        lo <= 0 && 0 <= hi,
+        "offset interval [{lo}, {hi}] misses 0"
+    );
+    rtts.sort_unstable();
+    errors.sort_unstable();
+
+    let bye = client.exchange(&Message::Shutdown, STEP).expect("exiting");
+    assert_eq!(bye.reply, Message::Exiting);
+    let status = rig.wait_exit(STEP).expect("QEMU exits");
+    let log = rig.com2_log();
+    let tsc_khz = k.tsc_khz.map_or(0, u64::from);
+    let cycles_to_us = |c: u64| if tsc_khz == 0 { 0 } else { c * 1000 / tsc_khz };
+    eprintln!(
+        "vsock: connected after {connected:?}; {PROBES} probes: RTT min {} / median {} cycles \
+         (~{} us median); midpoint |error| median {} cycles (half-cycles halved), offset \
+         interval [{lo}, {hi}] (width {}); exit {status}, total {:?}",
+        rtts[0],
+        rtts[rtts.len() / 2],
+        cycles_to_us(rtts[rtts.len() / 2]),
+        errors[errors.len() / 2] / 2,
+        hi - lo,
+        started.elapsed()
+    );
+    assert_eq!(
+        status.code(),
+        Some(debug_exit_status(5)),
+        "{}",
+        rig.diagnostics()
+    );
+    assert!(log.contains("serving at CPL 3"), "COM2 log:\n{log}");
+    assert!(
+        log.contains("ready: postcard on vsock port 1234"),
+        "COM2 log:\n{log}"
+    );
+    assert!(
+        log.contains(&format!(
+            "shutdown after {PROBES} probes, 0 bad frames (0 credit waits, 0 dropped sends, 0 \
+             link errors): isa-debug-exit 5"
+        )),
+        "COM2 log:\n{log}"
+    );
+}

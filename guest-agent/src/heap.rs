@@ -34,11 +34,11 @@ pub fn take_region() -> Option<&'static mut [MaybeUninit<u8>]> {
     if REGION_TAKEN.swap(true, Ordering::AcqRel) {
         return None;
     }
-    // SAFETY: the flag above lets exactly one caller through, so this is the only reference to
-    // REGION for the rest of the program.
-    let region = unsafe { &mut *(&raw mut REGION) };
-    let bytes: *mut MaybeUninit<u8> = region.0.as_mut_ptr().cast();
-    // SAFETY: `bytes` points to HEAP_SIZE bytes of the static; MaybeUninit<u8> needs no init.
+    // `Region` is `repr(C)` around the bytes, so its address is theirs.
+    let bytes: *mut MaybeUninit<u8> = (&raw mut REGION).cast();
+    // SAFETY: `bytes` points to HEAP_SIZE bytes of the static, MaybeUninit<u8> needs no
+    // initialisation, and the flag above lets exactly one caller through, so this is the only
+    // reference to REGION for the rest of the program.
     Some(unsafe { core::slice::from_raw_parts_mut(bytes, HEAP_SIZE) })
 }
 
@@ -120,7 +120,10 @@ mod tests {
     #[test]
     fn zero_or_overflowing_page_counts_are_refused() {
         assert_eq!(IdentityHal::dma_alloc(0, BufferDirection::Both).0, 0);
-        assert_eq!(IdentityHal::dma_alloc(usize::MAX, BufferDirection::Both).0, 0);
+        assert_eq!(
+            IdentityHal::dma_alloc(usize::MAX, BufferDirection::Both).0,
+            0
+        );
     }
 
     #[test]

@@ -231,7 +231,10 @@ mod tests {
         let (o, errs) = parse("transport=vsock port=0x10000 port=4294967296");
         assert_eq!(o.transport, Transport::Vsock);
         assert_eq!(o.vsock_port, 0x10000);
-        assert_eq!(errs, vec![("port=4294967296".into(), OptionError::BadValue)]);
+        assert_eq!(
+            errs,
+            vec![("port=4294967296".into(), OptionError::BadValue)]
+        );
         assert_eq!(parse("").0.vsock_port, DEFAULT_VSOCK_PORT);
     }
 

@@ -36,7 +36,10 @@ pub fn serve(opts: &Options, tsc: NativeTsc, features: Features, tsc_khz: Option
     let ms = |n: u64| n.saturating_mul(khz);
     let start = tsc.read_ordered();
     let fail = |what: &str, why: &str| -> ! {
-        log!("vsock: {what} failed: {why}; isa-debug-exit {}", vsock::SETUP_FAILED_EXIT_CODE);
+        log!(
+            "vsock: {what} failed: {why}; isa-debug-exit {}",
+            vsock::SETUP_FAILED_EXIT_CODE
+        );
         port::exit(vsock::SETUP_FAILED_EXIT_CODE)
     };
 
@@ -64,7 +67,10 @@ pub fn serve(opts: &Options, tsc: NativeTsc, features: Features, tsc_khz: Option
         match stream.connect(&tsc, ms(2_000)) {
             Ok(()) => break,
             Err(e @ (VsockError::Refused | VsockError::Timeout)) if attempt < CONNECT_ATTEMPTS => {
-                log!("vsock: connect attempt {attempt}: {}; retrying", e.describe());
+                log!(
+                    "vsock: connect attempt {attempt}: {}; retrying",
+                    e.describe()
+                );
                 attempt += 1;
                 let t0 = tsc.read_ordered();
                 while tsc.read_ordered().wrapping_sub(t0) < ms(250) {

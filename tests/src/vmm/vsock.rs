@@ -20,7 +20,10 @@ use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
-use vmtsync_core::proto::{Feed, FrameReceiver, MAX_FRAME_SIZE, Message, encode_frame};
+use vmtsync_core::proto::{
+    Capabilities, Features, Feed, FrameReceiver, Hello, MAX_FRAME_SIZE, Message, PROTOCOL_VERSION,
+    encode_frame,
+};
 
 use super::qemu::{self, Machine};
 use super::tsc::host_tsc;
@@ -181,7 +184,10 @@ impl VsockRig {
                 return Err(VsockRigError::Exited("vhost-device-vsock", s));
             }
             if Instant::now() >= end {
-                return Err(VsockRigError::Timeout("the backend's vhost-user socket", timeout));
+                return Err(VsockRigError::Timeout(
+                    "the backend's vhost-user socket",
+                    timeout,
+                ));
             }
             std::thread::sleep(Duration::from_millis(5));
         }
@@ -192,15 +198,15 @@ impl VsockRig {
                 "memory-backend-memfd,id=mem,size={GUEST_MEM},share=on"
             ))
             .args(["-numa", "node,memdev=mem", "-chardev"])
-            .arg(format!("socket,id=vhostvsock,path={}", vhost_sock.display()))
+            .arg(format!(
+                "socket,id=vhostvsock,path={}",
+                vhost_sock.display()
+            ))
             .args(["-device", "vhost-user-vsock-pci,chardev=vhostvsock"])
             .stdin(Stdio::null())
             .stdout(file("com1.out")?)
             .stderr(file("qemu.err")?);
-        let qemu = ChildGuard::new(
-            c.spawn()
-                .map_err(|e| VsockRigError::Spawn(qemu::QEMU, e))?,
-        );
+        let qemu = ChildGuard::new(c.spawn().map_err(|e| VsockRigError::Spawn(qemu::QEMU, e))?);
         cleanup.disarm();
         Ok(Self {
             dir,
@@ -233,7 +239,10 @@ impl VsockRig {
                 return Err(VsockRigError::Exited("QEMU", s));
             }
             if Instant::now() >= end {
-                return Err(VsockRigError::Timeout("the guest's vsock connection", timeout));
+                return Err(VsockRigError::Timeout(
+                    "the guest's vsock connection",
+                    timeout,
+                ));
             }
             std::thread::sleep(Duration::from_millis(2));
         }
@@ -442,5 +451,146 @@ impl VsockClient {
                 });
             }
         }
+    }
+}
+
+/// The result of [`probe_run`]: per-probe host brackets around the guest's TSC, summarised.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProbeRun {
+    /// The agent's `Capabilities`.
+    pub caps: Capabilities,
+    /// `(sent, guest_tsc, received)` per probe, in order.
+    pub samples: Vec<(u64, u64, u64)>,
+}
+
+impl ProbeRun {
+    /// Round-trip times (`received - sent`, host cycles), sorted.
+    #[must_use]
+    pub fn rtts_sorted(&self) -> Vec<u64> {
+        let mut v: Vec<u64> = self
+            .samples
+            .iter()
+            .map(|&(s, _, r)| r.wrapping_sub(s))
+            .collect();
+        v.sort_unstable();
+        v
+    }
+
+    /// Probes whose guest TSC lies outside their host bracket (none when guest TSC == host TSC).
+    #[must_use]
+    pub fn outside_bracket(&self) -> usize {
+        self.samples
+            .iter()
+            .filter(|&&(s, g, r)| !(s <= g && g <= r))
+            .count()
+    }
+
+    /// The offset (host − guest) interval every probe allows: the intersection of
+    /// `[sent − tsc, received − tsc]`. `lo > hi` means the probes contradict each other.
+    #[must_use]
+    pub fn offset_interval(&self) -> (i128, i128) {
+        self.samples
+            .iter()
+            .fold((i128::MIN, i128::MAX), |(lo, hi), &(s, g, r)| {
+                (
+                    lo.max(i128::from(s) - i128::from(g)),
+                    hi.min(i128::from(r) - i128::from(g)),
+                )
+            })
+    }
+
+    /// |midpoint offset estimate − `truth`| per probe, in host cycles rounded down, sorted. The
+    /// midpoint estimate is `(sent + received) / 2 − tsc`.
+    #[must_use]
+    pub fn midpoint_errors_sorted(&self, truth: i128) -> Vec<u128> {
+        let mut v: Vec<u128> = self
+            .samples
+            .iter()
+            .map(|&(s, g, r)| {
+                // Doubled so the midpoint stays an integer, halved at the end.
+                (i128::from(s) + i128::from(r) - 2 * i128::from(g) - 2 * truth).unsigned_abs() / 2
+            })
+            .collect();
+        v.sort_unstable();
+        v
+    }
+}
+
+/// Says hello, then sends `probes` `ProbeFull` requests, each answered before the next.
+///
+/// # Errors
+/// [`VsockRigError`] when an exchange fails or a reply is not the expected message.
+pub fn probe_run(
+    client: &mut VsockClient,
+    probes: u16,
+    timeout: Duration,
+) -> Result<ProbeRun, VsockRigError> {
+    let hello = Message::Hello(Hello {
+        version: PROTOCOL_VERSION,
+        features: Features::NONE,
+    });
+    let caps = match client.exchange(&hello, timeout)?.reply {
+        Message::Capabilities(c) => c,
+        other => {
+            return Err(VsockRigError::Protocol(format!(
+                "expected Capabilities, got {other:?}"
+            )));
+        }
+    };
+    let mut samples = Vec::with_capacity(usize::from(probes));
+    for seq in 0..probes {
+        let t = client.exchange(&Message::ProbeFull { seq }, timeout)?;
+        match t.reply {
+            Message::ProbeReplyFull(r) if r.seq == seq => {
+                samples.push((t.sent_tsc, r.tsc, t.received_tsc));
+            }
+            other => {
+                return Err(VsockRigError::Protocol(format!(
+                    "probe {seq}: unexpected reply {other:?}"
+                )));
+            }
+        }
+    }
+    Ok(ProbeRun { caps, samples })
+}
+
+#[cfg(test)]
+mod tests {
+    use vmtsync_core::GuestTicks;
+    use vmtsync_core::proto::Transport;
+
+    use super::*;
+
+    fn run(samples: Vec<(u64, u64, u64)>) -> ProbeRun {
+        ProbeRun {
+            caps: Capabilities {
+                version: PROTOCOL_VERSION,
+                transport: Transport::VirtioVsock,
+                features: Features::NONE,
+                vcpu: 0,
+                tsc: GuestTicks(0),
+                tsc_khz: None,
+            },
+            samples,
+        }
+    }
+
+    #[test]
+    fn summaries_follow_the_brackets() {
+        let r = run(vec![(100, 130, 200), (300, 320, 330), (400, 399, 500)]);
+        assert_eq!(r.rtts_sorted(), vec![30, 100, 100]);
+        assert_eq!(r.outside_bracket(), 1);
+        // [100-130, 200-130] ∩ [300-320, 330-320] ∩ [400-399, 500-399] = [1, 10].
+        assert_eq!(r.offset_interval(), (1, 10));
+        // Midpoints: 150-130 = 20, 315-320 = -5, 450-399 = 51.
+        assert_eq!(r.midpoint_errors_sorted(0), vec![5, 20, 51]);
+        assert_eq!(r.midpoint_errors_sorted(20), vec![0, 25, 31]);
+    }
+
+    #[test]
+    fn an_empty_run_allows_every_offset() {
+        let r = run(Vec::new());
+        assert_eq!(r.offset_interval(), (i128::MIN, i128::MAX));
+        assert!(r.rtts_sorted().is_empty());
     }
 }

@@ -3,14 +3,14 @@
 //!
 //! Truth here: guest TSC == host TSC (DESIGN.md §4), so every probe's host bracket
 //! `[sent, received]` must contain the guest's TSC, and the offset interval they imply must
-//! contain 0.
+//! contain 0. It prints the RTT and the midpoint estimate's error against 0.
 
 use std::time::{Duration, Instant};
 
-use vmtsync_core::proto::{Features, Hello, Message, PROTOCOL_VERSION, Transport};
+use vmtsync_core::proto::{Message, PROTOCOL_VERSION, Transport};
 use vmtsync_tests::vmm::agent_elf;
 use vmtsync_tests::vmm::qemu::{self, debug_exit_status, have_qemu};
-use vmtsync_tests::vmm::vsock::{VsockRig, ensure_vhost_device_vsock};
+use vmtsync_tests::vmm::vsock::{VsockRig, ensure_vhost_device_vsock, probe_run};
 use vmtsync_tests::{have_kvm, require};
 
 const STEP: Duration = Duration::from_secs(20);
@@ -56,67 +56,40 @@ fn vsock_probes_bracket_the_guest_tsc_under_qemu_q35() {
         panic!("{e}\n{}", rig.diagnostics());
     }
 
-    let hello = Message::Hello(Hello {
-        version: PROTOCOL_VERSION,
-        features: Features::NONE,
-    });
-    let caps = client.exchange(&hello, STEP).expect("capabilities");
-    let Message::Capabilities(k) = caps.reply else {
-        panic!("expected capabilities, got {:?}", caps.reply)
+    let run = match probe_run(&mut client, PROBES, STEP) {
+        Ok(r) => r,
+        Err(e) => panic!("{e}\n{}", rig.diagnostics()),
     };
     assert_eq!(
-        (k.version, k.transport),
+        (run.caps.version, run.caps.transport),
         (PROTOCOL_VERSION, Transport::VirtioVsock)
     );
-
-    // Offset = host - guest. Each probe gives offset ∈ [sent - tsc, received - tsc]; the truth
-    // (0) must lie in every one of them, hence in their intersection.
-    let (mut lo, mut hi) = (i128::MIN, i128::MAX);
-    let mut rtts = Vec::new();
-    let mut errors = Vec::new();
-    for seq in 0..PROBES {
-        let t = client
-            .exchange(&Message::ProbeFull { seq }, STEP)
-            .unwrap_or_else(|e| panic!("probe {seq}: {e}\n{}", rig.diagnostics()));
-        let Message::ProbeReplyFull(r) = t.reply else {
-            panic!("probe {seq}: unexpected reply {:?}", t.reply)
-        };
-        assert_eq!(r.seq, seq);
-        assert!(
-            t.sent_tsc <= r.tsc && r.tsc <= t.received_tsc,
-            "probe {seq}: guest TSC {} outside host bracket [{}, {}]",
-            r.tsc,
-            t.sent_tsc,
-            t.received_tsc
-        );
-        lo = lo.max(i128::from(t.sent_tsc) - i128::from(r.tsc));
-        hi = hi.min(i128::from(t.received_tsc) - i128::from(r.tsc));
-        rtts.push(t.received_tsc - t.sent_tsc);
-        // The midpoint estimate's error against the truth 0, in cycles (doubled, to stay exact).
-        let mid2 = i128::from(t.sent_tsc) + i128::from(t.received_tsc) - 2 * i128::from(r.tsc);
-        errors.push(mid2.unsigned_abs());
-    }
-    assert!(
-        lo <= 0 && 0 <= hi,
-        "offset interval [{lo}, {hi}] misses 0"
-    );
-    rtts.sort_unstable();
-    errors.sort_unstable();
+    assert_eq!(run.samples.len(), usize::from(PROBES));
+    // Every probe's host bracket [sent, received] contains the guest's TSC, so the offset
+    // interval (host - guest) they jointly allow contains the truth, 0.
+    assert_eq!(run.outside_bracket(), 0, "{:?}", run.samples);
+    let (lo, hi) = run.offset_interval();
+    assert!(lo <= 0 && 0 <= hi, "offset interval [{lo}, {hi}] misses 0");
+    let rtts = run.rtts_sorted();
+    let errors = run.midpoint_errors_sorted(0);
 
     let bye = client.exchange(&Message::Shutdown, STEP).expect("exiting");
     assert_eq!(bye.reply, Message::Exiting);
     let status = rig.wait_exit(STEP).expect("QEMU exits");
     let log = rig.com2_log();
-    let tsc_khz = k.tsc_khz.map_or(0, u64::from);
-    let cycles_to_us = |c: u64| if tsc_khz == 0 { 0 } else { c * 1000 / tsc_khz };
+    for line in log.lines().filter(|l| l.starts_with("vsock:")) {
+        eprintln!("agent: {line}");
+    }
+    let tsc_khz = run.caps.tsc_khz.map_or(0, u64::from);
+    let cycles_to_us = |c: u64| (c * 1000).checked_div(tsc_khz).unwrap_or(0);
     eprintln!(
         "vsock: connected after {connected:?}; {PROBES} probes: RTT min {} / median {} cycles \
-         (~{} us median); midpoint |error| median {} cycles (half-cycles halved), offset \
+         (~{} us median); midpoint |error| median {} cycles; offset \
          interval [{lo}, {hi}] (width {}); exit {status}, total {:?}",
         rtts[0],
         rtts[rtts.len() / 2],
         cycles_to_us(rtts[rtts.len() / 2]),
-        errors[errors.len() / 2] / 2,
+        errors[errors.len() / 2],
         hi - lo,
         started.elapsed()
     );

@@ -19,3 +19,4 @@ pub mod server;
 pub mod tsc;
 pub mod uart;
 pub mod vsock;
+pub mod vsock_stream;

@@ -17,6 +17,7 @@ use vmtsync_agent::pci::{DEFAULT_MMIO_WINDOW, PortCam};
 use vmtsync_agent::port;
 use vmtsync_agent::server::{Outcome, Server};
 use vmtsync_agent::vsock::{self, VsockError, VsockLink};
+use vmtsync_agent::vsock_stream::OneStream;
 use vmtsync_core::arch::Tsc;
 use vmtsync_core::arch::x86_64::NativeTsc;
 use vmtsync_core::proto::Features;
@@ -60,7 +61,7 @@ pub fn serve(opts: &Options, tsc: NativeTsc, features: Features, tsc_khz: Option
     .unwrap_or_else(|e| fail("PCI device setup", e.describe()));
     log!("vsock: virtio socket device at {df}");
 
-    let mut stream = vsock::socket::<IdentityHal, _>(transport, opts.vsock_port)
+    let mut stream = OneStream::<IdentityHal, _>::new(transport, opts.vsock_port)
         .unwrap_or_else(|e| fail("socket device init", e.describe()));
     let mut attempt = 1;
     loop {

@@ -5,27 +5,27 @@
 //! - [`open_pci`]: finds the virtio socket device on PCI bus 0 (QEMU `vhost-user-vsock-pci`,
 //!   modern device id 0x1053), places its BARs ([`crate::pci`]), builds virtio-drivers'
 //!   `PciTransport`.
-//! - [`socket`] and [`ManagedStream::connect`]: virtio-drivers' `VirtIOSocket` + `VsockConnectionManager`, a stream
-//!   connection to host CID 2 on the given port, with a deadline. With vhost-device-vsock it
+//! - [`OneStream`](crate::vsock_stream::OneStream): virtio-drivers' `VirtIOSocket` driven for
+//!   one stream connection to host CID 2 on the given port, connected with a deadline. With vhost-device-vsock it
 //!   arrives on the host as a connection to the Unix socket `<uds-path>_<port>`.
-//! - [`Stream`]: what the link needs from a connection (read, send, pump the device), so the
-//!   link's logic is tested on the host against a fake; [`ManagedStream`] is the real one.
-//! - [`VsockLink`]: the agent's [`Link`] over a [`Stream`]. Sending retries, pumping the device,
-//!   while the peer has not granted credit (virtio-drivers refuses a send with
-//!   `InsufficientBufferSpaceInPeer` until a credit update arrives), up to a TSC deadline.
+//! - [`Stream`]: what the link needs from a connection (read, credit, send, pump the device),
+//!   so the link's logic is tested on the host against a fake.
+//! - [`VsockLink`]: the agent's [`Link`] over a [`Stream`]. [`Link::wait_ready`] pumps the
+//!   device until the peer has granted credit for a whole frame (virtio-drivers refuses a send
+//!   with `InsufficientBufferSpaceInPeer` until a credit update arrives), so the probe reply's
+//!   TSC read comes right before a send that goes through; sending still retries, up to a TSC
+//!   deadline.
 //!
 //! Everything runs in ring 3 (natively on the project's nested KVM): PCI configuration through
 //! ports with IOPL 3, the BARs and virtqueues through the user-accessible identity map.
 
-use virtio_drivers::device::socket::{
-    SocketError, VMADDR_CID_HOST, VirtIOSocket, VsockAddr, VsockConnectionManager, VsockEventType,
-};
+use virtio_drivers::device::socket::{SocketError, VMADDR_CID_HOST};
+use virtio_drivers::transport::DeviceType;
 use virtio_drivers::transport::pci::bus::{ConfigurationAccess, DeviceFunction, PciRoot};
 use virtio_drivers::transport::pci::{PciTransport, VirtioPciError, virtio_device_type};
-use virtio_drivers::transport::{DeviceType, Transport as VirtioTransport};
 use virtio_drivers::{Error, Hal};
 use vmtsync_core::arch::Tsc;
-use vmtsync_core::proto::Transport;
+use vmtsync_core::proto::{MAX_FRAME_SIZE, Transport};
 
 use crate::link::Link;
 use crate::pci::{AssignedBar, BarError, MmioWindow, assign_memory_bars};
@@ -36,10 +36,6 @@ pub const HOST_CID: u64 = VMADDR_CID_HOST;
 pub const LOCAL_PORT: u32 = 49_152;
 /// isa-debug-exit code when the vsock transport cannot be set up (QEMU status 0xf9).
 pub const SETUP_FAILED_EXIT_CODE: u8 = 0x7c;
-/// Received bytes not yet reported to the peer after which the link sends a credit update.
-/// Every packet the agent sends carries its receive counter too, so with one reply per request
-/// this only matters if the host sends many requests without reading replies.
-const CREDIT_UPDATE_THRESHOLD: usize = 512;
 
 /// Why the vsock transport could not be set up.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -103,27 +99,6 @@ pub fn open_pci<H: Hal, C: ConfigurationAccess>(
     Ok((t, df))
 }
 
-/// Initialises the socket device on `transport` for a stream to host CID 2, port `port`, from
-/// [`LOCAL_PORT`]. Connect it with [`ManagedStream::connect`].
-///
-/// # Errors
-/// [`VsockError::Device`] when the device does not initialise.
-pub fn socket<H: Hal, T: VirtioTransport>(
-    transport: T,
-    port: u32,
-) -> Result<ManagedStream<H, T>, VsockError> {
-    let driver = VirtIOSocket::<H, T>::new(transport).map_err(VsockError::Device)?;
-    Ok(ManagedStream {
-        mgr: VsockConnectionManager::new(driver),
-        peer: VsockAddr {
-            cid: HOST_CID,
-            port,
-        },
-        local_port: LOCAL_PORT,
-        unreported: 0,
-    })
-}
-
 /// Why a [`Stream`] operation failed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
@@ -143,6 +118,8 @@ pub trait Stream {
     /// # Errors
     /// [`StreamError::Closed`] once the connection is gone and drained.
     fn read(&mut self, buf: &mut [u8]) -> Result<usize, StreamError>;
+    /// Whether the peer has granted credit for a `len`-byte packet body right now.
+    fn can_send(&self, len: usize) -> bool;
     /// Sends `bytes` as one packet, or refuses with [`StreamError::NoCredit`].
     ///
     /// # Errors
@@ -155,71 +132,8 @@ pub trait Stream {
     fn pump(&mut self) -> Result<(), StreamError>;
 }
 
-/// A stream connection through virtio-drivers' connection manager.
-pub struct ManagedStream<H: Hal, T: VirtioTransport> {
-    mgr: VsockConnectionManager<H, T>,
-    peer: VsockAddr,
-    local_port: u32,
-    /// Bytes read since the peer last heard our receive counter.
-    unreported: usize,
-}
-
-impl<H: Hal, T: VirtioTransport> core::fmt::Debug for ManagedStream<H, T> {
-    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
-        f.debug_struct("ManagedStream")
-            .field("guest_cid", &self.mgr.guest_cid())
-            .field("peer", &self.peer)
-            .field("local_port", &self.local_port)
-            .finish_non_exhaustive()
-    }
-}
-
-impl<H: Hal, T: VirtioTransport> ManagedStream<H, T> {
-    /// The CID the device assigned to this guest.
-    pub fn guest_cid(&self) -> u64 {
-        self.mgr.guest_cid()
-    }
-
-    /// The host port this stream is connected to.
-    pub fn peer_port(&self) -> u32 {
-        self.peer.port
-    }
-
-    /// Sends a connection request and waits at most `timeout_cycles` of `clock` for the answer.
-    /// After [`VsockError::Refused`] or [`VsockError::Timeout`] it may be called again.
-    ///
-    /// # Errors
-    /// [`VsockError::Device`], [`VsockError::Refused`] (the host reset the request: nothing
-    /// listens on the port yet) or [`VsockError::Timeout`].
-    pub fn connect<C: Tsc>(&mut self, clock: &C, timeout_cycles: u64) -> Result<(), VsockError> {
-        self.mgr
-            .connect(self.peer, self.local_port)
-            .map_err(VsockError::Device)?;
-        let start = clock.read_ordered();
-        loop {
-            if let Some(ev) = self.mgr.poll().map_err(VsockError::Device)?
-                && ev.source == self.peer
-                && ev.destination.port == self.local_port
-            {
-                match ev.event_type {
-                    VsockEventType::Connected => return Ok(()),
-                    VsockEventType::Disconnected { .. } => {
-                        // The manager may keep a closed connection around until drained.
-                        let _ = self.mgr.force_close(self.peer, self.local_port);
-                        return Err(VsockError::Refused);
-                    }
-                    _ => {}
-                }
-            }
-            if clock.read_ordered().wrapping_sub(start) > timeout_cycles {
-                let _ = self.mgr.force_close(self.peer, self.local_port);
-                return Err(VsockError::Timeout);
-            }
-        }
-    }
-}
-
-fn stream_error(e: Error) -> StreamError {
+/// Maps a virtio-drivers error to what the link does about it.
+pub(crate) fn stream_error(e: Error) -> StreamError {
     match e {
         Error::SocketDeviceError(SocketError::InsufficientBufferSpaceInPeer) => {
             StreamError::NoCredit
@@ -228,36 +142,6 @@ fn stream_error(e: Error) -> StreamError {
             StreamError::Closed
         }
         _ => StreamError::Device,
-    }
-}
-
-impl<H: Hal, T: VirtioTransport> Stream for ManagedStream<H, T> {
-    fn read(&mut self, buf: &mut [u8]) -> Result<usize, StreamError> {
-        let n = self
-            .mgr
-            .recv(self.peer, self.local_port, buf)
-            .map_err(stream_error)?;
-        self.unreported += n;
-        if self.unreported >= CREDIT_UPDATE_THRESHOLD {
-            self.mgr
-                .update_credit(self.peer, self.local_port)
-                .map_err(stream_error)?;
-            self.unreported = 0;
-        }
-        Ok(n)
-    }
-
-    fn send(&mut self, bytes: &[u8]) -> Result<(), StreamError> {
-        self.mgr
-            .send(self.peer, self.local_port, bytes)
-            .map_err(stream_error)?;
-        // The packet header carried our receive counter.
-        self.unreported = 0;
-        Ok(())
-    }
-
-    fn pump(&mut self) -> Result<(), StreamError> {
-        self.mgr.poll().map(|_| ()).map_err(stream_error)
     }
 }
 
@@ -347,10 +231,23 @@ impl<S: Stream, C: Tsc> Link for VsockLink<S, C> {
         Some(b)
     }
 
-    /// Nothing to wait for: the peer's credit is only known inside the driver, so a send
-    /// without credit is retried in [`Link::send_now`]. That keeps the TSC read before it
-    /// within the host's bracket, only less tightly.
-    fn wait_ready(&mut self) {}
+    /// Pumps the device until the peer has granted credit for a whole frame, or the send
+    /// deadline passes (then [`Link::send_now`] retries and gives up in its turn).
+    fn wait_ready(&mut self) {
+        if self.stream.can_send(MAX_FRAME_SIZE) {
+            return;
+        }
+        self.stats.credit_waits = self.stats.credit_waits.wrapping_add(1);
+        let since = self.clock.read_ordered();
+        while !self.stream.can_send(MAX_FRAME_SIZE)
+            && self.clock.read_ordered().wrapping_sub(since) <= self.send_timeout_cycles
+        {
+            if let Err(e) = self.stream.pump() {
+                self.note(e);
+                return;
+            }
+        }
+    }
 
     fn send_now(&mut self, bytes: &[u8]) {
         let mut waiting_since = None;
@@ -392,8 +289,7 @@ mod tests {
 
     use vmtsync_core::arch::FakeTsc;
     use vmtsync_core::proto::{
-        Features, Feed, FrameReceiver, Hello, MAX_FRAME_SIZE, Message, PROTOCOL_VERSION,
-        encode_frame,
+        Features, Feed, FrameReceiver, Hello, Message, PROTOCOL_VERSION, encode_frame,
     };
 
     use super::*;
@@ -422,6 +318,9 @@ mod tests {
                 *d = s;
             }
             Ok(n)
+        }
+        fn can_send(&self, _len: usize) -> bool {
+            self.pumps >= self.credit_after_pumps
         }
         fn send(&mut self, bytes: &[u8]) -> Result<(), StreamError> {
             if self.closed {
@@ -476,6 +375,33 @@ mod tests {
         assert_eq!(l.stream_mut().pumps, 5);
         assert_eq!(l.stats().credit_waits, 1);
         assert_eq!(l.stats().dropped_sends, 0);
+    }
+
+    #[test]
+    fn wait_ready_pumps_until_the_peer_grants_credit() {
+        let mut l = link(FakeStream {
+            credit_after_pumps: 3,
+            ..FakeStream::default()
+        });
+        l.wait_ready();
+        assert_eq!(l.stream_mut().pumps, 3);
+        l.send_now(b"abc");
+        assert_eq!(l.stream_mut().sent, vec![b"abc".to_vec()]);
+        assert_eq!(l.stream_mut().pumps, 3, "no pumping once credit is there");
+        assert_eq!(l.stats().credit_waits, 1);
+        l.wait_ready();
+        assert_eq!(l.stats().credit_waits, 1, "no wait when credit is there");
+    }
+
+    #[test]
+    fn wait_ready_gives_up_at_the_deadline() {
+        let mut l = link(FakeStream {
+            credit_after_pumps: u32::MAX,
+            ..FakeStream::default()
+        });
+        l.wait_ready();
+        let pumps = l.stream_mut().pumps;
+        assert!((99..=101).contains(&pumps), "{pumps} pumps");
     }
 
     #[test]

@@ -1,0 +1,250 @@
+//! One vsock stream connection, driven directly on virtio-drivers' `VirtIOSocket`.
+//!
+//! virtio-drivers' `VsockConnectionManager` would do, but it keeps the peer's credit private,
+//! so a caller cannot wait for credit *before* reading the TSC for a probe reply, and it carries
+//! multi-connection bookkeeping the agent never uses. [`OneStream`] tracks one connection: it
+//! mirrors the peer's credit from every packet header (`buf_alloc`, `fwd_cnt`, virtio spec
+//! 5.10.6.3 "Flow control") so [`Stream::can_send`] is exact, buffers received bytes, answers
+//! credit requests, and resets connection requests (the agent does not listen).
+
+use virtio_drivers::device::socket::{
+    ConnectionInfo, DisconnectReason, VirtIOSocket, VsockAddr, VsockEvent, VsockEventType,
+};
+use virtio_drivers::transport::Transport as VirtioTransport;
+use virtio_drivers::{Error, Hal};
+use vmtsync_core::arch::Tsc;
+
+use crate::vsock::{HOST_CID, LOCAL_PORT, Stream, StreamError, VsockError, stream_error};
+
+/// Size of each receive buffer the device fills (header + body), so the largest body.
+pub const RX_BUFFER_SIZE: usize = 512;
+/// Receive space the agent grants the peer (`buf_alloc`): bytes it can hold unread.
+const RX_CAPACITY_U32: u32 = 1024;
+/// [`RX_CAPACITY_U32`] as a length (lossless: u32 fits usize on x86_64).
+const RX_CAPACITY: usize = RX_CAPACITY_U32 as usize;
+const _: () = assert!(RX_CAPACITY >= 2 * RX_BUFFER_SIZE);
+/// Bytes read since the peer last heard our `fwd_cnt` after which a credit update is sent.
+/// Every packet the agent sends carries `fwd_cnt`, so with one reply per request this only
+/// matters if the host sends many requests without waiting for replies.
+const CREDIT_UPDATE_THRESHOLD: u32 = RX_CAPACITY_U32 / 2;
+
+/// A stream connection from [`LOCAL_PORT`] to one host port.
+pub struct OneStream<H: Hal, T: VirtioTransport> {
+    sock: VirtIOSocket<H, T, RX_BUFFER_SIZE>,
+    info: ConnectionInfo,
+    /// The peer's receive space and consumed count, from the last packet it sent.
+    peer_buf_alloc: u32,
+    peer_fwd_cnt: u32,
+    /// Body bytes sent on this connection.
+    tx_cnt: u32,
+    /// Body bytes read out of `rx` since the last packet we sent.
+    unreported: u32,
+    rx: [u8; RX_CAPACITY],
+    rx_start: usize,
+    rx_end: usize,
+    connected: bool,
+    closed: bool,
+}
+
+impl<H: Hal, T: VirtioTransport> core::fmt::Debug for OneStream<H, T> {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_struct("OneStream")
+            .field("guest_cid", &self.sock.guest_cid())
+            .field("peer", &self.info.dst)
+            .field("connected", &self.connected)
+            .field("closed", &self.closed)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<H: Hal, T: VirtioTransport> OneStream<H, T> {
+    /// Initialises the socket device on `transport` for a stream to host CID 2, port `port`.
+    /// Connect it with [`OneStream::connect`].
+    ///
+    /// # Errors
+    /// [`VsockError::Device`] when the device does not initialise.
+    pub fn new(transport: T, port: u32) -> Result<Self, VsockError> {
+        let sock = VirtIOSocket::new(transport).map_err(VsockError::Device)?;
+        Ok(Self {
+            sock,
+            info: Self::fresh_info(port),
+            peer_buf_alloc: 0,
+            peer_fwd_cnt: 0,
+            tx_cnt: 0,
+            unreported: 0,
+            rx: [0; RX_CAPACITY],
+            rx_start: 0,
+            rx_end: 0,
+            connected: false,
+            closed: false,
+        })
+    }
+
+    fn fresh_info(port: u32) -> ConnectionInfo {
+        let mut info = ConnectionInfo::new(
+            VsockAddr {
+                cid: HOST_CID,
+                port,
+            },
+            LOCAL_PORT,
+        );
+        info.buf_alloc = RX_CAPACITY_U32;
+        info
+    }
+
+    /// The CID the device assigned to this guest.
+    pub fn guest_cid(&self) -> u64 {
+        self.sock.guest_cid()
+    }
+
+    /// The host port this stream connects to.
+    pub fn peer_port(&self) -> u32 {
+        self.info.dst.port
+    }
+
+    /// Sends a connection request and waits at most `timeout_cycles` of `clock` for the answer.
+    /// After [`VsockError::Refused`] or [`VsockError::Timeout`] it may be called again.
+    ///
+    /// # Errors
+    /// [`VsockError::Device`], [`VsockError::Refused`] (the host reset the request: nothing
+    /// listens on the port yet) or [`VsockError::Timeout`].
+    pub fn connect<C: Tsc>(&mut self, clock: &C, timeout_cycles: u64) -> Result<(), VsockError> {
+        let port = self.info.dst.port;
+        self.info = Self::fresh_info(port);
+        (
+            self.peer_buf_alloc,
+            self.peer_fwd_cnt,
+            self.tx_cnt,
+            self.unreported,
+        ) = (0, 0, 0, 0);
+        (self.rx_start, self.rx_end) = (0, 0);
+        (self.connected, self.closed) = (false, false);
+        self.sock.connect(&self.info).map_err(VsockError::Device)?;
+        let start = clock.read_ordered();
+        loop {
+            self.poll_device().map_err(VsockError::Device)?;
+            if self.connected {
+                return Ok(());
+            }
+            if self.closed {
+                return Err(VsockError::Refused);
+            }
+            if clock.read_ordered().wrapping_sub(start) > timeout_cycles {
+                let _ = self.sock.force_close(&self.info);
+                return Err(VsockError::Timeout);
+            }
+        }
+    }
+
+    /// Credit the peer has granted us: `buf_alloc - (tx_cnt - fwd_cnt)` (spec 5.10.6.3).
+    fn peer_free(&self) -> u32 {
+        self.peer_buf_alloc
+            .wrapping_sub(self.tx_cnt.wrapping_sub(self.peer_fwd_cnt))
+    }
+
+    fn is_ours(&self, ev: &VsockEvent) -> bool {
+        ev.matches_connection(&self.info, self.sock.guest_cid())
+    }
+
+    /// Handles at most one device event. Skipped while `rx` could not take a whole body.
+    fn poll_device(&mut self) -> Result<(), Error> {
+        if RX_CAPACITY - (self.rx_end - self.rx_start) < RX_BUFFER_SIZE {
+            return Ok(());
+        }
+        if self.rx_end + RX_BUFFER_SIZE > RX_CAPACITY {
+            self.rx.copy_within(self.rx_start..self.rx_end, 0);
+            (self.rx_start, self.rx_end) = (0, self.rx_end - self.rx_start);
+        }
+        let guest_cid = self.sock.guest_cid();
+        let (info, rx, rx_end) = (&mut self.info, &mut self.rx, &mut self.rx_end);
+        let (peer_buf_alloc, peer_fwd_cnt) = (&mut self.peer_buf_alloc, &mut self.peer_fwd_cnt);
+        let event = self.sock.poll(|ev, body| {
+            if ev.matches_connection(info, guest_cid) {
+                info.update_for_event(&ev);
+                *peer_buf_alloc = ev.buffer_status.buffer_allocation;
+                *peer_fwd_cnt = ev.buffer_status.forward_count;
+                if let VsockEventType::Received { .. } = ev.event_type {
+                    // A body never exceeds RX_BUFFER_SIZE, and that much room was checked.
+                    let dst = rx
+                        .get_mut(*rx_end..*rx_end + body.len())
+                        .ok_or(Error::IoError)?;
+                    dst.copy_from_slice(body);
+                    *rx_end += body.len();
+                }
+            }
+            Ok(Some(ev))
+        })?;
+        let Some(ev) = event else {
+            return Ok(());
+        };
+        if !self.is_ours(&ev) {
+            if ev.event_type == VsockEventType::ConnectionRequest {
+                self.sock
+                    .force_close(&ConnectionInfo::new(ev.source, ev.destination.port))?;
+            }
+            return Ok(());
+        }
+        match ev.event_type {
+            VsockEventType::Connected => self.connected = true,
+            VsockEventType::Disconnected { reason } => {
+                self.closed = true;
+                if reason == DisconnectReason::Shutdown {
+                    self.sock.force_close(&self.info)?;
+                }
+            }
+            VsockEventType::CreditRequest => {
+                self.sock.credit_update(&self.info)?;
+                self.unreported = 0;
+            }
+            VsockEventType::ConnectionRequest
+            | VsockEventType::Received { .. }
+            | VsockEventType::CreditUpdate => {}
+        }
+        Ok(())
+    }
+}
+
+impl<H: Hal, T: VirtioTransport> Stream for OneStream<H, T> {
+    fn read(&mut self, buf: &mut [u8]) -> Result<usize, StreamError> {
+        let n = buf.len().min(self.rx_end - self.rx_start);
+        if n == 0 && self.closed {
+            return Err(StreamError::Closed);
+        }
+        buf[..n].copy_from_slice(&self.rx[self.rx_start..self.rx_start + n]);
+        self.rx_start += n;
+        if self.rx_start == self.rx_end {
+            (self.rx_start, self.rx_end) = (0, 0);
+        }
+        self.info.done_forwarding(n);
+        // n <= RX_CAPACITY, so the conversion cannot fail.
+        let n32 = u32::try_from(n).unwrap_or(u32::MAX);
+        self.unreported = self.unreported.wrapping_add(n32);
+        if self.unreported >= CREDIT_UPDATE_THRESHOLD {
+            self.sock.credit_update(&self.info).map_err(stream_error)?;
+            self.unreported = 0;
+        }
+        Ok(n)
+    }
+
+    fn can_send(&self, len: usize) -> bool {
+        u32::try_from(len).is_ok_and(|l| self.peer_free() >= l)
+    }
+
+    fn send(&mut self, bytes: &[u8]) -> Result<(), StreamError> {
+        if self.closed {
+            return Err(StreamError::Closed);
+        }
+        let len = u32::try_from(bytes.len()).map_err(|_| StreamError::Device)?;
+        self.sock
+            .send(bytes, &mut self.info)
+            .map_err(stream_error)?;
+        self.tx_cnt = self.tx_cnt.wrapping_add(len);
+        // The packet header carried our fwd_cnt.
+        self.unreported = 0;
+        Ok(())
+    }
+
+    fn pump(&mut self) -> Result<(), StreamError> {
+        self.poll_device().map_err(stream_error)
+    }
+}

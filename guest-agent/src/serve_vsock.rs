@@ -36,14 +36,6 @@ pub fn serve(opts: &Options, tsc: NativeTsc, features: Features, tsc_khz: Option
     let khz = tsc_khz.map_or(FALLBACK_TSC_KHZ, u64::from);
     let ms = |n: u64| n.saturating_mul(khz);
     let start = tsc.read_ordered();
-    let fail = |what: &str, why: &str| -> ! {
-        log!(
-            "vsock: {what} failed: {why}; isa-debug-exit {}",
-            vsock::SETUP_FAILED_EXIT_CODE
-        );
-        port::exit(vsock::SETUP_FAILED_EXIT_CODE)
-    };
-
     let Some(region) = heap::take_region() else {
         fail("heap setup", "region already taken")
     };
@@ -111,4 +103,14 @@ pub fn serve(opts: &Options, tsc: NativeTsc, features: Features, tsc_khz: Option
             port::exit(opts.exit_code);
         }
     }
+}
+
+/// Logs a setup failure and exits; out of line so its formatting code exists once.
+#[inline(never)]
+fn fail(what: &str, why: &str) -> ! {
+    log!(
+        "vsock: {what} failed: {why}; isa-debug-exit {}",
+        vsock::SETUP_FAILED_EXIT_CODE
+    );
+    port::exit(vsock::SETUP_FAILED_EXIT_CODE)
 }

@@ -14,6 +14,12 @@
 //! empty frame, which receivers skip): a host may wait for it instead of retrying its hello.
 //! After `Shutdown` → `Exiting` the agent writes its `exit=` code to isa-debug-exit.
 //!
+//! ## `transport=vsock port=N`
+//!
+//! The same protocol over a virtio-vsock stream instead of COM1 (`serve_vsock.rs`): the agent
+//! finds the virtio socket device on PCI, places its BARs, connects to host CID 2 port N, sends
+//! the ready beacon on the stream and reports `VirtioVsock` in its `Capabilities`.
+//!
 //! ## `wire=line` (debugging by hand)
 //!
 //! One request byte, one text line back:

@@ -12,7 +12,7 @@ use core::fmt::Write as _;
 use linked_list_allocator::LockedHeap;
 use vmtsync_agent::heap::{self, IdentityHal};
 use vmtsync_agent::link::Link;
-use vmtsync_agent::options::Options;
+use vmtsync_agent::options::{Options, Wire};
 use vmtsync_agent::pci::{DEFAULT_MMIO_WINDOW, PortCam};
 use vmtsync_agent::port;
 use vmtsync_agent::server::{Outcome, Server};
@@ -33,6 +33,9 @@ const CONNECT_ATTEMPTS: u32 = 20;
 
 /// Sets up the vsock transport and serves the protocol on it; never returns.
 pub fn serve(opts: &Options, tsc: NativeTsc, features: Features, tsc_khz: Option<u32>) -> ! {
+    if opts.wire == Wire::Line {
+        log!("vsock: wire=line is for COM1 only; the vsock stream speaks postcard");
+    }
     let khz = tsc_khz.map_or(FALLBACK_TSC_KHZ, u64::from);
     let ms = |n: u64| n.saturating_mul(khz);
     let start = tsc.read_ordered();

@@ -1,7 +1,8 @@
 //! Boot options from the PVH command line: space-separated `key=value` words.
 //!
-//! - `transport=uart|vsock`: probes over COM1 (default), or over a virtio-vsock stream that the
-//!   agent opens to the host (CID 2) on `port=N` (default [`DEFAULT_VSOCK_PORT`]).
+//! - `transport=uart|vsock`: probes over COM1 (default), or over a virtio-vsock stream on
+//!   `port=N` (default [`DEFAULT_VSOCK_PORT`]) that the agent opens to the host (CID 2)
+//!   (`vsock=connect`, the default) or accepts from the host (`vsock=listen`).
 //! - `wire=postcard|line`: the vmtsync probe protocol (postcard + COBS, the default), or a
 //!   human-typable line protocol for debugging (`cargo xtask run-agent -- wire=line`).
 //! - `ring=3|0`: run the protocol loop in ring 3 with IOPL 3 (default; native speed on nested
@@ -49,8 +50,10 @@ pub struct Options {
     pub exit_code: u8,
     /// Software skew applied to reported TSC values.
     pub skew: Skew,
-    /// Host vsock port for `transport=vsock`.
+    /// vsock port for `transport=vsock`: the host's (connect) or the agent's (listen).
     pub vsock_port: u32,
+    /// `vsock=listen`: wait for the host to connect instead of connecting to it.
+    pub vsock_listen: bool,
 }
 
 /// Why an option word was rejected.
@@ -72,6 +75,7 @@ impl Default for Options {
             exit_code: 0,
             skew: Skew::IDENTITY,
             vsock_port: DEFAULT_VSOCK_PORT,
+            vsock_listen: false,
         }
     }
 }
@@ -118,6 +122,11 @@ impl Options {
                 let v = parse_u64(value).ok_or(OptionError::BadValue)?;
                 self.vsock_port = u32::try_from(v).map_err(|_| OptionError::BadValue)?;
             }
+            b"vsock" => match value {
+                b"connect" => self.vsock_listen = false,
+                b"listen" => self.vsock_listen = true,
+                _ => return Err(OptionError::BadValue),
+            },
             b"skew" => self.skew = parse_skew(value).ok_or(OptionError::BadValue)?,
             _ => return Err(OptionError::UnknownKey),
         }
@@ -228,9 +237,12 @@ mod tests {
 
     #[test]
     fn vsock_transport_and_port_parse() {
-        let (o, errs) = parse("transport=vsock port=0x10000 port=4294967296");
+        let (o, errs) = parse("transport=vsock port=0x10000 port=4294967296 vsock=listen");
         assert_eq!(o.transport, Transport::Vsock);
         assert_eq!(o.vsock_port, 0x10000);
+        assert!(o.vsock_listen);
+        assert!(!parse("vsock=listen vsock=connect").0.vsock_listen);
+        assert_eq!(parse("vsock=bind").1.len(), 1);
         assert_eq!(
             errs,
             vec![("port=4294967296".into(), OptionError::BadValue)]

@@ -2,7 +2,8 @@
 //!
 //! Runs where `serve` runs (ring 3 with IOPL 3 by default): it sets up the heap, finds and
 //! initialises the virtio socket device on PCI ([`vmtsync_agent::vsock`]), connects to the
-//! host port from `port=`, sends the ready beacon (a lone `0x00`, an empty frame every receiver
+//! host port from `port=` (or, with `vsock=listen`, accepts the host's connection to that
+//! port), sends the ready beacon (a lone `0x00`, an empty frame every receiver
 //! skips) and serves [`Server`] on the stream until the host says `Shutdown`, then exits through
 //! isa-debug-exit with the `exit=` code. A setup failure is logged on COM2 and exits with
 //! [`vsock::SETUP_FAILED_EXIT_CODE`].
@@ -10,6 +11,7 @@
 use core::fmt::Write as _;
 
 use linked_list_allocator::LockedHeap;
+use virtio_drivers::transport::pci::PciTransport;
 use vmtsync_agent::heap::{self, IdentityHal};
 use vmtsync_agent::link::Link;
 use vmtsync_agent::options::{Options, Wire};
@@ -30,6 +32,8 @@ static HEAP: LockedHeap = LockedHeap::empty();
 const FALLBACK_TSC_KHZ: u64 = 3_000_000;
 /// Connection attempts before giving up (the host may not be listening yet).
 const CONNECT_ATTEMPTS: u32 = 20;
+/// How long `vsock=listen` waits for the host, in milliseconds.
+const LISTEN_MS: u64 = 60_000;
 
 /// Sets up the vsock transport and serves the protocol on it; never returns.
 pub fn serve(opts: &Options, tsc: NativeTsc, features: Features, tsc_khz: Option<u32>) -> ! {
@@ -58,27 +62,22 @@ pub fn serve(opts: &Options, tsc: NativeTsc, features: Features, tsc_khz: Option
 
     let mut stream = OneStream::<IdentityHal, _>::new(transport, opts.vsock_port)
         .unwrap_or_else(|e| fail("socket device init", e.describe()));
-    let mut attempt = 1;
-    loop {
-        match stream.connect(&tsc, ms(2_000)) {
-            Ok(()) => break,
-            Err(e @ (VsockError::Refused | VsockError::Timeout)) if attempt < CONNECT_ATTEMPTS => {
-                log!(
-                    "vsock: connect attempt {attempt}: {}; retrying",
-                    e.describe()
-                );
-                attempt += 1;
-                let t0 = tsc.read_ordered();
-                while tsc.read_ordered().wrapping_sub(t0) < ms(250) {
-                    core::hint::spin_loop();
-                }
-            }
-            Err(e) => fail("connect", e.describe()),
-        }
+    if opts.vsock_listen {
+        log!("vsock: listening on port {}", opts.vsock_port);
+        stream
+            .accept(opts.vsock_port, &tsc, ms(LISTEN_MS))
+            .unwrap_or_else(|e| fail("accept", e.describe()));
+    } else {
+        connect(&mut stream, tsc, ms);
     }
     log!(
-        "vsock: guest cid {} connected to host cid {}:{} after {} cycles",
+        "vsock: guest cid {} port {} connected with host cid {}:{} after {} cycles",
         stream.guest_cid(),
+        if opts.vsock_listen {
+            opts.vsock_port
+        } else {
+            vsock::LOCAL_PORT
+        },
         vsock::HOST_CID,
         stream.peer_port(),
         tsc.read_ordered().wrapping_sub(start)
@@ -116,4 +115,30 @@ fn fail(what: &str, why: &str) -> ! {
         vsock::SETUP_FAILED_EXIT_CODE
     );
     port::exit(vsock::SETUP_FAILED_EXIT_CODE)
+}
+
+/// Connects to the host, retrying while nothing listens there yet.
+fn connect(
+    stream: &mut OneStream<IdentityHal, PciTransport>,
+    tsc: NativeTsc,
+    ms: impl Fn(u64) -> u64,
+) {
+    let mut attempt = 1;
+    loop {
+        match stream.connect(&tsc, ms(2_000)) {
+            Ok(()) => return,
+            Err(e @ (VsockError::Refused | VsockError::Timeout)) if attempt < CONNECT_ATTEMPTS => {
+                log!(
+                    "vsock: connect attempt {attempt}: {}; retrying",
+                    e.describe()
+                );
+                attempt += 1;
+                let t0 = tsc.read_ordered();
+                while tsc.read_ordered().wrapping_sub(t0) < ms(250) {
+                    core::hint::spin_loop();
+                }
+            }
+            Err(e) => fail("connect", e.describe()),
+        }
+    }
 }

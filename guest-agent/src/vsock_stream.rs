@@ -5,7 +5,8 @@
 //! multi-connection bookkeeping the agent never uses. [`OneStream`] tracks one connection: it
 //! mirrors the peer's credit from every packet header (`buf_alloc`, `fwd_cnt`, virtio spec
 //! 5.10.6.3 "Flow control") so [`Stream::can_send`] is exact, buffers received bytes, answers
-//! credit requests, and resets connection requests (the agent does not listen).
+//! credit requests, and either connects to the host ([`OneStream::connect`]) or accepts one
+//! host connection ([`OneStream::accept`]); any other connection request is reset.
 
 use virtio_drivers::device::socket::{
     ConnectionInfo, DisconnectReason, VirtIOSocket, VsockAddr, VsockEvent, VsockEventType,
@@ -44,6 +45,8 @@ pub struct OneStream<H: Hal, T: VirtioTransport> {
     rx_end: usize,
     connected: bool,
     closed: bool,
+    /// While accepting: the local port a host connection request may arrive on.
+    listen_port: Option<u32>,
 }
 
 impl<H: Hal, T: VirtioTransport> core::fmt::Debug for OneStream<H, T> {
@@ -58,8 +61,8 @@ impl<H: Hal, T: VirtioTransport> core::fmt::Debug for OneStream<H, T> {
 }
 
 impl<H: Hal, T: VirtioTransport> OneStream<H, T> {
-    /// Initialises the socket device on `transport` for a stream to host CID 2, port `port`.
-    /// Connect it with [`OneStream::connect`].
+    /// Initialises the socket device on `transport`, for a stream to host CID 2, port `port`
+    /// ([`OneStream::connect`]) or from the host ([`OneStream::accept`]).
     ///
     /// # Errors
     /// [`VsockError::Device`] when the device does not initialise.
@@ -77,6 +80,7 @@ impl<H: Hal, T: VirtioTransport> OneStream<H, T> {
             rx_end: 0,
             connected: false,
             closed: false,
+            listen_port: None,
         })
     }
 
@@ -97,9 +101,48 @@ impl<H: Hal, T: VirtioTransport> OneStream<H, T> {
         self.sock.guest_cid()
     }
 
-    /// The host port this stream connects to.
+    /// The peer's port: the one connected to, or the host's (ephemeral) one after an accept.
     pub fn peer_port(&self) -> u32 {
         self.info.dst.port
+    }
+
+    /// Forgets the previous connection's state and starts over with `info`.
+    fn reset(&mut self, mut info: ConnectionInfo) {
+        info.buf_alloc = RX_CAPACITY_U32;
+        self.info = info;
+        (
+            self.peer_buf_alloc,
+            self.peer_fwd_cnt,
+            self.tx_cnt,
+            self.unreported,
+        ) = (0, 0, 0, 0);
+        (self.rx_start, self.rx_end) = (0, 0);
+        (self.connected, self.closed, self.listen_port) = (false, false, None);
+    }
+
+    /// Waits at most `timeout_cycles` of `clock` for a host connection to local port `port`
+    /// (with vhost-device-vsock: the host connects to `<uds-path>` and writes
+    /// `CONNECT <port>`), and accepts the first one. Requests to other ports are reset.
+    ///
+    /// # Errors
+    /// [`VsockError::Device`] or [`VsockError::Timeout`].
+    pub fn accept<C: Tsc>(
+        &mut self,
+        port: u32,
+        clock: &C,
+        timeout_cycles: u64,
+    ) -> Result<(), VsockError> {
+        self.reset(ConnectionInfo::new(VsockAddr::default(), port));
+        self.listen_port = Some(port);
+        let start = clock.read_ordered();
+        while !self.connected {
+            self.poll_device().map_err(VsockError::Device)?;
+            if clock.read_ordered().wrapping_sub(start) > timeout_cycles {
+                self.listen_port = None;
+                return Err(VsockError::Timeout);
+            }
+        }
+        Ok(())
     }
 
     /// Sends a connection request and waits at most `timeout_cycles` of `clock` for the answer.
@@ -109,16 +152,7 @@ impl<H: Hal, T: VirtioTransport> OneStream<H, T> {
     /// [`VsockError::Device`], [`VsockError::Refused`] (the host reset the request: nothing
     /// listens on the port yet) or [`VsockError::Timeout`].
     pub fn connect<C: Tsc>(&mut self, clock: &C, timeout_cycles: u64) -> Result<(), VsockError> {
-        let port = self.info.dst.port;
-        self.info = Self::fresh_info(port);
-        (
-            self.peer_buf_alloc,
-            self.peer_fwd_cnt,
-            self.tx_cnt,
-            self.unreported,
-        ) = (0, 0, 0, 0);
-        (self.rx_start, self.rx_end) = (0, 0);
-        (self.connected, self.closed) = (false, false);
+        self.reset(Self::fresh_info(self.info.dst.port));
         self.sock.connect(&self.info).map_err(VsockError::Device)?;
         let start = clock.read_ordered();
         loop {
@@ -179,8 +213,19 @@ impl<H: Hal, T: VirtioTransport> OneStream<H, T> {
         };
         if !self.is_ours(&ev) {
             if ev.event_type == VsockEventType::ConnectionRequest {
-                self.sock
-                    .force_close(&ConnectionInfo::new(ev.source, ev.destination.port))?;
+                let request = ConnectionInfo::new(ev.source, ev.destination.port);
+                if self.listen_port == Some(ev.destination.port)
+                    && ev.destination.cid == self.sock.guest_cid()
+                {
+                    self.reset(request);
+                    self.info.update_for_event(&ev);
+                    self.peer_buf_alloc = ev.buffer_status.buffer_allocation;
+                    self.peer_fwd_cnt = ev.buffer_status.forward_count;
+                    self.sock.accept(&self.info)?;
+                    self.connected = true;
+                } else {
+                    self.sock.force_close(&request)?;
+                }
             }
             return Ok(());
         }

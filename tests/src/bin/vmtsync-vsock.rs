@@ -4,7 +4,8 @@
 //! `cargo xtask run-agent --transport vsock` runs it.
 //!
 //! Usage: `vmtsync-vsock ELF [--port P] [--probes N] [--timeout SECS] [-- AGENT OPTIONS...]`.
-//! The agent gets `transport=vsock port=P` followed by the extra options.
+//! The agent gets `transport=vsock port=P` followed by the extra options; with `vsock=listen`
+//! among them the tool connects to the agent instead of accepting its connection.
 //!
 //! Exit codes: the guest's isa-debug-exit value when it wrote one; 1 on errors (the agent's
 //! COM2 log and the processes' stderr are printed); 2 on usage errors.
@@ -93,7 +94,19 @@ fn run(a: &Args) -> Result<u8, String> {
     let mut rig =
         VsockRig::start(&backend, &a.elf, &append, a.port, a.timeout).map_err(|e| e.to_string())?;
     let fail = |rig: &VsockRig, e: &dyn std::fmt::Display| format!("{e}\n{}", rig.diagnostics());
-    let mut client = rig.accept(a.timeout).map_err(|e| fail(&rig, &e))?;
+    // With `vsock=listen` the agent waits for us (the last `vsock=` word wins, as in the agent).
+    let listen = a
+        .agent
+        .iter()
+        .rev()
+        .find(|o| o.starts_with("vsock="))
+        .is_some_and(|o| o == "vsock=listen");
+    let connection = if listen {
+        rig.connect(a.port, a.timeout)
+    } else {
+        rig.accept(a.timeout)
+    };
+    let mut client = connection.map_err(|e| fail(&rig, &e))?;
     client.wait_ready(a.timeout).map_err(|e| fail(&rig, &e))?;
     let run = probe_run(&mut client, a.probes, a.timeout).map_err(|e| fail(&rig, &e))?;
     println!("capabilities: {:?}", run.caps);

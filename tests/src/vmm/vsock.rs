@@ -248,6 +248,33 @@ impl VsockRig {
         }
     }
 
+    /// Connects to the guest's port `port` (an agent started with `vsock=listen`): connects to
+    /// `<uds-path>`, writes `CONNECT <port>`, expects `OK <host port>`. The backend drops
+    /// connections made before the guest's queues are up, and an early experiment saw one
+    /// connect in twenty hang, so each attempt has its own 2 s deadline and failures are
+    /// retried until `timeout`.
+    ///
+    /// # Errors
+    /// [`VsockRigError::Timeout`] with the last failure, or [`VsockRigError::Exited`] when QEMU
+    /// ends first.
+    pub fn connect(&mut self, port: u32, timeout: Duration) -> Result<VsockClient, VsockRigError> {
+        let end = Instant::now() + timeout;
+        let uds = self.dir.join("vm.vsock");
+        loop {
+            let attempt_end = (Instant::now() + Duration::from_secs(2)).min(end);
+            if let Ok(s) = try_connect(&uds, port, attempt_end) {
+                return VsockClient::new(s);
+            }
+            if let Ok(Some(s)) = self.qemu.child().try_wait() {
+                return Err(VsockRigError::Exited("QEMU", s));
+            }
+            if Instant::now() >= end {
+                return Err(VsockRigError::Timeout("the guest to accept", timeout));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     /// Waits at most `timeout` for QEMU to exit.
     ///
     /// # Errors
@@ -302,6 +329,38 @@ impl Drop for VsockRig {
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
+
+/// One host→guest connection attempt through the backend's `CONNECT` handshake.
+fn try_connect(uds: &Path, port: u32, end: Instant) -> std::io::Result<UnixStream> {
+    let mut s = UnixStream::connect(uds)?;
+    s.set_write_timeout(Some(
+        end.saturating_duration_since(Instant::now()).max(MIN_WAIT),
+    ))?;
+    s.write_all(format!("CONNECT {port}\n").as_bytes())?;
+    // Byte by byte: the agent's first bytes (its ready beacon) may follow the reply at once.
+    let mut line = Vec::new();
+    let mut b = [0u8; 1];
+    while line.last() != Some(&b'\n') {
+        s.set_read_timeout(Some(
+            end.saturating_duration_since(Instant::now()).max(MIN_WAIT),
+        ))?;
+        if s.read(&mut b)? == 0 {
+            return Err(ErrorKind::UnexpectedEof.into());
+        }
+        line.push(b[0]);
+        if line.len() > 64 {
+            return Err(ErrorKind::InvalidData.into());
+        }
+    }
+    if line.starts_with(b"OK ") {
+        Ok(s)
+    } else {
+        Err(ErrorKind::ConnectionRefused.into())
+    }
+}
+
+/// Smallest socket timeout used (zero would mean "no timeout").
+const MIN_WAIT: Duration = Duration::from_millis(1);
 
 /// Removes a directory on drop unless disarmed.
 struct Cleanup(Option<PathBuf>);

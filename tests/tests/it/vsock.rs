@@ -19,7 +19,24 @@ const PROBES: u16 = 200;
 
 #[test]
 fn vsock_probes_bracket_the_guest_tsc_under_qemu_q35() {
-    session("vsock_probes_bracket_the_guest_tsc_under_qemu_q35", 3, PORT);
+    session(
+        "vsock_probes_bracket_the_guest_tsc_under_qemu_q35",
+        3,
+        PORT,
+        false,
+    );
+}
+
+/// The other direction: the agent listens (`vsock=listen`) and the host connects through the
+/// backend's `CONNECT <port>` handshake, as a host tool would connect to a guest's CID.
+#[test]
+fn vsock_host_connects_to_a_listening_agent() {
+    session(
+        "vsock_host_connects_to_a_listening_agent",
+        3,
+        PORT + 2,
+        true,
+    );
 }
 
 /// The same session with the protocol loop left in ring 0 (`ring=0`), where the project's
@@ -30,12 +47,14 @@ fn vsock_probes_from_ring_0_bracket_the_guest_tsc() {
         "vsock_probes_from_ring_0_bracket_the_guest_tsc",
         0,
         PORT + 1,
+        false,
     );
 }
 
-/// Boots the agent with `transport=vsock port={port} ring={ring} exit=5`, runs [`PROBES`]
-/// probes, checks every bracket and the offset interval against the truth (0), shuts down.
-fn session(test: &str, ring: u8, port: u32) {
+/// Boots the agent with `transport=vsock port={port} ring={ring} exit=5` (and `vsock=listen`
+/// when `listen`), runs [`PROBES`] probes, checks every bracket and the offset interval
+/// against the truth (0), shuts down.
+fn session(test: &str, ring: u8, port: u32, listen: bool) {
     if !require(test, have_kvm(), "/dev/kvm is not accessible read-write")
         || !require(
             test,
@@ -61,9 +80,15 @@ fn session(test: &str, ring: u8, port: u32) {
     };
     let elf = agent_elf().expect("agent builds");
     let started = Instant::now();
-    let append = format!("transport=vsock port={port} ring={ring} exit=5");
+    let mode = if listen { "listen" } else { "connect" };
+    let append = format!("transport=vsock vsock={mode} port={port} ring={ring} exit=5");
     let mut rig = VsockRig::start(&backend, &elf, &append, port, STEP).expect("rig starts");
-    let mut client = match rig.accept(STEP) {
+    let connection = if listen {
+        rig.connect(port, STEP)
+    } else {
+        rig.accept(STEP)
+    };
+    let mut client = match connection {
         Ok(c) => c,
         Err(e) => panic!("{e}\n{}", rig.diagnostics()),
     };
@@ -99,7 +124,7 @@ fn session(test: &str, ring: u8, port: u32) {
     let tsc_khz = run.caps.tsc_khz.map_or(0, u64::from);
     let cycles_to_us = |c: u64| (c * 1000).checked_div(tsc_khz).unwrap_or(0);
     eprintln!(
-        "vsock ring {ring}: connected after {connected:?}; {PROBES} probes: RTT min {} / median {} cycles \
+        "vsock {mode} ring {ring}: connected after {connected:?}; {PROBES} probes: RTT min {} / median {} cycles \
          (~{} us median); midpoint |error| median {} cycles; offset \
          interval [{lo}, {hi}] (width {}); exit {status}, total {:?}",
         rtts[0],

@@ -15,10 +15,10 @@ use core::sync::atomic::{AtomicBool, Ordering};
 
 use virtio_drivers::{BufferDirection, Hal, PAGE_SIZE, PhysAddr};
 
-/// Size of the heap region. The vsock driver needs about 40 KiB (three virtqueues of two pages
-/// each, eight 512-byte receive buffers, a 1 KiB connection buffer); the rest is headroom for
-/// alignment waste.
-pub const HEAP_SIZE: usize = 256 * 1024;
+/// Size of the heap region. The vsock driver needs about 30 KiB (three virtqueues of two pages
+/// each, eight 512-byte receive buffers, and a short-lived indirect descriptor list per send;
+/// the agent logs the figure); the rest is headroom.
+pub const HEAP_SIZE: usize = 128 * 1024;
 
 #[repr(C, align(4096))]
 struct Region(MaybeUninit<[u8; HEAP_SIZE]>);

@@ -71,7 +71,8 @@ pub fn serve(opts: &Options, tsc: NativeTsc, features: Features, tsc_khz: Option
         connect(&mut stream, tsc, ms);
     }
     log!(
-        "vsock: guest cid {} port {} connected with host cid {}:{} after {} cycles",
+        "vsock: guest cid {} port {} connected with host cid {}:{} after {} cycles, heap {} \
+         bytes used",
         stream.guest_cid(),
         if opts.vsock_listen {
             opts.vsock_port
@@ -80,7 +81,8 @@ pub fn serve(opts: &Options, tsc: NativeTsc, features: Features, tsc_khz: Option
         },
         vsock::HOST_CID,
         stream.peer_port(),
-        tsc.read_ordered().wrapping_sub(start)
+        tsc.read_ordered().wrapping_sub(start),
+        HEAP.lock().used()
     );
 
     let mut link = VsockLink::new(stream, tsc, ms(1_000));

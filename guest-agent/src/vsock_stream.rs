@@ -40,9 +40,7 @@ pub struct OneStream<H: Hal, T: VirtioTransport> {
     tx_cnt: u32,
     /// Body bytes read out of `rx` since the last packet we sent.
     unreported: u32,
-    rx: [u8; RX_CAPACITY],
-    rx_start: usize,
-    rx_end: usize,
+    rx: RxBuf,
     connected: bool,
     closed: bool,
     /// While accepting: the local port a host connection request may arrive on.
@@ -75,9 +73,7 @@ impl<H: Hal, T: VirtioTransport> OneStream<H, T> {
             peer_fwd_cnt: 0,
             tx_cnt: 0,
             unreported: 0,
-            rx: [0; RX_CAPACITY],
-            rx_start: 0,
-            rx_end: 0,
+            rx: RxBuf::new(),
             connected: false,
             closed: false,
             listen_port: None,
@@ -116,7 +112,7 @@ impl<H: Hal, T: VirtioTransport> OneStream<H, T> {
             self.tx_cnt,
             self.unreported,
         ) = (0, 0, 0, 0);
-        (self.rx_start, self.rx_end) = (0, 0);
+        self.rx.clear();
         (self.connected, self.closed, self.listen_port) = (false, false, None);
     }
 
@@ -172,8 +168,7 @@ impl<H: Hal, T: VirtioTransport> OneStream<H, T> {
 
     /// Credit the peer has granted us: `buf_alloc - (tx_cnt - fwd_cnt)` (spec 5.10.6.3).
     fn peer_free(&self) -> u32 {
-        self.peer_buf_alloc
-            .wrapping_sub(self.tx_cnt.wrapping_sub(self.peer_fwd_cnt))
+        peer_credit(self.peer_buf_alloc, self.tx_cnt, self.peer_fwd_cnt)
     }
 
     fn is_ours(&self, ev: &VsockEvent) -> bool {
@@ -182,15 +177,11 @@ impl<H: Hal, T: VirtioTransport> OneStream<H, T> {
 
     /// Handles at most one device event. Skipped while `rx` could not take a whole body.
     fn poll_device(&mut self) -> Result<(), Error> {
-        if RX_CAPACITY - (self.rx_end - self.rx_start) < RX_BUFFER_SIZE {
+        if !self.rx.make_room(RX_BUFFER_SIZE) {
             return Ok(());
         }
-        if self.rx_end + RX_BUFFER_SIZE > RX_CAPACITY {
-            self.rx.copy_within(self.rx_start..self.rx_end, 0);
-            (self.rx_start, self.rx_end) = (0, self.rx_end - self.rx_start);
-        }
         let guest_cid = self.sock.guest_cid();
-        let (info, rx, rx_end) = (&mut self.info, &mut self.rx, &mut self.rx_end);
+        let (info, rx) = (&mut self.info, &mut self.rx);
         let (peer_buf_alloc, peer_fwd_cnt) = (&mut self.peer_buf_alloc, &mut self.peer_fwd_cnt);
         let event = self.sock.poll(|ev, body| {
             if ev.matches_connection(info, guest_cid) {
@@ -198,12 +189,10 @@ impl<H: Hal, T: VirtioTransport> OneStream<H, T> {
                 *peer_buf_alloc = ev.buffer_status.buffer_allocation;
                 *peer_fwd_cnt = ev.buffer_status.forward_count;
                 if let VsockEventType::Received { .. } = ev.event_type {
-                    // A body never exceeds RX_BUFFER_SIZE, and that much room was checked.
-                    let dst = rx
-                        .get_mut(*rx_end..*rx_end + body.len())
-                        .ok_or(Error::IoError)?;
-                    dst.copy_from_slice(body);
-                    *rx_end += body.len();
+                    // A body never exceeds RX_BUFFER_SIZE, and that much room was made.
+                    if !rx.push(body) {
+                        return Err(Error::IoError);
+                    }
                 }
             }
             Ok(Some(ev))
@@ -251,15 +240,10 @@ impl<H: Hal, T: VirtioTransport> OneStream<H, T> {
 
 impl<H: Hal, T: VirtioTransport> Stream for OneStream<H, T> {
     fn read(&mut self, buf: &mut [u8]) -> Result<usize, StreamError> {
-        let n = buf.len().min(self.rx_end - self.rx_start);
-        if n == 0 && self.closed {
+        if self.rx.is_empty() && self.closed {
             return Err(StreamError::Closed);
         }
-        buf[..n].copy_from_slice(&self.rx[self.rx_start..self.rx_start + n]);
-        self.rx_start += n;
-        if self.rx_start == self.rx_end {
-            (self.rx_start, self.rx_end) = (0, 0);
-        }
+        let n = self.rx.drain(buf);
         self.info.done_forwarding(n);
         // n <= RX_CAPACITY, so the conversion cannot fail.
         let n32 = u32::try_from(n).unwrap_or(u32::MAX);
@@ -291,5 +275,119 @@ impl<H: Hal, T: VirtioTransport> Stream for OneStream<H, T> {
 
     fn pump(&mut self) -> Result<(), StreamError> {
         self.poll_device().map_err(stream_error)
+    }
+}
+
+/// The credit a peer has granted: `buf_alloc - (tx_cnt - fwd_cnt)`, in the spec's wrapping
+/// 32-bit counters (virtio 1.2, 5.10.6.3).
+#[must_use]
+pub fn peer_credit(buf_alloc: u32, tx_cnt: u32, fwd_cnt: u32) -> u32 {
+    buf_alloc.wrapping_sub(tx_cnt.wrapping_sub(fwd_cnt))
+}
+
+/// Received bytes not yet read: a linear buffer that is compacted when a whole receive
+/// buffer's worth of room is needed at its end.
+#[derive(Debug)]
+struct RxBuf {
+    bytes: [u8; RX_CAPACITY],
+    start: usize,
+    end: usize,
+}
+
+impl RxBuf {
+    const fn new() -> Self {
+        Self {
+            bytes: [0; RX_CAPACITY],
+            start: 0,
+            end: 0,
+        }
+    }
+
+    fn clear(&mut self) {
+        (self.start, self.end) = (0, 0);
+    }
+
+    fn is_empty(&self) -> bool {
+        self.start == self.end
+    }
+
+    /// Makes `n` bytes of room at the end, moving the unread bytes to the front if needed;
+    /// false when there is not that much free space in all.
+    fn make_room(&mut self, n: usize) -> bool {
+        if RX_CAPACITY - (self.end - self.start) < n {
+            return false;
+        }
+        if self.end + n > RX_CAPACITY {
+            self.bytes.copy_within(self.start..self.end, 0);
+            (self.start, self.end) = (0, self.end - self.start);
+        }
+        true
+    }
+
+    /// Appends `body` if it fits at the end (see [`RxBuf::make_room`]).
+    fn push(&mut self, body: &[u8]) -> bool {
+        let Some(dst) = self.bytes.get_mut(self.end..self.end + body.len()) else {
+            return false;
+        };
+        dst.copy_from_slice(body);
+        self.end += body.len();
+        true
+    }
+
+    /// Moves up to `out.len()` unread bytes into `out`; returns how many.
+    fn drain(&mut self, out: &mut [u8]) -> usize {
+        let n = out.len().min(self.end - self.start);
+        out[..n].copy_from_slice(&self.bytes[self.start..self.start + n]);
+        self.start += n;
+        if self.start == self.end {
+            self.clear();
+        }
+        n
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn credit_follows_the_wrapping_counters() {
+        assert_eq!(peer_credit(1024, 0, 0), 1024);
+        assert_eq!(peer_credit(1024, 1000, 400), 424);
+        assert_eq!(peer_credit(1024, 1024, 0), 0);
+        // tx_cnt wrapped past u32::MAX, fwd_cnt not yet.
+        assert_eq!(peer_credit(4096, 10, u32::MAX - 9), 4096 - 20);
+        assert_eq!(peer_credit(0, 0, 0), 0);
+    }
+
+    #[test]
+    fn rx_buffer_keeps_order_across_compaction_and_refuses_overflow() {
+        let mut rx = RxBuf::new();
+        let mut out = [0u8; RX_CAPACITY];
+        let mut next = 0u8;
+        let mut expect = 0u8;
+        for round in 0..50 {
+            while rx.make_room(RX_BUFFER_SIZE) {
+                let body: Vec<u8> = (0..300)
+                    .map(|_| {
+                        next = next.wrapping_add(1);
+                        next
+                    })
+                    .collect();
+                assert!(rx.push(&body));
+            }
+            // Read a varying amount, then check the stream is contiguous.
+            let n = rx.drain(&mut out[..100 + round * 7]);
+            for &b in &out[..n] {
+                expect = expect.wrapping_add(1);
+                assert_eq!(b, expect, "round {round}");
+            }
+        }
+        let mut full = RxBuf::new();
+        assert!(full.push(&[1; RX_CAPACITY]));
+        assert!(!full.make_room(1));
+        assert!(!full.push(&[1]));
+        assert_eq!(full.drain(&mut out), RX_CAPACITY);
+        assert!(full.is_empty());
     }
 }

@@ -1,1 +1,437 @@
-//! TODO(skeleton): see the module contract in the workspace issue.
+//! The transport-agnostic guest agent: a state machine that answers the host's probe protocol.
+//!
+//! The agent owns a [`Link`] (bytes in and out, non-blocking) and an [`AgentClock`] (the
+//! guest TSC, the vCPU id, optionally the pvclock page). The embedding code (a unikernel main
+//! loop, the bare-metal `vmtsync-agent`, a test) calls [`Agent::poll`] whenever it likes;
+//! each call drains what the link has received, answers every complete request, and returns.
+//! Nothing blocks and nothing allocates: the receive buffer, the event queue and the frame
+//! being sent are fixed-size arrays inside the agent or on the stack.
+//!
+//! Sessions: the agent answers nothing but [`Message::Hello`] and [`Message::Shutdown`]
+//! until a hello with its [`PROTOCOL_VERSION`] arrives (others get
+//! [`ErrorCode::NotReady`]). After [`Message::Shutdown`] it answers [`Message::Exiting`] and
+//! stops reading.
+//!
+//! Probe latency: a probe reply is encoded up to the TSC bytes before the TSC is read
+//! ([`ProbeReplyFrame`]), so between the read and the link's send there are only a few byte
+//! stores. On nested KVM every guest ring-0 instruction costs about 1 µs (DESIGN.md §4): that
+//! path length is the probe's error.
+//!
+//! Garbage on the link (noise, a peer speaking another protocol, an overlong frame) is
+//! answered with one [`ErrorCode::Malformed`] or [`ErrorCode::FrameTooLong`] per bad frame;
+//! the receiver resynchronizes on the next `0x00` delimiter.
+
+use heapless::Deque;
+
+use crate::mapping::KvmTscMapping;
+use crate::proto::{
+    Capabilities, DecodeError, EVENT_BATCH_MAX, ErrorCode, EventBatch, EventRecord, EventStamp,
+    Features, Feed, FrameReceiver, MAX_FRAME_SIZE, Message, PROTOCOL_VERSION, ProbeReplyFrame,
+    PvclockReport, Transport, encode_frame,
+};
+use crate::units::{GuestTicks, HostTicks};
+
+#[cfg(any(test, feature = "sim"))]
+pub mod fake;
+
+/// A byte link to the host (UART, virtio-vsock, shared memory). Both calls are non-blocking.
+pub trait Link {
+    /// Sends one complete frame (delimiter included), or refuses it whole.
+    ///
+    /// # Errors
+    /// [`LinkError`] if the frame cannot go out now; the agent drops it (a probe reply sent
+    /// later would carry a stale TSC, and the host re-asks on timeout).
+    fn send(&mut self, frame: &[u8]) -> Result<(), LinkError>;
+
+    /// Copies received bytes into `buf`; returns how many (0 when nothing is pending).
+    ///
+    /// # Errors
+    /// [`LinkError`] if the link failed; [`Agent::poll`] returns it.
+    fn recv(&mut self, buf: &mut [u8]) -> Result<usize, LinkError>;
+
+    /// Which transport this is, reported in [`Capabilities`].
+    fn transport(&self) -> Transport;
+}
+
+/// Why a [`Link`] call failed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "defmt", derive(defmt::Format))]
+#[non_exhaustive]
+pub enum LinkError {
+    /// No room to send right now (e.g. no vsock credit); try later.
+    WouldBlock,
+    /// The peer or the device went away.
+    Closed,
+    /// The device reported an error.
+    Io,
+}
+
+/// The guest clocks the agent reads. The real implementation sits on `crate::arch`; tests use
+/// [`fake::FakeClock`].
+pub trait AgentClock {
+    /// Reads the guest TSC (serialized: `lfence; rdtsc` or `rdtscp`).
+    fn read_tsc(&mut self) -> GuestTicks;
+
+    /// The id of the vCPU this code runs on (the APIC id KVM names `vcpuN` after).
+    fn vcpu_id(&self) -> u32;
+
+    /// The TSC frequency in kHz, if known (CPUID leaf 0x15 / 0x4000_0010, or pvclock).
+    fn tsc_khz(&self) -> Option<u32> {
+        None
+    }
+
+    /// A consistent pvclock snapshot with the TSC read inside it, if the vCPU has a
+    /// registered kvmclock page.
+    fn pvclock(&mut self) -> Option<PvclockReport> {
+        None
+    }
+
+    /// Whether the TSC is invariant (CPUID 0x8000_0007 EDX bit 8).
+    fn invariant_tsc(&self) -> bool {
+        false
+    }
+}
+
+/// Where the agent is in its session.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "defmt", derive(defmt::Format))]
+pub enum AgentState {
+    /// Waiting for a hello with a matching protocol version.
+    AwaitHello,
+    /// Serving requests.
+    Ready,
+    /// Shut down by the host; [`Agent::poll`] does nothing more.
+    Exited,
+}
+
+/// Why [`Agent::poll`] failed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "defmt", derive(defmt::Format))]
+#[non_exhaustive]
+pub enum AgentError {
+    /// The link failed to receive or to send a reply (the first such failure of the poll).
+    Link(LinkError),
+}
+
+/// Counters for logs and tests.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "defmt", derive(defmt::Format))]
+pub struct AgentStats {
+    /// Frames received that decoded to a message.
+    pub messages_in: u32,
+    /// Frames sent.
+    pub frames_out: u32,
+    /// Received frames that did not decode (each answered with an error).
+    pub bad_frames: u32,
+    /// Probes answered (compact and full).
+    pub probes: u32,
+}
+
+/// Bytes read from the link per `recv` call.
+const RX_CHUNK: usize = 64;
+/// `recv` calls per [`Agent::poll`] at most, so a chatty link cannot starve the caller.
+const MAX_CHUNKS_PER_POLL: usize = 16;
+
+/// An event waiting in the queue, stamped with the guest TSC when it was recorded.
+#[derive(Clone, Copy, Debug)]
+struct PendingEvent {
+    id: u32,
+    tsc: GuestTicks,
+}
+
+/// The agent: protocol state, the pushed mapping, and a queue of up to `EVENTS` events.
+pub struct Agent<L, C, const EVENTS: usize = 32> {
+    link: L,
+    clock: C,
+    rx: FrameReceiver,
+    state: AgentState,
+    mapping: Option<KvmTscMapping>,
+    events: Deque<PendingEvent, EVENTS>,
+    dropped: u32,
+    stats: AgentStats,
+}
+
+impl<L, C, const EVENTS: usize> core::fmt::Debug for Agent<L, C, EVENTS> {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_struct("Agent")
+            .field("state", &self.state)
+            .field("mapping", &self.mapping)
+            .field("queued_events", &self.events.len())
+            .field("dropped", &self.dropped)
+            .field("stats", &self.stats)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<L: Link, C: AgentClock, const EVENTS: usize> Agent<L, C, EVENTS> {
+    /// An agent waiting for the host's hello.
+    pub const fn new(link: L, clock: C) -> Self {
+        Self {
+            link,
+            clock,
+            rx: FrameReceiver::new(),
+            state: AgentState::AwaitHello,
+            mapping: None,
+            events: Deque::new(),
+            dropped: 0,
+            stats: AgentStats {
+                messages_in: 0,
+                frames_out: 0,
+                bad_frames: 0,
+                probes: 0,
+            },
+        }
+    }
+
+    /// Drains received bytes (at most 16 × 64 per call) and answers every complete request.
+    /// Returns the state after the last message handled.
+    ///
+    /// # Errors
+    /// [`AgentError::Link`] for a failed `recv` (returned at once) or the first failed `send`
+    /// (the remaining input is still handled).
+    pub fn poll(&mut self) -> Result<AgentState, AgentError> {
+        let mut first_err = None;
+        let mut chunk = [0u8; RX_CHUNK];
+        for _ in 0..MAX_CHUNKS_PER_POLL {
+            if self.state == AgentState::Exited {
+                break;
+            }
+            let n = self.link.recv(&mut chunk).map_err(AgentError::Link)?;
+            if n == 0 {
+                break;
+            }
+            let mut input = chunk.get(..n).unwrap_or_default();
+            while self.state != AgentState::Exited {
+                let sent = match self.rx.feed(input) {
+                    Feed::Consumed => break,
+                    Feed::Message { msg, rest } => {
+                        input = rest;
+                        self.stats.messages_in = self.stats.messages_in.wrapping_add(1);
+                        self.handle(msg)
+                    }
+                    Feed::Error { error, rest } => {
+                        input = rest;
+                        self.stats.bad_frames = self.stats.bad_frames.wrapping_add(1);
+                        let code = match error {
+                            DecodeError::FrameTooLong => ErrorCode::FrameTooLong,
+                            _ => ErrorCode::Malformed,
+                        };
+                        self.send(&Message::Error(code))
+                    }
+                };
+                if let Err(e) = sent {
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        match first_err {
+            Some(e) => Err(AgentError::Link(e)),
+            None => Ok(self.state),
+        }
+    }
+
+    /// Queues event `id` stamped with the TSC now. Returns `false` (and counts it dropped) if
+    /// the queue is full.
+    pub fn record_event(&mut self, id: u32) -> bool {
+        let tsc = self.clock.read_tsc();
+        self.record_event_at(id, tsc)
+    }
+
+    /// Queues event `id` with a TSC the caller read earlier. Returns `false` (and counts it
+    /// dropped) if the queue is full.
+    pub fn record_event_at(&mut self, id: u32, tsc: GuestTicks) -> bool {
+        if self.events.push_back(PendingEvent { id, tsc }).is_ok() {
+            true
+        } else {
+            self.dropped = self.dropped.wrapping_add(1);
+            false
+        }
+    }
+
+    /// The host TSC now, rounded up, via the pushed mapping; `None` without a mapping or if
+    /// the conversion does not fit.
+    pub fn host_now_ceil(&mut self) -> Option<HostTicks> {
+        let mapping = self.mapping?;
+        mapping.try_host_from_guest_ceil(self.clock.read_tsc())
+    }
+
+    /// The mapping the host pushed for this vCPU, if any.
+    pub const fn mapping(&self) -> Option<KvmTscMapping> {
+        self.mapping
+    }
+
+    /// The session state.
+    pub const fn state(&self) -> AgentState {
+        self.state
+    }
+
+    /// Counters since creation.
+    pub const fn stats(&self) -> AgentStats {
+        self.stats
+    }
+
+    /// Events waiting to be sent.
+    pub fn queued_events(&self) -> usize {
+        self.events.len()
+    }
+
+    /// The link (e.g. to inspect a fake).
+    pub const fn link(&self) -> &L {
+        &self.link
+    }
+
+    /// The link, mutably (e.g. to feed a fake).
+    pub const fn link_mut(&mut self) -> &mut L {
+        &mut self.link
+    }
+
+    /// The clock, mutably (e.g. to advance a fake).
+    pub const fn clock_mut(&mut self) -> &mut C {
+        &mut self.clock
+    }
+
+    /// Takes the agent apart.
+    pub fn into_parts(self) -> (L, C) {
+        (self.link, self.clock)
+    }
+
+    /// Answers one message.
+    fn handle(&mut self, msg: Message) -> Result<(), LinkError> {
+        match msg {
+            Message::Hello(hello) => self.on_hello(hello.version),
+            Message::Shutdown => {
+                self.state = AgentState::Exited;
+                self.send(&Message::Exiting)
+            }
+            // Never answer an error with an error: two confused peers would ping-pong forever.
+            Message::Error(_) => Ok(()),
+            _ if self.state != AgentState::Ready => self.send(&Message::Error(ErrorCode::NotReady)),
+            Message::Probe { seq } => {
+                let frame = ProbeReplyFrame::compact(seq, self.clock.vcpu_id());
+                self.send_probe_reply(frame)
+            }
+            Message::ProbeFull { seq } => {
+                let frame = ProbeReplyFrame::full(seq, self.clock.vcpu_id());
+                self.send_probe_reply(frame)
+            }
+            Message::SetMapping(push) => {
+                let vcpu = self.clock.vcpu_id();
+                let reply = if push.vcpu != vcpu {
+                    Message::Error(ErrorCode::UnknownVcpu)
+                } else if push
+                    .mapping
+                    .try_host_from_guest_ceil(self.clock.read_tsc())
+                    .is_none()
+                {
+                    // It cannot place even the present on the host timeline: keep the old one.
+                    Message::Error(ErrorCode::InvalidMapping)
+                } else {
+                    self.mapping = Some(push.mapping);
+                    Message::MappingApplied { vcpu }
+                };
+                self.send(&reply)
+            }
+            Message::PvclockRequest => {
+                let reply = match self.clock.pvclock() {
+                    Some(report) => Message::PvclockReport(report),
+                    None => Message::Error(ErrorCode::Unsupported),
+                };
+                self.send(&reply)
+            }
+            Message::EventsRequest { max } => self.send_events(usize::from(max)),
+            Message::Capabilities(_)
+            | Message::ProbeReply(_)
+            | Message::ProbeReplyFull(_)
+            | Message::MappingApplied { .. }
+            | Message::PvclockReport(_)
+            | Message::Events(_)
+            | Message::Exiting => self.send(&Message::Error(ErrorCode::Unexpected)),
+        }
+    }
+
+    fn on_hello(&mut self, version: u16) -> Result<(), LinkError> {
+        let mut features = Features::EVENTS.union(Features::MAPPING);
+        if self.clock.pvclock().is_some() {
+            features = features.union(Features::PVCLOCK);
+        }
+        if self.clock.invariant_tsc() {
+            features = features.union(Features::INVARIANT_TSC);
+        }
+        // A different version is told ours and gets nothing else until it says hello in it.
+        self.state = if version == PROTOCOL_VERSION {
+            AgentState::Ready
+        } else {
+            AgentState::AwaitHello
+        };
+        let transport = self.link.transport();
+        let vcpu = self.clock.vcpu_id();
+        let tsc_khz = self.clock.tsc_khz();
+        let tsc = self.clock.read_tsc();
+        self.send(&Message::Capabilities(Capabilities {
+            version: PROTOCOL_VERSION,
+            transport,
+            features,
+            vcpu,
+            tsc,
+            tsc_khz,
+        }))
+    }
+
+    /// The latency-critical path: read the TSC, patch it in, send.
+    #[inline]
+    fn send_probe_reply(&mut self, mut frame: ProbeReplyFrame) -> Result<(), LinkError> {
+        let tsc = self.clock.read_tsc();
+        let sent = self.link.send(frame.finish(tsc));
+        self.stats.probes = self.stats.probes.wrapping_add(1);
+        self.count_sent(sent)
+    }
+
+    /// Sends up to `max` queued events (capped at [`EVENT_BATCH_MAX`]), stamped in the host
+    /// clock when the mapping converts them. They leave the queue only once sent.
+    fn send_events(&mut self, max: usize) -> Result<(), LinkError> {
+        let mut batch = heapless::Vec::<EventRecord, EVENT_BATCH_MAX>::new();
+        for ev in self.events.iter().take(max.min(EVENT_BATCH_MAX)) {
+            let stamp = self
+                .mapping
+                .and_then(|m| m.try_host_from_guest_ceil(ev.tsc))
+                .map_or(EventStamp::Guest(ev.tsc), EventStamp::Host);
+            if batch.push(EventRecord { id: ev.id, stamp }).is_err() {
+                break;
+            }
+        }
+        let taken = batch.len();
+        let remaining = u32::try_from(self.events.len().saturating_sub(taken)).unwrap_or(u32::MAX);
+        let msg = Message::Events(EventBatch {
+            vcpu: self.clock.vcpu_id(),
+            dropped: self.dropped,
+            remaining,
+            events: batch,
+        });
+        self.send(&msg)?;
+        for _ in 0..taken {
+            self.events.pop_front();
+        }
+        Ok(())
+    }
+
+    fn send(&mut self, msg: &Message) -> Result<(), LinkError> {
+        let mut buf = [0u8; MAX_FRAME_SIZE];
+        // MAX_FRAME_SIZE holds every message, so this cannot fail; if it ever did, the host
+        // would time out and retry, which is better than sending a truncated frame.
+        let Ok(frame) = encode_frame(msg, &mut buf) else {
+            return Ok(());
+        };
+        let sent = self.link.send(frame);
+        self.count_sent(sent)
+    }
+
+    fn count_sent(&mut self, sent: Result<(), LinkError>) -> Result<(), LinkError> {
+        if sent.is_ok() {
+            self.stats.frames_out = self.stats.frames_out.wrapping_add(1);
+        }
+        sent
+    }
+}
+
+#[cfg(test)]
+mod tests;

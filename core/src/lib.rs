@@ -13,7 +13,7 @@
 //! - [`estimate`]: offset and drift estimators over probe samples, with guaranteed bounds.
 //! - [`timeline`]: per-vCPU piecewise-linear guest→host conversion, streaming and random access.
 //! - [`agent`]: the transport-agnostic guest agent state machine.
-//! - [`sim`] (feature `sim`): seeded simulated clocks and link delays.
+//! - `sim` (feature `sim`): seeded simulated clocks and link delays.
 #![no_std]
 #![deny(unsafe_code)]
 #![cfg_attr(docsrs, feature(doc_cfg))]

@@ -659,6 +659,10 @@ mod tests {
         );
         let r = try_read(&page(2), DEFAULT_MAX_ATTEMPTS).expect("plain page is stable");
         assert_eq!((r.version, r.attempts), (2, 1));
+        // End to end: 1 µs of a 2.5 GHz TSC after tsc_timestamp.
+        let tsc = FakeTsc::new(1_002_500, 0);
+        let s = try_read_with_tsc(&page(2), &tsc, DEFAULT_MAX_ATTEMPTS).expect("stable");
+        assert_eq!(s.try_ns_floor(), Some(Nanos(5_000_000_999)));
     }
 
     /// The concurrent test's page: every field an atomic, written one by one like KVM does.

@@ -1,7 +1,8 @@
-//! Hardware-facing building blocks of the vmtsync guest agent: a polled 16550 UART, x86 port
-//! I/O and isa-debug-exit, the PVH `hvm_start_info`, the TSC read and its software skew, and
-//! boot-option parsing. The bootable ELF (`src/main.rs`) puts them together; another
-//! unikernel can embed them the same way.
+//! Hardware-facing building blocks of the vmtsync guest agent: a polled 16550 UART and its
+//! `vmtsync_core::agent::Link`, the guest clocks as an `AgentClock` (TSC through a software
+//! skew, pvclock page), x86 port I/O and isa-debug-exit, the PVH `hvm_start_info`, and
+//! boot-option parsing. The bootable ELF (`src/main.rs`) runs `vmtsync_core::agent::Agent`
+//! over them; another unikernel can embed them the same way.
 //!
 //! `no_std`; built for the host only for its unit tests
 //! (`cargo test --target x86_64-unknown-linux-gnu`).
@@ -9,13 +10,13 @@
 
 extern crate alloc;
 
+pub mod clock;
 pub mod heap;
 pub mod link;
 pub mod options;
 pub mod pci;
 pub mod port;
 pub mod pvh;
-pub mod server;
 pub mod tsc;
 pub mod uart;
 pub mod vsock;

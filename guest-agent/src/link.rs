@@ -1,43 +1,55 @@
-//! The byte link the protocol server talks over, and its UART implementation.
+//! The COM1 UART as a `vmtsync_core::agent::Link`.
+
+use vmtsync_core::agent::{Link, LinkError};
+use vmtsync_core::proto::Transport;
 
 use crate::uart::Uart;
 
-/// A byte-oriented, polled link to the host.
+/// A polled 16550 carrying protocol frames.
 ///
-/// Sending is split in two so the time-critical probe path can be: wait until the link can
-/// take a byte, read the TSC, send. [`Link::send_now`] must put its first byte on the wire
-/// without waiting again.
-pub trait Link {
-    /// The next received byte, if one is waiting. Never blocks.
-    fn try_recv(&mut self) -> Option<u8>;
-    /// Waits until one byte can be sent immediately.
-    fn wait_ready(&mut self);
-    /// Sends `bytes`; the first without waiting (call [`Link::wait_ready`] first), the rest
-    /// waiting for room as needed.
-    fn send_now(&mut self, bytes: &[u8]);
-    /// What this link is, for the `Capabilities` reply. Defaults to the UART, the agent's
-    /// first link.
-    fn transport(&self) -> vmtsync_core::proto::Transport {
-        vmtsync_core::proto::Transport::Uart16550
+/// Invariant: the transmit holding register is empty whenever [`Link::send`] is entered. Each
+/// byte is followed by a wait for THRE instead of preceded by one, so the first byte of a frame
+/// leaves with no VM exit between the agent's TSC read and that byte's `out`: the host's exits
+/// around the first byte bracket the read.
+#[derive(Debug)]
+pub struct UartLink {
+    uart: Uart,
+}
+
+impl UartLink {
+    /// Takes over an initialised UART and waits until it can transmit (the invariant).
+    #[must_use]
+    pub fn new(uart: Uart) -> Self {
+        uart.wait_thr_empty();
+        Self { uart }
     }
 }
 
-impl Link for Uart {
-    #[inline(always)]
-    fn try_recv(&mut self) -> Option<u8> {
-        Uart::try_read(*self)
-    }
-
-    #[inline(always)]
-    fn wait_ready(&mut self) {
-        self.wait_thr_empty();
-    }
-
-    #[inline(always)]
-    fn send_now(&mut self, bytes: &[u8]) {
-        if let Some((&first, rest)) = bytes.split_first() {
-            self.write_unchecked(first);
-            self.write_all(rest);
+impl Link for UartLink {
+    #[inline]
+    fn send(&mut self, frame: &[u8]) -> Result<(), LinkError> {
+        for &b in frame {
+            self.uart.write_unchecked(b);
+            self.uart.wait_thr_empty();
         }
+        Ok(())
+    }
+
+    fn recv(&mut self, buf: &mut [u8]) -> Result<usize, LinkError> {
+        let mut n = 0;
+        for slot in buf.iter_mut() {
+            match self.uart.try_read() {
+                Some(b) => {
+                    *slot = b;
+                    n += 1;
+                }
+                None => break,
+            }
+        }
+        Ok(n)
+    }
+
+    fn transport(&self) -> Transport {
+        Transport::Uart16550
     }
 }

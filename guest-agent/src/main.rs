@@ -9,16 +9,18 @@
 //!
 //! ## `wire=postcard` (default)
 //!
-//! The vmtsync probe protocol (`vmtsync_core::proto`), served by
-//! [`vmtsync_agent::server::Server`]. When COM1 is ready the agent sends one `0x00` byte (an
+//! The vmtsync probe protocol (`vmtsync_core::proto`), served by the core state machine
+//! `vmtsync_core::agent::Agent` over [`vmtsync_agent::link::UartLink`] and
+//! [`vmtsync_agent::clock::GuestClock`]. When COM1 is ready the agent sends one `0x00` byte (an
 //! empty frame, which receivers skip): a host may wait for it instead of retrying its hello.
 //! After `Shutdown` → `Exiting` the agent writes its `exit=` code to isa-debug-exit.
 //!
 //! ## `transport=vsock port=N`
 //!
 //! The same protocol over a virtio-vsock stream instead of COM1 (`serve_vsock.rs`): the agent
-//! finds the virtio socket device on PCI, places its BARs, connects to host CID 2 port N, sends
-//! the ready beacon on the stream and reports `VirtioVsock` in its `Capabilities`.
+//! finds the virtio socket device on PCI, places its BARs, connects to host CID 2 port N (or
+//! accepts the host's connection with `vsock=listen`), sends the ready beacon on the stream and
+//! reports `VirtioVsock` in its `Capabilities`.
 //!
 //! ## `wire=line` (debugging by hand)
 //!
@@ -39,14 +41,20 @@ mod boot;
 
 use core::fmt::Write as _;
 
+use core::cell::UnsafeCell;
+use vmtsync_agent::clock::GuestClock;
+use vmtsync_agent::link::UartLink;
 use vmtsync_agent::options::{Options, Wire};
-use vmtsync_agent::server::{Outcome, Server};
 use vmtsync_agent::uart::{COM1, COM2};
 use vmtsync_agent::{port, pvh};
-use vmtsync_core::arch::Tsc;
-use vmtsync_core::arch::cpuid::{has_invariant_tsc, tsc_freq};
-use vmtsync_core::arch::x86_64::{NativeCpuid, NativeTsc};
+use vmtsync_core::agent::{Agent, AgentState};
+use vmtsync_core::arch::Cpuid as _;
+
+use vmtsync_core::arch::cpuid::{has_invariant_tsc, kvm_info, tsc_freq};
+use vmtsync_core::arch::x86_64::{NativeCpuid, NativeTsc, register_pvclock};
+use vmtsync_core::arch::{PvclockPage, Tsc};
 use vmtsync_core::proto::Features;
+use vmtsync_core::pvclock::PvclockVcpuTimeInfo;
 
 /// Writes one formatted line to the COM2 log.
 macro_rules! log {
@@ -59,6 +67,50 @@ macro_rules! log {
 
 // After `log!`, which it uses.
 mod serve_vsock;
+
+/// The pvclock page KVM writes once registered: 32 bytes, aligned so it never crosses a page.
+#[repr(C, align(64))]
+struct PvclockCell(UnsafeCell<PvclockVcpuTimeInfo>);
+
+// SAFETY: the agent is single-CPU; the only writer is the hypervisor, and every read goes
+// through `PvclockPage`'s volatile loads and seqlock.
+unsafe impl Sync for PvclockCell {}
+
+/// Zero-initialised, so it lives in .bss (32 bytes zeroed at boot) and reads version 0 until
+/// KVM publishes it.
+static PVCLOCK: PvclockCell = PvclockCell(UnsafeCell::new(PvclockVcpuTimeInfo {
+    version: 0,
+    pad0: 0,
+    tsc_timestamp: 0,
+    system_time: 0,
+    tsc_to_system_mul: 0,
+    tsc_shift: 0,
+    flags: 0,
+    pad: [0; 2],
+}));
+
+/// Registers [`PVCLOCK`] with KVM when CPUID offers `KVM_FEATURE_CLOCKSOURCE2`. Ring 0 only.
+fn register_pvclock_page(cpuid: &NativeCpuid) -> Option<PvclockPage<'static>> {
+    let kvm = kvm_info(cpuid)?;
+    if !kvm.features.clocksource2() {
+        log!("pvclock: KVM without CLOCKSOURCE2; not registering");
+        return None;
+    }
+    let ptr = PVCLOCK.0.get().cast_const();
+    // The first 4 GiB are identity-mapped, so the static's address is its physical address.
+    let phys = ptr as u64;
+    // SAFETY: we run at CPL 0 (kmain, before any ring switch) under KVM with CLOCKSOURCE2, and
+    // `phys` is 32 bytes of RAM reserved for the page for the rest of the run.
+    if unsafe { register_pvclock(phys) }.is_err() {
+        return None;
+    }
+    log!(
+        "pvclock: page at {phys:#x}, stable bit {}",
+        kvm.features.stable_bit()
+    );
+    // SAFETY: PVCLOCK is a static (valid forever), aligned, and only the hypervisor writes it.
+    unsafe { PvclockPage::new(ptr) }
+}
 
 /// Rust entry, called by `boot.rs` in long mode with the physical address of the PVH start info.
 #[unsafe(no_mangle)]
@@ -114,10 +166,15 @@ pub extern "C" fn kmain(start_info_phys: u64) -> ! {
         tsc.read_ordered()
     );
 
+    let pvclock = register_pvclock_page(&cpuid);
+    // The initial APIC id (CPUID.1:EBX[31:24]) is the id KVM names `vcpuN` after.
+    let vcpu = cpuid.cpuid(1, 0).ebx >> 24;
     let ctx = Ctx {
         opts,
         tsc,
-        features,
+        pvclock,
+        vcpu,
+        invariant_tsc: features.contains(Features::INVARIANT_TSC),
         tsc_khz,
     };
     if opts.ring == 3 {
@@ -133,7 +190,9 @@ pub extern "C" fn kmain(start_info_phys: u64) -> ! {
 struct Ctx {
     opts: Options,
     tsc: NativeTsc,
-    features: Features,
+    pvclock: Option<PvclockPage<'static>>,
+    vcpu: u32,
+    invariant_tsc: bool,
     tsc_khz: Option<u32>,
 }
 
@@ -143,29 +202,44 @@ extern "C" fn serve(ctx: usize) -> ! {
     let ctx = unsafe { &*(ctx as *const Ctx) };
     log!("serving at CPL {}", port::cpl());
     if ctx.opts.transport == vmtsync_agent::options::Transport::Vsock {
-        serve_vsock::serve(&ctx.opts, ctx.tsc, ctx.features, ctx.tsc_khz);
+        serve_vsock::serve(ctx);
     }
     match ctx.opts.wire {
-        Wire::Postcard => serve_postcard(&ctx.opts, ctx.tsc, ctx.features, ctx.tsc_khz),
+        Wire::Postcard => serve_postcard(ctx),
         Wire::Line => serve_line(&ctx.opts, ctx.tsc),
     }
 }
 
-fn serve_postcard(opts: &Options, tsc: NativeTsc, features: Features, tsc_khz: Option<u32>) -> ! {
-    let mut server = Server::new(COM1, tsc, opts.skew, features, tsc_khz);
-    log!("ready: postcard on COM1");
+fn serve_postcard(ctx: &Ctx) -> ! {
+    let opts = &ctx.opts;
+    let clock = GuestClock::new(
+        ctx.tsc,
+        ctx.pvclock,
+        opts.skew,
+        ctx.vcpu,
+        ctx.tsc_khz,
+        ctx.invariant_tsc,
+    );
+    let mut agent: Agent<_, _> = Agent::new(UartLink::new(COM1), clock);
+    log!("ready: postcard on COM1, vcpu {}", ctx.vcpu);
     // Ready beacon: an empty frame, skipped by every frame receiver.
     COM1.write(0);
     loop {
-        if server.poll() == Outcome::Shutdown {
-            let s = server.stats();
-            log!(
-                "shutdown after {} probes, {} bad frames: isa-debug-exit {}",
-                s.probes,
-                s.bad_frames,
-                opts.exit_code
-            );
-            port::exit(opts.exit_code);
+        match agent.poll() {
+            Ok(AgentState::Exited) => {
+                let s = agent.stats();
+                log!(
+                    "shutdown after {} probes, {} messages, {} bad frames: isa-debug-exit {}",
+                    s.probes,
+                    s.messages_in,
+                    s.bad_frames,
+                    opts.exit_code
+                );
+                port::exit(opts.exit_code);
+            }
+            Ok(AgentState::AwaitHello | AgentState::Ready) => {}
+            // The UART link never fails; log anything else and keep serving.
+            Err(e) => log!("agent: {e:?}"),
         }
     }
 }

@@ -1,28 +1,30 @@
-//! `transport=vsock`: the probe protocol over a virtio-vsock stream to host CID 2.
+//! `transport=vsock`: the probe protocol over a virtio-vsock stream with the host (CID 2).
 //!
 //! Runs where `serve` runs (ring 3 with IOPL 3 by default): it sets up the heap, finds and
 //! initialises the virtio socket device on PCI ([`vmtsync_agent::vsock`]), connects to the
 //! host port from `port=` (or, with `vsock=listen`, accepts the host's connection to that
-//! port), sends the ready beacon (a lone `0x00`, an empty frame every receiver
-//! skips) and serves [`Server`] on the stream until the host says `Shutdown`, then exits through
-//! isa-debug-exit with the `exit=` code. A setup failure is logged on COM2 and exits with
-//! [`vsock::SETUP_FAILED_EXIT_CODE`].
+//! port), sends the ready beacon (a lone `0x00`, an empty frame every receiver skips) and runs
+//! the core [`Agent`] on the stream until the host says `Shutdown`, then exits through
+//! isa-debug-exit with the `exit=` code. If the host closes the stream first, the agent
+//! connects (or listens) again for a new session. A setup failure is logged on COM2 and exits
+//! with [`vsock::SETUP_FAILED_EXIT_CODE`].
 
 use core::fmt::Write as _;
 
 use linked_list_allocator::LockedHeap;
 use virtio_drivers::transport::pci::PciTransport;
+use vmtsync_agent::clock::GuestClock;
 use vmtsync_agent::heap::{self, IdentityHal};
-use vmtsync_agent::link::Link;
-use vmtsync_agent::options::{Options, Wire};
+use vmtsync_agent::options::Wire;
 use vmtsync_agent::pci::{DEFAULT_MMIO_WINDOW, PortCam};
 use vmtsync_agent::port;
-use vmtsync_agent::server::{Outcome, Server};
 use vmtsync_agent::vsock::{self, VsockError, VsockLink};
 use vmtsync_agent::vsock_stream::OneStream;
+use vmtsync_core::agent::{Agent, AgentError, AgentState, Link as _, LinkError};
 use vmtsync_core::arch::Tsc;
 use vmtsync_core::arch::x86_64::NativeTsc;
-use vmtsync_core::proto::Features;
+
+use crate::Ctx;
 
 /// The allocator virtio-drivers' socket driver uses, over [`heap::take_region`].
 #[global_allocator]
@@ -35,14 +37,19 @@ const CONNECT_ATTEMPTS: u32 = 20;
 /// How long `vsock=listen` waits for the host, in milliseconds.
 const LISTEN_MS: u64 = 60_000;
 
+type Stream = OneStream<IdentityHal, PciTransport>;
+
 /// Sets up the vsock transport and serves the protocol on it; never returns.
-pub fn serve(opts: &Options, tsc: NativeTsc, features: Features, tsc_khz: Option<u32>) -> ! {
+pub fn serve(ctx: &Ctx) -> ! {
+    let opts = &ctx.opts;
+    let tsc = ctx.tsc;
     if opts.wire == Wire::Line {
         log!("vsock: wire=line is for COM1 only; the vsock stream speaks postcard");
     }
-    let khz = tsc_khz.map_or(FALLBACK_TSC_KHZ, u64::from);
+    let khz = ctx.tsc_khz.map_or(FALLBACK_TSC_KHZ, u64::from);
     let ms = |n: u64| n.saturating_mul(khz);
     let start = tsc.read_ordered();
+
     let Some(region) = heap::take_region() else {
         fail("heap setup", "region already taken")
     };
@@ -59,72 +66,90 @@ pub fn serve(opts: &Options, tsc: NativeTsc, features: Features, tsc_khz: Option
     })
     .unwrap_or_else(|e| fail("PCI device setup", e.describe()));
     log!("vsock: virtio socket device at {df}");
-
-    let mut stream = OneStream::<IdentityHal, _>::new(transport, opts.vsock_port)
+    let mut stream: Stream = OneStream::new(transport, opts.vsock_port)
         .unwrap_or_else(|e| fail("socket device init", e.describe()));
-    if opts.vsock_listen {
-        log!("vsock: listening on port {}", opts.vsock_port);
-        stream
-            .accept(opts.vsock_port, &tsc, ms(LISTEN_MS))
-            .unwrap_or_else(|e| fail("accept", e.describe()));
-    } else {
-        connect(&mut stream, tsc, ms);
-    }
-    log!(
-        "vsock: guest cid {} port {} connected with host cid {}:{} after {} cycles, heap {} \
-         bytes used",
-        stream.guest_cid(),
-        if opts.vsock_listen {
-            opts.vsock_port
-        } else {
-            vsock::LOCAL_PORT
-        },
-        vsock::HOST_CID,
-        stream.peer_port(),
-        tsc.read_ordered().wrapping_sub(start),
-        HEAP.lock().used()
-    );
 
-    let mut link = VsockLink::new(stream, tsc, ms(1_000));
-    // Ready beacon: an empty frame, skipped by every frame receiver.
-    link.send_now(&[0]);
-    let mut server = Server::new(link, tsc, opts.skew, features, tsc_khz);
-    log!("ready: postcard on vsock port {}", opts.vsock_port);
+    let mut session = 0u32;
     loop {
-        if server.poll() == Outcome::Shutdown {
-            let s = server.stats();
-            let l = server.link_mut().stats();
-            log!(
-                "shutdown after {} probes, {} bad frames ({} credit waits, {} dropped sends, {} \
-                 link errors): isa-debug-exit {}",
-                s.probes,
-                s.bad_frames,
-                l.credit_waits,
-                l.dropped_sends,
-                l.errors,
-                opts.exit_code
-            );
-            port::exit(opts.exit_code);
+        session += 1;
+        establish(ctx, &mut stream, ms);
+        log!(
+            "vsock: session {session}: guest cid {} port {} connected with host cid {}:{} \
+             after {} cycles, heap {} bytes used",
+            stream.guest_cid(),
+            if opts.vsock_listen {
+                opts.vsock_port
+            } else {
+                vsock::LOCAL_PORT
+            },
+            vsock::HOST_CID,
+            stream.peer_port(),
+            tsc.read_ordered().wrapping_sub(start),
+            HEAP.lock().used()
+        );
+        stream = run_session(ctx, VsockLink::new(stream, tsc, ms(1_000)));
+        log!("vsock: the host closed the stream; waiting for a new session");
+    }
+}
+
+/// Serves one session; exits the VM on `Shutdown`, returns the stream when the host closes it.
+fn run_session(ctx: &Ctx, mut link: VsockLink<Stream, NativeTsc>) -> Stream {
+    let opts = &ctx.opts;
+    // Ready beacon: an empty frame, skipped by every frame receiver.
+    if let Err(e) = link.send(&[0]) {
+        log!("vsock: ready beacon not sent: {e:?}");
+    }
+    let clock = GuestClock::new(
+        ctx.tsc,
+        ctx.pvclock,
+        opts.skew,
+        ctx.vcpu,
+        ctx.tsc_khz,
+        ctx.invariant_tsc,
+    );
+    let mut agent: Agent<_, _> = Agent::new(link, clock);
+    log!(
+        "ready: postcard on vsock port {}, vcpu {}",
+        opts.vsock_port,
+        ctx.vcpu
+    );
+    loop {
+        match agent.poll() {
+            Ok(AgentState::Exited) => {
+                let s = agent.stats();
+                let l = agent.link().stats();
+                log!(
+                    "shutdown after {} probes, {} messages, {} bad frames ({} credit waits, {} \
+                     refused sends, {} link errors): isa-debug-exit {}",
+                    s.probes,
+                    s.messages_in,
+                    s.bad_frames,
+                    l.credit_waits,
+                    l.refused_sends,
+                    l.errors,
+                    opts.exit_code
+                );
+                port::exit(opts.exit_code);
+            }
+            Ok(AgentState::AwaitHello | AgentState::Ready) => {}
+            Err(AgentError::Link(LinkError::Closed)) => return agent.into_parts().0.into_stream(),
+            Err(e) => log!("agent: {e:?}"),
         }
     }
 }
 
-/// Logs a setup failure and exits; out of line so its formatting code exists once.
-#[inline(never)]
-fn fail(what: &str, why: &str) -> ! {
-    log!(
-        "vsock: {what} failed: {why}; isa-debug-exit {}",
-        vsock::SETUP_FAILED_EXIT_CODE
-    );
-    port::exit(vsock::SETUP_FAILED_EXIT_CODE)
-}
-
-/// Connects to the host, retrying while nothing listens there yet.
-fn connect(
-    stream: &mut OneStream<IdentityHal, PciTransport>,
-    tsc: NativeTsc,
-    ms: impl Fn(u64) -> u64,
-) {
+/// Connects to the host (retrying while nothing listens there yet) or, with `vsock=listen`,
+/// accepts the host's connection; exits the VM when neither happens in time.
+fn establish(ctx: &Ctx, stream: &mut Stream, ms: impl Fn(u64) -> u64) {
+    let opts = &ctx.opts;
+    let tsc = ctx.tsc;
+    if opts.vsock_listen {
+        log!("vsock: listening on port {}", opts.vsock_port);
+        if let Err(e) = stream.accept(opts.vsock_port, &tsc, ms(LISTEN_MS)) {
+            fail("accept", e.describe());
+        }
+        return;
+    }
     let mut attempt = 1;
     loop {
         match stream.connect(&tsc, ms(2_000)) {
@@ -143,4 +168,14 @@ fn connect(
             Err(e) => fail("connect", e.describe()),
         }
     }
+}
+
+/// Logs a setup failure and exits; out of line so its formatting code exists once.
+#[inline(never)]
+fn fail(what: &str, why: &str) -> ! {
+    log!(
+        "vsock: {what} failed: {why}; isa-debug-exit {}",
+        vsock::SETUP_FAILED_EXIT_CODE
+    );
+    port::exit(vsock::SETUP_FAILED_EXIT_CODE)
 }

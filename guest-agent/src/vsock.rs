@@ -10,11 +10,10 @@
 //!   arrives on the host as a connection to the Unix socket `<uds-path>_<port>`.
 //! - [`Stream`]: what the link needs from a connection (read, credit, send, pump the device),
 //!   so the link's logic is tested on the host against a fake.
-//! - [`VsockLink`]: the agent's [`Link`] over a [`Stream`]. [`Link::wait_ready`] pumps the
-//!   device until the peer has granted credit for a whole frame (virtio-drivers refuses a send
-//!   with `InsufficientBufferSpaceInPeer` until a credit update arrives), so the probe reply's
-//!   TSC read comes right before a send that goes through; sending still retries, up to a TSC
-//!   deadline.
+//! - [`VsockLink`]: the agent's `vmtsync_core::agent::Link` over a [`Stream`]: a send waits,
+//!   pumping the device, until the peer has granted credit for the whole frame (virtio-drivers
+//!   refuses a send with `InsufficientBufferSpaceInPeer` until a credit update arrives), up to
+//!   a TSC deadline.
 //!
 //! Everything runs in ring 3 (natively on the project's nested KVM): PCI configuration through
 //! ports with IOPL 3, the BARs and virtqueues through the user-accessible identity map.
@@ -24,10 +23,10 @@ use virtio_drivers::transport::DeviceType;
 use virtio_drivers::transport::pci::bus::{ConfigurationAccess, DeviceFunction, PciRoot};
 use virtio_drivers::transport::pci::{PciTransport, VirtioPciError, virtio_device_type};
 use virtio_drivers::{Error, Hal};
+use vmtsync_core::agent::{Link, LinkError};
 use vmtsync_core::arch::Tsc;
-use vmtsync_core::proto::{MAX_FRAME_SIZE, Transport};
+use vmtsync_core::proto::Transport;
 
-use crate::link::Link;
 use crate::pci::{AssignedBar, BarError, MmioWindow, assign_memory_bars};
 
 /// The host's CID (virtio spec 5.10.4: `VMADDR_CID_HOST`).
@@ -150,8 +149,8 @@ pub(crate) fn stream_error(e: Error) -> StreamError {
 pub struct LinkStats {
     /// Sends that had to wait for peer credit.
     pub credit_waits: u32,
-    /// Sends given up (no credit before the deadline, or a stream error).
-    pub dropped_sends: u32,
+    /// Sends refused (no credit before the deadline, or a stream error).
+    pub refused_sends: u32,
     /// Stream errors seen while receiving or pumping.
     pub errors: u32,
     /// The connection has closed.
@@ -159,14 +158,17 @@ pub struct LinkStats {
 }
 
 /// The agent's [`Link`] over a vsock [`Stream`].
+///
+/// [`Link::send`] waits, pumping the device, until the peer has granted credit for the whole
+/// frame (virtio-drivers refuses a send with `InsufficientBufferSpaceInPeer` until a credit
+/// update arrives), for at most the send deadline; then it refuses the frame with
+/// [`LinkError::WouldBlock`]. A probe reply that waited still carries a TSC read inside the
+/// host's bracket, only less tightly; the vhost backend grants ample credit, so this is rare.
 #[derive(Debug)]
 pub struct VsockLink<S, C> {
     stream: S,
     clock: C,
     send_timeout_cycles: u64,
-    rx: [u8; 128],
-    rx_pos: usize,
-    rx_len: usize,
     stats: LinkStats,
 }
 
@@ -178,9 +180,6 @@ impl<S: Stream, C: Tsc> VsockLink<S, C> {
             stream,
             clock,
             send_timeout_cycles,
-            rx: [0; 128],
-            rx_pos: 0,
-            rx_len: 0,
             stats: LinkStats::default(),
         }
     }
@@ -195,86 +194,57 @@ impl<S: Stream, C: Tsc> VsockLink<S, C> {
         &mut self.stream
     }
 
-    fn note(&mut self, e: StreamError) {
-        if e == StreamError::Closed {
-            self.stats.closed = true;
-        } else {
-            self.stats.errors = self.stats.errors.wrapping_add(1);
+    /// Takes the stream back (to reconnect after the peer closed it).
+    pub fn into_stream(self) -> S {
+        self.stream
+    }
+
+    fn note(&mut self, e: StreamError) -> LinkError {
+        match e {
+            StreamError::Closed => {
+                self.stats.closed = true;
+                LinkError::Closed
+            }
+            StreamError::NoCredit => LinkError::WouldBlock,
+            StreamError::Device => {
+                self.stats.errors = self.stats.errors.wrapping_add(1);
+                LinkError::Io
+            }
         }
     }
 
-    fn refill(&mut self) {
-        let mut n = self.stream.read(&mut self.rx);
-        if n == Ok(0) {
-            if let Err(e) = self.stream.pump() {
-                self.note(e);
-            }
-            n = self.stream.read(&mut self.rx);
-        }
-        match n {
-            Ok(n) => {
-                self.rx_pos = 0;
-                self.rx_len = n;
-            }
-            Err(e) => self.note(e),
-        }
+    fn refuse(&mut self, e: StreamError) -> LinkError {
+        self.stats.refused_sends = self.stats.refused_sends.wrapping_add(1);
+        self.note(e)
     }
 }
 
 impl<S: Stream, C: Tsc> Link for VsockLink<S, C> {
-    fn try_recv(&mut self) -> Option<u8> {
-        if self.rx_pos >= self.rx_len {
-            self.refill();
-        }
-        let b = *self.rx.get(self.rx_pos..self.rx_len)?.first()?;
-        self.rx_pos += 1;
-        Some(b)
-    }
-
-    /// Pumps the device until the peer has granted credit for a whole frame, or the send
-    /// deadline passes (then [`Link::send_now`] retries and gives up in its turn).
-    fn wait_ready(&mut self) {
-        if self.stream.can_send(MAX_FRAME_SIZE) {
-            return;
-        }
-        self.stats.credit_waits = self.stats.credit_waits.wrapping_add(1);
-        let since = self.clock.read_ordered();
-        while !self.stream.can_send(MAX_FRAME_SIZE)
-            && self.clock.read_ordered().wrapping_sub(since) <= self.send_timeout_cycles
-        {
-            if let Err(e) = self.stream.pump() {
-                self.note(e);
-                return;
-            }
-        }
-    }
-
-    fn send_now(&mut self, bytes: &[u8]) {
-        let mut waiting_since = None;
-        loop {
-            match self.stream.send(bytes) {
-                Ok(()) => return,
-                Err(StreamError::NoCredit) => {
-                    let now = self.clock.read_ordered();
-                    let since = *waiting_since.get_or_insert_with(|| {
-                        self.stats.credit_waits = self.stats.credit_waits.wrapping_add(1);
-                        now
-                    });
-                    if now.wrapping_sub(since) > self.send_timeout_cycles {
-                        self.stats.dropped_sends = self.stats.dropped_sends.wrapping_add(1);
-                        return;
-                    }
-                    if let Err(e) = self.stream.pump() {
-                        self.note(e);
-                    }
+    fn send(&mut self, frame: &[u8]) -> Result<(), LinkError> {
+        if !self.stream.can_send(frame.len()) {
+            self.stats.credit_waits = self.stats.credit_waits.wrapping_add(1);
+            let since = self.clock.read_ordered();
+            while !self.stream.can_send(frame.len()) {
+                if self.clock.read_ordered().wrapping_sub(since) > self.send_timeout_cycles {
+                    return Err(self.refuse(StreamError::NoCredit));
                 }
-                Err(e) => {
-                    self.note(e);
-                    self.stats.dropped_sends = self.stats.dropped_sends.wrapping_add(1);
-                    return;
+                if let Err(e) = self.stream.pump() {
+                    return Err(self.refuse(e));
                 }
             }
         }
+        self.stream.send(frame).map_err(|e| self.refuse(e))
+    }
+
+    fn recv(&mut self, buf: &mut [u8]) -> Result<usize, LinkError> {
+        let n = match self.stream.read(buf) {
+            Ok(0) => {
+                self.stream.pump().map_err(|e| self.note(e))?;
+                self.stream.read(buf)
+            }
+            other => other,
+        };
+        n.map_err(|e| self.note(e))
     }
 
     fn transport(&self) -> Transport {
@@ -287,14 +257,15 @@ mod tests {
     use std::collections::VecDeque;
     use std::vec::Vec;
 
+    use vmtsync_core::agent::fake::FakeClock;
+    use vmtsync_core::agent::{Agent, AgentState};
     use vmtsync_core::arch::FakeTsc;
     use vmtsync_core::proto::{
-        Features, Feed, FrameReceiver, Hello, Message, PROTOCOL_VERSION, encode_frame,
+        Features, Feed, FrameReceiver, Hello, MAX_FRAME_SIZE, Message, PROTOCOL_VERSION,
+        encode_frame,
     };
 
     use super::*;
-    use crate::server::{Outcome, Server};
-    use crate::tsc::Skew;
 
     /// A stream fed from chunks (each becomes readable after one pump, like a device event),
     /// granting credit after `credit_after_pumps` pumps.
@@ -326,7 +297,7 @@ mod tests {
             if self.closed {
                 return Err(StreamError::Closed);
             }
-            if self.pumps < self.credit_after_pumps {
+            if !self.can_send(bytes.len()) {
                 return Err(StreamError::NoCredit);
             }
             self.sent.push(bytes.to_vec());
@@ -352,15 +323,15 @@ mod tests {
         s.arriving.push_back(vec![7, 8]);
         let mut l = link(s);
         let mut got = Vec::new();
-        for _ in 0..1_000 {
-            if let Some(b) = l.try_recv() {
-                got.push(b);
-            }
+        let mut buf = [0u8; 64];
+        for _ in 0..100 {
+            let n = l.recv(&mut buf).expect("open stream");
+            got.extend_from_slice(&buf[..n]);
         }
         let mut want: Vec<u8> = (0u8..200).collect();
         want.extend([7, 8]);
         assert_eq!(got, want);
-        assert_eq!(l.try_recv(), None);
+        assert_eq!(l.recv(&mut buf), Ok(0));
         assert_eq!(l.stats(), LinkStats::default());
     }
 
@@ -370,52 +341,27 @@ mod tests {
             credit_after_pumps: 5,
             ..FakeStream::default()
         });
-        l.send_now(b"abc");
+        assert_eq!(l.send(b"abc"), Ok(()));
         assert_eq!(l.stream_mut().sent, vec![b"abc".to_vec()]);
         assert_eq!(l.stream_mut().pumps, 5);
         assert_eq!(l.stats().credit_waits, 1);
-        assert_eq!(l.stats().dropped_sends, 0);
+        assert_eq!(l.send(b"d"), Ok(()));
+        assert_eq!(l.stats().credit_waits, 1, "no wait once credit is there");
+        assert_eq!(l.stats().refused_sends, 0);
     }
 
     #[test]
-    fn wait_ready_pumps_until_the_peer_grants_credit() {
-        let mut l = link(FakeStream {
-            credit_after_pumps: 3,
-            ..FakeStream::default()
-        });
-        l.wait_ready();
-        assert_eq!(l.stream_mut().pumps, 3);
-        l.send_now(b"abc");
-        assert_eq!(l.stream_mut().sent, vec![b"abc".to_vec()]);
-        assert_eq!(l.stream_mut().pumps, 3, "no pumping once credit is there");
-        assert_eq!(l.stats().credit_waits, 1);
-        l.wait_ready();
-        assert_eq!(l.stats().credit_waits, 1, "no wait when credit is there");
-    }
-
-    #[test]
-    fn wait_ready_gives_up_at_the_deadline() {
+    fn a_send_that_never_gets_credit_is_refused_at_the_deadline() {
         let mut l = link(FakeStream {
             credit_after_pumps: u32::MAX,
             ..FakeStream::default()
         });
-        l.wait_ready();
-        let pumps = l.stream_mut().pumps;
-        assert!((99..=101).contains(&pumps), "{pumps} pumps");
-    }
-
-    #[test]
-    fn a_send_that_never_gets_credit_is_dropped_at_the_deadline() {
-        let mut l = link(FakeStream {
-            credit_after_pumps: u32::MAX,
-            ..FakeStream::default()
-        });
-        l.send_now(b"abc");
+        assert_eq!(l.send(b"abc"), Err(LinkError::WouldBlock));
         assert!(l.stream_mut().sent.is_empty());
         // The clock advances 10 per read and the deadline is 1000 cycles.
         let pumps = l.stream_mut().pumps;
         assert!((99..=101).contains(&pumps), "{pumps} pumps");
-        assert_eq!(l.stats().dropped_sends, 1);
+        assert_eq!(l.stats().refused_sends, 1);
         assert_eq!(l.stats().credit_waits, 1);
     }
 
@@ -425,16 +371,17 @@ mod tests {
             closed: true,
             ..FakeStream::default()
         });
-        assert_eq!(l.try_recv(), None);
-        l.send_now(b"x");
+        let mut buf = [0u8; 8];
+        assert_eq!(l.recv(&mut buf), Err(LinkError::Closed));
+        assert_eq!(l.send(b"x"), Err(LinkError::Closed));
         let st = l.stats();
         assert!(st.closed);
-        assert_eq!((st.dropped_sends, st.errors), (1, 0));
+        assert_eq!((st.refused_sends, st.errors), (1, 0));
         assert_eq!(l.stream_mut().pumps, 0);
     }
 
     #[test]
-    fn the_server_reports_vsock_in_its_capabilities_and_answers_probes() {
+    fn the_core_agent_reports_vsock_and_answers_probes_one_packet_per_frame() {
         let mut buf = [0u8; MAX_FRAME_SIZE];
         let mut s = FakeStream::default();
         for m in [
@@ -447,12 +394,17 @@ mod tests {
             s.arriving
                 .push_back(encode_frame(&m, &mut buf).expect("encodes").to_vec());
         }
-        let tsc = FakeTsc::new(100, 1);
-        let mut server = Server::new(link(s), &tsc, Skew::IDENTITY, Features::NONE, None);
-        for _ in 0..100 {
-            assert_eq!(server.poll(), Outcome::Continue);
+        let mut agent: Agent<_, _> = Agent::new(link(s), FakeClock::new(100, 1, 0));
+        for _ in 0..10 {
+            assert_eq!(
+                agent
+                    .poll()
+                    .map_err(|_| ())
+                    .map(|st| st == AgentState::Exited),
+                Ok(false)
+            );
         }
-        let sent = core::mem::take(&mut server.link_mut().stream_mut().sent);
+        let sent = core::mem::take(&mut agent.link_mut().stream_mut().sent);
         assert_eq!(sent.len(), 2, "one packet per reply frame");
         let mut rx = FrameReceiver::new();
         let mut msgs = Vec::new();

@@ -4,6 +4,7 @@
 //! - `ci`: everything CI checks, in order; collects every failure, then reports them all.
 //! - `check-nostd`: build `vmtsync-core` for `x86_64-unknown-none`, with and without `defmt`.
 //! - `bench`: run the criterion benchmarks.
+//! - `fuzz`: the `ci` fuzz smoke run on its own.
 //! - `build-agent`: build the bare-metal guest agent, print its ELF path and `.text` size.
 //! - `run-agent`: boot the agent under QEMU or the built-in VMM, COM1 on this terminal.
 //! - `setup`: install what the tier-2 tests need on a fresh machine (rustup target, Debian
@@ -40,6 +41,7 @@ fn run() -> Result<()> {
         "ci" => ci(rest),
         "check-nostd" => check_nostd(),
         "bench" => bench(rest),
+        "fuzz" => fuzz::smoke(),
         "setup" => setup::setup(),
         "build-agent" => agent::build_agent(),
         "run-agent" => agent::run_agent(rest),
@@ -58,6 +60,7 @@ commands:
   ci            fmt, clippy, tests (incl. tier 2 on real KVM), no_std build, fuzz smoke run
   check-nostd   build vmtsync-core for x86_64-unknown-none, with and without defmt
   bench         run the criterion benchmarks (cargo bench -p vmtsync-core)
+  fuzz          build the core/fuzz targets and run each for 20 s (the ci fuzz step)
   setup         install tier-2 prerequisites (rustup target, apt packages, debugfs mount)
   build-agent   build guest-agent/ (release, x86_64-unknown-none); print ELF path, .text size
   run-agent [--vmm qemu|builtin] [--machine microvm|q35] [--timeout SECS] [-- AGENT OPTIONS]

@@ -40,12 +40,11 @@ pub(crate) fn setup() -> Result<()> {
     }
 
     let debugfs = Path::new("/sys/kernel/debug/kvm");
-    if !debugfs.exists() {
-        if let Err(e) =
+    if !debugfs.exists()
+        && let Err(e) =
             sh(Command::new("mount").args(["-t", "debugfs", "none", "/sys/kernel/debug"]))
-        {
-            problems.push(format!("mount debugfs: {e:#}"));
-        }
+    {
+        problems.push(format!("mount debugfs: {e:#}"));
     }
 
     if problems.is_empty() {

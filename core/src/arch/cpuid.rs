@@ -22,7 +22,7 @@ pub const FEATURES_ECX_HYPERVISOR: u32 = 31;
 /// Leaf 0x15: TSC / core crystal clock ratio, EAX = denominator, EBX = numerator,
 /// ECX = crystal Hz (Intel SDM Vol. 2A, CPUID leaf 15H).
 pub const LEAF_TSC_CRYSTAL: u32 = 0x15;
-/// Leaf 0x16: processor base frequency in MHz in EAX[15:0] (Intel SDM Vol. 2A, leaf 16H).
+/// Leaf 0x16: processor base frequency in MHz in EAX bits 15..0 (Intel SDM Vol. 2A, leaf 16H).
 pub const LEAF_FREQUENCY: u32 = 0x16;
 /// Extended leaf 0x80000000: EAX = highest extended leaf (Intel SDM / AMD APM Vol. 3).
 pub const LEAF_EXT_MAX: u32 = 0x8000_0000;
@@ -173,7 +173,8 @@ pub fn tsc_hz_crystal_floor<C: Cpuid + ?Sized>(c: &C) -> Option<u64> {
 
 /// The hypervisor timing leaf's TSC rate in kHz, or `None` when KVM does not expose it.
 pub fn hypervisor_tsc_khz<C: Cpuid + ?Sized>(c: &C, kvm: &KvmInfo) -> Option<u32> {
-    let leaf = kvm.base + HYPERVISOR_TIMING_OFFSET;
+    // `KvmInfo`'s fields are public, so do not trust `base` to be small.
+    let leaf = kvm.base.checked_add(HYPERVISOR_TIMING_OFFSET)?;
     if kvm.max_leaf < leaf {
         return None;
     }
@@ -281,6 +282,12 @@ mod tests {
         assert!(k.features.clocksource2());
         assert!(!k.features.stable_bit());
         assert_eq!(hypervisor_tsc_khz(&c, &k), None);
+        let bogus = KvmInfo {
+            base: u32::MAX,
+            max_leaf: u32::MAX,
+            features: KvmFeatures(0),
+        };
+        assert_eq!(hypervisor_tsc_khz(&c, &bogus), None);
     }
 
     #[test]

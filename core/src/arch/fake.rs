@@ -114,7 +114,10 @@ mod tests {
         let frozen = FakeTsc::new(9, 0);
         assert_eq!(frozen.read_ordered(), frozen.read_ordered());
         // Through the blanket `&T` impl too.
-        assert_eq!((&frozen).read_ordered(), 9);
+        fn via_trait<T: Tsc>(t: T) -> u64 {
+            t.read_ordered()
+        }
+        assert_eq!(via_trait(&frozen), 9);
     }
 
     #[test]
@@ -131,4 +134,25 @@ mod tests {
         assert_eq!(c.cpuid(7, 0), CpuidResult::default());
         assert_eq!(c.cpuid(8, 1), CpuidResult::default());
     }
+}
+
+/// A defmt global logger for this crate's own host unit tests: with `--features defmt` and a
+/// `DEFMT_LOG` level that keeps some log calls, the test binary references defmt's logger
+/// symbols, which only a final firmware image normally provides. It discards every frame.
+/// It lives here because implementing `defmt::Logger` takes `unsafe`.
+#[cfg(all(test, feature = "defmt"))]
+mod defmt_sink {
+    #[defmt::global_logger]
+    struct Discard;
+
+    // SAFETY: all four functions do nothing, so the acquire/release pairing and the
+    // single-writer requirements of `defmt::Logger` hold trivially.
+    unsafe impl defmt::Logger for Discard {
+        fn acquire() {}
+        unsafe fn flush() {}
+        unsafe fn release() {}
+        unsafe fn write(_bytes: &[u8]) {}
+    }
+
+    defmt::timestamp!("{=u64}", 0);
 }

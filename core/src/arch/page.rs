@@ -36,7 +36,7 @@ impl<'a> PvclockPage<'a> {
     /// For all of `'a`, `ptr` must point to 32 bytes of memory that are valid for reads and
     /// that nothing in this program writes except through volatile or atomic stores (the
     /// hypervisor writing it is the point). Typically it is a `static` registered with
-    /// [`crate::arch::x86_64::register_pvclock`] (feature `ring0`).
+    /// `arch::x86_64::register_pvclock` (feature `ring0`).
     #[must_use]
     pub unsafe fn new(ptr: *const PvclockVcpuTimeInfo) -> Option<Self> {
         let ptr = NonNull::new(ptr.cast_mut())?;

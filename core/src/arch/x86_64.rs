@@ -43,10 +43,22 @@ pub fn lfence_rdtsc() -> u64 {
 /// calls it, and only after CPUID said it exists (on nested KVM here it kills the VM).
 #[inline]
 fn rdtscp() -> u64 {
+    let (lo, hi): (u32, u32);
     // SAFETY: called only when CPUID 0x80000001 EDX bit 27 is set (see `NativeTsc::detect`),
     // so the instruction exists; like RDTSC it touches no memory and can only fault (#GP with
-    // CR4.TSD at CPL > 0), which is not undefined behaviour.
-    unsafe { x86::time::rdtscp() }.0
+    // CR4.TSD at CPL > 0), which is not undefined behaviour. Unlike `x86::time::rdtscp` the
+    // asm is not `nomem`, so the compiler cannot sink earlier loads (e.g. of the pvclock
+    // page) below it: the read stays ordered for the compiler as well as for the CPU.
+    unsafe {
+        core::arch::asm!(
+            "rdtscp",
+            out("eax") lo,
+            out("edx") hi,
+            out("ecx") _,
+            options(nostack, preserves_flags),
+        );
+    }
+    (u64::from(hi) << 32) | u64::from(lo)
 }
 
 /// The real ordered TSC: `rdtscp` where CPUID advertises it, else `lfence; rdtsc`.
@@ -120,7 +132,7 @@ pub enum ArchError {
 #[cfg(feature = "ring0")]
 pub unsafe fn register_pvclock(phys: u64) -> Result<(), ArchError> {
     use super::kvm::{KVM_SYSTEM_TIME_ENABLE, MSR_KVM_SYSTEM_TIME_NEW};
-    if phys % 8 != 0 {
+    if !phys.is_multiple_of(8) {
         return Err(ArchError::Misaligned);
     }
     info!("pvclock: registering page at {=u64:#x}", phys);
@@ -165,7 +177,7 @@ pub unsafe fn clock_pairing(
     phys: u64,
 ) -> Result<super::kvm::KvmClockPairing, ArchError> {
     use super::kvm::{KVM_CLOCK_PAIRING_WALLCLOCK, KVM_HC_CLOCK_PAIRING};
-    if phys % 8 != 0 {
+    if !phys.is_multiple_of(8) {
         return Err(ArchError::Misaligned);
     }
     let ret: u64;

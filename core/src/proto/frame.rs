@@ -7,8 +7,9 @@
 //! sender may emit a lone `0x00` first to flush a receiver that is mid-garbage.
 //!
 //! Untrusted bytes enter only through [`decode`], [`decode_frame`] and [`FrameReceiver::feed`];
-//! all three end in postcard's decoder followed by the same semantic check, never panic, and
-//! return a [`DecodeError`]. As in postcard, bytes after a complete message inside one frame
+//! all three end in postcard's decoder, whose types validate themselves (e.g. a
+//! [`crate::mapping::KvmTscMapping`] only decodes through its checked constructor), never
+//! panic, and return a [`DecodeError`]. As in postcard, bytes after a complete message inside one frame
 //! are ignored.
 
 use postcard::accumulator::{CobsAccumulator, FeedResult};
@@ -39,10 +40,11 @@ pub enum DecodeError {
     Truncated,
     /// The frame is not valid COBS.
     BadCobs,
-    /// postcard rejected the bytes (unknown tag, bad varint, too many events, ...); from the
-    /// stream receiver this also covers COBS errors, which it cannot tell apart.
+    /// postcard rejected the bytes (an overlong varint, a bool or option byte above 1, ...);
+    /// from the stream receiver this covers every decode failure, which it cannot tell apart.
     Malformed,
-    /// The message decoded but breaks an invariant (e.g. a mapping with `ratio == 0`).
+    /// The bytes parse but a value is not allowed: an unknown message or enum tag, a mapping
+    /// with `ratio == 0` or `frac_bits > 63`, more than [`super::EVENT_BATCH_MAX`] events.
     InvalidValue,
     /// The frame is longer than [`MAX_FRAME_SIZE`]; the receiver dropped it up to the next
     /// delimiter.
@@ -54,6 +56,9 @@ impl DecodeError {
         match e {
             postcard::Error::DeserializeUnexpectedEnd => Self::Truncated,
             postcard::Error::DeserializeBadEncoding => Self::BadCobs,
+            // serde's own "invalid value": an unknown variant tag, or a type's validation
+            // (KvmTscMapping::try_new, heapless capacity) said no.
+            postcard::Error::SerdeDeCustom => Self::InvalidValue,
             _ => Self::Malformed,
         }
     }
@@ -91,8 +96,7 @@ pub fn encode_frame<'a>(msg: &Message, buf: &'a mut [u8]) -> Result<&'a mut [u8]
 /// # Errors
 /// Any [`DecodeError`] but `FrameTooLong`; never panics.
 pub fn decode(bytes: &[u8]) -> Result<Message, DecodeError> {
-    let msg = postcard::from_bytes::<Message>(bytes).map_err(DecodeError::from_postcard)?;
-    check(msg)
+    postcard::from_bytes::<Message>(bytes).map_err(DecodeError::from_postcard)
 }
 
 /// The checked decoder for one COBS frame, with or without its trailing `0x00`. Decodes in
@@ -106,23 +110,13 @@ pub fn decode_frame(frame: &mut [u8]) -> Result<Message, DecodeError> {
     if body_len + 1 > MAX_FRAME_SIZE {
         return Err(DecodeError::FrameTooLong);
     }
-    let msg = postcard::from_bytes_cobs::<Message>(frame).map_err(DecodeError::from_postcard)?;
-    check(msg)
-}
-
-/// The semantic checks every decode path applies after postcard.
-fn check(msg: Message) -> Result<Message, DecodeError> {
-    match &msg {
-        // A zero ratio maps every host time to one guest time; more than 63 fraction bits
-        // cannot express identity (1 << frac_bits) in the u64 ratio.
-        Message::SetMapping(m) if m.ratio == 0 || m.frac_bits > 63 => {
-            Err(DecodeError::InvalidValue)
-        }
-        _ => Ok(msg),
-    }
+    postcard::from_bytes_cobs::<Message>(frame).map_err(DecodeError::from_postcard)
 }
 
 /// The result of one [`FrameReceiver::feed`] call.
+// The message is returned by value: without a heap there is nothing to box it into, and it is
+// moved once, to the caller.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, PartialEq, Eq)]
 pub enum Feed<'a> {
     /// Every input byte was taken; no frame completed.
@@ -230,15 +224,9 @@ impl FrameReceiver {
             }
             FeedResult::Success { data, remaining } => {
                 self.pending = 0;
-                match check(data) {
-                    Ok(msg) => Feed::Message {
-                        msg,
-                        rest: remaining,
-                    },
-                    Err(error) => Feed::Error {
-                        error,
-                        rest: remaining,
-                    },
+                Feed::Message {
+                    msg: data,
+                    rest: remaining,
                 }
             }
         }
@@ -268,8 +256,6 @@ pub struct ProbeReplyFrame {
     prefix_code: u8,
     /// 4 for the compact reply, 8 for the full one.
     tsc_bytes: usize,
-    /// State of the last `finish`.
-    len: usize,
 }
 
 impl ProbeReplyFrame {
@@ -286,8 +272,9 @@ impl ProbeReplyFrame {
     }
 
     fn prepare(tag: u8, seq: u16, vcpu: u32, tsc_bytes: usize) -> Self {
+        let mut buf = [0; PROBE_FRAME_CAP];
         let mut enc = CobsSmall {
-            buf: [0; PROBE_FRAME_CAP],
+            buf: &mut buf,
             len: 1,
             code_idx: 0,
             code: 1,
@@ -295,13 +282,13 @@ impl ProbeReplyFrame {
         enc.push(tag);
         enc.push_varint(u32::from(seq));
         enc.push_varint(vcpu);
+        let (prefix_len, prefix_code_idx, prefix_code) = (enc.len, enc.code_idx, enc.code);
         Self {
-            buf: enc.buf,
-            prefix_len: enc.len,
-            prefix_code_idx: enc.code_idx,
-            prefix_code: enc.code,
+            buf,
+            prefix_len,
+            prefix_code_idx,
+            prefix_code,
             tsc_bytes,
-            len: 0,
         }
     }
 
@@ -311,7 +298,7 @@ impl ProbeReplyFrame {
     #[inline]
     pub fn finish(&mut self, tsc: GuestTicks) -> &[u8] {
         let mut enc = CobsSmall {
-            buf: self.buf,
+            buf: &mut self.buf,
             len: self.prefix_len,
             code_idx: self.prefix_code_idx,
             code: self.prefix_code,
@@ -322,23 +309,22 @@ impl ProbeReplyFrame {
         }
         enc.put(enc.code_idx, enc.code);
         enc.put(enc.len, 0);
-        self.buf = enc.buf;
-        self.len = enc.len + 1;
-        self.buf.get(..self.len).unwrap_or_default()
+        let len = enc.len + 1;
+        self.buf.get(..len).unwrap_or_default()
     }
 }
 
 /// A COBS encoder for bodies shorter than 254 bytes (no 0xFF blocks), writing into a fixed
 /// array; out-of-range writes are dropped instead of panicking (they cannot happen for the
 /// probe replies, whose size is bounded by `PROBE_FRAME_CAP`).
-struct CobsSmall {
-    buf: [u8; PROBE_FRAME_CAP],
+struct CobsSmall<'a> {
+    buf: &'a mut [u8; PROBE_FRAME_CAP],
     len: usize,
     code_idx: usize,
     code: u8,
 }
 
-impl CobsSmall {
+impl CobsSmall<'_> {
     #[inline]
     fn put(&mut self, i: usize, b: u8) {
         if let Some(slot) = self.buf.get_mut(i) {
@@ -378,11 +364,10 @@ impl CobsSmall {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::proto::message::{MappingPush, ProbeReply, ProbeReplyFull};
+    use crate::proto::message::{ProbeReply, ProbeReplyFull};
     use crate::proto::testutil::arb_message;
     use proptest::collection::vec as pvec;
     use proptest::prelude::*;
-    use std::vec;
     use std::vec::Vec;
 
     fn frame_of(msg: &Message) -> Vec<u8> {
@@ -414,8 +399,23 @@ mod tests {
 
     #[test]
     fn max_sizes_are_consistent() {
-        // The largest message is a full event batch; the frame adds COBS and the delimiter.
-        assert!(MAX_MESSAGE_SIZE >= 8 * 16);
+        // The largest message is a full event batch of extreme values; it must fit.
+        let rec = crate::proto::EventRecord {
+            id: u32::MAX,
+            stamp: crate::proto::EventStamp::Guest(GuestTicks(u64::MAX)),
+        };
+        let worst = Message::Events(crate::proto::EventBatch {
+            vcpu: u32::MAX,
+            dropped: u32::MAX,
+            remaining: u32::MAX,
+            events: heapless::Vec::from_slice(&[rec; crate::proto::EVENT_BATCH_MAX]).unwrap(),
+        });
+        let mut buf = [0u8; MAX_FRAME_SIZE];
+        let bare = encode(&worst, &mut buf).unwrap().len();
+        assert!(bare <= MAX_MESSAGE_SIZE, "{bare} > {MAX_MESSAGE_SIZE}");
+        let framed = encode_frame(&worst, &mut buf).unwrap().len();
+        assert!(framed <= MAX_FRAME_SIZE, "{framed} > {MAX_FRAME_SIZE}");
+        std::println!("largest message {bare} B, frame {framed} B; buffers {MAX_FRAME_SIZE} B");
         assert_eq!(
             MAX_FRAME_SIZE,
             MAX_MESSAGE_SIZE + MAX_MESSAGE_SIZE.div_ceil(254) + 1
@@ -423,30 +423,70 @@ mod tests {
         assert_eq!(cobs_max_len(0), 1);
     }
 
+    /// COBS-frames arbitrary short bytes (the encoder the probe replies use).
+    fn cobs_frame(bare: &[u8]) -> Vec<u8> {
+        let mut buf = [0u8; PROBE_FRAME_CAP];
+        let mut enc = CobsSmall {
+            buf: &mut buf,
+            len: 1,
+            code_idx: 0,
+            code: 1,
+        };
+        for &b in bare {
+            enc.push(b);
+        }
+        enc.put(enc.code_idx, enc.code);
+        enc.put(enc.len, 0);
+        let len = enc.len + 1;
+        buf[..len].to_vec()
+    }
+
     #[test]
     fn decode_rejects_invalid_mapping() {
-        for (ratio, frac_bits) in [(0, 48), (1 << 48, 64)] {
-            let m = Message::SetMapping(MappingPush {
-                vcpu: 0,
-                offset: 0,
-                ratio,
-                frac_bits,
-            });
-            let mut f = frame_of(&m);
-            assert_eq!(decode_frame(&mut f), Err(DecodeError::InvalidValue));
-            let mut rx = FrameReceiver::new();
+        let zero_ratio: &[u8] = &[0x06, 0x01, 0xcf, 0x0f, 0x00, 0x30];
+        let frac_64: &[u8] = &[0x06, 0x01, 0xcf, 0x0f, 0x01, 0x40];
+        let mut ok = zero_ratio.to_vec();
+        ok[4] = 0x01;
+        assert!(decode(&ok).is_ok(), "the fixture is otherwise valid");
+        for bare in [zero_ratio, frac_64] {
+            assert_eq!(decode(bare), Err(DecodeError::InvalidValue));
+            let frame = &cobs_frame(bare);
             assert_eq!(
-                feed_all(&mut rx, &[&frame_of(&m)]),
-                [Err(DecodeError::InvalidValue)]
+                decode_frame(&mut frame.clone()),
+                Err(DecodeError::InvalidValue)
             );
+            // The stream receiver cannot tell the kinds apart, but rejects it too.
+            let mut rx = FrameReceiver::new();
+            assert_eq!(feed_all(&mut rx, &[frame]), [Err(DecodeError::Malformed)]);
         }
+    }
+
+    #[test]
+    fn decode_rejects_too_many_events() {
+        // Events batch announcing EVENT_BATCH_MAX + 1 records.
+        let mut bare = std::vec![
+            0x0b,
+            0,
+            0,
+            0,
+            u8::try_from(crate::proto::EVENT_BATCH_MAX + 1).unwrap()
+        ];
+        for _ in 0..=crate::proto::EVENT_BATCH_MAX {
+            bare.extend_from_slice(&[1, 0, 1]);
+        }
+        assert_eq!(decode(&bare), Err(DecodeError::InvalidValue));
     }
 
     #[test]
     fn decode_error_kinds() {
         assert_eq!(decode(&[]), Err(DecodeError::Truncated));
         assert_eq!(decode(&[2]), Err(DecodeError::Truncated));
-        assert_eq!(decode(&[99]), Err(DecodeError::Malformed));
+        assert_eq!(decode(&[99]), Err(DecodeError::InvalidValue));
+        // A varint longer than a u16 allows.
+        assert_eq!(
+            decode(&[2, 0xff, 0xff, 0xff, 0x01]),
+            Err(DecodeError::Malformed)
+        );
         // A COBS code byte pointing past the end of the frame.
         assert_eq!(decode_frame(&mut [5, 1, 0]), Err(DecodeError::BadCobs));
         let mut long = [1u8; MAX_FRAME_SIZE];
@@ -472,7 +512,7 @@ mod tests {
         let probe = frame_of(&Message::Probe { seq: 9 });
         // An overlong run whose tail, alone, would be a valid probe frame body: the receiver
         // must not decode that tail.
-        let mut long = vec![0x01u8; MAX_FRAME_SIZE + 10];
+        let mut long = [0x01u8; MAX_FRAME_SIZE + 10];
         let n = long.len();
         long[n - 3..].copy_from_slice(&probe[..3]);
         for split in [1, 50, MAX_FRAME_SIZE - 1, MAX_FRAME_SIZE, long.len()] {

@@ -2,6 +2,7 @@
 //! round-trip size. A change here is a wire-format change: bump `PROTOCOL_VERSION`.
 
 use super::*;
+use crate::mapping::KvmTscMapping;
 use crate::units::{GuestTicks, HostTicks};
 use std::println;
 use std::vec::Vec;
@@ -83,9 +84,7 @@ fn golden() -> Vec<(Message, &'static [u8], &'static [u8])> {
         (
             Message::SetMapping(MappingPush {
                 vcpu: 1,
-                offset: -1000,
-                ratio: 1 << 48,
-                frac_bits: 48,
+                mapping: KvmTscMapping::try_new(-1000, 1 << 48, 48).unwrap(),
             }),
             &[
                 0x06, 0x01, 0xcf, 0x0f, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x40, 0x30

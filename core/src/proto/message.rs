@@ -13,6 +13,7 @@
 use postcard::experimental::max_size::MaxSize;
 use serde::{Deserialize, Serialize};
 
+use crate::mapping::KvmTscMapping;
 use crate::units::GuestTicks;
 
 /// The protocol version this crate speaks, sent in [`Hello`] and [`Capabilities`].
@@ -155,17 +156,16 @@ impl ProbeReplyFull {
 /// Payload of [`Message::SetMapping`]: KVM's per-vCPU relation
 /// `guest = offset + ((host * ratio) >> frac_bits)` (128-bit product), as the host read it
 /// from debugfs or computed it.
+///
+/// On the wire: `vcpu`, then the mapping's `offset` (zigzag varint), `ratio` and `frac_bits`
+/// (varints). [`KvmTscMapping`]'s own decoder rejects `ratio == 0` and `frac_bits > 63`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, MaxSize)]
 #[cfg_attr(feature = "defmt", derive(defmt::Format))]
 pub struct MappingPush {
     /// The vCPU the mapping belongs to.
     pub vcpu: u32,
-    /// `tsc-offset`, two's complement as KVM stores it.
-    pub offset: i64,
-    /// `tsc-scaling-ratio`; identity is `1 << frac_bits`. Never zero (checked on decode).
-    pub ratio: u64,
-    /// `tsc-scaling-ratio-frac-bits` (48 on VMX, 32 on SVM). At most 63 (checked on decode).
-    pub frac_bits: u32,
+    /// The host→guest TSC mapping of that vCPU.
+    pub mapping: KvmTscMapping,
 }
 
 /// Payload of [`Message::PvclockReport`]: the fields of `struct pvclock_vcpu_time_info`

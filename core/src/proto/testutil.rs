@@ -5,6 +5,7 @@ use proptest::prelude::*;
 use std::vec;
 
 use super::message::*;
+use crate::mapping::KvmTscMapping;
 use crate::units::{GuestTicks, HostTicks};
 
 fn arb_features() -> impl Strategy<Value = Features> {
@@ -82,9 +83,7 @@ pub(crate) fn arb_message() -> impl Strategy<Value = Message> {
         (any::<u32>(), any::<i64>(), 1..=u64::MAX, 0..=63u32).prop_map(
             |(vcpu, offset, ratio, frac_bits)| Message::SetMapping(MappingPush {
                 vcpu,
-                offset,
-                ratio,
-                frac_bits
+                mapping: KvmTscMapping::try_new(offset, ratio, frac_bits).unwrap(),
             })
         ),
         any::<u32>().prop_map(|vcpu| Message::MappingApplied { vcpu }),

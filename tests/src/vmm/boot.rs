@@ -5,7 +5,7 @@
 use std::fs::File;
 use std::path::Path;
 
-use kvm_bindings::{KVM_MAX_CPUID_ENTRIES, kvm_regs, kvm_segment};
+use kvm_bindings::{KVM_MAX_CPUID_ENTRIES, kvm_cpuid_entry2, kvm_regs, kvm_segment};
 use kvm_ioctls::{Kvm, VcpuFd};
 use linux_loader::loader::KernelLoader;
 use linux_loader::loader::elf::start_info::{hvm_memmap_table_entry, hvm_start_info};
@@ -28,6 +28,12 @@ pub(crate) const CMDLINE_MAX: usize = 0x1000;
 const LOW_RAM_END: u64 = 0x9_fc00;
 /// Start of extended memory, where PVH kernels are linked.
 const HIGH_RAM_START: u64 = 0x10_0000;
+/// KVM's CPUID signature leaf (Documentation/virt/kvm/x86/cpuid.rst).
+const KVM_CPUID_SIGNATURE: u32 = 0x4000_0000;
+/// The hypervisor timing leaf VMware defined and QEMU fills for KVM guests: EAX = TSC kHz.
+const KVM_CPUID_TIMING: u32 = 0x4000_0010;
+/// APIC bus frequency QEMU reports in the timing leaf (1 GHz).
+const APIC_BUS_KHZ: u32 = 1_000_000;
 /// `XEN_HVM_MEMMAP_TYPE_RAM` (E820 type 1).
 const MEMMAP_TYPE_RAM: u32 = 1;
 
@@ -129,9 +135,36 @@ fn flat_segment(selector: u16, type_: u8) -> kvm_segment {
 /// 32-bit code (type 0xb) and data (type 0x3) segments, a busy TSS in TR as VM entry requires,
 /// `rip` = entry, `rbx` = start-info address.
 pub(crate) fn setup_vcpu(kvm: &Kvm, vcpu: &VcpuFd, entry: u64) -> Result<(), VmmError> {
-    let cpuid = kvm
+    let mut cpuid = kvm
         .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
         .map_err(|e| VmmError::Kvm("KVM_GET_SUPPORTED_CPUID", e))?;
+    // The supported set carries whatever APIC id the host CPU that answered the ioctl has;
+    // a VMM must put the vCPU's own there (as QEMU does): CPUID.1:EBX[31:24] and the x2APIC
+    // id in EDX of the topology leaves 0xB and 0x1F. This VMM has one vCPU, APIC id 0.
+    // Like QEMU, also publish the TSC frequency in KVM's timing leaf 0x40000010 (EAX = TSC kHz,
+    // EBX = APIC bus kHz), so the guest can report it without calibrating, and raise the
+    // hypervisor's max leaf to cover it.
+    let tsc_khz = vcpu.get_tsc_khz().ok();
+    let mut has_timing_leaf = false;
+    for e in cpuid.as_mut_slice() {
+        match e.function {
+            0x1 => e.ebx &= 0x00ff_ffff,
+            0xb | 0x1f => e.edx = 0,
+            KVM_CPUID_SIGNATURE if tsc_khz.is_some() => e.eax = e.eax.max(KVM_CPUID_TIMING),
+            KVM_CPUID_TIMING => has_timing_leaf = true,
+            _ => {}
+        }
+    }
+    if let (Some(khz), false) = (tsc_khz, has_timing_leaf) {
+        cpuid
+            .push(kvm_cpuid_entry2 {
+                function: KVM_CPUID_TIMING,
+                eax: khz,
+                ebx: APIC_BUS_KHZ,
+                ..Default::default()
+            })
+            .map_err(|e| VmmError::Guest(format!("adding CPUID leaf 0x40000010: {e:?}")))?;
+    }
     vcpu.set_cpuid2(&cpuid)
         .map_err(|e| VmmError::Kvm("KVM_SET_CPUID2", e))?;
 

@@ -9,6 +9,14 @@
 //! - COM2 (0x2f8) is collected as log text ([`Vm::log_text`]).
 //! - A write of `v` to port 0xf4 ends the run with [`VmExit::DebugExit`]`(v)`.
 //!
+//! Every exit is stamped with the host TSC right after `KVM_RUN` returns, and each COM1 byte
+//! also carries the stamp of the exit before it ([`SerialByte::prev_exit_host_tsc`]): a guest
+//! TSC read between two exits lies between their stamps (the guest TSC equals the host TSC on
+//! the project's machines, DESIGN.md §4). CPUID is KVM's supported set with the vCPU's APIC
+//! id and the TSC frequency (timing leaf 0x40000010) filled in, as QEMU does;
+//! [`Vm::kvm_clock`] exposes `KVM_GET_CLOCK` as the host's view of kvmclock. [`client`] speaks
+//! the probe protocol over COM1; [`qemu`] builds the equivalent QEMU command line.
+//!
 //! A watchdog bounds every run: past [`VmConfig::timeout`] the vCPU thread is kicked out of
 //! `KVM_RUN` with a signal and the run ends with [`VmExit::Timeout`], so a hung guest (a
 //! livelocked `vmcall`, a spin without exits) never hangs a test.
@@ -136,6 +144,7 @@ struct RunResult {
 /// A running VM. Dropping it stops the vCPU.
 #[derive(Debug)]
 pub struct Vm {
+    vm: Arc<VmFd>,
     com1: SerialHost,
     log: Arc<Mutex<Vec<u8>>>,
     stop: Arc<AtomicBool>,
@@ -170,7 +179,8 @@ impl Vm {
     /// # Errors
     /// Any KVM, memory or ELF setup failure.
     pub fn boot(elf: &Path, cfg: &VmConfig) -> Result<Self, VmmError> {
-        let kick = kick_signal()?;
+        // Register the watchdog's kick handler before any vCPU thread exists to be kicked.
+        kick_signal()?;
         let kvm = Kvm::new().map_err(|e| VmmError::Kvm("open /dev/kvm", e))?;
         let vm = kvm
             .create_vm()
@@ -197,16 +207,18 @@ impl Vm {
 
         let devices = Devices { com1, com2 };
         let thread_stop = stop.clone();
+        let vm = Arc::new(vm);
+        let thread_vm = vm.clone();
         let thread = std::thread::Builder::new()
             .name("vmtsync-vcpu0".into())
             .spawn(move || {
                 // The VM fd and memory must outlive the vCPU's runs.
-                let _keep = (vm, mem);
+                let _keep = (thread_vm, mem);
                 run_vcpu(vcpu, devices, &thread_stop, started, deadline)
             })
             .map_err(|e| VmmError::Thread(e.to_string()))?;
-        let _ = kick;
         Ok(Self {
+            vm,
             com1: SerialHost {
                 to_guest,
                 from_guest,
@@ -217,6 +229,18 @@ impl Vm {
             thread: Some(thread),
             deadline,
         })
+    }
+
+    /// `KVM_GET_CLOCK`: the VM's kvmclock in ns, with (when `flags` has `KVM_CLOCK_HOST_TSC`,
+    /// 8) the host TSC it was taken at and (`KVM_CLOCK_REALTIME`, 4) host `CLOCK_REALTIME`.
+    /// The truth to check the guest's pvclock against.
+    ///
+    /// # Errors
+    /// The ioctl's error.
+    pub fn kvm_clock(&self) -> Result<kvm_bindings::kvm_clock_data, VmmError> {
+        self.vm
+            .get_clock()
+            .map_err(|e| VmmError::Kvm("KVM_GET_CLOCK", e))
     }
 
     /// The host end of COM1.

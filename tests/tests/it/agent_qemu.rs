@@ -117,6 +117,22 @@ fn boots_under(machine: Machine, test: &str) {
         (k.version, k.transport),
         (PROTOCOL_VERSION, Transport::Uart16550)
     );
+    assert!(
+        k.features.contains(Features::PVCLOCK),
+        "COM2 log:\n{}",
+        com2_text()
+    );
+    let before = host_tsc();
+    let reply = exchange(&mut stdin, &rx, &mut frames, &Message::PvclockRequest);
+    let after = host_tsc();
+    let Message::PvclockReport(p) = reply else {
+        panic!("expected a pvclock report, got {reply:?}")
+    };
+    assert!(p.version > 0 && p.version % 2 == 0, "{p:?}");
+    assert!(
+        before <= p.tsc.0 && p.tsc.0 <= after,
+        "{p:?} outside [{before}, {after}]"
+    );
     let mut widths = Vec::new();
     for seq in 0..10u16 {
         let before = host_tsc();
@@ -164,7 +180,7 @@ fn boots_under(machine: Machine, test: &str) {
     );
     assert!(log.contains("serving at CPL 3"), "COM2 log:\n{log}");
     assert!(
-        log.contains("shutdown after 10 probes, 0 bad frames: isa-debug-exit 9"),
+        log.contains("shutdown after 10 probes, 13 messages, 0 bad frames: isa-debug-exit 9"),
         "COM2 log:\n{log}"
     );
     let _ = std::fs::remove_dir_all(&dir);

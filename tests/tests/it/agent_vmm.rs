@@ -9,8 +9,9 @@ use std::time::Duration;
 
 use vmtsync_core::GuestTicks;
 use vmtsync_core::proto::{
-    Features, Hello, Message, PROTOCOL_VERSION, Transport, try_unwrap_tsc_low32,
+    Capabilities, Features, Hello, Message, PROTOCOL_VERSION, Transport, try_unwrap_tsc_low32,
 };
+use vmtsync_core::pvclock::PvclockVcpuTimeInfo;
 use vmtsync_tests::vmm::client::{Exchange, ProtoClient};
 use vmtsync_tests::vmm::{SerialByte, Vm, VmConfig, VmExit, agent_elf};
 use vmtsync_tests::{have_kvm, require};
@@ -131,6 +132,8 @@ fn probe_session(test: &str, cmdline: &str) {
         median(after)
     );
 
+    check_pvclock_against_kvm_get_clock(&vm, &mut c, &k);
+
     let bye = c.exchange(&Message::Shutdown, STEP).expect("exiting");
     assert_eq!(bye.reply, Message::Exiting);
     let out = vm.wait().expect("run ends");
@@ -141,7 +144,7 @@ fn probe_session(test: &str, cmdline: &str) {
     assert_eq!(out.exit, VmExit::DebugExit(5), "log:\n{}", out.log);
     assert!(
         out.log
-            .contains("shutdown after 40 probes, 0 bad frames: isa-debug-exit 5"),
+            .contains("shutdown after 40 probes, 43 messages, 0 bad frames: isa-debug-exit 5"),
         "log:\n{}",
         out.log
     );
@@ -151,6 +154,90 @@ fn probe_session(test: &str, cmdline: &str) {
         "log:\n{}",
         out.log
     );
+}
+
+/// Asks for a pvclock report and checks it against the host's own view of the same clock:
+/// `KVM_GET_CLOCK` gives kvmclock ns at a host TSC; with guest TSC == host TSC and a stable
+/// clock, the guest's pvclock ns at its TSC must match kvmclock extrapolated to that TSC.
+fn check_pvclock_against_kvm_get_clock(vm: &Vm, c: &mut ProtoClient<'_>, caps: &Capabilities) {
+    let features = caps.features;
+    assert!(
+        features.contains(Features::PVCLOCK),
+        "agent did not register a pvclock page; log:\n{}",
+        vm.log_text()
+    );
+    let ex = c
+        .exchange(&Message::PvclockRequest, STEP)
+        .expect("pvclock report");
+    let Message::PvclockReport(p) = ex.reply else {
+        panic!("expected a pvclock report, got {:?}", ex.reply)
+    };
+    assert_eq!(p.version % 2, 0, "{p:?}");
+    assert!(p.version > 0, "{p:?}");
+    assert!(
+        ex.request_read_tsc <= p.tsc.0 && p.tsc.0 <= ex.reply_first_byte_tsc,
+        "pvclock TSC {} outside the exit bracket",
+        p.tsc.0
+    );
+    let fields = PvclockVcpuTimeInfo {
+        version: p.version,
+        tsc_timestamp: p.tsc_timestamp,
+        system_time: p.system_time,
+        tsc_to_system_mul: p.mul,
+        tsc_shift: p.shift,
+        flags: p.flags,
+        ..PvclockVcpuTimeInfo::default()
+    }
+    .fields();
+    let guest_ns = fields.try_ns_at_floor(p.tsc).expect("pvclock ns").0;
+    // The TSC frequency the agent read from CPUID (the VMM's timing leaf, from
+    // KVM_GET_TSC_KHZ) agrees with the one implied by KVM's pvclock scale.
+    let caps_khz = u64::from(caps.tsc_khz.expect("agent reports the TSC frequency"));
+    let pvclock_khz = fields
+        .scale
+        .try_tsc_khz_floor()
+        .expect("pvclock scale gives a frequency");
+    eprintln!("TSC kHz: CPUID {caps_khz}, pvclock scale {pvclock_khz}");
+    assert!(
+        caps_khz.abs_diff(pvclock_khz) <= 2,
+        "{caps_khz} vs {pvclock_khz} kHz"
+    );
+    let clock = vm.kvm_clock().expect("KVM_GET_CLOCK");
+    eprintln!(
+        "pvclock v{} flags {:#x} mul {:#x} shift {}; KVM_GET_CLOCK flags {:#x}",
+        p.version, p.flags, p.mul, p.shift, clock.flags
+    );
+    // KVM_CLOCK_HOST_TSC: `clock` is kvmclock at host TSC `host_tsc`.
+    if clock.flags & 8 != 0 {
+        // kvmclock extrapolated from (host_tsc, clock) to the guest's TSC with the same scale.
+        let host_ns_at_guest_tsc = if p.tsc.0 >= clock.host_tsc {
+            fields
+                .scale
+                .try_scale_floor(p.tsc.0 - clock.host_tsc)
+                .map(|d| clock.clock + d)
+        } else {
+            fields
+                .scale
+                .try_scale_floor(clock.host_tsc - p.tsc.0)
+                .map(|d| clock.clock - d)
+        }
+        .expect("scales");
+        let diff = i128::from(guest_ns) - i128::from(host_ns_at_guest_tsc);
+        eprintln!(
+            "pvclock at guest TSC {}: {guest_ns} ns; KVM_GET_CLOCK extrapolated: \
+             {host_ns_at_guest_tsc} ns; difference {diff} ns",
+            p.tsc.0
+        );
+        assert!(
+            diff.abs() < 1_000,
+            "pvclock and KVM_GET_CLOCK differ by {diff} ns"
+        );
+    } else {
+        assert!(
+            guest_ns <= clock.clock,
+            "pvclock {guest_ns} ns ahead of KVM_GET_CLOCK"
+        );
+    }
 }
 
 #[test]
@@ -287,4 +374,63 @@ fn builtin_vmm_rejects_an_elf_without_pvh_note() {
     let me = std::env::current_exe().expect("own path");
     let err = Vm::boot(&me, &VmConfig::default()).expect_err("no PVH entry");
     assert!(err.to_string().contains("loading the guest ELF"), "{err}");
+}
+
+#[test]
+fn vmtsync_vmm_binary_bridges_com1_to_stdio_and_returns_the_exit_code() {
+    use std::io::{Read, Write};
+    use std::process::{Command, Stdio};
+
+    if !require(
+        "vmtsync_vmm_binary_bridges_com1_to_stdio_and_returns_the_exit_code",
+        have_kvm(),
+        "/dev/kvm is not accessible read-write",
+    ) {
+        return;
+    }
+    let elf = agent_elf().expect("agent builds");
+    let child = Command::new(env!("CARGO_BIN_EXE_vmtsync-vmm"))
+        .arg(&elf)
+        .args(["--timeout", "60", "--", "wire=line", "exit=3"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("vmtsync-vmm starts");
+    let mut guard = vmtsync_tests::ChildGuard::new(child);
+    let mut stdin = guard.child().stdin.take().expect("stdin");
+    // Bytes sent before the agent's UART init are dropped by its FIFO reset: wait for the hello
+    // line first.
+    let mut stdout = guard.child().stdout.take().expect("stdout");
+    let mut got = Vec::new();
+    let mut b = [0u8; 1];
+    while !got.ends_with(b"H vmtsync-agent\n") {
+        assert_eq!(
+            stdout.read(&mut b).expect("read stdout"),
+            1,
+            "EOF after {got:?}"
+        );
+        got.push(b[0]);
+    }
+    stdin.write_all(b"xpq").expect("write stdin");
+    stdin.flush().expect("flush");
+    let mut rest = String::new();
+    stdout.read_to_string(&mut rest).expect("read rest");
+    let status = guard.child().wait().expect("wait");
+    let mut err = String::new();
+    guard
+        .child()
+        .stderr
+        .take()
+        .expect("stderr")
+        .read_to_string(&mut err)
+        .expect("read stderr");
+    assert!(
+        rest.starts_with("xT") && rest.ends_with("\nQ\n"),
+        "stdout: {rest:?}"
+    );
+    assert_eq!(rest.len(), 2 + 16 + 1 + 2, "stdout: {rest:?}");
+    assert_eq!(status.code(), Some(3), "stderr:\n{err}");
+    assert!(err.contains("quit: isa-debug-exit 3"), "stderr:\n{err}");
+    assert!(err.contains("DebugExit(3)"), "stderr:\n{err}");
 }

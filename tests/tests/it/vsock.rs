@@ -150,9 +150,68 @@ fn session(test: &str, ring: u8, port: u32, listen: bool) {
     );
     assert!(
         log.contains(&format!(
-            "shutdown after {PROBES} probes, 0 bad frames (0 credit waits, 0 dropped sends, 0 \
-             link errors): isa-debug-exit 5"
+            "shutdown after {PROBES} probes, {} messages, 0 bad frames (0 credit waits, 0 \
+             refused sends, 0 link errors): isa-debug-exit 5",
+            PROBES + 2
         )),
+        "COM2 log:\n{log}"
+    );
+}
+
+/// A host that hangs up without `Shutdown` does not strand the agent: it accepts the next
+/// connection and serves a fresh session (`vsock=listen`).
+#[test]
+fn vsock_agent_serves_a_new_session_after_the_host_hangs_up() {
+    let test = "vsock_agent_serves_a_new_session_after_the_host_hangs_up";
+    if !require(test, have_kvm(), "/dev/kvm is not accessible read-write")
+        || !require(test, have_qemu(), "qemu-system-x86_64 is missing")
+        || !require(
+            test,
+            std::path::Path::new(qemu::QBOOT).is_file(),
+            "qboot.rom is missing",
+        )
+    {
+        return;
+    }
+    let backend = match ensure_vhost_device_vsock() {
+        Ok(b) => b,
+        Err(e) => {
+            if !require(test, false, &e.to_string()) {
+                return;
+            }
+            unreachable!("require fails the test under CI");
+        }
+    };
+    let elf = agent_elf().expect("agent builds");
+    let port = PORT + 3;
+    let append = format!("transport=vsock vsock=listen port={port} exit=6");
+    let mut rig = VsockRig::start(&backend, &elf, &append, port, STEP).expect("rig starts");
+    for session in 1..=2 {
+        let mut client = rig
+            .connect(port, STEP)
+            .unwrap_or_else(|e| panic!("session {session}: {e}\n{}", rig.diagnostics()));
+        client
+            .wait_ready(STEP)
+            .unwrap_or_else(|e| panic!("session {session}: {e}\n{}", rig.diagnostics()));
+        let run = probe_run(&mut client, 10, STEP)
+            .unwrap_or_else(|e| panic!("session {session}: {e}\n{}", rig.diagnostics()));
+        assert_eq!(run.outside_bracket(), 0, "{:?}", run.samples);
+        if session == 2 {
+            let bye = client.exchange(&Message::Shutdown, STEP).expect("exiting");
+            assert_eq!(bye.reply, Message::Exiting);
+        }
+        // Session 1 ends by dropping the client: the host hangs up mid-session.
+    }
+    let status = rig.wait_exit(STEP).expect("QEMU exits");
+    let log = rig.com2_log();
+    assert_eq!(
+        status.code(),
+        Some(debug_exit_status(6)),
+        "{}",
+        rig.diagnostics()
+    );
+    assert!(
+        log.contains("the host closed the stream") && log.contains("vsock: session 2:"),
         "COM2 log:\n{log}"
     );
 }

@@ -1,0 +1,382 @@
+//! Agent tests through the fakes: the test plays the host on the other end of a [`FakeLink`].
+
+use std::println;
+use std::vec::Vec;
+
+use super::fake::{FakeClock, FakeLink};
+use super::*;
+use crate::proto::{
+    Hello, MappingPush, ProbeReply, ProbeReplyFull, decode_frame, try_unwrap_tsc_low32,
+};
+
+const VCPU: u32 = 3;
+const T0: u64 = (1 << 45) + 12_345;
+
+type TestAgent = Agent<FakeLink, FakeClock, 32>;
+
+fn agent(step: u64) -> TestAgent {
+    Agent::new(FakeLink::new(), FakeClock::new(T0, step, VCPU))
+}
+
+/// Host side: sends `msg`, polls the agent once, returns everything it answered.
+fn exchange(a: &mut TestAgent, msg: &Message) -> Vec<Message> {
+    assert!(a.link_mut().push_message(msg));
+    a.poll().expect("poll");
+    drain(a)
+}
+
+fn drain(a: &mut TestAgent) -> Vec<Message> {
+    let mut out = Vec::new();
+    while let Some(m) = a.link_mut().next_sent() {
+        out.push(m.expect("agent sent a frame that does not decode"));
+    }
+    assert_eq!(a.link().outbound_len(), 0, "a partial frame was left");
+    out
+}
+
+fn hello() -> Message {
+    Message::Hello(Hello {
+        version: PROTOCOL_VERSION,
+        features: Features::EVENTS.union(Features::MAPPING),
+    })
+}
+
+/// Says hello and returns the TSC in the capabilities.
+fn open(a: &mut TestAgent) -> GuestTicks {
+    match exchange(a, &hello()).as_slice() {
+        [Message::Capabilities(c)] => {
+            assert_eq!(c.version, PROTOCOL_VERSION);
+            assert_eq!(c.vcpu, VCPU);
+            assert_eq!(c.transport, Transport::Memory);
+            assert!(
+                c.features
+                    .contains(Features::EVENTS.union(Features::MAPPING))
+            );
+            c.tsc
+        }
+        other => panic!("expected capabilities, got {other:?}"),
+    }
+}
+
+#[test]
+fn hello_then_probes_unwrap_to_the_exact_tsc() {
+    // 1.5e9 ticks per read: the low 32 bits wrap every ~3 probes, yet each step stays inside
+    // the ±2^31 unwrap window, so chaining the reference recovers every reading exactly.
+    let step = 1_500_000_000;
+    let mut a = agent(step);
+    a.clock_mut().tsc_khz = Some(3_000_000);
+    let hello_tsc = open(&mut a);
+    assert_eq!(hello_tsc, GuestTicks(T0));
+    let mut reference = hello_tsc;
+    let mut wraps = 0;
+    for k in 1..=20u16 {
+        let mut req = [0u8; MAX_FRAME_SIZE];
+        let req_len = encode_frame(&Message::Probe { seq: k }, &mut req)
+            .unwrap()
+            .len();
+        assert!(a.link_mut().push_inbound(&req[..req_len]));
+        a.poll().unwrap();
+        let mut reply = [0u8; MAX_FRAME_SIZE];
+        let reply_len = a.link_mut().next_sent_frame(&mut reply).unwrap();
+        if k == 1 {
+            println!(
+                "agent probe round trip: {req_len} B + {reply_len} B = {} B",
+                req_len + reply_len
+            );
+        }
+        assert!(req_len + reply_len <= 16);
+        let Ok(Message::ProbeReply(ProbeReply {
+            seq,
+            vcpu,
+            tsc_low32,
+        })) = decode_frame(&mut reply[..reply_len])
+        else {
+            panic!("not a probe reply")
+        };
+        assert_eq!((seq, vcpu), (k, VCPU));
+        let full = try_unwrap_tsc_low32(reference, tsc_low32).unwrap();
+        // Exactly one TSC read per probe, taken for this reply.
+        assert_eq!(full, GuestTicks(T0 + u64::from(k) * step));
+        if full.0 >> 32 != reference.0 >> 32 {
+            wraps += 1;
+        }
+        reference = full;
+    }
+    assert!(
+        wraps >= 6,
+        "the test must cross the low-word wrap ({wraps})"
+    );
+    assert_eq!(a.stats().probes, 20);
+    assert_eq!(a.clock_mut().reads, 21);
+}
+
+#[test]
+fn probe_full_carries_the_whole_tsc() {
+    let mut a = agent(7);
+    open(&mut a);
+    let got = exchange(&mut a, &Message::ProbeFull { seq: 9 });
+    assert_eq!(
+        got,
+        [Message::ProbeReplyFull(ProbeReplyFull {
+            seq: 9,
+            vcpu: VCPU,
+            tsc: T0 + 7,
+        })]
+    );
+}
+
+#[test]
+fn nothing_but_hello_before_hello_and_version_mismatch_is_not_served() {
+    let mut a = agent(1);
+    assert_eq!(
+        exchange(&mut a, &Message::Probe { seq: 1 }),
+        [Message::Error(ErrorCode::NotReady)]
+    );
+    let old = Message::Hello(Hello {
+        version: PROTOCOL_VERSION + 1,
+        features: Features::NONE,
+    });
+    match exchange(&mut a, &old).as_slice() {
+        [Message::Capabilities(c)] => assert_eq!(c.version, PROTOCOL_VERSION),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(a.state(), AgentState::AwaitHello);
+    assert_eq!(
+        exchange(&mut a, &Message::PvclockRequest),
+        [Message::Error(ErrorCode::NotReady)]
+    );
+    open(&mut a);
+    assert_eq!(a.state(), AgentState::Ready);
+}
+
+#[test]
+fn pushed_mapping_is_applied_and_events_are_stamped_in_host_time() {
+    let mut a = agent(10);
+    open(&mut a);
+    // Events recorded before any mapping go out in guest time.
+    assert!(a.record_event_at(1, GuestTicks(T0 - 500)));
+    assert_eq!(
+        exchange(&mut a, &Message::EventsRequest { max: 8 }),
+        [Message::Events(EventBatch {
+            vcpu: VCPU,
+            dropped: 0,
+            remaining: 0,
+            events: heapless::Vec::from_slice(&[EventRecord {
+                id: 1,
+                stamp: EventStamp::Guest(GuestTicks(T0 - 500)),
+            }])
+            .unwrap(),
+        })]
+    );
+
+    // Guest clock runs 1.5x the host's and 1_000_000 ticks ahead (VMX: 48 fraction bits).
+    let offset = 1_000_000;
+    let mapping = KvmTscMapping::try_new(offset, 3 << 47, 48).unwrap();
+    let wrong_vcpu = Message::SetMapping(MappingPush {
+        vcpu: VCPU + 1,
+        mapping,
+    });
+    assert_eq!(
+        exchange(&mut a, &wrong_vcpu),
+        [Message::Error(ErrorCode::UnknownVcpu)]
+    );
+    assert_eq!(a.mapping(), None);
+    let push = Message::SetMapping(MappingPush {
+        vcpu: VCPU,
+        mapping,
+    });
+    assert_eq!(
+        exchange(&mut a, &push),
+        [Message::MappingApplied { vcpu: VCPU }]
+    );
+    assert_eq!(a.mapping(), Some(mapping));
+
+    let guest_times = [T0, T0 + 1, T0 + 2, T0 + 3_000_000_001];
+    for (id, &g) in (10u32..).zip(&guest_times) {
+        assert!(a.record_event_at(id, GuestTicks(g)));
+    }
+    let Ok([Message::Events(batch)]) =
+        <[Message; 1]>::try_from(exchange(&mut a, &Message::EventsRequest { max: 100 }))
+    else {
+        panic!("expected one batch")
+    };
+    assert_eq!(batch.events.len(), guest_times.len());
+    for (rec, &g) in batch.events.iter().zip(&guest_times) {
+        // host = ceil((g - offset) * 2 / 3), the u128 reference.
+        let want = (u128::from(g) - 1_000_000) * 2;
+        let want = u64::try_from(want.div_ceil(3)).unwrap();
+        assert_eq!(rec.stamp, EventStamp::Host(HostTicks(want)), "guest {g}");
+        // And it is the first host tick whose guest image reaches the event (the guest runs
+        // faster, so some guest ticks have no exact host preimage).
+        assert!(mapping.try_guest_from_host(HostTicks(want)).unwrap() >= GuestTicks(g));
+        assert!(mapping.try_guest_from_host(HostTicks(want - 1)).unwrap() < GuestTicks(g));
+    }
+    assert_eq!(
+        a.host_now_ceil(),
+        mapping.try_host_from_guest_ceil(GuestTicks(a.clock_mut().tsc - 10))
+    );
+
+    // A mapping that cannot place the present on the host timeline is refused, and the
+    // previous one stays in force: ratio 1 with 48 fraction bits sends host time past u64.
+    let useless = KvmTscMapping::try_new(0, 1, 48).unwrap();
+    assert_eq!(
+        exchange(
+            &mut a,
+            &Message::SetMapping(MappingPush {
+                vcpu: VCPU,
+                mapping: useless
+            })
+        ),
+        [Message::Error(ErrorCode::InvalidMapping)]
+    );
+    assert_eq!(a.mapping(), Some(mapping));
+}
+
+#[test]
+fn events_come_in_bounded_batches_and_overflow_is_counted() {
+    let mut a = agent(1);
+    open(&mut a);
+    for id in 0..40u32 {
+        let queued = a.record_event(id);
+        assert_eq!(queued, id < 32, "event {id}");
+    }
+    assert_eq!(a.queued_events(), 32);
+    let mut ids = Vec::new();
+    let mut batches = 0;
+    loop {
+        let got = exchange(&mut a, &Message::EventsRequest { max: 5 });
+        let [Message::Events(b)] = got.as_slice() else {
+            panic!("{got:?}")
+        };
+        assert_eq!(b.dropped, 8);
+        assert!(b.events.len() <= 5);
+        ids.extend(b.events.iter().map(|e| e.id));
+        batches += 1;
+        assert_eq!(usize::try_from(b.remaining).unwrap(), 32 - ids.len());
+        if b.remaining == 0 {
+            break;
+        }
+    }
+    assert_eq!(batches, 7);
+    assert_eq!(ids, (0..32).collect::<Vec<_>>());
+    // Guest stamps are the TSC at each record_event (one read each, step 1, after hello).
+    a.record_event(99);
+    let got = exchange(&mut a, &Message::EventsRequest { max: u16::MAX });
+    let [Message::Events(b)] = got.as_slice() else {
+        panic!("{got:?}")
+    };
+    assert_eq!(b.events.len(), 1);
+    assert_eq!(b.events[0].stamp, EventStamp::Guest(GuestTicks(T0 + 41)));
+}
+
+#[test]
+fn events_stay_queued_when_the_send_fails() {
+    let mut a = agent(1);
+    open(&mut a);
+    a.record_event(5);
+    a.link_mut().refuse_sends = true;
+    assert!(
+        a.link_mut()
+            .push_message(&Message::EventsRequest { max: 8 })
+    );
+    assert_eq!(a.poll(), Err(AgentError::Link(LinkError::WouldBlock)));
+    assert_eq!(a.queued_events(), 1);
+    a.link_mut().refuse_sends = false;
+    let got = exchange(&mut a, &Message::EventsRequest { max: 8 });
+    assert!(matches!(got.as_slice(), [Message::Events(b)] if b.events.len() == 1));
+    assert_eq!(a.queued_events(), 0);
+}
+
+#[test]
+fn pvclock_report_or_unsupported() {
+    let mut a = agent(3);
+    open(&mut a);
+    assert_eq!(
+        exchange(&mut a, &Message::PvclockRequest),
+        [Message::Error(ErrorCode::Unsupported)]
+    );
+    let page = PvclockReport {
+        vcpu: VCPU,
+        version: 4,
+        tsc_timestamp: T0 - 100,
+        system_time: 77,
+        mul: 0x5555_5555,
+        shift: 1,
+        flags: 1,
+        tsc: GuestTicks(0),
+    };
+    a.clock_mut().pvclock = Some(page);
+    let now = a.clock_mut().tsc;
+    assert_eq!(
+        exchange(&mut a, &Message::PvclockRequest),
+        [Message::PvclockReport(PvclockReport {
+            tsc: GuestTicks(now),
+            ..page
+        })]
+    );
+    // With a pvclock page the next hello advertises it.
+    match exchange(&mut a, &hello()).as_slice() {
+        [Message::Capabilities(c)] => assert!(c.features.contains(Features::PVCLOCK)),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn garbage_gets_an_error_and_the_next_frame_is_served() {
+    let mut a = agent(1);
+    open(&mut a);
+    // Noise ending in a delimiter, then a probe.
+    assert!(a.link_mut().push_inbound(&[0x42, 0xff, 0x13, 0x00]));
+    assert!(a.link_mut().push_message(&Message::Probe { seq: 1 }));
+    // An overlong run (no delimiter for 300 bytes), then a probe.
+    assert!(a.link_mut().push_inbound(&[0x07; 300]));
+    assert!(a.link_mut().push_inbound(&[0x00]));
+    assert!(a.link_mut().push_message(&Message::Probe { seq: 2 }));
+    // Arrives three bytes at a time, so every frame spans several recv calls.
+    a.link_mut().max_recv = 3;
+    while a.link().inbound_len() > 0 {
+        a.poll().unwrap();
+    }
+    let got = drain(&mut a);
+    let kinds: Vec<_> = got
+        .iter()
+        .map(|m| match m {
+            Message::Error(c) => Ok(*c),
+            Message::ProbeReply(r) => Err(r.seq),
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    assert_eq!(
+        kinds,
+        [
+            Ok(ErrorCode::Malformed),
+            Err(1),
+            Ok(ErrorCode::FrameTooLong),
+            Err(2)
+        ]
+    );
+    assert_eq!(a.stats().bad_frames, 2);
+}
+
+#[test]
+fn guest_bound_messages_only_and_errors_are_not_answered() {
+    let mut a = agent(1);
+    open(&mut a);
+    assert_eq!(
+        exchange(&mut a, &Message::Exiting),
+        [Message::Error(ErrorCode::Unexpected)]
+    );
+    assert_eq!(exchange(&mut a, &Message::Error(ErrorCode::Malformed)), []);
+}
+
+#[test]
+fn shutdown_answers_exiting_and_stops() {
+    let mut a = agent(1);
+    open(&mut a);
+    assert!(a.link_mut().push_message(&Message::Shutdown));
+    assert!(a.link_mut().push_message(&Message::Probe { seq: 1 }));
+    assert_eq!(a.poll(), Ok(AgentState::Exited));
+    assert_eq!(drain(&mut a), [Message::Exiting]);
+    assert_eq!(a.poll(), Ok(AgentState::Exited));
+    assert_eq!(drain(&mut a), []);
+}

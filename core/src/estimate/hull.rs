@@ -1,0 +1,645 @@
+//! Our drift estimator: exact bounds on rate and offset from convex hulls of the probes
+//! (Duda, Harrus, Haddad, Bernard 1987, "Estimating global time in distributed systems"; the
+//! incremental form is Trace Compass's `SyncAlgorithmFullyIncremental`).
+//!
+//! In the plane `x = host`, `y = guest`, the true clock is a line `y = a·x + b` with `a > 0`
+//! (KVM's guest TSC is `offset + floor(host·ratio >> frac)`: the reading is the line rounded
+//! **down**). A probe's guest reading happened at a host instant `t` in `[send, recv]`, so
+//! `a·send + b <= a·t + b < guest + 1` and `a·recv + b >= a·t + b >= guest`. Each probe gives a
+//! point `(send, guest + 1)` the line passes on or below and a point `(recv, guest)` it passes
+//! on or above. Only the lower convex hull of the former and the upper convex hull of the
+//! latter constrain the line, so those hulls are all we keep.
+//!
+//! The feasible `(a, b)` set is a convex polygon. Eliminating `b` pairwise (Fourier–Motzkin)
+//! gives the exact slope interval `[rate_min, rate_max]` as rationals; eliminating `a` at a
+//! reference host time `T` gives the exact offset interval there, rounded outward to whole
+//! ticks. The estimate is the centre of each interval. Every reported bound contains the truth
+//! under integer rounding, by construction, not by tuning.
+//!
+//! Arithmetic: coordinates are stored relative to the first sample and must stay within
+//! `±2^62` (about 47 years of a 3 GHz TSC); then every product fits an `i128` and the checked
+//! operations never fail in practice. Anything outside is `Overflow`, never a wrong answer.
+//!
+//! Fixed capacity `N` per hull: when a hull is full after popping, its oldest interior vertex
+//! (index 1) is dropped. Dropping a constraint only enlarges the feasible set, so all bounds
+//! stay sound (wider); `DriftEstimate::saturated` reports it. The first vertex is kept because
+//! the longest baseline carries the most rate information.
+//!
+//! Samples must arrive in host-time order (`host_send` and `host_recv` non-decreasing), as a
+//! ping-pong protocol produces them; that keeps hull maintenance amortised O(1) per sample.
+//! Infeasibility (a segment break) is detected by [`DriftEstimator::estimate`], which costs
+//! O(h²) in the hull sizes `h`.
+
+use heapless::Vec;
+
+use super::sample::{EstimateError, ProbeSample, Ratio, div_ceil, div_floor, midpoint_floor};
+use crate::HostTicks;
+
+/// Relative coordinates stay strictly inside `±LIMIT` so products of differences fit `i128`.
+const LIMIT: i128 = 1 << 62;
+
+/// A hull vertex in coordinates relative to the first sample.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Point {
+    x: i64,
+    y: i64,
+}
+
+/// `(a - o) × (b - o)`: positive when `o → a → b` turns counter-clockwise.
+fn cross(o: Point, a: Point, b: Point) -> i128 {
+    let (ax, ay) = (
+        i128::from(a.x) - i128::from(o.x),
+        i128::from(a.y) - i128::from(o.y),
+    );
+    let (bx, by) = (
+        i128::from(b.x) - i128::from(o.x),
+        i128::from(b.y) - i128::from(o.y),
+    );
+    // |differences| < 2^63, so each product < 2^126 and their difference < 2^127.
+    ax * by - ay * bx
+}
+
+/// Drops a vertex to make room; sound because removing a constraint only widens the bounds.
+fn make_room<const N: usize>(hull: &mut Vec<Point, N>) -> bool {
+    if !hull.is_full() {
+        return false;
+    }
+    let idx = usize::from(hull.len() > 1);
+    if idx < hull.len() {
+        hull.remove(idx);
+    }
+    true
+}
+
+/// Appends `p` to a lower hull (the line must pass on or below every point), x non-decreasing.
+fn push_lower<const N: usize>(hull: &mut Vec<Point, N>, p: Point) -> bool {
+    if let Some(last) = hull.last()
+        && last.x == p.x
+    {
+        if p.y >= last.y {
+            return false;
+        }
+        hull.pop();
+    }
+    while let [.., a, b] = hull.as_slice() {
+        if cross(*a, *b, p) > 0 {
+            break;
+        }
+        hull.pop();
+    }
+    let saturated = make_room(hull);
+    // make_room guarantees space.
+    let _ = hull.push(p);
+    saturated
+}
+
+/// Appends `p` to an upper hull (the line must pass on or above every point), x non-decreasing.
+fn push_upper<const N: usize>(hull: &mut Vec<Point, N>, p: Point) -> bool {
+    if let Some(last) = hull.last()
+        && last.x == p.x
+    {
+        if p.y <= last.y {
+            return false;
+        }
+        hull.pop();
+    }
+    while let [.., a, b] = hull.as_slice() {
+        if cross(*a, *b, p) < 0 {
+            break;
+        }
+        hull.pop();
+    }
+    let saturated = make_room(hull);
+    let _ = hull.push(p);
+    saturated
+}
+
+/// Rate and offset bounds with their centres, from [`DriftEstimator::estimate`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "defmt", derive(defmt::Format))]
+pub struct DriftEstimate {
+    /// The host time the offsets refer to: the middle of the sampled span, where they are
+    /// tightest.
+    pub at: HostTicks,
+    /// Centre of `[offset_min, offset_max]`, rounded down (`guest - host` at `at`).
+    pub offset: i64,
+    /// Smallest offset at `at` consistent with every sample, rounded down (outward).
+    pub offset_min: i64,
+    /// Largest offset at `at` consistent with every sample, rounded up (outward).
+    pub offset_max: i64,
+    /// Smallest rate (guest ticks per host tick) consistent with every sample, exact.
+    pub rate_min: Ratio,
+    /// Largest rate consistent with every sample, exact.
+    pub rate_max: Ratio,
+    /// Centre of `[drift_ppb_min, drift_ppb_max]`, rounded down: `(rate - 1)·1e9`.
+    pub drift_ppb: i64,
+    /// `rate_min` as drift in ppb, rounded down (outward).
+    pub drift_ppb_min: i64,
+    /// `rate_max` as drift in ppb, rounded up (outward).
+    pub drift_ppb_max: i64,
+    /// How many samples went in.
+    pub samples: u32,
+    /// A hull hit capacity and dropped a vertex: bounds are sound but may be wider.
+    pub saturated: bool,
+}
+
+/// Incremental convex-hull bounds on (rate, offset) for one vCPU, `N` vertices per hull.
+#[derive(Clone, Debug)]
+pub struct DriftEstimator<const N: usize> {
+    origin_host: u64,
+    origin_guest: u64,
+    last_send: u64,
+    last_recv: u64,
+    below: Vec<Point, N>,
+    above: Vec<Point, N>,
+    samples: u32,
+    vcpu: u32,
+    saturated: bool,
+}
+
+impl<const N: usize> Default for DriftEstimator<N> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// One Fourier–Motzkin row `c·a + e·y <= d` with `e = ±1`.
+type Row = (i128, i128, i128);
+
+impl<const N: usize> DriftEstimator<N> {
+    /// An empty estimator. `N` must be at least 2 (checked at compile time).
+    #[must_use]
+    pub const fn new() -> Self {
+        const { assert!(N >= 2, "a hull needs room for two vertices") };
+        Self {
+            origin_host: 0,
+            origin_guest: 0,
+            last_send: 0,
+            last_recv: 0,
+            below: Vec::new(),
+            above: Vec::new(),
+            samples: 0,
+            vcpu: 0,
+            saturated: false,
+        }
+    }
+
+    /// Number of samples accepted so far.
+    #[must_use]
+    pub const fn samples(&self) -> u32 {
+        self.samples
+    }
+
+    /// Adds one sample. The state is unchanged on error.
+    ///
+    /// # Errors
+    /// `InvalidSample` if `host_recv < host_send`; `VcpuMismatch`; `OutOfOrder` if
+    /// `host_send` or `host_recv` goes backwards; `Overflow` if the sample lies more than
+    /// `2^62` ticks from the first one.
+    pub fn push(&mut self, s: &ProbeSample) -> Result<(), EstimateError> {
+        if s.host_recv < s.host_send {
+            return Err(EstimateError::InvalidSample);
+        }
+        if self.samples == 0 {
+            self.origin_host = s.host_send.0;
+            self.origin_guest = s.guest.0;
+        } else if s.vcpu != self.vcpu {
+            return Err(EstimateError::VcpuMismatch);
+        } else if s.host_send.0 < self.last_send || s.host_recv.0 < self.last_recv {
+            return Err(EstimateError::OutOfOrder);
+        }
+        let send = self.rel_x(s.host_send.0)?;
+        let recv = self.rel_x(s.host_recv.0)?;
+        let y = i128::from(s.guest.0) - i128::from(self.origin_guest);
+        let below = Point {
+            x: send,
+            y: rel(y + 1)?,
+        };
+        let above = Point {
+            x: recv,
+            y: rel(y)?,
+        };
+        let full_b = push_lower(&mut self.below, below);
+        let full_a = push_upper(&mut self.above, above);
+        self.saturated |= full_b || full_a;
+        self.last_send = s.host_send.0;
+        self.last_recv = s.host_recv.0;
+        self.vcpu = s.vcpu;
+        self.samples = self.samples.saturating_add(1);
+        Ok(())
+    }
+
+    fn rel_x(&self, host: u64) -> Result<i64, EstimateError> {
+        rel(i128::from(host) - i128::from(self.origin_host))
+    }
+
+    /// Exact slope interval by eliminating `b` from every (below, above) vertex pair.
+    fn rate_bounds(&self) -> Result<(Ratio, Ratio), EstimateError> {
+        let mut lo: Option<Ratio> = None;
+        let mut hi: Option<Ratio> = None;
+        for p in &self.below {
+            for q in &self.above {
+                // a·p.x + b <= p.y and a·q.x + b >= q.y  ⇒  (p.x - q.x)·a <= p.y - q.y.
+                let dx = i128::from(p.x) - i128::from(q.x);
+                let dy = i128::from(p.y) - i128::from(q.y);
+                if dx == 0 {
+                    if dy < 0 {
+                        return Err(EstimateError::SegmentBreak);
+                    }
+                    continue;
+                }
+                let r = Ratio::new(dy, dx).ok_or(EstimateError::Overflow)?;
+                if dx > 0 {
+                    if hi.map_or(Ok(true), |h| r.try_lt(&h).ok_or(EstimateError::Overflow))? {
+                        hi = Some(r);
+                    }
+                } else if lo.map_or(Ok(true), |l| l.try_lt(&r).ok_or(EstimateError::Overflow))? {
+                    lo = Some(r);
+                }
+            }
+        }
+        let (lo, hi) = (
+            lo.ok_or(EstimateError::Unbounded)?,
+            hi.ok_or(EstimateError::Unbounded)?,
+        );
+        if hi.try_lt(&lo).ok_or(EstimateError::Overflow)? {
+            return Err(EstimateError::SegmentBreak);
+        }
+        Ok((lo, hi))
+    }
+
+    /// Row `i` of the system in `(a, y)` where `y` is the line's value at relative host `t`.
+    fn row(&self, i: usize, t: i128) -> Option<Row> {
+        if let Some(p) = self.below.get(i) {
+            // a·(p.x - t) + y <= p.y
+            Some((i128::from(p.x) - t, 1, i128::from(p.y)))
+        } else {
+            let q = self.above.get(i - self.below.len())?;
+            // a·(t - q.x) - y <= -q.y
+            Some((t - i128::from(q.x), -1, -i128::from(q.y)))
+        }
+    }
+
+    /// Exact range of the line's value at relative host `t`, rounded outward.
+    fn value_bounds(&self, t: i128) -> Result<(i128, i128), EstimateError> {
+        const OVF: EstimateError = EstimateError::Overflow;
+        let m = self.below.len() + self.above.len();
+        let mut lo: Option<i128> = None;
+        let mut hi: Option<i128> = None;
+        let mut upper = |v: i128| hi = Some(hi.map_or(v, |h| h.min(v)));
+        let mut lower = |v: i128| lo = Some(lo.map_or(v, |l| l.max(v)));
+        for i in 0..m {
+            let (ci, ei, di) = self.row(i, t).ok_or(OVF)?;
+            if ci == 0 {
+                if ei > 0 {
+                    upper(di);
+                } else {
+                    lower(-di);
+                }
+                continue;
+            }
+            if ci < 0 {
+                continue;
+            }
+            for j in 0..m {
+                let (cj, ej, dj) = self.row(j, t).ok_or(OVF)?;
+                if cj >= 0 {
+                    continue;
+                }
+                // (-cj)·row_i + ci·row_j eliminates a: e·y <= r.
+                let e = (-cj)
+                    .checked_mul(ei)
+                    .ok_or(OVF)?
+                    .checked_add(ci.checked_mul(ej).ok_or(OVF)?)
+                    .ok_or(OVF)?;
+                let r = (-cj)
+                    .checked_mul(di)
+                    .ok_or(OVF)?
+                    .checked_add(ci.checked_mul(dj).ok_or(OVF)?)
+                    .ok_or(OVF)?;
+                if e > 0 {
+                    upper(div_ceil(r, e).ok_or(OVF)?);
+                } else if e < 0 {
+                    lower(div_floor(r, e).ok_or(OVF)?);
+                } else if r < 0 {
+                    return Err(EstimateError::SegmentBreak);
+                }
+            }
+        }
+        let (lo, hi) = (
+            lo.ok_or(EstimateError::Unbounded)?,
+            hi.ok_or(EstimateError::Unbounded)?,
+        );
+        if lo > hi {
+            return Err(EstimateError::SegmentBreak);
+        }
+        Ok((lo, hi))
+    }
+
+    /// Guaranteed `(min, max)` of the offset `guest - host` at host time `host`, rounded
+    /// outward. Valid anywhere, widening with distance from the samples.
+    ///
+    /// # Errors
+    /// `NoSamples`; `SegmentBreak` if no constant-rate line fits; `Unbounded` if the samples do
+    /// not bound it; `Overflow` if `host` is more than `2^62` ticks from the first sample.
+    pub fn offset_bounds_at(&self, host: HostTicks) -> Result<(i64, i64), EstimateError> {
+        if self.samples == 0 {
+            return Err(EstimateError::NoSamples);
+        }
+        let t = i128::from(self.rel_x(host.0)?);
+        let (lo, hi) = self.value_bounds(t)?;
+        let shift = i128::from(self.origin_guest) - i128::from(host.0);
+        let to_i64 = |v: i128| i64::try_from(v + shift).map_err(|_| EstimateError::Overflow);
+        Ok((to_i64(lo)?, to_i64(hi)?))
+    }
+
+    /// Rate and offset bounds with their centres; the offset refers to the middle of the
+    /// sampled host span.
+    ///
+    /// # Errors
+    /// `NoSamples`; `Unbounded` until two probes do not overlap in host time; `SegmentBreak`
+    /// if no constant-rate line fits every sample; `Overflow` (not reachable within `2^62`).
+    pub fn estimate(&self) -> Result<DriftEstimate, EstimateError> {
+        if self.samples == 0 {
+            return Err(EstimateError::NoSamples);
+        }
+        let (rate_min, rate_max) = self.rate_bounds()?;
+        let span = self.last_recv - self.origin_host;
+        let at = HostTicks(self.origin_host + span / 2);
+        let (offset_min, offset_max) = self.offset_bounds_at(at)?;
+        let drift_ppb_min = rate_min.drift_ppb_floor().ok_or(EstimateError::Overflow)?;
+        let drift_ppb_max = rate_max.drift_ppb_ceil().ok_or(EstimateError::Overflow)?;
+        Ok(DriftEstimate {
+            at,
+            offset: midpoint_floor(offset_min, offset_max),
+            offset_min,
+            offset_max,
+            rate_min,
+            rate_max,
+            drift_ppb: midpoint_floor(drift_ppb_min, drift_ppb_max),
+            drift_ppb_min,
+            drift_ppb_max,
+            samples: self.samples,
+            saturated: self.saturated,
+        })
+    }
+}
+
+/// Checks a relative coordinate against `±2^62`.
+fn rel(v: i128) -> Result<i64, EstimateError> {
+    if -LIMIT < v && v < LIMIT {
+        i64::try_from(v).map_err(|_| EstimateError::Overflow)
+    } else {
+        Err(EstimateError::Overflow)
+    }
+}
+
+/// Runs a [`DriftEstimator`] with `N` vertices per hull over all samples.
+///
+/// # Errors
+/// As [`DriftEstimator::push`] and [`DriftEstimator::estimate`].
+pub fn estimate_drift<const N: usize>(
+    samples: &[ProbeSample],
+) -> Result<DriftEstimate, EstimateError> {
+    let mut acc = DriftEstimator::<N>::new();
+    for s in samples {
+        acc.push(s)?;
+    }
+    acc.estimate()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::GuestTicks;
+    use crate::sim::GuestClock;
+    use proptest::prelude::*;
+    use std::vec::Vec as StdVec;
+
+    fn p(send: u64, guest: u64, recv: u64) -> ProbeSample {
+        ProbeSample {
+            host_send: HostTicks(send),
+            guest: GuestTicks(guest),
+            host_recv: HostTicks(recv),
+            vcpu: 0,
+        }
+    }
+
+    /// Naive reference: Fourier–Motzkin over **all** samples' constraints, no hulls.
+    fn naive_rate(samples: &[ProbeSample]) -> Option<(Ratio, Ratio)> {
+        let mut lo: Option<Ratio> = None;
+        let mut hi: Option<Ratio> = None;
+        for a in samples {
+            for b in samples {
+                let dx = i128::from(a.host_send.0) - i128::from(b.host_recv.0);
+                let dy = i128::from(a.guest.0) + 1 - i128::from(b.guest.0);
+                if dx == 0 {
+                    assert!(dy >= 0);
+                    continue;
+                }
+                let r = Ratio::new(dy, dx).unwrap();
+                if dx > 0 {
+                    if hi.is_none_or(|h| r.try_lt(&h).unwrap()) {
+                        hi = Some(r);
+                    }
+                } else if lo.is_none_or(|l| l.try_lt(&r).unwrap()) {
+                    lo = Some(r);
+                }
+            }
+        }
+        Some((lo?, hi?))
+    }
+
+    fn naive_value(samples: &[ProbeSample], t: i128) -> (i128, i128) {
+        let rows: StdVec<(i128, i128, i128)> = samples
+            .iter()
+            .flat_map(|s| {
+                let g = i128::from(s.guest.0);
+                [
+                    (i128::from(s.host_send.0) - t, 1, g + 1),
+                    (t - i128::from(s.host_recv.0), -1, -g),
+                ]
+            })
+            .collect();
+        let (mut lo, mut hi) = (i128::MIN, i128::MAX);
+        for &(ci, ei, di) in &rows {
+            if ci == 0 {
+                if ei > 0 {
+                    hi = hi.min(di);
+                } else {
+                    lo = lo.max(-di);
+                }
+            }
+            for &(cj, ej, dj) in &rows {
+                if ci > 0 && cj < 0 {
+                    let e = -cj * ei + ci * ej;
+                    let r = -cj * di + ci * dj;
+                    if e > 0 {
+                        hi = hi.min(div_ceil(r, e).unwrap());
+                    } else if e < 0 {
+                        lo = lo.max(div_floor(r, e).unwrap());
+                    }
+                }
+            }
+        }
+        (lo, hi)
+    }
+
+    fn same(a: Ratio, b: Ratio) -> bool {
+        a.num * b.den == b.num * a.den
+    }
+
+    #[test]
+    fn exact_line_gives_tight_bounds() {
+        // guest = 2·host + 7 exactly, zero-width probes at host 10 and 1010.
+        let s = [p(10, 27, 10), p(1_010, 2_027, 1_010)];
+        let e = estimate_drift::<8>(&s).unwrap();
+        // a ∈ [(2027 - 28)/1000, (2028 - 27)/1000] = [1.999, 2.001].
+        assert!(same(e.rate_min, Ratio::new(1_999, 1_000).unwrap()));
+        assert!(same(e.rate_max, Ratio::new(2_001, 1_000).unwrap()));
+        assert_eq!(
+            (e.drift_ppb_min, e.drift_ppb_max),
+            (999_000_000, 1_001_000_000)
+        );
+        assert_eq!(e.at, HostTicks(510));
+        // Truth at 510: guest 1027 → offset 517.
+        assert!(e.offset_min <= 517 && 517 <= e.offset_max, "{e:?}");
+        assert!(!e.saturated);
+    }
+
+    #[test]
+    fn needs_two_disjoint_probes() {
+        let mut acc = DriftEstimator::<8>::new();
+        assert_eq!(acc.estimate(), Err(EstimateError::NoSamples));
+        acc.push(&p(100, 1_000, 200)).unwrap();
+        assert_eq!(acc.estimate(), Err(EstimateError::Unbounded));
+        acc.push(&p(150, 1_060, 250)).unwrap();
+        assert_eq!(acc.estimate(), Err(EstimateError::Unbounded));
+        acc.push(&p(300, 1_210, 320)).unwrap();
+        assert!(acc.estimate().is_ok());
+        assert_eq!(acc.samples(), 3);
+    }
+
+    #[test]
+    fn rejects_bad_input_without_changing_state() {
+        let mut acc = DriftEstimator::<4>::new();
+        acc.push(&p(100, 1_000, 200)).unwrap();
+        let before = acc.clone();
+        assert_eq!(acc.push(&p(300, 0, 299)), Err(EstimateError::InvalidSample));
+        assert_eq!(acc.push(&p(99, 0, 300)), Err(EstimateError::OutOfOrder));
+        assert_eq!(acc.push(&p(100, 0, 199)), Err(EstimateError::OutOfOrder));
+        let mut other = p(300, 1_200, 400);
+        other.vcpu = 1;
+        assert_eq!(acc.push(&other), Err(EstimateError::VcpuMismatch));
+        assert_eq!(
+            acc.push(&p(1 << 63, 0, 1 << 63)),
+            Err(EstimateError::Overflow)
+        );
+        assert_eq!(acc.samples(), before.samples());
+        assert_eq!(acc.below, before.below);
+        assert_eq!(acc.above, before.above);
+        assert_eq!(
+            acc.offset_bounds_at(HostTicks(u64::MAX)),
+            Err(EstimateError::Overflow)
+        );
+    }
+
+    #[test]
+    fn step_is_a_segment_break() {
+        let mut acc = DriftEstimator::<16>::new();
+        for i in 0..10_u64 {
+            let h = 1_000 + i * 1_000;
+            acc.push(&p(h, h + 500 + 5, h + 10)).unwrap();
+        }
+        assert!(acc.estimate().is_ok());
+        for i in 10..20_u64 {
+            let h = 1_000 + i * 1_000;
+            acc.push(&p(h, h + 50_000 + 5, h + 10)).unwrap();
+        }
+        assert_eq!(acc.estimate(), Err(EstimateError::SegmentBreak));
+    }
+
+    #[test]
+    fn equal_x_keeps_the_binding_point() {
+        let mut acc = DriftEstimator::<8>::new();
+        acc.push(&p(100, 1_000, 200)).unwrap();
+        acc.push(&p(100, 990, 200)).unwrap();
+        acc.push(&p(100, 1_010, 200)).unwrap();
+        assert_eq!(acc.below.len(), 1);
+        assert_eq!(acc.below[0].y, -9);
+        assert_eq!(acc.above.len(), 1);
+        assert_eq!(acc.above[0].y, 10);
+    }
+
+    /// Samples of a drifting clock with per-probe jitter, in host order.
+    fn drifting(
+        offset: i64,
+        ppm: i64,
+        probes: &[(u64, u64, u64)],
+    ) -> (GuestClock, StdVec<ProbeSample>) {
+        let clock = GuestClock::with_drift_ppb(offset, ppm * 1_000).unwrap();
+        let mut now = 1_u64 << 40;
+        let samples = probes
+            .iter()
+            .map(|&(gap, fwd, back)| {
+                let send = now + gap;
+                let t = send + fwd;
+                now = t + back;
+                ProbeSample {
+                    host_send: HostTicks(send),
+                    guest: clock.guest_at(HostTicks(t)).unwrap(),
+                    host_recv: HostTicks(now),
+                    vcpu: 0,
+                }
+            })
+            .collect();
+        (clock, samples)
+    }
+
+    proptest! {
+        /// Hull-based bounds equal the all-pairs reference exactly and contain the truth.
+        #[test]
+        fn hull_matches_naive_reference(
+            offset in -(1_i64 << 40)..(1_i64 << 40),
+            ppm in -500_i64..500,
+            probes in proptest::collection::vec((0_u64..100_000, 0_u64..5_000, 0_u64..5_000), 2..48),
+            probe_t in 0_u64..10_000_000,
+        ) {
+            let (clock, samples) = drifting(offset, ppm, &probes);
+            let mut acc = DriftEstimator::<64>::new();
+            for s in &samples {
+                acc.push(s).unwrap();
+            }
+            let naive = naive_rate(&samples);
+            match (acc.estimate(), naive) {
+                (Ok(e), Some((lo, hi))) => {
+                    prop_assert!(same(e.rate_min, lo) && same(e.rate_max, hi));
+                    prop_assert_eq!(clock.drift_ppb_within(e.drift_ppb_min, e.drift_ppb_max), Some(true));
+                    prop_assert_eq!(clock.offset_within(e.at, e.offset_min, e.offset_max), Some(true));
+                    let t = HostTicks(samples[0].host_send.0 + probe_t);
+                    let (omin, omax) = acc.offset_bounds_at(t).unwrap();
+                    let (vlo, vhi) = naive_value(&samples, i128::from(t.0));
+                    prop_assert_eq!(i128::from(omin), vlo - i128::from(t.0));
+                    prop_assert_eq!(i128::from(omax), vhi - i128::from(t.0));
+                    prop_assert_eq!(clock.offset_within(t, omin, omax), Some(true));
+                }
+                (Err(EstimateError::Unbounded), None) => {}
+                (got, want) => prop_assert!(false, "hull {got:?} vs naive {want:?}"),
+            }
+        }
+
+        /// A tiny capacity drops vertices but the bounds still contain the truth.
+        #[test]
+        fn saturated_hulls_stay_sound(
+            offset in -(1_i64 << 40)..(1_i64 << 40),
+            ppm in -500_i64..500,
+            probes in proptest::collection::vec((0_u64..100_000, 0_u64..5_000, 0_u64..5_000), 2..64),
+        ) {
+            let (clock, samples) = drifting(offset, ppm, &probes);
+            if let Ok(e) = estimate_drift::<3>(&samples) {
+                prop_assert_eq!(clock.drift_ppb_within(e.drift_ppb_min, e.drift_ppb_max), Some(true));
+                prop_assert_eq!(clock.offset_within(e.at, e.offset_min, e.offset_max), Some(true));
+            }
+        }
+    }
+}

@@ -1,0 +1,318 @@
+//! Seeded simulations comparing our estimators with trace-cmd's on the same samples.
+//!
+//! Every run is reproducible from its seed; a failing assertion prints the seed.
+
+use std::println;
+use std::vec::Vec;
+
+use super::{
+    DriftEstimator, EstimateError, OffsetInterval, ProbeSample, estimate_drift, estimate_offset,
+    trace_cmd_fastest, trace_cmd_histogram,
+};
+use crate::HostTicks;
+use crate::sim::{Delay, GuestClock, Link, Sim, SplitMix64};
+
+const PROBES: usize = 64;
+
+fn median(v: &mut [u64]) -> u64 {
+    v.sort_unstable();
+    v[v.len() / 2]
+}
+
+/// Heavy-tailed jitter that is much larger in one direction, plus rare huge outliers.
+fn asymmetric_link(forward_heavy: bool) -> Link {
+    let heavy = Delay::Exponential {
+        min: 400,
+        mean: 1_500,
+    };
+    let light = Delay::Exponential {
+        min: 400,
+        mean: 150,
+    };
+    let (forward, backward) = if forward_heavy {
+        (heavy, light)
+    } else {
+        (light, heavy)
+    };
+    Link {
+        forward,
+        backward,
+        outlier_ppm: 20_000,
+        outlier: Delay::Uniform {
+            min: 10_000,
+            max: 2_000_000,
+        },
+        gap: Delay::Uniform {
+            min: 1_000,
+            max: 50_000,
+        },
+    }
+}
+
+/// A simulation whose offset, start time and link direction are drawn from `seed`.
+fn sim_for(seed: u64, clock: impl FnOnce(i64) -> GuestClock) -> Sim {
+    let mut params = SplitMix64::new(seed ^ 0x5EED_0000_0000_0000);
+    let offset = i64::try_from(params.below(1 << 41)).unwrap() - (1 << 40);
+    let start = HostTicks((1 << 41) + params.below(1 << 40));
+    let link = asymmetric_link(params.below(2) == 0);
+    Sim::new(seed, start, clock(offset), link, 0)
+}
+
+#[test]
+fn estimate_constant_offset_10k_runs_vs_trace_cmd() {
+    const RUNS: u64 = 10_000;
+    let mut ours = Vec::new();
+    let mut fastest = Vec::new();
+    let mut hist = Vec::new();
+    let mut widths = Vec::new();
+    let mut samples = [ProbeSample::default(); PROBES];
+    for seed in 0..RUNS {
+        let mut sim = sim_for(seed, GuestClock::constant);
+        sim.fill(&mut samples).expect("simulated time fits u64");
+        let truth = sim.clock.offset;
+        let e = estimate_offset(&samples).unwrap_or_else(|err| panic!("seed {seed}: {err:?}"));
+        assert!(
+            e.min <= truth && truth <= e.max,
+            "seed {seed}: truth {truth} outside [{}, {}]",
+            e.min,
+            e.max
+        );
+        let tc = trace_cmd_fastest(&samples).unwrap_or_else(|err| panic!("seed {seed}: {err:?}"));
+        let th = trace_cmd_histogram(&samples).unwrap_or_else(|err| panic!("seed {seed}: {err:?}"));
+        ours.push(e.offset.abs_diff(truth));
+        fastest.push(tc.offset.abs_diff(truth));
+        hist.push(th.offset.abs_diff(truth));
+        widths.push(e.width());
+    }
+    let (m_ours, m_fast, m_hist) = (median(&mut ours), median(&mut fastest), median(&mut hist));
+    let m_width = median(&mut widths);
+    println!(
+        "constant offset, {RUNS} runs x {PROBES} probes: median |error| ours {m_ours} ticks, \
+         trace-cmd fastest {m_fast}, trace-cmd histogram {m_hist}; median interval width {m_width}; \
+         truth inside our interval in 100% of runs"
+    );
+    println!(
+        "p90 |error|: ours {}, fastest {}, histogram {}; max ours {}, max fastest {}",
+        ours[ours.len() * 9 / 10],
+        fastest[fastest.len() * 9 / 10],
+        hist[hist.len() * 9 / 10],
+        ours[ours.len() - 1],
+        fastest[fastest.len() - 1],
+    );
+    assert!(
+        m_ours <= m_fast,
+        "our median error {m_ours} exceeds trace-cmd fastest's {m_fast}"
+    );
+}
+
+/// trace-cmd's view of drift: one fastest-RTT PTP sample per half of the probes, and the
+/// reader's linear interpolation between them (DESIGN §3), as a slope in ppb.
+fn trace_cmd_interpolated_drift_ppb(samples: &[ProbeSample]) -> i64 {
+    let (a, b) = samples.split_at(samples.len() / 2);
+    let (a, b) = (trace_cmd_fastest(a).unwrap(), trace_cmd_fastest(b).unwrap());
+    let d_off = i128::from(b.offset) - i128::from(a.offset);
+    let d_ts = i128::from(b.at.0) - i128::from(a.at.0);
+    i64::try_from(d_off * 1_000_000_000 / d_ts).unwrap()
+}
+
+#[test]
+fn estimate_drift_50ppm_bounds_contain_truth() {
+    const RUNS: u64 = 2_000;
+    let mut drift_err = Vec::new();
+    let mut drift_width = Vec::new();
+    let mut tc_drift_err = Vec::new();
+    let mut offset_err = Vec::new();
+    let mut samples = [ProbeSample::default(); PROBES];
+    for seed in 0..RUNS {
+        // Alternate +50 ppm and -50 ppm; probes 1M..10M ticks apart (~0.1 s span at 3 GHz).
+        let ppb = if seed % 2 == 0 { 50_000 } else { -50_000 };
+        let mut sim = sim_for(seed, |off| GuestClock::with_drift_ppb(off, ppb).unwrap());
+        sim.link.gap = Delay::Uniform {
+            min: 1_000_000,
+            max: 10_000_000,
+        };
+        sim.fill(&mut samples).expect("simulated time fits u64");
+        let mut acc = DriftEstimator::<32>::new();
+        for s in &samples {
+            acc.push(s)
+                .unwrap_or_else(|err| panic!("seed {seed}: {err:?}"));
+        }
+        let e = acc
+            .estimate()
+            .unwrap_or_else(|err| panic!("seed {seed}: {err:?}"));
+        let c = sim.clock;
+        assert_eq!(
+            c.drift_ppb_within(e.drift_ppb_min, e.drift_ppb_max),
+            Some(true),
+            "seed {seed}: drift {ppb} outside [{}, {}]",
+            e.drift_ppb_min,
+            e.drift_ppb_max
+        );
+        assert!(
+            e.drift_ppb_min <= e.drift_ppb && e.drift_ppb <= e.drift_ppb_max,
+            "seed {seed}: {e:?}"
+        );
+        assert_eq!(
+            c.offset_within(e.at, e.offset_min, e.offset_max),
+            Some(true),
+            "seed {seed}: {e:?}"
+        );
+        assert!(
+            e.offset_min <= e.offset && e.offset <= e.offset_max,
+            "seed {seed}"
+        );
+        assert!(
+            !e.saturated,
+            "seed {seed}: 32 vertices should hold 64 probes' hulls"
+        );
+        // Anywhere in (and beyond) the sampled span, the offset bounds hold too.
+        let first = samples[0].host_send.0;
+        let last = samples[PROBES - 1].host_recv.0;
+        for host in [
+            first - 1_000_000,
+            first,
+            (first + last) / 2 + 12_345,
+            last,
+            last + 10_000_000,
+        ] {
+            let (lo, hi) = acc
+                .offset_bounds_at(HostTicks(host))
+                .unwrap_or_else(|err| panic!("seed {seed}: {err:?}"));
+            assert_eq!(
+                c.offset_within(HostTicks(host), lo, hi),
+                Some(true),
+                "seed {seed} at {host}"
+            );
+        }
+        drift_err.push(e.drift_ppb.abs_diff(ppb));
+        tc_drift_err.push(trace_cmd_interpolated_drift_ppb(&samples).abs_diff(ppb));
+        drift_width.push(e.drift_ppb_max.abs_diff(e.drift_ppb_min));
+        offset_err.push(e.offset_max.abs_diff(e.offset_min));
+    }
+    let (m_err, m_width, m_off) = (
+        median(&mut drift_err),
+        median(&mut drift_width),
+        median(&mut offset_err),
+    );
+    let m_tc = median(&mut tc_drift_err);
+    println!(
+        "drift ±50 ppm, {RUNS} runs x {PROBES} probes: median |drift error| ours {m_err} ppb, \
+         trace-cmd (fastest per half, interpolated) {m_tc} ppb; median drift bound width {m_width} \
+         ppb, median offset bound width {m_off} ticks; truth inside all bounds"
+    );
+    assert!(
+        m_err <= m_width,
+        "the estimate cannot be further than its bound width"
+    );
+    assert!(
+        m_err <= m_tc,
+        "our median drift error {m_err} exceeds trace-cmd's {m_tc}"
+    );
+}
+
+#[test]
+fn estimate_kvm_scaling_ratio_is_bounded() {
+    // A 1.5x scaled guest TSC (ratio 3<<47, frac 48): the "drift" is +500_000_000 ppb.
+    for seed in 0..200 {
+        let mut sim = sim_for(seed, |off| {
+            GuestClock::with_kvm_scaling(off, 3 << 47, 48).unwrap()
+        });
+        sim.link.gap = Delay::Uniform {
+            min: 20_000,
+            max: 200_000,
+        };
+        let mut samples = [ProbeSample::default(); PROBES];
+        sim.fill(&mut samples).expect("simulated time fits u64");
+        let e = estimate_drift::<32>(&samples).unwrap_or_else(|err| panic!("seed {seed}: {err:?}"));
+        assert_eq!(
+            sim.clock.drift_ppb_within(e.drift_ppb_min, e.drift_ppb_max),
+            Some(true),
+            "seed {seed}"
+        );
+        assert_eq!(
+            sim.clock.offset_within(e.at, e.offset_min, e.offset_max),
+            Some(true),
+            "seed {seed}"
+        );
+    }
+}
+
+#[test]
+fn estimate_step_change_is_a_segment_break() {
+    for seed in 0..100 {
+        let mut sim = sim_for(seed, GuestClock::constant);
+        let mut acc = OffsetInterval::new();
+        let mut hull = DriftEstimator::<32>::new();
+        for _ in 0..32 {
+            let s = sim.probe().unwrap();
+            acc.push(&s)
+                .unwrap_or_else(|err| panic!("seed {seed}: {err:?}"));
+            hull.push(&s).unwrap();
+        }
+        assert!(hull.estimate().is_ok(), "seed {seed}");
+        // Larger than any RTT the link can produce (outliers stay below 2.1M each way).
+        sim.clock.offset += 100_000_000;
+        let s = sim.probe().unwrap();
+        assert_eq!(
+            acc.push(&s),
+            Err(EstimateError::SegmentBreak),
+            "seed {seed}"
+        );
+        hull.push(&s).unwrap();
+        assert_eq!(
+            hull.estimate().map(|_| ()),
+            Err(EstimateError::SegmentBreak),
+            "seed {seed}"
+        );
+        // The interval estimator kept the old segment intact.
+        let e = acc.estimate().unwrap();
+        assert!(e.min <= sim.clock.offset - 100_000_000 && sim.clock.offset - 100_000_000 <= e.max);
+    }
+}
+
+#[test]
+fn estimate_identical_samples_all_exact() {
+    // Constant symmetric delays: every probe is identical relative to its send time, so the
+    // histogram's |offset| spread is 0 (trace-cmd would divide by zero).
+    let mut sim = Sim::new(
+        1,
+        HostTicks(1 << 40),
+        GuestClock::constant(-777),
+        Link::constant(500, 1_000),
+        0,
+    );
+    let mut samples = [ProbeSample::default(); PROBES];
+    sim.fill(&mut samples).unwrap();
+    assert_eq!(trace_cmd_histogram(&samples).map(|e| e.offset), Ok(-777));
+    assert_eq!(trace_cmd_fastest(&samples).map(|e| e.offset), Ok(-777));
+    let e = estimate_offset(&samples).unwrap();
+    assert_eq!((e.offset, e.min, e.max), (-777, -1_277, -277));
+}
+
+#[test]
+fn estimate_tiny_capacity_saturates_soundly() {
+    let mut saturated = 0;
+    for seed in 0..300 {
+        let mut sim = sim_for(seed, |off| GuestClock::with_drift_ppb(off, 50_000).unwrap());
+        sim.link.gap = Delay::Uniform {
+            min: 20_000,
+            max: 200_000,
+        };
+        let mut samples = [ProbeSample::default(); PROBES];
+        sim.fill(&mut samples).unwrap();
+        let e = estimate_drift::<3>(&samples).unwrap_or_else(|err| panic!("seed {seed}: {err:?}"));
+        saturated += u32::from(e.saturated);
+        assert_eq!(
+            sim.clock.drift_ppb_within(e.drift_ppb_min, e.drift_ppb_max),
+            Some(true),
+            "seed {seed}"
+        );
+        assert_eq!(
+            sim.clock.offset_within(e.at, e.offset_min, e.offset_max),
+            Some(true),
+            "seed {seed}"
+        );
+    }
+    println!("capacity 3: {saturated}/300 runs saturated, all bounds still contain the truth");
+    assert!(saturated > 0, "the capacity path was never exercised");
+}

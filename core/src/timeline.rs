@@ -1,1 +1,0 @@
-//! TODO(skeleton): see the module contract in the workspace issue.

@@ -1,7 +1,8 @@
 //! Hardware-facing building blocks of the vmtsync guest agent: a polled 16550 UART and its
 //! `vmtsync_core::agent::Link`, the guest clocks as an `AgentClock` (TSC through a software
-//! skew, pvclock page), x86 port I/O and isa-debug-exit, the PVH `hvm_start_info`, and
-//! boot-option parsing. The bootable ELF (`src/main.rs`) runs `vmtsync_core::agent::Agent`
+//! skew, pvclock page), x86 port I/O and isa-debug-exit, the PVH `hvm_start_info`,
+//! boot-option parsing, and the virtio-vsock transport (PCI setup, heap and DMA `Hal`, a
+//! vsock `Link`). The bootable ELF (`src/main.rs`) runs `vmtsync_core::agent::Agent`
 //! over them; another unikernel can embed them the same way.
 //!
 //! `no_std`; built for the host only for its unit tests

@@ -3,6 +3,9 @@
 //! - `transport=uart|vsock`: probes over COM1 (default), or over a virtio-vsock stream on
 //!   `port=N` (default [`DEFAULT_VSOCK_PORT`]) that the agent opens to the host (CID 2)
 //!   (`vsock=connect`, the default) or accepts from the host (`vsock=listen`).
+//! - `virtio_mmio.device=SIZE@BASE:IRQ`: a virtio-mmio transport, in Linux's syntax, which QEMU
+//!   `microvm` (with `acpi=off`) appends for each plugged device; `transport=vsock` looks for
+//!   its socket device among them before trying PCI. Up to [`MAX_VIRTIO_MMIO`] are kept.
 //! - `wire=postcard|line`: the vmtsync probe protocol (postcard + COBS, the default), or a
 //!   human-typable line protocol for debugging (`cargo xtask run-agent -- wire=line`).
 //! - `ring=3|0`: run the protocol loop in ring 3 with IOPL 3 (default; native speed on nested
@@ -37,6 +40,18 @@ pub enum Wire {
     Line,
 }
 
+/// How many `virtio_mmio.device=` words [`Options`] keeps.
+pub const MAX_VIRTIO_MMIO: usize = 4;
+
+/// A virtio-mmio transport's register window, from `virtio_mmio.device=SIZE@BASE:IRQ`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct VirtioMmio {
+    /// Guest-physical base address.
+    pub base: u64,
+    /// Window size in bytes.
+    pub size: u64,
+}
+
 /// Parsed boot options.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Options {
@@ -54,6 +69,8 @@ pub struct Options {
     pub vsock_port: u32,
     /// `vsock=listen`: wait for the host to connect instead of connecting to it.
     pub vsock_listen: bool,
+    /// virtio-mmio transports named on the command line, in order.
+    pub virtio_mmio: [Option<VirtioMmio>; MAX_VIRTIO_MMIO],
 }
 
 /// Why an option word was rejected.
@@ -76,6 +93,7 @@ impl Default for Options {
             skew: Skew::IDENTITY,
             vsock_port: DEFAULT_VSOCK_PORT,
             vsock_listen: false,
+            virtio_mmio: [None; MAX_VIRTIO_MMIO],
         }
     }
 }
@@ -127,11 +145,36 @@ impl Options {
                 b"listen" => self.vsock_listen = true,
                 _ => return Err(OptionError::BadValue),
             },
+            b"virtio_mmio.device" => {
+                let dev = parse_virtio_mmio(value).ok_or(OptionError::BadValue)?;
+                let slot = self
+                    .virtio_mmio
+                    .iter_mut()
+                    .find(|s| s.is_none())
+                    .ok_or(OptionError::BadValue)?;
+                *slot = Some(dev);
+            }
             b"skew" => self.skew = parse_skew(value).ok_or(OptionError::BadValue)?,
             _ => return Err(OptionError::UnknownKey),
         }
         Ok(())
     }
+}
+
+/// Parses Linux's `SIZE@BASE[:IRQ[:ID]]` (SIZE may end in K or M); the IRQ is not used.
+fn parse_virtio_mmio(v: &[u8]) -> Option<VirtioMmio> {
+    let at = v.iter().position(|&b| b == b'@')?;
+    let (size, rest) = (&v[..at], &v[at + 1..]);
+    let base = rest.split(|&b| b == b':').next()?;
+    let size = match size.split_last() {
+        Some((b'K' | b'k', n)) => parse_u64(n)?.checked_mul(1 << 10)?,
+        Some((b'M' | b'm', n)) => parse_u64(n)?.checked_mul(1 << 20)?,
+        _ => parse_u64(size)?,
+    };
+    Some(VirtioMmio {
+        base: parse_u64(base)?,
+        size,
+    })
 }
 
 fn parse_skew(v: &[u8]) -> Option<Skew> {
@@ -248,6 +291,33 @@ mod tests {
             vec![("port=4294967296".into(), OptionError::BadValue)]
         );
         assert_eq!(parse("").0.vsock_port, DEFAULT_VSOCK_PORT);
+    }
+
+    #[test]
+    fn virtio_mmio_devices_parse_in_linux_syntax() {
+        let (o, errs) = parse(
+            "virtio_mmio.device=512@0xfeb00e00:12 virtio_mmio.device=4K@0xd0000000 \
+             virtio_mmio.device=512 virtio_mmio.device=1x@0x1000",
+        );
+        assert_eq!(
+            o.virtio_mmio[..2],
+            [
+                Some(VirtioMmio {
+                    base: 0xfeb0_0e00,
+                    size: 512
+                }),
+                Some(VirtioMmio {
+                    base: 0xd000_0000,
+                    size: 4096
+                }),
+            ]
+        );
+        assert_eq!(o.virtio_mmio[2], None);
+        assert_eq!(errs.len(), 2, "{errs:?}");
+        let many = "virtio_mmio.device=512@0x1000 ".repeat(MAX_VIRTIO_MMIO + 1);
+        let (o, errs) = parse(&many);
+        assert!(o.virtio_mmio.iter().all(Option::is_some));
+        assert_eq!(errs.len(), 1, "the fifth is refused");
     }
 
     #[test]

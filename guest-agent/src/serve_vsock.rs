@@ -12,7 +12,7 @@
 use core::fmt::Write as _;
 
 use linked_list_allocator::LockedHeap;
-use virtio_drivers::transport::pci::PciTransport;
+use virtio_drivers::transport::SomeTransport;
 use vmtsync_agent::clock::GuestClock;
 use vmtsync_agent::heap::{self, IdentityHal};
 use vmtsync_agent::options::Wire;
@@ -37,7 +37,7 @@ const CONNECT_ATTEMPTS: u32 = 20;
 /// How long `vsock=listen` waits for the host, in milliseconds.
 const LISTEN_MS: u64 = 60_000;
 
-type Stream = OneStream<IdentityHal, PciTransport>;
+type Stream = OneStream<IdentityHal, SomeTransport<'static>>;
 
 /// Sets up the vsock transport and serves the protocol on it; never returns.
 pub fn serve(ctx: &Ctx) -> ! {
@@ -55,17 +55,7 @@ pub fn serve(ctx: &Ctx) -> ! {
     };
     HEAP.lock().init_from_slice(region);
 
-    let mut window = DEFAULT_MMIO_WINDOW;
-    let (transport, df) = vsock::open_pci::<IdentityHal, _>(PortCam, &mut window, |b| {
-        log!(
-            "vsock: BAR{} at {:#x}, {} bytes",
-            b.index,
-            b.address,
-            b.size
-        );
-    })
-    .unwrap_or_else(|e| fail("PCI device setup", e.describe()));
-    log!("vsock: virtio socket device at {df}");
+    let transport = find_device(ctx);
     let mut stream: Stream = OneStream::new(transport, opts.vsock_port)
         .unwrap_or_else(|e| fail("socket device init", e.describe()));
 
@@ -90,6 +80,32 @@ pub fn serve(ctx: &Ctx) -> ! {
         stream = run_session(ctx, VsockLink::new(stream, tsc, ms(1_000)));
         log!("vsock: the host closed the stream; waiting for a new session");
     }
+}
+
+/// The virtio socket device: on virtio-mmio when the command line names windows (QEMU
+/// `microvm`), else on PCI (q35), whose BARs are placed here.
+fn find_device(ctx: &Ctx) -> SomeTransport<'static> {
+    if ctx.opts.virtio_mmio.iter().any(Option::is_some) {
+        match vsock::open_mmio(&ctx.opts.virtio_mmio) {
+            Ok(t) => {
+                log!("vsock: virtio socket device on virtio-mmio");
+                return t.into();
+            }
+            Err(e) => log!("vsock: virtio-mmio: {}; trying PCI", e.describe()),
+        }
+    }
+    let mut window = DEFAULT_MMIO_WINDOW;
+    let (transport, df) = vsock::open_pci::<IdentityHal, _>(PortCam, &mut window, |b| {
+        log!(
+            "vsock: BAR{} at {:#x}, {} bytes",
+            b.index,
+            b.address,
+            b.size
+        );
+    })
+    .unwrap_or_else(|e| fail("PCI device setup", e.describe()));
+    log!("vsock: virtio socket device at {df}");
+    transport.into()
 }
 
 /// Serves one session; exits the VM on `Shutdown`, returns the stream when the host closes it.

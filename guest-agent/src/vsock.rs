@@ -4,7 +4,8 @@
 //!
 //! - [`open_pci`]: finds the virtio socket device on PCI bus 0 (QEMU `vhost-user-vsock-pci`,
 //!   modern device id 0x1053), places its BARs ([`crate::pci`]), builds virtio-drivers'
-//!   `PciTransport`.
+//!   `PciTransport`. [`open_mmio`] does the same for virtio-mmio windows named on the command
+//!   line (QEMU `microvm` with `vhost-user-vsock-device`).
 //! - [`OneStream`](crate::vsock_stream::OneStream): virtio-drivers' `VirtIOSocket` driven for
 //!   one stream connection to host CID 2 on the given port, connected with a deadline. With vhost-device-vsock it
 //!   arrives on the host as a connection to the Unix socket `<uds-path>_<port>`.
@@ -18,15 +19,20 @@
 //! Everything runs in ring 3 (natively on the project's nested KVM): PCI configuration through
 //! ports with IOPL 3, the BARs and virtqueues through the user-accessible identity map.
 
+use core::ptr::NonNull;
+
 use virtio_drivers::device::socket::{SocketError, VMADDR_CID_HOST};
-use virtio_drivers::transport::DeviceType;
+
+use virtio_drivers::transport::mmio::{MmioTransport, VirtIOHeader};
 use virtio_drivers::transport::pci::bus::{ConfigurationAccess, DeviceFunction, PciRoot};
 use virtio_drivers::transport::pci::{PciTransport, VirtioPciError, virtio_device_type};
+use virtio_drivers::transport::{DeviceType, Transport as _};
 use virtio_drivers::{Error, Hal};
 use vmtsync_core::agent::{Link, LinkError};
 use vmtsync_core::arch::Tsc;
 use vmtsync_core::proto::Transport;
 
+use crate::options::VirtioMmio;
 use crate::pci::{AssignedBar, BarError, MmioWindow, assign_memory_bars};
 
 /// The host's CID (virtio spec 5.10.4: `VMADDR_CID_HOST`).
@@ -72,6 +78,37 @@ impl VsockError {
             Self::Timeout => "no answer to the connection request",
         }
     }
+}
+
+/// The end of the agent's identity map (boot.rs maps the first 4 GiB).
+const IDENTITY_MAP_END: u64 = 1 << 32;
+
+/// The first of `devices` (virtio-mmio windows from the command line) that holds a virtio
+/// socket device, as a transport. Windows outside the identity map, or without a valid
+/// virtio-mmio header, are skipped.
+///
+/// # Errors
+/// [`VsockError::NoDevice`] when none holds a socket device.
+pub fn open_mmio(devices: &[Option<VirtioMmio>]) -> Result<MmioTransport<'static>, VsockError> {
+    devices
+        .iter()
+        .flatten()
+        .filter(|d| {
+            d.base != 0
+                && d.base
+                    .checked_add(d.size)
+                    .is_some_and(|e| e <= IDENTITY_MAP_END)
+        })
+        .find_map(|d| {
+            let header = NonNull::new(usize::try_from(d.base).ok()? as *mut VirtIOHeader)?;
+            let size = usize::try_from(d.size).ok()?;
+            // SAFETY: the window is inside the identity map (checked above), so it is mapped
+            // (user-accessible, like all of it); QEMU put a virtio-mmio register block there
+            // when it named it on the command line, and nothing else in the agent touches it.
+            let t = unsafe { MmioTransport::new(header, size) }.ok()?;
+            (t.device_type() == DeviceType::Socket).then_some(t)
+        })
+        .ok_or(VsockError::NoDevice)
 }
 
 /// Finds the virtio socket device on bus 0 of `root`.

@@ -178,8 +178,9 @@ pub(crate) fn run_agent(args: &[String]) -> Result<()> {
     }
 }
 
-/// `--transport vsock`: `vmtsync-tests`' `vmtsync-vsock` binary boots the agent under QEMU q35
-/// with vhost-user-vsock and runs a probe session over the agent's vsock connection.
+/// `--transport vsock`: `vmtsync-tests`' `vmtsync-vsock` binary boots the agent under QEMU
+/// (`--machine`: microvm with vhost-user-vsock-device, q35 with vhost-user-vsock-pci) and runs
+/// a probe session over the agent's vsock connection.
 fn run_vsock(elf: &Path, r: &RunArgs) -> Result<()> {
     let mut c = cargo();
     c.args([
@@ -192,6 +193,7 @@ fn run_vsock(elf: &Path, r: &RunArgs) -> Result<()> {
         "--",
     ])
     .arg(elf)
+    .args(["--machine", &r.machine])
     .args(["--timeout", &r.timeout.min(600).to_string(), "--"])
     .args(&r.agent_opts);
     match run_interactive(&mut c)?.code() {

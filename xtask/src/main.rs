@@ -67,9 +67,10 @@ commands:
                 boot the agent; COM1 on this terminal, COM2 log on stderr. Agent options:
                 transport=uart wire=postcard|line ring=3|0 exit=N skew=OFFSET,RATIO,FRAC;
                 with `-- wire=line` type p (probe: T<hex tsc>) and q (quit)
-  run-agent --transport vsock [--timeout SECS] [-- AGENT OPTIONS]
-                QEMU q35 + vhost-user-vsock-pci + vhost-device-vsock (installed on first
-                use): the agent connects to host port 1234, 100 probes run over it
+  run-agent --transport vsock [--machine microvm|q35] [--timeout SECS] [-- AGENT OPTIONS]
+                QEMU + vhost-user-vsock + vhost-device-vsock (installed on first use): the
+                agent connects to host port 1234 (`-- vsock=listen`: the host connects to
+                it), 100 probes run over the stream
 
 environment:
   CI=true       a missing tier-2 prerequisite fails the run instead of skipping";

@@ -3,7 +3,8 @@
 //! the agent's vsock connection, runs a probe session over it and prints what it measured.
 //! `cargo xtask run-agent --transport vsock` runs it.
 //!
-//! Usage: `vmtsync-vsock ELF [--port P] [--probes N] [--timeout SECS] [-- AGENT OPTIONS...]`.
+//! Usage: `vmtsync-vsock ELF [--machine q35|microvm] [--port P] [--probes N] [--timeout SECS]
+//! [-- AGENT OPTIONS...]` (q35: `vhost-user-vsock-pci`; microvm: `vhost-user-vsock-device`).
 //! The agent gets `transport=vsock port=P` followed by the extra options; with `vsock=listen`
 //! among them the tool connects to the agent instead of accepting its connection.
 //!
@@ -15,12 +16,14 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use vmtsync_core::proto::Message;
+use vmtsync_tests::vmm::qemu::Machine;
 use vmtsync_tests::vmm::vsock::{VsockRig, ensure_vhost_device_vsock, probe_run};
 
-const USAGE: &str =
-    "usage: vmtsync-vsock ELF [--port P] [--probes N] [--timeout SECS] [-- AGENT OPTIONS...]";
+const USAGE: &str = "usage: vmtsync-vsock ELF [--machine q35|microvm] [--port P] [--probes N] [--timeout SECS] \
+     [-- AGENT OPTIONS...]";
 
 struct Args {
+    machine: Machine,
     elf: PathBuf,
     port: u32,
     probes: u16,
@@ -34,6 +37,7 @@ fn parse(args: &[String]) -> Result<Args, String> {
         None => (args, &[][..]),
     };
     let mut elf = None;
+    let mut machine = Machine::Q35;
     let mut port = 1234;
     let mut probes = 100;
     let mut timeout = Duration::from_secs(20);
@@ -45,6 +49,13 @@ fn parse(args: &[String]) -> Result<Args, String> {
                 .ok_or(format!("{a} needs {what}"))
         };
         match a.as_str() {
+            "--machine" => {
+                machine = match it.next().map(String::as_str) {
+                    Some("q35") => Machine::Q35,
+                    Some("microvm") => Machine::Microvm,
+                    _ => return Err("--machine takes q35 or microvm".into()),
+                };
+            }
             "--port" => port = u32::try_from(num("a port")?).map_err(|e| e.to_string())?,
             "--probes" => probes = u16::try_from(num("a count")?).map_err(|e| e.to_string())?,
             "--timeout" => timeout = Duration::from_secs(num("whole seconds")?),
@@ -53,6 +64,7 @@ fn parse(args: &[String]) -> Result<Args, String> {
         }
     }
     Ok(Args {
+        machine,
         elf: elf.ok_or("no ELF given")?,
         port,
         probes,
@@ -91,8 +103,8 @@ fn run(a: &Args) -> Result<u8, String> {
         append.push_str(o);
     }
     eprintln!("vmtsync-vsock: booting {} with `{append}`", a.elf.display());
-    let mut rig =
-        VsockRig::start(&backend, &a.elf, &append, a.port, a.timeout).map_err(|e| e.to_string())?;
+    let mut rig = VsockRig::start(a.machine, &backend, &a.elf, &append, a.port, a.timeout)
+        .map_err(|e| e.to_string())?;
     let fail = |rig: &VsockRig, e: &dyn std::fmt::Display| format!("{e}\n{}", rig.diagnostics());
     // With `vsock=listen` the agent waits for us (the last `vsock=` word wins, as in the agent).
     let listen = a
@@ -163,13 +175,28 @@ mod tests {
     #[test]
     fn arguments_parse_and_validate() {
         let a = parse(&args(&[
-            "a.elf", "--port", "9", "--probes", "3", "--", "exit=2",
+            "a.elf",
+            "--machine",
+            "microvm",
+            "--port",
+            "9",
+            "--probes",
+            "3",
+            "--",
+            "exit=2",
         ]))
         .expect("valid");
         assert_eq!(
-            (a.elf, a.port, a.probes, a.agent),
-            (PathBuf::from("a.elf"), 9, 3, args(&["exit=2"]))
+            (a.machine, a.elf, a.port, a.probes, a.agent),
+            (
+                Machine::Microvm,
+                PathBuf::from("a.elf"),
+                9,
+                3,
+                args(&["exit=2"])
+            )
         );
+        assert!(parse(&args(&["a.elf", "--machine", "pc"])).is_err());
         assert!(parse(&args(&[])).is_err());
         assert!(parse(&args(&["a.elf", "--probes", "70000"])).is_err());
         assert!(parse(&args(&["a.elf", "--port"])).is_err());

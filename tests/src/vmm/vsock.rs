@@ -1,4 +1,5 @@
-//! The agent's virtio-vsock transport under QEMU q35 + qboot, through `vhost-device-vsock`.
+//! The agent's virtio-vsock transport under QEMU (q35 + qboot with PCI, or microvm with
+//! virtio-mmio), through `vhost-device-vsock`.
 //!
 //! There is no `/dev/vhost-vsock` on the project's machines and AF_VSOCK sockets are off limits
 //! (DESIGN.md §4), so the device is QEMU's `vhost-user-vsock-pci` served by the rust-vmm
@@ -132,13 +133,18 @@ pub struct VsockRig {
 
 impl VsockRig {
     /// Starts the backend (`backend` is its binary), listens on `<uds-path>_<port>`, and boots
-    /// `elf` with `append` as its command line. COM1 goes to a file (`com1.out`), COM2 to
-    /// `com2.log`, both in the rig's directory.
+    /// `elf` on `machine` with `append` as its command line. COM1 goes to a file (`com1.out`),
+    /// COM2 to `com2.log`, both in the rig's directory.
+    ///
+    /// q35 gets `vhost-user-vsock-pci` (the agent places its BARs); microvm gets
+    /// `vhost-user-vsock-device` on virtio-mmio, with `acpi=off` so QEMU names the window on
+    /// the command line (`virtio_mmio.device=512@0xfeb00e00:12`) instead of in ACPI tables.
     ///
     /// # Errors
     /// [`VsockRigError`] when a process does not start, or the backend's socket does not appear
     /// within `timeout`.
     pub fn start(
+        machine: Machine,
         backend: &Path,
         elf: &Path,
         append: &str,
@@ -192,18 +198,32 @@ impl VsockRig {
             std::thread::sleep(Duration::from_millis(5));
         }
 
-        let mut c = qemu::command(Machine::Q35, elf, append, &dir.join("com2.log"));
+        let mut c = qemu::command(machine, elf, append, &dir.join("com2.log"));
         c.args(["-object"])
             .arg(format!(
                 "memory-backend-memfd,id=mem,size={GUEST_MEM},share=on"
             ))
-            .args(["-numa", "node,memdev=mem", "-chardev"])
+            .arg("-chardev")
             .arg(format!(
                 "socket,id=vhostvsock,path={}",
                 vhost_sock.display()
-            ))
-            .args(["-device", "vhost-user-vsock-pci,chardev=vhostvsock"])
-            .stdin(Stdio::null())
+            ));
+        match machine {
+            Machine::Q35 => c.args([
+                "-numa",
+                "node,memdev=mem",
+                "-device",
+                "vhost-user-vsock-pci,chardev=vhostvsock",
+            ]),
+            // Machine options merge with qemu::command's `-M microvm`.
+            Machine::Microvm => c.args([
+                "-machine",
+                "acpi=off,memory-backend=mem",
+                "-device",
+                "vhost-user-vsock-device,chardev=vhostvsock",
+            ]),
+        };
+        c.stdin(Stdio::null())
             .stdout(file("com1.out")?)
             .stderr(file("qemu.err")?);
         let qemu = ChildGuard::new(c.spawn().map_err(|e| VsockRigError::Spawn(qemu::QEMU, e))?);

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use vmtsync_core::proto::{Message, PROTOCOL_VERSION, Transport};
 use vmtsync_tests::vmm::agent_elf;
-use vmtsync_tests::vmm::qemu::{self, debug_exit_status, have_qemu};
+use vmtsync_tests::vmm::qemu::{self, Machine, debug_exit_status, have_qemu};
 use vmtsync_tests::vmm::vsock::{VsockRig, ensure_vhost_device_vsock, probe_run};
 use vmtsync_tests::{have_kvm, require};
 
@@ -21,6 +21,7 @@ const PROBES: u16 = 200;
 fn vsock_probes_bracket_the_guest_tsc_under_qemu_q35() {
     session(
         "vsock_probes_bracket_the_guest_tsc_under_qemu_q35",
+        Machine::Q35,
         3,
         PORT,
         false,
@@ -33,6 +34,7 @@ fn vsock_probes_bracket_the_guest_tsc_under_qemu_q35() {
 fn vsock_host_connects_to_a_listening_agent() {
     session(
         "vsock_host_connects_to_a_listening_agent",
+        Machine::Q35,
         3,
         PORT + 2,
         true,
@@ -45,16 +47,30 @@ fn vsock_host_connects_to_a_listening_agent() {
 fn vsock_probes_from_ring_0_bracket_the_guest_tsc() {
     session(
         "vsock_probes_from_ring_0_bracket_the_guest_tsc",
+        Machine::Q35,
         0,
         PORT + 1,
         false,
     );
 }
 
-/// Boots the agent with `transport=vsock port={port} ring={ring} exit=5` (and `vsock=listen`
-/// when `listen`), runs [`PROBES`] probes, checks every bracket and the offset interval
-/// against the truth (0), shuts down.
-fn session(test: &str, ring: u8, port: u32, listen: bool) {
+/// QEMU microvm: `vhost-user-vsock-device` on virtio-mmio, found through the
+/// `virtio_mmio.device=` word QEMU appends to the command line; no PCI, no BARs to place.
+#[test]
+fn vsock_probes_under_qemu_microvm_over_virtio_mmio() {
+    session(
+        "vsock_probes_under_qemu_microvm_over_virtio_mmio",
+        Machine::Microvm,
+        3,
+        PORT + 4,
+        false,
+    );
+}
+
+/// Boots the agent on `machine` with `transport=vsock port={port} ring={ring} exit=5` (and
+/// `vsock=listen` when `listen`), runs [`PROBES`] probes, checks every bracket and the offset
+/// interval against the truth (0), shuts down.
+fn session(test: &str, machine: Machine, ring: u8, port: u32, listen: bool) {
     if !require(test, have_kvm(), "/dev/kvm is not accessible read-write")
         || !require(
             test,
@@ -82,7 +98,8 @@ fn session(test: &str, ring: u8, port: u32, listen: bool) {
     let started = Instant::now();
     let mode = if listen { "listen" } else { "connect" };
     let append = format!("transport=vsock vsock={mode} port={port} ring={ring} exit=5");
-    let mut rig = VsockRig::start(&backend, &elf, &append, port, STEP).expect("rig starts");
+    let mut rig =
+        VsockRig::start(machine, &backend, &elf, &append, port, STEP).expect("rig starts");
     let connection = if listen {
         rig.connect(port, STEP)
     } else {
@@ -124,7 +141,7 @@ fn session(test: &str, ring: u8, port: u32, listen: bool) {
     let tsc_khz = run.caps.tsc_khz.map_or(0, u64::from);
     let cycles_to_us = |c: u64| (c * 1000).checked_div(tsc_khz).unwrap_or(0);
     eprintln!(
-        "vsock {mode} ring {ring}: connected after {connected:?}; {PROBES} probes: RTT min {} / median {} cycles \
+        "vsock {machine:?} {mode} ring {ring}: connected after {connected:?}; {PROBES} probes: RTT min {} / median {} cycles \
          (~{} us median); midpoint |error| median {} cycles; offset \
          interval [{lo}, {hi}] (width {}); exit {status}, total {:?}",
         rtts[0],
@@ -184,8 +201,10 @@ fn vsock_agent_serves_a_new_session_after_the_host_hangs_up() {
     };
     let elf = agent_elf().expect("agent builds");
     let port = PORT + 3;
+    let machine = Machine::Q35;
     let append = format!("transport=vsock vsock=listen port={port} exit=6");
-    let mut rig = VsockRig::start(&backend, &elf, &append, port, STEP).expect("rig starts");
+    let mut rig =
+        VsockRig::start(machine, &backend, &elf, &append, port, STEP).expect("rig starts");
     for session in 1..=2 {
         let mut client = rig
             .connect(port, STEP)

@@ -1,4 +1,4 @@
-//! The virtio-vsock link: the probe protocol over a vsock stream the agent opens to the host.
+//! The virtio-vsock link: the probe protocol over a vsock stream between the agent and the host.
 //!
 //! Layers, bottom up:
 //!
@@ -7,8 +7,10 @@
 //!   `PciTransport`. [`open_mmio`] does the same for virtio-mmio windows named on the command
 //!   line (QEMU `microvm` with `vhost-user-vsock-device`).
 //! - [`OneStream`](crate::vsock_stream::OneStream): virtio-drivers' `VirtIOSocket` driven for
-//!   one stream connection to host CID 2 on the given port, connected with a deadline. With vhost-device-vsock it
-//!   arrives on the host as a connection to the Unix socket `<uds-path>_<port>`.
+//!   one stream connection, to host CID 2 on the given port or accepted from the host, with a
+//!   deadline. With vhost-device-vsock a guest connection to port P arrives on the host as a
+//!   connection to the Unix socket `<uds-path>_P`; the host reaches a listening guest through
+//!   `<uds-path>` and `CONNECT P`.
 //! - [`Stream`]: what the link needs from a connection (read, credit, send, pump the device),
 //!   so the link's logic is tested on the host against a fake.
 //! - [`VsockLink`]: the agent's `vmtsync_core::agent::Link` over a [`Stream`]: a send waits,
@@ -22,7 +24,6 @@
 use core::ptr::NonNull;
 
 use virtio_drivers::device::socket::{SocketError, VMADDR_CID_HOST};
-
 use virtio_drivers::transport::mmio::{MmioTransport, VirtIOHeader};
 use virtio_drivers::transport::pci::bus::{ConfigurationAccess, DeviceFunction, PciRoot};
 use virtio_drivers::transport::pci::{PciTransport, VirtioPciError, virtio_device_type};
@@ -46,7 +47,8 @@ pub const SETUP_FAILED_EXIT_CODE: u8 = 0x7c;
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum VsockError {
-    /// No virtio socket device on PCI bus 0 (is `-device vhost-user-vsock-pci` there?).
+    /// No virtio socket device on PCI bus 0 or the named virtio-mmio windows (is
+    /// `-device vhost-user-vsock-pci` / `vhost-user-vsock-device` there?).
     NoDevice,
     /// Its BARs could not be placed.
     Bars(BarError),
@@ -66,7 +68,7 @@ impl VsockError {
     #[must_use]
     pub fn describe(&self) -> &'static str {
         match self {
-            Self::NoDevice => "no virtio socket device on PCI bus 0",
+            Self::NoDevice => "no virtio socket device found",
             Self::Bars(BarError::WindowFull { .. }) => "BARs do not fit the MMIO window",
             Self::Bars(_) => "a BAR does not decode or fit below 4 GiB",
             Self::Pci(_) => "virtio-drivers rejected the PCI device",

@@ -12,13 +12,12 @@
 use core::fmt::Write as _;
 
 use linked_list_allocator::LockedHeap;
-use virtio_drivers::transport::SomeTransport;
 use vmtsync_agent::clock::GuestClock;
 use vmtsync_agent::heap::{self, IdentityHal};
 use vmtsync_agent::options::Wire;
 use vmtsync_agent::pci::{DEFAULT_MMIO_WINDOW, PortCam};
 use vmtsync_agent::port;
-use vmtsync_agent::vsock::{self, VsockError, VsockLink};
+use vmtsync_agent::vsock::{self, VsockError, VsockLink, VsockTransport};
 use vmtsync_agent::vsock_stream::OneStream;
 use vmtsync_core::agent::{Agent, AgentError, AgentState, Link as _, LinkError};
 use vmtsync_core::arch::Tsc;
@@ -37,7 +36,7 @@ const CONNECT_ATTEMPTS: u32 = 20;
 /// How long `vsock=listen` waits for the host, in milliseconds.
 const LISTEN_MS: u64 = 60_000;
 
-type Stream = OneStream<IdentityHal, SomeTransport<'static>>;
+type Stream = OneStream<IdentityHal, VsockTransport>;
 
 /// Sets up the vsock transport and serves the protocol on it; never returns.
 pub fn serve(ctx: &Ctx) -> ! {
@@ -84,12 +83,12 @@ pub fn serve(ctx: &Ctx) -> ! {
 
 /// The virtio socket device: on virtio-mmio when the command line names windows (QEMU
 /// `microvm`), else on PCI (q35), whose BARs are placed here.
-fn find_device(ctx: &Ctx) -> SomeTransport<'static> {
+fn find_device(ctx: &Ctx) -> VsockTransport {
     if ctx.opts.virtio_mmio.iter().any(Option::is_some) {
         match vsock::open_mmio(&ctx.opts.virtio_mmio) {
             Ok(t) => {
                 log!("vsock: virtio socket device on virtio-mmio");
-                return t.into();
+                return VsockTransport::Mmio(t);
             }
             Err(e) => log!("vsock: virtio-mmio: {}; trying PCI", e.describe()),
         }
@@ -105,7 +104,7 @@ fn find_device(ctx: &Ctx) -> SomeTransport<'static> {
     })
     .unwrap_or_else(|e| fail("PCI device setup", e.describe()));
     log!("vsock: virtio socket device at {df}");
-    transport.into()
+    VsockTransport::Pci(transport)
 }
 
 /// Serves one session; exits the VM on `Shutdown`, returns the stream when the host closes it.

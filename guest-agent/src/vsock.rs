@@ -27,11 +27,15 @@ use virtio_drivers::device::socket::{SocketError, VMADDR_CID_HOST};
 use virtio_drivers::transport::mmio::{MmioTransport, VirtIOHeader};
 use virtio_drivers::transport::pci::bus::{ConfigurationAccess, DeviceFunction, PciRoot};
 use virtio_drivers::transport::pci::{PciTransport, VirtioPciError, virtio_device_type};
-use virtio_drivers::transport::{DeviceType, Transport as _};
-use virtio_drivers::{Error, Hal};
+use virtio_drivers::transport::{
+    DeviceStatus, DeviceType, InterruptStatus, Transport as VirtioTransport,
+};
+use virtio_drivers::{Error, Hal, PhysAddr};
 use vmtsync_core::agent::{Link, LinkError};
 use vmtsync_core::arch::Tsc;
 use vmtsync_core::proto::Transport;
+
+use zerocopy::{FromBytes, Immutable, IntoBytes};
 
 use crate::options::VirtioMmio;
 use crate::pci::{AssignedBar, BarError, MmioWindow, assign_memory_bars};
@@ -79,6 +83,94 @@ impl VsockError {
             Self::Refused => "connection refused (nothing listens on the host port)",
             Self::Timeout => "no answer to the connection request",
         }
+    }
+}
+
+/// The socket device's transport: PCI (q35) or virtio-mmio (microvm).
+///
+/// virtio-drivers' own `SomeTransport` would do, but it also carries its pKVM variant, whose
+/// code (hypercalls, never executed here, but `vmcall` livelocks the project's nested KVM)
+/// would be linked into the agent; this enum keeps the agent to the two it uses.
+#[derive(Debug)]
+pub enum VsockTransport {
+    /// virtio-pci (modern).
+    Pci(PciTransport),
+    /// virtio-mmio.
+    Mmio(MmioTransport<'static>),
+}
+
+/// Forwards a `Transport` method to whichever transport is inside.
+macro_rules! forward {
+    ($self:ident, $t:ident => $e:expr) => {
+        match $self {
+            VsockTransport::Pci($t) => $e,
+            VsockTransport::Mmio($t) => $e,
+        }
+    };
+}
+
+impl VirtioTransport for VsockTransport {
+    fn device_type(&self) -> DeviceType {
+        forward!(self, t => t.device_type())
+    }
+    fn read_device_features(&mut self) -> u64 {
+        forward!(self, t => t.read_device_features())
+    }
+    fn write_driver_features(&mut self, driver_features: u64) {
+        forward!(self, t => t.write_driver_features(driver_features));
+    }
+    fn max_queue_size(&mut self, queue: u16) -> u32 {
+        forward!(self, t => t.max_queue_size(queue))
+    }
+    fn notify(&mut self, queue: u16) {
+        forward!(self, t => t.notify(queue));
+    }
+    fn get_status(&self) -> DeviceStatus {
+        forward!(self, t => t.get_status())
+    }
+    fn set_status(&mut self, status: DeviceStatus) {
+        forward!(self, t => t.set_status(status));
+    }
+    fn set_guest_page_size(&mut self, guest_page_size: u32) {
+        forward!(self, t => t.set_guest_page_size(guest_page_size));
+    }
+    fn requires_legacy_layout(&self) -> bool {
+        forward!(self, t => t.requires_legacy_layout())
+    }
+    fn queue_set(
+        &mut self,
+        queue: u16,
+        size: u32,
+        descriptors: PhysAddr,
+        driver_area: PhysAddr,
+        device_area: PhysAddr,
+    ) {
+        forward!(self, t => t.queue_set(queue, size, descriptors, driver_area, device_area));
+    }
+    fn queue_unset(&mut self, queue: u16) {
+        forward!(self, t => t.queue_unset(queue));
+    }
+    fn queue_used(&mut self, queue: u16) -> bool {
+        forward!(self, t => t.queue_used(queue))
+    }
+    fn ack_interrupt(&mut self) -> InterruptStatus {
+        forward!(self, t => t.ack_interrupt())
+    }
+    fn read_config_generation(&self) -> u32 {
+        forward!(self, t => t.read_config_generation())
+    }
+    fn read_config_space<T: FromBytes + IntoBytes>(
+        &self,
+        offset: usize,
+    ) -> virtio_drivers::Result<T> {
+        forward!(self, t => t.read_config_space(offset))
+    }
+    fn write_config_space<T: IntoBytes + Immutable>(
+        &mut self,
+        offset: usize,
+        value: T,
+    ) -> virtio_drivers::Result<()> {
+        forward!(self, t => t.write_config_space(offset, value))
     }
 }
 

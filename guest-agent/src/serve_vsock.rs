@@ -33,6 +33,9 @@ static HEAP: LockedHeap = LockedHeap::empty();
 const FALLBACK_TSC_KHZ: u64 = 3_000_000;
 /// Connection attempts before giving up (the host may not be listening yet).
 const CONNECT_ATTEMPTS: u32 = 20;
+/// The pause after DRIVER_OK before the first queue notification, in milliseconds: the vhost
+/// backend may not own the queues yet (see [`VsockTransport`]).
+const SETTLE_MS: u64 = 20;
 /// How long `vsock=listen` waits for the host, in milliseconds.
 const LISTEN_MS: u64 = 60_000;
 
@@ -88,7 +91,7 @@ fn find_device(ctx: &Ctx) -> VsockTransport {
         match vsock::open_mmio(&ctx.opts.virtio_mmio) {
             Ok(t) => {
                 log!("vsock: virtio socket device on virtio-mmio");
-                return VsockTransport::Mmio(t);
+                return VsockTransport::mmio(t, settle_cycles(ctx));
             }
             Err(e) => log!("vsock: virtio-mmio: {}; trying PCI", e.describe()),
         }
@@ -104,7 +107,14 @@ fn find_device(ctx: &Ctx) -> VsockTransport {
     })
     .unwrap_or_else(|e| fail("PCI device setup", e.describe()));
     log!("vsock: virtio socket device at {df}");
-    VsockTransport::Pci(transport)
+    VsockTransport::pci(transport, settle_cycles(ctx))
+}
+
+/// The pause after DRIVER_OK (see [`VsockTransport`]), in TSC cycles.
+fn settle_cycles(ctx: &Ctx) -> u64 {
+    ctx.tsc_khz
+        .map_or(FALLBACK_TSC_KHZ, u64::from)
+        .saturating_mul(SETTLE_MS)
 }
 
 /// Serves one session; exits the VM on `Shutdown`, returns the stream when the host closes it.

@@ -33,6 +33,7 @@ use virtio_drivers::transport::{
 use virtio_drivers::{Error, Hal, PhysAddr};
 use vmtsync_core::agent::{Link, LinkError};
 use vmtsync_core::arch::Tsc;
+use vmtsync_core::arch::x86_64::NativeTsc;
 use vmtsync_core::proto::Transport;
 
 use zerocopy::{FromBytes, Immutable, IntoBytes};
@@ -86,32 +87,73 @@ impl VsockError {
     }
 }
 
-/// The socket device's transport: PCI (q35) or virtio-mmio (microvm).
+/// The socket device's transport: PCI (q35) or virtio-mmio (microvm), plus a settling pause
+/// after the driver sets DRIVER_OK.
 ///
-/// virtio-drivers' own `SomeTransport` would do, but it also carries its pKVM variant, whose
-/// code (hypercalls, never executed here, but `vmcall` livelocks the project's nested KVM)
-/// would be linked into the agent; this enum keeps the agent to the two it uses.
+/// virtio-drivers' own `SomeTransport` would do for the choice, but it also carries its pKVM
+/// variant, whose code (hypercalls, never executed here, but `vmcall` livelocks the project's
+/// nested KVM) would be linked into the agent.
+///
+/// The pause: with QEMU's vhost-user devices and vhost-device-vsock 0.3, a queue notification
+/// sent right after DRIVER_OK, while QEMU is still handing the queues to the backend, is
+/// sometimes lost (seen about once in ten boots with five VMs sharing two CPUs). virtio-drivers
+/// notifies the receive queue once at initialisation and then waits for used buffers without
+/// notifying again, so a lost notification hangs the device for good: the backend believes it
+/// has no receive buffers, or the driver spins on a send forever. Waiting before the first
+/// notification closes that window.
 #[derive(Debug)]
-pub enum VsockTransport {
-    /// virtio-pci (modern).
+pub struct VsockTransport {
+    inner: AnyTransport,
+    settle_cycles: u64,
+}
+
+#[derive(Debug)]
+enum AnyTransport {
     Pci(PciTransport),
-    /// virtio-mmio.
     Mmio(MmioTransport<'static>),
+}
+
+impl VsockTransport {
+    /// A PCI transport that pauses `settle_cycles` TSC cycles after DRIVER_OK.
+    pub fn pci(t: PciTransport, settle_cycles: u64) -> Self {
+        Self {
+            inner: AnyTransport::Pci(t),
+            settle_cycles,
+        }
+    }
+
+    /// A virtio-mmio transport that pauses `settle_cycles` TSC cycles after DRIVER_OK.
+    pub fn mmio(t: MmioTransport<'static>, settle_cycles: u64) -> Self {
+        Self {
+            inner: AnyTransport::Mmio(t),
+            settle_cycles,
+        }
+    }
 }
 
 /// Forwards a `Transport` method to whichever transport is inside.
 macro_rules! forward {
     ($self:ident, $t:ident => $e:expr) => {
-        match $self {
-            VsockTransport::Pci($t) => $e,
-            VsockTransport::Mmio($t) => $e,
+        match &mut $self.inner {
+            AnyTransport::Pci($t) => $e,
+            AnyTransport::Mmio($t) => $e,
+        }
+    };
+}
+
+/// Like [`forward!`] for `&self` methods.
+macro_rules! forward_ref {
+    ($self:ident, $t:ident => $e:expr) => {
+        match &$self.inner {
+            AnyTransport::Pci($t) => $e,
+            AnyTransport::Mmio($t) => $e,
         }
     };
 }
 
 impl VirtioTransport for VsockTransport {
     fn device_type(&self) -> DeviceType {
-        forward!(self, t => t.device_type())
+        forward_ref!(self, t => t.device_type())
     }
     fn read_device_features(&mut self) -> u64 {
         forward!(self, t => t.read_device_features())
@@ -126,16 +168,23 @@ impl VirtioTransport for VsockTransport {
         forward!(self, t => t.notify(queue));
     }
     fn get_status(&self) -> DeviceStatus {
-        forward!(self, t => t.get_status())
+        forward_ref!(self, t => t.get_status())
     }
     fn set_status(&mut self, status: DeviceStatus) {
         forward!(self, t => t.set_status(status));
+        if status.contains(DeviceStatus::DRIVER_OK) {
+            let tsc = NativeTsc::lfence_rdtsc();
+            let t0 = tsc.read_ordered();
+            while tsc.read_ordered().wrapping_sub(t0) < self.settle_cycles {
+                core::hint::spin_loop();
+            }
+        }
     }
     fn set_guest_page_size(&mut self, guest_page_size: u32) {
         forward!(self, t => t.set_guest_page_size(guest_page_size));
     }
     fn requires_legacy_layout(&self) -> bool {
-        forward!(self, t => t.requires_legacy_layout())
+        forward_ref!(self, t => t.requires_legacy_layout())
     }
     fn queue_set(
         &mut self,
@@ -157,13 +206,13 @@ impl VirtioTransport for VsockTransport {
         forward!(self, t => t.ack_interrupt())
     }
     fn read_config_generation(&self) -> u32 {
-        forward!(self, t => t.read_config_generation())
+        forward_ref!(self, t => t.read_config_generation())
     }
     fn read_config_space<T: FromBytes + IntoBytes>(
         &self,
         offset: usize,
     ) -> virtio_drivers::Result<T> {
-        forward!(self, t => t.read_config_space(offset))
+        forward_ref!(self, t => t.read_config_space(offset))
     }
     fn write_config_space<T: IntoBytes + Immutable>(
         &mut self,

@@ -114,7 +114,8 @@ fn run(a: &Args) -> Result<u8, String> {
         .find(|o| o.starts_with("vsock="))
         .is_some_and(|o| o == "vsock=listen");
     let connection = if listen {
-        rig.connect(a.port, a.timeout)
+        rig.wait_log(&format!("vsock: listening on port {}", a.port), a.timeout)
+            .and_then(|()| rig.connect(a.port, a.timeout))
     } else {
         rig.accept(a.timeout)
     };

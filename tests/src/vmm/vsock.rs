@@ -295,6 +295,29 @@ impl VsockRig {
         }
     }
 
+    /// Waits at most `timeout` for `needle` to appear in the agent's COM2 log, e.g. the agent's
+    /// `vsock: listening on port P` before connecting to it: vhost-device-vsock 0.3 can wedge a
+    /// VM's host-initiated connections for good when one arrives before the guest's driver is
+    /// up (seen about once in twenty runs under load), so the rig does not connect early.
+    ///
+    /// # Errors
+    /// [`VsockRigError::Timeout`], or [`VsockRigError::Exited`] when QEMU ends first.
+    pub fn wait_log(&mut self, needle: &str, timeout: Duration) -> Result<(), VsockRigError> {
+        let end = Instant::now() + timeout;
+        loop {
+            if self.com2_log().contains(needle) {
+                return Ok(());
+            }
+            if let Ok(Some(s)) = self.qemu.child().try_wait() {
+                return Err(VsockRigError::Exited("QEMU", s));
+            }
+            if Instant::now() >= end {
+                return Err(VsockRigError::Timeout("a line in the agent's log", timeout));
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
     /// Waits at most `timeout` for QEMU to exit.
     ///
     /// # Errors

@@ -101,7 +101,8 @@ fn session(test: &str, machine: Machine, ring: u8, port: u32, listen: bool) {
     let mut rig =
         VsockRig::start(machine, &backend, &elf, &append, port, STEP).expect("rig starts");
     let connection = if listen {
-        rig.connect(port, STEP)
+        rig.wait_log(&format!("vsock: listening on port {port}"), STEP)
+            .and_then(|()| rig.connect(port, STEP))
     } else {
         rig.accept(STEP)
     };
@@ -206,6 +207,17 @@ fn vsock_agent_serves_a_new_session_after_the_host_hangs_up() {
     let mut rig =
         VsockRig::start(machine, &backend, &elf, &append, port, STEP).expect("rig starts");
     for session in 1..=2 {
+        let listening = format!("vsock: listening on port {port}");
+        // Session 2: the second `listening` line, after the agent saw the hang-up.
+        let end = Instant::now() + STEP;
+        while rig.com2_log().matches(&listening).count() < session {
+            assert!(
+                Instant::now() < end,
+                "session {session}: {}",
+                rig.diagnostics()
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
         let mut client = rig
             .connect(port, STEP)
             .unwrap_or_else(|e| panic!("session {session}: {e}\n{}", rig.diagnostics()));

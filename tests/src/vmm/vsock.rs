@@ -695,4 +695,91 @@ mod tests {
         assert_eq!(r.offset_interval(), (i128::MIN, i128::MAX));
         assert!(r.rtts_sorted().is_empty());
     }
+
+    /// A stand-in for vhost-device-vsock's host side: answers one `CONNECT` line with `reply`,
+    /// then writes `then` on the same stream (an empty `reply` closes the stream instead).
+    fn fake_backend(
+        reply: &'static [u8],
+        then: &'static [u8],
+    ) -> (PathBuf, std::thread::JoinHandle<String>) {
+        static SEQ: AtomicU32 = AtomicU32::new(0);
+        let path = std::env::temp_dir().join(format!(
+            "vmtsync-fake-uds-{}-{}",
+            std::process::id(),
+            SEQ.fetch_add(1, Ordering::Relaxed)
+        ));
+        let listener = UnixListener::bind(&path).expect("bind");
+        let handle = std::thread::spawn(move || {
+            let (mut s, _) = listener.accept().expect("accept");
+            let mut line = Vec::new();
+            let mut b = [0u8; 1];
+            while line.last() != Some(&b'\n') && s.read(&mut b).expect("read") == 1 {
+                line.push(b[0]);
+            }
+            s.write_all(reply).expect("reply");
+            s.write_all(then).expect("then");
+            // Keep an accepted stream open until the client is done with it; a refused one
+            // closes at once, as the backend does when nothing listens in the guest.
+            if !reply.is_empty() {
+                let _ = s.read(&mut b);
+            }
+            String::from_utf8_lossy(&line).into_owned()
+        });
+        (path, handle)
+    }
+
+    #[test]
+    fn connect_handshake_leaves_the_agents_first_bytes_unread() {
+        let (path, backend) = fake_backend(b"OK 1024\n", &[0, 7]);
+        let end = Instant::now() + Duration::from_secs(10);
+        let s = try_connect(&path, 1234, end).expect("handshake");
+        let mut client = VsockClient::new(s).expect("client");
+        // The beacon (an empty frame) right behind the OK line was not swallowed.
+        client
+            .wait_ready(Duration::from_secs(10))
+            .expect("beacon after OK");
+        drop(client);
+        assert_eq!(backend.join().expect("backend"), "CONNECT 1234\n");
+        let _ = std::fs::remove_file(path);
+    }
+
+    #[test]
+    fn a_refused_connect_is_an_error_not_a_stream() {
+        let (path, backend) = fake_backend(b"", b"");
+        let end = Instant::now() + Duration::from_secs(10);
+        let err = try_connect(&path, 9, end).expect_err("no OK line");
+        assert_eq!(err.kind(), ErrorKind::UnexpectedEof);
+        backend.join().expect("backend");
+        let _ = std::fs::remove_file(path);
+    }
+
+    #[test]
+    fn frames_split_across_reads_and_beacons_are_reassembled() {
+        let (a, mut b) = UnixStream::pair().expect("pair");
+        let mut client = VsockClient::new(a).expect("client");
+        let mut buf = [0u8; MAX_FRAME_SIZE];
+        let frame = encode_frame(&Message::Exiting, &mut buf)
+            .expect("encodes")
+            .to_vec();
+        let writer = std::thread::spawn(move || {
+            b.write_all(&[0]).expect("beacon");
+            for chunk in frame.chunks(1) {
+                b.write_all(chunk).expect("chunk");
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            b
+        });
+        client.wait_ready(Duration::from_secs(10)).expect("beacon");
+        let end = Instant::now() + Duration::from_secs(10);
+        assert_eq!(
+            client.next_frame(end).expect("frame"),
+            Some(Message::Exiting)
+        );
+        let _b = writer.join().expect("writer");
+        // Nothing more comes: the wait ends at its deadline instead of hanging.
+        let err = client
+            .next_frame(Instant::now() + Duration::from_millis(50))
+            .expect_err("no more frames");
+        assert!(matches!(err, VsockRigError::Timeout(..)), "{err}");
+    }
 }

@@ -138,10 +138,10 @@ fn run(a: &Args) -> Result<u8, String> {
         errs.get(errs.len() / 2),
     ) {
         println!(
-            "{} probes: rtt min {min} / median {med} cycles; {} outside their bracket; offset \
+            "{} probes: rtt min {min} / median {med} cycles; {} outside their bracket for offset 0; offset \
              (host - guest) in [{lo}, {hi}]; midpoint |error| vs 0: median {err} cycles",
             run.samples.len(),
-            run.outside_bracket()
+            run.outside_bracket(0)
         );
     }
     let bye = client

@@ -578,12 +578,16 @@ impl ProbeRun {
         v
     }
 
-    /// Probes whose guest TSC lies outside their host bracket (none when guest TSC == host TSC).
+    /// Probes whose guest TSC, moved to the host timeline with the offset `truth` (host −
+    /// guest), lies outside their host bracket: none when `truth` is the real offset.
     #[must_use]
-    pub fn outside_bracket(&self) -> usize {
+    pub fn outside_bracket(&self, truth: i128) -> usize {
         self.samples
             .iter()
-            .filter(|&&(s, g, r)| !(s <= g && g <= r))
+            .filter(|&&(s, g, r)| {
+                let on_host = i128::from(g) + truth;
+                !(i128::from(s) <= on_host && on_host <= i128::from(r))
+            })
             .count()
     }
 
@@ -681,7 +685,12 @@ mod tests {
     fn summaries_follow_the_brackets() {
         let r = run(vec![(100, 130, 200), (300, 320, 330), (400, 399, 500)]);
         assert_eq!(r.rtts_sorted(), vec![30, 100, 100]);
-        assert_eq!(r.outside_bracket(), 1);
+        assert_eq!(r.outside_bracket(0), 1);
+        // With offset 1 the third probe fits (399 + 1 = 400) and the first two still do; the
+        // offset interval below is [1, 10], so 11 and 71 push probes out (331 > 330; 201 > 200).
+        assert_eq!(r.outside_bracket(1), 0);
+        assert_eq!(r.outside_bracket(11), 1);
+        assert_eq!(r.outside_bracket(71), 2);
         // [100-130, 200-130] ∩ [300-320, 330-320] ∩ [400-399, 500-399] = [1, 10].
         assert_eq!(r.offset_interval(), (1, 10));
         // Midpoints: 150-130 = 20, 315-320 = -5, 450-399 = 51.

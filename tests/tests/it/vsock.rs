@@ -25,6 +25,7 @@ fn vsock_probes_bracket_the_guest_tsc_under_qemu_q35() {
         3,
         PORT,
         false,
+        0,
     );
 }
 
@@ -38,6 +39,7 @@ fn vsock_host_connects_to_a_listening_agent() {
         3,
         PORT + 2,
         true,
+        0,
     );
 }
 
@@ -51,11 +53,14 @@ fn vsock_probes_from_ring_0_bracket_the_guest_tsc() {
         0,
         PORT + 1,
         false,
+        0,
     );
 }
 
 /// QEMU microvm: `vhost-user-vsock-device` on virtio-mmio, found through the
-/// `virtio_mmio.device=` word QEMU appends to the command line; no PCI, no BARs to place.
+/// `virtio_mmio.device=` word QEMU appends to the command line; no PCI, no BARs to place. The
+/// agent also applies a software skew here (`skew=-5000000000,1,0`), so the truth the brackets
+/// must contain is a non-zero offset.
 #[test]
 fn vsock_probes_under_qemu_microvm_over_virtio_mmio() {
     session(
@@ -64,13 +69,18 @@ fn vsock_probes_under_qemu_microvm_over_virtio_mmio() {
         3,
         PORT + 4,
         false,
+        MICROVM_SKEW,
     );
 }
 
+/// Guest TSC offset the microvm session's agent applies to every reading it reports.
+const MICROVM_SKEW: i64 = -5_000_000_000;
+
 /// Boots the agent on `machine` with `transport=vsock port={port} ring={ring} exit=5` (and
-/// `vsock=listen` when `listen`), runs [`PROBES`] probes, checks every bracket and the offset
-/// interval against the truth (0), shuts down.
-fn session(test: &str, machine: Machine, ring: u8, port: u32, listen: bool) {
+/// `vsock=listen` when `listen`, `skew={skew},1,0` when `skew` is not 0), runs [`PROBES`]
+/// probes, checks every bracket and the offset interval against the truth (`-skew`: guest TSC
+/// == host TSC here, plus the skew), shuts down.
+fn session(test: &str, machine: Machine, ring: u8, port: u32, listen: bool, skew: i64) {
     if !require(test, have_kvm(), "/dev/kvm is not accessible read-write")
         || !require(
             test,
@@ -97,7 +107,11 @@ fn session(test: &str, machine: Machine, ring: u8, port: u32, listen: bool) {
     let elf = agent_elf().expect("agent builds");
     let started = Instant::now();
     let mode = if listen { "listen" } else { "connect" };
-    let append = format!("transport=vsock vsock={mode} port={port} ring={ring} exit=5");
+    let mut append = format!("transport=vsock vsock={mode} port={port} ring={ring} exit=5");
+    if skew != 0 {
+        append.push_str(&format!(" skew={skew},1,0"));
+    }
+    let truth = -i128::from(skew);
     let mut rig =
         VsockRig::start(machine, &backend, &elf, &append, port, STEP).expect("rig starts");
     let connection = if listen {
@@ -124,13 +138,16 @@ fn session(test: &str, machine: Machine, ring: u8, port: u32, listen: bool) {
         (PROTOCOL_VERSION, Transport::VirtioVsock)
     );
     assert_eq!(run.samples.len(), usize::from(PROBES));
-    // Every probe's host bracket [sent, received] contains the guest's TSC, so the offset
-    // interval (host - guest) they jointly allow contains the truth, 0.
-    assert_eq!(run.outside_bracket(), 0, "{:?}", run.samples);
+    // Every probe's host bracket [sent, received] contains the guest's TSC moved by the true
+    // offset, so the offset interval (host - guest) they jointly allow contains the truth.
+    assert_eq!(run.outside_bracket(truth), 0, "{:?}", run.samples);
     let (lo, hi) = run.offset_interval();
-    assert!(lo <= 0 && 0 <= hi, "offset interval [{lo}, {hi}] misses 0");
+    assert!(
+        lo <= truth && truth <= hi,
+        "offset interval [{lo}, {hi}] misses the truth {truth}"
+    );
     let rtts = run.rtts_sorted();
-    let errors = run.midpoint_errors_sorted(0);
+    let errors = run.midpoint_errors_sorted(truth);
 
     let bye = client.exchange(&Message::Shutdown, STEP).expect("exiting");
     assert_eq!(bye.reply, Message::Exiting);
@@ -143,7 +160,7 @@ fn session(test: &str, machine: Machine, ring: u8, port: u32, listen: bool) {
     let cycles_to_us = |c: u64| (c * 1000).checked_div(tsc_khz).unwrap_or(0);
     eprintln!(
         "vsock {machine:?} {mode} ring {ring}: connected after {connected:?}; {PROBES} probes: RTT min {} / median {} cycles \
-         (~{} us median); midpoint |error| median {} cycles; offset \
+         (~{} us median); midpoint |error| median {} cycles; truth {truth}, offset \
          interval [{lo}, {hi}] (width {}); exit {status}, total {:?}",
         rtts[0],
         rtts[rtts.len() / 2],
@@ -226,7 +243,7 @@ fn vsock_agent_serves_a_new_session_after_the_host_hangs_up() {
             .unwrap_or_else(|e| panic!("session {session}: {e}\n{}", rig.diagnostics()));
         let run = probe_run(&mut client, 10, STEP)
             .unwrap_or_else(|e| panic!("session {session}: {e}\n{}", rig.diagnostics()));
-        assert_eq!(run.outside_bracket(), 0, "{:?}", run.samples);
+        assert_eq!(run.outside_bracket(0), 0, "{:?}", run.samples);
         if session == 2 {
             let bye = client.exchange(&Message::Shutdown, STEP).expect("exiting");
             assert_eq!(bye.reply, Message::Exiting);

@@ -19,8 +19,8 @@ use vmtsync_core::proto::Message;
 use vmtsync_tests::vmm::qemu::Machine;
 use vmtsync_tests::vmm::vsock::{VsockRig, ensure_vhost_device_vsock, probe_run};
 
-const USAGE: &str = "usage: vmtsync-vsock ELF [--machine q35|microvm] [--port P] [--probes N] [--timeout SECS] \
-     [-- AGENT OPTIONS...]";
+const USAGE: &str = "usage: vmtsync-vsock ELF [--machine q35|microvm] [--port P] [--probes N] \
+                     [--timeout SECS] [-- AGENT OPTIONS...]";
 
 struct Args {
     machine: Machine,
@@ -138,8 +138,9 @@ fn run(a: &Args) -> Result<u8, String> {
         errs.get(errs.len() / 2),
     ) {
         println!(
-            "{} probes: rtt min {min} / median {med} cycles; {} outside their bracket for offset 0; offset \
-             (host - guest) in [{lo}, {hi}]; midpoint |error| vs 0: median {err} cycles",
+            "{} probes: rtt min {min} / median {med} cycles; {} outside their bracket for \
+             offset 0; offset (host - guest) in [{lo}, {hi}]; midpoint |error| vs 0: median {err} \
+             cycles",
             run.samples.len(),
             run.outside_bracket(0)
         );

@@ -160,8 +160,8 @@ fn session(test: &str, machine: Machine, ring: u8, port: u32, listen: bool, skew
     let cycles_to_us = |c: u64| (c * 1000).checked_div(tsc_khz).unwrap_or(0);
     eprintln!(
         "vsock {machine:?} {mode} ring {ring}: connected after {connected:?}; {PROBES} probes: \
-         RTT min {} / median {} cycles (~{} us median); midpoint |error| median {} cycles; truth {truth}, offset \
-         interval [{lo}, {hi}] (width {}); exit {status}, total {:?}",
+         RTT min {} / median {} cycles (~{} us median); midpoint |error| median {} cycles; \
+         truth {truth}, offset interval [{lo}, {hi}] (width {}); exit {status}, total {:?}",
         rtts[0],
         rtts[rtts.len() / 2],
         cycles_to_us(rtts[rtts.len() / 2]),

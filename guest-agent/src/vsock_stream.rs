@@ -29,7 +29,8 @@ const _: () = assert!(RX_CAPACITY >= 2 * RX_BUFFER_SIZE);
 /// matters if the host sends many requests without waiting for replies.
 const CREDIT_UPDATE_THRESHOLD: u32 = RX_CAPACITY_U32 / 2;
 
-/// A stream connection from [`LOCAL_PORT`] to one host port.
+/// One stream connection with the host: from [`LOCAL_PORT`] to a host port
+/// ([`OneStream::connect`]), or from a host port to a local one ([`OneStream::accept`]).
 pub struct OneStream<H: Hal, T: VirtioTransport> {
     sock: VirtIOSocket<H, T, RX_BUFFER_SIZE>,
     info: ConnectionInfo,

@@ -11,11 +11,14 @@ use vmtsync_core::proto::{Message, PROTOCOL_VERSION, Transport};
 use vmtsync_tests::vmm::agent_elf;
 use vmtsync_tests::vmm::qemu::{self, Machine, debug_exit_status, have_qemu};
 use vmtsync_tests::vmm::vsock::{VsockRig, ensure_vhost_device_vsock, probe_run};
-use vmtsync_tests::{have_kvm, require};
+use vmtsync_tests::{ChildGuard, have_kvm, require};
 
 const STEP: Duration = Duration::from_secs(20);
 const PORT: u32 = 1234;
 const PROBES: u16 = 200;
+/// The agent's isa-debug-exit code when the vsock transport cannot be set up
+/// (`vmtsync_agent::vsock::SETUP_FAILED_EXIT_CODE`; the agent crate is not a host dependency).
+const SETUP_FAILED_EXIT_CODE: u8 = 0x7c;
 
 #[test]
 fn vsock_probes_bracket_the_guest_tsc_under_qemu_q35() {
@@ -260,6 +263,53 @@ fn vsock_agent_serves_a_new_session_after_the_host_hangs_up() {
     );
     assert!(
         log.contains("the host closed the stream") && log.contains("vsock: session 2:"),
+        "COM2 log:\n{log}"
+    );
+}
+
+/// Without a vsock device the agent says so on COM2 and exits with its setup-failure code,
+/// instead of hanging: q35 with no `vhost-user-vsock-pci`, so PCI bus 0 has no socket device.
+#[test]
+fn vsock_without_a_device_fails_cleanly() {
+    let test = "vsock_without_a_device_fails_cleanly";
+    if !require(test, have_kvm(), "/dev/kvm is not accessible read-write")
+        || !require(test, have_qemu(), "qemu-system-x86_64 is missing")
+        || !require(
+            test,
+            std::path::Path::new(qemu::QBOOT).is_file(),
+            "qboot.rom is missing",
+        )
+    {
+        return;
+    }
+    let elf = agent_elf().expect("agent builds");
+    let dir = std::env::temp_dir().join(format!("vmtsync-{test}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let com2 = dir.join("com2.log");
+    let child = qemu::command(Machine::Q35, &elf, "transport=vsock exit=5", &com2)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("qemu starts");
+    let mut guard = ChildGuard::new(child);
+    let end = Instant::now() + STEP;
+    let status = loop {
+        if let Some(s) = guard.child().try_wait().expect("wait qemu") {
+            break s;
+        }
+        assert!(Instant::now() < end, "QEMU did not exit");
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    let log = std::fs::read_to_string(&com2).unwrap_or_default();
+    let _ = std::fs::remove_dir_all(&dir);
+    assert_eq!(
+        status.code(),
+        Some(debug_exit_status(SETUP_FAILED_EXIT_CODE)),
+        "COM2 log:\n{log}"
+    );
+    assert!(
+        log.contains("vsock: PCI device setup failed: no virtio socket device found"),
         "COM2 log:\n{log}"
     );
 }

@@ -1,21 +1,29 @@
 //! Hardware-facing building blocks of the vmtsync guest agent: a polled 16550 UART and its
 //! `vmtsync_core::agent::Link`, per-message guest events (`events=N`), the guest clocks as an
 //! `AgentClock` (TSC through a software skew, pvclock page), x86 port I/O and isa-debug-exit,
-//! the PVH `hvm_start_info`, and boot-option parsing. The bootable ELF (`src/main.rs`) runs `vmtsync_core::agent::Agent`
+//! the PVH `hvm_start_info`, boot-option parsing, and the virtio-vsock transport (PCI setup,
+//! heap and DMA `Hal`, a vsock `Link`). The bootable ELF (`src/main.rs`) runs
+//! `vmtsync_core::agent::Agent`
 //! over them; another unikernel can embed them the same way.
 //!
 //! `no_std`; built for the host only for its unit tests
 //! (`cargo test --target x86_64-unknown-linux-gnu`).
 #![cfg_attr(not(test), no_std)]
 
+extern crate alloc;
+
 pub mod clock;
 pub mod events;
+pub mod heap;
 pub mod link;
 pub mod options;
+pub mod pci;
 pub mod port;
 pub mod pvh;
 pub mod tsc;
 pub mod uart;
+pub mod vsock;
+pub mod vsock_stream;
 
 /// The ELF's logger lives in the binary (`src/main.rs`), but core's `defmt` feature is on for
 /// every build of this crate, so the host unit-test binary needs the defmt symbols too. This

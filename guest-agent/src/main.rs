@@ -24,6 +24,13 @@
 //! back stamped in the host clock. Event `k` lies between the exit carrying the first byte of
 //! reply `k` and the guest's read of request `k + 1`.
 //!
+//! ## `transport=vsock port=N`
+//!
+//! The same protocol over a virtio-vsock stream instead of COM1 (`serve_vsock.rs`): the agent
+//! finds the virtio socket device on PCI, places its BARs, connects to host CID 2 port N (or
+//! accepts the host's connection with `vsock=listen`), sends the ready beacon on the stream and
+//! reports `VirtioVsock` in its `Capabilities`.
+//!
 //! ## `wire=line` (debugging by hand)
 //!
 //! One request byte, one text line back:
@@ -63,6 +70,9 @@ use vmtsync_core::pvclock::PvclockVcpuTimeInfo;
 macro_rules! log {
     ($($arg:tt)*) => { defmt::info!($($arg)*) };
 }
+
+// After `log!`, which it uses.
+mod serve_vsock;
 
 /// The pvclock page KVM writes once registered: 32 bytes, aligned so it never crosses a page.
 #[repr(C, align(64))]
@@ -201,6 +211,9 @@ extern "C" fn serve(ctx: usize) -> ! {
     // SAFETY: kmain passes the address of its `Ctx`, in a frame that is never unwound.
     let ctx = unsafe { &*(ctx as *const Ctx) };
     log!("serving at CPL {}", port::cpl());
+    if ctx.opts.transport == vmtsync_agent::options::Transport::Vsock {
+        serve_vsock::serve(ctx);
+    }
     match ctx.opts.wire {
         Wire::Postcard => serve_postcard(ctx),
         Wire::Line => serve_line(&ctx.opts, ctx.tsc),

@@ -1,6 +1,11 @@
 //! Boot options from the PVH command line: space-separated `key=value` words.
 //!
-//! - `transport=uart`: probes over COM1 (the only transport so far).
+//! - `transport=uart|vsock`: probes over COM1 (default), or over a virtio-vsock stream on
+//!   `port=N` (default [`DEFAULT_VSOCK_PORT`]) that the agent opens to the host (CID 2)
+//!   (`vsock=connect`, the default) or accepts from the host (`vsock=listen`).
+//! - `virtio_mmio.device=SIZE@BASE:IRQ`: a virtio-mmio transport, in Linux's syntax, which QEMU
+//!   `microvm` (with `acpi=off`) appends for each plugged device; `transport=vsock` looks for
+//!   its socket device among them before trying PCI. Up to [`MAX_VIRTIO_MMIO`] are kept.
 //! - `wire=postcard|line`: the vmtsync probe protocol (postcard + COBS, the default), or a
 //!   human-typable line protocol for debugging (`cargo xtask run-agent -- wire=line`).
 //! - `ring=3|0`: run the protocol loop in ring 3 with IOPL 3 (default; native speed on nested
@@ -21,7 +26,12 @@ use crate::tsc::Skew;
 pub enum Transport {
     /// 16550 UART on COM1.
     Uart,
+    /// virtio-vsock over PCI: a stream connection to host CID 2, port [`Options::vsock_port`].
+    Vsock,
 }
+
+/// The host vsock port the agent connects to unless `port=` says otherwise.
+pub const DEFAULT_VSOCK_PORT: u32 = 1234;
 
 /// What COM1 speaks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -30,6 +40,18 @@ pub enum Wire {
     Postcard,
     /// One request byte, one text line back (see the agent binary's docs).
     Line,
+}
+
+/// How many `virtio_mmio.device=` words [`Options`] keeps.
+pub const MAX_VIRTIO_MMIO: usize = 4;
+
+/// A virtio-mmio transport's register window, from `virtio_mmio.device=SIZE@BASE:IRQ`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct VirtioMmio {
+    /// Guest-physical base address.
+    pub base: u64,
+    /// Window size in bytes.
+    pub size: u64,
 }
 
 /// Parsed boot options.
@@ -47,6 +69,12 @@ pub struct Options {
     pub skew: Skew,
     /// How many guest events to record (0: none).
     pub events: u32,
+    /// vsock port for `transport=vsock`: the host's (connect) or the agent's (listen).
+    pub vsock_port: u32,
+    /// `vsock=listen`: wait for the host to connect instead of connecting to it.
+    pub vsock_listen: bool,
+    /// virtio-mmio transports named on the command line, in order.
+    pub virtio_mmio: [Option<VirtioMmio>; MAX_VIRTIO_MMIO],
 }
 
 /// Why an option word was rejected.
@@ -68,6 +96,9 @@ impl Default for Options {
             exit_code: 0,
             skew: Skew::IDENTITY,
             events: 0,
+            vsock_port: DEFAULT_VSOCK_PORT,
+            vsock_listen: false,
+            virtio_mmio: [None; MAX_VIRTIO_MMIO],
         }
     }
 }
@@ -93,6 +124,7 @@ impl Options {
         match key {
             b"transport" => match value {
                 b"uart" => self.transport = Transport::Uart,
+                b"vsock" => self.transport = Transport::Vsock,
                 _ => return Err(OptionError::BadValue),
             },
             b"wire" => match value {
@@ -113,11 +145,45 @@ impl Options {
                 let v = parse_u64(value).ok_or(OptionError::BadValue)?;
                 self.events = u32::try_from(v).map_err(|_| OptionError::BadValue)?;
             }
+            b"port" => {
+                let v = parse_u64(value).ok_or(OptionError::BadValue)?;
+                self.vsock_port = u32::try_from(v).map_err(|_| OptionError::BadValue)?;
+            }
+            b"vsock" => match value {
+                b"connect" => self.vsock_listen = false,
+                b"listen" => self.vsock_listen = true,
+                _ => return Err(OptionError::BadValue),
+            },
+            b"virtio_mmio.device" => {
+                let dev = parse_virtio_mmio(value).ok_or(OptionError::BadValue)?;
+                let slot = self
+                    .virtio_mmio
+                    .iter_mut()
+                    .find(|s| s.is_none())
+                    .ok_or(OptionError::BadValue)?;
+                *slot = Some(dev);
+            }
             b"skew" => self.skew = parse_skew(value).ok_or(OptionError::BadValue)?,
             _ => return Err(OptionError::UnknownKey),
         }
         Ok(())
     }
+}
+
+/// Parses Linux's `SIZE@BASE[:IRQ[:ID]]` (SIZE may end in K or M); the IRQ is not used.
+fn parse_virtio_mmio(v: &[u8]) -> Option<VirtioMmio> {
+    let at = v.iter().position(|&b| b == b'@')?;
+    let (size, rest) = (&v[..at], &v[at + 1..]);
+    let base = rest.split(|&b| b == b':').next()?;
+    let size = match size.split_last() {
+        Some((b'K' | b'k', n)) => parse_u64(n)?.checked_mul(1 << 10)?,
+        Some((b'M' | b'm', n)) => parse_u64(n)?.checked_mul(1 << 20)?,
+        _ => parse_u64(size)?,
+    };
+    Some(VirtioMmio {
+        base: parse_u64(base)?,
+        size,
+    })
 }
 
 fn parse_skew(v: &[u8]) -> Option<Skew> {
@@ -204,6 +270,7 @@ mod tests {
         let (o, errs) = parse(
             "ring=1 wire=json exit=256 foo transport=vsock skew=1,0,0 skew=1,1,64 skew=1,1 bar=1 \
              events=-1 events=4294967296 exit=7",
+            "ring=1 wire=json exit=256 foo transport=pci skew=1,0,0 skew=1,1,64 skew=1,1 bar=1 exit=7",
         );
         assert_eq!(o.exit_code, 7);
         assert_eq!(o.skew, Skew::IDENTITY);
@@ -216,7 +283,7 @@ mod tests {
                 ("wire=json", OptionError::BadValue),
                 ("exit=256", OptionError::BadValue),
                 ("foo", OptionError::UnknownKey),
-                ("transport=vsock", OptionError::BadValue),
+                ("transport=pci", OptionError::BadValue),
                 ("skew=1,0,0", OptionError::BadValue),
                 ("skew=1,1,64", OptionError::BadValue),
                 ("skew=1,1", OptionError::BadValue),
@@ -225,6 +292,48 @@ mod tests {
                 ("events=4294967296", OptionError::BadValue),
             ]
         );
+    }
+
+    #[test]
+    fn vsock_transport_and_port_parse() {
+        let (o, errs) = parse("transport=vsock port=0x10000 port=4294967296 vsock=listen");
+        assert_eq!(o.transport, Transport::Vsock);
+        assert_eq!(o.vsock_port, 0x10000);
+        assert!(o.vsock_listen);
+        assert!(!parse("vsock=listen vsock=connect").0.vsock_listen);
+        assert_eq!(parse("vsock=bind").1.len(), 1);
+        assert_eq!(
+            errs,
+            vec![("port=4294967296".into(), OptionError::BadValue)]
+        );
+        assert_eq!(parse("").0.vsock_port, DEFAULT_VSOCK_PORT);
+    }
+
+    #[test]
+    fn virtio_mmio_devices_parse_in_linux_syntax() {
+        let (o, errs) = parse(
+            "virtio_mmio.device=512@0xfeb00e00:12 virtio_mmio.device=4K@0xd0000000 \
+             virtio_mmio.device=512 virtio_mmio.device=1x@0x1000",
+        );
+        assert_eq!(
+            o.virtio_mmio[..2],
+            [
+                Some(VirtioMmio {
+                    base: 0xfeb0_0e00,
+                    size: 512
+                }),
+                Some(VirtioMmio {
+                    base: 0xd000_0000,
+                    size: 4096
+                }),
+            ]
+        );
+        assert_eq!(o.virtio_mmio[2], None);
+        assert_eq!(errs.len(), 2, "{errs:?}");
+        let many = "virtio_mmio.device=512@0x1000 ".repeat(MAX_VIRTIO_MMIO + 1);
+        let (o, errs) = parse(&many);
+        assert!(o.virtio_mmio.iter().all(Option::is_some));
+        assert_eq!(errs.len(), 1, "the fifth is refused");
     }
 
     #[test]

@@ -86,6 +86,7 @@ fn kib(bytes: u64) -> f64 {
 struct RunArgs {
     vmm: String,
     machine: String,
+    transport: String,
     timeout: u64,
     agent_opts: Vec<String>,
 }
@@ -98,6 +99,7 @@ fn parse_run_args(args: &[String]) -> Result<RunArgs> {
     let mut r = RunArgs {
         vmm: "qemu".into(),
         machine: "microvm".into(),
+        transport: "uart".into(),
         timeout: 3600,
         agent_opts: agent.to_vec(),
     };
@@ -107,6 +109,7 @@ fn parse_run_args(args: &[String]) -> Result<RunArgs> {
         match a.as_str() {
             "--vmm" => r.vmm = value()?.clone(),
             "--machine" => r.machine = value()?.clone(),
+            "--transport" => r.transport = value()?.clone(),
             "--timeout" => {
                 r.timeout = value()?.parse().context("--timeout takes whole seconds")?;
             }
@@ -115,6 +118,9 @@ fn parse_run_args(args: &[String]) -> Result<RunArgs> {
     }
     if !matches!(r.vmm.as_str(), "qemu" | "builtin") {
         bail!("--vmm must be qemu or builtin, not `{}`", r.vmm);
+    }
+    if !matches!(r.transport.as_str(), "uart" | "vsock") {
+        bail!("--transport must be uart or vsock, not `{}`", r.transport);
     }
     if !matches!(r.machine.as_str(), "microvm" | "q35") {
         bail!("--machine must be microvm or q35, not `{}`", r.machine);
@@ -130,6 +136,9 @@ pub(crate) fn run_agent(args: &[String]) -> Result<()> {
     let r = parse_run_args(args)?;
     let elf = build()?;
     let append = r.agent_opts.join(" ");
+    if r.transport == "vsock" {
+        return run_vsock(&elf, &r);
+    }
     match r.vmm.as_str() {
         "builtin" => {
             let mut c = cargo();
@@ -201,6 +210,31 @@ pub(crate) fn run_agent(args: &[String]) -> Result<()> {
                 _ => bail!("QEMU ended without isa-debug-exit: {status}"),
             }
         }
+    }
+}
+
+/// `--transport vsock`: `vmtsync-tests`' `vmtsync-vsock` binary boots the agent under QEMU
+/// (`--machine`: microvm with vhost-user-vsock-device, q35 with vhost-user-vsock-pci) and runs
+/// a probe session over the agent's vsock connection.
+fn run_vsock(elf: &Path, r: &RunArgs) -> Result<()> {
+    let mut c = cargo();
+    c.args([
+        "run",
+        "-q",
+        "-p",
+        "vmtsync-tests",
+        "--bin",
+        "vmtsync-vsock",
+        "--",
+    ])
+    .arg(elf)
+    .args(["--machine", &r.machine])
+    .args(["--timeout", &r.timeout.min(600).to_string(), "--"])
+    .args(&r.agent_opts);
+    match run_interactive(&mut c)?.code() {
+        Some(0) => Ok(()),
+        Some(code) => bail!("vmtsync-vsock ended with code {code}"),
+        None => bail!("vmtsync-vsock was killed"),
     }
 }
 
@@ -341,5 +375,12 @@ mod tests {
         assert!(parse_run_args(&a(&["--machine", "pc"])).is_err());
         assert!(parse_run_args(&a(&["--timeout", "soon"])).is_err());
         assert!(parse_run_args(&a(&["--vmm"])).is_err());
+        assert_eq!(
+            parse_run_args(&a(&["--transport", "vsock"]))
+                .expect("valid")
+                .transport,
+            "vsock"
+        );
+        assert!(parse_run_args(&a(&["--transport", "pci"])).is_err());
     }
 }

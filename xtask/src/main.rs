@@ -82,6 +82,10 @@ commands:
                 Agent options: transport=uart wire=postcard|line ring=3|0 exit=N events=N
                 skew=OFFSET,RATIO,FRAC;
                 with `-- wire=line` type p (probe: T<hex tsc>) and q (quit)
+  run-agent --transport vsock [--machine microvm|q35] [--timeout SECS] [-- AGENT OPTIONS]
+                QEMU + vhost-user-vsock + vhost-device-vsock (installed on first use): the
+                agent connects to host port 1234 (`-- vsock=listen`: the host connects to
+                it), 100 probes run over the stream
   demo [--json] [--vmm auto|qemu|builtin|sim]
                 boot the agent (QEMU, else the built-in VMM, else a loopback simulation),
                 read its vCPUs' TSC mapping from KVM debugfs (`vmtsync kvm`), probe it

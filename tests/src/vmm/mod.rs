@@ -30,6 +30,7 @@ pub mod defmt_log;
 pub mod qemu;
 pub mod serial;
 pub mod tsc;
+pub mod vsock;
 
 use std::collections::VecDeque;
 use std::path::Path;

@@ -11,3 +11,4 @@ mod kvm_real;
 mod probe;
 mod probe_bench;
 mod smoke;
+mod vsock;

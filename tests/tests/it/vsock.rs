@@ -1,0 +1,316 @@
+//! Tier 2: the agent's virtio-vsock transport, end to end under QEMU q35 + qboot with
+//! `vhost-user-vsock-pci` and the `vhost-device-vsock` backend (installed on demand).
+//!
+//! Truth here: guest TSC == host TSC (DESIGN.md §4), so every probe's host bracket
+//! `[sent, received]` must contain the guest's TSC, and the offset interval they imply must
+//! contain 0. It prints the RTT and the midpoint estimate's error against 0.
+
+use std::time::{Duration, Instant};
+
+use vmtsync_core::proto::{Message, PROTOCOL_VERSION, Transport};
+use vmtsync_tests::vmm::agent_elf;
+use vmtsync_tests::vmm::defmt_log::decode_file_text;
+use vmtsync_tests::vmm::qemu::{self, Machine, debug_exit_status, have_qemu};
+use vmtsync_tests::vmm::vsock::{VsockRig, ensure_vhost_device_vsock, probe_run};
+use vmtsync_tests::{ChildGuard, have_kvm, require};
+
+const STEP: Duration = Duration::from_secs(20);
+const PORT: u32 = 1234;
+const PROBES: u16 = 200;
+/// The agent's isa-debug-exit code when the vsock transport cannot be set up
+/// (`vmtsync_agent::vsock::SETUP_FAILED_EXIT_CODE`; the agent crate is not a host dependency).
+const SETUP_FAILED_EXIT_CODE: u8 = 0x7c;
+
+#[test]
+fn vsock_probes_bracket_the_guest_tsc_under_qemu_q35() {
+    session(
+        "vsock_probes_bracket_the_guest_tsc_under_qemu_q35",
+        Machine::Q35,
+        3,
+        PORT,
+        false,
+        0,
+    );
+}
+
+/// The other direction: the agent listens (`vsock=listen`) and the host connects through the
+/// backend's `CONNECT <port>` handshake, as a host tool would connect to a guest's CID.
+#[test]
+fn vsock_host_connects_to_a_listening_agent() {
+    session(
+        "vsock_host_connects_to_a_listening_agent",
+        Machine::Q35,
+        3,
+        PORT + 2,
+        true,
+        0,
+    );
+}
+
+/// The same session with the protocol loop left in ring 0 (`ring=0`), where the project's
+/// nested KVM emulates every guest instruction: slower, and it must still bracket the truth.
+#[test]
+fn vsock_probes_from_ring_0_bracket_the_guest_tsc() {
+    session(
+        "vsock_probes_from_ring_0_bracket_the_guest_tsc",
+        Machine::Q35,
+        0,
+        PORT + 1,
+        false,
+        0,
+    );
+}
+
+/// QEMU microvm: `vhost-user-vsock-device` on virtio-mmio, found through the
+/// `virtio_mmio.device=` word QEMU appends to the command line; no PCI, no BARs to place. The
+/// agent also applies a software skew here (`skew=-5000000000,1,0`), so the truth the brackets
+/// must contain is a non-zero offset.
+#[test]
+fn vsock_probes_under_qemu_microvm_over_virtio_mmio() {
+    session(
+        "vsock_probes_under_qemu_microvm_over_virtio_mmio",
+        Machine::Microvm,
+        3,
+        PORT + 4,
+        false,
+        MICROVM_SKEW,
+    );
+}
+
+/// Guest TSC offset the microvm session's agent applies to every reading it reports.
+const MICROVM_SKEW: i64 = -5_000_000_000;
+
+/// Boots the agent on `machine` with `transport=vsock port={port} ring={ring} exit=5` (and
+/// `vsock=listen` when `listen`, `skew={skew},1,0` when `skew` is not 0), runs [`PROBES`]
+/// probes, checks every bracket and the offset interval against the truth (`-skew`: guest TSC
+/// == host TSC here, plus the skew), shuts down.
+fn session(test: &str, machine: Machine, ring: u8, port: u32, listen: bool, skew: i64) {
+    if !require(test, have_kvm(), "/dev/kvm is not accessible read-write")
+        || !require(
+            test,
+            have_qemu(),
+            "qemu-system-x86_64 is missing (apt-get install qemu-system-x86)",
+        )
+        || !require(
+            test,
+            std::path::Path::new(qemu::QBOOT).is_file(),
+            "qboot.rom is missing (apt-get install qemu-system-x86)",
+        )
+    {
+        return;
+    }
+    let backend = match ensure_vhost_device_vsock() {
+        Ok(b) => b,
+        Err(e) => {
+            if !require(test, false, &e.to_string()) {
+                return;
+            }
+            unreachable!("require fails the test under CI");
+        }
+    };
+    let elf = agent_elf().expect("agent builds");
+    let started = Instant::now();
+    let mode = if listen { "listen" } else { "connect" };
+    let mut append = format!("transport=vsock vsock={mode} port={port} ring={ring} exit=5");
+    if skew != 0 {
+        append.push_str(&format!(" skew={skew},1,0"));
+    }
+    let truth = -i128::from(skew);
+    let mut rig =
+        VsockRig::start(machine, &backend, &elf, &append, port, STEP).expect("rig starts");
+    let connection = if listen {
+        rig.wait_log(&format!("vsock: listening on port {port}"), STEP)
+            .and_then(|()| rig.connect(port, STEP))
+    } else {
+        rig.accept(STEP)
+    };
+    let mut client = match connection {
+        Ok(c) => c,
+        Err(e) => panic!("{e}\n{}", rig.diagnostics()),
+    };
+    let connected = started.elapsed();
+    if let Err(e) = client.wait_ready(STEP) {
+        panic!("{e}\n{}", rig.diagnostics());
+    }
+
+    let run = match probe_run(&mut client, PROBES, STEP) {
+        Ok(r) => r,
+        Err(e) => panic!("{e}\n{}", rig.diagnostics()),
+    };
+    assert_eq!(
+        (run.caps.version, run.caps.transport),
+        (PROTOCOL_VERSION, Transport::VirtioVsock)
+    );
+    assert_eq!(run.samples.len(), usize::from(PROBES));
+    // Every probe's host bracket [sent, received] contains the guest's TSC moved by the true
+    // offset, so the offset interval (host - guest) they jointly allow contains the truth.
+    assert_eq!(run.outside_bracket(truth), 0, "{:?}", run.samples);
+    let (lo, hi) = run.offset_interval();
+    assert!(
+        lo <= truth && truth <= hi,
+        "offset interval [{lo}, {hi}] misses the truth {truth}"
+    );
+    let rtts = run.rtts_sorted();
+    let errors = run.midpoint_errors_sorted(truth);
+
+    let bye = client.exchange(&Message::Shutdown, STEP).expect("exiting");
+    assert_eq!(bye.reply, Message::Exiting);
+    let status = rig.wait_exit(STEP).expect("QEMU exits");
+    let log = rig.com2_log();
+    for line in log.lines().filter(|l| l.starts_with("vsock:")) {
+        eprintln!("agent: {line}");
+    }
+    let tsc_khz = run.caps.tsc_khz.map_or(0, u64::from);
+    let cycles_to_us = |c: u64| (c * 1000).checked_div(tsc_khz).unwrap_or(0);
+    eprintln!(
+        "vsock {machine:?} {mode} ring {ring}: connected after {connected:?}; {PROBES} probes: \
+         RTT min {} / median {} cycles (~{} us median); midpoint |error| median {} cycles; \
+         truth {truth}, offset interval [{lo}, {hi}] (width {}); exit {status}, total {:?}",
+        rtts[0],
+        rtts[rtts.len() / 2],
+        cycles_to_us(rtts[rtts.len() / 2]),
+        errors[errors.len() / 2],
+        hi - lo,
+        started.elapsed()
+    );
+    assert_eq!(
+        status.code(),
+        Some(debug_exit_status(5)),
+        "{}",
+        rig.diagnostics()
+    );
+    assert!(
+        log.contains(&format!("serving at CPL {ring}")),
+        "COM2 log:\n{log}"
+    );
+    assert!(
+        log.contains(&format!("ready: postcard on vsock port {port}")),
+        "COM2 log:\n{log}"
+    );
+    assert!(
+        log.contains(&format!(
+            "shutdown after {PROBES} probes, {} messages, 0 bad frames (0 credit waits, 0 \
+             refused sends, 0 link errors): isa-debug-exit 5",
+            PROBES + 2
+        )),
+        "COM2 log:\n{log}"
+    );
+}
+
+/// A host that hangs up without `Shutdown` does not strand the agent: it accepts the next
+/// connection and serves a fresh session (`vsock=listen`).
+#[test]
+fn vsock_agent_serves_a_new_session_after_the_host_hangs_up() {
+    let test = "vsock_agent_serves_a_new_session_after_the_host_hangs_up";
+    if !require(test, have_kvm(), "/dev/kvm is not accessible read-write")
+        || !require(test, have_qemu(), "qemu-system-x86_64 is missing")
+        || !require(
+            test,
+            std::path::Path::new(qemu::QBOOT).is_file(),
+            "qboot.rom is missing",
+        )
+    {
+        return;
+    }
+    let backend = match ensure_vhost_device_vsock() {
+        Ok(b) => b,
+        Err(e) => {
+            if !require(test, false, &e.to_string()) {
+                return;
+            }
+            unreachable!("require fails the test under CI");
+        }
+    };
+    let elf = agent_elf().expect("agent builds");
+    let port = PORT + 3;
+    let machine = Machine::Q35;
+    let append = format!("transport=vsock vsock=listen port={port} exit=6");
+    let mut rig =
+        VsockRig::start(machine, &backend, &elf, &append, port, STEP).expect("rig starts");
+    for session in 1..=2 {
+        let listening = format!("vsock: listening on port {port}");
+        // Session 2: the second `listening` line, after the agent saw the hang-up.
+        let end = Instant::now() + STEP;
+        while rig.com2_log().matches(&listening).count() < session {
+            assert!(
+                Instant::now() < end,
+                "session {session}: {}",
+                rig.diagnostics()
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let mut client = rig
+            .connect(port, STEP)
+            .unwrap_or_else(|e| panic!("session {session}: {e}\n{}", rig.diagnostics()));
+        client
+            .wait_ready(STEP)
+            .unwrap_or_else(|e| panic!("session {session}: {e}\n{}", rig.diagnostics()));
+        let run = probe_run(&mut client, 10, STEP)
+            .unwrap_or_else(|e| panic!("session {session}: {e}\n{}", rig.diagnostics()));
+        assert_eq!(run.outside_bracket(0), 0, "{:?}", run.samples);
+        if session == 2 {
+            let bye = client.exchange(&Message::Shutdown, STEP).expect("exiting");
+            assert_eq!(bye.reply, Message::Exiting);
+        }
+        // Session 1 ends by dropping the client: the host hangs up mid-session.
+    }
+    let status = rig.wait_exit(STEP).expect("QEMU exits");
+    let log = rig.com2_log();
+    assert_eq!(
+        status.code(),
+        Some(debug_exit_status(6)),
+        "{}",
+        rig.diagnostics()
+    );
+    assert!(
+        log.contains("the host closed the stream") && log.contains("vsock: session 2:"),
+        "COM2 log:\n{log}"
+    );
+}
+
+/// Without a vsock device the agent says so on COM2 and exits with its setup-failure code,
+/// instead of hanging: q35 with no `vhost-user-vsock-pci`, so PCI bus 0 has no socket device.
+#[test]
+fn vsock_without_a_device_fails_cleanly() {
+    let test = "vsock_without_a_device_fails_cleanly";
+    if !require(test, have_kvm(), "/dev/kvm is not accessible read-write")
+        || !require(test, have_qemu(), "qemu-system-x86_64 is missing")
+        || !require(
+            test,
+            std::path::Path::new(qemu::QBOOT).is_file(),
+            "qboot.rom is missing",
+        )
+    {
+        return;
+    }
+    let elf = agent_elf().expect("agent builds");
+    let dir = std::env::temp_dir().join(format!("vmtsync-{test}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let com2 = dir.join("com2.log");
+    let child = qemu::command(Machine::Q35, &elf, "transport=vsock exit=5", &com2)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("qemu starts");
+    let mut guard = ChildGuard::new(child);
+    let end = Instant::now() + STEP;
+    let status = loop {
+        if let Some(s) = guard.child().try_wait().expect("wait qemu") {
+            break s;
+        }
+        assert!(Instant::now() < end, "QEMU did not exit");
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    let log = decode_file_text(&elf, &com2);
+    let _ = std::fs::remove_dir_all(&dir);
+    assert_eq!(
+        status.code(),
+        Some(debug_exit_status(SETUP_FAILED_EXIT_CODE)),
+        "COM2 log:\n{log}"
+    );
+    assert!(
+        log.contains("vsock: PCI device setup failed: no virtio socket device found"),
+        "COM2 log:\n{log}"
+    );
+}

@@ -1,5 +1,6 @@
 //! Installs what the tier-2 tests need on a fresh machine of this project: the rustup target,
-//! Debian packages, and a mounted debugfs. Each step checks first and does nothing when the
+//! Debian packages, vhost-device-vsock (into the project's cache under
+//! `$HOME/.cache/vmtsync/`), and a mounted debugfs. Each step checks first and does nothing when the
 //! prerequisite is already there. Under `CI=true` a step that cannot be done fails the run.
 
 use std::path::Path;
@@ -31,11 +32,15 @@ pub(crate) fn setup() -> Result<()> {
         .map(|(pkg, _)| *pkg)
         .collect();
     if !missing.is_empty() {
-        let r = sh(Command::new("apt-get").args(["update", "-qq"])).and_then(|()| {
+        let install = || {
             sh(Command::new("apt-get")
                 .env("DEBIAN_FRONTEND", "noninteractive")
                 .args(["install", "-y", "-qq", "--no-install-recommends"])
                 .args(&missing))
+        };
+        // Try the cached package lists first; refresh them only when that fails.
+        let r = install().or_else(|_| {
+            sh(Command::new("apt-get").args(["update", "-qq"])).and_then(|()| install())
         });
         if let Err(e) = r {
             problems.push(format!("apt-get install {}: {e:#}", missing.join(" ")));
@@ -50,6 +55,10 @@ pub(crate) fn setup() -> Result<()> {
         problems.push(format!("mount debugfs: {e:#}"));
     }
 
+    if let Err(e) = vhost_device_vsock() {
+        problems.push(format!("vhost-device-vsock: {e:#}"));
+    }
+
     if problems.is_empty() {
         return Ok(());
     }
@@ -61,4 +70,25 @@ pub(crate) fn setup() -> Result<()> {
         "xtask setup: some tier-2 prerequisites are missing (tier-2 tests will skip):\n  {msg}"
     );
     Ok(())
+}
+
+/// vhost-device-vsock's version, as the vsock rig (`tests/src/vmm/vsock`) expects it.
+const VHOST_DEVICE_VSOCK_VERSION: &str = "0.3.0";
+
+/// Installs vhost-device-vsock into `$HOME/.cache/vmtsync/vhost-device-vsock` (where the vsock
+/// tests look) unless it is there. `cargo install` only: its own test suite binds AF_VSOCK,
+/// which these machines must never do.
+fn vhost_device_vsock() -> Result<()> {
+    let home = std::env::var_os("HOME").map_or_else(|| "/root".into(), std::path::PathBuf::from);
+    let root = home.join(".cache/vmtsync/vhost-device-vsock");
+    if root.join("bin/vhost-device-vsock").exists() {
+        return Ok(());
+    }
+    sh(
+        Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+            .args(["install", "--locked", "vhost-device-vsock", "--version"])
+            .arg(VHOST_DEVICE_VSOCK_VERSION)
+            .arg("--root")
+            .arg(&root),
+    )
 }

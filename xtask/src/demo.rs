@@ -375,10 +375,17 @@ fn kvm_mapping(vmtsync: &Path, pid: u32) -> Result<Vec<(u64, i64)>> {
 /// `vmtsync probe --connect unix:SOCK --json`: the parsed schema-1 object.
 fn probe(vmtsync: &Path, sock: &Path) -> Result<Value> {
     let mut c = Command::new(vmtsync);
-    c.args(["probe", "--json", "--no-progress", "--probes", "64"])
-        .args(["--timeout", "20000", "--connect-timeout", "20000"])
-        .arg("--connect")
-        .arg(format!("unix:{}", sock.display()));
+    c.args([
+        "probe",
+        "--json",
+        "--no-progress",
+        "--probes",
+        "64",
+        "--shutdown",
+    ])
+    .args(["--timeout", "20000", "--connect-timeout", "20000"])
+    .arg("--connect")
+    .arg(format!("unix:{}", sock.display()));
     let (code, out, err) = run_bounded(&mut c, STEP * 3)?;
     if code != Some(0) {
         bail!("vmtsync probe failed ({code:?}): {}", err.trim());

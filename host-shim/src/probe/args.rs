@@ -55,6 +55,10 @@ pub struct ProbeArgs {
     /// bound_hi, drift_ppb, rtt_min_ticks, probes, tracecmd_fastest_rtt_offset, ...).
     #[arg(long)]
     pub json: bool,
+    /// End the agent afterwards (it sends `Exiting` and, when booted with `exit=N`, ends
+    /// its VM through isa-debug-exit). Without it the agent keeps serving for later sessions.
+    #[arg(long)]
+    pub shutdown: bool,
     /// Never draw the progress line (it is only drawn when stderr is a terminal anyway).
     #[arg(long)]
     pub no_progress: bool,
@@ -73,6 +77,7 @@ impl ProbeArgs {
         o.json = self.json;
         o.progress = !self.no_progress;
         o.stop = stop;
+        o.shutdown = self.shutdown;
         o.continuous = match (&self.out, self.continuous) {
             (Some(out), true) => Some(ContinuousOptions {
                 out: out.clone(),

@@ -71,6 +71,10 @@ pub struct ProbeOptions {
     /// continuous mode after the current round, and otherwise abandons the connect, hello or
     /// round within about 20 ms with [`ProbeError::Interrupted`].
     pub stop: Option<&'static AtomicBool>,
+    /// End the agent when done (`--shutdown`): send `Shutdown` and wait for `Exiting`. Off by
+    /// default: probing must not stop the guest being traced; the agent then serves the next
+    /// session's hello.
+    pub shutdown: bool,
 }
 
 impl ProbeOptions {
@@ -88,6 +92,7 @@ impl ProbeOptions {
             progress: true,
             continuous: None,
             stop: None,
+            shutdown: false,
         }
     }
 }
@@ -209,7 +214,9 @@ pub fn run_probe_on<T: StampedTransport>(
         }),
         None => one_round(&mut session, opts, out, &mut progress),
     };
-    session.shutdown();
+    if opts.shutdown {
+        session.shutdown();
+    }
     result
 }
 

@@ -687,7 +687,16 @@ mod qemu_serial {
             s.bound_hi
         );
         assert_eq!(s.probes, 64);
-        // The agent exits through isa-debug-exit after our shutdown.
+        // Without --shutdown the agent keeps serving: a second session gets a fresh hello and
+        // its own bounds; this one ends the agent, which exits through isa-debug-exit.
+        opts.shutdown = true;
+        let again = run_probe(&opts, &mut Vec::new()).expect("a second session");
+        assert!(
+            again.bound_lo <= skew && skew <= again.bound_hi,
+            "second session: truth {skew} outside [{}, {}]",
+            again.bound_lo,
+            again.bound_hi
+        );
         let end = Instant::now() + Duration::from_secs(20);
         let status = loop {
             if let Some(st) = guard.child().try_wait().expect("wait qemu") {

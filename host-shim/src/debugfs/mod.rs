@@ -56,6 +56,9 @@ fn os(name: &CStr) -> &std::ffi::OsStr {
 /// VM being torn down (see [`KvmDebugfs::read_vm`]).
 pub const TEARDOWN_RECHECK: std::time::Duration = std::time::Duration::from_millis(5);
 
+/// How many times [`TEARDOWN_RECHECK`] (doubling) is waited before a missing file is believed.
+pub const TEARDOWN_RECHECKS: u32 = 6;
+
 /// The longest file content accepted. A 64-bit decimal with sign and newline is 21 bytes; more
 /// than this means the file is not what we think it is.
 const MAX_FILE_BYTES: usize = 64;
@@ -269,8 +272,9 @@ impl KvmDebugfs {
     ///
     /// The kernel removes a VM's directory bottom-up when the VM is destroyed, so a reader
     /// can meet a `vcpuN` directory that has already lost its `tsc-offset`. A missing file is
-    /// therefore re-checked once after [`TEARDOWN_RECHECK`]: if the VM directory is gone by
-    /// then it exited; if the file is still missing, the tree is broken.
+    /// therefore re-checked after [`TEARDOWN_RECHECK`], with doubling pauses up to
+    /// [`TEARDOWN_RECHECKS`] times: if the VM directory is gone by then it exited; if the file
+    /// is still missing, the tree is broken.
     ///
     /// # Errors
     /// [`DebugfsError::VmExited`] if the VM exits while being read; parse and I/O errors of
@@ -325,25 +329,34 @@ impl KvmDebugfs {
 
 /// Runs `read` and, if it fails the way a VM being torn down makes reads fail (a missing file,
 /// or an I/O error such as the `EIO` debugfs returns for a file whose VM was destroyed between
-/// `openat` and `read`), waits [`TEARDOWN_RECHECK`] and looks again: a vanished `vm_path` means
-/// the VM exited; otherwise the read is retried once and its result stands.
+/// `openat` and `read`), looks again after [`TEARDOWN_RECHECK`], doubling the pause up to
+/// [`TEARDOWN_RECHECKS`] times (≈ 0.3 s in all): a vanished `vm_path` means the VM exited; a
+/// read that succeeds stands; an error that outlasts every recheck is the tree's real state.
+/// One pause is not enough on a loaded host, where the bottom-up removal of a VM's directory
+/// can take longer than the first few milliseconds.
 fn recheck_teardown<T>(
     vm_path: &Path,
     mut read: impl FnMut() -> Result<T, DebugfsError>,
 ) -> Result<T, DebugfsError> {
-    match read() {
-        Err(DebugfsError::Missing { .. } | DebugfsError::Io { .. }) => {
-            std::thread::sleep(TEARDOWN_RECHECK);
-            if vm_path.exists() {
-                read()
-            } else {
-                Err(DebugfsError::VmExited {
-                    path: vm_path.to_path_buf(),
-                })
-            }
+    let mut r = read();
+    let mut pause = TEARDOWN_RECHECK;
+    for _ in 0..TEARDOWN_RECHECKS {
+        if !matches!(
+            r,
+            Err(DebugfsError::Missing { .. } | DebugfsError::Io { .. })
+        ) {
+            break;
         }
-        r => r,
+        std::thread::sleep(pause);
+        pause = pause.saturating_mul(2);
+        if !vm_path.exists() {
+            return Err(DebugfsError::VmExited {
+                path: vm_path.to_path_buf(),
+            });
+        }
+        r = read();
     }
+    r
 }
 
 /// True for the errors a debugfs file gives when its VM is destroyed under the reader:

@@ -143,6 +143,18 @@ fn line_reader(stdout: std::process::ChildStdout) -> mpsc::Receiver<String> {
     rx
 }
 
+/// Serializes the tests that watch the whole KVM debugfs tree: the kill-mid-read stress test
+/// churns VMs (and `kvm_write_tsc_offset` events) fast enough to delay the other watchers'
+/// events past their deadlines on a loaded 2-core machine. Poisoning is ignored: the lock only
+/// orders the tests.
+static WATCHERS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn watchers_lock() -> std::sync::MutexGuard<'static, ()> {
+    WATCHERS
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 /// Next JSON event satisfying `pred`, within `secs`.
 fn next_event(
     rx: &mpsc::Receiver<String>,
@@ -166,6 +178,7 @@ fn next_event(
 
 #[test]
 fn watch_reports_vm_gone_and_exits_zero() {
+    let _serial = watchers_lock();
     if !prerequisites("watch_reports_vm_gone_and_exits_zero") {
         return;
     }
@@ -224,6 +237,7 @@ fn watch_reports_vm_gone_and_exits_zero() {
 
 #[test]
 fn trace_events_see_offset_writes_and_clean_up() {
+    let _serial = watchers_lock();
     if !prerequisites("trace_events_see_offset_writes_and_clean_up") {
         return;
     }
@@ -390,6 +404,7 @@ fn unmounted_debugfs_is_explained_and_mounted_on_request() {
 /// "Input/output error" within a few kills.
 #[test]
 fn watch_survives_vms_killed_mid_read() {
+    let _serial = watchers_lock();
     if !prerequisites("watch_survives_vms_killed_mid_read") {
         return;
     }

@@ -46,6 +46,37 @@ pub fn debug_exit_status(code: u8) -> i32 {
 /// (IA32_ARCH_CAPABILITIES is refused by the nested KVM), so that MSR's feature is turned off.
 #[must_use]
 pub fn command(machine: Machine, elf: &Path, append: &str, com2_log: &Path) -> Command {
+    command_with_com1(machine, elf, append, com2_log, &["-serial", "stdio"])
+}
+
+/// [`command`] with COM1 on a Unix socket QEMU listens on at `sock` (`server=on,wait=off`:
+/// the guest boots without waiting for a client), as `vmtsync probe --connect unix:SOCK`
+/// and external tools reach it.
+#[must_use]
+pub fn command_com1_socket(
+    machine: Machine,
+    elf: &Path,
+    append: &str,
+    com2_log: &Path,
+    sock: &Path,
+) -> Command {
+    let chardev = format!("socket,id=com1,path={},server=on,wait=off", sock.display());
+    command_with_com1(
+        machine,
+        elf,
+        append,
+        com2_log,
+        &["-chardev", &chardev, "-serial", "chardev:com1"],
+    )
+}
+
+fn command_with_com1(
+    machine: Machine,
+    elf: &Path,
+    append: &str,
+    com2_log: &Path,
+    com1: &[&str],
+) -> Command {
     let mut c = Command::new(QEMU);
     match machine {
         Machine::Microvm => c.args(["-M", "microvm"]),
@@ -65,8 +96,9 @@ pub fn command(machine: Machine, elf: &Path, append: &str, com2_log: &Path) -> C
         "-monitor",
         "none",
         "-no-reboot",
-        "-serial",
-        "stdio",
+    ]);
+    c.args(com1);
+    c.args([
         "-device",
         "isa-serial,chardev=com2,iobase=0x2f8,irq=3",
         "-device",

@@ -7,7 +7,7 @@
 //! agent's `skew=O,R,F` boot option makes its reported TSC `O + (tsc * R) >> F`.
 
 use std::path::Path;
-use std::process::{Command, Output, Stdio};
+use std::process::{Output, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
@@ -21,7 +21,7 @@ use vmtsync_core::estimate::ProbeSample;
 use vmtsync_core::mapping::KvmTscMapping;
 use vmtsync_tests::vmm::agent_elf;
 use vmtsync_tests::vmm::defmt_log::decode_file_text;
-use vmtsync_tests::vmm::qemu::{QEMU, have_qemu};
+use vmtsync_tests::vmm::qemu::{self, Machine, have_qemu};
 use vmtsync_tests::{ChildGuard, have_kvm, is_root, require};
 
 use crate::kvm_fixtures::vmtsync;
@@ -267,25 +267,7 @@ fn qemu_ready(test: &str) -> bool {
 /// without waiting for a client) and COM2 (the agent's log) in `com2`.
 fn boot_qemu(elf: &Path, sock: &Path, com2: &Path, append: &str) -> ChildGuard {
     let _ = std::fs::remove_file(sock);
-    let child = Command::new(QEMU)
-        .args(["-M", "microvm", "-accel", "kvm"])
-        .args(["-cpu", "host,+invtsc,-arch-capabilities", "-m", "64M"])
-        .args(["-smp", "1", "-display", "none", "-monitor", "none"])
-        .arg("-no-reboot")
-        .arg("-chardev")
-        .arg(format!(
-            "socket,id=com1,path={},server=on,wait=off",
-            sock.display()
-        ))
-        .args(["-serial", "chardev:com1"])
-        .args(["-device", "isa-serial,chardev=com2,iobase=0x2f8,irq=3"])
-        .args(["-device", "isa-debug-exit,iobase=0xf4,iosize=4"])
-        .arg("-chardev")
-        .arg(format!("file,id=com2,path={}", com2.display()))
-        .arg("-kernel")
-        .arg(elf)
-        .arg("-append")
-        .arg(append)
+    let child = qemu::command_com1_socket(Machine::Microvm, elf, append, com2, sock)
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::null())

@@ -593,7 +593,7 @@ mod qemu_serial {
 
     use vmtsync::probe::{ProbeAddr, ProbeOptions, run_probe};
     use vmtsync_tests::vmm::agent_elf;
-    use vmtsync_tests::vmm::qemu::{QEMU, debug_exit_status, have_qemu};
+    use vmtsync_tests::vmm::qemu::{self, debug_exit_status, have_qemu};
     use vmtsync_tests::{ChildGuard, have_kvm, require};
 
     #[test]
@@ -618,46 +618,18 @@ mod qemu_serial {
         let com2 = dir.join("com2.log");
         let _ = std::fs::remove_file(&sock);
         let skew = 5_000_000_i64;
-        // The same machine as vmtsync_tests::vmm::qemu::command, with COM1 on a socket QEMU
-        // listens on (server=on,wait=off: the guest boots without waiting for us).
-        let child = std::process::Command::new(QEMU)
-            .args([
-                "-M",
-                "microvm",
-                "-accel",
-                "kvm",
-                "-cpu",
-                "host,+invtsc,-arch-capabilities",
-            ])
-            .args([
-                "-m",
-                "64M",
-                "-smp",
-                "1",
-                "-display",
-                "none",
-                "-monitor",
-                "none",
-                "-no-reboot",
-            ])
-            .arg("-chardev")
-            .arg(format!(
-                "socket,id=com1,path={},server=on,wait=off",
-                sock.display()
-            ))
-            .args(["-serial", "chardev:com1"])
-            .args(["-device", "isa-serial,chardev=com2,iobase=0x2f8,irq=3"])
-            .args(["-device", "isa-debug-exit,iobase=0xf4,iosize=4"])
-            .arg("-chardev")
-            .arg(format!("file,id=com2,path={}", com2.display()))
-            .arg("-kernel")
-            .arg(&elf)
-            .args(["-append", "transport=uart exit=9 skew=5000000,1,0"])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("qemu starts");
+        let child = qemu::command_com1_socket(
+            qemu::Machine::Microvm,
+            &elf,
+            "transport=uart exit=9 skew=5000000,1,0",
+            &com2,
+            &sock,
+        )
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("qemu starts");
         let mut guard = ChildGuard::new(child);
         let mut opts =
             ProbeOptions::new(ProbeAddr::parse(&format!("unix:{}", sock.display())).unwrap());

@@ -15,14 +15,8 @@ use vmtsync_core::HostTicks;
 pub fn read_host_tsc() -> HostTicks {
     #[cfg(target_arch = "x86_64")]
     {
-        // SAFETY: `lfence` and `rdtsc` are available on every x86_64 CPU (SSE2 is part of the
-        // x86_64 baseline; RDTSC is only unavailable when CR4.TSD is set, which Linux never sets
-        // for user space). Neither touches memory.
-        let t = unsafe {
-            core::arch::x86_64::_mm_lfence();
-            core::arch::x86_64::_rdtsc()
-        };
-        HostTicks(t)
+        // vmtsync-core's ordered read (`lfence; rdtsc`), the one the probe engine stamps with.
+        HostTicks(vmtsync_core::arch::x86_64::lfence_rdtsc())
     }
     #[cfg(not(target_arch = "x86_64"))]
     {

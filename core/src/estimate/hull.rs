@@ -416,18 +416,12 @@ pub fn estimate_drift<const N: usize>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::GuestTicks;
     use crate::sim::GuestClock;
     use proptest::prelude::*;
     use std::vec::Vec as StdVec;
 
     fn p(send: u64, guest: u64, recv: u64) -> ProbeSample {
-        ProbeSample {
-            host_send: HostTicks(send),
-            guest: GuestTicks(guest),
-            host_recv: HostTicks(recv),
-            vcpu: 0,
-        }
+        crate::estimate::sample::test_sample(send, guest, recv, 0)
     }
 
     /// Naive reference: Fourier–Motzkin over **all** samples' constraints, no hulls.

@@ -128,16 +128,10 @@ pub fn estimate_offset(samples: &[ProbeSample]) -> Result<OffsetEstimate, Estima
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{GuestTicks, HostTicks};
     use proptest::prelude::*;
 
     fn p(send: u64, guest: u64, recv: u64) -> ProbeSample {
-        ProbeSample {
-            host_send: HostTicks(send),
-            guest: GuestTicks(guest),
-            host_recv: HostTicks(recv),
-            vcpu: 1,
-        }
+        crate::estimate::sample::test_sample(send, guest, recv, 1)
     }
 
     #[test]

@@ -32,6 +32,17 @@ impl ProbeSample {
     }
 }
 
+/// A sample from raw tick counts, for the estimators' unit tests.
+#[cfg(test)]
+pub(crate) const fn test_sample(send: u64, guest: u64, recv: u64, vcpu: u32) -> ProbeSample {
+    ProbeSample {
+        host_send: HostTicks(send),
+        guest: GuestTicks(guest),
+        host_recv: HostTicks(recv),
+        vcpu,
+    }
+}
+
 /// Why an estimator produced no result. Small and `Copy` so no_std callers can match on it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[cfg_attr(feature = "defmt", derive(defmt::Format))]

@@ -124,7 +124,6 @@ pub fn trace_cmd_histogram(samples: &[ProbeSample]) -> Result<TraceCmdEstimate, 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::GuestTicks;
     use proptest::prelude::*;
     use std::vec::Vec;
 
@@ -204,12 +203,7 @@ mod tests {
     }
 
     fn p(send: u64, guest: u64, recv: u64) -> ProbeSample {
-        ProbeSample {
-            host_send: HostTicks(send),
-            guest: GuestTicks(guest),
-            host_recv: HostTicks(recv),
-            vcpu: 3,
-        }
+        crate::estimate::sample::test_sample(send, guest, recv, 3)
     }
 
     #[test]

@@ -5,10 +5,5 @@
 #[must_use]
 #[inline]
 pub fn host_tsc() -> u64 {
-    // SAFETY: lfence and rdtsc are available on every x86_64 CPU and have no memory effects;
-    // user-mode rdtsc is allowed (CR4.TSD is clear on Linux hosts).
-    unsafe {
-        core::arch::x86_64::_mm_lfence();
-        core::arch::x86_64::_rdtsc()
-    }
+    vmtsync_core::arch::x86_64::lfence_rdtsc()
 }

@@ -14,7 +14,7 @@
 //!
 //! Probe latency: a probe reply is encoded up to the TSC bytes before the TSC is read
 //! ([`ProbeReplyFrame`]), so between the read and the link's send there are only a few byte
-//! stores. On nested KVM every guest ring-0 instruction costs about 1 µs (DESIGN.md §4): that
+//! stores. On nested KVM every guest ring-0 instruction costs about 1 µs (docs/host-quirks.md): that
 //! path length is the probe's error.
 //!
 //! Garbage on the link (noise, a peer speaking another protocol, an overlong frame) is

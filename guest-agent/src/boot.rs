@@ -11,7 +11,7 @@
 //!
 //! [`enter_ring3`] then drops to CPL 3 with IOPL 3 (boot option `ring=3`, the default): on the
 //! project's nested KVM, ring-0 guest code is emulated one instruction at a time (~1 µs each)
-//! while ring-3 code runs natively (DESIGN.md §4), and IOPL 3 keeps port I/O (the UARTs,
+//! while ring-3 code runs natively (see docs/host-quirks.md), and IOPL 3 keeps port I/O (the UARTs,
 //! isa-debug-exit) available there. All pages are mapped user-accessible for this, the GDT has
 //! DPL-3 code and data segments, and nothing ever returns to ring 0 (there is no IDT: any
 //! exception is a triple fault, which the VMM reports as a shutdown).

@@ -3,8 +3,9 @@
 //! `Hal` for the agent's identity-mapped address space.
 //!
 //! The region lives in the linker script's NOLOAD `.heap` section: it is never zeroed at boot
-//! (zeroing in emulated ring-0 code costs ~0.5 M cycles per 4 KiB here, DESIGN.md §4), and
-//! [`IdentityHal::dma_alloc`] zeroes only what it hands out, in ring 3 at native speed.
+//! (zeroing in emulated ring-0 code costs ~0.5 M cycles per 4 KiB here, see
+//! docs/host-quirks.md), and [`IdentityHal::dma_alloc`] zeroes only what it hands out, in
+//! ring 3 at native speed.
 //! The allocator itself is declared by the binary (`#[global_allocator]`), so a unikernel that
 //! embeds this library keeps its own.
 

@@ -167,7 +167,7 @@ pub extern "C" fn kmain(start_info_phys: u64) -> ! {
         features = features.union(Features::INVARIANT_TSC);
     }
     let tsc_khz = tsc_freq(&cpuid).and_then(|f| u32::try_from(f.hz / 1000).ok());
-    // Never RDTSCP here: it kills the VM on the project's nested KVM (DESIGN.md §4).
+    // Never RDTSCP here: it kills the VM on the project's nested KVM (see docs/host-quirks.md).
     let tsc = NativeTsc::lfence_rdtsc();
     log!(
         "cpu: invariant tsc {}, tsc_khz {}, tsc at ready {}",

@@ -3,7 +3,7 @@
 //!
 //! virtio-drivers ships no port-I/O configuration access, so [`PortCam`] implements its
 //! `ConfigurationAccess`. Its `PciTransport` also needs memory BARs that firmware has already
-//! placed; qboot (the fast firmware on q35, DESIGN.md §4) leaves them at 0, so
+//! placed; qboot (the fast firmware on q35, see docs/qemu.md) leaves them at 0, so
 //! [`assign_memory_bars`] sizes each unassigned memory BAR and places it in an [`MmioWindow`],
 //! then turns on memory decoding and bus mastering.
 //!

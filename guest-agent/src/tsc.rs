@@ -2,13 +2,13 @@
 //!
 //! The TSC itself is read with `vmtsync_core::arch::x86_64::NativeTsc::lfence_rdtsc()`: never
 //! RDTSCP, which is not exposed to guests on the project's machines and kills the VM when
-//! executed (DESIGN.md §4); `lfence` keeps the read after the UART read that delivered the
-//! probe.
+//! executed (see docs/host-quirks.md); `lfence` keeps the read after the UART read that
+//! delivered the probe.
 
 /// A software skew applied to every TSC value the agent reports, in KVM's own form:
 /// `reported = offset + ((tsc * ratio) >> frac_bits)` (wrapping add, 128-bit product). It lets
 /// tests exercise non-zero offsets and scaling end to end on machines where KVM refuses to
-/// set them (DESIGN.md §4).
+/// set them (see docs/host-quirks.md).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Skew {
     /// Added (wrapping) after scaling, like KVM's `tsc_offset`.

@@ -3,7 +3,7 @@
 //! Every wait here has a deadline. A guest whose vsock queues are not up yet makes
 //! vhost-device-vsock drop (or, about one connect in twenty in early experiments, hang) a
 //! host connection, so connects and handshakes are retried with a short backoff until the
-//! connect deadline passes (DESIGN.md §4).
+//! connect deadline passes (see docs/vsock.md).
 
 use std::io::{self, Read, Write};
 use std::net::{TcpStream, ToSocketAddrs};
@@ -447,7 +447,7 @@ fn connect_tcp(
 const SO_VM_SOCKETS_CONNECT_TIMEOUT: libc::c_int = 6;
 
 /// A connected AF_VSOCK stream socket (std has none). Used only on real hosts with
-/// `/dev/vhost-vsock`; tests never create one (DESIGN.md §4).
+/// `/dev/vhost-vsock`; tests never create one (see docs/host-quirks.md).
 #[derive(Debug)]
 pub struct VsockStream(OwnedFd);
 

@@ -131,7 +131,7 @@ fn flat_segment(selector: u16, type_: u8) -> kvm_segment {
 }
 
 /// Puts the vCPU in the PVH entry state: CPUID from KVM's supported set (without it CPUID reads
-/// zeros and enabling long mode triple-faults, DESIGN.md §4), CR0.PE with paging off, flat
+/// zeros and enabling long mode triple-faults, docs/host-quirks.md), CR0.PE with paging off, flat
 /// 32-bit code (type 0xb) and data (type 0x3) segments, a busy TSS in TR as VM entry requires,
 /// `rip` = entry, `rbx` = start-info address.
 pub(crate) fn setup_vcpu(kvm: &Kvm, vcpu: &VcpuFd, entry: u64) -> Result<(), VmmError> {

@@ -1,7 +1,7 @@
 //! The same agent ELF under QEMU, for comparison with the built-in VMM.
 //!
 //! QEMU 7.2 boots a PVH ELF with `-kernel`. Never SeaBIOS here (5–7 s of emulated ring-0
-//! code, DESIGN.md §4): `microvm` (its default firmware is qboot) or `q35` with
+//! code, see docs/qemu.md): `microvm` (its default firmware is qboot) or `q35` with
 //! `-bios qboot.rom`. COM1 is QEMU's stdio; COM2 is an extra `isa-serial` at 0x2f8 writing to a
 //! file, because `microvm` creates only one UART itself. The file holds the agent's defmt
 //! frames: decode it with [`super::defmt_log`] against the same ELF.

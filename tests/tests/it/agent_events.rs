@@ -4,8 +4,9 @@
 //! event whose id is the number of messages handled so far. The host sends one request at a
 //! time, so event `k` is recorded after the reply to message `k` went out and before the guest
 //! read message `k + 1`: its TSC lies between the exit carrying that reply's first byte and the
-//! exit where the guest read the next request. Truth: guest TSC == host TSC here (DESIGN.md
-//! §4), so with an identity mapping pushed the host-stamped events obey the same bracket.
+//! exit where the guest read the next request. Truth: guest TSC == host TSC here (see
+//! docs/host-quirks.md), so with an identity mapping pushed the host-stamped events obey the
+//! same bracket.
 
 use std::time::Duration;
 

@@ -1,9 +1,9 @@
 //! Tier 2: the guest agent under the built-in VMM on real KVM.
 //!
 //! Truth on the project's machines: guest TSC == host TSC (KVM here cannot offset or scale
-//! it, DESIGN.md §4), so every TSC the agent reports must lie between the host TSCs of the VM
-//! exits that bracket the exchange: the exit where the guest read the request's last byte and
-//! the exit where it wrote the reply's first byte.
+//! it, see docs/host-quirks.md), so every TSC the agent reports must lie between the host TSCs
+//! of the VM exits that bracket the exchange: the exit where the guest read the request's last
+//! byte and the exit where it wrote the reply's first byte.
 
 use std::time::Duration;
 

@@ -3,8 +3,8 @@
 //! skew recovered by probes and undone by `convert`, the KVM debugfs mapping checked against
 //! the agent's own TSC readings, and a VM killed in the middle of a probe run.
 //!
-//! Truth in tier 2 (DESIGN.md §4): guest TSC == host TSC here, debugfs reads offset 0; the
-//! agent's `skew=O,R,F` boot option makes its reported TSC `O + (tsc * R) >> F`.
+//! Truth in tier 2 (see docs/host-quirks.md): guest TSC == host TSC here, debugfs reads
+//! offset 0; the agent's `skew=O,R,F` boot option makes its reported TSC `O + (tsc * R) >> F`.
 
 use std::path::Path;
 use std::process::{Output, Stdio};

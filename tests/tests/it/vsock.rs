@@ -1,7 +1,7 @@
 //! Tier 2: the agent's virtio-vsock transport, end to end under QEMU q35 + qboot with
 //! `vhost-user-vsock-pci` and the `vhost-device-vsock` backend (installed on demand).
 //!
-//! Truth here: guest TSC == host TSC (DESIGN.md §4), so every probe's host bracket
+//! Truth here: guest TSC == host TSC (see docs/host-quirks.md), so every probe's host bracket
 //! `[sent, received]` must contain the guest's TSC, and the offset interval they imply must
 //! contain 0. It prints the RTT and the midpoint estimate's error against 0.
 

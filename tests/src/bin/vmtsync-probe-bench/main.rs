@@ -14,7 +14,7 @@
 //! - the built-in VMM again with the agent's software skew (`skew=OFFSET,RATIO,FRAC`), so the
 //!   truth is a non-identity line (`skew/…`).
 //!
-//! Truth: guest TSC == host TSC here (KVM cannot offset or scale it, DESIGN.md §4), or the skew
+//! Truth: guest TSC == host TSC here (KVM cannot offset or scale it, docs/host-quirks.md), or the skew
 //! the agent was told to apply. Each session's samples go to `estimate_offset` (interval and
 //! centre), `DriftEstimator` (rate and offset bounds) and `trace_cmd_fastest`; the table reports
 //! median |error| over sessions, their ratio, interval widths, whether every interval contained

@@ -26,7 +26,7 @@ pub struct Truth {
 }
 
 impl Truth {
-    /// Guest TSC == host TSC: the truth of every real-KVM run here (DESIGN.md §4).
+    /// Guest TSC == host TSC: the truth of every real-KVM run here (see docs/host-quirks.md).
     pub const IDENTITY: Self = Self {
         offset: 0,
         ratio: 1,

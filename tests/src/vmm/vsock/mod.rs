@@ -2,7 +2,7 @@
 //! virtio-mmio), through `vhost-device-vsock`.
 //!
 //! There is no `/dev/vhost-vsock` on the project's machines and AF_VSOCK sockets are off limits
-//! (DESIGN.md §4), so the device is QEMU's `vhost-user-vsock-pci` (q35) or
+//! (see docs/vsock.md), so the device is QEMU's `vhost-user-vsock-pci` (q35) or
 //! `vhost-user-vsock-device` (microvm) served by the rust-vmm `vhost-device-vsock` 0.3 backend,
 //! which maps guest connections onto Unix sockets: a guest connection to host port P arrives as
 //! a connection to `<uds-path>_P`, and the host reaches a listening guest through `<uds-path>`

@@ -1,0 +1,186 @@
+//! The top-level parser and dispatch: `vmtsync <command>`, and `main`'s exit-code mapping.
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+use super::convert::{ConvertArgs, run_convert};
+use super::exit::{CliError, EXIT_CODES};
+use super::kvm::{KvmArgs, run_kvm};
+use super::probe::run_probe_cmd;
+use super::tsc::{TscCommand, run_tsc};
+use crate::probe::ProbeArgs;
+
+/// vmtsync: exact host<->guest TSC mappings from KVM, for putting VM trace events on the host
+/// timeline.
+#[derive(Debug, Parser)]
+#[command(name = "vmtsync", bin_name = "vmtsync", version, after_help = EXIT_CODES)]
+pub struct Cli {
+    /// The command.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// Top-level commands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// List VMs and each vCPU's exact TSC mapping from KVM debugfs (or watch it change).
+    ///
+    /// For each vCPU: guest_tsc = tsc_offset + (host_tsc * tsc_scaling_ratio) >> tsc_frac_bits,
+    /// true at some host TSC in [host_tsc_before, host_tsc_after]. vCPU numbers are the VMM's
+    /// vCPU ids (debugfs `vcpuN`), not guest CPU indexes. A vCPU with guest_mode=1 runs a
+    /// nested guest: its values are the combined L0->L2 mapping, not its VM's. A host without
+    /// TSC scaling has no tsc-scaling-ratio files: the vCPU then shows ratio 1, frac bits 0
+    /// (identity, scaling_present=false), which `tsc compose` accepts with any other side.
+    ///
+    /// JSON (--json, schema 1): {"schema":1,"vms":[{"pid","fd","name","vcpus":[{"vcpu",
+    /// "tsc_offset","tsc_scaling_ratio","tsc_frac_bits","scaling_present","guest_mode",
+    /// "thread_pid","host_tsc_before","host_tsc_after"}]}]}.
+    #[command(after_help = EXIT_CODES)]
+    Kvm(KvmArgs),
+    /// Convert TSC values read from stdin, one decimal per line (guest -> host by default).
+    ///
+    /// The mapping is given (--offset [--ratio --frac-bits]) or read from debugfs
+    /// (--vm --vcpu). Streams with constant memory; the first bad line stops it with its line
+    /// number unless --skip-bad.
+    #[command(after_help = EXIT_CODES)]
+    Convert(ConvertArgs),
+    /// Measure a guest's TSC offset (and drift) with ping-pong probes against the vmtsync guest
+    /// agent, with guaranteed bounds and trace-cmd's estimate on the same samples.
+    ///
+    /// JSON (--json, schema 1): one object per round with schema, vcpu, offset_ticks, bound_lo,
+    /// bound_hi, model, at_host_tsc, drift_ppb(_lo/_hi), rtt_*_ticks, probes, sent,
+    /// lost_probes, bad_frames, stale_replies, tracecmd_fastest_rtt_offset, tsc_khz.
+    #[command(after_help = EXIT_CODES)]
+    Probe(ProbeArgs),
+    /// TSC mapping arithmetic.
+    #[command(subcommand)]
+    Tsc(TscCommand),
+}
+
+/// Parses the process arguments, runs the command and maps the outcome to an exit code;
+/// errors go to stderr as `vmtsync: …`.
+#[must_use]
+pub fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) if e.is_broken_pipe() => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("vmtsync: {e}");
+            ExitCode::from(e.exit_code())
+        }
+    }
+}
+
+/// Runs a parsed command line against the real stdin/stdout/stderr.
+///
+/// # Errors
+/// Any [`CliError`].
+pub fn run(cli: Cli) -> Result<(), CliError> {
+    match cli.command {
+        Command::Kvm(a) => run_kvm(&a),
+        Command::Convert(a) => run_convert(&a),
+        Command::Probe(a) => run_probe_cmd(&a),
+        Command::Tsc(c) => run_tsc(&c),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn clap_definition_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn parses_contract_forms() {
+        let p = |args: &[&str]| Cli::try_parse_from(args.iter().copied());
+        assert!(p(&["vmtsync", "kvm", "--json", "--vm", "123"]).is_ok());
+        assert!(
+            p(&[
+                "vmtsync",
+                "kvm",
+                "--watch",
+                "--interval",
+                "50",
+                "--trace-events"
+            ])
+            .is_ok()
+        );
+        assert!(
+            p(&["vmtsync", "kvm", "--interval", "50"]).is_err(),
+            "--interval needs --watch"
+        );
+        assert!(p(&["vmtsync", "convert", "--offset", "-5"]).is_ok());
+        assert!(
+            p(&[
+                "vmtsync",
+                "convert",
+                "--offset",
+                "-5",
+                "--ratio",
+                "3",
+                "--frac-bits",
+                "1",
+                "--to",
+                "guest"
+            ])
+            .is_ok()
+        );
+        assert!(
+            p(&["vmtsync", "convert", "--offset", "1", "--ratio", "3"]).is_err(),
+            "ratio needs frac bits"
+        );
+        assert!(p(&["vmtsync", "convert", "--vm", "web", "--vcpu", "2"]).is_ok());
+        assert!(
+            p(&["vmtsync", "convert", "--vm", "web"]).is_err(),
+            "--vm needs --vcpu"
+        );
+        assert!(p(&["vmtsync", "convert"]).is_err(), "a mapping is required");
+        assert!(
+            p(&[
+                "vmtsync", "convert", "--offset", "1", "--vm", "1", "--vcpu", "0"
+            ])
+            .is_err()
+        );
+        assert!(
+            p(&[
+                "vmtsync", "tsc", "compose", "--l1", "-5,1,0", "--l2", "7,1,0", "--json"
+            ])
+            .is_ok()
+        );
+        assert!(p(&["vmtsync", "convert", "--sync", "s.jsonl", "--vcpu", "0"]).is_ok());
+        assert!(
+            p(&["vmtsync", "convert", "--sync", "s.jsonl"]).is_err(),
+            "--sync needs --vcpu"
+        );
+        for extra in [&["--offset", "5"][..], &["--vm", "1"], &["--to", "guest"]] {
+            let mut args = vec!["vmtsync", "convert", "--sync", "s", "--vcpu", "0"];
+            args.extend_from_slice(extra);
+            assert!(p(&args).is_err(), "--sync conflicts with {extra:?}");
+        }
+        assert!(
+            p(&["vmtsync", "convert", "--offset", "5", "--vcpu", "0"]).is_err(),
+            "--vcpu is meaningless with --offset"
+        );
+        assert!(
+            p(&[
+                "vmtsync",
+                "probe",
+                "--connect",
+                "unix:/tmp/x.sock",
+                "--json",
+                "--probes",
+                "10",
+                "--timeout",
+                "500"
+            ])
+            .is_ok()
+        );
+        assert!(p(&["vmtsync", "probe"]).is_err(), "--connect is required");
+    }
+}

@@ -1,0 +1,223 @@
+//! The error every command reports, and its mapping to the documented exit codes.
+
+use std::io;
+use std::sync::atomic::Ordering;
+
+use thiserror::Error;
+
+use super::signals::STOP_SIGNAL;
+use crate::compose::ComposeError;
+use crate::convert::ConvertError;
+use crate::debugfs::{DEBUGFS_MOUNTPOINT, DebugfsError};
+use crate::probe::{ConnectError, ProbeError};
+use crate::scan::ScanError;
+use crate::syncfile::SyncFileError;
+use crate::trace_events::TraceError;
+use crate::watch::WatchError;
+
+/// The exit codes, for `--help` (also in the [module docs](crate::cli)).
+pub(super) const EXIT_CODES: &str = "\
+Exit codes:
+  0  success (also when stdout is a closed pipe)
+  1  runtime error (I/O, malformed debugfs contents, VM exited while being read)
+  2  bad command-line usage
+  3  environment: debugfs not mounted, not root, no tracefs
+  4  no VM or vCPU matches --vm / --vcpu (convert --sync: no segment for --vcpu)
+  5  bad input data (convert: bad line, value out of range or malformed sync file;
+     compose: cannot compose)
+  6  refused: the vCPU runs a nested guest (guest_mode=1) and --nested-l2 was not given
+  7  probe: the guest agent could not be reached or stopped answering (VM gone, agent
+     restarted, protocol version mismatch)
+  130  probe: interrupted by SIGINT (143: by SIGTERM) before it measured anything; in
+     continuous mode a signal instead ends the run after the current round";
+
+/// Every error the command line reports, with its exit code.
+#[derive(Debug, Error)]
+#[non_exhaustive]
+pub enum CliError {
+    /// From `kvm` scans.
+    #[error(transparent)]
+    Scan(#[from] ScanError),
+    /// From watch mode.
+    #[error(transparent)]
+    Watch(#[from] WatchError),
+    /// From `convert`.
+    #[error(transparent)]
+    Convert(#[from] ConvertError),
+    /// From `tsc compose`.
+    #[error(transparent)]
+    Compose(#[from] ComposeError),
+    /// From `probe`.
+    #[error(transparent)]
+    Probe(#[from] ProbeError),
+    /// From `convert --sync`.
+    #[error(transparent)]
+    SyncFile(#[from] SyncFileError),
+    /// `--vcpu` names no vCPU of the VM.
+    #[error("VM {vm} has no vcpu{vcpu}; its vCPUs are: {available}")]
+    NoVcpu {
+        /// The VM (`pid-fd`).
+        vm: String,
+        /// The requested id.
+        vcpu: u32,
+        /// The ids that exist.
+        available: String,
+    },
+    /// `--vm` matched several VMs where one is needed.
+    #[error("--vm {selector} matches {count} VMs ({list}): give one as PID-FD")]
+    Ambiguous {
+        /// The selector.
+        selector: String,
+        /// How many matched.
+        count: usize,
+        /// Their `pid-fd`.
+        list: String,
+    },
+    /// The vCPU runs a nested guest.
+    #[error(
+        "VM {vm} vcpu{vcpu} is running a nested guest (guest_mode=1): debugfs holds the combined L0->L2 mapping, not this VM's; pass --nested-l2 if the input is L2 timestamps, or retry when the vCPU is back in L1"
+    )]
+    Nested {
+        /// The VM (`pid-fd`).
+        vm: String,
+        /// The vCPU id.
+        vcpu: u32,
+    },
+    /// `--mount-debugfs` without root.
+    #[error("--mount-debugfs needs root (run as root, e.g. with sudo)")]
+    NotRoot,
+    /// The mount call failed.
+    #[error("mount -t debugfs none {DEBUGFS_MOUNTPOINT} failed: {0}")]
+    Mount(io::Error),
+    /// Writing output.
+    #[error("writing output: {0}")]
+    Output(#[from] io::Error),
+}
+
+impl CliError {
+    /// The process exit code for this error (see the module docs).
+    #[must_use]
+    pub fn exit_code(&self) -> u8 {
+        let debugfs = |e: &DebugfsError| match e {
+            DebugfsError::NotMounted { .. }
+            | DebugfsError::NoKvmDir { .. }
+            | DebugfsError::PermissionDenied { .. } => 3,
+            _ => 1,
+        };
+        let scan = |e: &ScanError| match e {
+            ScanError::Debugfs(d) => debugfs(d),
+            ScanError::NoMatch { .. } => 4,
+        };
+        match self {
+            Self::Scan(e) | Self::Watch(WatchError::Scan(e)) => scan(e),
+            Self::Watch(WatchError::Trace(TraceError::NoTracefs { .. })) => 3,
+            Self::Watch(_) | Self::Output(_) => 1,
+            Self::Convert(ConvertError::Io(_)) => 1,
+            Self::Convert(_) | Self::Compose(_) => 5,
+            Self::NoVcpu { .. } | Self::Ambiguous { .. } => 4,
+            Self::Nested { .. } => 6,
+            Self::NotRoot | Self::Mount(_) => 3,
+            Self::Probe(e) => probe_exit_code(e),
+            Self::SyncFile(e) => sync_exit_code(e),
+        }
+    }
+
+    /// True if this is a write to a closed pipe, which is not an error for a filter.
+    #[must_use]
+    pub fn is_broken_pipe(&self) -> bool {
+        let io = match self {
+            Self::Probe(e) => return e.is_broken_pipe(),
+            Self::SyncFile(e) => return e.is_broken_pipe(),
+            Self::Output(e)
+            | Self::Convert(ConvertError::Io(e))
+            | Self::Watch(WatchError::Output(e)) => e,
+            _ => return false,
+        };
+        io.kind() == io::ErrorKind::BrokenPipe
+    }
+}
+
+/// Exit code of a `probe` failure: 7 when the agent is unreachable or stopped answering,
+/// 3 when vsock is unsupported here, 5 for a sync file that cannot be appended to, else 1.
+fn probe_exit_code(e: &ProbeError) -> u8 {
+    match e {
+        // The shell convention for death by a signal: 128 + its number.
+        ProbeError::Interrupted | ProbeError::Connect(ConnectError::Interrupted(_)) => {
+            128 + u8::try_from(STOP_SIGNAL.load(Ordering::Relaxed)).unwrap_or(2)
+        }
+        ProbeError::Connect(ConnectError::Unsupported) => 3,
+        ProbeError::Connect(_)
+        | ProbeError::Timeout { .. }
+        | ProbeError::Transport { .. }
+        | ProbeError::VersionMismatch { .. }
+        | ProbeError::AgentNotReady
+        | ProbeError::AgentExited => 7,
+        ProbeError::SyncFile(s) => sync_exit_code(s),
+        _ => 1,
+    }
+}
+
+/// Exit code of a sync-file failure: 4 for a vCPU without segments, 1 for I/O, else 5.
+fn sync_exit_code(e: &SyncFileError) -> u8 {
+    match e {
+        SyncFileError::NoSegments { .. } => 4,
+        SyncFileError::Io { .. } | SyncFileError::Output(_) => 1,
+        _ => 5,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::probe;
+
+    #[test]
+    fn exit_codes() {
+        let nm = CliError::Scan(ScanError::Debugfs(DebugfsError::NotMounted {
+            root: "/x".into(),
+        }));
+        assert_eq!(nm.exit_code(), 3);
+        let nomatch = CliError::Scan(ScanError::NoMatch {
+            selector: "a".into(),
+            available: "none".into(),
+        });
+        assert_eq!(nomatch.exit_code(), 4);
+        assert_eq!(
+            CliError::Nested {
+                vm: "1-2".into(),
+                vcpu: 0
+            }
+            .exit_code(),
+            6
+        );
+        let bp = CliError::Output(io::Error::from(io::ErrorKind::BrokenPipe));
+        assert!(bp.is_broken_pipe());
+        assert!(!nm.is_broken_pipe());
+        let gone = CliError::Probe(ProbeError::Transport {
+            what: "a probe reply",
+            source: probe::TransportError::Closed,
+        });
+        assert_eq!(gone.exit_code(), 7);
+        assert!(!gone.is_broken_pipe());
+        // No signal has arrived in this test process: SIGINT's 128 + 2.
+        assert_eq!(CliError::Probe(ProbeError::Interrupted).exit_code(), 130);
+        assert_eq!(
+            CliError::Probe(ProbeError::Connect(ConnectError::Interrupted("x".into()))).exit_code(),
+            130
+        );
+        let probe_pipe = CliError::Probe(ProbeError::Output(io::Error::from(
+            io::ErrorKind::BrokenPipe,
+        )));
+        assert!(probe_pipe.is_broken_pipe());
+        let no_seg = CliError::SyncFile(SyncFileError::NoSegments {
+            vcpu: 3,
+            present: vec![0],
+        });
+        assert_eq!(no_seg.exit_code(), 4);
+        assert_eq!(CliError::SyncFile(SyncFileError::NoHeader).exit_code(), 5);
+        let sync_pipe = CliError::SyncFile(SyncFileError::Output(io::Error::from(
+            io::ErrorKind::BrokenPipe,
+        )));
+        assert!(sync_pipe.is_broken_pipe());
+    }
+}

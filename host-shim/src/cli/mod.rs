@@ -1,0 +1,37 @@
+//! The `vmtsync` command line: argument definitions, dispatch, errors and exit codes.
+//!
+//! One module per command ([`kvm`], [`convert`], [`probe`], [`tsc`]), the top-level parser and
+//! dispatch ([`command`]), the shared error type and exit codes ([`exit`]), SIGINT/SIGTERM
+//! handling (`signals`) and the debugfs/`/proc` source flags shared by `kvm` and `convert`
+//! ([`source`]).
+//!
+//! Exit codes (also in `--help`):
+//! - 0: success; also when stdout is a closed pipe (`vmtsync … | head`).
+//! - 1: a runtime error: I/O, malformed debugfs contents, a VM exited while being read.
+//! - 2: bad command-line usage.
+//! - 3: the environment is missing something: debugfs not mounted, not root, no tracefs.
+//! - 4: no VM or vCPU matches `--vm` / `--vcpu`.
+//! - 5: bad input data (`convert`: a bad line or a value outside the mapping's range;
+//!   `tsc compose`: mappings that cannot be composed).
+//! - 6: refused: the vCPU runs a nested guest (`guest_mode` 1) and `--nested-l2` was not given.
+//! - 7: `probe`: the guest agent could not be reached, or stopped answering mid-session (the
+//!   VM exited or was killed, the agent restarted, or it speaks another protocol version).
+//!
+//! `convert --sync`: a sync file with no segment for `--vcpu` exits 4; a malformed sync file
+//! or input line exits 5.
+
+pub mod command;
+pub mod convert;
+pub mod exit;
+pub mod kvm;
+pub mod probe;
+mod signals;
+pub mod source;
+pub mod tsc;
+
+pub use command::{Cli, Command, main, run};
+pub use convert::ConvertArgs;
+pub use exit::CliError;
+pub use kvm::KvmArgs;
+pub use source::SourceArgs;
+pub use tsc::{ComposeArgs, TscCommand};

@@ -1,0 +1,64 @@
+//! Where `kvm` and `convert --vm` read KVM debugfs and `/proc`, and `--mount-debugfs`.
+
+use std::ffi::CString;
+use std::io;
+use std::path::{Path, PathBuf};
+
+use clap::Args;
+
+use super::exit::CliError;
+use crate::debugfs::{DEBUGFS_MOUNTPOINT, DEFAULT_KVM_DEBUGFS, KvmDebugfs};
+use crate::procinfo::{DEFAULT_PROC_ROOT, ProcFs};
+use crate::scan::{ScanError, Scanner};
+
+/// Where to read KVM debugfs and /proc.
+#[derive(Debug, Args)]
+pub struct SourceArgs {
+    /// KVM debugfs directory (holds one `<pid>-<fd>` directory per VM).
+    #[arg(long, value_name = "DIR", default_value = DEFAULT_KVM_DEBUGFS)]
+    pub debugfs_root: PathBuf,
+    /// Mount debugfs at /sys/kernel/debug first if it is not mounted (needs root).
+    #[arg(long)]
+    pub mount_debugfs: bool,
+    /// The proc filesystem used to name VMs (for tests with fixture trees).
+    #[arg(long, value_name = "DIR", default_value = DEFAULT_PROC_ROOT, hide = true)]
+    pub proc_root: PathBuf,
+}
+
+pub(super) fn scanner(src: &SourceArgs) -> Result<Scanner, CliError> {
+    if src.mount_debugfs {
+        mount_debugfs_if_needed(&src.debugfs_root)?;
+    }
+    let debugfs = KvmDebugfs::open(&src.debugfs_root).map_err(ScanError::from)?;
+    Ok(Scanner {
+        debugfs,
+        proc: ProcFs::new(&src.proc_root),
+    })
+}
+
+/// Mounts debugfs at the standard mount point unless `root` already exists.
+fn mount_debugfs_if_needed(root: &Path) -> Result<(), CliError> {
+    if root.exists() {
+        return Ok(());
+    }
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        return Err(CliError::NotRoot);
+    }
+    let c = |s: &str| CString::new(s).map_err(|e| CliError::Mount(io::Error::other(e)));
+    let (src, target, fstype) = (c("none")?, c(DEBUGFS_MOUNTPOINT)?, c("debugfs")?);
+    // SAFETY: all pointers are valid NUL-terminated strings that outlive the call; data is null.
+    let r = unsafe {
+        libc::mount(
+            src.as_ptr(),
+            target.as_ptr(),
+            fstype.as_ptr(),
+            0,
+            std::ptr::null(),
+        )
+    };
+    if r != 0 {
+        return Err(CliError::Mount(io::Error::last_os_error()));
+    }
+    Ok(())
+}

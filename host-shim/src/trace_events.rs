@@ -7,11 +7,11 @@
 
 use std::fs::{self, File};
 use std::io::{self, Read};
-use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use rustix::event::{PollFd, PollFlags, Timespec};
 use thiserror::Error;
 
 /// Where tracefs is normally mounted, in the order tried.
@@ -166,16 +166,11 @@ impl Subscription {
     /// # Errors
     /// Read errors on `trace_pipe`.
     pub fn wait(&mut self, timeout: Duration) -> Result<Vec<TscOffsetWrite>, TraceError> {
-        let mut pfd = libc::pollfd {
-            fd: self.pipe.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        let ms = libc::c_int::try_from(timeout.as_millis()).unwrap_or(libc::c_int::MAX);
-        // SAFETY: `pfd` is a valid pollfd for the duration of the call and nfds is 1.
-        let r = unsafe { libc::poll(&raw mut pfd, 1, ms) };
-        if r < 0 {
-            let e = io::Error::last_os_error();
+        let mut fds = [PollFd::new(&self.pipe, PollFlags::IN)];
+        // A timeout too long for a timespec waits without one, as good as forever here.
+        let timeout = Timespec::try_from(timeout).ok();
+        if let Err(errno) = rustix::event::poll(&mut fds, timeout.as_ref()) {
+            let e = io::Error::from(errno);
             if e.kind() == io::ErrorKind::Interrupted {
                 return Ok(Vec::new());
             }

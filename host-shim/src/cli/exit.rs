@@ -1,11 +1,10 @@
 //! The error every command reports, and its mapping to the documented exit codes.
 
 use std::io;
-use std::sync::atomic::Ordering;
 
 use thiserror::Error;
 
-use super::signals::STOP_SIGNAL;
+use super::signals::stop_signal;
 use crate::compose::ComposeError;
 use crate::convert::ConvertError;
 use crate::debugfs::{DEBUGFS_MOUNTPOINT, DebugfsError};
@@ -143,7 +142,7 @@ fn probe_exit_code(e: &ProbeError) -> u8 {
     match e {
         // The shell convention for death by a signal: 128 + its number.
         ProbeError::Interrupted | ProbeError::Connect(ConnectError::Interrupted(_)) => {
-            128 + u8::try_from(STOP_SIGNAL.load(Ordering::Relaxed)).unwrap_or(2)
+            128 + u8::try_from(stop_signal()).unwrap_or(2)
         }
         ProbeError::Connect(ConnectError::Unsupported) => 3,
         ProbeError::Connect(_)

@@ -7,7 +7,7 @@ use std::time::Duration;
 use clap::Args;
 
 use super::exit::CliError;
-use super::signals::{STOP, install_stop_handler};
+use super::signals::{install_stop_handler, stop_flag};
 use super::source::{SourceArgs, scanner};
 use crate::scan::{self, VmSelector};
 use crate::trace_events::{self, Subscription};
@@ -65,7 +65,7 @@ pub(super) fn run_kvm(a: &KvmArgs) -> Result<(), CliError> {
             interval: Duration::from_millis(a.interval),
             selector: a.vm.as_ref(),
             trace,
-            stop: &STOP,
+            stop: stop_flag(),
         };
         watch::watch(&sc, opts, &mut stdout.lock())?;
         return Ok(());

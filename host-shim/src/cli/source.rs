@@ -1,10 +1,10 @@
 //! Where `kvm` and `convert --vm` read KVM debugfs and `/proc`, and `--mount-debugfs`.
 
-use std::ffi::CString;
 use std::io;
 use std::path::{Path, PathBuf};
 
 use clap::Args;
+use rustix::mount::MountFlags;
 
 use super::exit::CliError;
 use crate::debugfs::{DEBUGFS_MOUNTPOINT, DEFAULT_KVM_DEBUGFS, KvmDebugfs};
@@ -41,24 +41,16 @@ fn mount_debugfs_if_needed(root: &Path) -> Result<(), CliError> {
     if root.exists() {
         return Ok(());
     }
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
+    if !rustix::process::geteuid().is_root() {
         return Err(CliError::NotRoot);
     }
-    let c = |s: &str| CString::new(s).map_err(|e| CliError::Mount(io::Error::other(e)));
-    let (src, target, fstype) = (c("none")?, c(DEBUGFS_MOUNTPOINT)?, c("debugfs")?);
-    // SAFETY: all pointers are valid NUL-terminated strings that outlive the call; data is null.
-    let r = unsafe {
-        libc::mount(
-            src.as_ptr(),
-            target.as_ptr(),
-            fstype.as_ptr(),
-            0,
-            std::ptr::null(),
-        )
-    };
-    if r != 0 {
-        return Err(CliError::Mount(io::Error::last_os_error()));
-    }
+    rustix::mount::mount(
+        "none",
+        DEBUGFS_MOUNTPOINT,
+        "debugfs",
+        MountFlags::empty(),
+        None,
+    )
+    .map_err(|errno| CliError::Mount(io::Error::from(errno)))?;
     Ok(())
 }

@@ -17,10 +17,10 @@
 use std::ffi::CStr;
 use std::fs::{self, File};
 use std::io::{self, Read};
-use std::os::fd::{AsRawFd, FromRawFd};
 use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
+use rustix::fs::{Mode, OFlags};
 use thiserror::Error;
 
 use crate::hosttsc::{TscBracket, read_host_tsc};
@@ -433,24 +433,22 @@ fn read_small(
     path: &dyn Fn() -> PathBuf,
     buf: &mut [u8; MAX_FILE_BYTES + 1],
 ) -> Result<Small, DebugfsError> {
-    // SAFETY: `dir` is an open directory fd and `name` a NUL-terminated string, both valid for
-    // the duration of the call.
-    let fd = unsafe {
-        libc::openat(
-            dir.as_raw_fd(),
-            name.as_ptr(),
-            libc::O_RDONLY | libc::O_NONBLOCK | libc::O_CLOEXEC,
-        )
-    };
-    if fd < 0 {
-        let e = io::Error::last_os_error();
-        if e.kind() == io::ErrorKind::NotFound {
-            return Ok(Small::Absent);
+    let fd = match rustix::fs::openat(
+        dir,
+        name,
+        OFlags::RDONLY | OFlags::NONBLOCK | OFlags::CLOEXEC,
+        Mode::empty(),
+    ) {
+        Ok(fd) => fd,
+        Err(errno) => {
+            let e = io::Error::from(errno);
+            if e.kind() == io::ErrorKind::NotFound {
+                return Ok(Small::Absent);
+            }
+            return Err(io_error(&path(), e));
         }
-        return Err(io_error(&path(), e));
-    }
-    // SAFETY: `fd` was just returned by openat and is owned by nothing else.
-    let mut f = unsafe { File::from_raw_fd(fd) };
+    };
+    let mut f = File::from(fd);
     let mut n = 0;
     while n < buf.len() {
         match f.read(&mut buf[n..]) {

@@ -11,7 +11,7 @@ use super::source::{SourceArgs, scanner};
 use crate::compose::ComposeError;
 use crate::convert::{self, ConvertOptions, Direction, Rounding};
 use crate::scan::VmSelector;
-use crate::syncfile;
+use crate::syncfile::{self, SyncFile};
 
 /// `vmtsync convert`.
 #[derive(Debug, Args)]
@@ -126,7 +126,13 @@ pub(super) fn run_convert(a: &ConvertArgs) -> Result<(), CliError> {
         let stdin = io::stdin();
         let mut input = BufReader::with_capacity(64 * 1024, stdin.lock());
         let mut output = BufWriter::with_capacity(64 * 1024, io::stdout().lock());
-        let stats = syncfile::convert_sync_file(path, vcpu, &mut input, &mut output, a.skip_bad)?;
+        // A file being written (or left by a killed writer) may end in an incomplete line: the
+        // reader cuts it, and the user hears how much was cut.
+        let sync = SyncFile::read(path)?;
+        if let Some(cut) = sync.cut {
+            eprintln!("vmtsync: warning: {}: {cut}", path.display());
+        }
+        let stats = syncfile::convert_with_sync(&sync, vcpu, &mut input, &mut output, a.skip_bad)?;
         if stats.skipped > 0 {
             eprintln!(
                 "vmtsync: converted {} values, skipped {} bad lines",

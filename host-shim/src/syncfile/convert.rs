@@ -124,7 +124,7 @@ pub fn convert_with_sync(
             Err(_) if skip_bad => stats.skipped += 1,
             Err(e) => return Err(e),
         }
-        if r == LineRead::Partial {
+        if matches!(r, LineRead::Partial { .. }) {
             break;
         }
     }
@@ -159,7 +159,7 @@ mod tests {
             header: header(),
             segments: segs.to_vec(),
             lines: (2..).take(segs.len()).collect(),
-            partial_tail: false,
+            cut: None,
         }
     }
 

@@ -34,16 +34,32 @@
 //! backwards. The error is the segment's offset half-width plus the drift
 //! uncertainty times the distance from the anchor.
 //!
-//! **Append-only, readable while written**: a new file appears (by rename) already holding its
-//! header; each segment is one `write(2)` of a whole line, so a reader sees complete lines plus
-//! at most one partial last line, which it ignores ([`SyncFile::partial_tail`]). A writer
-//! reopening a file keeps its header and first truncates such a partial line left by a crash.
+//! # Append-only, readable while written, and what a crash leaves
+//!
+//! Other output files are written whole to a temporary file beside the target and renamed
+//! over it, so a reader sees the old file or the new one. A sync file cannot be: it is read
+//! (by `convert --sync`, by a trace pipeline) while `probe --continuous` is still adding to it,
+//! for as long as the VM runs, and rewriting it per round would copy the whole history every
+//! few milliseconds. So it is append-only, with the reader doing its share:
+//!
+//! - A new file appears (a temporary file beside it, synced, then renamed into place without
+//!   replacing anything) already holding its whole header line: no reader ever sees a file
+//!   without a header.
+//! - Each segment is one `write(2)` of a whole `\n`-terminated line. A line counts only once its
+//!   `\n` is in the file: the reader accepts the complete lines and **cuts** whatever follows
+//!   the last `\n` (a write in progress, or one torn by `kill -9`, a full disk or a file-size
+//!   limit), reporting how many bytes it cut ([`SyncFile::cut`], [`CutTail`]). A cut line is
+//!   never parsed, so a torn line that happens to be valid JSON is not misread either.
+//! - A failed append is rolled back (the file is truncated to its length before the write), so
+//!   a torn line is never followed by a complete one.
+//! - A writer reopening a file keeps its header and first truncates a torn last line left by a
+//!   crash ([`SyncWriter::cut_on_open`] says how much); readers never modify the file.
 //!
 //! Conversion runs on `vmtsync_core::timeline` ([`SyncTimeline`] builds its segments with
 //! [`SyncSegment::to_timeline_segment`]).
 
 use std::fs::{File, OpenOptions};
-use std::io::{self, BufRead, BufReader, Read, Seek, SeekFrom, Write};
+use std::io::{self, BufRead, BufReader, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -217,6 +233,29 @@ pub enum SyncFileError {
     Output(io::Error),
 }
 
+/// The incomplete last line a reader cut off a sync file: everything after the last `\n`.
+///
+/// A writer appends each segment as one `\n`-terminated line, so this is a write in progress
+/// (the file is being written) or one interrupted by a crash, `kill -9` or a full disk.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CutTail {
+    /// Bytes after the last `\n` (more than zero).
+    pub bytes: u64,
+    /// The complete lines before them, header included; the cut line would have been line
+    /// `complete_lines + 1`.
+    pub complete_lines: u64,
+}
+
+impl std::fmt::Display for CutTail {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "cut an incomplete last line ({} bytes, 1 line) after line {}: a write in progress, or one interrupted by a crash",
+            self.bytes, self.complete_lines
+        )
+    }
+}
+
 impl SyncFileError {
     /// True for a write to a closed pipe (`vmtsync convert --sync F | head`), which the CLI
     /// treats as success.
@@ -231,6 +270,10 @@ impl SyncFileError {
 pub struct SyncWriter {
     file: File,
     path: PathBuf,
+    /// The file's length after the last complete line, where a failed append rolls back to.
+    len: u64,
+    /// What [`SyncWriter::open`] cut off an existing file.
+    cut_on_open: Option<CutTail>,
 }
 
 impl SyncWriter {
@@ -251,16 +294,7 @@ impl SyncWriter {
             .map_err(|e| io_err(io::Error::other(e)))?;
         header_line.push('\n');
         if !path.exists() {
-            // Create through a rename, so a concurrent reader never sees a file without its
-            // whole header line.
-            let mut tmp = path.as_os_str().to_owned();
-            tmp.push(format!(".tmp{}", std::process::id()));
-            let tmp = PathBuf::from(tmp);
-            std::fs::write(&tmp, header_line.as_bytes()).map_err(io_err)?;
-            if let Err(e) = std::fs::rename(&tmp, path) {
-                let _ = std::fs::remove_file(&tmp);
-                return Err(io_err(e));
-            }
+            create_with_header(path, header_line.as_bytes()).map_err(io_err)?;
         }
         let mut file = OpenOptions::new()
             .read(true)
@@ -269,27 +303,36 @@ impl SyncWriter {
             .truncate(false)
             .open(path)
             .map_err(io_err)?;
-        let len = file.metadata().map_err(io_err)?.len();
+        let mut len = file.metadata().map_err(io_err)?.len();
+        let mut cut_on_open = None;
         if len == 0 {
             // An existing empty file (e.g. made by `touch`): adopt it.
             file.write_all(header_line.as_bytes()).map_err(io_err)?;
+            len = u64::try_from(header_line.len()).unwrap_or(u64::MAX);
         } else {
-            // Validate the existing header, and find where the last complete line ends.
+            // Validate the existing header, and cut a torn last line left by a crash, so the
+            // next segment starts a line of its own.
             let existing = SyncFile::parse(BufReader::new(&mut file))?;
-            if existing.partial_tail {
-                let mut all = Vec::new();
-                file.seek(SeekFrom::Start(0)).map_err(io_err)?;
-                file.read_to_end(&mut all).map_err(io_err)?;
-                let keep = all.iter().rposition(|&b| b == b'\n').map_or(0, |i| i + 1);
-                file.set_len(u64::try_from(keep).unwrap_or(len))
-                    .map_err(io_err)?;
+            if let Some(cut) = existing.cut {
+                len = len.saturating_sub(cut.bytes);
+                file.set_len(len).map_err(io_err)?;
+                cut_on_open = Some(cut);
             }
         }
-        file.seek(SeekFrom::End(0)).map_err(io_err)?;
+        file.seek(SeekFrom::Start(len)).map_err(io_err)?;
         Ok(Self {
             file,
             path: path.to_owned(),
+            len,
+            cut_on_open,
         })
+    }
+
+    /// What opening cut off the end of an existing file (a torn last line left by a crash),
+    /// for a warning; `None` if nothing was cut.
+    #[must_use]
+    pub fn cut_on_open(&self) -> Option<CutTail> {
+        self.cut_on_open
     }
 
     /// Appends one segment as one line with a single write, so concurrent readers see it
@@ -305,14 +348,46 @@ impl SyncWriter {
         let mut line = serde_json::to_string(&Tagged::Segment(*seg))
             .map_err(|e| io_err(io::Error::other(e)))?;
         line.push('\n');
-        self.file.write_all(line.as_bytes()).map_err(io_err)?;
-        self.file.flush().map_err(io_err)
+        if let Err(e) = self.file.write_all(line.as_bytes()) {
+            // A short write (a full disk, a file-size limit) left a torn line: take it back so
+            // the next append cannot glue a complete line onto it. Readers cut it meanwhile.
+            if self.file.set_len(self.len).is_ok() {
+                let _ = self.file.seek(SeekFrom::Start(self.len));
+            }
+            return Err(io_err(e));
+        }
+        self.len += u64::try_from(line.len()).unwrap_or(u64::MAX);
+        Ok(())
     }
 
     /// The file's path.
     #[must_use]
     pub fn path(&self) -> &Path {
         &self.path
+    }
+}
+
+/// Creates `path` holding `header_line`, atomically: the bytes go to a temporary file in the
+/// same directory, which is synced and then linked into place only if `path` still does not
+/// exist, so a concurrent reader never sees a file without its whole header line and an
+/// existing file (made meanwhile by another writer) is never replaced. A crash leaves at most
+/// the temporary file, never a headerless sync file.
+fn create_with_header(path: &Path, header_line: &[u8]) -> io::Result<()> {
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    let mut tmp = tempfile::Builder::new()
+        .prefix(".vmtsync-sync-")
+        .suffix(".tmp")
+        .tempfile_in(dir)?;
+    tmp.write_all(header_line)?;
+    tmp.as_file().sync_all()?;
+    match tmp.persist_noclobber(path) {
+        Ok(_) => Ok(()),
+        // Someone created it first: append to theirs (its header is validated on open).
+        Err(e) if e.error.kind() == io::ErrorKind::AlreadyExists => Ok(()),
+        Err(e) => Err(e.error),
     }
 }
 
@@ -333,8 +408,8 @@ pub struct SyncFile {
     pub segments: Vec<SyncSegment>,
     /// The line number of each segment, for error messages.
     lines: Vec<u64>,
-    /// The file ended in a line without `\n` (a write in progress), which was ignored.
-    pub partial_tail: bool,
+    /// The incomplete last line that was cut (a write in progress or torn by a crash), if any.
+    pub cut: Option<CutTail>,
 }
 
 impl SyncFile {
@@ -351,7 +426,7 @@ impl SyncFile {
     }
 
     /// Parses a sync file: a schema-1 header line, then segment lines; unknown line types are
-    /// skipped, a final line without `\n` is ignored.
+    /// skipped, a final line without `\n` is cut and reported in [`SyncFile::cut`].
     ///
     /// # Errors
     /// [`SyncFileError::NoHeader`], [`SyncFileError::Schema`], [`SyncFileError::BadLine`].
@@ -359,7 +434,7 @@ impl SyncFile {
         let mut header = None;
         let mut segments = Vec::new();
         let mut lines = Vec::new();
-        let mut partial_tail = false;
+        let mut cut = None;
         let mut line_no = 0_u64;
         let mut line = Vec::new();
         loop {
@@ -371,8 +446,11 @@ impl SyncFile {
                 })?;
             match complete {
                 LineRead::Eof => break,
-                LineRead::Partial => {
-                    partial_tail = true;
+                LineRead::Partial { bytes } => {
+                    cut = Some(CutTail {
+                        bytes,
+                        complete_lines: line_no,
+                    });
                     break;
                 }
                 LineRead::TooLong | LineRead::Line => {}
@@ -421,7 +499,7 @@ impl SyncFile {
             header: header.ok_or(SyncFileError::NoHeader)?,
             segments,
             lines,
-            partial_tail,
+            cut,
         })
     }
 
@@ -473,9 +551,14 @@ impl SyncFile {
 /// How [`read_line_bounded`] ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum LineRead {
+    /// No bytes were left.
     Eof,
+    /// A complete line.
     Line,
-    Partial,
+    /// The input ended inside a line, `bytes` after the last `\n` (all of them counted, also
+    /// beyond [`MAX_LINE`]).
+    Partial { bytes: u64 },
+    /// A complete line longer than [`MAX_LINE`].
     TooLong,
 }
 
@@ -486,7 +569,7 @@ pub(crate) fn read_line_bounded(
     line: &mut Vec<u8>,
 ) -> io::Result<LineRead> {
     let mut too_long = false;
-    let mut any = false;
+    let mut consumed = 0_u64;
     loop {
         let buf = match input.fill_buf() {
             Ok(b) => b,
@@ -494,13 +577,12 @@ pub(crate) fn read_line_bounded(
             Err(e) => return Err(e),
         };
         if buf.is_empty() {
-            return Ok(if !any {
+            return Ok(if consumed == 0 {
                 LineRead::Eof
             } else {
-                LineRead::Partial
+                LineRead::Partial { bytes: consumed }
             });
         }
-        any = true;
         let (chunk, found) = match buf.iter().position(|&b| b == b'\n') {
             Some(i) => (&buf[..i], Some(i + 1)),
             None => (buf, None),
@@ -512,6 +594,7 @@ pub(crate) fn read_line_bounded(
         line.extend_from_slice(&chunk[..chunk.len().min(room)]);
         let used = found.unwrap_or(buf.len());
         input.consume(used);
+        consumed += u64::try_from(used).unwrap_or(u64::MAX);
         if found.is_some() {
             return Ok(if too_long {
                 LineRead::TooLong
@@ -600,8 +683,18 @@ pub(crate) mod tests {
         let f = SyncFile::read(&path).unwrap();
         assert_eq!(f.header, header());
         assert_eq!(f.segments, segs);
-        assert!(!f.partial_tail);
+        assert_eq!(f.cut, None);
         assert_eq!(f.vcpus(), [0]);
+        // The header went in through a temporary file that is gone now.
+        let names: Vec<_> = std::fs::read_dir(path.parent().unwrap())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(
+            names,
+            [path.file_name().unwrap()],
+            "no temporary file is left"
+        );
         std::fs::remove_file(path).unwrap();
     }
 
@@ -611,17 +704,28 @@ pub(crate) mod tests {
         let mut w = SyncWriter::open(&path, &header()).unwrap();
         w.append(&seg(1, 0, 1_000_000, -50, 0)).unwrap();
         drop(w);
+        let torn_line = b"{\"type\":\"segment\",\"vcpu\":1,\"rou";
         let mut f = OpenOptions::new().append(true).open(&path).unwrap();
-        f.write_all(b"{\"type\":\"segment\",\"vcpu\":1,\"rou")
-            .unwrap();
+        f.write_all(torn_line).unwrap();
         drop(f);
+        let torn = CutTail {
+            bytes: u64::try_from(torn_line.len()).unwrap(),
+            complete_lines: 2,
+        };
+        let before = std::fs::read(&path).unwrap();
         let r = SyncFile::read(&path).unwrap();
-        assert!(r.partial_tail);
+        assert_eq!(r.cut, Some(torn));
         assert_eq!(r.segments.len(), 1);
+        assert_eq!(
+            std::fs::read(&path).unwrap(),
+            before,
+            "reading modifies nothing"
+        );
         let mut w = SyncWriter::open(&path, &header()).unwrap();
+        assert_eq!(w.cut_on_open(), Some(torn));
         w.append(&seg(1, 1, 2_000_000, -50, 0)).unwrap();
         let r = SyncFile::read(&path).unwrap();
-        assert!(!r.partial_tail);
+        assert_eq!(r.cut, None);
         assert_eq!(r.segments.len(), 2);
         let mut out = Vec::new();
         let guest = r.segments[1].guest_start + 3;
@@ -636,6 +740,53 @@ pub(crate) mod tests {
         assert_eq!(stats.converted, 1);
         assert_eq!(String::from_utf8(out).unwrap(), format!("{}\n", guest + 50));
         std::fs::remove_file(path).unwrap();
+    }
+
+    /// A file cut at any byte (as `kill -9` in the middle of a write can leave it) reads as
+    /// exactly the segments whose whole line, `\n` included, is before the cut, and reports
+    /// every byte after the last `\n` as cut; before the header is complete it is no sync file.
+    #[test]
+    fn a_file_cut_at_any_byte_keeps_exactly_its_complete_segments() {
+        let segs: Vec<SyncSegment> = (0..4)
+            .map(|i| seg(i % 2, u64::from(i), 1_000_000 * u64::from(i + 1), 5_000, 0))
+            .collect();
+        let mut text = serde_json::to_string(&Tagged::Header(header())).unwrap() + "\n";
+        // Where each line ends (the byte after its `\n`).
+        let mut ends = vec![text.len()];
+        for s in &segs {
+            text += &(serde_json::to_string(&Tagged::Segment(*s)).unwrap() + "\n");
+            ends.push(text.len());
+        }
+        let bytes = text.as_bytes();
+        for cut_at in 0..=bytes.len() {
+            let r = SyncFile::parse(&bytes[..cut_at]);
+            if cut_at < ends[0] {
+                assert!(matches!(r, Err(SyncFileError::NoHeader)), "{cut_at}: {r:?}");
+                continue;
+            }
+            let f = r.unwrap_or_else(|e| panic!("cut at {cut_at}: {e}"));
+            let complete = ends.iter().filter(|&&e| e <= cut_at).count();
+            assert_eq!(f.segments, segs[..complete - 1], "cut at {cut_at}");
+            let last_end = ends[complete - 1];
+            let want = (cut_at > last_end).then(|| CutTail {
+                bytes: u64::try_from(cut_at - last_end).unwrap(),
+                complete_lines: u64::try_from(complete).unwrap(),
+            });
+            assert_eq!(f.cut, want, "cut at {cut_at}");
+        }
+    }
+
+    /// A torn line that is complete JSON (only its `\n` missing) is still cut, not read.
+    #[test]
+    fn a_torn_line_that_parses_as_json_is_still_cut() {
+        let h = serde_json::to_string(&Tagged::Header(header())).unwrap();
+        let s = serde_json::to_string(&Tagged::Segment(seg(0, 0, 100_000, 5, 0))).unwrap();
+        let f = SyncFile::parse(format!("{h}\n{s}").as_bytes()).unwrap();
+        assert!(f.segments.is_empty());
+        assert_eq!(
+            f.cut.map(|c| c.bytes),
+            Some(u64::try_from(s.len()).unwrap())
+        );
     }
 
     #[test]

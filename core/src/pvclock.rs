@@ -16,16 +16,9 @@
 use core::hint::spin_loop;
 use core::sync::atomic::{Ordering, fence};
 
-use crate::arch::Tsc;
+pub use crate::arch::kvm::{PVCLOCK_GUEST_STOPPED, PVCLOCK_TSC_STABLE_BIT, PvclockVcpuTimeInfo};
+use crate::arch::{PvclockPage, Tsc};
 use crate::units::{GuestTicks, Nanos};
-
-/// Flag bit: the TSC is stable across vCPUs, so pvclock readings of different vCPUs are
-/// monotonic with each other (`PVCLOCK_TSC_STABLE_BIT`, arch/x86/include/asm/pvclock-abi.h).
-/// Only meaningful when CPUID advertises `KVM_FEATURE_CLOCKSOURCE_STABLE_BIT`.
-pub const PVCLOCK_TSC_STABLE_BIT: u8 = 1 << 0;
-/// Flag bit: the host stopped the guest (e.g. paused it); set by the host, cleared by the
-/// guest's watchdog code (`PVCLOCK_GUEST_STOPPED`, arch/x86/include/asm/pvclock-abi.h).
-pub const PVCLOCK_GUEST_STOPPED: u8 = 1 << 1;
 
 /// Default bound on seqlock attempts in [`try_read`] / [`try_read_with_tsc`].
 ///
@@ -36,47 +29,6 @@ pub const PVCLOCK_GUEST_STOPPED: u8 = 1 << 1;
 /// the ABI says (a stuck odd version: a wrong pointer, or a writer that died mid-update), and
 /// the reader reports [`PvclockError::Contended`] instead of spinning forever.
 pub const DEFAULT_MAX_ATTEMPTS: u32 = 1000;
-
-/// The per-vCPU pvclock page, exactly as the hypervisor writes it
-/// (`struct pvclock_vcpu_time_info`, arch/x86/include/asm/pvclock-abi.h; 32 bytes).
-///
-/// Linux declares it `packed`; every field is naturally aligned at its offset anyway, so
-/// `repr(C)` gives the same layout (asserted below) with 8-byte alignment, which also keeps
-/// the struct inside one page.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct PvclockVcpuTimeInfo {
-    /// Seqlock version: odd while the hypervisor is writing, bumped by 2 per update.
-    pub version: u32,
-    /// Padding (reserved by the ABI).
-    pub pad0: u32,
-    /// Guest TSC at the moment `system_time` was taken.
-    pub tsc_timestamp: u64,
-    /// Nanoseconds of the guest clock at `tsc_timestamp`.
-    pub system_time: u64,
-    /// Multiplier of the TSC→ns scale: ns per (shifted) tick, as a 0.32 fixed-point number.
-    pub tsc_to_system_mul: u32,
-    /// Binary shift applied to a TSC delta before the multiply (left if positive).
-    pub tsc_shift: i8,
-    /// `PVCLOCK_TSC_STABLE_BIT` | `PVCLOCK_GUEST_STOPPED`.
-    pub flags: u8,
-    /// Padding (reserved by the ABI).
-    pub pad: [u8; 2],
-}
-
-const _: () = {
-    use core::mem::{align_of, offset_of, size_of};
-    assert!(size_of::<PvclockVcpuTimeInfo>() == 32);
-    assert!(align_of::<PvclockVcpuTimeInfo>() == 8);
-    assert!(offset_of!(PvclockVcpuTimeInfo, version) == 0);
-    assert!(offset_of!(PvclockVcpuTimeInfo, pad0) == 4);
-    assert!(offset_of!(PvclockVcpuTimeInfo, tsc_timestamp) == 8);
-    assert!(offset_of!(PvclockVcpuTimeInfo, system_time) == 16);
-    assert!(offset_of!(PvclockVcpuTimeInfo, tsc_to_system_mul) == 24);
-    assert!(offset_of!(PvclockVcpuTimeInfo, tsc_shift) == 28);
-    assert!(offset_of!(PvclockVcpuTimeInfo, flags) == 29);
-    assert!(offset_of!(PvclockVcpuTimeInfo, pad) == 30);
-};
 
 impl PvclockVcpuTimeInfo {
     /// A page holding `fields` at `version` (for fakes and simulations; the hypervisor
@@ -270,6 +222,19 @@ impl<S: PvclockSource + ?Sized> PvclockSource for &S {
     #[inline]
     fn fields(&self) -> PvclockFields {
         (**self).fields()
+    }
+}
+
+/// The real page: volatile reads of what the hypervisor writes (no consistency between calls;
+/// [`try_read`] provides it).
+impl PvclockSource for PvclockPage<'_> {
+    #[inline]
+    fn version(&self) -> u32 {
+        self.read_version()
+    }
+    #[inline]
+    fn fields(&self) -> PvclockFields {
+        self.read_payload().fields()
     }
 }
 

@@ -10,7 +10,33 @@ use super::kvm::{
     KVM_CPUID_FEATURES_OFFSET, KVM_CPUID_SIGNATURE, KVM_FEATURE_CLOCKSOURCE,
     KVM_FEATURE_CLOCKSOURCE_STABLE_BIT, KVM_FEATURE_CLOCKSOURCE2, KVM_SIGNATURE,
 };
-use super::{Cpuid, CpuidResult};
+
+/// The four registers one CPUID query returns.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "defmt", derive(defmt::Format))]
+pub struct CpuidResult {
+    /// EAX after `cpuid`.
+    pub eax: u32,
+    /// EBX after `cpuid`.
+    pub ebx: u32,
+    /// ECX after `cpuid`.
+    pub ecx: u32,
+    /// EDX after `cpuid`.
+    pub edx: u32,
+}
+
+/// A CPUID instruction, real or faked, so feature detection can be tested on any host.
+pub trait Cpuid {
+    /// Executes CPUID with EAX = `leaf` and ECX = `subleaf`.
+    fn cpuid(&self, leaf: u32, subleaf: u32) -> CpuidResult;
+}
+
+impl<C: Cpuid + ?Sized> Cpuid for &C {
+    #[inline]
+    fn cpuid(&self, leaf: u32, subleaf: u32) -> CpuidResult {
+        (**self).cpuid(leaf, subleaf)
+    }
+}
 
 /// Basic leaf 0: EAX = highest basic leaf (Intel SDM Vol. 2A, CPUID).
 pub const LEAF_BASIC_MAX: u32 = 0;

@@ -9,62 +9,25 @@
 //! - [`x86_64`] (only on `target_arch = "x86_64"`): ordered TSC reads (`lfence; rdtsc`, or
 //!   `rdtscp` only where CPUID says it exists), native CPUID, pvclock registration by `wrmsr`
 //!   (feature `ring0`) and `KVM_HC_CLOCK_PAIRING` (feature `clock-pairing`).
-//! - [`cpuid`]: decoding of the CPUID leaves this crate needs, over any [`Cpuid`].
-//! - [`kvm`]: KVM ABI constants (CPUID signature and feature bits, MSRs, hypercalls).
+//! - [`Tsc`] (`tsc.rs`): the ordered TSC read.
+//! - [`cpuid`]: the [`Cpuid`] trait and decoding of the CPUID leaves this crate needs.
+//! - [`kvm`]: KVM ABI constants and structures (CPUID signature and feature bits, MSRs,
+//!   hypercalls, the pvclock page layout [`kvm::PvclockVcpuTimeInfo`]).
 //! - [`PvclockPage`]: volatile reads of a pvclock page the hypervisor writes.
+//!
+//! This module depends only on [`crate::units`]: `pvclock` builds on it (its seqlock reader
+//! implements [`crate::pvclock::PvclockSource`] for [`PvclockPage`]), never the reverse.
 #![allow(unsafe_code)]
 
 pub mod cpuid;
 mod fake;
 pub mod kvm;
 mod page;
+mod tsc;
 #[cfg(target_arch = "x86_64")]
 pub mod x86_64;
 
+pub use cpuid::{Cpuid, CpuidResult};
 pub use fake::{CpuidEntry, FakeCpuid, FakeTsc};
 pub use page::PvclockPage;
-
-/// A source of ordered time-stamp-counter readings.
-///
-/// "Ordered" means the read does not execute before earlier instructions have completed
-/// (`lfence; rdtsc` or `rdtscp`), so a reading taken after an I/O or a memory read is really
-/// later than it. Sync probes depend on that: an early TSC read would shrink a measured round
-/// trip below its true length and break the error bound.
-pub trait Tsc {
-    /// Reads the counter, ordered after all earlier instructions.
-    fn read_ordered(&self) -> u64;
-}
-
-impl<T: Tsc + ?Sized> Tsc for &T {
-    #[inline]
-    fn read_ordered(&self) -> u64 {
-        (**self).read_ordered()
-    }
-}
-
-/// The four registers one CPUID query returns.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-#[cfg_attr(feature = "defmt", derive(defmt::Format))]
-pub struct CpuidResult {
-    /// EAX after `cpuid`.
-    pub eax: u32,
-    /// EBX after `cpuid`.
-    pub ebx: u32,
-    /// ECX after `cpuid`.
-    pub ecx: u32,
-    /// EDX after `cpuid`.
-    pub edx: u32,
-}
-
-/// A CPUID instruction, real or faked, so feature detection can be tested on any host.
-pub trait Cpuid {
-    /// Executes CPUID with EAX = `leaf` and ECX = `subleaf`.
-    fn cpuid(&self, leaf: u32, subleaf: u32) -> CpuidResult;
-}
-
-impl<C: Cpuid + ?Sized> Cpuid for &C {
-    #[inline]
-    fn cpuid(&self, leaf: u32, subleaf: u32) -> CpuidResult {
-        (**self).cpuid(leaf, subleaf)
-    }
-}
+pub use tsc::Tsc;

@@ -3,10 +3,7 @@
 use core::marker::PhantomData;
 use core::ptr::{self, NonNull};
 
-use crate::pvclock::{
-    PvclockFields, PvclockFlags, PvclockScale, PvclockSource, PvclockVcpuTimeInfo,
-};
-use crate::units::{GuestTicks, Nanos};
+use super::kvm::PvclockVcpuTimeInfo;
 
 /// A pvclock page in guest memory, read field by field with volatile loads.
 ///
@@ -50,28 +47,33 @@ impl<'a> PvclockPage<'a> {
     }
 }
 
-impl PvclockSource for PvclockPage<'_> {
+impl PvclockPage<'_> {
+    /// Reads the `version` word (odd while the hypervisor writes the page).
     #[inline]
-    fn version(&self) -> u32 {
+    #[must_use]
+    pub fn read_version(&self) -> u32 {
         let p = self.ptr.as_ptr();
         // SAFETY: `new`'s contract: `p` is aligned and valid for reads for `'a`; the field
         // projection stays inside the 32-byte struct and creates no reference.
         unsafe { ptr::read_volatile(&raw const (*p).version) }
     }
 
+    /// Reads the payload fields, each once (they may be torn if the page is being written).
+    /// The version is not read here, the seqlock reads it around this call: it is 0 in the
+    /// result, as are the padding fields.
     #[inline]
-    fn fields(&self) -> PvclockFields {
+    #[must_use]
+    pub fn read_payload(&self) -> PvclockVcpuTimeInfo {
         let p = self.ptr.as_ptr();
-        // SAFETY: as in `version`: aligned, valid for reads, raw field projections only.
+        // SAFETY: as in `read_version`: aligned, valid for reads, raw field projections only.
         unsafe {
-            PvclockFields {
-                tsc_timestamp: GuestTicks(ptr::read_volatile(&raw const (*p).tsc_timestamp)),
-                system_time: Nanos(ptr::read_volatile(&raw const (*p).system_time)),
-                scale: PvclockScale {
-                    mul: ptr::read_volatile(&raw const (*p).tsc_to_system_mul),
-                    shift: ptr::read_volatile(&raw const (*p).tsc_shift),
-                },
-                flags: PvclockFlags(ptr::read_volatile(&raw const (*p).flags)),
+            PvclockVcpuTimeInfo {
+                tsc_timestamp: ptr::read_volatile(&raw const (*p).tsc_timestamp),
+                system_time: ptr::read_volatile(&raw const (*p).system_time),
+                tsc_to_system_mul: ptr::read_volatile(&raw const (*p).tsc_to_system_mul),
+                tsc_shift: ptr::read_volatile(&raw const (*p).tsc_shift),
+                flags: ptr::read_volatile(&raw const (*p).flags),
+                ..PvclockVcpuTimeInfo::default()
             }
         }
     }
@@ -80,7 +82,8 @@ impl PvclockSource for PvclockPage<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::pvclock::{DEFAULT_MAX_ATTEMPTS, try_read};
+    // Test only: the seqlock reader one layer up, over the real page.
+    use crate::pvclock::{DEFAULT_MAX_ATTEMPTS, PvclockScale, PvclockSource, try_read};
 
     #[test]
     fn reads_through_pointer() {
@@ -95,7 +98,11 @@ mod tests {
         };
         // SAFETY: `info` outlives `page` and is not written while `page` exists.
         let page = unsafe { PvclockPage::new(&raw const info) }.expect("aligned, non-null");
-        assert_eq!(page.version(), 4);
+        assert_eq!(page.read_version(), 4);
+        assert_eq!(
+            page.read_payload(),
+            PvclockVcpuTimeInfo { version: 0, ..info }
+        );
         assert_eq!(page.fields(), info.fields());
         let r = try_read(&page, DEFAULT_MAX_ATTEMPTS).expect("stable page");
         assert_eq!(r.version, 4);

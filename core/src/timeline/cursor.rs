@@ -6,8 +6,29 @@
 //! a binary search in the last step), so even a sparse stream that skips many segments pays
 //! O(log gap), and a dense one pays O(1). Going backwards costs one binary search.
 
-use super::{ConvertError, Segment, Timeline, fast};
+use super::error::ConvertError;
+use super::lookup::Timeline;
+use super::segment::Segment;
+use super::{fast, kvm};
 use crate::units::{GuestTicks, HostTicks};
+
+impl<'a> Timeline<'a> {
+    /// A streaming converter positioned on the first segment.
+    #[must_use]
+    pub fn cursor(&self) -> Cursor<'a> {
+        Cursor::new(*self)
+    }
+
+    /// Converts `ticks` (guest ticks in, host ticks out) in place with a fresh [`Cursor`]; see
+    /// [`Cursor::try_convert_slice_floor`].
+    ///
+    /// # Errors
+    ///
+    /// [`ConvertError`] names the first element whose host value is out of range.
+    pub fn try_convert_slice_floor(&self, ticks: &mut [u64]) -> Result<(), ConvertError> {
+        self.cursor().try_convert_slice_floor(ticks)
+    }
+}
 
 /// A position in a [`Timeline`] that converts guest ticks to host ticks, fastest when the ticks
 /// do not decrease. Results equal [`Timeline::try_convert_floor`] for every input sequence.
@@ -75,7 +96,10 @@ impl<'a> Cursor<'a> {
         let mut rest = ticks;
         let mut done = 0usize;
         loop {
-            let run = fast::convert_run(self.segment, self.fast_span, rest);
+            let run = match self.segment.kvm() {
+                None => fast::convert_run(self.segment, self.fast_span, rest),
+                Some(map) => kvm::convert_run(self.segment, map, self.fast_span, rest),
+            };
             done += run;
             let Some((tick, tail)) = rest.get_mut(run..).and_then(<[u64]>::split_first_mut) else {
                 return Ok(());

@@ -21,18 +21,17 @@
 //! A KVM segment runs the same kernels with a correction step appended (see the `kvm` module);
 //! the linear kernels are instantiated with a no-op correction, so they pay nothing for it.
 
-use super::{Segment, kvm};
+use super::segment::Segment;
 
 /// Ticks tested and converted per chunk.
 const LANES: usize = 8;
 
-/// Converts the longest prefix of `ticks` with `0 <= tick - segment.start <= span` and returns
-/// its length. `span` must not exceed the segment's own overflow-free span.
+/// Converts the longest prefix of `ticks` with `0 <= tick - segment.start <= span` on a linear
+/// segment's line and returns its length. `span` must not exceed the segment's own
+/// overflow-free span. (A KVM segment goes through `kvm::convert_run`, which runs
+/// [`convert_run_with`] with its correction.)
 pub(super) fn convert_run(segment: &Segment, span: u64, ticks: &mut [u64]) -> usize {
-    match segment.kvm() {
-        None => convert_run_with(segment, span, ticks, |_, host| host),
-        Some(map) => kvm::convert_run(segment, map, span, ticks),
-    }
+    convert_run_with(segment, span, ticks, |_, host| host)
 }
 
 /// [`convert_run`] on the segment's line, then `fix(d, host)` on each result, where `d` is

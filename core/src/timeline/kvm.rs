@@ -26,17 +26,69 @@
 //! calls the mapping itself. An identity ratio has `S' = 1` exactly, so `h0 = s = c` and the
 //! correction is skipped.
 
-use super::{Segment, fast, segment::fast_span_up_to};
+use super::fast;
+use super::segment::{KvmParts, Segment, fast_span_up_to};
+use super::slope::Slope;
 use crate::mapping::KvmTscMapping;
+use crate::units::GuestTicks;
 
 /// The largest estimate for which two correction steps are proved enough (see the module docs).
 const ESTIMATE_MAX: u64 = (1 << 62) - 2;
+
+/// KVM segments: built here, next to the proof that their batch kernel is exact.
+impl Segment {
+    /// The exact inverse of a KVM vCPU relation `guest = tsc_offset + ((host * ratio) >>
+    /// frac_bits)` (see [`crate::mapping`]), used from `start` on: [`Segment::try_from_kvm_mapping`] with
+    /// the three values KVM prints in debugfs (`tsc-offset` is signed).
+    ///
+    /// `None` if they do not form a [`KvmTscMapping`] (`ratio` 0, `frac_bits > 63`) or for the
+    /// reasons given on [`Segment::try_from_kvm_mapping`].
+    #[must_use]
+    pub fn try_from_kvm(
+        start: GuestTicks,
+        tsc_offset: i64,
+        ratio: u64,
+        frac_bits: u32,
+    ) -> Option<Self> {
+        let map = KvmTscMapping::try_new(tsc_offset, ratio, frac_bits).ok()?;
+        Self::try_from_kvm_mapping(start, map)
+    }
+
+    /// A segment that converts every guest tick with `map`'s exact inverse,
+    /// [`KvmTscMapping::try_host_from_guest_ceil`]: the first host tick whose guest image is at
+    /// or after the guest tick, so a guest TSC read taken during host tick `h` converts back to
+    /// exactly `h` whenever the guest clock runs at least as fast as the host's (and to the
+    /// first of the host ticks sharing its value otherwise). No rounding error at all.
+    ///
+    /// The hot path does not divide: the batch kernel multiplies by a reciprocal rounded down
+    /// ([`Slope::try_from_kvm_ratio_floor`]), which can only land at or below the answer, and
+    /// then steps up while the forward map of its guess is still below the guest tick (at most
+    /// two steps, proved in the `kvm` module). Single conversions use the mapping directly.
+    ///
+    /// `None` if `start` precedes host tick 0 (`start < tsc_offset`), if `start` maps beyond
+    /// `u64::MAX`, or if the reciprocal slope exceeds `2^62` (a guest clock `2^62` times
+    /// slower than the host's). Guest ticks before `start` convert exactly as the mapping says,
+    /// wrapping included: one numerically below `tsc_offset` lies `2^64` ticks later.
+    #[must_use]
+    pub fn try_from_kvm_mapping(start: GuestTicks, map: KvmTscMapping) -> Option<Self> {
+        let slope = Slope::try_from_kvm_ratio_floor(map.ratio(), map.frac_bits())?;
+        let line = Self::try_new(start.0, i128::from(map.offset()), 0, slope)?;
+        // try_new succeeded, so start >= offset (else the host value at start is negative) and
+        // start - offset < 2^64.
+        let scaled_at_start = u64::try_from(i128::from(start.0) - i128::from(map.offset())).ok()?;
+        Some(Self {
+            fast_span: exact_span(&line, scaled_at_start),
+            kvm: KvmParts::of(map),
+            ..line
+        })
+    }
+}
 
 /// The KVM fast span of `line` (a KVM segment's linear part) whose `s` at its start is
 /// `scaled_at_start`: the largest `d` with an estimate at most [`ESTIMATE_MAX`] and
 /// `scaled_at_start + d <= u64::MAX`. 0 when even the start's estimate is too large;
 /// [`convert_run`] then converts nothing.
-pub(super) fn exact_span(line: &Segment, scaled_at_start: u64) -> u64 {
+fn exact_span(line: &Segment, scaled_at_start: u64) -> u64 {
     fast_span_up_to(ESTIMATE_MAX, line.base, line.frac, line.slope)
         .map_or(0, |span| span.min(u64::MAX - scaled_at_start))
 }

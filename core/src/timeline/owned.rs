@@ -5,7 +5,9 @@
 //! to build the slice incrementally, one sync result at a time, keeping the timeline invariant
 //! (strictly increasing starts) on every push so that viewing it needs no re-validation.
 
-use super::{Segment, Timeline, TimelineError};
+use super::error::TimelineError;
+use super::lookup::Timeline;
+use super::segment::Segment;
 
 /// Up to `N` segments in a `heapless::Vec`, always sorted by strictly increasing guest start.
 #[derive(Clone, Debug, Default)]

@@ -50,13 +50,13 @@ pub struct Segment {
     /// for a linear segment. Stored as raw fields rather than an `Option<KvmTscMapping>`
     /// because that would add a tag and grow every segment from 80 to 96 bytes, which the
     /// per-event binary search over the segments pays for in cache misses.
-    kvm: KvmParts,
+    pub(super) kvm: KvmParts,
 }
 
 /// A [`KvmTscMapping`]'s fields, or `ratio == 0` for none (a mapping's ratio is never 0).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[cfg_attr(feature = "defmt", derive(defmt::Format))]
-struct KvmParts {
+pub(super) struct KvmParts {
     offset: i64,
     ratio: u64,
     frac_bits: u32,
@@ -70,7 +70,7 @@ impl KvmParts {
         frac_bits: 0,
     };
 
-    const fn of(map: KvmTscMapping) -> Self {
+    pub(super) const fn of(map: KvmTscMapping) -> Self {
         Self {
             offset: map.offset(),
             ratio: map.ratio(),
@@ -178,52 +178,6 @@ impl Segment {
         )
     }
 
-    /// The exact inverse of a KVM vCPU relation `guest = tsc_offset + ((host * ratio) >>
-    /// frac_bits)` (DESIGN §2), used from `start` on: [`Segment::try_from_kvm_mapping`] with
-    /// the three values KVM prints in debugfs (`tsc-offset` is signed).
-    ///
-    /// `None` if they do not form a [`KvmTscMapping`] (`ratio` 0, `frac_bits > 63`) or for the
-    /// reasons given on [`Segment::try_from_kvm_mapping`].
-    #[must_use]
-    pub fn try_from_kvm(
-        start: GuestTicks,
-        tsc_offset: i64,
-        ratio: u64,
-        frac_bits: u32,
-    ) -> Option<Self> {
-        let map = KvmTscMapping::try_new(tsc_offset, ratio, frac_bits).ok()?;
-        Self::try_from_kvm_mapping(start, map)
-    }
-
-    /// A segment that converts every guest tick with `map`'s exact inverse,
-    /// [`KvmTscMapping::try_host_from_guest_ceil`]: the first host tick whose guest image is at
-    /// or after the guest tick, so a guest TSC read taken during host tick `h` converts back to
-    /// exactly `h` whenever the guest clock runs at least as fast as the host's (and to the
-    /// first of the host ticks sharing its value otherwise). No rounding error at all.
-    ///
-    /// The hot path does not divide: the batch kernel multiplies by a reciprocal rounded down
-    /// ([`Slope::try_from_kvm_ratio_floor`]), which can only land at or below the answer, and
-    /// then steps up while the forward map of its guess is still below the guest tick (at most
-    /// two steps, proved in the `kvm` module). Single conversions use the mapping directly.
-    ///
-    /// `None` if `start` precedes host tick 0 (`start < tsc_offset`), if `start` maps beyond
-    /// `u64::MAX`, or if the reciprocal slope exceeds `2^62` (a guest clock `2^62` times
-    /// slower than the host's). Guest ticks before `start` convert exactly as the mapping says,
-    /// wrapping included: one numerically below `tsc_offset` lies `2^64` ticks later.
-    #[must_use]
-    pub fn try_from_kvm_mapping(start: GuestTicks, map: KvmTscMapping) -> Option<Self> {
-        let slope = Slope::try_from_kvm_ratio_floor(map.ratio(), map.frac_bits())?;
-        let line = Self::try_new(start.0, i128::from(map.offset()), 0, slope)?;
-        // try_new succeeded, so start >= offset (else the host value at start is negative) and
-        // start - offset < 2^64.
-        let scaled_at_start = u64::try_from(i128::from(start.0) - i128::from(map.offset())).ok()?;
-        Some(Self {
-            fast_span: super::kvm::exact_span(&line, scaled_at_start),
-            kvm: KvmParts::of(map),
-            ..line
-        })
-    }
-
     /// A linear segment from the parts returned by [`Segment::start`],
     /// [`Segment::host_at_start`], [`Segment::host_frac_at_start`] and [`Segment::slope`]: the
     /// lossless way to store or send a linear segment (store a KVM segment as its start and
@@ -249,7 +203,12 @@ impl Segment {
     }
 
     /// Shared constructor: anchors are `i128` so that a KVM offset (a signed guest tick) fits.
-    fn try_new(start: u64, guest_anchor: i128, host_anchor: i128, slope: Slope) -> Option<Self> {
+    pub(super) fn try_new(
+        start: u64,
+        guest_anchor: i128,
+        host_anchor: i128,
+        slope: Slope,
+    ) -> Option<Self> {
         let delta = i128::from(start) - guest_anchor;
         let distance = delta.unsigned_abs();
         if distance > u128::from(u64::MAX) {

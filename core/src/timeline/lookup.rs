@@ -7,7 +7,7 @@ use crate::units::{GuestTicks, HostTicks};
 /// A validated, borrowed sequence of segments: strictly increasing guest starts, at least one.
 ///
 /// It borrows rather than owns so that `core` needs no heap: the host keeps its segments in a
-/// `Vec`, a guest in a fixed array or a [`TimelineBuf`].
+/// `Vec`, a guest in a fixed array or a [`super::TimelineBuf`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Timeline<'a> {
     pub(super) segments: &'a [Segment],

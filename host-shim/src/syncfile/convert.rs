@@ -7,7 +7,8 @@ use std::path::{Path, PathBuf};
 use vmtsync_core::timeline::{Segment, Timeline, TimelineError};
 use vmtsync_core::{GuestTicks, HostTicks};
 
-use super::{LineRead, SyncFile, SyncFileError, SyncSegment, read_line_bounded};
+use super::reader::{LineRead, read_line_bounded};
+use super::{SyncFile, SyncFileError, SyncSegment};
 
 /// One vCPU's segments, sorted by guest start: the piecewise guest→host mapping, converted
 /// by `vmtsync_core::timeline` (floor; before the first segment, the first is extrapolated
@@ -150,7 +151,7 @@ pub fn convert_sync_file(
 
 #[cfg(test)]
 mod tests {
-    use super::super::tests::{header, seg};
+    use super::super::format::samples::{header, seg};
     use super::*;
     use proptest::prelude::*;
 

@@ -1,0 +1,145 @@
+//! The schema-1 line shapes: the header, a segment, and their `"type"` tags.
+
+use serde::{Deserialize, Serialize};
+use vmtsync_core::timeline::Segment;
+use vmtsync_core::{GuestTicks, HostTicks};
+
+use super::OffsetModel;
+
+/// The sync file schema this crate writes and reads.
+pub const SYNC_SCHEMA: u32 = 1;
+
+/// The first line of a sync file.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SyncHeader {
+    /// Always [`SYNC_SCHEMA`] for files this crate writes.
+    pub schema: u32,
+    /// The writer, e.g. `vmtsync 0.1.0`.
+    pub tool: String,
+    /// The host clock the `host_*` values are in (`x86-tsc`).
+    pub host_clock: String,
+    /// When the file was created (seconds since the Unix epoch).
+    pub created_unix_s: u64,
+    /// Where the samples came from (the `--connect` address).
+    #[serde(default)]
+    pub source: String,
+}
+
+/// One re-sync round of one vCPU (see the module docs for every field).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SyncSegment {
+    /// The vCPU.
+    pub vcpu: u32,
+    /// Round number within the run.
+    pub round: u64,
+    /// First guest tick this segment applies to.
+    pub guest_start: u64,
+    /// Host tick of the anchor.
+    pub host_anchor: u64,
+    /// Guest tick of the anchor (`host_anchor + offset`).
+    pub guest_anchor: u64,
+    /// Offset at the anchor, centre of the bounds.
+    pub offset: i64,
+    /// Guaranteed lower bound of the offset at the anchor.
+    pub offset_lo: i64,
+    /// Guaranteed upper bound of the offset at the anchor.
+    pub offset_hi: i64,
+    /// The drift used for conversion, ppb.
+    pub drift_ppb: i64,
+    /// Guaranteed lower drift bound, ppb, if bounded.
+    pub drift_ppb_lo: Option<i64>,
+    /// Guaranteed upper drift bound, ppb, if bounded.
+    pub drift_ppb_hi: Option<i64>,
+    /// Which model the bounds come from.
+    pub model: OffsetModel,
+    /// Samples in the round.
+    pub probes: u32,
+    /// Fastest round trip of the round, host ticks.
+    pub rtt_min_ticks: u64,
+    /// Host TSC of the round's first send.
+    pub host_first: u64,
+    /// Host TSC of the round's last receive.
+    pub host_last: u64,
+    /// A new estimate starts here (the previous rounds' relation no longer fits).
+    #[serde(rename = "break")]
+    pub is_break: bool,
+}
+
+impl SyncSegment {
+    /// This segment as a `vmtsync_core::timeline` segment: the line through
+    /// `(guest_anchor, host_anchor)` with `1e9 / (1e9 + drift_ppb)` host ticks per guest tick,
+    /// used from `guest_start` on. A zero drift is an exact offset; otherwise the slope is
+    /// rounded down by less than 2^-62 relative ([`vmtsync_core::timeline::Slope::try_from_ratio_floor`]), so a
+    /// result is at most one tick below the exact floor for host values below 2^62.
+    ///
+    /// `None` if the rate is not positive or `guest_start` maps outside the host range.
+    #[must_use]
+    pub fn to_timeline_segment(&self) -> Option<Segment> {
+        let start = GuestTicks(self.guest_start);
+        if self.drift_ppb == 0 {
+            return Segment::try_offset(start, self.offset.checked_neg()?);
+        }
+        let den = u64::try_from(1_000_000_000_i64.checked_add(self.drift_ppb)?).ok()?;
+        Segment::try_from_anchor_ratio(
+            start,
+            GuestTicks(self.guest_anchor),
+            HostTicks(self.host_anchor),
+            1_000_000_000,
+            den,
+        )
+    }
+}
+
+/// The on-disk line shapes, tagged by `"type"`.
+#[derive(Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "lowercase")]
+pub(super) enum Tagged {
+    Header(SyncHeader),
+    Segment(SyncSegment),
+}
+
+#[cfg(test)]
+pub(super) mod samples {
+    //! A header and segments for the tests of this module's siblings.
+
+    use super::*;
+
+    pub(in crate::syncfile) fn header() -> SyncHeader {
+        SyncHeader {
+            schema: SYNC_SCHEMA,
+            tool: "vmtsync test".into(),
+            host_clock: "x86-tsc".into(),
+            created_unix_s: 1_796_000_000,
+            source: "tcp:127.0.0.1:1".into(),
+        }
+    }
+
+    pub(in crate::syncfile) fn seg(
+        vcpu: u32,
+        round: u64,
+        host_anchor: u64,
+        offset: i64,
+        drift_ppb: i64,
+    ) -> SyncSegment {
+        let guest_anchor = host_anchor.checked_add_signed(offset).unwrap();
+        SyncSegment {
+            vcpu,
+            round,
+            guest_start: guest_anchor - 1000,
+            host_anchor,
+            guest_anchor,
+            offset,
+            offset_lo: offset - 10,
+            offset_hi: offset + 10,
+            drift_ppb,
+            drift_ppb_lo: Some(drift_ppb - 5),
+            drift_ppb_hi: None,
+            model: OffsetModel::Drift,
+            probes: 64,
+            rtt_min_ticks: 3000,
+            host_first: host_anchor - 1000,
+            host_last: host_anchor + 1000,
+            is_break: round == 0,
+        }
+    }
+}

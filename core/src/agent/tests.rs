@@ -69,7 +69,7 @@ fn hello_then_probes_unwrap_to_the_exact_tsc() {
     assert_eq!(hello_tsc, GuestTicks(T0));
     let mut reference = hello_tsc;
     let mut wraps = 0;
-    for k in 1..=20u16 {
+    for k in 1..=20u8 {
         let mut req = [0u8; MAX_FRAME_SIZE];
         let req_len = encode_frame(&Message::Probe { seq: k }, &mut req)
             .unwrap()
@@ -389,7 +389,7 @@ proptest::proptest! {
     fn arbitrary_input_then_probe(
         garbage in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..600),
         chunk in 1usize..80,
-        seq: u16,
+        seq: u8,
     ) {
         let mut a = agent(5);
         open(&mut a);

@@ -1,29 +1,59 @@
-//! Framing: postcard + COBS, one checked decode path, a stream receiver, and the agent's
+//! Framing: postcard + CRC + COBS, one checked decode path, a stream receiver, and the agent's
 //! late-TSC probe reply encoder.
 //!
-//! A frame on the wire is `COBS(postcard(message))` followed by one `0x00` delimiter. COBS
-//! removes every zero from the body, so a receiver that lost sync (line noise, a reset peer,
-//! a frame too long) recovers at the next `0x00`. Empty frames (`0x00 0x00`) are skipped, so a
-//! sender may emit a lone `0x00` first to flush a receiver that is mid-garbage.
+//! A frame on the wire is `COBS(body)` followed by one `0x00` delimiter, where the body is
+//! `postcard(message)` followed by a checksum of those bytes:
 //!
-//! Untrusted bytes enter only through [`decode`], [`decode_frame`] and [`FrameReceiver::feed`];
-//! all three end in postcard's decoder, whose types validate themselves (e.g. a
-//! [`crate::mapping::KvmTscMapping`] only decodes through its checked constructor), never
-//! panic, and return a [`DecodeError`]. As in postcard, bytes after a complete message inside one frame
-//! are ignored.
+//! - every message ends in a big-endian CRC-16/PROFIBUS ([`CRC16`]),
+//! - except the compact [`Message::Probe`] request (host → guest, tag 2), whose body is
+//!   `tag, seq` and ends in a CRC-8/AUTOSAR ([`CRC8`]), which keeps a probe round trip at 16
+//!   bytes.
+//!
+//! The first body byte (the postcard tag) says which checksum follows; why these two and why
+//! the request may have the shorter one is in `docs/wire-integrity.md`.
+//!
+//! COBS removes every zero from the body, so a receiver that lost sync (line noise, a reset
+//! peer, a frame too long) recovers at the next `0x00`. Empty frames (`0x00 0x00`) are skipped,
+//! so a sender may emit a lone `0x00` first to flush a receiver that is mid-garbage.
+//!
+//! Untrusted bytes enter only through [`decode`] (an unframed body), [`decode_frame`] (which
+//! undoes COBS and calls `decode`) and [`FrameReceiver::feed`] (which reassembles a frame and
+//! calls `decode_frame`). `decode` checks the checksum before postcard sees a byte, then
+//! decodes strictly: the message must use every byte up to the checksum (the checksum fixes
+//! the length, so a spare byte is corruption, not padding). postcard's decoder validates the
+//! types (e.g. a [`crate::mapping::KvmTscMapping`] only decodes through its checked
+//! constructor), never panics, and every failure is a [`DecodeError`].
 
-use postcard::accumulator::{CobsAccumulator, FeedResult};
+use crc::{CRC_8_AUTOSAR, CRC_16_PROFIBUS, Crc, Digest};
 use postcard::experimental::max_size::MaxSize;
 
 use super::message::Message;
 use crate::units::GuestTicks;
 
-/// The largest postcard encoding of any [`Message`] (from `MaxSize`, so a slight overestimate).
+/// The checksum that ends every frame body but the compact probe request's: CRC-16/PROFIBUS
+/// (polynomial 0x1DCF, init and xorout 0xFFFF), appended big-endian. Hamming distance 5 for
+/// bodies up to 13 bytes before it (every probe message), 4 up to 342 bytes (far beyond
+/// [`MAX_MESSAGE_SIZE`]); tested in `golden.rs` against the polynomial itself.
+pub static CRC16: Crc<u16> = Crc::<u16>::new(&CRC_16_PROFIBUS);
+
+/// The checksum that ends the compact [`Message::Probe`] request: CRC-8/AUTOSAR (polynomial
+/// 0x2F, init and xorout 0xFF), Hamming distance 4 over its two payload bytes.
+pub static CRC8: Crc<u8> = Crc::<u8>::new(&CRC_8_AUTOSAR);
+
+/// postcard tag of [`Message::Probe`], the one message checked by [`CRC8`] (pinned by the
+/// golden tests).
+const TAG_PROBE: u8 = 2;
+
+/// The largest postcard encoding of any [`Message`] (from `MaxSize`, so a slight overestimate),
+/// without its checksum.
 pub const MAX_MESSAGE_SIZE: usize = Message::POSTCARD_MAX_SIZE;
 
-/// The largest frame: [`MAX_MESSAGE_SIZE`] plus COBS overhead (one byte per started 254-byte
+/// The largest frame body: [`MAX_MESSAGE_SIZE`] plus the 2-byte CRC-16.
+pub const MAX_BODY_SIZE: usize = MAX_MESSAGE_SIZE + 2;
+
+/// The largest frame: [`MAX_BODY_SIZE`] plus COBS overhead (one byte per started 254-byte
 /// block) plus the `0x00` delimiter. Every frame buffer in this crate has this size.
-pub const MAX_FRAME_SIZE: usize = cobs_max_len(MAX_MESSAGE_SIZE) + 1;
+pub const MAX_FRAME_SIZE: usize = cobs_max_len(MAX_BODY_SIZE) + 1;
 
 /// COBS output length bound for `n` input bytes (the cobs crate's `max_encoding_length`, made
 /// at least 1 because an empty body still gets a code byte).
@@ -36,16 +66,19 @@ const fn cobs_max_len(n: usize) -> usize {
 #[cfg_attr(feature = "defmt", derive(defmt::Format))]
 #[non_exhaustive]
 pub enum DecodeError {
-    /// The bytes ended before the message was complete.
+    /// The bytes ended before the message (or its checksum) was complete.
     Truncated,
     /// The frame is not valid COBS.
     BadCobs,
-    /// postcard rejected the bytes (an overlong varint, a bool or option byte above 1, ...);
-    /// from the stream receiver this covers every decode failure, which it cannot tell apart.
+    /// The checksum does not match the body: the frame was corrupted on the way.
+    Checksum,
+    /// postcard rejected the bytes (an overlong varint, a bool or option byte above 1, ...).
     Malformed,
     /// The bytes parse but a value is not allowed: an unknown message or enum tag, a mapping
     /// with `ratio == 0` or `frac_bits > 63`, more than [`super::EVENT_BATCH_MAX`] events.
     InvalidValue,
+    /// A complete message is followed by bytes before the checksum.
+    TrailingBytes,
     /// The frame is longer than [`MAX_FRAME_SIZE`]; the receiver dropped it up to the next
     /// delimiter.
     FrameTooLong,
@@ -55,7 +88,6 @@ impl DecodeError {
     fn from_postcard(e: postcard::Error) -> Self {
         match e {
             postcard::Error::DeserializeUnexpectedEnd => Self::Truncated,
-            postcard::Error::DeserializeBadEncoding => Self::BadCobs,
             // serde's own "invalid value": an unknown variant tag, or a type's validation
             // (KvmTscMapping::try_new, heapless capacity) said no.
             postcard::Error::SerdeDeCustom => Self::InvalidValue,
@@ -70,16 +102,35 @@ impl DecodeError {
 #[non_exhaustive]
 pub enum EncodeError {
     /// The output buffer is too small; [`MAX_FRAME_SIZE`] always suffices for a frame and
-    /// [`MAX_MESSAGE_SIZE`] for a bare message.
+    /// [`MAX_BODY_SIZE`] for an unframed body.
     BufferTooSmall,
 }
 
-/// Encodes `msg` without framing (bare postcard) into `buf`; returns the used prefix.
+/// Encodes `msg` as an unframed body (postcard bytes and their checksum, no COBS) into `buf`;
+/// returns the used prefix.
 ///
 /// # Errors
-/// [`EncodeError::BufferTooSmall`] if `buf` cannot hold the encoding.
+/// [`EncodeError::BufferTooSmall`] if `buf` cannot hold the body.
 pub fn encode<'a>(msg: &Message, buf: &'a mut [u8]) -> Result<&'a mut [u8], EncodeError> {
-    postcard::to_slice(msg, buf).map_err(|_| EncodeError::BufferTooSmall)
+    let len = postcard::to_slice(msg, buf)
+        .map_err(|_| EncodeError::BufferTooSmall)?
+        .len();
+    let (payload, tail) = buf.split_at_mut(len);
+    let crc_len = if payload.first() == Some(&TAG_PROBE) {
+        let crc = [CRC8.checksum(payload)];
+        tail.get_mut(..1)
+            .ok_or(EncodeError::BufferTooSmall)?
+            .copy_from_slice(&crc);
+        1
+    } else {
+        let crc = CRC16.checksum(payload).to_be_bytes();
+        tail.get_mut(..2)
+            .ok_or(EncodeError::BufferTooSmall)?
+            .copy_from_slice(&crc);
+        2
+    };
+    buf.get_mut(..len + crc_len)
+        .ok_or(EncodeError::BufferTooSmall)
 }
 
 /// Encodes `msg` as one frame (COBS body plus the `0x00` delimiter) into `buf`; returns the
@@ -88,19 +139,54 @@ pub fn encode<'a>(msg: &Message, buf: &'a mut [u8]) -> Result<&'a mut [u8], Enco
 /// # Errors
 /// [`EncodeError::BufferTooSmall`] if `buf` cannot hold the frame.
 pub fn encode_frame<'a>(msg: &Message, buf: &'a mut [u8]) -> Result<&'a mut [u8], EncodeError> {
-    postcard::to_slice_cobs(msg, buf).map_err(|_| EncodeError::BufferTooSmall)
+    let mut body = [0u8; MAX_BODY_SIZE];
+    let body = encode(msg, &mut body)?;
+    let len = cobs::try_encode(body, buf).map_err(|_| EncodeError::BufferTooSmall)?;
+    *buf.get_mut(len).ok_or(EncodeError::BufferTooSmall)? = 0;
+    buf.get_mut(..=len).ok_or(EncodeError::BufferTooSmall)
 }
 
-/// The checked decoder for bare postcard bytes (no COBS).
+/// Splits an unframed body into its payload after checking the checksum the tag calls for.
+fn checked_payload(body: &[u8]) -> Result<&[u8], DecodeError> {
+    let crc_len = if body.first() == Some(&TAG_PROBE) {
+        1
+    } else {
+        2
+    };
+    let split = body
+        .len()
+        .checked_sub(crc_len)
+        .ok_or(DecodeError::Truncated)?;
+    let (payload, crc) = body.split_at(split);
+    let ok = match *crc {
+        [c] => CRC8.checksum(payload) == c,
+        [hi, lo] => CRC16.checksum(payload) == u16::from_be_bytes([hi, lo]),
+        _ => false,
+    };
+    if ok {
+        Ok(payload)
+    } else {
+        Err(DecodeError::Checksum)
+    }
+}
+
+/// The checked decoder for an unframed body (postcard bytes and their checksum, no COBS): the
+/// checksum first, then a strict postcard decode of exactly the bytes before it.
 ///
 /// # Errors
-/// Any [`DecodeError`] but `FrameTooLong`; never panics.
-pub fn decode(bytes: &[u8]) -> Result<Message, DecodeError> {
-    postcard::from_bytes::<Message>(bytes).map_err(DecodeError::from_postcard)
+/// Any [`DecodeError`] but `BadCobs` and `FrameTooLong`; never panics.
+pub fn decode(body: &[u8]) -> Result<Message, DecodeError> {
+    let payload = checked_payload(body)?;
+    match postcard::take_from_bytes::<Message>(payload) {
+        Ok((msg, [])) => Ok(msg),
+        Ok(_) => Err(DecodeError::TrailingBytes),
+        Err(e) => Err(DecodeError::from_postcard(e)),
+    }
 }
 
-/// The checked decoder for one COBS frame, with or without its trailing `0x00`. Decodes in
-/// place (the buffer is scratch afterwards) and stops at the first `0x00`.
+/// The checked decoder for one COBS frame, with or without its trailing `0x00`: undoes COBS in
+/// place (the buffer is scratch afterwards, and decoding stops at the first `0x00`), then
+/// [`decode`].
 ///
 /// # Errors
 /// Any [`DecodeError`]; a frame longer than [`MAX_FRAME_SIZE`] (delimiter included) is
@@ -110,7 +196,12 @@ pub fn decode_frame(frame: &mut [u8]) -> Result<Message, DecodeError> {
     if body_len + 1 > MAX_FRAME_SIZE {
         return Err(DecodeError::FrameTooLong);
     }
-    postcard::from_bytes_cobs::<Message>(frame).map_err(DecodeError::from_postcard)
+    let len = match cobs::decode_in_place(frame) {
+        Ok(len) => len,
+        Err(cobs::DecodeError::EmptyFrame) => return Err(DecodeError::Truncated),
+        Err(_) => return Err(DecodeError::BadCobs),
+    };
+    decode(frame.get(..len).ok_or(DecodeError::BadCobs)?)
 }
 
 /// The result of one [`FrameReceiver::feed`] call.
@@ -138,24 +229,25 @@ pub enum Feed<'a> {
     },
 }
 
-/// Reassembles frames from a byte stream in any chunking (UART, vsock), in a fixed buffer of
-/// [`MAX_FRAME_SIZE`] bytes, around postcard's [`CobsAccumulator`].
+/// Reassembles frames from a byte stream in any chunking (UART, vsock) in a fixed buffer of
+/// [`MAX_FRAME_SIZE`] bytes, and decodes each through [`decode_frame`].
 ///
-/// On top of the accumulator it skips empty frames and, after an overlong frame, drops bytes
-/// up to the next delimiter instead of decoding the frame's tail as a new frame.
+/// It skips empty frames and, after an overlong frame, drops bytes up to the next delimiter
+/// instead of decoding the frame's tail as a new frame.
+#[derive(Clone)]
 pub struct FrameReceiver {
-    acc: CobsAccumulator<MAX_FRAME_SIZE>,
-    /// Bytes of the current frame held by `acc` (it does not expose its own count).
-    pending: usize,
+    buf: [u8; MAX_FRAME_SIZE],
+    /// Bytes of the current frame in `buf` (delimiter not yet seen).
+    len: usize,
     /// Set after an overflow until the next delimiter.
     discarding: bool,
 }
 
 impl core::fmt::Debug for FrameReceiver {
     fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
-        // The accumulator has no Debug; its fill level is `pending`.
+        // The buffer's contents are scratch; its fill level is `len`.
         f.debug_struct("FrameReceiver")
-            .field("pending", &self.pending)
+            .field("pending", &self.len)
             .field("discarding", &self.discarding)
             .finish_non_exhaustive()
     }
@@ -172,8 +264,8 @@ impl FrameReceiver {
     #[must_use]
     pub const fn new() -> Self {
         Self {
-            acc: CobsAccumulator::new(),
-            pending: 0,
+            buf: [0; MAX_FRAME_SIZE],
+            len: 0,
             discarding: false,
         }
     }
@@ -191,44 +283,47 @@ impl FrameReceiver {
                 None => return Feed::Consumed,
             }
         }
-        if self.pending == 0 {
+        if self.len == 0 {
             // Skip empty frames (delimiters with nothing before them).
             let start = input.iter().position(|&b| b != 0).unwrap_or(input.len());
             input = input.get(start..).unwrap_or_default();
         }
-        if input.is_empty() {
+        let (bytes, rest) = match input.iter().position(|&b| b == 0) {
+            Some(i) => (
+                input.get(..i).unwrap_or_default(),
+                Some(input.get(i + 1..).unwrap_or_default()),
+            ),
+            None => (input, None),
+        };
+        let end = self.len + bytes.len();
+        // The delimiter must fit too: a frame is at most MAX_FRAME_SIZE bytes with it.
+        let slot = if end < MAX_FRAME_SIZE {
+            self.buf.get_mut(self.len..end)
+        } else {
+            None
+        };
+        let Some(slot) = slot else {
+            self.len = 0;
+            // Without a delimiter in this chunk, the frame goes on in the next one.
+            self.discarding = rest.is_none();
+            return Feed::Error {
+                error: DecodeError::FrameTooLong,
+                rest: rest.unwrap_or_default(),
+            };
+        };
+        slot.copy_from_slice(bytes);
+        self.len = end;
+        let Some(rest) = rest else {
             return Feed::Consumed;
-        }
-        let has_delimiter = input.contains(&0);
-        match self.acc.feed::<Message>(input) {
-            FeedResult::Consumed => {
-                self.pending += input.len();
-                Feed::Consumed
-            }
-            FeedResult::OverFull(rest) => {
-                self.pending = 0;
-                // Without a delimiter in this chunk, `rest` is the middle of the long frame.
-                self.discarding = !has_delimiter;
-                let rest = if has_delimiter { rest } else { &[] };
-                Feed::Error {
-                    error: DecodeError::FrameTooLong,
-                    rest,
-                }
-            }
-            FeedResult::DeserError(rest) => {
-                self.pending = 0;
-                Feed::Error {
-                    error: DecodeError::Malformed,
-                    rest,
-                }
-            }
-            FeedResult::Success { data, remaining } => {
-                self.pending = 0;
-                Feed::Message {
-                    msg: data,
-                    rest: remaining,
-                }
-            }
+        };
+        let result = match self.buf.get_mut(..end) {
+            Some(frame) => decode_frame(frame),
+            None => Err(DecodeError::FrameTooLong),
+        };
+        self.len = 0;
+        match result {
+            Ok(msg) => Feed::Message { msg, rest },
+            Err(error) => Feed::Error { error, rest },
         }
     }
 }
@@ -237,41 +332,57 @@ impl FrameReceiver {
 const TAG_PROBE_REPLY: u8 = 3;
 /// postcard tag of [`Message::ProbeReplyFull`] (pinned by the golden tests).
 const TAG_PROBE_REPLY_FULL: u8 = 5;
-/// Largest probe reply frame: tag 1 + seq 3 + vcpu 5 + TSC 8, + 1 COBS code + 1 delimiter.
-const PROBE_FRAME_CAP: usize = 19;
+/// Largest probe reply body: tag 1 + seq 1 + vcpu 5 + TSC 8 + CRC 2.
+const PROBE_BODY_CAP: usize = 17;
+/// Largest probe reply frame: the body + 1 COBS code + 1 delimiter.
+const PROBE_FRAME_CAP: usize = PROBE_BODY_CAP + 2;
 
 /// A probe reply frame encoded up to the TSC, so the agent's path from reading the TSC to
-/// handing the frame to the link is a handful of byte stores.
+/// handing the frame to the link is a few table lookups and byte stores.
 ///
 /// The TSC is the last field of [`super::ProbeReply`] / [`super::ProbeReplyFull`] and is
-/// fixed-width, so its bytes never change the encoding of what precedes it. The body is
-/// under 254 bytes, so COBS needs one code byte per zero and nothing else. Output is
-/// byte-identical to [`encode_frame`] (tested for arbitrary values).
-#[derive(Clone, Copy, Debug)]
+/// fixed-width, so its bytes never change the encoding of what precedes it. The CRC-16 over
+/// the prefix is computed in advance and only continued over the TSC bytes in
+/// [`ProbeReplyFrame::finish`]. The body is under 254 bytes, so COBS needs one code byte per
+/// zero and nothing else. Output is byte-identical to [`encode_frame`] (tested for arbitrary
+/// values).
+#[derive(Clone)]
 pub struct ProbeReplyFrame {
     buf: [u8; PROBE_FRAME_CAP],
     /// Length, open COBS code index and code after the prefix: `finish` restarts from here.
     prefix_len: usize,
     prefix_code_idx: usize,
     prefix_code: u8,
+    /// The CRC-16 over the prefix (tag, seq, vcpu), continued over the TSC in `finish`.
+    prefix_crc: Digest<'static, u16>,
     /// 4 for the compact reply, 8 for the full one.
     tsc_bytes: usize,
+}
+
+impl core::fmt::Debug for ProbeReplyFrame {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        // The CRC digest has no Debug; the prefix bytes show what it covers.
+        f.debug_struct("ProbeReplyFrame")
+            .field("prefix", &self.buf.get(..self.prefix_len))
+            .field("tsc_bytes", &self.tsc_bytes)
+            .finish_non_exhaustive()
+    }
 }
 
 impl ProbeReplyFrame {
     /// Prepares a compact [`Message::ProbeReply`] (low 32 bits of the TSC).
     #[must_use]
-    pub fn compact(seq: u16, vcpu: u32) -> Self {
+    pub fn compact(seq: u8, vcpu: u32) -> Self {
         Self::prepare(TAG_PROBE_REPLY, seq, vcpu, 4)
     }
 
     /// Prepares a full-width [`Message::ProbeReplyFull`].
     #[must_use]
-    pub fn full(seq: u16, vcpu: u32) -> Self {
+    pub fn full(seq: u8, vcpu: u32) -> Self {
         Self::prepare(TAG_PROBE_REPLY_FULL, seq, vcpu, 8)
     }
 
-    fn prepare(tag: u8, seq: u16, vcpu: u32, tsc_bytes: usize) -> Self {
+    fn prepare(tag: u8, seq: u8, vcpu: u32, tsc_bytes: usize) -> Self {
         let mut buf = [0; PROBE_FRAME_CAP];
         let mut enc = CobsSmall {
             buf: &mut buf,
@@ -279,32 +390,54 @@ impl ProbeReplyFrame {
             code_idx: 0,
             code: 1,
         };
-        enc.push(tag);
-        enc.push_varint(u32::from(seq));
-        enc.push_varint(vcpu);
+        let mut prefix_crc = CRC16.digest();
+        let mut push = |b: u8| {
+            enc.push(b);
+            prefix_crc.update(&[b]);
+        };
+        push(tag);
+        push(seq);
+        // postcard's varint: 7 bits per byte, low first, high bit = more.
+        let mut v = vcpu;
+        loop {
+            // Masked to 7 bits, so the cast keeps every bit.
+            #[allow(clippy::cast_possible_truncation)]
+            let low = (v & 0x7f) as u8;
+            v >>= 7;
+            if v == 0 {
+                push(low);
+                break;
+            }
+            push(low | 0x80);
+        }
         let (prefix_len, prefix_code_idx, prefix_code) = (enc.len, enc.code_idx, enc.code);
         Self {
             buf,
             prefix_len,
             prefix_code_idx,
             prefix_code,
+            prefix_crc,
             tsc_bytes,
         }
     }
 
-    /// Appends the TSC (its low 4 or all 8 bytes, little-endian), closes the COBS block and
-    /// appends the delimiter; returns the frame to send. May be called again with a newer
-    /// reading (it restarts from the prepared prefix).
+    /// Appends the TSC (its low 4 or all 8 bytes, little-endian) and the CRC-16, closes the
+    /// COBS block and appends the delimiter; returns the frame to send. May be called again
+    /// with a newer reading (it restarts from the prepared prefix).
     #[inline]
     pub fn finish(&mut self, tsc: GuestTicks) -> &[u8] {
+        let bytes = tsc.0.to_le_bytes();
+        let tsc_part = bytes.get(..self.tsc_bytes).unwrap_or_default();
+        let mut crc = self.prefix_crc.clone();
+        crc.update(tsc_part);
+        let crc = crc.finalize().to_be_bytes();
         let mut enc = CobsSmall {
             buf: &mut self.buf,
             len: self.prefix_len,
             code_idx: self.prefix_code_idx,
             code: self.prefix_code,
         };
-        let bytes = tsc.0.to_le_bytes();
-        for &b in bytes.iter().take(self.tsc_bytes) {
+        for &b in tsc_part.iter().chain(&crc) {
             enc.push(b);
         }
         enc.put(enc.code_idx, enc.code);
@@ -344,28 +477,13 @@ impl CobsSmall<'_> {
         }
         self.len += 1;
     }
-
-    /// postcard's varint: 7 bits per byte, low first, high bit = more.
-    fn push_varint(&mut self, mut v: u32) {
-        loop {
-            // Masked to 7 bits, so the cast keeps every bit.
-            #[allow(clippy::cast_possible_truncation)]
-            let low = (v & 0x7f) as u8;
-            v >>= 7;
-            if v == 0 {
-                self.push(low);
-                return;
-            }
-            self.push(low | 0x80);
-        }
-    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::proto::message::{ProbeReply, ProbeReplyFull};
-    use crate::proto::testutil::arb_message;
+    use crate::proto::testutil::{arb_message, body_of, cobs_frame};
     use proptest::collection::vec as pvec;
     use proptest::prelude::*;
     use std::vec::Vec;
@@ -412,33 +530,16 @@ mod tests {
         });
         let mut buf = [0u8; MAX_FRAME_SIZE];
         let bare = encode(&worst, &mut buf).unwrap().len();
-        assert!(bare <= MAX_MESSAGE_SIZE, "{bare} > {MAX_MESSAGE_SIZE}");
+        assert!(bare <= MAX_BODY_SIZE, "{bare} > {MAX_BODY_SIZE}");
         let framed = encode_frame(&worst, &mut buf).unwrap().len();
         assert!(framed <= MAX_FRAME_SIZE, "{framed} > {MAX_FRAME_SIZE}");
-        std::println!("largest message {bare} B, frame {framed} B; buffers {MAX_FRAME_SIZE} B");
+        std::println!("largest body {bare} B, frame {framed} B; buffers {MAX_FRAME_SIZE} B");
+        assert_eq!(MAX_BODY_SIZE, MAX_MESSAGE_SIZE + 2);
         assert_eq!(
             MAX_FRAME_SIZE,
-            MAX_MESSAGE_SIZE + MAX_MESSAGE_SIZE.div_ceil(254) + 1
+            MAX_BODY_SIZE + MAX_BODY_SIZE.div_ceil(254) + 1
         );
         assert_eq!(cobs_max_len(0), 1);
-    }
-
-    /// COBS-frames arbitrary short bytes (the encoder the probe replies use).
-    fn cobs_frame(bare: &[u8]) -> Vec<u8> {
-        let mut buf = [0u8; PROBE_FRAME_CAP];
-        let mut enc = CobsSmall {
-            buf: &mut buf,
-            len: 1,
-            code_idx: 0,
-            code: 1,
-        };
-        for &b in bare {
-            enc.push(b);
-        }
-        enc.put(enc.code_idx, enc.code);
-        enc.put(enc.len, 0);
-        let len = enc.len + 1;
-        buf[..len].to_vec()
     }
 
     #[test]
@@ -447,17 +548,23 @@ mod tests {
         let frac_64: &[u8] = &[0x06, 0x01, 0xcf, 0x0f, 0x01, 0x40];
         let mut ok = zero_ratio.to_vec();
         ok[4] = 0x01;
-        assert!(decode(&ok).is_ok(), "the fixture is otherwise valid");
-        for bare in [zero_ratio, frac_64] {
-            assert_eq!(decode(bare), Err(DecodeError::InvalidValue));
-            let frame = &cobs_frame(bare);
+        assert!(
+            decode(&body_of(&ok)).is_ok(),
+            "the fixture is otherwise valid"
+        );
+        for payload in [zero_ratio, frac_64] {
+            let body = body_of(payload);
+            assert_eq!(decode(&body), Err(DecodeError::InvalidValue));
+            let frame = &cobs_frame(&body);
             assert_eq!(
                 decode_frame(&mut frame.clone()),
                 Err(DecodeError::InvalidValue)
             );
-            // The stream receiver cannot tell the kinds apart, but rejects it too.
             let mut rx = FrameReceiver::new();
-            assert_eq!(feed_all(&mut rx, &[frame]), [Err(DecodeError::Malformed)]);
+            assert_eq!(
+                feed_all(&mut rx, &[frame]),
+                [Err(DecodeError::InvalidValue)]
+            );
         }
     }
 
@@ -474,19 +581,41 @@ mod tests {
         for _ in 0..=crate::proto::EVENT_BATCH_MAX {
             bare.extend_from_slice(&[1, 0, 1]);
         }
-        assert_eq!(decode(&bare), Err(DecodeError::InvalidValue));
+        assert_eq!(decode(&body_of(&bare)), Err(DecodeError::InvalidValue));
     }
 
     #[test]
     fn decode_error_kinds() {
         assert_eq!(decode(&[]), Err(DecodeError::Truncated));
-        assert_eq!(decode(&[2]), Err(DecodeError::Truncated));
-        assert_eq!(decode(&[99]), Err(DecodeError::InvalidValue));
-        // A varint longer than a u16 allows.
+        assert_eq!(decode(&[0x0c]), Err(DecodeError::Truncated));
+        assert_eq!(decode(&body_of(&[2])), Err(DecodeError::Truncated));
+        assert_eq!(decode(&body_of(&[99])), Err(DecodeError::InvalidValue));
+        // A varint longer than a u16 allows (EventsRequest's `max`).
         assert_eq!(
-            decode(&[2, 0xff, 0xff, 0xff, 0x01]),
+            decode(&body_of(&[0x0a, 0xff, 0xff, 0xff, 0x01])),
             Err(DecodeError::Malformed)
         );
+        // Any flipped bit in the payload or the checksum.
+        let good = body_of(&[0x0a, 0x08]);
+        assert_eq!(decode(&good), Ok(Message::EventsRequest { max: 8 }));
+        for bit in 0..good.len() * 8 {
+            let mut bad = good.clone();
+            bad[bit / 8] ^= 1 << (bit % 8);
+            assert!(decode(&bad).is_err(), "bit {bit}");
+        }
+        // A complete message followed by a spare byte, under a valid checksum.
+        assert_eq!(
+            decode(&body_of(&[0x0a, 0x08, 0x00])),
+            Err(DecodeError::TrailingBytes)
+        );
+        assert_eq!(
+            decode(&body_of(&[2, 7, 7])),
+            Err(DecodeError::TrailingBytes)
+        );
+        // The compact probe with a CRC-16 (the other messages' checksum) is not a probe.
+        let mut wrong = std::vec![2, 7];
+        wrong.extend_from_slice(&CRC16.checksum(&[2, 7]).to_be_bytes());
+        assert!(decode(&wrong).is_err());
         // A COBS code byte pointing past the end of the frame.
         assert_eq!(decode_frame(&mut [5, 1, 0]), Err(DecodeError::BadCobs));
         let mut long = [1u8; MAX_FRAME_SIZE];
@@ -532,9 +661,9 @@ mod tests {
 
     #[test]
     fn probe_reply_frame_matches_postcard() {
-        let mut f = ProbeReplyFrame::compact(300, 3);
+        let mut f = ProbeReplyFrame::compact(200, 3);
         let reply = Message::ProbeReply(ProbeReply {
-            seq: 300,
+            seq: 200,
             vcpu: 3,
             tsc_low32: 0x0012_0034,
         });
@@ -544,7 +673,7 @@ mod tests {
         );
         // Finishing again with another reading restarts from the prefix.
         let reply2 = Message::ProbeReply(ProbeReply {
-            seq: 300,
+            seq: 200,
             vcpu: 3,
             tsc_low32: 0xffff_ffff,
         });
@@ -554,9 +683,9 @@ mod tests {
     proptest! {
         #[test]
         fn roundtrip_bare_and_framed(msg in arb_message()) {
-            let mut buf = [0u8; MAX_MESSAGE_SIZE];
+            let mut buf = [0u8; MAX_BODY_SIZE];
             let bare = encode(&msg, &mut buf).unwrap();
-            prop_assert!(bare.len() <= MAX_MESSAGE_SIZE);
+            prop_assert!(bare.len() <= MAX_BODY_SIZE);
             prop_assert_eq!(decode(bare), Ok(msg.clone()));
             let mut f = frame_of(&msg);
             prop_assert!(f.len() <= MAX_FRAME_SIZE);
@@ -618,7 +747,7 @@ mod tests {
 
         /// The late-TSC encoder is byte-identical to encode_frame for any values.
         #[test]
-        fn probe_reply_frame_equals_encode_frame(seq: u16, vcpu: u32, tsc: u64) {
+        fn probe_reply_frame_equals_encode_frame(seq: u8, vcpu: u32, tsc: u64) {
             let low = u32::try_from(tsc & 0xffff_ffff).unwrap();
             let compact = Message::ProbeReply(ProbeReply { seq, vcpu, tsc_low32: low });
             let mut f = ProbeReplyFrame::compact(seq, vcpu);

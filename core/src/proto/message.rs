@@ -8,7 +8,8 @@
 //!
 //! Integers are postcard varints (7 bits per byte) unless a field says "fixed": the probe
 //! replies carry the TSC as fixed little-endian bytes, placed last, so the agent can encode
-//! everything else before it reads the TSC (see [`super::ProbeReplyFrame`]).
+//! everything else before it reads the TSC (see [`super::ProbeReplyFrame`]). Sequence numbers
+//! are `u8`, which postcard writes as one raw byte.
 
 use postcard::experimental::max_size::MaxSize;
 use serde::{Deserialize, Serialize};
@@ -18,9 +19,10 @@ use crate::units::GuestTicks;
 
 /// The protocol version this crate speaks, sent in [`Hello`] and [`Capabilities`].
 ///
-/// Bump it whenever any encoding below changes; peers with different versions stop after the
-/// hello exchange.
-pub const PROTOCOL_VERSION: u16 = 1;
+/// Bump it whenever any encoding below (or the framing) changes; peers with different versions
+/// stop after the hello exchange. Version 2 added the frame checksum and one-byte sequence
+/// numbers.
+pub const PROTOCOL_VERSION: u16 = 2;
 
 /// The most event records one [`EventBatch`] carries.
 ///
@@ -41,15 +43,16 @@ pub enum Message {
     /// carrying the low 32 bits of its TSC, read as late as possible before the send.
     Probe {
         /// Sequence number echoed in the reply, so late replies can be matched or dropped.
-        seq: u16,
+        /// One fixed byte: the session wraps it (why 8 bits suffice: `docs/wire-integrity.md`).
+        seq: u8,
     },
     /// Guest → host, tag 3: the compact answer to [`Message::Probe`].
     ProbeReply(ProbeReply),
     /// Host → guest, tag 4: a probe asking for the full 64-bit TSC, used when the host has no
     /// unwrap reference within 2^31 ticks. Answered with [`Message::ProbeReplyFull`].
     ProbeFull {
-        /// Sequence number echoed in the reply.
-        seq: u16,
+        /// Sequence number echoed in the reply (one fixed byte, like [`Message::Probe`]'s).
+        seq: u8,
     },
     /// Guest → host, tag 5: the full-width answer to [`Message::ProbeFull`].
     ProbeReplyFull(ProbeReplyFull),
@@ -122,7 +125,7 @@ pub struct Capabilities {
 #[cfg_attr(feature = "defmt", derive(defmt::Format))]
 pub struct ProbeReply {
     /// The request's sequence number.
-    pub seq: u16,
+    pub seq: u8,
     /// The vCPU whose TSC was read.
     pub vcpu: u32,
     /// Low 32 bits of the guest TSC, fixed 4 bytes little-endian. The host recovers the full
@@ -136,7 +139,7 @@ pub struct ProbeReply {
 #[cfg_attr(feature = "defmt", derive(defmt::Format))]
 pub struct ProbeReplyFull {
     /// The request's sequence number.
-    pub seq: u16,
+    pub seq: u8,
     /// The vCPU whose TSC was read.
     pub vcpu: u32,
     /// The guest TSC, fixed 8 bytes little-endian (fixed so the agent's late-read path is the

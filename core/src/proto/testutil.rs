@@ -1,8 +1,12 @@
-//! proptest strategies for every message (test-only).
+//! proptest strategies for every message, and body/frame builders for hand-made payloads
+//! (test-only).
 
 use proptest::collection::vec as pvec;
 use proptest::prelude::*;
 use std::vec;
+use std::vec::Vec;
+
+use super::frame::{CRC8, CRC16};
 
 use super::message::*;
 use crate::mapping::KvmTscMapping;
@@ -68,16 +72,16 @@ pub(crate) fn arb_message() -> impl Strategy<Value = Message> {
                     tsc_khz,
                 })
             }),
-        any::<u16>().prop_map(|seq| Message::Probe { seq }),
-        (any::<u16>(), any::<u32>(), any::<u32>()).prop_map(|(seq, vcpu, tsc_low32)| {
+        any::<u8>().prop_map(|seq| Message::Probe { seq }),
+        (any::<u8>(), any::<u32>(), any::<u32>()).prop_map(|(seq, vcpu, tsc_low32)| {
             Message::ProbeReply(ProbeReply {
                 seq,
                 vcpu,
                 tsc_low32,
             })
         }),
-        any::<u16>().prop_map(|seq| Message::ProbeFull { seq }),
-        (any::<u16>(), any::<u32>(), any::<u64>()).prop_map(|(seq, vcpu, tsc)| {
+        any::<u8>().prop_map(|seq| Message::ProbeFull { seq }),
+        (any::<u8>(), any::<u32>(), any::<u64>()).prop_map(|(seq, vcpu, tsc)| {
             Message::ProbeReplyFull(ProbeReplyFull { seq, vcpu, tsc })
         }),
         (any::<u32>(), any::<i64>(), 1..=u64::MAX, 0..=63u32).prop_map(
@@ -135,4 +139,25 @@ pub(crate) fn arb_message() -> impl Strategy<Value = Message> {
         Just(Message::Exiting),
         arb_error_code().prop_map(Message::Error),
     ]
+}
+
+/// A hand-made postcard payload with the checksum its tag calls for appended (CRC-8 after the
+/// compact probe's tag 2, CRC-16 big-endian after every other), as `encode` would.
+pub(crate) fn body_of(payload: &[u8]) -> Vec<u8> {
+    let mut body = payload.to_vec();
+    if payload.first() == Some(&2) {
+        body.push(CRC8.checksum(payload));
+    } else {
+        body.extend_from_slice(&CRC16.checksum(payload).to_be_bytes());
+    }
+    body
+}
+
+/// COBS-frames a body (with its delimiter) through the cobs crate, as `encode_frame` does.
+pub(crate) fn cobs_frame(body: &[u8]) -> Vec<u8> {
+    let mut out = vec![0u8; body.len() + body.len() / 254 + 2];
+    let n = cobs::encode(body, &mut out);
+    out.truncate(n);
+    out.push(0);
+    out
 }

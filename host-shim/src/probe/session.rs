@@ -91,7 +91,7 @@ pub struct ProbeSession<T> {
     info: AgentInfo,
     /// The last full guest reading and the host stamp it is tied to.
     reference: Option<(HostTicks, GuestTicks)>,
-    seq: u16,
+    seq: u8,
     timeout: Duration,
     stats: SessionStats,
     /// Consecutive probes lost to garbage (timeouts with bad frames received).

@@ -156,7 +156,7 @@ fn boots_under(machine: Machine, test: &str) {
         "{p:?} outside [{before}, {after}]"
     );
     let mut widths = Vec::new();
-    for seq in 0..10u16 {
+    for seq in 0..10u8 {
         let before = host_tsc();
         let reply = exchange(&mut stdin, &rx, &mut frames, &Message::ProbeFull { seq });
         let after = host_tsc();

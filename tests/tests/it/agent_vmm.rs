@@ -96,7 +96,7 @@ fn probe_session(test: &str, cmdline: &str) {
     );
 
     let (mut before, mut tight, mut after) = (Vec::new(), Vec::new(), Vec::new());
-    for seq in 0..40u16 {
+    for seq in 0..40u8 {
         let full = seq % 2 == 0;
         let req = if full {
             Message::ProbeFull { seq }

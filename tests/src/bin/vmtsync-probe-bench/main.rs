@@ -148,8 +148,8 @@ pub fn run_sessions<L: ProbeLink>(
         };
         let mut reference = caps.tsc;
         let mut got = Vec::with_capacity(probes);
-        for i in 0..probes {
-            let seq = u16::try_from(i).context("at most 65536 probes per session")?;
+        // The wire's sequence number is one byte; each probe is answered before the next.
+        for seq in (0..=u8::MAX).cycle().take(probes) {
             let ex = link.exchange(&Message::Probe { seq })?;
             let r = match ex.reply {
                 Message::ProbeReply(r) if r.seq == seq => r,

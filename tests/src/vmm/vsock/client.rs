@@ -237,7 +237,8 @@ pub fn probe_run(
         }
     };
     let mut samples = Vec::with_capacity(usize::from(probes));
-    for seq in 0..probes {
+    // The wire's sequence number is one byte; each probe is answered before the next.
+    for seq in (0..=u8::MAX).cycle().take(usize::from(probes)) {
         let t = client.exchange(&Message::ProbeFull { seq }, timeout)?;
         match t.reply {
             Message::ProbeReplyFull(r) if r.seq == seq => {

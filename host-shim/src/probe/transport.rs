@@ -100,6 +100,13 @@ pub trait StampedTransport {
     fn refine(&mut self, stamps: FrameStamps) -> FrameStamps {
         stamps
     }
+
+    /// The host TSC now, on the clock `send` and `recv` stamp with (a simulation's own clock;
+    /// the real host TSC by default). The session uses it to decide whether a compact probe
+    /// can still be unwrapped.
+    fn now(&mut self) -> HostTicks {
+        host_tsc_now()
+    }
 }
 
 impl<T: StampedTransport + ?Sized> StampedTransport for Box<T> {
@@ -114,6 +121,10 @@ impl<T: StampedTransport + ?Sized> StampedTransport for Box<T> {
     fn refine(&mut self, stamps: FrameStamps) -> FrameStamps {
         (**self).refine(stamps)
     }
+
+    fn now(&mut self) -> HostTicks {
+        (**self).now()
+    }
 }
 
 impl<T: StampedTransport + ?Sized> StampedTransport for &mut T {
@@ -127,6 +138,10 @@ impl<T: StampedTransport + ?Sized> StampedTransport for &mut T {
 
     fn refine(&mut self, stamps: FrameStamps) -> FrameStamps {
         (**self).refine(stamps)
+    }
+
+    fn now(&mut self) -> HostTicks {
+        (**self).now()
     }
 }
 

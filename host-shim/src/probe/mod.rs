@@ -23,10 +23,14 @@ pub mod fake;
 pub mod progress;
 pub mod reference;
 pub mod report;
+mod retry;
 pub mod session;
+mod sockets;
 #[cfg(test)]
 pub(crate) mod testutil;
 pub mod transport;
+pub mod vhost_uds;
+pub mod vsock;
 
 use std::io::{self, Write};
 use std::sync::atomic::AtomicBool;

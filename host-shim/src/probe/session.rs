@@ -425,6 +425,27 @@ impl<T: StampedTransport> ProbeSession<T> {
         u64::from(self.seq.wrapping_sub(seq)) < self.stats.sent
     }
 
+    /// Any other request (a pvclock report, events, a mapping push, shutdown): sends `msg` and
+    /// returns the next well-formed message with the host stamps around the exchange, refined
+    /// by the transport like a probe's. Garbage frames are skipped and counted; the wait has
+    /// the session's deadline and byte budget. Probes go through [`ProbeSession::probe`],
+    /// which checks and unwraps their replies.
+    ///
+    /// # Errors
+    /// [`ProbeError::Timeout`], [`ProbeError::Flooded`], [`ProbeError::Transport`].
+    pub fn request(&mut self, msg: &Message) -> Result<(Message, FrameStamps), ProbeError> {
+        let send = self.send(msg)?;
+        let deadline = Instant::now() + self.timeout;
+        self.wait_bytes = 0;
+        let (reply, recv) = self.next_message(deadline, "a reply")?;
+        Ok((reply, self.transport.refine(FrameStamps { send, recv })))
+    }
+
+    /// The transport (e.g. to read stamps a VMM transport recorded for the last exchange).
+    pub const fn transport(&self) -> &T {
+        &self.transport
+    }
+
     /// `n` probes, `interval` apart (0: back to back); lost probes are skipped, so fewer than
     /// `n` samples may come back.
     ///

@@ -93,10 +93,11 @@ pub trait StampedTransport {
     /// of stream, [`TransportError::Io`] otherwise.
     fn recv(&mut self, buf: &mut [u8], deadline: Instant) -> Result<Received, TransportError>;
 
-    /// Called with the stamps of each completed probe; a transport that observed the guest
-    /// consume the request later than `send` returned (a VMM seeing the VM exit of the read),
-    /// or produce the reply earlier than `recv` said, returns the tighter pair. It must stay a
-    /// bracket of the guest's TSC read. The default keeps the stamps.
+    /// Called with the stamps of each completed exchange (the reply's last byte was the last
+    /// byte this transport returned); a transport that observed the guest consume the request
+    /// later than `send` returned (a VMM seeing the VM exit of the read), or produce the reply
+    /// earlier than `recv` said, returns the tighter pair. It must stay a bracket of the
+    /// guest's TSC read. The default keeps the stamps.
     fn refine(&mut self, stamps: FrameStamps) -> FrameStamps {
         stamps
     }

@@ -327,6 +327,123 @@ pub fn try_unwrap_tsc_low32(reference: GuestTicks, low32: u32) -> Option<GuestTi
         .map(GuestTicks)
 }
 
+/// Recovers a full guest TSC from its low 32 bits and a window `[lo, hi]` (inclusive) known to
+/// contain the true value.
+///
+/// Returns the value `v` in `[lo, hi]` with `v mod 2^32 == low32` when exactly one exists
+/// (always so for a window of at most 2^32 values, `hi - lo < 2^32`, that holds the truth);
+/// `None` when two or more exist (the low bits cannot say which), when `lo > hi`, or when none
+/// does (the window's premise was wrong). Unlike [`try_unwrap_tsc_low32`], which trusts a point
+/// estimate to be within 2^31 of the truth, this never picks between candidates: a host that
+/// knows only that the guest TSC lies in its window cannot be handed a value off by 2^32.
+#[must_use]
+pub fn try_unwrap_tsc_low32_in(lo: GuestTicks, hi: GuestTicks, low32: u32) -> Option<GuestTicks> {
+    if lo > hi {
+        return None;
+    }
+    // The low 32 bits of `lo`: truncation is the point.
+    #[allow(clippy::cast_possible_truncation)]
+    let lo_low = lo.0 as u32;
+    // The first value at or after `lo` with the wanted low bits, and the next one.
+    let v = lo.0.checked_add(u64::from(low32.wrapping_sub(lo_low)))?;
+    let unique = v.checked_add(1 << 32).is_none_or(|next| next > hi.0);
+    (v <= hi.0 && unique).then_some(GuestTicks(v))
+}
+
+#[cfg(test)]
+mod unwrap_in_tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// The naive answer: every `k * 2^32 + low32` near the window, kept if inside; unique or
+    /// nothing.
+    fn naive(lo: u64, hi: u64, low32: u32) -> Option<GuestTicks> {
+        if lo > hi {
+            return None;
+        }
+        // More high words than the loop below looks at means more than one candidate.
+        if (hi >> 32) - (lo >> 32) >= 4 {
+            return None;
+        }
+        let mut found = None;
+        for k in (lo >> 32)..=(hi >> 32) {
+            let v = (u128::from(k) << 32) + u128::from(low32);
+            if (u128::from(lo)..=u128::from(hi)).contains(&v) {
+                if found.is_some() {
+                    return None;
+                }
+                found = Some(GuestTicks(u64::try_from(v).unwrap()));
+            }
+        }
+        found
+    }
+
+    #[test]
+    fn edges() {
+        let m = u64::from(u32::MAX);
+        // Exactly 2^32 values: every residue once.
+        assert_eq!(
+            try_unwrap_tsc_low32_in(GuestTicks(10), GuestTicks(10 + m), 9),
+            Some(GuestTicks((1 << 32) + 9))
+        );
+        // One more value: residue 10 appears twice, every other residue still once.
+        assert_eq!(
+            try_unwrap_tsc_low32_in(GuestTicks(10), GuestTicks(11 + m), 10),
+            None
+        );
+        assert_eq!(
+            try_unwrap_tsc_low32_in(GuestTicks(10), GuestTicks(11 + m), 12),
+            Some(GuestTicks(12))
+        );
+        // Empty and inverted windows.
+        assert_eq!(
+            try_unwrap_tsc_low32_in(GuestTicks(5), GuestTicks(4), 5),
+            None
+        );
+        // No candidate inside a narrow window.
+        assert_eq!(
+            try_unwrap_tsc_low32_in(GuestTicks(100), GuestTicks(200), 300),
+            None
+        );
+        // Near u64::MAX: the candidate would overflow.
+        assert_eq!(
+            try_unwrap_tsc_low32_in(GuestTicks(u64::MAX - 5), GuestTicks(u64::MAX), 0),
+            None
+        );
+        assert_eq!(
+            try_unwrap_tsc_low32_in(GuestTicks(u64::MAX - 5), GuestTicks(u64::MAX), u32::MAX),
+            Some(GuestTicks(u64::MAX))
+        );
+    }
+
+    proptest! {
+        /// Any window and low word: equal to the naive enumeration.
+        #[test]
+        fn matches_naive(lo in any::<u64>(), width in 0u64..(3 << 32), low32 in any::<u32>()) {
+            let hi = lo.saturating_add(width);
+            prop_assert_eq!(
+                try_unwrap_tsc_low32_in(GuestTicks(lo), GuestTicks(hi), low32),
+                naive(lo, hi, low32)
+            );
+        }
+
+        /// Whenever the window holds the truth and at most 2^32 values, the truth comes back.
+        #[test]
+        fn recovers_the_truth(truth in any::<u64>(), below in 0u64..(1 << 32), above in 0u64..(1 << 32)) {
+            let lo = truth.saturating_sub(below);
+            let hi = truth.saturating_add(above);
+            #[allow(clippy::cast_possible_truncation)]
+            let got = try_unwrap_tsc_low32_in(GuestTicks(lo), GuestTicks(hi), truth as u32);
+            if hi - lo <= u64::from(u32::MAX) {
+                prop_assert_eq!(got, Some(GuestTicks(truth)));
+            } else {
+                // Wider: unresolved, or resolved to the truth, never to another value.
+                prop_assert!(got.is_none_or(|g| g.0 == truth));
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -53,5 +53,5 @@ pub use frame::{
 pub use message::{
     Capabilities, EVENT_BATCH_MAX, ErrorCode, EventBatch, EventRecord, EventStamp, Features, Hello,
     MappingPush, Message, PROTOCOL_VERSION, ProbeReply, ProbeReplyFull, PvclockReport, Transport,
-    try_unwrap_tsc_low32,
+    try_unwrap_tsc_low32, try_unwrap_tsc_low32_in,
 };

@@ -21,11 +21,16 @@ pub mod connect;
 pub mod continuous;
 pub mod fake;
 pub mod progress;
+pub mod reference;
 pub mod report;
+mod retry;
 pub mod session;
+mod sockets;
 #[cfg(test)]
 pub(crate) mod testutil;
 pub mod transport;
+pub mod vhost_uds;
+pub mod vsock;
 
 use std::io::{self, Write};
 use std::sync::atomic::AtomicBool;
@@ -133,6 +138,17 @@ pub enum ProbeError {
         host: u16,
         /// The agent's.
         agent: u16,
+    },
+    /// The guest sent far more than the protocol needs while the host waited for a reply,
+    /// several probes in a row ([`session::MAX_BYTES_PER_WAIT`] bytes per wait).
+    #[error(
+        "the guest sent {bytes} bytes while the host waited for {what}, more than a vmtsync agent ever sends: is something else writing to this channel?"
+    )]
+    Flooded {
+        /// What we were waiting for.
+        what: &'static str,
+        /// Bytes received during that wait.
+        bytes: u64,
     },
     /// The agent forgot the session (it restarted?).
     #[error("the guest agent answered NotReady: it restarted or lost the session; run probe again")]

@@ -18,6 +18,8 @@
 //! | `rtt_min_ticks`, `rtt_median_ticks`, `rtt_max_ticks` | u64 | round-trip times in host TSC ticks |
 //! | `probes` | u32 | samples used |
 //! | `sent`, `lost_probes`, `bad_frames`, `stale_replies` | u64 | what did not become a sample |
+//! | `unexpected`, `unknown_seq` | u64 | skipped messages: well-formed but unasked for; replies to a sequence number never sent |
+//! | `ambiguous`, `out_of_window`, `wrong_vcpu`, `bad_stamps`, `flooded` | u64 | why probes were lost (each also in `lost_probes`): compact reply not uniquely unwrappable (a stall); TSC outside the window the last verified reading allows; another vCPU; host stamps out of order; the wait drowned in other traffic |
 //! | `tracecmd_fastest_rtt_offset` | i64 | trace-cmd's PTP estimate (fastest round trip's midpoint) on the same samples, same sign |
 //! | `tsc_khz` | u32 or null | guest TSC frequency if the agent reported it |
 
@@ -116,6 +118,13 @@ struct JsonSummary {
     lost_probes: u64,
     bad_frames: u64,
     stale_replies: u64,
+    unexpected: u64,
+    unknown_seq: u64,
+    ambiguous: u64,
+    out_of_window: u64,
+    wrong_vcpu: u64,
+    bad_stamps: u64,
+    flooded: u64,
     tracecmd_fastest_rtt_offset: i64,
     tsc_khz: Option<u32>,
 }
@@ -224,6 +233,13 @@ impl ProbeSummary {
             lost_probes: self.stats.lost_probes,
             bad_frames: self.stats.bad_frames,
             stale_replies: self.stats.stale_replies,
+            unexpected: self.stats.unexpected,
+            unknown_seq: self.stats.unknown_seq,
+            ambiguous: self.stats.ambiguous,
+            out_of_window: self.stats.out_of_window,
+            wrong_vcpu: self.stats.wrong_vcpu,
+            bad_stamps: self.stats.bad_stamps,
+            flooded: self.stats.flooded,
             tracecmd_fastest_rtt_offset: self.tracecmd_fastest,
             tsc_khz: self.tsc_khz,
         }
@@ -261,6 +277,25 @@ impl ProbeSummary {
             self.stats.bad_frames,
             self.stats.stale_replies
         )?;
+        let st = &self.stats;
+        let rejected = [
+            (st.ambiguous, "ambiguous (guest stalled)"),
+            (st.out_of_window, "outside the TSC window"),
+            (st.wrong_vcpu, "wrong vCPU"),
+            (st.bad_stamps, "bad host stamps"),
+            (st.flooded, "flooded"),
+            (st.unknown_seq, "unknown sequence numbers"),
+            (st.unexpected, "unexpected messages"),
+        ];
+        // Only said when something happened, so the usual report stays one line.
+        let said: Vec<String> = rejected
+            .iter()
+            .filter(|(n, _)| *n > 0)
+            .map(|(n, what)| format!("{n} {what}"))
+            .collect();
+        if !said.is_empty() {
+            writeln!(out, "rejected: {}", said.join(", "))?;
+        }
         writeln!(
             out,
             "offset (guest - host): {} ticks, guaranteed in [{}, {}] (width {}{}), {} model, at host TSC {}",
@@ -322,6 +357,10 @@ mod tests {
             features: vmtsync_core::proto::Features::NONE,
             tsc_khz: Some(1_000_000),
             hello_tsc: GuestTicks(0),
+            hello_stamps: crate::probe::FrameStamps {
+                send: HostTicks(0),
+                recv: HostTicks(0),
+            },
         }
     }
 
@@ -360,6 +399,17 @@ mod tests {
         assert_eq!(j["rtt_min_ticks"], s.rtt.min);
         assert_eq!(j["tracecmd_fastest_rtt_offset"], s.tracecmd_fastest);
         assert_eq!(j["model"], "offset");
+        for key in [
+            "unexpected",
+            "unknown_seq",
+            "ambiguous",
+            "out_of_window",
+            "wrong_vcpu",
+            "bad_stamps",
+            "flooded",
+        ] {
+            assert_eq!(j[key], 0, "{key}");
+        }
         // The line keeps the documented key order, schema first (a Value would sort them).
         let mut line = Vec::new();
         s.write_json(&mut line).unwrap();

@@ -1,18 +1,36 @@
 //! The host's side of one probe session: hello, probes, shutdown, over any
 //! [`StampedTransport`].
 //!
-//! Untrusted guest bytes go through a fixed 256-byte read buffer and the core's
-//! [`FrameReceiver`] (a fixed [`vmtsync_core::proto::MAX_FRAME_SIZE`] buffer): memory is
-//! bounded whatever the guest sends. A frame that does not decode, or is too long, is counted
-//! in [`SessionStats::bad_frames`] and skipped; a reply to an older probe is counted as stale
-//! and skipped; nothing the guest sends can make this code panic. Every wait has a deadline,
-//! so a guest that stops answering is a [`ProbeError::Timeout`], never a hang.
+//! # An untrusted guest, a bounded host
 //!
-//! The guest answers a [`Message::Probe`] with the low 32 bits of its TSC. The host unwraps
-//! them against its estimate of the guest TSC: the last full reading plus the host ticks
-//! elapsed since (identity rate). That estimate is trusted for [`UNWRAP_HORIZON`] host ticks,
-//! far inside the 2^31-tick window of [`try_unwrap_tsc_low32`]; after that (and at the start
-//! of every round) the host asks with [`Message::ProbeFull`] instead.
+//! Untrusted guest bytes go through a fixed 256-byte read buffer and the core's
+//! [`FrameReceiver`] (a fixed [`vmtsync_core::proto::MAX_FRAME_SIZE`] buffer); with the
+//! session's counters that is the whole per-connection state: about `256 + MAX_FRAME_SIZE +
+//! 200` bytes, whatever the guest sends (a round's samples, 32 B each, grow with the host's
+//! `--probes`, not with guest input). A frame that does not decode, or is too long, is counted
+//! in [`SessionStats::bad_frames`] and skipped; nothing the guest sends can make this code
+//! panic. Every wait has a deadline, so a guest that stops answering is a
+//! [`ProbeError::Timeout`], never a hang; and one wait handles at most [`MAX_BYTES_PER_WAIT`]
+//! bytes, so a guest that floods the link loses its probe ([`SessionStats::flooded`]) instead
+//! of keeping the host busy until the deadline. Replies that cannot be true are rejected with a
+//! counted reason: a sequence number never sent ([`SessionStats::unknown_seq`]), an earlier
+//! probe's ([`SessionStats::stale_replies`]), another vCPU ([`SessionStats::wrong_vcpu`]),
+//! host stamps out of order ([`SessionStats::bad_stamps`]), a TSC outside the window the last
+//! verified reading allows ([`SessionStats::out_of_window`]: backwards, jumped, absurd).
+//!
+//! # Unwrapping compact replies
+//!
+//! The guest answers a [`Message::Probe`] with the low 32 bits of its TSC. The session keeps
+//! the last verified full reading with its host bracket ([`Reference`]); when the reply arrives
+//! it knows the host bracket of the new read too, so the guest TSC lies in a window
+//! ([`Reference::window`], for guest/host rates in [`RATE_MIN`, `RATE_MAX`]). Only when that
+//! window names exactly one value with the reply's low bits is the reply used
+//! ([`vmtsync_core::proto::try_unwrap_tsc_low32_in`]); otherwise (the guest stalled, the reply
+//! was late) the probe is lost ([`SessionStats::ambiguous`]) and the reference forgotten, so the
+//! next probe is a [`Message::ProbeFull`]. A reference is only ever a full reading that fit its
+//! window (or the first one), or a compact one that unwrapped uniquely: never a guess. The host
+//! sends compact probes only within [`UNWRAP_HORIZON`] host ticks of the reference, where the
+//! window stays far below 2^32 for any sane round trip.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -20,17 +38,27 @@ use std::time::{Duration, Instant};
 use vmtsync_core::estimate::ProbeSample;
 use vmtsync_core::proto::{
     Capabilities, ErrorCode, Features, Feed, FrameReceiver, Hello, MAX_FRAME_SIZE, Message,
-    PROTOCOL_VERSION, encode_frame, try_unwrap_tsc_low32,
+    PROTOCOL_VERSION, encode_frame,
 };
 use vmtsync_core::{GuestTicks, HostTicks};
 
 use super::ProbeError;
 use super::progress::Progress;
+pub use super::reference::{RATE_MAX, RATE_MIN, Reference, Window};
 use super::transport::{FrameStamps, StampedTransport, TransportError};
 
-/// Host ticks for which a compact reply is unwrapped against the last full reading (2^30:
-/// about 0.35 s at 3 GHz, half the unwrap window, leaving room for any drift or delay).
+/// Host ticks after the reference's bracket within which a compact probe is sent (2^30: about
+/// 0.35 s at 3 GHz). The window then spans about 1.5 · 2^30 plus twice the round trip, so a
+/// reply unwraps unless it took longer than about 2^30 ticks; later, a full probe is asked for.
 pub const UNWRAP_HORIZON: u64 = 1 << 30;
+
+/// The probe sequence number's width on the wire.
+pub type Seq = u8;
+
+/// Bytes one wait (a hello, a probe, the goodbye) handles at most before giving up on it. A
+/// probe reply is 10 to 14 bytes; this leaves room for a thousand stale replies or a burst of
+/// line noise, and bounds the work a guest can cause per probe.
+pub const MAX_BYTES_PER_WAIT: u64 = 16 << 10;
 
 /// Consecutive probes that may time out while only garbage arrives before the run fails.
 const MAX_GARBAGE_LOSSES: u32 = 3;
@@ -61,9 +89,16 @@ pub struct AgentInfo {
     pub tsc_khz: Option<u32>,
     /// The full guest TSC read while answering the hello.
     pub hello_tsc: GuestTicks,
+    /// The host bracket of that read (refined by the transport when there was one greeting).
+    pub hello_stamps: FrameStamps,
 }
 
 /// Counters of everything that did not become a sample.
+///
+/// `lost_probes` counts every probe that gave no sample; `ambiguous`, `out_of_window`,
+/// `wrong_vcpu`, `bad_stamps` and `flooded` say why for some of them (the rest: the agent
+/// answered with an error, or garbage ate the reply). `bad_frames`, `stale_replies`,
+/// `unknown_seq` and `unexpected` count skipped messages, which need not lose a probe.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct SessionStats {
     /// Probes sent (compact and full).
@@ -72,10 +107,24 @@ pub struct SessionStats {
     pub bad_frames: u64,
     /// Replies to an earlier probe (skipped).
     pub stale_replies: u64,
-    /// Probes the agent answered with an error, or whose reply could not be used.
+    /// Probes that gave no sample, for any reason.
     pub lost_probes: u64,
     /// Well-formed messages that were not expected at that point (skipped).
     pub unexpected: u64,
+    /// Replies carrying a sequence number this session never sent (skipped).
+    pub unknown_seq: u64,
+    /// Compact replies whose window held more than one value with their low bits: the guest
+    /// stalled or the reply was late (lost; the next probe asks for the full TSC).
+    pub ambiguous: u64,
+    /// Replies whose TSC lies outside the window the last verified reading allows: backwards,
+    /// jumped, or absurd (lost; the reference is forgotten).
+    pub out_of_window: u64,
+    /// Replies from another vCPU than the hello's (lost).
+    pub wrong_vcpu: u64,
+    /// Probes whose host stamps put the receive before the send (lost).
+    pub bad_stamps: u64,
+    /// Probe waits abandoned after [`MAX_BYTES_PER_WAIT`] bytes without the reply (lost).
+    pub flooded: u64,
 }
 
 /// A connected, greeted agent.
@@ -89,9 +138,11 @@ pub struct ProbeSession<T> {
     end: usize,
     buf_stamp: HostTicks,
     info: AgentInfo,
-    /// The last full guest reading and the host stamp it is tied to.
-    reference: Option<(HostTicks, GuestTicks)>,
-    seq: u8,
+    /// The last verified guest reading and its host bracket.
+    reference: Option<Reference>,
+    seq: Seq,
+    /// Bytes received during the current wait (see [`MAX_BYTES_PER_WAIT`]).
+    wait_bytes: u64,
     timeout: Duration,
     stats: SessionStats,
     /// Consecutive probes lost to garbage (timeouts with bad frames received).
@@ -136,19 +187,30 @@ impl<T: StampedTransport> ProbeSession<T> {
                 features: Features::NONE,
                 tsc_khz: None,
                 hello_tsc: GuestTicks(0),
+                hello_stamps: FrameStamps {
+                    send: HostTicks(0),
+                    recv: HostTicks(0),
+                },
             },
             reference: None,
             seq: 0,
+            wait_bytes: 0,
             timeout,
             stats: SessionStats::default(),
             garbage_losses: 0,
             stop,
         };
         let deadline = Instant::now() + timeout;
+        // The capabilities may answer any of the hellos: the first send bounds them all.
+        let mut first_send = None;
+        let mut greetings = 0u32;
+        s.wait_bytes = 0;
         let caps: Capabilities = 'greet: loop {
             // An agent that is still booting (or drains its receiver when it becomes ready)
             // never sees an early hello: say it again every HELLO_RESEND until the deadline.
-            s.transport.send(&[0]).map_err(|e| s.io("hello", e))?;
+            let sent = s.transport.send(&[0]).map_err(|e| s.io("hello", e))?;
+            first_send.get_or_insert(sent);
+            greetings += 1;
             s.send(&Message::Hello(Hello {
                 version: PROTOCOL_VERSION,
                 features: Features::NONE,
@@ -181,14 +243,31 @@ impl<T: StampedTransport> ProbeSession<T> {
                 agent: caps.version,
             });
         }
+        let raw = FrameStamps {
+            send: first_send.unwrap_or(HostTicks(0)),
+            recv: s.buf_stamp,
+        };
+        // A transport's refinement is tied to the last request it carried: only sound when
+        // there was one greeting.
+        let stamps = if greetings == 1 {
+            s.transport.refine(raw)
+        } else {
+            raw
+        };
         s.info = AgentInfo {
             vcpu: caps.vcpu,
             transport: caps.transport,
             features: caps.features,
             tsc_khz: caps.tsc_khz,
             hello_tsc: caps.tsc,
+            hello_stamps: stamps,
         };
-        s.reference = Some((s.buf_stamp, caps.tsc));
+        // The first reading: nothing to check it against yet.
+        s.reference = (stamps.send <= stamps.recv).then_some(Reference {
+            send: stamps.send,
+            recv: stamps.recv,
+            guest: caps.tsc,
+        });
         Ok(s)
     }
 
@@ -209,20 +288,27 @@ impl<T: StampedTransport> ProbeSession<T> {
     }
 
     /// One probe round trip. `Ok(None)` if this probe was lost (the agent answered with an
-    /// error, or the reply was unusable); it is counted in [`SessionStats::lost_probes`].
+    /// error, or the reply could not be used); it is counted in [`SessionStats::lost_probes`]
+    /// and, where there is one, under its reason.
     ///
     /// # Errors
     /// [`ProbeError::Timeout`] when no reply arrives within the session timeout,
     /// [`ProbeError::AgentNotReady`] / [`ProbeError::AgentExited`] when the agent lost the
-    /// session, [`ProbeError::Transport`].
+    /// session, [`ProbeError::Flooded`] when several probes in a row drowned in other traffic,
+    /// [`ProbeError::Transport`].
     pub fn probe(&mut self) -> Result<Option<ProbeSample>, ProbeError> {
+        /// What the matching reply said.
+        enum Reading {
+            Low32(u32),
+            Full(GuestTicks),
+        }
         self.seq = self.seq.wrapping_add(1);
         let seq = self.seq;
-        let now = super::transport::host_tsc_now();
-        let reference = self
+        let now = self.transport.now();
+        let compact = self
             .reference
-            .filter(|(host, _)| now.0.saturating_sub(host.0) < UNWRAP_HORIZON);
-        let msg = if reference.is_some() {
+            .is_some_and(|r| now.0.saturating_sub(r.send.0) < UNWRAP_HORIZON);
+        let msg = if compact {
             Message::Probe { seq }
         } else {
             Message::ProbeFull { seq }
@@ -231,11 +317,12 @@ impl<T: StampedTransport> ProbeSession<T> {
         self.stats.sent += 1;
         let deadline = Instant::now() + self.timeout;
         let bad_before = self.stats.bad_frames;
-        let (guest, vcpu, recv) = loop {
+        self.wait_bytes = 0;
+        let (reading, vcpu, recv) = loop {
             let (msg, stamp) = match self.next_message(deadline, "a probe reply") {
                 Ok(m) => m,
-                // Garbage arrived instead of the reply (noise on a serial line eats a frame):
-                // the guest is not silent, so lose this probe, up to a few in a row.
+                // Garbage arrived instead of the reply (noise on a serial line eats a frame),
+                // or a flood: the guest is not silent, so lose this probe, up to a few in a row.
                 Err(ProbeError::Timeout { .. })
                     if self.stats.bad_frames > bad_before
                         && self.garbage_losses < MAX_GARBAGE_LOSSES =>
@@ -243,25 +330,34 @@ impl<T: StampedTransport> ProbeSession<T> {
                     self.garbage_losses += 1;
                     return Ok(self.lost());
                 }
+                Err(ProbeError::Flooded { .. }) if self.garbage_losses < MAX_GARBAGE_LOSSES => {
+                    self.garbage_losses += 1;
+                    self.stats.flooded += 1;
+                    return Ok(self.lost());
+                }
                 Err(e) => return Err(e),
             };
             match msg {
                 Message::ProbeReply(r) if r.seq == seq => {
-                    let Some((ref_host, ref_guest)) = reference else {
-                        // We asked for a full reply; a compact one cannot be unwrapped safely.
+                    if !compact {
+                        // We asked for a full reply: a compact one has no window to unwrap in.
                         self.stats.unexpected += 1;
                         continue;
-                    };
-                    let elapsed = send.0.saturating_sub(ref_host.0);
-                    let estimate = GuestTicks(ref_guest.0.saturating_add(elapsed));
-                    match try_unwrap_tsc_low32(estimate, r.tsc_low32) {
-                        Some(g) => break (g, r.vcpu, stamp),
-                        None => return Ok(self.lost()),
                     }
+                    break (Reading::Low32(r.tsc_low32), r.vcpu, stamp);
                 }
-                Message::ProbeReplyFull(r) if r.seq == seq => break (r.guest_tsc(), r.vcpu, stamp),
-                Message::ProbeReply(_) | Message::ProbeReplyFull(_) => {
-                    self.stats.stale_replies += 1
+                Message::ProbeReplyFull(r) if r.seq == seq => {
+                    break (Reading::Full(r.guest_tsc()), r.vcpu, stamp);
+                }
+                Message::ProbeReply(vmtsync_core::proto::ProbeReply { seq: other, .. })
+                | Message::ProbeReplyFull(vmtsync_core::proto::ProbeReplyFull {
+                    seq: other, ..
+                }) => {
+                    if self.was_sent(other) {
+                        self.stats.stale_replies += 1;
+                    } else {
+                        self.stats.unknown_seq += 1;
+                    }
                 }
                 Message::Error(ErrorCode::NotReady) => return Err(ProbeError::AgentNotReady),
                 Message::Error(_) => return Ok(self.lost()),
@@ -270,13 +366,50 @@ impl<T: StampedTransport> ProbeSession<T> {
             }
         };
         if vcpu != self.info.vcpu {
+            self.stats.wrong_vcpu += 1;
             return Ok(self.lost());
         }
         let stamps = self.transport.refine(FrameStamps { send, recv });
         if stamps.recv < stamps.send {
+            self.stats.bad_stamps += 1;
             return Ok(self.lost());
         }
-        self.reference = Some((stamps.recv, guest));
+        let window = self.reference.map(|r| r.window(stamps.send, stamps.recv));
+        let guest = match (reading, window) {
+            // The first reading after the reference was forgotten: nothing to check against.
+            (Reading::Full(g), None) => g,
+            (Reading::Full(g), Some(Some(w))) if w.contains(g) => g,
+            (Reading::Low32(low), Some(Some(w))) if w.is_unambiguous() => {
+                match w.unwrap_low32(low) {
+                    Some(g) => g,
+                    None => {
+                        self.stats.out_of_window += 1;
+                        return Ok(self.lost());
+                    }
+                }
+            }
+            (Reading::Low32(_), Some(Some(_))) => {
+                self.stats.ambiguous += 1;
+                return Ok(self.lost());
+            }
+            // A full reading outside its window, or a window that is empty (a reference whose
+            // bracket ends after this one's, which in-order stamps cannot produce).
+            (Reading::Full(_), Some(_)) | (Reading::Low32(_), Some(None)) => {
+                self.stats.out_of_window += 1;
+                return Ok(self.lost());
+            }
+            // A compact probe is only sent with a reference; a lost reference makes this
+            // reply unusable.
+            (Reading::Low32(_), None) => {
+                self.stats.ambiguous += 1;
+                return Ok(self.lost());
+            }
+        };
+        self.reference = Some(Reference {
+            send: stamps.send,
+            recv: stamps.recv,
+            guest,
+        });
         self.garbage_losses = 0;
         Ok(Some(ProbeSample {
             host_send: stamps.send,
@@ -284,6 +417,33 @@ impl<T: StampedTransport> ProbeSession<T> {
             host_recv: stamps.recv,
             vcpu,
         }))
+    }
+
+    /// Whether a probe with sequence number `seq` was sent in this session: one of the last
+    /// `min(sent, 2^bits)` numbers before and including the current one.
+    fn was_sent(&self, seq: Seq) -> bool {
+        u64::from(self.seq.wrapping_sub(seq)) < self.stats.sent
+    }
+
+    /// Any other request (a pvclock report, events, a mapping push, shutdown): sends `msg` and
+    /// returns the next well-formed message with the host stamps around the exchange, refined
+    /// by the transport like a probe's. Garbage frames are skipped and counted; the wait has
+    /// the session's deadline and byte budget. Probes go through [`ProbeSession::probe`],
+    /// which checks and unwraps their replies.
+    ///
+    /// # Errors
+    /// [`ProbeError::Timeout`], [`ProbeError::Flooded`], [`ProbeError::Transport`].
+    pub fn request(&mut self, msg: &Message) -> Result<(Message, FrameStamps), ProbeError> {
+        let send = self.send(msg)?;
+        let deadline = Instant::now() + self.timeout;
+        self.wait_bytes = 0;
+        let (reply, recv) = self.next_message(deadline, "a reply")?;
+        Ok((reply, self.transport.refine(FrameStamps { send, recv })))
+    }
+
+    /// The transport (e.g. to read stamps a VMM transport recorded for the last exchange).
+    pub const fn transport(&self) -> &T {
+        &self.transport
     }
 
     /// `n` probes, `interval` apart (0: back to back); lost probes are skipped, so fewer than
@@ -325,6 +485,7 @@ impl<T: StampedTransport> ProbeSession<T> {
     /// Ends the session: sends [`Message::Shutdown`] and waits for
     /// [`Message::Exiting`] (at most 500 ms). Errors are ignored: the samples are already taken.
     pub fn shutdown(mut self) -> SessionStats {
+        self.wait_bytes = 0;
         if self.send(&Message::Shutdown).is_ok() {
             // Best effort: do not make a failing run wait a second full timeout.
             let deadline = Instant::now() + self.timeout.min(SHUTDOWN_WAIT);
@@ -392,6 +553,15 @@ impl<T: StampedTransport> ProbeSession<T> {
                 self.pos = 0;
                 self.end = r.len.min(self.buf.len());
                 self.buf_stamp = r.stamp;
+                self.wait_bytes = self.wait_bytes.saturating_add(self.end as u64);
+                if self.wait_bytes > MAX_BYTES_PER_WAIT {
+                    // Drop what is buffered: the next wait starts afresh.
+                    self.pos = self.end;
+                    return Err(ProbeError::Flooded {
+                        what,
+                        bytes: self.wait_bytes,
+                    });
+                }
             }
             let input = self.buf.get(self.pos..self.end).unwrap_or_default();
             let (msg, rest_len) = match self.rx.feed(input) {
@@ -460,6 +630,148 @@ mod tests {
         for s in &samples {
             assert_eq!(s.guest.0 - offset, s.host_send.0 + 700);
         }
+    }
+
+    /// 1.2 s at 3 GHz, in simulated host ticks.
+    const STALL: u64 = 3_600_000_000;
+
+    /// Every sample brackets the truth, and so does the interval over all of them.
+    fn assert_sound(samples: &[ProbeSample], offset: u64) {
+        let truth = i64::try_from(offset).unwrap();
+        for s in samples {
+            let e = estimate_offset(std::slice::from_ref(s)).unwrap();
+            assert!(e.min <= truth && truth <= e.max, "{s:?} misses {truth}");
+        }
+        let e = estimate_offset(samples).unwrap();
+        assert!(e.min <= truth && truth <= e.max, "{e:?} misses {truth}");
+    }
+
+    #[test]
+    fn a_guest_stalled_before_the_first_compact_reply_loses_that_probe_not_the_truth() {
+        let offset = 77_000;
+        let mut t = SimTransport::new(offset);
+        // Sends 1 and 2 are the hello's delimiter and hello; 3 is the first (compact) probe.
+        t.stall_at = Some((3, STALL));
+        let (samples, stats) = run(t, 8);
+        // The stalled reply's window spans ~2 * 3.6e9 ticks: ambiguous, lost; the next
+        // probe asks for the full TSC and the session carries on.
+        assert_eq!((stats.ambiguous, stats.lost_probes), (1, 1), "{stats:?}");
+        assert_eq!(samples.len(), 7);
+        assert_sound(&samples, offset);
+    }
+
+    #[test]
+    fn a_guest_stalled_mid_run_loses_that_probe_not_the_truth() {
+        let offset = 1 << 33;
+        let mut t = SimTransport::new(offset);
+        t.stall_at = Some((10, STALL));
+        let (samples, stats) = run(t, 20);
+        assert_eq!((stats.ambiguous, stats.lost_probes), (1, 1), "{stats:?}");
+        assert_eq!(samples.len(), 19);
+        assert_sound(&samples, offset);
+    }
+
+    #[test]
+    fn a_guest_stalled_past_the_timeout_fails_that_probe_and_its_late_reply_is_stale() {
+        let offset = 5;
+        let mut t = SimTransport::new(offset);
+        t.stall_at = Some((4, STALL));
+        t.stall_past_timeout = true;
+        let mut s = ProbeSession::hello(t, Duration::from_secs(1)).unwrap();
+        let mut samples = vec![s.probe().unwrap().unwrap()];
+        // The stalled probe: no reply before the deadline.
+        assert!(matches!(s.probe(), Err(ProbeError::Timeout { .. })));
+        // Its reply arrives during the next probe: skipped as stale, never used.
+        for _ in 0..5 {
+            samples.extend(s.probe().unwrap());
+        }
+        let stats = s.stats();
+        assert_eq!(stats.stale_replies, 1, "{stats:?}");
+        assert_eq!(samples.len(), 6);
+        assert_sound(&samples, offset);
+    }
+
+    #[test]
+    fn the_old_unwrap_rule_fails_here_compact_replies_stay_unambiguous_under_stalls() {
+        // A stall after every third probe: whatever the old point-estimate unwrap would have
+        // guessed, the window rule uses only unique values.
+        let offset = 123_456_789;
+        for at in 3..12 {
+            let mut t = SimTransport::new(offset);
+            t.stall_at = Some((at, STALL));
+            t.gap = 1 << 20;
+            let (samples, stats) = run(t, 12);
+            assert_eq!(stats.lost_probes, 1, "stall at {at}: {stats:?}");
+            assert_sound(&samples, offset);
+        }
+    }
+
+    #[test]
+    fn a_full_reply_outside_the_window_is_rejected_and_the_next_one_trusted() {
+        // The guest TSC steps back by 2^40 (a migration, a reset, a lie) before probe 3.
+        let mut t = SimTransport::new(1 << 41);
+        t.step_at = Some((3, 1 << 40));
+        t.gap = UNWRAP_HORIZON + 1;
+        let mut s = ProbeSession::hello(t, Duration::from_secs(1)).unwrap();
+        let first = s.probe().unwrap().unwrap();
+        assert_eq!(first.guest.0 - (1 << 41), first.host_send.0 + 700);
+        // Backwards against the reference: rejected, reference forgotten.
+        assert_eq!(s.probe().unwrap(), None);
+        assert_eq!(s.stats().out_of_window, 1);
+        // With no reference the next full reply starts afresh, on the new offset.
+        let next = s.probe().unwrap().unwrap();
+        assert_eq!(next.guest.0 - (1 << 40), next.host_send.0 + 700);
+    }
+
+    #[test]
+    fn replies_with_unsent_sequence_numbers_are_counted_and_skipped() {
+        let mut t = SimTransport::new(3);
+        let mut buf = [0u8; MAX_FRAME_SIZE];
+        let forged = |seq| {
+            Message::ProbeReplyFull(vmtsync_core::proto::ProbeReplyFull {
+                seq,
+                vcpu: 3,
+                tsc: 1,
+            })
+        };
+        let a = encode_frame(&forged(4000), &mut buf).unwrap().to_vec();
+        let b = encode_frame(&forged(1), &mut buf).unwrap().to_vec();
+        // Before probe 1's reply: seq 4000 (never sent); before probe 2's: seq 1 (stale).
+        t.garbage = vec![b, a, vec![], vec![]];
+        let (samples, stats) = run(t, 3);
+        assert_eq!(samples.len(), 3);
+        assert_eq!(
+            (stats.unknown_seq, stats.stale_replies),
+            (1, 1),
+            "{stats:?}"
+        );
+        assert_sound(&samples, 3);
+    }
+
+    #[test]
+    fn a_flooding_guest_loses_probes_then_the_session_fails_without_spinning() {
+        let mut t = SimTransport::new(3);
+        // 64 KiB of well-formed but unsolicited messages before each reply.
+        let mut buf = [0u8; MAX_FRAME_SIZE];
+        let one = encode_frame(&Message::PvclockRequest, &mut buf)
+            .unwrap()
+            .to_vec();
+        let flood: Vec<u8> = one.iter().copied().cycle().take(64 << 10).collect();
+        t.garbage = vec![
+            flood.clone(),
+            flood.clone(),
+            flood.clone(),
+            flood,
+            vec![],
+            vec![],
+        ];
+        let mut s = ProbeSession::hello(t, Duration::from_secs(1)).unwrap();
+        for _ in 0..3 {
+            assert_eq!(s.probe().unwrap(), None);
+        }
+        assert!(matches!(s.probe(), Err(ProbeError::Flooded { .. })));
+        let stats = s.stats();
+        assert_eq!((stats.flooded, stats.lost_probes), (3, 3), "{stats:?}");
     }
 
     #[test]

@@ -31,13 +31,23 @@ pub(crate) struct SimTransport {
     pub(crate) step_at: Option<(u64, u64)>,
     /// The first this-many frames are lost (an agent not yet listening).
     pub(crate) drop_first: u64,
+    /// At this send, the guest stalls this many host ticks before it reads the request (a
+    /// descheduled vCPU, a paused guest).
+    pub(crate) stall_at: Option<(u64, u64)>,
+    /// With `stall_at`, the stalled reply arrives only after the next send (the host gave up
+    /// waiting for it: a stall longer than the timeout).
+    pub(crate) stall_past_timeout: bool,
+    /// Reply bytes held back until the next send.
+    held: Vec<u8>,
 }
 
 impl SimTransport {
     pub(crate) fn new(offset: u64) -> Self {
         Self {
             agent: Agent::new(FakeLink::new(), FakeClock::new(0, 0, 3)),
-            now: 1 << 40,
+            // Near the real host TSC, so code that (wrongly) mixes in real readings behaves
+            // as it would on a real host.
+            now: super::transport::host_tsc_now().0.max(1 << 40),
             offset,
             fwd: 700,
             back: 900,
@@ -49,6 +59,9 @@ impl SimTransport {
             sends: 0,
             step_at: None,
             drop_first: 0,
+            stall_at: None,
+            stall_past_timeout: false,
+            held: Vec::new(),
         }
     }
 }
@@ -62,11 +75,17 @@ impl StampedTransport for SimTransport {
             self.offset = offset;
         }
         self.now += self.gap;
+        // A reply held past the host's timeout shows up now, before this request's.
+        self.pending.append(&mut self.held);
         if self.sends <= self.drop_first {
             return Ok(HostTicks(self.now));
         }
         let stamp = HostTicks(self.now);
         self.now += self.fwd;
+        let stalled = self.stall_at.is_some_and(|(at, _)| at == self.sends);
+        if let Some((_, ticks)) = self.stall_at.filter(|_| stalled) {
+            self.now += ticks;
+        }
         assert!(self.agent.link_mut().push_inbound(frame));
         self.guest_read_at = self.now;
         self.agent.clock_mut().tsc = self.now + self.offset;
@@ -76,8 +95,13 @@ impl StampedTransport for SimTransport {
             self.pending.extend_from_slice(&g);
         }
         let mut f = [0u8; MAX_FRAME_SIZE];
+        let out = if stalled && self.stall_past_timeout {
+            &mut self.held
+        } else {
+            &mut self.pending
+        };
         while let Some(n) = self.agent.link_mut().next_sent_frame(&mut f) {
-            self.pending.extend_from_slice(&f[..n.min(f.len())]);
+            out.extend_from_slice(&f[..n.min(f.len())]);
         }
         Ok(stamp)
     }
@@ -94,6 +118,11 @@ impl StampedTransport for SimTransport {
             len: n,
             stamp: HostTicks(self.now),
         })
+    }
+
+    fn now(&mut self) -> HostTicks {
+        // The pause before the next send (`gap`) passes before the session sends again.
+        HostTicks(self.now + self.gap)
     }
 
     fn refine(&mut self, stamps: FrameStamps) -> FrameStamps {

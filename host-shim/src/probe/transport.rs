@@ -93,12 +93,20 @@ pub trait StampedTransport {
     /// of stream, [`TransportError::Io`] otherwise.
     fn recv(&mut self, buf: &mut [u8], deadline: Instant) -> Result<Received, TransportError>;
 
-    /// Called with the stamps of each completed probe; a transport that observed the guest
-    /// consume the request later than `send` returned (a VMM seeing the VM exit of the read),
-    /// or produce the reply earlier than `recv` said, returns the tighter pair. It must stay a
-    /// bracket of the guest's TSC read. The default keeps the stamps.
+    /// Called with the stamps of each completed exchange (the reply's last byte was the last
+    /// byte this transport returned); a transport that observed the guest consume the request
+    /// later than `send` returned (a VMM seeing the VM exit of the read), or produce the reply
+    /// earlier than `recv` said, returns the tighter pair. It must stay a bracket of the
+    /// guest's TSC read. The default keeps the stamps.
     fn refine(&mut self, stamps: FrameStamps) -> FrameStamps {
         stamps
+    }
+
+    /// The host TSC now, on the clock `send` and `recv` stamp with (a simulation's own clock;
+    /// the real host TSC by default). The session uses it to decide whether a compact probe
+    /// can still be unwrapped.
+    fn now(&mut self) -> HostTicks {
+        host_tsc_now()
     }
 }
 
@@ -114,6 +122,10 @@ impl<T: StampedTransport + ?Sized> StampedTransport for Box<T> {
     fn refine(&mut self, stamps: FrameStamps) -> FrameStamps {
         (**self).refine(stamps)
     }
+
+    fn now(&mut self) -> HostTicks {
+        (**self).now()
+    }
 }
 
 impl<T: StampedTransport + ?Sized> StampedTransport for &mut T {
@@ -127,6 +139,10 @@ impl<T: StampedTransport + ?Sized> StampedTransport for &mut T {
 
     fn refine(&mut self, stamps: FrameStamps) -> FrameStamps {
         (**self).refine(stamps)
+    }
+
+    fn now(&mut self) -> HostTicks {
+        (**self).now()
     }
 }
 

@@ -13,11 +13,12 @@
 
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use vmtsync_core::proto::Message;
+use vmtsync_tests::vmm::client::{probe_run, wait_ready};
 use vmtsync_tests::vmm::qemu::Machine;
-use vmtsync_tests::vmm::vsock::{VsockRig, ensure_vhost_device_vsock, probe_run};
+use vmtsync_tests::vmm::vsock::{VsockRig, ensure_vhost_device_vsock};
 
 const USAGE: &str = "usage: vmtsync-vsock ELF [--machine q35|microvm] [--port P] [--probes N] \
                      [--timeout SECS] [-- AGENT OPTIONS...]";
@@ -120,39 +121,43 @@ fn run(a: &Args) -> Result<u8, String> {
         rig.accept(a.timeout)
     };
     let mut client = connection.map_err(|e| fail(&rig, &e))?;
-    client.wait_ready(a.timeout).map_err(|e| fail(&rig, &e))?;
-    let run = probe_run(&mut client, a.probes, a.timeout).map_err(|e| fail(&rig, &e))?;
-    println!("capabilities: {:?}", run.caps);
-    for (seq, (s, g, r)) in run.samples.iter().enumerate() {
+    wait_ready(&mut client, Instant::now() + a.timeout).map_err(|e| fail(&rig, &e))?;
+    let (mut session, run) =
+        probe_run(client, u32::from(a.probes), a.timeout).map_err(|e| fail(&rig, &e))?;
+    println!("agent: {:?}", run.info);
+    for (seq, s) in run.samples.iter().enumerate() {
         println!(
-            "probe {seq}: host sent {s}, guest tsc {g}, host received {r} (rtt {})",
-            r.wrapping_sub(*s)
+            "probe {seq}: host sent {}, guest tsc {}, host received {} (rtt {})",
+            s.host_send.0,
+            s.guest.0,
+            s.host_recv.0,
+            s.host_recv.0.wrapping_sub(s.host_send.0)
         );
     }
     let rtts = run.rtts_sorted();
     let errs = run.midpoint_errors_sorted(0);
-    let (lo, hi) = run.offset_interval();
+    let interval = run
+        .offset_interval()
+        .map_or_else(|e| format!("{e:?}"), |(lo, hi)| format!("[{lo}, {hi}]"));
     if let (Some(min), Some(med), Some(err)) = (
         rtts.first(),
         rtts.get(rtts.len() / 2),
         errs.get(errs.len() / 2),
     ) {
         println!(
-            "{} probes: rtt min {min} / median {med} cycles; {} outside their bracket for \
-             offset 0; offset (host - guest) in [{lo}, {hi}]; midpoint |error| vs 0: median {err} \
-             cycles",
+            "{} probes ({:?}): rtt min {min} / median {med} cycles; {} outside their bracket \
+             for offset 0; offset (guest - host) in {interval}; midpoint |error| vs 0: median \
+             {err} cycles",
             run.samples.len(),
+            run.stats,
             run.outside_bracket(0)
         );
     }
-    let bye = client
-        .exchange(&Message::Shutdown, a.timeout)
+    let (bye, _) = session
+        .request(&Message::Shutdown)
         .map_err(|e| fail(&rig, &e))?;
-    if bye.reply != Message::Exiting {
-        return Err(fail(
-            &rig,
-            &format!("expected Exiting, got {:?}", bye.reply),
-        ));
+    if bye != Message::Exiting {
+        return Err(fail(&rig, &format!("expected Exiting, got {bye:?}")));
     }
     let status = rig.wait_exit(a.timeout).map_err(|e| fail(&rig, &e))?;
     eprint!("{}", rig.com2_log());

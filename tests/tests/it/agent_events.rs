@@ -4,17 +4,16 @@
 //! event whose id is the number of messages handled so far. The host sends one request at a
 //! time, so event `k` is recorded after the reply to message `k` went out and before the guest
 //! read message `k + 1`: its TSC lies between the exit carrying that reply's first byte and the
-//! exit where the guest read the next request. Truth: guest TSC == host TSC here (see
-//! docs/host-quirks.md), so with an identity mapping pushed the host-stamped events obey the
-//! same bracket.
+//! exit where the guest read the next request. Truth: guest TSC == host TSC here
+//! (see docs/host-quirks.md), so with an identity mapping pushed the host-stamped events obey the same
+//! bracket. The host side is vmtsync's `ProbeSession` over the VMM's COM1 transport.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
+use vmtsync::probe::ProbeSession;
 use vmtsync_core::mapping::KvmTscMapping;
-use vmtsync_core::proto::{
-    EventRecord, EventStamp, Features, Hello, MappingPush, Message, PROTOCOL_VERSION,
-};
-use vmtsync_tests::vmm::client::{Exchange, ProtoClient};
+use vmtsync_core::proto::{EventRecord, EventStamp, Features, MappingPush, Message};
+use vmtsync_tests::vmm::client::{Com1Exchange, Com1Transport, wait_ready};
 use vmtsync_tests::vmm::{Vm, VmConfig, VmExit, agent_elf};
 use vmtsync_tests::{have_kvm, require};
 
@@ -33,18 +32,40 @@ fn boot(test: &str, cmdline: &str) -> Option<Vm> {
     Some(Vm::boot(&elf, &cfg).expect("VM boots"))
 }
 
-/// A client that keeps every exchange, so message `k` (1-based) is `log[k - 1]`.
+/// A session that keeps every exchange's stamps, so message `k` (1-based) is `log[k - 1]`.
 struct Session<'a> {
-    c: ProtoClient<'a>,
-    log: Vec<Exchange>,
+    c: ProbeSession<Com1Transport<'a>>,
+    log: Vec<Com1Exchange>,
 }
 
-impl Session<'_> {
+impl<'a> Session<'a> {
+    /// Waits for the beacon and greets the agent: message 1.
+    fn start(vm: &'a Vm) -> Self {
+        let mut t = Com1Transport::new(vm.com1());
+        assert!(
+            wait_ready(&mut t, Instant::now() + STEP).is_ok(),
+            "log:\n{}",
+            vm.log_text()
+        );
+        let c = ProbeSession::hello(t, STEP).expect("capabilities");
+        let log = vec![c.transport().last_exchange()];
+        Self { c, log }
+    }
+
     fn ask(&mut self, msg: &Message) -> Message {
-        let ex = self.c.exchange(msg, STEP).expect("reply");
-        let reply = ex.reply.clone();
-        self.log.push(ex);
+        let (reply, _) = self.c.request(msg).expect("reply");
+        self.log.push(self.c.transport().last_exchange());
         reply
+    }
+
+    /// One probe through the session: full-width (`full`, no unwrap reference), or compact.
+    fn probe(&mut self, full: bool) {
+        if full {
+            self.c.forget_reference();
+        }
+        let sample = self.c.probe().expect("probe reply");
+        assert!(sample.is_some(), "probe lost: {:?}", self.c.stats());
+        self.log.push(self.c.transport().last_exchange());
     }
 
     /// Sends `EventsRequest { max }` until the agent says none remain; returns the events and
@@ -68,20 +89,13 @@ impl Session<'_> {
     /// Checks event `id`'s TSC against the bracket of the poll that recorded it.
     fn check_bracket(&self, id: u32, tsc: u64) {
         let k = usize::try_from(id).expect("small id");
-        let after_reply = self.log[k - 1].reply_first_byte_tsc;
-        let before_next = self.log[k].request_read_tsc;
+        let after_reply = self.log[k - 1].first_byte;
+        let before_next = self.log[k].request_read;
         assert!(
             after_reply <= tsc && tsc <= before_next,
             "event {id} at {tsc} outside [{after_reply}, {before_next}]"
         );
     }
-}
-
-fn hello() -> Message {
-    Message::Hello(Hello {
-        version: PROTOCOL_VERSION,
-        features: Features::NONE,
-    })
 }
 
 #[test]
@@ -92,23 +106,14 @@ fn builtin_vmm_agent_records_events_in_the_session_bracket_guest_then_host_stamp
     ) else {
         return;
     };
-    let mut s = Session {
-        c: ProtoClient::new(vm.com1()),
-        log: Vec::new(),
-    };
-    assert!(s.c.wait_ready(STEP), "log:\n{}", vm.log_text());
-    let Message::Capabilities(k) = s.ask(&hello()) else {
-        panic!("no capabilities")
-    };
+    let mut s = Session::start(&vm);
     assert!(
-        k.features
+        s.c.info()
+            .features
             .contains(Features::EVENTS.union(Features::MAPPING))
     );
-    for seq in 0..10 {
-        assert!(matches!(
-            s.ask(&Message::ProbeFull { seq }),
-            Message::ProbeReplyFull(_)
-        ));
+    for _ in 0..10 {
+        s.probe(true);
     }
     // Messages 1..=11 handled; the first drain (messages 12, 13) returns events 1..=12: a
     // full batch of 8, then the rest, including the event of the first drain request itself.
@@ -135,11 +140,8 @@ fn builtin_vmm_agent_records_events_in_the_session_bracket_guest_then_host_stamp
         s.ask(&Message::SetMapping(push)),
         Message::MappingApplied { vcpu: 0 }
     );
-    for seq in 10..15 {
-        assert!(matches!(
-            s.ask(&Message::ProbeFull { seq }),
-            Message::ProbeReplyFull(_)
-        ));
+    for _ in 10..15 {
+        s.probe(true);
     }
     // Messages 13..=19 were handled since the last batch (13 is the first drain's last
     // request, 14 the mapping, 15..=19 probes); all leave stamped in the host clock.
@@ -155,8 +157,8 @@ fn builtin_vmm_agent_records_events_in_the_session_bracket_guest_then_host_stamp
         prev = h.0;
         s.check_bracket(e.id, h.0);
     }
-    let first = s.log[0].request_read_tsc;
-    let last = s.log.last().expect("exchanges").reply_first_byte_tsc;
+    let first = s.log[0].request_read;
+    let last = s.log.last().expect("exchanges").first_byte;
     eprintln!(
         "19 events ({} guest-, {} host-stamped) within a session of {} cycles; median gap \
          reply -> event {} cycles",
@@ -172,7 +174,7 @@ fn builtin_vmm_agent_records_events_in_the_session_bracket_guest_then_host_stamp
                         EventStamp::Guest(t) => t.0,
                         EventStamp::Host(h) => h.0,
                     };
-                    t - s.log[usize::try_from(e.id).expect("id") - 1].reply_first_byte_tsc
+                    t - s.log[usize::try_from(e.id).expect("id") - 1].first_byte
                 })
                 .collect();
             gaps.sort_unstable();
@@ -200,27 +202,17 @@ fn builtin_vmm_agent_stops_after_n_events_and_counts_drops_past_its_queue() {
     ) else {
         return;
     };
-    let mut s = Session {
-        c: ProtoClient::new(vm.com1()),
-        log: Vec::new(),
-    };
-    assert!(s.c.wait_ready(STEP), "log:\n{}", vm.log_text());
-    assert!(matches!(s.ask(&hello()), Message::Capabilities(_)));
-    for seq in 0..35 {
-        assert!(matches!(
-            s.ask(&Message::Probe { seq }),
-            Message::ProbeReply(_)
-        ));
+    // The capabilities came (or the hello would have failed).
+    let mut s = Session::start(&vm);
+    for _ in 0..35 {
+        s.probe(false);
     }
     let (events, dropped) = s.drain(8);
     let ids: Vec<u32> = events.iter().map(|e| e.id).collect();
     assert_eq!(ids, (1..=32).collect::<Vec<_>>());
     assert_eq!(dropped, vec![4; 4]);
     // N reached: more traffic records nothing.
-    assert!(matches!(
-        s.ask(&Message::Probe { seq: 99 }),
-        Message::ProbeReply(_)
-    ));
+    s.probe(false);
     let (events, dropped) = s.drain(8);
     assert!(events.is_empty(), "{events:?}");
     assert_eq!(dropped, vec![4]);

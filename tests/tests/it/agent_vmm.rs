@@ -5,14 +5,13 @@
 //! of the VM exits that bracket the exchange: the exit where the guest read the request's last
 //! byte and the exit where it wrote the reply's first byte.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use vmtsync_core::GuestTicks;
-use vmtsync_core::proto::{
-    Capabilities, Features, Hello, Message, PROTOCOL_VERSION, Transport, try_unwrap_tsc_low32,
-};
+use vmtsync::probe::{AgentInfo, ProbeSession};
+use vmtsync_core::HostTicks;
+use vmtsync_core::proto::{Features, Message, Transport};
 use vmtsync_core::pvclock::PvclockVcpuTimeInfo;
-use vmtsync_tests::vmm::client::{Exchange, ProtoClient};
+use vmtsync_tests::vmm::client::{Com1Transport, wait_ready};
 use vmtsync_tests::vmm::defmt_log::{DefmtLog, LogLine, MALFORMED};
 use vmtsync_tests::vmm::{SerialByte, Vm, VmConfig, VmExit, agent_elf};
 use vmtsync_tests::{have_kvm, require};
@@ -43,11 +42,16 @@ fn boot(test: &str, cmdline: &str, timeout: Duration) -> Option<Vm> {
     Some(Vm::boot(&elf, &cfg).expect("VM boots"))
 }
 
-fn hello() -> Message {
-    Message::Hello(Hello {
-        version: PROTOCOL_VERSION,
-        features: Features::NONE,
-    })
+/// Waits for the agent's beacon on COM1 and greets it through vmtsync's probe session (which
+/// checks the protocol version: a mismatch fails the hello).
+fn greet<'a>(vm: &'a Vm) -> ProbeSession<Com1Transport<'a>> {
+    let mut t = Com1Transport::new(vm.com1());
+    assert!(
+        wait_ready(&mut t, Instant::now() + STEP).is_ok(),
+        "no ready beacon; COM2 log:\n{}",
+        vm.log_text()
+    );
+    ProbeSession::hello(t, STEP).expect("capabilities")
 }
 
 fn median(mut v: Vec<u64>) -> u64 {
@@ -61,9 +65,9 @@ fn probe_session(test: &str, cmdline: &str) {
     let Some(vm) = boot(test, cmdline, Duration::from_secs(60)) else {
         return;
     };
-    let mut c = ProtoClient::new(vm.com1());
+    let mut t = Com1Transport::new(vm.com1());
     assert!(
-        c.wait_ready(STEP),
+        wait_ready(&mut t, Instant::now() + STEP).is_ok(),
         "no ready beacon; COM2 log:\n{}",
         vm.log_text()
     );
@@ -80,50 +84,47 @@ fn probe_session(test: &str, cmdline: &str) {
         "COM2 log:\n{log}"
     );
 
-    let caps = c.exchange(&hello(), STEP).expect("capabilities");
-    let Message::Capabilities(k) = caps.reply else {
-        panic!("expected capabilities, got {:?}", caps.reply)
-    };
-    assert_eq!(k.version, PROTOCOL_VERSION);
+    // The session's hello checks the protocol version (a mismatch fails it).
+    let mut c = ProbeSession::hello(t, STEP).expect("capabilities");
+    let k = *c.info();
     assert_eq!(k.transport, Transport::Uart16550);
     assert_eq!(k.vcpu, 0);
+    let caps = c.transport().last_exchange();
     assert!(
-        caps.request_read_tsc <= k.tsc.0 && k.tsc.0 <= caps.reply_first_byte_tsc,
+        caps.request_read <= k.hello_tsc.0 && k.hello_tsc.0 <= caps.first_byte,
         "hello TSC {} outside [{}, {}]",
-        k.tsc.0,
-        caps.request_read_tsc,
-        caps.reply_first_byte_tsc
+        k.hello_tsc.0,
+        caps.request_read,
+        caps.first_byte
+    );
+    // The session's stamps are the transport's refined exit bracket.
+    assert_eq!(
+        (k.hello_stamps.send.0, k.hello_stamps.recv.0),
+        (caps.request_read, caps.first_byte)
     );
 
     let (mut before, mut tight, mut after) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut full_bytes, mut compact_bytes) = (Vec::new(), Vec::new());
     for seq in 0..40u8 {
         let full = seq % 2 == 0;
-        let req = if full {
-            Message::ProbeFull { seq }
+        if full {
+            // With no reference the session asks with ProbeFull; otherwise it asks compact and
+            // unwraps the reply in its window (the session also checks seq and vCPU).
+            c.forget_reference();
+        }
+        let sample = c
+            .probe()
+            .expect("probe reply")
+            .unwrap_or_else(|| panic!("probe {seq} lost: {:?}", c.stats()));
+        let ex = c.transport().last_exchange();
+        let (lo, hi, prev) = (ex.request_read, ex.first_byte, ex.prev_exit);
+        if full {
+            full_bytes.push(ex.received);
         } else {
-            Message::Probe { seq }
-        };
-        let Exchange {
-            reply,
-            request_read_tsc: lo,
-            reply_first_byte_tsc: hi,
-            reply_prev_exit_tsc: prev,
-        } = c.exchange(&req, STEP).expect("probe reply");
-        let guest = match reply {
-            Message::ProbeReplyFull(r) if full => {
-                assert_eq!((r.seq, r.vcpu), (seq, 0));
-                r.tsc
-            }
-            Message::ProbeReply(r) if !full => {
-                assert_eq!((r.seq, r.vcpu), (seq, 0));
-                // Identity mapping: the host TSC at the request read is a reference within
-                // far less than 2^31 ticks of the guest's reading.
-                try_unwrap_tsc_low32(GuestTicks(lo), r.tsc_low32)
-                    .expect("unwraps")
-                    .0
-            }
-            other => panic!("probe {seq}: unexpected reply {other:?}"),
-        };
+            compact_bytes.push(ex.received);
+        }
+        assert_eq!((sample.host_send.0, sample.host_recv.0), (lo, hi));
+        let guest = sample.guest.0;
         assert!(
             lo <= guest && guest <= hi,
             "probe {seq}: guest TSC {guest} outside the exit bracket [{lo}, {hi}]"
@@ -138,6 +139,11 @@ fn probe_session(test: &str, cmdline: &str) {
         tight.push(guest - prev);
         after.push(hi - guest);
     }
+    // Half the replies were compact (the low 32 bits only), half full.
+    assert!(
+        compact_bytes.iter().max() < full_bytes.iter().min(),
+        "compact {compact_bytes:?} vs full {full_bytes:?}"
+    );
     eprintln!(
         "{cmdline:?}: 40 probes, median cycles: request-read exit -> guest TSC {}, \
          previous exit -> guest TSC {}, guest TSC -> reply's first-byte exit {}",
@@ -148,8 +154,8 @@ fn probe_session(test: &str, cmdline: &str) {
 
     check_pvclock_against_kvm_get_clock(&vm, &mut c, &k);
 
-    let bye = c.exchange(&Message::Shutdown, STEP).expect("exiting");
-    assert_eq!(bye.reply, Message::Exiting);
+    let (bye, _) = c.request(&Message::Shutdown).expect("exiting");
+    assert_eq!(bye, Message::Exiting);
     let out = vm.wait().expect("run ends");
     eprintln!(
         "{cmdline:?}: exit {:?} after {} I/O exits in {:?}",
@@ -177,24 +183,27 @@ fn probe_session(test: &str, cmdline: &str) {
 /// Asks for a pvclock report and checks it against the host's own view of the same clock:
 /// `KVM_GET_CLOCK` gives kvmclock ns at a host TSC; with guest TSC == host TSC and a stable
 /// clock, the guest's pvclock ns at its TSC must match kvmclock extrapolated to that TSC.
-fn check_pvclock_against_kvm_get_clock(vm: &Vm, c: &mut ProtoClient<'_>, caps: &Capabilities) {
+fn check_pvclock_against_kvm_get_clock(
+    vm: &Vm,
+    c: &mut ProbeSession<Com1Transport<'_>>,
+    caps: &AgentInfo,
+) {
     let features = caps.features;
     assert!(
         features.contains(Features::PVCLOCK),
         "agent did not register a pvclock page; log:\n{}",
         vm.log_text()
     );
-    let ex = c
-        .exchange(&Message::PvclockRequest, STEP)
-        .expect("pvclock report");
-    let Message::PvclockReport(p) = ex.reply else {
-        panic!("expected a pvclock report, got {:?}", ex.reply)
+    let (reply, ex) = c.request(&Message::PvclockRequest).expect("pvclock report");
+    let Message::PvclockReport(p) = reply else {
+        panic!("expected a pvclock report, got {reply:?}")
     };
     assert_eq!(p.version % 2, 0, "{p:?}");
     assert!(p.version > 0, "{p:?}");
+    // The refined stamps: the exit of the request's read, the exit of the reply's first byte.
     assert!(
-        ex.request_read_tsc <= p.tsc.0 && p.tsc.0 <= ex.reply_first_byte_tsc,
-        "pvclock TSC {} outside the exit bracket",
+        ex.send <= HostTicks(p.tsc.0) && HostTicks(p.tsc.0) <= ex.recv,
+        "pvclock TSC {} outside the exit bracket {ex:?}",
         p.tsc.0
     );
     let fields = PvclockVcpuTimeInfo {
@@ -284,33 +293,28 @@ fn builtin_vmm_agent_applies_software_skew() {
     ) else {
         return;
     };
-    let mut c = ProtoClient::new(vm.com1());
-    assert!(c.wait_ready(STEP));
     let skew = |t: u64| {
         let scaled = u64::try_from((u128::from(t) * 3) >> 1).expect("fits");
         scaled.wrapping_sub(1000)
     };
-    let caps = c.exchange(&hello(), STEP).expect("capabilities");
-    let Message::Capabilities(k) = caps.reply else {
-        panic!("{:?}", caps.reply)
-    };
+    let mut c = greet(&vm);
+    let k = *c.info();
+    let caps = c.transport().last_exchange();
     // The skew is monotonic, so the exit bracket maps through it.
-    assert!(skew(caps.request_read_tsc) <= k.tsc.0 && k.tsc.0 <= skew(caps.reply_first_byte_tsc));
-    let p = c
-        .exchange(&Message::ProbeFull { seq: 1 }, STEP)
-        .expect("probe");
-    let Message::ProbeReplyFull(r) = p.reply else {
-        panic!("{:?}", p.reply)
-    };
+    assert!(skew(caps.request_read) <= k.hello_tsc.0 && k.hello_tsc.0 <= skew(caps.first_byte));
+    // A full-width probe: no reference to unwrap against.
+    c.forget_reference();
+    let p = c.probe().expect("probe").expect("not lost");
+    let ex = c.transport().last_exchange();
     assert!(
-        skew(p.request_read_tsc) <= r.tsc && r.tsc <= skew(p.reply_first_byte_tsc),
+        skew(ex.request_read) <= p.guest.0 && p.guest.0 <= skew(ex.first_byte),
         "reported {} outside [{}, {}]",
-        r.tsc,
-        skew(p.request_read_tsc),
-        skew(p.reply_first_byte_tsc)
+        p.guest.0,
+        skew(ex.request_read),
+        skew(ex.first_byte)
     );
     assert_eq!(
-        c.exchange(&Message::Shutdown, STEP).expect("bye").reply,
+        c.request(&Message::Shutdown).expect("bye").0,
         Message::Exiting
     );
     assert_eq!(vm.wait().expect("run ends").exit, VmExit::DebugExit(0));
@@ -523,13 +527,10 @@ fn builtin_vmm_agent_log_is_defmt_decoded_with_tsc_timestamps() {
     assert_eq!(d.pending_bytes, 3);
     assert_eq!(&d.lines[1..], &decoder.decode(&bytes[..end]).lines[..]);
 
-    let mut c = ProtoClient::new(vm.com1());
-    assert!(matches!(
-        c.exchange(&hello(), STEP).expect("capabilities").reply,
-        Message::Capabilities(_)
-    ));
+    // The beacon was read above. The capabilities came (or the hello would have failed).
+    let mut c = ProbeSession::hello(Com1Transport::new(vm.com1()), STEP).expect("capabilities");
     assert_eq!(
-        c.exchange(&Message::Shutdown, STEP).expect("bye").reply,
+        c.request(&Message::Shutdown).expect("bye").0,
         Message::Exiting
     );
     let out = vm.wait().expect("run ends");

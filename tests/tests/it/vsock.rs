@@ -1,22 +1,25 @@
 //! Tier 2: the agent's virtio-vsock transport, end to end under QEMU q35 + qboot with
 //! `vhost-user-vsock-pci` and the `vhost-device-vsock` backend (installed on demand).
 //!
-//! Truth here: guest TSC == host TSC (see docs/host-quirks.md), so every probe's host bracket
-//! `[sent, received]` must contain the guest's TSC, and the offset interval they imply must
-//! contain 0. It prints the RTT and the midpoint estimate's error against 0.
+//! Truth here: guest TSC == host TSC (see docs/host-quirks.md), plus the agent's software skew where one
+//! is set, so every probe's host bracket `[sent, received]` must contain the guest's TSC moved
+//! by the skew, and the offset interval (guest − host) they imply must contain the skew. The
+//! probes are driven by vmtsync's own `ProbeSession` over its socket transport. It prints the
+//! RTT and the midpoint estimate's error against the truth.
 
 use std::time::{Duration, Instant};
 
-use vmtsync_core::proto::{Message, PROTOCOL_VERSION, Transport};
+use vmtsync_core::proto::{Message, Transport};
 use vmtsync_tests::vmm::agent_elf;
+use vmtsync_tests::vmm::client::{probe_run, wait_ready};
 use vmtsync_tests::vmm::defmt_log::decode_file_text;
 use vmtsync_tests::vmm::qemu::{self, Machine, debug_exit_status, have_qemu};
-use vmtsync_tests::vmm::vsock::{VsockRig, ensure_vhost_device_vsock, probe_run};
+use vmtsync_tests::vmm::vsock::{VsockRig, ensure_vhost_device_vsock};
 use vmtsync_tests::{ChildGuard, have_kvm, require};
 
 const STEP: Duration = Duration::from_secs(20);
 const PORT: u32 = 1234;
-const PROBES: u16 = 200;
+const PROBES: u32 = 200;
 /// The agent's isa-debug-exit code when the vsock transport cannot be set up
 /// (`vmtsync_agent::vsock::SETUP_FAILED_EXIT_CODE`; the agent crate is not a host dependency).
 const SETUP_FAILED_EXIT_CODE: u8 = 0x7c;
@@ -115,7 +118,8 @@ fn session(test: &str, machine: Machine, ring: u8, port: u32, listen: bool, skew
     if skew != 0 {
         append.push_str(&format!(" skew={skew},1,0"));
     }
-    let truth = -i128::from(skew);
+    // Offsets are guest − host: the skew itself.
+    let truth = skew;
     let mut rig =
         VsockRig::start(machine, &backend, &elf, &append, port, STEP).expect("rig starts");
     let connection = if listen {
@@ -129,23 +133,21 @@ fn session(test: &str, machine: Machine, ring: u8, port: u32, listen: bool, skew
         Err(e) => panic!("{e}\n{}", rig.diagnostics()),
     };
     let connected = started.elapsed();
-    if let Err(e) = client.wait_ready(STEP) {
+    if let Err(e) = wait_ready(&mut client, Instant::now() + STEP) {
         panic!("{e}\n{}", rig.diagnostics());
     }
 
-    let run = match probe_run(&mut client, PROBES, STEP) {
+    // The session checks the protocol version in the hello (a mismatch is an error).
+    let (mut session, run) = match probe_run(client, PROBES, STEP) {
         Ok(r) => r,
         Err(e) => panic!("{e}\n{}", rig.diagnostics()),
     };
-    assert_eq!(
-        (run.caps.version, run.caps.transport),
-        (PROTOCOL_VERSION, Transport::VirtioVsock)
-    );
-    assert_eq!(run.samples.len(), usize::from(PROBES));
+    assert_eq!(run.info.transport, Transport::VirtioVsock);
+    assert_eq!(run.samples.len(), usize::try_from(PROBES).unwrap(), "{:?}", run.stats);
     // Every probe's host bracket [sent, received] contains the guest's TSC moved by the true
-    // offset, so the offset interval (host - guest) they jointly allow contains the truth.
+    // offset, so the offset interval (guest − host) they jointly allow contains the truth.
     assert_eq!(run.outside_bracket(truth), 0, "{:?}", run.samples);
-    let (lo, hi) = run.offset_interval();
+    let (lo, hi) = run.offset_interval().expect("consistent probes");
     assert!(
         lo <= truth && truth <= hi,
         "offset interval [{lo}, {hi}] misses the truth {truth}"
@@ -153,14 +155,14 @@ fn session(test: &str, machine: Machine, ring: u8, port: u32, listen: bool, skew
     let rtts = run.rtts_sorted();
     let errors = run.midpoint_errors_sorted(truth);
 
-    let bye = client.exchange(&Message::Shutdown, STEP).expect("exiting");
-    assert_eq!(bye.reply, Message::Exiting);
+    let (bye, _) = session.request(&Message::Shutdown).expect("exiting");
+    assert_eq!(bye, Message::Exiting);
     let status = rig.wait_exit(STEP).expect("QEMU exits");
     let log = rig.com2_log();
     for line in log.lines().filter(|l| l.starts_with("vsock:")) {
         eprintln!("agent: {line}");
     }
-    let tsc_khz = run.caps.tsc_khz.map_or(0, u64::from);
+    let tsc_khz = run.info.tsc_khz.map_or(0, u64::from);
     let cycles_to_us = |c: u64| (c * 1000).checked_div(tsc_khz).unwrap_or(0);
     eprintln!(
         "vsock {machine:?} {mode} ring {ring}: connected after {connected:?}; {PROBES} probes: \
@@ -242,15 +244,14 @@ fn vsock_agent_serves_a_new_session_after_the_host_hangs_up() {
         let mut client = rig
             .connect(port, STEP)
             .unwrap_or_else(|e| panic!("session {session}: {e}\n{}", rig.diagnostics()));
-        client
-            .wait_ready(STEP)
+        wait_ready(&mut client, Instant::now() + STEP)
             .unwrap_or_else(|e| panic!("session {session}: {e}\n{}", rig.diagnostics()));
-        let run = probe_run(&mut client, 10, STEP)
+        let (mut probes, run) = probe_run(client, 10, STEP)
             .unwrap_or_else(|e| panic!("session {session}: {e}\n{}", rig.diagnostics()));
         assert_eq!(run.outside_bracket(0), 0, "{:?}", run.samples);
         if session == 2 {
-            let bye = client.exchange(&Message::Shutdown, STEP).expect("exiting");
-            assert_eq!(bye.reply, Message::Exiting);
+            let (bye, _) = probes.request(&Message::Shutdown).expect("exiting");
+            assert_eq!(bye, Message::Exiting);
         }
         // Session 1 ends by dropping the client: the host hangs up mid-session.
     }

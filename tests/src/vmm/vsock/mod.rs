@@ -10,12 +10,13 @@
 //! `memory-backend-memfd,share=on` as the guest's memory.
 //!
 //! [`VsockRig`] starts both processes (each under a [`ChildGuard`], killed by PID on drop),
-//! listens on `<uds-path>_P` before the guest boots, and cleans its temporary directory.
-//! [`VsockClient`] speaks the probe protocol on the accepted stream and stamps each exchange with
-//! the host TSC (`lfence; rdtsc`) just before the request is written and just after the reply's
-//! last byte is read. Every wait has a deadline.
+//! listens on `<uds-path>_P` before the guest boots, and cleans its temporary directory. Its
+//! connections are vmtsync's own socket transport ([`StreamTransport`], stamped with `lfence;
+//! rdtsc` around each system call), reached through vmtsync's own `CONNECT` handshake
+//! ([`connect_vhost_uds`]), so the probe driver is [`vmtsync::probe::ProbeSession`] as in
+//! `vmtsync probe --connect vsock-uds:`. Every wait has a deadline.
 
-use std::io::{ErrorKind, Read, Write};
+use std::io::ErrorKind;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitStatus, Stdio};
@@ -23,12 +24,14 @@ use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
+use vmtsync::probe::vhost_uds::connect_vhost_uds;
+use vmtsync::probe::{ConnectOptions, StreamTransport};
+
 use super::qemu::{self, Machine};
 use crate::ChildGuard;
 
-mod client;
-
-pub use client::{ProbeRun, TimedReply, VsockClient, probe_run};
+/// A connection to the agent: vmtsync's socket transport on the backend's Unix stream.
+pub type VsockTransport = StreamTransport<UnixStream>;
 
 /// The backend version the rig is written against (its `--vm` syntax and `<uds-path>_<port>`
 /// naming).
@@ -60,9 +63,6 @@ pub enum VsockRigError {
     /// A process ended early.
     #[error("{0} exited early with {1}")]
     Exited(&'static str, ExitStatus),
-    /// The guest's bytes did not decode, or a request did not encode.
-    #[error("protocol error: {0}")]
-    Protocol(String),
 }
 
 /// Where the backend is installed: `$HOME/.cache/vmtsync/vhost-device-vsock` (`cargo install
@@ -250,11 +250,11 @@ impl VsockRig {
     ///
     /// # Errors
     /// [`VsockRigError::Timeout`], or [`VsockRigError::Exited`] when QEMU ends first.
-    pub fn accept(&mut self, timeout: Duration) -> Result<VsockClient, VsockRigError> {
+    pub fn accept(&mut self, timeout: Duration) -> Result<VsockTransport, VsockRigError> {
         let end = Instant::now() + timeout;
         loop {
             match self.listener.accept() {
-                Ok((s, _)) => return VsockClient::new(s),
+                Ok((s, _)) => return transport(s, timeout),
                 Err(e) if e.kind() == ErrorKind::WouldBlock => {}
                 Err(e) => return Err(VsockRigError::Io("accepting the guest's connection", e)),
             }
@@ -271,22 +271,28 @@ impl VsockRig {
         }
     }
 
-    /// Connects to the guest's port `port` (an agent started with `vsock=listen`): connects to
-    /// `<uds-path>`, writes `CONNECT <port>`, expects `OK <host port>`. The backend drops
+    /// Connects to the guest's port `port` (an agent started with `vsock=listen`) through the
+    /// backend's `CONNECT <port>` handshake ([`connect_vhost_uds`]). The backend drops
     /// connections made before the guest's queues are up, and an early experiment saw one
     /// connect in twenty hang, so each attempt has its own 2 s deadline and failures are
-    /// retried until `timeout`.
+    /// retried until `timeout`, watching QEMU in between.
     ///
     /// # Errors
     /// [`VsockRigError::Timeout`] with the last failure, or [`VsockRigError::Exited`] when QEMU
     /// ends first.
-    pub fn connect(&mut self, port: u32, timeout: Duration) -> Result<VsockClient, VsockRigError> {
+    pub fn connect(&mut self, port: u32, timeout: Duration) -> Result<VsockTransport, VsockRigError> {
         let end = Instant::now() + timeout;
         let uds = self.dir.join("vm.vsock");
         loop {
-            let attempt_end = (Instant::now() + Duration::from_secs(2)).min(end);
-            if let Ok(s) = try_connect(&uds, port, attempt_end) {
-                return VsockClient::new(s);
+            let attempt = ConnectOptions {
+                connect_timeout: end
+                    .saturating_duration_since(Instant::now())
+                    .min(Duration::from_secs(2))
+                    .max(MIN_WAIT),
+                io_timeout: timeout,
+            };
+            if let Ok(s) = connect_vhost_uds(&uds, port, &attempt) {
+                return transport(s, timeout);
             }
             if let Ok(Some(s)) = self.qemu.child().try_wait() {
                 return Err(VsockRigError::Exited("QEMU", s));
@@ -376,33 +382,12 @@ impl Drop for VsockRig {
     }
 }
 
-/// One host→guest connection attempt through the backend's `CONNECT` handshake.
-fn try_connect(uds: &Path, port: u32, end: Instant) -> std::io::Result<UnixStream> {
-    let mut s = UnixStream::connect(uds)?;
-    s.set_write_timeout(Some(
-        end.saturating_duration_since(Instant::now()).max(MIN_WAIT),
-    ))?;
-    s.write_all(format!("CONNECT {port}\n").as_bytes())?;
-    // Byte by byte: the agent's first bytes (its ready beacon) may follow the reply at once.
-    let mut line = Vec::new();
-    let mut b = [0u8; 1];
-    while line.last() != Some(&b'\n') {
-        s.set_read_timeout(Some(
-            end.saturating_duration_since(Instant::now()).max(MIN_WAIT),
-        ))?;
-        if s.read(&mut b)? == 0 {
-            return Err(ErrorKind::UnexpectedEof.into());
-        }
-        line.push(b[0]);
-        if line.len() > 64 {
-            return Err(ErrorKind::InvalidData.into());
-        }
-    }
-    if line.starts_with(b"OK ") {
-        Ok(s)
-    } else {
-        Err(ErrorKind::ConnectionRefused.into())
-    }
+/// The session transport on an accepted or connected stream: blocking, no single read or
+/// write longer than `per_read`.
+fn transport(s: UnixStream, per_read: Duration) -> Result<VsockTransport, VsockRigError> {
+    s.set_nonblocking(false)
+        .map_err(|e| VsockRigError::Io("configuring the stream", e))?;
+    StreamTransport::new(s, per_read).map_err(|e| VsockRigError::Io("configuring the stream", e))
 }
 
 /// Smallest socket timeout used (zero would mean "no timeout").
@@ -422,69 +407,5 @@ impl Drop for Cleanup {
         if let Some(d) = self.0.take() {
             let _ = std::fs::remove_dir_all(d);
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// A stand-in for vhost-device-vsock's host side: answers one `CONNECT` line with `reply`,
-    /// then writes `then` on the same stream (an empty `reply` closes the stream instead).
-    fn fake_backend(
-        reply: &'static [u8],
-        then: &'static [u8],
-    ) -> (PathBuf, std::thread::JoinHandle<String>) {
-        static SEQ: AtomicU32 = AtomicU32::new(0);
-        let path = std::env::temp_dir().join(format!(
-            "vmtsync-fake-uds-{}-{}",
-            std::process::id(),
-            SEQ.fetch_add(1, Ordering::Relaxed)
-        ));
-        let listener = UnixListener::bind(&path).expect("bind");
-        let name = path.clone();
-        let handle = std::thread::spawn(move || {
-            let (mut s, _) = listener.accept().expect("accept");
-            // Connected: the name is no longer needed, and a failing test leaves nothing behind.
-            let _ = std::fs::remove_file(name);
-            let mut line = Vec::new();
-            let mut b = [0u8; 1];
-            while line.last() != Some(&b'\n') && s.read(&mut b).expect("read") == 1 {
-                line.push(b[0]);
-            }
-            s.write_all(reply).expect("reply");
-            s.write_all(then).expect("then");
-            // Keep an accepted stream open until the client is done with it; a refused one
-            // closes at once, as the backend does when nothing listens in the guest.
-            if !reply.is_empty() {
-                let _ = s.read(&mut b);
-            }
-            String::from_utf8_lossy(&line).into_owned()
-        });
-        (path, handle)
-    }
-
-    #[test]
-    fn connect_handshake_leaves_the_agents_first_bytes_unread() {
-        let (path, backend) = fake_backend(b"OK 1024\n", &[0, 7]);
-        let end = Instant::now() + Duration::from_secs(10);
-        let s = try_connect(&path, 1234, end).expect("handshake");
-        let mut client = VsockClient::new(s).expect("client");
-        // The beacon (an empty frame) right behind the OK line was not swallowed.
-        client
-            .wait_ready(Duration::from_secs(10))
-            .expect("beacon after OK");
-        drop(client);
-        assert_eq!(backend.join().expect("backend"), "CONNECT 1234\n");
-        assert!(!path.exists());
-    }
-
-    #[test]
-    fn a_refused_connect_is_an_error_not_a_stream() {
-        let (path, backend) = fake_backend(b"", b"");
-        let end = Instant::now() + Duration::from_secs(10);
-        let err = try_connect(&path, 9, end).expect_err("no OK line");
-        assert_eq!(err.kind(), ErrorKind::UnexpectedEof);
-        backend.join().expect("backend");
     }
 }

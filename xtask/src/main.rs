@@ -25,7 +25,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
 use std::time::Instant;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Result, bail};
 
 fn main() -> ExitCode {
     match run() {
@@ -104,29 +104,12 @@ pub(crate) fn root() -> PathBuf {
         .to_path_buf()
 }
 
-pub(crate) fn is_ci() -> bool {
-    env::var("CI").is_ok_and(|v| v == "true" || v == "1")
-}
+pub(crate) use vmtsync_launch::is_ci;
+pub(crate) use vmtsync_launch::prereq::display;
 
 /// Runs `cmd`, echoing it first; fails if it exits non-zero.
 pub(crate) fn sh(cmd: &mut Command) -> Result<()> {
-    eprintln!("$ {}", display(cmd));
-    let status = cmd
-        .status()
-        .with_context(|| format!("could not start `{}`", display(cmd)))?;
-    if !status.success() {
-        bail!("`{}` failed: {status}", display(cmd));
-    }
-    Ok(())
-}
-
-pub(crate) fn display(cmd: &Command) -> String {
-    let mut s = cmd.get_program().to_string_lossy().into_owned();
-    for a in cmd.get_args() {
-        s.push(' ');
-        s.push_str(&a.to_string_lossy());
-    }
-    s
+    Ok(vmtsync_launch::prereq::run_echoed(cmd)?)
 }
 
 pub(crate) fn cargo() -> Command {
@@ -189,6 +172,7 @@ fn ci(_args: &[String]) -> Result<()> {
 }
 
 fn check_nostd() -> Result<()> {
+    vmtsync_launch::prereq::ensure_rustup_target(&root())?;
     for features in [&[][..], &["--features", "defmt"][..]] {
         sh(cargo()
             .args([

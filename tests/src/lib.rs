@@ -3,9 +3,11 @@
 //! Tier-2 tests need root, `/dev/kvm`, debugfs, QEMU or trace-cmd. On a machine without one
 //! they print why they skip; under `CI=true` a missing prerequisite fails the test instead
 //! (see [`require`]). Those checks and the process guard [`ChildGuard`] live in
-//! `vmtsync-launch`, shared with `cargo xtask`, and are re-exported here.
+//! `vmtsync-launch`, shared with `cargo xtask`, and are re-exported here. The truth tier-2
+//! tests check against (debugfs composed with the agent's software skew) is [`truth`]'s.
 
 pub mod idle_vmm;
+pub mod truth;
 pub mod vmm;
 
 pub use vmtsync_launch::{ChildGuard, have_kvm, is_ci, is_root, require};

@@ -33,6 +33,7 @@ pub mod tsc;
 pub mod vsock;
 
 use std::collections::VecDeque;
+use std::os::fd::AsRawFd;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::channel;
@@ -251,6 +252,16 @@ impl Vm {
         self.vm
             .get_clock()
             .map_err(|e| VmmError::Kvm("KVM_GET_CLOCK", e))
+    }
+
+    /// The VM's directory name in KVM debugfs (`<pid>-<fd>`: this process and the VM's fd),
+    /// to read its truth with [`crate::truth::truth_mapping_of`]. The vCPU is vcpu0.
+    #[must_use]
+    pub fn debugfs_id(&self) -> vmtsync::debugfs::VmId {
+        vmtsync::debugfs::VmId {
+            pid: std::process::id(),
+            fd: u32::try_from(self.vm.as_raw_fd()).expect("an open fd is non-negative"),
+        }
     }
 
     /// The host end of COM1.

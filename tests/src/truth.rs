@@ -230,7 +230,8 @@ mod tests {
                 i64::try_from(host + SKEW_OFFSET_EXTRA).unwrap()
             );
             assert_ne!(s.0.ratio(), 1 << s.0.frac_bits(), "rate must not be 1");
-            let fresh_guest = GuestTruth::new(KvmTscMapping::offset_only(-(host as i64)), Some(s));
+            let fresh_guest =
+                GuestTruth::new(KvmTscMapping::offset_only(-host.cast_signed()), Some(s));
             let g = fresh_guest.guest_at(HostTicks(host)).unwrap().0;
             assert_eq!(
                 g,

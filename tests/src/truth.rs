@@ -102,6 +102,19 @@ fn read(
     .map_err(|e| TruthError::Mapping(vm.id, vcpu, e))
 }
 
+/// Checks the prerequisites of reading the truth from debugfs (root, debugfs mounted) with
+/// [`crate::require`]: false (after printing why) when the test must skip; a failure under
+/// `CI=true`.
+#[must_use]
+pub fn truth_ready(test: &str) -> bool {
+    crate::require(test, crate::is_root(), "reading KVM debugfs needs root")
+        && crate::require(
+            test,
+            std::path::Path::new(DEFAULT_KVM_DEBUGFS).is_dir(),
+            "debugfs is not mounted (mount -t debugfs none /sys/kernel/debug)",
+        )
+}
+
 /// The rate of every software skew: `(2^48 + ⌊2^48 / 10^4⌋) / 2^48` ≈ 1.0001 (+100 ppm), so
 /// `guest − host` changes with time and a rate or sign error in an estimator shows.
 pub const SKEW_RATIO: u64 = (1 << SKEW_FRAC_BITS) + (1 << SKEW_FRAC_BITS) / 10_000;
@@ -196,6 +209,30 @@ impl GuestTruth {
         Some(i128::from(self.guest_at(host)?.0) - i128::from(host.0))
     }
 
+    /// Checks a guaranteed offset interval `[lo, hi]` that refers to host TSC `at` (a probe
+    /// summary's `at_host`) against the truth there; returns the true offset, or a message
+    /// saying by how much it missed. With a rate other than 1 the mappings floor
+    /// (`(tsc * R) >> F`), so the true offset at a real instant is up to one tick below the
+    /// integer value at `at`: `lo` gets that one tick of slack.
+    ///
+    /// # Errors
+    /// The message when the truth lies outside, or overflows.
+    pub fn check(&self, at: HostTicks, lo: i64, hi: i64) -> Result<i128, String> {
+        let truth = self
+            .offset_at(at)
+            .ok_or_else(|| format!("the truth at host {} overflows: {self:?}", at.0))?;
+        let slack = i128::from(!(self.kvm.is_identity_ratio() && self.skew.is_identity_ratio()));
+        if i128::from(lo) - slack <= truth && truth <= i128::from(hi) {
+            Ok(truth)
+        } else {
+            Err(format!(
+                "true offset {truth} at host {} lies outside the guaranteed [{lo}, {hi}] \
+                 (KVM {:?}, skew {:?})",
+                at.0, self.kvm, self.skew
+            ))
+        }
+    }
+
     /// The skew's offset plus KVM's, modulo 2^64, as an `i64`: the constant truth of a
     /// rate-1 skew over a rate-1 KVM mapping.
     #[must_use]
@@ -269,5 +306,15 @@ mod tests {
         let plain = GuestTruth::new(kvm, None);
         assert_eq!(plain.constant_offset(), Some(-1_000_000));
         assert_eq!(plain.offset_at(HostTicks(5_000_000)), Some(-1_000_000));
+        // check: inside, on the edges, one tick of floor slack only with a rate != 1.
+        assert_eq!(
+            plain.check(HostTicks(9), -1_000_000, -1_000_000),
+            Ok(-1_000_000)
+        );
+        assert!(plain.check(HostTicks(9), -999_999, 0).is_err());
+        assert!(plain.check(HostTicks(9), -2_000_000, -1_000_001).is_err());
+        assert_eq!(t.check(HostTicks(3_000_000), 501, 600), Ok(500));
+        assert!(t.check(HostTicks(3_000_000), 502, 600).is_err());
+        assert!(t.check(HostTicks(3_000_000), 0, 499).is_err());
     }
 }

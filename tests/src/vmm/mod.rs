@@ -159,6 +159,8 @@ pub struct Vm {
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<Result<RunResult, VmmError>>>,
     deadline: Instant,
+    /// TID of the thread that created the VM: the `<pid>` of its debugfs directory.
+    creator_tid: u32,
 }
 
 impl std::fmt::Debug for RunResult {
@@ -194,6 +196,8 @@ impl Vm {
         let vm = kvm
             .create_vm()
             .map_err(|e| VmmError::Kvm("KVM_CREATE_VM", e))?;
+        // SAFETY: gettid has no preconditions and cannot fail.
+        let creator_tid = u32::try_from(unsafe { libc::gettid() }).unwrap_or(0);
         let mem = boot::guest_memory(cfg.mem_bytes)?;
         map_memory(&vm, &mem)?;
         let mem_bytes =
@@ -239,6 +243,7 @@ impl Vm {
             stop,
             thread: Some(thread),
             deadline,
+            creator_tid,
         })
     }
 
@@ -254,12 +259,14 @@ impl Vm {
             .map_err(|e| VmmError::Kvm("KVM_GET_CLOCK", e))
     }
 
-    /// The VM's directory name in KVM debugfs (`<pid>-<fd>`: this process and the VM's fd),
-    /// to read its truth with [`crate::truth::truth_mapping_of`]. The vCPU is vcpu0.
+    /// The VM's directory name in KVM debugfs, `<pid>-<fd>`, to read its truth with
+    /// [`crate::truth::truth_mapping_of`] (the vCPU is vcpu0). KVM names the directory after
+    /// the *thread* that created the VM (`task_pid_nr(current)` in `kvm_create_vm_debugfs`),
+    /// which for a test is its own thread, not the process: [`Vm::boot`] records that TID.
     #[must_use]
     pub fn debugfs_id(&self) -> vmtsync::debugfs::VmId {
         vmtsync::debugfs::VmId {
-            pid: std::process::id(),
+            pid: self.creator_tid,
             fd: u32::try_from(self.vm.as_raw_fd()).expect("an open fd is non-negative"),
         }
     }

@@ -20,7 +20,7 @@ use vmtsync::probe::{
 };
 use vmtsync::syncfile::{SyncFile, convert_with_sync};
 use vmtsync_core::estimate::ProbeSample;
-use vmtsync_tests::truth::{GuestTruth, Skew, truth_mapping};
+use vmtsync_tests::truth::{GuestTruth, Skew, truth_mapping, truth_ready};
 use vmtsync_tests::vmm::agent_elf;
 use vmtsync_tests::vmm::defmt_log::decode_file_text;
 use vmtsync_tests::vmm::qemu::{self, Machine, have_qemu};
@@ -317,16 +317,6 @@ fn converted_inside_brackets(args: &[&str], samples: &[ProbeSample]) -> Vec<(u64
     got
 }
 
-/// Tier 2 prerequisites for reading the truth from KVM debugfs.
-fn debugfs_ready(test: &str) -> bool {
-    require(test, is_root(), "reading KVM debugfs needs root")
-        && require(
-            test,
-            Path::new("/sys/kernel/debug/kvm").is_dir(),
-            "debugfs is not mounted (mount -t debugfs none /sys/kernel/debug)",
-        )
-}
-
 /// Tier 2 (a): a software skew with a non-identity rate, recovered by probes and undone by
 /// `vmtsync convert --offset O --ratio R --frac-bits F --to host` with the true mapping.
 ///
@@ -338,7 +328,7 @@ fn debugfs_ready(test: &str) -> bool {
 #[test]
 fn qemu_software_skew_is_recovered_and_converted_back() {
     let test = "qemu_software_skew_is_recovered_and_converted_back";
-    if !qemu_ready(test) || !debugfs_ready(test) {
+    if !qemu_ready(test) || !truth_ready(test) {
         return;
     }
     let skew = Skew::pick();
@@ -372,12 +362,9 @@ fn qemu_software_skew_is_recovered_and_converted_back() {
         sum.width(),
         sum.drift.map(|d| (d.lo, d.hi)),
     );
-    assert!(
-        i128::from(sum.bound_lo) - 1 <= truth_at && truth_at <= i128::from(sum.bound_hi),
-        "truth {truth_at} outside [{}, {}]",
-        sum.bound_lo,
-        sum.bound_hi
-    );
+    truth
+        .check(at, sum.bound_lo, sum.bound_hi)
+        .unwrap_or_else(|e| panic!("{e}"));
     // The true mapping, inverted by the CLI, puts each guest stamp inside its probe.
     let m = truth
         .composed()
@@ -414,7 +401,7 @@ fn qemu_software_skew_is_recovered_and_converted_back() {
 #[test]
 fn qemu_kvm_mapping_from_debugfs_maps_agent_readings_into_their_brackets() {
     let test = "qemu_kvm_mapping_from_debugfs_maps_agent_readings_into_their_brackets";
-    if !qemu_ready(test) || !debugfs_ready(test) {
+    if !qemu_ready(test) || !truth_ready(test) {
         return;
     }
     let scratch_dir = scratch("kvm");

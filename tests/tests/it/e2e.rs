@@ -24,7 +24,7 @@ use vmtsync_tests::truth::{GuestTruth, Skew, truth_mapping, truth_ready};
 use vmtsync_tests::vmm::agent_elf;
 use vmtsync_tests::vmm::defmt_log::decode_file_text;
 use vmtsync_tests::vmm::qemu::{self, Machine, have_qemu};
-use vmtsync_tests::{ChildGuard, have_kvm, is_root, require};
+use vmtsync_tests::{ChildGuard, have_kvm, require};
 
 use crate::kvm_fixtures::vmtsync;
 

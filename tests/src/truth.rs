@@ -209,6 +209,17 @@ impl GuestTruth {
         Some(i128::from(self.guest_at(host)?.0) - i128::from(host.0))
     }
 
+    /// True when the guest TSC `guest`, read by the agent some time between host TSC `send`
+    /// and `recv` (a probe's or a VM exit's bracket), is what the truth gives inside that
+    /// bracket: `guest_at(send) <= guest <= guest_at(recv)` (both mappings are monotonic).
+    #[must_use]
+    pub fn in_bracket(&self, send: HostTicks, guest: GuestTicks, recv: HostTicks) -> bool {
+        match (self.guest_at(send), self.guest_at(recv)) {
+            (Some(lo), Some(hi)) => lo <= guest && guest <= hi,
+            _ => false,
+        }
+    }
+
     /// Checks a guaranteed offset interval `[lo, hi]` that refers to host TSC `at` (a probe
     /// summary's `at_host`) against the truth there; returns the true offset, or a message
     /// saying by how much it missed. With a rate other than 1 the mappings floor
@@ -306,6 +317,12 @@ mod tests {
         let plain = GuestTruth::new(kvm, None);
         assert_eq!(plain.constant_offset(), Some(-1_000_000));
         assert_eq!(plain.offset_at(HostTicks(5_000_000)), Some(-1_000_000));
+        // A reading inside a bracket maps inside; one tick past either edge does not.
+        let (s, r) = (HostTicks(3_000_000), HostTicks(3_000_010));
+        assert!(t.in_bracket(s, GuestTicks(3_000_500), r));
+        assert!(t.in_bracket(s, GuestTicks(3_000_515), r));
+        assert!(!t.in_bracket(s, GuestTicks(3_000_499), r));
+        assert!(!t.in_bracket(s, GuestTicks(3_000_516), r));
         // check: inside, on the edges, one tick of floor slack only with a rate != 1.
         assert_eq!(
             plain.check(HostTicks(9), -1_000_000, -1_000_000),

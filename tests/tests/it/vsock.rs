@@ -1,13 +1,16 @@
 //! Tier 2: the agent's virtio-vsock transport, end to end under QEMU q35 + qboot with
 //! `vhost-user-vsock-pci` and the `vhost-device-vsock` backend (installed on demand).
 //!
-//! Truth here: guest TSC == host TSC (DESIGN.md §4), so every probe's host bracket
-//! `[sent, received]` must contain the guest's TSC, and the offset interval they imply must
-//! contain 0. It prints the RTT and the midpoint estimate's error against 0.
+//! Truth here (`vmtsync_tests::truth`): KVM's debugfs mapping of the VM's vCPU, followed by the
+//! agent's software skew when it has one, so every probe's host bracket `[sent, received]`
+//! must contain the host time of the guest's reported TSC. It prints the RTT and the midpoint
+//! estimate's error against that truth.
 
 use std::time::{Duration, Instant};
 
 use vmtsync_core::proto::{Message, PROTOCOL_VERSION, Transport};
+use vmtsync_core::{GuestTicks, HostTicks};
+use vmtsync_tests::truth::{GuestTruth, Skew, truth_ready};
 use vmtsync_tests::vmm::agent_elf;
 use vmtsync_tests::vmm::defmt_log::decode_file_text;
 use vmtsync_tests::vmm::qemu::{self, Machine, debug_exit_status, have_qemu};
@@ -29,7 +32,7 @@ fn vsock_probes_bracket_the_guest_tsc_under_qemu_q35() {
         3,
         PORT,
         false,
-        0,
+        false,
     );
 }
 
@@ -43,7 +46,7 @@ fn vsock_host_connects_to_a_listening_agent() {
         3,
         PORT + 2,
         true,
-        0,
+        false,
     );
 }
 
@@ -57,14 +60,14 @@ fn vsock_probes_from_ring_0_bracket_the_guest_tsc() {
         0,
         PORT + 1,
         false,
-        0,
+        false,
     );
 }
 
 /// QEMU microvm: `vhost-user-vsock-device` on virtio-mmio, found through the
 /// `virtio_mmio.device=` word QEMU appends to the command line; no PCI, no BARs to place. The
-/// agent also applies a software skew here (`skew=-5000000000,1,0`), so the truth the brackets
-/// must contain is a non-zero offset.
+/// agent also applies a software skew here ([`Skew::pick`]: an offset derived from the host
+/// TSC and a rate != 1), so the truth the brackets must contain moves with time.
 #[test]
 fn vsock_probes_under_qemu_microvm_over_virtio_mmio() {
     session(
@@ -73,18 +76,15 @@ fn vsock_probes_under_qemu_microvm_over_virtio_mmio() {
         3,
         PORT + 4,
         false,
-        MICROVM_SKEW,
+        true,
     );
 }
 
-/// Guest TSC offset the microvm session's agent applies to every reading it reports.
-const MICROVM_SKEW: i64 = -5_000_000_000;
-
 /// Boots the agent on `machine` with `transport=vsock port={port} ring={ring} exit=5` (and
-/// `vsock=listen` when `listen`, `skew={skew},1,0` when `skew` is not 0), runs [`PROBES`]
-/// probes, checks every bracket and the offset interval against the truth (`-skew`: guest TSC
-/// == host TSC here, plus the skew), shuts down.
-fn session(test: &str, machine: Machine, ring: u8, port: u32, listen: bool, skew: i64) {
+/// `vsock=listen` when `listen`, a [`Skew::pick`] skew when `skew`), runs [`PROBES`] probes,
+/// checks every bracket (and, for a constant offset, the offset interval) against the truth,
+/// shuts down.
+fn session(test: &str, machine: Machine, ring: u8, port: u32, listen: bool, skew: bool) {
     if !require(test, have_kvm(), "/dev/kvm is not accessible read-write")
         || !require(
             test,
@@ -96,6 +96,7 @@ fn session(test: &str, machine: Machine, ring: u8, port: u32, listen: bool, skew
             std::path::Path::new(qemu::QBOOT).is_file(),
             "qboot.rom is missing (apt-get install qemu-system-x86)",
         )
+        || !truth_ready(test)
     {
         return;
     }
@@ -112,10 +113,11 @@ fn session(test: &str, machine: Machine, ring: u8, port: u32, listen: bool, skew
     let started = Instant::now();
     let mode = if listen { "listen" } else { "connect" };
     let mut append = format!("transport=vsock vsock={mode} port={port} ring={ring} exit=5");
-    if skew != 0 {
-        append.push_str(&format!(" skew={skew},1,0"));
+    let skew = skew.then(Skew::pick);
+    if let Some(s) = skew {
+        append.push(' ');
+        append.push_str(&s.agent_option());
     }
-    let truth = -i128::from(skew);
     let mut rig =
         VsockRig::start(machine, &backend, &elf, &append, port, STEP).expect("rig starts");
     let connection = if listen {
@@ -129,6 +131,8 @@ fn session(test: &str, machine: Machine, ring: u8, port: u32, listen: bool, skew
         Err(e) => panic!("{e}\n{}", rig.diagnostics()),
     };
     let connected = started.elapsed();
+    // Connected: QEMU has created its VM and vCPU, so KVM's side of the truth is readable.
+    let truth = GuestTruth::read(rig.pids().0, 0, skew).expect("truth from debugfs");
     if let Err(e) = client.wait_ready(STEP) {
         panic!("{e}\n{}", rig.diagnostics());
     }
@@ -142,16 +146,37 @@ fn session(test: &str, machine: Machine, ring: u8, port: u32, listen: bool, skew
         (PROTOCOL_VERSION, Transport::VirtioVsock)
     );
     assert_eq!(run.samples.len(), usize::from(PROBES));
-    // Every probe's host bracket [sent, received] contains the guest's TSC moved by the true
-    // offset, so the offset interval (host - guest) they jointly allow contains the truth.
-    assert_eq!(run.outside_bracket(truth), 0, "{:?}", run.samples);
+    // Every probe's host bracket [sent, received] contains the host time of the guest's
+    // reported TSC.
+    let outside: Vec<_> = run
+        .samples
+        .iter()
+        .filter(|&&(s, g, r)| !truth.in_bracket(HostTicks(s), GuestTicks(g), HostTicks(r)))
+        .collect();
+    assert!(outside.is_empty(), "{truth:?}: outside {outside:?}");
+    // A constant offset (no skew, no scaling): the offset interval (host - guest) the probes
+    // jointly allow contains it.
     let (lo, hi) = run.offset_interval();
-    assert!(
-        lo <= truth && truth <= hi,
-        "offset interval [{lo}, {hi}] misses the truth {truth}"
-    );
+    if let Some(c) = truth.constant_offset() {
+        let c = -i128::from(c);
+        assert!(
+            lo <= c && c <= hi,
+            "offset interval [{lo}, {hi}] misses the truth {c}"
+        );
+    }
     let rtts = run.rtts_sorted();
-    let errors = run.midpoint_errors_sorted(truth);
+    // The midpoint estimate's error: the truth's guest TSC at the bracket's middle minus the
+    // reported one.
+    let mut errors: Vec<u128> = run
+        .samples
+        .iter()
+        .map(|&(s, g, r)| {
+            let mid = HostTicks(s + (r - s) / 2);
+            let at = truth.guest_at(mid).expect("no overflow").0;
+            (i128::from(at) - i128::from(g)).unsigned_abs()
+        })
+        .collect();
+    errors.sort_unstable();
 
     let bye = client.exchange(&Message::Shutdown, STEP).expect("exiting");
     assert_eq!(bye.reply, Message::Exiting);
@@ -165,7 +190,7 @@ fn session(test: &str, machine: Machine, ring: u8, port: u32, listen: bool, skew
     eprintln!(
         "vsock {machine:?} {mode} ring {ring}: connected after {connected:?}; {PROBES} probes: \
          RTT min {} / median {} cycles (~{} us median); midpoint |error| median {} cycles; \
-         truth {truth}, offset interval [{lo}, {hi}] (width {}); exit {status}, total {:?}",
+         truth {truth:?}, offset interval [{lo}, {hi}] (width {}); exit {status}, total {:?}",
         rtts[0],
         rtts[rtts.len() / 2],
         cycles_to_us(rtts[rtts.len() / 2]),
@@ -209,6 +234,7 @@ fn vsock_agent_serves_a_new_session_after_the_host_hangs_up() {
             std::path::Path::new(qemu::QBOOT).is_file(),
             "qboot.rom is missing",
         )
+        || !truth_ready(test)
     {
         return;
     }
@@ -247,7 +273,16 @@ fn vsock_agent_serves_a_new_session_after_the_host_hangs_up() {
             .unwrap_or_else(|e| panic!("session {session}: {e}\n{}", rig.diagnostics()));
         let run = probe_run(&mut client, 10, STEP)
             .unwrap_or_else(|e| panic!("session {session}: {e}\n{}", rig.diagnostics()));
-        assert_eq!(run.outside_bracket(0), 0, "{:?}", run.samples);
+        let truth = GuestTruth::read(rig.pids().0, 0, None).expect("truth from debugfs");
+        assert!(
+            run.samples.iter().all(|&(s, g, r)| truth.in_bracket(
+                HostTicks(s),
+                GuestTicks(g),
+                HostTicks(r)
+            )),
+            "{truth:?}: {:?}",
+            run.samples
+        );
         if session == 2 {
             let bye = client.exchange(&Message::Shutdown, STEP).expect("exiting");
             assert_eq!(bye.reply, Message::Exiting);
@@ -280,6 +315,7 @@ fn vsock_without_a_device_fails_cleanly() {
             std::path::Path::new(qemu::QBOOT).is_file(),
             "qboot.rom is missing",
         )
+        || !truth_ready(test)
     {
         return;
     }

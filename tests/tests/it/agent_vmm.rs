@@ -1,17 +1,19 @@
 //! Tier 2: the guest agent under the built-in VMM on real KVM.
 //!
-//! Truth on the project's machines: guest TSC == host TSC (KVM here cannot offset or scale
-//! it, DESIGN.md §4), so every TSC the agent reports must lie between the host TSCs of the VM
-//! exits that bracket the exchange: the exit where the guest read the request's last byte and
-//! the exit where it wrote the reply's first byte.
+//! Truth: KVM's mapping of the VM's vCPU, read from debugfs (`vmtsync_tests::truth`), then
+//! the agent's software skew when it has one. Every TSC the agent reports must be what that
+//! truth gives between the host TSCs of the VM exits that bracket the exchange: the exit where
+//! the guest read the request's last byte and the exit where it wrote the reply's first byte.
+//! Nothing assumes this host's guest TSC == host TSC.
 
 use std::time::Duration;
 
-use vmtsync_core::GuestTicks;
 use vmtsync_core::proto::{
     Capabilities, Features, Hello, Message, PROTOCOL_VERSION, Transport, try_unwrap_tsc_low32,
 };
 use vmtsync_core::pvclock::PvclockVcpuTimeInfo;
+use vmtsync_core::{GuestTicks, HostTicks};
+use vmtsync_tests::truth::{GuestTruth, Skew, truth_mapping_of, truth_ready};
 use vmtsync_tests::vmm::client::{Exchange, ProtoClient};
 use vmtsync_tests::vmm::defmt_log::{DefmtLog, LogLine, MALFORMED};
 use vmtsync_tests::vmm::{SerialByte, Vm, VmConfig, VmExit, agent_elf};
@@ -31,7 +33,7 @@ fn text(line: &[SerialByte]) -> String {
 }
 
 fn boot(test: &str, cmdline: &str, timeout: Duration) -> Option<Vm> {
-    if !require(test, have_kvm(), "/dev/kvm is not accessible read-write") {
+    if !require(test, have_kvm(), "/dev/kvm is not accessible read-write") || !truth_ready(test) {
         return None;
     }
     let elf = agent_elf().expect("agent builds");
@@ -41,6 +43,19 @@ fn boot(test: &str, cmdline: &str, timeout: Duration) -> Option<Vm> {
         ..VmConfig::default()
     };
     Some(Vm::boot(&elf, &cfg).expect("VM boots"))
+}
+
+/// The truth for the VM's vcpu0 with the agent's `skew` (debugfs; the VM exists once booted).
+fn truth(vm: &Vm, skew: Option<Skew>) -> GuestTruth {
+    GuestTruth::new(
+        truth_mapping_of(vm.debugfs_id(), 0).expect("truth from debugfs"),
+        skew,
+    )
+}
+
+/// The guest TSC the truth gives at host TSC `h`.
+fn guest_at(t: &GuestTruth, h: u64) -> u64 {
+    t.guest_at(HostTicks(h)).expect("no overflow").0
 }
 
 fn hello() -> Message {
@@ -67,6 +82,8 @@ fn probe_session(test: &str, cmdline: &str) {
         "no ready beacon; COM2 log:\n{}",
         vm.log_text()
     );
+    let t = truth(&vm, None);
+    let g = |h: u64| guest_at(&t, h);
     let lines = vm.log_lines();
     let log = vm.log_text();
     assert!(
@@ -88,11 +105,15 @@ fn probe_session(test: &str, cmdline: &str) {
     assert_eq!(k.transport, Transport::Uart16550);
     assert_eq!(k.vcpu, 0);
     assert!(
-        caps.request_read_tsc <= k.tsc.0 && k.tsc.0 <= caps.reply_first_byte_tsc,
-        "hello TSC {} outside [{}, {}]",
+        t.in_bracket(
+            HostTicks(caps.request_read_tsc),
+            k.tsc,
+            HostTicks(caps.reply_first_byte_tsc)
+        ),
+        "hello TSC {} outside [{}, {}] ({t:?})",
         k.tsc.0,
-        caps.request_read_tsc,
-        caps.reply_first_byte_tsc
+        g(caps.request_read_tsc),
+        g(caps.reply_first_byte_tsc)
     );
 
     let (mut before, mut tight, mut after) = (Vec::new(), Vec::new(), Vec::new());
@@ -116,17 +137,18 @@ fn probe_session(test: &str, cmdline: &str) {
             }
             Message::ProbeReply(r) if !full => {
                 assert_eq!((r.seq, r.vcpu), (seq, 0));
-                // Identity mapping: the host TSC at the request read is a reference within
-                // far less than 2^31 ticks of the guest's reading.
-                try_unwrap_tsc_low32(GuestTicks(lo), r.tsc_low32)
+                // The truth at the request read is a reference within far less than 2^31
+                // ticks of the guest's reading.
+                try_unwrap_tsc_low32(GuestTicks(g(lo)), r.tsc_low32)
                     .expect("unwraps")
                     .0
             }
             other => panic!("probe {seq}: unexpected reply {other:?}"),
         };
+        let (lo, prev, hi) = (g(lo), g(prev), g(hi));
         assert!(
             lo <= guest && guest <= hi,
-            "probe {seq}: guest TSC {guest} outside the exit bracket [{lo}, {hi}]"
+            "probe {seq}: guest TSC {guest} outside the exit bracket [{lo}, {hi}] ({t:?})"
         );
         // No exit between the agent's TSC read and its first reply byte: the two exits
         // around that byte bracket the read.
@@ -139,14 +161,14 @@ fn probe_session(test: &str, cmdline: &str) {
         after.push(hi - guest);
     }
     eprintln!(
-        "{cmdline:?}: 40 probes, median cycles: request-read exit -> guest TSC {}, \
+        "{cmdline:?}: 40 probes, median guest cycles: request-read exit -> guest TSC {}, \
          previous exit -> guest TSC {}, guest TSC -> reply's first-byte exit {}",
         median(before),
         median(tight),
         median(after)
     );
 
-    check_pvclock_against_kvm_get_clock(&vm, &mut c, &k);
+    check_pvclock_against_kvm_get_clock(&vm, &t, &mut c, &k);
 
     let bye = c.exchange(&Message::Shutdown, STEP).expect("exiting");
     assert_eq!(bye.reply, Message::Exiting);
@@ -175,9 +197,15 @@ fn probe_session(test: &str, cmdline: &str) {
 }
 
 /// Asks for a pvclock report and checks it against the host's own view of the same clock:
-/// `KVM_GET_CLOCK` gives kvmclock ns at a host TSC; with guest TSC == host TSC and a stable
-/// clock, the guest's pvclock ns at its TSC must match kvmclock extrapolated to that TSC.
-fn check_pvclock_against_kvm_get_clock(vm: &Vm, c: &mut ProtoClient<'_>, caps: &Capabilities) {
+/// `KVM_GET_CLOCK` gives kvmclock ns at a host TSC; with the guest's TSC taken back to host
+/// time through KVM's mapping (`t`, no skew) and a stable clock, the guest's pvclock ns at its
+/// TSC must match kvmclock extrapolated to that host TSC.
+fn check_pvclock_against_kvm_get_clock(
+    vm: &Vm,
+    t: &GuestTruth,
+    c: &mut ProtoClient<'_>,
+    caps: &Capabilities,
+) {
     let features = caps.features;
     assert!(
         features.contains(Features::PVCLOCK),
@@ -193,10 +221,15 @@ fn check_pvclock_against_kvm_get_clock(vm: &Vm, c: &mut ProtoClient<'_>, caps: &
     assert_eq!(p.version % 2, 0, "{p:?}");
     assert!(p.version > 0, "{p:?}");
     assert!(
-        ex.request_read_tsc <= p.tsc.0 && p.tsc.0 <= ex.reply_first_byte_tsc,
-        "pvclock TSC {} outside the exit bracket",
+        t.in_bracket(
+            HostTicks(ex.request_read_tsc),
+            p.tsc,
+            HostTicks(ex.reply_first_byte_tsc)
+        ),
+        "pvclock TSC {} outside the exit bracket ({t:?})",
         p.tsc.0
     );
+
     let fields = PvclockVcpuTimeInfo {
         version: p.version,
         tsc_timestamp: p.tsc_timestamp,
@@ -225,18 +258,24 @@ fn check_pvclock_against_kvm_get_clock(vm: &Vm, c: &mut ProtoClient<'_>, caps: &
         "pvclock v{} flags {:#x} mul {:#x} shift {}; KVM_GET_CLOCK flags {:#x}",
         p.version, p.flags, p.mul, p.shift, clock.flags
     );
-    // KVM_CLOCK_HOST_TSC: `clock` is kvmclock at host TSC `host_tsc`.
+    // KVM_CLOCK_HOST_TSC: `clock` is kvmclock at host TSC `host_tsc`, which KVM's mapping
+    // takes to the guest TSC the pvclock scale applies to.
     if clock.flags & 8 != 0 {
+        let clock_tsc = t
+            .kvm
+            .try_guest_from_host(HostTicks(clock.host_tsc))
+            .expect("maps")
+            .0;
         // kvmclock extrapolated from (host_tsc, clock) to the guest's TSC with the same scale.
-        let host_ns_at_guest_tsc = if p.tsc.0 >= clock.host_tsc {
+        let host_ns_at_guest_tsc = if p.tsc.0 >= clock_tsc {
             fields
                 .scale
-                .try_scale_floor(p.tsc.0 - clock.host_tsc)
+                .try_scale_floor(p.tsc.0 - clock_tsc)
                 .map(|d| clock.clock + d)
         } else {
             fields
                 .scale
-                .try_scale_floor(clock.host_tsc - p.tsc.0)
+                .try_scale_floor(clock_tsc - p.tsc.0)
                 .map(|d| clock.clock - d)
         }
         .expect("scales");
@@ -276,26 +315,33 @@ fn builtin_vmm_agent_answers_probes_within_the_exit_bracket_ring0() {
 
 #[test]
 fn builtin_vmm_agent_applies_software_skew() {
-    // reported = offset + ((tsc * ratio) >> frac): ratio 3/2 (frac 1), offset -1000.
+    // reported = offset + ((tsc * ratio) >> frac) of the TSC KVM shows the guest, with the
+    // offset derived from the host TSC now and a rate != 1.
+    let skew = Skew::pick();
     let Some(vm) = boot(
         "builtin_vmm_agent_applies_software_skew",
-        "skew=-1000,3,1 exit=0",
+        &format!("{} exit=0", skew.agent_option()),
         Duration::from_secs(60),
     ) else {
         return;
     };
     let mut c = ProtoClient::new(vm.com1());
     assert!(c.wait_ready(STEP));
-    let skew = |t: u64| {
-        let scaled = u64::try_from((u128::from(t) * 3) >> 1).expect("fits");
-        scaled.wrapping_sub(1000)
-    };
+    let t = truth(&vm, Some(skew));
     let caps = c.exchange(&hello(), STEP).expect("capabilities");
     let Message::Capabilities(k) = caps.reply else {
         panic!("{:?}", caps.reply)
     };
     // The skew is monotonic, so the exit bracket maps through it.
-    assert!(skew(caps.request_read_tsc) <= k.tsc.0 && k.tsc.0 <= skew(caps.reply_first_byte_tsc));
+    assert!(
+        t.in_bracket(
+            HostTicks(caps.request_read_tsc),
+            k.tsc,
+            HostTicks(caps.reply_first_byte_tsc)
+        ),
+        "hello TSC {} ({t:?})",
+        k.tsc.0
+    );
     let p = c
         .exchange(&Message::ProbeFull { seq: 1 }, STEP)
         .expect("probe");
@@ -303,11 +349,15 @@ fn builtin_vmm_agent_applies_software_skew() {
         panic!("{:?}", p.reply)
     };
     assert!(
-        skew(p.request_read_tsc) <= r.tsc && r.tsc <= skew(p.reply_first_byte_tsc),
-        "reported {} outside [{}, {}]",
+        t.in_bracket(
+            HostTicks(p.request_read_tsc),
+            GuestTicks(r.tsc),
+            HostTicks(p.reply_first_byte_tsc)
+        ),
+        "reported {} outside [{}, {}] ({t:?})",
         r.tsc,
-        skew(p.request_read_tsc),
-        skew(p.reply_first_byte_tsc)
+        guest_at(&t, p.request_read_tsc),
+        guest_at(&t, p.reply_first_byte_tsc)
     );
     assert_eq!(
         c.exchange(&Message::Shutdown, STEP).expect("bye").reply,
@@ -341,9 +391,17 @@ fn builtin_vmm_line_mode_probe_then_panic_logs_and_exits_with_failure_code() {
     let s = text(&line);
     assert!(s.starts_with('T') && s.len() == 18, "answer {s:?}");
     let guest = u64::from_str_radix(&s[1..17], 16).expect("hex TSC");
-    assert!(read.host_tsc <= guest && guest <= line[0].host_tsc);
+    let t = truth(&vm, None);
     assert!(
-        line[0].prev_exit_host_tsc <= guest,
+        t.in_bracket(
+            HostTicks(read.host_tsc),
+            GuestTicks(guest),
+            HostTicks(line[0].host_tsc)
+        ),
+        "{guest} ({t:?})"
+    );
+    assert!(
+        guest_at(&t, line[0].prev_exit_host_tsc) <= guest,
         "an exit between TSC read and 'T'"
     );
 
@@ -482,10 +540,14 @@ fn builtin_vmm_agent_log_is_defmt_decoded_with_tsc_timestamps() {
     let ready = line(&lines, "info", "ready: postcard on COM1, vcpu 0")
         .unwrap_or_else(|| panic!("no ready line; log:\n{log}"));
     let ready_tsc = ready.tsc.expect("timestamped");
+    // Log timestamps are the raw guest TSC: the truth (KVM's mapping) takes the host TSCs
+    // before the boot and at the beacon to guest time.
+    let t = truth(&vm, None);
+    let before_boot = guest_at(&t, before_boot);
     assert!(
-        before_boot <= ready_tsc && ready_tsc <= beacon.host_tsc,
-        "ready line TSC {ready_tsc} outside [{before_boot}, {}]",
-        beacon.host_tsc
+        before_boot <= ready_tsc && ready_tsc <= guest_at(&t, beacon.host_tsc),
+        "ready line TSC {ready_tsc} outside [{before_boot}, {}] ({t:?})",
+        guest_at(&t, beacon.host_tsc)
     );
     assert!(
         lines[0].text.starts_with("vmtsync-agent ")

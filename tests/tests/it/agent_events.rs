@@ -4,15 +4,17 @@
 //! event whose id is the number of messages handled so far. The host sends one request at a
 //! time, so event `k` is recorded after the reply to message `k` went out and before the guest
 //! read message `k + 1`: its TSC lies between the exit carrying that reply's first byte and the
-//! exit where the guest read the next request. Truth: guest TSC == host TSC here (DESIGN.md
-//! §4), so with an identity mapping pushed the host-stamped events obey the same bracket.
+//! exit where the guest read the next request, both taken to guest time through the truth
+//! (KVM's debugfs mapping of the vCPU, `vmtsync_tests::truth`). Once that true mapping is
+//! pushed, the host-stamped events lie inside the same exits' host TSC bracket.
 
 use std::time::Duration;
 
-use vmtsync_core::mapping::KvmTscMapping;
+use vmtsync_core::HostTicks;
 use vmtsync_core::proto::{
     EventRecord, EventStamp, Features, Hello, MappingPush, Message, PROTOCOL_VERSION,
 };
+use vmtsync_tests::truth::{GuestTruth, truth_mapping_of, truth_ready};
 use vmtsync_tests::vmm::client::{Exchange, ProtoClient};
 use vmtsync_tests::vmm::{Vm, VmConfig, VmExit, agent_elf};
 use vmtsync_tests::{have_kvm, require};
@@ -20,7 +22,7 @@ use vmtsync_tests::{have_kvm, require};
 const STEP: Duration = Duration::from_secs(20);
 
 fn boot(test: &str, cmdline: &str) -> Option<Vm> {
-    if !require(test, have_kvm(), "/dev/kvm is not accessible read-write") {
+    if !require(test, have_kvm(), "/dev/kvm is not accessible read-write") || !truth_ready(test) {
         return None;
     }
     let elf = agent_elf().expect("agent builds");
@@ -64,11 +66,14 @@ impl Session<'_> {
         }
     }
 
-    /// Checks event `id`'s TSC against the bracket of the poll that recorded it.
-    fn check_bracket(&self, id: u32, tsc: u64) {
+    /// Checks event `id`'s TSC against the bracket of the poll that recorded it: host TSCs
+    /// of VM exits, taken to guest time through `truth` for a guest-stamped event (`Some`),
+    /// as they are for a host-stamped one (`None`).
+    fn check_bracket(&self, id: u32, tsc: u64, truth: Option<&GuestTruth>) {
         let k = usize::try_from(id).expect("small id");
-        let after_reply = self.log[k - 1].reply_first_byte_tsc;
-        let before_next = self.log[k].request_read_tsc;
+        let map = |h: u64| truth.map_or(h, |t| t.guest_at(HostTicks(h)).expect("maps").0);
+        let after_reply = map(self.log[k - 1].reply_first_byte_tsc);
+        let before_next = map(self.log[k].request_read_tsc);
         assert!(
             after_reply <= tsc && tsc <= before_next,
             "event {id} at {tsc} outside [{after_reply}, {before_next}]"
@@ -96,6 +101,8 @@ fn builtin_vmm_agent_records_events_in_the_session_bracket_guest_then_host_stamp
         log: Vec::new(),
     };
     assert!(s.c.wait_ready(STEP), "log:\n{}", vm.log_text());
+    let kvm = truth_mapping_of(vm.debugfs_id(), 0).expect("truth from debugfs");
+    let truth = GuestTruth::new(kvm, None);
     let Message::Capabilities(k) = s.ask(&hello()) else {
         panic!("no capabilities")
     };
@@ -122,13 +129,13 @@ fn builtin_vmm_agent_records_events_in_the_session_bracket_guest_then_host_stamp
         };
         assert!(t.0 > prev, "event TSCs not increasing at {e:?}");
         prev = t.0;
-        s.check_bracket(e.id, t.0);
+        s.check_bracket(e.id, t.0, Some(&truth));
     }
 
-    // Guest TSC == host TSC here: the identity mapping is the truth.
+    // KVM's mapping from debugfs is the truth: push it.
     let push = MappingPush {
         vcpu: 0,
-        mapping: KvmTscMapping::IDENTITY_VMX,
+        mapping: kvm,
     };
     assert_eq!(
         s.ask(&Message::SetMapping(push)),
@@ -152,10 +159,18 @@ fn builtin_vmm_agent_records_events_in_the_session_bracket_guest_then_host_stamp
         };
         assert!(h.0 > prev, "event TSCs not increasing at {e:?}");
         prev = h.0;
-        s.check_bracket(e.id, h.0);
+        s.check_bracket(e.id, h.0, None);
     }
     let first = s.log[0].request_read_tsc;
     let last = s.log.last().expect("exchanges").reply_first_byte_tsc;
+    let reply_at = |id: u32, guest_stamped: bool| {
+        let h = s.log[usize::try_from(id).expect("id") - 1].reply_first_byte_tsc;
+        if guest_stamped {
+            truth.guest_at(HostTicks(h)).expect("maps").0
+        } else {
+            h
+        }
+    };
     eprintln!(
         "19 events ({} guest-, {} host-stamped) within a session of {} cycles; median gap \
          reply -> event {} cycles",
@@ -166,12 +181,9 @@ fn builtin_vmm_agent_records_events_in_the_session_bracket_guest_then_host_stamp
             let mut gaps: Vec<u64> = guest_events
                 .iter()
                 .chain(&host_events)
-                .map(|e| {
-                    let t = match e.stamp {
-                        EventStamp::Guest(t) => t.0,
-                        EventStamp::Host(h) => h.0,
-                    };
-                    t - s.log[usize::try_from(e.id).expect("id") - 1].reply_first_byte_tsc
+                .map(|e| match e.stamp {
+                    EventStamp::Guest(t) => t.0 - reply_at(e.id, true),
+                    EventStamp::Host(h) => h.0 - reply_at(e.id, false),
                 })
                 .collect();
             gaps.sort_unstable();

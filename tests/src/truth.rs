@@ -201,12 +201,14 @@ impl GuestTruth {
         self.skew.try_guest_from_host(HostTicks(kvm.0))
     }
 
-    /// The true offset `guest − host` at host TSC `host`, in the probe's sign convention.
-    /// With a rate other than 1 it changes with `host`; compare an estimate where it refers
-    /// to (a probe summary's `at_host`).
+    /// The true offset `guest − host` at host TSC `host`, in the probe's sign convention and,
+    /// like KVM's `tsc-offset`, modulo 2^64 (a signed 64-bit difference). With a rate other
+    /// than 1 it changes with `host`; compare an estimate where it refers to (a probe
+    /// summary's `at_host`).
     #[must_use]
     pub fn offset_at(&self, host: HostTicks) -> Option<i128> {
-        Some(i128::from(self.guest_at(host)?.0) - i128::from(host.0))
+        let guest = self.guest_at(host)?.0;
+        Some(i128::from(guest.wrapping_sub(host.0).cast_signed()))
     }
 
     /// True when the guest TSC `guest`, read by the agent some time between host TSC `send`

@@ -4,7 +4,9 @@
 //! of exiting to user space: an idle VM costs no CPU) and vCPUs with caller-chosen ids (sparse
 //! ids test that tools do not map vCPUs by sort order). Every vCPU runs on its own thread; the
 //! child process (`idle-vmm`, see [`IdleVmmChild`]) prints each thread's TID so tests can
-//! compare it with debugfs `vcpuN/pid`.
+//! compare it with debugfs `vcpuN/pid`, and each vCPU's TSC as the VMM reads it
+//! (`KVM_GET_MSRS` of IA32_TSC, bracketed by host TSC reads) so tests can check debugfs's
+//! `tsc-offset` against a reading that does not go through debugfs.
 
 use std::io::{BufRead, BufReader, Write};
 use std::os::fd::AsRawFd;
@@ -26,6 +28,45 @@ const CODE_ADDR: u64 = 0x1000;
 /// `cli; hlt; jmp short -3` (back to the `hlt`): halts forever with interrupts off.
 const HALT_LOOP: [u8; 4] = [0xfa, 0xf4, 0xeb, 0xfd];
 
+/// `IA32_TSC` (Intel SDM vol. 4, MSR 0x10): the guest's TSC, as `KVM_GET_MSRS` reads it.
+const MSR_IA32_TSC: u32 = 0x10;
+
+/// A vCPU's guest TSC read by the VMM (`KVM_GET_MSRS` of IA32_TSC) between two host TSC
+/// reads: KVM's mapping of that vCPU takes some host tick in `[host_before, host_after]` to
+/// `guest`. Truth from the VMM, independent of debugfs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GuestTscReading {
+    /// The vCPU id.
+    pub vcpu: u32,
+    /// Host TSC (`lfence; rdtsc`) just before the ioctl.
+    pub host_before: u64,
+    /// The guest TSC the ioctl returned.
+    pub guest: u64,
+    /// Host TSC just after it.
+    pub host_after: u64,
+}
+
+/// Reads `vcpu`'s guest TSC between two host TSC reads.
+fn read_guest_tsc(vcpu: &kvm_ioctls::VcpuFd, id: u32) -> Result<GuestTscReading> {
+    let mut msrs = kvm_bindings::Msrs::from_entries(&[kvm_bindings::kvm_msr_entry {
+        index: MSR_IA32_TSC,
+        ..Default::default()
+    }])
+    .map_err(|e| anyhow::anyhow!("building the MSR list: {e:?}"))?;
+    let host_before = vmtsync_core::arch::x86_64::lfence_rdtsc();
+    let n = vcpu.get_msrs(&mut msrs).context("KVM_GET_MSRS IA32_TSC")?;
+    let host_after = vmtsync_core::arch::x86_64::lfence_rdtsc();
+    if n != 1 {
+        bail!("KVM_GET_MSRS read {n} of 1 MSRs");
+    }
+    Ok(GuestTscReading {
+        vcpu: id,
+        host_before,
+        guest: msrs.as_slice()[0].data,
+        host_after,
+    })
+}
+
 /// One VM of this process: its fd (the `<fd>` of debugfs `<pid>-<fd>`) and vCPU threads.
 #[derive(Debug)]
 pub struct IdleVm {
@@ -33,6 +74,8 @@ pub struct IdleVm {
     pub vm: VmFd,
     /// `(vcpu id, thread id)` for each vCPU, in creation order.
     pub vcpus: Vec<(u32, u32)>,
+    /// Each vCPU's TSC read by this VMM, in creation order.
+    pub tsc: Vec<GuestTscReading>,
 }
 
 /// Creates a VM with the given vCPU ids, each halted on its own thread.
@@ -80,6 +123,7 @@ pub fn start_idle_vm(kvm: &Kvm, vcpu_ids: &[u32]) -> Result<IdleVm> {
     unsafe { vm.set_user_memory_region(region) }.context("KVM_SET_USER_MEMORY_REGION")?;
 
     let (tx, rx) = mpsc::channel();
+    let mut tsc = Vec::with_capacity(vcpu_ids.len());
     for &id in vcpu_ids {
         let mut vcpu = vm
             .create_vcpu(u64::from(id))
@@ -92,6 +136,7 @@ pub fn start_idle_vm(kvm: &Kvm, vcpu_ids: &[u32]) -> Result<IdleVm> {
         regs.rip = CODE_ADDR;
         regs.rflags = 2;
         vcpu.set_regs(&regs)?;
+        tsc.push(read_guest_tsc(&vcpu, id)?);
         let tx = tx.clone();
         std::thread::Builder::new()
             .name(format!("vcpu{id}"))
@@ -128,7 +173,7 @@ pub fn start_idle_vm(kvm: &Kvm, vcpu_ids: &[u32]) -> Result<IdleVm> {
         );
     }
     vcpus.sort_by_key(|&(id, _)| vcpu_ids.iter().position(|&x| x == id));
-    Ok(IdleVm { vm, vcpus })
+    Ok(IdleVm { vm, vcpus, tsc })
 }
 
 /// One VM as reported by the child.
@@ -138,6 +183,8 @@ pub struct ChildVm {
     pub fd: u32,
     /// `(vcpu id, thread id)`.
     pub vcpus: Vec<(u32, u32)>,
+    /// Each vCPU's TSC as the child read it.
+    pub tsc: Vec<GuestTscReading>,
 }
 
 /// The `idle-vmm` binary running as a child process (killed on drop).
@@ -185,7 +232,18 @@ impl IdleVmmChild {
                 ["vm", fd] => out.push(ChildVm {
                     fd: fd.parse()?,
                     vcpus: Vec::new(),
+                    tsc: Vec::new(),
                 }),
+                ["tsc", id, before, guest, after] => out
+                    .last_mut()
+                    .context("tsc line before vm line")?
+                    .tsc
+                    .push(GuestTscReading {
+                        vcpu: id.parse()?,
+                        host_before: before.parse()?,
+                        guest: guest.parse()?,
+                        host_after: after.parse()?,
+                    }),
                 ["vcpu", id, "tid", tid] => out
                     .last_mut()
                     .context("vcpu line before vm line")?
@@ -233,7 +291,7 @@ impl IdleVmmChild {
 }
 
 /// The `idle-vmm` program: `--vms N --vcpu-ids a,b,…`; prints `vm <fd>`, `vcpu <id> tid <tid>`
-/// lines then `ready`, and exits 0 on `exit` or end of stdin.
+/// and `tsc <id> <host before> <guest TSC> <host after>` lines, then `ready`, and exits 0 on `exit` or end of stdin.
 ///
 /// # Errors
 /// Bad arguments or KVM failures.
@@ -264,6 +322,13 @@ pub fn idle_vmm_main(args: &[String]) -> Result<()> {
         writeln!(o, "vm {}", vm.vm.as_raw_fd())?;
         for (id, tid) in &vm.vcpus {
             writeln!(o, "vcpu {id} tid {tid}")?;
+        }
+        for t in &vm.tsc {
+            writeln!(
+                o,
+                "tsc {} {} {} {}",
+                t.vcpu, t.host_before, t.guest, t.host_after
+            )?;
         }
         keep.push(vm);
     }

@@ -3,39 +3,22 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitStatus, Stdio};
+use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
+use vmtsync_launch::ChildGuard;
+use vmtsync_launch::agent::{BuildOutput, agent_cargo};
+use vmtsync_launch::qemu::{self, Machine};
 
-use crate::{cargo, root, sh};
+use crate::{cargo, sh};
 
 /// Largest `.text` the agent may have: it is meant to be embedded in other people's guests.
 const TEXT_LIMIT: u64 = 64 * 1024;
-/// QEMU's exit status for a guest write of 0 to isa-debug-exit is `(0 << 1) | 1`.
-const QEMU_DEBUG_EXIT_BIT: i32 = 1;
 
-/// The agent crate's directory.
-fn agent_dir() -> PathBuf {
-    root().join("guest-agent")
-}
-
-/// Builds the agent (release) and returns its ELF. Runs in `guest-agent/` so its own
-/// `.cargo/config.toml` (target x86_64-unknown-none, static relocation model) applies, and
-/// drops any host `RUSTFLAGS`.
+/// Builds the agent (release; the rustup target is installed first when missing) with cargo's
+/// progress shown, and returns its ELF (`vmtsync_launch::agent`, the build the tests use).
 pub(crate) fn build() -> Result<PathBuf> {
-    let dir = agent_dir();
-    let mut c = cargo();
-    c.current_dir(&dir)
-        .env_remove("RUSTFLAGS")
-        .env_remove("CARGO_ENCODED_RUSTFLAGS")
-        .env_remove("CARGO_BUILD_TARGET")
-        .args(["build", "--release", "--target-dir"])
-        .arg(dir.join("target"));
-    sh(&mut c)?;
-    let elf = dir.join("target/x86_64-unknown-none/release/vmtsync-agent");
-    if !elf.is_file() {
-        bail!("build succeeded but {} is missing", elf.display());
-    }
-    Ok(elf)
+    Ok(vmtsync_launch::agent::build(BuildOutput::Shown)?)
 }
 
 /// `cargo xtask build-agent`: builds, prints the ELF path and `.text` size, and fails when
@@ -59,14 +42,7 @@ pub(crate) fn build_agent() -> Result<()> {
 /// excluded from the workspace): fmt check, clippy for the bare-metal target and for the host
 /// unit tests, the host unit tests, and the release build with its `.text` limit.
 pub(crate) fn ci_check() -> Result<()> {
-    let dir = agent_dir();
-    let agent_cargo = || {
-        let mut c = cargo();
-        c.current_dir(&dir)
-            .env_remove("RUSTFLAGS")
-            .env_remove("CARGO_ENCODED_RUSTFLAGS");
-        c
-    };
+    vmtsync_launch::prereq::ensure_rustup_target(&vmtsync_launch::agent::agent_dir())?;
     let host = "x86_64-unknown-linux-gnu";
     sh(agent_cargo().args(["fmt", "--check"]))?;
     sh(agent_cargo().args(["clippy", "--release", "--", "-D", "warnings"]))?;
@@ -163,7 +139,8 @@ pub(crate) fn run_agent(args: &[String]) -> Result<()> {
         }
         _ => {
             ensure_qemu()?;
-            // COM2 carries defmt frames: QEMU appends them to a file that `vmtsync-defmt`
+            let machine = Machine::parse(&r.machine).context("--machine")?;
+            // COM2 carries defmt frames: QEMU writes them to a file that `vmtsync-defmt`
             // follows, printing decoded lines to stderr until QEMU has exited.
             let dir =
                 std::env::temp_dir().join(format!("vmtsync-run-agent-{}", std::process::id()));
@@ -186,26 +163,29 @@ pub(crate) fn run_agent(args: &[String]) -> Result<()> {
                 .arg("--follow")
                 .stdin(Stdio::piped())
                 .stdout(Stdio::from(std::io::stderr()));
-            let mut decoder = decoder
-                .spawn()
-                .context("could not start the COM2 decoder (vmtsync-defmt)")?;
-            let mut c = qemu_command(&r.machine, &elf, &append, &com2, r.timeout);
-            let status = run_interactive(&mut c);
+            eprintln!("$ {}", crate::display(&decoder));
+            let mut decoder = ChildGuard::new(
+                decoder
+                    .spawn()
+                    .context("could not start the COM2 decoder (vmtsync-defmt)")?,
+            );
+            let mut c = qemu::command(machine, &elf, &append, &com2);
+            let status = run_bounded(&mut c, Duration::from_secs(r.timeout));
             // Closing its stdin tells the decoder the guest is gone: it prints the rest, exits.
-            drop(decoder.stdin.take());
-            let decoded = decoder.wait();
+            drop(decoder.child().stdin.take());
+            let decoded = decoder.wait_timeout(Duration::from_secs(30));
             let _ = std::fs::remove_dir_all(&dir);
             let status = status?;
-            if !decoded.context("waiting for vmtsync-defmt")?.success() {
+            if !decoded
+                .context("waiting for vmtsync-defmt")?
+                .is_some_and(|s| s.success())
+            {
                 bail!("vmtsync-defmt could not decode COM2 (see its message above)");
             }
-            match status.code() {
-                Some(s) if s & 1 == QEMU_DEBUG_EXIT_BIT && s >> 1 == 0 => Ok(()),
-                Some(s) if s & 1 == QEMU_DEBUG_EXIT_BIT => {
-                    bail!(
-                        "agent exited through isa-debug-exit with code {:#x}",
-                        s >> 1
-                    )
+            match status.code().map(qemu::debug_exit_code) {
+                Some(Some(0)) => Ok(()),
+                Some(Some(code)) => {
+                    bail!("agent exited through isa-debug-exit with code {code:#x}")
                 }
                 _ => bail!("QEMU ended without isa-debug-exit: {status}"),
             }
@@ -245,58 +225,24 @@ fn run_interactive(c: &mut Command) -> Result<ExitStatus> {
         .with_context(|| format!("could not start `{}`", crate::display(c)))
 }
 
-/// The QEMU command line, kept in step with `vmtsync_tests::vmm::qemu::command` (xtask does
-/// not depend on the test crate). COM2 (defmt frames) is appended to `com2`. `timeout`
-/// bounds the run with coreutils `timeout`.
-fn qemu_command(machine: &str, elf: &Path, append: &str, com2: &Path, timeout: u64) -> Command {
-    let mut c = Command::new("timeout");
-    c.arg(timeout.to_string()).arg("qemu-system-x86_64");
-    match machine {
-        "q35" => c.args(["-M", "q35", "-bios", "/usr/share/qemu/qboot.rom"]),
-        _ => c.args(["-M", "microvm"]),
-    };
-    // `-arch-capabilities`: QEMU's `host` CPU model otherwise aborts on this nested KVM with
-    // "failed to set MSR 0x10a".
-    c.args([
-        "-enable-kvm",
-        "-cpu",
-        "host,+invtsc,-arch-capabilities",
-        "-m",
-        "64M",
-        "-display",
-        "none",
-        "-monitor",
-        "none",
-        "-no-reboot",
-        "-serial",
-        "stdio",
-        "-chardev",
-    ]);
-    c.arg(format!("file,id=com2,path={},append=on", com2.display()));
-    c.args([
-        "-device",
-        "isa-serial,chardev=com2,iobase=0x2f8,irq=3",
-        "-device",
-        "isa-debug-exit,iobase=0xf4,iosize=4",
-        "-kernel",
-    ]);
-    c.arg(elf).arg("-append").arg(append);
-    c
+/// Runs `c` interactively (stdin and COM1 on this terminal) for at most `limit`; past that it
+/// is killed by its PID.
+fn run_bounded(c: &mut Command, limit: Duration) -> Result<ExitStatus> {
+    eprintln!("$ {}", crate::display(c));
+    let child = c
+        .stdin(Stdio::inherit())
+        .spawn()
+        .with_context(|| format!("could not start `{}`", crate::display(c)))?;
+    let mut g = ChildGuard::new(child);
+    match g.wait_timeout(limit)? {
+        Some(s) => Ok(s),
+        None => bail!("`{}` still ran after {limit:?}: killed", crate::display(c)),
+    }
 }
 
-/// Installs QEMU with apt when it is missing.
+/// Makes sure QEMU runs: installs it with apt when missing and root, else says how.
 fn ensure_qemu() -> Result<()> {
-    let ok = Command::new("qemu-system-x86_64")
-        .arg("--version")
-        .stdout(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success());
-    if !ok {
-        sh(Command::new("apt-get")
-            .env("DEBIAN_FRONTEND", "noninteractive")
-            .args(["install", "-y", "-qq", "qemu-system-x86"]))?;
-    }
-    Ok(())
+    Ok(vmtsync_launch::prereq::ensure_qemu()?)
 }
 
 /// Size of section `name` in a 64-bit little-endian ELF, read from its section headers.

@@ -8,8 +8,9 @@
 //! - `fuzz`: the `ci` fuzz smoke run on its own.
 //! - `build-agent`: build the bare-metal guest agent, print its ELF path and `.text` size.
 //! - `run-agent`: boot the agent under QEMU or the built-in VMM, COM1 on this terminal.
-//! - `demo`: boot the agent, read its KVM mapping from debugfs, probe it, print both with the
-//!   truth (text or `--json`).
+//! - `demo`: boot the agent with a software skew, read its KVM mapping from debugfs, probe it,
+//!   print both with the truth (debugfs composed with the skew; text or `--json`); fails when
+//!   the truth is outside the probe's bounds. Installs what it needs on a fresh machine.
 //! - `setup`: install what the tier-2 tests need on a fresh machine (rustup target, Debian
 //!   packages, debugfs mount).
 
@@ -25,7 +26,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
 use std::time::Instant;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Result, bail};
 
 fn main() -> ExitCode {
     match run() {
@@ -66,7 +67,7 @@ pub(crate) const HELP: &str = "\
 usage: cargo xtask <command>
 
 commands:
-  ci            fmt, clippy, tests (incl. tier 2 on real KVM), no_std build, fuzz smoke run
+  ci            fmt, clippy, tests (incl. tier 2 on real KVM), demo, no_std build, fuzz smoke run
   check-nostd   build vmtsync-core for x86_64-unknown-none, with and without defmt
   bench         run the criterion benchmarks (cargo bench -p vmtsync-core -p vmtsync)
   bench-scan [--vms N] [--vcpus N] [--runs N]
@@ -86,15 +87,20 @@ commands:
                 QEMU + vhost-user-vsock + vhost-device-vsock (installed on first use): the
                 agent connects to host port 1234 (`-- vsock=listen`: the host connects to
                 it), 100 probes run over the stream
-  demo [--json] [--vmm auto|qemu|builtin|sim]
-                boot the agent (QEMU, else the built-in VMM, else a loopback simulation),
-                read its vCPUs' TSC mapping from KVM debugfs (`vmtsync kvm`), probe it
-                (`vmtsync probe`), print method/offset/interval/truth/error per vCPU; JSON:
-                {\"schema\":1,\"vmm\",\"transport\",\"vcpus\":[{\"vcpu\",\"method\":\"kvm\"|\"probe\",
-                \"offset_ticks\",\"bound_lo\",\"bound_hi\",\"truth_ticks\",\"error_ticks\"}]}
+  demo [--json] [--vmm auto|qemu|builtin|sim] [--no-skew]
+                the first command on a fresh clone: installs the rustup target (and QEMU via
+                apt when root), boots the agent (QEMU, else the built-in VMM, else a loopback
+                simulation) with a skew derived from the host TSC, reads its vCPU's mapping
+                from KVM debugfs (`vmtsync kvm`), probes it (`vmtsync probe`), prints
+                method/offset/interval/truth/error, and fails when the truth (debugfs mapping
+                then skew) is outside the interval; JSON: {\"schema\":1,\"vmm\",\"transport\",
+                \"skew\":{\"offset\",\"ratio\",\"frac_bits\"}|null,\"vcpus\":[{\"vcpu\",
+                \"method\":\"kvm\"|\"probe\",\"offset_ticks\",\"bound_lo\",\"bound_hi\",\"truth_ticks\",
+                \"error_ticks\",\"at_host_tsc\"}]}
 
 environment:
-  CI=true       a missing tier-2 prerequisite fails the run instead of skipping";
+  CI=true       a missing tier-2 prerequisite fails the run instead of skipping (the demo never
+                falls back to its simulation)";
 
 /// The workspace root (the parent of `xtask/`).
 pub(crate) fn root() -> PathBuf {
@@ -104,29 +110,12 @@ pub(crate) fn root() -> PathBuf {
         .to_path_buf()
 }
 
-pub(crate) fn is_ci() -> bool {
-    env::var("CI").is_ok_and(|v| v == "true" || v == "1")
-}
+pub(crate) use vmtsync_launch::is_ci;
+pub(crate) use vmtsync_launch::prereq::display;
 
 /// Runs `cmd`, echoing it first; fails if it exits non-zero.
 pub(crate) fn sh(cmd: &mut Command) -> Result<()> {
-    eprintln!("$ {}", display(cmd));
-    let status = cmd
-        .status()
-        .with_context(|| format!("could not start `{}`", display(cmd)))?;
-    if !status.success() {
-        bail!("`{}` failed: {status}", display(cmd));
-    }
-    Ok(())
-}
-
-pub(crate) fn display(cmd: &Command) -> String {
-    let mut s = cmd.get_program().to_string_lossy().into_owned();
-    for a in cmd.get_args() {
-        s.push(' ');
-        s.push_str(&a.to_string_lossy());
-    }
-    s
+    Ok(vmtsync_launch::prereq::run_echoed(cmd)?)
 }
 
 pub(crate) fn cargo() -> Command {
@@ -155,6 +144,9 @@ fn ci(_args: &[String]) -> Result<()> {
             // Tier-2 tests look at CI to decide between "skip with a reason" and "fail".
             sh(cargo().args(["test", "--workspace", "--all-features", "--no-fail-fast"]))
         }),
+        // The README's first command, end to end: real VM, skewed agent, truth from debugfs.
+        // Under CI=true it fails instead of falling back to the simulation.
+        ("demo", || demo::demo(&[])),
         ("no_std build", check_nostd),
         ("guest agent", agent::ci_check),
         ("benches compile", || {
@@ -189,6 +181,7 @@ fn ci(_args: &[String]) -> Result<()> {
 }
 
 fn check_nostd() -> Result<()> {
+    vmtsync_launch::prereq::ensure_rustup_target(&root())?;
     for features in [&[][..], &["--features", "defmt"][..]] {
         sh(cargo()
             .args([

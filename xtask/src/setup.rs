@@ -1,14 +1,19 @@
 //! Installs what the tier-2 tests need on a fresh machine of this project: the rustup target,
 //! Debian packages, vhost-device-vsock (into the project's cache under
-//! `$HOME/.cache/vmtsync/`), and a mounted debugfs. Each step checks first and does nothing when the
-//! prerequisite is already there. Under `CI=true` a step that cannot be done fails the run.
+//! `$HOME/.cache/vmtsync/`), and a mounted debugfs. Each step checks first and does nothing
+//! when the prerequisite is already there. Under `CI=true` a step that cannot be done fails
+//! the run. The checks and installers are `vmtsync_launch::prereq`'s, which the demo and the
+//! tests' agent build use too.
 
 use std::path::Path;
 use std::process::Command;
 
 use anyhow::{Result, bail};
+use vmtsync_launch::agent::BuildOutput;
+use vmtsync_launch::prereq::{apt_install, ensure_rustup_target};
+use vmtsync_launch::vhost::ensure_vhost_device_vsock;
 
-use crate::{is_ci, sh};
+use crate::{is_ci, root, sh};
 
 /// Debian packages the tier-2 tests and the fuzz smoke run use, with a binary that proves
 /// each is installed.
@@ -22,8 +27,8 @@ const APT_PACKAGES: &[(&str, &str)] = &[
 pub(crate) fn setup() -> Result<()> {
     let mut problems = Vec::new();
 
-    if let Err(e) = sh(Command::new("rustup").args(["target", "add", "x86_64-unknown-none"])) {
-        problems.push(format!("rustup target x86_64-unknown-none: {e:#}"));
+    if let Err(e) = ensure_rustup_target(&root()) {
+        problems.push(format!("rustup target: {e:#}"));
     }
 
     let missing: Vec<&str> = APT_PACKAGES
@@ -31,20 +36,10 @@ pub(crate) fn setup() -> Result<()> {
         .filter(|(_, bin)| !Path::new(bin).exists())
         .map(|(pkg, _)| *pkg)
         .collect();
-    if !missing.is_empty() {
-        let install = || {
-            sh(Command::new("apt-get")
-                .env("DEBIAN_FRONTEND", "noninteractive")
-                .args(["install", "-y", "-qq", "--no-install-recommends"])
-                .args(&missing))
-        };
-        // Try the cached package lists first; refresh them only when that fails.
-        let r = install().or_else(|_| {
-            sh(Command::new("apt-get").args(["update", "-qq"])).and_then(|()| install())
-        });
-        if let Err(e) = r {
-            problems.push(format!("apt-get install {}: {e:#}", missing.join(" ")));
-        }
+    if !missing.is_empty()
+        && let Err(e) = apt_install(&missing)
+    {
+        problems.push(format!("apt-get install {}: {e:#}", missing.join(" ")));
     }
 
     let debugfs = Path::new("/sys/kernel/debug/kvm");
@@ -55,7 +50,7 @@ pub(crate) fn setup() -> Result<()> {
         problems.push(format!("mount debugfs: {e:#}"));
     }
 
-    if let Err(e) = vhost_device_vsock() {
+    if let Err(e) = ensure_vhost_device_vsock(BuildOutput::Shown) {
         problems.push(format!("vhost-device-vsock: {e:#}"));
     }
 
@@ -70,25 +65,4 @@ pub(crate) fn setup() -> Result<()> {
         "xtask setup: some tier-2 prerequisites are missing (tier-2 tests will skip):\n  {msg}"
     );
     Ok(())
-}
-
-/// vhost-device-vsock's version, as the vsock rig (`tests/src/vmm/vsock`) expects it.
-const VHOST_DEVICE_VSOCK_VERSION: &str = "0.3.0";
-
-/// Installs vhost-device-vsock into `$HOME/.cache/vmtsync/vhost-device-vsock` (where the vsock
-/// tests look) unless it is there. `cargo install` only: its own test suite binds AF_VSOCK,
-/// which these machines must never do.
-fn vhost_device_vsock() -> Result<()> {
-    let home = std::env::var_os("HOME").map_or_else(|| "/root".into(), std::path::PathBuf::from);
-    let root = home.join(".cache/vmtsync/vhost-device-vsock");
-    if root.join("bin/vhost-device-vsock").exists() {
-        return Ok(());
-    }
-    sh(
-        Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
-            .args(["install", "--locked", "vhost-device-vsock", "--version"])
-            .arg(VHOST_DEVICE_VSOCK_VERSION)
-            .arg("--root")
-            .arg(&root),
-    )
 }

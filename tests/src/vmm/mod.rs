@@ -13,11 +13,12 @@
 //!
 //! Every exit is stamped with the host TSC right after `KVM_RUN` returns, and each COM1 byte
 //! also carries the stamp of the exit before it ([`SerialByte::prev_exit_host_tsc`]): a guest
-//! TSC read between two exits lies between their stamps (the guest TSC equals the host TSC on
-//! the project's machines, see docs/host-quirks.md). CPUID is KVM's supported set with the
-//! vCPU's APIC id and the TSC frequency (timing leaf 0x40000010) filled in, as QEMU does;
+//! TSC read between two exits lies between KVM's mapping of their stamps (the VM's debugfs
+//! mapping, [`Vm::debugfs_id`] and [`crate::truth`]; docs/launching.md). CPUID is KVM's supported set with the vCPU's APIC
+//! id and the TSC frequency (timing leaf 0x40000010) filled in, as QEMU does;
 //! [`Vm::kvm_clock`] exposes `KVM_GET_CLOCK` as the host's view of kvmclock. [`client`] speaks
-//! the probe protocol over COM1; [`qemu`] builds the equivalent QEMU command line.
+//! the probe protocol over COM1; [`qemu`] re-exports the one QEMU command line
+//! (`vmtsync_launch::qemu`).
 //!
 //! A watchdog bounds every run: past [`VmConfig::timeout`] the vCPU thread is kicked out of
 //! `KVM_RUN` with a signal and the run ends with [`VmExit::Timeout`], so a hung guest (a
@@ -33,6 +34,7 @@ pub mod tsc;
 pub mod vsock;
 
 use std::collections::VecDeque;
+use std::os::fd::AsRawFd;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::channel;
@@ -158,6 +160,8 @@ pub struct Vm {
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<Result<RunResult, VmmError>>>,
     deadline: Instant,
+    /// TID of the thread that created the VM: the `<pid>` of its debugfs directory.
+    creator_tid: u32,
 }
 
 impl std::fmt::Debug for RunResult {
@@ -193,6 +197,8 @@ impl Vm {
         let vm = kvm
             .create_vm()
             .map_err(|e| VmmError::Kvm("KVM_CREATE_VM", e))?;
+        // SAFETY: gettid has no preconditions and cannot fail.
+        let creator_tid = u32::try_from(unsafe { libc::gettid() }).unwrap_or(0);
         let mem = boot::guest_memory(cfg.mem_bytes)?;
         map_memory(&vm, &mem)?;
         let mem_bytes =
@@ -238,6 +244,7 @@ impl Vm {
             stop,
             thread: Some(thread),
             deadline,
+            creator_tid,
         })
     }
 
@@ -251,6 +258,18 @@ impl Vm {
         self.vm
             .get_clock()
             .map_err(|e| VmmError::Kvm("KVM_GET_CLOCK", e))
+    }
+
+    /// The VM's directory name in KVM debugfs, `<pid>-<fd>`, to read its truth with
+    /// [`crate::truth::truth_mapping_of`] (the vCPU is vcpu0). KVM names the directory after
+    /// the *thread* that created the VM (`task_pid_nr(current)` in `kvm_create_vm_debugfs`),
+    /// which for a test is its own thread, not the process: [`Vm::boot`] records that TID.
+    #[must_use]
+    pub fn debugfs_id(&self) -> vmtsync::debugfs::VmId {
+        vmtsync::debugfs::VmId {
+            pid: self.creator_tid,
+            fd: u32::try_from(self.vm.as_raw_fd()).expect("an open fd is non-negative"),
+        }
     }
 
     /// The host end of COM1.

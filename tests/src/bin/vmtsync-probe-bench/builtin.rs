@@ -18,6 +18,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
+use vmtsync_core::mapping::KvmTscMapping;
 use vmtsync_core::proto::{Feed, FrameReceiver, MAX_FRAME_SIZE, Message, encode_frame};
 use vmtsync_tests::vmm::tsc::host_tsc;
 use vmtsync_tests::vmm::{SerialHost, Vm, VmConfig, VmExit};
@@ -113,7 +114,7 @@ pub fn run(
     cmdline: &str,
     sessions: usize,
     probes: usize,
-) -> Result<Vec<Session<ExitStamps>>> {
+) -> Result<(Vec<Session<ExitStamps>>, KvmTscMapping)> {
     let cfg = VmConfig {
         cmdline: format!("{cmdline} exit={EXIT_CODE}"),
         timeout: Duration::from_secs(100),
@@ -134,6 +135,9 @@ pub fn run(
     if !ready {
         bail!("no ready beacon; COM2 log:\n{}", vm.log_text());
     }
+    // The truth's KVM side: this VM's mapping in debugfs.
+    let kvm = vmtsync_tests::truth::truth_mapping_of(vm.debugfs_id(), 0)
+        .context("reading the VM's TSC mapping from KVM debugfs")?;
     let mut link = Com1 {
         host: vm.com1(),
         rx: FrameReceiver::new(),
@@ -148,5 +152,5 @@ pub fn run(
     if outcome.exit != VmExit::DebugExit(u32::from(EXIT_CODE)) {
         bail!("VM ended with {:?}; log:\n{}", outcome.exit, outcome.log);
     }
-    Ok(out)
+    Ok((out, kvm))
 }

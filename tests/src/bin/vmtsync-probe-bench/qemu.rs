@@ -16,6 +16,7 @@ use std::process::{ChildStdin, ChildStdout, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
+use vmtsync_core::mapping::KvmTscMapping;
 use vmtsync_core::proto::{Feed, FrameReceiver, MAX_FRAME_SIZE, Message, encode_frame};
 use vmtsync_tests::ChildGuard;
 use vmtsync_tests::vmm::qemu::{self, Machine, debug_exit_status};
@@ -134,7 +135,7 @@ pub fn run(
     machine: Machine,
     sessions: usize,
     probes: usize,
-) -> Result<Vec<Session<StdioStamps>>> {
+) -> Result<(Vec<Session<StdioStamps>>, KvmTscMapping)> {
     let dir: PathBuf =
         std::env::temp_dir().join(format!("vmtsync-probe-bench-{}", std::process::id()));
     std::fs::create_dir_all(&dir).context("temp dir")?;
@@ -165,6 +166,9 @@ pub fn run(
             break;
         }
     }
+    // After the beacon QEMU's VM exists: the truth's KVM side is its mapping in debugfs.
+    let kvm = vmtsync_tests::truth::truth_mapping(guard.pid(), 0)
+        .context("reading the VM's TSC mapping from KVM debugfs")?;
     let out = run_sessions(&mut link, sessions, probes)
         .with_context(|| format!("COM2 log:\n{}", com2_text()))?;
     let bye = link.exchange(&Message::Shutdown)?;
@@ -185,5 +189,5 @@ pub fn run(
         bail!("QEMU exited with {status}; COM2 log:\n{}", com2_text());
     }
     let _ = std::fs::remove_dir_all(&dir);
-    Ok(out)
+    Ok((out, kvm))
 }

@@ -20,7 +20,6 @@ use std::io::ErrorKind;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitStatus, Stdio};
-use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
@@ -33,9 +32,7 @@ use crate::ChildGuard;
 /// A connection to the agent: vmtsync's socket transport on the backend's Unix stream.
 pub type VsockTransport = StreamTransport<UnixStream>;
 
-/// The backend version the rig is written against (its `--vm` syntax and `<uds-path>_<port>`
-/// naming).
-pub const VHOST_DEVICE_VSOCK_VERSION: &str = "0.3.0";
+pub use vmtsync_launch::vhost::{VHOST_DEVICE_VSOCK_VERSION, install_root};
 /// The guest CID given to the backend.
 pub const GUEST_CID: u32 = 3;
 /// Guest RAM; the memfd backend must have the same size as `-m`.
@@ -65,59 +62,14 @@ pub enum VsockRigError {
     Exited(&'static str, ExitStatus),
 }
 
-/// Where the backend is installed: `$HOME/.cache/vmtsync/vhost-device-vsock` (`cargo install
-/// --root`), outside any worktree so every checkout shares one build.
-#[must_use]
-pub fn install_root() -> PathBuf {
-    let home = std::env::var_os("HOME").map_or_else(|| PathBuf::from("/root"), PathBuf::from);
-    home.join(".cache/vmtsync/vhost-device-vsock")
-}
-
-/// The installed backend binary, installing it first if missing (`cargo install --locked`,
-/// ~150 s; its test suite is never run: it binds AF_VSOCK). Installs at most once per process.
+/// The installed backend binary, installing it first if missing (once per process, through
+/// `vmtsync_launch::vhost`, which `cargo xtask setup` uses too).
 ///
 /// # Errors
 /// [`VsockRigError::Install`] when cargo fails.
 pub fn ensure_vhost_device_vsock() -> Result<PathBuf, VsockRigError> {
-    static BIN: OnceLock<Result<PathBuf, String>> = OnceLock::new();
-    BIN.get_or_init(|| {
-        let root = install_root();
-        let bin = root.join("bin/vhost-device-vsock");
-        if bin.is_file() {
-            return Ok(bin);
-        }
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        eprintln!(
-            "installing vhost-device-vsock {VHOST_DEVICE_VSOCK_VERSION} into {}",
-            root.display()
-        );
-        let out = Command::new(cargo)
-            .env_remove("RUSTFLAGS")
-            .env_remove("CARGO_ENCODED_RUSTFLAGS")
-            .env_remove("CARGO_BUILD_TARGET")
-            .env_remove("CARGO_TARGET_DIR")
-            .args(["install", "--locked", "vhost-device-vsock", "--version"])
-            .arg(VHOST_DEVICE_VSOCK_VERSION)
-            .arg("--root")
-            .arg(&root)
-            .output()
-            .map_err(|e| format!("starting cargo: {e}"))?;
-        if !out.status.success() || !bin.is_file() {
-            return Err(format!(
-                "{}: {}",
-                out.status,
-                String::from_utf8_lossy(&out.stderr)
-                    .lines()
-                    .rev()
-                    .take(10)
-                    .collect::<Vec<_>>()
-                    .join(" | ")
-            ));
-        }
-        Ok(bin)
-    })
-    .clone()
-    .map_err(VsockRigError::Install)
+    vmtsync_launch::vhost::ensure_vhost_device_vsock(vmtsync_launch::agent::BuildOutput::Captured)
+        .map_err(|e| VsockRigError::Install(e.to_string()))
 }
 
 /// A QEMU q35 + qboot VM with `vhost-user-vsock-pci`, its backend, and a host listener.

@@ -1,0 +1,23 @@
+//! One way to launch the guest agent, shared by the tier-2 tests (`vmtsync-tests`), `cargo
+//! xtask` and the demo.
+//!
+//! - [`prereq`]: tier-2 prerequisite checks ([`require`]: skip with a reason, fail under
+//!   `CI=true`) and the installers a fresh machine needs (the `x86_64-unknown-none` rustup
+//!   target, QEMU through apt).
+//! - [`agent`]: the agent build (`guest-agent/`, release, its own `.cargo/config.toml`).
+//! - [`qemu`]: the QEMU command line (microvm or q35 + qboot, COM1, COM2, isa-debug-exit).
+//! - [`vhost`]: the vhost-device-vsock backend's version and install location.
+//! - [`ChildGuard`]: every process started here is killed by its PID when its guard drops.
+//!
+//! The crate depends on std, libc and thiserror only, so `xtask` keeps its few dependencies.
+
+pub mod agent;
+mod error;
+mod guard;
+pub mod prereq;
+pub mod qemu;
+pub mod vhost;
+
+pub use error::LaunchError;
+pub use guard::ChildGuard;
+pub use prereq::{have_kvm, is_ci, is_root, require};

@@ -1,0 +1,236 @@
+//! Tier-2 prerequisites: checks ([`require`]) and the installers a fresh machine needs.
+//!
+//! A tier-2 test (or the demo) that lacks a prerequisite prints why it skips; under `CI=true`
+//! the same lack is a failure, never a skip. The installers check first and do nothing when
+//! the prerequisite is there, so they are cheap to call before every build.
+
+use std::path::Path;
+use std::process::{Command, Stdio};
+
+use crate::LaunchError;
+
+/// The bare-metal target the guest agent and `vmtsync-core`'s no_std check build for.
+pub const AGENT_TARGET: &str = "x86_64-unknown-none";
+
+/// True when running under CI (`CI=true` or `CI=1`).
+#[must_use]
+pub fn is_ci() -> bool {
+    std::env::var("CI").is_ok_and(|v| v == "true" || v == "1")
+}
+
+/// Checks a tier-2 prerequisite. Returns `true` when it holds. When it does not: under CI this
+/// panics (failing the test) with `what`; elsewhere it prints a skip line and returns `false`,
+/// and the caller returns early.
+///
+/// # Panics
+/// Under `CI=true` when the prerequisite is missing.
+#[must_use]
+pub fn require(test: &str, ok: bool, what: &str) -> bool {
+    if ok {
+        return true;
+    }
+    assert!(
+        !is_ci(),
+        "{test}: prerequisite missing under CI=true: {what}"
+    );
+    eprintln!("SKIP {test}: {what}");
+    false
+}
+
+/// True when this process can open `/dev/kvm` read-write.
+#[must_use]
+pub fn have_kvm() -> bool {
+    std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/kvm")
+        .is_ok()
+}
+
+/// True when running as root.
+#[must_use]
+pub fn is_root() -> bool {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    unsafe { libc::geteuid() == 0 }
+}
+
+/// The command line of `c` as one string, for messages.
+#[must_use]
+pub fn display(c: &Command) -> String {
+    let mut s = c.get_program().to_string_lossy().into_owned();
+    for a in c.get_args() {
+        s.push(' ');
+        s.push_str(&a.to_string_lossy());
+    }
+    s
+}
+
+/// Runs `c` to completion, echoing it to stderr first, with its output on this process's
+/// stdout/stderr (a build or an install shows its progress).
+///
+/// # Errors
+/// [`LaunchError::Spawn`] when it cannot start, [`LaunchError::Failed`] when it exits non-zero.
+pub fn run_echoed(c: &mut Command) -> Result<(), LaunchError> {
+    eprintln!("$ {}", display(c));
+    let status = c.status().map_err(|e| LaunchError::Spawn {
+        cmd: display(c),
+        why: e.to_string(),
+    })?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(LaunchError::Failed {
+            cmd: display(c),
+            status: status.to_string(),
+            detail: String::new(),
+        })
+    }
+}
+
+/// Runs `c` to completion with its output captured; returns stdout. A failure carries the
+/// last lines of stderr.
+///
+/// # Errors
+/// [`LaunchError::Spawn`] when it cannot start, [`LaunchError::Failed`] when it exits non-zero.
+pub fn run_captured(c: &mut Command) -> Result<String, LaunchError> {
+    let out = c
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|e| LaunchError::Spawn {
+            cmd: display(c),
+            why: e.to_string(),
+        })?;
+    if out.status.success() {
+        return Ok(String::from_utf8_lossy(&out.stdout).into_owned());
+    }
+    let err = String::from_utf8_lossy(&out.stderr);
+    let tail: Vec<&str> = err.lines().rev().take(20).collect();
+    Err(LaunchError::Failed {
+        cmd: display(c),
+        status: out.status.to_string(),
+        detail: tail
+            .into_iter()
+            .rev()
+            .fold(String::new(), |s, l| s + "\n  " + l),
+    })
+}
+
+/// Makes sure rustup has [`AGENT_TARGET`] for the toolchain that builds in `dir` (the
+/// workspace root or `guest-agent/`): lists the installed targets and adds it only when it is
+/// missing. Needed because xtask and the tests call the toolchain's cargo directly, so
+/// `rust-toolchain.toml`'s `targets` line is never applied by a rustup proxy.
+///
+/// # Errors
+/// [`LaunchError::Missing`] when rustup is not installed (with what to do), or the error of
+/// `rustup target add`.
+pub fn ensure_rustup_target(dir: &Path) -> Result<(), LaunchError> {
+    let mut list = Command::new("rustup");
+    list.current_dir(dir)
+        .args(["target", "list", "--installed"]);
+    let installed = run_captured(&mut list).map_err(|e| {
+        LaunchError::Missing(format!(
+            "cannot ask rustup for the installed targets ({e}); without rustup, install the \
+             {AGENT_TARGET} standard library for your toolchain by hand"
+        ))
+    })?;
+    if target_listed(&installed, AGENT_TARGET) {
+        return Ok(());
+    }
+    eprintln!("rustup target {AGENT_TARGET} is missing: installing it (once, ~20 MB)");
+    run_echoed(
+        Command::new("rustup")
+            .current_dir(dir)
+            .args(["target", "add", AGENT_TARGET]),
+    )
+}
+
+/// True when `rustup target list --installed` output names `target` on a line of its own.
+fn target_listed(installed: &str, target: &str) -> bool {
+    installed.lines().any(|l| l.trim() == target)
+}
+
+/// Installs Debian packages with apt-get (non-interactive, no recommends): tries the cached
+/// package lists first and refreshes them only when that fails. Only root can do this.
+///
+/// # Errors
+/// [`LaunchError::Missing`] when not root or apt-get is absent (with the command to run), or
+/// apt-get's failure.
+pub fn apt_install(packages: &[&str]) -> Result<(), LaunchError> {
+    let how = format!("apt-get install {}", packages.join(" "));
+    if !is_root() {
+        return Err(LaunchError::Missing(format!("not root: run `sudo {how}`")));
+    }
+    if !Path::new("/usr/bin/apt-get").exists() {
+        return Err(LaunchError::Missing(format!(
+            "no apt-get on this machine: install the equivalent of `{how}` with your package manager"
+        )));
+    }
+    let install = || {
+        run_echoed(
+            Command::new("apt-get")
+                .env("DEBIAN_FRONTEND", "noninteractive")
+                .args(["install", "-y", "-qq", "--no-install-recommends"])
+                .args(packages),
+        )
+    };
+    install().or_else(|_| {
+        run_echoed(Command::new("apt-get").args(["update", "-qq"])).and_then(|()| install())
+    })
+}
+
+/// Makes sure `qemu-system-x86_64` runs, installing Debian's `qemu-system-x86` when it is
+/// missing and this process may (root, apt-get present).
+///
+/// # Errors
+/// [`LaunchError::Missing`] saying how to install it, or apt-get's failure.
+pub fn ensure_qemu() -> Result<(), LaunchError> {
+    if crate::qemu::have_qemu() {
+        return Ok(());
+    }
+    apt_install(&["qemu-system-x86"])?;
+    if crate::qemu::have_qemu() {
+        Ok(())
+    } else {
+        Err(LaunchError::Missing(format!(
+            "apt-get installed qemu-system-x86 but `{}` still does not run",
+            crate::qemu::QEMU
+        )))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_target_must_be_listed_on_its_own_line() {
+        let out = "x86_64-unknown-linux-gnu\nx86_64-unknown-none\n";
+        assert!(target_listed(out, "x86_64-unknown-none"));
+        assert!(!target_listed(
+            "x86_64-unknown-linux-gnu\n",
+            "x86_64-unknown-none"
+        ));
+        assert!(!target_listed(
+            "x86_64-unknown-none-softfloat\n",
+            "x86_64-unknown-none"
+        ));
+        assert!(!target_listed("", "x86_64-unknown-none"));
+    }
+
+    #[test]
+    fn display_joins_program_and_args() {
+        let mut c = Command::new("rustup");
+        c.args(["target", "add", AGENT_TARGET]);
+        assert_eq!(display(&c), "rustup target add x86_64-unknown-none");
+    }
+
+    #[test]
+    fn a_failing_command_reports_its_stderr_tail() {
+        let e = run_captured(Command::new("sh").args(["-c", "echo oops >&2; exit 3"]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("oops") && e.contains("exit status: 3"), "{e}");
+        let e = run_captured(&mut Command::new("/nonexistent/x")).unwrap_err();
+        assert!(matches!(e, LaunchError::Spawn { .. }), "{e}");
+    }
+}

@@ -1,0 +1,172 @@
+//! The QEMU command line that boots the agent ELF, for the tests, `cargo xtask run-agent`,
+//! the vsock rig and the demo alike.
+//!
+//! QEMU 7.2 boots a PVH ELF with `-kernel`. Never SeaBIOS (seconds of emulated ring-0 code on
+//! nested KVM, docs/launching.md): `microvm` (its default firmware is qboot) or `q35` with
+//! `-bios qboot.rom`. COM1 is QEMU's stdio or a Unix socket; COM2 is an extra `isa-serial` at
+//! 0x2f8 writing to a file, because `microvm` creates only one UART itself. The file holds the
+//! agent's defmt frames: decode it against the same ELF (`vmtsync-defmt`).
+
+use std::path::Path;
+use std::process::Command;
+
+/// The QEMU binary.
+pub const QEMU: &str = "qemu-system-x86_64";
+/// qboot, the fast firmware for `q35`.
+pub const QBOOT: &str = "/usr/share/qemu/qboot.rom";
+
+/// The QEMU machine to boot on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Machine {
+    /// `-M microvm` (qboot built in; ISA serial and isa-debug-exit, no PCI).
+    Microvm,
+    /// `-M q35 -bios qboot.rom` (PCI; qboot leaves BARs unassigned).
+    Q35,
+}
+
+impl Machine {
+    /// Parses `microvm` or `q35`.
+    #[must_use]
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "microvm" => Some(Self::Microvm),
+            "q35" => Some(Self::Q35),
+            _ => None,
+        }
+    }
+}
+
+/// True when the QEMU binary can be started.
+#[must_use]
+pub fn have_qemu() -> bool {
+    Command::new(QEMU)
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success())
+}
+
+/// QEMU's exit status for a guest write of `code` to isa-debug-exit: `(code << 1) | 1`.
+#[must_use]
+pub fn debug_exit_status(code: u8) -> i32 {
+    (i32::from(code) << 1) | 1
+}
+
+/// The guest value written to isa-debug-exit, from QEMU's exit code; `None` when QEMU did not
+/// end through isa-debug-exit (its own exit codes are even).
+#[must_use]
+pub fn debug_exit_code(status: i32) -> Option<i32> {
+    (status & 1 == 1).then_some(status >> 1)
+}
+
+/// A QEMU command that boots `elf` with `append` as its PVH command line, COM1 on stdio, COM2
+/// written to `com2_log`, and isa-debug-exit at 0xf4. The caller sets up stdio.
+///
+/// `-cpu host,+invtsc,-arch-capabilities`: `+invtsc` exposes the invariant-TSC bit the agent
+/// relies on; QEMU's `host` model otherwise fails on nested KVM with "failed to set MSR
+/// 0x10a" (IA32_ARCH_CAPABILITIES is refused), so that MSR's feature is turned off.
+#[must_use]
+pub fn command(machine: Machine, elf: &Path, append: &str, com2_log: &Path) -> Command {
+    command_with_com1(machine, elf, append, com2_log, &["-serial", "stdio"])
+}
+
+/// [`command`] with COM1 on a Unix socket QEMU listens on at `sock` (`server=on,wait=off`:
+/// the guest boots without waiting for a client), as `vmtsync probe --connect unix:SOCK`
+/// and external tools reach it.
+#[must_use]
+pub fn command_com1_socket(
+    machine: Machine,
+    elf: &Path,
+    append: &str,
+    com2_log: &Path,
+    sock: &Path,
+) -> Command {
+    let chardev = format!("socket,id=com1,path={},server=on,wait=off", sock.display());
+    command_with_com1(
+        machine,
+        elf,
+        append,
+        com2_log,
+        &["-chardev", &chardev, "-serial", "chardev:com1"],
+    )
+}
+
+fn command_with_com1(
+    machine: Machine,
+    elf: &Path,
+    append: &str,
+    com2_log: &Path,
+    com1: &[&str],
+) -> Command {
+    let mut c = Command::new(QEMU);
+    match machine {
+        Machine::Microvm => c.args(["-M", "microvm"]),
+        Machine::Q35 => c.args(["-M", "q35", "-bios", QBOOT]),
+    };
+    c.args([
+        "-accel",
+        "kvm",
+        "-cpu",
+        "host,+invtsc,-arch-capabilities",
+        "-m",
+        "64M",
+        "-smp",
+        "1",
+        "-display",
+        "none",
+        "-monitor",
+        "none",
+        "-no-reboot",
+    ]);
+    c.args(com1);
+    c.args([
+        "-device",
+        "isa-serial,chardev=com2,iobase=0x2f8,irq=3",
+        "-device",
+        "isa-debug-exit,iobase=0xf4,iosize=4",
+    ]);
+    c.arg("-chardev")
+        .arg(format!("file,id=com2,path={}", com2_log.display()));
+    c.arg("-kernel").arg(elf).arg("-append").arg(append);
+    c
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::prereq::display;
+
+    #[test]
+    fn command_lines_carry_the_flags_nested_kvm_needs() {
+        let (elf, log) = (Path::new("/a.elf"), Path::new("/c2"));
+        let c = display(&command(Machine::Microvm, elf, "exit=9", log));
+        assert!(
+            c.starts_with("qemu-system-x86_64 -M microvm -accel kvm"),
+            "{c}"
+        );
+        assert!(c.contains("-cpu host,+invtsc,-arch-capabilities"), "{c}");
+        assert!(c.contains("-serial stdio") && c.ends_with("-kernel /a.elf -append exit=9"));
+        let c = display(&command_com1_socket(
+            Machine::Q35,
+            elf,
+            "",
+            log,
+            Path::new("/s"),
+        ));
+        assert!(c.contains("-M q35 -bios /usr/share/qemu/qboot.rom"), "{c}");
+        assert!(
+            c.contains("-chardev socket,id=com1,path=/s,server=on,wait=off -serial chardev:com1"),
+            "{c}"
+        );
+        assert!(!c.contains("-serial stdio"), "{c}");
+    }
+
+    #[test]
+    fn debug_exit_codes_round_trip() {
+        assert_eq!(debug_exit_status(9), 19);
+        assert_eq!(debug_exit_code(19), Some(9));
+        assert_eq!(debug_exit_code(debug_exit_status(0)), Some(0));
+        assert_eq!(debug_exit_code(0), None);
+        assert_eq!(Machine::parse("q35"), Some(Machine::Q35));
+        assert_eq!(Machine::parse("pc"), None);
+    }
+}

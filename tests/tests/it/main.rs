@@ -11,4 +11,5 @@ mod kvm_real;
 mod probe;
 mod probe_bench;
 mod smoke;
+mod tracedat;
 mod vsock;

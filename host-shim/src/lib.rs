@@ -15,6 +15,8 @@
 //! - [`probe`]: `vmtsync probe`: hello + probe rounds against the guest agent, bounded
 //!   estimates, continuous re-sync.
 //! - [`syncfile`]: the versioned JSON Lines sync file and `convert --sync`.
+//! - [`tracedat`]: trace-cmd's trace.dat (v6/v7): streaming guest-event writer, TIME_SHIFT,
+//!   strict reader, GUEST option on a host trace copy.
 //! - [`cli`]: the command line, its errors and exit codes.
 //!
 //! Guarantees: no file content makes this crate panic; a reading is never presented as a VM's
@@ -31,4 +33,5 @@ pub mod procinfo;
 pub mod scan;
 pub mod syncfile;
 pub mod trace_events;
+pub mod tracedat;
 pub mod watch;

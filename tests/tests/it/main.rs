@@ -12,4 +12,5 @@ mod probe;
 mod probe_bench;
 mod smoke;
 mod sync_crash;
+mod tracedat;
 mod vsock;

@@ -1,0 +1,182 @@
+//! One ftrace ring-buffer page being filled: the 16-byte page header, then events with 5/27-bit
+//! headers, time deltas and time extends, exactly as `kernel/trace/ring_buffer.c` lays them out
+//! and libtraceevent's `kbuffer-parse.c` reads them back.
+//!
+//! The page timestamp is the first event's timestamp and that event's delta is 0. A later event
+//! stores the distance to the previous one: in the header's 27 bits when it fits, else behind a
+//! `TIME_EXTEND` record (27 + 32 bits) with the event's own delta 0. A gap beyond 59 bits, or an
+//! event that does not fit the page, closes the page; the caller starts a new one (a page
+//! timestamp is absolute, so any gap is representable across pages).
+
+use super::consts::{
+    MAX_DELTA, MAX_EXTENDED_DELTA, PAGE_DATA_SIZE, PAGE_HEADER_SIZE, PAGE_SIZE, TS_SHIFT,
+    TYPE_TIME_EXTEND,
+};
+use super::format::{EVENT_DATA_ID, EVENT_DATA_SIZE, EVENT_ID, EVENT_SIZE, MAX_PAYLOAD};
+
+/// A page under construction. The buffer is reused page after page.
+#[derive(Debug)]
+pub(super) struct PageBuf {
+    buf: Box<[u8; PAGE_SIZE]>,
+    /// Data bytes used after the page header (the future `commit`).
+    used: usize,
+    /// Timestamp of the last event on the page.
+    last_ts: u64,
+    /// Events on the page.
+    events: u32,
+}
+
+impl PageBuf {
+    pub(super) fn new() -> Self {
+        Self {
+            buf: Box::new([0; PAGE_SIZE]),
+            used: 0,
+            last_ts: 0,
+            events: 0,
+        }
+    }
+
+    pub(super) fn is_empty(&self) -> bool {
+        self.events == 0
+    }
+
+    /// Appends an event at `ts` (not before the page's last event: the caller checks), or
+    /// returns `false` if it needs a new page. `payload` is at most [`MAX_PAYLOAD`] bytes
+    /// (checked by the caller).
+    #[inline]
+    pub(super) fn try_push(&mut self, ts: u64, id: u32, payload: &[u8]) -> bool {
+        debug_assert!(payload.len() <= MAX_PAYLOAD);
+        let size = if payload.is_empty() {
+            EVENT_SIZE
+        } else {
+            EVENT_DATA_SIZE
+        };
+        let mut at = PAGE_HEADER_SIZE + self.used;
+        let delta = if self.events == 0 {
+            self.buf[..8].copy_from_slice(&ts.to_le_bytes());
+            0
+        } else {
+            let delta = ts - self.last_ts;
+            if delta > MAX_EXTENDED_DELTA {
+                return false;
+            }
+            delta
+        };
+        let extend = delta > MAX_DELTA;
+        let need = 4 + size + if extend { 8 } else { 0 };
+        if self.used + need > PAGE_DATA_SIZE {
+            return false;
+        }
+        let event_delta = if extend {
+            // The low 27 bits ride in the header, the rest in array[0].
+            let low = u32::try_from(delta & MAX_DELTA).unwrap_or(0);
+            let high = u32::try_from(delta >> TS_SHIFT).unwrap_or(u32::MAX);
+            self.put_u32(at, TYPE_TIME_EXTEND | (low << 5));
+            self.put_u32(at + 4, high);
+            at += 8;
+            0
+        } else {
+            u32::try_from(delta).unwrap_or(0)
+        };
+        // type_len counts 4-byte words of data: 3 for `event`, 8 for `event_data`.
+        let type_len = u32::try_from(size / 4).unwrap_or(0);
+        self.put_u32(at, type_len | (event_delta << 5));
+        at += 4;
+        let common_type = if payload.is_empty() {
+            EVENT_ID
+        } else {
+            EVENT_DATA_ID
+        };
+        let rec = &mut self.buf[at..at + size];
+        rec[..2].copy_from_slice(&common_type.to_le_bytes());
+        // common_flags, common_preempt_count and common_pid stay 0.
+        rec[2..8].fill(0);
+        rec[8..12].copy_from_slice(&id.to_le_bytes());
+        if !payload.is_empty() {
+            let len = u16::try_from(payload.len()).unwrap_or(0);
+            rec[12..14].copy_from_slice(&len.to_le_bytes());
+            rec[14..16].fill(0);
+            rec[16..16 + payload.len()].copy_from_slice(payload);
+            rec[16 + payload.len()..].fill(0);
+        }
+        self.used += need;
+        self.last_ts = ts;
+        self.events += 1;
+        true
+    }
+
+    fn put_u32(&mut self, at: usize, v: u32) {
+        self.buf[at..at + 4].copy_from_slice(&v.to_le_bytes());
+    }
+
+    /// Seals the page (writes `commit`, zeroes the unused tail) and returns it; the buffer is
+    /// empty again afterwards.
+    pub(super) fn seal(&mut self) -> &[u8; PAGE_SIZE] {
+        let commit = self.used as u64;
+        self.buf[8..16].copy_from_slice(&commit.to_le_bytes());
+        self.buf[PAGE_HEADER_SIZE + self.used..].fill(0);
+        self.used = 0;
+        self.events = 0;
+        &self.buf
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn u32_at(p: &[u8], at: usize) -> u32 {
+        u32::from_le_bytes(p[at..at + 4].try_into().unwrap())
+    }
+
+    #[test]
+    fn first_event_has_delta_zero_and_page_timestamp() {
+        let mut p = PageBuf::new();
+        assert!(p.try_push(1_000, 7, &[]));
+        assert!(p.try_push(1_005, 8, &[1, 2, 3]));
+        let page = p.seal().to_vec();
+        assert_eq!(u64::from_le_bytes(page[..8].try_into().unwrap()), 1_000);
+        assert_eq!(
+            u64::from_le_bytes(page[8..16].try_into().unwrap()),
+            (4 + 12 + 4 + 32) as u64
+        );
+        // Event 1: type_len 3, delta 0.
+        assert_eq!(u32_at(&page, 16), 3);
+        assert_eq!(u32_at(&page, 16 + 4 + 8), 7);
+        // Event 2: type_len 8, delta 5, len 3, payload.
+        let e2 = 16 + 16;
+        assert_eq!(u32_at(&page, e2), 8 | (5 << 5));
+        assert_eq!(&page[e2 + 4 + 16..e2 + 4 + 19], &[1, 2, 3]);
+    }
+
+    #[test]
+    fn big_delta_gets_a_time_extend_and_huge_one_a_new_page() {
+        let mut p = PageBuf::new();
+        assert!(p.try_push(0, 1, &[]));
+        let d = (1u64 << 40) + 12_345;
+        assert!(p.try_push(d, 2, &[]));
+        let page = p.seal().to_vec();
+        let ext = 16 + 16;
+        let h = u32_at(&page, ext);
+        assert_eq!(h & 31, TYPE_TIME_EXTEND);
+        let low = u64::from(h >> 5);
+        let high = u64::from(u32_at(&page, ext + 4));
+        assert_eq!((high << 27) | low, d);
+        assert_eq!(u32_at(&page, ext + 8) >> 5, 0);
+        assert!(p.try_push(0, 1, &[]));
+        assert!(!p.try_push(1 << 60, 2, &[]));
+    }
+
+    #[test]
+    fn page_fills_and_reports_full() {
+        let mut p = PageBuf::new();
+        let mut n = 0;
+        while p.try_push(n, 0, &[0xaa; 16]) {
+            n += 1;
+        }
+        assert_eq!(n, (PAGE_DATA_SIZE / 36) as u64);
+        let page = p.seal();
+        assert!(page[PAGE_HEADER_SIZE + 36 * 113..].iter().all(|&b| b == 0));
+        assert!(p.is_empty());
+    }
+}

@@ -1,0 +1,451 @@
+//! Tier 2: trace.dat files from `vmtsync::tracedat` read by the real trace-cmd (3.1.6 here).
+//!
+//! Truth comes from outside the writer: the raw timestamps we pushed, host times computed with
+//! the exact inverse of the segments we chose, and for the host merge the host TSC read right
+//! before and after each `trace_marker` write, whose ftrace timestamp (x86-tsc) lies in between.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use vmtsync::hosttsc::read_host_tsc;
+use vmtsync::tracedat::timeshift::{exact_host_time, plan_cpu, trace_cmd_host_time};
+use vmtsync::tracedat::{
+    FileVersion, GuestInfo, ShiftMode, Summary, SyncSegment, TimeShift, TraceDatError,
+    TraceDatWriter, WriterOptions, copy_host_trace, read_layout, verify_file,
+};
+use vmtsync_core::HostTicks;
+use vmtsync_tests::{is_root, require};
+
+fn trace_cmd(args: &[&str]) -> Output {
+    Command::new("trace-cmd")
+        .args(args)
+        .output()
+        .expect("run trace-cmd")
+}
+
+fn have_trace_cmd(test: &str) -> bool {
+    let ok = Command::new("trace-cmd")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains("trace-cmd version"));
+    require(
+        test,
+        ok,
+        "trace-cmd is not installed (apt-get install trace-cmd, or cargo xtask setup)",
+    )
+}
+
+/// `trace-cmd dump -v` exits non-zero on a file it cannot parse (report does not).
+fn assert_dump_ok(path: &Path) {
+    let o = trace_cmd(&["dump", "-v", "-i", path.to_str().unwrap()]);
+    assert!(
+        o.status.success()
+            && String::from_utf8_lossy(&o.stdout).contains("is a valid trace-cmd file"),
+        "trace-cmd dump -v {}: {}{}",
+        path.display(),
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+}
+
+/// One `trace-cmd report` line: CPU, timestamp (dots removed: `-t` prints every digit) and
+/// what follows it.
+#[derive(Debug)]
+struct Line {
+    cpu: u32,
+    ts: u64,
+    rest: String,
+}
+
+fn parse_report(out: &[u8]) -> Vec<Line> {
+    let text = String::from_utf8_lossy(out);
+    text.lines()
+        .filter_map(|l| {
+            // The CPU is the first "[digits]"; the timestamp follows it up to ':'.
+            let b = l.as_bytes();
+            let open = (0..b.len()).find(|&i| {
+                b[i] == b'['
+                    && b[i + 1..].iter().take_while(|c| c.is_ascii_digit()).count() > 0
+                    && b[i + 1..].iter().find(|c| !c.is_ascii_digit()) == Some(&b']')
+            })?;
+            let close = open + l[open..].find(']')?;
+            let cpu = l[open + 1..close].parse().ok()?;
+            let after = &l[close + 1..];
+            let colon = after.find(':')?;
+            let ts = after[..colon].trim().replace('.', "").parse().ok()?;
+            Some(Line {
+                cpu,
+                ts,
+                rest: after[colon + 1..].trim().to_string(),
+            })
+        })
+        .collect()
+}
+
+fn report(args: &[&str]) -> Vec<Line> {
+    let o = trace_cmd(args);
+    assert!(
+        o.status.success(),
+        "trace-cmd {args:?}: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    parse_report(&o.stdout)
+}
+
+fn write(
+    path: &Path,
+    version: FileVersion,
+    cpus: u32,
+    events: &[(u32, u64, u32, Vec<u8>)],
+    shift: Option<&TimeShift>,
+) -> Summary {
+    let mut opts = WriterOptions::new(cpus, 0x6e57_0000 + u64::from(cpus));
+    opts.version = version;
+    let mut w = TraceDatWriter::create(path, opts).unwrap();
+    for (cpu, ts, id, p) in events {
+        w.push(*cpu, *ts, *id, p).unwrap();
+    }
+    w.finish(shift).unwrap()
+}
+
+fn id_of(rest: &str) -> u32 {
+    let i = rest.find("id=").expect("a vmtsync event") + 3;
+    rest[i..]
+        .split(|c: char| !c.is_ascii_digit())
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap()
+}
+
+#[test]
+fn both_versions_report_raw_guest_tscs_and_exact_host_times() {
+    let test = "tracedat::both_versions_report_raw_guest_tscs_and_exact_host_times";
+    if !have_trace_cmd(test) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    // Two vCPUs, gaps that need time extends, and three segments per vCPU with non-zero
+    // offsets that change in both directions (guest starts fall inside the event range).
+    let mut events = Vec::new();
+    let mut ts = [5_000_000_000u64, 5_000_000_500];
+    for i in 0..6000u32 {
+        let cpu = i % 2;
+        ts[cpu as usize] += if i % 500 == 0 { 1 << 28 } else { 997 };
+        let payload = if i % 3 == 0 {
+            vec![0xaa, 0xbb, u8::try_from(i % 256).unwrap()]
+        } else {
+            vec![]
+        };
+        events.push((cpu, ts[cpu as usize], i, payload));
+    }
+    let segments = |cpu: i64| -> Vec<SyncSegment> {
+        [(0u64, 0i64), (1, -37_000), (2, 52_000)]
+            .iter()
+            .map(|&(j, step)| {
+                let off = 1_000_000_007 + cpu * 1_000 + step;
+                SyncSegment::offset_only(HostTicks(4_000_000_000 + j * 150_000_000), off)
+            })
+            .collect()
+    };
+    for mode in [ShiftMode::Step, ShiftMode::Interpolate] {
+        let shift = TimeShift {
+            peer_trace_id: 0x4057,
+            mode,
+            cpus: vec![segments(0), segments(1)],
+        };
+        for version in [FileVersion::V6, FileVersion::V7] {
+            let path = dir.path().join(format!("g-{mode:?}-{version:?}.dat"));
+            let s = write(&path, version, 2, &events, Some(&shift));
+            assert_dump_ok(&path);
+            let p = path.to_str().unwrap();
+
+            let raw = report(&["report", "--raw-ts", "-i", p]);
+            assert_eq!(raw.len(), events.len(), "{mode:?} {version:?}");
+            for l in &raw {
+                let (cpu, ts, _, payload) = &events[id_of(&l.rest) as usize];
+                assert_eq!(
+                    (l.cpu, l.ts),
+                    (*cpu, *ts),
+                    "{mode:?} {version:?}: {}",
+                    l.rest
+                );
+                if !payload.is_empty() {
+                    let hex = format!("len=3 payload=aa bb {:02x}", payload[2]);
+                    assert!(l.rest.contains(&hex), "{}", l.rest);
+                }
+            }
+
+            let host = report(&["report", "-t", "-i", p]);
+            assert_eq!(host.len(), events.len());
+            let flags = u32::from(mode == ShiftMode::Interpolate);
+            let plans: Vec<_> = (0..2)
+                .map(|c| plan_cpu(c, &shift.cpus[c], mode, s.ranges[c]).unwrap())
+                .collect();
+            for l in &host {
+                let (cpu, g, _, _) = &events[id_of(&l.rest) as usize];
+                let c = *cpu as usize;
+                let exact = exact_host_time(&shift.cpus[c], mode, *g).unwrap();
+                let model = trace_cmd_host_time(&plans[c].samples, flags, *g).unwrap();
+                assert_eq!(
+                    l.ts, model,
+                    "{mode:?} {version:?} guest {g}: trace-cmd vs model"
+                );
+                assert!(
+                    l.ts.abs_diff(exact) <= s.shift_error.as_ref().unwrap()[c],
+                    "{mode:?} {version:?} guest {g}: {} vs exact {exact}",
+                    l.ts
+                );
+                if mode == ShiftMode::Step {
+                    assert_eq!(l.ts, exact, "identity step segments are exact");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn a_million_events_cross_pages_and_time_extends() {
+    let test = "tracedat::a_million_events_cross_pages_and_time_extends";
+    if !have_trace_cmd(test) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("big.dat");
+    let n = 1_000_000u64;
+    let gap = |i: u64| match i {
+        500_000 => 1 << 60, // beyond a time extend's 59 bits: a new page
+        _ if i.is_multiple_of(100) => (1 << 31) + i,
+        _ => 3 + i % 50,
+    };
+    let mut opts = WriterOptions::new(1, 77);
+    opts.version = FileVersion::V7;
+    let mut w = TraceDatWriter::create(&path, opts).unwrap();
+    let mut ts = 10u64;
+    for i in 0..n {
+        ts += gap(i);
+        w.push(0, ts, u32::try_from(i).unwrap(), &[]).unwrap();
+    }
+    let s = w.finish(None).unwrap();
+    // 16 bytes per event (12 of data, 4 of header) on 4080-byte pages, plus time extends.
+    assert!(s.pages[0] >= n * 16 / 4080, "{} pages", s.pages[0]);
+    assert_dump_ok(&path);
+    let lines = report(&["report", "--raw-ts", "-i", path.to_str().unwrap()]);
+    assert_eq!(lines.len() as u64, n);
+    let mut ts = 10u64;
+    for (i, l) in (0..n).zip(&lines) {
+        ts += gap(i);
+        assert_eq!(
+            (l.ts, id_of(&l.rest)),
+            (ts, u32::try_from(i).unwrap()),
+            "event {i}"
+        );
+    }
+}
+
+#[test]
+fn a_truncated_file_is_caught_by_our_reader() {
+    let test = "tracedat::a_truncated_file_is_caught_by_our_reader";
+    if !have_trace_cmd(test) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("t.dat");
+    let events: Vec<_> = (0..2000u32)
+        .map(|i| (0, 1_000 + u64::from(i), i, vec![]))
+        .collect();
+    write(&path, FileVersion::V7, 1, &events, None);
+    let full = std::fs::read(&path).unwrap();
+    // Cut inside the second data page: report still prints what it can.
+    std::fs::write(&path, &full[..4096 * 2 + 1000]).unwrap();
+    let rep = trace_cmd(&["report", "-i", path.to_str().unwrap()]);
+    let dump = trace_cmd(&["dump", "-v", "-i", path.to_str().unwrap()]);
+    eprintln!(
+        "truncated file: trace-cmd report exit {:?}, dump -v exit {:?}",
+        rep.status.code(),
+        dump.status.code()
+    );
+    match verify_file(&path) {
+        Err(TraceDatError::Parse { offset, reason, .. }) => {
+            assert!(offset <= full.len() as u64, "{offset}: {reason}");
+        }
+        other => panic!("truncation not detected: {other:?}"),
+    }
+}
+
+/// A private tracefs instance, removed on drop (also when `trace-cmd extract` already did).
+struct Instance(PathBuf);
+
+impl Drop for Instance {
+    fn drop(&mut self) {
+        if self.0.exists() {
+            let _ = std::fs::write(self.0.join("tracing_on"), "0");
+            let _ = std::fs::remove_dir(&self.0);
+        }
+    }
+}
+
+#[test]
+fn a_host_trace_copy_merges_with_the_guest_in_host_time_order() {
+    let test = "tracedat::a_host_trace_copy_merges_with_the_guest_in_host_time_order";
+    if !have_trace_cmd(test) || !require(test, is_root(), "needs root (tracefs instances)") {
+        return;
+    }
+    let tracefs = vmtsync::trace_events::find_tracefs(None);
+    if !require(
+        test,
+        tracefs.is_ok(),
+        "no tracefs at /sys/kernel/{debug/,}tracing",
+    ) {
+        return;
+    }
+    let tracefs = tracefs.unwrap();
+    let name = format!("vmtsync_tracedat_{}", std::process::id());
+    let inst = Instance(tracefs.join("instances").join(&name));
+    std::fs::create_dir(&inst.0).expect("create tracefs instance");
+    std::fs::write(inst.0.join("trace_clock"), "x86-tsc").expect("set x86-tsc");
+
+    // Each marker's ftrace timestamp lies between the host TSC reads around its write.
+    let mut marker = std::fs::OpenOptions::new()
+        .write(true)
+        .open(inst.0.join("trace_marker"))
+        .unwrap();
+    let mut brackets = Vec::new();
+    for k in 0..300 {
+        let h0 = read_host_tsc().0;
+        marker
+            .write_all(format!("vmtsync-mark {k}").as_bytes())
+            .unwrap();
+        let h1 = read_host_tsc().0;
+        brackets.push((h0, h1));
+    }
+    drop(marker);
+    std::fs::write(inst.0.join("tracing_on"), "0").unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let host = dir.path().join("host.dat");
+    let o = Command::new("trace-cmd")
+        .args(["extract", "-B", &name, "-o", host.to_str().unwrap()])
+        .current_dir(dir.path())
+        .output()
+        .unwrap();
+    assert!(
+        o.status.success(),
+        "extract: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    drop(inst);
+    let host6 = dir.path().join("host6.dat");
+    let o = trace_cmd(&[
+        "convert",
+        "--file-version",
+        "6",
+        "-i",
+        host.to_str().unwrap(),
+        "-o",
+        host6.to_str().unwrap(),
+    ]);
+    assert!(
+        o.status.success(),
+        "convert: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+
+    // The guest: one vCPU whose TSC runs ahead of the host by an offset derived from the host
+    // TSC now (never a constant that only holds on a long-running machine), with an event
+    // stamped right before and right after each marker.
+    let off = -i64::try_from(brackets[0].0 / 2).unwrap() + 12_345;
+    let guest_ts = |h: u64| h.checked_add_signed(off).unwrap();
+    let mut events = Vec::new();
+    for (k, &(h0, h1)) in (0u32..).zip(&brackets) {
+        events.push((0, guest_ts(h0), 2 * k, vec![]));
+        events.push((0, guest_ts(h1), 2 * k + 1, vec![]));
+    }
+    let tid = u32::try_from(unsafe_free_gettid()).unwrap();
+    for (host_in, guest_version) in [(&host, FileVersion::V7), (&host6, FileVersion::V6)] {
+        let host_layout = read_layout(host_in).unwrap();
+        let shift = TimeShift {
+            peer_trace_id: host_layout.trace_id().unwrap_or(0),
+            mode: ShiftMode::Step,
+            cpus: vec![vec![SyncSegment::offset_only(
+                HostTicks(brackets[0].0 - 1_000),
+                off,
+            )]],
+        };
+        let guest = dir.path().join(format!("guest-{guest_version:?}.dat"));
+        let mut opts = WriterOptions::new(1, 0x9e57);
+        opts.version = guest_version;
+        let mut w = TraceDatWriter::create(&guest, opts).unwrap();
+        for (cpu, ts, id, p) in &events {
+            w.push(*cpu, *ts, *id, p).unwrap();
+        }
+        w.finish(Some(&shift)).unwrap();
+        let out = dir.path().join(format!("host-guest-{guest_version:?}.dat"));
+        let before = std::fs::read(host_in).unwrap();
+        let info = GuestInfo {
+            name: "vmtsync-test-guest".into(),
+            trace_id: 0x9e57,
+            vcpu_pids: vec![(0, tid)],
+        };
+        copy_host_trace(host_in, &out, &info, None).unwrap();
+        assert_eq!(std::fs::read(host_in).unwrap(), before, "input modified");
+        assert_dump_ok(&out);
+        assert_dump_ok(&guest);
+        let opts_dump = trace_cmd(&["dump", "--options", "-i", out.to_str().unwrap()]);
+        let text = String::from_utf8_lossy(&opts_dump.stdout);
+        assert!(
+            text.contains("vmtsync-test-guest"),
+            "GUEST not shown by dump: {text}"
+        );
+
+        let lines = report(&[
+            "report",
+            "-t",
+            "-i",
+            out.to_str().unwrap(),
+            "-i",
+            guest.to_str().unwrap(),
+        ]);
+        // Position of each guest event and marker in the merged order, and their times.
+        let mut pos_guest = vec![usize::MAX; events.len()];
+        let mut pos_mark = vec![usize::MAX; brackets.len()];
+        for (i, l) in lines.iter().enumerate() {
+            if let Some(k) = l.rest.split("vmtsync-mark ").nth(1) {
+                let k: usize = k.trim().parse().unwrap();
+                let (h0, h1) = brackets[k];
+                assert!(
+                    h0 < l.ts && l.ts < h1,
+                    "marker {k} at {} outside [{h0}, {h1}]",
+                    l.ts
+                );
+                pos_mark[k] = i;
+            } else if l.rest.contains("id=") {
+                let id = id_of(&l.rest) as usize;
+                let (h0, h1) = brackets[id / 2];
+                assert_eq!(
+                    l.ts,
+                    if id.is_multiple_of(2) { h0 } else { h1 },
+                    "guest event {id}"
+                );
+                pos_guest[id] = i;
+            }
+        }
+        let mut violations = 0;
+        for k in 0..brackets.len() {
+            assert!(pos_mark[k] != usize::MAX && pos_guest[2 * k] != usize::MAX);
+            if !(pos_guest[2 * k] < pos_mark[k] && pos_mark[k] < pos_guest[2 * k + 1]) {
+                violations += 1;
+            }
+        }
+        assert_eq!(
+            violations, 0,
+            "{guest_version:?}: merged order wrong for {violations} markers"
+        );
+    }
+}
+
+/// The calling thread's id, the host thread a vCPU would be (any stable id works here).
+fn unsafe_free_gettid() -> i64 {
+    // SAFETY: gettid has no preconditions and cannot fail.
+    i64::from(unsafe { libc::gettid() })
+}

@@ -12,6 +12,7 @@
 //! - [`proto`]: the versioned postcard + COBS probe protocol.
 //! - [`estimate`]: offset and drift estimators over probe samples, with guaranteed bounds.
 //! - [`timeline`]: per-vCPU piecewise-linear guest→host conversion, streaming and random access.
+//! - [`recorder`]: the event recorder a unikernel links: one lock-free ring per vCPU.
 //! - [`agent`]: the transport-agnostic guest agent state machine.
 //! - `sim` (feature `sim`): seeded simulated clocks and link delays.
 #![no_std]
@@ -30,6 +31,7 @@ pub mod estimate;
 pub mod mapping;
 pub mod proto;
 pub mod pvclock;
+pub mod recorder;
 #[cfg(any(test, feature = "sim"))]
 pub mod sim;
 pub mod timeline;

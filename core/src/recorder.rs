@@ -220,12 +220,27 @@ impl<const CAP: usize> Ring<CAP> {
     /// sent). Consumer side only.
     #[must_use]
     pub fn peek(&self) -> Option<Record> {
+        self.get(0)
+    }
+
+    /// Removes the oldest record (after [`Ring::peek`]); does nothing when empty. Consumer
+    /// side only.
+    pub fn advance(&self) {
+        self.consume(1);
+    }
+
+    /// The `i`-th oldest record (0: the oldest), left in the ring; `None` if fewer than
+    /// `i + 1` are waiting. Consumer side only.
+    #[must_use]
+    pub fn get(&self, i: usize) -> Option<Record> {
         let tail = self.tail.load(Ordering::Relaxed);
         let head = self.head.load(Ordering::Acquire);
-        if head == tail {
+        if i >= head.wrapping_sub(tail) as usize {
             return None;
         }
-        let slot = self.slot(tail);
+        // i < head - tail <= CAP <= 2^31, so it fits.
+        let index = tail.wrapping_add(u32::try_from(i).ok()?);
+        let slot = self.slot(index);
         let meta = slot.meta.load(Ordering::Relaxed);
         let mut data = [0u8; MAX_PAYLOAD];
         let (lo, hi) = data.split_at_mut(8);
@@ -243,13 +258,12 @@ impl<const CAP: usize> Ring<CAP> {
         })
     }
 
-    /// Removes the oldest record (after [`Ring::peek`]); does nothing when empty. Consumer
-    /// side only.
-    pub fn advance(&self) {
+    /// Removes the `n` oldest records (fewer if fewer are waiting). Consumer side only.
+    pub fn consume(&self, n: usize) {
         let tail = self.tail.load(Ordering::Relaxed);
-        if self.head.load(Ordering::Acquire) != tail {
-            self.tail.store(tail.wrapping_add(1), Ordering::Release);
-        }
+        let waiting = self.head.load(Ordering::Acquire).wrapping_sub(tail);
+        let n = u32::try_from(n).unwrap_or(u32::MAX).min(waiting);
+        self.tail.store(tail.wrapping_add(n), Ordering::Release);
     }
 
     /// Records waiting to be consumed.
@@ -277,6 +291,66 @@ impl<const CAP: usize> Ring<CAP> {
         // indexing panic-free even so.
         let i = index as usize & (CAP - 1);
         self.slots.get(i).unwrap_or(&self.slots[0])
+    }
+}
+
+/// Where the agent's protocol loop takes events from: a [`Ring`] (or a reference to one), or
+/// [`NoEvents`]. Consumer-side operations only.
+pub trait EventSource {
+    /// The `i`-th oldest waiting record.
+    fn get(&self, i: usize) -> Option<Record>;
+    /// Removes the `n` oldest records.
+    fn consume(&self, n: usize);
+    /// Records waiting.
+    fn waiting(&self) -> usize;
+    /// Events refused so far because the storage was full (cumulative).
+    fn dropped(&self) -> u64;
+}
+
+impl<const CAP: usize> EventSource for Ring<CAP> {
+    fn get(&self, i: usize) -> Option<Record> {
+        Ring::get(self, i)
+    }
+    fn consume(&self, n: usize) {
+        Ring::consume(self, n);
+    }
+    fn waiting(&self) -> usize {
+        self.len()
+    }
+    fn dropped(&self) -> u64 {
+        Ring::dropped(self)
+    }
+}
+
+impl<S: EventSource + ?Sized> EventSource for &S {
+    fn get(&self, i: usize) -> Option<Record> {
+        (**self).get(i)
+    }
+    fn consume(&self, n: usize) {
+        (**self).consume(n);
+    }
+    fn waiting(&self) -> usize {
+        (**self).waiting()
+    }
+    fn dropped(&self) -> u64 {
+        (**self).dropped()
+    }
+}
+
+/// An agent without events: nothing is ever waiting.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct NoEvents;
+
+impl EventSource for NoEvents {
+    fn get(&self, _: usize) -> Option<Record> {
+        None
+    }
+    fn consume(&self, _: usize) {}
+    fn waiting(&self) -> usize {
+        0
+    }
+    fn dropped(&self) -> u64 {
+        0
     }
 }
 

@@ -401,15 +401,19 @@ mod tests {
     fn max_sizes_are_consistent() {
         // The largest message is a full event batch of extreme values; it must fit.
         let rec = crate::proto::EventRecord {
-            id: u32::MAX,
-            stamp: crate::proto::EventStamp::Guest(GuestTicks(u64::MAX)),
+            delta: i64::MIN,
+            id: u16::MAX,
+            payload: heapless::Vec::from_slice(&[0xff; crate::proto::EVENT_PAYLOAD_MAX]).unwrap(),
         };
-        let worst = Message::Events(crate::proto::EventBatch {
-            vcpu: u32::MAX,
-            dropped: u32::MAX,
-            remaining: u32::MAX,
-            events: heapless::Vec::from_slice(&[rec; crate::proto::EVENT_BATCH_MAX]).unwrap(),
-        });
+        let mut batch =
+            crate::proto::EventBatch::new(u32::MAX, crate::proto::EventClock::Host, u64::MAX);
+        batch.dropped = u64::MAX;
+        batch.remaining = u32::MAX;
+        batch.last = true;
+        for _ in 0..crate::proto::EVENT_BATCH_MAX {
+            batch.records.push(rec.clone()).unwrap();
+        }
+        let worst = Message::Events(batch);
         let mut buf = [0u8; MAX_FRAME_SIZE];
         let bare = encode(&worst, &mut buf).unwrap().len();
         assert!(bare <= MAX_MESSAGE_SIZE, "{bare} > {MAX_MESSAGE_SIZE}");
@@ -463,16 +467,20 @@ mod tests {
 
     #[test]
     fn decode_rejects_too_many_events() {
-        // Events batch announcing EVENT_BATCH_MAX + 1 records.
+        // Events batch (vcpu 0, dropped 0, remaining 0, last, guest clock, base 0) announcing
+        // EVENT_BATCH_MAX + 1 records of (delta 0, id 1, no payload).
         let mut bare = std::vec![
             0x0b,
             0,
             0,
             0,
+            1,
+            0,
+            0,
             u8::try_from(crate::proto::EVENT_BATCH_MAX + 1).unwrap()
         ];
         for _ in 0..=crate::proto::EVENT_BATCH_MAX {
-            bare.extend_from_slice(&[1, 0, 1]);
+            bare.extend_from_slice(&[0, 1, 0]);
         }
         assert_eq!(decode(&bare), Err(DecodeError::InvalidValue));
     }

@@ -3,25 +3,22 @@
 
 use super::*;
 use crate::mapping::KvmTscMapping;
-use crate::units::{GuestTicks, HostTicks};
+use crate::units::GuestTicks;
 use std::println;
 use std::vec::Vec;
 
 /// (message, bare postcard bytes, COBS frame with delimiter).
 fn golden() -> Vec<(Message, &'static [u8], &'static [u8])> {
-    let mut events = heapless::Vec::new();
-    events
-        .push(EventRecord {
-            id: 1,
-            stamp: EventStamp::Guest(GuestTicks(0x2000_0000_0000)),
-        })
-        .unwrap();
-    events
-        .push(EventRecord {
-            id: 300,
-            stamp: EventStamp::Host(HostTicks(5)),
-        })
-        .unwrap();
+    // Two records 2600 ticks apart (a million events per second at 2.6 GHz), the first with
+    // no payload, the second with two bytes, then one 100 ticks back (a clock that stepped).
+    let base = 0x2000_0000_0000;
+    let mut events = EventBatch::new(2, EventClock::Guest, base);
+    events.remaining = 3;
+    events.dropped = 300;
+    events.last = true;
+    assert!(events.push(base, base, 1, &[]));
+    assert!(events.push(base, base + 2600, 7, &[0xaa, 0x00]));
+    assert!(events.push(base + 2600, base + 2500, 300, &[]));
     std::vec![
         (
             Message::Hello(Hello {
@@ -125,19 +122,19 @@ fn golden() -> Vec<(Message, &'static [u8], &'static [u8])> {
             &[0x03, 0x0a, 0x08, 0x00],
         ),
         (
-            Message::Events(EventBatch {
-                vcpu: 0,
-                dropped: 0,
-                remaining: 3,
-                events,
-            }),
+            Message::Events(events),
+            // tag, vcpu 2, dropped 300, remaining 3, last, guest clock, base 2^45, 3 records:
+            // (delta 0, id 1, no payload), (delta +2600 = zigzag 5200, id 7, [aa 00]),
+            // (delta -100 = zigzag 199, id 300, no payload).
             &[
-                0x0b, 0x00, 0x00, 0x03, 0x02, 0x01, 0x00, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x08,
-                0xac, 0x02, 0x01, 0x05,
+                0x0b, 0x02, 0xac, 0x02, 0x03, 0x01, 0x00, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x08,
+                0x03, 0x00, 0x01, 0x00, 0xd0, 0x28, 0x07, 0x02, 0xaa, 0x00, 0xc7, 0x01, 0xac, 0x02,
+                0x00,
             ],
             &[
-                0x02, 0x0b, 0x01, 0x04, 0x03, 0x02, 0x01, 0x0c, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80,
-                0x08, 0xac, 0x02, 0x01, 0x05, 0x00,
+                0x07, 0x0b, 0x02, 0xac, 0x02, 0x03, 0x01, 0x09, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80,
+                0x08, 0x03, 0x02, 0x01, 0x06, 0xd0, 0x28, 0x07, 0x02, 0xaa, 0x05, 0xc7, 0x01, 0xac,
+                0x02, 0x01, 0x00,
             ],
         ),
         (Message::Shutdown, &[0x0c], &[0x02, 0x0c, 0x00]),

@@ -44,7 +44,7 @@ pub use frame::{
     ProbeReplyFrame, decode, decode_frame, encode, encode_frame,
 };
 pub use message::{
-    Capabilities, EVENT_BATCH_MAX, ErrorCode, EventBatch, EventRecord, EventStamp, Features, Hello,
-    MappingPush, Message, PROTOCOL_VERSION, ProbeReply, ProbeReplyFull, PvclockReport, Transport,
-    try_unwrap_tsc_low32,
+    Capabilities, EVENT_BATCH_MAX, EVENT_PAYLOAD_MAX, ErrorCode, EventBatch, EventClock,
+    EventRecord, Features, Hello, MappingPush, Message, PROTOCOL_VERSION, ProbeReply,
+    ProbeReplyFull, PvclockReport, Transport, try_unwrap_tsc_low32,
 };

@@ -6,7 +6,7 @@ use std::vec;
 
 use super::message::*;
 use crate::mapping::KvmTscMapping;
-use crate::units::{GuestTicks, HostTicks};
+use crate::units::GuestTicks;
 
 fn arb_features() -> impl Strategy<Value = Features> {
     any::<u32>().prop_map(Features)
@@ -35,14 +35,16 @@ fn arb_error_code() -> impl Strategy<Value = ErrorCode> {
 }
 
 fn arb_event() -> impl Strategy<Value = EventRecord> {
-    (any::<u32>(), any::<bool>(), any::<u64>()).prop_map(|(id, host, t)| EventRecord {
-        id,
-        stamp: if host {
-            EventStamp::Host(HostTicks(t))
-        } else {
-            EventStamp::Guest(GuestTicks(t))
-        },
-    })
+    (
+        any::<i64>(),
+        any::<u16>(),
+        pvec(any::<u8>(), 0..=EVENT_PAYLOAD_MAX),
+    )
+        .prop_map(|(delta, id, p)| EventRecord {
+            delta,
+            id,
+            payload: heapless::Vec::from_slice(&p).unwrap(),
+        })
 }
 
 /// Any message that passes the decoder's semantic checks (so it must round-trip).
@@ -112,24 +114,26 @@ pub(crate) fn arb_message() -> impl Strategy<Value = Message> {
                     })
                 }
             ),
-        any::<u16>().prop_map(|max| Message::EventsRequest { max }),
+        any::<u32>().prop_map(|max| Message::EventsRequest { max }),
         (
-            any::<u32>(),
-            any::<u32>(),
-            any::<u32>(),
+            (any::<u32>(), any::<u64>(), any::<u32>(), any::<bool>()),
+            (any::<bool>(), any::<u64>()),
             pvec(arb_event(), 0..=EVENT_BATCH_MAX)
         )
-            .prop_map(|(vcpu, dropped, remaining, evs)| {
-                let mut events = heapless::Vec::new();
+            .prop_map(|((vcpu, dropped, remaining, last), (host, base), evs)| {
+                let clock = if host {
+                    EventClock::Host
+                } else {
+                    EventClock::Guest
+                };
+                let mut b = EventBatch::new(vcpu, clock, base);
+                b.dropped = dropped;
+                b.remaining = remaining;
+                b.last = last;
                 for e in evs {
-                    events.push(e).unwrap();
+                    b.records.push(e).unwrap();
                 }
-                Message::Events(EventBatch {
-                    vcpu,
-                    dropped,
-                    remaining,
-                    events,
-                })
+                Message::Events(b)
             }),
         Just(Message::Shutdown),
         Just(Message::Exiting),

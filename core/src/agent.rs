@@ -4,8 +4,10 @@
 //! guest TSC, the vCPU id, optionally the pvclock page). The embedding code (a unikernel main
 //! loop, the bare-metal `vmtsync-agent`, a test) calls [`Agent::poll`] whenever it likes;
 //! each call drains what the link has received, answers every complete request, and returns.
-//! Nothing blocks and nothing allocates: the receive buffer, the event queue and the frame
-//! being sent are fixed-size arrays inside the agent or on the stack.
+//! Nothing blocks and nothing allocates: the receive buffer and the frame being sent are
+//! fixed-size arrays inside the agent or on the stack. Events come from an [`EventSource`],
+//! normally a [`crate::recorder::Ring`] the application records into; the agent drains it
+//! into [`Message::Events`] batches when the host asks.
 //!
 //! Sessions: the agent answers nothing but [`Message::Hello`] and [`Message::Shutdown`]
 //! until a hello with its [`PROTOCOL_VERSION`] arrives (others get
@@ -21,14 +23,13 @@
 //! answered with one [`ErrorCode::Malformed`] or [`ErrorCode::FrameTooLong`] per bad frame;
 //! the receiver resynchronizes on the next `0x00` delimiter.
 
-use heapless::Deque;
-
 use crate::mapping::KvmTscMapping;
 use crate::proto::{
-    Capabilities, DecodeError, EVENT_BATCH_MAX, ErrorCode, EventBatch, EventRecord, EventStamp,
-    Features, Feed, FrameReceiver, MAX_FRAME_SIZE, Message, PROTOCOL_VERSION, ProbeReplyFrame,
-    PvclockReport, Transport, encode_frame,
+    Capabilities, DecodeError, EVENT_BATCH_MAX, ErrorCode, EventBatch, EventClock, Features, Feed,
+    FrameReceiver, MAX_FRAME_SIZE, Message, PROTOCOL_VERSION, ProbeReplyFrame, PvclockReport,
+    Transport, encode_frame,
 };
+use crate::recorder::{EventSource, NoEvents};
 use crate::units::{GuestTicks, HostTicks};
 
 #[cfg(any(test, feature = "sim"))]
@@ -125,6 +126,8 @@ pub struct AgentStats {
     pub bad_frames: u32,
     /// Probes answered (compact and full).
     pub probes: u32,
+    /// Event records sent.
+    pub events_out: u64,
 }
 
 /// Bytes read from the link per `recv` call.
@@ -132,53 +135,52 @@ const RX_CHUNK: usize = 64;
 /// `recv` calls per [`Agent::poll`] at most, so a chatty link cannot starve the caller.
 const MAX_CHUNKS_PER_POLL: usize = 16;
 
-/// An event waiting in the queue, stamped with the guest TSC when it was recorded.
-#[derive(Clone, Copy, Debug)]
-struct PendingEvent {
-    id: u32,
-    tsc: GuestTicks,
-}
-
-/// The agent: protocol state, the pushed mapping, and a queue of up to `EVENTS` events.
-pub struct Agent<L, C, const EVENTS: usize = 32> {
+/// The agent: protocol state, the pushed mapping, and the source of its events.
+pub struct Agent<L, C, E = NoEvents> {
     link: L,
     clock: C,
     rx: FrameReceiver,
     state: AgentState,
     mapping: Option<KvmTscMapping>,
-    events: Deque<PendingEvent, EVENTS>,
-    dropped: u32,
+    events: E,
     stats: AgentStats,
 }
 
-impl<L, C, const EVENTS: usize> core::fmt::Debug for Agent<L, C, EVENTS> {
+impl<L, C, E: EventSource> core::fmt::Debug for Agent<L, C, E> {
     fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
         f.debug_struct("Agent")
             .field("state", &self.state)
             .field("mapping", &self.mapping)
-            .field("queued_events", &self.events.len())
-            .field("dropped", &self.dropped)
+            .field("waiting_events", &self.events.waiting())
+            .field("dropped", &self.events.dropped())
             .field("stats", &self.stats)
             .finish_non_exhaustive()
     }
 }
 
-impl<L: Link, C: AgentClock, const EVENTS: usize> Agent<L, C, EVENTS> {
-    /// An agent waiting for the host's hello.
+impl<L: Link, C: AgentClock> Agent<L, C, NoEvents> {
+    /// An agent without events, waiting for the host's hello.
     pub const fn new(link: L, clock: C) -> Self {
+        Self::with_events(link, clock, NoEvents)
+    }
+}
+
+impl<L: Link, C: AgentClock, E: EventSource> Agent<L, C, E> {
+    /// An agent that drains `events` when the host asks, waiting for the host's hello.
+    pub const fn with_events(link: L, clock: C, events: E) -> Self {
         Self {
             link,
             clock,
             rx: FrameReceiver::new(),
             state: AgentState::AwaitHello,
             mapping: None,
-            events: Deque::new(),
-            dropped: 0,
+            events,
             stats: AgentStats {
                 messages_in: 0,
                 frames_out: 0,
                 bad_frames: 0,
                 probes: 0,
+                events_out: 0,
             },
         }
     }
@@ -230,24 +232,6 @@ impl<L: Link, C: AgentClock, const EVENTS: usize> Agent<L, C, EVENTS> {
         }
     }
 
-    /// Queues event `id` stamped with the TSC now. Returns `false` (and counts it dropped) if
-    /// the queue is full.
-    pub fn record_event(&mut self, id: u32) -> bool {
-        let tsc = self.clock.read_tsc();
-        self.record_event_at(id, tsc)
-    }
-
-    /// Queues event `id` with a TSC the caller read earlier. Returns `false` (and counts it
-    /// dropped) if the queue is full.
-    pub fn record_event_at(&mut self, id: u32, tsc: GuestTicks) -> bool {
-        if self.events.push_back(PendingEvent { id, tsc }).is_ok() {
-            true
-        } else {
-            self.dropped = self.dropped.wrapping_add(1);
-            false
-        }
-    }
-
     /// The host TSC now, rounded up, via the pushed mapping; `None` without a mapping or if
     /// the conversion does not fit.
     pub fn host_now_ceil(&mut self) -> Option<HostTicks> {
@@ -271,8 +255,13 @@ impl<L: Link, C: AgentClock, const EVENTS: usize> Agent<L, C, EVENTS> {
     }
 
     /// Events waiting to be sent.
-    pub fn queued_events(&self) -> usize {
-        self.events.len()
+    pub fn waiting_events(&self) -> usize {
+        self.events.waiting()
+    }
+
+    /// The event source (e.g. the ring to record into).
+    pub const fn events(&self) -> &E {
+        &self.events
     }
 
     /// The link (e.g. to inspect a fake).
@@ -338,7 +327,7 @@ impl<L: Link, C: AgentClock, const EVENTS: usize> Agent<L, C, EVENTS> {
                 };
                 self.send(&reply)
             }
-            Message::EventsRequest { max } => self.send_events(usize::from(max)),
+            Message::EventsRequest { max } => self.send_events(max),
             Message::Capabilities(_)
             | Message::ProbeReply(_)
             | Message::ProbeReplyFull(_)
@@ -386,32 +375,51 @@ impl<L: Link, C: AgentClock, const EVENTS: usize> Agent<L, C, EVENTS> {
         self.count_sent(sent)
     }
 
-    /// Sends up to `max` queued events (capped at [`EVENT_BATCH_MAX`]), stamped in the host
-    /// clock when the mapping converts them. They leave the queue only once sent.
-    fn send_events(&mut self, max: usize) -> Result<(), LinkError> {
-        let mut batch = heapless::Vec::<EventRecord, EVENT_BATCH_MAX>::new();
-        for ev in self.events.iter().take(max.min(EVENT_BATCH_MAX)) {
-            let stamp = self
-                .mapping
-                .and_then(|m| m.try_host_from_guest_ceil(ev.tsc))
-                .map_or(EventStamp::Guest(ev.tsc), EventStamp::Host);
-            if batch.push(EventRecord { id: ev.id, stamp }).is_err() {
-                break;
+    /// Sends up to `max` waiting events in batches of at most [`EVENT_BATCH_MAX`], the last
+    /// one flagged; one empty batch when none is waiting. Timestamps are in the host clock
+    /// when the pushed mapping converts them (a batch holds one clock: a record whose clock
+    /// differs from the batch's starts the next batch). Records leave the source only once
+    /// their batch is sent; a failed send ends the answer (the host asks again).
+    fn send_events(&mut self, max: u32) -> Result<(), LinkError> {
+        let vcpu = self.clock.vcpu_id();
+        let mut left = usize::try_from(max).unwrap_or(usize::MAX);
+        loop {
+            let mut batch: Option<EventBatch> = None;
+            let mut prev = 0;
+            let mut taken = 0;
+            while taken < left.min(EVENT_BATCH_MAX) {
+                let Some(r) = self.events.get(taken) else {
+                    break;
+                };
+                let (clock, ts) = match self.mapping.and_then(|m| m.try_host_from_guest_ceil(r.tsc))
+                {
+                    Some(h) => (EventClock::Host, h.0),
+                    None => (EventClock::Guest, r.tsc.0),
+                };
+                let b = batch.get_or_insert_with(|| {
+                    prev = ts;
+                    EventBatch::new(vcpu, clock, ts)
+                });
+                if b.clock != clock || !b.push(prev, ts, r.id, r.payload()) {
+                    break;
+                }
+                prev = ts;
+                taken += 1;
+            }
+            let mut batch = batch.unwrap_or_else(|| EventBatch::new(vcpu, EventClock::Guest, 0));
+            left -= taken;
+            let waiting = self.events.waiting().saturating_sub(taken);
+            batch.dropped = self.events.dropped();
+            batch.remaining = u32::try_from(waiting).unwrap_or(u32::MAX);
+            batch.last = left == 0 || waiting == 0 || taken == 0;
+            let last = batch.last;
+            self.send(&Message::Events(batch))?;
+            self.events.consume(taken);
+            self.stats.events_out = self.stats.events_out.wrapping_add(taken as u64);
+            if last {
+                return Ok(());
             }
         }
-        let taken = batch.len();
-        let remaining = u32::try_from(self.events.len().saturating_sub(taken)).unwrap_or(u32::MAX);
-        let msg = Message::Events(EventBatch {
-            vcpu: self.clock.vcpu_id(),
-            dropped: self.dropped,
-            remaining,
-            events: batch,
-        });
-        self.send(&msg)?;
-        for _ in 0..taken {
-            self.events.pop_front();
-        }
-        Ok(())
     }
 
     fn send(&mut self, msg: &Message) -> Result<(), LinkError> {

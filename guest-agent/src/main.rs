@@ -17,9 +17,11 @@
 //! empty frame, which receivers skip): a host may wait for it instead of retrying its hello.
 //! After `Shutdown` → `Exiting` the agent writes its `exit=` code to isa-debug-exit.
 //!
-//! Guest events (`events=N`): after each handled message (its reply sent) the agent records one
-//! event (`Agent::record_event`, stamped with the guest TSC right then) whose id is the number
-//! of messages handled so far, until N events are recorded ([`vmtsync_agent::events`]). The
+//! Guest events go through the core's recorder: one `vmtsync_core::recorder::Ring` ([`EVENTS`]),
+//! stamped with the same skewed TSC the probes report. With `events=N`, after each handled
+//! message (its reply sent) the agent records one event whose payload is the number of
+//! messages handled so far, until N events are recorded; `workload=RATE,COUNT[,PORT]` emits
+//! events at a steady rate between polls ([`vmtsync_agent::events`]). The
 //! host drains them with `EventsRequest`; once it pushed a mapping (`SetMapping`), they come
 //! back stamped in the host clock. Event `k` lies between the exit carrying the first byte of
 //! reply `k` and the guest's read of request `k + 1`.
@@ -51,13 +53,15 @@ mod logger;
 
 use core::cell::UnsafeCell;
 use vmtsync_agent::clock::GuestClock;
-use vmtsync_agent::events::{FramePerPoll, MessageEvents};
+use vmtsync_agent::events::{FramePerPoll, MessageEvents, NativePortIo, Workload};
 use vmtsync_agent::link::UartLink;
 use vmtsync_agent::options::{Options, Wire};
+use vmtsync_agent::tsc::SkewedTsc;
 use vmtsync_agent::uart::{COM1, COM2};
 use vmtsync_agent::{port, pvh};
 use vmtsync_core::agent::{Agent, AgentState};
 use vmtsync_core::arch::Cpuid as _;
+use vmtsync_core::recorder::Ring;
 
 use vmtsync_core::arch::cpuid::{has_invariant_tsc, kvm_info, tsc_freq};
 use vmtsync_core::arch::x86_64::{NativeCpuid, NativeTsc, register_pvclock};
@@ -73,6 +77,29 @@ macro_rules! log {
 
 // After `log!`, which it uses.
 mod serve_vsock;
+
+/// Capacity of the agent's event ring, in records (32 bytes each: 128 KiB of .bss).
+const EVENT_RING: usize = 4096;
+
+/// The agent's event ring: the protocol loop is its consumer, the loop's event sources
+/// (`events=`, `workload=`) its producer, all on the one vCPU.
+static EVENTS: Ring<EVENT_RING> = Ring::new();
+
+/// The workload from the options, timed on the agent's TSC (`None` without `workload=`).
+fn workload(ctx: &Ctx, tsc: &SkewedTsc<NativeTsc>) -> Option<Workload> {
+    let w = ctx.opts.workload?;
+    let khz = ctx.tsc_khz.unwrap_or_else(|| {
+        defmt::warn!("workload: TSC frequency unknown; timing it as 1 GHz");
+        1_000_000
+    });
+    log!(
+        "workload: {=u64} events/s, {=u64} events (0: unlimited), port {}",
+        w.rate,
+        w.count,
+        w.port
+    );
+    Workload::new(w.rate, w.count, w.port, khz, tsc.read_ordered())
+}
 
 /// The pvclock page KVM writes once registered: 32 bytes, aligned so it never crosses a page.
 #[repr(C, align(64))]
@@ -150,12 +177,13 @@ pub extern "C" fn kmain(start_info_phys: u64) -> ! {
         );
     });
     log!(
-        "options: transport={} wire={} ring={} exit={} events={} skew={}+(tsc*{})>>{}",
+        "options: transport={} wire={} ring={} exit={} events={} workload={} skew={}+(tsc*{})>>{}",
         defmt::Debug2Format(&opts.transport),
         defmt::Debug2Format(&opts.wire),
         opts.ring,
         opts.exit_code,
         opts.events,
+        opts.workload.is_some(),
         opts.skew.offset,
         opts.skew.ratio,
         opts.skew.frac_bits
@@ -230,26 +258,37 @@ fn serve_postcard(ctx: &Ctx) -> ! {
         ctx.tsc_khz,
         ctx.invariant_tsc,
     );
+    let tsc = SkewedTsc {
+        tsc: ctx.tsc,
+        skew: opts.skew,
+    };
     // One frame per poll, so `events=N` records one event per message (see `events`).
-    let mut agent: Agent<_, _> = Agent::new(FramePerPoll::new(UartLink::new(COM1)), clock);
+    let mut agent = Agent::with_events(FramePerPoll::new(UartLink::new(COM1)), clock, &EVENTS);
     log!("ready: postcard on COM1, vcpu {}", ctx.vcpu);
     // Ready beacon: an empty frame, skipped by every frame receiver.
     COM1.write(0);
     let mut events = MessageEvents::new(opts.events);
+    let mut load = workload(ctx, &tsc);
     loop {
         let polled = agent.poll();
-        events.after_poll(&mut agent);
+        events.after_poll(&agent, &EVENTS, &tsc);
+        if let Some(w) = &mut load {
+            w.tick(&EVENTS, &tsc, &NativePortIo);
+        }
         agent.link_mut().rearm();
         match polled {
             Ok(AgentState::Exited) => {
                 let s = agent.stats();
                 log!(
-                    "shutdown after {} probes, {} messages, {} bad frames, {} events: \
-                     isa-debug-exit {}",
+                    "shutdown after {} probes, {} messages, {} bad frames, {} events \
+                     ({=u64} workload, {=u64} sent, {=u64} dropped): isa-debug-exit {}",
                     s.probes,
                     s.messages_in,
                     s.bad_frames,
                     events.recorded(),
+                    load.map_or(0, |w| w.emitted()),
+                    s.events_out,
+                    EVENTS.dropped(),
                     opts.exit_code
                 );
                 port::exit(opts.exit_code);

@@ -13,6 +13,9 @@
 //! - `exit=N`: the code written to isa-debug-exit when the host says quit (default 0).
 //! - `events=N`: record up to N guest events, one per loop poll that handled messages (see the
 //!   agent binary's docs), for the host to drain with `EventsRequest` (default 0: none).
+//! - `workload=RATE,COUNT[,PORT]`: emit COUNT (0: unlimited) events at RATE per second while
+//!   serving probes, each with its sequence number as payload; with PORT, bracket each by an
+//!   `out` to and an `in` from PORT (see [`crate::events::Workload`]).
 //! - `skew=OFFSET,RATIO,FRAC`: report `OFFSET + ((tsc * RATIO) >> FRAC)` instead of the raw TSC.
 //!   OFFSET may be negative (it wraps, like KVM's offset); numbers are decimal or `0x` hex.
 //!
@@ -69,6 +72,9 @@ pub struct Options {
     pub skew: Skew,
     /// How many guest events to record (0: none).
     pub events: u32,
+    /// `workload=RATE,COUNT[,PORT]`: events per second, how many (0: until shutdown), and
+    /// the port each event's `out`/`in` goes to.
+    pub workload: Option<WorkloadOption>,
     /// vsock port for `transport=vsock`: the host's (connect) or the agent's (listen).
     pub vsock_port: u32,
     /// `vsock=listen`: wait for the host to connect instead of connecting to it.
@@ -96,6 +102,7 @@ impl Default for Options {
             exit_code: 0,
             skew: Skew::IDENTITY,
             events: 0,
+            workload: None,
             vsock_port: DEFAULT_VSOCK_PORT,
             vsock_listen: false,
             virtio_mmio: [None; MAX_VIRTIO_MMIO],
@@ -164,6 +171,9 @@ impl Options {
                 *slot = Some(dev);
             }
             b"skew" => self.skew = parse_skew(value).ok_or(OptionError::BadValue)?,
+            b"workload" => {
+                self.workload = Some(parse_workload(value).ok_or(OptionError::BadValue)?);
+            }
             _ => return Err(OptionError::UnknownKey),
         }
         Ok(())
@@ -184,6 +194,31 @@ fn parse_virtio_mmio(v: &[u8]) -> Option<VirtioMmio> {
         base: parse_u64(base)?,
         size,
     })
+}
+
+/// The `workload=RATE,COUNT[,PORT]` option.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WorkloadOption {
+    /// Events per second (at least 1).
+    pub rate: u64,
+    /// Events to emit (0: until shutdown).
+    pub count: u64,
+    /// The port of each event's `out`/`in`, if any.
+    pub port: Option<u16>,
+}
+
+fn parse_workload(v: &[u8]) -> Option<WorkloadOption> {
+    let mut parts = v.split(|&b| b == b',');
+    let rate = parse_u64(parts.next()?)?;
+    let count = parse_u64(parts.next()?)?;
+    let port = match parts.next() {
+        Some(p) => Some(u16::try_from(parse_u64(p)?).ok()?),
+        None => None,
+    };
+    if parts.next().is_some() || rate == 0 {
+        return None;
+    }
+    Some(WorkloadOption { rate, count, port })
 }
 
 fn parse_skew(v: &[u8]) -> Option<Skew> {
@@ -291,6 +326,38 @@ mod tests {
                 ("events=4294967296", OptionError::BadValue),
             ]
         );
+    }
+
+    #[test]
+    fn workload_parses_with_and_without_a_port() {
+        let (o, errs) = parse("workload=1000000,0");
+        assert!(errs.is_empty(), "{errs:?}");
+        assert_eq!(
+            o.workload,
+            Some(WorkloadOption {
+                rate: 1_000_000,
+                count: 0,
+                port: None
+            })
+        );
+        let (o, _) = parse("workload=10,500,0x3f0");
+        assert_eq!(
+            o.workload,
+            Some(WorkloadOption {
+                rate: 10,
+                count: 500,
+                port: Some(0x3f0)
+            })
+        );
+        for bad in [
+            "workload=0,5",
+            "workload=5",
+            "workload=5,5,65536",
+            "workload=1,1,1,1",
+        ] {
+            let (o, errs) = parse(bad);
+            assert_eq!((o.workload, errs.len()), (None, 1), "{bad}");
+        }
     }
 
     #[test]

@@ -11,10 +11,12 @@
 
 use linked_list_allocator::LockedHeap;
 use vmtsync_agent::clock::GuestClock;
+use vmtsync_agent::events::NativePortIo;
 use vmtsync_agent::heap::{self, IdentityHal};
 use vmtsync_agent::options::Wire;
 use vmtsync_agent::pci::{DEFAULT_MMIO_WINDOW, PortCam};
 use vmtsync_agent::port;
+use vmtsync_agent::tsc::SkewedTsc;
 use vmtsync_agent::vsock::{self, VsockError, VsockLink, VsockTransport};
 use vmtsync_agent::vsock_stream::OneStream;
 use vmtsync_core::agent::{Agent, AgentError, AgentState, Link as _, LinkError};
@@ -134,14 +136,23 @@ fn run_session(ctx: &Ctx, mut link: VsockLink<Stream, NativeTsc>) -> Stream {
         ctx.tsc_khz,
         ctx.invariant_tsc,
     );
-    let mut agent: Agent<_, _> = Agent::new(link, clock);
+    let tsc = SkewedTsc {
+        tsc: ctx.tsc,
+        skew: opts.skew,
+    };
+    let mut agent = Agent::with_events(link, clock, &crate::EVENTS);
+    let mut load = crate::workload(ctx, &tsc);
     log!(
         "ready: postcard on vsock port {}, vcpu {}",
         opts.vsock_port,
         ctx.vcpu
     );
     loop {
-        match agent.poll() {
+        let polled = agent.poll();
+        if let Some(w) = &mut load {
+            w.tick(&crate::EVENTS, &tsc, &NativePortIo);
+        }
+        match polled {
             Ok(AgentState::Exited) => {
                 let s = agent.stats();
                 let l = agent.link().stats();

@@ -39,6 +39,23 @@ impl Skew {
     }
 }
 
+/// A TSC whose every reading goes through a [`Skew`]: what the agent's clock reports and what
+/// its event recorder stamps with, so probes and events live on the same (skewed) guest clock.
+#[derive(Clone, Copy, Debug)]
+pub struct SkewedTsc<T> {
+    /// The raw counter.
+    pub tsc: T,
+    /// The skew applied to each reading.
+    pub skew: Skew,
+}
+
+impl<T: vmtsync_core::arch::Tsc> vmtsync_core::arch::Tsc for SkewedTsc<T> {
+    #[inline]
+    fn read_ordered(&self) -> u64 {
+        self.skew.apply(self.tsc.read_ordered())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -30,6 +30,7 @@ pub mod debugfs;
 pub mod hosttsc;
 pub mod probe;
 pub mod procinfo;
+pub mod record;
 pub mod scan;
 pub mod syncfile;
 pub mod trace_events;

@@ -5,17 +5,33 @@ use std::vec::Vec;
 
 use super::fake::{FakeClock, FakeLink};
 use super::*;
+use crate::arch::FakeTsc;
 use crate::proto::{
     Hello, MappingPush, ProbeReply, ProbeReplyFull, decode_frame, try_unwrap_tsc_low32,
 };
+use crate::recorder::Ring;
 
 const VCPU: u32 = 3;
 const T0: u64 = (1 << 45) + 12_345;
 
-type TestAgent = Agent<FakeLink, FakeClock, 32>;
+type TestAgent = Agent<FakeLink, FakeClock, &'static Ring<256>>;
 
 fn agent(step: u64) -> TestAgent {
-    Agent::new(FakeLink::new(), FakeClock::new(T0, step, VCPU))
+    // Each test gets its own ring; leaking it is how a test gets the `static` a unikernel has.
+    let ring: &'static Ring<256> = std::boxed::Box::leak(std::boxed::Box::new(Ring::new()));
+    Agent::with_events(FakeLink::new(), FakeClock::new(T0, step, VCPU), ring)
+}
+
+/// Records event `id` stamped exactly `tsc` into the agent's ring.
+fn record_at(a: &TestAgent, id: u16, tsc: u64) -> bool {
+    a.events().record(&FakeTsc::new(tsc, 0), id, &[]).is_ok()
+}
+
+/// The batch's records as (timestamp, id).
+fn stamped(b: &EventBatch) -> Vec<(u64, u16)> {
+    b.timestamped()
+        .map(|r| r.map(|(t, r)| (t, r.id)).expect("timestamp in range"))
+        .collect()
 }
 
 /// Host side: sends `msg`, polls the agent once, returns everything it answered.
@@ -154,19 +170,13 @@ fn pushed_mapping_is_applied_and_events_are_stamped_in_host_time() {
     let mut a = agent(10);
     open(&mut a);
     // Events recorded before any mapping go out in guest time.
-    assert!(a.record_event_at(1, GuestTicks(T0 - 500)));
+    assert!(record_at(&a, 1, T0 - 500));
+    let mut want = EventBatch::new(VCPU, EventClock::Guest, T0 - 500);
+    want.last = true;
+    assert!(want.push(T0 - 500, T0 - 500, 1, &[]));
     assert_eq!(
         exchange(&mut a, &Message::EventsRequest { max: 8 }),
-        [Message::Events(EventBatch {
-            vcpu: VCPU,
-            dropped: 0,
-            remaining: 0,
-            events: heapless::Vec::from_slice(&[EventRecord {
-                id: 1,
-                stamp: EventStamp::Guest(GuestTicks(T0 - 500)),
-            }])
-            .unwrap(),
-        })]
+        [Message::Events(want)]
     );
 
     // Guest clock runs 1.5x the host's and 1_000_000 ticks ahead (VMX: 48 fraction bits).
@@ -192,20 +202,22 @@ fn pushed_mapping_is_applied_and_events_are_stamped_in_host_time() {
     assert_eq!(a.mapping(), Some(mapping));
 
     let guest_times = [T0, T0 + 1, T0 + 2, T0 + 3_000_000_001];
-    for (id, &g) in (10u32..).zip(&guest_times) {
-        assert!(a.record_event_at(id, GuestTicks(g)));
+    for (id, &g) in (10u16..).zip(&guest_times) {
+        assert!(record_at(&a, id, g));
     }
     let Ok([Message::Events(batch)]) =
         <[Message; 1]>::try_from(exchange(&mut a, &Message::EventsRequest { max: 100 }))
     else {
         panic!("expected one batch")
     };
-    assert_eq!(batch.events.len(), guest_times.len());
-    for (rec, &g) in batch.events.iter().zip(&guest_times) {
+    assert_eq!((batch.clock, batch.last), (EventClock::Host, true));
+    let got = stamped(&batch);
+    assert_eq!(got.len(), guest_times.len());
+    for (&(host, _), &g) in got.iter().zip(&guest_times) {
         // host = ceil((g - offset) * 2 / 3), the u128 reference.
         let want = (u128::from(g) - 1_000_000) * 2;
         let want = u64::try_from(want.div_ceil(3)).unwrap();
-        assert_eq!(rec.stamp, EventStamp::Host(HostTicks(want)), "guest {g}");
+        assert_eq!(host, want, "guest {g}");
         // And it is the first host tick whose guest image reaches the event (the guest runs
         // faster, so some guest ticks have no exact host preimage).
         assert!(mapping.try_guest_from_host(HostTicks(want)).unwrap() >= GuestTicks(g));
@@ -233,58 +245,109 @@ fn pushed_mapping_is_applied_and_events_are_stamped_in_host_time() {
 }
 
 #[test]
+fn a_record_the_mapping_cannot_convert_starts_a_guest_clock_batch() {
+    let mut a = agent(1);
+    open(&mut a);
+    // The guest runs at half the host's rate: guest ticks above 2^63 map past the host's u64.
+    let mapping = KvmTscMapping::try_new(0, 1 << 47, 48).unwrap();
+    let push = Message::SetMapping(MappingPush {
+        vcpu: VCPU,
+        mapping,
+    });
+    assert_eq!(
+        exchange(&mut a, &push),
+        [Message::MappingApplied { vcpu: VCPU }]
+    );
+    assert!(record_at(&a, 1, 5000));
+    assert!(record_at(&a, 2, u64::MAX - 10));
+    assert!(record_at(&a, 3, 6000));
+    let got = exchange(&mut a, &Message::EventsRequest { max: 10 });
+    let batches: Vec<&EventBatch> = got
+        .iter()
+        .map(|m| match m {
+            Message::Events(b) => b,
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    let clocks: Vec<_> = batches.iter().map(|b| (b.clock, b.last)).collect();
+    assert_eq!(
+        clocks,
+        [
+            (EventClock::Host, false),
+            (EventClock::Guest, false),
+            (EventClock::Host, true)
+        ]
+    );
+    assert_eq!(stamped(batches[0]), [(10_000, 1)]);
+    assert_eq!(stamped(batches[1]), [(u64::MAX - 10, 2)]);
+    assert_eq!(stamped(batches[2]), [(12_000, 3)]);
+}
+
+#[test]
 fn events_come_in_bounded_batches_and_overflow_is_counted() {
     let mut a = agent(1);
     open(&mut a);
-    for id in 0..40u32 {
-        let queued = a.record_event(id);
-        assert_eq!(queued, id < 32, "event {id}");
+    let tsc = FakeTsc::new(T0, 7);
+    for id in 0..300u16 {
+        let queued = a.events().record(&tsc, id, &id.to_le_bytes()).is_ok();
+        assert_eq!(queued, id < 256, "event {id}");
     }
-    assert_eq!(a.queued_events(), 32);
+    assert_eq!(a.waiting_events(), 256);
     let mut ids = Vec::new();
-    let mut batches = 0;
+    let mut requests = 0;
     loop {
-        let got = exchange(&mut a, &Message::EventsRequest { max: 5 });
-        let [Message::Events(b)] = got.as_slice() else {
-            panic!("{got:?}")
-        };
-        assert_eq!(b.dropped, 8);
-        assert!(b.events.len() <= 5);
-        ids.extend(b.events.iter().map(|e| e.id));
-        batches += 1;
-        assert_eq!(usize::try_from(b.remaining).unwrap(), 32 - ids.len());
-        if b.remaining == 0 {
+        let got = exchange(&mut a, &Message::EventsRequest { max: 100 });
+        requests += 1;
+        let mut sent = 0;
+        for (i, m) in got.iter().enumerate() {
+            let Message::Events(b) = m else {
+                panic!("{got:?}")
+            };
+            assert_eq!(b.dropped, 44);
+            assert!(b.records.len() <= EVENT_BATCH_MAX);
+            // Only the answer's final batch is flagged.
+            assert_eq!(b.last, i + 1 == got.len());
+            for (t, r) in b.timestamped().map(Option::unwrap) {
+                // Stamps are the recorder's TSC reads, 7 ticks apart; payloads intact.
+                assert_eq!(t, T0 + 7 * u64::from(r.id));
+                assert_eq!(r.payload.as_slice(), r.id.to_le_bytes());
+                ids.push(r.id);
+            }
+            sent += b.records.len();
+            assert_eq!(usize::try_from(b.remaining).unwrap(), 256 - ids.len());
+        }
+        // An answer holds at most `max` records.
+        assert!(sent <= 100);
+        if a.waiting_events() == 0 {
             break;
         }
     }
-    assert_eq!(batches, 7);
-    assert_eq!(ids, (0..32).collect::<Vec<_>>());
-    // Guest stamps are the TSC at each record_event (one read each, step 1, after hello).
-    a.record_event(99);
-    let got = exchange(&mut a, &Message::EventsRequest { max: u16::MAX });
-    let [Message::Events(b)] = got.as_slice() else {
-        panic!("{got:?}")
-    };
-    assert_eq!(b.events.len(), 1);
-    assert_eq!(b.events[0].stamp, EventStamp::Guest(GuestTicks(T0 + 41)));
+    assert_eq!(requests, 3);
+    assert_eq!(ids, (0..256).collect::<Vec<_>>());
+    // Nothing waiting: one empty, final batch.
+    let got = exchange(&mut a, &Message::EventsRequest { max: 100 });
+    assert!(
+        matches!(got.as_slice(), [Message::Events(b)] if b.records.is_empty() && b.last),
+        "{got:?}"
+    );
 }
 
 #[test]
 fn events_stay_queued_when_the_send_fails() {
     let mut a = agent(1);
     open(&mut a);
-    a.record_event(5);
+    assert!(record_at(&a, 5, T0));
     a.link_mut().refuse_sends = true;
     assert!(
         a.link_mut()
             .push_message(&Message::EventsRequest { max: 8 })
     );
     assert_eq!(a.poll(), Err(AgentError::Link(LinkError::WouldBlock)));
-    assert_eq!(a.queued_events(), 1);
+    assert_eq!(a.waiting_events(), 1);
     a.link_mut().refuse_sends = false;
     let got = exchange(&mut a, &Message::EventsRequest { max: 8 });
-    assert!(matches!(got.as_slice(), [Message::Events(b)] if b.events.len() == 1));
-    assert_eq!(a.queued_events(), 0);
+    assert!(matches!(got.as_slice(), [Message::Events(b)] if b.records.len() == 1));
+    assert_eq!(a.waiting_events(), 0);
 }
 
 #[test]
@@ -328,8 +391,8 @@ fn garbage_gets_an_error_and_the_next_frame_is_served() {
     // Noise ending in a delimiter, then a probe.
     assert!(a.link_mut().push_inbound(&[0x42, 0xff, 0x13, 0x00]));
     assert!(a.link_mut().push_message(&Message::Probe { seq: 1 }));
-    // An overlong run (no delimiter for 300 bytes), then a probe.
-    assert!(a.link_mut().push_inbound(&[0x07; 300]));
+    // An overlong run (no delimiter for more than a frame), then a probe.
+    assert!(a.link_mut().push_inbound(&[0x07; MAX_FRAME_SIZE + 10]));
     assert!(a.link_mut().push_inbound(&[0x00]));
     assert!(a.link_mut().push_message(&Message::Probe { seq: 2 }));
     // Arrives three bytes at a time, so every frame spans several recv calls.

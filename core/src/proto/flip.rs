@@ -7,11 +7,13 @@ use std::vec::Vec;
 
 use crate::agent::fake::{FakeClock, FakeLink};
 use crate::agent::{Agent, AgentState};
+use crate::arch::FakeTsc;
 use crate::mapping::KvmTscMapping;
 use crate::proto::{
     ErrorCode, Features, Feed, FrameReceiver, Hello, MAX_FRAME_SIZE, MappingPush, Message,
     PROTOCOL_VERSION, PvclockReport, decode_frame, encode_frame,
 };
+use crate::recorder::Ring;
 use crate::units::GuestTicks;
 
 const VCPU: u32 = 2;
@@ -36,10 +38,11 @@ fn record_session(tsc: u64, step: u64) -> (Frames, Frames) {
         flags: 1,
         tsc: GuestTicks(0),
     });
-    let mut agent: Agent<FakeLink, FakeClock> = Agent::new(FakeLink::new(), clock);
+    let ring: &'static Ring<64> = std::boxed::Box::leak(std::boxed::Box::new(Ring::new()));
+    let mut agent = Agent::with_events(FakeLink::new(), clock, ring);
     let mut to_guest = Vec::new();
     let mut to_host = Vec::new();
-    let mut send = |agent: &mut Agent<FakeLink, FakeClock>, msg: &Message| {
+    let mut send = |agent: &mut Agent<FakeLink, FakeClock, &'static Ring<64>>, msg: &Message| {
         let mut buf = [0u8; MAX_FRAME_SIZE];
         let frame = encode_frame(msg, &mut buf).unwrap();
         to_guest.push(frame.to_vec());
@@ -72,8 +75,14 @@ fn record_session(tsc: u64, step: u64) -> (Frames, Frames) {
         let push = Message::SetMapping(MappingPush { vcpu, mapping });
         assert_eq!(send(&mut agent, &push), 1);
     }
-    for id in [1, 2, 300, 70_000] {
-        assert!(agent.record_event(id));
+    let events_tsc = FakeTsc::new(tsc + 5_000, 2_600);
+    for (id, payload) in [
+        (1, &[][..]),
+        (2, &[0, 0, 7][..]),
+        (300, &[0xff; 16][..]),
+        (65_535, &[1][..]),
+    ] {
+        assert!(ring.record(&events_tsc, id, payload).is_ok());
     }
     assert_eq!(send(&mut agent, &Message::EventsRequest { max: 3 }), 1);
     assert_eq!(send(&mut agent, &Message::EventsRequest { max: 8 }), 1);

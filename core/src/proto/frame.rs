@@ -7,7 +7,10 @@
 //! - every message ends in a big-endian CRC-16/PROFIBUS ([`CRC16`]),
 //! - except the compact [`Message::Probe`] request (host → guest, tag 2), whose body is
 //!   `tag, seq` and ends in a CRC-8/AUTOSAR ([`CRC8`]), which keeps a probe round trip at 16
-//!   bytes.
+//!   bytes,
+//! - and [`Message::Events`] (guest → host, tag 11), up to about 2 KiB, which ends in a
+//!   big-endian CRC-32/BZIP2 ([`CRC32`]): CRC-16/PROFIBUS keeps Hamming distance 4 only up
+//!   to 342 bytes.
 //!
 //! The first body byte (the postcard tag) says which checksum follows; why these two and why
 //! the request may have the shorter one is in `docs/wire-integrity.md`.
@@ -24,7 +27,7 @@
 //! types (e.g. a [`crate::mapping::KvmTscMapping`] only decodes through its checked
 //! constructor), never panics, and every failure is a [`DecodeError`].
 
-use crc::{CRC_8_AUTOSAR, CRC_16_PROFIBUS, Crc, Digest};
+use crc::{CRC_8_AUTOSAR, CRC_16_PROFIBUS, CRC_32_BZIP2, Crc, Digest};
 use postcard::experimental::max_size::MaxSize;
 
 use super::message::Message;
@@ -40,16 +43,34 @@ pub static CRC16: Crc<u16> = Crc::<u16>::new(&CRC_16_PROFIBUS);
 /// 0x2F, init and xorout 0xFF), Hamming distance 4 over its two payload bytes.
 pub static CRC8: Crc<u8> = Crc::<u8>::new(&CRC_8_AUTOSAR);
 
+/// The checksum that ends an event batch ([`Message::Events`]): CRC-32/BZIP2 (the IEEE 802.3
+/// polynomial 0x04C11DB7, not reflected, init and xorout 0xFFFF_FFFF), appended big-endian.
+/// Hamming distance 4 up to 91,607 bits (Koopman's CRC tables), far beyond the largest batch.
+pub static CRC32: Crc<u32> = Crc::<u32>::new(&CRC_32_BZIP2);
+
 /// postcard tag of [`Message::Probe`], the one message checked by [`CRC8`] (pinned by the
 /// golden tests).
 const TAG_PROBE: u8 = 2;
+
+/// postcard tag of [`Message::Events`], the one message checked by [`CRC32`].
+const TAG_EVENTS: u8 = 11;
+
+/// Bytes of the checksum that follows a message whose postcard tag is `tag`.
+#[must_use]
+pub const fn checksum_len(tag: Option<&u8>) -> usize {
+    match tag {
+        Some(&TAG_PROBE) => 1,
+        Some(&TAG_EVENTS) => 4,
+        _ => 2,
+    }
+}
 
 /// The largest postcard encoding of any [`Message`] (from `MaxSize`, so a slight overestimate),
 /// without its checksum.
 pub const MAX_MESSAGE_SIZE: usize = Message::POSTCARD_MAX_SIZE;
 
-/// The largest frame body: [`MAX_MESSAGE_SIZE`] plus the 2-byte CRC-16.
-pub const MAX_BODY_SIZE: usize = MAX_MESSAGE_SIZE + 2;
+/// The largest frame body: [`MAX_MESSAGE_SIZE`] plus the longest checksum (CRC-32).
+pub const MAX_BODY_SIZE: usize = MAX_MESSAGE_SIZE + 4;
 
 /// The largest frame: [`MAX_BODY_SIZE`] plus COBS overhead (one byte per started 254-byte
 /// block) plus the `0x00` delimiter. Every frame buffer in this crate has this size.
@@ -116,19 +137,16 @@ pub fn encode<'a>(msg: &Message, buf: &'a mut [u8]) -> Result<&'a mut [u8], Enco
         .map_err(|_| EncodeError::BufferTooSmall)?
         .len();
     let (payload, tail) = buf.split_at_mut(len);
-    let crc_len = if payload.first() == Some(&TAG_PROBE) {
-        let crc = [CRC8.checksum(payload)];
-        tail.get_mut(..1)
-            .ok_or(EncodeError::BufferTooSmall)?
-            .copy_from_slice(&crc);
-        1
-    } else {
-        let crc = CRC16.checksum(payload).to_be_bytes();
-        tail.get_mut(..2)
-            .ok_or(EncodeError::BufferTooSmall)?
-            .copy_from_slice(&crc);
-        2
-    };
+    let crc_len = checksum_len(payload.first());
+    let mut crc = [0u8; 4];
+    match crc_len {
+        1 => crc[0] = CRC8.checksum(payload),
+        4 => crc = CRC32.checksum(payload).to_be_bytes(),
+        _ => crc[..2].copy_from_slice(&CRC16.checksum(payload).to_be_bytes()),
+    }
+    tail.get_mut(..crc_len)
+        .ok_or(EncodeError::BufferTooSmall)?
+        .copy_from_slice(crc.get(..crc_len).unwrap_or_default());
     buf.get_mut(..len + crc_len)
         .ok_or(EncodeError::BufferTooSmall)
 }
@@ -148,11 +166,7 @@ pub fn encode_frame<'a>(msg: &Message, buf: &'a mut [u8]) -> Result<&'a mut [u8]
 
 /// Splits an unframed body into its payload after checking the checksum the tag calls for.
 fn checked_payload(body: &[u8]) -> Result<&[u8], DecodeError> {
-    let crc_len = if body.first() == Some(&TAG_PROBE) {
-        1
-    } else {
-        2
-    };
+    let crc_len = checksum_len(body.first());
     let split = body
         .len()
         .checked_sub(crc_len)
@@ -161,6 +175,7 @@ fn checked_payload(body: &[u8]) -> Result<&[u8], DecodeError> {
     let ok = match *crc {
         [c] => CRC8.checksum(payload) == c,
         [hi, lo] => CRC16.checksum(payload) == u16::from_be_bytes([hi, lo]),
+        [a, b, c, d] => CRC32.checksum(payload) == u32::from_be_bytes([a, b, c, d]),
         _ => false,
     };
     if ok {
@@ -519,22 +534,26 @@ mod tests {
     fn max_sizes_are_consistent() {
         // The largest message is a full event batch of extreme values; it must fit.
         let rec = crate::proto::EventRecord {
-            id: u32::MAX,
-            stamp: crate::proto::EventStamp::Guest(GuestTicks(u64::MAX)),
+            delta: i64::MIN,
+            id: u16::MAX,
+            payload: heapless::Vec::from_slice(&[0xff; crate::proto::EVENT_PAYLOAD_MAX]).unwrap(),
         };
-        let worst = Message::Events(crate::proto::EventBatch {
-            vcpu: u32::MAX,
-            dropped: u32::MAX,
-            remaining: u32::MAX,
-            events: heapless::Vec::from_slice(&[rec; crate::proto::EVENT_BATCH_MAX]).unwrap(),
-        });
+        let mut batch =
+            crate::proto::EventBatch::new(u32::MAX, crate::proto::EventClock::Host, u64::MAX);
+        batch.dropped = u64::MAX;
+        batch.remaining = u32::MAX;
+        batch.last = true;
+        for _ in 0..crate::proto::EVENT_BATCH_MAX {
+            batch.records.push(rec.clone()).unwrap();
+        }
+        let worst = Message::Events(batch);
         let mut buf = [0u8; MAX_FRAME_SIZE];
         let bare = encode(&worst, &mut buf).unwrap().len();
         assert!(bare <= MAX_BODY_SIZE, "{bare} > {MAX_BODY_SIZE}");
         let framed = encode_frame(&worst, &mut buf).unwrap().len();
         assert!(framed <= MAX_FRAME_SIZE, "{framed} > {MAX_FRAME_SIZE}");
         std::println!("largest body {bare} B, frame {framed} B; buffers {MAX_FRAME_SIZE} B");
-        assert_eq!(MAX_BODY_SIZE, MAX_MESSAGE_SIZE + 2);
+        assert_eq!(MAX_BODY_SIZE, MAX_MESSAGE_SIZE + 4);
         assert_eq!(
             MAX_FRAME_SIZE,
             MAX_BODY_SIZE + MAX_BODY_SIZE.div_ceil(254) + 1
@@ -570,16 +589,20 @@ mod tests {
 
     #[test]
     fn decode_rejects_too_many_events() {
-        // Events batch announcing EVENT_BATCH_MAX + 1 records.
+        // Events batch (vcpu 0, dropped 0, remaining 0, last, guest clock, base 0) announcing
+        // EVENT_BATCH_MAX + 1 records of (delta 0, id 1, no payload).
         let mut bare = std::vec![
             0x0b,
             0,
             0,
             0,
+            1,
+            0,
+            0,
             u8::try_from(crate::proto::EVENT_BATCH_MAX + 1).unwrap()
         ];
         for _ in 0..=crate::proto::EVENT_BATCH_MAX {
-            bare.extend_from_slice(&[1, 0, 1]);
+            bare.extend_from_slice(&[0, 1, 0]);
         }
         assert_eq!(decode(&body_of(&bare)), Err(DecodeError::InvalidValue));
     }
@@ -590,9 +613,9 @@ mod tests {
         assert_eq!(decode(&[0x0c]), Err(DecodeError::Truncated));
         assert_eq!(decode(&body_of(&[2])), Err(DecodeError::Truncated));
         assert_eq!(decode(&body_of(&[99])), Err(DecodeError::InvalidValue));
-        // A varint longer than a u16 allows (EventsRequest's `max`).
+        // A varint longer than a u32 allows (EventsRequest's `max`).
         assert_eq!(
-            decode(&body_of(&[0x0a, 0xff, 0xff, 0xff, 0x01])),
+            decode(&body_of(&[0x0a, 0xff, 0xff, 0xff, 0xff, 0xff, 0x01])),
             Err(DecodeError::Malformed)
         );
         // Any flipped bit in the payload or the checksum.

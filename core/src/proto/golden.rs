@@ -8,25 +8,23 @@
 
 use super::*;
 use crate::mapping::KvmTscMapping;
-use crate::units::{GuestTicks, HostTicks};
+use crate::units::GuestTicks;
+use postcard::experimental::max_size::MaxSize;
 use std::println;
 use std::vec::Vec;
 
 /// (message, body = postcard bytes + checksum, COBS frame with delimiter).
 fn golden() -> Vec<(Message, &'static [u8], &'static [u8])> {
-    let mut events = heapless::Vec::new();
-    events
-        .push(EventRecord {
-            id: 1,
-            stamp: EventStamp::Guest(GuestTicks(0x2000_0000_0000)),
-        })
-        .unwrap();
-    events
-        .push(EventRecord {
-            id: 300,
-            stamp: EventStamp::Host(HostTicks(5)),
-        })
-        .unwrap();
+    // Two records 2600 ticks apart (a million events per second at 2.6 GHz), the first with
+    // no payload, the second with two bytes, then one 100 ticks back (a clock that stepped).
+    let base = 0x2000_0000_0000;
+    let mut events = EventBatch::new(2, EventClock::Guest, base);
+    events.remaining = 3;
+    events.dropped = 300;
+    events.last = true;
+    assert!(events.push(base, base, 1, &[]));
+    assert!(events.push(base, base + 2600, 7, &[0xaa, 0x00]));
+    assert!(events.push(base + 2600, base + 2500, 300, &[]));
     std::vec![
         (
             Message::Hello(Hello {
@@ -138,19 +136,19 @@ fn golden() -> Vec<(Message, &'static [u8], &'static [u8])> {
             &[0x05, 0x0a, 0x08, 0xd8, 0x28, 0x00],
         ),
         (
-            Message::Events(EventBatch {
-                vcpu: 0,
-                dropped: 0,
-                remaining: 3,
-                events,
-            }),
+            Message::Events(events),
+            // tag, vcpu 2, dropped 300, remaining 3, last, guest clock, base 2^45, 3 records:
+            // (delta 0, id 1, no payload), (delta +2600 = zigzag 5200, id 7, [aa 00]),
+            // (delta -100 = zigzag 199, id 300, no payload); CRC-32 0xa3100665.
             &[
-                0x0b, 0x00, 0x00, 0x03, 0x02, 0x01, 0x00, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x08,
-                0xac, 0x02, 0x01, 0x05, 0xd2, 0xec
+                0x0b, 0x02, 0xac, 0x02, 0x03, 0x01, 0x00, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x08,
+                0x03, 0x00, 0x01, 0x00, 0xd0, 0x28, 0x07, 0x02, 0xaa, 0x00, 0xc7, 0x01, 0xac, 0x02,
+                0x00, 0xa3, 0x10, 0x06, 0x65,
             ],
             &[
-                0x02, 0x0b, 0x01, 0x04, 0x03, 0x02, 0x01, 0x0e, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80,
-                0x08, 0xac, 0x02, 0x01, 0x05, 0xd2, 0xec, 0x00
+                0x07, 0x0b, 0x02, 0xac, 0x02, 0x03, 0x01, 0x09, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80,
+                0x08, 0x03, 0x02, 0x01, 0x06, 0xd0, 0x28, 0x07, 0x02, 0xaa, 0x05, 0xc7, 0x01, 0xac,
+                0x02, 0x05, 0xa3, 0x10, 0x06, 0x65, 0x00,
             ],
         ),
         (
@@ -174,11 +172,11 @@ fn golden() -> Vec<(Message, &'static [u8], &'static [u8])> {
 /// A bitwise MSB-first CRC straight from the catalog parameters (polynomial, init, xorout;
 /// neither input nor output reflected), independent of the `crc` crate's tables.
 fn reference_crc(width: u32, poly: u32, init: u32, xorout: u32, data: &[u8]) -> u32 {
-    let top = 1 << (width - 1);
-    let mask = (1u32 << width) - 1;
-    let mut r = init;
+    let top = 1u64 << (width - 1);
+    let mask = (1u64 << width) - 1;
+    let (poly, mut r) = (u64::from(poly), u64::from(init));
     for &b in data {
-        r ^= u32::from(b) << (width - 8);
+        r ^= u64::from(b) << (width - 8);
         for _ in 0..8 {
             r = if r & top != 0 {
                 ((r << 1) ^ poly) & mask
@@ -187,7 +185,7 @@ fn reference_crc(width: u32, poly: u32, init: u32, xorout: u32, data: &[u8]) -> 
             };
         }
     }
-    r ^ xorout
+    u32::try_from(r).expect("width <= 32") ^ xorout
 }
 
 #[test]
@@ -200,6 +198,11 @@ fn reference_crc_matches_the_catalog_check_values() {
     assert_eq!(reference_crc(8, 0x2f, 0xff, 0xff, b"123456789"), 0xdf);
     assert_eq!(u32::from(CRC16.checksum(b"123456789")), 0xa819);
     assert_eq!(u32::from(CRC8.checksum(b"123456789")), 0xdf);
+    assert_eq!(
+        reference_crc(32, 0x04c1_1db7, u32::MAX, u32::MAX, b"123456789"),
+        0xfc89_1918
+    );
+    assert_eq!(CRC32.checksum(b"123456789"), 0xfc89_1918);
 }
 
 #[test]
@@ -209,16 +212,13 @@ fn golden_bytes_encode_and_decode() {
     assert_eq!(table.len(), 15);
     for (tag, (msg, body, frame)) in table.into_iter().enumerate() {
         assert_eq!(usize::from(body[0]), tag, "{msg:?}");
-        // The checksum: CRC-8 after the compact probe, CRC-16 big-endian after the others.
-        let (payload, crc) = if tag == 2 {
-            body.split_at(body.len() - 1)
-        } else {
-            body.split_at(body.len() - 2)
-        };
-        let want = if tag == 2 {
-            reference_crc(8, 0x2f, 0xff, 0xff, payload)
-        } else {
-            reference_crc(16, 0x1dcf, 0xffff, 0xffff, payload)
+        // The checksum: CRC-8 after the compact probe, CRC-32 big-endian after an event
+        // batch, CRC-16 big-endian after the others.
+        let (payload, crc) = body.split_at(body.len() - checksum_len(body.first()));
+        let want = match tag {
+            2 => reference_crc(8, 0x2f, 0xff, 0xff, payload),
+            11 => reference_crc(32, 0x04c1_1db7, u32::MAX, u32::MAX, payload),
+            _ => reference_crc(16, 0x1dcf, 0xffff, 0xffff, payload),
         };
         let got = crc.iter().fold(0u32, |acc, &b| (acc << 8) | u32::from(b));
         assert_eq!(got, want, "checksum of {msg:?}");
@@ -348,6 +348,27 @@ fn hamming_distance_capped(width: u32, poly: u32, n: usize) -> u32 {
     5
 }
 
+/// The largest body payload of any message other than an event batch: every message kind with
+/// every field at its widest.
+fn largest_non_event_message() -> usize {
+    Message::POSTCARD_MAX_SIZE.min(
+        [
+            Hello::POSTCARD_MAX_SIZE,
+            Capabilities::POSTCARD_MAX_SIZE,
+            ProbeReply::POSTCARD_MAX_SIZE,
+            ProbeReplyFull::POSTCARD_MAX_SIZE,
+            MappingPush::POSTCARD_MAX_SIZE,
+            PvclockReport::POSTCARD_MAX_SIZE,
+            ErrorCode::POSTCARD_MAX_SIZE,
+            5, // `EventsRequest { max: u32 }`, the widest of the field-only variants
+        ]
+        .into_iter()
+        .max()
+        .unwrap_or(0)
+            + 1, // the tag
+    )
+}
+
 #[test]
 fn checksums_have_the_documented_hamming_distance() {
     let bits = |payload_bytes: usize, crc_bits: usize| payload_bytes * 8 + crc_bits;
@@ -360,10 +381,9 @@ fn checksums_have_the_documented_hamming_distance() {
     );
     assert_eq!(hamming_distance_capped(16, 0x1dcf, bits(13, 16)), 5);
     assert_eq!(hamming_distance_capped(16, 0x1dcf, bits(14, 16)), 4);
-    assert_eq!(
-        hamming_distance_capped(16, 0x1dcf, bits(MAX_MESSAGE_SIZE, 16)),
-        4
-    );
+    // Every message but an event batch (which has its own CRC-32) stays within HD 4.
+    assert_eq!(hamming_distance_capped(16, 0x1dcf, bits(342, 16)), 4);
+    assert!(largest_non_event_message() <= 342);
     // The classic CRC-16/IBM-3740 (0x1021) stays at HD 4 even for the probe: weaker here.
     assert_eq!(hamming_distance_capped(16, 0x1021, bits(7, 16)), 4);
     // CRC-8/AUTOSAR over the compact probe's two payload bytes: HD 4.

@@ -47,11 +47,12 @@ mod golden;
 pub(crate) mod testutil;
 
 pub use frame::{
-    CRC8, CRC16, DecodeError, EncodeError, Feed, FrameReceiver, MAX_BODY_SIZE, MAX_FRAME_SIZE,
-    MAX_MESSAGE_SIZE, ProbeReplyFrame, decode, decode_frame, encode, encode_frame,
+    CRC8, CRC16, CRC32, DecodeError, EncodeError, Feed, FrameReceiver, MAX_BODY_SIZE,
+    MAX_FRAME_SIZE, MAX_MESSAGE_SIZE, ProbeReplyFrame, checksum_len, decode, decode_frame, encode,
+    encode_frame,
 };
 pub use message::{
-    Capabilities, EVENT_BATCH_MAX, ErrorCode, EventBatch, EventRecord, EventStamp, Features, Hello,
-    MappingPush, Message, PROTOCOL_VERSION, ProbeReply, ProbeReplyFull, PvclockReport, Transport,
-    try_unwrap_tsc_low32, try_unwrap_tsc_low32_in,
+    Capabilities, EVENT_BATCH_MAX, EVENT_PAYLOAD_MAX, ErrorCode, EventBatch, EventClock,
+    EventRecord, Features, Hello, MappingPush, Message, PROTOCOL_VERSION, ProbeReply,
+    ProbeReplyFull, PvclockReport, Transport, try_unwrap_tsc_low32, try_unwrap_tsc_low32_in,
 };

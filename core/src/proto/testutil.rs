@@ -6,11 +6,11 @@ use proptest::prelude::*;
 use std::vec;
 use std::vec::Vec;
 
-use super::frame::{CRC8, CRC16};
+use super::frame::{CRC8, CRC16, CRC32};
 
 use super::message::*;
 use crate::mapping::KvmTscMapping;
-use crate::units::{GuestTicks, HostTicks};
+use crate::units::GuestTicks;
 
 fn arb_features() -> impl Strategy<Value = Features> {
     any::<u32>().prop_map(Features)
@@ -39,14 +39,16 @@ fn arb_error_code() -> impl Strategy<Value = ErrorCode> {
 }
 
 fn arb_event() -> impl Strategy<Value = EventRecord> {
-    (any::<u32>(), any::<bool>(), any::<u64>()).prop_map(|(id, host, t)| EventRecord {
-        id,
-        stamp: if host {
-            EventStamp::Host(HostTicks(t))
-        } else {
-            EventStamp::Guest(GuestTicks(t))
-        },
-    })
+    (
+        any::<i64>(),
+        any::<u16>(),
+        pvec(any::<u8>(), 0..=EVENT_PAYLOAD_MAX),
+    )
+        .prop_map(|(delta, id, p)| EventRecord {
+            delta,
+            id,
+            payload: heapless::Vec::from_slice(&p).unwrap(),
+        })
 }
 
 /// Any message that passes the decoder's semantic checks (so it must round-trip).
@@ -116,24 +118,26 @@ pub(crate) fn arb_message() -> impl Strategy<Value = Message> {
                     })
                 }
             ),
-        any::<u16>().prop_map(|max| Message::EventsRequest { max }),
+        any::<u32>().prop_map(|max| Message::EventsRequest { max }),
         (
-            any::<u32>(),
-            any::<u32>(),
-            any::<u32>(),
+            (any::<u32>(), any::<u64>(), any::<u32>(), any::<bool>()),
+            (any::<bool>(), any::<u64>()),
             pvec(arb_event(), 0..=EVENT_BATCH_MAX)
         )
-            .prop_map(|(vcpu, dropped, remaining, evs)| {
-                let mut events = heapless::Vec::new();
+            .prop_map(|((vcpu, dropped, remaining, last), (host, base), evs)| {
+                let clock = if host {
+                    EventClock::Host
+                } else {
+                    EventClock::Guest
+                };
+                let mut b = EventBatch::new(vcpu, clock, base);
+                b.dropped = dropped;
+                b.remaining = remaining;
+                b.last = last;
                 for e in evs {
-                    events.push(e).unwrap();
+                    b.records.push(e).unwrap();
                 }
-                Message::Events(EventBatch {
-                    vcpu,
-                    dropped,
-                    remaining,
-                    events,
-                })
+                Message::Events(b)
             }),
         Just(Message::Shutdown),
         Just(Message::Exiting),
@@ -145,10 +149,10 @@ pub(crate) fn arb_message() -> impl Strategy<Value = Message> {
 /// compact probe's tag 2, CRC-16 big-endian after every other), as `encode` would.
 pub(crate) fn body_of(payload: &[u8]) -> Vec<u8> {
     let mut body = payload.to_vec();
-    if payload.first() == Some(&2) {
-        body.push(CRC8.checksum(payload));
-    } else {
-        body.extend_from_slice(&CRC16.checksum(payload).to_be_bytes());
+    match payload.first() {
+        Some(&2) => body.push(CRC8.checksum(payload)),
+        Some(&11) => body.extend_from_slice(&CRC32.checksum(payload).to_be_bytes()),
+        _ => body.extend_from_slice(&CRC16.checksum(payload).to_be_bytes()),
     }
     body
 }

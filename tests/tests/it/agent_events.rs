@@ -1,7 +1,7 @@
 //! Tier 2: guest events (`events=N`) from the agent under the built-in VMM.
 //!
 //! With `events=N` the agent records, after each poll of its loop that handled messages, one
-//! event whose id is the number of messages handled so far. The host sends one request at a
+//! event whose payload is the number of messages handled so far. The host sends one request at a
 //! time, so event `k` is recorded after the reply to message `k` went out and before the guest
 //! read message `k + 1`: its TSC lies between the exit carrying that reply's first byte and the
 //! exit where the guest read the next request. Truth: guest TSC == host TSC here
@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use vmtsync::probe::ProbeSession;
 use vmtsync_core::mapping::KvmTscMapping;
-use vmtsync_core::proto::{EventRecord, EventStamp, Features, MappingPush, Message};
+use vmtsync_core::proto::{EventBatch, EventClock, Features, MappingPush, Message};
 use vmtsync_tests::vmm::client::{Com1Exchange, Com1Transport, wait_ready};
 use vmtsync_tests::vmm::{Vm, VmConfig, VmExit, agent_elf};
 use vmtsync_tests::{have_kvm, require};
@@ -68,22 +68,30 @@ impl<'a> Session<'a> {
         self.log.push(self.c.transport().last_exchange());
     }
 
-    /// Sends `EventsRequest { max }` until the agent says none remain; returns the events and
-    /// the batches' `dropped` counters.
-    fn drain(&mut self, max: u16) -> (Vec<EventRecord>, Vec<u32>) {
+    /// Sends `EventsRequest { max }` (at most one batch's worth, so one batch answers it)
+    /// until the agent says none remain; returns the events and the batches' `dropped`
+    /// counters.
+    fn drain(&mut self, max: u32) -> (Vec<Event>, Vec<u64>) {
         let (mut events, mut dropped) = (Vec::new(), Vec::new());
         loop {
-            let Message::Events(b) = self.ask(&Message::EventsRequest { max }) else {
-                panic!("expected an event batch, got {:?}", self.log.last())
-            };
-            assert_eq!(b.vcpu, 0);
-            assert!(b.events.len() <= usize::from(max));
-            events.extend(b.events.iter().copied());
+            let b = self.batch(max);
+            assert!(b.last, "one batch answers a request of {max}");
+            assert!(b.records.len() <= usize::try_from(max).unwrap());
+            events.extend(Event::all(&b));
             dropped.push(b.dropped);
             if b.remaining == 0 {
                 return (events, dropped);
             }
         }
+    }
+
+    /// One `EventsRequest { max }` answered by one batch.
+    fn batch(&mut self, max: u32) -> EventBatch {
+        let Message::Events(b) = self.ask(&Message::EventsRequest { max }) else {
+            panic!("expected an event batch, got {:?}", self.log.last())
+        };
+        assert_eq!(b.vcpu, 0);
+        b
     }
 
     /// Checks event `id`'s TSC against the bracket of the poll that recorded it.
@@ -95,6 +103,31 @@ impl<'a> Session<'a> {
             after_reply <= tsc && tsc <= before_next,
             "event {id} at {tsc} outside [{after_reply}, {before_next}]"
         );
+    }
+}
+
+/// One `events=N` event: the message count in its payload, its timestamp and clock.
+#[derive(Clone, Copy, Debug)]
+struct Event {
+    id: u32,
+    tsc: u64,
+    clock: EventClock,
+}
+
+impl Event {
+    fn all(b: &EventBatch) -> Vec<Self> {
+        b.timestamped()
+            .map(|r| {
+                let (tsc, r) = r.expect("timestamps in range");
+                assert_eq!(r.id, 1, "events=N records the message event");
+                let id = u32::from_le_bytes(r.payload.as_slice().try_into().expect("u32 payload"));
+                Self {
+                    id,
+                    tsc,
+                    clock: b.clock,
+                }
+            })
+            .collect()
     }
 }
 
@@ -116,19 +149,22 @@ fn builtin_vmm_agent_records_events_in_the_session_bracket_guest_then_host_stamp
         s.probe(true);
     }
     // Messages 1..=11 handled; the first drain (messages 12, 13) returns events 1..=12: a
-    // full batch of 8, then the rest, including the event of the first drain request itself.
+    // batch of 8 (all the request asked for), then the rest, including the event of the first
+    // drain request itself.
     let (guest_events, dropped) = s.drain(8);
     let ids: Vec<u32> = guest_events.iter().map(|e| e.id).collect();
     assert_eq!(ids, (1..=12).collect::<Vec<_>>(), "log:\n{}", vm.log_text());
     assert_eq!(dropped, vec![0, 0]);
     let mut prev = 0;
     for e in &guest_events {
-        let EventStamp::Guest(t) = e.stamp else {
-            panic!("no mapping yet, but {e:?} is host-stamped")
-        };
-        assert!(t.0 > prev, "event TSCs not increasing at {e:?}");
-        prev = t.0;
-        s.check_bracket(e.id, t.0);
+        assert_eq!(
+            e.clock,
+            EventClock::Guest,
+            "no mapping yet, but {e:?} is host-stamped"
+        );
+        assert!(e.tsc > prev, "event TSCs not increasing at {e:?}");
+        prev = e.tsc;
+        s.check_bracket(e.id, e.tsc);
     }
 
     // Guest TSC == host TSC here: the identity mapping is the truth.
@@ -150,12 +186,14 @@ fn builtin_vmm_agent_records_events_in_the_session_bracket_guest_then_host_stamp
     assert_eq!(ids, (13..=19).collect::<Vec<_>>());
     assert_eq!(dropped, vec![0]);
     for e in &host_events {
-        let EventStamp::Host(h) = e.stamp else {
-            panic!("mapping pushed, but {e:?} is guest-stamped")
-        };
-        assert!(h.0 > prev, "event TSCs not increasing at {e:?}");
-        prev = h.0;
-        s.check_bracket(e.id, h.0);
+        assert_eq!(
+            e.clock,
+            EventClock::Host,
+            "mapping pushed, but {e:?} is guest-stamped"
+        );
+        assert!(e.tsc > prev, "event TSCs not increasing at {e:?}");
+        prev = e.tsc;
+        s.check_bracket(e.id, e.tsc);
     }
     let first = s.log[0].request_read;
     let last = s.log.last().expect("exchanges").first_byte;
@@ -169,13 +207,7 @@ fn builtin_vmm_agent_records_events_in_the_session_bracket_guest_then_host_stamp
             let mut gaps: Vec<u64> = guest_events
                 .iter()
                 .chain(&host_events)
-                .map(|e| {
-                    let t = match e.stamp {
-                        EventStamp::Guest(t) => t.0,
-                        EventStamp::Host(h) => h.0,
-                    };
-                    t - s.log[usize::try_from(e.id).expect("id") - 1].first_byte
-                })
+                .map(|e| e.tsc - s.log[usize::try_from(e.id).expect("id") - 1].first_byte)
                 .collect();
             gaps.sort_unstable();
             gaps[gaps.len() / 2]
@@ -187,35 +219,91 @@ fn builtin_vmm_agent_records_events_in_the_session_bracket_guest_then_host_stamp
     assert_eq!(out.exit, VmExit::DebugExit(0), "log:\n{}", out.log);
     assert_eq!(
         out.log_lines.last().map(|l| l.text.as_str()),
-        Some("shutdown after 15 probes, 21 messages, 0 bad frames, 21 events: isa-debug-exit 0"),
+        Some(
+            "shutdown after 15 probes, 21 messages, 0 bad frames, 21 events (0 workload, 19 \
+             sent, 0 dropped): isa-debug-exit 0"
+        ),
         "log:\n{}",
         out.log
     );
 }
 
 #[test]
-fn builtin_vmm_agent_stops_after_n_events_and_counts_drops_past_its_queue() {
-    // The agent's queue holds 32 events: 36 recorded before the first drain lose 4.
-    let Some(vm) = boot(
-        "builtin_vmm_agent_stops_after_n_events_and_counts_drops_past_its_queue",
-        "events=36 exit=0",
-    ) else {
+fn builtin_vmm_agent_stops_after_n_events() {
+    let Some(vm) = boot("builtin_vmm_agent_stops_after_n_events", "events=36 exit=0") else {
         return;
     };
-    // The capabilities came (or the hello would have failed).
+    // The capabilities came (or the hello would have failed): message 1.
     let mut s = Session::start(&vm);
-    for _ in 0..35 {
+    for _ in 0..40 {
         s.probe(false);
     }
-    let (events, dropped) = s.drain(8);
+    let (events, dropped) = s.drain(64);
     let ids: Vec<u32> = events.iter().map(|e| e.id).collect();
-    assert_eq!(ids, (1..=32).collect::<Vec<_>>());
-    assert_eq!(dropped, vec![4; 4]);
+    assert_eq!(ids, (1..=36).collect::<Vec<_>>());
+    assert_eq!(dropped, vec![0]);
     // N reached: more traffic records nothing.
     s.probe(false);
     let (events, dropped) = s.drain(8);
     assert!(events.is_empty(), "{events:?}");
-    assert_eq!(dropped, vec![4]);
+    assert_eq!(dropped, vec![0]);
     assert_eq!(s.ask(&Message::Shutdown), Message::Exiting);
     assert_eq!(vm.wait().expect("run ends").exit, VmExit::DebugExit(0));
+}
+
+#[test]
+fn builtin_vmm_workload_overflows_the_ring_and_counts_every_drop() {
+    // 5000 workload events with nobody draining: the ring (4096 records) keeps the first
+    // 4096 and counts the other 904 as dropped, exactly.
+    let Some(vm) = boot(
+        "builtin_vmm_workload_overflows_the_ring_and_counts_every_drop",
+        "workload=1000000,5000 exit=0",
+    ) else {
+        return;
+    };
+    let mut s = Session::start(&vm);
+    // Wait (without draining: max 0) until the workload has emitted all 5000.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let b = s.batch(0);
+        assert!(b.records.is_empty() && b.last);
+        if u64::from(b.remaining) + b.dropped == 5000 {
+            assert_eq!((b.remaining, b.dropped), (4096, 904));
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "workload stuck: {b:?}\n{}",
+            vm.log_text()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let mut seqs = Vec::new();
+    let mut prev = 0;
+    loop {
+        let b = s.batch(64);
+        assert_eq!(b.dropped, 904);
+        for r in b.timestamped() {
+            let (tsc, r) = r.expect("timestamps in range");
+            assert_eq!(r.id, 0x100);
+            assert!(tsc >= prev, "workload timestamps go back at {tsc}");
+            prev = tsc;
+            seqs.push(u64::from_le_bytes(
+                r.payload.as_slice().try_into().expect("u64 payload"),
+            ));
+        }
+        if b.remaining == 0 {
+            break;
+        }
+    }
+    // The first 4096 events, in order, each once.
+    assert_eq!(seqs, (0..4096).collect::<Vec<_>>());
+    assert_eq!(s.ask(&Message::Shutdown), Message::Exiting);
+    let out = vm.wait().expect("run ends");
+    assert_eq!(out.exit, VmExit::DebugExit(0), "log:\n{}", out.log);
+    assert!(
+        out.log.contains("(5000 workload, 4096 sent, 904 dropped)"),
+        "log:\n{}",
+        out.log
+    );
 }

@@ -1,0 +1,73 @@
+//! Recorder cost per event on the guest's code path: `Ring::record` with the real ordered TSC
+//! read (`lfence; rdtsc`, what the agent uses) against the TSC read alone, plus the
+//! consumer's cost per record.
+//!
+//! Run with `cargo bench -p vmtsync-core --bench recorder`. Compare the numbers of one run
+//! with each other (the machine is shared); absolute times are only indicative.
+
+use std::hint::black_box;
+
+use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use vmtsync_core::arch::Tsc;
+use vmtsync_core::arch::x86_64::{NativeCpuid, NativeTsc};
+use vmtsync_core::recorder::Ring;
+
+static RING: Ring<4096> = Ring::new();
+
+fn bench_recorder(c: &mut Criterion) {
+    let tsc = NativeTsc::detect(&NativeCpuid);
+    let mut g = c.benchmark_group("recorder");
+    g.throughput(Throughput::Elements(1));
+    g.bench_function("tsc_read_alone", |b| {
+        b.iter(|| black_box(tsc.read_ordered()))
+    });
+    let payload = 0xfeed_u64.to_le_bytes();
+    // Record then pop: the ring never fills, so every iteration is a stored event.
+    g.bench_function("record_8B_payload_then_pop", |b| {
+        b.iter(|| {
+            let _ = RING.record(&tsc, black_box(7), black_box(&payload));
+            black_box(RING.pop())
+        });
+    });
+    // Record only, draining outside the timed loop in batches, so the producer's path alone
+    // is timed.
+    g.bench_function("record_8B_payload", |b| {
+        b.iter_custom(|iters| {
+            let mut total = std::time::Duration::ZERO;
+            let mut left = iters;
+            while left > 0 {
+                let n = left.min(4096);
+                let start = std::time::Instant::now();
+                for _ in 0..n {
+                    let _ = RING.record(&tsc, black_box(7), black_box(&payload));
+                }
+                total += start.elapsed();
+                while RING.pop().is_some() {}
+                left -= n;
+            }
+            total
+        });
+    });
+    g.bench_function("record_no_payload", |b| {
+        b.iter_custom(|iters| {
+            let mut total = std::time::Duration::ZERO;
+            let mut left = iters;
+            while left > 0 {
+                let n = left.min(4096);
+                let start = std::time::Instant::now();
+                for _ in 0..n {
+                    let _ = RING.record(&tsc, black_box(7), &[]);
+                }
+                total += start.elapsed();
+                while RING.pop().is_some() {}
+                left -= n;
+            }
+            total
+        });
+    });
+    g.finish();
+    assert_eq!(RING.dropped(), 0, "the bench must never fill the ring");
+}
+
+criterion_group!(benches, bench_recorder);
+criterion_main!(benches);

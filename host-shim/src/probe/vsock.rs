@@ -13,7 +13,7 @@ use super::transport::SocketStream;
 const SO_VM_SOCKETS_CONNECT_TIMEOUT: libc::c_int = 6;
 
 /// A connected AF_VSOCK stream socket (std has none). Used only on real hosts with
-/// `/dev/vhost-vsock`; tests never create one (DESIGN.md §4).
+/// `/dev/vhost-vsock`; tests never create one (docs/probe.md).
 #[derive(Debug)]
 pub struct VsockStream(OwnedFd);
 

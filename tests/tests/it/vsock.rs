@@ -143,7 +143,12 @@ fn session(test: &str, machine: Machine, ring: u8, port: u32, listen: bool, skew
         Err(e) => panic!("{e}\n{}", rig.diagnostics()),
     };
     assert_eq!(run.info.transport, Transport::VirtioVsock);
-    assert_eq!(run.samples.len(), usize::try_from(PROBES).unwrap(), "{:?}", run.stats);
+    assert_eq!(
+        run.samples.len(),
+        usize::try_from(PROBES).unwrap(),
+        "{:?}",
+        run.stats
+    );
     // Every probe's host bracket [sent, received] contains the guest's TSC moved by the true
     // offset, so the offset interval (guest − host) they jointly allow contains the truth.
     assert_eq!(run.outside_bracket(truth), 0, "{:?}", run.samples);

@@ -14,8 +14,10 @@
 //! - the built-in VMM again with the agent's software skew (`skew=OFFSET,RATIO,FRAC`), so the
 //!   truth is a non-identity line (`skew/…`).
 //!
-//! Truth: guest TSC == host TSC here (KVM cannot offset or scale it, DESIGN.md §4), or the skew
-//! the agent was told to apply. Each session's samples go to `estimate_offset` (interval and
+//! Truth: guest TSC == host TSC here (KVM cannot offset or scale it, docs/probe.md), or the skew
+//! the agent was told to apply. Every path is driven by vmtsync's own `ProbeSession` (hello,
+//! compact probes unwrapped in their window, shutdown) over a rig transport that records every
+//! stamp of each exchange (`vmtsync_tests::vmm::client`). Each session's samples go to `estimate_offset` (interval and
 //! centre), `DriftEstimator` (rate and offset bounds) and `trace_cmd_fastest`; the table reports
 //! median |error| over sessions, their ratio, interval widths, whether every interval contained
 //! the truth, probe bracket widths and the bytes each probe put on the wire. The last line is
@@ -36,8 +38,9 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
+use vmtsync::probe::{ProbeSession, StampedTransport};
 use vmtsync_core::estimate::ProbeSample;
-use vmtsync_core::proto::{Features, Hello, Message, PROTOCOL_VERSION, try_unwrap_tsc_low32};
+use vmtsync_core::proto::Message;
 use vmtsync_core::{GuestTicks, HostTicks};
 use vmtsync_tests::vmm::qemu::{Machine, have_qemu};
 use vmtsync_tests::vmm::{agent_elf, tsc::host_tsc};
@@ -60,34 +63,18 @@ usage: vmtsync-probe-bench [--sessions K] [--probes N] [--machine microvm|q35] [
   --skew O,R,F      agent skew: guest = O + ((tsc * R) >> F) (default -3000000000000,
                     281503124208327,48: offset -3e12 ticks, rate 1.0001)";
 
-/// One request/reply exchange and the host stamps the link took around it.
-#[derive(Debug, Clone)]
-pub struct Exchanged<S> {
-    /// The reply.
-    pub reply: Message,
-    /// Bytes written for the request (the whole frame with its delimiter).
-    pub sent: usize,
-    /// Bytes read for the reply (the whole frame with its delimiter).
-    pub received: usize,
-    /// Link-specific host TSC stamps.
-    pub stamps: S,
-}
-
-/// A transport to the agent that stamps exchanges with the host TSC.
-pub trait ProbeLink {
-    /// The host TSC stamps this link takes per exchange.
+/// A rig transport that records every host stamp of its last exchange.
+pub trait Recorded: StampedTransport {
+    /// The stamps it records per exchange.
     type Stamps: Copy;
-    /// Sends `msg` and returns the next frame from the agent.
-    ///
-    /// # Errors
-    /// Timeouts, undecodable frames, I/O errors.
-    fn exchange(&mut self, msg: &Message) -> Result<Exchanged<Self::Stamps>>;
+    /// The last exchange's stamps, request bytes and reply bytes.
+    fn last(&self) -> (Self::Stamps, usize, usize);
 }
 
-/// One probe: the (unwrapped) guest TSC and the link's stamps.
+/// One probe: the guest TSC the session verified and the link's stamps.
 #[derive(Debug, Clone, Copy)]
 pub struct Probe<S> {
-    /// The full guest TSC the agent reported.
+    /// The full guest TSC the agent reported (unwrapped by the session).
     pub guest: u64,
     /// Host TSC stamps around it.
     pub stamps: S,
@@ -126,50 +113,44 @@ impl<S: Copy> Session<S> {
     }
 }
 
-/// Runs `sessions` sessions of a hello and `probes` compact probes over `link`. Each compact
-/// reply is unwrapped against the previous full reading (the hello's TSC, then each probe).
+/// Runs `sessions` vmtsync probe sessions of a hello and `probes` probes each over
+/// `transport` (back to back, so every probe after the hello is compact), then shuts the agent
+/// down. A lost probe (a reply the session could not verify) fails the run.
 ///
 /// # Errors
-/// Link errors and unexpected replies.
-pub fn run_sessions<L: ProbeLink>(
-    link: &mut L,
+/// The session's errors, lost probes, a shutdown not answered with `Exiting`.
+pub fn run_sessions<T: Recorded>(
+    transport: &mut T,
     sessions: usize,
     probes: usize,
-) -> Result<Vec<Session<L::Stamps>>> {
-    let hello = Message::Hello(Hello {
-        version: PROTOCOL_VERSION,
-        features: Features::NONE,
-    });
+) -> Result<Vec<Session<T::Stamps>>> {
     let mut out = Vec::with_capacity(sessions);
-    for _ in 0..sessions {
-        let caps = match link.exchange(&hello)?.reply {
-            Message::Capabilities(c) => c,
-            other => bail!("hello answered with {other:?}"),
-        };
-        let mut reference = caps.tsc;
+    for k in 0..sessions {
+        let mut session = ProbeSession::hello(&mut *transport, STEP)?;
         let mut got = Vec::with_capacity(probes);
         for i in 0..probes {
-            let seq = u16::try_from(i).context("at most 65536 probes per session")?;
-            let ex = link.exchange(&Message::Probe { seq })?;
-            let r = match ex.reply {
-                Message::ProbeReply(r) if r.seq == seq => r,
-                other => bail!("probe {seq} answered with {other:?}"),
-            };
-            let guest = try_unwrap_tsc_low32(reference, r.tsc_low32)
-                .context("compact probe does not unwrap")?;
-            reference = guest;
+            let sample = session
+                .probe()?
+                .with_context(|| format!("session {k}: probe {i} lost: {:?}", session.stats()))?;
+            let (stamps, sent, received) = session.transport().last();
             got.push(Probe {
-                guest: guest.0,
-                stamps: ex.stamps,
-                sent: ex.sent,
-                received: ex.received,
+                guest: sample.guest.0,
+                stamps,
+                sent,
+                received,
             });
         }
         out.push(Session {
-            tsc_khz: caps.tsc_khz,
-            vcpu: caps.vcpu,
+            tsc_khz: session.info().tsc_khz,
+            vcpu: session.info().vcpu,
             probes: got,
         });
+        if k + 1 == sessions {
+            let (bye, _) = session.request(&Message::Shutdown)?;
+            if bye != Message::Exiting {
+                bail!("shutdown answered with {bye:?}");
+            }
+        }
     }
     Ok(out)
 }

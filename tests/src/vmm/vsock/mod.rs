@@ -280,7 +280,11 @@ impl VsockRig {
     /// # Errors
     /// [`VsockRigError::Timeout`] with the last failure, or [`VsockRigError::Exited`] when QEMU
     /// ends first.
-    pub fn connect(&mut self, port: u32, timeout: Duration) -> Result<VsockTransport, VsockRigError> {
+    pub fn connect(
+        &mut self,
+        port: u32,
+        timeout: Duration,
+    ) -> Result<VsockTransport, VsockRigError> {
         let end = Instant::now() + timeout;
         let uds = self.dir.join("vm.vsock");
         loop {

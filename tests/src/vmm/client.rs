@@ -488,4 +488,50 @@ mod tests {
         t.byte(9, 8);
         assert_eq!(t.current, Some((8, 1)));
     }
+
+    #[test]
+    fn beacons_and_frames_split_across_reads_reach_the_session() {
+        use std::os::unix::net::UnixStream;
+        use vmtsync::probe::StreamTransport;
+        use vmtsync_core::proto::{Capabilities, MAX_FRAME_SIZE, Message, encode_frame};
+
+        let (a, mut b) = UnixStream::pair().expect("pair");
+        let mut buf = [0u8; MAX_FRAME_SIZE];
+        let caps = Message::Capabilities(Capabilities {
+            version: vmtsync_core::proto::PROTOCOL_VERSION,
+            transport: Transport::VirtioVsock,
+            features: Features::NONE,
+            vcpu: 7,
+            tsc: GuestTicks(1 << 40),
+            tsc_khz: None,
+        });
+        let frame = encode_frame(&caps, &mut buf).expect("encodes").to_vec();
+        let agent = std::thread::spawn(move || {
+            b.write_all(&[0]).expect("beacon");
+            // Wait for the hello (a delimiter, then the hello frame), then answer one byte at a
+            // time.
+            let mut got = Vec::new();
+            let mut one = [0u8; 1];
+            while got.iter().filter(|&&x| x == 0).count() < 2 {
+                b.read_exact(&mut one).expect("hello");
+                got.push(one[0]);
+            }
+            for chunk in frame.chunks(1) {
+                b.write_all(chunk).expect("chunk");
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            b
+        });
+        let mut t = StreamTransport::new(a, Duration::from_secs(10)).expect("transport");
+        wait_ready(&mut t, Instant::now() + Duration::from_secs(10)).expect("beacon");
+        let mut s = ProbeSession::hello(t, Duration::from_millis(500)).expect("capabilities");
+        assert_eq!(
+            (s.info().vcpu, s.info().hello_tsc),
+            (7, GuestTicks(1 << 40))
+        );
+        let _b = agent.join().expect("agent");
+        // Nothing more comes: the wait ends at its deadline instead of hanging.
+        let err = s.request(&Message::Shutdown).expect_err("no reply");
+        assert!(matches!(err, ProbeError::Timeout { .. }), "{err}");
+    }
 }

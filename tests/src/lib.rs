@@ -6,6 +6,7 @@
 
 use std::process::Child;
 
+pub mod fake_agent;
 pub mod idle_vmm;
 pub mod vmm;
 

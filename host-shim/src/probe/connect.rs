@@ -129,8 +129,7 @@ pub fn connect_until_stopped(
         ProbeAddr::Vsock { cid, port } => {
             // A guest whose agent is not listening yet resets the connection: retry.
             let s = loop {
-                let left = retry.left().max(Duration::from_millis(1));
-                match VsockStream::connect(*cid, *port, left) {
+                match VsockStream::connect(*cid, *port) {
                     Ok(s) => break s,
                     Err(e) if retryable(&e) => {
                         if !retry.again(&e) {

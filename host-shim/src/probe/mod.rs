@@ -10,7 +10,6 @@
 //! - [`session`]: hello, probes, TSC unwrap, garbage and timeout handling.
 //! - [`report`]: estimates, RTT statistics, text and `--json` (schema 1) output.
 //! - [`continuous`]: periodic re-sync into a sync file ([`crate::syncfile`]).
-//! - [`fake`]: a loopback agent (the core's state machine, host TSC plus a skew) for tests.
 //!
 //! The CLI parses [`ProbeArgs`] and calls [`run_probe`] with [`ProbeArgs::to_options`];
 //! in-process users call [`run_probe_on`] with their own transport.
@@ -19,7 +18,6 @@ pub mod addr;
 pub mod args;
 pub mod connect;
 pub mod continuous;
-pub mod fake;
 pub mod progress;
 pub mod reference;
 pub mod report;

@@ -11,7 +11,6 @@ use std::process::{Output, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use vmtsync::probe::fake::{self, SkewedClock};
 use vmtsync::probe::transport::host_tsc_now;
 use vmtsync::probe::{
     ConnectOptions, ProbeAddr, ProbeSession, ProbeSummary, Progress, connect::connect,
@@ -19,6 +18,7 @@ use vmtsync::probe::{
 use vmtsync::syncfile::{SyncFile, convert_with_sync};
 use vmtsync_core::estimate::ProbeSample;
 use vmtsync_core::mapping::KvmTscMapping;
+use vmtsync_tests::fake_agent::{self as fake, SkewedClock};
 use vmtsync_tests::vmm::agent_elf;
 use vmtsync_tests::vmm::defmt_log::decode_file_text;
 use vmtsync_tests::vmm::qemu::{self, Machine, have_qemu};

@@ -3,8 +3,8 @@
 //! Every wait has a deadline. A guest whose vsock queues are not up yet makes
 //! vhost-device-vsock drop (or, about one connect in twenty in early experiments, hang) a
 //! host connection, so connects and handshakes are retried with a short backoff until the
-//! connect deadline passes (docs/probe.md). The pieces: [`super::retry`] (backoff, deadline,
-//! stop flag), [`super::sockets`] (Unix and TCP), [`super::vhost_uds`] (vhost-device-vsock's
+//! connect deadline passes (docs/probe.md). The pieces: `retry` (backoff, deadline,
+//! stop flag), `sockets` (Unix and TCP), [`super::vhost_uds`] (vhost-device-vsock's
 //! `CONNECT` handshake), [`super::vsock`] (AF_VSOCK).
 
 use std::io;

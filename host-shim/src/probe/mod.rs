@@ -4,12 +4,18 @@
 //! Layers:
 //! - [`addr`]: the `--connect ADDR` forms and the AF_VSOCK socket address.
 //! - [`args`]: the flags as a clap `Args` struct for the CLI.
-//! - [`connect`]: opening an address (retries, vhost-device-vsock handshake, deadlines).
+//! - [`connect`]: opening an address; with `retry` (backoff, one deadline, the stop flag),
+//!   `sockets` (Unix, TCP), [`vhost_uds`] (vhost-device-vsock's `CONNECT` handshake, also used
+//!   by the test rigs) and [`vsock`] (AF_VSOCK through the rust-vmm `vsock` crate).
 //! - [`transport`]: [`StampedTransport`], the byte stream that stamps with the host TSC, and
-//!   its socket implementation; an in-process VMM implements the trait with its own stamps.
-//! - [`session`]: hello, probes, TSC unwrap, garbage and timeout handling.
+//!   its socket implementation; the test VMM's COM1 implements the trait with its VM-exit
+//!   stamps (`vmtsync_tests::vmm::client`).
+//! - [`session`]: the one host-side protocol driver: hello, probes, requests, garbage, flood
+//!   and timeout handling, every rejection counted; [`reference`](mod@reference): the window a reply's TSC
+//!   must lie in, which makes compact replies unambiguous (docs/probe.md).
 //! - [`report`]: estimates, RTT statistics, text and `--json` (schema 1) output.
 //! - [`continuous`]: periodic re-sync into a sync file ([`crate::syncfile`]).
+//! - `testutil` (tests only): `SimTransport`, the core agent on a simulated host clock.
 //!
 //! The CLI parses [`ProbeArgs`] and calls [`run_probe`] with [`ProbeArgs::to_options`];
 //! in-process users call [`run_probe_on`] with their own transport.

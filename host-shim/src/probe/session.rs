@@ -5,9 +5,10 @@
 //!
 //! Untrusted guest bytes go through a fixed 256-byte read buffer and the core's
 //! [`FrameReceiver`] (a fixed [`vmtsync_core::proto::MAX_FRAME_SIZE`] buffer); with the
-//! session's counters that is the whole per-connection state: about `256 + MAX_FRAME_SIZE +
-//! 200` bytes, whatever the guest sends (a round's samples, 32 B each, grow with the host's
-//! `--probes`, not with guest input). A frame that does not decode, or is too long, is counted
+//! session's counters and the socket that is the whole per-connection state, on the stack and
+//! at most [`MAX_SESSION_BYTES`] (1 KiB; 704 B today), whatever the guest sends. A round's
+//! samples (32 B each) grow with the host's `--probes`, not with guest input; continuous mode
+//! adds a fixed-capacity hull ([`super::report::HULL_CAPACITY`] vertices). A frame that does not decode, or is too long, is counted
 //! in [`SessionStats::bad_frames`] and skipped; nothing the guest sends can make this code
 //! panic. Every wait has a deadline, so a guest that stops answering is a
 //! [`ProbeError::Timeout`], never a hang; and one wait handles at most [`MAX_BYTES_PER_WAIT`]
@@ -51,6 +52,10 @@ use super::transport::{FrameStamps, StampedTransport, TransportError};
 /// 0.35 s at 3 GHz). The window then spans about 1.5 · 2^30 plus twice the round trip, so a
 /// reply unwraps unless it took longer than about 2^30 ticks; later, a full probe is asked for.
 pub const UNWRAP_HORIZON: u64 = 1 << 30;
+
+/// The most memory one session over a socket holds ([`ProbeSession`] itself: fixed buffers and
+/// counters, no heap), pinned by a test.
+pub const MAX_SESSION_BYTES: usize = 1024;
 
 /// The probe sequence number's width on the wire.
 pub type Seq = u16;
@@ -772,6 +777,15 @@ mod tests {
         assert!(matches!(s.probe(), Err(ProbeError::Flooded { .. })));
         let stats = s.stats();
         assert_eq!((stats.flooded, stats.lost_probes), (3, 3), "{stats:?}");
+    }
+
+    #[test]
+    fn the_per_connection_state_fits_the_documented_bound() {
+        use std::os::unix::net::UnixStream;
+        // The whole state a connection holds, whatever the guest sends (module docs).
+        let size = std::mem::size_of::<ProbeSession<super::super::StreamTransport<UnixStream>>>();
+        eprintln!("ProbeSession over a socket: {size} bytes, MAX_FRAME_SIZE {MAX_FRAME_SIZE}");
+        assert!(size <= MAX_SESSION_BYTES, "{size} > {MAX_SESSION_BYTES}");
     }
 
     #[test]

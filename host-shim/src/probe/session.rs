@@ -739,9 +739,9 @@ mod tests {
                 tsc: 1,
             })
         };
-        let a = encode_frame(&forged(4000), &mut buf).unwrap().to_vec();
+        let a = encode_frame(&forged(Seq::MAX), &mut buf).unwrap().to_vec();
         let b = encode_frame(&forged(1), &mut buf).unwrap().to_vec();
-        // Before probe 1's reply: seq 4000 (never sent); before probe 2's: seq 1 (stale).
+        // Before probe 1's reply: the largest seq (never sent); before probe 2's: seq 1 (stale).
         t.garbage = vec![b, a, vec![], vec![]];
         let (samples, stats) = run(t, 3);
         assert_eq!(samples.len(), 3);

@@ -130,6 +130,9 @@ pub struct SessionStats {
     pub bad_stamps: u64,
     /// Probe waits abandoned after [`MAX_BYTES_PER_WAIT`] bytes without the reply (lost).
     pub flooded: u64,
+    /// Samples that came from compact replies (unwrapped in their window); the others came
+    /// from full-width ones.
+    pub compact_samples: u64,
 }
 
 /// A connected, greeted agent.
@@ -386,7 +389,10 @@ impl<T: StampedTransport> ProbeSession<T> {
             (Reading::Full(g), Some(Some(w))) if w.contains(g) => g,
             (Reading::Low32(low), Some(Some(w))) if w.is_unambiguous() => {
                 match w.unwrap_low32(low) {
-                    Some(g) => g,
+                    Some(g) => {
+                        self.stats.compact_samples += 1;
+                        g
+                    }
                     None => {
                         self.stats.out_of_window += 1;
                         return Ok(self.lost());
@@ -624,6 +630,10 @@ mod tests {
         let (samples, stats) = run(t, 64);
         assert_eq!(samples.len(), 64);
         assert_eq!(stats.sent, 64);
+        // Every probe but the first was compact, each unwrapped in its window. (The sim's gap
+        // passes before every send, the hello's delimiter and hello included, so the first
+        // probe comes 2^30 ticks after the hello's first send: past the horizon, a full one.)
+        assert_eq!(stats.compact_samples, 63);
         assert_eq!(
             (stats.bad_frames, stats.lost_probes, stats.stale_replies),
             (0, 0, 0)
@@ -835,6 +845,7 @@ mod tests {
             let sample = s.probe().unwrap().unwrap();
             assert_eq!(sample.guest.0 - 123, sample.host_send.0 + 700);
         }
+        assert_eq!(s.stats().compact_samples, 0);
         let t = s.into_transport();
         // Every probe after a gap beyond the horizon was a ProbeFull (8 TSC bytes).
         assert_eq!(t.agent.stats().probes, 4);

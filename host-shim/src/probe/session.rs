@@ -438,7 +438,8 @@ impl<T: StampedTransport> ProbeSession<T> {
 
     /// Any other request (a pvclock report, events, a mapping push, shutdown): sends `msg` and
     /// returns the next well-formed message with the host stamps around the exchange, refined
-    /// by the transport like a probe's. Garbage frames are skipped and counted; the wait has
+    /// by the transport like a probe's. Those stamps bracket the reply only if it answers
+    /// `msg` (these messages carry no sequence number): callers check the reply's kind. Garbage frames are skipped and counted; the wait has
     /// the session's deadline and byte budget. Probes go through [`ProbeSession::probe`],
     /// which checks and unwraps their replies.
     ///

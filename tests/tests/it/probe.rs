@@ -430,90 +430,38 @@ fn vsock_uds_handshake_survives_a_hung_attempt() {
 
 /// The probe engine over the built-in VMM's COM1, stamped at VM exits (tier 2: /dev/kvm).
 mod vmm {
-    use std::time::{Duration, Instant};
+    use std::time::Duration;
 
-    use vmtsync::probe::transport::{
-        FrameStamps, Received, StampedTransport, TransportError, host_tsc_now,
-    };
-    use vmtsync::probe::{ProbeSession, ProbeSummary, Progress};
+    use vmtsync::probe::{ProbeSession, ProbeSummary};
     use vmtsync_core::HostTicks;
     use vmtsync_core::estimate::ProbeSample;
-    use vmtsync_tests::vmm::{SerialHost, Vm, VmConfig, VmExit, agent_elf};
+    use vmtsync_tests::vmm::client::{Com1Exchange, Com1Transport};
+    use vmtsync_tests::vmm::{Vm, VmConfig, VmExit, agent_elf};
     use vmtsync_tests::{have_kvm, require};
 
-    /// COM1 as a [`StampedTransport`]. `send`/`recv` stamp like a socket would (host TSC
-    /// around the calls); `refine` replaces those with the VM exits: the exit where the guest
-    /// read the request's delimiter, the exit before the reply's first byte (the agent polls
-    /// LSR, reads the TSC and writes that byte with no exit between), and that byte's exit.
-    struct Com1<'a> {
-        host: &'a SerialHost,
-        at_frame_start: bool,
-        /// `(prev_exit_host_tsc, host_tsc)` of the first byte of the last frame received.
-        frame_first: Option<(u64, u64)>,
-        /// Host TSC of the exit where the guest read the last request delimiter.
-        request_read: Option<u64>,
-        /// Every probe's socket-style and exit stamps, for comparison.
-        pairs: Vec<(FrameStamps, FrameStamps)>,
-    }
-
-    impl StampedTransport for Com1<'_> {
-        fn send(&mut self, frame: &[u8]) -> Result<HostTicks, TransportError> {
-            let stamp = host_tsc_now();
-            self.host.send(frame);
-            Ok(stamp)
-        }
-
-        fn recv(&mut self, buf: &mut [u8], deadline: Instant) -> Result<Received, TransportError> {
-            let mut n = 0;
-            while n < buf.len() {
-                // Block for the first byte only; then take what is already there.
-                let wait = if n == 0 {
-                    deadline.saturating_duration_since(Instant::now())
-                } else {
-                    Duration::ZERO
-                };
-                let Some(b) = self.host.recv_timeout(wait) else {
-                    break;
-                };
-                if self.at_frame_start && b.byte != 0 {
-                    self.frame_first = Some((b.prev_exit_host_tsc, b.host_tsc));
+    /// The session's samples re-bracketed by `pick(exchange)`: the same guest readings.
+    fn rebracket(
+        samples: &[ProbeSample],
+        exchanges: &[Com1Exchange],
+        pick: impl Fn(&Com1Exchange) -> (u64, u64),
+    ) -> Vec<ProbeSample> {
+        samples
+            .iter()
+            .zip(exchanges)
+            .map(|(s, x)| {
+                let (send, recv) = pick(x);
+                ProbeSample {
+                    host_send: HostTicks(send),
+                    host_recv: HostTicks(recv),
+                    ..*s
                 }
-                self.at_frame_start = b.byte == 0;
-                buf[n] = b.byte;
-                n += 1;
-                // End chunks at a delimiter so `frame_first` belongs to the frame just completed.
-                if b.byte == 0 {
-                    break;
-                }
-            }
-            if n == 0 {
-                return Err(TransportError::Timeout(Duration::ZERO));
-            }
-            Ok(Received {
-                len: n,
-                stamp: host_tsc_now(),
             })
-        }
-
-        fn refine(&mut self, stamps: FrameStamps) -> FrameStamps {
-            while let Some(b) = self.host.delivered_timeout(Duration::ZERO) {
-                if b.byte == 0 {
-                    self.request_read = Some(b.host_tsc);
-                }
-            }
-            let Some((prev, first)) = self.frame_first else {
-                return stamps;
-            };
-            let send = stamps.send.0.max(self.request_read.unwrap_or(0)).max(prev);
-            let exact = FrameStamps {
-                send: HostTicks(send),
-                recv: HostTicks(stamps.recv.0.min(first)),
-            };
-            self.pairs.push((stamps, exact));
-            exact
-        }
+            .collect()
     }
 
+    /// The probe engine over the built-in VMM's COM1 transport, whose `refine` replaces the
+    /// host-call stamps with the VM exits (the guest's read of the request's delimiter, its
+    /// write of the reply's first byte).
     #[test]
     fn probe_engine_over_builtin_vmm_com1_with_exit_stamps() {
         let test = "probe_engine_over_builtin_vmm_com1_with_exit_stamps";
@@ -528,35 +476,42 @@ mod vmm {
             ..VmConfig::default()
         };
         let vm = Vm::boot(&agent_elf().expect("agent builds"), &cfg).expect("VM boots");
-        let mut t = Com1 {
-            host: vm.com1(),
-            at_frame_start: true,
-            frame_first: None,
-            request_read: None,
-            pairs: Vec::new(),
-        };
-        let mut session = ProbeSession::hello(&mut t, Duration::from_secs(20))
-            .unwrap_or_else(|e| panic!("{e}; COM2 log:\n{}", vm.log_text()));
+        let mut session =
+            ProbeSession::hello(Com1Transport::new(vm.com1()), Duration::from_secs(20))
+                .unwrap_or_else(|e| panic!("{e}; COM2 log:\n{}", vm.log_text()));
         let info = *session.info();
-        let exit_samples = session
-            .probe_round(64, Duration::ZERO, &mut Progress::hidden())
-            .unwrap_or_else(|e| panic!("{e}; COM2 log:\n{}", vm.log_text()));
+        let (mut exit_samples, mut exchanges) = (Vec::new(), Vec::new());
+        for _ in 0..64 {
+            let sample = session
+                .probe()
+                .unwrap_or_else(|e| panic!("{e}; COM2 log:\n{}", vm.log_text()))
+                .unwrap_or_else(|| panic!("probe lost: {:?}", session.stats()));
+            let x = session.transport().last_exchange();
+            // The session's stamps are the transport's refined exit bracket.
+            assert_eq!(
+                (sample.host_send.0, sample.host_recv.0),
+                (x.request_read, x.first_byte)
+            );
+            exit_samples.push(sample);
+            exchanges.push(x);
+        }
         let stats = session.shutdown();
         assert_eq!(exit_samples.len(), 64);
-        assert_eq!(t.pairs.len(), 64);
-        // The same guest readings bracketed by the host-call stamps (what a socket gives).
-        let call_samples: Vec<ProbeSample> = exit_samples
-            .iter()
-            .zip(&t.pairs)
-            .map(|(s, (raw, _))| ProbeSample {
-                host_send: raw.send,
-                host_recv: raw.recv,
-                ..*s
-            })
-            .collect();
+        // The same guest readings bracketed by the host-call stamps (what a socket gives), and
+        // by the tightest exit pair (the agent polls LSR, reads the TSC and writes the reply's
+        // first byte with no exit between).
+        let call_samples = rebracket(&exit_samples, &exchanges, |x| {
+            (x.thread_send, x.thread_recv)
+        });
+        let tight_samples = rebracket(&exit_samples, &exchanges, |x| (x.prev_exit, x.first_byte));
         let exits = ProbeSummary::from_samples(&info, &exit_samples, stats).unwrap();
         let calls = ProbeSummary::from_samples(&info, &call_samples, stats).unwrap();
-        for (label, s) in [("exit stamps", &exits), ("host-call stamps", &calls)] {
+        let tight = ProbeSummary::from_samples(&info, &tight_samples, stats).unwrap();
+        for (label, s) in [
+            ("exit stamps", &exits),
+            ("tight exit stamps", &tight),
+            ("host-call stamps", &calls),
+        ] {
             println!(
                 "builtin VMM, {label}: offset {} (error {:+}), bounds [{}, {}] width {}, rtt min {} median {}, trace-cmd fastest error {:+}",
                 s.offset,
@@ -577,7 +532,7 @@ mod vmm {
         }
         // Exit stamps are inside the host-call stamps, so they can only be tighter.
         assert!(exits.width() <= calls.width());
-        drop(t);
+        assert!(tight.width() <= exits.width());
         let outcome = vm.wait().expect("run ends");
         assert_eq!(outcome.exit, VmExit::DebugExit(5), "log:\n{}", outcome.log);
     }

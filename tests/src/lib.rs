@@ -6,6 +6,7 @@
 //! `vmtsync-launch`, shared with `cargo xtask`, and are re-exported here. The truth tier-2
 //! tests check against (debugfs composed with the agent's software skew) is [`truth`]'s.
 
+pub mod fake_agent;
 pub mod idle_vmm;
 pub mod truth;
 pub mod vmm;

@@ -193,22 +193,14 @@ fn number<T: TryFrom<u64>>(
     T::try_from(n).map_err(|_| bad())
 }
 
-/// The `struct sockaddr_vm` for `connect(2)` to `cid:port` (include/uapi/linux/vm_sockets.h:
-/// `svm_family = AF_VSOCK`, `svm_reserved1 = 0`, `svm_port`, `svm_cid`, `svm_zero` all zero).
+/// The AF_VSOCK address `cid:port` for `connect(2)` (`struct sockaddr_vm`, built by the
+/// `vsock` crate).
 ///
 /// Pure data: building it opens nothing, which is why tests can check it on machines where
 /// AF_VSOCK must not be touched.
 #[must_use]
-pub fn vsock_sockaddr(cid: u32, port: u32) -> libc::sockaddr_vm {
-    libc::sockaddr_vm {
-        // AF_VSOCK is 40: it fits sa_family_t (u16) by definition of the socket ABI.
-        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
-        svm_family: libc::AF_VSOCK as libc::sa_family_t,
-        svm_reserved1: 0,
-        svm_port: port,
-        svm_cid: cid,
-        svm_zero: [0; 4],
-    }
+pub fn vsock_sockaddr(cid: u32, port: u32) -> vsock::VsockAddr {
+    vsock::VsockAddr::new(cid, port)
 }
 
 #[cfg(test)]
@@ -316,18 +308,16 @@ mod tests {
     }
 
     #[test]
-    fn vsock_sockaddr_layout_matches_the_uapi_header() {
-        // struct sockaddr_vm is 16 bytes: family u16, reserved u16, port u32, cid u32, zero[4].
-        assert_eq!(std::mem::size_of::<libc::sockaddr_vm>(), 16);
+    fn vsock_sockaddr_matches_the_uapi_header() {
+        use vsock::SockaddrLike;
         let sa = vsock_sockaddr(3, 0x1234_5678);
-        assert_eq!(i32::from(sa.svm_family), libc::AF_VSOCK);
-        assert_eq!(sa.svm_reserved1, 0);
-        assert_eq!(sa.svm_port, 0x1234_5678);
-        assert_eq!(sa.svm_cid, 3);
-        assert_eq!(sa.svm_zero, [0; 4]);
-        assert!(
-            std::mem::size_of::<libc::sockaddr_vm>()
-                <= std::mem::size_of::<libc::sockaddr_storage>()
-        );
+        let raw: &libc::sockaddr_vm = sa.as_ref();
+        assert_eq!(i32::from(raw.svm_family), libc::AF_VSOCK);
+        assert_eq!(raw.svm_reserved1, 0);
+        assert_eq!((raw.svm_port, raw.svm_cid), (0x1234_5678, 3));
+        assert_eq!(raw.svm_zero, [0; 4]);
+        assert_eq!((sa.cid(), sa.port()), (3, 0x1234_5678));
+        // struct sockaddr_vm is 16 bytes: family u16, reserved u16, port u32, cid u32, zero[4].
+        assert_eq!(sa.len(), 16);
     }
 }

@@ -3,8 +3,8 @@
 //! Every wait has a deadline. A guest whose vsock queues are not up yet makes
 //! vhost-device-vsock drop (or, about one connect in twenty in early experiments, hang) a
 //! host connection, so connects and handshakes are retried with a short backoff until the
-//! connect deadline passes (see docs/host-quirks.md). The pieces: [`super::retry`] (backoff, deadline,
-//! stop flag), [`super::sockets`] (Unix and TCP), [`super::vhost_uds`] (vhost-device-vsock's
+//! connect deadline passes (docs/probe.md). The pieces: `retry` (backoff, deadline,
+//! stop flag), `sockets` (Unix and TCP), [`super::vhost_uds`] (vhost-device-vsock's
 //! `CONNECT` handshake), [`super::vsock`] (AF_VSOCK).
 
 use std::io;
@@ -129,8 +129,7 @@ pub fn connect_until_stopped(
         ProbeAddr::Vsock { cid, port } => {
             // A guest whose agent is not listening yet resets the connection: retry.
             let s = loop {
-                let left = retry.left().max(Duration::from_millis(1));
-                match VsockStream::connect(*cid, *port, left) {
+                match VsockStream::connect(*cid, *port) {
                     Ok(s) => break s,
                     Err(e) if retryable(&e) => {
                         if !retry.again(&e) {

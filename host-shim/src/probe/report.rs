@@ -455,6 +455,35 @@ mod tests {
     }
 
     #[test]
+    fn rejections_are_reported_by_reason_only_when_they_happened() {
+        let samples: Vec<_> = (0..4_u64)
+            .map(|i| sample(1_000 + i * 100, 10, 10, 7))
+            .collect();
+        let text = |stats| {
+            let s = ProbeSummary::from_samples(&info(), &samples, stats).unwrap();
+            let mut out = Vec::new();
+            s.write_text(&mut out).unwrap();
+            (String::from_utf8(out).unwrap(), s.to_json())
+        };
+        let (quiet, _) = text(SessionStats::default());
+        assert!(!quiet.contains("rejected"), "{quiet}");
+        let (loud, j) = text(SessionStats {
+            ambiguous: 2,
+            unknown_seq: 1,
+            lost_probes: 2,
+            ..SessionStats::default()
+        });
+        assert!(
+            loud.contains("rejected: 2 ambiguous (guest stalled), 1 unknown sequence numbers"),
+            "{loud}"
+        );
+        assert_eq!(
+            (j["ambiguous"].as_u64(), j["unknown_seq"].as_u64()),
+            (Some(2), Some(1))
+        );
+    }
+
+    #[test]
     fn broken_pipe_is_recognised() {
         use crate::probe::ProbeError;
         let e = ProbeError::Output(io::Error::from(io::ErrorKind::BrokenPipe));

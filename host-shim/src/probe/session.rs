@@ -5,9 +5,12 @@
 //!
 //! Untrusted guest bytes go through a fixed 256-byte read buffer and the core's
 //! [`FrameReceiver`] (a fixed [`vmtsync_core::proto::MAX_FRAME_SIZE`] buffer); with the
-//! session's counters that is the whole per-connection state: about `256 + MAX_FRAME_SIZE +
-//! 200` bytes, whatever the guest sends (a round's samples, 32 B each, grow with the host's
-//! `--probes`, not with guest input). A frame that does not decode, or is too long, is counted
+//! session's counters and the socket that is the whole per-connection state, on the stack and
+//! at most [`MAX_SESSION_BYTES`] (4 KiB; 2.5 KiB today, most of it the frame buffer sized for
+//! the largest event batch), whatever the guest sends. A round's samples (32 B each) grow with
+//! the host's `--probes`, and an event drain's batches with the host's `max`
+//! ([`ProbeSession::drain_events`]), not with guest input; continuous mode
+//! adds a fixed-capacity hull ([`super::report::HULL_CAPACITY`] vertices). A frame that does not decode, or is too long, is counted
 //! in [`SessionStats::bad_frames`] and skipped; nothing the guest sends can make this code
 //! panic. Every wait has a deadline, so a guest that stops answering is a
 //! [`ProbeError::Timeout`], never a hang; and one wait handles at most [`MAX_BYTES_PER_WAIT`]
@@ -51,6 +54,10 @@ use super::transport::{FrameStamps, StampedTransport, TransportError};
 /// 0.35 s at 3 GHz). The window then spans about 1.5 · 2^30 plus twice the round trip, so a
 /// reply unwraps unless it took longer than about 2^30 ticks; later, a full probe is asked for.
 pub const UNWRAP_HORIZON: u64 = 1 << 30;
+
+/// The most memory one session over a socket holds ([`ProbeSession`] itself: fixed buffers and
+/// counters, no heap), pinned by a test.
+pub const MAX_SESSION_BYTES: usize = 4096;
 
 /// The probe sequence number's width on the wire.
 pub type Seq = u8;
@@ -125,6 +132,9 @@ pub struct SessionStats {
     pub bad_stamps: u64,
     /// Probe waits abandoned after [`MAX_BYTES_PER_WAIT`] bytes without the reply (lost).
     pub flooded: u64,
+    /// Samples that came from compact replies (unwrapped in their window); the others came
+    /// from full-width ones.
+    pub compact_samples: u64,
 }
 
 /// A connected, greeted agent.
@@ -381,7 +391,10 @@ impl<T: StampedTransport> ProbeSession<T> {
             (Reading::Full(g), Some(Some(w))) if w.contains(g) => g,
             (Reading::Low32(low), Some(Some(w))) if w.is_unambiguous() => {
                 match w.unwrap_low32(low) {
-                    Some(g) => g,
+                    Some(g) => {
+                        self.stats.compact_samples += 1;
+                        g
+                    }
                     None => {
                         self.stats.out_of_window += 1;
                         return Ok(self.lost());
@@ -427,7 +440,8 @@ impl<T: StampedTransport> ProbeSession<T> {
 
     /// Any other request (a pvclock report, events, a mapping push, shutdown): sends `msg` and
     /// returns the next well-formed message with the host stamps around the exchange, refined
-    /// by the transport like a probe's. Garbage frames are skipped and counted; the wait has
+    /// by the transport like a probe's. Those stamps bracket the reply only if it answers
+    /// `msg` (these messages carry no sequence number): callers check the reply's kind. Garbage frames are skipped and counted; the wait has
     /// the session's deadline and byte budget. Probes go through [`ProbeSession::probe`],
     /// which checks and unwraps their replies.
     ///
@@ -619,6 +633,10 @@ mod tests {
         let (samples, stats) = run(t, 64);
         assert_eq!(samples.len(), 64);
         assert_eq!(stats.sent, 64);
+        // Every probe but the first was compact, each unwrapped in its window. (The sim's gap
+        // passes before every send, the hello's delimiter and hello included, so the first
+        // probe comes 2^30 ticks after the hello's first send: past the horizon, a full one.)
+        assert_eq!(stats.compact_samples, 63);
         assert_eq!(
             (stats.bad_frames, stats.lost_probes, stats.stale_replies),
             (0, 0, 0)
@@ -692,9 +710,9 @@ mod tests {
     }
 
     #[test]
-    fn the_old_unwrap_rule_fails_here_compact_replies_stay_unambiguous_under_stalls() {
-        // A stall after every third probe: whatever the old point-estimate unwrap would have
-        // guessed, the window rule uses only unique values.
+    fn a_stall_at_any_probe_loses_exactly_that_probe() {
+        // A 1.2 s stall before each probe in turn (with pauses between probes): the stalled
+        // probe is lost, every other one is used, and every sample holds the truth.
         let offset = 123_456_789;
         for at in 3..12 {
             let mut t = SimTransport::new(offset);
@@ -734,9 +752,9 @@ mod tests {
                 tsc: 1,
             })
         };
-        let a = encode_frame(&forged(200), &mut buf).unwrap().to_vec();
+        let a = encode_frame(&forged(Seq::MAX), &mut buf).unwrap().to_vec();
         let b = encode_frame(&forged(1), &mut buf).unwrap().to_vec();
-        // Before probe 1's reply: seq 200 (never sent); before probe 2's: seq 1 (stale).
+        // Before probe 1's reply: the largest seq (never sent); before probe 2's: seq 1 (stale).
         t.garbage = vec![b, a, vec![], vec![]];
         let (samples, stats) = run(t, 3);
         assert_eq!(samples.len(), 3);
@@ -772,6 +790,15 @@ mod tests {
         assert!(matches!(s.probe(), Err(ProbeError::Flooded { .. })));
         let stats = s.stats();
         assert_eq!((stats.flooded, stats.lost_probes), (3, 3), "{stats:?}");
+    }
+
+    #[test]
+    fn the_per_connection_state_fits_the_documented_bound() {
+        use std::os::unix::net::UnixStream;
+        // The whole state a connection holds, whatever the guest sends (module docs).
+        let size = std::mem::size_of::<ProbeSession<super::super::StreamTransport<UnixStream>>>();
+        eprintln!("ProbeSession over a socket: {size} bytes, MAX_FRAME_SIZE {MAX_FRAME_SIZE}");
+        assert!(size <= MAX_SESSION_BYTES, "{size} > {MAX_SESSION_BYTES}");
     }
 
     #[test]
@@ -821,6 +848,7 @@ mod tests {
             let sample = s.probe().unwrap().unwrap();
             assert_eq!(sample.guest.0 - 123, sample.host_send.0 + 700);
         }
+        assert_eq!(s.stats().compact_samples, 0);
         let t = s.into_transport();
         // Every probe after a gap beyond the horizon was a ProbeFull (8 TSC bytes).
         assert_eq!(t.agent.stats().probes, 4);
@@ -889,6 +917,37 @@ mod tests {
     }
 
     proptest! {
+        /// Any stall at any probe, any pause between probes, any offset: every sample the
+        /// session returns brackets the truth (a stalled reply is lost, never misread).
+        #[test]
+        fn stalls_and_pauses_never_yield_a_sample_that_misses_the_truth(
+            offset in any::<u64>().prop_map(|o| o >> 2),
+            at in 3u64..12,
+            stall in 0u64..(1 << 34),
+            gap in prop_oneof![Just(0u64), 0u64..(1 << 31)],
+            past_timeout in any::<bool>(),
+        ) {
+            let mut t = SimTransport::new(offset);
+            t.stall_at = Some((at, stall));
+            t.stall_past_timeout = past_timeout;
+            t.gap = gap;
+            let mut s = ProbeSession::hello(t, Duration::from_secs(1)).unwrap();
+            let mut samples = Vec::new();
+            for _ in 0..10 {
+                match s.probe() {
+                    Ok(Some(x)) => samples.push(x),
+                    Ok(None) | Err(ProbeError::Timeout { .. }) => {}
+                    Err(e) => panic!("{e}"),
+                }
+            }
+            let truth = i64::try_from(offset).unwrap();
+            for x in &samples {
+                let e = estimate_offset(std::slice::from_ref(x)).unwrap();
+                prop_assert!(e.min <= truth && truth <= e.max, "{x:?} misses {truth}");
+            }
+            prop_assert!(samples.len() >= 8, "{:?}", s.stats());
+        }
+
         /// Whatever bytes the "guest" sends, the session returns samples or an error, never
         /// panics, and its memory stays bounded (fixed buffers).
         #[test]

@@ -7,9 +7,10 @@
 //!
 //! - sockets ([`StreamTransport`]) read `lfence; rdtsc` immediately before the `write(2)` of
 //!   the request and immediately after the `read(2)` that returned the reply's bytes;
-//! - an in-process VMM can stamp the VM exits at which the guest consumed the request and
-//!   produced the reply, returning those from [`StampedTransport::send`] /
-//!   [`StampedTransport::recv`] and tightening the pair in [`StampedTransport::refine`].
+//! - an in-process VMM stamps the VM exits at which the guest consumed the request and
+//!   produced the reply, and tightens the pair to them in [`StampedTransport::refine`] (the
+//!   test VMM's COM1, `vmtsync_tests::vmm::client::Com1Transport`, does; docs/probe.md lists
+//!   every implementation).
 //!
 //! Every wait is bounded: `recv` takes a deadline and fails with [`TransportError::Timeout`]
 //! once it passes.

@@ -117,7 +117,14 @@ fn read_line(s: &mut UnixStream, deadline: Instant) -> io::Result<Option<Vec<u8>
                     return Ok(Some(line));
                 }
             }
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            // The kernel timeout (WouldBlock) fired: loop, and the deadline check says TimedOut.
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::Interrupted
+                        | io::ErrorKind::WouldBlock
+                        | io::ErrorKind::TimedOut
+                ) => {}
             Err(e) => return Err(e),
         }
     }

@@ -1,4 +1,4 @@
-//! `vmtsync-fake-agent`: the loopback guest agent (`vmtsync::probe::fake`) on a Unix socket,
+//! `vmtsync-fake-agent`: the loopback guest agent (`vmtsync_tests::fake_agent`) on a Unix socket,
 //! for `cargo xtask demo` on a machine without `/dev/kvm`.
 //!
 //! Usage: `vmtsync-fake-agent SOCKET [SKEW]`. It binds `SOCKET`, serves one probe session
@@ -9,7 +9,7 @@
 use std::os::unix::net::UnixListener;
 use std::process::ExitCode;
 
-use vmtsync::probe::fake::{SkewedClock, serve};
+use vmtsync_tests::fake_agent::{SkewedClock, serve};
 
 const USAGE: &str = "usage: vmtsync-fake-agent SOCKET [SKEW]";
 

@@ -67,8 +67,8 @@ impl<S: Copy> FrameTracker<S> {
 /// size on the wire.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Com1Exchange {
-    /// Exit where the guest read the request's last byte: it cannot have acted on the request
-    /// before. 0 if the guest had not read every byte sent (the stamp is then not refined).
+    /// Exit where the guest read the request's last byte (its delimiter): it cannot have acted
+    /// on the request before.
     pub request_read: u64,
     /// Exit just before the reply's first byte. The agent's probe path polls LSR (an exit),
     /// reads the TSC and writes the first byte with no exit in between, so for probe replies
@@ -93,11 +93,8 @@ pub struct Com1Exchange {
 pub struct Com1Transport<'a> {
     host: &'a SerialHost,
     frames: FrameTracker<(SerialByte, u64)>,
-    /// Bytes queued for the guest, and bytes it has read (from the delivery log).
-    queued: u64,
-    read: u64,
-    /// Host TSC of the guest's latest read of a queued byte.
-    last_read: u64,
+    /// Host TSC of the guest's latest read of a frame delimiter (from the delivery log).
+    last_delimiter_read: u64,
     thread_send: u64,
     sent: usize,
     last: Com1Exchange,
@@ -110,9 +107,7 @@ impl<'a> Com1Transport<'a> {
         Self {
             host,
             frames: FrameTracker::new(),
-            queued: 0,
-            read: 0,
-            last_read: 0,
+            last_delimiter_read: 0,
             thread_send: 0,
             sent: 0,
             last: Com1Exchange::default(),
@@ -131,7 +126,6 @@ impl StampedTransport for Com1Transport<'_> {
         self.thread_send = host_tsc();
         self.host.send(frame);
         self.sent = frame.len();
-        self.queued += frame.len() as u64;
         Ok(HostTicks(self.thread_send))
     }
 
@@ -159,19 +153,18 @@ impl StampedTransport for Com1Transport<'_> {
         // The vCPU thread logs a delivery before the guest can act on the byte, hence before
         // the reply's bytes were sent: every delivery of this request is queued by now.
         while let Some(d) = self.host.delivered_timeout(Duration::ZERO) {
-            self.read += 1;
-            self.last_read = d.host_tsc;
+            if d.byte == 0 {
+                self.last_delimiter_read = d.host_tsc;
+            }
         }
         let Some(((first, thread_first), (_, thread_recv), received)) = self.frames.last else {
             return stamps;
         };
-        // Refined only when the guest read every byte sent: then the last read is this
-        // request's delimiter, which the guest read before answering.
-        let request_read = if self.read >= self.queued {
-            self.last_read
-        } else {
-            0
-        };
+        // A reply to the last request means the guest read that request's delimiter, the last
+        // delimiter sent; bytes the guest dropped unread (a FIFO reset at boot) are never
+        // delivered, so the latest delimiter read is this request's. Never earlier than the
+        // host's own send stamp.
+        let request_read = self.last_delimiter_read;
         self.last = Com1Exchange {
             request_read,
             prev_exit: first.prev_exit_host_tsc,
@@ -487,5 +480,51 @@ mod tests {
         assert_eq!(t.last, Some((6, 7, 2)));
         t.byte(9, 8);
         assert_eq!(t.current, Some((8, 1)));
+    }
+
+    #[test]
+    fn beacons_and_frames_split_across_reads_reach_the_session() {
+        use std::os::unix::net::UnixStream;
+        use vmtsync::probe::StreamTransport;
+        use vmtsync_core::proto::{Capabilities, MAX_FRAME_SIZE, Message, encode_frame};
+
+        let (a, mut b) = UnixStream::pair().expect("pair");
+        let mut buf = [0u8; MAX_FRAME_SIZE];
+        let caps = Message::Capabilities(Capabilities {
+            version: vmtsync_core::proto::PROTOCOL_VERSION,
+            transport: Transport::VirtioVsock,
+            features: Features::NONE,
+            vcpu: 7,
+            tsc: GuestTicks(1 << 40),
+            tsc_khz: None,
+        });
+        let frame = encode_frame(&caps, &mut buf).expect("encodes").to_vec();
+        let agent = std::thread::spawn(move || {
+            b.write_all(&[0]).expect("beacon");
+            // Wait for the hello (a delimiter, then the hello frame), then answer one byte at a
+            // time.
+            let mut got = Vec::new();
+            let mut one = [0u8; 1];
+            while got.iter().filter(|&&x| x == 0).count() < 2 {
+                b.read_exact(&mut one).expect("hello");
+                got.push(one[0]);
+            }
+            for chunk in frame.chunks(1) {
+                b.write_all(chunk).expect("chunk");
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            b
+        });
+        let mut t = StreamTransport::new(a, Duration::from_secs(10)).expect("transport");
+        wait_ready(&mut t, Instant::now() + Duration::from_secs(10)).expect("beacon");
+        let mut s = ProbeSession::hello(t, Duration::from_millis(500)).expect("capabilities");
+        assert_eq!(
+            (s.info().vcpu, s.info().hello_tsc),
+            (7, GuestTicks(1 << 40))
+        );
+        let _b = agent.join().expect("agent");
+        // Nothing more comes: the wait ends at its deadline instead of hanging.
+        let err = s.request(&Message::Shutdown).expect_err("no reply");
+        assert!(matches!(err, ProbeError::Timeout { .. }), "{err}");
     }
 }

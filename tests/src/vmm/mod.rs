@@ -16,9 +16,8 @@
 //! TSC read between two exits lies between KVM's mapping of their stamps (the VM's debugfs
 //! mapping, [`Vm::debugfs_id`] and [`crate::truth`]; docs/launching.md). CPUID is KVM's supported set with the vCPU's APIC
 //! id and the TSC frequency (timing leaf 0x40000010) filled in, as QEMU does;
-//! [`Vm::kvm_clock`] exposes `KVM_GET_CLOCK` as the host's view of kvmclock. [`client`] speaks
-//! the probe protocol over COM1; [`qemu`] re-exports the one QEMU command line
-//! (`vmtsync_launch::qemu`).
+//! [`Vm::kvm_clock`] exposes `KVM_GET_CLOCK` as the host's view of kvmclock. [`client`] makes
+//! COM1 a `StampedTransport` for vmtsync's `ProbeSession`; [`qemu`] builds the equivalent QEMU command line.
 //!
 //! A watchdog bounds every run: past [`VmConfig::timeout`] the vCPU thread is kicked out of
 //! `KVM_RUN` with a signal and the run ends with [`VmExit::Timeout`], so a hung guest (a

@@ -63,8 +63,16 @@ impl<'a> Session<'a> {
         if full {
             self.c.forget_reference();
         }
+        let compact_before = self.c.stats().compact_samples;
         let sample = self.c.probe().expect("probe reply");
         assert!(sample.is_some(), "probe lost: {:?}", self.c.stats());
+        // The reply had the width asked for: compact unless `full`.
+        assert_eq!(
+            self.c.stats().compact_samples - compact_before,
+            u64::from(!full),
+            "{:?}",
+            self.c.stats()
+        );
         self.log.push(self.c.transport().last_exchange());
     }
 

@@ -1,14 +1,12 @@
-//! Tier 2: the same guest-agent ELF under QEMU (microvm and q35+qboot) on KVM.
+//! Tier 2: the same guest-agent ELF under QEMU (microvm and q35+qboot) on KVM, driven by
+//! vmtsync's `ProbeSession` over QEMU's stdio (COM1).
 
-use std::io::{Read, Write};
 use std::process::Stdio;
-use std::sync::mpsc::{Receiver, channel};
 use std::time::{Duration, Instant};
 
-use vmtsync_core::proto::{
-    Features, Feed, FrameReceiver, Hello, MAX_FRAME_SIZE, Message, PROTOCOL_VERSION, Transport,
-    encode_frame,
-};
+use vmtsync::probe::ProbeSession;
+use vmtsync_core::proto::{Features, Message, Transport};
+use vmtsync_tests::vmm::client::{PipeTransport, wait_ready};
 use vmtsync_tests::vmm::defmt_log::{DefmtLog, LogLine};
 use vmtsync_tests::vmm::qemu::{self, Machine, debug_exit_status, have_qemu};
 use vmtsync_tests::vmm::{agent_elf, tsc::host_tsc};
@@ -21,55 +19,6 @@ fn line<'a>(lines: &'a [LogLine], level: &str, text: &str) -> Option<&'a LogLine
     lines
         .iter()
         .find(|l| l.level == Some(level) && l.text == text)
-}
-
-/// Reads COM1 bytes from QEMU's stdout in a thread.
-fn reader(mut out: impl Read + Send + 'static) -> Receiver<u8> {
-    let (tx, rx) = channel();
-    std::thread::spawn(move || {
-        let mut b = [0u8; 1];
-        while matches!(out.read(&mut b), Ok(1)) {
-            if tx.send(b[0]).is_err() {
-                break;
-            }
-        }
-    });
-    rx
-}
-
-/// Waits for the agent's ready beacon (a lone `0x00`).
-fn wait_ready(rx: &Receiver<u8>) -> bool {
-    let end = Instant::now() + STEP;
-    while let Ok(b) = rx.recv_timeout(end.saturating_duration_since(Instant::now())) {
-        if b == 0 {
-            return true;
-        }
-    }
-    false
-}
-
-/// Sends `msg` as a frame and returns the next message from the guest.
-fn exchange(
-    stdin: &mut impl Write,
-    rx: &Receiver<u8>,
-    frames: &mut FrameReceiver,
-    msg: &Message,
-) -> Message {
-    let mut buf = [0u8; MAX_FRAME_SIZE];
-    let frame = encode_frame(msg, &mut buf).expect("encodes");
-    stdin.write_all(frame).expect("write request");
-    stdin.flush().expect("flush request");
-    let end = Instant::now() + STEP;
-    loop {
-        let b = rx
-            .recv_timeout(end.saturating_duration_since(Instant::now()))
-            .expect("reply in time");
-        match frames.feed(&[b]) {
-            Feed::Consumed => {}
-            Feed::Message { msg, .. } => return msg,
-            Feed::Error { error, .. } => panic!("bad frame from the agent: {error:?}"),
-        }
-    }
 }
 
 fn boots_under(machine: Machine, test: &str) {
@@ -107,11 +56,13 @@ fn boots_under(machine: Machine, test: &str) {
         .spawn()
         .expect("qemu starts");
     let mut guard = ChildGuard::new(child);
-    let rx = reader(guard.child().stdout.take().expect("stdout"));
-    let mut stdin = guard.child().stdin.take().expect("stdin");
+    let mut t = PipeTransport::new(
+        guard.child().stdin.take().expect("stdin"),
+        guard.child().stdout.take().expect("stdout"),
+    );
 
     assert!(
-        wait_ready(&rx),
+        wait_ready(&mut t, Instant::now() + STEP).is_ok(),
         "no ready beacon; COM2 log:\n{}",
         com2_text()
     );
@@ -127,26 +78,19 @@ fn boots_under(machine: Machine, test: &str) {
         started_tsc <= ready_tsc && ready_tsc <= ready_seen_tsc,
         "ready line TSC {ready_tsc} outside [{started_tsc}, {ready_seen_tsc}]"
     );
-    let mut frames = FrameReceiver::new();
-    let hello = Message::Hello(Hello {
-        version: PROTOCOL_VERSION,
-        features: Features::NONE,
-    });
-    let Message::Capabilities(k) = exchange(&mut stdin, &rx, &mut frames, &hello) else {
-        panic!("expected capabilities; COM2 log:\n{}", com2_text())
-    };
-    assert_eq!(
-        (k.version, k.transport),
-        (PROTOCOL_VERSION, Transport::Uart16550)
-    );
+    // The session's hello checks the protocol version (a mismatch fails it).
+    let mut c = ProbeSession::hello(t, STEP)
+        .unwrap_or_else(|e| panic!("expected capabilities ({e}); COM2 log:\n{}", com2_text()));
+    let k = *c.info();
+    assert_eq!(k.transport, Transport::Uart16550);
     assert!(
         k.features.contains(Features::PVCLOCK),
         "COM2 log:\n{}",
         com2_text()
     );
-    let before = host_tsc();
-    let reply = exchange(&mut stdin, &rx, &mut frames, &Message::PvclockRequest);
-    let after = host_tsc();
+    // Host TSC right before the request's write(2) and right after the reply's read(2).
+    let (reply, at) = c.request(&Message::PvclockRequest).expect("pvclock report");
+    let (before, after) = (at.send.0, at.recv.0);
     let Message::PvclockReport(p) = reply else {
         panic!("expected a pvclock report, got {reply:?}")
     };
@@ -156,24 +100,24 @@ fn boots_under(machine: Machine, test: &str) {
         "{p:?} outside [{before}, {after}]"
     );
     let mut widths = Vec::new();
-    for seq in 0..10u8 {
-        let before = host_tsc();
-        let reply = exchange(&mut stdin, &rx, &mut frames, &Message::ProbeFull { seq });
-        let after = host_tsc();
-        let Message::ProbeReplyFull(r) = reply else {
-            panic!("probe {seq}: unexpected reply {reply:?}")
-        };
-        assert_eq!(r.seq, seq);
+    for seq in 0..10u16 {
+        // Full-width probes (no unwrap reference); the session checks seq and vCPU.
+        c.forget_reference();
+        let r = c
+            .probe()
+            .expect("probe reply")
+            .unwrap_or_else(|| panic!("probe {seq} lost: {:?}", c.stats()));
+        let (before, after) = (r.host_send.0, r.host_recv.0);
         assert!(
-            before <= r.tsc && r.tsc <= after,
+            before <= r.guest.0 && r.guest.0 <= after,
             "guest TSC {} outside host bracket [{before}, {after}]",
-            r.tsc
+            r.guest.0
         );
         widths.push(after - before);
     }
     widths.sort_unstable();
     assert_eq!(
-        exchange(&mut stdin, &rx, &mut frames, &Message::Shutdown),
+        c.request(&Message::Shutdown).expect("exiting").0,
         Message::Exiting
     );
     let end = Instant::now() + STEP;

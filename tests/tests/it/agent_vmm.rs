@@ -139,7 +139,8 @@ fn probe_session(test: &str, cmdline: &str) {
         tight.push(guest - prev);
         after.push(hi - guest);
     }
-    // Half the replies were compact (the low 32 bits only), half full.
+    // Half the replies were compact (the low 32 bits only, unwrapped), half full.
+    assert_eq!(c.stats().compact_samples, 20, "{:?}", c.stats());
     assert!(
         compact_bytes.iter().max() < full_bytes.iter().min(),
         "compact {compact_bytes:?} vs full {full_bytes:?}"

@@ -1,6 +1,6 @@
 //! `vmtsync probe` end to end on loopback sockets (tier 1: no KVM needed).
 //!
-//! The agent is `vmtsync_core::agent`'s real state machine (`vmtsync::probe::fake`) whose
+//! The agent is `vmtsync_core::agent`'s real state machine (`vmtsync_tests::fake_agent`) whose
 //! "guest TSC" is the host's own `lfence; rdtsc` plus a known skew, so the true offset is the
 //! skew and the rate is exactly 1: every guaranteed bound must contain them.
 
@@ -13,13 +13,13 @@ use std::time::{Duration, Instant};
 
 use vmtsync::probe::addr::vsock_sockaddr;
 use vmtsync::probe::connect::ConnectError;
-use vmtsync::probe::fake::{self, SkewedClock};
 use vmtsync::probe::transport::host_tsc_now;
 use vmtsync::probe::{
     ContinuousOptions, OffsetModel, ProbeAddr, ProbeError, ProbeOptions, ProbeSummary,
     StreamTransport, run_probe, run_probe_on,
 };
 use vmtsync::syncfile::{SyncFile, SyncFileError, convert_with_sync};
+use vmtsync_tests::fake_agent::{self as fake, SkewedClock};
 
 const SKEW: i64 = 5_000_000;
 
@@ -330,15 +330,13 @@ fn vsock_uds_refusal_is_reported() {
 
 #[test]
 fn vsock_addresses_parse_and_build_without_opening_a_socket() {
-    // AF_VSOCK must never be opened here (see docs/host-quirks.md): only the address is checked.
+    // AF_VSOCK must never be opened here (DESIGN.md §4): only the address is checked.
     let ProbeAddr::Vsock { cid, port } = ProbeAddr::parse("vsock:3:5000").unwrap() else {
         panic!("not a vsock address");
     };
+    // The family and layout are checked in `addr`'s unit test.
     let sa = vsock_sockaddr(cid, port);
-    assert_eq!(
-        (i32::from(sa.svm_family), sa.svm_cid, sa.svm_port),
-        (libc::AF_VSOCK, 3, 5000)
-    );
+    assert_eq!((sa.cid(), sa.port()), (3, 5000));
 }
 
 #[test]
@@ -398,7 +396,7 @@ fn continuous_mode_without_a_round_limit_stops_on_the_flag() {
 }
 
 /// vhost-device-vsock sometimes accepts a host connection and never answers the `CONNECT`
-/// line (see docs/vsock.md): the attempt times out and a new connection succeeds.
+/// line (DESIGN.md §4): the attempt times out and a new connection succeeds.
 #[test]
 fn vsock_uds_handshake_survives_a_hung_attempt() {
     let (_tmp_dir, path) = tmp("hung.vsock");
@@ -432,159 +430,109 @@ fn vsock_uds_handshake_survives_a_hung_attempt() {
 
 /// The probe engine over the built-in VMM's COM1, stamped at VM exits (tier 2: /dev/kvm).
 mod vmm {
-    use std::time::{Duration, Instant};
+    use std::time::Duration;
 
-    use vmtsync::probe::transport::{
-        FrameStamps, Received, StampedTransport, TransportError, host_tsc_now,
-    };
-    use vmtsync::probe::{ProbeSession, ProbeSummary, Progress};
+    use vmtsync::probe::{ProbeSession, ProbeSummary};
     use vmtsync_core::HostTicks;
     use vmtsync_core::estimate::ProbeSample;
-    use vmtsync_tests::truth::{GuestTruth, Skew, truth_mapping_of, truth_ready};
-    use vmtsync_tests::vmm::{SerialHost, Vm, VmConfig, VmExit, agent_elf};
+    use vmtsync_tests::vmm::client::{Com1Exchange, Com1Transport};
+    use vmtsync_tests::vmm::{Vm, VmConfig, VmExit, agent_elf};
     use vmtsync_tests::{have_kvm, require};
 
-    /// COM1 as a [`StampedTransport`]. `send`/`recv` stamp like a socket would (host TSC
-    /// around the calls); `refine` replaces those with the VM exits: the exit where the guest
-    /// read the request's delimiter, the exit before the reply's first byte (the agent polls
-    /// LSR, reads the TSC and writes that byte with no exit between), and that byte's exit.
-    struct Com1<'a> {
-        host: &'a SerialHost,
-        at_frame_start: bool,
-        /// `(prev_exit_host_tsc, host_tsc)` of the first byte of the last frame received.
-        frame_first: Option<(u64, u64)>,
-        /// Host TSC of the exit where the guest read the last request delimiter.
-        request_read: Option<u64>,
-        /// Every probe's socket-style and exit stamps, for comparison.
-        pairs: Vec<(FrameStamps, FrameStamps)>,
-    }
-
-    impl StampedTransport for Com1<'_> {
-        fn send(&mut self, frame: &[u8]) -> Result<HostTicks, TransportError> {
-            let stamp = host_tsc_now();
-            self.host.send(frame);
-            Ok(stamp)
-        }
-
-        fn recv(&mut self, buf: &mut [u8], deadline: Instant) -> Result<Received, TransportError> {
-            let mut n = 0;
-            while n < buf.len() {
-                // Block for the first byte only; then take what is already there.
-                let wait = if n == 0 {
-                    deadline.saturating_duration_since(Instant::now())
-                } else {
-                    Duration::ZERO
-                };
-                let Some(b) = self.host.recv_timeout(wait) else {
-                    break;
-                };
-                if self.at_frame_start && b.byte != 0 {
-                    self.frame_first = Some((b.prev_exit_host_tsc, b.host_tsc));
+    /// The session's samples re-bracketed by `pick(exchange)`: the same guest readings.
+    fn rebracket(
+        samples: &[ProbeSample],
+        exchanges: &[Com1Exchange],
+        pick: impl Fn(&Com1Exchange) -> (u64, u64),
+    ) -> Vec<ProbeSample> {
+        samples
+            .iter()
+            .zip(exchanges)
+            .map(|(s, x)| {
+                let (send, recv) = pick(x);
+                ProbeSample {
+                    host_send: HostTicks(send),
+                    host_recv: HostTicks(recv),
+                    ..*s
                 }
-                self.at_frame_start = b.byte == 0;
-                buf[n] = b.byte;
-                n += 1;
-                // End chunks at a delimiter so `frame_first` belongs to the frame just completed.
-                if b.byte == 0 {
-                    break;
-                }
-            }
-            if n == 0 {
-                return Err(TransportError::Timeout(Duration::ZERO));
-            }
-            Ok(Received {
-                len: n,
-                stamp: host_tsc_now(),
             })
-        }
-
-        fn refine(&mut self, stamps: FrameStamps) -> FrameStamps {
-            while let Some(b) = self.host.delivered_timeout(Duration::ZERO) {
-                if b.byte == 0 {
-                    self.request_read = Some(b.host_tsc);
-                }
-            }
-            let Some((prev, first)) = self.frame_first else {
-                return stamps;
-            };
-            let send = stamps.send.0.max(self.request_read.unwrap_or(0)).max(prev);
-            let exact = FrameStamps {
-                send: HostTicks(send),
-                recv: HostTicks(stamps.recv.0.min(first)),
-            };
-            self.pairs.push((stamps, exact));
-            exact
-        }
+            .collect()
     }
 
+    /// The probe engine over the built-in VMM's COM1 transport, whose `refine` replaces the
+    /// host-call stamps with the VM exits (the guest's read of the request's delimiter, its
+    /// write of the reply's first byte).
     #[test]
     fn probe_engine_over_builtin_vmm_com1_with_exit_stamps() {
         let test = "probe_engine_over_builtin_vmm_com1_with_exit_stamps";
-        if !require(test, have_kvm(), "/dev/kvm is not accessible read-write") || !truth_ready(test)
-        {
+        if !require(test, have_kvm(), "/dev/kvm is not accessible read-write") {
             return;
         }
-        // Software skew in the agent, from the host TSC now; the truth is KVM's mapping of the
-        // VM's vCPU (debugfs) followed by the skew.
-        let skew = Skew::pick();
+        // Software skew in the agent: reported = 5_000_000 + tsc (guest TSC == host TSC here).
+        let skew = 5_000_000_i64;
         let cfg = VmConfig {
-            cmdline: format!("transport=uart exit=5 {}", skew.agent_option()),
+            cmdline: "transport=uart exit=5 skew=5000000,1,0".into(),
             timeout: Duration::from_secs(120),
             ..VmConfig::default()
         };
         let vm = Vm::boot(&agent_elf().expect("agent builds"), &cfg).expect("VM boots");
-        let mut t = Com1 {
-            host: vm.com1(),
-            at_frame_start: true,
-            frame_first: None,
-            request_read: None,
-            pairs: Vec::new(),
-        };
-        let mut session = ProbeSession::hello(&mut t, Duration::from_secs(20))
-            .unwrap_or_else(|e| panic!("{e}; COM2 log:\n{}", vm.log_text()));
-        let truth = GuestTruth::new(
-            truth_mapping_of(vm.debugfs_id(), 0).expect("truth from debugfs"),
-            Some(skew),
-        );
+        let mut session =
+            ProbeSession::hello(Com1Transport::new(vm.com1()), Duration::from_secs(20))
+                .unwrap_or_else(|e| panic!("{e}; COM2 log:\n{}", vm.log_text()));
         let info = *session.info();
-        let exit_samples = session
-            .probe_round(64, Duration::ZERO, &mut Progress::hidden())
-            .unwrap_or_else(|e| panic!("{e}; COM2 log:\n{}", vm.log_text()));
+        let (mut exit_samples, mut exchanges) = (Vec::new(), Vec::new());
+        for _ in 0..64 {
+            let sample = session
+                .probe()
+                .unwrap_or_else(|e| panic!("{e}; COM2 log:\n{}", vm.log_text()))
+                .unwrap_or_else(|| panic!("probe lost: {:?}", session.stats()));
+            let x = session.transport().last_exchange();
+            // The session's stamps are the transport's refined exit bracket.
+            assert_eq!(
+                (sample.host_send.0, sample.host_recv.0),
+                (x.request_read, x.first_byte)
+            );
+            exit_samples.push(sample);
+            exchanges.push(x);
+        }
         let stats = session.shutdown();
         assert_eq!(exit_samples.len(), 64);
-        assert_eq!(t.pairs.len(), 64);
-        // The same guest readings bracketed by the host-call stamps (what a socket gives).
-        let call_samples: Vec<ProbeSample> = exit_samples
-            .iter()
-            .zip(&t.pairs)
-            .map(|(s, (raw, _))| ProbeSample {
-                host_send: raw.send,
-                host_recv: raw.recv,
-                ..*s
-            })
-            .collect();
+        // The same guest readings bracketed by the host-call stamps (what a socket gives), and
+        // by the tightest exit pair (the agent polls LSR, reads the TSC and writes the reply's
+        // first byte with no exit between).
+        let call_samples = rebracket(&exit_samples, &exchanges, |x| {
+            (x.thread_send, x.thread_recv)
+        });
+        let tight_samples = rebracket(&exit_samples, &exchanges, |x| (x.prev_exit, x.first_byte));
         let exits = ProbeSummary::from_samples(&info, &exit_samples, stats).unwrap();
         let calls = ProbeSummary::from_samples(&info, &call_samples, stats).unwrap();
-        for (label, s) in [("exit stamps", &exits), ("host-call stamps", &calls)] {
-            let at = truth.offset_at(s.at_host).expect("no overflow");
+        let tight = ProbeSummary::from_samples(&info, &tight_samples, stats).unwrap();
+        for (label, s) in [
+            ("exit stamps", &exits),
+            ("tight exit stamps", &tight),
+            ("host-call stamps", &calls),
+        ] {
             println!(
                 "builtin VMM, {label}: offset {} (error {:+}), bounds [{}, {}] width {}, rtt min {} median {}, trace-cmd fastest error {:+}",
                 s.offset,
-                i128::from(s.offset) - at,
+                s.offset - skew,
                 s.bound_lo,
                 s.bound_hi,
                 s.width(),
                 s.rtt.min,
                 s.rtt.median,
-                i128::from(s.tracecmd_fastest) - at
+                s.tracecmd_fastest - skew
             );
-            truth
-                .check(s.at_host, s.bound_lo, s.bound_hi)
-                .unwrap_or_else(|e| panic!("{label}: {e}"));
+            assert!(
+                s.bound_lo <= skew && skew <= s.bound_hi,
+                "{label}: truth {skew} outside [{}, {}]",
+                s.bound_lo,
+                s.bound_hi
+            );
         }
         // Exit stamps are inside the host-call stamps, so they can only be tighter.
         assert!(exits.width() <= calls.width());
-        drop(t);
+        assert!(tight.width() <= exits.width());
         let outcome = vm.wait().expect("run ends");
         assert_eq!(outcome.exit, VmExit::DebugExit(5), "log:\n{}", outcome.log);
     }
@@ -597,7 +545,6 @@ mod qemu_serial {
     use std::time::{Duration, Instant};
 
     use vmtsync::probe::{ProbeAddr, ProbeOptions, run_probe};
-    use vmtsync_tests::truth::{GuestTruth, Skew, truth_ready};
     use vmtsync_tests::vmm::agent_elf;
     use vmtsync_tests::vmm::qemu::{self, debug_exit_status, have_qemu};
     use vmtsync_tests::{ChildGuard, have_kvm, require};
@@ -611,7 +558,6 @@ mod qemu_serial {
                 have_qemu(),
                 "qemu-system-x86_64 is missing (apt-get install qemu-system-x86)",
             )
-            || !truth_ready(test)
         {
             return;
         }
@@ -624,11 +570,11 @@ mod qemu_serial {
         let sock = dir.join("com1.sock");
         let com2 = dir.join("com2.log");
         let _ = std::fs::remove_file(&sock);
-        let skew = Skew::pick();
+        let skew = 5_000_000_i64;
         let child = qemu::command_com1_socket(
             qemu::Machine::Microvm,
             &elf,
-            &format!("transport=uart exit=9 {}", skew.agent_option()),
+            "transport=uart exit=9 skew=5000000,1,0",
             &com2,
             &sock,
         )
@@ -651,28 +597,31 @@ mod qemu_serial {
             )
         });
         print!("{}", String::from_utf8_lossy(&out));
-        // The VM still runs (no --shutdown yet): read KVM's side of the truth.
-        let truth = GuestTruth::read(guard.pid(), 0, Some(skew)).expect("truth from debugfs");
-        let at = truth.offset_at(s.at_host).expect("no overflow");
         println!(
             "qemu serial: offset error {:+}, width {}, rtt min {} median {}, trace-cmd fastest error {:+}",
-            i128::from(s.offset) - at,
+            s.offset - skew,
             s.width(),
             s.rtt.min,
             s.rtt.median,
-            i128::from(s.tracecmd_fastest) - at
+            s.tracecmd_fastest - skew
         );
-        truth
-            .check(s.at_host, s.bound_lo, s.bound_hi)
-            .unwrap_or_else(|e| panic!("{e}"));
+        assert!(
+            s.bound_lo <= skew && skew <= s.bound_hi,
+            "truth {skew} outside [{}, {}]",
+            s.bound_lo,
+            s.bound_hi
+        );
         assert_eq!(s.probes, 64);
         // Without --shutdown the agent keeps serving: a second session gets a fresh hello and
         // its own bounds; this one ends the agent, which exits through isa-debug-exit.
         opts.shutdown = true;
         let again = run_probe(&opts, &mut Vec::new()).expect("a second session");
-        truth
-            .check(again.at_host, again.bound_lo, again.bound_hi)
-            .unwrap_or_else(|e| panic!("second session: {e}"));
+        assert!(
+            again.bound_lo <= skew && skew <= again.bound_hi,
+            "second session: truth {skew} outside [{}, {}]",
+            again.bound_lo,
+            again.bound_hi
+        );
         let end = Instant::now() + Duration::from_secs(20);
         let status = loop {
             if let Some(st) = guard.child().try_wait().expect("wait qemu") {

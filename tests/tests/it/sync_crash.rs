@@ -12,7 +12,7 @@ use std::path::Path;
 use std::process::{Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
-use vmtsync::probe::fake::{self, SkewedClock};
+use vmtsync_tests::fake_agent::{self as fake, SkewedClock};
 use vmtsync::syncfile::{CutTail, SyncFile};
 use vmtsync_tests::ChildGuard;
 

@@ -14,11 +14,10 @@
 //! - the built-in VMM again with the agent's software skew (`skew=OFFSET,RATIO,FRAC`), so the
 //!   truth is a non-identity line (`skew/…`).
 //!
-//! Truth: each VM's KVM mapping read from debugfs right after its ready beacon, composed with
-//! the skew the agent was told to apply (`vmtsync_tests::truth`; by default `Skew::pick`, an
-//! offset derived from the host TSC at the time and a rate of 1.0001). KVM's nested
-//! composition is exact when KVM's mapping has offset 0 (as on nested KVM) and within a few
-//! ticks of the agent's sequential arithmetic otherwise. Each session's samples go to `estimate_offset` (interval and
+//! Truth: guest TSC == host TSC here (KVM cannot offset or scale it, docs/probe.md), or the skew
+//! the agent was told to apply. Every path is driven by vmtsync's own `ProbeSession` (hello,
+//! compact probes unwrapped in their window, shutdown) over a rig transport that records every
+//! stamp of each exchange (`vmtsync_tests::vmm::client`). Each session's samples go to `estimate_offset` (interval and
 //! centre), `DriftEstimator` (rate and offset bounds) and `trace_cmd_fastest`; the table reports
 //! median |error| over sessions, their ratio, interval widths, whether every interval contained
 //! the truth, probe bracket widths and the bytes each probe put on the wire. The last line is
@@ -39,13 +38,12 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
+use vmtsync::probe::{ProbeSession, StampedTransport};
 use vmtsync_core::estimate::ProbeSample;
-use vmtsync_core::mapping::KvmTscMapping;
-use vmtsync_core::proto::{Features, Hello, Message, PROTOCOL_VERSION, try_unwrap_tsc_low32};
+use vmtsync_core::proto::Message;
 use vmtsync_core::{GuestTicks, HostTicks};
-use vmtsync_tests::truth::{GuestTruth, Skew};
-use vmtsync_tests::vmm::agent_elf;
 use vmtsync_tests::vmm::qemu::{Machine, have_qemu};
+use vmtsync_tests::vmm::{agent_elf, tsc::host_tsc};
 use vmtsync_tests::{have_kvm, is_ci};
 
 use report::Report;
@@ -62,37 +60,21 @@ usage: vmtsync-probe-bench [--sessions K] [--probes N] [--machine microvm|q35] [
   --machine M       QEMU machine: microvm (default) or q35 (with qboot)
   --no-qemu         skip the QEMU stdio path
   --no-skew         skip the software-skew path
-  --skew O,R,F      agent skew: guest = O + ((tsc * R) >> F) (default: offset derived
-                    from the host TSC now, rate 281503124208327/2^48 = 1.0001)";
+  --skew O,R,F      agent skew: guest = O + ((tsc * R) >> F) (default -3000000000000,
+                    281503124208327,48: offset -3e12 ticks, rate 1.0001)";
 
-/// One request/reply exchange and the host stamps the link took around it.
-#[derive(Debug, Clone)]
-pub struct Exchanged<S> {
-    /// The reply.
-    pub reply: Message,
-    /// Bytes written for the request (the whole frame with its delimiter).
-    pub sent: usize,
-    /// Bytes read for the reply (the whole frame with its delimiter).
-    pub received: usize,
-    /// Link-specific host TSC stamps.
-    pub stamps: S,
-}
-
-/// A transport to the agent that stamps exchanges with the host TSC.
-pub trait ProbeLink {
-    /// The host TSC stamps this link takes per exchange.
+/// A rig transport that records every host stamp of its last exchange.
+pub trait Recorded: StampedTransport {
+    /// The stamps it records per exchange.
     type Stamps: Copy;
-    /// Sends `msg` and returns the next frame from the agent.
-    ///
-    /// # Errors
-    /// Timeouts, undecodable frames, I/O errors.
-    fn exchange(&mut self, msg: &Message) -> Result<Exchanged<Self::Stamps>>;
+    /// The last exchange's stamps, request bytes and reply bytes.
+    fn last(&self) -> (Self::Stamps, usize, usize);
 }
 
-/// One probe: the (unwrapped) guest TSC and the link's stamps.
+/// One probe: the guest TSC the session verified and the link's stamps.
 #[derive(Debug, Clone, Copy)]
 pub struct Probe<S> {
-    /// The full guest TSC the agent reported.
+    /// The full guest TSC the agent reported (unwrapped by the session).
     pub guest: u64,
     /// Host TSC stamps around it.
     pub stamps: S,
@@ -131,50 +113,44 @@ impl<S: Copy> Session<S> {
     }
 }
 
-/// Runs `sessions` sessions of a hello and `probes` compact probes over `link`. Each compact
-/// reply is unwrapped against the previous full reading (the hello's TSC, then each probe).
+/// Runs `sessions` vmtsync probe sessions of a hello and `probes` probes each over
+/// `transport` (back to back, so every probe after the hello is compact), then shuts the agent
+/// down. A lost probe (a reply the session could not verify) fails the run.
 ///
 /// # Errors
-/// Link errors and unexpected replies.
-pub fn run_sessions<L: ProbeLink>(
-    link: &mut L,
+/// The session's errors, lost probes, a shutdown not answered with `Exiting`.
+pub fn run_sessions<T: Recorded>(
+    transport: &mut T,
     sessions: usize,
     probes: usize,
-) -> Result<Vec<Session<L::Stamps>>> {
-    let hello = Message::Hello(Hello {
-        version: PROTOCOL_VERSION,
-        features: Features::NONE,
-    });
+) -> Result<Vec<Session<T::Stamps>>> {
     let mut out = Vec::with_capacity(sessions);
-    for _ in 0..sessions {
-        let caps = match link.exchange(&hello)?.reply {
-            Message::Capabilities(c) => c,
-            other => bail!("hello answered with {other:?}"),
-        };
-        let mut reference = caps.tsc;
+    for k in 0..sessions {
+        let mut session = ProbeSession::hello(&mut *transport, STEP)?;
         let mut got = Vec::with_capacity(probes);
-        // The wire's sequence number is one byte; each probe is answered before the next.
-        for seq in (0..=u8::MAX).cycle().take(probes) {
-            let ex = link.exchange(&Message::Probe { seq })?;
-            let r = match ex.reply {
-                Message::ProbeReply(r) if r.seq == seq => r,
-                other => bail!("probe {seq} answered with {other:?}"),
-            };
-            let guest = try_unwrap_tsc_low32(reference, r.tsc_low32)
-                .context("compact probe does not unwrap")?;
-            reference = guest;
+        for i in 0..probes {
+            let sample = session
+                .probe()?
+                .with_context(|| format!("session {k}: probe {i} lost: {:?}", session.stats()))?;
+            let (stamps, sent, received) = session.transport().last();
             got.push(Probe {
-                guest: guest.0,
-                stamps: ex.stamps,
-                sent: ex.sent,
-                received: ex.received,
+                guest: sample.guest.0,
+                stamps,
+                sent,
+                received,
             });
         }
         out.push(Session {
-            tsc_khz: caps.tsc_khz,
-            vcpu: caps.vcpu,
+            tsc_khz: session.info().tsc_khz,
+            vcpu: session.info().vcpu,
             probes: got,
         });
+        if k + 1 == sessions {
+            let (bye, _) = session.request(&Message::Shutdown)?;
+            if bye != Message::Exiting {
+                bail!("shutdown answered with {bye:?}");
+            }
+        }
     }
     Ok(out)
 }
@@ -212,26 +188,15 @@ struct Args {
     probes: usize,
     machine: Machine,
     qemu: bool,
-    skew: Option<SkewArg>,
+    skew: Option<Truth>,
 }
 
-/// Which skew the skewed path's agent applies.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum SkewArg {
-    /// [`Skew::pick`]: derived from the host TSC when the path runs (the default).
-    Pick,
-    /// `--skew O,R,F`.
-    Given(Truth),
-}
-
-/// The bench's truth line for a mapping.
-fn bench_truth(m: KvmTscMapping) -> Truth {
-    Truth {
-        offset: m.offset().cast_unsigned(),
-        ratio: m.ratio(),
-        frac: m.frac_bits(),
-    }
-}
+/// The default skew: offset -3e12 ticks, rate 1 + 2^-48·⌊2^48/10^4⌋ ≈ 1.0001 (+100 ppm).
+const DEFAULT_SKEW: Truth = Truth {
+    offset: (-3_000_000_000_000_i64).cast_unsigned(),
+    ratio: (1 << 48) + (1 << 48) / 10_000,
+    frac: 48,
+};
 
 fn parse_skew(v: &str) -> Option<Truth> {
     let mut it = v.split(',');
@@ -251,7 +216,7 @@ fn parse_args(args: &[String]) -> Result<Args, String> {
         probes: 64,
         machine: Machine::Microvm,
         qemu: true,
-        skew: Some(SkewArg::Pick),
+        skew: Some(DEFAULT_SKEW),
     };
     let mut it = args.iter();
     while let Some(flag) = it.next() {
@@ -268,11 +233,7 @@ fn parse_args(args: &[String]) -> Result<Args, String> {
             }
             "--no-qemu" => a.qemu = false,
             "--no-skew" => a.skew = None,
-            "--skew" => {
-                a.skew = Some(SkewArg::Given(
-                    parse_skew(value()?).ok_or("bad --skew value")?,
-                ));
-            }
+            "--skew" => a.skew = Some(parse_skew(value()?).ok_or("bad --skew value")?),
             other => return Err(format!("unexpected argument `{other}`")),
         }
     }
@@ -306,15 +267,11 @@ fn bench(args: &Args) -> Result<Report> {
     let mut rows = Vec::new();
 
     let t = Instant::now();
-    let (s, kvm) = builtin::run(&elf, "transport=uart", args.sessions, args.probes)?;
-    eprintln!(
-        "built-in VMM: {} sessions in {:.1?}; KVM mapping {kvm:?}",
-        s.len(),
-        t.elapsed()
-    );
+    let s = builtin::run(&elf, "transport=uart", args.sessions, args.probes)?;
+    eprintln!("built-in VMM: {} sessions in {:.1?}", s.len(), t.elapsed());
     let khz_agent = s.first().and_then(|x| x.tsc_khz);
     let wire = wire_bytes(&s);
-    let id = bench_truth(kvm);
+    let id = Truth::IDENTITY;
     rows.push(row("builtin/exit-tight", &s, id, |x| {
         (x.prev_exit, x.first_byte)
     })?);
@@ -337,14 +294,13 @@ fn bench(args: &Args) -> Result<Report> {
             eprintln!("SKIP qemu-stdio: qemu-system-x86_64 is missing (or pass --no-qemu)");
         } else {
             let t = Instant::now();
-            let (q, kvm) = qemu::run(&elf, args.machine, args.sessions, args.probes)?;
+            let q = qemu::run(&elf, args.machine, args.sessions, args.probes)?;
             eprintln!(
-                "QEMU {:?}: {} sessions in {:.1?}; KVM mapping {kvm:?}",
+                "QEMU {:?}: {} sessions in {:.1?}",
                 args.machine,
                 q.len(),
                 t.elapsed()
             );
-            let id = bench_truth(kvm);
             qemu_wire = Some(wire_bytes(&q));
             let name = match args.machine {
                 Machine::Microvm => "qemu-microvm",
@@ -358,34 +314,40 @@ fn bench(args: &Args) -> Result<Report> {
     }
 
     let mut skew_used = None;
-    if let Some(arg) = args.skew {
-        let skew = match arg {
-            SkewArg::Pick => Skew::pick(),
-            SkewArg::Given(t) => Skew(
-                KvmTscMapping::try_new(t.offset.cast_signed(), t.ratio, t.frac)
-                    .context("--skew")?,
-            ),
-        };
-        let cmdline = format!("transport=uart {}", skew.agent_option());
+    if let Some(mut skew) = args.skew {
+        // A negative offset larger than the scaled TSC would wrap the guest clock below zero,
+        // which no real guest has; keep the magnitude but make it positive then (a host booted
+        // less than ~20 minutes ago with the default).
+        let now = host_tsc();
+        let scaled = Truth { offset: 0, ..skew }.guest_at(now);
+        let neg = skew.offset.cast_signed();
+        if neg < 0 && scaled < neg.unsigned_abs().saturating_add(1 << 36) {
+            skew.offset = skew.offset.wrapping_neg();
+            eprintln!(
+                "host TSC {now} is below |skew offset|: using offset +{}",
+                skew.offset
+            );
+        }
+        let cmdline = format!(
+            "transport=uart skew={},{},{}",
+            skew.offset.cast_signed(),
+            skew.ratio,
+            skew.frac
+        );
         let t = Instant::now();
-        let (s, kvm) = builtin::run(&elf, &cmdline, args.sessions, args.probes)?;
+        let s = builtin::run(&elf, &cmdline, args.sessions, args.probes)?;
         eprintln!(
-            "built-in VMM, {cmdline}: {} sessions in {:.1?}; KVM mapping {kvm:?}",
+            "built-in VMM, {cmdline}: {} sessions in {:.1?}",
             s.len(),
             t.elapsed()
         );
-        let truth = bench_truth(
-            GuestTruth::new(kvm, Some(skew))
-                .composed()
-                .context("composing KVM's mapping with the skew")?,
-        );
-        rows.push(row("skew/exit-tight", &s, truth, |x| {
+        rows.push(row("skew/exit-tight", &s, skew, |x| {
             (x.prev_exit, x.first_byte)
         })?);
-        rows.push(row("skew/exit-loose", &s, truth, |x| {
+        rows.push(row("skew/exit-loose", &s, skew, |x| {
             (x.request_read, x.first_byte)
         })?);
-        skew_used = Some(bench_truth(skew.0));
+        skew_used = Some(skew);
     }
 
     let tsc_khz = khz_agent
@@ -456,18 +418,18 @@ mod tests {
     fn parses_flags_and_rejects_nonsense() {
         let a = args(&[]).unwrap();
         assert_eq!((a.sessions, a.probes, a.qemu), (30, 64, true));
-        assert_eq!(a.skew, Some(SkewArg::Pick));
+        assert_eq!(a.skew, Some(DEFAULT_SKEW));
         let a = args(&["--sessions", "3", "--probes", "8", "--no-qemu", "--no-skew"]).unwrap();
         assert_eq!((a.sessions, a.probes, a.qemu, a.skew), (3, 8, false, None));
         let a = args(&["--skew", "-5,3,1", "--machine", "q35"]).unwrap();
         assert_eq!(a.machine, Machine::Q35);
         assert_eq!(
             a.skew,
-            Some(SkewArg::Given(Truth {
+            Some(Truth {
                 offset: (-5_i64).cast_unsigned(),
                 ratio: 3,
                 frac: 1
-            }))
+            })
         );
         assert!(args(&["--probes", "1"]).is_err());
         assert!(args(&["--sessions"]).is_err());
@@ -478,8 +440,7 @@ mod tests {
     #[test]
     fn default_skew_is_a_hundred_ppm() {
         // (ratio - 2^48) / 2^48 in ppb, floored.
-        let r = Skew::pick().0.ratio();
-        let ppb = (u128::from(r - (1 << 48)) * 1_000_000_000) >> 48;
+        let ppb = (u128::from(DEFAULT_SKEW.ratio - (1 << 48)) * 1_000_000_000) >> 48;
         assert_eq!(ppb, 99_999);
     }
 }

@@ -1,5 +1,6 @@
-//! A loopback guest agent for tests and demos: `vmtsync_core::agent`'s real state machine
-//! over a host socket, reading the host TSC plus a known skew as its "guest TSC".
+//! A loopback guest agent for tests and the demo's simulation fallback: `vmtsync_core::agent`'s
+//! real state machine over a host socket, reading the host TSC plus a known skew as its "guest
+//! TSC". Test code, so it lives here and not in the shipped `vmtsync` crate.
 //!
 //! Because the skewed clock is the host's own `lfence; rdtsc`, the true offset of such an
 //! agent is exactly the skew, which lets tests check that a probe run's bounds contain the
@@ -15,7 +16,7 @@ use vmtsync_core::GuestTicks;
 use vmtsync_core::agent::{Agent, AgentClock, AgentState, AgentStats, Link, LinkError};
 use vmtsync_core::proto::Transport;
 
-use super::transport::{SocketStream, host_tsc_now};
+use vmtsync::probe::transport::{SocketStream, host_tsc_now};
 
 /// A guest clock equal to the host TSC plus `skew` (wrapping): true offset `guest - host`
 /// is `skew`, up to the ordering of the two reads.

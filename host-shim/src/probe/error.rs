@@ -59,6 +59,9 @@ pub enum ProbeError {
         /// Bytes received during that wait.
         bytes: u64,
     },
+    /// The agent broke the protocol (an answer that cannot be right); nothing of it was used.
+    #[error("the guest agent broke the protocol: {0}")]
+    Protocol(String),
     /// The agent forgot the session (it restarted?).
     #[error("the guest agent answered NotReady: it restarted or lost the session; run probe again")]
     AgentNotReady,

@@ -40,8 +40,8 @@ use std::time::{Duration, Instant};
 
 use vmtsync_core::estimate::ProbeSample;
 use vmtsync_core::proto::{
-    Capabilities, ErrorCode, Features, Feed, FrameReceiver, Hello, MAX_FRAME_SIZE, Message,
-    PROTOCOL_VERSION, encode_frame,
+    Capabilities, ErrorCode, EventBatch, Features, Feed, FrameReceiver, Hello, MAX_FRAME_SIZE,
+    Message, PROTOCOL_VERSION, encode_frame,
 };
 use vmtsync_core::{GuestTicks, HostTicks};
 
@@ -453,6 +453,62 @@ impl<T: StampedTransport> ProbeSession<T> {
         self.wait_bytes = 0;
         let (reply, recv) = self.next_message(deadline, "a reply")?;
         Ok((reply, self.transport.refine(FrameStamps { send, recv })))
+    }
+
+    /// Drains up to `max` of the agent's waiting events: one [`Message::EventsRequest`], then
+    /// every [`Message::Events`] batch of the answer until the one flagged `last`. Memory is
+    /// bounded by `max` (at most `max / EVENT_BATCH_MAX + 1` batches are kept); each batch has
+    /// the session's deadline and byte budget.
+    ///
+    /// The answer is checked, not trusted: a batch from another vCPU, an answer with more than
+    /// `max` records in all, a timestamp that leaves `u64`, or a non-event message in the middle
+    /// is a [`ProbeError::Protocol`] (the batches received so far are lost with it: a drain is
+    /// all or nothing, so a record is never half-delivered).
+    ///
+    /// # Errors
+    /// [`ProbeError::Protocol`], [`ProbeError::AgentExited`], [`ProbeError::AgentNotReady`],
+    /// [`ProbeError::Timeout`], [`ProbeError::Flooded`], [`ProbeError::Transport`].
+    pub fn drain_events(&mut self, max: u32) -> Result<Vec<EventBatch>, ProbeError> {
+        self.send(&Message::EventsRequest { max })?;
+        let mut batches = Vec::new();
+        let mut records: u64 = 0;
+        loop {
+            let deadline = Instant::now() + self.timeout;
+            self.wait_bytes = 0;
+            let (msg, _) = self.next_message(deadline, "an event batch")?;
+            let b = match msg {
+                Message::Events(b) => b,
+                Message::Exiting => return Err(ProbeError::AgentExited),
+                Message::Error(ErrorCode::NotReady) => return Err(ProbeError::AgentNotReady),
+                other => {
+                    return Err(ProbeError::Protocol(format!(
+                        "expected an event batch, got {other:?}"
+                    )));
+                }
+            };
+            if b.vcpu != self.info.vcpu {
+                return Err(ProbeError::Protocol(format!(
+                    "an event batch from vCPU {} on vCPU {}'s session",
+                    b.vcpu, self.info.vcpu
+                )));
+            }
+            if b.timestamped().any(|r| r.is_none()) {
+                return Err(ProbeError::Protocol(
+                    "an event timestamp outside the 64-bit range".into(),
+                ));
+            }
+            records += b.records.len() as u64;
+            if records > u64::from(max) {
+                return Err(ProbeError::Protocol(format!(
+                    "the agent sent {records} events for a request of at most {max}"
+                )));
+            }
+            let last = b.last;
+            batches.push(b);
+            if last {
+                return Ok(batches);
+            }
+        }
     }
 
     /// The transport (e.g. to read stamps a VMM transport recorded for the last exchange).

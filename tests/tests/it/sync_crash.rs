@@ -12,9 +12,9 @@ use std::path::Path;
 use std::process::{Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
-use vmtsync_tests::fake_agent::{self as fake, SkewedClock};
 use vmtsync::syncfile::{CutTail, SyncFile};
 use vmtsync_tests::ChildGuard;
+use vmtsync_tests::fake_agent::{self as fake, SkewedClock};
 
 use crate::kvm_fixtures::{guarded_output, vmtsync};
 

@@ -120,19 +120,31 @@ pub fn run_captured(c: &mut Command) -> Result<String, LaunchError> {
 /// missing. Needed because xtask and the tests call the toolchain's cargo directly, so
 /// `rust-toolchain.toml`'s `targets` line is never applied by a rustup proxy.
 ///
+/// Without rustup (a distribution's toolchain) there is nothing to install from here: it
+/// says so on stderr and returns `Ok`, and the build itself reports a missing target.
+///
 /// # Errors
-/// [`LaunchError::Missing`] when rustup is not installed (with what to do), or the error of
+/// [`LaunchError::Missing`] when rustup runs but cannot list the targets, or the error of
 /// `rustup target add`.
 pub fn ensure_rustup_target(dir: &Path) -> Result<(), LaunchError> {
     let mut list = Command::new("rustup");
     list.current_dir(dir)
         .args(["target", "list", "--installed"]);
-    let installed = run_captured(&mut list).map_err(|e| {
-        LaunchError::Missing(format!(
-            "cannot ask rustup for the installed targets ({e}); without rustup, install the \
-             {AGENT_TARGET} standard library for your toolchain by hand"
-        ))
-    })?;
+    let installed = match run_captured(&mut list) {
+        Ok(out) => out,
+        Err(LaunchError::Spawn { why, .. }) => {
+            eprintln!(
+                "no rustup ({why}): make sure your toolchain has the {AGENT_TARGET} standard \
+                 library (rustup: `rustup target add {AGENT_TARGET}`)"
+            );
+            return Ok(());
+        }
+        Err(e) => {
+            return Err(LaunchError::Missing(format!(
+                "cannot ask rustup for the installed targets: {e}"
+            )));
+        }
+    };
     if target_listed(&installed, AGENT_TARGET) {
         return Ok(());
     }

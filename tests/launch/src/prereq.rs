@@ -120,25 +120,42 @@ pub fn run_captured(c: &mut Command) -> Result<String, LaunchError> {
 /// missing. Needed because xtask and the tests call the toolchain's cargo directly, so
 /// `rust-toolchain.toml`'s `targets` line is never applied by a rustup proxy.
 ///
+/// Without rustup (a distribution's toolchain) there is nothing to install from here: it
+/// says so on stderr and returns `Ok`, and the build itself reports a missing target.
+///
 /// # Errors
-/// [`LaunchError::Missing`] when rustup is not installed (with what to do), or the error of
+/// [`LaunchError::Missing`] when rustup runs but cannot list the targets, or the error of
 /// `rustup target add`.
 pub fn ensure_rustup_target(dir: &Path) -> Result<(), LaunchError> {
-    let mut list = Command::new("rustup");
+    ensure_target_with(std::ffi::OsStr::new("rustup"), dir)
+}
+
+/// [`ensure_rustup_target`] with the rustup program given (a fake one in tests).
+fn ensure_target_with(rustup: &std::ffi::OsStr, dir: &Path) -> Result<(), LaunchError> {
+    let mut list = Command::new(rustup);
     list.current_dir(dir)
         .args(["target", "list", "--installed"]);
-    let installed = run_captured(&mut list).map_err(|e| {
-        LaunchError::Missing(format!(
-            "cannot ask rustup for the installed targets ({e}); without rustup, install the \
-             {AGENT_TARGET} standard library for your toolchain by hand"
-        ))
-    })?;
+    let installed = match run_captured(&mut list) {
+        Ok(out) => out,
+        Err(LaunchError::Spawn { why, .. }) => {
+            eprintln!(
+                "no rustup ({why}): make sure your toolchain has the {AGENT_TARGET} standard \
+                 library (rustup: `rustup target add {AGENT_TARGET}`)"
+            );
+            return Ok(());
+        }
+        Err(e) => {
+            return Err(LaunchError::Missing(format!(
+                "cannot ask rustup for the installed targets: {e}"
+            )));
+        }
+    };
     if target_listed(&installed, AGENT_TARGET) {
         return Ok(());
     }
     eprintln!("rustup target {AGENT_TARGET} is missing: installing it (once, ~20 MB)");
     run_echoed(
-        Command::new("rustup")
+        Command::new(rustup)
             .current_dir(dir)
             .args(["target", "add", AGENT_TARGET]),
     )
@@ -215,6 +232,45 @@ mod tests {
             "x86_64-unknown-none"
         ));
         assert!(!target_listed("", "x86_64-unknown-none"));
+    }
+
+    /// A fake rustup (a shell script) that lists `installed` and logs every call.
+    fn fake_rustup(name: &str, installed: &str) -> (std::path::PathBuf, std::path::PathBuf) {
+        use std::os::unix::fs::PermissionsExt;
+        let dir =
+            std::env::temp_dir().join(format!("vmtsync-launch-{name}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (bin, log) = (dir.join("rustup"), dir.join("calls"));
+        let script = format!(
+            "#!/bin/sh\necho \"$@\" >> '{}'\n[ \"$2\" = list ] && printf '{installed}'\nexit 0\n",
+            log.display()
+        );
+        std::fs::write(&bin, script).unwrap();
+        std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o755)).unwrap();
+        (bin, log)
+    }
+
+    #[test]
+    fn the_target_is_added_only_when_rustup_does_not_list_it() {
+        let (bin, log) = fake_rustup("missing", "x86_64-unknown-linux-gnu\\n");
+        ensure_target_with(bin.as_os_str(), Path::new("/")).unwrap();
+        let calls = std::fs::read_to_string(&log).unwrap();
+        assert_eq!(
+            calls,
+            "target list --installed\ntarget add x86_64-unknown-none\n"
+        );
+        let (bin, log) = fake_rustup(
+            "present",
+            "x86_64-unknown-linux-gnu\\nx86_64-unknown-none\\n",
+        );
+        ensure_target_with(bin.as_os_str(), Path::new("/")).unwrap();
+        let calls = std::fs::read_to_string(&log).unwrap();
+        assert_eq!(calls, "target list --installed\n");
+        for b in [bin, log] {
+            let _ = std::fs::remove_dir_all(b.parent().unwrap());
+        }
+        // No rustup at all: a warning, and the build reports what is missing.
+        ensure_target_with(std::ffi::OsStr::new("/nonexistent/rustup"), Path::new("/")).unwrap();
     }
 
     #[test]

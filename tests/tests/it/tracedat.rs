@@ -449,3 +449,73 @@ fn unsafe_free_gettid() -> i64 {
     // SAFETY: gettid has no preconditions and cannot fail.
     i64::from(unsafe { libc::gettid() })
 }
+
+#[test]
+fn trace_cmd_converts_our_files_and_reads_our_copy_of_a_compressed_trace() {
+    let test = "tracedat::trace_cmd_converts_our_files_and_reads_our_copy_of_a_compressed_trace";
+    if !have_trace_cmd(test) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let ours = dir.path().join("ours.dat");
+    let events: Vec<_> = (0..5000u32)
+        .map(|i| {
+            (
+                i % 3,
+                10_000 + u64::from(i) * 31,
+                i,
+                vec![u8::try_from(i % 256).unwrap()],
+            )
+        })
+        .collect();
+    write(&ours, FileVersion::V7, 3, &events, None);
+    let text = |args: &[&str]| {
+        let o = trace_cmd(args);
+        assert!(
+            o.status.success(),
+            "trace-cmd {args:?}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        String::from_utf8_lossy(&o.stdout).into_owned()
+    };
+    let p = |q: &Path| q.to_str().unwrap().to_owned();
+    let want = text(&["report", "-t", "-i", &p(&ours)]);
+    // trace-cmd's own converter rewrites our file (to v6, and to zstd sections like
+    // `trace-cmd extract` writes) without changing a single report line.
+    let v6 = dir.path().join("v6.dat");
+    let zstd = dir.path().join("zstd.dat");
+    text(&[
+        "convert",
+        "--file-version",
+        "6",
+        "-i",
+        &p(&ours),
+        "-o",
+        &p(&v6),
+    ]);
+    text(&[
+        "convert",
+        "--compression",
+        "zstd",
+        "-i",
+        &p(&ours),
+        "-o",
+        &p(&zstd),
+    ]);
+    assert_eq!(text(&["report", "-t", "-i", &p(&v6)]), want);
+    assert_eq!(text(&["report", "-t", "-i", &p(&zstd)]), want);
+    // The compressed file stands in for a host trace: our GUEST copy keeps every event and
+    // trace-cmd shows the GUEST option.
+    let out = dir.path().join("with-guest.dat");
+    let info = GuestInfo {
+        name: "vmtsync-copy-test".into(),
+        trace_id: 0x77,
+        vcpu_pids: vec![(0, 101), (1, 102)],
+    };
+    let s = copy_host_trace(&zstd, &out, &info, None).unwrap();
+    assert!(!s.added_trace_id);
+    assert_dump_ok(&out);
+    assert_eq!(text(&["report", "-t", "-i", &p(&out)]), want);
+    let opts = text(&["dump", "--options", "-i", &p(&out)]);
+    assert!(opts.contains("vmtsync-copy-test"), "{opts}");
+}

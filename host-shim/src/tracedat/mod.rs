@@ -63,4 +63,4 @@ pub use error::TraceDatError;
 pub use hostcopy::{GuestInfo, HostCopySummary, copy_host_trace};
 pub use reader::{Event, Layout, read_layout, verify_file};
 pub use timeshift::{ShiftMode, SyncSegment, TimeShift, TimeShiftError};
-pub use writer::{FileVersion, Summary, TraceDatWriter, WriterOptions};
+pub use writer::{FileVersion, Summary, TraceDatWriter, Tsc2Nsec, WriterOptions};

@@ -519,3 +519,36 @@ fn trace_cmd_converts_our_files_and_reads_our_copy_of_a_compressed_trace() {
     let opts = text(&["dump", "--options", "-i", &p(&out)]);
     assert!(opts.contains("vmtsync-copy-test"), "{opts}");
 }
+
+#[test]
+fn tsc2nsec_makes_trace_cmd_show_nanoseconds_after_the_shift() {
+    let test = "tracedat::tsc2nsec_makes_trace_cmd_show_nanoseconds_after_the_shift";
+    if !have_trace_cmd(test) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("ns.dat");
+    let t = vmtsync::tracedat::Tsc2Nsec {
+        mult: 6_462_042,
+        shift: 24,
+        offset: 0,
+    };
+    let mut opts = WriterOptions::new(1, 5);
+    opts.tsc2nsec = Some(t);
+    let mut w = TraceDatWriter::create(&path, opts).unwrap();
+    let g = 2_600_000_123_456u64;
+    w.push(0, g, 1, &[]).unwrap();
+    let shift = TimeShift {
+        peer_trace_id: 0,
+        mode: ShiftMode::Step,
+        cpus: vec![vec![SyncSegment::offset_only(HostTicks(0), 1_000_000)]],
+    };
+    w.finish(Some(&shift)).unwrap();
+    let lines = report(&["report", "-t", "-i", path.to_str().unwrap()]);
+    // Shift first (guest - 1e6), then trace-cmd's 64x32 multiply in two halves.
+    let host = g - 1_000_000;
+    let ns = ((host & 0xffff_ffff) * u64::from(t.mult) >> t.shift)
+        + (((host >> 32) * u64::from(t.mult)) << (32 - t.shift));
+    assert_eq!(lines.len(), 1);
+    assert_eq!(lines[0].ts, ns);
+}

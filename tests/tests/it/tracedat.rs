@@ -547,7 +547,7 @@ fn tsc2nsec_makes_trace_cmd_show_nanoseconds_after_the_shift() {
     let lines = report(&["report", "-t", "-i", path.to_str().unwrap()]);
     // Shift first (guest - 1e6), then trace-cmd's 64x32 multiply in two halves.
     let host = g - 1_000_000;
-    let ns = ((host & 0xffff_ffff) * u64::from(t.mult) >> t.shift)
+    let ns = (((host & 0xffff_ffff) * u64::from(t.mult)) >> t.shift)
         + (((host >> 32) * u64::from(t.mult)) << (32 - t.shift));
     assert_eq!(lines.len(), 1);
     assert_eq!(lines[0].ts, ns);

@@ -29,8 +29,10 @@ use super::timeshift::{self, TimeShift};
 /// The clock our timestamps are in: raw TSC ticks, which trace-cmd displays unconverted.
 pub const CLOCK: &str = "x86-tsc";
 
-/// Write buffer of the output and of each spill file.
+/// Write buffer of the output.
 const WRITE_BUF: usize = 256 * 1024;
+/// Write buffer of each spill file (16 pages per write; one per vCPU, so kept smaller).
+const SPILL_BUF: usize = 64 * 1024;
 
 /// trace.dat file version.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -185,7 +187,7 @@ impl TraceDatWriter {
             } else {
                 let f = tempfile::tempfile_in(&dir)
                     .map_err(TraceDatError::io("create a spill file in", &dir))?;
-                Sink::Spill(BufWriter::with_capacity(WRITE_BUF, f))
+                Sink::Spill(BufWriter::with_capacity(SPILL_BUF, f))
             };
             cpus.push(Cpu {
                 page: PageBuf::new(),

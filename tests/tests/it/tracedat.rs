@@ -552,3 +552,49 @@ fn tsc2nsec_makes_trace_cmd_show_nanoseconds_after_the_shift() {
     assert_eq!(lines.len(), 1);
     assert_eq!(lines[0].ts, ns);
 }
+
+#[test]
+fn a_scaled_segment_over_a_short_span_is_within_its_bound_in_trace_cmd() {
+    let test = "tracedat::a_scaled_segment_over_a_short_span_is_within_its_bound_in_trace_cmd";
+    if !have_trace_cmd(test) {
+        return;
+    }
+    // guest = offset + host * 1.0001 (Intel fraction bits), a host TSC like a fresh boot's,
+    // 2000 events over 2 ms of guest time: trace-cmd's 64-bit fixed point fits within a tick.
+    let ratio = (1u64 << 48) + (1u64 << 48) / 10_000;
+    let map = vmtsync_core::mapping::KvmTscMapping::try_new(-7_777_777, ratio, 48).unwrap();
+    let h0 = 2_300_000_000_000u64;
+    let g0 = map.try_guest_from_host(HostTicks(h0)).unwrap().0;
+    let events: Vec<_> = (0..2000u32)
+        .map(|i| (0, g0 + u64::from(i) * 2_503, i, vec![]))
+        .collect();
+    let shift = TimeShift {
+        peer_trace_id: 0,
+        mode: ShiftMode::Step,
+        cpus: vec![vec![SyncSegment {
+            start: HostTicks(h0),
+            map,
+        }]],
+    };
+    let dir = tempfile::tempdir().unwrap();
+    for version in [FileVersion::V6, FileVersion::V7] {
+        let path = dir.path().join("scaled.dat");
+        let s = write(&path, version, 1, &events, Some(&shift));
+        let bound = s.shift_error.unwrap()[0];
+        assert!(bound <= 1, "bound {bound}");
+        assert_dump_ok(&path);
+        let lines = report(&["report", "-t", "-i", path.to_str().unwrap()]);
+        assert_eq!(lines.len(), events.len());
+        let mut worst = 0;
+        for l in &lines {
+            let g = events[id_of(&l.rest) as usize].1;
+            let exact = map
+                .try_host_from_guest_ceil(vmtsync_core::GuestTicks(g))
+                .unwrap()
+                .0;
+            worst = worst.max(l.ts.abs_diff(exact));
+        }
+        assert!(worst <= bound, "{version:?}: off by {worst}, bound {bound}");
+        eprintln!("{version:?}: scaled segment, worst {worst} ticks, bound {bound}");
+    }
+}

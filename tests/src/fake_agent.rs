@@ -120,7 +120,7 @@ pub struct Workload {
 pub const WORKLOAD_EVENT: u16 = 0x100;
 
 /// The loopback agent's event ring, in records.
-pub const RING_CAPACITY: usize = 1 << 16;
+pub const RING_CAPACITY: usize = 1 << 14;
 
 /// The skewed clock as the recorder's TSC.
 struct SkewedTsc(i64);

@@ -15,8 +15,8 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 use vmtsync::hosttsc::read_host_tsc;
-use vmtsync_core::HostTicks;
 use vmtsync_core::GuestTicks;
+use vmtsync_core::HostTicks;
 use vmtsync_tests::fake_agent::{SkewedClock, WORKLOAD_EVENT, Workload, serve_with_events};
 use vmtsync_tests::truth::{GuestTruth, Skew, truth_mapping, truth_ready};
 use vmtsync_tests::vmm::agent_elf;
@@ -86,7 +86,14 @@ fn jsonl_events_carry_intervals_that_hold_the_truth() {
     let sock = dir.path().join("agent.sock");
     let skew = fake_skew();
     let n = 20_000;
-    let agent = fake_agent(&sock, skew, Workload { count: n, rate: 200_000 });
+    let agent = fake_agent(
+        &sock,
+        skew,
+        Workload {
+            count: n,
+            rate: 200_000,
+        },
+    );
     let out_path = dir.path().join("events.jsonl");
     let addr = format!("unix:{}", sock.display());
     let out = record(&[
@@ -105,14 +112,27 @@ fn jsonl_events_carry_intervals_that_hold_the_truth() {
     assert_eq!(out.status.code(), Some(0), "stderr: {}", text(&out.stderr));
     let dropped = agent.join().unwrap();
     let lines = read_jsonl(&out_path);
-    assert_eq!(lines.len() as u64, n - dropped, "stderr: {}", text(&out.stderr));
+    assert_eq!(
+        lines.len() as u64,
+        n - dropped,
+        "stderr: {}",
+        text(&out.stderr)
+    );
     assert!(!dir.path().join("events.jsonl.partial").exists());
     let mut prev_seq = None;
     let mut misses = 0;
     let mut widths = Vec::new();
     for v in &lines {
-        assert_eq!((u(v, "schema"), u(v, "vcpu"), u(v, "id")), (1, 0, u64::from(WORKLOAD_EVENT)));
-        let (g, h, lo, hi) = (u(v, "guest_tsc"), u(v, "host_tsc"), u(v, "host_lo"), u(v, "host_hi"));
+        assert_eq!(
+            (u(v, "schema"), u(v, "vcpu"), u(v, "id")),
+            (1, 0, u64::from(WORKLOAD_EVENT))
+        );
+        let (g, h, lo, hi) = (
+            u(v, "guest_tsc"),
+            u(v, "host_tsc"),
+            u(v, "host_lo"),
+            u(v, "host_hi"),
+        );
         let truth = g.wrapping_sub(skew.cast_unsigned());
         if !(lo <= truth && truth <= hi) {
             misses += 1;
@@ -167,7 +187,12 @@ fn report_events(out: &Output) -> Vec<(u64, u64)> {
                 .take_while(|c| c.is_ascii_digit() || *c == '.')
                 .collect();
             let ts: u64 = ts.replace('.', "").parse().unwrap();
-            let hex: String = l.split("payload=").nth(1).unwrap().split_whitespace().collect();
+            let hex: String = l
+                .split("payload=")
+                .nth(1)
+                .unwrap()
+                .split_whitespace()
+                .collect();
             (ts, seq_of(&hex[..16]))
         })
         .collect()
@@ -180,7 +205,11 @@ fn report_events(out: &Output) -> Vec<(u64, u64)> {
 #[test]
 fn trace_dat_v6_and_v7_read_back_in_trace_cmd_on_the_host_timeline() {
     let test = "trace_dat_v6_and_v7_read_back_in_trace_cmd_on_the_host_timeline";
-    if !require(test, have_trace_cmd(), "trace-cmd is missing (apt-get install trace-cmd)") {
+    if !require(
+        test,
+        have_trace_cmd(),
+        "trace-cmd is missing (apt-get install trace-cmd)",
+    ) {
         return;
     }
     for version in ["6", "7"] {
@@ -188,7 +217,14 @@ fn trace_dat_v6_and_v7_read_back_in_trace_cmd_on_the_host_timeline() {
         let sock = dir.path().join("agent.sock");
         let skew = fake_skew();
         let n = 5_000;
-        let agent = fake_agent(&sock, skew, Workload { count: n, rate: 50_000 });
+        let agent = fake_agent(
+            &sock,
+            skew,
+            Workload {
+                count: n,
+                rate: 50_000,
+            },
+        );
         let dat = dir.path().join("guest.dat");
         let addr = format!("unix:{}", sock.display());
         let out = record(&[
@@ -215,7 +251,12 @@ fn trace_dat_v6_and_v7_read_back_in_trace_cmd_on_the_host_timeline() {
             .unwrap_or_else(|| panic!("summary without widths: {stderr}"));
         let dump = trace_cmd(&["dump", "-v", "-i", dat.to_str().unwrap()]);
         assert!(dump.status.success(), "dump -v: {}", text(&dump.stderr));
-        let raw = report_events(&trace_cmd(&["report", "--raw-ts", "-i", dat.to_str().unwrap()]));
+        let raw = report_events(&trace_cmd(&[
+            "report",
+            "--raw-ts",
+            "-i",
+            dat.to_str().unwrap(),
+        ]));
         let host = report_events(&trace_cmd(&["report", "-t", "-i", dat.to_str().unwrap()]));
         assert_eq!(dropped, 0, "the loopback agent's ring holds every event");
         assert_eq!(raw.len() as u64, n, "v{version}: {stderr}");
@@ -228,9 +269,18 @@ fn trace_dat_v6_and_v7_read_back_in_trace_cmd_on_the_host_timeline() {
                 misses += 1;
             }
         }
-        assert!(raw.windows(2).all(|w| w[0].0 <= w[1].0), "raw TSCs out of order");
-        println!("record trace.dat v{version}: {} events; {stderr}", raw.len());
-        assert_eq!(misses, 0, "v{version}: host times beyond the guaranteed width");
+        assert!(
+            raw.windows(2).all(|w| w[0].0 <= w[1].0),
+            "raw TSCs out of order"
+        );
+        println!(
+            "record trace.dat v{version}: {} events; {stderr}",
+            raw.len()
+        );
+        assert_eq!(
+            misses, 0,
+            "v{version}: host times beyond the guaranteed width"
+        );
     }
 }
 
@@ -241,12 +291,25 @@ fn sigint_ends_a_recording_with_a_complete_file() {
     let dir = scratch("sigint");
     let sock = dir.path().join("agent.sock");
     let skew = fake_skew();
-    let agent = fake_agent(&sock, skew, Workload { count: 1_000_000, rate: 20_000 });
+    let agent = fake_agent(
+        &sock,
+        skew,
+        Workload {
+            count: 1_000_000,
+            rate: 20_000,
+        },
+    );
     let out_path = dir.path().join("events.jsonl");
     let addr = format!("unix:{}", sock.display());
     let mut guard = ChildGuard::new(
         vmtsync()
-            .args(["record", "--connect", &addr, "--out", out_path.to_str().unwrap()])
+            .args([
+                "record",
+                "--connect",
+                &addr,
+                "--out",
+                out_path.to_str().unwrap(),
+            ])
             .args(["--format", "jsonl", "--resync", "50", "--shutdown"])
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -268,7 +331,10 @@ fn sigint_ends_a_recording_with_a_complete_file() {
         if let Some(s) = guard.child().try_wait().unwrap() {
             break s;
         }
-        assert!(Instant::now() < end + Duration::from_secs(10), "ignored SIGINT");
+        assert!(
+            Instant::now() < end + Duration::from_secs(10),
+            "ignored SIGINT"
+        );
         std::thread::sleep(Duration::from_millis(10));
     };
     let mut err = String::new();
@@ -277,7 +343,10 @@ fn sigint_ends_a_recording_with_a_complete_file() {
     assert!(err.contains("ended by a signal"), "{err}");
     let lines = read_jsonl(&out_path);
     assert!(!lines.is_empty());
-    assert!(err.contains(&format!("recorded {} events", lines.len())), "{err}");
+    assert!(
+        err.contains(&format!("recorded {} events", lines.len())),
+        "{err}"
+    );
     // The sequence numbers are the first events, without a gap.
     for (i, v) in lines.iter().enumerate() {
         assert_eq!(seq_of(v["payload"].as_str().unwrap()), i as u64);
@@ -295,7 +364,11 @@ fn qemu_ready(test: &str) -> bool {
             have_qemu(),
             "qemu-system-x86_64 is missing (apt-get install qemu-system-x86)",
         )
-        && require(test, have_trace_cmd(), "trace-cmd is missing (apt-get install trace-cmd)")
+        && require(
+            test,
+            have_trace_cmd(),
+            "trace-cmd is missing (apt-get install trace-cmd)",
+        )
         && truth_ready(test)
 }
 
@@ -313,7 +386,11 @@ fn boot_qemu(dir: &Path, append: &str) -> (ChildGuard, PathBuf) {
     let guard = ChildGuard::new(child);
     let end = Instant::now() + Duration::from_secs(20);
     while !sock.exists() {
-        assert!(Instant::now() < end, "QEMU did not create {}", sock.display());
+        assert!(
+            Instant::now() < end,
+            "QEMU did not create {}",
+            sock.display()
+        );
         std::thread::sleep(Duration::from_millis(10));
     }
     (guard, sock)
@@ -332,14 +409,17 @@ fn qemu_agent_workload_is_recorded_on_the_true_host_timeline() {
         return;
     }
     let picked = Skew::pick();
-    let identity = Skew(
-        vmtsync_core::mapping::KvmTscMapping::offset_only(picked.0.offset()),
-    );
+    let identity = Skew(vmtsync_core::mapping::KvmTscMapping::offset_only(
+        picked.0.offset(),
+    ));
     for (name, skew) in [("rate 1.0001", picked), ("rate 1", identity)] {
         let dir = scratch("qemu");
         // A rate COM1 carries with room to spare (each event is about 14 bytes on the wire).
         let n = 900;
-        let append = format!("transport=uart exit=0 workload=300,0 {}", skew.agent_option());
+        let append = format!(
+            "transport=uart exit=0 workload=300,0 {}",
+            skew.agent_option()
+        );
         let (qemu_guard, sock) = boot_qemu(dir.path(), &append);
         let addr = format!("unix:{}", sock.display());
         let jsonl = dir.path().join("events.jsonl");
@@ -385,16 +465,61 @@ fn qemu_agent_workload_is_recorded_on_the_true_host_timeline() {
         ]);
         drop(qemu_guard);
         let stderr = text(&out.stderr);
-        println!("record under QEMU, {name}: {} events; {}", lines.len(), stderr.trim());
-        assert_eq!(lines.len() as u64, n, "{name}: every event arrives (the ring never filled)");
-        assert_eq!(misses, 0, "{name}: intervals that miss the debugfs+skew truth");
+        println!(
+            "record under QEMU, {name}: {} events; {}",
+            lines.len(),
+            stderr.trim()
+        );
+        assert_eq!(
+            lines.len() as u64,
+            n,
+            "{name}: every event arrives (the ring never filled)"
+        );
+        assert_eq!(
+            misses, 0,
+            "{name}: intervals that miss the debugfs+skew truth"
+        );
         let stderr2 = text(&out2.stderr);
         assert_eq!(out2.status.code(), Some(0), "{name}: {stderr2}");
-        assert_eq!(stderr2.contains("pre-converted"), name == "rate 1.0001", "{stderr2}");
         let dump = trace_cmd(&["dump", "-v", "-i", dat.to_str().unwrap()]);
         assert!(dump.status.success(), "dump -v: {}", text(&dump.stderr));
+        let raw = report_events(&trace_cmd(&[
+            "report",
+            "--raw-ts",
+            "-i",
+            dat.to_str().unwrap(),
+        ]));
         let host = report_events(&trace_cmd(&["report", "-t", "-i", dat.to_str().unwrap()]));
-        assert!(!host.is_empty(), "{name}: no events in the trace.dat");
+        assert_eq!((raw.len(), host.len()), (150, 150), "{name}: {stderr2}");
+        // Each event's host time (trace-cmd's, TIME_SHIFT applied or pre-converted) lies within
+        // the widest guaranteed interval of the run from the truth's host tick of its raw
+        // guest TSC (pre-converted files carry host ticks already).
+        let max_width: u64 = stderr2
+            .split("max ")
+            .nth(1)
+            .and_then(|s| s.split_whitespace().next())
+            .and_then(|s| s.trim_end_matches(',').parse().ok())
+            .unwrap_or_else(|| panic!("summary without widths: {stderr2}"));
+        let exact = truth.composed().expect("truth composes");
+        let preconverted = stderr2.contains("pre-converted");
+        let mut far = 0;
+        for (&(r, _), &(h, _)) in raw.iter().zip(&host) {
+            if preconverted {
+                assert_eq!(r, h, "a pre-converted file has no TIME_SHIFT");
+                continue;
+            }
+            let t = exact
+                .try_host_from_guest_ceil(GuestTicks(r))
+                .expect("maps")
+                .0;
+            if h.abs_diff(t) > max_width {
+                far += 1;
+            }
+        }
+        assert_eq!(
+            far, 0,
+            "{name}: trace-cmd host times beyond the guaranteed width"
+        );
         println!("  trace.dat: {} events; {}", host.len(), stderr2.trim());
     }
 }

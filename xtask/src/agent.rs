@@ -13,7 +13,7 @@ use vmtsync_launch::qemu::{self, Machine};
 use crate::{cargo, sh};
 
 /// Largest `.text` the agent may have: it is meant to be embedded in other people's guests.
-const TEXT_LIMIT: u64 = 64 * 1024;
+pub(crate) const TEXT_LIMIT: u64 = 64 * 1024;
 
 /// Builds the agent (release; the rustup target is installed first when missing) with cargo's
 /// progress shown, and returns its ELF (`vmtsync_launch::agent`, the build the tests use).

@@ -40,10 +40,6 @@ fn parse(args: &[String]) -> Result<Args> {
             other => bail!("bench-scan: unknown flag {other}"),
         }
     }
-    ensure!(
-        a.runs > 0 && a.vms > 0 && a.vcpus > 0,
-        "bench-scan: counts must be positive"
-    );
     Ok(a)
 }
 
@@ -64,6 +60,58 @@ fn write_tree(root: &Path, vms: u32, vcpus: u32) -> Result<()> {
     Ok(())
 }
 
+/// What one scan benchmark measured.
+#[derive(Debug, Clone)]
+pub(crate) struct Measured {
+    /// Files in the generated tree.
+    pub files: u64,
+    /// Wall time of each timed run, sorted.
+    pub times: Vec<Duration>,
+}
+
+/// Generates a tree of `vms` × `vcpus` in a temporary directory and times `runs` scans of it
+/// by `bin` (`vmtsync`), after one untimed warm-up run.
+pub(crate) fn measure(bin: &Path, vms: u32, vcpus: u32, runs: usize) -> Result<Measured> {
+    ensure!(
+        runs > 0 && vms > 0 && vcpus > 0,
+        "bench-scan: counts must be positive"
+    );
+    let dir = std::env::temp_dir().join(format!("vmtsync-bench-scan-{}", std::process::id()));
+    let tree = dir.join("kvm");
+    let result = (|| {
+        write_tree(&tree, vms, vcpus)?;
+        let mut times = Vec::with_capacity(runs);
+        // One untimed run warms the page cache, as every later scan of a live tree finds it.
+        for i in 0..=runs {
+            let t = Instant::now();
+            let out = Command::new(bin)
+                .args(["kvm", "--json", "--debugfs-root"])
+                .arg(&tree)
+                .stderr(Stdio::null())
+                .output()
+                .with_context(|| format!("running {}", bin.display()))?;
+            let took = t.elapsed();
+            ensure!(out.status.success(), "vmtsync kvm failed: {}", out.status);
+            let text = String::from_utf8_lossy(&out.stdout);
+            let found = text.matches("\"pid\":").count();
+            ensure!(
+                found == vms as usize,
+                "scan reported {found} VMs, expected {vms}"
+            );
+            if i > 0 {
+                times.push(took);
+            }
+        }
+        times.sort();
+        Ok::<_, anyhow::Error>(times)
+    })();
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(Measured {
+        files: u64::from(vms) * u64::from(vcpus) * 5,
+        times: result?,
+    })
+}
+
 pub(crate) fn bench_scan(args: &[String]) -> Result<()> {
     let a = parse(args)?;
     sh(cargo().args([
@@ -76,44 +124,14 @@ pub(crate) fn bench_scan(args: &[String]) -> Result<()> {
         "vmtsync",
     ]))?;
     let bin = crate::root().join("target/release/vmtsync");
-    let dir = std::env::temp_dir().join(format!("vmtsync-bench-scan-{}", std::process::id()));
-    let tree = dir.join("kvm");
-    let result = (|| {
-        write_tree(&tree, a.vms, a.vcpus)?;
-        let mut times = Vec::with_capacity(a.runs);
-        // One untimed run warms the page cache, as every later scan of a live tree finds it.
-        for i in 0..=a.runs {
-            let t = Instant::now();
-            let out = Command::new(&bin)
-                .args(["kvm", "--json", "--debugfs-root"])
-                .arg(&tree)
-                .stderr(Stdio::null())
-                .output()
-                .with_context(|| format!("running {}", bin.display()))?;
-            let took = t.elapsed();
-            ensure!(out.status.success(), "vmtsync kvm failed: {}", out.status);
-            let text = String::from_utf8_lossy(&out.stdout);
-            let found = text.matches("\"pid\":").count();
-            ensure!(
-                found == a.vms as usize,
-                "scan reported {found} VMs, expected {}",
-                a.vms
-            );
-            if i > 0 {
-                times.push(took);
-            }
-        }
-        times.sort();
-        Ok::<_, anyhow::Error>(times)
-    })();
-    let _ = std::fs::remove_dir_all(&dir);
-    let times = result?;
+    let m = measure(&bin, a.vms, a.vcpus, a.runs)?;
+    let times = m.times;
     let ms = |d: Duration| d.as_secs_f64() * 1e3;
     println!(
         "vmtsync kvm --json over {} VMs x {} vCPUs ({} files), {} runs: median {:.1} ms, min {:.1} ms, max {:.1} ms",
         a.vms,
         a.vcpus,
-        a.vms * a.vcpus * 5,
+        m.files,
         times.len(),
         ms(times[times.len() / 2]),
         ms(times[0]),

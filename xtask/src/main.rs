@@ -3,7 +3,8 @@
 //! Subcommands:
 //! - `ci`: everything CI checks, in order; collects every failure, then reports them all.
 //! - `check-nostd`: build `vmtsync-core` for `x86_64-unknown-none`, with and without `defmt`.
-//! - `bench`: run the criterion benchmarks.
+//! - `bench [--quick] [--fuzz-long]`: run every benchmark and regenerate BENCHMARKS.md from that
+//!   run (`bench.rs`).
 //! - `bench-probe`: the real-KVM probe benchmark (`vmtsync-probe-bench`), table and JSON.
 //! - `fuzz`: the `ci` fuzz smoke run on its own.
 //! - `build-agent`: build the bare-metal guest agent, print its ELF path and `.text` size.
@@ -15,6 +16,7 @@
 //!   packages, debugfs mount).
 
 mod agent;
+mod bench;
 mod bench_scan;
 mod demo;
 mod fuzz;
@@ -47,7 +49,7 @@ fn run() -> Result<()> {
     match cmd {
         "ci" => ci(rest),
         "check-nostd" => check_nostd(),
-        "bench" => bench(rest),
+        "bench" => bench::bench(rest),
         "bench-probe" => probe_bench::bench_probe(rest),
         "bench-scan" => bench_scan::bench_scan(rest),
         "fuzz" => fuzz::smoke(),
@@ -69,7 +71,11 @@ usage: cargo xtask <command>
 commands:
   ci            fmt, clippy, tests (incl. tier 2 on real KVM), demo, no_std build, fuzz smoke run
   check-nostd   build vmtsync-core for x86_64-unknown-none, with and without defmt
-  bench         run the criterion benchmarks (cargo bench -p vmtsync-core -p vmtsync)
+  bench [--quick] [--fuzz-long] [--sessions K] [--out PATH]
+                run every benchmark once (criterion benches, trace.dat RSS, bench-scan,
+                bench-probe with K sessions, agent size) and write BENCHMARKS.md from that
+                run; --fuzz-long also runs `fuzz --long` (else its last recorded results are
+                shown, dated); --quick is ci's smoke run (writes target/BENCHMARKS.quick.md)
   bench-scan [--vms N] [--vcpus N] [--runs N]
                 median wall time of `vmtsync kvm --json` over a generated debugfs tree
   bench-probe [--sessions K] [--probes N] [--machine microvm|q35] [--no-qemu] [--no-skew]
@@ -194,17 +200,4 @@ fn check_nostd() -> Result<()> {
             .args(features))?;
     }
     Ok(())
-}
-
-fn bench(args: &[String]) -> Result<()> {
-    sh(cargo()
-        .args([
-            "bench",
-            "-p",
-            "vmtsync-core",
-            "-p",
-            "vmtsync",
-            "--all-features",
-        ])
-        .args(args))
 }

@@ -1,7 +1,8 @@
 //! `cargo xtask …`: project automation (rust-analyzer style: few dependencies, plain std).
 //!
 //! Subcommands:
-//! - `ci`: everything CI checks, in order; collects every failure, then reports them all.
+//! - `ci`: everything CI checks, in order (including a `bench --quick` smoke run); collects every
+//!   failure, then reports them all.
 //! - `check-nostd`: build `vmtsync-core` for `x86_64-unknown-none`, with and without `defmt`.
 //! - `bench [--quick] [--fuzz-long]`: run every benchmark and regenerate BENCHMARKS.md from that
 //!   run (`bench.rs`).
@@ -157,6 +158,16 @@ fn ci(_args: &[String]) -> Result<()> {
         ("guest agent", agent::ci_check),
         ("benches compile", || {
             sh(cargo().args(["bench", "--workspace", "--no-run"]))
+        }),
+        // `cargo xtask bench --quick` into a temporary file: every benchmark runs (from the
+        // binaries the steps above built) and the generator fills every section.
+        ("bench smoke", || {
+            let out =
+                std::env::temp_dir().join(format!("vmtsync-bench-quick-{}.md", std::process::id()));
+            let result =
+                bench::bench(&["--quick".into(), "--out".into(), out.display().to_string()]);
+            let _ = std::fs::remove_file(&out);
+            result
         }),
         ("fuzz", fuzz::smoke),
     ];

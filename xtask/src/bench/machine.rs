@@ -48,6 +48,13 @@ impl Machine {
             };
             (f.hz / 1000, source)
         });
+        let cpuinfo_mhz = field("cpu MHz");
+        let tsc_khz = tsc_khz.or_else(|| {
+            Some((
+                mhz_to_khz(cpuinfo_mhz.as_deref()?)?,
+                "CPUID reports none; the kernel's calibration, /proc/cpuinfo `cpu MHz`",
+            ))
+        });
         Self {
             cpu: field("model name").unwrap_or_else(|| "unknown CPU".into()),
             cores: cpuinfo
@@ -55,7 +62,7 @@ impl Machine {
                 .filter(|l| l.starts_with("processor"))
                 .count(),
             tsc_khz,
-            cpuinfo_mhz: field("cpu MHz"),
+            cpuinfo_mhz,
             hypervisor: field("flags").is_some_and(|f| f.split(' ').any(|x| x == "hypervisor")),
             kernel: std::fs::read_to_string("/proc/sys/kernel/osrelease")
                 .map(|s| s.trim().to_owned())
@@ -64,6 +71,13 @@ impl Machine {
             load: load_average(),
         }
     }
+}
+
+/// `2299.998` (MHz, as /proc/cpuinfo writes it) as kHz.
+fn mhz_to_khz(mhz: &str) -> Option<u64> {
+    let (int, frac) = mhz.split_once('.').unwrap_or((mhz, ""));
+    let frac3: String = frac.chars().chain("000".chars()).take(3).collect();
+    Some(int.parse::<u64>().ok()? * 1000 + frac3.parse::<u64>().ok()?)
 }
 
 /// /proc/loadavg's 1, 5 and 15 minute averages.
@@ -83,4 +97,17 @@ pub(crate) fn utc_now() -> String {
         .filter(|o| o.status.success())
         .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
         .unwrap_or_else(|| "unknown date".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::mhz_to_khz;
+
+    #[test]
+    fn cpuinfo_mhz_reads_as_khz() {
+        assert_eq!(mhz_to_khz("2299.998"), Some(2_299_998));
+        assert_eq!(mhz_to_khz("2600"), Some(2_600_000));
+        assert_eq!(mhz_to_khz("26.5"), Some(26_500));
+        assert_eq!(mhz_to_khz("x"), None);
+    }
 }

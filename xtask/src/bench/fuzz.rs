@@ -1,0 +1,143 @@
+//! The fuzzing section: `--fuzz-long` runs `cargo xtask fuzz --long` and records its
+//! `fuzz-result` lines in `target/fuzz-results.json`; otherwise the last recorded results are
+//! shown with their date.
+
+use std::fmt::Write as _;
+use std::process::Command;
+
+use anyhow::{Context, Result, bail, ensure};
+use serde_json::{Value, json};
+
+use super::format::{si, sig3, thousands, verdict};
+use super::{Options, Section, machine, run_capture};
+use crate::root;
+
+/// Where `--fuzz-long` records its results, relative to the workspace root.
+const FUZZ_RESULTS: &str = "target/fuzz-results.json";
+
+/// The `fuzz-result key=value …` lines `cargo xtask fuzz` prints, as JSON objects.
+pub(super) fn fuzz_lines(stdout: &str) -> Vec<Value> {
+    stdout
+        .lines()
+        .filter_map(|l| l.strip_prefix("fuzz-result "))
+        .map(|l| {
+            let mut o = serde_json::Map::new();
+            for (k, v) in l.split_whitespace().filter_map(|w| w.split_once('=')) {
+                let v = v
+                    .parse::<u64>()
+                    .map(Value::from)
+                    .or_else(|_| v.parse::<f64>().map(Value::from))
+                    .unwrap_or_else(|_| Value::from(v));
+                o.insert(k.to_owned(), v);
+            }
+            Value::Object(o)
+        })
+        .collect()
+}
+
+pub(super) fn fuzz(opts: &Options) -> Result<Section> {
+    let path = root().join(FUZZ_RESULTS);
+    let mut run_status = None;
+    if opts.fuzz_long {
+        let exe = std::env::current_exe().context("locating the xtask binary")?;
+        let mut cmd = Command::new(exe);
+        cmd.current_dir(root()).args(["fuzz", "--long"]);
+        let date = machine::utc_now();
+        let (stdout, status) = run_capture(&mut cmd)?;
+        let results = fuzz_lines(&stdout);
+        ensure!(
+            !results.is_empty(),
+            "`cargo xtask fuzz --long` printed no `fuzz-result` lines ({status})"
+        );
+        let record = json!({
+            "schema": "vmtsync-fuzz-results/1",
+            "date": date,
+            "command": "cargo xtask fuzz --long",
+            "success": status.success(),
+            "results": results,
+        });
+        std::fs::write(&path, format!("{record}\n"))
+            .with_context(|| format!("writing {}", path.display()))?;
+        run_status = Some(status);
+    }
+    let Ok(text) = std::fs::read_to_string(&path) else {
+        return Ok(Section {
+            command: "cargo xtask fuzz --long".into(),
+            body: format!(
+                "No `cargo xtask fuzz --long` results are recorded on this machine \
+                 (`{FUZZ_RESULTS}` is missing): `cargo xtask bench --fuzz-long` runs it (it \
+                 takes a while) and records them."
+            ),
+            summary: vec![[
+                "fuzzing, every target".into(),
+                "≥ 10 M executions, 0 crashes, 0 timeouts".into(),
+                "no recorded --long run".into(),
+                "not measured".into(),
+            ]],
+        });
+    };
+    let j: Value =
+        serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+    let results = j["results"].as_array().context("no results")?;
+    let date = j["date"].as_str().unwrap_or("an unknown date");
+    let mut body = format!(
+        "`cargo xtask fuzz --long` ({}), every cargo-fuzz target from its committed seeds:\n\n\
+         | target | executions | crashes | timeouts | out-of-memory | seconds | executions/s |\n\
+         |---|---:|---:|---:|---:|---:|---:|\n",
+        if opts.fuzz_long {
+            format!("run by this benchmark run, {date}")
+        } else {
+            format!(
+                "**not run by this benchmark run**: the results recorded in `{FUZZ_RESULTS}` \
+                 on {date}; `cargo xtask bench --fuzz-long` refreshes them"
+            )
+        }
+    );
+    let mut min_runs = u64::MAX;
+    let mut bad = 0;
+    for r in results {
+        let n = |k: &str| r[k].as_u64().unwrap_or(0);
+        min_runs = min_runs.min(n("runs"));
+        bad += n("crashes") + n("timeouts") + n("ooms");
+        let _ = writeln!(
+            body,
+            "| {} | {} | {} | {} | {} | {} | {} |",
+            r["target"].as_str().unwrap_or("?"),
+            thousands(n("runs")),
+            n("crashes"),
+            n("timeouts"),
+            n("ooms"),
+            r["seconds"].as_f64().map_or_else(|| "?".into(), sig3),
+            r["exec_per_s"]
+                .as_f64()
+                .map_or_else(|| "?".into(), |x| si(x).trim_end().to_owned()),
+        );
+    }
+    let long = results.iter().all(|r| r["mode"].as_str() == Some("long"));
+    if let Some(status) = run_status
+        && !status.success()
+    {
+        bail!("`cargo xtask fuzz --long` failed ({status}):\n\n{body}");
+    }
+    Ok(Section {
+        command: "cargo xtask fuzz --long".into(),
+        body,
+        summary: vec![[
+            format!(
+                "fuzzing, {} targets{}",
+                results.len(),
+                if opts.fuzz_long {
+                    String::new()
+                } else {
+                    format!(" (recorded {date})")
+                }
+            ),
+            "≥ 10 M executions each, 0 crashes, 0 timeouts".into(),
+            format!(
+                "≥ {} executions each, {bad} crashes/timeouts/OOMs",
+                thousands(if min_runs == u64::MAX { 0 } else { min_runs })
+            ),
+            verdict(long && min_runs >= 10_000_000 && bad == 0),
+        ]],
+    })
+}

@@ -19,7 +19,7 @@
 //! - the agent's `.text` size (`build-agent`);
 //! - fuzzing: `--fuzz-long` runs `cargo xtask fuzz --long` and records its `fuzz-result`
 //!   lines in `target/fuzz-results.json`; without it the last recorded results are shown with
-//!   their date.
+//!   their date (`--record-fuzz` runs and records only the fuzzing, writing no BENCHMARKS.md).
 //!
 //! `--quick` is the smoke run `ci` makes: criterion's quick mode, tiny sizes, the binaries ci's
 //! test step already built (dev profile), and the output in `target/BENCHMARKS.quick.md`
@@ -93,6 +93,7 @@ impl Stat {
 struct Options {
     quick: bool,
     fuzz_long: bool,
+    record_fuzz: bool,
     sessions: Option<usize>,
     out: Option<PathBuf>,
 }
@@ -104,6 +105,7 @@ impl Options {
         let mut o = Self {
             quick: false,
             fuzz_long: false,
+            record_fuzz: false,
             sessions: None,
             out: None,
         };
@@ -112,6 +114,7 @@ impl Options {
             match flag.as_str() {
                 "--quick" => o.quick = true,
                 "--fuzz-long" => o.fuzz_long = true,
+                "--record-fuzz" => o.record_fuzz = true,
                 "--sessions" => {
                     let k = it.next().context(USAGE)?;
                     o.sessions = Some(k.parse().with_context(|| format!("--sessions {k}"))?);
@@ -199,6 +202,15 @@ struct Section {
 /// `cargo xtask bench …`.
 pub(crate) fn bench(args: &[String]) -> Result<()> {
     let opts = Options::parse(args)?;
+    if opts.record_fuzz {
+        // Only the long fuzz run, recorded for the next `bench` (which shows it with its date).
+        let status = fuzz::record_long_run()?;
+        ensure!(
+            status.success(),
+            "`cargo xtask fuzz --long` failed: {status}"
+        );
+        return Ok(());
+    }
     let plan = Plan::new(&opts);
     let out = opts.out.clone().unwrap_or_else(|| {
         root().join(if opts.quick {
@@ -329,12 +341,18 @@ fn render(template: &str, keys: &BTreeMap<String, String>) -> Result<String> {
 
 fn machine_text(m: &Machine, took: Duration, quick: bool) -> String {
     let tsc = m.tsc_khz.map_or_else(
-        || "not reported by CPUID".into(),
+        || "not reported by CPUID or /proc/cpuinfo".into(),
         |(khz, src)| format!("{} kHz ({src})", thousands(khz)),
     );
+    let cpuinfo = match (&m.tsc_khz, &m.cpuinfo_mhz) {
+        (Some((_, src)), Some(mhz)) if !src.contains("cpuinfo") => {
+            format!("; /proc/cpuinfo `cpu MHz` {mhz}")
+        }
+        _ => String::new(),
+    };
     let mut s = format!(
-        "**Machine:** {} logical CPUs, {}{}; TSC {tsc}; /proc/cpuinfo `cpu MHz` {}; Linux {}. \
-         Load average (1/5/15 min) {} at the start, {} at the end; the run took {:.0} s.",
+        "**Machine:** {} logical CPUs, {}{}; TSC {tsc}{cpuinfo}; Linux {}. Load average \
+         (1/5/15 min) {} at the start, {} at the end; the run took {:.0} s.",
         m.cores,
         m.cpu,
         if m.hypervisor {
@@ -342,7 +360,6 @@ fn machine_text(m: &Machine, took: Duration, quick: bool) -> String {
         } else {
             ""
         },
-        m.cpuinfo_mhz.as_deref().unwrap_or("unknown"),
         m.kernel,
         m.load,
         machine::load_average(),

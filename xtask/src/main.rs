@@ -77,6 +77,8 @@ commands:
                 bench-probe with K sessions, agent size) and write BENCHMARKS.md from that
                 run; --fuzz-long also runs `fuzz --long` (else its last recorded results are
                 shown, dated); --quick is ci's smoke run (writes target/BENCHMARKS.quick.md)
+  bench --record-fuzz
+                only run `fuzz --long` and record its results for the next `bench`
   bench-scan [--vms N] [--vcpus N] [--runs N]
                 median wall time of `vmtsync kvm --json` over a generated debugfs tree
   bench-probe [--sessions K] [--probes N] [--machine microvm|q35] [--no-qemu] [--no-skew]

@@ -3,7 +3,7 @@
 //! shown with their date.
 
 use std::fmt::Write as _;
-use std::process::Command;
+use std::process::{Command, ExitStatus};
 
 use anyhow::{Context, Result, bail, ensure};
 use serde_json::{Value, json};
@@ -35,38 +35,47 @@ pub(super) fn fuzz_lines(stdout: &str) -> Vec<Value> {
         .collect()
 }
 
+/// Runs `cargo xtask fuzz --long` and records its `fuzz-result` lines with the date in
+/// [`FUZZ_RESULTS`]; returns its exit status (a found crash fails it, after recording).
+pub(super) fn record_long_run() -> Result<ExitStatus> {
+    let path = root().join(FUZZ_RESULTS);
+    let exe = std::env::current_exe().context("locating the xtask binary")?;
+    let mut cmd = Command::new(exe);
+    cmd.current_dir(root()).args(["fuzz", "--long"]);
+    let date = machine::utc_now();
+    let (stdout, status) = run_capture(&mut cmd)?;
+    let results = fuzz_lines(&stdout);
+    ensure!(
+        !results.is_empty(),
+        "`cargo xtask fuzz --long` printed no `fuzz-result` lines ({status})"
+    );
+    let record = json!({
+        "schema": "vmtsync-fuzz-results/1",
+        "date": date,
+        "command": "cargo xtask fuzz --long",
+        "success": status.success(),
+        "results": results,
+    });
+    std::fs::write(&path, format!("{record}\n"))
+        .with_context(|| format!("writing {}", path.display()))?;
+    eprintln!("bench: recorded the fuzz results in {}", path.display());
+    Ok(status)
+}
+
 pub(super) fn fuzz(opts: &Options) -> Result<Section> {
     let path = root().join(FUZZ_RESULTS);
-    let mut run_status = None;
-    if opts.fuzz_long {
-        let exe = std::env::current_exe().context("locating the xtask binary")?;
-        let mut cmd = Command::new(exe);
-        cmd.current_dir(root()).args(["fuzz", "--long"]);
-        let date = machine::utc_now();
-        let (stdout, status) = run_capture(&mut cmd)?;
-        let results = fuzz_lines(&stdout);
-        ensure!(
-            !results.is_empty(),
-            "`cargo xtask fuzz --long` printed no `fuzz-result` lines ({status})"
-        );
-        let record = json!({
-            "schema": "vmtsync-fuzz-results/1",
-            "date": date,
-            "command": "cargo xtask fuzz --long",
-            "success": status.success(),
-            "results": results,
-        });
-        std::fs::write(&path, format!("{record}\n"))
-            .with_context(|| format!("writing {}", path.display()))?;
-        run_status = Some(status);
-    }
+    let run_status = if opts.fuzz_long {
+        Some(record_long_run()?)
+    } else {
+        None
+    };
     let Ok(text) = std::fs::read_to_string(&path) else {
         return Ok(Section {
             command: "cargo xtask fuzz --long".into(),
             body: format!(
                 "No `cargo xtask fuzz --long` results are recorded on this machine \
                  (`{FUZZ_RESULTS}` is missing): `cargo xtask bench --fuzz-long` runs it (it \
-                 takes a while) and records them."
+                 takes a while) and records them, or `cargo xtask bench --record-fuzz` alone."
             ),
             summary: vec![[
                 "fuzzing, every target".into(),
@@ -89,7 +98,8 @@ pub(super) fn fuzz(opts: &Options) -> Result<Section> {
         } else {
             format!(
                 "**not run by this benchmark run**: the results recorded in `{FUZZ_RESULTS}` \
-                 on {date}; `cargo xtask bench --fuzz-long` refreshes them"
+                 on {date}; `cargo xtask bench --fuzz-long` (or `--record-fuzz` alone) \
+                 refreshes them"
             )
         }
     );

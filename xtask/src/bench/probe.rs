@@ -175,7 +175,7 @@ pub(super) fn probe_section(j: &Value) -> Result<Section> {
                 verdict(unsound == 0),
             ],
             [
-                "our median |error| vs trace-cmd's, same samples".into(),
+                "our median \\|error\\| vs trace-cmd's, same samples".into(),
                 "≤ ¼ on each path".into(),
                 format!("met on {} of {} paths", met.len(), goal.len()),
                 verdict(met.len() == goal.len()),

@@ -405,7 +405,11 @@ pub(super) fn recorder(plan: &Plan, work: &Path) -> Result<Section> {
         time_ns(rec.median),
         time_ns(rec8.median),
         time_ns(tsc.median),
-        time_ns(rec.median - tsc.median),
+        if rec.median > tsc.median {
+            format!("about {}", time_ns(rec.median - tsc.median))
+        } else {
+            "less than this run's noise (the medians are reversed)".into()
+        },
         verdict(rec.median <= 20.0),
         per_event,
         verdict(per_event <= 4.0),

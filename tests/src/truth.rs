@@ -154,6 +154,20 @@ impl Skew {
         )
     }
 
+    /// Parses the value of the agent's `skew=` option, `OFFSET,RATIO,FRAC` (the inverse of
+    /// [`Skew::agent_option`]); `None` when it is not three numbers making a valid mapping.
+    #[must_use]
+    pub fn parse(value: &str) -> Option<Self> {
+        let mut it = value.split(',');
+        let offset = it.next()?.parse::<i64>().ok()?;
+        let ratio = it.next()?.parse::<u64>().ok()?;
+        let frac = it.next()?.parse::<u32>().ok()?;
+        if it.next().is_some() {
+            return None;
+        }
+        KvmTscMapping::try_new(offset, ratio, frac).ok().map(Self)
+    }
+
     /// The agent boot option, `skew=OFFSET,RATIO,FRAC`.
     #[must_use]
     pub fn agent_option(&self) -> String {
@@ -295,6 +309,16 @@ mod tests {
             s.agent_option(),
             format!("skew={},{SKEW_RATIO},48", 1_000 + SKEW_OFFSET_EXTRA)
         );
+        // The option's value parses back to the same skew; nonsense does not parse.
+        let opt = s.agent_option();
+        assert_eq!(Skew::parse(opt.strip_prefix("skew=").unwrap()), Some(s));
+        assert_eq!(
+            Skew::parse("-5,3,1"),
+            Some(Skew(KvmTscMapping::try_new(-5, 3, 1).unwrap()))
+        );
+        for bad in ["", "1,2", "1,2,3,4", "1,0,4", "x,1,0", "1,1,99"] {
+            assert_eq!(Skew::parse(bad), None, "{bad}");
+        }
     }
 
     #[test]

@@ -157,7 +157,8 @@ fn boots_under(machine: Machine, test: &str) {
         line(
             &decoded.lines,
             "info",
-            "shutdown after 10 probes, 13 messages, 0 bad frames, 0 events: isa-debug-exit 9"
+            "shutdown after 10 probes, 13 messages, 0 bad frames, 0 events (0 workload, 0 sent, \
+             0 dropped): isa-debug-exit 9"
         )
         .is_some(),
         "COM2 log:\n{log}"

@@ -190,7 +190,8 @@ fn probe_session(test: &str, cmdline: &str) {
         line(
             &out.log_lines,
             "info",
-            "shutdown after 40 probes, 43 messages, 0 bad frames, 0 events: isa-debug-exit 5"
+            "shutdown after 40 probes, 43 messages, 0 bad frames, 0 events (0 workload, 0 sent, \
+             0 dropped): isa-debug-exit 5"
         )
         .is_some(),
         "log:\n{}",
@@ -600,6 +601,9 @@ fn builtin_vmm_agent_log_is_defmt_decoded_with_tsc_timestamps() {
     assert_eq!(out.exit, VmExit::DebugExit(0), "log:\n{}", out.log);
     assert_eq!(
         out.log_lines.last().map(|l| l.text.as_str()),
-        Some("shutdown after 0 probes, 2 messages, 0 bad frames, 0 events: isa-debug-exit 0")
+        Some(
+            "shutdown after 0 probes, 2 messages, 0 bad frames, 0 events (0 workload, 0 sent, \
+             0 dropped): isa-debug-exit 0"
+        )
     );
 }

@@ -215,6 +215,20 @@ impl GuestTruth {
         self.skew.try_guest_from_host(HostTicks(kvm.0))
     }
 
+    /// A lower bound, by the truth, for any TSC the agent reports after host TSC `host`, where
+    /// `host` may precede the vCPU (a host TSC taken before the VM was created): `guest_at(host)`,
+    /// or 0 when that lies above `guest_at(later)`, `later` being a host TSC after the vCPU's
+    /// creation. An ordinary KVM host starts a new vCPU's TSC near zero, so an instant before
+    /// its creation maps below zero, which KVM's offset arithmetic (modulo 2^64) wraps to near
+    /// 2^64.
+    #[must_use]
+    pub fn guest_floor_at(&self, host: HostTicks, later: HostTicks) -> GuestTicks {
+        match (self.guest_at(host), self.guest_at(later)) {
+            (Some(g), Some(l)) if g <= l => g,
+            _ => GuestTicks(0),
+        }
+    }
+
     /// The true offset `guest − host` at host TSC `host`, in the probe's sign convention and,
     /// like KVM's `tsc-offset`, modulo 2^64 (a signed 64-bit difference). With a rate other
     /// than 1 it changes with `host`; compare an estimate where it refers to (a probe
@@ -349,6 +363,16 @@ mod tests {
         assert!(t.in_bracket(s, GuestTicks(3_000_515), r));
         assert!(!t.in_bracket(s, GuestTicks(3_000_499), r));
         assert!(!t.in_bracket(s, GuestTicks(3_000_516), r));
+        // A host instant before the vCPU existed (KVM's offset -1 000 000: host 400 000 maps
+        // below zero) bounds later readings by 0; one after its creation by its image.
+        assert_eq!(
+            plain.guest_floor_at(HostTicks(400_000), HostTicks(3_000_000)),
+            GuestTicks(0)
+        );
+        assert_eq!(
+            plain.guest_floor_at(HostTicks(1_400_000), HostTicks(3_000_000)),
+            GuestTicks(400_000)
+        );
         // check: inside, on the edges, one tick of floor slack only with a rate != 1.
         assert_eq!(
             plain.check(HostTicks(9), -1_000_000, -1_000_000),

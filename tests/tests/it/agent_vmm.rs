@@ -543,14 +543,13 @@ fn builtin_vmm_agent_log_is_defmt_decoded_with_tsc_timestamps() {
         .unwrap_or_else(|| panic!("no ready line; log:\n{log}"));
     let ready_tsc = ready.tsc.expect("timestamped");
     // Log timestamps are the raw guest TSC: the truth (KVM's mapping) takes the host TSCs
-    // before the boot and at the beacon to guest time. The host TSC before the boot precedes
-    // the vCPU, and an ordinary KVM host starts a new vCPU's TSC near zero: that instant's
-    // image then wraps below zero (above the beacon's), and the lower bound is 0.
+    // before the boot (which precedes the vCPU: `guest_floor_at`) and at the beacon to guest
+    // time.
     let t = truth(&vm, None);
     let at_beacon = guest_at(&t, beacon.host_tsc);
-    let before_boot = Some(guest_at(&t, before_boot))
-        .filter(|&b| b <= at_beacon)
-        .unwrap_or(0);
+    let before_boot = t
+        .guest_floor_at(HostTicks(before_boot), HostTicks(beacon.host_tsc))
+        .0;
     assert!(
         before_boot <= ready_tsc && ready_tsc <= at_beacon,
         "ready line TSC {ready_tsc} outside [{before_boot}, {at_beacon}] ({t:?})"

@@ -219,6 +219,57 @@ pub fn decode_frame(frame: &mut [u8]) -> Result<Message, DecodeError> {
     decode(frame.get(..len).ok_or(DecodeError::BadCobs)?)
 }
 
+/// Fuzzing support: rewrites the checksum of one frame (its COBS bytes, without the delimiter)
+/// to match its body, so a fuzzer that mutates frames still reaches postcard and what lies
+/// behind it. Returns the resealed frame with its delimiter, or `None` if `frame` is not valid
+/// COBS, too long, or too short to hold a checksum.
+#[cfg(feature = "sim")]
+#[must_use]
+pub fn reseal_frame<'a>(frame: &[u8], out: &'a mut [u8; MAX_FRAME_SIZE]) -> Option<&'a [u8]> {
+    let mut scratch = [0u8; MAX_FRAME_SIZE];
+    let scratch = scratch.get_mut(..frame.len())?;
+    scratch.copy_from_slice(frame);
+    let n = cobs::decode_in_place(scratch).ok()?;
+    let body = scratch.get_mut(..n)?;
+    let crc_len = if body.first() == Some(&TAG_PROBE) {
+        1
+    } else {
+        2
+    };
+    let (payload, crc) = body.split_at_mut(n.checked_sub(crc_len)?);
+    if crc_len == 1 {
+        crc.copy_from_slice(&[CRC8.checksum(payload)]);
+    } else {
+        crc.copy_from_slice(&CRC16.checksum(payload).to_be_bytes());
+    }
+    let len = cobs::try_encode(body, out).ok()?;
+    *out.get_mut(len)? = 0;
+    out.get(..=len)
+}
+
+/// Fuzzing support: [`reseal_frame`] over a whole stream. Calls `emit` with the pieces of the
+/// new stream in order: each `0x00`-delimited frame resealed, or as it was if it cannot be,
+/// and the delimiters.
+#[cfg(feature = "sim")]
+pub fn reseal_stream(stream: &[u8], mut emit: impl FnMut(&[u8])) {
+    let mut out = [0u8; MAX_FRAME_SIZE];
+    let mut frames = stream.split(|&b| b == 0).peekable();
+    while let Some(frame) = frames.next() {
+        let last = frames.peek().is_none();
+        match reseal_frame(frame, &mut out) {
+            // A resealed frame carries its own delimiter; the last piece had none.
+            Some(sealed) if !last => emit(sealed),
+            Some(sealed) => emit(sealed.split_last().map_or(sealed, |(_, body)| body)),
+            None => {
+                emit(frame);
+                if !last {
+                    emit(&[0]);
+                }
+            }
+        }
+    }
+}
+
 /// The result of one [`FrameReceiver::feed`] call.
 // The message is returned by value: without a heap there is nothing to box it into, and it is
 // moved once, to the caller.
@@ -701,6 +752,32 @@ mod tests {
             tsc_low32: 0xffff_ffff,
         });
         assert_eq!(f.finish(GuestTicks(0xffff_ffff)), &frame_of(&reply2)[..]);
+    }
+
+    /// The fuzzing helper makes a frame with a broken checksum decode, and leaves good frames
+    /// and what is not COBS as they were.
+    #[cfg(feature = "sim")]
+    #[test]
+    fn reseal_repairs_only_the_checksum() {
+        let good = frame_of(&Message::EventsRequest { max: 8 });
+        let mut broken = good.clone();
+        let n = broken.len();
+        broken[n - 2] ^= 0x40;
+        assert!(decode_frame(&mut broken.clone()).is_err());
+        let mut out = [0u8; MAX_FRAME_SIZE];
+        assert_eq!(reseal_frame(&broken[..n - 1], &mut out), Some(&good[..]));
+        let probe = frame_of(&Message::Probe { seq: 3 });
+        let mut stream = Vec::new();
+        stream.extend_from_slice(&broken);
+        stream.extend_from_slice(&[0, 5, 1]);
+        stream.push(0);
+        stream.extend_from_slice(&probe[..probe.len() - 1]);
+        let mut resealed = Vec::new();
+        reseal_stream(&stream, |piece| resealed.extend_from_slice(piece));
+        let mut want = good.clone();
+        want.extend_from_slice(&[0, 5, 1, 0]);
+        want.extend_from_slice(&probe[..probe.len() - 1]);
+        assert_eq!(resealed, want);
     }
 
     proptest! {

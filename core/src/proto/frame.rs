@@ -137,6 +137,17 @@ pub fn encode<'a>(msg: &Message, buf: &'a mut [u8]) -> Result<&'a mut [u8], Enco
         .map_err(|_| EncodeError::BufferTooSmall)?
         .len();
     let (payload, tail) = buf.split_at_mut(len);
+    let (crc, crc_len) = checksum_of(payload);
+    tail.get_mut(..crc_len)
+        .ok_or(EncodeError::BufferTooSmall)?
+        .copy_from_slice(crc.get(..crc_len).unwrap_or_default());
+    buf.get_mut(..len + crc_len)
+        .ok_or(EncodeError::BufferTooSmall)
+}
+
+/// The checksum that follows `payload` (chosen by its tag), big-endian in the first `len`
+/// bytes of the array; returns it and `len`.
+fn checksum_of(payload: &[u8]) -> ([u8; 4], usize) {
     let crc_len = checksum_len(payload.first());
     let mut crc = [0u8; 4];
     match crc_len {
@@ -144,11 +155,7 @@ pub fn encode<'a>(msg: &Message, buf: &'a mut [u8]) -> Result<&'a mut [u8], Enco
         4 => crc = CRC32.checksum(payload).to_be_bytes(),
         _ => crc[..2].copy_from_slice(&CRC16.checksum(payload).to_be_bytes()),
     }
-    tail.get_mut(..crc_len)
-        .ok_or(EncodeError::BufferTooSmall)?
-        .copy_from_slice(crc.get(..crc_len).unwrap_or_default());
-    buf.get_mut(..len + crc_len)
-        .ok_or(EncodeError::BufferTooSmall)
+    (crc, crc_len)
 }
 
 /// Encodes `msg` as one frame (COBS body plus the `0x00` delimiter) into `buf`; returns the
@@ -231,17 +238,9 @@ pub fn reseal_frame<'a>(frame: &[u8], out: &'a mut [u8; MAX_FRAME_SIZE]) -> Opti
     scratch.copy_from_slice(frame);
     let n = cobs::decode_in_place(scratch).ok()?;
     let body = scratch.get_mut(..n)?;
-    let crc_len = if body.first() == Some(&TAG_PROBE) {
-        1
-    } else {
-        2
-    };
-    let (payload, crc) = body.split_at_mut(n.checked_sub(crc_len)?);
-    if crc_len == 1 {
-        crc.copy_from_slice(&[CRC8.checksum(payload)]);
-    } else {
-        crc.copy_from_slice(&CRC16.checksum(payload).to_be_bytes());
-    }
+    let (payload, crc) = body.split_at_mut(n.checked_sub(checksum_len(body.first()))?);
+    let (sum, len) = checksum_of(payload);
+    crc.copy_from_slice(sum.get(..len)?);
     let len = cobs::try_encode(body, out).ok()?;
     *out.get_mut(len)? = 0;
     out.get(..=len)

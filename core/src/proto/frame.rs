@@ -137,7 +137,7 @@ pub fn encode<'a>(msg: &Message, buf: &'a mut [u8]) -> Result<&'a mut [u8], Enco
         .map_err(|_| EncodeError::BufferTooSmall)?
         .len();
     let (payload, tail) = buf.split_at_mut(len);
-    let (crc, crc_len) = checksum_of(payload);
+    let (crc, crc_len) = checksum_of(payload.first(), payload);
     tail.get_mut(..crc_len)
         .ok_or(EncodeError::BufferTooSmall)?
         .copy_from_slice(crc.get(..crc_len).unwrap_or_default());
@@ -145,10 +145,11 @@ pub fn encode<'a>(msg: &Message, buf: &'a mut [u8]) -> Result<&'a mut [u8], Enco
         .ok_or(EncodeError::BufferTooSmall)
 }
 
-/// The checksum that follows `payload` (chosen by its tag), big-endian in the first `len`
-/// bytes of the array; returns it and `len`.
-fn checksum_of(payload: &[u8]) -> ([u8; 4], usize) {
-    let crc_len = checksum_len(payload.first());
+/// The checksum of `payload` that the postcard tag `tag` calls for, big-endian in the first
+/// `len` bytes of the array; returns it and `len`. The tag is passed on its own because a
+/// (corrupt) body may hold a tag and no payload.
+fn checksum_of(tag: Option<&u8>, payload: &[u8]) -> ([u8; 4], usize) {
+    let crc_len = checksum_len(tag);
     let mut crc = [0u8; 4];
     match crc_len {
         1 => crc[0] = CRC8.checksum(payload),
@@ -238,8 +239,9 @@ pub fn reseal_frame<'a>(frame: &[u8], out: &'a mut [u8; MAX_FRAME_SIZE]) -> Opti
     scratch.copy_from_slice(frame);
     let n = cobs::decode_in_place(scratch).ok()?;
     let body = scratch.get_mut(..n)?;
-    let (payload, crc) = body.split_at_mut(n.checked_sub(checksum_len(body.first()))?);
-    let (sum, len) = checksum_of(payload);
+    let tag = body.first().copied();
+    let (payload, crc) = body.split_at_mut(n.checked_sub(checksum_len(tag.as_ref()))?);
+    let (sum, len) = checksum_of(tag.as_ref(), payload);
     crc.copy_from_slice(sum.get(..len)?);
     let len = cobs::try_encode(body, out).ok()?;
     *out.get_mut(len)? = 0;
@@ -777,6 +779,22 @@ mod tests {
         want.extend_from_slice(&[0, 5, 1, 0]);
         want.extend_from_slice(&probe[..probe.len() - 1]);
         assert_eq!(resealed, want);
+    }
+
+    /// Regression (found by the `decode`, `agent` and `session` fuzz targets): a body that is
+    /// only the compact probe's tag has its one checksum byte and an empty payload; resealing
+    /// it took the empty payload's (CRC-16) length and panicked in `copy_from_slice`.
+    #[cfg(feature = "sim")]
+    #[test]
+    fn reseal_survives_a_tag_without_payload() {
+        // The fuzzer's input after its control byte: a one-byte frame, then COBS of [2].
+        let stream = [0x89, 0x00, 0x02, 0x02];
+        let mut resealed = Vec::new();
+        reseal_stream(&stream, |piece| resealed.extend_from_slice(piece));
+        let mut out = [0u8; MAX_FRAME_SIZE];
+        let sealed = reseal_frame(&[0x02, 0x02], &mut out).expect("valid COBS");
+        // The body's one byte became the CRC-8 of the empty payload.
+        assert_eq!(sealed, cobs_frame(&[CRC8.checksum(&[])]));
     }
 
     proptest! {

@@ -48,6 +48,25 @@ pub struct RecordArgs {
     /// No progress line on stderr.
     #[arg(long)]
     pub no_progress: bool,
+    /// A host trace.dat (trace-cmd extract, x86-tsc clock) to pair with the guest trace: a copy
+    /// of it with the GUEST option (this guest's name, trace id, vCPU -> host thread) is
+    /// written to --host-output, so `trace-cmd report -i HOST_OUT -i GUEST.dat` shows both.
+    #[arg(
+        long,
+        value_name = "HOST.dat",
+        requires = "host_output",
+        requires = "vm"
+    )]
+    pub host_trace: Option<PathBuf>,
+    /// Where the host trace's copy goes (the input is never modified).
+    #[arg(long, value_name = "OUT.dat", requires = "host_trace")]
+    pub host_output: Option<PathBuf>,
+    /// The VM (PID, PID-FD or name) whose vCPU thread goes into the GUEST option.
+    #[arg(long, value_name = "PID|NAME", requires = "host_trace")]
+    pub vm: Option<crate::scan::VmSelector>,
+    /// Debugfs and /proc (for --vm).
+    #[command(flatten)]
+    pub source: super::source::SourceArgs,
 }
 
 /// `--format`.
@@ -103,11 +122,62 @@ pub(super) fn run_record_cmd(a: &RecordArgs) -> Result<(), CliError> {
             "--duration must be a non-negative number of seconds".into(),
         ));
     }
+    if a.host_trace.is_some() && a.format != FormatArg::TraceCmd {
+        return Err(CliError::Usage(
+            "--host-trace pairs a host trace with a trace-cmd format recording".into(),
+        ));
+    }
+    // The VM's vCPU threads, read before recording so a wrong --vm fails at once.
+    let host = match (&a.host_trace, &a.host_output, &a.vm) {
+        (Some(input), Some(output), Some(sel)) => {
+            let report = super::source::scanner(&a.source)?.scan(Some(sel))?;
+            let [vm] = report.vms.as_slice() else {
+                return Err(CliError::Ambiguous {
+                    selector: sel.to_string(),
+                    count: report.vms.len(),
+                    list: report
+                        .vms
+                        .iter()
+                        .map(|v| format!("{}-{}", v.pid, v.fd))
+                        .collect::<Vec<_>>()
+                        .join(", "),
+                });
+            };
+            Some((input.clone(), output.clone(), vm.clone()))
+        }
+        _ => None,
+    };
     install_stop_handler();
     let opts = a.to_options(Some(stop_flag()));
     let mut progress = Progress::stderr_if_terminal(opts.probe.progress);
     let s = record::run_record(&opts, &mut progress)?;
     eprintln!("{}", summary_text(&s));
+    if let Some((input, output, vm)) = host {
+        let vcpu_pids = vm
+            .vcpus
+            .iter()
+            .filter(|c| c.vcpu == s.vcpu)
+            .filter_map(|c| c.thread_pid.map(|t| (0, t)))
+            .collect();
+        let guest = crate::tracedat::GuestInfo {
+            name: vm
+                .name
+                .clone()
+                .unwrap_or_else(|| format!("{}-{}", vm.pid, vm.fd)),
+            trace_id: s.trace_id,
+            vcpu_pids,
+        };
+        let c = crate::tracedat::copy_host_trace(&input, &output, &guest, None)
+            .map_err(crate::record::RecordError::from)?;
+        eprintln!(
+            "vmtsync: wrote {} (a copy of {} with the GUEST option for {}): trace-cmd report -i {} -i {}",
+            c.path.display(),
+            input.display(),
+            guest.name,
+            c.path.display(),
+            s.out.display()
+        );
+    }
     Ok(())
 }
 

@@ -115,6 +115,10 @@ pub struct RecordSummary {
     pub clamped: u64,
     /// Why it ended.
     pub end: EndReason,
+    /// The vCPU the agent read.
+    pub vcpu: u32,
+    /// The guest trace's TRACEID (trace.dat only; 0 for JSON Lines).
+    pub trace_id: u64,
     /// The file written.
     pub out: PathBuf,
 }
@@ -202,6 +206,7 @@ pub fn run_record_on<T: StampedTransport>(
 ) -> Result<RecordSummary, RecordError> {
     let p = &opts.probe;
     let mut session = ProbeSession::hello_until_stopped(transport, p.timeout, p.stop)?;
+    let session_vcpu = session.info().vcpu;
     let mut out = match opts.format {
         RecordFormat::Jsonl => Out::Jsonl(jsonl::Writer::create(&opts.out)?),
         RecordFormat::TraceCmd => {
@@ -254,6 +259,12 @@ pub fn run_record_on<T: StampedTransport>(
         preconverted,
         clamped,
         end,
+        vcpu: session_vcpu,
+        trace_id: if opts.format == RecordFormat::TraceCmd {
+            trace_id(opts, &st)
+        } else {
+            0
+        },
         out: opts.out.clone(),
     })
 }

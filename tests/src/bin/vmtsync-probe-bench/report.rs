@@ -74,7 +74,7 @@ impl Report {
         ticks.map_or_else(|| "-".into(), |t| format!("{t} ({} ns)", self.ns(t)))
     }
 
-    /// Rows whose guaranteed bounds missed the truth in some session: the identity rows'
+    /// Rows whose guaranteed bounds missed the truth in some session: the rate-1 rows'
     /// offset interval and every row's drift bounds must always hold. (A constant-offset
     /// interval under a non-identity rate is a wrong model, so skew rows only count its
     /// drift bounds.)

@@ -2,8 +2,8 @@
 //! sessions.
 //!
 //! Every estimator sees the same [`ProbeSample`]s; the truth is the clock relation the guest
-//! really had (identity on the project's machines, or the agent's software skew), so each
-//! estimate has an exact error.
+//! really had (KVM's debugfs mapping of the vCPU, composed with the agent's software skew
+//! where it has one), so each estimate has an exact error.
 
 use vmtsync_core::estimate::{
     DriftEstimator, EstimateError, ProbeSample, Ratio, estimate_offset, trace_cmd_fastest,
@@ -26,7 +26,8 @@ pub struct Truth {
 }
 
 impl Truth {
-    /// Guest TSC == host TSC (until the bench takes its truth from debugfs, see docs/launching.md).
+    /// Guest TSC == host TSC, for the unit tests; real runs take their truth from debugfs.
+    #[cfg(test)]
     pub const IDENTITY: Self = Self {
         offset: 0,
         ratio: 1,
@@ -96,7 +97,7 @@ pub struct SessionEval {
 /// Evaluates every estimator on `samples` against `truth`.
 ///
 /// The constant-offset interval is measured against the truth at the middle of the session's
-/// host span (for the identity truth the offset is the same everywhere). A segment break there
+/// host span (for a rate-1 truth the offset is the same everywhere). A segment break there
 /// is recorded as `None`, never as a number: under a non-identity rate it is the expected,
 /// correct answer of a constant-offset model.
 ///

@@ -489,18 +489,6 @@ mod tests {
     }
 
     #[test]
-    fn fuzz_result_lines_become_json() {
-        let v = fuzz::fuzz_lines(
-            "noise\nfuzz-result target=core/fuzz:decode mode=long runs=10000000 crashes=0 \
-             timeouts=0 ooms=0 seconds=81.5 exec_per_s=122699 corpus=310\n",
-        );
-        assert_eq!(v.len(), 1);
-        assert_eq!(v[0]["target"], "core/fuzz:decode");
-        assert_eq!(v[0]["runs"], 10_000_000);
-        assert_eq!(v[0]["seconds"], 81.5);
-    }
-
-    #[test]
     fn a_full_event_batch_encodes() {
         let (frame, events) = sections::event_batch_frame().expect("encodes");
         assert_eq!(events, vmtsync_core::proto::EVENT_BATCH_MAX);

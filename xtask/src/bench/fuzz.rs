@@ -49,9 +49,17 @@ pub(super) fn record_long_run() -> Result<ExitStatus> {
         !results.is_empty(),
         "`cargo xtask fuzz --long` printed no `fuzz-result` lines ({status})"
     );
+    let commit = Command::new("git")
+        .current_dir(root())
+        .args(["rev-parse", "--short", "HEAD"])
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned());
     let record = json!({
         "schema": "vmtsync-fuzz-results/1",
         "date": date,
+        "commit": commit,
         "command": "cargo xtask fuzz --long",
         "success": status.success(),
         "results": results,
@@ -85,20 +93,37 @@ pub(super) fn fuzz(opts: &Options) -> Result<Section> {
             ]],
         });
     };
-    let j: Value =
-        serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+    let section = recorded_section(&text, opts.fuzz_long)
+        .with_context(|| format!("reading {}", path.display()))?;
+    if let Some(status) = run_status
+        && !status.success()
+    {
+        bail!(
+            "`cargo xtask fuzz --long` failed ({status}):\n\n{}",
+            section.body
+        );
+    }
+    Ok(section)
+}
+
+/// The section for a recorded fuzz run (`ran_now`: by this benchmark run).
+fn recorded_section(text: &str, ran_now: bool) -> Result<Section> {
+    let j: Value = serde_json::from_str(text).context("not a fuzz results file")?;
     let results = j["results"].as_array().context("no results")?;
     let date = j["date"].as_str().unwrap_or("an unknown date");
+    let commit = j["commit"]
+        .as_str()
+        .map_or_else(String::new, |c| format!(", commit {c}"));
     let mut body = format!(
         "`cargo xtask fuzz --long` ({}), every cargo-fuzz target from its committed seeds:\n\n\
          | target | executions | crashes | timeouts | out-of-memory | seconds | executions/s |\n\
          |---|---:|---:|---:|---:|---:|---:|\n",
-        if opts.fuzz_long {
-            format!("run by this benchmark run, {date}")
+        if ran_now {
+            format!("run by this benchmark run, {date}{commit}")
         } else {
             format!(
                 "**not run by this benchmark run**: the results recorded in `{FUZZ_RESULTS}` \
-                 on {date}; `cargo xtask bench --fuzz-long` (or `--record-fuzz` alone) \
+                 on {date}{commit}; `cargo xtask bench --fuzz-long` (or `--record-fuzz` alone) \
                  refreshes them"
             )
         }
@@ -124,11 +149,6 @@ pub(super) fn fuzz(opts: &Options) -> Result<Section> {
         );
     }
     let long = results.iter().all(|r| r["mode"].as_str() == Some("long"));
-    if let Some(status) = run_status
-        && !status.success()
-    {
-        bail!("`cargo xtask fuzz --long` failed ({status}):\n\n{body}");
-    }
     Ok(Section {
         command: "cargo xtask fuzz --long".into(),
         body,
@@ -136,7 +156,7 @@ pub(super) fn fuzz(opts: &Options) -> Result<Section> {
             format!(
                 "fuzzing, {} targets{}",
                 results.len(),
-                if opts.fuzz_long {
+                if ran_now {
                     String::new()
                 } else {
                     format!(" (recorded {date})")
@@ -150,4 +170,54 @@ pub(super) fn fuzz(opts: &Options) -> Result<Section> {
             verdict(long && min_runs >= 10_000_000 && bad == 0),
         ]],
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn result_lines_become_json() {
+        let v = fuzz_lines(
+            "noise\nfuzz-result target=core/fuzz:decode mode=long runs=10000000 crashes=0 \
+             timeouts=0 ooms=0 seconds=81.5 exec_per_s=122699 corpus=310\n",
+        );
+        assert_eq!(v.len(), 1);
+        assert_eq!(v[0]["target"], "core/fuzz:decode");
+        assert_eq!(v[0]["runs"], 10_000_000);
+        assert_eq!(v[0]["seconds"], 81.5);
+    }
+
+    #[test]
+    fn a_recorded_run_is_shown_with_its_date_and_judged() {
+        let results = fuzz_lines(
+            "fuzz-result target=a:x mode=long runs=10000000 crashes=0 timeouts=0 ooms=0 \
+             seconds=180.3 exec_per_s=55471 corpus=2\n\
+             fuzz-result target=a:y mode=long runs=9000000 crashes=0 timeouts=0 ooms=0 \
+             seconds=10 exec_per_s=1 corpus=2\n",
+        );
+        let record = json!({"date": "2026-12-01 09:00 UTC", "commit": "abc1234",
+            "results": results});
+        let s = recorded_section(&record.to_string(), false).expect("renders");
+        assert!(
+            s.body.contains("2026-12-01 09:00 UTC, commit abc1234"),
+            "{}",
+            s.body
+        );
+        assert!(
+            s.body.contains("| a:x | 10,000,000 | 0 | 0 | 0 | 180 |"),
+            "{}",
+            s.body
+        );
+        assert!(
+            s.body.contains("not run by this benchmark run"),
+            "{}",
+            s.body
+        );
+        assert_eq!(
+            s.summary[0][3], "**not met**",
+            "one target ran fewer than 10 M inputs"
+        );
+        assert!(recorded_section("{}", true).is_err());
+    }
 }

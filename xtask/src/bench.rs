@@ -515,10 +515,12 @@ mod tests {
         assert!(s.body.contains("3 sessions per path"), "{}", s.body);
         assert!(s.body.contains("2,600 (1,000 ns)"), "{}", s.body);
         assert!(
-            s.body.contains("| 2/3 |"),
-            "drift bounds count for skew rows"
+            s.body.contains("| 0/3; 2/3 |"),
+            "both guarantees count on skew rows: {}",
+            s.body
         );
-        assert_eq!(s.summary[0][2], "5/6 sessions");
+        assert_eq!(s.summary[0][2], "interval 3/6, drift bounds 5/6 sessions");
+        assert_eq!(s.summary[0][3], "**not met**");
         assert_eq!(s.summary[1][2], "met on 1 of 2 paths");
     }
 }

@@ -127,12 +127,18 @@ pub struct RateLimits {
 }
 
 impl RateLimits {
-    /// `[min, max]`, or `None` unless `0 < min <= max` (or the comparison overflows).
+    /// `[min, max]`, or `None` unless both denominators are positive and `0 < min <= max`
+    /// (or the comparison overflows). A `const fn`, so fixed limits are checked at compile
+    /// time.
     #[must_use]
-    pub fn new(min: Ratio, max: Ratio) -> Option<Self> {
-        let min = Ratio::new(min.num, min.den)?;
-        let max = Ratio::new(max.num, max.den)?;
-        (min.num > 0 && !max.try_lt(&min)?).then_some(Self { min, max })
+    pub const fn new(min: Ratio, max: Ratio) -> Option<Self> {
+        if min.den <= 0 || max.den <= 0 || min.num <= 0 {
+            return None;
+        }
+        match (max.num.checked_mul(min.den), min.num.checked_mul(max.den)) {
+            (Some(a), Some(b)) if a >= b => Some(Self { min, max }),
+            _ => None,
+        }
     }
 
     /// The smallest rate assumed possible.
@@ -239,11 +245,27 @@ mod tests {
         let r = |n, d| Ratio::new(n, d).unwrap();
         let l = RateLimits::new(r(1, 2), r(2, 1)).unwrap();
         assert_eq!((l.min(), l.max()), (r(1, 2), r(2, 1)));
-        // A denominator given negative is normalised first.
-        let neg = Ratio { num: -1, den: -2 };
+        // A denominator must be positive, as `Ratio::new` makes it.
+        assert_eq!(RateLimits::new(Ratio { num: -1, den: -2 }, r(1, 1)), None);
         assert_eq!(
-            RateLimits::new(neg, r(1, 1)).map(|l| l.min()),
-            Some(r(1, 2))
+            RateLimits::new(
+                r(1, 2),
+                Ratio {
+                    num: 1,
+                    den: i128::MAX
+                }
+            ),
+            None
+        );
+        assert_eq!(
+            RateLimits::new(
+                r(1, 2),
+                Ratio {
+                    num: i128::MAX,
+                    den: 3
+                }
+            ),
+            None
         );
         assert_eq!(RateLimits::new(r(0, 1), r(1, 1)), None);
         assert_eq!(RateLimits::new(r(-1, 1), r(1, 1)), None);

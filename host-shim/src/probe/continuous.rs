@@ -204,7 +204,7 @@ pub(super) fn run<T: StampedTransport>(
 }
 
 /// Writes a note about a round: to `out` in text mode, to stderr (`vmtsync: ` prefixed) under
-/// `--json`, where stdout carries only schema-1 objects.
+/// `--json`, where stdout carries only schema-2 objects.
 fn note(out: &mut dyn Write, json: bool, text: &str) -> Result<(), ProbeError> {
     if json {
         writeln!(std::io::stderr(), "vmtsync: {text}")
@@ -367,12 +367,12 @@ mod tests {
         let mut out = Vec::new();
         run_probe_on(sim(), &opts, &mut out).unwrap();
         let out = String::from_utf8(out).unwrap();
-        // Two measured rounds, two schema-1 objects, nothing else (the note went to stderr).
+        // Two measured rounds, two schema-2 objects, nothing else (the note went to stderr).
         let lines: Vec<&str> = out.lines().collect();
         assert_eq!(lines.len(), 2, "{out}");
         for l in lines {
             let v: serde_json::Value = serde_json::from_str(l).expect("a JSON line");
-            assert_eq!(v["schema"], 1, "{l}");
+            assert_eq!(v["schema"], 2, "{l}");
         }
     }
 

@@ -10,7 +10,8 @@
 //! ([`DriftEstimator::offset_bounds_at_within`], rounded outward to whole ticks). A guest
 //! whose clock drifts (an oscillator off by 100 ppm, a software skew, TSC scaling) stays
 //! inside. The assumptions: the guest's rate is constant over the round, within those limits,
-//! and each guest reading happened between its two host stamps.
+//! each guest reading happened between its two host stamps, and a reading is the true clock
+//! rounded down once (KVM's `>> frac`; docs/probe.md).
 //!
 //! The constant-offset interval (the intersection of every probe's
 //! `[guest - host_recv, guest - host_send]`) is tighter but holds only if the guest's rate is

@@ -711,7 +711,9 @@ mod tests {
         probes: &[(u64, u64, u64)],
     ) -> (GuestClock, StdVec<ProbeSample>) {
         let clock = GuestClock::with_drift_ppb(offset, ppm * 1_000).unwrap();
-        let mut now = 1_u64 << 40;
+        // Start at 2^41 so that no offset in ±2^40 at a rate within ±500 ppm makes the guest
+        // TSC negative (at 2^40, offset -1098979546140 at -484 ppm did).
+        let mut now = 1_u64 << 41;
         let samples = probes
             .iter()
             .map(|&(gap, fwd, back)| {

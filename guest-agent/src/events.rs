@@ -395,7 +395,10 @@ mod tests {
         let log = io.0.borrow();
         assert_eq!(log.len(), 2 * usize::try_from(n).unwrap());
         for (i, pair) in log.chunks(2).enumerate() {
-            assert_eq!(pair, [(true, 0x3f0, i as u8), (false, 0x3f0, 0)]);
+            assert_eq!(
+                pair,
+                [(true, 0x3f0, u8::try_from(i).unwrap()), (false, 0x3f0, 0)]
+            );
         }
         // Two records per event, before-out then after-in, same payload; the ring (64) holds
         // 32 events' worth, the rest were counted as dropped.

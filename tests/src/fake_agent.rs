@@ -14,7 +14,9 @@ use std::time::Duration;
 
 use vmtsync_core::GuestTicks;
 use vmtsync_core::agent::{Agent, AgentClock, AgentState, AgentStats, Link, LinkError};
+use vmtsync_core::arch::Tsc;
 use vmtsync_core::proto::Transport;
+use vmtsync_core::recorder::Ring;
 
 use vmtsync::probe::transport::{SocketStream, host_tsc_now};
 
@@ -100,6 +102,68 @@ pub fn serve<S: SocketStream>(stream: S, clock: SkewedClock) -> AgentStats {
         }
     }
     agent.stats()
+}
+
+/// A workload for the loopback agent: `count` events recorded at `rate` per second by a
+/// producer thread of their own (as a unikernel's application code would), each with its
+/// sequence number as payload (`u64` LE) and id [`WORKLOAD_EVENT`], stamped with the agent's
+/// skewed clock — so the true host time of every event is its guest TSC minus the skew.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Workload {
+    /// Events to record.
+    pub count: u64,
+    /// Events per second (0: as fast as the ring takes them).
+    pub rate: u64,
+}
+
+/// The id of a workload event (the agent's `workload=` uses the same).
+pub const WORKLOAD_EVENT: u16 = 0x100;
+
+/// The loopback agent's event ring, in records.
+pub const RING_CAPACITY: usize = 1 << 14;
+
+/// The skewed clock as the recorder's TSC.
+struct SkewedTsc(i64);
+
+impl Tsc for SkewedTsc {
+    fn read_ordered(&self) -> u64 {
+        host_tsc_now().0.wrapping_add_signed(self.0)
+    }
+}
+
+/// [`serve`] with events: a producer thread records `load` into a ring the agent drains when
+/// the host asks. Returns the agent's counters and the events the ring refused (dropped).
+pub fn serve_with_events<S: SocketStream>(
+    stream: S,
+    clock: SkewedClock,
+    load: Workload,
+) -> (AgentStats, u64) {
+    let Ok(link) = SocketLink::new(stream) else {
+        return (AgentStats::default(), 0);
+    };
+    // The ring lives as long as the process, like a unikernel's static.
+    let ring: &'static Ring<RING_CAPACITY> = Box::leak(Box::new(Ring::new()));
+    let producer = thread::spawn(move || {
+        let tsc = SkewedTsc(clock.skew);
+        let start = std::time::Instant::now();
+        for seq in 0..load.count {
+            if let Some(ns) = seq.saturating_mul(1_000_000_000).checked_div(load.rate) {
+                let due = Duration::from_nanos(ns);
+                while start.elapsed() < due {
+                    std::hint::spin_loop();
+                }
+            }
+            let _ = ring.record(&tsc, WORKLOAD_EVENT, &seq.to_le_bytes());
+        }
+    });
+    let mut agent = Agent::with_events(link, clock, ring);
+    while let Ok(state) = agent.poll() {
+        if state == AgentState::Exited {
+            break;
+        }
+    }
+    let _ = producer.join();
+    (agent.stats(), ring.dropped())
 }
 
 /// Starts an agent on a Unix socket pair; returns the host's end and the agent thread.

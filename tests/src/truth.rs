@@ -154,6 +154,20 @@ impl Skew {
         )
     }
 
+    /// Parses the value of the agent's `skew=` option, `OFFSET,RATIO,FRAC` (the inverse of
+    /// [`Skew::agent_option`]); `None` when it is not three numbers making a valid mapping.
+    #[must_use]
+    pub fn parse(value: &str) -> Option<Self> {
+        let mut it = value.split(',');
+        let offset = it.next()?.parse::<i64>().ok()?;
+        let ratio = it.next()?.parse::<u64>().ok()?;
+        let frac = it.next()?.parse::<u32>().ok()?;
+        if it.next().is_some() {
+            return None;
+        }
+        KvmTscMapping::try_new(offset, ratio, frac).ok().map(Self)
+    }
+
     /// The agent boot option, `skew=OFFSET,RATIO,FRAC`.
     #[must_use]
     pub fn agent_option(&self) -> String {
@@ -199,6 +213,20 @@ impl GuestTruth {
     pub fn guest_at(&self, host: HostTicks) -> Option<GuestTicks> {
         let kvm = self.kvm.try_guest_from_host(host)?;
         self.skew.try_guest_from_host(HostTicks(kvm.0))
+    }
+
+    /// A lower bound, by the truth, for any TSC the agent reports after host TSC `host`, where
+    /// `host` may precede the vCPU (a host TSC taken before the VM was created): `guest_at(host)`,
+    /// or 0 when that lies above `guest_at(later)`, `later` being a host TSC after the vCPU's
+    /// creation. An ordinary KVM host starts a new vCPU's TSC near zero, so an instant before
+    /// its creation maps below zero, which KVM's offset arithmetic (modulo 2^64) wraps to near
+    /// 2^64.
+    #[must_use]
+    pub fn guest_floor_at(&self, host: HostTicks, later: HostTicks) -> GuestTicks {
+        match (self.guest_at(host), self.guest_at(later)) {
+            (Some(g), Some(l)) if g <= l => g,
+            _ => GuestTicks(0),
+        }
     }
 
     /// The true offset `guest − host` at host TSC `host`, in the probe's sign convention and,
@@ -295,6 +323,16 @@ mod tests {
             s.agent_option(),
             format!("skew={},{SKEW_RATIO},48", 1_000 + SKEW_OFFSET_EXTRA)
         );
+        // The option's value parses back to the same skew; nonsense does not parse.
+        let opt = s.agent_option();
+        assert_eq!(Skew::parse(opt.strip_prefix("skew=").unwrap()), Some(s));
+        assert_eq!(
+            Skew::parse("-5,3,1"),
+            Some(Skew(KvmTscMapping::try_new(-5, 3, 1).unwrap()))
+        );
+        for bad in ["", "1,2", "1,2,3,4", "1,0,4", "x,1,0", "1,1,99"] {
+            assert_eq!(Skew::parse(bad), None, "{bad}");
+        }
     }
 
     #[test]
@@ -325,6 +363,16 @@ mod tests {
         assert!(t.in_bracket(s, GuestTicks(3_000_515), r));
         assert!(!t.in_bracket(s, GuestTicks(3_000_499), r));
         assert!(!t.in_bracket(s, GuestTicks(3_000_516), r));
+        // A host instant before the vCPU existed (KVM's offset -1 000 000: host 400 000 maps
+        // below zero) bounds later readings by 0; one after its creation by its image.
+        assert_eq!(
+            plain.guest_floor_at(HostTicks(400_000), HostTicks(3_000_000)),
+            GuestTicks(0)
+        );
+        assert_eq!(
+            plain.guest_floor_at(HostTicks(1_400_000), HostTicks(3_000_000)),
+            GuestTicks(400_000)
+        );
         // check: inside, on the edges, one tick of floor slack only with a rate != 1.
         assert_eq!(
             plain.check(HostTicks(9), -1_000_000, -1_000_000),

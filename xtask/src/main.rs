@@ -5,7 +5,7 @@
 //! - `check-nostd`: build `vmtsync-core` for `x86_64-unknown-none`, with and without `defmt`.
 //! - `bench`: run the criterion benchmarks.
 //! - `bench-probe`: the real-KVM probe benchmark (`vmtsync-probe-bench`), table and JSON.
-//! - `fuzz`: the `ci` fuzz smoke run on its own.
+//! - `fuzz [--long]`: the `ci` fuzz smoke run on its own, or >= 10 M inputs per target.
 //! - `build-agent`: build the bare-metal guest agent, print its ELF path and `.text` size.
 //! - `run-agent`: boot the agent under QEMU or the built-in VMM, COM1 on this terminal.
 //! - `demo`: boot the agent with a software skew, read its KVM mapping from debugfs, probe it,
@@ -50,7 +50,7 @@ fn run() -> Result<()> {
         "bench" => bench(rest),
         "bench-probe" => probe_bench::bench_probe(rest),
         "bench-scan" => bench_scan::bench_scan(rest),
-        "fuzz" => fuzz::smoke(),
+        "fuzz" => fuzz::fuzz(rest),
         "setup" => setup::setup(),
         "build-agent" => agent::build_agent(),
         "run-agent" => agent::run_agent(rest),
@@ -75,7 +75,9 @@ commands:
   bench-probe [--sessions K] [--probes N] [--machine microvm|q35] [--no-qemu] [--no-skew]
                 real-KVM probe benchmark: our estimator vs trace-cmd fastest-RTT on the same
                 samples (built-in VMM, QEMU stdio, software skew); table + JSON line
-  fuzz          build the core/fuzz targets and run each for 20 s (the ci fuzz step)
+  fuzz [--long] build the core/fuzz and host-shim/fuzz targets and run each from its seeds
+                for 20 s (the ci fuzz step), or for 10 M inputs with --long; one
+                `fuzz-result` key=value line per target (runs, crashes, timeouts, ...)
   setup         install tier-2 prerequisites (rustup target, apt packages, debugfs mount)
   build-agent   build guest-agent/ (release, x86_64-unknown-none); print ELF path, .text size
   run-agent [--vmm qemu|builtin] [--machine microvm|q35] [--timeout SECS] [-- AGENT OPTIONS]

@@ -1,12 +1,16 @@
 //! Feeds arbitrary bytes to a ready agent through the fake link, in a chunk size chosen by the
 //! input. A panic, or an answer that does not decode, is a crash; afterwards a probe (after a
 //! delimiter that closes whatever the input left open) must be answered as the state says.
+//!
+//! Input: the first byte picks the chunk size (low 6 bits) and, with its top bit set, has every
+//! frame's checksum rewritten to match (`reseal_stream`), so mutations reach the state
+//! machine; the rest is the host → guest stream.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
 use vmtsync_core::agent::fake::{FakeClock, FakeLink};
 use vmtsync_core::agent::{Agent, AgentState};
-use vmtsync_core::proto::{ErrorCode, Features, Hello, Message, PROTOCOL_VERSION};
+use vmtsync_core::proto::{ErrorCode, Features, Hello, Message, PROTOCOL_VERSION, reseal_stream};
 
 fn drain(agent: &mut Agent<FakeLink, FakeClock>) -> Option<Message> {
     let mut last = None;
@@ -17,9 +21,15 @@ fn drain(agent: &mut Agent<FakeLink, FakeClock>) -> Option<Message> {
 }
 
 fuzz_target!(|data: &[u8]| {
-    let Some((&first, stream)) = data.split_first() else {
+    let Some((&first, raw)) = data.split_first() else {
         return;
     };
+    let mut stream = Vec::with_capacity(raw.len() + raw.len() / 8 + 2);
+    if first & 0x80 != 0 {
+        reseal_stream(raw, |piece| stream.extend_from_slice(piece));
+    } else {
+        stream.extend_from_slice(raw);
+    }
     let mut agent: Agent<FakeLink, FakeClock> =
         Agent::new(FakeLink::new(), FakeClock::new(1 << 45, 1_000, 0));
     assert!(agent.link_mut().push_message(&Message::Hello(Hello {

@@ -1,11 +1,16 @@
-//! Feeds arbitrary bytes to every untrusted-input path of the protocol: the bare decoder, the
-//! frame decoder, and the stream receiver in a chunking chosen by the input itself. A panic, or
-//! a decoded message that does not re-encode to something decoding to itself, is a crash.
+//! Feeds arbitrary bytes to every untrusted-input path of the protocol: the unframed decoder,
+//! the frame decoder, and the stream receiver in a chunking chosen by the input itself. A
+//! panic, or a decoded message that does not re-encode to something decoding to itself, is a
+//! crash.
+//!
+//! Input: the first byte picks the chunk size (low 6 bits) and, with its top bit set, has every
+//! frame's checksum rewritten to match (`reseal_stream`), so mutations get past the CRC into
+//! postcard; the rest is the stream.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
 use vmtsync_core::proto::{
-    Feed, FrameReceiver, MAX_FRAME_SIZE, Message, decode, decode_frame, encode_frame,
+    Feed, FrameReceiver, MAX_FRAME_SIZE, Message, decode, decode_frame, encode_frame, reseal_stream,
 };
 
 /// Decoded messages must survive encode → decode unchanged.
@@ -24,11 +29,16 @@ fuzz_target!(|data: &[u8]| {
         assert_round_trips(&msg);
     }
 
-    // Stream receiver: the first byte picks the chunk size (1..=64), the rest is the stream.
-    let Some((&first, stream)) = data.split_first() else {
+    let Some((&first, raw)) = data.split_first() else {
         return;
     };
     let chunk = usize::from(first % 64) + 1;
+    let mut stream = Vec::with_capacity(raw.len() + raw.len() / 8 + 2);
+    if first & 0x80 != 0 {
+        reseal_stream(raw, |piece| stream.extend_from_slice(piece));
+    } else {
+        stream.extend_from_slice(raw);
+    }
     let mut rx = FrameReceiver::new();
     for piece in stream.chunks(chunk) {
         let mut input = piece;

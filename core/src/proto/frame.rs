@@ -137,18 +137,26 @@ pub fn encode<'a>(msg: &Message, buf: &'a mut [u8]) -> Result<&'a mut [u8], Enco
         .map_err(|_| EncodeError::BufferTooSmall)?
         .len();
     let (payload, tail) = buf.split_at_mut(len);
-    let crc_len = checksum_len(payload.first());
+    let (crc, crc_len) = checksum_of(payload.first(), payload);
+    tail.get_mut(..crc_len)
+        .ok_or(EncodeError::BufferTooSmall)?
+        .copy_from_slice(crc.get(..crc_len).unwrap_or_default());
+    buf.get_mut(..len + crc_len)
+        .ok_or(EncodeError::BufferTooSmall)
+}
+
+/// The checksum of `payload` that the postcard tag `tag` calls for, big-endian in the first
+/// `len` bytes of the array; returns it and `len`. The tag is passed on its own because a
+/// (corrupt) body may hold a tag and no payload.
+fn checksum_of(tag: Option<&u8>, payload: &[u8]) -> ([u8; 4], usize) {
+    let crc_len = checksum_len(tag);
     let mut crc = [0u8; 4];
     match crc_len {
         1 => crc[0] = CRC8.checksum(payload),
         4 => crc = CRC32.checksum(payload).to_be_bytes(),
         _ => crc[..2].copy_from_slice(&CRC16.checksum(payload).to_be_bytes()),
     }
-    tail.get_mut(..crc_len)
-        .ok_or(EncodeError::BufferTooSmall)?
-        .copy_from_slice(crc.get(..crc_len).unwrap_or_default());
-    buf.get_mut(..len + crc_len)
-        .ok_or(EncodeError::BufferTooSmall)
+    (crc, crc_len)
 }
 
 /// Encodes `msg` as one frame (COBS body plus the `0x00` delimiter) into `buf`; returns the
@@ -217,6 +225,50 @@ pub fn decode_frame(frame: &mut [u8]) -> Result<Message, DecodeError> {
         Err(_) => return Err(DecodeError::BadCobs),
     };
     decode(frame.get(..len).ok_or(DecodeError::BadCobs)?)
+}
+
+/// Fuzzing support: rewrites the checksum of one frame (its COBS bytes, without the delimiter)
+/// to match its body, so a fuzzer that mutates frames still reaches postcard and what lies
+/// behind it. Returns the resealed frame with its delimiter, or `None` if `frame` is not valid
+/// COBS, too long, or too short to hold a checksum.
+#[cfg(feature = "sim")]
+#[must_use]
+pub fn reseal_frame<'a>(frame: &[u8], out: &'a mut [u8; MAX_FRAME_SIZE]) -> Option<&'a [u8]> {
+    let mut scratch = [0u8; MAX_FRAME_SIZE];
+    let scratch = scratch.get_mut(..frame.len())?;
+    scratch.copy_from_slice(frame);
+    let n = cobs::decode_in_place(scratch).ok()?;
+    let body = scratch.get_mut(..n)?;
+    let tag = body.first().copied();
+    let (payload, crc) = body.split_at_mut(n.checked_sub(checksum_len(tag.as_ref()))?);
+    let (sum, len) = checksum_of(tag.as_ref(), payload);
+    crc.copy_from_slice(sum.get(..len)?);
+    let len = cobs::try_encode(body, out).ok()?;
+    *out.get_mut(len)? = 0;
+    out.get(..=len)
+}
+
+/// Fuzzing support: [`reseal_frame`] over a whole stream. Calls `emit` with the pieces of the
+/// new stream in order: each `0x00`-delimited frame resealed, or as it was if it cannot be,
+/// and the delimiters.
+#[cfg(feature = "sim")]
+pub fn reseal_stream(stream: &[u8], mut emit: impl FnMut(&[u8])) {
+    let mut out = [0u8; MAX_FRAME_SIZE];
+    let mut frames = stream.split(|&b| b == 0).peekable();
+    while let Some(frame) = frames.next() {
+        let last = frames.peek().is_none();
+        match reseal_frame(frame, &mut out) {
+            // A resealed frame carries its own delimiter; the last piece had none.
+            Some(sealed) if !last => emit(sealed),
+            Some(sealed) => emit(sealed.split_last().map_or(sealed, |(_, body)| body)),
+            None => {
+                emit(frame);
+                if !last {
+                    emit(&[0]);
+                }
+            }
+        }
+    }
 }
 
 /// The result of one [`FrameReceiver::feed`] call.
@@ -701,6 +753,48 @@ mod tests {
             tsc_low32: 0xffff_ffff,
         });
         assert_eq!(f.finish(GuestTicks(0xffff_ffff)), &frame_of(&reply2)[..]);
+    }
+
+    /// The fuzzing helper makes a frame with a broken checksum decode, and leaves good frames
+    /// and what is not COBS as they were.
+    #[cfg(feature = "sim")]
+    #[test]
+    fn reseal_repairs_only_the_checksum() {
+        let good = frame_of(&Message::EventsRequest { max: 8 });
+        let mut broken = good.clone();
+        let n = broken.len();
+        broken[n - 2] ^= 0x40;
+        assert!(decode_frame(&mut broken.clone()).is_err());
+        let mut out = [0u8; MAX_FRAME_SIZE];
+        assert_eq!(reseal_frame(&broken[..n - 1], &mut out), Some(&good[..]));
+        let probe = frame_of(&Message::Probe { seq: 3 });
+        let mut stream = Vec::new();
+        stream.extend_from_slice(&broken);
+        stream.extend_from_slice(&[0, 5, 1]);
+        stream.push(0);
+        stream.extend_from_slice(&probe[..probe.len() - 1]);
+        let mut resealed = Vec::new();
+        reseal_stream(&stream, |piece| resealed.extend_from_slice(piece));
+        let mut want = good.clone();
+        want.extend_from_slice(&[0, 5, 1, 0]);
+        want.extend_from_slice(&probe[..probe.len() - 1]);
+        assert_eq!(resealed, want);
+    }
+
+    /// Regression (found by the `decode`, `agent` and `session` fuzz targets): a body that is
+    /// only the compact probe's tag has its one checksum byte and an empty payload; resealing
+    /// it took the empty payload's (CRC-16) length and panicked in `copy_from_slice`.
+    #[cfg(feature = "sim")]
+    #[test]
+    fn reseal_survives_a_tag_without_payload() {
+        // The fuzzer's input after its control byte: a one-byte frame, then COBS of [2].
+        let stream = [0x89, 0x00, 0x02, 0x02];
+        let mut resealed = Vec::new();
+        reseal_stream(&stream, |piece| resealed.extend_from_slice(piece));
+        let mut out = [0u8; MAX_FRAME_SIZE];
+        let sealed = reseal_frame(&[0x02, 0x02], &mut out).expect("valid COBS");
+        // The body's one byte became the CRC-8 of the empty payload.
+        assert_eq!(sealed, cobs_frame(&[CRC8.checksum(&[])]));
     }
 
     proptest! {

@@ -51,6 +51,8 @@ pub use frame::{
     MAX_FRAME_SIZE, MAX_MESSAGE_SIZE, ProbeReplyFrame, checksum_len, decode, decode_frame, encode,
     encode_frame,
 };
+#[cfg(feature = "sim")]
+pub use frame::{reseal_frame, reseal_stream};
 pub use message::{
     Capabilities, EVENT_BATCH_MAX, EVENT_PAYLOAD_MAX, ErrorCode, EventBatch, EventClock,
     EventRecord, Features, Hello, MappingPush, Message, PROTOCOL_VERSION, ProbeReply,

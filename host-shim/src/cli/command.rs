@@ -8,6 +8,7 @@ use super::convert::{ConvertArgs, run_convert};
 use super::exit::{CliError, EXIT_CODES};
 use super::kvm::{KvmArgs, run_kvm};
 use super::probe::run_probe_cmd;
+use super::record::{RecordArgs, run_record_cmd};
 use super::tsc::{TscCommand, run_tsc};
 use crate::probe::ProbeArgs;
 
@@ -54,6 +55,18 @@ pub enum Command {
     /// lost_probes, bad_frames, stale_replies, tracecmd_fastest_rtt_offset, tsc_khz.
     #[command(after_help = EXIT_CODES)]
     Probe(ProbeArgs),
+    /// Record the guest agent's events into a trace file, synced to the host's TSC: one
+    /// session of probe rounds (every --resync) and event drains.
+    ///
+    /// trace-cmd format: a trace.dat (v7, or v6) with an event system `vmtsync`, one trace CPU
+    /// for the vCPU, raw guest TSC timestamps (x86-tsc) and a TIME_SHIFT holding the sync
+    /// segments — or timestamps pre-converted to host TSC when the guest's TSC rate differs from
+    /// the host's (then said in the file's uname). jsonl format: one object per event:
+    /// {"schema":1,"vcpu","id","guest_tsc","host_tsc","host_lo","host_hi","payload","round"}
+    /// with [host_lo, host_hi] its guaranteed interval. SIGINT/SIGTERM end the recording
+    /// cleanly; everything received is written.
+    #[command(after_help = EXIT_CODES)]
+    Record(RecordArgs),
     /// TSC mapping arithmetic.
     #[command(subcommand)]
     Tsc(TscCommand),
@@ -83,6 +96,7 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
         Command::Kvm(a) => run_kvm(&a),
         Command::Convert(a) => run_convert(&a),
         Command::Probe(a) => run_probe_cmd(&a),
+        Command::Record(a) => run_record_cmd(&a),
         Command::Tsc(c) => run_tsc(&c),
     }
 }

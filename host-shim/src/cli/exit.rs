@@ -49,6 +49,12 @@ pub enum CliError {
     /// From `probe`.
     #[error(transparent)]
     Probe(#[from] ProbeError),
+    /// From `record`.
+    #[error(transparent)]
+    Record(#[from] crate::record::RecordError),
+    /// Bad flag values clap cannot check.
+    #[error("{0}")]
+    Usage(String),
     /// From `convert --sync`.
     #[error(transparent)]
     SyncFile(#[from] SyncFileError),
@@ -117,6 +123,10 @@ impl CliError {
             Self::Nested { .. } => 6,
             Self::NotRoot | Self::Mount(_) => 3,
             Self::Probe(e) => probe_exit_code(e),
+            Self::Record(crate::record::RecordError::Probe(e)) => probe_exit_code(e),
+            Self::Record(crate::record::RecordError::NoSync) => 7,
+            Self::Record(_) => 1,
+            Self::Usage(_) => 2,
             Self::SyncFile(e) => sync_exit_code(e),
         }
     }

@@ -1,6 +1,6 @@
 //! The `vmtsync` command line: argument definitions, dispatch, errors and exit codes.
 //!
-//! One module per command ([`kvm`], [`convert`], [`probe`], [`tsc`]), the top-level parser and
+//! One module per command ([`kvm`], [`convert`], [`probe`], [`record`], [`tsc`]), the top-level parser and
 //! dispatch ([`command`]), the shared error type and exit codes ([`exit`]), SIGINT/SIGTERM
 //! handling (`signals`) and the debugfs/`/proc` source flags shared by `kvm` and `convert`
 //! ([`source`]).
@@ -25,6 +25,7 @@ pub mod convert;
 pub mod exit;
 pub mod kvm;
 pub mod probe;
+pub mod record;
 mod signals;
 pub mod source;
 pub mod tsc;

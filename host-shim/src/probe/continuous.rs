@@ -47,15 +47,15 @@ pub struct ContinuousSummary {
     pub last: Option<ProbeSummary>,
 }
 
-/// The cumulative estimate across rounds since the last break.
+/// The cumulative estimate across rounds since the last break (shared with `vmtsync record`).
 #[derive(Debug)]
-struct Cumulative {
+pub(crate) struct Cumulative {
     est: DriftEstimator<HULL_CAPACITY>,
     rounds: u64,
 }
 
 impl Cumulative {
-    fn new() -> Self {
+    pub(crate) fn new() -> Self {
         Self {
             est: DriftEstimator::new(),
             rounds: 0,
@@ -64,7 +64,7 @@ impl Cumulative {
 
     /// Adds a round; returns whether it broke the previous estimate (then the estimate
     /// restarts from this round alone).
-    fn add(&mut self, samples: &[ProbeSample]) -> bool {
+    pub(crate) fn add(&mut self, samples: &[ProbeSample]) -> bool {
         let mut trial = self.est.clone();
         let fits = samples.iter().all(|s| trial.push(s).is_ok())
             && !matches!(trial.estimate(), Err(EstimateError::SegmentBreak));
@@ -219,7 +219,7 @@ fn note(out: &mut dyn Write, json: bool, text: &str) -> Result<(), ProbeError> {
 /// from the round's own guaranteed bounds. Both hold for any constant rate within the limits
 /// that fits the samples, so the first round's segment is valid even before the samples bound
 /// the rate; its drift bounds are then the limits themselves, never "exactly 0".
-fn segment(
+pub(crate) fn segment(
     cumulative: &Cumulative,
     s: &ProbeSummary,
     samples: &[ProbeSample],
@@ -280,7 +280,7 @@ fn segment(
 }
 
 impl ProbeOptions {
-    pub(super) fn stopped(&self) -> bool {
+    pub(crate) fn stopped(&self) -> bool {
         self.stop
             .as_ref()
             .is_some_and(|f| f.load(Ordering::Relaxed))

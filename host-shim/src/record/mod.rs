@@ -1,4 +1,510 @@
 //! `vmtsync record`: one session that syncs the clocks and drains the guest's events into a
-//! trace file.
+//! trace file (trace-cmd's trace.dat or JSON Lines).
+//!
+//! The session: hello, an initial sync round, then event drains
+//! ([`ProbeSession::drain_events`]) interleaved with a re-sync round every `resync`, with the
+//! same probe engine and estimators as `vmtsync probe --continuous` (each round becomes a
+//! [`SyncSegment`]). It ends after `events` events, after `duration`, on the stop flag
+//! (SIGINT/SIGTERM in the CLI) or when the agent ends the session; whatever was received is
+//! written either way, and the summary says why it ended.
+//!
+//! Every event is placed with the segment that covers its guest tick (the last one whose
+//! `guest_start` is at or before it; the first one before that), the same rule a sync file's
+//! conversion and the trace.dat TIME_SHIFT use; its guaranteed host interval comes from
+//! [`bounds::host_bounds`].
+//!
+//! Memory is constant in the number of events: JSON Lines are streamed; for trace.dat the events
+//! go to a spool file (32 bytes each) and are written when the segments are all known, as raw
+//! guest TSCs with a TIME_SHIFT when trace-cmd's reader represents the segments exactly (every
+//! segment at identity rate), else pre-converted to host TSC (said in the file's UNAME and the
+//! summary). Outputs are written beside the target and renamed into place when complete: the
+//! target only ever holds a finished file; a killed run leaves `OUT.partial` (JSON Lines) with
+//! every line flushed so far.
 
 pub mod bounds;
+mod jsonl;
+mod spool;
+
+use std::fs::File;
+use std::io::{self, BufWriter};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use thiserror::Error;
+use vmtsync_core::HostTicks;
+use vmtsync_core::estimate::ProbeSample;
+use vmtsync_core::mapping::KvmTscMapping;
+use vmtsync_core::proto::EventClock;
+
+use crate::probe::connect::{self, ConnectOptions};
+use crate::probe::continuous::{Cumulative, segment};
+use crate::probe::{
+    ProbeError, ProbeOptions, ProbeSession, ProbeSummary, Progress, StampedTransport,
+};
+use crate::syncfile::SyncSegment;
+use crate::tracedat::{self, FileVersion, ShiftMode, TimeShift, TraceDatWriter, WriterOptions};
+
+pub use jsonl::EVENT_SCHEMA;
+
+/// The output format of `vmtsync record`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum RecordFormat {
+    /// trace-cmd's trace.dat (`--file-version 6|7`).
+    #[default]
+    TraceCmd,
+    /// One JSON object per event (schema in `docs/record.md`).
+    Jsonl,
+}
+
+/// Everything `vmtsync record` needs.
+#[derive(Clone, Debug)]
+pub struct RecordOptions {
+    /// Address, probes per round, timeouts, the stop flag, `--shutdown`.
+    pub probe: ProbeOptions,
+    /// The output file.
+    pub out: PathBuf,
+    /// Its format.
+    pub format: RecordFormat,
+    /// trace.dat version.
+    pub file_version: FileVersion,
+    /// Stop after this many events.
+    pub events: Option<u64>,
+    /// Stop after this long.
+    pub duration: Option<Duration>,
+    /// Time between the starts of two sync rounds.
+    pub resync: Duration,
+    /// The most events one drain asks for.
+    pub drain_max: u32,
+}
+
+/// Why a recording ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EndReason {
+    /// `--events N` reached.
+    Events,
+    /// `--duration` passed.
+    Duration,
+    /// The stop flag (SIGINT/SIGTERM).
+    Stopped,
+    /// The agent ended the session.
+    AgentExited,
+}
+
+/// What a recording did.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RecordSummary {
+    /// Events written.
+    pub events: u64,
+    /// Events the guest's ring refused (its cumulative counter at the end).
+    pub dropped: u64,
+    /// Sync rounds that became segments.
+    pub segments: u64,
+    /// Of which started a new estimate (the relation changed).
+    pub breaks: u64,
+    /// Width (`host_hi - host_lo`) of the events' guaranteed intervals: min, median, max.
+    pub widths: Option<(u64, u64, u64)>,
+    /// Events stamped in the host clock by the agent (a mapping was pushed to it by someone
+    /// else): skipped, since their guest tick is unknown.
+    pub host_stamped_skipped: u64,
+    /// Events whose host time leaves the 64-bit range (a guest clock no segment maps): skipped.
+    pub unplaceable: u64,
+    /// trace.dat only: timestamps were pre-converted to host TSC (a segment's rate is not 1).
+    pub preconverted: bool,
+    /// trace.dat only: pre-converted timestamps that went backwards across a segment change and
+    /// were raised to the previous one (each within its guaranteed interval).
+    pub clamped: u64,
+    /// Why it ended.
+    pub end: EndReason,
+    /// The vCPU the agent read.
+    pub vcpu: u32,
+    /// The guest trace's TRACEID (trace.dat only; 0 for JSON Lines).
+    pub trace_id: u64,
+    /// The file written.
+    pub out: PathBuf,
+}
+
+/// Why `vmtsync record` failed.
+#[derive(Debug, Error)]
+pub enum RecordError {
+    /// The session failed (connect, hello, a probe round, a drain).
+    #[error(transparent)]
+    Probe(#[from] ProbeError),
+    /// Writing the trace.dat failed.
+    #[error(transparent)]
+    TraceDat(#[from] tracedat::TraceDatError),
+    /// Writing the output failed.
+    #[error("writing {path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The error.
+        source: io::Error,
+    },
+    /// No sync round produced a segment, so no event can be placed on the host timeline.
+    #[error(
+        "no sync round produced usable samples: every probe was lost (is the agent answering? try a longer --timeout)"
+    )]
+    NoSync,
+}
+
+impl RecordError {
+    fn io(path: &Path) -> impl FnOnce(io::Error) -> Self + '_ {
+        move |source| Self::Io {
+            path: path.to_owned(),
+            source,
+        }
+    }
+}
+
+/// Connects to `opts.probe.addr` and records (see [`run_record_on`]).
+///
+/// # Errors
+/// [`RecordError`].
+pub fn run_record(
+    opts: &RecordOptions,
+    progress: &mut Progress,
+) -> Result<RecordSummary, RecordError> {
+    let transport = connect::connect_until_stopped(
+        &opts.probe.addr,
+        &ConnectOptions {
+            connect_timeout: opts.probe.connect_timeout,
+            io_timeout: opts.probe.timeout,
+        },
+        opts.probe.stop,
+    )
+    .map_err(ProbeError::from)?;
+    run_record_on(transport, opts, progress)
+}
+
+/// One event on its way to the output.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Placed<'a> {
+    vcpu: u32,
+    id: u16,
+    guest: u64,
+    payload: &'a [u8],
+    host: u64,
+    lo: u64,
+    hi: u64,
+    round: u64,
+}
+
+/// Where events go while recording.
+enum Out {
+    Jsonl(jsonl::Writer),
+    Spool(spool::Spool),
+}
+
+/// Records over an open transport (see the module docs).
+///
+/// # Errors
+/// [`RecordError`]; events received before a failure are still written.
+pub fn run_record_on<T: StampedTransport>(
+    transport: T,
+    opts: &RecordOptions,
+    progress: &mut Progress,
+) -> Result<RecordSummary, RecordError> {
+    let p = &opts.probe;
+    let mut session = ProbeSession::hello_until_stopped(transport, p.timeout, p.stop)?;
+    let session_vcpu = session.info().vcpu;
+    let mut out = match opts.format {
+        RecordFormat::Jsonl => Out::Jsonl(jsonl::Writer::create(&opts.out)?),
+        RecordFormat::TraceCmd => {
+            Out::Spool(spool::Spool::new().map_err(RecordError::io(&opts.out))?)
+        }
+    };
+    let mut st = State {
+        segments: Vec::new(),
+        cumulative: Cumulative::new(),
+        round: 0,
+        breaks: 0,
+        events: 0,
+        dropped: 0,
+        host_stamped: 0,
+        unplaceable: 0,
+        widths: Vec::new(),
+    };
+    let started = Instant::now();
+    // The initial sync: nothing can be placed before it.
+    let first = st.sync(&mut session, p);
+    let end = match first {
+        Ok(()) if st.segments.is_empty() => return Err(RecordError::NoSync),
+        Ok(()) => record_loop(&mut session, opts, &mut st, &mut out, started, progress),
+        Err(ProbeError::Interrupted) => return Err(ProbeError::Interrupted.into()),
+        Err(e) => return Err(e.into()),
+    };
+    progress.clear();
+    let end = match end {
+        Ok(end) => end,
+        Err(e) => {
+            // Whatever was received is written, then the error is reported.
+            let _ = finish(out, opts, &st);
+            return Err(e);
+        }
+    };
+    if p.shutdown && end != EndReason::AgentExited {
+        session.shutdown();
+    }
+    let (preconverted, clamped) = finish(out, opts, &st)?;
+    let mut w = st.widths.clone();
+    w.sort_unstable();
+    Ok(RecordSummary {
+        events: st.events,
+        dropped: st.dropped,
+        segments: st.segments.len() as u64,
+        breaks: st.breaks,
+        widths: (!w.is_empty()).then(|| (w[0], w[w.len() / 2], w[w.len() - 1])),
+        host_stamped_skipped: st.host_stamped,
+        unplaceable: st.unplaceable,
+        preconverted,
+        clamped,
+        end,
+        vcpu: session_vcpu,
+        trace_id: if opts.format == RecordFormat::TraceCmd {
+            trace_id(opts, &st)
+        } else {
+            0
+        },
+        out: opts.out.clone(),
+    })
+}
+
+/// The state of a recording.
+struct State {
+    segments: Vec<SyncSegment>,
+    cumulative: Cumulative,
+    round: u64,
+    breaks: u64,
+    events: u64,
+    dropped: u64,
+    host_stamped: u64,
+    unplaceable: u64,
+    /// Interval widths, for the summary's min/median/max (8 bytes per event: the one thing that
+    /// grows; capped, after which every 16th is kept).
+    widths: Vec<u64>,
+}
+
+/// The most widths kept for the summary before thinning.
+const MAX_WIDTHS: usize = 1 << 20;
+
+impl State {
+    /// One sync round; appends its segment (if the round produced samples).
+    fn sync<T: StampedTransport>(
+        &mut self,
+        session: &mut ProbeSession<T>,
+        p: &ProbeOptions,
+    ) -> Result<(), ProbeError> {
+        session.forget_reference();
+        let samples: Vec<ProbeSample> =
+            session.probe_round(p.probes, p.interval, &mut Progress::hidden())?;
+        let round = self.round;
+        self.round += 1;
+        if samples.is_empty() {
+            return Ok(());
+        }
+        let Ok(s) = ProbeSummary::from_samples(session.info(), &samples, session.stats()) else {
+            // The clock stepped inside the round: nothing trustworthy to add.
+            return Ok(());
+        };
+        let is_break = self.cumulative.add(&samples);
+        let seg = segment(&self.cumulative, &s, &samples, round, is_break)?;
+        self.breaks += u64::from(is_break);
+        self.segments.push(seg);
+        Ok(())
+    }
+
+    /// The segment covering guest tick `g`.
+    fn covering(&self, g: u64) -> Option<&SyncSegment> {
+        let i = self.segments.partition_point(|s| s.guest_start <= g);
+        self.segments.get(i.saturating_sub(1))
+    }
+}
+
+fn record_loop<T: StampedTransport>(
+    session: &mut ProbeSession<T>,
+    opts: &RecordOptions,
+    st: &mut State,
+    out: &mut Out,
+    started: Instant,
+    progress: &mut Progress,
+) -> Result<EndReason, RecordError> {
+    let p = &opts.probe;
+    let mut last_sync = Instant::now();
+    loop {
+        if p.stopped() {
+            return Ok(EndReason::Stopped);
+        }
+        if opts.duration.is_some_and(|d| started.elapsed() >= d) {
+            return Ok(EndReason::Duration);
+        }
+        if last_sync.elapsed() >= opts.resync {
+            last_sync = Instant::now();
+            match st.sync(session, p) {
+                Ok(()) => {}
+                Err(ProbeError::Interrupted) => return Ok(EndReason::Stopped),
+                Err(ProbeError::AgentExited) => return Ok(EndReason::AgentExited),
+                Err(e) => return Err(e.into()),
+            }
+        }
+        let want = opts.events.map_or(opts.drain_max, |n| {
+            u32::try_from(n.saturating_sub(st.events))
+                .unwrap_or(u32::MAX)
+                .min(opts.drain_max)
+        });
+        let batches = match session.drain_events(want) {
+            Ok(b) => b,
+            Err(ProbeError::AgentExited) => return Ok(EndReason::AgentExited),
+            Err(ProbeError::Interrupted) => return Ok(EndReason::Stopped),
+            Err(e) => return Err(e.into()),
+        };
+        let mut got = 0u64;
+        for b in &batches {
+            st.dropped = st.dropped.max(b.dropped);
+            if b.clock == EventClock::Host {
+                st.host_stamped += b.records.len() as u64;
+                continue;
+            }
+            for (guest, r) in b.timestamped().flatten() {
+                let Some(seg) = st.covering(guest) else {
+                    continue;
+                };
+                let Some((host, lo, hi)) = bounds::host_bounds(seg, guest) else {
+                    // Outside the host's 64-bit range: no host tick to give it.
+                    st.unplaceable += 1;
+                    continue;
+                };
+                let placed = Placed {
+                    vcpu: b.vcpu,
+                    id: r.id,
+                    guest,
+                    payload: r.payload.as_slice(),
+                    host,
+                    lo,
+                    hi,
+                    round: seg.round,
+                };
+                match out {
+                    Out::Jsonl(w) => w.event(&placed)?,
+                    Out::Spool(s) => s
+                        .push(b.vcpu, guest, r.id, r.payload.as_slice())
+                        .map_err(RecordError::io(&opts.out))?,
+                }
+                if st.widths.len() < MAX_WIDTHS || st.events.is_multiple_of(16) {
+                    st.widths.push(hi - lo);
+                }
+                st.events += 1;
+                got += 1;
+            }
+        }
+        if let Out::Jsonl(w) = out {
+            w.flush()?;
+        }
+        progress.status(&format!(
+            "vmtsync record: {} events, {} dropped, {} segments",
+            st.events,
+            st.dropped,
+            st.segments.len()
+        ));
+        if opts.events.is_some_and(|n| st.events >= n) {
+            return Ok(EndReason::Events);
+        }
+        if got == 0 {
+            // Nothing waiting: do not spin on the link; a stop is still seen within 10 ms.
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
+/// Writes the output; returns (pre-converted, clamped timestamps).
+fn finish(out: Out, opts: &RecordOptions, st: &State) -> Result<(bool, u64), RecordError> {
+    match out {
+        Out::Jsonl(w) => {
+            w.finish(&opts.out)?;
+            Ok((false, 0))
+        }
+        Out::Spool(s) => write_trace_dat(s, opts, st),
+    }
+}
+
+/// The trace.dat from the spool: raw guest TSCs plus a TIME_SHIFT when every segment is at
+/// identity rate (trace-cmd then computes exactly what we do), else host TSCs.
+fn write_trace_dat(
+    s: spool::Spool,
+    opts: &RecordOptions,
+    st: &State,
+) -> Result<(bool, u64), RecordError> {
+    let identity = st.segments.iter().all(|g| g.drift_ppb == 0);
+    let trace_id = trace_id(opts, st);
+    let mut wo = WriterOptions::new(1, trace_id);
+    wo.version = opts.file_version;
+    let vcpu = st.segments.first().map_or(0, |g| g.vcpu);
+    wo.uname = Some(if identity {
+        format!("vmtsync record: vCPU {vcpu}, raw guest TSC, TIME_SHIFT to host TSC")
+    } else {
+        format!(
+            "vmtsync record: vCPU {vcpu}, timestamps pre-converted to host TSC (the guest TSC \
+             rate is not the host's: trace-cmd's TIME_SHIFT cannot represent it exactly)"
+        )
+    });
+    let mut w = TraceDatWriter::create(&opts.out, wo)?;
+    let mut clamped = 0;
+    let mut last = 0;
+    for rec in s.iter().map_err(RecordError::io(&opts.out))? {
+        let rec = rec.map_err(RecordError::io(&opts.out))?;
+        let ts = if identity {
+            rec.guest
+        } else {
+            let host = st
+                .covering(rec.guest)
+                .and_then(|g| bounds::host_bounds(g, rec.guest))
+                .map_or(last, |(h, _, _)| h);
+            if host < last {
+                clamped += 1;
+            }
+            host.max(last)
+        };
+        last = ts;
+        w.push(0, ts, u32::from(rec.id), rec.payload())?;
+    }
+    let shift = identity.then(|| TimeShift {
+        peer_trace_id: 0,
+        mode: ShiftMode::Step,
+        cpus: vec![
+            st.segments
+                .iter()
+                .map(|g| tracedat::SyncSegment {
+                    // The host tick where the segment's first guest tick falls.
+                    start: HostTicks(g.guest_start.wrapping_sub(g.offset.cast_unsigned())),
+                    map: KvmTscMapping::offset_only(g.offset),
+                })
+                .collect(),
+        ],
+    });
+    w.finish(shift.as_ref())?;
+    Ok((!identity, clamped))
+}
+
+/// A TRACEID for the guest file: stable for one run (source and first anchor).
+fn trace_id(opts: &RecordOptions, st: &State) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let first = st.segments.first().map_or(0, |g| g.host_anchor);
+    for b in opts
+        .probe
+        .addr
+        .to_string()
+        .bytes()
+        .chain(first.to_le_bytes())
+    {
+        h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+    }
+    h
+}
+
+/// Opens `path` for writing beside a final name (used by the JSON Lines writer).
+fn create_beside(path: &Path) -> Result<(PathBuf, BufWriter<File>), RecordError> {
+    let mut partial = path.as_os_str().to_owned();
+    partial.push(".partial");
+    let partial = PathBuf::from(partial);
+    let f = File::create(&partial).map_err(RecordError::io(&partial))?;
+    Ok((partial, BufWriter::with_capacity(256 * 1024, f)))
+}

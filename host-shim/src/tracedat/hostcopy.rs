@@ -112,6 +112,8 @@ pub fn copy_host_trace(
     let mut tmp = tempfile::Builder::new()
         .prefix(&format!(".{name}."))
         .suffix(".tmp")
+        // A trace is an ordinary output file (tempfile's default would be 0600).
+        .permissions(std::os::unix::fs::PermissionsExt::from_mode(0o644))
         .tempfile_in(&dir)
         .map_err(TraceDatError::io("create a temporary file in", &dir))?;
     let mut src = File::open(input).map_err(TraceDatError::io("open", input))?;

@@ -7,7 +7,7 @@
 //! format, the reader's traps and the choices made here are in `docs/trace-dat.md`.
 //!
 //! Layers:
-//! - [`consts`], [`format`]: option ids, ring-buffer constants, the format texts
+//! - [`consts`], [`format`](mod@format): option ids, ring-buffer constants, the format texts
 //!   (`header_page`, `header_event`, the `vmtsync:event` / `vmtsync:event_data` formats).
 //! - `page`: one ring-buffer page being filled (deltas, time extends).
 //! - [`writer`]: [`TraceDatWriter`], constant memory in the number of events.
@@ -63,4 +63,4 @@ pub use error::TraceDatError;
 pub use hostcopy::{GuestInfo, HostCopySummary, copy_host_trace};
 pub use reader::{Event, Layout, read_layout, verify_file};
 pub use timeshift::{ShiftMode, SyncSegment, TimeShift, TimeShiftError};
-pub use writer::{FileVersion, Summary, TraceDatWriter, WriterOptions};
+pub use writer::{FileVersion, Summary, TraceDatWriter, Tsc2Nsec, WriterOptions};

@@ -51,7 +51,6 @@ impl PageBuf {
         } else {
             EVENT_DATA_SIZE
         };
-        let mut at = PAGE_HEADER_SIZE + self.used;
         let delta = if self.events == 0 {
             self.buf[..8].copy_from_slice(&ts.to_le_bytes());
             0
@@ -67,46 +66,40 @@ impl PageBuf {
         if self.used + need > PAGE_DATA_SIZE {
             return false;
         }
+        let mut at = PAGE_HEADER_SIZE + self.used;
         let event_delta = if extend {
             // The low 27 bits ride in the header, the rest in array[0].
             let low = u32::try_from(delta & MAX_DELTA).unwrap_or(0);
             let high = u32::try_from(delta >> TS_SHIFT).unwrap_or(u32::MAX);
-            self.put_u32(at, TYPE_TIME_EXTEND | (low << 5));
-            self.put_u32(at + 4, high);
+            let ext = u64::from(TYPE_TIME_EXTEND | (low << 5)) | (u64::from(high) << 32);
+            self.buf[at..at + 8].copy_from_slice(&ext.to_le_bytes());
             at += 8;
             0
         } else {
             u32::try_from(delta).unwrap_or(0)
         };
-        // type_len counts 4-byte words of data: 3 for `event`, 8 for `event_data`.
-        let type_len = u32::try_from(size / 4).unwrap_or(0);
-        self.put_u32(at, type_len | (event_delta << 5));
-        at += 4;
-        let common_type = if payload.is_empty() {
-            EVENT_ID
+        // The record is assembled in registers and stored with one copy: header word, then
+        // common_type, zero flags/preempt_count/pid, id (little endian throughout). type_len
+        // counts 4-byte words of data: 3 for `event`, 8 for `event_data`.
+        if payload.is_empty() {
+            let w0 = u64::from(3 | (event_delta << 5)) | (u64::from(EVENT_ID) << 32);
+            let w1 = u64::from(id) << 32;
+            let rec = (u128::from(w1) << 64) | u128::from(w0);
+            self.buf[at..at + 16].copy_from_slice(&rec.to_le_bytes());
         } else {
-            EVENT_DATA_ID
-        };
-        let rec = &mut self.buf[at..at + size];
-        rec[..2].copy_from_slice(&common_type.to_le_bytes());
-        // common_flags, common_preempt_count and common_pid stay 0.
-        rec[2..8].fill(0);
-        rec[8..12].copy_from_slice(&id.to_le_bytes());
-        if !payload.is_empty() {
+            let mut rec = [0u8; 4 + EVENT_DATA_SIZE];
+            let w0 = u64::from(8 | (event_delta << 5)) | (u64::from(EVENT_DATA_ID) << 32);
+            rec[..8].copy_from_slice(&w0.to_le_bytes());
+            rec[12..16].copy_from_slice(&id.to_le_bytes());
             let len = u16::try_from(payload.len()).unwrap_or(0);
-            rec[12..14].copy_from_slice(&len.to_le_bytes());
-            rec[14..16].fill(0);
-            rec[16..16 + payload.len()].copy_from_slice(payload);
-            rec[16 + payload.len()..].fill(0);
+            rec[16..18].copy_from_slice(&len.to_le_bytes());
+            rec[20..20 + payload.len()].copy_from_slice(payload);
+            self.buf[at..at + rec.len()].copy_from_slice(&rec);
         }
         self.used += need;
         self.last_ts = ts;
         self.events += 1;
         true
-    }
-
-    fn put_u32(&mut self, at: usize, v: u32) {
-        self.buf[at..at + 4].copy_from_slice(&v.to_le_bytes());
     }
 
     /// Seals the page (writes `commit`, zeroes the unused tail) and returns it; the buffer is

@@ -113,6 +113,18 @@ impl Layout {
             .map(|o| u64::from_le_bytes(o.data[..8].try_into().unwrap_or([0; 8])))
     }
 
+    /// The last TSC2NSEC option (trace-cmd keeps the last one it reads).
+    #[must_use]
+    pub fn tsc2nsec(&self) -> Option<super::writer::Tsc2Nsec> {
+        let d = &self.options_with(option::TSC2NSEC).last()?.data;
+        let u32_at = |i: usize| u32::from_le_bytes(d[i..i + 4].try_into().unwrap_or([0; 4]));
+        (d.len() >= 16).then(|| super::writer::Tsc2Nsec {
+            mult: u32_at(0),
+            shift: u32_at(4),
+            offset: u64::from_le_bytes(d[8..16].try_into().unwrap_or([0; 8])),
+        })
+    }
+
     /// Options with `id`, in chain order.
     pub fn options_with(&self, id: u16) -> impl Iterator<Item = &OptionRec> {
         self.options.iter().filter(move |o| o.id == id)
@@ -756,3 +768,6 @@ pub fn verify_file(path: &Path) -> Result<(Layout, u64), TraceDatError> {
     }
     Ok((layout, n))
 }
+
+#[cfg(test)]
+mod tests;

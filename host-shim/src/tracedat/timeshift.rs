@@ -28,6 +28,7 @@
 //! one tick of the ceiling of the exact line, provided no 64-bit product overflows (checked).
 
 use vmtsync_core::mapping::KvmTscMapping;
+use vmtsync_core::timeline::{Segment, Slope};
 use vmtsync_core::{GuestTicks, HostTicks};
 
 use super::consts::TSYNC_FLAG_INTERPOLATE;
@@ -50,6 +51,29 @@ impl SyncSegment {
             start,
             map: KvmTscMapping::offset_only(guest_minus_host),
         }
+    }
+
+    /// The same relation as a `vmtsync_core` timeline segment (what sync files hold), where
+    /// TIME_SHIFT can carry it without changing which events it covers:
+    /// - a KVM segment keeps its mapping; its host start is the first host tick of its guest
+    ///   start, which must map forward to that same guest start;
+    /// - a linear segment with slope exactly 1 and no fractional host start is an offset.
+    ///
+    /// `None` otherwise (a drifting slope: pre-convert, or write it as interpolation points),
+    /// and when the offset does not fit an `i64`.
+    #[must_use]
+    pub fn try_from_timeline(seg: &Segment) -> Option<Self> {
+        let g0 = seg.start();
+        if let Some(map) = seg.kvm() {
+            let start = map.try_host_from_guest_ceil(g0)?;
+            return (map.try_guest_from_host(start)? == g0).then_some(Self { start, map });
+        }
+        if seg.slope() != Slope::ONE || seg.host_frac_at_start() != 0 {
+            return None;
+        }
+        let base = seg.host_at_start();
+        let off = i64::try_from(i128::from(g0.0) - i128::from(base.0)).ok()?;
+        Some(Self::offset_only(base, off))
     }
 }
 

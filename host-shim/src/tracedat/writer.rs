@@ -29,8 +29,10 @@ use super::timeshift::{self, TimeShift};
 /// The clock our timestamps are in: raw TSC ticks, which trace-cmd displays unconverted.
 pub const CLOCK: &str = "x86-tsc";
 
-/// Write buffer of the output and of each spill file.
+/// Write buffer of the output.
 const WRITE_BUF: usize = 256 * 1024;
+/// Write buffer of each spill file (16 pages per write; one per vCPU, so kept smaller).
+const SPILL_BUF: usize = 64 * 1024;
 
 /// trace.dat file version.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -56,6 +58,22 @@ pub struct WriterOptions {
     pub uname: Option<String>,
     /// The largest TIME_SHIFT error, in ticks, [`TraceDatWriter::finish`] accepts.
     pub max_shift_error: u64,
+    /// A TSC2NSEC option to write. A host trace recorded with `--tsc2nsec` shows nanoseconds;
+    /// giving the guest file the host's values ([`reader::Layout::tsc2nsec`]) makes trace-cmd
+    /// convert the guest's shifted ticks the same way, so a merge stays aligned.
+    pub tsc2nsec: Option<Tsc2Nsec>,
+}
+
+/// The TSC2NSEC option: trace-cmd shows `(ticks * mult) >> shift` (it reads `offset` but
+/// never applies it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Tsc2Nsec {
+    /// Multiplier.
+    pub mult: u32,
+    /// Right shift.
+    pub shift: u32,
+    /// Offset (stored, unused by trace-cmd 3.1.6).
+    pub offset: u64,
 }
 
 impl WriterOptions {
@@ -68,6 +86,7 @@ impl WriterOptions {
             trace_id,
             uname: None,
             max_shift_error: 1,
+            tsc2nsec: None,
         }
     }
 }
@@ -153,6 +172,8 @@ impl TraceDatWriter {
         let tmp = tempfile::Builder::new()
             .prefix(&format!(".{name}."))
             .suffix(".tmp")
+            // A trace is an ordinary output file (tempfile's default would be 0600).
+            .permissions(std::os::unix::fs::PermissionsExt::from_mode(0o644))
             .tempfile_in(&dir)
             .map_err(TraceDatError::io("create a temporary file in", &dir))?;
         let file = tmp
@@ -166,7 +187,7 @@ impl TraceDatWriter {
             } else {
                 let f = tempfile::tempfile_in(&dir)
                     .map_err(TraceDatError::io("create a spill file in", &dir))?;
-                Sink::Spill(BufWriter::with_capacity(WRITE_BUF, f))
+                Sink::Spill(BufWriter::with_capacity(SPILL_BUF, f))
             };
             cpus.push(Cpu {
                 page: PageBuf::new(),
@@ -486,12 +507,19 @@ impl TraceDatWriter {
         Ok(table)
     }
 
-    /// TRACECLOCK, TRACEID, TIME_SHIFT, UNAME, VERSION: the options both versions carry.
+    /// TRACECLOCK, TRACEID, TIME_SHIFT, TSC2NSEC, UNAME, VERSION: the options both versions carry.
     fn common_options(&self, opts: &mut Vec<u8>, shift: Option<&[u8]>) {
         put_option(opts, option::TRACECLOCK, format!("[{CLOCK}]\0").as_bytes());
         put_option(opts, option::TRACEID, &self.opts.trace_id.to_le_bytes());
         if let Some(s) = shift {
             put_option(opts, option::TIME_SHIFT, s);
+        }
+        if let Some(t) = self.opts.tsc2nsec {
+            let mut b = [0u8; 16];
+            b[..4].copy_from_slice(&t.mult.to_le_bytes());
+            b[4..8].copy_from_slice(&t.shift.to_le_bytes());
+            b[8..].copy_from_slice(&t.offset.to_le_bytes());
+            put_option(opts, option::TSC2NSEC, &b);
         }
         if let Some(u) = &self.opts.uname {
             put_option(opts, option::UNAME, format!("{u}\0").as_bytes());

@@ -8,6 +8,11 @@
 //! The agent gets `transport=vsock port=P` followed by the extra options; with `vsock=listen`
 //! among them the tool connects to the agent instead of accepting its connection.
 //!
+//! When KVM debugfs is readable (root), the probes are compared with the truth: the VM's KVM
+//! mapping from debugfs followed by the agent's `skew=` option, if one is given
+//! (`vmtsync_tests::truth`); otherwise the tool says why it cannot and prints only what it
+//! measured.
+//!
 //! Exit codes: the guest's isa-debug-exit value when it wrote one; 1 on errors (the agent's
 //! COM2 log and the processes' stderr are printed); 2 on usage errors.
 
@@ -16,6 +21,7 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use vmtsync_core::proto::Message;
+use vmtsync_tests::truth::{GuestTruth, Skew};
 use vmtsync_tests::vmm::client::{probe_run, wait_ready};
 use vmtsync_tests::vmm::qemu::Machine;
 use vmtsync_tests::vmm::vsock::{VsockRig, ensure_vhost_device_vsock};
@@ -98,6 +104,14 @@ fn main() -> ExitCode {
 
 fn run(a: &Args) -> Result<u8, String> {
     let backend = ensure_vhost_device_vsock().map_err(|e| e.to_string())?;
+    // The agent's skew, for the truth (the last `skew=` word wins, as in the agent).
+    let skew = a
+        .agent
+        .iter()
+        .rev()
+        .find_map(|o| o.strip_prefix("skew="))
+        .map(|v| Skew::parse(v).ok_or(format!("bad agent option skew={v}")))
+        .transpose()?;
     let mut append = format!("transport=vsock port={}", a.port);
     for o in &a.agent {
         append.push(' ');
@@ -121,6 +135,10 @@ fn run(a: &Args) -> Result<u8, String> {
         rig.accept(a.timeout)
     };
     let mut client = connection.map_err(|e| fail(&rig, &e))?;
+    // Connected: QEMU has created its VM and vCPU, so KVM's side of the truth is readable.
+    let truth = GuestTruth::read(rig.pids().0, 0, skew)
+        .inspect_err(|e| eprintln!("vmtsync-vsock: no truth to compare with: {e}"))
+        .ok();
     wait_ready(&mut client, Instant::now() + a.timeout).map_err(|e| fail(&rig, &e))?;
     let (mut session, run) =
         probe_run(client, u32::from(a.probes), a.timeout).map_err(|e| fail(&rig, &e))?;
@@ -135,22 +153,24 @@ fn run(a: &Args) -> Result<u8, String> {
         );
     }
     let rtts = run.rtts_sorted();
-    let errs = run.midpoint_errors_sorted(0);
     let interval = run
         .offset_interval()
         .map_or_else(|e| format!("{e:?}"), |(lo, hi)| format!("[{lo}, {hi}]"));
-    if let (Some(min), Some(med), Some(err)) = (
-        rtts.first(),
-        rtts.get(rtts.len() / 2),
-        errs.get(errs.len() / 2),
-    ) {
+    if let (Some(min), Some(med)) = (rtts.first(), rtts.get(rtts.len() / 2)) {
         println!(
-            "{} probes ({:?}): rtt min {min} / median {med} cycles; {} outside their bracket \
-             for offset 0; offset (guest - host) in {interval}; midpoint |error| vs 0: median \
-             {err} cycles",
+            "{} probes ({:?}): rtt min {min} / median {med} cycles; offset (guest - host) in \
+             {interval}",
             run.samples.len(),
             run.stats,
-            run.outside_bracket(0)
+        );
+    }
+    if let Some(truth) = &truth {
+        let errs = run.midpoint_errors_sorted(truth);
+        println!(
+            "truth {truth:?}: {} probes outside their bracket; midpoint |error| median {} \
+             ticks",
+            run.outside_bracket(truth).len(),
+            errs.get(errs.len() / 2).map_or(0, |e| *e)
         );
     }
     let (bye, _) = session

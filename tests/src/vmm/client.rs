@@ -10,7 +10,9 @@
 //! - The vsock rig uses vmtsync's own socket transport ([`vmtsync::probe::StreamTransport`]).
 //!
 //! [`wait_ready`] waits for the agent's ready beacon on any of them; [`probe_run`] runs a hello
-//! and a round of probes and [`ProbeRun`] summarises it, offsets as guest − host throughout.
+//! and a round of probes and [`ProbeRun`] summarises it, offsets as guest − host throughout,
+//! checked against a [`GuestTruth`] (KVM's debugfs mapping and the agent's skew) rather than a
+//! constant offset, which would hold only on a host whose guests' TSCs equal its own.
 
 use std::io::{Read, Write};
 use std::os::fd::AsRawFd;
@@ -26,6 +28,7 @@ use vmtsync_core::estimate::{EstimateError, ProbeSample, estimate_offset};
 
 use super::serial::{SerialByte, SerialHost};
 use super::tsc::host_tsc;
+use crate::truth::GuestTruth;
 
 /// Where the frame the transport is returning started, and where the last complete one
 /// started and ended, from the bytes the transport hands out. Every rig transport returns at
@@ -369,17 +372,16 @@ impl ProbeRun {
         v
     }
 
-    /// Probes whose own offset interval `[guest - host_recv, guest - host_send]` misses the
-    /// offset `truth` (guest − host): none when `truth` is the real offset.
+    /// Probes whose guest reading is not what `truth` gives inside their host bracket
+    /// `[host_send, host_recv]` ([`GuestTruth::in_bracket`]): none when `truth` is the real
+    /// mapping.
     #[must_use]
-    pub fn outside_bracket(&self, truth: i64) -> usize {
+    pub fn outside_bracket(&self, truth: &GuestTruth) -> Vec<ProbeSample> {
         self.samples
             .iter()
-            .filter(|s| {
-                estimate_offset(std::slice::from_ref(*s))
-                    .map_or(true, |e| !(e.min <= truth && truth <= e.max))
-            })
-            .count()
+            .filter(|s| !truth.in_bracket(s.host_send, s.guest, s.host_recv))
+            .copied()
+            .collect()
     }
 
     /// The offset (guest − host) interval every probe allows: the core estimator's
@@ -391,22 +393,25 @@ impl ProbeRun {
         estimate_offset(&self.samples).map(|e| (e.min, e.max))
     }
 
-    /// |midpoint offset estimate − `truth`| per probe, in host cycles rounded down, sorted. The
-    /// midpoint estimate is `guest − (host_send + host_recv) / 2`.
+    /// |guest reading − the truth's guest TSC at the bracket's midpoint| per probe, in guest
+    /// ticks rounded down, sorted: the error of taking the midpoint as the reading's host
+    /// time. A probe whose truth overflows 64 bits counts as `u128::MAX`.
     #[must_use]
-    pub fn midpoint_errors_sorted(&self, truth: i64) -> Vec<u128> {
+    pub fn midpoint_errors_sorted(&self, truth: &GuestTruth) -> Vec<u128> {
         let mut v: Vec<u128> = self
             .samples
             .iter()
-            .map(|s| {
-                // Doubled so the midpoint stays an integer, halved at the end.
-                (2 * i128::from(s.guest.0)
-                    - i128::from(s.host_send.0)
-                    - i128::from(s.host_recv.0)
-                    - 2 * i128::from(truth))
-                .unsigned_abs()
-                    / 2
-            })
+            .map(
+                |s| match (truth.guest_at(s.host_send), truth.guest_at(s.host_recv)) {
+                    // Doubled so the midpoint stays an integer, halved at the end.
+                    (Some(lo), Some(hi)) => {
+                        (2 * i128::from(s.guest.0) - i128::from(lo.0) - i128::from(hi.0))
+                            .unsigned_abs()
+                            / 2
+                    }
+                    _ => u128::MAX,
+                },
+            )
             .collect();
         v.sort_unstable();
         v
@@ -417,9 +422,16 @@ impl ProbeRun {
 mod tests {
     use vmtsync::probe::FrameStamps;
     use vmtsync_core::GuestTicks;
+    use vmtsync_core::mapping::KvmTscMapping;
     use vmtsync_core::proto::{Features, Transport};
 
     use super::*;
+    use crate::truth::Skew;
+
+    /// A truth of constant offset `o` (guest − host).
+    fn constant(o: i64) -> GuestTruth {
+        GuestTruth::new(KvmTscMapping::offset_only(o), None)
+    }
 
     fn run(samples: &[(u64, u64, u64)]) -> ProbeRun {
         ProbeRun {
@@ -451,17 +463,32 @@ mod tests {
     fn summaries_follow_the_brackets() {
         let r = run(&[(100, 130, 200), (300, 320, 330), (400, 399, 500)]);
         assert_eq!(r.rtts_sorted(), vec![30, 100, 100]);
-        assert_eq!(r.outside_bracket(0), 1);
+        assert_eq!(r.outside_bracket(&constant(0)), vec![r.samples[2]]);
         // Guest − host: with offset -1 the third probe fits (399 - 400) and the first two
         // still do; the offset interval below is [-10, -1], so -11 and -71 push probes out.
-        assert_eq!(r.outside_bracket(-1), 0);
-        assert_eq!(r.outside_bracket(-11), 1);
-        assert_eq!(r.outside_bracket(-71), 2);
+        assert!(r.outside_bracket(&constant(-1)).is_empty());
+        assert_eq!(r.outside_bracket(&constant(-11)).len(), 1);
+        assert_eq!(r.outside_bracket(&constant(-71)).len(), 2);
         // [130-200, 130-100] ∩ [320-330, 320-300] ∩ [399-500, 399-400] = [-10, -1].
         assert_eq!(r.offset_interval(), Ok((-10, -1)));
         // Midpoints: 130-150 = -20, 320-315 = 5, 399-450 = -51.
-        assert_eq!(r.midpoint_errors_sorted(0), vec![5, 20, 51]);
-        assert_eq!(r.midpoint_errors_sorted(-20), vec![0, 25, 31]);
+        assert_eq!(r.midpoint_errors_sorted(&constant(0)), vec![5, 20, 51]);
+        assert_eq!(r.midpoint_errors_sorted(&constant(-20)), vec![0, 25, 31]);
+    }
+
+    #[test]
+    fn a_skewed_truth_moves_the_brackets_with_time() {
+        // KVM's guest starts near zero (offset -1000); the agent doubles and adds 7.
+        let skew = Skew(KvmTscMapping::try_new(7, 1 << 49, 48).unwrap());
+        let truth = GuestTruth::new(KvmTscMapping::offset_only(-1_000), Some(skew));
+        // Host 1100..1200 -> KVM 100..200 -> reported 207..407; host 2000..2010 -> 2007..2027.
+        let r = run(&[(1_100, 300, 1_200), (2_000, 2_027, 2_010)]);
+        assert!(r.outside_bracket(&truth).is_empty());
+        assert_eq!(r.midpoint_errors_sorted(&truth), vec![7, 10]);
+        // One tick past either edge is outside; so is any constant offset for both probes.
+        let late = run(&[(1_100, 408, 1_200), (2_000, 2_006, 2_010)]);
+        assert_eq!(late.outside_bracket(&truth).len(), 2);
+        assert!(!(-3_000..3_000).any(|o| r.outside_bracket(&constant(o)).is_empty()));
     }
 
     #[test]

@@ -4,15 +4,18 @@
 //! event whose payload is the number of messages handled so far. The host sends one request at a
 //! time, so event `k` is recorded after the reply to message `k` went out and before the guest
 //! read message `k + 1`: its TSC lies between the exit carrying that reply's first byte and the
-//! exit where the guest read the next request. Truth: guest TSC == host TSC here
-//! (see docs/host-quirks.md), so with an identity mapping pushed the host-stamped events obey the same
-//! bracket. The host side is vmtsync's `ProbeSession` over the VMM's COM1 transport.
+//! exit where the guest read the next request, both taken to guest time through the truth
+//! (KVM's debugfs mapping of the vCPU, `vmtsync_tests::truth`; nothing assumes this host's
+//! guest TSC == host TSC, docs/host-quirks.md). Once that true mapping is pushed, the
+//! host-stamped events lie inside the same exits' host TSC bracket. The host side is
+//! vmtsync's `ProbeSession` over the VMM's COM1 transport.
 
 use std::time::{Duration, Instant};
 
 use vmtsync::probe::ProbeSession;
-use vmtsync_core::mapping::KvmTscMapping;
+use vmtsync_core::HostTicks;
 use vmtsync_core::proto::{EventBatch, EventClock, Features, MappingPush, Message};
+use vmtsync_tests::truth::{GuestTruth, truth_mapping_of, truth_ready};
 use vmtsync_tests::vmm::client::{Com1Exchange, Com1Transport, wait_ready};
 use vmtsync_tests::vmm::{Vm, VmConfig, VmExit, agent_elf};
 use vmtsync_tests::{have_kvm, require};
@@ -102,14 +105,16 @@ impl<'a> Session<'a> {
         b
     }
 
-    /// Checks event `id`'s TSC against the bracket of the poll that recorded it.
-    fn check_bracket(&self, id: u32, tsc: u64) {
-        let k = usize::try_from(id).expect("small id");
-        let after_reply = self.log[k - 1].first_byte;
-        let before_next = self.log[k].request_read;
+    /// Checks event `e`'s TSC against the bracket of the poll that recorded it: host TSCs of
+    /// VM exits, taken to guest time through `truth` for a guest-stamped event, as they are
+    /// for a host-stamped one.
+    fn check_bracket(&self, e: &Event, truth: &GuestTruth) {
+        let k = usize::try_from(e.id).expect("small id");
+        let after_reply = e.clock_at(self.log[k - 1].first_byte, truth);
+        let before_next = e.clock_at(self.log[k].request_read, truth);
         assert!(
-            after_reply <= tsc && tsc <= before_next,
-            "event {id} at {tsc} outside [{after_reply}, {before_next}]"
+            after_reply <= e.tsc && e.tsc <= before_next,
+            "event {e:?} outside [{after_reply}, {before_next}] ({truth:?})"
         );
     }
 }
@@ -123,6 +128,24 @@ struct Event {
 }
 
 impl Event {
+    /// Host TSC `host` in this event's clock: through the truth for a guest-stamped event,
+    /// as it is for a host-stamped one.
+    fn clock_at(&self, host: u64, truth: &GuestTruth) -> u64 {
+        match self.clock {
+            EventClock::Guest => truth.guest_at(HostTicks(host)).expect("maps").0,
+            EventClock::Host => host,
+        }
+    }
+
+    /// This event's time in the guest clock: its TSC, or for a host-stamped event the truth's
+    /// guest TSC at its host TSC.
+    fn guest_time(&self, truth: &GuestTruth) -> u64 {
+        match self.clock {
+            EventClock::Guest => self.tsc,
+            EventClock::Host => truth.guest_at(HostTicks(self.tsc)).expect("maps").0,
+        }
+    }
+
     fn all(b: &EventBatch) -> Vec<Self> {
         b.timestamped()
             .map(|r| {
@@ -141,13 +164,16 @@ impl Event {
 
 #[test]
 fn builtin_vmm_agent_records_events_in_the_session_bracket_guest_then_host_stamped() {
-    let Some(vm) = boot(
-        "builtin_vmm_agent_records_events_in_the_session_bracket_guest_then_host_stamped",
-        "events=100 exit=0",
-    ) else {
+    let test = "builtin_vmm_agent_records_events_in_the_session_bracket_guest_then_host_stamped";
+    if !truth_ready(test) {
+        return;
+    }
+    let Some(vm) = boot(test, "events=100 exit=0") else {
         return;
     };
     let mut s = Session::start(&vm);
+    let kvm = truth_mapping_of(vm.debugfs_id(), 0).expect("truth from debugfs");
+    let truth = GuestTruth::new(kvm, None);
     assert!(
         s.c.info()
             .features
@@ -163,6 +189,8 @@ fn builtin_vmm_agent_records_events_in_the_session_bracket_guest_then_host_stamp
     let ids: Vec<u32> = guest_events.iter().map(|e| e.id).collect();
     assert_eq!(ids, (1..=12).collect::<Vec<_>>(), "log:\n{}", vm.log_text());
     assert_eq!(dropped, vec![0, 0]);
+    // Compared in guest time: across the push, host-stamped TSCs may be below guest-stamped
+    // ones (a host whose guests' TSCs run ahead of its own).
     let mut prev = 0;
     for e in &guest_events {
         assert_eq!(
@@ -170,15 +198,16 @@ fn builtin_vmm_agent_records_events_in_the_session_bracket_guest_then_host_stamp
             EventClock::Guest,
             "no mapping yet, but {e:?} is host-stamped"
         );
-        assert!(e.tsc > prev, "event TSCs not increasing at {e:?}");
-        prev = e.tsc;
-        s.check_bracket(e.id, e.tsc);
+        let t = e.guest_time(&truth);
+        assert!(t > prev, "event TSCs not increasing at {e:?}");
+        prev = t;
+        s.check_bracket(e, &truth);
     }
 
-    // Guest TSC == host TSC here: the identity mapping is the truth.
+    // KVM's mapping from debugfs is the truth: push it.
     let push = MappingPush {
         vcpu: 0,
-        mapping: KvmTscMapping::IDENTITY_VMX,
+        mapping: kvm,
     };
     assert_eq!(
         s.ask(&Message::SetMapping(push)),
@@ -199,9 +228,10 @@ fn builtin_vmm_agent_records_events_in_the_session_bracket_guest_then_host_stamp
             EventClock::Host,
             "mapping pushed, but {e:?} is guest-stamped"
         );
-        assert!(e.tsc > prev, "event TSCs not increasing at {e:?}");
-        prev = e.tsc;
-        s.check_bracket(e.id, e.tsc);
+        let t = e.guest_time(&truth);
+        assert!(t > prev, "event TSCs not increasing at {e:?}");
+        prev = t;
+        s.check_bracket(e, &truth);
     }
     let first = s.log[0].request_read;
     let last = s.log.last().expect("exchanges").first_byte;
@@ -215,7 +245,13 @@ fn builtin_vmm_agent_records_events_in_the_session_bracket_guest_then_host_stamp
             let mut gaps: Vec<u64> = guest_events
                 .iter()
                 .chain(&host_events)
-                .map(|e| e.tsc - s.log[usize::try_from(e.id).expect("id") - 1].first_byte)
+                .map(|e| {
+                    e.tsc
+                        - e.clock_at(
+                            s.log[usize::try_from(e.id).expect("id") - 1].first_byte,
+                            &truth,
+                        )
+                })
                 .collect();
             gaps.sort_unstable();
             gaps[gaps.len() / 2]

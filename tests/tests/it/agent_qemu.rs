@@ -1,11 +1,17 @@
 //! Tier 2: the same guest-agent ELF under QEMU (microvm and q35+qboot) on KVM, driven by
 //! vmtsync's `ProbeSession` over QEMU's stdio (COM1).
+//!
+//! Truth: KVM's mapping of QEMU's vCPU, read from debugfs (`vmtsync_tests::truth`); the agent
+//! has no skew here. Every TSC it reports must be what that mapping gives inside the host
+//! bracket of its exchange; nothing assumes this host's guest TSC == host TSC.
 
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use vmtsync::probe::ProbeSession;
+use vmtsync_core::HostTicks;
 use vmtsync_core::proto::{Features, Message, Transport};
+use vmtsync_tests::truth::{GuestTruth, truth_ready};
 use vmtsync_tests::vmm::client::{PipeTransport, wait_ready};
 use vmtsync_tests::vmm::defmt_log::{DefmtLog, LogLine};
 use vmtsync_tests::vmm::qemu::{self, Machine, debug_exit_status, have_qemu};
@@ -28,6 +34,7 @@ fn boots_under(machine: Machine, test: &str) {
             have_qemu(),
             "qemu-system-x86_64 is missing (apt-get install qemu-system-x86)",
         )
+        || !truth_ready(test)
     {
         return;
     }
@@ -68,15 +75,25 @@ fn boots_under(machine: Machine, test: &str) {
     );
     let boot_time = started.elapsed();
     let ready_seen_tsc = host_tsc();
+    // After the beacon QEMU has created its VM and vCPU: read the truth.
+    let truth = GuestTruth::read(guard.pid(), 0, None).expect("truth from debugfs");
+    let g = |h: u64| truth.guest_at(HostTicks(h)).expect("no overflow").0;
     // The agent logs "ready" just before its beacon; QEMU's file chardev writes COM2 bytes
     // synchronously, so the line is in the file by now.
     let early = com2_lines();
     let ready = line(&early.lines, "info", "ready: postcard on COM1, vcpu 0")
         .unwrap_or_else(|| panic!("no decoded ready line; COM2 log:\n{}", early.text()));
     let ready_tsc = ready.tsc.expect("timestamped");
+    // The host TSC before QEMU started precedes the vCPU: `guest_floor_at`.
+    let (lo, hi) = (
+        truth
+            .guest_floor_at(HostTicks(started_tsc), HostTicks(ready_seen_tsc))
+            .0,
+        g(ready_seen_tsc),
+    );
     assert!(
-        started_tsc <= ready_tsc && ready_tsc <= ready_seen_tsc,
-        "ready line TSC {ready_tsc} outside [{started_tsc}, {ready_seen_tsc}]"
+        lo <= ready_tsc && ready_tsc <= hi,
+        "ready line TSC {ready_tsc} outside [{lo}, {hi}] ({truth:?})"
     );
     // The session's hello checks the protocol version (a mismatch fails it).
     let mut c = ProbeSession::hello(t, STEP)
@@ -96,8 +113,10 @@ fn boots_under(machine: Machine, test: &str) {
     };
     assert!(p.version > 0 && p.version % 2 == 0, "{p:?}");
     assert!(
-        before <= p.tsc.0 && p.tsc.0 <= after,
-        "{p:?} outside [{before}, {after}]"
+        truth.in_bracket(at.send, p.tsc, at.recv),
+        "{p:?} outside [{}, {}] ({truth:?})",
+        g(before),
+        g(after)
     );
     let mut widths = Vec::new();
     for seq in 0..10u16 {
@@ -109,9 +128,12 @@ fn boots_under(machine: Machine, test: &str) {
             .unwrap_or_else(|| panic!("probe {seq} lost: {:?}", c.stats()));
         let (before, after) = (r.host_send.0, r.host_recv.0);
         assert!(
-            before <= r.guest.0 && r.guest.0 <= after,
-            "guest TSC {} outside host bracket [{before}, {after}]",
-            r.guest.0
+            truth.in_bracket(r.host_send, r.guest, r.host_recv),
+            "guest TSC {} outside host bracket [{before}, {after}], by the truth [{}, {}] \
+             ({truth:?})",
+            r.guest.0,
+            g(before),
+            g(after)
         );
         widths.push(after - before);
     }
@@ -157,7 +179,8 @@ fn boots_under(machine: Machine, test: &str) {
         line(
             &decoded.lines,
             "info",
-            "shutdown after 10 probes, 13 messages, 0 bad frames, 0 events: isa-debug-exit 9"
+            "shutdown after 10 probes, 13 messages, 0 bad frames, 0 events (0 workload, 0 sent, \
+             0 dropped): isa-debug-exit 9"
         )
         .is_some(),
         "COM2 log:\n{log}"

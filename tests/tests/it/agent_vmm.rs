@@ -1,16 +1,18 @@
 //! Tier 2: the guest agent under the built-in VMM on real KVM.
 //!
-//! Truth on the project's machines: guest TSC == host TSC (KVM here cannot offset or scale
-//! it, see docs/host-quirks.md), so every TSC the agent reports must lie between the host TSCs
-//! of the VM exits that bracket the exchange: the exit where the guest read the request's last
-//! byte and the exit where it wrote the reply's first byte.
+//! Truth: KVM's mapping of the VM's vCPU, read from debugfs (`vmtsync_tests::truth`), then
+//! the agent's software skew when it has one. Every TSC the agent reports must be what that
+//! truth gives between the host TSCs of the VM exits that bracket the exchange: the exit where
+//! the guest read the request's last byte and the exit where it wrote the reply's first byte.
+//! Nothing assumes this host's guest TSC == host TSC (docs/host-quirks.md).
 
 use std::time::{Duration, Instant};
 
 use vmtsync::probe::{AgentInfo, ProbeSession};
-use vmtsync_core::HostTicks;
 use vmtsync_core::proto::{Features, Message, Transport};
 use vmtsync_core::pvclock::PvclockVcpuTimeInfo;
+use vmtsync_core::{GuestTicks, HostTicks};
+use vmtsync_tests::truth::{GuestTruth, Skew, truth_mapping_of, truth_ready};
 use vmtsync_tests::vmm::client::{Com1Transport, wait_ready};
 use vmtsync_tests::vmm::defmt_log::{DefmtLog, LogLine, MALFORMED};
 use vmtsync_tests::vmm::{SerialByte, Vm, VmConfig, VmExit, agent_elf};
@@ -30,7 +32,7 @@ fn text(line: &[SerialByte]) -> String {
 }
 
 fn boot(test: &str, cmdline: &str, timeout: Duration) -> Option<Vm> {
-    if !require(test, have_kvm(), "/dev/kvm is not accessible read-write") {
+    if !require(test, have_kvm(), "/dev/kvm is not accessible read-write") || !truth_ready(test) {
         return None;
     }
     let elf = agent_elf().expect("agent builds");
@@ -40,6 +42,19 @@ fn boot(test: &str, cmdline: &str, timeout: Duration) -> Option<Vm> {
         ..VmConfig::default()
     };
     Some(Vm::boot(&elf, &cfg).expect("VM boots"))
+}
+
+/// The truth for the VM's vcpu0 with the agent's `skew` (debugfs; the VM exists once booted).
+fn truth(vm: &Vm, skew: Option<Skew>) -> GuestTruth {
+    GuestTruth::new(
+        truth_mapping_of(vm.debugfs_id(), 0).expect("truth from debugfs"),
+        skew,
+    )
+}
+
+/// The guest TSC the truth gives at host TSC `h`.
+fn guest_at(t: &GuestTruth, h: u64) -> u64 {
+    t.guest_at(HostTicks(h)).expect("no overflow").0
 }
 
 /// Waits for the agent's beacon on COM1 and greets it through vmtsync's probe session (which
@@ -71,6 +86,8 @@ fn probe_session(test: &str, cmdline: &str) {
         "no ready beacon; COM2 log:\n{}",
         vm.log_text()
     );
+    let truth = truth(&vm, None);
+    let g = |h: u64| guest_at(&truth, h);
     let lines = vm.log_lines();
     let log = vm.log_text();
     assert!(
@@ -91,11 +108,15 @@ fn probe_session(test: &str, cmdline: &str) {
     assert_eq!(k.vcpu, 0);
     let caps = c.transport().last_exchange();
     assert!(
-        caps.request_read <= k.hello_tsc.0 && k.hello_tsc.0 <= caps.first_byte,
-        "hello TSC {} outside [{}, {}]",
+        truth.in_bracket(
+            HostTicks(caps.request_read),
+            k.hello_tsc,
+            HostTicks(caps.first_byte)
+        ),
+        "hello TSC {} outside [{}, {}] ({truth:?})",
         k.hello_tsc.0,
-        caps.request_read,
-        caps.first_byte
+        g(caps.request_read),
+        g(caps.first_byte)
     );
     // The session's stamps are the transport's refined exit bracket.
     assert_eq!(
@@ -125,9 +146,11 @@ fn probe_session(test: &str, cmdline: &str) {
         }
         assert_eq!((sample.host_send.0, sample.host_recv.0), (lo, hi));
         let guest = sample.guest.0;
+        // The exits' host TSCs in guest time, through the truth.
+        let (lo, prev, hi) = (g(lo), g(prev), g(hi));
         assert!(
             lo <= guest && guest <= hi,
-            "probe {seq}: guest TSC {guest} outside the exit bracket [{lo}, {hi}]"
+            "probe {seq}: guest TSC {guest} outside the exit bracket [{lo}, {hi}] ({truth:?})"
         );
         // No exit between the agent's TSC read and its first reply byte: the two exits
         // around that byte bracket the read.
@@ -146,14 +169,14 @@ fn probe_session(test: &str, cmdline: &str) {
         "compact {compact_bytes:?} vs full {full_bytes:?}"
     );
     eprintln!(
-        "{cmdline:?}: 40 probes, median cycles: request-read exit -> guest TSC {}, \
+        "{cmdline:?}: 40 probes, median guest cycles: request-read exit -> guest TSC {}, \
          previous exit -> guest TSC {}, guest TSC -> reply's first-byte exit {}",
         median(before),
         median(tight),
         median(after)
     );
 
-    check_pvclock_against_kvm_get_clock(&vm, &mut c, &k);
+    check_pvclock_against_kvm_get_clock(&vm, &truth, &mut c, &k);
 
     let (bye, _) = c.request(&Message::Shutdown).expect("exiting");
     assert_eq!(bye, Message::Exiting);
@@ -167,7 +190,8 @@ fn probe_session(test: &str, cmdline: &str) {
         line(
             &out.log_lines,
             "info",
-            "shutdown after 40 probes, 43 messages, 0 bad frames, 0 events: isa-debug-exit 5"
+            "shutdown after 40 probes, 43 messages, 0 bad frames, 0 events (0 workload, 0 sent, \
+             0 dropped): isa-debug-exit 5"
         )
         .is_some(),
         "log:\n{}",
@@ -182,10 +206,12 @@ fn probe_session(test: &str, cmdline: &str) {
 }
 
 /// Asks for a pvclock report and checks it against the host's own view of the same clock:
-/// `KVM_GET_CLOCK` gives kvmclock ns at a host TSC; with guest TSC == host TSC and a stable
-/// clock, the guest's pvclock ns at its TSC must match kvmclock extrapolated to that TSC.
+/// `KVM_GET_CLOCK` gives kvmclock ns at a host TSC; with that host TSC taken to guest time
+/// through KVM's mapping (`t`, no skew) and a stable clock, the guest's pvclock ns at its TSC
+/// must match kvmclock extrapolated to that guest TSC.
 fn check_pvclock_against_kvm_get_clock(
     vm: &Vm,
+    t: &GuestTruth,
     c: &mut ProbeSession<Com1Transport<'_>>,
     caps: &AgentInfo,
 ) {
@@ -203,8 +229,8 @@ fn check_pvclock_against_kvm_get_clock(
     assert!(p.version > 0, "{p:?}");
     // The refined stamps: the exit of the request's read, the exit of the reply's first byte.
     assert!(
-        ex.send <= HostTicks(p.tsc.0) && HostTicks(p.tsc.0) <= ex.recv,
-        "pvclock TSC {} outside the exit bracket {ex:?}",
+        t.in_bracket(ex.send, p.tsc, ex.recv),
+        "pvclock TSC {} outside the exit bracket {ex:?} ({t:?})",
         p.tsc.0
     );
     let fields = PvclockVcpuTimeInfo {
@@ -235,18 +261,24 @@ fn check_pvclock_against_kvm_get_clock(
         "pvclock v{} flags {:#x} mul {:#x} shift {}; KVM_GET_CLOCK flags {:#x}",
         p.version, p.flags, p.mul, p.shift, clock.flags
     );
-    // KVM_CLOCK_HOST_TSC: `clock` is kvmclock at host TSC `host_tsc`.
+    // KVM_CLOCK_HOST_TSC: `clock` is kvmclock at host TSC `host_tsc`, which KVM's mapping
+    // takes to the guest TSC the pvclock scale applies to.
     if clock.flags & 8 != 0 {
-        // kvmclock extrapolated from (host_tsc, clock) to the guest's TSC with the same scale.
-        let host_ns_at_guest_tsc = if p.tsc.0 >= clock.host_tsc {
+        let clock_tsc = t
+            .kvm
+            .try_guest_from_host(HostTicks(clock.host_tsc))
+            .expect("maps")
+            .0;
+        // kvmclock extrapolated from (clock_tsc, clock) to the guest's TSC with the same scale.
+        let host_ns_at_guest_tsc = if p.tsc.0 >= clock_tsc {
             fields
                 .scale
-                .try_scale_floor(p.tsc.0 - clock.host_tsc)
+                .try_scale_floor(p.tsc.0 - clock_tsc)
                 .map(|d| clock.clock + d)
         } else {
             fields
                 .scale
-                .try_scale_floor(clock.host_tsc - p.tsc.0)
+                .try_scale_floor(clock_tsc - p.tsc.0)
                 .map(|d| clock.clock - d)
         }
         .expect("scales");
@@ -286,33 +318,46 @@ fn builtin_vmm_agent_answers_probes_within_the_exit_bracket_ring0() {
 
 #[test]
 fn builtin_vmm_agent_applies_software_skew() {
-    // reported = offset + ((tsc * ratio) >> frac): ratio 3/2 (frac 1), offset -1000.
+    // reported = offset + ((tsc * ratio) >> frac) of the TSC KVM shows the guest, with the
+    // offset derived from the host TSC now and a rate != 1.
+    let skew = Skew::pick();
     let Some(vm) = boot(
         "builtin_vmm_agent_applies_software_skew",
-        "skew=-1000,3,1 exit=0",
+        &format!("{} exit=0", skew.agent_option()),
         Duration::from_secs(60),
     ) else {
         return;
     };
-    let skew = |t: u64| {
-        let scaled = u64::try_from((u128::from(t) * 3) >> 1).expect("fits");
-        scaled.wrapping_sub(1000)
-    };
+    let t = truth(&vm, Some(skew));
     let mut c = greet(&vm);
     let k = *c.info();
     let caps = c.transport().last_exchange();
     // The skew is monotonic, so the exit bracket maps through it.
-    assert!(skew(caps.request_read) <= k.hello_tsc.0 && k.hello_tsc.0 <= skew(caps.first_byte));
+    assert!(
+        t.in_bracket(
+            HostTicks(caps.request_read),
+            k.hello_tsc,
+            HostTicks(caps.first_byte)
+        ),
+        "hello TSC {} outside [{}, {}] ({t:?})",
+        k.hello_tsc.0,
+        guest_at(&t, caps.request_read),
+        guest_at(&t, caps.first_byte)
+    );
     // A full-width probe: no reference to unwrap against.
     c.forget_reference();
     let p = c.probe().expect("probe").expect("not lost");
     let ex = c.transport().last_exchange();
     assert!(
-        skew(ex.request_read) <= p.guest.0 && p.guest.0 <= skew(ex.first_byte),
-        "reported {} outside [{}, {}]",
+        t.in_bracket(
+            HostTicks(ex.request_read),
+            p.guest,
+            HostTicks(ex.first_byte)
+        ),
+        "reported {} outside [{}, {}] ({t:?})",
         p.guest.0,
-        skew(ex.request_read),
-        skew(ex.first_byte)
+        guest_at(&t, ex.request_read),
+        guest_at(&t, ex.first_byte)
     );
     assert_eq!(
         c.request(&Message::Shutdown).expect("bye").0,
@@ -346,9 +391,19 @@ fn builtin_vmm_line_mode_probe_then_panic_logs_and_exits_with_failure_code() {
     let s = text(&line);
     assert!(s.starts_with('T') && s.len() == 18, "answer {s:?}");
     let guest = u64::from_str_radix(&s[1..17], 16).expect("hex TSC");
-    assert!(read.host_tsc <= guest && guest <= line[0].host_tsc);
+    let t = truth(&vm, None);
     assert!(
-        line[0].prev_exit_host_tsc <= guest,
+        t.in_bracket(
+            HostTicks(read.host_tsc),
+            GuestTicks(guest),
+            HostTicks(line[0].host_tsc)
+        ),
+        "{guest} outside [{}, {}] ({t:?})",
+        guest_at(&t, read.host_tsc),
+        guest_at(&t, line[0].host_tsc)
+    );
+    assert!(
+        guest_at(&t, line[0].prev_exit_host_tsc) <= guest,
         "an exit between TSC read and 'T'"
     );
 
@@ -487,10 +542,17 @@ fn builtin_vmm_agent_log_is_defmt_decoded_with_tsc_timestamps() {
     let ready = line(&lines, "info", "ready: postcard on COM1, vcpu 0")
         .unwrap_or_else(|| panic!("no ready line; log:\n{log}"));
     let ready_tsc = ready.tsc.expect("timestamped");
+    // Log timestamps are the raw guest TSC: the truth (KVM's mapping) takes the host TSCs
+    // before the boot (which precedes the vCPU: `guest_floor_at`) and at the beacon to guest
+    // time.
+    let t = truth(&vm, None);
+    let at_beacon = guest_at(&t, beacon.host_tsc);
+    let before_boot = t
+        .guest_floor_at(HostTicks(before_boot), HostTicks(beacon.host_tsc))
+        .0;
     assert!(
-        before_boot <= ready_tsc && ready_tsc <= beacon.host_tsc,
-        "ready line TSC {ready_tsc} outside [{before_boot}, {}]",
-        beacon.host_tsc
+        before_boot <= ready_tsc && ready_tsc <= at_beacon,
+        "ready line TSC {ready_tsc} outside [{before_boot}, {at_beacon}] ({t:?})"
     );
     assert!(
         lines[0].text.starts_with("vmtsync-agent ")
@@ -538,6 +600,9 @@ fn builtin_vmm_agent_log_is_defmt_decoded_with_tsc_timestamps() {
     assert_eq!(out.exit, VmExit::DebugExit(0), "log:\n{}", out.log);
     assert_eq!(
         out.log_lines.last().map(|l| l.text.as_str()),
-        Some("shutdown after 0 probes, 2 messages, 0 bad frames, 0 events: isa-debug-exit 0")
+        Some(
+            "shutdown after 0 probes, 2 messages, 0 bad frames, 0 events (0 workload, 0 sent, \
+             0 dropped): isa-debug-exit 0"
+        )
     );
 }

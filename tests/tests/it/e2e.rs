@@ -3,8 +3,10 @@
 //! skew recovered by probes and undone by `convert`, the KVM debugfs mapping checked against
 //! the agent's own TSC readings, and a VM killed in the middle of a probe run.
 //!
-//! Truth in tier 2 (DESIGN.md §4): guest TSC == host TSC here, debugfs reads offset 0; the
-//! agent's `skew=O,R,F` boot option makes its reported TSC `O + (tsc * R) >> F`.
+//! Truth in tier 2 (`vmtsync_tests::truth`): the vCPU's KVM mapping read from debugfs, then the
+//! agent's `skew=O,R,F` boot option (its reported TSC is `O + (tsc * R) >> F` of the TSC KVM
+//! shows it), with the skew picked from the host TSC at the time. No test assumes this host's
+//! offset 0: on an ordinary KVM host the guest TSC starts near zero and they hold all the same.
 
 use std::path::Path;
 use std::process::{Output, Stdio};
@@ -17,12 +19,12 @@ use vmtsync::probe::{
 };
 use vmtsync::syncfile::{SyncFile, convert_with_sync};
 use vmtsync_core::estimate::ProbeSample;
-use vmtsync_core::mapping::KvmTscMapping;
 use vmtsync_tests::fake_agent::{self as fake, SkewedClock};
+use vmtsync_tests::truth::{GuestTruth, Skew, truth_mapping, truth_ready};
 use vmtsync_tests::vmm::agent_elf;
 use vmtsync_tests::vmm::defmt_log::decode_file_text;
 use vmtsync_tests::vmm::qemu::{self, Machine, have_qemu};
-use vmtsync_tests::{ChildGuard, have_kvm, is_root, require};
+use vmtsync_tests::{ChildGuard, have_kvm, require};
 
 use crate::kvm_fixtures::vmtsync;
 
@@ -316,34 +318,29 @@ fn converted_inside_brackets(args: &[&str], samples: &[ProbeSample]) -> Vec<(u64
 }
 
 /// Tier 2 (a): a software skew with a non-identity rate, recovered by probes and undone by
-/// `vmtsync convert --offset O --ratio R --frac-bits 48 --to host`.
+/// `vmtsync convert --offset O --ratio R --frac-bits F --to host` with the true mapping.
 ///
-/// With rate R/2^48 != 1, `guest - host` changes with time, so the truth is compared where
-/// the estimate refers to it: the skew mapping's `guest(at) - at` at the summary's
-/// `at_host_tsc`. The mapping floors (`(tsc * R) >> 48`), so the true offset at any instant is
-/// the line's value minus less than one tick; the check allows that one tick.
+/// The truth is KVM's debugfs mapping of the VM's vCPU followed by the skew
+/// ([`GuestTruth`]). With rate R/2^48 != 1, `guest - host` changes with time, so the truth is
+/// compared where the estimate refers to it: at the summary's `at_host_tsc`. The mapping
+/// floors (`(tsc * R) >> 48`), so the true offset at any instant is the line's value minus
+/// less than one tick; the check allows that one tick.
 #[test]
 fn qemu_software_skew_is_recovered_and_converted_back() {
     let test = "qemu_software_skew_is_recovered_and_converted_back";
-    if !qemu_ready(test) {
+    if !qemu_ready(test) || !truth_ready(test) {
         return;
     }
-    // Rate 1 + 2^-48·⌊2^48/10^4⌋ ≈ 1.0001 (+100 ppm), as vmtsync-probe-bench uses.
-    let ratio = (1u64 << 48) + (1u64 << 48) / 10_000;
-    // Offset -3e12, unless the host TSC is too small for that (the guest TSC would wrap).
-    let offset = if host_tsc_now().0 > 3_000_000_000_000 {
-        -3_000_000_000_000_i64
-    } else {
-        3_000_000_000_000
-    };
-    let skew = KvmTscMapping::try_new(offset, ratio, 48).unwrap();
+    let skew = Skew::pick();
     let scratch_dir = scratch("skew");
     let dir = scratch_dir.path();
     let (sock, com2) = (dir.join("com1.sock"), dir.join("com2.log"));
     let elf = agent_elf().expect("agent builds");
-    let append = format!("transport=uart exit=9 skew={offset},{ratio},48");
-    let _qemu = boot_qemu(&elf, &sock, &com2, &append);
+    let append = format!("transport=uart exit=9 {}", skew.agent_option());
+    let qemu = boot_qemu(&elf, &sock, &com2, &append);
     let mut s = session(&sock);
+    // After the hello QEMU has created its VM and vCPU: read KVM's side of the truth.
+    let truth = GuestTruth::read(qemu.pid(), 0, Some(skew)).expect("truth from debugfs");
     let info = *s.info();
     let samples = s
         .probe_round(64, Duration::ZERO, &mut Progress::hidden())
@@ -351,27 +348,32 @@ fn qemu_software_skew_is_recovered_and_converted_back() {
     let stats = s.shutdown();
     let sum = ProbeSummary::from_samples(&info, &samples, stats).expect("estimates");
     let at = sum.at_host;
-    let truth = i128::from(skew.try_guest_from_host(at).unwrap().0) - i128::from(at.0);
+    let truth_at = truth.offset_at(at).expect("no overflow");
     println!(
-        "skew {offset},{ratio},48: model {:?}, offset {} at host {} (truth {truth}, error {:+}), bounds [{}, {}] width {}, drift {:?} ppb (truth ~100000)",
+        "{} over KVM {:?}: model {:?}, offset {} at host {} (truth {truth_at}, error {:+}), bounds [{}, {}] width {}, drift {:?} ppb (truth ~100000)",
+        skew.agent_option(),
+        truth.kvm,
         sum.model,
         sum.offset,
         at.0,
-        i128::from(sum.offset) - truth,
+        i128::from(sum.offset) - truth_at,
         sum.bound_lo,
         sum.bound_hi,
         sum.width(),
         sum.drift.map(|d| (d.lo, d.hi)),
     );
-    assert!(
-        i128::from(sum.bound_lo) - 1 <= truth && truth <= i128::from(sum.bound_hi),
-        "truth {truth} outside [{}, {}]",
-        sum.bound_lo,
-        sum.bound_hi
+    truth
+        .check(at, sum.bound_lo, sum.bound_hi)
+        .unwrap_or_else(|e| panic!("{e}"));
+    // The true mapping, inverted by the CLI, puts each guest stamp inside its probe.
+    let m = truth
+        .composed()
+        .expect("the skew composes with KVM's mapping");
+    let (o, r, f) = (
+        m.offset().to_string(),
+        m.ratio().to_string(),
+        m.frac_bits().to_string(),
     );
-    // The known mapping, inverted by the CLI, puts each guest stamp inside its probe.
-    let o = offset.to_string();
-    let r = ratio.to_string();
     let args = [
         "convert",
         "--offset",
@@ -379,7 +381,7 @@ fn qemu_software_skew_is_recovered_and_converted_back() {
         "--ratio",
         &r,
         "--frac-bits",
-        "48",
+        &f,
         "--to",
         "host",
     ];
@@ -392,20 +394,14 @@ fn qemu_software_skew_is_recovered_and_converted_back() {
     );
 }
 
-/// Tier 2 (b): `vmtsync kvm --json --vm <QEMU PID>` finds the VM's vCPU with debugfs offset 0
-/// (the truth here), and the agent's TSC readings, mapped to host time through that mapping by
-/// `vmtsync convert --vm PID --vcpu 0`, lie inside the host brackets of their probes.
+/// Tier 2 (b): `vmtsync kvm --json --vm <QEMU PID>` finds the VM's one vCPU with the mapping
+/// KVM debugfs holds (whatever it is on this host), and the agent's TSC readings, mapped to
+/// host time through that mapping by `vmtsync convert --vm PID --vcpu 0`, lie inside the host
+/// brackets of their probes.
 #[test]
 fn qemu_kvm_mapping_from_debugfs_maps_agent_readings_into_their_brackets() {
     let test = "qemu_kvm_mapping_from_debugfs_maps_agent_readings_into_their_brackets";
-    if !qemu_ready(test)
-        || !require(test, is_root(), "reading KVM debugfs needs root")
-        || !require(
-            test,
-            Path::new("/sys/kernel/debug/kvm").is_dir(),
-            "debugfs is not mounted (mount -t debugfs none /sys/kernel/debug)",
-        )
-    {
+    if !qemu_ready(test) || !truth_ready(test) {
         return;
     }
     let scratch_dir = scratch("kvm");
@@ -426,10 +422,13 @@ fn qemu_kvm_mapping_from_debugfs_maps_agent_readings_into_their_brackets() {
     assert_eq!(vcpus.len(), 1, "-smp 1: {v}");
     println!("vmtsync kvm: {}", vcpus[0]);
     assert_eq!(vcpus[0]["vcpu"], 0);
-    assert_eq!(vcpus[0]["tsc_offset"], 0, "guest TSC == host TSC here");
-    // No TSC scaling here (no scaling files in debugfs): identity, ratio == 1 << frac bits.
-    let frac = vcpus[0]["tsc_frac_bits"].as_u64().unwrap();
-    assert_eq!(vcpus[0]["tsc_scaling_ratio"].as_u64(), Some(1u64 << frac));
+    let truth = truth_mapping(qemu.pid(), 0).expect("truth from debugfs");
+    assert_eq!(vcpus[0]["tsc_offset"].as_i64(), Some(truth.offset()), "{v}");
+    assert_eq!(vcpus[0]["tsc_scaling_ratio"].as_u64(), Some(truth.ratio()));
+    assert_eq!(
+        vcpus[0]["tsc_frac_bits"].as_u64(),
+        Some(u64::from(truth.frac_bits()))
+    );
 
     let samples = s
         .probe_round(32, Duration::ZERO, &mut Progress::hidden())

@@ -10,6 +10,7 @@ mod kvm_fixtures;
 mod kvm_real;
 mod probe;
 mod probe_bench;
+mod record;
 mod smoke;
 mod sync_crash;
 mod tracedat;

@@ -438,6 +438,7 @@ mod vmm {
     use vmtsync::probe::{ProbeSession, ProbeSummary};
     use vmtsync_core::HostTicks;
     use vmtsync_core::estimate::ProbeSample;
+    use vmtsync_tests::truth::{GuestTruth, Skew, truth_mapping_of, truth_ready};
     use vmtsync_tests::vmm::client::{Com1Exchange, Com1Transport};
     use vmtsync_tests::vmm::{Vm, VmConfig, VmExit, agent_elf};
     use vmtsync_tests::{have_kvm, require};
@@ -468,13 +469,15 @@ mod vmm {
     #[test]
     fn probe_engine_over_builtin_vmm_com1_with_exit_stamps() {
         let test = "probe_engine_over_builtin_vmm_com1_with_exit_stamps";
-        if !require(test, have_kvm(), "/dev/kvm is not accessible read-write") {
+        if !require(test, have_kvm(), "/dev/kvm is not accessible read-write") || !truth_ready(test)
+        {
             return;
         }
-        // Software skew in the agent: reported = 5_000_000 + tsc (guest TSC == host TSC here).
-        let skew = 5_000_000_i64;
+        // Software skew in the agent, from the host TSC now; the truth is KVM's mapping of the
+        // VM's vCPU (debugfs) followed by the skew.
+        let skew = Skew::pick();
         let cfg = VmConfig {
-            cmdline: "transport=uart exit=5 skew=5000000,1,0".into(),
+            cmdline: format!("transport=uart exit=5 {}", skew.agent_option()),
             timeout: Duration::from_secs(120),
             ..VmConfig::default()
         };
@@ -482,6 +485,10 @@ mod vmm {
         let mut session =
             ProbeSession::hello(Com1Transport::new(vm.com1()), Duration::from_secs(20))
                 .unwrap_or_else(|e| panic!("{e}; COM2 log:\n{}", vm.log_text()));
+        let truth = GuestTruth::new(
+            truth_mapping_of(vm.debugfs_id(), 0).expect("truth from debugfs"),
+            Some(skew),
+        );
         let info = *session.info();
         let (mut exit_samples, mut exchanges) = (Vec::new(), Vec::new());
         for _ in 0..64 {
@@ -510,28 +517,45 @@ mod vmm {
         let exits = ProbeSummary::from_samples(&info, &exit_samples, stats).unwrap();
         let calls = ProbeSummary::from_samples(&info, &call_samples, stats).unwrap();
         let tight = ProbeSummary::from_samples(&info, &tight_samples, stats).unwrap();
+        // Each guest reading lies, by the truth, inside every one of its brackets: the
+        // transport's exits are real instants around the agent's TSC read.
+        for (label, samples) in [
+            ("exit", &exit_samples),
+            ("tight exit", &tight_samples),
+            ("host-call", &call_samples),
+        ] {
+            for x in samples {
+                assert!(
+                    truth.in_bracket(x.host_send, x.guest, x.host_recv),
+                    "{label} bracket [{}, {}] misses guest {} (true [{:?}, {:?}])",
+                    x.host_send.0,
+                    x.host_recv.0,
+                    x.guest.0,
+                    truth.guest_at(x.host_send),
+                    truth.guest_at(x.host_recv)
+                );
+            }
+        }
         for (label, s) in [
             ("exit stamps", &exits),
             ("tight exit stamps", &tight),
             ("host-call stamps", &calls),
         ] {
+            let at = truth.offset_at(s.at_host).expect("no overflow");
             println!(
                 "builtin VMM, {label}: offset {} (error {:+}), bounds [{}, {}] width {}, rtt min {} median {}, trace-cmd fastest error {:+}",
                 s.offset,
-                s.offset - skew,
+                i128::from(s.offset) - at,
                 s.bound_lo,
                 s.bound_hi,
                 s.width(),
                 s.rtt.min,
                 s.rtt.median,
-                s.tracecmd_fastest - skew
+                i128::from(s.tracecmd_fastest) - at
             );
-            assert!(
-                s.bound_lo <= skew && skew <= s.bound_hi,
-                "{label}: truth {skew} outside [{}, {}]",
-                s.bound_lo,
-                s.bound_hi
-            );
+            truth
+                .check(s.at_host, s.bound_lo, s.bound_hi)
+                .unwrap_or_else(|e| panic!("{label}: {e}"));
         }
         // Exit stamps are inside the host-call stamps, so the intervals they prove at a
         // constant offset can only be tighter (the guaranteed bounds refer to slightly
@@ -551,6 +575,7 @@ mod qemu_serial {
     use std::time::{Duration, Instant};
 
     use vmtsync::probe::{ProbeAddr, ProbeOptions, run_probe};
+    use vmtsync_tests::truth::{GuestTruth, Skew, truth_ready};
     use vmtsync_tests::vmm::agent_elf;
     use vmtsync_tests::vmm::qemu::{self, debug_exit_status, have_qemu};
     use vmtsync_tests::{ChildGuard, have_kvm, require};
@@ -564,6 +589,7 @@ mod qemu_serial {
                 have_qemu(),
                 "qemu-system-x86_64 is missing (apt-get install qemu-system-x86)",
             )
+            || !truth_ready(test)
         {
             return;
         }
@@ -576,11 +602,11 @@ mod qemu_serial {
         let sock = dir.join("com1.sock");
         let com2 = dir.join("com2.log");
         let _ = std::fs::remove_file(&sock);
-        let skew = 5_000_000_i64;
+        let skew = Skew::pick();
         let child = qemu::command_com1_socket(
             qemu::Machine::Microvm,
             &elf,
-            "transport=uart exit=9 skew=5000000,1,0",
+            &format!("transport=uart exit=9 {}", skew.agent_option()),
             &com2,
             &sock,
         )
@@ -603,31 +629,28 @@ mod qemu_serial {
             )
         });
         print!("{}", String::from_utf8_lossy(&out));
+        // The VM still runs (no --shutdown yet): read KVM's side of the truth.
+        let truth = GuestTruth::read(guard.pid(), 0, Some(skew)).expect("truth from debugfs");
+        let at = truth.offset_at(s.at_host).expect("no overflow");
         println!(
             "qemu serial: offset error {:+}, width {}, rtt min {} median {}, trace-cmd fastest error {:+}",
-            s.offset - skew,
+            i128::from(s.offset) - at,
             s.width(),
             s.rtt.min,
             s.rtt.median,
-            s.tracecmd_fastest - skew
+            i128::from(s.tracecmd_fastest) - at
         );
-        assert!(
-            s.bound_lo <= skew && skew <= s.bound_hi,
-            "truth {skew} outside [{}, {}]",
-            s.bound_lo,
-            s.bound_hi
-        );
+        truth
+            .check(s.at_host, s.bound_lo, s.bound_hi)
+            .unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(s.probes, 64);
         // Without --shutdown the agent keeps serving: a second session gets a fresh hello and
         // its own bounds; this one ends the agent, which exits through isa-debug-exit.
         opts.shutdown = true;
         let again = run_probe(&opts, &mut Vec::new()).expect("a second session");
-        assert!(
-            again.bound_lo <= skew && skew <= again.bound_hi,
-            "second session: truth {skew} outside [{}, {}]",
-            again.bound_lo,
-            again.bound_hi
-        );
+        truth
+            .check(again.at_host, again.bound_lo, again.bound_hi)
+            .unwrap_or_else(|e| panic!("second session: {e}"));
         let end = Instant::now() + Duration::from_secs(20);
         let status = loop {
             if let Some(st) = guard.child().try_wait().expect("wait qemu") {

@@ -449,3 +449,152 @@ fn unsafe_free_gettid() -> i64 {
     // SAFETY: gettid has no preconditions and cannot fail.
     i64::from(unsafe { libc::gettid() })
 }
+
+#[test]
+fn trace_cmd_converts_our_files_and_reads_our_copy_of_a_compressed_trace() {
+    let test = "tracedat::trace_cmd_converts_our_files_and_reads_our_copy_of_a_compressed_trace";
+    if !have_trace_cmd(test) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let ours = dir.path().join("ours.dat");
+    let events: Vec<_> = (0..5000u32)
+        .map(|i| {
+            (
+                i % 3,
+                10_000 + u64::from(i) * 31,
+                i,
+                vec![u8::try_from(i % 256).unwrap()],
+            )
+        })
+        .collect();
+    write(&ours, FileVersion::V7, 3, &events, None);
+    let text = |args: &[&str]| {
+        let o = trace_cmd(args);
+        assert!(
+            o.status.success(),
+            "trace-cmd {args:?}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        String::from_utf8_lossy(&o.stdout).into_owned()
+    };
+    let p = |q: &Path| q.to_str().unwrap().to_owned();
+    let want = text(&["report", "-t", "-i", &p(&ours)]);
+    // trace-cmd's own converter rewrites our file (to v6, and to zstd sections like
+    // `trace-cmd extract` writes) without changing a single report line.
+    let v6 = dir.path().join("v6.dat");
+    let zstd = dir.path().join("zstd.dat");
+    text(&[
+        "convert",
+        "--file-version",
+        "6",
+        "-i",
+        &p(&ours),
+        "-o",
+        &p(&v6),
+    ]);
+    text(&[
+        "convert",
+        "--compression",
+        "zstd",
+        "-i",
+        &p(&ours),
+        "-o",
+        &p(&zstd),
+    ]);
+    assert_eq!(text(&["report", "-t", "-i", &p(&v6)]), want);
+    assert_eq!(text(&["report", "-t", "-i", &p(&zstd)]), want);
+    // The compressed file stands in for a host trace: our GUEST copy keeps every event and
+    // trace-cmd shows the GUEST option.
+    let out = dir.path().join("with-guest.dat");
+    let info = GuestInfo {
+        name: "vmtsync-copy-test".into(),
+        trace_id: 0x77,
+        vcpu_pids: vec![(0, 101), (1, 102)],
+    };
+    let s = copy_host_trace(&zstd, &out, &info, None).unwrap();
+    assert!(!s.added_trace_id);
+    assert_dump_ok(&out);
+    assert_eq!(text(&["report", "-t", "-i", &p(&out)]), want);
+    let opts = text(&["dump", "--options", "-i", &p(&out)]);
+    assert!(opts.contains("vmtsync-copy-test"), "{opts}");
+}
+
+#[test]
+fn tsc2nsec_makes_trace_cmd_show_nanoseconds_after_the_shift() {
+    let test = "tracedat::tsc2nsec_makes_trace_cmd_show_nanoseconds_after_the_shift";
+    if !have_trace_cmd(test) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("ns.dat");
+    let t = vmtsync::tracedat::Tsc2Nsec {
+        mult: 6_462_042,
+        shift: 24,
+        offset: 0,
+    };
+    let mut opts = WriterOptions::new(1, 5);
+    opts.tsc2nsec = Some(t);
+    let mut w = TraceDatWriter::create(&path, opts).unwrap();
+    let g = 2_600_000_123_456u64;
+    w.push(0, g, 1, &[]).unwrap();
+    let shift = TimeShift {
+        peer_trace_id: 0,
+        mode: ShiftMode::Step,
+        cpus: vec![vec![SyncSegment::offset_only(HostTicks(0), 1_000_000)]],
+    };
+    w.finish(Some(&shift)).unwrap();
+    let lines = report(&["report", "-t", "-i", path.to_str().unwrap()]);
+    // Shift first (guest - 1e6), then trace-cmd's 64x32 multiply in two halves.
+    let host = g - 1_000_000;
+    let ns = (((host & 0xffff_ffff) * u64::from(t.mult)) >> t.shift)
+        + (((host >> 32) * u64::from(t.mult)) << (32 - t.shift));
+    assert_eq!(lines.len(), 1);
+    assert_eq!(lines[0].ts, ns);
+}
+
+#[test]
+fn a_scaled_segment_over_a_short_span_is_within_its_bound_in_trace_cmd() {
+    let test = "tracedat::a_scaled_segment_over_a_short_span_is_within_its_bound_in_trace_cmd";
+    if !have_trace_cmd(test) {
+        return;
+    }
+    // guest = offset + host * 1.0001 (Intel fraction bits), a host TSC like a fresh boot's,
+    // 2000 events over 2 ms of guest time: trace-cmd's 64-bit fixed point fits within a tick.
+    let ratio = (1u64 << 48) + (1u64 << 48) / 10_000;
+    let map = vmtsync_core::mapping::KvmTscMapping::try_new(-7_777_777, ratio, 48).unwrap();
+    let h0 = 2_300_000_000_000u64;
+    let g0 = map.try_guest_from_host(HostTicks(h0)).unwrap().0;
+    let events: Vec<_> = (0..2000u32)
+        .map(|i| (0, g0 + u64::from(i) * 2_503, i, vec![]))
+        .collect();
+    let shift = TimeShift {
+        peer_trace_id: 0,
+        mode: ShiftMode::Step,
+        cpus: vec![vec![SyncSegment {
+            start: HostTicks(h0),
+            map,
+        }]],
+    };
+    let dir = tempfile::tempdir().unwrap();
+    for version in [FileVersion::V6, FileVersion::V7] {
+        let path = dir.path().join("scaled.dat");
+        let s = write(&path, version, 1, &events, Some(&shift));
+        let bound = s.shift_error.unwrap()[0];
+        assert!(bound <= 1, "bound {bound}");
+        assert_dump_ok(&path);
+        let lines = report(&["report", "-t", "-i", path.to_str().unwrap()]);
+        assert_eq!(lines.len(), events.len());
+        let mut worst = 0;
+        for l in &lines {
+            let g = events[id_of(&l.rest) as usize].1;
+            let exact = map
+                .try_host_from_guest_ceil(vmtsync_core::GuestTicks(g))
+                .unwrap()
+                .0;
+            worst = worst.max(l.ts.abs_diff(exact));
+        }
+        assert!(worst <= bound, "{version:?}: off by {worst}, bound {bound}");
+        eprintln!("{version:?}: scaled segment, worst {worst} ticks, bound {bound}");
+    }
+}

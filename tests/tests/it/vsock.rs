@@ -1,15 +1,18 @@
 //! Tier 2: the agent's virtio-vsock transport, end to end under QEMU q35 + qboot with
 //! `vhost-user-vsock-pci` and the `vhost-device-vsock` backend (installed on demand).
 //!
-//! Truth here: guest TSC == host TSC (see docs/host-quirks.md), plus the agent's software skew where one
-//! is set, so every probe's host bracket `[sent, received]` must contain the guest's TSC moved
-//! by the skew, and the offset interval (guest − host) they imply must contain the skew. The
-//! probes are driven by vmtsync's own `ProbeSession` over its socket transport. It prints the
-//! RTT and the midpoint estimate's error against the truth.
+//! Truth here (`vmtsync_tests::truth`): KVM's debugfs mapping of the VM's vCPU, followed by the
+//! agent's software skew when it has one, so every probe's host bracket `[sent, received]`
+//! must contain the host time of the guest's reported TSC, and the session's guaranteed bounds
+//! must contain the true offset. Nothing assumes this host's offset 0 (docs/host-quirks.md).
+//! The probes are driven by vmtsync's own `ProbeSession` over its socket transport. It prints
+//! the RTT and the midpoint estimate's error against the truth.
 
 use std::time::{Duration, Instant};
 
+use vmtsync::probe::ProbeSummary;
 use vmtsync_core::proto::{Message, Transport};
+use vmtsync_tests::truth::{GuestTruth, Skew, truth_ready};
 use vmtsync_tests::vmm::agent_elf;
 use vmtsync_tests::vmm::client::{probe_run, wait_ready};
 use vmtsync_tests::vmm::defmt_log::decode_file_text;
@@ -32,7 +35,7 @@ fn vsock_probes_bracket_the_guest_tsc_under_qemu_q35() {
         3,
         PORT,
         false,
-        0,
+        false,
     );
 }
 
@@ -46,7 +49,7 @@ fn vsock_host_connects_to_a_listening_agent() {
         3,
         PORT + 2,
         true,
-        0,
+        false,
     );
 }
 
@@ -60,14 +63,14 @@ fn vsock_probes_from_ring_0_bracket_the_guest_tsc() {
         0,
         PORT + 1,
         false,
-        0,
+        false,
     );
 }
 
 /// QEMU microvm: `vhost-user-vsock-device` on virtio-mmio, found through the
 /// `virtio_mmio.device=` word QEMU appends to the command line; no PCI, no BARs to place. The
-/// agent also applies a software skew here (`skew=-5000000000,1,0`), so the truth the brackets
-/// must contain is a non-zero offset.
+/// agent also applies a software skew here ([`Skew::pick`]: an offset derived from the host
+/// TSC and a rate != 1), so the truth the brackets must contain moves with time.
 #[test]
 fn vsock_probes_under_qemu_microvm_over_virtio_mmio() {
     session(
@@ -76,18 +79,15 @@ fn vsock_probes_under_qemu_microvm_over_virtio_mmio() {
         3,
         PORT + 4,
         false,
-        MICROVM_SKEW,
+        true,
     );
 }
 
-/// Guest TSC offset the microvm session's agent applies to every reading it reports.
-const MICROVM_SKEW: i64 = -5_000_000_000;
-
 /// Boots the agent on `machine` with `transport=vsock port={port} ring={ring} exit=5` (and
-/// `vsock=listen` when `listen`, `skew={skew},1,0` when `skew` is not 0), runs [`PROBES`]
-/// probes, checks every bracket and the offset interval against the truth (`-skew`: guest TSC
-/// == host TSC here, plus the skew), shuts down.
-fn session(test: &str, machine: Machine, ring: u8, port: u32, listen: bool, skew: i64) {
+/// `vsock=listen` when `listen`, a [`Skew::pick`] skew when `skew`), runs [`PROBES`] probes,
+/// checks every bracket, the guaranteed bounds and (for a constant offset) the offset
+/// interval against the truth (debugfs, then the skew), shuts down.
+fn session(test: &str, machine: Machine, ring: u8, port: u32, listen: bool, skew: bool) {
     if !require(test, have_kvm(), "/dev/kvm is not accessible read-write")
         || !require(
             test,
@@ -99,6 +99,7 @@ fn session(test: &str, machine: Machine, ring: u8, port: u32, listen: bool, skew
             std::path::Path::new(qemu::QBOOT).is_file(),
             "qboot.rom is missing (apt-get install qemu-system-x86)",
         )
+        || !truth_ready(test)
     {
         return;
     }
@@ -115,11 +116,11 @@ fn session(test: &str, machine: Machine, ring: u8, port: u32, listen: bool, skew
     let started = Instant::now();
     let mode = if listen { "listen" } else { "connect" };
     let mut append = format!("transport=vsock vsock={mode} port={port} ring={ring} exit=5");
-    if skew != 0 {
-        append.push_str(&format!(" skew={skew},1,0"));
+    let skew = skew.then(Skew::pick);
+    if let Some(s) = skew {
+        append.push(' ');
+        append.push_str(&s.agent_option());
     }
-    // Offsets are guest − host: the skew itself.
-    let truth = skew;
     let mut rig =
         VsockRig::start(machine, &backend, &elf, &append, port, STEP).expect("rig starts");
     let connection = if listen {
@@ -133,6 +134,8 @@ fn session(test: &str, machine: Machine, ring: u8, port: u32, listen: bool, skew
         Err(e) => panic!("{e}\n{}", rig.diagnostics()),
     };
     let connected = started.elapsed();
+    // Connected: QEMU has created its VM and vCPU, so KVM's side of the truth is readable.
+    let truth = GuestTruth::read(rig.pids().0, 0, skew).expect("truth from debugfs");
     if let Err(e) = wait_ready(&mut client, Instant::now() + STEP) {
         panic!("{e}\n{}", rig.diagnostics());
     }
@@ -149,16 +152,29 @@ fn session(test: &str, machine: Machine, ring: u8, port: u32, listen: bool, skew
         "{:?}",
         run.stats
     );
-    // Every probe's host bracket [sent, received] contains the guest's TSC moved by the true
-    // offset, so the offset interval (guest − host) they jointly allow contains the truth.
-    assert_eq!(run.outside_bracket(truth), 0, "{:?}", run.samples);
-    let (lo, hi) = run.offset_interval().expect("consistent probes");
-    assert!(
-        lo <= truth && truth <= hi,
-        "offset interval [{lo}, {hi}] misses the truth {truth}"
-    );
+    // Every probe's host bracket [sent, received] contains the host time of the guest's
+    // reported TSC.
+    let outside = run.outside_bracket(&truth);
+    assert!(outside.is_empty(), "{truth:?}: outside {outside:?}");
+    // The session's guaranteed bounds (drift-aware with a rate != 1) contain the true offset
+    // where they refer to it.
+    let sum = ProbeSummary::from_samples(&run.info, &run.samples, run.stats).expect("estimates");
+    truth
+        .check(sum.at_host, sum.bound_lo, sum.bound_hi)
+        .unwrap_or_else(|e| panic!("{e}"));
+    // A constant offset (no skew, no scaling): the offset interval (guest − host) every probe
+    // allows contains it. With a rate != 1 the truth moves and the probes need not agree on
+    // one offset.
+    let interval = run.offset_interval();
+    if let Some(c) = truth.constant_offset() {
+        let (lo, hi) = interval.expect("consistent probes");
+        assert!(
+            lo <= c && c <= hi,
+            "offset interval [{lo}, {hi}] misses the truth {c}"
+        );
+    }
     let rtts = run.rtts_sorted();
-    let errors = run.midpoint_errors_sorted(truth);
+    let errors = run.midpoint_errors_sorted(&truth);
 
     let (bye, _) = session.request(&Message::Shutdown).expect("exiting");
     assert_eq!(bye, Message::Exiting);
@@ -172,12 +188,15 @@ fn session(test: &str, machine: Machine, ring: u8, port: u32, listen: bool, skew
     eprintln!(
         "vsock {machine:?} {mode} ring {ring}: connected after {connected:?}; {PROBES} probes: \
          RTT min {} / median {} cycles (~{} us median); midpoint |error| median {} cycles; \
-         truth {truth}, offset interval [{lo}, {hi}] (width {}); exit {status}, total {:?}",
+         truth {truth:?}, offset interval {interval:?}, bounds [{}, {}] (width {}); exit \
+         {status}, total {:?}",
         rtts[0],
         rtts[rtts.len() / 2],
         cycles_to_us(rtts[rtts.len() / 2]),
         errors[errors.len() / 2],
-        hi - lo,
+        sum.bound_lo,
+        sum.bound_hi,
+        sum.width(),
         started.elapsed()
     );
     assert_eq!(
@@ -216,6 +235,7 @@ fn vsock_agent_serves_a_new_session_after_the_host_hangs_up() {
             std::path::Path::new(qemu::QBOOT).is_file(),
             "qboot.rom is missing",
         )
+        || !truth_ready(test)
     {
         return;
     }
@@ -253,7 +273,12 @@ fn vsock_agent_serves_a_new_session_after_the_host_hangs_up() {
             .unwrap_or_else(|e| panic!("session {session}: {e}\n{}", rig.diagnostics()));
         let (mut probes, run) = probe_run(client, 10, STEP)
             .unwrap_or_else(|e| panic!("session {session}: {e}\n{}", rig.diagnostics()));
-        assert_eq!(run.outside_bracket(0), 0, "{:?}", run.samples);
+        let truth = GuestTruth::read(rig.pids().0, 0, None).expect("truth from debugfs");
+        let outside = run.outside_bracket(&truth);
+        assert!(
+            outside.is_empty(),
+            "session {session}, {truth:?}: {outside:?}"
+        );
         if session == 2 {
             let (bye, _) = probes.request(&Message::Shutdown).expect("exiting");
             assert_eq!(bye, Message::Exiting);

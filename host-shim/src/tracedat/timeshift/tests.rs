@@ -116,6 +116,34 @@ fn ratio_1_0001_fits_one_tick_only_over_a_short_span() {
     assert!(long.max_error > 1, "{}", long.max_error);
 }
 
+#[test]
+fn timeline_segments_convert_when_trace_cmd_can_hold_them() {
+    use vmtsync_core::timeline::{Segment, Slope};
+    // An offset segment: guest 5000 is host 4000 → guest - host = 1000.
+    let lin = Segment::try_offset(GuestTicks(5_000), -1_000).unwrap();
+    let s = SyncSegment::try_from_timeline(&lin).unwrap();
+    assert_eq!(s, SyncSegment::offset_only(HostTicks(4_000), 1_000));
+    for g in [1_000, 5_000, 9_999_999] {
+        assert_eq!(
+            exact_host_time(&[s], ShiftMode::Step, g),
+            lin.try_convert_floor(GuestTicks(g)).map(|h| h.0)
+        );
+    }
+    // A KVM segment with an identity ratio keeps its mapping and start.
+    let kvm = Segment::try_from_kvm(GuestTicks(7_000), 3_000, 1 << 48, 48).unwrap();
+    let s = SyncSegment::try_from_timeline(&kvm).unwrap();
+    assert_eq!(s.start, HostTicks(4_000));
+    // A drifting slope has no exact TIME_SHIFT form.
+    let drift = Segment::try_from_anchor(
+        GuestTicks(0),
+        GuestTicks(0),
+        HostTicks(10),
+        Slope::try_from_ppb_floor(1_000).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(SyncSegment::try_from_timeline(&drift), None);
+}
+
 fn check_bound(map: KvmTscMapping, lo: u64, len: u64, picks: &[u64]) {
     let hi = lo + len;
     let s = SyncSegment {

@@ -195,3 +195,23 @@ fn every_truncation_is_detected_with_an_offset_inside_the_file() {
         verify_file(&path).unwrap();
     }
 }
+
+#[test]
+fn tsc2nsec_is_written_and_read_back() {
+    let dir = tempfile::tempdir().unwrap();
+    for version in [FileVersion::V6, FileVersion::V7] {
+        let path = dir.path().join("n.dat");
+        let mut opts = WriterOptions::new(1, 3);
+        opts.version = version;
+        let t = Tsc2Nsec {
+            mult: 6_462_042,
+            shift: 24,
+            offset: 0,
+        };
+        opts.tsc2nsec = Some(t);
+        let mut w = TraceDatWriter::create(&path, opts).unwrap();
+        w.push(0, 2_600_000_000, 1, &[]).unwrap();
+        w.finish(None).unwrap();
+        assert_eq!(read_layout(&path).unwrap().tsc2nsec(), Some(t));
+    }
+}

@@ -18,6 +18,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
+use vmtsync_core::mapping::KvmTscMapping;
 use vmtsync_tests::vmm::client::{Com1Exchange, Com1Transport, wait_ready};
 use vmtsync_tests::vmm::{Vm, VmConfig, VmExit};
 
@@ -36,7 +37,8 @@ impl Recorded for Com1Transport<'_> {
 }
 
 /// Boots the agent in the built-in VMM with `cmdline` (plus `exit=5`), runs `sessions`
-/// sessions of `probes` probes, shuts it down and checks it exited cleanly.
+/// sessions of `probes` probes, shuts it down and checks it exited cleanly. Returns the
+/// sessions and KVM's mapping of the VM's vCPU (debugfs), the truth's KVM side.
 ///
 /// # Errors
 /// Boot, protocol or shutdown failures, with the agent's COM2 log attached.
@@ -45,7 +47,7 @@ pub fn run(
     cmdline: &str,
     sessions: usize,
     probes: usize,
-) -> Result<Vec<Session<Com1Exchange>>> {
+) -> Result<(Vec<Session<Com1Exchange>>, KvmTscMapping)> {
     let cfg = VmConfig {
         cmdline: format!("{cmdline} exit={EXIT_CODE}"),
         timeout: Duration::from_secs(100),
@@ -56,11 +58,14 @@ pub fn run(
     if wait_ready(&mut link, Instant::now() + STEP).is_err() {
         bail!("no ready beacon; COM2 log:\n{}", vm.log_text());
     }
+    // The truth's KVM side: this VM's mapping in debugfs.
+    let kvm = vmtsync_tests::truth::truth_mapping_of(vm.debugfs_id(), 0)
+        .context("reading the VM's TSC mapping from KVM debugfs")?;
     let out = run_sessions(&mut link, sessions, probes)
         .with_context(|| format!("COM2 log:\n{}", vm.log_text()))?;
     let outcome = vm.wait().context("waiting for the VM to exit")?;
     if outcome.exit != VmExit::DebugExit(u32::from(EXIT_CODE)) {
         bail!("VM ended with {:?}; log:\n{}", outcome.exit, outcome.log);
     }
-    Ok(out)
+    Ok((out, kvm))
 }

@@ -14,8 +14,12 @@
 //! - the built-in VMM again with the agent's software skew (`skew=OFFSET,RATIO,FRAC`), so the
 //!   truth is a non-identity line (`skew/…`).
 //!
-//! Truth: guest TSC == host TSC here (KVM cannot offset or scale it, docs/probe.md), or the skew
-//! the agent was told to apply. Every path is driven by vmtsync's own `ProbeSession` (hello,
+//! Truth: each VM's KVM mapping read from debugfs right after its ready beacon, composed with
+//! the skew the agent was told to apply (`vmtsync_tests::truth`; by default `Skew::pick`, an
+//! offset derived from the host TSC at the time and a rate of 1.0001). KVM's nested
+//! composition is exact when KVM's mapping has offset 0 and ratio 1 and within a few ticks of
+//! the agent's sequential arithmetic otherwise. Nothing assumes this host's guest TSC == host
+//! TSC (docs/host-quirks.md). Every path is driven by vmtsync's own `ProbeSession` (hello,
 //! compact probes unwrapped in their window, shutdown) over a rig transport that records every
 //! stamp of each exchange (`vmtsync_tests::vmm::client`). Each session's samples go to what `vmtsync probe` reports
 //! as guaranteed ("ours": `DriftEstimator::offset_bounds_at_within` the session's rate limits,
@@ -42,10 +46,12 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use vmtsync::probe::{ProbeSession, StampedTransport};
 use vmtsync_core::estimate::ProbeSample;
+use vmtsync_core::mapping::KvmTscMapping;
 use vmtsync_core::proto::Message;
 use vmtsync_core::{GuestTicks, HostTicks};
+use vmtsync_tests::truth::{GuestTruth, Skew};
+use vmtsync_tests::vmm::agent_elf;
 use vmtsync_tests::vmm::qemu::{Machine, have_qemu};
-use vmtsync_tests::vmm::{agent_elf, tsc::host_tsc};
 use vmtsync_tests::{have_kvm, is_ci};
 
 use report::Report;
@@ -62,8 +68,8 @@ usage: vmtsync-probe-bench [--sessions K] [--probes N] [--machine microvm|q35] [
   --machine M       QEMU machine: microvm (default) or q35 (with qboot)
   --no-qemu         skip the QEMU stdio path
   --no-skew         skip the software-skew path
-  --skew O,R,F      agent skew: guest = O + ((tsc * R) >> F) (default -3000000000000,
-                    281503124208327,48: offset -3e12 ticks, rate 1.0001)";
+  --skew O,R,F      agent skew: guest = O + ((tsc * R) >> F) (default: offset derived
+                    from the host TSC now, rate 281503124208327/2^48 = 1.0001)";
 
 /// A rig transport that records every host stamp of its last exchange.
 pub trait Recorded: StampedTransport {
@@ -190,26 +196,25 @@ struct Args {
     probes: usize,
     machine: Machine,
     qemu: bool,
-    skew: Option<Truth>,
+    skew: Option<SkewArg>,
 }
 
-/// The default skew: offset -3e12 ticks, rate 1 + 2^-48·⌊2^48/10^4⌋ ≈ 1.0001 (+100 ppm).
-const DEFAULT_SKEW: Truth = Truth {
-    offset: (-3_000_000_000_000_i64).cast_unsigned(),
-    ratio: (1 << 48) + (1 << 48) / 10_000,
-    frac: 48,
-};
+/// Which skew the skewed path's agent applies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum SkewArg {
+    /// [`Skew::pick`]: derived from the host TSC when the path runs (the default).
+    Pick,
+    /// `--skew O,R,F`.
+    Given(Skew),
+}
 
-fn parse_skew(v: &str) -> Option<Truth> {
-    let mut it = v.split(',');
-    let offset = it.next()?.parse::<i64>().ok()?.cast_unsigned();
-    let ratio = it.next()?.parse::<u64>().ok()?;
-    let frac = it.next()?.parse::<u32>().ok()?;
-    (it.next().is_none() && ratio > 0 && frac <= 63).then_some(Truth {
-        offset,
-        ratio,
-        frac,
-    })
+/// The bench's truth line for a mapping.
+fn bench_truth(m: KvmTscMapping) -> Truth {
+    Truth {
+        offset: m.offset().cast_unsigned(),
+        ratio: m.ratio(),
+        frac: m.frac_bits(),
+    }
 }
 
 fn parse_args(args: &[String]) -> Result<Args, String> {
@@ -218,7 +223,7 @@ fn parse_args(args: &[String]) -> Result<Args, String> {
         probes: 64,
         machine: Machine::Microvm,
         qemu: true,
-        skew: Some(DEFAULT_SKEW),
+        skew: Some(SkewArg::Pick),
     };
     let mut it = args.iter();
     while let Some(flag) = it.next() {
@@ -235,7 +240,11 @@ fn parse_args(args: &[String]) -> Result<Args, String> {
             }
             "--no-qemu" => a.qemu = false,
             "--no-skew" => a.skew = None,
-            "--skew" => a.skew = Some(parse_skew(value()?).ok_or("bad --skew value")?),
+            "--skew" => {
+                a.skew = Some(SkewArg::Given(
+                    Skew::parse(value()?).ok_or("bad --skew value")?,
+                ));
+            }
             other => return Err(format!("unexpected argument `{other}`")),
         }
     }
@@ -269,11 +278,15 @@ fn bench(args: &Args) -> Result<Report> {
     let mut rows = Vec::new();
 
     let t = Instant::now();
-    let s = builtin::run(&elf, "transport=uart", args.sessions, args.probes)?;
-    eprintln!("built-in VMM: {} sessions in {:.1?}", s.len(), t.elapsed());
+    let (s, kvm) = builtin::run(&elf, "transport=uart", args.sessions, args.probes)?;
+    eprintln!(
+        "built-in VMM: {} sessions in {:.1?}; KVM mapping {kvm:?}",
+        s.len(),
+        t.elapsed()
+    );
     let khz_agent = s.first().and_then(|x| x.tsc_khz);
     let wire = wire_bytes(&s);
-    let id = Truth::IDENTITY;
+    let id = bench_truth(kvm);
     rows.push(row("builtin/exit-tight", &s, id, |x| {
         (x.prev_exit, x.first_byte)
     })?);
@@ -296,13 +309,14 @@ fn bench(args: &Args) -> Result<Report> {
             eprintln!("SKIP qemu-stdio: qemu-system-x86_64 is missing (or pass --no-qemu)");
         } else {
             let t = Instant::now();
-            let q = qemu::run(&elf, args.machine, args.sessions, args.probes)?;
+            let (q, kvm) = qemu::run(&elf, args.machine, args.sessions, args.probes)?;
             eprintln!(
-                "QEMU {:?}: {} sessions in {:.1?}",
+                "QEMU {:?}: {} sessions in {:.1?}; KVM mapping {kvm:?}",
                 args.machine,
                 q.len(),
                 t.elapsed()
             );
+            let id = bench_truth(kvm);
             qemu_wire = Some(wire_bytes(&q));
             let name = match args.machine {
                 Machine::Microvm => "qemu-microvm",
@@ -316,40 +330,33 @@ fn bench(args: &Args) -> Result<Report> {
     }
 
     let mut skew_used = None;
-    if let Some(mut skew) = args.skew {
-        // A negative offset larger than the scaled TSC would wrap the guest clock below zero,
-        // which no real guest has; keep the magnitude but make it positive then (a host booted
-        // less than ~20 minutes ago with the default).
-        let now = host_tsc();
-        let scaled = Truth { offset: 0, ..skew }.guest_at(now);
-        let neg = skew.offset.cast_signed();
-        if neg < 0 && scaled < neg.unsigned_abs().saturating_add(1 << 36) {
-            skew.offset = skew.offset.wrapping_neg();
-            eprintln!(
-                "host TSC {now} is below |skew offset|: using offset +{}",
-                skew.offset
-            );
-        }
-        let cmdline = format!(
-            "transport=uart skew={},{},{}",
-            skew.offset.cast_signed(),
-            skew.ratio,
-            skew.frac
-        );
+    if let Some(arg) = args.skew {
+        // The default is picked now, from the host TSC at the time, so it never wraps the
+        // reported TSC (a constant such as -3e12 does on a host booted minutes ago).
+        let skew = match arg {
+            SkewArg::Pick => Skew::pick(),
+            SkewArg::Given(s) => s,
+        };
+        let cmdline = format!("transport=uart {}", skew.agent_option());
         let t = Instant::now();
-        let s = builtin::run(&elf, &cmdline, args.sessions, args.probes)?;
+        let (s, kvm) = builtin::run(&elf, &cmdline, args.sessions, args.probes)?;
         eprintln!(
-            "built-in VMM, {cmdline}: {} sessions in {:.1?}",
+            "built-in VMM, {cmdline}: {} sessions in {:.1?}; KVM mapping {kvm:?}",
             s.len(),
             t.elapsed()
         );
-        rows.push(row("skew/exit-tight", &s, skew, |x| {
+        let truth = bench_truth(
+            GuestTruth::new(kvm, Some(skew))
+                .composed()
+                .context("composing KVM's mapping with the skew")?,
+        );
+        rows.push(row("skew/exit-tight", &s, truth, |x| {
             (x.prev_exit, x.first_byte)
         })?);
-        rows.push(row("skew/exit-loose", &s, skew, |x| {
+        rows.push(row("skew/exit-loose", &s, truth, |x| {
             (x.request_read, x.first_byte)
         })?);
-        skew_used = Some(skew);
+        skew_used = Some(bench_truth(skew.0));
     }
 
     let tsc_khz = khz_agent
@@ -420,18 +427,16 @@ mod tests {
     fn parses_flags_and_rejects_nonsense() {
         let a = args(&[]).unwrap();
         assert_eq!((a.sessions, a.probes, a.qemu), (30, 64, true));
-        assert_eq!(a.skew, Some(DEFAULT_SKEW));
+        assert_eq!(a.skew, Some(SkewArg::Pick));
         let a = args(&["--sessions", "3", "--probes", "8", "--no-qemu", "--no-skew"]).unwrap();
         assert_eq!((a.sessions, a.probes, a.qemu, a.skew), (3, 8, false, None));
         let a = args(&["--skew", "-5,3,1", "--machine", "q35"]).unwrap();
         assert_eq!(a.machine, Machine::Q35);
         assert_eq!(
             a.skew,
-            Some(Truth {
-                offset: (-5_i64).cast_unsigned(),
-                ratio: 3,
-                frac: 1
-            })
+            Some(SkewArg::Given(Skew(
+                KvmTscMapping::try_new(-5, 3, 1).unwrap()
+            )))
         );
         assert!(args(&["--probes", "1"]).is_err());
         assert!(args(&["--sessions"]).is_err());
@@ -442,7 +447,8 @@ mod tests {
     #[test]
     fn default_skew_is_a_hundred_ppm() {
         // (ratio - 2^48) / 2^48 in ppb, floored.
-        let ppb = (u128::from(DEFAULT_SKEW.ratio - (1 << 48)) * 1_000_000_000) >> 48;
+        let r = Skew::pick().0.ratio();
+        let ppb = (u128::from(r - (1 << 48)) * 1_000_000_000) >> 48;
         assert_eq!(ppb, 99_999);
     }
 }

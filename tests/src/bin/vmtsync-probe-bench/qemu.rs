@@ -14,6 +14,7 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
+use vmtsync_core::mapping::KvmTscMapping;
 use vmtsync_tests::ChildGuard;
 use vmtsync_tests::vmm::client::{PipeExchange, PipeTransport, wait_ready};
 use vmtsync_tests::vmm::qemu::{self, Machine, debug_exit_status};
@@ -33,7 +34,8 @@ impl Recorded for PipeTransport {
 }
 
 /// Boots the agent under QEMU `machine` with COM1 on stdio, runs `sessions` sessions of
-/// `probes` probes, shuts it down and checks QEMU's exit status.
+/// `probes` probes, shuts it down and checks QEMU's exit status. Returns the sessions and
+/// KVM's mapping of QEMU's vCPU (debugfs), the truth's KVM side.
 ///
 /// # Errors
 /// Start, protocol or shutdown failures, with the agent's COM2 log attached.
@@ -42,7 +44,7 @@ pub fn run(
     machine: Machine,
     sessions: usize,
     probes: usize,
-) -> Result<Vec<Session<PipeExchange>>> {
+) -> Result<(Vec<Session<PipeExchange>>, KvmTscMapping)> {
     let dir: PathBuf =
         std::env::temp_dir().join(format!("vmtsync-probe-bench-{}", std::process::id()));
     std::fs::create_dir_all(&dir).context("temp dir")?;
@@ -63,6 +65,9 @@ pub fn run(
     // The ready beacon is a lone 0x00; anything before it is not protocol.
     wait_ready(&mut link, Instant::now() + STEP)
         .with_context(|| format!("waiting for the ready beacon; COM2 log:\n{}", com2_text()))?;
+    // After the beacon QEMU's VM exists: the truth's KVM side is its mapping in debugfs.
+    let kvm = vmtsync_tests::truth::truth_mapping(guard.pid(), 0)
+        .context("reading the VM's TSC mapping from KVM debugfs")?;
     let out = run_sessions(&mut link, sessions, probes)
         .with_context(|| format!("COM2 log:\n{}", com2_text()))?;
     let end = Instant::now() + STEP;
@@ -79,5 +84,5 @@ pub fn run(
         bail!("QEMU exited with {status}; COM2 log:\n{}", com2_text());
     }
     let _ = std::fs::remove_dir_all(&dir);
-    Ok(out)
+    Ok((out, kvm))
 }

@@ -2,8 +2,8 @@
 //! sessions.
 //!
 //! Every estimator sees the same [`ProbeSample`]s; the truth is the clock relation the guest
-//! really had (identity on the project's machines, or the agent's software skew), so each
-//! estimate has an exact error.
+//! really had (KVM's debugfs mapping of the vCPU, composed with the agent's software skew
+//! where it has one), so each estimate has an exact error.
 
 use vmtsync::probe::report::RATE_LIMITS;
 use vmtsync_core::HostTicks;
@@ -28,7 +28,8 @@ pub struct Truth {
 }
 
 impl Truth {
-    /// Guest TSC == host TSC (until the bench takes its truth from debugfs, see docs/launching.md).
+    /// Guest TSC == host TSC, for the unit tests; real runs take their truth from debugfs.
+    #[cfg(test)]
     pub const IDENTITY: Self = Self {
         offset: 0,
         ratio: 1,

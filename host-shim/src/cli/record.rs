@@ -1,0 +1,220 @@
+//! `vmtsync record`: the command's glue; the work is in [`crate::record`].
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Args, ValueEnum};
+
+use super::exit::CliError;
+use super::signals::{install_stop_handler, stop_flag};
+use crate::probe::{DEFAULT_PROBES, ProbeAddr, ProbeOptions, Progress};
+use crate::record::{self, EndReason, RecordFormat, RecordOptions, RecordSummary};
+use crate::tracedat::FileVersion;
+
+/// `vmtsync record` flags.
+#[derive(Debug, Args)]
+pub struct RecordArgs {
+    /// Where the agent is: unix:PATH, unix-listen:PATH, vsock-uds:PATH:PORT, vsock:CID:PORT,
+    /// tcp:HOST:PORT.
+    #[arg(long, value_name = "ADDR")]
+    pub connect: ProbeAddr,
+    /// The output file (written beside it and renamed into place when complete).
+    #[arg(long, value_name = "PATH")]
+    pub out: PathBuf,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = FormatArg::TraceCmd)]
+    pub format: FormatArg,
+    /// Stop after N events.
+    #[arg(long, value_name = "N", conflicts_with = "duration")]
+    pub events: Option<u64>,
+    /// Stop after SECS seconds.
+    #[arg(long, value_name = "SECS")]
+    pub duration: Option<f64>,
+    /// Milliseconds between the starts of two sync rounds.
+    #[arg(long, value_name = "MS", default_value_t = 1000)]
+    pub resync: u64,
+    /// trace.dat version (trace-cmd 3.x writes 7).
+    #[arg(long, value_name = "6|7", default_value_t = 7, value_parser = clap::value_parser!(u8).range(6..=7))]
+    pub file_version: u8,
+    /// Probes per sync round.
+    #[arg(long, value_name = "N", default_value_t = DEFAULT_PROBES, value_parser = clap::value_parser!(u32).range(1..))]
+    pub probes: u32,
+    /// The longest wait for any reply, in milliseconds.
+    #[arg(long, value_name = "MS", default_value_t = 2000, value_parser = clap::value_parser!(u64).range(1..))]
+    pub timeout: u64,
+    /// End the agent when done (send Shutdown); by default it keeps serving.
+    #[arg(long)]
+    pub shutdown: bool,
+    /// No progress line on stderr.
+    #[arg(long)]
+    pub no_progress: bool,
+    /// A host trace.dat (trace-cmd extract, x86-tsc clock) to pair with the guest trace: a copy
+    /// of it with the GUEST option (this guest's name, trace id, vCPU -> host thread) is
+    /// written to --host-output, so `trace-cmd report -i HOST_OUT -i GUEST.dat` shows both.
+    #[arg(
+        long,
+        value_name = "HOST.dat",
+        requires = "host_output",
+        requires = "vm"
+    )]
+    pub host_trace: Option<PathBuf>,
+    /// Where the host trace's copy goes (the input is never modified).
+    #[arg(long, value_name = "OUT.dat", requires = "host_trace")]
+    pub host_output: Option<PathBuf>,
+    /// The VM (PID, PID-FD or name) whose vCPU thread goes into the GUEST option.
+    #[arg(long, value_name = "PID|NAME", requires = "host_trace")]
+    pub vm: Option<crate::scan::VmSelector>,
+    /// Debugfs and /proc (for --vm).
+    #[command(flatten)]
+    pub source: super::source::SourceArgs,
+}
+
+/// `--format`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum FormatArg {
+    /// trace-cmd's trace.dat.
+    TraceCmd,
+    /// One JSON object per event.
+    Jsonl,
+}
+
+impl RecordArgs {
+    /// The options these flags ask for.
+    #[must_use]
+    pub fn to_options(
+        &self,
+        stop: Option<&'static std::sync::atomic::AtomicBool>,
+    ) -> RecordOptions {
+        let mut probe = ProbeOptions::new(self.connect.clone());
+        probe.probes = self.probes;
+        probe.timeout = Duration::from_millis(self.timeout);
+        probe.stop = stop;
+        probe.shutdown = self.shutdown;
+        probe.progress = !self.no_progress;
+        RecordOptions {
+            probe,
+            out: self.out.clone(),
+            format: match self.format {
+                FormatArg::TraceCmd => RecordFormat::TraceCmd,
+                FormatArg::Jsonl => RecordFormat::Jsonl,
+            },
+            file_version: if self.file_version == 6 {
+                FileVersion::V6
+            } else {
+                FileVersion::V7
+            },
+            events: self.events,
+            duration: self
+                .duration
+                .filter(|d| d.is_finite() && *d >= 0.0)
+                .map(Duration::from_secs_f64),
+            resync: Duration::from_millis(self.resync.max(1)),
+            drain_max: 4096,
+        }
+    }
+}
+
+/// `vmtsync record`: SIGINT/SIGTERM end the recording cleanly (everything received is
+/// written; exit 0).
+pub(super) fn run_record_cmd(a: &RecordArgs) -> Result<(), CliError> {
+    if a.duration.is_some_and(|d| !d.is_finite() || d < 0.0) {
+        return Err(CliError::Usage(
+            "--duration must be a non-negative number of seconds".into(),
+        ));
+    }
+    if a.host_trace.is_some() && a.format != FormatArg::TraceCmd {
+        return Err(CliError::Usage(
+            "--host-trace pairs a host trace with a trace-cmd format recording".into(),
+        ));
+    }
+    // The VM's vCPU threads, read before recording so a wrong --vm fails at once.
+    let host = match (&a.host_trace, &a.host_output, &a.vm) {
+        (Some(input), Some(output), Some(sel)) => {
+            let report = super::source::scanner(&a.source)?.scan(Some(sel))?;
+            let [vm] = report.vms.as_slice() else {
+                return Err(CliError::Ambiguous {
+                    selector: sel.to_string(),
+                    count: report.vms.len(),
+                    list: report
+                        .vms
+                        .iter()
+                        .map(|v| format!("{}-{}", v.pid, v.fd))
+                        .collect::<Vec<_>>()
+                        .join(", "),
+                });
+            };
+            Some((input.clone(), output.clone(), vm.clone()))
+        }
+        _ => None,
+    };
+    install_stop_handler();
+    let opts = a.to_options(Some(stop_flag()));
+    let mut progress = Progress::stderr_if_terminal(opts.probe.progress);
+    let s = record::run_record(&opts, &mut progress)?;
+    eprintln!("{}", summary_text(&s));
+    if let Some((input, output, vm)) = host {
+        let vcpu_pids = vm
+            .vcpus
+            .iter()
+            .filter(|c| c.vcpu == s.vcpu)
+            .filter_map(|c| c.thread_pid.map(|t| (0, t)))
+            .collect();
+        let guest = crate::tracedat::GuestInfo {
+            name: vm
+                .name
+                .clone()
+                .unwrap_or_else(|| format!("{}-{}", vm.pid, vm.fd)),
+            trace_id: s.trace_id,
+            vcpu_pids,
+        };
+        let c = crate::tracedat::copy_host_trace(&input, &output, &guest, None)
+            .map_err(crate::record::RecordError::from)?;
+        eprintln!(
+            "vmtsync: wrote {} (a copy of {} with the GUEST option for {}): trace-cmd report -i {} -i {}",
+            c.path.display(),
+            input.display(),
+            guest.name,
+            c.path.display(),
+            s.out.display()
+        );
+    }
+    Ok(())
+}
+
+/// The summary printed on stderr.
+#[must_use]
+pub fn summary_text(s: &RecordSummary) -> String {
+    let end = match s.end {
+        EndReason::Events => "the requested number of events",
+        EndReason::Duration => "the duration",
+        EndReason::Stopped => "a signal",
+        EndReason::AgentExited => "the agent ending the session",
+    };
+    let widths = s.widths.map_or_else(
+        || "no events".to_owned(),
+        |(lo, med, hi)| format!("min {lo}, median {med}, max {hi} ticks"),
+    );
+    let mut t = format!(
+        "vmtsync: recorded {} events to {} (ended by {end}); {} dropped by the guest's ring; \
+         {} sync segments ({} breaks); guaranteed interval widths: {widths}",
+        s.events,
+        s.out.display(),
+        s.dropped,
+        s.segments,
+        s.breaks
+    );
+    if s.preconverted {
+        t.push_str(&format!(
+            "; timestamps pre-converted to host TSC (the guest TSC rate differs from the host's, \
+             which trace-cmd's TIME_SHIFT cannot represent exactly; {} raised to stay in order)",
+            s.clamped
+        ));
+    }
+    if s.host_stamped_skipped + s.unplaceable > 0 {
+        t.push_str(&format!(
+            "; skipped {} host-stamped and {} unplaceable events",
+            s.host_stamped_skipped, s.unplaceable
+        ));
+    }
+    t
+}

@@ -1,0 +1,525 @@
+//! `vmtsync record`: events from an agent into JSON Lines and trace.dat, checked against the
+//! truth and against the real trace-cmd 3.1.6.
+//!
+//! Tier 1 uses the loopback agent (`vmtsync_tests::fake_agent`): its events are stamped with
+//! the host TSC plus a known skew, so each event's true host tick is its guest tick minus the
+//! skew, exactly. Tier 2 boots the real agent under QEMU with a workload and a software skew
+//! derived from the host TSC (rate 1.0001 or 1), and takes the truth from KVM's debugfs
+//! mapping composed with that skew (`vmtsync_tests::truth`).
+
+use std::os::unix::net::UnixListener;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+use vmtsync::hosttsc::read_host_tsc;
+use vmtsync_core::GuestTicks;
+use vmtsync_core::HostTicks;
+use vmtsync_tests::fake_agent::{SkewedClock, WORKLOAD_EVENT, Workload, serve_with_events};
+use vmtsync_tests::truth::{GuestTruth, Skew, truth_mapping, truth_ready};
+use vmtsync_tests::vmm::agent_elf;
+use vmtsync_tests::vmm::qemu::{self, Machine, have_qemu};
+use vmtsync_tests::{ChildGuard, have_kvm, require};
+
+use crate::kvm_fixtures::vmtsync;
+
+fn scratch(test: &str) -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix(&format!("vmtsync-record-{test}-"))
+        .tempdir()
+        .unwrap()
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+/// The loopback agent on a Unix socket at `sock`, serving one session with `load`; returns the
+/// thread (its result: the events its ring dropped).
+fn fake_agent(sock: &Path, skew: i64, load: Workload) -> JoinHandle<u64> {
+    let listener = UnixListener::bind(sock).unwrap();
+    std::thread::spawn(move || {
+        let (s, _) = listener.accept().unwrap();
+        serve_with_events(s, SkewedClock { skew, vcpu: 0 }, load).1
+    })
+}
+
+/// A skew for the loopback agent that no run sees twice: derived from the host TSC now.
+fn fake_skew() -> i64 {
+    i64::try_from(read_host_tsc().0 / 3).unwrap() + 987_654_321
+}
+
+/// Runs `vmtsync record …` (guarded) to completion.
+fn record(args: &[&str]) -> Output {
+    crate::kvm_fixtures::guarded_output(vmtsync().arg("record").args(args), b"")
+}
+
+/// The JSON Lines output: every object.
+fn read_jsonl(path: &Path) -> Vec<Value> {
+    std::fs::read_to_string(path)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+fn u(v: &Value, k: &str) -> u64 {
+    v[k].as_u64().unwrap_or_else(|| panic!("{k} in {v}"))
+}
+
+/// The sequence number in a workload event's payload (hex of a u64 LE).
+fn seq_of(payload_hex: &str) -> u64 {
+    let b: Vec<u8> = (0..payload_hex.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&payload_hex[i..i + 2], 16).unwrap())
+        .collect();
+    u64::from_le_bytes(b.try_into().unwrap())
+}
+
+/// Tier 1: JSON Lines from the loopback agent: every event, in order, each one's guaranteed
+/// host interval holding its true host tick (guest − skew, exactly).
+#[test]
+fn jsonl_events_carry_intervals_that_hold_the_truth() {
+    let dir = scratch("jsonl");
+    let sock = dir.path().join("agent.sock");
+    let skew = fake_skew();
+    let n = 20_000;
+    let agent = fake_agent(
+        &sock,
+        skew,
+        Workload {
+            count: n,
+            rate: 200_000,
+        },
+    );
+    let out_path = dir.path().join("events.jsonl");
+    let addr = format!("unix:{}", sock.display());
+    let out = record(&[
+        "--connect",
+        &addr,
+        "--out",
+        out_path.to_str().unwrap(),
+        "--format",
+        "jsonl",
+        "--events",
+        &n.to_string(),
+        "--resync",
+        "30",
+        "--shutdown",
+    ]);
+    assert_eq!(out.status.code(), Some(0), "stderr: {}", text(&out.stderr));
+    let dropped = agent.join().unwrap();
+    let lines = read_jsonl(&out_path);
+    assert_eq!(
+        lines.len() as u64,
+        n - dropped,
+        "stderr: {}",
+        text(&out.stderr)
+    );
+    assert!(!dir.path().join("events.jsonl.partial").exists());
+    let mut prev_seq = None;
+    let mut misses = 0;
+    let mut widths = Vec::new();
+    for v in &lines {
+        assert_eq!(
+            (u(v, "schema"), u(v, "vcpu"), u(v, "id")),
+            (1, 0, u64::from(WORKLOAD_EVENT))
+        );
+        let (g, h, lo, hi) = (
+            u(v, "guest_tsc"),
+            u(v, "host_tsc"),
+            u(v, "host_lo"),
+            u(v, "host_hi"),
+        );
+        let truth = g.wrapping_sub(skew.cast_unsigned());
+        if !(lo <= truth && truth <= hi) {
+            misses += 1;
+        }
+        assert!(lo <= h && h <= hi, "{v}");
+        widths.push(hi - lo);
+        let seq = seq_of(v["payload"].as_str().unwrap());
+        assert!(prev_seq.is_none_or(|p| seq > p), "order broken at {v}");
+        prev_seq = Some(seq);
+    }
+    widths.sort_unstable();
+    println!(
+        "record jsonl: {} events, {dropped} dropped, widths min {} median {} max {}; {}",
+        lines.len(),
+        widths[0],
+        widths[widths.len() / 2],
+        widths[widths.len() - 1],
+        text(&out.stderr).trim()
+    );
+    assert_eq!(misses, 0, "events whose interval misses the truth");
+    assert!(text(&out.stderr).contains(&format!("recorded {} events", lines.len())));
+}
+
+/// trace-cmd with a closed stdin and its output captured.
+fn trace_cmd(args: &[&str]) -> Output {
+    Command::new("trace-cmd")
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .expect("trace-cmd runs")
+}
+
+fn have_trace_cmd() -> bool {
+    Command::new("trace-cmd")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success() || !o.stdout.is_empty() || !o.stderr.is_empty())
+}
+
+/// `(timestamp, seq)` of every `vmtsync` event line `trace-cmd report` printed.
+fn report_events(out: &Output) -> Vec<(u64, u64)> {
+    text(&out.stdout)
+        .lines()
+        .filter(|l| l.contains("payload="))
+        .map(|l| {
+            // `<idle>-0 [000] 1234.5678: event_data: id=256 len=8 payload=00 01 …` or with raw
+            // ticks `[000]12345:`.
+            let after_cpu = l.split(']').nth(1).unwrap();
+            let ts: String = after_cpu
+                .trim_start()
+                .chars()
+                .take_while(|c| c.is_ascii_digit() || *c == '.')
+                .collect();
+            let ts: u64 = ts.replace('.', "").parse().unwrap();
+            let hex: String = l
+                .split("payload=")
+                .nth(1)
+                .unwrap()
+                .split_whitespace()
+                .collect();
+            (ts, seq_of(&hex[..16]))
+        })
+        .collect()
+}
+
+/// Tier 2 (trace-cmd): trace.dat v6 and v7 from the loopback agent: `trace-cmd dump -v`
+/// accepts them, `report --raw-ts` shows every event with its raw guest TSC in order, and
+/// `report -t` (TIME_SHIFT applied) puts each within the recording's widest guaranteed
+/// interval of its true host tick.
+#[test]
+fn trace_dat_v6_and_v7_read_back_in_trace_cmd_on_the_host_timeline() {
+    let test = "trace_dat_v6_and_v7_read_back_in_trace_cmd_on_the_host_timeline";
+    if !require(
+        test,
+        have_trace_cmd(),
+        "trace-cmd is missing (apt-get install trace-cmd)",
+    ) {
+        return;
+    }
+    for version in ["6", "7"] {
+        let dir = scratch("tracedat");
+        let sock = dir.path().join("agent.sock");
+        let skew = fake_skew();
+        let n = 5_000;
+        let agent = fake_agent(
+            &sock,
+            skew,
+            Workload {
+                count: n,
+                rate: 50_000,
+            },
+        );
+        let dat = dir.path().join("guest.dat");
+        let addr = format!("unix:{}", sock.display());
+        let out = record(&[
+            "--connect",
+            &addr,
+            "--out",
+            dat.to_str().unwrap(),
+            "--file-version",
+            version,
+            "--events",
+            &n.to_string(),
+            "--resync",
+            "20",
+            "--shutdown",
+        ]);
+        assert_eq!(out.status.code(), Some(0), "stderr: {}", text(&out.stderr));
+        let dropped = agent.join().unwrap();
+        let stderr = text(&out.stderr);
+        let max_width: u64 = stderr
+            .split("max ")
+            .nth(1)
+            .and_then(|s| s.split_whitespace().next())
+            .and_then(|s| s.trim_end_matches(',').parse().ok())
+            .unwrap_or_else(|| panic!("summary without widths: {stderr}"));
+        let dump = trace_cmd(&["dump", "-v", "-i", dat.to_str().unwrap()]);
+        assert!(dump.status.success(), "dump -v: {}", text(&dump.stderr));
+        let raw = report_events(&trace_cmd(&[
+            "report",
+            "--raw-ts",
+            "-i",
+            dat.to_str().unwrap(),
+        ]));
+        let host = report_events(&trace_cmd(&["report", "-t", "-i", dat.to_str().unwrap()]));
+        assert_eq!(dropped, 0, "the loopback agent's ring holds every event");
+        assert_eq!(raw.len() as u64, n, "v{version}: {stderr}");
+        assert_eq!(host.len(), raw.len());
+        let mut misses = 0;
+        for (i, (&(g, seq), &(h, seq2))) in raw.iter().zip(&host).enumerate() {
+            assert_eq!((seq, seq2), (i as u64, i as u64), "v{version} order");
+            let truth = g.wrapping_sub(skew.cast_unsigned());
+            if h.abs_diff(truth) > max_width {
+                misses += 1;
+            }
+        }
+        assert!(
+            raw.windows(2).all(|w| w[0].0 <= w[1].0),
+            "raw TSCs out of order"
+        );
+        println!(
+            "record trace.dat v{version}: {} events; {stderr}",
+            raw.len()
+        );
+        assert_eq!(
+            misses, 0,
+            "v{version}: host times beyond the guaranteed width"
+        );
+    }
+}
+
+/// Tier 1: SIGINT ends a recording with no event limit cleanly: exit 0 and a complete file
+/// holding every event received.
+#[test]
+fn sigint_ends_a_recording_with_a_complete_file() {
+    let dir = scratch("sigint");
+    let sock = dir.path().join("agent.sock");
+    let skew = fake_skew();
+    let agent = fake_agent(
+        &sock,
+        skew,
+        Workload {
+            count: 1_000_000,
+            rate: 20_000,
+        },
+    );
+    let out_path = dir.path().join("events.jsonl");
+    let addr = format!("unix:{}", sock.display());
+    let mut guard = ChildGuard::new(
+        vmtsync()
+            .args([
+                "record",
+                "--connect",
+                &addr,
+                "--out",
+                out_path.to_str().unwrap(),
+            ])
+            .args(["--format", "jsonl", "--resync", "50", "--shutdown"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    // Let some events arrive, then interrupt.
+    let partial = dir.path().join("events.jsonl.partial");
+    let end = Instant::now() + Duration::from_secs(20);
+    while std::fs::metadata(&partial).map_or(0, |m| m.len()) < 10_000 {
+        assert!(Instant::now() < end, "no events arrived");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let pid = libc::pid_t::try_from(guard.pid()).unwrap();
+    // SAFETY: kill(2) on the PID of our own, not yet reaped, child.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGINT) }, 0);
+    let status = loop {
+        if let Some(s) = guard.child().try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            Instant::now() < end + Duration::from_secs(10),
+            "ignored SIGINT"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    let mut err = String::new();
+    std::io::Read::read_to_string(guard.child().stderr.as_mut().unwrap(), &mut err).unwrap();
+    assert_eq!(status.code(), Some(0), "{err}");
+    assert!(err.contains("ended by a signal"), "{err}");
+    let lines = read_jsonl(&out_path);
+    assert!(!lines.is_empty());
+    assert!(
+        err.contains(&format!("recorded {} events", lines.len())),
+        "{err}"
+    );
+    // The sequence numbers are the first events, without a gap.
+    for (i, v) in lines.iter().enumerate() {
+        assert_eq!(seq_of(v["payload"].as_str().unwrap()), i as u64);
+    }
+    drop(guard);
+    // The agent thread ends when the session does (shutdown sent).
+    let _ = agent.join();
+}
+
+/// Tier 2 prerequisites for the QEMU tests.
+fn qemu_ready(test: &str) -> bool {
+    require(test, have_kvm(), "/dev/kvm is not accessible read-write")
+        && require(
+            test,
+            have_qemu(),
+            "qemu-system-x86_64 is missing (apt-get install qemu-system-x86)",
+        )
+        && require(
+            test,
+            have_trace_cmd(),
+            "trace-cmd is missing (apt-get install trace-cmd)",
+        )
+        && truth_ready(test)
+}
+
+/// Boots the agent under QEMU microvm (COM1 on `sock`), waits for the socket.
+fn boot_qemu(dir: &Path, append: &str) -> (ChildGuard, PathBuf) {
+    let elf = agent_elf().expect("agent builds");
+    let sock = dir.join("com1.sock");
+    let com2 = dir.join("com2.log");
+    let child = qemu::command_com1_socket(Machine::Microvm, &elf, append, &com2, &sock)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("qemu starts");
+    let guard = ChildGuard::new(child);
+    let end = Instant::now() + Duration::from_secs(20);
+    while !sock.exists() {
+        assert!(
+            Instant::now() < end,
+            "QEMU did not create {}",
+            sock.display()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    (guard, sock)
+}
+
+/// Tier 2: the real agent under QEMU emits a workload while answering probes; `vmtsync
+/// record` writes JSON Lines and trace.dat. Truth: KVM's debugfs mapping of the VM composed
+/// with the agent's skew (derived from the host TSC; once at rate 1.0001, once at rate 1).
+/// Every event's guaranteed interval holds its true host tick; the trace.dat has every event
+/// (its timestamps pre-converted at rate 1.0001, raw plus TIME_SHIFT at rate 1) and
+/// `trace-cmd report -t` puts each within its interval.
+#[test]
+fn qemu_agent_workload_is_recorded_on_the_true_host_timeline() {
+    let test = "qemu_agent_workload_is_recorded_on_the_true_host_timeline";
+    if !qemu_ready(test) {
+        return;
+    }
+    let picked = Skew::pick();
+    let identity = Skew(vmtsync_core::mapping::KvmTscMapping::offset_only(
+        picked.0.offset(),
+    ));
+    for (name, skew) in [("rate 1.0001", picked), ("rate 1", identity)] {
+        let dir = scratch("qemu");
+        // A rate COM1 carries with room to spare (each event is about 14 bytes on the wire).
+        let n = 900;
+        let append = format!(
+            "transport=uart exit=0 workload=300,0 {}",
+            skew.agent_option()
+        );
+        let (qemu_guard, sock) = boot_qemu(dir.path(), &append);
+        let addr = format!("unix:{}", sock.display());
+        let jsonl = dir.path().join("events.jsonl");
+        let out = record(&[
+            "--connect",
+            &addr,
+            "--out",
+            jsonl.to_str().unwrap(),
+            "--format",
+            "jsonl",
+            "--events",
+            &n.to_string(),
+            "--resync",
+            "200",
+            "--timeout",
+            "10000",
+        ]);
+        assert_eq!(out.status.code(), Some(0), "{name}: {}", text(&out.stderr));
+        let pid = qemu_guard.pid();
+        let truth = GuestTruth::new(truth_mapping(pid, 0).expect("debugfs truth"), Some(skew));
+        let lines = read_jsonl(&jsonl);
+        let mut misses = 0;
+        for v in &lines {
+            let (g, lo, hi) = (u(v, "guest_tsc"), u(v, "host_lo"), u(v, "host_hi"));
+            if !truth.in_bracket(HostTicks(lo), GuestTicks(g), HostTicks(hi)) {
+                misses += 1;
+            }
+        }
+        // The same session goes on: a trace.dat of the next events.
+        let dat = dir.path().join("guest.dat");
+        let out2 = record(&[
+            "--connect",
+            &addr,
+            "--out",
+            dat.to_str().unwrap(),
+            "--events",
+            "150",
+            "--resync",
+            "200",
+            "--timeout",
+            "10000",
+            "--shutdown",
+        ]);
+        drop(qemu_guard);
+        let stderr = text(&out.stderr);
+        println!(
+            "record under QEMU, {name}: {} events; {}",
+            lines.len(),
+            stderr.trim()
+        );
+        assert_eq!(
+            lines.len() as u64,
+            n,
+            "{name}: every event arrives (the ring never filled)"
+        );
+        assert_eq!(
+            misses, 0,
+            "{name}: intervals that miss the debugfs+skew truth"
+        );
+        let stderr2 = text(&out2.stderr);
+        assert_eq!(out2.status.code(), Some(0), "{name}: {stderr2}");
+        let dump = trace_cmd(&["dump", "-v", "-i", dat.to_str().unwrap()]);
+        assert!(dump.status.success(), "dump -v: {}", text(&dump.stderr));
+        let raw = report_events(&trace_cmd(&[
+            "report",
+            "--raw-ts",
+            "-i",
+            dat.to_str().unwrap(),
+        ]));
+        let host = report_events(&trace_cmd(&["report", "-t", "-i", dat.to_str().unwrap()]));
+        assert_eq!((raw.len(), host.len()), (150, 150), "{name}: {stderr2}");
+        // Each event's host time (trace-cmd's, TIME_SHIFT applied or pre-converted) lies within
+        // the widest guaranteed interval of the run from the truth's host tick of its raw
+        // guest TSC (pre-converted files carry host ticks already).
+        let max_width: u64 = stderr2
+            .split("max ")
+            .nth(1)
+            .and_then(|s| s.split_whitespace().next())
+            .and_then(|s| s.trim_end_matches(',').parse().ok())
+            .unwrap_or_else(|| panic!("summary without widths: {stderr2}"));
+        let exact = truth.composed().expect("truth composes");
+        let preconverted = stderr2.contains("pre-converted");
+        let mut far = 0;
+        for (&(r, _), &(h, _)) in raw.iter().zip(&host) {
+            if preconverted {
+                assert_eq!(r, h, "a pre-converted file has no TIME_SHIFT");
+                continue;
+            }
+            let t = exact
+                .try_host_from_guest_ceil(GuestTicks(r))
+                .expect("maps")
+                .0;
+            if h.abs_diff(t) > max_width {
+                far += 1;
+            }
+        }
+        assert_eq!(
+            far, 0,
+            "{name}: trace-cmd host times beyond the guaranteed width"
+        );
+        println!("  trace.dat: {} events; {}", host.len(), stderr2.trim());
+    }
+}

@@ -18,12 +18,11 @@ use std::path::{Path, PathBuf};
 use std::rc::Rc;
 use std::time::{Duration, Instant};
 
-use vmtsync::probe::fake::SkewedClock;
 use vmtsync::probe::transport::host_tsc_now;
 use vmtsync::probe::{ProbeSession, Received, StampedTransport, TransportError};
 use vmtsync::syncfile::{OffsetModel, SyncHeader, SyncSegment, SyncWriter};
-use vmtsync_core::agent::Agent;
 use vmtsync_core::agent::fake::FakeLink;
+use vmtsync_core::agent::{Agent, AgentClock};
 use vmtsync_core::mapping::KvmTscMapping;
 use vmtsync_core::proto::{
     Capabilities, ErrorCode, EventBatch, EventClock, Features, Feed, FrameReceiver, Hello,
@@ -36,6 +35,24 @@ use vmtsync_core::{GuestTicks, HostTicks};
 const PLAIN: u8 = 0x3f;
 /// 7-byte chunks, checksums rewritten.
 const RESEAL_CHUNK7: u8 = 0x80 | 6;
+
+/// A guest clock equal to the host TSC plus `skew`: the recorded session's agent reads the
+/// same clock the host stamps with, so its replies unwrap in the session's verified window.
+#[derive(Clone, Copy, Debug)]
+struct SkewedClock {
+    skew: i64,
+    vcpu: u32,
+}
+
+impl AgentClock for SkewedClock {
+    fn read_tsc(&mut self) -> GuestTicks {
+        GuestTicks(host_tsc_now().0.wrapping_add_signed(self.skew))
+    }
+
+    fn vcpu_id(&self) -> u32 {
+        self.vcpu
+    }
+}
 
 fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))

@@ -10,13 +10,12 @@ use super::{
     trace_cmd_fastest, trace_cmd_histogram,
 };
 use crate::HostTicks;
-use crate::sim::{Delay, GuestClock, Link, Sim, SplitMix64};
+use crate::sim::{self, Delay, GuestClock, Link, Sim, SplitMix64};
 
 const PROBES: usize = 64;
 
 fn median(v: &mut [u64]) -> u64 {
-    v.sort_unstable();
-    v[v.len() / 2]
+    sim::median(v).expect("every run produces samples")
 }
 
 /// Heavy-tailed jitter that is much larger in one direction, plus rare huge outliers.

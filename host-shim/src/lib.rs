@@ -10,7 +10,7 @@
 //! - [`scan`]: one scan joined with `/proc`, in the versioned `vmtsync kvm --json` shape.
 //! - [`watch`] and [`trace_events`]: change events by polling and by the
 //!   `kvm:kvm_write_tsc_offset` tracepoint.
-//! - [`convert`], [`compose`]: streaming timestamp conversion and nested composition, on
+//! - [`exact_convert`], [`compose`]: streaming timestamp conversion and nested composition, on
 //!   `vmtsync_core::mapping`.
 //! - [`probe`]: `vmtsync probe`: hello + probe rounds against the guest agent, bounded
 //!   estimates, continuous re-sync.
@@ -25,8 +25,8 @@
 
 pub mod cli;
 pub mod compose;
-pub mod convert;
 pub mod debugfs;
+pub mod exact_convert;
 pub mod hosttsc;
 pub mod probe;
 pub mod procinfo;

@@ -35,8 +35,8 @@
 
 mod cursor;
 mod error;
+mod exact_inverse;
 mod fast;
-mod kvm;
 mod lookup;
 mod owned;
 mod segment;

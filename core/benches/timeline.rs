@@ -9,7 +9,7 @@
 //! - `cursor_per_event`: [`Cursor::try_convert_floor`] called once per event.
 //! - `binary_search_per_event`: `Timeline::try_convert_floor` per event — a binary search
 //!   over the segment starts plus the checked linear mapping, which is trace-cmd's per-event
-//!   approach (trace-cmd-tsync.md §4.3); the baseline.
+//!   approach (docs/trace-cmd.md); the baseline.
 //! - `binary_search_dense_starts_per_event`: the same baseline searching a dense `Vec<u64>` of
 //!   segment starts instead of the segments themselves: the strongest per-event binary search.
 //! - `memory_floor_add_one`: not a converter; adds 1 to every tick of the same buffer, the

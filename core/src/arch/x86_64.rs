@@ -158,7 +158,7 @@ pub unsafe fn unregister_pvclock() {
 /// `CLOCK_REALTIME` and the guest TSC of the same instant into `out`, which is returned.
 ///
 /// **Never call this on this project's machines**: on nested KVM the vmcall livelocks the
-/// vCPU (DESIGN §4). It is compiled (feature `clock-pairing`), never run by the tests.
+/// vCPU (docs/host-quirks.md). It is compiled (feature `clock-pairing`), never run by the tests.
 /// On AMD, KVM intercepts the `#UD` of `vmcall` and emulates it.
 ///
 /// # Errors

@@ -105,7 +105,7 @@ fn estimate_constant_offset_10k_runs_vs_trace_cmd() {
 }
 
 /// trace-cmd's view of drift: one fastest-RTT PTP sample per half of the probes, and the
-/// reader's linear interpolation between them (DESIGN §3), as a slope in ppb.
+/// reader's linear interpolation between them (docs/trace-cmd.md), as a slope in ppb.
 fn trace_cmd_interpolated_drift_ppb(samples: &[ProbeSample]) -> i64 {
     let (a, b) = samples.split_at(samples.len() / 2);
     let (a, b) = (trace_cmd_fastest(a).unwrap(), trace_cmd_fastest(b).unwrap());

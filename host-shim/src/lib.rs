@@ -17,12 +17,14 @@
 //! - [`syncfile`]: the versioned JSON Lines sync file and `convert --sync`.
 //! - [`tracedat`]: trace-cmd's trace.dat (v6/v7): streaming guest-event writer, TIME_SHIFT,
 //!   strict reader, GUEST option on a host trace copy.
+//! - [`atomic_file`]: output files written to a temporary file and renamed into place.
 //! - [`cli`]: the command line, its errors and exit codes.
 //!
 //! Guarantees: no file content makes this crate panic; a reading is never presented as a VM's
 //! own (L1) mapping while its vCPU runs a nested guest; every reading carries the host TSC
 //! interval in which it was true.
 
+pub mod atomic_file;
 pub mod cli;
 pub mod compose;
 pub mod debugfs;

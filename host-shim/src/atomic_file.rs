@@ -3,11 +3,13 @@
 //! old file or the whole new one, never a part. A temporary file that is dropped uncommitted
 //! is removed; a crash leaves at most a `.vmtsync-*.tmp` file beside the target.
 //!
-//! Every file the shim writes goes through here, except the appended part of a sync file,
-//! which is read while it is written (see [`crate::syncfile`] for why that is appended and
-//! how readers stay safe); its creation (the header) goes through here too.
+//! Output files go through here (the trace.dat writer does the same with its own temporary
+//! file), except the appended part of a sync file, which is read while it is written (see
+//! [`crate::syncfile`] for why that is appended and how readers stay safe); its creation (the
+//! header) goes through here too.
 
-use std::io::{self, Write};
+use std::fs::File;
+use std::io::{self, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 
 use tempfile::NamedTempFile;
@@ -65,6 +67,21 @@ impl AtomicFile {
             Err(e) if e.error.kind() == io::ErrorKind::AlreadyExists => Ok(false),
             Err(e) => Err(e.error),
         }
+    }
+}
+
+impl AtomicFile {
+    /// The temporary file, for writers that need more than [`Write`] and [`Seek`] (metadata,
+    /// `set_len`).
+    #[must_use]
+    pub fn as_file(&self) -> &File {
+        self.tmp.as_file()
+    }
+}
+
+impl Seek for AtomicFile {
+    fn seek(&mut self, pos: SeekFrom) -> io::Result<u64> {
+        self.tmp.seek(pos)
     }
 }
 

@@ -10,13 +10,12 @@ use super::{
     trace_cmd_fastest, trace_cmd_histogram,
 };
 use crate::HostTicks;
-use crate::sim::{Delay, GuestClock, Link, Sim, SplitMix64};
+use crate::sim::{self, Delay, GuestClock, Link, Sim, SplitMix64};
 
 const PROBES: usize = 64;
 
 fn median(v: &mut [u64]) -> u64 {
-    v.sort_unstable();
-    v[v.len() / 2]
+    sim::median(v).expect("every run produces samples")
 }
 
 /// Heavy-tailed jitter that is much larger in one direction, plus rare huge outliers.
@@ -106,7 +105,7 @@ fn estimate_constant_offset_10k_runs_vs_trace_cmd() {
 }
 
 /// trace-cmd's view of drift: one fastest-RTT PTP sample per half of the probes, and the
-/// reader's linear interpolation between them (DESIGN §3), as a slope in ppb.
+/// reader's linear interpolation between them (docs/trace-cmd.md), as a slope in ppb.
 fn trace_cmd_interpolated_drift_ppb(samples: &[ProbeSample]) -> i64 {
     let (a, b) = samples.split_at(samples.len() / 2);
     let (a, b) = (trace_cmd_fastest(a).unwrap(), trace_cmd_fastest(b).unwrap());

@@ -6,8 +6,8 @@ use thiserror::Error;
 
 use super::signals::stop_signal;
 use crate::compose::ComposeError;
-use crate::convert::ConvertError;
 use crate::debugfs::{DEBUGFS_MOUNTPOINT, DebugfsError};
+use crate::exact_convert::ConvertError;
 use crate::probe::{ConnectError, ProbeError};
 use crate::scan::ScanError;
 use crate::syncfile::SyncFileError;

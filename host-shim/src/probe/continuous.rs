@@ -106,6 +106,11 @@ pub(super) fn run<T: StampedTransport>(
         source: opts.addr.to_string(),
     };
     let mut writer = SyncWriter::open(&cont.out, &header)?;
+    if let Some(cut) = writer.cut_on_open() {
+        // A run killed mid-write left a torn last line; it is gone now, and the user hears how
+        // much went before the new segments are appended after the complete ones.
+        eprintln!("vmtsync: warning: {}: {cut}", cont.out.display());
+    }
     let mut cumulative = Cumulative::new();
     let mut summary = ContinuousSummary {
         segments: 0,

@@ -58,15 +58,15 @@
 //! Conversion runs on `vmtsync_core::timeline` ([`SyncTimeline`] builds its segments with
 //! [`SyncSegment::to_timeline_segment`]).
 
-mod convert;
 mod error;
 mod format;
 mod reader;
+mod timeline;
 mod writer;
 
 pub use crate::probe::report::OffsetModel;
-pub use convert::{SyncConvertStats, SyncTimeline, convert_sync_file, convert_with_sync};
 pub use error::SyncFileError;
 pub use format::{SYNC_SCHEMA, SyncHeader, SyncSegment};
 pub use reader::{CutTail, SyncFile};
+pub use timeline::{SyncConvertStats, SyncTimeline, convert_sync_file, convert_with_sync};
 pub use writer::SyncWriter;

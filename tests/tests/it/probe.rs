@@ -333,7 +333,7 @@ fn vsock_uds_refusal_is_reported() {
 
 #[test]
 fn vsock_addresses_parse_and_build_without_opening_a_socket() {
-    // AF_VSOCK must never be opened here (see docs/host-quirks.md): only the address is checked.
+    // AF_VSOCK must never be opened here (docs/host-quirks.md): only the address is checked.
     let ProbeAddr::Vsock { cid, port } = ProbeAddr::parse("vsock:3:5000").unwrap() else {
         panic!("not a vsock address");
     };
@@ -399,7 +399,7 @@ fn continuous_mode_without_a_round_limit_stops_on_the_flag() {
 }
 
 /// vhost-device-vsock sometimes accepts a host connection and never answers the `CONNECT`
-/// line (see docs/vsock.md): the attempt times out and a new connection succeeds.
+/// line (docs/vsock.md): the attempt times out and a new connection succeeds.
 #[test]
 fn vsock_uds_handshake_survives_a_hung_attempt() {
     let (_tmp_dir, path) = tmp("hung.vsock");

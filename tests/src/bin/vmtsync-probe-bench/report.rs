@@ -34,7 +34,7 @@ use std::time::Duration;
 use crate::stats::{Row, Truth};
 
 /// trace-cmd PTP's ping-pong bytes per probe on the wire: a 36-byte PROBE message each way
-/// (12-byte header + 20-byte tsync command + 4-byte payload; trace-cmd-tsync.md §3.6).
+/// (12-byte header + 20-byte tsync command + 4-byte payload; docs/trace-cmd.md).
 const TRACE_CMD_PTP_PROBE_BYTES: usize = 72;
 
 /// The goal: our median |error| at most a quarter of trace-cmd's.

@@ -25,9 +25,9 @@ pub struct RecordArgs {
     #[arg(long, value_enum, default_value_t = FormatArg::TraceCmd)]
     pub format: FormatArg,
     /// Stop after N events.
-    #[arg(long, value_name = "N", conflicts_with = "duration")]
+    #[arg(long, value_name = "N")]
     pub events: Option<u64>,
-    /// Stop after SECS seconds.
+    /// Stop after SECS seconds (with --events: whichever comes first).
     #[arg(long, value_name = "SECS")]
     pub duration: Option<f64>,
     /// Milliseconds between the starts of two sync rounds.

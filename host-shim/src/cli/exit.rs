@@ -124,7 +124,9 @@ impl CliError {
             Self::NotRoot | Self::Mount(_) => 3,
             Self::Probe(e) => probe_exit_code(e),
             Self::Record(crate::record::RecordError::Probe(e)) => probe_exit_code(e),
-            Self::Record(crate::record::RecordError::NoSync) => 7,
+            Self::Record(
+                crate::record::RecordError::NoSync | crate::record::RecordError::NoEvents,
+            ) => 7,
             Self::Record(_) => 1,
             Self::Usage(_) => 2,
             Self::SyncFile(e) => sync_exit_code(e),

@@ -206,8 +206,15 @@ pub fn summary_text(s: &RecordSummary) -> String {
     if s.preconverted {
         t.push_str(&format!(
             "; timestamps pre-converted to host TSC (the guest TSC rate differs from the host's, \
-             which trace-cmd's TIME_SHIFT cannot represent exactly; {} raised to stay in order)",
+             or its TSC stepped back, which trace-cmd's TIME_SHIFT cannot represent exactly; {} \
+             raised to stay in order)",
             s.clamped
+        ));
+    }
+    if s.lost + s.replayed + s.failed_drains > 0 {
+        t.push_str(&format!(
+            "; {} events lost in transit (sent by the agent, never received), {} received twice, {} drains asked again",
+            s.lost, s.replayed, s.failed_drains
         ));
     }
     if s.host_stamped_skipped + s.unplaceable > 0 {

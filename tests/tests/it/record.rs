@@ -269,7 +269,10 @@ fn trace_dat_v6_and_v7_read_back_in_trace_cmd_on_the_host_timeline() {
         let mut prev = None;
         for (&(g, seq), &(h, seq2)) in raw.iter().zip(&host) {
             assert_eq!(seq, seq2, "v{version}: the same event in both reports");
-            assert!(prev.is_none_or(|p| seq > p), "v{version}: order broken at {seq}");
+            assert!(
+                prev.is_none_or(|p| seq > p),
+                "v{version}: order broken at {seq}"
+            );
             prev = Some(seq);
             let truth = g.wrapping_sub(skew.cast_unsigned());
             if h.abs_diff(truth) > max_width {

@@ -9,7 +9,7 @@
 //! - `cursor_per_event`: [`Cursor::try_convert_floor`] called once per event.
 //! - `binary_search_per_event`: `Timeline::try_convert_floor` per event — a binary search
 //!   over the segment starts plus the checked linear mapping, which is trace-cmd's per-event
-//!   approach (trace-cmd-tsync.md §4.3); the baseline.
+//!   approach (docs/trace-cmd.md); the baseline.
 //! - `binary_search_dense_starts_per_event`: the same baseline searching a dense `Vec<u64>` of
 //!   segment starts instead of the segments themselves: the strongest per-event binary search.
 //! - `memory_floor_add_one`: not a converter; adds 1 to every tick of the same buffer, the
@@ -24,6 +24,7 @@
 use criterion::{BatchSize, Criterion, Throughput, criterion_group, criterion_main};
 use std::hint::black_box;
 use vmtsync_core::mapping::KvmTscMapping;
+use vmtsync_core::sim::SplitMix64;
 use vmtsync_core::timeline::{Cursor, Segment, Timeline};
 use vmtsync_core::{GuestTicks, HostTicks};
 
@@ -34,33 +35,22 @@ const RESYNC_TICKS: u64 = 9_000_000;
 /// Number of events converted per iteration.
 const EVENTS: usize = 1 << 20;
 
-/// xorshift64*: a fixed-seed generator so every run converts the same data.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-
-    /// A value in `-range..range`.
-    fn signed(&mut self, range: u64) -> i64 {
-        i64::try_from(self.next() % (2 * range)).expect("range < 2^62")
-            - i64::try_from(range).expect("range < 2^62")
-    }
+/// A value in `-range..range` from the fixed-seed generator, so every run converts the same
+/// data.
+fn signed(rng: &mut SplitMix64, range: u64) -> i64 {
+    i64::try_from(rng.below(2 * range)).expect("range < 2^62")
+        - i64::try_from(range).expect("range < 2^62")
 }
 
 /// Segments as an estimator would produce them: at each re-sync, the host tick of the start
 /// continues the previous line plus a small measured step, with a fresh drift estimate.
-fn segments(rng: &mut Rng) -> Vec<Segment> {
+fn segments(rng: &mut SplitMix64) -> Vec<Segment> {
     let mut out = Vec::new();
     let mut guest = 1_000_000_000_000u64; // The guest booted ~5 minutes before tracing.
     let mut host = 7_000_000_000_000u64;
     for _ in 0..SEGMENTS {
-        let ppb = rng.signed(20_000);
-        let step = rng.signed(2_000);
+        let ppb = signed(rng, 20_000);
+        let step = signed(rng, 2_000);
         let start_host = host.checked_add_signed(step).expect("host tick in range");
         let segment = Segment::try_from_anchor_ppb(
             GuestTicks(guest),
@@ -70,7 +60,7 @@ fn segments(rng: &mut Rng) -> Vec<Segment> {
         )
         .expect("segment in range");
         out.push(segment);
-        let len = RESYNC_TICKS + rng.next() % (RESYNC_TICKS / 4);
+        let len = RESYNC_TICKS + rng.below(RESYNC_TICKS / 4);
         let next_guest = guest + len;
         host = segment
             .try_convert_floor(GuestTicks(next_guest))
@@ -83,11 +73,11 @@ fn segments(rng: &mut Rng) -> Vec<Segment> {
 
 /// `EVENTS` sorted guest timestamps spread uniformly from the first segment start to one
 /// re-sync interval after the last.
-fn events(rng: &mut Rng, segs: &[Segment]) -> Vec<u64> {
+fn events(rng: &mut SplitMix64, segs: &[Segment]) -> Vec<u64> {
     let first = segs.first().expect("segments").start().get();
     let last = segs.last().expect("segments").start().get() + RESYNC_TICKS;
     let mut out: Vec<u64> = (0..EVENTS)
-        .map(|_| first + rng.next() % (last - first))
+        .map(|_| first + rng.below(last - first))
         .collect();
     out.sort_unstable();
     out
@@ -142,7 +132,7 @@ fn add_one(buf: &mut [u64]) {
 }
 
 fn bench(c: &mut Criterion) {
-    let mut rng = Rng(0x5eed_7157_11fe_0001);
+    let mut rng = SplitMix64::new(0x5eed_7157_11fe_0001);
     let segs = segments(&mut rng);
     let timeline = Timeline::new(&segs).expect("sorted segments");
     let input = events(&mut rng, &segs);

@@ -339,7 +339,14 @@ impl<L: Link, C: AgentClock, E: EventSource> Agent<L, C, E> {
     }
 
     fn on_hello(&mut self, version: u16) -> Result<(), LinkError> {
-        let mut features = Features::EVENTS.union(Features::MAPPING);
+        let mut features = Features::MAPPING;
+        if self.events.present() {
+            features = features.union(Features::EVENTS);
+        }
+        // A new session starts from the guest clock: a mapping pushed in an earlier session
+        // (perhaps by another tool) would otherwise stamp every event in a clock this host
+        // did not ask for.
+        self.mapping = None;
         if self.clock.pvclock().is_some() {
             features = features.union(Features::PVCLOCK);
         }
@@ -410,6 +417,7 @@ impl<L: Link, C: AgentClock, E: EventSource> Agent<L, C, E> {
             left -= taken;
             let waiting = self.events.waiting().saturating_sub(taken);
             batch.dropped = self.events.dropped();
+            batch.first = self.stats.events_out;
             batch.remaining = u32::try_from(waiting).unwrap_or(u32::MAX);
             batch.last = left == 0 || waiting == 0 || taken == 0;
             let last = batch.last;

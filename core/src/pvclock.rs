@@ -16,7 +16,9 @@
 use core::hint::spin_loop;
 use core::sync::atomic::{Ordering, fence};
 
-pub use crate::arch::kvm::{PVCLOCK_GUEST_STOPPED, PVCLOCK_TSC_STABLE_BIT, PvclockVcpuTimeInfo};
+pub use crate::arch::kvm_abi::{
+    PVCLOCK_GUEST_STOPPED, PVCLOCK_TSC_STABLE_BIT, PvclockVcpuTimeInfo,
+};
 use crate::arch::{PvclockPage, Tsc};
 use crate::units::{GuestTicks, Nanos};
 

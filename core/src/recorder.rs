@@ -305,6 +305,11 @@ pub trait EventSource {
     fn waiting(&self) -> usize;
     /// Events refused so far because the storage was full (cumulative).
     fn dropped(&self) -> u64;
+    /// Whether this source records events at all (the agent advertises `Features::EVENTS`
+    /// only then).
+    fn present(&self) -> bool {
+        true
+    }
 }
 
 impl<const CAP: usize> EventSource for Ring<CAP> {
@@ -335,6 +340,9 @@ impl<S: EventSource + ?Sized> EventSource for &S {
     fn dropped(&self) -> u64 {
         (**self).dropped()
     }
+    fn present(&self) -> bool {
+        (**self).present()
+    }
 }
 
 /// An agent without events: nothing is ever waiting.
@@ -351,6 +359,9 @@ impl EventSource for NoEvents {
     }
     fn dropped(&self) -> u64 {
         0
+    }
+    fn present(&self) -> bool {
+        false
     }
 }
 

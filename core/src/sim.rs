@@ -47,6 +47,16 @@ impl SplitMix64 {
     }
 }
 
+/// The median of `v` (the upper middle element for an even length), reordering `v` in place
+/// without allocating; `None` if `v` is empty. The one median helper of tests and benches.
+pub fn median(v: &mut [u64]) -> Option<u64> {
+    let mid = v.len() / 2;
+    if v.is_empty() {
+        return None;
+    }
+    Some(*v.select_nth_unstable(mid).1)
+}
+
 /// A one-way delay distribution in host ticks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Delay {

@@ -158,13 +158,17 @@ fn run_session(ctx: &Ctx, mut link: VsockLink<Stream, NativeTsc>) -> Stream {
                 let l = agent.link().stats();
                 log!(
                     "shutdown after {} probes, {} messages, {} bad frames ({} credit waits, {} \
-                     refused sends, {} link errors): isa-debug-exit {}",
+                     refused sends, {} link errors; {=u64} workload, {=u64} sent, {=u64} \
+                     dropped): isa-debug-exit {}",
                     s.probes,
                     s.messages_in,
                     s.bad_frames,
                     l.credit_waits,
                     l.refused_sends,
                     l.errors,
+                    load.map_or(0, |w| w.emitted()),
+                    s.events_out,
+                    crate::EVENTS.dropped(),
                     opts.exit_code
                 );
                 port::exit(opts.exit_code);

@@ -7,8 +7,8 @@ use std::hint::black_box;
 use std::path::{Path, PathBuf};
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use vmtsync::convert::{ConvertOptions, Direction, Rounding, convert_stream};
 use vmtsync::debugfs::KvmDebugfs;
+use vmtsync::exact_convert::{ConvertOptions, Direction, Rounding, convert_stream};
 use vmtsync::procinfo::ProcFs;
 use vmtsync::scan::Scanner;
 use vmtsync_core::mapping::KvmTscMapping;

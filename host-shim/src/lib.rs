@@ -10,23 +10,25 @@
 //! - [`scan`]: one scan joined with `/proc`, in the versioned `vmtsync kvm --json` shape.
 //! - [`watch`] and [`trace_events`]: change events by polling and by the
 //!   `kvm:kvm_write_tsc_offset` tracepoint.
-//! - [`convert`], [`compose`]: streaming timestamp conversion and nested composition, on
+//! - [`exact_convert`], [`compose`]: streaming timestamp conversion and nested composition, on
 //!   `vmtsync_core::mapping`.
 //! - [`probe`]: `vmtsync probe`: hello + probe rounds against the guest agent, bounded
 //!   estimates, continuous re-sync.
 //! - [`syncfile`]: the versioned JSON Lines sync file and `convert --sync`.
 //! - [`tracedat`]: trace-cmd's trace.dat (v6/v7): streaming guest-event writer, TIME_SHIFT,
 //!   strict reader, GUEST option on a host trace copy.
+//! - [`atomic_file`]: output files written to a temporary file and renamed into place.
 //! - [`cli`]: the command line, its errors and exit codes.
 //!
 //! Guarantees: no file content makes this crate panic; a reading is never presented as a VM's
 //! own (L1) mapping while its vCPU runs a nested guest; every reading carries the host TSC
 //! interval in which it was true.
 
+pub mod atomic_file;
 pub mod cli;
 pub mod compose;
-pub mod convert;
 pub mod debugfs;
+pub mod exact_convert;
 pub mod hosttsc;
 pub mod probe;
 pub mod procinfo;

@@ -36,7 +36,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
-use serde_json::json;
 use thiserror::Error;
 
 use crate::debugfs::{DebugfsError, VmId};
@@ -104,8 +103,77 @@ fn changed(a: &VcpuReport, b: &VcpuReport) -> bool {
     strip(a) != strip(b)
 }
 
-fn emit(out: &mut dyn Write, v: &impl Serialize) -> Result<(), WatchError> {
-    serde_json::to_writer(&mut *out, v).map_err(std::io::Error::from)?;
+/// One output line: `{"schema":1,"event":NAME,…}` (see the module docs for every event).
+#[derive(Serialize)]
+struct Line<'a> {
+    schema: u32,
+    #[serde(flatten)]
+    event: Event<'a>,
+}
+
+/// The events, tagged by `"event"`.
+#[derive(Serialize)]
+#[serde(tag = "event", rename_all = "snake_case")]
+enum Event<'a> {
+    WatchStarted {
+        host_tsc: u64,
+        trace_events: bool,
+    },
+    VmFound(VmEvent<'a>),
+    VmAdded(VmEvent<'a>),
+    VcpuAdded {
+        pid: u32,
+        fd: u32,
+        vcpu: &'a VcpuReport,
+    },
+    VcpuChanged {
+        pid: u32,
+        fd: u32,
+        vcpu: &'a VcpuReport,
+        previous: &'a VcpuReport,
+    },
+    VcpuRemoved {
+        pid: u32,
+        fd: u32,
+        vcpu: u32,
+        host_tsc_before: u64,
+        host_tsc_after: u64,
+    },
+    VmGone {
+        pid: u32,
+        fd: u32,
+        name: Option<&'a str>,
+        host_tsc_before: u64,
+        host_tsc_after: u64,
+    },
+    TscOffsetWritten {
+        pid: Option<u32>,
+        fd: Option<u32>,
+        thread: u32,
+        vcpu: u32,
+        previous_tsc_offset: i64,
+        tsc_offset: i64,
+        host_tsc: u64,
+        host_tsc_clock: bool,
+        writes: u64,
+    },
+}
+
+/// A VM as `vm_found`/`vm_added` report it: its vCPUs as in `vmtsync kvm --json`.
+#[derive(Serialize)]
+struct VmEvent<'a> {
+    pid: u32,
+    fd: u32,
+    name: Option<&'a str>,
+    vcpus: Vec<&'a VcpuReport>,
+}
+
+fn emit(out: &mut dyn Write, event: Event<'_>) -> Result<(), WatchError> {
+    let line = Line {
+        schema: SCHEMA_VERSION,
+        event,
+    };
+    serde_json::to_writer(&mut *out, &line).map_err(std::io::Error::from)?;
     out.write_all(b"\n")?;
     // One line per change, visible at once to whoever reads the pipe.
     out.flush()?;
@@ -135,12 +203,10 @@ pub fn watch(
     };
     emit(
         out,
-        &json!({
-            "schema": SCHEMA_VERSION,
-            "event": "watch_started",
-            "host_tsc": read_host_tsc().0,
-            "trace_events": opts.trace.is_some(),
-        }),
+        Event::WatchStarted {
+            host_tsc: read_host_tsc().0,
+            trace_events: opts.trace.is_some(),
+        },
     )?;
     let mut first = true;
     let stopped = || opts.stop.load(Ordering::Relaxed);
@@ -203,19 +269,17 @@ fn emit_trace(
     }
     emit(
         out,
-        &json!({
-            "schema": SCHEMA_VERSION,
-            "event": "tsc_offset_written",
-            "pid": owner_id.map(|i| i.pid),
-            "fd": owner_id.map(|i| i.fd),
-            "thread": ev.thread,
-            "vcpu": ev.vcpu,
-            "previous_tsc_offset": ev.previous,
-            "tsc_offset": ev.next,
-            "host_tsc": ev.timestamp,
-            "host_tsc_clock": tsc_clock,
-            "writes": w.writes,
-        }),
+        Event::TscOffsetWritten {
+            pid: owner_id.map(|i| i.pid),
+            fd: owner_id.map(|i| i.fd),
+            thread: ev.thread,
+            vcpu: ev.vcpu,
+            previous_tsc_offset: ev.previous,
+            tsc_offset: ev.next,
+            host_tsc: ev.timestamp,
+            host_tsc_clock: tsc_clock,
+            writes: w.writes,
+        },
     )
 }
 
@@ -253,16 +317,19 @@ fn poll_once(
                 .process(vm.id.pid)
                 .display_name()
                 .map(str::to_owned);
+            let found = VmEvent {
+                pid: vm.id.pid,
+                fd: vm.id.fd,
+                name: name.as_deref(),
+                vcpus: now.values().collect(),
+            };
             emit(
                 out,
-                &json!({
-                    "schema": SCHEMA_VERSION,
-                    "event": if first { "vm_found" } else { "vm_added" },
-                    "pid": vm.id.pid,
-                    "fd": vm.id.fd,
-                    "name": name,
-                    "vcpus": now.values().collect::<Vec<_>>(),
-                }),
+                if first {
+                    Event::VmFound(found)
+                } else {
+                    Event::VmAdded(found)
+                },
             )?;
             state.insert(
                 vm.id,
@@ -277,13 +344,15 @@ fn poll_once(
         let (pid, fd) = (vm.id.pid, vm.id.fd);
         for (id, new) in &now {
             match old.vcpus.get(id) {
-                None => emit(
-                    out,
-                    &json!({"schema": SCHEMA_VERSION, "event": "vcpu_added", "pid": pid, "fd": fd, "vcpu": new}),
-                )?,
+                None => emit(out, Event::VcpuAdded { pid, fd, vcpu: new })?,
                 Some(prev) if changed(prev, new) => emit(
                     out,
-                    &json!({"schema": SCHEMA_VERSION, "event": "vcpu_changed", "pid": pid, "fd": fd, "vcpu": new, "previous": prev}),
+                    Event::VcpuChanged {
+                        pid,
+                        fd,
+                        vcpu: new,
+                        previous: prev,
+                    },
                 )?,
                 Some(_) => {}
             }
@@ -291,8 +360,13 @@ fn poll_once(
         for id in old.vcpus.keys().filter(|id| !now.contains_key(id)) {
             emit(
                 out,
-                &json!({"schema": SCHEMA_VERSION, "event": "vcpu_removed", "pid": pid, "fd": fd, "vcpu": id,
-                        "host_tsc_before": old.last_seen, "host_tsc_after": last_seen}),
+                Event::VcpuRemoved {
+                    pid,
+                    fd,
+                    vcpu: *id,
+                    host_tsc_before: old.last_seen,
+                    host_tsc_after: last_seen,
+                },
             )?;
         }
         old.vcpus = now;
@@ -308,8 +382,13 @@ fn poll_once(
         if let Some(s) = state.remove(&id) {
             emit(
                 out,
-                &json!({"schema": SCHEMA_VERSION, "event": "vm_gone", "pid": id.pid, "fd": id.fd, "name": s.name,
-                        "host_tsc_before": s.last_seen, "host_tsc_after": now}),
+                Event::VmGone {
+                    pid: id.pid,
+                    fd: id.fd,
+                    name: s.name.as_deref(),
+                    host_tsc_before: s.last_seen,
+                    host_tsc_after: now,
+                },
             )?;
         }
     }
@@ -319,6 +398,44 @@ fn poll_once(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The line shapes are the documented schema: `schema` and `event` first, then the fields.
+    #[test]
+    fn events_serialize_to_the_documented_lines() {
+        let line = |e| {
+            let mut out = Vec::new();
+            emit(&mut out, e).unwrap();
+            String::from_utf8(out).unwrap()
+        };
+        assert_eq!(
+            line(Event::VcpuRemoved {
+                pid: 1,
+                fd: 2,
+                vcpu: 3,
+                host_tsc_before: 4,
+                host_tsc_after: 5
+            }),
+            "{\"schema\":1,\"event\":\"vcpu_removed\",\"pid\":1,\"fd\":2,\"vcpu\":3,\"host_tsc_before\":4,\"host_tsc_after\":5}\n"
+        );
+        assert_eq!(
+            line(Event::VmAdded(VmEvent {
+                pid: 7,
+                fd: 9,
+                name: Some("web"),
+                vcpus: Vec::new()
+            })),
+            "{\"schema\":1,\"event\":\"vm_added\",\"pid\":7,\"fd\":9,\"name\":\"web\",\"vcpus\":[]}\n"
+        );
+        let started: serde_json::Value = serde_json::from_str(&line(Event::WatchStarted {
+            host_tsc: 11,
+            trace_events: true,
+        }))
+        .unwrap();
+        assert_eq!(
+            started,
+            serde_json::json!({"schema": 1, "event": "watch_started", "host_tsc": 11, "trace_events": true})
+        );
+    }
 
     #[test]
     fn change_ignores_bracket_only() {

@@ -252,6 +252,39 @@ fn sync_file() -> Vec<u8> {
     std::fs::read(&path).expect("read back")
 }
 
+/// A small trace.dat from our writer: two vCPUs, events with and without payloads across a
+/// time extend, a TIME_SHIFT of two segments per CPU.
+fn trace_dat(version: vmtsync::tracedat::FileVersion) -> Vec<u8> {
+    use vmtsync::tracedat::{
+        ShiftMode, SyncSegment as Seg, TimeShift, TraceDatWriter, WriterOptions,
+    };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("seed.dat");
+    let mut o = WriterOptions::new(2, 0x5eed);
+    o.version = version;
+    o.uname = Some("vmtsync fuzz seed".into());
+    let mut w = TraceDatWriter::create(&path, o).expect("create");
+    for i in 0..40u64 {
+        // A jump of 2^40 ticks halfway: a time extend.
+        let ts = 1_000_000 + i * 2_600 + if i >= 20 { 1 << 40 } else { 0 };
+        let payload = i.to_le_bytes();
+        let len = usize::try_from(i % 9).expect("small");
+        w.push(u32::try_from(i % 2).expect("small"), ts, 7, &payload[..len])
+            .expect("push");
+    }
+    let segs = vec![
+        Seg::offset_only(HostTicks(500_000), 500),
+        Seg::offset_only(HostTicks(1_050_000), 700),
+    ];
+    let shift = TimeShift {
+        peer_trace_id: 0xabcd,
+        mode: ShiftMode::Step,
+        cpus: vec![segs.clone(), segs],
+    };
+    w.finish(Some(&shift)).expect("finish");
+    std::fs::read(&path).expect("read back")
+}
+
 /// Every seed file, by path relative to the workspace root.
 fn seeds() -> BTreeMap<PathBuf, Vec<u8>> {
     let mut out = BTreeMap::new();
@@ -313,6 +346,16 @@ fn seeds() -> BTreeMap<PathBuf, Vec<u8>> {
     );
 
     put("host-shim/fuzz/seeds/syncfile", "two-vcpus", sync_file());
+    put(
+        "host-shim/fuzz/seeds/tracedat",
+        "v7",
+        trace_dat(vmtsync::tracedat::FileVersion::V7),
+    );
+    put(
+        "host-shim/fuzz/seeds/tracedat",
+        "v6",
+        trace_dat(vmtsync::tracedat::FileVersion::V6),
+    );
 
     for (name, contents) in [
         ("tsc-offset", &b"-3000000000000\n"[..]),

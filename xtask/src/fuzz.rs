@@ -72,6 +72,12 @@ const TARGETS: &[Target] = &[
         name: "syncfile",
         max_len: 8192,
     },
+    // A few pages of a trace.dat: the seeds are whole small files written by our writer.
+    Target {
+        dir: "host-shim/fuzz",
+        name: "tracedat",
+        max_len: 65536,
+    },
 ];
 
 /// The cargo-fuzz release CI installs (`--locked` pins its dependencies too), so a new

@@ -5,7 +5,7 @@
 //! for CPUID.EAX is higher than the maximum input value ... the data for the highest basic
 //! information leaf is returned"), which would otherwise be misread as a feature.
 
-use super::kvm::{
+use super::kvm_abi::{
     HYPERVISOR_LEAF_END, HYPERVISOR_LEAF_STRIDE, HYPERVISOR_TIMING_OFFSET,
     KVM_CPUID_FEATURES_OFFSET, KVM_CPUID_SIGNATURE, KVM_FEATURE_CLOCKSOURCE,
     KVM_FEATURE_CLOCKSOURCE_STABLE_BIT, KVM_FEATURE_CLOCKSOURCE2, KVM_SIGNATURE,
@@ -239,7 +239,7 @@ pub fn tsc_freq<C: Cpuid + ?Sized>(c: &C) -> Option<TscFreq> {
 
 #[cfg(test)]
 mod tests {
-    use super::super::kvm::KVM_SIGNATURE;
+    use super::super::kvm_abi::KVM_SIGNATURE;
     use super::super::{CpuidEntry, FakeCpuid};
     use super::*;
 

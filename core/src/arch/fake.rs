@@ -73,7 +73,7 @@ impl CpuidEntry {
 }
 
 /// A CPUID answered from a table; leaves not in the table read as all zeros (what KVM does
-/// for leaves missing from `KVM_SET_CPUID2`, DESIGN §4).
+/// for leaves missing from `KVM_SET_CPUID2`, docs/host-quirks.md).
 #[derive(Clone, Copy, Debug)]
 pub struct FakeCpuid<'a> {
     entries: &'a [CpuidEntry],

@@ -11,8 +11,8 @@
 //!   (feature `ring0`) and `KVM_HC_CLOCK_PAIRING` (feature `clock-pairing`).
 //! - [`Tsc`] (`tsc.rs`): the ordered TSC read.
 //! - [`cpuid`]: the [`Cpuid`] trait and decoding of the CPUID leaves this crate needs.
-//! - [`kvm`]: KVM ABI constants and structures (CPUID signature and feature bits, MSRs,
-//!   hypercalls, the pvclock page layout [`kvm::PvclockVcpuTimeInfo`]).
+//! - [`kvm_abi`]: KVM ABI constants and structures (CPUID signature and feature bits, MSRs,
+//!   hypercalls, the pvclock page layout [`kvm_abi::PvclockVcpuTimeInfo`]).
 //! - [`PvclockPage`]: volatile reads of a pvclock page the hypervisor writes.
 //!
 //! This module depends only on [`crate::units`]: `pvclock` builds on it (its seqlock reader
@@ -21,7 +21,7 @@
 
 pub mod cpuid;
 mod fake;
-pub mod kvm;
+pub mod kvm_abi;
 mod page;
 mod tsc;
 #[cfg(target_arch = "x86_64")]

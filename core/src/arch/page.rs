@@ -3,7 +3,7 @@
 use core::marker::PhantomData;
 use core::ptr::{self, NonNull};
 
-use super::kvm::PvclockVcpuTimeInfo;
+use super::kvm_abi::PvclockVcpuTimeInfo;
 
 /// A pvclock page in guest memory, read field by field with volatile loads.
 ///

@@ -131,7 +131,7 @@ pub enum ArchError {
 ///   until [`unregister_pvclock`]: the hypervisor writes there asynchronously.
 #[cfg(feature = "ring0")]
 pub unsafe fn register_pvclock(phys: u64) -> Result<(), ArchError> {
-    use super::kvm::{KVM_SYSTEM_TIME_ENABLE, MSR_KVM_SYSTEM_TIME_NEW};
+    use super::kvm_abi::{KVM_SYSTEM_TIME_ENABLE, MSR_KVM_SYSTEM_TIME_NEW};
     if !phys.is_multiple_of(8) {
         return Err(ArchError::Misaligned);
     }
@@ -151,14 +151,14 @@ pub unsafe fn register_pvclock(phys: u64) -> Result<(), ArchError> {
 pub unsafe fn unregister_pvclock() {
     // SAFETY: the caller guarantees CPL 0 and KVM with CLOCKSOURCE2; disabling only stops
     // the hypervisor's writes.
-    unsafe { x86::msr::wrmsr(super::kvm::MSR_KVM_SYSTEM_TIME_NEW, 0) };
+    unsafe { x86::msr::wrmsr(super::kvm_abi::MSR_KVM_SYSTEM_TIME_NEW, 0) };
 }
 
 /// `KVM_HC_CLOCK_PAIRING` (vmcall with rax = 9, rbx = `phys`, rcx = 0): the host writes its
 /// `CLOCK_REALTIME` and the guest TSC of the same instant into `out`, which is returned.
 ///
 /// **Never call this on this project's machines**: on nested KVM the vmcall livelocks the
-/// vCPU (DESIGN §4). It is compiled (feature `clock-pairing`), never run by the tests.
+/// vCPU (docs/host-quirks.md). It is compiled (feature `clock-pairing`), never run by the tests.
 /// On AMD, KVM intercepts the `#UD` of `vmcall` and emulates it.
 ///
 /// # Errors
@@ -173,10 +173,10 @@ pub unsafe fn unregister_pvclock() {
 /// - `phys` must be the guest-physical address of `out`.
 #[cfg(feature = "clock-pairing")]
 pub unsafe fn clock_pairing(
-    out: &mut super::kvm::KvmClockPairing,
+    out: &mut super::kvm_abi::KvmClockPairing,
     phys: u64,
-) -> Result<super::kvm::KvmClockPairing, ArchError> {
-    use super::kvm::{KVM_CLOCK_PAIRING_WALLCLOCK, KVM_HC_CLOCK_PAIRING};
+) -> Result<super::kvm_abi::KvmClockPairing, ArchError> {
+    use super::kvm_abi::{KVM_CLOCK_PAIRING_WALLCLOCK, KVM_HC_CLOCK_PAIRING};
     if !phys.is_multiple_of(8) {
         return Err(ArchError::Misaligned);
     }
@@ -209,7 +209,7 @@ pub unsafe fn clock_pairing(
 #[cfg(test)]
 mod tests {
     use super::super::cpuid::{hypervisor_present, kvm_info};
-    use super::super::kvm::KVM_SIGNATURE;
+    use super::super::kvm_abi::KVM_SIGNATURE;
     use super::*;
     use std::string::String;
 

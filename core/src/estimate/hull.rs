@@ -16,6 +16,13 @@
 //! ticks. The estimate is the centre of each interval. Every reported bound contains the truth
 //! under integer rounding, by construction, not by tuning.
 //!
+//! Until two probes do not overlap in host time the samples alone bound neither the rate nor
+//! the offset (`Unbounded`). [`DriftEstimator::offset_bounds_at_within`] and
+//! [`DriftEstimator::rate_bounds_within`] add the two rows `rate >= min` and `rate <= max` of
+//! a [`RateLimits`] to the same elimination: bounded from the first sample, never wider than
+//! without the limits, and exactly as trustworthy as the assumption that the rate lies within
+//! them.
+//!
 //! Arithmetic: coordinates are stored relative to the first sample and must stay within
 //! `±2^62` (about 47 years of a 3 GHz TSC); then every product fits an `i128` and the checked
 //! operations never fail in practice. Anything outside is `Overflow`, never a wrong answer.
@@ -32,7 +39,9 @@
 
 use heapless::Vec;
 
-use super::sample::{EstimateError, ProbeSample, Ratio, div_ceil, div_floor, midpoint_floor};
+use super::sample::{
+    EstimateError, ProbeSample, RateLimits, Ratio, div_ceil, div_floor, midpoint_floor,
+};
 use crate::HostTicks;
 
 /// Relative coordinates stay strictly inside `±LIMIT` so products of differences fit `i128`.
@@ -238,10 +247,11 @@ impl<const N: usize> DriftEstimator<N> {
         rel(i128::from(host) - i128::from(self.origin_host))
     }
 
-    /// Exact slope interval by eliminating `b` from every (below, above) vertex pair.
-    fn rate_bounds(&self) -> Result<(Ratio, Ratio), EstimateError> {
-        let mut lo: Option<Ratio> = None;
-        let mut hi: Option<Ratio> = None;
+    /// Exact slope interval by eliminating `b` from every (below, above) vertex pair, within
+    /// `limits` when given.
+    fn rate_bounds(&self, limits: Option<&RateLimits>) -> Result<(Ratio, Ratio), EstimateError> {
+        let mut lo: Option<Ratio> = limits.map(RateLimits::min);
+        let mut hi: Option<Ratio> = limits.map(RateLimits::max);
         for p in &self.below {
             for q in &self.above {
                 // a·p.x + b <= p.y and a·q.x + b >= q.y  ⇒  (p.x - q.x)·a <= p.y - q.y.
@@ -273,28 +283,43 @@ impl<const N: usize> DriftEstimator<N> {
         Ok((lo, hi))
     }
 
-    /// Row `i` of the system in `(a, y)` where `y` is the line's value at relative host `t`.
-    fn row(&self, i: usize, t: i128) -> Option<Row> {
+    /// Row `i` of the system in `(a, y)` where `y` is the line's value at relative host `t`:
+    /// the lower hull's vertices, the upper hull's, then the two rate limits if given.
+    fn row(&self, i: usize, t: i128, limits: Option<&RateLimits>) -> Option<Row> {
+        let (nb, na) = (self.below.len(), self.above.len());
         if let Some(p) = self.below.get(i) {
             // a·(p.x - t) + y <= p.y
             Some((i128::from(p.x) - t, 1, i128::from(p.y)))
-        } else {
-            let q = self.above.get(i - self.below.len())?;
+        } else if let Some(q) = self.above.get(i - nb) {
             // a·(t - q.x) - y <= -q.y
             Some((t - i128::from(q.x), -1, -i128::from(q.y)))
+        } else {
+            let l = limits?;
+            match i - nb - na {
+                // a >= min.num / min.den  ⇔  -min.den·a <= -min.num (den > 0).
+                0 => Some((-l.min().den, 0, -l.min().num)),
+                // a <= max.num / max.den  ⇔  max.den·a <= max.num.
+                1 => Some((l.max().den, 0, l.max().num)),
+                _ => None,
+            }
         }
     }
 
-    /// Exact range of the line's value at relative host `t`, rounded outward.
-    fn value_bounds(&self, t: i128) -> Result<(i128, i128), EstimateError> {
+    /// Exact range of the line's value at relative host `t`, rounded outward, for the lines
+    /// the samples (and `limits`, when given) allow.
+    fn value_bounds(
+        &self,
+        t: i128,
+        limits: Option<&RateLimits>,
+    ) -> Result<(i128, i128), EstimateError> {
         const OVF: EstimateError = EstimateError::Overflow;
-        let m = self.below.len() + self.above.len();
+        let m = self.below.len() + self.above.len() + if limits.is_some() { 2 } else { 0 };
         let mut lo: Option<i128> = None;
         let mut hi: Option<i128> = None;
         let mut upper = |v: i128| hi = Some(hi.map_or(v, |h| h.min(v)));
         let mut lower = |v: i128| lo = Some(lo.map_or(v, |l| l.max(v)));
         for i in 0..m {
-            let (ci, ei, di) = self.row(i, t).ok_or(OVF)?;
+            let (ci, ei, di) = self.row(i, t, limits).ok_or(OVF)?;
             if ci == 0 {
                 if ei > 0 {
                     upper(di);
@@ -307,7 +332,7 @@ impl<const N: usize> DriftEstimator<N> {
                 continue;
             }
             for j in 0..m {
-                let (cj, ej, dj) = self.row(j, t).ok_or(OVF)?;
+                let (cj, ej, dj) = self.row(j, t, limits).ok_or(OVF)?;
                 if cj >= 0 {
                     continue;
                 }
@@ -348,14 +373,55 @@ impl<const N: usize> DriftEstimator<N> {
     /// `NoSamples`; `SegmentBreak` if no constant-rate line fits; `Unbounded` if the samples do
     /// not bound it; `Overflow` if `host` is more than `2^62` ticks from the first sample.
     pub fn offset_bounds_at(&self, host: HostTicks) -> Result<(i64, i64), EstimateError> {
+        self.offset_bounds(host, None)
+    }
+
+    /// Guaranteed `(min, max)` of the offset at `host` for every constant rate within
+    /// `limits` that fits the samples, rounded outward: never `Unbounded`, one sample is
+    /// enough. Contains nothing [`offset_bounds_at`](Self::offset_bounds_at) excludes (the
+    /// limits only add constraints), so it is never wider; it is as trustworthy as the
+    /// limits. At identity rate, it contains every constant offset the samples allow
+    /// (the constant-offset interval of [`OffsetInterval`](super::OffsetInterval)) when 1
+    /// lies within the limits.
+    ///
+    /// # Errors
+    /// `NoSamples`; `SegmentBreak` if no line with a rate within `limits` fits; `Overflow` if
+    /// `host` is more than `2^62` ticks from the first sample or a limit's products leave
+    /// `i128`.
+    pub fn offset_bounds_at_within(
+        &self,
+        host: HostTicks,
+        limits: &RateLimits,
+    ) -> Result<(i64, i64), EstimateError> {
+        self.offset_bounds(host, Some(limits))
+    }
+
+    fn offset_bounds(
+        &self,
+        host: HostTicks,
+        limits: Option<&RateLimits>,
+    ) -> Result<(i64, i64), EstimateError> {
         if self.samples == 0 {
             return Err(EstimateError::NoSamples);
         }
         let t = i128::from(self.rel_x(host.0)?);
-        let (lo, hi) = self.value_bounds(t)?;
+        let (lo, hi) = self.value_bounds(t, limits)?;
         let shift = i128::from(self.origin_guest) - i128::from(host.0);
         let to_i64 = |v: i128| i64::try_from(v + shift).map_err(|_| EstimateError::Overflow);
         Ok((to_i64(lo)?, to_i64(hi)?))
+    }
+
+    /// Exact `(min, max)` rate consistent with the samples and within `limits`: never
+    /// `Unbounded`, the limits themselves until two probes bound the rate.
+    ///
+    /// # Errors
+    /// `NoSamples`; `SegmentBreak` if no rate within `limits` fits; `Overflow` if a comparison
+    /// leaves `i128`.
+    pub fn rate_bounds_within(&self, limits: &RateLimits) -> Result<(Ratio, Ratio), EstimateError> {
+        if self.samples == 0 {
+            return Err(EstimateError::NoSamples);
+        }
+        self.rate_bounds(Some(limits))
     }
 
     /// Rate and offset bounds with their centres; the offset refers to the middle of the
@@ -368,7 +434,7 @@ impl<const N: usize> DriftEstimator<N> {
         if self.samples == 0 {
             return Err(EstimateError::NoSamples);
         }
-        let (rate_min, rate_max) = self.rate_bounds()?;
+        let (rate_min, rate_max) = self.rate_bounds(None)?;
         let span = self.last_recv - self.origin_host;
         let at = HostTicks(self.origin_host + span / 2);
         let (offset_min, offset_max) = self.offset_bounds_at(at)?;
@@ -450,7 +516,16 @@ mod tests {
     }
 
     fn naive_value(samples: &[ProbeSample], t: i128) -> (i128, i128) {
-        let rows: StdVec<(i128, i128, i128)> = samples
+        naive_value_within(samples, t, None)
+    }
+
+    /// As [`naive_value`], with the rate limits as two more rows when given.
+    fn naive_value_within(
+        samples: &[ProbeSample],
+        t: i128,
+        limits: Option<&RateLimits>,
+    ) -> (i128, i128) {
+        let mut rows: StdVec<(i128, i128, i128)> = samples
             .iter()
             .flat_map(|s| {
                 let g = i128::from(s.guest.0);
@@ -460,6 +535,10 @@ mod tests {
                 ]
             })
             .collect();
+        if let Some(l) = limits {
+            rows.push((-l.min().den, 0, -l.min().num));
+            rows.push((l.max().den, 0, l.max().num));
+        }
         let (mut lo, mut hi) = (i128::MIN, i128::MAX);
         for &(ci, ei, di) in &rows {
             if ci == 0 {
@@ -587,6 +666,44 @@ mod tests {
         assert_eq!(acc.above[0].y, 10);
     }
 
+    /// The limits the host's probe session assumes, `[1/2, 2]`.
+    fn session_limits() -> RateLimits {
+        RateLimits::new(Ratio::new(1, 2).unwrap(), Ratio::new(2, 1).unwrap()).unwrap()
+    }
+
+    #[test]
+    fn one_probe_is_bounded_within_rate_limits() {
+        // One probe: the samples alone bound neither the rate nor the offset.
+        let mut acc = DriftEstimator::<8>::new();
+        let l = session_limits();
+        assert_eq!(
+            acc.offset_bounds_at_within(HostTicks(150), &l),
+            Err(EstimateError::NoSamples)
+        );
+        assert_eq!(acc.rate_bounds_within(&l), Err(EstimateError::NoSamples));
+        acc.push(&p(100, 1_000, 200)).unwrap();
+        assert_eq!(
+            acc.offset_bounds_at(HostTicks(150)),
+            Err(EstimateError::Unbounded)
+        );
+        // The reading happened at t in [100, 200] and a ∈ [1/2, 2]: at host 150 the line lies
+        // in [1000 - 2·50, 1001 + 2·50], an offset (minus 150) in [750, 951].
+        assert_eq!(
+            acc.offset_bounds_at_within(HostTicks(150), &l),
+            Ok((750, 951))
+        );
+        assert_eq!(acc.rate_bounds_within(&l), Ok((l.min(), l.max())));
+        // Limits that exclude what the samples prove are a contradiction, not a bound.
+        let mut acc = DriftEstimator::<8>::new();
+        acc.push(&p(0, 0, 0)).unwrap();
+        acc.push(&p(1_000, 3_000, 1_000)).unwrap();
+        assert_eq!(
+            acc.offset_bounds_at_within(HostTicks(500), &l),
+            Err(EstimateError::SegmentBreak)
+        );
+        assert_eq!(acc.rate_bounds_within(&l), Err(EstimateError::SegmentBreak));
+    }
+
     /// Samples of a drifting clock with per-probe jitter, in host order.
     fn drifting(
         offset: i64,
@@ -594,7 +711,9 @@ mod tests {
         probes: &[(u64, u64, u64)],
     ) -> (GuestClock, StdVec<ProbeSample>) {
         let clock = GuestClock::with_drift_ppb(offset, ppm * 1_000).unwrap();
-        let mut now = 1_u64 << 40;
+        // Start at 2^41 so that no offset in ±2^40 at a rate within ±500 ppm makes the guest
+        // TSC negative (at 2^40, offset -1098979546140 at -484 ppm did).
+        let mut now = 1_u64 << 41;
         let samples = probes
             .iter()
             .map(|&(gap, fwd, back)| {
@@ -642,6 +761,36 @@ mod tests {
                 (Err(EstimateError::Unbounded), None) => {}
                 (got, want) => prop_assert!(false, "hull {got:?} vs naive {want:?}"),
             }
+        }
+
+        /// Within rate limits the bounds equal the all-pairs reference with the limit rows,
+        /// exist from the first sample on, lie inside the limit-free ones and contain the
+        /// truth; so do the rate bounds.
+        #[test]
+        fn bounds_within_limits_match_naive_reference(
+            offset in -(1_i64 << 40)..(1_i64 << 40),
+            ppm in -500_i64..500,
+            probes in proptest::collection::vec((0_u64..100_000, 0_u64..5_000, 0_u64..5_000), 1..24),
+            probe_t in 0_u64..10_000_000,
+        ) {
+            let (clock, samples) = drifting(offset, ppm, &probes);
+            let l = session_limits();
+            let mut acc = DriftEstimator::<64>::new();
+            for s in &samples {
+                acc.push(s).unwrap();
+            }
+            let t = HostTicks(samples[0].host_send.0 + probe_t);
+            let (omin, omax) = acc.offset_bounds_at_within(t, &l).unwrap();
+            let (vlo, vhi) = naive_value_within(&samples, i128::from(t.0), Some(&l));
+            prop_assert_eq!(i128::from(omin), vlo - i128::from(t.0));
+            prop_assert_eq!(i128::from(omax), vhi - i128::from(t.0));
+            prop_assert_eq!(clock.offset_within(t, omin, omax), Some(true));
+            if let Ok((lo, hi)) = acc.offset_bounds_at(t) {
+                prop_assert!(lo <= omin && omax <= hi, "{lo} {hi} vs {omin} {omax}");
+            }
+            let (rmin, rmax) = acc.rate_bounds_within(&l).unwrap();
+            let (dmin, dmax) = (rmin.drift_ppb_floor().unwrap(), rmax.drift_ppb_ceil().unwrap());
+            prop_assert_eq!(clock.drift_ppb_within(dmin, dmax), Some(true));
         }
 
         /// A tiny capacity drops vertices but the bounds still contain the truth.

@@ -7,11 +7,15 @@
 //!   fastest round trip. No error bound; biased by that probe's path asymmetry.
 //! - [`trace_cmd_histogram`]: trace-cmd's histogram variant (modal bin of `|offset|`), without
 //!   its division by zero.
-//! - Ours: [`OffsetInterval`] (constant offset) intersects the interval each probe proves,
-//!   `[guest - host_recv, guest - host_send]`; [`DriftEstimator`] (constant rate) keeps the
-//!   two convex hulls that bound every feasible line and derives exact rate and offset
-//!   bounds. Both report the centre of what the samples prove, the bounds always contain the
-//!   truth, and a contradiction is reported as [`EstimateError::SegmentBreak`].
+//! - Ours: [`DriftEstimator`] (constant rate) keeps the two convex hulls that bound every
+//!   feasible line and derives exact rate and offset bounds; with [`RateLimits`] (the rates
+//!   assumed possible) its offset bounds exist from the first sample and hold for every
+//!   constant rate within them: that is the guaranteed bound the host reports.
+//!   [`OffsetInterval`] (constant offset) intersects the interval each probe proves,
+//!   `[guest - host_recv, guest - host_send]`: tighter, but it contains the truth only if the
+//!   guest's rate is exactly the host's; under drift it can miss before it becomes empty.
+//!   Both report the centre of what the samples prove, round bounds outward, and report a
+//!   contradiction as [`EstimateError::SegmentBreak`].
 //!
 //! Sign convention everywhere: `offset = guest - host` (KVM's `tsc-offset`), an `i64`.
 //! Everything is `no_std`, heap-free, float-free; products use `i128`.
@@ -26,7 +30,7 @@ mod sim_tests;
 
 pub use hull::{DriftEstimate, DriftEstimator, estimate_drift};
 pub use interval::{OffsetEstimate, OffsetInterval, estimate_offset};
-pub use sample::{EstimateError, ProbeSample, Ratio};
+pub use sample::{EstimateError, ProbeSample, RateLimits, Ratio};
 pub use tracecmd::{
     TRACE_CMD_PTP_SYNC_LOOP, TraceCmdEstimate, trace_cmd_fastest, trace_cmd_histogram,
 };

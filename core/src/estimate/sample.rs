@@ -112,6 +112,48 @@ impl Ratio {
     }
 }
 
+/// Rates assumed possible before any sample is seen: `0 < min <= rate <= max`.
+///
+/// The drift estimator's bounds need two probes that do not overlap in host time before the
+/// samples alone bound the rate; until then (and always, as a safety net) a caller can state
+/// the rates it considers possible, and the offset bounds hold for every constant rate in
+/// `[min, max]` consistent with the samples. The bounds are as trustworthy as this assumption:
+/// choose it wide (the host's probe session assumes `[1/2, 2]`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "defmt", derive(defmt::Format))]
+pub struct RateLimits {
+    min: Ratio,
+    max: Ratio,
+}
+
+impl RateLimits {
+    /// `[min, max]`, or `None` unless both denominators are positive and `0 < min <= max`
+    /// (or the comparison overflows). A `const fn`, so fixed limits are checked at compile
+    /// time.
+    #[must_use]
+    pub const fn new(min: Ratio, max: Ratio) -> Option<Self> {
+        if min.den <= 0 || max.den <= 0 || min.num <= 0 {
+            return None;
+        }
+        match (max.num.checked_mul(min.den), min.num.checked_mul(max.den)) {
+            (Some(a), Some(b)) if a >= b => Some(Self { min, max }),
+            _ => None,
+        }
+    }
+
+    /// The smallest rate assumed possible.
+    #[must_use]
+    pub const fn min(&self) -> Ratio {
+        self.min
+    }
+
+    /// The largest rate assumed possible.
+    #[must_use]
+    pub const fn max(&self) -> Ratio {
+        self.max
+    }
+}
+
 /// `floor(n / d)` for any signs; `None` when `d == 0` or the quotient overflows.
 pub(crate) fn div_floor(n: i128, d: i128) -> Option<i128> {
     let q = n.checked_div(d)?;
@@ -196,6 +238,40 @@ mod tests {
         let r = Ratio::new(1_000_050_000, 1_000_000_000).unwrap();
         assert_eq!(r.drift_ppb_floor(), Some(50_000));
         assert_eq!(r.drift_ppb_ceil(), Some(50_000));
+    }
+
+    #[test]
+    fn rate_limits_need_a_positive_ordered_range() {
+        let r = |n, d| Ratio::new(n, d).unwrap();
+        let l = RateLimits::new(r(1, 2), r(2, 1)).unwrap();
+        assert_eq!((l.min(), l.max()), (r(1, 2), r(2, 1)));
+        // A denominator must be positive, as `Ratio::new` makes it.
+        assert_eq!(RateLimits::new(Ratio { num: -1, den: -2 }, r(1, 1)), None);
+        assert_eq!(
+            RateLimits::new(
+                r(1, 2),
+                Ratio {
+                    num: 1,
+                    den: i128::MAX
+                }
+            ),
+            None
+        );
+        assert_eq!(
+            RateLimits::new(
+                r(1, 2),
+                Ratio {
+                    num: i128::MAX,
+                    den: 3
+                }
+            ),
+            None
+        );
+        assert_eq!(RateLimits::new(r(0, 1), r(1, 1)), None);
+        assert_eq!(RateLimits::new(r(-1, 1), r(1, 1)), None);
+        assert_eq!(RateLimits::new(r(3, 2), r(1, 1)), None);
+        assert_eq!(RateLimits::new(r(1, 1), Ratio { num: 1, den: 0 }), None);
+        assert!(RateLimits::new(r(1, 1), r(1, 1)).is_some());
     }
 
     #[test]

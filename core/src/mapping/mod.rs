@@ -52,13 +52,13 @@
 //! product in 64 bits.
 
 mod error;
-mod kvm;
 mod nested;
 mod perf;
+mod relation;
 #[cfg(test)]
 mod test_support;
 
 pub use error::MappingError;
-pub use kvm::{FRAC_BITS_SVM, FRAC_BITS_VMX, KvmTscMapping, MAX_FRAC_BITS};
 pub use nested::NestedDeviation;
 pub use perf::{MAX_PERF_SHIFT, PerfTimeConv, clocks_calc_mult_shift};
+pub use relation::{FRAC_BITS_SVM, FRAC_BITS_VMX, KvmTscMapping, MAX_FRAC_BITS};

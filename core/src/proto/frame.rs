@@ -593,6 +593,7 @@ mod tests {
         let mut batch =
             crate::proto::EventBatch::new(u32::MAX, crate::proto::EventClock::Host, u64::MAX);
         batch.dropped = u64::MAX;
+        batch.first = u64::MAX;
         batch.remaining = u32::MAX;
         batch.last = true;
         for _ in 0..crate::proto::EVENT_BATCH_MAX {
@@ -641,10 +642,11 @@ mod tests {
 
     #[test]
     fn decode_rejects_too_many_events() {
-        // Events batch (vcpu 0, dropped 0, remaining 0, last, guest clock, base 0) announcing
-        // EVENT_BATCH_MAX + 1 records of (delta 0, id 1, no payload).
+        // Events batch (vcpu 0, dropped 0, first 0, remaining 0, last, guest clock, base 0)
+        // announcing EVENT_BATCH_MAX + 1 records of (delta 0, id 1, no payload).
         let mut bare = std::vec![
             0x0b,
+            0,
             0,
             0,
             0,

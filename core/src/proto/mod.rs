@@ -19,7 +19,7 @@
 //!
 //! **16 bytes per probe round trip** (pinned by a test), against ≈ 96.7 B per probe for
 //! trace-cmd's PTP plugin (36 B each way plus its share of the 8 KiB result message;
-//! reference/trace-cmd-tsync.md §3.6). The reply carries only the low 32 bits of the guest
+//! docs/trace-cmd.md). The reply carries only the low 32 bits of the guest
 //! TSC: a full TSC takes 8 bytes and pushes the round trip to 21 B ([`Message::ProbeFull`]).
 //! The host recovers the full value with [`try_unwrap_tsc_low32`] against its estimate of the
 //! guest TSC, which is exact while that estimate is within 2^31 ticks (≈ 0.7 s at 3 GHz). The

@@ -132,6 +132,7 @@ pub(crate) fn arb_message() -> impl Strategy<Value = Message> {
                 };
                 let mut b = EventBatch::new(vcpu, clock, base);
                 b.dropped = dropped;
+                b.first = dropped.rotate_left(17);
                 b.remaining = remaining;
                 b.last = last;
                 for e in evs {

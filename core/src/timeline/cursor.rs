@@ -9,7 +9,7 @@
 use super::error::ConvertError;
 use super::lookup::Timeline;
 use super::segment::Segment;
-use super::{fast, kvm};
+use super::{exact_inverse, fast};
 use crate::units::{GuestTicks, HostTicks};
 
 impl<'a> Timeline<'a> {
@@ -98,7 +98,7 @@ impl<'a> Cursor<'a> {
         loop {
             let run = match self.segment.kvm() {
                 None => fast::convert_run(self.segment, self.fast_span, rest),
-                Some(map) => kvm::convert_run(self.segment, map, self.fast_span, rest),
+                Some(map) => exact_inverse::convert_run(self.segment, map, self.fast_span, rest),
             };
             done += run;
             let Some((tick, tail)) = rest.get_mut(run..).and_then(<[u64]>::split_first_mut) else {

@@ -18,7 +18,7 @@
 //! turn into a single vector compare), then convert the chunk branch-free; the tail and the
 //! chunk that leaves the range go one tick at a time.
 //!
-//! A KVM segment runs the same kernels with a correction step appended (see the `kvm` module);
+//! A KVM segment runs the same kernels with a correction step appended (see the `exact_inverse` module);
 //! the linear kernels are instantiated with a no-op correction, so they pay nothing for it.
 
 use super::segment::Segment;
@@ -28,7 +28,7 @@ const LANES: usize = 8;
 
 /// Converts the longest prefix of `ticks` with `0 <= tick - segment.start <= span` on a linear
 /// segment's line and returns its length. `span` must not exceed the segment's own
-/// overflow-free span. (A KVM segment goes through `kvm::convert_run`, which runs
+/// overflow-free span. (A KVM segment goes through `exact_inverse::convert_run`, which runs
 /// [`convert_run_with`] with its correction.)
 pub(super) fn convert_run(segment: &Segment, span: u64, ticks: &mut [u64]) -> usize {
     convert_run_with(segment, span, ticks, |_, host| host)

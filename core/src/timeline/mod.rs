@@ -10,7 +10,7 @@
 //! Two ways to convert, with identical results (a property test pins this):
 //!
 //! - random access, [`Timeline::try_convert_floor`]: a binary search per timestamp, which is
-//!   what trace-cmd's reader does for every event (trace-cmd-tsync.md §4.3);
+//!   what trace-cmd's reader does for every event (docs/trace-cmd.md);
 //! - streaming, [`Cursor`]: remembers the current segment, so a non-decreasing stream costs
 //!   amortized O(1) per timestamp (a jump over many segments gallops: O(log gap));
 //!   [`Cursor::try_convert_slice_floor`] is the batch fast path (a range compare checked eight
@@ -35,8 +35,8 @@
 
 mod cursor;
 mod error;
+mod exact_inverse;
 mod fast;
-mod kvm;
 mod lookup;
 mod owned;
 mod segment;

@@ -19,7 +19,7 @@
 //! [`KvmTscMapping`] and converts with that mapping's exact inverse,
 //! [`KvmTscMapping::try_host_from_guest_ceil`]. Its line (through `(tsc_offset, 0)` with the
 //! reciprocal slope rounded down) is only the estimate the batch kernel starts from and then
-//! corrects (see the `kvm` module).
+//! corrects (see the `exact_inverse` module).
 
 use super::slope::Slope;
 use crate::mapping::KvmTscMapping;
@@ -44,7 +44,7 @@ pub struct Segment {
     pub(super) slope: Slope,
     /// The largest `d` for which `base + ((d * mul + frac) >> shift)` fits a `u64`. The cursor's
     /// fast path relies on it to skip the overflow checks. For a KVM segment it is the largest
-    /// `d` for which the batch kernel's corrected estimate is exact (see the `kvm` module).
+    /// `d` for which the batch kernel's corrected estimate is exact (see the `exact_inverse` module).
     pub(super) fast_span: u64,
     /// The exact relation of a KVM segment, whose inverse this segment computes; `ratio` 0
     /// for a linear segment. Stored as raw fields rather than an `Option<KvmTscMapping>`

@@ -107,7 +107,7 @@ impl Slope {
     /// The inverse slope of a KVM TSC scaling ratio, `2^frac_bits / ratio` host ticks per guest
     /// tick, precomputed once as a reciprocal and rounded down.
     ///
-    /// KVM scales `guest = offset + ((host * ratio) >> frac_bits)` (DESIGN §2); trace
+    /// KVM scales `guest = offset + ((host * ratio) >> frac_bits)` (see [`crate::mapping`]); trace
     /// conversion needs the inverse. This rounded reciprocal is **not** that inverse (the
     /// floor of a line through it lands up to two ticks below
     /// [`crate::mapping::KvmTscMapping::try_host_from_guest_ceil`]); a KVM

@@ -49,8 +49,9 @@ pub enum Command {
     /// Measure a guest's TSC offset (and drift) with ping-pong probes against the vmtsync guest
     /// agent, with guaranteed bounds and trace-cmd's estimate on the same samples.
     ///
-    /// JSON (--json, schema 1): one object per round with schema, vcpu, offset_ticks, bound_lo,
-    /// bound_hi, model, at_host_tsc, drift_ppb(_lo/_hi), rtt_*_ticks, probes, sent,
+    /// JSON (--json, schema 2): one object per round with schema, vcpu, offset_ticks, bound_lo,
+    /// bound_hi (guaranteed for any constant rate in [1/2, 2]), model, rate1_lo, rate1_hi
+    /// (if the rate is exactly 1), at_host_tsc, drift_ppb(_lo/_hi), rtt_*_ticks, probes, sent,
     /// lost_probes, bad_frames, stale_replies, tracecmd_fastest_rtt_offset, tsc_khz.
     #[command(after_help = EXIT_CODES)]
     Probe(ProbeArgs),

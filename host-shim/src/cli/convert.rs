@@ -9,7 +9,7 @@ use vmtsync_core::mapping::KvmTscMapping;
 use super::exit::CliError;
 use super::source::{SourceArgs, scanner};
 use crate::compose::ComposeError;
-use crate::convert::{self, ConvertOptions, Direction, Rounding};
+use crate::exact_convert::{self, ConvertOptions, Direction, Rounding};
 use crate::scan::VmSelector;
 use crate::syncfile::{self, SyncFile};
 
@@ -152,7 +152,7 @@ pub(super) fn run_convert(a: &ConvertArgs) -> Result<(), CliError> {
     let mut input = BufReader::with_capacity(64 * 1024, stdin.lock());
     let mut output = BufWriter::with_capacity(64 * 1024, io::stdout().lock());
     let mut warn = io::stderr().lock();
-    let stats = convert::convert_stream(&mut input, &mut output, &mut warn, &opts)?;
+    let stats = exact_convert::convert_stream(&mut input, &mut output, &mut warn, &opts)?;
     if stats.skipped > 0 {
         writeln!(
             warn,

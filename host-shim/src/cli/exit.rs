@@ -6,8 +6,8 @@ use thiserror::Error;
 
 use super::signals::stop_signal;
 use crate::compose::ComposeError;
-use crate::convert::ConvertError;
 use crate::debugfs::{DEBUGFS_MOUNTPOINT, DebugfsError};
+use crate::exact_convert::ConvertError;
 use crate::probe::{ConnectError, ProbeError};
 use crate::scan::ScanError;
 use crate::syncfile::SyncFileError;
@@ -124,7 +124,9 @@ impl CliError {
             Self::NotRoot | Self::Mount(_) => 3,
             Self::Probe(e) => probe_exit_code(e),
             Self::Record(crate::record::RecordError::Probe(e)) => probe_exit_code(e),
-            Self::Record(crate::record::RecordError::NoSync) => 7,
+            Self::Record(
+                crate::record::RecordError::NoSync | crate::record::RecordError::NoEvents,
+            ) => 7,
             Self::Record(_) => 1,
             Self::Usage(_) => 2,
             Self::SyncFile(e) => sync_exit_code(e),

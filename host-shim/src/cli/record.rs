@@ -25,9 +25,9 @@ pub struct RecordArgs {
     #[arg(long, value_enum, default_value_t = FormatArg::TraceCmd)]
     pub format: FormatArg,
     /// Stop after N events.
-    #[arg(long, value_name = "N", conflicts_with = "duration")]
+    #[arg(long, value_name = "N")]
     pub events: Option<u64>,
-    /// Stop after SECS seconds.
+    /// Stop after SECS seconds (with --events: whichever comes first).
     #[arg(long, value_name = "SECS")]
     pub duration: Option<f64>,
     /// Milliseconds between the starts of two sync rounds.
@@ -109,7 +109,7 @@ impl RecordArgs {
                 .filter(|d| d.is_finite() && *d >= 0.0)
                 .map(Duration::from_secs_f64),
             resync: Duration::from_millis(self.resync.max(1)),
-            drain_max: 4096,
+            drain_max: 512,
         }
     }
 }
@@ -206,8 +206,15 @@ pub fn summary_text(s: &RecordSummary) -> String {
     if s.preconverted {
         t.push_str(&format!(
             "; timestamps pre-converted to host TSC (the guest TSC rate differs from the host's, \
-             which trace-cmd's TIME_SHIFT cannot represent exactly; {} raised to stay in order)",
+             or its TSC stepped back, which trace-cmd's TIME_SHIFT cannot represent exactly; {} \
+             raised to stay in order)",
             s.clamped
+        ));
+    }
+    if s.lost + s.replayed + s.failed_drains > 0 {
+        t.push_str(&format!(
+            "; {} events lost in transit (sent by the agent, never received), {} received twice, {} drains asked again",
+            s.lost, s.replayed, s.failed_drains
         ));
     }
     if s.host_stamped_skipped + s.unplaceable > 0 {

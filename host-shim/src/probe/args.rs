@@ -51,8 +51,9 @@ pub struct ProbeArgs {
     /// Stop continuous mode after this many rounds.
     #[arg(long, value_name = "N", requires = "continuous")]
     pub rounds: Option<u64>,
-    /// Print one JSON object per round (schema 1: schema, vcpu, offset_ticks, bound_lo,
-    /// bound_hi, drift_ppb, rtt_min_ticks, probes, tracecmd_fastest_rtt_offset, ...).
+    /// Print one JSON object per round (schema 2: schema, vcpu, offset_ticks, bound_lo,
+    /// bound_hi, model, rate1_lo, rate1_hi, drift_ppb, rtt_min_ticks, probes,
+    /// tracecmd_fastest_rtt_offset, ...).
     #[arg(long)]
     pub json: bool,
     /// End the agent afterwards (it sends `Exiting` and, when booted with `exit=N`, ends

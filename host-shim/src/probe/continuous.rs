@@ -15,7 +15,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use vmtsync_core::estimate::{DriftEstimator, EstimateError, ProbeSample};
 
 use super::progress::Progress;
-use super::report::{HULL_CAPACITY, OffsetModel, ProbeSummary};
+use super::report::{HULL_CAPACITY, OffsetModel, ProbeSummary, RATE_LIMITS};
 use super::session::ProbeSession;
 use super::transport::StampedTransport;
 use super::{ProbeError, ProbeOptions};
@@ -106,6 +106,11 @@ pub(super) fn run<T: StampedTransport>(
         source: opts.addr.to_string(),
     };
     let mut writer = SyncWriter::open(&cont.out, &header)?;
+    if let Some(cut) = writer.cut_on_open() {
+        // A run killed mid-write left a torn last line; it is gone now, and the user hears how
+        // much went before the new segments are appended after the complete ones.
+        eprintln!("vmtsync: warning: {}: {cut}", cont.out.display());
+    }
     let mut cumulative = Cumulative::new();
     let mut summary = ContinuousSummary {
         segments: 0,
@@ -204,7 +209,7 @@ pub(super) fn run<T: StampedTransport>(
 }
 
 /// Writes a note about a round: to `out` in text mode, to stderr (`vmtsync: ` prefixed) under
-/// `--json`, where stdout carries only schema-1 objects.
+/// `--json`, where stdout carries only schema-2 objects.
 fn note(out: &mut dyn Write, json: bool, text: &str) -> Result<(), ProbeError> {
     if json {
         writeln!(std::io::stderr(), "vmtsync: {text}")
@@ -215,7 +220,10 @@ fn note(out: &mut dyn Write, json: bool, text: &str) -> Result<(), ProbeError> {
 }
 
 /// Builds the round's segment from the cumulative estimate (constant rate since the last
-/// break), falling back to the round's own constant-offset bounds while the rate is unbounded.
+/// break, within [`RATE_LIMITS`]); when that estimate is empty (a round it refused on its own),
+/// from the round's own guaranteed bounds. Both hold for any constant rate within the limits
+/// that fits the samples, so the first round's segment is valid even before the samples bound
+/// the rate; its drift bounds are then the limits themselves, never "exactly 0".
 pub(crate) fn segment(
     cumulative: &Cumulative,
     s: &ProbeSummary,
@@ -224,15 +232,21 @@ pub(crate) fn segment(
     is_break: bool,
 ) -> Result<SyncSegment, ProbeError> {
     let anchor = s.at_host;
-    let (model, lo, hi) = match cumulative.est.offset_bounds_at(anchor) {
-        Ok((lo, hi)) if cumulative.est.samples() > 1 => (OffsetModel::Drift, lo, hi),
-        _ => (s.model, s.bound_lo, s.bound_hi),
+    let (model, lo, hi) = match cumulative.est.offset_bounds_at_within(anchor, &RATE_LIMITS) {
+        Ok((lo, hi)) => (OffsetModel::Drift, lo, hi),
+        Err(_) => (s.model, s.bound_lo, s.bound_hi),
     };
-    let drift = cumulative.est.estimate().ok();
-    let (dlo, dhi) = (
-        drift.map(|d| d.drift_ppb_min),
-        drift.map(|d| d.drift_ppb_max),
+    // Drift bounds to match: outward (the lower rate rounded down, the upper up), the
+    // round's own when the cumulative estimate is empty, the limits when nothing tighter is
+    // known.
+    let limits = (
+        RATE_LIMITS.min().drift_ppb_floor(),
+        RATE_LIMITS.max().drift_ppb_ceil(),
     );
+    let (dlo, dhi) = match cumulative.est.rate_bounds_within(&RATE_LIMITS) {
+        Ok((a, b)) => (a.drift_ppb_floor(), b.drift_ppb_ceil()),
+        Err(_) => s.drift.map_or(limits, |d| (Some(d.lo), Some(d.hi))),
+    };
     // The feasible rate closest to identity (KVM's default): any rate in the bounds fits.
     let used = match (dlo, dhi) {
         (Some(lo), Some(hi)) => 0_i64.clamp(lo, hi.max(lo)),
@@ -367,12 +381,12 @@ mod tests {
         let mut out = Vec::new();
         run_probe_on(sim(), &opts, &mut out).unwrap();
         let out = String::from_utf8(out).unwrap();
-        // Two measured rounds, two schema-1 objects, nothing else (the note went to stderr).
+        // Two measured rounds, two schema-2 objects, nothing else (the note went to stderr).
         let lines: Vec<&str> = out.lines().collect();
         assert_eq!(lines.len(), 2, "{out}");
         for l in lines {
             let v: serde_json::Value = serde_json::from_str(l).expect("a JSON line");
-            assert_eq!(v["schema"], 1, "{l}");
+            assert_eq!(v["schema"], 2, "{l}");
         }
     }
 
@@ -407,6 +421,83 @@ mod tests {
                 }
             })
             .collect()
+    }
+
+    /// A summary of `samples` as `run` makes it (vCPU 0, no session counters).
+    fn summary(samples: &[ProbeSample]) -> ProbeSummary {
+        let info = crate::probe::session::AgentInfo {
+            vcpu: 0,
+            transport: vmtsync_core::proto::Transport::Memory,
+            features: vmtsync_core::proto::Features::NONE,
+            tsc_khz: None,
+            hello_tsc: GuestTicks(0),
+            hello_stamps: crate::probe::FrameStamps {
+                send: HostTicks(0),
+                recv: HostTicks(0),
+            },
+        };
+        ProbeSummary::from_samples(&info, samples, crate::probe::SessionStats::default()).unwrap()
+    }
+
+    #[test]
+    fn segments_of_a_drifting_guest_hold_the_truth_from_the_first_round() {
+        use vmtsync_core::sim::{Delay, GuestClock, Link, Sim};
+        // A guest 100 ppm fast behind tight asymmetric brackets (the exit-stamped shape). The
+        // first round has one probe: the samples bound neither the rate nor, alone, the
+        // offset, so the segment's bounds and drift come from the rate limits.
+        let clock = GuestClock::with_drift_ppb(5_098_309_658_643, 100_000).unwrap();
+        let link = Link {
+            forward: Delay::Uniform {
+                min: 1_500,
+                max: 2_500,
+            },
+            backward: Delay::Uniform { min: 0, max: 60 },
+            outlier_ppm: 0,
+            outlier: Delay::Constant(0),
+            gap: Delay::Uniform {
+                min: 50_000,
+                max: 250_000,
+            },
+        };
+        let mut sim = Sim::new(7, HostTicks(1 << 41), clock, link, 0);
+        let mut c = Cumulative::new();
+        for (round, probes) in [(0_u64, 1_usize), (1, 64), (2, 64)] {
+            let samples: Vec<ProbeSample> = (0..probes).map(|_| sim.probe().unwrap()).collect();
+            let s = summary(&samples);
+            let is_break = c.add(&samples);
+            let seg = segment(&c, &s, &samples, round, is_break).unwrap();
+            assert!(!seg.is_break);
+            assert_eq!(seg.model, OffsetModel::Drift);
+            let at = HostTicks(seg.host_anchor);
+            assert_eq!(
+                clock.offset_within(at, seg.offset_lo, seg.offset_hi),
+                Some(true),
+                "round {round}: {seg:?}"
+            );
+            let (dlo, dhi) = (seg.drift_ppb_lo.unwrap(), seg.drift_ppb_hi.unwrap());
+            assert_eq!(
+                clock.drift_ppb_within(dlo, dhi),
+                Some(true),
+                "round {round}: {seg:?}"
+            );
+            if round == 0 {
+                // Only the limits bound the first round's rate: [1/2, 2] as ppb.
+                assert_eq!((dlo, dhi), (-500_000_000, 1_000_000_000));
+            } else {
+                assert!(dhi - dlo < 1_000_000, "round {round}: {seg:?}");
+            }
+        }
+        // A one-probe round three host seconds later: the cumulative hull bounds it alone.
+        sim.link.gap = Delay::Constant(3_000_000_000);
+        let samples = [sim.probe().unwrap()];
+        let s = summary(&samples);
+        assert!(!c.add(&samples));
+        let seg = segment(&c, &s, &samples, 3, false).unwrap();
+        assert_eq!(
+            clock.offset_within(HostTicks(seg.host_anchor), seg.offset_lo, seg.offset_hi),
+            Some(true),
+            "{seg:?}"
+        );
     }
 
     #[test]

@@ -13,7 +13,7 @@
 //! - [`session`]: the one host-side protocol driver: hello, probes, requests, garbage, flood
 //!   and timeout handling, every rejection counted; [`reference`](mod@reference): the window a reply's TSC
 //!   must lie in, which makes compact replies unambiguous (docs/probe.md).
-//! - [`report`]: estimates, RTT statistics, text and `--json` (schema 1) output.
+//! - [`report`]: estimates, RTT statistics, text and `--json` (schema 2) output.
 //! - [`continuous`]: periodic re-sync into a sync file ([`crate::syncfile`]).
 //! - `run` ([`run_probe`], [`ProbeOptions`]) and `error` ([`ProbeError`]): one run, and why it
 //!   failed.

@@ -1,17 +1,38 @@
 //! What a probe round measured: our bounded estimates, trace-cmd's on the same samples, and
 //! round-trip statistics, printed as text or as the versioned `--json` object.
 //!
-//! # `vmtsync probe --json`, schema 1
+//! # What "guaranteed" means
 //!
-//! One JSON object per round (continuous mode prints one line per round):
+//! `bound_lo..=bound_hi` contains the true offset at `at_host_tsc` for **every constant
+//! guest rate in [`RATE_LIMITS`] (`[1/2, 2]` guest ticks per host tick, the range the probe
+//! session already assumes to unwrap compact replies) that fits every sample**: the drift
+//! estimator's convex-hull bounds
+//! ([`DriftEstimator::offset_bounds_at_within`], rounded outward to whole ticks). A guest
+//! whose clock drifts (an oscillator off by 100 ppm, a software skew, TSC scaling) stays
+//! inside. The assumptions: the guest's rate is constant over the round, within those limits,
+//! each guest reading happened between its two host stamps, and a reading is the true clock
+//! rounded down once (KVM's `>> frac`; docs/probe.md).
+//!
+//! The constant-offset interval (the intersection of every probe's
+//! `[guest - host_recv, guest - host_send]`) is tighter but holds only if the guest's rate is
+//! *exactly* the host's: under drift it can exclude the truth long before it becomes empty.
+//! It is reported separately (`rate1_lo`, `rate1_hi`, "if the rate is exactly 1"), never as
+//! the guaranteed bound.
+//!
+//! # `vmtsync probe --json`, schema 2
+//!
+//! One JSON object per round (continuous mode prints one line per round). Schema 2 changed
+//! the meaning of `bound_lo`/`bound_hi` (schema 1 gave the constant-offset interval whenever
+//! it was not empty, `model` `"offset"`) and added `rate1_lo`/`rate1_hi`:
 //!
 //! | key | type | meaning |
 //! |---|---|---|
-//! | `schema` | 1 | this table's version |
+//! | `schema` | 2 | this table's version |
 //! | `vcpu` | u32 | the vCPU the agent reads |
 //! | `offset_ticks` | i64 | `guest - host` TSC offset at `at_host_tsc`: centre of the bounds |
-//! | `bound_lo`, `bound_hi` | i64 | guaranteed bounds of that offset (inclusive) |
-//! | `model` | `"offset"` / `"drift"` | `offset`: one constant offset explains every sample (identity rate); `drift`: it does not, the bounds come from the constant-rate hull estimator |
+//! | `bound_lo`, `bound_hi` | i64 | guaranteed bounds of that offset (inclusive), see above |
+//! | `model` | `"drift"` | the model the guaranteed bounds come from: constant rate within the limits (schema 1 also wrote `"offset"`) |
+//! | `rate1_lo`, `rate1_hi` | i64 or null | the constant-offset interval: the offset's bounds *if the guest's rate is exactly the host's*, not guaranteed otherwise; null when no constant offset fits |
 //! | `at_host_tsc` | u64 | host TSC the offset refers to (middle of the sampled span) |
 //! | `drift_ppb` | i64 or null | guest rate against the host, `(rate - 1)·1e9`, centre of its bounds; null until two probes bound it |
 //! | `drift_ppb_lo`, `drift_ppb_hi` | i64 or null | guaranteed drift bounds |
@@ -28,21 +49,40 @@ use std::io::{self, Write};
 use serde::Serialize;
 use vmtsync_core::HostTicks;
 use vmtsync_core::estimate::{
-    DriftEstimator, EstimateError, OffsetInterval, ProbeSample, trace_cmd_fastest,
+    DriftEstimator, EstimateError, OffsetInterval, ProbeSample, RateLimits, Ratio,
+    trace_cmd_fastest,
 };
 
-use super::session::{AgentInfo, SessionStats};
+use super::session::{AgentInfo, RATE_MAX, RATE_MIN, SessionStats};
 
 /// Vertices per hull of the drift estimator (bounds stay sound when it saturates).
 pub const HULL_CAPACITY: usize = 64;
 
-/// Which model the offset bounds come from.
+/// The guest rates the guaranteed bounds allow, `[RATE_MIN, RATE_MAX]` = `[1/2, 2]` guest
+/// ticks per host tick: the range the session already assumes to unwrap compact replies, so
+/// the bounds add no assumption of their own.
+pub const RATE_LIMITS: RateLimits = match RateLimits::new(ratio(RATE_MIN), ratio(RATE_MAX)) {
+    Some(l) => l,
+    None => panic!("RATE_MIN and RATE_MAX must be positive and ordered"),
+};
+
+/// A `(num, den)` rate constant as a [`Ratio`] (u64 always fits i128; `From` is not const).
+#[allow(clippy::cast_lossless)]
+const fn ratio((num, den): (u64, u64)) -> Ratio {
+    Ratio {
+        num: num as i128,
+        den: den as i128,
+    }
+}
+
+/// Which model the guaranteed offset bounds come from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum OffsetModel {
-    /// One constant offset at identity rate explains every sample (KVM without TSC scaling).
+    /// One constant offset at exactly identity rate. Only in sync files written before
+    /// probe schema 2: such bounds miss the truth under drift, and nothing writes them now.
     Offset,
-    /// Constant rate and offset (convex-hull bounds); used when no constant offset fits.
+    /// Any constant rate within the limits that fits every sample (convex-hull bounds).
     Drift,
 }
 
@@ -77,12 +117,15 @@ pub struct ProbeSummary {
     pub probes: u32,
     /// Offset `guest - host` at `at_host`, centre of the bounds.
     pub offset: i64,
-    /// Guaranteed lower bound of the offset.
+    /// Guaranteed lower bound of the offset (any constant rate in [`RATE_LIMITS`]).
     pub bound_lo: i64,
     /// Guaranteed upper bound of the offset.
     pub bound_hi: i64,
     /// Where the bounds come from.
     pub model: OffsetModel,
+    /// The constant-offset interval `(lo, hi)`: the offset's bounds only *if the guest's rate
+    /// is exactly the host's*; `None` when no constant offset fits. Not guaranteed.
+    pub rate1: Option<(i64, i64)>,
     /// Host TSC the offset refers to.
     pub at_host: HostTicks,
     /// Drift bounds, once two probes bound the rate.
@@ -97,7 +140,7 @@ pub struct ProbeSummary {
     pub stats: SessionStats,
 }
 
-/// The JSON shape of [`ProbeSummary`] (schema 1, see the module docs).
+/// The JSON shape of [`ProbeSummary`] (schema 2, see the module docs).
 #[derive(Serialize)]
 struct JsonSummary {
     schema: u32,
@@ -106,6 +149,8 @@ struct JsonSummary {
     bound_lo: i64,
     bound_hi: i64,
     model: OffsetModel,
+    rate1_lo: Option<i64>,
+    rate1_hi: Option<i64>,
     at_host_tsc: u64,
     drift_ppb: Option<i64>,
     drift_ppb_lo: Option<i64>,
@@ -130,15 +175,15 @@ struct JsonSummary {
 }
 
 /// The current `--json` schema version.
-pub const JSON_SCHEMA: u32 = 1;
+pub const JSON_SCHEMA: u32 = 2;
 
 impl ProbeSummary {
     /// Estimates from one round's samples.
     ///
     /// # Errors
-    /// `NoSamples` for an empty round; `SegmentBreak` if not even a constant rate explains the
-    /// samples (the clock stepped mid-round); `VcpuMismatch`, `OutOfOrder`, `Overflow` for
-    /// samples the estimators refuse.
+    /// `NoSamples` for an empty round; `SegmentBreak` if not even a constant rate within
+    /// [`RATE_LIMITS`] explains the samples (the clock stepped mid-round); `VcpuMismatch`,
+    /// `OutOfOrder`, `Overflow` for samples the estimators refuse.
     pub fn from_samples(
         info: &AgentInfo,
         samples: &[ProbeSample],
@@ -166,12 +211,14 @@ impl ProbeSummary {
             Err(EstimateError::Unbounded) => None,
             Err(e) => return Err(e),
         };
-        let (model, lo, hi) = if interval_ok {
-            let e = interval.estimate()?;
-            (OffsetModel::Offset, e.min, e.max)
+        // The guaranteed bounds hold for any constant rate in the limits; they contain every
+        // offset the constant-offset interval allows (rate 1 is one such rate), which is
+        // kept only as the "if the rate is exactly 1" figure.
+        let (lo, hi) = drift_est.offset_bounds_at_within(at, &RATE_LIMITS)?;
+        let rate1 = if interval_ok {
+            interval.estimate().ok().map(|e| (e.min, e.max))
         } else {
-            let (lo, hi) = drift_est.offset_bounds_at(at)?;
-            (OffsetModel::Drift, lo, hi)
+            None
         };
         let tc = trace_cmd_fastest(samples)?;
         let mut rtts: Vec<u64> = samples.iter().filter_map(ProbeSample::rtt).collect();
@@ -190,7 +237,8 @@ impl ProbeSummary {
             offset: lo + i64::try_from((i128::from(hi) - i128::from(lo)) / 2).unwrap_or(0),
             bound_lo: lo,
             bound_hi: hi,
-            model,
+            model: OffsetModel::Drift,
+            rate1,
             at_host: at,
             drift,
             rtt,
@@ -206,7 +254,7 @@ impl ProbeSummary {
         self.bound_hi.abs_diff(self.bound_lo)
     }
 
-    /// The schema-1 JSON object (see the module docs).
+    /// The schema-2 JSON object (see the module docs).
     #[must_use]
     pub fn to_json(&self) -> serde_json::Value {
         // A struct of integers and options always serializes.
@@ -221,6 +269,8 @@ impl ProbeSummary {
             bound_lo: self.bound_lo,
             bound_hi: self.bound_hi,
             model: self.model,
+            rate1_lo: self.rate1.map(|r| r.0),
+            rate1_hi: self.rate1.map(|r| r.1),
             at_host_tsc: self.at_host.0,
             drift_ppb: self.drift.map(|d| d.ppb),
             drift_ppb_lo: self.drift.map(|d| d.lo),
@@ -298,18 +348,26 @@ impl ProbeSummary {
         }
         writeln!(
             out,
-            "offset (guest - host): {} ticks, guaranteed in [{}, {}] (width {}{}), {} model, at host TSC {}",
+            "offset (guest - host): {} ticks, guaranteed in [{}, {}] (width {}{}), {}, at host TSC {}",
             self.offset,
             self.bound_lo,
             self.bound_hi,
             self.width(),
             ns(self.width()),
             match self.model {
-                OffsetModel::Offset => "constant-offset",
-                OffsetModel::Drift => "constant-rate",
+                OffsetModel::Offset => "constant-offset model (rate exactly 1)",
+                OffsetModel::Drift => "for any constant rate in [1/2, 2] the samples allow",
             },
             self.at_host.0
         )?;
+        if let Some((lo, hi)) = self.rate1 {
+            writeln!(
+                out,
+                "if the guest's rate is exactly the host's (not guaranteed): [{lo}, {hi}] (width {}{})",
+                hi.abs_diff(lo),
+                ns(hi.abs_diff(lo))
+            )?;
+        }
         match self.drift {
             Some(d) => writeln!(
                 out,
@@ -349,6 +407,7 @@ impl ProbeSummary {
 mod tests {
     use super::*;
     use vmtsync_core::GuestTicks;
+    use vmtsync_core::sim::{Delay, GuestClock, Link, Sim};
 
     fn info() -> AgentInfo {
         AgentInfo {
@@ -380,9 +439,13 @@ mod tests {
             .map(|i| sample(1_000_000 + i * 10_000, 100 + i * 7 % 50, 300 - i * 3, truth))
             .collect();
         let s = ProbeSummary::from_samples(&info(), &samples, SessionStats::default()).unwrap();
-        assert_eq!(s.model, OffsetModel::Offset);
+        assert_eq!(s.model, OffsetModel::Drift);
         assert!(s.bound_lo <= truth && truth <= s.bound_hi, "{s:?}");
         assert!(s.bound_lo <= s.offset && s.offset <= s.bound_hi);
+        // At rate 1 the constant-offset interval fits too: inside the guaranteed bounds.
+        let (r1_lo, r1_hi) = s.rate1.unwrap();
+        assert!(r1_lo <= truth && truth <= r1_hi, "{s:?}");
+        assert!(s.bound_lo <= r1_lo && r1_hi <= s.bound_hi, "{s:?}");
         assert_eq!(
             s.rtt.min,
             samples.iter().filter_map(ProbeSample::rtt).min().unwrap()
@@ -390,15 +453,19 @@ mod tests {
         let d = s.drift.unwrap();
         assert!(d.lo <= 0 && 0 <= d.hi, "{d:?}");
         let j = s.to_json();
-        assert_eq!(j["schema"], 1);
+        assert_eq!(j["schema"], 2);
         assert_eq!(j["vcpu"], 2);
+        assert_eq!(
+            (j["rate1_lo"].as_i64(), j["rate1_hi"].as_i64()),
+            (Some(r1_lo), Some(r1_hi))
+        );
         assert_eq!(j["offset_ticks"], s.offset);
         assert_eq!(j["bound_lo"], s.bound_lo);
         assert_eq!(j["bound_hi"], s.bound_hi);
         assert_eq!(j["probes"], 20);
         assert_eq!(j["rtt_min_ticks"], s.rtt.min);
         assert_eq!(j["tracecmd_fastest_rtt_offset"], s.tracecmd_fastest);
-        assert_eq!(j["model"], "offset");
+        assert_eq!(j["model"], "drift");
         for key in [
             "unexpected",
             "unknown_seq",
@@ -415,7 +482,7 @@ mod tests {
         s.write_json(&mut line).unwrap();
         let line = String::from_utf8(line).unwrap();
         assert!(
-            line.starts_with(r#"{"schema":1,"vcpu":2,"offset_ticks":"#) && line.ends_with("}\n"),
+            line.starts_with(r#"{"schema":2,"vcpu":2,"offset_ticks":"#) && line.ends_with("}\n"),
             "{line}"
         );
         assert_eq!(serde_json::from_str::<serde_json::Value>(&line).unwrap(), j);
@@ -423,11 +490,119 @@ mod tests {
         s.write_text(&mut text).unwrap();
         let text = String::from_utf8(text).unwrap();
         assert!(text.contains("guaranteed in"), "{text}");
+        assert!(text.contains("for any constant rate in [1/2, 2]"), "{text}");
+        assert!(
+            text.contains(&format!(
+                "if the guest's rate is exactly the host's (not guaranteed): [{r1_lo}, {r1_hi}]"
+            )),
+            "{text}"
+        );
         assert!(text.contains("trace-cmd fastest-RTT"), "{text}");
     }
 
     #[test]
-    fn drifting_guest_falls_back_to_the_rate_model() {
+    fn rate_limits_are_the_sessions() {
+        // The text report spells the limits out: it must change with them.
+        assert_eq!((RATE_MIN, RATE_MAX), ((1, 2), (2, 1)));
+        assert_eq!(RATE_LIMITS.min(), Ratio { num: 1, den: 2 });
+        assert_eq!(RATE_LIMITS.max(), Ratio { num: 2, den: 1 });
+    }
+
+    /// Probes of `clock` over `link`, `n` of them, vCPU 2.
+    fn simulated(seed: u64, clock: GuestClock, link: Link, n: usize) -> Vec<ProbeSample> {
+        let mut sim = Sim::new(seed, HostTicks(1 << 41), clock, link, 2);
+        (0..n).map(|_| sim.probe().unwrap()).collect()
+    }
+
+    /// The exit-stamped shape: a long forward leg, the reply leaving right after the read.
+    fn tight_asymmetric_link() -> Link {
+        Link {
+            forward: Delay::Uniform {
+                min: 1_500,
+                max: 2_500,
+            },
+            backward: Delay::Uniform { min: 0, max: 60 },
+            outlier_ppm: 0,
+            outlier: Delay::Constant(0),
+            gap: Delay::Uniform {
+                min: 50_000,
+                max: 250_000,
+            },
+        }
+    }
+
+    #[test]
+    fn a_guest_100_ppm_fast_stays_inside_the_guaranteed_bounds() {
+        // What the built-in VMM's exit stamps showed with a +100 ppm skew: about 1000 ticks of
+        // drift over the round, less than a round trip, so a constant offset still "fits",
+        // but the constant-offset interval sits at the late probes' offsets and misses the
+        // truth at the middle. Schema 1 reported that interval as guaranteed.
+        const RUNS: u64 = 300;
+        let (mut missed, mut old_w, mut new_w) = (0, Vec::new(), Vec::new());
+        for seed in 0..RUNS {
+            let clock = GuestClock::with_drift_ppb(5_098_309_658_643, 100_000).unwrap();
+            let samples = simulated(seed, clock, tight_asymmetric_link(), 64);
+            let s = ProbeSummary::from_samples(&info(), &samples, SessionStats::default())
+                .unwrap_or_else(|e| panic!("seed {seed}: {e:?}"));
+            assert_eq!(
+                clock.offset_within(s.at_host, s.bound_lo, s.bound_hi),
+                Some(true),
+                "seed {seed}: {s:?}"
+            );
+            let (lo, hi) = s.rate1.unwrap_or_else(|| panic!("seed {seed}: {s:?}"));
+            assert!(s.bound_lo <= lo && hi <= s.bound_hi, "seed {seed}: {s:?}");
+            missed += u32::from(clock.offset_within(s.at_host, lo, hi) == Some(false));
+            old_w.push(hi.abs_diff(lo));
+            new_w.push(s.width());
+        }
+        old_w.sort_unstable();
+        new_w.sort_unstable();
+        println!(
+            "+100 ppm, {RUNS} runs x 64 tight probes: the constant-offset interval missed the \
+             truth in {missed}; median width constant-offset {} ticks, guaranteed {} ticks",
+            old_w[old_w.len() / 2],
+            new_w[new_w.len() / 2]
+        );
+        assert!(missed > 0, "the runs never exposed the rate-1 assumption");
+    }
+
+    proptest::proptest! {
+        /// Any constant rate within ±1000 ppm, any delays, one probe or many: the guaranteed
+        /// bounds contain the true offset at `at_host`, and the drift bounds the true drift.
+        #[test]
+        fn guaranteed_bounds_hold_for_any_drift(
+            seed in 0_u64..1 << 32,
+            offset in -(1_i64 << 40)..(1_i64 << 40),
+            ppb in -1_000_000_i64..1_000_000,
+            n in 1_usize..48,
+            fwd in 0_u64..5_000,
+            back in 0_u64..5_000,
+            gap in 0_u64..1_000_000,
+        ) {
+            let link = Link {
+                forward: Delay::Uniform { min: 0, max: fwd },
+                backward: Delay::Uniform { min: 0, max: back },
+                outlier_ppm: 0,
+                outlier: Delay::Constant(0),
+                gap: Delay::Uniform { min: 0, max: gap },
+            };
+            let clock = GuestClock::with_drift_ppb(offset, ppb).unwrap();
+            let samples = simulated(seed, clock, link, n);
+            let s = ProbeSummary::from_samples(&info(), &samples, SessionStats::default()).unwrap();
+            proptest::prop_assert_eq!(
+                clock.offset_within(s.at_host, s.bound_lo, s.bound_hi),
+                Some(true),
+                "{:?}", s
+            );
+            proptest::prop_assert!(s.bound_lo <= s.offset && s.offset <= s.bound_hi);
+            if let Some(d) = s.drift {
+                proptest::prop_assert_eq!(clock.drift_ppb_within(d.lo, d.hi), Some(true));
+            }
+        }
+    }
+
+    #[test]
+    fn a_fast_drift_no_constant_offset_fits_has_no_rate1_figure() {
         // 1000 ppm fast guest: no constant offset fits over this span.
         let samples: Vec<_> = (0..40_u64)
             .map(|i| {
@@ -443,6 +618,7 @@ mod tests {
             .collect();
         let s = ProbeSummary::from_samples(&info(), &samples, SessionStats::default()).unwrap();
         assert_eq!(s.model, OffsetModel::Drift);
+        assert_eq!(s.rate1, None);
         let d = s.drift.unwrap();
         assert!(d.lo <= 1_000_000 && 1_000_000 <= d.hi, "{d:?}");
         let at = i64::try_from(s.at_host.0).unwrap();

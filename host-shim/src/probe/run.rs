@@ -32,7 +32,7 @@ pub struct ProbeOptions {
     pub timeout: Duration,
     /// The longest wait to connect, retries included (default 10 s).
     pub connect_timeout: Duration,
-    /// Print the schema-1 JSON object instead of text (`--json`).
+    /// Print the schema-2 JSON object instead of text (`--json`).
     pub json: bool,
     /// Show progress on stderr when it is a terminal.
     pub progress: bool,

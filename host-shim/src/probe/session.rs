@@ -457,13 +457,17 @@ impl<T: StampedTransport> ProbeSession<T> {
 
     /// Drains up to `max` of the agent's waiting events: one [`Message::EventsRequest`], then
     /// every [`Message::Events`] batch of the answer until the one flagged `last`. Memory is
-    /// bounded by `max` (at most `max / EVENT_BATCH_MAX + 1` batches are kept); each batch has
-    /// the session's deadline and byte budget.
+    /// bounded by `max` (at most `max + 1` batches of about 2.6 KiB each, far fewer from an
+    /// honest agent, which fills them); each batch has the session's deadline and byte budget.
     ///
-    /// The answer is checked, not trusted: a batch from another vCPU, an answer with more than
-    /// `max` records in all, a timestamp that leaves `u64`, or a non-event message in the middle
-    /// is a [`ProbeError::Protocol`] (the batches received so far are lost with it: a drain is
-    /// all or nothing, so a record is never half-delivered).
+    /// The answer is checked, not trusted: a batch from another vCPU, an empty batch that is not
+    /// the last, an answer with more than `max` records in all, a timestamp that leaves `u64`,
+    /// or a non-event message in the middle is a [`ProbeError::Protocol`]; late probe replies
+    /// are skipped (counted as stale). Every batch holds at least one record but the last, so
+    /// an answer is at most `max + 1` batches, whatever the guest sends, and the stop flag is
+    /// looked at between batches. Batches received before an error are not returned: the
+    /// agent has already let go of them, and each batch's `first` index lets the caller count
+    /// such a loss exactly at the next drain.
     ///
     /// # Errors
     /// [`ProbeError::Protocol`], [`ProbeError::AgentExited`], [`ProbeError::AgentNotReady`],
@@ -473,11 +477,19 @@ impl<T: StampedTransport> ProbeSession<T> {
         let mut batches = Vec::new();
         let mut records: u64 = 0;
         loop {
+            if self.stopped() {
+                return Err(ProbeError::Interrupted);
+            }
             let deadline = Instant::now() + self.timeout;
             self.wait_bytes = 0;
             let (msg, _) = self.next_message(deadline, "an event batch")?;
             let b = match msg {
                 Message::Events(b) => b,
+                // A reply to a probe given up on earlier: in-order links deliver it first.
+                Message::ProbeReply(_) | Message::ProbeReplyFull(_) => {
+                    self.stats.stale_replies += 1;
+                    continue;
+                }
                 Message::Exiting => return Err(ProbeError::AgentExited),
                 Message::Error(ErrorCode::NotReady) => return Err(ProbeError::AgentNotReady),
                 other => {
@@ -491,6 +503,13 @@ impl<T: StampedTransport> ProbeSession<T> {
                     "an event batch from vCPU {} on vCPU {}'s session",
                     b.vcpu, self.info.vcpu
                 )));
+            }
+            // Only the final batch of an answer may be empty: otherwise a guest could stream
+            // empty batches forever, each costing the host a whole batch of memory.
+            if b.records.is_empty() && !b.last {
+                return Err(ProbeError::Protocol(
+                    "an empty event batch that is not the last of its answer".into(),
+                ));
             }
             if b.timestamped().any(|r| r.is_none()) {
                 return Err(ProbeError::Protocol(

@@ -10,9 +10,11 @@
 //! extremes are at the box's corners: the interval is the floor of the smallest corner and the
 //! ceiling of the largest. The true relation lies in the box, so the interval holds the truth.
 //!
-//! A segment without drift bounds (a single round) is a constant-offset model: the rate is
-//! taken as exactly `drift_ppb` (0: KVM's identity rate), and the interval is as good as that
-//! assumption. Records say which model their segment used.
+//! Segments written by this crate always carry drift bounds: the hull's, or, while the samples
+//! do not bound the rate yet, the session's rate limits (1/2 to 2), so an event far from a
+//! young segment's anchor gets a wide but true interval. A segment without drift bounds (an
+//! old sync file) is a constant-offset model: the rate is taken as exactly `drift_ppb`, and the
+//! interval is as good as that assumption.
 
 use crate::syncfile::SyncSegment;
 

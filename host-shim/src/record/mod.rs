@@ -108,10 +108,18 @@ pub struct RecordSummary {
     pub host_stamped_skipped: u64,
     /// Events whose host time leaves the 64-bit range (a guest clock no segment maps): skipped.
     pub unplaceable: u64,
+    /// Events the agent sent that never arrived (a drain lost to a timeout or a corrupted
+    /// frame), counted exactly from the batches' `first` index.
+    pub lost: u64,
+    /// Events received twice (skipped).
+    pub replayed: u64,
+    /// Drains that failed and were asked again.
+    pub failed_drains: u64,
     /// trace.dat only: timestamps were pre-converted to host TSC (a segment's rate is not 1).
     pub preconverted: bool,
     /// trace.dat only: pre-converted timestamps that went backwards across a segment change and
-    /// were raised to the previous one (each within its guaranteed interval).
+    /// were raised to the previous one to keep the file in order (a raised timestamp can lie
+    /// above its own guaranteed interval: the JSON Lines output has the intervals).
     pub clamped: u64,
     /// Why it ended.
     pub end: EndReason,
@@ -140,6 +148,11 @@ pub enum RecordError {
         /// The error.
         source: io::Error,
     },
+    /// The agent records no events (its capabilities lack `EVENTS`).
+    #[error(
+        "the guest agent records no events (its capabilities lack EVENTS): link the vmtsync recorder into it (see vmtsync-core's recorder docs), or boot vmtsync-agent with workload= or events="
+    )]
+    NoEvents,
     /// No sync round produced a segment, so no event can be placed on the host timeline.
     #[error(
         "no sync round produced usable samples: every probe was lost (is the agent answering? try a longer --timeout)"
@@ -207,6 +220,13 @@ pub fn run_record_on<T: StampedTransport>(
     let p = &opts.probe;
     let mut session = ProbeSession::hello_until_stopped(transport, p.timeout, p.stop)?;
     let session_vcpu = session.info().vcpu;
+    if !session
+        .info()
+        .features
+        .contains(vmtsync_core::proto::Features::EVENTS)
+    {
+        return Err(RecordError::NoEvents);
+    }
     let mut out = match opts.format {
         RecordFormat::Jsonl => Out::Jsonl(jsonl::Writer::create(&opts.out)?),
         RecordFormat::TraceCmd => {
@@ -222,7 +242,11 @@ pub fn run_record_on<T: StampedTransport>(
         dropped: 0,
         host_stamped: 0,
         unplaceable: 0,
-        widths: Vec::new(),
+        lost: 0,
+        replayed: 0,
+        failed_drains: 0,
+        next_index: None,
+        widths: Widths::default(),
     };
     let started = Instant::now();
     // The initial sync: nothing can be placed before it.
@@ -246,14 +270,15 @@ pub fn run_record_on<T: StampedTransport>(
         session.shutdown();
     }
     let (preconverted, clamped) = finish(out, opts, &st)?;
-    let mut w = st.widths.clone();
-    w.sort_unstable();
     Ok(RecordSummary {
         events: st.events,
         dropped: st.dropped,
         segments: st.segments.len() as u64,
         breaks: st.breaks,
-        widths: (!w.is_empty()).then(|| (w[0], w[w.len() / 2], w[w.len() - 1])),
+        widths: st.widths.summary(),
+        lost: st.lost,
+        replayed: st.replayed,
+        failed_drains: st.failed_drains,
         host_stamped_skipped: st.host_stamped,
         unplaceable: st.unplaceable,
         preconverted,
@@ -279,13 +304,64 @@ struct State {
     dropped: u64,
     host_stamped: u64,
     unplaceable: u64,
-    /// Interval widths, for the summary's min/median/max (8 bytes per event: the one thing that
-    /// grows; capped, after which every 16th is kept).
-    widths: Vec<u64>,
+    /// Events the agent sent that never arrived (gaps in the batches' `first` index).
+    lost: u64,
+    /// Records received twice (skipped).
+    replayed: u64,
+    /// Drains that failed and were asked again.
+    failed_drains: u64,
+    /// The index the next batch's first record should have.
+    next_index: Option<u64>,
+    /// Interval widths, for the summary's min/median/max, in constant memory.
+    widths: Widths,
 }
 
-/// The most widths kept for the summary before thinning.
-const MAX_WIDTHS: usize = 1 << 20;
+/// Drains that may fail in a row before the recording gives up.
+const MAX_FAILED_DRAINS: u32 = 3;
+
+/// Event interval widths in constant memory: the exact minimum and maximum, and an evenly
+/// spaced sample for the median (every `stride`-th width; when the sample fills up, every
+/// other one is dropped and the stride doubles).
+#[derive(Debug, Default)]
+struct Widths {
+    min: Option<u64>,
+    max: u64,
+    sample: Vec<u64>,
+    stride: u64,
+    seen: u64,
+}
+
+/// The sample's capacity.
+const WIDTH_SAMPLE: usize = 1 << 16;
+
+impl Widths {
+    fn push(&mut self, w: u64) {
+        self.min = Some(self.min.map_or(w, |m| m.min(w)));
+        self.max = self.max.max(w);
+        let stride = self.stride.max(1);
+        if self.seen.is_multiple_of(stride) {
+            if self.sample.len() == WIDTH_SAMPLE {
+                let mut keep = false;
+                self.sample.retain(|_| {
+                    keep = !keep;
+                    keep
+                });
+                self.stride = stride * 2;
+            }
+            if self.seen.is_multiple_of(self.stride.max(1)) {
+                self.sample.push(w);
+            }
+        }
+        self.seen += 1;
+    }
+
+    /// (min, median of the sample, max), `None` without widths.
+    fn summary(&self) -> Option<(u64, u64, u64)> {
+        let mut s = self.sample.clone();
+        s.sort_unstable();
+        Some((self.min?, *s.get(s.len() / 2)?, self.max))
+    }
+}
 
 impl State {
     /// One sync round; appends its segment (if the round produced samples).
@@ -330,6 +406,7 @@ fn record_loop<T: StampedTransport>(
 ) -> Result<EndReason, RecordError> {
     let p = &opts.probe;
     let mut last_sync = Instant::now();
+    let mut failed_drains = 0u32;
     loop {
         if p.stopped() {
             return Ok(EndReason::Stopped);
@@ -352,19 +429,49 @@ fn record_loop<T: StampedTransport>(
                 .min(opts.drain_max)
         });
         let batches = match session.drain_events(want) {
-            Ok(b) => b,
+            Ok(b) => {
+                failed_drains = 0;
+                b
+            }
             Err(ProbeError::AgentExited) => return Ok(EndReason::AgentExited),
             Err(ProbeError::Interrupted) => return Ok(EndReason::Stopped),
+            // A drain lost to line noise, a corrupted request or a stalled link: the next one
+            // goes on (its batches' `first` index counts what this one lost), unless it keeps
+            // happening.
+            Err(e @ (ProbeError::Timeout { .. } | ProbeError::Protocol(_)))
+                if failed_drains < MAX_FAILED_DRAINS =>
+            {
+                failed_drains += 1;
+                st.failed_drains += 1;
+                eprintln!("vmtsync: warning: an event drain failed ({e}); asking again");
+                continue;
+            }
             Err(e) => return Err(e.into()),
         };
         let mut got = 0u64;
         for b in &batches {
             st.dropped = st.dropped.max(b.dropped);
+            // Records before `next_index` were delivered already (a replay): skip them. A gap
+            // after it is events the agent sent that never reached us: count them.
+            let skip = match st.next_index {
+                Some(n) if b.first < n => usize::try_from(n - b.first).unwrap_or(usize::MAX),
+                Some(n) => {
+                    st.lost += b.first - n;
+                    0
+                }
+                None => 0,
+            };
+            st.replayed += skip.min(b.records.len()) as u64;
+            st.next_index = Some(
+                st.next_index
+                    .map_or(b.first, |n| n.max(b.first))
+                    .max(b.first.saturating_add(b.records.len() as u64)),
+            );
             if b.clock == EventClock::Host {
-                st.host_stamped += b.records.len() as u64;
+                st.host_stamped += b.records.len().saturating_sub(skip) as u64;
                 continue;
             }
-            for (guest, r) in b.timestamped().flatten() {
+            for (guest, r) in b.timestamped().flatten().skip(skip) {
                 let Some(seg) = st.covering(guest) else {
                     continue;
                 };
@@ -389,9 +496,7 @@ fn record_loop<T: StampedTransport>(
                         .push(b.vcpu, guest, r.id, r.payload.as_slice())
                         .map_err(RecordError::io(&opts.out))?,
                 }
-                if st.widths.len() < MAX_WIDTHS || st.events.is_multiple_of(16) {
-                    st.widths.push(hi - lo);
-                }
+                st.widths.push(hi - lo);
                 st.events += 1;
                 got += 1;
             }
@@ -429,11 +534,32 @@ fn finish(out: Out, opts: &RecordOptions, st: &State) -> Result<(bool, u64), Rec
 /// The trace.dat from the spool: raw guest TSCs plus a TIME_SHIFT when every segment is at
 /// identity rate (trace-cmd then computes exactly what we do), else host TSCs.
 fn write_trace_dat(
-    s: spool::Spool,
+    mut s: spool::Spool,
     opts: &RecordOptions,
     st: &State,
 ) -> Result<(bool, u64), RecordError> {
     let identity = st.segments.iter().all(|g| g.drift_ppb == 0);
+    if identity {
+        match write_trace_dat_as(&mut s, opts, st, true) {
+            // Raw guest TSCs that go backwards (the guest clock stepped back) or segments
+            // trace-cmd's TIME_SHIFT cannot hold: write host TSCs instead.
+            Err(RecordError::TraceDat(
+                tracedat::TraceDatError::NotMonotonic { .. }
+                | tracedat::TraceDatError::TimeShift(_),
+            )) => {}
+            r => return r,
+        }
+    }
+    write_trace_dat_as(&mut s, opts, st, false)
+}
+
+/// One attempt at the trace.dat: raw guest TSCs with a TIME_SHIFT (`identity`), or host TSCs.
+fn write_trace_dat_as(
+    s: &mut spool::Spool,
+    opts: &RecordOptions,
+    st: &State,
+    identity: bool,
+) -> Result<(bool, u64), RecordError> {
     let trace_id = trace_id(opts, st);
     let mut wo = WriterOptions::new(1, trace_id);
     wo.version = opts.file_version;

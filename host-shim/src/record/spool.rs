@@ -50,12 +50,10 @@ impl Spool {
         self.out.write_all(&rec)
     }
 
-    /// Every event, in the order pushed.
-    pub(super) fn iter(self) -> io::Result<impl Iterator<Item = io::Result<Spooled>>> {
-        let mut f = self
-            .out
-            .into_inner()
-            .map_err(io::IntoInnerError::into_error)?;
+    /// Every event, in the order pushed (again from the start at every call).
+    pub(super) fn iter(&mut self) -> io::Result<impl Iterator<Item = io::Result<Spooled>> + use<>> {
+        self.out.flush()?;
+        let mut f = self.out.get_ref().try_clone()?;
         f.seek(SeekFrom::Start(0))?;
         let mut r = BufReader::with_capacity(256 * 1024, f);
         Ok(std::iter::from_fn(move || {
@@ -99,6 +97,8 @@ mod tests {
         }
         let got: Vec<Spooled> = s.iter().unwrap().map(Result::unwrap).collect();
         assert_eq!(got.len(), 10_000);
+        // A second pass reads the same from the start.
+        assert_eq!(s.iter().unwrap().count(), 10_000);
         for (i, r) in (0u64..).zip(&got) {
             assert_eq!((r.guest, u64::from(r.id)), (i * 3, i % 7));
             assert_eq!(

@@ -9,7 +9,7 @@
 //!
 //! ```text
 //! {"type":"header","schema":1,"tool":"vmtsync 0.1.0","host_clock":"x86-tsc","created_unix_s":1796000000,"source":"tcp:127.0.0.1:4444"}
-//! {"type":"segment","vcpu":0,"round":0,"guest_start":…,"host_anchor":…,"guest_anchor":…,"offset":…,"offset_lo":…,"offset_hi":…,"drift_ppb":0,"drift_ppb_lo":null,"drift_ppb_hi":null,"model":"offset","probes":64,"rtt_min_ticks":…,"host_first":…,"host_last":…,"break":false}
+//! {"type":"segment","vcpu":0,"round":0,"guest_start":…,"host_anchor":…,"guest_anchor":…,"offset":…,"offset_lo":…,"offset_hi":…,"drift_ppb":0,"drift_ppb_lo":-143,"drift_ppb_hi":143,"model":"drift","probes":64,"rtt_min_ticks":…,"host_first":…,"host_last":…,"break":false}
 //! ```
 //!
 //! A segment is one re-sync round of one vCPU. All ticks are TSC ticks, `offset = guest - host`:
@@ -20,10 +20,10 @@
 //! | `round` | round number within the run that wrote it |
 //! | `guest_start` | first guest tick this segment applies to (its first probe's reading); it applies up to the next segment of the same vCPU |
 //! | `host_anchor`, `guest_anchor` | the point the segment's line passes through: `guest_anchor = host_anchor + offset` |
-//! | `offset`, `offset_lo`, `offset_hi` | offset at `host_anchor`: centre and guaranteed bounds |
+//! | `offset`, `offset_lo`, `offset_hi` | offset at `host_anchor`: centre and guaranteed bounds, for any constant rate in `[1/2, 2]` (the probe session's limits) that fits every sample since the last break |
 //! | `drift_ppb` | the rate used for conversion: the value in `[drift_ppb_lo, drift_ppb_hi]` closest to 0 (0 when unbounded), since KVM's default is identity rate and any value in the bounds fits every sample |
-//! | `drift_ppb_lo`, `drift_ppb_hi` | guaranteed drift bounds over all rounds since the last break, or null |
-//! | `model` | `"offset"` (constant offset fits) or `"drift"` (constant rate) |
+//! | `drift_ppb_lo`, `drift_ppb_hi` | guaranteed drift bounds over all rounds since the last break, within the same limits (`-500000000`, `1000000000` while the samples do not bound the rate); null only in files of earlier versions |
+//! | `model` | `"drift"` (constant rate, the bounds above); `"offset"` only in files of earlier versions, whose bounds assumed a rate of exactly 1 and can miss a drifting guest's truth |
 //! | `probes`, `rtt_min_ticks` | samples of the round and its fastest round trip |
 //! | `host_first`, `host_last` | host TSC span of the round |
 //! | `break` | the offset or rate changed since the previous round (migration, reset): a new estimate starts here |
@@ -58,15 +58,15 @@
 //! Conversion runs on `vmtsync_core::timeline` ([`SyncTimeline`] builds its segments with
 //! [`SyncSegment::to_timeline_segment`]).
 
-mod convert;
 mod error;
 mod format;
 mod reader;
+mod timeline;
 mod writer;
 
 pub use crate::probe::report::OffsetModel;
-pub use convert::{SyncConvertStats, SyncTimeline, convert_sync_file, convert_with_sync};
 pub use error::SyncFileError;
 pub use format::{SYNC_SCHEMA, SyncHeader, SyncSegment};
 pub use reader::{CutTail, SyncFile};
+pub use timeline::{SyncConvertStats, SyncTimeline, convert_sync_file, convert_with_sync};
 pub use writer::SyncWriter;

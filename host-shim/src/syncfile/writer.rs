@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 use super::format::Tagged;
 use super::reader::{CutTail, SyncFile};
 use super::{SyncFileError, SyncHeader, SyncSegment};
+use crate::atomic_file::AtomicFile;
 
 /// Appends segments to a sync file, one whole line per `write(2)`.
 #[derive(Debug)]
@@ -112,28 +113,15 @@ impl SyncWriter {
     }
 }
 
-/// Creates `path` holding `header_line`, atomically: the bytes go to a temporary file in the
-/// same directory, which is synced and then linked into place only if `path` still does not
-/// exist, so a concurrent reader never sees a file without its whole header line and an
-/// existing file (made meanwhile by another writer) is never replaced. A crash leaves at most
-/// the temporary file, never a headerless sync file.
+/// Creates `path` holding `header_line`, atomically ([`AtomicFile::commit_new`]): a
+/// concurrent reader never sees a file without its whole header line, an existing file (made
+/// meanwhile by another writer) is never replaced, and a crash leaves at most a temporary file,
+/// never a headerless sync file.
 fn create_with_header(path: &Path, header_line: &[u8]) -> io::Result<()> {
-    let dir = match path.parent() {
-        Some(d) if !d.as_os_str().is_empty() => d,
-        _ => Path::new("."),
-    };
-    let mut tmp = tempfile::Builder::new()
-        .prefix(".vmtsync-sync-")
-        .suffix(".tmp")
-        .tempfile_in(dir)?;
-    tmp.write_all(header_line)?;
-    tmp.as_file().sync_all()?;
-    match tmp.persist_noclobber(path) {
-        Ok(_) => Ok(()),
-        // Someone created it first: append to theirs (its header is validated on open).
-        Err(e) if e.error.kind() == io::ErrorKind::AlreadyExists => Ok(()),
-        Err(e) => Err(e.error),
-    }
+    let mut file = AtomicFile::new(path)?;
+    file.write_all(header_line)?;
+    // Someone created it first: append to theirs (its header is validated on open).
+    file.commit_new().map(drop)
 }
 
 #[cfg(test)]

@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 use vmtsync::probe::ProbeSession;
 use vmtsync_core::HostTicks;
 use vmtsync_core::proto::{EventBatch, EventClock, Features, MappingPush, Message};
+use vmtsync_core::sim::median;
 use vmtsync_tests::truth::{GuestTruth, truth_mapping_of, truth_ready};
 use vmtsync_tests::vmm::client::{Com1Exchange, Com1Transport, wait_ready};
 use vmtsync_tests::vmm::{Vm, VmConfig, VmExit, agent_elf};
@@ -253,8 +254,7 @@ fn builtin_vmm_agent_records_events_in_the_session_bracket_guest_then_host_stamp
                         )
                 })
                 .collect();
-            gaps.sort_unstable();
-            gaps[gaps.len() / 2]
+            median(&mut gaps).unwrap_or_default()
         }
     );
 

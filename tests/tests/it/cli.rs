@@ -7,24 +7,10 @@ use std::process::{Output, Stdio};
 
 use serde_json::Value;
 use vmtsync_core::mapping::KvmTscMapping;
+use vmtsync_core::sim::SplitMix64;
 use vmtsync_core::{GuestTicks, HostTicks};
 
 use crate::kvm_fixtures::vmtsync;
-
-/// A small deterministic generator (xorshift64*), so failures reproduce from the seed.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
 
 /// Runs `vmtsync args…` with `input` on stdin (the child guarded by `ChildGuard`).
 fn run(args: &[&str], input: &[u8]) -> Output {
@@ -33,21 +19,21 @@ fn run(args: &[&str], input: &[u8]) -> Output {
 
 /// A random mapping like KVM's: Intel or AMD frac bits, a ratio within ±50% of identity (or
 /// exactly identity), any offset.
-fn random_mapping(rng: &mut Rng) -> KvmTscMapping {
+fn random_mapping(rng: &mut SplitMix64) -> KvmTscMapping {
     let frac = if rng.below(2) == 0 { 48 } else { 32 };
     let one = 1u64 << frac;
     let ratio = match rng.below(3) {
         0 => one,
         _ => one / 2 + rng.below(one),
     };
-    let offset = rng.next().cast_signed() >> rng.below(64);
+    let offset = rng.next_u64().cast_signed() >> rng.below(64);
     KvmTscMapping::try_new(offset, ratio, frac).unwrap()
 }
 
 #[test]
 fn convert_matches_core_over_random_values() {
     for seed in 1..=12u64 {
-        let mut rng = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
+        let mut rng = SplitMix64::new(seed);
         let m = random_mapping(&mut rng);
         let to_guest = seed % 3 == 0;
         let floor = seed % 4 == 1;
@@ -56,9 +42,9 @@ fn convert_matches_core_over_random_values() {
         for _ in 0..2000 {
             // Realistic TSC values (up to ~2^50) and, sometimes, anything.
             let v = if rng.below(8) == 0 {
-                rng.next()
+                rng.next_u64()
             } else {
-                rng.next() >> 14
+                rng.next_u64() >> 14
             };
             let r = if to_guest {
                 m.try_guest_from_host(HostTicks(v)).map(|g| g.0)
@@ -184,10 +170,10 @@ fn convert_exits_zero_on_broken_pipe() {
 fn compose_matches_kernel_formula_and_sequential_application() {
     let mut checked = 0u32;
     for seed in 1..=200u64 {
-        let mut rng = Rng(seed.wrapping_mul(0xd1b5_4a32_d192_ed03) | 1);
+        let mut rng = SplitMix64::new(seed ^ 0xd1b5_4a32_d192_ed03);
         let l1 = random_mapping(&mut rng);
         let l2 = KvmTscMapping::try_new(
-            rng.next().cast_signed() >> rng.below(64),
+            rng.next_u64().cast_signed() >> rng.below(64),
             if rng.below(3) == 0 {
                 1 << l1.frac_bits()
             } else {
@@ -230,7 +216,7 @@ fn compose_matches_kernel_formula_and_sequential_application() {
         // Against applying the two mappings in sequence: equal for identity ratios, within the
         // documented bound otherwise (KVM's composed ratio is floored).
         for _ in 0..50 {
-            let h = rng.next() >> 16;
+            let h = rng.next_u64() >> 16;
             let Some(g1) = l1.try_guest_from_host(HostTicks(h)) else {
                 continue;
             };

@@ -59,7 +59,7 @@ fn cli_probe_json_bounds_the_loopback_agents_skew() {
     assert_eq!(out.status.code(), Some(0), "stderr: {}", text(&out.stderr));
     let v: Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
     println!("cli probe: {v}");
-    assert_eq!(v["schema"], 1);
+    assert_eq!(v["schema"], 2);
     assert_eq!(v["vcpu"], 2);
     assert_eq!(v["probes"], 40);
     let (lo, hi) = (

@@ -518,7 +518,9 @@ fn watch_reports_each_change_once() {
         (e["event"].as_str(), e["pid"].as_u64(), e["fd"].as_u64()),
         (Some("vm_added"), Some(6006), Some(9))
     );
-    fs::remove_dir_all(kvm.join("5005-7")).unwrap();
+    // Moved out in one rename: a recursive delete in place is not atomic, and a poll that
+    // caught it half done would rightly report vCPUs removed before the VM is gone.
+    fs::rename(kvm.join("5005-7"), stage.join("5005-7-gone")).unwrap();
     let e = next();
     assert_eq!(
         (e["event"].as_str(), e["pid"].as_u64()),

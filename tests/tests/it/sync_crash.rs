@@ -5,7 +5,7 @@
 //! last line deterministically). Each file must read as exactly its complete lines, with every
 //! byte after the last `\n` reported as cut, by the library and by `vmtsync convert --sync`
 //! (a warning on stderr); reading never modifies the file, and a new run on the same file cuts
-//! the torn line and appends after it.
+//! the torn line, warns how much it cut, and appends after it.
 
 use std::os::unix::process::ExitStatusExt;
 use std::path::Path;
@@ -217,6 +217,16 @@ fn a_write_torn_by_a_signal_is_cut_and_the_next_run_appends_after_it() {
             Some(0),
             "{}",
             String::from_utf8_lossy(&out.stderr)
+        );
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            stderr.contains(&format!(
+                "vmtsync: warning: {}: cut an incomplete last line ({} bytes, 1 line) after line {}",
+                file.display(),
+                cut.bytes,
+                cut.complete_lines
+            )),
+            "the resumed run says what it cut: {stderr}"
         );
         agent.join().unwrap();
         assert_eq!(reads_up_to_the_last_complete_line(&file), None);

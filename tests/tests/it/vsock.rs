@@ -216,7 +216,7 @@ fn session(test: &str, machine: Machine, ring: u8, port: u32, listen: bool, skew
     assert!(
         log.contains(&format!(
             "shutdown after {PROBES} probes, {} messages, 0 bad frames (0 credit waits, 0 \
-             refused sends, 0 link errors): isa-debug-exit 5",
+             refused sends, 0 link errors; 0 workload, 0 sent, 0 dropped): isa-debug-exit 5",
             PROBES + 2
         )),
         "COM2 log:\n{log}"

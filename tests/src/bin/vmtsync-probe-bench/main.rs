@@ -21,8 +21,10 @@
 //! the agent's sequential arithmetic otherwise. Nothing assumes this host's guest TSC == host
 //! TSC (docs/host-quirks.md). Every path is driven by vmtsync's own `ProbeSession` (hello,
 //! compact probes unwrapped in their window, shutdown) over a rig transport that records every
-//! stamp of each exchange (`vmtsync_tests::vmm::client`). Each session's samples go to `estimate_offset` (interval and
-//! centre), `DriftEstimator` (rate and offset bounds) and `trace_cmd_fastest`; the table reports
+//! stamp of each exchange (`vmtsync_tests::vmm::client`). Each session's samples go to what `vmtsync probe` reports
+//! as guaranteed ("ours": `DriftEstimator::offset_bounds_at_within` the session's rate limits,
+//! interval and centre), `DriftEstimator::estimate` (rate and offset bounds) and
+//! `trace_cmd_fastest`; the table reports
 //! median |error| over sessions, their ratio, interval widths, whether every interval contained
 //! the truth, probe bracket widths and the bytes each probe put on the wire. The last line is
 //! one JSON object (schema `vmtsync-probe-bench/1`, documented in [`report`]).

@@ -34,7 +34,7 @@ use std::time::Duration;
 use crate::stats::{Row, Truth};
 
 /// trace-cmd PTP's ping-pong bytes per probe on the wire: a 36-byte PROBE message each way
-/// (12-byte header + 20-byte tsync command + 4-byte payload; trace-cmd-tsync.md §3.6).
+/// (12-byte header + 20-byte tsync command + 4-byte payload; docs/trace-cmd.md).
 const TRACE_CMD_PTP_PROBE_BYTES: usize = 72;
 
 /// The issue's goal: our median |error| at most a quarter of trace-cmd's.
@@ -74,15 +74,14 @@ impl Report {
         ticks.map_or_else(|| "-".into(), |t| format!("{t} ({} ns)", self.ns(t)))
     }
 
-    /// Rows whose guaranteed bounds missed the truth in some session: the rate-1 rows'
-    /// offset interval and every row's drift bounds must always hold. (A constant-offset
-    /// interval under a non-identity rate is a wrong model, so skew rows only count its
-    /// drift bounds.)
+    /// Rows whose guaranteed bounds missed the truth in some session: ours (what `vmtsync
+    /// probe` reports, valid for any constant rate within its limits) and the drift bounds
+    /// must always hold, on identity and skew rows alike.
     #[must_use]
     pub fn unsound(&self) -> Vec<String> {
         self.rows
             .iter()
-            .filter(|r| (!r.drifting && r.contains != r.sessions) || r.drift_contains != r.sessions)
+            .filter(|r| r.contains != r.sessions || r.drift_contains != r.sessions)
             .map(|r| r.name.clone())
             .collect()
     }
@@ -215,8 +214,8 @@ impl Report {
         if let Some(k) = self.skew {
             let _ = writeln!(
                 s,
-                "skew rows: guest = {} + ((tsc * {}) >> {}); 'ours' there is the constant-offset \
-                 interval, a wrong model under drift (segment breaks {}): the goal is judged on \
+                "skew rows: guest = {} + ((tsc * {}) >> {}); 'ours' holds there too (any \
+                 constant rate within the limits; segment breaks {}): the goal is judged on \
                  the drift estimator (d.ratio)",
                 k.offset.cast_signed(),
                 k.ratio,

@@ -1,5 +1,6 @@
-//! `vmtsync convert`: a streaming filter from guest TSC to host TSC (or back), one decimal
-//! value per line.
+//! Conversion through one exact KVM mapping, behind `vmtsync convert`: a streaming filter from
+//! guest TSC to host TSC (or back), one decimal value per line. (The sync file's piecewise,
+//! estimated conversion is `syncfile`'s.)
 //!
 //! It is built to never be the slow stage of a pipe: one pass over `BufRead::fill_buf` chunks,
 //! a byte-at-a-time decimal parser, a stack buffer for the output digits, no allocation per line

@@ -63,7 +63,7 @@ impl Segment {
     /// The hot path does not divide: the batch kernel multiplies by a reciprocal rounded down
     /// ([`Slope::try_from_kvm_ratio_floor`]), which can only land at or below the answer, and
     /// then steps up while the forward map of its guess is still below the guest tick (at most
-    /// two steps, proved in the `kvm` module). Single conversions use the mapping directly.
+    /// two steps, proved in the `exact_inverse` module). Single conversions use the mapping directly.
     ///
     /// `None` if `start` precedes host tick 0 (`start < tsc_offset`), if `start` maps beyond
     /// `u64::MAX`, or if the reciprocal slope exceeds `2^62` (a guest clock `2^62` times

@@ -1,0 +1,160 @@
+//! Output files written atomically: the bytes go to a temporary file beside the target, which
+//! is synced and then renamed into place, so a reader (or whatever a crash leaves) sees the
+//! old file or the whole new one, never a part. A temporary file that is dropped uncommitted
+//! is removed; a crash leaves at most a `.vmtsync-*.tmp` file beside the target.
+//!
+//! Output files go through here (the trace.dat writer does the same with its own temporary
+//! file), except the appended part of a sync file, which is read while it is written (see
+//! [`crate::syncfile`] for why that is appended and how readers stay safe); its creation (the
+//! header) goes through here too.
+
+use std::fs::File;
+use std::io::{self, Seek, SeekFrom, Write};
+use std::path::{Path, PathBuf};
+
+use tempfile::NamedTempFile;
+
+/// A file being written to a temporary name beside `target`; [`AtomicFile::commit`] puts it in
+/// place.
+#[derive(Debug)]
+pub struct AtomicFile {
+    tmp: NamedTempFile,
+    target: PathBuf,
+}
+
+impl AtomicFile {
+    /// Starts a file that will become `target`, in `target`'s directory (a rename is atomic
+    /// only within one file system).
+    ///
+    /// # Errors
+    /// Creating the temporary file failed (the directory does not exist or is not writable).
+    pub fn new(target: &Path) -> io::Result<Self> {
+        let dir = match target.parent() {
+            Some(d) if !d.as_os_str().is_empty() => d,
+            _ => Path::new("."),
+        };
+        let tmp = tempfile::Builder::new()
+            .prefix(".vmtsync-")
+            .suffix(".tmp")
+            .tempfile_in(dir)?;
+        Ok(Self {
+            tmp,
+            target: target.to_owned(),
+        })
+    }
+
+    /// Syncs the bytes and renames the file over `target`, replacing any file there.
+    ///
+    /// # Errors
+    /// Syncing or renaming failed; the target is then unchanged and the temporary file gone.
+    pub fn commit(mut self) -> io::Result<()> {
+        self.tmp.flush()?;
+        self.tmp.as_file().sync_all()?;
+        self.tmp.persist(&self.target).map_err(|e| e.error)?;
+        Ok(())
+    }
+
+    /// Like [`AtomicFile::commit`], but only if `target` does not exist: `Ok(false)` (and the
+    /// existing file untouched) if it does, e.g. because another writer created it meanwhile.
+    ///
+    /// # Errors
+    /// Syncing or linking failed for another reason.
+    pub fn commit_new(mut self) -> io::Result<bool> {
+        self.tmp.flush()?;
+        self.tmp.as_file().sync_all()?;
+        match self.tmp.persist_noclobber(&self.target) {
+            Ok(_) => Ok(true),
+            Err(e) if e.error.kind() == io::ErrorKind::AlreadyExists => Ok(false),
+            Err(e) => Err(e.error),
+        }
+    }
+}
+
+impl AtomicFile {
+    /// The temporary file, for writers that need more than [`Write`] and [`Seek`] (metadata,
+    /// `set_len`).
+    #[must_use]
+    pub fn as_file(&self) -> &File {
+        self.tmp.as_file()
+    }
+}
+
+impl Seek for AtomicFile {
+    fn seek(&mut self, pos: SeekFrom) -> io::Result<u64> {
+        self.tmp.seek(pos)
+    }
+}
+
+impl Write for AtomicFile {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.tmp.write(buf)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        self.tmp.flush()
+    }
+}
+
+/// Writes `target` atomically with what `write` produces: all of it, or (on any error) none,
+/// the previous file, if any, left as it was.
+///
+/// # Errors
+/// The error of `write`, or of creating, syncing or renaming the temporary file.
+pub fn write_atomically(
+    target: &Path,
+    write: impl FnOnce(&mut dyn Write) -> io::Result<()>,
+) -> io::Result<()> {
+    let mut file = AtomicFile::new(target)?;
+    let mut buffered = io::BufWriter::new(&mut file);
+    write(&mut buffered)?;
+    // Flushed here, not on drop, where an error would be lost and a short file committed.
+    buffered.flush()?;
+    drop(buffered);
+    file.commit()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn names(dir: &Path) -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        v.sort();
+        v
+    }
+
+    #[test]
+    fn a_failed_write_leaves_the_old_file_and_no_temporary() {
+        let dir = tempfile::tempdir().unwrap();
+        let target = dir.path().join("out.dat");
+        write_atomically(&target, |w| w.write_all(b"first")).unwrap();
+        assert_eq!(std::fs::read(&target).unwrap(), b"first");
+        let err = write_atomically(&target, |w| {
+            w.write_all(b"half of the second")?;
+            Err(io::Error::other("the exporter failed"))
+        })
+        .unwrap_err();
+        assert_eq!(err.to_string(), "the exporter failed");
+        assert_eq!(std::fs::read(&target).unwrap(), b"first", "old file intact");
+        assert_eq!(names(dir.path()), ["out.dat"], "no temporary file left");
+        write_atomically(&target, |w| w.write_all(b"second")).unwrap();
+        assert_eq!(std::fs::read(&target).unwrap(), b"second");
+    }
+
+    #[test]
+    fn commit_new_never_replaces_an_existing_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let target = dir.path().join("sync.jsonl");
+        let mut a = AtomicFile::new(&target).unwrap();
+        a.write_all(b"mine").unwrap();
+        let mut b = AtomicFile::new(&target).unwrap();
+        b.write_all(b"theirs").unwrap();
+        assert!(b.commit_new().unwrap());
+        assert!(!a.commit_new().unwrap());
+        assert_eq!(std::fs::read(&target).unwrap(), b"theirs");
+        assert_eq!(names(dir.path()), ["sync.jsonl"]);
+    }
+}

@@ -316,6 +316,23 @@ struct State {
     widths: Widths,
 }
 
+/// Where a batch of `len` records whose first has index `first` stands against the index the
+/// next record should have (`expected`, `None` before the first batch): how many of its records
+/// were delivered already (skip them), how many the agent sent before it that never arrived,
+/// and the next expected index.
+fn account(expected: Option<u64>, first: u64, len: usize) -> (usize, u64, u64) {
+    let end = first.saturating_add(len as u64);
+    match expected {
+        None => (0, 0, end),
+        Some(n) if first < n => (
+            usize::try_from(n - first).unwrap_or(usize::MAX).min(len),
+            0,
+            n.max(end),
+        ),
+        Some(n) => (0, first - n, end),
+    }
+}
+
 /// Drains that may fail in a row before the recording gives up.
 const MAX_FAILED_DRAINS: u32 = 3;
 
@@ -453,20 +470,10 @@ fn record_loop<T: StampedTransport>(
             st.dropped = st.dropped.max(b.dropped);
             // Records before `next_index` were delivered already (a replay): skip them. A gap
             // after it is events the agent sent that never reached us: count them.
-            let skip = match st.next_index {
-                Some(n) if b.first < n => usize::try_from(n - b.first).unwrap_or(usize::MAX),
-                Some(n) => {
-                    st.lost += b.first - n;
-                    0
-                }
-                None => 0,
-            };
-            st.replayed += skip.min(b.records.len()) as u64;
-            st.next_index = Some(
-                st.next_index
-                    .map_or(b.first, |n| n.max(b.first))
-                    .max(b.first.saturating_add(b.records.len() as u64)),
-            );
+            let (skip, lost, next) = account(st.next_index, b.first, b.records.len());
+            st.lost += lost;
+            st.replayed += skip as u64;
+            st.next_index = Some(next);
             if b.clock == EventClock::Host {
                 st.host_stamped += b.records.len().saturating_sub(skip) as u64;
                 continue;
@@ -633,4 +640,38 @@ fn create_beside(path: &Path) -> Result<(PathBuf, BufWriter<File>), RecordError>
     let partial = PathBuf::from(partial);
     let f = File::create(&partial).map_err(RecordError::io(&partial))?;
     Ok((partial, BufWriter::with_capacity(256 * 1024, f)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn batch_indices_count_gaps_and_replays_exactly() {
+        // The first batch sets the count; the next in sequence adds nothing.
+        assert_eq!(account(None, 100, 64), (0, 0, 164));
+        assert_eq!(account(Some(164), 164, 10), (0, 0, 174));
+        // A batch the host never got (records 174..238): 64 lost.
+        assert_eq!(account(Some(174), 238, 5), (0, 64, 243));
+        // A replay of records the host has: all skipped, the expectation stays.
+        assert_eq!(account(Some(243), 238, 5), (5, 0, 243));
+        // A partial overlap: the first 3 are old, 2 are new.
+        assert_eq!(account(Some(243), 240, 5), (3, 0, 245));
+        // An empty final batch changes nothing.
+        assert_eq!(account(Some(245), 245, 0), (0, 0, 245));
+    }
+
+    #[test]
+    fn widths_stay_bounded_and_keep_min_max_and_a_fair_median() {
+        let mut w = Widths::default();
+        for i in 0..1_000_000u64 {
+            w.push(i % 1000);
+        }
+        w.push(5_000);
+        assert!(w.sample.len() <= WIDTH_SAMPLE);
+        let (min, med, max) = w.summary().unwrap();
+        assert_eq!((min, max), (0, 5_000));
+        assert!((400..600).contains(&med), "median {med}");
+        assert_eq!(Widths::default().summary(), None);
+    }
 }

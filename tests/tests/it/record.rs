@@ -621,6 +621,11 @@ fn vsock_ingest_keeps_every_sent_event_and_counts_the_rest() {
         .and_then(|s| s.rsplit(' ').next())
         .and_then(|s| s.parse().ok())
         .unwrap_or_else(|| panic!("no shutdown line in the agent's log:\n{log}"));
+    let shutdown = log
+        .lines()
+        .find(|l| l.contains("shutdown after"))
+        .unwrap_or("");
+    println!("agent: {}", shutdown.trim());
     println!(
         "vsock ingest: {} events in {secs:.2} s = {:.0} events/s, {} dropped by the guest's ring \
          ({} sent by the agent); widths {:?}",

@@ -7,7 +7,7 @@ use clap::Args;
 use vmtsync_core::mapping::KvmTscMapping;
 
 use super::exit::CliError;
-use super::source::{SourceArgs, scanner};
+use super::source::{SourceArgs, single_vm};
 use crate::compose::ComposeError;
 use crate::exact_convert::{self, ConvertOptions, Direction, Rounding};
 use crate::scan::VmSelector;
@@ -87,19 +87,7 @@ fn convert_mapping(a: &ConvertArgs) -> Result<KvmTscMapping, CliError> {
             "give --offset or --vm with --vcpu",
         )));
     };
-    let report = scanner(&a.source)?.scan(Some(sel))?;
-    let [vm] = report.vms.as_slice() else {
-        return Err(CliError::Ambiguous {
-            selector: sel.to_string(),
-            count: report.vms.len(),
-            list: report
-                .vms
-                .iter()
-                .map(|v| format!("{}-{}", v.pid, v.fd))
-                .collect::<Vec<_>>()
-                .join(", "),
-        });
-    };
+    let vm = &single_vm(&a.source, sel)?;
     let vm_name = format!("{}-{}", vm.pid, vm.fd);
     let Some(v) = vm.vcpus.iter().find(|v| v.vcpu == vcpu) else {
         return Err(CliError::NoVcpu {

@@ -130,20 +130,8 @@ pub(super) fn run_record_cmd(a: &RecordArgs) -> Result<(), CliError> {
     // The VM's vCPU threads, read before recording so a wrong --vm fails at once.
     let host = match (&a.host_trace, &a.host_output, &a.vm) {
         (Some(input), Some(output), Some(sel)) => {
-            let report = super::source::scanner(&a.source)?.scan(Some(sel))?;
-            let [vm] = report.vms.as_slice() else {
-                return Err(CliError::Ambiguous {
-                    selector: sel.to_string(),
-                    count: report.vms.len(),
-                    list: report
-                        .vms
-                        .iter()
-                        .map(|v| format!("{}-{}", v.pid, v.fd))
-                        .collect::<Vec<_>>()
-                        .join(", "),
-                });
-            };
-            Some((input.clone(), output.clone(), vm.clone()))
+            let vm = super::source::single_vm(&a.source, sel)?;
+            Some((input.clone(), output.clone(), vm))
         }
         _ => None,
     };

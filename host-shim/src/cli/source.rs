@@ -9,7 +9,7 @@ use rustix::mount::MountFlags;
 use super::exit::CliError;
 use crate::debugfs::{DEBUGFS_MOUNTPOINT, DEFAULT_KVM_DEBUGFS, KvmDebugfs};
 use crate::procinfo::{DEFAULT_PROC_ROOT, ProcFs};
-use crate::scan::{ScanError, Scanner};
+use crate::scan::{ScanError, Scanner, VmReport, VmSelector};
 
 /// Where to read KVM debugfs and /proc.
 #[derive(Debug, Args)]
@@ -23,6 +23,24 @@ pub struct SourceArgs {
     /// The proc filesystem used to name VMs (for tests with fixture trees).
     #[arg(long, value_name = "DIR", default_value = DEFAULT_PROC_ROOT, hide = true)]
     pub proc_root: PathBuf,
+}
+
+/// The one VM `sel` matches, scanned through `src`; several matches are
+/// [`CliError::Ambiguous`] (none is the scan's own no-match error).
+pub(super) fn single_vm(src: &SourceArgs, sel: &VmSelector) -> Result<VmReport, CliError> {
+    let report = scanner(src)?.scan(Some(sel))?;
+    match <[VmReport; 1]>::try_from(report.vms) {
+        Ok([vm]) => Ok(vm),
+        Err(vms) => Err(CliError::Ambiguous {
+            selector: sel.to_string(),
+            count: vms.len(),
+            list: vms
+                .iter()
+                .map(|v| format!("{}-{}", v.pid, v.fd))
+                .collect::<Vec<_>>()
+                .join(", "),
+        }),
+    }
 }
 
 pub(super) fn scanner(src: &SourceArgs) -> Result<Scanner, CliError> {

@@ -547,20 +547,14 @@ fn qemu_agent_workload_is_recorded_on_the_true_host_timeline() {
 fn vsock_ingest_keeps_every_sent_event_and_counts_the_rest() {
     use vmtsync::probe::{ProbeAddr, ProbeOptions, Progress};
     use vmtsync::record::{RecordFormat, RecordOptions, run_record_on};
-    use vmtsync_tests::vmm::vsock::{VsockRig, ensure_vhost_device_vsock};
+    use vmtsync_tests::vmm::vsock::{VsockRig, vhost_device_vsock_for};
 
     let test = "vsock_ingest_keeps_every_sent_event_and_counts_the_rest";
     if !qemu_ready(test) {
         return;
     }
-    let backend = match ensure_vhost_device_vsock() {
-        Ok(b) => b,
-        Err(e) => {
-            if !require(test, false, &e.to_string()) {
-                return;
-            }
-            unreachable!("require fails the test under CI");
-        }
+    let Some(backend) = vhost_device_vsock_for(test) else {
+        return;
     };
     let elf = agent_elf().expect("agent builds");
     let port = 5_400;

@@ -123,6 +123,26 @@ pub struct Link {
 }
 
 impl Link {
+    /// The exit-stamped shape: a long forward leg (1.5–2.5 k ticks), the reply leaving right
+    /// after the read (0–60 ticks), 50–250 k ticks between probes, no outliers. Tight and
+    /// asymmetric: the case where assuming rate 1 under drift breaks a bound.
+    #[must_use]
+    pub const fn tight_asymmetric() -> Self {
+        Self {
+            forward: Delay::Uniform {
+                min: 1_500,
+                max: 2_500,
+            },
+            backward: Delay::Uniform { min: 0, max: 60 },
+            outlier_ppm: 0,
+            outlier: Delay::Constant(0),
+            gap: Delay::Uniform {
+                min: 50_000,
+                max: 250_000,
+            },
+        }
+    }
+
     /// Symmetric constant delays, no outliers: the easiest case.
     #[must_use]
     pub const fn constant(each_way: u64, gap: u64) -> Self {

@@ -435,20 +435,8 @@ fn drifting_tight_run(seed: u64) -> Result<(bool, Option<u64>, u64), std::string
     let mut params = SplitMix64::new(seed ^ 0x0D81_F700_0000_0000);
     let offset = i64::try_from(params.below(1 << 41)).unwrap() - (1 << 40);
     let clock = GuestClock::with_drift_ppb(offset, 100_000).unwrap();
-    let link = Link {
-        forward: Delay::Uniform {
-            min: 1_500,
-            max: 2_500,
-        },
-        backward: Delay::Uniform { min: 0, max: 60 },
-        outlier_ppm: 0,
-        outlier: Delay::Constant(0),
-        // About 64 × 150k = 10M ticks of span: 1000 ticks of drift, less than one round trip.
-        gap: Delay::Uniform {
-            min: 50_000,
-            max: 250_000,
-        },
-    };
+    // About 64 × 150k = 10M ticks of span: 1000 ticks of drift, less than one round trip.
+    let link = Link::tight_asymmetric();
     let start = HostTicks((1 << 41) + params.below(1 << 40));
     let mut sim = Sim::new(seed, start, clock, link, 0);
     let mut samples = [ProbeSample::default(); PROBES];

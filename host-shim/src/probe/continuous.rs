@@ -446,19 +446,7 @@ mod tests {
         // first round has one probe: the samples bound neither the rate nor, alone, the
         // offset, so the segment's bounds and drift come from the rate limits.
         let clock = GuestClock::with_drift_ppb(5_098_309_658_643, 100_000).unwrap();
-        let link = Link {
-            forward: Delay::Uniform {
-                min: 1_500,
-                max: 2_500,
-            },
-            backward: Delay::Uniform { min: 0, max: 60 },
-            outlier_ppm: 0,
-            outlier: Delay::Constant(0),
-            gap: Delay::Uniform {
-                min: 50_000,
-                max: 250_000,
-            },
-        };
+        let link = Link::tight_asymmetric();
         let mut sim = Sim::new(7, HostTicks(1 << 41), clock, link, 0);
         let mut c = Cumulative::new();
         for (round, probes) in [(0_u64, 1_usize), (1, 64), (2, 64)] {

@@ -516,19 +516,7 @@ mod tests {
 
     /// The exit-stamped shape: a long forward leg, the reply leaving right after the read.
     fn tight_asymmetric_link() -> Link {
-        Link {
-            forward: Delay::Uniform {
-                min: 1_500,
-                max: 2_500,
-            },
-            backward: Delay::Uniform { min: 0, max: 60 },
-            outlier_ppm: 0,
-            outlier: Delay::Constant(0),
-            gap: Delay::Uniform {
-                min: 50_000,
-                max: 250_000,
-            },
-        }
+        Link::tight_asymmetric()
     }
 
     #[test]

@@ -51,6 +51,33 @@ fn fake_skew() -> i64 {
     i64::try_from(read_host_tsc().0 / 3).unwrap() + 987_654_321
 }
 
+/// A scratch directory with the loopback agent listening in it.
+struct Loopback {
+    dir: tempfile::TempDir,
+    /// The `--connect` address.
+    addr: String,
+    /// The agent's skew: an event's true host tick is its guest tick minus this.
+    skew: i64,
+    /// The agent thread (its result: the events its ring dropped).
+    agent: JoinHandle<u64>,
+}
+
+/// Starts the loopback agent with `count` events at `rate` per second, in a scratch directory
+/// named after `test`.
+fn loopback(test: &str, count: u64, rate: u64) -> Loopback {
+    let dir = scratch(test);
+    let sock = dir.path().join("agent.sock");
+    let skew = fake_skew();
+    let agent = fake_agent(&sock, skew, Workload { count, rate });
+    let addr = format!("unix:{}", sock.display());
+    Loopback {
+        dir,
+        addr,
+        skew,
+        agent,
+    }
+}
+
 /// Runs `vmtsync record …` (guarded) to completion.
 fn record(args: &[&str]) -> Output {
     crate::kvm_fixtures::guarded_output(vmtsync().arg("record").args(args), b"")
@@ -82,20 +109,14 @@ fn seq_of(payload_hex: &str) -> u64 {
 /// host interval holding its true host tick (guest − skew, exactly).
 #[test]
 fn jsonl_events_carry_intervals_that_hold_the_truth() {
-    let dir = scratch("jsonl");
-    let sock = dir.path().join("agent.sock");
-    let skew = fake_skew();
     let n = 20_000;
-    let agent = fake_agent(
-        &sock,
+    let Loopback {
+        dir,
+        addr,
         skew,
-        Workload {
-            count: n,
-            rate: 200_000,
-        },
-    );
+        agent,
+    } = loopback("jsonl", n, 200_000);
     let out_path = dir.path().join("events.jsonl");
-    let addr = format!("unix:{}", sock.display());
     let out = record(&[
         "--connect",
         &addr,
@@ -216,20 +237,14 @@ fn trace_dat_v6_and_v7_read_back_in_trace_cmd_on_the_host_timeline() {
         return;
     }
     for version in ["6", "7"] {
-        let dir = scratch("tracedat");
-        let sock = dir.path().join("agent.sock");
-        let skew = fake_skew();
         let n = 5_000;
-        let agent = fake_agent(
-            &sock,
+        let Loopback {
+            dir,
+            addr,
             skew,
-            Workload {
-                count: n,
-                rate: 50_000,
-            },
-        );
+            agent,
+        } = loopback("tracedat", n, 50_000);
         let dat = dir.path().join("guest.dat");
-        let addr = format!("unix:{}", sock.display());
         let out = record(&[
             "--connect",
             &addr,
@@ -298,19 +313,13 @@ fn trace_dat_v6_and_v7_read_back_in_trace_cmd_on_the_host_timeline() {
 /// holding every event received.
 #[test]
 fn sigint_ends_a_recording_with_a_complete_file() {
-    let dir = scratch("sigint");
-    let sock = dir.path().join("agent.sock");
-    let skew = fake_skew();
-    let agent = fake_agent(
-        &sock,
-        skew,
-        Workload {
-            count: 1_000_000,
-            rate: 20_000,
-        },
-    );
+    let Loopback {
+        dir,
+        addr,
+        skew: _,
+        agent,
+    } = loopback("sigint", 1_000_000, 20_000);
     let out_path = dir.path().join("events.jsonl");
-    let addr = format!("unix:{}", sock.display());
     let mut guard = ChildGuard::new(
         vmtsync()
             .args([

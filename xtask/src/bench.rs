@@ -522,5 +522,35 @@ mod tests {
         assert_eq!(s.summary[0][2], "interval 3/6, drift bounds 5/6 sessions");
         assert_eq!(s.summary[0][3], "**not met**");
         assert_eq!(s.summary[1][2], "met on 1 of 2 paths");
+        assert_eq!(s.summary.len(), 2, "no vsock row without a vsock path");
+    }
+
+    #[test]
+    fn vsock_rows_render_every_estimator_and_the_half_goal() {
+        let j: Value = serde_json::from_str(
+            r#"{"schema":"vmtsync-probe-bench/1","tsc_khz":2600000,"tsc_khz_source":"agent",
+            "sessions":3,"probes":64,"run_time_s":1.0,"system_level":null,
+            "wire":{"builtin":{"request":[5,5],"reply":[11,11]},"qemu":null},
+            "rows":[{"name":"vsock/339","sessions":3,"ours_median_err":600,
+            "tc_median_err":1000,"ratio":0.6,"central_ratio":0.45,"central_median_err":450,
+            "rate1_median_err":500,"hist_median_err":1200,"goal_met":false,"contains":3,
+            "drift_contains":3,"rtt_min":1,"rtt_median":2,"min_delay_median":[3000,1000],
+            "delay_median":[5000,1200],"fastest_asymmetry_median":-1000}]}"#,
+        )
+        .expect("json");
+        let s = probe::probe_section(&j).expect("renders");
+        assert!(
+            s.body.contains("| vsock/339 | 600 (230 ns) | 450 (173 ns) | 500 (192 ns) | 1,000 (384 ns) | 1,200 (461 ns) | 0.600; 0.450 |"),
+            "{}",
+            s.body
+        );
+        assert!(
+            s.body
+                .contains("| vsock/339 | 3,000 / 1,000 | 5,000 / 1,200 | −1,000 |"),
+            "{}",
+            s.body
+        );
+        assert_eq!(s.summary[2][2], "0.450 (best of ours)");
+        assert_eq!(s.summary[2][3], "met");
     }
 }

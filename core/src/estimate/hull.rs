@@ -411,6 +411,35 @@ impl<const N: usize> DriftEstimator<N> {
         Ok((to_i64(lo)?, to_i64(hi)?))
     }
 
+    /// A point estimate of the offset at `host`, inside the guaranteed
+    /// [`offset_bounds_at_within`](Self::offset_bounds_at_within) bounds: the centre of the
+    /// offsets that fit every sample at one rate, the mediant of the feasible rate interval
+    /// within `limits` (between its ends, so it fits; its terms stay as small as the ends',
+    /// unlike the exact midpoint's). The guaranteed centre weighs every feasible rate, even
+    /// rates far from any plausible clock; this one takes the rate the samples put in the
+    /// middle, which on a round where delays vary (probes spread over a long span) is what
+    /// the samples say about the offset. It is no bound: the bounds stay the guaranteed ones.
+    ///
+    /// # Errors
+    /// As [`offset_bounds_at_within`](Self::offset_bounds_at_within) and
+    /// [`rate_bounds_within`](Self::rate_bounds_within).
+    pub fn central_offset_at_within(
+        &self,
+        host: HostTicks,
+        limits: &RateLimits,
+    ) -> Result<i64, EstimateError> {
+        let (lo, hi) = self.rate_bounds_within(limits)?;
+        let mediant = lo
+            .num
+            .checked_add(hi.num)
+            .zip(lo.den.checked_add(hi.den))
+            .and_then(|(n, d)| Ratio::new(n, d))
+            .ok_or(EstimateError::Overflow)?;
+        let at = RateLimits::new(mediant, mediant).ok_or(EstimateError::Overflow)?;
+        let (omin, omax) = self.offset_bounds_at_within(host, &at)?;
+        Ok(midpoint_floor(omin, omax))
+    }
+
     /// Exact `(min, max)` rate consistent with the samples and within `limits`: never
     /// `Unbounded`, the limits themselves until two probes bound the rate.
     ///
@@ -731,6 +760,37 @@ mod tests {
         (clock, samples)
     }
 
+    /// Probes whose forward delay is long and backward short in one half, the other way round
+    /// in the other: the central-rate point sits inside the guaranteed bounds and, at a rate
+    /// the samples pin near 1, on the centre of the constant-offset interval.
+    #[test]
+    fn central_offset_lies_inside_the_guaranteed_bounds() {
+        let limits = RateLimits::new(Ratio::new(1, 2).unwrap(), Ratio::new(2, 1).unwrap()).unwrap();
+        let offset = 1_000_000_i64;
+        let samples: StdVec<ProbeSample> = (0..64_u64)
+            .map(|i| {
+                let send = 10_000_000 + i * 1_000_000;
+                let (fwd, back) = if i % 2 == 0 { (300, 40) } else { (60, 500) };
+                let g = u64::try_from(i128::from(send + fwd) + i128::from(offset)).unwrap();
+                p(send, g, send + fwd + back)
+            })
+            .collect();
+        let mut acc = DriftEstimator::<64>::new();
+        for s in &samples {
+            acc.push(s).unwrap();
+        }
+        let mid = HostTicks(10_000_000 + 32 * 1_000_000);
+        let (lo, hi) = acc.offset_bounds_at_within(mid, &limits).unwrap();
+        let c = acc.central_offset_at_within(mid, &limits).unwrap();
+        assert!(lo <= c && c <= hi, "{lo} <= {c} <= {hi}");
+        // Constant-offset interval: [offset - 40, offset + 60 + 1]; centre offset + 10.
+        assert!((c - (offset + 10)).abs() <= 2, "{c}");
+        assert_eq!(
+            DriftEstimator::<4>::new().central_offset_at_within(mid, &limits),
+            Err(EstimateError::NoSamples)
+        );
+    }
+
     proptest! {
         /// Hull-based bounds equal the all-pairs reference exactly and contain the truth.
         #[test]
@@ -805,6 +865,28 @@ mod tests {
                 prop_assert_eq!(clock.drift_ppb_within(e.drift_ppb_min, e.drift_ppb_max), Some(true));
                 prop_assert_eq!(clock.offset_within(e.at, e.offset_min, e.offset_max), Some(true));
             }
+        }
+    }
+
+    proptest! {
+        /// The central-rate point estimate always lies inside the guaranteed bounds.
+        #[test]
+        fn central_offset_is_inside_the_bounds(
+            offset in -(1_i64 << 40)..(1_i64 << 40),
+            ppm in -500_i64..500,
+            probes in proptest::collection::vec((0_u64..100_000, 0_u64..5_000, 0_u64..5_000), 1..48),
+            probe_t in 0_u64..10_000_000,
+        ) {
+            let limits = RateLimits::new(Ratio::new(1, 2).unwrap(), Ratio::new(2, 1).unwrap()).unwrap();
+            let (_, samples) = drifting(offset, ppm, &probes);
+            let mut acc = DriftEstimator::<64>::new();
+            for s in &samples {
+                acc.push(s).unwrap();
+            }
+            let t = HostTicks(samples[0].host_send.0 + probe_t);
+            let (lo, hi) = acc.offset_bounds_at_within(t, &limits).unwrap();
+            let c = acc.central_offset_at_within(t, &limits).unwrap();
+            prop_assert!(lo <= c && c <= hi, "{} <= {} <= {}", lo, c, hi);
         }
     }
 }

@@ -12,7 +12,11 @@
 //!   that completed the reply (`…/stdio`) or returned its first bytes (`…/stdio-first`), see
 //!   [`qemu`];
 //! - the built-in VMM again with the agent's software skew (`skew=OFFSET,RATIO,FRAC`), so the
-//!   truth is a non-identity line (`skew/…`).
+//!   truth is a non-identity line (`skew/…`);
+//! - virtio-vsock under QEMU microvm (vhost-device-vsock), with the skew, where one-way delays
+//!   vary from probe to probe (see [`vsock`]): sessions of trace-cmd's own 339 probes
+//!   (`vsock/339`: every estimator on all of them, trace-cmd's histogram at its default) and
+//!   the first `N` probes of each (`vsock/N`: our default round on the same samples).
 //!
 //! Truth: each VM's KVM mapping read from debugfs right after its ready beacon, composed with
 //! the skew the agent was told to apply (`vmtsync_tests::truth`; by default `Skew::pick`, an
@@ -39,13 +43,14 @@ mod builtin;
 mod qemu;
 mod report;
 mod stats;
+mod vsock;
 
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use vmtsync::probe::{ProbeSession, StampedTransport};
-use vmtsync_core::estimate::ProbeSample;
+use vmtsync_core::estimate::{ProbeSample, TRACE_CMD_PTP_SYNC_LOOP};
 use vmtsync_core::mapping::KvmTscMapping;
 use vmtsync_core::proto::Message;
 use vmtsync_core::{GuestTicks, HostTicks};
@@ -62,14 +67,18 @@ pub const STEP: Duration = Duration::from_secs(20);
 
 const USAGE: &str = "\
 usage: vmtsync-probe-bench [--sessions K] [--probes N] [--machine microvm|q35] [--no-qemu]
-                           [--no-skew] [--skew OFFSET,RATIO,FRAC]
+                           [--no-skew] [--skew OFFSET,RATIO,FRAC] [--no-vsock]
+                           [--vsock-probes M]
   --sessions K      sessions per path (default 30); each is a hello and N probes
   --probes N        compact probes per session (default 64)
   --machine M       QEMU machine: microvm (default) or q35 (with qboot)
   --no-qemu         skip the QEMU stdio path
   --no-skew         skip the software-skew path
   --skew O,R,F      agent skew: guest = O + ((tsc * R) >> F) (default: offset derived
-                    from the host TSC now, rate 281503124208327/2^48 = 1.0001)";
+                    from the host TSC now, rate 281503124208327/2^48 = 1.0001)
+  --no-vsock        skip the virtio-vsock path (QEMU microvm + vhost-device-vsock)
+  --vsock-probes M  probes per vsock session (default 339, trace-cmd's PTP_SYNC_LOOP); the
+                    vsock rows are all M probes and the first N of each session";
 
 /// A rig transport that records every host stamp of its last exchange.
 pub trait Recorded: StampedTransport {
@@ -197,6 +206,8 @@ struct Args {
     machine: Machine,
     qemu: bool,
     skew: Option<SkewArg>,
+    /// Probes per vsock session; `None` skips the path.
+    vsock: Option<usize>,
 }
 
 /// Which skew the skewed path's agent applies.
@@ -224,6 +235,7 @@ fn parse_args(args: &[String]) -> Result<Args, String> {
         machine: Machine::Microvm,
         qemu: true,
         skew: Some(SkewArg::Pick),
+        vsock: Some(TRACE_CMD_PTP_SYNC_LOOP),
     };
     let mut it = args.iter();
     while let Some(flag) = it.next() {
@@ -240,6 +252,10 @@ fn parse_args(args: &[String]) -> Result<Args, String> {
             }
             "--no-qemu" => a.qemu = false,
             "--no-skew" => a.skew = None,
+            "--no-vsock" => a.vsock = None,
+            "--vsock-probes" => {
+                a.vsock = Some(value()?.parse().map_err(|e| format!("{flag}: {e}"))?);
+            }
             "--skew" => {
                 a.skew = Some(SkewArg::Given(
                     Skew::parse(value()?).ok_or("bad --skew value")?,
@@ -250,6 +266,9 @@ fn parse_args(args: &[String]) -> Result<Args, String> {
     }
     if a.sessions == 0 || a.probes < 2 || a.probes > 65_536 {
         return Err("need --sessions >= 1 and 2 <= --probes <= 65536".into());
+    }
+    if a.vsock.is_some_and(|m| m < a.probes || m > 65_536) {
+        return Err("need --probes <= --vsock-probes <= 65536".into());
     }
     Ok(a)
 }
@@ -359,6 +378,44 @@ fn bench(args: &Args) -> Result<Report> {
         skew_used = Some(bench_truth(skew.0));
     }
 
+    let mut vsock_wire = None;
+    if let Some(m) = args.vsock {
+        // The vsock path has its own skew (picked now, like the skew path's), or none with
+        // --no-skew: its truth is then KVM's mapping alone.
+        let skew = match args.skew {
+            Some(SkewArg::Pick) => Some(Skew::pick()),
+            Some(SkewArg::Given(s)) => Some(s),
+            None => None,
+        };
+        let options = skew.map_or_else(String::new, |s| s.agent_option());
+        let t = Instant::now();
+        let (v, kvm) = vsock::run(&elf, &options, args.sessions, m)?;
+        eprintln!(
+            "QEMU microvm, vsock, {options}: {} sessions of {m} probes in {:.1?}; KVM mapping \
+             {kvm:?}",
+            v.len(),
+            t.elapsed()
+        );
+        let truth = bench_truth(
+            GuestTruth::new(kvm, skew)
+                .composed()
+                .context("composing KVM's mapping with the skew")?,
+        );
+        vsock_wire = Some(wire_bytes(&v));
+        let pick = |x: &vmtsync::probe::FrameStamps| (x.send.0, x.recv.0);
+        rows.push(row(&format!("vsock/{m}"), &v, truth, pick)?);
+        if args.probes < m {
+            let first: Vec<_> = v
+                .iter()
+                .map(|s| Session {
+                    probes: s.probes[..args.probes].to_vec(),
+                    ..s.clone()
+                })
+                .collect();
+            rows.push(row(&format!("vsock/{}", args.probes), &first, truth, pick)?);
+        }
+    }
+
     let tsc_khz = khz_agent
         .map(u64::from)
         .or_else(cpuinfo_khz)
@@ -375,6 +432,7 @@ fn bench(args: &Args) -> Result<Report> {
         skew: skew_used,
         builtin_wire: wire,
         qemu_wire,
+        vsock_wire,
         rows,
         run_time: started.elapsed(),
     })
@@ -428,8 +486,16 @@ mod tests {
         let a = args(&[]).unwrap();
         assert_eq!((a.sessions, a.probes, a.qemu), (30, 64, true));
         assert_eq!(a.skew, Some(SkewArg::Pick));
+        assert_eq!(a.vsock, Some(339));
         let a = args(&["--sessions", "3", "--probes", "8", "--no-qemu", "--no-skew"]).unwrap();
         assert_eq!((a.sessions, a.probes, a.qemu, a.skew), (3, 8, false, None));
+        let a = args(&["--no-vsock"]).unwrap();
+        assert_eq!(a.vsock, None);
+        assert_eq!(args(&["--vsock-probes", "100"]).unwrap().vsock, Some(100));
+        assert!(
+            args(&["--vsock-probes", "10"]).is_err(),
+            "fewer than --probes"
+        );
         let a = args(&["--skew", "-5,3,1", "--machine", "q35"]).unwrap();
         assert_eq!(a.machine, Machine::Q35);
         assert_eq!(

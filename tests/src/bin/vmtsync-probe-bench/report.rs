@@ -7,6 +7,7 @@
 //!   "sessions": K, "probes": N, "run_time_s": f64,
 //!   "skew": null | {"offset": i64, "ratio": u64, "frac": u32},
 //!   "wire": {"builtin": {"request": [min, max], "reply": [min, max]}, "qemu": same | null,
+//!            "vsock": same | null,
 //!            "trace_cmd_ptp_per_probe": 72},
 //!   "system_level": null | {"ours": ticks (builtin/exit-tight, our estimator),
 //!                           "trace_cmd": ticks (QEMU stdio, trace-cmd's), "ratio": f64},
@@ -23,7 +24,18 @@
 //!              "ours_median_err_ns": …, "tc_median_err_ns": …, "rtt_min_ns": …,
 //!              "rtt_median_ns": …, "ours_bias_median": signed ticks|null,
 //!              "ours_bias_range": [min, max]|null, "tc_bias_median": signed ticks,
-//!              "tc_bias_range": [min, max], "drift_ppb_width_median": ppb|null }] }
+//!              "tc_bias_range": [min, max], "drift_ppb_width_median": ppb|null,
+//!              "hist_median_err": ticks (trace-cmd's histogram estimator),
+//!              "hist_bias_median": signed ticks, "hist_ratio": f64|null (ours over it),
+//!              "central_median_err": ticks|null (our point estimate inside the guaranteed
+//!                                    bounds, `DriftEstimator::central_offset_at_within`),
+//!              "central_ratio": f64|null (that over trace-cmd fastest-RTT's),
+//!              "rate1_median_err": ticks|null (the constant-offset interval's centre),
+//!              "min_delay_median": [forward, backward]|null (each session's smallest one-way
+//!                                   delays from the truth, medians over sessions),
+//!              "delay_median": [forward, backward]|null (over all probes),
+//!              "fastest_asymmetry_median": signed ticks|null ((fwd - back) / 2 of the
+//!                                          fastest probe) }] }
 //! ```
 //!
 //! Errors and widths are in host TSC ticks; `_ns` fields convert with `tsc_khz`, rounded down.
@@ -57,6 +69,8 @@ pub struct Report {
     pub builtin_wire: ((usize, usize), (usize, usize)),
     /// The same over QEMU stdio, when it ran.
     pub qemu_wire: Option<((usize, usize), (usize, usize))>,
+    /// The same over virtio-vsock, when it ran.
+    pub vsock_wire: Option<((usize, usize), (usize, usize))>,
     /// One row per path and bracket.
     pub rows: Vec<Row>,
     /// Wall time of the whole run (build included).
@@ -120,11 +134,12 @@ impl Report {
         );
         let _ = writeln!(
             s,
-            "{:<25} {:>17} {:>17} {:>6} {:>6} {:>13} {:>6} {:>17} {:>7} {:>6} {:>6} {:>21}",
+            "{:<25} {:>17} {:>17} {:>6} {:>17} {:>6} {:>13} {:>6} {:>17} {:>7} {:>6} {:>6} {:>21}",
             "path/bracket",
             "ours med|err|",
             "trace-cmd med|err|",
             "ratio",
+            "tc-histogram|err|",
             "ours<=",
             "width med/max",
             "truth",
@@ -142,11 +157,12 @@ impl Report {
             };
             let _ = writeln!(
                 s,
-                "{:<25} {:>17} {:>17} {:>6} {:>6} {:>13} {:>6} {:>17} {:>7} {:>6} {:>6} {:>21}",
+                "{:<25} {:>17} {:>17} {:>6} {:>17} {:>6} {:>13} {:>6} {:>17} {:>7} {:>6} {:>6} {:>21}",
                 r.name,
                 self.ticks_ns(r.ours_median_err),
                 self.ticks_ns(Some(r.tc_median_err)),
                 ratio,
+                self.ticks_ns(Some(r.hist_median_err)),
                 format!("{}/{}", r.ours_not_worse, r.sessions),
                 width,
                 format!("{}/{}", r.contains, r.sessions),
@@ -186,6 +202,33 @@ impl Report {
         );
         let _ = writeln!(
             s,
+            "one-way delays from the truth, ticks: session minima forward/backward (medians), \
+             all probes forward/backward (medians), fastest probe (fwd-back)/2; constant-offset \
+             centre med|err|; ours central-rate point med|err| (ratio to fastest-RTT): {}",
+            self.rows
+                .iter()
+                .map(|r| {
+                    let p = |x: Option<(i64, i64)>| {
+                        x.map_or_else(|| "-".into(), |(a, b)| format!("{a}/{b}"))
+                    };
+                    format!(
+                        "{} {} | {} | {} | {} | {} ({})",
+                        r.name,
+                        p(r.min_delay_median),
+                        p(r.delay_median),
+                        r.fastest_asymmetry_median
+                            .map_or_else(|| "-".into(), |x| x.to_string()),
+                        opt(r.rate1_median_err),
+                        opt(r.central_median_err),
+                        r.central_ratio
+                            .map_or_else(|| "-".into(), |x| format!("{x:.3}")),
+                    )
+                })
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+        let _ = writeln!(
+            s,
             "drift estimator rate interval, median width (ppb): {}",
             self.rows
                 .iter()
@@ -206,6 +249,9 @@ impl Report {
         let _ = write!(s, "wire per probe: built-in {}", wire(self.builtin_wire));
         if let Some(q) = self.qemu_wire {
             let _ = write!(s, "; QEMU {}", wire(q));
+        }
+        if let Some(v) = self.vsock_wire {
+            let _ = write!(s, "; vsock {}", wire(v));
         }
         let _ = writeln!(
             s,
@@ -263,6 +309,8 @@ impl Report {
     pub fn json(&self) -> String {
         let opt = |v: Option<u64>| v.map_or_else(|| "null".into(), |x| x.to_string());
         let pair = |(a, b): (usize, usize)| format!("[{a},{b}]");
+        let spair =
+            |p: Option<(i64, i64)>| p.map_or_else(|| "null".into(), |(a, b)| format!("[{a},{b}]"));
         let wire = |w: ((usize, usize), (usize, usize))| {
             format!("{{\"request\":{},\"reply\":{}}}", pair(w.0), pair(w.1))
         };
@@ -279,7 +327,11 @@ impl Report {
                      \"rtt_median\":{},\"ours_median_err_ns\":{},\"tc_median_err_ns\":{},\
                      \"rtt_min_ns\":{},\"rtt_median_ns\":{},\"ours_bias_median\":{},\
                      \"ours_bias_range\":{},\"tc_bias_median\":{},\"tc_bias_range\":[{},{}],\
-                     \"drift_ppb_width_median\":{}}}",
+                     \"drift_ppb_width_median\":{},\"hist_median_err\":{},\
+                     \"hist_bias_median\":{},\"hist_ratio\":{},\"central_median_err\":{},\
+                     \"central_ratio\":{},\"rate1_median_err\":{},\
+                     \"min_delay_median\":{},\"delay_median\":{},\
+                     \"fastest_asymmetry_median\":{}}}",
                     r.name,
                     r.sessions,
                     r.probes,
@@ -313,6 +365,18 @@ impl Report {
                     r.tc_bias_range.0,
                     r.tc_bias_range.1,
                     opt(r.drift_ppb_width_median),
+                    r.hist_median_err,
+                    r.hist_bias_median,
+                    r.hist_ratio()
+                        .map_or_else(|| "null".into(), |x| format!("{x:.4}")),
+                    opt(r.central_median_err),
+                    r.central_ratio
+                        .map_or_else(|| "null".into(), |x| format!("{x:.4}")),
+                    opt(r.rate1_median_err),
+                    spair(r.min_delay_median),
+                    spair(r.delay_median),
+                    r.fastest_asymmetry_median
+                        .map_or_else(|| "null".into(), |x| x.to_string()),
                 )
             })
             .collect();
@@ -330,7 +394,7 @@ impl Report {
         format!(
             "{{\"schema\":\"vmtsync-probe-bench/1\",\"tsc_khz\":{},\"tsc_khz_source\":\"{}\",\
              \"sessions\":{},\"probes\":{},\"run_time_s\":{:.1},\"skew\":{skew},\
-             \"wire\":{{\"builtin\":{},\"qemu\":{},\"trace_cmd_ptp_per_probe\":{}}},\
+             \"wire\":{{\"builtin\":{},\"qemu\":{},\"vsock\":{},\"trace_cmd_ptp_per_probe\":{}}},\
              \"system_level\":{},\"rows\":[{}]}}",
             self.tsc_khz,
             self.tsc_khz_source,
@@ -339,6 +403,7 @@ impl Report {
             self.run_time.as_secs_f64(),
             wire(self.builtin_wire),
             self.qemu_wire.map_or_else(|| "null".into(), wire),
+            self.vsock_wire.map_or_else(|| "null".into(), wire),
             TRACE_CMD_PTP_PROBE_BYTES,
             self.system_level().map_or_else(
                 || "null".into(),
@@ -365,6 +430,10 @@ mod tests {
             tc_err: 8,
             ours_bias: Some(-2),
             tc_bias: 8,
+            hist_bias: -5,
+            central_bias: Some(-1),
+            rate1_bias: Some(1),
+            delays: vec![(1_000, 1_600), (2_000, 3_200)],
             drift_ppb_width: Some(100),
             rtts: vec![2_600, 5_200],
         };
@@ -376,6 +445,7 @@ mod tests {
             skew: None,
             builtin_wire: ((4, 4), (10, 11)),
             qemu_wire: None,
+            vsock_wire: None,
             rows: vec![Row::aggregate(
                 "builtin/exit-tight",
                 2,

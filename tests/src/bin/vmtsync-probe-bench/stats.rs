@@ -8,7 +8,8 @@
 use vmtsync::probe::report::RATE_LIMITS;
 use vmtsync_core::HostTicks;
 use vmtsync_core::estimate::{
-    DriftEstimator, EstimateError, ProbeSample, Ratio, trace_cmd_fastest,
+    DriftEstimator, EstimateError, ProbeSample, Ratio, estimate_offset, trace_cmd_fastest,
+    trace_cmd_histogram,
 };
 
 /// Hull capacity of the drift estimator: at least the probes per session, so no vertex is ever
@@ -43,6 +44,15 @@ impl Truth {
         #[allow(clippy::cast_possible_truncation)]
         let scaled = ((u128::from(host) * u128::from(self.ratio)) >> self.frac) as u64;
         scaled.wrapping_add(self.offset)
+    }
+
+    /// The host TSC at which the guest read `guest`, to within the rate's change of the offset
+    /// over the probe's delay (a tick or two at 100 ppm): the offset taken at `near` (a host
+    /// tick close to the reading, e.g. the probe's send), then once more at that estimate.
+    #[must_use]
+    pub fn host_of(self, guest: u64, near: u64) -> u64 {
+        let t0 = guest.wrapping_sub(self.offset_at(near).cast_unsigned());
+        guest.wrapping_sub(self.offset_at(t0).cast_unsigned())
     }
 
     /// The true offset `guest - host` at host TSC `host`, as a wrapped signed difference.
@@ -92,10 +102,22 @@ pub struct SessionEval {
     pub ours_bias: Option<i64>,
     /// trace-cmd, signed: `offset - truth`.
     pub tc_bias: i64,
+    /// trace-cmd's histogram estimator, signed: `offset - truth at its probe's midpoint`.
+    pub hist_bias: i64,
     /// `DriftEstimator`: width of the drift interval in ppb.
     pub drift_ppb_width: Option<u64>,
     /// Round-trip (bracket) widths `host_recv - host_send` of every probe, in ticks.
     pub rtts: Vec<u64>,
+    /// Our point estimate inside the guaranteed bounds at the middle of the span
+    /// (`DriftEstimator::central_offset_at_within`), signed error.
+    pub central_bias: Option<i64>,
+    /// The constant-offset interval's centre (`estimate_offset`, exact only at rate 1), signed
+    /// error against the truth at the middle of the span; `None` when it is empty.
+    pub rate1_bias: Option<i64>,
+    /// True one-way delays from the truth: `(forward, backward)` of every probe, i.e. host
+    /// send to the guest's reading, and the reading to host receive (signed: a negative one
+    /// would be a bracket that misses the truth).
+    pub delays: Vec<(i64, i64)>,
 }
 
 /// Evaluates every estimator on `samples` against `truth`.
@@ -149,6 +171,23 @@ pub fn evaluate(samples: &[ProbeSample], truth: Truth) -> Result<SessionEval, Es
 
     let tc = trace_cmd_fastest(samples)?;
     let tc_bias = bias(tc.offset, tc.at.0);
+    let hist = trace_cmd_histogram(samples)?;
+    let hist_bias = bias(hist.offset, hist.at.0);
+    let rate1_bias = estimate_offset(samples).ok().map(|e| bias(e.offset, mid));
+    let central_bias = drift
+        .central_offset_at_within(HostTicks(mid), &RATE_LIMITS)
+        .ok()
+        .map(|c| bias(c, mid));
+    let delays = samples
+        .iter()
+        .map(|s| {
+            let t = truth.host_of(s.guest.0, s.host_send.0);
+            (
+                t.wrapping_sub(s.host_send.0).cast_signed(),
+                s.host_recv.0.wrapping_sub(t).cast_signed(),
+            )
+        })
+        .collect();
     Ok(SessionEval {
         ours_err: ours_bias.map(i64::unsigned_abs),
         ours_width,
@@ -159,8 +198,12 @@ pub fn evaluate(samples: &[ProbeSample], truth: Truth) -> Result<SessionEval, Es
         tc_err: tc_bias.unsigned_abs(),
         ours_bias,
         tc_bias,
+        hist_bias,
         drift_ppb_width,
         rtts: samples.iter().filter_map(ProbeSample::rtt).collect(),
+        central_bias,
+        rate1_bias,
+        delays,
     })
 }
 
@@ -199,6 +242,26 @@ pub struct Row {
     pub tc_median_err: u64,
     /// Largest of trace-cmd's per-session |errors|.
     pub tc_max_err: u64,
+    /// Median of trace-cmd histogram's |error| in ticks.
+    pub hist_median_err: u64,
+    /// Median of trace-cmd histogram's signed error, ticks.
+    pub hist_bias_median: i64,
+    /// Median |error| of our central-rate point estimate.
+    pub central_median_err: Option<u64>,
+    /// `central_median_err / tc_median_err`.
+    pub central_ratio: Option<f64>,
+    /// Median |error| of the constant-offset interval's centre (sessions where it is empty
+    /// excluded).
+    pub rate1_median_err: Option<u64>,
+    /// Medians over sessions of each session's smallest forward and smallest backward delay
+    /// (truth-derived), ticks: half their difference is the error of any estimator that trusts
+    /// the fastest paths to be symmetric.
+    pub min_delay_median: Option<(i64, i64)>,
+    /// Medians over all probes of the forward and backward delays, ticks.
+    pub delay_median: Option<(i64, i64)>,
+    /// Median over sessions of the fastest-RTT probe's `(forward - backward) / 2`: trace-cmd's
+    /// signed error, from the truth's delays.
+    pub fastest_asymmetry_median: Option<i64>,
     /// `ours_median_err / tc_median_err` (the goal is <= 0.25).
     pub ratio: Option<f64>,
     /// `drift_median_err / tc_median_err`.
@@ -249,6 +312,39 @@ impl Row {
         let rtts: Vec<u64> = evals.iter().flat_map(|e| e.rtts.iter().copied()).collect();
         let ours_bias: Vec<i64> = evals.iter().filter_map(|e| e.ours_bias).collect();
         let tc_bias: Vec<i64> = evals.iter().map(|e| e.tc_bias).collect();
+        let hist_bias: Vec<i64> = evals.iter().map(|e| e.hist_bias).collect();
+        let hist: Vec<u64> = hist_bias.iter().map(|b| b.unsigned_abs()).collect();
+        let central: Vec<u64> = evals
+            .iter()
+            .filter_map(|e| e.central_bias.map(i64::unsigned_abs))
+            .collect();
+        let rate1: Vec<u64> = evals
+            .iter()
+            .filter_map(|e| e.rate1_bias.map(i64::unsigned_abs))
+            .collect();
+        let (mut min_fwd, mut min_back, mut fwd, mut back, mut fastest) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for e in evals {
+            if let (Some(f), Some(b)) = (
+                e.delays.iter().map(|d| d.0).min(),
+                e.delays.iter().map(|d| d.1).min(),
+            ) {
+                min_fwd.push(f);
+                min_back.push(b);
+            }
+            fwd.extend(e.delays.iter().map(|d| d.0));
+            back.extend(e.delays.iter().map(|d| d.1));
+            // trace-cmd's choice: the first probe with the smallest round trip.
+            if let Some((_, d)) = e
+                .delays
+                .iter()
+                .enumerate()
+                .min_by_key(|(i, d)| (d.0 + d.1, *i))
+            {
+                fastest.push((d.0 - d.1) / 2);
+            }
+        }
+        let both = |a: &[i64], b: &[i64]| median_signed(a).zip(median_signed(b));
         let ppb: Vec<u64> = evals.iter().filter_map(|e| e.drift_ppb_width).collect();
         let ours_median_err = median(&ours);
         let tc_median_err = median(&tc).unwrap_or(0);
@@ -267,6 +363,14 @@ impl Row {
             ours_max_err: ours.iter().copied().max(),
             tc_median_err,
             tc_max_err: tc.iter().copied().max().unwrap_or(0),
+            hist_median_err: median(&hist).unwrap_or(0),
+            hist_bias_median: median_signed(&hist_bias).unwrap_or(0),
+            central_median_err: median(&central),
+            central_ratio: over_tc(median(&central)),
+            rate1_median_err: median(&rate1),
+            min_delay_median: both(&min_fwd, &min_back),
+            delay_median: both(&fwd, &back),
+            fastest_asymmetry_median: median_signed(&fastest),
             ratio: over_tc(ours_median_err),
             drift_ratio: over_tc(drift_median_err),
             ours_not_worse: evals
@@ -295,6 +399,15 @@ impl Row {
             rtt_min: rtts.iter().copied().min().unwrap_or(0),
             rtt_median: median(&rtts).unwrap_or(0),
         }
+    }
+
+    /// `ours_median_err / hist_median_err`: ours against trace-cmd's histogram estimator.
+    #[must_use]
+    pub fn hist_ratio(&self) -> Option<f64> {
+        #[allow(clippy::cast_precision_loss)] // A displayed ratio of tick counts far below 2^52.
+        self.ours_median_err
+            .filter(|_| self.hist_median_err > 0)
+            .map(|o| o as f64 / self.hist_median_err as f64)
     }
 
     /// The ratio the goal is judged on: ours over trace-cmd's median |error|, or the

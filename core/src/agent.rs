@@ -35,14 +35,31 @@ use crate::units::{GuestTicks, HostTicks};
 #[cfg(any(test, feature = "sim"))]
 pub mod fake;
 
-/// A byte link to the host (UART, virtio-vsock, shared memory). Both calls are non-blocking.
+/// A byte link to the host (UART, virtio-vsock, shared memory). Every call is non-blocking.
+///
+/// A link may hold frames back until [`Link::flush`] (a packet link, where every send costs a
+/// round trip to the device, coalesces them); the agent flushes after each message it answers,
+/// right after a probe reply, and after the last batch of an event drain, so a drain of many
+/// batches can leave in a few packets.
 pub trait Link {
-    /// Sends one complete frame (delimiter included), or refuses it whole.
+    /// Sends one complete frame (delimiter included), or refuses it whole. A link that
+    /// buffers may keep it until [`Link::flush`] (or until its buffer needs the room), always
+    /// in order.
     ///
     /// # Errors
     /// [`LinkError`] if the frame cannot go out now; the agent drops it (a probe reply sent
     /// later would carry a stale TSC, and the host re-asks on timeout).
     fn send(&mut self, frame: &[u8]) -> Result<(), LinkError>;
+
+    /// Sends every frame [`Link::send`] held back. The default does nothing: a link that sends
+    /// at once has nothing to flush.
+    ///
+    /// # Errors
+    /// [`LinkError`] if the held frames cannot go out; they are dropped (whatever they
+    /// carried is asked for again: a probe on timeout, events by their `first` index).
+    fn flush(&mut self) -> Result<(), LinkError> {
+        Ok(())
+    }
 
     /// Copies received bytes into `buf`; returns how many (0 when nothing is pending).
     ///
@@ -209,7 +226,9 @@ impl<L: Link, C: AgentClock, E: EventSource> Agent<L, C, E> {
                     Feed::Message { msg, rest } => {
                         input = rest;
                         self.stats.messages_in = self.stats.messages_in.wrapping_add(1);
-                        self.handle(msg)
+                        let handled = self.handle(msg);
+                        let flushed = self.link.flush();
+                        handled.and(flushed)
                     }
                     Feed::Error { error, rest } => {
                         input = rest;
@@ -218,7 +237,8 @@ impl<L: Link, C: AgentClock, E: EventSource> Agent<L, C, E> {
                             DecodeError::FrameTooLong => ErrorCode::FrameTooLong,
                             _ => ErrorCode::Malformed,
                         };
-                        self.send(&Message::Error(code))
+                        let sent = self.send(&Message::Error(code));
+                        sent.and(self.link.flush())
                     }
                 };
                 if let Err(e) = sent {
@@ -373,11 +393,14 @@ impl<L: Link, C: AgentClock, E: EventSource> Agent<L, C, E> {
         }))
     }
 
-    /// The latency-critical path: read the TSC, patch it in, send.
+    /// The latency-critical path: read the TSC, patch it in, send, flush.
     #[inline]
     fn send_probe_reply(&mut self, mut frame: ProbeReplyFrame) -> Result<(), LinkError> {
         let tsc = self.clock.read_tsc();
-        let sent = self.link.send(frame.finish(tsc));
+        let sent = self
+            .link
+            .send(frame.finish(tsc))
+            .and_then(|()| self.link.flush());
         self.stats.probes = self.stats.probes.wrapping_add(1);
         self.count_sent(sent)
     }
@@ -385,17 +408,22 @@ impl<L: Link, C: AgentClock, E: EventSource> Agent<L, C, E> {
     /// Sends up to `max` waiting events in batches of at most [`EVENT_BATCH_MAX`], the last
     /// one flagged; one empty batch when none is waiting. Timestamps are in the host clock
     /// when the pushed mapping converts them (a batch holds one clock: a record whose clock
-    /// differs from the batch's starts the next batch). Records leave the source only once
-    /// their batch is sent; a failed send ends the answer (the host asks again).
+    /// differs from the batch's starts the next batch). The batches go to the link one after
+    /// another (a buffering link coalesces them) and records leave the source only once the
+    /// link has flushed the last one: a failed send or flush ends the answer and keeps every
+    /// record, so the next drain sends them again under the same `first` indices (the host
+    /// skips what it already has).
     fn send_events(&mut self, max: u32) -> Result<(), LinkError> {
         let vcpu = self.clock.vcpu_id();
         let mut left = usize::try_from(max).unwrap_or(usize::MAX);
+        // Records handed to the link in this answer so far.
+        let mut queued = 0;
         loop {
             let mut batch: Option<EventBatch> = None;
             let mut prev = 0;
             let mut taken = 0;
             while taken < left.min(EVENT_BATCH_MAX) {
-                let Some(r) = self.events.get(taken) else {
+                let Some(r) = self.events.get(queued + taken) else {
                     break;
                 };
                 let (clock, ts) = match self.mapping.and_then(|m| m.try_host_from_guest_ceil(r.tsc))
@@ -415,16 +443,18 @@ impl<L: Link, C: AgentClock, E: EventSource> Agent<L, C, E> {
             }
             let mut batch = batch.unwrap_or_else(|| EventBatch::new(vcpu, EventClock::Guest, 0));
             left -= taken;
-            let waiting = self.events.waiting().saturating_sub(taken);
+            let waiting = self.events.waiting().saturating_sub(queued + taken);
             batch.dropped = self.events.dropped();
-            batch.first = self.stats.events_out;
+            batch.first = self.stats.events_out.wrapping_add(queued as u64);
             batch.remaining = u32::try_from(waiting).unwrap_or(u32::MAX);
             batch.last = left == 0 || waiting == 0 || taken == 0;
             let last = batch.last;
             self.send(&Message::Events(batch))?;
-            self.events.consume(taken);
-            self.stats.events_out = self.stats.events_out.wrapping_add(taken as u64);
+            queued += taken;
             if last {
+                self.link.flush()?;
+                self.events.consume(queued);
+                self.stats.events_out = self.stats.events_out.wrapping_add(queued as u64);
                 return Ok(());
             }
         }

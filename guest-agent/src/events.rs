@@ -65,6 +65,10 @@ impl<L: Link> Link for FramePerPoll<L> {
         self.inner.send(frame)
     }
 
+    fn flush(&mut self) -> Result<(), LinkError> {
+        self.inner.flush()
+    }
+
     fn recv(&mut self, buf: &mut [u8]) -> Result<usize, LinkError> {
         let mut n = 0;
         for slot in buf.iter_mut() {

@@ -11,7 +11,7 @@
 
 use linked_list_allocator::LockedHeap;
 use vmtsync_agent::clock::GuestClock;
-use vmtsync_agent::events::NativePortIo;
+use vmtsync_agent::events::{MessageEvents, NativePortIo};
 use vmtsync_agent::heap::{self, IdentityHal};
 use vmtsync_agent::options::Wire;
 use vmtsync_agent::pci::{DEFAULT_MMIO_WINDOW, PortCam};
@@ -125,7 +125,7 @@ fn settle_cycles(ctx: &Ctx) -> u64 {
 fn run_session(ctx: &Ctx, mut link: VsockLink<Stream, NativeTsc>) -> Stream {
     let opts = &ctx.opts;
     // Ready beacon: an empty frame, skipped by every frame receiver.
-    if let Err(e) = link.send(&[0]) {
+    if let Err(e) = link.send(&[0]).and_then(|()| link.flush()) {
         log!("vsock: ready beacon not sent: {}", defmt::Debug2Format(&e));
     }
     let clock = GuestClock::new(
@@ -141,6 +141,9 @@ fn run_session(ctx: &Ctx, mut link: VsockLink<Stream, NativeTsc>) -> Stream {
         skew: opts.skew,
     };
     let mut agent = Agent::with_events(link, clock, &crate::EVENTS);
+    // `events=N`: one event per poll that handled messages (a poll may handle several here:
+    // the stream delivers whole packets).
+    let mut events = MessageEvents::new(opts.events);
     let mut load = crate::workload(ctx, &tsc);
     log!(
         "ready: postcard on vsock port {}, vcpu {}",
@@ -149,6 +152,7 @@ fn run_session(ctx: &Ctx, mut link: VsockLink<Stream, NativeTsc>) -> Stream {
     );
     loop {
         let polled = agent.poll();
+        events.after_poll(&agent, &crate::EVENTS, &tsc);
         if let Some(w) = &mut load {
             w.tick(&crate::EVENTS, &tsc, &NativePortIo);
         }
@@ -157,12 +161,14 @@ fn run_session(ctx: &Ctx, mut link: VsockLink<Stream, NativeTsc>) -> Stream {
                 let s = agent.stats();
                 let l = agent.link().stats();
                 log!(
-                    "shutdown after {} probes, {} messages, {} bad frames ({} credit waits, {} \
-                     refused sends, {} link errors; {=u64} workload, {=u64} sent, {=u64} \
-                     dropped): isa-debug-exit {}",
+                    "shutdown after {} probes, {} messages, {} bad frames, {} events ({} \
+                     packets, {} credit waits, {} refused sends, {} link errors; {=u64} \
+                     workload, {=u64} sent, {=u64} dropped): isa-debug-exit {}",
                     s.probes,
                     s.messages_in,
                     s.bad_frames,
+                    events.recorded(),
+                    l.packets,
                     l.credit_waits,
                     l.refused_sends,
                     l.errors,

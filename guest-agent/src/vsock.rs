@@ -13,14 +13,16 @@
 //!   `<uds-path>` and `CONNECT P`.
 //! - [`Stream`]: what the link needs from a connection (read, credit, send, pump the device),
 //!   so the link's logic is tested on the host against a fake.
-//! - [`VsockLink`]: the agent's `vmtsync_core::agent::Link` over a [`Stream`]: a send waits,
-//!   pumping the device, until the peer has granted credit for the whole frame (virtio-drivers
-//!   refuses a send with `InsufficientBufferSpaceInPeer` until a credit update arrives), up to
-//!   a TSC deadline.
+//! - [`VsockLink`]: the agent's `vmtsync_core::agent::Link` over a [`Stream`]: it buffers
+//!   frames until the agent's flush point (one packet for a whole drain answer, up to
+//!   [`TX_BUFFER`]); a packet waits, pumping the device, until the peer has granted credit for
+//!   all of it (virtio-drivers refuses a send with `InsufficientBufferSpaceInPeer` until a
+//!   credit update arrives), up to a TSC deadline.
 //!
 //! Everything runs in ring 3 (natively on the project's nested KVM): PCI configuration through
 //! ports with IOPL 3, the BARs and virtqueues through the user-accessible identity map.
 
+use alloc::vec::Vec;
 use core::ptr::NonNull;
 
 use virtio_drivers::device::socket::{SocketError, VMADDR_CID_HOST};
@@ -333,34 +335,58 @@ pub struct LinkStats {
     pub refused_sends: u32,
     /// Stream errors seen while receiving or pumping.
     pub errors: u32,
+    /// Packets sent (each holds one frame or many).
+    pub packets: u32,
     /// The connection has closed.
     pub closed: bool,
 }
 
+/// Bytes a [`VsockLink`] holds back until [`Link::flush`]: one packet carries this much at
+/// most. A drain answer of many event batches then costs one device round trip per 16 KiB
+/// instead of one per batch: virtio-drivers' send waits until the device has used the packet,
+/// so the number of packets, not their size, bounds the agent's event rate (docs/vsock.md).
+/// vhost-device-vsock grants 64 KiB of credit, so a full buffer never waits for credit there.
+pub const TX_BUFFER: usize = 16 * 1024;
+
 /// The agent's [`Link`] over a vsock [`Stream`].
 ///
-/// [`Link::send`] waits, pumping the device, until the peer has granted credit for the whole
-/// frame (virtio-drivers refuses a send with `InsufficientBufferSpaceInPeer` until a credit
-/// update arrives), for at most the send deadline; then it refuses the frame with
-/// [`LinkError::WouldBlock`]. A probe reply that waited still carries a TSC read inside the
-/// host's bracket, only less tightly; the vhost backend grants ample credit, so this is rare.
+/// Frames are buffered ([`TX_BUFFER`] bytes, taken from the heap once; without that memory
+/// every frame is its own packet) and leave as one packet at [`Link::flush`], or when the next
+/// frame does not fit. A packet waits, pumping the device, until the peer has granted credit
+/// for all of it (virtio-drivers refuses a send with `InsufficientBufferSpaceInPeer` until a
+/// credit update arrives), for at most the send deadline; then it is refused with
+/// [`LinkError::WouldBlock`] and its frames are dropped. A probe reply that waited still
+/// carries a TSC read inside the host's bracket, only less tightly; the vhost backend grants
+/// ample credit, so this is rare.
 #[derive(Debug)]
 pub struct VsockLink<S, C> {
     stream: S,
     clock: C,
     send_timeout_cycles: u64,
     stats: LinkStats,
+    /// Frames held back; its capacity (allocated once) is the most one packet carries.
+    tx: Vec<u8>,
 }
 
 impl<S: Stream, C: Tsc> VsockLink<S, C> {
     /// A link on `stream` whose sends give up after `send_timeout_cycles` of `clock` without
-    /// peer credit.
+    /// peer credit, buffering up to [`TX_BUFFER`] bytes per packet.
     pub fn new(stream: S, clock: C, send_timeout_cycles: u64) -> Self {
+        Self::with_buffer(stream, clock, send_timeout_cycles, TX_BUFFER)
+    }
+
+    /// As [`VsockLink::new`] with a `buffer`-byte packet buffer (0: every frame is a packet).
+    /// If the heap cannot give that much, the link sends every frame at once.
+    pub fn with_buffer(stream: S, clock: C, send_timeout_cycles: u64, buffer: usize) -> Self {
+        let mut tx = Vec::new();
+        // No panic on a full heap: an unbuffered link still works, only with more packets.
+        let _ = tx.try_reserve_exact(buffer);
         Self {
             stream,
             clock,
             send_timeout_cycles,
             stats: LinkStats::default(),
+            tx,
         }
     }
 
@@ -397,14 +423,13 @@ impl<S: Stream, C: Tsc> VsockLink<S, C> {
         self.stats.refused_sends = self.stats.refused_sends.wrapping_add(1);
         self.note(e)
     }
-}
 
-impl<S: Stream, C: Tsc> Link for VsockLink<S, C> {
-    fn send(&mut self, frame: &[u8]) -> Result<(), LinkError> {
-        if !self.stream.can_send(frame.len()) {
+    /// Sends `bytes` as one packet once the peer has credit for it (see the type's docs).
+    fn send_packet(&mut self, bytes: &[u8]) -> Result<(), LinkError> {
+        if !self.stream.can_send(bytes.len()) {
             self.stats.credit_waits = self.stats.credit_waits.wrapping_add(1);
             let since = self.clock.read_ordered();
-            while !self.stream.can_send(frame.len()) {
+            while !self.stream.can_send(bytes.len()) {
                 if self.clock.read_ordered().wrapping_sub(since) > self.send_timeout_cycles {
                     return Err(self.refuse(StreamError::NoCredit));
                 }
@@ -413,7 +438,36 @@ impl<S: Stream, C: Tsc> Link for VsockLink<S, C> {
                 }
             }
         }
-        self.stream.send(frame).map_err(|e| self.refuse(e))
+        self.stream.send(bytes).map_err(|e| self.refuse(e))?;
+        self.stats.packets = self.stats.packets.wrapping_add(1);
+        Ok(())
+    }
+}
+
+impl<S: Stream, C: Tsc> Link for VsockLink<S, C> {
+    fn send(&mut self, frame: &[u8]) -> Result<(), LinkError> {
+        if self.tx.capacity() - self.tx.len() < frame.len() {
+            self.flush()?;
+        }
+        if frame.len() > self.tx.capacity() {
+            // Larger than the whole buffer (or no buffer): its own packet.
+            return self.send_packet(frame);
+        }
+        // Fits the capacity reserved in `new`: no reallocation.
+        self.tx.extend_from_slice(frame);
+        Ok(())
+    }
+
+    fn flush(&mut self) -> Result<(), LinkError> {
+        if self.tx.is_empty() {
+            return Ok(());
+        }
+        let mut tx = core::mem::take(&mut self.tx);
+        let sent = self.send_packet(&tx);
+        // Sent or refused, these frames are done with (see `Link::flush`).
+        tx.clear();
+        self.tx = tx;
+        sent
     }
 
     fn recv(&mut self, buf: &mut [u8]) -> Result<usize, LinkError> {
@@ -522,11 +576,14 @@ mod tests {
             ..FakeStream::default()
         });
         assert_eq!(l.send(b"abc"), Ok(()));
+        assert!(l.stream_mut().sent.is_empty(), "held until the flush");
+        assert_eq!(l.flush(), Ok(()));
         assert_eq!(l.stream_mut().sent, vec![b"abc".to_vec()]);
         assert_eq!(l.stream_mut().pumps, 5);
         assert_eq!(l.stats().credit_waits, 1);
-        assert_eq!(l.send(b"d"), Ok(()));
+        assert_eq!(l.send(b"d").and_then(|()| l.flush()), Ok(()));
         assert_eq!(l.stats().credit_waits, 1, "no wait once credit is there");
+        assert_eq!(l.stats().packets, 2);
         assert_eq!(l.stats().refused_sends, 0);
     }
 
@@ -536,8 +593,11 @@ mod tests {
             credit_after_pumps: u32::MAX,
             ..FakeStream::default()
         });
-        assert_eq!(l.send(b"abc"), Err(LinkError::WouldBlock));
+        assert_eq!(l.send(b"abc"), Ok(()));
+        assert_eq!(l.flush(), Err(LinkError::WouldBlock));
         assert!(l.stream_mut().sent.is_empty());
+        // The refused frames are dropped, not sent by a later flush.
+        assert_eq!(l.flush(), Ok(()));
         // The clock advances 10 per read and the deadline is 1000 cycles.
         let pumps = l.stream_mut().pumps;
         assert!((99..=101).contains(&pumps), "{pumps} pumps");
@@ -553,11 +613,101 @@ mod tests {
         });
         let mut buf = [0u8; 8];
         assert_eq!(l.recv(&mut buf), Err(LinkError::Closed));
-        assert_eq!(l.send(b"x"), Err(LinkError::Closed));
+        assert_eq!(
+            l.send(b"x").and_then(|()| l.flush()),
+            Err(LinkError::Closed)
+        );
         let st = l.stats();
         assert!(st.closed);
         assert_eq!((st.refused_sends, st.errors), (1, 0));
         assert_eq!(l.stream_mut().pumps, 0);
+    }
+
+    #[test]
+    fn frames_coalesce_up_to_the_buffer_and_oversized_ones_go_alone() {
+        let mut l = VsockLink::with_buffer(FakeStream::default(), FakeTsc::new(0, 10), 1_000, 10);
+        for f in [&b"abcd"[..], b"efgh"] {
+            assert_eq!(l.send(f), Ok(()));
+        }
+        assert!(l.stream_mut().sent.is_empty());
+        // Does not fit behind the first eight bytes: they leave first, in order.
+        assert_eq!(l.send(b"ijk"), Ok(()));
+        assert_eq!(l.stream_mut().sent, vec![b"abcdefgh".to_vec()]);
+        // Larger than the buffer: what is held goes first, then the frame as its own packet.
+        assert_eq!(l.send(b"0123456789ab"), Ok(()));
+        assert_eq!(l.flush(), Ok(()));
+        assert_eq!(
+            l.stream_mut().sent,
+            vec![
+                b"abcdefgh".to_vec(),
+                b"ijk".to_vec(),
+                b"0123456789ab".to_vec()
+            ]
+        );
+        assert_eq!(l.stats().packets, 3);
+        // Without a buffer every frame is a packet at once.
+        let mut l = VsockLink::with_buffer(FakeStream::default(), FakeTsc::new(0, 10), 1_000, 0);
+        assert_eq!(l.send(b"x"), Ok(()));
+        assert_eq!(l.stream_mut().sent, vec![b"x".to_vec()]);
+    }
+
+    /// A drain answer of many batches leaves in a few packets, each a whole number of frames,
+    /// and the host's receiver decodes every batch from their concatenation.
+    #[test]
+    fn a_drain_answer_of_many_batches_leaves_in_few_packets() {
+        use vmtsync_core::recorder::Ring;
+        let ring: &'static Ring<4096> = std::boxed::Box::leak(std::boxed::Box::new(Ring::new()));
+        let tsc = FakeTsc::new(1 << 40, 2_600);
+        for i in 0..4_000u32 {
+            assert!(ring.record(&tsc, 7, &u64::from(i).to_le_bytes()).is_ok());
+        }
+        let mut buf = [0u8; MAX_FRAME_SIZE];
+        let mut s = FakeStream::default();
+        for m in [
+            Message::Hello(Hello {
+                version: PROTOCOL_VERSION,
+                features: Features::EVENTS,
+            }),
+            Message::EventsRequest { max: 4_000 },
+        ] {
+            s.arriving
+                .push_back(encode_frame(&m, &mut buf).expect("encodes").to_vec());
+        }
+        let mut agent = Agent::with_events(link(s), FakeClock::new(100, 1, 0), ring);
+        for _ in 0..10 {
+            agent.poll().expect("polls");
+        }
+        assert_eq!(ring.len(), 0, "all sent");
+        let sent = core::mem::take(&mut agent.link_mut().stream_mut().sent);
+        let bytes: usize = sent.iter().map(Vec::len).sum();
+        // Capabilities, then 63 batches of ~64 × 14 bytes in packets of at most TX_BUFFER.
+        assert!(
+            sent.iter()
+                .all(|p| p.len() <= TX_BUFFER && p.last() == Some(&0))
+        );
+        assert!(
+            sent.len() <= 1 + bytes.div_ceil(TX_BUFFER - MAX_FRAME_SIZE),
+            "{} packets",
+            sent.len()
+        );
+        let mut rx = FrameReceiver::new();
+        let mut records = 0;
+        for pkt in &sent {
+            let mut input = &pkt[..];
+            loop {
+                match rx.feed(input) {
+                    Feed::Message { msg, rest } => {
+                        if let Message::Events(b) = msg {
+                            records += b.records.len();
+                        }
+                        input = rest;
+                    }
+                    Feed::Consumed => break,
+                    Feed::Error { error, .. } => panic!("{error:?}"),
+                }
+            }
+        }
+        assert_eq!(records, 4_000);
     }
 
     #[test]

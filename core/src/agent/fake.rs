@@ -21,6 +21,13 @@ pub struct FakeLink {
     pub max_recv: usize,
     /// While set, every `send` fails with [`LinkError::WouldBlock`].
     pub refuse_sends: bool,
+    /// While set, every `flush` fails with [`LinkError::WouldBlock`] (the frames already
+    /// sent stay queued: they reached the host, as a buffering link's earlier packets do).
+    pub refuse_flushes: bool,
+    /// Frames sent since the last successful `flush`.
+    pub unflushed: u32,
+    /// Successful [`Link::flush`] calls that had frames to flush.
+    pub flushes: u32,
     /// What [`Link::transport`] reports.
     pub transport: Transport,
 }
@@ -40,6 +47,9 @@ impl FakeLink {
             outbound: Deque::new(),
             max_recv: usize::MAX,
             refuse_sends: false,
+            refuse_flushes: false,
+            unflushed: 0,
+            flushes: 0,
             transport: Transport::Memory,
         }
     }
@@ -111,6 +121,18 @@ impl Link for FakeLink {
         for &b in frame {
             // Capacity was checked above.
             let _ = self.outbound.push_back(b);
+        }
+        self.unflushed = self.unflushed.saturating_add(1);
+        Ok(())
+    }
+
+    fn flush(&mut self) -> Result<(), LinkError> {
+        if self.refuse_flushes {
+            return Err(LinkError::WouldBlock);
+        }
+        if self.unflushed > 0 {
+            self.flushes = self.flushes.saturating_add(1);
+            self.unflushed = 0;
         }
         Ok(())
     }

@@ -350,6 +350,51 @@ fn events_stay_queued_when_the_send_fails() {
     assert_eq!(a.waiting_events(), 0);
 }
 
+/// A drain of several batches goes to the link back to back and is flushed once, after the
+/// last; records leave the ring only after that flush, so a failed flush keeps them all and
+/// the next drain sends them again under the same `first` indices.
+#[test]
+fn a_drain_is_flushed_once_and_consumed_only_after_the_flush() {
+    let mut a = agent(1);
+    open(&mut a);
+    for i in 0..200 {
+        assert!(record_at(&a, 9, T0 + i));
+    }
+    let flushes = a.link().flushes;
+    a.link_mut().refuse_flushes = true;
+    assert!(
+        a.link_mut()
+            .push_message(&Message::EventsRequest { max: 200 })
+    );
+    assert_eq!(a.poll(), Err(AgentError::Link(LinkError::WouldBlock)));
+    let firsts = |got: &[Message]| -> Vec<u64> {
+        got.iter()
+            .map(|m| match m {
+                Message::Events(b) => b.first,
+                other => panic!("{other:?}"),
+            })
+            .collect()
+    };
+    let lost = drain(&mut a);
+    assert_eq!(firsts(&lost), [0, 64, 128, 192]);
+    assert_eq!(a.waiting_events(), 200, "nothing consumed without a flush");
+    assert_eq!(a.stats().events_out, 0);
+    a.link_mut().refuse_flushes = false;
+    let got = exchange(&mut a, &Message::EventsRequest { max: 200 });
+    assert_eq!(
+        firsts(&got),
+        [0, 64, 128, 192],
+        "resent under the same indices"
+    );
+    assert_eq!(
+        a.link().flushes,
+        flushes + 1,
+        "one flush for the whole answer"
+    );
+    assert_eq!(a.waiting_events(), 0);
+    assert_eq!(a.stats().events_out, 200);
+}
+
 #[test]
 fn pvclock_report_or_unsupported() {
     let mut a = agent(3);

@@ -109,7 +109,7 @@ impl RecordArgs {
                 .filter(|d| d.is_finite() && *d >= 0.0)
                 .map(Duration::from_secs_f64),
             resync: Duration::from_millis(self.resync.max(1)),
-            drain_max: 512,
+            drain_max: crate::record::DRAIN_MAX,
         }
     }
 }

@@ -73,9 +73,15 @@ pub struct RecordOptions {
     pub duration: Option<Duration>,
     /// Time between the starts of two sync rounds.
     pub resync: Duration,
-    /// The most events one drain asks for.
+    /// The most events one drain asks for (the CLI: [`DRAIN_MAX`]).
     pub drain_max: u32,
 }
+
+/// The most events one drain asks for: the bare-metal agent's whole ring (4096 records), so
+/// one round trip takes everything waiting and a vsock agent sends it in a few packets (its
+/// link coalesces the batches of one answer). The host holds at most `DRAIN_MAX / 64 + 1`
+/// batches of one answer (about 170 KiB), whatever the guest sends.
+pub const DRAIN_MAX: u32 = 4096;
 
 /// Why a recording ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

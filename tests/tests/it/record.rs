@@ -596,7 +596,7 @@ fn vsock_ingest_keeps_every_sent_event_and_counts_the_rest() {
         events: None,
         duration: Some(Duration::from_secs(3)),
         resync: Duration::from_millis(500),
-        drain_max: 512,
+        drain_max: vmtsync::record::DRAIN_MAX,
     };
     let started = Instant::now();
     let summary = run_record_on(transport, &opts, &mut Progress::hidden())

@@ -11,6 +11,7 @@
 use std::time::{Duration, Instant};
 
 use vmtsync::probe::ProbeSummary;
+use vmtsync_core::estimate::trace_cmd_histogram;
 use vmtsync_core::proto::{Message, Transport};
 use vmtsync_tests::truth::{GuestTruth, Skew, truth_ready};
 use vmtsync_tests::vmm::agent_elf;
@@ -167,6 +168,23 @@ fn session(test: &str, machine: Machine, ring: u8, port: u32, listen: bool, skew
             "offset interval [{lo}, {hi}] misses the truth {c}"
         );
     }
+    // trace-cmd's histogram estimator (what the probe bench compares with) on these real
+    // samples: its answer is one probe's midpoint offset, and that probe's bracket contains
+    // the truth, so it is within half that probe's round trip of the true offset.
+    let hist = trace_cmd_histogram(&run.samples).expect("histogram of real samples");
+    let chosen = run
+        .samples
+        .iter()
+        .find(|s| {
+            let mid = (u128::from(s.host_send.0) + u128::from(s.host_recv.0)) / 2;
+            u128::from(hist.at.0) == mid
+                && i128::from(s.guest.0) - i128::from(hist.at.0) == i128::from(hist.offset)
+        })
+        .unwrap_or_else(|| panic!("histogram result {hist:?} is no probe's midpoint offset"));
+    assert!(
+        truth.in_bracket(chosen.host_send, chosen.guest, chosen.host_recv),
+        "{truth:?}: the histogram's probe {chosen:?}"
+    );
     let rtts = run.rtts_sorted();
     let errors = run.midpoint_errors_sorted(&truth);
 
@@ -182,6 +200,7 @@ fn session(test: &str, machine: Machine, ring: u8, port: u32, listen: bool, skew
     eprintln!(
         "vsock {machine:?} {mode} ring {ring}: connected after {connected:?}; {PROBES} probes: \
          RTT min {} / median {} cycles (~{} us median); midpoint |error| median {} cycles; \
+         trace-cmd histogram {hist:?} from probe {chosen:?}; \
          truth {truth:?}, offset interval {interval:?}, bounds [{}, {}] (width {}); exit \
          {status}, total {:?}",
         rtts[0],
@@ -209,9 +228,12 @@ fn session(test: &str, machine: Machine, ring: u8, port: u32, listen: bool, skew
     );
     assert!(
         log.contains(&format!(
-            "shutdown after {PROBES} probes, {} messages, 0 bad frames (0 credit waits, 0 \
-             refused sends, 0 link errors; 0 workload, 0 sent, 0 dropped): isa-debug-exit 5",
-            PROBES + 2
+            "shutdown after {PROBES} probes, {} messages, 0 bad frames, 0 events ({} packets, \
+             0 credit waits, 0 refused sends, 0 link errors; 0 workload, 0 sent, 0 dropped): \
+             isa-debug-exit 5",
+            PROBES + 2,
+            // The ready beacon, the capabilities, one per probe reply, and `Exiting`.
+            PROBES + 3
         )),
         "COM2 log:\n{log}"
     );

@@ -16,6 +16,8 @@
 //!   guest's rate is exactly the host's; under drift it can miss before it becomes empty.
 //!   Both report the centre of what the samples prove, round bounds outward, and report a
 //!   contradiction as [`EstimateError::SegmentBreak`].
+//!   [`DriftEstimator::central_offset_at_within`] is a point estimate inside the guaranteed
+//!   bounds (the centre of the offsets that fit at the central feasible rate), not a bound.
 //!
 //! Sign convention everywhere: `offset = guest - host` (KVM's `tsc-offset`), an `i64`.
 //! Everything is `no_std`, heap-free, float-free; products use `i128`.

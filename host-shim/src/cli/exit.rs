@@ -23,7 +23,7 @@ Exit codes:
   3  environment: debugfs not mounted, not root, no tracefs
   4  no VM or vCPU matches --vm / --vcpu (convert --sync: no segment for --vcpu)
   5  bad input data (convert: bad line, value out of range or malformed sync file;
-     compose: cannot compose)
+     compose: cannot compose; export: a malformed or unsupported recording)
   6  refused: the vCPU runs a nested guest (guest_mode=1) and --nested-l2 was not given
   7  probe: the guest agent could not be reached or stopped answering (VM gone, agent
      restarted, protocol version mismatch)
@@ -52,6 +52,9 @@ pub enum CliError {
     /// From `record`.
     #[error(transparent)]
     Record(#[from] crate::record::RecordError),
+    /// From `export`.
+    #[error(transparent)]
+    Export(#[from] crate::export::ExportError),
     /// Bad flag values clap cannot check.
     #[error("{0}")]
     Usage(String),
@@ -129,6 +132,12 @@ impl CliError {
             ) => 7,
             Self::Record(_) => 1,
             Self::Usage(_) => 2,
+            Self::Export(
+                crate::export::ExportError::Io { .. }
+                | crate::export::ExportError::Write { .. }
+                | crate::export::ExportError::TraceDat(crate::tracedat::TraceDatError::Io { .. }),
+            ) => 1,
+            Self::Export(_) => 5,
             Self::SyncFile(e) => sync_exit_code(e),
         }
     }

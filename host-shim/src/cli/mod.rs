@@ -23,6 +23,8 @@
 pub mod command;
 pub mod convert;
 pub mod exit;
+pub mod export;
+pub mod export_ctf;
 pub mod kvm;
 pub mod probe;
 pub mod record;

@@ -21,6 +21,8 @@
 //! each in time order. Every exporter writes one stream per vCPU, so per-vCPU order is what
 //! matters.
 
+pub mod ctf;
+
 use std::fs::File;
 use std::io::{self, BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};

@@ -97,6 +97,9 @@ pub struct Layout {
     pub options_end: u64,
     /// v7: total uncompressed size of the STRINGS sections (the next string's id).
     pub strings_size: u64,
+    /// v7: whether the file has a strings section (`trace-cmd restore` writes none; any other
+    /// file without one was cut at a section boundary).
+    pub has_strings: bool,
     /// v6: offset of the top buffer's `"flyrecord\0"`.
     pub flyrecord: Option<u64>,
     /// v6: offset just past the top buffer's CPU table and clock (where padding begins).
@@ -333,16 +336,24 @@ fn read_v7(src: &Src, mut c: Cur<'_>, page_size: u32) -> Result<Layout, TraceDat
         });
         c.pos = body + size;
     }
-    // trace-cmd writes the strings section last; a file cut at a section boundary loses it.
-    if !strings_found {
-        return Err(src.err(src.len, "no strings section (truncated?)"));
-    }
+    // trace-cmd writes the strings section last, so a file cut at a section boundary loses it;
+    // but `trace-cmd restore` writes files without one, which trace-cmd reads. The layout says
+    // so and `verify_file` (the check for files that must be complete) refuses it.
     let find = |off: u64, id: u16, what: &str| {
         sections
             .iter()
             .find(|s| s.offset == off && s.id == id)
             .copied()
-            .ok_or_else(|| src.err(off, format!("{what}: no section {id} starts here")))
+            .ok_or_else(|| {
+                if off >= src.len {
+                    src.err(
+                        src.len,
+                        format!("{what} at {off}: past the end of the file (truncated?)"),
+                    )
+                } else {
+                    src.err(off, format!("{what}: no section {id} starts here"))
+                }
+            })
     };
     let mut options = Vec::new();
     let mut seen = BTreeSet::new();
@@ -426,6 +437,7 @@ fn read_v7(src: &Src, mut c: Cur<'_>, page_size: u32) -> Result<Layout, TraceDat
         buffers,
         options_end,
         strings_size,
+        has_strings: strings_found,
         flyrecord: None,
         flyrecord_end: None,
         v6_formats: None,
@@ -575,6 +587,7 @@ fn read_v6(src: &Src, mut c: Cur<'_>, page_size: u32) -> Result<Layout, TraceDat
         buffers,
         options_end,
         strings_size: 0,
+        has_strings: false,
         flyrecord,
         flyrecord_end,
         v6_formats: Some((v6_formats, v6_formats_end)),
@@ -1219,6 +1232,13 @@ fn walk_page(
 /// As [`read_layout`] and [`for_each_event`].
 pub fn verify_file(path: &Path) -> Result<(Layout, u64), TraceDatError> {
     let layout = read_layout(path)?;
+    if layout.version == 7 && !layout.has_strings {
+        return Err(TraceDatError::Parse {
+            path: path.to_path_buf(),
+            offset: layout.file_len,
+            reason: "no strings section (truncated?)".into(),
+        });
+    }
     let mut n = 0;
     for b in 0..layout.buffers.len() {
         n += for_each_event(path, &layout, b, |_| {})?;

@@ -4,6 +4,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+use super::attach::{TraceCmdCommand, run_trace_cmd};
 use super::convert::{ConvertArgs, run_convert};
 use super::exit::{CliError, EXIT_CODES};
 use super::export::{ExportCommand, run_export};
@@ -74,6 +75,10 @@ pub enum Command {
     /// Export a recording to another tool's format.
     #[command(subcommand)]
     Export(ExportCommand),
+    /// trace-cmd pipelines for Linux guests (`attach`: a guest trace.dat onto the host's
+    /// timeline).
+    #[command(subcommand, name = "trace-cmd")]
+    TraceCmd(TraceCmdCommand),
 }
 
 /// Parses the process arguments, runs the command and maps the outcome to an exit code;
@@ -103,6 +108,7 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
         Command::Record(a) => run_record_cmd(&a),
         Command::Tsc(c) => run_tsc(&c),
         Command::Export(c) => run_export(&c),
+        Command::TraceCmd(c) => run_trace_cmd(&c),
     }
 }
 

@@ -2,7 +2,7 @@
 
 use std::path::PathBuf;
 
-use clap::Args;
+use clap::{Args, ValueEnum};
 
 use super::exit::CliError;
 use crate::export::{self, ctf};
@@ -20,6 +20,18 @@ pub struct CtfArgs {
     /// to line up in babeltrace2 must use the same.
     #[arg(long, value_name = "HZ", value_parser = clap::value_parser!(u64).range(1..))]
     pub tsc_hz: Option<u64>,
+    /// The input is a host trace.dat (x86-tsc clock): export these host events instead, on
+    /// the same clock as a guest trace, so babeltrace2 lines both up.
+    #[arg(long, value_enum, value_name = "EVENTS")]
+    pub host_events: Option<HostEvents>,
+}
+
+/// `--host-events`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum HostEvents {
+    /// `kvm:kvm_pio`: the guests' port I/O exits.
+    #[value(name = "kvm_pio")]
+    KvmPio,
 }
 
 /// The clock and names for a trace written from `input` to `out`.
@@ -46,6 +58,33 @@ pub fn ctf_options(
 
 pub(super) fn run_export_ctf(a: &CtfArgs) -> Result<(), CliError> {
     let opts = ctf_options(a.tsc_hz, &a.from.display().to_string(), &a.out)?;
+    if a.host_events == Some(HostEvents::KvmPio) {
+        let s = ctf::export_kvm_pio(&a.from, &a.out, &opts)?;
+        if let Some(c) = &s.stated_clock {
+            eprintln!(
+                "vmtsync: warning: {} states the trace clock {c:?} (trace-cmd 3.1.6 `extract -B` \
+                 states \"local\" for an instance on any clock); its timestamps are taken as \
+                 x86-tsc ticks: record the host trace with the x86-tsc clock",
+                a.from.display()
+            );
+        }
+        eprintln!(
+            "vmtsync: wrote {} kvm_pio exits in {} streams to {} (clock host_tsc at {} Hz){}",
+            s.ctf.events,
+            s.ctf.streams,
+            s.ctf.dir.display(),
+            opts.tsc_hz,
+            if s.undecodable > 0 {
+                format!(
+                    "; skipped {} kvm_pio records that did not decode",
+                    s.undecodable
+                )
+            } else {
+                String::new()
+            }
+        );
+        return Ok(());
+    }
     let src = export::open(&a.from)?;
     let kind = src.kind();
     let s = ctf::export_guest(src, &a.out, &opts)?;

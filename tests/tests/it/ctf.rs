@@ -614,3 +614,211 @@ fn small_trace_dat(d: &Path) -> Option<std::path::PathBuf> {
     w.finish(None).ok()?;
     Some(p)
 }
+
+/// `(raw timestamp, port)` of every `kvm_pio` line of `trace-cmd report --raw-ts`.
+fn report_pio(host_dat: &Path) -> Vec<(u64, u16)> {
+    let o = trace_cmd(&["report", "--raw-ts", "-i", host_dat.to_str().unwrap()]);
+    assert!(o.status.success(), "report: {}", text(&o.stderr));
+    text(&o.stdout)
+        .lines()
+        .filter(|l| l.contains(" kvm_pio: "))
+        .map(|l| {
+            let ts: String = l
+                .split(']')
+                .nth(1)
+                .unwrap()
+                .trim_start()
+                .chars()
+                .take_while(char::is_ascii_digit)
+                .collect();
+            let port = l
+                .split(" at 0x")
+                .nth(1)
+                .and_then(|s| s.split_whitespace().next())
+                .and_then(|s| u16::from_str_radix(s, 16).ok())
+                .unwrap_or_else(|| panic!("port in {l}"));
+            (ts.parse().unwrap(), port)
+        })
+        .collect()
+}
+
+/// The `freq` of a CTF trace's clock.
+fn metadata_hz(dir: &Path) -> u64 {
+    std::fs::read_to_string(dir.join("metadata"))
+        .unwrap()
+        .split("freq = ")
+        .nth(1)
+        .and_then(|s| s.split(';').next())
+        .and_then(|s| s.parse().ok())
+        .expect("metadata has freq")
+}
+
+/// Tier 2: two traces on one timeline. A private tracefs instance (x86-tsc) records the host's
+/// `kvm:kvm_pio` exits while `vmtsync record --format ctf` records the real agent's workload
+/// under QEMU (events sent over COM1, so every event leaves through port 0x3f8 writes after it
+/// happened). `vmtsync export ctf --host-events kvm_pio` turns `trace-cmd extract`'s file into
+/// a CTF trace whose exits match `trace-cmd report --raw-ts` exactly; babeltrace2 reads both
+/// traces at once (both clocks absolute, same frequency) and the merged timeline holds every
+/// event of both in time order, the guest's events among the VM's COM1 exits, each one's
+/// guaranteed interval starting before a COM1 write of the VM's vCPU thread.
+#[test]
+fn host_kvm_pio_and_guest_traces_line_up_in_babeltrace2() {
+    let test = "host_kvm_pio_and_guest_traces_line_up_in_babeltrace2";
+    if !ctf_ready(test)
+        || !qemu_ready(test)
+        || !require(
+            test,
+            vmtsync_tests::is_root(),
+            "needs root (tracefs instances)",
+        )
+    {
+        return;
+    }
+    let tracefs = vmtsync::trace_events::find_tracefs(None);
+    if !require(
+        test,
+        tracefs.is_ok(),
+        "no tracefs at /sys/kernel/{debug/,}tracing",
+    ) {
+        return;
+    }
+    let name = format!("vmtsync_ctf_{}", std::process::id());
+    let inst = crate::tracedat::Instance(tracefs.unwrap().join("instances").join(&name));
+    std::fs::create_dir(&inst.0).expect("create tracefs instance");
+    std::fs::write(inst.0.join("trace_clock"), "x86-tsc").expect("set x86-tsc");
+    // Other VMs on this machine exit too: room for all of them for the recording's seconds.
+    std::fs::write(inst.0.join("buffer_size_kb"), "16384").expect("buffer size");
+    std::fs::write(inst.0.join("events/kvm/kvm_pio/enable"), "1").expect("enable kvm_pio");
+
+    let dir = scratch("ctf-lineup");
+    let skew = Skew::pick();
+    let append = format!(
+        "transport=uart exit=0 workload=300,0 {}",
+        skew.agent_option()
+    );
+    let (qemu_guard, sock) = boot_qemu(dir.path(), &append);
+    let addr = format!("unix:{}", sock.display());
+    let guest = dir.path().join("guest");
+    let o = record(&[
+        "--connect",
+        &addr,
+        "--out",
+        guest.to_str().unwrap(),
+        "--format",
+        "ctf",
+        "--events",
+        "300",
+        "--duration",
+        "120",
+        "--resync",
+        "200",
+        "--timeout",
+        "10000",
+    ]);
+    // The VM's threads (its vCPU thread makes its exits), read while it still runs (the
+    // agent keeps serving without --shutdown).
+    let tasks: std::collections::BTreeSet<u64> =
+        std::fs::read_dir(format!("/proc/{}/task", qemu_guard.pid()))
+            .unwrap()
+            .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+            .collect();
+    std::fs::write(inst.0.join("tracing_on"), "0").unwrap();
+    drop(qemu_guard);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o.stderr));
+    let host_dat = dir.path().join("host.dat");
+    let x = Command::new("trace-cmd")
+        .args(["extract", "-B", &name, "-o", host_dat.to_str().unwrap()])
+        .current_dir(dir.path())
+        .output()
+        .unwrap();
+    assert!(x.status.success(), "extract: {}", text(&x.stderr));
+    drop(inst);
+
+    let host = dir.path().join("host");
+    let e = export_ctf(&[
+        "--from",
+        host_dat.to_str().unwrap(),
+        "--host-events",
+        "kvm_pio",
+        "--out",
+        host.to_str().unwrap(),
+    ]);
+    assert_eq!(e.status.code(), Some(0), "{}", text(&e.stderr));
+    assert_eq!(metadata_hz(&host), metadata_hz(&guest), "one clock");
+    let hz = metadata_hz(&host);
+
+    // The host trace alone: exactly trace-cmd's kvm_pio exits.
+    let mut want = report_pio(&host_dat);
+    let mut got: Vec<(u64, u16)> = bt2_events(&[&host])
+        .iter()
+        .map(|b| (b.cycles, u16::try_from(b.f("port")).unwrap()))
+        .collect();
+    want.sort_unstable();
+    got.sort_unstable();
+    assert!(!want.is_empty(), "no kvm_pio exits recorded");
+    assert_eq!(got, want, "kvm_pio exits: CTF vs trace-cmd report");
+
+    // Both at once.
+    let merged = bt2_events(&[&guest, &host]);
+    let guest_name = guest.file_name().unwrap().to_str().unwrap();
+    let host_name = host.file_name().unwrap().to_str().unwrap();
+    let (g, h): (Vec<_>, Vec<_>) = merged.iter().partition(|b| b.trace == guest_name);
+    assert_eq!(g.len(), 300, "guest events in the merged timeline");
+    assert_eq!(h.len(), want.len(), "host events in the merged timeline");
+    assert!(
+        h.iter()
+            .all(|b| b.trace == host_name && b.event == "kvm:kvm_pio")
+    );
+    let mut last = i64::MIN;
+    for b in &merged {
+        assert!(b.ns >= last, "merged order by time at {b:?}");
+        last = b.ns;
+        assert_ns(b.ns, b.cycles, hz, &b.trace);
+    }
+    let com1 = |b: &BtEvent| {
+        b.trace == host_name
+            && b.f("port") == 0x3f8
+            && b.f("rw") == 1
+            && tasks.contains(&b.f("pid"))
+    };
+    let last_com1 = merged
+        .iter()
+        .filter(|b| com1(b))
+        .map(|b| b.cycles)
+        .max()
+        .unwrap_or_else(|| {
+            let mut seen = BTreeMap::new();
+            for b in &h {
+                *seen.entry((b.f("port"), b.f("pid"))).or_insert(0) += 1;
+            }
+            panic!("no COM1 write by the VM's threads {tasks:?}; (port, pid): {seen:?}")
+        });
+    let first_g = merged.iter().position(|b| b.trace == guest_name).unwrap();
+    let last_g = merged.iter().rposition(|b| b.trace == guest_name).unwrap();
+    let between = merged[first_g..last_g].iter().filter(|b| com1(b)).count();
+    let mut late = 0;
+    for b in &g {
+        assert_eq!(b.event, "vmtsync:event");
+        assert!(b.cycles >= b.f("host_tsc"));
+        // Sent over COM1 after it happened, so after its interval's start.
+        if b.f("host_lo") >= last_com1 {
+            late += 1;
+        }
+    }
+    assert_eq!(
+        late, 0,
+        "guest events with no COM1 write of their VM after them"
+    );
+    assert!(
+        between > 0,
+        "the guest's events interleave with its VM's COM1 exits on one timeline"
+    );
+    println!(
+        "ctf line-up: {} guest events and {} kvm_pio exits ({} COM1 writes of the VM among the \
+         guest's events) in one babeltrace2 timeline at {hz} Hz; {}",
+        g.len(),
+        h.len(),
+        between,
+        text(&e.stderr).trim()
+    );
+}

@@ -53,6 +53,7 @@ pub struct Payload {
 impl Payload {
     /// `None` if `b` is longer than [`MAX_PAYLOAD`].
     #[must_use]
+    #[inline]
     pub fn new(b: &[u8]) -> Option<Self> {
         let mut p = Self::default();
         p.bytes.get_mut(..b.len())?.copy_from_slice(b);
@@ -62,6 +63,7 @@ impl Payload {
 
     /// The bytes.
     #[must_use]
+    #[inline]
     pub fn as_slice(&self) -> &[u8] {
         &self.bytes[..usize::from(self.len)]
     }

@@ -477,6 +477,9 @@ fn qemu_recording_in_ctf_matches_jsonl_and_the_truth() {
         args.extend_from_slice(&common);
         let o = record(&args);
         assert_eq!(o.status.code(), Some(0), "{name}: {}", text(&o.stderr));
+        // The truth, read while the VM runs (the next recording ends it).
+        let pid = qemu_guard.pid();
+        let truth = GuestTruth::new(truth_mapping(pid, 0).expect("debugfs truth"), Some(skew));
         let ctf = dir.path().join("trace");
         let mut args = vec![
             "--connect",
@@ -491,8 +494,6 @@ fn qemu_recording_in_ctf_matches_jsonl_and_the_truth() {
         ];
         args.extend_from_slice(&common);
         let o2 = record(&args);
-        let pid = qemu_guard.pid();
-        let truth = GuestTruth::new(truth_mapping(pid, 0).expect("debugfs truth"), Some(skew));
         drop(qemu_guard);
         assert_eq!(o2.status.code(), Some(0), "{name}: {}", text(&o2.stderr));
 

@@ -135,13 +135,13 @@ fn timestamps_never_go_back_within_a_stream_and_packets_split() {
     let d = tempfile::tempdir().unwrap();
     let out = d.path().join("t");
     let mut w = CtfTrace::create(&out, &opts(), "", "s").unwrap();
-    assert!(!w.event(1, 0, 100, |_| {}).unwrap());
-    assert!(w.event(1, 0, 90, |_| {}).unwrap());
+    assert!(!w.event(1, 0, 100, &Fields::default()).unwrap());
+    assert!(w.event(1, 0, 90, &Fields::default()).unwrap());
     // Another stream has its own order.
-    assert!(!w.event(2, 0, 50, |_| {}).unwrap());
+    assert!(!w.event(2, 0, 50, &Fields::default()).unwrap());
     let n = 3 * PACKET_BYTES / 9;
     for i in 0..n as u64 {
-        assert!(!w.event(1, 0, 100 + i, |_| {}).unwrap());
+        assert!(!w.event(1, 0, 100 + i, &Fields::default()).unwrap());
     }
     let s = w.finish().unwrap();
     assert_eq!(s.raised, 1);
@@ -181,9 +181,9 @@ fn targets_are_checked_and_memory_is_bounded() {
     let mut w = CtfTrace::create(&d.path().join("many"), &opts(), "", "s").unwrap();
     let max = u32::try_from(MAX_STREAMS).unwrap();
     for i in 0..max {
-        w.event(i, 0, 1, |_| {}).unwrap();
+        w.event(i, 0, 1, &Fields::default()).unwrap();
     }
-    let e = w.event(max, 0, 1, |_| {}).unwrap_err();
+    let e = w.event(max, 0, 1, &Fields::default()).unwrap_err();
     assert!(e.to_string().contains("streams"), "{e}");
     // A trace dropped unfinished leaves nothing at its target.
     drop(w);
@@ -213,4 +213,20 @@ fn kernel_log_lines_give_tsc_khz_exactly() {
     ] {
         assert_eq!(tsc_khz_from_log(bad), None, "{bad}");
     }
+}
+
+#[test]
+fn fields_keep_their_bounds() {
+    let mut f = Fields::default();
+    f.put(0x0102u16.to_le_bytes());
+    f.put_payload(&Payload::new(&[9, 8, 7]).unwrap());
+    assert_eq!(f.bytes(), &[2, 1, 3, 9, 8, 7]);
+    // Fixed-size fields past FIELDS_MAX are dropped, never written past the array.
+    let mut f = Fields::default();
+    for _ in 0..FIELDS_MAX / 8 + 2 {
+        f.put(u64::MAX.to_le_bytes());
+    }
+    assert_eq!(f.bytes().len(), FIELDS_MAX);
+    f.put_payload(&Payload::new(&[1; 16]).unwrap());
+    assert_eq!(f.bytes().len(), FIELDS_MAX + 16);
 }

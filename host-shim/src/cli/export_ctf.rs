@@ -112,3 +112,23 @@ pub(super) fn run_export_ctf(a: &CtfArgs) -> Result<(), CliError> {
     );
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use crate::cli::Cli;
+
+    #[test]
+    fn export_ctf_parses_its_contract_forms() {
+        let p =
+            |args: &[&str]| Cli::try_parse_from(["vmtsync", "export", "ctf"].iter().chain(args));
+        assert!(p(&["--from", "g.jsonl", "--out", "t"]).is_ok());
+        assert!(p(&["--from", "h.dat", "--out", "t", "--host-events", "kvm_pio"]).is_ok());
+        assert!(p(&["--from", "g.dat", "--out", "t", "--tsc-hz", "2300000000"]).is_ok());
+        assert!(p(&["--from", "g.dat"]).is_err(), "--out is required");
+        assert!(p(&["--out", "t"]).is_err(), "--from is required");
+        assert!(p(&["--from", "g", "--out", "t", "--tsc-hz", "0"]).is_err());
+        assert!(p(&["--from", "g", "--out", "t", "--host-events", "kvm_exit"]).is_err());
+    }
+}

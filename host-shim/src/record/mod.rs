@@ -1,5 +1,5 @@
 //! `vmtsync record`: one session that syncs the clocks and drains the guest's events into a
-//! trace file (trace-cmd's trace.dat or JSON Lines).
+//! trace file (trace-cmd's trace.dat, JSON Lines or CTF).
 //!
 //! The session: hello, an initial sync round, then event drains
 //! ([`ProbeSession::drain_events`]) interleaved with a re-sync round every `resync`, with the

@@ -230,3 +230,19 @@ fn fields_keep_their_bounds() {
     f.put_payload(&Payload::new(&[1; 16]).unwrap());
     assert_eq!(f.bytes().len(), FIELDS_MAX + 16);
 }
+
+#[test]
+fn a_trace_without_kvm_pio_is_refused_and_writes_nothing() {
+    use crate::tracedat::{TraceDatWriter, WriterOptions};
+    let d = tempfile::tempdir().unwrap();
+    let dat = d.path().join("guest.dat");
+    let mut w = TraceDatWriter::create(&dat, WriterOptions::new(1, 1)).unwrap();
+    w.push(0, 10, 1, &[]).unwrap();
+    w.finish(None).unwrap();
+    let out = d.path().join("host");
+    let e = export_kvm_pio(&dat, &out, &opts()).unwrap_err();
+    assert!(e.to_string().contains("no kvm:kvm_pio format"), "{e}");
+    assert!(!out.exists());
+    let e = export_kvm_pio(&d.path().join("missing.dat"), &out, &opts()).unwrap_err();
+    assert!(matches!(e, ExportError::TraceDat(_)), "{e}");
+}

@@ -224,7 +224,7 @@ impl Placed<'_> {
     }
 }
 
-/// The CTF output: the host's TSC frequency from CPUID, named after the directory.
+/// The CTF output: the host's TSC frequency (`ctf::host_tsc_hz`), named after the directory.
 fn create_ctf(opts: &RecordOptions) -> Result<crate::export::ctf::GuestCtf, RecordError> {
     use crate::export::ctf;
     let o = ctf::CtfOptions {

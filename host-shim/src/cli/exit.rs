@@ -25,7 +25,8 @@ Exit codes:
   5  bad input data (convert: bad line, value out of range or malformed sync file;
      compose: cannot compose; trace-cmd attach: malformed or truncated trace.dat)
   6  refused: the vCPU runs a nested guest (guest_mode=1) and --nested-l2 was not given;
-     trace-cmd attach: the TIME_SHIFT would be off by more than --max-error ticks
+     trace-cmd attach: the TIME_SHIFT would be off by more than --max-error ticks;
+     export perf: perf cannot express the mapping
   7  probe: the guest agent could not be reached or stopped answering (VM gone, agent
      restarted, protocol version mismatch)
   130  probe: interrupted by SIGINT (143: by SIGTERM) before it measured anything; in
@@ -113,6 +114,10 @@ pub enum CliError {
         /// The accepted limit.
         limit: u64,
     },
+    /// `export perf`: perf's arguments cannot express the mapping (the explanation says why
+    /// and what error the closest ones would make).
+    #[error("{0}")]
+    NotExpressible(String),
 }
 
 impl CliError {
@@ -147,7 +152,7 @@ impl CliError {
             Self::Usage(_) => 2,
             Self::SyncFile(e) => sync_exit_code(e),
             Self::TraceDat(e) => trace_dat_exit_code(e),
-            Self::ShiftTooCoarse { .. } => 6,
+            Self::ShiftTooCoarse { .. } | Self::NotExpressible(_) => 6,
         }
     }
 

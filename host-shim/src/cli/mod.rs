@@ -25,6 +25,8 @@ pub mod attach;
 pub mod command;
 pub mod convert;
 pub mod exit;
+pub mod export;
+pub mod export_perf;
 pub mod kvm;
 pub mod probe;
 pub mod record;

@@ -616,3 +616,46 @@ fn a_truncated_guest_trace_is_refused_with_the_offset_and_no_output() {
         "no temporary file left"
     );
 }
+
+/// `vmtsync export perf` on a fixture debugfs tree.
+fn export_perf(tree: &str, extra: &[&str]) -> Output {
+    let tree = crate::kvm_fixtures::fixtures().join(tree);
+    vmtsync()
+        .args(["export", "perf", "--debugfs-root"])
+        .arg(tree.join("kvm"))
+        .arg("--proc-root")
+        .arg(tree.join("proc"))
+        .args(extra)
+        .output()
+        .expect("run vmtsync")
+}
+
+#[test]
+fn export_perf_prints_the_guest_data_argument_or_explains_what_perf_cannot_express() {
+    // Two vCPUs at offset 0, no TSC scaling files (identity): exact.
+    let o = export_perf("noscaling", &["--vm", "5005"]);
+    assert_eq!(ok(&o), "--guest-data=guest.perf.data,5005,0\n");
+    // One vCPU of the second intel VM: offset 5000, ratio exactly 2^48.
+    let o = export_perf(
+        "intel",
+        &["--vm", "2002", "--vcpu", "0", "--perf-data", "/tmp/g.data"],
+    );
+    assert_eq!(ok(&o), "--guest-data=/tmp/g.data,2002,5000\n");
+    // The first intel VM runs its guests at 1.25x: no integer scale, and its two vCPUs'
+    // offsets differ by 789 ticks.
+    let o = export_perf("intel", &["--vm", "1001"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(6), "{err}");
+    assert!(o.stdout.is_empty());
+    assert!(
+        err.contains("not an integer") && err.contains("differs from vcpu0"),
+        "{err}"
+    );
+    assert!(err.contains("off by ") && err.contains("grows"), "{err}");
+    // AMD, ratio 0xffff0000 / 2^32 (just below 1): perf's nearest scale 1 is wrong.
+    let o = export_perf("amd", &["--vm", "3003", "--vcpu", "10"]);
+    assert_eq!(o.status.code(), Some(6));
+    // A vCPU that does not exist.
+    let o = export_perf("noscaling", &["--vm", "5005", "--vcpu", "9"]);
+    assert_eq!(o.status.code(), Some(4));
+}

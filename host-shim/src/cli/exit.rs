@@ -8,10 +8,10 @@ use super::signals::stop_signal;
 use crate::compose::ComposeError;
 use crate::debugfs::{DEBUGFS_MOUNTPOINT, DebugfsError};
 use crate::exact_convert::ConvertError;
+use crate::ftrace::TraceError;
 use crate::probe::{ConnectError, ProbeError};
 use crate::scan::ScanError;
 use crate::syncfile::SyncFileError;
-use crate::trace_events::TraceError;
 use crate::watch::WatchError;
 
 /// The exit codes, for `--help` (also in the [module docs](crate::cli)).

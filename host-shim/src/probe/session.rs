@@ -130,6 +130,9 @@ pub struct SessionStats {
     pub wrong_vcpu: u64,
     /// Probes whose host stamps put the receive before the send (lost).
     pub bad_stamps: u64,
+    /// Probes whose transport vouches for its own stamps (exit anchoring) but found no exits
+    /// for this exchange (lost: a bracket is never guessed).
+    pub unanchored: u64,
     /// Probe waits abandoned after [`MAX_BYTES_PER_WAIT`] bytes without the reply (lost).
     pub flooded: u64,
     /// Samples that came from compact replies (unwrapped in their window); the others came
@@ -260,7 +263,7 @@ impl<T: StampedTransport> ProbeSession<T> {
         // A transport's refinement is tied to the last request it carried: only sound when
         // there was one greeting.
         let stamps = if greetings == 1 {
-            s.transport.refine(raw)
+            s.transport.refine(raw).unwrap_or(raw)
         } else {
             raw
         };
@@ -379,7 +382,10 @@ impl<T: StampedTransport> ProbeSession<T> {
             self.stats.wrong_vcpu += 1;
             return Ok(self.lost());
         }
-        let stamps = self.transport.refine(FrameStamps { send, recv });
+        let Some(stamps) = self.transport.refine(FrameStamps { send, recv }) else {
+            self.stats.unanchored += 1;
+            return Ok(self.lost());
+        };
         if stamps.recv < stamps.send {
             self.stats.bad_stamps += 1;
             return Ok(self.lost());
@@ -452,7 +458,8 @@ impl<T: StampedTransport> ProbeSession<T> {
         let deadline = Instant::now() + self.timeout;
         self.wait_bytes = 0;
         let (reply, recv) = self.next_message(deadline, "a reply")?;
-        Ok((reply, self.transport.refine(FrameStamps { send, recv })))
+        let raw = FrameStamps { send, recv };
+        Ok((reply, self.transport.refine(raw).unwrap_or(raw)))
     }
 
     /// Drains up to `max` of the agent's waiting events: one [`Message::EventsRequest`], then

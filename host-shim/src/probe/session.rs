@@ -46,6 +46,7 @@ use vmtsync_core::proto::{
 use vmtsync_core::{GuestTicks, HostTicks};
 
 use super::ProbeError;
+use super::anchor::AnchorKind;
 use super::progress::Progress;
 pub use super::reference::{RATE_MAX, RATE_MIN, Reference, Window};
 use super::transport::{FrameStamps, StampedTransport, TransportError};
@@ -130,6 +131,8 @@ pub struct SessionStats {
     pub wrong_vcpu: u64,
     /// Probes whose host stamps put the receive before the send (lost).
     pub bad_stamps: u64,
+    /// Where the samples' host brackets come from ([`StampedTransport::anchor`]).
+    pub anchor: AnchorKind,
     /// Probes whose transport vouches for its own stamps (exit anchoring) but found no exits
     /// for this exchange (lost: a bracket is never guessed).
     pub unanchored: u64,
@@ -289,9 +292,12 @@ impl<T: StampedTransport> ProbeSession<T> {
         &self.info
     }
 
-    /// Counters so far.
-    pub const fn stats(&self) -> SessionStats {
-        self.stats
+    /// Counters so far, with the transport's anchor.
+    pub fn stats(&self) -> SessionStats {
+        SessionStats {
+            anchor: self.transport.anchor(),
+            ..self.stats
+        }
     }
 
     /// Forgets the unwrap reference, so the next probe asks for the full TSC (done at the start
@@ -591,7 +597,7 @@ impl<T: StampedTransport> ProbeSession<T> {
                 }
             }
         }
-        self.stats
+        self.stats()
     }
 
     /// The transport back (e.g. to reuse it).

@@ -109,6 +109,11 @@ pub trait StampedTransport {
         Some(stamps)
     }
 
+    /// Where this transport's stamps come from, for reports and sync files.
+    fn anchor(&self) -> super::anchor::AnchorKind {
+        super::anchor::AnchorKind::InProcess
+    }
+
     /// The host TSC now, on the clock `send` and `recv` stamp with (a simulation's own clock;
     /// the real host TSC by default). The session uses it to decide whether a compact probe
     /// can still be unwrapped.
@@ -133,6 +138,10 @@ impl<T: StampedTransport + ?Sized> StampedTransport for Box<T> {
     fn now(&mut self) -> HostTicks {
         (**self).now()
     }
+
+    fn anchor(&self) -> super::anchor::AnchorKind {
+        (**self).anchor()
+    }
 }
 
 impl<T: StampedTransport + ?Sized> StampedTransport for &mut T {
@@ -150,6 +159,10 @@ impl<T: StampedTransport + ?Sized> StampedTransport for &mut T {
 
     fn now(&mut self) -> HostTicks {
         (**self).now()
+    }
+
+    fn anchor(&self) -> super::anchor::AnchorKind {
+        (**self).anchor()
     }
 }
 

@@ -6,16 +6,42 @@ use super::{PioExit, Unmatched};
 use crate::ftrace::format::PioDirection;
 use crate::probe::transport::FrameStamps;
 
+/// The exits that bracket one exchange's guest TSC read, host TSC each.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct UartBracket {
+    /// The `in` that read the request's delimiter: the agent had the whole request.
+    pub delimiter_in: u64,
+    /// The vCPU thread's last traced exit before the reply's first byte (the delimiter's, or
+    /// a later status-register poll): the agent does no port I/O between its TSC read and the
+    /// reply's first byte (docs/anchor.md), so this exit came before the read.
+    pub last_exit: u64,
+    /// The `out` of the reply's first byte: the agent had read its TSC.
+    pub first_out: u64,
+}
+
+impl UartBracket {
+    /// The bracket the session uses: `[last_exit, first_out]`.
+    #[must_use]
+    pub const fn stamps(&self) -> FrameStamps {
+        FrameStamps {
+            send: HostTicks(self.last_exit),
+            recv: HostTicks(self.first_out),
+        }
+    }
+}
+
 /// Finds the exits of one UART exchange: `request` (a whole frame, its delimiter last) sent no
 /// earlier than `within.send`, `reply` (the last whole frame received) had by `within.recv`.
+/// `exits` may hold other ports of the same device (its status register polls); bytes are
+/// only ever matched on `port`.
 ///
 /// The reply is the latest run of consecutive `out`s to `port` by one thread inside `within`
 /// whose values spell `reply`; the request is the latest run of consecutive `in`s from `port`
 /// by that thread, before the reply's first `out` and not before `within.send`, whose values
-/// spell `request`. The bracket is `[h(the request's last in), h(the reply's first out)]`:
-/// the agent read its TSC after the one and before the other. Taking the latest runs can only
-/// widen the bracket if an older identical frame were still in flight, never move it off the
-/// read.
+/// spell `request`. The agent read its TSC after the request's last `in` (and after every
+/// later exit of its thread before the reply) and before the reply's first `out`. Taking the
+/// latest runs can only widen the bracket if an older identical frame were still in flight,
+/// never move it off the read.
 ///
 /// # Errors
 /// [`Unmatched`] naming what was not found.
@@ -25,14 +51,15 @@ pub fn match_uart(
     request: &[u8],
     reply: &[u8],
     within: FrameStamps,
-) -> Result<FrameStamps, Unmatched> {
+) -> Result<UartBracket, Unmatched> {
     if request.is_empty() || reply.is_empty() {
         return Err(Unmatched::Frames);
     }
-    let inside: Vec<&PioExit> = exits
+    let all: Vec<&PioExit> = exits
         .iter()
-        .filter(|e| e.ts >= within.send.0 && e.ts <= within.recv.0 && e.pio.port == port)
+        .filter(|e| e.ts >= within.send.0 && e.ts <= within.recv.0)
         .collect();
+    let inside: Vec<&PioExit> = all.iter().copied().filter(|e| e.pio.port == port).collect();
     let byte = |e: &PioExit, dir: PioDirection| {
         (e.pio.direction == dir && e.pio.size == 1 && e.pio.count == 1)
             .then(|| u8::try_from(e.pio.val).ok())
@@ -76,13 +103,20 @@ pub fn match_uart(
     let Some(end) = end else {
         return Err(Unmatched::Request);
     };
-    let (lo, hi) = (ins[end - 1].ts, inside[first_out].ts);
-    if lo > hi {
+    let (delimiter_in, first_out) = (ins[end - 1].ts, inside[first_out].ts);
+    if delimiter_in > first_out {
         return Err(Unmatched::Request);
     }
-    Ok(FrameStamps {
-        send: HostTicks(lo),
-        recv: HostTicks(hi),
+    let last_exit = all
+        .iter()
+        .filter(|e| e.pio.pid == thread && e.ts >= delimiter_in && e.ts < first_out)
+        .map(|e| e.ts)
+        .max()
+        .unwrap_or(delimiter_in);
+    Ok(UartBracket {
+        delimiter_in,
+        last_exit,
+        first_out,
     })
 }
 
@@ -137,7 +171,7 @@ mod tests {
         let rep = [4, 9, 9, 9, 0];
         let ex = exchange(1_000, &req, 2_000, &rep);
         assert_eq!(
-            match_uart(&ex, COM1_DATA, &req, &rep, within(900, 3_000)),
+            match_uart(&ex, COM1_DATA, &req, &rep, within(900, 3_000)).map(|b| b.stamps()),
             Ok(within(1_030, 2_000))
         );
     }
@@ -158,13 +192,13 @@ mod tests {
         ex.sort_by_key(|e| e.ts);
         // The latest run spelling the reply is thread 78's; its own thread has the request.
         assert_eq!(
-            match_uart(&ex, COM1_DATA, &req, &rep, within(900, 3_000)),
+            match_uart(&ex, COM1_DATA, &req, &rep, within(900, 3_000)).map(|b| b.stamps()),
             Ok(within(2_520, 2_600))
         );
         // Outside the process's own bracket nothing counts: cut thread 78's reply and thread
         // 77's first request bytes off, and 77's reply has no request left.
         assert_eq!(
-            match_uart(&ex, COM1_DATA, &req, &rep, within(1_015, 3_000)),
+            match_uart(&ex, COM1_DATA, &req, &rep, within(1_015, 3_000)).map(|b| b.stamps()),
             Ok(within(2_520, 2_600))
         );
         assert_eq!(
@@ -213,6 +247,30 @@ mod tests {
     }
 
     #[test]
+    fn status_polls_after_the_delimiter_tighten_the_lower_end() {
+        let req = [3, 1, 2, 0];
+        let rep = [4, 9, 9, 9, 0];
+        let mut ex = exchange(1_000, &req, 2_000, &rep);
+        // The agent polls the line status register after the delimiter (no data left), and
+        // after every reply byte (waiting for THRE); another thread's poll is not its own.
+        let lsr = |ts, pid| {
+            let mut e = exit(ts, pid, PioDirection::In, 0x60);
+            e.pio.port = COM1_DATA + 5;
+            e
+        };
+        ex.extend([lsr(1_500, T), lsr(1_900, 78), lsr(2_005, T), lsr(2_015, T)]);
+        ex.sort_by_key(|e| e.ts);
+        assert_eq!(
+            match_uart(&ex, COM1_DATA, &req, &rep, within(900, 3_000)),
+            Ok(UartBracket {
+                delimiter_in: 1_030,
+                last_exit: 1_500,
+                first_out: 2_000
+            })
+        );
+    }
+
+    #[test]
     fn a_stale_request_read_late_only_widens_the_bracket() {
         // The guest read an older frame and this one after the send; the reply follows the
         // later one, whose delimiter is taken.
@@ -222,7 +280,7 @@ mod tests {
         let mut ex = exchange(1_000, &old, 1_500, &[2, 7, 0]);
         ex.extend(exchange(1_600, &req, 2_000, &rep));
         assert_eq!(
-            match_uart(&ex, COM1_DATA, &req, &rep, within(900, 3_000)),
+            match_uart(&ex, COM1_DATA, &req, &rep, within(900, 3_000)).map(|b| b.stamps()),
             Ok(within(1_620, 2_000))
         );
     }

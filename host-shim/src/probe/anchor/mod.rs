@@ -21,7 +21,7 @@ mod setup;
 mod trace;
 mod transport;
 
-pub use matching::match_uart;
+pub use matching::{UartBracket, match_uart};
 pub use setup::{AnchorMode, AnchorOptions, anchor_transport};
 pub use trace::{PioTrace, filter};
 pub use transport::AnchoredTransport;

@@ -16,6 +16,9 @@ use crate::probe::transport::StampedTransport;
 use crate::procinfo::{DEFAULT_PROC_ROOT, ProcFs};
 use crate::scan::{Scanner, VmSelector};
 
+/// The 16550's register block: eight ports from the data register.
+const UART_PORTS: u16 = 8;
+
 /// `vmtsync probe --anchor`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
 pub enum AnchorMode {
@@ -97,7 +100,10 @@ fn open_trace(addr: &ProbeAddr, o: &AnchorOptions) -> Result<PioTrace, String> {
         ));
     }
     let (_, threads) = vcpu_threads(o)?;
-    PioTrace::start(o.tracefs.as_deref(), &threads, &[o.port]).map_err(|e| e.to_string())
+    // The whole 16550 register block: the status-register polls tighten the bracket
+    // (`match_uart`); bytes are matched on the data port only.
+    let ports: Vec<u16> = (o.port..o.port.saturating_add(UART_PORTS)).collect();
+    PioTrace::start(o.tracefs.as_deref(), &threads, &ports).map_err(|e| e.to_string())
 }
 
 /// Wraps `inner` for `o.mode`: an [`AnchoredTransport`] that anchors (`KvmPio`: every

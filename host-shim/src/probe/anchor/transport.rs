@@ -6,7 +6,7 @@ use std::time::Instant;
 use vmtsync_core::HostTicks;
 use vmtsync_core::proto::MAX_FRAME_SIZE;
 
-use super::{AnchorKind, AnchorStats, PioTrace, Unmatched, match_uart};
+use super::{AnchorKind, AnchorStats, PioTrace, UartBracket, Unmatched, match_uart};
 use crate::probe::transport::{FrameStamps, Received, StampedTransport, TransportError};
 
 /// Received bytes kept per exchange at most (a reply is at most [`MAX_FRAME_SIZE`]).
@@ -31,6 +31,8 @@ pub struct AnchoredTransport<T> {
     passthrough: bool,
     /// Why it was given up.
     gave_up: Option<Unmatched>,
+    /// The last matched exchange's exits.
+    last: Option<UartBracket>,
 }
 
 impl<T: StampedTransport> AnchoredTransport<T> {
@@ -65,6 +67,7 @@ impl<T: StampedTransport> AnchoredTransport<T> {
             auto,
             passthrough: false,
             gave_up: None,
+            last: None,
             inner,
             trace,
             port,
@@ -78,6 +81,11 @@ impl<T: StampedTransport> AnchoredTransport<T> {
     /// Why anchoring was given up ([`AnchoredTransport::new_auto`]), if it was.
     pub const fn gave_up(&self) -> Option<Unmatched> {
         self.gave_up
+    }
+
+    /// The exits of the last exchange that matched (benchmarks compare its brackets).
+    pub const fn last_bracket(&self) -> Option<UartBracket> {
+        self.last
     }
 
     /// The counters so far.
@@ -160,7 +168,8 @@ impl<T: StampedTransport> StampedTransport for AnchoredTransport<T> {
         match m {
             Ok(anchored) => {
                 self.stats.matched += 1;
-                Some(anchored)
+                self.last = Some(anchored);
+                Some(anchored.stamps())
             }
             Err(Unmatched::Frames) => {
                 self.stats.no_frames += 1;

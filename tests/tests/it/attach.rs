@@ -7,7 +7,6 @@
 
 use std::collections::BTreeSet;
 use std::io::Read;
-use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
@@ -16,7 +15,9 @@ use vmtsync::tracedat::{for_each_record, read_event_formats, read_layout};
 use vmtsync_tests::{is_root, require};
 
 use crate::kvm_fixtures::vmtsync;
-use crate::tracedat::{Instance, Line, assert_dump_ok, have_trace_cmd, report, trace_cmd};
+use vmtsync::ftrace::Instance;
+
+use crate::tracedat::{Line, assert_dump_ok, have_trace_cmd, report, trace_cmd};
 
 /// Makes a real trace here: a private tracefs instance on `x86-tsc` with the scheduler events
 /// on while this process sleeps and writes markers, then `trace-cmd extract` (v7, zstd). `None`
@@ -45,33 +46,41 @@ fn traced_instance(test: &str, tag: &str) -> Option<(Instance, String)> {
     if !have_trace_cmd(test) || !require(test, is_root(), "needs root (tracefs instances)") {
         return None;
     }
-    let tracefs = vmtsync::trace_events::find_tracefs(None);
+    let tracefs = vmtsync::ftrace::find_tracefs(None, "sched/sched_switch");
     if !require(
         test,
         tracefs.is_ok(),
-        "no tracefs at /sys/kernel/{debug/,}tracing",
+        "no tracefs with sched/sched_switch at /sys/kernel/{debug/,}tracing",
     ) {
         return None;
     }
     // Tests run in parallel: each instance gets its own name.
     static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-    let name = format!(
-        "vmtsync_attach_{}_{}_{}",
-        std::process::id(),
+    let purpose = format!(
+        "attach{}{}",
         NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
         tag.replace('.', "_")
     );
-    let inst = Instance(tracefs.unwrap().join("instances").join(&name));
-    std::fs::create_dir(&inst.0).expect("create tracefs instance");
-    std::fs::write(inst.0.join("trace_clock"), "x86-tsc").expect("set x86-tsc");
+    let mut inst = Instance::create(&tracefs.unwrap(), &purpose).expect("create tracefs instance");
+    assert!(inst.tsc_clock(), "the instance clock must be x86-tsc");
     for ev in ["sched/sched_switch", "sched/sched_wakeup"] {
-        std::fs::write(inst.0.join("events").join(ev).join("enable"), "1").expect(ev);
+        inst.enable(ev).expect(ev);
     }
     for k in 0..40 {
         std::thread::sleep(std::time::Duration::from_millis(2));
-        std::fs::write(inst.0.join("trace_marker"), format!("vmtsync-attach {k}")).unwrap();
+        std::fs::write(
+            inst.path().join("trace_marker"),
+            format!("vmtsync-attach {k}"),
+        )
+        .unwrap();
     }
-    std::fs::write(inst.0.join("tracing_on"), "0").unwrap();
+    std::fs::write(inst.path().join("tracing_on"), "0").unwrap();
+    let name = inst
+        .path()
+        .file_name()
+        .unwrap()
+        .to_string_lossy()
+        .into_owned();
     Some((inst, name))
 }
 
@@ -83,7 +92,7 @@ fn traced_instance(test: &str, tag: &str) -> Option<(Instance, String)> {
 fn real_guest_traces(test: &str, dir: &Path) -> Option<[PathBuf; 3]> {
     let (inst, _name) = traced_instance(test, "guest")?;
     let mut cpu_files = Vec::new();
-    let mut cpus: Vec<u32> = std::fs::read_dir(inst.0.join("per_cpu"))
+    let mut cpus: Vec<u32> = std::fs::read_dir(inst.path().join("per_cpu"))
         .unwrap()
         .filter_map(|e| {
             e.ok()?
@@ -96,10 +105,8 @@ fn real_guest_traces(test: &str, dir: &Path) -> Option<[PathBuf; 3]> {
         .collect();
     cpus.sort_unstable();
     for c in cpus {
-        let mut f = std::fs::OpenOptions::new()
-            .read(true)
-            .custom_flags(libc::O_NONBLOCK)
-            .open(inst.0.join(format!("per_cpu/cpu{c}/trace_pipe_raw")))
+        let mut f = inst
+            .open_nonblocking(&format!("per_cpu/cpu{c}/trace_pipe_raw"))
             .unwrap();
         let mut data = Vec::new();
         let mut page = vec![0; 4096];

@@ -35,6 +35,8 @@ pub enum TraceCmdCommand {
     /// Guest CPU N is taken to run on vCPU N (debugfs vcpuN). With a rate other than the
     /// host's, trace-cmd's 64-bit arithmetic is approximate: the worst-case error over the
     /// file's events is computed and above --max-error ticks the copy is refused (exit 6).
+    /// trace-cmd 3.1.6 applies TIME_SHIFT to the file's top buffer only (events in instance
+    /// buffers keep guest time; attach warns).
     #[command(after_help = super::exit::EXIT_CODES)]
     Attach(AttachArgs),
 }

@@ -341,6 +341,20 @@ fn run_attach(a: &AttachArgs) -> Result<(), CliError> {
                     .file_stem()
                     .map_or_else(|| "guest".into(), |s| s.to_string_lossy().into_owned())
             });
+            // The GUEST option maps guest CPUs 0..count to threads (trace-cmd drops it
+            // otherwise): checked before anything is written.
+            let mut cpus_given: Vec<u32> = pids.iter().map(|p| p.0).collect();
+            cpus_given.sort_unstable();
+            if cpus_given.is_empty()
+                || cpus_given
+                    .iter()
+                    .copied()
+                    .ne(0..u32::try_from(cpus_given.len()).unwrap_or(0))
+            {
+                return Err(CliError::Usage(format!(
+                    "--host needs the host thread of each guest CPU 0..N once (from --vm or --vcpu-pid CPU=PID), got CPUs {cpus_given:?}"
+                )));
+            }
             Some((input, output, name, pids))
         }
         _ => None,

@@ -8,10 +8,10 @@ use super::signals::stop_signal;
 use crate::compose::ComposeError;
 use crate::debugfs::{DEBUGFS_MOUNTPOINT, DebugfsError};
 use crate::exact_convert::ConvertError;
+use crate::ftrace::TraceError;
 use crate::probe::{ConnectError, ProbeError};
 use crate::scan::ScanError;
 use crate::syncfile::SyncFileError;
-use crate::trace_events::TraceError;
 use crate::watch::WatchError;
 
 /// The exit codes, for `--help` (also in the [module docs](crate::cli)).
@@ -26,9 +26,12 @@ Exit codes:
      compose: cannot compose; trace-cmd attach: malformed or truncated trace.dat;
      export: a malformed or unsupported recording)
   6  refused: the vCPU runs a nested guest (guest_mode=1) and --nested-l2 was not given;
-     trace-cmd attach: the TIME_SHIFT would be off by more than --max-error ticks
+     trace-cmd attach: the TIME_SHIFT would be off by more than --max-error ticks;
+     export perf: perf cannot express the mapping
   7  probe: the guest agent could not be reached or stopped answering (VM gone, agent
      restarted, protocol version mismatch)
+  8  probe --anchor kvm-pio: exit anchoring is not possible here (no tracefs or kvm_pio,
+     not root, VM not found in debugfs, not a serial chardev) or no probe's exits were found
   130  probe: interrupted by SIGINT (143: by SIGTERM) before it measured anything; in
      continuous mode a signal instead ends the run after the current round";
 
@@ -117,6 +120,10 @@ pub enum CliError {
         /// The accepted limit.
         limit: u64,
     },
+    /// `export perf`: perf's arguments cannot express the mapping (the explanation says why
+    /// and what error the closest ones would make).
+    #[error("{0}")]
+    NotExpressible(String),
 }
 
 impl CliError {
@@ -157,7 +164,7 @@ impl CliError {
             Self::Export(_) => 5,
             Self::SyncFile(e) => sync_exit_code(e),
             Self::TraceDat(e) => trace_dat_exit_code(e),
-            Self::ShiftTooCoarse { .. } => 6,
+            Self::ShiftTooCoarse { .. } | Self::NotExpressible(_) => 6,
         }
     }
 
@@ -192,6 +199,7 @@ fn probe_exit_code(e: &ProbeError) -> u8 {
         | ProbeError::AgentNotReady
         | ProbeError::AgentExited => 7,
         ProbeError::SyncFile(s) => sync_exit_code(s),
+        ProbeError::Anchor(_) => 8,
         _ => 1,
     }
 }

@@ -17,10 +17,7 @@ use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-use super::consts::{
-    MAGIC, PAGE_HEADER_SIZE, SEC_FL_COMPRESS, SECTION_HEADER_SIZE, TRACING, TYPE_DATA_MAX,
-    TYPE_PADDING, TYPE_TIME_EXTEND, TYPE_TIME_STAMP, option,
-};
+use super::consts::{MAGIC, SEC_FL_COMPRESS, SECTION_HEADER_SIZE, TRACING, option};
 use super::error::TraceDatError;
 use super::format::{EVENT_DATA_ID, EVENT_ID, MAX_PAYLOAD};
 
@@ -631,15 +628,18 @@ pub struct Event {
 }
 
 /// Largest uncompressed metadata section decompressed into memory. The event formats of a
-/// kernel with every tracepoint are a few hundred KiB; kallsyms (MiBs) is never decompressed.
-const MAX_SECTION: u64 = 256 << 20;
+/// kernel with every tracepoint are about 2 MB (2,012,704 bytes for the 101 systems of the
+/// kernel here); kallsyms (MBs) is never decompressed.
+const MAX_SECTION: u64 = 32 << 20;
 /// Highest CPU number + 1 a trace may use (bounds per-CPU tables built from file contents).
 pub const MAX_CPUS: usize = 1 << 16;
-/// Largest uncompressed chunk of CPU data (trace-cmd writes chunks of a few pages).
-const MAX_CHUNK: u64 = 64 << 20;
+/// Largest uncompressed chunk of CPU data (trace-cmd writes chunks of a few pages: 16 KiB
+/// here).
+const MAX_CHUNK: u64 = 16 << 20;
 /// Largest zstd window a frame may ask the decoder to allocate (the decoder's own default is
-/// 128 MiB; a chunk is far smaller, so this bounds what a hostile frame header can claim).
-const MAX_ZSTD_WINDOW: u64 = 64 << 20;
+/// 128 MiB): as large as the largest block we decompress, so a hostile frame header cannot
+/// claim more.
+const MAX_ZSTD_WINDOW: u64 = 32 << 20;
 
 /// Decompresses `input` (one or more zstd frames) into exactly `out.len()` bytes.
 fn unzstd(input: &[u8], out: &mut [u8]) -> Result<(), String> {
@@ -790,7 +790,7 @@ pub fn read_event_formats(path: &Path, layout: &Layout) -> Result<Vec<EventForma
             .ok_or_else(|| src.err(0, "v6 layout without the formats range"))?;
         // The blocks are inline and were bounds-checked by `read_layout`; read them as one.
         if end.saturating_sub(at) > MAX_SECTION {
-            return Err(src.err(at, "event formats larger than 256 MiB"));
+            return Err(src.err(at, "event formats larger than 32 MiB"));
         }
         let n = end.saturating_sub(at);
         let b = src.bytes(at, n, "event formats")?;
@@ -864,7 +864,7 @@ type RecordFn<'a> = dyn FnMut(u32, u64, &[u8]) -> Result<(), (usize, &'static st
 /// in file order, page by page: `ts` is the record's raw timestamp (deltas, time extends and
 /// absolute stamps applied), `data` the record's bytes (`common_type` first; with the ring
 /// buffer's 4-byte alignment padding). Compressed CPU data is decompressed one chunk at a
-/// time, so memory stays constant (one chunk, at most 64 MiB) whatever the file's size.
+/// time, so memory stays constant (one chunk, at most 16 MiB) whatever the file's size.
 /// Returns the number of records.
 ///
 /// # Errors
@@ -1141,8 +1141,8 @@ pub fn for_each_event(
     })
 }
 
-/// Walks one page (kbuffer-parse.c semantics), checking that every record lies inside
-/// `commit`.
+/// Walks one page with [`super::page::walk_records`] (kbuffer-parse.c semantics: every record
+/// inside `commit`), naming the failing byte by where the page came from.
 fn walk_page(
     src: &Src,
     page_at: PageAt,
@@ -1150,79 +1150,19 @@ fn walk_page(
     cpu: u32,
     f: &mut RecordFn<'_>,
 ) -> Result<u64, TraceDatError> {
-    let hdr = PAGE_HEADER_SIZE;
-    if page.len() < hdr {
-        return Err(src.page_err(page_at, 0, "page shorter than its header"));
-    }
-    let rd32 = |at: usize| u32::from_le_bytes(page[at..at + 4].try_into().unwrap_or([0; 4]));
-    let mut ts = u64::from_le_bytes(page[..8].try_into().unwrap_or([0; 8]));
-    // The upper bits of `commit` flag missed events; the size is the low 27 bits.
-    let commit =
-        (u64::from_le_bytes(page[8..16].try_into().unwrap_or([0; 8])) & 0x07ff_ffff) as usize;
-    if hdr + commit > page.len() {
-        return Err(src.page_err(
-            page_at,
-            8,
-            &format!("page commit {commit} exceeds the page"),
-        ));
-    }
-    let end = hdr + commit;
-    let mut at = hdr;
-    let mut n = 0;
-    let bad = |at: usize, what: &str| src.page_err(page_at, at, what);
-    while at < end {
-        if at + 4 > end {
-            return Err(bad(at, "event header crosses the page's commit"));
+    let mut rejected = None;
+    let n = super::page::walk_records(page, |ts, data, rec| match f(cpu, ts, rec) {
+        Ok(()) => true,
+        Err((i, what)) => {
+            rejected = Some((data + i, what));
+            false
         }
-        let h = rd32(at);
-        let type_len = h & 31;
-        let delta = u64::from(h >> 5);
-        let array = |at: usize| {
-            if at + 8 > end {
-                Err(bad(at, "event length word crosses the page's commit"))
-            } else {
-                Ok(rd32(at + 4))
-            }
-        };
-        match type_len {
-            TYPE_PADDING => {
-                // A padding with delta 0 fills the rest of the page.
-                if delta == 0 {
-                    break;
-                }
-                let len = array(at)? as usize;
-                at += 4 + len;
-                continue;
-            }
-            TYPE_TIME_EXTEND => {
-                ts = ts.wrapping_add((u64::from(array(at)?) << 27) + delta);
-                at += 8;
-                continue;
-            }
-            TYPE_TIME_STAMP => {
-                let msb = ts & !((1u64 << 59) - 1);
-                ts = ((u64::from(array(at)?) << 27) + delta) | msb;
-                at += 8;
-                continue;
-            }
-            _ => {}
-        }
-        let (data, len) = if type_len == 0 {
-            let l = (array(at)? as usize).saturating_sub(4).next_multiple_of(4);
-            (at + 8, l)
-        } else {
-            debug_assert!(type_len <= TYPE_DATA_MAX);
-            (at + 4, type_len as usize * 4)
-        };
-        if data + len > end {
-            return Err(bad(at, "event data crosses the page's commit"));
-        }
-        ts = ts.wrapping_add(delta);
-        f(cpu, ts, &page[data..data + len]).map_err(|(i, what)| bad(data + i, what))?;
-        n += 1;
-        at = data + len;
+    })
+    .map_err(|e| src.page_err(page_at, e.at, e.reason))?;
+    match rejected {
+        Some((at, what)) => Err(src.page_err(page_at, at, what)),
+        None => Ok(n),
     }
-    Ok(n)
 }
 
 /// Reads the layout and every event of one of our files (or any uncompressed one): the check

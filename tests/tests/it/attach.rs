@@ -7,7 +7,6 @@
 
 use std::collections::BTreeSet;
 use std::io::Read;
-use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
@@ -16,7 +15,9 @@ use vmtsync::tracedat::{for_each_record, read_event_formats, read_layout};
 use vmtsync_tests::{is_root, require};
 
 use crate::kvm_fixtures::vmtsync;
-use crate::tracedat::{Instance, Line, assert_dump_ok, have_trace_cmd, report, trace_cmd};
+use vmtsync::ftrace::Instance;
+
+use crate::tracedat::{Line, assert_dump_ok, have_trace_cmd, report, trace_cmd};
 
 /// Makes a real trace here: a private tracefs instance on `x86-tsc` with the scheduler events
 /// on while this process sleeps and writes markers, then `trace-cmd extract` (v7, zstd). `None`
@@ -45,33 +46,41 @@ fn traced_instance(test: &str, tag: &str) -> Option<(Instance, String)> {
     if !have_trace_cmd(test) || !require(test, is_root(), "needs root (tracefs instances)") {
         return None;
     }
-    let tracefs = vmtsync::trace_events::find_tracefs(None);
+    let tracefs = vmtsync::ftrace::find_tracefs(None, "sched/sched_switch");
     if !require(
         test,
         tracefs.is_ok(),
-        "no tracefs at /sys/kernel/{debug/,}tracing",
+        "no tracefs with sched/sched_switch at /sys/kernel/{debug/,}tracing",
     ) {
         return None;
     }
     // Tests run in parallel: each instance gets its own name.
     static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-    let name = format!(
-        "vmtsync_attach_{}_{}_{}",
-        std::process::id(),
+    let purpose = format!(
+        "attach{}{}",
         NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
         tag.replace('.', "_")
     );
-    let inst = Instance(tracefs.unwrap().join("instances").join(&name));
-    std::fs::create_dir(&inst.0).expect("create tracefs instance");
-    std::fs::write(inst.0.join("trace_clock"), "x86-tsc").expect("set x86-tsc");
+    let mut inst = Instance::create(&tracefs.unwrap(), &purpose).expect("create tracefs instance");
+    assert!(inst.tsc_clock(), "the instance clock must be x86-tsc");
     for ev in ["sched/sched_switch", "sched/sched_wakeup"] {
-        std::fs::write(inst.0.join("events").join(ev).join("enable"), "1").expect(ev);
+        inst.enable(ev).expect(ev);
     }
     for k in 0..40 {
         std::thread::sleep(std::time::Duration::from_millis(2));
-        std::fs::write(inst.0.join("trace_marker"), format!("vmtsync-attach {k}")).unwrap();
+        std::fs::write(
+            inst.path().join("trace_marker"),
+            format!("vmtsync-attach {k}"),
+        )
+        .unwrap();
     }
-    std::fs::write(inst.0.join("tracing_on"), "0").unwrap();
+    std::fs::write(inst.path().join("tracing_on"), "0").unwrap();
+    let name = inst
+        .path()
+        .file_name()
+        .unwrap()
+        .to_string_lossy()
+        .into_owned();
     Some((inst, name))
 }
 
@@ -83,7 +92,7 @@ fn traced_instance(test: &str, tag: &str) -> Option<(Instance, String)> {
 fn real_guest_traces(test: &str, dir: &Path) -> Option<[PathBuf; 3]> {
     let (inst, _name) = traced_instance(test, "guest")?;
     let mut cpu_files = Vec::new();
-    let mut cpus: Vec<u32> = std::fs::read_dir(inst.0.join("per_cpu"))
+    let mut cpus: Vec<u32> = std::fs::read_dir(inst.path().join("per_cpu"))
         .unwrap()
         .filter_map(|e| {
             e.ok()?
@@ -96,10 +105,8 @@ fn real_guest_traces(test: &str, dir: &Path) -> Option<[PathBuf; 3]> {
         .collect();
     cpus.sort_unstable();
     for c in cpus {
-        let mut f = std::fs::OpenOptions::new()
-            .read(true)
-            .custom_flags(libc::O_NONBLOCK)
-            .open(inst.0.join(format!("per_cpu/cpu{c}/trace_pipe_raw")))
+        let mut f = inst
+            .open_nonblocking(&format!("per_cpu/cpu{c}/trace_pipe_raw"))
             .unwrap();
         let mut data = Vec::new();
         let mut page = vec![0; 4096];
@@ -615,4 +622,80 @@ fn a_truncated_guest_trace_is_refused_with_the_offset_and_no_output() {
         2,
         "no temporary file left"
     );
+}
+
+/// `vmtsync export perf` on a fixture debugfs tree.
+fn export_perf(tree: &str, extra: &[&str]) -> Output {
+    let tree = crate::kvm_fixtures::fixtures().join(tree);
+    vmtsync()
+        .args(["export", "perf", "--debugfs-root"])
+        .arg(tree.join("kvm"))
+        .arg("--proc-root")
+        .arg(tree.join("proc"))
+        .args(extra)
+        .output()
+        .expect("run vmtsync")
+}
+
+#[test]
+fn export_perf_prints_the_guest_data_argument_or_explains_what_perf_cannot_express() {
+    // Two vCPUs at offset 0, no TSC scaling files (identity): exact.
+    let o = export_perf("noscaling", &["--vm", "5005"]);
+    assert_eq!(ok(&o), "--guest-data=guest.perf.data,5005,0\n");
+    // One vCPU of the second intel VM: offset 5000, ratio exactly 2^48.
+    let o = export_perf(
+        "intel",
+        &["--vm", "2002", "--vcpu", "0", "--perf-data", "/tmp/g.data"],
+    );
+    assert_eq!(ok(&o), "--guest-data=/tmp/g.data,2002,5000\n");
+    // The first intel VM runs its guests at 1.25x: no integer scale, and its two vCPUs'
+    // offsets differ by 789 ticks.
+    let o = export_perf("intel", &["--vm", "1001"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(6), "{err}");
+    assert!(o.stdout.is_empty());
+    assert!(
+        err.contains("not an integer") && err.contains("differs from vcpu0"),
+        "{err}"
+    );
+    assert!(err.contains("off by ") && err.contains("grows"), "{err}");
+    // AMD, ratio 0xffff0000 / 2^32 (just below 1): perf's nearest scale 1 is wrong.
+    let o = export_perf("amd", &["--vm", "3003", "--vcpu", "10"]);
+    assert_eq!(o.status.code(), Some(6));
+    // A vCPU that does not exist.
+    let o = export_perf("noscaling", &["--vm", "5005", "--vcpu", "9"]);
+    assert_eq!(o.status.code(), Some(4));
+}
+
+#[test]
+fn attach_with_host_refuses_an_incomplete_vcpu_map_before_writing_anything() {
+    use vmtsync::tracedat::{TraceDatWriter, WriterOptions};
+    let dir = tempfile::tempdir().unwrap();
+    let guest = dir.path().join("g.dat");
+    let mut w = TraceDatWriter::create(&guest, WriterOptions::new(2, 1)).unwrap();
+    w.push(0, 1_000_000, 0, &[]).unwrap();
+    w.push(1, 1_000_100, 0, &[]).unwrap();
+    w.finish(None).unwrap();
+    let (out, host_out) = (dir.path().join("o.dat"), dir.path().join("h.dat"));
+    let o = attach(&[
+        "--guest",
+        guest.to_str().unwrap(),
+        "--output",
+        out.to_str().unwrap(),
+        "--offset",
+        "5",
+        "--host",
+        guest.to_str().unwrap(),
+        "--host-output",
+        host_out.to_str().unwrap(),
+        "--vcpu-pid",
+        "1=4242",
+    ]);
+    assert_eq!(
+        o.status.code(),
+        Some(2),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(!out.exists() && !host_out.exists());
 }

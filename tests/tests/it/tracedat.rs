@@ -58,7 +58,7 @@ pub(crate) struct Line {
     pub(crate) rest: String,
 }
 
-pub(crate) fn parse_report(out: &[u8]) -> Vec<Line> {
+fn parse_report(out: &[u8]) -> Vec<Line> {
     let text = String::from_utf8_lossy(out);
     text.lines()
         .filter_map(|l| {
@@ -275,7 +275,7 @@ fn a_truncated_file_is_caught_by_our_reader() {
 }
 
 /// A private tracefs instance, removed on drop (also when `trace-cmd extract` already did).
-pub(crate) struct Instance(pub(crate) PathBuf);
+struct Instance(PathBuf);
 
 impl Drop for Instance {
     fn drop(&mut self) {
@@ -292,7 +292,7 @@ fn a_host_trace_copy_merges_with_the_guest_in_host_time_order() {
     if !have_trace_cmd(test) || !require(test, is_root(), "needs root (tracefs instances)") {
         return;
     }
-    let tracefs = vmtsync::trace_events::find_tracefs(None);
+    let tracefs = vmtsync::ftrace::find_tracefs(None, vmtsync::ftrace::tsc_offset::EVENT);
     if !require(
         test,
         tracefs.is_ok(),

@@ -675,21 +675,26 @@ fn host_kvm_pio_and_guest_traces_line_up_in_babeltrace2() {
     {
         return;
     }
-    let tracefs = vmtsync::trace_events::find_tracefs(None);
+    let tracefs = vmtsync::ftrace::find_tracefs(None, "kvm/kvm_pio");
     if !require(
         test,
         tracefs.is_ok(),
-        "no tracefs at /sys/kernel/{debug/,}tracing",
+        "no tracefs with kvm/kvm_pio at /sys/kernel/{debug/,}tracing",
     ) {
         return;
     }
-    let name = format!("vmtsync_ctf_{}", std::process::id());
-    let inst = crate::tracedat::Instance(tracefs.unwrap().join("instances").join(&name));
-    std::fs::create_dir(&inst.0).expect("create tracefs instance");
-    std::fs::write(inst.0.join("trace_clock"), "x86-tsc").expect("set x86-tsc");
+    let mut inst = vmtsync::ftrace::Instance::create(&tracefs.unwrap(), "ctf")
+        .expect("create tracefs instance");
+    assert!(inst.tsc_clock(), "the instance clock must be x86-tsc");
+    let name = inst
+        .path()
+        .file_name()
+        .unwrap()
+        .to_string_lossy()
+        .into_owned();
     // Other VMs on this machine exit too: room for all of them for the recording's seconds.
-    std::fs::write(inst.0.join("buffer_size_kb"), "16384").expect("buffer size");
-    std::fs::write(inst.0.join("events/kvm/kvm_pio/enable"), "1").expect("enable kvm_pio");
+    std::fs::write(inst.path().join("buffer_size_kb"), "16384").expect("buffer size");
+    inst.enable("kvm/kvm_pio").expect("enable kvm_pio");
 
     let dir = scratch("ctf-lineup");
     let skew = Skew::pick();
@@ -723,7 +728,7 @@ fn host_kvm_pio_and_guest_traces_line_up_in_babeltrace2() {
             .unwrap()
             .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
             .collect();
-    std::fs::write(inst.0.join("tracing_on"), "0").unwrap();
+    std::fs::write(inst.path().join("tracing_on"), "0").unwrap();
     drop(qemu_guard);
     assert_eq!(o.status.code(), Some(0), "{}", text(&o.stderr));
     let host_dat = dir.path().join("host.dat");

@@ -240,6 +240,7 @@ fn sync_file() -> Vec<u8> {
         host_first: host_anchor - 200_000,
         host_last: host_anchor + 200_000,
         is_break,
+        anchor: vmtsync::probe::anchor::AnchorKind::InProcess,
     };
     for seg in [
         segment(0, 0, host, -3_000_000, 0, false),
@@ -355,6 +356,13 @@ fn seeds() -> BTreeMap<PathBuf, Vec<u8>> {
         "host-shim/fuzz/seeds/tracedat",
         "v6",
         trace_dat(vmtsync::tracedat::FileVersion::V6),
+    );
+    // What `trace-cmd extract` writes here: zstd sections and chunked CPU data (the reader's
+    // fixture, made by trace-cmd 3.1.6 itself).
+    put(
+        "host-shim/fuzz/seeds/tracedat",
+        "v7-zstd",
+        include_bytes!("../src/tracedat/reader/fixtures/sample-v7-zstd.dat").to_vec(),
     );
 
     for (name, contents) in [

@@ -4,8 +4,10 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+use super::attach::{TraceCmdCommand, run_trace_cmd};
 use super::convert::{ConvertArgs, run_convert};
 use super::exit::{CliError, EXIT_CODES};
+use super::export::{ExportCommand, run_export};
 use super::kvm::{KvmArgs, run_kvm};
 use super::probe::run_probe_cmd;
 use super::record::{RecordArgs, run_record_cmd};
@@ -63,13 +65,21 @@ pub enum Command {
     /// segments — or timestamps pre-converted to host TSC when the guest's TSC rate differs from
     /// the host's (then said in the file's uname). jsonl format: one object per event:
     /// {"schema":1,"vcpu","id","guest_tsc","host_tsc","host_lo","host_hi","payload","round"}
-    /// with [host_lo, host_hi] its guaranteed interval. SIGINT/SIGTERM end the recording
-    /// cleanly; everything received is written.
+    /// with [host_lo, host_hi] its guaranteed interval. ctf format: a CTF 1.8 directory for
+    /// babeltrace2 on the host's TSC (docs/ctf.md). SIGINT/SIGTERM end the recording cleanly;
+    /// everything received is written.
     #[command(after_help = EXIT_CODES)]
     Record(RecordArgs),
     /// TSC mapping arithmetic.
     #[command(subcommand)]
     Tsc(TscCommand),
+    /// Export a recording to another tool's format.
+    #[command(subcommand)]
+    Export(ExportCommand),
+    /// trace-cmd pipelines for Linux guests (`attach`: a guest trace.dat onto the host's
+    /// timeline).
+    #[command(subcommand, name = "trace-cmd")]
+    TraceCmd(TraceCmdCommand),
 }
 
 /// Parses the process arguments, runs the command and maps the outcome to an exit code;
@@ -98,6 +108,8 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
         Command::Probe(a) => run_probe_cmd(&a),
         Command::Record(a) => run_record_cmd(&a),
         Command::Tsc(c) => run_tsc(&c),
+        Command::Export(c) => run_export(&c),
+        Command::TraceCmd(c) => run_trace_cmd(&c),
     }
 }
 

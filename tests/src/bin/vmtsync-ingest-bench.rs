@@ -66,7 +66,7 @@ impl StampedTransport for Counting {
         Ok(r)
     }
 
-    fn refine(&mut self, stamps: FrameStamps) -> FrameStamps {
+    fn refine(&mut self, stamps: FrameStamps) -> Option<FrameStamps> {
         self.inner.refine(stamps)
     }
 }

@@ -4,7 +4,10 @@
 mod agent_events;
 mod agent_qemu;
 mod agent_vmm;
+mod anchor;
+mod attach;
 mod cli;
+mod ctf;
 mod e2e;
 mod kvm_fixtures;
 mod kvm_real;

@@ -49,11 +49,13 @@ impl StampedTransport for VsockRecorded {
         Ok(r)
     }
 
-    fn refine(&mut self, stamps: FrameStamps) -> FrameStamps {
-        let stamps = self.inner.refine(stamps);
-        self.last = stamps;
+    fn refine(&mut self, stamps: FrameStamps) -> Option<FrameStamps> {
+        let refined = self.inner.refine(stamps);
+        if let Some(s) = refined {
+            self.last = s;
+        }
         self.received = core::mem::take(&mut self.pending);
-        stamps
+        refined
     }
 }
 

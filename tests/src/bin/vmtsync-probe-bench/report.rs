@@ -45,6 +45,10 @@ const TRACE_CMD_PTP_PROBE_BYTES: usize = 72;
 /// The goal: our median |error| at most a quarter of trace-cmd's.
 const GOAL_RATIO: f64 = 0.25;
 
+/// One QEMU row against the in-process baseline: name, width median, our median |error|,
+/// width ratio, error ratio.
+type AnchorRow = (String, Option<u64>, Option<u64>, Option<f64>, Option<f64>);
+
 /// Everything one benchmark run measured.
 #[derive(Debug, Clone)]
 pub struct Report {
@@ -114,10 +118,9 @@ impl Report {
         Some((ours, tc, ratio))
     }
 
-    /// The QEMU rows against the in-process baseline: `(name, width median, ours median
-    /// |error|, width ratio, error ratio)` per QEMU row.
+    /// The QEMU rows against the in-process baseline, per QEMU row.
     #[allow(clippy::cast_precision_loss)] // Displayed ratios of tick counts far below 2^52.
-    fn anchoring_rows(&self) -> Vec<(String, Option<u64>, Option<u64>, Option<f64>, Option<f64>)> {
+    fn anchoring_rows(&self) -> Vec<AnchorRow> {
         let Some(a) = &self.anchoring else {
             return Vec::new();
         };

@@ -20,7 +20,7 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
-use vmtsync::probe::anchor::{AnchoredTransport, COM1_DATA, PioTrace, UartBracket};
+use vmtsync::probe::anchor::{AnchoredTransport, COM1_DATA, Matcher, PioTrace, UartBracket};
 use vmtsync::scan::{Scanner, VmSelector};
 use vmtsync_core::mapping::KvmTscMapping;
 use vmtsync_tests::ChildGuard;
@@ -121,7 +121,7 @@ pub fn run(
     let kvm = vmtsync_tests::truth::truth_mapping(guard.pid(), 0)
         .context("reading the VM's TSC mapping from KVM debugfs")?;
     let trace = trace_of(guard.pid()).context("exit anchoring (root, tracefs, kvm_pio)")?;
-    let mut link = AnchoredTransport::new(link, trace, COM1_DATA);
+    let mut link = AnchoredTransport::new(link, trace, Matcher::Uart { port: COM1_DATA });
     let out = run_sessions(&mut link, sessions, probes)
         .with_context(|| format!("COM2 log:\n{}", com2_text()))?;
     drop(link);

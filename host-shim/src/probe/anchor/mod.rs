@@ -22,7 +22,9 @@ mod trace;
 mod transport;
 
 pub use matching::{UartBracket, match_sync_port, match_uart};
-pub use setup::{AnchorMode, AnchorOptions, AnchorSetup, anchor_transport, matcher_for, prepare};
+pub use setup::{
+    AnchorMode, AnchorOptions, AnchorSetup, anchor_transport, matcher_for, prepare, prepare_matcher,
+};
 pub use trace::{PioTrace, filter};
 pub use transport::AnchoredTransport;
 

@@ -112,7 +112,7 @@ pub fn matcher_for(addr: &ProbeAddr, o: &AnchorOptions) -> Matcher {
 /// Why this run cannot be anchored, or the trace to anchor it with. A VM just started may not
 /// have run its vCPUs yet (debugfs then has no thread for them): it is looked for again until
 /// `wait` has passed.
-fn open_trace(addr: &ProbeAddr, o: &AnchorOptions, wait: Duration) -> Result<PioTrace, String> {
+fn open_trace(matcher: Matcher, o: &AnchorOptions, wait: Duration) -> Result<PioTrace, String> {
     // The instance first: without tracefs or root there is nothing to wait for.
     crate::ftrace::find_tracefs(o.tracefs.as_deref(), super::EVENT).map_err(|e| e.to_string())?;
     let deadline = Instant::now() + wait;
@@ -123,7 +123,7 @@ fn open_trace(addr: &ProbeAddr, o: &AnchorOptions, wait: Duration) -> Result<Pio
             Err(_) => std::thread::sleep(VCPU_POLL),
         }
     };
-    let ports: Vec<u16> = match matcher_for(addr, o) {
+    let ports: Vec<u16> = match matcher {
         // The whole 16550 register block: the status-register polls tighten the bracket
         // (`match_uart`); bytes are matched on the data port only.
         Matcher::Uart { port } => (port..port.saturating_add(UART_PORTS)).collect(),
@@ -152,10 +152,23 @@ pub fn prepare(
     wait: Duration,
     note: &mut dyn FnMut(&str),
 ) -> Result<AnchorSetup, ProbeError> {
+    prepare_matcher(matcher_for(addr, o), o, wait, note)
+}
+
+/// [`prepare`] for a matcher chosen by the caller (a test rig that knows its transport).
+///
+/// # Errors
+/// As [`prepare`].
+pub fn prepare_matcher(
+    matcher: Matcher,
+    o: &AnchorOptions,
+    wait: Duration,
+    note: &mut dyn FnMut(&str),
+) -> Result<AnchorSetup, ProbeError> {
     let trace = match o.mode {
         AnchorMode::None => None,
-        AnchorMode::KvmPio => Some(open_trace(addr, o, wait).map_err(ProbeError::Anchor)?),
-        AnchorMode::Auto => match open_trace(addr, o, wait) {
+        AnchorMode::KvmPio => Some(open_trace(matcher, o, wait).map_err(ProbeError::Anchor)?),
+        AnchorMode::Auto => match open_trace(matcher, o, wait) {
             Ok(t) => Some(t),
             Err(why) => {
                 note(&format!(
@@ -168,7 +181,7 @@ pub fn prepare(
     Ok(AnchorSetup {
         trace,
         mode: o.mode,
-        matcher: matcher_for(addr, o),
+        matcher,
     })
 }
 

@@ -35,8 +35,10 @@ pub struct AnchoredTransport<T> {
     passthrough: bool,
     /// Why it was given up.
     gave_up: Option<Unmatched>,
-    /// The last matched exchange's exits.
+    /// The last matched UART exchange's exits.
     last: Option<UartBracket>,
+    /// The last exchange's stamps before and after anchoring.
+    last_pair: Option<(FrameStamps, FrameStamps)>,
 }
 
 impl<T: StampedTransport> AnchoredTransport<T> {
@@ -68,6 +70,7 @@ impl<T: StampedTransport> AnchoredTransport<T> {
             passthrough: false,
             gave_up: None,
             last: None,
+            last_pair: None,
             inner,
             trace,
             matcher,
@@ -86,6 +89,12 @@ impl<T: StampedTransport> AnchoredTransport<T> {
     /// The exits of the last UART exchange that matched (benchmarks compare its brackets).
     pub const fn last_bracket(&self) -> Option<UartBracket> {
         self.last
+    }
+
+    /// The last anchored exchange: the inner transport's stamps and the exits' (benchmarks
+    /// compare the two brackets on the same probes).
+    pub const fn last_pair(&self) -> Option<(FrameStamps, FrameStamps)> {
+        self.last_pair
     }
 
     /// The counters so far.
@@ -200,6 +209,7 @@ impl<T: StampedTransport> StampedTransport for AnchoredTransport<T> {
         match m {
             Ok(anchored) => {
                 self.stats.matched += 1;
+                self.last_pair = Some((stamps, anchored));
                 Some(anchored)
             }
             Err(Unmatched::Frames) => {

@@ -73,6 +73,9 @@ pub enum AnchorKind {
     /// `kvm:kvm_pio` exits of the agent's sync port (`in` before, `out` of the seq after the
     /// TSC read).
     KvmPioSyncPort,
+    /// A kind this version does not know (a sync file from a newer writer stays readable).
+    #[serde(other)]
+    Unknown,
 }
 
 impl AnchorKind {
@@ -83,6 +86,7 @@ impl AnchorKind {
             Self::InProcess => "in-process",
             Self::KvmPioUart => "kvm-pio-uart",
             Self::KvmPioSyncPort => "kvm-pio-sync-port",
+            Self::Unknown => "unknown",
         }
     }
 }

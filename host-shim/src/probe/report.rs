@@ -353,6 +353,15 @@ impl ProbeSummary {
         if !said.is_empty() {
             writeln!(out, "rejected: {}", said.join(", "))?;
         }
+        // Said only when the brackets are not this process's own, so the usual report stays
+        // as it was.
+        if self.stats.anchor != crate::probe::anchor::AnchorKind::InProcess {
+            writeln!(
+                out,
+                "host brackets: the vCPU's own exits stamped by kvm:kvm_pio ({})",
+                self.stats.anchor.name()
+            )?;
+        }
         writeln!(
             out,
             "offset (guest - host): {} ticks, guaranteed in [{}, {}] (width {}{}), {}, at host TSC {}",
@@ -651,6 +660,26 @@ mod tests {
         assert_eq!(
             (j["ambiguous"].as_u64(), j["unknown_seq"].as_u64()),
             (Some(2), Some(1))
+        );
+        assert!(!quiet.contains("host brackets"), "{quiet}");
+        assert_eq!(j["anchor"], "in-process");
+        let (anchored, j) = text(SessionStats {
+            anchor: crate::probe::anchor::AnchorKind::KvmPioUart,
+            unanchored: 3,
+            lost_probes: 3,
+            ..SessionStats::default()
+        });
+        assert!(
+            anchored.contains("rejected: 3 without their exits (not anchored)"),
+            "{anchored}"
+        );
+        assert!(
+            anchored.contains("kvm:kvm_pio (kvm-pio-uart)"),
+            "{anchored}"
+        );
+        assert_eq!(
+            (j["anchor"].as_str(), j["unanchored"].as_u64()),
+            (Some("kvm-pio-uart"), Some(3))
         );
     }
 

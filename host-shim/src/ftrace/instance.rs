@@ -11,6 +11,7 @@ use std::fs::{self, File};
 use std::io;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU32, Ordering};
 
 use thiserror::Error;
 
@@ -131,16 +132,25 @@ pub struct Instance {
 }
 
 impl Instance {
-    /// Creates `instances/vmtsync-<purpose>-<pid>` under `tracefs` (after removing instances
-    /// of vmtsync processes that no longer exist) and sets its clock to `x86-tsc` if the
-    /// kernel offers it ([`Instance::tsc_clock`] says whether it did).
+    /// Creates `instances/vmtsync-<purpose>-<pid>` under `tracefs` (`vmtsync-<purpose>.<n>-<pid>`
+    /// for the process's `n`-th further instance of that purpose, so sessions running side by
+    /// side in one process each have their own), after removing instances of vmtsync
+    /// processes that no longer exist, and sets its clock to `x86-tsc` if the kernel offers it
+    /// ([`Instance::tsc_clock`] says whether it did).
     ///
     /// # Errors
     /// [`TraceError::Io`] if the directory cannot be created.
     pub fn create(tracefs: &Path, purpose: &str) -> Result<Self, TraceError> {
         let instances = tracefs.join("instances");
         remove_stale_instances(&instances);
-        let path = instances.join(format!("{INSTANCE_PREFIX}{purpose}-{}", std::process::id()));
+        static CREATED: AtomicU32 = AtomicU32::new(0);
+        let n = CREATED.fetch_add(1, Ordering::Relaxed);
+        let pid = std::process::id();
+        let path = instances.join(if n == 0 {
+            format!("{INSTANCE_PREFIX}{purpose}-{pid}")
+        } else {
+            format!("{INSTANCE_PREFIX}{purpose}.{n}-{pid}")
+        });
         fs::create_dir(&path).map_err(io_err("create", &path))?;
         let mut inst = Self {
             path,
@@ -276,17 +286,21 @@ mod tests {
     }
 
     #[test]
-    fn the_instance_is_named_for_its_purpose() {
+    fn the_instance_is_named_for_its_purpose_and_each_is_its_own() {
         let d = fake_tracefs();
         let inst = Instance::create(d.path(), "anchor").unwrap();
-        let want = d
-            .path()
-            .join(format!("instances/vmtsync-anchor-{}", std::process::id()));
-        assert_eq!(inst.path(), want);
-        assert!(want.is_dir());
+        let other = Instance::create(d.path(), "anchor").unwrap();
+        let name = |p: &Path| p.file_name().unwrap().to_str().unwrap().to_owned();
+        let pid = std::process::id().to_string();
+        for i in [&inst, &other] {
+            let n = name(i.path());
+            assert!(n.starts_with("vmtsync-anchor"), "{n}");
+            assert!(n.ends_with(&format!("-{pid}")), "{n}");
+            assert!(i.path().is_dir());
+        }
+        assert_ne!(inst.path(), other.path());
         // Removal needs tracefs's rmdir (a plain directory keeps the trace_clock file written
         // into it): the tier-2 anchor tests check that the real instance is gone afterwards.
-        drop(inst);
     }
 
     #[test]
@@ -309,8 +323,16 @@ mod tests {
             .map(|e| e.unwrap().file_name().into_string().unwrap())
             .collect();
         left.sort();
-        let me = format!("vmtsync-anchor-{}", std::process::id());
-        assert_eq!(left, ["other-tool-4999997".to_owned(), me, live]);
+        let me = mine
+            .path()
+            .file_name()
+            .unwrap()
+            .to_str()
+            .unwrap()
+            .to_owned();
+        let mut want = vec!["other-tool-4999997".to_owned(), me, live];
+        want.sort();
+        assert_eq!(left, want);
         drop(mine);
     }
 }

@@ -42,7 +42,7 @@
 //! | `unexpected`, `unknown_seq` | u64 | skipped messages: well-formed but unasked for; replies to a sequence number never sent |
 //! | `ambiguous`, `out_of_window`, `wrong_vcpu`, `bad_stamps`, `flooded` | u64 | why probes were lost (each also in `lost_probes`): compact reply not uniquely unwrappable (a stall); TSC outside the window the last verified reading allows; another vCPU; host stamps out of order; the wait drowned in other traffic |
 //! | `unanchored` | u64 | probes lost because an exit-anchored transport found no exits for them (added in schema 2; docs/anchor.md) |
-//! | `anchor` | `"in-process"` or `"kvm-pio-uart"` | where the samples' host brackets come from (added in schema 2; readers treat a missing key as `"in-process"`) |
+//! | `anchor` | `"in-process"`, `"kvm-pio-uart"` or `"kvm-pio-sync-port"` | where the samples' host brackets come from (added in schema 2; readers treat a missing key as `"in-process"`) |
 //! | `tracecmd_fastest_rtt_offset` | i64 | trace-cmd's PTP estimate (fastest round trip's midpoint) on the same samples, same sign |
 //! | `tsc_khz` | u32 or null | guest TSC frequency if the agent reported it |
 
@@ -353,6 +353,15 @@ impl ProbeSummary {
         if !said.is_empty() {
             writeln!(out, "rejected: {}", said.join(", "))?;
         }
+        // Said only when the brackets are not this process's own, so the usual report stays
+        // as it was.
+        if self.stats.anchor != crate::probe::anchor::AnchorKind::InProcess {
+            writeln!(
+                out,
+                "host brackets: the vCPU's own exits stamped by kvm:kvm_pio ({})",
+                self.stats.anchor.name()
+            )?;
+        }
         writeln!(
             out,
             "offset (guest - host): {} ticks, guaranteed in [{}, {}] (width {}{}), {}, at host TSC {}",
@@ -651,6 +660,26 @@ mod tests {
         assert_eq!(
             (j["ambiguous"].as_u64(), j["unknown_seq"].as_u64()),
             (Some(2), Some(1))
+        );
+        assert!(!quiet.contains("host brackets"), "{quiet}");
+        assert_eq!(j["anchor"], "in-process");
+        let (anchored, j) = text(SessionStats {
+            anchor: crate::probe::anchor::AnchorKind::KvmPioUart,
+            unanchored: 3,
+            lost_probes: 3,
+            ..SessionStats::default()
+        });
+        assert!(
+            anchored.contains("rejected: 3 without their exits (not anchored)"),
+            "{anchored}"
+        );
+        assert!(
+            anchored.contains("kvm:kvm_pio (kvm-pio-uart)"),
+            "{anchored}"
+        );
+        assert_eq!(
+            (j["anchor"].as_str(), j["unanchored"].as_u64()),
+            (Some("kvm-pio-uart"), Some(3))
         );
     }
 

@@ -295,6 +295,31 @@ mod tests {
     }
 
     #[test]
+    fn segments_say_their_anchor_and_files_from_before_the_field_read_as_in_process() {
+        use crate::probe::anchor::AnchorKind;
+        let h = serde_json::to_string(&Tagged::Header(header())).unwrap();
+        let mut anchored = seg(0, 0, 100_000, 5, 0);
+        anchored.anchor = AnchorKind::KvmPioSyncPort;
+        let line = serde_json::to_string(&Tagged::Segment(anchored)).unwrap();
+        assert!(line.contains("\"anchor\":\"kvm-pio-sync-port\""), "{line}");
+        // A segment line as written before the field existed.
+        let mut old: serde_json::Value = serde_json::from_str(&line).unwrap();
+        old.as_object_mut().unwrap().remove("anchor");
+        // And one from a newer writer with a kind this version does not know.
+        let newer = line.replace("kvm-pio-sync-port", "kvm-something-new");
+        let f = SyncFile::parse(format!("{h}\n{line}\n{old}\n{newer}\n").as_bytes()).unwrap();
+        let kinds: Vec<AnchorKind> = f.segments.iter().map(|s| s.anchor).collect();
+        assert_eq!(
+            kinds,
+            [
+                AnchorKind::KvmPioSyncPort,
+                AnchorKind::InProcess,
+                AnchorKind::Unknown
+            ]
+        );
+    }
+
+    #[test]
     fn refuses_foreign_or_inconsistent_files_and_skips_unknown_lines() {
         let parse = |s: &str| SyncFile::parse(s.as_bytes());
         assert!(matches!(parse(""), Err(SyncFileError::NoHeader)));

@@ -50,9 +50,27 @@ fn probe_bench_intervals_contain_the_truth_on_real_kvm() {
     }
     // Identity rows: every session's offset interval held the truth. Every row, skewed ones
     // included: the drift estimator's offset and rate bounds held it.
-    let rows: Vec<&str> = json.split("{\"name\":").skip(1).collect();
-    // Built-in VMM 4, QEMU stdio 2, skew 2, vsock 2 (all 32 probes, and the first 16).
-    assert_eq!(rows.len(), 4 + 4 * usize::from(have_qemu()) + 2, "{json}");
+    // The rows array is the line's last member (the anchoring comparison before it names
+    // rows too).
+    let rows_json = json.rsplit("\"rows\":[").next().expect("a rows array");
+    let rows: Vec<&str> = rows_json.split("{\"name\":").skip(1).collect();
+    // Built-in VMM 4, skew 2; with QEMU: stdio, stdio-first and the exit-anchored kvm-pio
+    // row, and the plain vsock rows (all 32 probes, and the first 16); the sync-port vsock
+    // rows (stream and sync-port) when vhost-device-vsock is there (always under CI).
+    let sync = rows
+        .iter()
+        .filter(|r| r.starts_with("\"vsock/stream") || r.starts_with("\"vsock/sync-port"))
+        .count();
+    assert!(sync == 0 || sync == 2, "{json}");
+    assert_eq!(
+        rows.len(),
+        4 + 5 * usize::from(have_qemu()) + sync + 2,
+        "{json}"
+    );
+    if have_qemu() {
+        assert!(json.contains("\"name\":\"qemu-microvm/kvm-pio\""), "{json}");
+        assert!(json.contains("\"name\":\"vsock/32\""), "{json}");
+    }
     for row in rows {
         if !row.starts_with("\"skew/") {
             assert!(row.contains("\"contains\":3,"), "{row}");

@@ -9,8 +9,12 @@
 //!   thread's own TSC reads around queueing and receiving the whole reply (`host-thread`) or
 //!   its first byte (`host-thread-first`);
 //! - QEMU's COM1 on a stdio chardev, bracketed by `rdtsc` around `write()` and the `read()`
-//!   that completed the reply (`…/stdio`) or returned its first bytes (`…/stdio-first`), see
-//!   [`qemu`];
+//!   that completed the reply (`…/stdio`) or returned its first bytes (`…/stdio-first`), and,
+//!   on the same probes, by the host kernel's `kvm:kvm_pio` stamps of the vCPU's COM1 exits
+//!   (`…/kvm-pio`, what `vmtsync probe --anchor kvm-pio` uses), see [`qemu`];
+//! - virtio-vsock (QEMU q35, vhost-device-vsock), bracketed around the socket calls
+//!   (`vsock/stream`) and, on the same probes, by the agent's sync-port exits
+//!   (`vsock/sync-port`), see [`vsock`];
 //! - the built-in VMM again with the agent's software skew (`skew=OFFSET,RATIO,FRAC`), so the
 //!   truth is a non-identity line (`skew/…`);
 //! - virtio-vsock under QEMU microvm (vhost-device-vsock), with the skew, where one-way delays
@@ -33,7 +37,7 @@
 //! the truth, probe bracket widths and the bytes each probe put on the wire. The last line is
 //! one JSON object (schema `vmtsync-probe-bench/1`, documented in [`report`]).
 //!
-//! Usage: `vmtsync-probe-bench [--sessions K] [--probes N] [--machine microvm|q35] [--no-qemu]
+//! Usage: `vmtsync-probe-bench [--sessions K] [--probes N] [--machine microvm|q35] [--no-qemu] [--no-vsock]
 //! [--no-skew] [--skew OFFSET,RATIO,FRAC]`
 //!
 //! Exit codes: 0 when every guaranteed interval contained the truth; 3 when one did not (a
@@ -76,7 +80,8 @@ usage: vmtsync-probe-bench [--sessions K] [--probes N] [--machine microvm|q35] [
   --no-skew         skip the software-skew path
   --skew O,R,F      agent skew: guest = O + ((tsc * R) >> F) (default: offset derived
                     from the host TSC now, rate 281503124208327/2^48 = 1.0001)
-  --no-vsock        skip the virtio-vsock path (QEMU microvm + vhost-device-vsock)
+  --no-vsock        skip both virtio-vsock paths (vhost-device-vsock): the sync-port path
+                    (QEMU q35) and the estimator comparison (QEMU microvm)
   --vsock-probes M  probes per vsock session (default 339, trace-cmd's PTP_SYNC_LOOP); the
                     vsock rows are all M probes and the first N of each session";
 
@@ -201,6 +206,34 @@ fn row<S: Copy>(
         .map(|s| evaluate(&s.samples(pick), truth).map_err(|e| anyhow::anyhow!("{name}: {e:?}")))
         .collect::<Result<Vec<_>>>()?;
     Ok(Row::aggregate(name, probes, truth, &evals))
+}
+
+/// The median over sessions of the fewest leading probes whose guaranteed interval is at most
+/// twice as wide as the whole session's: how few probes this bracket needs.
+fn probes_to_2x<S: Copy>(
+    sessions: &[Session<S>],
+    truth: Truth,
+    pick: impl Fn(&S) -> (u64, u64) + Copy,
+) -> Result<Option<u64>> {
+    let mut needed = Vec::with_capacity(sessions.len());
+    for s in sessions {
+        let samples = s.samples(pick);
+        let width = |n: usize| -> Result<Option<u64>> {
+            Ok(evaluate(&samples[..n], truth)
+                .map_err(|e| anyhow::anyhow!("{e:?}"))?
+                .ours_width)
+        };
+        let Some(full) = width(samples.len())? else {
+            continue;
+        };
+        for n in 1..=samples.len() {
+            if width(n)?.is_some_and(|w| w <= full.saturating_mul(2)) {
+                needed.push(n as u64);
+                break;
+            }
+        }
+    }
+    Ok(stats::median(&needed))
 }
 
 /// The per-probe request and reply sizes seen, as `(min, max)` each.
@@ -336,6 +369,7 @@ fn bench(args: &Args) -> Result<Report> {
     })?);
 
     let mut qemu_wire = None;
+    let mut anchoring = None;
     if args.qemu {
         if !have_qemu() {
             if is_ci() {
@@ -344,7 +378,7 @@ fn bench(args: &Args) -> Result<Report> {
             eprintln!("SKIP qemu-stdio: qemu-system-x86_64 is missing (or pass --no-qemu)");
         } else {
             let t = Instant::now();
-            let (q, kvm) = qemu::run(&elf, args.machine, args.sessions, args.probes)?;
+            let (q, kvm) = qemu::run(&elf, args.machine, "", args.sessions, args.probes)?;
             eprintln!(
                 "QEMU {:?}: {} sessions in {:.1?}; KVM mapping {kvm:?}",
                 args.machine,
@@ -357,10 +391,55 @@ fn bench(args: &Args) -> Result<Report> {
                 Machine::Microvm => "qemu-microvm",
                 Machine::Q35 => "qemu-q35",
             };
-            rows.push(row(&format!("{name}/stdio"), &q, id, |x| (x.send, x.recv))?);
+            let stdio = format!("{name}/stdio");
+            rows.push(row(&stdio, &q, id, |x| (x.pipe.send, x.pipe.recv))?);
             rows.push(row(&format!("{name}/stdio-first"), &q, id, |x| {
-                (x.send, x.first_recv)
+                (x.pipe.send, x.pipe.first_recv)
             })?);
+            // What `vmtsync probe --anchor kvm-pio` uses: the thread's last exit before the
+            // reply (the request's delimiter `in` unless a status poll followed it) and the
+            // reply's first `out`.
+            let tight = |x: &qemu::Stamps| (x.exits.last_exit, x.exits.first_out);
+            rows.push(row(&format!("{name}/kvm-pio"), &q, id, tight)?);
+            anchoring = Some(stats::Anchoring {
+                baseline: stdio,
+                probes_to_2x: [
+                    (
+                        format!("{name}/stdio"),
+                        probes_to_2x(&q, id, |x| (x.pipe.send, x.pipe.recv))?,
+                    ),
+                    (format!("{name}/kvm-pio"), probes_to_2x(&q, id, tight)?),
+                ]
+                .into(),
+            });
+        }
+    }
+
+    if args.vsock.is_some() && have_qemu() {
+        let t = Instant::now();
+        match vsock::run_sync_port(&elf, "", args.sessions, args.probes) {
+            Ok((v, kvm)) => {
+                eprintln!(
+                    "vsock (q35): {} sessions in {:.1?}; KVM mapping {kvm:?}",
+                    v.len(),
+                    t.elapsed()
+                );
+                let id = bench_truth(kvm);
+                let stream = |x: &vsock::Stamps| (x.stream.send.0, x.stream.recv.0);
+                let sync = |x: &vsock::Stamps| (x.exits.send.0, x.exits.recv.0);
+                rows.push(row("vsock/stream", &v, id, stream)?);
+                rows.push(row("vsock/sync-port", &v, id, sync)?);
+                if let Some(a) = &mut anchoring {
+                    a.probes_to_2x
+                        .push(("vsock/stream".into(), probes_to_2x(&v, id, stream)?));
+                    a.probes_to_2x
+                        .push(("vsock/sync-port".into(), probes_to_2x(&v, id, sync)?));
+                }
+            }
+            // The backend is built on first use and may be missing offline: the other paths
+            // still count.
+            Err(e) if !is_ci() => eprintln!("SKIP vsock: {e:#}"),
+            Err(e) => return Err(e),
         }
     }
 
@@ -405,7 +484,7 @@ fn bench(args: &Args) -> Result<Report> {
         };
         let options = skew.map_or_else(String::new, |s| s.agent_option());
         let t = Instant::now();
-        let (v, kvm) = vsock::run(&elf, &options, args.sessions, m)?;
+        let (v, kvm) = vsock::run_plain(&elf, &options, args.sessions, m)?;
         eprintln!(
             "QEMU microvm, vsock, {options}: {} sessions of {m} probes in {:.1?}; KVM mapping \
              {kvm:?}",
@@ -450,6 +529,7 @@ fn bench(args: &Args) -> Result<Report> {
         qemu_wire,
         vsock_wire,
         rows,
+        anchoring,
         run_time: started.elapsed(),
     })
 }

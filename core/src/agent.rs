@@ -91,6 +91,19 @@ pub trait AgentClock {
     fn invariant_tsc(&self) -> bool {
         false
     }
+
+    /// The vCPUs [`AgentClock::read_tsc_on`] can read, as a bit set (bit `i`: vCPU `i`).
+    /// Default: the vCPU this code runs on, alone.
+    fn vcpus(&self) -> u64 {
+        1u64.checked_shl(self.vcpu_id()).unwrap_or(0)
+    }
+
+    /// Reads the TSC (skewed like [`AgentClock::read_tsc`]) ON vCPU `vcpu`, after this call
+    /// began and before it returns, or `None` when that vCPU cannot answer (unknown, or it did
+    /// not answer in time). Default: this vCPU only.
+    fn read_tsc_on(&mut self, vcpu: u32) -> Option<GuestTicks> {
+        (vcpu == self.vcpu_id()).then(|| self.read_tsc())
+    }
 }
 
 /// Where the agent is in its session.
@@ -328,7 +341,20 @@ impl<L: Link, C: AgentClock, E: EventSource> Agent<L, C, E> {
                 self.send(&reply)
             }
             Message::EventsRequest { max } => self.send_events(max),
+            Message::ProbeOn { seq, vcpu, full } => {
+                let frame = if full {
+                    ProbeReplyFrame::full(seq, vcpu)
+                } else {
+                    ProbeReplyFrame::compact(seq, vcpu)
+                };
+                self.send_probe_reply_on(vcpu, frame)
+            }
+            Message::VcpusRequest => {
+                let online = self.clock.vcpus();
+                self.send(&Message::Vcpus { online })
+            }
             Message::Capabilities(_)
+            | Message::Vcpus { .. }
             | Message::ProbeReply(_)
             | Message::ProbeReplyFull(_)
             | Message::MappingApplied { .. }
@@ -352,6 +378,10 @@ impl<L: Link, C: AgentClock, E: EventSource> Agent<L, C, E> {
         }
         if self.clock.invariant_tsc() {
             features = features.union(Features::INVARIANT_TSC);
+        }
+        let own = 1u64.checked_shl(self.clock.vcpu_id()).unwrap_or(0);
+        if self.clock.vcpus() & !own != 0 {
+            features = features.union(Features::SMP);
         }
         // A different version is told ours and gets nothing else until it says hello in it.
         self.state = if version == PROTOCOL_VERSION {
@@ -377,6 +407,21 @@ impl<L: Link, C: AgentClock, E: EventSource> Agent<L, C, E> {
     #[inline]
     fn send_probe_reply(&mut self, mut frame: ProbeReplyFrame) -> Result<(), LinkError> {
         let tsc = self.clock.read_tsc();
+        let sent = self.link.send(frame.finish(tsc));
+        self.stats.probes = self.stats.probes.wrapping_add(1);
+        self.count_sent(sent)
+    }
+
+    /// [`Agent::send_probe_reply`] for a probe of vCPU `vcpu`: the frame is prepared before
+    /// that vCPU reads its TSC, and sent right after (docs/smp.md).
+    fn send_probe_reply_on(
+        &mut self,
+        vcpu: u32,
+        mut frame: ProbeReplyFrame,
+    ) -> Result<(), LinkError> {
+        let Some(tsc) = self.clock.read_tsc_on(vcpu) else {
+            return self.send(&Message::Error(ErrorCode::UnknownVcpu));
+        };
         let sent = self.link.send(frame.finish(tsc));
         self.stats.probes = self.stats.probes.wrapping_add(1);
         self.count_sent(sent)

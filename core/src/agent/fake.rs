@@ -147,6 +147,11 @@ pub struct FakeClock {
     pub invariant: bool,
     /// How many times the TSC was read.
     pub reads: u32,
+    /// Other vCPUs [`AgentClock::read_tsc_on`] answers for (bit `i`: vCPU `i`); each reads
+    /// this clock plus [`FakeClock::peer_offset`] times its id.
+    pub peers: u64,
+    /// What sets the peers' clocks apart, per vCPU id.
+    pub peer_offset: u64,
 }
 
 impl FakeClock {
@@ -161,6 +166,8 @@ impl FakeClock {
             pvclock: None,
             invariant: false,
             reads: 0,
+            peers: 0,
+            peer_offset: 0,
         }
     }
 }
@@ -189,5 +196,23 @@ impl AgentClock for FakeClock {
 
     fn invariant_tsc(&self) -> bool {
         self.invariant
+    }
+
+    fn vcpus(&self) -> u64 {
+        self.peers | 1u64.checked_shl(self.vcpu).unwrap_or(0)
+    }
+
+    fn read_tsc_on(&mut self, vcpu: u32) -> Option<GuestTicks> {
+        if vcpu == self.vcpu {
+            return Some(self.read_tsc());
+        }
+        let bit = 1u64.checked_shl(vcpu)?;
+        if self.peers & bit == 0 {
+            return None;
+        }
+        let t = self.read_tsc().0;
+        Some(GuestTicks(t.wrapping_add(
+            self.peer_offset.wrapping_mul(u64::from(vcpu)),
+        )))
     }
 }

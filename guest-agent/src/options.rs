@@ -18,6 +18,8 @@
 //!   `out` to and an `in` from PORT (see [`crate::events::Workload`]).
 //! - `skew=OFFSET,RATIO,FRAC`: report `OFFSET + ((tsc * RATIO) >> FRAC)` instead of the raw TSC.
 //!   OFFSET may be negative (it wraps, like KVM's offset); numbers are decimal or `0x` hex.
+//! - `skewN=OFFSET,RATIO,FRAC` (N below [`MAX_VCPUS`]): the same for the TSC read on vCPU N (the
+//!   APIC id KVM names `vcpuN` after), instead of `skew=`; see docs/smp.md.
 //!
 //! Unknown words are reported in the log and otherwise ignored, so a host can pass options a
 //! newer agent understands.
@@ -45,6 +47,10 @@ pub enum Wire {
     Line,
 }
 
+/// The most vCPUs the agent brings up and serves (APIC ids below this): the boot processor and
+/// up to `MAX_VCPUS - 1` application processors (docs/smp.md).
+pub const MAX_VCPUS: usize = 8;
+
 /// How many `virtio_mmio.device=` words [`Options`] keeps.
 pub const MAX_VIRTIO_MMIO: usize = 4;
 
@@ -70,6 +76,8 @@ pub struct Options {
     pub exit_code: u8,
     /// Software skew applied to reported TSC values.
     pub skew: Skew,
+    /// `skewN=`: the skew of vCPU N's TSC reads where it differs from [`Options::skew`].
+    pub vcpu_skews: [Option<Skew>; MAX_VCPUS],
     /// How many guest events to record (0: none).
     pub events: u32,
     /// `workload=RATE,COUNT[,PORT]`: events per second, how many (0: until shutdown), and
@@ -101,6 +109,7 @@ impl Default for Options {
             ring: 3,
             exit_code: 0,
             skew: Skew::IDENTITY,
+            vcpu_skews: [None; MAX_VCPUS],
             events: 0,
             workload: None,
             vsock_port: DEFAULT_VSOCK_PORT,
@@ -174,9 +183,26 @@ impl Options {
             b"workload" => {
                 self.workload = Some(parse_workload(value).ok_or(OptionError::BadValue)?);
             }
-            _ => return Err(OptionError::UnknownKey),
+            _ => {
+                let vcpu = key
+                    .strip_prefix(b"skew")
+                    .and_then(parse_u64)
+                    .and_then(|n| usize::try_from(n).ok())
+                    .ok_or(OptionError::UnknownKey)?;
+                let slot = self.vcpu_skews.get_mut(vcpu).ok_or(OptionError::BadValue)?;
+                *slot = Some(parse_skew(value).ok_or(OptionError::BadValue)?);
+            }
         }
         Ok(())
+    }
+
+    /// The skew of TSC reads on vCPU `vcpu`: its `skewN=`, else `skew=`.
+    #[must_use]
+    pub fn skew_of(&self, vcpu: u32) -> Skew {
+        usize::try_from(vcpu)
+            .ok()
+            .and_then(|i| self.vcpu_skews.get(i).copied().flatten())
+            .unwrap_or(self.skew)
     }
 }
 
@@ -221,6 +247,8 @@ fn parse_workload(v: &[u8]) -> Option<WorkloadOption> {
     Some(WorkloadOption { rate, count, port })
 }
 
+// Not inlined: `skew=` and `skewN=` share one copy (the agent's .text is budgeted).
+#[inline(never)]
 fn parse_skew(v: &[u8]) -> Option<Skew> {
     let mut parts = v.split(|&b| b == b',');
     let offset = parse_i64_wrapping(parts.next()?)?;
@@ -298,6 +326,32 @@ mod tests {
                 frac_bits: 1
             }
         );
+    }
+
+    #[test]
+    fn per_vcpu_skews_override_the_common_one() {
+        let (o, errs) =
+            parse("skew2=-5,1,0 skew=7,1,0 skew7=0x10,2,1 skew8=1,1,0 skew1=1,0,0 skewx=1,1,0");
+        let kinds: Vec<_> = errs.iter().map(|(w, e)| (w.as_str(), *e)).collect();
+        assert_eq!(
+            kinds,
+            vec![
+                ("skew8=1,1,0", OptionError::BadValue),
+                ("skew1=1,0,0", OptionError::BadValue),
+                ("skewx=1,1,0", OptionError::UnknownKey),
+            ]
+        );
+        let common = Skew {
+            offset: 7,
+            ratio: 1,
+            frac_bits: 0,
+        };
+        assert_eq!(o.skew_of(0), common);
+        assert_eq!(o.skew_of(1), common);
+        assert_eq!(o.skew_of(2).offset, 0u64.wrapping_sub(5));
+        assert_eq!(o.skew_of(7).apply(100), 0x10 + 100);
+        assert_eq!(o.skew_of(8), common);
+        assert_eq!(o.skew_of(u32::MAX), common);
     }
 
     #[test]

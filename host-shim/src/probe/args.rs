@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use super::addr::ProbeAddr;
 use super::continuous::ContinuousOptions;
-use super::{DEFAULT_PROBES, ProbeOptions};
+use super::{DEFAULT_PROBES, ProbeOptions, VcpuChoice};
 
 /// `vmtsync probe`: measure a guest's TSC offset and drift against the vmtsync agent, with
 /// guaranteed bounds and trace-cmd's estimate on the same samples.
@@ -63,6 +63,13 @@ pub struct ProbeArgs {
     /// Never draw the progress line (it is only drawn when stderr is a terminal anyway).
     #[arg(long)]
     pub no_progress: bool,
+    /// Sync vCPU N (its APIC id, KVM's `vcpuN`), its TSC read on that vCPU, instead of the
+    /// vCPU the agent runs on (docs/smp.md).
+    #[arg(long, value_name = "N", conflicts_with = "all_vcpus")]
+    pub vcpu: Option<u32>,
+    /// Sync every vCPU the agent serves, one round each (one JSON object per vCPU).
+    #[arg(long, conflicts_with = "continuous")]
+    pub all_vcpus: bool,
 }
 
 impl ProbeArgs {
@@ -79,6 +86,11 @@ impl ProbeArgs {
         o.progress = !self.no_progress;
         o.stop = stop;
         o.shutdown = self.shutdown;
+        o.vcpus = match (self.vcpu, self.all_vcpus) {
+            (Some(v), _) => VcpuChoice::One(v),
+            (None, true) => VcpuChoice::All,
+            (None, false) => VcpuChoice::Agent,
+        };
         o.continuous = match (&self.out, self.continuous) {
             (Some(out), true) => Some(ContinuousOptions {
                 out: out.clone(),
@@ -118,6 +130,11 @@ mod tests {
         assert_eq!(o.probes, 64);
         assert_eq!(o.timeout, Duration::from_secs(2));
         assert!(o.continuous.is_none() && !o.json && o.progress);
+        assert_eq!(o.vcpus, VcpuChoice::Agent);
+        let one = parse(&["--connect", "tcp:h:1", "--vcpu", "2"]).unwrap();
+        assert_eq!(one.to_options(None).vcpus, VcpuChoice::One(2));
+        let all = parse(&["--connect", "tcp:h:1", "--all-vcpus", "--json"]).unwrap();
+        assert_eq!(all.to_options(None).vcpus, VcpuChoice::All);
 
         let a = parse(&[
             "--connect",
@@ -165,5 +182,19 @@ mod tests {
             "needs --continuous"
         );
         assert!(parse(&["--connect", "tcp:h:1", "--rounds", "2"]).is_err());
+        assert!(parse(&["--connect", "tcp:h:1", "--vcpu", "1", "--all-vcpus"]).is_err());
+        assert!(parse(&["--connect", "tcp:h:1", "--vcpu", "-1"]).is_err());
+        assert!(
+            parse(&[
+                "--connect",
+                "tcp:h:1",
+                "--all-vcpus",
+                "--continuous",
+                "--out",
+                "f"
+            ])
+            .is_err(),
+            "one sync file segment stream per vCPU is not offered"
+        );
     }
 }

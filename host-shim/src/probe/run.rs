@@ -46,6 +46,20 @@ pub struct ProbeOptions {
     /// default: probing must not stop the guest being traced; the agent then serves the next
     /// session's hello.
     pub shutdown: bool,
+    /// Which vCPUs to sync (`--vcpu N`, `--all-vcpus`; default the agent's own).
+    pub vcpus: VcpuChoice,
+}
+
+/// Which vCPUs a probe run syncs (docs/smp.md).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum VcpuChoice {
+    /// The vCPU the agent runs on (it says which in its hello).
+    #[default]
+    Agent,
+    /// This vCPU, read on that vCPU.
+    One(u32),
+    /// Every vCPU the agent serves, one round each, in increasing order.
+    All,
 }
 
 impl ProbeOptions {
@@ -64,6 +78,7 @@ impl ProbeOptions {
             continuous: None,
             stop: None,
             shutdown: false,
+            vcpus: VcpuChoice::Agent,
         }
     }
 }
@@ -73,6 +88,17 @@ impl ProbeOptions {
 /// # Errors
 /// [`ProbeError`].
 pub fn run_probe(opts: &ProbeOptions, out: &mut dyn Write) -> Result<ProbeSummary, ProbeError> {
+    last_of(run_probe_vcpus(opts, out)?)
+}
+
+/// Connects to `opts.addr` and runs [`run_probe_vcpus_on`].
+///
+/// # Errors
+/// [`ProbeError`].
+pub fn run_probe_vcpus(
+    opts: &ProbeOptions,
+    out: &mut dyn Write,
+) -> Result<Vec<ProbeSummary>, ProbeError> {
     let transport = connect::connect_until_stopped(
         &opts.addr,
         &ConnectOptions {
@@ -81,11 +107,10 @@ pub fn run_probe(opts: &ProbeOptions, out: &mut dyn Write) -> Result<ProbeSummar
         },
         opts.stop,
     )?;
-    run_probe_on(transport, opts, out)
+    run_probe_vcpus_on(transport, opts, out)
 }
 
-/// Runs hello, then one round of `opts.probes` (printing its report), or continuous mode;
-/// then shuts the session down. Returns the (last) round's summary.
+/// [`run_probe_vcpus_on`], returning the (last) round's summary of the last vCPU.
 ///
 /// # Errors
 /// [`ProbeError`]; in continuous mode, `Estimate(NoSamples)` if no round produced a sample.
@@ -94,10 +119,70 @@ pub fn run_probe_on<T: StampedTransport>(
     opts: &ProbeOptions,
     out: &mut dyn Write,
 ) -> Result<ProbeSummary, ProbeError> {
+    last_of(run_probe_vcpus_on(transport, opts, out)?)
+}
+
+fn last_of(mut all: Vec<ProbeSummary>) -> Result<ProbeSummary, ProbeError> {
+    all.pop()
+        .ok_or(ProbeError::Internal("a probe run synced no vCPU"))
+}
+
+/// Runs hello, then for each vCPU of `opts.vcpus` one round of `opts.probes` (printing its
+/// report: one JSON object per vCPU under `--json`), or continuous mode (one vCPU); then
+/// shuts the session down. Returns each vCPU's (last) round's summary.
+///
+/// # Errors
+/// [`ProbeError`]; [`ProbeError::UnknownVcpu`] for a vCPU the agent does not serve; in
+/// continuous mode, `Estimate(NoSamples)` if no round produced a sample.
+pub fn run_probe_vcpus_on<T: StampedTransport>(
+    transport: T,
+    opts: &ProbeOptions,
+    out: &mut dyn Write,
+) -> Result<Vec<ProbeSummary>, ProbeError> {
     let mut progress = Progress::stderr_if_terminal(opts.progress);
     let mut session = ProbeSession::hello_until_stopped(transport, opts.timeout, opts.stop)?;
-    let result = match &opts.continuous {
-        Some(cont) => continuous::run(&mut session, opts, cont, out, &mut progress).and_then(|c| {
+    let result = vcpus_of(&mut session, opts.vcpus).and_then(|vcpus| {
+        let mut all = Vec::with_capacity(vcpus.len());
+        for v in vcpus {
+            session.select_vcpu(v)?;
+            all.push(one_vcpu(&mut session, opts, out, &mut progress)?);
+        }
+        Ok(all)
+    });
+    if opts.shutdown {
+        session.shutdown();
+    }
+    result
+}
+
+/// The vCPUs `choice` names, checked against the agent's list.
+fn vcpus_of<T: StampedTransport>(
+    session: &mut ProbeSession<T>,
+    choice: VcpuChoice,
+) -> Result<Vec<u32>, ProbeError> {
+    match choice {
+        VcpuChoice::Agent => Ok(vec![session.info().vcpu]),
+        VcpuChoice::All => session.vcpus(),
+        VcpuChoice::One(v) => {
+            let online = session.vcpus()?;
+            if online.contains(&v) {
+                Ok(vec![v])
+            } else {
+                Err(ProbeError::UnknownVcpu { vcpu: v, online })
+            }
+        }
+    }
+}
+
+/// One vCPU's round, or continuous mode on it.
+fn one_vcpu<T: StampedTransport>(
+    session: &mut ProbeSession<T>,
+    opts: &ProbeOptions,
+    out: &mut dyn Write,
+    progress: &mut Progress,
+) -> Result<ProbeSummary, ProbeError> {
+    match &opts.continuous {
+        Some(cont) => continuous::run(session, opts, cont, out, progress).and_then(|c| {
             c.last.ok_or(if opts.stopped() {
                 // Stopped before any round measured something: interrupted, not "no samples".
                 ProbeError::Interrupted
@@ -105,12 +190,8 @@ pub fn run_probe_on<T: StampedTransport>(
                 ProbeError::Estimate(EstimateError::NoSamples)
             })
         }),
-        None => one_round(&mut session, opts, out, &mut progress),
-    };
-    if opts.shutdown {
-        session.shutdown();
+        None => one_round(session, opts, out, progress),
     }
-    result
 }
 
 fn one_round<T: StampedTransport>(

@@ -1,0 +1,195 @@
+//! Every vCPU of an SMP guest (tier 2: /dev/kvm, QEMU, debugfs): the agent under QEMU microvm
+//! `-smp 4` brings up its application processors, each with its own software skew, and
+//! `vmtsync probe --all-vcpus` / `--vcpu 2` sync them one by one over COM1. The truth of each
+//! vCPU is its debugfs mapping, then its own skew; it must lie inside that vCPU's guaranteed
+//! interval in every session. Idle application processors must be parked (`hlt`), not spin:
+//! their vCPU threads may use next to no host CPU while nobody probes.
+
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use vmtsync::debugfs::{DEFAULT_KVM_DEBUGFS, KvmDebugfs};
+use vmtsync::probe::{ProbeAddr, ProbeOptions, ProbeSummary, VcpuChoice, run_probe_vcpus};
+use vmtsync_tests::truth::{GuestTruth, Skew, truth_ready};
+use vmtsync_tests::vmm::agent_elf;
+use vmtsync_tests::vmm::qemu::{self, debug_exit_status, have_qemu};
+use vmtsync_tests::{ChildGuard, have_kvm, require};
+
+/// vCPUs of the guest.
+const VCPUS: u32 = 4;
+
+/// Checks each summary against its vCPU's truth; returns the errors (offset − truth).
+fn check_all(pid: u32, skews: &[Skew], summaries: &[ProbeSummary], session: &str) -> Vec<i128> {
+    summaries
+        .iter()
+        .map(|s| {
+            let skew = skews[usize::try_from(s.vcpu).unwrap()];
+            let truth = GuestTruth::read(pid, s.vcpu, Some(skew)).expect("truth from debugfs");
+            let at = truth
+                .check(s.at_host, s.bound_lo, s.bound_hi)
+                .unwrap_or_else(|e| panic!("{session}, vcpu {}: {e}", s.vcpu));
+            println!(
+                "{session}: vcpu {} offset error {:+}, width {}, rtt min {} median {}, {} probes",
+                s.vcpu,
+                i128::from(s.offset) - at,
+                s.width(),
+                s.rtt.min,
+                s.rtt.median,
+                s.probes
+            );
+            assert_eq!(s.probes, 64, "{session}, vcpu {}: {:?}", s.vcpu, s.stats);
+            i128::from(s.offset) - at
+        })
+        .collect()
+}
+
+/// Host CPU ticks (utime + stime, clock ticks) of thread `tid` of process `pid`.
+fn cpu_ticks(pid: u32, tid: u32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/stat"))
+        .expect("the vCPU thread's stat");
+    // Fields after the parenthesised command name, which may itself hold spaces.
+    let rest = &stat[stat.rfind(')').expect("comm ends with ')'") + 2..];
+    let f: Vec<&str> = rest.split(' ').collect();
+    // utime and stime are fields 14 and 15 of stat(5), 12 and 13 after "pid (comm) ".
+    f[11].parse::<u64>().unwrap() + f[12].parse::<u64>().unwrap()
+}
+
+/// The host thread of every vCPU of QEMU process `pid`, from debugfs.
+fn vcpu_threads(pid: u32) -> Vec<(u32, u32)> {
+    let debugfs = KvmDebugfs::open(DEFAULT_KVM_DEBUGFS).expect("debugfs");
+    let vm = debugfs
+        .vms()
+        .expect("VMs")
+        .into_iter()
+        .find(|v| v.id.pid == pid)
+        .expect("QEMU's VM");
+    debugfs
+        .read_vm(&vm)
+        .expect("vCPUs")
+        .into_iter()
+        .filter_map(|s| Some((s.vcpu, s.thread_pid?)))
+        .collect()
+}
+
+#[test]
+fn every_vcpu_of_a_four_vcpu_guest_is_synced_on_itself() {
+    let test = "every_vcpu_of_a_four_vcpu_guest_is_synced_on_itself";
+    if !require(test, have_kvm(), "/dev/kvm is not accessible read-write")
+        || !require(
+            test,
+            have_qemu(),
+            "qemu-system-x86_64 is missing (apt-get install qemu-system-x86)",
+        )
+        || !truth_ready(test)
+    {
+        return;
+    }
+    let elf = agent_elf().expect("agent builds");
+    let tmp_dir = tempfile::Builder::new()
+        .prefix(&format!("vmtsync-{test}-"))
+        .tempdir()
+        .unwrap();
+    let dir = tmp_dir.path();
+    let sock = dir.join("com1.sock");
+    let com2 = dir.join("com2.log");
+    let skews = Skew::pick_per_vcpu(VCPUS);
+    let options: Vec<String> = (0..VCPUS)
+        .zip(&skews)
+        .map(|(v, s)| s.agent_option_for(v))
+        .collect();
+    let append = format!("transport=uart exit=9 {}", options.join(" "));
+    let child =
+        qemu::command_com1_socket_smp(qemu::Machine::Microvm, &elf, &append, &com2, &sock, VCPUS)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("qemu starts");
+    let mut guard = ChildGuard::new(child);
+    let log = |e: &dyn std::fmt::Display| -> String {
+        format!(
+            "{e}; COM2 log:\n{}",
+            vmtsync_tests::vmm::defmt_log::decode_file_text(&elf, &com2)
+        )
+    };
+    let mut opts =
+        ProbeOptions::new(ProbeAddr::parse(&format!("unix:{}", sock.display())).unwrap());
+    opts.progress = false;
+    opts.timeout = Duration::from_secs(20);
+    opts.connect_timeout = Duration::from_secs(20);
+    opts.json = true;
+    opts.vcpus = VcpuChoice::All;
+
+    // Session 1: every vCPU, one JSON object each.
+    let mut out = Vec::new();
+    let all = run_probe_vcpus(&opts, &mut out).unwrap_or_else(|e| panic!("{}", log(&e)));
+    let text = String::from_utf8(out).unwrap();
+    print!("{text}");
+    let lines: Vec<serde_json::Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("one JSON object per line"))
+        .collect();
+    let vcpus: Vec<u64> = lines.iter().map(|j| j["vcpu"].as_u64().unwrap()).collect();
+    assert_eq!(vcpus, [0, 1, 2, 3], "{text}");
+    assert!(lines.iter().all(|j| j["schema"] == 2), "{text}");
+    let pid = guard.pid();
+    check_all(pid, &skews, &all, "session 1 (--all-vcpus)");
+
+    // Nobody probes now: every application processor must sit in `hlt`. A spinning vCPU
+    // thread would use most of a host core over the second measured here; a parked one
+    // uses (almost) none. The bar is a tenth of the elapsed ticks.
+    let threads = vcpu_threads(pid);
+    assert_eq!(threads.len(), 4, "{threads:?}");
+    let before: Vec<u64> = threads.iter().map(|&(_, t)| cpu_ticks(pid, t)).collect();
+    let started = Instant::now();
+    std::thread::sleep(Duration::from_secs(1));
+    // /proc counts in USER_HZ clock ticks, 100 per second on Linux.
+    let elapsed_ticks = u64::try_from(started.elapsed().as_millis() / 10).unwrap();
+    for (&(vcpu, tid), b) in threads.iter().zip(&before) {
+        let used = cpu_ticks(pid, tid) - b;
+        println!("idle vcpu {vcpu} (thread {tid}): {used} of {elapsed_ticks} clock ticks");
+        if vcpu != 0 {
+            assert!(
+                used * 10 <= elapsed_ticks,
+                "vcpu {vcpu} used {used} of {elapsed_ticks} ticks while idle: not parked"
+            );
+        }
+    }
+
+    // Session 2: vCPU 2 alone.
+    opts.vcpus = VcpuChoice::One(2);
+    let mut out = Vec::new();
+    let two = run_probe_vcpus(&opts, &mut out).unwrap_or_else(|e| panic!("{}", log(&e)));
+    assert_eq!(two.len(), 1);
+    assert_eq!(two[0].vcpu, 2);
+    assert_eq!(String::from_utf8(out).unwrap().lines().count(), 1);
+    check_all(pid, &skews, &two, "session 2 (--vcpu 2)");
+
+    // Session 3: all again, then shut the agent down; a vCPU it lacks is refused up front.
+    opts.vcpus = VcpuChoice::One(VCPUS);
+    let err = run_probe_vcpus(&opts, &mut Vec::new()).unwrap_err();
+    assert!(
+        matches!(err, vmtsync::probe::ProbeError::UnknownVcpu { vcpu: VCPUS, ref online }
+            if online == &[0, 1, 2, 3]),
+        "{err}"
+    );
+    opts.vcpus = VcpuChoice::All;
+    opts.shutdown = true;
+    let again = run_probe_vcpus(&opts, &mut Vec::new()).unwrap_or_else(|e| panic!("{}", log(&e)));
+    assert_eq!(again.len(), 4);
+    check_all(pid, &skews, &again, "session 3 (--all-vcpus)");
+    wait_exit(&mut guard);
+}
+
+/// Waits (bounded) for QEMU to end through isa-debug-exit with the agent's `exit=9`.
+fn wait_exit(guard: &mut ChildGuard) {
+    let end = Instant::now() + Duration::from_secs(20);
+    let status = loop {
+        if let Some(st) = guard.child().try_wait().expect("wait qemu") {
+            break st;
+        }
+        assert!(Instant::now() < end, "qemu did not exit after shutdown");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(status.code(), Some(debug_exit_status(9)));
+}

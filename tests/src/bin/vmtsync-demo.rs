@@ -2,12 +2,17 @@
 //! reads its vCPU's exact TSC mapping from KVM debugfs (`vmtsync kvm --json`), measures the
 //! offset with probes (`vmtsync probe --json`), and prints both next to the truth.
 //!
-//! Usage: `vmtsync-demo [--json] [--vmm auto|qemu|builtin|sim] [--no-skew]`
+//! Usage: `vmtsync-demo [--json] [--vmm auto|qemu|builtin|sim] [--no-skew] [--smp N]`
 //!
 //! The demo runs the real `vmtsync` program (the binary next to this one), so it shows exactly
 //! what a user runs. The agent boots with a skew picked from the host TSC now
 //! (`vmtsync_tests::truth::Skew::pick`: a large positive offset, rate 1.0001), so the probe
 //! has a non-trivial answer to find and a sign or rate error shows.
+//!
+//! Under QEMU the guest has `--smp N` vCPUs (default 2; the other VMMs run one): the agent
+//! brings up the others, each vCPU gets its own skew (`Skew::pick_per_vcpu`, `skewN=`), and
+//! `vmtsync probe --all-vcpus` syncs each on itself, so the table has a KVM row and a probe
+//! row per vCPU, each probe row checked against its own vCPU's truth (docs/smp.md).
 //!
 //! Truth: KVM's mapping of the vCPU read from debugfs by `vmtsync_tests::truth` while the VM
 //! runs, followed by the agent's skew, at the host TSC the probe's estimate refers to
@@ -24,9 +29,10 @@
 //!
 //! `--json` prints one line, schema 1: `{"schema":1,"vmm","transport","skew":{"offset",
 //! "ratio","frac_bits"}|null,"vcpus":[{"vcpu","method":"kvm"|"probe","offset_ticks",
-//! "bound_lo","bound_hi","truth_ticks","error_ticks","at_host_tsc"}]}` (`skew` and
-//! `at_host_tsc` were added to schema 1 without breaking its earlier keys; `at_host_tsc` is
-//! null on the kvm rows, whose offset holds at every instant).
+//! "bound_lo","bound_hi","truth_ticks","error_ticks","at_host_tsc"}],"skews":[...]}`
+//! (`skew`, `at_host_tsc` and `skews` were added to schema 1 without breaking its earlier
+//! keys; `skew` is vCPU 0's, `skews` every vCPU's in vCPU order; `at_host_tsc` is null on the
+//! kvm rows, whose offset holds at every instant).
 //!
 //! Exit codes: 0 when the truth lies inside the bounds; 1 when it does not or the demo could
 //! not run; 2 on usage errors.
@@ -48,7 +54,12 @@ use vmtsync_launch::qemu::{self, Machine, debug_exit_code};
 use vmtsync_launch::{ChildGuard, have_kvm, is_ci, is_root};
 use vmtsync_tests::truth::{GuestTruth, Skew};
 
-const USAGE: &str = "usage: vmtsync-demo [--json] [--vmm auto|qemu|builtin|sim] [--no-skew]";
+const USAGE: &str =
+    "usage: vmtsync-demo [--json] [--vmm auto|qemu|builtin|sim] [--no-skew] [--smp N]";
+
+/// vCPUs of the QEMU guest unless `--smp` says otherwise: the project's hosts have 2 cores,
+/// and parked application processors cost nothing while nobody probes them.
+const DEFAULT_SMP: u32 = 2;
 
 /// The isa-debug-exit code the agent is told to exit with after the probe's shutdown.
 const EXIT_CODE: u8 = 9;
@@ -81,6 +92,8 @@ struct DemoArgs {
     json: bool,
     vmm: Option<Vmm>,
     skew: bool,
+    /// `--smp N` (QEMU only).
+    smp: Option<u32>,
 }
 
 fn parse_args(args: &[String]) -> Result<DemoArgs> {
@@ -88,12 +101,19 @@ fn parse_args(args: &[String]) -> Result<DemoArgs> {
         json: false,
         vmm: None,
         skew: true,
+        smp: None,
     };
     let mut it = args.iter();
     while let Some(a) = it.next() {
         match a.as_str() {
             "--json" => d.json = true,
             "--no-skew" => d.skew = false,
+            "--smp" => {
+                d.smp = match it.next().and_then(|n| n.parse::<u32>().ok()) {
+                    Some(n @ 1..=8) => Some(n),
+                    other => bail!("--smp takes a vCPU count from 1 to 8, not {other:?}"),
+                }
+            }
             "--vmm" => {
                 d.vmm = match it.next().map(String::as_str) {
                     Some("auto") => None,
@@ -246,12 +266,17 @@ struct Paths<'a> {
     log: &'a Path,
 }
 
-/// Boots the agent under `vmm` with `skew`, COM1 reachable at `p.sock`; returns its guard.
-fn boot(vmm: Vmm, p: &Paths<'_>, skew: Option<Skew>) -> Result<ChildGuard> {
+/// Boots the agent under `vmm` with one skew per vCPU (none: `skews` empty), COM1 reachable
+/// at `p.sock`; returns its guard. `smp` vCPUs under QEMU; the other VMMs run one.
+fn boot(vmm: Vmm, p: &Paths<'_>, skews: &[Skew], smp: u32) -> Result<ChildGuard> {
     let mut append = format!("transport=uart exit={EXIT_CODE}");
-    if let Some(s) = skew {
+    for (v, s) in (0u32..).zip(skews) {
         append.push(' ');
-        append.push_str(&s.agent_option());
+        append.push_str(&if skews.len() == 1 {
+            s.agent_option()
+        } else {
+            s.agent_option_for(v)
+        });
     }
     let log_file = || std::fs::File::create(p.log).context("creating the VMM log");
     let spawn = |c: &mut Command| -> Result<ChildGuard> {
@@ -262,7 +287,8 @@ fn boot(vmm: Vmm, p: &Paths<'_>, skew: Option<Skew>) -> Result<ChildGuard> {
     };
     let (mut g, what) = match vmm {
         Vmm::Qemu => {
-            let mut c = qemu::command_com1_socket(Machine::Microvm, p.elf, &append, p.log, p.sock);
+            let mut c =
+                qemu::command_com1_socket_smp(Machine::Microvm, p.elf, &append, p.log, p.sock, smp);
             c.stdin(Stdio::null())
                 .stdout(Stdio::null())
                 .stderr(Stdio::null());
@@ -352,25 +378,28 @@ fn kvm_rows(vmtsync: &Path, pid: u32) -> Result<Vec<KvmRow>> {
     }
 }
 
-/// `vmtsync probe --connect unix:SOCK --json --shutdown`: the parsed schema-1 object.
-fn probe(vmtsync: &Path, sock: &Path) -> Result<Value> {
+/// `vmtsync probe --connect unix:SOCK --json --shutdown [--all-vcpus]`: the parsed schema-2
+/// objects, one per vCPU.
+fn probe(vmtsync: &Path, sock: &Path, all_vcpus: bool) -> Result<Vec<Value>> {
     let mut c = Command::new(vmtsync);
-    c.args([
-        "probe",
-        "--json",
-        "--no-progress",
-        "--probes",
-        "64",
-        "--shutdown",
-    ])
-    .args(["--timeout", "20000", "--connect-timeout", "20000"])
-    .arg("--connect")
-    .arg(format!("unix:{}", sock.display()));
+    if all_vcpus {
+        c.arg("probe").arg("--all-vcpus");
+    } else {
+        c.arg("probe");
+    }
+    c.args(["--json", "--no-progress", "--probes", "64", "--shutdown"])
+        .args(["--timeout", "20000", "--connect-timeout", "20000"])
+        .arg("--connect")
+        .arg(format!("unix:{}", sock.display()));
     let (code, out, err) = run_bounded(&mut c, STEP * 3)?;
     if code != Some(0) {
         bail!("vmtsync probe failed ({code:?}): {}", err.trim());
     }
-    serde_json::from_str(&out).with_context(|| format!("vmtsync probe --json printed: {out}"))
+    out.lines()
+        .map(|l| {
+            serde_json::from_str(l).with_context(|| format!("vmtsync probe --json printed: {out}"))
+        })
+        .collect()
 }
 
 /// The agent's COM2 log as text, for an error report. Under QEMU the file holds defmt frames,
@@ -426,6 +455,16 @@ struct SkewJson {
     frac_bits: u32,
 }
 
+impl SkewJson {
+    fn of(s: Skew) -> Self {
+        Self {
+            offset: s.0.offset(),
+            ratio: s.0.ratio(),
+            frac_bits: s.0.frac_bits(),
+        }
+    }
+}
+
 /// The `--json` line.
 #[derive(Debug, Serialize)]
 struct Report<'a> {
@@ -434,6 +473,7 @@ struct Report<'a> {
     transport: &'static str,
     skew: Option<SkewJson>,
     vcpus: &'a [Row],
+    skews: Vec<SkewJson>,
 }
 
 /// How long each phase took.
@@ -447,30 +487,39 @@ struct Timings {
 /// What one run measured.
 struct Measured {
     kvm: Vec<KvmRow>,
-    probe: Value,
-    truth: Truth,
+    /// One schema-2 object per probed vCPU.
+    probe: Vec<Value>,
+    /// Each vCPU's truth, by vCPU id.
+    truth: Vec<Truth>,
     timings: Timings,
 }
 
 /// Boots, scans debugfs (not in the simulation), probes, and waits for the agent to exit.
-fn run_vm(vmm: Vmm, p: &Paths<'_>, vmtsync: &Path, skew: Option<Skew>) -> Result<Measured> {
+fn run_vm(vmm: Vmm, p: &Paths<'_>, vmtsync: &Path, skews: &[Skew], smp: u32) -> Result<Measured> {
     let t = Instant::now();
-    let mut g = boot(vmm, p, skew)?;
+    let mut g = boot(vmm, p, skews, smp)?;
     let pid = g.pid();
     let boot_time = t.elapsed();
     let t = Instant::now();
     let (kvm, truth) = if vmm == Vmm::Sim {
-        (Vec::new(), Truth::Sim(SIM_SKEW))
+        (Vec::new(), vec![Truth::Sim(SIM_SKEW)])
     } else {
         let kvm = kvm_rows(vmtsync, pid)?;
         // The truth's KVM side, read again here through the library's debugfs reader
         // independently of what `vmtsync kvm` printed.
-        let truth = GuestTruth::read(pid, 0, skew).context("reading the truth from debugfs")?;
-        (kvm, Truth::Vm(truth))
+        let truth = (0..smp)
+            .map(|v| {
+                let skew = skews.get(usize::try_from(v).unwrap_or(usize::MAX)).copied();
+                GuestTruth::read(pid, v, skew)
+                    .map(Truth::Vm)
+                    .context("reading the truth from debugfs")
+            })
+            .collect::<Result<Vec<_>>>()?;
+        (kvm, truth)
     };
     let scan = t.elapsed();
     let t = Instant::now();
-    let probe = probe(vmtsync, p.sock)?;
+    let probe = probe(vmtsync, p.sock, smp > 1)?;
     let probe_time = t.elapsed();
     // The probe's shutdown makes the agent exit through isa-debug-exit.
     let t = Instant::now();
@@ -534,7 +583,21 @@ fn demo(a: &DemoArgs) -> Result<()> {
         vmtsync_launch::agent::build(BuildOutput::Shown)?
     };
     let built = t0.elapsed();
-    let skew = (a.skew && vmm != Vmm::Sim).then(Skew::pick);
+    let smp = match (vmm, a.smp) {
+        (Vmm::Qemu, n) => n.unwrap_or(DEFAULT_SMP),
+        (_, None | Some(1)) => 1,
+        (other, Some(_)) => bail!("--smp needs QEMU; the {} VMM runs one vCPU", other.name()),
+    };
+    let skews = if a.skew && vmm != Vmm::Sim {
+        if smp == 1 {
+            vec![Skew::pick()]
+        } else {
+            Skew::pick_per_vcpu(smp)
+        }
+    } else {
+        Vec::new()
+    };
+    let skew = skews.first().copied();
 
     let dir = tempfile::Builder::new()
         .prefix("vmtsync-demo-")
@@ -546,28 +609,9 @@ fn demo(a: &DemoArgs) -> Result<()> {
         sock: &sock,
         log: &log,
     };
-    let m = run_vm(vmm, &paths, &vmtsync, skew)
+    let m = run_vm(vmm, &paths, &vmtsync, &skews, smp)
         .with_context(|| format!("agent log (COM2):\n{}", agent_log_text(vmm, &elf, &log)))?;
     let total = t0.elapsed();
-
-    let get = |k: &str| {
-        m.probe[k]
-            .as_i64()
-            .with_context(|| format!("probe JSON: {k}"))
-    };
-    let (off, lo, hi) = (get("offset_ticks")?, get("bound_lo")?, get("bound_hi")?);
-    let at = m.probe["at_host_tsc"]
-        .as_u64()
-        .context("probe JSON: at_host_tsc")?;
-    let probe_vcpu = m.probe["vcpu"].as_u64().context("probe JSON: vcpu")?;
-    let checked = m.truth.check(HostTicks(at), lo, hi);
-    let truth = match &checked {
-        Ok(t) => *t,
-        Err(_) => match &m.truth {
-            Truth::Vm(t) => t.offset_at(HostTicks(at)).unwrap_or_default(),
-            Truth::Sim(s) => i128::from(*s),
-        },
-    };
 
     let mut rows: Vec<Row> = m
         .kvm
@@ -585,16 +629,21 @@ fn demo(a: &DemoArgs) -> Result<()> {
             at_host_tsc: None,
         })
         .collect();
-    rows.push(Row {
-        vcpu: probe_vcpu,
-        method: "probe",
-        offset_ticks: off,
-        bound_lo: lo,
-        bound_hi: hi,
-        truth_ticks: truth,
-        error_ticks: i128::from(off) - truth,
-        at_host_tsc: Some(at),
-    });
+    let mut failures = Vec::new();
+    for p in &m.probe {
+        let (row, checked) = probe_row(p, &m.truth)?;
+        if let Err(e) = checked {
+            failures.push(format!("vcpu {}: {e}", row.vcpu));
+        }
+        rows.push(row);
+    }
+    if m.probe.len() != m.truth.len() {
+        failures.push(format!(
+            "{} vCPUs answered probes, the VM has {}",
+            m.probe.len(),
+            m.truth.len()
+        ));
+    }
 
     let (transport, path) = match vmm {
         Vmm::Qemu => ("uart", "COM1 16550 on a QEMU unix socket chardev"),
@@ -609,25 +658,57 @@ fn demo(a: &DemoArgs) -> Result<()> {
             schema: 1,
             vmm: vmm.name(),
             transport,
-            skew: skew.map(|s| SkewJson {
-                offset: s.0.offset(),
-                ratio: s.0.ratio(),
-                frac_bits: s.0.frac_bits(),
-            }),
+            skew: skew.map(SkewJson::of),
             vcpus: &rows,
+            skews: skews.iter().copied().map(SkewJson::of).collect(),
         };
         println!("{}", serde_json::to_string(&report)?);
     } else {
-        print_text(vmm, &why, transport, path, skew, &m, &rows, truth);
+        print_text(vmm, &why, transport, path, &skews, &m, &rows);
     }
     let t = &m.timings;
     eprintln!(
         "demo: agent build {built:.1?}, boot until agent reachable {:.1?}, debugfs scan {:.1?}, probe {:.1?}, VM exit {:.1?}; total {total:.1?}",
         t.boot, t.scan, t.probe, t.exit
     );
-    checked
-        .map(|_| ())
-        .map_err(|e| anyhow::anyhow!("FAILED: {e}"))
+    if failures.is_empty() {
+        Ok(())
+    } else {
+        bail!("FAILED: {}", failures.join("; "))
+    }
+}
+
+/// The probe row of one schema-2 object, and its check against that vCPU's truth.
+fn probe_row(p: &Value, truths: &[Truth]) -> Result<(Row, Result<i128, String>)> {
+    let get = |k: &str| p[k].as_i64().with_context(|| format!("probe JSON: {k}"));
+    let (off, lo, hi) = (get("offset_ticks")?, get("bound_lo")?, get("bound_hi")?);
+    let at = p["at_host_tsc"]
+        .as_u64()
+        .context("probe JSON: at_host_tsc")?;
+    let vcpu = p["vcpu"].as_u64().context("probe JSON: vcpu")?;
+    let truth = usize::try_from(vcpu)
+        .ok()
+        .and_then(|v| truths.get(v))
+        .with_context(|| format!("probe JSON: vcpu {vcpu} is not a vCPU of the VM"))?;
+    let checked = truth.check(HostTicks(at), lo, hi);
+    let value = match &checked {
+        Ok(t) => *t,
+        Err(_) => match truth {
+            Truth::Vm(t) => t.offset_at(HostTicks(at)).unwrap_or_default(),
+            Truth::Sim(s) => i128::from(*s),
+        },
+    };
+    let row = Row {
+        vcpu,
+        method: "probe",
+        offset_ticks: off,
+        bound_lo: lo,
+        bound_hi: hi,
+        truth_ticks: value,
+        error_ticks: i128::from(off) - value,
+        at_host_tsc: Some(at),
+    };
+    Ok((row, checked))
 }
 
 #[allow(clippy::too_many_arguments)] // One call site; the pieces are what the text shows.
@@ -636,39 +717,38 @@ fn print_text(
     why: &str,
     transport: &str,
     path: &str,
-    skew: Option<Skew>,
+    skews: &[Skew],
     m: &Measured,
     rows: &[Row],
-    truth: i128,
 ) {
     println!("vmtsync demo: VMM {} ({why})", vmm.name());
     println!("transport: {transport} ({path})");
-    match (&m.truth, skew) {
-        (Truth::Sim(s), _) => {
-            println!("truth: the loopback agent's offset, {s} ticks; no VM, so no KVM row");
-        }
-        (Truth::Vm(t), s) => {
-            let kvm = t.kvm;
-            println!(
-                "kvm: vcpu0 guest TSC = {} + (host TSC * {}) >> {} (debugfs, exact)",
-                kvm.offset(),
-                kvm.ratio(),
-                kvm.frac_bits()
-            );
-            match s {
-                Some(s) => println!(
-                    "skew: the agent reports {} + (its TSC * {}) >> {} (offset from the host TSC now, rate 1.0001)",
-                    s.0.offset(),
-                    s.0.ratio(),
-                    s.0.frac_bits()
-                ),
-                None => println!("skew: none (--no-skew)"),
+    for (v, truth) in m.truth.iter().enumerate() {
+        match truth {
+            Truth::Sim(s) => {
+                println!("truth: the loopback agent's offset, {s} ticks; no VM, so no KVM row");
             }
-            println!(
-                "truth: the kvm mapping, then the skew, at the probe's host TSC: {truth} ticks"
-            );
+            Truth::Vm(t) => {
+                let kvm = t.kvm;
+                println!(
+                    "kvm: vcpu{v} guest TSC = {} + (host TSC * {}) >> {} (debugfs, exact)",
+                    kvm.offset(),
+                    kvm.ratio(),
+                    kvm.frac_bits()
+                );
+                match skews.get(v) {
+                    Some(s) => println!(
+                        "skew: vcpu{v}'s agent reports {} + (its TSC * {}) >> {} (offset from the host TSC now, rate 1.0001)",
+                        s.0.offset(),
+                        s.0.ratio(),
+                        s.0.frac_bits()
+                    ),
+                    None => println!("skew: none (--no-skew)"),
+                }
+            }
         }
     }
+    println!("truth: each vCPU's kvm mapping, then its skew, at its probe's host TSC");
     println!(
         "{:>4}  {:<6} {:>14}  {:>31}  {:>10}  {:>14}  {:>8}",
         "vcpu", "method", "offset_ticks", "interval [lo, hi]", "width", "truth", "error"
@@ -685,15 +765,17 @@ fn print_text(
             r.error_ticks
         );
     }
-    let p = &m.probe;
-    println!(
-        "probe: {} probes, model {}, rtt min {} median {} ticks; trace-cmd fastest-RTT estimate {} ticks",
-        p["probes"],
-        p["model"].as_str().unwrap_or("?"),
-        p["rtt_min_ticks"],
-        p["rtt_median_ticks"],
-        p["tracecmd_fastest_rtt_offset"]
-    );
+    for p in &m.probe {
+        println!(
+            "probe vcpu {}: {} probes, model {}, rtt min {} median {} ticks; trace-cmd fastest-RTT estimate {} ticks",
+            p["vcpu"],
+            p["probes"],
+            p["model"].as_str().unwrap_or("?"),
+            p["rtt_min_ticks"],
+            p["rtt_median_ticks"],
+            p["tracecmd_fastest_rtt_offset"]
+        );
+    }
 }
 
 #[cfg(test)]
@@ -719,11 +801,12 @@ mod tests {
             transport: "uart",
             skew: None,
             vcpus: &rows,
+            skews: Vec::new(),
         })
         .unwrap();
         assert_eq!(
             line,
-            r#"{"schema":1,"vmm":"qemu","transport":"uart","skew":null,"vcpus":[{"vcpu":0,"method":"probe","offset_ticks":-5,"bound_lo":-9,"bound_hi":2,"truth_ticks":0,"error_ticks":-5,"at_host_tsc":7}]}"#
+            r#"{"schema":1,"vmm":"qemu","transport":"uart","skew":null,"vcpus":[{"vcpu":0,"method":"probe","offset_ticks":-5,"bound_lo":-9,"bound_hi":2,"truth_ticks":0,"error_ticks":-5,"at_host_tsc":7}],"skews":[]}"#
         );
     }
 
@@ -736,6 +819,28 @@ mod tests {
         assert!(!parse_args(&s(&["--no-skew"])).unwrap().skew);
         assert!(parse_args(&s(&["--vmm", "xen"])).is_err());
         assert!(parse_args(&s(&["--fast"])).is_err());
+        assert_eq!(parse_args(&s(&["--smp", "4"])).unwrap().smp, Some(4));
+        assert!(parse_args(&s(&["--smp", "0"])).is_err());
+        assert!(parse_args(&s(&["--smp", "9"])).is_err());
+        assert!(parse_args(&s(&["--smp"])).is_err());
+    }
+
+    #[test]
+    fn each_probe_row_is_checked_against_its_own_vcpus_truth() {
+        let truths = [Truth::Sim(100), Truth::Sim(5_000)];
+        let p = |vcpu: u64| {
+            serde_json::json!({"vcpu": vcpu, "offset_ticks": 4_990, "bound_lo": 4_980,
+                               "bound_hi": 5_010, "at_host_tsc": 1})
+        };
+        let (row, checked) = probe_row(&p(1), &truths).unwrap();
+        assert_eq!(
+            (row.vcpu, row.truth_ticks, row.error_ticks),
+            (1, 5_000, -10)
+        );
+        assert_eq!(checked, Ok(5_000));
+        let (row, checked) = probe_row(&p(0), &truths).unwrap();
+        assert!(checked.is_err() && row.truth_ticks == 100, "{row:?}");
+        assert!(probe_row(&p(2), &truths).is_err(), "no vCPU 2 in the VM");
     }
 
     #[test]

@@ -48,8 +48,7 @@ pub use error::ProbeError;
 pub use progress::Progress;
 pub use report::{OffsetModel, ProbeSummary};
 pub use run::{
-    DEFAULT_PROBES, ProbeOptions, VcpuChoice, run_probe, run_probe_on, run_probe_vcpus,
-    run_probe_vcpus_on,
+    DEFAULT_PROBES, ProbeOptions, VcpuChoice, run_probe, run_probe_on, run_probe_vcpus_on,
 };
 pub use session::{AgentInfo, ProbeSession, SessionStats};
 pub use transport::{FrameStamps, Received, StampedTransport, StreamTransport, TransportError};

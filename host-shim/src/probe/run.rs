@@ -88,17 +88,6 @@ impl ProbeOptions {
 /// # Errors
 /// [`ProbeError`].
 pub fn run_probe(opts: &ProbeOptions, out: &mut dyn Write) -> Result<ProbeSummary, ProbeError> {
-    last_of(run_probe_vcpus(opts, out)?)
-}
-
-/// Connects to `opts.addr` and runs [`run_probe_vcpus_on`].
-///
-/// # Errors
-/// [`ProbeError`].
-pub fn run_probe_vcpus(
-    opts: &ProbeOptions,
-    out: &mut dyn Write,
-) -> Result<Vec<ProbeSummary>, ProbeError> {
     let transport = connect::connect_until_stopped(
         &opts.addr,
         &ConnectOptions {
@@ -107,7 +96,7 @@ pub fn run_probe_vcpus(
         },
         opts.stop,
     )?;
-    run_probe_vcpus_on(transport, opts, out)
+    run_probe_on(transport, opts, out)
 }
 
 /// [`run_probe_vcpus_on`], returning the (last) round's summary of the last vCPU.

@@ -9,7 +9,8 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use vmtsync::debugfs::{DEFAULT_KVM_DEBUGFS, KvmDebugfs};
-use vmtsync::probe::{ProbeAddr, ProbeOptions, ProbeSummary, VcpuChoice, run_probe_vcpus};
+use vmtsync::probe::{ProbeAddr, ProbeError, ProbeOptions, VcpuChoice, run_probe};
+use vmtsync_core::HostTicks;
 use vmtsync_tests::truth::{GuestTruth, Skew, truth_ready};
 use vmtsync_tests::vmm::agent_elf;
 use vmtsync_tests::vmm::qemu::{self, debug_exit_status, have_qemu};
@@ -18,29 +19,58 @@ use vmtsync_tests::{ChildGuard, have_kvm, require};
 /// vCPUs of the guest.
 const VCPUS: u32 = 4;
 
-/// Checks each summary against its vCPU's truth; returns the errors (offset − truth).
-fn check_all(pid: u32, skews: &[Skew], summaries: &[ProbeSummary], session: &str) -> Vec<i128> {
-    summaries
-        .iter()
-        .map(|s| {
-            let skew = skews[usize::try_from(s.vcpu).unwrap()];
-            let truth = GuestTruth::read(pid, s.vcpu, Some(skew)).expect("truth from debugfs");
-            let at = truth
-                .check(s.at_host, s.bound_lo, s.bound_hi)
-                .unwrap_or_else(|e| panic!("{session}, vcpu {}: {e}", s.vcpu));
-            println!(
-                "{session}: vcpu {} offset error {:+}, width {}, rtt min {} median {}, {} probes",
-                s.vcpu,
-                i128::from(s.offset) - at,
-                s.width(),
-                s.rtt.min,
-                s.rtt.median,
-                s.probes
-            );
-            assert_eq!(s.probes, 64, "{session}, vcpu {}: {:?}", s.vcpu, s.stats);
-            i128::from(s.offset) - at
+/// One vCPU's result as `vmtsync probe --json` prints it.
+#[derive(Debug)]
+struct Row {
+    vcpu: u32,
+    offset: i64,
+    lo: i64,
+    hi: i64,
+    at: HostTicks,
+    probes: u64,
+    rtt_min: u64,
+}
+
+/// Parses `--json` output: one schema-2 object per line.
+fn rows(out: &[u8]) -> Vec<Row> {
+    let text = std::str::from_utf8(out).unwrap();
+    print!("{text}");
+    text.lines()
+        .map(|l| {
+            let j: serde_json::Value = serde_json::from_str(l).expect("one JSON object per line");
+            assert_eq!(j["schema"], 2, "{l}");
+            let i = |k: &str| j[k].as_i64().unwrap_or_else(|| panic!("{k} in {l}"));
+            let u = |k: &str| j[k].as_u64().unwrap_or_else(|| panic!("{k} in {l}"));
+            Row {
+                vcpu: u32::try_from(u("vcpu")).unwrap(),
+                offset: i("offset_ticks"),
+                lo: i("bound_lo"),
+                hi: i("bound_hi"),
+                at: HostTicks(u("at_host_tsc")),
+                probes: u("probes"),
+                rtt_min: u("rtt_min_ticks"),
+            }
         })
         .collect()
+}
+
+/// Checks each vCPU's row against that vCPU's truth (its debugfs mapping, then its skew).
+fn check_all(pid: u32, skews: &[Skew], rows: &[Row], session: &str) {
+    for r in rows {
+        let skew = skews[usize::try_from(r.vcpu).unwrap()];
+        let truth = GuestTruth::read(pid, r.vcpu, Some(skew)).expect("truth from debugfs");
+        let at = truth
+            .check(r.at, r.lo, r.hi)
+            .unwrap_or_else(|e| panic!("{session}, vcpu {}: {e}", r.vcpu));
+        println!(
+            "{session}: vcpu {} offset error {:+}, width {}, rtt min {}",
+            r.vcpu,
+            i128::from(r.offset) - at,
+            r.hi.abs_diff(r.lo),
+            r.rtt_min
+        );
+        assert_eq!(r.probes, 64, "{session}: {r:?}");
+    }
 }
 
 /// Host CPU ticks (utime + stime, clock ticks) of thread `tid` of process `pid`.
@@ -122,16 +152,11 @@ fn every_vcpu_of_a_four_vcpu_guest_is_synced_on_itself() {
 
     // Session 1: every vCPU, one JSON object each.
     let mut out = Vec::new();
-    let all = run_probe_vcpus(&opts, &mut out).unwrap_or_else(|e| panic!("{}", log(&e)));
-    let text = String::from_utf8(out).unwrap();
-    print!("{text}");
-    let lines: Vec<serde_json::Value> = text
-        .lines()
-        .map(|l| serde_json::from_str(l).expect("one JSON object per line"))
-        .collect();
-    let vcpus: Vec<u64> = lines.iter().map(|j| j["vcpu"].as_u64().unwrap()).collect();
-    assert_eq!(vcpus, [0, 1, 2, 3], "{text}");
-    assert!(lines.iter().all(|j| j["schema"] == 2), "{text}");
+    let last = run_probe(&opts, &mut out).unwrap_or_else(|e| panic!("{}", log(&e)));
+    let all = rows(&out);
+    let vcpus: Vec<u32> = all.iter().map(|r| r.vcpu).collect();
+    assert_eq!(vcpus, [0, 1, 2, 3]);
+    assert_eq!(last.vcpu, 3);
     let pid = guard.pid();
     check_all(pid, &skews, &all, "session 1 (--all-vcpus)");
 
@@ -159,23 +184,25 @@ fn every_vcpu_of_a_four_vcpu_guest_is_synced_on_itself() {
     // Session 2: vCPU 2 alone.
     opts.vcpus = VcpuChoice::One(2);
     let mut out = Vec::new();
-    let two = run_probe_vcpus(&opts, &mut out).unwrap_or_else(|e| panic!("{}", log(&e)));
+    run_probe(&opts, &mut out).unwrap_or_else(|e| panic!("{}", log(&e)));
+    let two = rows(&out);
     assert_eq!(two.len(), 1);
     assert_eq!(two[0].vcpu, 2);
-    assert_eq!(String::from_utf8(out).unwrap().lines().count(), 1);
     check_all(pid, &skews, &two, "session 2 (--vcpu 2)");
 
     // Session 3: all again, then shut the agent down; a vCPU it lacks is refused up front.
     opts.vcpus = VcpuChoice::One(VCPUS);
-    let err = run_probe_vcpus(&opts, &mut Vec::new()).unwrap_err();
+    let err = run_probe(&opts, &mut Vec::new()).unwrap_err();
     assert!(
-        matches!(err, vmtsync::probe::ProbeError::UnknownVcpu { vcpu: VCPUS, ref online }
+        matches!(err, ProbeError::UnknownVcpu { vcpu: VCPUS, ref online }
             if online == &[0, 1, 2, 3]),
         "{err}"
     );
     opts.vcpus = VcpuChoice::All;
     opts.shutdown = true;
-    let again = run_probe_vcpus(&opts, &mut Vec::new()).unwrap_or_else(|e| panic!("{}", log(&e)));
+    let mut out = Vec::new();
+    run_probe(&opts, &mut out).unwrap_or_else(|e| panic!("{}", log(&e)));
+    let again = rows(&out);
     assert_eq!(again.len(), 4);
     check_all(pid, &skews, &again, "session 3 (--all-vcpus)");
     wait_exit(&mut guard);

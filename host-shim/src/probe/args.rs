@@ -5,9 +5,10 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+use super::VcpuChoice;
 use super::addr::ProbeAddr;
 use super::continuous::ContinuousOptions;
-use super::{DEFAULT_PROBES, ProbeOptions, VcpuChoice};
+use super::{DEFAULT_PROBES, ProbeOptions};
 
 /// `vmtsync probe`: measure a guest's TSC offset and drift against the vmtsync agent, with
 /// guaranteed bounds and trace-cmd's estimate on the same samples.

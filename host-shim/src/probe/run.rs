@@ -34,6 +34,8 @@ pub struct ProbeOptions {
     pub connect_timeout: Duration,
     /// Print the schema-2 JSON object instead of text (`--json`).
     pub json: bool,
+    /// Which vCPUs to sync (`--vcpu N`, `--all-vcpus`; default the agent's own).
+    pub vcpus: VcpuChoice,
     /// Show progress on stderr when it is a terminal.
     pub progress: bool,
     /// Continuous mode (`--continuous --out FILE`), or one round.
@@ -46,20 +48,6 @@ pub struct ProbeOptions {
     /// default: probing must not stop the guest being traced; the agent then serves the next
     /// session's hello.
     pub shutdown: bool,
-    /// Which vCPUs to sync (`--vcpu N`, `--all-vcpus`; default the agent's own).
-    pub vcpus: VcpuChoice,
-}
-
-/// Which vCPUs a probe run syncs (docs/smp.md).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum VcpuChoice {
-    /// The vCPU the agent runs on (it says which in its hello).
-    #[default]
-    Agent,
-    /// This vCPU, read on that vCPU.
-    One(u32),
-    /// Every vCPU the agent serves, one round each, in increasing order.
-    All,
 }
 
 impl ProbeOptions {
@@ -74,13 +62,25 @@ impl ProbeOptions {
             timeout: Duration::from_secs(2),
             connect_timeout: Duration::from_secs(10),
             json: false,
+            vcpus: VcpuChoice::Agent,
             progress: true,
             continuous: None,
             stop: None,
             shutdown: false,
-            vcpus: VcpuChoice::Agent,
         }
     }
+}
+
+/// Which vCPUs a probe run syncs (docs/smp.md).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum VcpuChoice {
+    /// The vCPU the agent runs on (it says which in its hello).
+    #[default]
+    Agent,
+    /// This vCPU, read on that vCPU.
+    One(u32),
+    /// Every vCPU the agent serves, one round each, in increasing order.
+    All,
 }
 
 /// Connects to `opts.addr` and runs [`run_probe_on`].

@@ -71,18 +71,6 @@ impl ProbeOptions {
     }
 }
 
-/// Which vCPUs a probe run syncs (docs/smp.md).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum VcpuChoice {
-    /// The vCPU the agent runs on (it says which in its hello).
-    #[default]
-    Agent,
-    /// This vCPU, read on that vCPU.
-    One(u32),
-    /// Every vCPU the agent serves, one round each, in increasing order.
-    All,
-}
-
 /// Connects to `opts.addr` and runs [`run_probe_on`].
 ///
 /// # Errors
@@ -198,4 +186,16 @@ fn one_round<T: StampedTransport>(
     }
     .map_err(ProbeError::Output)?;
     Ok(summary)
+}
+
+/// Which vCPUs a probe run syncs (docs/smp.md).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum VcpuChoice {
+    /// The vCPU the agent runs on (it says which in its hello).
+    #[default]
+    Agent,
+    /// This vCPU, read on that vCPU.
+    One(u32),
+    /// Every vCPU the agent serves, one round each, in increasing order.
+    All,
 }

@@ -308,14 +308,9 @@ impl<L: Link, C: AgentClock, E: EventSource> Agent<L, C, E> {
             // Never answer an error with an error: two confused peers would ping-pong forever.
             Message::Error(_) => Ok(()),
             _ if self.state != AgentState::Ready => self.send(&Message::Error(ErrorCode::NotReady)),
-            Message::Probe { seq } => {
-                let frame = ProbeReplyFrame::compact(seq, self.clock.vcpu_id());
-                self.send_probe_reply(frame)
-            }
-            Message::ProbeFull { seq } => {
-                let frame = ProbeReplyFrame::full(seq, self.clock.vcpu_id());
-                self.send_probe_reply(frame)
-            }
+            // One probe path for every vCPU, this one included: the agent's .text is budgeted.
+            Message::Probe { seq } => self.send_probe_reply(seq, self.clock.vcpu_id(), false),
+            Message::ProbeFull { seq } => self.send_probe_reply(seq, self.clock.vcpu_id(), true),
             Message::SetMapping(push) => {
                 let vcpu = self.clock.vcpu_id();
                 let reply = if push.vcpu != vcpu {
@@ -341,14 +336,7 @@ impl<L: Link, C: AgentClock, E: EventSource> Agent<L, C, E> {
                 self.send(&reply)
             }
             Message::EventsRequest { max } => self.send_events(max),
-            Message::ProbeOn { seq, vcpu, full } => {
-                let frame = if full {
-                    ProbeReplyFrame::full(seq, vcpu)
-                } else {
-                    ProbeReplyFrame::compact(seq, vcpu)
-                };
-                self.send_probe_reply_on(vcpu, frame)
-            }
+            Message::ProbeOn { seq, vcpu, full } => self.send_probe_reply(seq, vcpu, full),
             Message::VcpusRequest => {
                 let online = self.clock.vcpus();
                 self.send(&Message::Vcpus { online })
@@ -403,22 +391,14 @@ impl<L: Link, C: AgentClock, E: EventSource> Agent<L, C, E> {
         }))
     }
 
-    /// The latency-critical path: read the TSC, patch it in, send.
-    #[inline]
-    fn send_probe_reply(&mut self, mut frame: ProbeReplyFrame) -> Result<(), LinkError> {
-        let tsc = self.clock.read_tsc();
-        let sent = self.link.send(frame.finish(tsc));
-        self.stats.probes = self.stats.probes.wrapping_add(1);
-        self.count_sent(sent)
-    }
-
-    /// [`Agent::send_probe_reply`] for a probe of vCPU `vcpu`: the frame is prepared before
-    /// that vCPU reads its TSC, and sent right after (docs/smp.md).
-    fn send_probe_reply_on(
-        &mut self,
-        vcpu: u32,
-        mut frame: ProbeReplyFrame,
-    ) -> Result<(), LinkError> {
+    /// The latency-critical path: prepare the reply up to the TSC, have vCPU `vcpu` read its
+    /// TSC (this vCPU: a plain read; another: docs/smp.md), patch it in, send.
+    fn send_probe_reply(&mut self, seq: u8, vcpu: u32, full: bool) -> Result<(), LinkError> {
+        let mut frame = if full {
+            ProbeReplyFrame::full(seq, vcpu)
+        } else {
+            ProbeReplyFrame::compact(seq, vcpu)
+        };
         let Some(tsc) = self.clock.read_tsc_on(vcpu) else {
             return self.send(&Message::Error(ErrorCode::UnknownVcpu));
         };

@@ -179,19 +179,23 @@ impl Options {
                     .ok_or(OptionError::BadValue)?;
                 *slot = Some(dev);
             }
-            b"skew" => self.skew = parse_skew(value).ok_or(OptionError::BadValue)?,
             b"workload" => {
                 self.workload = Some(parse_workload(value).ok_or(OptionError::BadValue)?);
             }
-            _ => {
-                let vcpu = key
-                    .strip_prefix(b"skew")
-                    .and_then(parse_u64)
-                    .and_then(|n| usize::try_from(n).ok())
-                    .ok_or(OptionError::UnknownKey)?;
-                let slot = self.vcpu_skews.get_mut(vcpu).ok_or(OptionError::BadValue)?;
-                *slot = Some(parse_skew(value).ok_or(OptionError::BadValue)?);
+            // `skew=` and `skewN=` (one arm: the agent's .text is budgeted).
+            [b's', b'k', b'e', b'w', n @ ..] => {
+                let skew = parse_skew(value).ok_or(OptionError::BadValue)?;
+                if n.is_empty() {
+                    self.skew = skew;
+                } else {
+                    let vcpu = parse_u64(n).ok_or(OptionError::UnknownKey)?;
+                    *usize::try_from(vcpu)
+                        .ok()
+                        .and_then(|i| self.vcpu_skews.get_mut(i))
+                        .ok_or(OptionError::BadValue)? = Some(skew);
+                }
             }
+            _ => return Err(OptionError::UnknownKey),
         }
         Ok(())
     }
@@ -247,8 +251,6 @@ fn parse_workload(v: &[u8]) -> Option<WorkloadOption> {
     Some(WorkloadOption { rate, count, port })
 }
 
-// Not inlined: `skew=` and `skewN=` share one copy (the agent's .text is budgeted).
-#[inline(never)]
 fn parse_skew(v: &[u8]) -> Option<Skew> {
     let mut parts = v.split(|&b| b == b',');
     let offset = parse_i64_wrapping(parts.next()?)?;

@@ -59,8 +59,6 @@ const APIC_ICR_HIGH: usize = 0x310;
 const ICR_INIT_OTHERS: u32 = 0x000c_4500;
 /// ICR: "all excluding self" shorthand, start-up, vector = trampoline page.
 const ICR_SIPI_OTHERS: u32 = 0x000c_4600 | TRAMPOLINE_PAGE;
-/// ICR: delivery-status bit (the previous IPI is still being sent).
-const ICR_PENDING: u32 = 1 << 12;
 
 /// QEMU fw_cfg's I/O selector and data ports, and the keys read.
 const FW_CFG_SELECTOR: u16 = 0x510;
@@ -172,26 +170,10 @@ fn apic_write(off: usize, v: u32) {
     unsafe { core::ptr::write_volatile((APIC_BASE + off) as *mut u32, v) }
 }
 
-fn apic_read(off: usize) -> u32 {
-    // SAFETY: as for `apic_write`; reading the ICR has no side effects.
-    unsafe { core::ptr::read_volatile((APIC_BASE + off) as *const u32) }
-}
-
 /// Sends a fixed IPI with `vector` to APIC id `dest` (physical destination).
 fn send_ipi(dest: u32, vector: u32) {
     apic_write(APIC_ICR_HIGH, dest << 24);
     apic_write(APIC_ICR_LOW, vector);
-}
-
-/// Sends `icr` with a shorthand destination and waits (bounded) until it left.
-fn send_shorthand(icr: u32) {
-    apic_write(APIC_ICR_HIGH, 0);
-    apic_write(APIC_ICR_LOW, icr);
-    for _ in 0..1000 {
-        if apic_read(APIC_ICR_LOW) & ICR_PENDING == 0 {
-            break;
-        }
-    }
 }
 
 /// The vCPU count from QEMU's fw_cfg, or 1 when there is no fw_cfg.
@@ -209,14 +191,6 @@ fn fw_cfg_cpus() -> u32 {
     outw(FW_CFG_SELECTOR, FW_CFG_NB_CPUS);
     let n = u32::from(inb(FW_CFG_DATA)) | (u32::from(inb(FW_CFG_DATA)) << 8);
     n.max(1)
-}
-
-/// Busy-waits `ticks` TSC ticks (ring 0, boot only).
-fn delay(tsc: NativeTsc, ticks: u64) {
-    let start = tsc.read_ordered();
-    while tsc.read_ordered().wrapping_sub(start) < ticks {
-        core::hint::spin_loop();
-    }
 }
 
 /// One 16-byte 64-bit interrupt gate to `handler` on the 64-bit code segment (0x08).
@@ -267,11 +241,18 @@ pub fn start(opts: &Options, bsp: u32, khz: Option<u32>) -> Vcpus {
     // The BSP's APIC must be software-enabled to send and take part in IPIs.
     apic_write(APIC_SVR, 0x100 | SPURIOUS_VECTOR);
     let tsc = NativeTsc::lfence_rdtsc();
-    send_shorthand(ICR_INIT_OTHERS);
-    delay(tsc, khz * 10);
-    send_shorthand(ICR_SIPI_OTHERS);
-    delay(tsc, khz / 5);
-    send_shorthand(ICR_SIPI_OTHERS);
+    // INIT, then two SIPIs (the second is ignored by an AP the first started), 10 ms apart:
+    // the spacing the MP start-up protocol asks for after INIT, kept for the SIPIs too (one
+    // wait in one loop keeps this boot-only code small). KVM delivers each IPI before the ICR
+    // write returns, so there is no delivery status to poll.
+    for icr in [ICR_INIT_OTHERS, ICR_SIPI_OTHERS, ICR_SIPI_OTHERS] {
+        apic_write(APIC_ICR_HIGH, 0);
+        apic_write(APIC_ICR_LOW, icr);
+        let sent = tsc.read_ordered();
+        while tsc.read_ordered().wrapping_sub(sent) < khz * 10 {
+            core::hint::spin_loop();
+        }
+    }
     // Real mode to long mode is ~40 emulated instructions per AP; a second is plenty even
     // with four vCPUs on two loaded host cores.
     let start = tsc.read_ordered();
@@ -310,7 +291,9 @@ extern "C" fn ap_main(index: u32) -> ! {
     let cpuid = vmtsync_core::arch::x86_64::NativeCpuid;
     let id = vmtsync_core::arch::Cpuid::cpuid(&cpuid, 1, 0).ebx >> 24;
     // SAFETY: the BSP wrote OPTIONS before starting this AP and never writes it again.
-    let skew = unsafe { &*OPTIONS.0.get() }.map_or(Skew::IDENTITY, |o| o.skew_of(id));
+    let skew = unsafe { &*OPTIONS.0.get() }
+        .as_ref()
+        .map_or(Skew::IDENTITY, |o| o.skew_of(id));
     let tsc = NativeTsc::lfence_rdtsc();
     slot.apic_id.store(id + 1, Ordering::Release);
     loop {

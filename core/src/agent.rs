@@ -92,17 +92,31 @@ pub trait AgentClock {
         false
     }
 
+    /// The TSC read of a probe reply with sequence number `seq`. A clock with a sync port
+    /// brackets it by port I/O the host's exits can see ([`Features::SYNC_PORT`]); the
+    /// default is [`AgentClock::read_tsc`].
+    fn read_tsc_for_probe(&mut self, seq: u8) -> GuestTicks {
+        let _ = seq;
+        self.read_tsc()
+    }
+
+    /// Whether [`AgentClock::read_tsc_for_probe`] brackets its read on a sync port.
+    fn sync_port(&self) -> bool {
+        false
+    }
+
     /// The vCPUs [`AgentClock::read_tsc_on`] can read, as a bit set (bit `i`: vCPU `i`).
     /// Default: the vCPU this code runs on, alone.
     fn vcpus(&self) -> u64 {
         1u64.checked_shl(self.vcpu_id()).unwrap_or(0)
     }
 
-    /// Reads the TSC (skewed like [`AgentClock::read_tsc`]) ON vCPU `vcpu`, after this call
-    /// began and before it returns, or `None` when that vCPU cannot answer (unknown, or it did
-    /// not answer in time). Default: this vCPU only.
-    fn read_tsc_on(&mut self, vcpu: u32) -> Option<GuestTicks> {
-        (vcpu == self.vcpu_id()).then(|| self.read_tsc())
+    /// The TSC read of probe `seq` ON vCPU `vcpu` (skewed like [`AgentClock::read_tsc`], and
+    /// bracketed by that vCPU's own sync-port I/O like [`AgentClock::read_tsc_for_probe`]),
+    /// after this call began and before it returns, or `None` when that vCPU cannot answer
+    /// (unknown, or it did not answer in time). Default: this vCPU only.
+    fn read_tsc_on(&mut self, vcpu: u32, seq: u8) -> Option<GuestTicks> {
+        (vcpu == self.vcpu_id()).then(|| self.read_tsc_for_probe(seq))
     }
 }
 
@@ -367,6 +381,9 @@ impl<L: Link, C: AgentClock, E: EventSource> Agent<L, C, E> {
         if self.clock.invariant_tsc() {
             features = features.union(Features::INVARIANT_TSC);
         }
+        if self.clock.sync_port() {
+            features = features.union(Features::SYNC_PORT);
+        }
         let own = 1u64.checked_shl(self.clock.vcpu_id()).unwrap_or(0);
         if self.clock.vcpus() & !own != 0 {
             features = features.union(Features::SMP);
@@ -399,7 +416,7 @@ impl<L: Link, C: AgentClock, E: EventSource> Agent<L, C, E> {
         } else {
             ProbeReplyFrame::compact(seq, vcpu)
         };
-        let Some(tsc) = self.clock.read_tsc_on(vcpu) else {
+        let Some(tsc) = self.clock.read_tsc_on(vcpu, seq) else {
             return self.send(&Message::Error(ErrorCode::UnknownVcpu));
         };
         let sent = self.link.send(frame.finish(tsc));

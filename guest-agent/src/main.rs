@@ -265,7 +265,8 @@ fn serve_postcard(ctx: &Ctx) -> ! {
             ctx.vcpu,
             ctx.tsc_khz,
             ctx.invariant_tsc,
-        ),
+        )
+        .with_sync_port(opts.sync_port),
         vcpus: ctx.vcpus,
     };
     let tsc = SkewedTsc { tsc: ctx.tsc, skew };

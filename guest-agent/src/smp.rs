@@ -76,6 +76,8 @@ struct Slot {
     request: AtomicU32,
     /// The last request the AP answered; `tsc` belongs to it.
     done: AtomicU32,
+    /// The probe's sequence number, written before `request`: the AP's sync-port `out`.
+    seq: AtomicU32,
     /// The skewed TSC the AP read for request `done`.
     tsc: AtomicU64,
 }
@@ -86,6 +88,7 @@ impl Slot {
             apic_id: AtomicU32::new(0),
             request: AtomicU32::new(0),
             done: AtomicU32::new(0),
+            seq: AtomicU32::new(0),
             tsc: AtomicU64::new(0),
         }
     }
@@ -139,13 +142,15 @@ impl Vcpus {
         bits
     }
 
-    /// Asks AP `vcpu` to read its own (skewed) TSC and returns it; `None` for an unknown vCPU
-    /// or one that did not answer within the deadline. Runs in ring 3 or 0 on the BSP.
-    pub fn read_on(&self, vcpu: u32) -> Option<u64> {
+    /// Asks AP `vcpu` to read its own (skewed) TSC for probe `seq` and returns it; `None` for
+    /// an unknown vCPU or one that did not answer within the deadline. Runs in ring 3 or 0 on
+    /// the BSP.
+    pub fn read_on(&self, vcpu: u32, seq: u8) -> Option<u64> {
         let slot = SLOTS[..self.aps]
             .iter()
             .find(|s| s.apic_id.load(Ordering::Acquire) == vcpu.wrapping_add(1))?;
         let req = slot.request.load(Ordering::Relaxed).wrapping_add(1);
+        slot.seq.store(u32::from(seq), Ordering::Relaxed);
         // Release: the AP that sees the new request sees everything before it.
         slot.request.store(req, Ordering::Release);
         send_ipi(vcpu, WAKE_VECTOR);
@@ -291,9 +296,9 @@ extern "C" fn ap_main(index: u32) -> ! {
     let cpuid = vmtsync_core::arch::x86_64::NativeCpuid;
     let id = vmtsync_core::arch::Cpuid::cpuid(&cpuid, 1, 0).ebx >> 24;
     // SAFETY: the BSP wrote OPTIONS before starting this AP and never writes it again.
-    let skew = unsafe { &*OPTIONS.0.get() }
-        .as_ref()
-        .map_or(Skew::IDENTITY, |o| o.skew_of(id));
+    let opts = unsafe { &*OPTIONS.0.get() }.as_ref();
+    let skew = opts.map_or(Skew::IDENTITY, |o| o.skew_of(id));
+    let sync_port = opts.and_then(|o| o.sync_port);
     let tsc = NativeTsc::lfence_rdtsc();
     slot.apic_id.store(id + 1, Ordering::Release);
     loop {
@@ -308,8 +313,20 @@ extern "C" fn ap_main(index: u32) -> ! {
         }
         // The TSC read: after the request was seen (lfence orders it after that load), before
         // `done` is published (a store never becomes visible before earlier instructions
-        // retire). A sync port's `in`/`out` would bracket exactly this line (docs/smp.md).
-        let t = skew.apply(tsc.read_ordered());
+        // retire). With `syncport=N` this vCPU's own `in`/`out` bracket it, so the host's
+        // kvm_pio exits of this vCPU's thread do (docs/smp.md); the skew comes after the `out`.
+        #[allow(clippy::cast_possible_truncation)]
+        let seq = slot.seq.load(Ordering::Relaxed) as u8;
+        let raw = match sync_port {
+            Some(port) => {
+                let _ = vmtsync_agent::port::inb(port);
+                let raw = tsc.read_ordered();
+                vmtsync_agent::port::outb(port, seq);
+                raw
+            }
+            None => tsc.read_ordered(),
+        };
+        let t = skew.apply(raw);
         slot.tsc.store(t, Ordering::Relaxed);
         slot.done.store(req, Ordering::Release);
     }
@@ -435,14 +452,23 @@ impl<C: AgentClock> AgentClock for SmpClock<C> {
         self.bsp.invariant_tsc()
     }
 
+    #[inline]
+    fn read_tsc_for_probe(&mut self, seq: u8) -> GuestTicks {
+        self.bsp.read_tsc_for_probe(seq)
+    }
+
+    fn sync_port(&self) -> bool {
+        self.bsp.sync_port()
+    }
+
     fn vcpus(&self) -> u64 {
         self.vcpus.online()
     }
 
-    fn read_tsc_on(&mut self, vcpu: u32) -> Option<GuestTicks> {
+    fn read_tsc_on(&mut self, vcpu: u32, seq: u8) -> Option<GuestTicks> {
         if vcpu == self.bsp.vcpu_id() {
-            return Some(self.bsp.read_tsc());
+            return Some(self.bsp.read_tsc_for_probe(seq));
         }
-        self.vcpus.read_on(vcpu).map(GuestTicks)
+        self.vcpus.read_on(vcpu, seq).map(GuestTicks)
     }
 }

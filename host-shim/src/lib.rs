@@ -8,8 +8,8 @@
 //! - [`debugfs`]: discovery of `<pid>-<fd>/vcpuN` and strict parsing of each file.
 //! - [`procinfo`]: the VM's process (`comm`, QEMU `-name`), from an injectable `/proc`.
 //! - [`scan`]: one scan joined with `/proc`, in the versioned `vmtsync kvm --json` shape.
-//! - [`watch`] and [`trace_events`]: change events by polling and by the
-//!   `kvm:kvm_write_tsc_offset` tracepoint.
+//! - [`watch`]: change events by polling and by the `kvm:kvm_write_tsc_offset` tracepoint.
+//! - [`ftrace`]: private tracefs instances, `trace_pipe_raw` pages, event formats (`kvm_pio`).
 //! - [`exact_convert`], [`compose`]: streaming timestamp conversion and nested composition, on
 //!   `vmtsync_core::mapping`.
 //! - [`probe`]: `vmtsync probe`: hello + probe rounds against the guest agent, bounded
@@ -17,6 +17,7 @@
 //! - [`syncfile`]: the versioned JSON Lines sync file and `convert --sync`.
 //! - [`tracedat`]: trace-cmd's trace.dat (v6/v7): streaming guest-event writer, TIME_SHIFT,
 //!   strict reader, GUEST option on a host trace copy.
+//! - [`ftrace`]: ftrace event record layouts (`kvm:kvm_pio`) from the kernel's descriptions.
 //! - [`atomic_file`]: output files written to a temporary file and renamed into place.
 //! - [`cli`]: the command line, its errors and exit codes.
 //!
@@ -29,12 +30,12 @@ pub mod cli;
 pub mod compose;
 pub mod debugfs;
 pub mod exact_convert;
+pub mod ftrace;
 pub mod hosttsc;
 pub mod probe;
 pub mod procinfo;
 pub mod record;
 pub mod scan;
 pub mod syncfile;
-pub mod trace_events;
 pub mod tracedat;
 pub mod watch;

@@ -152,6 +152,10 @@ pub struct FakeClock {
     pub peers: u64,
     /// What sets the peers' clocks apart, per vCPU id.
     pub peer_offset: u64,
+    /// What [`AgentClock::sync_port`] reports.
+    pub sync_port: bool,
+    /// The sequence number of the last probe read ([`AgentClock::read_tsc_for_probe`]).
+    pub last_probe_seq: Option<u8>,
 }
 
 impl FakeClock {
@@ -168,6 +172,8 @@ impl FakeClock {
             reads: 0,
             peers: 0,
             peer_offset: 0,
+            sync_port: false,
+            last_probe_seq: None,
         }
     }
 }
@@ -198,19 +204,28 @@ impl AgentClock for FakeClock {
         self.invariant
     }
 
+    fn read_tsc_for_probe(&mut self, seq: u8) -> GuestTicks {
+        self.last_probe_seq = Some(seq);
+        self.read_tsc()
+    }
+
+    fn sync_port(&self) -> bool {
+        self.sync_port
+    }
+
     fn vcpus(&self) -> u64 {
         self.peers | 1u64.checked_shl(self.vcpu).unwrap_or(0)
     }
 
-    fn read_tsc_on(&mut self, vcpu: u32) -> Option<GuestTicks> {
+    fn read_tsc_on(&mut self, vcpu: u32, seq: u8) -> Option<GuestTicks> {
         if vcpu == self.vcpu {
-            return Some(self.read_tsc());
+            return Some(self.read_tsc_for_probe(seq));
         }
         let bit = 1u64.checked_shl(vcpu)?;
         if self.peers & bit == 0 {
             return None;
         }
-        let t = self.read_tsc().0;
+        let t = self.read_tsc_for_probe(seq).0;
         Some(GuestTicks(t.wrapping_add(
             self.peer_offset.wrapping_mul(u64::from(vcpu)),
         )))

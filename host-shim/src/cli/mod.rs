@@ -16,6 +16,9 @@
 //! - 6: refused: the vCPU runs a nested guest (`guest_mode` 1) and `--nested-l2` was not given.
 //! - 7: `probe`: the guest agent could not be reached, or stopped answering mid-session (the
 //!   VM exited or was killed, the agent restarted, or it speaks another protocol version).
+//! - 8: `probe --anchor kvm-pio`: exit anchoring is not possible here (no tracefs or
+//!   `kvm_pio`, not root, the VM not in debugfs, not a serial chardev address) or no probe's
+//!   exits were found (docs/anchor.md).
 //!
 //! `convert --sync`: a sync file with no segment for `--vcpu` exits 4; a malformed sync file
 //! or input line exits 5.

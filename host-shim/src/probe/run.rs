@@ -8,6 +8,7 @@ use std::time::Duration;
 use vmtsync_core::estimate::EstimateError;
 
 use super::addr::ProbeAddr;
+use super::anchor::{self, AnchorMode, AnchorOptions};
 use super::connect::{self, ConnectOptions};
 use super::continuous::{self, ContinuousOptions};
 use super::error::ProbeError;
@@ -48,6 +49,8 @@ pub struct ProbeOptions {
     /// default: probing must not stop the guest being traced; the agent then serves the next
     /// session's hello.
     pub shutdown: bool,
+    /// Exit anchoring (`--anchor`; off by default here, `auto` in the CLI).
+    pub anchor: AnchorOptions,
 }
 
 impl ProbeOptions {
@@ -67,15 +70,20 @@ impl ProbeOptions {
             continuous: None,
             stop: None,
             shutdown: false,
+            anchor: AnchorOptions::default(),
         }
     }
 }
 
-/// Connects to `opts.addr` and runs [`run_probe_on`].
+/// Connects to `opts.addr`, sets up exit anchoring as `opts.anchor` says (notes on stderr)
+/// and runs [`run_probe_on`].
 ///
 /// # Errors
-/// [`ProbeError`].
+/// [`ProbeError`]; [`ProbeError::Anchor`] when `--anchor kvm-pio` cannot be done, or no
+/// exchange's exits were found.
 pub fn run_probe(opts: &ProbeOptions, out: &mut dyn Write) -> Result<ProbeSummary, ProbeError> {
+    let note = &mut |m: &str| eprintln!("vmtsync: probe: {m}");
+    let setup = anchor::prepare(&opts.addr, &opts.anchor, opts.connect_timeout, note)?;
     let transport = connect::connect_until_stopped(
         &opts.addr,
         &ConnectOptions {
@@ -84,7 +92,24 @@ pub fn run_probe(opts: &ProbeOptions, out: &mut dyn Write) -> Result<ProbeSummar
         },
         opts.stop,
     )?;
-    run_probe_on(transport, opts, out)
+    let mut t = setup.wrap(transport);
+    let r = run_probe_on(&mut t, opts, out);
+    if let Some(why) = t.gave_up() {
+        note(&format!(
+            "not exit-anchored: the agent's first exchange was not among the VM's UART exits ({why:?}); host stamps were taken in this process"
+        ));
+    }
+    match r {
+        Err(ProbeError::Estimate(EstimateError::NoSamples))
+            if opts.anchor.mode == AnchorMode::KvmPio && t.stats().matched == 0 =>
+        {
+            Err(ProbeError::Anchor(format!(
+                "no probe's exits were found among kvm_pio events of the VM's vCPU threads on port {:#x}: is the agent in that VM (--vm) and on that port?",
+                opts.anchor.port
+            )))
+        }
+        r => r,
+    }
 }
 
 /// [`run_probe_vcpus_on`], returning the (last) round's summary of the last vCPU.

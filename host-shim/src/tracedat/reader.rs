@@ -16,12 +16,10 @@ use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-use super::consts::{
-    MAGIC, PAGE_HEADER_SIZE, SEC_FL_COMPRESS, SECTION_HEADER_SIZE, TRACING, TYPE_DATA_MAX,
-    TYPE_PADDING, TYPE_TIME_EXTEND, TYPE_TIME_STAMP, option,
-};
+use super::consts::{MAGIC, SEC_FL_COMPRESS, SECTION_HEADER_SIZE, TRACING, option};
 use super::error::TraceDatError;
 use super::format::{EVENT_DATA_ID, EVENT_ID, MAX_PAYLOAD};
+use super::page::walk_records;
 
 /// Longest NUL-terminated string we accept in headers and options (names, clocks, versions).
 const MAX_CSTR: u64 = 4096;
@@ -648,8 +646,8 @@ pub fn for_each_event(
     Ok(n)
 }
 
-/// Walks one page (kbuffer-parse.c semantics), checking that every record lies inside
-/// `commit`.
+/// Walks one page (kbuffer-parse.c semantics, [`super::page::walk_records`]) and decodes
+/// our own events' fields.
 fn walk_page(
     src: &Src,
     page_at: u64,
@@ -657,78 +655,12 @@ fn walk_page(
     cpu: u32,
     f: &mut impl FnMut(&Event),
 ) -> Result<u64, TraceDatError> {
-    let hdr = PAGE_HEADER_SIZE;
-    if page.len() < hdr {
-        return Err(src.err(page_at, "page shorter than its header"));
-    }
-    let rd32 = |at: usize| u32::from_le_bytes(page[at..at + 4].try_into().unwrap_or([0; 4]));
-    let mut ts = u64::from_le_bytes(page[..8].try_into().unwrap_or([0; 8]));
-    // The upper bits of `commit` flag missed events; the size is the low 27 bits.
-    let commit =
-        (u64::from_le_bytes(page[8..16].try_into().unwrap_or([0; 8])) & 0x07ff_ffff) as usize;
-    if hdr + commit > page.len() {
-        return Err(src.err(
-            page_at + 8,
-            format!("page commit {commit} exceeds the page"),
-        ));
-    }
-    let end = hdr + commit;
-    let mut at = hdr;
-    let mut n = 0;
-    let bad = |at: usize, what: &str| src.err(page_at + at as u64, what.to_string());
-    while at < end {
-        if at + 4 > end {
-            return Err(bad(at, "event header crosses the page's commit"));
-        }
-        let h = rd32(at);
-        let type_len = h & 31;
-        let delta = u64::from(h >> 5);
-        let array = |at: usize| {
-            if at + 8 > end {
-                Err(bad(at, "event length word crosses the page's commit"))
-            } else {
-                Ok(rd32(at + 4))
-            }
-        };
-        match type_len {
-            TYPE_PADDING => {
-                // A padding with delta 0 fills the rest of the page.
-                if delta == 0 {
-                    break;
-                }
-                let len = array(at)? as usize;
-                at += 4 + len;
-                continue;
-            }
-            TYPE_TIME_EXTEND => {
-                ts = ts.wrapping_add((u64::from(array(at)?) << 27) + delta);
-                at += 8;
-                continue;
-            }
-            TYPE_TIME_STAMP => {
-                let msb = ts & !((1u64 << 59) - 1);
-                ts = ((u64::from(array(at)?) << 27) + delta) | msb;
-                at += 8;
-                continue;
-            }
-            _ => {}
-        }
-        let (data, len) = if type_len == 0 {
-            let l = (array(at)? as usize).saturating_sub(4).next_multiple_of(4);
-            (at + 8, l)
-        } else {
-            debug_assert!(type_len <= TYPE_DATA_MAX);
-            (at + 4, type_len as usize * 4)
-        };
-        if data + len > end {
-            return Err(bad(at, "event data crosses the page's commit"));
-        }
-        ts = ts.wrapping_add(delta);
-        let rec = &page[data..data + len];
+    let mut bad_payload = None;
+    let n = walk_records(page, |ts, data, rec| {
         let mut ev = Event {
             cpu,
             ts,
-            common_type: if len >= 2 {
+            common_type: if rec.len() >= 2 {
                 u16::from_le_bytes([rec[0], rec[1]])
             } else {
                 0
@@ -737,22 +669,26 @@ fn walk_page(
             len: 0,
             payload: [0; MAX_PAYLOAD],
         };
-        if (ev.common_type == EVENT_ID || ev.common_type == EVENT_DATA_ID) && len >= 12 {
+        if (ev.common_type == EVENT_ID || ev.common_type == EVENT_DATA_ID) && rec.len() >= 12 {
             ev.id = u32::from_le_bytes(rec[8..12].try_into().unwrap_or([0; 4]));
         }
-        if ev.common_type == EVENT_DATA_ID && len >= 32 {
+        if ev.common_type == EVENT_DATA_ID && rec.len() >= 32 {
             let l = u16::from_le_bytes([rec[12], rec[13]]);
             if usize::from(l) > MAX_PAYLOAD {
-                return Err(bad(data + 12, "vmtsync payload length above 16"));
+                bad_payload.get_or_insert(data + 12);
+                return false;
             }
             ev.len = u8::try_from(l).unwrap_or(0);
             ev.payload.copy_from_slice(&rec[16..32]);
         }
         f(&ev);
-        n += 1;
-        at = data + len;
+        true
+    })
+    .map_err(|e| src.err(page_at + e.at as u64, e.reason))?;
+    match bad_payload {
+        Some(at) => Err(src.err(page_at + at as u64, "vmtsync payload length above 16")),
+        None => Ok(n),
     }
-    Ok(n)
 }
 
 /// Reads the layout and every event of one of our files (or any uncompressed one): the check

@@ -11,8 +11,8 @@
 //!
 //! Under QEMU the guest has `--smp N` vCPUs (default 2; the other VMMs run one): the agent
 //! brings up the others, each vCPU gets its own skew (`Skew::pick_per_vcpu`, `skewN=`), and
-//! `vmtsync probe --all-vcpus` syncs each on itself, so the table has a KVM row and a probe
-//! row per vCPU, each probe row checked against its own vCPU's truth (docs/smp.md).
+//! `vmtsync probe --all-vcpus` syncs each on itself, so the table has a KVM row and probe
+//! rows per vCPU, each probe row checked against its own vCPU's truth (docs/smp.md).
 //!
 //! Truth: KVM's mapping of the vCPU read from debugfs by `vmtsync_tests::truth` while the VM
 //! runs, followed by the agent's skew, at the host TSC the probe's estimate refers to
@@ -29,10 +29,14 @@
 //!
 //! `--json` prints one line, schema 1: `{"schema":1,"vmm","transport","skew":{"offset",
 //! "ratio","frac_bits"}|null,"vcpus":[{"vcpu","method":"kvm"|"probe","offset_ticks",
-//! "bound_lo","bound_hi","truth_ticks","error_ticks","at_host_tsc"}],"skews":[...]}`
-//! (`skew`, `at_host_tsc` and `skews` were added to schema 1 without breaking its earlier
-//! keys; `skew` is vCPU 0's, `skews` every vCPU's in vCPU order; `at_host_tsc` is null on the
-//! kvm rows, whose offset holds at every instant).
+//! "bound_lo","bound_hi","truth_ticks","error_ticks","at_host_tsc","anchor"}]}` (`skew`,
+//! `at_host_tsc` and `anchor` were added to schema 1 without breaking its earlier keys;
+//! `at_host_tsc` and `anchor` are null on the kvm rows, whose offset holds at every instant;
+//! a key `"skews"`, every vCPU's skew in vCPU order, follows `vcpus`; `skew` is vCPU 0's).
+//! With a VM there are two probe rows: `probe`, what `vmtsync probe` does by default
+//! (exit-anchored through `kvm:kvm_pio` when it can be, `anchor` says), and `probe-ip`, the
+//! same probing stamped in the vmtsync process (`--anchor none`), so both widths show; the
+//! truth must lie inside both.
 //!
 //! Exit codes: 0 when the truth lies inside the bounds; 1 when it does not or the demo could
 //! not run; 2 on usage errors.
@@ -378,22 +382,38 @@ fn kvm_rows(vmtsync: &Path, pid: u32) -> Result<Vec<KvmRow>> {
     }
 }
 
-/// `vmtsync probe --connect unix:SOCK --json --shutdown [--all-vcpus]`: the parsed schema-2
-/// objects, one per vCPU.
-fn probe(vmtsync: &Path, sock: &Path, all_vcpus: bool) -> Result<Vec<Value>> {
+/// One `vmtsync probe --json` round with `--anchor anchor` (for `auto`, of the VM `vm`), of
+/// every vCPU with `all_vcpus`, ending the agent when `shutdown`: one schema-2 object per vCPU.
+fn probe(
+    vmtsync: &Path,
+    sock: &Path,
+    anchor: &str,
+    vm: Option<u32>,
+    shutdown: bool,
+    all_vcpus: bool,
+) -> Result<Vec<Value>> {
     let mut c = Command::new(vmtsync);
+    c.args(["probe", "--json", "--no-progress", "--probes", "64"])
+        .args(["--anchor", anchor]);
     if all_vcpus {
-        c.arg("probe").arg("--all-vcpus");
-    } else {
-        c.arg("probe");
+        c.arg("--all-vcpus");
     }
-    c.args(["--json", "--no-progress", "--probes", "64", "--shutdown"])
-        .args(["--timeout", "20000", "--connect-timeout", "20000"])
+    if let Some(pid) = vm {
+        c.args(["--vm", &pid.to_string()]);
+    }
+    if shutdown {
+        c.arg("--shutdown");
+    }
+    c.args(["--timeout", "20000", "--connect-timeout", "20000"])
         .arg("--connect")
         .arg(format!("unix:{}", sock.display()));
     let (code, out, err) = run_bounded(&mut c, STEP * 3)?;
     if code != Some(0) {
         bail!("vmtsync probe failed ({code:?}): {}", err.trim());
+    }
+    // `--anchor auto` says on stderr why it did not anchor: show it.
+    for l in err.lines().filter(|l| l.contains("not exit-anchored")) {
+        eprintln!("demo: {l}");
     }
     out.lines()
         .map(|l| {
@@ -445,6 +465,9 @@ struct Row {
     truth_ticks: i128,
     error_ticks: i128,
     at_host_tsc: Option<u64>,
+    /// Where a probe row's host brackets came from (`vmtsync probe`'s `anchor`); null on kvm
+    /// rows.
+    anchor: Option<String>,
 }
 
 /// The agent's skew in the JSON.
@@ -487,15 +510,25 @@ struct Timings {
 /// What one run measured.
 struct Measured {
     kvm: Vec<KvmRow>,
-    /// One schema-2 object per probed vCPU.
+    /// `vmtsync probe` as a user runs it: exit-anchored when it can be (`--anchor auto`); one
+    /// object per vCPU.
     probe: Vec<Value>,
+    /// The same probing stamped in the vmtsync process (`--anchor none`), for the widths side
+    /// by side; empty in the simulation, where there are no exits.
+    in_process: Vec<Value>,
     /// Each vCPU's truth, by vCPU id.
     truth: Vec<Truth>,
     timings: Timings,
 }
 
 /// Boots, scans debugfs (not in the simulation), probes, and waits for the agent to exit.
-fn run_vm(vmm: Vmm, p: &Paths<'_>, vmtsync: &Path, skews: &[Skew], smp: u32) -> Result<Measured> {
+fn run_vm(
+    vmm: Vmm,
+    p: &Paths<'_>,
+    vmtsync: &Path,
+    skews: &[Skew],
+    smp: u32,
+) -> Result<Measured> {
     let t = Instant::now();
     let mut g = boot(vmm, p, skews, smp)?;
     let pid = g.pid();
@@ -517,9 +550,19 @@ fn run_vm(vmm: Vmm, p: &Paths<'_>, vmtsync: &Path, skews: &[Skew], smp: u32) -> 
             .collect::<Result<Vec<_>>>()?;
         (kvm, truth)
     };
+    let all = smp > 1;
     let scan = t.elapsed();
     let t = Instant::now();
-    let probe = probe(vmtsync, p.sock, smp > 1)?;
+    let (in_process, probe) = if vmm == Vmm::Sim {
+        (Vec::new(), probe(vmtsync, p.sock, "none", None, true, all)?)
+    } else {
+        // In-process first (the agent keeps serving), then what a user gets by default.
+        let in_process = probe(vmtsync, p.sock, "none", None, false, all)?;
+        (
+            in_process,
+            probe(vmtsync, p.sock, "auto", Some(pid), true, all)?,
+        )
+    };
     let probe_time = t.elapsed();
     // The probe's shutdown makes the agent exit through isa-debug-exit.
     let t = Instant::now();
@@ -540,6 +583,7 @@ fn run_vm(vmm: Vmm, p: &Paths<'_>, vmtsync: &Path, skews: &[Skew], smp: u32) -> 
     Ok(Measured {
         kvm,
         probe,
+        in_process,
         truth,
         timings: Timings {
             boot: boot_time,
@@ -627,15 +671,18 @@ fn demo(a: &DemoArgs) -> Result<()> {
             truth_ticks: i128::from(k.offset),
             error_ticks: 0,
             at_host_tsc: None,
+            anchor: None,
         })
         .collect();
     let mut failures = Vec::new();
-    for p in &m.probe {
-        let (row, checked) = probe_row(p, &m.truth)?;
-        if let Err(e) = checked {
-            failures.push(format!("vcpu {}: {e}", row.vcpu));
+    for (method, objects) in [("probe-ip", &m.in_process), ("probe", &m.probe)] {
+        for json in objects {
+            let (row, ok) = probe_row(method, json, &m.truth)?;
+            if let Err(e) = ok {
+                failures.push(format!("{method} vcpu {}: {e}", row.vcpu));
+            }
+            rows.push(row);
         }
-        rows.push(row);
     }
     if m.probe.len() != m.truth.len() {
         failures.push(format!(
@@ -678,8 +725,12 @@ fn demo(a: &DemoArgs) -> Result<()> {
     }
 }
 
-/// The probe row of one schema-2 object, and its check against that vCPU's truth.
-fn probe_row(p: &Value, truths: &[Truth]) -> Result<(Row, Result<i128, String>)> {
+/// A probe row from `vmtsync probe --json`, and whether its vCPU's truth lies in its bounds.
+fn probe_row(
+    method: &'static str,
+    p: &Value,
+    truths: &[Truth],
+) -> Result<(Row, Result<i128, String>)> {
     let get = |k: &str| p[k].as_i64().with_context(|| format!("probe JSON: {k}"));
     let (off, lo, hi) = (get("offset_ticks")?, get("bound_lo")?, get("bound_hi")?);
     let at = p["at_host_tsc"]
@@ -691,22 +742,21 @@ fn probe_row(p: &Value, truths: &[Truth]) -> Result<(Row, Result<i128, String>)>
         .and_then(|v| truths.get(v))
         .with_context(|| format!("probe JSON: vcpu {vcpu} is not a vCPU of the VM"))?;
     let checked = truth.check(HostTicks(at), lo, hi);
-    let value = match &checked {
-        Ok(t) => *t,
-        Err(_) => match truth {
-            Truth::Vm(t) => t.offset_at(HostTicks(at)).unwrap_or_default(),
-            Truth::Sim(s) => i128::from(*s),
-        },
+    let t = match (&checked, truth) {
+        (Ok(t), _) => *t,
+        (Err(_), Truth::Vm(t)) => t.offset_at(HostTicks(at)).unwrap_or_default(),
+        (Err(_), Truth::Sim(s)) => i128::from(*s),
     };
     let row = Row {
         vcpu,
-        method: "probe",
+        method,
         offset_ticks: off,
         bound_lo: lo,
         bound_hi: hi,
-        truth_ticks: value,
-        error_ticks: i128::from(off) - value,
+        truth_ticks: t,
+        error_ticks: i128::from(off) - t,
         at_host_tsc: Some(at),
+        anchor: p["anchor"].as_str().map(str::to_owned),
     };
     Ok((row, checked))
 }
@@ -748,21 +798,42 @@ fn print_text(
             }
         }
     }
-    println!("truth: each vCPU's kvm mapping, then its skew, at its probe's host TSC");
+    if matches!(m.truth.first(), Some(Truth::Vm(_))) {
+        println!(
+            "truth: each vCPU's kvm mapping, then its skew, at each probe's host TSC (column truth)"
+        );
+    }
     println!(
-        "{:>4}  {:<6} {:>14}  {:>31}  {:>10}  {:>14}  {:>8}",
+        "{:>4}  {:<8} {:>14}  {:>31}  {:>10}  {:>14}  {:>8}  stamps",
         "vcpu", "method", "offset_ticks", "interval [lo, hi]", "width", "truth", "error"
     );
     for r in rows {
         println!(
-            "{:>4}  {:<6} {:>14}  {:>31}  {:>10}  {:>14}  {:>+8}",
+            "{:>4}  {:<8} {:>14}  {:>31}  {:>10}  {:>14}  {:>+8}  {}",
             r.vcpu,
             r.method,
             r.offset_ticks,
             format!("[{}, {}]", r.bound_lo, r.bound_hi),
             i128::from(r.bound_hi) - i128::from(r.bound_lo),
             r.truth_ticks,
-            r.error_ticks
+            r.error_ticks,
+            r.anchor.as_deref().unwrap_or("debugfs")
+        );
+    }
+    // vCPU 0's rows, the vCPU the agent itself runs on.
+    let width = |method: &str| {
+        rows.iter()
+            .find(|r| r.method == method && r.vcpu == 0)
+            .map(|r| i128::from(r.bound_hi) - i128::from(r.bound_lo))
+    };
+    if let (Some(ip), Some(p)) = (width("probe-ip"), width("probe")) {
+        println!(
+            "widths: probe {p} ticks ({}) vs probe-ip {ip} ticks (stamped in the vmtsync process): {:.1}x narrower",
+            rows.iter()
+                .find(|r| r.method == "probe")
+                .and_then(|r| r.anchor.as_deref())
+                .unwrap_or("?"),
+            ip as f64 / p.max(1) as f64
         );
     }
     for p in &m.probe {
@@ -794,6 +865,7 @@ mod tests {
             truth_ticks: 0,
             error_ticks: -5,
             at_host_tsc: Some(7),
+            anchor: Some("kvm-pio-uart".into()),
         }];
         let line = serde_json::to_string(&Report {
             schema: 1,
@@ -806,7 +878,7 @@ mod tests {
         .unwrap();
         assert_eq!(
             line,
-            r#"{"schema":1,"vmm":"qemu","transport":"uart","skew":null,"vcpus":[{"vcpu":0,"method":"probe","offset_ticks":-5,"bound_lo":-9,"bound_hi":2,"truth_ticks":0,"error_ticks":-5,"at_host_tsc":7}],"skews":[]}"#
+            r#"{"schema":1,"vmm":"qemu","transport":"uart","skew":null,"vcpus":[{"vcpu":0,"method":"probe","offset_ticks":-5,"bound_lo":-9,"bound_hi":2,"truth_ticks":0,"error_ticks":-5,"at_host_tsc":7,"anchor":"kvm-pio-uart"}],"skews":[]}"#
         );
     }
 
@@ -832,15 +904,12 @@ mod tests {
             serde_json::json!({"vcpu": vcpu, "offset_ticks": 4_990, "bound_lo": 4_980,
                                "bound_hi": 5_010, "at_host_tsc": 1})
         };
-        let (row, checked) = probe_row(&p(1), &truths).unwrap();
-        assert_eq!(
-            (row.vcpu, row.truth_ticks, row.error_ticks),
-            (1, 5_000, -10)
-        );
+        let (row, checked) = probe_row("probe", &p(1), &truths).unwrap();
+        assert_eq!((row.vcpu, row.truth_ticks, row.error_ticks), (1, 5_000, -10));
         assert_eq!(checked, Ok(5_000));
-        let (row, checked) = probe_row(&p(0), &truths).unwrap();
+        let (row, checked) = probe_row("probe", &p(0), &truths).unwrap();
         assert!(checked.is_err() && row.truth_ticks == 100, "{row:?}");
-        assert!(probe_row(&p(2), &truths).is_err(), "no vCPU 2 in the VM");
+        assert!(probe_row("probe", &p(2), &truths).is_err(), "no vCPU 2 in the VM");
     }
 
     #[test]

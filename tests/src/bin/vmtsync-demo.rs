@@ -522,13 +522,7 @@ struct Measured {
 }
 
 /// Boots, scans debugfs (not in the simulation), probes, and waits for the agent to exit.
-fn run_vm(
-    vmm: Vmm,
-    p: &Paths<'_>,
-    vmtsync: &Path,
-    skews: &[Skew],
-    smp: u32,
-) -> Result<Measured> {
+fn run_vm(vmm: Vmm, p: &Paths<'_>, vmtsync: &Path, skews: &[Skew], smp: u32) -> Result<Measured> {
     let t = Instant::now();
     let mut g = boot(vmm, p, skews, smp)?;
     let pid = g.pid();
@@ -905,11 +899,17 @@ mod tests {
                                "bound_hi": 5_010, "at_host_tsc": 1})
         };
         let (row, checked) = probe_row("probe", &p(1), &truths).unwrap();
-        assert_eq!((row.vcpu, row.truth_ticks, row.error_ticks), (1, 5_000, -10));
+        assert_eq!(
+            (row.vcpu, row.truth_ticks, row.error_ticks),
+            (1, 5_000, -10)
+        );
         assert_eq!(checked, Ok(5_000));
         let (row, checked) = probe_row("probe", &p(0), &truths).unwrap();
         assert!(checked.is_err() && row.truth_ticks == 100, "{row:?}");
-        assert!(probe_row("probe", &p(2), &truths).is_err(), "no vCPU 2 in the VM");
+        assert!(
+            probe_row("probe", &p(2), &truths).is_err(),
+            "no vCPU 2 in the VM"
+        );
     }
 
     #[test]

@@ -3,13 +3,17 @@
 //! `vmtsync probe --all-vcpus` / `--vcpu 2` sync them one by one over COM1. The truth of each
 //! vCPU is its debugfs mapping, then its own skew; it must lie inside that vCPU's guaranteed
 //! interval in every session. Idle application processors must be parked (`hlt`), not spin:
-//! their vCPU threads may use next to no host CPU while nobody probes.
+//! their vCPU threads may use next to no host CPU while nobody probes. Exit-anchored
+//! (`--anchor kvm-pio`) `--all-vcpus` sessions must hold every vCPU's truth as well.
 
+use std::path::Path;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use vmtsync::debugfs::{DEFAULT_KVM_DEBUGFS, KvmDebugfs};
+use vmtsync::probe::anchor::{AnchorMode, AnchorOptions};
 use vmtsync::probe::{ProbeAddr, ProbeError, ProbeOptions, VcpuChoice, run_probe};
+use vmtsync::scan::VmSelector;
 use vmtsync_core::HostTicks;
 use vmtsync_tests::truth::{GuestTruth, Skew, truth_ready};
 use vmtsync_tests::vmm::agent_elf;
@@ -29,6 +33,7 @@ struct Row {
     at: HostTicks,
     probes: u64,
     rtt_min: u64,
+    anchor: String,
 }
 
 /// Parses `--json` output: one schema-2 object per line.
@@ -49,25 +54,34 @@ fn rows(out: &[u8]) -> Vec<Row> {
                 at: HostTicks(u("at_host_tsc")),
                 probes: u("probes"),
                 rtt_min: u("rtt_min_ticks"),
+                anchor: j["anchor"].as_str().unwrap_or("in-process").to_owned(),
             }
         })
         .collect()
 }
 
-/// Checks each vCPU's row against that vCPU's truth (its debugfs mapping, then its skew).
-fn check_all(pid: u32, skews: &[Skew], rows: &[Row], session: &str) {
+/// Each vCPU's truth: its debugfs mapping, then its skew (read while the VM runs).
+fn truths(pid: u32, skews: &[Skew]) -> Vec<GuestTruth> {
+    (0..VCPUS)
+        .zip(skews)
+        .map(|(v, s)| GuestTruth::read(pid, v, Some(*s)).expect("truth from debugfs"))
+        .collect()
+}
+
+/// Checks each vCPU's row against that vCPU's truth.
+fn check_all(truths: &[GuestTruth], rows: &[Row], session: &str) {
     for r in rows {
-        let skew = skews[usize::try_from(r.vcpu).unwrap()];
-        let truth = GuestTruth::read(pid, r.vcpu, Some(skew)).expect("truth from debugfs");
+        let truth = truths[usize::try_from(r.vcpu).unwrap()];
         let at = truth
             .check(r.at, r.lo, r.hi)
             .unwrap_or_else(|e| panic!("{session}, vcpu {}: {e}", r.vcpu));
         println!(
-            "{session}: vcpu {} offset error {:+}, width {}, rtt min {}",
+            "{session}: vcpu {} offset error {:+}, width {}, rtt min {}, {}",
             r.vcpu,
             i128::from(r.offset) - at,
             r.hi.abs_diff(r.lo),
-            r.rtt_min
+            r.rtt_min,
+            r.anchor
         );
         assert_eq!(r.probes, 64, "{session}: {r:?}");
     }
@@ -101,30 +115,24 @@ fn vcpu_threads(pid: u32) -> Vec<(u32, u32)> {
         .collect()
 }
 
-#[test]
-fn every_vcpu_of_a_four_vcpu_guest_is_synced_on_itself() {
-    let test = "every_vcpu_of_a_four_vcpu_guest_is_synced_on_itself";
-    if !require(test, have_kvm(), "/dev/kvm is not accessible read-write")
-        || !require(
+fn prerequisites(test: &str) -> bool {
+    require(test, have_kvm(), "/dev/kvm is not accessible read-write")
+        && require(
             test,
             have_qemu(),
             "qemu-system-x86_64 is missing (apt-get install qemu-system-x86)",
         )
-        || !truth_ready(test)
-    {
-        return;
-    }
+        && truth_ready(test)
+}
+
+/// QEMU microvm with [`VCPUS`] vCPUs running the agent, vCPU N with `skews[N]`, COM1 on a
+/// socket in `dir`; returns the guard and the probe options for that socket.
+fn boot(dir: &Path, skews: &[Skew]) -> (ChildGuard, ProbeOptions) {
     let elf = agent_elf().expect("agent builds");
-    let tmp_dir = tempfile::Builder::new()
-        .prefix(&format!("vmtsync-{test}-"))
-        .tempdir()
-        .unwrap();
-    let dir = tmp_dir.path();
     let sock = dir.join("com1.sock");
     let com2 = dir.join("com2.log");
-    let skews = Skew::pick_per_vcpu(VCPUS);
     let options: Vec<String> = (0..VCPUS)
-        .zip(&skews)
+        .zip(skews)
         .map(|(v, s)| s.agent_option_for(v))
         .collect();
     let append = format!("transport=uart exit=9 {}", options.join(" "));
@@ -132,16 +140,9 @@ fn every_vcpu_of_a_four_vcpu_guest_is_synced_on_itself() {
         qemu::command_com1_socket_smp(qemu::Machine::Microvm, &elf, &append, &com2, &sock, VCPUS)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
-            .stderr(Stdio::piped())
+            .stderr(Stdio::null())
             .spawn()
             .expect("qemu starts");
-    let mut guard = ChildGuard::new(child);
-    let log = |e: &dyn std::fmt::Display| -> String {
-        format!(
-            "{e}; COM2 log:\n{}",
-            vmtsync_tests::vmm::defmt_log::decode_file_text(&elf, &com2)
-        )
-    };
     let mut opts =
         ProbeOptions::new(ProbeAddr::parse(&format!("unix:{}", sock.display())).unwrap());
     opts.progress = false;
@@ -149,6 +150,32 @@ fn every_vcpu_of_a_four_vcpu_guest_is_synced_on_itself() {
     opts.connect_timeout = Duration::from_secs(20);
     opts.json = true;
     opts.vcpus = VcpuChoice::All;
+    (ChildGuard::new(child), opts)
+}
+
+/// The agent's COM2 log, decoded, after `e`.
+fn log(dir: &Path, e: &dyn std::fmt::Display) -> String {
+    let elf = agent_elf().expect("agent builds");
+    format!(
+        "{e}; COM2 log:\n{}",
+        vmtsync_tests::vmm::defmt_log::decode_file_text(&elf, &dir.join("com2.log"))
+    )
+}
+
+#[test]
+fn every_vcpu_of_a_four_vcpu_guest_is_synced_on_itself() {
+    let test = "every_vcpu_of_a_four_vcpu_guest_is_synced_on_itself";
+    if !prerequisites(test) {
+        return;
+    }
+    let tmp_dir = tempfile::Builder::new()
+        .prefix(&format!("vmtsync-{test}-"))
+        .tempdir()
+        .unwrap();
+    let dir = tmp_dir.path();
+    let skews = Skew::pick_per_vcpu(VCPUS);
+    let (mut guard, mut opts) = boot(dir, &skews);
+    let log = |e: &dyn std::fmt::Display| log(dir, e);
 
     // Session 1: every vCPU, one JSON object each.
     let mut out = Vec::new();
@@ -158,7 +185,8 @@ fn every_vcpu_of_a_four_vcpu_guest_is_synced_on_itself() {
     assert_eq!(vcpus, [0, 1, 2, 3]);
     assert_eq!(last.vcpu, 3);
     let pid = guard.pid();
-    check_all(pid, &skews, &all, "session 1 (--all-vcpus)");
+    let truth = truths(pid, &skews);
+    check_all(&truth, &all, "session 1 (--all-vcpus)");
 
     // Nobody probes now: every application processor must sit in `hlt`. A spinning vCPU
     // thread would use most of a host core over the second measured here; a parked one
@@ -188,7 +216,7 @@ fn every_vcpu_of_a_four_vcpu_guest_is_synced_on_itself() {
     let two = rows(&out);
     assert_eq!(two.len(), 1);
     assert_eq!(two[0].vcpu, 2);
-    check_all(pid, &skews, &two, "session 2 (--vcpu 2)");
+    check_all(&truth, &two, "session 2 (--vcpu 2)");
 
     // Session 3: all again, then shut the agent down; a vCPU it lacks is refused up front.
     opts.vcpus = VcpuChoice::One(VCPUS);
@@ -204,7 +232,7 @@ fn every_vcpu_of_a_four_vcpu_guest_is_synced_on_itself() {
     run_probe(&opts, &mut out).unwrap_or_else(|e| panic!("{}", log(&e)));
     let again = rows(&out);
     assert_eq!(again.len(), 4);
-    check_all(pid, &skews, &again, "session 3 (--all-vcpus)");
+    check_all(&truth, &again, "session 3 (--all-vcpus)");
     wait_exit(&mut guard);
 }
 
@@ -219,4 +247,47 @@ fn wait_exit(guard: &mut ChildGuard) {
         std::thread::sleep(Duration::from_millis(20));
     };
     assert_eq!(status.code(), Some(debug_exit_status(9)));
+}
+
+/// `--all-vcpus --anchor kvm-pio` sessions: every vCPU's host bracket comes from the host
+/// kernel's `kvm_pio` stamps of the BSP's COM1 exits (the AP's read lies between them:
+/// docs/smp.md), and every vCPU's truth lies inside its interval in every session.
+#[test]
+fn exit_anchored_probes_of_every_vcpu_hold_their_truths() {
+    let test = "exit_anchored_probes_of_every_vcpu_hold_their_truths";
+    if !prerequisites(test)
+        || !require(
+            test,
+            vmtsync::ftrace::find_tracefs(None, vmtsync::probe::anchor::EVENT).is_ok(),
+            "no tracefs with events/kvm/kvm_pio (mount tracefs, load kvm)",
+        )
+    {
+        return;
+    }
+    let tmp_dir = tempfile::Builder::new()
+        .prefix(&format!("vmtsync-{test}-"))
+        .tempdir()
+        .unwrap();
+    let dir = tmp_dir.path();
+    let skews = Skew::pick_per_vcpu(VCPUS);
+    let (mut guard, mut opts) = boot(dir, &skews);
+    let pid = guard.pid();
+    opts.anchor = AnchorOptions {
+        mode: AnchorMode::KvmPio,
+        vm: Some(VmSelector::Pid(pid)),
+        ..AnchorOptions::default()
+    };
+    let mut truth = None;
+    for k in 0..3 {
+        opts.shutdown = k == 2;
+        let mut out = Vec::new();
+        run_probe(&opts, &mut out).unwrap_or_else(|e| panic!("{}", log(dir, &e)));
+        // The VM exists once a session ran (and still runs: the last one shuts it down).
+        let truth = truth.get_or_insert_with(|| truths(pid, &skews));
+        let all = rows(&out);
+        assert_eq!(all.iter().map(|r| r.vcpu).collect::<Vec<_>>(), [0, 1, 2, 3]);
+        assert!(all.iter().all(|r| r.anchor == "kvm-pio-uart"), "{all:?}");
+        check_all(truth, &all, &format!("anchored session {k}"));
+    }
+    wait_exit(&mut guard);
 }

@@ -254,7 +254,14 @@ extern "C" fn serve(ctx: usize) -> ! {
     }
 }
 
-fn serve_postcard(ctx: &Ctx) -> ! {
+/// The agent's clock over every vCPU that checked in (docs/smp.md), and the BSP's skewed TSC
+/// its events are stamped with: the same for every transport.
+fn agent_clock(
+    ctx: &Ctx,
+) -> (
+    smp::SmpClock<GuestClock<NativeTsc, PvclockPage<'static>>>,
+    SkewedTsc<NativeTsc>,
+) {
     let opts = &ctx.opts;
     let skew = opts.skew_of(ctx.vcpu);
     let clock = smp::SmpClock {
@@ -269,7 +276,12 @@ fn serve_postcard(ctx: &Ctx) -> ! {
         .with_sync_port(opts.sync_port),
         vcpus: ctx.vcpus,
     };
-    let tsc = SkewedTsc { tsc: ctx.tsc, skew };
+    (clock, SkewedTsc { tsc: ctx.tsc, skew })
+}
+
+fn serve_postcard(ctx: &Ctx) -> ! {
+    let opts = &ctx.opts;
+    let (clock, tsc) = agent_clock(ctx);
     // One frame per poll, so `events=N` records one event per message (see `events`).
     let mut agent = Agent::with_events(FramePerPoll::new(UartLink::new(COM1)), clock, &EVENTS);
     log!("ready: postcard on COM1, vcpu {}", ctx.vcpu);

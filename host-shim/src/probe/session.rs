@@ -324,21 +324,34 @@ impl<T: StampedTransport> ProbeSession<T> {
         if !self.info.features.contains(Features::SMP) {
             return Ok(vec![self.info.vcpu]);
         }
-        match self.request(&Message::VcpusRequest)?.0 {
-            Message::Vcpus { online } => {
-                let list: Vec<u32> = (0..64).filter(|i| online >> i & 1 == 1).collect();
-                if list.contains(&self.info.vcpu) {
-                    Ok(list)
-                } else {
-                    Err(ProbeError::Protocol(format!(
-                        "its vCPU list {online:#x} lacks its own vCPU {}",
-                        self.info.vcpu
-                    )))
+        let mut reply = self.request(&Message::VcpusRequest)?.0;
+        let deadline = Instant::now() + self.timeout;
+        loop {
+            match reply {
+                Message::Vcpus { online } => {
+                    let list: Vec<u32> = (0..64).filter(|i| online >> i & 1 == 1).collect();
+                    return if list.contains(&self.info.vcpu) {
+                        Ok(list)
+                    } else {
+                        Err(ProbeError::Protocol(format!(
+                            "its vCPU list {online:#x} lacks its own vCPU {}",
+                            self.info.vcpu
+                        )))
+                    };
+                }
+                Message::Error(ErrorCode::NotReady) => return Err(ProbeError::AgentNotReady),
+                Message::Error(e) => {
+                    return Err(ProbeError::Protocol(format!(
+                        "answered the vCPU list request with {e:?}"
+                    )));
+                }
+                // A late answer to something earlier (the capabilities of a hello said twice
+                // while the agent booted, a probe reply after a timeout): skip it.
+                _ => {
+                    self.stats.unexpected += 1;
+                    reply = self.next_message(deadline, "the vCPU list")?.0;
                 }
             }
-            other => Err(ProbeError::Protocol(format!(
-                "answered the vCPU list request with {other:?}"
-            ))),
         }
     }
 
@@ -988,6 +1001,28 @@ mod tests {
         s.select_vcpu(1).unwrap();
         assert_eq!(s.probe().unwrap(), None);
         assert_eq!(s.stats().lost_probes, 1);
+    }
+
+    #[test]
+    fn a_late_second_capabilities_does_not_answer_the_vcpu_list() {
+        // A hello said twice while the agent booted is answered twice: the second
+        // capabilities arrive after the session began and must be skipped, not taken for
+        // the vCPU list.
+        let mut t = SimTransport::new(3);
+        t.agent.clock_mut().peers = 0b11;
+        let mut buf = [0u8; MAX_FRAME_SIZE];
+        let caps = Message::Capabilities(Capabilities {
+            version: PROTOCOL_VERSION,
+            transport: vmtsync_core::proto::Transport::Memory,
+            features: Features::SMP,
+            vcpu: 3,
+            tsc: GuestTicks(1),
+            tsc_khz: None,
+        });
+        t.garbage = vec![encode_frame(&caps, &mut buf).unwrap().to_vec()];
+        let mut s = ProbeSession::hello(t, Duration::from_secs(1)).unwrap();
+        assert_eq!(s.vcpus().unwrap(), [0, 1, 3]);
+        assert_eq!(s.stats().unexpected, 1, "{:?}", s.stats());
     }
 
     #[test]

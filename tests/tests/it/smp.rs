@@ -125,9 +125,10 @@ fn prerequisites(test: &str) -> bool {
         && truth_ready(test)
 }
 
-/// QEMU microvm with [`VCPUS`] vCPUs running the agent, vCPU N with `skews[N]`, COM1 on a
-/// socket in `dir`; returns the guard and the probe options for that socket.
-fn boot(dir: &Path, skews: &[Skew]) -> (ChildGuard, ProbeOptions) {
+/// QEMU microvm with [`VCPUS`] vCPUs running the agent (`extra` boot options), vCPU N with
+/// `skews[N]`, COM1 on a socket in `dir`; returns the guard and the probe options for that
+/// socket.
+fn boot(dir: &Path, skews: &[Skew], extra: &str) -> (ChildGuard, ProbeOptions) {
     let elf = agent_elf().expect("agent builds");
     let sock = dir.join("com1.sock");
     let com2 = dir.join("com2.log");
@@ -135,7 +136,7 @@ fn boot(dir: &Path, skews: &[Skew]) -> (ChildGuard, ProbeOptions) {
         .zip(skews)
         .map(|(v, s)| s.agent_option_for(v))
         .collect();
-    let append = format!("transport=uart exit=9 {}", options.join(" "));
+    let append = format!("transport=uart exit=9 {extra} {}", options.join(" "));
     let child =
         qemu::command_com1_socket_smp(qemu::Machine::Microvm, &elf, &append, &com2, &sock, VCPUS)
             .stdin(Stdio::null())
@@ -174,7 +175,7 @@ fn every_vcpu_of_a_four_vcpu_guest_is_synced_on_itself() {
         .unwrap();
     let dir = tmp_dir.path();
     let skews = Skew::pick_per_vcpu(VCPUS);
-    let (mut guard, mut opts) = boot(dir, &skews);
+    let (mut guard, mut opts) = boot(dir, &skews, "");
     let log = |e: &dyn std::fmt::Display| log(dir, e);
 
     // Session 1: every vCPU, one JSON object each.
@@ -255,6 +256,7 @@ fn wait_exit(guard: &mut ChildGuard) {
 #[test]
 fn exit_anchored_probes_of_every_vcpu_hold_their_truths() {
     let test = "exit_anchored_probes_of_every_vcpu_hold_their_truths";
+    let _one_instance = vmtsync_tests::anchor_lock();
     if !prerequisites(test)
         || !require(
             test,
@@ -270,7 +272,7 @@ fn exit_anchored_probes_of_every_vcpu_hold_their_truths() {
         .unwrap();
     let dir = tmp_dir.path();
     let skews = Skew::pick_per_vcpu(VCPUS);
-    let (mut guard, mut opts) = boot(dir, &skews);
+    let (mut guard, mut opts) = boot(dir, &skews, "");
     let pid = guard.pid();
     opts.anchor = AnchorOptions {
         mode: AnchorMode::KvmPio,
@@ -289,5 +291,121 @@ fn exit_anchored_probes_of_every_vcpu_hold_their_truths() {
         assert!(all.iter().all(|r| r.anchor == "kvm-pio-uart"), "{all:?}");
         check_all(truth, &all, &format!("anchored session {k}"));
     }
+    wait_exit(&mut guard);
+}
+
+/// The sync-port variant on an SMP guest (`syncport=0x2400`, its brackets matched on the
+/// probe's sequence number): each application processor does the `in` and the `out` around
+/// its own TSC read, so the bracket of a probe of vCPU N comes from vCPU N's own exits, and
+/// every sample of every vCPU must bracket that vCPU's truth.
+#[test]
+fn sync_port_brackets_come_from_each_vcpus_own_exits() {
+    use vmtsync::probe::anchor::{AnchorKind, DEFAULT_SYNC_PORT, Matcher, prepare_matcher};
+    use vmtsync::probe::connect::{ConnectOptions, connect_until_stopped};
+    use vmtsync::probe::{ProbeSession, ProbeSummary, Progress};
+    use vmtsync_core::proto::Features;
+
+    let test = "sync_port_brackets_come_from_each_vcpus_own_exits";
+    let _one_instance = vmtsync_tests::anchor_lock();
+    if !prerequisites(test)
+        || !require(
+            test,
+            vmtsync::ftrace::find_tracefs(None, vmtsync::probe::anchor::EVENT).is_ok(),
+            "no tracefs with events/kvm/kvm_pio (mount tracefs, load kvm)",
+        )
+    {
+        return;
+    }
+    let tmp_dir = tempfile::Builder::new()
+        .prefix(&format!("vmtsync-{test}-"))
+        .tempdir()
+        .unwrap();
+    let dir = tmp_dir.path();
+    let skews = Skew::pick_per_vcpu(VCPUS);
+    let (mut guard, opts) = boot(dir, &skews, &format!("syncport={DEFAULT_SYNC_PORT:#x}"));
+    let pid = guard.pid();
+    let step = Duration::from_secs(20);
+    let inner = connect_until_stopped(
+        &opts.addr,
+        &ConnectOptions {
+            connect_timeout: step,
+            io_timeout: step,
+        },
+        None,
+    )
+    .expect("connects");
+    let anchor = AnchorOptions {
+        mode: AnchorMode::KvmPio,
+        vm: Some(VmSelector::Pid(pid)),
+        ..AnchorOptions::default()
+    };
+    let mut t = prepare_matcher(
+        Matcher::SyncPort {
+            port: DEFAULT_SYNC_PORT,
+        },
+        &anchor,
+        step,
+        &mut |m| panic!("{m}"),
+    )
+    .expect("anchoring is possible here")
+    .wrap(inner);
+    let mut s = ProbeSession::hello(&mut t, step).unwrap_or_else(|e| panic!("{}", log(dir, &e)));
+    let info = *s.info();
+    assert!(
+        info.features
+            .contains(Features::SYNC_PORT.union(Features::SMP)),
+        "{:?}",
+        info.features
+    );
+    let truth = truths(pid, &skews);
+    assert_eq!(s.vcpus().unwrap(), [0, 1, 2, 3]);
+    let mut total = 0;
+    for v in 0..VCPUS {
+        s.select_vcpu(v).unwrap();
+        let before = s.stats();
+        let samples = s
+            .probe_round(64, Duration::ZERO, &mut Progress::hidden())
+            .unwrap_or_else(|e| panic!("{}", log(dir, &e)));
+        let stats = s.stats();
+        assert_eq!(stats.anchor, AnchorKind::KvmPioSyncPort);
+        let t = truth[usize::try_from(v).unwrap()];
+        for x in &samples {
+            assert_eq!(x.vcpu, v);
+            assert!(
+                t.in_bracket(x.host_send, x.guest, x.host_recv),
+                "vcpu {v}: guest TSC {} outside its sync-port bracket [{}, {}] by the truth",
+                x.guest.0,
+                x.host_send.0,
+                x.host_recv.0
+            );
+        }
+        let sum = ProbeSummary::from_samples(&info, &samples, stats)
+            .unwrap_or_else(|e| panic!("vcpu {v}: {e:?}: {stats:?}"));
+        let at = t
+            .check(sum.at_host, sum.bound_lo, sum.bound_hi)
+            .unwrap_or_else(|e| panic!("vcpu {v}: {e}"));
+        println!(
+            "sync port: vcpu {v} {} samples ({} lost), width {}, error {:+}, rtt min {}",
+            samples.len(),
+            stats.lost_probes - before.lost_probes,
+            sum.width(),
+            i128::from(sum.offset) - at,
+            sum.rtt.min
+        );
+        assert!(samples.len() >= 32, "vcpu {v}: {stats:?}");
+        total += samples.len() as u64;
+    }
+    let (bye, _) = s
+        .request(&vmtsync_core::proto::Message::Shutdown)
+        .expect("exiting");
+    assert_eq!(bye, vmtsync_core::proto::Message::Exiting);
+    drop(s);
+    // Every sample's bracket is a sync-port match: none fell back to in-process stamps.
+    assert!(
+        t.stats().matched >= total,
+        "{:?}, {total} samples",
+        t.stats()
+    );
+    drop(t);
     wait_exit(&mut guard);
 }

@@ -17,7 +17,8 @@
 //! the AP's [`Slot`]: the BSP bumps `request`, the AP reads its TSC through its own skew, stores
 //! it, then publishes `done = request` (release); the BSP waits for that (acquire) and only
 //! then sends the reply. The AP's read is after the request arrived and before the reply
-//! leaves: docs/smp.md has the argument and the sync-port hook.
+//! leaves: docs/smp.md has the argument. With `syncport=N` each AP brackets its own read by
+//! an `in` and an `out` of the probe's sequence number on that port.
 
 use core::arch::{asm, global_asm};
 use core::cell::UnsafeCell;
@@ -66,8 +67,8 @@ const FW_CFG_DATA: u16 = 0x511;
 const FW_CFG_SIGNATURE: u16 = 0x0000;
 const FW_CFG_NB_CPUS: u16 = 0x0005;
 
-/// One AP's mailbox. Written by the BSP (`request`, the skew before start) and by its AP
-/// (`apic_id`, `tsc`, `done`); 64-byte aligned so two APs never share a cache line.
+/// One AP's mailbox. Written by the BSP (`seq`, `request`) and by its AP (`apic_id`, `tsc`,
+/// `done`); 64-byte aligned so two APs never share a cache line.
 #[repr(C, align(64))]
 struct Slot {
     /// The AP's APIC id plus one; 0 while the AP has not checked in.
@@ -146,6 +147,11 @@ impl Vcpus {
     /// an unknown vCPU or one that did not answer within the deadline. Runs in ring 3 or 0 on
     /// the BSP.
     pub fn read_on(&self, vcpu: u32, seq: u8) -> Option<u64> {
+        // The host names the vCPU: 0xff would be the xAPIC broadcast destination (and
+        // u32::MAX + 1 the "not checked in" id), so only smaller ids are looked for.
+        if vcpu >= 0xff {
+            return None;
+        }
         let slot = SLOTS[..self.aps]
             .iter()
             .find(|s| s.apic_id.load(Ordering::Acquire) == vcpu.wrapping_add(1))?;

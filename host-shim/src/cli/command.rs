@@ -4,8 +4,10 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+use super::attach::{TraceCmdCommand, run_trace_cmd};
 use super::convert::{ConvertArgs, run_convert};
 use super::exit::{CliError, EXIT_CODES};
+use super::export::{ExportCommand, run_export};
 use super::kvm::{KvmArgs, run_kvm};
 use super::probe::run_probe_cmd;
 use super::record::{RecordArgs, run_record_cmd};
@@ -70,6 +72,13 @@ pub enum Command {
     /// TSC mapping arithmetic.
     #[command(subcommand)]
     Tsc(TscCommand),
+    /// Export a recording to another tool's format.
+    #[command(subcommand)]
+    Export(ExportCommand),
+    /// trace-cmd pipelines for Linux guests (`attach`: a guest trace.dat onto the host's
+    /// timeline).
+    #[command(subcommand, name = "trace-cmd")]
+    TraceCmd(TraceCmdCommand),
 }
 
 /// Parses the process arguments, runs the command and maps the outcome to an exit code;
@@ -98,6 +107,8 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
         Command::Probe(a) => run_probe_cmd(&a),
         Command::Record(a) => run_record_cmd(&a),
         Command::Tsc(c) => run_tsc(&c),
+        Command::Export(c) => run_export(&c),
+        Command::TraceCmd(c) => run_trace_cmd(&c),
     }
 }
 

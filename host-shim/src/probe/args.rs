@@ -77,11 +77,13 @@ pub struct ProbeArgs {
     /// Where each probe's host bracket comes from: kvm-pio takes it from the host kernel's
     /// kvm:kvm_pio stamps of the guest's own port exits, the UART's on a serial chardev
     /// (unix:PATH), the agent's sync port on other transports (needs root, tracefs and the
-    /// VM's vCPU threads in debugfs; fails with exit code 8 otherwise); auto does so when it
-    /// can and says why not on stderr; none stamps in this process (docs/anchor.md).
+    /// VM's vCPU threads in debugfs; fails with exit code 8 otherwise); auto does so when --vm
+    /// names the VM and it can (saying why not on stderr); none stamps in this process
+    /// (docs/anchor.md).
     #[arg(long, value_enum, value_name = "MODE", default_value_t = AnchorMode::Auto)]
     pub anchor: AnchorMode,
-    /// The VM the agent runs in, for --anchor (PID, PID-FD or name; default: the only VM).
+    /// The VM the agent runs in, for --anchor (PID, PID-FD or name; --anchor kvm-pio without
+    /// it: the only VM in debugfs).
     #[arg(long, value_name = "VM")]
     pub vm: Option<VmSelector>,
     /// tracefs, for --anchor (default: /sys/kernel/tracing, then /sys/kernel/debug/tracing).

@@ -23,8 +23,8 @@ const UART_PORTS: u16 = 8;
 /// `vmtsync probe --anchor`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
 pub enum AnchorMode {
-    /// Exit-anchor when tracefs, `kvm_pio`, root and the VM are there; otherwise say why on
-    /// stderr and stamp in this process.
+    /// Exit-anchor when `--vm` names the agent's VM and tracefs, `kvm_pio` and root are
+    /// there; otherwise stamp in this process (saying why on stderr when `--vm` was given).
     Auto,
     /// Exit-anchor through `kvm:kvm_pio`, or fail (exit code 8).
     KvmPio,
@@ -165,10 +165,12 @@ pub fn prepare_matcher(
     wait: Duration,
     note: &mut dyn FnMut(&str),
 ) -> Result<AnchorSetup, ProbeError> {
-    let trace = match o.mode {
-        AnchorMode::None => None,
-        AnchorMode::KvmPio => Some(open_trace(matcher, o, wait).map_err(ProbeError::Anchor)?),
-        AnchorMode::Auto => match open_trace(matcher, o, wait) {
+    let trace = match (o.mode, &o.vm) {
+        // Without --vm, auto does not guess which VM runs the agent (the only VM on the host
+        // may be someone else's): it stamps in this process, quietly.
+        (AnchorMode::None, _) | (AnchorMode::Auto, None) => None,
+        (AnchorMode::KvmPio, _) => Some(open_trace(matcher, o, wait).map_err(ProbeError::Anchor)?),
+        (AnchorMode::Auto, Some(_)) => match open_trace(matcher, o, wait) {
             Ok(t) => Some(t),
             Err(why) => {
                 note(&format!(

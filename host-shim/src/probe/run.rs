@@ -229,3 +229,84 @@ pub enum VcpuChoice {
     /// Every vCPU the agent serves, one round each, in increasing order.
     All,
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::probe::testutil::SimTransport;
+    use crate::syncfile::SyncFile;
+
+    /// A simulated agent on vCPU 3 that also serves vCPUs 0 and 2, each `2^36` ticks apart.
+    fn smp_sim() -> SimTransport {
+        let mut t = SimTransport::new(1_000);
+        t.exact = true;
+        let clock = t.agent.clock_mut();
+        clock.peers = 0b101;
+        clock.peer_offset = 1 << 36;
+        t
+    }
+
+    fn options() -> ProbeOptions {
+        let mut opts = ProbeOptions::new(ProbeAddr::Unix("sim".into()));
+        opts.progress = false;
+        opts.probes = 8;
+        opts
+    }
+
+    #[test]
+    fn all_vcpus_prints_one_json_object_per_vcpu_each_on_its_own_clock() {
+        let mut opts = options();
+        opts.json = true;
+        opts.vcpus = VcpuChoice::All;
+        let mut out = Vec::new();
+        let all = run_probe_vcpus_on(smp_sim(), &opts, &mut out).unwrap();
+        let lines: Vec<serde_json::Value> = String::from_utf8(out)
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        let vcpus: Vec<u64> = lines.iter().map(|j| j["vcpu"].as_u64().unwrap()).collect();
+        assert_eq!(vcpus, [0, 2, 3]);
+        for (s, j) in all.iter().zip(&lines) {
+            // Exact stamps: each vCPU's bounds hold its own offset (to the rounding tick).
+            let truth = 1_000
+                + if s.vcpu == 3 {
+                    0
+                } else {
+                    (1 << 36) * i64::from(s.vcpu)
+                };
+            assert!(s.bound_lo <= truth && truth <= s.bound_hi, "{s:?}");
+            assert_eq!(j["offset_ticks"], s.offset);
+        }
+    }
+
+    #[test]
+    fn one_vcpu_is_checked_against_the_agents_list_and_synced_continuously() {
+        let mut opts = options();
+        opts.vcpus = VcpuChoice::One(1);
+        let err = run_probe_vcpus_on(smp_sim(), &opts, &mut Vec::new()).unwrap_err();
+        assert!(
+            matches!(err, ProbeError::UnknownVcpu { vcpu: 1, ref online } if online == &[0, 2, 3]),
+            "{err}"
+        );
+        let dir = tempfile::Builder::new()
+            .prefix("vmtsync-run-")
+            .tempdir()
+            .unwrap();
+        let path = dir.path().join("vcpu2.jsonl");
+        opts.vcpus = VcpuChoice::One(2);
+        opts.continuous = Some(ContinuousOptions {
+            out: path.clone(),
+            resync: Duration::ZERO,
+            rounds: Some(2),
+        });
+        let last = run_probe_on(smp_sim(), &opts, &mut Vec::new()).unwrap();
+        assert_eq!(last.vcpu, 2);
+        let sync = SyncFile::read(&path).unwrap();
+        assert_eq!(sync.segments.len(), 2);
+        for seg in &sync.segments {
+            assert_eq!(seg.vcpu, 2);
+            assert!(seg.offset_lo <= 1_000 + (2 << 36) && 1_000 + (2 << 36) <= seg.offset_hi);
+        }
+    }
+}

@@ -121,6 +121,20 @@ pub trait AgentClock {
     fn sync_port(&self) -> bool {
         false
     }
+
+    /// The vCPUs [`AgentClock::read_tsc_on`] can read, as a bit set (bit `i`: vCPU `i`).
+    /// Default: the vCPU this code runs on, alone.
+    fn vcpus(&self) -> u64 {
+        1u64.checked_shl(self.vcpu_id()).unwrap_or(0)
+    }
+
+    /// The TSC read of probe `seq` ON vCPU `vcpu` (skewed like [`AgentClock::read_tsc`], and
+    /// bracketed by that vCPU's own sync-port I/O like [`AgentClock::read_tsc_for_probe`]),
+    /// after this call began and before it returns, or `None` when that vCPU cannot answer
+    /// (unknown, or it did not answer in time). Default: this vCPU only.
+    fn read_tsc_on(&mut self, vcpu: u32, seq: u8) -> Option<GuestTicks> {
+        (vcpu == self.vcpu_id()).then(|| self.read_tsc_for_probe(seq))
+    }
 }
 
 /// Where the agent is in its session.
@@ -328,14 +342,9 @@ impl<L: Link, C: AgentClock, E: EventSource> Agent<L, C, E> {
             // Never answer an error with an error: two confused peers would ping-pong forever.
             Message::Error(_) => Ok(()),
             _ if self.state != AgentState::Ready => self.send(&Message::Error(ErrorCode::NotReady)),
-            Message::Probe { seq } => {
-                let frame = ProbeReplyFrame::compact(seq, self.clock.vcpu_id());
-                self.send_probe_reply(frame)
-            }
-            Message::ProbeFull { seq } => {
-                let frame = ProbeReplyFrame::full(seq, self.clock.vcpu_id());
-                self.send_probe_reply(frame)
-            }
+            // One probe path for every vCPU, this one included: the agent's .text is budgeted.
+            Message::Probe { seq } => self.send_probe_reply(seq, self.clock.vcpu_id(), false),
+            Message::ProbeFull { seq } => self.send_probe_reply(seq, self.clock.vcpu_id(), true),
             Message::SetMapping(push) => {
                 let vcpu = self.clock.vcpu_id();
                 let reply = if push.vcpu != vcpu {
@@ -361,7 +370,13 @@ impl<L: Link, C: AgentClock, E: EventSource> Agent<L, C, E> {
                 self.send(&reply)
             }
             Message::EventsRequest { max } => self.send_events(max),
+            Message::ProbeOn { seq, vcpu, full } => self.send_probe_reply(seq, vcpu, full),
+            Message::VcpusRequest => {
+                let online = self.clock.vcpus();
+                self.send(&Message::Vcpus { online })
+            }
             Message::Capabilities(_)
+            | Message::Vcpus { .. }
             | Message::ProbeReply(_)
             | Message::ProbeReplyFull(_)
             | Message::MappingApplied { .. }
@@ -389,6 +404,10 @@ impl<L: Link, C: AgentClock, E: EventSource> Agent<L, C, E> {
         if self.clock.sync_port() {
             features = features.union(Features::SYNC_PORT);
         }
+        let own = 1u64.checked_shl(self.clock.vcpu_id()).unwrap_or(0);
+        if self.clock.vcpus() & !own != 0 {
+            features = features.union(Features::SMP);
+        }
         // A different version is told ours and gets nothing else until it says hello in it.
         self.state = if version == PROTOCOL_VERSION {
             AgentState::Ready
@@ -409,10 +428,17 @@ impl<L: Link, C: AgentClock, E: EventSource> Agent<L, C, E> {
         }))
     }
 
-    /// The latency-critical path: read the TSC, patch it in, send, flush.
-    #[inline]
-    fn send_probe_reply(&mut self, mut frame: ProbeReplyFrame) -> Result<(), LinkError> {
-        let tsc = self.clock.read_tsc_for_probe(frame.seq());
+    /// The latency-critical path: prepare the reply up to the TSC, have vCPU `vcpu` read its
+    /// TSC (this vCPU: a plain read; another: docs/smp.md), patch it in, send, flush.
+    fn send_probe_reply(&mut self, seq: u8, vcpu: u32, full: bool) -> Result<(), LinkError> {
+        let mut frame = if full {
+            ProbeReplyFrame::full(seq, vcpu)
+        } else {
+            ProbeReplyFrame::compact(seq, vcpu)
+        };
+        let Some(tsc) = self.clock.read_tsc_on(vcpu, seq) else {
+            return self.send(&Message::Error(ErrorCode::UnknownVcpu));
+        };
         let sent = self
             .link
             .send(frame.finish(tsc))

@@ -50,6 +50,7 @@
 
 mod boot;
 mod logger;
+mod smp;
 
 use core::cell::UnsafeCell;
 use vmtsync_agent::clock::GuestClock;
@@ -207,11 +208,14 @@ pub extern "C" fn kmain(start_info_phys: u64) -> ! {
     let pvclock = register_pvclock_page(&cpuid);
     // The initial APIC id (CPUID.1:EBX[31:24]) is the id KVM names `vcpuN` after.
     let vcpu = cpuid.cpuid(1, 0).ebx >> 24;
+    let vcpus = smp::start(&opts, vcpu, tsc_khz);
+    log!("vcpus online: {=u64:#x}", vcpus.online());
     let ctx = Ctx {
         opts,
         tsc,
         pvclock,
         vcpu,
+        vcpus,
         invariant_tsc: features.contains(Features::INVARIANT_TSC),
         tsc_khz,
     };
@@ -230,6 +234,8 @@ struct Ctx {
     tsc: NativeTsc,
     pvclock: Option<PvclockPage<'static>>,
     vcpu: u32,
+    /// The application processors that checked in (docs/smp.md).
+    vcpus: smp::Vcpus,
     invariant_tsc: bool,
     tsc_khz: Option<u32>,
 }
@@ -248,21 +254,34 @@ extern "C" fn serve(ctx: usize) -> ! {
     }
 }
 
+/// The agent's clock over every vCPU that checked in (docs/smp.md), and the BSP's skewed TSC
+/// its events are stamped with: the same for every transport.
+fn agent_clock(
+    ctx: &Ctx,
+) -> (
+    smp::SmpClock<GuestClock<NativeTsc, PvclockPage<'static>>>,
+    SkewedTsc<NativeTsc>,
+) {
+    let opts = &ctx.opts;
+    let skew = opts.skew_of(ctx.vcpu);
+    let clock = smp::SmpClock {
+        bsp: GuestClock::new(
+            ctx.tsc,
+            ctx.pvclock,
+            skew,
+            ctx.vcpu,
+            ctx.tsc_khz,
+            ctx.invariant_tsc,
+        )
+        .with_sync_port(opts.sync_port),
+        vcpus: ctx.vcpus,
+    };
+    (clock, SkewedTsc { tsc: ctx.tsc, skew })
+}
+
 fn serve_postcard(ctx: &Ctx) -> ! {
     let opts = &ctx.opts;
-    let clock = GuestClock::new(
-        ctx.tsc,
-        ctx.pvclock,
-        opts.skew,
-        ctx.vcpu,
-        ctx.tsc_khz,
-        ctx.invariant_tsc,
-    )
-    .with_sync_port(opts.sync_port);
-    let tsc = SkewedTsc {
-        tsc: ctx.tsc,
-        skew: opts.skew,
-    };
+    let (clock, tsc) = agent_clock(ctx);
     // One frame per poll, so `events=N` records one event per message (see `events`).
     let mut agent = Agent::with_events(FramePerPoll::new(UartLink::new(COM1)), clock, &EVENTS);
     log!("ready: postcard on COM1, vcpu {}", ctx.vcpu);

@@ -23,6 +23,8 @@
 //!   microvm and q35 (the host's docs/anchor.md; `0x510` is fw_cfg).
 //! - `skew=OFFSET,RATIO,FRAC`: report `OFFSET + ((tsc * RATIO) >> FRAC)` instead of the raw TSC.
 //!   OFFSET may be negative (it wraps, like KVM's offset); numbers are decimal or `0x` hex.
+//! - `skewN=OFFSET,RATIO,FRAC` (N below [`MAX_VCPUS`]): the same for the TSC read on vCPU N (the
+//!   APIC id KVM names `vcpuN` after), instead of `skew=`; see docs/smp.md.
 //!
 //! Unknown words are reported in the log and otherwise ignored, so a host can pass options a
 //! newer agent understands.
@@ -50,6 +52,10 @@ pub enum Wire {
     Line,
 }
 
+/// The most vCPUs the agent brings up and serves (APIC ids below this): the boot processor and
+/// up to `MAX_VCPUS - 1` application processors (docs/smp.md).
+pub const MAX_VCPUS: usize = 8;
+
 /// How many `virtio_mmio.device=` words [`Options`] keeps.
 pub const MAX_VIRTIO_MMIO: usize = 4;
 
@@ -75,6 +81,8 @@ pub struct Options {
     pub exit_code: u8,
     /// Software skew applied to reported TSC values.
     pub skew: Skew,
+    /// `skewN=`: the skew of vCPU N's TSC reads where it differs from [`Options::skew`].
+    pub vcpu_skews: [Option<Skew>; MAX_VCPUS],
     /// How many guest events to record (0: none).
     pub events: u32,
     /// `workload=RATE,COUNT[,PORT]`: events per second, how many (0: until shutdown), and
@@ -108,6 +116,7 @@ impl Default for Options {
             ring: 3,
             exit_code: 0,
             skew: Skew::IDENTITY,
+            vcpu_skews: [None; MAX_VCPUS],
             events: 0,
             workload: None,
             vsock_port: DEFAULT_VSOCK_PORT,
@@ -178,7 +187,6 @@ impl Options {
                     .ok_or(OptionError::BadValue)?;
                 *slot = Some(dev);
             }
-            b"skew" => self.skew = parse_skew(value).ok_or(OptionError::BadValue)?,
             b"syncport" => {
                 let v = parse_u64(value).ok_or(OptionError::BadValue)?;
                 self.sync_port = Some(u16::try_from(v).map_err(|_| OptionError::BadValue)?);
@@ -186,9 +194,31 @@ impl Options {
             b"workload" => {
                 self.workload = Some(parse_workload(value).ok_or(OptionError::BadValue)?);
             }
+            // `skew=` and `skewN=` (one arm: the agent's .text is budgeted).
+            [b's', b'k', b'e', b'w', n @ ..] => {
+                let skew = parse_skew(value).ok_or(OptionError::BadValue)?;
+                if n.is_empty() {
+                    self.skew = skew;
+                } else {
+                    let vcpu = parse_u64(n).ok_or(OptionError::UnknownKey)?;
+                    *usize::try_from(vcpu)
+                        .ok()
+                        .and_then(|i| self.vcpu_skews.get_mut(i))
+                        .ok_or(OptionError::BadValue)? = Some(skew);
+                }
+            }
             _ => return Err(OptionError::UnknownKey),
         }
         Ok(())
+    }
+
+    /// The skew of TSC reads on vCPU `vcpu`: its `skewN=`, else `skew=`.
+    #[must_use]
+    pub fn skew_of(&self, vcpu: u32) -> Skew {
+        usize::try_from(vcpu)
+            .ok()
+            .and_then(|i| self.vcpu_skews.get(i).copied().flatten())
+            .unwrap_or(self.skew)
     }
 }
 
@@ -313,6 +343,32 @@ mod tests {
                 frac_bits: 1
             }
         );
+    }
+
+    #[test]
+    fn per_vcpu_skews_override_the_common_one() {
+        let (o, errs) =
+            parse("skew2=-5,1,0 skew=7,1,0 skew7=0x10,2,1 skew8=1,1,0 skew1=1,0,0 skewx=1,1,0");
+        let kinds: Vec<_> = errs.iter().map(|(w, e)| (w.as_str(), *e)).collect();
+        assert_eq!(
+            kinds,
+            vec![
+                ("skew8=1,1,0", OptionError::BadValue),
+                ("skew1=1,0,0", OptionError::BadValue),
+                ("skewx=1,1,0", OptionError::UnknownKey),
+            ]
+        );
+        let common = Skew {
+            offset: 7,
+            ratio: 1,
+            frac_bits: 0,
+        };
+        assert_eq!(o.skew_of(0), common);
+        assert_eq!(o.skew_of(1), common);
+        assert_eq!(o.skew_of(2).offset, 0u64.wrapping_sub(5));
+        assert_eq!(o.skew_of(7).apply(100), 0x10 + 100);
+        assert_eq!(o.skew_of(8), common);
+        assert_eq!(o.skew_of(u32::MAX), common);
     }
 
     #[test]

@@ -34,6 +34,15 @@ pub fn outb(port: u16, v: u8) {
     };
 }
 
+/// Writes one 16-bit value to `port`.
+#[inline(always)]
+pub fn outw(port: u16, v: u16) {
+    // SAFETY: as for `outb`: no memory effects, only the device's (the fw_cfg selector).
+    unsafe {
+        asm!("out dx, ax", in("dx") port, in("ax") v, options(nomem, nostack, preserves_flags))
+    };
+}
+
 /// Writes one 32-bit value to `port`.
 #[inline(always)]
 pub fn outl(port: u16, v: u32) {

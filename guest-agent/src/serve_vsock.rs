@@ -10,13 +10,11 @@
 //! with [`vsock::SETUP_FAILED_EXIT_CODE`].
 
 use linked_list_allocator::LockedHeap;
-use vmtsync_agent::clock::GuestClock;
 use vmtsync_agent::events::{MessageEvents, NativePortIo};
 use vmtsync_agent::heap::{self, IdentityHal};
 use vmtsync_agent::options::Wire;
 use vmtsync_agent::pci::{DEFAULT_MMIO_WINDOW, PortCam};
 use vmtsync_agent::port;
-use vmtsync_agent::tsc::SkewedTsc;
 use vmtsync_agent::vsock::{self, VsockError, VsockLink, VsockTransport};
 use vmtsync_agent::vsock_stream::OneStream;
 use vmtsync_core::agent::{Agent, AgentError, AgentState, Link as _, LinkError};
@@ -128,19 +126,7 @@ fn run_session(ctx: &Ctx, mut link: VsockLink<Stream, NativeTsc>) -> Stream {
     if let Err(e) = link.send(&[0]).and_then(|()| link.flush()) {
         log!("vsock: ready beacon not sent: {}", defmt::Debug2Format(&e));
     }
-    let clock = GuestClock::new(
-        ctx.tsc,
-        ctx.pvclock,
-        opts.skew,
-        ctx.vcpu,
-        ctx.tsc_khz,
-        ctx.invariant_tsc,
-    )
-    .with_sync_port(opts.sync_port);
-    let tsc = SkewedTsc {
-        tsc: ctx.tsc,
-        skew: opts.skew,
-    };
+    let (clock, tsc) = crate::agent_clock(ctx);
     let mut agent = Agent::with_events(link, clock, &crate::EVENTS);
     // `events=N`: one event per poll that handled messages (a poll may handle several here:
     // the stream delivers whole packets).

@@ -143,6 +143,16 @@ fn every_message() -> Vec<(&'static str, Message)> {
         ("shutdown", Message::Shutdown),
         ("exiting", Message::Exiting),
         ("error", Message::Error(ErrorCode::NotReady)),
+        (
+            "probe-on",
+            Message::ProbeOn {
+                seq: 200,
+                vcpu: 2,
+                full: false,
+            },
+        ),
+        ("vcpus-request", Message::VcpusRequest),
+        ("vcpus", Message::Vcpus { online: 0xf }),
     ]
 }
 

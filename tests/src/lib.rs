@@ -12,3 +12,14 @@ pub mod truth;
 pub mod vmm;
 
 pub use vmtsync_launch::{ChildGuard, have_kvm, is_ci, is_root, require};
+
+/// Serializes the tests that exit-anchor probes inside this process: the anchor's private
+/// tracefs instance is named after the process (`vmtsync-anchor-PID`), so two at once collide
+/// ("File exists"), and one test's "instance gone" check would see the other's. Poisoning is
+/// ignored: the lock only orders the tests.
+pub fn anchor_lock() -> std::sync::MutexGuard<'static, ()> {
+    static ANCHOR: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    ANCHOR
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}

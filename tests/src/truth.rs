@@ -178,7 +178,27 @@ impl Skew {
             self.0.frac_bits()
         )
     }
+
+    /// One skew per vCPU `0..n`, each [`Skew::pick`]'s rule applied to the host TSC now plus
+    /// a different amount per vCPU (`vcpu × 987 654 321 987`, about 330 s at 3 GHz), so every
+    /// vCPU has its own truth and a reply filed under the wrong vCPU misses it.
+    #[must_use]
+    pub fn pick_per_vcpu(n: u32) -> Vec<Self> {
+        let host = vmtsync::hosttsc::read_host_tsc();
+        (0..n)
+            .map(|v| Self::from_host_tsc(HostTicks(host.0 + u64::from(v) * PER_VCPU_APART)))
+            .collect()
+    }
+
+    /// The agent boot option for vCPU `vcpu` alone, `skewN=OFFSET,RATIO,FRAC`.
+    #[must_use]
+    pub fn agent_option_for(&self, vcpu: u32) -> String {
+        format!("skew{vcpu}{}", &self.agent_option()["skew".len()..])
+    }
 }
+
+/// How far apart [`Skew::pick_per_vcpu`] puts two neighbouring vCPUs' offsets.
+const PER_VCPU_APART: u64 = 987_654_321_987;
 
 /// What a vCPU's agent reports: KVM's mapping, then the agent's skew.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -296,6 +316,22 @@ impl GuestTruth {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn per_vcpu_skews_differ_and_name_their_vcpu() {
+        let skews = Skew::pick_per_vcpu(4);
+        for (v, s) in (0u32..).zip(&skews) {
+            let opt = s.agent_option_for(v);
+            let value = opt.strip_prefix(&format!("skew{v}=")).expect("skewN=");
+            assert_eq!(Skew::parse(value), Some(*s));
+        }
+        for w in skews.windows(2) {
+            assert_eq!(
+                w[1].0.offset() - w[0].0.offset(),
+                i64::try_from(PER_VCPU_APART).unwrap()
+            );
+        }
+    }
 
     #[test]
     fn skews_follow_the_host_tsc_and_never_wrap() {

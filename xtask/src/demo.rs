@@ -1,4 +1,4 @@
-//! `cargo xtask demo [--json] [--vmm auto|qemu|builtin|sim] [--no-skew]`: the first command
+//! `cargo xtask demo [--json] [--vmm auto|qemu|builtin|sim] [--no-skew] [--smp N]`: the first command
 //! on a fresh clone. It builds the real `vmtsync` program and the demo's helpers, then runs
 //! `vmtsync-tests`' `vmtsync-demo` binary, which installs what it still needs (the rustup
 //! target before building the agent, QEMU through apt when root), boots the agent with a

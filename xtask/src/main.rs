@@ -98,7 +98,7 @@ commands:
                 QEMU + vhost-user-vsock + vhost-device-vsock (installed on first use): the
                 agent connects to host port 1234 (`-- vsock=listen`: the host connects to
                 it), 100 probes run over the stream
-  demo [--json] [--vmm auto|qemu|builtin|sim] [--no-skew]
+  demo [--json] [--vmm auto|qemu|builtin|sim] [--no-skew] [--smp N]
                 the first command on a fresh clone: installs the rustup target (and QEMU via
                 apt when root), boots the agent (QEMU, else the built-in VMM, else a loopback
                 simulation) with a skew derived from the host TSC, reads its vCPU's mapping
@@ -107,7 +107,9 @@ commands:
                 then skew) is outside the interval; JSON: {\"schema\":1,\"vmm\",\"transport\",
                 \"skew\":{\"offset\",\"ratio\",\"frac_bits\"}|null,\"vcpus\":[{\"vcpu\",
                 \"method\":\"kvm\"|\"probe\",\"offset_ticks\",\"bound_lo\",\"bound_hi\",\"truth_ticks\",
-                \"error_ticks\",\"at_host_tsc\"}]}
+                \"error_ticks\",\"at_host_tsc\"}],\"skews\":[...]}; under QEMU the guest
+                has --smp N vCPUs (default 2), each with its own skew, probed on itself
+                (`vmtsync probe --all-vcpus`): a kvm row and a probe row per vCPU
 
 environment:
   CI=true       a missing tier-2 prerequisite fails the run instead of skipping (the demo never

@@ -30,8 +30,11 @@ fuzz_target!(|data: &[u8]| {
     } else {
         stream.extend_from_slice(raw);
     }
-    let mut agent: Agent<FakeLink, FakeClock> =
-        Agent::new(FakeLink::new(), FakeClock::new(1 << 45, 1_000, 0));
+    // Two more vCPUs (2 and 5), so probes for other vCPUs reach their reads too.
+    let mut clock = FakeClock::new(1 << 45, 1_000, 0);
+    clock.peers = 0b10_0100;
+    clock.peer_offset = 1 << 40;
+    let mut agent: Agent<FakeLink, FakeClock> = Agent::new(FakeLink::new(), clock);
     assert!(agent.link_mut().push_message(&Message::Hello(Hello {
         version: PROTOCOL_VERSION,
         features: Features::NONE,

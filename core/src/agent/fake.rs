@@ -169,6 +169,11 @@ pub struct FakeClock {
     pub invariant: bool,
     /// How many times the TSC was read.
     pub reads: u32,
+    /// Other vCPUs [`AgentClock::read_tsc_on`] answers for (bit `i`: vCPU `i`); each reads
+    /// this clock plus [`FakeClock::peer_offset`] times its id.
+    pub peers: u64,
+    /// What sets the peers' clocks apart, per vCPU id.
+    pub peer_offset: u64,
     /// What [`AgentClock::sync_port`] reports.
     pub sync_port: bool,
     /// The sequence number of the last probe read ([`AgentClock::read_tsc_for_probe`]).
@@ -187,6 +192,8 @@ impl FakeClock {
             pvclock: None,
             invariant: false,
             reads: 0,
+            peers: 0,
+            peer_offset: 0,
             sync_port: false,
             last_probe_seq: None,
         }
@@ -226,5 +233,23 @@ impl AgentClock for FakeClock {
 
     fn sync_port(&self) -> bool {
         self.sync_port
+    }
+
+    fn vcpus(&self) -> u64 {
+        self.peers | 1u64.checked_shl(self.vcpu).unwrap_or(0)
+    }
+
+    fn read_tsc_on(&mut self, vcpu: u32, seq: u8) -> Option<GuestTicks> {
+        if vcpu == self.vcpu {
+            return Some(self.read_tsc_for_probe(seq));
+        }
+        let bit = 1u64.checked_shl(vcpu)?;
+        if self.peers & bit == 0 {
+            return None;
+        }
+        let t = self.read_tsc_for_probe(seq).0;
+        Some(GuestTicks(t.wrapping_add(
+            self.peer_offset.wrapping_mul(u64::from(vcpu)),
+        )))
     }
 }

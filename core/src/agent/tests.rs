@@ -168,6 +168,109 @@ fn probe_full_carries_the_whole_tsc() {
 }
 
 #[test]
+fn probes_on_other_vcpus_are_answered_by_them_or_refused() {
+    let mut a = agent(7);
+    // A single-vCPU clock: no SMP feature, only its own vCPU listed and probed.
+    open(&mut a);
+    let one = 1u64 << VCPU;
+    assert_eq!(
+        exchange(&mut a, &Message::VcpusRequest),
+        [Message::Vcpus { online: one }]
+    );
+    assert_eq!(
+        exchange(
+            &mut a,
+            &Message::ProbeOn {
+                seq: 1,
+                vcpu: 0,
+                full: false
+            }
+        ),
+        [Message::Error(ErrorCode::UnknownVcpu)]
+    );
+
+    let peers = 0b101;
+    let clock = a.clock_mut();
+    clock.peers = peers;
+    clock.peer_offset = 1 << 40;
+    let got = exchange(&mut a, &hello());
+    let [Message::Capabilities(c)] = got.as_slice() else {
+        panic!("expected capabilities, got {got:?}");
+    };
+    assert!(c.features.contains(Features::SMP));
+    assert_eq!(
+        exchange(&mut a, &Message::VcpusRequest),
+        [Message::Vcpus {
+            online: peers | one
+        }]
+    );
+    let t = a.clock_mut().tsc;
+    // vCPU 2 reads its own clock (the fake's plus 2 · 2^40), in full or compact form.
+    assert_eq!(
+        exchange(
+            &mut a,
+            &Message::ProbeOn {
+                seq: 2,
+                vcpu: 2,
+                full: true
+            }
+        ),
+        [Message::ProbeReplyFull(ProbeReplyFull {
+            seq: 2,
+            vcpu: 2,
+            tsc: t + (2 << 40),
+        })]
+    );
+    #[allow(clippy::cast_possible_truncation)]
+    let low = (t + 7) as u32;
+    assert_eq!(
+        exchange(
+            &mut a,
+            &Message::ProbeOn {
+                seq: 3,
+                vcpu: 0,
+                full: false
+            }
+        ),
+        [Message::ProbeReply(ProbeReply {
+            seq: 3,
+            vcpu: 0,
+            tsc_low32: low,
+        })]
+    );
+    // Its own vCPU through ProbeOn is a plain probe; vCPU 1 and ids past 63 are unknown.
+    assert_eq!(
+        exchange(
+            &mut a,
+            &Message::ProbeOn {
+                seq: 4,
+                vcpu: VCPU,
+                full: true
+            }
+        ),
+        [Message::ProbeReplyFull(ProbeReplyFull {
+            seq: 4,
+            vcpu: VCPU,
+            tsc: t + 14,
+        })]
+    );
+    for vcpu in [1, 64, u32::MAX] {
+        assert_eq!(
+            exchange(
+                &mut a,
+                &Message::ProbeOn {
+                    seq: 5,
+                    vcpu,
+                    full: false
+                }
+            ),
+            [Message::Error(ErrorCode::UnknownVcpu)]
+        );
+    }
+    assert_eq!(a.stats().probes, 3);
+}
+
+#[test]
 fn nothing_but_hello_before_hello_and_version_mismatch_is_not_served() {
     let mut a = agent(1);
     assert_eq!(

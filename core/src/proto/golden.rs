@@ -167,6 +167,25 @@ fn golden() -> Vec<(Message, &'static [u8], &'static [u8])> {
             &[0x0e, 0x02, 0x1c, 0x80],
             &[0x05, 0x0e, 0x02, 0x1c, 0x80, 0x00],
         ),
+        (
+            Message::ProbeOn {
+                seq: 200,
+                vcpu: 2,
+                full: false,
+            },
+            &[0x0f, 0xc8, 0x02, 0x00, 0x7a, 0xb0],
+            &[0x04, 0x0f, 0xc8, 0x02, 0x03, 0x7a, 0xb0, 0x00],
+        ),
+        (
+            Message::VcpusRequest,
+            &[0x10, 0x47, 0xac],
+            &[0x04, 0x10, 0x47, 0xac, 0x00],
+        ),
+        (
+            Message::Vcpus { online: 0xf },
+            &[0x11, 0x0f, 0x6c, 0xf2],
+            &[0x05, 0x11, 0x0f, 0x6c, 0xf2, 0x00],
+        ),
     ]
 }
 
@@ -209,8 +228,8 @@ fn reference_crc_matches_the_catalog_check_values() {
 #[test]
 fn golden_bytes_encode_and_decode() {
     let table = golden();
-    // One entry per variant, tags 0..=14 in order.
-    assert_eq!(table.len(), 15);
+    // One entry per variant, tags 0..=17 in order.
+    assert_eq!(table.len(), 18);
     for (tag, (msg, body, frame)) in table.into_iter().enumerate() {
         assert_eq!(usize::from(body[0]), tag, "{msg:?}");
         // The checksum: CRC-8 after the compact probe, CRC-32 big-endian after an event

@@ -94,6 +94,27 @@ pub enum Message {
     Exiting,
     /// Either direction, tag 14: the last request (or the bytes received) could not be served.
     Error(ErrorCode),
+    /// Host → guest, tag 15: a probe answered on vCPU `vcpu`, which reads its own TSC after
+    /// the request arrived and before the reply leaves ([`Features::SMP`]; `docs/smp.md`).
+    /// Answered with [`Message::ProbeReply`] (or [`Message::ProbeReplyFull`] when `full`)
+    /// naming that vCPU, or [`ErrorCode::UnknownVcpu`] when it cannot answer.
+    ProbeOn {
+        /// Sequence number echoed in the reply (one fixed byte, like [`Message::Probe`]'s).
+        seq: u8,
+        /// The vCPU whose TSC is wanted.
+        vcpu: u32,
+        /// Whether the reply carries the full 64-bit TSC.
+        full: bool,
+    },
+    /// Host → guest, tag 16: which vCPUs answer [`Message::ProbeOn`]. Answered with
+    /// [`Message::Vcpus`].
+    VcpusRequest,
+    /// Guest → host, tag 17: the vCPUs that answer [`Message::ProbeOn`].
+    Vcpus {
+        /// Bit `i` set: vCPU `i` (the APIC id KVM names `vcpuN` after) answers. vCPUs from 64 up
+        /// cannot be named here.
+        online: u64,
+    },
 }
 
 /// Payload of [`Message::Hello`]: what the host speaks.
@@ -332,6 +353,9 @@ impl Features {
     /// the host's `kvm:kvm_pio` stamps bracket the read on any transport (the host's docs:
     /// `docs/anchor.md`).
     pub const SYNC_PORT: Self = Self(1 << 4);
+    /// The agent answers [`Message::VcpusRequest`] and [`Message::ProbeOn`] for more than
+    /// the vCPU it runs on.
+    pub const SMP: Self = Self(1 << 5);
 
     /// Whether every bit of `other` is set in `self`.
     #[must_use]

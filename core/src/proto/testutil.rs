@@ -94,6 +94,13 @@ pub(crate) fn arb_message() -> impl Strategy<Value = Message> {
         ),
         any::<u32>().prop_map(|vcpu| Message::MappingApplied { vcpu }),
         Just(Message::PvclockRequest),
+        (any::<u8>(), any::<u32>(), any::<bool>()).prop_map(|(seq, vcpu, full)| Message::ProbeOn {
+            seq,
+            vcpu,
+            full
+        }),
+        Just(Message::VcpusRequest),
+        any::<u64>().prop_map(|online| Message::Vcpus { online }),
         (
             any::<u32>(),
             any::<u32>(),

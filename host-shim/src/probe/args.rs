@@ -5,6 +5,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+use super::VcpuChoice;
 use super::addr::ProbeAddr;
 use super::anchor::{AnchorMode, AnchorOptions};
 use super::continuous::ContinuousOptions;
@@ -59,6 +60,13 @@ pub struct ProbeArgs {
     /// tracecmd_fastest_rtt_offset, ...).
     #[arg(long)]
     pub json: bool,
+    /// Sync vCPU N (its APIC id, KVM's `vcpuN`), its TSC read on that vCPU, instead of the
+    /// vCPU the agent runs on (docs/smp.md).
+    #[arg(long, value_name = "N", conflicts_with = "all_vcpus")]
+    pub vcpu: Option<u32>,
+    /// Sync every vCPU the agent serves, one round each (one JSON object per vCPU).
+    #[arg(long, conflicts_with = "continuous")]
+    pub all_vcpus: bool,
     /// End the agent afterwards (it sends `Exiting` and, when booted with `exit=N`, ends
     /// its VM through isa-debug-exit). Without it the agent keeps serving for later sessions.
     #[arg(long)]
@@ -101,6 +109,11 @@ impl ProbeArgs {
         o.timeout = Duration::from_millis(self.timeout);
         o.connect_timeout = Duration::from_millis(self.connect_timeout);
         o.json = self.json;
+        o.vcpus = match (self.vcpu, self.all_vcpus) {
+            (Some(v), _) => VcpuChoice::One(v),
+            (None, true) => VcpuChoice::All,
+            (None, false) => VcpuChoice::Agent,
+        };
         o.progress = !self.no_progress;
         o.stop = stop;
         o.shutdown = self.shutdown;
@@ -208,6 +221,30 @@ mod tests {
                 resync: Duration::from_millis(250),
                 rounds: Some(3),
             })
+        );
+    }
+
+    #[test]
+    fn vcpu_flags_choose_the_vcpus() {
+        let o = parse(&["--connect", "tcp:h:1"]).unwrap().to_options(None);
+        assert_eq!(o.vcpus, VcpuChoice::Agent);
+        let one = parse(&["--connect", "tcp:h:1", "--vcpu", "2"]).unwrap();
+        assert_eq!(one.to_options(None).vcpus, VcpuChoice::One(2));
+        let all = parse(&["--connect", "tcp:h:1", "--all-vcpus", "--json"]).unwrap();
+        assert_eq!(all.to_options(None).vcpus, VcpuChoice::All);
+        assert!(parse(&["--connect", "tcp:h:1", "--vcpu", "1", "--all-vcpus"]).is_err());
+        assert!(parse(&["--connect", "tcp:h:1", "--vcpu", "-1"]).is_err());
+        let continuous = [
+            "--connect",
+            "tcp:h:1",
+            "--all-vcpus",
+            "--continuous",
+            "--out",
+            "f",
+        ];
+        assert!(
+            parse(&continuous).is_err(),
+            "continuous mode syncs one vCPU"
         );
     }
 

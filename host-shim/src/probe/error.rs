@@ -65,6 +65,16 @@ pub enum ProbeError {
     /// The agent forgot the session (it restarted?).
     #[error("the guest agent answered NotReady: it restarted or lost the session; run probe again")]
     AgentNotReady,
+    /// The vCPU asked for does not answer probes.
+    #[error(
+        "vCPU {vcpu} does not answer probes: the agent serves vCPUs {online:?} (an agent brings up the vCPUs its VM has; see docs/smp.md)"
+    )]
+    UnknownVcpu {
+        /// The vCPU asked for.
+        vcpu: u32,
+        /// The vCPUs the agent serves.
+        online: Vec<u32>,
+    },
     /// The agent shut down.
     #[error("the guest agent exited during the session")]
     AgentExited,

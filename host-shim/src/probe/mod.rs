@@ -48,6 +48,8 @@ pub use continuous::{ContinuousOptions, ContinuousSummary};
 pub use error::ProbeError;
 pub use progress::Progress;
 pub use report::{OffsetModel, ProbeSummary};
-pub use run::{DEFAULT_PROBES, ProbeOptions, run_probe, run_probe_on};
+pub use run::{
+    DEFAULT_PROBES, ProbeOptions, VcpuChoice, run_probe, run_probe_on, run_probe_vcpus_on,
+};
 pub use session::{AgentInfo, ProbeSession, SessionStats};
 pub use transport::{FrameStamps, Received, StampedTransport, StreamTransport, TransportError};

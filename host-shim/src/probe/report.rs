@@ -236,7 +236,7 @@ impl ProbeSummary {
             max: rtts.last().copied().unwrap_or(0),
         };
         Ok(Self {
-            vcpu: info.vcpu,
+            vcpu: first.vcpu,
             probes: u32::try_from(samples.len()).unwrap_or(u32::MAX),
             offset: lo + i64::try_from((i128::from(hi) - i128::from(lo)) / 2).unwrap_or(0),
             bound_lo: lo,

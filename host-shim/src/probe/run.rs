@@ -35,6 +35,8 @@ pub struct ProbeOptions {
     pub connect_timeout: Duration,
     /// Print the schema-2 JSON object instead of text (`--json`).
     pub json: bool,
+    /// Which vCPUs to sync (`--vcpu N`, `--all-vcpus`; default the agent's own).
+    pub vcpus: VcpuChoice,
     /// Show progress on stderr when it is a terminal.
     pub progress: bool,
     /// Continuous mode (`--continuous --out FILE`), or one round.
@@ -63,6 +65,7 @@ impl ProbeOptions {
             timeout: Duration::from_secs(2),
             connect_timeout: Duration::from_secs(10),
             json: false,
+            vcpus: VcpuChoice::Agent,
             progress: true,
             continuous: None,
             stop: None,
@@ -114,8 +117,7 @@ pub fn run_probe(opts: &ProbeOptions, out: &mut dyn Write) -> Result<ProbeSummar
     }
 }
 
-/// Runs hello, then one round of `opts.probes` (printing its report), or continuous mode;
-/// then shuts the session down. Returns the (last) round's summary.
+/// [`run_probe_vcpus_on`], returning the (last) round's summary of the last vCPU.
 ///
 /// # Errors
 /// [`ProbeError`]; in continuous mode, `Estimate(NoSamples)` if no round produced a sample.
@@ -124,10 +126,70 @@ pub fn run_probe_on<T: StampedTransport>(
     opts: &ProbeOptions,
     out: &mut dyn Write,
 ) -> Result<ProbeSummary, ProbeError> {
+    last_of(run_probe_vcpus_on(transport, opts, out)?)
+}
+
+fn last_of(mut all: Vec<ProbeSummary>) -> Result<ProbeSummary, ProbeError> {
+    all.pop()
+        .ok_or(ProbeError::Internal("a probe run synced no vCPU"))
+}
+
+/// Runs hello, then for each vCPU of `opts.vcpus` one round of `opts.probes` (printing its
+/// report: one JSON object per vCPU under `--json`), or continuous mode (one vCPU); then
+/// shuts the session down. Returns each vCPU's (last) round's summary.
+///
+/// # Errors
+/// [`ProbeError`]; [`ProbeError::UnknownVcpu`] for a vCPU the agent does not serve; in
+/// continuous mode, `Estimate(NoSamples)` if no round produced a sample.
+pub fn run_probe_vcpus_on<T: StampedTransport>(
+    transport: T,
+    opts: &ProbeOptions,
+    out: &mut dyn Write,
+) -> Result<Vec<ProbeSummary>, ProbeError> {
     let mut progress = Progress::stderr_if_terminal(opts.progress);
     let mut session = ProbeSession::hello_until_stopped(transport, opts.timeout, opts.stop)?;
-    let result = match &opts.continuous {
-        Some(cont) => continuous::run(&mut session, opts, cont, out, &mut progress).and_then(|c| {
+    let result = vcpus_of(&mut session, opts.vcpus).and_then(|vcpus| {
+        let mut all = Vec::with_capacity(vcpus.len());
+        for v in vcpus {
+            session.select_vcpu(v)?;
+            all.push(one_vcpu(&mut session, opts, out, &mut progress)?);
+        }
+        Ok(all)
+    });
+    if opts.shutdown {
+        session.shutdown();
+    }
+    result
+}
+
+/// The vCPUs `choice` names, checked against the agent's list.
+fn vcpus_of<T: StampedTransport>(
+    session: &mut ProbeSession<T>,
+    choice: VcpuChoice,
+) -> Result<Vec<u32>, ProbeError> {
+    match choice {
+        VcpuChoice::Agent => Ok(vec![session.info().vcpu]),
+        VcpuChoice::All => session.vcpus(),
+        VcpuChoice::One(v) => {
+            let online = session.vcpus()?;
+            if online.contains(&v) {
+                Ok(vec![v])
+            } else {
+                Err(ProbeError::UnknownVcpu { vcpu: v, online })
+            }
+        }
+    }
+}
+
+/// One vCPU's round, or continuous mode on it.
+fn one_vcpu<T: StampedTransport>(
+    session: &mut ProbeSession<T>,
+    opts: &ProbeOptions,
+    out: &mut dyn Write,
+    progress: &mut Progress,
+) -> Result<ProbeSummary, ProbeError> {
+    match &opts.continuous {
+        Some(cont) => continuous::run(session, opts, cont, out, progress).and_then(|c| {
             c.last.ok_or(if opts.stopped() {
                 // Stopped before any round measured something: interrupted, not "no samples".
                 ProbeError::Interrupted
@@ -135,12 +197,8 @@ pub fn run_probe_on<T: StampedTransport>(
                 ProbeError::Estimate(EstimateError::NoSamples)
             })
         }),
-        None => one_round(&mut session, opts, out, &mut progress),
-    };
-    if opts.shutdown {
-        session.shutdown();
+        None => one_round(session, opts, out, progress),
     }
-    result
 }
 
 fn one_round<T: StampedTransport>(
@@ -158,4 +216,97 @@ fn one_round<T: StampedTransport>(
     }
     .map_err(ProbeError::Output)?;
     Ok(summary)
+}
+
+/// Which vCPUs a probe run syncs (docs/smp.md).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum VcpuChoice {
+    /// The vCPU the agent runs on (it says which in its hello).
+    #[default]
+    Agent,
+    /// This vCPU, read on that vCPU.
+    One(u32),
+    /// Every vCPU the agent serves, one round each, in increasing order.
+    All,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::probe::testutil::SimTransport;
+    use crate::syncfile::SyncFile;
+
+    /// A simulated agent on vCPU 3 that also serves vCPUs 0 and 2, each `2^36` ticks apart.
+    fn smp_sim() -> SimTransport {
+        let mut t = SimTransport::new(1_000);
+        t.exact = true;
+        let clock = t.agent.clock_mut();
+        clock.peers = 0b101;
+        clock.peer_offset = 1 << 36;
+        t
+    }
+
+    fn options() -> ProbeOptions {
+        let mut opts = ProbeOptions::new(ProbeAddr::Unix("sim".into()));
+        opts.progress = false;
+        opts.probes = 8;
+        opts
+    }
+
+    #[test]
+    fn all_vcpus_prints_one_json_object_per_vcpu_each_on_its_own_clock() {
+        let mut opts = options();
+        opts.json = true;
+        opts.vcpus = VcpuChoice::All;
+        let mut out = Vec::new();
+        let all = run_probe_vcpus_on(smp_sim(), &opts, &mut out).unwrap();
+        let lines: Vec<serde_json::Value> = String::from_utf8(out)
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        let vcpus: Vec<u64> = lines.iter().map(|j| j["vcpu"].as_u64().unwrap()).collect();
+        assert_eq!(vcpus, [0, 2, 3]);
+        for (s, j) in all.iter().zip(&lines) {
+            // Exact stamps: each vCPU's bounds hold its own offset (to the rounding tick).
+            let truth = 1_000
+                + if s.vcpu == 3 {
+                    0
+                } else {
+                    (1 << 36) * i64::from(s.vcpu)
+                };
+            assert!(s.bound_lo <= truth && truth <= s.bound_hi, "{s:?}");
+            assert_eq!(j["offset_ticks"], s.offset);
+        }
+    }
+
+    #[test]
+    fn one_vcpu_is_checked_against_the_agents_list_and_synced_continuously() {
+        let mut opts = options();
+        opts.vcpus = VcpuChoice::One(1);
+        let err = run_probe_vcpus_on(smp_sim(), &opts, &mut Vec::new()).unwrap_err();
+        assert!(
+            matches!(err, ProbeError::UnknownVcpu { vcpu: 1, ref online } if online == &[0, 2, 3]),
+            "{err}"
+        );
+        let dir = tempfile::Builder::new()
+            .prefix("vmtsync-run-")
+            .tempdir()
+            .unwrap();
+        let path = dir.path().join("vcpu2.jsonl");
+        opts.vcpus = VcpuChoice::One(2);
+        opts.continuous = Some(ContinuousOptions {
+            out: path.clone(),
+            resync: Duration::ZERO,
+            rounds: Some(2),
+        });
+        let last = run_probe_on(smp_sim(), &opts, &mut Vec::new()).unwrap();
+        assert_eq!(last.vcpu, 2);
+        let sync = SyncFile::read(&path).unwrap();
+        assert_eq!(sync.segments.len(), 2);
+        for seg in &sync.segments {
+            assert_eq!(seg.vcpu, 2);
+            assert!(seg.offset_lo <= 1_000 + (2 << 36) && 1_000 + (2 << 36) <= seg.offset_hi);
+        }
+    }
 }

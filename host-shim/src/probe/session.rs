@@ -127,7 +127,7 @@ pub struct SessionStats {
     /// Replies whose TSC lies outside the window the last verified reading allows: backwards,
     /// jumped, or absurd (lost; the reference is forgotten).
     pub out_of_window: u64,
-    /// Replies from another vCPU than the hello's (lost).
+    /// Replies from another vCPU than the one asked for (lost).
     pub wrong_vcpu: u64,
     /// Probes whose host stamps put the receive before the send (lost).
     pub bad_stamps: u64,
@@ -154,8 +154,13 @@ pub struct ProbeSession<T> {
     end: usize,
     buf_stamp: HostTicks,
     info: AgentInfo,
-    /// The last verified guest reading and its host bracket.
+    /// The last verified guest reading of the selected vCPU and its host bracket.
     reference: Option<Reference>,
+    /// The vCPU probes ask for ([`ProbeSession::select_vcpu`]; the agent's own at first).
+    target: u32,
+    /// The other vCPUs' references, kept while another vCPU is selected (each vCPU's TSC is
+    /// its own clock). One entry per vCPU the caller selected, so bounded by the caller.
+    parked: Vec<(u32, Option<Reference>)>,
     seq: Seq,
     /// Bytes received during the current wait (see [`MAX_BYTES_PER_WAIT`]).
     wait_bytes: u64,
@@ -209,6 +214,8 @@ impl<T: StampedTransport> ProbeSession<T> {
                 },
             },
             reference: None,
+            target: 0,
+            parked: Vec::new(),
             seq: 0,
             wait_bytes: 0,
             timeout,
@@ -270,6 +277,7 @@ impl<T: StampedTransport> ProbeSession<T> {
         } else {
             raw
         };
+        s.target = caps.vcpu;
         s.info = AgentInfo {
             vcpu: caps.vcpu,
             transport: caps.transport,
@@ -306,6 +314,81 @@ impl<T: StampedTransport> ProbeSession<T> {
         self.reference = None;
     }
 
+    /// The vCPUs that answer probes: the agent's own, or with [`Features::SMP`] the ones its
+    /// [`Message::Vcpus`] lists, in increasing order.
+    ///
+    /// # Errors
+    /// [`ProbeError::Protocol`] for another answer (or a list without the agent's own vCPU),
+    /// else as [`ProbeSession::request`].
+    pub fn vcpus(&mut self) -> Result<Vec<u32>, ProbeError> {
+        if !self.info.features.contains(Features::SMP) {
+            return Ok(vec![self.info.vcpu]);
+        }
+        let mut reply = self.request(&Message::VcpusRequest)?.0;
+        let deadline = Instant::now() + self.timeout;
+        loop {
+            match reply {
+                Message::Vcpus { online } => {
+                    let list: Vec<u32> = (0..64).filter(|i| online >> i & 1 == 1).collect();
+                    return if list.contains(&self.info.vcpu) {
+                        Ok(list)
+                    } else {
+                        Err(ProbeError::Protocol(format!(
+                            "its vCPU list {online:#x} lacks its own vCPU {}",
+                            self.info.vcpu
+                        )))
+                    };
+                }
+                Message::Error(ErrorCode::NotReady) => return Err(ProbeError::AgentNotReady),
+                Message::Error(e) => {
+                    return Err(ProbeError::Protocol(format!(
+                        "answered the vCPU list request with {e:?}"
+                    )));
+                }
+                // A late answer to something earlier (the capabilities of a hello said twice
+                // while the agent booted, a probe reply after a timeout): skip it.
+                _ => {
+                    self.stats.unexpected += 1;
+                    reply = self.next_message(deadline, "the vCPU list")?.0;
+                }
+            }
+        }
+    }
+
+    /// Makes later probes ask for vCPU `vcpu`'s TSC, read on that vCPU ([`Message::ProbeOn`];
+    /// the agent's own vCPU keeps the plain [`Message::Probe`]). Each vCPU keeps its own
+    /// unwrap reference.
+    ///
+    /// # Errors
+    /// [`ProbeError::UnknownVcpu`] for another vCPU than the agent's when it lacks
+    /// [`Features::SMP`]. An SMP agent refuses a vCPU it does not serve probe by probe.
+    pub fn select_vcpu(&mut self, vcpu: u32) -> Result<(), ProbeError> {
+        if vcpu != self.info.vcpu && !self.info.features.contains(Features::SMP) {
+            return Err(ProbeError::UnknownVcpu {
+                vcpu,
+                online: vec![self.info.vcpu],
+            });
+        }
+        if vcpu == self.target {
+            return Ok(());
+        }
+        let here = (self.target, self.reference.take());
+        match self.parked.iter_mut().find(|(v, _)| *v == vcpu) {
+            Some(slot) => {
+                self.reference = slot.1.take();
+                *slot = here;
+            }
+            None => self.parked.push(here),
+        }
+        self.target = vcpu;
+        Ok(())
+    }
+
+    /// The vCPU probes ask for.
+    pub const fn selected_vcpu(&self) -> u32 {
+        self.target
+    }
+
     /// One probe round trip. `Ok(None)` if this probe was lost (the agent answered with an
     /// error, or the reply could not be used); it is counted in [`SessionStats::lost_probes`]
     /// and, where there is one, under its reason.
@@ -327,10 +410,14 @@ impl<T: StampedTransport> ProbeSession<T> {
         let compact = self
             .reference
             .is_some_and(|r| now.0.saturating_sub(r.send.0) < UNWRAP_HORIZON);
-        let msg = if compact {
-            Message::Probe { seq }
-        } else {
-            Message::ProbeFull { seq }
+        let msg = match (self.target == self.info.vcpu, compact) {
+            (true, true) => Message::Probe { seq },
+            (true, false) => Message::ProbeFull { seq },
+            (false, full) => Message::ProbeOn {
+                seq,
+                vcpu: self.target,
+                full: !full,
+            },
         };
         let send = self.send(&msg)?;
         self.stats.sent += 1;
@@ -384,7 +471,7 @@ impl<T: StampedTransport> ProbeSession<T> {
                 _ => self.stats.unexpected += 1,
             }
         };
-        if vcpu != self.info.vcpu {
+        if vcpu != self.target {
             self.stats.wrong_vcpu += 1;
             return Ok(self.lost());
         }
@@ -878,6 +965,75 @@ mod tests {
         assert!(matches!(s.probe(), Err(ProbeError::Flooded { .. })));
         let stats = s.stats();
         assert_eq!((stats.flooded, stats.lost_probes), (3, 3), "{stats:?}");
+    }
+
+    #[test]
+    fn each_vcpu_is_probed_on_itself_with_its_own_unwrap_reference() {
+        let offset = 5_000_000;
+        let apart = 1 << 36;
+        let mut t = SimTransport::new(offset);
+        let clock = t.agent.clock_mut();
+        clock.peers = 0b101;
+        clock.peer_offset = apart;
+        let mut s = ProbeSession::hello(t, Duration::from_secs(1)).unwrap();
+        assert_eq!(s.vcpus().unwrap(), [0, 2, 3]);
+        // Interleaved rounds: each vCPU's compact replies unwrap against its own reference.
+        let mut progress = Progress::hidden();
+        for _ in 0..2 {
+            for v in [2, 0, 3] {
+                s.select_vcpu(v).unwrap();
+                assert_eq!(s.selected_vcpu(), v);
+                let samples = s.probe_round(8, Duration::ZERO, &mut progress).unwrap();
+                assert_eq!(samples.len(), 8, "vCPU {v}: {:?}", s.stats());
+                let truth = offset + if v == 3 { 0 } else { apart * u64::from(v) };
+                for x in &samples {
+                    assert_eq!(x.vcpu, v);
+                }
+                assert_sound(&samples, truth);
+            }
+        }
+        let stats = s.stats();
+        assert_eq!((stats.lost_probes, stats.wrong_vcpu), (0, 0), "{stats:?}");
+        // Only the first probe of each vCPU (and its own first, after the hello's reference)
+        // needed the full TSC.
+        assert_eq!(stats.compact_samples, 48 - 2, "{stats:?}");
+        // A vCPU the agent does not serve: its probes are refused, one by one.
+        s.select_vcpu(1).unwrap();
+        assert_eq!(s.probe().unwrap(), None);
+        assert_eq!(s.stats().lost_probes, 1);
+    }
+
+    #[test]
+    fn a_late_second_capabilities_does_not_answer_the_vcpu_list() {
+        // A hello said twice while the agent booted is answered twice: the second
+        // capabilities arrive after the session began and must be skipped, not taken for
+        // the vCPU list.
+        let mut t = SimTransport::new(3);
+        t.agent.clock_mut().peers = 0b11;
+        let mut buf = [0u8; MAX_FRAME_SIZE];
+        let caps = Message::Capabilities(Capabilities {
+            version: PROTOCOL_VERSION,
+            transport: vmtsync_core::proto::Transport::Memory,
+            features: Features::SMP,
+            vcpu: 3,
+            tsc: GuestTicks(1),
+            tsc_khz: None,
+        });
+        t.garbage = vec![encode_frame(&caps, &mut buf).unwrap().to_vec()];
+        let mut s = ProbeSession::hello(t, Duration::from_secs(1)).unwrap();
+        assert_eq!(s.vcpus().unwrap(), [0, 1, 3]);
+        assert_eq!(s.stats().unexpected, 1, "{:?}", s.stats());
+    }
+
+    #[test]
+    fn a_single_vcpu_agent_lists_itself_and_refuses_others_up_front() {
+        let mut s = ProbeSession::hello(SimTransport::new(3), Duration::from_secs(1)).unwrap();
+        assert_eq!(s.vcpus().unwrap(), [3]);
+        assert!(s.select_vcpu(3).is_ok());
+        assert!(matches!(
+            s.select_vcpu(0),
+            Err(ProbeError::UnknownVcpu { vcpu: 0, .. })
+        ));
     }
 
     #[test]

@@ -66,7 +66,7 @@ pub fn debug_exit_code(status: i32) -> Option<i32> {
 /// 0x10a" (IA32_ARCH_CAPABILITIES is refused), so that MSR's feature is turned off.
 #[must_use]
 pub fn command(machine: Machine, elf: &Path, append: &str, com2_log: &Path) -> Command {
-    command_with_com1(machine, elf, append, com2_log, &["-serial", "stdio"])
+    command_with_com1(machine, elf, append, com2_log, &["-serial", "stdio"], 1)
 }
 
 /// [`command`] with COM1 on a Unix socket QEMU listens on at `sock` (`server=on,wait=off`:
@@ -80,6 +80,20 @@ pub fn command_com1_socket(
     com2_log: &Path,
     sock: &Path,
 ) -> Command {
+    command_com1_socket_smp(machine, elf, append, com2_log, sock, 1)
+}
+
+/// [`command_com1_socket`] with `smp` vCPUs (`-smp N`; the agent starts the others itself,
+/// see docs/smp.md).
+#[must_use]
+pub fn command_com1_socket_smp(
+    machine: Machine,
+    elf: &Path,
+    append: &str,
+    com2_log: &Path,
+    sock: &Path,
+    smp: u32,
+) -> Command {
     let chardev = format!("socket,id=com1,path={},server=on,wait=off", sock.display());
     command_with_com1(
         machine,
@@ -87,6 +101,7 @@ pub fn command_com1_socket(
         append,
         com2_log,
         &["-chardev", &chardev, "-serial", "chardev:com1"],
+        smp,
     )
 }
 
@@ -96,6 +111,7 @@ fn command_with_com1(
     append: &str,
     com2_log: &Path,
     com1: &[&str],
+    smp: u32,
 ) -> Command {
     let mut c = Command::new(QEMU);
     match machine {
@@ -110,7 +126,7 @@ fn command_with_com1(
         "-m",
         "64M",
         "-smp",
-        "1",
+        smp.to_string().as_str(),
         "-display",
         "none",
         "-monitor",
@@ -157,7 +173,16 @@ mod tests {
             c.contains("-chardev socket,id=com1,path=/s,server=on,wait=off -serial chardev:com1"),
             "{c}"
         );
-        assert!(!c.contains("-serial stdio"), "{c}");
+        assert!(!c.contains("-serial stdio") && c.contains("-smp 1 "), "{c}");
+        let c = display(&command_com1_socket_smp(
+            Machine::Microvm,
+            elf,
+            "",
+            log,
+            Path::new("/s"),
+            4,
+        ));
+        assert!(c.contains("-smp 4 "), "{c}");
     }
 
     #[test]

@@ -2,12 +2,17 @@
 //! reads its vCPU's exact TSC mapping from KVM debugfs (`vmtsync kvm --json`), measures the
 //! offset with probes (`vmtsync probe --json`), and prints both next to the truth.
 //!
-//! Usage: `vmtsync-demo [--json] [--vmm auto|qemu|builtin|sim] [--no-skew]`
+//! Usage: `vmtsync-demo [--json] [--vmm auto|qemu|builtin|sim] [--no-skew] [--smp N]`
 //!
 //! The demo runs the real `vmtsync` program (the binary next to this one), so it shows exactly
 //! what a user runs. The agent boots with a skew picked from the host TSC now
 //! (`vmtsync_tests::truth::Skew::pick`: a large positive offset, rate 1.0001), so the probe
 //! has a non-trivial answer to find and a sign or rate error shows.
+//!
+//! Under QEMU the guest has `--smp N` vCPUs (default 2; the other VMMs run one): the agent
+//! brings up the others, each vCPU gets its own skew (`Skew::pick_per_vcpu`, `skewN=`), and
+//! `vmtsync probe --all-vcpus` syncs each on itself, so the table has a KVM row and probe
+//! rows per vCPU, each probe row checked against its own vCPU's truth (docs/smp.md).
 //!
 //! Truth: KVM's mapping of the vCPU read from debugfs by `vmtsync_tests::truth` while the VM
 //! runs, followed by the agent's skew, at the host TSC the probe's estimate refers to
@@ -26,7 +31,8 @@
 //! "ratio","frac_bits"}|null,"vcpus":[{"vcpu","method":"kvm"|"probe","offset_ticks",
 //! "bound_lo","bound_hi","truth_ticks","error_ticks","at_host_tsc","anchor"}]}` (`skew`,
 //! `at_host_tsc` and `anchor` were added to schema 1 without breaking its earlier keys;
-//! `at_host_tsc` and `anchor` are null on the kvm rows, whose offset holds at every instant).
+//! `at_host_tsc` and `anchor` are null on the kvm rows, whose offset holds at every instant;
+//! a key `"skews"`, every vCPU's skew in vCPU order, follows `vcpus`; `skew` is vCPU 0's).
 //! With a VM there are two probe rows: `probe`, what `vmtsync probe` does by default
 //! (exit-anchored through `kvm:kvm_pio` when it can be, `anchor` says), and `probe-ip`, the
 //! same probing stamped in the vmtsync process (`--anchor none`), so both widths show; the
@@ -52,7 +58,12 @@ use vmtsync_launch::qemu::{self, Machine, debug_exit_code};
 use vmtsync_launch::{ChildGuard, have_kvm, is_ci, is_root};
 use vmtsync_tests::truth::{GuestTruth, Skew};
 
-const USAGE: &str = "usage: vmtsync-demo [--json] [--vmm auto|qemu|builtin|sim] [--no-skew]";
+const USAGE: &str =
+    "usage: vmtsync-demo [--json] [--vmm auto|qemu|builtin|sim] [--no-skew] [--smp N]";
+
+/// vCPUs of the QEMU guest unless `--smp` says otherwise: the project's hosts have 2 cores,
+/// and parked application processors cost nothing while nobody probes them.
+const DEFAULT_SMP: u32 = 2;
 
 /// The isa-debug-exit code the agent is told to exit with after the probe's shutdown.
 const EXIT_CODE: u8 = 9;
@@ -85,6 +96,8 @@ struct DemoArgs {
     json: bool,
     vmm: Option<Vmm>,
     skew: bool,
+    /// `--smp N` (QEMU only).
+    smp: Option<u32>,
 }
 
 fn parse_args(args: &[String]) -> Result<DemoArgs> {
@@ -92,12 +105,19 @@ fn parse_args(args: &[String]) -> Result<DemoArgs> {
         json: false,
         vmm: None,
         skew: true,
+        smp: None,
     };
     let mut it = args.iter();
     while let Some(a) = it.next() {
         match a.as_str() {
             "--json" => d.json = true,
             "--no-skew" => d.skew = false,
+            "--smp" => {
+                d.smp = match it.next().and_then(|n| n.parse::<u32>().ok()) {
+                    Some(n @ 1..=8) => Some(n),
+                    other => bail!("--smp takes a vCPU count from 1 to 8, not {other:?}"),
+                }
+            }
             "--vmm" => {
                 d.vmm = match it.next().map(String::as_str) {
                     Some("auto") => None,
@@ -250,12 +270,17 @@ struct Paths<'a> {
     log: &'a Path,
 }
 
-/// Boots the agent under `vmm` with `skew`, COM1 reachable at `p.sock`; returns its guard.
-fn boot(vmm: Vmm, p: &Paths<'_>, skew: Option<Skew>) -> Result<ChildGuard> {
+/// Boots the agent under `vmm` with one skew per vCPU (none: `skews` empty), COM1 reachable
+/// at `p.sock`; returns its guard. `smp` vCPUs under QEMU; the other VMMs run one.
+fn boot(vmm: Vmm, p: &Paths<'_>, skews: &[Skew], smp: u32) -> Result<ChildGuard> {
     let mut append = format!("transport=uart exit={EXIT_CODE}");
-    if let Some(s) = skew {
+    for (v, s) in (0u32..).zip(skews) {
         append.push(' ');
-        append.push_str(&s.agent_option());
+        append.push_str(&if skews.len() == 1 {
+            s.agent_option()
+        } else {
+            s.agent_option_for(v)
+        });
     }
     let log_file = || std::fs::File::create(p.log).context("creating the VMM log");
     let spawn = |c: &mut Command| -> Result<ChildGuard> {
@@ -266,7 +291,8 @@ fn boot(vmm: Vmm, p: &Paths<'_>, skew: Option<Skew>) -> Result<ChildGuard> {
     };
     let (mut g, what) = match vmm {
         Vmm::Qemu => {
-            let mut c = qemu::command_com1_socket(Machine::Microvm, p.elf, &append, p.log, p.sock);
+            let mut c =
+                qemu::command_com1_socket_smp(Machine::Microvm, p.elf, &append, p.log, p.sock, smp);
             c.stdin(Stdio::null())
                 .stdout(Stdio::null())
                 .stderr(Stdio::null());
@@ -356,19 +382,22 @@ fn kvm_rows(vmtsync: &Path, pid: u32) -> Result<Vec<KvmRow>> {
     }
 }
 
-/// `vmtsync probe --connect unix:SOCK --json --shutdown`: the parsed schema-1 object.
-/// One `vmtsync probe --json` round with `--anchor anchor` (for `auto`, of the VM `vm`), ending
-/// the agent when `shutdown`.
+/// One `vmtsync probe --json` round with `--anchor anchor` (for `auto`, of the VM `vm`), of
+/// every vCPU with `all_vcpus`, ending the agent when `shutdown`: one schema-2 object per vCPU.
 fn probe(
     vmtsync: &Path,
     sock: &Path,
     anchor: &str,
     vm: Option<u32>,
     shutdown: bool,
-) -> Result<Value> {
+    all_vcpus: bool,
+) -> Result<Vec<Value>> {
     let mut c = Command::new(vmtsync);
     c.args(["probe", "--json", "--no-progress", "--probes", "64"])
         .args(["--anchor", anchor]);
+    if all_vcpus {
+        c.arg("--all-vcpus");
+    }
     if let Some(pid) = vm {
         c.args(["--vm", &pid.to_string()]);
     }
@@ -386,7 +415,11 @@ fn probe(
     for l in err.lines().filter(|l| l.contains("not exit-anchored")) {
         eprintln!("demo: {l}");
     }
-    serde_json::from_str(&out).with_context(|| format!("vmtsync probe --json printed: {out}"))
+    out.lines()
+        .map(|l| {
+            serde_json::from_str(l).with_context(|| format!("vmtsync probe --json printed: {out}"))
+        })
+        .collect()
 }
 
 /// The agent's COM2 log as text, for an error report. Under QEMU the file holds defmt frames,
@@ -445,6 +478,16 @@ struct SkewJson {
     frac_bits: u32,
 }
 
+impl SkewJson {
+    fn of(s: Skew) -> Self {
+        Self {
+            offset: s.0.offset(),
+            ratio: s.0.ratio(),
+            frac_bits: s.0.frac_bits(),
+        }
+    }
+}
+
 /// The `--json` line.
 #[derive(Debug, Serialize)]
 struct Report<'a> {
@@ -453,6 +496,7 @@ struct Report<'a> {
     transport: &'static str,
     skew: Option<SkewJson>,
     vcpus: &'a [Row],
+    skews: Vec<SkewJson>,
 }
 
 /// How long each phase took.
@@ -466,41 +510,51 @@ struct Timings {
 /// What one run measured.
 struct Measured {
     kvm: Vec<KvmRow>,
-    /// `vmtsync probe` as a user runs it: exit-anchored when it can be (`--anchor auto`).
-    probe: Value,
+    /// `vmtsync probe` as a user runs it: exit-anchored when it can be (`--anchor auto`); one
+    /// object per vCPU.
+    probe: Vec<Value>,
     /// The same probing stamped in the vmtsync process (`--anchor none`), for the widths side
-    /// by side; `None` in the simulation, where there are no exits.
-    in_process: Option<Value>,
-    truth: Truth,
+    /// by side; empty in the simulation, where there are no exits.
+    in_process: Vec<Value>,
+    /// Each vCPU's truth, by vCPU id.
+    truth: Vec<Truth>,
     timings: Timings,
 }
 
 /// Boots, scans debugfs (not in the simulation), probes, and waits for the agent to exit.
-fn run_vm(vmm: Vmm, p: &Paths<'_>, vmtsync: &Path, skew: Option<Skew>) -> Result<Measured> {
+fn run_vm(vmm: Vmm, p: &Paths<'_>, vmtsync: &Path, skews: &[Skew], smp: u32) -> Result<Measured> {
     let t = Instant::now();
-    let mut g = boot(vmm, p, skew)?;
+    let mut g = boot(vmm, p, skews, smp)?;
     let pid = g.pid();
     let boot_time = t.elapsed();
     let t = Instant::now();
     let (kvm, truth) = if vmm == Vmm::Sim {
-        (Vec::new(), Truth::Sim(SIM_SKEW))
+        (Vec::new(), vec![Truth::Sim(SIM_SKEW)])
     } else {
         let kvm = kvm_rows(vmtsync, pid)?;
         // The truth's KVM side, read again here through the library's debugfs reader
         // independently of what `vmtsync kvm` printed.
-        let truth = GuestTruth::read(pid, 0, skew).context("reading the truth from debugfs")?;
-        (kvm, Truth::Vm(truth))
+        let truth = (0..smp)
+            .map(|v| {
+                let skew = skews.get(usize::try_from(v).unwrap_or(usize::MAX)).copied();
+                GuestTruth::read(pid, v, skew)
+                    .map(Truth::Vm)
+                    .context("reading the truth from debugfs")
+            })
+            .collect::<Result<Vec<_>>>()?;
+        (kvm, truth)
     };
+    let all = smp > 1;
     let scan = t.elapsed();
     let t = Instant::now();
     let (in_process, probe) = if vmm == Vmm::Sim {
-        (None, probe(vmtsync, p.sock, "none", None, true)?)
+        (Vec::new(), probe(vmtsync, p.sock, "none", None, true, all)?)
     } else {
         // In-process first (the agent keeps serving), then what a user gets by default.
-        let in_process = probe(vmtsync, p.sock, "none", None, false)?;
+        let in_process = probe(vmtsync, p.sock, "none", None, false, all)?;
         (
-            Some(in_process),
-            probe(vmtsync, p.sock, "auto", Some(pid), true)?,
+            in_process,
+            probe(vmtsync, p.sock, "auto", Some(pid), true, all)?,
         )
     };
     let probe_time = t.elapsed();
@@ -567,7 +621,21 @@ fn demo(a: &DemoArgs) -> Result<()> {
         vmtsync_launch::agent::build(BuildOutput::Shown)?
     };
     let built = t0.elapsed();
-    let skew = (a.skew && vmm != Vmm::Sim).then(Skew::pick);
+    let smp = match (vmm, a.smp) {
+        (Vmm::Qemu, n) => n.unwrap_or(DEFAULT_SMP),
+        (_, None | Some(1)) => 1,
+        (other, Some(_)) => bail!("--smp needs QEMU; the {} VMM runs one vCPU", other.name()),
+    };
+    let skews = if a.skew && vmm != Vmm::Sim {
+        if smp == 1 {
+            vec![Skew::pick()]
+        } else {
+            Skew::pick_per_vcpu(smp)
+        }
+    } else {
+        Vec::new()
+    };
+    let skew = skews.first().copied();
 
     let dir = tempfile::Builder::new()
         .prefix("vmtsync-demo-")
@@ -579,7 +647,7 @@ fn demo(a: &DemoArgs) -> Result<()> {
         sock: &sock,
         log: &log,
     };
-    let m = run_vm(vmm, &paths, &vmtsync, skew)
+    let m = run_vm(vmm, &paths, &vmtsync, &skews, smp)
         .with_context(|| format!("agent log (COM2):\n{}", agent_log_text(vmm, &elf, &log)))?;
     let total = t0.elapsed();
 
@@ -600,17 +668,22 @@ fn demo(a: &DemoArgs) -> Result<()> {
             anchor: None,
         })
         .collect();
-    let mut checked: Result<(), String> = Ok(());
-    for (method, json) in [
-        ("probe-ip", m.in_process.as_ref()),
-        ("probe", Some(&m.probe)),
-    ] {
-        let Some(json) = json else { continue };
-        let (row, ok) = probe_row(method, json, &m.truth)?;
-        if checked.is_ok() {
-            checked = ok.map(|_| ()).map_err(|e| format!("{method}: {e}"));
+    let mut failures = Vec::new();
+    for (method, objects) in [("probe-ip", &m.in_process), ("probe", &m.probe)] {
+        for json in objects {
+            let (row, ok) = probe_row(method, json, &m.truth)?;
+            if let Err(e) = ok {
+                failures.push(format!("{method} vcpu {}: {e}", row.vcpu));
+            }
+            rows.push(row);
         }
-        rows.push(row);
+    }
+    if m.probe.len() != m.truth.len() {
+        failures.push(format!(
+            "{} vCPUs answered probes, the VM has {}",
+            m.probe.len(),
+            m.truth.len()
+        ));
     }
 
     let (transport, path) = match vmm {
@@ -626,36 +699,42 @@ fn demo(a: &DemoArgs) -> Result<()> {
             schema: 1,
             vmm: vmm.name(),
             transport,
-            skew: skew.map(|s| SkewJson {
-                offset: s.0.offset(),
-                ratio: s.0.ratio(),
-                frac_bits: s.0.frac_bits(),
-            }),
+            skew: skew.map(SkewJson::of),
             vcpus: &rows,
+            skews: skews.iter().copied().map(SkewJson::of).collect(),
         };
         println!("{}", serde_json::to_string(&report)?);
     } else {
-        print_text(vmm, &why, transport, path, skew, &m, &rows);
+        print_text(vmm, &why, transport, path, &skews, &m, &rows);
     }
     let t = &m.timings;
     eprintln!(
         "demo: agent build {built:.1?}, boot until agent reachable {:.1?}, debugfs scan {:.1?}, probe {:.1?}, VM exit {:.1?}; total {total:.1?}",
         t.boot, t.scan, t.probe, t.exit
     );
-    checked.map_err(|e| anyhow::anyhow!("FAILED: {e}"))
+    if failures.is_empty() {
+        Ok(())
+    } else {
+        bail!("FAILED: {}", failures.join("; "))
+    }
 }
 
-/// A probe row from `vmtsync probe --json`, and whether the truth lies in its bounds.
+/// A probe row from `vmtsync probe --json`, and whether its vCPU's truth lies in its bounds.
 fn probe_row(
     method: &'static str,
     p: &Value,
-    truth: &Truth,
+    truths: &[Truth],
 ) -> Result<(Row, Result<i128, String>)> {
     let get = |k: &str| p[k].as_i64().with_context(|| format!("probe JSON: {k}"));
     let (off, lo, hi) = (get("offset_ticks")?, get("bound_lo")?, get("bound_hi")?);
     let at = p["at_host_tsc"]
         .as_u64()
         .context("probe JSON: at_host_tsc")?;
+    let vcpu = p["vcpu"].as_u64().context("probe JSON: vcpu")?;
+    let truth = usize::try_from(vcpu)
+        .ok()
+        .and_then(|v| truths.get(v))
+        .with_context(|| format!("probe JSON: vcpu {vcpu} is not a vCPU of the VM"))?;
     let checked = truth.check(HostTicks(at), lo, hi);
     let t = match (&checked, truth) {
         (Ok(t), _) => *t,
@@ -663,7 +742,7 @@ fn probe_row(
         (Err(_), Truth::Sim(s)) => i128::from(*s),
     };
     let row = Row {
-        vcpu: p["vcpu"].as_u64().context("probe JSON: vcpu")?,
+        vcpu,
         method,
         offset_ticks: off,
         bound_lo: lo,
@@ -682,37 +761,41 @@ fn print_text(
     why: &str,
     transport: &str,
     path: &str,
-    skew: Option<Skew>,
+    skews: &[Skew],
     m: &Measured,
     rows: &[Row],
 ) {
     println!("vmtsync demo: VMM {} ({why})", vmm.name());
     println!("transport: {transport} ({path})");
-    match (&m.truth, skew) {
-        (Truth::Sim(s), _) => {
-            println!("truth: the loopback agent's offset, {s} ticks; no VM, so no KVM row");
-        }
-        (Truth::Vm(t), s) => {
-            let kvm = t.kvm;
-            println!(
-                "kvm: vcpu0 guest TSC = {} + (host TSC * {}) >> {} (debugfs, exact)",
-                kvm.offset(),
-                kvm.ratio(),
-                kvm.frac_bits()
-            );
-            match s {
-                Some(s) => println!(
-                    "skew: the agent reports {} + (its TSC * {}) >> {} (offset from the host TSC now, rate 1.0001)",
-                    s.0.offset(),
-                    s.0.ratio(),
-                    s.0.frac_bits()
-                ),
-                None => println!("skew: none (--no-skew)"),
+    for (v, truth) in m.truth.iter().enumerate() {
+        match truth {
+            Truth::Sim(s) => {
+                println!("truth: the loopback agent's offset, {s} ticks; no VM, so no KVM row");
             }
-            println!(
-                "truth: the kvm mapping, then the skew, at each probe's host TSC (column truth)"
-            );
+            Truth::Vm(t) => {
+                let kvm = t.kvm;
+                println!(
+                    "kvm: vcpu{v} guest TSC = {} + (host TSC * {}) >> {} (debugfs, exact)",
+                    kvm.offset(),
+                    kvm.ratio(),
+                    kvm.frac_bits()
+                );
+                match skews.get(v) {
+                    Some(s) => println!(
+                        "skew: vcpu{v}'s agent reports {} + (its TSC * {}) >> {} (offset from the host TSC now, rate 1.0001)",
+                        s.0.offset(),
+                        s.0.ratio(),
+                        s.0.frac_bits()
+                    ),
+                    None => println!("skew: none (--no-skew)"),
+                }
+            }
         }
+    }
+    if matches!(m.truth.first(), Some(Truth::Vm(_))) {
+        println!(
+            "truth: each vCPU's kvm mapping, then its skew, at each probe's host TSC (column truth)"
+        );
     }
     println!(
         "{:>4}  {:<8} {:>14}  {:>31}  {:>10}  {:>14}  {:>8}  stamps",
@@ -731,9 +814,10 @@ fn print_text(
             r.anchor.as_deref().unwrap_or("debugfs")
         );
     }
+    // vCPU 0's rows, the vCPU the agent itself runs on.
     let width = |method: &str| {
         rows.iter()
-            .find(|r| r.method == method)
+            .find(|r| r.method == method && r.vcpu == 0)
             .map(|r| i128::from(r.bound_hi) - i128::from(r.bound_lo))
     };
     if let (Some(ip), Some(p)) = (width("probe-ip"), width("probe")) {
@@ -746,15 +830,17 @@ fn print_text(
             ip as f64 / p.max(1) as f64
         );
     }
-    let p = &m.probe;
-    println!(
-        "probe: {} probes, model {}, rtt min {} median {} ticks; trace-cmd fastest-RTT estimate {} ticks",
-        p["probes"],
-        p["model"].as_str().unwrap_or("?"),
-        p["rtt_min_ticks"],
-        p["rtt_median_ticks"],
-        p["tracecmd_fastest_rtt_offset"]
-    );
+    for p in &m.probe {
+        println!(
+            "probe vcpu {}: {} probes, model {}, rtt min {} median {} ticks; trace-cmd fastest-RTT estimate {} ticks",
+            p["vcpu"],
+            p["probes"],
+            p["model"].as_str().unwrap_or("?"),
+            p["rtt_min_ticks"],
+            p["rtt_median_ticks"],
+            p["tracecmd_fastest_rtt_offset"]
+        );
+    }
 }
 
 #[cfg(test)]
@@ -781,11 +867,12 @@ mod tests {
             transport: "uart",
             skew: None,
             vcpus: &rows,
+            skews: Vec::new(),
         })
         .unwrap();
         assert_eq!(
             line,
-            r#"{"schema":1,"vmm":"qemu","transport":"uart","skew":null,"vcpus":[{"vcpu":0,"method":"probe","offset_ticks":-5,"bound_lo":-9,"bound_hi":2,"truth_ticks":0,"error_ticks":-5,"at_host_tsc":7,"anchor":"kvm-pio-uart"}]}"#
+            r#"{"schema":1,"vmm":"qemu","transport":"uart","skew":null,"vcpus":[{"vcpu":0,"method":"probe","offset_ticks":-5,"bound_lo":-9,"bound_hi":2,"truth_ticks":0,"error_ticks":-5,"at_host_tsc":7,"anchor":"kvm-pio-uart"}],"skews":[]}"#
         );
     }
 
@@ -798,6 +885,31 @@ mod tests {
         assert!(!parse_args(&s(&["--no-skew"])).unwrap().skew);
         assert!(parse_args(&s(&["--vmm", "xen"])).is_err());
         assert!(parse_args(&s(&["--fast"])).is_err());
+        assert_eq!(parse_args(&s(&["--smp", "4"])).unwrap().smp, Some(4));
+        assert!(parse_args(&s(&["--smp", "0"])).is_err());
+        assert!(parse_args(&s(&["--smp", "9"])).is_err());
+        assert!(parse_args(&s(&["--smp"])).is_err());
+    }
+
+    #[test]
+    fn each_probe_row_is_checked_against_its_own_vcpus_truth() {
+        let truths = [Truth::Sim(100), Truth::Sim(5_000)];
+        let p = |vcpu: u64| {
+            serde_json::json!({"vcpu": vcpu, "offset_ticks": 4_990, "bound_lo": 4_980,
+                               "bound_hi": 5_010, "at_host_tsc": 1})
+        };
+        let (row, checked) = probe_row("probe", &p(1), &truths).unwrap();
+        assert_eq!(
+            (row.vcpu, row.truth_ticks, row.error_ticks),
+            (1, 5_000, -10)
+        );
+        assert_eq!(checked, Ok(5_000));
+        let (row, checked) = probe_row("probe", &p(0), &truths).unwrap();
+        assert!(checked.is_err() && row.truth_ticks == 100, "{row:?}");
+        assert!(
+            probe_row("probe", &p(2), &truths).is_err(),
+            "no vCPU 2 in the VM"
+        );
     }
 
     #[test]

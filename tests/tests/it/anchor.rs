@@ -71,6 +71,7 @@ fn anchor_options(vm: u32) -> AnchorOptions {
 #[test]
 fn anchored_probes_bracket_a_skewed_truth_in_every_session() {
     let test = "anchored_probes_bracket_a_skewed_truth_in_every_session";
+    let _one_instance = vmtsync_tests::anchor_lock();
     if !prerequisites(test) {
         return;
     }
@@ -261,6 +262,7 @@ fn sync_port_anchored_probes_over_vsock_bracket_a_skewed_truth() {
     use vmtsync_tests::vmm::vsock::{VsockRig, vhost_device_vsock_for};
 
     let test = "sync_port_anchored_probes_over_vsock_bracket_a_skewed_truth";
+    let _one_instance = vmtsync_tests::anchor_lock();
     if !prerequisites(test)
         || !require(
             test,

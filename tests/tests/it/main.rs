@@ -15,6 +15,7 @@ mod probe;
 mod probe_bench;
 mod record;
 mod smoke;
+mod smp;
 mod sync_crash;
 mod tracedat;
 mod vsock;

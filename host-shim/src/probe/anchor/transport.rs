@@ -132,7 +132,9 @@ impl<T: StampedTransport> AnchoredTransport<T> {
     fn probe_seq(&self) -> Option<u8> {
         let mut frame = self.request.clone();
         match decode_frame(&mut frame) {
-            Ok(Message::Probe { seq } | Message::ProbeFull { seq }) => Some(seq),
+            Ok(
+                Message::Probe { seq } | Message::ProbeFull { seq } | Message::ProbeOn { seq, .. },
+            ) => Some(seq),
             _ => None,
         }
     }

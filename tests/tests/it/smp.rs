@@ -1,0 +1,411 @@
+//! Every vCPU of an SMP guest (tier 2: /dev/kvm, QEMU, debugfs): the agent under QEMU microvm
+//! `-smp 4` brings up its application processors, each with its own software skew, and
+//! `vmtsync probe --all-vcpus` / `--vcpu 2` sync them one by one over COM1. The truth of each
+//! vCPU is its debugfs mapping, then its own skew; it must lie inside that vCPU's guaranteed
+//! interval in every session. Idle application processors must be parked (`hlt`), not spin:
+//! their vCPU threads may use next to no host CPU while nobody probes. Exit-anchored
+//! (`--anchor kvm-pio`) `--all-vcpus` sessions must hold every vCPU's truth as well.
+
+use std::path::Path;
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use vmtsync::debugfs::{DEFAULT_KVM_DEBUGFS, KvmDebugfs};
+use vmtsync::probe::anchor::{AnchorMode, AnchorOptions};
+use vmtsync::probe::{ProbeAddr, ProbeError, ProbeOptions, VcpuChoice, run_probe};
+use vmtsync::scan::VmSelector;
+use vmtsync_core::HostTicks;
+use vmtsync_tests::truth::{GuestTruth, Skew, truth_ready};
+use vmtsync_tests::vmm::agent_elf;
+use vmtsync_tests::vmm::qemu::{self, debug_exit_status, have_qemu};
+use vmtsync_tests::{ChildGuard, have_kvm, require};
+
+/// vCPUs of the guest.
+const VCPUS: u32 = 4;
+
+/// One vCPU's result as `vmtsync probe --json` prints it.
+#[derive(Debug)]
+struct Row {
+    vcpu: u32,
+    offset: i64,
+    lo: i64,
+    hi: i64,
+    at: HostTicks,
+    probes: u64,
+    rtt_min: u64,
+    anchor: String,
+}
+
+/// Parses `--json` output: one schema-2 object per line.
+fn rows(out: &[u8]) -> Vec<Row> {
+    let text = std::str::from_utf8(out).unwrap();
+    print!("{text}");
+    text.lines()
+        .map(|l| {
+            let j: serde_json::Value = serde_json::from_str(l).expect("one JSON object per line");
+            assert_eq!(j["schema"], 2, "{l}");
+            let i = |k: &str| j[k].as_i64().unwrap_or_else(|| panic!("{k} in {l}"));
+            let u = |k: &str| j[k].as_u64().unwrap_or_else(|| panic!("{k} in {l}"));
+            Row {
+                vcpu: u32::try_from(u("vcpu")).unwrap(),
+                offset: i("offset_ticks"),
+                lo: i("bound_lo"),
+                hi: i("bound_hi"),
+                at: HostTicks(u("at_host_tsc")),
+                probes: u("probes"),
+                rtt_min: u("rtt_min_ticks"),
+                anchor: j["anchor"].as_str().unwrap_or("in-process").to_owned(),
+            }
+        })
+        .collect()
+}
+
+/// Each vCPU's truth: its debugfs mapping, then its skew (read while the VM runs).
+fn truths(pid: u32, skews: &[Skew]) -> Vec<GuestTruth> {
+    (0..VCPUS)
+        .zip(skews)
+        .map(|(v, s)| GuestTruth::read(pid, v, Some(*s)).expect("truth from debugfs"))
+        .collect()
+}
+
+/// Checks each vCPU's row against that vCPU's truth.
+fn check_all(truths: &[GuestTruth], rows: &[Row], session: &str) {
+    for r in rows {
+        let truth = truths[usize::try_from(r.vcpu).unwrap()];
+        let at = truth
+            .check(r.at, r.lo, r.hi)
+            .unwrap_or_else(|e| panic!("{session}, vcpu {}: {e}", r.vcpu));
+        println!(
+            "{session}: vcpu {} offset error {:+}, width {}, rtt min {}, {}",
+            r.vcpu,
+            i128::from(r.offset) - at,
+            r.hi.abs_diff(r.lo),
+            r.rtt_min,
+            r.anchor
+        );
+        assert_eq!(r.probes, 64, "{session}: {r:?}");
+    }
+}
+
+/// Host CPU ticks (utime + stime, clock ticks) of thread `tid` of process `pid`.
+fn cpu_ticks(pid: u32, tid: u32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/stat"))
+        .expect("the vCPU thread's stat");
+    // Fields after the parenthesised command name, which may itself hold spaces.
+    let rest = &stat[stat.rfind(')').expect("comm ends with ')'") + 2..];
+    let f: Vec<&str> = rest.split(' ').collect();
+    // utime and stime are fields 14 and 15 of stat(5), 12 and 13 after "pid (comm) ".
+    f[11].parse::<u64>().unwrap() + f[12].parse::<u64>().unwrap()
+}
+
+/// The host thread of every vCPU of QEMU process `pid`, from debugfs.
+fn vcpu_threads(pid: u32) -> Vec<(u32, u32)> {
+    let debugfs = KvmDebugfs::open(DEFAULT_KVM_DEBUGFS).expect("debugfs");
+    let vm = debugfs
+        .vms()
+        .expect("VMs")
+        .into_iter()
+        .find(|v| v.id.pid == pid)
+        .expect("QEMU's VM");
+    debugfs
+        .read_vm(&vm)
+        .expect("vCPUs")
+        .into_iter()
+        .filter_map(|s| Some((s.vcpu, s.thread_pid?)))
+        .collect()
+}
+
+fn prerequisites(test: &str) -> bool {
+    require(test, have_kvm(), "/dev/kvm is not accessible read-write")
+        && require(
+            test,
+            have_qemu(),
+            "qemu-system-x86_64 is missing (apt-get install qemu-system-x86)",
+        )
+        && truth_ready(test)
+}
+
+/// QEMU microvm with [`VCPUS`] vCPUs running the agent (`extra` boot options), vCPU N with
+/// `skews[N]`, COM1 on a socket in `dir`; returns the guard and the probe options for that
+/// socket.
+fn boot(dir: &Path, skews: &[Skew], extra: &str) -> (ChildGuard, ProbeOptions) {
+    let elf = agent_elf().expect("agent builds");
+    let sock = dir.join("com1.sock");
+    let com2 = dir.join("com2.log");
+    let options: Vec<String> = (0..VCPUS)
+        .zip(skews)
+        .map(|(v, s)| s.agent_option_for(v))
+        .collect();
+    let append = format!("transport=uart exit=9 {extra} {}", options.join(" "));
+    let child =
+        qemu::command_com1_socket_smp(qemu::Machine::Microvm, &elf, &append, &com2, &sock, VCPUS)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("qemu starts");
+    let mut opts =
+        ProbeOptions::new(ProbeAddr::parse(&format!("unix:{}", sock.display())).unwrap());
+    opts.progress = false;
+    opts.timeout = Duration::from_secs(20);
+    opts.connect_timeout = Duration::from_secs(20);
+    opts.json = true;
+    opts.vcpus = VcpuChoice::All;
+    (ChildGuard::new(child), opts)
+}
+
+/// The agent's COM2 log, decoded, after `e`.
+fn log(dir: &Path, e: &dyn std::fmt::Display) -> String {
+    let elf = agent_elf().expect("agent builds");
+    format!(
+        "{e}; COM2 log:\n{}",
+        vmtsync_tests::vmm::defmt_log::decode_file_text(&elf, &dir.join("com2.log"))
+    )
+}
+
+#[test]
+fn every_vcpu_of_a_four_vcpu_guest_is_synced_on_itself() {
+    let test = "every_vcpu_of_a_four_vcpu_guest_is_synced_on_itself";
+    if !prerequisites(test) {
+        return;
+    }
+    let tmp_dir = tempfile::Builder::new()
+        .prefix(&format!("vmtsync-{test}-"))
+        .tempdir()
+        .unwrap();
+    let dir = tmp_dir.path();
+    let skews = Skew::pick_per_vcpu(VCPUS);
+    let (mut guard, mut opts) = boot(dir, &skews, "");
+    let log = |e: &dyn std::fmt::Display| log(dir, e);
+
+    // Session 1: every vCPU, one JSON object each.
+    let mut out = Vec::new();
+    let last = run_probe(&opts, &mut out).unwrap_or_else(|e| panic!("{}", log(&e)));
+    let all = rows(&out);
+    let vcpus: Vec<u32> = all.iter().map(|r| r.vcpu).collect();
+    assert_eq!(vcpus, [0, 1, 2, 3]);
+    assert_eq!(last.vcpu, 3);
+    let pid = guard.pid();
+    let truth = truths(pid, &skews);
+    check_all(&truth, &all, "session 1 (--all-vcpus)");
+
+    // Nobody probes now: every application processor must sit in `hlt`. A spinning vCPU
+    // thread would use most of a host core over the second measured here; a parked one
+    // uses (almost) none. The bar is a tenth of the elapsed ticks.
+    let threads = vcpu_threads(pid);
+    assert_eq!(threads.len(), 4, "{threads:?}");
+    let before: Vec<u64> = threads.iter().map(|&(_, t)| cpu_ticks(pid, t)).collect();
+    let started = Instant::now();
+    std::thread::sleep(Duration::from_secs(1));
+    // /proc counts in USER_HZ clock ticks, 100 per second on Linux.
+    let elapsed_ticks = u64::try_from(started.elapsed().as_millis() / 10).unwrap();
+    for (&(vcpu, tid), b) in threads.iter().zip(&before) {
+        let used = cpu_ticks(pid, tid) - b;
+        println!("idle vcpu {vcpu} (thread {tid}): {used} of {elapsed_ticks} clock ticks");
+        if vcpu != 0 {
+            assert!(
+                used * 10 <= elapsed_ticks,
+                "vcpu {vcpu} used {used} of {elapsed_ticks} ticks while idle: not parked"
+            );
+        }
+    }
+
+    // Session 2: vCPU 2 alone.
+    opts.vcpus = VcpuChoice::One(2);
+    let mut out = Vec::new();
+    run_probe(&opts, &mut out).unwrap_or_else(|e| panic!("{}", log(&e)));
+    let two = rows(&out);
+    assert_eq!(two.len(), 1);
+    assert_eq!(two[0].vcpu, 2);
+    check_all(&truth, &two, "session 2 (--vcpu 2)");
+
+    // Session 3: all again, then shut the agent down; a vCPU it lacks is refused up front.
+    opts.vcpus = VcpuChoice::One(VCPUS);
+    let err = run_probe(&opts, &mut Vec::new()).unwrap_err();
+    assert!(
+        matches!(err, ProbeError::UnknownVcpu { vcpu: VCPUS, ref online }
+            if online == &[0, 1, 2, 3]),
+        "{err}"
+    );
+    opts.vcpus = VcpuChoice::All;
+    opts.shutdown = true;
+    let mut out = Vec::new();
+    run_probe(&opts, &mut out).unwrap_or_else(|e| panic!("{}", log(&e)));
+    let again = rows(&out);
+    assert_eq!(again.len(), 4);
+    check_all(&truth, &again, "session 3 (--all-vcpus)");
+    wait_exit(&mut guard);
+}
+
+/// Waits (bounded) for QEMU to end through isa-debug-exit with the agent's `exit=9`.
+fn wait_exit(guard: &mut ChildGuard) {
+    let end = Instant::now() + Duration::from_secs(20);
+    let status = loop {
+        if let Some(st) = guard.child().try_wait().expect("wait qemu") {
+            break st;
+        }
+        assert!(Instant::now() < end, "qemu did not exit after shutdown");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(status.code(), Some(debug_exit_status(9)));
+}
+
+/// `--all-vcpus --anchor kvm-pio` sessions: every vCPU's host bracket comes from the host
+/// kernel's `kvm_pio` stamps of the BSP's COM1 exits (the AP's read lies between them:
+/// docs/smp.md), and every vCPU's truth lies inside its interval in every session.
+#[test]
+fn exit_anchored_probes_of_every_vcpu_hold_their_truths() {
+    let test = "exit_anchored_probes_of_every_vcpu_hold_their_truths";
+    let _one_instance = vmtsync_tests::anchor_lock();
+    if !prerequisites(test)
+        || !require(
+            test,
+            vmtsync::ftrace::find_tracefs(None, vmtsync::probe::anchor::EVENT).is_ok(),
+            "no tracefs with events/kvm/kvm_pio (mount tracefs, load kvm)",
+        )
+    {
+        return;
+    }
+    let tmp_dir = tempfile::Builder::new()
+        .prefix(&format!("vmtsync-{test}-"))
+        .tempdir()
+        .unwrap();
+    let dir = tmp_dir.path();
+    let skews = Skew::pick_per_vcpu(VCPUS);
+    let (mut guard, mut opts) = boot(dir, &skews, "");
+    let pid = guard.pid();
+    opts.anchor = AnchorOptions {
+        mode: AnchorMode::KvmPio,
+        vm: Some(VmSelector::Pid(pid)),
+        ..AnchorOptions::default()
+    };
+    let mut truth = None;
+    for k in 0..3 {
+        opts.shutdown = k == 2;
+        let mut out = Vec::new();
+        run_probe(&opts, &mut out).unwrap_or_else(|e| panic!("{}", log(dir, &e)));
+        // The VM exists once a session ran (and still runs: the last one shuts it down).
+        let truth = truth.get_or_insert_with(|| truths(pid, &skews));
+        let all = rows(&out);
+        assert_eq!(all.iter().map(|r| r.vcpu).collect::<Vec<_>>(), [0, 1, 2, 3]);
+        assert!(all.iter().all(|r| r.anchor == "kvm-pio-uart"), "{all:?}");
+        check_all(truth, &all, &format!("anchored session {k}"));
+    }
+    wait_exit(&mut guard);
+}
+
+/// The sync-port variant on an SMP guest (`syncport=0x2400`, its brackets matched on the
+/// probe's sequence number): each application processor does the `in` and the `out` around
+/// its own TSC read, so the bracket of a probe of vCPU N comes from vCPU N's own exits, and
+/// every sample of every vCPU must bracket that vCPU's truth.
+#[test]
+fn sync_port_brackets_come_from_each_vcpus_own_exits() {
+    use vmtsync::probe::anchor::{AnchorKind, DEFAULT_SYNC_PORT, Matcher, prepare_matcher};
+    use vmtsync::probe::connect::{ConnectOptions, connect_until_stopped};
+    use vmtsync::probe::{ProbeSession, ProbeSummary, Progress};
+    use vmtsync_core::proto::Features;
+
+    let test = "sync_port_brackets_come_from_each_vcpus_own_exits";
+    let _one_instance = vmtsync_tests::anchor_lock();
+    if !prerequisites(test)
+        || !require(
+            test,
+            vmtsync::ftrace::find_tracefs(None, vmtsync::probe::anchor::EVENT).is_ok(),
+            "no tracefs with events/kvm/kvm_pio (mount tracefs, load kvm)",
+        )
+    {
+        return;
+    }
+    let tmp_dir = tempfile::Builder::new()
+        .prefix(&format!("vmtsync-{test}-"))
+        .tempdir()
+        .unwrap();
+    let dir = tmp_dir.path();
+    let skews = Skew::pick_per_vcpu(VCPUS);
+    let (mut guard, opts) = boot(dir, &skews, &format!("syncport={DEFAULT_SYNC_PORT:#x}"));
+    let pid = guard.pid();
+    let step = Duration::from_secs(20);
+    let inner = connect_until_stopped(
+        &opts.addr,
+        &ConnectOptions {
+            connect_timeout: step,
+            io_timeout: step,
+        },
+        None,
+    )
+    .expect("connects");
+    let anchor = AnchorOptions {
+        mode: AnchorMode::KvmPio,
+        vm: Some(VmSelector::Pid(pid)),
+        ..AnchorOptions::default()
+    };
+    let mut t = prepare_matcher(
+        Matcher::SyncPort {
+            port: DEFAULT_SYNC_PORT,
+        },
+        &anchor,
+        step,
+        &mut |m| panic!("{m}"),
+    )
+    .expect("anchoring is possible here")
+    .wrap(inner);
+    let mut s = ProbeSession::hello(&mut t, step).unwrap_or_else(|e| panic!("{}", log(dir, &e)));
+    let info = *s.info();
+    assert!(
+        info.features
+            .contains(Features::SYNC_PORT.union(Features::SMP)),
+        "{:?}",
+        info.features
+    );
+    let truth = truths(pid, &skews);
+    assert_eq!(s.vcpus().unwrap(), [0, 1, 2, 3]);
+    let mut total = 0;
+    for v in 0..VCPUS {
+        s.select_vcpu(v).unwrap();
+        let before = s.stats();
+        let samples = s
+            .probe_round(64, Duration::ZERO, &mut Progress::hidden())
+            .unwrap_or_else(|e| panic!("{}", log(dir, &e)));
+        let stats = s.stats();
+        assert_eq!(stats.anchor, AnchorKind::KvmPioSyncPort);
+        let t = truth[usize::try_from(v).unwrap()];
+        for x in &samples {
+            assert_eq!(x.vcpu, v);
+            assert!(
+                t.in_bracket(x.host_send, x.guest, x.host_recv),
+                "vcpu {v}: guest TSC {} outside its sync-port bracket [{}, {}] by the truth",
+                x.guest.0,
+                x.host_send.0,
+                x.host_recv.0
+            );
+        }
+        let sum = ProbeSummary::from_samples(&info, &samples, stats)
+            .unwrap_or_else(|e| panic!("vcpu {v}: {e:?}: {stats:?}"));
+        let at = t
+            .check(sum.at_host, sum.bound_lo, sum.bound_hi)
+            .unwrap_or_else(|e| panic!("vcpu {v}: {e}"));
+        println!(
+            "sync port: vcpu {v} {} samples ({} lost), width {}, error {:+}, rtt min {}",
+            samples.len(),
+            stats.lost_probes - before.lost_probes,
+            sum.width(),
+            i128::from(sum.offset) - at,
+            sum.rtt.min
+        );
+        assert!(samples.len() >= 32, "vcpu {v}: {stats:?}");
+        total += samples.len() as u64;
+    }
+    let (bye, _) = s
+        .request(&vmtsync_core::proto::Message::Shutdown)
+        .expect("exiting");
+    assert_eq!(bye, vmtsync_core::proto::Message::Exiting);
+    drop(s);
+    // Every sample's bracket is a sync-port match: none fell back to in-process stamps.
+    assert!(
+        t.stats().matched >= total,
+        "{:?}, {total} samples",
+        t.stats()
+    );
+    drop(t);
+    wait_exit(&mut guard);
+}

@@ -7,6 +7,7 @@ use clap::{Parser, Subcommand};
 use super::convert::{ConvertArgs, run_convert};
 use super::exit::{CliError, EXIT_CODES};
 use super::kvm::{KvmArgs, run_kvm};
+use super::plot::{PlotArgs, run_plot_cmd};
 use super::probe::run_probe_cmd;
 use super::record::{RecordArgs, run_record_cmd};
 use super::tsc::{TscCommand, run_tsc};
@@ -67,6 +68,11 @@ pub enum Command {
     /// cleanly; everything received is written.
     #[command(after_help = EXIT_CODES)]
     Record(RecordArgs),
+    /// Draw a sync file as an SVG: per vCPU, the offset estimate and its guaranteed interval
+    /// over host time, exit-anchored and in-process segments in their own colours, segment
+    /// breaks marked.
+    #[command(after_help = EXIT_CODES)]
+    Plot(PlotArgs),
     /// TSC mapping arithmetic.
     #[command(subcommand)]
     Tsc(TscCommand),
@@ -97,6 +103,7 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
         Command::Convert(a) => run_convert(&a),
         Command::Probe(a) => run_probe_cmd(&a),
         Command::Record(a) => run_record_cmd(&a),
+        Command::Plot(a) => run_plot_cmd(&a),
         Command::Tsc(c) => run_tsc(&c),
     }
 }
@@ -197,5 +204,10 @@ mod tests {
             .is_ok()
         );
         assert!(p(&["vmtsync", "probe"]).is_err(), "--connect is required");
+        assert!(p(&["vmtsync", "plot", "s.jsonl", "--out", "s.svg"]).is_ok());
+        assert!(
+            p(&["vmtsync", "plot", "s.jsonl"]).is_err(),
+            "--out is required"
+        );
     }
 }

@@ -21,8 +21,10 @@ Exit codes:
   1  runtime error (I/O, malformed debugfs contents, VM exited while being read)
   2  bad command-line usage
   3  environment: debugfs not mounted, not root, no tracefs
-  4  no VM or vCPU matches --vm / --vcpu (convert --sync: no segment for --vcpu)
-  5  bad input data (convert: bad line, value out of range or malformed sync file;
+  4  no VM or vCPU matches --vm / --vcpu (convert --sync: no segment for --vcpu;
+     plot: no segment at all)
+  5  bad input data (convert: bad line, value out of range or malformed sync file
+     (also plot);
      compose: cannot compose)
   6  refused: the vCPU runs a nested guest (guest_mode=1) and --nested-l2 was not given
   7  probe: the guest agent could not be reached or stopped answering (VM gone, agent
@@ -58,6 +60,9 @@ pub enum CliError {
     /// From `convert --sync`.
     #[error(transparent)]
     SyncFile(#[from] SyncFileError),
+    /// From `plot`.
+    #[error(transparent)]
+    Plot(#[from] crate::plot::PlotError),
     /// `--vcpu` names no vCPU of the VM.
     #[error("VM {vm} has no vcpu{vcpu}; its vCPUs are: {available}")]
     NoVcpu {
@@ -130,6 +135,9 @@ impl CliError {
             Self::Record(_) => 1,
             Self::Usage(_) => 2,
             Self::SyncFile(e) => sync_exit_code(e),
+            Self::Plot(crate::plot::PlotError::SyncFile(e)) => sync_exit_code(e),
+            Self::Plot(crate::plot::PlotError::Empty) => 4,
+            Self::Plot(_) => 1,
         }
     }
 

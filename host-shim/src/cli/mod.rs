@@ -1,6 +1,6 @@
 //! The `vmtsync` command line: argument definitions, dispatch, errors and exit codes.
 //!
-//! One module per command ([`kvm`], [`convert`], [`probe`], [`record`], [`tsc`]), the top-level parser and
+//! One module per command ([`kvm`], [`convert`], [`plot`], [`probe`], [`record`], [`tsc`]), the top-level parser and
 //! dispatch ([`command`]), the shared error type and exit codes ([`exit`]), SIGINT/SIGTERM
 //! handling (`signals`) and the debugfs/`/proc` source flags shared by `kvm` and `convert`
 //! ([`source`]).
@@ -17,6 +17,8 @@
 //! - 7: `probe`: the guest agent could not be reached, or stopped answering mid-session (the
 //!   VM exited or was killed, the agent restarted, or it speaks another protocol version).
 //!
+//! `plot`: an unreadable sync file exits 5 (1 for I/O), one without segments 4.
+//!
 //! `convert --sync`: a sync file with no segment for `--vcpu` exits 4; a malformed sync file
 //! or input line exits 5.
 
@@ -24,6 +26,7 @@ pub mod command;
 pub mod convert;
 pub mod exit;
 pub mod kvm;
+pub mod plot;
 pub mod probe;
 pub mod record;
 mod signals;

@@ -61,6 +61,8 @@ pub mod writer;
 
 pub use error::TraceDatError;
 pub use hostcopy::{GuestInfo, HostCopySummary, copy_host_trace};
-pub use reader::{Event, Layout, read_layout, verify_file};
+pub use reader::{
+    Event, EventFormat, Layout, for_each_record, read_event_formats, read_layout, verify_file,
+};
 pub use timeshift::{ShiftMode, SyncSegment, TimeShift, TimeShiftError};
 pub use writer::{FileVersion, Summary, TraceDatWriter, Tsc2Nsec, WriterOptions};

@@ -4,6 +4,7 @@
 mod agent_events;
 mod agent_qemu;
 mod agent_vmm;
+mod attach;
 mod cli;
 mod e2e;
 mod kvm_fixtures;

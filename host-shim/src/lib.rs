@@ -19,6 +19,7 @@
 //!   strict reader, GUEST option on a host trace copy.
 //! - [`ftrace`]: ftrace event record layouts (`kvm:kvm_pio`) from the kernel's descriptions.
 //! - [`plot`]: `vmtsync plot`, a sync file as an SVG picture.
+//! - [`validate`]: `vmtsync validate`, a sync file checked against the host's `kvm_pio` exits.
 //! - [`atomic_file`]: output files written to a temporary file and renamed into place.
 //! - [`cli`]: the command line, its errors and exit codes.
 //!
@@ -41,4 +42,5 @@ pub mod scan;
 pub mod syncfile;
 pub mod trace_events;
 pub mod tracedat;
+pub mod validate;
 pub mod watch;

@@ -11,6 +11,7 @@ use super::plot::{PlotArgs, run_plot_cmd};
 use super::probe::run_probe_cmd;
 use super::record::{RecordArgs, run_record_cmd};
 use super::tsc::{TscCommand, run_tsc};
+use super::validate::{ValidateArgs, run_validate_cmd};
 use crate::probe::ProbeArgs;
 
 /// vmtsync: exact host<->guest TSC mappings from KVM, for putting VM trace events on the host
@@ -73,6 +74,17 @@ pub enum Command {
     /// breaks marked.
     #[command(after_help = EXIT_CODES)]
     Plot(PlotArgs),
+    /// Check a sync file against the host's kvm_pio exits: every guest event recorded right
+    /// before an `out` (after an `in`) on the workload's port must convert to a host time
+    /// before (after) that exit; prints violations, the lag distribution and each segment's
+    /// worst case, and exits 8 on any violation.
+    ///
+    /// JSON (--json, schema 1): {"schema","checked","before_out","after_in","violations",
+    /// "bound_violations","unmatched_events","unconverted_events","unpaired_exits",
+    /// "numbering","lag":{"min","p1","median","p99","max"},"segments":[{"vcpu","round",
+    /// "events","worst_lag","violations","width"}],"first_violations":[…]}.
+    #[command(after_help = EXIT_CODES)]
+    Validate(ValidateArgs),
     /// TSC mapping arithmetic.
     #[command(subcommand)]
     Tsc(TscCommand),
@@ -104,6 +116,7 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
         Command::Probe(a) => run_probe_cmd(&a),
         Command::Record(a) => run_record_cmd(&a),
         Command::Plot(a) => run_plot_cmd(&a),
+        Command::Validate(a) => run_validate_cmd(&a),
         Command::Tsc(c) => run_tsc(&c),
     }
 }

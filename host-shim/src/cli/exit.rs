@@ -29,6 +29,7 @@ Exit codes:
   6  refused: the vCPU runs a nested guest (guest_mode=1) and --nested-l2 was not given
   7  probe: the guest agent could not be reached or stopped answering (VM gone, agent
      restarted, protocol version mismatch)
+  8  validate: at least one event converted to the wrong side of its exit
   130  probe: interrupted by SIGINT (143: by SIGTERM) before it measured anything; in
      continuous mode a signal instead ends the run after the current round";
 
@@ -60,6 +61,12 @@ pub enum CliError {
     /// From `convert --sync`.
     #[error(transparent)]
     SyncFile(#[from] SyncFileError),
+    /// From `validate`: the inputs could not be checked.
+    #[error(transparent)]
+    Validate(#[from] crate::validate::ValidateError),
+    /// From `validate`: the check ran and found violations.
+    #[error("{0} events converted to the wrong side of their exits (see the report above)")]
+    Violations(u64),
     /// From `plot`.
     #[error(transparent)]
     Plot(#[from] crate::plot::PlotError),
@@ -138,6 +145,13 @@ impl CliError {
             Self::Plot(crate::plot::PlotError::SyncFile(e)) => sync_exit_code(e),
             Self::Plot(crate::plot::PlotError::Empty) => 4,
             Self::Plot(_) => 1,
+            Self::Validate(crate::validate::ValidateError::SyncFile(e)) => sync_exit_code(e),
+            Self::Validate(crate::validate::ValidateError::TraceDat(
+                crate::tracedat::TraceDatError::Io { .. },
+            )) => 1,
+            Self::Validate(crate::validate::ValidateError::Threads { .. }) => 2,
+            Self::Validate(_) => 5,
+            Self::Violations(_) => 8,
         }
     }
 

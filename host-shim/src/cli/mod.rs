@@ -1,6 +1,6 @@
 //! The `vmtsync` command line: argument definitions, dispatch, errors and exit codes.
 //!
-//! One module per command ([`kvm`], [`convert`], [`plot`], [`probe`], [`record`], [`tsc`]), the top-level parser and
+//! One module per command ([`kvm`], [`convert`], [`plot`], [`probe`], [`record`], [`tsc`], [`validate`]), the top-level parser and
 //! dispatch ([`command`]), the shared error type and exit codes ([`exit`]), SIGINT/SIGTERM
 //! handling (`signals`) and the debugfs/`/proc` source flags shared by `kvm` and `convert`
 //! ([`source`]).
@@ -17,6 +17,11 @@
 //! - 7: `probe`: the guest agent could not be reached, or stopped answering mid-session (the
 //!   VM exited or was killed, the agent restarted, or it speaks another protocol version).
 //!
+//! - 8: `validate`: the sync file put at least one event on the wrong side of its exit.
+//!
+//! `validate`: inputs it cannot use (no kvm_pio, no workload events, malformed traces) exit
+//! 5; no event it could check exits 2.
+//!
 //! `plot`: an unreadable sync file exits 5 (1 for I/O), one without segments 4.
 //!
 //! `convert --sync`: a sync file with no segment for `--vcpu` exits 4; a malformed sync file
@@ -32,6 +37,7 @@ pub mod record;
 mod signals;
 pub mod source;
 pub mod tsc;
+pub mod validate;
 
 pub use command::{Cli, Command, main, run};
 pub use convert::ConvertArgs;

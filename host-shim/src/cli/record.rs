@@ -64,6 +64,10 @@ pub struct RecordArgs {
     /// The VM (PID, PID-FD or name) whose vCPU thread goes into the GUEST option.
     #[arg(long, value_name = "PID|NAME", requires = "host_trace")]
     pub vm: Option<crate::scan::VmSelector>,
+    /// Also append every sync round's segment to this sync file (created with a header if
+    /// missing), for `vmtsync validate` and `vmtsync plot`.
+    #[arg(long, value_name = "SYNCFILE")]
+    pub sync_out: Option<PathBuf>,
     /// Debugfs and /proc (for --vm).
     #[command(flatten)]
     pub source: super::source::SourceArgs,
@@ -110,6 +114,7 @@ impl RecordArgs {
                 .map(Duration::from_secs_f64),
             resync: Duration::from_millis(self.resync.max(1)),
             drain_max: 512,
+            sync_out: self.sync_out.clone(),
         }
     }
 }

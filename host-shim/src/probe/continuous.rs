@@ -10,7 +10,7 @@
 use std::io::Write;
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use vmtsync_core::estimate::{DriftEstimator, EstimateError, ProbeSample};
 
@@ -19,7 +19,7 @@ use super::report::{HULL_CAPACITY, OffsetModel, ProbeSummary, RATE_LIMITS};
 use super::session::ProbeSession;
 use super::transport::StampedTransport;
 use super::{ProbeError, ProbeOptions};
-use crate::syncfile::{SYNC_SCHEMA, SyncHeader, SyncSegment, SyncWriter};
+use crate::syncfile::{SyncHeader, SyncSegment, SyncWriter};
 
 /// Settings of continuous mode.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -96,15 +96,7 @@ pub(super) fn run<T: StampedTransport>(
     out: &mut dyn Write,
     progress: &mut Progress,
 ) -> Result<ContinuousSummary, ProbeError> {
-    let header = SyncHeader {
-        schema: SYNC_SCHEMA,
-        tool: format!("vmtsync {}", env!("CARGO_PKG_VERSION")),
-        host_clock: "x86-tsc".to_owned(),
-        created_unix_s: SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs()),
-        source: opts.addr.to_string(),
-    };
+    let header = SyncHeader::now(opts.addr.to_string());
     let mut writer = SyncWriter::open(&cont.out, &header)?;
     if let Some(cut) = writer.cut_on_open() {
         // A run killed mid-write left a torn last line; it is gone now, and the user hears how

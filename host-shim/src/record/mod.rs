@@ -41,7 +41,7 @@ use crate::probe::continuous::{Cumulative, segment};
 use crate::probe::{
     ProbeError, ProbeOptions, ProbeSession, ProbeSummary, Progress, StampedTransport,
 };
-use crate::syncfile::SyncSegment;
+use crate::syncfile::{SyncHeader, SyncSegment, SyncWriter};
 use crate::tracedat::{self, FileVersion, ShiftMode, TimeShift, TraceDatWriter, WriterOptions};
 
 pub use jsonl::EVENT_SCHEMA;
@@ -75,6 +75,9 @@ pub struct RecordOptions {
     pub resync: Duration,
     /// The most events one drain asks for.
     pub drain_max: u32,
+    /// A sync file to append each round's segment to as it is made (`--sync-out`), so the
+    /// conversion the output used can be checked (`vmtsync validate`) or drawn (`plot`).
+    pub sync_out: Option<PathBuf>,
 }
 
 /// Why a recording ended.
@@ -233,7 +236,15 @@ pub fn run_record_on<T: StampedTransport>(
             Out::Spool(spool::Spool::new().map_err(RecordError::io(&opts.out))?)
         }
     };
+    let sync_out = match &opts.sync_out {
+        Some(path) => Some(
+            SyncWriter::open(path, &SyncHeader::now(p.addr.to_string()))
+                .map_err(ProbeError::from)?,
+        ),
+        None => None,
+    };
     let mut st = State {
+        sync_out,
         segments: Vec::new(),
         cumulative: Cumulative::new(),
         round: 0,
@@ -296,6 +307,8 @@ pub fn run_record_on<T: StampedTransport>(
 
 /// The state of a recording.
 struct State {
+    /// `--sync-out`: every segment is appended as it is made.
+    sync_out: Option<SyncWriter>,
     segments: Vec<SyncSegment>,
     cumulative: Cumulative,
     round: u64,
@@ -402,14 +415,16 @@ impl State {
         let is_break = self.cumulative.add(&samples);
         let seg = segment(&self.cumulative, &s, &samples, round, is_break)?;
         self.breaks += u64::from(is_break);
+        if let Some(w) = &mut self.sync_out {
+            w.append(&seg)?;
+        }
         self.segments.push(seg);
         Ok(())
     }
 
     /// The segment covering guest tick `g`.
     fn covering(&self, g: u64) -> Option<&SyncSegment> {
-        let i = self.segments.partition_point(|s| s.guest_start <= g);
-        self.segments.get(i.saturating_sub(1))
+        bounds::covering(&self.segments, g)
     }
 }
 

@@ -1,0 +1,565 @@
+//! The check itself, on decoded inputs: pair guest events with the host exits of their port
+//! I/O, convert each event's guest tick with the sync file, and test it against its bracket.
+
+use std::collections::BTreeMap;
+
+use serde::Serialize;
+
+use crate::ftrace::format::PioDirection;
+use crate::record::bounds::{covering, host_bounds};
+use crate::syncfile::SyncSegment;
+
+/// Which side of its port I/O the guest recorded an event on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Side {
+    /// Recorded right before the `out` of its sequence number: its true host time is before
+    /// that `out`'s exit.
+    BeforeOut,
+    /// Recorded right after the `in` that follows that `out`: its true host time is after the
+    /// `in`'s exit.
+    AfterIn,
+}
+
+/// A guest event recorded next to port I/O, as the guest trace holds it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct IoEvent {
+    /// The vCPU (the guest trace's CPU).
+    pub vcpu: u32,
+    /// The raw guest TSC of the event.
+    pub guest_tsc: u64,
+    /// Its side of the I/O.
+    pub side: Side,
+    /// The workload's sequence number (the low byte is the value written to the port).
+    pub seq: u64,
+}
+
+/// One `kvm_pio` exit of the checked port, as the host trace holds it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PioExit {
+    /// The host TSC of the exit (the record's `x86-tsc` timestamp).
+    pub ts: u64,
+    /// The vCPU thread.
+    pub pid: u32,
+    /// `in` or `out`.
+    pub direction: PioDirection,
+    /// The value written (for an `out`).
+    pub val: u32,
+}
+
+/// One `out` and the `in` the same thread did next on the port: one workload step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Step {
+    out_ts: u64,
+    in_ts: u64,
+    low: u8,
+}
+
+/// A converted event outside its bracket (or a guaranteed interval disjoint from it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct Violation {
+    /// The vCPU.
+    pub vcpu: u32,
+    /// The sequence number.
+    pub seq: u64,
+    /// The side of the I/O.
+    pub side: Side,
+    /// The guest TSC.
+    pub guest_tsc: u64,
+    /// The converted host time.
+    pub host_tsc: u64,
+    /// Its guaranteed interval.
+    pub host_lo: u64,
+    /// Its guaranteed interval.
+    pub host_hi: u64,
+    /// The exit bracket: the host stamp it must not precede (the `in` for an after-event,
+    /// the previous step's `in` for a before-event, when known).
+    pub exit_lo: Option<u64>,
+    /// The host stamp it must not follow.
+    pub exit_hi: Option<u64>,
+    /// The sync segment used (its round).
+    pub round: u64,
+    /// The guaranteed interval misses the bracket: the sync file's bound is false, not only
+    /// its estimate.
+    pub bound_false: bool,
+}
+
+/// Quantiles of the lags, ticks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct LagStats {
+    /// Smallest.
+    pub min: i64,
+    /// 1st percentile.
+    pub p1: i64,
+    /// Median.
+    pub median: i64,
+    /// 99th percentile.
+    pub p99: i64,
+    /// Largest.
+    pub max: i64,
+}
+
+/// The worst case of one sync segment.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct SegmentWorst {
+    /// The vCPU.
+    pub vcpu: u32,
+    /// The segment's round.
+    pub round: u64,
+    /// Events converted through it.
+    pub events: u64,
+    /// Its smallest lag (negative: a violation).
+    pub worst_lag: i64,
+    /// Its violations.
+    pub violations: u64,
+    /// Its guaranteed offset interval width, ticks.
+    pub width: i64,
+}
+
+/// What `vmtsync validate` found (`--json`, schema 1).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct ValidateReport {
+    /// Always 1.
+    pub schema: u32,
+    /// Events checked against an exit.
+    pub checked: u64,
+    /// Of which recorded before an `out`.
+    pub before_out: u64,
+    /// Of which recorded after an `in`.
+    pub after_in: u64,
+    /// Checked events outside their bracket (the bar: zero).
+    pub violations: u64,
+    /// Of which the guaranteed interval misses the bracket too.
+    pub bound_violations: u64,
+    /// Guest events with no exit of their step in the host trace (outside the host trace's
+    /// time span, or lost by a ring buffer): not checked.
+    pub unmatched_events: u64,
+    /// Guest events no segment of their vCPU converts: not checked.
+    pub unconverted_events: u64,
+    /// Exits that do not form an `out`-then-`in` step of one thread: not used.
+    pub unpaired_exits: u64,
+    /// How each thread's steps were numbered: `"unique"` when one numbering fits the low bytes
+    /// and the guest's sequence numbers, `"nearest"` when the sync file's conversion chose
+    /// among numberings 256 steps apart (then a conversion error above 128 event periods could
+    /// go unnoticed).
+    pub numbering: &'static str,
+    /// The tight-side lag of every checked event: exit minus converted time for a
+    /// before-event, converted time minus exit for an after-event (negative: a violation).
+    pub lag: Option<LagStats>,
+    /// Per segment: its worst lag and violations.
+    pub segments: Vec<SegmentWorst>,
+    /// The first violations (at most [`MAX_LISTED`]).
+    pub first_violations: Vec<Violation>,
+}
+
+/// The most violations listed in a report.
+pub const MAX_LISTED: usize = 20;
+
+/// Turns one thread's exits (in time order) into steps: an `out` whose next exit is an `in`.
+fn steps(exits: &[PioExit], unpaired: &mut u64) -> Vec<Step> {
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < exits.len() {
+        let e = exits[i];
+        match (e.direction, exits.get(i + 1)) {
+            (PioDirection::Out, Some(n)) if n.direction == PioDirection::In => {
+                out.push(Step {
+                    out_ts: e.ts,
+                    in_ts: n.ts,
+                    // The workload writes the sequence number's low byte.
+                    low: (e.val & 0xff) as u8,
+                });
+                i += 2;
+            }
+            _ => {
+                *unpaired += 1;
+                i += 1;
+            }
+        }
+    }
+    out
+}
+
+/// Numbers the steps with sequence numbers: consecutive steps get increasing numbers whose
+/// low byte is the step's (a gap in the host trace shorter than 256 steps is bridged). The
+/// first step's number is the one among the guest's sequence numbers with its low byte; when
+/// several fit, `nearest` picks by time.
+fn number(steps: &[Step], first: u64) -> Vec<u64> {
+    let mut seqs = Vec::with_capacity(steps.len());
+    let mut prev: Option<u64> = None;
+    for s in steps {
+        let seq = match prev {
+            None => first,
+            Some(p) => {
+                let next = p + 1;
+                next + u64::from(s.low.wrapping_sub((next & 0xff) as u8))
+            }
+        };
+        seqs.push(seq);
+        prev = Some(seq);
+    }
+    seqs
+}
+
+/// Checks every event of `events` against the exits of `exits` on one port, converting with
+/// `segments`; `threads` maps a vCPU to its host thread.
+#[must_use]
+pub fn check(
+    events: &[IoEvent],
+    exits: &[PioExit],
+    segments: &[SyncSegment],
+    threads: &BTreeMap<u32, u32>,
+) -> ValidateReport {
+    let mut r = ValidateReport {
+        schema: 1,
+        checked: 0,
+        before_out: 0,
+        after_in: 0,
+        violations: 0,
+        bound_violations: 0,
+        unmatched_events: 0,
+        unconverted_events: 0,
+        unpaired_exits: 0,
+        numbering: "unique",
+        lag: None,
+        segments: Vec::new(),
+        first_violations: Vec::new(),
+    };
+    let mut lags = Vec::new();
+    let mut worst: BTreeMap<(u32, u64), SegmentWorst> = BTreeMap::new();
+    let mut exits_of: BTreeMap<u32, Vec<PioExit>> = BTreeMap::new();
+    for e in exits {
+        exits_of.entry(e.pid).or_default().push(*e);
+    }
+    for (pid, v) in &mut exits_of {
+        if !threads.values().any(|p| p == pid) {
+            r.unpaired_exits += v.len() as u64;
+        }
+        v.sort_by_key(|e| e.ts);
+    }
+    let mut vcpus: Vec<u32> = events.iter().map(|e| e.vcpu).collect();
+    vcpus.sort_unstable();
+    vcpus.dedup();
+    for vcpu in vcpus {
+        let mine: Vec<SyncSegment> = segments
+            .iter()
+            .filter(|s| s.vcpu == vcpu)
+            .copied()
+            .collect();
+        let convert = |g: u64| covering(&mine, g).and_then(|s| Some((s, host_bounds(s, g)?)));
+        // Events by sequence number and side.
+        let mut by_seq: BTreeMap<(u64, Side), IoEvent> = BTreeMap::new();
+        for e in events.iter().filter(|e| e.vcpu == vcpu) {
+            by_seq.insert((e.seq, e.side), *e);
+        }
+        let exits = threads
+            .get(&vcpu)
+            .and_then(|pid| exits_of.get(pid))
+            .map_or(&[][..], Vec::as_slice);
+        let st = steps(exits, &mut r.unpaired_exits);
+        // The first step's number: the guest's sequence numbers with its low byte.
+        let first = st.first().and_then(|s0| {
+            let cands: Vec<u64> = by_seq
+                .keys()
+                .map(|&(seq, _)| seq)
+                .filter(|seq| (seq & 0xff) as u8 == s0.low)
+                .collect::<std::collections::BTreeSet<_>>()
+                .into_iter()
+                .collect();
+            if cands.len() > 1 {
+                r.numbering = "nearest";
+            }
+            cands.into_iter().min_by_key(|&seq| {
+                by_seq
+                    .get(&(seq, Side::BeforeOut))
+                    .or_else(|| by_seq.get(&(seq, Side::AfterIn)))
+                    .and_then(|e| convert(e.guest_tsc))
+                    .map_or(u64::MAX, |(_, (h, _, _))| h.abs_diff(s0.out_ts))
+            })
+        });
+        let seqs = first.map(|f| number(&st, f)).unwrap_or_default();
+        let step_of: BTreeMap<u64, Step> = seqs.iter().copied().zip(st.iter().copied()).collect();
+        for e in by_seq.values() {
+            let Some(step) = step_of.get(&e.seq) else {
+                r.unmatched_events += 1;
+                continue;
+            };
+            let Some((seg, (host, lo, hi))) = convert(e.guest_tsc) else {
+                r.unconverted_events += 1;
+                continue;
+            };
+            // The tight side is the event's own I/O; the loose side the neighbouring step's.
+            let (exit_lo, exit_hi, lag) = match e.side {
+                Side::BeforeOut => {
+                    let prev = e.seq.checked_sub(1).and_then(|p| step_of.get(&p));
+                    (
+                        prev.map(|p| p.in_ts),
+                        Some(step.out_ts),
+                        signed(step.out_ts, host),
+                    )
+                }
+                Side::AfterIn => {
+                    let next = step_of.get(&(e.seq + 1));
+                    (
+                        Some(step.in_ts),
+                        next.map(|n| n.out_ts),
+                        signed(host, step.in_ts),
+                    )
+                }
+            };
+            r.checked += 1;
+            match e.side {
+                Side::BeforeOut => r.before_out += 1,
+                Side::AfterIn => r.after_in += 1,
+            }
+            let outside = exit_lo.is_some_and(|l| host < l) || exit_hi.is_some_and(|h| host > h);
+            let bound_false = exit_lo.is_some_and(|l| hi < l) || exit_hi.is_some_and(|h| lo > h);
+            lags.push(lag);
+            let w = worst.entry((vcpu, seg.round)).or_insert(SegmentWorst {
+                vcpu,
+                round: seg.round,
+                events: 0,
+                worst_lag: i64::MAX,
+                violations: 0,
+                width: seg.offset_hi.saturating_sub(seg.offset_lo),
+            });
+            w.events += 1;
+            w.worst_lag = w.worst_lag.min(lag);
+            if outside || bound_false {
+                r.violations += 1;
+                w.violations += 1;
+                r.bound_violations += u64::from(bound_false);
+                if r.first_violations.len() < MAX_LISTED {
+                    r.first_violations.push(Violation {
+                        vcpu,
+                        seq: e.seq,
+                        side: e.side,
+                        guest_tsc: e.guest_tsc,
+                        host_tsc: host,
+                        host_lo: lo,
+                        host_hi: hi,
+                        exit_lo,
+                        exit_hi,
+                        round: seg.round,
+                        bound_false,
+                    });
+                }
+            }
+        }
+    }
+    lags.sort_unstable();
+    let q = |p: usize| lags[(lags.len() - 1) * p / 100];
+    if !lags.is_empty() {
+        r.lag = Some(LagStats {
+            min: q(0),
+            p1: q(1),
+            median: q(50),
+            p99: q(99),
+            max: q(100),
+        });
+    }
+    r.segments = worst.into_values().collect();
+    r
+}
+
+/// `a − b` as a signed tick count, saturating.
+fn signed(a: u64, b: u64) -> i64 {
+    let d = i128::from(a) - i128::from(b);
+    i64::try_from(d).unwrap_or(if d < 0 { i64::MIN } else { i64::MAX })
+}
+
+#[cfg(test)]
+mod tests {
+    //! A simulated run with a known truth: guest = host + `OFFSET`, a workload step every
+    //! `PERIOD` host ticks whose exits come `GAP_B` after the before-event and `GAP_A` before
+    //! the after-event.
+
+    use super::*;
+    use crate::syncfile::OffsetModel;
+
+    const OFFSET: i64 = 1_000_000_000_000;
+    const PERIOD: u64 = 2_300_000;
+    const GAP_B: u64 = 4_000;
+    const GAP_A: u64 = 3_000;
+    const PID: u32 = 4242;
+    const START: u64 = 50_000_000_000;
+
+    fn guest(host: u64) -> u64 {
+        host.checked_add_signed(OFFSET).unwrap()
+    }
+
+    /// `n` steps from sequence number 0: the guest's events and the host's exits.
+    fn run(n: u64) -> (Vec<IoEvent>, Vec<PioExit>) {
+        let mut events = Vec::new();
+        let mut exits = Vec::new();
+        for seq in 0..n {
+            let before = START + seq * PERIOD;
+            let out_ts = before + GAP_B;
+            let in_ts = out_ts + 20_000;
+            let after = in_ts + GAP_A;
+            events.push(IoEvent {
+                vcpu: 0,
+                guest_tsc: guest(before),
+                side: Side::BeforeOut,
+                seq,
+            });
+            events.push(IoEvent {
+                vcpu: 0,
+                guest_tsc: guest(after),
+                side: Side::AfterIn,
+                seq,
+            });
+            exits.push(PioExit {
+                ts: out_ts,
+                pid: PID,
+                direction: PioDirection::Out,
+                val: (seq & 0xff) as u32,
+            });
+            exits.push(PioExit {
+                ts: in_ts,
+                pid: PID,
+                direction: PioDirection::In,
+                val: 0xff,
+            });
+        }
+        (events, exits)
+    }
+
+    /// One segment with offset `offset` and guaranteed bounds `half` either side, at identity
+    /// rate.
+    fn segment(offset: i64, half: i64) -> SyncSegment {
+        SyncSegment {
+            vcpu: 0,
+            round: 0,
+            guest_start: 0,
+            host_anchor: START,
+            guest_anchor: START.checked_add_signed(offset).unwrap(),
+            offset,
+            offset_lo: offset - half,
+            offset_hi: offset + half,
+            drift_ppb: 0,
+            drift_ppb_lo: Some(0),
+            drift_ppb_hi: Some(0),
+            model: OffsetModel::Drift,
+            probes: 64,
+            rtt_min_ticks: 30_000,
+            host_first: START,
+            host_last: START,
+            is_break: false,
+        }
+    }
+
+    fn threads() -> BTreeMap<u32, u32> {
+        BTreeMap::from([(0, PID)])
+    }
+
+    #[test]
+    fn the_true_offset_passes_with_the_gaps_as_lags() {
+        let (events, exits) = run(1000);
+        let r = check(&events, &exits, &[segment(OFFSET, 15_000)], &threads());
+        assert_eq!((r.checked, r.before_out, r.after_in), (2000, 1000, 1000));
+        assert_eq!(
+            (r.violations, r.unmatched_events, r.unpaired_exits),
+            (0, 0, 0)
+        );
+        assert_eq!(
+            r.numbering, "nearest",
+            "1000 events: four numberings fit the low bytes"
+        );
+        let lag = r.lag.unwrap();
+        assert_eq!(
+            (lag.min, lag.max),
+            (GAP_A.cast_signed(), GAP_B.cast_signed())
+        );
+        assert_eq!(r.segments.len(), 1);
+        assert_eq!(r.segments[0].worst_lag, GAP_A.cast_signed());
+    }
+
+    #[test]
+    fn an_offset_shifted_by_one_bracket_width_is_caught_either_way() {
+        let (events, exits) = run(1000);
+        let width = 30_000;
+        // Converted times a bracket width late: every before-event follows its `out`; the
+        // guaranteed interval (shifted too) misses the exit, so the bound is false as well.
+        let r = check(
+            &events,
+            &exits,
+            &[segment(OFFSET - width, 10_000)],
+            &threads(),
+        );
+        assert_eq!(r.violations, 1000);
+        assert_eq!(r.bound_violations, 1000);
+        assert!(
+            r.first_violations
+                .iter()
+                .all(|v| v.side == Side::BeforeOut && v.bound_false)
+        );
+        assert_eq!(r.first_violations.len(), MAX_LISTED);
+        assert_eq!(r.lag.unwrap().min, GAP_B.cast_signed() - width);
+        // A bracket width early: every after-event precedes its `in`.
+        let r = check(
+            &events,
+            &exits,
+            &[segment(OFFSET + width, 10_000)],
+            &threads(),
+        );
+        assert_eq!(r.violations, 1000);
+        assert!(r.first_violations.iter().all(|v| v.side == Side::AfterIn));
+        // An estimate off by more than a gap whose guaranteed interval still holds the truth
+        // is a violation of the estimate only.
+        let r = check(
+            &events,
+            &exits,
+            &[segment(OFFSET + 5_000, 6_000)],
+            &threads(),
+        );
+        assert_eq!((r.violations, r.bound_violations), (1000, 0));
+    }
+
+    #[test]
+    fn a_host_trace_that_starts_late_and_loses_steps_is_numbered_right() {
+        let (events, exits) = run(1000);
+        // The host trace starts at step 300 and loses steps 500..510 (a full ring buffer),
+        // and an `out` whose `in` is lost.
+        let mut host: Vec<PioExit> = exits[600..1000]
+            .iter()
+            .chain(&exits[1020..])
+            .copied()
+            .collect();
+        host.push(PioExit {
+            ts: START + 1000 * PERIOD,
+            pid: PID,
+            direction: PioDirection::Out,
+            val: 0,
+        });
+        let r = check(&events, &host, &[segment(OFFSET, 15_000)], &threads());
+        assert_eq!(r.violations, 0);
+        assert_eq!(r.unpaired_exits, 1);
+        assert_eq!(r.checked, 2 * (1000 - 300 - 10));
+        assert_eq!(r.unmatched_events, 2 * 310);
+        // Had the numbering been off by 256 steps, converted times would miss their exits by
+        // 256 periods.
+        assert_eq!(r.lag.unwrap().max, GAP_B.cast_signed());
+    }
+
+    #[test]
+    fn exits_of_another_thread_are_not_used() {
+        let (events, mut exits) = run(10);
+        for e in &mut exits {
+            e.pid = PID + 1;
+        }
+        let r = check(&events, &exits, &[segment(OFFSET, 15_000)], &threads());
+        assert_eq!(
+            (r.checked, r.unmatched_events, r.unpaired_exits),
+            (0, 20, 20)
+        );
+        assert!(r.lag.is_none());
+    }
+
+    #[test]
+    fn events_no_segment_converts_are_counted() {
+        let (events, exits) = run(10);
+        let r = check(&events, &exits, &[], &threads());
+        assert_eq!((r.checked, r.unconverted_events), (0, 20));
+    }
+}

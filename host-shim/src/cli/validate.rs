@@ -96,12 +96,17 @@ fn print_text(out: &mut impl Write, r: &ValidateReport) -> io::Result<()> {
         "not checked: {} events without their exits in the host trace, {} outside every segment; {} exits not in an out/in step",
         r.unmatched_events, r.unconverted_events, r.unpaired_exits
     )?;
-    if let Some(l) = r.lag {
-        writeln!(
-            out,
-            "lag to the event's own exit (ticks; negative: on the wrong side): min {} p1 {} median {} p99 {} max {}",
-            l.min, l.p1, l.median, l.p99, l.max
-        )?;
+    for (what, l) in [
+        ("before an out", r.lag_before_out),
+        ("after an in", r.lag_after_in),
+    ] {
+        if let Some(l) = l {
+            writeln!(
+                out,
+                "lag to the own exit, events {what} (ticks; negative: the wrong side): min {} p1 {} median {} p99 {} max {}",
+                l.min, l.p1, l.median, l.p99, l.max
+            )?;
+        }
     }
     writeln!(
         out,

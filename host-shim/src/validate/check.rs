@@ -146,6 +146,10 @@ pub struct ValidateReport {
     /// The tight-side lag of every checked event: exit minus converted time for a
     /// before-event, converted time minus exit for an after-event (negative: a violation).
     pub lag: Option<LagStats>,
+    /// The lags of the before-events alone (how much earlier than its `out` each one lies).
+    pub lag_before_out: Option<LagStats>,
+    /// The lags of the after-events alone (how much later than its `in` each one lies).
+    pub lag_after_in: Option<LagStats>,
     /// Per segment: its worst lag and violations.
     pub segments: Vec<SegmentWorst>,
     /// The first violations (at most [`MAX_LISTED`]).
@@ -222,10 +226,13 @@ pub fn check(
         unpaired_exits: 0,
         numbering: "unique",
         lag: None,
+        lag_before_out: None,
+        lag_after_in: None,
         segments: Vec::new(),
         first_violations: Vec::new(),
     };
     let mut lags = Vec::new();
+    let mut side_lags: [Vec<i64>; 2] = [Vec::new(), Vec::new()];
     let mut worst: BTreeMap<(u32, u64), SegmentWorst> = BTreeMap::new();
     let mut exits_of: BTreeMap<u32, Vec<PioExit>> = BTreeMap::new();
     for e in exits {
@@ -315,6 +322,7 @@ pub fn check(
             let outside = exit_lo.is_some_and(|l| host < l) || exit_hi.is_some_and(|h| host > h);
             let bound_false = exit_lo.is_some_and(|l| hi < l) || exit_hi.is_some_and(|h| lo > h);
             lags.push(lag);
+            side_lags[usize::from(e.side == Side::AfterIn)].push(lag);
             let w = worst.entry((vcpu, seg.round)).or_insert(SegmentWorst {
                 vcpu,
                 round: seg.round,
@@ -347,19 +355,25 @@ pub fn check(
             }
         }
     }
-    lags.sort_unstable();
-    let q = |p: usize| lags[(lags.len() - 1) * p / 100];
-    if !lags.is_empty() {
-        r.lag = Some(LagStats {
-            min: q(0),
-            p1: q(1),
-            median: q(50),
-            p99: q(99),
-            max: q(100),
-        });
-    }
+    r.lag = quantiles(lags);
+    let [before, after] = side_lags;
+    r.lag_before_out = quantiles(before);
+    r.lag_after_in = quantiles(after);
     r.segments = worst.into_values().collect();
     r
+}
+
+/// The quantiles of `v`, `None` when empty.
+fn quantiles(mut v: Vec<i64>) -> Option<LagStats> {
+    v.sort_unstable();
+    let q = |p: usize| v.get(v.len().checked_sub(1)? * p / 100).copied();
+    Some(LagStats {
+        min: q(0)?,
+        p1: q(1)?,
+        median: q(50)?,
+        p99: q(99)?,
+        max: q(100)?,
+    })
 }
 
 /// `a − b` as a signed tick count, saturating.

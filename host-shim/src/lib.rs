@@ -8,8 +8,8 @@
 //! - [`debugfs`]: discovery of `<pid>-<fd>/vcpuN` and strict parsing of each file.
 //! - [`procinfo`]: the VM's process (`comm`, QEMU `-name`), from an injectable `/proc`.
 //! - [`scan`]: one scan joined with `/proc`, in the versioned `vmtsync kvm --json` shape.
-//! - [`watch`] and [`trace_events`]: change events by polling and by the
-//!   `kvm:kvm_write_tsc_offset` tracepoint.
+//! - [`watch`]: change events by polling and by the `kvm:kvm_write_tsc_offset` tracepoint.
+//! - [`ftrace`]: private tracefs instances, `trace_pipe_raw` pages, event formats (`kvm_pio`).
 //! - [`exact_convert`], [`compose`]: streaming timestamp conversion and nested composition, on
 //!   `vmtsync_core::mapping`.
 //! - [`probe`]: `vmtsync probe`: hello + probe rounds against the guest agent, bounded
@@ -40,7 +40,6 @@ pub mod procinfo;
 pub mod record;
 pub mod scan;
 pub mod syncfile;
-pub mod trace_events;
 pub mod tracedat;
 pub mod validate;
 pub mod watch;

@@ -28,6 +28,7 @@ use plotters::prelude::*;
 use thiserror::Error;
 
 use crate::atomic_file::write_atomically;
+use crate::probe::anchor::AnchorKind;
 use crate::syncfile::{SyncFile, SyncFileError, SyncSegment};
 
 /// The picture's width in SVG user units (pixels).
@@ -58,12 +59,14 @@ pub enum Stamping {
 }
 
 impl Stamping {
-    /// How `segment` was stamped. Sync files without an anchor field are from in-process
-    /// probing, the only kind that existed before exit anchoring.
+    /// How `segment` was stamped (its `anchor`; files without one are from in-process
+    /// probing, the only kind that existed before exit anchoring).
     #[must_use]
     pub fn of(segment: &SyncSegment) -> Self {
-        let _ = segment;
-        Self::InProcess
+        match segment.anchor {
+            AnchorKind::InProcess => Self::InProcess,
+            AnchorKind::KvmPioUart => Self::ExitAnchored,
+        }
     }
 
     fn color(self) -> RGBColor {
@@ -652,6 +655,11 @@ mod tests {
             host_first: host - 100,
             host_last: host + 100,
             is_break,
+            anchor: if vcpu == 0 {
+                AnchorKind::KvmPioUart
+            } else {
+                AnchorKind::InProcess
+            },
         };
         let segs = [
             seg(1, 0, 5_000, -3, false),
@@ -687,8 +695,13 @@ mod tests {
             [(100, 0, -10, 20, false), (2_100, 2, -8, 22, true)]
         );
         assert_eq!(data.vcpus[0].points[0].offset, 0);
-        // Files without an anchor field come from in-process probing.
         assert!(v1.points.iter().all(|p| p.stamping == Stamping::InProcess));
+        assert_eq!(data.vcpus[0].points[0].stamping, Stamping::ExitAnchored);
+        // Files written before the anchor field existed come from in-process probing.
+        let old = text.replace("\"anchor\":\"kvm-pio-uart\",", "");
+        assert_ne!(old, text);
+        let old = PlotData::from_sync_file(&SyncFile::parse(old.as_bytes()).unwrap()).unwrap();
+        assert_eq!(old.vcpus[0].points[0].stamping, Stamping::InProcess);
 
         let dir = tempfile::tempdir().unwrap();
         let sync = dir.path().join("s.jsonl");

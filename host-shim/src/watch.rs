@@ -17,7 +17,7 @@
 //!   rescan), `previous_tsc_offset` from the first, `tsc_offset`/`host_tsc` from the last.
 //!
 //! Rate limits, so a guest writing its TSC in a loop cannot flood the output or the CPU: one
-//! wait reads at most [`crate::trace_events::MAX_READ_PER_WAIT`] bytes, writes are merged as
+//! wait reads at most [`crate::ftrace::tsc_offset::MAX_READ_PER_WAIT`] bytes, writes are merged as
 //! above, and an event triggers a rescan at most once per [`rescan_gap`] (a tenth of the
 //! interval, at least 10 ms).
 //!
@@ -39,9 +39,10 @@ use serde::Serialize;
 use thiserror::Error;
 
 use crate::debugfs::{DebugfsError, VmId};
+use crate::ftrace::TraceError;
+use crate::ftrace::tsc_offset::{CoalescedWrites, Subscription, coalesce_into};
 use crate::hosttsc::read_host_tsc;
 use crate::scan::{SCHEMA_VERSION, ScanError, Scanner, VcpuReport, VmSelector};
-use crate::trace_events::{CoalescedWrites, Subscription, TraceError, coalesce_into};
 
 /// The longest single sleep or tracepoint wait, so a raised stop flag is seen promptly.
 const STOP_POLL: Duration = Duration::from_millis(50);
@@ -236,7 +237,7 @@ pub fn watch(
                     coalesce_into(&mut writes, &sub.wait((until - now).min(STOP_POLL))?);
                 }
                 for w in &writes {
-                    emit_trace(w, &state, sub.tsc_clock, selected.as_deref(), out)?;
+                    emit_trace(w, &state, sub.tsc_clock(), selected.as_deref(), out)?;
                 }
             }
             None => {

@@ -77,7 +77,7 @@ pub enum Command {
     /// Check a sync file against the host's kvm_pio exits: every guest event recorded right
     /// before an `out` (after an `in`) on the workload's port must convert to a host time
     /// before (after) that exit; prints violations, the lag distribution and each segment's
-    /// worst case, and exits 8 on any violation.
+    /// worst case, and exits 9 on any violation.
     ///
     /// JSON (--json, schema 1): {"schema","checked","before_out","after_in","violations",
     /// "bound_violations","unmatched_events","unconverted_events","unpaired_exits",

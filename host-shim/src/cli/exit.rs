@@ -8,10 +8,10 @@ use super::signals::stop_signal;
 use crate::compose::ComposeError;
 use crate::debugfs::{DEBUGFS_MOUNTPOINT, DebugfsError};
 use crate::exact_convert::ConvertError;
+use crate::ftrace::TraceError;
 use crate::probe::{ConnectError, ProbeError};
 use crate::scan::ScanError;
 use crate::syncfile::SyncFileError;
-use crate::trace_events::TraceError;
 use crate::watch::WatchError;
 
 /// The exit codes, for `--help` (also in the [module docs](crate::cli)).
@@ -29,7 +29,9 @@ Exit codes:
   6  refused: the vCPU runs a nested guest (guest_mode=1) and --nested-l2 was not given
   7  probe: the guest agent could not be reached or stopped answering (VM gone, agent
      restarted, protocol version mismatch)
-  8  validate: at least one event converted to the wrong side of its exit
+  8  probe --anchor kvm-pio: exit anchoring is not possible here (no tracefs or kvm_pio,
+     not root, VM not found in debugfs, not a serial chardev) or no probe's exits were found
+  9  validate: at least one event converted to the wrong side of its exit
   130  probe: interrupted by SIGINT (143: by SIGTERM) before it measured anything; in
      continuous mode a signal instead ends the run after the current round";
 
@@ -151,7 +153,7 @@ impl CliError {
             )) => 1,
             Self::Validate(crate::validate::ValidateError::Threads { .. }) => 2,
             Self::Validate(_) => 5,
-            Self::Violations(_) => 8,
+            Self::Violations(_) => 9,
         }
     }
 
@@ -186,6 +188,7 @@ fn probe_exit_code(e: &ProbeError) -> u8 {
         | ProbeError::AgentNotReady
         | ProbeError::AgentExited => 7,
         ProbeError::SyncFile(s) => sync_exit_code(s),
+        ProbeError::Anchor(_) => 8,
         _ => 1,
     }
 }

@@ -9,8 +9,9 @@ use clap::Args;
 use super::exit::CliError;
 use super::signals::{install_stop_handler, stop_flag};
 use super::source::{SourceArgs, scanner};
+use crate::ftrace::find_tracefs;
+use crate::ftrace::tsc_offset::{self, Subscription};
 use crate::scan::{self, VmSelector};
-use crate::trace_events::{self, Subscription};
 use crate::watch::{self, WatchError, WatchOptions};
 
 /// `vmtsync kvm`.
@@ -49,9 +50,9 @@ pub(super) fn run_kvm(a: &KvmArgs) -> Result<(), CliError> {
     if a.watch {
         let trace = if a.trace_events {
             let root =
-                trace_events::find_tracefs(a.tracefs.as_deref()).map_err(WatchError::from)?;
+                find_tracefs(a.tracefs.as_deref(), tsc_offset::EVENT).map_err(WatchError::from)?;
             let sub = Subscription::start(&root).map_err(WatchError::from)?;
-            if !sub.tsc_clock {
+            if !sub.tsc_clock() {
                 eprintln!(
                     "vmtsync: warning: could not set the trace clock to x86-tsc: tracepoint timestamps are not host TSC"
                 );

@@ -16,8 +16,11 @@
 //! - 6: refused: the vCPU runs a nested guest (`guest_mode` 1) and `--nested-l2` was not given.
 //! - 7: `probe`: the guest agent could not be reached, or stopped answering mid-session (the
 //!   VM exited or was killed, the agent restarted, or it speaks another protocol version).
+//! - 8: `probe --anchor kvm-pio`: exit anchoring is not possible here (no tracefs or
+//!   `kvm_pio`, not root, the VM not in debugfs, not a serial chardev address) or no probe's
+//!   exits were found (docs/anchor.md).
 //!
-//! - 8: `validate`: the sync file put at least one event on the wrong side of its exit.
+//! - 9: `validate`: the sync file put at least one event on the wrong side of its exit.
 //!
 //! `validate`: inputs it cannot use (no kvm_pio, no workload events, malformed traces) exit
 //! 5; no event it could check exits 2.

@@ -6,8 +6,11 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use super::addr::ProbeAddr;
+use super::anchor::{AnchorMode, AnchorOptions};
 use super::continuous::ContinuousOptions;
 use super::{DEFAULT_PROBES, ProbeOptions};
+use crate::debugfs::DEFAULT_KVM_DEBUGFS;
+use crate::scan::VmSelector;
 
 /// `vmtsync probe`: measure a guest's TSC offset and drift against the vmtsync agent, with
 /// guaranteed bounds and trace-cmd's estimate on the same samples.
@@ -63,6 +66,21 @@ pub struct ProbeArgs {
     /// Never draw the progress line (it is only drawn when stderr is a terminal anyway).
     #[arg(long)]
     pub no_progress: bool,
+    /// Where each probe's host bracket comes from: kvm-pio takes it from the host kernel's
+    /// kvm:kvm_pio stamps of the guest's own UART exits (needs root, tracefs and the VM's
+    /// vCPU threads in debugfs; fails with exit code 8 otherwise); auto does so when it can
+    /// and says why not on stderr; none stamps in this process (docs/anchor.md).
+    #[arg(long, value_enum, value_name = "MODE", default_value_t = AnchorMode::Auto)]
+    pub anchor: AnchorMode,
+    /// The VM the agent runs in, for --anchor (PID, PID-FD or name; default: the only VM).
+    #[arg(long, value_name = "VM")]
+    pub vm: Option<VmSelector>,
+    /// tracefs, for --anchor (default: /sys/kernel/tracing, then /sys/kernel/debug/tracing).
+    #[arg(long, value_name = "DIR")]
+    pub tracefs: Option<PathBuf>,
+    /// KVM debugfs, for --anchor.
+    #[arg(long, value_name = "DIR", default_value = DEFAULT_KVM_DEBUGFS)]
+    pub debugfs_root: PathBuf,
 }
 
 impl ProbeArgs {
@@ -79,6 +97,13 @@ impl ProbeArgs {
         o.progress = !self.no_progress;
         o.stop = stop;
         o.shutdown = self.shutdown;
+        o.anchor = AnchorOptions {
+            mode: self.anchor,
+            vm: self.vm.clone(),
+            tracefs: self.tracefs.clone(),
+            debugfs_root: self.debugfs_root.clone(),
+            ..AnchorOptions::default()
+        };
         o.continuous = match (&self.out, self.continuous) {
             (Some(out), true) => Some(ContinuousOptions {
                 out: out.clone(),
@@ -118,6 +143,20 @@ mod tests {
         assert_eq!(o.probes, 64);
         assert_eq!(o.timeout, Duration::from_secs(2));
         assert!(o.continuous.is_none() && !o.json && o.progress);
+        assert_eq!(o.anchor.mode, AnchorMode::Auto);
+        let a = parse(&[
+            "--connect",
+            "unix:/q.sock",
+            "--anchor",
+            "kvm-pio",
+            "--vm",
+            "42",
+        ])
+        .unwrap();
+        let o = a.to_options(None);
+        assert_eq!(o.anchor.mode, AnchorMode::KvmPio);
+        assert_eq!(o.anchor.vm, Some(VmSelector::Pid(42)));
+        assert!(parse(&["--connect", "unix:/q.sock", "--anchor", "bogus"]).is_err());
 
         let a = parse(&[
             "--connect",

@@ -273,6 +273,7 @@ pub(crate) fn segment(
         host_first: first.host_send.0,
         host_last: last.host_recv.0,
         is_break,
+        anchor: s.stats.anchor,
     })
 }
 

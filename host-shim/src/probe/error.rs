@@ -79,6 +79,9 @@ pub enum ProbeError {
     /// Writing the report failed.
     #[error("writing output: {0}")]
     Output(io::Error),
+    /// `--anchor kvm-pio` was asked for and cannot be done (docs/anchor.md).
+    #[error("exit anchoring (--anchor kvm-pio): {0}")]
+    Anchor(String),
     /// The stop flag was raised (SIGINT/SIGTERM in the CLI) outside continuous mode, or before
     /// continuous mode measured anything: the run was abandoned.
     #[error("interrupted")]

@@ -23,6 +23,7 @@
 //! in-process users call [`run_probe_on`] with their own transport.
 
 pub mod addr;
+pub mod anchor;
 pub mod args;
 pub mod connect;
 pub mod continuous;

@@ -41,6 +41,8 @@
 //! | `sent`, `lost_probes`, `bad_frames`, `stale_replies` | u64 | what did not become a sample |
 //! | `unexpected`, `unknown_seq` | u64 | skipped messages: well-formed but unasked for; replies to a sequence number never sent |
 //! | `ambiguous`, `out_of_window`, `wrong_vcpu`, `bad_stamps`, `flooded` | u64 | why probes were lost (each also in `lost_probes`): compact reply not uniquely unwrappable (a stall); TSC outside the window the last verified reading allows; another vCPU; host stamps out of order; the wait drowned in other traffic |
+//! | `unanchored` | u64 | probes lost because an exit-anchored transport found no exits for them (added in schema 2; docs/anchor.md) |
+//! | `anchor` | `"in-process"` or `"kvm-pio-uart"` | where the samples' host brackets come from (added in schema 2; readers treat a missing key as `"in-process"`) |
 //! | `tracecmd_fastest_rtt_offset` | i64 | trace-cmd's PTP estimate (fastest round trip's midpoint) on the same samples, same sign |
 //! | `tsc_khz` | u32 or null | guest TSC frequency if the agent reported it |
 
@@ -170,6 +172,8 @@ struct JsonSummary {
     wrong_vcpu: u64,
     bad_stamps: u64,
     flooded: u64,
+    unanchored: u64,
+    anchor: crate::probe::anchor::AnchorKind,
     tracecmd_fastest_rtt_offset: i64,
     tsc_khz: Option<u32>,
 }
@@ -290,6 +294,8 @@ impl ProbeSummary {
             wrong_vcpu: self.stats.wrong_vcpu,
             bad_stamps: self.stats.bad_stamps,
             flooded: self.stats.flooded,
+            unanchored: self.stats.unanchored,
+            anchor: self.stats.anchor,
             tracecmd_fastest_rtt_offset: self.tracecmd_fastest,
             tsc_khz: self.tsc_khz,
         }
@@ -334,6 +340,7 @@ impl ProbeSummary {
             (st.wrong_vcpu, "wrong vCPU"),
             (st.bad_stamps, "bad host stamps"),
             (st.flooded, "flooded"),
+            (st.unanchored, "without their exits (not anchored)"),
             (st.unknown_seq, "unknown sequence numbers"),
             (st.unexpected, "unexpected messages"),
         ];

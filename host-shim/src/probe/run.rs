@@ -8,6 +8,7 @@ use std::time::Duration;
 use vmtsync_core::estimate::EstimateError;
 
 use super::addr::ProbeAddr;
+use super::anchor::{AnchorMode, AnchorOptions, anchor_transport};
 use super::connect::{self, ConnectOptions};
 use super::continuous::{self, ContinuousOptions};
 use super::error::ProbeError;
@@ -46,6 +47,8 @@ pub struct ProbeOptions {
     /// default: probing must not stop the guest being traced; the agent then serves the next
     /// session's hello.
     pub shutdown: bool,
+    /// Exit anchoring (`--anchor`; off by default here, `auto` in the CLI).
+    pub anchor: AnchorOptions,
 }
 
 impl ProbeOptions {
@@ -64,14 +67,17 @@ impl ProbeOptions {
             continuous: None,
             stop: None,
             shutdown: false,
+            anchor: AnchorOptions::default(),
         }
     }
 }
 
-/// Connects to `opts.addr` and runs [`run_probe_on`].
+/// Connects to `opts.addr`, sets up exit anchoring as `opts.anchor` says (notes on stderr)
+/// and runs [`run_probe_on`].
 ///
 /// # Errors
-/// [`ProbeError`].
+/// [`ProbeError`]; [`ProbeError::Anchor`] when `--anchor kvm-pio` cannot be done, or no
+/// exchange's exits were found.
 pub fn run_probe(opts: &ProbeOptions, out: &mut dyn Write) -> Result<ProbeSummary, ProbeError> {
     let transport = connect::connect_until_stopped(
         &opts.addr,
@@ -81,7 +87,25 @@ pub fn run_probe(opts: &ProbeOptions, out: &mut dyn Write) -> Result<ProbeSummar
         },
         opts.stop,
     )?;
-    run_probe_on(transport, opts, out)
+    let note = &mut |m: &str| eprintln!("vmtsync: probe: {m}");
+    let mut t = anchor_transport(transport, &opts.addr, &opts.anchor, note)?;
+    let r = run_probe_on(&mut t, opts, out);
+    if let Some(why) = t.gave_up() {
+        note(&format!(
+            "not exit-anchored: the agent's first exchange was not among the VM's UART exits ({why:?}); host stamps were taken in this process"
+        ));
+    }
+    match r {
+        Err(ProbeError::Estimate(EstimateError::NoSamples))
+            if opts.anchor.mode == AnchorMode::KvmPio && t.stats().matched == 0 =>
+        {
+            Err(ProbeError::Anchor(format!(
+                "no probe's exits were found among kvm_pio events of the VM's vCPU threads on port {:#x}: is the agent in that VM (--vm) and on that port?",
+                opts.anchor.port
+            )))
+        }
+        r => r,
+    }
 }
 
 /// Runs hello, then one round of `opts.probes` (printing its report), or continuous mode;

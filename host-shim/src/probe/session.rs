@@ -46,6 +46,7 @@ use vmtsync_core::proto::{
 use vmtsync_core::{GuestTicks, HostTicks};
 
 use super::ProbeError;
+use super::anchor::AnchorKind;
 use super::progress::Progress;
 pub use super::reference::{RATE_MAX, RATE_MIN, Reference, Window};
 use super::transport::{FrameStamps, StampedTransport, TransportError};
@@ -130,6 +131,11 @@ pub struct SessionStats {
     pub wrong_vcpu: u64,
     /// Probes whose host stamps put the receive before the send (lost).
     pub bad_stamps: u64,
+    /// Where the samples' host brackets come from ([`StampedTransport::anchor`]).
+    pub anchor: AnchorKind,
+    /// Probes whose transport vouches for its own stamps (exit anchoring) but found no exits
+    /// for this exchange (lost: a bracket is never guessed).
+    pub unanchored: u64,
     /// Probe waits abandoned after [`MAX_BYTES_PER_WAIT`] bytes without the reply (lost).
     pub flooded: u64,
     /// Samples that came from compact replies (unwrapped in their window); the others came
@@ -260,7 +266,7 @@ impl<T: StampedTransport> ProbeSession<T> {
         // A transport's refinement is tied to the last request it carried: only sound when
         // there was one greeting.
         let stamps = if greetings == 1 {
-            s.transport.refine(raw)
+            s.transport.refine(raw).unwrap_or(raw)
         } else {
             raw
         };
@@ -286,9 +292,12 @@ impl<T: StampedTransport> ProbeSession<T> {
         &self.info
     }
 
-    /// Counters so far.
-    pub const fn stats(&self) -> SessionStats {
-        self.stats
+    /// Counters so far, with the transport's anchor.
+    pub fn stats(&self) -> SessionStats {
+        SessionStats {
+            anchor: self.transport.anchor(),
+            ..self.stats
+        }
     }
 
     /// Forgets the unwrap reference, so the next probe asks for the full TSC (done at the start
@@ -379,7 +388,10 @@ impl<T: StampedTransport> ProbeSession<T> {
             self.stats.wrong_vcpu += 1;
             return Ok(self.lost());
         }
-        let stamps = self.transport.refine(FrameStamps { send, recv });
+        let Some(stamps) = self.transport.refine(FrameStamps { send, recv }) else {
+            self.stats.unanchored += 1;
+            return Ok(self.lost());
+        };
         if stamps.recv < stamps.send {
             self.stats.bad_stamps += 1;
             return Ok(self.lost());
@@ -452,7 +464,8 @@ impl<T: StampedTransport> ProbeSession<T> {
         let deadline = Instant::now() + self.timeout;
         self.wait_bytes = 0;
         let (reply, recv) = self.next_message(deadline, "a reply")?;
-        Ok((reply, self.transport.refine(FrameStamps { send, recv })))
+        let raw = FrameStamps { send, recv };
+        Ok((reply, self.transport.refine(raw).unwrap_or(raw)))
     }
 
     /// Drains up to `max` of the agent's waiting events: one [`Message::EventsRequest`], then
@@ -584,7 +597,7 @@ impl<T: StampedTransport> ProbeSession<T> {
                 }
             }
         }
-        self.stats
+        self.stats()
     }
 
     /// The transport back (e.g. to reuse it).

@@ -125,14 +125,14 @@ impl StampedTransport for SimTransport {
         HostTicks(self.now + self.gap)
     }
 
-    fn refine(&mut self, stamps: FrameStamps) -> FrameStamps {
-        if self.exact {
+    fn refine(&mut self, stamps: FrameStamps) -> Option<FrameStamps> {
+        Some(if self.exact {
             FrameStamps {
                 send: HostTicks(self.guest_read_at),
                 recv: HostTicks(self.guest_read_at),
             }
         } else {
             stamps
-        }
+        })
     }
 }

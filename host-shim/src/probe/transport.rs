@@ -99,8 +99,19 @@ pub trait StampedTransport {
     /// later than `send` returned (a VMM seeing the VM exit of the read), or produce the reply
     /// earlier than `recv` said, returns the tighter pair. It must stay a bracket of the
     /// guest's TSC read. The default keeps the stamps.
-    fn refine(&mut self, stamps: FrameStamps) -> FrameStamps {
-        stamps
+    ///
+    /// `None` says the transport vouches for its own stamps and could not establish them for
+    /// this exchange (an exit-anchored transport that did not find the exchange's exits,
+    /// [`super::anchor`]): the session then drops the probe and counts it
+    /// ([`super::SessionStats::unanchored`]) rather than mix in a guessed bracket; for a hello
+    /// or another request it keeps `stamps`, which still bracket the reply.
+    fn refine(&mut self, stamps: FrameStamps) -> Option<FrameStamps> {
+        Some(stamps)
+    }
+
+    /// Where this transport's stamps come from, for reports and sync files.
+    fn anchor(&self) -> super::anchor::AnchorKind {
+        super::anchor::AnchorKind::InProcess
     }
 
     /// The host TSC now, on the clock `send` and `recv` stamp with (a simulation's own clock;
@@ -120,12 +131,16 @@ impl<T: StampedTransport + ?Sized> StampedTransport for Box<T> {
         (**self).recv(buf, deadline)
     }
 
-    fn refine(&mut self, stamps: FrameStamps) -> FrameStamps {
+    fn refine(&mut self, stamps: FrameStamps) -> Option<FrameStamps> {
         (**self).refine(stamps)
     }
 
     fn now(&mut self) -> HostTicks {
         (**self).now()
+    }
+
+    fn anchor(&self) -> super::anchor::AnchorKind {
+        (**self).anchor()
     }
 }
 
@@ -138,12 +153,16 @@ impl<T: StampedTransport + ?Sized> StampedTransport for &mut T {
         (**self).recv(buf, deadline)
     }
 
-    fn refine(&mut self, stamps: FrameStamps) -> FrameStamps {
+    fn refine(&mut self, stamps: FrameStamps) -> Option<FrameStamps> {
         (**self).refine(stamps)
     }
 
     fn now(&mut self) -> HostTicks {
         (**self).now()
+    }
+
+    fn anchor(&self) -> super::anchor::AnchorKind {
+        (**self).anchor()
     }
 }
 

@@ -95,6 +95,7 @@ mod tests {
             host_first: anchor,
             host_last: anchor,
             is_break: false,
+            anchor: crate::probe::anchor::AnchorKind::InProcess,
         }
     }
 

@@ -5,6 +5,7 @@ use vmtsync_core::timeline::Segment;
 use vmtsync_core::{GuestTicks, HostTicks};
 
 use super::OffsetModel;
+use crate::probe::anchor::AnchorKind;
 
 /// The sync file schema this crate writes and reads.
 pub const SYNC_SCHEMA: u32 = 1;
@@ -79,6 +80,10 @@ pub struct SyncSegment {
     /// A new estimate starts here (the previous rounds' relation no longer fits).
     #[serde(rename = "break")]
     pub is_break: bool,
+    /// Where the round's host brackets came from (docs/anchor.md); files written before this
+    /// field existed read as `in-process`, which is what they used.
+    #[serde(default)]
+    pub anchor: AnchorKind,
 }
 
 impl SyncSegment {
@@ -156,6 +161,7 @@ pub(super) mod samples {
             host_first: host_anchor - 1000,
             host_last: host_anchor + 1000,
             is_break: round == 0,
+            anchor: AnchorKind::InProcess,
         }
     }
 }

@@ -54,7 +54,7 @@ pub mod consts;
 mod error;
 pub mod format;
 pub mod hostcopy;
-mod page;
+pub(crate) mod page;
 pub mod reader;
 pub mod timeshift;
 pub mod writer;

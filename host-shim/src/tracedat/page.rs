@@ -1,6 +1,8 @@
-//! One ftrace ring-buffer page being filled: the 16-byte page header, then events with 5/27-bit
-//! headers, time deltas and time extends, exactly as `kernel/trace/ring_buffer.c` lays them out
-//! and libtraceevent's `kbuffer-parse.c` reads them back.
+//! One ftrace ring-buffer page: the 16-byte page header, then events with 5/27-bit headers,
+//! time deltas and time extends, exactly as `kernel/trace/ring_buffer.c` lays them out and
+//! libtraceevent's `kbuffer-parse.c` reads them back. [`PageBuf`] fills one (the trace.dat
+//! writer); [`walk_records`] reads one back (the trace.dat reader, and the live pages
+//! `trace_pipe_raw` returns, `crate::ftrace::raw`).
 //!
 //! The page timestamp is the first event's timestamp and that event's delta is 0. A later event
 //! stores the distance to the previous one: in the header's 27 bits when it fits, else behind a
@@ -10,7 +12,7 @@
 
 use super::consts::{
     MAX_DELTA, MAX_EXTENDED_DELTA, PAGE_DATA_SIZE, PAGE_HEADER_SIZE, PAGE_SIZE, TS_SHIFT,
-    TYPE_TIME_EXTEND,
+    TYPE_DATA_MAX, TYPE_PADDING, TYPE_TIME_EXTEND, TYPE_TIME_STAMP,
 };
 use super::format::{EVENT_DATA_ID, EVENT_DATA_SIZE, EVENT_ID, EVENT_SIZE, MAX_PAYLOAD};
 
@@ -112,6 +114,100 @@ impl PageBuf {
         self.events = 0;
         &self.buf
     }
+}
+
+/// Why a page could not be walked: the byte offset in the page and what was wrong there.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct PageError {
+    /// Offset of the damage from the start of the page.
+    pub(crate) at: usize,
+    /// What is wrong.
+    pub(crate) reason: &'static str,
+}
+
+/// Calls `f(timestamp, data_offset, record)` for every data record of `page` in order,
+/// checking that every record lies inside the page's `commit`; `record` starts at the event's
+/// `common_type`. Padding and time records are applied, not passed on. `f` returning `false`
+/// stops the walk. Returns how many records `f` saw.
+///
+/// # Errors
+/// [`PageError`] for a page shorter than its header, a `commit` beyond the page, or a record
+/// that crosses `commit`. Nothing in `page` can make this panic.
+pub(crate) fn walk_records(
+    page: &[u8],
+    mut f: impl FnMut(u64, usize, &[u8]) -> bool,
+) -> Result<u64, PageError> {
+    let hdr = PAGE_HEADER_SIZE;
+    let bad = |at: usize, reason: &'static str| PageError { at, reason };
+    if page.len() < hdr {
+        return Err(bad(0, "page shorter than its header"));
+    }
+    let rd32 = |at: usize| u32::from_le_bytes(page[at..at + 4].try_into().unwrap_or([0; 4]));
+    let mut ts = u64::from_le_bytes(page[..8].try_into().unwrap_or([0; 8]));
+    // The upper bits of `commit` flag missed events; the size is the low 27 bits.
+    let commit =
+        (u64::from_le_bytes(page[8..16].try_into().unwrap_or([0; 8])) & 0x07ff_ffff) as usize;
+    if hdr + commit > page.len() {
+        return Err(bad(8, "page commit exceeds the page"));
+    }
+    let end = hdr + commit;
+    let mut at = hdr;
+    let mut n = 0;
+    while at < end {
+        if at + 4 > end {
+            return Err(bad(at, "event header crosses the page's commit"));
+        }
+        let h = rd32(at);
+        let type_len = h & 31;
+        let delta = u64::from(h >> 5);
+        let array = |at: usize| {
+            if at + 8 > end {
+                Err(bad(at, "event length word crosses the page's commit"))
+            } else {
+                Ok(rd32(at + 4))
+            }
+        };
+        match type_len {
+            TYPE_PADDING => {
+                // A padding with delta 0 fills the rest of the page.
+                if delta == 0 {
+                    break;
+                }
+                let len = array(at)? as usize;
+                at += 4 + len;
+                continue;
+            }
+            TYPE_TIME_EXTEND => {
+                ts = ts.wrapping_add((u64::from(array(at)?) << 27) + delta);
+                at += 8;
+                continue;
+            }
+            TYPE_TIME_STAMP => {
+                let msb = ts & !((1u64 << 59) - 1);
+                ts = ((u64::from(array(at)?) << 27) + delta) | msb;
+                at += 8;
+                continue;
+            }
+            _ => {}
+        }
+        let (data, len) = if type_len == 0 {
+            let l = (array(at)? as usize).saturating_sub(4).next_multiple_of(4);
+            (at + 8, l)
+        } else {
+            debug_assert!(type_len <= TYPE_DATA_MAX);
+            (at + 4, type_len as usize * 4)
+        };
+        if data + len > end {
+            return Err(bad(at, "event data crosses the page's commit"));
+        }
+        ts = ts.wrapping_add(delta);
+        n += 1;
+        if !f(ts, data, &page[data..data + len]) {
+            break;
+        }
+        at = data + len;
+    }
+    Ok(n)
 }
 
 #[cfg(test)]

@@ -17,12 +17,10 @@ use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-use super::consts::{
-    MAGIC, PAGE_HEADER_SIZE, SEC_FL_COMPRESS, SECTION_HEADER_SIZE, TRACING, TYPE_DATA_MAX,
-    TYPE_PADDING, TYPE_TIME_EXTEND, TYPE_TIME_STAMP, option,
-};
+use super::consts::{MAGIC, SEC_FL_COMPRESS, SECTION_HEADER_SIZE, TRACING, option};
 use super::error::TraceDatError;
 use super::format::{EVENT_DATA_ID, EVENT_ID, MAX_PAYLOAD};
+use super::page::walk_records;
 
 /// Longest NUL-terminated string we accept in headers and options (names, clocks, versions).
 const MAX_CSTR: u64 = 4096;
@@ -988,8 +986,8 @@ pub fn for_each_event(
     })
 }
 
-/// Walks one page (kbuffer-parse.c semantics), checking that every record lies inside
-/// `commit`.
+/// Walks one page (kbuffer-parse.c semantics, [`super::page::walk_records`]), handing each
+/// record's bytes to `f`; a record `f` rejects is an error at its byte.
 fn walk_page(
     src: &Src,
     page_at: PageAt,
@@ -997,79 +995,19 @@ fn walk_page(
     cpu: u32,
     f: &mut RecordFn<'_>,
 ) -> Result<u64, TraceDatError> {
-    let hdr = PAGE_HEADER_SIZE;
-    if page.len() < hdr {
-        return Err(src.page_err(page_at, 0, "page shorter than its header"));
-    }
-    let rd32 = |at: usize| u32::from_le_bytes(page[at..at + 4].try_into().unwrap_or([0; 4]));
-    let mut ts = u64::from_le_bytes(page[..8].try_into().unwrap_or([0; 8]));
-    // The upper bits of `commit` flag missed events; the size is the low 27 bits.
-    let commit =
-        (u64::from_le_bytes(page[8..16].try_into().unwrap_or([0; 8])) & 0x07ff_ffff) as usize;
-    if hdr + commit > page.len() {
-        return Err(src.page_err(
-            page_at,
-            8,
-            &format!("page commit {commit} exceeds the page"),
-        ));
-    }
-    let end = hdr + commit;
-    let mut at = hdr;
-    let mut n = 0;
-    let bad = |at: usize, what: &str| src.page_err(page_at, at, what);
-    while at < end {
-        if at + 4 > end {
-            return Err(bad(at, "event header crosses the page's commit"));
+    let mut rejected = None;
+    let n = walk_records(page, |ts, data, rec| match f(cpu, ts, rec) {
+        Ok(()) => true,
+        Err((i, what)) => {
+            rejected.get_or_insert((data + i, what));
+            false
         }
-        let h = rd32(at);
-        let type_len = h & 31;
-        let delta = u64::from(h >> 5);
-        let array = |at: usize| {
-            if at + 8 > end {
-                Err(bad(at, "event length word crosses the page's commit"))
-            } else {
-                Ok(rd32(at + 4))
-            }
-        };
-        match type_len {
-            TYPE_PADDING => {
-                // A padding with delta 0 fills the rest of the page.
-                if delta == 0 {
-                    break;
-                }
-                let len = array(at)? as usize;
-                at += 4 + len;
-                continue;
-            }
-            TYPE_TIME_EXTEND => {
-                ts = ts.wrapping_add((u64::from(array(at)?) << 27) + delta);
-                at += 8;
-                continue;
-            }
-            TYPE_TIME_STAMP => {
-                let msb = ts & !((1u64 << 59) - 1);
-                ts = ((u64::from(array(at)?) << 27) + delta) | msb;
-                at += 8;
-                continue;
-            }
-            _ => {}
-        }
-        let (data, len) = if type_len == 0 {
-            let l = (array(at)? as usize).saturating_sub(4).next_multiple_of(4);
-            (at + 8, l)
-        } else {
-            debug_assert!(type_len <= TYPE_DATA_MAX);
-            (at + 4, type_len as usize * 4)
-        };
-        if data + len > end {
-            return Err(bad(at, "event data crosses the page's commit"));
-        }
-        ts = ts.wrapping_add(delta);
-        f(cpu, ts, &page[data..data + len]).map_err(|(i, what)| bad(data + i, what))?;
-        n += 1;
-        at = data + len;
+    })
+    .map_err(|e| src.page_err(page_at, e.at, e.reason))?;
+    match rejected {
+        Some((at, what)) => Err(src.page_err(page_at, at, what)),
+        None => Ok(n),
     }
-    Ok(n)
 }
 
 /// Reads the layout and every event of one of our files (or any uncompressed one): the check

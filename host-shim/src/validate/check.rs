@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 use serde::Serialize;
 
 use crate::ftrace::format::PioDirection;
+use crate::probe::anchor::PioExit;
 use crate::record::bounds::{covering, host_bounds};
 use crate::syncfile::SyncSegment;
 
@@ -32,19 +33,6 @@ pub struct IoEvent {
     pub side: Side,
     /// The workload's sequence number (the low byte is the value written to the port).
     pub seq: u64,
-}
-
-/// One `kvm_pio` exit of the checked port, as the host trace holds it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct PioExit {
-    /// The host TSC of the exit (the record's `x86-tsc` timestamp).
-    pub ts: u64,
-    /// The vCPU thread.
-    pub pid: u32,
-    /// `in` or `out`.
-    pub direction: PioDirection,
-    /// The value written (for an `out`).
-    pub val: u32,
 }
 
 /// One `out` and the `in` the same thread did next on the port: one workload step.
@@ -165,13 +153,13 @@ fn steps(exits: &[PioExit], unpaired: &mut u64) -> Vec<Step> {
     let mut i = 0;
     while i < exits.len() {
         let e = exits[i];
-        match (e.direction, exits.get(i + 1)) {
-            (PioDirection::Out, Some(n)) if n.direction == PioDirection::In => {
+        match (e.pio.direction, exits.get(i + 1)) {
+            (PioDirection::Out, Some(n)) if n.pio.direction == PioDirection::In => {
                 out.push(Step {
                     out_ts: e.ts,
                     in_ts: n.ts,
                     // The workload writes the sequence number's low byte.
-                    low: (e.val & 0xff) as u8,
+                    low: (e.pio.val & 0xff) as u8,
                 });
                 i += 2;
             }
@@ -236,7 +224,7 @@ pub fn check(
     let mut worst: BTreeMap<(u32, u64), SegmentWorst> = BTreeMap::new();
     let mut exits_of: BTreeMap<u32, Vec<PioExit>> = BTreeMap::new();
     for e in exits {
-        exits_of.entry(e.pid).or_default().push(*e);
+        exits_of.entry(e.pio.pid).or_default().push(*e);
     }
     for (pid, v) in &mut exits_of {
         if !threads.values().any(|p| p == pid) {
@@ -423,18 +411,8 @@ mod tests {
                 side: Side::AfterIn,
                 seq,
             });
-            exits.push(PioExit {
-                ts: out_ts,
-                pid: PID,
-                direction: PioDirection::Out,
-                val: (seq & 0xff) as u32,
-            });
-            exits.push(PioExit {
-                ts: in_ts,
-                pid: PID,
-                direction: PioDirection::In,
-                val: 0xff,
-            });
+            exits.push(exit(out_ts, PioDirection::Out, (seq & 0xff) as u32));
+            exits.push(exit(in_ts, PioDirection::In, 0xff));
         }
         (events, exits)
     }
@@ -460,6 +438,21 @@ mod tests {
             host_first: START,
             host_last: START,
             is_break: false,
+            anchor: crate::probe::anchor::AnchorKind::KvmPioUart,
+        }
+    }
+
+    fn exit(ts: u64, direction: PioDirection, val: u32) -> PioExit {
+        PioExit {
+            ts,
+            pio: crate::ftrace::format::KvmPio {
+                pid: PID,
+                direction,
+                port: 0x3f0,
+                size: 1,
+                count: 1,
+                val,
+            },
         }
     }
 
@@ -540,12 +533,7 @@ mod tests {
             .chain(&exits[1020..])
             .copied()
             .collect();
-        host.push(PioExit {
-            ts: START + 1000 * PERIOD,
-            pid: PID,
-            direction: PioDirection::Out,
-            val: 0,
-        });
+        host.push(exit(START + 1000 * PERIOD, PioDirection::Out, 0));
         let r = check(&events, &host, &[segment(OFFSET, 15_000)], &threads());
         assert_eq!(r.violations, 0);
         assert_eq!(r.unpaired_exits, 1);
@@ -560,7 +548,7 @@ mod tests {
     fn exits_of_another_thread_are_not_used() {
         let (events, mut exits) = run(10);
         for e in &mut exits {
-            e.pid = PID + 1;
+            e.pio.pid = PID + 1;
         }
         let r = check(&events, &exits, &[segment(OFFSET, 15_000)], &threads());
         assert_eq!(

@@ -6,8 +6,9 @@ use std::path::{Path, PathBuf};
 
 use thiserror::Error;
 
-use super::check::{IoEvent, PioExit, Side, ValidateReport, check};
+use super::check::{IoEvent, Side, ValidateReport, check};
 use crate::ftrace::format::{EventFormat, FormatError, KVM_PIO, KvmPioLayout};
+use crate::probe::anchor::PioExit;
 use crate::syncfile::{SyncFile, SyncFileError};
 use crate::tracedat::consts::option;
 use crate::tracedat::{TraceDatError, for_each_record, read_event_formats, read_layout};
@@ -93,7 +94,7 @@ pub fn validate(opts: &ValidateOptions) -> Result<ValidateReport, ValidateError>
     let mut threads = guest_option;
     threads.extend(opts.threads.iter().map(|(&v, &p)| (v, p)));
     let vcpus: BTreeSet<u32> = events.iter().map(|e| e.vcpu).collect();
-    let pids: BTreeSet<u32> = exits.iter().map(|e| e.pid).collect();
+    let pids: BTreeSet<u32> = exits.iter().map(|e| e.pio.pid).collect();
     for &vcpu in &vcpus {
         if threads.contains_key(&vcpu) {
             continue;
@@ -180,12 +181,7 @@ pub fn host_exits(
     for b in 0..layout.buffers.len() {
         for_each_record(path, &layout, b, |_cpu, ts, data| {
             if let Some(p) = pio.decode(data).filter(|p| p.port == port) {
-                exits.push(PioExit {
-                    ts,
-                    pid: p.pid,
-                    direction: p.direction,
-                    val: p.val,
-                });
+                exits.push(PioExit { ts, pio: p });
             }
         })?;
     }

@@ -17,5 +17,5 @@
 pub mod check;
 pub mod input;
 
-pub use check::{IoEvent, LagStats, PioExit, SegmentWorst, Side, ValidateReport, Violation, check};
+pub use check::{IoEvent, LagStats, SegmentWorst, Side, ValidateReport, Violation, check};
 pub use input::{ValidateError, ValidateOptions, validate};

@@ -152,7 +152,7 @@ impl StampedTransport for Com1Transport<'_> {
         })
     }
 
-    fn refine(&mut self, stamps: FrameStamps) -> FrameStamps {
+    fn refine(&mut self, stamps: FrameStamps) -> Option<FrameStamps> {
         // The vCPU thread logs a delivery before the guest can act on the byte, hence before
         // the reply's bytes were sent: every delivery of this request is queued by now.
         while let Some(d) = self.host.delivered_timeout(Duration::ZERO) {
@@ -161,7 +161,7 @@ impl StampedTransport for Com1Transport<'_> {
             }
         }
         let Some(((first, thread_first), (_, thread_recv), received)) = self.frames.last else {
-            return stamps;
+            return Some(stamps);
         };
         // A reply to the last request means the guest read that request's delimiter, the last
         // delimiter sent; bytes the guest dropped unread (a FIFO reset at boot) are never
@@ -178,10 +178,10 @@ impl StampedTransport for Com1Transport<'_> {
             sent: self.sent,
             received,
         };
-        FrameStamps {
+        Some(FrameStamps {
             send: HostTicks(stamps.send.0.max(request_read)),
             recv: HostTicks(stamps.recv.0.min(first.host_tsc)),
-        }
+        })
     }
 }
 
@@ -300,7 +300,7 @@ impl StampedTransport for PipeTransport {
         })
     }
 
-    fn refine(&mut self, stamps: FrameStamps) -> FrameStamps {
+    fn refine(&mut self, stamps: FrameStamps) -> Option<FrameStamps> {
         if let Some((first_recv, recv, received)) = self.frames.last {
             self.last = PipeExchange {
                 send: self.send,
@@ -310,7 +310,7 @@ impl StampedTransport for PipeTransport {
                 received,
             };
         }
-        stamps
+        Some(stamps)
     }
 }
 

@@ -262,7 +262,7 @@ fn trace_events_see_offset_writes_and_clean_up() {
     if !prerequisites("trace_events_see_offset_writes_and_clean_up") {
         return;
     }
-    let tracefs = vmtsync::trace_events::find_tracefs(None);
+    let tracefs = vmtsync::ftrace::find_tracefs(None, vmtsync::ftrace::tsc_offset::EVENT);
     if !require(
         "trace_events_see_offset_writes_and_clean_up",
         tracefs.is_ok(),

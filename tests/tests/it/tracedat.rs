@@ -292,7 +292,7 @@ fn a_host_trace_copy_merges_with_the_guest_in_host_time_order() {
     if !have_trace_cmd(test) || !require(test, is_root(), "needs root (tracefs instances)") {
         return;
     }
-    let tracefs = vmtsync::trace_events::find_tracefs(None);
+    let tracefs = vmtsync::ftrace::find_tracefs(None, vmtsync::ftrace::tsc_offset::EVENT);
     if !require(
         test,
         tracefs.is_ok(),

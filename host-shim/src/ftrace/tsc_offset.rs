@@ -1,21 +1,19 @@
 //! Subscribing to the `kvm:kvm_write_tsc_offset` tracepoint so watch mode misses no offset
 //! change between two polls.
 //!
-//! A private tracefs instance (`instances/vmtsync-watch-<pid>`) is created with its own
-//! `trace_clock` set to `x86-tsc`, so the global tracing state other tools use is untouched and
-//! every event carries a host TSC timestamp. The instance is removed on drop.
+//! The event is enabled in a private tracefs instance ([`Instance`], purpose `watch`) whose
+//! clock is `x86-tsc`, so the global tracing state other tools use is untouched and every
+//! event carries a host TSC timestamp; its text `trace_pipe` is read. The instance is removed
+//! on drop.
 
-use std::fs::{self, File};
+use std::fs::File;
 use std::io::{self, Read};
-use std::os::unix::fs::OpenOptionsExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Duration;
 
 use rustix::event::{PollFd, PollFlags, Timespec};
-use thiserror::Error;
 
-/// Where tracefs is normally mounted, in the order tried.
-pub const TRACEFS_CANDIDATES: [&str; 2] = ["/sys/kernel/tracing", "/sys/kernel/debug/tracing"];
+use super::instance::{Instance, TraceError};
 
 /// The most `trace_pipe` bytes one [`Subscription::wait`] reads (about 800 event lines): a
 /// guest that writes its TSC in a loop makes the kernel produce events faster than we can
@@ -25,31 +23,6 @@ pub const MAX_READ_PER_WAIT: usize = 64 * 1024;
 
 /// The tracepoint KVM fires on every TSC offset write (arch/x86/kvm/trace.h).
 pub const EVENT: &str = "kvm/kvm_write_tsc_offset";
-
-/// Errors setting up or reading the tracepoint.
-#[derive(Debug, Error)]
-#[non_exhaustive]
-pub enum TraceError {
-    /// No tracefs with the KVM event was found.
-    #[error(
-        "no tracefs with events/{EVENT} found (tried {tried}): mount debugfs/tracefs as root (mount -t tracefs nodev /sys/kernel/tracing) and load kvm, or drop --trace-events"
-    )]
-    NoTracefs {
-        /// The directories tried.
-        tried: String,
-    },
-    /// A tracefs operation failed.
-    #[error("tracefs: {action} {path}: {source}")]
-    Io {
-        /// What was being done.
-        action: &'static str,
-        /// The file.
-        path: PathBuf,
-        /// The OS error.
-        #[source]
-        source: io::Error,
-    },
-}
 
 /// One `kvm_write_tsc_offset` event.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -94,41 +67,10 @@ pub fn parse_line(line: &str) -> Option<TscOffsetWrite> {
 /// A live subscription: a private tracefs instance with the event enabled.
 #[derive(Debug)]
 pub struct Subscription {
-    instance: PathBuf,
+    /// Declared before `instance`: closed first, so the instance directory can be removed.
     pipe: File,
     buf: Vec<u8>,
-    /// True if the instance clock could be set to `x86-tsc` (timestamps are host TSC).
-    pub tsc_clock: bool,
-}
-
-fn io_err<'a>(action: &'static str, path: &'a Path) -> impl FnOnce(io::Error) -> TraceError + 'a {
-    move |source| TraceError::Io {
-        action,
-        path: path.to_path_buf(),
-        source,
-    }
-}
-
-/// Finds a tracefs root with the KVM event: `explicit` if given, else the standard places.
-///
-/// # Errors
-/// [`TraceError::NoTracefs`].
-pub fn find_tracefs(explicit: Option<&Path>) -> Result<PathBuf, TraceError> {
-    let cands: Vec<PathBuf> = match explicit {
-        Some(p) => vec![p.to_path_buf()],
-        None => TRACEFS_CANDIDATES.iter().map(PathBuf::from).collect(),
-    };
-    cands
-        .iter()
-        .find(|c| c.join("events").join(EVENT).is_dir())
-        .cloned()
-        .ok_or_else(|| TraceError::NoTracefs {
-            tried: cands
-                .iter()
-                .map(|c| c.display().to_string())
-                .collect::<Vec<_>>()
-                .join(", "),
-        })
+    instance: Instance,
 }
 
 impl Subscription {
@@ -137,28 +79,20 @@ impl Subscription {
     /// # Errors
     /// Any tracefs write failure (the instance is removed again).
     pub fn start(tracefs: &Path) -> Result<Self, TraceError> {
-        remove_stale_instances(&tracefs.join("instances"));
-        let instance = tracefs
-            .join("instances")
-            .join(format!("vmtsync-watch-{}", std::process::id()));
-        fs::create_dir(&instance).map_err(io_err("create", &instance))?;
-        // From here on, Drop cleans up.
-        let mut sub = Self {
-            pipe: File::open("/dev/null").map_err(io_err("open", Path::new("/dev/null")))?,
-            instance,
+        let mut instance = Instance::create(tracefs, "watch")?;
+        instance.enable(EVENT)?;
+        let pipe = instance.open_nonblocking("trace_pipe")?;
+        Ok(Self {
+            pipe,
             buf: Vec::with_capacity(8192),
-            tsc_clock: false,
-        };
-        sub.tsc_clock = fs::write(sub.instance.join("trace_clock"), "x86-tsc").is_ok();
-        let enable = sub.instance.join("events").join(EVENT).join("enable");
-        fs::write(&enable, "1").map_err(io_err("enable", &enable))?;
-        let pipe = sub.instance.join("trace_pipe");
-        sub.pipe = File::options()
-            .read(true)
-            .custom_flags(libc::O_NONBLOCK)
-            .open(&pipe)
-            .map_err(io_err("open", &pipe))?;
-        Ok(sub)
+            instance,
+        })
+    }
+
+    /// True if the instance clock could be set to `x86-tsc` (timestamps are host TSC).
+    #[must_use]
+    pub const fn tsc_clock(&self) -> bool {
+        self.instance.tsc_clock()
     }
 
     /// Waits up to `timeout` for events and returns those that arrived (possibly none).
@@ -176,14 +110,14 @@ impl Subscription {
             }
             return Err(TraceError::Io {
                 action: "poll",
-                path: self.instance.join("trace_pipe"),
+                path: self.instance.path().join("trace_pipe"),
                 source: e,
             });
         }
         read_bounded(&mut self.pipe, &mut self.buf, MAX_READ_PER_WAIT).map_err(|source| {
             TraceError::Io {
                 action: "read",
-                path: self.instance.join("trace_pipe"),
+                path: self.instance.path().join("trace_pipe"),
                 source,
             }
         })?;
@@ -271,39 +205,6 @@ pub fn coalesce_into(out: &mut Vec<CoalescedWrites>, events: &[TscOffsetWrite]) 
                 writes: 1,
             }),
         }
-    }
-}
-
-/// Removes instances left by a `vmtsync` watch that was killed (SIGKILL skips our cleanup):
-/// `vmtsync-watch-<pid>` whose process no longer exists.
-fn remove_stale_instances(instances: &Path) {
-    let Ok(rd) = fs::read_dir(instances) else {
-        return;
-    };
-    for e in rd.flatten() {
-        let name = e.file_name();
-        let Some(pid) = name
-            .to_str()
-            .and_then(|n| n.strip_prefix("vmtsync-watch-"))
-            .and_then(|p| p.parse::<u32>().ok())
-        else {
-            continue;
-        };
-        if !Path::new("/proc").join(pid.to_string()).exists() {
-            let _ = fs::remove_dir(e.path());
-        }
-    }
-}
-
-impl Drop for Subscription {
-    fn drop(&mut self) {
-        // Best effort: disable the event, close the pipe (rmdir fails while it is open), remove.
-        let _ = fs::write(self.instance.join("events").join(EVENT).join("enable"), "0");
-        self.pipe = match File::open("/dev/null") {
-            Ok(f) => f,
-            Err(_) => return,
-        };
-        let _ = fs::remove_dir(&self.instance);
     }
 }
 

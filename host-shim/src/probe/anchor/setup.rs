@@ -1,0 +1,136 @@
+//! `--anchor`: deciding whether a run is exit-anchored, and setting it up.
+//!
+//! Anchoring needs the VM's vCPU threads (KVM debugfs `vcpuN/pid`), tracefs with `kvm:kvm_pio`
+//! and root. With [`AnchorMode::Auto`] any of them missing is a note on stderr and the run goes
+//! on with in-process stamps; with [`AnchorMode::KvmPio`] it is [`ProbeError::Anchor`] (CLI exit
+//! code 8). The UART variant applies to a `unix:` address (a VMM's serial chardev); other
+//! transports need the agent's sync port (docs/anchor.md).
+
+use std::path::PathBuf;
+
+use super::{AnchoredTransport, COM1_DATA, PioTrace};
+use crate::debugfs::{DEFAULT_KVM_DEBUGFS, KvmDebugfs};
+use crate::probe::ProbeError;
+use crate::probe::addr::ProbeAddr;
+use crate::probe::transport::StampedTransport;
+use crate::procinfo::{DEFAULT_PROC_ROOT, ProcFs};
+use crate::scan::{Scanner, VmSelector};
+
+/// The 16550's register block: eight ports from the data register.
+const UART_PORTS: u16 = 8;
+
+/// `vmtsync probe --anchor`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum AnchorMode {
+    /// Exit-anchor when tracefs, `kvm_pio`, root and the VM are there; otherwise say why on
+    /// stderr and stamp in this process.
+    Auto,
+    /// Exit-anchor through `kvm:kvm_pio`, or fail (exit code 8).
+    KvmPio,
+    /// Stamp in this process (`lfence; rdtsc` around the system calls).
+    #[default]
+    None,
+}
+
+/// Where anchoring looks.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AnchorOptions {
+    /// Whether to anchor.
+    pub mode: AnchorMode,
+    /// The VM the agent runs in (`--vm`); `None`: the only VM in debugfs.
+    pub vm: Option<VmSelector>,
+    /// tracefs (`--tracefs`); `None`: the standard mount points.
+    pub tracefs: Option<PathBuf>,
+    /// KVM debugfs.
+    pub debugfs_root: PathBuf,
+    /// `/proc`, for VM names.
+    pub proc_root: PathBuf,
+    /// The UART data port the agent's protocol runs on.
+    pub port: u16,
+}
+
+impl Default for AnchorOptions {
+    fn default() -> Self {
+        Self {
+            mode: AnchorMode::None,
+            vm: None,
+            tracefs: None,
+            debugfs_root: PathBuf::from(DEFAULT_KVM_DEBUGFS),
+            proc_root: PathBuf::from(DEFAULT_PROC_ROOT),
+            port: COM1_DATA,
+        }
+    }
+}
+
+/// The VM's vCPU threads and a name for messages.
+fn vcpu_threads(o: &AnchorOptions) -> Result<(String, Vec<u32>), String> {
+    let debugfs = KvmDebugfs::open(&o.debugfs_root).map_err(|e| e.to_string())?;
+    let scanner = Scanner {
+        debugfs,
+        proc: ProcFs::new(&o.proc_root),
+    };
+    let report = scanner.scan(o.vm.as_ref()).map_err(|e| e.to_string())?;
+    let vm = match report.vms.as_slice() {
+        [vm] => vm,
+        [] => return Err("no VM in KVM debugfs".into()),
+        vms => {
+            let list: Vec<String> = vms.iter().map(|v| format!("{}-{}", v.pid, v.fd)).collect();
+            return Err(format!(
+                "{} VMs in KVM debugfs ({}): pass --vm to say which one runs the agent",
+                vms.len(),
+                list.join(", ")
+            ));
+        }
+    };
+    let threads: Vec<u32> = vm.vcpus.iter().filter_map(|c| c.thread_pid).collect();
+    if threads.is_empty() {
+        return Err(format!(
+            "VM {}-{}: no vCPU thread in debugfs",
+            vm.pid, vm.fd
+        ));
+    }
+    Ok((format!("{}-{}", vm.pid, vm.fd), threads))
+}
+
+/// Why this run cannot be anchored, or the trace to anchor it with.
+fn open_trace(addr: &ProbeAddr, o: &AnchorOptions) -> Result<PioTrace, String> {
+    if !matches!(addr, ProbeAddr::Unix(_)) {
+        return Err(format!(
+            "{addr} is not a serial chardev socket (unix:PATH): the UART exits carry no probes of it"
+        ));
+    }
+    let (_, threads) = vcpu_threads(o)?;
+    // The whole 16550 register block: the status-register polls tighten the bracket
+    // (`match_uart`); bytes are matched on the data port only.
+    let ports: Vec<u16> = (o.port..o.port.saturating_add(UART_PORTS)).collect();
+    PioTrace::start(o.tracefs.as_deref(), &threads, &ports).map_err(|e| e.to_string())
+}
+
+/// Wraps `inner` for `o.mode`: an [`AnchoredTransport`] that anchors (`KvmPio`: every
+/// exchange or drop it; `Auto`: unless the first exchange does not match), or that passes the
+/// stamps through (`None`, or `Auto` when anchoring is not possible here: `note` hears why).
+///
+/// # Errors
+/// [`ProbeError::Anchor`] when `o.mode` is `KvmPio` and anchoring is not possible.
+pub fn anchor_transport<T: StampedTransport>(
+    inner: T,
+    addr: &ProbeAddr,
+    o: &AnchorOptions,
+    note: &mut dyn FnMut(&str),
+) -> Result<AnchoredTransport<T>, ProbeError> {
+    match o.mode {
+        AnchorMode::None => Ok(AnchoredTransport::passthrough(inner)),
+        AnchorMode::KvmPio => open_trace(addr, o)
+            .map(|t| AnchoredTransport::new(inner, t, o.port))
+            .map_err(ProbeError::Anchor),
+        AnchorMode::Auto => match open_trace(addr, o) {
+            Ok(t) => Ok(AnchoredTransport::new_auto(inner, t, o.port)),
+            Err(why) => {
+                note(&format!(
+                    "not exit-anchored ({why}); host stamps are taken in this process (--anchor none: no anchoring, no note)"
+                ));
+                Ok(AnchoredTransport::passthrough(inner))
+            }
+        },
+    }
+}

@@ -21,7 +21,7 @@ pub(crate) fn real_trace(test: &str, dir: &Path, file: &str) -> Option<PathBuf> 
     if !have_trace_cmd(test) || !require(test, is_root(), "needs root (tracefs instances)") {
         return None;
     }
-    let tracefs = vmtsync::trace_events::find_tracefs(None);
+    let tracefs = vmtsync::ftrace::find_tracefs(None, "sched/sched_switch");
     if !require(
         test,
         tracefs.is_ok(),

@@ -36,6 +36,7 @@ use vmtsync_core::estimate::ProbeSample;
 use vmtsync_core::mapping::KvmTscMapping;
 use vmtsync_core::proto::EventClock;
 
+use crate::probe::anchor::anchor_transport;
 use crate::probe::connect::{self, ConnectOptions};
 use crate::probe::continuous::{Cumulative, segment};
 use crate::probe::{
@@ -189,7 +190,17 @@ pub fn run_record(
         opts.probe.stop,
     )
     .map_err(ProbeError::from)?;
-    run_record_on(transport, opts, progress)
+    // Sync rounds are exit-anchored as `probe`'s are (docs/anchor.md); the event drains in
+    // between pass through unrefined.
+    let note = &mut |m: &str| eprintln!("vmtsync: record: {m}");
+    let mut t = anchor_transport(transport, &opts.probe.addr, &opts.probe.anchor, note)?;
+    let r = run_record_on(&mut t, opts, progress);
+    if let Some(why) = t.gave_up() {
+        note(&format!(
+            "not exit-anchored: the agent's first exchange was not among the VM's UART exits ({why:?}); host stamps were taken in this process"
+        ));
+    }
+    r
 }
 
 /// One event on its way to the output.

@@ -5,6 +5,7 @@ mod agent_events;
 mod agent_qemu;
 mod agent_vmm;
 mod attach;
+mod causality;
 mod cli;
 mod e2e;
 mod kvm_fixtures;

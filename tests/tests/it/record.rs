@@ -32,7 +32,7 @@ fn scratch(test: &str) -> tempfile::TempDir {
         .unwrap()
 }
 
-fn text(b: &[u8]) -> String {
+pub(crate) fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
 }
 
@@ -79,7 +79,7 @@ fn loopback(test: &str, count: u64, rate: u64) -> Loopback {
 }
 
 /// Runs `vmtsync record …` (guarded) to completion.
-fn record(args: &[&str]) -> Output {
+pub(crate) fn record(args: &[&str]) -> Output {
     crate::kvm_fixtures::guarded_output(vmtsync().arg("record").args(args), b"")
 }
 
@@ -376,7 +376,7 @@ fn sigint_ends_a_recording_with_a_complete_file() {
 }
 
 /// Tier 2 prerequisites for the QEMU tests.
-fn qemu_ready(test: &str) -> bool {
+pub(crate) fn qemu_ready(test: &str) -> bool {
     require(test, have_kvm(), "/dev/kvm is not accessible read-write")
         && require(
             test,
@@ -392,7 +392,7 @@ fn qemu_ready(test: &str) -> bool {
 }
 
 /// Boots the agent under QEMU microvm (COM1 on `sock`), waits for the socket.
-fn boot_qemu(dir: &Path, append: &str) -> (ChildGuard, PathBuf) {
+pub(crate) fn boot_qemu(dir: &Path, append: &str) -> (ChildGuard, PathBuf) {
     let elf = agent_elf().expect("agent builds");
     let sock = dir.join("com1.sock");
     let com2 = dir.join("com2.log");

@@ -44,6 +44,8 @@ pub const IN_PROCESS: RGBColor = RGBColor(255, 127, 14);
 pub const ESTIMATE: RGBColor = RGBColor(33, 33, 33);
 /// Segment breaks.
 pub const BREAK: RGBColor = RGBColor(214, 39, 40);
+/// A known true offset (`--truth`).
+pub const TRUTH: RGBColor = RGBColor(44, 160, 44);
 
 /// The opacity of the band between two anchors' bars.
 const BAND_OPACITY: f64 = 0.25;
@@ -73,6 +75,13 @@ impl Stamping {
         match self {
             Self::ExitAnchored => ANCHORED,
             Self::InProcess => IN_PROCESS,
+        }
+    }
+
+    fn short(self) -> &'static str {
+        match self {
+            Self::ExitAnchored => "exit-anchored",
+            Self::InProcess => "in-process",
         }
     }
 
@@ -122,6 +131,10 @@ pub struct PlotData {
     pub origin: u64,
     /// One panel per vCPU, by vCPU number.
     pub vcpus: Vec<VcpuSeries>,
+    /// A true offset known from outside the sync file (guest − host ticks, e.g. KVM debugfs'
+    /// exact `tsc-offset`), drawn as a dashed line so the eye can check every interval holds
+    /// it.
+    pub truth: Option<i64>,
 }
 
 /// Why a plot failed.
@@ -187,7 +200,28 @@ impl PlotData {
             });
         }
         vcpus.sort_by_key(|v| v.vcpu);
-        Ok(Self { origin, vcpus })
+        Ok(Self {
+            origin,
+            vcpus,
+            truth: None,
+        })
+    }
+}
+
+impl PlotData {
+    /// Sets a known true offset and makes it every panel's reference, so the y axis reads as
+    /// the error of each estimate and bound.
+    pub fn set_truth(&mut self, truth: i64) {
+        for v in &mut self.vcpus {
+            let by = i128::from(v.reference) - i128::from(truth);
+            for p in &mut v.points {
+                p.offset += by;
+                p.lo += by;
+                p.hi += by;
+            }
+            v.reference = truth;
+        }
+        self.truth = Some(truth);
     }
 }
 
@@ -241,7 +275,7 @@ pub fn render_svg(data: &PlotData) -> Result<String, PlotError> {
                 .flat_map(|p| [x_of(p.host), x_of(p.host_first)]),
         );
         for (area, series) in areas.iter().zip(&data.vcpus) {
-            draw_panel(area, series, data.origin, x_lo..x_hi)?;
+            draw_panel(area, series, data, x_lo..x_hi)?;
         }
         root.present().map_err(draw_err)?;
     }
@@ -263,19 +297,36 @@ fn padded(values: impl Iterator<Item = f64>) -> (f64, f64) {
 fn draw_panel(
     area: &DrawingArea<SVGBackend<'_>, Shift>,
     series: &VcpuSeries,
-    origin: u64,
+    data: &PlotData,
     x_range: std::ops::Range<f64>,
 ) -> Result<(), PlotError> {
-    let (y_lo, y_hi) = padded(series.points.iter().flat_map(|p| [y_of(p.lo), y_of(p.hi)]));
-    let widths: Vec<i128> = series.points.iter().map(|p| p.hi - p.lo).collect();
+    let origin = data.origin;
+    let x_ends = (x_range.start, x_range.end);
+    let truth = data
+        .truth
+        .map(|t| y_of(i128::from(t) - i128::from(series.reference)));
+    let (y_lo, y_hi) = padded(
+        series
+            .points
+            .iter()
+            .flat_map(|p| [y_of(p.lo), y_of(p.hi)])
+            .chain(truth),
+    );
     let mut caption = format!(
         "vCPU {}: offset (guest - host) relative to {} ticks; {} segments",
         series.vcpu,
         series.reference,
         series.points.len()
     );
-    if let (Some(min), Some(max)) = (widths.iter().min(), widths.iter().max()) {
-        let _ = write!(caption, ", interval width {min}..{max} ticks");
+    for stamping in [Stamping::InProcess, Stamping::ExitAnchored] {
+        let widths = series
+            .points
+            .iter()
+            .filter(|p| p.stamping == stamping)
+            .map(|p| p.hi - p.lo);
+        if let (Some(min), Some(max)) = (widths.clone().min(), widths.max()) {
+            let _ = write!(caption, "; {} width {min}..{max}", stamping.short());
+        }
     }
     let mut chart = ChartBuilder::on(area)
         .caption(caption, ("sans-serif", 16))
@@ -338,6 +389,18 @@ fn draw_panel(
         .map_err(draw_err)?
         .label("offset estimate")
         .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 14, y)], ESTIMATE.stroke_width(1)));
+    if let Some(t) = truth {
+        chart
+            .draw_series(DashedLineSeries::new(
+                [(x_ends.0, t), (x_ends.1, t)],
+                8,
+                5,
+                TRUTH.stroke_width(2),
+            ))
+            .map_err(draw_err)?
+            .label("true offset (--truth)")
+            .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 14, y)], TRUTH.stroke_width(2)));
+    }
     // The first segment of a vCPU always starts an estimate: only later breaks are news.
     let breaks: Vec<f64> = series
         .points
@@ -378,13 +441,21 @@ pub struct PlotSummary {
     pub cut_bytes: u64,
 }
 
-/// Reads the sync file at `sync` and writes its plot to `out` (atomically).
+/// Reads the sync file at `sync` and writes its plot to `out` (atomically), with a known
+/// true offset `truth` if given.
 ///
 /// # Errors
 /// [`PlotError`].
-pub fn plot_sync_file(sync: &Path, out: &Path) -> Result<PlotSummary, PlotError> {
+pub fn plot_sync_file(
+    sync: &Path,
+    out: &Path,
+    truth: Option<i64>,
+) -> Result<PlotSummary, PlotError> {
     let file = SyncFile::read(sync)?;
-    let data = PlotData::from_sync_file(&file)?;
+    let mut data = PlotData::from_sync_file(&file)?;
+    if let Some(t) = truth {
+        data.set_truth(t);
+    }
     let svg = render_svg(&data)?;
     write_atomically(out, |w| w.write_all(svg.as_bytes())).map_err(|source| PlotError::Write {
         path: out.to_owned(),
@@ -505,6 +576,7 @@ mod tests {
             .collect();
         PlotData {
             origin: 1_000_000_000,
+            truth: None,
             vcpus: vec![
                 VcpuSeries {
                     vcpu: 0,
@@ -707,13 +779,60 @@ mod tests {
         let sync = dir.path().join("s.jsonl");
         let out = dir.path().join("s.svg");
         std::fs::write(&sync, &text).unwrap();
-        let summary = plot_sync_file(&sync, &out).unwrap();
+        let summary = plot_sync_file(&sync, &out, None).unwrap();
         assert_eq!(
             (summary.vcpus, summary.segments, summary.cut_bytes),
             (2, 3, 0)
         );
         let (panels, _) = parse(&std::fs::read_to_string(&out).unwrap());
         assert_eq!(panels.len(), 2);
+    }
+
+    #[test]
+    fn a_known_truth_is_a_dashed_line_inside_the_intervals_that_hold_it() {
+        let mut data = mixed();
+        // vCPU 0's reference is 5: a truth of 5 is y = 0, inside every in-process interval
+        // (centred near 0, 2M ticks either side) and outside the anchored ones (near 700k).
+        data.set_truth(5);
+        assert_eq!(data.vcpus[0].points[0].offset, 0, "the same reference");
+        assert_eq!(
+            data.vcpus[1].reference, 5,
+            "vCPU 1 now relative to the truth too"
+        );
+        assert_eq!(
+            data.vcpus[1].points[0].offset, -12,
+            "its offset -7 is 12 below 5"
+        );
+        let (panels, texts) = parse(&render_svg(&data).unwrap());
+        assert!(texts.iter().any(|t| t == "true offset (--truth)"));
+        let dashes = of(&panels[0], "polyline", TRUTH);
+        assert!(dashes.len() > 10, "a dashed line is many short pieces");
+        let y = dashes[0].points[0].1;
+        assert!(
+            dashes
+                .iter()
+                .flat_map(|d| &d.points)
+                .all(|p| (p.1 - y).abs() < 0.5),
+            "horizontal"
+        );
+        let spans = |c| {
+            of(&panels[0], "polyline", c)
+                .iter()
+                .map(|b| {
+                    let (a, b) = (b.points[0].1, b.points[1].1);
+                    (a.min(b), a.max(b))
+                })
+                .collect::<Vec<_>>()
+        };
+        assert!(spans(IN_PROCESS).iter().all(|&(lo, hi)| lo <= y && y <= hi));
+        assert!(spans(ANCHORED).iter().all(|&(lo, hi)| y > hi || y < lo));
+        assert!(
+            of(&panels[1], "polyline", TRUTH).len() > 10,
+            "on every panel"
+        );
+        // Without a truth, no such line.
+        let (panels, _) = parse(&render_svg(&mixed()).unwrap());
+        assert!(of(&panels[0], "polyline", TRUTH).is_empty());
     }
 
     #[test]
@@ -730,6 +849,7 @@ mod tests {
     fn one_segment_draws_a_bar_and_no_band() {
         let data = PlotData {
             origin: 0,
+            truth: None,
             vcpus: vec![VcpuSeries {
                 vcpu: 0,
                 reference: 0,

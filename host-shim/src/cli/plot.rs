@@ -17,6 +17,10 @@ pub struct PlotArgs {
     /// The SVG file to write (written beside it and renamed into place).
     #[arg(long, value_name = "FILE.svg")]
     pub out: PathBuf,
+    /// A true offset (guest - host ticks) known from elsewhere, e.g. `vmtsync kvm`'s exact
+    /// tsc-offset: drawn as a dashed line on every panel.
+    #[arg(long, value_name = "TICKS", allow_negative_numbers = true)]
+    pub truth: Option<i64>,
 }
 
 /// `vmtsync plot`: draws the sync file and says what it drew on stderr.
@@ -24,7 +28,7 @@ pub struct PlotArgs {
 /// # Errors
 /// [`CliError::Plot`].
 pub fn run_plot_cmd(args: &PlotArgs) -> Result<(), CliError> {
-    let summary = plot_sync_file(&args.sync, &args.out)?;
+    let summary = plot_sync_file(&args.sync, &args.out, args.truth)?;
     let cut = if summary.cut_bytes > 0 {
         format!(
             " (cut {} bytes of an incomplete last line: a writer is still appending)",

@@ -255,5 +255,11 @@ mod tests {
             io::ErrorKind::BrokenPipe,
         )));
         assert!(sync_pipe.is_broken_pipe());
+        assert_eq!(CliError::Violations(3).exit_code(), 9);
+        assert_eq!(
+            CliError::Validate(crate::validate::ValidateError::NoKvmPio("h".into())).exit_code(),
+            5
+        );
+        assert_eq!(CliError::Plot(crate::plot::PlotError::Empty).exit_code(), 4);
     }
 }

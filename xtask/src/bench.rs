@@ -14,6 +14,8 @@
 //! - bytes per event on the wire: a full `EventBatch` of payload-less events 2600 ticks
 //!   apart, encoded by `vmtsync_core::proto::encode_frame` here;
 //! - max RSS of `examples/tracedat_write` at 1 M and 10 M events under `/usr/bin/time -v`;
+//! - `examples/attach_time`: `trace-cmd attach` on two ~100 MB guest traces of different event
+//!   counts (in the trace.dat section);
 //! - `bench-scan`'s separate-process `vmtsync kvm --json` over a generated debugfs tree;
 //! - the real-KVM probe benchmark (`vmtsync-probe-bench --sessions K`, its JSON line);
 //! - the agent's `.text` size (`build-agent`);
@@ -139,6 +141,8 @@ struct Plan {
     scan: (u32, u32, usize),
     /// tracedat_write: the small and the large event count, and runs of each.
     rss: (u64, u64, usize),
+    /// attach_time: the guest trace's size in MB, and runs per file.
+    attach: (u64, usize),
     /// `cargo build` arguments selecting the profile of the binaries this run executes, and
     /// the directory they land in.
     build_profile: Vec<&'static str>,
@@ -161,6 +165,7 @@ impl Plan {
                 sessions: o.sessions.unwrap_or(2),
                 scan: (100, 4, 3),
                 rss: (20_000, 200_000, 1),
+                attach: (4, 1),
                 // ci's test step built these already (`cargo test --workspace --all-features`).
                 build_profile: vec!["--workspace", "--all-features"],
                 bin_dir: root().join("target/debug"),
@@ -179,6 +184,7 @@ impl Plan {
                 sessions: o.sessions.unwrap_or(100),
                 scan: (1000, 4, 31),
                 rss: (1_000_000, 10_000_000, 3),
+                attach: (100, 5),
                 // The profile and features of `cargo bench --workspace`, so these binaries
                 // share every dependency the criterion benches were built with.
                 build_profile: vec!["--profile", "bench", "--workspace"],
@@ -385,6 +391,8 @@ fn build_binaries(plan: &Plan) -> Result<()> {
         "vmtsync-probe-bench",
         "--example",
         "tracedat_write",
+        "--example",
+        "attach_time",
     ]))
 }
 

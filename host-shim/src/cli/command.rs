@@ -4,8 +4,10 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+use super::attach::{TraceCmdCommand, run_trace_cmd};
 use super::convert::{ConvertArgs, run_convert};
 use super::exit::{CliError, EXIT_CODES};
+use super::export::{ExportCommand, run_export};
 use super::kvm::{KvmArgs, run_kvm};
 use super::plot::{PlotArgs, run_plot_cmd};
 use super::probe::run_probe_cmd;
@@ -89,6 +91,13 @@ pub enum Command {
     /// TSC mapping arithmetic.
     #[command(subcommand)]
     Tsc(TscCommand),
+    /// Export a recording to another tool's format.
+    #[command(subcommand)]
+    Export(ExportCommand),
+    /// trace-cmd pipelines for Linux guests (`attach`: a guest trace.dat onto the host's
+    /// timeline).
+    #[command(subcommand, name = "trace-cmd")]
+    TraceCmd(TraceCmdCommand),
 }
 
 /// Parses the process arguments, runs the command and maps the outcome to an exit code;
@@ -119,6 +128,8 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
         Command::Plot(a) => run_plot_cmd(&a),
         Command::Validate(a) => run_validate_cmd(&a),
         Command::Tsc(c) => run_tsc(&c),
+        Command::Export(c) => run_export(&c),
+        Command::TraceCmd(c) => run_trace_cmd(&c),
     }
 }
 

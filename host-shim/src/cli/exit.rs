@@ -24,9 +24,11 @@ Exit codes:
   4  no VM or vCPU matches --vm / --vcpu (convert --sync: no segment for --vcpu;
      plot: no segment at all)
   5  bad input data (convert: bad line, value out of range or malformed sync file
-     (also plot);
-     compose: cannot compose)
-  6  refused: the vCPU runs a nested guest (guest_mode=1) and --nested-l2 was not given
+     (also plot); compose: cannot compose; trace-cmd attach: malformed or truncated
+     trace.dat; validate: inputs it cannot use)
+  6  refused: the vCPU runs a nested guest (guest_mode=1) and --nested-l2 was not given;
+     trace-cmd attach: the TIME_SHIFT would be off by more than --max-error ticks;
+     export perf: perf cannot express the mapping
   7  probe: the guest agent could not be reached or stopped answering (VM gone, agent
      restarted, protocol version mismatch)
   8  probe --anchor kvm-pio: exit anchoring is not possible here (no tracefs or kvm_pio,
@@ -111,6 +113,25 @@ pub enum CliError {
     /// Writing output.
     #[error("writing output: {0}")]
     Output(#[from] io::Error),
+    /// From `trace-cmd attach` (reading or writing a trace.dat).
+    #[error(transparent)]
+    TraceDat(#[from] crate::tracedat::TraceDatError),
+    /// `trace-cmd attach`: trace-cmd's 64-bit TIME_SHIFT arithmetic would be too coarse.
+    #[error(
+        "guest CPU {cpu}: trace-cmd's 64-bit TIME_SHIFT arithmetic would be off by up to {bound} ticks for this trace's events (limit {limit}): pass --max-error {bound} to accept that, or pre-convert the timestamps"
+    )]
+    ShiftTooCoarse {
+        /// The guest CPU.
+        cpu: usize,
+        /// The worst-case error in ticks.
+        bound: u64,
+        /// The accepted limit.
+        limit: u64,
+    },
+    /// `export perf`: perf's arguments cannot express the mapping (the explanation says why
+    /// and what error the closest ones would make).
+    #[error("{0}")]
+    NotExpressible(String),
 }
 
 impl CliError {
@@ -154,6 +175,8 @@ impl CliError {
             Self::Validate(crate::validate::ValidateError::Threads { .. }) => 2,
             Self::Validate(_) => 5,
             Self::Violations(_) => 9,
+            Self::TraceDat(e) => trace_dat_exit_code(e),
+            Self::ShiftTooCoarse { .. } | Self::NotExpressible(_) => 6,
         }
     }
 
@@ -190,6 +213,18 @@ fn probe_exit_code(e: &ProbeError) -> u8 {
         ProbeError::SyncFile(s) => sync_exit_code(s),
         ProbeError::Anchor(_) => 8,
         _ => 1,
+    }
+}
+
+/// Exit code of a trace.dat failure: 1 for I/O and a copy that does not verify, 6 for a
+/// TIME_SHIFT above the error limit, else 5 (a malformed, truncated or unsupported input, a
+/// mapping TIME_SHIFT cannot hold).
+fn trace_dat_exit_code(e: &crate::tracedat::TraceDatError) -> u8 {
+    use crate::tracedat::{TimeShiftError, TraceDatError};
+    match e {
+        TraceDatError::Io { .. } | TraceDatError::Verify { .. } => 1,
+        TraceDatError::TimeShift(TimeShiftError::AboveLimit { .. }) => 6,
+        _ => 5,
     }
 }
 

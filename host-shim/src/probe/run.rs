@@ -8,7 +8,7 @@ use std::time::Duration;
 use vmtsync_core::estimate::EstimateError;
 
 use super::addr::ProbeAddr;
-use super::anchor::{AnchorMode, AnchorOptions, anchor_transport};
+use super::anchor::{self, AnchorMode, AnchorOptions};
 use super::connect::{self, ConnectOptions};
 use super::continuous::{self, ContinuousOptions};
 use super::error::ProbeError;
@@ -79,6 +79,8 @@ impl ProbeOptions {
 /// [`ProbeError`]; [`ProbeError::Anchor`] when `--anchor kvm-pio` cannot be done, or no
 /// exchange's exits were found.
 pub fn run_probe(opts: &ProbeOptions, out: &mut dyn Write) -> Result<ProbeSummary, ProbeError> {
+    let note = &mut |m: &str| eprintln!("vmtsync: probe: {m}");
+    let setup = anchor::prepare(&opts.addr, &opts.anchor, opts.connect_timeout, note)?;
     let transport = connect::connect_until_stopped(
         &opts.addr,
         &ConnectOptions {
@@ -87,8 +89,7 @@ pub fn run_probe(opts: &ProbeOptions, out: &mut dyn Write) -> Result<ProbeSummar
         },
         opts.stop,
     )?;
-    let note = &mut |m: &str| eprintln!("vmtsync: probe: {m}");
-    let mut t = anchor_transport(transport, &opts.addr, &opts.anchor, note)?;
+    let mut t = setup.wrap(transport);
     let r = run_probe_on(&mut t, opts, out);
     if let Some(why) = t.gave_up() {
         note(&format!(

@@ -36,7 +36,7 @@ use vmtsync_core::estimate::ProbeSample;
 use vmtsync_core::mapping::KvmTscMapping;
 use vmtsync_core::proto::EventClock;
 
-use crate::probe::anchor::anchor_transport;
+use crate::probe::anchor;
 use crate::probe::connect::{self, ConnectOptions};
 use crate::probe::continuous::{Cumulative, segment};
 use crate::probe::{
@@ -181,6 +181,16 @@ pub fn run_record(
     opts: &RecordOptions,
     progress: &mut Progress,
 ) -> Result<RecordSummary, RecordError> {
+    // Sync rounds are exit-anchored as `probe`'s are (docs/anchor.md), decided before
+    // connecting so `--anchor kvm-pio` fails at once; the event drains in between pass through
+    // unrefined.
+    let note = &mut |m: &str| eprintln!("vmtsync: record: {m}");
+    let setup = anchor::prepare(
+        &opts.probe.addr,
+        &opts.probe.anchor,
+        opts.probe.connect_timeout,
+        note,
+    )?;
     let transport = connect::connect_until_stopped(
         &opts.probe.addr,
         &ConnectOptions {
@@ -190,10 +200,7 @@ pub fn run_record(
         opts.probe.stop,
     )
     .map_err(ProbeError::from)?;
-    // Sync rounds are exit-anchored as `probe`'s are (docs/anchor.md); the event drains in
-    // between pass through unrefined.
-    let note = &mut |m: &str| eprintln!("vmtsync: record: {m}");
-    let mut t = anchor_transport(transport, &opts.probe.addr, &opts.probe.anchor, note)?;
+    let mut t = setup.wrap(transport);
     let r = run_record_on(&mut t, opts, progress);
     if let Some(why) = t.gave_up() {
         note(&format!(

@@ -20,7 +20,6 @@ use std::path::{Path, PathBuf};
 use super::consts::{MAGIC, SEC_FL_COMPRESS, SECTION_HEADER_SIZE, TRACING, option};
 use super::error::TraceDatError;
 use super::format::{EVENT_DATA_ID, EVENT_ID, MAX_PAYLOAD};
-use super::page::walk_records;
 
 /// Longest NUL-terminated string we accept in headers and options (names, clocks, versions).
 const MAX_CSTR: u64 = 4096;
@@ -95,6 +94,9 @@ pub struct Layout {
     pub options_end: u64,
     /// v7: total uncompressed size of the STRINGS sections (the next string's id).
     pub strings_size: u64,
+    /// v7: whether the file has a strings section (`trace-cmd restore` writes none; any other
+    /// file without one was cut at a section boundary).
+    pub has_strings: bool,
     /// v6: offset of the top buffer's `"flyrecord\0"`.
     pub flyrecord: Option<u64>,
     /// v6: offset just past the top buffer's CPU table and clock (where padding begins).
@@ -331,16 +333,24 @@ fn read_v7(src: &Src, mut c: Cur<'_>, page_size: u32) -> Result<Layout, TraceDat
         });
         c.pos = body + size;
     }
-    // trace-cmd writes the strings section last; a file cut at a section boundary loses it.
-    if !strings_found {
-        return Err(src.err(src.len, "no strings section (truncated?)"));
-    }
+    // trace-cmd writes the strings section last, so a file cut at a section boundary loses it;
+    // but `trace-cmd restore` writes files without one, which trace-cmd reads. The layout says
+    // so and `verify_file` (the check for files that must be complete) refuses it.
     let find = |off: u64, id: u16, what: &str| {
         sections
             .iter()
             .find(|s| s.offset == off && s.id == id)
             .copied()
-            .ok_or_else(|| src.err(off, format!("{what}: no section {id} starts here")))
+            .ok_or_else(|| {
+                if off >= src.len {
+                    src.err(
+                        src.len,
+                        format!("{what} at {off}: past the end of the file (truncated?)"),
+                    )
+                } else {
+                    src.err(off, format!("{what}: no section {id} starts here"))
+                }
+            })
     };
     let mut options = Vec::new();
     let mut seen = BTreeSet::new();
@@ -424,6 +434,7 @@ fn read_v7(src: &Src, mut c: Cur<'_>, page_size: u32) -> Result<Layout, TraceDat
         buffers,
         options_end,
         strings_size,
+        has_strings: strings_found,
         flyrecord: None,
         flyrecord_end: None,
         v6_formats: None,
@@ -573,6 +584,7 @@ fn read_v6(src: &Src, mut c: Cur<'_>, page_size: u32) -> Result<Layout, TraceDat
         buffers,
         options_end,
         strings_size: 0,
+        has_strings: false,
         flyrecord,
         flyrecord_end,
         v6_formats: Some((v6_formats, v6_formats_end)),
@@ -618,6 +630,8 @@ pub struct Event {
 /// Largest uncompressed metadata section decompressed into memory. The event formats of a
 /// kernel with every tracepoint are a few hundred KiB; kallsyms (MiBs) is never decompressed.
 const MAX_SECTION: u64 = 256 << 20;
+/// Highest CPU number + 1 a trace may use (bounds per-CPU tables built from file contents).
+pub const MAX_CPUS: usize = 1 << 16;
 /// Largest uncompressed chunk of CPU data (trace-cmd writes chunks of a few pages).
 const MAX_CHUNK: u64 = 64 << 20;
 /// Largest zstd window a frame may ask the decoder to allocate (the decoder's own default is
@@ -876,8 +890,7 @@ fn records(
     };
     let ps = u64::from(layout.page_size);
     let mut page = vec![0; layout.page_size as usize];
-    let mut zbuf = Vec::new();
-    let mut chunk = Vec::new();
+    let mut bufs = (Vec::new(), Vec::new());
     let mut n = 0;
     for cd in b.cpus.iter().filter(|c| c.size > 0) {
         if !b.compressed {
@@ -892,9 +905,36 @@ fn records(
             }
             continue;
         }
-        // `u32 chunk count`, then `{u32 compressed size, u32 uncompressed size, data}` per
-        // chunk. trace-cmd's CPU size counts the bytes after the count word; the chunks must
-        // also stay inside their flyrecord section.
+        let mut chunks = Chunks::open(&src, layout, cd)?;
+        while let Some(h) = chunks.next(&src, ps)? {
+            n += walk_chunk(&src, layout, h, cd.cpu, &mut bufs, f)?;
+        }
+    }
+    Ok(n)
+}
+
+/// One compressed chunk's header: where it is and its two sizes.
+#[derive(Clone, Copy)]
+struct ChunkHdr {
+    /// File offset of the chunk's 8-byte header.
+    at: u64,
+    zsize: u64,
+    usize_: u64,
+}
+
+/// The chunk headers of one CPU's compressed data, read one at a time: `u32 chunk count`,
+/// then `{u32 compressed size, u32 uncompressed size, data}` per chunk. trace-cmd's CPU size
+/// counts the bytes after the count word; the chunks must also stay inside their flyrecord
+/// section.
+struct Chunks {
+    pos: u64,
+    end: u64,
+    left: u32,
+    cpu: u32,
+}
+
+impl Chunks {
+    fn open(src: &Src, layout: &Layout, cd: &CpuData) -> Result<Self, TraceDatError> {
         let sec_end = layout
             .sections
             .iter()
@@ -906,43 +946,155 @@ fn records(
             .map_or(0, |s| s.offset + SECTION_HEADER_SIZE + s.size);
         let end = sec_end.min(cd.offset.saturating_add(4).saturating_add(cd.size));
         let mut c = Cur {
-            src: &src,
+            src,
             pos: cd.offset,
         };
-        let chunks = c.u32("compressed CPU data: chunk count")?;
-        for _ in 0..chunks {
-            let at = c.pos;
-            let zsize = u64::from(c.u32("compressed chunk size")?);
-            let usize_ = u64::from(c.u32("uncompressed chunk size")?);
-            if c.pos + zsize > end {
-                return Err(src.err(
-                    at,
-                    format!(
-                        "CPU {} chunk of {zsize} compressed bytes runs past the CPU's data at {end} (truncated?)",
-                        cd.cpu
-                    ),
-                ));
-            }
-            if usize_ > MAX_CHUNK || usize_ % ps != 0 {
-                return Err(src.err(
-                    at + 4,
-                    format!(
-                        "uncompressed chunk size {usize_} is not a multiple of the page size up to {MAX_CHUNK}"
-                    ),
-                ));
-            }
-            zbuf.resize(usize::try_from(zsize).unwrap_or(0), 0);
-            src.read_into(c.pos, &mut zbuf, "compressed chunk")?;
-            chunk.resize(usize::try_from(usize_).unwrap_or(0), 0);
-            unzstd(&zbuf, &mut chunk).map_err(|e| src.err(c.pos, e))?;
-            c.pos += zsize;
-            for (i, page) in chunk.chunks(layout.page_size as usize).enumerate() {
-                let where_ = PageAt::Chunk(at, i as u64 * ps);
-                n += walk_page(&src, where_, page, cd.cpu, f)?;
-            }
+        let left = c.u32("compressed CPU data: chunk count")?;
+        Ok(Self {
+            pos: c.pos,
+            end,
+            left,
+            cpu: cd.cpu,
+        })
+    }
+
+    fn next(&mut self, src: &Src, ps: u64) -> Result<Option<ChunkHdr>, TraceDatError> {
+        if self.left == 0 {
+            return Ok(None);
         }
+        self.left -= 1;
+        let at = self.pos;
+        let mut c = Cur { src, pos: at };
+        let zsize = u64::from(c.u32("compressed chunk size")?);
+        let usize_ = u64::from(c.u32("uncompressed chunk size")?);
+        if c.pos + zsize > self.end {
+            return Err(src.err(
+                at,
+                format!(
+                    "CPU {} chunk of {zsize} compressed bytes runs past the CPU's data at {} (truncated?)",
+                    self.cpu, self.end
+                ),
+            ));
+        }
+        if usize_ > MAX_CHUNK || usize_ % ps != 0 {
+            return Err(src.err(
+                at + 4,
+                format!(
+                    "uncompressed chunk size {usize_} is not a multiple of the page size up to {MAX_CHUNK}"
+                ),
+            ));
+        }
+        self.pos = c.pos + zsize;
+        Ok(Some(ChunkHdr { at, zsize, usize_ }))
+    }
+}
+
+/// Decompresses one chunk into `bufs.1` (reusing both buffers) and walks its pages.
+fn walk_chunk(
+    src: &Src,
+    layout: &Layout,
+    h: ChunkHdr,
+    cpu: u32,
+    bufs: &mut (Vec<u8>, Vec<u8>),
+    f: &mut RecordFn<'_>,
+) -> Result<u64, TraceDatError> {
+    let (zbuf, chunk) = bufs;
+    zbuf.resize(usize::try_from(h.zsize).unwrap_or(0), 0);
+    src.read_into(h.at + 8, zbuf, "compressed chunk")?;
+    chunk.resize(usize::try_from(h.usize_).unwrap_or(0), 0);
+    unzstd(zbuf, chunk).map_err(|e| src.err(h.at + 8, e))?;
+    let mut n = 0;
+    for (i, page) in chunk.chunks(layout.page_size as usize).enumerate() {
+        let where_ = PageAt::Chunk(h.at, i as u64 * u64::from(layout.page_size));
+        n += walk_page(src, where_, page, cpu, f)?;
     }
     Ok(n)
+}
+
+/// Each CPU's raw timestamp range `(first, last)` over every buffer of the file, indexed by
+/// CPU number (`None` for a CPU without records); the vector is as long as the highest CPU
+/// number with data plus one. Reads only the first and last non-empty pages (or compressed
+/// chunks) of each CPU, since a CPU's ring buffer timestamps never decrease: the cost does not
+/// grow with the number of events.
+///
+/// # Errors
+/// As [`for_each_record`].
+pub fn cpu_time_ranges(
+    path: &Path,
+    layout: &Layout,
+) -> Result<Vec<Option<(u64, u64)>>, TraceDatError> {
+    let src = Src::open(path)?;
+    let ps = u64::from(layout.page_size);
+    let mut ranges: Vec<Option<(u64, u64)>> = Vec::new();
+    let mut page = vec![0; layout.page_size as usize];
+    let mut bufs = (Vec::new(), Vec::new());
+    for b in &layout.buffers {
+        for cd in b.cpus.iter().filter(|c| c.size > 0) {
+            // `unit(i)`: the (min, max) timestamps of page or chunk `i`.
+            let mut unit =
+                |i: u64, chunks: &[ChunkHdr]| -> Result<Option<(u64, u64)>, TraceDatError> {
+                    let mut r: Option<(u64, u64)> = None;
+                    let mut f = |_: u32, ts: u64, _: &[u8]| {
+                        r = Some(r.map_or((ts, ts), |(lo, hi)| (lo.min(ts), hi.max(ts))));
+                        Ok(())
+                    };
+                    if b.compressed {
+                        let h = chunks[usize::try_from(i).unwrap_or(0)];
+                        walk_chunk(&src, layout, h, cd.cpu, &mut bufs, &mut f)?;
+                    } else {
+                        let at = cd.offset + i * ps;
+                        let len = ps.min(cd.offset + cd.size - at);
+                        let page = &mut page[..usize::try_from(len).unwrap_or(0)];
+                        src.read_into(at, page, "ring buffer page")?;
+                        walk_page(&src, PageAt::File(at), page, cd.cpu, &mut f)?;
+                    }
+                    Ok(r)
+                };
+            let mut chunks = Vec::new();
+            let count = if b.compressed {
+                let mut it = Chunks::open(&src, layout, cd)?;
+                while let Some(h) = it.next(&src, ps)? {
+                    chunks.push(h);
+                }
+                chunks.len() as u64
+            } else {
+                cd.size.div_ceil(ps)
+            };
+            let mut first = None;
+            let mut lo_unit = 0;
+            while lo_unit < count {
+                first = unit(lo_unit, &chunks)?;
+                if first.is_some() {
+                    break;
+                }
+                lo_unit += 1;
+            }
+            let Some((lo, mut hi)) = first else {
+                continue;
+            };
+            for i in (lo_unit + 1..count).rev() {
+                if let Some((_, h)) = unit(i, &chunks)? {
+                    hi = hi.max(h);
+                    break;
+                }
+            }
+            let cpu = cd.cpu as usize;
+            if cpu >= MAX_CPUS {
+                return Err(src.err(
+                    0,
+                    format!(
+                        "buffer {:?} has data for CPU {cpu}: more than {MAX_CPUS} CPUs",
+                        b.name
+                    ),
+                ));
+            }
+            if ranges.len() <= cpu {
+                ranges.resize(cpu + 1, None);
+            }
+            ranges[cpu] = Some(ranges[cpu].map_or((lo, hi), |(a, b)| (a.min(lo), b.max(hi))));
+        }
+    }
+    Ok(ranges)
 }
 
 /// Calls `f` for every event of `buffer`'s CPU data in `path` ([`for_each_record`] with the
@@ -986,8 +1138,8 @@ pub fn for_each_event(
     })
 }
 
-/// Walks one page (kbuffer-parse.c semantics, [`super::page::walk_records`]), handing each
-/// record's bytes to `f`; a record `f` rejects is an error at its byte.
+/// Walks one page with [`super::page::walk_records`] (kbuffer-parse.c semantics: every record
+/// inside `commit`), naming the failing byte by where the page came from.
 fn walk_page(
     src: &Src,
     page_at: PageAt,
@@ -996,10 +1148,10 @@ fn walk_page(
     f: &mut RecordFn<'_>,
 ) -> Result<u64, TraceDatError> {
     let mut rejected = None;
-    let n = walk_records(page, |ts, data, rec| match f(cpu, ts, rec) {
+    let n = super::page::walk_records(page, |ts, data, rec| match f(cpu, ts, rec) {
         Ok(()) => true,
         Err((i, what)) => {
-            rejected.get_or_insert((data + i, what));
+            rejected = Some((data + i, what));
             false
         }
     })
@@ -1017,6 +1169,13 @@ fn walk_page(
 /// As [`read_layout`] and [`for_each_event`].
 pub fn verify_file(path: &Path) -> Result<(Layout, u64), TraceDatError> {
     let layout = read_layout(path)?;
+    if layout.version == 7 && !layout.has_strings {
+        return Err(TraceDatError::Parse {
+            path: path.to_path_buf(),
+            offset: layout.file_len,
+            reason: "no strings section (truncated?)".into(),
+        });
+    }
     let mut n = 0;
     for b in 0..layout.buffers.len() {
         n += for_each_event(path, &layout, b, |_| {})?;

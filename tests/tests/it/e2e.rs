@@ -105,7 +105,7 @@ fn cli_probe_into_a_closed_pipe_exits_0() {
 }
 
 /// Sends SIGINT to the guarded child by PID and waits (at most 10 s) for it to exit.
-fn interrupt(guard: &mut ChildGuard) -> (Option<i32>, String) {
+pub(crate) fn interrupt(guard: &mut ChildGuard) -> (Option<i32>, String) {
     let pid = libc::pid_t::try_from(guard.pid()).unwrap();
     // SAFETY: kill(2) on the PID of our own, not yet reaped, child.
     assert_eq!(unsafe { libc::kill(pid, libc::SIGINT) }, 0);

@@ -4,6 +4,7 @@
 mod agent_events;
 mod agent_qemu;
 mod agent_vmm;
+mod anchor;
 mod attach;
 mod causality;
 mod cli;

@@ -275,7 +275,7 @@ fn a_truncated_file_is_caught_by_our_reader() {
 }
 
 /// A private tracefs instance, removed on drop (also when `trace-cmd extract` already did).
-pub(crate) struct Instance(pub(crate) PathBuf);
+struct Instance(PathBuf);
 
 impl Drop for Instance {
     fn drop(&mut self) {

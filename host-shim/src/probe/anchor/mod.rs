@@ -22,7 +22,7 @@ mod trace;
 mod transport;
 
 pub use matching::{UartBracket, match_uart};
-pub use setup::{AnchorMode, AnchorOptions, anchor_transport};
+pub use setup::{AnchorMode, AnchorOptions, AnchorSetup, anchor_transport, prepare};
 pub use trace::{PioTrace, filter};
 pub use transport::AnchoredTransport;
 

@@ -7,6 +7,7 @@
 //! transports need the agent's sync port (docs/anchor.md).
 
 use std::path::PathBuf;
+use std::time::{Duration, Instant};
 
 use super::{AnchoredTransport, COM1_DATA, PioTrace};
 use crate::debugfs::{DEFAULT_KVM_DEBUGFS, KvmDebugfs};
@@ -92,45 +93,97 @@ fn vcpu_threads(o: &AnchorOptions) -> Result<(String, Vec<u32>), String> {
     Ok((format!("{}-{}", vm.pid, vm.fd), threads))
 }
 
-/// Why this run cannot be anchored, or the trace to anchor it with.
-fn open_trace(addr: &ProbeAddr, o: &AnchorOptions) -> Result<PioTrace, String> {
+/// How often the VM's vCPU threads are looked for while they do not exist yet.
+const VCPU_POLL: Duration = Duration::from_millis(50);
+
+/// Why this run cannot be anchored, or the trace to anchor it with. A VM just started may not
+/// have run its vCPUs yet (debugfs then has no thread for them): it is looked for again until
+/// `wait` has passed.
+fn open_trace(addr: &ProbeAddr, o: &AnchorOptions, wait: Duration) -> Result<PioTrace, String> {
     if !matches!(addr, ProbeAddr::Unix(_)) {
         return Err(format!(
             "{addr} is not a serial chardev socket (unix:PATH): the UART exits carry no probes of it"
         ));
     }
-    let (_, threads) = vcpu_threads(o)?;
+    // The instance first: without tracefs or root there is nothing to wait for.
+    crate::ftrace::find_tracefs(o.tracefs.as_deref(), super::EVENT).map_err(|e| e.to_string())?;
+    let deadline = Instant::now() + wait;
+    let (_, threads) = loop {
+        match vcpu_threads(o) {
+            Ok(t) => break t,
+            Err(e) if Instant::now() >= deadline => return Err(e),
+            Err(_) => std::thread::sleep(VCPU_POLL),
+        }
+    };
     // The whole 16550 register block: the status-register polls tighten the bracket
     // (`match_uart`); bytes are matched on the data port only.
     let ports: Vec<u16> = (o.port..o.port.saturating_add(UART_PORTS)).collect();
     PioTrace::start(o.tracefs.as_deref(), &threads, &ports).map_err(|e| e.to_string())
 }
 
-/// Wraps `inner` for `o.mode`: an [`AnchoredTransport`] that anchors (`KvmPio`: every
-/// exchange or drop it; `Auto`: unless the first exchange does not match), or that passes the
-/// stamps through (`None`, or `Auto` when anchoring is not possible here: `note` hears why).
+/// What [`prepare`] decided: the trace to anchor with (and how strictly), or none.
+#[derive(Debug)]
+pub struct AnchorSetup {
+    trace: Option<PioTrace>,
+    mode: AnchorMode,
+    port: u16,
+}
+
+/// Decides whether a run on `addr` is anchored, before connecting (so `--anchor kvm-pio`
+/// fails at once when it cannot be done): opens the trace for `KvmPio` and `Auto`, waiting up
+/// to `wait` for the VM's vCPU threads to appear; `Auto` tells `note` why not when it cannot.
 ///
 /// # Errors
 /// [`ProbeError::Anchor`] when `o.mode` is `KvmPio` and anchoring is not possible.
-pub fn anchor_transport<T: StampedTransport>(
-    inner: T,
+pub fn prepare(
     addr: &ProbeAddr,
     o: &AnchorOptions,
+    wait: Duration,
     note: &mut dyn FnMut(&str),
-) -> Result<AnchoredTransport<T>, ProbeError> {
-    match o.mode {
-        AnchorMode::None => Ok(AnchoredTransport::passthrough(inner)),
-        AnchorMode::KvmPio => open_trace(addr, o)
-            .map(|t| AnchoredTransport::new(inner, t, o.port))
-            .map_err(ProbeError::Anchor),
-        AnchorMode::Auto => match open_trace(addr, o) {
-            Ok(t) => Ok(AnchoredTransport::new_auto(inner, t, o.port)),
+) -> Result<AnchorSetup, ProbeError> {
+    let trace = match o.mode {
+        AnchorMode::None => None,
+        AnchorMode::KvmPio => Some(open_trace(addr, o, wait).map_err(ProbeError::Anchor)?),
+        AnchorMode::Auto => match open_trace(addr, o, wait) {
+            Ok(t) => Some(t),
             Err(why) => {
                 note(&format!(
                     "not exit-anchored ({why}); host stamps are taken in this process (--anchor none: no anchoring, no note)"
                 ));
-                Ok(AnchoredTransport::passthrough(inner))
+                None
             }
         },
+    };
+    Ok(AnchorSetup {
+        trace,
+        mode: o.mode,
+        port: o.port,
+    })
+}
+
+impl AnchorSetup {
+    /// Wraps the connected transport: an [`AnchoredTransport`] that anchors (`KvmPio`: every
+    /// exchange, or drops it; `Auto`: unless the first exchange does not match), or one that
+    /// passes the stamps through.
+    pub fn wrap<T: StampedTransport>(self, inner: T) -> AnchoredTransport<T> {
+        match (self.trace, self.mode) {
+            (Some(t), AnchorMode::KvmPio) => AnchoredTransport::new(inner, t, self.port),
+            (Some(t), _) => AnchoredTransport::new_auto(inner, t, self.port),
+            (None, _) => AnchoredTransport::passthrough(inner),
+        }
     }
+}
+
+/// [`prepare`] then [`AnchorSetup::wrap`], for a transport already connected.
+///
+/// # Errors
+/// As [`prepare`].
+pub fn anchor_transport<T: StampedTransport>(
+    inner: T,
+    addr: &ProbeAddr,
+    o: &AnchorOptions,
+    wait: Duration,
+    note: &mut dyn FnMut(&str),
+) -> Result<AnchoredTransport<T>, ProbeError> {
+    Ok(prepare(addr, o, wait, note)?.wrap(inner))
 }

@@ -1,0 +1,260 @@
+//! Tier 2: exit-anchored probing (`--anchor kvm-pio`) on real KVM with QEMU: the agent on a
+//! QEMU serial chardev socket, its COM1 exits read from a private tracefs instance.
+//!
+//! Truth: KVM's mapping of QEMU's vCPU (debugfs) composed with the agent's software skew
+//! (`Skew::pick()`: an offset derived from the host TSC now, rate 1.0001), so the anchored
+//! brackets must contain a line that is not "offset 0, rate 1". Every sample's bracket and
+//! every session's guaranteed interval are checked against it; the instance must be gone
+//! afterwards, also after SIGINT.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use vmtsync::probe::anchor::{AnchorKind, AnchorMode, AnchorOptions, anchor_transport};
+use vmtsync::probe::connect::{ConnectOptions, connect_until_stopped};
+use vmtsync::probe::{ProbeAddr, ProbeSession, ProbeSummary, Progress};
+use vmtsync::scan::VmSelector;
+use vmtsync_tests::truth::{GuestTruth, Skew, truth_ready};
+use vmtsync_tests::vmm::agent_elf;
+use vmtsync_tests::vmm::qemu::{self, Machine, have_qemu};
+use vmtsync_tests::{ChildGuard, have_kvm, require};
+
+const STEP: Duration = Duration::from_secs(20);
+
+/// Sessions per run: every one must contain the truth.
+const SESSIONS: usize = 3;
+
+fn prerequisites(test: &str) -> bool {
+    require(test, have_kvm(), "/dev/kvm is not accessible read-write")
+        && require(
+            test,
+            have_qemu(),
+            "qemu-system-x86_64 is missing (apt-get install qemu-system-x86)",
+        )
+        && truth_ready(test)
+        && require(
+            test,
+            vmtsync::ftrace::find_tracefs(None, vmtsync::probe::anchor::EVENT).is_ok(),
+            "no tracefs with events/kvm/kvm_pio (mount tracefs, load kvm)",
+        )
+}
+
+/// QEMU microvm running the agent with `skew` on COM1 = a chardev socket in `dir`.
+fn boot(dir: &Path, skew: Skew) -> (ChildGuard, PathBuf, PathBuf) {
+    let elf = agent_elf().expect("agent builds");
+    let sock = dir.join("com1.sock");
+    let com2 = dir.join("com2.log");
+    let child = qemu::command_com1_socket(
+        Machine::Microvm,
+        &elf,
+        &format!("transport=uart exit=9 {}", skew.agent_option()),
+        &com2,
+        &sock,
+    )
+    .stdin(Stdio::null())
+    .stdout(Stdio::null())
+    .stderr(Stdio::null())
+    .spawn()
+    .expect("qemu starts");
+    (ChildGuard::new(child), sock, elf)
+}
+
+/// This process's anchor instances under every tracefs mount point.
+fn my_instances() -> Vec<PathBuf> {
+    let name = format!("vmtsync-anchor-{}", std::process::id());
+    vmtsync::ftrace::TRACEFS_CANDIDATES
+        .iter()
+        .map(|t| Path::new(t).join("instances").join(&name))
+        .filter(|p| p.exists())
+        .collect()
+}
+
+fn anchor_options(vm: u32) -> AnchorOptions {
+    AnchorOptions {
+        mode: AnchorMode::KvmPio,
+        vm: Some(VmSelector::Pid(vm)),
+        ..AnchorOptions::default()
+    }
+}
+
+#[test]
+fn anchored_probes_bracket_a_skewed_truth_in_every_session() {
+    let test = "anchored_probes_bracket_a_skewed_truth_in_every_session";
+    if !prerequisites(test) {
+        return;
+    }
+    let tmp = tempfile::Builder::new()
+        .prefix("vmtsync-anchor-")
+        .tempdir()
+        .unwrap();
+    let skew = Skew::pick();
+    let (guard, sock, elf) = boot(tmp.path(), skew);
+    let addr = ProbeAddr::parse(&format!("unix:{}", sock.display())).unwrap();
+    let connect = ConnectOptions {
+        connect_timeout: STEP,
+        io_timeout: STEP,
+    };
+    let com2 =
+        || vmtsync_tests::vmm::defmt_log::decode_file_text(&elf, &tmp.path().join("com2.log"));
+    let mut truth = None;
+    for k in 0..SESSIONS {
+        let inner = connect_until_stopped(&addr, &connect, None).expect("connects");
+        let mut t = anchor_transport(inner, &addr, &anchor_options(guard.pid()), STEP, &mut |m| {
+            panic!("{m}")
+        })
+        .expect("anchoring is possible here");
+        let instance = t.instance_path().expect("an instance").to_path_buf();
+        assert!(instance.is_dir(), "{}", instance.display());
+        let mut s = ProbeSession::hello(&mut t, STEP)
+            .unwrap_or_else(|e| panic!("hello: {e}; COM2 log:\n{}", com2()));
+        let samples = s
+            .probe_round(64, Duration::ZERO, &mut Progress::hidden())
+            .expect("a round");
+        let stats = s.stats();
+        let info = *s.info();
+        // The VM exists now: the truth's KVM side.
+        let truth = truth.get_or_insert_with(|| {
+            GuestTruth::read(guard.pid(), 0, Some(skew)).expect("truth from debugfs")
+        });
+        assert_eq!(stats.anchor, AnchorKind::KvmPioUart);
+        for x in &samples {
+            assert!(
+                truth.in_bracket(x.host_send, x.guest, x.host_recv),
+                "session {k}: guest TSC {} outside its exit bracket [{}, {}] by the truth ({truth:?})",
+                x.guest.0,
+                x.host_send.0,
+                x.host_recv.0
+            );
+        }
+        let sum = ProbeSummary::from_samples(&info, &samples, stats).expect("estimates");
+        let at = truth
+            .check(sum.at_host, sum.bound_lo, sum.bound_hi)
+            .unwrap_or_else(|e| panic!("session {k}: {e}"));
+        let a = t.stats();
+        println!(
+            "anchored session {k}: {} samples ({} matched, {} unanchored: {a:?}), width {}, error {:+}, rtt min {}",
+            samples.len(),
+            a.matched,
+            stats.unanchored,
+            sum.width(),
+            i128::from(sum.offset) - at,
+            sum.rtt.min
+        );
+        // Every sample that came back is an anchored one, and most probes found their exits.
+        assert_eq!(samples.len() as u64 + stats.lost_probes, stats.sent);
+        assert!(a.matched >= samples.len() as u64);
+        assert!(samples.len() >= 32, "{stats:?} {a:?}");
+        drop(t);
+        assert!(!instance.exists(), "{} left behind", instance.display());
+    }
+    assert!(my_instances().is_empty(), "{:?}", my_instances());
+}
+
+#[test]
+fn sigint_during_an_anchored_run_removes_the_instance() {
+    let test = "sigint_during_an_anchored_run_removes_the_instance";
+    if !prerequisites(test) {
+        return;
+    }
+    let tmp = tempfile::Builder::new()
+        .prefix("vmtsync-anchor-int-")
+        .tempdir()
+        .unwrap();
+    let (qemu_guard, sock, _) = boot(tmp.path(), Skew::pick());
+    let out = tmp.path().join("sync.jsonl");
+    let child = Command::new(env!("CARGO_BIN_EXE_vmtsync-cli"))
+        .args(["probe", "--connect"])
+        .arg(format!("unix:{}", sock.display()))
+        .args(["--anchor", "kvm-pio", "--vm"])
+        .arg(qemu_guard.pid().to_string())
+        .args(["--continuous", "--resync", "100", "--no-progress", "--out"])
+        .arg(&out)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("vmtsync starts");
+    let mut guard = ChildGuard::new(child);
+    let name = format!("vmtsync-anchor-{}", guard.pid());
+    let instance = vmtsync::ftrace::TRACEFS_CANDIDATES
+        .iter()
+        .map(|t| Path::new(t).join("instances").join(&name));
+    let instances: Vec<PathBuf> = instance.collect();
+    // Wait for a segment: the run is anchored and under way.
+    let end = Instant::now() + STEP;
+    loop {
+        let text = std::fs::read_to_string(&out).unwrap_or_default();
+        if text.lines().any(|l| l.contains("\"type\":\"segment\"")) {
+            assert!(
+                text.contains("\"anchor\":\"kvm-pio-uart\""),
+                "segments say which anchor they used:\n{text}"
+            );
+            break;
+        }
+        assert!(
+            guard.child().try_wait().unwrap().is_none(),
+            "vmtsync exited early"
+        );
+        assert!(Instant::now() < end, "no segment within {STEP:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(
+        instances.iter().any(|p| p.is_dir()),
+        "no instance {name} while running"
+    );
+    let (code, err) = crate::e2e::interrupt(&mut guard);
+    assert_eq!(
+        code,
+        Some(0),
+        "continuous mode ends cleanly on SIGINT: {err}"
+    );
+    assert!(
+        instances.iter().all(|p| !p.exists()),
+        "instance {name} left behind after SIGINT"
+    );
+}
+
+/// Tier 1: `--anchor kvm-pio` that cannot be done fails before connecting, with exit code 8
+/// and the reason (here the VM: no process has PID 4999999; on a machine without tracefs or
+/// root, that).
+#[test]
+fn explicit_anchor_that_cannot_be_done_exits_8_before_connecting() {
+    let o = Command::new(env!("CARGO_BIN_EXE_vmtsync-cli"))
+        .args([
+            "probe",
+            "--connect",
+            "unix:/nonexistent/vmtsync-anchor.sock",
+        ])
+        .args([
+            "--anchor",
+            "kvm-pio",
+            "--vm",
+            "4999999",
+            "--connect-timeout",
+            "1",
+        ])
+        .output()
+        .expect("runs");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(8), "{err}");
+    assert!(err.contains("exit anchoring (--anchor kvm-pio)"), "{err}");
+    assert!(
+        !err.contains("nonexistent"),
+        "failed before connecting: {err}"
+    );
+    // Without --anchor the same run is an unreachable agent (7), with a note why it would not
+    // have been anchored.
+    let o = Command::new(env!("CARGO_BIN_EXE_vmtsync-cli"))
+        .args([
+            "probe",
+            "--connect",
+            "unix:/nonexistent/vmtsync-anchor.sock",
+        ])
+        .args(["--vm", "4999999", "--connect-timeout", "1"])
+        .output()
+        .expect("runs");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(7), "{err}");
+    assert!(err.contains("not exit-anchored"), "{err}");
+}

@@ -530,5 +530,40 @@ mod tests {
         assert_eq!(s.summary[0][2], "interval 3/6, drift bounds 5/6 sessions");
         assert_eq!(s.summary[0][3], "**not met**");
         assert_eq!(s.summary[1][2], "met on 1 of 2 paths");
+        assert_eq!(s.summary.len(), 2, "no anchoring rows without QEMU");
+    }
+
+    #[test]
+    fn anchoring_rows_render_with_their_goals() {
+        let j: Value = serde_json::from_str(
+            r#"{"schema":"vmtsync-probe-bench/1","tsc_khz":2600000,"tsc_khz_source":"agent",
+            "sessions":3,"probes":64,"run_time_s":1.0,"wire":{},"system_level":null,
+            "anchoring":{"baseline":"qemu-microvm/stdio","rows":[
+              {"name":"qemu-microvm/stdio","width_median":2600000,"ours_median_err":260000,
+               "width_ratio":1.0,"err_ratio":1.0},
+              {"name":"qemu-microvm/kvm-pio","width_median":26000,"ours_median_err":26000,
+               "width_ratio":0.01,"err_ratio":0.1}],
+             "probes_to_2x":{"qemu-microvm/stdio":5,"qemu-microvm/kvm-pio":2}},
+            "rows":[]}"#,
+        )
+        .expect("json");
+        let s = probe::probe_section(&j).expect("renders");
+        assert!(
+            s.body.contains("| qemu-microvm/kvm-pio | 26,000 (10,000 ns) | 26,000 (10,000 ns) | 0.0100 | 0.1000 | 2 |"),
+            "{}",
+            s.body
+        );
+        let goals: Vec<(&str, &str)> = s.summary[2..]
+            .iter()
+            .map(|r| (r[2].as_str(), r[3].as_str()))
+            .collect();
+        assert_eq!(
+            goals,
+            [
+                ("0.0100", "met"),
+                ("10,000 ns", "**not met**"),
+                ("2", "met")
+            ]
+        );
     }
 }

@@ -24,9 +24,13 @@
 //!
 //! `--json` prints one line, schema 1: `{"schema":1,"vmm","transport","skew":{"offset",
 //! "ratio","frac_bits"}|null,"vcpus":[{"vcpu","method":"kvm"|"probe","offset_ticks",
-//! "bound_lo","bound_hi","truth_ticks","error_ticks","at_host_tsc"}]}` (`skew` and
-//! `at_host_tsc` were added to schema 1 without breaking its earlier keys; `at_host_tsc` is
-//! null on the kvm rows, whose offset holds at every instant).
+//! "bound_lo","bound_hi","truth_ticks","error_ticks","at_host_tsc","anchor"}]}` (`skew`,
+//! `at_host_tsc` and `anchor` were added to schema 1 without breaking its earlier keys;
+//! `at_host_tsc` and `anchor` are null on the kvm rows, whose offset holds at every instant).
+//! With a VM there are two probe rows: `probe`, what `vmtsync probe` does by default
+//! (exit-anchored through `kvm:kvm_pio` when it can be, `anchor` says), and `probe-ip`, the
+//! same probing stamped in the vmtsync process (`--anchor none`), so both widths show; the
+//! truth must lie inside both.
 //!
 //! Exit codes: 0 when the truth lies inside the bounds; 1 when it does not or the demo could
 //! not run; 2 on usage errors.
@@ -353,22 +357,34 @@ fn kvm_rows(vmtsync: &Path, pid: u32) -> Result<Vec<KvmRow>> {
 }
 
 /// `vmtsync probe --connect unix:SOCK --json --shutdown`: the parsed schema-1 object.
-fn probe(vmtsync: &Path, sock: &Path) -> Result<Value> {
+/// One `vmtsync probe --json` round with `--anchor anchor` (for `auto`, of the VM `vm`), ending
+/// the agent when `shutdown`.
+fn probe(
+    vmtsync: &Path,
+    sock: &Path,
+    anchor: &str,
+    vm: Option<u32>,
+    shutdown: bool,
+) -> Result<Value> {
     let mut c = Command::new(vmtsync);
-    c.args([
-        "probe",
-        "--json",
-        "--no-progress",
-        "--probes",
-        "64",
-        "--shutdown",
-    ])
-    .args(["--timeout", "20000", "--connect-timeout", "20000"])
-    .arg("--connect")
-    .arg(format!("unix:{}", sock.display()));
+    c.args(["probe", "--json", "--no-progress", "--probes", "64"])
+        .args(["--anchor", anchor]);
+    if let Some(pid) = vm {
+        c.args(["--vm", &pid.to_string()]);
+    }
+    if shutdown {
+        c.arg("--shutdown");
+    }
+    c.args(["--timeout", "20000", "--connect-timeout", "20000"])
+        .arg("--connect")
+        .arg(format!("unix:{}", sock.display()));
     let (code, out, err) = run_bounded(&mut c, STEP * 3)?;
     if code != Some(0) {
         bail!("vmtsync probe failed ({code:?}): {}", err.trim());
+    }
+    // `--anchor auto` says on stderr why it did not anchor: show it.
+    for l in err.lines().filter(|l| l.contains("not exit-anchored")) {
+        eprintln!("demo: {l}");
     }
     serde_json::from_str(&out).with_context(|| format!("vmtsync probe --json printed: {out}"))
 }
@@ -416,6 +432,9 @@ struct Row {
     truth_ticks: i128,
     error_ticks: i128,
     at_host_tsc: Option<u64>,
+    /// Where a probe row's host brackets came from (`vmtsync probe`'s `anchor`); null on kvm
+    /// rows.
+    anchor: Option<String>,
 }
 
 /// The agent's skew in the JSON.
@@ -447,7 +466,11 @@ struct Timings {
 /// What one run measured.
 struct Measured {
     kvm: Vec<KvmRow>,
+    /// `vmtsync probe` as a user runs it: exit-anchored when it can be (`--anchor auto`).
     probe: Value,
+    /// The same probing stamped in the vmtsync process (`--anchor none`), for the widths side
+    /// by side; `None` in the simulation, where there are no exits.
+    in_process: Option<Value>,
     truth: Truth,
     timings: Timings,
 }
@@ -470,7 +493,16 @@ fn run_vm(vmm: Vmm, p: &Paths<'_>, vmtsync: &Path, skew: Option<Skew>) -> Result
     };
     let scan = t.elapsed();
     let t = Instant::now();
-    let probe = probe(vmtsync, p.sock)?;
+    let (in_process, probe) = if vmm == Vmm::Sim {
+        (None, probe(vmtsync, p.sock, "none", None, true)?)
+    } else {
+        // In-process first (the agent keeps serving), then what a user gets by default.
+        let in_process = probe(vmtsync, p.sock, "none", None, false)?;
+        (
+            Some(in_process),
+            probe(vmtsync, p.sock, "auto", Some(pid), true)?,
+        )
+    };
     let probe_time = t.elapsed();
     // The probe's shutdown makes the agent exit through isa-debug-exit.
     let t = Instant::now();
@@ -491,6 +523,7 @@ fn run_vm(vmm: Vmm, p: &Paths<'_>, vmtsync: &Path, skew: Option<Skew>) -> Result
     Ok(Measured {
         kvm,
         probe,
+        in_process,
         truth,
         timings: Timings {
             boot: boot_time,
@@ -550,25 +583,6 @@ fn demo(a: &DemoArgs) -> Result<()> {
         .with_context(|| format!("agent log (COM2):\n{}", agent_log_text(vmm, &elf, &log)))?;
     let total = t0.elapsed();
 
-    let get = |k: &str| {
-        m.probe[k]
-            .as_i64()
-            .with_context(|| format!("probe JSON: {k}"))
-    };
-    let (off, lo, hi) = (get("offset_ticks")?, get("bound_lo")?, get("bound_hi")?);
-    let at = m.probe["at_host_tsc"]
-        .as_u64()
-        .context("probe JSON: at_host_tsc")?;
-    let probe_vcpu = m.probe["vcpu"].as_u64().context("probe JSON: vcpu")?;
-    let checked = m.truth.check(HostTicks(at), lo, hi);
-    let truth = match &checked {
-        Ok(t) => *t,
-        Err(_) => match &m.truth {
-            Truth::Vm(t) => t.offset_at(HostTicks(at)).unwrap_or_default(),
-            Truth::Sim(s) => i128::from(*s),
-        },
-    };
-
     let mut rows: Vec<Row> = m
         .kvm
         .iter()
@@ -583,18 +597,21 @@ fn demo(a: &DemoArgs) -> Result<()> {
             truth_ticks: i128::from(k.offset),
             error_ticks: 0,
             at_host_tsc: None,
+            anchor: None,
         })
         .collect();
-    rows.push(Row {
-        vcpu: probe_vcpu,
-        method: "probe",
-        offset_ticks: off,
-        bound_lo: lo,
-        bound_hi: hi,
-        truth_ticks: truth,
-        error_ticks: i128::from(off) - truth,
-        at_host_tsc: Some(at),
-    });
+    let mut checked: Result<(), String> = Ok(());
+    for (method, json) in [
+        ("probe-ip", m.in_process.as_ref()),
+        ("probe", Some(&m.probe)),
+    ] {
+        let Some(json) = json else { continue };
+        let (row, ok) = probe_row(method, json, &m.truth)?;
+        if checked.is_ok() {
+            checked = ok.map(|_| ()).map_err(|e| format!("{method}: {e}"));
+        }
+        rows.push(row);
+    }
 
     let (transport, path) = match vmm {
         Vmm::Qemu => ("uart", "COM1 16550 on a QEMU unix socket chardev"),
@@ -618,16 +635,45 @@ fn demo(a: &DemoArgs) -> Result<()> {
         };
         println!("{}", serde_json::to_string(&report)?);
     } else {
-        print_text(vmm, &why, transport, path, skew, &m, &rows, truth);
+        print_text(vmm, &why, transport, path, skew, &m, &rows);
     }
     let t = &m.timings;
     eprintln!(
         "demo: agent build {built:.1?}, boot until agent reachable {:.1?}, debugfs scan {:.1?}, probe {:.1?}, VM exit {:.1?}; total {total:.1?}",
         t.boot, t.scan, t.probe, t.exit
     );
-    checked
-        .map(|_| ())
-        .map_err(|e| anyhow::anyhow!("FAILED: {e}"))
+    checked.map_err(|e| anyhow::anyhow!("FAILED: {e}"))
+}
+
+/// A probe row from `vmtsync probe --json`, and whether the truth lies in its bounds.
+fn probe_row(
+    method: &'static str,
+    p: &Value,
+    truth: &Truth,
+) -> Result<(Row, Result<i128, String>)> {
+    let get = |k: &str| p[k].as_i64().with_context(|| format!("probe JSON: {k}"));
+    let (off, lo, hi) = (get("offset_ticks")?, get("bound_lo")?, get("bound_hi")?);
+    let at = p["at_host_tsc"]
+        .as_u64()
+        .context("probe JSON: at_host_tsc")?;
+    let checked = truth.check(HostTicks(at), lo, hi);
+    let t = match (&checked, truth) {
+        (Ok(t), _) => *t,
+        (Err(_), Truth::Vm(t)) => t.offset_at(HostTicks(at)).unwrap_or_default(),
+        (Err(_), Truth::Sim(s)) => i128::from(*s),
+    };
+    let row = Row {
+        vcpu: p["vcpu"].as_u64().context("probe JSON: vcpu")?,
+        method,
+        offset_ticks: off,
+        bound_lo: lo,
+        bound_hi: hi,
+        truth_ticks: t,
+        error_ticks: i128::from(off) - t,
+        at_host_tsc: Some(at),
+        anchor: p["anchor"].as_str().map(str::to_owned),
+    };
+    Ok((row, checked))
 }
 
 #[allow(clippy::too_many_arguments)] // One call site; the pieces are what the text shows.
@@ -639,7 +685,6 @@ fn print_text(
     skew: Option<Skew>,
     m: &Measured,
     rows: &[Row],
-    truth: i128,
 ) {
     println!("vmtsync demo: VMM {} ({why})", vmm.name());
     println!("transport: {transport} ({path})");
@@ -665,24 +710,40 @@ fn print_text(
                 None => println!("skew: none (--no-skew)"),
             }
             println!(
-                "truth: the kvm mapping, then the skew, at the probe's host TSC: {truth} ticks"
+                "truth: the kvm mapping, then the skew, at each probe's host TSC (column truth)"
             );
         }
     }
     println!(
-        "{:>4}  {:<6} {:>14}  {:>31}  {:>10}  {:>14}  {:>8}",
+        "{:>4}  {:<8} {:>14}  {:>31}  {:>10}  {:>14}  {:>8}  stamps",
         "vcpu", "method", "offset_ticks", "interval [lo, hi]", "width", "truth", "error"
     );
     for r in rows {
         println!(
-            "{:>4}  {:<6} {:>14}  {:>31}  {:>10}  {:>14}  {:>+8}",
+            "{:>4}  {:<8} {:>14}  {:>31}  {:>10}  {:>14}  {:>+8}  {}",
             r.vcpu,
             r.method,
             r.offset_ticks,
             format!("[{}, {}]", r.bound_lo, r.bound_hi),
             i128::from(r.bound_hi) - i128::from(r.bound_lo),
             r.truth_ticks,
-            r.error_ticks
+            r.error_ticks,
+            r.anchor.as_deref().unwrap_or("debugfs")
+        );
+    }
+    let width = |method: &str| {
+        rows.iter()
+            .find(|r| r.method == method)
+            .map(|r| i128::from(r.bound_hi) - i128::from(r.bound_lo))
+    };
+    if let (Some(ip), Some(p)) = (width("probe-ip"), width("probe")) {
+        println!(
+            "widths: probe {p} ticks ({}) vs probe-ip {ip} ticks (stamped in the vmtsync process): {:.1}x narrower",
+            rows.iter()
+                .find(|r| r.method == "probe")
+                .and_then(|r| r.anchor.as_deref())
+                .unwrap_or("?"),
+            ip as f64 / p.max(1) as f64
         );
     }
     let p = &m.probe;
@@ -712,6 +773,7 @@ mod tests {
             truth_ticks: 0,
             error_ticks: -5,
             at_host_tsc: Some(7),
+            anchor: Some("kvm-pio-uart".into()),
         }];
         let line = serde_json::to_string(&Report {
             schema: 1,
@@ -723,7 +785,7 @@ mod tests {
         .unwrap();
         assert_eq!(
             line,
-            r#"{"schema":1,"vmm":"qemu","transport":"uart","skew":null,"vcpus":[{"vcpu":0,"method":"probe","offset_ticks":-5,"bound_lo":-9,"bound_hi":2,"truth_ticks":0,"error_ticks":-5,"at_host_tsc":7}]}"#
+            r#"{"schema":1,"vmm":"qemu","transport":"uart","skew":null,"vcpus":[{"vcpu":0,"method":"probe","offset_ticks":-5,"bound_lo":-9,"bound_hi":2,"truth_ticks":0,"error_ticks":-5,"at_host_tsc":7,"anchor":"kvm-pio-uart"}]}"#
         );
     }
 

@@ -98,6 +98,11 @@ impl<T: StampedTransport> AnchoredTransport<T> {
         self.trace.as_ref().map(PioTrace::instance_path)
     }
 
+    /// The wrapped transport.
+    pub const fn inner(&self) -> &T {
+        &self.inner
+    }
+
     /// The wrapped transport back; the instance is removed.
     pub fn into_inner(self) -> T {
         self.inner

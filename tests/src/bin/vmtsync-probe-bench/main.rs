@@ -9,8 +9,9 @@
 //!   thread's own TSC reads around queueing and receiving the whole reply (`host-thread`) or
 //!   its first byte (`host-thread-first`);
 //! - QEMU's COM1 on a stdio chardev, bracketed by `rdtsc` around `write()` and the `read()`
-//!   that completed the reply (`…/stdio`) or returned its first bytes (`…/stdio-first`), see
-//!   [`qemu`];
+//!   that completed the reply (`…/stdio`) or returned its first bytes (`…/stdio-first`), and,
+//!   on the same probes, by the host kernel's `kvm:kvm_pio` stamps of the vCPU's COM1 exits
+//!   (`…/kvm-pio`, what `vmtsync probe --anchor kvm-pio` uses), see [`qemu`];
 //! - the built-in VMM again with the agent's software skew (`skew=OFFSET,RATIO,FRAC`), so the
 //!   truth is a non-identity line (`skew/…`).
 //!
@@ -178,6 +179,34 @@ fn row<S: Copy>(
     Ok(Row::aggregate(name, probes, truth, &evals))
 }
 
+/// The median over sessions of the fewest leading probes whose guaranteed interval is at most
+/// twice as wide as the whole session's: how few probes this bracket needs.
+fn probes_to_2x<S: Copy>(
+    sessions: &[Session<S>],
+    truth: Truth,
+    pick: impl Fn(&S) -> (u64, u64) + Copy,
+) -> Result<Option<u64>> {
+    let mut needed = Vec::with_capacity(sessions.len());
+    for s in sessions {
+        let samples = s.samples(pick);
+        let width = |n: usize| -> Result<Option<u64>> {
+            Ok(evaluate(&samples[..n], truth)
+                .map_err(|e| anyhow::anyhow!("{e:?}"))?
+                .ours_width)
+        };
+        let Some(full) = width(samples.len())? else {
+            continue;
+        };
+        for n in 1..=samples.len() {
+            if width(n)?.is_some_and(|w| w <= full.saturating_mul(2)) {
+                needed.push(n as u64);
+                break;
+            }
+        }
+    }
+    Ok(stats::median(&needed))
+}
+
 /// The per-probe request and reply sizes seen, as `(min, max)` each.
 fn wire_bytes<S>(sessions: &[Session<S>]) -> ((usize, usize), (usize, usize)) {
     let all = sessions.iter().flat_map(|s| s.probes.iter());
@@ -301,6 +330,7 @@ fn bench(args: &Args) -> Result<Report> {
     })?);
 
     let mut qemu_wire = None;
+    let mut anchoring = None;
     if args.qemu {
         if !have_qemu() {
             if is_ci() {
@@ -309,7 +339,7 @@ fn bench(args: &Args) -> Result<Report> {
             eprintln!("SKIP qemu-stdio: qemu-system-x86_64 is missing (or pass --no-qemu)");
         } else {
             let t = Instant::now();
-            let (q, kvm) = qemu::run(&elf, args.machine, args.sessions, args.probes)?;
+            let (q, kvm) = qemu::run(&elf, args.machine, "", args.sessions, args.probes)?;
             eprintln!(
                 "QEMU {:?}: {} sessions in {:.1?}; KVM mapping {kvm:?}",
                 args.machine,
@@ -322,10 +352,27 @@ fn bench(args: &Args) -> Result<Report> {
                 Machine::Microvm => "qemu-microvm",
                 Machine::Q35 => "qemu-q35",
             };
-            rows.push(row(&format!("{name}/stdio"), &q, id, |x| (x.send, x.recv))?);
+            let stdio = format!("{name}/stdio");
+            rows.push(row(&stdio, &q, id, |x| (x.pipe.send, x.pipe.recv))?);
             rows.push(row(&format!("{name}/stdio-first"), &q, id, |x| {
-                (x.send, x.first_recv)
+                (x.pipe.send, x.pipe.first_recv)
             })?);
+            // What `vmtsync probe --anchor kvm-pio` uses: the thread's last exit before the
+            // reply (the request's delimiter `in` unless a status poll followed it) and the
+            // reply's first `out`.
+            let tight = |x: &qemu::Stamps| (x.exits.last_exit, x.exits.first_out);
+            rows.push(row(&format!("{name}/kvm-pio"), &q, id, tight)?);
+            anchoring = Some(stats::Anchoring {
+                baseline: stdio,
+                probes_to_2x: [
+                    (
+                        format!("{name}/stdio"),
+                        probes_to_2x(&q, id, |x| (x.pipe.send, x.pipe.recv))?,
+                    ),
+                    (format!("{name}/kvm-pio"), probes_to_2x(&q, id, tight)?),
+                ]
+                .into(),
+            });
         }
     }
 
@@ -376,6 +423,7 @@ fn bench(args: &Args) -> Result<Report> {
         builtin_wire: wire,
         qemu_wire,
         rows,
+        anchoring,
         run_time: started.elapsed(),
     })
 }

@@ -8,12 +8,20 @@
 //! It also keeps the stamp right after the first `read()` that returned reply bytes: the agent
 //! reads its TSC before it writes the reply's first byte, so that stamp is an equally honest
 //! upper bound, and a tighter one (the rest of the frame's per-byte UART exits stay out).
+//!
+//! The same probes are exit-anchored at the same time (`vmtsync probe --anchor kvm-pio`'s
+//! `AnchoredTransport` around the pipes): the host kernel's `kvm:kvm_pio` stamps of the
+//! vCPU thread's COM1 exits, from a private tracefs instance. The session's samples use those
+//! brackets (a probe whose exits are not found is lost, and fails the run); every probe keeps
+//! its in-process stamps too, so the rows compare brackets on one run's probes.
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
+use vmtsync::probe::anchor::{AnchoredTransport, COM1_DATA, PioTrace, UartBracket};
+use vmtsync::scan::{Scanner, VmSelector};
 use vmtsync_core::mapping::KvmTscMapping;
 use vmtsync_tests::ChildGuard;
 use vmtsync_tests::vmm::client::{PipeExchange, PipeTransport, wait_ready};
@@ -33,24 +41,68 @@ impl Recorded for PipeTransport {
     }
 }
 
-/// Boots the agent under QEMU `machine` with COM1 on stdio, runs `sessions` sessions of
-/// `probes` probes, shuts it down and checks QEMU's exit status. Returns the sessions and
-/// KVM's mapping of QEMU's vCPU (debugfs), the truth's KVM side.
+/// One probe's brackets: in this process, and from the exits.
+#[derive(Debug, Clone, Copy)]
+pub struct Stamps {
+    /// This thread's stamps around the system calls.
+    pub pipe: PipeExchange,
+    /// The exits of the probe's request and reply.
+    pub exits: UartBracket,
+}
+
+impl Recorded for AnchoredTransport<PipeTransport> {
+    type Stamps = Stamps;
+
+    fn last(&self) -> (Stamps, usize, usize) {
+        let (pipe, sent, received) = self.inner().last();
+        let exits = self.last_bracket().unwrap_or(UartBracket {
+            delimiter_in: pipe.send,
+            last_exit: pipe.send,
+            first_out: pipe.recv,
+        });
+        (Stamps { pipe, exits }, sent, received)
+    }
+}
+
+/// `kvm_pio` of the VM process `pid`'s vCPU threads on COM1 (the whole 16550 block).
+fn trace_of(pid: u32) -> Result<PioTrace> {
+    let scanner = Scanner {
+        debugfs: vmtsync::debugfs::KvmDebugfs::open(vmtsync::debugfs::DEFAULT_KVM_DEBUGFS)?,
+        proc: vmtsync::procinfo::ProcFs::new(vmtsync::procinfo::DEFAULT_PROC_ROOT),
+    };
+    let report = scanner.scan(Some(&VmSelector::Pid(pid)))?;
+    let threads: Vec<u32> = report
+        .vms
+        .iter()
+        .flat_map(|v| v.vcpus.iter().filter_map(|c| c.thread_pid))
+        .collect();
+    if threads.is_empty() {
+        bail!("QEMU {pid}: no vCPU thread in KVM debugfs");
+    }
+    let ports: Vec<u16> = (COM1_DATA..COM1_DATA + 8).collect();
+    Ok(PioTrace::start(None, &threads, &ports)?)
+}
+
+/// Boots the agent (boot options `append`) under QEMU `machine` with COM1 on stdio, runs
+/// `sessions` exit-anchored sessions of `probes` probes, shuts it down and checks QEMU's exit
+/// status. Returns the sessions and KVM's mapping of QEMU's vCPU (debugfs), the truth's KVM
+/// side.
 ///
 /// # Errors
 /// Start, protocol or shutdown failures, with the agent's COM2 log attached.
 pub fn run(
     elf: &Path,
     machine: Machine,
+    append: &str,
     sessions: usize,
     probes: usize,
-) -> Result<(Vec<Session<PipeExchange>>, KvmTscMapping)> {
+) -> Result<(Vec<Session<Stamps>>, KvmTscMapping)> {
     let dir: PathBuf =
         std::env::temp_dir().join(format!("vmtsync-probe-bench-{}", std::process::id()));
     std::fs::create_dir_all(&dir).context("temp dir")?;
     let com2 = dir.join("com2.log");
     let com2_text = || vmtsync_tests::vmm::defmt_log::decode_file_text(elf, &com2);
-    let append = format!("transport=uart exit={EXIT_CODE}");
+    let append = format!("transport=uart exit={EXIT_CODE} {append}");
     let child = qemu::command(machine, elf, &append, &com2)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
@@ -68,8 +120,11 @@ pub fn run(
     // After the beacon QEMU's VM exists: the truth's KVM side is its mapping in debugfs.
     let kvm = vmtsync_tests::truth::truth_mapping(guard.pid(), 0)
         .context("reading the VM's TSC mapping from KVM debugfs")?;
+    let trace = trace_of(guard.pid()).context("exit anchoring (root, tracefs, kvm_pio)")?;
+    let mut link = AnchoredTransport::new(link, trace, COM1_DATA);
     let out = run_sessions(&mut link, sessions, probes)
         .with_context(|| format!("COM2 log:\n{}", com2_text()))?;
+    drop(link);
     let end = Instant::now() + STEP;
     let status = loop {
         if let Some(s) = guard.child().try_wait().context("waiting for QEMU")? {

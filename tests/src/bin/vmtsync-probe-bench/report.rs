@@ -10,6 +10,11 @@
 //!            "trace_cmd_ptp_per_probe": 72},
 //!   "system_level": null | {"ours": ticks (builtin/exit-tight, our estimator),
 //!                           "trace_cmd": ticks (QEMU stdio, trace-cmd's), "ratio": f64},
+//!   "anchoring": null | {"baseline": "qemu-…/stdio" (in-process, today's QEMU path),
+//!                        "rows": [{"name": str, "width_median": ticks|null,
+//!                                  "ours_median_err": ticks|null, "width_ratio": f64|null,
+//!                                  "err_ratio": f64|null (both over the baseline's)}],
+//!                        "probes_to_2x": {row name: median probes|null}},
 //!   "rows": [{ "name": str, "sessions": K, "probes": N,
 //!              "ours_median_err": ticks|null, "ours_max_err": ticks|null,
 //!              "tc_median_err": ticks, "tc_max_err": ticks, "ratio": f64|null,
@@ -31,7 +36,7 @@
 use std::fmt::Write as _;
 use std::time::Duration;
 
-use crate::stats::{Row, Truth};
+use crate::stats::{Anchoring, Row, Truth};
 
 /// trace-cmd PTP's ping-pong bytes per probe on the wire: a 36-byte PROBE message each way
 /// (12-byte header + 20-byte tsync command + 4-byte payload; docs/trace-cmd.md).
@@ -39,6 +44,10 @@ const TRACE_CMD_PTP_PROBE_BYTES: usize = 72;
 
 /// The issue's goal: our median |error| at most a quarter of trace-cmd's.
 const GOAL_RATIO: f64 = 0.25;
+
+/// One QEMU row against the in-process baseline: name, width median, our median |error|,
+/// width ratio, error ratio.
+type AnchorRow = (String, Option<u64>, Option<u64>, Option<f64>, Option<f64>);
 
 /// Everything one benchmark run measured.
 #[derive(Debug, Clone)]
@@ -59,6 +68,8 @@ pub struct Report {
     pub qemu_wire: Option<((usize, usize), (usize, usize))>,
     /// One row per path and bracket.
     pub rows: Vec<Row>,
+    /// The QEMU UART brackets compared, when QEMU ran.
+    pub anchoring: Option<Anchoring>,
     /// Wall time of the whole run (build included).
     pub run_time: Duration,
 }
@@ -105,6 +116,35 @@ impl Report {
         #[allow(clippy::cast_precision_loss)] // A displayed ratio of tick counts far below 2^52.
         let ratio = ours as f64 / tc.max(1) as f64;
         Some((ours, tc, ratio))
+    }
+
+    /// The QEMU rows against the in-process baseline, per QEMU row.
+    #[allow(clippy::cast_precision_loss)] // Displayed ratios of tick counts far below 2^52.
+    fn anchoring_rows(&self) -> Vec<AnchorRow> {
+        let Some(a) = &self.anchoring else {
+            return Vec::new();
+        };
+        let Some(base) = self.rows.iter().find(|r| r.name == a.baseline) else {
+            return Vec::new();
+        };
+        let prefix = a.baseline.split('/').next().unwrap_or_default();
+        let ratio = |x: Option<u64>, b: Option<u64>| match (x, b) {
+            (Some(x), Some(b)) if b > 0 => Some(x as f64 / b as f64),
+            _ => None,
+        };
+        self.rows
+            .iter()
+            .filter(|r| r.name.starts_with(prefix) && r.name.contains('/'))
+            .map(|r| {
+                (
+                    r.name.clone(),
+                    r.width_median,
+                    r.ours_median_err,
+                    ratio(r.width_median, base.width_median),
+                    ratio(r.ours_median_err, base.ours_median_err),
+                )
+            })
+            .collect()
     }
 
     /// The human-readable table.
@@ -228,6 +268,37 @@ impl Report {
                     .join(", ")
             );
         }
+        if let Some(a) = &self.anchoring {
+            let f = |x: Option<f64>| x.map_or_else(|| "-".into(), |x| format!("{x:.4}"));
+            let _ = writeln!(
+                s,
+                "QEMU UART brackets on the same probes (ratio to {}): {}",
+                a.baseline,
+                self.anchoring_rows()
+                    .iter()
+                    .map(|(n, w, e, wr, er)| format!(
+                        "{n} width {} err {} (x{} / x{})",
+                        self.ticks_ns(*w),
+                        self.ticks_ns(*e),
+                        f(*wr),
+                        f(*er)
+                    ))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            );
+            let _ = writeln!(
+                s,
+                "probes for an interval within 2x of the session's (median): {}",
+                a.probes_to_2x
+                    .iter()
+                    .map(|(n, k)| format!(
+                        "{n} {}",
+                        k.map_or_else(|| "-".into(), |k| k.to_string())
+                    ))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            );
+        }
         if let Some((ours, tc, ratio)) = self.system_level() {
             let _ = writeln!(
                 s,
@@ -327,11 +398,42 @@ impl Report {
                 )
             },
         );
+        let f = |x: Option<f64>| x.map_or_else(|| "null".into(), |x| format!("{x:.4}"));
+        let anchoring = self.anchoring.as_ref().map_or_else(
+            || "null".into(),
+            |a| {
+                let rows: Vec<String> = self
+                    .anchoring_rows()
+                    .iter()
+                    .map(|(n, w, e, wr, er)| {
+                        format!(
+                            "{{\"name\":\"{n}\",\"width_median\":{},\"ours_median_err\":{},\
+                             \"width_ratio\":{},\"err_ratio\":{}}}",
+                            opt(*w),
+                            opt(*e),
+                            f(*wr),
+                            f(*er)
+                        )
+                    })
+                    .collect();
+                let p2: Vec<String> = a
+                    .probes_to_2x
+                    .iter()
+                    .map(|(n, k)| format!("\"{n}\":{}", opt(*k)))
+                    .collect();
+                format!(
+                    "{{\"baseline\":\"{}\",\"rows\":[{}],\"probes_to_2x\":{{{}}}}}",
+                    a.baseline,
+                    rows.join(","),
+                    p2.join(",")
+                )
+            },
+        );
         format!(
             "{{\"schema\":\"vmtsync-probe-bench/1\",\"tsc_khz\":{},\"tsc_khz_source\":\"{}\",\
              \"sessions\":{},\"probes\":{},\"run_time_s\":{:.1},\"skew\":{skew},\
              \"wire\":{{\"builtin\":{},\"qemu\":{},\"trace_cmd_ptp_per_probe\":{}}},\
-             \"system_level\":{},\"rows\":[{}]}}",
+             \"system_level\":{},\"anchoring\":{anchoring},\"rows\":[{}]}}",
             self.tsc_khz,
             self.tsc_khz_source,
             self.sessions,
@@ -382,6 +484,7 @@ mod tests {
                 Truth::IDENTITY,
                 &[e],
             )],
+            anchoring: None,
             run_time: Duration::from_secs(1),
         }
     }

@@ -164,6 +164,17 @@ pub fn evaluate(samples: &[ProbeSample], truth: Truth) -> Result<SessionEval, Es
     })
 }
 
+/// The QEMU UART brackets side by side: in this process (`baseline`, today's QEMU path) and
+/// exit-anchored, on the same probes.
+#[derive(Debug, Clone)]
+pub struct Anchoring {
+    /// The row every other QEMU row is compared with.
+    pub baseline: String,
+    /// Per row: the median over sessions of the fewest leading probes whose interval is
+    /// within twice the whole session's width.
+    pub probes_to_2x: Vec<(String, Option<u64>)>,
+}
+
 /// The median of `v` (the upper one for an even count), `None` when empty.
 #[must_use]
 pub fn median(v: &[u64]) -> Option<u64> {

@@ -338,7 +338,11 @@ fn draw_panel(
     chart
         .configure_mesh()
         .x_desc(format!("host TSC since {origin} (millions of ticks)"))
-        .y_desc("offset relative to the reference (ticks)")
+        .y_desc(if data.truth.is_some() {
+            "offset minus the true offset (ticks)"
+        } else {
+            "offset relative to the reference (ticks)"
+        })
         .x_label_formatter(&|v| format!("{v:.0}"))
         .y_label_formatter(&|v| format!("{v:.0}"))
         .draw()

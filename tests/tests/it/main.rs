@@ -11,6 +11,7 @@ mod cli;
 mod e2e;
 mod kvm_fixtures;
 mod kvm_real;
+mod plot;
 mod probe;
 mod probe_bench;
 mod record;

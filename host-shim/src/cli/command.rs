@@ -83,9 +83,9 @@ pub enum Command {
     ///
     /// JSON (--json, schema 1): {"schema","checked","before_out","after_in","violations",
     /// "bound_violations","unmatched_events","unconverted_events","unpaired_exits",
-    /// "numbering","lag","lag_before_out","lag_after_in" (each {"min","p1","median","p99",
-    /// "max"} or null),"segments":[{"vcpu","round",
-    /// "events","worst_lag","violations","width"}],"first_violations":[…]}.
+    /// "numbering" ("from-boot"|"nearest"),"lag","lag_before_out","lag_after_in" (each
+    /// {"min","p1","median","p99","max"} or null),"segments":[{"vcpu","round","events",
+    /// "worst_lag","violations","width"}],"first_violations":[…]} (docs/validate.md).
     #[command(after_help = EXIT_CODES)]
     Validate(ValidateArgs),
     /// TSC mapping arithmetic.

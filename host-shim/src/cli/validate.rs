@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use clap::Args;
 
 use super::exit::CliError;
-use crate::validate::{ValidateOptions, ValidateReport, validate};
+use crate::validate::{Numbering, ValidateOptions, ValidateReport, validate};
 
 /// `vmtsync validate` flags.
 #[derive(Debug, Args)]
@@ -31,6 +31,12 @@ pub struct ValidateArgs {
     /// has no GUEST option and several threads did I/O on the port.
     #[arg(long = "thread", value_name = "VCPU=PID", value_parser = parse_thread)]
     pub threads: Vec<(u32, u32)>,
+    /// The host trace began before the VM's workload did (tracing on before boot): its k-th
+    /// out on the port is step k, so pairing takes nothing from the sync file. Without it, the
+    /// step nearest the first event's converted time anchors the numbering (right while the
+    /// sync is off by less than 128 event periods).
+    #[arg(long)]
+    pub from_boot: bool,
     /// Print the report as one JSON object (schema 1, see docs/validate.md).
     #[arg(long)]
     pub json: bool,
@@ -64,6 +70,11 @@ pub fn run_validate_cmd(args: &ValidateArgs) -> Result<(), CliError> {
         guest_trace: args.guest_trace.clone(),
         port: args.port,
         threads: args.threads.iter().copied().collect::<BTreeMap<_, _>>(),
+        numbering: if args.from_boot {
+            Numbering::FromBoot
+        } else {
+            Numbering::Nearest
+        },
     };
     let report = validate(&opts)?;
     let mut out = io::stdout().lock();

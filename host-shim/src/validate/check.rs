@@ -126,11 +126,8 @@ pub struct ValidateReport {
     pub unconverted_events: u64,
     /// Exits that do not form an `out`-then-`in` step of one thread: not used.
     pub unpaired_exits: u64,
-    /// How each thread's steps were numbered: `"unique"` when one numbering fits the low bytes
-    /// and the guest's sequence numbers, `"nearest"` when the sync file's conversion chose
-    /// among numberings 256 steps apart (then a conversion error above 128 event periods could
-    /// go unnoticed).
-    pub numbering: &'static str,
+    /// How steps were numbered.
+    pub numbering: Numbering,
     /// The tight-side lag of every checked event: exit minus converted time for a
     /// before-event, converted time minus exit for an after-event (negative: a violation).
     pub lag: Option<LagStats>,
@@ -172,35 +169,77 @@ fn steps(exits: &[PioExit], unpaired: &mut u64) -> Vec<Step> {
     out
 }
 
-/// Numbers the steps with sequence numbers: consecutive steps get increasing numbers whose
-/// low byte is the step's (a gap in the host trace shorter than 256 steps is bridged). The
-/// first step's number is the one among the guest's sequence numbers with its low byte; when
-/// several fit, `nearest` picks by time.
-fn number(steps: &[Step], first: u64) -> Vec<u64> {
-    let mut seqs = Vec::with_capacity(steps.len());
-    let mut prev: Option<u64> = None;
-    for s in steps {
-        let seq = match prev {
-            None => first,
-            Some(p) => {
-                let next = p + 1;
-                next + u64::from(s.low.wrapping_sub((next & 0xff) as u8))
-            }
-        };
-        seqs.push(seq);
-        prev = Some(seq);
+/// How steps get their sequence numbers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Numbering {
+    /// The host trace covers the workload from its first step (tracing began before the VM
+    /// booted): the k-th `out` is step k. Nothing about the pairing comes from the sync file.
+    FromBoot,
+    /// The first step gets the number of the guest event converted nearest its `out`,
+    /// corrected by the low byte it wrote (exact while the conversion is off by less than 128
+    /// event periods).
+    Nearest,
+}
+
+/// Numbers `steps` outwards from step `j`, numbered `seq_j`: each neighbour gets the nearest
+/// number on its side with its own low byte, so a gap of fewer than 256 steps in the host
+/// trace is bridged exactly. Steps that would need a number below 0 get none.
+fn number(steps: &[Step], j: usize, seq_j: u64) -> Vec<Option<u64>> {
+    let mut seqs = vec![None; steps.len()];
+    if j >= steps.len() {
+        return seqs;
+    }
+    seqs[j] = Some(seq_j);
+    let mut p = seq_j;
+    for i in j + 1..steps.len() {
+        let next = p + 1;
+        p = next + u64::from(steps[i].low.wrapping_sub((next & 0xff) as u8));
+        seqs[i] = Some(p);
+    }
+    let mut p = Some(seq_j);
+    for i in (0..j).rev() {
+        p = p.and_then(|p| {
+            let c = p.checked_sub(1)?;
+            c.checked_sub(u64::from(((c & 0xff) as u8).wrapping_sub(steps[i].low)))
+        });
+        seqs[i] = p;
     }
     seqs
 }
 
+/// The index of the step whose `out` is nearest `host`, and the distance.
+fn nearest_step(steps: &[Step], host: u64) -> Option<(usize, u64)> {
+    let j = steps.partition_point(|s| s.out_ts < host);
+    [j.checked_sub(1), Some(j)]
+        .into_iter()
+        .flatten()
+        .filter_map(|i| Some((i, steps.get(i)?.out_ts.abs_diff(host))))
+        .min_by_key(|&(_, d)| d)
+}
+
+/// The number nearest `near` whose low byte is `low`.
+fn nearest_with_low(near: u64, low: u8) -> u64 {
+    let base = near & !0xff;
+    let cands = [base.checked_sub(256), Some(base), base.checked_add(256)];
+    cands
+        .into_iter()
+        .flatten()
+        .map(|b| b | u64::from(low))
+        .min_by_key(|c| c.abs_diff(near))
+        .unwrap_or(near)
+}
+
 /// Checks every event of `events` against the exits of `exits` on one port, converting with
-/// `segments`; `threads` maps a vCPU to its host thread.
+/// `segments`; `threads` maps a vCPU to its host thread; `numbering` says how steps are
+/// paired with the guest's sequence numbers.
 #[must_use]
 pub fn check(
     events: &[IoEvent],
     exits: &[PioExit],
     segments: &[SyncSegment],
     threads: &BTreeMap<u32, u32>,
+    numbering: Numbering,
 ) -> ValidateReport {
     let mut r = ValidateReport {
         schema: 1,
@@ -212,7 +251,7 @@ pub fn check(
         unmatched_events: 0,
         unconverted_events: 0,
         unpaired_exits: 0,
-        numbering: "unique",
+        numbering,
         lag: None,
         lag_before_out: None,
         lag_after_in: None,
@@ -252,35 +291,48 @@ pub fn check(
             .and_then(|pid| exits_of.get(pid))
             .map_or(&[][..], Vec::as_slice);
         let st = steps(exits, &mut r.unpaired_exits);
-        // The first step's number: the guest's sequence numbers with its low byte.
-        let first = st.first().and_then(|s0| {
-            let cands: Vec<u64> = by_seq
-                .keys()
-                .map(|&(seq, _)| seq)
-                .filter(|seq| (seq & 0xff) as u8 == s0.low)
-                .collect::<std::collections::BTreeSet<_>>()
-                .into_iter()
-                .collect();
-            if cands.len() > 1 {
-                r.numbering = "nearest";
+        let seqs = match numbering {
+            Numbering::FromBoot => number(&st, 0, st.first().map_or(0, |s| u64::from(s.low))),
+            Numbering::Nearest => {
+                // One event and one step close in time anchor the numbering: the first step
+                // and the event converted nearest it, or the first event and the step nearest
+                // it, whichever pair is closer (the later of the two traces' starts lies in
+                // both).
+                let converted: Vec<(u64, u64)> = by_seq
+                    .values()
+                    .filter_map(|e| Some((e.seq, convert(e.guest_tsc)?.1.0)))
+                    .collect();
+                let from_step = st.first().and_then(|s0| {
+                    converted
+                        .iter()
+                        .map(|&(seq, h)| (0, seq, h.abs_diff(s0.out_ts)))
+                        .min_by_key(|&(_, _, d)| d)
+                });
+                let from_event = converted
+                    .first()
+                    .and_then(|&(seq, h)| nearest_step(&st, h).map(|(j, d)| (j, seq, d)));
+                match [from_step, from_event]
+                    .into_iter()
+                    .flatten()
+                    .min_by_key(|&(_, _, d)| d)
+                {
+                    Some((j, seq, _)) => number(&st, j, nearest_with_low(seq, st[j].low)),
+                    None => Vec::new(),
+                }
             }
-            cands.into_iter().min_by_key(|&seq| {
-                by_seq
-                    .get(&(seq, Side::BeforeOut))
-                    .or_else(|| by_seq.get(&(seq, Side::AfterIn)))
-                    .and_then(|e| convert(e.guest_tsc))
-                    .map_or(u64::MAX, |(_, (h, _, _))| h.abs_diff(s0.out_ts))
-            })
-        });
-        let seqs = first.map(|f| number(&st, f)).unwrap_or_default();
-        let step_of: BTreeMap<u64, Step> = seqs.iter().copied().zip(st.iter().copied()).collect();
+        };
+        let step_of: BTreeMap<u64, Step> = seqs
+            .iter()
+            .zip(&st)
+            .filter_map(|(n, s)| Some(((*n)?, *s)))
+            .collect();
         for e in by_seq.values() {
-            let Some(step) = step_of.get(&e.seq) else {
-                r.unmatched_events += 1;
-                continue;
-            };
             let Some((seg, (host, lo, hi))) = convert(e.guest_tsc) else {
                 r.unconverted_events += 1;
+                continue;
+            };
+            let Some(step) = step_of.get(&e.seq) else {
+                r.unmatched_events += 1;
                 continue;
             };
             // The tight side is the event's own I/O; the loose side the neighbouring step's.
@@ -463,15 +515,17 @@ mod tests {
     #[test]
     fn the_true_offset_passes_with_the_gaps_as_lags() {
         let (events, exits) = run(1000);
-        let r = check(&events, &exits, &[segment(OFFSET, 15_000)], &threads());
+        let r = check(
+            &events,
+            &exits,
+            &[segment(OFFSET, 15_000)],
+            &threads(),
+            Numbering::Nearest,
+        );
         assert_eq!((r.checked, r.before_out, r.after_in), (2000, 1000, 1000));
         assert_eq!(
             (r.violations, r.unmatched_events, r.unpaired_exits),
             (0, 0, 0)
-        );
-        assert_eq!(
-            r.numbering, "nearest",
-            "1000 events: four numberings fit the low bytes"
         );
         let lag = r.lag.unwrap();
         assert_eq!(
@@ -493,6 +547,7 @@ mod tests {
             &exits,
             &[segment(OFFSET - width, 10_000)],
             &threads(),
+            Numbering::Nearest,
         );
         assert_eq!(r.violations, 1000);
         assert_eq!(r.bound_violations, 1000);
@@ -509,6 +564,7 @@ mod tests {
             &exits,
             &[segment(OFFSET + width, 10_000)],
             &threads(),
+            Numbering::Nearest,
         );
         assert_eq!(r.violations, 1000);
         assert!(r.first_violations.iter().all(|v| v.side == Side::AfterIn));
@@ -519,6 +575,7 @@ mod tests {
             &exits,
             &[segment(OFFSET + 5_000, 6_000)],
             &threads(),
+            Numbering::Nearest,
         );
         assert_eq!((r.violations, r.bound_violations), (1000, 0));
     }
@@ -534,7 +591,13 @@ mod tests {
             .copied()
             .collect();
         host.push(exit(START + 1000 * PERIOD, PioDirection::Out, 0));
-        let r = check(&events, &host, &[segment(OFFSET, 15_000)], &threads());
+        let r = check(
+            &events,
+            &host,
+            &[segment(OFFSET, 15_000)],
+            &threads(),
+            Numbering::Nearest,
+        );
         assert_eq!(r.violations, 0);
         assert_eq!(r.unpaired_exits, 1);
         assert_eq!(r.checked, 2 * (1000 - 300 - 10));
@@ -545,12 +608,66 @@ mod tests {
     }
 
     #[test]
+    fn a_guest_trace_that_starts_late_is_numbered_right_either_way() {
+        let (events, exits) = run(1000);
+        // The guest's ring dropped its first 500 steps' events; the host saw every step.
+        let late = &events[1000..];
+        for numbering in [Numbering::Nearest, Numbering::FromBoot] {
+            let r = check(
+                late,
+                &exits,
+                &[segment(OFFSET, 15_000)],
+                &threads(),
+                numbering,
+            );
+            assert_eq!((r.checked, r.violations), (1000, 0), "{numbering:?}");
+            assert_eq!(r.numbering, numbering);
+        }
+    }
+
+    #[test]
+    fn from_boot_pairing_does_not_lean_on_the_sync_file() {
+        let (events, exits) = run(1000);
+        // A conversion off by exactly 256 event periods fits every step 256 away: numbering
+        // by the nearest step would pair each event with the wrong one and see no problem.
+        // Numbered from boot, every event misses its own exit.
+        let off = 256 * PERIOD.cast_signed();
+        let r = check(
+            &events,
+            &exits,
+            &[segment(OFFSET - off, 15_000)],
+            &threads(),
+            Numbering::FromBoot,
+        );
+        // Every event but the last after-event, which has no later `out` to be late for.
+        assert_eq!(r.violations, r.checked - 1);
+        assert_eq!(r.checked, 2000);
+        let fooled = check(
+            &events,
+            &exits,
+            &[segment(OFFSET - off, 15_000)],
+            &threads(),
+            Numbering::Nearest,
+        );
+        assert_eq!(
+            fooled.violations, 0,
+            "the documented limit of nearest numbering"
+        );
+    }
+
+    #[test]
     fn exits_of_another_thread_are_not_used() {
         let (events, mut exits) = run(10);
         for e in &mut exits {
             e.pio.pid = PID + 1;
         }
-        let r = check(&events, &exits, &[segment(OFFSET, 15_000)], &threads());
+        let r = check(
+            &events,
+            &exits,
+            &[segment(OFFSET, 15_000)],
+            &threads(),
+            Numbering::Nearest,
+        );
         assert_eq!(
             (r.checked, r.unmatched_events, r.unpaired_exits),
             (0, 20, 20)
@@ -561,7 +678,7 @@ mod tests {
     #[test]
     fn events_no_segment_converts_are_counted() {
         let (events, exits) = run(10);
-        let r = check(&events, &exits, &[], &threads());
+        let r = check(&events, &exits, &[], &threads(), Numbering::Nearest);
         assert_eq!((r.checked, r.unconverted_events), (0, 20));
     }
 }

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use thiserror::Error;
 
-use super::check::{IoEvent, Side, ValidateReport, check};
+use super::check::{IoEvent, Numbering, Side, ValidateReport, check};
 use crate::ftrace::format::{EventFormat, FormatError, KVM_PIO, KvmPioLayout};
 use crate::probe::anchor::PioExit;
 use crate::syncfile::{SyncFile, SyncFileError};
@@ -34,6 +34,8 @@ pub struct ValidateOptions {
     /// vCPU → host thread, when neither the host trace's GUEST option nor a single thread on
     /// the port says it.
     pub threads: BTreeMap<u32, u32>,
+    /// How the host's steps are paired with the guest's sequence numbers.
+    pub numbering: Numbering,
 }
 
 /// Why `validate` could not check.
@@ -113,7 +115,13 @@ pub fn validate(opts: &ValidateOptions) -> Result<ValidateReport, ValidateError>
             }
         }
     }
-    Ok(check(&events, &exits, &sync.segments, &threads))
+    Ok(check(
+        &events,
+        &exits,
+        &sync.segments,
+        &threads,
+        opts.numbering,
+    ))
 }
 
 /// The workload events of a guest trace.dat (raw guest TSC timestamps).

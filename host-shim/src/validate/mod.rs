@@ -17,5 +17,7 @@
 pub mod check;
 pub mod input;
 
-pub use check::{IoEvent, LagStats, SegmentWorst, Side, ValidateReport, Violation, check};
+pub use check::{
+    IoEvent, LagStats, Numbering, SegmentWorst, Side, ValidateReport, Violation, check,
+};
 pub use input::{ValidateError, ValidateOptions, validate};

@@ -124,6 +124,8 @@ fn validate(sync: &Path, host: &Path, guest: &Path, thread: u64) -> (Option<i32>
             PORT,
             "--thread",
             &format!("0={thread}"),
+            // The host trace began before the VM: pair by position, not through the sync.
+            "--from-boot",
             "--json",
         ]),
         b"",

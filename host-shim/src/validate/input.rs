@@ -63,7 +63,7 @@ pub enum ValidateError {
     NoKvmPio(PathBuf),
     /// The guest trace's timestamps are not raw guest TSCs.
     #[error(
-        "{0}: its timestamps were pre-converted to host time by `vmtsync record` (the guest's rate is not the host's), so it no longer holds the guest ticks to check: record with --format jsonl, or check a recording at identity rate"
+        "{0}: its timestamps were pre-converted to host time by `vmtsync record` (the guest's rate is not the host's), so it no longer holds the guest ticks to check: validate a recording at the host's rate"
     )]
     Preconverted(PathBuf),
     /// The guest trace has no workload event next to I/O.

@@ -20,9 +20,10 @@ pub struct ValidateArgs {
     /// `kvm:kvm_pio` enabled for the workload's port), compressed or not.
     #[arg(long, value_name = "HOST.dat")]
     pub host_trace: PathBuf,
-    /// The guest's trace.dat from `vmtsync record` (raw guest TSC), holding the workload
-    /// events recorded next to port I/O (agent option workload=RATE,COUNT,PORT).
-    #[arg(long, value_name = "GUEST.dat")]
+    /// The guest's recording from `vmtsync record`: its trace.dat (raw guest TSC) or its
+    /// JSON Lines (--format jsonl; any guest rate), holding the workload events recorded next
+    /// to port I/O (agent option workload=RATE,COUNT,PORT).
+    #[arg(long, value_name = "GUEST.dat|GUEST.jsonl")]
     pub guest_trace: PathBuf,
     /// The workload's port (decimal or 0x hex).
     #[arg(long, value_name = "PORT", value_parser = parse_port)]

@@ -68,5 +68,6 @@ pub use crate::probe::report::OffsetModel;
 pub use error::SyncFileError;
 pub use format::{SYNC_SCHEMA, SyncHeader, SyncSegment};
 pub use reader::{CutTail, SyncFile};
+pub(crate) use reader::{LineRead, read_line_bounded};
 pub use timeline::{SyncConvertStats, SyncTimeline, convert_sync_file, convert_with_sync};
 pub use writer::SyncWriter;

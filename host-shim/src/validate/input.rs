@@ -2,6 +2,8 @@
 //! wrote, raw guest TSC) and the host trace (`trace-cmd extract`, `kvm:kvm_pio` records).
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::fs::File;
+use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 
 use thiserror::Error;
@@ -9,7 +11,7 @@ use thiserror::Error;
 use super::check::{IoEvent, Numbering, Side, ValidateReport, check};
 use crate::ftrace::format::{EventFormat, FormatError, KVM_PIO, KvmPioLayout};
 use crate::probe::anchor::PioExit;
-use crate::syncfile::{SyncFile, SyncFileError};
+use crate::syncfile::{LineRead, SyncFile, SyncFileError, read_line_bounded};
 use crate::tracedat::consts::option;
 use crate::tracedat::{TraceDatError, for_each_record, read_event_formats, read_layout};
 
@@ -66,6 +68,24 @@ pub enum ValidateError {
         "{0}: its timestamps were pre-converted to host time by `vmtsync record` (the guest's rate is not the host's), so it no longer holds the guest ticks to check: validate a recording at the host's rate"
     )]
     Preconverted(PathBuf),
+    /// A guest JSON Lines file (`record --format jsonl`) has a line that is not an event.
+    #[error("{path}: line {line}: {why}")]
+    GuestLine {
+        /// The file.
+        path: PathBuf,
+        /// The 1-based line.
+        line: u64,
+        /// What is wrong.
+        why: String,
+    },
+    /// The guest trace could not be read.
+    #[error("{path}: {source}")]
+    GuestIo {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        source: std::io::Error,
+    },
     /// The guest trace has no workload event next to I/O.
     #[error(
         "{0}: no workload event recorded next to port I/O (ids 0x100/0x101): boot the agent with workload=RATE,COUNT,PORT"
@@ -124,11 +144,87 @@ pub fn validate(opts: &ValidateOptions) -> Result<ValidateReport, ValidateError>
     ))
 }
 
-/// The workload events of a guest trace.dat (raw guest TSC timestamps).
+/// The workload events of a guest recording: `vmtsync record`'s JSON Lines (a file starting
+/// with `{`) or its trace.dat (raw guest TSC timestamps).
 ///
 /// # Errors
-/// [`ValidateError::Preconverted`], [`ValidateError::NoEvents`], or the file's.
+/// [`ValidateError::Preconverted`], [`ValidateError::NoEvents`],
+/// [`ValidateError::GuestLine`], or the file's.
 pub fn guest_events(path: &Path) -> Result<Vec<IoEvent>, ValidateError> {
+    let io = |source| ValidateError::GuestIo {
+        path: path.to_owned(),
+        source,
+    };
+    let mut input = BufReader::new(File::open(path).map_err(io)?);
+    let events = if input.fill_buf().map_err(io)?.first() == Some(&b'{') {
+        jsonl_events(path, input)?
+    } else {
+        trace_dat_events(path)?
+    };
+    if events.is_empty() {
+        return Err(ValidateError::NoEvents(path.to_owned()));
+    }
+    Ok(events)
+}
+
+/// The workload events of `record --format jsonl` output (`docs/record.md`), line by line
+/// with a bounded line length.
+fn jsonl_events(path: &Path, mut input: impl BufRead) -> Result<Vec<IoEvent>, ValidateError> {
+    let mut out = Vec::new();
+    let mut line = Vec::new();
+    let mut n = 0_u64;
+    loop {
+        line.clear();
+        let r =
+            read_line_bounded(&mut input, &mut line).map_err(|source| ValidateError::GuestIo {
+                path: path.to_owned(),
+                source,
+            })?;
+        n += 1;
+        let bad = |why: String| ValidateError::GuestLine {
+            path: path.to_owned(),
+            line: n,
+            why,
+        };
+        match r {
+            LineRead::Eof => break,
+            LineRead::TooLong => return Err(bad("too long for an event".into())),
+            // A last line without its newline: `record` renames the file only when complete.
+            LineRead::Partial { .. } => return Err(bad("cut short (no newline)".into())),
+            LineRead::Line => {}
+        }
+        let v: serde_json::Value = serde_json::from_slice(&line).map_err(|e| bad(e.to_string()))?;
+        let num = |k: &str| v.get(k).and_then(serde_json::Value::as_u64);
+        let side = match num("id").and_then(|id| u32::try_from(id).ok()) {
+            Some(BEFORE_OUT_EVENT) => Side::BeforeOut,
+            Some(AFTER_IN_EVENT) => Side::AfterIn,
+            Some(_) => continue,
+            None => return Err(bad("no numeric \"id\"".into())),
+        };
+        let (Some(vcpu), Some(guest_tsc)) = (num("vcpu"), num("guest_tsc")) else {
+            return Err(bad("no numeric \"vcpu\" or \"guest_tsc\"".into()));
+        };
+        let hex = v
+            .get("payload")
+            .and_then(serde_json::Value::as_str)
+            .unwrap_or("");
+        let seq = hex
+            .get(..16)
+            .and_then(|h| u64::from_str_radix(h, 16).ok())
+            .map(|be| be.swap_bytes())
+            .ok_or_else(|| bad(format!("payload {hex:?} holds no 8-byte sequence number")))?;
+        out.push(IoEvent {
+            vcpu: u32::try_from(vcpu).map_err(|_| bad(format!("vcpu {vcpu}")))?,
+            guest_tsc,
+            side,
+            seq,
+        });
+    }
+    Ok(out)
+}
+
+/// The workload events of a guest trace.dat (raw guest TSC timestamps).
+fn trace_dat_events(path: &Path) -> Result<Vec<IoEvent>, ValidateError> {
     let layout = read_layout(path)?;
     // `record` says in the UNAME option when it wrote host times instead of guest ticks.
     if layout
@@ -157,9 +253,6 @@ pub fn guest_events(path: &Path) -> Result<Vec<IoEvent>, ValidateError> {
                 seq: u64::from_le_bytes(le),
             });
         })?;
-    }
-    if out.is_empty() {
-        return Err(ValidateError::NoEvents(path.to_owned()));
     }
     Ok(out)
 }
@@ -221,6 +314,63 @@ fn guest_threads(data: &[u8]) -> Option<BTreeMap<u32, u32>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn jsonl_recordings_give_their_workload_events_and_bad_lines_are_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("g.jsonl");
+        std::fs::write(
+            &p,
+            concat!(
+                "{\"schema\":1,\"vcpu\":0,\"id\":256,\"guest_tsc\":10,\"host_tsc\":1,\"host_lo\":0,\"host_hi\":2,\"payload\":\"0201000000000000\",\"round\":0}\n",
+                "{\"schema\":1,\"vcpu\":0,\"id\":7,\"guest_tsc\":11,\"payload\":\"\"}\n",
+                "{\"schema\":1,\"vcpu\":1,\"id\":257,\"guest_tsc\":12,\"payload\":\"0201000000000000\"}\n",
+            ),
+        )
+        .unwrap();
+        let ev = guest_events(&p).unwrap();
+        assert_eq!(
+            ev,
+            [
+                IoEvent {
+                    vcpu: 0,
+                    guest_tsc: 10,
+                    side: Side::BeforeOut,
+                    seq: 0x102
+                },
+                IoEvent {
+                    vcpu: 1,
+                    guest_tsc: 12,
+                    side: Side::AfterIn,
+                    seq: 0x102
+                },
+            ]
+        );
+        std::fs::write(
+            &p,
+            "{\"vcpu\":0,\"id\":256,\"guest_tsc\":1,\"payload\":\"01\"}\n",
+        )
+        .unwrap();
+        assert!(matches!(
+            guest_events(&p),
+            Err(ValidateError::GuestLine { line: 1, .. })
+        ));
+        std::fs::write(
+            &p,
+            "{\"vcpu\":0,\"id\":7,\"guest_tsc\":1,\"payload\":\"\"}\n",
+        )
+        .unwrap();
+        assert!(matches!(guest_events(&p), Err(ValidateError::NoEvents(_))));
+        std::fs::write(
+            &p,
+            format!("{{\"id\":256,\"x\":\"{}\"}}\n", "a".repeat(5000)),
+        )
+        .unwrap();
+        assert!(matches!(
+            guest_events(&p),
+            Err(ValidateError::GuestLine { line: 1, .. })
+        ));
+    }
 
     #[test]
     fn guest_option_threads_parse_and_malformed_ones_are_refused() {

@@ -91,6 +91,19 @@ pub trait AgentClock {
     fn invariant_tsc(&self) -> bool {
         false
     }
+
+    /// The TSC read of a probe reply with sequence number `seq`. A clock with a sync port
+    /// brackets it by port I/O the host's exits can see ([`Features::SYNC_PORT`]); the
+    /// default is [`AgentClock::read_tsc`].
+    fn read_tsc_for_probe(&mut self, seq: u8) -> GuestTicks {
+        let _ = seq;
+        self.read_tsc()
+    }
+
+    /// Whether [`AgentClock::read_tsc_for_probe`] brackets its read on a sync port.
+    fn sync_port(&self) -> bool {
+        false
+    }
 }
 
 /// Where the agent is in its session.
@@ -353,6 +366,9 @@ impl<L: Link, C: AgentClock, E: EventSource> Agent<L, C, E> {
         if self.clock.invariant_tsc() {
             features = features.union(Features::INVARIANT_TSC);
         }
+        if self.clock.sync_port() {
+            features = features.union(Features::SYNC_PORT);
+        }
         // A different version is told ours and gets nothing else until it says hello in it.
         self.state = if version == PROTOCOL_VERSION {
             AgentState::Ready
@@ -376,7 +392,7 @@ impl<L: Link, C: AgentClock, E: EventSource> Agent<L, C, E> {
     /// The latency-critical path: read the TSC, patch it in, send.
     #[inline]
     fn send_probe_reply(&mut self, mut frame: ProbeReplyFrame) -> Result<(), LinkError> {
-        let tsc = self.clock.read_tsc();
+        let tsc = self.clock.read_tsc_for_probe(frame.seq());
         let sent = self.link.send(frame.finish(tsc));
         self.stats.probes = self.stats.probes.wrapping_add(1);
         self.count_sent(sent)

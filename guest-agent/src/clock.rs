@@ -18,6 +18,8 @@ pub struct GuestClock<T, P> {
     vcpu: u32,
     tsc_khz: Option<u32>,
     invariant_tsc: bool,
+    /// `syncport=N`: the port whose `in`/`out` bracket every probe's TSC read.
+    sync_port: Option<u16>,
 }
 
 impl<T: Tsc, P: PvclockSource> GuestClock<T, P> {
@@ -40,7 +42,16 @@ impl<T: Tsc, P: PvclockSource> GuestClock<T, P> {
             vcpu,
             tsc_khz,
             invariant_tsc,
+            sync_port: None,
         }
+    }
+
+    /// Brackets every probe's TSC read by an `in` from `port` right before it and an `out` of
+    /// the probe's sequence number right after (`syncport=N`; the host's docs/anchor.md).
+    #[must_use]
+    pub const fn with_sync_port(mut self, port: Option<u16>) -> Self {
+        self.sync_port = port;
+        self
     }
 }
 
@@ -77,6 +88,24 @@ impl<T: Tsc, P: PvclockSource> AgentClock for GuestClock<T, P> {
 
     fn invariant_tsc(&self) -> bool {
         self.invariant_tsc
+    }
+
+    #[inline]
+    fn read_tsc_for_probe(&mut self, seq: u8) -> GuestTicks {
+        let Some(port) = self.sync_port else {
+            return self.read_tsc();
+        };
+        // The host's kvm_pio stamps of these two exits bracket the read: nothing but the
+        // read sits between them (the skew is applied after the `out`), which matters where
+        // ring-0 code is emulated one instruction at a time.
+        let _ = crate::port::inb(port);
+        let raw = self.tsc.read_ordered();
+        crate::port::outb(port, seq);
+        GuestTicks(self.skew.apply(raw))
+    }
+
+    fn sync_port(&self) -> bool {
+        self.sync_port.is_some()
     }
 }
 

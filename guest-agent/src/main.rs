@@ -257,7 +257,8 @@ fn serve_postcard(ctx: &Ctx) -> ! {
         ctx.vcpu,
         ctx.tsc_khz,
         ctx.invariant_tsc,
-    );
+    )
+    .with_sync_port(opts.sync_port);
     let tsc = SkewedTsc {
         tsc: ctx.tsc,
         skew: opts.skew,

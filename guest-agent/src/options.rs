@@ -16,6 +16,11 @@
 //! - `workload=RATE,COUNT[,PORT]`: emit COUNT (0: unlimited) events at RATE per second while
 //!   serving probes, each with its sequence number as payload; with PORT, bracket each by an
 //!   `out` to and an `in` from PORT (see [`crate::events::Workload`]).
+//! - `syncport=N`: bracket the TSC read of every probe reply by an `in` from port N right
+//!   before it and an `out` of the probe's sequence number right after, so the host's
+//!   `kvm:kvm_pio` stamps bracket the read on any transport (the hello announces it as
+//!   `Features::SYNC_PORT`). The port must be unused by the VMM: `0x2400` is free on QEMU
+//!   microvm and q35 (the host's docs/anchor.md; `0x510` is fw_cfg).
 //! - `skew=OFFSET,RATIO,FRAC`: report `OFFSET + ((tsc * RATIO) >> FRAC)` instead of the raw TSC.
 //!   OFFSET may be negative (it wraps, like KVM's offset); numbers are decimal or `0x` hex.
 //!
@@ -81,6 +86,8 @@ pub struct Options {
     pub vsock_listen: bool,
     /// virtio-mmio transports named on the command line, in order.
     pub virtio_mmio: [Option<VirtioMmio>; MAX_VIRTIO_MMIO],
+    /// `syncport=N`: bracket every probe's TSC read by an `in` from and an `out` to port N.
+    pub sync_port: Option<u16>,
 }
 
 /// Why an option word was rejected.
@@ -106,6 +113,7 @@ impl Default for Options {
             vsock_port: DEFAULT_VSOCK_PORT,
             vsock_listen: false,
             virtio_mmio: [None; MAX_VIRTIO_MMIO],
+            sync_port: None,
         }
     }
 }
@@ -171,6 +179,10 @@ impl Options {
                 *slot = Some(dev);
             }
             b"skew" => self.skew = parse_skew(value).ok_or(OptionError::BadValue)?,
+            b"syncport" => {
+                let v = parse_u64(value).ok_or(OptionError::BadValue)?;
+                self.sync_port = Some(u16::try_from(v).map_err(|_| OptionError::BadValue)?);
+            }
             b"workload" => {
                 self.workload = Some(parse_workload(value).ok_or(OptionError::BadValue)?);
             }
@@ -282,9 +294,12 @@ mod tests {
 
     #[test]
     fn known_options_parse() {
-        let (o, errs) =
-            parse("transport=uart exit=0x2a  skew=-1000,0x3,1 wire=line ring=0 events=40");
+        let (o, errs) = parse(
+            "transport=uart exit=0x2a  skew=-1000,0x3,1 wire=line ring=0 events=40 syncport=0x2400",
+        );
         assert!(errs.is_empty(), "{errs:?}");
+        assert_eq!(o.sync_port, Some(0x2400));
+        assert_eq!(parse("syncport=65536").1.len(), 1, "a port is 16 bits");
         assert_eq!(o.wire, Wire::Line);
         assert_eq!(o.ring, 0);
         assert_eq!(o.transport, Transport::Uart);

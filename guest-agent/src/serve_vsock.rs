@@ -135,7 +135,8 @@ fn run_session(ctx: &Ctx, mut link: VsockLink<Stream, NativeTsc>) -> Stream {
         ctx.vcpu,
         ctx.tsc_khz,
         ctx.invariant_tsc,
-    );
+    )
+    .with_sync_port(opts.sync_port);
     let tsc = SkewedTsc {
         tsc: ctx.tsc,
         skew: opts.skew,

@@ -58,10 +58,23 @@ fn run(
         "attach-time-{}-{payload}.out.dat",
         std::process::id()
     ));
+    let r = measure(&guest, &out, mb, payload, runs);
+    let _ = std::fs::remove_file(&guest);
+    let _ = std::fs::remove_file(&out);
+    r
+}
+
+fn measure(
+    guest: &std::path::Path,
+    out: &std::path::Path,
+    mb: u64,
+    payload: usize,
+    runs: usize,
+) -> Result<String, vmtsync::tracedat::TraceDatError> {
     // 4 bytes of header plus 12 (no payload) or 32 bytes of record per event.
     let per_event = if payload == 0 { 16 } else { 36 };
     let events = mb * 1_000_000 / per_event;
-    let mut w = TraceDatWriter::create(&guest, WriterOptions::new(2, 0x5eed))?;
+    let mut w = TraceDatWriter::create(guest, WriterOptions::new(2, 0x5eed))?;
     let bytes = [0xa5u8; 16];
     for i in 0..events {
         w.push(
@@ -80,19 +93,17 @@ fn run(
     let (mut attach_ms, mut walk_ms) = (Vec::new(), Vec::new());
     for _ in 0..runs {
         let t = Instant::now();
-        let layout = read_layout(&guest)?;
-        let ranges = cpu_time_ranges(&guest, &layout)?;
-        attach_time_shift(&guest, &out, &layout, &ranges, &shift, 1)?;
+        let layout = read_layout(guest)?;
+        let ranges = cpu_time_ranges(guest, &layout)?;
+        attach_time_shift(guest, out, &layout, &ranges, &shift, 1)?;
         attach_ms.push(t.elapsed().as_secs_f64() * 1e3);
         let t = Instant::now();
         let mut n = 0u64;
-        for_each_record(&guest, &layout, 0, |_, _, _| n += 1)?;
+        for_each_record(guest, &layout, 0, |_, _, _| n += 1)?;
         walk_ms.push(t.elapsed().as_secs_f64() * 1e3);
         assert_eq!(n, events);
     }
-    let size = std::fs::metadata(&guest).map_or(0, |m| m.len());
-    let _ = std::fs::remove_file(&guest);
-    let _ = std::fs::remove_file(&out);
+    let size = std::fs::metadata(guest).map_or(0, |m| m.len());
     let list = |v: &[f64]| {
         v.iter()
             .map(|x| format!("{x:.1}"))

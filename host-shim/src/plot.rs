@@ -67,7 +67,9 @@ impl Stamping {
     pub fn of(segment: &SyncSegment) -> Self {
         match segment.anchor {
             AnchorKind::InProcess => Self::InProcess,
-            AnchorKind::KvmPioUart => Self::ExitAnchored,
+            // Both are the host kernel's `kvm_pio` stamps: of the UART's data port, or of the
+            // agent's sync port.
+            AnchorKind::KvmPioUart | AnchorKind::KvmPioSyncPort => Self::ExitAnchored,
         }
     }
 

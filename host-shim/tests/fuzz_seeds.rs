@@ -357,6 +357,13 @@ fn seeds() -> BTreeMap<PathBuf, Vec<u8>> {
         "v6",
         trace_dat(vmtsync::tracedat::FileVersion::V6),
     );
+    // What `trace-cmd extract` writes here: zstd sections and chunked CPU data (the reader's
+    // fixture, made by trace-cmd 3.1.6 itself).
+    put(
+        "host-shim/fuzz/seeds/tracedat",
+        "v7-zstd",
+        include_bytes!("../src/tracedat/reader/fixtures/sample-v7-zstd.dat").to_vec(),
+    );
 
     for (name, contents) in [
         ("tsc-offset", &b"-3000000000000\n"[..]),

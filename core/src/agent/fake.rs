@@ -147,6 +147,10 @@ pub struct FakeClock {
     pub invariant: bool,
     /// How many times the TSC was read.
     pub reads: u32,
+    /// What [`AgentClock::sync_port`] reports.
+    pub sync_port: bool,
+    /// The sequence number of the last probe read ([`AgentClock::read_tsc_for_probe`]).
+    pub last_probe_seq: Option<u8>,
 }
 
 impl FakeClock {
@@ -161,6 +165,8 @@ impl FakeClock {
             pvclock: None,
             invariant: false,
             reads: 0,
+            sync_port: false,
+            last_probe_seq: None,
         }
     }
 }
@@ -189,5 +195,14 @@ impl AgentClock for FakeClock {
 
     fn invariant_tsc(&self) -> bool {
         self.invariant
+    }
+
+    fn read_tsc_for_probe(&mut self, seq: u8) -> GuestTicks {
+        self.last_probe_seq = Some(seq);
+        self.read_tsc()
+    }
+
+    fn sync_port(&self) -> bool {
+        self.sync_port
     }
 }

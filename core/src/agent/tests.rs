@@ -127,6 +127,32 @@ fn hello_then_probes_unwrap_to_the_exact_tsc() {
 }
 
 #[test]
+fn a_sync_port_clock_is_announced_and_tagged_with_each_probes_seq() {
+    let mut a = agent(10);
+    a.clock_mut().sync_port = true;
+    let caps = exchange(&mut a, &hello());
+    assert!(
+        matches!(&caps[..], [Message::Capabilities(c)] if c.features.contains(Features::SYNC_PORT)),
+        "{caps:?}"
+    );
+    for seq in [7u8, 200] {
+        let r = exchange(&mut a, &Message::ProbeFull { seq });
+        assert!(
+            matches!(&r[..], [Message::ProbeReplyFull(p)] if p.seq == seq),
+            "{r:?}"
+        );
+        assert_eq!(a.clock_mut().last_probe_seq, Some(seq));
+    }
+    // Without a sync port nothing is announced.
+    let mut b = agent(10);
+    let caps = exchange(&mut b, &hello());
+    assert!(
+        matches!(&caps[..], [Message::Capabilities(c)] if !c.features.contains(Features::SYNC_PORT)),
+        "{caps:?}"
+    );
+}
+
+#[test]
 fn probe_full_carries_the_whole_tsc() {
     let mut a = agent(7);
     open(&mut a);

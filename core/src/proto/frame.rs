@@ -424,6 +424,8 @@ pub struct ProbeReplyFrame {
     prefix_crc: Digest<'static, u16>,
     /// 4 for the compact reply, 8 for the full one.
     tsc_bytes: usize,
+    /// The sequence number (also in the prefix), for a clock that tags its read with it.
+    seq: u8,
 }
 
 impl core::fmt::Debug for ProbeReplyFrame {
@@ -447,6 +449,12 @@ impl ProbeReplyFrame {
     #[must_use]
     pub fn full(seq: u8, vcpu: u32) -> Self {
         Self::prepare(TAG_PROBE_REPLY_FULL, seq, vcpu, 8)
+    }
+
+    /// The sequence number the reply answers.
+    #[must_use]
+    pub const fn seq(&self) -> u8 {
+        self.seq
     }
 
     fn prepare(tag: u8, seq: u8, vcpu: u32, tsc_bytes: usize) -> Self {
@@ -485,6 +493,7 @@ impl ProbeReplyFrame {
             prefix_code,
             prefix_crc,
             tsc_bytes,
+            seq,
         }
     }
 

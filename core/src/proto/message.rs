@@ -327,6 +327,11 @@ impl Features {
     pub const MAPPING: Self = Self(1 << 2);
     /// The guest's TSC is invariant (CPUID 0x8000_0007 EDX bit 8).
     pub const INVARIANT_TSC: Self = Self(1 << 3);
+    /// The agent brackets the TSC read of every probe reply with port I/O on its sync port: an
+    /// `in` right before the read and an `out` of the probe's sequence number right after, so
+    /// the host's `kvm:kvm_pio` stamps bracket the read on any transport (the host's docs:
+    /// `docs/anchor.md`).
+    pub const SYNC_PORT: Self = Self(1 << 4);
 
     /// Whether every bit of `other` is set in `self`.
     #[must_use]

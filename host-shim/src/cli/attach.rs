@@ -35,6 +35,8 @@ pub enum TraceCmdCommand {
     /// Guest CPU N is taken to run on vCPU N (debugfs vcpuN). With a rate other than the
     /// host's, trace-cmd's 64-bit arithmetic is approximate: the worst-case error over the
     /// file's events is computed and above --max-error ticks the copy is refused (exit 6).
+    /// trace-cmd 3.1.6 applies TIME_SHIFT to the file's top buffer only (events in instance
+    /// buffers keep guest time; attach warns).
     #[command(after_help = super::exit::EXIT_CODES)]
     Attach(AttachArgs),
 }
@@ -173,9 +175,15 @@ fn plan(a: &AttachArgs, cpus: usize, ranges: &[Option<(u64, u64)>]) -> Result<Pl
             eprintln!("vmtsync: warning: {}: {cut}", path.display());
         }
         let tl = sync.timeline(vcpu)?;
+        let first = ranges.iter().flatten().map(|r| r.0).min();
         let last = ranges.iter().flatten().map(|r| r.1).max();
         let segs = if a.interpolate {
-            sync_points(&tl, last).map_err(CliError::Usage)?
+            let (segs, deviation) = sync_points(&tl, first, last).map_err(CliError::Usage)?;
+            eprintln!(
+                "vmtsync: interpolating between {} sync points: the lines between them depart from the sync file's per-segment conversion by up to {deviation} ticks over the trace (0 with no offset change; without --interpolate each segment's offset holds until the next)",
+                segs.len()
+            );
+            segs
         } else {
             sync_steps(&tl).map_err(CliError::Usage)?
         };
@@ -251,29 +259,54 @@ fn sync_steps(tl: &crate::syncfile::SyncTimeline) -> Result<Vec<SyncSegment>, St
 
 /// Interpolation points: the sync file's exact conversion at each segment's first guest tick,
 /// plus one at the trace's last guest tick on the last segment's line, so that trace-cmd's
-/// extrapolation past the last start follows that segment's rate.
+/// extrapolation past the last start follows that segment's rate. Also returns how far the
+/// lines between the points depart from the sync file's own per-segment conversion over
+/// `[first, last]`, in ticks: both are linear between two points, so the largest difference
+/// is at an end of each stretch (where it is evaluated exactly, floors on both sides).
 fn sync_points(
     tl: &crate::syncfile::SyncTimeline,
+    first: Option<u64>,
     last: Option<u64>,
-) -> Result<Vec<SyncSegment>, String> {
-    let point = |g: u64| {
-        let h = tl
-            .try_host_from_guest_floor(GuestTicks(g))
-            .ok_or_else(|| format!("guest tick {g} has no host tick in the sync file"))?;
-        let off = i64::try_from(i128::from(g) - i128::from(h.0))
-            .map_err(|_| format!("guest tick {g}: offset beyond 64 bits"))?;
-        Ok::<_, String>(SyncSegment::offset_only(h, off))
+) -> Result<(Vec<SyncSegment>, u64), String> {
+    let host_of = |g: u64| {
+        tl.try_host_from_guest_floor(GuestTicks(g))
+            .map(|h| h.0)
+            .ok_or_else(|| format!("guest tick {g} has no host tick in the sync file"))
     };
-    let mut v = tl
+    let point = |g: u64| {
+        let h = host_of(g)?;
+        let off = i64::try_from(i128::from(g) - i128::from(h))
+            .map_err(|_| format!("guest tick {g}: offset beyond 64 bits"))?;
+        Ok::<_, String>((g, h, SyncSegment::offset_only(HostTicks(h), off)))
+    };
+    let mut pts = tl
         .records()
         .iter()
         .map(|r| point(r.guest_start))
         .collect::<Result<Vec<_>, _>>()?;
-    let last_start = tl.records().last().map_or(0, |r| r.guest_start);
+    let last_start = pts.last().map_or(0, |p| p.0);
     if let Some(g) = last.filter(|&g| g > last_start) {
-        v.push(point(g)?);
+        pts.push(point(g)?);
     }
-    Ok(v)
+    // The line through neighbouring points (the first pair also serves before the first
+    // point), floored, against the sync file's floor.
+    let mut deviation = 0u64;
+    for w in pts.windows(2) {
+        let ((ga, ha, _), (gb, hb, _)) = (w[0], w[1]);
+        let mut ends = vec![gb - 1];
+        if w[0].0 == pts[0].0
+            && let Some(f) = first.filter(|&f| f < ga)
+        {
+            ends.push(f);
+        }
+        for g in ends {
+            let num = (i128::from(g) - i128::from(ga)) * (i128::from(hb) - i128::from(ha));
+            let line = i128::from(ha) + num.div_euclid(i128::from(gb) - i128::from(ga));
+            let d = (line - i128::from(host_of(g)?)).unsigned_abs();
+            deviation = deviation.max(u64::try_from(d).unwrap_or(u64::MAX));
+        }
+    }
+    Ok((pts.into_iter().map(|p| p.2).collect(), deviation))
 }
 
 fn run_attach(a: &AttachArgs) -> Result<(), CliError> {
@@ -308,6 +341,20 @@ fn run_attach(a: &AttachArgs) -> Result<(), CliError> {
                     .file_stem()
                     .map_or_else(|| "guest".into(), |s| s.to_string_lossy().into_owned())
             });
+            // The GUEST option maps guest CPUs 0..count to threads (trace-cmd drops it
+            // otherwise): checked before anything is written.
+            let mut cpus_given: Vec<u32> = pids.iter().map(|p| p.0).collect();
+            cpus_given.sort_unstable();
+            if cpus_given.is_empty()
+                || cpus_given
+                    .iter()
+                    .copied()
+                    .ne(0..u32::try_from(cpus_given.len()).unwrap_or(0))
+            {
+                return Err(CliError::Usage(format!(
+                    "--host needs the host thread of each guest CPU 0..N once (from --vm or --vcpu-pid CPU=PID), got CPUs {cpus_given:?}"
+                )));
+            }
             Some((input, output, name, pids))
         }
         _ => None,
@@ -383,6 +430,41 @@ mod tests {
         assert_eq!(parse_cpu_pid("1=4242"), Ok((1, 4242)));
         assert!(parse_cpu_pid("1:4242").is_err());
         assert!(parse_cpu_pid("x=1").is_err());
+    }
+
+    /// A sync file of vCPU 0 with constant-offset segments `(guest start, offset)`.
+    fn sync(segs: &[(u64, i64)]) -> crate::syncfile::SyncTimeline {
+        let mut t = String::from(
+            "{\"type\":\"header\",\"schema\":1,\"tool\":\"t\",\"host_clock\":\"x86-tsc\",\"created_unix_s\":1}\n",
+        );
+        for (r, &(g, o)) in segs.iter().enumerate() {
+            let h = g.checked_add_signed(-o).unwrap();
+            t.push_str(&format!(
+                "{{\"type\":\"segment\",\"vcpu\":0,\"round\":{r},\"guest_start\":{g},\"host_anchor\":{h},\"guest_anchor\":{g},\"offset\":{o},\"offset_lo\":{o},\"offset_hi\":{o},\"drift_ppb\":0,\"drift_ppb_lo\":0,\"drift_ppb_hi\":0,\"model\":\"drift\",\"probes\":1,\"rtt_min_ticks\":1,\"host_first\":{h},\"host_last\":{h},\"break\":false}}\n"
+            ));
+        }
+        SyncFile::parse(t.as_bytes()).unwrap().timeline(0).unwrap()
+    }
+
+    #[test]
+    fn sync_steps_are_the_offsets_and_points_report_their_departure() {
+        let tl = sync(&[(1000, 0), (2000, -100), (3000, 50)]);
+        let steps = sync_steps(&tl).unwrap();
+        assert_eq!(
+            steps,
+            [
+                SyncSegment::offset_only(HostTicks(1000), 0),
+                SyncSegment::offset_only(HostTicks(2100), -100),
+                SyncSegment::offset_only(HostTicks(2950), 50),
+            ]
+        );
+        let (pts, dev) = sync_points(&tl, Some(500), Some(4000)).unwrap();
+        // The three starts and the last tick on the last segment.
+        assert_eq!(pts.len(), 4);
+        assert_eq!(pts[3], SyncSegment::offset_only(HostTicks(3950), 50));
+        // Worst at 2999: the line from (2000, 2100) to (3000, 2950) gives 2949, the sync
+        // file's second segment 3099.
+        assert_eq!(dev, 150);
     }
 
     #[test]

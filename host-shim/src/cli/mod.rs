@@ -13,8 +13,11 @@
 //! - 3: the environment is missing something: debugfs not mounted, not root, no tracefs.
 //! - 4: no VM or vCPU matches `--vm` / `--vcpu`.
 //! - 5: bad input data (`convert`: a bad line or a value outside the mapping's range;
-//!   `tsc compose`: mappings that cannot be composed).
-//! - 6: refused: the vCPU runs a nested guest (`guest_mode` 1) and `--nested-l2` was not given.
+//!   `tsc compose`: mappings that cannot be composed; `trace-cmd attach`: a malformed or
+//!   truncated trace.dat).
+//! - 6: refused: the vCPU runs a nested guest (`guest_mode` 1) and `--nested-l2` was not given;
+//!   `trace-cmd attach`: the TIME_SHIFT would be off by more than `--max-error` ticks;
+//!   `export perf`: perf cannot express the mapping.
 //! - 7: `probe`: the guest agent could not be reached, or stopped answering mid-session (the
 //!   VM exited or was killed, the agent restarted, or it speaks another protocol version).
 //! - 8: `probe --anchor kvm-pio`: exit anchoring is not possible here (no tracefs or

@@ -67,17 +67,24 @@ pub struct ProbeArgs {
     #[arg(long)]
     pub no_progress: bool,
     /// Where each probe's host bracket comes from: kvm-pio takes it from the host kernel's
-    /// kvm:kvm_pio stamps of the guest's own UART exits (needs root, tracefs and the VM's
-    /// vCPU threads in debugfs; fails with exit code 8 otherwise); auto does so when it can
-    /// and says why not on stderr; none stamps in this process (docs/anchor.md).
+    /// kvm:kvm_pio stamps of the guest's own port exits, the UART's on a serial chardev
+    /// (unix:PATH), the agent's sync port on other transports (needs root, tracefs and the
+    /// VM's vCPU threads in debugfs; fails with exit code 8 otherwise); auto does so when --vm
+    /// names the VM and it can (saying why not on stderr); none stamps in this process
+    /// (docs/anchor.md).
     #[arg(long, value_enum, value_name = "MODE", default_value_t = AnchorMode::Auto)]
     pub anchor: AnchorMode,
-    /// The VM the agent runs in, for --anchor (PID, PID-FD or name; default: the only VM).
+    /// The VM the agent runs in, for --anchor (PID, PID-FD or name; --anchor kvm-pio without
+    /// it: the only VM in debugfs).
     #[arg(long, value_name = "VM")]
     pub vm: Option<VmSelector>,
     /// tracefs, for --anchor (default: /sys/kernel/tracing, then /sys/kernel/debug/tracing).
     #[arg(long, value_name = "DIR")]
     pub tracefs: Option<PathBuf>,
+    /// The agent's sync port (agent boot option syncport=N), for --anchor on every transport
+    /// but a serial chardev (unix:PATH), which is anchored on the UART's own exits.
+    #[arg(long, value_name = "PORT", default_value = "0x2400", value_parser = parse_port)]
+    pub sync_port: u16,
     /// KVM debugfs, for --anchor.
     #[arg(long, value_name = "DIR", default_value = DEFAULT_KVM_DEBUGFS)]
     pub debugfs_root: PathBuf,
@@ -102,6 +109,7 @@ impl ProbeArgs {
             vm: self.vm.clone(),
             tracefs: self.tracefs.clone(),
             debugfs_root: self.debugfs_root.clone(),
+            sync_port: self.sync_port,
             ..AnchorOptions::default()
         };
         o.continuous = match (&self.out, self.continuous) {
@@ -114,6 +122,15 @@ impl ProbeArgs {
         };
         o
     }
+}
+
+/// A port number, decimal or `0x` hex.
+fn parse_port(s: &str) -> Result<u16, String> {
+    let parsed = match s.strip_prefix("0x").or_else(|| s.strip_prefix("0X")) {
+        Some(hex) => u16::from_str_radix(hex, 16),
+        None => s.parse(),
+    };
+    parsed.map_err(|e| format!("{s}: not a 16-bit port number ({e})"))
 }
 
 #[cfg(test)]
@@ -157,6 +174,10 @@ mod tests {
         assert_eq!(o.anchor.mode, AnchorMode::KvmPio);
         assert_eq!(o.anchor.vm, Some(VmSelector::Pid(42)));
         assert!(parse(&["--connect", "unix:/q.sock", "--anchor", "bogus"]).is_err());
+        assert_eq!(o.anchor.sync_port, 0x2400);
+        let a = parse(&["--connect", "tcp:h:1", "--sync-port", "0x80"]).unwrap();
+        assert_eq!(a.to_options(None).anchor.sync_port, 0x80);
+        assert!(parse(&["--connect", "tcp:h:1", "--sync-port", "0x10000"]).is_err());
 
         let a = parse(&[
             "--connect",

@@ -42,7 +42,7 @@
 //! | `unexpected`, `unknown_seq` | u64 | skipped messages: well-formed but unasked for; replies to a sequence number never sent |
 //! | `ambiguous`, `out_of_window`, `wrong_vcpu`, `bad_stamps`, `flooded` | u64 | why probes were lost (each also in `lost_probes`): compact reply not uniquely unwrappable (a stall); TSC outside the window the last verified reading allows; another vCPU; host stamps out of order; the wait drowned in other traffic |
 //! | `unanchored` | u64 | probes lost because an exit-anchored transport found no exits for them (added in schema 2; docs/anchor.md) |
-//! | `anchor` | `"in-process"` or `"kvm-pio-uart"` | where the samples' host brackets come from (added in schema 2; readers treat a missing key as `"in-process"`) |
+//! | `anchor` | `"in-process"`, `"kvm-pio-uart"` or `"kvm-pio-sync-port"` | where the samples' host brackets come from (added in schema 2; readers treat a missing key as `"in-process"`) |
 //! | `tracecmd_fastest_rtt_offset` | i64 | trace-cmd's PTP estimate (fastest round trip's midpoint) on the same samples, same sign |
 //! | `tsc_khz` | u32 or null | guest TSC frequency if the agent reported it |
 

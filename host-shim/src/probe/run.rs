@@ -100,9 +100,14 @@ pub fn run_probe(opts: &ProbeOptions, out: &mut dyn Write) -> Result<ProbeSummar
         Err(ProbeError::Estimate(EstimateError::NoSamples))
             if opts.anchor.mode == AnchorMode::KvmPio && t.stats().matched == 0 =>
         {
+            let how = match anchor::matcher_for(&opts.addr, &opts.anchor) {
+                anchor::Matcher::Uart { port } => format!("the UART at {port:#x}"),
+                anchor::Matcher::SyncPort { port } => {
+                    format!("the sync port {port:#x} (boot the agent with syncport={port:#x})")
+                }
+            };
             Err(ProbeError::Anchor(format!(
-                "no probe's exits were found among kvm_pio events of the VM's vCPU threads on port {:#x}: is the agent in that VM (--vm) and on that port?",
-                opts.anchor.port
+                "no probe's exits were found among the kvm_pio events of the VM's vCPU threads on {how}: is the agent in that VM (--vm)?"
             )))
         }
         r => r,

@@ -104,7 +104,10 @@ pub fn attach_time_shift(
         }
         Ok(())
     })?;
-    let samples = samples_per_cpu(&body);
+    // What `timeshift::encode` writes per CPU: one sample per segment, and in step mode the
+    // sentinel after the last.
+    let sentinel = usize::from(shift.mode == timeshift::ShiftMode::Step);
+    let samples = shift.cpus.iter().map(|c| c.len() + sentinel).collect();
     Ok(AttachSummary {
         path: output.to_path_buf(),
         version: layout.version,
@@ -115,24 +118,6 @@ pub fn attach_time_shift(
         samples,
         bytes,
     })
-}
-
-/// The sample count of each CPU of an encoded TIME_SHIFT body (see `docs/trace-dat.md`).
-fn samples_per_cpu(body: &[u8]) -> Vec<usize> {
-    let rd = |at: usize| {
-        body.get(at..at + 4).map_or(0, |b| {
-            u32::from_le_bytes(b.try_into().unwrap_or([0; 4])) as usize
-        })
-    };
-    let cpus = rd(12);
-    let mut at = 16;
-    let mut v = Vec::with_capacity(cpus.min(MAX_CPUS));
-    for _ in 0..cpus.min(MAX_CPUS) {
-        let n = rd(at);
-        v.push(n);
-        at += 4 + 24 * n;
-    }
-    v
 }
 
 #[cfg(test)]

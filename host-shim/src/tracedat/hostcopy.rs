@@ -79,7 +79,6 @@ pub fn copy_host_trace(
                 .into(),
         });
     }
-    refuse_same_file(input, output)?;
     let layout = reader::read_layout(input)?;
     let existing = layout.trace_id();
     let (host_trace_id, add_id) = match (existing, trace_id) {

@@ -628,15 +628,18 @@ pub struct Event {
 }
 
 /// Largest uncompressed metadata section decompressed into memory. The event formats of a
-/// kernel with every tracepoint are a few hundred KiB; kallsyms (MiBs) is never decompressed.
-const MAX_SECTION: u64 = 256 << 20;
+/// kernel with every tracepoint are about 2 MB (2,012,704 bytes for the 101 systems of the
+/// kernel here); kallsyms (MBs) is never decompressed.
+const MAX_SECTION: u64 = 32 << 20;
 /// Highest CPU number + 1 a trace may use (bounds per-CPU tables built from file contents).
 pub const MAX_CPUS: usize = 1 << 16;
-/// Largest uncompressed chunk of CPU data (trace-cmd writes chunks of a few pages).
-const MAX_CHUNK: u64 = 64 << 20;
+/// Largest uncompressed chunk of CPU data (trace-cmd writes chunks of a few pages: 16 KiB
+/// here).
+const MAX_CHUNK: u64 = 16 << 20;
 /// Largest zstd window a frame may ask the decoder to allocate (the decoder's own default is
-/// 128 MiB; a chunk is far smaller, so this bounds what a hostile frame header can claim).
-const MAX_ZSTD_WINDOW: u64 = 64 << 20;
+/// 128 MiB): as large as the largest block we decompress, so a hostile frame header cannot
+/// claim more.
+const MAX_ZSTD_WINDOW: u64 = 32 << 20;
 
 /// Decompresses `input` (one or more zstd frames) into exactly `out.len()` bytes.
 fn unzstd(input: &[u8], out: &mut [u8]) -> Result<(), String> {
@@ -787,7 +790,7 @@ pub fn read_event_formats(path: &Path, layout: &Layout) -> Result<Vec<EventForma
             .ok_or_else(|| src.err(0, "v6 layout without the formats range"))?;
         // The blocks are inline and were bounds-checked by `read_layout`; read them as one.
         if end.saturating_sub(at) > MAX_SECTION {
-            return Err(src.err(at, "event formats larger than 256 MiB"));
+            return Err(src.err(at, "event formats larger than 32 MiB"));
         }
         let n = end.saturating_sub(at);
         let b = src.bytes(at, n, "event formats")?;
@@ -861,7 +864,7 @@ type RecordFn<'a> = dyn FnMut(u32, u64, &[u8]) -> Result<(), (usize, &'static st
 /// in file order, page by page: `ts` is the record's raw timestamp (deltas, time extends and
 /// absolute stamps applied), `data` the record's bytes (`common_type` first; with the ring
 /// buffer's 4-byte alignment padding). Compressed CPU data is decompressed one chunk at a
-/// time, so memory stays constant (one chunk, at most 64 MiB) whatever the file's size.
+/// time, so memory stays constant (one chunk, at most 16 MiB) whatever the file's size.
 /// Returns the number of records.
 ///
 /// # Errors

@@ -258,3 +258,89 @@ fn explicit_anchor_that_cannot_be_done_exits_8_before_connecting() {
     assert_eq!(o.status.code(), Some(7), "{err}");
     assert!(err.contains("not exit-anchored"), "{err}");
 }
+
+/// The sync-port variant over vsock (QEMU q35 + qboot, `vhost-user-vsock-pci`,
+/// vhost-device-vsock; never AF_VSOCK): the agent boots with `syncport=0x2400` and a 1.0001
+/// skew, announces the sync port in its hello, and every probe's bracket is its own `in` /
+/// `out` pair on that port.
+#[test]
+fn sync_port_anchored_probes_over_vsock_bracket_a_skewed_truth() {
+    use vmtsync::probe::anchor::{DEFAULT_SYNC_PORT, Matcher, prepare_matcher};
+    use vmtsync_core::proto::Features;
+    use vmtsync_tests::vmm::client::{probe_run, wait_ready};
+    use vmtsync_tests::vmm::vsock::{VsockRig, vhost_device_vsock_for};
+
+    let test = "sync_port_anchored_probes_over_vsock_bracket_a_skewed_truth";
+    if !prerequisites(test)
+        || !require(
+            test,
+            Path::new(qemu::QBOOT).is_file(),
+            "qboot.rom is missing (apt-get install qemu-system-x86)",
+        )
+    {
+        return;
+    }
+    let Some(backend) = vhost_device_vsock_for(test) else {
+        return;
+    };
+    let elf = agent_elf().expect("agent builds");
+    let port = 1241;
+    let skew = Skew::pick();
+    let append = format!(
+        "transport=vsock vsock=connect port={port} ring=3 exit=5 syncport={DEFAULT_SYNC_PORT:#x} {}",
+        skew.agent_option()
+    );
+    let mut rig =
+        VsockRig::start(Machine::Q35, &backend, &elf, &append, port, STEP).expect("rig starts");
+    let mut client = rig
+        .accept(STEP)
+        .unwrap_or_else(|e| panic!("{e}\n{}", rig.diagnostics()));
+    let qemu_pid = rig.pids().0;
+    let truth = GuestTruth::read(qemu_pid, 0, Some(skew)).expect("truth from debugfs");
+    if let Err(e) = wait_ready(&mut client, Instant::now() + STEP) {
+        panic!("{e}\n{}", rig.diagnostics());
+    }
+    let mut t = prepare_matcher(
+        Matcher::SyncPort {
+            port: DEFAULT_SYNC_PORT,
+        },
+        &anchor_options(qemu_pid),
+        STEP,
+        &mut |m| panic!("{m}"),
+    )
+    .expect("anchoring is possible here")
+    .wrap(client);
+    let instance = t.instance_path().expect("an instance").to_path_buf();
+    let (mut session, run) =
+        probe_run(&mut t, 64, STEP).unwrap_or_else(|e| panic!("{e}\n{}", rig.diagnostics()));
+    assert!(
+        run.info.features.contains(Features::SYNC_PORT),
+        "the hello announces the sync port: {:?}",
+        run.info.features
+    );
+    assert_eq!(run.stats.anchor, AnchorKind::KvmPioSyncPort);
+    let outside = run.outside_bracket(&truth);
+    assert!(outside.is_empty(), "{truth:?}: outside {outside:?}");
+    let sum = ProbeSummary::from_samples(&run.info, &run.samples, run.stats).expect("estimates");
+    let at = truth
+        .check(sum.at_host, sum.bound_lo, sum.bound_hi)
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(run.samples.len() >= 32, "{:?} {:?}", run.stats, t.stats());
+    let (bye, _) = session
+        .request(&vmtsync_core::proto::Message::Shutdown)
+        .expect("exiting");
+    assert_eq!(bye, vmtsync_core::proto::Message::Exiting);
+    let a = t.stats();
+    println!(
+        "vsock sync-port: {} samples ({} matched, {} unanchored), width {}, error {:+}, rtt min {}",
+        run.samples.len(),
+        a.matched,
+        run.stats.unanchored,
+        sum.width(),
+        i128::from(sum.offset) - at,
+        sum.rtt.min
+    );
+    drop(t);
+    assert!(!instance.exists(), "{} left behind", instance.display());
+    let _ = rig.wait_exit(STEP);
+}

@@ -666,3 +666,36 @@ fn export_perf_prints_the_guest_data_argument_or_explains_what_perf_cannot_expre
     let o = export_perf("noscaling", &["--vm", "5005", "--vcpu", "9"]);
     assert_eq!(o.status.code(), Some(4));
 }
+
+#[test]
+fn attach_with_host_refuses_an_incomplete_vcpu_map_before_writing_anything() {
+    use vmtsync::tracedat::{TraceDatWriter, WriterOptions};
+    let dir = tempfile::tempdir().unwrap();
+    let guest = dir.path().join("g.dat");
+    let mut w = TraceDatWriter::create(&guest, WriterOptions::new(2, 1)).unwrap();
+    w.push(0, 1_000_000, 0, &[]).unwrap();
+    w.push(1, 1_000_100, 0, &[]).unwrap();
+    w.finish(None).unwrap();
+    let (out, host_out) = (dir.path().join("o.dat"), dir.path().join("h.dat"));
+    let o = attach(&[
+        "--guest",
+        guest.to_str().unwrap(),
+        "--output",
+        out.to_str().unwrap(),
+        "--offset",
+        "5",
+        "--host",
+        guest.to_str().unwrap(),
+        "--host-output",
+        host_out.to_str().unwrap(),
+        "--vcpu-pid",
+        "1=4242",
+    ]);
+    assert_eq!(
+        o.status.code(),
+        Some(2),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(!out.exists() && !host_out.exists());
+}

@@ -17,7 +17,7 @@ use vmtsync_tests::{is_root, require};
 
 use crate::kvm_fixtures::{guarded_output, vmtsync};
 use crate::record::{boot_qemu, qemu_ready, record, text};
-use crate::tracedat::{parse_report, trace_cmd};
+use crate::tracedat::trace_cmd;
 
 /// The workload's port: unused on QEMU microvm (no floppy controller), so QEMU answers an
 /// `in` with 0xff and ignores an `out`, both through a userspace exit `kvm_pio` stamps.
@@ -51,32 +51,29 @@ fn merged_order(host: &Path, guest: &Path, thread: u64) -> Order {
     ]);
     assert!(o.status.success(), "report: {}", text(&o.stderr));
     let mut ord = Order::default();
-    // The comm-pid column ("qemu-system-x86-1080") comes before the CPU, which the parsed
-    // lines start after.
-    let ours: Vec<bool> = String::from_utf8_lossy(&o.stdout)
-        .lines()
-        .filter(|l| parse_report(l.as_bytes()).len() == 1)
-        .map(|l| l.contains(&format!("-{thread} ")))
-        .collect();
-    for (i, l) in parse_report(&o.stdout).iter().enumerate() {
+    // Each line is one event, in the merged order: "NAME:  COMM-PID [CPU] TS: EVENT: FIELDS".
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    for (i, l) in stdout.lines().enumerate() {
         let field = |k: &str| {
-            l.rest
-                .split_whitespace()
+            l.split_whitespace()
                 .find_map(|w| w.strip_prefix(k))
                 .map(str::to_owned)
         };
-        if l.rest.starts_with("kvm_pio:") && l.rest.contains(&format!("at {PORT} ")) && ours[i] {
-            if l.rest.contains("pio_write") {
+        if l.contains(" kvm_pio: ") && l.contains(&format!("at {PORT} ")) {
+            // Only this VM's vCPU thread (the comm-pid column ends in "-PID ").
+            if !l.contains(&format!("-{thread} ")) {
+                continue;
+            }
+            if l.contains("pio_write") {
                 ord.writes.push(i);
-                let val = l.rest.rsplit("val 0x").next().unwrap().trim();
+                let val = l.rsplit("val 0x").next().unwrap().trim();
                 ord.write_vals.push(u32::from_str_radix(val, 16).unwrap());
             } else {
                 ord.reads.push(i);
             }
-        } else if l.rest.starts_with("event_data:") {
+        } else if l.contains(" event_data: ") {
             // payload=b0 b1 ...: the sequence number, u64 little-endian.
             let bytes: Vec<u8> = l
-                .rest
                 .split("payload=")
                 .nth(1)
                 .unwrap_or("")

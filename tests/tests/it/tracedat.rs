@@ -58,7 +58,7 @@ pub(crate) struct Line {
     pub(crate) rest: String,
 }
 
-pub(crate) fn parse_report(out: &[u8]) -> Vec<Line> {
+fn parse_report(out: &[u8]) -> Vec<Line> {
     let text = String::from_utf8_lossy(out);
     text.lines()
         .filter_map(|l| {

@@ -120,6 +120,45 @@ pub fn match_uart(
     })
 }
 
+/// Finds the sync-port exits of the probe with sequence number `seq`: the latest `out` of
+/// `seq` to `port` inside `within`, by one thread, and that thread's exit on `port` just
+/// before it, which must be an `in` not before `within.send`. The agent (`syncport=N`) does
+/// `in`, reads its TSC, then `out`s the sequence number, so `[h(in), h(out)]` brackets the
+/// read. The `out` of this probe precedes its reply, so it lies inside `within`; no other
+/// request with this sequence number is outstanding, so the latest such `out` is this probe's.
+///
+/// # Errors
+/// [`Unmatched::Reply`] without such an `out`, [`Unmatched::Request`] without its `in`.
+pub fn match_sync_port(
+    exits: &[PioExit],
+    port: u16,
+    seq: u8,
+    within: FrameStamps,
+) -> Result<FrameStamps, Unmatched> {
+    let on_port: Vec<&PioExit> = exits
+        .iter()
+        .filter(|e| e.ts >= within.send.0 && e.ts <= within.recv.0 && e.pio.port == port)
+        .collect();
+    let plain = |e: &PioExit| e.pio.size == 1 && e.pio.count == 1;
+    let out = on_port
+        .iter()
+        .rposition(|e| {
+            e.pio.direction == PioDirection::Out && plain(e) && e.pio.val == u32::from(seq)
+        })
+        .ok_or(Unmatched::Reply)?;
+    let thread = on_port[out].pio.pid;
+    let before = on_port[..out]
+        .iter()
+        .rev()
+        .find(|e| e.pio.pid == thread)
+        .filter(|e| e.pio.direction == PioDirection::In && plain(e))
+        .ok_or(Unmatched::Request)?;
+    Ok(FrameStamps {
+        send: HostTicks(before.ts),
+        recv: HostTicks(on_port[out].ts),
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -268,6 +307,40 @@ mod tests {
                 first_out: 2_000
             })
         );
+    }
+
+    #[test]
+    fn the_sync_port_pair_of_the_probes_seq_brackets_it() {
+        const SYNC: u16 = 0x2400;
+        let at = |ts, pid, direction, val| {
+            let mut e = exit(ts, pid, direction, val);
+            e.pio.port = SYNC;
+            e
+        };
+        let ex = [
+            at(1_000, T, PioDirection::In, 0xff),
+            at(1_100, T, PioDirection::Out, 6),
+            at(2_000, T, PioDirection::In, 0xff),
+            at(2_100, T, PioDirection::Out, 7),
+            // Another thread's pair, and a UART byte of the same value.
+            at(2_050, 78, PioDirection::In, 0xff),
+            at(2_150, 78, PioDirection::Out, 8),
+            exit(2_120, T, PioDirection::Out, 7),
+        ];
+        let mut ex = ex.to_vec();
+        ex.sort_by_key(|e| e.ts);
+        let w = within(1_500, 3_000);
+        assert_eq!(match_sync_port(&ex, SYNC, 7, w), Ok(within(2_000, 2_100)));
+        assert_eq!(match_sync_port(&ex, SYNC, 6, w), Err(Unmatched::Reply));
+        assert_eq!(
+            match_sync_port(&ex, SYNC, 7, within(2_010, 3_000)),
+            Err(Unmatched::Request),
+            "an in before the request was sent is not this probe's"
+        );
+        // Another exit of the thread on the port between the in and the out breaks the pair.
+        ex.push(at(2_060, T, PioDirection::Out, 1));
+        ex.sort_by_key(|e| e.ts);
+        assert_eq!(match_sync_port(&ex, SYNC, 7, w), Err(Unmatched::Request));
     }
 
     #[test]

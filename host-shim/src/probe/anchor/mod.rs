@@ -21,8 +21,10 @@ mod setup;
 mod trace;
 mod transport;
 
-pub use matching::{UartBracket, match_uart};
-pub use setup::{AnchorMode, AnchorOptions, AnchorSetup, anchor_transport, prepare};
+pub use matching::{UartBracket, match_sync_port, match_uart};
+pub use setup::{
+    AnchorMode, AnchorOptions, AnchorSetup, anchor_transport, matcher_for, prepare, prepare_matcher,
+};
 pub use trace::{PioTrace, filter};
 pub use transport::AnchoredTransport;
 
@@ -33,6 +35,27 @@ pub const EVENT: &str = "kvm/kvm_pio";
 
 /// The first 16550's data register (COM1), where the agent's UART protocol runs.
 pub const COM1_DATA: u16 = 0x3f8;
+
+/// The sync port `vmtsync probe` expects by default (agent option `syncport=0x2400`): no
+/// device decodes it on QEMU microvm or q35 (docs/anchor.md; `0x510`, which looks free, is
+/// fw_cfg on both).
+pub const DEFAULT_SYNC_PORT: u16 = 0x2400;
+
+/// How an exchange's exits are found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Matcher {
+    /// The request's and the reply's bytes on the UART data port ([`match_uart`]).
+    Uart {
+        /// The data register.
+        port: u16,
+    },
+    /// The agent's sync-port pair tagged with the probe's sequence number
+    /// ([`match_sync_port`]).
+    SyncPort {
+        /// The sync port.
+        port: u16,
+    },
+}
 
 /// Exits kept between two probes at most; older ones are dropped first (a probe needs the
 /// exits of its own request and reply, a few dozen). Bounds memory whatever the guest does.
@@ -47,6 +70,9 @@ pub enum AnchorKind {
     InProcess,
     /// `kvm:kvm_pio` exits of the UART data port (request delimiter `in`, first reply `out`).
     KvmPioUart,
+    /// `kvm:kvm_pio` exits of the agent's sync port (`in` before, `out` of the seq after the
+    /// TSC read).
+    KvmPioSyncPort,
 }
 
 impl AnchorKind {
@@ -56,6 +82,7 @@ impl AnchorKind {
         match self {
             Self::InProcess => "in-process",
             Self::KvmPioUart => "kvm-pio-uart",
+            Self::KvmPioSyncPort => "kvm-pio-sync-port",
         }
     }
 }

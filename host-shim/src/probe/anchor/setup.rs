@@ -3,13 +3,13 @@
 //! Anchoring needs the VM's vCPU threads (KVM debugfs `vcpuN/pid`), tracefs with `kvm:kvm_pio`
 //! and root. With [`AnchorMode::Auto`] any of them missing is a note on stderr and the run goes
 //! on with in-process stamps; with [`AnchorMode::KvmPio`] it is [`ProbeError::Anchor`] (CLI exit
-//! code 8). The UART variant applies to a `unix:` address (a VMM's serial chardev); other
-//! transports need the agent's sync port (docs/anchor.md).
+//! code 8). The UART variant applies to a `unix:` address (a VMM's serial chardev); every
+//! other transport is anchored on the agent's sync port (`syncport=N`, docs/anchor.md).
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use super::{AnchoredTransport, COM1_DATA, PioTrace};
+use super::{AnchoredTransport, COM1_DATA, DEFAULT_SYNC_PORT, Matcher, PioTrace};
 use crate::debugfs::{DEFAULT_KVM_DEBUGFS, KvmDebugfs};
 use crate::probe::ProbeError;
 use crate::probe::addr::ProbeAddr;
@@ -23,8 +23,8 @@ const UART_PORTS: u16 = 8;
 /// `vmtsync probe --anchor`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
 pub enum AnchorMode {
-    /// Exit-anchor when tracefs, `kvm_pio`, root and the VM are there; otherwise say why on
-    /// stderr and stamp in this process.
+    /// Exit-anchor when `--vm` names the agent's VM and tracefs, `kvm_pio` and root are
+    /// there; otherwise stamp in this process (saying why on stderr when `--vm` was given).
     Auto,
     /// Exit-anchor through `kvm:kvm_pio`, or fail (exit code 8).
     KvmPio,
@@ -46,8 +46,10 @@ pub struct AnchorOptions {
     pub debugfs_root: PathBuf,
     /// `/proc`, for VM names.
     pub proc_root: PathBuf,
-    /// The UART data port the agent's protocol runs on.
+    /// The UART data port the agent's protocol runs on (serial chardev addresses).
     pub port: u16,
+    /// The agent's sync port (`syncport=N`; every other transport).
+    pub sync_port: u16,
 }
 
 impl Default for AnchorOptions {
@@ -59,6 +61,7 @@ impl Default for AnchorOptions {
             debugfs_root: PathBuf::from(DEFAULT_KVM_DEBUGFS),
             proc_root: PathBuf::from(DEFAULT_PROC_ROOT),
             port: COM1_DATA,
+            sync_port: DEFAULT_SYNC_PORT,
         }
     }
 }
@@ -96,15 +99,20 @@ fn vcpu_threads(o: &AnchorOptions) -> Result<(String, Vec<u32>), String> {
 /// How often the VM's vCPU threads are looked for while they do not exist yet.
 const VCPU_POLL: Duration = Duration::from_millis(50);
 
+/// How the exchanges on `addr` are anchored: a serial chardev socket (`unix:PATH`) by the
+/// UART's own exits, anything else by the agent's sync port.
+#[must_use]
+pub fn matcher_for(addr: &ProbeAddr, o: &AnchorOptions) -> Matcher {
+    match addr {
+        ProbeAddr::Unix(_) => Matcher::Uart { port: o.port },
+        _ => Matcher::SyncPort { port: o.sync_port },
+    }
+}
+
 /// Why this run cannot be anchored, or the trace to anchor it with. A VM just started may not
 /// have run its vCPUs yet (debugfs then has no thread for them): it is looked for again until
 /// `wait` has passed.
-fn open_trace(addr: &ProbeAddr, o: &AnchorOptions, wait: Duration) -> Result<PioTrace, String> {
-    if !matches!(addr, ProbeAddr::Unix(_)) {
-        return Err(format!(
-            "{addr} is not a serial chardev socket (unix:PATH): the UART exits carry no probes of it"
-        ));
-    }
+fn open_trace(matcher: Matcher, o: &AnchorOptions, wait: Duration) -> Result<PioTrace, String> {
     // The instance first: without tracefs or root there is nothing to wait for.
     crate::ftrace::find_tracefs(o.tracefs.as_deref(), super::EVENT).map_err(|e| e.to_string())?;
     let deadline = Instant::now() + wait;
@@ -115,9 +123,12 @@ fn open_trace(addr: &ProbeAddr, o: &AnchorOptions, wait: Duration) -> Result<Pio
             Err(_) => std::thread::sleep(VCPU_POLL),
         }
     };
-    // The whole 16550 register block: the status-register polls tighten the bracket
-    // (`match_uart`); bytes are matched on the data port only.
-    let ports: Vec<u16> = (o.port..o.port.saturating_add(UART_PORTS)).collect();
+    let ports: Vec<u16> = match matcher {
+        // The whole 16550 register block: the status-register polls tighten the bracket
+        // (`match_uart`); bytes are matched on the data port only.
+        Matcher::Uart { port } => (port..port.saturating_add(UART_PORTS)).collect(),
+        Matcher::SyncPort { port } => vec![port],
+    };
     PioTrace::start(o.tracefs.as_deref(), &threads, &ports).map_err(|e| e.to_string())
 }
 
@@ -126,7 +137,7 @@ fn open_trace(addr: &ProbeAddr, o: &AnchorOptions, wait: Duration) -> Result<Pio
 pub struct AnchorSetup {
     trace: Option<PioTrace>,
     mode: AnchorMode,
-    port: u16,
+    matcher: Matcher,
 }
 
 /// Decides whether a run on `addr` is anchored, before connecting (so `--anchor kvm-pio`
@@ -141,10 +152,25 @@ pub fn prepare(
     wait: Duration,
     note: &mut dyn FnMut(&str),
 ) -> Result<AnchorSetup, ProbeError> {
-    let trace = match o.mode {
-        AnchorMode::None => None,
-        AnchorMode::KvmPio => Some(open_trace(addr, o, wait).map_err(ProbeError::Anchor)?),
-        AnchorMode::Auto => match open_trace(addr, o, wait) {
+    prepare_matcher(matcher_for(addr, o), o, wait, note)
+}
+
+/// [`prepare`] for a matcher chosen by the caller (a test rig that knows its transport).
+///
+/// # Errors
+/// As [`prepare`].
+pub fn prepare_matcher(
+    matcher: Matcher,
+    o: &AnchorOptions,
+    wait: Duration,
+    note: &mut dyn FnMut(&str),
+) -> Result<AnchorSetup, ProbeError> {
+    let trace = match (o.mode, &o.vm) {
+        // Without --vm, auto does not guess which VM runs the agent (the only VM on the host
+        // may be someone else's): it stamps in this process, quietly.
+        (AnchorMode::None, _) | (AnchorMode::Auto, None) => None,
+        (AnchorMode::KvmPio, _) => Some(open_trace(matcher, o, wait).map_err(ProbeError::Anchor)?),
+        (AnchorMode::Auto, Some(_)) => match open_trace(matcher, o, wait) {
             Ok(t) => Some(t),
             Err(why) => {
                 note(&format!(
@@ -157,7 +183,7 @@ pub fn prepare(
     Ok(AnchorSetup {
         trace,
         mode: o.mode,
-        port: o.port,
+        matcher,
     })
 }
 
@@ -167,8 +193,8 @@ impl AnchorSetup {
     /// passes the stamps through.
     pub fn wrap<T: StampedTransport>(self, inner: T) -> AnchoredTransport<T> {
         match (self.trace, self.mode) {
-            (Some(t), AnchorMode::KvmPio) => AnchoredTransport::new(inner, t, self.port),
-            (Some(t), _) => AnchoredTransport::new_auto(inner, t, self.port),
+            (Some(t), AnchorMode::KvmPio) => AnchoredTransport::new(inner, t, self.matcher),
+            (Some(t), _) => AnchoredTransport::new_auto(inner, t, self.matcher),
             (None, _) => AnchoredTransport::passthrough(inner),
         }
     }

@@ -6,7 +6,11 @@ use std::time::Instant;
 use vmtsync_core::HostTicks;
 use vmtsync_core::proto::MAX_FRAME_SIZE;
 
-use super::{AnchorKind, AnchorStats, PioTrace, UartBracket, Unmatched, match_uart};
+use vmtsync_core::proto::{Message, decode_frame};
+
+use super::{
+    AnchorKind, AnchorStats, Matcher, PioTrace, UartBracket, Unmatched, match_sync_port, match_uart,
+};
 use crate::probe::transport::{FrameStamps, Received, StampedTransport, TransportError};
 
 /// Received bytes kept per exchange at most (a reply is at most [`MAX_FRAME_SIZE`]).
@@ -18,7 +22,7 @@ pub struct AnchoredTransport<T> {
     inner: T,
     /// `None`: a pass-through wrapper ([`AnchoredTransport::passthrough`]).
     trace: Option<PioTrace>,
-    port: u16,
+    matcher: Matcher,
     /// The last request frame (empty if it was longer than any message).
     request: Vec<u8>,
     /// Bytes received since that request, at most [`MAX_RECEIVED`].
@@ -31,46 +35,45 @@ pub struct AnchoredTransport<T> {
     passthrough: bool,
     /// Why it was given up.
     gave_up: Option<Unmatched>,
-    /// The last matched exchange's exits.
+    /// The last matched UART exchange's exits.
     last: Option<UartBracket>,
+    /// The last exchange's stamps before and after anchoring.
+    last_pair: Option<(FrameStamps, FrameStamps)>,
 }
 
 impl<T: StampedTransport> AnchoredTransport<T> {
-    /// Wraps `inner`, anchoring its exchanges on `port` (the UART data register) in `trace`;
-    /// an exchange whose exits are not found is dropped (`refine` says `None`).
-    pub fn new(inner: T, trace: PioTrace, port: u16) -> Self {
-        Self::with_policy(inner, trace, port, false)
+    /// Wraps `inner`, anchoring its exchanges in `trace` as `matcher` says; an exchange whose
+    /// exits are not found is dropped (`refine` says `None`).
+    pub fn new(inner: T, trace: PioTrace, matcher: Matcher) -> Self {
+        Self::with_trace(inner, Some(trace), matcher, false)
     }
 
     /// As [`AnchoredTransport::new`], but if the *first* exchange's exits are not found (the
     /// agent is not in the traced VM, or not on this port), anchoring is given up for good and
     /// the inner transport's stamps are used from then on ([`AnchoredTransport::gave_up`]).
     /// Exchanges after one matched are still dropped when unmatched.
-    pub fn new_auto(inner: T, trace: PioTrace, port: u16) -> Self {
-        Self::with_policy(inner, trace, port, true)
+    pub fn new_auto(inner: T, trace: PioTrace, matcher: Matcher) -> Self {
+        Self::with_trace(inner, Some(trace), matcher, true)
     }
 
     /// A wrapper that anchors nothing: the inner transport's stamps, unchanged (so a run has
     /// one transport type whether or not it is anchored).
     pub fn passthrough(inner: T) -> Self {
-        let mut t = Self::with_trace(inner, None, 0, false);
+        let mut t = Self::with_trace(inner, None, Matcher::Uart { port: 0 }, false);
         t.passthrough = true;
         t
     }
 
-    fn with_policy(inner: T, trace: PioTrace, port: u16, auto: bool) -> Self {
-        Self::with_trace(inner, Some(trace), port, auto)
-    }
-
-    fn with_trace(inner: T, trace: Option<PioTrace>, port: u16, auto: bool) -> Self {
+    fn with_trace(inner: T, trace: Option<PioTrace>, matcher: Matcher, auto: bool) -> Self {
         Self {
             auto,
             passthrough: false,
             gave_up: None,
             last: None,
+            last_pair: None,
             inner,
             trace,
-            port,
+            matcher,
             request: Vec::with_capacity(MAX_FRAME_SIZE),
             received: Vec::with_capacity(MAX_RECEIVED),
             received_overflow: false,
@@ -83,9 +86,15 @@ impl<T: StampedTransport> AnchoredTransport<T> {
         self.gave_up
     }
 
-    /// The exits of the last exchange that matched (benchmarks compare its brackets).
+    /// The exits of the last UART exchange that matched (benchmarks compare its brackets).
     pub const fn last_bracket(&self) -> Option<UartBracket> {
         self.last
+    }
+
+    /// The last anchored exchange: the inner transport's stamps and the exits' (benchmarks
+    /// compare the two brackets on the same probes).
+    pub const fn last_pair(&self) -> Option<(FrameStamps, FrameStamps)> {
+        self.last_pair
     }
 
     /// The counters so far.
@@ -118,6 +127,15 @@ impl<T: StampedTransport> AnchoredTransport<T> {
         let start = r[..last].iter().rposition(|&b| b == 0).map_or(0, |p| p + 1);
         (last > start).then(|| &r[start..=last])
     }
+
+    /// The sequence number of the last request, if it was a probe (our own frame: it decodes).
+    fn probe_seq(&self) -> Option<u8> {
+        let mut frame = self.request.clone();
+        match decode_frame(&mut frame) {
+            Ok(Message::Probe { seq } | Message::ProbeFull { seq }) => Some(seq),
+            _ => None,
+        }
+    }
 }
 
 impl<T: StampedTransport> StampedTransport for AnchoredTransport<T> {
@@ -149,14 +167,32 @@ impl<T: StampedTransport> StampedTransport for AnchoredTransport<T> {
 
     fn refine(&mut self, stamps: FrameStamps) -> Option<FrameStamps> {
         let stamps = self.inner.refine(stamps)?;
+        if self.passthrough {
+            return Some(stamps);
+        }
         let reply = self.reply().map(<[u8]>::to_vec);
-        let trace = match &mut self.trace {
-            Some(t) if !self.passthrough => t,
-            _ => return Some(stamps),
+        let seq = match self.matcher {
+            Matcher::SyncPort { .. } => match self.probe_seq() {
+                Some(seq) => Some(seq),
+                // Only probe replies are bracketed on the sync port: a hello or another
+                // request keeps its stamps and says nothing about the anchor.
+                None => return Some(stamps),
+            },
+            Matcher::Uart { .. } => None,
         };
-        let m = match (trace.poll(&mut self.stats), reply) {
-            (Ok(()), Some(reply)) => {
-                match_uart(trace.exits(), self.port, &self.request, &reply, stamps)
+        let Some(trace) = self.trace.as_mut() else {
+            return Some(stamps);
+        };
+        let polled = trace.poll(&mut self.stats);
+        let m = match (polled, self.matcher, reply, seq) {
+            (Ok(()), Matcher::Uart { port }, Some(reply), _) => {
+                match_uart(trace.exits(), port, &self.request, &reply, stamps).map(|b| {
+                    self.last = Some(b);
+                    b.stamps()
+                })
+            }
+            (Ok(()), Matcher::SyncPort { port }, _, Some(seq)) => {
+                match_sync_port(trace.exits(), port, seq, stamps)
             }
             _ => Err(Unmatched::Frames),
         };
@@ -173,8 +209,8 @@ impl<T: StampedTransport> StampedTransport for AnchoredTransport<T> {
         match m {
             Ok(anchored) => {
                 self.stats.matched += 1;
-                self.last = Some(anchored);
-                Some(anchored.stamps())
+                self.last_pair = Some((stamps, anchored));
+                Some(anchored)
             }
             Err(Unmatched::Frames) => {
                 self.stats.no_frames += 1;
@@ -196,10 +232,10 @@ impl<T: StampedTransport> StampedTransport for AnchoredTransport<T> {
     }
 
     fn anchor(&self) -> AnchorKind {
-        if self.passthrough {
-            self.inner.anchor()
-        } else {
-            AnchorKind::KvmPioUart
+        match (self.passthrough, self.matcher) {
+            (true, _) => self.inner.anchor(),
+            (false, Matcher::Uart { .. }) => AnchorKind::KvmPioUart,
+            (false, Matcher::SyncPort { .. }) => AnchorKind::KvmPioSyncPort,
         }
     }
 }

@@ -87,6 +87,11 @@ fn attach_adds_a_time_shift_moving_every_event_exactly_and_never_touches_the_inp
         assert_eq!(std::fs::read(&input).unwrap(), before, "{version:?}");
         assert_eq!((s.guest_trace_id, s.added_trace_id), (0x6e57, false));
         assert_eq!(s.max_error, [0, 0]);
+        assert_eq!(
+            s.samples,
+            [2, 2],
+            "one segment and the step sentinel per CPU"
+        );
         assert_eq!(events(&out), events(&input), "{version:?}");
         let l = read_layout(&out).unwrap();
         let body = &l.options_with(option::TIME_SHIFT).last().unwrap().data;

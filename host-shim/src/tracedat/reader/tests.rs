@@ -50,6 +50,8 @@ proptest! {
                 let _ = for_each_event(&path, &layout, b, |_| {});
             }
             let _ = read_event_formats(&path, &layout);
+            let _ = cpu_time_ranges(&path, &layout);
+            let _ = for_each_record(&path, &layout, 0, |_, _, _| {});
         }
     }
 }
@@ -155,5 +157,29 @@ fn a_truncated_or_damaged_compressed_file_names_the_offset() {
             assert!((0x1000..0x2000).contains(&offset), "{offset}: {reason}");
         }
         other => panic!("damage not detected: {other:?}"),
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(300))]
+
+    /// Damage inside compressed CPU data and compressed sections (zstd frames, chunk headers)
+    /// yields Ok or an error, never a panic: the decoder sees arbitrary bytes.
+    #[test]
+    fn damaged_zstd_data_never_panics(
+        flips in proptest::collection::vec((0usize..ZSTD_FIXTURE.len(), any::<u8>()), 1..6),
+    ) {
+        let mut bytes = ZSTD_FIXTURE.to_vec();
+        for (at, b) in flips {
+            bytes[at] ^= b | 1;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("z.dat");
+        std::fs::write(&path, &bytes).unwrap();
+        if let Ok(layout) = read_layout(&path) {
+            let _ = for_each_record(&path, &layout, 0, |_, _, _| {});
+            let _ = read_event_formats(&path, &layout);
+            let _ = cpu_time_ranges(&path, &layout);
+        }
     }
 }

@@ -12,6 +12,9 @@
 //!   that completed the reply (`…/stdio`) or returned its first bytes (`…/stdio-first`), and,
 //!   on the same probes, by the host kernel's `kvm:kvm_pio` stamps of the vCPU's COM1 exits
 //!   (`…/kvm-pio`, what `vmtsync probe --anchor kvm-pio` uses), see [`qemu`];
+//! - virtio-vsock (QEMU q35, vhost-device-vsock), bracketed around the socket calls
+//!   (`vsock/stream`) and, on the same probes, by the agent's sync-port exits
+//!   (`vsock/sync-port`), see [`vsock`];
 //! - the built-in VMM again with the agent's software skew (`skew=OFFSET,RATIO,FRAC`), so the
 //!   truth is a non-identity line (`skew/…`).
 //!
@@ -30,7 +33,7 @@
 //! the truth, probe bracket widths and the bytes each probe put on the wire. The last line is
 //! one JSON object (schema `vmtsync-probe-bench/1`, documented in [`report`]).
 //!
-//! Usage: `vmtsync-probe-bench [--sessions K] [--probes N] [--machine microvm|q35] [--no-qemu]
+//! Usage: `vmtsync-probe-bench [--sessions K] [--probes N] [--machine microvm|q35] [--no-qemu] [--no-vsock]
 //! [--no-skew] [--skew OFFSET,RATIO,FRAC]`
 //!
 //! Exit codes: 0 when every guaranteed interval contained the truth; 3 when one did not (a
@@ -40,6 +43,7 @@ mod builtin;
 mod qemu;
 mod report;
 mod stats;
+mod vsock;
 
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
@@ -63,11 +67,12 @@ pub const STEP: Duration = Duration::from_secs(20);
 
 const USAGE: &str = "\
 usage: vmtsync-probe-bench [--sessions K] [--probes N] [--machine microvm|q35] [--no-qemu]
-                           [--no-skew] [--skew OFFSET,RATIO,FRAC]
+                           [--no-vsock] [--no-skew] [--skew OFFSET,RATIO,FRAC]
   --sessions K      sessions per path (default 30); each is a hello and N probes
   --probes N        compact probes per session (default 64)
   --machine M       QEMU machine: microvm (default) or q35 (with qboot)
   --no-qemu         skip the QEMU stdio path
+  --no-vsock        skip the vsock path (QEMU q35 + vhost-device-vsock, sync port)
   --no-skew         skip the software-skew path
   --skew O,R,F      agent skew: guest = O + ((tsc * R) >> F) (default: offset derived
                     from the host TSC now, rate 281503124208327/2^48 = 1.0001)";
@@ -225,6 +230,7 @@ struct Args {
     probes: usize,
     machine: Machine,
     qemu: bool,
+    vsock: bool,
     skew: Option<SkewArg>,
 }
 
@@ -252,6 +258,7 @@ fn parse_args(args: &[String]) -> Result<Args, String> {
         probes: 64,
         machine: Machine::Microvm,
         qemu: true,
+        vsock: true,
         skew: Some(SkewArg::Pick),
     };
     let mut it = args.iter();
@@ -268,6 +275,7 @@ fn parse_args(args: &[String]) -> Result<Args, String> {
                 }
             }
             "--no-qemu" => a.qemu = false,
+            "--no-vsock" => a.vsock = false,
             "--no-skew" => a.skew = None,
             "--skew" => {
                 a.skew = Some(SkewArg::Given(
@@ -376,6 +384,34 @@ fn bench(args: &Args) -> Result<Report> {
         }
     }
 
+    if args.vsock && have_qemu() {
+        let t = Instant::now();
+        match vsock::run(&elf, "", args.sessions, args.probes) {
+            Ok((v, kvm)) => {
+                eprintln!(
+                    "vsock (q35): {} sessions in {:.1?}; KVM mapping {kvm:?}",
+                    v.len(),
+                    t.elapsed()
+                );
+                let id = bench_truth(kvm);
+                let stream = |x: &vsock::Stamps| (x.stream.send.0, x.stream.recv.0);
+                let sync = |x: &vsock::Stamps| (x.exits.send.0, x.exits.recv.0);
+                rows.push(row("vsock/stream", &v, id, stream)?);
+                rows.push(row("vsock/sync-port", &v, id, sync)?);
+                if let Some(a) = &mut anchoring {
+                    a.probes_to_2x
+                        .push(("vsock/stream".into(), probes_to_2x(&v, id, stream)?));
+                    a.probes_to_2x
+                        .push(("vsock/sync-port".into(), probes_to_2x(&v, id, sync)?));
+                }
+            }
+            // The backend is built on first use and may be missing offline: the other paths
+            // still count.
+            Err(e) if !is_ci() => eprintln!("SKIP vsock: {e:#}"),
+            Err(e) => return Err(e),
+        }
+    }
+
     let mut skew_used = None;
     if let Some(arg) = args.skew {
         // The default is picked now, from the host TSC at the time, so it never wraps the
@@ -477,6 +513,7 @@ mod tests {
         assert_eq!((a.sessions, a.probes, a.qemu), (30, 64, true));
         assert_eq!(a.skew, Some(SkewArg::Pick));
         let a = args(&["--sessions", "3", "--probes", "8", "--no-qemu", "--no-skew"]).unwrap();
+        assert!(a.vsock && !args(&["--no-vsock"]).unwrap().vsock);
         assert_eq!((a.sessions, a.probes, a.qemu, a.skew), (3, 8, false, None));
         let a = args(&["--skew", "-5,3,1", "--machine", "q35"]).unwrap();
         assert_eq!(a.machine, Machine::Q35);

@@ -20,8 +20,10 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
-use vmtsync::probe::anchor::{AnchoredTransport, COM1_DATA, PioTrace, UartBracket};
-use vmtsync::scan::{Scanner, VmSelector};
+use vmtsync::probe::anchor::{
+    AnchorMode, AnchorOptions, AnchoredTransport, COM1_DATA, Matcher, UartBracket, prepare_matcher,
+};
+use vmtsync::scan::VmSelector;
 use vmtsync_core::mapping::KvmTscMapping;
 use vmtsync_tests::ChildGuard;
 use vmtsync_tests::vmm::client::{PipeExchange, PipeTransport, wait_ready};
@@ -64,25 +66,6 @@ impl Recorded for AnchoredTransport<PipeTransport> {
     }
 }
 
-/// `kvm_pio` of the VM process `pid`'s vCPU threads on COM1 (the whole 16550 block).
-fn trace_of(pid: u32) -> Result<PioTrace> {
-    let scanner = Scanner {
-        debugfs: vmtsync::debugfs::KvmDebugfs::open(vmtsync::debugfs::DEFAULT_KVM_DEBUGFS)?,
-        proc: vmtsync::procinfo::ProcFs::new(vmtsync::procinfo::DEFAULT_PROC_ROOT),
-    };
-    let report = scanner.scan(Some(&VmSelector::Pid(pid)))?;
-    let threads: Vec<u32> = report
-        .vms
-        .iter()
-        .flat_map(|v| v.vcpus.iter().filter_map(|c| c.thread_pid))
-        .collect();
-    if threads.is_empty() {
-        bail!("QEMU {pid}: no vCPU thread in KVM debugfs");
-    }
-    let ports: Vec<u16> = (COM1_DATA..COM1_DATA + 8).collect();
-    Ok(PioTrace::start(None, &threads, &ports)?)
-}
-
 /// Boots the agent (boot options `append`) under QEMU `machine` with COM1 on stdio, runs
 /// `sessions` exit-anchored sessions of `probes` probes, shuts it down and checks QEMU's exit
 /// status. Returns the sessions and KVM's mapping of QEMU's vCPU (debugfs), the truth's KVM
@@ -120,8 +103,19 @@ pub fn run(
     // After the beacon QEMU's VM exists: the truth's KVM side is its mapping in debugfs.
     let kvm = vmtsync_tests::truth::truth_mapping(guard.pid(), 0)
         .context("reading the VM's TSC mapping from KVM debugfs")?;
-    let trace = trace_of(guard.pid()).context("exit anchoring (root, tracefs, kvm_pio)")?;
-    let mut link = AnchoredTransport::new(link, trace, COM1_DATA);
+    let anchor = AnchorOptions {
+        mode: AnchorMode::KvmPio,
+        vm: Some(VmSelector::Pid(guard.pid())),
+        ..AnchorOptions::default()
+    };
+    let mut link = prepare_matcher(
+        Matcher::Uart { port: COM1_DATA },
+        &anchor,
+        STEP,
+        &mut |_| {},
+    )
+    .context("exit anchoring (root, tracefs, kvm_pio)")?
+    .wrap(link);
     let out = run_sessions(&mut link, sessions, probes)
         .with_context(|| format!("COM2 log:\n{}", com2_text()))?;
     drop(link);

@@ -134,7 +134,7 @@ impl Report {
         };
         self.rows
             .iter()
-            .filter(|r| r.name.starts_with(prefix) && r.name.contains('/'))
+            .filter(|r| r.name.starts_with(prefix) || r.name.starts_with("vsock/"))
             .map(|r| {
                 (
                     r.name.clone(),

@@ -32,6 +32,7 @@ pub mod cli;
 pub mod compose;
 pub mod debugfs;
 pub mod exact_convert;
+pub mod export;
 pub mod ftrace;
 pub mod hosttsc;
 pub mod plot;

@@ -10,10 +10,12 @@
 //!
 //! The benchmarks:
 //! - criterion benches `timeline`, `proto`, `estimate`, `recorder` (vmtsync-core) and
-//!   `tracedat`, `kvm_scan` (vmtsync), run through `cargo bench --workspace --bench NAME`;
+//!   `tracedat`, `ctf`, `kvm_scan` (vmtsync), run through `cargo bench --workspace --bench
+//!   NAME`;
 //! - bytes per event on the wire: a full `EventBatch` of payload-less events 2600 ticks
 //!   apart, encoded by `vmtsync_core::proto::encode_frame` here;
-//! - max RSS of `examples/tracedat_write` at 1 M and 10 M events under `/usr/bin/time -v`;
+//! - max RSS of `examples/tracedat_write` and `examples/ctf_write` at 1 M and 10 M events
+//!   under `/usr/bin/time -v`;
 //! - `examples/attach_time`: `trace-cmd attach` on two ~100 MB guest traces of different event
 //!   counts (in the trace.dat section);
 //! - `bench-scan`'s separate-process `vmtsync kvm --json` over a generated debugfs tree;
@@ -29,6 +31,7 @@
 //! makes the command fail after the file is written.
 
 mod criterion;
+mod ctf;
 mod format;
 mod fuzz;
 mod machine;
@@ -241,6 +244,7 @@ pub(crate) fn bench(args: &[String]) -> Result<()> {
         ("estimate", Box::new(|| sections::estimate(&plan, &work))),
         ("recorder", Box::new(|| sections::recorder(&plan, &work))),
         ("tracedat", Box::new(|| sections::tracedat(&plan, &work))),
+        ("ctf", Box::new(|| ctf::ctf(&plan, &work))),
         ("scan", Box::new(|| sections::scan(&plan, &work))),
         ("probe", Box::new(|| probe::probe(&plan))),
         ("fuzz", Box::new(|| fuzz::fuzz(&opts))),
@@ -392,6 +396,8 @@ fn build_binaries(plan: &Plan) -> Result<()> {
         "--example",
         "tracedat_write",
         "--example",
+        "ctf_write",
+        "--example",
         "attach_time",
     ]))
 }
@@ -475,8 +481,8 @@ mod tests {
     #[test]
     fn the_template_names_every_section() {
         for key in [
-            "timeline", "proto", "estimate", "recorder", "tracedat", "scan", "probe", "fuzz",
-            "agent", "summary", "machine",
+            "timeline", "proto", "estimate", "recorder", "tracedat", "ctf", "scan", "probe",
+            "fuzz", "agent", "summary", "machine",
         ] {
             assert!(
                 TEMPLATE.contains(&format!("{{{{{key}}}}}")),

@@ -22,6 +22,12 @@ const APT_PACKAGES: &[(&str, &str)] = &[
     ("trace-cmd", "/usr/bin/trace-cmd"),
     // cc/c++ for libfuzzer-sys (the `ci` fuzz smoke run compiles libFuzzer's C++ sources).
     ("build-essential", "/usr/bin/c++"),
+    // The CTF tests' readers: the babeltrace2 CLI and its Python bindings (for /usr/bin/python3).
+    ("babeltrace2", "/usr/bin/babeltrace2"),
+    (
+        "python3-bt2",
+        "/usr/lib/python3/dist-packages/bt2/__init__.py",
+    ),
 ];
 
 pub(crate) fn setup() -> Result<()> {

@@ -25,7 +25,8 @@ Exit codes:
      plot: no segment at all)
   5  bad input data (convert: bad line, value out of range or malformed sync file
      (also plot); compose: cannot compose; trace-cmd attach: malformed or truncated
-     trace.dat; validate: inputs it cannot use)
+     trace.dat; export: a malformed or unsupported recording; validate: inputs it cannot
+     use)
   6  refused: the vCPU runs a nested guest (guest_mode=1) and --nested-l2 was not given;
      trace-cmd attach: the TIME_SHIFT would be off by more than --max-error ticks;
      export perf: perf cannot express the mapping
@@ -59,6 +60,9 @@ pub enum CliError {
     /// From `record`.
     #[error(transparent)]
     Record(#[from] crate::record::RecordError),
+    /// From `export`.
+    #[error(transparent)]
+    Export(#[from] crate::export::ExportError),
     /// Bad flag values clap cannot check.
     #[error("{0}")]
     Usage(String),
@@ -164,6 +168,12 @@ impl CliError {
             ) => 7,
             Self::Record(_) => 1,
             Self::Usage(_) => 2,
+            Self::Export(
+                crate::export::ExportError::Io { .. }
+                | crate::export::ExportError::Write { .. }
+                | crate::export::ExportError::TraceDat(crate::tracedat::TraceDatError::Io { .. }),
+            ) => 1,
+            Self::Export(_) => 5,
             Self::SyncFile(e) => sync_exit_code(e),
             Self::Plot(crate::plot::PlotError::SyncFile(e)) => sync_exit_code(e),
             Self::Plot(crate::plot::PlotError::Empty) => 4,

@@ -4,11 +4,21 @@
 use clap::Subcommand;
 
 use super::exit::CliError;
+use super::export_ctf::{CtfArgs, run_export_ctf};
 use super::export_perf::{PerfArgs, run_export_perf};
 
 /// `vmtsync export` formats.
 #[derive(Debug, Subcommand)]
 pub enum ExportCommand {
+    /// A CTF 1.8 trace directory for babeltrace2 / Trace Compass, on the host's TSC.
+    ///
+    /// From a recording (`vmtsync record` JSON Lines or trace.dat): event class
+    /// `vmtsync:event` with id, vcpu, host_tsc, guest_tsc and host_lo/host_hi when the input
+    /// has them, payload; one stream per vCPU. Timestamps are host TSC cycles on an absolute
+    /// clock of the host's TSC frequency (`babeltrace2 --clock-cycles DIR` shows them as
+    /// recorded).
+    #[command(after_help = super::exit::EXIT_CODES)]
+    Ctf(CtfArgs),
     /// The `perf inject --guest-data=PATH,PID,OFFSET[,SCALE]` argument for a VM's live KVM
     /// mapping, when perf can express it (one constant offset, an integer scale); otherwise
     /// what perf cannot express and the error it would make (exit 6).
@@ -22,6 +32,7 @@ pub enum ExportCommand {
 /// Runs one `vmtsync export` command.
 pub(super) fn run_export(c: &ExportCommand) -> Result<(), CliError> {
     match c {
+        ExportCommand::Ctf(a) => run_export_ctf(a),
         ExportCommand::Perf(a) => run_export_perf(a),
     }
 }

@@ -39,6 +39,7 @@ pub mod command;
 pub mod convert;
 pub mod exit;
 pub mod export;
+pub mod export_ctf;
 pub mod export_perf;
 pub mod kvm;
 pub mod plot;

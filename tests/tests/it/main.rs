@@ -8,6 +8,7 @@ mod anchor;
 mod attach;
 mod causality;
 mod cli;
+mod ctf;
 mod e2e;
 mod kvm_fixtures;
 mod kvm_real;

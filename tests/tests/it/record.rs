@@ -25,7 +25,7 @@ use vmtsync_tests::{ChildGuard, have_kvm, require};
 
 use crate::kvm_fixtures::vmtsync;
 
-fn scratch(test: &str) -> tempfile::TempDir {
+pub(crate) fn scratch(test: &str) -> tempfile::TempDir {
     tempfile::Builder::new()
         .prefix(&format!("vmtsync-record-{test}-"))
         .tempdir()
@@ -52,19 +52,19 @@ fn fake_skew() -> i64 {
 }
 
 /// A scratch directory with the loopback agent listening in it.
-struct Loopback {
-    dir: tempfile::TempDir,
+pub(crate) struct Loopback {
+    pub(crate) dir: tempfile::TempDir,
     /// The `--connect` address.
-    addr: String,
+    pub(crate) addr: String,
     /// The agent's skew: an event's true host tick is its guest tick minus this.
-    skew: i64,
+    pub(crate) skew: i64,
     /// The agent thread (its result: the events its ring dropped).
-    agent: JoinHandle<u64>,
+    pub(crate) agent: JoinHandle<u64>,
 }
 
 /// Starts the loopback agent with `count` events at `rate` per second, in a scratch directory
 /// named after `test`.
-fn loopback(test: &str, count: u64, rate: u64) -> Loopback {
+pub(crate) fn loopback(test: &str, count: u64, rate: u64) -> Loopback {
     let dir = scratch(test);
     let sock = dir.path().join("agent.sock");
     let skew = fake_skew();
@@ -84,7 +84,7 @@ pub(crate) fn record(args: &[&str]) -> Output {
 }
 
 /// The JSON Lines output: every object.
-fn read_jsonl(path: &Path) -> Vec<Value> {
+pub(crate) fn read_jsonl(path: &Path) -> Vec<Value> {
     std::fs::read_to_string(path)
         .unwrap()
         .lines()
@@ -92,12 +92,12 @@ fn read_jsonl(path: &Path) -> Vec<Value> {
         .collect()
 }
 
-fn u(v: &Value, k: &str) -> u64 {
+pub(crate) fn u(v: &Value, k: &str) -> u64 {
     v[k].as_u64().unwrap_or_else(|| panic!("{k} in {v}"))
 }
 
 /// The sequence number in a workload event's payload (hex of a u64 LE).
-fn seq_of(payload_hex: &str) -> u64 {
+pub(crate) fn seq_of(payload_hex: &str) -> u64 {
     let b: Vec<u8> = (0..payload_hex.len())
         .step_by(2)
         .map(|i| u8::from_str_radix(&payload_hex[i..i + 2], 16).unwrap())
@@ -181,7 +181,7 @@ fn jsonl_events_carry_intervals_that_hold_the_truth() {
 }
 
 /// trace-cmd with a closed stdin and its output captured.
-fn trace_cmd(args: &[&str]) -> Output {
+pub(crate) fn trace_cmd(args: &[&str]) -> Output {
     Command::new("trace-cmd")
         .args(args)
         .stdin(Stdio::null())
@@ -189,7 +189,7 @@ fn trace_cmd(args: &[&str]) -> Output {
         .expect("trace-cmd runs")
 }
 
-fn have_trace_cmd() -> bool {
+pub(crate) fn have_trace_cmd() -> bool {
     Command::new("trace-cmd")
         .arg("--version")
         .output()
@@ -197,7 +197,7 @@ fn have_trace_cmd() -> bool {
 }
 
 /// `(timestamp, seq)` of every `vmtsync` event line `trace-cmd report` printed.
-fn report_events(out: &Output) -> Vec<(u64, u64)> {
+pub(crate) fn report_events(out: &Output) -> Vec<(u64, u64)> {
     text(&out.stdout)
         .lines()
         .filter(|l| l.contains("payload="))

@@ -436,13 +436,25 @@ pub(super) fn recorder(plan: &Plan, work: &Path) -> Result<Section> {
 
 /// `Maximum resident set size` of one `tracedat_write` run, in KiB, and the file's size.
 pub(super) fn max_rss(bin: &Path, file: &Path, events: u64, version: u32) -> Result<(u64, u64)> {
-    let mut cmd = Command::new("/usr/bin/time");
-    cmd.arg("-v")
-        .arg(bin)
-        .arg(file)
+    let mut cmd = Command::new(bin);
+    cmd.arg(file)
         .arg(events.to_string())
         .arg("2")
         .arg(version.to_string());
+    let kib = max_rss_kib(&cmd)?;
+    let bytes = std::fs::metadata(file).map_or(0, |m| m.len());
+    let _ = std::fs::remove_file(file);
+    Ok((kib, bytes))
+}
+
+/// `Maximum resident set size` of one run of `cmd` (program and arguments) under
+/// `/usr/bin/time -v`, in KiB.
+pub(super) fn max_rss_kib(cmd: &Command) -> Result<u64> {
+    let mut cmd = {
+        let mut c = Command::new("/usr/bin/time");
+        c.arg("-v").arg(cmd.get_program()).args(cmd.get_args());
+        c
+    };
     let shown_cmd = shown(&cmd);
     eprintln!("$ {}", display(&cmd));
     let out = cmd
@@ -455,9 +467,7 @@ pub(super) fn max_rss(bin: &Path, file: &Path, events: u64, version: u32) -> Res
         .find_map(|l| l.trim().strip_prefix("Maximum resident set size (kbytes):"))
         .and_then(|v| v.trim().parse().ok())
         .with_context(|| format!("no maximum RSS in the output of {shown_cmd}"))?;
-    let bytes = std::fs::metadata(file).map_or(0, |m| m.len());
-    let _ = std::fs::remove_file(file);
-    Ok((kib, bytes))
+    Ok(kib)
 }
 
 pub(super) fn tracedat(plan: &Plan, work: &Path) -> Result<Section> {

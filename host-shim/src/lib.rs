@@ -18,6 +18,8 @@
 //! - [`tracedat`]: trace-cmd's trace.dat (v6/v7): streaming guest-event writer, TIME_SHIFT,
 //!   strict reader, GUEST option on a host trace copy.
 //! - [`ftrace`]: ftrace event record layouts (`kvm:kvm_pio`) from the kernel's descriptions.
+//! - [`plot`]: `vmtsync plot`, a sync file as an SVG picture.
+//! - [`validate`]: `vmtsync validate`, a sync file checked against the host's `kvm_pio` exits.
 //! - [`atomic_file`]: output files written to a temporary file and renamed into place.
 //! - [`cli`]: the command line, its errors and exit codes.
 //!
@@ -33,10 +35,12 @@ pub mod exact_convert;
 pub mod export;
 pub mod ftrace;
 pub mod hosttsc;
+pub mod plot;
 pub mod probe;
 pub mod procinfo;
 pub mod record;
 pub mod scan;
 pub mod syncfile;
 pub mod tracedat;
+pub mod validate;
 pub mod watch;

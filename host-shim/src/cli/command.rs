@@ -9,9 +9,11 @@ use super::convert::{ConvertArgs, run_convert};
 use super::exit::{CliError, EXIT_CODES};
 use super::export::{ExportCommand, run_export};
 use super::kvm::{KvmArgs, run_kvm};
+use super::plot::{PlotArgs, run_plot_cmd};
 use super::probe::run_probe_cmd;
 use super::record::{RecordArgs, run_record_cmd};
 use super::tsc::{TscCommand, run_tsc};
+use super::validate::{ValidateArgs, run_validate_cmd};
 use crate::probe::ProbeArgs;
 
 /// vmtsync: exact host<->guest TSC mappings from KVM, for putting VM trace events on the host
@@ -70,6 +72,23 @@ pub enum Command {
     /// everything received is written.
     #[command(after_help = EXIT_CODES)]
     Record(RecordArgs),
+    /// Draw a sync file as an SVG: per vCPU, the offset estimate and its guaranteed interval
+    /// over host time, exit-anchored and in-process segments in their own colours, segment
+    /// breaks marked.
+    #[command(after_help = EXIT_CODES)]
+    Plot(PlotArgs),
+    /// Check a sync file against the host's kvm_pio exits: every guest event recorded right
+    /// before an `out` (after an `in`) on the workload's port must convert to a host time
+    /// before (after) that exit; prints violations, the lag distribution and each segment's
+    /// worst case, and exits 9 on any violation.
+    ///
+    /// JSON (--json, schema 1): {"schema","checked","before_out","after_in","violations",
+    /// "bound_violations","unmatched_events","unconverted_events","unpaired_exits",
+    /// "numbering" ("from-boot"|"nearest"),"lag","lag_before_out","lag_after_in" (each
+    /// {"min","p1","median","p99","max"} or null),"segments":[{"vcpu","round","events",
+    /// "worst_lag","violations","width"}],"first_violations":[…]} (docs/validate.md).
+    #[command(after_help = EXIT_CODES)]
+    Validate(ValidateArgs),
     /// TSC mapping arithmetic.
     #[command(subcommand)]
     Tsc(TscCommand),
@@ -107,6 +126,8 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
         Command::Convert(a) => run_convert(&a),
         Command::Probe(a) => run_probe_cmd(&a),
         Command::Record(a) => run_record_cmd(&a),
+        Command::Plot(a) => run_plot_cmd(&a),
+        Command::Validate(a) => run_validate_cmd(&a),
         Command::Tsc(c) => run_tsc(&c),
         Command::Export(c) => run_export(&c),
         Command::TraceCmd(c) => run_trace_cmd(&c),
@@ -209,5 +230,10 @@ mod tests {
             .is_ok()
         );
         assert!(p(&["vmtsync", "probe"]).is_err(), "--connect is required");
+        assert!(p(&["vmtsync", "plot", "s.jsonl", "--out", "s.svg"]).is_ok());
+        assert!(
+            p(&["vmtsync", "plot", "s.jsonl"]).is_err(),
+            "--out is required"
+        );
     }
 }

@@ -21,10 +21,12 @@ Exit codes:
   1  runtime error (I/O, malformed debugfs contents, VM exited while being read)
   2  bad command-line usage
   3  environment: debugfs not mounted, not root, no tracefs
-  4  no VM or vCPU matches --vm / --vcpu (convert --sync: no segment for --vcpu)
-  5  bad input data (convert: bad line, value out of range or malformed sync file;
-     compose: cannot compose; trace-cmd attach: malformed or truncated trace.dat;
-     export: a malformed or unsupported recording)
+  4  no VM or vCPU matches --vm / --vcpu (convert --sync: no segment for --vcpu;
+     plot: no segment at all)
+  5  bad input data (convert: bad line, value out of range or malformed sync file
+     (also plot); compose: cannot compose; trace-cmd attach: malformed or truncated
+     trace.dat; export: a malformed or unsupported recording; validate: inputs it cannot
+     use)
   6  refused: the vCPU runs a nested guest (guest_mode=1) and --nested-l2 was not given;
      trace-cmd attach: the TIME_SHIFT would be off by more than --max-error ticks;
      export perf: perf cannot express the mapping
@@ -32,6 +34,7 @@ Exit codes:
      restarted, protocol version mismatch)
   8  probe --anchor kvm-pio: exit anchoring is not possible here (no tracefs or kvm_pio,
      not root, VM not found in debugfs, not a serial chardev) or no probe's exits were found
+  9  validate: at least one event converted to the wrong side of its exit
   130  probe: interrupted by SIGINT (143: by SIGTERM) before it measured anything; in
      continuous mode a signal instead ends the run after the current round";
 
@@ -66,6 +69,15 @@ pub enum CliError {
     /// From `convert --sync`.
     #[error(transparent)]
     SyncFile(#[from] SyncFileError),
+    /// From `validate`: the inputs could not be checked.
+    #[error(transparent)]
+    Validate(#[from] crate::validate::ValidateError),
+    /// From `validate`: the check ran and found violations.
+    #[error("{0} events converted to the wrong side of their exits (see the report above)")]
+    Violations(u64),
+    /// From `plot`.
+    #[error(transparent)]
+    Plot(#[from] crate::plot::PlotError),
     /// `--vcpu` names no vCPU of the VM.
     #[error("VM {vm} has no vcpu{vcpu}; its vCPUs are: {available}")]
     NoVcpu {
@@ -163,6 +175,16 @@ impl CliError {
             ) => 1,
             Self::Export(_) => 5,
             Self::SyncFile(e) => sync_exit_code(e),
+            Self::Plot(crate::plot::PlotError::SyncFile(e)) => sync_exit_code(e),
+            Self::Plot(crate::plot::PlotError::Empty) => 4,
+            Self::Plot(_) => 1,
+            Self::Validate(crate::validate::ValidateError::SyncFile(e)) => sync_exit_code(e),
+            Self::Validate(crate::validate::ValidateError::TraceDat(
+                crate::tracedat::TraceDatError::Io { .. },
+            )) => 1,
+            Self::Validate(crate::validate::ValidateError::Threads { .. }) => 2,
+            Self::Validate(_) => 5,
+            Self::Violations(_) => 9,
             Self::TraceDat(e) => trace_dat_exit_code(e),
             Self::ShiftTooCoarse { .. } | Self::NotExpressible(_) => 6,
         }
@@ -278,5 +300,11 @@ mod tests {
             io::ErrorKind::BrokenPipe,
         )));
         assert!(sync_pipe.is_broken_pipe());
+        assert_eq!(CliError::Violations(3).exit_code(), 9);
+        assert_eq!(
+            CliError::Validate(crate::validate::ValidateError::NoKvmPio("h".into())).exit_code(),
+            5
+        );
+        assert_eq!(CliError::Plot(crate::plot::PlotError::Empty).exit_code(), 4);
     }
 }

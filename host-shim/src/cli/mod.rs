@@ -1,7 +1,7 @@
 //! The `vmtsync` command line: argument definitions, dispatch, errors and exit codes.
 //!
-//! One module per command ([`kvm`], [`convert`], [`probe`], [`record`], [`tsc`],
-//! [`attach`] for `trace-cmd attach`), the top-level parser and
+//! One module per command ([`kvm`], [`convert`], [`plot`], [`probe`], [`record`], [`tsc`],
+//! [`validate`], [`attach`] for `trace-cmd attach`), the top-level parser and
 //! dispatch ([`command`]), the shared error type and exit codes ([`exit`]), SIGINT/SIGTERM
 //! handling (`signals`) and the debugfs/`/proc` source flags shared by `kvm` and `convert`
 //! ([`source`]).
@@ -24,6 +24,13 @@
 //!   `kvm_pio`, not root, the VM not in debugfs, not a serial chardev address) or no probe's
 //!   exits were found (docs/anchor.md).
 //!
+//! - 9: `validate`: the sync file put at least one event on the wrong side of its exit.
+//!
+//! `validate`: inputs it cannot use (no kvm_pio, no workload events, malformed traces) exit
+//! 5; no event it could check exits 2.
+//!
+//! `plot`: an unreadable sync file exits 5 (1 for I/O), one without segments 4.
+//!
 //! `convert --sync`: a sync file with no segment for `--vcpu` exits 4; a malformed sync file
 //! or input line exits 5.
 
@@ -35,11 +42,13 @@ pub mod export;
 pub mod export_ctf;
 pub mod export_perf;
 pub mod kvm;
+pub mod plot;
 pub mod probe;
 pub mod record;
 mod signals;
 pub mod source;
 pub mod tsc;
+pub mod validate;
 
 pub use command::{Cli, Command, main, run};
 pub use convert::ConvertArgs;

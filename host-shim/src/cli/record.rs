@@ -7,6 +7,7 @@ use clap::{Args, ValueEnum};
 
 use super::exit::CliError;
 use super::signals::{install_stop_handler, stop_flag};
+use crate::probe::anchor::{AnchorMode, AnchorOptions};
 use crate::probe::{DEFAULT_PROBES, ProbeAddr, ProbeOptions, Progress};
 use crate::record::{self, EndReason, RecordFormat, RecordOptions, RecordSummary};
 use crate::tracedat::FileVersion;
@@ -61,9 +62,22 @@ pub struct RecordArgs {
     /// Where the host trace's copy goes (the input is never modified).
     #[arg(long, value_name = "OUT.dat", requires = "host_trace")]
     pub host_output: Option<PathBuf>,
-    /// The VM (PID, PID-FD or name) whose vCPU thread goes into the GUEST option.
-    #[arg(long, value_name = "PID|NAME", requires = "host_trace")]
+    /// The VM (PID, PID-FD or name) whose vCPU thread goes into the GUEST option, and whose
+    /// vCPU threads' exits anchor the sync rounds (default for --anchor: the only VM).
+    #[arg(long, value_name = "PID|NAME")]
     pub vm: Option<crate::scan::VmSelector>,
+    /// Where each sync probe's host bracket comes from, as for `vmtsync probe`: kvm-pio takes
+    /// it from the host kernel's kvm:kvm_pio stamps of the guest's UART exits (exit code 8 if
+    /// it cannot); auto does so when it can and says why not; none stamps in this process.
+    #[arg(long, value_enum, value_name = "MODE", default_value_t = AnchorMode::Auto)]
+    pub anchor: AnchorMode,
+    /// tracefs, for --anchor (default: /sys/kernel/tracing, then /sys/kernel/debug/tracing).
+    #[arg(long, value_name = "DIR")]
+    pub tracefs: Option<PathBuf>,
+    /// Also append every sync round's segment to this sync file (created with a header if
+    /// missing), for `vmtsync validate` and `vmtsync plot`.
+    #[arg(long, value_name = "SYNCFILE")]
+    pub sync_out: Option<PathBuf>,
     /// Debugfs and /proc (for --vm).
     #[command(flatten)]
     pub source: super::source::SourceArgs,
@@ -93,6 +107,14 @@ impl RecordArgs {
         probe.stop = stop;
         probe.shutdown = self.shutdown;
         probe.progress = !self.no_progress;
+        probe.anchor = AnchorOptions {
+            mode: self.anchor,
+            vm: self.vm.clone(),
+            tracefs: self.tracefs.clone(),
+            debugfs_root: self.source.debugfs_root.clone(),
+            proc_root: self.source.proc_root.clone(),
+            ..AnchorOptions::default()
+        };
         RecordOptions {
             probe,
             out: self.out.clone(),
@@ -113,6 +135,7 @@ impl RecordArgs {
                 .map(Duration::from_secs_f64),
             resync: Duration::from_millis(self.resync.max(1)),
             drain_max: crate::record::DRAIN_MAX,
+            sync_out: self.sync_out.clone(),
         }
     }
 }

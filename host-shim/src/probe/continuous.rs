@@ -10,7 +10,7 @@
 use std::io::Write;
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use vmtsync_core::estimate::{DriftEstimator, EstimateError, ProbeSample};
 
@@ -19,7 +19,7 @@ use super::report::{HULL_CAPACITY, OffsetModel, ProbeSummary, RATE_LIMITS};
 use super::session::ProbeSession;
 use super::transport::StampedTransport;
 use super::{ProbeError, ProbeOptions};
-use crate::syncfile::{SYNC_SCHEMA, SyncHeader, SyncSegment, SyncWriter};
+use crate::syncfile::{SyncHeader, SyncSegment, SyncWriter};
 
 /// Settings of continuous mode.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -96,15 +96,7 @@ pub(super) fn run<T: StampedTransport>(
     out: &mut dyn Write,
     progress: &mut Progress,
 ) -> Result<ContinuousSummary, ProbeError> {
-    let header = SyncHeader {
-        schema: SYNC_SCHEMA,
-        tool: format!("vmtsync {}", env!("CARGO_PKG_VERSION")),
-        host_clock: "x86-tsc".to_owned(),
-        created_unix_s: SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs()),
-        source: opts.addr.to_string(),
-    };
+    let header = SyncHeader::now(opts.addr.to_string());
     let mut writer = SyncWriter::open(&cont.out, &header)?;
     if let Some(cut) = writer.cut_on_open() {
         // A run killed mid-write left a torn last line; it is gone now, and the user hears how
@@ -247,9 +239,15 @@ pub(crate) fn segment(
         Ok((a, b)) => (a.drift_ppb_floor(), b.drift_ppb_ceil()),
         Err(_) => s.drift.map_or(limits, |d| (Some(d.lo), Some(d.hi))),
     };
-    // The feasible rate closest to identity (KVM's default): any rate in the bounds fits.
+    // Identity (KVM's default) when it fits; otherwise the centre of the bounds, which halves
+    // the worst-case conversion error away from the anchor. The bound closest to identity
+    // would convert a guest 100 ppm fast with the slowest rate that fits, early by up to the
+    // whole drift width times the distance: measured, enough to put events recorded after a
+    // port read before its exit (docs/validate.md).
     let used = match (dlo, dhi) {
-        (Some(lo), Some(hi)) => 0_i64.clamp(lo, hi.max(lo)),
+        (Some(lo), Some(hi)) if lo > 0 || hi.max(lo) < 0 => {
+            lo + i64::try_from((i128::from(hi.max(lo)) - i128::from(lo)) / 2).unwrap_or(0)
+        }
         _ => 0,
     };
     let offset = lo + i64::try_from((i128::from(hi) - i128::from(lo)) / 2).unwrap_or(0);
@@ -450,6 +448,7 @@ mod tests {
         let link = Link::tight_asymmetric();
         let mut sim = Sim::new(7, HostTicks(1 << 41), clock, link, 0);
         let mut c = Cumulative::new();
+        let mut centred = 0;
         for (round, probes) in [(0_u64, 1_usize), (1, 64), (2, 64)] {
             let samples: Vec<ProbeSample> = (0..probes).map(|_| sim.probe().unwrap()).collect();
             let s = summary(&samples);
@@ -474,8 +473,20 @@ mod tests {
                 assert_eq!((dlo, dhi), (-500_000_000, 1_000_000_000));
             } else {
                 assert!(dhi - dlo < 1_000_000, "round {round}: {seg:?}");
+                // Identity while it fits; once it does not, the centre of the bounds, not an
+                // end.
+                if dlo > 0 {
+                    assert!(
+                        (seg.drift_ppb - (dlo + (dhi - dlo) / 2)).abs() <= 1,
+                        "{seg:?}"
+                    );
+                    centred += 1;
+                } else {
+                    assert_eq!(seg.drift_ppb, 0, "{seg:?}");
+                }
             }
         }
+        assert_eq!(centred, 1, "round 2 excludes identity");
         // A one-probe round three host seconds later: the cumulative hull bounds it alone.
         sim.link.gap = Delay::Constant(3_000_000_000);
         let samples = [sim.probe().unwrap()];

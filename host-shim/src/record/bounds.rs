@@ -20,6 +20,15 @@ use crate::syncfile::SyncSegment;
 
 const PPB: i128 = 1_000_000_000;
 
+/// The segment of `segments` (one vCPU's, in guest order) that covers guest tick `g`: the
+/// last one whose `guest_start` is at or before it, else the first (extrapolated backwards),
+/// the rule a sync file's conversion follows.
+#[must_use]
+pub fn covering(segments: &[SyncSegment], g: u64) -> Option<&SyncSegment> {
+    let i = segments.partition_point(|s| s.guest_start <= g);
+    segments.get(i.saturating_sub(1))
+}
+
 /// Guest tick `guest` on the host timeline through `seg`: the converted value (with the
 /// segment's central offset and the rate it uses) and the guaranteed interval `[lo, hi]`.
 /// `None` if a value leaves `u64` or a rate bound is not above −1e9 ppb.

@@ -36,12 +36,13 @@ use vmtsync_core::estimate::ProbeSample;
 use vmtsync_core::mapping::KvmTscMapping;
 use vmtsync_core::proto::EventClock;
 
+use crate::probe::anchor;
 use crate::probe::connect::{self, ConnectOptions};
 use crate::probe::continuous::{Cumulative, segment};
 use crate::probe::{
     ProbeError, ProbeOptions, ProbeSession, ProbeSummary, Progress, StampedTransport,
 };
-use crate::syncfile::SyncSegment;
+use crate::syncfile::{SyncHeader, SyncSegment, SyncWriter};
 use crate::tracedat::{self, FileVersion, ShiftMode, TimeShift, TraceDatWriter, WriterOptions};
 
 pub use jsonl::EVENT_SCHEMA;
@@ -77,6 +78,9 @@ pub struct RecordOptions {
     pub resync: Duration,
     /// The most events one drain asks for (the CLI: [`DRAIN_MAX`]).
     pub drain_max: u32,
+    /// A sync file to append each round's segment to as it is made (`--sync-out`), so the
+    /// conversion the output used can be checked (`vmtsync validate`) or drawn (`plot`).
+    pub sync_out: Option<PathBuf>,
 }
 
 /// The most events one drain asks for: the bare-metal agent's whole ring (4096 records), so
@@ -188,6 +192,16 @@ pub fn run_record(
     opts: &RecordOptions,
     progress: &mut Progress,
 ) -> Result<RecordSummary, RecordError> {
+    // Sync rounds are exit-anchored as `probe`'s are (docs/anchor.md), decided before
+    // connecting so `--anchor kvm-pio` fails at once; the event drains in between pass through
+    // unrefined.
+    let note = &mut |m: &str| eprintln!("vmtsync: record: {m}");
+    let setup = anchor::prepare(
+        &opts.probe.addr,
+        &opts.probe.anchor,
+        opts.probe.connect_timeout,
+        note,
+    )?;
     let transport = connect::connect_until_stopped(
         &opts.probe.addr,
         &ConnectOptions {
@@ -197,7 +211,14 @@ pub fn run_record(
         opts.probe.stop,
     )
     .map_err(ProbeError::from)?;
-    run_record_on(transport, opts, progress)
+    let mut t = setup.wrap(transport);
+    let r = run_record_on(&mut t, opts, progress);
+    if let Some(why) = t.gave_up() {
+        note(&format!(
+            "not exit-anchored: the agent's first exchange was not among the VM's UART exits ({why:?}); host stamps were taken in this process"
+        ));
+    }
+    r
 }
 
 /// One event on its way to the output.
@@ -277,7 +298,15 @@ pub fn run_record_on<T: StampedTransport>(
         }
         RecordFormat::Ctf => Out::Ctf(create_ctf(opts)?),
     };
+    let sync_out = match &opts.sync_out {
+        Some(path) => Some(
+            SyncWriter::open(path, &SyncHeader::now(p.addr.to_string()))
+                .map_err(ProbeError::from)?,
+        ),
+        None => None,
+    };
     let mut st = State {
+        sync_out,
         segments: Vec::new(),
         cumulative: Cumulative::new(),
         round: 0,
@@ -340,6 +369,8 @@ pub fn run_record_on<T: StampedTransport>(
 
 /// The state of a recording.
 struct State {
+    /// `--sync-out`: every segment is appended as it is made.
+    sync_out: Option<SyncWriter>,
     segments: Vec<SyncSegment>,
     cumulative: Cumulative,
     round: u64,
@@ -446,14 +477,16 @@ impl State {
         let is_break = self.cumulative.add(&samples);
         let seg = segment(&self.cumulative, &s, &samples, round, is_break)?;
         self.breaks += u64::from(is_break);
+        if let Some(w) = &mut self.sync_out {
+            w.append(&seg)?;
+        }
         self.segments.push(seg);
         Ok(())
     }
 
     /// The segment covering guest tick `g`.
     fn covering(&self, g: u64) -> Option<&SyncSegment> {
-        let i = self.segments.partition_point(|s| s.guest_start <= g);
-        self.segments.get(i.saturating_sub(1))
+        bounds::covering(&self.segments, g)
     }
 }
 

@@ -26,6 +26,22 @@ pub struct SyncHeader {
     pub source: String,
 }
 
+impl SyncHeader {
+    /// The header this crate writes for samples from `source`, created now.
+    #[must_use]
+    pub fn now(source: String) -> Self {
+        Self {
+            schema: SYNC_SCHEMA,
+            tool: format!("vmtsync {}", env!("CARGO_PKG_VERSION")),
+            host_clock: "x86-tsc".to_owned(),
+            created_unix_s: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs()),
+            source,
+        }
+    }
+}
+
 /// One re-sync round of one vCPU (see the module docs for every field).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SyncSegment {

@@ -21,7 +21,7 @@
 //! | `guest_start` | first guest tick this segment applies to (its first probe's reading); it applies up to the next segment of the same vCPU |
 //! | `host_anchor`, `guest_anchor` | the point the segment's line passes through: `guest_anchor = host_anchor + offset` |
 //! | `offset`, `offset_lo`, `offset_hi` | offset at `host_anchor`: centre and guaranteed bounds, for any constant rate in `[1/2, 2]` (the probe session's limits) that fits every sample since the last break |
-//! | `drift_ppb` | the rate used for conversion: the value in `[drift_ppb_lo, drift_ppb_hi]` closest to 0 (0 when unbounded), since KVM's default is identity rate and any value in the bounds fits every sample |
+//! | `drift_ppb` | the rate used for conversion: 0 (KVM's default, identity rate) when it lies in `[drift_ppb_lo, drift_ppb_hi]`, else the centre of those bounds (which halves the worst-case error away from the anchor; files of earlier versions used the bound closest to 0) |
 //! | `drift_ppb_lo`, `drift_ppb_hi` | guaranteed drift bounds over all rounds since the last break, within the same limits (`-500000000`, `1000000000` while the samples do not bound the rate); null only in files of earlier versions |
 //! | `model` | `"drift"` (constant rate, the bounds above); `"offset"` only in files of earlier versions, whose bounds assumed a rate of exactly 1 and can miss a drifting guest's truth |
 //! | `probes`, `rtt_min_ticks` | samples of the round and its fastest round trip |
@@ -68,5 +68,6 @@ pub use crate::probe::report::OffsetModel;
 pub use error::SyncFileError;
 pub use format::{SYNC_SCHEMA, SyncHeader, SyncSegment};
 pub use reader::{CutTail, SyncFile};
+pub(crate) use reader::{LineRead, read_line_bounded};
 pub use timeline::{SyncConvertStats, SyncTimeline, convert_sync_file, convert_with_sync};
 pub use writer::SyncWriter;

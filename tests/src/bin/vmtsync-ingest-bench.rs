@@ -210,6 +210,7 @@ fn run(a: &Args) -> Result<String> {
         duration: Some(Duration::from_secs_f64(a.seconds)),
         resync: Duration::from_millis(500),
         drain_max: a.drain_max,
+        sync_out: None,
     };
     if a.drain_only {
         return drain_only(a, link, &mut rig);

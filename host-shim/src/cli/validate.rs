@@ -1,0 +1,170 @@
+//! `vmtsync validate`: the command's glue; the check is in [`crate::validate`].
+
+use std::collections::BTreeMap;
+use std::io::{self, Write};
+use std::path::PathBuf;
+
+use clap::Args;
+
+use super::exit::CliError;
+use crate::validate::{Numbering, ValidateOptions, ValidateReport, validate};
+
+/// `vmtsync validate` flags.
+#[derive(Debug, Args)]
+pub struct ValidateArgs {
+    /// The sync file whose conversion is checked (`vmtsync probe --continuous --out`, or
+    /// `vmtsync record --sync-out`).
+    #[arg(long, value_name = "SYNCFILE")]
+    pub sync: PathBuf,
+    /// The host's trace.dat (`trace-cmd extract` of a tracefs instance with clock x86-tsc and
+    /// `kvm:kvm_pio` enabled for the workload's port), compressed or not.
+    #[arg(long, value_name = "HOST.dat")]
+    pub host_trace: PathBuf,
+    /// The guest's recording from `vmtsync record`: its trace.dat (raw guest TSC) or its
+    /// JSON Lines (--format jsonl; any guest rate), holding the workload events recorded next
+    /// to port I/O (agent option workload=RATE,COUNT,PORT).
+    #[arg(long, value_name = "GUEST.dat|GUEST.jsonl")]
+    pub guest_trace: PathBuf,
+    /// The workload's port (decimal or 0x hex).
+    #[arg(long, value_name = "PORT", value_parser = parse_port)]
+    pub port: u16,
+    /// The host thread of a vCPU, as VCPU=PID (repeatable); needed only when the host trace
+    /// has no GUEST option and several threads did I/O on the port.
+    #[arg(long = "thread", value_name = "VCPU=PID", value_parser = parse_thread)]
+    pub threads: Vec<(u32, u32)>,
+    /// The host trace began before the VM's workload did (tracing on before boot): its k-th
+    /// out on the port is step k, so pairing takes nothing from the sync file. Without it, the
+    /// step nearest the first event's converted time anchors the numbering (right while the
+    /// sync is off by less than 128 event periods).
+    #[arg(long)]
+    pub from_boot: bool,
+    /// Print the report as one JSON object (schema 1, see docs/validate.md).
+    #[arg(long)]
+    pub json: bool,
+}
+
+fn parse_port(s: &str) -> Result<u16, String> {
+    let r = match s.strip_prefix("0x").or_else(|| s.strip_prefix("0X")) {
+        Some(hex) => u16::from_str_radix(hex, 16),
+        None => s.parse(),
+    };
+    r.map_err(|e| format!("{s:?} is not a port (0..=65535, decimal or 0x hex): {e}"))
+}
+
+fn parse_thread(s: &str) -> Result<(u32, u32), String> {
+    let (v, p) = s
+        .split_once('=')
+        .ok_or_else(|| format!("{s:?}: expected VCPU=PID"))?;
+    let n = |x: &str| x.parse::<u32>().map_err(|e| format!("{s:?}: {e}"));
+    Ok((n(v)?, n(p)?))
+}
+
+/// `vmtsync validate`: prints the report; any violation is [`CliError::Violations`].
+///
+/// # Errors
+/// [`CliError::Validate`] when the inputs cannot be checked, [`CliError::Violations`] when
+/// they were and failed.
+pub fn run_validate_cmd(args: &ValidateArgs) -> Result<(), CliError> {
+    let opts = ValidateOptions {
+        sync: args.sync.clone(),
+        host_trace: args.host_trace.clone(),
+        guest_trace: args.guest_trace.clone(),
+        port: args.port,
+        threads: args.threads.iter().copied().collect::<BTreeMap<_, _>>(),
+        numbering: if args.from_boot {
+            Numbering::FromBoot
+        } else {
+            Numbering::Nearest
+        },
+    };
+    let report = validate(&opts)?;
+    let mut out = io::stdout().lock();
+    if args.json {
+        serde_json::to_writer(&mut out, &report).map_err(io::Error::from)?;
+        writeln!(out)?;
+    } else {
+        print_text(&mut out, &report)?;
+    }
+    out.flush()?;
+    if report.violations > 0 {
+        return Err(CliError::Violations(report.violations));
+    }
+    if report.checked == 0 {
+        return Err(CliError::Usage(
+            "no event could be checked: no exit of the host trace matches a guest event (is it the same run, the right --port, the right thread?)".into(),
+        ));
+    }
+    Ok(())
+}
+
+fn print_text(out: &mut impl Write, r: &ValidateReport) -> io::Result<()> {
+    writeln!(
+        out,
+        "checked {} events against their kvm_pio exits ({} before an out, {} after an in): {} violations ({} with a false guaranteed bound)",
+        r.checked, r.before_out, r.after_in, r.violations, r.bound_violations
+    )?;
+    writeln!(
+        out,
+        "not checked: {} events without their exits in the host trace, {} outside every segment; {} exits not in an out/in step",
+        r.unmatched_events, r.unconverted_events, r.unpaired_exits
+    )?;
+    for (what, l) in [
+        ("before an out", r.lag_before_out),
+        ("after an in", r.lag_after_in),
+    ] {
+        if let Some(l) = l {
+            writeln!(
+                out,
+                "lag to the own exit, events {what} (ticks; negative: the wrong side): min {} p1 {} median {} p99 {} max {}",
+                l.min, l.p1, l.median, l.p99, l.max
+            )?;
+        }
+    }
+    writeln!(
+        out,
+        "vcpu  round  events  worst_lag  violations  offset_width"
+    )?;
+    for s in &r.segments {
+        writeln!(
+            out,
+            "{:>4}  {:>5}  {:>6}  {:>9}  {:>10}  {:>12}",
+            s.vcpu, s.round, s.events, s.worst_lag, s.violations, s.width
+        )?;
+    }
+    for v in &r.first_violations {
+        writeln!(
+            out,
+            "violation: vcpu {} seq {} {:?}: guest {} -> host {} (guaranteed [{}, {}]) vs exits [{}, {}] (segment round {}){}",
+            v.vcpu,
+            v.seq,
+            v.side,
+            v.guest_tsc,
+            v.host_tsc,
+            v.host_lo,
+            v.host_hi,
+            v.exit_lo.map_or("-".into(), |x| x.to_string()),
+            v.exit_hi.map_or("-".into(), |x| x.to_string()),
+            v.round,
+            if v.bound_false {
+                ", guaranteed bound false"
+            } else {
+                ""
+            }
+        )?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ports_and_threads_parse() {
+        assert_eq!(parse_port("0x3f0"), Ok(0x3f0));
+        assert_eq!(parse_port("1008"), Ok(1008));
+        assert!(parse_port("0x10000").is_err());
+        assert_eq!(parse_thread("1=4242"), Ok((1, 4242)));
+        assert!(parse_thread("1:4242").is_err());
+    }
+}

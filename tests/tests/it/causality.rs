@@ -1,0 +1,402 @@
+//! Causality on the merged timeline (tier 2): the real agent under QEMU records an event right
+//! before each `out` to a workload port and right after the `in` that follows; the host traces
+//! those exits (`kvm:kvm_pio`, `x86-tsc`) in a private tracefs instance; `vmtsync record`
+//! (exit-anchored sync rounds) writes the guest trace.dat and its sync file. Truth comes from
+//! the host kernel's exit stamps, not from vmtsync: in `trace-cmd report -i host -i guest`,
+//! every before-event must precede its `out` and every after-event follow its `in`; and
+//! `vmtsync validate` must agree (zero violations) and catch a sync file shifted by one
+//! bracket width. Why the offset `record` writes decides this: docs/validate.md.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+use vmtsync::ftrace::{Instance, find_tracefs};
+use vmtsync_tests::truth::Skew;
+use vmtsync_tests::{is_root, require};
+
+use crate::kvm_fixtures::{guarded_output, vmtsync};
+use crate::record::{boot_qemu, qemu_ready, record, text};
+use crate::tracedat::trace_cmd;
+
+/// The workload's port: unused on QEMU microvm (no floppy controller), so QEMU answers an
+/// `in` with 0xff and ignores an `out`, both through a userspace exit `kvm_pio` stamps.
+const PORT: &str = "0x3f0";
+/// Events to record (before- and after-events together): the bar is 1,000.
+const EVENTS: u64 = 1200;
+
+/// Where each workload step and event sits in `trace-cmd report`'s merged order.
+#[derive(Debug, Default)]
+struct Order {
+    /// Line index of the k-th `out` to the port (step k).
+    writes: Vec<usize>,
+    /// Line index of the k-th `in` from the port.
+    reads: Vec<usize>,
+    /// The low byte each `out` wrote.
+    write_vals: Vec<u32>,
+    /// (line index, seq) of before-events (id 256) and after-events (id 257).
+    before: Vec<(usize, u64)>,
+    after: Vec<(usize, u64)>,
+}
+
+/// Reads the merged report: host `kvm_pio` lines of vCPU thread `thread` (other tests' VMs
+/// may run at the same time) and guest `event_data` lines, in order.
+fn merged_order(host: &Path, guest: &Path, thread: u64) -> Order {
+    let o = trace_cmd(&[
+        "report",
+        "-i",
+        host.to_str().unwrap(),
+        "-i",
+        guest.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "report: {}", text(&o.stderr));
+    let mut ord = Order::default();
+    // Each line is one event, in the merged order: "NAME:  COMM-PID [CPU] TS: EVENT: FIELDS".
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    for (i, l) in stdout.lines().enumerate() {
+        let field = |k: &str| {
+            l.split_whitespace()
+                .find_map(|w| w.strip_prefix(k))
+                .map(str::to_owned)
+        };
+        if l.contains(" kvm_pio: ") && l.contains(&format!("at {PORT} ")) {
+            // Only this VM's vCPU thread (the comm-pid column ends in "-PID ").
+            if !l.contains(&format!("-{thread} ")) {
+                continue;
+            }
+            if l.contains("pio_write") {
+                ord.writes.push(i);
+                let val = l.rsplit("val 0x").next().unwrap().trim();
+                ord.write_vals.push(u32::from_str_radix(val, 16).unwrap());
+            } else {
+                ord.reads.push(i);
+            }
+        } else if l.contains(" event_data: ") {
+            // payload=b0 b1 ...: the sequence number, u64 little-endian.
+            let bytes: Vec<u8> = l
+                .split("payload=")
+                .nth(1)
+                .unwrap_or("")
+                .split_whitespace()
+                .take(8)
+                .map(|b| u8::from_str_radix(b, 16).unwrap())
+                .collect();
+            let Ok(le) = <[u8; 8]>::try_from(bytes.as_slice()) else {
+                continue;
+            };
+            let seq = u64::from_le_bytes(le);
+            match field("id=").as_deref() {
+                Some("256") => ord.before.push((i, seq)),
+                Some("257") => ord.after.push((i, seq)),
+                _ => {}
+            }
+        }
+    }
+    ord
+}
+
+/// The host thread of the VM's first vCPU, once `vmtsync kvm` shows it.
+fn vcpu_thread(pid: u32) -> Option<u64> {
+    let o = guarded_output(
+        vmtsync().args(["kvm", "--json", "--vm", &pid.to_string()]),
+        b"",
+    );
+    let v: Value = serde_json::from_slice(&o.stdout).unwrap_or(Value::Null);
+    v["vms"][0]["vcpus"][0]["thread_pid"]
+        .as_u64()
+        .filter(|&t| t != 0)
+}
+
+fn validate(sync: &Path, host: &Path, guest: &Path, thread: u64) -> (Option<i32>, Value, String) {
+    let o = guarded_output(
+        vmtsync().args([
+            "validate",
+            "--sync",
+            sync.to_str().unwrap(),
+            "--host-trace",
+            host.to_str().unwrap(),
+            "--guest-trace",
+            guest.to_str().unwrap(),
+            "--port",
+            PORT,
+            "--thread",
+            &format!("0={thread}"),
+            // The host trace began before the VM: pair by position, not through the sync.
+            "--from-boot",
+            "--json",
+        ]),
+        b"",
+    );
+    let v = serde_json::from_slice(&o.stdout).unwrap_or(Value::Null);
+    (o.status.code(), v, text(&o.stderr))
+}
+
+/// A copy of the sync file at `from` with every segment's offset (and its bounds) moved by
+/// `by` ticks, the line through the anchor moved with it.
+fn shifted(from: &Path, to: &Path, by: i64) {
+    let mut out = String::new();
+    for line in std::fs::read_to_string(from).unwrap().lines() {
+        let mut v: Value = serde_json::from_str(line).unwrap();
+        if v["type"] == "segment" {
+            for k in ["offset", "offset_lo", "offset_hi"] {
+                v[k] = (v[k].as_i64().unwrap() + by).into();
+            }
+            v["guest_anchor"] = (v["guest_anchor"]
+                .as_u64()
+                .unwrap()
+                .checked_add_signed(by)
+                .unwrap())
+            .into();
+        }
+        out.push_str(&v.to_string());
+        out.push('\n');
+    }
+    std::fs::write(to, out).unwrap();
+}
+
+/// One recording: the host's `kvm_pio` trace of the port (from before boot), the guest's
+/// recording in `format`, the sync file `record` used, the vCPU thread.
+struct Run {
+    dir: tempfile::TempDir,
+    host: PathBuf,
+    guest: PathBuf,
+    sync: PathBuf,
+    thread: u64,
+}
+
+/// Tier-2 prerequisites; `None` (after `require` said why) when one is missing.
+fn ready(test: &str) -> Option<PathBuf> {
+    if !qemu_ready(test) || !require(test, is_root(), "needs root (tracefs instances, kvm_pio)") {
+        return None;
+    }
+    let tracefs = find_tracefs(None, "kvm/kvm_pio");
+    require(test, tracefs.is_ok(), "no tracefs with kvm/kvm_pio").then(|| tracefs.unwrap())
+}
+
+/// Boots the agent with `skew` and the workload, records `EVENTS` events in `format` with
+/// exit-anchored sync rounds, and extracts the host's trace of the workload port.
+fn recorded_run(tracefs: &Path, purpose: &str, skew: &Skew, format: &str) -> Run {
+    let dir = tempfile::Builder::new()
+        .prefix(&format!("vmtsync-{purpose}-"))
+        .tempdir()
+        .unwrap();
+    // The host's record of the workload's exits: enabled before the VM boots, so the k-th
+    // `out` in it is step k; a buffer large enough that no exit is overwritten.
+    let mut inst = Instance::create(tracefs, purpose).expect("instance");
+    assert!(inst.tsc_clock(), "x86-tsc trace clock");
+    std::fs::write(inst.path().join("buffer_size_kb"), "8192").unwrap();
+    inst.set_filter("kvm/kvm_pio", &format!("port == {PORT}"))
+        .unwrap();
+    inst.enable("kvm/kvm_pio").unwrap();
+    let append = format!(
+        "transport=uart exit=0 workload=400,0,{PORT} {}",
+        skew.agent_option()
+    );
+    let (qemu_guard, sock) = boot_qemu(dir.path(), &append);
+    // The anchor needs the VM's vCPU thread, which debugfs names (a non-zero `pid`) only once
+    // the vCPU has run, a little after QEMU's socket appears.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let thread = loop {
+        if let Some(t) = vcpu_thread(qemu_guard.pid()) {
+            break t;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "vcpu0's thread never appeared in KVM debugfs"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let guest = dir.path().join(if format == "jsonl" {
+        "guest.jsonl"
+    } else {
+        "guest.dat"
+    });
+    let sync = dir.path().join("sync.jsonl");
+    let out = record(&[
+        "--connect",
+        &format!("unix:{}", sock.display()),
+        "--out",
+        guest.to_str().unwrap(),
+        "--format",
+        format,
+        "--events",
+        &EVENTS.to_string(),
+        "--duration",
+        "120",
+        "--resync",
+        "500",
+        "--timeout",
+        "10000",
+        "--sync-out",
+        sync.to_str().unwrap(),
+        "--anchor",
+        "kvm-pio",
+        "--vm",
+        &qemu_guard.pid().to_string(),
+    ]);
+    assert_eq!(out.status.code(), Some(0), "record: {}", text(&out.stderr));
+    drop(qemu_guard);
+    std::fs::write(inst.path().join("tracing_on"), "0").unwrap();
+    let name = inst
+        .path()
+        .file_name()
+        .unwrap()
+        .to_str()
+        .unwrap()
+        .to_owned();
+    let host = dir.path().join("host.dat");
+    let o = trace_cmd(&["extract", "-B", &name, "-o", host.to_str().unwrap()]);
+    assert!(o.status.success(), "extract: {}", text(&o.stderr));
+    drop(inst);
+    Run {
+        dir,
+        host,
+        guest,
+        sync,
+        thread,
+    }
+}
+
+/// The sync file's segments; each must be exit-anchored.
+fn anchored_segments(sync: &Path) -> Vec<Value> {
+    let segments: Vec<Value> = std::fs::read_to_string(sync)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .filter(|v: &Value| v["type"] == "segment")
+        .collect();
+    assert!(!segments.is_empty());
+    assert!(
+        segments.iter().all(|s| s["anchor"] == "kvm-pio-uart"),
+        "{segments:?}"
+    );
+    segments
+}
+
+/// `validate` on the run: no false bound ever, and (when `exact` says the estimate must
+/// pass too) no violation; the sync file shifted by one bracket width either way must do
+/// strictly worse (exit 9). Returns the run's violations.
+fn validate_and_catch_a_shift(test: &str, run: &Run, segments: &[Value], exact: bool) -> u64 {
+    let (code, v, err) = validate(&run.sync, &run.host, &run.guest, run.thread);
+    eprintln!("{test}: validate: {v}");
+    assert!(v["checked"].as_u64().unwrap() >= 1000, "{v} {err}");
+    assert_eq!(
+        v["bound_violations"], 0,
+        "a guaranteed interval missed its exit: {v}"
+    );
+    let violations = v["violations"].as_u64().unwrap();
+    if exact {
+        assert_eq!(code, Some(0), "validate: {err}");
+        assert_eq!(violations, 0);
+    }
+    let width = segments
+        .iter()
+        .map(|s| s["offset_hi"].as_i64().unwrap() - s["offset_lo"].as_i64().unwrap())
+        .max()
+        .unwrap();
+    for by in [width, -width] {
+        let bad = run.dir.path().join(format!("shifted{by}.jsonl"));
+        shifted(&run.sync, &bad, by);
+        let (code, v, err) = validate(&bad, &run.host, &run.guest, run.thread);
+        assert_eq!(code, Some(9), "shifted by {by}: {err} {v}");
+        assert!(
+            v["violations"].as_u64().unwrap() > violations,
+            "shifted by {by}: {v}"
+        );
+    }
+    violations
+}
+
+/// Identity rate with a non-zero offset: `record` writes raw guest ticks and a TIME_SHIFT, and
+/// `trace-cmd report -i host.dat -i guest.dat` does the merging.
+#[test]
+fn merged_report_puts_each_workload_event_on_the_right_side_of_its_exit() {
+    let test = "causality::merged_report_puts_each_workload_event_on_the_right_side_of_its_exit";
+    let Some(tracefs) = ready(test) else {
+        return;
+    };
+    let skew = Skew(vmtsync_core::mapping::KvmTscMapping::offset_only(
+        Skew::pick().0.offset(),
+    ));
+    let run = recorded_run(&tracefs, "causality-rate1", &skew, "trace-cmd");
+    let (host, guest, thread) = (&run.host, &run.guest, run.thread);
+    let segments = anchored_segments(&run.sync);
+
+    let ord = merged_order(host, guest, thread);
+    // Step k's `out` wrote k's low byte, and each `out` has its `in`: the host trace is whole.
+    assert!(
+        ord.write_vals
+            .iter()
+            .enumerate()
+            .all(|(k, &v)| usize::try_from(v).ok() == Some(k & 0xff)),
+        "the host trace lost exits"
+    );
+    // The VM is killed at any point, possibly between the last `out` and its `in`.
+    assert!(
+        ord.writes.len() - ord.reads.len() <= 1,
+        "outs without their ins: {} outs, {} ins",
+        ord.writes.len(),
+        ord.reads.len()
+    );
+    let mut violations = Vec::new();
+    let mut checked = 0;
+    for &(line, seq) in &ord.before {
+        let Some(&w) = usize::try_from(seq).ok().and_then(|k| ord.writes.get(k)) else {
+            continue;
+        };
+        checked += 1;
+        if line > w {
+            violations.push(format!(
+                "before-event {seq} at line {line} after its out at {w}"
+            ));
+        }
+    }
+    for &(line, seq) in &ord.after {
+        let Some(&r) = usize::try_from(seq).ok().and_then(|k| ord.reads.get(k)) else {
+            continue;
+        };
+        checked += 1;
+        if line < r {
+            violations.push(format!(
+                "after-event {seq} at line {line} before its in at {r}"
+            ));
+        }
+    }
+    eprintln!(
+        "{test}: {checked} events checked in trace-cmd's merged order ({} before-events, {} after-events, {} steps), {} violations",
+        ord.before.len(),
+        ord.after.len(),
+        ord.writes.len(),
+        violations.len()
+    );
+    assert!(checked >= 1000, "only {checked} events could be checked");
+    assert!(violations.is_empty(), "{violations:#?}");
+
+    // `validate` agrees on the same files, and catches a shifted sync file.
+    validate_and_catch_a_shift(test, &run, &segments, true);
+}
+
+/// A guest TSC 100 ppm fast (the software skew `Skew::pick`): the sync must track the rate.
+/// `record` pre-converts its trace.dat then, so the guest recording is JSON Lines, which keeps
+/// the raw guest ticks. Guaranteed here: every event's interval meets its exit bracket, and a
+/// shifted sync file does worse. Not guaranteed, and so only reported: the estimate's side of
+/// each exit, which for events far from a round with tight drift bounds depends on how well
+/// the rate is known yet (docs/validate.md, "A drifting guest").
+#[test]
+fn a_drifting_guest_keeps_every_bound_and_a_shift_is_caught() {
+    let test = "causality::a_drifting_guest_keeps_every_bound_and_a_shift_is_caught";
+    let Some(tracefs) = ready(test) else {
+        return;
+    };
+    let run = recorded_run(&tracefs, "causality-skewed", &Skew::pick(), "jsonl");
+    let segments = anchored_segments(&run.sync);
+    // The rate is bounded away from identity once rounds accumulate.
+    assert!(
+        segments
+            .iter()
+            .any(|s| s["drift_ppb_lo"].as_i64().unwrap() > 0),
+        "{segments:?}"
+    );
+    let violations = validate_and_catch_a_shift(test, &run, &segments, false);
+    eprintln!("{test}: {violations} events on the wrong side of their exit (reported, not a bar)");
+}

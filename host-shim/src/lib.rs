@@ -29,6 +29,7 @@ pub mod cli;
 pub mod compose;
 pub mod debugfs;
 pub mod exact_convert;
+pub mod export;
 pub mod hosttsc;
 pub mod probe;
 pub mod procinfo;

@@ -1,0 +1,507 @@
+//! Guest events as a Perfetto protobuf trace, on the host's CLOCK_BOOTTIME (docs/perfetto.md).
+//!
+//! The trace holds, on a separate machine (`TracePacket.machine_id`), one process track for
+//! the guest and one child track per vCPU; each event is an instant on its vCPU's track, named
+//! `event <id>`, with the guest TSC, the host TSC, the guaranteed interval mapped to BOOTTIME
+//! and the payload as arguments. Timestamps are pre-converted: the host TSC of each event (the
+//! recording's placement) goes through [`clock::BootClock`], the host's own TSC/BOOTTIME
+//! snapshots. Perfetto's trace processor converts between clocks only by the offset at the
+//! nearest earlier snapshot, which cannot follow the TSC's rate against BOOTTIME, so the
+//! events carry BOOTTIME directly and line up with a host Perfetto trace recorded on BOOTTIME
+//! (its default). No `RemoteClockSync` is written: the trace processor then leaves the guest
+//! machine's timestamps as they are.
+//!
+//! The snapshots are written too, as clock snapshots pairing BOOTTIME with a sequence-scoped
+//! clock 64 holding the host TSC (no packet is timestamped in it: they document the
+//! conversion; the trace processor lists them in `clock_snapshot`).
+//!
+//! Memory is constant: packets are encoded one by one into one reused buffer (names interned
+//! per vCPU sequence, one bit per event id) and streamed to a temporary file beside the
+//! target, renamed into place by [`PerfettoWriter::finish`].
+
+pub mod clock;
+pub mod proto;
+
+use std::io::{self, BufWriter, Write};
+use std::path::{Path, PathBuf};
+
+use thiserror::Error;
+
+use self::clock::{BootClock, ClockError};
+use self::proto::{
+    Clock, ClockSnapshot as ClockSnapshotMsg, DebugAnnotation, InternedData, InternedString,
+    ProcessDescriptor, TracePacket, TracePacketDefaults, TrackDescriptor, TrackEvent,
+    TrackEventDefaults,
+};
+use crate::atomic_file::AtomicFile;
+
+/// The machine id of the guest's packets unless told otherwise (the host is 0).
+pub const DEFAULT_MACHINE_ID: u32 = 1;
+
+/// The packet sequence of the trace-wide packets (snapshots, the process track); vCPU `n`
+/// writes on sequence `FIRST_VCPU_SEQUENCE + n`.
+const META_SEQUENCE: u32 = 1;
+/// See [`META_SEQUENCE`].
+const FIRST_VCPU_SEQUENCE: u32 = 2;
+
+/// Interned debug-annotation names (ids are per sequence, the same on every vCPU's).
+const ANNOTATIONS: [&str; 6] = [
+    "guest_tsc",
+    "host_tsc",
+    "host_lo_ns",
+    "host_hi_ns",
+    "payload",
+    "event_id",
+];
+const A_GUEST_TSC: u64 = 1;
+const A_HOST_TSC: u64 = 2;
+const A_LO_NS: u64 = 3;
+const A_HI_NS: u64 = 4;
+const A_PAYLOAD: u64 = 5;
+const A_EVENT_ID: u64 = 6;
+
+/// One guest event as the writer takes it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GuestEvent<'a> {
+    /// The vCPU whose ring it came from.
+    pub vcpu: u32,
+    /// The application's event id.
+    pub id: u16,
+    /// The guest TSC of the event.
+    pub guest_tsc: u64,
+    /// The event on the host TSC.
+    pub host_tsc: u64,
+    /// Its guaranteed interval on the host TSC.
+    pub host_lo: u64,
+    /// See `host_lo`.
+    pub host_hi: u64,
+    /// Payload bytes (at most 16 from the agent; any length is written).
+    pub payload: &'a [u8],
+}
+
+/// What the trace describes.
+#[derive(Clone, Debug)]
+pub struct PerfettoOptions {
+    /// The guest's machine id (not 0, the host's).
+    pub machine_id: u32,
+    /// The name of the guest's process track (e.g. the VM's name).
+    pub guest_name: String,
+    /// The host's TSC on BOOTTIME.
+    pub clock: BootClock,
+}
+
+/// Why writing a Perfetto trace failed.
+#[derive(Debug, Error)]
+pub enum PerfettoError {
+    /// Writing the file failed.
+    #[error("writing {path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The error.
+        source: io::Error,
+    },
+    /// No TSC → BOOTTIME mapping.
+    #[error(transparent)]
+    Clock(#[from] ClockError),
+    /// Machine id 0 is the host's.
+    #[error("machine id 0 is the host's: the guest needs another (e.g. 1)")]
+    HostMachineId,
+}
+
+/// What [`PerfettoWriter::finish`] reports.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PerfettoSummary {
+    /// Events written.
+    pub events: u64,
+    /// Events skipped because their host TSC maps outside BOOTTIME's 64-bit range.
+    pub unmappable: u64,
+    /// vCPU tracks.
+    pub vcpus: u32,
+    /// Bytes written.
+    pub bytes: u64,
+}
+
+/// Per-vCPU sequence state.
+#[derive(Debug)]
+struct Vcpu {
+    vcpu: u32,
+    /// Event ids whose name is interned on this sequence, one bit each.
+    interned: Box<[u64; 1024]>,
+}
+
+/// A streaming writer of one Perfetto trace file.
+#[derive(Debug)]
+pub struct PerfettoWriter {
+    out: BufWriter<AtomicFile>,
+    path: PathBuf,
+    opts: PerfettoOptions,
+    vcpus: Vec<Vcpu>,
+    buf: Vec<u8>,
+    /// The event packet, reused so its annotations and payload string keep their allocations.
+    event: TracePacket,
+    summary: PerfettoSummary,
+}
+
+/// The uuid of the guest's process track: one per machine id.
+fn process_uuid(machine_id: u32) -> u64 {
+    0x766d_7473_0000_0000 | (u64::from(machine_id) << 20)
+}
+
+/// The uuid of vCPU `vcpu`'s track.
+fn vcpu_uuid(machine_id: u32, vcpu: u32) -> u64 {
+    process_uuid(machine_id) | 0x8_0000 | u64::from(vcpu & 0x7_ffff)
+}
+
+impl PerfettoWriter {
+    /// Starts the trace at `path` (written beside it, renamed by [`Self::finish`]): the clock
+    /// snapshots and the guest's process track.
+    ///
+    /// # Errors
+    /// [`PerfettoError`].
+    pub fn create(path: &Path, opts: PerfettoOptions) -> Result<Self, PerfettoError> {
+        if opts.machine_id == 0 {
+            return Err(PerfettoError::HostMachineId);
+        }
+        let io = |source| PerfettoError::Io {
+            path: path.to_owned(),
+            source,
+        };
+        let file = AtomicFile::new(path).map_err(io)?;
+        let mut w = Self {
+            out: BufWriter::with_capacity(1 << 20, file),
+            path: path.to_owned(),
+            event: event_template(opts.machine_id),
+            opts,
+            vcpus: Vec::new(),
+            buf: Vec::with_capacity(256),
+            summary: PerfettoSummary::default(),
+        };
+        let snaps: Vec<TracePacket> = w
+            .opts
+            .clock
+            .snapshots()
+            .iter()
+            .enumerate()
+            .map(|(i, s)| TracePacket {
+                trusted_packet_sequence_id: Some(META_SEQUENCE),
+                first_packet_on_sequence: (i == 0).then_some(true),
+                sequence_flags: (i == 0).then_some(proto::SEQ_INCREMENTAL_STATE_CLEARED),
+                clock_snapshot: Some(ClockSnapshotMsg {
+                    clocks: vec![
+                        Clock {
+                            clock_id: Some(proto::CLOCK_BOOTTIME),
+                            timestamp: Some(s.boottime_ns),
+                        },
+                        Clock {
+                            clock_id: Some(proto::CLOCK_HOST_TSC),
+                            timestamp: Some(s.tsc),
+                        },
+                    ],
+                }),
+                ..Default::default()
+            })
+            .collect();
+        for p in &snaps {
+            w.write_packet(p)?;
+        }
+        let machine_id = w.opts.machine_id;
+        let process = TracePacket {
+            trusted_packet_sequence_id: Some(META_SEQUENCE),
+            machine_id: Some(machine_id),
+            track_descriptor: Some(TrackDescriptor {
+                uuid: Some(process_uuid(machine_id)),
+                name: Some(w.opts.guest_name.clone()),
+                process: Some(ProcessDescriptor {
+                    // The guest is not a host process: a pid in its own machine's space.
+                    pid: Some(1),
+                    process_name: Some(w.opts.guest_name.clone()),
+                }),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        w.write_packet(&process)?;
+        Ok(w)
+    }
+
+    fn write_packet(&mut self, p: &TracePacket) -> Result<(), PerfettoError> {
+        self.buf.clear();
+        proto::append_packet(p, &mut self.buf);
+        self.summary.bytes += self.buf.len() as u64;
+        self.out
+            .write_all(&self.buf)
+            .map_err(|source| PerfettoError::Io {
+                path: self.path.clone(),
+                source,
+            })
+    }
+
+    /// The index of `vcpu`'s state, starting its sequence (track descriptor, defaults, interned
+    /// annotation names) on first use.
+    fn vcpu_index(&mut self, vcpu: u32) -> Result<usize, PerfettoError> {
+        if let Some(i) = self.vcpus.iter().position(|v| v.vcpu == vcpu) {
+            return Ok(i);
+        }
+        let machine_id = self.opts.machine_id;
+        let seq = FIRST_VCPU_SEQUENCE.saturating_add(vcpu);
+        let start = TracePacket {
+            trusted_packet_sequence_id: Some(seq),
+            machine_id: Some(machine_id),
+            first_packet_on_sequence: Some(true),
+            sequence_flags: Some(proto::SEQ_INCREMENTAL_STATE_CLEARED),
+            trace_packet_defaults: Some(TracePacketDefaults {
+                timestamp_clock_id: Some(proto::CLOCK_BOOTTIME),
+                track_event_defaults: Some(TrackEventDefaults {
+                    track_uuid: Some(vcpu_uuid(machine_id, vcpu)),
+                }),
+            }),
+            interned_data: Some(InternedData {
+                debug_annotation_names: ANNOTATIONS
+                    .iter()
+                    .zip(1u64..)
+                    .map(|(n, iid)| InternedString {
+                        iid: Some(iid),
+                        name: Some((*n).to_owned()),
+                    })
+                    .collect(),
+                ..Default::default()
+            }),
+            track_descriptor: Some(TrackDescriptor {
+                uuid: Some(vcpu_uuid(machine_id, vcpu)),
+                parent_uuid: Some(process_uuid(machine_id)),
+                name: Some(format!("vCPU {vcpu}")),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        self.write_packet(&start)?;
+        self.vcpus.push(Vcpu {
+            vcpu,
+            interned: Box::new([0; 1024]),
+        });
+        self.summary.vcpus += 1;
+        Ok(self.vcpus.len() - 1)
+    }
+
+    /// Writes one event (any order: the trace processor sorts).
+    ///
+    /// # Errors
+    /// [`PerfettoError::Io`].
+    pub fn push(&mut self, e: &GuestEvent<'_>) -> Result<(), PerfettoError> {
+        let clock = &self.opts.clock;
+        let (Some(ts), Some(lo), Some(hi)) = (
+            clock.boottime_ns(e.host_tsc),
+            clock.boottime_ns(e.host_lo),
+            clock.boottime_ns(e.host_hi),
+        ) else {
+            self.summary.unmappable += 1;
+            return Ok(());
+        };
+        // The interval widened by what the snapshots' resolutions allow, so it still holds.
+        let lo = lo.saturating_sub(clock.error_ns(e.host_lo));
+        let hi = hi.saturating_add(clock.error_ns(e.host_hi));
+        let i = self.vcpu_index(e.vcpu)?;
+        let v = &mut self.vcpus[i];
+        let (word, bit) = (usize::from(e.id >> 6), 1u64 << (e.id & 63));
+        let first_use = v.interned[word] & bit == 0;
+        v.interned[word] |= bit;
+        let seq = FIRST_VCPU_SEQUENCE.saturating_add(e.vcpu);
+
+        let p = &mut self.event;
+        p.timestamp = Some(ts);
+        p.trusted_packet_sequence_id = Some(seq);
+        p.interned_data = first_use.then(|| InternedData {
+            event_names: vec![InternedString {
+                iid: Some(u64::from(e.id) + 1),
+                name: Some(format!("event {}", e.id)),
+            }],
+            ..Default::default()
+        });
+        let te = p.track_event.get_or_insert_with(TrackEvent::default);
+        te.name_iid = Some(u64::from(e.id) + 1);
+        let a = &mut te.debug_annotations;
+        a[0].uint_value = Some(e.guest_tsc);
+        a[1].uint_value = Some(e.host_tsc);
+        a[2].uint_value = Some(lo);
+        a[3].uint_value = Some(hi);
+        a[4].uint_value = Some(u64::from(e.id));
+        a.truncate(5);
+        if !e.payload.is_empty() {
+            use std::fmt::Write as _;
+            let mut hex = String::with_capacity(2 * e.payload.len());
+            for b in e.payload {
+                let _ = write!(hex, "{b:02x}");
+            }
+            a.push(DebugAnnotation {
+                name_iid: Some(A_PAYLOAD),
+                uint_value: None,
+                string_value: Some(hex),
+            });
+        }
+        self.buf.clear();
+        proto::append_packet(&self.event, &mut self.buf);
+        self.summary.bytes += self.buf.len() as u64;
+        self.summary.events += 1;
+        self.out
+            .write_all(&self.buf)
+            .map_err(|source| PerfettoError::Io {
+                path: self.path.clone(),
+                source,
+            })
+    }
+
+    /// Flushes, syncs and renames the file into place.
+    ///
+    /// # Errors
+    /// [`PerfettoError::Io`]; the target is then untouched.
+    pub fn finish(self) -> Result<PerfettoSummary, PerfettoError> {
+        let io = |source| PerfettoError::Io {
+            path: self.path.clone(),
+            source,
+        };
+        let file = self.out.into_inner().map_err(|e| io(e.into_error()))?;
+        file.commit().map_err(io)?;
+        Ok(self.summary)
+    }
+}
+
+/// The event packet every event reuses: its annotations in a fixed order (the payload last,
+/// only when there is one).
+fn event_template(machine_id: u32) -> TracePacket {
+    let ann = |iid| DebugAnnotation {
+        name_iid: Some(iid),
+        uint_value: Some(0),
+        string_value: None,
+    };
+    TracePacket {
+        machine_id: Some(machine_id),
+        sequence_flags: Some(proto::SEQ_NEEDS_INCREMENTAL_STATE),
+        track_event: Some(TrackEvent {
+            r#type: Some(proto::TYPE_INSTANT),
+            debug_annotations: vec![
+                ann(A_GUEST_TSC),
+                ann(A_HOST_TSC),
+                ann(A_LO_NS),
+                ann(A_HI_NS),
+                ann(A_EVENT_ID),
+            ],
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::clock::ClockSnapshot;
+    use super::*;
+    use prost::Message;
+
+    #[derive(Clone, PartialEq, Message)]
+    struct Trace {
+        #[prost(message, repeated, tag = "1")]
+        packet: Vec<TracePacket>,
+    }
+
+    fn clock() -> BootClock {
+        let s = |tsc, ns| ClockSnapshot {
+            tsc,
+            boottime_ns: ns,
+            resolution: 0,
+        };
+        // 2 ticks per ns, BOOTTIME 1 s at TSC 0.
+        BootClock::new(vec![s(0, 1_000_000_000), s(2_000_000, 1_001_000_000)]).unwrap()
+    }
+
+    #[test]
+    fn events_land_on_their_vcpu_tracks_in_boottime() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.perfetto-trace");
+        let mut w = PerfettoWriter::create(
+            &path,
+            PerfettoOptions {
+                machine_id: 2,
+                guest_name: "vm".into(),
+                clock: clock(),
+            },
+        )
+        .unwrap();
+        for (vcpu, id, host) in [(0, 7, 1000), (1, 7, 2000), (0, 7, 3000), (0, 9, 4000)] {
+            w.push(&GuestEvent {
+                vcpu,
+                id,
+                guest_tsc: host + 5,
+                host_tsc: host,
+                host_lo: host - 10,
+                host_hi: host + 10,
+                payload: if id == 9 { &[0xab, 0x01] } else { &[] },
+            })
+            .unwrap();
+        }
+        let s = w.finish().unwrap();
+        assert_eq!((s.events, s.vcpus, s.unmappable), (4, 2, 0));
+        let bytes = std::fs::read(&path).unwrap();
+        assert_eq!(bytes.len() as u64, s.bytes);
+        let t = Trace::decode(bytes.as_slice()).unwrap();
+        let events: Vec<&TracePacket> = t
+            .packet
+            .iter()
+            .filter(|p| p.track_event.is_some())
+            .collect();
+        assert_eq!(events.len(), 4);
+        let ts: Vec<u64> = events.iter().map(|p| p.timestamp.unwrap()).collect();
+        assert_eq!(
+            ts,
+            [1_000_000_500, 1_000_001_000, 1_000_001_500, 1_000_002_000]
+        );
+        // Names interned once per vCPU sequence: vCPU 0 interns 7 then 9, vCPU 1 interns 7.
+        let interned: Vec<(u32, u64)> = events
+            .iter()
+            .filter_map(|p| {
+                let d = p.interned_data.as_ref()?;
+                Some((p.trusted_packet_sequence_id?, d.event_names[0].iid?))
+            })
+            .collect();
+        assert_eq!(interned, [(2, 8), (3, 8), (2, 10)]);
+        let last = events[3].track_event.as_ref().unwrap();
+        assert_eq!(
+            last.debug_annotations
+                .last()
+                .unwrap()
+                .string_value
+                .as_deref(),
+            Some("ab01")
+        );
+        // The bound is widened by one ns of rounding each way: [3990, 4010] ticks → ns.
+        assert_eq!(
+            last.debug_annotations[2].uint_value,
+            Some(1_000_001_995 - 1)
+        );
+        assert_eq!(
+            last.debug_annotations[3].uint_value,
+            Some(1_000_002_005 + 1)
+        );
+        // Every guest packet is on the guest machine.
+        assert!(
+            t.packet
+                .iter()
+                .filter(|p| p.track_event.is_some() || p.track_descriptor.is_some())
+                .all(|p| p.machine_id == Some(2))
+        );
+    }
+
+    #[test]
+    fn machine_zero_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let r = PerfettoWriter::create(
+            &dir.path().join("t"),
+            PerfettoOptions {
+                machine_id: 0,
+                guest_name: "vm".into(),
+                clock: clock(),
+            },
+        );
+        assert!(matches!(r, Err(PerfettoError::HostMachineId)));
+    }
+}

@@ -1,0 +1,282 @@
+//! The host's TSC on CLOCK_BOOTTIME, Perfetto's default trace clock (docs/perfetto.md).
+//!
+//! A [`ClockSnapshot`] reads the TSC, CLOCK_BOOTTIME, and the TSC again, several times, and
+//! keeps the try with the smallest TSC gap: the BOOTTIME reading happened at some TSC inside
+//! that gap, so the snapshot pairs it with the gap's midpoint and its resolution is the gap.
+//! A [`BootClock`] maps a host TSC to BOOTTIME through such snapshots: with the nearest snapshot
+//! at or before it (the first one before that) and the rate between that snapshot and the next
+//! one (the previous pair after the last). That is exact at every snapshot within its
+//! resolution; between snapshots it assumes BOOTTIME ran at a constant rate against the TSC
+//! (NTP slews it, within the kernel's 500 ppm, so dense snapshots keep that small); beyond the
+//! last one it extrapolates the last rate.
+
+use std::fmt;
+
+use crate::hosttsc::read_host_tsc;
+
+/// Tries per snapshot; the smallest gap wins. Each try is two `lfence; rdtsc` and one vDSO
+/// `clock_gettime`, well under a microsecond.
+const TRIES: u32 = 16;
+
+/// One reading of the host TSC and CLOCK_BOOTTIME together.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ClockSnapshot {
+    /// The host TSC, the midpoint of the gap in which BOOTTIME was read.
+    pub tsc: u64,
+    /// CLOCK_BOOTTIME, ns.
+    pub boottime_ns: u64,
+    /// The gap (ticks) between the TSC reads around the BOOTTIME read: the reading happened at
+    /// a TSC within `tsc ± resolution / 2`.
+    pub resolution: u64,
+}
+
+impl ClockSnapshot {
+    /// Takes a snapshot now (the best of several tries).
+    ///
+    /// # Errors
+    /// `clock_gettime(CLOCK_BOOTTIME)` failed (not on Linux), or the TSC went backwards in
+    /// every try.
+    pub fn take() -> Result<Self, ClockError> {
+        let mut best: Option<Self> = None;
+        for _ in 0..TRIES {
+            let before = read_host_tsc().0;
+            let ts = rustix::time::clock_gettime(rustix::time::ClockId::Boottime);
+            let after = read_host_tsc().0;
+            let Some(gap) = after.checked_sub(before) else {
+                continue;
+            };
+            let ns = u64::try_from(ts.tv_sec)
+                .ok()
+                .and_then(|s| s.checked_mul(1_000_000_000))
+                .and_then(|s| s.checked_add(u64::try_from(ts.tv_nsec).ok()?))
+                .ok_or(ClockError::BadReading)?;
+            if best.is_none_or(|b| gap < b.resolution) {
+                best = Some(Self {
+                    tsc: before + gap / 2,
+                    boottime_ns: ns,
+                    resolution: gap,
+                });
+            }
+        }
+        best.ok_or(ClockError::BadReading)
+    }
+}
+
+/// Why no BOOTTIME mapping is available.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ClockError {
+    /// The clock reading made no sense (a TSC that went backwards in every try, a negative
+    /// BOOTTIME).
+    #[error("the host clocks gave no usable TSC/BOOTTIME reading")]
+    BadReading,
+    /// Fewer than two snapshots with distinct TSCs: no rate.
+    #[error("at least two clock snapshots at different TSCs are needed to map TSC to BOOTTIME")]
+    TooFew,
+    /// Snapshots whose BOOTTIME goes backwards while the TSC goes forwards (or the reverse):
+    /// they come from different boots or a broken clock.
+    #[error(
+        "clock snapshots are not monotonic (TSC {tsc_a} -> {tsc_b}, BOOTTIME {ns_a} -> {ns_b} ns): they do not come from one boot"
+    )]
+    NotMonotonic {
+        /// The earlier snapshot's TSC.
+        tsc_a: u64,
+        /// The later snapshot's TSC.
+        tsc_b: u64,
+        /// The earlier snapshot's BOOTTIME.
+        ns_a: u64,
+        /// The later snapshot's BOOTTIME.
+        ns_b: u64,
+    },
+}
+
+/// Host TSC → CLOCK_BOOTTIME through snapshots (see the module docs).
+#[derive(Clone, PartialEq, Eq)]
+pub struct BootClock {
+    /// Sorted by TSC, strictly increasing TSC, non-decreasing BOOTTIME, at least two.
+    snaps: Vec<ClockSnapshot>,
+}
+
+impl fmt::Debug for BootClock {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("BootClock")
+            .field("snapshots", &self.snaps.len())
+            .field("first", &self.snaps.first())
+            .field("last", &self.snaps.last())
+            .finish()
+    }
+}
+
+impl BootClock {
+    /// A mapping through `snaps` (any order; snapshots at an equal TSC keep the finer one).
+    ///
+    /// # Errors
+    /// [`ClockError::TooFew`], [`ClockError::NotMonotonic`].
+    pub fn new(mut snaps: Vec<ClockSnapshot>) -> Result<Self, ClockError> {
+        snaps.sort_by_key(|s| (s.tsc, s.resolution));
+        snaps.dedup_by_key(|s| s.tsc);
+        if snaps.len() < 2 {
+            return Err(ClockError::TooFew);
+        }
+        for w in snaps.windows(2) {
+            if w[1].boottime_ns < w[0].boottime_ns {
+                return Err(ClockError::NotMonotonic {
+                    tsc_a: w[0].tsc,
+                    tsc_b: w[1].tsc,
+                    ns_a: w[0].boottime_ns,
+                    ns_b: w[1].boottime_ns,
+                });
+            }
+        }
+        Ok(Self { snaps })
+    }
+
+    /// The snapshots, sorted by TSC.
+    #[must_use]
+    pub fn snapshots(&self) -> &[ClockSnapshot] {
+        &self.snaps
+    }
+
+    /// The pair whose rate converts `tsc`: the nearest snapshot at or before it and the next
+    /// one (the first pair before the first snapshot, the last pair after the last).
+    fn pair(&self, tsc: u64) -> (&ClockSnapshot, &ClockSnapshot) {
+        let i = self.snaps.partition_point(|s| s.tsc <= tsc);
+        let a = i.saturating_sub(1).min(self.snaps.len() - 2);
+        (&self.snaps[a], &self.snaps[a + 1])
+    }
+
+    /// `tsc` on CLOCK_BOOTTIME, ns, rounded to the nearest ns (ties up); `None` outside the
+    /// 64-bit range.
+    #[must_use]
+    pub fn boottime_ns(&self, tsc: u64) -> Option<u64> {
+        let (a, b) = self.pair(tsc);
+        let dt = i128::from(tsc) - i128::from(a.tsc);
+        let span_tsc = i128::from(b.tsc - a.tsc);
+        let span_ns = i128::from(b.boottime_ns - a.boottime_ns);
+        // Round to nearest: floor((2·dt·span_ns + span_tsc) / (2·span_tsc)). The product fits:
+        // |dt|, span_ns < 2^64, so 2·dt·span_ns < 2^129 is too big only in theory; both
+        // factors are 64-bit, so the i128 product overflows only past 2^126, which checked_mul
+        // catches.
+        let num = dt
+            .checked_mul(span_ns)?
+            .checked_mul(2)?
+            .checked_add(span_tsc)?;
+        let off = num.div_euclid(2 * span_tsc);
+        u64::try_from(i128::from(a.boottime_ns) + off).ok()
+    }
+
+    /// How far (ns) a BOOTTIME from [`Self::boottime_ns`] can be from the reading a snapshot
+    /// taken at `tsc` would have given, from the snapshots' resolutions alone: each end of the
+    /// pair used is off by up to half its resolution, which moves the line by at most that at
+    /// the ends and proportionally beyond them; plus 1 ns of rounding. It does not cover
+    /// BOOTTIME's own rate changes between snapshots (see the module docs).
+    #[must_use]
+    pub fn error_ns(&self, tsc: u64) -> u64 {
+        let (a, b) = self.pair(tsc);
+        let span_tsc = u128::from(b.tsc - a.tsc);
+        let span_ns = u128::from(b.boottime_ns - a.boottime_ns);
+        // Half-resolutions in ticks, as ns at the pair's rate (rounded up).
+        let ea = (u128::from(a.resolution) * span_ns).div_ceil(2 * span_tsc);
+        let eb = (u128::from(b.resolution) * span_ns).div_ceil(2 * span_tsc);
+        // The line through two points each off by ≤ e: off by ≤ max(ea, eb) between them and
+        // by ≤ ea + (ea + eb)·d/span at distance d beyond the nearer end.
+        let t = u128::from(tsc);
+        let (lo, hi) = (u128::from(a.tsc), u128::from(b.tsc));
+        let beyond = if t < lo {
+            lo - t
+        } else if t > hi {
+            t - hi
+        } else {
+            0
+        };
+        let e = ea.max(eb) + ((ea + eb) * beyond).div_ceil(span_tsc) + 1;
+        u64::try_from(e).unwrap_or(u64::MAX)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn snap(tsc: u64, ns: u64) -> ClockSnapshot {
+        ClockSnapshot {
+            tsc,
+            boottime_ns: ns,
+            resolution: 0,
+        }
+    }
+
+    #[test]
+    fn snapshots_are_fresh_and_fine() {
+        let a = ClockSnapshot::take().unwrap();
+        let b = ClockSnapshot::take().unwrap();
+        assert!(
+            b.tsc >= a.tsc && b.boottime_ns >= a.boottime_ns,
+            "{a:?} {b:?}"
+        );
+        #[cfg(target_arch = "x86_64")]
+        assert!(a.tsc > 0);
+    }
+
+    #[test]
+    fn maps_exactly_at_snapshots_and_linearly_between() {
+        // 3 ticks per ns before 3000, then 2 per ns.
+        let c = BootClock::new(vec![snap(3000, 2000), snap(0, 1000), snap(5000, 3000)]).unwrap();
+        assert_eq!(c.boottime_ns(0), Some(1000));
+        assert_eq!(c.boottime_ns(3000), Some(2000));
+        assert_eq!(c.boottime_ns(5000), Some(3000));
+        assert_eq!(c.boottime_ns(1500), Some(1500));
+        // 1 tick = 1/3 ns: rounds to nearest.
+        assert_eq!(c.boottime_ns(1), Some(1000));
+        assert_eq!(c.boottime_ns(2), Some(1001));
+        assert_eq!(c.boottime_ns(4000), Some(2500));
+        // Beyond the ends: the nearest pair's rate.
+        assert_eq!(c.boottime_ns(7000), Some(4000));
+        let c = BootClock::new(vec![snap(3000, 2000), snap(6000, 3000)]).unwrap();
+        assert_eq!(c.boottime_ns(0), Some(1000));
+        assert_eq!(c.boottime_ns(u64::MAX).map(|_| ()), Some(()));
+    }
+
+    #[test]
+    fn rejects_what_no_boot_gives() {
+        assert_eq!(BootClock::new(vec![snap(1, 1)]), Err(ClockError::TooFew));
+        assert_eq!(
+            BootClock::new(vec![snap(1, 1), snap(1, 1)]),
+            Err(ClockError::TooFew)
+        );
+        assert!(matches!(
+            BootClock::new(vec![snap(1, 5), snap(2, 4)]),
+            Err(ClockError::NotMonotonic { .. })
+        ));
+    }
+
+    #[test]
+    fn the_error_grows_with_distance_from_the_snapshots() {
+        let mut a = snap(1_000_000, 1_000_000);
+        let mut b = snap(2_000_000, 2_000_000);
+        a.resolution = 100;
+        b.resolution = 100;
+        let c = BootClock::new(vec![a, b]).unwrap();
+        assert_eq!(c.error_ns(1_500_000), 51);
+        // 1 M ticks beyond the pair: 50 + (100 · 1 M / 1 M) + 1.
+        assert_eq!(c.error_ns(3_000_000), 151);
+    }
+
+    #[test]
+    fn a_real_mapping_predicts_a_later_reading() {
+        // Truth from outside the mapping: a snapshot taken after the two that built it, which
+        // the extrapolation must meet within its error plus that snapshot's own resolution.
+        let a = ClockSnapshot::take().unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        let b = ClockSnapshot::take().unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(2));
+        let t = ClockSnapshot::take().unwrap();
+        let c = BootClock::new(vec![a, b]).unwrap();
+        let got = c.boottime_ns(t.tsc).unwrap();
+        let err = c.error_ns(t.tsc) + t.resolution;
+        assert!(
+            got.abs_diff(t.boottime_ns) <= err,
+            "mapped {got}, read {}, allowed {err}",
+            t.boottime_ns
+        );
+    }
+}

@@ -512,6 +512,76 @@ pub fn encode(
     Ok((out, plans.into_iter().map(|p| p.max_error).collect()))
 }
 
+/// A TIME_SHIFT option body read back: the inverse of [`encode`]'s layout.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DecodedShift {
+    /// The peer (host) trace's TRACEID.
+    pub peer_trace_id: u64,
+    /// The flags word ([`TSYNC_FLAG_INTERPOLATE`] or 0).
+    pub flags: u32,
+    /// Each trace CPU's samples, in file order, for [`trace_cmd_host_time`].
+    pub cpus: Vec<Vec<TraceCmdSample>>,
+}
+
+/// Reads a TIME_SHIFT option body. Every count is checked against the body's length before
+/// anything is allocated, so a damaged option cannot make this allocate more than the body.
+///
+/// # Errors
+/// What is wrong and the byte offset inside the body where it was found.
+pub fn decode(body: &[u8]) -> Result<DecodedShift, (usize, &'static str)> {
+    let u32_at = |at: usize| -> Result<u32, (usize, &'static str)> {
+        body.get(at..at + 4)
+            .and_then(|b| b.try_into().ok())
+            .map(u32::from_le_bytes)
+            .ok_or((at, "TIME_SHIFT ends inside a 32-bit field"))
+    };
+    let i64_at = |at: usize| -> Result<i64, (usize, &'static str)> {
+        body.get(at..at + 8)
+            .and_then(|b| b.try_into().ok())
+            .map(i64::from_le_bytes)
+            .ok_or((at, "TIME_SHIFT ends inside a 64-bit field"))
+    };
+    let peer_trace_id = i64_at(0)?.cast_unsigned();
+    let flags = u32_at(8)?;
+    let ncpus = u32_at(12)? as usize;
+    // Each CPU takes at least its 4-byte count.
+    if ncpus > body.len() / 4 {
+        return Err((12, "TIME_SHIFT CPU count exceeds the option's size"));
+    }
+    let mut at = 16;
+    let mut cpus = Vec::with_capacity(ncpus);
+    for _ in 0..ncpus {
+        let n = u32_at(at)? as usize;
+        // Each sample takes 32 bytes (time, offset, scaling, fraction).
+        if n > (body.len() - at) / 32 {
+            return Err((at, "TIME_SHIFT sample count exceeds the option's size"));
+        }
+        at += 4;
+        let mut samples = Vec::with_capacity(n);
+        for i in 0..n {
+            samples.push(TraceCmdSample {
+                time: i64_at(at + 8 * i)?,
+                offset: i64_at(at + 8 * (n + i))?,
+                scaling: i64_at(at + 8 * (2 * n + i))?,
+                fraction: 0,
+            });
+        }
+        at += 24 * n;
+        cpus.push(samples);
+    }
+    for samples in &mut cpus {
+        for s in samples.iter_mut() {
+            s.fraction = i64_at(at)?;
+            at += 8;
+        }
+    }
+    Ok(DecodedShift {
+        peer_trace_id,
+        flags,
+        cpus,
+    })
+}
+
 /// The exact host tick of guest tick `g` under one CPU's segments, as [`plan_cpu`] bounds it:
 /// step mode → the covering segment's [`KvmTscMapping::try_host_from_guest_ceil`]; interpolate
 /// mode → the ceiling of the line through the neighbouring points. For tests and callers that

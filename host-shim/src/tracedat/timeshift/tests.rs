@@ -220,3 +220,32 @@ proptest! {
         check_bound(map, lo, len, &picks);
     }
 }
+
+#[test]
+fn decode_reads_back_what_encode_wrote_and_refuses_damage() {
+    let shift = TimeShift {
+        peer_trace_id: 0x1122_3344_5566_7788,
+        mode: ShiftMode::Step,
+        cpus: vec![vec![seg(100, 5), seg(200, 6)], vec![seg(100, -1)]],
+    };
+    let (bytes, _) = encode(&shift, &[Some((150, 300)), Some((99, 500))], 1).unwrap();
+    let d = decode(&bytes).unwrap();
+    assert_eq!(d.peer_trace_id, 0x1122_3344_5566_7788);
+    assert_eq!(d.flags, 0);
+    let planned: Vec<Vec<TraceCmdSample>> = shift
+        .cpus
+        .iter()
+        .map(|s| plan(s, ShiftMode::Step, (0, 1000)).samples)
+        .collect();
+    assert_eq!(d.cpus, planned);
+    // The decoded samples convert as the segments do.
+    assert_eq!(trace_cmd_host_time(&d.cpus[0], d.flags, 250), Some(244));
+    // Every truncation is an error, never a panic.
+    for n in 0..bytes.len() {
+        assert!(decode(&bytes[..n]).is_err(), "{n} bytes");
+    }
+    // A count claiming more samples than the body holds is refused before allocating.
+    let mut big = bytes.clone();
+    big[16..20].copy_from_slice(&u32::MAX.to_le_bytes());
+    assert_eq!(decode(&big).unwrap_err().0, 16);
+}

@@ -6,6 +6,7 @@ use clap::{Parser, Subcommand};
 
 use super::convert::{ConvertArgs, run_convert};
 use super::exit::{CliError, EXIT_CODES};
+use super::export::{ExportCommand, run_export};
 use super::kvm::{KvmArgs, run_kvm};
 use super::probe::run_probe_cmd;
 use super::record::{RecordArgs, run_record_cmd};
@@ -70,6 +71,9 @@ pub enum Command {
     /// TSC mapping arithmetic.
     #[command(subcommand)]
     Tsc(TscCommand),
+    /// Export a recording (`vmtsync record` output) to another tool's trace format.
+    #[command(subcommand)]
+    Export(ExportCommand),
 }
 
 /// Parses the process arguments, runs the command and maps the outcome to an exit code;
@@ -98,6 +102,7 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
         Command::Probe(a) => run_probe_cmd(&a),
         Command::Record(a) => run_record_cmd(&a),
         Command::Tsc(c) => run_tsc(&c),
+        Command::Export(c) => run_export(&c),
     }
 }
 

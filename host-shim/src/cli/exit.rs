@@ -52,6 +52,9 @@ pub enum CliError {
     /// From `record`.
     #[error(transparent)]
     Record(#[from] crate::record::RecordError),
+    /// From `export perfetto` (and `record --format perfetto`'s writer).
+    #[error(transparent)]
+    Perfetto(#[from] crate::export::perfetto::PerfettoError),
     /// Bad flag values clap cannot check.
     #[error("{0}")]
     Usage(String),
@@ -128,6 +131,7 @@ impl CliError {
                 crate::record::RecordError::NoSync | crate::record::RecordError::NoEvents,
             ) => 7,
             Self::Record(_) => 1,
+            Self::Perfetto(e) => perfetto_exit_code(e),
             Self::Usage(_) => 2,
             Self::SyncFile(e) => sync_exit_code(e),
         }
@@ -165,6 +169,20 @@ fn probe_exit_code(e: &ProbeError) -> u8 {
         | ProbeError::AgentExited => 7,
         ProbeError::SyncFile(s) => sync_exit_code(s),
         _ => 1,
+    }
+}
+
+/// Exit code of a Perfetto export failure: 5 for input that cannot be read or mapped (a
+/// malformed recording, one from another boot), else 1.
+fn perfetto_exit_code(e: &crate::export::perfetto::PerfettoError) -> u8 {
+    use crate::export::ExportError;
+    use crate::export::perfetto::PerfettoError;
+    match e {
+        PerfettoError::Input(ExportError::Io { .. } | ExportError::Write { .. })
+        | PerfettoError::Io { .. }
+        | PerfettoError::Clock(_) => 1,
+        PerfettoError::Input(_) | PerfettoError::NotThisBoot { .. } => 5,
+        PerfettoError::HostMachineId => 2,
     }
 }
 

@@ -23,6 +23,7 @@
 pub mod command;
 pub mod convert;
 pub mod exit;
+pub mod export;
 pub mod kvm;
 pub mod probe;
 pub mod record;

@@ -24,15 +24,17 @@ pub mod proto;
 
 use std::io::{self, BufWriter, Write};
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use thiserror::Error;
 
-use self::clock::{BootClock, ClockError};
+use self::clock::{BootClock, ClockError, ClockSnapshot};
 use self::proto::{
     Clock, ClockSnapshot as ClockSnapshotMsg, DebugAnnotation, InternedData, InternedString,
     ProcessDescriptor, TracePacket, TracePacketDefaults, TrackDescriptor, TrackEvent,
     TrackEventDefaults,
 };
+use super::{ExportError, ExportEvent, InputKind};
 use crate::atomic_file::AtomicFile;
 
 /// The machine id of the guest's packets unless told otherwise (the host is 0).
@@ -60,25 +62,6 @@ const A_HI_NS: u64 = 4;
 const A_PAYLOAD: u64 = 5;
 const A_EVENT_ID: u64 = 6;
 
-/// One guest event as the writer takes it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct GuestEvent<'a> {
-    /// The vCPU whose ring it came from.
-    pub vcpu: u32,
-    /// The application's event id.
-    pub id: u16,
-    /// The guest TSC of the event.
-    pub guest_tsc: u64,
-    /// The event on the host TSC.
-    pub host_tsc: u64,
-    /// Its guaranteed interval on the host TSC.
-    pub host_lo: u64,
-    /// See `host_lo`.
-    pub host_hi: u64,
-    /// Payload bytes (at most 16 from the agent; any length is written).
-    pub payload: &'a [u8],
-}
-
 /// What the trace describes.
 #[derive(Clone, Debug)]
 pub struct PerfettoOptions {
@@ -101,9 +84,23 @@ pub enum PerfettoError {
         /// The error.
         source: io::Error,
     },
+    /// Reading the input failed.
+    #[error(transparent)]
+    Input(#[from] ExportError),
     /// No TSC → BOOTTIME mapping.
     #[error(transparent)]
     Clock(#[from] ClockError),
+    /// An event later than the host's TSC now: the input was recorded on another boot (or
+    /// host), whose TSC this boot's clocks cannot map.
+    #[error(
+        "an event's host TSC {host_tsc} is later than this host's TSC now ({now}): the recording comes from another boot or host, and its TSC cannot be mapped to this boot's BOOTTIME (record with --format perfetto on the recording host instead)"
+    )]
+    NotThisBoot {
+        /// The event's host TSC.
+        host_tsc: u64,
+        /// The host TSC at export.
+        now: u64,
+    },
     /// Machine id 0 is the host's.
     #[error("machine id 0 is the host's: the guest needs another (e.g. 1)")]
     HostMachineId,
@@ -120,6 +117,12 @@ pub struct PerfettoSummary {
     pub vcpus: u32,
     /// Bytes written.
     pub bytes: u64,
+    /// The earliest and latest host TSC written.
+    pub host_tsc_range: Option<(u64, u64)>,
+    /// The largest [`BootClock::error_ns`] of any event written: how far a timestamp can be
+    /// from BOOTTIME by the snapshots' resolutions alone (it grows with the distance from the
+    /// snapshots, so an export long after the recording says so here).
+    pub max_error_ns: u64,
 }
 
 /// Per-vCPU sequence state.
@@ -138,6 +141,8 @@ pub struct PerfettoWriter {
     opts: PerfettoOptions,
     vcpus: Vec<Vcpu>,
     buf: Vec<u8>,
+    /// The payload's hex string, kept between events for its allocation.
+    hex: String,
     /// The event packet, reused so its annotations and payload string keep their allocations.
     event: TracePacket,
     summary: PerfettoSummary,
@@ -175,6 +180,7 @@ impl PerfettoWriter {
             opts,
             vcpus: Vec::new(),
             buf: Vec::with_capacity(256),
+            hex: String::with_capacity(32),
             summary: PerfettoSummary::default(),
         };
         let snaps: Vec<TracePacket> = w
@@ -284,33 +290,36 @@ impl PerfettoWriter {
         Ok(self.vcpus.len() - 1)
     }
 
-    /// Writes one event (any order: the trace processor sorts).
+    /// Writes one event (any order: the trace processor sorts). Its arguments are what the
+    /// input knows: the guest TSC and the guaranteed interval only when present.
     ///
     /// # Errors
     /// [`PerfettoError::Io`].
-    pub fn push(&mut self, e: &GuestEvent<'_>) -> Result<(), PerfettoError> {
+    pub fn push(&mut self, e: &ExportEvent) -> Result<(), PerfettoError> {
         let clock = &self.opts.clock;
-        let (Some(ts), Some(lo), Some(hi)) = (
-            clock.boottime_ns(e.host_tsc),
-            clock.boottime_ns(e.host_lo),
-            clock.boottime_ns(e.host_hi),
-        ) else {
+        let Some(ts) = clock.boottime_ns(e.host_tsc) else {
             self.summary.unmappable += 1;
             return Ok(());
         };
         // The interval widened by what the snapshots' resolutions allow, so it still holds.
-        let lo = lo.saturating_sub(clock.error_ns(e.host_lo));
-        let hi = hi.saturating_add(clock.error_ns(e.host_hi));
+        let bound = e.bound.and_then(|b| {
+            let lo = clock
+                .boottime_ns(b.lo)?
+                .saturating_sub(clock.error_ns(b.lo));
+            let hi = clock
+                .boottime_ns(b.hi)?
+                .saturating_add(clock.error_ns(b.hi));
+            Some((lo, hi))
+        });
         let i = self.vcpu_index(e.vcpu)?;
         let v = &mut self.vcpus[i];
         let (word, bit) = (usize::from(e.id >> 6), 1u64 << (e.id & 63));
         let first_use = v.interned[word] & bit == 0;
         v.interned[word] |= bit;
-        let seq = FIRST_VCPU_SEQUENCE.saturating_add(e.vcpu);
 
         let p = &mut self.event;
         p.timestamp = Some(ts);
-        p.trusted_packet_sequence_id = Some(seq);
+        p.trusted_packet_sequence_id = Some(FIRST_VCPU_SEQUENCE.saturating_add(e.vcpu));
         p.interned_data = first_use.then(|| InternedData {
             event_names: vec![InternedString {
                 iid: Some(u64::from(e.id) + 1),
@@ -320,17 +329,29 @@ impl PerfettoWriter {
         });
         let te = p.track_event.get_or_insert_with(TrackEvent::default);
         te.name_iid = Some(u64::from(e.id) + 1);
+        // The annotations are rebuilt in place: the vector and the payload string keep their
+        // allocations from one event to the next.
         let a = &mut te.debug_annotations;
-        a[0].uint_value = Some(e.guest_tsc);
-        a[1].uint_value = Some(e.host_tsc);
-        a[2].uint_value = Some(lo);
-        a[3].uint_value = Some(hi);
-        a[4].uint_value = Some(u64::from(e.id));
-        a.truncate(5);
-        if !e.payload.is_empty() {
+        a.clear();
+        let uint = |iid, v| DebugAnnotation {
+            name_iid: Some(iid),
+            uint_value: Some(v),
+            string_value: None,
+        };
+        a.push(uint(A_EVENT_ID, u64::from(e.id)));
+        a.push(uint(A_HOST_TSC, e.host_tsc));
+        if let Some(g) = e.guest_tsc {
+            a.push(uint(A_GUEST_TSC, g));
+        }
+        if let Some((lo, hi)) = bound {
+            a.push(uint(A_LO_NS, lo));
+            a.push(uint(A_HI_NS, hi));
+        }
+        if !e.payload.as_slice().is_empty() {
             use std::fmt::Write as _;
-            let mut hex = String::with_capacity(2 * e.payload.len());
-            for b in e.payload {
+            let mut hex = std::mem::take(&mut self.hex);
+            hex.clear();
+            for b in e.payload.as_slice() {
                 let _ = write!(hex, "{b:02x}");
             }
             a.push(DebugAnnotation {
@@ -341,8 +362,21 @@ impl PerfettoWriter {
         }
         self.buf.clear();
         proto::append_packet(&self.event, &mut self.buf);
+        if let Some(te) = self.event.track_event.as_mut()
+            && let Some(hex) = te
+                .debug_annotations
+                .last_mut()
+                .and_then(|d| d.string_value.take())
+        {
+            self.hex = hex;
+        }
         self.summary.bytes += self.buf.len() as u64;
         self.summary.events += 1;
+        let r = self
+            .summary
+            .host_tsc_range
+            .get_or_insert((e.host_tsc, e.host_tsc));
+        *r = (r.0.min(e.host_tsc), r.1.max(e.host_tsc));
         self.out
             .write_all(&self.buf)
             .map_err(|source| PerfettoError::Io {
@@ -362,30 +396,90 @@ impl PerfettoWriter {
         };
         let file = self.out.into_inner().map_err(|e| io(e.into_error()))?;
         file.commit().map_err(io)?;
-        Ok(self.summary)
+        let mut s = self.summary;
+        if let Some((a, b)) = s.host_tsc_range {
+            s.max_error_ns = self.opts.clock.error_ns(a).max(self.opts.clock.error_ns(b));
+        }
+        Ok(s)
     }
 }
 
-/// The event packet every event reuses: its annotations in a fixed order (the payload last,
-/// only when there is one).
+/// How far apart `export` takes its two clock snapshots: the rate they give is off by about
+/// their resolutions over this span (a few ns over 200 ms: a few parts in 10^8).
+pub const EXPORT_SNAPSHOT_SPAN: Duration = Duration::from_millis(200);
+
+/// The host's TSC on BOOTTIME from two snapshots taken `span` apart, now.
+///
+/// # Errors
+/// [`ClockError`].
+pub fn boot_clock_now(span: Duration) -> Result<BootClock, ClockError> {
+    let a = ClockSnapshot::take()?;
+    std::thread::sleep(span);
+    let b = ClockSnapshot::take()?;
+    BootClock::new(vec![a, b])
+}
+
+/// What `vmtsync export perfetto` did.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ExportSummary {
+    /// The writer's summary.
+    pub trace: PerfettoSummary,
+    /// What the input was (and so which arguments the events carry).
+    pub input: InputKind,
+}
+
+/// `vmtsync export perfetto --from IN --out OUT`: the events of a recording (JSON Lines or our
+/// trace.dat, read by [`super::open`]) as a Perfetto trace, their host TSCs mapped to BOOTTIME
+/// by snapshots taken now. That is right only for a recording made on this host since its last
+/// boot (an event later than the TSC now is refused); the further back the recording, the more
+/// the extrapolated rate can be off ([`ExportSummary`]'s `max_error_ns`, which also widens
+/// every event's interval). `record --format perfetto` takes its snapshots while recording.
+///
+/// # Errors
+/// [`PerfettoError`]; the target is then untouched.
+pub fn export_file(
+    from: &Path,
+    out: &Path,
+    machine_id: u32,
+    guest_name: &str,
+) -> Result<ExportSummary, PerfettoError> {
+    let source = super::open(from)?;
+    let input = source.kind();
+    let clock = boot_clock_now(EXPORT_SNAPSHOT_SPAN)?;
+    let now = clock.snapshots().last().map_or(0, |s| s.tsc);
+    let mut w = PerfettoWriter::create(
+        out,
+        PerfettoOptions {
+            machine_id,
+            guest_name: guest_name.to_owned(),
+            clock,
+        },
+    )?;
+    for e in source {
+        let e = e?;
+        if e.host_tsc > now {
+            return Err(PerfettoError::NotThisBoot {
+                host_tsc: e.host_tsc,
+                now,
+            });
+        }
+        w.push(&e)?;
+    }
+    Ok(ExportSummary {
+        trace: w.finish()?,
+        input,
+    })
+}
+
+/// The event packet every event reuses (its timestamp, sequence, name and annotations are set
+/// per event).
 fn event_template(machine_id: u32) -> TracePacket {
-    let ann = |iid| DebugAnnotation {
-        name_iid: Some(iid),
-        uint_value: Some(0),
-        string_value: None,
-    };
     TracePacket {
         machine_id: Some(machine_id),
         sequence_flags: Some(proto::SEQ_NEEDS_INCREMENTAL_STATE),
         track_event: Some(TrackEvent {
             r#type: Some(proto::TYPE_INSTANT),
-            debug_annotations: vec![
-                ann(A_GUEST_TSC),
-                ann(A_HOST_TSC),
-                ann(A_LO_NS),
-                ann(A_HI_NS),
-                ann(A_EVENT_ID),
-            ],
+            debug_annotations: Vec::with_capacity(8),
             ..Default::default()
         }),
         ..Default::default()
@@ -394,8 +488,8 @@ fn event_template(machine_id: u32) -> TracePacket {
 
 #[cfg(test)]
 mod tests {
-    use super::clock::ClockSnapshot;
     use super::*;
+    use crate::export::{Bound, Payload};
     use prost::Message;
 
     #[derive(Clone, PartialEq, Message)]
@@ -428,14 +522,16 @@ mod tests {
         )
         .unwrap();
         for (vcpu, id, host) in [(0, 7, 1000), (1, 7, 2000), (0, 7, 3000), (0, 9, 4000)] {
-            w.push(&GuestEvent {
+            w.push(&ExportEvent {
                 vcpu,
                 id,
-                guest_tsc: host + 5,
+                guest_tsc: Some(host + 5),
                 host_tsc: host,
-                host_lo: host - 10,
-                host_hi: host + 10,
-                payload: if id == 9 { &[0xab, 0x01] } else { &[] },
+                bound: Some(Bound {
+                    lo: host - 10,
+                    hi: host + 10,
+                }),
+                payload: Payload::new(if id == 9 { &[0xab, 0x01] } else { &[] }).unwrap(),
             })
             .unwrap();
         }
@@ -474,14 +570,16 @@ mod tests {
             Some("ab01")
         );
         // The bound is widened by one ns of rounding each way: [3990, 4010] ticks → ns.
-        assert_eq!(
-            last.debug_annotations[2].uint_value,
-            Some(1_000_001_995 - 1)
-        );
-        assert_eq!(
-            last.debug_annotations[3].uint_value,
-            Some(1_000_002_005 + 1)
-        );
+        let arg = |iid| {
+            last.debug_annotations
+                .iter()
+                .find(|d| d.name_iid == Some(iid))
+                .and_then(|d| d.uint_value)
+        };
+        assert_eq!(arg(A_LO_NS), Some(1_000_001_995 - 1));
+        assert_eq!(arg(A_HI_NS), Some(1_000_002_005 + 1));
+        assert_eq!(arg(A_GUEST_TSC), Some(4005));
+        assert_eq!(s.host_tsc_range, Some((1000, 4000)));
         // Every guest packet is on the guest machine.
         assert!(
             t.packet

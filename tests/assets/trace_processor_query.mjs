@@ -33,6 +33,9 @@ if (!Array.isArray(queries) || queries.some((q) => typeof q !== "string")) {
   process.exit(2);
 }
 
+// stdout carries only the JSON answer: the wasm module's own prints go to stderr.
+console.log = console.error;
+
 // The worker's environment, as far as the bundle inspects it.
 globalThis.self = globalThis;
 globalThis.WorkerGlobalScope = function WorkerGlobalScope() {};

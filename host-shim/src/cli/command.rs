@@ -64,7 +64,8 @@ pub enum Command {
     /// segments — or timestamps pre-converted to host TSC when the guest's TSC rate differs from
     /// the host's (then said in the file's uname). jsonl format: one object per event:
     /// {"schema":1,"vcpu","id","guest_tsc","host_tsc","host_lo","host_hi","payload","round"}
-    /// with [host_lo, host_hi] its guaranteed interval. SIGINT/SIGTERM end the recording
+    /// with [host_lo, host_hi] its guaranteed interval. perfetto format: a Perfetto trace on
+    /// the host's CLOCK_BOOTTIME, one track per vCPU. SIGINT/SIGTERM end the recording
     /// cleanly; everything received is written.
     #[command(after_help = EXIT_CODES)]
     Record(RecordArgs),

@@ -76,6 +76,8 @@ pub enum FormatArg {
     TraceCmd,
     /// One JSON object per event.
     Jsonl,
+    /// A Perfetto protobuf trace on the host's CLOCK_BOOTTIME (open it in ui.perfetto.dev).
+    Perfetto,
 }
 
 impl RecordArgs {
@@ -97,6 +99,7 @@ impl RecordArgs {
             format: match self.format {
                 FormatArg::TraceCmd => RecordFormat::TraceCmd,
                 FormatArg::Jsonl => RecordFormat::Jsonl,
+                FormatArg::Perfetto => RecordFormat::Perfetto,
             },
             file_version: if self.file_version == 6 {
                 FileVersion::V6

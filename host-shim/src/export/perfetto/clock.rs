@@ -181,13 +181,7 @@ impl BootClock {
         // by ≤ ea + (ea + eb)·d/span at distance d beyond the nearer end.
         let t = u128::from(tsc);
         let (lo, hi) = (u128::from(a.tsc), u128::from(b.tsc));
-        let beyond = if t < lo {
-            lo - t
-        } else if t > hi {
-            t - hi
-        } else {
-            0
-        };
+        let beyond = lo.saturating_sub(t).max(t.saturating_sub(hi));
         let e = ea.max(eb) + ((ea + eb) * beyond).div_ceil(span_tsc) + 1;
         u64::try_from(e).unwrap_or(u64::MAX)
     }

@@ -113,7 +113,8 @@ for (const sql of queries) {
   }
   results.push({ columns, rows });
 }
-process.stdout.write(JSON.stringify({ results }) + "\n");
 channel.port1.close();
 channel.port2.close();
-process.exit(0);
+// Exit only once the answer is written: a pipe takes it in pieces, and exiting earlier would
+// cut it.
+process.stdout.write(JSON.stringify({ results }) + "\n", () => process.exit(0));

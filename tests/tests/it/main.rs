@@ -8,6 +8,7 @@ mod cli;
 mod e2e;
 mod kvm_fixtures;
 mod kvm_real;
+mod perfetto;
 mod probe;
 mod probe_bench;
 mod record;

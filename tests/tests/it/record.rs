@@ -25,7 +25,7 @@ use vmtsync_tests::{ChildGuard, have_kvm, require};
 
 use crate::kvm_fixtures::vmtsync;
 
-fn scratch(test: &str) -> tempfile::TempDir {
+pub(crate) fn scratch(test: &str) -> tempfile::TempDir {
     tempfile::Builder::new()
         .prefix(&format!("vmtsync-record-{test}-"))
         .tempdir()
@@ -52,19 +52,19 @@ fn fake_skew() -> i64 {
 }
 
 /// A scratch directory with the loopback agent listening in it.
-struct Loopback {
-    dir: tempfile::TempDir,
+pub(crate) struct Loopback {
+    pub(crate) dir: tempfile::TempDir,
     /// The `--connect` address.
-    addr: String,
+    pub(crate) addr: String,
     /// The agent's skew: an event's true host tick is its guest tick minus this.
-    skew: i64,
+    pub(crate) skew: i64,
     /// The agent thread (its result: the events its ring dropped).
-    agent: JoinHandle<u64>,
+    pub(crate) agent: JoinHandle<u64>,
 }
 
 /// Starts the loopback agent with `count` events at `rate` per second, in a scratch directory
 /// named after `test`.
-fn loopback(test: &str, count: u64, rate: u64) -> Loopback {
+pub(crate) fn loopback(test: &str, count: u64, rate: u64) -> Loopback {
     let dir = scratch(test);
     let sock = dir.path().join("agent.sock");
     let skew = fake_skew();
@@ -79,7 +79,7 @@ fn loopback(test: &str, count: u64, rate: u64) -> Loopback {
 }
 
 /// Runs `vmtsync record …` (guarded) to completion.
-fn record(args: &[&str]) -> Output {
+pub(crate) fn record(args: &[&str]) -> Output {
     crate::kvm_fixtures::guarded_output(vmtsync().arg("record").args(args), b"")
 }
 
@@ -376,7 +376,7 @@ fn sigint_ends_a_recording_with_a_complete_file() {
 }
 
 /// Tier 2 prerequisites for the QEMU tests.
-fn qemu_ready(test: &str) -> bool {
+pub(crate) fn qemu_ready(test: &str) -> bool {
     require(test, have_kvm(), "/dev/kvm is not accessible read-write")
         && require(
             test,
@@ -392,7 +392,7 @@ fn qemu_ready(test: &str) -> bool {
 }
 
 /// Boots the agent under QEMU microvm (COM1 on `sock`), waits for the socket.
-fn boot_qemu(dir: &Path, append: &str) -> (ChildGuard, PathBuf) {
+pub(crate) fn boot_qemu(dir: &Path, append: &str) -> (ChildGuard, PathBuf) {
     let elf = agent_elf().expect("agent builds");
     let sock = dir.join("com1.sock");
     let com2 = dir.join("com2.log");

@@ -168,6 +168,9 @@ pub struct TrackEvent {
     /// Field 10: the interned name.
     #[prost(uint64, optional, tag = "10")]
     pub name_iid: Option<u64>,
+    /// Field 23: the name, not interned.
+    #[prost(string, optional, tag = "23")]
+    pub name: Option<String>,
     /// Field 4: key/value arguments.
     #[prost(message, repeated, tag = "4")]
     pub debug_annotations: Vec<DebugAnnotation>,

@@ -30,11 +30,11 @@ use thiserror::Error;
 
 use self::clock::{BootClock, ClockError, ClockSnapshot};
 use self::proto::{
-    Clock, ClockSnapshot as ClockSnapshotMsg, DebugAnnotation, InternedData, InternedString,
+    Arg, Clock, ClockSnapshot as ClockSnapshotMsg, DebugAnnotation, InternedData, InternedString,
     ProcessDescriptor, TracePacket, TracePacketDefaults, TrackDescriptor, TrackEvent,
     TrackEventDefaults,
 };
-use super::{ExportError, ExportEvent, InputKind};
+use super::{ExportError, ExportEvent, InputKind, MAX_PAYLOAD};
 use crate::atomic_file::AtomicFile;
 
 /// The machine id of the guest's packets unless told otherwise (the host is 0).
@@ -141,10 +141,6 @@ pub struct PerfettoWriter {
     opts: PerfettoOptions,
     vcpus: Vec<Vcpu>,
     buf: Vec<u8>,
-    /// The payload's hex string, kept between events for its allocation.
-    hex: String,
-    /// The event packet, reused so its annotations and payload string keep their allocations.
-    event: TracePacket,
     summary: PerfettoSummary,
 }
 
@@ -176,11 +172,9 @@ impl PerfettoWriter {
         let mut w = Self {
             out: BufWriter::with_capacity(1 << 20, file),
             path: path.to_owned(),
-            event: event_template(opts.machine_id),
             opts,
             vcpus: Vec::new(),
             buf: Vec::with_capacity(256),
-            hex: String::with_capacity(32),
             summary: PerfettoSummary::default(),
         };
         let snaps: Vec<TracePacket> = w
@@ -317,58 +311,83 @@ impl PerfettoWriter {
         let first_use = v.interned[word] & bit == 0;
         v.interned[word] |= bit;
 
-        let p = &mut self.event;
-        p.timestamp = Some(ts);
-        p.trusted_packet_sequence_id = Some(FIRST_VCPU_SEQUENCE.saturating_add(e.vcpu));
-        p.interned_data = first_use.then(|| InternedData {
-            event_names: vec![InternedString {
-                iid: Some(u64::from(e.id) + 1),
-                name: Some(format!("event {}", e.id)),
-            }],
-            ..Default::default()
-        });
-        let te = p.track_event.get_or_insert_with(TrackEvent::default);
-        te.name_iid = Some(u64::from(e.id) + 1);
-        // The annotations are rebuilt in place: the vector and the payload string keep their
-        // allocations from one event to the next.
-        let a = &mut te.debug_annotations;
-        a.clear();
-        let uint = |iid, v| DebugAnnotation {
-            name_iid: Some(iid),
-            uint_value: Some(v),
-            string_value: None,
+        let seq = FIRST_VCPU_SEQUENCE.saturating_add(e.vcpu);
+        let name_iid = u64::from(e.id) + 1;
+        // The arguments, in a fixed order; the payload as lowercase hex.
+        let mut hex = [0u8; 2 * MAX_PAYLOAD];
+        for (i, &b) in e.payload.as_slice().iter().enumerate() {
+            const HEX: &[u8; 16] = b"0123456789abcdef";
+            hex[2 * i] = HEX[usize::from(b >> 4)];
+            hex[2 * i + 1] = HEX[usize::from(b & 15)];
+        }
+        let hex = std::str::from_utf8(&hex[..2 * e.payload.as_slice().len()]).unwrap_or("");
+        let mut args = [(0, Arg::Uint(0)); 6];
+        let mut n = 0;
+        let mut add = |iid, a| {
+            args[n] = (iid, a);
+            n += 1;
         };
-        a.push(uint(A_EVENT_ID, u64::from(e.id)));
-        a.push(uint(A_HOST_TSC, e.host_tsc));
+        add(A_EVENT_ID, Arg::Uint(u64::from(e.id)));
+        add(A_HOST_TSC, Arg::Uint(e.host_tsc));
         if let Some(g) = e.guest_tsc {
-            a.push(uint(A_GUEST_TSC, g));
+            add(A_GUEST_TSC, Arg::Uint(g));
         }
         if let Some((lo, hi)) = bound {
-            a.push(uint(A_LO_NS, lo));
-            a.push(uint(A_HI_NS, hi));
+            add(A_LO_NS, Arg::Uint(lo));
+            add(A_HI_NS, Arg::Uint(hi));
         }
-        if !e.payload.as_slice().is_empty() {
-            use std::fmt::Write as _;
-            let mut hex = std::mem::take(&mut self.hex);
-            hex.clear();
-            for b in e.payload.as_slice() {
-                let _ = write!(hex, "{b:02x}");
-            }
-            a.push(DebugAnnotation {
-                name_iid: Some(A_PAYLOAD),
-                uint_value: None,
-                string_value: Some(hex),
-            });
+        if !hex.is_empty() {
+            add(A_PAYLOAD, Arg::Str(hex));
         }
+        let args = &args[..n];
         self.buf.clear();
-        proto::append_packet(&self.event, &mut self.buf);
-        if let Some(te) = self.event.track_event.as_mut()
-            && let Some(hex) = te
-                .debug_annotations
-                .last_mut()
-                .and_then(|d| d.string_value.take())
-        {
-            self.hex = hex;
+        if first_use {
+            // The first event of this id on this vCPU also interns its name: the one packet
+            // kind the fast encoder does not write.
+            let packet = TracePacket {
+                timestamp: Some(ts),
+                trusted_packet_sequence_id: Some(seq),
+                machine_id: Some(self.opts.machine_id),
+                sequence_flags: Some(proto::SEQ_NEEDS_INCREMENTAL_STATE),
+                interned_data: Some(InternedData {
+                    event_names: vec![InternedString {
+                        iid: Some(name_iid),
+                        name: Some(format!("event {}", e.id)),
+                    }],
+                    ..Default::default()
+                }),
+                track_event: Some(TrackEvent {
+                    r#type: Some(proto::TYPE_INSTANT),
+                    name_iid: Some(name_iid),
+                    debug_annotations: args
+                        .iter()
+                        .map(|&(iid, a)| DebugAnnotation {
+                            name_iid: Some(iid),
+                            uint_value: match a {
+                                Arg::Uint(v) => Some(v),
+                                Arg::Str(_) => None,
+                            },
+                            string_value: match a {
+                                Arg::Str(s) => Some(s.to_owned()),
+                                Arg::Uint(_) => None,
+                            },
+                        })
+                        .collect(),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            };
+            proto::append_packet(&packet, &mut self.buf);
+        } else {
+            // Within the fast encoder's limits by construction (6 arguments, 32-byte hex).
+            let _ = proto::append_event_packet(
+                &mut self.buf,
+                ts,
+                seq,
+                self.opts.machine_id,
+                name_iid,
+                args,
+            );
         }
         self.summary.bytes += self.buf.len() as u64;
         self.summary.events += 1;
@@ -469,21 +488,6 @@ pub fn export_file(
         trace: w.finish()?,
         input,
     })
-}
-
-/// The event packet every event reuses (its timestamp, sequence, name and annotations are set
-/// per event).
-fn event_template(machine_id: u32) -> TracePacket {
-    TracePacket {
-        machine_id: Some(machine_id),
-        sequence_flags: Some(proto::SEQ_NEEDS_INCREMENTAL_STATE),
-        track_event: Some(TrackEvent {
-            r#type: Some(proto::TYPE_INSTANT),
-            debug_annotations: Vec::with_capacity(8),
-            ..Default::default()
-        }),
-        ..Default::default()
-    }
 }
 
 #[cfg(test)]

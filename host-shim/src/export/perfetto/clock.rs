@@ -94,6 +94,47 @@ pub enum ClockError {
 pub struct BootClock {
     /// Sorted by TSC, strictly increasing TSC, non-decreasing BOOTTIME, at least two.
     snaps: Vec<ClockSnapshot>,
+    /// `pairs[i]` converts through `snaps[i]` and `snaps[i + 1]`.
+    pairs: Vec<Pair>,
+}
+
+/// One pair of neighbouring snapshots, with what every conversion through it needs computed
+/// once (a conversion is then two multiplications, no division).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Pair {
+    /// The first snapshot's TSC and BOOTTIME.
+    t0: u64,
+    n0: u64,
+    /// The second snapshot's TSC.
+    t1: u64,
+    /// The rate, ns per tick, as a 64.64 fixed-point number rounded down:
+    /// `floor(span_ns · 2^64 / span_tsc)`.
+    rate: u128,
+    /// The half-resolutions of the two ends in ns at the pair's rate, rounded up, and their
+    /// sum, for [`BootClock::error_ns`].
+    e_max: u64,
+    e_sum: u128,
+    span_tsc: u128,
+}
+
+impl Pair {
+    fn new(a: &ClockSnapshot, b: &ClockSnapshot) -> Self {
+        let span_tsc = u128::from(b.tsc - a.tsc);
+        let span_ns = u128::from(b.boottime_ns - a.boottime_ns);
+        // span_ns < 2^64, so span_ns · 2^64 < 2^128; and span_tsc ≥ 1.
+        let rate = (span_ns << 64) / span_tsc;
+        let half = |r: u64| (u128::from(r) * span_ns).div_ceil(2 * span_tsc);
+        let (ea, eb) = (half(a.resolution), half(b.resolution));
+        Self {
+            t0: a.tsc,
+            n0: a.boottime_ns,
+            t1: b.tsc,
+            rate,
+            e_max: u64::try_from(ea.max(eb)).unwrap_or(u64::MAX),
+            e_sum: ea + eb,
+            span_tsc,
+        }
+    }
 }
 
 impl fmt::Debug for BootClock {
@@ -127,7 +168,8 @@ impl BootClock {
                 });
             }
         }
-        Ok(Self { snaps })
+        let pairs = snaps.windows(2).map(|w| Pair::new(&w[0], &w[1])).collect();
+        Ok(Self { snaps, pairs })
     }
 
     /// The snapshots, sorted by TSC.
@@ -138,30 +180,38 @@ impl BootClock {
 
     /// The pair whose rate converts `tsc`: the nearest snapshot at or before it and the next
     /// one (the first pair before the first snapshot, the last pair after the last).
-    fn pair(&self, tsc: u64) -> (&ClockSnapshot, &ClockSnapshot) {
-        let i = self.snaps.partition_point(|s| s.tsc <= tsc);
-        let a = i.saturating_sub(1).min(self.snaps.len() - 2);
-        (&self.snaps[a], &self.snaps[a + 1])
+    fn pair(&self, tsc: u64) -> &Pair {
+        // The common case, a recording with one pair (or events inside the last one), needs
+        // no search.
+        let last = &self.pairs[self.pairs.len() - 1];
+        if tsc >= last.t0 {
+            return last;
+        }
+        let i = self.pairs.partition_point(|p| p.t0 <= tsc);
+        &self.pairs[i.saturating_sub(1)]
     }
 
-    /// `tsc` on CLOCK_BOOTTIME, ns, rounded to the nearest ns (ties up); `None` outside the
-    /// 64-bit range.
+    /// `tsc` on CLOCK_BOOTTIME, ns, rounded to the nearest ns; `None` outside the 64-bit
+    /// range. The rate is a 64.64 fixed-point number rounded down, so the result is within
+    /// 1 ns of the exactly rounded line (exact at the snapshots themselves).
     #[must_use]
     pub fn boottime_ns(&self, tsc: u64) -> Option<u64> {
-        let (a, b) = self.pair(tsc);
-        let dt = i128::from(tsc) - i128::from(a.tsc);
-        let span_tsc = i128::from(b.tsc - a.tsc);
-        let span_ns = i128::from(b.boottime_ns - a.boottime_ns);
-        // Round to nearest: floor((2·dt·span_ns + span_tsc) / (2·span_tsc)). The product fits:
-        // |dt|, span_ns < 2^64, so 2·dt·span_ns < 2^129 is too big only in theory; both
-        // factors are 64-bit, so the i128 product overflows only past 2^126, which checked_mul
-        // catches.
-        let num = dt
-            .checked_mul(span_ns)?
-            .checked_mul(2)?
-            .checked_add(span_tsc)?;
-        let off = num.div_euclid(2 * span_tsc);
-        u64::try_from(i128::from(a.boottime_ns) + off).ok()
+        let p = self.pair(tsc);
+        // |dt| < 2^64 and rate < 2^64 · (ns per tick): the product fits for any rate below
+        // 2^64 ns per tick, which checked_mul enforces.
+        let scaled = |dt: u64| {
+            u128::from(dt)
+                .checked_mul(p.rate)?
+                .checked_add(1 << 63)
+                .map(|x| x >> 64)
+        };
+        if tsc >= p.t0 {
+            let d = u64::try_from(scaled(tsc - p.t0)?).ok()?;
+            p.n0.checked_add(d)
+        } else {
+            let d = u64::try_from(scaled(p.t0 - tsc)?).ok()?;
+            p.n0.checked_sub(d)
+        }
     }
 
     /// How far (ns) a BOOTTIME from [`Self::boottime_ns`] can be from the reading a snapshot
@@ -171,19 +221,16 @@ impl BootClock {
     /// BOOTTIME's own rate changes between snapshots (see the module docs).
     #[must_use]
     pub fn error_ns(&self, tsc: u64) -> u64 {
-        let (a, b) = self.pair(tsc);
-        let span_tsc = u128::from(b.tsc - a.tsc);
-        let span_ns = u128::from(b.boottime_ns - a.boottime_ns);
-        // Half-resolutions in ticks, as ns at the pair's rate (rounded up).
-        let ea = (u128::from(a.resolution) * span_ns).div_ceil(2 * span_tsc);
-        let eb = (u128::from(b.resolution) * span_ns).div_ceil(2 * span_tsc);
+        let p = self.pair(tsc);
         // The line through two points each off by ≤ e: off by ≤ max(ea, eb) between them and
-        // by ≤ ea + (ea + eb)·d/span at distance d beyond the nearer end.
-        let t = u128::from(tsc);
-        let (lo, hi) = (u128::from(a.tsc), u128::from(b.tsc));
-        let beyond = lo.saturating_sub(t).max(t.saturating_sub(hi));
-        let e = ea.max(eb) + ((ea + eb) * beyond).div_ceil(span_tsc) + 1;
-        u64::try_from(e).unwrap_or(u64::MAX)
+        // by ≤ max(ea, eb) + (ea + eb)·d/span at distance d beyond them.
+        let beyond = p.t0.saturating_sub(tsc).max(tsc.saturating_sub(p.t1));
+        let out = if beyond == 0 {
+            0
+        } else {
+            u64::try_from((p.e_sum * u128::from(beyond)).div_ceil(p.span_tsc)).unwrap_or(u64::MAX)
+        };
+        p.e_max.saturating_add(out).saturating_add(1)
     }
 }
 

@@ -195,6 +195,126 @@ pub fn append_packet(packet: &TracePacket, buf: &mut Vec<u8>) {
     prost::encoding::message::encode(TRACE_PACKET_FIELD, packet, buf);
 }
 
+/// An argument of an event packet written by [`append_event_packet`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Arg<'a> {
+    /// `DebugAnnotation.uint_value`.
+    Uint(u64),
+    /// `DebugAnnotation.string_value`.
+    Str(&'a str),
+}
+
+/// The most arguments [`append_event_packet`] writes.
+pub const MAX_ARGS: usize = 8;
+/// The longest string argument [`append_event_packet`] writes.
+pub const MAX_STR: usize = 64;
+
+/// Appends `v` as a varint.
+fn put_varint(buf: &mut Vec<u8>, mut v: u64) {
+    while v >= 0x80 {
+        buf.push(u8::try_from(v & 0x7f).unwrap_or(0) | 0x80);
+        v >>= 7;
+    }
+    buf.push(u8::try_from(v).unwrap_or(0));
+}
+
+/// The length of `v` as a varint.
+fn varint_len(v: u64) -> usize {
+    // 1 byte per started group of 7 bits, at least one.
+    (64 - (v | 1).leading_zeros() as usize).div_ceil(7)
+}
+
+/// Appends one instant-event packet to `buf` as a `Trace.packet` field, equal (once decoded)
+/// to the [`TracePacket`] with `timestamp`, `trusted_packet_sequence_id`, `machine_id`,
+/// `sequence_flags = SEQ_NEEDS_INCREMENTAL_STATE` and a `TYPE_INSTANT` track event with
+/// `name_iid` and one debug annotation per argument (interned name, value), but written
+/// without prost's generic path: it is the one packet written per event, and encoding it
+/// through prost (lengths computed once per nesting level, one call per varint byte) cost
+/// ~16 times the trace.dat writer's time per event. The equality is tested against prost's
+/// encoding and decoding. Returns `false`, writing nothing, for more than [`MAX_ARGS`]
+/// arguments or a string longer than [`MAX_STR`] bytes (write those with [`append_packet`]).
+pub fn append_event_packet(
+    buf: &mut Vec<u8>,
+    timestamp: u64,
+    sequence: u32,
+    machine_id: u32,
+    name_iid: u64,
+    args: &[(u64, Arg<'_>)],
+) -> bool {
+    if args.len() > MAX_ARGS
+        || args
+            .iter()
+            .any(|(_, a)| matches!(a, Arg::Str(s) if s.len() > MAX_STR))
+    {
+        return false;
+    }
+    // Lengths first (protobuf prefixes every message with its length), then the bytes straight
+    // into `buf`. Fields in tag order, as prost writes them.
+    let arg_len = |iid: u64, a: Arg<'_>| {
+        1 + varint_len(iid)
+            + match a {
+                Arg::Uint(v) => 1 + varint_len(v),
+                Arg::Str(s) => 1 + varint_len(s.len() as u64) + s.len(),
+            }
+    };
+    // The track event: debug_annotations (4, each name_iid (1) and uint_value (3) or
+    // string_value (6)), type (9), name_iid (10).
+    let ev_len: usize = args
+        .iter()
+        .map(|&(iid, a)| {
+            let n = arg_len(iid, a);
+            1 + varint_len(n as u64) + n
+        })
+        .sum::<usize>()
+        + 2
+        + 1
+        + varint_len(name_iid);
+    // The packet: timestamp (8), trusted_packet_sequence_id (10), track_event (11),
+    // sequence_flags (13), machine_id (98, a two-byte key).
+    let p_len = 1
+        + varint_len(timestamp)
+        + 1
+        + varint_len(u64::from(sequence))
+        + 1
+        + varint_len(ev_len as u64)
+        + ev_len
+        + 2
+        + 2
+        + varint_len(u64::from(machine_id));
+    buf.reserve(1 + varint_len(p_len as u64) + p_len);
+    buf.push(0x0a);
+    put_varint(buf, p_len as u64);
+    buf.push(0x40);
+    put_varint(buf, timestamp);
+    buf.push(0x50);
+    put_varint(buf, u64::from(sequence));
+    buf.push(0x5a);
+    put_varint(buf, ev_len as u64);
+    for &(iid, a) in args {
+        buf.push(0x22);
+        put_varint(buf, arg_len(iid, a) as u64);
+        buf.push(0x08);
+        put_varint(buf, iid);
+        match a {
+            Arg::Uint(v) => {
+                buf.push(0x18);
+                put_varint(buf, v);
+            }
+            Arg::Str(s) => {
+                buf.push(0x32);
+                put_varint(buf, s.len() as u64);
+                buf.extend_from_slice(s.as_bytes());
+            }
+        }
+    }
+    buf.extend_from_slice(&[0x48, u8::try_from(TYPE_INSTANT).unwrap_or(3), 0x50]);
+    put_varint(buf, name_iid);
+    buf.extend_from_slice(&[0x68, u8::try_from(SEQ_NEEDS_INCREMENTAL_STATE).unwrap_or(2)]);
+    buf.extend_from_slice(&[0x90, 0x06]);
+    put_varint(buf, u64::from(machine_id));
+    true
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -251,5 +371,82 @@ mod tests {
         };
         let bytes = p.encode_to_vec();
         assert_eq!(bytes, [0x40, 1, 0x5a, 2, 0x48, 3, 0x90, 0x06, 3]);
+    }
+
+    #[test]
+    fn the_fast_event_packet_is_prosts() {
+        let cases: [&[(u64, Arg<'_>)]; 4] = [
+            &[],
+            &[(1, Arg::Uint(0)), (2, Arg::Uint(u64::MAX))],
+            &[
+                (3, Arg::Uint(300)),
+                (5, Arg::Str("ab01")),
+                (200, Arg::Uint(1 << 40)),
+            ],
+            &[(1, Arg::Str(""))],
+        ];
+        for (i, args) in cases.iter().enumerate() {
+            for (ts, seq, machine, name) in [(0, 1, 1, 1), (u64::MAX, u32::MAX, u32::MAX, u64::MAX)]
+            {
+                let mut fast = Vec::new();
+                assert!(append_event_packet(&mut fast, ts, seq, machine, name, args));
+                let want = TracePacket {
+                    timestamp: Some(ts),
+                    trusted_packet_sequence_id: Some(seq),
+                    machine_id: Some(machine),
+                    sequence_flags: Some(SEQ_NEEDS_INCREMENTAL_STATE),
+                    track_event: Some(TrackEvent {
+                        r#type: Some(TYPE_INSTANT),
+                        name_iid: Some(name),
+                        debug_annotations: args
+                            .iter()
+                            .map(|&(iid, a)| DebugAnnotation {
+                                name_iid: Some(iid),
+                                uint_value: match a {
+                                    Arg::Uint(v) => Some(v),
+                                    Arg::Str(_) => None,
+                                },
+                                string_value: match a {
+                                    Arg::Str(s) => Some(s.to_owned()),
+                                    Arg::Uint(_) => None,
+                                },
+                            })
+                            .collect(),
+                        ..Default::default()
+                    }),
+                    ..Default::default()
+                };
+                let mut slow = Vec::new();
+                append_packet(&want, &mut slow);
+                assert_eq!(fast, slow, "case {i}: the same bytes as prost's");
+                assert_eq!(Trace::decode(fast.as_slice()).unwrap().packet, vec![want]);
+            }
+        }
+        let long = "x".repeat(MAX_STR + 1);
+        let mut buf = Vec::new();
+        assert!(!append_event_packet(
+            &mut buf,
+            0,
+            1,
+            1,
+            1,
+            &[(1, Arg::Str(&long))]
+        ));
+        assert!(buf.is_empty());
+    }
+
+    #[test]
+    fn varint_lengths() {
+        for (v, n) in [
+            (0, 1),
+            (127, 1),
+            (128, 2),
+            (16_383, 2),
+            (16_384, 3),
+            (u64::MAX, 10),
+        ] {
+            assert_eq!(varint_len(v), n, "{v}");
+            assert_eq!(prost::encoding::encoded_len_varint(v), n);
+        }
     }
 }

@@ -10,10 +10,11 @@
 //!
 //! The benchmarks:
 //! - criterion benches `timeline`, `proto`, `estimate`, `recorder` (vmtsync-core) and
-//!   `tracedat`, `kvm_scan` (vmtsync), run through `cargo bench --workspace --bench NAME`;
+//!   `tracedat`, `perfetto`, `kvm_scan` (vmtsync), run through `cargo bench --workspace --bench NAME`;
 //! - bytes per event on the wire: a full `EventBatch` of payload-less events 2600 ticks
 //!   apart, encoded by `vmtsync_core::proto::encode_frame` here;
-//! - max RSS of `examples/tracedat_write` at 1 M and 10 M events under `/usr/bin/time -v`;
+//! - max RSS of `examples/tracedat_write` and `examples/perfetto_write` at 1 M and 10 M events
+//!   under `/usr/bin/time -v`;
 //! - `bench-scan`'s separate-process `vmtsync kvm --json` over a generated debugfs tree;
 //! - the real-KVM probe benchmark (`vmtsync-probe-bench --sessions K`, its JSON line);
 //! - the agent's `.text` size (`build-agent`);
@@ -235,6 +236,7 @@ pub(crate) fn bench(args: &[String]) -> Result<()> {
         ("estimate", Box::new(|| sections::estimate(&plan, &work))),
         ("recorder", Box::new(|| sections::recorder(&plan, &work))),
         ("tracedat", Box::new(|| sections::tracedat(&plan, &work))),
+        ("perfetto", Box::new(|| sections::perfetto(&plan, &work))),
         ("scan", Box::new(|| sections::scan(&plan, &work))),
         ("probe", Box::new(|| probe::probe(&plan))),
         ("fuzz", Box::new(|| fuzz::fuzz(&opts))),
@@ -385,6 +387,8 @@ fn build_binaries(plan: &Plan) -> Result<()> {
         "vmtsync-probe-bench",
         "--example",
         "tracedat_write",
+        "--example",
+        "perfetto_write",
     ]))
 }
 
@@ -467,8 +471,8 @@ mod tests {
     #[test]
     fn the_template_names_every_section() {
         for key in [
-            "timeline", "proto", "estimate", "recorder", "tracedat", "scan", "probe", "fuzz",
-            "agent", "summary", "machine",
+            "timeline", "proto", "estimate", "recorder", "tracedat", "perfetto", "scan", "probe",
+            "fuzz", "agent", "summary", "machine",
         ] {
             assert!(
                 TEMPLATE.contains(&format!("{{{{{key}}}}}")),

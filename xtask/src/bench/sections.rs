@@ -436,13 +436,22 @@ pub(super) fn recorder(plan: &Plan, work: &Path) -> Result<Section> {
 
 /// `Maximum resident set size` of one `tracedat_write` run, in KiB, and the file's size.
 pub(super) fn max_rss(bin: &Path, file: &Path, events: u64, version: u32) -> Result<(u64, u64)> {
+    max_rss_of(bin, file, events, &["2", &version.to_string()])
+}
+
+/// `/usr/bin/time -v BIN FILE EVENTS ARGS…`: its max RSS (KiB) and the file's size.
+pub(super) fn max_rss_of(
+    bin: &Path,
+    file: &Path,
+    events: u64,
+    args: &[&str],
+) -> Result<(u64, u64)> {
     let mut cmd = Command::new("/usr/bin/time");
     cmd.arg("-v")
         .arg(bin)
         .arg(file)
         .arg(events.to_string())
-        .arg("2")
-        .arg(version.to_string());
+        .args(args);
     let shown_cmd = shown(&cmd);
     eprintln!("$ {}", display(&cmd));
     let out = cmd
@@ -648,5 +657,96 @@ pub(super) fn agent_size() -> Result<Section> {
             format!("{} B", thousands(text)),
             verdict(text <= limit),
         ]],
+    })
+}
+
+pub(super) fn perfetto(plan: &Plan, work: &Path) -> Result<Section> {
+    let r = criterion_run(plan, work, "perfetto")?;
+    let rows = [
+        (
+            "`push`, every argument (guest TSC, interval, payload: the JSON Lines case)",
+            "perfetto/push",
+        ),
+        (
+            "`push`, host TSC only (a pre-converted trace.dat)",
+            "perfetto/push_host_only",
+        ),
+        (
+            "`push` + `finish` (flush, fsync, rename)",
+            "perfetto/push_and_finish",
+        ),
+    ];
+    let mut body = criterion_table(&r, &rows, Some("event"), None)?;
+    let push = r
+        .get("perfetto/push")?
+        .per_second()
+        .context("perfetto bench has no throughput")?;
+    let _ = writeln!(
+        body,
+        "\nGoal ≥ 20 M events/s in-process (`push`, every argument): {} ({}).",
+        rate(push.median),
+        verdict(push.median >= 20e6)
+    );
+    let bin = plan.bin_dir.join("examples/perfetto_write");
+    let file = std::env::temp_dir().join(format!(
+        "vmtsync-bench-rss-{}.perfetto-trace",
+        std::process::id()
+    ));
+    let (small, large, runs) = plan.rss;
+    let mut table =
+        String::from("| events | max RSS (KiB, min / median / max) | file |\n|---:|---:|---:|\n");
+    let mut medians = Vec::new();
+    for n in [small, large] {
+        let (mut kib, mut size) = (Vec::new(), 0);
+        for _ in 0..runs {
+            let (k, bytes) = max_rss_of(&bin, &file, n, &["2"])?;
+            kib.push(k as f64);
+            size = bytes;
+        }
+        let st = Stat::of(&kib).context("no runs")?;
+        medians.push(st.median);
+        let _ = writeln!(
+            table,
+            "| {} | {} | {} MB |",
+            thousands(n),
+            st.show(|x| thousands(whole(x))),
+            sig3(size as f64 / 1e6)
+        );
+    }
+    let growth = medians[1] / medians[0] - 1.0;
+    let within = growth.abs() <= 0.10;
+    let _ = writeln!(
+        body,
+        "\nMemory: `/usr/bin/time -v {} OUT N 2` (built by `cargo build {} --example \
+         perfetto_write`), {runs} run(s) per row:\n\n{table}\n\
+         Max RSS at {} events vs {}: {:+.1} %. Goal: within 10 %: {}.",
+        rel(&bin),
+        plan.build_profile.join(" "),
+        thousands(large),
+        thousands(small),
+        growth * 100.0,
+        verdict(within),
+    );
+    Ok(Section {
+        command: criterion_command(&r),
+        body,
+        summary: vec![
+            [
+                "Perfetto `push`, in-process (every argument)".into(),
+                "≥ 20 M events/s".into(),
+                push.show(rate),
+                verdict(push.median >= 20e6),
+            ],
+            [
+                format!(
+                    "Perfetto writer max RSS, {} vs {} events",
+                    thousands(large),
+                    thousands(small)
+                ),
+                "within 10 %".into(),
+                format!("{:+.1} %", growth * 100.0),
+                verdict(within),
+            ],
+        ],
     })
 }

@@ -22,7 +22,7 @@
 pub mod clock;
 pub mod proto;
 
-use std::io::{self, BufWriter, Write};
+use std::io::{self, Write};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -39,6 +39,10 @@ use crate::atomic_file::AtomicFile;
 
 /// The machine id of the guest's packets unless told otherwise (the host is 0).
 pub const DEFAULT_MACHINE_ID: u32 = 1;
+
+/// Packets are encoded straight into one buffer, written to the file when it holds this much
+/// (an event packet is under 200 bytes, so the buffer never reallocates).
+const BUFFER: usize = 1 << 20;
 
 /// The packet sequence of the trace-wide packets (snapshots, the process track); vCPU `n`
 /// writes on sequence `FIRST_VCPU_SEQUENCE + n`.
@@ -136,7 +140,7 @@ struct Vcpu {
 /// A streaming writer of one Perfetto trace file.
 #[derive(Debug)]
 pub struct PerfettoWriter {
-    out: BufWriter<AtomicFile>,
+    out: AtomicFile,
     path: PathBuf,
     opts: PerfettoOptions,
     vcpus: Vec<Vcpu>,
@@ -170,11 +174,11 @@ impl PerfettoWriter {
         };
         let file = AtomicFile::new(path).map_err(io)?;
         let mut w = Self {
-            out: BufWriter::with_capacity(1 << 20, file),
+            out: file,
             path: path.to_owned(),
             opts,
             vcpus: Vec::new(),
-            buf: Vec::with_capacity(256),
+            buf: Vec::with_capacity(BUFFER + 4096),
             summary: PerfettoSummary::default(),
         };
         let snaps: Vec<TracePacket> = w
@@ -226,15 +230,23 @@ impl PerfettoWriter {
     }
 
     fn write_packet(&mut self, p: &TracePacket) -> Result<(), PerfettoError> {
-        self.buf.clear();
+        let before = self.buf.len();
         proto::append_packet(p, &mut self.buf);
-        self.summary.bytes += self.buf.len() as u64;
-        self.out
-            .write_all(&self.buf)
-            .map_err(|source| PerfettoError::Io {
-                path: self.path.clone(),
-                source,
-            })
+        self.summary.bytes += (self.buf.len() - before) as u64;
+        self.spill(BUFFER)
+    }
+
+    /// Writes the buffered packets to the file once they reach `at` bytes.
+    fn spill(&mut self, at: usize) -> Result<(), PerfettoError> {
+        if self.buf.len() < at {
+            return Ok(());
+        }
+        let r = self.out.write_all(&self.buf);
+        self.buf.clear();
+        r.map_err(|source| PerfettoError::Io {
+            path: self.path.clone(),
+            source,
+        })
     }
 
     /// The index of `vcpu`'s state, starting its sequence (track descriptor, defaults, interned
@@ -340,7 +352,7 @@ impl PerfettoWriter {
             add(A_PAYLOAD, Arg::Str(hex));
         }
         let args = &args[..n];
-        self.buf.clear();
+        let before = self.buf.len();
         if first_use {
             // The first event of this id on this vCPU also interns its name: the one packet
             // kind the fast encoder does not write.
@@ -389,32 +401,26 @@ impl PerfettoWriter {
                 args,
             );
         }
-        self.summary.bytes += self.buf.len() as u64;
+        self.summary.bytes += (self.buf.len() - before) as u64;
         self.summary.events += 1;
         let r = self
             .summary
             .host_tsc_range
             .get_or_insert((e.host_tsc, e.host_tsc));
         *r = (r.0.min(e.host_tsc), r.1.max(e.host_tsc));
-        self.out
-            .write_all(&self.buf)
-            .map_err(|source| PerfettoError::Io {
-                path: self.path.clone(),
-                source,
-            })
+        self.spill(BUFFER)
     }
 
     /// Flushes, syncs and renames the file into place.
     ///
     /// # Errors
     /// [`PerfettoError::Io`]; the target is then untouched.
-    pub fn finish(self) -> Result<PerfettoSummary, PerfettoError> {
-        let io = |source| PerfettoError::Io {
-            path: self.path.clone(),
-            source,
-        };
-        let file = self.out.into_inner().map_err(|e| io(e.into_error()))?;
-        file.commit().map_err(io)?;
+    pub fn finish(mut self) -> Result<PerfettoSummary, PerfettoError> {
+        self.spill(0)?;
+        let path = self.path.clone();
+        self.out
+            .commit()
+            .map_err(|source| PerfettoError::Io { path, source })?;
         let mut s = self.summary;
         if let Some((a, b)) = s.host_tsc_range {
             s.max_error_ns = self.opts.clock.error_ns(a).max(self.opts.clock.error_ns(b));

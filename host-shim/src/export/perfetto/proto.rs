@@ -209,13 +209,36 @@ pub const MAX_ARGS: usize = 8;
 /// The longest string argument [`append_event_packet`] writes.
 pub const MAX_STR: usize = 64;
 
-/// Appends `v` as a varint.
-fn put_varint(buf: &mut Vec<u8>, mut v: u64) {
-    while v >= 0x80 {
-        buf.push(u8::try_from(v & 0x7f).unwrap_or(0) | 0x80);
-        v >>= 7;
+/// Writes protobuf bytes into a slice of exactly the right length.
+struct Cursor<'a> {
+    b: &'a mut [u8],
+    n: usize,
+}
+
+impl Cursor<'_> {
+    fn byte(&mut self, x: u8) {
+        // The slice was sized from the same lengths: a miss would be a bug in them, and `get_mut`
+        // turns it into a short packet rather than a panic.
+        if let Some(slot) = self.b.get_mut(self.n) {
+            *slot = x;
+        }
+        self.n += 1;
     }
-    buf.push(u8::try_from(v).unwrap_or(0));
+
+    fn varint(&mut self, mut v: u64) {
+        while v >= 0x80 {
+            self.byte(u8::try_from(v & 0x7f).unwrap_or(0) | 0x80);
+            v >>= 7;
+        }
+        self.byte(u8::try_from(v).unwrap_or(0));
+    }
+
+    fn bytes(&mut self, x: &[u8]) {
+        if let Some(dst) = self.b.get_mut(self.n..self.n + x.len()) {
+            dst.copy_from_slice(x);
+        }
+        self.n += x.len();
+    }
 }
 
 /// The length of `v` as a varint.
@@ -259,16 +282,12 @@ pub fn append_event_packet(
     };
     // The track event: debug_annotations (4, each name_iid (1) and uint_value (3) or
     // string_value (6)), type (9), name_iid (10).
-    let ev_len: usize = args
-        .iter()
-        .map(|&(iid, a)| {
-            let n = arg_len(iid, a);
-            1 + varint_len(n as u64) + n
-        })
-        .sum::<usize>()
-        + 2
-        + 1
-        + varint_len(name_iid);
+    let mut lens = [0usize; MAX_ARGS];
+    let mut ev_len = 2 + 1 + varint_len(name_iid);
+    for (l, &(iid, a)) in lens.iter_mut().zip(args) {
+        *l = arg_len(iid, a);
+        ev_len += 1 + varint_len(*l as u64) + *l;
+    }
     // The packet: timestamp (8), trusted_packet_sequence_id (10), track_event (11),
     // sequence_flags (13), machine_id (98, a two-byte key).
     let p_len = 1
@@ -281,37 +300,46 @@ pub fn append_event_packet(
         + 2
         + 2
         + varint_len(u64::from(machine_id));
-    buf.reserve(1 + varint_len(p_len as u64) + p_len);
-    buf.push(0x0a);
-    put_varint(buf, p_len as u64);
-    buf.push(0x40);
-    put_varint(buf, timestamp);
-    buf.push(0x50);
-    put_varint(buf, u64::from(sequence));
-    buf.push(0x5a);
-    put_varint(buf, ev_len as u64);
-    for &(iid, a) in args {
-        buf.push(0x22);
-        put_varint(buf, arg_len(iid, a) as u64);
-        buf.push(0x08);
-        put_varint(buf, iid);
+    // The bytes go into a zeroed tail of exact length through a cursor: slice stores, no
+    // capacity check per byte.
+    let total = 1 + varint_len(p_len as u64) + p_len;
+    let start = buf.len();
+    buf.resize(start + total, 0);
+    let mut c = Cursor {
+        b: &mut buf[start..],
+        n: 0,
+    };
+    c.byte(0x0a);
+    c.varint(p_len as u64);
+    c.byte(0x40);
+    c.varint(timestamp);
+    c.byte(0x50);
+    c.varint(u64::from(sequence));
+    c.byte(0x5a);
+    c.varint(ev_len as u64);
+    for (&l, &(iid, a)) in lens.iter().zip(args) {
+        c.byte(0x22);
+        c.varint(l as u64);
+        c.byte(0x08);
+        c.varint(iid);
         match a {
             Arg::Uint(v) => {
-                buf.push(0x18);
-                put_varint(buf, v);
+                c.byte(0x18);
+                c.varint(v);
             }
             Arg::Str(s) => {
-                buf.push(0x32);
-                put_varint(buf, s.len() as u64);
-                buf.extend_from_slice(s.as_bytes());
+                c.byte(0x32);
+                c.varint(s.len() as u64);
+                c.bytes(s.as_bytes());
             }
         }
     }
-    buf.extend_from_slice(&[0x48, u8::try_from(TYPE_INSTANT).unwrap_or(3), 0x50]);
-    put_varint(buf, name_iid);
-    buf.extend_from_slice(&[0x68, u8::try_from(SEQ_NEEDS_INCREMENTAL_STATE).unwrap_or(2)]);
-    buf.extend_from_slice(&[0x90, 0x06]);
-    put_varint(buf, u64::from(machine_id));
+    c.bytes(&[0x48, u8::try_from(TYPE_INSTANT).unwrap_or(3), 0x50]);
+    c.varint(name_iid);
+    c.bytes(&[0x68, u8::try_from(SEQ_NEEDS_INCREMENTAL_STATE).unwrap_or(2)]);
+    c.bytes(&[0x90, 0x06]);
+    c.varint(u64::from(machine_id));
+    debug_assert_eq!(c.n, total);
     true
 }
 

@@ -71,6 +71,12 @@ impl AtomicFile {
 }
 
 impl AtomicFile {
+    /// The temporary file's path, for writers that re-read what they wrote before committing.
+    #[must_use]
+    pub fn path(&self) -> &Path {
+        self.tmp.path()
+    }
+
     /// The temporary file, for writers that need more than [`Write`] and [`Seek`] (metadata,
     /// `set_len`).
     #[must_use]

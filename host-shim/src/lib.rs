@@ -17,6 +17,7 @@
 //! - [`syncfile`]: the versioned JSON Lines sync file and `convert --sync`.
 //! - [`tracedat`]: trace-cmd's trace.dat (v6/v7): streaming guest-event writer, TIME_SHIFT,
 //!   strict reader, GUEST option on a host trace copy.
+//! - [`ftrace`]: ftrace event record layouts (`kvm:kvm_pio`) from the kernel's descriptions.
 //! - [`atomic_file`]: output files written to a temporary file and renamed into place.
 //! - [`cli`]: the command line, its errors and exit codes.
 //!
@@ -30,6 +31,7 @@ pub mod compose;
 pub mod debugfs;
 pub mod exact_convert;
 pub mod export;
+pub mod ftrace;
 pub mod hosttsc;
 pub mod probe;
 pub mod procinfo;

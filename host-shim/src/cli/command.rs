@@ -4,6 +4,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+use super::attach::{TraceCmdCommand, run_trace_cmd};
 use super::convert::{ConvertArgs, run_convert};
 use super::exit::{CliError, EXIT_CODES};
 use super::export::{ExportCommand, run_export};
@@ -64,17 +65,22 @@ pub enum Command {
     /// segments — or timestamps pre-converted to host TSC when the guest's TSC rate differs from
     /// the host's (then said in the file's uname). jsonl format: one object per event:
     /// {"schema":1,"vcpu","id","guest_tsc","host_tsc","host_lo","host_hi","payload","round"}
-    /// with [host_lo, host_hi] its guaranteed interval. perfetto format: a Perfetto trace on
-    /// the host's CLOCK_BOOTTIME, one track per vCPU. SIGINT/SIGTERM end the recording
-    /// cleanly; everything received is written.
+    /// with [host_lo, host_hi] its guaranteed interval. ctf format: a CTF 1.8 directory for
+    /// babeltrace2 on the host's TSC (docs/ctf.md). perfetto format: a Perfetto trace on the
+    /// host's CLOCK_BOOTTIME, one track per vCPU (docs/perfetto.md). SIGINT/SIGTERM end the
+    /// recording cleanly; everything received is written.
     #[command(after_help = EXIT_CODES)]
     Record(RecordArgs),
     /// TSC mapping arithmetic.
     #[command(subcommand)]
     Tsc(TscCommand),
-    /// Export a recording (`vmtsync record` output) to another tool's trace format.
+    /// Export a recording to another tool's format.
     #[command(subcommand)]
     Export(ExportCommand),
+    /// trace-cmd pipelines for Linux guests (`attach`: a guest trace.dat onto the host's
+    /// timeline).
+    #[command(subcommand, name = "trace-cmd")]
+    TraceCmd(TraceCmdCommand),
 }
 
 /// Parses the process arguments, runs the command and maps the outcome to an exit code;
@@ -104,6 +110,7 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
         Command::Record(a) => run_record_cmd(&a),
         Command::Tsc(c) => run_tsc(&c),
         Command::Export(c) => run_export(&c),
+        Command::TraceCmd(c) => run_trace_cmd(&c),
     }
 }
 

@@ -23,8 +23,10 @@ Exit codes:
   3  environment: debugfs not mounted, not root, no tracefs
   4  no VM or vCPU matches --vm / --vcpu (convert --sync: no segment for --vcpu)
   5  bad input data (convert: bad line, value out of range or malformed sync file;
-     compose: cannot compose)
-  6  refused: the vCPU runs a nested guest (guest_mode=1) and --nested-l2 was not given
+     compose: cannot compose; trace-cmd attach: malformed or truncated trace.dat;
+     export: a malformed or unsupported recording)
+  6  refused: the vCPU runs a nested guest (guest_mode=1) and --nested-l2 was not given;
+     trace-cmd attach: the TIME_SHIFT would be off by more than --max-error ticks
   7  probe: the guest agent could not be reached or stopped answering (VM gone, agent
      restarted, protocol version mismatch)
   130  probe: interrupted by SIGINT (143: by SIGTERM) before it measured anything; in
@@ -55,6 +57,9 @@ pub enum CliError {
     /// From `export perfetto` (and `record --format perfetto`'s writer).
     #[error(transparent)]
     Perfetto(#[from] crate::export::perfetto::PerfettoError),
+    /// From `export`.
+    #[error(transparent)]
+    Export(#[from] crate::export::ExportError),
     /// Bad flag values clap cannot check.
     #[error("{0}")]
     Usage(String),
@@ -100,6 +105,21 @@ pub enum CliError {
     /// Writing output.
     #[error("writing output: {0}")]
     Output(#[from] io::Error),
+    /// From `trace-cmd attach` (reading or writing a trace.dat).
+    #[error(transparent)]
+    TraceDat(#[from] crate::tracedat::TraceDatError),
+    /// `trace-cmd attach`: trace-cmd's 64-bit TIME_SHIFT arithmetic would be too coarse.
+    #[error(
+        "guest CPU {cpu}: trace-cmd's 64-bit TIME_SHIFT arithmetic would be off by up to {bound} ticks for this trace's events (limit {limit}): pass --max-error {bound} to accept that, or pre-convert the timestamps"
+    )]
+    ShiftTooCoarse {
+        /// The guest CPU.
+        cpu: usize,
+        /// The worst-case error in ticks.
+        bound: u64,
+        /// The accepted limit.
+        limit: u64,
+    },
 }
 
 impl CliError {
@@ -133,7 +153,15 @@ impl CliError {
             Self::Record(_) => 1,
             Self::Perfetto(e) => perfetto_exit_code(e),
             Self::Usage(_) => 2,
+            Self::Export(
+                crate::export::ExportError::Io { .. }
+                | crate::export::ExportError::Write { .. }
+                | crate::export::ExportError::TraceDat(crate::tracedat::TraceDatError::Io { .. }),
+            ) => 1,
+            Self::Export(_) => 5,
             Self::SyncFile(e) => sync_exit_code(e),
+            Self::TraceDat(e) => trace_dat_exit_code(e),
+            Self::ShiftTooCoarse { .. } => 6,
         }
     }
 
@@ -183,6 +211,18 @@ fn perfetto_exit_code(e: &crate::export::perfetto::PerfettoError) -> u8 {
         | PerfettoError::Clock(_) => 1,
         PerfettoError::Input(_) | PerfettoError::NotThisBoot { .. } => 5,
         PerfettoError::HostMachineId => 2,
+    }
+}
+
+/// Exit code of a trace.dat failure: 1 for I/O and a copy that does not verify, 6 for a
+/// TIME_SHIFT above the error limit, else 5 (a malformed, truncated or unsupported input, a
+/// mapping TIME_SHIFT cannot hold).
+fn trace_dat_exit_code(e: &crate::tracedat::TraceDatError) -> u8 {
+    use crate::tracedat::{TimeShiftError, TraceDatError};
+    match e {
+        TraceDatError::Io { .. } | TraceDatError::Verify { .. } => 1,
+        TraceDatError::TimeShift(TimeShiftError::AboveLimit { .. }) => 6,
+        _ => 5,
     }
 }
 

@@ -1,17 +1,24 @@
-//! `vmtsync export`: a recording's events into other tools' formats; the work is in
-//! [`crate::export`].
+//! `vmtsync export FORMAT ...`: a finished recording into another tool's format. One module
+//! per format; the work is in [`crate::export`].
 
-use std::path::PathBuf;
-
-use clap::{Args, Subcommand};
+use clap::Subcommand;
 
 use super::exit::CliError;
-use crate::export::InputKind;
-use crate::export::perfetto::{self, DEFAULT_MACHINE_ID, ExportSummary};
+use super::export_ctf::{CtfArgs, run_export_ctf};
+use super::export_perfetto::{PerfettoArgs, run_export_perfetto};
 
 /// `vmtsync export` formats.
 #[derive(Debug, Subcommand)]
 pub enum ExportCommand {
+    /// A CTF 1.8 trace directory for babeltrace2 / Trace Compass, on the host's TSC.
+    ///
+    /// From a recording (`vmtsync record` JSON Lines or trace.dat): event class
+    /// `vmtsync:event` with id, vcpu, host_tsc, guest_tsc and host_lo/host_hi when the input
+    /// has them, payload; one stream per vCPU. Timestamps are host TSC cycles on an absolute
+    /// clock of the host's TSC frequency (`babeltrace2 --clock-cycles DIR` shows them as
+    /// recorded).
+    #[command(after_help = super::exit::EXIT_CODES)]
+    Ctf(CtfArgs),
     /// A Perfetto protobuf trace (open it in ui.perfetto.dev), on the host's CLOCK_BOOTTIME.
     ///
     /// One track per vCPU under a separate machine; each event an instant `event <id>` with
@@ -24,63 +31,10 @@ pub enum ExportCommand {
     Perfetto(PerfettoArgs),
 }
 
-/// `vmtsync export perfetto` flags.
-#[derive(Debug, Args)]
-pub struct PerfettoArgs {
-    /// The recording: JSON Lines (`record --format jsonl`, with guaranteed intervals) or a
-    /// trace.dat from `vmtsync record`.
-    #[arg(long, value_name = "IN")]
-    pub from: PathBuf,
-    /// The Perfetto trace to write (written beside it, renamed into place when complete).
-    #[arg(long, value_name = "FILE")]
-    pub out: PathBuf,
-    /// The guest's machine id in the trace (the host is 0).
-    #[arg(long, value_name = "N", default_value_t = DEFAULT_MACHINE_ID, value_parser = clap::value_parser!(u32).range(1..))]
-    pub machine_id: u32,
-    /// The name of the guest's process track.
-    #[arg(long, value_name = "NAME", default_value = "vmtsync guest")]
-    pub name: String,
-}
-
-/// Runs `vmtsync export …`.
-///
-/// # Errors
-/// [`CliError`].
-pub fn run_export(c: &ExportCommand) -> Result<(), CliError> {
+/// Runs one `vmtsync export` command.
+pub(super) fn run_export(c: &ExportCommand) -> Result<(), CliError> {
     match c {
-        ExportCommand::Perfetto(a) => run_perfetto(a),
+        ExportCommand::Ctf(a) => run_export_ctf(a),
+        ExportCommand::Perfetto(a) => run_export_perfetto(a),
     }
-}
-
-fn run_perfetto(a: &PerfettoArgs) -> Result<(), CliError> {
-    let s = perfetto::export_file(&a.from, &a.out, a.machine_id, &a.name)?;
-    eprintln!("{}", perfetto_summary(&s, &a.out));
-    Ok(())
-}
-
-/// The summary line(s) of `export perfetto`.
-fn perfetto_summary(s: &ExportSummary, out: &std::path::Path) -> String {
-    let t = &s.trace;
-    let what = match s.input {
-        InputKind::Jsonl => "with guest TSCs and guaranteed intervals",
-        InputKind::TraceDatShifted => "with guest TSCs, no intervals (not in a trace.dat)",
-        InputKind::TraceDatHost => "host times only (a pre-converted trace.dat)",
-    };
-    let mut m = format!(
-        "vmtsync export perfetto: {} events on {} vCPU track(s) {what}, {} bytes -> {}; \
-         BOOTTIME from clock snapshots taken now: timestamps within {} ns of the host's \
-         BOOTTIME by the snapshots' resolution",
-        t.events,
-        t.vcpus,
-        t.bytes,
-        out.display(),
-        t.max_error_ns
-    );
-    if t.unmappable > 0 {
-        m.push_str(&format!(
-            "; {} events skipped (outside BOOTTIME's range)",
-            t.unmappable
-        ));
-    }
-    m
 }

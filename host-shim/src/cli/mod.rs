@@ -1,6 +1,7 @@
 //! The `vmtsync` command line: argument definitions, dispatch, errors and exit codes.
 //!
-//! One module per command ([`kvm`], [`convert`], [`probe`], [`record`], [`tsc`]), the top-level parser and
+//! One module per command ([`kvm`], [`convert`], [`probe`], [`record`], [`tsc`],
+//! [`attach`] for `trace-cmd attach`), the top-level parser and
 //! dispatch ([`command`]), the shared error type and exit codes ([`exit`]), SIGINT/SIGTERM
 //! handling (`signals`) and the debugfs/`/proc` source flags shared by `kvm` and `convert`
 //! ([`source`]).
@@ -20,10 +21,13 @@
 //! `convert --sync`: a sync file with no segment for `--vcpu` exits 4; a malformed sync file
 //! or input line exits 5.
 
+pub mod attach;
 pub mod command;
 pub mod convert;
 pub mod exit;
 pub mod export;
+pub mod export_ctf;
+pub mod export_perfetto;
 pub mod kvm;
 pub mod probe;
 pub mod record;

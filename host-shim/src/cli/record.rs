@@ -78,6 +78,8 @@ pub enum FormatArg {
     Jsonl,
     /// A Perfetto protobuf trace on the host's CLOCK_BOOTTIME (open it in ui.perfetto.dev).
     Perfetto,
+    /// A CTF 1.8 trace directory (babeltrace2), on the host's TSC.
+    Ctf,
 }
 
 impl RecordArgs {
@@ -100,6 +102,7 @@ impl RecordArgs {
                 FormatArg::TraceCmd => RecordFormat::TraceCmd,
                 FormatArg::Jsonl => RecordFormat::Jsonl,
                 FormatArg::Perfetto => RecordFormat::Perfetto,
+                FormatArg::Ctf => RecordFormat::Ctf,
             },
             file_version: if self.file_version == 6 {
                 FileVersion::V6
@@ -199,6 +202,12 @@ pub fn summary_text(s: &RecordSummary) -> String {
             "; timestamps pre-converted to host TSC (the guest TSC rate differs from the host's, \
              or its TSC stepped back, which trace-cmd's TIME_SHIFT cannot represent exactly; {} \
              raised to stay in order)",
+            s.clamped
+        ));
+    }
+    if s.clamped > 0 && !s.preconverted {
+        t.push_str(&format!(
+            "; {} CTF timestamps raised to their vCPU's previous one to stay in order (their host_tsc field is exact)",
             s.clamped
         ));
     }

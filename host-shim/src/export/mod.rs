@@ -25,6 +25,8 @@
 
 pub mod perfetto;
 
+pub mod ctf;
+
 use std::fs::File;
 use std::io::{self, BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
@@ -55,6 +57,7 @@ pub struct Payload {
 impl Payload {
     /// `None` if `b` is longer than [`MAX_PAYLOAD`].
     #[must_use]
+    #[inline]
     pub fn new(b: &[u8]) -> Option<Self> {
         let mut p = Self::default();
         p.bytes.get_mut(..b.len())?.copy_from_slice(b);
@@ -64,6 +67,7 @@ impl Payload {
 
     /// The bytes.
     #[must_use]
+    #[inline]
     pub fn as_slice(&self) -> &[u8] {
         &self.bytes[..usize::from(self.len)]
     }

@@ -1,5 +1,5 @@
 //! `vmtsync record`: one session that syncs the clocks and drains the guest's events into a
-//! trace file (trace-cmd's trace.dat or JSON Lines).
+//! trace file (trace-cmd's trace.dat, JSON Lines or CTF).
 //!
 //! The session: hello, an initial sync round, then event drains
 //! ([`ProbeSession::drain_events`]) interleaved with a re-sync round every `resync`, with the
@@ -59,6 +59,8 @@ pub enum RecordFormat {
     /// A Perfetto protobuf trace on the host's CLOCK_BOOTTIME (`docs/perfetto.md`), mapped by
     /// TSC/BOOTTIME snapshots taken at every sync round.
     Perfetto,
+    /// A CTF 1.8 trace directory on the host's TSC (`docs/ctf.md`).
+    Ctf,
 }
 
 /// Everything `vmtsync record` needs.
@@ -148,6 +150,9 @@ pub enum RecordError {
     /// Writing the Perfetto trace failed.
     #[error(transparent)]
     Perfetto(#[from] crate::export::perfetto::PerfettoError),
+    /// Writing the CTF trace failed.
+    #[error(transparent)]
+    Ctf(#[from] crate::export::ExportError),
     /// Writing the output failed.
     #[error("writing {path}: {source}")]
     Io {
@@ -210,9 +215,41 @@ struct Placed<'a> {
     round: u64,
 }
 
+impl Placed<'_> {
+    /// The event as the exporters see it (everything known).
+    fn export(&self) -> crate::export::ExportEvent {
+        crate::export::ExportEvent {
+            vcpu: self.vcpu,
+            id: self.id,
+            guest_tsc: Some(self.guest),
+            host_tsc: self.host,
+            bound: Some(crate::export::Bound {
+                lo: self.lo,
+                hi: self.hi,
+            }),
+            payload: crate::export::Payload::new(self.payload).unwrap_or_default(),
+        }
+    }
+}
+
+/// The CTF output: the host's TSC frequency (`ctf::host_tsc_hz`), named after the directory.
+fn create_ctf(opts: &RecordOptions) -> Result<crate::export::ctf::GuestCtf, RecordError> {
+    use crate::export::ctf;
+    let o = ctf::CtfOptions {
+        tsc_hz: ctf::host_tsc_hz()?,
+        name: opts
+            .out
+            .file_name()
+            .map_or_else(|| "vmtsync".into(), |n| n.to_string_lossy().into_owned()),
+        env: vec![("vmtsync_agent".into(), opts.probe.addr.to_string())],
+    };
+    Ok(ctf::GuestCtf::create(&opts.out, &o, ctf::GuestFields::ALL)?)
+}
+
 /// Where events go while recording.
 enum Out {
     Jsonl(jsonl::Writer),
+    Ctf(crate::export::ctf::GuestCtf),
     Spool(spool::Spool),
 }
 
@@ -240,6 +277,7 @@ pub fn run_record_on<T: StampedTransport>(
         RecordFormat::TraceCmd | RecordFormat::Perfetto => {
             Out::Spool(spool::Spool::new().map_err(RecordError::io(&opts.out))?)
         }
+        RecordFormat::Ctf => Out::Ctf(create_ctf(opts)?),
     };
     let mut st = State {
         segments: Vec::new(),
@@ -512,6 +550,7 @@ fn record_loop<T: StampedTransport>(
                 };
                 match out {
                     Out::Jsonl(w) => w.event(&placed)?,
+                    Out::Ctf(w) => w.push(&placed.export())?,
                     Out::Spool(s) => s
                         .push(b.vcpu, guest, r.id, r.payload.as_slice())
                         .map_err(RecordError::io(&opts.out))?,
@@ -548,6 +587,7 @@ fn finish(out: Out, opts: &RecordOptions, st: &State) -> Result<(bool, u64), Rec
             Ok((false, 0))
         }
         Out::Spool(s) if opts.format == RecordFormat::Perfetto => write_perfetto(s, opts, st),
+        Out::Ctf(w) => Ok((false, w.finish()?.raised)),
         Out::Spool(s) => write_trace_dat(s, opts, st),
     }
 }

@@ -2,7 +2,8 @@
 //! `trace-cmd report -i host.dat -i guest.dat` knows which host threads run the guest's vCPUs.
 //!
 //! The input is never modified. The copy is written to a temporary file beside the output,
-//! re-read and checked, synced, and renamed onto the output.
+//! re-read and checked, synced, and renamed onto the output (`copy_with_options`, which
+//! `vmtsync trace-cmd attach` also uses to add a TIME_SHIFT to a guest trace).
 //!
 //! The cheapest correct edit per version (details in `docs/trace-dat.md`):
 //! - **v7**: the file is copied byte for byte (`copy_file_range`), then a new options section
@@ -23,6 +24,7 @@ use super::consts::{PAGE_SIZE, option};
 use super::error::TraceDatError;
 use super::reader::{self, Layout};
 use super::writer::Strings;
+use crate::atomic_file::AtomicFile;
 
 /// The guest a host trace is annotated with (the GUEST option, trace-cmd's layout).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -66,17 +68,6 @@ pub fn copy_host_trace(
     guest: &GuestInfo,
     trace_id: Option<u64>,
 ) -> Result<HostCopySummary, TraceDatError> {
-    let same = |a: &Path, b: &Path| match (a.canonicalize(), b.canonicalize()) {
-        (Ok(a), Ok(b)) => a == b,
-        _ => false,
-    };
-    if same(input, output) {
-        return Err(TraceDatError::Unsupported {
-            path: output.to_path_buf(),
-            reason: "the output is the input: inputs are never modified, name another output"
-                .into(),
-        });
-    }
     if guest
         .vcpu_pids
         .iter()
@@ -88,6 +79,7 @@ pub fn copy_host_trace(
                 .into(),
         });
     }
+    refuse_same_file(input, output)?;
     let layout = reader::read_layout(input)?;
     let existing = layout.trace_id();
     let (host_trace_id, add_id) = match (existing, trace_id) {
@@ -101,34 +93,19 @@ pub fn copy_host_trace(
         put(&mut opts, option::TRACEID, &host_trace_id.to_le_bytes());
     }
     put(&mut opts, option::GUEST, &guest_option(guest));
-
-    let dir = match output.parent() {
-        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
-        _ => PathBuf::from("."),
-    };
-    let name = output
-        .file_name()
-        .map_or_else(|| "host.dat".into(), |n| n.to_string_lossy().into_owned());
-    let mut tmp = tempfile::Builder::new()
-        .prefix(&format!(".{name}."))
-        .suffix(".tmp")
-        // A trace is an ordinary output file (tempfile's default would be 0600).
-        .permissions(std::os::unix::fs::PermissionsExt::from_mode(0o644))
-        .tempfile_in(&dir)
-        .map_err(TraceDatError::io("create a temporary file in", &dir))?;
-    let mut src = File::open(input).map_err(TraceDatError::io("open", input))?;
-    let tmp_path = tmp.path().to_path_buf();
-    let io = |what| TraceDatError::io(what, &tmp_path);
-    let expect = match layout.version {
-        7 => append_v7(&layout, &mut src, tmp.as_file_mut(), &opts, &tmp_path)?,
-        _ => insert_v6(&layout, &mut src, tmp.as_file_mut(), &opts, &tmp_path)?,
-    };
-    tmp.as_file().sync_all().map_err(io("sync"))?;
-    let bytes = verify_copy(&tmp_path, &expect, guest, host_trace_id)?;
-    tmp.persist(output).map_err(|e| TraceDatError::Io {
-        what: "rename the copy onto",
-        path: output.to_path_buf(),
-        source: e.error,
+    let bytes = copy_with_options(input, output, &layout, &opts, |path, l| {
+        let bad = |reason: &str| TraceDatError::Verify {
+            path: path.to_path_buf(),
+            reason: reason.into(),
+        };
+        if l.trace_id() != Some(host_trace_id) {
+            return Err(bad("TRACEID does not read back"));
+        }
+        let want = guest_option(guest);
+        if l.options_with(option::GUEST).last().map(|o| &o.data) != Some(&want) {
+            return Err(bad("GUEST option does not read back"));
+        }
+        Ok(())
     })?;
     Ok(HostCopySummary {
         path: output.to_path_buf(),
@@ -137,6 +114,58 @@ pub fn copy_host_trace(
         added_trace_id: add_id,
         bytes,
     })
+}
+
+/// Refuses an output that is the input (inputs are never modified).
+pub(super) fn refuse_same_file(input: &Path, output: &Path) -> Result<(), TraceDatError> {
+    match (input.canonicalize(), output.canonicalize()) {
+        (Ok(a), Ok(b)) if a == b => Err(TraceDatError::Unsupported {
+            path: output.to_path_buf(),
+            reason: "the output is the input: inputs are never modified, name another output"
+                .into(),
+        }),
+        _ => Ok(()),
+    }
+}
+
+/// Writes a copy of `input` (whose layout is `layout`) with the encoded options `opts` (no
+/// DONE) added, the cheapest correct way for its version (module docs), to a temporary file
+/// beside `output`; re-reads it (buffers, option count, then `check`), syncs it and renames it
+/// onto `output`. Returns the copy's length. The input is only read.
+///
+/// # Errors
+/// As the readers; `Verify` if the copy does not read back as intended; `Io` otherwise.
+pub(super) fn copy_with_options(
+    input: &Path,
+    output: &Path,
+    layout: &Layout,
+    opts: &[u8],
+    check: impl FnOnce(&Path, &Layout) -> Result<(), TraceDatError>,
+) -> Result<u64, TraceDatError> {
+    refuse_same_file(input, output)?;
+    let tmp = AtomicFile::new(output)
+        .map_err(TraceDatError::io("create a temporary file beside", output))?;
+    let tmp_path = tmp.path().to_path_buf();
+    let io = |what| TraceDatError::io(what, &tmp_path);
+    // A trace is an ordinary output file (the temporary file starts as 0600).
+    tmp.as_file()
+        .set_permissions(std::os::unix::fs::PermissionsExt::from_mode(0o644))
+        .map_err(io("chmod"))?;
+    let mut src = File::open(input).map_err(TraceDatError::io("open", input))?;
+    let mut out = tmp.as_file();
+    let expect = match layout.version {
+        7 => append_v7(layout, &mut src, &mut out, opts, &tmp_path)?,
+        _ => insert_v6(layout, &mut src, &mut out, opts, &tmp_path)?,
+    };
+    out.sync_all().map_err(io("sync"))?;
+    let l = verify_copy(&tmp_path, &expect)?;
+    check(&tmp_path, &l)?;
+    tmp.commit().map_err(|e| TraceDatError::Io {
+        what: "rename the copy onto",
+        path: output.to_path_buf(),
+        source: e,
+    })?;
+    Ok(l.file_len)
 }
 
 /// What the copy must look like: the input's buffers with data moved by `shift` bytes.
@@ -148,7 +177,7 @@ struct Expect {
 fn append_v7(
     layout: &Layout,
     src: &mut File,
-    out: &mut File,
+    out: &mut &File,
     opts: &[u8],
     out_path: &Path,
 ) -> Result<Expect, TraceDatError> {
@@ -188,7 +217,7 @@ fn append_v7(
 fn insert_v6(
     layout: &Layout,
     src: &mut File,
-    out: &mut File,
+    out: &mut &File,
     opts: &[u8],
     out_path: &Path,
 ) -> Result<Expect, TraceDatError> {
@@ -221,7 +250,7 @@ fn insert_v6(
     let ins = opts.len() as u64;
     let shift = ins.next_multiple_of(ps);
     // prefix | new options | end marker, "flyrecord", table, clock | padding | the rest.
-    let copy = |out: &mut File, from: u64, len: u64| -> Result<(), TraceDatError> {
+    let copy = |out: &mut &File, from: u64, len: u64| -> Result<(), TraceDatError> {
         let mut part = src.try_clone().map_err(io("read the host trace for"))?;
         std::io::Seek::seek(&mut part, std::io::SeekFrom::Start(from))
             .map_err(io("read the host trace for"))?;
@@ -244,7 +273,7 @@ fn insert_v6(
     // Patch the top table (moved by `ins`), the BUFFER options (not moved) and the instance
     // tables (moved by `shift`).
     let fly = layout.flyrecord.unwrap_or(0);
-    let patch_table = |out: &mut File, table_at: u64, cpus: &[reader::CpuData]| {
+    let patch_table = |out: &mut &File, table_at: u64, cpus: &[reader::CpuData]| {
         for (i, c) in cpus.iter().enumerate() {
             let at = table_at + 16 * i as u64;
             let off = if c.size > 0 || c.offset >= fly_end {
@@ -297,12 +326,7 @@ fn count_options(opts: &[u8]) -> usize {
     n
 }
 
-fn verify_copy(
-    path: &Path,
-    expect: &Expect,
-    guest: &GuestInfo,
-    host_trace_id: u64,
-) -> Result<u64, TraceDatError> {
+fn verify_copy(path: &Path, expect: &Expect) -> Result<Layout, TraceDatError> {
     let bad = |reason: String| TraceDatError::Verify {
         path: path.to_path_buf(),
         reason,
@@ -322,14 +346,7 @@ fn verify_copy(
             expect.buffers
         )));
     }
-    if l.trace_id() != Some(host_trace_id) {
-        return Err(bad("TRACEID does not read back".into()));
-    }
-    let want = guest_option(guest);
-    if l.options_with(option::GUEST).last().map(|o| &o.data) != Some(&want) {
-        return Err(bad("GUEST option does not read back".into()));
-    }
-    Ok(l.file_len)
+    Ok(l)
 }
 
 /// GUEST: `name\0, u64 guest trace id, u32 count, {u32 guest cpu, u32 host pid}…`.
@@ -350,7 +367,7 @@ fn guest_option(g: &GuestInfo) -> Vec<u8> {
     b
 }
 
-fn put(b: &mut Vec<u8>, id: u16, data: &[u8]) {
+pub(super) fn put(b: &mut Vec<u8>, id: u16, data: &[u8]) {
     b.extend_from_slice(&id.to_le_bytes());
     b.extend_from_slice(&u32::try_from(data.len()).unwrap_or(u32::MAX).to_le_bytes());
     b.extend_from_slice(data);
@@ -358,7 +375,7 @@ fn put(b: &mut Vec<u8>, id: u16, data: &[u8]) {
 
 /// A fresh id from the standard library's per-process random hash keys (no crate needed for
 /// one 64-bit value).
-fn random_id() -> u64 {
+pub(super) fn random_id() -> u64 {
     use std::hash::{BuildHasher, Hasher};
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
     h.write_u128(

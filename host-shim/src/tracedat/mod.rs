@@ -16,6 +16,7 @@
 //!   error of its 64-bit arithmetic.
 //! - [`reader`]: layout and events with the byte offset of the first damage or truncation.
 //! - [`hostcopy`]: [`copy_host_trace`], a host trace.dat copied with GUEST (and TRACEID).
+//! - [`attach`]: [`attach_time_shift`], someone else's guest trace.dat copied with a TIME_SHIFT.
 //!
 //! # Writing a guest trace
 //!
@@ -50,6 +51,7 @@
 //! [`WriterOptions::max_shift_error`] is refused; the target path only ever holds a complete,
 //! verified file; no file content makes the reader panic.
 
+pub mod attach;
 pub mod consts;
 mod error;
 pub mod format;
@@ -59,8 +61,12 @@ pub mod reader;
 pub mod timeshift;
 pub mod writer;
 
+pub use attach::{AttachSummary, attach_time_shift, trace_cpus};
 pub use error::TraceDatError;
 pub use hostcopy::{GuestInfo, HostCopySummary, copy_host_trace};
-pub use reader::{Event, Layout, read_layout, verify_file};
+pub use reader::{
+    Event, EventFormat, Layout, cpu_time_ranges, for_each_record, read_event_formats, read_layout,
+    verify_file,
+};
 pub use timeshift::{ShiftMode, SyncSegment, TimeShift, TimeShiftError};
 pub use writer::{FileVersion, Summary, TraceDatWriter, Tsc2Nsec, WriterOptions};

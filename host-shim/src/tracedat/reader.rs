@@ -7,9 +7,10 @@
 //! by the file length first). trace-cmd's own `report` exits 0 on a truncated file; this is the
 //! check to rely on.
 //!
-//! Compressed sections (what `trace-cmd extract` writes here) are walked, not decompressed:
-//! enough to find and extend the options chain of a host file. Events are read only from
-//! uncompressed flyrecord data.
+//! Compressed sections (what `trace-cmd extract` writes here: zstd) are decompressed with
+//! `ruzstd` where their content is needed (event formats, CPU data), one section or one chunk
+//! at a time, each bounded before anything is allocated; the options chain is read in place.
+//! The layouts of a compressed section and of compressed CPU data are in `docs/trace-dat.md`.
 
 use std::collections::BTreeSet;
 use std::fs::File;
@@ -96,10 +97,16 @@ pub struct Layout {
     pub options_end: u64,
     /// v7: total uncompressed size of the STRINGS sections (the next string's id).
     pub strings_size: u64,
+    /// v7: whether the file has a strings section (`trace-cmd restore` writes none; any other
+    /// file without one was cut at a section boundary).
+    pub has_strings: bool,
     /// v6: offset of the top buffer's `"flyrecord\0"`.
     pub flyrecord: Option<u64>,
     /// v6: offset just past the top buffer's CPU table and clock (where padding begins).
     pub flyrecord_end: Option<u64>,
+    /// v6: the file range of the ftrace and event formats blocks (from the ftrace format count
+    /// to the end of the last event format).
+    pub v6_formats: Option<(u64, u64)>,
 }
 
 impl Layout {
@@ -329,16 +336,24 @@ fn read_v7(src: &Src, mut c: Cur<'_>, page_size: u32) -> Result<Layout, TraceDat
         });
         c.pos = body + size;
     }
-    // trace-cmd writes the strings section last; a file cut at a section boundary loses it.
-    if !strings_found {
-        return Err(src.err(src.len, "no strings section (truncated?)"));
-    }
+    // trace-cmd writes the strings section last, so a file cut at a section boundary loses it;
+    // but `trace-cmd restore` writes files without one, which trace-cmd reads. The layout says
+    // so and `verify_file` (the check for files that must be complete) refuses it.
     let find = |off: u64, id: u16, what: &str| {
         sections
             .iter()
             .find(|s| s.offset == off && s.id == id)
             .copied()
-            .ok_or_else(|| src.err(off, format!("{what}: no section {id} starts here")))
+            .ok_or_else(|| {
+                if off >= src.len {
+                    src.err(
+                        src.len,
+                        format!("{what} at {off}: past the end of the file (truncated?)"),
+                    )
+                } else {
+                    src.err(off, format!("{what}: no section {id} starts here"))
+                }
+            })
     };
     let mut options = Vec::new();
     let mut seen = BTreeSet::new();
@@ -422,8 +437,10 @@ fn read_v7(src: &Src, mut c: Cur<'_>, page_size: u32) -> Result<Layout, TraceDat
         buffers,
         options_end,
         strings_size,
+        has_strings: strings_found,
         flyrecord: None,
         flyrecord_end: None,
+        v6_formats: None,
     })
 }
 
@@ -475,6 +492,7 @@ fn read_v6(src: &Src, mut c: Cur<'_>, page_size: u32) -> Result<Layout, TraceDat
     c.expect(b"header_event\0", "\"header_event\"")?;
     let n = c.u64("header_event size")?;
     c.skip(n, "header_event")?;
+    let v6_formats = c.pos;
     let count = c.u32("ftrace format count")?;
     for _ in 0..count {
         let n = c.u64("ftrace format size")?;
@@ -489,6 +507,7 @@ fn read_v6(src: &Src, mut c: Cur<'_>, page_size: u32) -> Result<Layout, TraceDat
             c.skip(n, "event format")?;
         }
     }
+    let v6_formats_end = c.pos;
     let n = c.u32("kallsyms size")?;
     c.skip(u64::from(n), "kallsyms")?;
     let n = c.u32("printk formats size")?;
@@ -568,8 +587,10 @@ fn read_v6(src: &Src, mut c: Cur<'_>, page_size: u32) -> Result<Layout, TraceDat
         buffers,
         options_end,
         strings_size: 0,
+        has_strings: false,
         flyrecord,
         flyrecord_end,
+        v6_formats: Some((v6_formats, v6_formats_end)),
     })
 }
 
@@ -609,57 +630,529 @@ pub struct Event {
     pub payload: [u8; MAX_PAYLOAD],
 }
 
-/// Calls `f` for every event of `buffer`'s CPU data in `path`, CPU by CPU in file order, page
-/// by page (constant memory). Returns the number of events.
+/// Largest uncompressed metadata section decompressed into memory. The event formats of a
+/// kernel with every tracepoint are a few hundred KiB; kallsyms (MiBs) is never decompressed.
+const MAX_SECTION: u64 = 256 << 20;
+/// Highest CPU number + 1 a trace may use (bounds per-CPU tables built from file contents).
+pub const MAX_CPUS: usize = 1 << 16;
+/// Largest uncompressed chunk of CPU data (trace-cmd writes chunks of a few pages).
+const MAX_CHUNK: u64 = 64 << 20;
+/// Largest zstd window a frame may ask the decoder to allocate (the decoder's own default is
+/// 128 MiB; a chunk is far smaller, so this bounds what a hostile frame header can claim).
+const MAX_ZSTD_WINDOW: u64 = 64 << 20;
+
+/// Decompresses `input` (one or more zstd frames) into exactly `out.len()` bytes.
+fn unzstd(input: &[u8], out: &mut [u8]) -> Result<(), String> {
+    let mut d = ruzstd::decoding::FrameDecoder::new();
+    d.set_max_window_size(MAX_ZSTD_WINDOW);
+    match d.decode_all(input, out) {
+        Ok(n) if n == out.len() => Ok(()),
+        Ok(n) => Err(format!(
+            "zstd data holds {n} bytes, the header says {}",
+            out.len()
+        )),
+        Err(e) => Err(format!("zstd: {e}")),
+    }
+}
+
+impl Src {
+    /// The body of the v7 section whose header is at `offset`, decompressed if it is
+    /// compressed (`u32 compressed size, u32 uncompressed size, data`), at most `cap` bytes.
+    fn section_body(&self, sec: &SectionRec, cap: u64) -> Result<Vec<u8>, TraceDatError> {
+        let body = sec.offset + SECTION_HEADER_SIZE;
+        if sec.flags & SEC_FL_COMPRESS == 0 {
+            if sec.size > cap {
+                return Err(self.err(
+                    sec.offset + 8,
+                    format!(
+                        "section of {} bytes is larger than the {cap} we read",
+                        sec.size
+                    ),
+                ));
+            }
+            return self.bytes(body, sec.size, "section body");
+        }
+        let mut c = Cur {
+            src: self,
+            pos: body,
+        };
+        let zsize = u64::from(c.u32("compressed section: compressed size")?);
+        let usize_ = u64::from(c.u32("compressed section: uncompressed size")?);
+        if 8 + zsize > sec.size {
+            return Err(self.err(
+                body,
+                format!(
+                    "compressed size {zsize} runs past its section of {} bytes",
+                    sec.size
+                ),
+            ));
+        }
+        if usize_ > cap {
+            return Err(self.err(
+                body + 4,
+                format!("uncompressed size {usize_} is larger than the {cap} we accept"),
+            ));
+        }
+        let z = self.bytes(body + 8, zsize, "compressed section data")?;
+        let mut out = vec![0; usize::try_from(usize_).unwrap_or(0)];
+        unzstd(&z, &mut out).map_err(|e| self.err(body + 8, e))?;
+        Ok(out)
+    }
+}
+
+/// One event format stored in a trace.dat: an ftrace-internal one (system `"ftrace"`) or an
+/// event's `format` file as tracefs printed it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EventFormat {
+    /// Event system (`"ftrace"` for the ftrace formats block, else the directory name).
+    pub system: String,
+    /// The `name:` line of the format text (empty if it has none).
+    pub name: String,
+    /// The `ID:` line (the records' `common_type`), `None` if missing or not a `u16`.
+    pub id: Option<u16>,
+    /// The whole format text, as tracefs printed it.
+    pub format: String,
+}
+
+/// Parses the `count, {u64 size, text}…` list of one system out of `b` from `*at`.
+fn format_list(
+    b: &[u8],
+    at: &mut usize,
+    system: &str,
+    out: &mut Vec<EventFormat>,
+) -> Result<(), String> {
+    let take = |at: &mut usize, n: usize, what: &str| -> Result<std::ops::Range<usize>, String> {
+        let end = at.checked_add(n).filter(|&e| e <= b.len()).ok_or_else(|| {
+            format!(
+                "{what} of {n} bytes at {at} runs past the {} bytes of the block",
+                b.len()
+            )
+        })?;
+        let r = *at..end;
+        *at = end;
+        Ok(r)
+    };
+    let r = take(at, 4, "format count")?;
+    let count = u32::from_le_bytes(b[r].try_into().unwrap_or([0; 4]));
+    for _ in 0..count {
+        let r = take(at, 8, "format size")?;
+        let n = u64::from_le_bytes(b[r].try_into().unwrap_or([0; 8]));
+        let r = take(at, usize::try_from(n).unwrap_or(usize::MAX), "format text")?;
+        let format = String::from_utf8_lossy(&b[r]).into_owned();
+        let line = |key: &str| {
+            format
+                .lines()
+                .find_map(|l| l.strip_prefix(key))
+                .map(|v| v.trim().to_string())
+        };
+        out.push(EventFormat {
+            system: system.to_string(),
+            name: line("name:").unwrap_or_default(),
+            id: line("ID:").and_then(|v| v.parse().ok()),
+            format,
+        });
+    }
+    Ok(())
+}
+
+/// Parses an event formats block: `u32 systems, {name\0, format list}…`.
+fn system_lists(b: &[u8], out: &mut Vec<EventFormat>) -> Result<(), String> {
+    let systems = b
+        .get(..4)
+        .map(|v| u32::from_le_bytes(v.try_into().unwrap_or([0; 4])))
+        .ok_or("event formats block shorter than its system count")?;
+    let mut at = 4;
+    for _ in 0..systems {
+        let rest = b.get(at..).unwrap_or(&[]);
+        let nul = rest
+            .iter()
+            .position(|&c| c == 0)
+            .ok_or_else(|| format!("system name at {at} is not NUL-terminated"))?;
+        let system = String::from_utf8_lossy(&rest[..nul]).into_owned();
+        at += nul + 1;
+        format_list(b, &mut at, &system, out)?;
+    }
+    Ok(())
+}
+
+/// The event formats stored in the file at `path`: the ftrace formats (system `"ftrace"`)
+/// first, then every system's events in file order. Compressed v7 sections are decompressed.
 ///
 /// # Errors
-/// `Parse` with the failing offset for a malformed page or event, `Unsupported` for compressed
-/// data.
+/// `Parse` with the offset of the damaged block (for a compressed section: of its data; the
+/// reason names the byte inside the uncompressed block).
+pub fn read_event_formats(path: &Path, layout: &Layout) -> Result<Vec<EventFormat>, TraceDatError> {
+    let src = Src::open(path)?;
+    let mut out = Vec::new();
+    if layout.version == 6 {
+        let (at, end) = layout
+            .v6_formats
+            .ok_or_else(|| src.err(0, "v6 layout without the formats range"))?;
+        // The blocks are inline and were bounds-checked by `read_layout`; read them as one.
+        if end.saturating_sub(at) > MAX_SECTION {
+            return Err(src.err(at, "event formats larger than 256 MiB"));
+        }
+        let n = end.saturating_sub(at);
+        let b = src.bytes(at, n, "event formats")?;
+        let mut pos = 0;
+        format_list(&b, &mut pos, "ftrace", &mut out).map_err(|e| src.err(at, e))?;
+        let events_at = at + pos as u64;
+        system_lists(&b[pos..], &mut out).map_err(|e| src.err(events_at, e))?;
+        return Ok(out);
+    }
+    for (id, system) in [
+        (option::FTRACE_EVENTS, Some("ftrace")),
+        (option::EVENT_FORMATS, None),
+    ] {
+        let Some(o) = layout.options_with(id).last() else {
+            continue;
+        };
+        let off = o
+            .data
+            .get(..8)
+            .map(|b| u64::from_le_bytes(b.try_into().unwrap_or([0; 8])))
+            .ok_or_else(|| src.err(o.offset, "formats option shorter than 8 bytes"))?;
+        let sec = layout
+            .sections
+            .iter()
+            .find(|s| s.offset == off && s.id == id)
+            .ok_or_else(|| {
+                src.err(
+                    o.offset,
+                    format!("formats option points at {off}, where no section {id} starts"),
+                )
+            })?;
+        let b = src.section_body(sec, MAX_SECTION)?;
+        let at = sec.offset + SECTION_HEADER_SIZE;
+        let r = match system {
+            Some(s) => format_list(&b, &mut 0, s, &mut out),
+            None => system_lists(&b, &mut out),
+        };
+        r.map_err(|e| src.err(at, format!("section {id} (uncompressed): {e}")))?;
+    }
+    Ok(out)
+}
+
+/// Where a page's bytes came from, to name the failing byte in an error.
+#[derive(Clone, Copy)]
+enum PageAt {
+    /// The page starts at this file offset.
+    File(u64),
+    /// The page starts at byte `1` of the uncompressed chunk whose header is at file offset `0`.
+    Chunk(u64, u64),
+}
+
+impl Src {
+    fn page_err(&self, at: PageAt, byte: usize, what: &str) -> TraceDatError {
+        match at {
+            PageAt::File(p) => self.err(p + byte as u64, what),
+            PageAt::Chunk(c, p) => self.err(
+                c,
+                format!(
+                    "compressed chunk here, uncompressed byte {}: {what}",
+                    p + byte as u64
+                ),
+            ),
+        }
+    }
+}
+
+/// A record callback that may reject a record: `Err((byte in the record, reason))`.
+type RecordFn<'a> = dyn FnMut(u32, u64, &[u8]) -> Result<(), (usize, &'static str)> + 'a;
+
+/// Calls `f(cpu, ts, data)` for every data record of `buffer`'s CPU data in `path`, CPU by CPU
+/// in file order, page by page: `ts` is the record's raw timestamp (deltas, time extends and
+/// absolute stamps applied), `data` the record's bytes (`common_type` first; with the ring
+/// buffer's 4-byte alignment padding). Compressed CPU data is decompressed one chunk at a
+/// time, so memory stays constant (one chunk, at most 64 MiB) whatever the file's size.
+/// Returns the number of records.
+///
+/// # Errors
+/// `Parse` with the failing offset for a malformed page, record or compressed chunk.
+pub fn for_each_record(
+    path: &Path,
+    layout: &Layout,
+    buffer: usize,
+    mut f: impl FnMut(u32, u64, &[u8]),
+) -> Result<u64, TraceDatError> {
+    records(path, layout, buffer, &mut |cpu, ts, data| {
+        f(cpu, ts, data);
+        Ok(())
+    })
+}
+
+fn records(
+    path: &Path,
+    layout: &Layout,
+    buffer: usize,
+    f: &mut RecordFn<'_>,
+) -> Result<u64, TraceDatError> {
+    let src = Src::open(path)?;
+    let Some(b) = layout.buffers.get(buffer) else {
+        return Ok(0);
+    };
+    let ps = u64::from(layout.page_size);
+    let mut page = vec![0; layout.page_size as usize];
+    let mut bufs = (Vec::new(), Vec::new());
+    let mut n = 0;
+    for cd in b.cpus.iter().filter(|c| c.size > 0) {
+        if !b.compressed {
+            let mut at = cd.offset;
+            let end = cd.offset + cd.size;
+            while at < end {
+                let len = ps.min(end - at);
+                let page = &mut page[..usize::try_from(len).unwrap_or(0)];
+                src.read_into(at, page, "ring buffer page")?;
+                n += walk_page(&src, PageAt::File(at), page, cd.cpu, f)?;
+                at += len;
+            }
+            continue;
+        }
+        let mut chunks = Chunks::open(&src, layout, cd)?;
+        while let Some(h) = chunks.next(&src, ps)? {
+            n += walk_chunk(&src, layout, h, cd.cpu, &mut bufs, f)?;
+        }
+    }
+    Ok(n)
+}
+
+/// One compressed chunk's header: where it is and its two sizes.
+#[derive(Clone, Copy)]
+struct ChunkHdr {
+    /// File offset of the chunk's 8-byte header.
+    at: u64,
+    zsize: u64,
+    usize_: u64,
+}
+
+/// The chunk headers of one CPU's compressed data, read one at a time: `u32 chunk count`,
+/// then `{u32 compressed size, u32 uncompressed size, data}` per chunk. trace-cmd's CPU size
+/// counts the bytes after the count word; the chunks must also stay inside their flyrecord
+/// section.
+struct Chunks {
+    pos: u64,
+    end: u64,
+    left: u32,
+    cpu: u32,
+}
+
+impl Chunks {
+    fn open(src: &Src, layout: &Layout, cd: &CpuData) -> Result<Self, TraceDatError> {
+        let sec_end = layout
+            .sections
+            .iter()
+            .find(|s| {
+                s.id == option::BUFFER
+                    && s.offset < cd.offset
+                    && cd.offset < s.offset + SECTION_HEADER_SIZE + s.size
+            })
+            .map_or(0, |s| s.offset + SECTION_HEADER_SIZE + s.size);
+        let end = sec_end.min(cd.offset.saturating_add(4).saturating_add(cd.size));
+        let mut c = Cur {
+            src,
+            pos: cd.offset,
+        };
+        let left = c.u32("compressed CPU data: chunk count")?;
+        Ok(Self {
+            pos: c.pos,
+            end,
+            left,
+            cpu: cd.cpu,
+        })
+    }
+
+    fn next(&mut self, src: &Src, ps: u64) -> Result<Option<ChunkHdr>, TraceDatError> {
+        if self.left == 0 {
+            return Ok(None);
+        }
+        self.left -= 1;
+        let at = self.pos;
+        let mut c = Cur { src, pos: at };
+        let zsize = u64::from(c.u32("compressed chunk size")?);
+        let usize_ = u64::from(c.u32("uncompressed chunk size")?);
+        if c.pos + zsize > self.end {
+            return Err(src.err(
+                at,
+                format!(
+                    "CPU {} chunk of {zsize} compressed bytes runs past the CPU's data at {} (truncated?)",
+                    self.cpu, self.end
+                ),
+            ));
+        }
+        if usize_ > MAX_CHUNK || usize_ % ps != 0 {
+            return Err(src.err(
+                at + 4,
+                format!(
+                    "uncompressed chunk size {usize_} is not a multiple of the page size up to {MAX_CHUNK}"
+                ),
+            ));
+        }
+        self.pos = c.pos + zsize;
+        Ok(Some(ChunkHdr { at, zsize, usize_ }))
+    }
+}
+
+/// Decompresses one chunk into `bufs.1` (reusing both buffers) and walks its pages.
+fn walk_chunk(
+    src: &Src,
+    layout: &Layout,
+    h: ChunkHdr,
+    cpu: u32,
+    bufs: &mut (Vec<u8>, Vec<u8>),
+    f: &mut RecordFn<'_>,
+) -> Result<u64, TraceDatError> {
+    let (zbuf, chunk) = bufs;
+    zbuf.resize(usize::try_from(h.zsize).unwrap_or(0), 0);
+    src.read_into(h.at + 8, zbuf, "compressed chunk")?;
+    chunk.resize(usize::try_from(h.usize_).unwrap_or(0), 0);
+    unzstd(zbuf, chunk).map_err(|e| src.err(h.at + 8, e))?;
+    let mut n = 0;
+    for (i, page) in chunk.chunks(layout.page_size as usize).enumerate() {
+        let where_ = PageAt::Chunk(h.at, i as u64 * u64::from(layout.page_size));
+        n += walk_page(src, where_, page, cpu, f)?;
+    }
+    Ok(n)
+}
+
+/// Each CPU's raw timestamp range `(first, last)` over every buffer of the file, indexed by
+/// CPU number (`None` for a CPU without records); the vector is as long as the highest CPU
+/// number with data plus one. Reads only the first and last non-empty pages (or compressed
+/// chunks) of each CPU, since a CPU's ring buffer timestamps never decrease: the cost does not
+/// grow with the number of events.
+///
+/// # Errors
+/// As [`for_each_record`].
+pub fn cpu_time_ranges(
+    path: &Path,
+    layout: &Layout,
+) -> Result<Vec<Option<(u64, u64)>>, TraceDatError> {
+    let src = Src::open(path)?;
+    let ps = u64::from(layout.page_size);
+    let mut ranges: Vec<Option<(u64, u64)>> = Vec::new();
+    let mut page = vec![0; layout.page_size as usize];
+    let mut bufs = (Vec::new(), Vec::new());
+    for b in &layout.buffers {
+        for cd in b.cpus.iter().filter(|c| c.size > 0) {
+            // `unit(i)`: the (min, max) timestamps of page or chunk `i`.
+            let mut unit =
+                |i: u64, chunks: &[ChunkHdr]| -> Result<Option<(u64, u64)>, TraceDatError> {
+                    let mut r: Option<(u64, u64)> = None;
+                    let mut f = |_: u32, ts: u64, _: &[u8]| {
+                        r = Some(r.map_or((ts, ts), |(lo, hi)| (lo.min(ts), hi.max(ts))));
+                        Ok(())
+                    };
+                    if b.compressed {
+                        let h = chunks[usize::try_from(i).unwrap_or(0)];
+                        walk_chunk(&src, layout, h, cd.cpu, &mut bufs, &mut f)?;
+                    } else {
+                        let at = cd.offset + i * ps;
+                        let len = ps.min(cd.offset + cd.size - at);
+                        let page = &mut page[..usize::try_from(len).unwrap_or(0)];
+                        src.read_into(at, page, "ring buffer page")?;
+                        walk_page(&src, PageAt::File(at), page, cd.cpu, &mut f)?;
+                    }
+                    Ok(r)
+                };
+            let mut chunks = Vec::new();
+            let count = if b.compressed {
+                let mut it = Chunks::open(&src, layout, cd)?;
+                while let Some(h) = it.next(&src, ps)? {
+                    chunks.push(h);
+                }
+                chunks.len() as u64
+            } else {
+                cd.size.div_ceil(ps)
+            };
+            let mut first = None;
+            let mut lo_unit = 0;
+            while lo_unit < count {
+                first = unit(lo_unit, &chunks)?;
+                if first.is_some() {
+                    break;
+                }
+                lo_unit += 1;
+            }
+            let Some((lo, mut hi)) = first else {
+                continue;
+            };
+            for i in (lo_unit + 1..count).rev() {
+                if let Some((_, h)) = unit(i, &chunks)? {
+                    hi = hi.max(h);
+                    break;
+                }
+            }
+            let cpu = cd.cpu as usize;
+            if cpu >= MAX_CPUS {
+                return Err(src.err(
+                    0,
+                    format!(
+                        "buffer {:?} has data for CPU {cpu}: more than {MAX_CPUS} CPUs",
+                        b.name
+                    ),
+                ));
+            }
+            if ranges.len() <= cpu {
+                ranges.resize(cpu + 1, None);
+            }
+            ranges[cpu] = Some(ranges[cpu].map_or((lo, hi), |(a, b)| (a.min(lo), b.max(hi))));
+        }
+    }
+    Ok(ranges)
+}
+
+/// Calls `f` for every event of `buffer`'s CPU data in `path` ([`for_each_record`] with the
+/// `vmtsync` event fields decoded).
+///
+/// # Errors
+/// As [`for_each_record`], and `Parse` for a `vmtsync:event_data` payload length above 16.
 pub fn for_each_event(
     path: &Path,
     layout: &Layout,
     buffer: usize,
     mut f: impl FnMut(&Event),
 ) -> Result<u64, TraceDatError> {
-    let src = Src::open(path)?;
-    let Some(b) = layout.buffers.get(buffer) else {
-        return Ok(0);
-    };
-    if b.compressed {
-        return Err(TraceDatError::Unsupported {
-            path: src.path.clone(),
-            reason: "compressed CPU data: run `trace-cmd convert --compression none` first".into(),
-        });
-    }
-    let ps = u64::from(layout.page_size);
-    let mut page = vec![0; layout.page_size as usize];
-    let mut n = 0;
-    for cd in &b.cpus {
-        let mut at = cd.offset;
-        let end = cd.offset + cd.size;
-        while at < end {
-            let len = ps.min(end - at);
-            let page = &mut page[..usize::try_from(len).unwrap_or(0)];
-            src.read_into(at, page, "ring buffer page")?;
-            n += walk_page(&src, at, page, cd.cpu, &mut f)?;
-            at += len;
+    records(path, layout, buffer, &mut |cpu, ts, rec| {
+        let len = rec.len();
+        let mut ev = Event {
+            cpu,
+            ts,
+            common_type: if len >= 2 {
+                u16::from_le_bytes([rec[0], rec[1]])
+            } else {
+                0
+            },
+            id: 0,
+            len: 0,
+            payload: [0; MAX_PAYLOAD],
+        };
+        if (ev.common_type == EVENT_ID || ev.common_type == EVENT_DATA_ID) && len >= 12 {
+            ev.id = u32::from_le_bytes(rec[8..12].try_into().unwrap_or([0; 4]));
         }
-    }
-    Ok(n)
+        if ev.common_type == EVENT_DATA_ID && len >= 32 {
+            let l = u16::from_le_bytes([rec[12], rec[13]]);
+            if usize::from(l) > MAX_PAYLOAD {
+                return Err((12, "vmtsync payload length above 16"));
+            }
+            ev.len = u8::try_from(l).unwrap_or(0);
+            ev.payload.copy_from_slice(&rec[16..32]);
+        }
+        f(&ev);
+        Ok(())
+    })
 }
 
 /// Walks one page (kbuffer-parse.c semantics), checking that every record lies inside
 /// `commit`.
 fn walk_page(
     src: &Src,
-    page_at: u64,
+    page_at: PageAt,
     page: &[u8],
     cpu: u32,
-    f: &mut impl FnMut(&Event),
+    f: &mut RecordFn<'_>,
 ) -> Result<u64, TraceDatError> {
     let hdr = PAGE_HEADER_SIZE;
     if page.len() < hdr {
-        return Err(src.err(page_at, "page shorter than its header"));
+        return Err(src.page_err(page_at, 0, "page shorter than its header"));
     }
     let rd32 = |at: usize| u32::from_le_bytes(page[at..at + 4].try_into().unwrap_or([0; 4]));
     let mut ts = u64::from_le_bytes(page[..8].try_into().unwrap_or([0; 8]));
@@ -667,15 +1160,16 @@ fn walk_page(
     let commit =
         (u64::from_le_bytes(page[8..16].try_into().unwrap_or([0; 8])) & 0x07ff_ffff) as usize;
     if hdr + commit > page.len() {
-        return Err(src.err(
-            page_at + 8,
-            format!("page commit {commit} exceeds the page"),
+        return Err(src.page_err(
+            page_at,
+            8,
+            &format!("page commit {commit} exceeds the page"),
         ));
     }
     let end = hdr + commit;
     let mut at = hdr;
     let mut n = 0;
-    let bad = |at: usize, what: &str| src.err(page_at + at as u64, what.to_string());
+    let bad = |at: usize, what: &str| src.page_err(page_at, at, what);
     while at < end {
         if at + 4 > end {
             return Err(bad(at, "event header crosses the page's commit"));
@@ -724,31 +1218,7 @@ fn walk_page(
             return Err(bad(at, "event data crosses the page's commit"));
         }
         ts = ts.wrapping_add(delta);
-        let rec = &page[data..data + len];
-        let mut ev = Event {
-            cpu,
-            ts,
-            common_type: if len >= 2 {
-                u16::from_le_bytes([rec[0], rec[1]])
-            } else {
-                0
-            },
-            id: 0,
-            len: 0,
-            payload: [0; MAX_PAYLOAD],
-        };
-        if (ev.common_type == EVENT_ID || ev.common_type == EVENT_DATA_ID) && len >= 12 {
-            ev.id = u32::from_le_bytes(rec[8..12].try_into().unwrap_or([0; 4]));
-        }
-        if ev.common_type == EVENT_DATA_ID && len >= 32 {
-            let l = u16::from_le_bytes([rec[12], rec[13]]);
-            if usize::from(l) > MAX_PAYLOAD {
-                return Err(bad(data + 12, "vmtsync payload length above 16"));
-            }
-            ev.len = u8::try_from(l).unwrap_or(0);
-            ev.payload.copy_from_slice(&rec[16..32]);
-        }
-        f(&ev);
+        f(cpu, ts, &page[data..data + len]).map_err(|(i, what)| bad(data + i, what))?;
         n += 1;
         at = data + len;
     }
@@ -762,6 +1232,13 @@ fn walk_page(
 /// As [`read_layout`] and [`for_each_event`].
 pub fn verify_file(path: &Path) -> Result<(Layout, u64), TraceDatError> {
     let layout = read_layout(path)?;
+    if layout.version == 7 && !layout.has_strings {
+        return Err(TraceDatError::Parse {
+            path: path.to_path_buf(),
+            offset: layout.file_len,
+            reason: "no strings section (truncated?)".into(),
+        });
+    }
     let mut n = 0;
     for b in 0..layout.buffers.len() {
         n += for_each_event(path, &layout, b, |_| {})?;

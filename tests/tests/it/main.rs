@@ -4,7 +4,9 @@
 mod agent_events;
 mod agent_qemu;
 mod agent_vmm;
+mod attach;
 mod cli;
+mod ctf;
 mod e2e;
 mod kvm_fixtures;
 mod kvm_real;

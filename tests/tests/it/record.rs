@@ -32,7 +32,7 @@ pub(crate) fn scratch(test: &str) -> tempfile::TempDir {
         .unwrap()
 }
 
-fn text(b: &[u8]) -> String {
+pub(crate) fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
 }
 
@@ -84,7 +84,7 @@ pub(crate) fn record(args: &[&str]) -> Output {
 }
 
 /// The JSON Lines output: every object.
-fn read_jsonl(path: &Path) -> Vec<Value> {
+pub(crate) fn read_jsonl(path: &Path) -> Vec<Value> {
     std::fs::read_to_string(path)
         .unwrap()
         .lines()
@@ -92,12 +92,12 @@ fn read_jsonl(path: &Path) -> Vec<Value> {
         .collect()
 }
 
-fn u(v: &Value, k: &str) -> u64 {
+pub(crate) fn u(v: &Value, k: &str) -> u64 {
     v[k].as_u64().unwrap_or_else(|| panic!("{k} in {v}"))
 }
 
 /// The sequence number in a workload event's payload (hex of a u64 LE).
-fn seq_of(payload_hex: &str) -> u64 {
+pub(crate) fn seq_of(payload_hex: &str) -> u64 {
     let b: Vec<u8> = (0..payload_hex.len())
         .step_by(2)
         .map(|i| u8::from_str_radix(&payload_hex[i..i + 2], 16).unwrap())
@@ -181,7 +181,7 @@ fn jsonl_events_carry_intervals_that_hold_the_truth() {
 }
 
 /// trace-cmd with a closed stdin and its output captured.
-fn trace_cmd(args: &[&str]) -> Output {
+pub(crate) fn trace_cmd(args: &[&str]) -> Output {
     Command::new("trace-cmd")
         .args(args)
         .stdin(Stdio::null())
@@ -189,7 +189,7 @@ fn trace_cmd(args: &[&str]) -> Output {
         .expect("trace-cmd runs")
 }
 
-fn have_trace_cmd() -> bool {
+pub(crate) fn have_trace_cmd() -> bool {
     Command::new("trace-cmd")
         .arg("--version")
         .output()
@@ -197,7 +197,7 @@ fn have_trace_cmd() -> bool {
 }
 
 /// `(timestamp, seq)` of every `vmtsync` event line `trace-cmd report` printed.
-fn report_events(out: &Output) -> Vec<(u64, u64)> {
+pub(crate) fn report_events(out: &Output) -> Vec<(u64, u64)> {
     text(&out.stdout)
         .lines()
         .filter(|l| l.contains("payload="))

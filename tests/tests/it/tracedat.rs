@@ -17,14 +17,14 @@ use vmtsync::tracedat::{
 use vmtsync_core::HostTicks;
 use vmtsync_tests::{is_root, require};
 
-fn trace_cmd(args: &[&str]) -> Output {
+pub(crate) fn trace_cmd(args: &[&str]) -> Output {
     Command::new("trace-cmd")
         .args(args)
         .output()
         .expect("run trace-cmd")
 }
 
-fn have_trace_cmd(test: &str) -> bool {
+pub(crate) fn have_trace_cmd(test: &str) -> bool {
     let ok = Command::new("trace-cmd")
         .arg("--version")
         .output()
@@ -37,7 +37,7 @@ fn have_trace_cmd(test: &str) -> bool {
 }
 
 /// `trace-cmd dump -v` exits non-zero on a file it cannot parse (report does not).
-fn assert_dump_ok(path: &Path) {
+pub(crate) fn assert_dump_ok(path: &Path) {
     let o = trace_cmd(&["dump", "-v", "-i", path.to_str().unwrap()]);
     assert!(
         o.status.success()
@@ -52,13 +52,13 @@ fn assert_dump_ok(path: &Path) {
 /// One `trace-cmd report` line: CPU, timestamp (dots removed: `-t` prints every digit) and
 /// what follows it.
 #[derive(Debug)]
-struct Line {
-    cpu: u32,
-    ts: u64,
-    rest: String,
+pub(crate) struct Line {
+    pub(crate) cpu: u32,
+    pub(crate) ts: u64,
+    pub(crate) rest: String,
 }
 
-fn parse_report(out: &[u8]) -> Vec<Line> {
+pub(crate) fn parse_report(out: &[u8]) -> Vec<Line> {
     let text = String::from_utf8_lossy(out);
     text.lines()
         .filter_map(|l| {
@@ -83,7 +83,7 @@ fn parse_report(out: &[u8]) -> Vec<Line> {
         .collect()
 }
 
-fn report(args: &[&str]) -> Vec<Line> {
+pub(crate) fn report(args: &[&str]) -> Vec<Line> {
     let o = trace_cmd(args);
     assert!(
         o.status.success(),
@@ -275,7 +275,7 @@ fn a_truncated_file_is_caught_by_our_reader() {
 }
 
 /// A private tracefs instance, removed on drop (also when `trace-cmd extract` already did).
-struct Instance(PathBuf);
+pub(crate) struct Instance(pub(crate) PathBuf);
 
 impl Drop for Instance {
     fn drop(&mut self) {

@@ -436,22 +436,25 @@ pub(super) fn recorder(plan: &Plan, work: &Path) -> Result<Section> {
 
 /// `Maximum resident set size` of one `tracedat_write` run, in KiB, and the file's size.
 pub(super) fn max_rss(bin: &Path, file: &Path, events: u64, version: u32) -> Result<(u64, u64)> {
-    max_rss_of(bin, file, events, &["2", &version.to_string()])
+    let mut cmd = Command::new(bin);
+    cmd.arg(file)
+        .arg(events.to_string())
+        .arg("2")
+        .arg(version.to_string());
+    let kib = max_rss_kib(&cmd)?;
+    let bytes = std::fs::metadata(file).map_or(0, |m| m.len());
+    let _ = std::fs::remove_file(file);
+    Ok((kib, bytes))
 }
 
-/// `/usr/bin/time -v BIN FILE EVENTS ARGS…`: its max RSS (KiB) and the file's size.
-pub(super) fn max_rss_of(
-    bin: &Path,
-    file: &Path,
-    events: u64,
-    args: &[&str],
-) -> Result<(u64, u64)> {
-    let mut cmd = Command::new("/usr/bin/time");
-    cmd.arg("-v")
-        .arg(bin)
-        .arg(file)
-        .arg(events.to_string())
-        .args(args);
+/// `Maximum resident set size` of one run of `cmd` (program and arguments) under
+/// `/usr/bin/time -v`, in KiB.
+pub(super) fn max_rss_kib(cmd: &Command) -> Result<u64> {
+    let mut cmd = {
+        let mut c = Command::new("/usr/bin/time");
+        c.arg("-v").arg(cmd.get_program()).args(cmd.get_args());
+        c
+    };
     let shown_cmd = shown(&cmd);
     eprintln!("$ {}", display(&cmd));
     let out = cmd
@@ -464,9 +467,7 @@ pub(super) fn max_rss_of(
         .find_map(|l| l.trim().strip_prefix("Maximum resident set size (kbytes):"))
         .and_then(|v| v.trim().parse().ok())
         .with_context(|| format!("no maximum RSS in the output of {shown_cmd}"))?;
-    let bytes = std::fs::metadata(file).map_or(0, |m| m.len());
-    let _ = std::fs::remove_file(file);
-    Ok((kib, bytes))
+    Ok(kib)
 }
 
 pub(super) fn tracedat(plan: &Plan, work: &Path) -> Result<Section> {
@@ -657,96 +658,5 @@ pub(super) fn agent_size() -> Result<Section> {
             format!("{} B", thousands(text)),
             verdict(text <= limit),
         ]],
-    })
-}
-
-pub(super) fn perfetto(plan: &Plan, work: &Path) -> Result<Section> {
-    let r = criterion_run(plan, work, "perfetto")?;
-    let rows = [
-        (
-            "`push`, every argument (guest TSC, interval, payload: the JSON Lines case)",
-            "perfetto/push",
-        ),
-        (
-            "`push`, host TSC only (a pre-converted trace.dat)",
-            "perfetto/push_host_only",
-        ),
-        (
-            "`push` + `finish` (flush, fsync, rename)",
-            "perfetto/push_and_finish",
-        ),
-    ];
-    let mut body = criterion_table(&r, &rows, Some("event"), None)?;
-    let push = r
-        .get("perfetto/push")?
-        .per_second()
-        .context("perfetto bench has no throughput")?;
-    let _ = writeln!(
-        body,
-        "\nGoal ≥ 20 M events/s in-process (`push`, every argument): {} ({}).",
-        rate(push.median),
-        verdict(push.median >= 20e6)
-    );
-    let bin = plan.bin_dir.join("examples/perfetto_write");
-    let file = std::env::temp_dir().join(format!(
-        "vmtsync-bench-rss-{}.perfetto-trace",
-        std::process::id()
-    ));
-    let (small, large, runs) = plan.rss;
-    let mut table =
-        String::from("| events | max RSS (KiB, min / median / max) | file |\n|---:|---:|---:|\n");
-    let mut medians = Vec::new();
-    for n in [small, large] {
-        let (mut kib, mut size) = (Vec::new(), 0);
-        for _ in 0..runs {
-            let (k, bytes) = max_rss_of(&bin, &file, n, &["2"])?;
-            kib.push(k as f64);
-            size = bytes;
-        }
-        let st = Stat::of(&kib).context("no runs")?;
-        medians.push(st.median);
-        let _ = writeln!(
-            table,
-            "| {} | {} | {} MB |",
-            thousands(n),
-            st.show(|x| thousands(whole(x))),
-            sig3(size as f64 / 1e6)
-        );
-    }
-    let growth = medians[1] / medians[0] - 1.0;
-    let within = growth.abs() <= 0.10;
-    let _ = writeln!(
-        body,
-        "\nMemory: `/usr/bin/time -v {} OUT N 2` (built by `cargo build {} --example \
-         perfetto_write`), {runs} run(s) per row:\n\n{table}\n\
-         Max RSS at {} events vs {}: {:+.1} %. Goal: within 10 %: {}.",
-        rel(&bin),
-        plan.build_profile.join(" "),
-        thousands(large),
-        thousands(small),
-        growth * 100.0,
-        verdict(within),
-    );
-    Ok(Section {
-        command: criterion_command(&r),
-        body,
-        summary: vec![
-            [
-                "Perfetto `push`, in-process (every argument)".into(),
-                "≥ 20 M events/s".into(),
-                push.show(rate),
-                verdict(push.median >= 20e6),
-            ],
-            [
-                format!(
-                    "Perfetto writer max RSS, {} vs {} events",
-                    thousands(large),
-                    thousands(small)
-                ),
-                "within 10 %".into(),
-                format!("{:+.1} %", growth * 100.0),
-                verdict(within),
-            ],
-        ],
     })
 }

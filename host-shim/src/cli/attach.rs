@@ -1,0 +1,399 @@
+//! `vmtsync trace-cmd attach`: a Linux guest's trace.dat (trace-cmd, `x86-tsc` clock) copied
+//! with a TIME_SHIFT that puts its events on the host's timeline, from a given mapping, a sync
+//! file or the live KVM mapping of every vCPU; optionally a copy of the host's trace with the
+//! GUEST option. The work is in [`crate::tracedat::attach`]; the choices are in
+//! `docs/attach.md`.
+
+use std::path::PathBuf;
+
+use clap::{Args, Subcommand};
+use vmtsync_core::mapping::KvmTscMapping;
+use vmtsync_core::{GuestTicks, HostTicks};
+
+use super::exit::CliError;
+use super::source::{SourceArgs, single_vm};
+use crate::compose::ComposeError;
+use crate::scan::VmSelector;
+use crate::syncfile::SyncFile;
+use crate::tracedat::timeshift::TimeShiftError;
+use crate::tracedat::{
+    self, GuestInfo, Layout, ShiftMode, SyncSegment, TimeShift, TraceDatError, cpu_time_ranges,
+    read_layout, trace_cpus,
+};
+
+/// `vmtsync trace-cmd …`.
+#[derive(Debug, Subcommand)]
+pub enum TraceCmdCommand {
+    /// Write a copy of a guest's trace.dat with a TIME_SHIFT onto the host's TSC timeline
+    /// (what trace-cmd's own guest sync writes), from a given mapping (--offset), a sync file
+    /// (--sync --vcpu) or the live KVM mapping of every vCPU (--vm).
+    ///
+    /// The guest trace must use the x86-tsc clock (raw guest TSC). v6 and v7 files, compressed
+    /// or not; v7 gets a new options section linked from the last one (nothing is
+    /// recompressed), v6 gets the option inserted before its data. The input is never
+    /// modified: the copy is written beside --output, re-read, verified and renamed.
+    /// Guest CPU N is taken to run on vCPU N (debugfs vcpuN). With a rate other than the
+    /// host's, trace-cmd's 64-bit arithmetic is approximate: the worst-case error over the
+    /// file's events is computed and above --max-error ticks the copy is refused (exit 6).
+    #[command(after_help = super::exit::EXIT_CODES)]
+    Attach(AttachArgs),
+}
+
+/// `vmtsync trace-cmd attach`.
+#[derive(Debug, Args)]
+pub struct AttachArgs {
+    /// The guest's trace.dat (trace-cmd record/extract in the guest, x86-tsc clock).
+    #[arg(long, value_name = "GUEST.dat")]
+    pub guest: PathBuf,
+    /// The copy to write (replaced atomically if it exists; never the input).
+    #[arg(long, value_name = "OUT.dat")]
+    pub output: PathBuf,
+    /// The guest's TSC offset, our sign: guest = offset + (host * ratio >> frac) (KVM's
+    /// tsc-offset). trace-cmd stores the opposite sign; this is converted.
+    #[arg(
+        long,
+        value_name = "O",
+        allow_negative_numbers = true,
+        required_unless_present_any = ["sync", "vm"],
+        conflicts_with_all = ["sync", "vm"]
+    )]
+    pub offset: Option<i64>,
+    /// The scaling ratio (default: identity).
+    #[arg(long, value_name = "R", requires = "offset", requires = "frac_bits",
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub ratio: Option<u64>,
+    /// Fraction bits of the ratio (48 on Intel, 32 on AMD).
+    #[arg(long, value_name = "F", requires = "ratio",
+          value_parser = clap::value_parser!(u32).range(0..64))]
+    pub frac_bits: Option<u32>,
+    /// A sync file (`vmtsync probe --continuous --out FILE`): its segments for --vcpu become
+    /// the TIME_SHIFT samples of every guest CPU.
+    #[arg(
+        long,
+        value_name = "SYNCFILE",
+        requires = "vcpu",
+        conflicts_with = "vm"
+    )]
+    pub sync: Option<PathBuf>,
+    /// The sync file's vCPU whose segments to use.
+    #[arg(long, value_name = "N", requires = "sync")]
+    pub vcpu: Option<u32>,
+    /// With --sync: write the segments as points that trace-cmd interpolates between (its
+    /// PTP convention, flags=1) instead of steps (each offset holds until the next segment,
+    /// flags=0, exact). Needed for segments with a non-zero drift.
+    #[arg(long, requires = "sync")]
+    pub interpolate: bool,
+    /// Read every vCPU's mapping from this VM's KVM debugfs entry (PID, PID-FD or name).
+    #[arg(long, value_name = "PID|NAME")]
+    pub vm: Option<VmSelector>,
+    /// Accept vCPUs in guest mode (their debugfs values are the L0->L2 mapping).
+    #[arg(long, requires = "vm")]
+    pub nested_l2: bool,
+    /// Debugfs and /proc locations (with --vm).
+    #[command(flatten)]
+    pub source: SourceArgs,
+    /// A host trace.dat to pair with the guest: a copy with the GUEST option (guest name,
+    /// its TRACEID, vCPU -> host thread) goes to --host-output, for
+    /// `trace-cmd report -i HOST_OUT.dat -i OUT.dat`. The threads come from --vm or
+    /// --vcpu-pid.
+    #[arg(long, value_name = "HOST.dat", requires = "host_output")]
+    pub host: Option<PathBuf>,
+    /// Where the host copy goes.
+    #[arg(long, value_name = "HOST_OUT.dat", requires = "host")]
+    pub host_output: Option<PathBuf>,
+    /// With --host but without --vm: guest CPU N runs on host thread PID (repeat per CPU).
+    #[arg(long, value_name = "N=PID", requires = "host", conflicts_with = "vm",
+          value_parser = parse_cpu_pid)]
+    pub vcpu_pid: Vec<(u32, u32)>,
+    /// The guest's name in the GUEST option (default: the VM's name, else the guest file's).
+    #[arg(long, value_name = "NAME", requires = "host")]
+    pub guest_name: Option<String>,
+    /// The largest worst-case error in ticks accepted from trace-cmd's 64-bit arithmetic.
+    #[arg(long, value_name = "TICKS", default_value_t = 1)]
+    pub max_error: u64,
+}
+
+fn parse_cpu_pid(s: &str) -> Result<(u32, u32), String> {
+    let (c, p) = s.split_once('=').ok_or("expected N=PID")?;
+    Ok((
+        c.parse().map_err(|_| format!("bad CPU {c:?}"))?,
+        p.parse().map_err(|_| format!("bad PID {p:?}"))?,
+    ))
+}
+
+pub(super) fn run_trace_cmd(c: &TraceCmdCommand) -> Result<(), CliError> {
+    match c {
+        TraceCmdCommand::Attach(a) => run_attach(a),
+    }
+}
+
+/// The host tick a single-mapping segment starts at: where the CPU's first event falls, else
+/// where guest tick 0 falls, else host tick 0 (any start works for one segment: trace-cmd uses
+/// the same pair of samples for every timestamp).
+fn start_for(map: KvmTscMapping, first: Option<u64>) -> HostTicks {
+    first
+        .and_then(|g| map.try_host_from_guest_ceil(GuestTicks(g)))
+        .or_else(|| map.try_host_from_guest_ceil(GuestTicks(0)))
+        .unwrap_or(HostTicks(0))
+}
+
+/// One segment list per guest CPU, and the vCPU threads when --vm gave them.
+type Plan = (
+    ShiftMode,
+    Vec<Vec<SyncSegment>>,
+    Option<(String, Vec<(u32, u32)>)>,
+);
+
+fn plan(a: &AttachArgs, cpus: usize, ranges: &[Option<(u64, u64)>]) -> Result<Plan, CliError> {
+    let first = |c: usize| ranges.get(c).copied().flatten().map(|r| r.0);
+    if let Some(offset) = a.offset {
+        let map = match (a.ratio, a.frac_bits) {
+            (Some(r), Some(f)) => {
+                KvmTscMapping::try_new(offset, r, f).map_err(|_| ComposeError::Field {
+                    field: "--ratio/--frac-bits",
+                    value: format!("{r}/{f}"),
+                    why: "the ratio must be non-zero and frac bits at most 63",
+                })?
+            }
+            _ => KvmTscMapping::offset_only(offset),
+        };
+        let segs = (0..cpus)
+            .map(|c| {
+                vec![SyncSegment {
+                    start: start_for(map, first(c)),
+                    map,
+                }]
+            })
+            .collect();
+        return Ok((ShiftMode::Step, segs, None));
+    }
+    if let (Some(path), Some(vcpu)) = (a.sync.as_deref(), a.vcpu) {
+        let sync = SyncFile::read(path)?;
+        if let Some(cut) = sync.cut {
+            eprintln!("vmtsync: warning: {}: {cut}", path.display());
+        }
+        let tl = sync.timeline(vcpu)?;
+        let last = ranges.iter().flatten().map(|r| r.1).max();
+        let segs = if a.interpolate {
+            sync_points(&tl, last).map_err(CliError::Usage)?
+        } else {
+            sync_steps(&tl).map_err(CliError::Usage)?
+        };
+        let mode = if a.interpolate {
+            ShiftMode::Interpolate
+        } else {
+            ShiftMode::Step
+        };
+        return Ok((mode, vec![segs; cpus], None));
+    }
+    let Some(sel) = a.vm.as_ref() else {
+        return Err(CliError::Usage(
+            "give --offset, --sync with --vcpu, or --vm".into(),
+        ));
+    };
+    let vm = single_vm(&a.source, sel)?;
+    let vm_name = format!("{}-{}", vm.pid, vm.fd);
+    let mut segs = Vec::with_capacity(cpus);
+    let mut pids = Vec::new();
+    for c in 0..cpus {
+        let cpu = u32::try_from(c).unwrap_or(u32::MAX);
+        let Some(v) = vm.vcpus.iter().find(|v| v.vcpu == cpu) else {
+            return Err(CliError::NoVcpu {
+                vm: vm_name,
+                vcpu: cpu,
+                available: vm
+                    .vcpus
+                    .iter()
+                    .map(|v| format!("vcpu{}", v.vcpu))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            });
+        };
+        if v.guest_mode == Some(true) && !a.nested_l2 {
+            return Err(CliError::Nested {
+                vm: vm_name,
+                vcpu: cpu,
+            });
+        }
+        let map = KvmTscMapping::try_new(v.tsc_offset, v.tsc_scaling_ratio, v.tsc_frac_bits)
+            .map_err(|e| CliError::Usage(format!("VM {vm_name} vcpu{cpu}: {e}")))?;
+        segs.push(vec![SyncSegment {
+            start: start_for(map, first(c)),
+            map,
+        }]);
+        if let Some(t) = v.thread_pid {
+            pids.push((cpu, t));
+        }
+    }
+    let name = vm.name.clone().unwrap_or(vm_name);
+    Ok((ShiftMode::Step, segs, Some((name, pids))))
+}
+
+/// Step samples: each sync segment's offset from its first host tick on. Exact for
+/// constant-offset segments; a drifting one cannot be a step (the reader would scale the
+/// guest value in 64 bits), so it is refused with the way out.
+fn sync_steps(tl: &crate::syncfile::SyncTimeline) -> Result<Vec<SyncSegment>, String> {
+    tl.records()
+        .iter()
+        .map(|r| {
+            r.to_timeline_segment()
+                .as_ref()
+                .and_then(SyncSegment::try_from_timeline)
+                .ok_or_else(|| {
+                    format!(
+                        "sync segment of round {} drifts ({} ppb): a step TIME_SHIFT cannot carry a rate; pass --interpolate (points at each segment start) or pre-convert",
+                        r.round, r.drift_ppb
+                    )
+                })
+        })
+        .collect()
+}
+
+/// Interpolation points: the sync file's exact conversion at each segment's first guest tick,
+/// plus one at the trace's last guest tick on the last segment's line, so that trace-cmd's
+/// extrapolation past the last start follows that segment's rate.
+fn sync_points(
+    tl: &crate::syncfile::SyncTimeline,
+    last: Option<u64>,
+) -> Result<Vec<SyncSegment>, String> {
+    let point = |g: u64| {
+        let h = tl
+            .try_host_from_guest_floor(GuestTicks(g))
+            .ok_or_else(|| format!("guest tick {g} has no host tick in the sync file"))?;
+        let off = i64::try_from(i128::from(g) - i128::from(h.0))
+            .map_err(|_| format!("guest tick {g}: offset beyond 64 bits"))?;
+        Ok::<_, String>(SyncSegment::offset_only(h, off))
+    };
+    let mut v = tl
+        .records()
+        .iter()
+        .map(|r| point(r.guest_start))
+        .collect::<Result<Vec<_>, _>>()?;
+    let last_start = tl.records().last().map_or(0, |r| r.guest_start);
+    if let Some(g) = last.filter(|&g| g > last_start) {
+        v.push(point(g)?);
+    }
+    Ok(v)
+}
+
+fn run_attach(a: &AttachArgs) -> Result<(), CliError> {
+    let layout: Layout = read_layout(&a.guest)?;
+    let ranges = cpu_time_ranges(&a.guest, &layout)?;
+    let cpus = trace_cpus(&layout, &ranges);
+    let (mode, segs, vm) = plan(a, cpus, &ranges)?;
+    // trace-cmd 3.1.6 gives instance buffers a handle without the file's time sync
+    // (docs/attach.md): their events keep their guest timestamps.
+    let instances: Vec<&str> = layout
+        .buffers
+        .iter()
+        .filter(|b| !b.name.is_empty() && b.cpus.iter().any(|c| c.size > 0))
+        .map(|b| b.name.as_str())
+        .collect();
+    if !instances.is_empty() {
+        eprintln!(
+            "vmtsync: warning: {} has events in instance buffers ({}): trace-cmd applies TIME_SHIFT to the top buffer only, so those keep guest time",
+            a.guest.display(),
+            instances.join(", ")
+        );
+    }
+    // The host's TRACEID is the TIME_SHIFT's peer id.
+    let host = match (&a.host, &a.host_output) {
+        (Some(input), Some(output)) => {
+            let (vm_name, pids) = match &vm {
+                Some((n, p)) => (Some(n.clone()), p.clone()),
+                None => (None, a.vcpu_pid.clone()),
+            };
+            let name = a.guest_name.clone().or(vm_name).unwrap_or_else(|| {
+                a.guest
+                    .file_stem()
+                    .map_or_else(|| "guest".into(), |s| s.to_string_lossy().into_owned())
+            });
+            Some((input, output, name, pids))
+        }
+        _ => None,
+    };
+    let mut shift = TimeShift {
+        peer_trace_id: 0,
+        mode,
+        cpus: segs,
+    };
+    let mut host_summary = None;
+    if let Some((input, output, name, pids)) = &host {
+        let host_layout = read_layout(input)?;
+        shift.peer_trace_id = host_layout.trace_id().unwrap_or(0);
+        host_summary = Some((input, output, name, pids, host_layout));
+    }
+    let s = tracedat::attach_time_shift(&a.guest, &a.output, &layout, &ranges, &shift, a.max_error)
+        .map_err(|e| match e {
+            TraceDatError::TimeShift(TimeShiftError::AboveLimit { cpu, bound, limit }) => {
+                CliError::ShiftTooCoarse { cpu, bound, limit }
+            }
+            e => e.into(),
+        })?;
+    let worst = s.max_error.iter().max().copied().unwrap_or(0);
+    println!(
+        "wrote {}: v{} trace{}, TIME_SHIFT ({}) for {} CPUs ({} samples), worst-case error {} ticks, guest TRACEID {:#x}{}",
+        s.path.display(),
+        s.version,
+        s.compression.as_deref().map_or(String::new(), |c| format!(
+            " ({c} sections copied as they are)"
+        )),
+        match mode {
+            ShiftMode::Step => "step",
+            ShiftMode::Interpolate => "interpolated",
+        },
+        s.samples.len(),
+        s.samples
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join("/"),
+        worst,
+        s.guest_trace_id,
+        if s.added_trace_id { " (added)" } else { "" },
+    );
+    if let Some((input, output, name, pids, _)) = host_summary {
+        let mut vcpu_pids = pids.clone();
+        vcpu_pids.sort_unstable();
+        let guest = GuestInfo {
+            name: name.clone(),
+            trace_id: s.guest_trace_id,
+            vcpu_pids,
+        };
+        let c = tracedat::copy_host_trace(input, output, &guest, None)?;
+        println!(
+            "wrote {}: a copy of {} with the GUEST option for {} ({} vCPU threads): trace-cmd report -i {} -i {}",
+            c.path.display(),
+            input.display(),
+            guest.name,
+            guest.vcpu_pids.len(),
+            c.path.display(),
+            s.path.display()
+        );
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cpu_pid_pairs_parse() {
+        assert_eq!(parse_cpu_pid("1=4242"), Ok((1, 4242)));
+        assert!(parse_cpu_pid("1:4242").is_err());
+        assert!(parse_cpu_pid("x=1").is_err());
+    }
+
+    #[test]
+    fn a_single_segment_starts_where_the_first_event_falls() {
+        let m = KvmTscMapping::offset_only(-1000);
+        assert_eq!(start_for(m, Some(5000)), HostTicks(6000));
+        assert_eq!(start_for(m, None), HostTicks(1000));
+        // Guest ahead of the host: guest 0 is before host 0, modulo 2^64 as KVM adds, and
+        // maps back to guest 0 (what the TIME_SHIFT sample's time becomes).
+        let m = KvmTscMapping::offset_only(1000);
+        let s = start_for(m, None);
+        assert_eq!(m.try_guest_from_host(s), Some(GuestTicks(0)));
+    }
+}

@@ -197,13 +197,16 @@ impl BootClock {
     #[must_use]
     pub fn boottime_ns(&self, tsc: u64) -> Option<u64> {
         let p = self.pair(tsc);
-        // |dt| < 2^64 and rate < 2^64 · (ns per tick): the product fits for any rate below
-        // 2^64 ns per tick, which checked_mul enforces.
+        // dt · rate >> 64, rounded: with rate = hi·2^64 + lo that is dt·hi + (dt·lo + 2^63)
+        // >> 64, two 64×64-bit products (a 128×128-bit multiply with an overflow check is a
+        // slow library call). dt·lo + 2^63 < 2^128 since dt, lo < 2^64.
+        let (hi, lo) = (
+            u64::try_from(p.rate >> 64).unwrap_or(u64::MAX),
+            u64::try_from(p.rate & u128::from(u64::MAX)).unwrap_or(0),
+        );
         let scaled = |dt: u64| {
-            u128::from(dt)
-                .checked_mul(p.rate)?
-                .checked_add(1 << 63)
-                .map(|x| x >> 64)
+            let low = (u128::from(dt) * u128::from(lo) + (1 << 63)) >> 64;
+            (u128::from(dt) * u128::from(hi)).checked_add(low)
         };
         if tsc >= p.t0 {
             let d = u64::try_from(scaled(tsc - p.t0)?).ok()?;
@@ -319,5 +322,35 @@ mod tests {
             "mapped {got}, read {}, allowed {err}",
             t.boottime_ns
         );
+    }
+
+    proptest::proptest! {
+        /// Against the exact rational line rounded to nearest (u128/i128 reference): within
+        /// 1 ns, exact at the snapshots, for rates from 1/4 to 4 ns per tick.
+        #[test]
+        fn maps_within_a_ns_of_the_exact_line(
+            t0 in 0u64..1 << 50,
+            span in 1u64..1 << 40,
+            rate_num in 1u64..16,
+            ns0 in 0u64..1 << 50,
+            back in 0u64..1 << 40,
+            fwd in 0u64..1 << 44,
+        ) {
+            let span_ns = span * rate_num / 4;
+            let c = BootClock::new(vec![snap(t0, ns0), snap(t0 + span, ns0 + span_ns)]).unwrap();
+            for tsc in [t0.saturating_sub(back), t0, t0 + span, t0 + fwd] {
+                let dt = i128::from(tsc) - i128::from(t0);
+                let num = 2 * dt * i128::from(span_ns) + i128::from(span);
+                let exact = i128::from(ns0) + num.div_euclid(2 * i128::from(span));
+                let got = c.boottime_ns(tsc);
+                if let Ok(e) = u64::try_from(exact) {
+                    let g = i128::from(got.expect("in range"));
+                    proptest::prop_assert!((g - i128::from(e)).abs() <= 1, "{tsc}: {g} vs {exact}");
+                    if tsc == t0 || tsc == t0 + span {
+                        proptest::prop_assert_eq!(g, exact);
+                    }
+                }
+            }
+        }
     }
 }

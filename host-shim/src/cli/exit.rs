@@ -209,7 +209,9 @@ fn perfetto_exit_code(e: &crate::export::perfetto::PerfettoError) -> u8 {
         PerfettoError::Input(ExportError::Io { .. } | ExportError::Write { .. })
         | PerfettoError::Io { .. }
         | PerfettoError::Clock(_) => 1,
-        PerfettoError::Input(_) | PerfettoError::NotThisBoot { .. } => 5,
+        PerfettoError::Input(_)
+        | PerfettoError::NotThisBoot { .. }
+        | PerfettoError::TooManyVcpus { .. } => 5,
         PerfettoError::HostMachineId => 2,
     }
 }

@@ -44,10 +44,10 @@ pub const DEFAULT_MACHINE_ID: u32 = 1;
 /// (an event packet is under 200 bytes, so the buffer never reallocates).
 const BUFFER: usize = 1 << 20;
 
-/// The packet sequence of the trace-wide packets (snapshots, the process track); vCPU `n`
-/// writes on sequence `FIRST_VCPU_SEQUENCE + n`.
+/// The packet sequence of the trace-wide packets (snapshots, the process track); the `n`-th
+/// vCPU to appear writes on sequence `FIRST_VCPU_SEQUENCE + n`.
 const META_SEQUENCE: u32 = 1;
-/// See [`META_SEQUENCE`].
+/// See [`META_SEQUENCE`]; sequences go by the order vCPUs first appear, not by their number.
 const FIRST_VCPU_SEQUENCE: u32 = 2;
 
 /// Interned debug-annotation names (ids are per sequence, the same on every vCPU's).
@@ -105,6 +105,14 @@ pub enum PerfettoError {
         /// The host TSC at export.
         now: u64,
     },
+    /// More distinct vCPUs than [`MAX_VCPUS`] in one input.
+    #[error(
+        "the input names more than {MAX_VCPUS} vCPUs (the next is vCPU {vcpu}): not a VM's recording"
+    )]
+    TooManyVcpus {
+        /// The vCPU that would have been one too many.
+        vcpu: u32,
+    },
     /// Machine id 0 is the host's.
     #[error("machine id 0 is the host's: the guest needs another (e.g. 1)")]
     HostMachineId,
@@ -153,10 +161,20 @@ fn process_uuid(machine_id: u32) -> u64 {
     0x766d_7473_0000_0000 | (u64::from(machine_id) << 20)
 }
 
-/// The uuid of vCPU `vcpu`'s track.
-fn vcpu_uuid(machine_id: u32, vcpu: u32) -> u64 {
-    process_uuid(machine_id) | 0x8_0000 | u64::from(vcpu & 0x7_ffff)
+/// The uuid of the track of the `index`-th vCPU seen (below [`MAX_VCPUS`], so tracks of one
+/// machine never meet the next machine's).
+fn vcpu_uuid(machine_id: u32, index: usize) -> u64 {
+    process_uuid(machine_id) + 1 + index as u64
 }
+
+/// The `index`-th vCPU's packet sequence.
+fn vcpu_sequence(index: usize) -> u32 {
+    FIRST_VCPU_SEQUENCE + u32::try_from(index).unwrap_or(0)
+}
+
+/// The most vCPUs one trace holds (KVM's limit on x86): the input is untrusted, and each vCPU
+/// costs a sequence, a track and an 8 KiB interning bitmap.
+pub const MAX_VCPUS: usize = 4096;
 
 impl PerfettoWriter {
     /// Starts the trace at `path` (written beside it, renamed by [`Self::finish`]): the clock
@@ -255,8 +273,12 @@ impl PerfettoWriter {
         if let Some(i) = self.vcpus.iter().position(|v| v.vcpu == vcpu) {
             return Ok(i);
         }
+        if self.vcpus.len() >= MAX_VCPUS {
+            return Err(PerfettoError::TooManyVcpus { vcpu });
+        }
         let machine_id = self.opts.machine_id;
-        let seq = FIRST_VCPU_SEQUENCE.saturating_add(vcpu);
+        let index = self.vcpus.len();
+        let seq = vcpu_sequence(index);
         let start = TracePacket {
             trusted_packet_sequence_id: Some(seq),
             machine_id: Some(machine_id),
@@ -265,7 +287,7 @@ impl PerfettoWriter {
             trace_packet_defaults: Some(TracePacketDefaults {
                 timestamp_clock_id: Some(proto::CLOCK_BOOTTIME),
                 track_event_defaults: Some(TrackEventDefaults {
-                    track_uuid: Some(vcpu_uuid(machine_id, vcpu)),
+                    track_uuid: Some(vcpu_uuid(machine_id, index)),
                 }),
             }),
             interned_data: Some(InternedData {
@@ -280,7 +302,7 @@ impl PerfettoWriter {
                 ..Default::default()
             }),
             track_descriptor: Some(TrackDescriptor {
-                uuid: Some(vcpu_uuid(machine_id, vcpu)),
+                uuid: Some(vcpu_uuid(machine_id, index)),
                 parent_uuid: Some(process_uuid(machine_id)),
                 name: Some(format!("vCPU {vcpu}")),
                 ..Default::default()
@@ -323,7 +345,7 @@ impl PerfettoWriter {
         let first_use = v.interned[word] & bit == 0;
         v.interned[word] |= bit;
 
-        let seq = FIRST_VCPU_SEQUENCE.saturating_add(e.vcpu);
+        let seq = vcpu_sequence(i);
         let name_iid = u64::from(e.id) + 1;
         // The arguments, in a fixed order; the payload as lowercase hex.
         let mut hex = [0u8; 2 * MAX_PAYLOAD];
@@ -611,5 +633,55 @@ mod tests {
             },
         );
         assert!(matches!(r, Err(PerfettoError::HostMachineId)));
+    }
+
+    #[test]
+    fn vcpu_numbers_cannot_collide_or_grow_without_bound() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t");
+        let mut w = PerfettoWriter::create(
+            &path,
+            PerfettoOptions {
+                machine_id: 1,
+                guest_name: "vm".into(),
+                clock: clock(),
+            },
+        )
+        .unwrap();
+        let ev = |vcpu| ExportEvent {
+            vcpu,
+            id: 1,
+            guest_tsc: None,
+            host_tsc: 1000,
+            bound: None,
+            payload: Payload::default(),
+        };
+        // Numbers that would meet in a sequence id or uuid derived from the number itself.
+        for vcpu in [u32::MAX, u32::MAX - 1, 0x8_0000, 0] {
+            w.push(&ev(vcpu)).unwrap();
+        }
+        for vcpu in 1..u32::try_from(MAX_VCPUS - 3).unwrap() {
+            w.push(&ev(vcpu)).unwrap();
+        }
+        assert!(matches!(
+            w.push(&ev(7_777_777)),
+            Err(PerfettoError::TooManyVcpus { vcpu: 7_777_777 })
+        ));
+        let s = w.finish().unwrap();
+        assert_eq!(s.vcpus as usize, MAX_VCPUS);
+        let t = Trace::decode(std::fs::read(&path).unwrap().as_slice()).unwrap();
+        let mut uuids: Vec<u64> = t
+            .packet
+            .iter()
+            .filter_map(|p| p.track_descriptor.as_ref()?.uuid)
+            .collect();
+        let n = uuids.len();
+        uuids.sort_unstable();
+        uuids.dedup();
+        assert_eq!(
+            (n, uuids.len()),
+            (MAX_VCPUS + 1, MAX_VCPUS + 1),
+            "unique tracks"
+        );
     }
 }

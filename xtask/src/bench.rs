@@ -10,12 +10,12 @@
 //!
 //! The benchmarks:
 //! - criterion benches `timeline`, `proto`, `estimate`, `recorder` (vmtsync-core) and
-//!   `tracedat`, `ctf`, `kvm_scan` (vmtsync), run through `cargo bench --workspace --bench
-//!   NAME`;
+//!   `tracedat`, `ctf`, `perfetto`, `kvm_scan` (vmtsync), run through `cargo bench --workspace
+//!   --bench NAME`;
 //! - bytes per event on the wire: a full `EventBatch` of payload-less events 2600 ticks
 //!   apart, encoded by `vmtsync_core::proto::encode_frame` here;
-//! - max RSS of `examples/tracedat_write` and `examples/ctf_write` at 1 M and 10 M events
-//!   under `/usr/bin/time -v`;
+//! - max RSS of `examples/tracedat_write`, `examples/ctf_write` and `examples/perfetto_write`
+//!   at 1 M and 10 M events under `/usr/bin/time -v`;
 //! - `examples/attach_time`: `trace-cmd attach` on two ~100 MB guest traces of different event
 //!   counts (in the trace.dat section);
 //! - `bench-scan`'s separate-process `vmtsync kvm --json` over a generated debugfs tree;
@@ -36,6 +36,7 @@ mod format;
 mod fuzz;
 mod ingest;
 mod machine;
+mod perfetto;
 mod probe;
 mod sections;
 
@@ -246,6 +247,7 @@ pub(crate) fn bench(args: &[String]) -> Result<()> {
         ("recorder", Box::new(|| sections::recorder(&plan, &work))),
         ("tracedat", Box::new(|| sections::tracedat(&plan, &work))),
         ("ctf", Box::new(|| ctf::ctf(&plan, &work))),
+        ("perfetto", Box::new(|| perfetto::perfetto(&plan, &work))),
         ("scan", Box::new(|| sections::scan(&plan, &work))),
         ("probe", Box::new(|| probe::probe(&plan))),
         ("ingest", Box::new(|| ingest::ingest(&plan))),
@@ -402,6 +404,7 @@ fn build_binaries(plan: &Plan) -> Result<()> {
         "ctf_write",
         "--example",
         "attach_time",
+        "perfetto_write",
     ]))
 }
 
@@ -484,8 +487,8 @@ mod tests {
     #[test]
     fn the_template_names_every_section() {
         for key in [
-            "timeline", "proto", "estimate", "recorder", "tracedat", "ctf", "scan", "probe",
-            "ingest", "fuzz", "agent", "summary", "machine",
+            "timeline", "proto", "estimate", "recorder", "tracedat", "ctf", "perfetto", "scan",
+            "probe", "ingest", "fuzz", "agent", "summary", "machine",
         ] {
             assert!(
                 TEMPLATE.contains(&format!("{{{{{key}}}}}")),

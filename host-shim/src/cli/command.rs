@@ -68,8 +68,9 @@ pub enum Command {
     /// the host's (then said in the file's uname). jsonl format: one object per event:
     /// {"schema":1,"vcpu","id","guest_tsc","host_tsc","host_lo","host_hi","payload","round"}
     /// with [host_lo, host_hi] its guaranteed interval. ctf format: a CTF 1.8 directory for
-    /// babeltrace2 on the host's TSC (docs/ctf.md). SIGINT/SIGTERM end the recording cleanly;
-    /// everything received is written.
+    /// babeltrace2 on the host's TSC (docs/ctf.md). perfetto format: a Perfetto trace on the
+    /// host's CLOCK_BOOTTIME, one track per vCPU (docs/perfetto.md). SIGINT/SIGTERM end the
+    /// recording cleanly; everything received is written.
     #[command(after_help = EXIT_CODES)]
     Record(RecordArgs),
     /// Draw a sync file as an SVG: per vCPU, the offset estimate and its guaranteed interval

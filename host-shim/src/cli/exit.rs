@@ -60,6 +60,9 @@ pub enum CliError {
     /// From `record`.
     #[error(transparent)]
     Record(#[from] crate::record::RecordError),
+    /// From `export perfetto` (and `record --format perfetto`'s writer).
+    #[error(transparent)]
+    Perfetto(#[from] crate::export::perfetto::PerfettoError),
     /// From `export`.
     #[error(transparent)]
     Export(#[from] crate::export::ExportError),
@@ -167,6 +170,7 @@ impl CliError {
                 crate::record::RecordError::NoSync | crate::record::RecordError::NoEvents,
             ) => 7,
             Self::Record(_) => 1,
+            Self::Perfetto(e) => perfetto_exit_code(e),
             Self::Usage(_) => 2,
             Self::Export(
                 crate::export::ExportError::Io { .. }
@@ -223,6 +227,22 @@ fn probe_exit_code(e: &ProbeError) -> u8 {
         ProbeError::SyncFile(s) => sync_exit_code(s),
         ProbeError::Anchor(_) => 8,
         _ => 1,
+    }
+}
+
+/// Exit code of a Perfetto export failure: 5 for input that cannot be read or mapped (a
+/// malformed recording, one from another boot), else 1.
+fn perfetto_exit_code(e: &crate::export::perfetto::PerfettoError) -> u8 {
+    use crate::export::ExportError;
+    use crate::export::perfetto::PerfettoError;
+    match e {
+        PerfettoError::Input(ExportError::Io { .. } | ExportError::Write { .. })
+        | PerfettoError::Io { .. }
+        | PerfettoError::Clock(_) => 1,
+        PerfettoError::Input(_)
+        | PerfettoError::NotThisBoot { .. }
+        | PerfettoError::TooManyVcpus { .. } => 5,
+        PerfettoError::HostMachineId => 2,
     }
 }
 

@@ -6,6 +6,7 @@ use clap::Subcommand;
 use super::exit::CliError;
 use super::export_ctf::{CtfArgs, run_export_ctf};
 use super::export_perf::{PerfArgs, run_export_perf};
+use super::export_perfetto::{PerfettoArgs, run_export_perfetto};
 
 /// `vmtsync export` formats.
 #[derive(Debug, Subcommand)]
@@ -27,6 +28,16 @@ pub enum ExportCommand {
     /// builtin-inject.c), the inverse of KVM's `guest = offset + host * ratio >> frac`.
     #[command(after_help = super::exit::EXIT_CODES)]
     Perf(PerfArgs),
+    /// A Perfetto protobuf trace (open it in ui.perfetto.dev), on the host's CLOCK_BOOTTIME.
+    ///
+    /// One track per vCPU under a separate machine; each event an instant `event <id>` with
+    /// event_id, host_tsc, guest_tsc, host_lo_ns/host_hi_ns (its guaranteed interval on
+    /// BOOTTIME) and payload as arguments. The host TSC is mapped to BOOTTIME by two clock
+    /// snapshots taken now, so the recording must come from this host since its last boot;
+    /// the summary gives the worst-case error this leaves (it grows with the recording's age:
+    /// `record --format perfetto` snapshots while recording instead).
+    #[command(after_help = super::exit::EXIT_CODES)]
+    Perfetto(PerfettoArgs),
 }
 
 /// Runs one `vmtsync export` command.
@@ -34,5 +45,6 @@ pub(super) fn run_export(c: &ExportCommand) -> Result<(), CliError> {
     match c {
         ExportCommand::Ctf(a) => run_export_ctf(a),
         ExportCommand::Perf(a) => run_export_perf(a),
+        ExportCommand::Perfetto(a) => run_export_perfetto(a),
     }
 }

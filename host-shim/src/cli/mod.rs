@@ -41,6 +41,7 @@ pub mod exit;
 pub mod export;
 pub mod export_ctf;
 pub mod export_perf;
+pub mod export_perfetto;
 pub mod kvm;
 pub mod plot;
 pub mod probe;

@@ -90,6 +90,8 @@ pub enum FormatArg {
     TraceCmd,
     /// One JSON object per event.
     Jsonl,
+    /// A Perfetto protobuf trace on the host's CLOCK_BOOTTIME (open it in ui.perfetto.dev).
+    Perfetto,
     /// A CTF 1.8 trace directory (babeltrace2), on the host's TSC.
     Ctf,
 }
@@ -121,6 +123,7 @@ impl RecordArgs {
             format: match self.format {
                 FormatArg::TraceCmd => RecordFormat::TraceCmd,
                 FormatArg::Jsonl => RecordFormat::Jsonl,
+                FormatArg::Perfetto => RecordFormat::Perfetto,
                 FormatArg::Ctf => RecordFormat::Ctf,
             },
             file_version: if self.file_version == 6 {

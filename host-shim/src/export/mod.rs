@@ -20,6 +20,10 @@
 //! Order: JSON Lines in file order (the order events were received); trace.dat CPU by CPU,
 //! each in time order. Every exporter writes one stream per vCPU, so per-vCPU order is what
 //! matters.
+//!
+//! Exporters: [`perfetto`] (a Perfetto protobuf trace on the host's CLOCK_BOOTTIME).
+
+pub mod perfetto;
 
 pub mod ctf;
 

@@ -36,6 +36,8 @@ use vmtsync_core::estimate::ProbeSample;
 use vmtsync_core::mapping::KvmTscMapping;
 use vmtsync_core::proto::EventClock;
 
+use crate::export::perfetto::PerfettoWriter;
+use crate::export::perfetto::clock::{BootClock, ClockSnapshot};
 use crate::probe::anchor;
 use crate::probe::connect::{self, ConnectOptions};
 use crate::probe::continuous::{Cumulative, segment};
@@ -55,6 +57,9 @@ pub enum RecordFormat {
     TraceCmd,
     /// One JSON object per event (schema in `docs/record.md`).
     Jsonl,
+    /// A Perfetto protobuf trace on the host's CLOCK_BOOTTIME (`docs/perfetto.md`), mapped by
+    /// TSC/BOOTTIME snapshots taken at every sync round.
+    Perfetto,
     /// A CTF 1.8 trace directory on the host's TSC (`docs/ctf.md`).
     Ctf,
 }
@@ -152,6 +157,9 @@ pub enum RecordError {
     /// Writing the trace.dat failed.
     #[error(transparent)]
     TraceDat(#[from] tracedat::TraceDatError),
+    /// Writing the Perfetto trace failed.
+    #[error(transparent)]
+    Perfetto(#[from] crate::export::perfetto::PerfettoError),
     /// Writing the CTF trace failed.
     #[error(transparent)]
     Ctf(#[from] crate::export::ExportError),
@@ -293,7 +301,7 @@ pub fn run_record_on<T: StampedTransport>(
     }
     let mut out = match opts.format {
         RecordFormat::Jsonl => Out::Jsonl(jsonl::Writer::create(&opts.out)?),
-        RecordFormat::TraceCmd => {
+        RecordFormat::TraceCmd | RecordFormat::Perfetto => {
             Out::Spool(spool::Spool::new().map_err(RecordError::io(&opts.out))?)
         }
         RecordFormat::Ctf => Out::Ctf(create_ctf(opts)?),
@@ -320,6 +328,7 @@ pub fn run_record_on<T: StampedTransport>(
         failed_drains: 0,
         next_index: None,
         widths: Widths::default(),
+        clocks: Vec::new(),
     };
     let started = Instant::now();
     // The initial sync: nothing can be placed before it.
@@ -389,6 +398,8 @@ struct State {
     next_index: Option<u64>,
     /// Interval widths, for the summary's min/median/max, in constant memory.
     widths: Widths,
+    /// Host TSC/BOOTTIME snapshots, one per sync round (for the Perfetto output).
+    clocks: Vec<ClockSnapshot>,
 }
 
 /// Where a batch of `len` records whose first has index `first` stands against the index the
@@ -463,6 +474,8 @@ impl State {
         p: &ProbeOptions,
     ) -> Result<(), ProbeError> {
         session.forget_reference();
+        // A failed snapshot only thins the BOOTTIME mapping; the Perfetto writer needs two.
+        self.clocks.extend(ClockSnapshot::take().ok());
         let samples: Vec<ProbeSample> =
             session.probe_round(p.probes, p.interval, &mut Progress::hidden())?;
         let round = self.round;
@@ -612,9 +625,52 @@ fn finish(out: Out, opts: &RecordOptions, st: &State) -> Result<(bool, u64), Rec
             w.finish(&opts.out)?;
             Ok((false, 0))
         }
+        Out::Spool(s) if opts.format == RecordFormat::Perfetto => write_perfetto(s, opts, st),
         Out::Ctf(w) => Ok((false, w.finish()?.raised)),
         Out::Spool(s) => write_trace_dat(s, opts, st),
     }
+}
+
+/// The Perfetto trace from the spool: each event placed as the JSON Lines output places it,
+/// its host TSC mapped to BOOTTIME through the rounds' snapshots and one taken now.
+fn write_perfetto(
+    mut s: spool::Spool,
+    opts: &RecordOptions,
+    st: &State,
+) -> Result<(bool, u64), RecordError> {
+    use crate::export::perfetto::{DEFAULT_MACHINE_ID, PerfettoError, PerfettoOptions};
+    use crate::export::{Bound, ExportEvent, Payload};
+    let mut snaps = st.clocks.clone();
+    snaps.extend(ClockSnapshot::take().ok());
+    let clock = BootClock::new(snaps).map_err(PerfettoError::from)?;
+    let vcpu = st.segments.first().map_or(0, |g| g.vcpu);
+    let mut w = PerfettoWriter::create(
+        &opts.out,
+        PerfettoOptions {
+            machine_id: DEFAULT_MACHINE_ID,
+            guest_name: format!("vmtsync guest ({})", opts.probe.addr),
+            clock,
+        },
+    )?;
+    for rec in s.iter().map_err(RecordError::io(&opts.out))? {
+        let rec = rec.map_err(RecordError::io(&opts.out))?;
+        let Some((host, lo, hi)) = st
+            .covering(rec.guest)
+            .and_then(|g| bounds::host_bounds(g, rec.guest))
+        else {
+            continue;
+        };
+        w.push(&ExportEvent {
+            vcpu,
+            id: rec.id,
+            guest_tsc: Some(rec.guest),
+            host_tsc: host,
+            bound: Some(Bound { lo, hi }),
+            payload: Payload::new(rec.payload()).unwrap_or_default(),
+        })?;
+    }
+    w.finish()?;
+    Ok((false, 0))
 }
 
 /// The trace.dat from the spool: raw guest TSCs plus a TIME_SHIFT when every segment is at

@@ -7,6 +7,8 @@
 //! - [`agent`]: the agent build (`guest-agent/`, release, its own `.cargo/config.toml`).
 //! - [`qemu`]: the QEMU command line (microvm or q35 + qboot, COM1, COM2, isa-debug-exit).
 //! - [`vhost`]: the vhost-device-vsock backend's version and install location.
+//! - [`trace_processor`]: Perfetto's trace processor (wasm, run by Node), fetched into the
+//!   project cache and checksum-checked.
 //! - [`ChildGuard`]: every process started here is killed by its PID when its guard drops.
 //!
 //! The crate depends on std, libc and thiserror only, so `xtask` keeps its few dependencies.
@@ -16,6 +18,7 @@ mod error;
 mod guard;
 pub mod prereq;
 pub mod qemu;
+pub mod trace_processor;
 pub mod vhost;
 
 pub use error::LaunchError;

@@ -12,6 +12,7 @@ mod ctf;
 mod e2e;
 mod kvm_fixtures;
 mod kvm_real;
+mod perfetto;
 mod plot;
 mod probe;
 mod probe_bench;

@@ -1,0 +1,687 @@
+//! Guest events as a Perfetto protobuf trace, on the host's CLOCK_BOOTTIME (docs/perfetto.md).
+//!
+//! The trace holds, on a separate machine (`TracePacket.machine_id`), one process track for
+//! the guest and one child track per vCPU; each event is an instant on its vCPU's track, named
+//! `event <id>`, with the guest TSC, the host TSC, the guaranteed interval mapped to BOOTTIME
+//! and the payload as arguments. Timestamps are pre-converted: the host TSC of each event (the
+//! recording's placement) goes through [`clock::BootClock`], the host's own TSC/BOOTTIME
+//! snapshots. Perfetto's trace processor converts between clocks only by the offset at the
+//! nearest earlier snapshot, which cannot follow the TSC's rate against BOOTTIME, so the
+//! events carry BOOTTIME directly and line up with a host Perfetto trace recorded on BOOTTIME
+//! (its default). No `RemoteClockSync` is written: the trace processor then leaves the guest
+//! machine's timestamps as they are.
+//!
+//! The snapshots are written too, as clock snapshots pairing BOOTTIME with a sequence-scoped
+//! clock 64 holding the host TSC (no packet is timestamped in it: they document the
+//! conversion; the trace processor lists them in `clock_snapshot`).
+//!
+//! Memory is constant: packets are encoded one by one into one reused buffer (names interned
+//! per vCPU sequence, one bit per event id) and streamed to a temporary file beside the
+//! target, renamed into place by [`PerfettoWriter::finish`].
+
+pub mod clock;
+pub mod proto;
+
+use std::io::{self, Write};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use thiserror::Error;
+
+use self::clock::{BootClock, ClockError, ClockSnapshot};
+use self::proto::{
+    Arg, Clock, ClockSnapshot as ClockSnapshotMsg, DebugAnnotation, InternedData, InternedString,
+    ProcessDescriptor, TracePacket, TracePacketDefaults, TrackDescriptor, TrackEvent,
+    TrackEventDefaults,
+};
+use super::{ExportError, ExportEvent, InputKind, MAX_PAYLOAD};
+use crate::atomic_file::AtomicFile;
+
+/// The machine id of the guest's packets unless told otherwise (the host is 0).
+pub const DEFAULT_MACHINE_ID: u32 = 1;
+
+/// Packets are encoded straight into one buffer, written to the file when it holds this much
+/// (an event packet is under 200 bytes, so the buffer never reallocates).
+const BUFFER: usize = 1 << 20;
+
+/// The packet sequence of the trace-wide packets (snapshots, the process track); the `n`-th
+/// vCPU to appear writes on sequence `FIRST_VCPU_SEQUENCE + n`.
+const META_SEQUENCE: u32 = 1;
+/// See [`META_SEQUENCE`]; sequences go by the order vCPUs first appear, not by their number.
+const FIRST_VCPU_SEQUENCE: u32 = 2;
+
+/// Interned debug-annotation names (ids are per sequence, the same on every vCPU's).
+const ANNOTATIONS: [&str; 6] = [
+    "guest_tsc",
+    "host_tsc",
+    "host_lo_ns",
+    "host_hi_ns",
+    "payload",
+    "event_id",
+];
+const A_GUEST_TSC: u64 = 1;
+const A_HOST_TSC: u64 = 2;
+const A_LO_NS: u64 = 3;
+const A_HI_NS: u64 = 4;
+const A_PAYLOAD: u64 = 5;
+const A_EVENT_ID: u64 = 6;
+
+/// What the trace describes.
+#[derive(Clone, Debug)]
+pub struct PerfettoOptions {
+    /// The guest's machine id (not 0, the host's).
+    pub machine_id: u32,
+    /// The name of the guest's process track (e.g. the VM's name).
+    pub guest_name: String,
+    /// The host's TSC on BOOTTIME.
+    pub clock: BootClock,
+}
+
+/// Why writing a Perfetto trace failed.
+#[derive(Debug, Error)]
+pub enum PerfettoError {
+    /// Writing the file failed.
+    #[error("writing {path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The error.
+        source: io::Error,
+    },
+    /// Reading the input failed.
+    #[error(transparent)]
+    Input(#[from] ExportError),
+    /// No TSC → BOOTTIME mapping.
+    #[error(transparent)]
+    Clock(#[from] ClockError),
+    /// An event later than the host's TSC now: the input was recorded on another boot (or
+    /// host), whose TSC this boot's clocks cannot map.
+    #[error(
+        "an event's host TSC {host_tsc} is later than this host's TSC now ({now}): the recording comes from another boot or host, and its TSC cannot be mapped to this boot's BOOTTIME (record with --format perfetto on the recording host instead)"
+    )]
+    NotThisBoot {
+        /// The event's host TSC.
+        host_tsc: u64,
+        /// The host TSC at export.
+        now: u64,
+    },
+    /// More distinct vCPUs than [`MAX_VCPUS`] in one input.
+    #[error(
+        "the input names more than {MAX_VCPUS} vCPUs (the next is vCPU {vcpu}): not a VM's recording"
+    )]
+    TooManyVcpus {
+        /// The vCPU that would have been one too many.
+        vcpu: u32,
+    },
+    /// Machine id 0 is the host's.
+    #[error("machine id 0 is the host's: the guest needs another (e.g. 1)")]
+    HostMachineId,
+}
+
+/// What [`PerfettoWriter::finish`] reports.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PerfettoSummary {
+    /// Events written.
+    pub events: u64,
+    /// Events skipped because their host TSC maps outside BOOTTIME's 64-bit range.
+    pub unmappable: u64,
+    /// vCPU tracks.
+    pub vcpus: u32,
+    /// Bytes written.
+    pub bytes: u64,
+    /// The earliest and latest host TSC written.
+    pub host_tsc_range: Option<(u64, u64)>,
+    /// The largest [`BootClock::error_ns`] of any event written: how far a timestamp can be
+    /// from BOOTTIME by the snapshots' resolutions alone (it grows with the distance from the
+    /// snapshots, so an export long after the recording says so here).
+    pub max_error_ns: u64,
+}
+
+/// Per-vCPU sequence state.
+#[derive(Debug)]
+struct Vcpu {
+    vcpu: u32,
+    /// Event ids whose name is interned on this sequence, one bit each.
+    interned: Box<[u64; 1024]>,
+}
+
+/// A streaming writer of one Perfetto trace file.
+#[derive(Debug)]
+pub struct PerfettoWriter {
+    out: AtomicFile,
+    path: PathBuf,
+    opts: PerfettoOptions,
+    vcpus: Vec<Vcpu>,
+    buf: Vec<u8>,
+    summary: PerfettoSummary,
+}
+
+/// The uuid of the guest's process track: one per machine id.
+fn process_uuid(machine_id: u32) -> u64 {
+    0x766d_7473_0000_0000 | (u64::from(machine_id) << 20)
+}
+
+/// The uuid of the track of the `index`-th vCPU seen (below [`MAX_VCPUS`], so tracks of one
+/// machine never meet the next machine's).
+fn vcpu_uuid(machine_id: u32, index: usize) -> u64 {
+    process_uuid(machine_id) + 1 + index as u64
+}
+
+/// The `index`-th vCPU's packet sequence.
+fn vcpu_sequence(index: usize) -> u32 {
+    FIRST_VCPU_SEQUENCE + u32::try_from(index).unwrap_or(0)
+}
+
+/// The most vCPUs one trace holds (KVM's limit on x86): the input is untrusted, and each vCPU
+/// costs a sequence, a track and an 8 KiB interning bitmap.
+pub const MAX_VCPUS: usize = 4096;
+
+impl PerfettoWriter {
+    /// Starts the trace at `path` (written beside it, renamed by [`Self::finish`]): the clock
+    /// snapshots and the guest's process track.
+    ///
+    /// # Errors
+    /// [`PerfettoError`].
+    pub fn create(path: &Path, opts: PerfettoOptions) -> Result<Self, PerfettoError> {
+        if opts.machine_id == 0 {
+            return Err(PerfettoError::HostMachineId);
+        }
+        let io = |source| PerfettoError::Io {
+            path: path.to_owned(),
+            source,
+        };
+        let file = AtomicFile::new(path).map_err(io)?;
+        let mut w = Self {
+            out: file,
+            path: path.to_owned(),
+            opts,
+            vcpus: Vec::new(),
+            buf: Vec::with_capacity(BUFFER + 4096),
+            summary: PerfettoSummary::default(),
+        };
+        let snaps: Vec<TracePacket> = w
+            .opts
+            .clock
+            .snapshots()
+            .iter()
+            .enumerate()
+            .map(|(i, s)| TracePacket {
+                trusted_packet_sequence_id: Some(META_SEQUENCE),
+                first_packet_on_sequence: (i == 0).then_some(true),
+                sequence_flags: (i == 0).then_some(proto::SEQ_INCREMENTAL_STATE_CLEARED),
+                clock_snapshot: Some(ClockSnapshotMsg {
+                    clocks: vec![
+                        Clock {
+                            clock_id: Some(proto::CLOCK_BOOTTIME),
+                            timestamp: Some(s.boottime_ns),
+                        },
+                        Clock {
+                            clock_id: Some(proto::CLOCK_HOST_TSC),
+                            timestamp: Some(s.tsc),
+                        },
+                    ],
+                }),
+                ..Default::default()
+            })
+            .collect();
+        for p in &snaps {
+            w.write_packet(p)?;
+        }
+        let machine_id = w.opts.machine_id;
+        let process = TracePacket {
+            trusted_packet_sequence_id: Some(META_SEQUENCE),
+            machine_id: Some(machine_id),
+            track_descriptor: Some(TrackDescriptor {
+                uuid: Some(process_uuid(machine_id)),
+                name: Some(w.opts.guest_name.clone()),
+                process: Some(ProcessDescriptor {
+                    // The guest is not a host process: a pid in its own machine's space.
+                    pid: Some(1),
+                    process_name: Some(w.opts.guest_name.clone()),
+                }),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        w.write_packet(&process)?;
+        Ok(w)
+    }
+
+    fn write_packet(&mut self, p: &TracePacket) -> Result<(), PerfettoError> {
+        let before = self.buf.len();
+        proto::append_packet(p, &mut self.buf);
+        self.summary.bytes += (self.buf.len() - before) as u64;
+        self.spill(BUFFER)
+    }
+
+    /// Writes the buffered packets to the file once they reach `at` bytes.
+    fn spill(&mut self, at: usize) -> Result<(), PerfettoError> {
+        if self.buf.len() < at {
+            return Ok(());
+        }
+        let r = self.out.write_all(&self.buf);
+        self.buf.clear();
+        r.map_err(|source| PerfettoError::Io {
+            path: self.path.clone(),
+            source,
+        })
+    }
+
+    /// The index of `vcpu`'s state, starting its sequence (track descriptor, defaults, interned
+    /// annotation names) on first use.
+    fn vcpu_index(&mut self, vcpu: u32) -> Result<usize, PerfettoError> {
+        if let Some(i) = self.vcpus.iter().position(|v| v.vcpu == vcpu) {
+            return Ok(i);
+        }
+        if self.vcpus.len() >= MAX_VCPUS {
+            return Err(PerfettoError::TooManyVcpus { vcpu });
+        }
+        let machine_id = self.opts.machine_id;
+        let index = self.vcpus.len();
+        let seq = vcpu_sequence(index);
+        let start = TracePacket {
+            trusted_packet_sequence_id: Some(seq),
+            machine_id: Some(machine_id),
+            first_packet_on_sequence: Some(true),
+            sequence_flags: Some(proto::SEQ_INCREMENTAL_STATE_CLEARED),
+            trace_packet_defaults: Some(TracePacketDefaults {
+                timestamp_clock_id: Some(proto::CLOCK_BOOTTIME),
+                track_event_defaults: Some(TrackEventDefaults {
+                    track_uuid: Some(vcpu_uuid(machine_id, index)),
+                }),
+            }),
+            interned_data: Some(InternedData {
+                debug_annotation_names: ANNOTATIONS
+                    .iter()
+                    .zip(1u64..)
+                    .map(|(n, iid)| InternedString {
+                        iid: Some(iid),
+                        name: Some((*n).to_owned()),
+                    })
+                    .collect(),
+                ..Default::default()
+            }),
+            track_descriptor: Some(TrackDescriptor {
+                uuid: Some(vcpu_uuid(machine_id, index)),
+                parent_uuid: Some(process_uuid(machine_id)),
+                name: Some(format!("vCPU {vcpu}")),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        self.write_packet(&start)?;
+        self.vcpus.push(Vcpu {
+            vcpu,
+            interned: Box::new([0; 1024]),
+        });
+        self.summary.vcpus += 1;
+        Ok(self.vcpus.len() - 1)
+    }
+
+    /// Writes one event (any order: the trace processor sorts). Its arguments are what the
+    /// input knows: the guest TSC and the guaranteed interval only when present.
+    ///
+    /// # Errors
+    /// [`PerfettoError::Io`].
+    pub fn push(&mut self, e: &ExportEvent) -> Result<(), PerfettoError> {
+        let clock = &self.opts.clock;
+        let Some(ts) = clock.boottime_ns(e.host_tsc) else {
+            self.summary.unmappable += 1;
+            return Ok(());
+        };
+        // The interval widened by what the snapshots' resolutions allow, so it still holds.
+        let bound = e.bound.and_then(|b| {
+            let lo = clock
+                .boottime_ns(b.lo)?
+                .saturating_sub(clock.error_ns(b.lo));
+            let hi = clock
+                .boottime_ns(b.hi)?
+                .saturating_add(clock.error_ns(b.hi));
+            Some((lo, hi))
+        });
+        let i = self.vcpu_index(e.vcpu)?;
+        let v = &mut self.vcpus[i];
+        let (word, bit) = (usize::from(e.id >> 6), 1u64 << (e.id & 63));
+        let first_use = v.interned[word] & bit == 0;
+        v.interned[word] |= bit;
+
+        let seq = vcpu_sequence(i);
+        let name_iid = u64::from(e.id) + 1;
+        // The arguments, in a fixed order; the payload as lowercase hex.
+        let mut hex = [0u8; 2 * MAX_PAYLOAD];
+        for (i, &b) in e.payload.as_slice().iter().enumerate() {
+            const HEX: &[u8; 16] = b"0123456789abcdef";
+            hex[2 * i] = HEX[usize::from(b >> 4)];
+            hex[2 * i + 1] = HEX[usize::from(b & 15)];
+        }
+        let hex = std::str::from_utf8(&hex[..2 * e.payload.as_slice().len()]).unwrap_or("");
+        let mut args = [(0, Arg::Uint(0)); 6];
+        let mut n = 0;
+        let mut add = |iid, a| {
+            args[n] = (iid, a);
+            n += 1;
+        };
+        add(A_EVENT_ID, Arg::Uint(u64::from(e.id)));
+        add(A_HOST_TSC, Arg::Uint(e.host_tsc));
+        if let Some(g) = e.guest_tsc {
+            add(A_GUEST_TSC, Arg::Uint(g));
+        }
+        if let Some((lo, hi)) = bound {
+            add(A_LO_NS, Arg::Uint(lo));
+            add(A_HI_NS, Arg::Uint(hi));
+        }
+        if !hex.is_empty() {
+            add(A_PAYLOAD, Arg::Str(hex));
+        }
+        let args = &args[..n];
+        let before = self.buf.len();
+        if first_use {
+            // The first event of this id on this vCPU also interns its name: the one packet
+            // kind the fast encoder does not write.
+            let packet = TracePacket {
+                timestamp: Some(ts),
+                trusted_packet_sequence_id: Some(seq),
+                machine_id: Some(self.opts.machine_id),
+                sequence_flags: Some(proto::SEQ_NEEDS_INCREMENTAL_STATE),
+                interned_data: Some(InternedData {
+                    event_names: vec![InternedString {
+                        iid: Some(name_iid),
+                        name: Some(format!("event {}", e.id)),
+                    }],
+                    ..Default::default()
+                }),
+                track_event: Some(TrackEvent {
+                    r#type: Some(proto::TYPE_INSTANT),
+                    name_iid: Some(name_iid),
+                    debug_annotations: args
+                        .iter()
+                        .map(|&(iid, a)| DebugAnnotation {
+                            name_iid: Some(iid),
+                            uint_value: match a {
+                                Arg::Uint(v) => Some(v),
+                                Arg::Str(_) => None,
+                            },
+                            string_value: match a {
+                                Arg::Str(s) => Some(s.to_owned()),
+                                Arg::Uint(_) => None,
+                            },
+                        })
+                        .collect(),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            };
+            proto::append_packet(&packet, &mut self.buf);
+        } else {
+            // Within the fast encoder's limits by construction (6 arguments, 32-byte hex).
+            let _ = proto::append_event_packet(
+                &mut self.buf,
+                ts,
+                seq,
+                self.opts.machine_id,
+                name_iid,
+                args,
+            );
+        }
+        self.summary.bytes += (self.buf.len() - before) as u64;
+        self.summary.events += 1;
+        let r = self
+            .summary
+            .host_tsc_range
+            .get_or_insert((e.host_tsc, e.host_tsc));
+        *r = (r.0.min(e.host_tsc), r.1.max(e.host_tsc));
+        self.spill(BUFFER)
+    }
+
+    /// Flushes, syncs and renames the file into place.
+    ///
+    /// # Errors
+    /// [`PerfettoError::Io`]; the target is then untouched.
+    pub fn finish(mut self) -> Result<PerfettoSummary, PerfettoError> {
+        self.spill(0)?;
+        let path = self.path.clone();
+        self.out
+            .commit()
+            .map_err(|source| PerfettoError::Io { path, source })?;
+        let mut s = self.summary;
+        if let Some((a, b)) = s.host_tsc_range {
+            s.max_error_ns = self.opts.clock.error_ns(a).max(self.opts.clock.error_ns(b));
+        }
+        Ok(s)
+    }
+}
+
+/// How far apart `export` takes its two clock snapshots: the rate they give is off by about
+/// their resolutions over this span (a few ns over 200 ms: a few parts in 10^8).
+pub const EXPORT_SNAPSHOT_SPAN: Duration = Duration::from_millis(200);
+
+/// The host's TSC on BOOTTIME from two snapshots taken `span` apart, now.
+///
+/// # Errors
+/// [`ClockError`].
+pub fn boot_clock_now(span: Duration) -> Result<BootClock, ClockError> {
+    let a = ClockSnapshot::take()?;
+    std::thread::sleep(span);
+    let b = ClockSnapshot::take()?;
+    BootClock::new(vec![a, b])
+}
+
+/// What `vmtsync export perfetto` did.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ExportSummary {
+    /// The writer's summary.
+    pub trace: PerfettoSummary,
+    /// What the input was (and so which arguments the events carry).
+    pub input: InputKind,
+}
+
+/// `vmtsync export perfetto --from IN --out OUT`: the events of a recording (JSON Lines or our
+/// trace.dat, read by [`super::open`]) as a Perfetto trace, their host TSCs mapped to BOOTTIME
+/// by snapshots taken now. That is right only for a recording made on this host since its last
+/// boot (an event later than the TSC now is refused); the further back the recording, the more
+/// the extrapolated rate can be off ([`ExportSummary`]'s `max_error_ns`, which also widens
+/// every event's interval). `record --format perfetto` takes its snapshots while recording.
+///
+/// # Errors
+/// [`PerfettoError`]; the target is then untouched.
+pub fn export_file(
+    from: &Path,
+    out: &Path,
+    machine_id: u32,
+    guest_name: &str,
+) -> Result<ExportSummary, PerfettoError> {
+    let source = super::open(from)?;
+    let input = source.kind();
+    let clock = boot_clock_now(EXPORT_SNAPSHOT_SPAN)?;
+    let now = clock.snapshots().last().map_or(0, |s| s.tsc);
+    let mut w = PerfettoWriter::create(
+        out,
+        PerfettoOptions {
+            machine_id,
+            guest_name: guest_name.to_owned(),
+            clock,
+        },
+    )?;
+    for e in source {
+        let e = e?;
+        if e.host_tsc > now {
+            return Err(PerfettoError::NotThisBoot {
+                host_tsc: e.host_tsc,
+                now,
+            });
+        }
+        w.push(&e)?;
+    }
+    Ok(ExportSummary {
+        trace: w.finish()?,
+        input,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::export::{Bound, Payload};
+    use prost::Message;
+
+    #[derive(Clone, PartialEq, Message)]
+    struct Trace {
+        #[prost(message, repeated, tag = "1")]
+        packet: Vec<TracePacket>,
+    }
+
+    fn clock() -> BootClock {
+        let s = |tsc, ns| ClockSnapshot {
+            tsc,
+            boottime_ns: ns,
+            resolution: 0,
+        };
+        // 2 ticks per ns, BOOTTIME 1 s at TSC 0.
+        BootClock::new(vec![s(0, 1_000_000_000), s(2_000_000, 1_001_000_000)]).unwrap()
+    }
+
+    #[test]
+    fn events_land_on_their_vcpu_tracks_in_boottime() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.perfetto-trace");
+        let mut w = PerfettoWriter::create(
+            &path,
+            PerfettoOptions {
+                machine_id: 2,
+                guest_name: "vm".into(),
+                clock: clock(),
+            },
+        )
+        .unwrap();
+        for (vcpu, id, host) in [(0, 7, 1000), (1, 7, 2000), (0, 7, 3000), (0, 9, 4000)] {
+            w.push(&ExportEvent {
+                vcpu,
+                id,
+                guest_tsc: Some(host + 5),
+                host_tsc: host,
+                bound: Some(Bound {
+                    lo: host - 10,
+                    hi: host + 10,
+                }),
+                payload: Payload::new(if id == 9 { &[0xab, 0x01] } else { &[] }).unwrap(),
+            })
+            .unwrap();
+        }
+        let s = w.finish().unwrap();
+        assert_eq!((s.events, s.vcpus, s.unmappable), (4, 2, 0));
+        let bytes = std::fs::read(&path).unwrap();
+        assert_eq!(bytes.len() as u64, s.bytes);
+        let t = Trace::decode(bytes.as_slice()).unwrap();
+        let events: Vec<&TracePacket> = t
+            .packet
+            .iter()
+            .filter(|p| p.track_event.is_some())
+            .collect();
+        assert_eq!(events.len(), 4);
+        let ts: Vec<u64> = events.iter().map(|p| p.timestamp.unwrap()).collect();
+        assert_eq!(
+            ts,
+            [1_000_000_500, 1_000_001_000, 1_000_001_500, 1_000_002_000]
+        );
+        // Names interned once per vCPU sequence: vCPU 0 interns 7 then 9, vCPU 1 interns 7.
+        let interned: Vec<(u32, u64)> = events
+            .iter()
+            .filter_map(|p| {
+                let d = p.interned_data.as_ref()?;
+                Some((p.trusted_packet_sequence_id?, d.event_names[0].iid?))
+            })
+            .collect();
+        assert_eq!(interned, [(2, 8), (3, 8), (2, 10)]);
+        let last = events[3].track_event.as_ref().unwrap();
+        assert_eq!(
+            last.debug_annotations
+                .last()
+                .unwrap()
+                .string_value
+                .as_deref(),
+            Some("ab01")
+        );
+        // The bound is widened by one ns of rounding each way: [3990, 4010] ticks → ns.
+        let arg = |iid| {
+            last.debug_annotations
+                .iter()
+                .find(|d| d.name_iid == Some(iid))
+                .and_then(|d| d.uint_value)
+        };
+        assert_eq!(arg(A_LO_NS), Some(1_000_001_995 - 1));
+        assert_eq!(arg(A_HI_NS), Some(1_000_002_005 + 1));
+        assert_eq!(arg(A_GUEST_TSC), Some(4005));
+        assert_eq!(s.host_tsc_range, Some((1000, 4000)));
+        // Every guest packet is on the guest machine.
+        assert!(
+            t.packet
+                .iter()
+                .filter(|p| p.track_event.is_some() || p.track_descriptor.is_some())
+                .all(|p| p.machine_id == Some(2))
+        );
+    }
+
+    #[test]
+    fn machine_zero_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let r = PerfettoWriter::create(
+            &dir.path().join("t"),
+            PerfettoOptions {
+                machine_id: 0,
+                guest_name: "vm".into(),
+                clock: clock(),
+            },
+        );
+        assert!(matches!(r, Err(PerfettoError::HostMachineId)));
+    }
+
+    #[test]
+    fn vcpu_numbers_cannot_collide_or_grow_without_bound() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t");
+        let mut w = PerfettoWriter::create(
+            &path,
+            PerfettoOptions {
+                machine_id: 1,
+                guest_name: "vm".into(),
+                clock: clock(),
+            },
+        )
+        .unwrap();
+        let ev = |vcpu| ExportEvent {
+            vcpu,
+            id: 1,
+            guest_tsc: None,
+            host_tsc: 1000,
+            bound: None,
+            payload: Payload::default(),
+        };
+        // Numbers that would meet in a sequence id or uuid derived from the number itself.
+        for vcpu in [u32::MAX, u32::MAX - 1, 0x8_0000, 0] {
+            w.push(&ev(vcpu)).unwrap();
+        }
+        for vcpu in 1..u32::try_from(MAX_VCPUS - 3).unwrap() {
+            w.push(&ev(vcpu)).unwrap();
+        }
+        assert!(matches!(
+            w.push(&ev(7_777_777)),
+            Err(PerfettoError::TooManyVcpus { vcpu: 7_777_777 })
+        ));
+        let s = w.finish().unwrap();
+        assert_eq!(s.vcpus as usize, MAX_VCPUS);
+        let t = Trace::decode(std::fs::read(&path).unwrap().as_slice()).unwrap();
+        let mut uuids: Vec<u64> = t
+            .packet
+            .iter()
+            .filter_map(|p| p.track_descriptor.as_ref()?.uuid)
+            .collect();
+        let n = uuids.len();
+        uuids.sort_unstable();
+        uuids.dedup();
+        assert_eq!(
+            (n, uuids.len()),
+            (MAX_VCPUS + 1, MAX_VCPUS + 1),
+            "unique tracks"
+        );
+    }
+}

@@ -404,6 +404,7 @@ fn build_binaries(plan: &Plan) -> Result<()> {
         "ctf_write",
         "--example",
         "attach_time",
+        "--example",
         "perfetto_write",
     ]))
 }

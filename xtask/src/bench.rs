@@ -513,8 +513,11 @@ mod tests {
     fn a_full_event_batch_encodes() {
         let (frame, events) = sections::event_batch_frame().expect("encodes");
         assert_eq!(events, vmtsync_core::proto::EVENT_BATCH_MAX);
-        // Each payload-less record takes at least its id, delta and payload length.
+        // Each payload-less record takes at least its header and its 2-byte delta, and the
+        // batch meets the ≤ 4 B/event goal with its overhead (docs/wire-integrity.md).
         assert!(frame >= 3 * events, "{frame} bytes");
+        assert!(frame <= 4 * events, "{frame} bytes");
+        println!("full batch: {frame} B for {events} events");
     }
 
     #[test]

@@ -652,7 +652,7 @@ mod tests {
     #[test]
     fn decode_rejects_too_many_events() {
         // Events batch (vcpu 0, dropped 0, first 0, remaining 0, last, guest clock, base 0)
-        // announcing EVENT_BATCH_MAX + 1 records of (delta 0, id 1, no payload).
+        // announcing EVENT_BATCH_MAX + 1 records of (delta 0, header 2: id 1, no payload).
         let mut bare = std::vec![
             0x0b,
             0,
@@ -665,9 +665,80 @@ mod tests {
             u8::try_from(crate::proto::EVENT_BATCH_MAX + 1).unwrap()
         ];
         for _ in 0..=crate::proto::EVENT_BATCH_MAX {
-            bare.extend_from_slice(&[0, 1, 0]);
+            bare.extend_from_slice(&[0, 2]);
         }
         assert_eq!(decode(&body_of(&bare)), Err(DecodeError::InvalidValue));
+        // The same batch with EVENT_BATCH_MAX records is valid: the count alone was refused.
+        bare[8] -= 1;
+        bare.truncate(bare.len() - 2);
+        assert!(decode(&body_of(&bare)).is_ok());
+    }
+
+    #[test]
+    fn decode_rejects_non_canonical_records() {
+        // A one-record batch (vcpu 0, dropped 0, first 0, remaining 0, last, guest clock,
+        // base 0) whose record (delta 0) ends in `tail`.
+        let batch = |tail: &[u8]| {
+            let mut bare = std::vec![0x0b, 0, 0, 0, 0, 1, 0, 0, 1, 0];
+            bare.extend_from_slice(tail);
+            body_of(&bare)
+        };
+        let one = |id, payload: &[u8]| {
+            let mut b = crate::proto::EventBatch::new(0, crate::proto::EventClock::Guest, 0);
+            b.last = true;
+            assert!(b.push(0, 0, id, payload));
+            Ok(Message::Events(b))
+        };
+        // The fixtures are otherwise valid: header 2 is id 1, header 3 id 1 with a payload.
+        assert_eq!(decode(&batch(&[0x02])), one(1, &[]));
+        assert_eq!(decode(&batch(&[0x03, 0x01, 0xaa])), one(1, &[0xaa]));
+        // The widest id, with and without a payload: 3 header bytes.
+        assert_eq!(decode(&batch(&[0xfe, 0xff, 0x07])), one(u16::MAX, &[]));
+        assert_eq!(
+            decode(&batch(&[0xff, 0xff, 0x07, 0x01, 0x05])),
+            one(u16::MAX, &[5])
+        );
+        // A payload announced with length 0 (the payload-less form is the only one).
+        assert_eq!(
+            decode(&batch(&[0x03, 0x00])),
+            Err(DecodeError::InvalidValue)
+        );
+        // An id above u16::MAX (header 2^17).
+        assert_eq!(
+            decode(&batch(&[0x80, 0x80, 0x08])),
+            Err(DecodeError::InvalidValue)
+        );
+        // A payload longer than EVENT_PAYLOAD_MAX.
+        let mut long = std::vec![0x03, 17];
+        long.extend_from_slice(&[0xaa; 17]);
+        assert_eq!(decode(&batch(&long)), Err(DecodeError::InvalidValue));
+        // A header varint that overflows a u32, and a record cut short.
+        assert_eq!(
+            decode(&batch(&[0xff, 0xff, 0xff, 0xff, 0xff, 0x01])),
+            Err(DecodeError::Malformed)
+        );
+        assert_eq!(
+            decode(&batch(&[0x03, 0x02, 0xaa])),
+            Err(DecodeError::Truncated)
+        );
+    }
+
+    #[test]
+    fn a_full_batch_of_payload_less_events_costs_under_4_bytes_each() {
+        // 64 records 2600 ticks apart (a million events per second at 2.6 GHz) with ids
+        // below 64, guest TSC near 2^45: 2 bytes of delta and 1 of header per record, and
+        // 21 bytes of tag, counters, base, count, CRC-32, COBS and delimiter per batch
+        // (213 B, counted by hand from the layout in `EventRecord`'s docs).
+        let base = (1u64 << 45) + 12_345;
+        let mut b = crate::proto::EventBatch::new(1, crate::proto::EventClock::Guest, base);
+        let mut prev = base;
+        for id in 0..crate::proto::EVENT_BATCH_MAX {
+            assert!(b.push(prev, prev + 2600, u16::try_from(id).unwrap(), &[]));
+            prev += 2600;
+        }
+        let frame = frame_of(&Message::Events(b)).len();
+        assert_eq!(frame, 213);
+        assert!(frame <= 4 * crate::proto::EVENT_BATCH_MAX);
     }
 
     #[test]

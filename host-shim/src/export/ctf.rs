@@ -281,8 +281,9 @@ impl CtfTrace {
     }
 
     /// Appends one event of class `class` at host tick `ts` to stream `instance` with its
-    /// `fields`. A timestamp
-    /// before the stream's previous one is raised to it; returns whether it was.
+    /// `fields`, behind a compact header (class 0, a step below 2^31 ticks from the packet's
+    /// previous event) or an extended one (`docs/ctf.md`, "Layout"). A timestamp before the
+    /// stream's previous one is raised to it; returns whether it was.
     ///
     /// # Errors
     /// Writing a packet failed, or the trace would exceed [`MAX_STREAMS`].
@@ -412,7 +413,7 @@ fn tsdl_str(s: &str) -> String {
 }
 
 /// The metadata: integer types, the trace and its packet header, `env`, the host TSC clock,
-/// stream class 0 (packet context, event header with a one-byte class id and the timestamp)
+/// stream class 0 (packet context, the compact or extended event header: see [`CtfTrace::event`])
 /// and the caller's event classes.
 fn metadata(opts: &CtfOptions, events_tsdl: &str) -> String {
     let mut m = String::from(

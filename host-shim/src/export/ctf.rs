@@ -29,6 +29,9 @@ use super::{ExportError, ExportEvent, MAX_PAYLOAD, Payload};
 const MAGIC: u32 = 0xC1FC_1FC1;
 /// Bytes of packet header and context (see [`Stream::flush`]).
 const PACKET_HEADER: usize = 56;
+/// The compact event header holds a timestamp's low 31 bits: the step from the previous event
+/// of the packet must be below this.
+const COMPACT_SPAN: u64 = 1 << 31;
 /// A packet is written when its buffer reaches this size.
 pub const PACKET_BYTES: usize = 64 * 1024;
 /// The most streams (vCPUs, host CPUs) a trace holds: bounds memory whatever the input says.
@@ -278,8 +281,9 @@ impl CtfTrace {
     }
 
     /// Appends one event of class `class` at host tick `ts` to stream `instance` with its
-    /// `fields`. A timestamp
-    /// before the stream's previous one is raised to it; returns whether it was.
+    /// `fields`, behind a compact header (class 0, a step below 2^31 ticks from the packet's
+    /// previous event) or an extended one (`docs/ctf.md`, "Layout"). A timestamp before the
+    /// stream's previous one is raised to it; returns whether it was.
     ///
     /// # Errors
     /// Writing a packet failed, or the trace would exceed [`MAX_STREAMS`].
@@ -302,11 +306,24 @@ impl CtfTrace {
         let ts = if raised { s.last } else { ts };
         if s.in_packet == 0 {
             s.begin = ts;
+            s.last = ts;
+        }
+        // The compact header (4 bytes: kind bit 0, then the timestamp's low 31 bits, which
+        // babeltrace2 extends from the previous event's timestamp) when the class is 0 and the
+        // step from the previous event of the packet is below 2^31 ticks; else the extended
+        // one (kind 1, the class, the whole timestamp). A packet's first event is always
+        // extended, so no reader has to know what the packet context did to its clock.
+        // `docs/ctf.md`, "Layout".
+        let step = ts - s.last;
+        if class == 0 && s.in_packet > 0 && step < COMPACT_SPAN {
+            let word = (u32::try_from(ts & (COMPACT_SPAN - 1)).unwrap_or(0)) << 1;
+            s.buf.extend_from_slice(&word.to_le_bytes());
+        } else {
+            let mut header = [1, class, 0, 0, 0, 0, 0, 0, 0, 0];
+            header[2..].copy_from_slice(&ts.to_le_bytes());
+            s.buf.extend_from_slice(&header);
         }
         s.last = ts;
-        let mut header = [class; 9];
-        header[1..].copy_from_slice(&ts.to_le_bytes());
-        s.buf.extend_from_slice(&header);
         // The whole array (a fixed-size copy), then back to the fields' length.
         let end = s.buf.len() + fields.n;
         s.buf.extend_from_slice(&fields.b);
@@ -396,7 +413,7 @@ fn tsdl_str(s: &str) -> String {
 }
 
 /// The metadata: integer types, the trace and its packet header, `env`, the host TSC clock,
-/// stream class 0 (packet context, event header with a one-byte class id and the timestamp)
+/// stream class 0 (packet context, the compact or extended event header: see [`CtfTrace::event`])
 /// and the caller's event classes.
 fn metadata(opts: &CtfOptions, events_tsdl: &str) -> String {
     let mut m = String::from(
@@ -441,7 +458,8 @@ fn metadata(opts: &CtfOptions, events_tsdl: &str) -> String {
          \tprecision = 0;\n\
          \tabsolute = true;\n\
          }};\n\n\
-         typealias integer {{ size = 64; align = 8; signed = false; map = clock.host_tsc.value; }} := host_tsc_t;\n\n\
+         typealias integer {{ size = 64; align = 8; signed = false; map = clock.host_tsc.value; }} := host_tsc_t;\n\
+         typealias integer {{ size = 31; align = 1; signed = false; map = clock.host_tsc.value; }} := host_tsc31_t;\n\n\
          stream {{\n\
          \tid = 0;\n\
          \tpacket.context := struct {{\n\
@@ -452,8 +470,11 @@ fn metadata(opts: &CtfOptions, events_tsdl: &str) -> String {
          \t\tuint64_t packet_seq_num;\n\
          \t}};\n\
          \tevent.header := struct {{\n\
-         \t\tuint8_t id;\n\
-         \t\thost_tsc_t timestamp;\n\
+         \t\tenum : integer {{ size = 1; align = 8; signed = false; }} {{ compact = 0, extended = 1 }} id;\n\
+         \t\tvariant <id> {{\n\
+         \t\t\tstruct {{ host_tsc31_t timestamp; }} compact;\n\
+         \t\t\tstruct {{ uint8_t id; host_tsc_t timestamp; }} extended;\n\
+         \t\t}} v;\n\
          \t}};\n\
          }};\n\n",
         opts.tsc_hz

@@ -34,14 +34,15 @@ use self::proto::{
     ProcessDescriptor, TracePacket, TracePacketDefaults, TrackDescriptor, TrackEvent,
     TrackEventDefaults,
 };
-use super::{ExportError, ExportEvent, InputKind, MAX_PAYLOAD};
+use super::{ExportError, ExportEvent, InputKind};
 use crate::atomic_file::AtomicFile;
 
 /// The machine id of the guest's packets unless told otherwise (the host is 0).
 pub const DEFAULT_MACHINE_ID: u32 = 1;
 
-/// Packets are encoded straight into one buffer, written to the file when it holds this much
-/// (an event packet is under 200 bytes, so the buffer never reallocates).
+/// Packets are encoded straight into one buffer, written to the file when it holds this much.
+/// The buffer has [`proto::EVENT_PACKET_MAX`] bytes more, so an event packet is always
+/// encoded in place, right after the last one.
 const BUFFER: usize = 1 << 20;
 
 /// The packet sequence of the trace-wide packets (snapshots, the process track); the `n`-th
@@ -152,7 +153,12 @@ pub struct PerfettoWriter {
     path: PathBuf,
     opts: PerfettoOptions,
     vcpus: Vec<Vcpu>,
+    /// `BUFFER + EVENT_PACKET_MAX` bytes, of which `used` are packets not written yet (always
+    /// fewer than `BUFFER` between calls).
     buf: Vec<u8>,
+    used: usize,
+    /// Packets encoded by prost (or too large for the fast encoder), before they are copied.
+    tmp: Vec<u8>,
     summary: PerfettoSummary,
 }
 
@@ -196,7 +202,9 @@ impl PerfettoWriter {
             path: path.to_owned(),
             opts,
             vcpus: Vec::new(),
-            buf: Vec::with_capacity(BUFFER + 4096),
+            buf: vec![0; BUFFER + proto::EVENT_PACKET_MAX],
+            used: 0,
+            tmp: Vec::new(),
             summary: PerfettoSummary::default(),
         };
         let snaps: Vec<TracePacket> = w
@@ -248,19 +256,43 @@ impl PerfettoWriter {
     }
 
     fn write_packet(&mut self, p: &TracePacket) -> Result<(), PerfettoError> {
-        let before = self.buf.len();
-        proto::append_packet(p, &mut self.buf);
-        self.summary.bytes += (self.buf.len() - before) as u64;
-        self.spill(BUFFER)
+        let mut tmp = std::mem::take(&mut self.tmp);
+        tmp.clear();
+        proto::append_packet(p, &mut tmp);
+        let r = self.put(&tmp);
+        self.tmp = tmp;
+        r
+    }
+
+    /// Appends encoded packets to the buffer (or, larger than it, straight to the file).
+    fn put(&mut self, bytes: &[u8]) -> Result<(), PerfettoError> {
+        self.summary.bytes += bytes.len() as u64;
+        if self.used + bytes.len() > BUFFER {
+            self.spill(0)?;
+        }
+        match self.buf.get_mut(self.used..self.used + bytes.len()) {
+            Some(d) if bytes.len() < BUFFER => {
+                d.copy_from_slice(bytes);
+                self.used += bytes.len();
+                self.spill(BUFFER)
+            }
+            _ => self
+                .out
+                .write_all(bytes)
+                .map_err(|source| PerfettoError::Io {
+                    path: self.path.clone(),
+                    source,
+                }),
+        }
     }
 
     /// Writes the buffered packets to the file once they reach `at` bytes.
     fn spill(&mut self, at: usize) -> Result<(), PerfettoError> {
-        if self.buf.len() < at {
+        if self.used < at {
             return Ok(());
         }
-        let r = self.out.write_all(&self.buf);
-        self.buf.clear();
+        let r = self.out.write_all(&self.buf[..self.used]);
+        self.used = 0;
         r.map_err(|source| PerfettoError::Io {
             path: self.path.clone(),
             source,
@@ -348,13 +380,7 @@ impl PerfettoWriter {
         let seq = vcpu_sequence(i);
         let name_iid = u64::from(e.id) + 1;
         // The arguments, in a fixed order; the payload as lowercase hex.
-        let mut hex = [0u8; 2 * MAX_PAYLOAD];
-        for (i, &b) in e.payload.as_slice().iter().enumerate() {
-            const HEX: &[u8; 16] = b"0123456789abcdef";
-            hex[2 * i] = HEX[usize::from(b >> 4)];
-            hex[2 * i + 1] = HEX[usize::from(b & 15)];
-        }
-        let hex = std::str::from_utf8(&hex[..2 * e.payload.as_slice().len()]).unwrap_or("");
+        let payload = e.payload.as_slice();
         let mut args = [(0, Arg::Uint(0)); 6];
         let mut n = 0;
         let mut add = |iid, a| {
@@ -370,11 +396,10 @@ impl PerfettoWriter {
             add(A_LO_NS, Arg::Uint(lo));
             add(A_HI_NS, Arg::Uint(hi));
         }
-        if !hex.is_empty() {
-            add(A_PAYLOAD, Arg::Str(hex));
+        if !payload.is_empty() {
+            add(A_PAYLOAD, Arg::Hex(payload));
         }
         let args = &args[..n];
-        let before = self.buf.len();
         if first_use {
             // The first event of this id on this vCPU also interns its name: the one packet
             // kind the fast encoder does not write.
@@ -399,31 +424,44 @@ impl PerfettoWriter {
                             name_iid: Some(iid),
                             uint_value: match a {
                                 Arg::Uint(v) => Some(v),
-                                Arg::Str(_) => None,
+                                Arg::Str(_) | Arg::Hex(_) => None,
                             },
-                            string_value: match a {
-                                Arg::Str(s) => Some(s.to_owned()),
-                                Arg::Uint(_) => None,
-                            },
+                            string_value: a.string(),
                         })
                         .collect(),
                     ..Default::default()
                 }),
                 ..Default::default()
             };
-            proto::append_packet(&packet, &mut self.buf);
+            self.write_packet(&packet)?;
         } else {
-            // Within the fast encoder's limits by construction (6 arguments, 32-byte hex).
-            let _ = proto::append_event_packet(
-                &mut self.buf,
-                ts,
-                seq,
-                self.opts.machine_id,
-                name_iid,
-                args,
-            );
+            // Encoded in place after the buffered packets (`used < BUFFER` leaves room); a
+            // packet the one-pass encoder leaves (a message of 128 bytes or more) goes through
+            // the two-pass one. Within both encoders' limits by construction (6 arguments,
+            // 32 hex digits).
+            let slot = self
+                .buf
+                .get_mut(self.used..self.used + proto::EVENT_PACKET_MAX)
+                .and_then(|s| <&mut [u8; proto::EVENT_PACKET_MAX]>::try_from(s).ok());
+            let machine_id = self.opts.machine_id;
+            match slot
+                .and_then(|s| proto::write_event_packet(s, ts, seq, machine_id, name_iid, args))
+            {
+                Some(n) => {
+                    self.used += n;
+                    self.summary.bytes += n as u64;
+                }
+                None => {
+                    let mut tmp = std::mem::take(&mut self.tmp);
+                    tmp.clear();
+                    let _ =
+                        proto::append_event_packet(&mut tmp, ts, seq, machine_id, name_iid, args);
+                    let r = self.put(&tmp);
+                    self.tmp = tmp;
+                    r?;
+                }
+            }
         }
-        self.summary.bytes += (self.buf.len() - before) as u64;
         self.summary.events += 1;
         let r = self
             .summary

@@ -85,8 +85,9 @@ fn a_guest_trace_has_its_metadata_and_one_stream_per_vcpu() {
     let (h, body) = &p[0];
     // Magic, stream class 0, instance = vCPU, first and last timestamp, sequence 0.
     assert_eq!(h, &[0xC1FC_1FC1, 0, 0, 1000, 2000, h[5], 0]);
-    // Event 1: class 0, ts, id, vcpu, host, guest, lo, hi, len, payload.
-    let mut e1 = vec![0u8];
+    // Event 1, the packet's first: extended header (kind 1, class 0, ts), then id, vcpu,
+    // host, guest, lo, hi, len, payload.
+    let mut e1 = vec![1u8, 0];
     e1.extend_from_slice(&1000u64.to_le_bytes());
     e1.extend_from_slice(&0xbeefu16.to_le_bytes());
     e1.extend_from_slice(&0u32.to_le_bytes());
@@ -95,7 +96,10 @@ fn a_guest_trace_has_its_metadata_and_one_stream_per_vcpu() {
     }
     e1.extend_from_slice(&[2, 1, 2]);
     assert_eq!(&body[..e1.len()], &e1[..]);
-    assert_eq!(body.len(), 2 * (e1.len() - 2) + 2 + 16);
+    // Event 2: compact header (kind 0 in bit 0, the timestamp's low 31 bits above it).
+    let e2 = e1.len() - 10 + 4;
+    assert_eq!(body[e1.len()..e1.len() + 4], (2000u32 << 1).to_le_bytes());
+    assert_eq!(body.len(), e1.len() + e2 - 2 + 16);
     assert!(!d.path().read_dir().unwrap().any(|e| {
         e.unwrap()
             .file_name()
@@ -120,10 +124,10 @@ fn fields_follow_what_the_input_knows() {
     w.finish().unwrap();
     let m = std::fs::read_to_string(out.join("metadata")).unwrap();
     assert!(!m.contains("guest_tsc") && !m.contains("host_lo"));
-    // 9 header bytes + id, vcpu, host_tsc, payload_len.
+    // 10 header bytes (a packet's first event) + id, vcpu, host_tsc, payload_len.
     assert_eq!(
         std::fs::metadata(out.join("vcpu0")).unwrap().len(),
-        (PACKET_HEADER + 9 + 2 + 4 + 8 + 1) as u64
+        (PACKET_HEADER + 10 + 2 + 4 + 8 + 1) as u64
     );
     // A trace that declares a field refuses an event without it.
     let mut w = GuestCtf::create(&d.path().join("a"), &opts(), GuestFields::ALL).unwrap();
@@ -139,7 +143,7 @@ fn timestamps_never_go_back_within_a_stream_and_packets_split() {
     assert!(w.event(1, 0, 90, &Fields::default()).unwrap());
     // Another stream has its own order.
     assert!(!w.event(2, 0, 50, &Fields::default()).unwrap());
-    let n = 3 * PACKET_BYTES / 9;
+    let n = 3 * PACKET_BYTES / 4;
     for i in 0..n as u64 {
         assert!(!w.event(1, 0, 100 + i, &Fields::default()).unwrap());
     }
@@ -153,10 +157,66 @@ fn timestamps_never_go_back_within_a_stream_and_packets_split() {
         assert_eq!(h[6], seq as u64);
         assert!(h[3] >= last && h[4] >= h[3]);
         last = h[4];
-        events += body.len() / 9;
+        events += decode_headers(body, h[3]).len();
     }
     assert_eq!(events, n + 2);
     assert_eq!(p[0].0[3], 100);
+}
+
+/// The timestamps of a packet of events without fields, decoded as babeltrace2 does: a compact
+/// header's 31 bits replace the low bits of the previous timestamp, adding 2^31 when they are
+/// below them (a wrap); an extended header's 64 bits replace it.
+fn decode_headers(mut body: &[u8], begin: u64) -> Vec<u64> {
+    let mut clock = begin;
+    let mut out = Vec::new();
+    while !body.is_empty() {
+        if body[0] & 1 == 0 {
+            let low = u64::from(u32::from_le_bytes(body[..4].try_into().unwrap()) >> 1);
+            let mask = (1u64 << 31) - 1;
+            if low < clock & mask {
+                clock = clock.wrapping_add(1 << 31);
+            }
+            clock = (clock & !mask) | low;
+            body = &body[4..];
+        } else {
+            assert_eq!(body[1], 0, "class");
+            clock = u64::from_le_bytes(body[2..10].try_into().unwrap());
+            body = &body[10..];
+        }
+        out.push(clock);
+    }
+    out
+}
+
+#[test]
+fn compact_headers_give_back_every_timestamp() {
+    let d = tempfile::tempdir().unwrap();
+    let out = d.path().join("t");
+    let mut w = CtfTrace::create(&out, &opts(), "", "s").unwrap();
+    // Steps below, at and above 2^31 ticks, across wraps of the low 31 bits, up to 2^64 - 1.
+    let mut ts = vec![(1 << 31) - 3, (1 << 31) + 2, 1 << 32];
+    for step in [
+        (1u64 << 31) - 1,
+        1 << 31,
+        (1 << 31) + 1,
+        0,
+        1,
+        12345,
+        1 << 40,
+    ] {
+        ts.push(ts[ts.len() - 1] + step);
+    }
+    ts.extend([u64::MAX - (1 << 31), u64::MAX - 1, u64::MAX]);
+    for &t in &ts {
+        assert!(!w.event(0, 0, t, &Fields::default()).unwrap());
+    }
+    w.finish().unwrap();
+    let p = packets(&std::fs::read(out.join("s0")).unwrap());
+    assert_eq!(p.len(), 1);
+    let (h, body) = &p[0];
+    assert_eq!(decode_headers(body, h[3]), ts);
+    // Extended: the first event, the steps of 2^31 and more (three) and the jump near 2^64.
+    assert_eq!(body.len(), 4 * ts.len() + 6 * 5);
 }
 
 #[test]

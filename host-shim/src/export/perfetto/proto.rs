@@ -202,6 +202,29 @@ pub enum Arg<'a> {
     Uint(u64),
     /// `DebugAnnotation.string_value`.
     Str(&'a str),
+    /// `DebugAnnotation.string_value`: these bytes in lowercase hex (two characters each).
+    Hex(&'a [u8]),
+}
+
+impl Arg<'_> {
+    /// The string value, if it is one (a [`Arg::Hex`] spelled out).
+    #[must_use]
+    pub fn string(&self) -> Option<String> {
+        match *self {
+            Arg::Uint(_) => None,
+            Arg::Str(s) => Some(s.to_owned()),
+            Arg::Hex(b) => Some(b.iter().map(|x| format!("{x:02x}")).collect()),
+        }
+    }
+
+    /// The length of the string value in bytes (0 for a number).
+    fn str_len(&self) -> usize {
+        match *self {
+            Arg::Uint(_) => 0,
+            Arg::Str(s) => s.len(),
+            Arg::Hex(b) => 2 * b.len(),
+        }
+    }
 }
 
 /// The most arguments [`append_event_packet`] writes.
@@ -253,9 +276,13 @@ fn varint_len(v: u64) -> usize {
 /// `name_iid` and one debug annotation per argument (interned name, value), but written
 /// without prost's generic path: it is the one packet written per event, and encoding it
 /// through prost (lengths computed once per nesting level, one call per varint byte) cost
-/// ~16 times the trace.dat writer's time per event. The equality is tested against prost's
-/// encoding and decoding. Returns `false`, writing nothing, for more than [`MAX_ARGS`]
+/// ~16 times the trace.dat writer's time per event. The bytes equal prost's (tested against
+/// its encoding and decoding). Returns `false`, writing nothing, for more than [`MAX_ARGS`]
 /// arguments or a string longer than [`MAX_STR`] bytes (write those with [`append_packet`]).
+///
+/// One pass: every message of an event packet is almost always under 128 bytes, so its length
+/// prefix is one byte, reserved before the message and filled in after it. A packet with a
+/// longer message is written again by the two-pass encoder, which sizes everything first.
 pub fn append_event_packet(
     buf: &mut Vec<u8>,
     timestamp: u64,
@@ -264,11 +291,182 @@ pub fn append_event_packet(
     name_iid: u64,
     args: &[(u64, Arg<'_>)],
 ) -> bool {
-    if args.len() > MAX_ARGS
-        || args
-            .iter()
-            .any(|(_, a)| matches!(a, Arg::Str(s) if s.len() > MAX_STR))
-    {
+    let mut slot = [0; EVENT_PACKET_MAX];
+    match write_event_packet(&mut slot, timestamp, sequence, machine_id, name_iid, args) {
+        Some(n) => {
+            buf.extend_from_slice(&slot[..n]);
+            true
+        }
+        None => append_event_packet_sized(buf, timestamp, sequence, machine_id, name_iid, args),
+    }
+}
+
+/// The room [`write_event_packet`] needs: more than the largest packet it writes (at most
+/// [`MAX_ARGS`] arguments of at most 15 + [`MAX_STR`] bytes each, 36 bytes of the rest, and
+/// 10 bytes past the end that a varint store may touch).
+pub const EVENT_PACKET_MAX: usize = 1024;
+const _: () = assert!(46 + MAX_ARGS * (15 + MAX_STR) < EVENT_PACKET_MAX);
+
+/// [`append_event_packet`] in one pass straight into `out` (e.g. the tail of an output
+/// buffer): returns the packet's length, the bytes from `out[0]` on (later bytes of `out` are
+/// scratch and may be overwritten), or `None` when the two-pass encoder must write it
+/// ([`append_event_packet`] does that): a message of 128 bytes or more (its length prefix
+/// takes two bytes), more than [`MAX_ARGS`] arguments, or a string longer than [`MAX_STR`].
+///
+/// Every message of an event packet is almost always under 128 bytes, so its length prefix is
+/// one byte, reserved before the message and filled in after it.
+pub fn write_event_packet(
+    out: &mut [u8; EVENT_PACKET_MAX],
+    timestamp: u64,
+    sequence: u32,
+    machine_id: u32,
+    name_iid: u64,
+    args: &[(u64, Arg<'_>)],
+) -> Option<usize> {
+    if args.len() > MAX_ARGS || args.iter().any(|(_, a)| a.str_len() > MAX_STR) {
+        return None;
+    }
+    let mut c = OnePass {
+        b: out,
+        n: 0,
+        long: false,
+    };
+    // Fields in tag order, as prost writes them. The packet: timestamp (8),
+    // trusted_packet_sequence_id (10), track_event (11), sequence_flags (13), machine_id (98,
+    // a two-byte key).
+    c.byte(0x0a);
+    let packet = c.open();
+    c.byte(0x40);
+    c.varint(timestamp);
+    c.byte(0x50);
+    c.varint(u64::from(sequence));
+    c.byte(0x5a);
+    let event = c.open();
+    // The track event: debug_annotations (4, each name_iid (1) and uint_value (3) or
+    // string_value (6)), type (9), name_iid (10).
+    for &(iid, a) in args {
+        c.byte(0x22);
+        let arg = c.open();
+        c.byte(0x08);
+        c.varint(iid);
+        match a {
+            Arg::Uint(v) => {
+                c.byte(0x18);
+                c.varint(v);
+            }
+            Arg::Str(s) => {
+                c.byte(0x32);
+                c.varint(s.len() as u64);
+                c.bytes(s.as_bytes());
+            }
+            Arg::Hex(b) => {
+                const HEX: &[u8; 16] = b"0123456789abcdef";
+                c.byte(0x32);
+                c.varint(2 * b.len() as u64);
+                for &x in b {
+                    c.byte(HEX[usize::from(x >> 4)]);
+                    c.byte(HEX[usize::from(x & 15)]);
+                }
+            }
+        }
+        c.close(arg);
+    }
+    c.byte(0x48);
+    c.byte(u8::try_from(TYPE_INSTANT).unwrap_or(3));
+    c.byte(0x50);
+    c.varint(name_iid);
+    c.close(event);
+    c.byte(0x68);
+    c.byte(u8::try_from(SEQ_NEEDS_INCREMENTAL_STATE).unwrap_or(2));
+    c.byte(0x90);
+    c.byte(0x06);
+    c.varint(u64::from(machine_id));
+    c.close(packet);
+    (!c.long && c.n + 10 <= EVENT_PACKET_MAX).then_some(c.n)
+}
+
+/// [`write_event_packet`]'s writer: a fixed-size array indexed modulo its power-of-two size,
+/// so no store needs a bounds check (the sizes above keep it from wrapping; `n` past the end
+/// is caught before the bytes are used).
+struct OnePass<'a> {
+    b: &'a mut [u8; EVENT_PACKET_MAX],
+    n: usize,
+    /// A message reached 128 bytes: its one-byte length prefix cannot hold its length.
+    long: bool,
+}
+
+impl OnePass<'_> {
+    #[inline(always)]
+    fn byte(&mut self, x: u8) {
+        self.b[self.n % EVENT_PACKET_MAX] = x;
+        self.n += 1;
+    }
+
+    /// A varint without a loop over its bytes when it has at most 8 (values below 2^56): the
+    /// 7-bit groups spread into bytes by three mask-and-shift steps in a register, the
+    /// continuation bits of all but the last set at once, one 8-byte store (the bytes past the
+    /// varint are scratch). Larger values byte by byte.
+    #[inline(always)]
+    fn varint(&mut self, v: u64) {
+        if v >= 1 << 56 {
+            let mut v = v;
+            while v >= 0x80 {
+                // The low byte with the continuation bit; `to_le_bytes()[0]` is the low 8 bits.
+                self.byte(v.to_le_bytes()[0] | 0x80);
+                v >>= 7;
+            }
+            self.byte(v.to_le_bytes()[0]);
+            return;
+        }
+        let len = varint_len(v);
+        // 28-bit halves into 32-bit lanes, 14-bit quarters into 16-bit lanes, 7-bit groups
+        // into bytes.
+        let mut t = (v & 0x0FFF_FFFF) | ((v & 0x00FF_FFFF_F000_0000) << 4);
+        t = (t & 0x0000_3FFF_0000_3FFF) | ((t & 0x0FFF_C000_0FFF_C000) << 2);
+        t = (t & 0x007F_007F_007F_007F) | ((t & 0x3F80_3F80_3F80_3F80) << 1);
+        t |= 0x8080_8080_8080_8080 & ((1u64 << (8 * (len - 1))) - 1);
+        if let Some(d) = self.b.get_mut(self.n..self.n + 8) {
+            d.copy_from_slice(&t.to_le_bytes());
+        }
+        self.n += len;
+    }
+
+    #[inline(always)]
+    fn bytes(&mut self, x: &[u8]) {
+        // Out of room only if the sizes above are wrong: `n` then says so.
+        if let Some(d) = self.b.get_mut(self.n..self.n + x.len()) {
+            d.copy_from_slice(x);
+        }
+        self.n += x.len();
+    }
+
+    /// Reserves a message's one-byte length prefix; returns where the message starts.
+    #[inline(always)]
+    fn open(&mut self) -> usize {
+        self.byte(0);
+        self.n
+    }
+
+    /// Fills in the length of the message that started at `start`.
+    #[inline(always)]
+    fn close(&mut self, start: usize) {
+        let len = self.n - start;
+        self.long |= len >= 0x80;
+        self.b[(start - 1) % EVENT_PACKET_MAX] = len.to_le_bytes()[0];
+    }
+}
+
+/// [`append_event_packet`]'s general case: every length computed first, then the bytes (for
+/// packets with a message of 128 bytes or more, whose length prefix takes two bytes).
+fn append_event_packet_sized(
+    buf: &mut Vec<u8>,
+    timestamp: u64,
+    sequence: u32,
+    machine_id: u32,
+    name_iid: u64,
+    args: &[(u64, Arg<'_>)],
+) -> bool {
+    if args.len() > MAX_ARGS || args.iter().any(|(_, a)| a.str_len() > MAX_STR) {
         return false;
     }
     // Lengths first (protobuf prefixes every message with its length), then the bytes straight
@@ -277,7 +475,7 @@ pub fn append_event_packet(
         1 + varint_len(iid)
             + match a {
                 Arg::Uint(v) => 1 + varint_len(v),
-                Arg::Str(s) => 1 + varint_len(s.len() as u64) + s.len(),
+                Arg::Str(_) | Arg::Hex(_) => 1 + varint_len(a.str_len() as u64) + a.str_len(),
             }
     };
     // The track event: debug_annotations (4, each name_iid (1) and uint_value (3) or
@@ -331,6 +529,15 @@ pub fn append_event_packet(
                 c.byte(0x32);
                 c.varint(s.len() as u64);
                 c.bytes(s.as_bytes());
+            }
+            Arg::Hex(b) => {
+                const HEX: &[u8; 16] = b"0123456789abcdef";
+                c.byte(0x32);
+                c.varint(2 * b.len() as u64);
+                for &x in b {
+                    c.byte(HEX[usize::from(x >> 4)]);
+                    c.byte(HEX[usize::from(x & 15)]);
+                }
             }
         }
     }
@@ -403,16 +610,32 @@ mod tests {
 
     #[test]
     fn the_fast_event_packet_is_prosts() {
-        let cases: [&[(u64, Arg<'_>)]; 4] = [
-            &[],
-            &[(1, Arg::Uint(0)), (2, Arg::Uint(u64::MAX))],
-            &[
+        let longest = "y".repeat(MAX_STR);
+        let mut every: Vec<(u64, Arg<'_>)> = (0..MAX_ARGS as u64 - 1)
+            .map(|i| (u64::MAX - i, Arg::Uint(u64::MAX >> i)))
+            .collect();
+        every.push((7, Arg::Str(&longest)));
+        let mut cases: Vec<Vec<(u64, Arg<'_>)>> = vec![
+            vec![],
+            vec![(1, Arg::Uint(0)), (2, Arg::Uint(u64::MAX))],
+            vec![
                 (3, Arg::Uint(300)),
                 (5, Arg::Str("ab01")),
                 (200, Arg::Uint(1 << 40)),
             ],
-            &[(1, Arg::Str(""))],
+            vec![(1, Arg::Str(""))],
+            // Every field at its largest: messages of 128 bytes and more.
+            every,
+            vec![(5, Arg::Hex(&[0xab, 0x01, 0x00, 0xff])), (6, Arg::Hex(&[]))],
+            vec![(5, Arg::Hex(&[0x5a; MAX_STR / 2]))],
         ];
+        // Four large numbers and a string of every length: the packet, then the track event
+        // crosses 128 bytes, where the one-pass encoder hands over to the two-pass one.
+        for k in 0..=MAX_STR {
+            let mut a: Vec<(u64, Arg<'_>)> = (1..=4).map(|i| (i, Arg::Uint(u64::MAX))).collect();
+            a.push((5, Arg::Str(&longest[..k])));
+            cases.push(a);
+        }
         for (i, args) in cases.iter().enumerate() {
             for (ts, seq, machine, name) in [(0, 1, 1, 1), (u64::MAX, u32::MAX, u32::MAX, u64::MAX)]
             {
@@ -432,12 +655,9 @@ mod tests {
                                 name_iid: Some(iid),
                                 uint_value: match a {
                                     Arg::Uint(v) => Some(v),
-                                    Arg::Str(_) => None,
+                                    Arg::Str(_) | Arg::Hex(_) => None,
                                 },
-                                string_value: match a {
-                                    Arg::Str(s) => Some(s.to_owned()),
-                                    Arg::Uint(_) => None,
-                                },
+                                string_value: a.string(),
                             })
                             .collect(),
                         ..Default::default()
@@ -458,9 +678,42 @@ mod tests {
             1,
             1,
             1,
+            &[(1, Arg::Hex(&[0; MAX_STR / 2 + 1]))]
+        ));
+        assert!(buf.is_empty());
+        let mut buf = Vec::new();
+        assert!(!append_event_packet(
+            &mut buf,
+            0,
+            1,
+            1,
+            1,
             &[(1, Arg::Str(&long))]
         ));
         assert!(buf.is_empty());
+    }
+
+    #[test]
+    fn varints_are_prosts() {
+        let mut out = [0; EVENT_PACKET_MAX];
+        for k in 0..64 {
+            for v in [
+                (1u64 << k) - 1,
+                1 << k,
+                (1 << k) | 0x5555_5555_5555_5555 >> (63 - k),
+            ] {
+                let mut c = OnePass {
+                    b: &mut out,
+                    n: 0,
+                    long: false,
+                };
+                c.varint(v);
+                let n = c.n;
+                let mut want = Vec::new();
+                prost::encoding::encode_varint(v, &mut want);
+                assert_eq!(&out[..n], &want[..], "{v:#x}");
+            }
+        }
     }
 
     #[test]

@@ -571,17 +571,15 @@ fn qemu_agent_in_perfetto_lines_up_with_the_host_boottime() {
     let a = check_recorded(&tp, &exported, 300, (before, after), &host_of);
     let b = check_recorded(&tp, &direct, 150, (before, after), &host_of);
     // The direct recording goes on where the exported one stopped (the agent's sequence
-    // numbers), and the two sessions' placements of those neighbours, each from its own sync
-    // rounds, have overlapping intervals (their timestamps may cross: a burst puts them a few
-    // ticks apart, closer than either interval is wide).
+    // numbers), so the true time of the first lies after the last's: each session's interval,
+    // from its own sync rounds, must allow that (the last's lower bound at most the first's
+    // upper one). How far apart they are depends on when the second session started, so the
+    // intervals need not overlap.
     let seq = |s: &Slice| u64::from_str_radix(s.payload.as_deref().unwrap(), 16).unwrap();
     let (last, first) = (&a[a.len() - 1], &b[0]);
     assert_eq!(seq(last).swap_bytes() + 1, seq(first).swap_bytes());
     assert!(last.guest_tsc < first.guest_tsc);
-    assert!(
-        last.lo_ns <= first.hi_ns && first.lo_ns <= last.hi_ns,
-        "{last:?} {first:?}"
-    );
+    assert!(last.lo_ns <= first.hi_ns, "{last:?} {first:?}");
     println!(
         "QEMU agent: export perfetto {} events ({}), record --format perfetto {} events ({})",
         a.len(),

@@ -30,9 +30,8 @@ use thiserror::Error;
 
 use self::clock::{BootClock, ClockError, ClockSnapshot};
 use self::proto::{
-    Arg, Clock, ClockSnapshot as ClockSnapshotMsg, DebugAnnotation, InternedData, InternedString,
-    ProcessDescriptor, TracePacket, TracePacketDefaults, TrackDescriptor, TrackEvent,
-    TrackEventDefaults,
+    Clock, ClockSnapshot as ClockSnapshotMsg, EventPacket, InternedData, InternedString,
+    ProcessDescriptor, TracePacket, TracePacketDefaults, TrackDescriptor, TrackEventDefaults,
 };
 use super::{ExportError, ExportEvent, InputKind};
 use crate::atomic_file::AtomicFile;
@@ -50,22 +49,6 @@ const BUFFER: usize = 1 << 20;
 const META_SEQUENCE: u32 = 1;
 /// See [`META_SEQUENCE`]; sequences go by the order vCPUs first appear, not by their number.
 const FIRST_VCPU_SEQUENCE: u32 = 2;
-
-/// Interned debug-annotation names (ids are per sequence, the same on every vCPU's).
-const ANNOTATIONS: [&str; 6] = [
-    "guest_tsc",
-    "host_tsc",
-    "host_lo_ns",
-    "host_hi_ns",
-    "payload",
-    "event_id",
-];
-const A_GUEST_TSC: u64 = 1;
-const A_HOST_TSC: u64 = 2;
-const A_LO_NS: u64 = 3;
-const A_HI_NS: u64 = 4;
-const A_PAYLOAD: u64 = 5;
-const A_EVENT_ID: u64 = 6;
 
 /// What the trace describes.
 #[derive(Clone, Debug)]
@@ -142,6 +125,9 @@ pub struct PerfettoSummary {
 #[derive(Debug)]
 struct Vcpu {
     vcpu: u32,
+    /// The sequence's incremental clock ([`proto::CLOCK_EVENT_DELTA`]): the BOOTTIME of the
+    /// latest event written in it.
+    clock_ns: u64,
     /// Event ids whose name is interned on this sequence, one bit each.
     interned: Box<[u64; 1024]>,
 }
@@ -222,10 +208,12 @@ impl PerfettoWriter {
                         Clock {
                             clock_id: Some(proto::CLOCK_BOOTTIME),
                             timestamp: Some(s.boottime_ns),
+                            is_incremental: None,
                         },
                         Clock {
                             clock_id: Some(proto::CLOCK_HOST_TSC),
                             timestamp: Some(s.tsc),
+                            is_incremental: None,
                         },
                     ],
                 }),
@@ -299,9 +287,11 @@ impl PerfettoWriter {
         })
     }
 
-    /// The index of `vcpu`'s state, starting its sequence (track descriptor, defaults, interned
-    /// annotation names) on first use.
-    fn vcpu_index(&mut self, vcpu: u32) -> Result<usize, PerfettoError> {
+    /// The index of `vcpu`'s state, starting its sequence on first use: its track descriptor,
+    /// defaults (the track; timestamps on its incremental clock) and interned annotation
+    /// names, then the snapshot that pins the incremental clock to BOOTTIME at `ts`, the
+    /// first event's.
+    fn vcpu_index(&mut self, vcpu: u32, ts: u64) -> Result<usize, PerfettoError> {
         if let Some(i) = self.vcpus.iter().position(|v| v.vcpu == vcpu) {
             return Ok(i);
         }
@@ -317,13 +307,13 @@ impl PerfettoWriter {
             first_packet_on_sequence: Some(true),
             sequence_flags: Some(proto::SEQ_INCREMENTAL_STATE_CLEARED),
             trace_packet_defaults: Some(TracePacketDefaults {
-                timestamp_clock_id: Some(proto::CLOCK_BOOTTIME),
+                timestamp_clock_id: Some(proto::CLOCK_EVENT_DELTA),
                 track_event_defaults: Some(TrackEventDefaults {
                     track_uuid: Some(vcpu_uuid(machine_id, index)),
                 }),
             }),
             interned_data: Some(InternedData {
-                debug_annotation_names: ANNOTATIONS
+                debug_annotation_names: proto::ANNOTATIONS
                     .iter()
                     .zip(1u64..)
                     .map(|(n, iid)| InternedString {
@@ -342,8 +332,30 @@ impl PerfettoWriter {
             ..Default::default()
         };
         self.write_packet(&start)?;
+        // A packet holds one payload (the snapshot cannot ride on the descriptor's packet).
+        let pin = TracePacket {
+            trusted_packet_sequence_id: Some(seq),
+            machine_id: Some(machine_id),
+            clock_snapshot: Some(ClockSnapshotMsg {
+                clocks: vec![
+                    Clock {
+                        clock_id: Some(proto::CLOCK_BOOTTIME),
+                        timestamp: Some(ts),
+                        is_incremental: None,
+                    },
+                    Clock {
+                        clock_id: Some(proto::CLOCK_EVENT_DELTA),
+                        timestamp: Some(ts),
+                        is_incremental: Some(true),
+                    },
+                ],
+            }),
+            ..Default::default()
+        };
+        self.write_packet(&pin)?;
         self.vcpus.push(Vcpu {
             vcpu,
+            clock_ns: ts,
             interned: Box::new([0; 1024]),
         });
         self.summary.vcpus += 1;
@@ -357,109 +369,74 @@ impl PerfettoWriter {
     /// [`PerfettoError::Io`].
     pub fn push(&mut self, e: &ExportEvent) -> Result<(), PerfettoError> {
         let clock = &self.opts.clock;
-        let Some(ts) = clock.boottime_ns(e.host_tsc) else {
+        // The trace processor keeps timestamps as signed 64-bit ns.
+        let Some(ts) = clock
+            .boottime_ns(e.host_tsc)
+            .filter(|&t| i64::try_from(t).is_ok())
+        else {
             self.summary.unmappable += 1;
             return Ok(());
         };
-        // The interval widened by what the snapshots' resolutions allow, so it still holds.
-        let bound = e.bound.and_then(|b| {
-            let lo = clock
-                .boottime_ns(b.lo)?
-                .saturating_sub(clock.error_ns(b.lo));
-            let hi = clock
-                .boottime_ns(b.hi)?
-                .saturating_add(clock.error_ns(b.hi));
-            Some((lo, hi))
+        // The interval widened by what the snapshots' resolutions allow, so it still holds,
+        // as distances from the timestamp (saturated: only wider).
+        let interval = e.bound.and_then(|b| {
+            let (lo, hi) = clock.widened_ns(b.lo, b.hi)?;
+            let before = i128::from(ts) - i128::from(lo);
+            let after = i128::from(hi) - i128::from(ts);
+            let sat = |d: i128| i64::try_from(d).unwrap_or(if d < 0 { i64::MIN } else { i64::MAX });
+            Some((sat(before), sat(after)))
         });
-        let i = self.vcpu_index(e.vcpu)?;
+        let i = self.vcpu_index(e.vcpu, ts)?;
         let v = &mut self.vcpus[i];
         let (word, bit) = (usize::from(e.id >> 6), 1u64 << (e.id & 63));
         let first_use = v.interned[word] & bit == 0;
         v.interned[word] |= bit;
-
-        let seq = vcpu_sequence(i);
-        let name_iid = u64::from(e.id) + 1;
-        // The arguments, in a fixed order; the payload as lowercase hex.
-        let payload = e.payload.as_slice();
-        let mut args = [(0, Arg::Uint(0)); 6];
-        let mut n = 0;
-        let mut add = |iid, a| {
-            args[n] = (iid, a);
-            n += 1;
-        };
-        add(A_EVENT_ID, Arg::Uint(u64::from(e.id)));
-        add(A_HOST_TSC, Arg::Uint(e.host_tsc));
-        if let Some(g) = e.guest_tsc {
-            add(A_GUEST_TSC, Arg::Uint(g));
-        }
-        if let Some((lo, hi)) = bound {
-            add(A_LO_NS, Arg::Uint(lo));
-            add(A_HI_NS, Arg::Uint(hi));
-        }
-        if !payload.is_empty() {
-            add(A_PAYLOAD, Arg::Hex(payload));
-        }
-        let args = &args[..n];
-        if first_use {
-            // The first event of this id on this vCPU also interns its name: the one packet
-            // kind the fast encoder does not write.
-            let packet = TracePacket {
-                timestamp: Some(ts),
-                trusted_packet_sequence_id: Some(seq),
-                machine_id: Some(self.opts.machine_id),
-                sequence_flags: Some(proto::SEQ_NEEDS_INCREMENTAL_STATE),
-                interned_data: Some(InternedData {
-                    event_names: vec![InternedString {
-                        iid: Some(name_iid),
-                        name: Some(format!("event {}", e.id)),
-                    }],
-                    ..Default::default()
-                }),
-                track_event: Some(TrackEvent {
-                    r#type: Some(proto::TYPE_INSTANT),
-                    name_iid: Some(name_iid),
-                    debug_annotations: args
-                        .iter()
-                        .map(|&(iid, a)| DebugAnnotation {
-                            name_iid: Some(iid),
-                            uint_value: match a {
-                                Arg::Uint(v) => Some(v),
-                                Arg::Str(_) | Arg::Hex(_) => None,
-                            },
-                            string_value: a.string(),
-                        })
-                        .collect(),
-                    ..Default::default()
-                }),
-                ..Default::default()
-            };
-            self.write_packet(&packet)?;
+        // On the incremental clock when not earlier than the previous event on it; else
+        // BOOTTIME itself (the trace processor sorts).
+        let absolute = ts < v.clock_ns;
+        let timestamp = if absolute {
+            ts
         } else {
-            // Encoded in place after the buffered packets (`used < BUFFER` leaves room); a
-            // packet the one-pass encoder leaves (a message of 128 bytes or more) goes through
-            // the two-pass one. Within both encoders' limits by construction (6 arguments,
-            // 32 hex digits).
-            let slot = self
-                .buf
-                .get_mut(self.used..self.used + proto::EVENT_PACKET_MAX)
-                .and_then(|s| <&mut [u8; proto::EVENT_PACKET_MAX]>::try_from(s).ok());
-            let machine_id = self.opts.machine_id;
-            match slot
-                .and_then(|s| proto::write_event_packet(s, ts, seq, machine_id, name_iid, args))
-            {
-                Some(n) => {
-                    self.used += n;
-                    self.summary.bytes += n as u64;
+            let d = ts - v.clock_ns;
+            v.clock_ns = ts;
+            d
+        };
+        let ev = EventPacket {
+            timestamp,
+            absolute,
+            sequence: vcpu_sequence(i),
+            machine_id: self.opts.machine_id,
+            name_iid: u64::from(e.id) + 1,
+            event_id: e.id,
+            host_tsc: e.host_tsc,
+            guest_tsc: e.guest_tsc,
+            interval,
+            payload: e.payload.as_slice(),
+        };
+        // Encoded in place after the buffered packets (`used < BUFFER` leaves room), unless it
+        // is the first event of its id on this vCPU (it also interns the name) or has a
+        // message of 128 bytes or more: prost writes those.
+        let slot = self
+            .buf
+            .get_mut(self.used..self.used + proto::EVENT_PACKET_MAX)
+            .and_then(|s| <&mut [u8; proto::EVENT_PACKET_MAX]>::try_from(s).ok());
+        match slot.filter(|_| !first_use).and_then(|s| ev.write(s)) {
+            Some(n) => {
+                self.used += n;
+                self.summary.bytes += n as u64;
+            }
+            None => {
+                let mut packet = ev.to_message();
+                if first_use {
+                    packet.interned_data = Some(InternedData {
+                        event_names: vec![InternedString {
+                            iid: Some(ev.name_iid),
+                            name: Some(format!("event {}", e.id)),
+                        }],
+                        ..Default::default()
+                    });
                 }
-                None => {
-                    let mut tmp = std::mem::take(&mut self.tmp);
-                    tmp.clear();
-                    let _ =
-                        proto::append_event_packet(&mut tmp, ts, seq, machine_id, name_iid, args);
-                    let r = self.put(&tmp);
-                    self.tmp = tmp;
-                    r?;
-                }
+                self.write_packet(&packet)?;
             }
         }
         self.summary.events += 1;
@@ -591,7 +568,15 @@ mod tests {
             },
         )
         .unwrap();
-        for (vcpu, id, host) in [(0, 7, 1000), (1, 7, 2000), (0, 7, 3000), (0, 9, 4000)] {
+        // The last one earlier than its vCPU's previous event.
+        let pushed = [
+            (0, 7, 1000),
+            (1, 7, 2000),
+            (0, 7, 3000),
+            (0, 9, 4000),
+            (0, 7, 2500),
+        ];
+        for (vcpu, id, host) in pushed {
             w.push(&ExportEvent {
                 vcpu,
                 id,
@@ -606,7 +591,7 @@ mod tests {
             .unwrap();
         }
         let s = w.finish().unwrap();
-        assert_eq!((s.events, s.vcpus, s.unmappable), (4, 2, 0));
+        assert_eq!((s.events, s.vcpus, s.unmappable), (5, 2, 0));
         let bytes = std::fs::read(&path).unwrap();
         assert_eq!(bytes.len() as u64, s.bytes);
         let t = Trace::decode(bytes.as_slice()).unwrap();
@@ -615,11 +600,31 @@ mod tests {
             .iter()
             .filter(|p| p.track_event.is_some())
             .collect();
-        assert_eq!(events.len(), 4);
-        let ts: Vec<u64> = events.iter().map(|p| p.timestamp.unwrap()).collect();
+        assert_eq!(events.len(), 5);
         assert_eq!(
-            ts,
-            [1_000_000_500, 1_000_001_000, 1_000_001_500, 1_000_002_000]
+            boottimes(&t.packet),
+            [
+                1_000_000_500,
+                1_000_001_000,
+                1_000_001_500,
+                1_000_002_000,
+                1_000_001_250
+            ]
+        );
+        // Deltas on the incremental clock, and BOOTTIME itself for the one going back.
+        let raw: Vec<(u64, Option<u32>)> = events
+            .iter()
+            .map(|p| (p.timestamp.unwrap(), p.timestamp_clock_id))
+            .collect();
+        assert_eq!(
+            raw,
+            [
+                (0, None),
+                (0, None),
+                (1000, None),
+                (500, None),
+                (1_000_001_250, Some(proto::CLOCK_BOOTTIME))
+            ]
         );
         // Names interned once per vCPU sequence: vCPU 0 interns 7 then 9, vCPU 1 interns 7.
         let interned: Vec<(u32, u64)> = events
@@ -639,16 +644,21 @@ mod tests {
                 .as_deref(),
             Some("ab01")
         );
-        // The bound is widened by one ns of rounding each way: [3990, 4010] ticks → ns.
-        let arg = |iid| {
-            last.debug_annotations
+        // The bound is widened by one ns of rounding each way: [3990, 4010] ticks → ns, as
+        // distances from the timestamp, 1_000_002_000.
+        let arg = |name: &str| {
+            let iid = proto::ANNOTATIONS.iter().position(|n| *n == name).unwrap() as u64 + 1;
+            let d = last
+                .debug_annotations
                 .iter()
-                .find(|d| d.name_iid == Some(iid))
-                .and_then(|d| d.uint_value)
+                .find(|d| d.name_iid == Some(iid))?;
+            d.uint_value
+                .or(d.int_value.and_then(|v| u64::try_from(v).ok()))
         };
-        assert_eq!(arg(A_LO_NS), Some(1_000_001_995 - 1));
-        assert_eq!(arg(A_HI_NS), Some(1_000_002_005 + 1));
-        assert_eq!(arg(A_GUEST_TSC), Some(4005));
+        assert_eq!(arg("before_ns"), Some(1_000_002_000 - (1_000_001_995 - 1)));
+        assert_eq!(arg("after_ns"), Some(1_000_002_005 + 1 - 1_000_002_000));
+        assert_eq!(arg("guest_tsc"), Some(4005));
+        assert_eq!(arg("event_id"), Some(9));
         assert_eq!(s.host_tsc_range, Some((1000, 4000)));
         // Every guest packet is on the guest machine.
         assert!(
@@ -657,6 +667,35 @@ mod tests {
                 .filter(|p| p.track_event.is_some() || p.track_descriptor.is_some())
                 .all(|p| p.machine_id == Some(2))
         );
+    }
+
+    /// The events' BOOTTIME, replaying Perfetto's rule: a packet on a sequence's incremental
+    /// clock adds its timestamp to the clock's value, which a snapshot sets.
+    fn boottimes(packets: &[TracePacket]) -> Vec<u64> {
+        let mut clocks = std::collections::HashMap::new();
+        let mut out = Vec::new();
+        for p in packets {
+            let seq = p.trusted_packet_sequence_id.unwrap();
+            if let Some(s) = &p.clock_snapshot {
+                for c in &s.clocks {
+                    if c.clock_id == Some(proto::CLOCK_EVENT_DELTA) {
+                        assert_eq!(c.is_incremental, Some(true));
+                        clocks.insert(seq, c.timestamp.unwrap());
+                    }
+                }
+            }
+            if p.track_event.is_some() {
+                let ts = p.timestamp.unwrap();
+                if p.timestamp_clock_id == Some(proto::CLOCK_BOOTTIME) {
+                    out.push(ts);
+                } else {
+                    let c = clocks.get_mut(&seq).unwrap();
+                    *c += ts;
+                    out.push(*c);
+                }
+            }
+        }
+        out
     }
 
     #[test]

@@ -110,14 +110,16 @@ fn own_pair() -> (u64, u64, u64) {
         .unwrap()
 }
 
-/// The TSC/BOOTTIME snapshots the trace processor read from the trace: `(tsc, ns)` sorted.
+/// The TSC/BOOTTIME snapshots the trace processor read from the trace: `(tsc, ns)` sorted
+/// (snapshot ids are per machine, and the guest machine has its own snapshots).
 fn snapshots(tp: &Path, trace: &Path) -> Vec<(i128, i128)> {
     let rows = sql(
         tp,
         trace,
         &[
             "select a.clock_value, b.clock_value from clock_snapshot a join clock_snapshot b \
-           using (snapshot_id) where a.clock_id = 64 and b.clock_id = 6 order by a.clock_value",
+           using (snapshot_id, machine_id) where a.clock_id = 64 and b.clock_id = 6 \
+           order by a.clock_value",
         ],
     );
     rows[0].iter().map(|r| (int(&r[0]), int(&r[1]))).collect()
@@ -140,7 +142,8 @@ fn mapped(snaps: &[(i128, i128)], tsc: i128) -> i128 {
 /// Every slice with its track, machine and arguments.
 const EVENTS: &str = "select s.ts, s.name, t.name, m.raw_id, \
     extract_arg(s.arg_set_id, 'debug.host_tsc'), extract_arg(s.arg_set_id, 'debug.guest_tsc'), \
-    extract_arg(s.arg_set_id, 'debug.host_lo_ns'), extract_arg(s.arg_set_id, 'debug.host_hi_ns'), \
+    s.ts - extract_arg(s.arg_set_id, 'debug.before_ns'), \
+    s.ts + extract_arg(s.arg_set_id, 'debug.after_ns'), \
     extract_arg(s.arg_set_id, 'debug.payload'), extract_arg(s.arg_set_id, 'debug.event_id') \
     from slice s join track t on s.track_id = t.id left join machine m on t.machine_id = m.id \
     order by s.ts";
@@ -247,6 +250,13 @@ fn exported_jsonl_reads_back_in_the_trace_processor_on_boottime() {
     for i in 0..=n {
         let (vcpu, id, host) = if i == n {
             (1, MARKER, marker_tsc)
+        } else if i % 10 == 9 {
+            // Earlier than the vCPU's previous event: the writer's timestamps go back.
+            (
+                u32::try_from(i % 3).unwrap(),
+                i % 5,
+                base + (i - 6) * 600_000 + 300_000,
+            )
         } else {
             (
                 u32::try_from(i % 3).unwrap(),

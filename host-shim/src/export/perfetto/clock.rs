@@ -107,12 +107,14 @@ struct Pair {
     n0: u64,
     /// The second snapshot's TSC.
     t1: u64,
-    /// The rate, ns per tick, as a 64.64 fixed-point number rounded down:
-    /// `floor(span_ns · 2^64 / span_tsc)`.
-    rate: u128,
-    /// The half-resolutions of the two ends in ns at the pair's rate, rounded up, and their
-    /// sum, for [`BootClock::error_ns`].
-    e_max: u64,
+    /// The rate, ns per tick, as a 64.64 fixed-point number rounded down,
+    /// `floor(span_ns · 2^64 / span_tsc)`, in its integer and fraction halves.
+    rate_hi: u64,
+    rate_lo: u64,
+    /// [`BootClock::error_ns`] between the snapshots: the larger half-resolution of the two
+    /// ends in ns at the pair's rate, rounded up, plus 1 ns of rounding.
+    e_inside: u64,
+    /// The sum of the two half-resolutions, for the growth beyond the snapshots.
     e_sum: u128,
     span_tsc: u128,
 }
@@ -129,8 +131,11 @@ impl Pair {
             t0: a.tsc,
             n0: a.boottime_ns,
             t1: b.tsc,
-            rate,
-            e_max: u64::try_from(ea.max(eb)).unwrap_or(u64::MAX),
+            rate_hi: u64::try_from(rate >> 64).unwrap_or(u64::MAX),
+            rate_lo: u64::try_from(rate & u128::from(u64::MAX)).unwrap_or(0),
+            e_inside: u64::try_from(ea.max(eb))
+                .unwrap_or(u64::MAX)
+                .saturating_add(1),
             e_sum: ea + eb,
             span_tsc,
         }
@@ -180,6 +185,7 @@ impl BootClock {
 
     /// The pair whose rate converts `tsc`: the nearest snapshot at or before it and the next
     /// one (the first pair before the first snapshot, the last pair after the last).
+    #[inline]
     fn pair(&self, tsc: u64) -> &Pair {
         // The common case, a recording with one pair (or events inside the last one), needs
         // no search.
@@ -195,26 +201,9 @@ impl BootClock {
     /// range. The rate is a 64.64 fixed-point number rounded down, so the result is within
     /// 1 ns of the exactly rounded line (exact at the snapshots themselves).
     #[must_use]
+    #[inline]
     pub fn boottime_ns(&self, tsc: u64) -> Option<u64> {
-        let p = self.pair(tsc);
-        // dt · rate >> 64, rounded: with rate = hi·2^64 + lo that is dt·hi + (dt·lo + 2^63)
-        // >> 64, two 64×64-bit products (a 128×128-bit multiply with an overflow check is a
-        // slow library call). dt·lo + 2^63 < 2^128 since dt, lo < 2^64.
-        let (hi, lo) = (
-            u64::try_from(p.rate >> 64).unwrap_or(u64::MAX),
-            u64::try_from(p.rate & u128::from(u64::MAX)).unwrap_or(0),
-        );
-        let scaled = |dt: u64| {
-            let low = (u128::from(dt) * u128::from(lo) + (1 << 63)) >> 64;
-            (u128::from(dt) * u128::from(hi)).checked_add(low)
-        };
-        if tsc >= p.t0 {
-            let d = u64::try_from(scaled(tsc - p.t0)?).ok()?;
-            p.n0.checked_add(d)
-        } else {
-            let d = u64::try_from(scaled(p.t0 - tsc)?).ok()?;
-            p.n0.checked_sub(d)
-        }
+        self.pair(tsc).ns(tsc)
     }
 
     /// How far (ns) a BOOTTIME from [`Self::boottime_ns`] can be from the reading a snapshot
@@ -224,16 +213,56 @@ impl BootClock {
     /// BOOTTIME's own rate changes between snapshots (see the module docs).
     #[must_use]
     pub fn error_ns(&self, tsc: u64) -> u64 {
-        let p = self.pair(tsc);
+        self.pair(tsc).error_ns(tsc)
+    }
+
+    /// The interval `[lo, hi]` of host TSCs on BOOTTIME, each end mapped and moved out by its
+    /// [`Self::error_ns`], so it holds what BOOTTIME read over that interval; `None` when an
+    /// end maps outside the 64-bit range.
+    #[must_use]
+    #[inline]
+    pub fn widened_ns(&self, lo: u64, hi: u64) -> Option<(u64, u64)> {
+        let (a, b) = (self.pair(lo), self.pair(hi));
+        Some((
+            a.ns(lo)?.saturating_sub(a.error_ns(lo)),
+            b.ns(hi)?.saturating_add(b.error_ns(hi)),
+        ))
+    }
+}
+
+impl Pair {
+    /// [`BootClock::boottime_ns`] through this pair.
+    #[inline]
+    fn ns(&self, tsc: u64) -> Option<u64> {
+        // dt · rate >> 64, rounded: with rate = hi·2^64 + lo that is dt·hi + (dt·lo + 2^63)
+        // >> 64, two 64×64-bit products (a 128×128-bit multiply with an overflow check is a
+        // slow library call). dt·lo + 2^63 < 2^128 since dt, lo < 2^64.
+        let (hi, lo) = (self.rate_hi, self.rate_lo);
+        let scaled = |dt: u64| {
+            let low = (u128::from(dt) * u128::from(lo) + (1 << 63)) >> 64;
+            (u128::from(dt) * u128::from(hi)).checked_add(low)
+        };
+        if tsc >= self.t0 {
+            let d = u64::try_from(scaled(tsc - self.t0)?).ok()?;
+            self.n0.checked_add(d)
+        } else {
+            let d = u64::try_from(scaled(self.t0 - tsc)?).ok()?;
+            self.n0.checked_sub(d)
+        }
+    }
+
+    /// [`BootClock::error_ns`] through this pair: a constant between its snapshots.
+    #[inline]
+    fn error_ns(&self, tsc: u64) -> u64 {
         // The line through two points each off by ≤ e: off by ≤ max(ea, eb) between them and
         // by ≤ max(ea, eb) + (ea + eb)·d/span at distance d beyond them.
-        let beyond = p.t0.saturating_sub(tsc).max(tsc.saturating_sub(p.t1));
-        let out = if beyond == 0 {
-            0
-        } else {
-            u64::try_from((p.e_sum * u128::from(beyond)).div_ceil(p.span_tsc)).unwrap_or(u64::MAX)
-        };
-        p.e_max.saturating_add(out).saturating_add(1)
+        let beyond = self.t0.saturating_sub(tsc).max(tsc.saturating_sub(self.t1));
+        if beyond == 0 {
+            return self.e_inside;
+        }
+        let out = u64::try_from((self.e_sum * u128::from(beyond)).div_ceil(self.span_tsc))
+            .unwrap_or(u64::MAX);
+        self.e_inside.saturating_add(out)
     }
 }
 

@@ -85,6 +85,9 @@ pub struct Clock {
     /// Field 2: its reading.
     #[prost(uint64, optional, tag = "2")]
     pub timestamp: Option<u64>,
+    /// Field 3: packets in this clock give the delta from the previous one's timestamp.
+    #[prost(bool, optional, tag = "3")]
+    pub is_incremental: Option<bool>,
 }
 
 /// `perfetto.protos.TracePacketDefaults`.
@@ -185,6 +188,9 @@ pub struct DebugAnnotation {
     /// Field 3: an unsigned value.
     #[prost(uint64, optional, tag = "3")]
     pub uint_value: Option<u64>,
+    /// Field 4: a signed value.
+    #[prost(int64, optional, tag = "4")]
+    pub int_value: Option<i64>,
     /// Field 6: a string value.
     #[prost(string, optional, tag = "6")]
     pub string_value: Option<String>,
@@ -195,72 +201,172 @@ pub fn append_packet(packet: &TracePacket, buf: &mut Vec<u8>) {
     prost::encoding::message::encode(TRACE_PACKET_FIELD, packet, buf);
 }
 
-/// An argument of an event packet written by [`append_event_packet`].
+/// The clock of the event timestamps on a vCPU's sequence (sequence-scoped, so each vCPU's is
+/// its own): incremental, in ns, pinned to BOOTTIME by one snapshot at the start of the
+/// sequence, so an event packet carries the few bytes of its distance from the previous event
+/// instead of 7–9 bytes of BOOTTIME (docs/perfetto.md).
+pub const CLOCK_EVENT_DELTA: u32 = 65;
+
+/// The debug-annotation names every vCPU sequence interns, in the order an event packet writes
+/// them: `ANNOTATIONS[i]` has iid `i + 1`. `before_ns` and `after_ns` are the guaranteed
+/// interval as distances from the event's timestamp (`ts - before_ns`, `ts + after_ns`).
+pub const ANNOTATIONS: [&str; 6] = [
+    "event_id",
+    "host_tsc",
+    "guest_tsc",
+    "before_ns",
+    "after_ns",
+    "payload",
+];
+const IID_EVENT_ID: u64 = 1;
+const IID_HOST_TSC: u64 = 2;
+const IID_GUEST_TSC: u64 = 3;
+const IID_BEFORE: u64 = 4;
+const IID_AFTER: u64 = 5;
+const IID_PAYLOAD: u64 = 6;
+
+/// The longest payload an event packet carries (as twice as many hex digits).
+pub const MAX_PAYLOAD: usize = 16;
+
+/// The one packet vmtsync writes per event: an instant track event on the sequence's default
+/// track, its interned name and its arguments as debug annotations with interned names
+/// ([`ANNOTATIONS`]; the guest TSC and the interval only when known, the payload only when not
+/// empty).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Arg<'a> {
-    /// `DebugAnnotation.uint_value`.
-    Uint(u64),
-    /// `DebugAnnotation.string_value`.
-    Str(&'a str),
-    /// `DebugAnnotation.string_value`: these bytes in lowercase hex (two characters each).
-    Hex(&'a [u8]),
+pub struct EventPacket<'a> {
+    /// On [`CLOCK_EVENT_DELTA`] (the sequence's default clock): ns since the previous event
+    /// timestamped in it; with `absolute`, BOOTTIME ns (for an event earlier than that one:
+    /// the incremental clock only moves forward here).
+    pub timestamp: u64,
+    /// `timestamp` is BOOTTIME (`timestamp_clock_id` = [`CLOCK_BOOTTIME`] on the packet).
+    pub absolute: bool,
+    /// `trusted_packet_sequence_id`.
+    pub sequence: u32,
+    /// `machine_id`.
+    pub machine_id: u32,
+    /// The interned event name.
+    pub name_iid: u64,
+    /// `event_id`.
+    pub event_id: u16,
+    /// `host_tsc`.
+    pub host_tsc: u64,
+    /// `guest_tsc`.
+    pub guest_tsc: Option<u64>,
+    /// `before_ns`, `after_ns`.
+    pub interval: Option<(i64, i64)>,
+    /// `payload`, written as lowercase hex; at most [`MAX_PAYLOAD`] bytes (longer is cut).
+    pub payload: &'a [u8],
 }
 
-impl Arg<'_> {
-    /// The string value, if it is one (a [`Arg::Hex`] spelled out).
+/// The room [`EventPacket::write`] needs: [`WRAP`] bytes it indexes modulo (a packet is at most
+/// 155 bytes: 36 of framing and scalars, 5 annotations of at most 14 bytes and a payload of at
+/// most 38), and 16 more that its 8-byte stores past the end may touch.
+pub const EVENT_PACKET_MAX: usize = WRAP + 16;
+const WRAP: usize = 256;
+
+impl EventPacket<'_> {
+    fn payload(&self) -> &[u8] {
+        self.payload.get(..MAX_PAYLOAD).unwrap_or(self.payload)
+    }
+
+    /// The packet as a prost message (for packets [`Self::write`] leaves, and what its bytes
+    /// are tested against).
     #[must_use]
-    pub fn string(&self) -> Option<String> {
-        match *self {
-            Arg::Uint(_) => None,
-            Arg::Str(s) => Some(s.to_owned()),
-            Arg::Hex(b) => Some(b.iter().map(|x| format!("{x:02x}")).collect()),
+    pub fn to_message(&self) -> TracePacket {
+        let ann = |iid, uint_value, int_value, string_value| DebugAnnotation {
+            name_iid: Some(iid),
+            uint_value,
+            int_value,
+            string_value,
+        };
+        let mut args = vec![
+            ann(IID_EVENT_ID, Some(u64::from(self.event_id)), None, None),
+            ann(IID_HOST_TSC, Some(self.host_tsc), None, None),
+        ];
+        if let Some(g) = self.guest_tsc {
+            args.push(ann(IID_GUEST_TSC, Some(g), None, None));
+        }
+        if let Some((b, a)) = self.interval {
+            args.push(ann(IID_BEFORE, None, Some(b), None));
+            args.push(ann(IID_AFTER, None, Some(a), None));
+        }
+        let p = self.payload();
+        if !p.is_empty() {
+            let hex = p.iter().map(|x| format!("{x:02x}")).collect();
+            args.push(ann(IID_PAYLOAD, None, None, Some(hex)));
+        }
+        TracePacket {
+            timestamp: Some(self.timestamp),
+            timestamp_clock_id: self.absolute.then_some(CLOCK_BOOTTIME),
+            trusted_packet_sequence_id: Some(self.sequence),
+            machine_id: Some(self.machine_id),
+            track_event: Some(TrackEvent {
+                r#type: Some(TYPE_INSTANT),
+                name_iid: Some(self.name_iid),
+                debug_annotations: args,
+                ..Default::default()
+            }),
+            ..Default::default()
         }
     }
 
-    /// The length of the string value in bytes (0 for a number).
-    fn str_len(&self) -> usize {
-        match *self {
-            Arg::Uint(_) => 0,
-            Arg::Str(s) => s.len(),
-            Arg::Hex(b) => 2 * b.len(),
+    /// Writes the packet as a `Trace.packet` field (tag, length, bytes) straight into `out`
+    /// (e.g. the tail of an output buffer), in one pass, with the bytes prost writes for
+    /// [`Self::to_message`] (tested); returns its length, the bytes from `out[0]` on (later
+    /// bytes of `out` are scratch and may be overwritten), or `None` when one of its messages
+    /// reaches 128 bytes (only with extreme values: timestamps near 2^64, huge machine ids and
+    /// a full payload together), whose length prefix takes two bytes: write that one with
+    /// [`append_packet`] of [`Self::to_message`].
+    ///
+    /// It is the one packet written per event, so it is written field by field in a fixed
+    /// order with no per-argument dispatch: each annotation's key, length, name and value key
+    /// in one store; each message's one-byte length prefix reserved before it and filled in
+    /// after it. Encoding it through prost's generic path cost ~16 times the trace.dat
+    /// writer's time per event.
+    #[inline]
+    pub fn write(&self, out: &mut [u8; EVENT_PACKET_MAX]) -> Option<usize> {
+        let mut c = OnePass {
+            b: out,
+            n: 0,
+            long: false,
+        };
+        // Fields in tag order, as prost writes them. The packet: timestamp (8),
+        // trusted_packet_sequence_id (10), track_event (11), timestamp_clock_id (58, a
+        // two-byte key), machine_id (98, a two-byte key).
+        c.byte(0x0a);
+        let packet = c.open();
+        c.byte(0x40);
+        c.varint(self.timestamp);
+        c.byte(0x50);
+        c.varint(u64::from(self.sequence));
+        c.byte(0x5a);
+        let event = c.open();
+        // The track event: debug_annotations (4, each name_iid (1) and uint_value (3),
+        // int_value (4) or string_value (6)), type (9), name_iid (10).
+        c.annotation(IID_EVENT_ID, 0x18, u64::from(self.event_id));
+        c.annotation(IID_HOST_TSC, 0x18, self.host_tsc);
+        if let Some(g) = self.guest_tsc {
+            c.annotation(IID_GUEST_TSC, 0x18, g);
         }
-    }
-}
-
-/// The most arguments [`append_event_packet`] writes.
-pub const MAX_ARGS: usize = 8;
-/// The longest string argument [`append_event_packet`] writes.
-pub const MAX_STR: usize = 64;
-
-/// Writes protobuf bytes into a slice of exactly the right length.
-struct Cursor<'a> {
-    b: &'a mut [u8],
-    n: usize,
-}
-
-impl Cursor<'_> {
-    fn byte(&mut self, x: u8) {
-        // The slice was sized from the same lengths: a miss would be a bug in them, and `get_mut`
-        // turns it into a short packet rather than a panic.
-        if let Some(slot) = self.b.get_mut(self.n) {
-            *slot = x;
+        if let Some((b, a)) = self.interval {
+            // int64 is the varint of the two's complement (10 bytes when negative).
+            c.annotation(IID_BEFORE, 0x20, b.cast_unsigned());
+            c.annotation(IID_AFTER, 0x20, a.cast_unsigned());
         }
-        self.n += 1;
-    }
-
-    fn varint(&mut self, mut v: u64) {
-        while v >= 0x80 {
-            self.byte(u8::try_from(v & 0x7f).unwrap_or(0) | 0x80);
-            v >>= 7;
+        let p = self.payload();
+        if !p.is_empty() {
+            c.hex_annotation(IID_PAYLOAD, p);
         }
-        self.byte(u8::try_from(v).unwrap_or(0));
-    }
-
-    fn bytes(&mut self, x: &[u8]) {
-        if let Some(dst) = self.b.get_mut(self.n..self.n + x.len()) {
-            dst.copy_from_slice(x);
+        c.word(0x50_03_48, 3);
+        c.varint(self.name_iid);
+        c.close(event);
+        if self.absolute {
+            c.word(0xd0 | 0x03 << 8 | u64::from(CLOCK_BOOTTIME) << 16, 3);
         }
-        self.n += x.len();
+        c.word(0x06_90, 2);
+        c.varint(u64::from(self.machine_id));
+        c.close(packet);
+        (!c.long && c.n + 16 <= WRAP).then_some(c.n)
     }
 }
 
@@ -270,124 +376,29 @@ fn varint_len(v: u64) -> usize {
     (64 - (v | 1).leading_zeros() as usize).div_ceil(7)
 }
 
-/// Appends one instant-event packet to `buf` as a `Trace.packet` field, equal (once decoded)
-/// to the [`TracePacket`] with `timestamp`, `trusted_packet_sequence_id`, `machine_id`,
-/// `sequence_flags = SEQ_NEEDS_INCREMENTAL_STATE` and a `TYPE_INSTANT` track event with
-/// `name_iid` and one debug annotation per argument (interned name, value), but written
-/// without prost's generic path: it is the one packet written per event, and encoding it
-/// through prost (lengths computed once per nesting level, one call per varint byte) cost
-/// ~16 times the trace.dat writer's time per event. The bytes equal prost's (tested against
-/// its encoding and decoding). Returns `false`, writing nothing, for more than [`MAX_ARGS`]
-/// arguments or a string longer than [`MAX_STR`] bytes (write those with [`append_packet`]).
-///
-/// One pass: every message of an event packet is almost always under 128 bytes, so its length
-/// prefix is one byte, reserved before the message and filled in after it. A packet with a
-/// longer message is written again by the two-pass encoder, which sizes everything first.
-pub fn append_event_packet(
-    buf: &mut Vec<u8>,
-    timestamp: u64,
-    sequence: u32,
-    machine_id: u32,
-    name_iid: u64,
-    args: &[(u64, Arg<'_>)],
-) -> bool {
-    let mut slot = [0; EVENT_PACKET_MAX];
-    match write_event_packet(&mut slot, timestamp, sequence, machine_id, name_iid, args) {
-        Some(n) => {
-            buf.extend_from_slice(&slot[..n]);
-            true
-        }
-        None => append_event_packet_sized(buf, timestamp, sequence, machine_id, name_iid, args),
+/// By the leading zeros of a value below 2^56 (or'd with 1): its varint's length and the
+/// continuation bits of all its bytes but the last. A table lookup, where computing them took
+/// a division by 7 and a variable shift on every varint's critical path (measured with `perf`:
+/// the encoder's hottest line).
+const VARINT_SHAPE: [(usize, u64); 64] = {
+    let mut t = [(0, 0); 64];
+    let mut lz: usize = 0;
+    while lz < 64 {
+        let len = (64 - lz).div_ceil(7);
+        let cont = if len >= 8 {
+            0x0080_8080_8080_8080
+        } else {
+            0x8080_8080_8080_8080 & ((1u64 << (8 * (len - 1))) - 1)
+        };
+        t[lz] = (len, cont);
+        lz += 1;
     }
-}
+    t
+};
 
-/// The room [`write_event_packet`] needs: more than the largest packet it writes (at most
-/// [`MAX_ARGS`] arguments of at most 15 + [`MAX_STR`] bytes each, 36 bytes of the rest, and
-/// 10 bytes past the end that a varint store may touch).
-pub const EVENT_PACKET_MAX: usize = 1024;
-const _: () = assert!(46 + MAX_ARGS * (15 + MAX_STR) < EVENT_PACKET_MAX);
-
-/// [`append_event_packet`] in one pass straight into `out` (e.g. the tail of an output
-/// buffer): returns the packet's length, the bytes from `out[0]` on (later bytes of `out` are
-/// scratch and may be overwritten), or `None` when the two-pass encoder must write it
-/// ([`append_event_packet`] does that): a message of 128 bytes or more (its length prefix
-/// takes two bytes), more than [`MAX_ARGS`] arguments, or a string longer than [`MAX_STR`].
-///
-/// Every message of an event packet is almost always under 128 bytes, so its length prefix is
-/// one byte, reserved before the message and filled in after it.
-pub fn write_event_packet(
-    out: &mut [u8; EVENT_PACKET_MAX],
-    timestamp: u64,
-    sequence: u32,
-    machine_id: u32,
-    name_iid: u64,
-    args: &[(u64, Arg<'_>)],
-) -> Option<usize> {
-    if args.len() > MAX_ARGS || args.iter().any(|(_, a)| a.str_len() > MAX_STR) {
-        return None;
-    }
-    let mut c = OnePass {
-        b: out,
-        n: 0,
-        long: false,
-    };
-    // Fields in tag order, as prost writes them. The packet: timestamp (8),
-    // trusted_packet_sequence_id (10), track_event (11), sequence_flags (13), machine_id (98,
-    // a two-byte key).
-    c.byte(0x0a);
-    let packet = c.open();
-    c.byte(0x40);
-    c.varint(timestamp);
-    c.byte(0x50);
-    c.varint(u64::from(sequence));
-    c.byte(0x5a);
-    let event = c.open();
-    // The track event: debug_annotations (4, each name_iid (1) and uint_value (3) or
-    // string_value (6)), type (9), name_iid (10).
-    for &(iid, a) in args {
-        c.byte(0x22);
-        let arg = c.open();
-        c.byte(0x08);
-        c.varint(iid);
-        match a {
-            Arg::Uint(v) => {
-                c.byte(0x18);
-                c.varint(v);
-            }
-            Arg::Str(s) => {
-                c.byte(0x32);
-                c.varint(s.len() as u64);
-                c.bytes(s.as_bytes());
-            }
-            Arg::Hex(b) => {
-                const HEX: &[u8; 16] = b"0123456789abcdef";
-                c.byte(0x32);
-                c.varint(2 * b.len() as u64);
-                for &x in b {
-                    c.byte(HEX[usize::from(x >> 4)]);
-                    c.byte(HEX[usize::from(x & 15)]);
-                }
-            }
-        }
-        c.close(arg);
-    }
-    c.byte(0x48);
-    c.byte(u8::try_from(TYPE_INSTANT).unwrap_or(3));
-    c.byte(0x50);
-    c.varint(name_iid);
-    c.close(event);
-    c.byte(0x68);
-    c.byte(u8::try_from(SEQ_NEEDS_INCREMENTAL_STATE).unwrap_or(2));
-    c.byte(0x90);
-    c.byte(0x06);
-    c.varint(u64::from(machine_id));
-    c.close(packet);
-    (!c.long && c.n + 10 <= EVENT_PACKET_MAX).then_some(c.n)
-}
-
-/// [`write_event_packet`]'s writer: a fixed-size array indexed modulo its power-of-two size,
-/// so no store needs a bounds check (the sizes above keep it from wrapping; `n` past the end
-/// is caught before the bytes are used).
+/// [`EventPacket::write`]'s writer: a fixed-size array indexed modulo [`WRAP`] with room for an
+/// 8-byte store past it, so no store needs a bounds check (a packet never comes near
+/// wrapping; `n` past [`WRAP`] is caught before the bytes are used).
 struct OnePass<'a> {
     b: &'a mut [u8; EVENT_PACKET_MAX],
     n: usize,
@@ -398,46 +409,87 @@ struct OnePass<'a> {
 impl OnePass<'_> {
     #[inline(always)]
     fn byte(&mut self, x: u8) {
-        self.b[self.n % EVENT_PACKET_MAX] = x;
+        self.b[self.n % WRAP] = x;
         self.n += 1;
     }
 
-    /// A varint without a loop over its bytes when it has at most 8 (values below 2^56): the
-    /// 7-bit groups spread into bytes by three mask-and-shift steps in a register, the
-    /// continuation bits of all but the last set at once, one 8-byte store (the bytes past the
-    /// varint are scratch). Larger values byte by byte.
+    /// The low `len` bytes of `w` (little-endian), by one 8-byte store.
     #[inline(always)]
-    fn varint(&mut self, v: u64) {
-        if v >= 1 << 56 {
-            let mut v = v;
-            while v >= 0x80 {
-                // The low byte with the continuation bit; `to_le_bytes()[0]` is the low 8 bits.
-                self.byte(v.to_le_bytes()[0] | 0x80);
-                v >>= 7;
-            }
-            self.byte(v.to_le_bytes()[0]);
-            return;
-        }
-        let len = varint_len(v);
-        // 28-bit halves into 32-bit lanes, 14-bit quarters into 16-bit lanes, 7-bit groups
-        // into bytes.
-        let mut t = (v & 0x0FFF_FFFF) | ((v & 0x00FF_FFFF_F000_0000) << 4);
-        t = (t & 0x0000_3FFF_0000_3FFF) | ((t & 0x0FFF_C000_0FFF_C000) << 2);
-        t = (t & 0x007F_007F_007F_007F) | ((t & 0x3F80_3F80_3F80_3F80) << 1);
-        t |= 0x8080_8080_8080_8080 & ((1u64 << (8 * (len - 1))) - 1);
-        if let Some(d) = self.b.get_mut(self.n..self.n + 8) {
-            d.copy_from_slice(&t.to_le_bytes());
-        }
+    fn word(&mut self, w: u64, len: usize) {
+        let i = self.n % WRAP;
+        self.b[i..i + 8].copy_from_slice(&w.to_le_bytes());
         self.n += len;
     }
 
+    /// A varint without a loop over its bytes: the low 56 bits' 7-bit groups spread into bytes
+    /// by three mask-and-shift steps in a register, the continuation bits of all but the last
+    /// set at once, one 8-byte store (the bytes past the varint are scratch); the top 8 bits,
+    /// when there are any, as one or two more bytes. Building the bytes in a stack array and
+    /// reading them back stalled store forwarding (measured with `perf`).
     #[inline(always)]
-    fn bytes(&mut self, x: &[u8]) {
-        // Out of room only if the sizes above are wrong: `n` then says so.
-        if let Some(d) = self.b.get_mut(self.n..self.n + x.len()) {
-            d.copy_from_slice(x);
+    fn varint(&mut self, v: u64) {
+        let low = v & ((1 << 56) - 1);
+        // 28-bit halves into 32-bit lanes, 14-bit quarters into 16-bit lanes, 7-bit groups
+        // into bytes.
+        let mut t = (low & 0x0FFF_FFFF) | ((low & 0x00FF_FFFF_F000_0000) << 4);
+        t = (t & 0x0000_3FFF_0000_3FFF) | ((t & 0x0FFF_C000_0FFF_C000) << 2);
+        t = (t & 0x007F_007F_007F_007F) | ((t & 0x3F80_3F80_3F80_3F80) << 1);
+        if v < 1 << 56 {
+            let (len, cont) = VARINT_SHAPE[(v | 1).leading_zeros() as usize % 64];
+            self.word(t | cont, len);
+        } else {
+            self.word(t | 0x8080_8080_8080_8080, 8);
+            let top = v >> 56;
+            if top < 0x80 {
+                self.byte(top.to_le_bytes()[0]);
+            } else {
+                self.word(0x0100 | 0x80 | (top & 0x7f), 2);
+            }
         }
-        self.n += x.len();
+    }
+
+    /// A debug annotation with an interned name and a varint value under `key` (0x18
+    /// `uint_value`, 0x20 `int_value`): its key, length, name key, name and value key in one
+    /// store, then the value.
+    #[inline(always)]
+    fn annotation(&mut self, iid: u64, key: u64, v: u64) {
+        // The table covers values below 2^56; larger ones are rare.
+        let len = 3 + if v < 1 << 56 {
+            VARINT_SHAPE[(v | 1).leading_zeros() as usize % 64].0 as u64
+        } else {
+            varint_len(v) as u64
+        };
+        self.word(0x22 | len << 8 | 0x08 << 16 | iid << 24 | key << 32, 5);
+        self.varint(v);
+    }
+
+    /// A debug annotation whose `string_value` is `p` in lowercase hex (at most
+    /// [`MAX_PAYLOAD`] bytes, so every length is one byte): four bytes to eight digits at a
+    /// time, in a register (each nibble moved into its own byte, then `'0'` added, and 39
+    /// more where it is above 9).
+    #[inline(always)]
+    fn hex_annotation(&mut self, iid: u64, p: &[u8]) {
+        let digits = 2 * p.len() as u64;
+        self.word(
+            0x22 | (4 + digits) << 8 | 0x08 << 16 | iid << 24 | 0x32 << 32 | digits << 40,
+            6,
+        );
+        let mut padded = [0u8; MAX_PAYLOAD];
+        if let Some(d) = padded.get_mut(..p.len()) {
+            d.copy_from_slice(p);
+        }
+        for chunk in padded.chunks_exact(4).take(p.len().div_ceil(4)) {
+            let x = u64::from(u32::from_le_bytes([chunk[0], chunk[1], chunk[2], chunk[3]]));
+            // Byte k into bits 16k..16k+8, then its high nibble into the low byte of that
+            // lane and its low nibble into the high byte (the digits' order).
+            let y =
+                (x & 0xFF) | (x & 0xFF00) << 8 | (x & 0xFF_0000) << 16 | (x & 0xFF00_0000) << 24;
+            let n = (y >> 4 & 0x000F_000F_000F_000F) | (y & 0x000F_000F_000F_000F) << 8;
+            let above9 = (n + 0x0606_0606_0606_0606) >> 4 & 0x0101_0101_0101_0101;
+            self.word(n + 0x3030_3030_3030_3030 + above9 * 39, 8);
+        }
+        // The words above advanced by whole chunks; the string ends after `digits`.
+        self.n = self.n - 8 * p.len().div_ceil(4) + 2 * p.len();
     }
 
     /// Reserves a message's one-byte length prefix; returns where the message starts.
@@ -452,102 +504,8 @@ impl OnePass<'_> {
     fn close(&mut self, start: usize) {
         let len = self.n - start;
         self.long |= len >= 0x80;
-        self.b[(start - 1) % EVENT_PACKET_MAX] = len.to_le_bytes()[0];
+        self.b[(start - 1) % WRAP] = len.to_le_bytes()[0];
     }
-}
-
-/// [`append_event_packet`]'s general case: every length computed first, then the bytes (for
-/// packets with a message of 128 bytes or more, whose length prefix takes two bytes).
-fn append_event_packet_sized(
-    buf: &mut Vec<u8>,
-    timestamp: u64,
-    sequence: u32,
-    machine_id: u32,
-    name_iid: u64,
-    args: &[(u64, Arg<'_>)],
-) -> bool {
-    if args.len() > MAX_ARGS || args.iter().any(|(_, a)| a.str_len() > MAX_STR) {
-        return false;
-    }
-    // Lengths first (protobuf prefixes every message with its length), then the bytes straight
-    // into `buf`. Fields in tag order, as prost writes them.
-    let arg_len = |iid: u64, a: Arg<'_>| {
-        1 + varint_len(iid)
-            + match a {
-                Arg::Uint(v) => 1 + varint_len(v),
-                Arg::Str(_) | Arg::Hex(_) => 1 + varint_len(a.str_len() as u64) + a.str_len(),
-            }
-    };
-    // The track event: debug_annotations (4, each name_iid (1) and uint_value (3) or
-    // string_value (6)), type (9), name_iid (10).
-    let mut lens = [0usize; MAX_ARGS];
-    let mut ev_len = 2 + 1 + varint_len(name_iid);
-    for (l, &(iid, a)) in lens.iter_mut().zip(args) {
-        *l = arg_len(iid, a);
-        ev_len += 1 + varint_len(*l as u64) + *l;
-    }
-    // The packet: timestamp (8), trusted_packet_sequence_id (10), track_event (11),
-    // sequence_flags (13), machine_id (98, a two-byte key).
-    let p_len = 1
-        + varint_len(timestamp)
-        + 1
-        + varint_len(u64::from(sequence))
-        + 1
-        + varint_len(ev_len as u64)
-        + ev_len
-        + 2
-        + 2
-        + varint_len(u64::from(machine_id));
-    // The bytes go into a zeroed tail of exact length through a cursor: slice stores, no
-    // capacity check per byte.
-    let total = 1 + varint_len(p_len as u64) + p_len;
-    let start = buf.len();
-    buf.resize(start + total, 0);
-    let mut c = Cursor {
-        b: &mut buf[start..],
-        n: 0,
-    };
-    c.byte(0x0a);
-    c.varint(p_len as u64);
-    c.byte(0x40);
-    c.varint(timestamp);
-    c.byte(0x50);
-    c.varint(u64::from(sequence));
-    c.byte(0x5a);
-    c.varint(ev_len as u64);
-    for (&l, &(iid, a)) in lens.iter().zip(args) {
-        c.byte(0x22);
-        c.varint(l as u64);
-        c.byte(0x08);
-        c.varint(iid);
-        match a {
-            Arg::Uint(v) => {
-                c.byte(0x18);
-                c.varint(v);
-            }
-            Arg::Str(s) => {
-                c.byte(0x32);
-                c.varint(s.len() as u64);
-                c.bytes(s.as_bytes());
-            }
-            Arg::Hex(b) => {
-                const HEX: &[u8; 16] = b"0123456789abcdef";
-                c.byte(0x32);
-                c.varint(2 * b.len() as u64);
-                for &x in b {
-                    c.byte(HEX[usize::from(x >> 4)]);
-                    c.byte(HEX[usize::from(x & 15)]);
-                }
-            }
-        }
-    }
-    c.bytes(&[0x48, u8::try_from(TYPE_INSTANT).unwrap_or(3), 0x50]);
-    c.varint(name_iid);
-    c.bytes(&[0x68, u8::try_from(SEQ_NEEDS_INCREMENTAL_STATE).unwrap_or(2)]);
-    c.bytes(&[0x90, 0x06]);
-    c.varint(u64::from(machine_id));
-    debug_assert_eq!(c.n, total);
-    true
 }
 
 #[cfg(test)]
@@ -579,6 +537,7 @@ mod tests {
                 clocks: vec![Clock {
                     clock_id: Some(CLOCK_BOOTTIME),
                     timestamp: Some(5),
+                    is_incremental: None,
                 }],
             }),
             ..Default::default()
@@ -608,89 +567,138 @@ mod tests {
         assert_eq!(bytes, [0x40, 1, 0x5a, 2, 0x48, 3, 0x90, 0x06, 3]);
     }
 
+    /// Every argument combination, every varint length of every field, payloads of every
+    /// length, and packets on both sides of the 128-byte limit of a one-byte length prefix:
+    /// the one-pass bytes are prost's, or the writer says it cannot write them.
     #[test]
     fn the_fast_event_packet_is_prosts() {
-        let longest = "y".repeat(MAX_STR);
-        let mut every: Vec<(u64, Arg<'_>)> = (0..MAX_ARGS as u64 - 1)
-            .map(|i| (u64::MAX - i, Arg::Uint(u64::MAX >> i)))
+        let payload: Vec<u8> = (0..=u8::try_from(MAX_PAYLOAD).unwrap() + 1)
+            .map(|i| i.wrapping_mul(37).wrapping_add(0xa5))
             .collect();
-        every.push((7, Arg::Str(&longest)));
-        let mut cases: Vec<Vec<(u64, Arg<'_>)>> = vec![
-            vec![],
-            vec![(1, Arg::Uint(0)), (2, Arg::Uint(u64::MAX))],
-            vec![
-                (3, Arg::Uint(300)),
-                (5, Arg::Str("ab01")),
-                (200, Arg::Uint(1 << 40)),
-            ],
-            vec![(1, Arg::Str(""))],
-            // Every field at its largest: messages of 128 bytes and more.
-            every,
-            vec![(5, Arg::Hex(&[0xab, 0x01, 0x00, 0xff])), (6, Arg::Hex(&[]))],
-            vec![(5, Arg::Hex(&[0x5a; MAX_STR / 2]))],
-        ];
-        // Four large numbers and a string of every length: the packet, then the track event
-        // crosses 128 bytes, where the one-pass encoder hands over to the two-pass one.
-        for k in 0..=MAX_STR {
-            let mut a: Vec<(u64, Arg<'_>)> = (1..=4).map(|i| (i, Arg::Uint(u64::MAX))).collect();
-            a.push((5, Arg::Str(&longest[..k])));
-            cases.push(a);
+        let wide: Vec<u64> = (0..64)
+            .flat_map(|k| [(1u64 << k) - 1, 1 << k])
+            .chain([u64::MAX])
+            .collect();
+        let mut cases = Vec::new();
+        let base = EventPacket {
+            timestamp: 1,
+            absolute: false,
+            sequence: 2,
+            machine_id: 1,
+            name_iid: 1,
+            event_id: 0,
+            host_tsc: 0,
+            guest_tsc: None,
+            interval: None,
+            payload: &[],
+        };
+        for (i, &v) in wide.iter().enumerate() {
+            let w = wide[(i * 7 + 3) % wide.len()];
+            let len = i % (MAX_PAYLOAD + 2);
+            cases.push(EventPacket {
+                timestamp: v,
+                absolute: i % 2 == 0,
+                sequence: u32::try_from(w >> 32).unwrap(),
+                machine_id: u32::try_from(v & u64::from(u32::MAX)).unwrap(),
+                name_iid: w,
+                event_id: u16::try_from(v & 0xffff).unwrap(),
+                host_tsc: w,
+                guest_tsc: (i % 3 != 0).then_some(v),
+                interval: (i % 4 != 1).then_some((v.cast_signed(), w.cast_signed())),
+                payload: &payload[..len],
+            });
+            cases.push(EventPacket {
+                host_tsc: v,
+                ..base
+            });
         }
-        for (i, args) in cases.iter().enumerate() {
-            for (ts, seq, machine, name) in [(0, 1, 1, 1), (u64::MAX, u32::MAX, u32::MAX, u64::MAX)]
-            {
-                let mut fast = Vec::new();
-                assert!(append_event_packet(&mut fast, ts, seq, machine, name, args));
-                let want = TracePacket {
-                    timestamp: Some(ts),
-                    trusted_packet_sequence_id: Some(seq),
-                    machine_id: Some(machine),
-                    sequence_flags: Some(SEQ_NEEDS_INCREMENTAL_STATE),
-                    track_event: Some(TrackEvent {
-                        r#type: Some(TYPE_INSTANT),
-                        name_iid: Some(name),
-                        debug_annotations: args
-                            .iter()
-                            .map(|&(iid, a)| DebugAnnotation {
-                                name_iid: Some(iid),
-                                uint_value: match a {
-                                    Arg::Uint(v) => Some(v),
-                                    Arg::Str(_) | Arg::Hex(_) => None,
-                                },
-                                string_value: a.string(),
-                            })
-                            .collect(),
-                        ..Default::default()
-                    }),
-                    ..Default::default()
-                };
-                let mut slow = Vec::new();
-                append_packet(&want, &mut slow);
-                assert_eq!(fast, slow, "case {i}: the same bytes as prost's");
-                assert_eq!(Trace::decode(fast.as_slice()).unwrap().packet, vec![want]);
+        // Large arguments and a payload of every length: the packet, then the track event,
+        // crosses 128 bytes.
+        for len in 0..=MAX_PAYLOAD {
+            for big in [u64::MAX, 1 << 40] {
+                cases.push(EventPacket {
+                    timestamp: big,
+                    host_tsc: big,
+                    guest_tsc: Some(big),
+                    interval: Some((-1, big.cast_signed())),
+                    payload: &payload[..len],
+                    ..base
+                });
             }
         }
-        let long = "x".repeat(MAX_STR + 1);
-        let mut buf = Vec::new();
-        assert!(!append_event_packet(
-            &mut buf,
-            0,
-            1,
-            1,
-            1,
-            &[(1, Arg::Hex(&[0; MAX_STR / 2 + 1]))]
-        ));
-        assert!(buf.is_empty());
-        let mut buf = Vec::new();
-        assert!(!append_event_packet(
-            &mut buf,
-            0,
-            1,
-            1,
-            1,
-            &[(1, Arg::Str(&long))]
-        ));
-        assert!(buf.is_empty());
+        // Every field at its largest: the track event and the packet past 128 bytes.
+        cases.push(EventPacket {
+            timestamp: u64::MAX,
+            absolute: true,
+            sequence: u32::MAX,
+            machine_id: u32::MAX,
+            name_iid: u64::MAX,
+            event_id: u16::MAX,
+            host_tsc: u64::MAX,
+            guest_tsc: Some(u64::MAX),
+            interval: Some((-1, i64::MIN)),
+            payload: &payload,
+        });
+        let (mut fast, mut long) = (0, 0);
+        let mut slot = [0xee; EVENT_PACKET_MAX];
+        for (i, e) in cases.iter().enumerate() {
+            let want = e.to_message();
+            let mut slow = Vec::new();
+            append_packet(&want, &mut slow);
+            assert_eq!(Trace::decode(slow.as_slice()).unwrap().packet, vec![want]);
+            // The packet's length prefix is two bytes exactly when a message reached 128.
+            match (e.write(&mut slot), slow[1] >= 0x80) {
+                (Some(n), false) => {
+                    assert_eq!(&slot[..n], &slow[..], "case {i}: the same bytes as prost's");
+                    fast += 1;
+                }
+                (None, true) => long += 1,
+                (got, _) => panic!("case {i}: {got:?} for a {}-byte packet", slow.len()),
+            }
+        }
+        assert!(
+            fast > 100 && long > 0,
+            "{fast} written, {long} left to prost"
+        );
+        // The payload is cut at MAX_PAYLOAD bytes by both encoders.
+        let e = EventPacket {
+            payload: &payload,
+            ..base
+        };
+        let hex = e.to_message().track_event.unwrap().debug_annotations[2]
+            .string_value
+            .clone()
+            .unwrap();
+        assert_eq!(hex.len(), 2 * MAX_PAYLOAD);
+        assert!(hex.starts_with("a5ca"), "{hex}");
+    }
+
+    #[test]
+    fn payload_hex_is_lowercase_and_in_order() {
+        let all: Vec<u8> = (0..=255).collect();
+        let mut slot = [0; EVENT_PACKET_MAX];
+        for p in all.chunks(MAX_PAYLOAD).chain(all.chunks(3)) {
+            let e = EventPacket {
+                timestamp: 5,
+                absolute: false,
+                sequence: 2,
+                machine_id: 1,
+                name_iid: 1,
+                event_id: 1,
+                host_tsc: 2,
+                guest_tsc: None,
+                interval: None,
+                payload: p,
+            };
+            let n = e.write(&mut slot).unwrap();
+            let got = Trace::decode(&slot[..n]).unwrap().packet.remove(0);
+            let s = got.track_event.unwrap().debug_annotations[2]
+                .string_value
+                .clone()
+                .unwrap();
+            let want: String = p.iter().map(|x| format!("{x:02x}")).collect();
+            assert_eq!(s, want);
+        }
     }
 
     #[test]

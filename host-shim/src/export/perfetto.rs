@@ -291,10 +291,19 @@ impl PerfettoWriter {
     /// defaults (the track; timestamps on its incremental clock) and interned annotation
     /// names, then the snapshot that pins the incremental clock to BOOTTIME at `ts`, the
     /// first event's.
+    #[inline]
     fn vcpu_index(&mut self, vcpu: u32, ts: u64) -> Result<usize, PerfettoError> {
-        if let Some(i) = self.vcpus.iter().position(|v| v.vcpu == vcpu) {
-            return Ok(i);
+        match self.vcpus.iter().position(|v| v.vcpu == vcpu) {
+            Some(i) => Ok(i),
+            None => self.start_vcpu(vcpu, ts),
         }
+    }
+
+    /// [`Self::vcpu_index`] for a vCPU not seen before (kept out of line: it runs once per
+    /// vCPU, and inlined into [`Self::push`] it crowded the per-event path).
+    #[cold]
+    #[inline(never)]
+    fn start_vcpu(&mut self, vcpu: u32, ts: u64) -> Result<usize, PerfettoError> {
         if self.vcpus.len() >= MAX_VCPUS {
             return Err(PerfettoError::TooManyVcpus { vcpu });
         }
@@ -425,19 +434,7 @@ impl PerfettoWriter {
                 self.used += n;
                 self.summary.bytes += n as u64;
             }
-            None => {
-                let mut packet = ev.to_message();
-                if first_use {
-                    packet.interned_data = Some(InternedData {
-                        event_names: vec![InternedString {
-                            iid: Some(ev.name_iid),
-                            name: Some(format!("event {}", e.id)),
-                        }],
-                        ..Default::default()
-                    });
-                }
-                self.write_packet(&packet)?;
-            }
+            None => self.write_event_by_prost(&ev, first_use)?,
         }
         self.summary.events += 1;
         let r = self
@@ -446,6 +443,28 @@ impl PerfettoWriter {
             .get_or_insert((e.host_tsc, e.host_tsc));
         *r = (r.0.min(e.host_tsc), r.1.max(e.host_tsc));
         self.spill(BUFFER)
+    }
+
+    /// Writes an event packet through prost: the first of its id on its vCPU, which also
+    /// interns the name, or one with a message of 128 bytes or more (out of line: rare).
+    #[cold]
+    #[inline(never)]
+    fn write_event_by_prost(
+        &mut self,
+        ev: &EventPacket<'_>,
+        intern: bool,
+    ) -> Result<(), PerfettoError> {
+        let mut packet = ev.to_message();
+        if intern {
+            packet.interned_data = Some(InternedData {
+                event_names: vec![InternedString {
+                    iid: Some(ev.name_iid),
+                    name: Some(format!("event {}", ev.event_id)),
+                }],
+                ..Default::default()
+            });
+        }
+        self.write_packet(&packet)
     }
 
     /// Flushes, syncs and renames the file into place.

@@ -114,9 +114,11 @@ struct Pair {
     /// [`BootClock::error_ns`] between the snapshots: the larger half-resolution of the two
     /// ends in ns at the pair's rate, rounded up, plus 1 ns of rounding.
     e_inside: u64,
-    /// The sum of the two half-resolutions, for the growth beyond the snapshots.
-    e_sum: u128,
-    span_tsc: u128,
+    /// How fast the error grows beyond the snapshots, ns per tick, as a 64.64 fixed-point
+    /// number rounded up: `ceil((ea + eb) · 2^64 / span_tsc)` (the sum of the two
+    /// half-resolutions over the span), so the growth is a multiplication, not a 128-bit
+    /// division per conversion (`export perfetto` maps every event beyond its snapshots).
+    growth: u128,
 }
 
 impl Pair {
@@ -136,8 +138,10 @@ impl Pair {
             e_inside: u64::try_from(ea.max(eb))
                 .unwrap_or(u64::MAX)
                 .saturating_add(1),
-            e_sum: ea + eb,
-            span_tsc,
+            // Past 2^64 ns of error the bound is meaningless anyway: it saturates.
+            growth: u64::try_from(ea + eb)
+                .ok()
+                .map_or(u128::MAX, |e| (u128::from(e) << 64).div_ceil(span_tsc)),
         }
     }
 }
@@ -255,15 +259,29 @@ impl Pair {
     #[inline]
     fn error_ns(&self, tsc: u64) -> u64 {
         // The line through two points each off by ≤ e: off by ≤ max(ea, eb) between them and
-        // by ≤ max(ea, eb) + (ea + eb)·d/span at distance d beyond them.
+        // by ≤ max(ea, eb) + (ea + eb)·d/span at distance d beyond them (rounded up, and by
+        // the rate rounded up at most 1 ns more).
         let beyond = self.t0.saturating_sub(tsc).max(tsc.saturating_sub(self.t1));
         if beyond == 0 {
             return self.e_inside;
         }
-        let out = u64::try_from((self.e_sum * u128::from(beyond)).div_ceil(self.span_tsc))
-            .unwrap_or(u64::MAX);
-        self.e_inside.saturating_add(out)
+        self.e_inside.saturating_add(grow(self.growth, beyond))
     }
+}
+
+/// `ceil(d · growth / 2^64)`, saturating: at least `ceil(d · x)` for any `x ≤ growth / 2^64`,
+/// and less than 1 more when `growth` is `x · 2^64` rounded up.
+fn grow(growth: u128, d: u64) -> u64 {
+    let (gh, gl) = (
+        u64::try_from(growth >> 64).unwrap_or(u64::MAX),
+        u64::try_from(growth & u128::from(u64::MAX)).unwrap_or(0),
+    );
+    let low = u128::from(d) * u128::from(gl);
+    let up = u128::from(u64::try_from(low & u128::from(u64::MAX)).unwrap_or(0) != 0);
+    let total = (u128::from(d) * u128::from(gh))
+        .saturating_add(low >> 64)
+        .saturating_add(up);
+    u64::try_from(total).unwrap_or(u64::MAX)
 }
 
 #[cfg(test)]
@@ -330,8 +348,10 @@ mod tests {
         b.resolution = 100;
         let c = BootClock::new(vec![a, b]).unwrap();
         assert_eq!(c.error_ns(1_500_000), 51);
-        // 1 M ticks beyond the pair: 50 + (100 · 1 M / 1 M) + 1.
-        assert_eq!(c.error_ns(3_000_000), 151);
+        // 1 M ticks beyond the pair: 50 + (100 · 1 M / 1 M) + 1, plus the 1 ns that the growth
+        // rate rounded up (100 / 1 M ns per tick is not a finite binary fraction) adds.
+        assert_eq!(c.error_ns(3_000_000), 152);
+        assert_eq!(c.error_ns(0), 152);
     }
 
     #[test]
@@ -354,6 +374,25 @@ mod tests {
     }
 
     proptest::proptest! {
+        /// The growth beyond the snapshots by multiplication is the exact rounded-up quotient
+        /// or 1 ns more: never less (the bound must hold), never much wider.
+        #[test]
+        fn growth_is_the_quotient_rounded_up_or_one_more(
+            e in 0u64..1 << 40,
+            span in 1u64..u64::MAX,
+            d in 0u64..u64::MAX,
+        ) {
+            let growth = (u128::from(e) << 64).div_ceil(u128::from(span));
+            let exact = (u128::from(e) * u128::from(d)).div_ceil(u128::from(span));
+            let got = u128::from(grow(growth, d));
+            if let Ok(x) = u64::try_from(exact) {
+                proptest::prop_assert!(got == u128::from(x) || got == u128::from(x) + 1,
+                    "{got} vs {exact}");
+            } else {
+                proptest::prop_assert_eq!(got, u128::from(u64::MAX));
+            }
+        }
+
         /// Against the exact rational line rounded to nearest (u128/i128 reference): within
         /// 1 ns, exact at the snapshots, for rates from 1/4 to 4 ns per tick.
         #[test]

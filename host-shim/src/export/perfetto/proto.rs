@@ -258,9 +258,8 @@ pub struct EventPacket<'a> {
     pub payload: &'a [u8],
 }
 
-/// The room [`EventPacket::write`] needs: [`WRAP`] bytes it indexes modulo (a packet is at most
-/// 155 bytes: 36 of framing and scalars, 5 annotations of at most 14 bytes and a payload of at
-/// most 38), and 16 more that its 8-byte stores past the end may touch.
+/// The room [`EventPacket::write`] needs: [`WRAP`] bytes it indexes modulo (it writes packets
+/// of under 130 bytes), and 16 more that its 8-byte stores past the end may touch.
 pub const EVENT_PACKET_MAX: usize = WRAP + 16;
 const WRAP: usize = 256;
 
@@ -311,38 +310,34 @@ impl EventPacket<'_> {
     }
 
     /// Writes the packet as a `Trace.packet` field (tag, length, bytes) straight into `out`
-    /// (e.g. the tail of an output buffer), in one pass, with the bytes prost writes for
+    /// (e.g. the tail of an output buffer), with the bytes prost writes for
     /// [`Self::to_message`] (tested); returns its length, the bytes from `out[0]` on (later
-    /// bytes of `out` are scratch and may be overwritten), or `None` when one of its messages
-    /// reaches 128 bytes (only with extreme values: timestamps near 2^64, huge machine ids and
-    /// a full payload together), whose length prefix takes two bytes: write that one with
-    /// [`append_packet`] of [`Self::to_message`].
+    /// bytes of `out` are scratch and may be overwritten), or `None` when the packet reaches
+    /// 128 bytes (only with extreme values: timestamps and TSCs near 2^64, negative interval
+    /// ends, huge ids and a full payload together), whose length prefix takes two bytes:
+    /// write that one with [`append_packet`] of [`Self::to_message`].
     ///
-    /// It is the one packet written per event, so it is written field by field in a fixed
-    /// order with no per-argument dispatch: each annotation's key, length, name and value key
-    /// in one store; each message's one-byte length prefix reserved before it and filled in
-    /// after it. Encoding it through prost's generic path cost ~16 times the trace.dat
-    /// writer's time per event.
+    /// It is the one packet written per event, so it is specialised to its fixed layout, in
+    /// one pass with no per-argument dispatch: each annotation's key, length, name and value
+    /// key in one store, each varint made in a register and stored at once, each message's
+    /// one-byte length prefix reserved before it and filled in after it. Encoding it through
+    /// prost's generic path cost ~16 times the trace.dat writer's time per event. (Sizing
+    /// every field first and then writing, with no filling in, made more instructions: the
+    /// sizes of nine fields held at once spill out of the registers.)
     #[inline]
     pub fn write(&self, out: &mut [u8; EVENT_PACKET_MAX]) -> Option<usize> {
-        let mut c = OnePass {
-            b: out,
-            n: 0,
-            long: false,
-        };
+        let mut c = OnePass { b: out, n: 0 };
         // Fields in tag order, as prost writes them. The packet: timestamp (8),
         // trusted_packet_sequence_id (10), track_event (11), timestamp_clock_id (58, a
         // two-byte key), machine_id (98, a two-byte key).
-        c.byte(0x0a);
-        let packet = c.open();
-        c.byte(0x40);
+        c.word(0x40_00_0a, 3);
         c.varint(self.timestamp);
-        c.byte(0x50);
+        c.word(0x50, 1);
         c.varint(u64::from(self.sequence));
-        c.byte(0x5a);
-        let event = c.open();
-        // The track event: debug_annotations (4, each name_iid (1) and uint_value (3),
-        // int_value (4) or string_value (6)), type (9), name_iid (10).
+        c.word(0x00_5a, 2);
+        let event = c.n;
+        // The track event: debug_annotations (4: key, length, then name_iid (1) and
+        // uint_value (3), int_value (4) or string_value (6)), type (9), name_iid (10).
         c.annotation(IID_EVENT_ID, 0x18, u64::from(self.event_id));
         c.annotation(IID_HOST_TSC, 0x18, self.host_tsc);
         if let Some(g) = self.guest_tsc {
@@ -359,34 +354,34 @@ impl EventPacket<'_> {
         }
         c.word(0x50_03_48, 3);
         c.varint(self.name_iid);
-        c.close(event);
+        let event_len = c.n - event;
         if self.absolute {
             c.word(0xd0 | 0x03 << 8 | u64::from(CLOCK_BOOTTIME) << 16, 3);
         }
         c.word(0x06_90, 2);
         c.varint(u64::from(self.machine_id));
-        c.close(packet);
-        (!c.long && c.n + 16 <= WRAP).then_some(c.n)
+        // The packet under 128 bytes, so the event inside it: both prefixes are one byte.
+        let packet_len = c.n - 2;
+        if packet_len >= 0x80 || c.n + 16 > WRAP {
+            return None;
+        }
+        c.b[1] = packet_len.to_le_bytes()[0];
+        c.b[event - 1] = event_len.to_le_bytes()[0];
+        Some(c.n)
     }
 }
 
-/// The length of `v` as a varint.
-fn varint_len(v: u64) -> usize {
-    // 1 byte per started group of 7 bits, at least one.
-    (64 - (v | 1).leading_zeros() as usize).div_ceil(7)
-}
-
-/// By the leading zeros of a value below 2^56 (or'd with 1): its varint's length and the
-/// continuation bits of all its bytes but the last. A table lookup, where computing them took
-/// a division by 7 and a variable shift on every varint's critical path (measured with `perf`:
-/// the encoder's hottest line).
+/// By the leading zeros of a value (or'd with 1): its varint's length and the continuation
+/// bits of its first eight bytes (all but the last byte's). A table lookup, where computing
+/// them took a division by 7 and a variable shift on every varint's critical path (measured
+/// with `perf`: the encoder's hottest line).
 const VARINT_SHAPE: [(usize, u64); 64] = {
     let mut t = [(0, 0); 64];
     let mut lz: usize = 0;
     while lz < 64 {
         let len = (64 - lz).div_ceil(7);
-        let cont = if len >= 8 {
-            0x0080_8080_8080_8080
+        let cont = if len > 8 {
+            0x8080_8080_8080_8080
         } else {
             0x8080_8080_8080_8080 & ((1u64 << (8 * (len - 1))) - 1)
         };
@@ -396,24 +391,17 @@ const VARINT_SHAPE: [(usize, u64); 64] = {
     t
 };
 
-/// [`EventPacket::write`]'s writer: a fixed-size array indexed modulo [`WRAP`] with room for an
-/// 8-byte store past it, so no store needs a bounds check (a packet never comes near
-/// wrapping; `n` past [`WRAP`] is caught before the bytes are used).
+/// [`EventPacket::write`]'s writer: a fixed-size array indexed modulo [`WRAP`] with room for
+/// 16 bytes of stores past it, so no store needs a bounds check (a packet of under 130 bytes
+/// never comes near wrapping; `write` checks before using the bytes).
 struct OnePass<'a> {
     b: &'a mut [u8; EVENT_PACKET_MAX],
     n: usize,
-    /// A message reached 128 bytes: its one-byte length prefix cannot hold its length.
-    long: bool,
 }
 
 impl OnePass<'_> {
-    #[inline(always)]
-    fn byte(&mut self, x: u8) {
-        self.b[self.n % WRAP] = x;
-        self.n += 1;
-    }
-
-    /// The low `len` bytes of `w` (little-endian), by one 8-byte store.
+    /// The low `len` bytes of `w` (little-endian), by one 8-byte store (the bytes past them
+    /// are scratch).
     #[inline(always)]
     fn word(&mut self, w: u64, len: usize) {
         let i = self.n % WRAP;
@@ -421,46 +409,65 @@ impl OnePass<'_> {
         self.n += len;
     }
 
-    /// A varint without a loop over its bytes: the low 56 bits' 7-bit groups spread into bytes
-    /// by three mask-and-shift steps in a register, the continuation bits of all but the last
-    /// set at once, one 8-byte store (the bytes past the varint are scratch); the top 8 bits,
-    /// when there are any, as one or two more bytes. Building the bytes in a stack array and
-    /// reading them back stalled store forwarding (measured with `perf`).
+    /// A varint: one byte as it is (sequence and machine ids, names: a branch each call site
+    /// predicts), else [`Self::spread`].
     #[inline(always)]
     fn varint(&mut self, v: u64) {
-        let low = v & ((1 << 56) - 1);
+        if v < 0x80 {
+            self.word(v, 1);
+        } else {
+            let shape = VARINT_SHAPE[(v | 1).leading_zeros() as usize % 64];
+            self.spread(v, shape);
+        }
+    }
+
+    /// A varint of `shape` ([`VARINT_SHAPE`]) with no loop over its bytes: the low 56 bits'
+    /// 7-bit groups spread into bytes by three mask-and-shift steps in a register, the
+    /// continuation bits or'd in, one 8-byte store; the top 8 bits, when there are any, as one
+    /// or two more bytes. Building the bytes in a stack array and reading them back stalled
+    /// store forwarding (measured with `perf`).
+    #[inline(always)]
+    fn spread(&mut self, v: u64, (len, cont): (usize, u64)) {
         // 28-bit halves into 32-bit lanes, 14-bit quarters into 16-bit lanes, 7-bit groups
-        // into bytes.
-        let mut t = (low & 0x0FFF_FFFF) | ((low & 0x00FF_FFFF_F000_0000) << 4);
-        t = (t & 0x0000_3FFF_0000_3FFF) | ((t & 0x0FFF_C000_0FFF_C000) << 2);
-        t = (t & 0x007F_007F_007F_007F) | ((t & 0x3F80_3F80_3F80_3F80) << 1);
-        if v < 1 << 56 {
-            let (len, cont) = VARINT_SHAPE[(v | 1).leading_zeros() as usize % 64];
+        // into bytes; short values (deltas of a few µs: the timestamp, the interval) skip the
+        // steps their bits do not need (a branch each call site predicts).
+        let t = if len <= 2 {
+            (v & 0x7F) | (v & 0x3F80) << 1
+        } else if len <= 4 {
+            let t = (v & 0x3FFF) | (v & 0x0FFF_C000) << 2;
+            (t & 0x007F_007F) | (t & 0x3F80_3F80) << 1
+        } else {
+            let low = v & ((1 << 56) - 1);
+            let mut t = (low & 0x0FFF_FFFF) | ((low & 0x00FF_FFFF_F000_0000) << 4);
+            t = (t & 0x0000_3FFF_0000_3FFF) | ((t & 0x0FFF_C000_0FFF_C000) << 2);
+            (t & 0x007F_007F_007F_007F) | ((t & 0x3F80_3F80_3F80_3F80) << 1)
+        };
+        if len <= 8 {
             self.word(t | cont, len);
         } else {
-            self.word(t | 0x8080_8080_8080_8080, 8);
+            self.word(t | cont, 8);
+            // A ninth byte, and a tenth for the very top bit.
             let top = v >> 56;
-            if top < 0x80 {
-                self.byte(top.to_le_bytes()[0]);
-            } else {
-                self.word(0x0100 | 0x80 | (top & 0x7f), 2);
-            }
+            self.word(
+                (top & 0x7f) | (top >> 7) << 8 | u64::from(top >= 0x80) << 7,
+                len - 8,
+            );
         }
     }
 
     /// A debug annotation with an interned name and a varint value under `key` (0x18
     /// `uint_value`, 0x20 `int_value`): its key, length, name key, name and value key in one
-    /// store, then the value.
+    /// store, then the value (a one-byte value in the same store).
     #[inline(always)]
     fn annotation(&mut self, iid: u64, key: u64, v: u64) {
-        // The table covers values below 2^56; larger ones are rare.
-        let len = 3 + if v < 1 << 56 {
-            VARINT_SHAPE[(v | 1).leading_zeros() as usize % 64].0 as u64
+        let head = 0x22 | 0x08 << 16 | iid << 24 | key << 32;
+        if v < 0x80 {
+            self.word(head | 4 << 8 | v << 40, 6);
         } else {
-            varint_len(v) as u64
-        };
-        self.word(0x22 | len << 8 | 0x08 << 16 | iid << 24 | key << 32, 5);
-        self.varint(v);
+            let shape = VARINT_SHAPE[(v | 1).leading_zeros() as usize % 64];
+            self.word(head | (3 + shape.0 as u64) << 8, 5);
+            self.spread(v, shape);
+        }
     }
 
     /// A debug annotation whose `string_value` is `p` in lowercase hex (at most
@@ -474,12 +481,17 @@ impl OnePass<'_> {
             0x22 | (4 + digits) << 8 | 0x08 << 16 | iid << 24 | 0x32 << 32 | digits << 40,
             6,
         );
-        let mut padded = [0u8; MAX_PAYLOAD];
-        if let Some(d) = padded.get_mut(..p.len()) {
-            d.copy_from_slice(p);
-        }
-        for chunk in padded.chunks_exact(4).take(p.len().div_ceil(4)) {
-            let x = u64::from(u32::from_le_bytes([chunk[0], chunk[1], chunk[2], chunk[3]]));
+        let end = self.n + 2 * p.len();
+        for chunk in p.chunks(4) {
+            // A short last chunk reads as if padded with zeros (its digits past the end are
+            // scratch).
+            let x = match <[u8; 4]>::try_from(chunk) {
+                Ok(a) => u64::from(u32::from_le_bytes(a)),
+                Err(_) => chunk
+                    .iter()
+                    .rev()
+                    .fold(0, |acc, &b| acc << 8 | u64::from(b)),
+            };
             // Byte k into bits 16k..16k+8, then its high nibble into the low byte of that
             // lane and its low nibble into the high byte (the digits' order).
             let y =
@@ -488,23 +500,7 @@ impl OnePass<'_> {
             let above9 = (n + 0x0606_0606_0606_0606) >> 4 & 0x0101_0101_0101_0101;
             self.word(n + 0x3030_3030_3030_3030 + above9 * 39, 8);
         }
-        // The words above advanced by whole chunks; the string ends after `digits`.
-        self.n = self.n - 8 * p.len().div_ceil(4) + 2 * p.len();
-    }
-
-    /// Reserves a message's one-byte length prefix; returns where the message starts.
-    #[inline(always)]
-    fn open(&mut self) -> usize {
-        self.byte(0);
-        self.n
-    }
-
-    /// Fills in the length of the message that started at `start`.
-    #[inline(always)]
-    fn close(&mut self, start: usize) {
-        let len = self.n - start;
-        self.long |= len >= 0x80;
-        self.b[(start - 1) % WRAP] = len.to_le_bytes()[0];
+        self.n = end;
     }
 }
 
@@ -710,11 +706,7 @@ mod tests {
                 1 << k,
                 (1 << k) | 0x5555_5555_5555_5555 >> (63 - k),
             ] {
-                let mut c = OnePass {
-                    b: &mut out,
-                    n: 0,
-                    long: false,
-                };
+                let mut c = OnePass { b: &mut out, n: 0 };
                 c.varint(v);
                 let n = c.n;
                 let mut want = Vec::new();
@@ -725,17 +717,12 @@ mod tests {
     }
 
     #[test]
-    fn varint_lengths() {
-        for (v, n) in [
-            (0, 1),
-            (127, 1),
-            (128, 2),
-            (16_383, 2),
-            (16_384, 3),
-            (u64::MAX, 10),
-        ] {
-            assert_eq!(varint_len(v), n, "{v}");
-            assert_eq!(prost::encoding::encoded_len_varint(v), n);
+    fn varint_shapes_are_prosts_lengths() {
+        for k in 0..64 {
+            for v in [(1u64 << k) - 1, 1 << k] {
+                let (len, _) = VARINT_SHAPE[(v | 1).leading_zeros() as usize];
+                assert_eq!(len, prost::encoding::encoded_len_varint(v), "{v:#x}");
+            }
         }
     }
 }

@@ -146,6 +146,9 @@ pub struct PerfettoWriter {
     /// Packets encoded by prost (or too large for the fast encoder), before they are copied.
     tmp: Vec<u8>,
     summary: PerfettoSummary,
+    /// The earliest and latest host TSC written (the summary's range once one is).
+    tsc_min: u64,
+    tsc_max: u64,
 }
 
 /// The uuid of the guest's process track: one per machine id.
@@ -192,6 +195,8 @@ impl PerfettoWriter {
             used: 0,
             tmp: Vec::new(),
             summary: PerfettoSummary::default(),
+            tsc_min: u64::MAX,
+            tsc_max: 0,
         };
         let snaps: Vec<TracePacket> = w
             .opts
@@ -434,15 +439,16 @@ impl PerfettoWriter {
                 self.used += n;
                 self.summary.bytes += n as u64;
             }
-            None => self.write_event_by_prost(&ev, first_use)?,
+            // By value: a reference would keep the packet's fields in memory on the hot path.
+            None => self.write_event_by_prost(ev, first_use)?,
         }
         self.summary.events += 1;
-        let r = self
-            .summary
-            .host_tsc_range
-            .get_or_insert((e.host_tsc, e.host_tsc));
-        *r = (r.0.min(e.host_tsc), r.1.max(e.host_tsc));
-        self.spill(BUFFER)
+        self.tsc_min = self.tsc_min.min(e.host_tsc);
+        self.tsc_max = self.tsc_max.max(e.host_tsc);
+        if self.used >= BUFFER {
+            self.spill(0)?;
+        }
+        Ok(())
     }
 
     /// Writes an event packet through prost: the first of its id on its vCPU, which also
@@ -451,7 +457,7 @@ impl PerfettoWriter {
     #[inline(never)]
     fn write_event_by_prost(
         &mut self,
-        ev: &EventPacket<'_>,
+        ev: EventPacket<'_>,
         intern: bool,
     ) -> Result<(), PerfettoError> {
         let mut packet = ev.to_message();
@@ -478,7 +484,9 @@ impl PerfettoWriter {
             .commit()
             .map_err(|source| PerfettoError::Io { path, source })?;
         let mut s = self.summary;
-        if let Some((a, b)) = s.host_tsc_range {
+        if s.events > 0 {
+            let (a, b) = (self.tsc_min, self.tsc_max);
+            s.host_tsc_range = Some((a, b));
             s.max_error_ns = self.opts.clock.error_ns(a).max(self.opts.clock.error_ns(b));
         }
         Ok(s)

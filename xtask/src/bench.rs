@@ -39,6 +39,7 @@ mod machine;
 mod perfetto;
 mod probe;
 mod sections;
+mod writer;
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;

@@ -244,14 +244,17 @@ impl Pair {
         let (hi, lo) = (self.rate_hi, self.rate_lo);
         let scaled = |dt: u64| {
             let low = (u128::from(dt) * u128::from(lo) + (1 << 63)) >> 64;
-            (u128::from(dt) * u128::from(hi)).checked_add(low)
+            // A TSC faster than 1 GHz (every host's) has no integer part: one product, whose
+            // rounded high half always fits (a branch that never changes).
+            if hi == 0 {
+                return u64::try_from(low).ok();
+            }
+            u64::try_from((u128::from(dt) * u128::from(hi)).checked_add(low)?).ok()
         };
         if tsc >= self.t0 {
-            let d = u64::try_from(scaled(tsc - self.t0)?).ok()?;
-            self.n0.checked_add(d)
+            self.n0.checked_add(scaled(tsc - self.t0)?)
         } else {
-            let d = u64::try_from(scaled(self.t0 - tsc)?).ok()?;
-            self.n0.checked_sub(d)
+            self.n0.checked_sub(scaled(self.t0 - tsc)?)
         }
     }
 

@@ -28,7 +28,7 @@ use std::time::Duration;
 
 use thiserror::Error;
 
-use self::clock::{BootClock, ClockError, ClockSnapshot};
+use self::clock::{BootClock, ClockError, ClockSnapshot, PairHint};
 use self::proto::{
     Clock, ClockSnapshot as ClockSnapshotMsg, EventPacket, InternedData, InternedString,
     ProcessDescriptor, TracePacket, TracePacketDefaults, TrackDescriptor, TrackEventDefaults,
@@ -149,6 +149,8 @@ pub struct PerfettoWriter {
     /// The earliest and latest host TSC written (the summary's range once one is).
     tsc_min: u64,
     tsc_max: u64,
+    /// The snapshot pair the last conversion used.
+    pair_hint: PairHint,
 }
 
 /// The uuid of the guest's process track: one per machine id.
@@ -197,6 +199,7 @@ impl PerfettoWriter {
             summary: PerfettoSummary::default(),
             tsc_min: u64::MAX,
             tsc_max: 0,
+            pair_hint: PairHint::default(),
         };
         let snaps: Vec<TracePacket> = w
             .opts
@@ -383,9 +386,10 @@ impl PerfettoWriter {
     /// [`PerfettoError::Io`].
     pub fn push(&mut self, e: &ExportEvent) -> Result<(), PerfettoError> {
         let clock = &self.opts.clock;
+        let hint = &mut self.pair_hint;
         // The trace processor keeps timestamps as signed 64-bit ns.
         let Some(ts) = clock
-            .boottime_ns(e.host_tsc)
+            .boottime_ns_near(e.host_tsc, hint)
             .filter(|&t| i64::try_from(t).is_ok())
         else {
             self.summary.unmappable += 1;
@@ -394,7 +398,7 @@ impl PerfettoWriter {
         // The interval widened by what the snapshots' resolutions allow, so it still holds,
         // as distances from the timestamp (saturated: only wider).
         let interval = e.bound.and_then(|b| {
-            let (lo, hi) = clock.widened_ns(b.lo, b.hi)?;
+            let (lo, hi) = clock.widened_ns(b.lo, b.hi, hint)?;
             let before = i128::from(ts) - i128::from(lo);
             let after = i128::from(hi) - i128::from(ts);
             let sat = |d: i128| i64::try_from(d).unwrap_or(if d < 0 { i64::MIN } else { i64::MAX });

@@ -40,15 +40,16 @@ fn prerequisites(test: &str) -> bool {
         )
 }
 
-/// QEMU microvm running the agent with `skew` on COM1 = a chardev socket in `dir`.
-fn boot(dir: &Path, skew: Skew) -> (ChildGuard, PathBuf, PathBuf) {
+/// QEMU microvm running the agent with `skew` (and the agent options `extra`) on COM1 = a
+/// chardev socket in `dir`.
+fn boot(dir: &Path, skew: Skew, extra: &str) -> (ChildGuard, PathBuf, PathBuf) {
     let elf = agent_elf().expect("agent builds");
     let sock = dir.join("com1.sock");
     let com2 = dir.join("com2.log");
     let child = qemu::command_com1_socket(
         Machine::Microvm,
         &elf,
-        &format!("transport=uart exit=9 {}", skew.agent_option()),
+        &format!("transport=uart exit=9 {} {extra}", skew.agent_option()),
         &com2,
         &sock,
     )
@@ -80,7 +81,7 @@ fn anchored_probes_bracket_a_skewed_truth_in_every_session() {
         .tempdir()
         .unwrap();
     let skew = Skew::pick();
-    let (guard, sock, elf) = boot(tmp.path(), skew);
+    let (guard, sock, elf) = boot(tmp.path(), skew, "");
     let addr = ProbeAddr::parse(&format!("unix:{}", sock.display())).unwrap();
     let connect = ConnectOptions {
         connect_timeout: STEP,
@@ -151,7 +152,7 @@ fn sigint_during_an_anchored_run_removes_the_instance() {
         .prefix("vmtsync-anchor-int-")
         .tempdir()
         .unwrap();
-    let (qemu_guard, sock, _) = boot(tmp.path(), Skew::pick());
+    let (qemu_guard, sock, _) = boot(tmp.path(), Skew::pick(), "");
     let out = tmp.path().join("sync.jsonl");
     let child = Command::new(env!("CARGO_BIN_EXE_vmtsync-cli"))
         .args(["probe", "--connect"])
@@ -204,6 +205,92 @@ fn sigint_during_an_anchored_run_removes_the_instance() {
         instances.iter().all(|p| !p.exists()),
         "instance {name} left behind after SIGINT"
     );
+}
+
+/// The boot vCPU's sync-port bracket on the UART transport (`syncport=0x2400`, matched on the
+/// probe's sequence number) with the protocol loop in ring 0 (`ring=0`), where this project's
+/// nested KVM emulates the `in; lfence; rdtsc; out` and its exits are cheap
+/// (docs/anchor.md, "The boot vCPU"): every sample must bracket the skewed truth (rate
+/// 1.0001) and be a sync-port match, in every session.
+#[test]
+fn boot_vcpu_sync_port_brackets_in_ring_0_hold_a_skewed_truth() {
+    use vmtsync::probe::anchor::{DEFAULT_SYNC_PORT, Matcher, prepare_matcher};
+    use vmtsync_core::proto::Features;
+
+    let test = "boot_vcpu_sync_port_brackets_in_ring_0_hold_a_skewed_truth";
+    let _one_instance = vmtsync_tests::anchor_lock();
+    if !prerequisites(test) {
+        return;
+    }
+    let tmp = tempfile::Builder::new()
+        .prefix("vmtsync-anchor-ring0-")
+        .tempdir()
+        .unwrap();
+    let skew = Skew::pick();
+    let (guard, sock, elf) = boot(
+        tmp.path(),
+        skew,
+        &format!("ring=0 syncport={DEFAULT_SYNC_PORT:#x}"),
+    );
+    let addr = ProbeAddr::parse(&format!("unix:{}", sock.display())).unwrap();
+    let connect = ConnectOptions {
+        connect_timeout: STEP,
+        io_timeout: STEP,
+    };
+    let com2 =
+        || vmtsync_tests::vmm::defmt_log::decode_file_text(&elf, &tmp.path().join("com2.log"));
+    let mut truth = None;
+    for k in 0..SESSIONS {
+        let inner = connect_until_stopped(&addr, &connect, None).expect("connects");
+        let mut t = prepare_matcher(
+            Matcher::SyncPort {
+                port: DEFAULT_SYNC_PORT,
+            },
+            &anchor_options(guard.pid()),
+            STEP,
+            &mut |m| panic!("{m}"),
+        )
+        .expect("anchoring is possible here")
+        .wrap(inner);
+        let mut s = ProbeSession::hello(&mut t, STEP)
+            .unwrap_or_else(|e| panic!("hello: {e}; COM2 log:\n{}", com2()));
+        let info = *s.info();
+        assert!(info.features.contains(Features::SYNC_PORT), "{info:?}");
+        let samples = s
+            .probe_round(64, Duration::ZERO, &mut Progress::hidden())
+            .unwrap_or_else(|e| panic!("round: {e}; COM2 log:\n{}", com2()));
+        let stats = s.stats();
+        let truth = truth.get_or_insert_with(|| {
+            GuestTruth::read(guard.pid(), 0, Some(skew)).expect("truth from debugfs")
+        });
+        assert_eq!(stats.anchor, AnchorKind::KvmPioSyncPort);
+        for x in &samples {
+            assert!(
+                truth.in_bracket(x.host_send, x.guest, x.host_recv),
+                "session {k}: guest TSC {} outside its sync-port bracket [{}, {}] by the truth \
+                 ({truth:?})",
+                x.guest.0,
+                x.host_send.0,
+                x.host_recv.0
+            );
+        }
+        let sum = ProbeSummary::from_samples(&info, &samples, stats).expect("estimates");
+        let at = truth
+            .check(sum.at_host, sum.bound_lo, sum.bound_hi)
+            .unwrap_or_else(|e| panic!("session {k}: {e}"));
+        let a = t.stats();
+        println!(
+            "ring-0 sync-port session {k}: {} samples ({} matched), width {}, error {:+}, rtt min {}",
+            samples.len(),
+            a.matched,
+            sum.width(),
+            i128::from(sum.offset) - at,
+            sum.rtt.min
+        );
+        // Every sample is a sync-port match: none kept in-process stamps.
+        assert!(a.matched >= samples.len() as u64, "{a:?}");
+        assert!(samples.len() >= 32, "{stats:?} {a:?}");
+    }
 }
 
 /// Tier 1: `--anchor kvm-pio` that cannot be done fails before connecting, with exit code 8

@@ -209,12 +209,13 @@ fn sigint_during_an_anchored_run_removes_the_instance() {
 
 /// The boot vCPU's sync-port bracket on the UART transport (`syncport=0x2400`, matched on the
 /// probe's sequence number) with the protocol loop in ring 0 (`ring=0`), where this project's
-/// nested KVM emulates the `in; lfence; rdtsc; out` and its exits are cheap
-/// (docs/anchor.md, "The boot vCPU"): every sample must bracket the skewed truth (rate
-/// 1.0001) and be a sync-port match, in every session.
+/// nested KVM emulates the `in; lfence; rdtsc; out` and its exits are cheap (docs/anchor.md,
+/// "The boot vCPU's sync-port bracket"), anchored as `--anchor auto --vm PID` does on a serial
+/// chardev: the probes must be bracketed on the sync port the hello announced, and every
+/// sample must bracket the skewed truth (rate 1.0001), in every session.
 #[test]
 fn boot_vcpu_sync_port_brackets_in_ring_0_hold_a_skewed_truth() {
-    use vmtsync::probe::anchor::{DEFAULT_SYNC_PORT, Matcher, prepare_matcher};
+    use vmtsync::probe::anchor::DEFAULT_SYNC_PORT;
     use vmtsync_core::proto::Features;
 
     let test = "boot_vcpu_sync_port_brackets_in_ring_0_hold_a_skewed_truth";
@@ -242,16 +243,14 @@ fn boot_vcpu_sync_port_brackets_in_ring_0_hold_a_skewed_truth() {
     let mut truth = None;
     for k in 0..SESSIONS {
         let inner = connect_until_stopped(&addr, &connect, None).expect("connects");
-        let mut t = prepare_matcher(
-            Matcher::SyncPort {
-                port: DEFAULT_SYNC_PORT,
-            },
-            &anchor_options(guard.pid()),
-            STEP,
-            &mut |m| panic!("{m}"),
-        )
-        .expect("anchoring is possible here")
-        .wrap(inner);
+        // What `vmtsync probe --anchor auto --vm PID` does on a serial chardev: the UART is
+        // traced with the sync port, and the hello's SYNC_PORT moves the probes there.
+        let auto = AnchorOptions {
+            mode: AnchorMode::Auto,
+            ..anchor_options(guard.pid())
+        };
+        let mut t = anchor_transport(inner, &addr, &auto, STEP, &mut |m| panic!("{m}"))
+            .expect("anchoring is possible here");
         let mut s = ProbeSession::hello(&mut t, STEP)
             .unwrap_or_else(|e| panic!("hello: {e}; COM2 log:\n{}", com2()));
         let info = *s.info();

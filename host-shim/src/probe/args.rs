@@ -89,8 +89,9 @@ pub struct ProbeArgs {
     /// tracefs, for --anchor (default: /sys/kernel/tracing, then /sys/kernel/debug/tracing).
     #[arg(long, value_name = "DIR")]
     pub tracefs: Option<PathBuf>,
-    /// The agent's sync port (agent boot option syncport=N), for --anchor on every transport
-    /// but a serial chardev (unix:PATH), which is anchored on the UART's own exits.
+    /// The agent's sync port (agent boot option syncport=N), for --anchor: every transport's
+    /// probes are bracketed there; on a serial chardev (unix:PATH) only when the agent's hello
+    /// announces a sync port, else on the UART's own exits.
     #[arg(long, value_name = "PORT", default_value = "0x2400", value_parser = parse_port)]
     pub sync_port: u16,
     /// KVM debugfs, for --anchor.

@@ -5,9 +5,10 @@
 //! loop, the bare-metal `vmtsync-agent`, a test) calls [`Agent::poll`] whenever it likes;
 //! each call drains what the link has received, answers every complete request, and returns.
 //! Nothing blocks and nothing allocates: the receive buffer and the frame being sent are
-//! fixed-size arrays inside the agent or on the stack. Events come from an [`EventSource`],
-//! normally a [`crate::recorder::Ring`] the application records into; the agent drains it
-//! into [`Message::Events`] batches when the host asks.
+//! fixed-size arrays inside the agent or on the stack. Events come from [`EventSources`]: a
+//! [`crate::recorder::Ring`] the application records into (the agent's own vCPU), or a
+//! [`crate::recorder::Recorder`] with one ring per vCPU; the agent drains them, queue by
+//! queue, into [`Message::Events`] batches that name their vCPU when the host asks.
 //!
 //! Sessions: the agent answers nothing but [`Message::Hello`] and [`Message::Shutdown`]
 //! until a hello with its [`PROTOCOL_VERSION`] arrives (others get

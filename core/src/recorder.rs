@@ -23,7 +23,8 @@
 //!   a ring of its own or mask the interrupt around [`Ring::record`]. Breaking this contract
 //!   can garble records but never causes undefined behaviour or a panic: every slot is made
 //!   of atomics, and this module has no `unsafe`.
-//! - **One consumer per ring** (the agent's protocol loop; it may serve all rings).
+//! - **One consumer per ring**: the agent's protocol loop, which drains every ring of a
+//!   [`Recorder`] through [`EventSources`] (each batch names its vCPU).
 //! - [`Ring::record`] never blocks, never allocates and never panics. When the ring is full it
 //!   counts the event in [`Ring::dropped`] (exactly: one per refused event) and returns
 //!   [`RecordError::Full`].

@@ -39,6 +39,10 @@ pub(crate) struct SimTransport {
     pub(crate) stall_past_timeout: bool,
     /// Reply bytes held back until the next send.
     held: Vec<u8>,
+    /// Every frame the host sent and every frame the agent sent, in order (what a trace of
+    /// the wire would show).
+    pub(crate) wire_in: Vec<Vec<u8>>,
+    pub(crate) wire_out: Vec<Vec<u8>>,
 }
 
 impl SimTransport {
@@ -62,6 +66,8 @@ impl SimTransport {
             stall_at: None,
             stall_past_timeout: false,
             held: Vec::new(),
+            wire_in: Vec::new(),
+            wire_out: Vec::new(),
         }
     }
 }
@@ -87,6 +93,7 @@ impl StampedTransport for SimTransport {
             self.now += ticks;
         }
         assert!(self.agent.link_mut().push_inbound(frame));
+        self.wire_in.push(frame.to_vec());
         self.guest_read_at = self.now;
         self.agent.clock_mut().tsc = self.now + self.offset;
         self.agent.poll().unwrap();
@@ -102,6 +109,7 @@ impl StampedTransport for SimTransport {
         };
         while let Some(n) = self.agent.link_mut().next_sent_frame(&mut f) {
             out.extend_from_slice(&f[..n.min(f.len())]);
+            self.wire_out.push(f[..n.min(f.len())].to_vec());
         }
         Ok(stamp)
     }

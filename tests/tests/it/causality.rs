@@ -96,7 +96,7 @@ fn merged_order(host: &Path, guest: &Path, thread: u64) -> Order {
 }
 
 /// The host thread of the VM's first vCPU, once `vmtsync kvm` shows it.
-fn vcpu_thread(pid: u32) -> Option<u64> {
+pub(crate) fn vcpu_thread(pid: u32) -> Option<u64> {
     let o = guarded_output(
         vmtsync().args(["kvm", "--json", "--vm", &pid.to_string()]),
         b"",
@@ -133,7 +133,7 @@ fn validate(sync: &Path, host: &Path, guest: &Path, thread: u64) -> (Option<i32>
 
 /// A copy of the sync file at `from` with every segment's offset (and its bounds) moved by
 /// `by` ticks, the line through the anchor moved with it.
-fn shifted(from: &Path, to: &Path, by: i64) {
+pub(crate) fn shifted(from: &Path, to: &Path, by: i64) {
     let mut out = String::new();
     for line in std::fs::read_to_string(from).unwrap().lines() {
         let mut v: Value = serde_json::from_str(line).unwrap();
@@ -165,7 +165,7 @@ struct Run {
 }
 
 /// Tier-2 prerequisites; `None` (after `require` said why) when one is missing.
-fn ready(test: &str) -> Option<PathBuf> {
+pub(crate) fn ready(test: &str) -> Option<PathBuf> {
     if !qemu_ready(test) || !require(test, is_root(), "needs root (tracefs instances, kvm_pio)") {
         return None;
     }

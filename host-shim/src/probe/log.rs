@@ -11,7 +11,7 @@
 //!
 //! The file is opened for appending and each object is one `write(2)`, so a killed run leaves
 //! whole lines (and at worst one torn last line, which the reader reports). Its size grows with
-//! the probes the host asks for (about 330 bytes a probe), not with anything a guest sends.
+//! the probes the host asks for (about 220 bytes a probe), not with anything a guest sends.
 
 use std::fs::{File, OpenOptions};
 use std::io::Write;

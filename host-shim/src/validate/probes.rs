@@ -117,15 +117,25 @@ impl<'a> ProbeChecker<'a> {
     pub fn check(&mut self, e: &ProbeExchange) {
         self.report.logged += 1;
         let within = e.within();
-        // Only the exits inside the in-process stamps can be this exchange's.
+        // Only the exits inside the in-process stamps can be this exchange's, and only those
+        // the live anchor would have seen (its trace filter: the path's ports), so the
+        // bracket is the one it would have built.
         let from = self.exits.partition_point(|x| x.ts < within.send.0);
         let to = self.exits.partition_point(|x| x.ts <= within.recv.0);
-        let near = self.exits.get(from..to.max(from)).unwrap_or_default();
+        let ports = ports_of(e);
+        let near: Vec<PioExit> = self
+            .exits
+            .get(from..to.max(from))
+            .unwrap_or_default()
+            .iter()
+            .filter(|x| ports.contains(&x.pio.port))
+            .copied()
+            .collect();
         let bracket = match e.path {
             ProbePath::Uart => {
-                match_uart(near, e.port, &e.request, &e.reply, within).map(|b| b.stamps())
+                match_uart(&near, e.port, &e.request, &e.reply, within).map(|b| b.stamps())
             }
-            ProbePath::SyncPort => match_sync_port(near, e.port, e.seq, within),
+            ProbePath::SyncPort => match_sync_port(&near, e.port, e.seq, within),
         };
         let Ok(bracket) = bracket else {
             self.report.unpaired += 1;
@@ -409,6 +419,20 @@ mod tests {
         c.check(&e);
         let r = c.finish();
         assert_eq!((r.checked, r.unpaired, r.unconverted), (0, 1, 1));
+    }
+
+    #[test]
+    fn only_the_paths_own_ports_make_the_bracket() {
+        // A workload exit of the same thread after the delimiter: the live anchor never saw
+        // it (its trace holds the UART's ports), so it does not move the bracket here either.
+        let (mut exits, e) = uart_probe(1_000_000, 3);
+        let mut other = exit(1_001_400, 0x3f0, PioDirection::Out, 3);
+        other.pio.pid = PID;
+        exits.push(other);
+        exits.sort_by_key(|x| x.ts);
+        let mut c = ProbeChecker::new(&exits, &[segment(OFFSET, 400)]);
+        c.check(&e);
+        assert_eq!(c.finish().lag_after_in.unwrap().min, 470);
     }
 
     #[test]

@@ -3,7 +3,9 @@
 //! `kvm_pio` exits of its UART. Truth comes from the host kernel's exit stamps, which the sync
 //! code of this run never read (its own anchor instance is another one): each logged probe's
 //! guest TSC, converted with the sync file, must lie between the exits around its read, and a
-//! sync file shifted by one bracket width either way must be caught on the probes.
+//! sync file shifted by one bracket width either way must be caught on the probes. The agent
+//! also brackets each read with its sync port, so the same probes are paired through the
+//! sync-port matcher too.
 
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -19,6 +21,8 @@ use crate::tracedat::trace_cmd;
 
 /// Continuous-mode rounds (64 probes each).
 const ROUNDS: &str = "4";
+/// The agent's sync port (its default, docs/anchor.md).
+const SYNC_PORT: u16 = 0x2400;
 
 /// `vmtsync validate --probe-log`'s JSON report and exit code.
 fn validate(sync: &Path, host: &Path, log: &Path, thread: u64) -> (Option<i32>, Value, String) {
@@ -92,19 +96,26 @@ fn a_real_runs_probes_validate_and_a_shifted_sync_file_is_caught_on_them() {
         .tempdir()
         .unwrap();
     // The host's own record of the UART's exits (the data port and the status registers the
-    // agent polls), on from before boot, in a buffer no probe session overflows.
+    // agent polls) and of the sync port, on from before boot, in a buffer no probe session
+    // overflows.
     let mut inst = Instance::create(&tracefs, "validate-probes").expect("instance");
     assert!(inst.tsc_clock(), "x86-tsc trace clock");
     std::fs::write(inst.path().join("buffer_size_kb"), "8192").unwrap();
-    inst.set_filter("kvm/kvm_pio", "port >= 0x3f8 && port <= 0x3ff")
-        .unwrap();
+    inst.set_filter(
+        "kvm/kvm_pio",
+        &format!("(port >= 0x3f8 && port <= 0x3ff) || port == {SYNC_PORT:#x}"),
+    )
+    .unwrap();
     inst.enable("kvm/kvm_pio").unwrap();
     let skew = Skew(vmtsync_core::mapping::KvmTscMapping::offset_only(
         Skew::pick().0.offset(),
     ));
     let (qemu_guard, sock) = boot_qemu(
         dir.path(),
-        &format!("transport=uart exit=0 {}", skew.agent_option()),
+        &format!(
+            "transport=uart exit=0 syncport={SYNC_PORT:#x} {}",
+            skew.agent_option()
+        ),
     );
     let deadline = Instant::now() + Duration::from_secs(20);
     let thread = loop {
@@ -173,6 +184,27 @@ fn a_real_runs_probes_validate_and_a_shifted_sync_file_is_caught_on_them() {
         assert_eq!(code, Some(9), "shifted by {by}: {err} {v}");
         assert!(v["probes"]["violations"].as_u64().unwrap() > 0, "{v}");
     }
+
+    // The same probes through the sync-port matcher: the agent's `in`/`out` of the sequence
+    // number around its read, a bracket inside the UART's. Every probe pairs; the guaranteed
+    // bounds hold the truth, so they meet every bracket; where the estimate falls in this
+    // tighter one is reported.
+    let by_port = dir.path().join("probes-sync-port.jsonl");
+    let rewritten: String = logged
+        .iter()
+        .map(|p| {
+            let mut p = p.clone();
+            p["path"] = "sync-port".into();
+            p["port"] = SYNC_PORT.into();
+            format!("{p}\n")
+        })
+        .collect();
+    std::fs::write(&by_port, rewritten).unwrap();
+    let (code, v, err) = validate(&sync, &host, &by_port, thread);
+    eprintln!("{test}: through the sync port: {}", v["probes"]);
+    assert!(matches!(code, Some(0 | 9)), "validate: {err} {v}");
+    assert_eq!(v["probes"]["checked"], v["probes"]["logged"], "{v}");
+    assert_eq!(v["probes"]["bound_violations"], 0, "{v}");
 
     // In-process stamps: the guaranteed bounds hold the truth, so they always meet the exit
     // bracket; where the estimate falls is reported.

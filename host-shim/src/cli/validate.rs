@@ -245,6 +245,40 @@ fn print_probes(out: &mut impl Write, p: &ProbeReport) -> io::Result<()> {
 mod tests {
     use super::*;
 
+    #[derive(Debug, clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        v: ValidateArgs,
+    }
+
+    fn parse(args: &str) -> Result<ValidateArgs, clap::Error> {
+        use clap::Parser;
+        Cli::try_parse_from(std::iter::once("validate").chain(args.split_whitespace())).map(|c| c.v)
+    }
+
+    #[test]
+    fn a_guest_trace_needs_its_port_and_something_must_be_checked() {
+        use clap::CommandFactory;
+        Cli::command().debug_assert();
+        let base = "--sync s --host-trace h";
+        let a = parse(&format!("{base} --probe-log p")).unwrap();
+        assert!(a.guest_trace.is_none() && a.port.is_none());
+        let a = parse(&format!(
+            "{base} --guest-trace g --port 0x3f0 --probe-log p"
+        ))
+        .unwrap();
+        assert_eq!((a.port, a.probe_log.is_some()), (Some(0x3f0), true));
+        assert!(parse(base).is_err(), "nothing to check");
+        assert!(
+            parse(&format!("{base} --guest-trace g")).is_err(),
+            "no --port"
+        );
+        assert!(
+            parse(&format!("{base} --port 1 --probe-log p")).is_err(),
+            "a port for nothing"
+        );
+    }
+
     #[test]
     fn ports_and_threads_parse() {
         assert_eq!(parse_port("0x3f0"), Ok(0x3f0));

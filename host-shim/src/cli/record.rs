@@ -175,11 +175,18 @@ pub(super) fn run_record_cmd(a: &RecordArgs) -> Result<(), CliError> {
     let s = record::run_record(&opts, &mut progress)?;
     eprintln!("{}", summary_text(&s));
     if let Some((input, output, vm)) = host {
-        let vcpu_pids = vm
+        // The guest file's CPU N is the N-th vCPU recorded (increasing vCPU order).
+        let vcpu_pids = s
             .vcpus
             .iter()
-            .filter(|c| c.vcpu == s.vcpu)
-            .filter_map(|c| c.thread_pid.map(|t| (0, t)))
+            .zip(0u32..)
+            .filter_map(|(v, cpu)| {
+                vm.vcpus
+                    .iter()
+                    .find(|c| c.vcpu == *v)
+                    .and_then(|c| c.thread_pid)
+                    .map(|t| (cpu, t))
+            })
             .collect();
         let guest = crate::tracedat::GuestInfo {
             name: vm
@@ -225,6 +232,13 @@ pub fn summary_text(s: &RecordSummary) -> String {
         s.segments,
         s.breaks
     );
+    if s.vcpus.len() > 1 {
+        let list: Vec<String> = s.vcpus.iter().map(u32::to_string).collect();
+        t.push_str(&format!(
+            "; vCPUs {} synced each round (trace.dat CPU N is the N-th)",
+            list.join(",")
+        ));
+    }
     if s.preconverted {
         t.push_str(&format!(
             "; timestamps pre-converted to host TSC (the guest TSC rate differs from the host's, \

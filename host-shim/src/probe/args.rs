@@ -64,8 +64,9 @@ pub struct ProbeArgs {
     /// vCPU the agent runs on (docs/smp.md).
     #[arg(long, value_name = "N", conflicts_with = "all_vcpus")]
     pub vcpu: Option<u32>,
-    /// Sync every vCPU the agent serves, one round each (one JSON object per vCPU).
-    #[arg(long, conflicts_with = "continuous")]
+    /// Sync every vCPU the agent serves, one round each (one JSON object per vCPU); with
+    /// `--continuous`, every vCPU in each round, one segment per vCPU.
+    #[arg(long)]
     pub all_vcpus: bool,
     /// End the agent afterwards (it sends `Exiting` and, when booted with `exit=N`, ends
     /// its VM through isa-debug-exit). Without it the agent keeps serving for later sessions.
@@ -248,10 +249,9 @@ mod tests {
             "--out",
             "f",
         ];
-        assert!(
-            parse(&continuous).is_err(),
-            "continuous mode syncs one vCPU"
-        );
+        let c = parse(&continuous).unwrap().to_options(None);
+        assert_eq!(c.vcpus, VcpuChoice::All);
+        assert!(c.continuous.is_some(), "continuous mode syncs every vCPU");
     }
 
     #[test]

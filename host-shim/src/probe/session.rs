@@ -162,6 +162,9 @@ pub struct ProbeSession<T> {
     /// The other vCPUs' references, kept while another vCPU is selected (each vCPU's TSC is
     /// its own clock). One entry per vCPU the caller selected, so bounded by the caller.
     parked: Vec<(u32, Option<Reference>)>,
+    /// The vCPUs whose event batches this session accepts: the agent's own, or the list its
+    /// [`Message::Vcpus`] gave ([`ProbeSession::vcpus`]).
+    served: Vec<u32>,
     seq: Seq,
     /// Bytes received during the current wait (see [`MAX_BYTES_PER_WAIT`]).
     wait_bytes: u64,
@@ -219,6 +222,7 @@ impl<T: StampedTransport> ProbeSession<T> {
             reference: None,
             target: 0,
             parked: Vec::new(),
+            served: Vec::new(),
             seq: 0,
             wait_bytes: 0,
             timeout,
@@ -341,6 +345,7 @@ impl<T: StampedTransport> ProbeSession<T> {
                 Message::Vcpus { online } => {
                     let list: Vec<u32> = (0..64).filter(|i| online >> i & 1 == 1).collect();
                     return if list.contains(&self.info.vcpu) {
+                        self.served.clone_from(&list);
                         Ok(list)
                     } else {
                         Err(ProbeError::Protocol(format!(
@@ -630,9 +635,9 @@ impl<T: StampedTransport> ProbeSession<T> {
                     )));
                 }
             };
-            if b.vcpu != self.info.vcpu {
+            if b.vcpu != self.info.vcpu && !self.served.contains(&b.vcpu) {
                 return Err(ProbeError::Protocol(format!(
-                    "an event batch from vCPU {} on vCPU {}'s session",
+                    "an event batch from vCPU {}, which the agent (on vCPU {}) does not serve",
                     b.vcpu, self.info.vcpu
                 )));
             }

@@ -7,14 +7,15 @@ use vmtsync_core::HostTicks;
 use vmtsync_core::agent::Agent;
 use vmtsync_core::agent::fake::{FakeClock, FakeLink};
 use vmtsync_core::proto::MAX_FRAME_SIZE;
+use vmtsync_core::recorder::{EventSources, NoEvents};
 
 use super::transport::{FrameStamps, Received, StampedTransport, TransportError};
 
 /// An in-process transport in the style of a built-in VMM: a simulated host clock, the
 /// core agent on a fake link, and exact stamps of when the guest consumed the request and
 /// produced the reply (returned through `refine` when `exact` is set).
-pub(crate) struct SimTransport {
-    pub(crate) agent: Agent<FakeLink, FakeClock>,
+pub(crate) struct SimTransport<E = NoEvents> {
+    pub(crate) agent: Agent<FakeLink, FakeClock, E>,
     pub(crate) now: u64,
     pub(crate) offset: u64,
     pub(crate) fwd: u64,
@@ -47,8 +48,15 @@ pub(crate) struct SimTransport {
 
 impl SimTransport {
     pub(crate) fn new(offset: u64) -> Self {
+        SimTransport::with_events(offset, NoEvents)
+    }
+}
+
+impl<E: EventSources> SimTransport<E> {
+    /// An agent (on vCPU 3) that drains `events` when asked.
+    pub(crate) fn with_events(offset: u64, events: E) -> Self {
         Self {
-            agent: Agent::new(FakeLink::new(), FakeClock::new(0, 0, 3)),
+            agent: Agent::with_events(FakeLink::new(), FakeClock::new(0, 0, 3), events),
             // Near the real host TSC, so code that (wrongly) mixes in real readings behaves
             // as it would on a real host.
             now: super::transport::host_tsc_now().0.max(1 << 40),
@@ -72,7 +80,7 @@ impl SimTransport {
     }
 }
 
-impl StampedTransport for SimTransport {
+impl<E: EventSources> StampedTransport for SimTransport<E> {
     fn send(&mut self, frame: &[u8]) -> Result<HostTicks, TransportError> {
         self.sends += 1;
         if let Some((at, offset)) = self.step_at

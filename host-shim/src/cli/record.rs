@@ -78,6 +78,10 @@ pub struct RecordArgs {
     /// missing), for `vmtsync validate` and `vmtsync plot`.
     #[arg(long, value_name = "SYNCFILE")]
     pub sync_out: Option<PathBuf>,
+    /// Append every sync probe that gave a sample to this file (JSON Lines), so `vmtsync
+    /// validate --probe-log` can check the sync against the probes' own kvm_pio exits.
+    #[arg(long, value_name = "FILE")]
+    pub probe_log: Option<PathBuf>,
     /// Debugfs and /proc (for --vm).
     #[command(flatten)]
     pub source: super::source::SourceArgs,
@@ -109,6 +113,7 @@ impl RecordArgs {
         probe.stop = stop;
         probe.shutdown = self.shutdown;
         probe.progress = !self.no_progress;
+        probe.probe_log = self.probe_log.clone();
         probe.anchor = AnchorOptions {
             mode: self.anchor,
             vm: self.vm.clone(),

@@ -97,6 +97,11 @@ pub struct ProbeArgs {
     /// KVM debugfs, for --anchor.
     #[arg(long, value_name = "DIR", default_value = DEFAULT_KVM_DEBUGFS)]
     pub debugfs_root: PathBuf,
+    /// Append every probe that gave a sample to this file (JSON Lines: vCPU, sequence number,
+    /// guest TSC, frames, in-process stamps), so `vmtsync validate --probe-log` can check the
+    /// sync against the probes' own kvm_pio exits in a host trace (docs/validate.md).
+    #[arg(long, value_name = "FILE")]
+    pub probe_log: Option<PathBuf>,
 }
 
 impl ProbeArgs {
@@ -126,6 +131,7 @@ impl ProbeArgs {
             sync_port: self.sync_port,
             ..AnchorOptions::default()
         };
+        o.probe_log = self.probe_log.clone();
         o.continuous = match (&self.out, self.continuous) {
             (Some(out), true) => Some(ContinuousOptions {
                 out: out.clone(),

@@ -2,6 +2,7 @@
 //! the report.
 
 use std::io::Write;
+use std::path::PathBuf;
 use std::sync::atomic::AtomicBool;
 use std::time::Duration;
 
@@ -12,6 +13,7 @@ use super::anchor::{self, AnchorMode, AnchorOptions};
 use super::connect::{self, ConnectOptions};
 use super::continuous::{self, ContinuousOptions};
 use super::error::ProbeError;
+use super::log::ProbeLog;
 use super::progress::Progress;
 use super::report::ProbeSummary;
 use super::session::ProbeSession;
@@ -51,6 +53,9 @@ pub struct ProbeOptions {
     pub shutdown: bool,
     /// Exit anchoring (`--anchor`; off by default here, `auto` in the CLI).
     pub anchor: AnchorOptions,
+    /// Append every probe that gives a sample to this file (`--probe-log`, for `vmtsync
+    /// validate --probe-log`).
+    pub probe_log: Option<PathBuf>,
 }
 
 impl ProbeOptions {
@@ -71,6 +76,7 @@ impl ProbeOptions {
             stop: None,
             shutdown: false,
             anchor: AnchorOptions::default(),
+            probe_log: None,
         }
     }
 }
@@ -148,6 +154,9 @@ pub fn run_probe_vcpus_on<T: StampedTransport>(
 ) -> Result<Vec<ProbeSummary>, ProbeError> {
     let mut progress = Progress::stderr_if_terminal(opts.progress);
     let mut session = ProbeSession::hello_until_stopped(transport, opts.timeout, opts.stop)?;
+    if let Some(path) = &opts.probe_log {
+        session.log_probes(ProbeLog::create(path, &opts.addr, &opts.anchor)?);
+    }
     let result = vcpus_of(&mut session, opts.vcpus).and_then(|vcpus| {
         if let Some(cont) = &opts.continuous {
             return continuous(&mut session, opts, cont, &vcpus, out, &mut progress);
@@ -280,6 +289,19 @@ mod tests {
             assert!(s.bound_lo <= truth && truth <= s.bound_hi, "{s:?}");
             assert_eq!(j["offset_ticks"], s.offset);
         }
+    }
+
+    #[test]
+    fn the_probe_log_holds_every_vcpus_samples() {
+        let dir = tempfile::tempdir().unwrap();
+        let log = dir.path().join("probes.jsonl");
+        let mut opts = options();
+        opts.vcpus = VcpuChoice::All;
+        opts.probe_log = Some(log.clone());
+        run_probe_vcpus_on(smp_sim(), &opts, &mut Vec::new()).unwrap();
+        let mut vcpus = Vec::new();
+        crate::validate::probes::read_probe_log(&log, |e| vcpus.push(e.vcpu)).unwrap();
+        assert_eq!(vcpus, [[0; 8], [2; 8], [3; 8]].concat());
     }
 
     #[test]

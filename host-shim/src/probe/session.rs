@@ -47,6 +47,7 @@ use vmtsync_core::{GuestTicks, HostTicks};
 
 use super::ProbeError;
 use super::anchor::AnchorKind;
+use super::log::ProbeLog;
 use super::progress::Progress;
 pub use super::reference::{RATE_MAX, RATE_MIN, Reference, Window};
 use super::transport::{FrameStamps, StampedTransport, TransportError};
@@ -173,6 +174,8 @@ pub struct ProbeSession<T> {
     garbage_losses: u32,
     /// Raised from a signal handler: every wait gives up with [`ProbeError::Interrupted`].
     stop: Option<&'static AtomicBool>,
+    /// Where every probe that gave a sample is written (`--probe-log`).
+    log: Option<ProbeLog>,
 }
 
 impl<T: StampedTransport> ProbeSession<T> {
@@ -226,6 +229,7 @@ impl<T: StampedTransport> ProbeSession<T> {
             stats: SessionStats::default(),
             garbage_losses: 0,
             stop,
+            log: None,
         };
         let deadline = Instant::now() + timeout;
         // The capabilities may answer any of the hellos: the first send bounds them all.
@@ -310,6 +314,12 @@ impl<T: StampedTransport> ProbeSession<T> {
             anchor: self.transport.anchor(),
             ..self.stats
         }
+    }
+
+    /// Writes every later probe that gives a sample to `log` (`--probe-log`), for `vmtsync
+    /// validate`.
+    pub fn log_probes(&mut self, log: ProbeLog) {
+        self.log = Some(log);
     }
 
     /// Forgets the unwrap reference, so the next probe asks for the full TSC (done at the start
@@ -429,7 +439,7 @@ impl<T: StampedTransport> ProbeSession<T> {
         let deadline = Instant::now() + self.timeout;
         let bad_before = self.stats.bad_frames;
         self.wait_bytes = 0;
-        let (reading, vcpu, recv) = loop {
+        let (reading, reply, vcpu, recv) = loop {
             let (msg, stamp) = match self.next_message(deadline, "a probe reply") {
                 Ok(m) => m,
                 // Garbage arrived instead of the reply (noise on a serial line eats a frame),
@@ -455,10 +465,20 @@ impl<T: StampedTransport> ProbeSession<T> {
                         self.stats.unexpected += 1;
                         continue;
                     }
-                    break (Reading::Low32(r.tsc_low32), r.vcpu, stamp);
+                    break (
+                        Reading::Low32(r.tsc_low32),
+                        Message::ProbeReply(r),
+                        r.vcpu,
+                        stamp,
+                    );
                 }
                 Message::ProbeReplyFull(r) if r.seq == seq => {
-                    break (Reading::Full(r.guest_tsc()), r.vcpu, stamp);
+                    break (
+                        Reading::Full(r.guest_tsc()),
+                        Message::ProbeReplyFull(r),
+                        r.vcpu,
+                        stamp,
+                    );
                 }
                 Message::ProbeReply(vmtsync_core::proto::ProbeReply { seq: other, .. })
                 | Message::ProbeReplyFull(vmtsync_core::proto::ProbeReplyFull {
@@ -528,12 +548,24 @@ impl<T: StampedTransport> ProbeSession<T> {
             guest,
         });
         self.garbage_losses = 0;
-        Ok(Some(ProbeSample {
+        let sample = ProbeSample {
             host_send: stamps.send,
             guest,
             host_recv: stamps.recv,
             vcpu,
-        }))
+        };
+        if let Some(log) = &mut self.log {
+            let anchor = self.transport.anchor();
+            log.append(
+                seq,
+                &msg,
+                &reply,
+                &sample,
+                FrameStamps { send, recv },
+                anchor,
+            )?;
+        }
+        Ok(Some(sample))
     }
 
     /// Whether a probe with sequence number `seq` was sent in this session: one of the last

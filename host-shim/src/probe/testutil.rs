@@ -40,6 +40,10 @@ pub(crate) struct SimTransport<E = NoEvents> {
     pub(crate) stall_past_timeout: bool,
     /// Reply bytes held back until the next send.
     held: Vec<u8>,
+    /// Every frame the host sent and every frame the agent sent, in order (what a trace of
+    /// the wire would show).
+    pub(crate) wire_in: Vec<Vec<u8>>,
+    pub(crate) wire_out: Vec<Vec<u8>>,
 }
 
 impl SimTransport {
@@ -70,6 +74,8 @@ impl<E: EventSources> SimTransport<E> {
             stall_at: None,
             stall_past_timeout: false,
             held: Vec::new(),
+            wire_in: Vec::new(),
+            wire_out: Vec::new(),
         }
     }
 }
@@ -95,6 +101,7 @@ impl<E: EventSources> StampedTransport for SimTransport<E> {
             self.now += ticks;
         }
         assert!(self.agent.link_mut().push_inbound(frame));
+        self.wire_in.push(frame.to_vec());
         self.guest_read_at = self.now;
         self.agent.clock_mut().tsc = self.now + self.offset;
         self.agent.poll().unwrap();
@@ -110,6 +117,7 @@ impl<E: EventSources> StampedTransport for SimTransport<E> {
         };
         while let Some(n) = self.agent.link_mut().next_sent_frame(&mut f) {
             out.extend_from_slice(&f[..n.min(f.len())]);
+            self.wire_out.push(f[..n.min(f.len())].to_vec());
         }
         Ok(stamp)
     }

@@ -42,7 +42,7 @@ use crate::probe::anchor;
 use crate::probe::connect::{self, ConnectOptions};
 use crate::probe::continuous::{Cumulative, segment};
 use crate::probe::{
-    ProbeError, ProbeOptions, ProbeSession, ProbeSummary, Progress, StampedTransport,
+    ProbeError, ProbeLog, ProbeOptions, ProbeSession, ProbeSummary, Progress, StampedTransport,
 };
 use crate::syncfile::{SyncHeader, SyncSegment, SyncWriter};
 use crate::tracedat::{self, FileVersion, ShiftMode, TimeShift, TraceDatWriter, WriterOptions};
@@ -294,6 +294,9 @@ pub fn run_record_on<T: StampedTransport>(
 ) -> Result<RecordSummary, RecordError> {
     let p = &opts.probe;
     let mut session = ProbeSession::hello_until_stopped(transport, p.timeout, p.stop)?;
+    if let Some(path) = &p.probe_log {
+        session.log_probes(ProbeLog::create(path, &p.addr, &p.anchor)?);
+    }
     let session_vcpu = session.info().vcpu;
     if !session
         .info()

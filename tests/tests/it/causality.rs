@@ -4,8 +4,10 @@
 //! (exit-anchored sync rounds) writes the guest trace.dat and its sync file. Truth comes from
 //! the host kernel's exit stamps, not from vmtsync: in `trace-cmd report -i host -i guest`,
 //! every before-event must precede its `out` and every after-event follow its `in`; and
-//! `vmtsync validate` must agree (zero violations) and catch a sync file shifted by one
-//! bracket width. Why the offset `record` writes decides this: docs/validate.md.
+//! `vmtsync validate` must agree (zero violations, on the events and on the sync probes
+//! `record --probe-log` logged, paired with their own UART exits) and catch a sync file
+//! shifted by one bracket width. Why the offset `record` writes decides this:
+//! docs/validate.md.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -96,7 +98,7 @@ fn merged_order(host: &Path, guest: &Path, thread: u64) -> Order {
 }
 
 /// The host thread of the VM's first vCPU, once `vmtsync kvm` shows it.
-fn vcpu_thread(pid: u32) -> Option<u64> {
+pub(crate) fn vcpu_thread(pid: u32) -> Option<u64> {
     let o = guarded_output(
         vmtsync().args(["kvm", "--json", "--vm", &pid.to_string()]),
         b"",
@@ -107,7 +109,9 @@ fn vcpu_thread(pid: u32) -> Option<u64> {
         .filter(|&t| t != 0)
 }
 
-fn validate(sync: &Path, host: &Path, guest: &Path, thread: u64) -> (Option<i32>, Value, String) {
+/// `vmtsync validate` of the run's workload events and its sync probes (`--probe-log`).
+fn validate(sync: &Path, run: &Run) -> (Option<i32>, Value, String) {
+    let (host, guest, thread) = (&run.host, &run.guest, run.thread);
     let o = guarded_output(
         vmtsync().args([
             "validate",
@@ -119,6 +123,8 @@ fn validate(sync: &Path, host: &Path, guest: &Path, thread: u64) -> (Option<i32>
             guest.to_str().unwrap(),
             "--port",
             PORT,
+            "--probe-log",
+            run.probes.to_str().unwrap(),
             "--thread",
             &format!("0={thread}"),
             // The host trace began before the VM: pair by position, not through the sync.
@@ -133,7 +139,7 @@ fn validate(sync: &Path, host: &Path, guest: &Path, thread: u64) -> (Option<i32>
 
 /// A copy of the sync file at `from` with every segment's offset (and its bounds) moved by
 /// `by` ticks, the line through the anchor moved with it.
-fn shifted(from: &Path, to: &Path, by: i64) {
+pub(crate) fn shifted(from: &Path, to: &Path, by: i64) {
     let mut out = String::new();
     for line in std::fs::read_to_string(from).unwrap().lines() {
         let mut v: Value = serde_json::from_str(line).unwrap();
@@ -161,11 +167,13 @@ struct Run {
     host: PathBuf,
     guest: PathBuf,
     sync: PathBuf,
+    /// Every sync probe `record` used (`--probe-log`).
+    probes: PathBuf,
     thread: u64,
 }
 
 /// Tier-2 prerequisites; `None` (after `require` said why) when one is missing.
-fn ready(test: &str) -> Option<PathBuf> {
+pub(crate) fn ready(test: &str) -> Option<PathBuf> {
     if !qemu_ready(test) || !require(test, is_root(), "needs root (tracefs instances, kvm_pio)") {
         return None;
     }
@@ -181,12 +189,16 @@ fn recorded_run(tracefs: &Path, purpose: &str, skew: &Skew, format: &str) -> Run
         .tempdir()
         .unwrap();
     // The host's record of the workload's exits: enabled before the VM boots, so the k-th
-    // `out` in it is step k; a buffer large enough that no exit is overwritten.
+    // `out` in it is step k; a buffer large enough that no exit is overwritten. The UART's
+    // exits too (its data port and status registers), for the sync probes' own brackets.
     let mut inst = Instance::create(tracefs, purpose).expect("instance");
     assert!(inst.tsc_clock(), "x86-tsc trace clock");
     std::fs::write(inst.path().join("buffer_size_kb"), "8192").unwrap();
-    inst.set_filter("kvm/kvm_pio", &format!("port == {PORT}"))
-        .unwrap();
+    inst.set_filter(
+        "kvm/kvm_pio",
+        &format!("port == {PORT} || (port >= 0x3f8 && port <= 0x3ff)"),
+    )
+    .unwrap();
     inst.enable("kvm/kvm_pio").unwrap();
     let append = format!(
         "transport=uart exit=0 workload=400,0,{PORT} {}",
@@ -212,6 +224,7 @@ fn recorded_run(tracefs: &Path, purpose: &str, skew: &Skew, format: &str) -> Run
         "guest.dat"
     });
     let sync = dir.path().join("sync.jsonl");
+    let probes = dir.path().join("probes.jsonl");
     let out = record(&[
         "--connect",
         &format!("unix:{}", sock.display()),
@@ -229,6 +242,8 @@ fn recorded_run(tracefs: &Path, purpose: &str, skew: &Skew, format: &str) -> Run
         "10000",
         "--sync-out",
         sync.to_str().unwrap(),
+        "--probe-log",
+        probes.to_str().unwrap(),
         "--anchor",
         "kvm-pio",
         "--vm",
@@ -253,6 +268,7 @@ fn recorded_run(tracefs: &Path, purpose: &str, skew: &Skew, format: &str) -> Run
         host,
         guest,
         sync,
+        probes,
         thread,
     }
 }
@@ -273,21 +289,38 @@ fn anchored_segments(sync: &Path) -> Vec<Value> {
     segments
 }
 
-/// `validate` on the run: no false bound ever, and (when `exact` says the estimate must
-/// pass too) no violation; the sync file shifted by one bracket width either way must do
-/// strictly worse (exit 9). Returns the run's violations.
+/// `validate` on the run, events and sync probes: no false bound ever, every probe paired
+/// with its exits, and (when `exact` says the estimate must pass too) no violation; the sync
+/// file shifted by one bracket width either way must do strictly worse on both (exit 9).
+/// Returns the run's event violations.
 fn validate_and_catch_a_shift(test: &str, run: &Run, segments: &[Value], exact: bool) -> u64 {
-    let (code, v, err) = validate(&run.sync, &run.host, &run.guest, run.thread);
+    let (code, v, err) = validate(&run.sync, run);
     eprintln!("{test}: validate: {v}");
     assert!(v["checked"].as_u64().unwrap() >= 1000, "{v} {err}");
     assert_eq!(
         v["bound_violations"], 0,
         "a guaranteed interval missed its exit: {v}"
     );
+    let p = &v["probes"];
+    assert!(p["checked"].as_u64().unwrap() >= 64, "{v} {err}");
+    assert_eq!(
+        p["checked"], p["logged"],
+        "a sync probe without its exits: {v}"
+    );
+    assert_eq!(
+        p["bound_violations"], 0,
+        "a guaranteed interval missed a probe's exits: {v}"
+    );
     let violations = v["violations"].as_u64().unwrap();
+    let probe_violations = p["violations"].as_u64().unwrap();
     if exact {
         assert_eq!(code, Some(0), "validate: {err}");
-        assert_eq!(violations, 0);
+        assert_eq!((violations, probe_violations), (0, 0));
+    } else {
+        eprintln!(
+            "{test}: {probe_violations} of {} sync probes on the wrong side of their exits (reported, not a bar)",
+            p["checked"]
+        );
     }
     let width = segments
         .iter()
@@ -297,10 +330,14 @@ fn validate_and_catch_a_shift(test: &str, run: &Run, segments: &[Value], exact: 
     for by in [width, -width] {
         let bad = run.dir.path().join(format!("shifted{by}.jsonl"));
         shifted(&run.sync, &bad, by);
-        let (code, v, err) = validate(&bad, &run.host, &run.guest, run.thread);
+        let (code, v, err) = validate(&bad, run);
         assert_eq!(code, Some(9), "shifted by {by}: {err} {v}");
         assert!(
             v["violations"].as_u64().unwrap() > violations,
+            "shifted by {by}: {v}"
+        );
+        assert!(
+            v["probes"]["violations"].as_u64().unwrap() > probe_violations,
             "shifted by {by}: {v}"
         );
     }

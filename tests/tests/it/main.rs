@@ -21,4 +21,5 @@ mod smoke;
 mod smp;
 mod sync_crash;
 mod tracedat;
+mod validate;
 mod vsock;

@@ -393,10 +393,16 @@ pub(crate) fn qemu_ready(test: &str) -> bool {
 
 /// Boots the agent under QEMU microvm (COM1 on `sock`), waits for the socket.
 pub(crate) fn boot_qemu(dir: &Path, append: &str) -> (ChildGuard, PathBuf) {
+    boot_qemu_with(dir, append, &[])
+}
+
+/// [`boot_qemu`] with `extra` QEMU arguments appended (such as `-name N,debug-threads=on`).
+pub(crate) fn boot_qemu_with(dir: &Path, append: &str, extra: &[&str]) -> (ChildGuard, PathBuf) {
     let elf = agent_elf().expect("agent builds");
     let sock = dir.join("com1.sock");
     let com2 = dir.join("com2.log");
     let child = qemu::command_com1_socket(Machine::Microvm, &elf, append, &com2, &sock)
+        .args(extra)
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::null())

@@ -22,4 +22,5 @@ mod smoke;
 mod smp;
 mod sync_crash;
 mod tracedat;
+mod util;
 mod vsock;

@@ -15,16 +15,15 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use vmtsync::hosttsc::read_host_tsc;
-use vmtsync_tests::truth::{truth_mapping, truth_ready};
-use vmtsync_tests::vmm::qemu::have_qemu;
-use vmtsync_tests::{have_kvm, require};
+use vmtsync_tests::require;
+use vmtsync_tests::truth::truth_mapping;
 
 use crate::kvm_fixtures::vmtsync;
-use crate::record::{boot_qemu_with, scratch, text};
+use crate::util::{boot_qemu_with, have_program, scratch, text, vm_ready};
 
 /// KVM's debugfs, where the live VM's directory is.
 const KVM_DEBUGFS: &str = "/sys/kernel/debug/kvm";
@@ -41,14 +40,6 @@ const SCRIPT_ARGS: &[&str] = &[
     "machine_pid,vcpu,pid,tid,time",
     "--ns",
 ];
-
-fn have_perf() -> bool {
-    Command::new("perf")
-        .arg("--version")
-        .stdin(Stdio::null())
-        .output()
-        .is_ok_and(|o| o.status.success())
-}
 
 /// Runs `perf ARGS` to success (a failure shows perf's stderr) and returns its stdout.
 fn perf(args: &[&str]) -> String {
@@ -140,26 +131,43 @@ fn has_vcpu_thread(pid: u32) -> bool {
     })
 }
 
-fn export_perf(args: &[&str]) -> Output {
-    vmtsync()
+/// `vmtsync export perf ARGS` to success: the one line it prints.
+fn export_perf(args: &[&str]) -> String {
+    let o = vmtsync()
         .args(["export", "perf"])
         .args(args)
         .stdin(Stdio::null())
         .output()
-        .expect("run vmtsync")
+        .expect("run vmtsync");
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o.stderr));
+    text(&o.stdout)
 }
 
-/// Runs the real `perf inject -i HOST ARG -o OUT` with `arg` exactly as `export perf`
-/// printed it and checks with `perf script`: the host's records are all there unchanged, and
-/// the guest's side-band records appear as the VM's, each at `(t − offset) / scale` of its
-/// time in the guest file (perf leaves time 0, the records synthesized at the start, at 0).
+/// Checks that `export perf` printed `--guest-data=GUEST,PID,OFFSET[,SCALE]` for the mapping
+/// `(offset, scale)` (the truth: debugfs or the fixture written), runs the real
+/// `perf inject -i HOST ARG -o OUT` with the argument exactly as printed and checks with
+/// `perf script`: the host's records are all there unchanged, and the guest's side-band
+/// records appear as the VM's, each at `(t − offset) / scale` of its time in the guest file
+/// (perf leaves time 0, the records synthesized at the start, at 0).
 fn check_inject(
     dir: &Path,
     name: &str,
     (host, host_in): (&Path, &[Record]),
-    guest_in: &[Record],
-    (arg, pid, offset, scale): (&str, u32, i64, u64),
+    (guest, guest_in): (&Path, &[Record]),
+    (printed, pid, offset, scale): (&str, u32, i64, u64),
 ) {
+    let scale_arg = if scale == 1 {
+        String::new()
+    } else {
+        format!(",{scale}")
+    };
+    let arg = format!("--guest-data={},{pid},{offset}{scale_arg}", guest.display());
+    assert_eq!(
+        printed,
+        format!("{arg}\n"),
+        "{name}: export perf's argument"
+    );
+    let arg = arg.as_str();
     let out = dir.join(format!("{name}.data"));
     perf(&[
         "inject",
@@ -227,16 +235,10 @@ fn check_inject(
 #[test]
 fn perf_inject_moves_the_guests_records_exactly_as_export_perf_says() {
     let test = "perf::perf_inject_moves_the_guests_records_exactly_as_export_perf_says";
-    if !require(test, have_kvm(), "/dev/kvm is not accessible read-write")
+    if !vm_ready(test)
         || !require(
             test,
-            have_qemu(),
-            "qemu-system-x86_64 is missing (apt-get install qemu-system-x86)",
-        )
-        || !truth_ready(test)
-        || !require(
-            test,
-            have_perf(),
+            have_program("perf"),
             "perf is missing (apt-get install linux-perf, or cargo xtask setup)",
         )
     {
@@ -291,21 +293,13 @@ fn perf_inject_moves_the_guests_records_exactly_as_export_perf_says() {
         "an integer TSC ratio (no scaling on KVM here)"
     );
     let k = truth.ratio() / one;
-    let o = export_perf(&["--vm", &pid.to_string(), "--perf-data", guest_s]);
-    assert_eq!(o.status.code(), Some(0), "{}", text(&o.stderr));
-    let scale = if k == 1 {
-        String::new()
-    } else {
-        format!(",{k}")
-    };
-    let arg = format!("--guest-data={guest_s},{pid},{}{scale}", truth.offset());
-    assert_eq!(text(&o.stdout), format!("{arg}\n"));
+    let printed = export_perf(&["--vm", &pid.to_string(), "--perf-data", guest_s]);
     check_inject(
         dir.path(),
         "live",
         (&host, &host_in),
-        &guest_in,
-        (&arg, pid, truth.offset(), k),
+        (&guest, &guest_in),
+        (&printed, pid, truth.offset(), k),
     );
 
     // A fixture tree for the same VM: guest = offset + 2 host, the offset negative and derived
@@ -327,7 +321,7 @@ fn perf_inject_moves_the_guests_records_exactly_as_export_perf_says() {
     for (f, v) in &files {
         std::fs::write(vcpu.join(f), format!("{v}\n")).unwrap();
     }
-    let o = export_perf(&[
+    let printed = export_perf(&[
         "--vm",
         &pid.to_string(),
         "--perf-data",
@@ -335,15 +329,12 @@ fn perf_inject_moves_the_guests_records_exactly_as_export_perf_says() {
         "--debugfs-root",
         fixture.to_str().unwrap(),
     ]);
-    assert_eq!(o.status.code(), Some(0), "{}", text(&o.stderr));
-    let arg = format!("--guest-data={guest_s},{pid},{offset},2");
-    assert_eq!(text(&o.stdout), format!("{arg}\n"));
     check_inject(
         dir.path(),
         "scaled",
         (&host, &host_in),
-        &guest_in,
-        (&arg, pid, offset, 2),
+        (&guest, &guest_in),
+        (&printed, pid, offset, 2),
     );
     drop(qemu_guard);
 }

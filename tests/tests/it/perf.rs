@@ -167,7 +167,8 @@ fn check_inject(
         format!("{arg}\n"),
         "{name}: export perf's argument"
     );
-    let arg = arg.as_str();
+    // perf gets the argument exactly as printed, not the test's own rendering of it.
+    let arg = printed.trim_end();
     let out = dir.join(format!("{name}.data"));
     perf(&[
         "inject",

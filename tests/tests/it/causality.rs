@@ -13,13 +13,10 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use vmtsync::ftrace::{Instance, find_tracefs};
 use vmtsync_tests::truth::Skew;
-use vmtsync_tests::{is_root, require};
 
 use crate::kvm_fixtures::{guarded_output, vmtsync};
-use crate::record::{boot_qemu, qemu_ready, record, text};
-use crate::tracedat::trace_cmd;
+use crate::util::{HostTrace, QemuAgent, qemu_ready, text, trace_cmd};
 
 /// The workload's port: unused on QEMU microvm (no floppy controller), so QEMU answers an
 /// `in` with 0xff and ignores an `out`, both through a userspace exit `kvm_pio` stamps.
@@ -172,18 +169,13 @@ struct Run {
     thread: u64,
 }
 
-/// Tier-2 prerequisites; `None` (after `require` said why) when one is missing.
-pub(crate) fn ready(test: &str) -> Option<PathBuf> {
-    if !qemu_ready(test) || !require(test, is_root(), "needs root (tracefs instances, kvm_pio)") {
+/// Boots the agent with `skew` and the workload, records `EVENTS` events in `format` with
+/// exit-anchored sync rounds, and extracts the host's trace of the workload port; `None`
+/// (after `require` said why) when a tier-2 prerequisite is missing.
+fn recorded_run(test: &str, purpose: &str, skew: &Skew, format: &str) -> Option<Run> {
+    if !qemu_ready(test) {
         return None;
     }
-    let tracefs = find_tracefs(None, "kvm/kvm_pio");
-    require(test, tracefs.is_ok(), "no tracefs with kvm/kvm_pio").then(|| tracefs.unwrap())
-}
-
-/// Boots the agent with `skew` and the workload, records `EVENTS` events in `format` with
-/// exit-anchored sync rounds, and extracts the host's trace of the workload port.
-fn recorded_run(tracefs: &Path, purpose: &str, skew: &Skew, format: &str) -> Run {
     let dir = tempfile::Builder::new()
         .prefix(&format!("vmtsync-{purpose}-"))
         .tempdir()
@@ -191,25 +183,26 @@ fn recorded_run(tracefs: &Path, purpose: &str, skew: &Skew, format: &str) -> Run
     // The host's record of the workload's exits: enabled before the VM boots, so the k-th
     // `out` in it is step k; a buffer large enough that no exit is overwritten. The UART's
     // exits too (its data port and status registers), for the sync probes' own brackets.
-    let mut inst = Instance::create(tracefs, purpose).expect("instance");
-    assert!(inst.tsc_clock(), "x86-tsc trace clock");
-    std::fs::write(inst.path().join("buffer_size_kb"), "8192").unwrap();
-    inst.set_filter(
-        "kvm/kvm_pio",
-        &format!("port == {PORT} || (port >= 0x3f8 && port <= 0x3ff)"),
-    )
-    .unwrap();
-    inst.enable("kvm/kvm_pio").unwrap();
+    let mut trace = HostTrace::start(test, purpose, "kvm/kvm_pio")?;
+    trace.buffer_kb(8192);
+    trace
+        .instance()
+        .set_filter(
+            "kvm/kvm_pio",
+            &format!("port == {PORT} || (port >= 0x3f8 && port <= 0x3ff)"),
+        )
+        .unwrap();
+    trace.instance().enable("kvm/kvm_pio").unwrap();
     let append = format!(
         "transport=uart exit=0 workload=400,0,{PORT} {}",
         skew.agent_option()
     );
-    let (qemu_guard, sock) = boot_qemu(dir.path(), &append);
+    let vm = QemuAgent::boot(dir.path(), &append);
     // The anchor needs the VM's vCPU thread, which debugfs names (a non-zero `pid`) only once
     // the vCPU has run, a little after QEMU's socket appears.
     let deadline = Instant::now() + Duration::from_secs(20);
     let thread = loop {
-        if let Some(t) = vcpu_thread(qemu_guard.pid()) {
+        if let Some(t) = vcpu_thread(vm.guard.pid()) {
             break t;
         }
         assert!(
@@ -225,52 +218,36 @@ fn recorded_run(tracefs: &Path, purpose: &str, skew: &Skew, format: &str) -> Run
     });
     let sync = dir.path().join("sync.jsonl");
     let probes = dir.path().join("probes.jsonl");
-    let out = record(&[
-        "--connect",
-        &format!("unix:{}", sock.display()),
-        "--out",
-        guest.to_str().unwrap(),
-        "--format",
-        format,
-        "--events",
-        &EVENTS.to_string(),
-        "--duration",
-        "120",
-        "--resync",
-        "500",
-        "--timeout",
-        "10000",
-        "--sync-out",
-        sync.to_str().unwrap(),
-        "--probe-log",
-        probes.to_str().unwrap(),
-        "--anchor",
-        "kvm-pio",
-        "--vm",
-        &qemu_guard.pid().to_string(),
-    ]);
+    let pid = vm.guard.pid().to_string();
+    let out = vm.record(
+        &guest,
+        EVENTS,
+        500,
+        &[
+            "--format",
+            format,
+            "--sync-out",
+            sync.to_str().unwrap(),
+            "--probe-log",
+            probes.to_str().unwrap(),
+            "--anchor",
+            "kvm-pio",
+            "--vm",
+            &pid,
+        ],
+    );
     assert_eq!(out.status.code(), Some(0), "record: {}", text(&out.stderr));
-    drop(qemu_guard);
-    std::fs::write(inst.path().join("tracing_on"), "0").unwrap();
-    let name = inst
-        .path()
-        .file_name()
-        .unwrap()
-        .to_str()
-        .unwrap()
-        .to_owned();
+    drop(vm);
     let host = dir.path().join("host.dat");
-    let o = trace_cmd(&["extract", "-B", &name, "-o", host.to_str().unwrap()]);
-    assert!(o.status.success(), "extract: {}", text(&o.stderr));
-    drop(inst);
-    Run {
+    trace.extract(&host);
+    Some(Run {
         dir,
         host,
         guest,
         sync,
         probes,
         thread,
-    }
+    })
 }
 
 /// The sync file's segments; each must be exit-anchored.
@@ -349,13 +326,12 @@ fn validate_and_catch_a_shift(test: &str, run: &Run, segments: &[Value], exact: 
 #[test]
 fn merged_report_puts_each_workload_event_on_the_right_side_of_its_exit() {
     let test = "causality::merged_report_puts_each_workload_event_on_the_right_side_of_its_exit";
-    let Some(tracefs) = ready(test) else {
-        return;
-    };
     let skew = Skew(vmtsync_core::mapping::KvmTscMapping::offset_only(
         Skew::pick().0.offset(),
     ));
-    let run = recorded_run(&tracefs, "causality-rate1", &skew, "trace-cmd");
+    let Some(run) = recorded_run(test, "causality-rate1", &skew, "trace-cmd") else {
+        return;
+    };
     let (host, guest, thread) = (&run.host, &run.guest, run.thread);
     let segments = anchored_segments(&run.sync);
 
@@ -422,10 +398,9 @@ fn merged_report_puts_each_workload_event_on_the_right_side_of_its_exit() {
 #[test]
 fn a_drifting_guest_keeps_every_bound_and_a_shift_is_caught() {
     let test = "causality::a_drifting_guest_keeps_every_bound_and_a_shift_is_caught";
-    let Some(tracefs) = ready(test) else {
+    let Some(run) = recorded_run(test, "causality-skewed", &Skew::pick(), "jsonl") else {
         return;
     };
-    let run = recorded_run(&tracefs, "causality-skewed", &Skew::pick(), "jsonl");
     let segments = anchored_segments(&run.sync);
     // The rate is bounded away from identity once rounds accumulate.
     assert!(

@@ -15,10 +15,10 @@ use vmtsync::probe::anchor::{AnchorMode, AnchorOptions};
 use vmtsync::probe::{ProbeAddr, ProbeError, ProbeOptions, VcpuChoice, run_probe};
 use vmtsync::scan::VmSelector;
 use vmtsync_core::HostTicks;
-use vmtsync_tests::truth::{GuestTruth, Skew, truth_ready};
+use vmtsync_tests::ChildGuard;
+use vmtsync_tests::truth::{GuestTruth, Skew};
 use vmtsync_tests::vmm::agent_elf;
-use vmtsync_tests::vmm::qemu::{self, debug_exit_status, have_qemu};
-use vmtsync_tests::{ChildGuard, have_kvm, require};
+use vmtsync_tests::vmm::qemu::{self, debug_exit_status};
 
 /// vCPUs of the guest.
 const VCPUS: u32 = 4;
@@ -115,14 +115,55 @@ fn vcpu_threads(pid: u32) -> Vec<(u32, u32)> {
         .collect()
 }
 
-fn prerequisites(test: &str) -> bool {
-    require(test, have_kvm(), "/dev/kvm is not accessible read-write")
-        && require(
-            test,
-            have_qemu(),
-            "qemu-system-x86_64 is missing (apt-get install qemu-system-x86)",
-        )
-        && truth_ready(test)
+/// A booted SMP guest for one test: its scratch directory, each vCPU's skew, QEMU, and the
+/// probe options for its COM1 socket.
+struct Smp {
+    tmp_dir: tempfile::TempDir,
+    skews: Vec<Skew>,
+    guard: ChildGuard,
+    opts: ProbeOptions,
+}
+
+impl Smp {
+    /// Exit anchoring on this guest's VM (`--anchor kvm-pio --vm PID`).
+    fn anchor(&self) -> AnchorOptions {
+        AnchorOptions {
+            mode: AnchorMode::KvmPio,
+            vm: Some(VmSelector::Pid(self.guard.pid())),
+            ..AnchorOptions::default()
+        }
+    }
+}
+
+/// Checks the prerequisites (with `anchored`, a tracefs with `kvm_pio` too), then boots
+/// QEMU microvm with [`VCPUS`] vCPUs running the agent (`extra` boot options), each vCPU with
+/// its own skew, COM1 on a socket in a scratch directory named after `test`. `None` (after
+/// `require` said why) when a prerequisite is missing.
+fn boot_smp(test: &str, extra: &str, anchored: bool) -> Option<Smp> {
+    boot_smp_with(test, Skew::pick_per_vcpu(VCPUS), extra, anchored)
+}
+
+/// [`boot_smp`] with the given skews, vCPU N's at index N.
+fn boot_smp_with(test: &str, skews: Vec<Skew>, extra: &str, anchored: bool) -> Option<Smp> {
+    let ready = if anchored {
+        crate::util::anchor_ready(test)
+    } else {
+        crate::util::vm_ready(test)
+    };
+    if !ready {
+        return None;
+    }
+    let tmp_dir = tempfile::Builder::new()
+        .prefix(&format!("vmtsync-{test}-"))
+        .tempdir()
+        .unwrap();
+    let (guard, opts) = boot(tmp_dir.path(), &skews, extra);
+    Some(Smp {
+        tmp_dir,
+        skews,
+        guard,
+        opts,
+    })
 }
 
 /// QEMU microvm with [`VCPUS`] vCPUs running the agent (`extra` boot options), vCPU N with
@@ -166,16 +207,16 @@ fn log(dir: &Path, e: &dyn std::fmt::Display) -> String {
 #[test]
 fn every_vcpu_of_a_four_vcpu_guest_is_synced_on_itself() {
     let test = "every_vcpu_of_a_four_vcpu_guest_is_synced_on_itself";
-    if !prerequisites(test) {
+    let Some(Smp {
+        tmp_dir,
+        skews,
+        mut guard,
+        mut opts,
+    }) = boot_smp(test, "", false)
+    else {
         return;
-    }
-    let tmp_dir = tempfile::Builder::new()
-        .prefix(&format!("vmtsync-{test}-"))
-        .tempdir()
-        .unwrap();
+    };
     let dir = tmp_dir.path();
-    let skews = Skew::pick_per_vcpu(VCPUS);
-    let (mut guard, mut opts) = boot(dir, &skews, "");
     let log = |e: &dyn std::fmt::Display| log(dir, e);
 
     // Session 1: every vCPU, one JSON object each.
@@ -257,28 +298,17 @@ fn wait_exit(guard: &mut ChildGuard) {
 fn exit_anchored_probes_of_every_vcpu_hold_their_truths() {
     let test = "exit_anchored_probes_of_every_vcpu_hold_their_truths";
     let _one_instance = vmtsync_tests::anchor_lock();
-    if !prerequisites(test)
-        || !require(
-            test,
-            vmtsync::ftrace::find_tracefs(None, vmtsync::probe::anchor::EVENT).is_ok(),
-            "no tracefs with events/kvm/kvm_pio (mount tracefs, load kvm)",
-        )
-    {
+    let Some(mut smp) = boot_smp(test, "", true) else {
         return;
-    }
-    let tmp_dir = tempfile::Builder::new()
-        .prefix(&format!("vmtsync-{test}-"))
-        .tempdir()
-        .unwrap();
-    let dir = tmp_dir.path();
-    let skews = Skew::pick_per_vcpu(VCPUS);
-    let (mut guard, mut opts) = boot(dir, &skews, "");
-    let pid = guard.pid();
-    opts.anchor = AnchorOptions {
-        mode: AnchorMode::KvmPio,
-        vm: Some(VmSelector::Pid(pid)),
-        ..AnchorOptions::default()
     };
+    smp.opts.anchor = smp.anchor();
+    let Smp {
+        tmp_dir,
+        skews,
+        mut guard,
+        mut opts,
+    } = smp;
+    let (dir, pid) = (tmp_dir.path(), guard.pid());
     let mut truth = None;
     for k in 0..3 {
         opts.shutdown = k == 2;
@@ -307,26 +337,13 @@ fn sync_port_brackets_come_from_each_vcpus_own_exits() {
 
     let test = "sync_port_brackets_come_from_each_vcpus_own_exits";
     let _one_instance = vmtsync_tests::anchor_lock();
-    if !prerequisites(test)
-        || !require(
-            test,
-            vmtsync::ftrace::find_tracefs(None, vmtsync::probe::anchor::EVENT).is_ok(),
-            "no tracefs with events/kvm/kvm_pio (mount tracefs, load kvm)",
-        )
-    {
+    let Some(mut smp) = boot_smp(test, &format!("syncport={DEFAULT_SYNC_PORT:#x}"), true) else {
         return;
-    }
-    let tmp_dir = tempfile::Builder::new()
-        .prefix(&format!("vmtsync-{test}-"))
-        .tempdir()
-        .unwrap();
-    let dir = tmp_dir.path();
-    let skews = Skew::pick_per_vcpu(VCPUS);
-    let (mut guard, opts) = boot(dir, &skews, &format!("syncport={DEFAULT_SYNC_PORT:#x}"));
-    let pid = guard.pid();
+    };
+    let (anchor, dir, pid) = (smp.anchor(), smp.tmp_dir.path(), smp.guard.pid());
     let step = Duration::from_secs(20);
     let inner = connect_until_stopped(
-        &opts.addr,
+        &smp.opts.addr,
         &ConnectOptions {
             connect_timeout: step,
             io_timeout: step,
@@ -334,11 +351,6 @@ fn sync_port_brackets_come_from_each_vcpus_own_exits() {
         None,
     )
     .expect("connects");
-    let anchor = AnchorOptions {
-        mode: AnchorMode::KvmPio,
-        vm: Some(VmSelector::Pid(pid)),
-        ..AnchorOptions::default()
-    };
     let mut t = prepare_matcher(
         Matcher::SyncPort {
             port: DEFAULT_SYNC_PORT,
@@ -357,7 +369,7 @@ fn sync_port_brackets_come_from_each_vcpus_own_exits() {
         "{:?}",
         info.features
     );
-    let truth = truths(pid, &skews);
+    let truth = truths(pid, &smp.skews);
     assert_eq!(s.vcpus().unwrap(), [0, 1, 2, 3]);
     let mut total = 0;
     for v in 0..VCPUS {
@@ -407,7 +419,7 @@ fn sync_port_brackets_come_from_each_vcpus_own_exits() {
         t.stats()
     );
     drop(t);
-    wait_exit(&mut guard);
+    wait_exit(&mut smp.guard);
 }
 
 /// `probe --all-vcpus --continuous`: each round syncs every vCPU on itself and appends one
@@ -420,16 +432,16 @@ fn continuous_all_vcpus_writes_each_vcpus_segments_holding_its_truth() {
     use vmtsync::syncfile::SyncFile;
 
     let test = "continuous_all_vcpus_writes_each_vcpus_segments_holding_its_truth";
-    if !prerequisites(test) {
+    let Some(Smp {
+        tmp_dir,
+        skews,
+        mut guard,
+        mut opts,
+    }) = boot_smp(test, "", false)
+    else {
         return;
-    }
-    let tmp_dir = tempfile::Builder::new()
-        .prefix(&format!("vmtsync-{test}-"))
-        .tempdir()
-        .unwrap();
+    };
     let dir = tmp_dir.path();
-    let skews = Skew::pick_per_vcpu(VCPUS);
-    let (mut guard, mut opts) = boot(dir, &skews, "");
     let sync = dir.join("sync.jsonl");
     opts.json = false;
     opts.shutdown = true;
@@ -474,34 +486,32 @@ fn continuous_all_vcpus_writes_each_vcpus_segments_holding_its_truth() {
 /// CPU's own TIME_SHIFT (within the run's widest interval of the truth).
 #[test]
 fn record_places_every_vcpus_events_with_its_own_sync() {
-    use crate::record::{text, trace_cmd};
+    use crate::util::{have_trace_cmd, text, trace_cmd};
     use vmtsync::probe::Progress;
     use vmtsync::record::{DRAIN_MAX, RecordFormat, RecordOptions, run_record};
     use vmtsync_core::GuestTicks;
     use vmtsync_core::mapping::KvmTscMapping;
 
     let test = "record_places_every_vcpus_events_with_its_own_sync";
-    if !prerequisites(test)
-        || !require(
-            test,
-            crate::record::have_trace_cmd(),
-            "trace-cmd is missing (apt-get install trace-cmd)",
-        )
-    {
+    if !have_trace_cmd(test) {
         return;
     }
-    let tmp_dir = tempfile::Builder::new()
-        .prefix(&format!("vmtsync-{test}-"))
-        .tempdir()
-        .unwrap();
-    let dir = tmp_dir.path();
     // Identity rates (offsets only), so the trace.dat keeps raw guest TSCs with a TIME_SHIFT
     // per CPU that trace-cmd applies; the offsets still differ per vCPU.
-    let skews: Vec<Skew> = Skew::pick_per_vcpu(VCPUS)
+    let identity: Vec<Skew> = Skew::pick_per_vcpu(VCPUS)
         .into_iter()
         .map(|s| Skew(KvmTscMapping::offset_only(s.0.offset())))
         .collect();
-    let (mut guard, mut opts) = boot(dir, &skews, "events=1000000");
+    let Some(Smp {
+        tmp_dir,
+        skews,
+        mut guard,
+        mut opts,
+    }) = boot_smp_with(test, identity, "events=1000000", false)
+    else {
+        return;
+    };
+    let dir = tmp_dir.path();
     opts.json = false;
     let pid = guard.pid();
     let run = |format: RecordFormat, out: &Path, shutdown: bool| {

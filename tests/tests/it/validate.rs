@@ -11,13 +11,11 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use vmtsync::ftrace::Instance;
 use vmtsync_tests::truth::Skew;
 
-use crate::causality::{ready, shifted, vcpu_thread};
+use crate::causality::{shifted, vcpu_thread};
 use crate::kvm_fixtures::{guarded_output, vmtsync};
-use crate::record::{boot_qemu, text};
-use crate::tracedat::trace_cmd;
+use crate::util::{HostTrace, boot_qemu, qemu_ready, text};
 
 /// Continuous-mode rounds (64 probes each).
 const ROUNDS: &str = "4";
@@ -88,9 +86,9 @@ fn lines(path: &Path) -> Vec<Value> {
 #[test]
 fn a_real_runs_probes_validate_and_a_shifted_sync_file_is_caught_on_them() {
     let test = "validate::a_real_runs_probes_validate_and_a_shifted_sync_file_is_caught_on_them";
-    let Some(tracefs) = ready(test) else {
+    if !qemu_ready(test) {
         return;
-    };
+    }
     let dir = tempfile::Builder::new()
         .prefix("vmtsync-validate-probes-")
         .tempdir()
@@ -98,15 +96,18 @@ fn a_real_runs_probes_validate_and_a_shifted_sync_file_is_caught_on_them() {
     // The host's own record of the UART's exits (the data port and the status registers the
     // agent polls) and of the sync port, on from before boot, in a buffer no probe session
     // overflows.
-    let mut inst = Instance::create(&tracefs, "validate-probes").expect("instance");
-    assert!(inst.tsc_clock(), "x86-tsc trace clock");
-    std::fs::write(inst.path().join("buffer_size_kb"), "8192").unwrap();
-    inst.set_filter(
-        "kvm/kvm_pio",
-        &format!("(port >= 0x3f8 && port <= 0x3ff) || port == {SYNC_PORT:#x}"),
-    )
-    .unwrap();
-    inst.enable("kvm/kvm_pio").unwrap();
+    let Some(mut trace) = HostTrace::start(test, "validate-probes", "kvm/kvm_pio") else {
+        return;
+    };
+    trace.buffer_kb(8192);
+    trace
+        .instance()
+        .set_filter(
+            "kvm/kvm_pio",
+            &format!("(port >= 0x3f8 && port <= 0x3ff) || port == {SYNC_PORT:#x}"),
+        )
+        .unwrap();
+    trace.instance().enable("kvm/kvm_pio").unwrap();
     let skew = Skew(vmtsync_core::mapping::KvmTscMapping::offset_only(
         Skew::pick().0.offset(),
     ));
@@ -139,18 +140,8 @@ fn a_real_runs_probes_validate_and_a_shifted_sync_file_is_caught_on_them() {
     );
     probe(&sock, qemu_guard.pid(), "none", &sync_ip, &log_ip);
     drop(qemu_guard);
-    std::fs::write(inst.path().join("tracing_on"), "0").unwrap();
-    let name = inst
-        .path()
-        .file_name()
-        .unwrap()
-        .to_str()
-        .unwrap()
-        .to_owned();
     let host = dir.path().join("host.dat");
-    let o = trace_cmd(&["extract", "-B", &name, "-o", host.to_str().unwrap()]);
-    assert!(o.status.success(), "extract: {}", text(&o.stderr));
-    drop(inst);
+    trace.extract(&host);
 
     let logged = lines(&log);
     assert!(

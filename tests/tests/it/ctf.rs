@@ -553,21 +553,14 @@ fn report_pio(host_dat: &Path) -> Vec<(u64, u16)> {
         .lines()
         .filter(|l| l.contains(" kvm_pio: "))
         .map(|l| {
-            let ts: String = l
-                .split(']')
-                .nth(1)
-                .unwrap()
-                .trim_start()
-                .chars()
-                .take_while(char::is_ascii_digit)
-                .collect();
+            let (_, ts) = crate::util::report_cpu_ts(l);
             let port = l
                 .split(" at 0x")
                 .nth(1)
                 .and_then(|s| s.split_whitespace().next())
                 .and_then(|s| u16::from_str_radix(s, 16).ok())
                 .unwrap_or_else(|| panic!("port in {l}"));
-            (ts.parse().unwrap(), port)
+            (ts, port)
         })
         .collect()
 }

@@ -110,15 +110,8 @@ pub(crate) fn report_events(out: &Output) -> Vec<(u64, u64)> {
         .lines()
         .filter(|l| l.contains("payload="))
         .map(|l| {
-            // `<idle>-0 [000] 1234.5678: event_data: id=256 len=8 payload=00 01 …` or with raw
-            // ticks `[000]12345:`.
-            let after_cpu = l.split(']').nth(1).unwrap();
-            let ts: String = after_cpu
-                .trim_start()
-                .chars()
-                .take_while(|c| c.is_ascii_digit() || *c == '.')
-                .collect();
-            let ts: u64 = ts.replace('.', "").parse().unwrap();
+            // `<idle>-0 [000] 1234.5678: event_data: id=256 len=8 payload=00 01 …`.
+            let (_, ts) = crate::util::report_cpu_ts(l);
             let hex: String = l
                 .split("payload=")
                 .nth(1)

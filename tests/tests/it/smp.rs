@@ -572,18 +572,7 @@ fn record_places_every_vcpus_events_with_its_own_sync() {
         text(&out.stdout)
             .lines()
             .filter(|l| l.contains("event_data:"))
-            .map(|l| {
-                let cpu = l.split('[').nth(1).unwrap().split(']').next().unwrap();
-                let ts: String = l
-                    .split(']')
-                    .nth(1)
-                    .unwrap()
-                    .trim_start()
-                    .chars()
-                    .take_while(|c| c.is_ascii_digit() || *c == '.')
-                    .collect();
-                (cpu.parse().unwrap(), ts.replace('.', "").parse().unwrap())
-            })
+            .map(crate::util::report_cpu_ts)
             .collect()
     };
     let path = dat.to_str().unwrap();

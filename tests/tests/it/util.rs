@@ -104,6 +104,30 @@ pub(crate) fn trace_cmd(args: &[&str]) -> Output {
         .expect("run trace-cmd")
 }
 
+/// The CPU and timestamp of one event line of `trace-cmd report`:
+/// `comm-pid [CPU] 1234.567890: event: …`, or with `--raw-ts` `[CPU]12345:`. The timestamp is
+/// its digits with the `.` removed (raw ticks, or nanoseconds with `-t`).
+pub(crate) fn report_cpu_ts(line: &str) -> (usize, u64) {
+    let (head, rest) = line
+        .split_once(']')
+        .unwrap_or_else(|| panic!("no [CPU] in {line}"));
+    let cpu = head
+        .rsplit('[')
+        .next()
+        .and_then(|c| c.parse().ok())
+        .unwrap_or_else(|| panic!("CPU in {line}"));
+    let ts: String = rest
+        .trim_start()
+        .chars()
+        .take_while(|c| c.is_ascii_digit() || *c == '.')
+        .collect();
+    let ts = ts
+        .replace('.', "")
+        .parse()
+        .unwrap_or_else(|_| panic!("timestamp in {line}"));
+    (cpu, ts)
+}
+
 /// Whether trace-cmd is installed; `false` (after [`require`] said why) when not.
 pub(crate) fn have_trace_cmd(test: &str) -> bool {
     let ok = Command::new("trace-cmd")

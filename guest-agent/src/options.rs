@@ -14,7 +14,8 @@
 //!   of native ring-3 ones (the host's docs/anchor.md, "The boot vCPU's sync-port bracket").
 //! - `exit=N`: the code written to isa-debug-exit when the host says quit (default 0).
 //! - `events=N`: record up to N guest events, one per loop poll that handled messages (see the
-//!   agent binary's docs), for the host to drain with `EventsRequest` (default 0: none).
+//!   agent binary's docs), and on each application processor up to N more, one per probe it
+//!   answers, for the host to drain with `EventsRequest` (default 0: none).
 //! - `workload=RATE,COUNT[,PORT]`: emit COUNT (0: unlimited) events at RATE per second while
 //!   serving probes, each with its sequence number as payload; with PORT, bracket each by an
 //!   `out` to and an `in` from PORT (see [`crate::events::Workload`]).

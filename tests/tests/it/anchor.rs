@@ -15,30 +15,15 @@ use vmtsync::probe::anchor::{AnchorKind, AnchorMode, AnchorOptions, anchor_trans
 use vmtsync::probe::connect::{ConnectOptions, connect_until_stopped};
 use vmtsync::probe::{ProbeAddr, ProbeSession, ProbeSummary, Progress};
 use vmtsync::scan::VmSelector;
-use vmtsync_tests::truth::{GuestTruth, Skew, truth_ready};
+use vmtsync_tests::truth::{GuestTruth, Skew};
 use vmtsync_tests::vmm::agent_elf;
-use vmtsync_tests::vmm::qemu::{self, Machine, have_qemu};
-use vmtsync_tests::{ChildGuard, have_kvm, require};
+use vmtsync_tests::vmm::qemu::{self, Machine};
+use vmtsync_tests::{ChildGuard, require};
 
 const STEP: Duration = Duration::from_secs(20);
 
 /// Sessions per run: every one must contain the truth.
 const SESSIONS: usize = 3;
-
-fn prerequisites(test: &str) -> bool {
-    require(test, have_kvm(), "/dev/kvm is not accessible read-write")
-        && require(
-            test,
-            have_qemu(),
-            "qemu-system-x86_64 is missing (apt-get install qemu-system-x86)",
-        )
-        && truth_ready(test)
-        && require(
-            test,
-            vmtsync::ftrace::find_tracefs(None, vmtsync::probe::anchor::EVENT).is_ok(),
-            "no tracefs with events/kvm/kvm_pio (mount tracefs, load kvm)",
-        )
-}
 
 /// QEMU microvm running the agent with `skew` (and the agent options `extra`) on COM1 = a
 /// chardev socket in `dir`.
@@ -73,7 +58,7 @@ fn anchor_options(vm: u32) -> AnchorOptions {
 fn anchored_probes_bracket_a_skewed_truth_in_every_session() {
     let test = "anchored_probes_bracket_a_skewed_truth_in_every_session";
     let _one_instance = vmtsync_tests::anchor_lock();
-    if !prerequisites(test) {
+    if !crate::util::anchor_ready(test) {
         return;
     }
     let tmp = tempfile::Builder::new()
@@ -145,7 +130,7 @@ fn anchored_probes_bracket_a_skewed_truth_in_every_session() {
 #[test]
 fn sigint_during_an_anchored_run_removes_the_instance() {
     let test = "sigint_during_an_anchored_run_removes_the_instance";
-    if !prerequisites(test) {
+    if !crate::util::anchor_ready(test) {
         return;
     }
     let tmp = tempfile::Builder::new()
@@ -220,7 +205,7 @@ fn boot_vcpu_sync_port_brackets_in_ring_0_hold_a_skewed_truth() {
 
     let test = "boot_vcpu_sync_port_brackets_in_ring_0_hold_a_skewed_truth";
     let _one_instance = vmtsync_tests::anchor_lock();
-    if !prerequisites(test) {
+    if !crate::util::anchor_ready(test) {
         return;
     }
     let tmp = tempfile::Builder::new()
@@ -349,7 +334,7 @@ fn sync_port_anchored_probes_over_vsock_bracket_a_skewed_truth() {
 
     let test = "sync_port_anchored_probes_over_vsock_bracket_a_skewed_truth";
     let _one_instance = vmtsync_tests::anchor_lock();
-    if !prerequisites(test)
+    if !crate::util::anchor_ready(test)
         || !require(
             test,
             Path::new(qemu::QBOOT).is_file(),

@@ -144,8 +144,12 @@ fn a_real_runs_probes_validate_and_a_shifted_sync_file_is_caught_on_them() {
     trace.extract(&host);
 
     let logged = lines(&log);
+    // The agent announced its sync port in the hello, so `--anchor kvm-pio` on the serial
+    // chardev brackets every probe there (docs/anchor.md, "The sync port on a serial chardev").
     assert!(
-        logged.iter().all(|p| p["anchor"] == "kvm-pio-uart"),
+        logged
+            .iter()
+            .all(|p| p["anchor"] == "kvm-pio-sync-port" && p["path"] == "sync-port"),
         "{logged:?}"
     );
     let (code, v, err) = validate(&sync, &host, &log, thread);
@@ -176,23 +180,23 @@ fn a_real_runs_probes_validate_and_a_shifted_sync_file_is_caught_on_them() {
         assert!(v["probes"]["violations"].as_u64().unwrap() > 0, "{v}");
     }
 
-    // The same probes through the sync-port matcher: the agent's `in`/`out` of the sequence
-    // number around its read, a bracket inside the UART's. Every probe pairs; the guaranteed
-    // bounds hold the truth, so they meet every bracket; where the estimate falls in this
-    // tighter one is reported.
-    let by_port = dir.path().join("probes-sync-port.jsonl");
+    // The same probes through the UART matcher: the request's `in`s and the reply's `out`s,
+    // a bracket around the sync port's. Every probe pairs; the guaranteed bounds hold the
+    // truth, so they meet every bracket; where the estimate falls in this wider one is
+    // reported.
+    let by_uart = dir.path().join("probes-uart.jsonl");
     let rewritten: String = logged
         .iter()
         .map(|p| {
             let mut p = p.clone();
-            p["path"] = "sync-port".into();
-            p["port"] = SYNC_PORT.into();
+            p["path"] = "uart".into();
+            p["port"] = vmtsync::probe::anchor::COM1_DATA.into();
             format!("{p}\n")
         })
         .collect();
-    std::fs::write(&by_port, rewritten).unwrap();
-    let (code, v, err) = validate(&sync, &host, &by_port, thread);
-    eprintln!("{test}: through the sync port: {}", v["probes"]);
+    std::fs::write(&by_uart, rewritten).unwrap();
+    let (code, v, err) = validate(&sync, &host, &by_uart, thread);
+    eprintln!("{test}: through the UART: {}", v["probes"]);
     assert!(matches!(code, Some(0 | 9)), "validate: {err} {v}");
     assert_eq!(v["probes"]["checked"], v["probes"]["logged"], "{v}");
     assert_eq!(v["probes"]["bound_violations"], 0, "{v}");

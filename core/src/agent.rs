@@ -5,9 +5,10 @@
 //! loop, the bare-metal `vmtsync-agent`, a test) calls [`Agent::poll`] whenever it likes;
 //! each call drains what the link has received, answers every complete request, and returns.
 //! Nothing blocks and nothing allocates: the receive buffer and the frame being sent are
-//! fixed-size arrays inside the agent or on the stack. Events come from an [`EventSource`],
-//! normally a [`crate::recorder::Ring`] the application records into; the agent drains it
-//! into [`Message::Events`] batches when the host asks.
+//! fixed-size arrays inside the agent or on the stack. Events come from [`EventSources`]: a
+//! [`crate::recorder::Ring`] the application records into (the agent's own vCPU), or a
+//! [`crate::recorder::Recorder`] with one ring per vCPU; the agent drains them, queue by
+//! queue, into [`Message::Events`] batches that name their vCPU when the host asks.
 //!
 //! Sessions: the agent answers nothing but [`Message::Hello`] and [`Message::Shutdown`]
 //! until a hello with its [`PROTOCOL_VERSION`] arrives (others get
@@ -29,7 +30,7 @@ use crate::proto::{
     FrameReceiver, MAX_FRAME_SIZE, Message, PROTOCOL_VERSION, ProbeReplyFrame, PvclockReport,
     Transport, encode_frame,
 };
-use crate::recorder::{EventSource, NoEvents};
+use crate::recorder::{EventSources, MAX_EVENT_SOURCES, NoEvents};
 use crate::units::{GuestTicks, HostTicks};
 
 #[cfg(any(test, feature = "sim"))]
@@ -174,6 +175,13 @@ pub struct AgentStats {
     pub events_out: u64,
 }
 
+/// Records waiting in every queue of `e`.
+fn waiting<E: EventSources>(e: &E) -> usize {
+    (0..e.queues().min(MAX_EVENT_SOURCES))
+        .map(|q| e.waiting_in(q))
+        .sum()
+}
+
 /// Bytes read from the link per `recv` call.
 const RX_CHUNK: usize = 64;
 /// `recv` calls per [`Agent::poll`] at most, so a chatty link cannot starve the caller.
@@ -187,16 +195,18 @@ pub struct Agent<L, C, E = NoEvents> {
     state: AgentState,
     mapping: Option<KvmTscMapping>,
     events: E,
+    /// Records sent per event queue (the next batch's `first` index of that queue).
+    sent_per_queue: [u64; MAX_EVENT_SOURCES],
     stats: AgentStats,
 }
 
-impl<L, C, E: EventSource> core::fmt::Debug for Agent<L, C, E> {
+impl<L, C, E: EventSources> core::fmt::Debug for Agent<L, C, E> {
     fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
         f.debug_struct("Agent")
             .field("state", &self.state)
             .field("mapping", &self.mapping)
-            .field("waiting_events", &self.events.waiting())
-            .field("dropped", &self.events.dropped())
+            .field("waiting_events", &waiting(&self.events))
+            .field("queues", &self.events.queues())
             .field("stats", &self.stats)
             .finish_non_exhaustive()
     }
@@ -209,7 +219,7 @@ impl<L: Link, C: AgentClock> Agent<L, C, NoEvents> {
     }
 }
 
-impl<L: Link, C: AgentClock, E: EventSource> Agent<L, C, E> {
+impl<L: Link, C: AgentClock, E: EventSources> Agent<L, C, E> {
     /// An agent that drains `events` when the host asks, waiting for the host's hello.
     pub const fn with_events(link: L, clock: C, events: E) -> Self {
         Self {
@@ -219,6 +229,7 @@ impl<L: Link, C: AgentClock, E: EventSource> Agent<L, C, E> {
             state: AgentState::AwaitHello,
             mapping: None,
             events,
+            sent_per_queue: [0; MAX_EVENT_SOURCES],
             stats: AgentStats {
                 messages_in: 0,
                 frames_out: 0,
@@ -301,9 +312,9 @@ impl<L: Link, C: AgentClock, E: EventSource> Agent<L, C, E> {
         self.stats
     }
 
-    /// Events waiting to be sent.
+    /// Events waiting to be sent, in every queue.
     pub fn waiting_events(&self) -> usize {
-        self.events.waiting()
+        waiting(&self.events)
     }
 
     /// The event source (e.g. the ring to record into).
@@ -388,7 +399,7 @@ impl<L: Link, C: AgentClock, E: EventSource> Agent<L, C, E> {
 
     fn on_hello(&mut self, version: u16) -> Result<(), LinkError> {
         let mut features = Features::MAPPING;
-        if self.events.present() {
+        if self.events.records_events() {
             features = features.union(Features::EVENTS);
         }
         // A new session starts from the guest clock: a mapping pushed in an earlier session
@@ -447,59 +458,94 @@ impl<L: Link, C: AgentClock, E: EventSource> Agent<L, C, E> {
         self.count_sent(sent)
     }
 
-    /// Sends up to `max` waiting events in batches of at most [`EVENT_BATCH_MAX`], the last
-    /// one flagged; one empty batch when none is waiting. Timestamps are in the host clock
-    /// when the pushed mapping converts them (a batch holds one clock: a record whose clock
-    /// differs from the batch's starts the next batch). The batches go to the link one after
-    /// another (a buffering link coalesces them) and records leave the source only once the
-    /// link has flushed the last one: a failed send or flush ends the answer and keeps every
-    /// record, so the next drain sends them again under the same `first` indices (the host
-    /// skips what it already has).
+    /// Sends up to `max` waiting events in batches of at most [`EVENT_BATCH_MAX`], queue by
+    /// queue (each batch names its queue's vCPU and counts `first` in that queue), the last
+    /// batch of the answer flagged; one empty batch when none is waiting. Timestamps are in
+    /// the host clock when the pushed mapping converts them, which it does only for this
+    /// vCPU's own records (the mapping is this vCPU's; another vCPU's TSC is its own clock).
+    /// A batch holds one clock: a record whose clock differs from the batch's starts the next
+    /// batch. The batches go to the link one after another (a buffering link coalesces them)
+    /// and records leave their queues only once the link has flushed the last one: a failed
+    /// send or flush ends the answer and keeps every record, so the next drain sends them
+    /// again under the same `first` indices (the host skips what it already has).
     fn send_events(&mut self, max: u32) -> Result<(), LinkError> {
-        let vcpu = self.clock.vcpu_id();
+        let own = self.clock.vcpu_id();
+        let queues = self.events.queues().min(MAX_EVENT_SOURCES);
         let mut left = usize::try_from(max).unwrap_or(usize::MAX);
-        // Records handed to the link in this answer so far.
-        let mut queued = 0;
+        // Records handed to the link in this answer so far, per queue.
+        let mut queued = [0usize; MAX_EVENT_SOURCES];
+        let total = waiting(&self.events);
+        let mut sent_now = 0;
+        let mut q = 0;
         loop {
-            let mut batch: Option<EventBatch> = None;
-            let mut prev = 0;
-            let mut taken = 0;
-            while taken < left.min(EVENT_BATCH_MAX) {
-                let Some(r) = self.events.get(queued + taken) else {
-                    break;
-                };
-                let (clock, ts) = match self.mapping.and_then(|m| m.try_host_from_guest_ceil(r.tsc))
-                {
-                    Some(h) => (EventClock::Host, h.0),
-                    None => (EventClock::Guest, r.tsc.0),
-                };
-                let b = batch.get_or_insert_with(|| {
-                    prev = ts;
-                    EventBatch::new(vcpu, clock, ts)
-                });
-                if b.clock != clock || !b.push(prev, ts, r.id, r.payload()) {
-                    break;
-                }
-                prev = ts;
-                taken += 1;
+            // The next queue with records this answer has not taken yet.
+            while q < queues && self.events.waiting_in(q) <= queued[q] {
+                q += 1;
             }
-            let mut batch = batch.unwrap_or_else(|| EventBatch::new(vcpu, EventClock::Guest, 0));
+            let (mut batch, taken, from) = if q < queues && left > 0 {
+                let (b, taken) = self.fill_batch(q, queued[q], left.min(EVENT_BATCH_MAX), own);
+                (b, taken, q)
+            } else {
+                (EventBatch::new(own, EventClock::Guest, 0), 0, 0)
+            };
             left -= taken;
-            let waiting = self.events.waiting().saturating_sub(queued + taken);
-            batch.dropped = self.events.dropped();
-            batch.first = self.stats.events_out.wrapping_add(queued as u64);
+            batch.vcpu = self.events.queue_vcpu(from).unwrap_or(own);
+            batch.dropped = self.events.dropped_in(from);
+            batch.first = self.sent_per_queue[from].wrapping_add(queued[from] as u64);
+            queued[from] += taken;
+            // What is still waiting (records producers add meanwhile are counted next time).
+            sent_now += taken;
+            let waiting = total.saturating_sub(sent_now);
             batch.remaining = u32::try_from(waiting).unwrap_or(u32::MAX);
             batch.last = left == 0 || waiting == 0 || taken == 0;
             let last = batch.last;
             self.send(&Message::Events(batch))?;
-            queued += taken;
             if last {
                 self.link.flush()?;
-                self.events.consume(queued);
-                self.stats.events_out = self.stats.events_out.wrapping_add(queued as u64);
+                for (i, n) in queued.iter().enumerate().take(queues) {
+                    self.events.consume_in(i, *n);
+                    self.sent_per_queue[i] = self.sent_per_queue[i].wrapping_add(*n as u64);
+                    self.stats.events_out = self.stats.events_out.wrapping_add(*n as u64);
+                }
                 return Ok(());
             }
         }
+    }
+
+    /// One batch of at most `n` records of queue `q`, from its `skip`-th waiting one on;
+    /// returns it and how many records it took.
+    // Not inlined: one copy serves every agent a guest builds (its `.text` is budgeted).
+    #[inline(never)]
+    fn fill_batch(&self, q: usize, skip: usize, n: usize, own: u32) -> (EventBatch, usize) {
+        // The pushed mapping is this vCPU's: only its own queue's records may use it.
+        let mapping = self
+            .mapping
+            .filter(|_| self.events.queue_vcpu(q).is_none_or(|v| v == own));
+        let mut batch: Option<EventBatch> = None;
+        let mut prev = 0;
+        let mut taken = 0;
+        while taken < n {
+            let Some(r) = self.events.get_in(q, skip + taken) else {
+                break;
+            };
+            let (clock, ts) = match mapping.and_then(|m| m.try_host_from_guest_ceil(r.tsc)) {
+                Some(h) => (EventClock::Host, h.0),
+                None => (EventClock::Guest, r.tsc.0),
+            };
+            let b = batch.get_or_insert_with(|| {
+                prev = ts;
+                EventBatch::new(own, clock, ts)
+            });
+            if b.clock != clock || !b.push(prev, ts, r.id, r.payload()) {
+                break;
+            }
+            prev = ts;
+            taken += 1;
+        }
+        (
+            batch.unwrap_or_else(|| EventBatch::new(own, EventClock::Guest, 0)),
+            taken,
+        )
     }
 
     fn send(&mut self, msg: &Message) -> Result<(), LinkError> {

@@ -23,7 +23,8 @@
 //!   a ring of its own or mask the interrupt around [`Ring::record`]. Breaking this contract
 //!   can garble records but never causes undefined behaviour or a panic: every slot is made
 //!   of atomics, and this module has no `unsafe`.
-//! - **One consumer per ring** (the agent's protocol loop; it may serve all rings).
+//! - **One consumer per ring**: the agent's protocol loop, which drains every ring of a
+//!   [`Recorder`] through [`EventSources`] (each batch names its vCPU).
 //! - [`Ring::record`] never blocks, never allocates and never panics. When the ring is full it
 //!   counts the event in [`Ring::dropped`] (exactly: one per refused event) and returns
 //!   [`RecordError::Full`].
@@ -342,6 +343,108 @@ impl<S: EventSource + ?Sized> EventSource for &S {
     }
     fn present(&self) -> bool {
         (**self).present()
+    }
+}
+
+/// The most vCPU queues one [`EventSources`] may have: the protocol names vCPUs 0–63 in its
+/// vCPU list (docs/smp.md), and the agent keeps a fixed array per queue.
+pub const MAX_EVENT_SOURCES: usize = 64;
+
+/// What the agent drains: one queue per vCPU (a [`Recorder`]), or a single queue of its own
+/// vCPU (any [`EventSource`]: a [`Ring`], a reference to one, [`NoEvents`]). Queue `q` holds
+/// the events of vCPU [`EventSources::queue_vcpu`]`(q)`; each queue is consumed on its own.
+pub trait EventSources {
+    /// How many queues (at most [`MAX_EVENT_SOURCES`] are served).
+    fn queues(&self) -> usize;
+    /// The vCPU (APIC id) whose events queue `q` holds; `None`: the agent's own vCPU.
+    fn queue_vcpu(&self, q: usize) -> Option<u32>;
+    /// The `i`-th oldest waiting record of queue `q`.
+    fn get_in(&self, q: usize, i: usize) -> Option<Record>;
+    /// Removes the `n` oldest records of queue `q`.
+    fn consume_in(&self, q: usize, n: usize);
+    /// Records waiting in queue `q`.
+    fn waiting_in(&self, q: usize) -> usize;
+    /// Events queue `q` refused so far because it was full (cumulative).
+    fn dropped_in(&self, q: usize) -> u64;
+    /// Whether this source records events at all.
+    fn records_events(&self) -> bool;
+}
+
+impl<E: EventSource> EventSources for E {
+    fn queues(&self) -> usize {
+        1
+    }
+    fn queue_vcpu(&self, _: usize) -> Option<u32> {
+        None
+    }
+    fn get_in(&self, q: usize, i: usize) -> Option<Record> {
+        if q == 0 { self.get(i) } else { None }
+    }
+    fn consume_in(&self, q: usize, n: usize) {
+        if q == 0 {
+            self.consume(n);
+        }
+    }
+    fn waiting_in(&self, q: usize) -> usize {
+        if q == 0 { self.waiting() } else { 0 }
+    }
+    fn dropped_in(&self, q: usize) -> u64 {
+        if q == 0 { self.dropped() } else { 0 }
+    }
+    fn records_events(&self) -> bool {
+        self.present()
+    }
+}
+
+/// A [`Recorder`]'s ring `i` is vCPU `i`'s (the index is the APIC id).
+impl<const VCPUS: usize, const CAP: usize> EventSources for Recorder<VCPUS, CAP> {
+    fn queues(&self) -> usize {
+        VCPUS.min(MAX_EVENT_SOURCES)
+    }
+    fn queue_vcpu(&self, q: usize) -> Option<u32> {
+        u32::try_from(q).ok()
+    }
+    fn get_in(&self, q: usize, i: usize) -> Option<Record> {
+        self.ring(q)?.get(i)
+    }
+    fn consume_in(&self, q: usize, n: usize) {
+        if let Some(r) = self.ring(q) {
+            r.consume(n);
+        }
+    }
+    fn waiting_in(&self, q: usize) -> usize {
+        self.ring(q).map_or(0, Ring::len)
+    }
+    fn dropped_in(&self, q: usize) -> u64 {
+        self.ring(q).map_or(0, Ring::dropped)
+    }
+    fn records_events(&self) -> bool {
+        true
+    }
+}
+
+/// A reference to a [`Recorder`] (the agent holds the `static` one by reference).
+impl<const VCPUS: usize, const CAP: usize> EventSources for &Recorder<VCPUS, CAP> {
+    fn queues(&self) -> usize {
+        (**self).queues()
+    }
+    fn queue_vcpu(&self, q: usize) -> Option<u32> {
+        (**self).queue_vcpu(q)
+    }
+    fn get_in(&self, q: usize, i: usize) -> Option<Record> {
+        (**self).get_in(q, i)
+    }
+    fn consume_in(&self, q: usize, n: usize) {
+        (**self).consume_in(q, n);
+    }
+    fn waiting_in(&self, q: usize) -> usize {
+        (**self).waiting_in(q)
+    }
+    fn dropped_in(&self, q: usize) -> u64 {
+        (**self).dropped_in(q)
+    }
+    fn records_events(&self) -> bool {
+        true
     }
 }
 

@@ -21,14 +21,67 @@
 use vmtsync_core::agent::{Agent, AgentClock, Link, LinkError};
 use vmtsync_core::arch::Tsc;
 use vmtsync_core::proto::Transport;
-use vmtsync_core::recorder::Ring;
+use vmtsync_core::recorder::{EventSources, Record, Recorder, Ring};
 
 /// Event id of a handled message (`events=N`).
 pub const MESSAGE_EVENT: u16 = 1;
+/// Event id of a probe answered on an application processor (`events=N`), recorded on that
+/// vCPU right after its reply's TSC read; its payload is the probe's sequence number.
+pub const AP_PROBE_EVENT: u16 = 2;
 /// Event id of a workload event (`workload=`), recorded before the optional port write.
 pub const WORKLOAD_EVENT: u16 = 0x100;
 /// Event id recorded right after the workload's port read (`workload=RATE,COUNT,PORT`).
 pub const WORKLOAD_AFTER_IN_EVENT: u16 = 0x101;
+
+/// The agent's events as the protocol loop drains them: the boot vCPU's ring (the loop's own
+/// `events=`/`workload=` record into it), then one ring per vCPU for the application
+/// processors (ring N is APIC id N's; the boot vCPU's slot there stays empty), so each AP
+/// records into a ring only it produces into.
+#[derive(Debug)]
+pub struct AgentEvents<'a, const BSP: usize, const VCPUS: usize, const AP: usize> {
+    /// The boot vCPU's ring.
+    pub bsp: &'a Ring<BSP>,
+    /// The application processors' rings, by APIC id.
+    pub aps: &'a Recorder<VCPUS, AP>,
+}
+
+impl<const BSP: usize, const VCPUS: usize, const AP: usize> EventSources
+    for AgentEvents<'_, BSP, VCPUS, AP>
+{
+    fn queues(&self) -> usize {
+        1 + self.aps.queues()
+    }
+    fn queue_vcpu(&self, q: usize) -> Option<u32> {
+        q.checked_sub(1).and_then(|a| self.aps.queue_vcpu(a))
+    }
+    fn get_in(&self, q: usize, i: usize) -> Option<Record> {
+        match q.checked_sub(1) {
+            None => self.bsp.get(i),
+            Some(a) => self.aps.get_in(a, i),
+        }
+    }
+    fn consume_in(&self, q: usize, n: usize) {
+        match q.checked_sub(1) {
+            None => self.bsp.consume(n),
+            Some(a) => self.aps.consume_in(a, n),
+        }
+    }
+    fn waiting_in(&self, q: usize) -> usize {
+        match q.checked_sub(1) {
+            None => self.bsp.len(),
+            Some(a) => self.aps.waiting_in(a),
+        }
+    }
+    fn dropped_in(&self, q: usize) -> u64 {
+        match q.checked_sub(1) {
+            None => self.bsp.dropped(),
+            Some(a) => self.aps.dropped_in(a),
+        }
+    }
+    fn records_events(&self) -> bool {
+        true
+    }
+}
 
 /// A [`Link`] that ends each poll's input at the first frame delimiter (`0x00`): after it,
 /// `recv` returns 0 until [`FramePerPoll::rearm`]. Bytes after the delimiter stay in the
@@ -118,7 +171,7 @@ impl MessageEvents {
         ring: &Ring<CAP>,
         tsc: &impl Tsc,
     ) where
-        E: vmtsync_core::recorder::EventSource,
+        E: EventSources,
     {
         let now = agent.stats().messages_in;
         if now != self.handled && self.recorded < self.budget {
@@ -433,5 +486,56 @@ mod tests {
         l.rearm();
         assert_eq!(l.recv(&mut buf), Ok(0));
         assert_eq!(l.transport(), Transport::Memory);
+    }
+
+    /// The boot vCPU's ring and the APs' rings drain as one source: the BSP's batches name the
+    /// agent's own vCPU, each AP's its APIC id, each counted on its own.
+    #[test]
+    fn agent_events_drain_the_boot_ring_then_each_ap_ring() {
+        let bsp: &'static Ring<64> = Box::leak(Box::new(Ring::new()));
+        let aps: &'static Recorder<4, 8> = Box::leak(Box::new(Recorder::new()));
+        let mut link = FakeLink::new();
+        assert!(link.push_message(&hello()));
+        let mut agent = Agent::with_events(
+            FramePerPoll::new(link),
+            FakeClock::new(1000, 10, 0),
+            AgentEvents { bsp, aps },
+        );
+        assert!(bsp.record(&FakeTsc::new(5, 0), MESSAGE_EVENT, &[]).is_ok());
+        assert!(
+            aps.record(2, &FakeTsc::new(7, 0), AP_PROBE_EVENT, &[9])
+                .is_ok()
+        );
+        assert!(
+            aps.record(3, &FakeTsc::new(8, 0), AP_PROBE_EVENT, &[4])
+                .is_ok()
+        );
+        assert_eq!(agent.waiting_events(), 3);
+        assert!(
+            agent
+                .link_mut()
+                .inner
+                .push_message(&Message::EventsRequest { max: 10 })
+        );
+        while agent.link().inner().inbound_len() > 0 {
+            agent.poll().expect("fake link works");
+            agent.link_mut().rearm();
+        }
+        let mut got = Vec::new();
+        while let Some(m) = agent.link_mut().inner.next_sent() {
+            if let Message::Events(b) = m.expect("decodes") {
+                let r = b.records.first().map(|r| r.id);
+                got.push((b.vcpu, b.first, b.records.len(), r, b.last));
+            }
+        }
+        assert_eq!(
+            got,
+            [
+                (0, 0, 1, Some(MESSAGE_EVENT), false),
+                (2, 0, 1, Some(AP_PROBE_EVENT), false),
+                (3, 0, 1, Some(AP_PROBE_EVENT), true),
+            ]
+        );
+        assert_eq!(agent.waiting_events(), 0);
     }
 }

@@ -17,10 +17,12 @@
 //! empty frame, which receivers skip): a host may wait for it instead of retrying its hello.
 //! After `Shutdown` → `Exiting` the agent writes its `exit=` code to isa-debug-exit.
 //!
-//! Guest events go through the core's recorder: one `vmtsync_core::recorder::Ring` ([`EVENTS`]),
-//! stamped with the same skewed TSC the probes report. With `events=N`, after each handled
-//! message (its reply sent) the agent records one event whose payload is the number of
-//! messages handled so far, until N events are recorded; `workload=RATE,COUNT[,PORT]` emits
+//! Guest events go through the core's recorder: the boot vCPU's `vmtsync_core::recorder::Ring`
+//! ([`EVENTS`]) and one ring per application processor ([`AP_EVENTS`]), each stamped with the
+//! same skewed TSC its vCPU's probes report, drained together ([`agent_events`]). With
+//! `events=N`, after each handled message (its reply sent) the agent records one event whose
+//! payload is the number of messages handled so far, until N events are recorded, and each AP
+//! records one (`AP_PROBE_EVENT`, the probe's seq) per probe it answers, up to N; `workload=RATE,COUNT[,PORT]` emits
 //! events at a steady rate between polls ([`vmtsync_agent::events`]). The
 //! host drains them with `EventsRequest`; once it pushed a mapping (`SetMapping`), they come
 //! back stamped in the host clock. Event `k` lies between the exit carrying the first byte of
@@ -54,15 +56,15 @@ mod smp;
 
 use core::cell::UnsafeCell;
 use vmtsync_agent::clock::GuestClock;
-use vmtsync_agent::events::{FramePerPoll, MessageEvents, NativePortIo, Workload};
+use vmtsync_agent::events::{AgentEvents, FramePerPoll, MessageEvents, NativePortIo, Workload};
 use vmtsync_agent::link::UartLink;
-use vmtsync_agent::options::{Options, Wire};
+use vmtsync_agent::options::{MAX_VCPUS, Options, Wire};
 use vmtsync_agent::tsc::SkewedTsc;
 use vmtsync_agent::uart::{COM1, COM2};
 use vmtsync_agent::{port, pvh};
 use vmtsync_core::agent::{Agent, AgentState};
 use vmtsync_core::arch::Cpuid as _;
-use vmtsync_core::recorder::Ring;
+use vmtsync_core::recorder::{Recorder, Ring};
 
 use vmtsync_core::arch::cpuid::{has_invariant_tsc, kvm_info, tsc_freq};
 use vmtsync_core::arch::x86_64::{NativeCpuid, NativeTsc, register_pvclock};
@@ -82,9 +84,25 @@ mod serve_vsock;
 /// Capacity of the agent's event ring, in records (32 bytes each: 128 KiB of .bss).
 const EVENT_RING: usize = 4096;
 
-/// The agent's event ring: the protocol loop is its consumer, the loop's event sources
-/// (`events=`, `workload=`) its producer, all on the one vCPU.
+/// The boot vCPU's event ring: the protocol loop is its consumer, the loop's event sources
+/// (`events=`, `workload=`) its producer, all on the boot vCPU.
 static EVENTS: Ring<EVENT_RING> = Ring::new();
+
+/// Capacity of each application processor's event ring, in records (8 KiB each of .bss:
+/// an AP records one event per probe it answers, and .bss is zeroed in emulated ring 0).
+const AP_EVENT_RING: usize = 256;
+
+/// The application processors' event rings, by APIC id: AP N alone produces into ring N
+/// (`smp.rs`), the protocol loop drains them with the boot vCPU's ([`agent_events`]).
+static AP_EVENTS: Recorder<MAX_VCPUS, AP_EVENT_RING> = Recorder::new();
+
+/// Every event ring, as the agent drains them.
+const fn agent_events() -> AgentEvents<'static, EVENT_RING, MAX_VCPUS, AP_EVENT_RING> {
+    AgentEvents {
+        bsp: &EVENTS,
+        aps: &AP_EVENTS,
+    }
+}
 
 /// The workload from the options, timed on the agent's TSC (`None` without `workload=`).
 fn workload(ctx: &Ctx, tsc: &SkewedTsc<NativeTsc>) -> Option<Workload> {
@@ -283,7 +301,11 @@ fn serve_postcard(ctx: &Ctx) -> ! {
     let opts = &ctx.opts;
     let (clock, tsc) = agent_clock(ctx);
     // One frame per poll, so `events=N` records one event per message (see `events`).
-    let mut agent = Agent::with_events(FramePerPoll::new(UartLink::new(COM1)), clock, &EVENTS);
+    let mut agent = Agent::with_events(
+        FramePerPoll::new(UartLink::new(COM1)),
+        clock,
+        agent_events(),
+    );
     log!("ready: postcard on COM1, vcpu {}", ctx.vcpu);
     // Ready beacon: an empty frame, skipped by every frame receiver.
     COM1.write(0);

@@ -9,10 +9,13 @@
 //! - `wire=postcard|line`: the vmtsync probe protocol (postcard + COBS, the default), or a
 //!   human-typable line protocol for debugging (`cargo xtask run-agent -- wire=line`).
 //! - `ring=3|0`: run the protocol loop in ring 3 with IOPL 3 (default; native speed on nested
-//!   KVM where ring 0 is emulated) or stay in ring 0.
+//!   KVM where ring 0 is emulated) or stay in ring 0. With `syncport=` on that nested KVM,
+//!   `ring=0` gives the boot vCPU's tightest bracket: emulated ring-0 port exits cost a tenth
+//!   of native ring-3 ones (the host's docs/anchor.md, "The boot vCPU's sync-port bracket").
 //! - `exit=N`: the code written to isa-debug-exit when the host says quit (default 0).
 //! - `events=N`: record up to N guest events, one per loop poll that handled messages (see the
-//!   agent binary's docs), for the host to drain with `EventsRequest` (default 0: none).
+//!   agent binary's docs), and on each application processor up to N more, one per probe it
+//!   answers, for the host to drain with `EventsRequest` (default 0: none).
 //! - `workload=RATE,COUNT[,PORT]`: emit COUNT (0: unlimited) events at RATE per second while
 //!   serving probes, each with its sequence number as payload; with PORT, bracket each by an
 //!   `out` to and an `in` from PORT (see [`crate::events::Workload`]).

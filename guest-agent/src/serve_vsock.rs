@@ -127,7 +127,7 @@ fn run_session(ctx: &Ctx, mut link: VsockLink<Stream, NativeTsc>) -> Stream {
         log!("vsock: ready beacon not sent: {}", defmt::Debug2Format(&e));
     }
     let (clock, tsc) = crate::agent_clock(ctx);
-    let mut agent = Agent::with_events(link, clock, &crate::EVENTS);
+    let mut agent = Agent::with_events(link, clock, crate::agent_events());
     // `events=N`: one event per poll that handled messages (a poll may handle several here:
     // the stream delivers whole packets).
     let mut events = MessageEvents::new(opts.events);

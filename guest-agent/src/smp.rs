@@ -24,9 +24,10 @@ use core::arch::{asm, global_asm};
 use core::cell::UnsafeCell;
 use core::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
+use vmtsync_agent::events::AP_PROBE_EVENT;
 use vmtsync_agent::options::{MAX_VCPUS, Options};
 use vmtsync_agent::port::{inb, outw};
-use vmtsync_agent::tsc::Skew;
+use vmtsync_agent::tsc::{Skew, SkewedTsc};
 use vmtsync_core::GuestTicks;
 use vmtsync_core::agent::AgentClock;
 use vmtsync_core::arch::Tsc;
@@ -305,6 +306,8 @@ extern "C" fn ap_main(index: u32) -> ! {
     let opts = unsafe { &*OPTIONS.0.get() }.as_ref();
     let skew = opts.map_or(Skew::IDENTITY, |o| o.skew_of(id));
     let sync_port = opts.and_then(|o| o.sync_port);
+    let events = opts.map_or(0, |o| o.events);
+    let mut recorded = 0u32;
     let tsc = NativeTsc::lfence_rdtsc();
     slot.apic_id.store(id + 1, Ordering::Release);
     loop {
@@ -335,6 +338,14 @@ extern "C" fn ap_main(index: u32) -> ! {
         let t = skew.apply(raw);
         slot.tsc.store(t, Ordering::Relaxed);
         slot.done.store(req, Ordering::Release);
+        // `events=N`: one event per probe answered, on this vCPU's own ring and clock, after
+        // the answer is published (so it costs the probe nothing). This AP is the ring's only
+        // producer; a full ring counts it as dropped.
+        if recorded < events {
+            recorded += 1;
+            let stamp = SkewedTsc { tsc, skew };
+            let _ = crate::AP_EVENTS.record(id as usize, &stamp, AP_PROBE_EVENT, &[seq]);
+        }
     }
 }
 

@@ -21,6 +21,8 @@ use crate::{is_ci, root, sh};
 const APT_PACKAGES: &[(&str, &str)] = &[
     ("qemu-system-x86", "/usr/bin/qemu-system-x86_64"),
     ("trace-cmd", "/usr/bin/trace-cmd"),
+    // perf (record, inject --guest-data, script) for the `export perf` test.
+    ("linux-perf", "/usr/bin/perf"),
     // cc/c++ for libfuzzer-sys (the `ci` fuzz smoke run compiles libFuzzer's C++ sources).
     ("build-essential", "/usr/bin/c++"),
     // Node runs Perfetto's trace processor (wasm) for the Perfetto tests; its npm fetches it.

@@ -9,7 +9,7 @@ use crate::arch::FakeTsc;
 use crate::proto::{
     Hello, MappingPush, ProbeReply, ProbeReplyFull, decode_frame, try_unwrap_tsc_low32,
 };
-use crate::recorder::Ring;
+use crate::recorder::{EventSources, Recorder, Ring};
 
 const VCPU: u32 = 3;
 const T0: u64 = (1 << 45) + 12_345;
@@ -35,13 +35,13 @@ fn stamped(b: &EventBatch) -> Vec<(u64, u16)> {
 }
 
 /// Host side: sends `msg`, polls the agent once, returns everything it answered.
-fn exchange(a: &mut TestAgent, msg: &Message) -> Vec<Message> {
+fn exchange<E: EventSources>(a: &mut Agent<FakeLink, FakeClock, E>, msg: &Message) -> Vec<Message> {
     assert!(a.link_mut().push_message(msg));
     a.poll().expect("poll");
     drain(a)
 }
 
-fn drain(a: &mut TestAgent) -> Vec<Message> {
+fn drain<E: EventSources>(a: &mut Agent<FakeLink, FakeClock, E>) -> Vec<Message> {
     let mut out = Vec::new();
     while let Some(m) = a.link_mut().next_sent() {
         out.push(m.expect("agent sent a frame that does not decode"));
@@ -655,4 +655,92 @@ proptest::proptest! {
             AgentState::Exited => proptest::prop_assert_eq!(answer, []),
         }
     }
+}
+
+/// A unikernel's per-vCPU recorder: each vCPU's events come in batches naming that vCPU,
+/// each queue counted on its own, the answer's `max` shared, the last batch flagged once, and
+/// only the agent's own vCPU converted with the mapping pushed for it.
+#[test]
+fn a_recorder_s_vcpus_are_sent_queue_by_queue_each_counted_on_its_own() {
+    let rec: &'static Recorder<4, 64> =
+        std::boxed::Box::leak(std::boxed::Box::new(Recorder::new()));
+    let mut a = Agent::with_events(FakeLink::new(), FakeClock::new(T0, 1, VCPU), rec);
+    assert!(matches!(
+        exchange(&mut a, &hello()).as_slice(),
+        [Message::Capabilities(c)] if c.features.contains(Features::EVENTS)
+    ));
+    let at = |v: usize, id: u16, tsc: u64| {
+        assert!(rec.record(v, &FakeTsc::new(tsc, 0), id, &[]).is_ok());
+    };
+    for i in 0..3 {
+        at(0, 10, T0 + 100 + i);
+    }
+    for i in 0..4 {
+        at(2, 20, T0 + 200 + i);
+    }
+    at(3, 30, T0 + 300);
+    assert_eq!(a.waiting_events(), 8);
+    // vCPU 3 (the agent's own) gets a mapping: only its records may use it.
+    let mapping = KvmTscMapping::offset_only(1_000);
+    assert_eq!(
+        exchange(
+            &mut a,
+            &Message::SetMapping(MappingPush {
+                vcpu: VCPU,
+                mapping
+            })
+        ),
+        [Message::MappingApplied { vcpu: VCPU }]
+    );
+    let batches = |got: Vec<Message>| -> Vec<EventBatch> {
+        got.into_iter()
+            .map(|m| match m {
+                Message::Events(b) => b,
+                other => panic!("{other:?}"),
+            })
+            .collect()
+    };
+    // max 5: vCPU 0's three, then two of vCPU 2's four.
+    let got = batches(exchange(&mut a, &Message::EventsRequest { max: 5 }));
+    let shape: Vec<(u32, u64, usize, bool)> = got
+        .iter()
+        .map(|b| (b.vcpu, b.first, b.records.len(), b.last))
+        .collect();
+    assert_eq!(shape, [(0, 0, 3, false), (2, 0, 2, true)]);
+    assert_eq!(got[0].clock, EventClock::Guest);
+    assert_eq!(
+        stamped(&got[0]),
+        [(T0 + 100, 10), (T0 + 101, 10), (T0 + 102, 10)]
+    );
+    assert_eq!(got[1].remaining, 3, "two of vCPU 2 and one of vCPU 3 left");
+    assert_eq!(a.waiting_events(), 3);
+    // The rest: vCPU 2 from its third record on, then vCPU 3's, in the host clock.
+    let got = batches(exchange(&mut a, &Message::EventsRequest { max: 100 }));
+    let shape: Vec<(u32, u64, usize, bool)> = got
+        .iter()
+        .map(|b| (b.vcpu, b.first, b.records.len(), b.last))
+        .collect();
+    assert_eq!(shape, [(2, 2, 2, false), (3, 0, 1, true)]);
+    assert_eq!(
+        got[0].clock,
+        EventClock::Guest,
+        "vCPU 2's TSC is not vCPU 3's"
+    );
+    assert_eq!(stamped(&got[0]), [(T0 + 202, 20), (T0 + 203, 20)]);
+    assert_eq!(got[1].clock, EventClock::Host);
+    let host = mapping
+        .try_host_from_guest_ceil(GuestTicks(T0 + 300))
+        .unwrap();
+    assert_eq!(stamped(&got[1]), [(host.0, 30)]);
+    assert_eq!(a.stats().events_out, 8);
+    // Nothing waiting: one empty last batch; a new record of vCPU 0 continues its own count.
+    let got = batches(exchange(&mut a, &Message::EventsRequest { max: 100 }));
+    assert!(got.len() == 1 && got[0].records.is_empty() && got[0].last);
+    at(0, 11, T0 + 400);
+    let got = batches(exchange(&mut a, &Message::EventsRequest { max: 100 }));
+    let shape: Vec<(u32, u64, usize, bool)> = got
+        .iter()
+        .map(|b| (b.vcpu, b.first, b.records.len(), b.last))
+        .collect();
+    assert_eq!(shape, [(0, 3, 1, true)]);
 }

@@ -335,10 +335,11 @@ pub struct EventBatch {
     pub vcpu: u32,
     /// Events that vCPU's ring refused so far because it was full (cumulative).
     pub dropped: u64,
-    /// The index of the first record among all the agent has sent (the records it sent before
-    /// this batch): the host sees a gap, a batch it never got, or a replay, exactly.
+    /// The index of the first record among all the agent has sent from this vCPU's ring (the
+    /// records of that ring it sent before this batch): the host sees a gap, a batch it never
+    /// got, or a replay, exactly, per vCPU.
     pub first: u64,
-    /// Records still queued after this batch.
+    /// Records still queued after this batch (every vCPU's).
     pub remaining: u32,
     /// The last batch of the answer to one [`Message::EventsRequest`].
     pub last: bool,

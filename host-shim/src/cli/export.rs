@@ -26,6 +26,10 @@ pub enum ExportCommand {
     ///
     /// perf converts a guest TSC as `host = (guest - OFFSET) / SCALE` (tools/perf
     /// builtin-inject.c), the inverse of KVM's `guest = offset + host * ratio >> frac`.
+    /// OFFSET is in TSC ticks: perf works in TSC units when both perf.data files carry a
+    /// TIME_CONV record (a perf clock on the native TSC), else on their timestamps as they
+    /// are. It injects the guest's side-band records (mmap, comm, task, switches), not its
+    /// samples, and needs QEMU's `-name …,debug-threads=on` vCPU thread names (docs/perf.md).
     #[command(after_help = super::exit::EXIT_CODES)]
     Perf(PerfArgs),
     /// A Perfetto protobuf trace (open it in ui.perfetto.dev), on the host's CLOCK_BOOTTIME.

@@ -78,6 +78,10 @@ pub struct RecordArgs {
     /// missing), for `vmtsync validate` and `vmtsync plot`.
     #[arg(long, value_name = "SYNCFILE")]
     pub sync_out: Option<PathBuf>,
+    /// Append every sync probe that gave a sample to this file (JSON Lines), so `vmtsync
+    /// validate --probe-log` can check the sync against the probes' own kvm_pio exits.
+    #[arg(long, value_name = "FILE")]
+    pub probe_log: Option<PathBuf>,
     /// Debugfs and /proc (for --vm).
     #[command(flatten)]
     pub source: super::source::SourceArgs,
@@ -109,6 +113,7 @@ impl RecordArgs {
         probe.stop = stop;
         probe.shutdown = self.shutdown;
         probe.progress = !self.no_progress;
+        probe.probe_log = self.probe_log.clone();
         probe.anchor = AnchorOptions {
             mode: self.anchor,
             vm: self.vm.clone(),
@@ -170,11 +175,18 @@ pub(super) fn run_record_cmd(a: &RecordArgs) -> Result<(), CliError> {
     let s = record::run_record(&opts, &mut progress)?;
     eprintln!("{}", summary_text(&s));
     if let Some((input, output, vm)) = host {
-        let vcpu_pids = vm
+        // The guest file's CPU N is the N-th vCPU recorded (increasing vCPU order).
+        let vcpu_pids = s
             .vcpus
             .iter()
-            .filter(|c| c.vcpu == s.vcpu)
-            .filter_map(|c| c.thread_pid.map(|t| (0, t)))
+            .zip(0u32..)
+            .filter_map(|(v, cpu)| {
+                vm.vcpus
+                    .iter()
+                    .find(|c| c.vcpu == *v)
+                    .and_then(|c| c.thread_pid)
+                    .map(|t| (cpu, t))
+            })
             .collect();
         let guest = crate::tracedat::GuestInfo {
             name: vm
@@ -220,6 +232,13 @@ pub fn summary_text(s: &RecordSummary) -> String {
         s.segments,
         s.breaks
     );
+    if s.vcpus.len() > 1 {
+        let list: Vec<String> = s.vcpus.iter().map(u32::to_string).collect();
+        t.push_str(&format!(
+            "; vCPUs {} synced each round (trace.dat CPU N is the N-th)",
+            list.join(",")
+        ));
+    }
     if s.preconverted {
         t.push_str(&format!(
             "; timestamps pre-converted to host TSC (the guest TSC rate differs from the host's, \

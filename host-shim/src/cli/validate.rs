@@ -7,29 +7,38 @@ use std::path::PathBuf;
 use clap::Args;
 
 use super::exit::CliError;
-use crate::validate::{Numbering, ValidateOptions, ValidateReport, validate};
+use crate::validate::check::SegmentWorst;
+use crate::validate::{Numbering, ProbeReport, ValidateOptions, ValidateReport, validate};
 
 /// `vmtsync validate` flags.
 #[derive(Debug, Args)]
+#[command(group = clap::ArgGroup::new("checked").required(true).multiple(true).args(["guest_trace", "probe_log"]))]
 pub struct ValidateArgs {
     /// The sync file whose conversion is checked (`vmtsync probe --continuous --out`, or
     /// `vmtsync record --sync-out`).
     #[arg(long, value_name = "SYNCFILE")]
     pub sync: PathBuf,
     /// The host's trace.dat (`trace-cmd extract` of a tracefs instance with clock x86-tsc and
-    /// `kvm:kvm_pio` enabled for the workload's port), compressed or not.
+    /// `kvm:kvm_pio` enabled for the workload's port, and for the probes' ports with
+    /// --probe-log, while they ran), compressed or not.
     #[arg(long, value_name = "HOST.dat")]
     pub host_trace: PathBuf,
     /// The guest's recording from `vmtsync record`: its trace.dat (raw guest TSC) or its
     /// JSON Lines (--format jsonl; any guest rate), holding the workload events recorded next
     /// to port I/O (agent option workload=RATE,COUNT,PORT).
-    #[arg(long, value_name = "GUEST.dat|GUEST.jsonl")]
-    pub guest_trace: PathBuf,
+    #[arg(long, value_name = "GUEST.dat|GUEST.jsonl", requires = "port")]
+    pub guest_trace: Option<PathBuf>,
     /// The workload's port (decimal or 0x hex).
-    #[arg(long, value_name = "PORT", value_parser = parse_port)]
-    pub port: u16,
+    #[arg(long, value_name = "PORT", value_parser = parse_port, requires = "guest_trace")]
+    pub port: Option<u16>,
+    /// A probe log (`vmtsync probe|record --probe-log`): each probe is paired with its own
+    /// kvm_pio exits in the host trace (UART bytes or sync port), its guest TSC converted
+    /// with the sync file and checked against them.
+    #[arg(long, value_name = "FILE")]
+    pub probe_log: Option<PathBuf>,
     /// The host thread of a vCPU, as VCPU=PID (repeatable); needed only when the host trace
-    /// has no GUEST option and several threads did I/O on the port.
+    /// has no GUEST option and several threads did I/O on the port. When threads are known
+    /// (here or from the GUEST option), probes are paired with their exits only.
     #[arg(long = "thread", value_name = "VCPU=PID", value_parser = parse_thread)]
     pub threads: Vec<(u32, u32)>,
     /// The host trace began before the VM's workload did (tracing on before boot): its k-th
@@ -38,7 +47,7 @@ pub struct ValidateArgs {
     /// sync is off by less than 128 event periods).
     #[arg(long)]
     pub from_boot: bool,
-    /// Print the report as one JSON object (schema 1, see docs/validate.md).
+    /// Print the report as one JSON object (schema 2, see docs/validate.md).
     #[arg(long)]
     pub json: bool,
 }
@@ -68,8 +77,8 @@ pub fn run_validate_cmd(args: &ValidateArgs) -> Result<(), CliError> {
     let opts = ValidateOptions {
         sync: args.sync.clone(),
         host_trace: args.host_trace.clone(),
-        guest_trace: args.guest_trace.clone(),
-        port: args.port,
+        guest_trace: args.guest_trace.clone().zip(args.port),
+        probe_log: args.probe_log.clone(),
         threads: args.threads.iter().copied().collect::<BTreeMap<_, _>>(),
         numbering: if args.from_boot {
             Numbering::FromBoot
@@ -86,18 +95,35 @@ pub fn run_validate_cmd(args: &ValidateArgs) -> Result<(), CliError> {
         print_text(&mut out, &report)?;
     }
     out.flush()?;
-    if report.violations > 0 {
-        return Err(CliError::Violations(report.violations));
+    let probes = report.probes.as_ref();
+    let violations = report.violations + probes.map_or(0, |p| p.violations);
+    if violations > 0 {
+        return Err(CliError::Violations(violations));
     }
-    if report.checked == 0 {
+    if args.guest_trace.is_some() && report.checked == 0 {
         return Err(CliError::Usage(
             "no event could be checked: no exit of the host trace matches a guest event (is it the same run, the right --port, the right thread?)".into(),
+        ));
+    }
+    if probes.is_some_and(|p| p.checked == 0) {
+        return Err(CliError::Usage(
+            "no probe could be checked: none of the log's probes has its exits in the host trace (was kvm_pio of the UART or the sync port recorded during the session, in the same VM?)".into(),
         ));
     }
     Ok(())
 }
 
 fn print_text(out: &mut impl Write, r: &ValidateReport) -> io::Result<()> {
+    if r.probes.is_none() || r.checked + r.unmatched_events + r.unconverted_events > 0 {
+        print_events(out, r)?;
+    }
+    if let Some(p) = &r.probes {
+        print_probes(out, p)?;
+    }
+    Ok(())
+}
+
+fn print_events(out: &mut impl Write, r: &ValidateReport) -> io::Result<()> {
     writeln!(
         out,
         "checked {} events against their kvm_pio exits ({} before an out, {} after an in): {} violations ({} with a false guaranteed bound)",
@@ -120,17 +146,7 @@ fn print_text(out: &mut impl Write, r: &ValidateReport) -> io::Result<()> {
             )?;
         }
     }
-    writeln!(
-        out,
-        "vcpu  round  events  worst_lag  violations  offset_width"
-    )?;
-    for s in &r.segments {
-        writeln!(
-            out,
-            "{:>4}  {:>5}  {:>6}  {:>9}  {:>10}  {:>12}",
-            s.vcpu, s.round, s.events, s.worst_lag, s.violations, s.width
-        )?;
-    }
+    print_segments(out, "events", &r.segments)?;
     for v in &r.first_violations {
         writeln!(
             out,
@@ -155,9 +171,113 @@ fn print_text(out: &mut impl Write, r: &ValidateReport) -> io::Result<()> {
     Ok(())
 }
 
+/// The per-segment table; `what` names the column of things converted through each.
+fn print_segments(out: &mut impl Write, what: &str, segments: &[SegmentWorst]) -> io::Result<()> {
+    writeln!(
+        out,
+        "vcpu  round  {what:>6}  worst_lag  violations  offset_width"
+    )?;
+    for s in segments {
+        writeln!(
+            out,
+            "{:>4}  {:>5}  {:>6}  {:>9}  {:>10}  {:>12}",
+            s.vcpu, s.round, s.events, s.worst_lag, s.violations, s.width
+        )?;
+    }
+    Ok(())
+}
+
+fn print_probes(out: &mut impl Write, p: &ProbeReport) -> io::Result<()> {
+    writeln!(
+        out,
+        "checked {} of {} logged probes against their own kvm_pio exits: {} violations ({} with a false guaranteed bound)",
+        p.checked, p.logged, p.violations, p.bound_violations
+    )?;
+    writeln!(
+        out,
+        "not checked: {} probes without their exits in the host trace, {} outside every segment{}",
+        p.unpaired,
+        p.unconverted,
+        if p.cut_bytes > 0 {
+            format!("; {} bytes of a torn last line", p.cut_bytes)
+        } else {
+            String::new()
+        }
+    )?;
+    for (what, l) in [
+        ("after the exit before the read", p.lag_after_in),
+        ("before the exit after the read", p.lag_before_out),
+    ] {
+        if let Some(l) = l {
+            writeln!(
+                out,
+                "lag of probes {what} (ticks; negative: the wrong side): min {} p1 {} median {} p99 {} max {}",
+                l.min, l.p1, l.median, l.p99, l.max
+            )?;
+        }
+    }
+    print_segments(out, "probes", &p.segments)?;
+    for v in &p.first_violations {
+        writeln!(
+            out,
+            "violation: probe vcpu {} seq {} ({:?}): guest {} -> host {} (guaranteed [{}, {}]) vs exits [{}, {}] (segment round {}){}",
+            v.vcpu,
+            v.seq,
+            v.path,
+            v.guest_tsc,
+            v.host_tsc,
+            v.host_lo,
+            v.host_hi,
+            v.exit_lo,
+            v.exit_hi,
+            v.round,
+            if v.bound_false {
+                ", guaranteed bound false"
+            } else {
+                ""
+            }
+        )?;
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[derive(Debug, clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        v: ValidateArgs,
+    }
+
+    fn parse(args: &str) -> Result<ValidateArgs, clap::Error> {
+        use clap::Parser;
+        Cli::try_parse_from(std::iter::once("validate").chain(args.split_whitespace())).map(|c| c.v)
+    }
+
+    #[test]
+    fn a_guest_trace_needs_its_port_and_something_must_be_checked() {
+        use clap::CommandFactory;
+        Cli::command().debug_assert();
+        let base = "--sync s --host-trace h";
+        let a = parse(&format!("{base} --probe-log p")).unwrap();
+        assert!(a.guest_trace.is_none() && a.port.is_none());
+        let a = parse(&format!(
+            "{base} --guest-trace g --port 0x3f0 --probe-log p"
+        ))
+        .unwrap();
+        assert_eq!((a.port, a.probe_log.is_some()), (Some(0x3f0), true));
+        assert!(parse(base).is_err(), "nothing to check");
+        assert!(
+            parse(&format!("{base} --guest-trace g")).is_err(),
+            "no --port"
+        );
+        assert!(
+            parse(&format!("{base} --port 1 --probe-log p")).is_err(),
+            "a port for nothing"
+        );
+    }
 
     #[test]
     fn ports_and_threads_parse() {

@@ -64,8 +64,9 @@ pub struct ProbeArgs {
     /// vCPU the agent runs on (docs/smp.md).
     #[arg(long, value_name = "N", conflicts_with = "all_vcpus")]
     pub vcpu: Option<u32>,
-    /// Sync every vCPU the agent serves, one round each (one JSON object per vCPU).
-    #[arg(long, conflicts_with = "continuous")]
+    /// Sync every vCPU the agent serves, one round each (one JSON object per vCPU); with
+    /// `--continuous`, every vCPU in each round, one segment per vCPU.
+    #[arg(long)]
     pub all_vcpus: bool,
     /// End the agent afterwards (it sends `Exiting` and, when booted with `exit=N`, ends
     /// its VM through isa-debug-exit). Without it the agent keeps serving for later sessions.
@@ -89,13 +90,19 @@ pub struct ProbeArgs {
     /// tracefs, for --anchor (default: /sys/kernel/tracing, then /sys/kernel/debug/tracing).
     #[arg(long, value_name = "DIR")]
     pub tracefs: Option<PathBuf>,
-    /// The agent's sync port (agent boot option syncport=N), for --anchor on every transport
-    /// but a serial chardev (unix:PATH), which is anchored on the UART's own exits.
+    /// The agent's sync port (agent boot option syncport=N), for --anchor: every transport's
+    /// probes are bracketed there; on a serial chardev (unix:PATH) only when the agent's hello
+    /// announces a sync port, else on the UART's own exits.
     #[arg(long, value_name = "PORT", default_value = "0x2400", value_parser = parse_port)]
     pub sync_port: u16,
     /// KVM debugfs, for --anchor.
     #[arg(long, value_name = "DIR", default_value = DEFAULT_KVM_DEBUGFS)]
     pub debugfs_root: PathBuf,
+    /// Append every probe that gave a sample to this file (JSON Lines: vCPU, sequence number,
+    /// guest TSC, frames, in-process stamps), so `vmtsync validate --probe-log` can check the
+    /// sync against the probes' own kvm_pio exits in a host trace (docs/validate.md).
+    #[arg(long, value_name = "FILE")]
+    pub probe_log: Option<PathBuf>,
 }
 
 impl ProbeArgs {
@@ -125,6 +132,7 @@ impl ProbeArgs {
             sync_port: self.sync_port,
             ..AnchorOptions::default()
         };
+        o.probe_log = self.probe_log.clone();
         o.continuous = match (&self.out, self.continuous) {
             (Some(out), true) => Some(ContinuousOptions {
                 out: out.clone(),
@@ -242,10 +250,9 @@ mod tests {
             "--out",
             "f",
         ];
-        assert!(
-            parse(&continuous).is_err(),
-            "continuous mode syncs one vCPU"
-        );
+        let c = parse(&continuous).unwrap().to_options(None);
+        assert_eq!(c.vcpus, VcpuChoice::All);
+        assert!(c.continuous.is_some(), "continuous mode syncs every vCPU");
     }
 
     #[test]

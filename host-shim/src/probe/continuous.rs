@@ -6,6 +6,11 @@
 //! since the last break, so the rate bound tightens as the run grows (about `2·RTT / span`); a
 //! round that no constant rate fits together with the earlier ones starts a new estimate and
 //! is written with `"break": true`.
+//!
+//! With several vCPUs (`--all-vcpus`, or `--vcpu N`) a round syncs each in turn, in increasing
+//! order, and each vCPU keeps its own cumulative estimate: every vCPU's TSC is its own clock
+//! (docs/smp.md), so one vCPU's rounds never break or tighten another's. Segments carry their
+//! vCPU; readers of the file pick a vCPU's segments by it.
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -88,11 +93,13 @@ impl Cumulative {
     }
 }
 
-/// Runs rounds until `cont.rounds` or the stop flag; writes one segment per round.
+/// Runs rounds until `cont.rounds` or the stop flag; each round syncs every vCPU of `vcpus`
+/// in turn and writes one segment per vCPU.
 pub(super) fn run<T: StampedTransport>(
     session: &mut ProbeSession<T>,
     opts: &ProbeOptions,
     cont: &ContinuousOptions,
+    vcpus: &[u32],
     out: &mut dyn Write,
     progress: &mut Progress,
 ) -> Result<ContinuousSummary, ProbeError> {
@@ -103,7 +110,9 @@ pub(super) fn run<T: StampedTransport>(
         // much went before the new segments are appended after the complete ones.
         eprintln!("vmtsync: warning: {}: {cut}", cont.out.display());
     }
-    let mut cumulative = Cumulative::new();
+    // One estimate per vCPU: a round of one vCPU says nothing about another's clock.
+    let mut cumulative: Vec<(u32, Cumulative)> =
+        vcpus.iter().map(|&v| (v, Cumulative::new())).collect();
     let mut summary = ContinuousSummary {
         segments: 0,
         breaks: 0,
@@ -116,72 +125,23 @@ pub(super) fn run<T: StampedTransport>(
             break;
         }
         let started = Instant::now();
-        session.forget_reference();
-        let samples = match session.probe_round(opts.probes, opts.interval, &mut Progress::hidden())
-        {
+        for (vcpu, cumulative) in &mut cumulative {
+            session.select_vcpu(*vcpu)?;
             // A stop mid-round ends continuous mode like a stop between rounds: the
             // segments written so far stand.
-            Err(ProbeError::Interrupted) => break,
-            r => r?,
-        };
-        let estimate = if samples.is_empty() {
-            None
-        } else {
-            Some(ProbeSummary::from_samples(
-                session.info(),
-                &samples,
-                session.stats(),
-            ))
-        };
-        match estimate {
-            None => {
-                summary.empty_rounds += 1;
-                note(
-                    out,
-                    opts.json,
-                    &format!("round {round}: every probe was lost"),
-                )?;
-            }
-            // The guest clock stepped inside this round (no constant rate fits it alone):
-            // nothing trustworthy to write; the next round measures the new relation.
-            Some(Err(e)) => {
-                summary.empty_rounds += 1;
-                note(
-                    out,
-                    opts.json,
-                    &format!("round {round}: skipped, samples inconsistent ({e:?})"),
-                )?;
-            }
-            Some(Ok(s)) => {
-                let is_break = cumulative.add(&samples);
-                let seg = segment(&cumulative, &s, &samples, round, is_break)?;
-                writer.append(&seg)?;
-                summary.segments += 1;
-                summary.breaks += u64::from(is_break);
-                if opts.json {
-                    s.write_json(out).map_err(ProbeError::Output)?;
-                } else {
-                    writeln!(
-                    out,
-                    "round {round}: offset {} in [{}, {}] at host {}, drift {} ppb, {} probes, rtt min {}{}",
-                    seg.offset,
-                    seg.offset_lo,
-                    seg.offset_hi,
-                    seg.host_anchor,
-                    seg.drift_ppb,
-                    seg.probes,
-                    seg.rtt_min_ticks,
-                    if is_break { ", BREAK" } else { "" }
-                )
-                .map_err(ProbeError::Output)?;
-                }
-                out.flush().map_err(ProbeError::Output)?;
-                progress.status(&format!(
-                    "vmtsync probe: round {round}, {} segments in {}",
-                    summary.segments,
-                    cont.out.display()
-                ));
-                summary.last = Some(s);
+            if !one_vcpu_round(
+                session,
+                opts,
+                cont,
+                (round, *vcpu, vcpus.len() > 1),
+                cumulative,
+                &mut writer,
+                &mut summary,
+                out,
+                progress,
+            )? {
+                progress.clear();
+                return Ok(summary);
             }
         }
         round += 1;
@@ -198,6 +158,90 @@ pub(super) fn run<T: StampedTransport>(
     }
     progress.clear();
     Ok(summary)
+}
+
+/// One vCPU's part of round `round` (`many`: the file holds several vCPUs, so the text
+/// output names the vCPU): probes it, appends its segment. `Ok(false)` when a stop
+/// interrupted the round.
+#[allow(clippy::too_many_arguments)]
+fn one_vcpu_round<T: StampedTransport>(
+    session: &mut ProbeSession<T>,
+    opts: &ProbeOptions,
+    cont: &ContinuousOptions,
+    (round, vcpu, many): (u64, u32, bool),
+    cumulative: &mut Cumulative,
+    writer: &mut SyncWriter,
+    summary: &mut ContinuousSummary,
+    out: &mut dyn Write,
+    progress: &mut Progress,
+) -> Result<bool, ProbeError> {
+    let name = if many {
+        format!("round {round} vCPU {vcpu}")
+    } else {
+        format!("round {round}")
+    };
+    session.forget_reference();
+    let samples = match session.probe_round(opts.probes, opts.interval, &mut Progress::hidden()) {
+        Err(ProbeError::Interrupted) => return Ok(false),
+        r => r?,
+    };
+    let estimate = if samples.is_empty() {
+        None
+    } else {
+        Some(ProbeSummary::from_samples(
+            session.info(),
+            &samples,
+            session.stats(),
+        ))
+    };
+    match estimate {
+        None => {
+            summary.empty_rounds += 1;
+            note(out, opts.json, &format!("{name}: every probe was lost"))?;
+        }
+        // The guest clock stepped inside this round (no constant rate fits it alone):
+        // nothing trustworthy to write; the next round measures the new relation.
+        Some(Err(e)) => {
+            summary.empty_rounds += 1;
+            note(
+                out,
+                opts.json,
+                &format!("{name}: skipped, samples inconsistent ({e:?})"),
+            )?;
+        }
+        Some(Ok(s)) => {
+            let is_break = cumulative.add(&samples);
+            let seg = segment(cumulative, &s, &samples, round, is_break)?;
+            writer.append(&seg)?;
+            summary.segments += 1;
+            summary.breaks += u64::from(is_break);
+            if opts.json {
+                s.write_json(out).map_err(ProbeError::Output)?;
+            } else {
+                writeln!(
+                    out,
+                    "{name}: offset {} in [{}, {}] at host {}, drift {} ppb, {} probes, rtt min {}{}",
+                    seg.offset,
+                    seg.offset_lo,
+                    seg.offset_hi,
+                    seg.host_anchor,
+                    seg.drift_ppb,
+                    seg.probes,
+                    seg.rtt_min_ticks,
+                    if is_break { ", BREAK" } else { "" }
+                )
+                .map_err(ProbeError::Output)?;
+            }
+            out.flush().map_err(ProbeError::Output)?;
+            progress.status(&format!(
+                "vmtsync probe: {name}, {} segments in {}",
+                summary.segments,
+                cont.out.display()
+            ));
+            summary.last = Some(s);
+        }
+    }
+    Ok(true)
 }
 
 /// Writes a note about a round: to `out` in text mode, to stderr (`vmtsync: ` prefixed) under

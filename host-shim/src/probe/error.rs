@@ -89,6 +89,14 @@ pub enum ProbeError {
     /// Writing the report failed.
     #[error("writing output: {0}")]
     Output(io::Error),
+    /// The probe log (`--probe-log`) could not be written.
+    #[error("writing the probe log {path}: {source}")]
+    ProbeLog {
+        /// The file.
+        path: std::path::PathBuf,
+        /// The cause.
+        source: io::Error,
+    },
     /// `--anchor kvm-pio` was asked for and cannot be done (docs/anchor.md).
     #[error("exit anchoring (--anchor kvm-pio): {0}")]
     Anchor(String),

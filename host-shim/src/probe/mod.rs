@@ -15,6 +15,7 @@
 //!   must lie in, which makes compact replies unambiguous (docs/probe.md).
 //! - [`report`]: estimates, RTT statistics, text and `--json` (schema 2) output.
 //! - [`continuous`]: periodic re-sync into a sync file ([`crate::syncfile`]).
+//! - [`log`](mod@log): `--probe-log`, every probe exchange for `vmtsync validate`.
 //! - `run` ([`run_probe`], [`ProbeOptions`]) and `error` ([`ProbeError`]): one run, and why it
 //!   failed.
 //! - `testutil` (tests only): `SimTransport`, the core agent on a simulated host clock.
@@ -28,6 +29,7 @@ pub mod args;
 pub mod connect;
 pub mod continuous;
 mod error;
+pub mod log;
 pub mod progress;
 pub mod reference;
 pub mod report;
@@ -46,6 +48,7 @@ pub use args::ProbeArgs;
 pub use connect::{ConnectError, ConnectOptions};
 pub use continuous::{ContinuousOptions, ContinuousSummary};
 pub use error::ProbeError;
+pub use log::{ProbeExchange, ProbeLog, ProbePath};
 pub use progress::Progress;
 pub use report::{OffsetModel, ProbeSummary};
 pub use run::{

@@ -2,6 +2,7 @@
 //! the report.
 
 use std::io::Write;
+use std::path::PathBuf;
 use std::sync::atomic::AtomicBool;
 use std::time::Duration;
 
@@ -12,6 +13,7 @@ use super::anchor::{self, AnchorMode, AnchorOptions};
 use super::connect::{self, ConnectOptions};
 use super::continuous::{self, ContinuousOptions};
 use super::error::ProbeError;
+use super::log::ProbeLog;
 use super::progress::Progress;
 use super::report::ProbeSummary;
 use super::session::ProbeSession;
@@ -51,6 +53,9 @@ pub struct ProbeOptions {
     pub shutdown: bool,
     /// Exit anchoring (`--anchor`; off by default here, `auto` in the CLI).
     pub anchor: AnchorOptions,
+    /// Append every probe that gives a sample to this file (`--probe-log`, for `vmtsync
+    /// validate --probe-log`).
+    pub probe_log: Option<PathBuf>,
 }
 
 impl ProbeOptions {
@@ -71,6 +76,7 @@ impl ProbeOptions {
             stop: None,
             shutdown: false,
             anchor: AnchorOptions::default(),
+            probe_log: None,
         }
     }
 }
@@ -148,11 +154,17 @@ pub fn run_probe_vcpus_on<T: StampedTransport>(
 ) -> Result<Vec<ProbeSummary>, ProbeError> {
     let mut progress = Progress::stderr_if_terminal(opts.progress);
     let mut session = ProbeSession::hello_until_stopped(transport, opts.timeout, opts.stop)?;
+    if let Some(path) = &opts.probe_log {
+        session.log_probes(ProbeLog::create(path, &opts.addr, &opts.anchor)?);
+    }
     let result = vcpus_of(&mut session, opts.vcpus).and_then(|vcpus| {
+        if let Some(cont) = &opts.continuous {
+            return continuous(&mut session, opts, cont, &vcpus, out, &mut progress);
+        }
         let mut all = Vec::with_capacity(vcpus.len());
         for v in vcpus {
             session.select_vcpu(v)?;
-            all.push(one_vcpu(&mut session, opts, out, &mut progress)?);
+            all.push(one_round(&mut session, opts, out, &mut progress)?);
         }
         Ok(all)
     });
@@ -181,24 +193,23 @@ fn vcpus_of<T: StampedTransport>(
     }
 }
 
-/// One vCPU's round, or continuous mode on it.
-fn one_vcpu<T: StampedTransport>(
+/// Continuous mode on `vcpus`; the last round's summary (of the last vCPU synced).
+fn continuous<T: StampedTransport>(
     session: &mut ProbeSession<T>,
     opts: &ProbeOptions,
+    cont: &ContinuousOptions,
+    vcpus: &[u32],
     out: &mut dyn Write,
     progress: &mut Progress,
-) -> Result<ProbeSummary, ProbeError> {
-    match &opts.continuous {
-        Some(cont) => continuous::run(session, opts, cont, out, progress).and_then(|c| {
-            c.last.ok_or(if opts.stopped() {
-                // Stopped before any round measured something: interrupted, not "no samples".
-                ProbeError::Interrupted
-            } else {
-                ProbeError::Estimate(EstimateError::NoSamples)
-            })
-        }),
-        None => one_round(session, opts, out, progress),
-    }
+) -> Result<Vec<ProbeSummary>, ProbeError> {
+    let c = continuous::run(session, opts, cont, vcpus, out, progress)?;
+    let last = c.last.ok_or(if opts.stopped() {
+        // Stopped before any round measured something: interrupted, not "no samples".
+        ProbeError::Interrupted
+    } else {
+        ProbeError::Estimate(EstimateError::NoSamples)
+    })?;
+    Ok(vec![last])
 }
 
 fn one_round<T: StampedTransport>(
@@ -281,6 +292,19 @@ mod tests {
     }
 
     #[test]
+    fn the_probe_log_holds_every_vcpus_samples() {
+        let dir = tempfile::tempdir().unwrap();
+        let log = dir.path().join("probes.jsonl");
+        let mut opts = options();
+        opts.vcpus = VcpuChoice::All;
+        opts.probe_log = Some(log.clone());
+        run_probe_vcpus_on(smp_sim(), &opts, &mut Vec::new()).unwrap();
+        let mut vcpus = Vec::new();
+        crate::validate::probes::read_probe_log(&log, |e| vcpus.push(e.vcpu)).unwrap();
+        assert_eq!(vcpus, [[0; 8], [2; 8], [3; 8]].concat());
+    }
+
+    #[test]
     fn one_vcpu_is_checked_against_the_agents_list_and_synced_continuously() {
         let mut opts = options();
         opts.vcpus = VcpuChoice::One(1);
@@ -307,6 +331,48 @@ mod tests {
         for seg in &sync.segments {
             assert_eq!(seg.vcpu, 2);
             assert!(seg.offset_lo <= 1_000 + (2 << 36) && 1_000 + (2 << 36) <= seg.offset_hi);
+        }
+    }
+
+    #[test]
+    fn all_vcpus_continuously_writes_each_vcpus_segments_on_its_own_clock() {
+        let dir = tempfile::Builder::new()
+            .prefix("vmtsync-run-")
+            .tempdir()
+            .unwrap();
+        let path = dir.path().join("all.jsonl");
+        let mut opts = options();
+        opts.vcpus = VcpuChoice::All;
+        opts.continuous = Some(ContinuousOptions {
+            out: path.clone(),
+            resync: Duration::ZERO,
+            rounds: Some(3),
+        });
+        let mut out = Vec::new();
+        run_probe_on(smp_sim(), &opts, &mut out).unwrap();
+        let text = String::from_utf8(out).unwrap();
+        assert!(text.contains("round 2 vCPU 3: offset"), "{text}");
+        let sync = SyncFile::read(&path).unwrap();
+        // Three rounds of three vCPUs, in vCPU order within each round.
+        let order: Vec<(u64, u32)> = sync.segments.iter().map(|g| (g.round, g.vcpu)).collect();
+        let want: Vec<(u64, u32)> = (0..3).flat_map(|r| [0, 2, 3].map(|v| (r, v))).collect();
+        assert_eq!(order, want);
+        assert_eq!(sync.vcpus(), [0, 2, 3]);
+        for seg in &sync.segments {
+            let truth = 1_000
+                + if seg.vcpu == 3 {
+                    0
+                } else {
+                    (1 << 36) * i64::from(seg.vcpu)
+                };
+            assert!(seg.offset_lo <= truth && truth <= seg.offset_hi, "{seg:?}");
+            // Each vCPU's estimate is its own: a vCPU 2^36 ticks away from the one before it
+            // never breaks it.
+            assert!(!seg.is_break, "{seg:?}");
+        }
+        // Each vCPU's timeline converts with its own offset.
+        for v in [0, 2, 3] {
+            assert!(sync.timeline(v).is_ok());
         }
     }
 }

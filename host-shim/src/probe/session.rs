@@ -47,6 +47,7 @@ use vmtsync_core::{GuestTicks, HostTicks};
 
 use super::ProbeError;
 use super::anchor::AnchorKind;
+use super::log::ProbeLog;
 use super::progress::Progress;
 pub use super::reference::{RATE_MAX, RATE_MIN, Reference, Window};
 use super::transport::{FrameStamps, StampedTransport, TransportError};
@@ -161,6 +162,9 @@ pub struct ProbeSession<T> {
     /// The other vCPUs' references, kept while another vCPU is selected (each vCPU's TSC is
     /// its own clock). One entry per vCPU the caller selected, so bounded by the caller.
     parked: Vec<(u32, Option<Reference>)>,
+    /// The vCPUs whose event batches this session accepts: the agent's own, or the list its
+    /// [`Message::Vcpus`] gave ([`ProbeSession::vcpus`]).
+    served: Vec<u32>,
     seq: Seq,
     /// Bytes received during the current wait (see [`MAX_BYTES_PER_WAIT`]).
     wait_bytes: u64,
@@ -170,6 +174,8 @@ pub struct ProbeSession<T> {
     garbage_losses: u32,
     /// Raised from a signal handler: every wait gives up with [`ProbeError::Interrupted`].
     stop: Option<&'static AtomicBool>,
+    /// Where every probe that gave a sample is written (`--probe-log`).
+    log: Option<ProbeLog>,
 }
 
 impl<T: StampedTransport> ProbeSession<T> {
@@ -216,12 +222,14 @@ impl<T: StampedTransport> ProbeSession<T> {
             reference: None,
             target: 0,
             parked: Vec::new(),
+            served: Vec::new(),
             seq: 0,
             wait_bytes: 0,
             timeout,
             stats: SessionStats::default(),
             garbage_losses: 0,
             stop,
+            log: None,
         };
         let deadline = Instant::now() + timeout;
         // The capabilities may answer any of the hellos: the first send bounds them all.
@@ -308,6 +316,12 @@ impl<T: StampedTransport> ProbeSession<T> {
         }
     }
 
+    /// Writes every later probe that gives a sample to `log` (`--probe-log`), for `vmtsync
+    /// validate`.
+    pub fn log_probes(&mut self, log: ProbeLog) {
+        self.log = Some(log);
+    }
+
     /// Forgets the unwrap reference, so the next probe asks for the full TSC (done at the start
     /// of each continuous-mode round, when the guest may have been paused or migrated).
     pub fn forget_reference(&mut self) {
@@ -331,6 +345,7 @@ impl<T: StampedTransport> ProbeSession<T> {
                 Message::Vcpus { online } => {
                     let list: Vec<u32> = (0..64).filter(|i| online >> i & 1 == 1).collect();
                     return if list.contains(&self.info.vcpu) {
+                        self.served.clone_from(&list);
                         Ok(list)
                     } else {
                         Err(ProbeError::Protocol(format!(
@@ -424,7 +439,7 @@ impl<T: StampedTransport> ProbeSession<T> {
         let deadline = Instant::now() + self.timeout;
         let bad_before = self.stats.bad_frames;
         self.wait_bytes = 0;
-        let (reading, vcpu, recv) = loop {
+        let (reading, reply, vcpu, recv) = loop {
             let (msg, stamp) = match self.next_message(deadline, "a probe reply") {
                 Ok(m) => m,
                 // Garbage arrived instead of the reply (noise on a serial line eats a frame),
@@ -450,10 +465,20 @@ impl<T: StampedTransport> ProbeSession<T> {
                         self.stats.unexpected += 1;
                         continue;
                     }
-                    break (Reading::Low32(r.tsc_low32), r.vcpu, stamp);
+                    break (
+                        Reading::Low32(r.tsc_low32),
+                        Message::ProbeReply(r),
+                        r.vcpu,
+                        stamp,
+                    );
                 }
                 Message::ProbeReplyFull(r) if r.seq == seq => {
-                    break (Reading::Full(r.guest_tsc()), r.vcpu, stamp);
+                    break (
+                        Reading::Full(r.guest_tsc()),
+                        Message::ProbeReplyFull(r),
+                        r.vcpu,
+                        stamp,
+                    );
                 }
                 Message::ProbeReply(vmtsync_core::proto::ProbeReply { seq: other, .. })
                 | Message::ProbeReplyFull(vmtsync_core::proto::ProbeReplyFull {
@@ -523,12 +548,24 @@ impl<T: StampedTransport> ProbeSession<T> {
             guest,
         });
         self.garbage_losses = 0;
-        Ok(Some(ProbeSample {
+        let sample = ProbeSample {
             host_send: stamps.send,
             guest,
             host_recv: stamps.recv,
             vcpu,
-        }))
+        };
+        if let Some(log) = &mut self.log {
+            let anchor = self.transport.anchor();
+            log.append(
+                seq,
+                &msg,
+                &reply,
+                &sample,
+                FrameStamps { send, recv },
+                anchor,
+            )?;
+        }
+        Ok(Some(sample))
     }
 
     /// Whether a probe with sequence number `seq` was sent in this session: one of the last
@@ -598,9 +635,9 @@ impl<T: StampedTransport> ProbeSession<T> {
                     )));
                 }
             };
-            if b.vcpu != self.info.vcpu {
+            if b.vcpu != self.info.vcpu && !self.served.contains(&b.vcpu) {
                 return Err(ProbeError::Protocol(format!(
-                    "an event batch from vCPU {} on vCPU {}'s session",
+                    "an event batch from vCPU {}, which the agent (on vCPU {}) does not serve",
                     b.vcpu, self.info.vcpu
                 )));
             }

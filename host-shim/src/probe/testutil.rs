@@ -7,14 +7,15 @@ use vmtsync_core::HostTicks;
 use vmtsync_core::agent::Agent;
 use vmtsync_core::agent::fake::{FakeClock, FakeLink};
 use vmtsync_core::proto::MAX_FRAME_SIZE;
+use vmtsync_core::recorder::{EventSources, NoEvents};
 
 use super::transport::{FrameStamps, Received, StampedTransport, TransportError};
 
 /// An in-process transport in the style of a built-in VMM: a simulated host clock, the
 /// core agent on a fake link, and exact stamps of when the guest consumed the request and
 /// produced the reply (returned through `refine` when `exact` is set).
-pub(crate) struct SimTransport {
-    pub(crate) agent: Agent<FakeLink, FakeClock>,
+pub(crate) struct SimTransport<E = NoEvents> {
+    pub(crate) agent: Agent<FakeLink, FakeClock, E>,
     pub(crate) now: u64,
     pub(crate) offset: u64,
     pub(crate) fwd: u64,
@@ -39,12 +40,23 @@ pub(crate) struct SimTransport {
     pub(crate) stall_past_timeout: bool,
     /// Reply bytes held back until the next send.
     held: Vec<u8>,
+    /// Every frame the host sent and every frame the agent sent, in order (what a trace of
+    /// the wire would show).
+    pub(crate) wire_in: Vec<Vec<u8>>,
+    pub(crate) wire_out: Vec<Vec<u8>>,
 }
 
 impl SimTransport {
     pub(crate) fn new(offset: u64) -> Self {
+        SimTransport::with_events(offset, NoEvents)
+    }
+}
+
+impl<E: EventSources> SimTransport<E> {
+    /// An agent (on vCPU 3) that drains `events` when asked.
+    pub(crate) fn with_events(offset: u64, events: E) -> Self {
         Self {
-            agent: Agent::new(FakeLink::new(), FakeClock::new(0, 0, 3)),
+            agent: Agent::with_events(FakeLink::new(), FakeClock::new(0, 0, 3), events),
             // Near the real host TSC, so code that (wrongly) mixes in real readings behaves
             // as it would on a real host.
             now: super::transport::host_tsc_now().0.max(1 << 40),
@@ -62,11 +74,13 @@ impl SimTransport {
             stall_at: None,
             stall_past_timeout: false,
             held: Vec::new(),
+            wire_in: Vec::new(),
+            wire_out: Vec::new(),
         }
     }
 }
 
-impl StampedTransport for SimTransport {
+impl<E: EventSources> StampedTransport for SimTransport<E> {
     fn send(&mut self, frame: &[u8]) -> Result<HostTicks, TransportError> {
         self.sends += 1;
         if let Some((at, offset)) = self.step_at
@@ -87,6 +101,7 @@ impl StampedTransport for SimTransport {
             self.now += ticks;
         }
         assert!(self.agent.link_mut().push_inbound(frame));
+        self.wire_in.push(frame.to_vec());
         self.guest_read_at = self.now;
         self.agent.clock_mut().tsc = self.now + self.offset;
         self.agent.poll().unwrap();
@@ -102,6 +117,7 @@ impl StampedTransport for SimTransport {
         };
         while let Some(n) = self.agent.link_mut().next_sent_frame(&mut f) {
             out.extend_from_slice(&f[..n.min(f.len())]);
+            self.wire_out.push(f[..n.min(f.len())].to_vec());
         }
         Ok(stamp)
     }

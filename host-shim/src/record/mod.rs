@@ -42,7 +42,7 @@ use crate::probe::anchor;
 use crate::probe::connect::{self, ConnectOptions};
 use crate::probe::continuous::{Cumulative, segment};
 use crate::probe::{
-    ProbeError, ProbeOptions, ProbeSession, ProbeSummary, Progress, StampedTransport,
+    ProbeError, ProbeLog, ProbeOptions, ProbeSession, ProbeSummary, Progress, StampedTransport,
 };
 use crate::syncfile::{SyncHeader, SyncSegment, SyncWriter};
 use crate::tracedat::{self, FileVersion, ShiftMode, TimeShift, TraceDatWriter, WriterOptions};
@@ -140,8 +140,11 @@ pub struct RecordSummary {
     pub clamped: u64,
     /// Why it ended.
     pub end: EndReason,
-    /// The vCPU the agent read.
+    /// The vCPU the agent runs on.
     pub vcpu: u32,
+    /// Every vCPU synced (and whose events were accepted), in increasing order: the agent's
+    /// own, or with an SMP agent every vCPU it serves (docs/smp.md).
+    pub vcpus: Vec<u32>,
     /// The guest trace's TRACEID (trace.dat only; 0 for JSON Lines).
     pub trace_id: u64,
     /// The file written.
@@ -291,6 +294,9 @@ pub fn run_record_on<T: StampedTransport>(
 ) -> Result<RecordSummary, RecordError> {
     let p = &opts.probe;
     let mut session = ProbeSession::hello_until_stopped(transport, p.timeout, p.stop)?;
+    if let Some(path) = &p.probe_log {
+        session.log_probes(ProbeLog::create(path, &p.addr, &p.anchor)?);
+    }
     let session_vcpu = session.info().vcpu;
     if !session
         .info()
@@ -299,6 +305,9 @@ pub fn run_record_on<T: StampedTransport>(
     {
         return Err(RecordError::NoEvents);
     }
+    // Every vCPU the agent serves is synced on itself each round: a unikernel may record on
+    // any of them, and each vCPU's TSC is its own clock (docs/smp.md).
+    let vcpus = session.vcpus()?;
     let mut out = match opts.format {
         RecordFormat::Jsonl => Out::Jsonl(jsonl::Writer::create(&opts.out)?),
         RecordFormat::TraceCmd | RecordFormat::Perfetto => {
@@ -315,18 +324,15 @@ pub fn run_record_on<T: StampedTransport>(
     };
     let mut st = State {
         sync_out,
-        segments: Vec::new(),
-        cumulative: Cumulative::new(),
+        vcpus: vcpus.iter().map(|&v| VcpuSync::new(v)).collect(),
         round: 0,
         breaks: 0,
         events: 0,
-        dropped: 0,
         host_stamped: 0,
         unplaceable: 0,
         lost: 0,
         replayed: 0,
         failed_drains: 0,
-        next_index: None,
         widths: Widths::default(),
         clocks: Vec::new(),
     };
@@ -334,7 +340,7 @@ pub fn run_record_on<T: StampedTransport>(
     // The initial sync: nothing can be placed before it.
     let first = st.sync(&mut session, p);
     let end = match first {
-        Ok(()) if st.segments.is_empty() => return Err(RecordError::NoSync),
+        Ok(()) if st.segments() == 0 => return Err(RecordError::NoSync),
         Ok(()) => record_loop(&mut session, opts, &mut st, &mut out, started, progress),
         Err(ProbeError::Interrupted) => return Err(ProbeError::Interrupted.into()),
         Err(e) => return Err(e.into()),
@@ -354,8 +360,8 @@ pub fn run_record_on<T: StampedTransport>(
     let (preconverted, clamped) = finish(out, opts, &st)?;
     Ok(RecordSummary {
         events: st.events,
-        dropped: st.dropped,
-        segments: st.segments.len() as u64,
+        dropped: st.vcpus.iter().map(|v| v.dropped).sum(),
+        segments: st.segments(),
         breaks: st.breaks,
         widths: st.widths.summary(),
         lost: st.lost,
@@ -367,6 +373,7 @@ pub fn run_record_on<T: StampedTransport>(
         clamped,
         end,
         vcpu: session_vcpu,
+        vcpus,
         trace_id: if opts.format == RecordFormat::TraceCmd {
             trace_id(opts, &st)
         } else {
@@ -376,16 +383,39 @@ pub fn run_record_on<T: StampedTransport>(
     })
 }
 
+/// One vCPU's part of a recording: its segments (its own clock's), its cumulative estimate,
+/// and its event queue's counters (the agent counts each vCPU's `first` indices on their own).
+struct VcpuSync {
+    vcpu: u32,
+    segments: Vec<SyncSegment>,
+    cumulative: Cumulative,
+    /// Events its queue refused (cumulative, as the agent reports it).
+    dropped: u64,
+    /// The index its next batch's first record should have.
+    next_index: Option<u64>,
+}
+
+impl VcpuSync {
+    fn new(vcpu: u32) -> Self {
+        Self {
+            vcpu,
+            segments: Vec::new(),
+            cumulative: Cumulative::new(),
+            dropped: 0,
+            next_index: None,
+        }
+    }
+}
+
 /// The state of a recording.
 struct State {
     /// `--sync-out`: every segment is appended as it is made.
     sync_out: Option<SyncWriter>,
-    segments: Vec<SyncSegment>,
-    cumulative: Cumulative,
+    /// Every vCPU synced, in increasing order.
+    vcpus: Vec<VcpuSync>,
     round: u64,
     breaks: u64,
     events: u64,
-    dropped: u64,
     host_stamped: u64,
     unplaceable: u64,
     /// Events the agent sent that never arrived (gaps in the batches' `first` index).
@@ -394,8 +424,6 @@ struct State {
     replayed: u64,
     /// Drains that failed and were asked again.
     failed_drains: u64,
-    /// The index the next batch's first record should have.
-    next_index: Option<u64>,
     /// Interval widths, for the summary's min/median/max, in constant memory.
     widths: Widths,
     /// Host TSC/BOOTTIME snapshots, one per sync round (for the Perfetto output).
@@ -467,39 +495,56 @@ impl Widths {
 }
 
 impl State {
-    /// One sync round; appends its segment (if the round produced samples).
+    /// One sync round: every vCPU in turn; appends each vCPU's segment (if its probes
+    /// produced samples).
     fn sync<T: StampedTransport>(
         &mut self,
         session: &mut ProbeSession<T>,
         p: &ProbeOptions,
     ) -> Result<(), ProbeError> {
-        session.forget_reference();
         // A failed snapshot only thins the BOOTTIME mapping; the Perfetto writer needs two.
         self.clocks.extend(ClockSnapshot::take().ok());
-        let samples: Vec<ProbeSample> =
-            session.probe_round(p.probes, p.interval, &mut Progress::hidden())?;
         let round = self.round;
         self.round += 1;
-        if samples.is_empty() {
-            return Ok(());
+        for v in &mut self.vcpus {
+            session.select_vcpu(v.vcpu)?;
+            session.forget_reference();
+            let samples: Vec<ProbeSample> =
+                session.probe_round(p.probes, p.interval, &mut Progress::hidden())?;
+            if samples.is_empty() {
+                continue;
+            }
+            let Ok(s) = ProbeSummary::from_samples(session.info(), &samples, session.stats())
+            else {
+                // The clock stepped inside the round: nothing trustworthy to add.
+                continue;
+            };
+            let is_break = v.cumulative.add(&samples);
+            let seg = segment(&v.cumulative, &s, &samples, round, is_break)?;
+            self.breaks += u64::from(is_break);
+            if let Some(w) = &mut self.sync_out {
+                w.append(&seg)?;
+            }
+            v.segments.push(seg);
         }
-        let Ok(s) = ProbeSummary::from_samples(session.info(), &samples, session.stats()) else {
-            // The clock stepped inside the round: nothing trustworthy to add.
-            return Ok(());
-        };
-        let is_break = self.cumulative.add(&samples);
-        let seg = segment(&self.cumulative, &s, &samples, round, is_break)?;
-        self.breaks += u64::from(is_break);
-        if let Some(w) = &mut self.sync_out {
-            w.append(&seg)?;
-        }
-        self.segments.push(seg);
         Ok(())
     }
 
-    /// The segment covering guest tick `g`.
-    fn covering(&self, g: u64) -> Option<&SyncSegment> {
-        bounds::covering(&self.segments, g)
+    /// Segments made so far, every vCPU's.
+    fn segments(&self) -> u64 {
+        self.vcpus.iter().map(|v| v.segments.len() as u64).sum()
+    }
+
+    /// Where `vcpu` stands in [`State::vcpus`].
+    fn index_of(&self, vcpu: u32) -> Option<usize> {
+        self.vcpus.iter().position(|v| v.vcpu == vcpu)
+    }
+
+    /// Guest tick `g` of `vcpu` on the host timeline: (placed, lo, hi) through the vCPU's
+    /// segment that covers it; `None` without one (the vCPU never synced) or outside `u64`.
+    fn place(&self, vcpu: u32, g: u64) -> Option<(u64, u64, u64)> {
+        let v = self.vcpus.get(self.index_of(vcpu)?)?;
+        bounds::host_bounds(bounds::covering(&v.segments, g)?, g)
     }
 }
 
@@ -557,26 +602,35 @@ fn record_loop<T: StampedTransport>(
         };
         let mut got = 0u64;
         for b in &batches {
-            st.dropped = st.dropped.max(b.dropped);
+            // The session accepts batches only of the vCPUs it was told of, all synced here.
+            let Some(vi) = st.index_of(b.vcpu) else {
+                st.unplaceable += b.records.len() as u64;
+                continue;
+            };
+            let v = &mut st.vcpus[vi];
+            v.dropped = v.dropped.max(b.dropped);
             // Records before `next_index` were delivered already (a replay): skip them. A gap
             // after it is events the agent sent that never reached us: count them.
-            let (skip, lost, next) = account(st.next_index, b.first, b.records.len());
+            let (skip, lost, next) = account(v.next_index, b.first, b.records.len());
+            v.next_index = Some(next);
             st.lost += lost;
             st.replayed += skip as u64;
-            st.next_index = Some(next);
             if b.clock == EventClock::Host {
                 st.host_stamped += b.records.len().saturating_sub(skip) as u64;
                 continue;
             }
             for (guest, r) in b.timestamped().flatten().skip(skip) {
-                let Some(seg) = st.covering(guest) else {
-                    continue;
-                };
-                let Some((host, lo, hi)) = bounds::host_bounds(seg, guest) else {
-                    // Outside the host's 64-bit range: no host tick to give it.
+                let Some((host, lo, hi)) = st.place(b.vcpu, guest) else {
+                    // No segment of this vCPU (it never answered a probe), or outside the
+                    // host's 64-bit range: no host tick to give it.
                     st.unplaceable += 1;
                     continue;
                 };
+                let round = st
+                    .vcpus
+                    .get(vi)
+                    .and_then(|v| bounds::covering(&v.segments, guest))
+                    .map_or(0, |g| g.round);
                 let placed = Placed {
                     vcpu: b.vcpu,
                     id: r.id,
@@ -585,7 +639,7 @@ fn record_loop<T: StampedTransport>(
                     host,
                     lo,
                     hi,
-                    round: seg.round,
+                    round,
                 };
                 match out {
                     Out::Jsonl(w) => w.event(&placed)?,
@@ -605,8 +659,8 @@ fn record_loop<T: StampedTransport>(
         progress.status(&format!(
             "vmtsync record: {} events, {} dropped, {} segments",
             st.events,
-            st.dropped,
-            st.segments.len()
+            st.vcpus.iter().map(|v| v.dropped).sum::<u64>(),
+            st.segments()
         ));
         if opts.events.is_some_and(|n| st.events >= n) {
             return Ok(EndReason::Events);
@@ -643,7 +697,6 @@ fn write_perfetto(
     let mut snaps = st.clocks.clone();
     snaps.extend(ClockSnapshot::take().ok());
     let clock = BootClock::new(snaps).map_err(PerfettoError::from)?;
-    let vcpu = st.segments.first().map_or(0, |g| g.vcpu);
     let mut w = PerfettoWriter::create(
         &opts.out,
         PerfettoOptions {
@@ -654,14 +707,11 @@ fn write_perfetto(
     )?;
     for rec in s.iter().map_err(RecordError::io(&opts.out))? {
         let rec = rec.map_err(RecordError::io(&opts.out))?;
-        let Some((host, lo, hi)) = st
-            .covering(rec.guest)
-            .and_then(|g| bounds::host_bounds(g, rec.guest))
-        else {
+        let Some((host, lo, hi)) = st.place(rec.vcpu, rec.guest) else {
             continue;
         };
         w.push(&ExportEvent {
-            vcpu,
+            vcpu: rec.vcpu,
             id: rec.id,
             guest_tsc: Some(rec.guest),
             host_tsc: host,
@@ -680,7 +730,11 @@ fn write_trace_dat(
     opts: &RecordOptions,
     st: &State,
 ) -> Result<(bool, u64), RecordError> {
-    let identity = st.segments.iter().all(|g| g.drift_ppb == 0);
+    let identity = st
+        .vcpus
+        .iter()
+        .flat_map(|v| &v.segments)
+        .all(|g| g.drift_ppb == 0);
     if identity {
         match write_trace_dat_as(&mut s, opts, st, true) {
             // Raw guest TSCs that go backwards (the guest clock stepped back) or segments
@@ -703,50 +757,75 @@ fn write_trace_dat_as(
     identity: bool,
 ) -> Result<(bool, u64), RecordError> {
     let trace_id = trace_id(opts, st);
-    let mut wo = WriterOptions::new(1, trace_id);
+    // One CPU buffer per vCPU synced, in increasing vCPU order (`cpu` N of the file is the
+    // N-th of them: the UNAME names them).
+    let cpus = u32::try_from(st.vcpus.len()).unwrap_or(u32::MAX);
+    let mut wo = WriterOptions::new(cpus, trace_id);
     wo.version = opts.file_version;
-    let vcpu = st.segments.first().map_or(0, |g| g.vcpu);
+    let names = st
+        .vcpus
+        .iter()
+        .map(|v| v.vcpu.to_string())
+        .collect::<Vec<_>>()
+        .join(",");
+    let which = if st.vcpus.len() == 1 {
+        format!("vCPU {names}")
+    } else {
+        format!("vCPUs {names} as CPUs 0..{}", st.vcpus.len())
+    };
     wo.uname = Some(if identity {
-        format!("vmtsync record: vCPU {vcpu}, raw guest TSC, TIME_SHIFT to host TSC")
+        format!("vmtsync record: {which}, raw guest TSC, TIME_SHIFT to host TSC")
     } else {
         format!(
-            "vmtsync record: vCPU {vcpu}, timestamps pre-converted to host TSC (the guest TSC \
+            "vmtsync record: {which}, timestamps pre-converted to host TSC (the guest TSC \
              rate is not the host's: trace-cmd's TIME_SHIFT cannot represent it exactly)"
         )
     });
     let mut w = TraceDatWriter::create(&opts.out, wo)?;
     let mut clamped = 0;
-    let mut last = 0;
+    // The last timestamp written per CPU: each CPU's buffer must be in order.
+    let mut last = vec![0u64; st.vcpus.len()];
     for rec in s.iter().map_err(RecordError::io(&opts.out))? {
         let rec = rec.map_err(RecordError::io(&opts.out))?;
+        let Some(cpu) = st.index_of(rec.vcpu) else {
+            continue;
+        };
         let ts = if identity {
             rec.guest
         } else {
             let host = st
-                .covering(rec.guest)
-                .and_then(|g| bounds::host_bounds(g, rec.guest))
-                .map_or(last, |(h, _, _)| h);
-            if host < last {
+                .place(rec.vcpu, rec.guest)
+                .map_or(last[cpu], |(h, _, _)| h);
+            if host < last[cpu] {
                 clamped += 1;
             }
-            host.max(last)
+            host.max(last[cpu])
         };
-        last = ts;
-        w.push(0, ts, u32::from(rec.id), rec.payload())?;
+        last[cpu] = ts;
+        w.push(
+            u32::try_from(cpu).unwrap_or(u32::MAX),
+            ts,
+            u32::from(rec.id),
+            rec.payload(),
+        )?;
     }
     let shift = identity.then(|| TimeShift {
         peer_trace_id: 0,
         mode: ShiftMode::Step,
-        cpus: vec![
-            st.segments
-                .iter()
-                .map(|g| tracedat::SyncSegment {
-                    // The host tick where the segment's first guest tick falls.
-                    start: HostTicks(g.guest_start.wrapping_sub(g.offset.cast_unsigned())),
-                    map: KvmTscMapping::offset_only(g.offset),
-                })
-                .collect(),
-        ],
+        cpus: st
+            .vcpus
+            .iter()
+            .map(|v| {
+                v.segments
+                    .iter()
+                    .map(|g| tracedat::SyncSegment {
+                        // The host tick where the segment's first guest tick falls.
+                        start: HostTicks(g.guest_start.wrapping_sub(g.offset.cast_unsigned())),
+                        map: KvmTscMapping::offset_only(g.offset),
+                    })
+                    .collect()
+            })
+            .collect(),
     });
     w.finish(shift.as_ref())?;
     Ok((!identity, clamped))
@@ -755,7 +834,11 @@ fn write_trace_dat_as(
 /// A TRACEID for the guest file: stable for one run (source and first anchor).
 fn trace_id(opts: &RecordOptions, st: &State) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    let first = st.segments.first().map_or(0, |g| g.host_anchor);
+    let first = st
+        .vcpus
+        .iter()
+        .find_map(|v| v.segments.first())
+        .map_or(0, |g| g.host_anchor);
     for b in opts
         .probe
         .addr
@@ -808,5 +891,103 @@ mod tests {
         assert_eq!((min, max), (0, 5_000));
         assert!((400..600).contains(&med), "median {med}");
         assert_eq!(Widths::default().summary(), None);
+    }
+
+    /// An SMP unikernel recording on three vCPUs whose TSCs differ by 2^36 ticks each: every
+    /// vCPU is synced on itself each round and its events are placed with its own segments
+    /// (the truth: the host tick each event was made up at), counted on its own, and written
+    /// to its own trace.dat CPU.
+    #[test]
+    fn every_vcpu_s_events_are_placed_with_that_vcpu_s_own_sync() {
+        use crate::probe::testutil::SimTransport;
+        use crate::probe::{ProbeAddr, ProbeOptions};
+        use vmtsync_core::arch::FakeTsc;
+        use vmtsync_core::recorder::Recorder;
+
+        const OFFSET: u64 = 1_000;
+        const PEER: u64 = 1 << 36;
+        let guest_of =
+            |v: u32, host: u64| host + OFFSET + if v == 3 { 0 } else { PEER * u64::from(v) };
+        let run = |format: RecordFormat, out: &Path| {
+            let rec: &'static Recorder<4, 256> = Box::leak(Box::new(Recorder::new()));
+            let mut t = SimTransport::with_events(OFFSET, rec);
+            t.exact = true;
+            let clock = t.agent.clock_mut();
+            clock.peers = 0b101;
+            clock.peer_offset = PEER;
+            // Three events per vCPU (0, 2 and the agent's own 3), each at a known host tick.
+            let mut truth = Vec::new();
+            for (i, v) in [0u32, 2, 3, 0, 2, 3, 0, 2, 3].into_iter().enumerate() {
+                let host = t.now + 10_000 * (i as u64 + 1);
+                let payload = u32::try_from(i).unwrap().to_le_bytes();
+                let tsc = FakeTsc::new(guest_of(v, host), 0);
+                rec.record(v as usize, &tsc, 7, &payload).unwrap();
+                truth.push((v, host));
+            }
+            let mut probe = ProbeOptions::new(ProbeAddr::Unix("sim".into()));
+            probe.progress = false;
+            probe.probes = 8;
+            let opts = RecordOptions {
+                probe,
+                out: out.to_owned(),
+                format,
+                file_version: FileVersion::V7,
+                events: Some(9),
+                duration: None,
+                resync: Duration::from_secs(3600),
+                drain_max: DRAIN_MAX,
+                sync_out: None,
+            };
+            let summary = run_record_on(t, &opts, &mut Progress::hidden()).unwrap();
+            (summary, truth)
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let jsonl = dir.path().join("smp.jsonl");
+        let (summary, truth) = run(RecordFormat::Jsonl, &jsonl);
+        assert_eq!(summary.vcpus, [0, 2, 3]);
+        assert_eq!(summary.vcpu, 3);
+        assert_eq!(summary.segments, 3, "one segment per vCPU");
+        assert_eq!((summary.events, summary.lost, summary.replayed), (9, 0, 0));
+        assert_eq!(summary.unplaceable, 0);
+        let text = std::fs::read_to_string(&jsonl).unwrap();
+        let mut seen = 0;
+        for line in text.lines() {
+            let j: serde_json::Value = serde_json::from_str(line).unwrap();
+            let Some(hex) = j["payload"].as_str() else {
+                continue;
+            };
+            let i = usize::from_str_radix(&hex[..2], 16).unwrap();
+            let (v, host) = truth[i];
+            assert_eq!(j["vcpu"].as_u64(), Some(u64::from(v)), "{line}");
+            assert_eq!(j["guest_tsc"].as_u64(), Some(guest_of(v, host)), "{line}");
+            let (lo, hi) = (
+                j["host_lo"].as_u64().unwrap(),
+                j["host_hi"].as_u64().unwrap(),
+            );
+            assert!(
+                lo <= host && host <= hi,
+                "event {i} of vCPU {v} at {host}: {line}"
+            );
+            seen += 1;
+        }
+        assert_eq!(seen, 9);
+        // trace.dat: one CPU per vCPU, three events each, at the raw guest TSCs of that vCPU.
+        let dat = dir.path().join("smp.dat");
+        let (summary, truth) = run(RecordFormat::TraceCmd, &dat);
+        assert!(!summary.preconverted);
+        let layout = tracedat::read_layout(&dat).unwrap();
+        let mut per_cpu = [Vec::new(), Vec::new(), Vec::new()];
+        tracedat::for_each_record(&dat, &layout, 0, |cpu, ts, _| {
+            per_cpu[cpu as usize].push(ts);
+        })
+        .unwrap();
+        for (cpu, v) in [0u32, 2, 3].into_iter().enumerate() {
+            let want: Vec<u64> = truth
+                .iter()
+                .filter(|(w, _)| *w == v)
+                .map(|&(w, h)| guest_of(w, h))
+                .collect();
+            assert_eq!(per_cpu[cpu], want, "CPU {cpu} holds vCPU {v}");
+        }
     }
 }

@@ -1,4 +1,5 @@
-//! Events waiting for the trace.dat: fixed 32-byte records in an anonymous temporary file, so
+//! Events waiting for the trace.dat or Perfetto trace: fixed 32-byte records (guest TSC, id,
+//! payload length, vCPU, payload) in an anonymous temporary file, so
 //! memory stays constant however long the recording runs.
 
 use std::fs::File;
@@ -7,6 +8,7 @@ use std::io::{self, BufReader, BufWriter, Read, Seek, SeekFrom, Write};
 /// One spooled event.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) struct Spooled {
+    pub(super) vcpu: u32,
     pub(super) guest: u64,
     pub(super) id: u16,
     len: u8,
@@ -36,7 +38,7 @@ impl Spool {
     /// Appends an event (payloads are at most 16 bytes: the protocol's limit).
     pub(super) fn push(
         &mut self,
-        _vcpu: u32,
+        vcpu: u32,
         guest: u64,
         id: u16,
         payload: &[u8],
@@ -46,6 +48,7 @@ impl Spool {
         rec[8..10].copy_from_slice(&id.to_le_bytes());
         let n = payload.len().min(16);
         rec[10] = u8::try_from(n).unwrap_or(16);
+        rec[12..16].copy_from_slice(&vcpu.to_le_bytes());
         rec[16..16 + n].copy_from_slice(&payload[..n]);
         self.out.write_all(&rec)
     }
@@ -65,6 +68,7 @@ impl Spool {
                     let mut data = [0u8; 16];
                     data.copy_from_slice(&rec[16..32]);
                     Some(Ok(Spooled {
+                        vcpu: u32::from_le_bytes([rec[12], rec[13], rec[14], rec[15]]),
                         guest: u64::from_le_bytes(g),
                         id: u16::from_le_bytes([rec[8], rec[9]]),
                         len: rec[10].min(16),
@@ -88,7 +92,7 @@ mod tests {
         for i in 0..10_000u64 {
             let p = i.to_le_bytes();
             s.push(
-                0,
+                u32::try_from(i % 5).unwrap(),
                 i * 3,
                 u16::try_from(i % 7).unwrap(),
                 &p[..usize::try_from(i % 9).unwrap()],
@@ -101,6 +105,7 @@ mod tests {
         assert_eq!(s.iter().unwrap().count(), 10_000);
         for (i, r) in (0u64..).zip(&got) {
             assert_eq!((r.guest, u64::from(r.id)), (i * 3, i % 7));
+            assert_eq!(u64::from(r.vcpu), i % 5);
             assert_eq!(
                 r.payload(),
                 &i.to_le_bytes()[..usize::try_from(i % 9).unwrap()]

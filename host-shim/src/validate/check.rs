@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 
 use serde::Serialize;
 
+use super::probes::ProbeReport;
 use crate::ftrace::format::PioDirection;
 use crate::probe::anchor::PioExit;
 use crate::record::bounds::{covering, host_bounds};
@@ -104,10 +105,10 @@ pub struct SegmentWorst {
     pub width: i64,
 }
 
-/// What `vmtsync validate` found (`--json`, schema 1).
+/// What `vmtsync validate` found (`--json`, schema 2).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct ValidateReport {
-    /// Always 1.
+    /// Always 2 (schema 2 added `probes`).
     pub schema: u32,
     /// Events checked against an exit.
     pub checked: u64,
@@ -139,6 +140,8 @@ pub struct ValidateReport {
     pub segments: Vec<SegmentWorst>,
     /// The first violations (at most [`MAX_LISTED`]).
     pub first_violations: Vec<Violation>,
+    /// The probe log's check (`--probe-log`), `null` without one.
+    pub probes: Option<ProbeReport>,
 }
 
 /// The most violations listed in a report.
@@ -242,7 +245,7 @@ pub fn check(
     numbering: Numbering,
 ) -> ValidateReport {
     let mut r = ValidateReport {
-        schema: 1,
+        schema: 2,
         checked: 0,
         before_out: 0,
         after_in: 0,
@@ -257,6 +260,7 @@ pub fn check(
         lag_after_in: None,
         segments: Vec::new(),
         first_violations: Vec::new(),
+        probes: None,
     };
     let mut lags = Vec::new();
     let mut side_lags: [Vec<i64>; 2] = [Vec::new(), Vec::new()];
@@ -404,7 +408,7 @@ pub fn check(
 }
 
 /// The quantiles of `v`, `None` when empty.
-fn quantiles(mut v: Vec<i64>) -> Option<LagStats> {
+pub(super) fn quantiles(mut v: Vec<i64>) -> Option<LagStats> {
     v.sort_unstable();
     let q = |p: usize| v.get(v.len().checked_sub(1)? * p / 100).copied();
     Some(LagStats {
@@ -417,7 +421,7 @@ fn quantiles(mut v: Vec<i64>) -> Option<LagStats> {
 }
 
 /// `a − b` as a signed tick count, saturating.
-fn signed(a: u64, b: u64) -> i64 {
+pub(super) fn signed(a: u64, b: u64) -> i64 {
     let d = i128::from(a) - i128::from(b);
     i64::try_from(d).unwrap_or(if d < 0 { i64::MIN } else { i64::MAX })
 }

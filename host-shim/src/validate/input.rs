@@ -1,5 +1,6 @@
 //! Reading `validate`'s inputs: the sync file, the guest trace (a trace.dat `vmtsync record`
-//! wrote, raw guest TSC) and the host trace (`trace-cmd extract`, `kvm:kvm_pio` records).
+//! wrote, raw guest TSC), the probe log (`--probe-log`) and the host trace (`trace-cmd
+//! extract`, `kvm:kvm_pio` records).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs::File;
@@ -9,6 +10,7 @@ use std::path::{Path, PathBuf};
 use thiserror::Error;
 
 use super::check::{IoEvent, Numbering, Side, ValidateReport, check};
+use super::probes::{ProbeChecker, ports_of, read_probe_log};
 use crate::ftrace::format::{EventFormat, FormatError, KVM_PIO, KvmPioLayout};
 use crate::probe::anchor::PioExit;
 use crate::syncfile::{LineRead, SyncFile, SyncFileError, read_line_bounded};
@@ -29,10 +31,10 @@ pub struct ValidateOptions {
     pub sync: PathBuf,
     /// The host trace.
     pub host_trace: PathBuf,
-    /// The guest trace.
-    pub guest_trace: PathBuf,
-    /// The workload's port.
-    pub port: u16,
+    /// The guest trace (its workload events are checked), with the workload's port.
+    pub guest_trace: Option<(PathBuf, u16)>,
+    /// The probe log (its probes are checked).
+    pub probe_log: Option<PathBuf>,
     /// vCPU → host thread, when neither the host trace's GUEST option nor a single thread on
     /// the port says it.
     pub threads: BTreeMap<u32, u32>,
@@ -91,6 +93,27 @@ pub enum ValidateError {
         "{0}: no workload event recorded next to port I/O (ids 0x100/0x101): boot the agent with workload=RATE,COUNT,PORT"
     )]
     NoEvents(PathBuf),
+    /// A probe log line is not a probe exchange.
+    #[error("{path}: line {line}: {why}")]
+    ProbeLine {
+        /// The file.
+        path: PathBuf,
+        /// The 1-based line.
+        line: u64,
+        /// What is wrong.
+        why: String,
+    },
+    /// The probe log could not be read.
+    #[error("{path}: {source}")]
+    ProbeLogIo {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// Neither a guest trace nor a probe log: nothing to check.
+    #[error("nothing to check: give --guest-trace (with --port) or --probe-log, or both")]
+    NothingToCheck,
     /// vCPU threads cannot be told apart.
     #[error(
         "cannot tell which host thread runs vCPU {vcpu}: threads {threads} did I/O on port {port:#x}; give --thread {vcpu}=PID (vmtsync kvm shows each vCPU's thread)"
@@ -105,43 +128,89 @@ pub enum ValidateError {
     },
 }
 
-/// Reads the inputs and runs [`check`].
+/// Reads the inputs and runs [`check`] on the guest trace's events and the probe log's
+/// checks ([`ProbeChecker`]) on its probes.
 ///
 /// # Errors
 /// [`ValidateError`].
 pub fn validate(opts: &ValidateOptions) -> Result<ValidateReport, ValidateError> {
+    if opts.guest_trace.is_none() && opts.probe_log.is_none() {
+        return Err(ValidateError::NothingToCheck);
+    }
     let sync = SyncFile::read(&opts.sync)?;
-    let events = guest_events(&opts.guest_trace)?;
-    let (exits, guest_option) = host_exits(&opts.host_trace, opts.port)?;
+    // The ports the probes' exits are on, from a first pass over the log: the host trace's
+    // exits are read once, and only theirs are kept.
+    let mut ports = vec![false; usize::from(u16::MAX) + 1];
+    if let Some((_, port)) = &opts.guest_trace {
+        ports[usize::from(*port)] = true;
+    }
+    if let Some(log) = &opts.probe_log {
+        read_probe_log(log, |e| {
+            for p in ports_of(e) {
+                ports[usize::from(p)] = true;
+            }
+        })?;
+    }
+    let (mut exits, guest_option) = host_exits(&opts.host_trace, |p| ports[usize::from(p)])?;
+    exits.sort_by_key(|e| e.ts);
     let mut threads = guest_option;
     threads.extend(opts.threads.iter().map(|(&v, &p)| (v, p)));
+    let mut report = match &opts.guest_trace {
+        Some((guest, port)) => {
+            let events = guest_events(guest)?;
+            let on_port: Vec<PioExit> = exits
+                .iter()
+                .filter(|e| e.pio.port == *port)
+                .copied()
+                .collect();
+            let threads = event_threads(&events, &on_port, threads.clone(), *port)?;
+            check(&events, &on_port, &sync.segments, &threads, opts.numbering)
+        }
+        None => check(&[], &[], &sync.segments, &threads, opts.numbering),
+    };
+    if let Some(log) = &opts.probe_log {
+        // With the VM's threads known, another VM's identical I/O is not taken for its own.
+        if !threads.is_empty() {
+            exits.retain(|e| threads.values().any(|&p| p == e.pio.pid));
+        }
+        let mut checker = ProbeChecker::new(&exits, &sync.segments);
+        let cut = read_probe_log(log, |e| checker.check(e))?;
+        let mut probes = checker.finish();
+        probes.cut_bytes = cut;
+        report.probes = Some(probes);
+    }
+    Ok(report)
+}
+
+/// Each vCPU's host thread for the events: `known` (the GUEST option, `--thread`), else the
+/// only thread that did I/O on the port when the events are of one vCPU.
+fn event_threads(
+    events: &[IoEvent],
+    exits: &[PioExit],
+    mut known: BTreeMap<u32, u32>,
+    port: u16,
+) -> Result<BTreeMap<u32, u32>, ValidateError> {
     let vcpus: BTreeSet<u32> = events.iter().map(|e| e.vcpu).collect();
     let pids: BTreeSet<u32> = exits.iter().map(|e| e.pio.pid).collect();
     for &vcpu in &vcpus {
-        if threads.contains_key(&vcpu) {
+        if known.contains_key(&vcpu) {
             continue;
         }
         // One vCPU and one thread doing I/O on the port: that thread is the vCPU's.
         match (vcpus.len(), pids.iter().next()) {
             (1, Some(&pid)) if pids.len() == 1 => {
-                threads.insert(vcpu, pid);
+                known.insert(vcpu, pid);
             }
             _ => {
                 return Err(ValidateError::Threads {
                     vcpu,
                     threads: format!("{pids:?}"),
-                    port: opts.port,
+                    port,
                 });
             }
         }
     }
-    Ok(check(
-        &events,
-        &exits,
-        &sync.segments,
-        &threads,
-        opts.numbering,
-    ))
+    Ok(known)
 }
 
 /// The workload events of a guest recording: `vmtsync record`'s JSON Lines (a file starting
@@ -257,14 +326,15 @@ fn trace_dat_events(path: &Path) -> Result<Vec<IoEvent>, ValidateError> {
     Ok(out)
 }
 
-/// The `kvm_pio` exits of `port` in a host trace.dat (every buffer), and the vCPU → thread
-/// map of its GUEST option if it has one (`vmtsync record --host-output` writes it).
+/// The `kvm_pio` exits of the ports `keep` accepts in a host trace.dat (every buffer), and the
+/// vCPU → thread map of its GUEST option if it has one (`vmtsync record --host-output` writes
+/// it).
 ///
 /// # Errors
 /// [`ValidateError::NoKvmPio`], [`ValidateError::Format`], or the file's.
 pub fn host_exits(
     path: &Path,
-    port: u16,
+    keep: impl Fn(u16) -> bool,
 ) -> Result<(Vec<PioExit>, BTreeMap<u32, u32>), ValidateError> {
     let layout = read_layout(path)?;
     let formats = read_event_formats(path, &layout)?;
@@ -281,7 +351,7 @@ pub fn host_exits(
     let mut exits = Vec::new();
     for b in 0..layout.buffers.len() {
         for_each_record(path, &layout, b, |_cpu, ts, data| {
-            if let Some(p) = pio.decode(data).filter(|p| p.port == port) {
+            if let Some(p) = pio.decode(data).filter(|p| keep(p.port)) {
                 exits.push(PioExit { ts, pio: p });
             }
         })?;

@@ -12,12 +12,17 @@
 //! `docs/validate.md`.
 //!
 //! - [`check`]: pairing events with exits and the check, on decoded inputs.
-//! - [`input`]: the guest trace (our trace.dat) and the host trace (`trace-cmd extract`'s).
+//! - [`probes`]: the same for the probes of a probe log (`--probe-log`): each paired with its
+//!   own exits by the live anchor's matcher, its guest TSC converted and checked.
+//! - [`input`]: the guest trace (our trace.dat), the probe log and the host trace
+//!   (`trace-cmd extract`'s).
 
 pub mod check;
 pub mod input;
+pub mod probes;
 
 pub use check::{
     IoEvent, LagStats, Numbering, SegmentWorst, Side, ValidateReport, Violation, check,
 };
 pub use input::{ValidateError, ValidateOptions, validate};
+pub use probes::{ProbeChecker, ProbeReport, ProbeViolation};

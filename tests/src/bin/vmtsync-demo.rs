@@ -51,6 +51,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use serde::Serialize;
 use serde_json::Value;
+use vmtsync::probe::anchor::DEFAULT_SYNC_PORT;
 use vmtsync_core::HostTicks;
 use vmtsync_launch::agent::BuildOutput;
 use vmtsync_launch::prereq::{display, ensure_qemu};
@@ -274,6 +275,12 @@ struct Paths<'a> {
 /// at `p.sock`; returns its guard. `smp` vCPUs under QEMU; the other VMMs run one.
 fn boot(vmm: Vmm, p: &Paths<'_>, skews: &[Skew], smp: u32) -> Result<ChildGuard> {
     let mut append = format!("transport=uart exit={EXIT_CODE}");
+    if vmm == Vmm::Qemu {
+        // The sync port (docs/anchor.md): `--anchor auto` brackets each vCPU's probes by that
+        // vCPU's own `in`/`out` around its TSC read, about 35x tighter than the UART's exits
+        // for the application processors and as tight for the boot vCPU.
+        append.push_str(&format!(" syncport={DEFAULT_SYNC_PORT:#x}"));
+    }
     for (v, s) in (0u32..).zip(skews) {
         append.push(' ');
         append.push_str(&if skews.len() == 1 {

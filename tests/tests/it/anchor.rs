@@ -15,40 +15,26 @@ use vmtsync::probe::anchor::{AnchorKind, AnchorMode, AnchorOptions, anchor_trans
 use vmtsync::probe::connect::{ConnectOptions, connect_until_stopped};
 use vmtsync::probe::{ProbeAddr, ProbeSession, ProbeSummary, Progress};
 use vmtsync::scan::VmSelector;
-use vmtsync_tests::truth::{GuestTruth, Skew, truth_ready};
+use vmtsync_tests::truth::{GuestTruth, Skew};
 use vmtsync_tests::vmm::agent_elf;
-use vmtsync_tests::vmm::qemu::{self, Machine, have_qemu};
-use vmtsync_tests::{ChildGuard, have_kvm, require};
+use vmtsync_tests::vmm::qemu::{self, Machine};
+use vmtsync_tests::{ChildGuard, require};
 
 const STEP: Duration = Duration::from_secs(20);
 
 /// Sessions per run: every one must contain the truth.
 const SESSIONS: usize = 3;
 
-fn prerequisites(test: &str) -> bool {
-    require(test, have_kvm(), "/dev/kvm is not accessible read-write")
-        && require(
-            test,
-            have_qemu(),
-            "qemu-system-x86_64 is missing (apt-get install qemu-system-x86)",
-        )
-        && truth_ready(test)
-        && require(
-            test,
-            vmtsync::ftrace::find_tracefs(None, vmtsync::probe::anchor::EVENT).is_ok(),
-            "no tracefs with events/kvm/kvm_pio (mount tracefs, load kvm)",
-        )
-}
-
-/// QEMU microvm running the agent with `skew` on COM1 = a chardev socket in `dir`.
-fn boot(dir: &Path, skew: Skew) -> (ChildGuard, PathBuf, PathBuf) {
+/// QEMU microvm running the agent with `skew` (and the agent options `extra`) on COM1 = a
+/// chardev socket in `dir`.
+fn boot(dir: &Path, skew: Skew, extra: &str) -> (ChildGuard, PathBuf, PathBuf) {
     let elf = agent_elf().expect("agent builds");
     let sock = dir.join("com1.sock");
     let com2 = dir.join("com2.log");
     let child = qemu::command_com1_socket(
         Machine::Microvm,
         &elf,
-        &format!("transport=uart exit=9 {}", skew.agent_option()),
+        &format!("transport=uart exit=9 {} {extra}", skew.agent_option()),
         &com2,
         &sock,
     )
@@ -72,7 +58,7 @@ fn anchor_options(vm: u32) -> AnchorOptions {
 fn anchored_probes_bracket_a_skewed_truth_in_every_session() {
     let test = "anchored_probes_bracket_a_skewed_truth_in_every_session";
     let _one_instance = vmtsync_tests::anchor_lock();
-    if !prerequisites(test) {
+    if !crate::util::anchor_ready(test) {
         return;
     }
     let tmp = tempfile::Builder::new()
@@ -80,7 +66,7 @@ fn anchored_probes_bracket_a_skewed_truth_in_every_session() {
         .tempdir()
         .unwrap();
     let skew = Skew::pick();
-    let (guard, sock, elf) = boot(tmp.path(), skew);
+    let (guard, sock, elf) = boot(tmp.path(), skew, "");
     let addr = ProbeAddr::parse(&format!("unix:{}", sock.display())).unwrap();
     let connect = ConnectOptions {
         connect_timeout: STEP,
@@ -144,14 +130,14 @@ fn anchored_probes_bracket_a_skewed_truth_in_every_session() {
 #[test]
 fn sigint_during_an_anchored_run_removes_the_instance() {
     let test = "sigint_during_an_anchored_run_removes_the_instance";
-    if !prerequisites(test) {
+    if !crate::util::anchor_ready(test) {
         return;
     }
     let tmp = tempfile::Builder::new()
         .prefix("vmtsync-anchor-int-")
         .tempdir()
         .unwrap();
-    let (qemu_guard, sock, _) = boot(tmp.path(), Skew::pick());
+    let (qemu_guard, sock, _) = boot(tmp.path(), Skew::pick(), "");
     let out = tmp.path().join("sync.jsonl");
     let child = Command::new(env!("CARGO_BIN_EXE_vmtsync-cli"))
         .args(["probe", "--connect"])
@@ -204,6 +190,91 @@ fn sigint_during_an_anchored_run_removes_the_instance() {
         instances.iter().all(|p| !p.exists()),
         "instance {name} left behind after SIGINT"
     );
+}
+
+/// The boot vCPU's sync-port bracket on the UART transport (`syncport=0x2400`, matched on the
+/// probe's sequence number) with the protocol loop in ring 0 (`ring=0`), where this project's
+/// nested KVM emulates the `in; lfence; rdtsc; out` and its exits are cheap (docs/anchor.md,
+/// "The boot vCPU's sync-port bracket"), anchored as `--anchor auto --vm PID` does on a serial
+/// chardev: the probes must be bracketed on the sync port the hello announced, and every
+/// sample must bracket the skewed truth (rate 1.0001), in every session.
+#[test]
+fn boot_vcpu_sync_port_brackets_in_ring_0_hold_a_skewed_truth() {
+    use vmtsync::probe::anchor::DEFAULT_SYNC_PORT;
+    use vmtsync_core::proto::Features;
+
+    let test = "boot_vcpu_sync_port_brackets_in_ring_0_hold_a_skewed_truth";
+    let _one_instance = vmtsync_tests::anchor_lock();
+    if !crate::util::anchor_ready(test) {
+        return;
+    }
+    let tmp = tempfile::Builder::new()
+        .prefix("vmtsync-anchor-ring0-")
+        .tempdir()
+        .unwrap();
+    let skew = Skew::pick();
+    let (guard, sock, elf) = boot(
+        tmp.path(),
+        skew,
+        &format!("ring=0 syncport={DEFAULT_SYNC_PORT:#x}"),
+    );
+    let addr = ProbeAddr::parse(&format!("unix:{}", sock.display())).unwrap();
+    let connect = ConnectOptions {
+        connect_timeout: STEP,
+        io_timeout: STEP,
+    };
+    let com2 =
+        || vmtsync_tests::vmm::defmt_log::decode_file_text(&elf, &tmp.path().join("com2.log"));
+    let mut truth = None;
+    for k in 0..SESSIONS {
+        let inner = connect_until_stopped(&addr, &connect, None).expect("connects");
+        // What `vmtsync probe --anchor auto --vm PID` does on a serial chardev: the UART is
+        // traced with the sync port, and the hello's SYNC_PORT moves the probes there.
+        let auto = AnchorOptions {
+            mode: AnchorMode::Auto,
+            ..anchor_options(guard.pid())
+        };
+        let mut t = anchor_transport(inner, &addr, &auto, STEP, &mut |m| panic!("{m}"))
+            .expect("anchoring is possible here");
+        let mut s = ProbeSession::hello(&mut t, STEP)
+            .unwrap_or_else(|e| panic!("hello: {e}; COM2 log:\n{}", com2()));
+        let info = *s.info();
+        assert!(info.features.contains(Features::SYNC_PORT), "{info:?}");
+        let samples = s
+            .probe_round(64, Duration::ZERO, &mut Progress::hidden())
+            .unwrap_or_else(|e| panic!("round: {e}; COM2 log:\n{}", com2()));
+        let stats = s.stats();
+        let truth = truth.get_or_insert_with(|| {
+            GuestTruth::read(guard.pid(), 0, Some(skew)).expect("truth from debugfs")
+        });
+        assert_eq!(stats.anchor, AnchorKind::KvmPioSyncPort);
+        for x in &samples {
+            assert!(
+                truth.in_bracket(x.host_send, x.guest, x.host_recv),
+                "session {k}: guest TSC {} outside its sync-port bracket [{}, {}] by the truth \
+                 ({truth:?})",
+                x.guest.0,
+                x.host_send.0,
+                x.host_recv.0
+            );
+        }
+        let sum = ProbeSummary::from_samples(&info, &samples, stats).expect("estimates");
+        let at = truth
+            .check(sum.at_host, sum.bound_lo, sum.bound_hi)
+            .unwrap_or_else(|e| panic!("session {k}: {e}"));
+        let a = t.stats();
+        println!(
+            "ring-0 sync-port session {k}: {} samples ({} matched), width {}, error {:+}, rtt min {}",
+            samples.len(),
+            a.matched,
+            sum.width(),
+            i128::from(sum.offset) - at,
+            sum.rtt.min
+        );
+        // Every sample is a sync-port match: none kept in-process stamps.
+        assert!(a.matched >= samples.len() as u64, "{a:?}");
+        assert!(samples.len() >= 32, "{stats:?} {a:?}");
+    }
 }
 
 /// Tier 1: `--anchor kvm-pio` that cannot be done fails before connecting, with exit code 8
@@ -263,7 +334,7 @@ fn sync_port_anchored_probes_over_vsock_bracket_a_skewed_truth() {
 
     let test = "sync_port_anchored_probes_over_vsock_bracket_a_skewed_truth";
     let _one_instance = vmtsync_tests::anchor_lock();
-    if !prerequisites(test)
+    if !crate::util::anchor_ready(test)
         || !require(
             test,
             Path::new(qemu::QBOOT).is_file(),

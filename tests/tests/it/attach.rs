@@ -12,48 +12,24 @@ use std::process::{Command, Output};
 
 use vmtsync::hosttsc::read_host_tsc;
 use vmtsync::tracedat::{for_each_record, read_event_formats, read_layout};
-use vmtsync_tests::{is_root, require};
 
 use crate::kvm_fixtures::vmtsync;
-use vmtsync::ftrace::Instance;
-
-use crate::tracedat::{Line, assert_dump_ok, have_trace_cmd, report, trace_cmd};
+use crate::tracedat::{Line, assert_dump_ok, report};
+use crate::util::{HostTrace, have_trace_cmd, trace_cmd};
 
 /// Makes a real trace here: a private tracefs instance on `x86-tsc` with the scheduler events
 /// on while this process sleeps and writes markers, then `trace-cmd extract` (v7, zstd). `None`
 /// (after `require` said why) when trace-cmd, root or tracefs is missing.
 pub(crate) fn real_trace(test: &str, dir: &Path, file: &str) -> Option<PathBuf> {
-    let (inst, name) = traced_instance(test, file)?;
     let out = dir.join(file);
-    let o = Command::new("trace-cmd")
-        .args(["extract", "-B", &name, "-o", out.to_str().unwrap()])
-        .current_dir(dir)
-        .output()
-        .unwrap();
-    assert!(
-        o.status.success(),
-        "extract: {}",
-        String::from_utf8_lossy(&o.stderr)
-    );
-    drop(inst);
+    traced_instance(test, file)?.extract(&out);
     Some(out)
 }
 
 /// A private tracefs instance on `x86-tsc` that recorded the scheduler events while this
 /// process slept and wrote markers, tracing now off. `None` (after `require` said why) when
 /// trace-cmd, root or tracefs is missing.
-fn traced_instance(test: &str, tag: &str) -> Option<(Instance, String)> {
-    if !have_trace_cmd(test) || !require(test, is_root(), "needs root (tracefs instances)") {
-        return None;
-    }
-    let tracefs = vmtsync::ftrace::find_tracefs(None, "sched/sched_switch");
-    if !require(
-        test,
-        tracefs.is_ok(),
-        "no tracefs with sched/sched_switch at /sys/kernel/{debug/,}tracing",
-    ) {
-        return None;
-    }
+fn traced_instance(test: &str, tag: &str) -> Option<HostTrace> {
     // Tests run in parallel: each instance gets its own name.
     static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
     let purpose = format!(
@@ -61,27 +37,20 @@ fn traced_instance(test: &str, tag: &str) -> Option<(Instance, String)> {
         NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
         tag.replace('.', "_")
     );
-    let mut inst = Instance::create(&tracefs.unwrap(), &purpose).expect("create tracefs instance");
-    assert!(inst.tsc_clock(), "the instance clock must be x86-tsc");
+    let mut trace = HostTrace::start(test, &purpose, "sched/sched_switch")?;
     for ev in ["sched/sched_switch", "sched/sched_wakeup"] {
-        inst.enable(ev).expect(ev);
+        trace.instance().enable(ev).expect(ev);
     }
     for k in 0..40 {
         std::thread::sleep(std::time::Duration::from_millis(2));
         std::fs::write(
-            inst.path().join("trace_marker"),
+            trace.path().join("trace_marker"),
             format!("vmtsync-attach {k}"),
         )
         .unwrap();
     }
-    std::fs::write(inst.path().join("tracing_on"), "0").unwrap();
-    let name = inst
-        .path()
-        .file_name()
-        .unwrap()
-        .to_string_lossy()
-        .into_owned();
-    Some((inst, name))
+    trace.stop();
+    Some(trace)
 }
 
 /// A real guest-style trace: the events in the file's **top** buffer, as `trace-cmd record`
@@ -90,7 +59,8 @@ fn traced_instance(test: &str, tag: &str) -> Option<(Instance, String)> {
 /// `per_cpu/cpuN/trace_pipe_raw` and `trace-cmd restore` (header file, then the CPU files):
 /// v7 uncompressed; then `trace-cmd convert` to v7 zstd and to v6. Returns `[v7, v7 zstd, v6]`.
 fn real_guest_traces(test: &str, dir: &Path) -> Option<[PathBuf; 3]> {
-    let (inst, _name) = traced_instance(test, "guest")?;
+    let mut trace = traced_instance(test, "guest")?;
+    let inst = trace.instance();
     let mut cpu_files = Vec::new();
     let mut cpus: Vec<u32> = std::fs::read_dir(inst.path().join("per_cpu"))
         .unwrap()
@@ -122,7 +92,7 @@ fn real_guest_traces(test: &str, dir: &Path) -> Option<[PathBuf; 3]> {
         std::fs::write(&p, &data).unwrap();
         cpu_files.push(p);
     }
-    drop(inst);
+    drop(trace);
     let head = dir.join("head.dat");
     let v7 = dir.join("guest7.dat");
     let run = |args: &[&str]| {
@@ -648,8 +618,9 @@ fn export_perf_prints_the_guest_data_argument_or_explains_what_perf_cannot_expre
         &["--vm", "2002", "--vcpu", "0", "--perf-data", "/tmp/g.data"],
     );
     assert_eq!(ok(&o), "--guest-data=/tmp/g.data,2002,5000\n");
-    // The first intel VM runs its guests at 1.25x: no integer scale, and its two vCPUs'
-    // offsets differ by 789 ticks.
+    // The first intel VM runs its guests at 1.25x: no integer scale (perf's double 1.25 does
+    // not invert KVM's fixed-point product exactly), and its two vCPUs' offsets differ by 789
+    // ticks.
     let o = export_perf("intel", &["--vm", "1001"]);
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(6), "{err}");
@@ -658,7 +629,10 @@ fn export_perf_prints_the_guest_data_argument_or_explains_what_perf_cannot_expre
         err.contains("not an integer") && err.contains("differs from vcpu0"),
         "{err}"
     );
-    assert!(err.contains("off by ") && err.contains("grows"), "{err}");
+    assert!(
+        err.contains("off by ") && err.contains("at its current guest TSC"),
+        "{err}"
+    );
     // AMD, ratio 0xffff0000 / 2^32 (just below 1): perf's nearest scale 1 is wrong.
     let o = export_perf("amd", &["--vm", "3003", "--vcpu", "10"]);
     assert_eq!(o.status.code(), Some(6));

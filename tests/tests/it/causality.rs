@@ -4,20 +4,19 @@
 //! (exit-anchored sync rounds) writes the guest trace.dat and its sync file. Truth comes from
 //! the host kernel's exit stamps, not from vmtsync: in `trace-cmd report -i host -i guest`,
 //! every before-event must precede its `out` and every after-event follow its `in`; and
-//! `vmtsync validate` must agree (zero violations) and catch a sync file shifted by one
-//! bracket width. Why the offset `record` writes decides this: docs/validate.md.
+//! `vmtsync validate` must agree (zero violations, on the events and on the sync probes
+//! `record --probe-log` logged, paired with their own UART exits) and catch a sync file
+//! shifted by one bracket width. Why the offset `record` writes decides this:
+//! docs/validate.md.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use vmtsync::ftrace::{Instance, find_tracefs};
 use vmtsync_tests::truth::Skew;
-use vmtsync_tests::{is_root, require};
 
 use crate::kvm_fixtures::{guarded_output, vmtsync};
-use crate::record::{boot_qemu, qemu_ready, record, text};
-use crate::tracedat::trace_cmd;
+use crate::util::{HostTrace, QemuAgent, qemu_ready, text, trace_cmd};
 
 /// The workload's port: unused on QEMU microvm (no floppy controller), so QEMU answers an
 /// `in` with 0xff and ignores an `out`, both through a userspace exit `kvm_pio` stamps.
@@ -96,7 +95,7 @@ fn merged_order(host: &Path, guest: &Path, thread: u64) -> Order {
 }
 
 /// The host thread of the VM's first vCPU, once `vmtsync kvm` shows it.
-fn vcpu_thread(pid: u32) -> Option<u64> {
+pub(crate) fn vcpu_thread(pid: u32) -> Option<u64> {
     let o = guarded_output(
         vmtsync().args(["kvm", "--json", "--vm", &pid.to_string()]),
         b"",
@@ -107,7 +106,9 @@ fn vcpu_thread(pid: u32) -> Option<u64> {
         .filter(|&t| t != 0)
 }
 
-fn validate(sync: &Path, host: &Path, guest: &Path, thread: u64) -> (Option<i32>, Value, String) {
+/// `vmtsync validate` of the run's workload events and its sync probes (`--probe-log`).
+fn validate(sync: &Path, run: &Run) -> (Option<i32>, Value, String) {
+    let (host, guest, thread) = (&run.host, &run.guest, run.thread);
     let o = guarded_output(
         vmtsync().args([
             "validate",
@@ -119,6 +120,8 @@ fn validate(sync: &Path, host: &Path, guest: &Path, thread: u64) -> (Option<i32>
             guest.to_str().unwrap(),
             "--port",
             PORT,
+            "--probe-log",
+            run.probes.to_str().unwrap(),
             "--thread",
             &format!("0={thread}"),
             // The host trace began before the VM: pair by position, not through the sync.
@@ -133,7 +136,7 @@ fn validate(sync: &Path, host: &Path, guest: &Path, thread: u64) -> (Option<i32>
 
 /// A copy of the sync file at `from` with every segment's offset (and its bounds) moved by
 /// `by` ticks, the line through the anchor moved with it.
-fn shifted(from: &Path, to: &Path, by: i64) {
+pub(crate) fn shifted(from: &Path, to: &Path, by: i64) {
     let mut out = String::new();
     for line in std::fs::read_to_string(from).unwrap().lines() {
         let mut v: Value = serde_json::from_str(line).unwrap();
@@ -161,43 +164,45 @@ struct Run {
     host: PathBuf,
     guest: PathBuf,
     sync: PathBuf,
+    /// Every sync probe `record` used (`--probe-log`).
+    probes: PathBuf,
     thread: u64,
 }
 
-/// Tier-2 prerequisites; `None` (after `require` said why) when one is missing.
-fn ready(test: &str) -> Option<PathBuf> {
-    if !qemu_ready(test) || !require(test, is_root(), "needs root (tracefs instances, kvm_pio)") {
+/// Boots the agent with `skew` and the workload, records `EVENTS` events in `format` with
+/// exit-anchored sync rounds, and extracts the host's trace of the workload port; `None`
+/// (after `require` said why) when a tier-2 prerequisite is missing.
+fn recorded_run(test: &str, purpose: &str, skew: &Skew, format: &str) -> Option<Run> {
+    if !qemu_ready(test) {
         return None;
     }
-    let tracefs = find_tracefs(None, "kvm/kvm_pio");
-    require(test, tracefs.is_ok(), "no tracefs with kvm/kvm_pio").then(|| tracefs.unwrap())
-}
-
-/// Boots the agent with `skew` and the workload, records `EVENTS` events in `format` with
-/// exit-anchored sync rounds, and extracts the host's trace of the workload port.
-fn recorded_run(tracefs: &Path, purpose: &str, skew: &Skew, format: &str) -> Run {
     let dir = tempfile::Builder::new()
         .prefix(&format!("vmtsync-{purpose}-"))
         .tempdir()
         .unwrap();
     // The host's record of the workload's exits: enabled before the VM boots, so the k-th
-    // `out` in it is step k; a buffer large enough that no exit is overwritten.
-    let mut inst = Instance::create(tracefs, purpose).expect("instance");
-    assert!(inst.tsc_clock(), "x86-tsc trace clock");
-    std::fs::write(inst.path().join("buffer_size_kb"), "8192").unwrap();
-    inst.set_filter("kvm/kvm_pio", &format!("port == {PORT}"))
+    // `out` in it is step k; a buffer large enough that no exit is overwritten. The UART's
+    // exits too (its data port and status registers), for the sync probes' own brackets.
+    let mut trace = HostTrace::start(test, purpose, "kvm/kvm_pio")?;
+    trace.buffer_kb(8192);
+    trace
+        .instance()
+        .set_filter(
+            "kvm/kvm_pio",
+            &format!("port == {PORT} || (port >= 0x3f8 && port <= 0x3ff)"),
+        )
         .unwrap();
-    inst.enable("kvm/kvm_pio").unwrap();
+    trace.instance().enable("kvm/kvm_pio").unwrap();
     let append = format!(
         "transport=uart exit=0 workload=400,0,{PORT} {}",
         skew.agent_option()
     );
-    let (qemu_guard, sock) = boot_qemu(dir.path(), &append);
+    let vm = QemuAgent::boot(dir.path(), &append);
     // The anchor needs the VM's vCPU thread, which debugfs names (a non-zero `pid`) only once
     // the vCPU has run, a little after QEMU's socket appears.
     let deadline = Instant::now() + Duration::from_secs(20);
     let thread = loop {
-        if let Some(t) = vcpu_thread(qemu_guard.pid()) {
+        if let Some(t) = vcpu_thread(vm.guard.pid()) {
             break t;
         }
         assert!(
@@ -212,49 +217,37 @@ fn recorded_run(tracefs: &Path, purpose: &str, skew: &Skew, format: &str) -> Run
         "guest.dat"
     });
     let sync = dir.path().join("sync.jsonl");
-    let out = record(&[
-        "--connect",
-        &format!("unix:{}", sock.display()),
-        "--out",
-        guest.to_str().unwrap(),
-        "--format",
-        format,
-        "--events",
-        &EVENTS.to_string(),
-        "--duration",
-        "120",
-        "--resync",
-        "500",
-        "--timeout",
-        "10000",
-        "--sync-out",
-        sync.to_str().unwrap(),
-        "--anchor",
-        "kvm-pio",
-        "--vm",
-        &qemu_guard.pid().to_string(),
-    ]);
+    let probes = dir.path().join("probes.jsonl");
+    let pid = vm.guard.pid().to_string();
+    let out = vm.record(
+        &guest,
+        EVENTS,
+        500,
+        &[
+            "--format",
+            format,
+            "--sync-out",
+            sync.to_str().unwrap(),
+            "--probe-log",
+            probes.to_str().unwrap(),
+            "--anchor",
+            "kvm-pio",
+            "--vm",
+            &pid,
+        ],
+    );
     assert_eq!(out.status.code(), Some(0), "record: {}", text(&out.stderr));
-    drop(qemu_guard);
-    std::fs::write(inst.path().join("tracing_on"), "0").unwrap();
-    let name = inst
-        .path()
-        .file_name()
-        .unwrap()
-        .to_str()
-        .unwrap()
-        .to_owned();
+    drop(vm);
     let host = dir.path().join("host.dat");
-    let o = trace_cmd(&["extract", "-B", &name, "-o", host.to_str().unwrap()]);
-    assert!(o.status.success(), "extract: {}", text(&o.stderr));
-    drop(inst);
-    Run {
+    trace.extract(&host);
+    Some(Run {
         dir,
         host,
         guest,
         sync,
+        probes,
         thread,
-    }
+    })
 }
 
 /// The sync file's segments; each must be exit-anchored.
@@ -273,21 +266,38 @@ fn anchored_segments(sync: &Path) -> Vec<Value> {
     segments
 }
 
-/// `validate` on the run: no false bound ever, and (when `exact` says the estimate must
-/// pass too) no violation; the sync file shifted by one bracket width either way must do
-/// strictly worse (exit 9). Returns the run's violations.
+/// `validate` on the run, events and sync probes: no false bound ever, every probe paired
+/// with its exits, and (when `exact` says the estimate must pass too) no violation; the sync
+/// file shifted by one bracket width either way must do strictly worse on both (exit 9).
+/// Returns the run's event violations.
 fn validate_and_catch_a_shift(test: &str, run: &Run, segments: &[Value], exact: bool) -> u64 {
-    let (code, v, err) = validate(&run.sync, &run.host, &run.guest, run.thread);
+    let (code, v, err) = validate(&run.sync, run);
     eprintln!("{test}: validate: {v}");
     assert!(v["checked"].as_u64().unwrap() >= 1000, "{v} {err}");
     assert_eq!(
         v["bound_violations"], 0,
         "a guaranteed interval missed its exit: {v}"
     );
+    let p = &v["probes"];
+    assert!(p["checked"].as_u64().unwrap() >= 64, "{v} {err}");
+    assert_eq!(
+        p["checked"], p["logged"],
+        "a sync probe without its exits: {v}"
+    );
+    assert_eq!(
+        p["bound_violations"], 0,
+        "a guaranteed interval missed a probe's exits: {v}"
+    );
     let violations = v["violations"].as_u64().unwrap();
+    let probe_violations = p["violations"].as_u64().unwrap();
     if exact {
         assert_eq!(code, Some(0), "validate: {err}");
-        assert_eq!(violations, 0);
+        assert_eq!((violations, probe_violations), (0, 0));
+    } else {
+        eprintln!(
+            "{test}: {probe_violations} of {} sync probes on the wrong side of their exits (reported, not a bar)",
+            p["checked"]
+        );
     }
     let width = segments
         .iter()
@@ -297,10 +307,14 @@ fn validate_and_catch_a_shift(test: &str, run: &Run, segments: &[Value], exact: 
     for by in [width, -width] {
         let bad = run.dir.path().join(format!("shifted{by}.jsonl"));
         shifted(&run.sync, &bad, by);
-        let (code, v, err) = validate(&bad, &run.host, &run.guest, run.thread);
+        let (code, v, err) = validate(&bad, run);
         assert_eq!(code, Some(9), "shifted by {by}: {err} {v}");
         assert!(
             v["violations"].as_u64().unwrap() > violations,
+            "shifted by {by}: {v}"
+        );
+        assert!(
+            v["probes"]["violations"].as_u64().unwrap() > probe_violations,
             "shifted by {by}: {v}"
         );
     }
@@ -312,13 +326,12 @@ fn validate_and_catch_a_shift(test: &str, run: &Run, segments: &[Value], exact: 
 #[test]
 fn merged_report_puts_each_workload_event_on_the_right_side_of_its_exit() {
     let test = "causality::merged_report_puts_each_workload_event_on_the_right_side_of_its_exit";
-    let Some(tracefs) = ready(test) else {
-        return;
-    };
     let skew = Skew(vmtsync_core::mapping::KvmTscMapping::offset_only(
         Skew::pick().0.offset(),
     ));
-    let run = recorded_run(&tracefs, "causality-rate1", &skew, "trace-cmd");
+    let Some(run) = recorded_run(test, "causality-rate1", &skew, "trace-cmd") else {
+        return;
+    };
     let (host, guest, thread) = (&run.host, &run.guest, run.thread);
     let segments = anchored_segments(&run.sync);
 
@@ -385,10 +398,9 @@ fn merged_report_puts_each_workload_event_on_the_right_side_of_its_exit() {
 #[test]
 fn a_drifting_guest_keeps_every_bound_and_a_shift_is_caught() {
     let test = "causality::a_drifting_guest_keeps_every_bound_and_a_shift_is_caught";
-    let Some(tracefs) = ready(test) else {
+    let Some(run) = recorded_run(test, "causality-skewed", &Skew::pick(), "jsonl") else {
         return;
     };
-    let run = recorded_run(&tracefs, "causality-skewed", &Skew::pick(), "jsonl");
     let segments = anchored_segments(&run.sync);
     // The rate is bounded away from identity once rounds accumulate.
     assert!(

@@ -15,9 +15,10 @@ use vmtsync_tests::require;
 use vmtsync_tests::truth::{GuestTruth, Skew, truth_mapping};
 
 use crate::kvm_fixtures::{guarded_output, vmtsync};
-use crate::record::{
-    Loopback, boot_qemu, loopback, qemu_ready, read_jsonl, record, report_events, scratch, seq_of,
-    text, trace_cmd, u,
+use crate::record::{read_jsonl, report_events, seq_of, u};
+use crate::util::{
+    HostTrace, Loopback, QemuAgent, have_program, have_trace_cmd, loopback, qemu_ready, scratch,
+    text, trace_cmd,
 };
 
 /// A TSC frequency for exports made here (any integer works; the same one for traces meant
@@ -41,14 +42,6 @@ for m in bt2.TraceCollectionMessageIterator(sys.argv[1:]):
         "ns": cs.ns_from_origin, "fields": f}))
 "#;
 
-fn have_babeltrace2() -> bool {
-    Command::new("babeltrace2")
-        .arg("--version")
-        .stdin(Stdio::null())
-        .output()
-        .is_ok_and(|o| o.status.success())
-}
-
 fn have_bt2() -> bool {
     Command::new("/usr/bin/python3")
         .args(["-c", "import bt2"])
@@ -61,7 +54,7 @@ fn have_bt2() -> bool {
 fn ctf_ready(test: &str) -> bool {
     require(
         test,
-        have_babeltrace2(),
+        have_program("babeltrace2"),
         "babeltrace2 is missing (apt-get install babeltrace2, or cargo xtask setup)",
     ) && require(
         test,
@@ -323,29 +316,10 @@ fn record_ctf_from_the_loopback_agent_holds_the_truth() {
         return;
     }
     let n = 20_000;
-    let Loopback {
-        dir,
-        addr,
-        skew,
-        agent,
-    } = loopback("ctf", n, 200_000);
-    let out = dir.path().join("trace");
-    let o = record(&[
-        "--connect",
-        &addr,
-        "--out",
-        out.to_str().unwrap(),
-        "--format",
-        "ctf",
-        "--events",
-        &n.to_string(),
-        "--duration",
-        "120",
-        "--resync",
-        "30",
-        "--shutdown",
-    ]);
-    assert_eq!(o.status.code(), Some(0), "{}", text(&o.stderr));
+    let lb = loopback("ctf", n, 200_000);
+    let out = lb.dir.path().join("trace");
+    let o = lb.record(&out, n, 30, &["--format", "ctf"]);
+    let Loopback { skew, agent, .. } = lb;
     let dropped = agent.join().unwrap();
     let bt = bt2_events(&[&out]);
     assert_eq!(bt.len() as u64, n - dropped, "{}", text(&o.stderr));
@@ -378,34 +352,14 @@ fn record_ctf_from_the_loopback_agent_holds_the_truth() {
 #[test]
 fn export_of_a_trace_dat_matches_trace_cmd_report() {
     let test = "export_of_a_trace_dat_matches_trace_cmd_report";
-    if !ctf_ready(test)
-        || !require(
-            test,
-            crate::record::have_trace_cmd(),
-            "trace-cmd is missing (apt-get install trace-cmd)",
-        )
-    {
+    if !ctf_ready(test) || !have_trace_cmd(test) {
         return;
     }
     let n = 3_000;
-    let Loopback {
-        dir, addr, agent, ..
-    } = loopback("ctf-dat", n, 100_000);
-    let dat = dir.path().join("guest.dat");
-    let o = record(&[
-        "--connect",
-        &addr,
-        "--out",
-        dat.to_str().unwrap(),
-        "--events",
-        &n.to_string(),
-        "--duration",
-        "120",
-        "--resync",
-        "30",
-        "--shutdown",
-    ]);
-    assert_eq!(o.status.code(), Some(0), "{}", text(&o.stderr));
+    let lb = loopback("ctf-dat", n, 100_000);
+    let dat = lb.dir.path().join("guest.dat");
+    lb.record(&dat, n, 30, &[]);
+    let Loopback { dir, agent, .. } = lb;
     let _ = agent.join();
     let out = dir.path().join("trace");
     let e = export_ctf(&[
@@ -460,41 +414,16 @@ fn qemu_recording_in_ctf_matches_jsonl_and_the_truth() {
             "transport=uart exit=0 workload=300,0 {}",
             skew.agent_option()
         );
-        let (qemu_guard, sock) = boot_qemu(dir.path(), &append);
-        let addr = format!("unix:{}", sock.display());
-        let common = ["--duration", "120", "--resync", "200", "--timeout", "10000"];
+        let vm = QemuAgent::boot(dir.path(), &append);
         let jsonl = dir.path().join("events.jsonl");
-        let mut args = vec![
-            "--connect",
-            &addr,
-            "--out",
-            jsonl.to_str().unwrap(),
-            "--format",
-            "jsonl",
-            "--events",
-            "400",
-        ];
-        args.extend_from_slice(&common);
-        let o = record(&args);
+        let o = vm.record(&jsonl, 400, 200, &["--format", "jsonl"]);
         assert_eq!(o.status.code(), Some(0), "{name}: {}", text(&o.stderr));
         // The truth, read while the VM runs (the next recording ends it).
-        let pid = qemu_guard.pid();
+        let pid = vm.guard.pid();
         let truth = GuestTruth::new(truth_mapping(pid, 0).expect("debugfs truth"), Some(skew));
         let ctf = dir.path().join("trace");
-        let mut args = vec![
-            "--connect",
-            &addr,
-            "--out",
-            ctf.to_str().unwrap(),
-            "--format",
-            "ctf",
-            "--events",
-            "150",
-            "--shutdown",
-        ];
-        args.extend_from_slice(&common);
-        let o2 = record(&args);
-        drop(qemu_guard);
+        let o2 = vm.record(&ctf, 150, 200, &["--format", "ctf", "--shutdown"]);
+        drop(vm);
         assert_eq!(o2.status.code(), Some(0), "{name}: {}", text(&o2.stderr));
 
         let lines = read_jsonl(&jsonl);
@@ -624,21 +553,14 @@ fn report_pio(host_dat: &Path) -> Vec<(u64, u16)> {
         .lines()
         .filter(|l| l.contains(" kvm_pio: "))
         .map(|l| {
-            let ts: String = l
-                .split(']')
-                .nth(1)
-                .unwrap()
-                .trim_start()
-                .chars()
-                .take_while(char::is_ascii_digit)
-                .collect();
+            let (_, ts) = crate::util::report_cpu_ts(l);
             let port = l
                 .split(" at 0x")
                 .nth(1)
                 .and_then(|s| s.split_whitespace().next())
                 .and_then(|s| u16::from_str_radix(s, 16).ok())
                 .unwrap_or_else(|| panic!("port in {l}"));
-            (ts.parse().unwrap(), port)
+            (ts, port)
         })
         .collect()
 }
@@ -665,36 +587,18 @@ fn metadata_hz(dir: &Path) -> u64 {
 #[test]
 fn host_kvm_pio_and_guest_traces_line_up_in_babeltrace2() {
     let test = "host_kvm_pio_and_guest_traces_line_up_in_babeltrace2";
-    if !ctf_ready(test)
-        || !qemu_ready(test)
-        || !require(
-            test,
-            vmtsync_tests::is_root(),
-            "needs root (tracefs instances)",
-        )
-    {
+    if !ctf_ready(test) || !qemu_ready(test) {
         return;
     }
-    let tracefs = vmtsync::ftrace::find_tracefs(None, "kvm/kvm_pio");
-    if !require(
-        test,
-        tracefs.is_ok(),
-        "no tracefs with kvm/kvm_pio at /sys/kernel/{debug/,}tracing",
-    ) {
+    let Some(mut trace) = HostTrace::start(test, "ctf", "kvm/kvm_pio") else {
         return;
-    }
-    let mut inst = vmtsync::ftrace::Instance::create(&tracefs.unwrap(), "ctf")
-        .expect("create tracefs instance");
-    assert!(inst.tsc_clock(), "the instance clock must be x86-tsc");
-    let name = inst
-        .path()
-        .file_name()
-        .unwrap()
-        .to_string_lossy()
-        .into_owned();
+    };
     // Other VMs on this machine exit too: room for all of them for the recording's seconds.
-    std::fs::write(inst.path().join("buffer_size_kb"), "16384").expect("buffer size");
-    inst.enable("kvm/kvm_pio").expect("enable kvm_pio");
+    trace.buffer_kb(16_384);
+    trace
+        .instance()
+        .enable("kvm/kvm_pio")
+        .expect("enable kvm_pio");
 
     let dir = scratch("ctf-lineup");
     let skew = Skew::pick();
@@ -702,43 +606,21 @@ fn host_kvm_pio_and_guest_traces_line_up_in_babeltrace2() {
         "transport=uart exit=0 workload=300,0 {}",
         skew.agent_option()
     );
-    let (qemu_guard, sock) = boot_qemu(dir.path(), &append);
-    let addr = format!("unix:{}", sock.display());
+    let vm = QemuAgent::boot(dir.path(), &append);
     let guest = dir.path().join("guest");
-    let o = record(&[
-        "--connect",
-        &addr,
-        "--out",
-        guest.to_str().unwrap(),
-        "--format",
-        "ctf",
-        "--events",
-        "300",
-        "--duration",
-        "120",
-        "--resync",
-        "200",
-        "--timeout",
-        "10000",
-    ]);
+    let o = vm.record(&guest, 300, 200, &["--format", "ctf"]);
     // The VM's threads (its vCPU thread makes its exits), read while it still runs (the
     // agent keeps serving without --shutdown).
     let tasks: std::collections::BTreeSet<u64> =
-        std::fs::read_dir(format!("/proc/{}/task", qemu_guard.pid()))
+        std::fs::read_dir(format!("/proc/{}/task", vm.guard.pid()))
             .unwrap()
             .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
             .collect();
-    std::fs::write(inst.path().join("tracing_on"), "0").unwrap();
-    drop(qemu_guard);
+    trace.stop();
+    drop(vm);
     assert_eq!(o.status.code(), Some(0), "{}", text(&o.stderr));
     let host_dat = dir.path().join("host.dat");
-    let x = Command::new("trace-cmd")
-        .args(["extract", "-B", &name, "-o", host_dat.to_str().unwrap()])
-        .current_dir(dir.path())
-        .output()
-        .unwrap();
-    assert!(x.status.success(), "extract: {}", text(&x.stderr));
-    drop(inst);
+    trace.extract(&host_dat);
 
     let host = dir.path().join("host");
     let e = export_ctf(&[

@@ -27,7 +27,7 @@ use vmtsync_tests::truth::{GuestTruth, Skew, truth_mapping};
 use vmtsync_tests::vmm::agent_elf;
 
 use crate::kvm_fixtures::{guarded_output, vmtsync};
-use crate::record::{boot_qemu, loopback, qemu_ready, record, scratch};
+use crate::util::{QemuAgent, loopback, qemu_ready, scratch};
 
 /// The trace processor's directory, or `None` (skipped; a failure under CI=true).
 fn trace_processor(test: &str) -> Option<PathBuf> {
@@ -463,23 +463,9 @@ fn loopback_recording_in_perfetto_sits_on_the_host_boottime() {
     let lb = loopback("perfetto-loopback", n, 20_000);
     let trace = lb.dir.path().join("guest.perfetto-trace");
     let before = boottime_ns();
-    let out = record(&[
-        "--connect",
-        &lb.addr,
-        "--out",
-        trace.to_str().unwrap(),
-        "--format",
-        "perfetto",
-        "--events",
-        &n.to_string(),
-        "--duration",
-        "60",
-        "--resync",
-        "100",
-    ]);
+    let out = lb.record(&trace, n, 100, &["--format", "perfetto"]);
     let after = boottime_ns();
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(0), "{stderr}");
     let _ = lb.agent.join();
     let skew = lb.skew;
     let all = check_recorded(&tp, &trace, n, (before, after), &|g| {
@@ -514,24 +500,11 @@ fn qemu_agent_in_perfetto_lines_up_with_the_host_boottime() {
         skew.agent_option()
     );
     let _ = agent_elf().expect("agent builds");
-    let (qemu_guard, sock) = boot_qemu(dir.path(), &append);
-    let addr = format!("unix:{}", sock.display());
-    let common = ["--duration", "120", "--resync", "200", "--timeout", "10000"];
+    let vm = QemuAgent::boot(dir.path(), &append);
 
     let jsonl = dir.path().join("events.jsonl");
     let before = boottime_ns();
-    let mut args = vec![
-        "--connect",
-        &addr,
-        "--out",
-        jsonl.to_str().unwrap(),
-        "--format",
-        "jsonl",
-        "--events",
-        "300",
-    ];
-    args.extend(common);
-    let out = record(&args);
+    let out = vm.record(&jsonl, 300, 200, &["--format", "jsonl"]);
     assert_eq!(
         out.status.code(),
         Some(0),
@@ -539,25 +512,13 @@ fn qemu_agent_in_perfetto_lines_up_with_the_host_boottime() {
         String::from_utf8_lossy(&out.stderr)
     );
     // The truth while the VM runs (the second recording ends it).
-    let pid = qemu_guard.pid();
+    let pid = vm.guard.pid();
     let truth = GuestTruth::new(truth_mapping(pid, 0).expect("debugfs truth"), Some(skew));
 
     let direct = dir.path().join("direct.perfetto-trace");
-    let mut args = vec![
-        "--connect",
-        &addr,
-        "--out",
-        direct.to_str().unwrap(),
-        "--format",
-        "perfetto",
-        "--events",
-        "150",
-        "--shutdown",
-    ];
-    args.extend(common);
-    let out2 = record(&args);
+    let out2 = vm.record(&direct, 150, 200, &["--format", "perfetto", "--shutdown"]);
     let after = boottime_ns();
-    drop(qemu_guard);
+    drop(vm);
     let stderr2 = String::from_utf8_lossy(&out2.stderr);
     assert_eq!(out2.status.code(), Some(0), "{stderr2}");
     let exact = truth.composed().expect("truth composes");

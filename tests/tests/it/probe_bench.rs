@@ -54,8 +54,9 @@ fn probe_bench_intervals_contain_the_truth_on_real_kvm() {
     // rows too).
     let rows_json = json.rsplit("\"rows\":[").next().expect("a rows array");
     let rows: Vec<&str> = rows_json.split("{\"name\":").skip(1).collect();
-    // Built-in VMM 4, skew 2; with QEMU: stdio, stdio-first and the exit-anchored kvm-pio
-    // row, and the plain vsock rows (all 32 probes, and the first 16); the sync-port vsock
+    // Built-in VMM 4, skew 2; with QEMU: stdio, stdio-first, the exit-anchored kvm-pio row,
+    // the boot vCPU's sync-port rows (loop in ring 3 and in ring 0), and the plain vsock rows
+    // (all 32 probes, and the first 16); the sync-port vsock
     // rows (stream and sync-port) when vhost-device-vsock is there (always under CI).
     let sync = rows
         .iter()
@@ -64,11 +65,15 @@ fn probe_bench_intervals_contain_the_truth_on_real_kvm() {
     assert!(sync == 0 || sync == 2, "{json}");
     assert_eq!(
         rows.len(),
-        4 + 5 * usize::from(have_qemu()) + sync + 2,
+        4 + 7 * usize::from(have_qemu()) + sync + 2,
         "{json}"
     );
     if have_qemu() {
         assert!(json.contains("\"name\":\"qemu-microvm/kvm-pio\""), "{json}");
+        assert!(
+            json.contains("\"name\":\"qemu-microvm/sync-port-ring0\""),
+            "{json}"
+        );
         assert!(json.contains("\"name\":\"vsock/32\""), "{json}");
     }
     for row in rows {

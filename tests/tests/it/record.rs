@@ -7,81 +7,23 @@
 //! derived from the host TSC (rate 1.0001 or 1), and takes the truth from KVM's debugfs
 //! mapping composed with that skew (`vmtsync_tests::truth`).
 
-use std::os::unix::net::UnixListener;
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
-use std::thread::JoinHandle;
+use std::path::Path;
+use std::process::{Output, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use vmtsync::hosttsc::read_host_tsc;
 use vmtsync_core::GuestTicks;
 use vmtsync_core::HostTicks;
-use vmtsync_tests::fake_agent::{SkewedClock, WORKLOAD_EVENT, Workload, serve_with_events};
-use vmtsync_tests::truth::{GuestTruth, Skew, truth_mapping, truth_ready};
+use vmtsync_tests::ChildGuard;
+use vmtsync_tests::fake_agent::WORKLOAD_EVENT;
+use vmtsync_tests::truth::{GuestTruth, Skew, truth_mapping};
 use vmtsync_tests::vmm::agent_elf;
-use vmtsync_tests::vmm::qemu::{self, Machine, have_qemu};
-use vmtsync_tests::{ChildGuard, have_kvm, require};
+use vmtsync_tests::vmm::qemu::Machine;
 
 use crate::kvm_fixtures::vmtsync;
-
-pub(crate) fn scratch(test: &str) -> tempfile::TempDir {
-    tempfile::Builder::new()
-        .prefix(&format!("vmtsync-record-{test}-"))
-        .tempdir()
-        .unwrap()
-}
-
-pub(crate) fn text(b: &[u8]) -> String {
-    String::from_utf8_lossy(b).into_owned()
-}
-
-/// The loopback agent on a Unix socket at `sock`, serving one session with `load`; returns the
-/// thread (its result: the events its ring dropped).
-fn fake_agent(sock: &Path, skew: i64, load: Workload) -> JoinHandle<u64> {
-    let listener = UnixListener::bind(sock).unwrap();
-    std::thread::spawn(move || {
-        let (s, _) = listener.accept().unwrap();
-        serve_with_events(s, SkewedClock { skew, vcpu: 0 }, load).1
-    })
-}
-
-/// A skew for the loopback agent that no run sees twice: derived from the host TSC now.
-fn fake_skew() -> i64 {
-    i64::try_from(read_host_tsc().0 / 3).unwrap() + 987_654_321
-}
-
-/// A scratch directory with the loopback agent listening in it.
-pub(crate) struct Loopback {
-    pub(crate) dir: tempfile::TempDir,
-    /// The `--connect` address.
-    pub(crate) addr: String,
-    /// The agent's skew: an event's true host tick is its guest tick minus this.
-    pub(crate) skew: i64,
-    /// The agent thread (its result: the events its ring dropped).
-    pub(crate) agent: JoinHandle<u64>,
-}
-
-/// Starts the loopback agent with `count` events at `rate` per second, in a scratch directory
-/// named after `test`.
-pub(crate) fn loopback(test: &str, count: u64, rate: u64) -> Loopback {
-    let dir = scratch(test);
-    let sock = dir.path().join("agent.sock");
-    let skew = fake_skew();
-    let agent = fake_agent(&sock, skew, Workload { count, rate });
-    let addr = format!("unix:{}", sock.display());
-    Loopback {
-        dir,
-        addr,
-        skew,
-        agent,
-    }
-}
-
-/// Runs `vmtsync record …` (guarded) to completion.
-pub(crate) fn record(args: &[&str]) -> Output {
-    crate::kvm_fixtures::guarded_output(vmtsync().arg("record").args(args), b"")
-}
+use crate::util::{
+    Loopback, QemuAgent, have_trace_cmd, loopback, qemu_ready, scratch, text, trace_cmd,
+};
 
 /// The JSON Lines output: every object.
 pub(crate) fn read_jsonl(path: &Path) -> Vec<Value> {
@@ -110,30 +52,12 @@ pub(crate) fn seq_of(payload_hex: &str) -> u64 {
 #[test]
 fn jsonl_events_carry_intervals_that_hold_the_truth() {
     let n = 20_000;
+    let lb = loopback("jsonl", n, 200_000);
+    let out_path = lb.dir.path().join("events.jsonl");
+    let out = lb.record(&out_path, n, 30, &["--format", "jsonl"]);
     let Loopback {
-        dir,
-        addr,
-        skew,
-        agent,
-    } = loopback("jsonl", n, 200_000);
-    let out_path = dir.path().join("events.jsonl");
-    let out = record(&[
-        "--connect",
-        &addr,
-        "--out",
-        out_path.to_str().unwrap(),
-        "--format",
-        "jsonl",
-        "--events",
-        &n.to_string(),
-        // A guard: events the ring dropped under load never arrive.
-        "--duration",
-        "120",
-        "--resync",
-        "30",
-        "--shutdown",
-    ]);
-    assert_eq!(out.status.code(), Some(0), "stderr: {}", text(&out.stderr));
+        dir, skew, agent, ..
+    } = lb;
     let dropped = agent.join().unwrap();
     let lines = read_jsonl(&out_path);
     assert_eq!(
@@ -180,37 +104,14 @@ fn jsonl_events_carry_intervals_that_hold_the_truth() {
     assert!(text(&out.stderr).contains(&format!("recorded {} events", lines.len())));
 }
 
-/// trace-cmd with a closed stdin and its output captured.
-pub(crate) fn trace_cmd(args: &[&str]) -> Output {
-    Command::new("trace-cmd")
-        .args(args)
-        .stdin(Stdio::null())
-        .output()
-        .expect("trace-cmd runs")
-}
-
-pub(crate) fn have_trace_cmd() -> bool {
-    Command::new("trace-cmd")
-        .arg("--version")
-        .output()
-        .is_ok_and(|o| o.status.success() || !o.stdout.is_empty() || !o.stderr.is_empty())
-}
-
 /// `(timestamp, seq)` of every `vmtsync` event line `trace-cmd report` printed.
 pub(crate) fn report_events(out: &Output) -> Vec<(u64, u64)> {
     text(&out.stdout)
         .lines()
         .filter(|l| l.contains("payload="))
         .map(|l| {
-            // `<idle>-0 [000] 1234.5678: event_data: id=256 len=8 payload=00 01 …` or with raw
-            // ticks `[000]12345:`.
-            let after_cpu = l.split(']').nth(1).unwrap();
-            let ts: String = after_cpu
-                .trim_start()
-                .chars()
-                .take_while(|c| c.is_ascii_digit() || *c == '.')
-                .collect();
-            let ts: u64 = ts.replace('.', "").parse().unwrap();
+            // `<idle>-0 [000] 1234.5678: event_data: id=256 len=8 payload=00 01 …`.
+            let (_, ts) = crate::util::report_cpu_ts(l);
             let hex: String = l
                 .split("payload=")
                 .nth(1)
@@ -222,6 +123,20 @@ pub(crate) fn report_events(out: &Output) -> Vec<(u64, u64)> {
         .collect()
 }
 
+/// `(timestamp, seq)` of the events of one `trace-cmd report`.
+type Reported = Vec<(u64, u64)>;
+
+/// Checks `dat` with `trace-cmd dump -v`, then its events as `trace-cmd report --raw-ts`
+/// (timestamps as stored) and `report -t` (TIME_SHIFT applied) show them.
+fn raw_and_host_reports(dat: &Path) -> (Reported, Reported) {
+    crate::tracedat::assert_dump_ok(dat);
+    let p = dat.to_str().unwrap();
+    (
+        report_events(&trace_cmd(&["report", "--raw-ts", "-i", p])),
+        report_events(&trace_cmd(&["report", "-t", "-i", p])),
+    )
+}
+
 /// Tier 2 (trace-cmd): trace.dat v6 and v7 from the loopback agent: `trace-cmd dump -v`
 /// accepts them, `report --raw-ts` shows every event with its raw guest TSC in order, and
 /// `report -t` (TIME_SHIFT applied) puts each within the recording's widest guaranteed
@@ -229,38 +144,15 @@ pub(crate) fn report_events(out: &Output) -> Vec<(u64, u64)> {
 #[test]
 fn trace_dat_v6_and_v7_read_back_in_trace_cmd_on_the_host_timeline() {
     let test = "trace_dat_v6_and_v7_read_back_in_trace_cmd_on_the_host_timeline";
-    if !require(
-        test,
-        have_trace_cmd(),
-        "trace-cmd is missing (apt-get install trace-cmd)",
-    ) {
+    if !have_trace_cmd(test) {
         return;
     }
     for version in ["6", "7"] {
         let n = 5_000;
-        let Loopback {
-            dir,
-            addr,
-            skew,
-            agent,
-        } = loopback("tracedat", n, 50_000);
-        let dat = dir.path().join("guest.dat");
-        let out = record(&[
-            "--connect",
-            &addr,
-            "--out",
-            dat.to_str().unwrap(),
-            "--file-version",
-            version,
-            "--events",
-            &n.to_string(),
-            "--duration",
-            "120",
-            "--resync",
-            "20",
-            "--shutdown",
-        ]);
-        assert_eq!(out.status.code(), Some(0), "stderr: {}", text(&out.stderr));
+        let lb = loopback("tracedat", n, 50_000);
+        let dat = lb.dir.path().join("guest.dat");
+        let out = lb.record(&dat, n, 20, &["--file-version", version]);
+        let Loopback { skew, agent, .. } = lb;
         let dropped = agent.join().unwrap();
         let stderr = text(&out.stderr);
         let max_width: u64 = stderr
@@ -269,15 +161,7 @@ fn trace_dat_v6_and_v7_read_back_in_trace_cmd_on_the_host_timeline() {
             .and_then(|s| s.split_whitespace().next())
             .and_then(|s| s.trim_end_matches(',').parse().ok())
             .unwrap_or_else(|| panic!("summary without widths: {stderr}"));
-        let dump = trace_cmd(&["dump", "-v", "-i", dat.to_str().unwrap()]);
-        assert!(dump.status.success(), "dump -v: {}", text(&dump.stderr));
-        let raw = report_events(&trace_cmd(&[
-            "report",
-            "--raw-ts",
-            "-i",
-            dat.to_str().unwrap(),
-        ]));
-        let host = report_events(&trace_cmd(&["report", "-t", "-i", dat.to_str().unwrap()]));
+        let (raw, host) = raw_and_host_reports(&dat);
         assert_eq!(raw.len() as u64, n - dropped, "v{version}: {stderr}");
         assert_eq!(host.len(), raw.len());
         let mut misses = 0;
@@ -375,46 +259,6 @@ fn sigint_ends_a_recording_with_a_complete_file() {
     let _ = agent.join();
 }
 
-/// Tier 2 prerequisites for the QEMU tests.
-pub(crate) fn qemu_ready(test: &str) -> bool {
-    require(test, have_kvm(), "/dev/kvm is not accessible read-write")
-        && require(
-            test,
-            have_qemu(),
-            "qemu-system-x86_64 is missing (apt-get install qemu-system-x86)",
-        )
-        && require(
-            test,
-            have_trace_cmd(),
-            "trace-cmd is missing (apt-get install trace-cmd)",
-        )
-        && truth_ready(test)
-}
-
-/// Boots the agent under QEMU microvm (COM1 on `sock`), waits for the socket.
-pub(crate) fn boot_qemu(dir: &Path, append: &str) -> (ChildGuard, PathBuf) {
-    let elf = agent_elf().expect("agent builds");
-    let sock = dir.join("com1.sock");
-    let com2 = dir.join("com2.log");
-    let child = qemu::command_com1_socket(Machine::Microvm, &elf, append, &com2, &sock)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("qemu starts");
-    let guard = ChildGuard::new(child);
-    let end = Instant::now() + Duration::from_secs(20);
-    while !sock.exists() {
-        assert!(
-            Instant::now() < end,
-            "QEMU did not create {}",
-            sock.display()
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    (guard, sock)
-}
-
 /// Tier 2: the real agent under QEMU emits a workload while answering probes; `vmtsync
 /// record` writes JSON Lines and trace.dat. Truth: KVM's debugfs mapping of the VM composed
 /// with the agent's skew (derived from the host TSC; once at rate 1.0001, once at rate 1).
@@ -439,27 +283,11 @@ fn qemu_agent_workload_is_recorded_on_the_true_host_timeline() {
             "transport=uart exit=0 workload=300,0 {}",
             skew.agent_option()
         );
-        let (qemu_guard, sock) = boot_qemu(dir.path(), &append);
-        let addr = format!("unix:{}", sock.display());
+        let vm = QemuAgent::boot(dir.path(), &append);
         let jsonl = dir.path().join("events.jsonl");
-        let out = record(&[
-            "--connect",
-            &addr,
-            "--out",
-            jsonl.to_str().unwrap(),
-            "--format",
-            "jsonl",
-            "--events",
-            &n.to_string(),
-            "--duration",
-            "120",
-            "--resync",
-            "200",
-            "--timeout",
-            "10000",
-        ]);
+        let out = vm.record(&jsonl, n, 200, &["--format", "jsonl"]);
         assert_eq!(out.status.code(), Some(0), "{name}: {}", text(&out.stderr));
-        let pid = qemu_guard.pid();
+        let pid = vm.guard.pid();
         let truth = GuestTruth::new(truth_mapping(pid, 0).expect("debugfs truth"), Some(skew));
         let lines = read_jsonl(&jsonl);
         let mut misses = 0;
@@ -471,22 +299,8 @@ fn qemu_agent_workload_is_recorded_on_the_true_host_timeline() {
         }
         // The same session goes on: a trace.dat of the next events.
         let dat = dir.path().join("guest.dat");
-        let out2 = record(&[
-            "--connect",
-            &addr,
-            "--out",
-            dat.to_str().unwrap(),
-            "--events",
-            "150",
-            "--duration",
-            "120",
-            "--resync",
-            "200",
-            "--timeout",
-            "10000",
-            "--shutdown",
-        ]);
-        drop(qemu_guard);
+        let out2 = vm.record(&dat, 150, 200, &["--shutdown"]);
+        drop(vm);
         let stderr = text(&out.stderr);
         println!(
             "record under QEMU, {name}: {} events; {}",
@@ -504,15 +318,7 @@ fn qemu_agent_workload_is_recorded_on_the_true_host_timeline() {
         );
         let stderr2 = text(&out2.stderr);
         assert_eq!(out2.status.code(), Some(0), "{name}: {stderr2}");
-        let dump = trace_cmd(&["dump", "-v", "-i", dat.to_str().unwrap()]);
-        assert!(dump.status.success(), "dump -v: {}", text(&dump.stderr));
-        let raw = report_events(&trace_cmd(&[
-            "report",
-            "--raw-ts",
-            "-i",
-            dat.to_str().unwrap(),
-        ]));
-        let host = report_events(&trace_cmd(&["report", "-t", "-i", dat.to_str().unwrap()]));
+        let (raw, host) = raw_and_host_reports(&dat);
         assert_eq!((raw.len(), host.len()), (150, 150), "{name}: {stderr2}");
         // Each event's host time (trace-cmd's, TIME_SHIFT applied or pre-converted) lies within
         // the widest guaranteed interval of the run from the truth's host tick of its raw

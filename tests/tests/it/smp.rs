@@ -15,10 +15,10 @@ use vmtsync::probe::anchor::{AnchorMode, AnchorOptions};
 use vmtsync::probe::{ProbeAddr, ProbeError, ProbeOptions, VcpuChoice, run_probe};
 use vmtsync::scan::VmSelector;
 use vmtsync_core::HostTicks;
-use vmtsync_tests::truth::{GuestTruth, Skew, truth_ready};
+use vmtsync_tests::ChildGuard;
+use vmtsync_tests::truth::{GuestTruth, Skew};
 use vmtsync_tests::vmm::agent_elf;
-use vmtsync_tests::vmm::qemu::{self, debug_exit_status, have_qemu};
-use vmtsync_tests::{ChildGuard, have_kvm, require};
+use vmtsync_tests::vmm::qemu::{self, debug_exit_status};
 
 /// vCPUs of the guest.
 const VCPUS: u32 = 4;
@@ -115,14 +115,55 @@ fn vcpu_threads(pid: u32) -> Vec<(u32, u32)> {
         .collect()
 }
 
-fn prerequisites(test: &str) -> bool {
-    require(test, have_kvm(), "/dev/kvm is not accessible read-write")
-        && require(
-            test,
-            have_qemu(),
-            "qemu-system-x86_64 is missing (apt-get install qemu-system-x86)",
-        )
-        && truth_ready(test)
+/// A booted SMP guest for one test: its scratch directory, each vCPU's skew, QEMU, and the
+/// probe options for its COM1 socket.
+struct Smp {
+    tmp_dir: tempfile::TempDir,
+    skews: Vec<Skew>,
+    guard: ChildGuard,
+    opts: ProbeOptions,
+}
+
+impl Smp {
+    /// Exit anchoring on this guest's VM (`--anchor kvm-pio --vm PID`).
+    fn anchor(&self) -> AnchorOptions {
+        AnchorOptions {
+            mode: AnchorMode::KvmPio,
+            vm: Some(VmSelector::Pid(self.guard.pid())),
+            ..AnchorOptions::default()
+        }
+    }
+}
+
+/// Checks the prerequisites (with `anchored`, a tracefs with `kvm_pio` too), then boots
+/// QEMU microvm with [`VCPUS`] vCPUs running the agent (`extra` boot options), each vCPU with
+/// its own skew, COM1 on a socket in a scratch directory named after `test`. `None` (after
+/// `require` said why) when a prerequisite is missing.
+fn boot_smp(test: &str, extra: &str, anchored: bool) -> Option<Smp> {
+    boot_smp_with(test, Skew::pick_per_vcpu(VCPUS), extra, anchored)
+}
+
+/// [`boot_smp`] with the given skews, vCPU N's at index N.
+fn boot_smp_with(test: &str, skews: Vec<Skew>, extra: &str, anchored: bool) -> Option<Smp> {
+    let ready = if anchored {
+        crate::util::anchor_ready(test)
+    } else {
+        crate::util::vm_ready(test)
+    };
+    if !ready {
+        return None;
+    }
+    let tmp_dir = tempfile::Builder::new()
+        .prefix(&format!("vmtsync-{test}-"))
+        .tempdir()
+        .unwrap();
+    let (guard, opts) = boot(tmp_dir.path(), &skews, extra);
+    Some(Smp {
+        tmp_dir,
+        skews,
+        guard,
+        opts,
+    })
 }
 
 /// QEMU microvm with [`VCPUS`] vCPUs running the agent (`extra` boot options), vCPU N with
@@ -166,16 +207,16 @@ fn log(dir: &Path, e: &dyn std::fmt::Display) -> String {
 #[test]
 fn every_vcpu_of_a_four_vcpu_guest_is_synced_on_itself() {
     let test = "every_vcpu_of_a_four_vcpu_guest_is_synced_on_itself";
-    if !prerequisites(test) {
+    let Some(Smp {
+        tmp_dir,
+        skews,
+        mut guard,
+        mut opts,
+    }) = boot_smp(test, "", false)
+    else {
         return;
-    }
-    let tmp_dir = tempfile::Builder::new()
-        .prefix(&format!("vmtsync-{test}-"))
-        .tempdir()
-        .unwrap();
+    };
     let dir = tmp_dir.path();
-    let skews = Skew::pick_per_vcpu(VCPUS);
-    let (mut guard, mut opts) = boot(dir, &skews, "");
     let log = |e: &dyn std::fmt::Display| log(dir, e);
 
     // Session 1: every vCPU, one JSON object each.
@@ -257,28 +298,17 @@ fn wait_exit(guard: &mut ChildGuard) {
 fn exit_anchored_probes_of_every_vcpu_hold_their_truths() {
     let test = "exit_anchored_probes_of_every_vcpu_hold_their_truths";
     let _one_instance = vmtsync_tests::anchor_lock();
-    if !prerequisites(test)
-        || !require(
-            test,
-            vmtsync::ftrace::find_tracefs(None, vmtsync::probe::anchor::EVENT).is_ok(),
-            "no tracefs with events/kvm/kvm_pio (mount tracefs, load kvm)",
-        )
-    {
+    let Some(mut smp) = boot_smp(test, "", true) else {
         return;
-    }
-    let tmp_dir = tempfile::Builder::new()
-        .prefix(&format!("vmtsync-{test}-"))
-        .tempdir()
-        .unwrap();
-    let dir = tmp_dir.path();
-    let skews = Skew::pick_per_vcpu(VCPUS);
-    let (mut guard, mut opts) = boot(dir, &skews, "");
-    let pid = guard.pid();
-    opts.anchor = AnchorOptions {
-        mode: AnchorMode::KvmPio,
-        vm: Some(VmSelector::Pid(pid)),
-        ..AnchorOptions::default()
     };
+    smp.opts.anchor = smp.anchor();
+    let Smp {
+        tmp_dir,
+        skews,
+        mut guard,
+        mut opts,
+    } = smp;
+    let (dir, pid) = (tmp_dir.path(), guard.pid());
     let mut truth = None;
     for k in 0..3 {
         opts.shutdown = k == 2;
@@ -307,26 +337,13 @@ fn sync_port_brackets_come_from_each_vcpus_own_exits() {
 
     let test = "sync_port_brackets_come_from_each_vcpus_own_exits";
     let _one_instance = vmtsync_tests::anchor_lock();
-    if !prerequisites(test)
-        || !require(
-            test,
-            vmtsync::ftrace::find_tracefs(None, vmtsync::probe::anchor::EVENT).is_ok(),
-            "no tracefs with events/kvm/kvm_pio (mount tracefs, load kvm)",
-        )
-    {
+    let Some(mut smp) = boot_smp(test, &format!("syncport={DEFAULT_SYNC_PORT:#x}"), true) else {
         return;
-    }
-    let tmp_dir = tempfile::Builder::new()
-        .prefix(&format!("vmtsync-{test}-"))
-        .tempdir()
-        .unwrap();
-    let dir = tmp_dir.path();
-    let skews = Skew::pick_per_vcpu(VCPUS);
-    let (mut guard, opts) = boot(dir, &skews, &format!("syncport={DEFAULT_SYNC_PORT:#x}"));
-    let pid = guard.pid();
+    };
+    let (anchor, dir, pid) = (smp.anchor(), smp.tmp_dir.path(), smp.guard.pid());
     let step = Duration::from_secs(20);
     let inner = connect_until_stopped(
-        &opts.addr,
+        &smp.opts.addr,
         &ConnectOptions {
             connect_timeout: step,
             io_timeout: step,
@@ -334,11 +351,6 @@ fn sync_port_brackets_come_from_each_vcpus_own_exits() {
         None,
     )
     .expect("connects");
-    let anchor = AnchorOptions {
-        mode: AnchorMode::KvmPio,
-        vm: Some(VmSelector::Pid(pid)),
-        ..AnchorOptions::default()
-    };
     let mut t = prepare_matcher(
         Matcher::SyncPort {
             port: DEFAULT_SYNC_PORT,
@@ -357,7 +369,7 @@ fn sync_port_brackets_come_from_each_vcpus_own_exits() {
         "{:?}",
         info.features
     );
-    let truth = truths(pid, &skews);
+    let truth = truths(pid, &smp.skews);
     assert_eq!(s.vcpus().unwrap(), [0, 1, 2, 3]);
     let mut total = 0;
     for v in 0..VCPUS {
@@ -407,5 +419,194 @@ fn sync_port_brackets_come_from_each_vcpus_own_exits() {
         t.stats()
     );
     drop(t);
+    wait_exit(&mut smp.guard);
+}
+
+/// `probe --all-vcpus --continuous`: each round syncs every vCPU on itself and appends one
+/// segment per vCPU, each vCPU with its own estimate; every segment must hold its own vCPU's
+/// truth (per-vCPU skews set them ~2^36 ticks apart, so a segment made or judged with another
+/// vCPU's clock misses).
+#[test]
+fn continuous_all_vcpus_writes_each_vcpus_segments_holding_its_truth() {
+    use vmtsync::probe::ContinuousOptions;
+    use vmtsync::syncfile::SyncFile;
+
+    let test = "continuous_all_vcpus_writes_each_vcpus_segments_holding_its_truth";
+    let Some(Smp {
+        tmp_dir,
+        skews,
+        mut guard,
+        mut opts,
+    }) = boot_smp(test, "", false)
+    else {
+        return;
+    };
+    let dir = tmp_dir.path();
+    let sync = dir.join("sync.jsonl");
+    opts.json = false;
+    opts.shutdown = true;
+    opts.continuous = Some(ContinuousOptions {
+        out: sync.clone(),
+        resync: Duration::from_millis(200),
+        rounds: Some(3),
+    });
+    let mut out = Vec::new();
+    run_probe(&opts, &mut out).unwrap_or_else(|e| panic!("{}", log(dir, &e)));
+    print!("{}", String::from_utf8_lossy(&out));
+    let file = SyncFile::read(&sync).expect("the sync file reads");
+    let order: Vec<(u64, u32)> = file.segments.iter().map(|g| (g.round, g.vcpu)).collect();
+    let want: Vec<(u64, u32)> = (0..3)
+        .flat_map(|r| (0..VCPUS).map(move |v| (r, v)))
+        .collect();
+    assert_eq!(order, want, "one segment per vCPU per round, in vCPU order");
+    let pid = guard.pid();
+    let truth = truths(pid, &skews);
+    for g in &file.segments {
+        let t = truth[usize::try_from(g.vcpu).unwrap()];
+        let at = t
+            .check(HostTicks(g.host_anchor), g.offset_lo, g.offset_hi)
+            .unwrap_or_else(|e| panic!("round {} vcpu {}: {e}", g.round, g.vcpu));
+        println!(
+            "round {} vcpu {}: error {:+}, width {}{}",
+            g.round,
+            g.vcpu,
+            i128::from(g.offset) - at,
+            g.offset_hi.abs_diff(g.offset_lo),
+            if g.is_break { ", BREAK" } else { "" }
+        );
+        assert!(!g.is_break, "a vCPU's own rounds never break: {g:?}");
+    }
+    wait_exit(&mut guard);
+}
+
+/// `vmtsync record` on a four-vCPU guest whose application processors record events
+/// (`events=N`: one per probe each answers, on top of the boot vCPU's one per message): every vCPU is synced on itself each round, every
+/// event's interval holds its own vCPU's truth (debugfs + that vCPU's skew), and the trace.dat
+/// has one CPU per vCPU whose events trace-cmd 3.1.6 puts on the host timeline through that
+/// CPU's own TIME_SHIFT (within the run's widest interval of the truth).
+#[test]
+fn record_places_every_vcpus_events_with_its_own_sync() {
+    use crate::util::{have_trace_cmd, text, trace_cmd};
+    use vmtsync::probe::Progress;
+    use vmtsync::record::{DRAIN_MAX, RecordFormat, RecordOptions, run_record};
+    use vmtsync_core::GuestTicks;
+    use vmtsync_core::mapping::KvmTscMapping;
+
+    let test = "record_places_every_vcpus_events_with_its_own_sync";
+    if !have_trace_cmd(test) {
+        return;
+    }
+    // Identity rates (offsets only), so the trace.dat keeps raw guest TSCs with a TIME_SHIFT
+    // per CPU that trace-cmd applies; the offsets still differ per vCPU.
+    let identity: Vec<Skew> = Skew::pick_per_vcpu(VCPUS)
+        .into_iter()
+        .map(|s| Skew(KvmTscMapping::offset_only(s.0.offset())))
+        .collect();
+    let Some(Smp {
+        tmp_dir,
+        skews,
+        mut guard,
+        mut opts,
+    }) = boot_smp_with(test, identity, "events=1000000", false)
+    else {
+        return;
+    };
+    let dir = tmp_dir.path();
+    opts.json = false;
+    let pid = guard.pid();
+    let run = |format: RecordFormat, out: &Path, shutdown: bool| {
+        let mut probe = opts.clone();
+        probe.shutdown = shutdown;
+        let o = RecordOptions {
+            probe,
+            out: out.to_owned(),
+            format,
+            file_version: vmtsync::tracedat::FileVersion::V7,
+            // A time, not a count: a count would end the drain that reaches it early (the
+            // boot vCPU's ring drains first), a time takes every vCPU's events.
+            events: None,
+            duration: Some(Duration::from_secs(8)),
+            resync: Duration::from_millis(300),
+            drain_max: DRAIN_MAX,
+            sync_out: None,
+        };
+        let s =
+            run_record(&o, &mut Progress::hidden()).unwrap_or_else(|e| panic!("{}", log(dir, &e)));
+        println!("{s:?}");
+        s
+    };
+    let jsonl = dir.join("events.jsonl");
+    let s = run(RecordFormat::Jsonl, &jsonl, false);
+    assert_eq!(s.vcpus, [0, 1, 2, 3]);
+    // The VM runs now (the agent keeps serving after the first recording).
+    let truth = truths(pid, &skews);
+    let lines = crate::record::read_jsonl(&jsonl);
+    let mut per_vcpu = [0u32; VCPUS as usize];
+    for v in &lines {
+        let vcpu = usize::try_from(crate::record::u(v, "vcpu")).unwrap();
+        let (g, lo, hi) = (
+            crate::record::u(v, "guest_tsc"),
+            crate::record::u(v, "host_lo"),
+            crate::record::u(v, "host_hi"),
+        );
+        assert!(
+            truth[vcpu].in_bracket(HostTicks(lo), GuestTicks(g), HostTicks(hi)),
+            "vCPU {vcpu}'s event misses its truth: {v}"
+        );
+        per_vcpu[vcpu] += 1;
+    }
+    println!("events per vCPU (JSON Lines): {per_vcpu:?}");
+    assert!(
+        per_vcpu.iter().all(|&n| n > 0),
+        "events from every vCPU: {per_vcpu:?}"
+    );
+
+    let dat = dir.join("guest.dat");
+    let s = run(RecordFormat::TraceCmd, &dat, true);
+    assert!(!s.preconverted, "identity rates keep raw TSCs");
+    let max_width = s.widths.expect("events have widths").2;
+    // `[CPU] timestamp:` of every event line, raw and with the TIME_SHIFT applied.
+    let events = |args: &[&str]| -> Vec<(usize, u64)> {
+        let out = trace_cmd(args);
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        text(&out.stdout)
+            .lines()
+            .filter(|l| l.contains("event_data:"))
+            .map(crate::util::report_cpu_ts)
+            .collect()
+    };
+    let path = dat.to_str().unwrap();
+    // trace-cmd merges the CPUs by timestamp, and the raw guest TSCs of different vCPUs are
+    // on different clocks: pair raw and shifted times CPU by CPU, in each CPU's order.
+    let per_cpu = |all: Vec<(usize, u64)>| -> Vec<Vec<u64>> {
+        let mut by = vec![Vec::new(); VCPUS as usize];
+        for (cpu, ts) in all {
+            by[cpu].push(ts);
+        }
+        by
+    };
+    let raw = per_cpu(events(&["report", "--raw-ts", "-i", path]));
+    let host = per_cpu(events(&["report", "-t", "-i", path]));
+    let total: usize = raw.iter().map(Vec::len).sum();
+    assert_eq!(total as u64, s.events, "every event in the file");
+    let mut cpus = [0usize; VCPUS as usize];
+    for (cpu, (raw, host)) in raw.iter().zip(&host).enumerate() {
+        assert_eq!(raw.len(), host.len(), "CPU {cpu}");
+        // CPU N holds vCPU N here (vCPUs 0-3, in order): its TIME_SHIFT must be its own.
+        let exact = truth[cpu].composed().expect("truth composes");
+        for (&r, &h) in raw.iter().zip(host) {
+            let t = exact
+                .try_host_from_guest_ceil(GuestTicks(r))
+                .expect("maps")
+                .0;
+            assert!(
+                h.abs_diff(t) <= max_width,
+                "CPU {cpu}: trace-cmd put guest {r} at {h}, the truth says {t} (width {max_width})"
+            );
+        }
+        cpus[cpu] = raw.len();
+    }
+    println!("events per CPU (trace.dat, trace-cmd report): {cpus:?}");
+    assert!(cpus.iter().all(|&n| n > 0), "events on every CPU: {cpus:?}");
     wait_exit(&mut guard);
 }

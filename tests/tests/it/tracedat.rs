@@ -5,8 +5,7 @@
 //! before and after each `trace_marker` write, whose ftrace timestamp (x86-tsc) lies in between.
 
 use std::io::Write;
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::path::Path;
 
 use vmtsync::hosttsc::read_host_tsc;
 use vmtsync::tracedat::timeshift::{exact_host_time, plan_cpu, trace_cmd_host_time};
@@ -15,26 +14,8 @@ use vmtsync::tracedat::{
     TraceDatWriter, WriterOptions, copy_host_trace, read_layout, verify_file,
 };
 use vmtsync_core::HostTicks;
-use vmtsync_tests::{is_root, require};
 
-pub(crate) fn trace_cmd(args: &[&str]) -> Output {
-    Command::new("trace-cmd")
-        .args(args)
-        .output()
-        .expect("run trace-cmd")
-}
-
-pub(crate) fn have_trace_cmd(test: &str) -> bool {
-    let ok = Command::new("trace-cmd")
-        .arg("--version")
-        .output()
-        .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains("trace-cmd version"));
-    require(
-        test,
-        ok,
-        "trace-cmd is not installed (apt-get install trace-cmd, or cargo xtask setup)",
-    )
-}
+use crate::util::{HostTrace, have_trace_cmd, trace_cmd};
 
 /// `trace-cmd dump -v` exits non-zero on a file it cannot parse (report does not).
 pub(crate) fn assert_dump_ok(path: &Path) {
@@ -274,42 +255,17 @@ fn a_truncated_file_is_caught_by_our_reader() {
     }
 }
 
-/// A private tracefs instance, removed on drop (also when `trace-cmd extract` already did).
-struct Instance(PathBuf);
-
-impl Drop for Instance {
-    fn drop(&mut self) {
-        if self.0.exists() {
-            let _ = std::fs::write(self.0.join("tracing_on"), "0");
-            let _ = std::fs::remove_dir(&self.0);
-        }
-    }
-}
-
 #[test]
 fn a_host_trace_copy_merges_with_the_guest_in_host_time_order() {
     let test = "tracedat::a_host_trace_copy_merges_with_the_guest_in_host_time_order";
-    if !have_trace_cmd(test) || !require(test, is_root(), "needs root (tracefs instances)") {
+    let Some(trace) = HostTrace::start(test, "tracedat", vmtsync::ftrace::tsc_offset::EVENT) else {
         return;
-    }
-    let tracefs = vmtsync::ftrace::find_tracefs(None, vmtsync::ftrace::tsc_offset::EVENT);
-    if !require(
-        test,
-        tracefs.is_ok(),
-        "no tracefs at /sys/kernel/{debug/,}tracing",
-    ) {
-        return;
-    }
-    let tracefs = tracefs.unwrap();
-    let name = format!("vmtsync_tracedat_{}", std::process::id());
-    let inst = Instance(tracefs.join("instances").join(&name));
-    std::fs::create_dir(&inst.0).expect("create tracefs instance");
-    std::fs::write(inst.0.join("trace_clock"), "x86-tsc").expect("set x86-tsc");
+    };
 
     // Each marker's ftrace timestamp lies between the host TSC reads around its write.
     let mut marker = std::fs::OpenOptions::new()
         .write(true)
-        .open(inst.0.join("trace_marker"))
+        .open(trace.path().join("trace_marker"))
         .unwrap();
     let mut brackets = Vec::new();
     for k in 0..300 {
@@ -321,20 +277,9 @@ fn a_host_trace_copy_merges_with_the_guest_in_host_time_order() {
         brackets.push((h0, h1));
     }
     drop(marker);
-    std::fs::write(inst.0.join("tracing_on"), "0").unwrap();
     let dir = tempfile::tempdir().unwrap();
     let host = dir.path().join("host.dat");
-    let o = Command::new("trace-cmd")
-        .args(["extract", "-B", &name, "-o", host.to_str().unwrap()])
-        .current_dir(dir.path())
-        .output()
-        .unwrap();
-    assert!(
-        o.status.success(),
-        "extract: {}",
-        String::from_utf8_lossy(&o.stderr)
-    );
-    drop(inst);
+    trace.extract(&host);
     let host6 = dir.path().join("host6.dat");
     let o = trace_cmd(&[
         "convert",

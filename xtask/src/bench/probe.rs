@@ -152,7 +152,7 @@ pub(super) fn probe_section(j: &Value) -> Result<Section> {
         let base = a["baseline"].as_str().unwrap_or("?");
         let _ = writeln!(
             body,
-            "\nThe QEMU UART path, bracketed three ways on the same probes: in this process              (`{base}`, what `vmtsync probe --anchor none` does), and by the host kernel's              `kvm:kvm_pio` stamps of the vCPU's own COM1 exits (`…/kvm-pio`, `vmtsync probe              --anchor kvm-pio`; docs/anchor.md). Ratios are to `{base}`.\n\n\
+            "\nThe QEMU UART path, bracketed three ways on the same probes: in this process              (`{base}`, what `vmtsync probe --anchor none` does), and by the host kernel's              `kvm:kvm_pio` stamps of the vCPU's own COM1 exits (`…/kvm-pio`, `vmtsync probe              --anchor kvm-pio`; docs/anchor.md). In two more VMs booted with `syncport=0x2400`, the              same UART probes bracketed by the agent's sync-port exits around its TSC read, its              loop in ring 3 (`…/sync-port`) and in ring 0 (`…/sync-port-ring0`; docs/anchor.md,              \"The boot vCPU's sync-port bracket\"). Ratios are to `{base}`.\n\n\
              | path / bracket | median width | ours median \\|err\\| | width ratio | error ratio | probes to 2× the session's width |\n\
              |---|---:|---:|---:|---:|---:|"
         );

@@ -3,8 +3,9 @@
 //! Anchoring needs the VM's vCPU threads (KVM debugfs `vcpuN/pid`), tracefs with `kvm:kvm_pio`
 //! and root. With [`AnchorMode::Auto`] any of them missing is a note on stderr and the run goes
 //! on with in-process stamps; with [`AnchorMode::KvmPio`] it is [`ProbeError::Anchor`] (CLI exit
-//! code 8). The UART variant applies to a `unix:` address (a VMM's serial chardev); every
-//! other transport is anchored on the agent's sync port (`syncport=N`, docs/anchor.md).
+//! code 8). The UART variant applies to a `unix:` address (a VMM's serial chardev), where an
+//! agent that announces a sync port has its probes bracketed there; every other transport is
+//! anchored on the agent's sync port (`syncport=N`, docs/anchor.md).
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -112,7 +113,12 @@ pub fn matcher_for(addr: &ProbeAddr, o: &AnchorOptions) -> Matcher {
 /// Why this run cannot be anchored, or the trace to anchor it with. A VM just started may not
 /// have run its vCPUs yet (debugfs then has no thread for them): it is looked for again until
 /// `wait` has passed.
-fn open_trace(matcher: Matcher, o: &AnchorOptions, wait: Duration) -> Result<PioTrace, String> {
+fn open_trace(
+    matcher: Matcher,
+    sync_port: Option<u16>,
+    o: &AnchorOptions,
+    wait: Duration,
+) -> Result<PioTrace, String> {
     // The instance first: without tracefs or root there is nothing to wait for.
     crate::ftrace::find_tracefs(o.tracefs.as_deref(), super::EVENT).map_err(|e| e.to_string())?;
     let deadline = Instant::now() + wait;
@@ -123,12 +129,13 @@ fn open_trace(matcher: Matcher, o: &AnchorOptions, wait: Duration) -> Result<Pio
             Err(_) => std::thread::sleep(VCPU_POLL),
         }
     };
-    let ports: Vec<u16> = match matcher {
+    let mut ports: Vec<u16> = match matcher {
         // The whole 16550 register block: the status-register polls tighten the bracket
         // (`match_uart`); bytes are matched on the data port only.
         Matcher::Uart { port } => (port..port.saturating_add(UART_PORTS)).collect(),
         Matcher::SyncPort { port } => vec![port],
     };
+    ports.extend(sync_port.filter(|p| !ports.contains(p)));
     PioTrace::start(o.tracefs.as_deref(), &threads, &ports).map_err(|e| e.to_string())
 }
 
@@ -138,11 +145,15 @@ pub struct AnchorSetup {
     trace: Option<PioTrace>,
     mode: AnchorMode,
     matcher: Matcher,
+    /// A UART run's sync port, traced too (see [`AnchoredTransport::with_sync_port`]).
+    sync_port: Option<u16>,
 }
 
 /// Decides whether a run on `addr` is anchored, before connecting (so `--anchor kvm-pio`
 /// fails at once when it cannot be done): opens the trace for `KvmPio` and `Auto`, waiting up
 /// to `wait` for the VM's vCPU threads to appear; `Auto` tells `note` why not when it cannot.
+/// A serial chardev's trace also holds the sync port (`o.sync_port`): when the agent's hello
+/// announces one, its probes are bracketed there, the tighter bracket (docs/anchor.md).
 ///
 /// # Errors
 /// [`ProbeError::Anchor`] when `o.mode` is `KvmPio` and anchoring is not possible.
@@ -152,10 +163,13 @@ pub fn prepare(
     wait: Duration,
     note: &mut dyn FnMut(&str),
 ) -> Result<AnchorSetup, ProbeError> {
-    prepare_matcher(matcher_for(addr, o), o, wait, note)
+    let matcher = matcher_for(addr, o);
+    let sync_port = matches!(matcher, Matcher::Uart { .. }).then_some(o.sync_port);
+    prepare_with(matcher, sync_port, o, wait, note)
 }
 
-/// [`prepare`] for a matcher chosen by the caller (a test rig that knows its transport).
+/// [`prepare`] for a matcher chosen by the caller (a test rig that knows its transport), with
+/// no other port traced.
 ///
 /// # Errors
 /// As [`prepare`].
@@ -165,12 +179,24 @@ pub fn prepare_matcher(
     wait: Duration,
     note: &mut dyn FnMut(&str),
 ) -> Result<AnchorSetup, ProbeError> {
+    prepare_with(matcher, None, o, wait, note)
+}
+
+fn prepare_with(
+    matcher: Matcher,
+    sync_port: Option<u16>,
+    o: &AnchorOptions,
+    wait: Duration,
+    note: &mut dyn FnMut(&str),
+) -> Result<AnchorSetup, ProbeError> {
     let trace = match (o.mode, &o.vm) {
         // Without --vm, auto does not guess which VM runs the agent (the only VM on the host
         // may be someone else's): it stamps in this process, quietly.
         (AnchorMode::None, _) | (AnchorMode::Auto, None) => None,
-        (AnchorMode::KvmPio, _) => Some(open_trace(matcher, o, wait).map_err(ProbeError::Anchor)?),
-        (AnchorMode::Auto, Some(_)) => match open_trace(matcher, o, wait) {
+        (AnchorMode::KvmPio, _) => {
+            Some(open_trace(matcher, sync_port, o, wait).map_err(ProbeError::Anchor)?)
+        }
+        (AnchorMode::Auto, Some(_)) => match open_trace(matcher, sync_port, o, wait) {
             Ok(t) => Some(t),
             Err(why) => {
                 note(&format!(
@@ -184,6 +210,7 @@ pub fn prepare_matcher(
         trace,
         mode: o.mode,
         matcher,
+        sync_port,
     })
 }
 
@@ -193,8 +220,12 @@ impl AnchorSetup {
     /// passes the stamps through.
     pub fn wrap<T: StampedTransport>(self, inner: T) -> AnchoredTransport<T> {
         match (self.trace, self.mode) {
-            (Some(t), AnchorMode::KvmPio) => AnchoredTransport::new(inner, t, self.matcher),
-            (Some(t), _) => AnchoredTransport::new_auto(inner, t, self.matcher),
+            (Some(t), AnchorMode::KvmPio) => {
+                AnchoredTransport::new(inner, t, self.matcher).with_sync_port(self.sync_port)
+            }
+            (Some(t), _) => {
+                AnchoredTransport::new_auto(inner, t, self.matcher).with_sync_port(self.sync_port)
+            }
             (None, _) => AnchoredTransport::passthrough(inner),
         }
     }

@@ -6,7 +6,7 @@ use std::time::Instant;
 use vmtsync_core::HostTicks;
 use vmtsync_core::proto::MAX_FRAME_SIZE;
 
-use vmtsync_core::proto::{Message, decode_frame};
+use vmtsync_core::proto::{Features, Message, decode_frame};
 
 use super::{
     AnchorKind, AnchorStats, Matcher, PioTrace, UartBracket, Unmatched, match_sync_port, match_uart,
@@ -39,6 +39,14 @@ pub struct AnchoredTransport<T> {
     last: Option<UartBracket>,
     /// The last exchange's stamps before and after anchoring.
     last_pair: Option<(FrameStamps, FrameStamps)>,
+    /// [`Matcher::Uart`] only: the sync port traced next to the UART
+    /// ([`AnchoredTransport::with_sync_port`]).
+    sync_port: Option<u16>,
+    /// The agent's hello announced [`Features::SYNC_PORT`]: its probes are bracketed on the
+    /// sync port instead of the UART's bytes.
+    agent_sync_port: bool,
+    /// Probes of a UART transport bracketed on its sync port so far.
+    sync_matched: u64,
 }
 
 impl<T: StampedTransport> AnchoredTransport<T> {
@@ -78,6 +86,49 @@ impl<T: StampedTransport> AnchoredTransport<T> {
             received: Vec::with_capacity(MAX_RECEIVED),
             received_overflow: false,
             stats: AnchorStats::default(),
+            sync_port: None,
+            agent_sync_port: false,
+            sync_matched: 0,
+        }
+    }
+
+    /// A UART transport whose trace also holds the agent's sync port `port`: once the hello's
+    /// reply announces [`Features::SYNC_PORT`], probes are bracketed by their sync-port exits
+    /// ([`match_sync_port`]), which hold nothing but the TSC read, instead of by the UART's
+    /// bytes, whose bracket also holds the agent's frame handling; the hello and every other
+    /// request are still matched on the UART. The UART matching never sees the sync port's
+    /// exits (its lower bound is the thread's last exit before the reply, which must not be
+    /// the sync port's `out` after the read).
+    #[must_use]
+    pub fn with_sync_port(mut self, port: Option<u16>) -> Self {
+        if matches!(self.matcher, Matcher::Uart { .. }) {
+            self.sync_port = port;
+        }
+        self
+    }
+
+    /// The matcher this exchange uses: the sync port for a probe of an agent that announced
+    /// one on a UART traced with it, else the transport's own.
+    fn matcher_now(&self, probe: bool) -> Matcher {
+        match (self.matcher, self.sync_port) {
+            (Matcher::Uart { .. }, Some(port)) if probe && self.agent_sync_port => {
+                Matcher::SyncPort { port }
+            }
+            (m, _) => m,
+        }
+    }
+
+    /// Notes whether the reply to a hello announced the sync port.
+    fn note_hello(&mut self, reply: Option<&[u8]>) {
+        let mut request = self.request.clone();
+        if !matches!(decode_frame(&mut request), Ok(Message::Hello(_))) {
+            return;
+        }
+        let Some(mut frame) = reply.map(<[u8]>::to_vec) else {
+            return;
+        };
+        if let Ok(Message::Capabilities(caps)) = decode_frame(&mut frame) {
+            self.agent_sync_port = caps.features.contains(Features::SYNC_PORT);
         }
     }
 
@@ -173,31 +224,52 @@ impl<T: StampedTransport> StampedTransport for AnchoredTransport<T> {
             return Some(stamps);
         }
         let reply = self.reply().map(<[u8]>::to_vec);
-        let seq = match self.matcher {
-            Matcher::SyncPort { .. } => match self.probe_seq() {
-                Some(seq) => Some(seq),
-                // Only probe replies are bracketed on the sync port: a hello or another
-                // request keeps its stamps and says nothing about the anchor.
-                None => return Some(stamps),
-            },
-            Matcher::Uart { .. } => None,
-        };
+        if self.sync_port.is_some() {
+            self.note_hello(reply.as_deref());
+        }
+        let seq = self.probe_seq();
+        let matcher = self.matcher_now(seq.is_some());
+        // Only probe replies are bracketed on the sync port: a hello or another request keeps
+        // its stamps and says nothing about the anchor.
+        if matches!(matcher, Matcher::SyncPort { .. }) && seq.is_none() {
+            return Some(stamps);
+        }
         let Some(trace) = self.trace.as_mut() else {
             return Some(stamps);
         };
         let polled = trace.poll(&mut self.stats);
-        let m = match (polled, self.matcher, reply, seq) {
-            (Ok(()), Matcher::Uart { port }, Some(reply), _) => {
-                match_uart(trace.exits(), port, &self.request, &reply, stamps).map(|b| {
-                    self.last = Some(b);
-                    b.stamps()
-                })
+        let m = match polled {
+            Ok(()) => {
+                let exits = trace.exits();
+                let (request, reply) = (&self.request[..], reply.as_deref());
+                let first = match_one(exits, matcher, self.sync_port, request, reply, seq, stamps);
+                if first.is_err() && matcher != self.matcher && self.sync_matched == 0 {
+                    // The agent announced a sync port, but its first probe left no exits on
+                    // the one traced (it was booted with another): the UART's bytes, for good.
+                    self.agent_sync_port = false;
+                    match_one(
+                        exits,
+                        self.matcher,
+                        self.sync_port,
+                        request,
+                        reply,
+                        seq,
+                        stamps,
+                    )
+                } else {
+                    first
+                }
             }
-            (Ok(()), Matcher::SyncPort { port }, _, Some(seq)) => {
-                match_sync_port(trace.exits(), port, seq, stamps)
-            }
-            _ => Err(Unmatched::Frames),
+            Err(_) => Err(Unmatched::Frames),
         };
+        let m = m.map(|(anchored, uart)| {
+            if uart.is_some() {
+                self.last = uart;
+            } else if self.sync_port.is_some() {
+                self.sync_matched += 1;
+            }
+            anchored
+        });
         // Later exchanges start after this one's bracket: older exits are of no further use.
         trace.forget_before(stamps.send.0);
         if let Err(why) = m
@@ -234,10 +306,130 @@ impl<T: StampedTransport> StampedTransport for AnchoredTransport<T> {
     }
 
     fn anchor(&self) -> AnchorKind {
-        match (self.passthrough, self.matcher) {
+        match (self.passthrough, self.matcher_now(true)) {
             (true, _) => self.inner.anchor(),
             (false, Matcher::Uart { .. }) => AnchorKind::KvmPioUart,
             (false, Matcher::SyncPort { .. }) => AnchorKind::KvmPioSyncPort,
         }
+    }
+}
+
+/// One exchange's bracket by `matcher` among `exits`, with the UART's exits when it matched
+/// there. `skip` is a sync port traced next to a UART: the UART matching must not see its
+/// exits, since its lower bound is the thread's last exit before the reply.
+fn match_one(
+    exits: &[super::PioExit],
+    matcher: Matcher,
+    skip: Option<u16>,
+    request: &[u8],
+    reply: Option<&[u8]>,
+    seq: Option<u8>,
+    stamps: FrameStamps,
+) -> Result<(FrameStamps, Option<UartBracket>), Unmatched> {
+    match (matcher, reply, seq) {
+        (Matcher::Uart { port }, Some(reply), _) => {
+            let uart_only: Vec<_>;
+            let exits = match skip {
+                Some(sync) => {
+                    uart_only = exits
+                        .iter()
+                        .filter(|e| e.pio.port != sync)
+                        .copied()
+                        .collect();
+                    &uart_only[..]
+                }
+                None => exits,
+            };
+            match_uart(exits, port, request, reply, stamps).map(|b| (b.stamps(), Some(b)))
+        }
+        (Matcher::SyncPort { port }, _, Some(seq)) => {
+            match_sync_port(exits, port, seq, stamps).map(|b| (b, None))
+        }
+        _ => Err(Unmatched::Frames),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ftrace::format::{KvmPio, PioDirection};
+    use crate::probe::anchor::{COM1_DATA, DEFAULT_SYNC_PORT, PioExit};
+
+    fn exit(ts: u64, port: u16, direction: PioDirection, val: u8) -> PioExit {
+        PioExit {
+            ts,
+            pio: KvmPio {
+                pid: 7,
+                direction,
+                port,
+                size: 1,
+                count: 1,
+                val: u32::from(val),
+            },
+        }
+    }
+
+    /// An agent with a sync port on a UART: it reads the request, does `in` / TSC read /
+    /// `out` of the sequence number on the sync port, then writes the reply.
+    fn exchange(seq: u8) -> Vec<PioExit> {
+        let (d, s) = (COM1_DATA, DEFAULT_SYNC_PORT);
+        vec![
+            exit(1_000, d, PioDirection::In, 2),
+            exit(1_010, d, PioDirection::In, seq),
+            exit(1_020, d, PioDirection::In, 0),
+            exit(1_100, s, PioDirection::In, 0xff),
+            // The TSC read is here, between 1_100 and 1_150.
+            exit(1_150, s, PioDirection::Out, seq),
+            exit(1_300, d, PioDirection::Out, 5),
+            exit(1_310, d, PioDirection::Out, 0),
+        ]
+    }
+
+    fn within(a: u64, b: u64) -> FrameStamps {
+        FrameStamps {
+            send: HostTicks(a),
+            recv: HostTicks(b),
+        }
+    }
+
+    #[test]
+    fn a_uart_probe_is_bracketed_on_the_sync_port_or_on_uart_exits_alone() {
+        let ex = exchange(9);
+        let (req, rep) = ([2, 9, 0], [5, 0]);
+        let w = within(0, 10_000);
+        let uart = Matcher::Uart { port: COM1_DATA };
+        let sync = Matcher::SyncPort {
+            port: DEFAULT_SYNC_PORT,
+        };
+        // On the sync port: nothing but the read between the two exits.
+        assert_eq!(
+            match_one(&ex, sync, None, &req, Some(&rep), Some(9), w).map(|m| m.0),
+            Ok(within(1_100, 1_150))
+        );
+        // On the UART with the sync port traced too, its exits are skipped: the lower bound is
+        // the delimiter's `in`, before the read.
+        assert_eq!(
+            match_one(
+                &ex,
+                uart,
+                Some(DEFAULT_SYNC_PORT),
+                &req,
+                Some(&rep),
+                Some(9),
+                w
+            )
+            .map(|m| m.0),
+            Ok(within(1_020, 1_300))
+        );
+        // Not skipped, the sync port's `out` after the read would be the lower bound: unsound.
+        assert_eq!(
+            match_one(&ex, uart, None, &req, Some(&rep), Some(9), w).map(|m| m.0),
+            Ok(within(1_150, 1_300))
+        );
+        // Another probe's sequence number has no sync-port exits here.
+        assert_eq!(
+            match_one(&ex, sync, None, &req, Some(&rep), Some(8), w),
+            Err(Unmatched::Reply)
+        );
     }
 }

@@ -11,7 +11,9 @@
 //! - QEMU's COM1 on a stdio chardev, bracketed by `rdtsc` around `write()` and the `read()`
 //!   that completed the reply (`…/stdio`) or returned its first bytes (`…/stdio-first`), and,
 //!   on the same probes, by the host kernel's `kvm:kvm_pio` stamps of the vCPU's COM1 exits
-//!   (`…/kvm-pio`, what `vmtsync probe --anchor kvm-pio` uses), see [`qemu`];
+//!   (`…/kvm-pio`, what `vmtsync probe --anchor kvm-pio` uses), see [`qemu`]; then, in two
+//!   more VMs booted with `syncport=0x2400`, by the agent's sync-port exits around its TSC
+//!   read with its loop in ring 3 (`…/sync-port`) and in ring 0 (`…/sync-port-ring0`);
 //! - virtio-vsock (QEMU q35, vhost-device-vsock), bracketed around the socket calls
 //!   (`vsock/stream`) and, on the same probes, by the agent's sync-port exits
 //!   (`vsock/sync-port`), see [`vsock`];
@@ -53,6 +55,7 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
+use vmtsync::probe::anchor::{COM1_DATA, DEFAULT_SYNC_PORT, Matcher};
 use vmtsync::probe::{ProbeSession, StampedTransport};
 use vmtsync_core::estimate::{ProbeSample, TRACE_CMD_PTP_SYNC_LOOP};
 use vmtsync_core::mapping::KvmTscMapping;
@@ -378,7 +381,8 @@ fn bench(args: &Args) -> Result<Report> {
             eprintln!("SKIP qemu-stdio: qemu-system-x86_64 is missing (or pass --no-qemu)");
         } else {
             let t = Instant::now();
-            let (q, kvm) = qemu::run(&elf, args.machine, "", args.sessions, args.probes)?;
+            let uart = Matcher::Uart { port: COM1_DATA };
+            let (q, kvm) = qemu::run(&elf, args.machine, "", uart, args.sessions, args.probes)?;
             eprintln!(
                 "QEMU {:?}: {} sessions in {:.1?}; KVM mapping {kvm:?}",
                 args.machine,
@@ -412,6 +416,38 @@ fn bench(args: &Args) -> Result<Report> {
                 ]
                 .into(),
             });
+            // The boot vCPU's own sync-port bracket on the same UART transport, with the
+            // protocol loop in ring 3 (the default) and in ring 0, where this host's nested
+            // KVM emulates the guest and its exits are cheap (docs/anchor.md).
+            for (suffix, ring) in [("sync-port", 3), ("sync-port-ring0", 0)] {
+                let t = Instant::now();
+                let append = format!("ring={ring} syncport={DEFAULT_SYNC_PORT:#x}");
+                let sync = Matcher::SyncPort {
+                    port: DEFAULT_SYNC_PORT,
+                };
+                let (q, kvm) = qemu::run(
+                    &elf,
+                    args.machine,
+                    &append,
+                    sync,
+                    args.sessions,
+                    args.probes,
+                )?;
+                eprintln!(
+                    "QEMU {:?}, {append}: {} sessions in {:.1?}; KVM mapping {kvm:?}",
+                    args.machine,
+                    q.len(),
+                    t.elapsed()
+                );
+                let id = bench_truth(kvm);
+                let anchored = |x: &qemu::Stamps| x.anchored;
+                let row_name = format!("{name}/{suffix}");
+                rows.push(row(&row_name, &q, id, anchored)?);
+                if let Some(a) = &mut anchoring {
+                    a.probes_to_2x
+                        .push((row_name, probes_to_2x(&q, id, anchored)?));
+                }
+            }
         }
     }
 

@@ -14,6 +14,10 @@
 //! vCPU thread's COM1 exits, from a private tracefs instance. The session's samples use those
 //! brackets (a probe whose exits are not found is lost, and fails the run); every probe keeps
 //! its in-process stamps too, so the rows compare brackets on one run's probes.
+//!
+//! With [`Matcher::SyncPort`] (the agent booted with `syncport=N`) the same run brackets every
+//! probe by the agent's own sync-port exits instead of the UART's (`…/sync-port`), which is
+//! how the boot vCPU's ring-0 and ring-3 brackets are compared (docs/anchor.md).
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -21,7 +25,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use vmtsync::probe::anchor::{
-    AnchorMode, AnchorOptions, AnchoredTransport, COM1_DATA, Matcher, UartBracket, prepare_matcher,
+    AnchorMode, AnchorOptions, AnchoredTransport, Matcher, UartBracket, prepare_matcher,
 };
 use vmtsync::scan::VmSelector;
 use vmtsync_core::mapping::KvmTscMapping;
@@ -48,8 +52,10 @@ impl Recorded for PipeTransport {
 pub struct Stamps {
     /// This thread's stamps around the system calls.
     pub pipe: PipeExchange,
-    /// The exits of the probe's request and reply.
+    /// The exits of the probe's request and reply (UART matching only).
     pub exits: UartBracket,
+    /// The bracket the session used, from whichever exits the matcher found.
+    pub anchored: (u64, u64),
 }
 
 impl Recorded for AnchoredTransport<PipeTransport> {
@@ -62,13 +68,26 @@ impl Recorded for AnchoredTransport<PipeTransport> {
             last_exit: pipe.send,
             first_out: pipe.recv,
         });
-        (Stamps { pipe, exits }, sent, received)
+        // An exchange whose exits were not found is lost (the session asks again), so the last
+        // anchored pair is this probe's.
+        let anchored = self
+            .last_pair()
+            .map_or((pipe.send, pipe.recv), |(_, a)| (a.send.0, a.recv.0));
+        (
+            Stamps {
+                pipe,
+                exits,
+                anchored,
+            },
+            sent,
+            received,
+        )
     }
 }
 
 /// Boots the agent (boot options `append`) under QEMU `machine` with COM1 on stdio, runs
-/// `sessions` exit-anchored sessions of `probes` probes, shuts it down and checks QEMU's exit
-/// status. Returns the sessions and KVM's mapping of QEMU's vCPU (debugfs), the truth's KVM
+/// `sessions` sessions of `probes` probes exit-anchored as `matcher` says, shuts it down and
+/// checks QEMU's exit status. Returns the sessions and KVM's mapping of QEMU's vCPU (debugfs), the truth's KVM
 /// side.
 ///
 /// # Errors
@@ -77,6 +96,7 @@ pub fn run(
     elf: &Path,
     machine: Machine,
     append: &str,
+    matcher: Matcher,
     sessions: usize,
     probes: usize,
 ) -> Result<(Vec<Session<Stamps>>, KvmTscMapping)> {
@@ -108,14 +128,9 @@ pub fn run(
         vm: Some(VmSelector::Pid(guard.pid())),
         ..AnchorOptions::default()
     };
-    let mut link = prepare_matcher(
-        Matcher::Uart { port: COM1_DATA },
-        &anchor,
-        STEP,
-        &mut |_| {},
-    )
-    .context("exit anchoring (root, tracefs, kvm_pio)")?
-    .wrap(link);
+    let mut link = prepare_matcher(matcher, &anchor, STEP, &mut |_| {})
+        .context("exit anchoring (root, tracefs, kvm_pio)")?
+        .wrap(link);
     let out = run_sessions(&mut link, sessions, probes)
         .with_context(|| format!("COM2 log:\n{}", com2_text()))?;
     drop(link);

@@ -258,7 +258,7 @@ impl BootClock {
     #[must_use]
     #[inline]
     pub fn widened_ns(&self, lo: u64, hi: u64, hint: &mut PairHint) -> Option<(u64, u64)> {
-        let a = *self.pair_near(lo, hint);
+        let a = self.pair_near(lo, hint);
         let b = self.pair_near(hi, hint);
         Some((
             a.ns(lo)?.saturating_sub(a.error_ns(lo)),

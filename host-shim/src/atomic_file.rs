@@ -11,6 +11,8 @@
 use std::fs::File;
 use std::io::{self, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
+use std::sync::mpsc::{self, Receiver, SyncSender};
+use std::thread::JoinHandle;
 
 use tempfile::NamedTempFile;
 
@@ -133,6 +135,32 @@ mod tests {
     }
 
     #[test]
+    fn a_background_file_writes_every_buffer_in_order_and_a_dropped_one_leaves_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let target = dir.path().join("out");
+        let (mut w, mut buf) = BackgroundFile::new(AtomicFile::new(&target).unwrap(), 64).unwrap();
+        let mut want = Vec::new();
+        for i in 0..1000u32 {
+            // Buffers come back stale: every byte written is set here first.
+            let len = usize::try_from(i % 65).unwrap();
+            for (k, b) in buf.iter_mut().enumerate().take(len) {
+                *b = u8::try_from((i as usize + k) % 251).unwrap();
+            }
+            want.extend_from_slice(&buf[..len]);
+            buf = w.submit(buf, len).unwrap();
+            assert_eq!(buf.len(), 64);
+        }
+        w.finish().unwrap().commit().unwrap();
+        assert_eq!(std::fs::read(&target).unwrap(), want);
+        // Dropped without finishing: the thread ends and its temporary file goes.
+        let other = dir.path().join("other");
+        let (mut w, buf) = BackgroundFile::new(AtomicFile::new(&other).unwrap(), 8).unwrap();
+        let _ = w.submit(buf, 8).unwrap();
+        drop(w);
+        assert_eq!(names(dir.path()), ["out"]);
+    }
+
+    #[test]
     fn a_failed_write_leaves_the_old_file_and_no_temporary() {
         let dir = tempfile::tempdir().unwrap();
         let target = dir.path().join("out.dat");
@@ -162,5 +190,97 @@ mod tests {
         assert!(!a.commit_new().unwrap());
         assert_eq!(std::fs::read(&target).unwrap(), b"theirs");
         assert_eq!(names(dir.path()), ["sync.jsonl"]);
+    }
+}
+
+/// An [`AtomicFile`] written on a second thread, so that the kernel's copy of each buffer into
+/// the page cache runs beside the caller's encoding of the next (on another core) rather than
+/// after it. Two buffers exist, the caller's and the one being written: memory stays constant,
+/// and a caller faster than the disk waits for the free buffer.
+#[derive(Debug)]
+pub struct BackgroundFile {
+    /// Full buffers and how many of their bytes to write (`None` once finished).
+    full: Option<SyncSender<(Vec<u8>, usize)>>,
+    /// Buffers the thread has written, back for reuse.
+    free: Receiver<Vec<u8>>,
+    /// The writing thread: the file back, or the first write error.
+    thread: Option<JoinHandle<io::Result<AtomicFile>>>,
+}
+
+impl BackgroundFile {
+    /// Starts the thread writing to `file`; returns it and the caller's first buffer (of
+    /// `buf_len` zero bytes; a second one waits in the pool).
+    ///
+    /// # Errors
+    /// The thread could not be started.
+    pub fn new(mut file: AtomicFile, buf_len: usize) -> io::Result<(Self, Vec<u8>)> {
+        let (full_tx, full_rx) = mpsc::sync_channel::<(Vec<u8>, usize)>(1);
+        let (free_tx, free_rx) = mpsc::sync_channel::<Vec<u8>>(2);
+        // Cannot fail: the channel has room for both buffers and its receiver is here.
+        let _ = free_tx.send(vec![0; buf_len]);
+        let thread = std::thread::Builder::new()
+            .name("vmtsync-write".into())
+            .spawn(move || {
+                for (buf, len) in full_rx {
+                    file.write_all(buf.get(..len).unwrap_or(&buf))?;
+                    if free_tx.send(buf).is_err() {
+                        break;
+                    }
+                }
+                Ok(file)
+            })?;
+        Ok((
+            Self {
+                full: Some(full_tx),
+                free: free_rx,
+                thread: Some(thread),
+            },
+            vec![0; buf_len],
+        ))
+    }
+
+    /// Hands the first `len` bytes of `buf` to the thread and returns a free buffer (its
+    /// contents stale), waiting until the thread has written the one before.
+    ///
+    /// # Errors
+    /// The thread's write error (the file is then incomplete; nothing more is written).
+    pub fn submit(&mut self, buf: Vec<u8>, len: usize) -> io::Result<Vec<u8>> {
+        let sent = self
+            .full
+            .as_ref()
+            .is_some_and(|t| t.send((buf, len)).is_ok());
+        match self.free.recv() {
+            Ok(b) if sent => Ok(b),
+            _ => Err(self
+                .stop()
+                .err()
+                .unwrap_or_else(|| io::Error::other("the writing thread ended"))),
+        }
+    }
+
+    /// Waits until every submitted buffer is written and returns the file (to commit).
+    ///
+    /// # Errors
+    /// The thread's first write error.
+    pub fn finish(mut self) -> io::Result<AtomicFile> {
+        self.stop()
+    }
+
+    /// Ends the thread and joins it.
+    fn stop(&mut self) -> io::Result<AtomicFile> {
+        self.full = None;
+        match self.thread.take() {
+            Some(t) => t
+                .join()
+                .unwrap_or_else(|_| Err(io::Error::other("the writing thread panicked"))),
+            None => Err(io::Error::other("the writing thread has ended")),
+        }
+    }
+}
+
+impl Drop for BackgroundFile {
+    /// Without [`BackgroundFile::finish`]: the thread ends and its temporary file is removed.
+    fn drop(&mut self) {
+        let _ = self.stop();
     }
 }

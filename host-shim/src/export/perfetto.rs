@@ -22,7 +22,7 @@
 pub mod clock;
 pub mod proto;
 
-use std::io::{self, Write};
+use std::io;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -34,7 +34,7 @@ use self::proto::{
     ProcessDescriptor, TracePacket, TracePacketDefaults, TrackDescriptor, TrackEventDefaults,
 };
 use super::{ExportError, ExportEvent, InputKind};
-use crate::atomic_file::AtomicFile;
+use crate::atomic_file::{AtomicFile, BackgroundFile};
 
 /// The machine id of the guest's packets unless told otherwise (the host is 0).
 pub const DEFAULT_MACHINE_ID: u32 = 1;
@@ -135,7 +135,8 @@ struct Vcpu {
 /// A streaming writer of one Perfetto trace file.
 #[derive(Debug)]
 pub struct PerfettoWriter {
-    out: AtomicFile,
+    /// The file, written on its own thread a buffer at a time (`spill`).
+    out: BackgroundFile,
     path: PathBuf,
     opts: PerfettoOptions,
     vcpus: Vec<Vcpu>,
@@ -188,12 +189,13 @@ impl PerfettoWriter {
             source,
         };
         let file = AtomicFile::new(path).map_err(io)?;
+        let (out, buf) = BackgroundFile::new(file, BUFFER + proto::EVENT_PACKET_MAX).map_err(io)?;
         let mut w = Self {
-            out: file,
+            out,
             path: path.to_owned(),
             opts,
             vcpus: Vec::new(),
-            buf: vec![0; BUFFER + proto::EVENT_PACKET_MAX],
+            buf,
             used: 0,
             tmp: Vec::new(),
             summary: PerfettoSummary::default(),
@@ -260,39 +262,41 @@ impl PerfettoWriter {
         r
     }
 
-    /// Appends encoded packets to the buffer (or, larger than it, straight to the file).
+    /// Appends encoded packets to the buffer (one larger than it in buffer-sized pieces).
     fn put(&mut self, bytes: &[u8]) -> Result<(), PerfettoError> {
         self.summary.bytes += bytes.len() as u64;
-        if self.used + bytes.len() > BUFFER {
-            self.spill(0)?;
-        }
-        match self.buf.get_mut(self.used..self.used + bytes.len()) {
-            Some(d) if bytes.len() < BUFFER => {
-                d.copy_from_slice(bytes);
-                self.used += bytes.len();
-                self.spill(BUFFER)
+        for piece in bytes.chunks(BUFFER) {
+            if self.used + piece.len() > BUFFER {
+                self.spill(0)?;
             }
-            _ => self
-                .out
-                .write_all(bytes)
-                .map_err(|source| PerfettoError::Io {
-                    path: self.path.clone(),
-                    source,
-                }),
+            if let Some(d) = self.buf.get_mut(self.used..self.used + piece.len()) {
+                d.copy_from_slice(piece);
+                self.used += piece.len();
+            }
+            self.spill(BUFFER)?;
         }
+        Ok(())
     }
 
-    /// Writes the buffered packets to the file once they reach `at` bytes.
+    /// Hands the buffered packets to the writing thread once they reach `at` bytes (and
+    /// continues in the buffer it gives back).
     fn spill(&mut self, at: usize) -> Result<(), PerfettoError> {
-        if self.used < at {
+        if self.used < at || self.used == 0 {
             return Ok(());
         }
-        let r = self.out.write_all(&self.buf[..self.used]);
+        let full = std::mem::take(&mut self.buf);
+        let r = self.out.submit(full, self.used);
         self.used = 0;
-        r.map_err(|source| PerfettoError::Io {
-            path: self.path.clone(),
-            source,
-        })
+        match r {
+            Ok(free) => {
+                self.buf = free;
+                Ok(())
+            }
+            Err(source) => Err(PerfettoError::Io {
+                path: self.path.clone(),
+                source,
+            }),
+        }
     }
 
     /// The index of `vcpu`'s state, starting its sequence on first use: its track descriptor,
@@ -485,7 +489,8 @@ impl PerfettoWriter {
         self.spill(0)?;
         let path = self.path.clone();
         self.out
-            .commit()
+            .finish()
+            .and_then(AtomicFile::commit)
             .map_err(|source| PerfettoError::Io { path, source })?;
         let mut s = self.summary;
         if s.events > 0 {

@@ -8,7 +8,9 @@ use clap::Args;
 
 use super::exit::CliError;
 use crate::validate::check::SegmentWorst;
-use crate::validate::{Numbering, ProbeReport, ValidateOptions, ValidateReport, validate};
+use crate::validate::{
+    LagStats, Numbering, ProbeReport, ValidateOptions, ValidateReport, validate,
+};
 
 /// `vmtsync validate` flags.
 #[derive(Debug, Args)]
@@ -134,18 +136,14 @@ fn print_events(out: &mut impl Write, r: &ValidateReport) -> io::Result<()> {
         "not checked: {} events without their exits in the host trace, {} outside every segment; {} exits not in an out/in step",
         r.unmatched_events, r.unconverted_events, r.unpaired_exits
     )?;
-    for (what, l) in [
-        ("before an out", r.lag_before_out),
-        ("after an in", r.lag_after_in),
-    ] {
-        if let Some(l) = l {
-            writeln!(
-                out,
-                "lag to the own exit, events {what} (ticks; negative: the wrong side): min {} p1 {} median {} p99 {} max {}",
-                l.min, l.p1, l.median, l.p99, l.max
-            )?;
-        }
-    }
+    print_lags(
+        out,
+        "lag to the own exit, events",
+        [
+            ("before an out", r.lag_before_out),
+            ("after an in", r.lag_after_in),
+        ],
+    )?;
     print_segments(out, "events", &r.segments)?;
     for v in &r.first_violations {
         writeln!(
@@ -172,6 +170,24 @@ fn print_events(out: &mut impl Write, r: &ValidateReport) -> io::Result<()> {
 }
 
 /// The per-segment table; `what` names the column of things converted through each.
+/// One line per lag distribution that has values: `{lead} {what} (ticks; …): min … max`.
+fn print_lags<const N: usize>(
+    out: &mut impl Write,
+    lead: &str,
+    lags: [(&str, Option<LagStats>); N],
+) -> io::Result<()> {
+    for (what, l) in lags {
+        if let Some(l) = l {
+            writeln!(
+                out,
+                "{lead} {what} (ticks; negative: the wrong side): min {} p1 {} median {} p99 {} max {}",
+                l.min, l.p1, l.median, l.p99, l.max
+            )?;
+        }
+    }
+    Ok(())
+}
+
 fn print_segments(out: &mut impl Write, what: &str, segments: &[SegmentWorst]) -> io::Result<()> {
     writeln!(
         out,
@@ -204,18 +220,14 @@ fn print_probes(out: &mut impl Write, p: &ProbeReport) -> io::Result<()> {
             String::new()
         }
     )?;
-    for (what, l) in [
-        ("after the exit before the read", p.lag_after_in),
-        ("before the exit after the read", p.lag_before_out),
-    ] {
-        if let Some(l) = l {
-            writeln!(
-                out,
-                "lag of probes {what} (ticks; negative: the wrong side): min {} p1 {} median {} p99 {} max {}",
-                l.min, l.p1, l.median, l.p99, l.max
-            )?;
-        }
-    }
+    print_lags(
+        out,
+        "lag of probes",
+        [
+            ("after the exit before the read", p.lag_after_in),
+            ("before the exit after the read", p.lag_before_out),
+        ],
+    )?;
     print_segments(out, "probes", &p.segments)?;
     for v in &p.first_violations {
         writeln!(

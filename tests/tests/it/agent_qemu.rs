@@ -12,12 +12,12 @@ use vmtsync::probe::ProbeSession;
 use vmtsync_core::HostTicks;
 use vmtsync_core::proto::{Features, Message, Transport};
 use vmtsync_core::sim::median;
-use vmtsync_tests::truth::{GuestTruth, truth_ready};
+use vmtsync_tests::truth::GuestTruth;
 use vmtsync_tests::vmm::client::{PipeTransport, wait_ready};
 use vmtsync_tests::vmm::defmt_log::{DefmtLog, LogLine};
-use vmtsync_tests::vmm::qemu::{self, Machine, debug_exit_status, have_qemu};
+use vmtsync_tests::vmm::qemu::{self, Machine, debug_exit_status};
 use vmtsync_tests::vmm::{agent_elf, tsc::host_tsc};
-use vmtsync_tests::{ChildGuard, have_kvm, require};
+use vmtsync_tests::{ChildGuard, require};
 
 const STEP: Duration = Duration::from_secs(20);
 
@@ -29,14 +29,7 @@ fn line<'a>(lines: &'a [LogLine], level: &str, text: &str) -> Option<&'a LogLine
 }
 
 fn boots_under(machine: Machine, test: &str) {
-    if !require(test, have_kvm(), "/dev/kvm is not accessible read-write")
-        || !require(
-            test,
-            have_qemu(),
-            "qemu-system-x86_64 is missing (apt-get install qemu-system-x86)",
-        )
-        || !truth_ready(test)
-    {
+    if !crate::util::vm_ready(test) {
         return;
     }
     if machine == Machine::Q35

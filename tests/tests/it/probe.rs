@@ -575,22 +575,15 @@ mod qemu_serial {
     use std::time::{Duration, Instant};
 
     use vmtsync::probe::{ProbeAddr, ProbeOptions, run_probe};
-    use vmtsync_tests::truth::{GuestTruth, Skew, truth_ready};
+    use vmtsync_tests::ChildGuard;
+    use vmtsync_tests::truth::{GuestTruth, Skew};
     use vmtsync_tests::vmm::agent_elf;
-    use vmtsync_tests::vmm::qemu::{self, debug_exit_status, have_qemu};
-    use vmtsync_tests::{ChildGuard, have_kvm, require};
+    use vmtsync_tests::vmm::qemu::{self, debug_exit_status};
 
     #[test]
     fn probe_over_a_qemu_serial_chardev_socket() {
         let test = "probe_over_a_qemu_serial_chardev_socket";
-        if !require(test, have_kvm(), "/dev/kvm is not accessible read-write")
-            || !require(
-                test,
-                have_qemu(),
-                "qemu-system-x86_64 is missing (apt-get install qemu-system-x86)",
-            )
-            || !truth_ready(test)
-        {
+        if !crate::util::vm_ready(test) {
             return;
         }
         let elf = agent_elf().expect("agent builds");

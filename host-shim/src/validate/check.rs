@@ -105,6 +105,27 @@ pub struct SegmentWorst {
     pub width: i64,
 }
 
+impl SegmentWorst {
+    /// Nothing converted through `seg` (vCPU `vcpu`'s) yet.
+    pub(super) const fn of(vcpu: u32, seg: &SyncSegment) -> Self {
+        Self {
+            vcpu,
+            round: seg.round,
+            events: 0,
+            worst_lag: i64::MAX,
+            violations: 0,
+            width: seg.offset_hi.saturating_sub(seg.offset_lo),
+        }
+    }
+
+    /// One more conversion through the segment, with its tight-side lag.
+    pub(super) fn add(&mut self, lag: i64, violation: bool) {
+        self.events += 1;
+        self.worst_lag = self.worst_lag.min(lag);
+        self.violations += u64::from(violation);
+    }
+}
+
 /// What `vmtsync validate` found (`--json`, schema 2).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct ValidateReport {
@@ -367,19 +388,12 @@ pub fn check(
             let bound_false = exit_lo.is_some_and(|l| hi < l) || exit_hi.is_some_and(|h| lo > h);
             lags.push(lag);
             side_lags[usize::from(e.side == Side::AfterIn)].push(lag);
-            let w = worst.entry((vcpu, seg.round)).or_insert(SegmentWorst {
-                vcpu,
-                round: seg.round,
-                events: 0,
-                worst_lag: i64::MAX,
-                violations: 0,
-                width: seg.offset_hi.saturating_sub(seg.offset_lo),
-            });
-            w.events += 1;
-            w.worst_lag = w.worst_lag.min(lag);
+            worst
+                .entry((vcpu, seg.round))
+                .or_insert(SegmentWorst::of(vcpu, seg))
+                .add(lag, outside || bound_false);
             if outside || bound_false {
                 r.violations += 1;
-                w.violations += 1;
                 r.bound_violations += u64::from(bound_false);
                 if r.first_violations.len() < MAX_LISTED {
                     r.first_violations.push(Violation {

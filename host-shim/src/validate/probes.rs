@@ -158,22 +158,12 @@ impl<'a> ProbeChecker<'a> {
         self.lags[1].push(before_out);
         let outside = host < exit_lo || host > exit_hi;
         let bound_false = hi < exit_lo || lo > exit_hi;
-        let w = self
-            .worst
+        self.worst
             .entry((e.vcpu, seg.round))
-            .or_insert(SegmentWorst {
-                vcpu: e.vcpu,
-                round: seg.round,
-                events: 0,
-                worst_lag: i64::MAX,
-                violations: 0,
-                width: seg.offset_hi.saturating_sub(seg.offset_lo),
-            });
-        w.events += 1;
-        w.worst_lag = w.worst_lag.min(after_in.min(before_out));
+            .or_insert(SegmentWorst::of(e.vcpu, &seg))
+            .add(after_in.min(before_out), outside || bound_false);
         if outside || bound_false {
             r.violations += 1;
-            w.violations += 1;
             r.bound_violations += u64::from(bound_false);
             if r.first_violations.len() < MAX_LISTED {
                 r.first_violations.push(ProbeViolation {

@@ -106,32 +106,31 @@ pub(crate) fn vcpu_thread(pid: u32) -> Option<u64> {
         .filter(|&t| t != 0)
 }
 
-/// `vmtsync validate` of the run's workload events and its sync probes (`--probe-log`).
-fn validate(sync: &Path, run: &Run) -> (Option<i32>, Value, String) {
-    let (host, guest, thread) = (&run.host, &run.guest, run.thread);
-    let o = guarded_output(
-        vmtsync().args([
-            "validate",
-            "--sync",
-            sync.to_str().unwrap(),
-            "--host-trace",
-            host.to_str().unwrap(),
-            "--guest-trace",
-            guest.to_str().unwrap(),
-            "--port",
-            PORT,
-            "--probe-log",
-            run.probes.to_str().unwrap(),
-            "--thread",
-            &format!("0={thread}"),
-            // The host trace began before the VM: pair by position, not through the sync.
-            "--from-boot",
-            "--json",
-        ]),
-        b"",
-    );
+/// `vmtsync validate ARGS --json`: its exit code, JSON report and stderr.
+pub(crate) fn run_validate(args: &[&str]) -> (Option<i32>, Value, String) {
+    let o = guarded_output(vmtsync().arg("validate").args(args).arg("--json"), b"");
     let v = serde_json::from_slice(&o.stdout).unwrap_or(Value::Null);
     (o.status.code(), v, text(&o.stderr))
+}
+
+/// `vmtsync validate` of the run's workload events and its sync probes (`--probe-log`).
+fn validate(sync: &Path, run: &Run) -> (Option<i32>, Value, String) {
+    run_validate(&[
+        "--sync",
+        sync.to_str().unwrap(),
+        "--host-trace",
+        run.host.to_str().unwrap(),
+        "--guest-trace",
+        run.guest.to_str().unwrap(),
+        "--port",
+        PORT,
+        "--probe-log",
+        run.probes.to_str().unwrap(),
+        "--thread",
+        &format!("0={}", run.thread),
+        // The host trace began before the VM: pair by position, not through the sync.
+        "--from-boot",
+    ])
 }
 
 /// A copy of the sync file at `from` with every segment's offset (and its bounds) moved by

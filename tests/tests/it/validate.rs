@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 use vmtsync_tests::truth::Skew;
 
-use crate::causality::{shifted, vcpu_thread};
+use crate::causality::{run_validate, shifted, vcpu_thread};
 use crate::kvm_fixtures::{guarded_output, vmtsync};
 use crate::util::{HostTrace, boot_qemu, qemu_ready, text};
 
@@ -24,23 +24,16 @@ const SYNC_PORT: u16 = 0x2400;
 
 /// `vmtsync validate --probe-log`'s JSON report and exit code.
 fn validate(sync: &Path, host: &Path, log: &Path, thread: u64) -> (Option<i32>, Value, String) {
-    let o = guarded_output(
-        vmtsync().args([
-            "validate",
-            "--sync",
-            sync.to_str().unwrap(),
-            "--host-trace",
-            host.to_str().unwrap(),
-            "--probe-log",
-            log.to_str().unwrap(),
-            "--thread",
-            &format!("0={thread}"),
-            "--json",
-        ]),
-        b"",
-    );
-    let v = serde_json::from_slice(&o.stdout).unwrap_or(Value::Null);
-    (o.status.code(), v, text(&o.stderr))
+    run_validate(&[
+        "--sync",
+        sync.to_str().unwrap(),
+        "--host-trace",
+        host.to_str().unwrap(),
+        "--probe-log",
+        log.to_str().unwrap(),
+        "--thread",
+        &format!("0={thread}"),
+    ])
 }
 
 /// `vmtsync probe --continuous` on `sock`, anchored as `anchor` says, logging its probes.

@@ -540,11 +540,16 @@ impl State {
         self.vcpus.iter().position(|v| v.vcpu == vcpu)
     }
 
+    /// The segment of `vcpu` that covers its guest tick `g` (`None`: the vCPU never synced).
+    fn covering(&self, vcpu: u32, g: u64) -> Option<&SyncSegment> {
+        let v = self.vcpus.get(self.index_of(vcpu)?)?;
+        bounds::covering(&v.segments, g)
+    }
+
     /// Guest tick `g` of `vcpu` on the host timeline: (placed, lo, hi) through the vCPU's
     /// segment that covers it; `None` without one (the vCPU never synced) or outside `u64`.
     fn place(&self, vcpu: u32, g: u64) -> Option<(u64, u64, u64)> {
-        let v = self.vcpus.get(self.index_of(vcpu)?)?;
-        bounds::host_bounds(bounds::covering(&v.segments, g)?, g)
+        bounds::host_bounds(self.covering(vcpu, g)?, g)
     }
 }
 
@@ -620,17 +625,16 @@ fn record_loop<T: StampedTransport>(
                 continue;
             }
             for (guest, r) in b.timestamped().flatten().skip(skip) {
-                let Some((host, lo, hi)) = st.place(b.vcpu, guest) else {
+                let placed = st.covering(b.vcpu, guest).and_then(|seg| {
+                    let (host, lo, hi) = bounds::host_bounds(seg, guest)?;
+                    Some((host, lo, hi, seg.round))
+                });
+                let Some((host, lo, hi, round)) = placed else {
                     // No segment of this vCPU (it never answered a probe), or outside the
                     // host's 64-bit range: no host tick to give it.
                     st.unplaceable += 1;
                     continue;
                 };
-                let round = st
-                    .vcpus
-                    .get(vi)
-                    .and_then(|v| bounds::covering(&v.segments, guest))
-                    .map_or(0, |g| g.round);
                 let placed = Placed {
                     vcpu: b.vcpu,
                     id: r.id,

@@ -486,7 +486,12 @@ impl<L: Link, C: AgentClock, E: EventSources> Agent<L, C, E> {
                 let (b, taken) = self.fill_batch(q, queued[q], left.min(EVENT_BATCH_MAX), own);
                 (b, taken, q)
             } else {
-                (EventBatch::new(own, EventClock::Guest, 0), 0, 0)
+                // Nothing waiting: one empty batch of the agent's own vCPU's queue (the
+                // first one for a single queue), so it names a vCPU the hello announced.
+                let mine = (0..queues)
+                    .find(|&i| self.events.queue_vcpu(i).is_none_or(|v| v == own))
+                    .unwrap_or(0);
+                (EventBatch::new(own, EventClock::Guest, 0), 0, mine)
             };
             left -= taken;
             batch.vcpu = self.events.queue_vcpu(from).unwrap_or(own);

@@ -736,6 +736,11 @@ fn a_recorder_s_vcpus_are_sent_queue_by_queue_each_counted_on_its_own() {
     // Nothing waiting: one empty last batch; a new record of vCPU 0 continues its own count.
     let got = batches(exchange(&mut a, &Message::EventsRequest { max: 100 }));
     assert!(got.len() == 1 && got[0].records.is_empty() && got[0].last);
+    assert_eq!(
+        (got[0].vcpu, got[0].first),
+        (VCPU, 1),
+        "an empty answer names the agent's own vCPU (its queue's count)"
+    );
     at(0, 11, T0 + 400);
     let got = batches(exchange(&mut a, &Message::EventsRequest { max: 100 }));
     let shape: Vec<(u32, u64, usize, bool)> = got

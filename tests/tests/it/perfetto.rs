@@ -225,6 +225,17 @@ fn host_trace(path: &Path, ts: u64) {
 /// The marker event's id in the synthetic recording.
 const MARKER: u64 = 999;
 
+/// `vmtsync export perfetto --from IN --out OUT`, its output captured.
+fn export_perfetto(from: &Path, out: &Path) -> std::process::Output {
+    vmtsync()
+        .args(["export", "perfetto", "--from"])
+        .arg(from)
+        .arg("--out")
+        .arg(out)
+        .output()
+        .unwrap()
+}
+
 /// Synthetic recording, three vCPUs: `vmtsync export perfetto` from JSON Lines. The trace
 /// processor sees every event on its vCPU's track on the guest machine, each timestamp equal
 /// (within the 1 ns of rounding) to the JSON Lines host TSC mapped through the trace's own
@@ -281,13 +292,7 @@ fn exported_jsonl_reads_back_in_the_trace_processor_on_boottime() {
     }
     std::fs::write(&jsonl, lines).unwrap();
     let trace = dir.path().join("guest.perfetto-trace");
-    let out = vmtsync()
-        .args(["export", "perfetto", "--from"])
-        .arg(&jsonl)
-        .arg("--out")
-        .arg(&trace)
-        .output()
-        .unwrap();
+    let out = export_perfetto(&jsonl, &trace);
     let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
     assert!(out.status.success(), "export: {stderr}");
     println!("{}", stderr.trim());
@@ -397,13 +402,7 @@ fn export_refuses_a_recording_from_another_boot() {
     )
     .unwrap();
     let trace = dir.path().join("t.perfetto-trace");
-    let out = vmtsync()
-        .args(["export", "perfetto", "--from"])
-        .arg(&jsonl)
-        .arg("--out")
-        .arg(&trace)
-        .output()
-        .unwrap();
+    let out = export_perfetto(&jsonl, &trace);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(5), "{stderr}");
     assert!(stderr.contains("another boot"), "{stderr}");
@@ -530,13 +529,7 @@ fn qemu_agent_in_perfetto_lines_up_with_the_host_boottime() {
     };
 
     let exported = dir.path().join("exported.perfetto-trace");
-    let out3 = vmtsync()
-        .args(["export", "perfetto", "--from"])
-        .arg(&jsonl)
-        .arg("--out")
-        .arg(&exported)
-        .output()
-        .unwrap();
+    let out3 = export_perfetto(&jsonl, &exported);
     let stderr3 = String::from_utf8_lossy(&out3.stderr);
     assert!(out3.status.success(), "{stderr3}");
     let a = check_recorded(&tp, &exported, 300, (before, after), &host_of);

@@ -4,8 +4,9 @@
 //! module also stamps the host thread around its own send and receive, so one exchange yields:
 //!
 //! - `exit-tight`: `[exit before the reply's first byte, exit of that byte]`. The agent reads
-//!   its TSC, encodes a few bytes and writes the first byte with no VM exit in between
-//!   (`guest-agent/src/link.rs` invariant), and the previous exit's stamp was taken before the
+//!   its TSC, encodes a few bytes and writes the first byte with no VM exit in between (the
+//!   bundled agent's default `TxOrder::WriteThenWait` of core's `Uart16550`, docs/uart.md;
+//!   the `Link` contract does not promise it), and the previous exit's stamp was taken before the
 //!   vCPU re-entered the guest, so the read certainly lies inside. The tightest honest bracket.
 //! - `exit-loose`: `[exit where the guest read the request's delimiter, exit of the reply's
 //!   first byte]`: the guest cannot have acted on the request before the first.

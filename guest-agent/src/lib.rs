@@ -14,6 +14,7 @@
 extern crate alloc;
 
 pub mod clock;
+pub mod console;
 pub mod events;
 pub mod heap;
 pub mod options;

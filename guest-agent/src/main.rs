@@ -61,6 +61,7 @@ mod smp;
 use core::cell::UnsafeCell;
 use core::fmt::Write as _;
 use vmtsync_agent::clock::GuestClock;
+use vmtsync_agent::console::ConsoleLines;
 use vmtsync_agent::events::{AgentEvents, FramePerPoll, MessageEvents, Workload};
 use vmtsync_agent::options::{MAX_VCPUS, Options, TxOrder, Wire};
 use vmtsync_agent::tsc::SkewedTsc;
@@ -349,8 +350,7 @@ fn serve_postcard(ctx: &Ctx) -> ! {
     let mut events = MessageEvents::new(opts.events);
     let mut load = workload(ctx, &tsc);
     let ports = native_ports();
-    // Messages handled when the last console line was written.
-    let mut console_at = 0;
+    let mut lines = ConsoleLines::new(opts.console);
     loop {
         let polled = agent.poll().map(|p| p.state);
         events.after_poll(&agent, &EVENTS, &tsc);
@@ -359,8 +359,7 @@ fn serve_postcard(ctx: &Ctx) -> ! {
         }
         agent.link_mut().rearm();
         let s = agent.stats();
-        if opts.console > 0 && s.messages_in.wrapping_sub(console_at) >= opts.console {
-            console_at = s.messages_in;
+        if lines.due(s.messages_in) {
             console(
                 opts,
                 format_args!(

@@ -102,7 +102,8 @@ pub fn run_probe(opts: &ProbeOptions, out: &mut dyn Write) -> Result<ProbeSummar
     let r = run_probe_on(&mut t, opts, out);
     if let Some(why) = t.gave_up() {
         note(&format!(
-            "not exit-anchored: the agent's first exchange was not among the VM's UART exits ({why:?}); host stamps were taken in this process"
+            "not exit-anchored: the agent's first exchange was not among the VM's UART exits ({}); host stamps were taken in this process",
+            why.describe()
         ));
     }
     match r {
@@ -115,8 +116,10 @@ pub fn run_probe(opts: &ProbeOptions, out: &mut dyn Write) -> Result<ProbeSummar
                     format!("the sync port {port:#x} (boot the agent with syncport={port:#x})")
                 }
             };
+            let a = t.stats();
             Err(ProbeError::Anchor(format!(
-                "no probe's exits were found among the kvm_pio events of the VM's vCPU threads on {how}: is the agent in that VM (--vm)?"
+                "no probe's exits were found among the kvm_pio events of the VM's vCPU threads on {how} (dropped: {} without the request's reads, {} without the reply's writes, {} with the reply before the request, {} while kvm_pio events were lost or unread, {} without frames): is the agent in that VM (--vm)?",
+                a.no_request, a.no_reply, a.disordered, a.trace_lost, a.no_frames
             )))
         }
         r => r,

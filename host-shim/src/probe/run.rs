@@ -102,7 +102,8 @@ pub fn run_probe(opts: &ProbeOptions, out: &mut dyn Write) -> Result<ProbeSummar
     let r = run_probe_on(&mut t, opts, out);
     if let Some(why) = t.gave_up() {
         note(&format!(
-            "not exit-anchored: the agent's first exchange was not among the VM's UART exits ({why:?}); host stamps were taken in this process"
+            "not exit-anchored: the agent's first exchange was not among the VM's UART exits ({}); host stamps were taken in this process",
+            why.describe()
         ));
     }
     match r {
@@ -115,8 +116,10 @@ pub fn run_probe(opts: &ProbeOptions, out: &mut dyn Write) -> Result<ProbeSummar
                     format!("the sync port {port:#x} (boot the agent with syncport={port:#x})")
                 }
             };
+            let a = t.stats();
             Err(ProbeError::Anchor(format!(
-                "no probe's exits were found among the kvm_pio events of the VM's vCPU threads on {how}: is the agent in that VM (--vm)?"
+                "no probe's exits were found among the kvm_pio events of the VM's vCPU threads on {how} (dropped: {} without the request's reads, {} without the reply's writes, {} with the reply before the request, {} while kvm_pio events were lost or unread, {} without frames): is the agent in that VM (--vm)?",
+                a.no_request, a.no_reply, a.disordered, a.trace_lost, a.no_frames
             )))
         }
         r => r,
@@ -207,7 +210,8 @@ fn continuous<T: StampedTransport>(
         // Stopped before any round measured something: interrupted, not "no samples".
         ProbeError::Interrupted
     } else {
-        ProbeError::Estimate(EstimateError::NoSamples)
+        // Samples that gave no estimate are not lost probes: say which it was.
+        ProbeError::Estimate(c.refused.unwrap_or(EstimateError::NoSamples))
     })?;
     Ok(vec![last])
 }
@@ -219,7 +223,23 @@ fn one_round<T: StampedTransport>(
     progress: &mut Progress,
 ) -> Result<ProbeSummary, ProbeError> {
     let samples = session.probe_round(opts.probes, opts.interval, progress)?;
-    let summary = ProbeSummary::from_samples(session.info(), &samples, session.stats())?;
+    let summary = match ProbeSummary::from_samples(session.info(), &samples, session.stats()) {
+        Ok(s) => s,
+        Err(why) => {
+            // Under --json stdout still says what became of the round, in the schema.
+            if opts.json {
+                ProbeSummary::write_json_refusal(
+                    out,
+                    session.selected_vcpu(),
+                    samples.len(),
+                    session.stats(),
+                    why,
+                )
+                .map_err(ProbeError::Output)?;
+            }
+            return Err(why.into());
+        }
+    };
     if opts.json {
         summary.write_json(out)
     } else {
@@ -244,6 +264,7 @@ pub enum VcpuChoice {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::probe::error::refusal_text;
     use crate::probe::testutil::SimTransport;
     use crate::syncfile::SyncFile;
 
@@ -289,6 +310,36 @@ mod tests {
             assert!(s.bound_lo <= truth && truth <= s.bound_hi, "{s:?}");
             assert_eq!(j["offset_ticks"], s.offset);
         }
+    }
+
+    /// Samples that contradict each other (the guest's offset steps by 2^40 ticks mid-round,
+    /// as a bracket that missed its read would look) are no lost probes: the error says what
+    /// happened, and `--json` still prints the round's object, with an `error` key.
+    #[test]
+    fn contradictory_samples_are_named_as_such_and_json_still_says_so() {
+        let mut t = SimTransport::new(1_000);
+        t.exact = true;
+        t.step_at = Some((5, 1 << 40));
+        let mut opts = options();
+        opts.json = true;
+        let mut out = Vec::new();
+        let err = run_probe_on(t, &opts, &mut out).unwrap_err();
+        assert!(
+            matches!(err, ProbeError::Estimate(EstimateError::SegmentBreak)),
+            "{err:?}"
+        );
+        let text = err.to_string();
+        assert!(text.contains("contradict"), "{text}");
+        assert!(!text.contains("every probe"), "{text}");
+        let j: serde_json::Value = serde_json::from_slice(&out).unwrap();
+        assert_eq!(j["schema"], 2);
+        assert_eq!(j["error"], "contradictory-samples");
+        // The step's first probe lands outside the unwrap window and is lost; the others
+        // are the round's samples.
+        let n = |k: &str| j[k].as_u64().unwrap();
+        assert_eq!((n("sent"), n("probes") + n("lost_probes")), (8, 8));
+        assert!(n("probes") >= 6, "{j}");
+        assert_eq!(j["message"], refusal_text(EstimateError::SegmentBreak));
     }
 
     #[test]

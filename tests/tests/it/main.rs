@@ -24,4 +24,5 @@ mod sync_crash;
 mod tracedat;
 mod util;
 mod validate;
+mod validate_rules;
 mod vsock;

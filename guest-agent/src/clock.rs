@@ -1,111 +1,71 @@
-//! The guest clocks as a `vmtsync_core::agent::AgentClock`: the TSC through the software
-//! [`Skew`], the vCPU id, the TSC frequency, and the registered pvclock page.
+//! The agent's software TSC [`Skew`] over any `vmtsync_core::agent::AgentClock` (on the
+//! agent, core's `arch::x86_64::NativeClock`, with the registered pvclock page and the
+//! `syncport=` port).
 
 use vmtsync_core::GuestTicks;
 use vmtsync_core::agent::AgentClock;
-use vmtsync_core::arch::Tsc;
 use vmtsync_core::proto::PvclockReport;
-use vmtsync_core::pvclock::{DEFAULT_MAX_ATTEMPTS, PvclockSource, try_read_with_tsc};
 
 use crate::tsc::Skew;
 
-/// The agent's clock: every TSC it reports goes through `skew`.
-#[derive(Debug)]
-pub struct GuestClock<T, P> {
-    tsc: T,
-    pvclock: Option<P>,
+/// A clock whose every TSC reading goes through `skew`; everything else is the inner clock's.
+///
+/// The pvclock page is offered to the host only when `skew` is the identity: it describes the
+/// real TSC, and pairing it with skewed readings would describe no consistent clock. A probe's
+/// skew is applied after the inner clock's read returns, so with a sync port it lies outside
+/// the `in`/`out` bracket (which matters where ring-0 code is emulated one instruction at a
+/// time).
+#[derive(Debug, Clone, Copy)]
+pub struct GuestClock<C> {
+    inner: C,
     skew: Skew,
-    vcpu: u32,
-    tsc_khz: Option<u32>,
-    invariant_tsc: bool,
-    /// `syncport=N`: the port whose `in`/`out` bracket every probe's TSC read.
-    sync_port: Option<u16>,
 }
 
-impl<T: Tsc, P: PvclockSource> GuestClock<T, P> {
-    /// A clock over `tsc` and, if registered, the pvclock page.
-    ///
-    /// The page is offered to the host only when `skew` is the identity: it describes the real
-    /// TSC, and pairing it with skewed readings would describe no consistent clock.
-    pub fn new(
-        tsc: T,
-        pvclock: Option<P>,
-        skew: Skew,
-        vcpu: u32,
-        tsc_khz: Option<u32>,
-        invariant_tsc: bool,
-    ) -> Self {
-        Self {
-            tsc,
-            pvclock: pvclock.filter(|_| skew == Skew::IDENTITY),
-            skew,
-            vcpu,
-            tsc_khz,
-            invariant_tsc,
-            sync_port: None,
-        }
+impl<C: AgentClock> GuestClock<C> {
+    /// `inner` with every TSC reading skewed by `skew`.
+    pub const fn new(inner: C, skew: Skew) -> Self {
+        Self { inner, skew }
     }
 
-    /// Brackets every probe's TSC read by an `in` from `port` right before it and an `out` of
-    /// the probe's sequence number right after (`syncport=N`; the host's docs/anchor.md).
-    #[must_use]
-    pub const fn with_sync_port(mut self, port: Option<u16>) -> Self {
-        self.sync_port = port;
-        self
+    fn skewed(&self, t: GuestTicks) -> GuestTicks {
+        GuestTicks(self.skew.apply(t.0))
     }
 }
 
-impl<T: Tsc, P: PvclockSource> AgentClock for GuestClock<T, P> {
+impl<C: AgentClock> AgentClock for GuestClock<C> {
     #[inline]
     fn read_tsc(&mut self) -> GuestTicks {
-        GuestTicks(self.skew.apply(self.tsc.read_ordered()))
+        let t = self.inner.read_tsc();
+        self.skewed(t)
     }
 
     fn vcpu_id(&self) -> u32 {
-        self.vcpu
+        self.inner.vcpu_id()
     }
 
     fn tsc_khz(&self) -> Option<u32> {
-        self.tsc_khz
+        self.inner.tsc_khz()
     }
 
     fn pvclock(&mut self) -> Option<PvclockReport> {
-        let page = self.pvclock.as_ref()?;
-        // A page never published, or always mid-update, has nothing to report.
-        let s = try_read_with_tsc(page, &self.tsc, DEFAULT_MAX_ATTEMPTS).ok()?;
-        let f = s.read.fields;
-        Some(PvclockReport {
-            vcpu: self.vcpu,
-            version: s.read.version,
-            tsc_timestamp: f.tsc_timestamp.0,
-            system_time: f.system_time.0,
-            mul: f.scale.mul,
-            shift: f.scale.shift,
-            flags: f.flags.0,
-            tsc: s.tsc,
-        })
+        if self.skew != Skew::IDENTITY {
+            return None;
+        }
+        self.inner.pvclock()
     }
 
     fn invariant_tsc(&self) -> bool {
-        self.invariant_tsc
+        self.inner.invariant_tsc()
     }
 
     #[inline]
     fn read_tsc_for_probe(&mut self, seq: u8) -> GuestTicks {
-        let Some(port) = self.sync_port else {
-            return self.read_tsc();
-        };
-        // The host's kvm_pio stamps of these two exits bracket the read: nothing but the
-        // read sits between them (the skew is applied after the `out`), which matters where
-        // ring-0 code is emulated one instruction at a time.
-        let _ = crate::port::inb(port);
-        let raw = self.tsc.read_ordered();
-        crate::port::outb(port, seq);
-        GuestTicks(self.skew.apply(raw))
+        let t = self.inner.read_tsc_for_probe(seq);
+        self.skewed(t)
     }
 
     fn sync_port(&self) -> bool {
-        self.sync_port.is_some()
+        self.inner.sync_port()
     }
 }
 
@@ -113,7 +73,8 @@ impl<T: Tsc, P: PvclockSource> AgentClock for GuestClock<T, P> {
 mod tests {
     use vmtsync_core::agent::fake::FakeLink;
     use vmtsync_core::agent::{Agent, AgentState};
-    use vmtsync_core::arch::FakeTsc;
+    use vmtsync_core::arch::clock::TscClock;
+    use vmtsync_core::arch::{FakePorts, FakeTsc, PortAccess};
     use vmtsync_core::proto::{Features, Hello, Message, PROTOCOL_VERSION, ProbeReplyFull};
     use vmtsync_core::pvclock::PvclockVcpuTimeInfo;
 
@@ -131,11 +92,16 @@ mod tests {
         }
     }
 
-    fn clock(
-        skew: Skew,
-        p: Option<PvclockVcpuTimeInfo>,
-    ) -> GuestClock<FakeTsc, PvclockVcpuTimeInfo> {
-        GuestClock::new(FakeTsc::new(1_000, 10), p, skew, 3, Some(2_000_000), true)
+    type Inner = TscClock<FakeTsc, FakePorts, PvclockVcpuTimeInfo>;
+
+    fn clock(skew: Skew, p: Option<PvclockVcpuTimeInfo>) -> GuestClock<Inner> {
+        let mut inner = TscClock::new(FakeTsc::new(1_000, 10), 3)
+            .with_tsc_khz(Some(2_000_000))
+            .with_invariant_tsc(true);
+        if let Some(page) = p {
+            inner = inner.with_pvclock(page);
+        }
+        GuestClock::new(inner, skew)
     }
 
     #[test]
@@ -173,6 +139,35 @@ mod tests {
         assert_eq!(c.pvclock(), None);
     }
 
+    /// A probe on the sync port: the inner clock's `in`, read and `out`, the skew after.
+    #[test]
+    fn skewed_probe_read_keeps_the_inner_sync_port_bracket() {
+        let ports = FakePorts::new();
+        let inner: TscClock<_, _, PvclockVcpuTimeInfo> =
+            TscClock::new(FakeTsc::new(100, 1), 0).with_sync_port(&ports, 0x2400);
+        let skew = Skew {
+            offset: 5,
+            ratio: 2,
+            frac_bits: 0,
+        };
+        let mut c = GuestClock::new(inner, skew);
+        assert!(c.sync_port());
+        assert_eq!(c.read_tsc_for_probe(7), GuestTicks(100 * 2 + 5));
+        assert_eq!(
+            ports.accesses().as_slice(),
+            [
+                PortAccess::In {
+                    port: 0x2400,
+                    value: 0xff
+                },
+                PortAccess::Out {
+                    port: 0x2400,
+                    value: 7
+                },
+            ]
+        );
+    }
+
     #[test]
     fn unpublished_page_reports_nothing() {
         let mut c = clock(Skew::IDENTITY, Some(page(0)));
@@ -197,7 +192,7 @@ mod tests {
                 .link_mut()
                 .push_message(&Message::ProbeFull { seq: 9 })
         );
-        assert_eq!(agent.poll(), Ok(AgentState::Ready));
+        assert_eq!(agent.poll().map(|p| p.state), Ok(AgentState::Ready));
         let mut out = std::vec::Vec::new();
         while let Some(m) = agent.link_mut().next_sent() {
             out.push(m.expect("agent frames decode"));

@@ -19,7 +19,7 @@
 //! request often arrives before the poll returns: several messages would share one event.
 
 use vmtsync_core::agent::{Agent, AgentClock, Link, LinkError};
-use vmtsync_core::arch::Tsc;
+use vmtsync_core::arch::{PortIo, Tsc};
 use vmtsync_core::proto::Transport;
 use vmtsync_core::recorder::{EventSources, Record, Recorder, Ring};
 
@@ -269,29 +269,6 @@ impl Workload {
     /// Whether every requested event was emitted.
     pub const fn done(&self) -> bool {
         matches!(self.left, Some(0))
-    }
-}
-
-/// Port I/O for [`Workload`] (real `in`/`out` in the agent, a recorder in tests).
-pub trait PortIo {
-    /// `out` of one byte.
-    fn outb(&self, port: u16, v: u8);
-    /// `in` of one byte.
-    fn inb(&self, port: u16) -> u8;
-}
-
-/// The CPU's own port I/O.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct NativePortIo;
-
-impl PortIo for NativePortIo {
-    #[inline]
-    fn outb(&self, port: u16, v: u8) {
-        crate::port::outb(port, v);
-    }
-    #[inline]
-    fn inb(&self, port: u16) -> u8 {
-        crate::port::inb(port)
     }
 }
 

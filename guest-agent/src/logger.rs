@@ -17,7 +17,7 @@
 use core::cell::UnsafeCell;
 use core::sync::atomic::{AtomicBool, Ordering};
 
-use vmtsync_agent::uart::COM2;
+use vmtsync_core::arch::uart16550::Uart16550;
 
 /// The logger `defmt` calls; all state is in the statics below.
 #[defmt::global_logger]
@@ -38,7 +38,7 @@ static ENCODER: EncoderCell = EncoderCell(UnsafeCell::new(defmt::Encoder::new())
 
 /// Writes encoded bytes to COM2.
 fn emit(bytes: &[u8]) {
-    COM2.write_all(bytes);
+    Uart16550::COM2.write_bytes(bytes);
 }
 
 /// The encoder.

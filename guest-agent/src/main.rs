@@ -12,10 +12,14 @@
 //! ## `wire=postcard` (default)
 //!
 //! The vmtsync probe protocol (`vmtsync_core::proto`), served by the core state machine
-//! `vmtsync_core::agent::Agent` over [`vmtsync_agent::link::UartLink`] and
-//! [`vmtsync_agent::clock::GuestClock`]. When COM1 is ready the agent sends one `0x00` byte (an
-//! empty frame, which receivers skip): a host may wait for it instead of retrying its hello.
-//! After `Shutdown` → `Exiting` the agent writes its `exit=` code to isa-debug-exit.
+//! `vmtsync_core::agent::Agent` over core's ready-made pieces: COM1 as a
+//! `vmtsync_core::arch::uart16550::Uart16550` link (`uarttx=` picks its `TxOrder`) and
+//! `vmtsync_core::arch::x86_64::NativeClock` (with the pvclock page and `syncport=`) through
+//! [`vmtsync_agent::clock::GuestClock`]'s skew. When COM1 is ready the agent sends one `0x00`
+//! byte (an empty frame, which receivers skip): a host may wait for it instead of retrying its
+//! hello. After `Shutdown` → `Exiting` the agent writes its `exit=` code to isa-debug-exit.
+//! With `console=N` it also writes console text on COM1 between frames (boot lines, then one
+//! line per N messages), which the shared-UART wire rule keeps apart from the frames.
 //!
 //! Guest events go through the core's recorder: the boot vCPU's `vmtsync_core::recorder::Ring`
 //! ([`EVENTS`]) and one ring per application processor ([`AP_EVENTS`]), each stamped with the
@@ -55,21 +59,19 @@ mod logger;
 mod smp;
 
 use core::cell::UnsafeCell;
+use core::fmt::Write as _;
 use vmtsync_agent::clock::GuestClock;
-use vmtsync_agent::events::{AgentEvents, FramePerPoll, MessageEvents, NativePortIo, Workload};
-use vmtsync_agent::link::UartLink;
+use vmtsync_agent::events::{AgentEvents, FramePerPoll, MessageEvents, Workload};
 use vmtsync_agent::options::{MAX_VCPUS, Options, TxOrder, Wire};
 use vmtsync_agent::tsc::SkewedTsc;
-use vmtsync_agent::uart::{COM1, COM2};
 use vmtsync_agent::{port, pvh};
-use vmtsync_core::agent::{Agent, AgentState};
-use vmtsync_core::arch::Cpuid as _;
+use vmtsync_core::agent::{Agent, AgentClock as _, AgentState};
 use vmtsync_core::recorder::{Recorder, Ring};
 
-use vmtsync_core::arch::cpuid::{has_invariant_tsc, kvm_info, tsc_freq};
-use vmtsync_core::arch::x86_64::{NativeCpuid, NativeTsc, register_pvclock};
-use vmtsync_core::arch::{PvclockPage, Tsc};
-use vmtsync_core::proto::Features;
+use vmtsync_core::arch::cpuid::kvm_info;
+use vmtsync_core::arch::uart16550::Uart16550;
+use vmtsync_core::arch::x86_64::{NativeClock, NativeCpuid, NativeTsc, register_pvclock};
+use vmtsync_core::arch::{NativePorts, PvclockPage, Tsc};
 use vmtsync_core::pvclock::PvclockVcpuTimeInfo;
 
 /// Logs one line at info level on COM2: `defmt::info!` (defmt format syntax: `{}`/`{=u32}`
@@ -104,10 +106,33 @@ const fn agent_events() -> AgentEvents<'static, EVENT_RING, MAX_VCPUS, AP_EVENT_
     }
 }
 
+/// Byte-wide port I/O for the ports the host chose on the command line (`syncport=`, the
+/// `workload=` port) and fw_cfg's data port (`smp.rs`).
+pub(crate) const fn native_ports() -> NativePorts {
+    // SAFETY: used only on those ports: a sync or workload port the host picked among the
+    // ports its VMM leaves unused (the options' docs), and fw_cfg's data port, whose reads
+    // touch no guest memory. No other code relies on their state.
+    unsafe { NativePorts::new() }
+}
+
+/// COM1 as `uarttx=` says to write it.
+const fn com1(opts: &Options) -> Uart16550 {
+    Uart16550::COM1.with_tx_order(opts.uart_tx)
+}
+
+/// With `console=N`, writes console text on COM1 (between frames: the callers run between
+/// polls or before the first). Out of line so the formatting code exists once.
+#[inline(never)]
+fn console(opts: &Options, args: core::fmt::Arguments<'_>) {
+    if opts.console > 0 {
+        let _ = com1(opts).write_fmt(args);
+    }
+}
+
 /// The workload from the options, timed on the agent's TSC (`None` without `workload=`).
 fn workload(ctx: &Ctx, tsc: &SkewedTsc<NativeTsc>) -> Option<Workload> {
     let w = ctx.opts.workload?;
-    let khz = ctx.tsc_khz.unwrap_or_else(|| {
+    let khz = ctx.clock.tsc_khz().unwrap_or_else(|| {
         defmt::warn!("workload: TSC frequency unknown; timing it as 1 GHz");
         1_000_000
     });
@@ -168,8 +193,8 @@ fn register_pvclock_page(cpuid: &NativeCpuid) -> Option<PvclockPage<'static>> {
 /// Rust entry, called by `boot.rs` in long mode with the physical address of the PVH start info.
 #[unsafe(no_mangle)]
 pub extern "C" fn kmain(start_info_phys: u64) -> ! {
-    COM2.init();
-    COM1.init();
+    Uart16550::COM2.init();
+    Uart16550::COM1.init();
     log!(
         "vmtsync-agent {=str}: long mode, start_info at {=u64:#x}",
         env!("CARGO_PKG_VERSION"),
@@ -197,7 +222,7 @@ pub extern "C" fn kmain(start_info_phys: u64) -> ! {
     });
     log!(
         "options: transport={} wire={} ring={} exit={} events={} workload={} skew={}+(tsc*{})>>{} \
-         uarttx wait-then-write {}",
+         uarttx wait-then-write {} console {}",
         defmt::Debug2Format(&opts.transport),
         defmt::Debug2Format(&opts.wire),
         opts.ring,
@@ -207,38 +232,46 @@ pub extern "C" fn kmain(start_info_phys: u64) -> ! {
         opts.skew.offset,
         opts.skew.ratio,
         opts.skew.frac_bits,
-        opts.uart_tx == TxOrder::WaitThenWrite
+        opts.uart_tx == TxOrder::WaitThenWrite,
+        opts.console
+    );
+    console(
+        &opts,
+        format_args!(
+            "vmtsync-agent {}: cmdline \"{}\"\n",
+            env!("CARGO_PKG_VERSION"),
+            core::str::from_utf8(cmdline).unwrap_or("<not utf-8>")
+        ),
     );
 
     let cpuid = NativeCpuid;
-    let mut features = Features::NONE;
-    if has_invariant_tsc(&cpuid) {
-        features = features.union(Features::INVARIANT_TSC);
-    }
-    let tsc_khz = tsc_freq(&cpuid).and_then(|f| u32::try_from(f.hz / 1000).ok());
     // Never RDTSCP here: it kills the VM on the project's nested KVM (see docs/host-quirks.md).
-    let tsc = NativeTsc::lfence_rdtsc();
+    // The vCPU is the initial APIC id (CPUID.1:EBX[31:24]), the id KVM names `vcpuN` after.
+    let mut clock = NativeClock::from_cpuid(NativeTsc::lfence_rdtsc(), &cpuid);
     log!(
         "cpu: invariant tsc {}, tsc_khz {}, tsc at ready {}",
-        features.contains(Features::INVARIANT_TSC),
-        tsc_khz,
-        tsc.read_ordered()
+        clock.invariant_tsc(),
+        clock.tsc_khz(),
+        clock.tsc().read_ordered()
     );
-
-    let pvclock = register_pvclock_page(&cpuid);
-    // The initial APIC id (CPUID.1:EBX[31:24]) is the id KVM names `vcpuN` after.
-    let vcpu = cpuid.cpuid(1, 0).ebx >> 24;
-    let vcpus = smp::start(&opts, vcpu, tsc_khz);
+    if let Some(page) = register_pvclock_page(&cpuid) {
+        clock = clock.with_pvclock(page);
+    }
+    if let Some(port) = opts.sync_port {
+        clock = clock.with_sync_port(native_ports(), port);
+    }
+    let vcpus = smp::start(&opts, clock.vcpu_id(), clock.tsc_khz());
     log!("vcpus online: {=u64:#x}", vcpus.online());
-    let ctx = Ctx {
-        opts,
-        tsc,
-        pvclock,
-        vcpu,
-        vcpus,
-        invariant_tsc: features.contains(Features::INVARIANT_TSC),
-        tsc_khz,
-    };
+    console(
+        &opts,
+        format_args!(
+            "vmtsync-agent: vcpu {}, tsc_khz {}, vcpus online {:#x}\n",
+            clock.vcpu_id(),
+            clock.tsc_khz().unwrap_or(0),
+            vcpus.online()
+        ),
+    );
+    let ctx = Ctx { opts, clock, vcpus };
     if opts.ring == 3 {
         log!("entering ring 3 with IOPL 3");
         // SAFETY: we are in ring 0 on boot.rs's GDT and page tables; `ctx` lives in this frame,
@@ -251,13 +284,22 @@ pub extern "C" fn kmain(start_info_phys: u64) -> ! {
 /// What the protocol loop needs from boot.
 struct Ctx {
     opts: Options,
-    tsc: NativeTsc,
-    pvclock: Option<PvclockPage<'static>>,
-    vcpu: u32,
+    /// The boot vCPU's clock, unskewed, with its pvclock page and sync port.
+    clock: NativeClock,
     /// The application processors that checked in (docs/smp.md).
     vcpus: smp::Vcpus,
-    invariant_tsc: bool,
-    tsc_khz: Option<u32>,
+}
+
+impl Ctx {
+    /// The boot vCPU's raw TSC.
+    fn tsc(&self) -> NativeTsc {
+        *self.clock.tsc()
+    }
+
+    /// The boot vCPU's APIC id.
+    fn vcpu(&self) -> u32 {
+        self.clock.vcpu_id()
+    }
 }
 
 /// The protocol loop, in ring 3 or ring 0. `ctx` is the address of a [`Ctx`] that lives forever.
@@ -265,61 +307,68 @@ extern "C" fn serve(ctx: usize) -> ! {
     // SAFETY: kmain passes the address of its `Ctx`, in a frame that is never unwound.
     let ctx = unsafe { &*(ctx as *const Ctx) };
     log!("serving at CPL {}", port::cpl());
+    console(
+        &ctx.opts,
+        format_args!("vmtsync-agent: serving at CPL {}\n", port::cpl()),
+    );
     if ctx.opts.transport == vmtsync_agent::options::Transport::Vsock {
         serve_vsock::serve(ctx);
     }
     match ctx.opts.wire {
         Wire::Postcard => serve_postcard(ctx),
-        Wire::Line => serve_line(&ctx.opts, ctx.tsc),
+        Wire::Line => serve_line(&ctx.opts, ctx.tsc()),
     }
 }
 
 /// The agent's clock over every vCPU that checked in (docs/smp.md), and the BSP's skewed TSC
 /// its events are stamped with: the same for every transport.
-fn agent_clock(
-    ctx: &Ctx,
-) -> (
-    smp::SmpClock<GuestClock<NativeTsc, PvclockPage<'static>>>,
-    SkewedTsc<NativeTsc>,
-) {
-    let opts = &ctx.opts;
-    let skew = opts.skew_of(ctx.vcpu);
+fn agent_clock(ctx: &Ctx) -> (smp::SmpClock<GuestClock<NativeClock>>, SkewedTsc<NativeTsc>) {
+    let skew = ctx.opts.skew_of(ctx.vcpu());
     let clock = smp::SmpClock {
-        bsp: GuestClock::new(
-            ctx.tsc,
-            ctx.pvclock,
-            skew,
-            ctx.vcpu,
-            ctx.tsc_khz,
-            ctx.invariant_tsc,
-        )
-        .with_sync_port(opts.sync_port),
+        bsp: GuestClock::new(ctx.clock, skew),
         vcpus: ctx.vcpus,
     };
-    (clock, SkewedTsc { tsc: ctx.tsc, skew })
+    (
+        clock,
+        SkewedTsc {
+            tsc: ctx.tsc(),
+            skew,
+        },
+    )
 }
 
 fn serve_postcard(ctx: &Ctx) -> ! {
     let opts = &ctx.opts;
     let (clock, tsc) = agent_clock(ctx);
     // One frame per poll, so `events=N` records one event per message (see `events`).
-    let mut agent = Agent::with_events(
-        FramePerPoll::new(UartLink::new(COM1, opts.uart_tx)),
-        clock,
-        agent_events(),
-    );
-    log!("ready: postcard on COM1, vcpu {}", ctx.vcpu);
+    let com1 = com1(opts);
+    let mut agent = Agent::with_events(FramePerPoll::new(com1), clock, agent_events());
+    log!("ready: postcard on COM1, vcpu {}", ctx.vcpu());
     // Ready beacon: an empty frame, skipped by every frame receiver.
-    COM1.write(0);
+    com1.write_byte(0);
     let mut events = MessageEvents::new(opts.events);
     let mut load = workload(ctx, &tsc);
+    let ports = native_ports();
+    // Messages handled when the last console line was written.
+    let mut console_at = 0;
     loop {
-        let polled = agent.poll();
+        let polled = agent.poll().map(|p| p.state);
         events.after_poll(&agent, &EVENTS, &tsc);
         if let Some(w) = &mut load {
-            w.tick(&EVENTS, &tsc, &NativePortIo);
+            w.tick(&EVENTS, &tsc, &ports);
         }
         agent.link_mut().rearm();
+        let s = agent.stats();
+        if opts.console > 0 && s.messages_in.wrapping_sub(console_at) >= opts.console {
+            console_at = s.messages_in;
+            console(
+                opts,
+                format_args!(
+                    "vmtsync-agent: {} messages, {} probes\n",
+                    s.messages_in, s.probes
+                ),
+            );
+        }
         match polled {
             Ok(AgentState::Exited) => {
                 let s = agent.stats();
@@ -335,6 +384,10 @@ fn serve_postcard(ctx: &Ctx) -> ! {
                     EVENTS.dropped(),
                     opts.exit_code
                 );
+                console(
+                    opts,
+                    format_args!("vmtsync-agent: shutdown after {} messages\n", s.messages_in),
+                );
                 port::exit(opts.exit_code);
             }
             Ok(AgentState::AwaitHello | AgentState::Ready) => {}
@@ -345,37 +398,45 @@ fn serve_postcard(ctx: &Ctx) -> ! {
 }
 
 fn serve_line(opts: &Options, tsc: NativeTsc) -> ! {
-    COM1.write_all(b"H vmtsync-agent\n");
+    let com1 = com1(opts);
+    com1.write_bytes(b"H vmtsync-agent\n");
     log!("ready: line protocol on COM1");
     loop {
-        match COM1.read() {
+        let request = loop {
+            if let Some(b) = com1.try_read() {
+                break b;
+            }
+        };
+        match request {
             b'p' => {
-                COM1.wait_thr_empty();
+                // Write-then-wait (the default) left THR empty, so `T` goes out with the next
+                // instruction after the read.
+                com1.wait_thr_empty();
                 let raw = tsc.read_ordered();
-                COM1.write_unchecked(b'T');
+                com1.write_byte(b'T');
                 let t = opts.skew.apply(raw);
                 let mut hex = [0u8; 16];
                 for (i, d) in hex.iter_mut().enumerate() {
                     let nibble = (t >> (60 - 4 * i)) & 0xf;
                     *d = b"0123456789abcdef"[usize::try_from(nibble).unwrap_or(0)];
                 }
-                COM1.write_all(&hex);
-                COM1.write(b'\n');
+                com1.write_bytes(&hex);
+                com1.write_byte(b'\n');
             }
             b'q' => {
-                COM1.write_all(b"Q\n");
+                com1.write_bytes(b"Q\n");
                 log!("quit: isa-debug-exit {}", opts.exit_code);
                 port::exit(opts.exit_code);
             }
             b'!' => panic!("host asked for a panic"),
             b'w' => {
-                COM1.write_all(b"W\n");
+                com1.write_bytes(b"W\n");
                 log!("spinning without exits until the host's watchdog ends the VM");
                 loop {
                     core::hint::spin_loop();
                 }
             }
-            other => COM1.write(other),
+            other => com1.write_byte(other),
         }
     }
 }

@@ -28,17 +28,23 @@
 //!   OFFSET may be negative (it wraps, like KVM's offset); numbers are decimal or `0x` hex.
 //! - `skewN=OFFSET,RATIO,FRAC` (N below [`MAX_VCPUS`]): the same for the TSC read on vCPU N (the
 //!   APIC id KVM names `vcpuN` after), instead of `skew=`; see docs/smp.md.
-//! - `uarttx=write-then-wait|wait-then-write`: how COM1's link sends each byte. The default
-//!   writes the byte and then waits for THRE, so nothing but the frame's own stores lies
-//!   between a probe's TSC read and the `out` of its reply's first byte. `wait-then-write` is
-//!   an ordinary console putc (poll LSR until THRE, then write): a test build of the guest
-//!   whose status polls sit between the TSC read and that `out`, which the host's anchoring
-//!   must neither trust nor be fooled by.
+//! - `uarttx=write-then-wait|wait-then-write`: how COM1's link sends each byte ([`TxOrder`]).
+//!   The default writes the byte and then waits for THRE, so nothing but the frame's own
+//!   stores lies between a probe's TSC read and the `out` of its reply's first byte.
+//!   `wait-then-write` is an ordinary console putc (poll LSR until THRE, then write): a test
+//!   build of the guest whose status polls sit between the TSC read and that `out`, which the
+//!   host's anchoring must neither trust nor be fooled by.
+//! - `console=N`: console text on COM1 between protocol frames (its shared-UART wire rule:
+//!   `vmtsync_core::arch::uart16550`): a few boot-log lines, then one line after every N-th
+//!   message handled (`console=1`: after every message), and one at shutdown. Default 0: no
+//!   text on COM1. For tests of a host that separates console text from frames.
 //!
 //! Unknown words are reported in the log and otherwise ignored, so a host can pass options a
 //! newer agent understands.
 
 use crate::tsc::Skew;
+
+pub use vmtsync_core::arch::uart16550::TxOrder;
 
 /// The transport that carries probes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -59,15 +65,6 @@ pub enum Wire {
     Postcard,
     /// One request byte, one text line back (see the agent binary's docs).
     Line,
-}
-
-/// How COM1's link hands each byte to the UART (`uarttx=`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum TxOrder {
-    /// Write the byte, then wait for THRE (the default).
-    WriteThenWait,
-    /// Wait for THRE, then write the byte: an ordinary console putc.
-    WaitThenWrite,
 }
 
 /// The most vCPUs the agent brings up and serves (APIC ids below this): the boot processor and
@@ -116,6 +113,8 @@ pub struct Options {
     pub sync_port: Option<u16>,
     /// `uarttx=`: the order of COM1's per-byte write and THRE wait.
     pub uart_tx: TxOrder,
+    /// `console=N`: a console line on COM1 after every N-th message (0: no console text).
+    pub console: u32,
 }
 
 /// Why an option word was rejected.
@@ -144,6 +143,7 @@ impl Default for Options {
             virtio_mmio: [None; MAX_VIRTIO_MMIO],
             sync_port: None,
             uart_tx: TxOrder::WriteThenWait,
+            console: 0,
         }
     }
 }
@@ -189,6 +189,10 @@ impl Options {
             b"events" => {
                 let v = parse_u64(value).ok_or(OptionError::BadValue)?;
                 self.events = u32::try_from(v).map_err(|_| OptionError::BadValue)?;
+            }
+            b"console" => {
+                let v = parse_u64(value).ok_or(OptionError::BadValue)?;
+                self.console = u32::try_from(v).map_err(|_| OptionError::BadValue)?;
             }
             b"port" => {
                 let v = parse_u64(value).ok_or(OptionError::BadValue)?;
@@ -377,6 +381,9 @@ mod tests {
             1,
             "an unknown order is refused"
         );
+        assert_eq!(o.console, 0, "no console text unless asked");
+        assert_eq!(parse("console=1").0.console, 1);
+        assert_eq!(parse("console=4294967296").1.len(), 1, "a u32");
         assert_eq!(
             o.skew,
             Skew {

@@ -1,7 +1,10 @@
-//! x86 port I/O and the isa-debug-exit device.
+//! The wider port writes (fw_cfg's 16-bit selector, isa-debug-exit's 32-bit port), the
+//! isa-debug-exit device, and the privilege level. Byte-wide port I/O is core's
+//! (`vmtsync_core::arch::PortIo`, `NativePorts`).
 //!
-//! The agent runs in ring 0 with IOPL 0, so `in`/`out` are always allowed. Every access is a VM
-//! exit, which is exactly where the host (QEMU or the built-in VMM) timestamps probe traffic.
+//! The agent runs in ring 0, or in ring 3 with IOPL 3, so `in`/`out` are always allowed. Every
+//! access is a VM exit, which is exactly where the host (QEMU or the built-in VMM) timestamps
+//! probe traffic.
 
 use core::arch::asm;
 
@@ -12,32 +15,11 @@ pub const DEBUG_EXIT_PORT: u16 = 0xf4;
 /// Exit code written to [`DEBUG_EXIT_PORT`] by the panic handler (QEMU status 0xfd = 253).
 pub const PANIC_EXIT_CODE: u8 = 0x7e;
 
-/// Reads one byte from `port`.
-#[inline(always)]
-pub fn inb(port: u16) -> u8 {
-    let v: u8;
-    // SAFETY: port input has no memory effects; the agent owns the whole (virtual) machine and
-    // only reads the UART and debug-exit ports it was configured with.
-    unsafe {
-        asm!("in al, dx", out("al") v, in("dx") port, options(nomem, nostack, preserves_flags))
-    };
-    v
-}
-
-/// Writes one byte to `port`.
-#[inline(always)]
-pub fn outb(port: u16, v: u8) {
-    // SAFETY: port output has no effect on Rust-visible memory; the ports used are the 16550
-    // UARTs and isa-debug-exit, whose side effects are the point.
-    unsafe {
-        asm!("out dx, al", in("dx") port, in("al") v, options(nomem, nostack, preserves_flags))
-    };
-}
-
 /// Writes one 16-bit value to `port`.
 #[inline(always)]
 pub fn outw(port: u16, v: u16) {
-    // SAFETY: as for `outb`: no memory effects, only the device's (the fw_cfg selector).
+    // SAFETY: port output has no effect on Rust-visible memory; the only 16-bit port written
+    // is the fw_cfg selector, whose side effect (selecting an item) is the point.
     unsafe {
         asm!("out dx, ax", in("dx") port, in("ax") v, options(nomem, nostack, preserves_flags))
     };
@@ -46,7 +28,7 @@ pub fn outw(port: u16, v: u16) {
 /// Writes one 32-bit value to `port`.
 #[inline(always)]
 pub fn outl(port: u16, v: u32) {
-    // SAFETY: as for `outb`: no memory effects, only the device's.
+    // SAFETY: as for `outw`: no memory effects, only the device's (isa-debug-exit).
     unsafe {
         asm!("out dx, eax", in("dx") port, in("eax") v, options(nomem, nostack, preserves_flags))
     };

@@ -10,14 +10,14 @@
 //! with [`vsock::SETUP_FAILED_EXIT_CODE`].
 
 use linked_list_allocator::LockedHeap;
-use vmtsync_agent::events::{MessageEvents, NativePortIo};
+use vmtsync_agent::events::MessageEvents;
 use vmtsync_agent::heap::{self, IdentityHal};
 use vmtsync_agent::options::Wire;
 use vmtsync_agent::pci::{DEFAULT_MMIO_WINDOW, PortCam};
 use vmtsync_agent::port;
 use vmtsync_agent::vsock::{self, VsockError, VsockLink, VsockTransport};
 use vmtsync_agent::vsock_stream::OneStream;
-use vmtsync_core::agent::{Agent, AgentError, AgentState, Link as _, LinkError};
+use vmtsync_core::agent::{Agent, AgentClock as _, AgentError, AgentState, Link as _, LinkError};
 use vmtsync_core::arch::Tsc;
 use vmtsync_core::arch::x86_64::NativeTsc;
 
@@ -42,11 +42,11 @@ type Stream = OneStream<IdentityHal, VsockTransport>;
 /// Sets up the vsock transport and serves the protocol on it; never returns.
 pub fn serve(ctx: &Ctx) -> ! {
     let opts = &ctx.opts;
-    let tsc = ctx.tsc;
+    let tsc = ctx.tsc();
     if opts.wire == Wire::Line {
         log!("vsock: wire=line is for COM1 only; the vsock stream speaks postcard");
     }
-    let khz = ctx.tsc_khz.map_or(FALLBACK_TSC_KHZ, u64::from);
+    let khz = ctx.clock.tsc_khz().map_or(FALLBACK_TSC_KHZ, u64::from);
     let ms = |n: u64| n.saturating_mul(khz);
     let start = tsc.read_ordered();
 
@@ -114,7 +114,8 @@ fn find_device(ctx: &Ctx) -> VsockTransport {
 
 /// The pause after DRIVER_OK (see [`VsockTransport`]), in TSC cycles.
 fn settle_cycles(ctx: &Ctx) -> u64 {
-    ctx.tsc_khz
+    ctx.clock
+        .tsc_khz()
         .map_or(FALLBACK_TSC_KHZ, u64::from)
         .saturating_mul(SETTLE_MS)
 }
@@ -135,13 +136,14 @@ fn run_session(ctx: &Ctx, mut link: VsockLink<Stream, NativeTsc>) -> Stream {
     log!(
         "ready: postcard on vsock port {}, vcpu {}",
         opts.vsock_port,
-        ctx.vcpu
+        ctx.vcpu()
     );
+    let ports = crate::native_ports();
     loop {
-        let polled = agent.poll();
+        let polled = agent.poll().map(|p| p.state);
         events.after_poll(&agent, &crate::EVENTS, &tsc);
         if let Some(w) = &mut load {
-            w.tick(&crate::EVENTS, &tsc, &NativePortIo);
+            w.tick(&crate::EVENTS, &tsc, &ports);
         }
         match polled {
             Ok(AgentState::Exited) => {
@@ -177,7 +179,7 @@ fn run_session(ctx: &Ctx, mut link: VsockLink<Stream, NativeTsc>) -> Stream {
 /// accepts the host's connection; exits the VM when neither happens in time.
 fn establish(ctx: &Ctx, stream: &mut Stream, ms: impl Fn(u64) -> u64) {
     let opts = &ctx.opts;
-    let tsc = ctx.tsc;
+    let tsc = ctx.tsc();
     if opts.vsock_listen {
         log!("vsock: listening on port {}", opts.vsock_port);
         if let Err(e) = stream.accept(opts.vsock_port, &tsc, ms(LISTEN_MS)) {

@@ -26,12 +26,12 @@ use core::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 use vmtsync_agent::events::AP_PROBE_EVENT;
 use vmtsync_agent::options::{MAX_VCPUS, Options};
-use vmtsync_agent::port::{inb, outw};
+use vmtsync_agent::port::outw;
 use vmtsync_agent::tsc::{Skew, SkewedTsc};
 use vmtsync_core::GuestTicks;
 use vmtsync_core::agent::AgentClock;
-use vmtsync_core::arch::Tsc;
 use vmtsync_core::arch::x86_64::NativeTsc;
+use vmtsync_core::arch::{PortIo as _, Tsc};
 use vmtsync_core::proto::PvclockReport;
 
 /// The SIPI vector: the page number of the real-mode trampoline, a page below 1 MiB that
@@ -190,6 +190,8 @@ fn send_ipi(dest: u32, vector: u32) {
 
 /// The vCPU count from QEMU's fw_cfg, or 1 when there is no fw_cfg.
 fn fw_cfg_cpus() -> u32 {
+    let ports = crate::native_ports();
+    let inb = |port| ports.inb(port);
     outw(FW_CFG_SELECTOR, FW_CFG_SIGNATURE);
     let sig = [
         inb(FW_CFG_DATA),
@@ -328,9 +330,10 @@ extern "C" fn ap_main(index: u32) -> ! {
         let seq = slot.seq.load(Ordering::Relaxed) as u8;
         let raw = match sync_port {
             Some(port) => {
-                let _ = vmtsync_agent::port::inb(port);
+                let ports = crate::native_ports();
+                let _ = ports.inb(port);
                 let raw = tsc.read_ordered();
-                vmtsync_agent::port::outb(port, seq);
+                ports.outb(port, seq);
                 raw
             }
             None => tsc.read_ordered(),

@@ -9,6 +9,7 @@ mod anchor_putc;
 mod attach;
 mod causality;
 mod cli;
+mod console;
 mod ctf;
 mod e2e;
 mod kvm_fixtures;

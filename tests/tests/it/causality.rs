@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use vmtsync_tests::truth::Skew;
+use vmtsync_tests::truth::{GuestTruth, Skew};
 
 use crate::kvm_fixtures::{guarded_output, vmtsync};
 use crate::util::{HostTrace, QemuAgent, qemu_ready, text, trace_cmd};
@@ -166,6 +166,8 @@ pub(crate) struct Run {
     /// Every sync probe `record` used (`--probe-log`).
     pub(crate) probes: PathBuf,
     pub(crate) thread: u64,
+    /// The guest's true clock: KVM debugfs (read while the VM ran) under the agent's skew.
+    pub(crate) truth: GuestTruth,
 }
 
 /// Boots the agent with `skew` and the workload, records `EVENTS` events in `format` with
@@ -210,6 +212,7 @@ pub(crate) fn recorded_run(test: &str, purpose: &str, skew: &Skew, format: &str)
         );
         std::thread::sleep(Duration::from_millis(20));
     };
+    let truth = GuestTruth::read(vm.guard.pid(), 0, Some(*skew)).expect("truth from debugfs");
     let guest = dir.path().join(if format == "jsonl" {
         "guest.jsonl"
     } else {
@@ -246,6 +249,7 @@ pub(crate) fn recorded_run(test: &str, purpose: &str, skew: &Skew, format: &str)
         sync,
         probes,
         thread,
+        truth,
     })
 }
 

@@ -111,7 +111,10 @@ fn record_console_keeps_every_frame_and_every_console_line() {
     assert!(lines.ends_with('\n'), "a cut line: {lines:?}");
     let mut seen = Vec::new();
     for l in lines.lines() {
-        assert!(l.starts_with("vmtsync-agent"), "not the agent's line: {l:?}");
+        assert!(
+            l.starts_with("vmtsync-agent"),
+            "not the agent's line: {l:?}"
+        );
         if let Some(n) = l
             .strip_prefix("vmtsync-agent: ")
             .and_then(|r| r.split_once(" messages, "))

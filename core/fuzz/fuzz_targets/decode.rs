@@ -1,5 +1,6 @@
 //! Feeds arbitrary bytes to every untrusted-input path of the protocol: the unframed decoder,
-//! the frame decoder, and the stream receiver in a chunking chosen by the input itself. A
+//! the frame decoder, and the stream receiver (plain, and keeping console text) in a chunking
+//! chosen by the input itself. A
 //! panic, or a decoded message that does not re-encode to something decoding to itself, is a
 //! crash.
 //!
@@ -57,4 +58,31 @@ fuzz_target!(|data: &[u8]| {
             }
         }
     }
+
+    // The same stream as a shared UART's (console text between frames): text is handed out
+    // once, never a delimiter, never more than arrived.
+    let mut rx = FrameReceiver::new();
+    let mut text = 0usize;
+    for piece in stream.chunks(chunk) {
+        let mut input = piece;
+        loop {
+            match rx.feed_text(input, &mut |t| {
+                assert!(!t.contains(&0), "a delimiter handed out as text");
+                text += t.len();
+            }) {
+                Feed::Consumed => break,
+                Feed::Message { msg, rest } => {
+                    assert_round_trips(&msg);
+                    assert!(rest.len() < input.len(), "receiver made progress");
+                    input = rest;
+                }
+                Feed::Error { rest, .. } => {
+                    assert!(rest.len() < input.len(), "receiver made progress");
+                    input = rest;
+                }
+            }
+        }
+    }
+    let zeros = stream.iter().filter(|&&b| b == 0).count();
+    assert!(text + zeros <= stream.len(), "more text than bytes");
 });

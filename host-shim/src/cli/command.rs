@@ -78,16 +78,19 @@ pub enum Command {
     /// breaks marked.
     #[command(after_help = EXIT_CODES)]
     Plot(PlotArgs),
-    /// Check a sync file against the host's kvm_pio exits: every guest event recorded right
-    /// before an `out` (after an `in`) on the workload's port must convert to a host time
-    /// before (after) that exit; prints violations, the lag distribution and each segment's
-    /// worst case, and exits 9 on any violation.
+    /// Check a guest's events against the host's kvm_pio exits: every event a --before
+    /// ID:PORT rule names must convert to a host time at or before the guest's next I/O on
+    /// PORT, every --after event at or after its previous one (--port PORT: the bundled
+    /// agent's workload); converted with a sync file, or as `vmtsync record --format jsonl`
+    /// converted them. Prints violations, the lag distribution and each segment's worst
+    /// case, and exits 9 on any violation.
     ///
-    /// JSON (--json, schema 1): {"schema","checked","before_out","after_in","violations",
-    /// "bound_violations","unmatched_events","unconverted_events","unpaired_exits",
-    /// "numbering" ("from-boot"|"nearest"),"lag","lag_before_out","lag_after_in" (each
-    /// {"min","p1","median","p99","max"} or null),"segments":[{"vcpu","round","events",
-    /// "worst_lag","violations","width"}],"first_violations":[…]} (docs/validate.md).
+    /// JSON (--json, schema 3): {"schema","rules","conversion","checked","before_out",
+    /// "after_in","violations","bound_violations","unmatched_events","unconverted_events",
+    /// "unpaired_exits","numbering" ("from-boot"|"nearest"),"lag","lag_before_out",
+    /// "lag_after_in" (each {"min","p1","median","p99","max"} or null),"segments":[{"vcpu",
+    /// "round","events","worst_lag","violations","width"}],"first_violations":[…],"probes"}
+    /// (docs/validate.md).
     #[command(after_help = EXIT_CODES)]
     Validate(ValidateArgs),
     /// TSC mapping arithmetic.

@@ -42,7 +42,8 @@ use crate::probe::anchor;
 use crate::probe::connect::{self, ConnectOptions};
 use crate::probe::continuous::{Cumulative, segment};
 use crate::probe::{
-    ProbeError, ProbeLog, ProbeOptions, ProbeSession, ProbeSummary, Progress, StampedTransport,
+    ConsoleLog, ProbeError, ProbeLog, ProbeOptions, ProbeSession, ProbeSummary, Progress,
+    StampedTransport,
 };
 use crate::syncfile::{SyncHeader, SyncSegment, SyncWriter};
 use crate::tracedat::{self, FileVersion, ShiftMode, TimeShift, TraceDatWriter, WriterOptions};
@@ -149,6 +150,11 @@ pub struct RecordSummary {
     pub trace_id: u64,
     /// The file written.
     pub out: PathBuf,
+    /// Bytes of console text the guest printed between frames (docs/probe.md), and the file
+    /// they were appended to (`--console`), if any.
+    pub console_bytes: u64,
+    /// `--console`'s file.
+    pub console: Option<PathBuf>,
 }
 
 /// Why `vmtsync record` failed.
@@ -295,7 +301,8 @@ pub fn run_record_on<T: StampedTransport>(
     progress: &mut Progress,
 ) -> Result<RecordSummary, RecordError> {
     let p = &opts.probe;
-    let mut session = ProbeSession::hello_until_stopped(transport, p.timeout, p.stop)?;
+    let console = p.console.as_deref().map(ConsoleLog::create).transpose()?;
+    let mut session = ProbeSession::hello_until_stopped(transport, p.timeout, p.stop, console)?;
     if let Some(path) = &p.probe_log {
         session.log_probes(ProbeLog::create(path, &p.addr, &p.anchor)?);
     }
@@ -361,9 +368,12 @@ pub fn run_record_on<T: StampedTransport>(
             return Err(e);
         }
     };
-    if p.shutdown && end != EndReason::AgentExited {
-        session.shutdown();
+    let console_bytes = if p.shutdown && end != EndReason::AgentExited {
+        session.shutdown()
+    } else {
+        session.stats()
     }
+    .console_bytes;
     let (preconverted, clamped) = finish(out, opts, &st)?;
     Ok(RecordSummary {
         events: st.events,
@@ -387,6 +397,8 @@ pub fn run_record_on<T: StampedTransport>(
             0
         },
         out: opts.out.clone(),
+        console_bytes,
+        console: p.console.clone(),
     })
 }
 

@@ -70,7 +70,7 @@ use vmtsync_core::agent::{Agent, AgentClock as _, AgentState};
 use vmtsync_core::recorder::{Recorder, Ring};
 
 use vmtsync_core::arch::cpuid::kvm_info;
-use vmtsync_core::arch::uart16550::Uart16550;
+use vmtsync_core::arch::uart16550::{Delimit, Uart16550};
 use vmtsync_core::arch::x86_64::{NativeClock, NativeCpuid, NativeTsc, register_pvclock};
 use vmtsync_core::arch::{NativePorts, PvclockPage, Tsc};
 use vmtsync_core::pvclock::PvclockVcpuTimeInfo;
@@ -117,8 +117,14 @@ pub(crate) const fn native_ports() -> NativePorts {
 }
 
 /// COM1 as `uarttx=` says to write it.
+/// COM1 as the agent drives it. Every byte of text the agent writes there goes through this
+/// `Uart16550` (`console`), so text ends itself with a `0x00` and frames need no leading
+/// one: no exit between a probe's TSC read and its reply's first byte (core's
+/// `arch::uart16550` docs).
 const fn com1(opts: &Options) -> Uart16550 {
-    Uart16550::COM1.with_tx_order(opts.uart_tx)
+    Uart16550::COM1
+        .with_tx_order(opts.uart_tx)
+        .with_delimit(Delimit::Text)
 }
 
 /// With `console=N`, writes console text on COM1 (between frames: the callers run between

@@ -7,16 +7,31 @@
 //!
 //! # Frames and console text on one UART
 //!
-//! [`Link::send`] writes a `0x00` delimiter before every frame as well as the frame's own
-//! trailing one, so any bytes written between frames (console text through
-//! [`core::fmt::Write`]) form their own run between two delimiters and never merge into a
-//! frame. The host splits the byte stream on `0x00`: a run that decodes (COBS, CRC, postcard)
-//! is a message, every other non-empty run is console text; the leading delimiter adds only an
-//! empty run, which receivers skip. Console text must therefore not contain NUL bytes (a NUL
-//! only splits the text in two), and it must not be written while a frame is being sent: a
-//! frame with text inside fails its CRC, the host drops it and asks again. One vCPU that
-//! writes text between polls of its agent never does that; text from an interrupt handler or
-//! another vCPU needs a lock around both.
+//! Every frame ends in a `0x00`. Console text between frames must end in one too before the
+//! next frame starts, or the host would read text and frame as one run and drop it: which
+//! side writes that delimiter is [`Delimit`]'s choice.
+//!
+//! - [`Delimit::EveryFrame`] (the default): [`Link::send`] writes a `0x00` before every frame,
+//!   so text written any way between frames (through [`core::fmt::Write`], or by the kernel's
+//!   own console driver on the same ports) forms its own run and never merges into a frame.
+//!   The delimiter's write (and, writing then waiting, its THRE wait) comes between a probe's
+//!   TSC read and its reply's first byte, which widens an exit-anchored UART bracket by those
+//!   exits (docs/uart.md).
+//! - [`Delimit::Text`]: no leading delimiter; this type's [`core::fmt::Write`] ends each piece
+//!   of text with a `0x00` instead. For a kernel whose console text all goes through a
+//!   `Uart16550` in this mode (the bundled agent): a probe's TSC read and its reply's first
+//!   `out` then have no exit between them.
+//!
+//! The host splits the byte stream on `0x00`: a run that decodes (COBS, CRC, postcard) is a
+//! message, every other non-empty run is console text; an extra delimiter adds only an empty
+//! run, which receivers skip. Console text must therefore not contain NUL bytes (a NUL only
+//! splits the text in two), and it must not be written while a frame is being sent: a frame
+//! with text inside fails its CRC, the host drops it and asks again. One vCPU that writes text
+//! between polls of its agent never does that; text from an interrupt handler or another vCPU
+//! needs a lock around both.
+//!
+//! [`Link::recv`] returns right after it reads a `0x00`, so the agent answers a request
+//! without another status read between the request's last byte and its reply.
 
 use core::fmt;
 
@@ -89,6 +104,19 @@ pub enum TxOrder {
     WaitThenWrite,
 }
 
+/// Which side ends console text with a `0x00` before the next frame (module docs).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "defmt", derive(defmt::Format))]
+pub enum Delimit {
+    /// [`Link::send`] writes a `0x00` before every frame: safe with any console driver on the
+    /// same UART, at the price of the delimiter's exits inside a probe's UART bracket.
+    #[default]
+    EveryFrame,
+    /// [`core::fmt::Write`] ends each text with a `0x00` and frames get no leading one: all
+    /// console text on this UART must go through a `Uart16550` in this mode.
+    Text,
+}
+
 /// A polled 16550 UART at an I/O port base: a [`Link`] (frames out, non-blocking receive),
 /// [`core::fmt::Write`] for console text on the same wire, and the raw byte operations a
 /// kernel's own console needs.
@@ -103,6 +131,7 @@ pub struct Uart16550<P = NativePorts> {
     ports: P,
     base: u16,
     tx: TxOrder,
+    delimit: Delimit,
 }
 
 impl Uart16550 {
@@ -138,7 +167,14 @@ impl<P> Uart16550<P> {
             ports,
             base,
             tx: TxOrder::WriteThenWait,
+            delimit: Delimit::EveryFrame,
         }
+    }
+
+    /// Which side delimits console text from frames.
+    #[must_use]
+    pub const fn delimit(&self) -> Delimit {
+        self.delimit
     }
 
     /// The order each byte is written in.
@@ -166,6 +202,14 @@ impl<P: Copy> Uart16550<P> {
     #[must_use]
     pub const fn with_tx_order(mut self, order: TxOrder) -> Self {
         self.tx = order;
+        self
+    }
+
+    /// The same UART delimiting console text as `delimit` says (`const`, like
+    /// [`Uart16550::with_tx_order`]).
+    #[must_use]
+    pub const fn with_delimit(mut self, delimit: Delimit) -> Self {
+        self.delimit = delimit;
         self
     }
 }
@@ -236,17 +280,20 @@ impl<P: PortIo> Uart16550<P> {
     }
 }
 
-/// Frames go out whole: `send` writes the leading `0x00` delimiter, then the frame (which ends
-/// in its own), byte by byte in the configured [`TxOrder`]; it never refuses one. The wait for
-/// THRE between bytes lasts as long as the device takes to accept a byte (a character time on
-/// hardware; on a virtual UART, until the VMM's backend takes it), never on the host's
-/// answer. `recv` takes what the receiver holds, up to `buf.len()`, and returns 0 at once when
-/// nothing waits.
+/// Frames go out whole: `send` writes the leading `0x00` delimiter in [`Delimit::EveryFrame`],
+/// then the frame (which ends in its own), byte by byte in the configured [`TxOrder`]; it
+/// never refuses one. The wait for THRE between bytes lasts as long as the device takes to
+/// accept a byte (a character time on hardware; on a virtual UART, until the VMM's backend
+/// takes it), never on the host's answer. `recv` takes what the receiver holds, up to
+/// `buf.len()` and up to the first `0x00` (a frame's end: the agent answers it before the
+/// next status read), and returns 0 at once when nothing waits.
 impl<P: PortIo> Link for Uart16550<P> {
     #[inline]
     fn send(&mut self, frame: &[u8]) -> Result<(), LinkError> {
-        // The leading delimiter ends any console text written since the last frame.
-        self.write_byte(0);
+        if self.delimit == Delimit::EveryFrame {
+            // The leading delimiter ends any console text written since the last frame.
+            self.write_byte(0);
+        }
         self.write_bytes(frame);
         Ok(())
     }
@@ -257,6 +304,9 @@ impl<P: PortIo> Link for Uart16550<P> {
             let Some(b) = self.try_read() else { break };
             *slot = b;
             n += 1;
+            if b == 0 {
+                break;
+            }
         }
         Ok(n)
     }
@@ -267,10 +317,14 @@ impl<P: PortIo> Link for Uart16550<P> {
 }
 
 /// Console text, written byte for byte in the configured [`TxOrder`] between frames (see the
-/// module docs: no NUL bytes, never while a frame is being sent).
+/// module docs: no NUL bytes, never while a frame is being sent), followed by a `0x00` in
+/// [`Delimit::Text`].
 impl<P: PortIo> fmt::Write for Uart16550<P> {
     fn write_str(&mut self, s: &str) -> fmt::Result {
         self.write_bytes(s.as_bytes());
+        if self.delimit == Delimit::Text && !s.is_empty() {
+            self.write_byte(0);
+        }
         Ok(())
     }
 }

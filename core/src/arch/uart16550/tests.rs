@@ -82,34 +82,42 @@ fn init_programs_8n1_fifo_no_interrupts_then_waits_for_thr() {
 }
 
 #[test]
-fn send_writes_a_leading_delimiter_and_the_frame_in_either_order() {
-    for order in [TxOrder::WriteThenWait, TxOrder::WaitThenWrite] {
-        let ports = FakePorts::with_uart(BASE);
-        ports.set_tx_busy_reads(2);
-        let mut u = uart(&ports, order);
-        u.send(&[0x11, 0x22, 0x00]).expect("a UART never refuses");
-        let mut expected = Vec::new();
-        for (i, b) in [0x00, 0x11, 0x22, 0x00].into_iter().enumerate() {
-            expected.extend(byte_accesses(order, b, 2, i > 0));
+fn send_writes_the_frame_in_either_order_after_a_delimiter_in_every_frame_mode() {
+    for delimit in [Delimit::EveryFrame, Delimit::Text] {
+        for order in [TxOrder::WriteThenWait, TxOrder::WaitThenWrite] {
+            let ports = FakePorts::with_uart(BASE);
+            ports.set_tx_busy_reads(2);
+            let mut u = uart(&ports, order).with_delimit(delimit);
+            u.send(&[0x11, 0x22, 0x00]).expect("a UART never refuses");
+            let wire: &[u8] = match delimit {
+                Delimit::EveryFrame => &[0x00, 0x11, 0x22, 0x00],
+                Delimit::Text => &[0x11, 0x22, 0x00],
+            };
+            let mut expected = Vec::new();
+            for (i, &b) in wire.iter().enumerate() {
+                expected.extend(byte_accesses(order, b, 2, i > 0));
+            }
+            assert_eq!(
+                ports.accesses().as_slice(),
+                expected.as_slice(),
+                "{order:?} {delimit:?}"
+            );
+            assert_eq!(ports.tx().as_slice(), wire, "{order:?} {delimit:?}");
+            assert_eq!(
+                ports.busy_writes(),
+                0,
+                "{order:?}: never a write into a full THR"
+            );
         }
-        assert_eq!(
-            ports.accesses().as_slice(),
-            expected.as_slice(),
-            "{order:?}"
-        );
-        assert_eq!(ports.tx().as_slice(), [0, 0x11, 0x22, 0], "{order:?}");
-        assert_eq!(
-            ports.busy_writes(),
-            0,
-            "{order:?}: never a write into a full THR"
-        );
     }
 }
 
 /// Over a whole agent: the host trusts only that the `in` of the request's last byte precedes
-/// the TSC read and the `out` of the reply's first byte follows it. Write-then-wait goes
-/// further: no port access at all between the read and that `out`; wait-then-write has only
-/// LSR polls there.
+/// the TSC read and the `out` of the reply's first byte follows it. Write-then-wait with
+/// [`Delimit::Text`] goes further: no port access at all between the request's last byte and
+/// the read, nor between the read and that `out` (the tight bracket); the leading delimiter
+/// of [`Delimit::EveryFrame`] and wait-then-write's polls add only THR writes of `0x00` and
+/// LSR reads there.
 #[test]
 fn probe_reply_accesses_around_the_tsc_read() {
     const READ: u32 = 7;
@@ -120,10 +128,15 @@ fn probe_reply_accesses_around_the_tsc_read() {
             self.1.read_ordered()
         }
     }
-    for order in [TxOrder::WriteThenWait, TxOrder::WaitThenWrite] {
+    for (order, delimit) in [
+        (TxOrder::WriteThenWait, Delimit::Text),
+        (TxOrder::WriteThenWait, Delimit::EveryFrame),
+        (TxOrder::WaitThenWrite, Delimit::Text),
+        (TxOrder::WaitThenWrite, Delimit::EveryFrame),
+    ] {
         let ports = FakePorts::with_uart(BASE);
         ports.set_tx_busy_reads(1);
-        let u = uart(&ports, order);
+        let u = uart(&ports, order).with_delimit(delimit);
         u.init();
         let clock: TscClock<_, &FakePorts, PvclockVcpuTimeInfo> =
             TscClock::new(MarkingTsc(&ports, FakeTsc::new(5_000, 3)), 0);
@@ -156,31 +169,51 @@ fn probe_reply_accesses_around_the_tsc_read() {
             last_in < read,
             "{order:?}: the request's last byte is read first"
         );
+        let lead = usize::from(delimit == Delimit::EveryFrame);
         let first_out = log
             .iter()
-            .position(|a| matches!(a, PortAccess::Out { port: THR, .. }))
+            .enumerate()
+            .filter(|(_, a)| matches!(a, PortAccess::Out { port: THR, .. }))
+            .nth(lead)
+            .map(|(i, _)| i)
             .expect("a reply");
         assert!(
             read < first_out,
             "{order:?}: the reply's first byte follows the read"
         );
+        let before = &log[last_in + 1..read];
         let between = &log[read + 1..first_out];
-        match order {
-            TxOrder::WriteThenWait => assert!(between.is_empty(), "{between:?}"),
-            TxOrder::WaitThenWrite => {
-                assert!(!between.is_empty());
-                assert!(
-                    between
-                        .iter()
-                        .all(|a| matches!(a, PortAccess::In { port: LSR, .. })),
-                    "{between:?}"
-                );
-            }
+        let status_or_delimiter = |a: &PortAccess| {
+            matches!(
+                a,
+                PortAccess::In { port: LSR, .. }
+                    | PortAccess::Out {
+                        port: THR,
+                        value: 0
+                    }
+            )
+        };
+        if (order, delimit) == (TxOrder::WriteThenWait, Delimit::Text) {
+            assert!(before.is_empty(), "{before:?}");
+            assert!(between.is_empty(), "{between:?}");
+        } else {
+            assert!(
+                !between.is_empty() || !before.is_empty(),
+                "{order:?} {delimit:?}"
+            );
+            assert!(
+                before.iter().chain(between).all(status_or_delimiter),
+                "{order:?} {delimit:?}: {before:?} {between:?}"
+            );
         }
         let mut tx = ports.tx();
-        assert_eq!(tx.first(), Some(&0), "the leading delimiter");
         assert_eq!(
-            decode_frame(&mut tx[1..]),
+            tx.first() == Some(&0),
+            delimit == Delimit::EveryFrame,
+            "the leading delimiter"
+        );
+        assert_eq!(
+            decode_frame(&mut tx[lead..]),
             Ok(Message::ProbeReplyFull(ProbeReplyFull {
                 seq: 9,
                 vcpu: 0,
@@ -220,6 +253,19 @@ fn recv_never_waits_and_takes_at_most_the_buffer() {
     assert_eq!(u.recv(&mut buf), Ok(1));
     assert_eq!(buf[0], 7);
     assert_eq!(u.recv(&mut []), Ok(0));
+    // A frame's end ends the call: the agent answers before the next status read.
+    ports.clear_log();
+    assert!(ports.push_rx(&[8, 0, 9]));
+    let mut big = [0u8; 8];
+    assert_eq!(u.recv(&mut big), Ok(2));
+    assert_eq!(big[..2], [8, 0]);
+    assert_eq!(
+        ports.accesses().last(),
+        Some(&inb(BASE, 0)),
+        "no status read after the delimiter"
+    );
+    assert_eq!(u.recv(&mut big), Ok(1));
+    assert_eq!(big[0], 9);
     assert!(ports.tx().is_empty(), "receiving writes nothing");
 }
 
@@ -231,6 +277,14 @@ fn console_text_goes_out_byte_for_byte_in_the_configured_order() {
         let mut u = uart(&ports, order);
         writeln!(u, "boot {}", 42).expect("a UART never fails");
         assert_eq!(ports.tx().as_slice(), b"boot 42\n", "{order:?}");
+        ports.clear_tx();
+        let mut t = u.with_delimit(Delimit::Text);
+        t.write_str("up").expect("a UART never fails");
+        assert_eq!(
+            ports.tx().as_slice(),
+            b"up\0",
+            "{order:?}: text ends itself"
+        );
         assert_eq!(ports.busy_writes(), 0, "{order:?}");
         if order == TxOrder::WriteThenWait {
             assert_eq!(
@@ -255,9 +309,11 @@ fn split_wire(wire: &[u8]) -> Vec<Run> {
     for run in wire.split(|&b| b == 0).filter(|r| !r.is_empty()) {
         let mut frame = run.to_vec();
         frame.push(0);
-        match decode_frame(&mut frame) {
-            Ok(m) => runs.push(Run::Frame(Box::new(m))),
-            Err(_) => runs.push(Run::Text(run.to_vec())),
+        match (decode_frame(&mut frame), runs.last_mut()) {
+            (Ok(m), _) => runs.push(Run::Frame(Box::new(m))),
+            // Text runs in a row are one text: the host writes them out back to back.
+            (Err(_), Some(Run::Text(prev))) => prev.extend_from_slice(run),
+            (Err(_), _) => runs.push(Run::Text(run.to_vec())),
         }
     }
     runs
@@ -296,12 +352,14 @@ proptest! {
     fn frames_and_text_interleaved_all_come_out(
         ops in proptest::collection::vec(op(), 0..24),
         wait_then_write in any::<bool>(),
+        text_delimits in any::<bool>(),
         busy in 0u32..3,
     ) {
         let order = if wait_then_write { TxOrder::WaitThenWrite } else { TxOrder::WriteThenWait };
+        let delimit = if text_delimits { Delimit::Text } else { Delimit::EveryFrame };
         let ports = FakePorts::with_uart(BASE);
         ports.set_tx_busy_reads(busy);
-        let mut u = uart(&ports, order);
+        let mut u = uart(&ports, order).with_delimit(delimit);
         u.init();
         let mut expected: Vec<Run> = Vec::new();
         let mut buf = [0u8; MAX_FRAME_SIZE];

@@ -132,7 +132,50 @@ const fn com1(opts: &Options) -> Uart16550 {
 #[inline(never)]
 fn console(opts: &Options, args: core::fmt::Arguments<'_>) {
     if opts.console > 0 {
-        let _ = com1(opts).write_fmt(args);
+        let mut line = Line {
+            uart: com1(opts),
+            buf: [0; 256],
+            len: 0,
+        };
+        let _ = line.write_fmt(args);
+        line.flush();
+    }
+}
+
+/// A console line formatted whole before it goes out: one run of text and one delimiter per
+/// line (`Delimit::Text` ends every `write_str`), not one per formatted piece. A line longer
+/// than the buffer goes out in several runs, which the host joins byte for byte.
+struct Line {
+    uart: Uart16550,
+    buf: [u8; 256],
+    len: usize,
+}
+
+impl Line {
+    fn flush(&mut self) {
+        let text = self.buf.get(..self.len).unwrap_or_default();
+        // The bytes, then the delimiter that ends them (what `write_str` does in
+        // `Delimit::Text`; raw bytes because a buffer boundary may cut a character).
+        if !text.is_empty() {
+            self.uart.write_bytes(text);
+            self.uart.write_byte(0);
+        }
+        self.len = 0;
+    }
+}
+
+impl core::fmt::Write for Line {
+    fn write_str(&mut self, s: &str) -> core::fmt::Result {
+        for &b in s.as_bytes() {
+            if self.len == self.buf.len() {
+                self.flush();
+            }
+            if let Some(slot) = self.buf.get_mut(self.len) {
+                *slot = b;
+                self.len += 1;
+            }
+        }
+        Ok(())
     }
 }
 

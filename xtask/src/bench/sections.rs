@@ -389,6 +389,14 @@ pub(super) fn recorder(plan: &Plan, work: &Path) -> Result<Section> {
             "recorder/flight_record_8B_payload",
         ),
         (
+            "the ring alone, stop-when-full (no payload, a constant clock)",
+            "recorder/record_no_payload_fixed_clock",
+        ),
+        (
+            "the ring alone, flight recorder (no payload, a constant clock)",
+            "recorder/flight_record_no_payload_fixed_clock",
+        ),
+        (
             "record (8 B) then pop (producer + consumer)",
             "recorder/record_8B_payload_then_pop",
         ),

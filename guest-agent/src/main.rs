@@ -62,12 +62,12 @@ use core::cell::UnsafeCell;
 use core::fmt::Write as _;
 use vmtsync_agent::clock::GuestClock;
 use vmtsync_agent::console::ConsoleLines;
-use vmtsync_agent::events::{AgentEvents, FramePerPoll, MessageEvents, Workload};
+use vmtsync_agent::events::{AgentEvents, BootRing, FramePerPoll, MessageEvents, Workload};
 use vmtsync_agent::options::{MAX_VCPUS, Options, TxOrder, Wire};
 use vmtsync_agent::tsc::SkewedTsc;
 use vmtsync_agent::{port, pvh};
 use vmtsync_core::agent::{Agent, AgentClock as _, AgentState};
-use vmtsync_core::recorder::{Recorder, Ring};
+use vmtsync_core::recorder::Recorder;
 
 use vmtsync_core::arch::cpuid::kvm_info;
 use vmtsync_core::arch::uart16550::{Delimit, Uart16550};
@@ -84,12 +84,13 @@ macro_rules! log {
 // After `log!`, which it uses.
 mod serve_vsock;
 
-/// Capacity of the agent's event ring, in records (32 bytes each: 128 KiB of .bss).
+/// Capacity of the agent's event ring, in records (32 bytes each: 128 KiB of .bss per mode;
+/// `flight=` picks the stop-when-full ring or the flight recorder at boot).
 const EVENT_RING: usize = 4096;
 
 /// The boot vCPU's event ring: the protocol loop is its consumer, the loop's event sources
 /// (`events=`, `workload=`) its producer, all on the boot vCPU.
-static EVENTS: Ring<EVENT_RING> = Ring::new();
+static EVENTS: BootRing<EVENT_RING> = BootRing::new();
 
 /// Capacity of each application processor's event ring, in records (8 KiB each of .bss:
 /// an AP records one event per probe it answers, and .bss is zeroed in emulated ring 0).
@@ -100,9 +101,9 @@ const AP_EVENT_RING: usize = 256;
 static AP_EVENTS: Recorder<MAX_VCPUS, AP_EVENT_RING> = Recorder::new();
 
 /// Every event ring, as the agent drains them.
-const fn agent_events() -> AgentEvents<'static, EVENT_RING, MAX_VCPUS, AP_EVENT_RING> {
+fn agent_events() -> AgentEvents<'static, EVENT_RING, MAX_VCPUS, AP_EVENT_RING> {
     AgentEvents {
-        bsp: &EVENTS,
+        bsp: EVENTS.ring(),
         aps: &AP_EVENTS,
     }
 }
@@ -294,6 +295,8 @@ pub extern "C" fn kmain(start_info_phys: u64) -> ! {
         ),
     );
 
+    EVENTS.choose(opts.flight);
+
     let cpuid = NativeCpuid;
     // Never RDTSCP here: it kills the VM on the project's nested KVM (see docs/host-quirks.md).
     // The vCPU is the initial APIC id (CPUID.1:EBX[31:24]), the id KVM names `vcpuN` after.
@@ -402,9 +405,9 @@ fn serve_postcard(ctx: &Ctx) -> ! {
     let mut lines = ConsoleLines::new(opts.console);
     loop {
         let polled = agent.poll().map(|p| p.state);
-        events.after_poll(&agent, &EVENTS, &tsc);
+        events.after_poll(&agent, EVENTS.ring(), &tsc);
         if let Some(w) = &mut load {
-            w.tick(&EVENTS, &tsc, &ports);
+            w.tick(EVENTS.ring(), &tsc, &ports);
         }
         agent.link_mut().rearm();
         let s = agent.stats();
@@ -429,7 +432,7 @@ fn serve_postcard(ctx: &Ctx) -> ! {
                     events.recorded(),
                     load.map_or(0, |w| w.emitted()),
                     s.events_out,
-                    EVENTS.dropped(),
+                    EVENTS.ring().dropped(),
                     opts.exit_code
                 );
                 console(

@@ -1,0 +1,135 @@
+//! A minimal kernel that is not `vmtsync-agent`: the complete example of docs/embedding.md.
+//!
+//! It boots through its own PVH entry ([`boot`]), prints a boot log on its console (COM1),
+//! and runs a tiny application that handles [`REQUESTS`] "requests", recording a
+//! [`REQUEST_START`] and a [`REQUEST_DONE`] event around each (payload: the request's sequence
+//! number, `u64` LE) with a port write to [`DOORBELL`] between the two, so the host's
+//! `kvm:kvm_pio` exits of that port fall between each pair. Everything between the
+//! `vmtsync-glue: begin` / `end` markers is what embedding vmtsync costs; the line count is
+//! checked by the `vmtsync-tests` test `minimal_kernel::glue_is_at_most_30_lines`.
+//!
+//! The host (`vmtsync record --connect unix:COM1 --shutdown`) syncs the clocks and drains the
+//! events over COM1; on its shutdown the kernel ends the VM through isa-debug-exit with 0.
+
+#![no_std]
+#![no_main]
+
+mod boot;
+mod io;
+
+use core::fmt::Write as _;
+
+use vmtsync_core::arch::Tsc as _;
+use vmtsync_core::arch::x86_64::NativeTsc;
+
+/// How many requests the application handles (two events each).
+pub const REQUESTS: u64 = 1000;
+/// The application's event id recorded when a request starts.
+pub const REQUEST_START: u16 = 0x51;
+/// The application's event id recorded when a request is done.
+pub const REQUEST_DONE: u16 = 0x52;
+/// An I/O port nothing in the VM decodes: the application "rings" it in every request, so
+/// each request has a VM exit the host can see between its two events.
+pub const DOORBELL: u16 = 0x2402;
+/// TSC ticks between two requests (about a millisecond at 2-3 GHz): the requests run while
+/// the host records, not only before it attaches.
+const REQUEST_PERIOD: u64 = 1 << 21;
+
+/// The application: one request whenever its period has passed, until [`REQUESTS`] are done.
+struct App {
+    tsc: NativeTsc,
+    next: u64,
+    done: u64,
+}
+
+impl App {
+    fn step(&mut self) {
+        if self.done == REQUESTS || self.tsc.read_ordered() < self.next {
+            return;
+        }
+        let seq = self.done.to_le_bytes();
+        // vmtsync-glue: begin (the application's two tracepoints)
+        let _ = RECORDER.record(0, &self.tsc, REQUEST_START, &seq);
+        // vmtsync-glue: end
+        io::outb(DOORBELL, seq[0]);
+        let work: u64 = (0..64).map(|i| i * self.done).sum();
+        core::hint::black_box(work);
+        // vmtsync-glue: begin
+        let _ = RECORDER.record(0, &self.tsc, REQUEST_DONE, &seq);
+        // vmtsync-glue: end
+        self.done += 1;
+        self.next += REQUEST_PERIOD;
+    }
+}
+
+// vmtsync-glue: begin (the statics, the Link and the clock)
+use vmtsync_core::agent::{Agent, AgentClock, AgentState, Link, LinkError};
+use vmtsync_core::recorder::Recorder;
+
+/// One ring of 4096 records (32 bytes each) for the one vCPU.
+static RECORDER: Recorder<1, 4096> = Recorder::new();
+
+struct Com1;
+impl Link for Com1 {
+    fn send(&mut self, frame: &[u8]) -> Result<(), LinkError> {
+        frame.iter().for_each(|&b| io::com1_putc_then_wait(b));
+        Ok(())
+    }
+    fn recv(&mut self, buf: &mut [u8]) -> Result<usize, LinkError> {
+        Ok(buf
+            .iter_mut()
+            .map_while(|s| io::com1_getc().map(|b| *s = b))
+            .count())
+    }
+    fn transport(&self) -> vmtsync_core::proto::Transport {
+        vmtsync_core::proto::Transport::Uart16550
+    }
+}
+
+struct Clock(NativeTsc);
+impl AgentClock for Clock {
+    fn read_tsc(&mut self) -> vmtsync_core::GuestTicks {
+        vmtsync_core::GuestTicks(self.0.read_ordered())
+    }
+    fn vcpu_id(&self) -> u32 {
+        0
+    }
+}
+// vmtsync-glue: end
+
+/// The kernel's main, entered by [`boot`] in long mode with the start-info address.
+#[unsafe(no_mangle)]
+extern "C" fn kmain(start_info: u64) -> ! {
+    io::com1_init();
+    let mut con = io::Console;
+    let tsc = NativeTsc::lfence_rdtsc();
+    let _ = writeln!(
+        con,
+        "minimal-kernel: long mode, start_info at {start_info:#x}"
+    );
+    let _ = writeln!(
+        con,
+        "minimal-kernel: {REQUESTS} requests, events {REQUEST_START:#x}/{REQUEST_DONE:#x}, \
+         doorbell port {DOORBELL:#x}"
+    );
+    let mut app = App {
+        tsc,
+        next: tsc.read_ordered(),
+        done: 0,
+    };
+    // vmtsync-glue: begin (the poll loop)
+    let mut agent = Agent::with_events(Com1, Clock(tsc), &RECORDER);
+    loop {
+        app.step();
+        if agent.poll() == Ok(AgentState::Exited) {
+            io::exit(0);
+        }
+    }
+    // vmtsync-glue: end
+}
+
+#[panic_handler]
+fn panic(info: &core::panic::PanicInfo<'_>) -> ! {
+    let _ = writeln!(io::Console, "minimal-kernel: {info}");
+    io::exit(0x31)
+}

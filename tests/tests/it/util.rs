@@ -188,9 +188,19 @@ pub(crate) fn boot_qemu(dir: &Path, append: &str) -> (ChildGuard, PathBuf) {
 /// [`boot_qemu`] with `extra` QEMU arguments appended (such as `-name N,debug-threads=on`).
 pub(crate) fn boot_qemu_with(dir: &Path, append: &str, extra: &[&str]) -> (ChildGuard, PathBuf) {
     let elf = agent_elf().expect("agent builds");
+    boot_elf(&elf, dir, append, extra)
+}
+
+/// [`boot_qemu_with`] for any guest ELF (the minimal kernel: `vmtsync_launch::agent::Guest`).
+pub(crate) fn boot_elf(
+    elf: &Path,
+    dir: &Path,
+    append: &str,
+    extra: &[&str],
+) -> (ChildGuard, PathBuf) {
     let sock = dir.join("com1.sock");
     let com2 = dir.join("com2.log");
-    let child = qemu::command_com1_socket(Machine::Microvm, &elf, append, &com2, &sock)
+    let child = qemu::command_com1_socket(Machine::Microvm, elf, append, &com2, &sock)
         .args(extra)
         .stdin(Stdio::null())
         .stdout(Stdio::null())
@@ -222,6 +232,16 @@ impl QemuAgent {
     /// Boots the agent with `append` as its command line ([`boot_qemu`]).
     pub(crate) fn boot(dir: &Path, append: &str) -> Self {
         let (guard, sock) = boot_qemu(dir, append);
+        Self::booted(guard, &sock)
+    }
+
+    /// Boots any guest ELF `elf` ([`boot_elf`]) for `vmtsync record` sessions.
+    pub(crate) fn boot_elf(elf: &Path, dir: &Path) -> Self {
+        let (guard, sock) = boot_elf(elf, dir, "", &[]);
+        Self::booted(guard, &sock)
+    }
+
+    fn booted(guard: ChildGuard, sock: &Path) -> Self {
         Self {
             guard,
             addr: format!("unix:{}", sock.display()),

@@ -18,7 +18,7 @@ use vmtsync_tests::truth::{GuestTruth, truth_mapping};
 use vmtsync_tests::vmm::qemu::debug_exit_status;
 
 use crate::tracedat::{assert_dump_ok, report};
-use crate::util::{QemuAgent, qemu_ready, scratch, text};
+use crate::util::{QemuAgent, anchor_ready, have_trace_cmd, scratch, text};
 
 /// The most glue lines the embedding may take (issue 17).
 const GLUE_LIMIT: usize = 30;
@@ -121,8 +121,8 @@ fn events(dat: &Path, how: &str) -> Vec<(u64, u64, u64)> {
         .collect()
 }
 
-/// Tier 2: the minimal kernel under QEMU microvm/KVM, recorded by `vmtsync record` into a
-/// trace.dat until it has all of its 2,000 events; a second recording finds no more and shuts
+/// Tier 2: the minimal kernel under QEMU microvm/KVM, recorded by `vmtsync record` (sync
+/// rounds exit-anchored on the VM's `kvm_pio` exits) into a trace.dat until it has all of its 2,000 events; a second recording finds no more and shuts
 /// it down. `trace-cmd dump -v`
 /// accepts the file; `trace-cmd report --raw-ts` shows every event the kernel recorded
 /// exactly once (a start and a done per request, in order); `trace-cmd report -t` puts each
@@ -131,7 +131,7 @@ fn events(dat: &Path, how: &str) -> Vec<(u64, u64, u64)> {
 #[test]
 fn minimal_kernel_events_land_in_trace_cmd_on_the_host_timeline() {
     let test = "minimal_kernel_events_land_in_trace_cmd_on_the_host_timeline";
-    if !qemu_ready(test) {
+    if !(anchor_ready(test) && have_trace_cmd(test)) {
         return;
     }
     let elf = guest_elf(Guest::MinimalKernel).expect("the minimal kernel builds");
@@ -139,7 +139,10 @@ fn minimal_kernel_events_land_in_trace_cmd_on_the_host_timeline() {
     let mut vm = QemuAgent::boot_elf(&elf, dir.path());
     let dat = dir.path().join("guest.dat");
     let n = 2 * REQUESTS;
-    let out = vm.record(&dat, n, 200, &[]);
+    // Sync rounds anchored on the VM's own port exits (`kvm:kvm_pio`), as a user with root
+    // records a VM they name: the kernel's Link writes each byte then waits for THRE.
+    let pid = vm.guard.pid().to_string();
+    let out = vm.record(&dat, n, 200, &["--anchor", "kvm-pio", "--vm", &pid]);
     let stderr = text(&out.stderr);
     assert_eq!(out.status.code(), Some(0), "{stderr}");
     // The truth is read while the VM runs (after its vCPU has run, so QEMU's set-up of the

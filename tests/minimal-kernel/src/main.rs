@@ -3,10 +3,10 @@
 //! It boots through its own PVH entry ([`boot`]), prints a boot log on its console (COM1),
 //! and runs a tiny application that handles [`REQUESTS`] "requests", recording a
 //! [`REQUEST_START`] and a [`REQUEST_DONE`] event around each (payload: the request's sequence
-//! number, `u64` LE) with a port write to [`DOORBELL`] between the two, so the host's
-//! `kvm:kvm_pio` exits of that port fall between each pair. Everything between the
-//! `vmtsync-glue: begin` / `end` markers is what embedding vmtsync costs; the line count is
-//! checked by the `vmtsync-tests` test `minimal_kernel::glue_is_at_most_30_lines`.
+//! number, `u64` LE), with a write to port [`DOORBELL`] after the start and a read from it
+//! before the done, so the host's `kvm:kvm_pio` exits of that port fall between each pair.
+//! Everything between the `vmtsync-glue: begin` / `end` markers is what embedding vmtsync
+//! costs; the `vmtsync-tests` test `minimal_kernel_glue_is_at_most_30_lines` counts it.
 //!
 //! The host (`vmtsync record --connect unix:COM1 --shutdown`) syncs the clocks and drains the
 //! events over COM1; on its shutdown the kernel ends the VM through isa-debug-exit with 0.
@@ -28,8 +28,9 @@ pub const REQUESTS: u64 = 1000;
 pub const REQUEST_START: u16 = 0x51;
 /// The application's event id recorded when a request is done.
 pub const REQUEST_DONE: u16 = 0x52;
-/// An I/O port nothing in the VM decodes: the application "rings" it in every request, so
-/// each request has a VM exit the host can see between its two events.
+/// An I/O port nothing in the VM decodes: the application writes it after each request's
+/// start and reads it before its done, so each request has two VM exits the host can see
+/// between its two events.
 pub const DOORBELL: u16 = 0x2402;
 /// TSC ticks between two requests (about a millisecond at 2-3 GHz): the requests run while
 /// the host records, not only before it attaches.
@@ -54,6 +55,7 @@ impl App {
         io::outb(DOORBELL, seq[0]);
         let work: u64 = (0..64).map(|i| i * self.done).sum();
         core::hint::black_box(work);
+        let _ = io::inb(DOORBELL);
         // vmtsync-glue: begin
         let _ = RECORDER.record(0, &self.tsc, REQUEST_DONE, &seq);
         // vmtsync-glue: end

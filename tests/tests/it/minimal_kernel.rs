@@ -136,7 +136,7 @@ fn minimal_kernel_events_land_in_trace_cmd_on_the_host_timeline() {
     }
     let elf = guest_elf(Guest::MinimalKernel).expect("the minimal kernel builds");
     let dir = scratch("minimal-kernel");
-    let mut vm = QemuAgent::boot_elf(&elf, dir.path());
+    let mut vm = QemuAgent::boot_elf(&elf, dir.path(), false);
     let dat = dir.path().join("guest.dat");
     let n = 2 * REQUESTS;
     // Sync rounds anchored on the VM's own port exits (`kvm:kvm_pio`), as a user with root

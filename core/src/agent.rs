@@ -30,7 +30,7 @@ use crate::proto::{
     FrameReceiver, MAX_FRAME_SIZE, Message, PROTOCOL_VERSION, ProbeReplyFrame, PvclockReport,
     Transport, encode_frame,
 };
-use crate::recorder::{EventSources, MAX_EVENT_SOURCES, NoEvents};
+use crate::recorder::{EventSources, MAX_EVENT_SOURCES, NoEvents, ReadError};
 use crate::units::{GuestTicks, HostTicks};
 
 #[cfg(any(test, feature = "sim"))]
@@ -195,8 +195,10 @@ pub struct Agent<L, C, E = NoEvents> {
     state: AgentState,
     mapping: Option<KvmTscMapping>,
     events: E,
-    /// Records sent per event queue (the next batch's `first` index of that queue).
-    sent_per_queue: [u64; MAX_EVENT_SOURCES],
+    /// Per event queue, the end of the records ever handed to the link (one past the highest
+    /// index): a record below it that is overwritten before a successful send was sent at
+    /// least once, so its queue does not count it as overwritten (the host counts it lost).
+    sent_end: [u64; MAX_EVENT_SOURCES],
     stats: AgentStats,
 }
 
@@ -229,7 +231,7 @@ impl<L: Link, C: AgentClock, E: EventSources> Agent<L, C, E> {
             state: AgentState::AwaitHello,
             mapping: None,
             events,
-            sent_per_queue: [0; MAX_EVENT_SOURCES],
+            sent_end: [0; MAX_EVENT_SOURCES],
             stats: AgentStats {
                 messages_in: 0,
                 frames_out: 0,
@@ -459,31 +461,37 @@ impl<L: Link, C: AgentClock, E: EventSources> Agent<L, C, E> {
     }
 
     /// Sends up to `max` waiting events in batches of at most [`EVENT_BATCH_MAX`], queue by
-    /// queue (each batch names its queue's vCPU and counts `first` in that queue), the last
-    /// batch of the answer flagged; one empty batch when none is waiting. Timestamps are in
-    /// the host clock when the pushed mapping converts them, which it does only for this
-    /// vCPU's own records (the mapping is this vCPU's; another vCPU's TSC is its own clock).
-    /// A batch holds one clock: a record whose clock differs from the batch's starts the next
-    /// batch. The batches go to the link one after another (a buffering link coalesces them)
-    /// and records leave their queues only once the link has flushed the last one: a failed
-    /// send or flush ends the answer and keeps every record, so the next drain sends them
-    /// again under the same `first` indices (the host skips what it already has).
+    /// queue (each batch names its queue's vCPU and the index of its first record in that
+    /// queue), the last batch of the answer flagged; one empty batch when none is waiting.
+    /// Timestamps are in the host clock when the pushed mapping converts them, which it does
+    /// only for this vCPU's own records (the mapping is this vCPU's; another vCPU's TSC is its
+    /// own clock). A batch holds one clock and consecutive indices: a record whose clock
+    /// differs from the batch's, or a record the producer overwrote, starts the next batch.
+    /// Overwritten records are skipped (and counted by their queue) only before a batch's
+    /// first record, so each batch's `dropped` counts exactly the records lost below its
+    /// `first`. The batches go to the link one after another (a buffering link coalesces
+    /// them) and records leave their queues only once the link has flushed the last one: a
+    /// failed send or flush ends the answer and keeps every record still stored, so the next
+    /// drain sends them again under the same indices (the host skips what it already has).
     fn send_events(&mut self, max: u32) -> Result<(), LinkError> {
         let own = self.clock.vcpu_id();
         let queues = self.events.queues().min(MAX_EVENT_SOURCES);
         let mut left = usize::try_from(max).unwrap_or(usize::MAX);
-        // Records handed to the link in this answer so far, per queue.
-        let mut queued = [0usize; MAX_EVENT_SOURCES];
+        // The next index to send per queue in this answer.
+        let mut next = [0u64; MAX_EVENT_SOURCES];
+        for (q, n) in next.iter_mut().enumerate().take(queues) {
+            *n = self.events.start_in(q);
+        }
         let total = waiting(&self.events);
         let mut sent_now = 0;
         let mut q = 0;
         loop {
             // The next queue with records this answer has not taken yet.
-            while q < queues && self.events.waiting_in(q) <= queued[q] {
+            while q < queues && next[q] >= self.events.end_in(q) {
                 q += 1;
             }
             let (mut batch, taken, from) = if q < queues && left > 0 {
-                let (b, taken) = self.fill_batch(q, queued[q], left.min(EVENT_BATCH_MAX), own);
+                let (b, taken) = self.fill_batch(q, &mut next[q], left.min(EVENT_BATCH_MAX), own);
                 (b, taken, q)
             } else {
                 // Nothing waiting: one empty batch of the agent's own vCPU's queue (the
@@ -495,9 +503,14 @@ impl<L: Link, C: AgentClock, E: EventSources> Agent<L, C, E> {
             };
             left -= taken;
             batch.vcpu = self.events.queue_vcpu(from).unwrap_or(own);
+            // Read after the batch is filled: it counts every record skipped below `first`,
+            // and none above (a skip happens only before a batch's first record).
             batch.dropped = self.events.dropped_in(from);
-            batch.first = self.sent_per_queue[from].wrapping_add(queued[from] as u64);
-            queued[from] += taken;
+            batch.overwrite = self.events.overwrites_in(from);
+            batch.first = next[from].wrapping_sub(taken as u64);
+            if taken > 0 {
+                self.sent_end[from] = self.sent_end[from].max(next[from]);
+            }
             // What is still waiting (records producers add meanwhile are counted next time).
             sent_now += taken;
             let waiting = total.saturating_sub(sent_now);
@@ -507,21 +520,21 @@ impl<L: Link, C: AgentClock, E: EventSources> Agent<L, C, E> {
             self.send(&Message::Events(batch))?;
             if last {
                 self.link.flush()?;
-                for (i, n) in queued.iter().enumerate().take(queues) {
-                    self.events.consume_in(i, *n);
-                    self.sent_per_queue[i] = self.sent_per_queue[i].wrapping_add(*n as u64);
-                    self.stats.events_out = self.stats.events_out.wrapping_add(*n as u64);
+                self.stats.events_out = self.stats.events_out.wrapping_add(sent_now as u64);
+                for (i, end) in next.iter().enumerate().take(queues) {
+                    self.events.release_in(i, *end);
                 }
                 return Ok(());
             }
         }
     }
 
-    /// One batch of at most `n` records of queue `q`, from its `skip`-th waiting one on;
-    /// returns it and how many records it took.
+    /// One batch of at most `n` consecutive records of queue `q`, from index `*at` on
+    /// (moved past records found overwritten before the first one, and past every record
+    /// taken); returns it and how many records it took.
     // Not inlined: one copy serves every agent a guest builds (its `.text` is budgeted).
     #[inline(never)]
-    fn fill_batch(&self, q: usize, skip: usize, n: usize, own: u32) -> (EventBatch, usize) {
+    fn fill_batch(&self, q: usize, at: &mut u64, n: usize, own: u32) -> (EventBatch, usize) {
         // The pushed mapping is this vCPU's: only its own queue's records may use it.
         let mapping = self
             .mapping
@@ -529,9 +542,18 @@ impl<L: Link, C: AgentClock, E: EventSources> Agent<L, C, E> {
         let mut batch: Option<EventBatch> = None;
         let mut prev = 0;
         let mut taken = 0;
+        // Skips allowed before the first record: each one moves forward, and a producer that
+        // laps the consumer this often only ends this batch early.
+        let mut skips = 4;
         while taken < n {
-            let Some(r) = self.events.get_in(q, skip + taken) else {
-                break;
+            let r = match self.events.read_in(q, *at) {
+                Ok(r) => r,
+                Err(ReadError::Overwritten) if taken == 0 && skips > 0 => {
+                    skips -= 1;
+                    *at = self.events.skip_in(q, *at, self.sent_end[q]);
+                    continue;
+                }
+                Err(_) => break,
             };
             let (clock, ts) = match mapping.and_then(|m| m.try_host_from_guest_ceil(r.tsc)) {
                 Some(h) => (EventClock::Host, h.0),
@@ -546,6 +568,7 @@ impl<L: Link, C: AgentClock, E: EventSources> Agent<L, C, E> {
             }
             prev = ts;
             taken += 1;
+            *at = at.wrapping_add(1);
         }
         (
             batch.unwrap_or_else(|| EventBatch::new(own, EventClock::Guest, 0)),

@@ -524,6 +524,93 @@ fn a_drain_is_flushed_once_and_consumed_only_after_the_flush() {
     assert_eq!(a.stats().events_out, 200);
 }
 
+fn flight_agent() -> Agent<FakeLink, FakeClock, &'static Ring<256>> {
+    let ring: &'static Ring<256> = std::boxed::Box::leak(std::boxed::Box::new(Ring::new_flight()));
+    Agent::with_events(FakeLink::new(), FakeClock::new(T0, 1, VCPU), ring)
+}
+
+/// A batch's (first, len, dropped, overwrite).
+type BatchHead = (u64, usize, u64, bool);
+
+/// The batches' heads and every record's payload index.
+fn flight_batches(got: &[Message]) -> (Vec<BatchHead>, Vec<u64>) {
+    let mut heads = Vec::new();
+    let mut seqs = Vec::new();
+    for m in got {
+        let Message::Events(b) = m else {
+            panic!("{m:?}")
+        };
+        heads.push((b.first, b.records.len(), b.dropped, b.overwrite));
+        for (i, r) in b.records.iter().enumerate() {
+            let seq = u64::from_le_bytes(r.payload.as_slice().try_into().unwrap());
+            // A record's index is its position in the ring's sequence: the payload says so.
+            assert_eq!(seq, b.first + i as u64);
+            seqs.push(seq);
+        }
+    }
+    (heads, seqs)
+}
+
+/// A flight ring recorded 10x its capacity before the host asked: the agent sends the newest
+/// 256 under their own indices, each batch counting the overwritten records below it.
+#[test]
+fn a_lapped_flight_ring_sends_the_newest_records_and_counts_the_rest() {
+    let mut a = flight_agent();
+    open(&mut a);
+    let tsc = FakeTsc::new(T0, 1);
+    for seq in 0..2560u64 {
+        a.events().record(&tsc, 1, &seq.to_le_bytes()).unwrap();
+    }
+    let got = exchange(&mut a, &Message::EventsRequest { max: 4096 });
+    let (heads, seqs) = flight_batches(&got);
+    assert_eq!(seqs, (2304..2560).collect::<Vec<_>>());
+    assert_eq!(
+        heads,
+        [
+            (2304, 64, 2304, true),
+            (2368, 64, 2304, true),
+            (2432, 64, 2304, true),
+            (2496, 64, 2304, true)
+        ]
+    );
+    assert_eq!((a.waiting_events(), a.events().overwritten()), (0, 2304));
+}
+
+/// An answer whose flush failed is sent again under the same indices, minus what the ring
+/// overwrote meanwhile: those records were handed to the link once, so the ring does not
+/// count them as overwritten (the host counts them lost in transit, from the gap); the
+/// records it overwrote before ever sending them it counts.
+#[test]
+fn a_failed_flight_answer_is_resent_and_what_was_overwritten_meanwhile_counted_once() {
+    let mut a = flight_agent();
+    open(&mut a);
+    let tsc = FakeTsc::new(T0, 1);
+    let mut seq = 0u64;
+    let mut record = |a: &TestAgent, n: u64| {
+        for _ in 0..n {
+            a.events().record(&tsc, 1, &seq.to_le_bytes()).unwrap();
+            seq += 1;
+        }
+    };
+    record(&a, 200);
+    a.link_mut().refuse_flushes = true;
+    assert!(
+        a.link_mut()
+            .push_message(&Message::EventsRequest { max: 128 })
+    );
+    assert_eq!(a.poll(), Err(AgentError::Link(LinkError::WouldBlock)));
+    let (heads, _) = flight_batches(&drain(&mut a));
+    assert_eq!(heads, [(0, 64, 0, true), (64, 64, 0, true)]);
+    a.link_mut().refuse_flushes = false;
+    // 300 more: records 0..244 are overwritten, of which 0..128 had been handed on.
+    record(&a, 300);
+    let got = exchange(&mut a, &Message::EventsRequest { max: 4096 });
+    let (heads, seqs) = flight_batches(&got);
+    assert_eq!(seqs, (244..500).collect::<Vec<_>>());
+    assert_eq!(heads[0], (244, 64, 244 - 128, true));
+    assert_eq!(a.events().overwritten(), 244 - 128);
+}
+
 #[test]
 fn pvclock_report_or_unsupported() {
     let mut a = agent(3);

@@ -651,10 +651,12 @@ mod tests {
 
     #[test]
     fn decode_rejects_too_many_events() {
-        // Events batch (vcpu 0, dropped 0, first 0, remaining 0, last, guest clock, base 0)
-        // announcing EVENT_BATCH_MAX + 1 records of (delta 0, header 2: id 1, no payload).
+        // Events batch (vcpu 0, dropped 0, no overwrite, first 0, remaining 0, last, guest
+        // clock, base 0) announcing EVENT_BATCH_MAX + 1 records of (delta 0, header 2: id 1,
+        // no payload).
         let mut bare = std::vec![
             0x0b,
+            0,
             0,
             0,
             0,
@@ -669,17 +671,17 @@ mod tests {
         }
         assert_eq!(decode(&body_of(&bare)), Err(DecodeError::InvalidValue));
         // The same batch with EVENT_BATCH_MAX records is valid: the count alone was refused.
-        bare[8] -= 1;
+        bare[9] -= 1;
         bare.truncate(bare.len() - 2);
         assert!(decode(&body_of(&bare)).is_ok());
     }
 
     #[test]
     fn decode_rejects_non_canonical_records() {
-        // A one-record batch (vcpu 0, dropped 0, first 0, remaining 0, last, guest clock,
-        // base 0) whose record (delta 0) ends in `tail`.
+        // A one-record batch (vcpu 0, dropped 0, no overwrite, first 0, remaining 0, last,
+        // guest clock, base 0) whose record (delta 0) ends in `tail`.
         let batch = |tail: &[u8]| {
-            let mut bare = std::vec![0x0b, 0, 0, 0, 0, 1, 0, 0, 1, 0];
+            let mut bare = std::vec![0x0b, 0, 0, 0, 0, 0, 1, 0, 0, 1, 0];
             bare.extend_from_slice(tail);
             body_of(&bare)
         };
@@ -727,8 +729,8 @@ mod tests {
     fn a_full_batch_of_payload_less_events_costs_under_4_bytes_each() {
         // 64 records 2600 ticks apart (a million events per second at 2.6 GHz) with ids
         // below 64, guest TSC near 2^45: 2 bytes of delta and 1 of header per record, and
-        // 21 bytes of tag, counters, base, count, CRC-32, COBS and delimiter per batch
-        // (213 B, counted by hand from the layout in `EventRecord`'s docs).
+        // 22 bytes of tag, counters, flags, base, count, CRC-32, COBS and delimiter per batch
+        // (214 B, counted by hand from the layout in `EventRecord`'s docs).
         let base = (1u64 << 45) + 12_345;
         let mut b = crate::proto::EventBatch::new(1, crate::proto::EventClock::Guest, base);
         let mut prev = base;
@@ -737,7 +739,7 @@ mod tests {
             prev += 2600;
         }
         let frame = frame_of(&Message::Events(b)).len();
-        assert_eq!(frame, 213);
+        assert_eq!(frame, 214);
         assert!(frame <= 4 * crate::proto::EVENT_BATCH_MAX);
     }
 

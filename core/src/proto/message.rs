@@ -22,8 +22,9 @@ use crate::units::GuestTicks;
 /// Bump it whenever any encoding below (or the framing) changes; peers with different versions
 /// stop after the hello exchange. Version 2 added the frame checksum and one-byte sequence
 /// numbers; version 3 the compact [`EventRecord`] (no payload length byte for an event
-/// without a payload).
-pub const PROTOCOL_VERSION: u16 = 3;
+/// without a payload); version 4 [`EventBatch::overwrite`] (flight-recorder rings, whose
+/// `first` indices skip the records they overwrote).
+pub const PROTOCOL_VERSION: u16 = 4;
 
 /// The most event records one [`EventBatch`] carries.
 ///
@@ -333,11 +334,17 @@ pub enum EventClock {
 pub struct EventBatch {
     /// The vCPU whose ring these events come from.
     pub vcpu: u32,
-    /// Events that vCPU's ring refused so far because it was full (cumulative).
+    /// Events that vCPU's ring lost in the guest so far (cumulative): with `overwrite`
+    /// clear, events it refused because it was full (they have no index); with `overwrite`
+    /// set, records it overwrote before the agent sent them, every one with an index below
+    /// `first`.
     pub dropped: u64,
-    /// The index of the first record among all the agent has sent from this vCPU's ring (the
-    /// records of that ring it sent before this batch): the host sees a gap, a batch it never
-    /// got, or a replay, exactly, per vCPU.
+    /// The ring overwrites its oldest records (a flight recorder), so a gap in `first` is
+    /// records it overwrote (the growth of `dropped`) plus records lost in transit. Clear: a
+    /// stop-when-full ring, whose every stored record is sent, so a gap is only transit loss.
+    pub overwrite: bool,
+    /// The index of the first record in this vCPU's ring (how many records the ring stored
+    /// before it): the host sees a gap, a batch it never got, or a replay, exactly, per vCPU.
     pub first: u64,
     /// Records still queued after this batch (every vCPU's).
     pub remaining: u32,
@@ -358,6 +365,7 @@ impl EventBatch {
         Self {
             vcpu,
             dropped: 0,
+            overwrite: false,
             first: 0,
             remaining: 0,
             last: false,

@@ -1,0 +1,285 @@
+// Test data is built from small loop indices: truncation is intended.
+#![allow(clippy::cast_possible_truncation)]
+
+extern crate std;
+use core::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::vec::Vec;
+
+use super::*;
+use crate::arch::{FakeTsc, Tsc};
+use proptest::prelude::*;
+
+#[test]
+fn a_full_ring_counts_every_refused_event_exactly() {
+    let ring = Ring::<4>::new();
+    let tsc = FakeTsc::new(100, 1);
+    for i in 0..4 {
+        ring.record(&tsc, i, &[]).unwrap();
+    }
+    for _ in 0..10 {
+        assert_eq!(ring.record(&tsc, 9, &[1]), Err(RecordError::Full));
+    }
+    assert_eq!((ring.len(), ring.refused(), ring.dropped()), (4, 10, 10));
+    let ids: Vec<u16> = core::iter::from_fn(|| ring.pop()).map(|r| r.id).collect();
+    assert_eq!(ids, [0, 1, 2, 3]);
+    // Freed slots are reused; refused events get no index.
+    ring.record(&tsc, 5, &[]).unwrap();
+    assert_eq!(ring.end(), 5);
+    assert_eq!(ring.pop().map(|r| r.id), Some(5));
+}
+
+#[test]
+fn payloads_round_trip_and_overlong_ones_are_refused_uncounted() {
+    let ring = Ring::<2>::new();
+    let tsc = FakeTsc::new(7, 3);
+    let p: [u8; 16] = core::array::from_fn(|i| i as u8 + 1);
+    ring.record(&tsc, 0xbeef, &p).unwrap();
+    assert_eq!(
+        ring.record(&tsc, 1, &[0; 17]),
+        Err(RecordError::PayloadTooLong)
+    );
+    assert_eq!(ring.dropped(), 0);
+    let r = ring.pop().unwrap();
+    assert_eq!((r.id, r.payload(), r.tsc.0 > 0), (0xbeef, &p[..], true));
+    assert_eq!(ring.pop(), None);
+}
+
+#[test]
+fn the_recorder_names_its_vcpus() {
+    static R: Recorder<2, 8> = Recorder::new();
+    let tsc = FakeTsc::new(1, 1);
+    assert_eq!(R.record(2, &tsc, 1, &[]), Err(RecordError::NoSuchVcpu));
+    R.record(1, &tsc, 1, &[]).unwrap();
+    assert_eq!((R.rings()[0].len(), R.rings()[1].len()), (0, 1));
+}
+
+#[test]
+fn a_ring_hands_out_one_producer_at_a_time() {
+    static R: Recorder<2, 8> = Recorder::new_flight();
+    let tsc = FakeTsc::new(1, 1);
+    let p = R.producer(1).expect("ring 1's producer");
+    assert!(R.producer(1).is_none(), "a second producer of ring 1");
+    assert!(R.producer(2).is_none(), "no ring 2");
+    p.record(&tsc, 3, &[1]).unwrap();
+    assert_eq!(p.ring().len(), 1);
+    drop(p);
+    // Given back: a later producer of the same ring continues its sequence.
+    let p = R.producer(1).expect("claimable again");
+    p.record(&tsc, 4, &[]).unwrap();
+    assert_eq!(
+        (R.rings()[1].end(), R.rings()[1].mode()),
+        (2, Mode::Overwrite)
+    );
+    assert!(R.producer(0).is_some());
+}
+
+#[test]
+fn reads_by_index_leave_records_until_released() {
+    let ring = Ring::<2>::new();
+    let tsc = FakeTsc::new(1, 1);
+    ring.record(&tsc, 3, &[]).unwrap();
+    assert_eq!(ring.read(0).map(|r| r.id), Ok(3));
+    assert_eq!(ring.read(1), Err(ReadError::NotYet));
+    assert_eq!(ring.len(), 1);
+    ring.release(1);
+    assert!(ring.is_empty());
+    // Releasing beyond what is stored stops at the end.
+    ring.release(9);
+    assert_eq!(ring.start(), 1);
+}
+
+#[test]
+fn a_flight_ring_keeps_the_newest_and_counts_the_overwritten_once() {
+    let ring = Ring::<4>::new_flight();
+    let tsc = FakeTsc::new(0, 1);
+    for i in 0..10u8 {
+        ring.record(&tsc, u16::from(i), &[i]).unwrap();
+    }
+    assert_eq!((ring.len(), ring.refused(), ring.overwritten()), (4, 0, 0));
+    assert_eq!(ring.read(5), Err(ReadError::Overwritten));
+    // The consumer had handed on records 0 and 1 (say, in a batch whose send then failed):
+    // skipping from 2 counts 2..6 as overwritten, not 0 and 1.
+    let next = ring.skip(2, 2);
+    assert_eq!((next, ring.overwritten(), ring.start()), (6, 4, 6));
+    let ids: Vec<u16> = core::iter::from_fn(|| ring.pop()).map(|r| r.id).collect();
+    assert_eq!(ids, [6, 7, 8, 9]);
+    assert_eq!(ring.overwritten(), 4);
+    // Popping across a lap counts the records in between, once.
+    for i in 10..20u8 {
+        ring.record(&tsc, u16::from(i), &[i]).unwrap();
+    }
+    assert_eq!(ring.pop().map(|r| r.id), Some(16));
+    assert_eq!(ring.overwritten(), 4 + 6);
+}
+
+proptest! {
+    /// Against a model queue: any interleaving of records and pops keeps order, loses
+    /// nothing that was not counted as refused, and never exceeds the capacity.
+    #[test]
+    fn matches_a_model_queue(ops in proptest::collection::vec(any::<(bool, u16, u8)>(), 0..400)) {
+        let ring = Ring::<8>::new();
+        let tsc = FakeTsc::new(10, 5);
+        let mut model = std::collections::VecDeque::new();
+        let mut refused = 0u64;
+        for (push, id, len) in ops {
+            if push {
+                let len = usize::from(len % 17);
+                let payload: Vec<u8> = (0..len).map(|i| id as u8 ^ i as u8).collect();
+                match ring.record(&tsc, id, &payload) {
+                    Ok(()) => model.push_back((id, payload)),
+                    Err(RecordError::Full) => {
+                        prop_assert_eq!(model.len(), 8);
+                        refused += 1;
+                    }
+                    Err(e) => prop_assert!(false, "{:?}", e),
+                }
+            } else {
+                let got = ring.pop().map(|r| (r.id, r.payload().to_vec()));
+                prop_assert_eq!(got, model.pop_front());
+            }
+            prop_assert_eq!(ring.len(), model.len());
+            prop_assert_eq!(ring.dropped(), refused);
+        }
+    }
+
+    /// A flight ring against a model that evicts its oldest entry when full: every pop gives
+    /// the model's oldest, and by then every eviction before it is counted, exactly once.
+    #[test]
+    fn a_flight_ring_matches_an_evicting_model(ops in proptest::collection::vec(0u8..4, 0..600)) {
+        let ring = Ring::<8>::new_flight();
+        let tsc = FakeTsc::new(10, 5);
+        let mut model = std::collections::VecDeque::new();
+        let (mut next, mut evicted) = (0u64, 0u64);
+        for op in ops {
+            if op == 0 {
+                prop_assert_eq!(ring.pop().map(|r| r.tsc.0), model.pop_front());
+                prop_assert_eq!(ring.overwritten(), evicted);
+            } else {
+                let t = tsc.read_ordered();
+                tsc.advance(0);
+                let _ = t;
+                ring.record(&tsc, next as u16, &next.to_le_bytes()).unwrap();
+                // The fake TSC stepped once inside `record`: that read is the stamp.
+                model.push_back(t + 5);
+                if model.len() > 8 {
+                    model.pop_front();
+                    evicted += 1;
+                }
+                next += 1;
+            }
+            prop_assert_eq!(ring.len(), model.len());
+        }
+    }
+}
+
+/// A record whose every word derives from its index, so a torn one shows.
+fn check_intact(r: &Record) -> u64 {
+    let seq = r.tsc.0;
+    let lo = u64::from_le_bytes(r.data[..8].try_into().unwrap());
+    let hi = u64::from_le_bytes(r.data[8..].try_into().unwrap());
+    assert_eq!(
+        (r.id, r.len, lo, hi),
+        (
+            seq as u16,
+            16,
+            seq,
+            !seq.wrapping_mul(0x9e37_79b9_7f4a_7c15)
+        ),
+        "torn record"
+    );
+    seq
+}
+
+/// The producer's clock in the stress tests: the record's index, as the TSC.
+struct Counter(AtomicU64);
+impl Tsc for Counter {
+    fn read_ordered(&self) -> u64 {
+        self.0.fetch_add(1, Ordering::Relaxed)
+    }
+}
+
+fn produce<const CAP: usize>(ring: &Ring<CAP>, n: u64, done: &AtomicBool) -> u64 {
+    let tsc = Counter(AtomicU64::new(0));
+    let p = ring.producer().expect("the test's one producer");
+    let mut stored = 0;
+    for seq in 0..n {
+        let mut payload = [0u8; 16];
+        payload[..8].copy_from_slice(&seq.to_le_bytes());
+        payload[8..].copy_from_slice(&(!seq.wrapping_mul(0x9e37_79b9_7f4a_7c15)).to_le_bytes());
+        // The counter must match `seq`: a refused event still read the clock.
+        if p.record(&tsc, seq as u16, &payload).is_ok() {
+            stored += 1;
+        } else {
+            tsc.0.store(seq + 1, Ordering::Relaxed);
+        }
+    }
+    done.store(true, Ordering::Release);
+    stored
+}
+
+/// A producer thread laps a consumer thread in a flight ring many times: every record the
+/// consumer gets is intact (each word derived from its index) and in order, and
+/// popped + overwritten = produced, exactly.
+#[test]
+fn a_lapping_producer_never_hands_the_consumer_a_torn_record() {
+    static RING: Ring<64> = Ring::new_flight();
+    static DONE: AtomicBool = AtomicBool::new(false);
+    const N: u64 = 1_000_000;
+    let consumer = std::thread::spawn(|| {
+        let (mut popped, mut last) = (0u64, None);
+        loop {
+            let finished = DONE.load(Ordering::Acquire);
+            match RING.pop() {
+                Some(r) => {
+                    let seq = check_intact(&r);
+                    assert!(last.is_none_or(|l| seq > l), "{seq} after {last:?}");
+                    last = Some(seq);
+                    popped += 1;
+                }
+                None if finished && RING.start() == RING.end() => return popped,
+                None => std::thread::yield_now(),
+            }
+        }
+    });
+    let stored = produce(&RING, N, &DONE);
+    let popped = consumer.join().unwrap();
+    assert_eq!(stored, N, "a flight ring is never full");
+    assert_eq!(popped + RING.overwritten(), N);
+    assert!(
+        RING.overwritten() > 0,
+        "the producer never lapped the consumer"
+    );
+}
+
+/// The same race through the agent's way of consuming (read a run of indices, then release
+/// or skip), stop-when-full: nothing is overwritten, popped + refused = produced.
+#[test]
+fn a_stop_when_full_ring_under_the_same_race_only_refuses() {
+    static RING: Ring<64> = Ring::new();
+    static DONE: AtomicBool = AtomicBool::new(false);
+    const N: u64 = 500_000;
+    let consumer = std::thread::spawn(|| {
+        let mut got = 0u64;
+        loop {
+            let finished = DONE.load(Ordering::Acquire);
+            let start = RING.start();
+            let mut at = start;
+            while let Ok(r) = RING.read(at) {
+                check_intact(&r);
+                at += 1;
+            }
+            got += at - start;
+            RING.release(at);
+            if at == start {
+                if finished && RING.start() == RING.end() {
+                    return got;
+                }
+                std::thread::yield_now();
+            }
+        }
+    });
+    let stored = produce(&RING, N, &DONE);
+    let got = consumer.join().unwrap();
+    assert_eq!((got, RING.overwritten()), (stored, 0));
+    assert_eq!(got + RING.refused(), N);
+}

@@ -39,6 +39,9 @@ const REQUEST_PERIOD: u64 = 1 << 21;
 /// The application: one request whenever its period has passed, until [`REQUESTS`] are done.
 struct App {
     tsc: NativeTsc,
+    // vmtsync-glue: begin (the one producer handle of vCPU 0's ring)
+    events: Producer<'static, 4096>,
+    // vmtsync-glue: end
     next: u64,
     done: u64,
 }
@@ -50,14 +53,14 @@ impl App {
         }
         let seq = self.done.to_le_bytes();
         // vmtsync-glue: begin (the application's two tracepoints)
-        let _ = RECORDER.record(0, &self.tsc, REQUEST_START, &seq);
+        let _ = self.events.record(&self.tsc, REQUEST_START, &seq);
         // vmtsync-glue: end
         io::outb(DOORBELL, seq[0]);
         let work: u64 = (0..64).map(|i| i * self.done).sum();
         core::hint::black_box(work);
         let _ = io::inb(DOORBELL);
         // vmtsync-glue: begin
-        let _ = RECORDER.record(0, &self.tsc, REQUEST_DONE, &seq);
+        let _ = self.events.record(&self.tsc, REQUEST_DONE, &seq);
         // vmtsync-glue: end
         self.done += 1;
         self.next += REQUEST_PERIOD;
@@ -66,7 +69,7 @@ impl App {
 
 // vmtsync-glue: begin (the statics, the Link and the clock)
 use vmtsync_core::agent::{Agent, AgentClock, AgentState, Link, LinkError};
-use vmtsync_core::recorder::Recorder;
+use vmtsync_core::recorder::{Producer, Recorder};
 
 /// One ring of 4096 records (32 bytes each) for the one vCPU.
 static RECORDER: Recorder<1, 4096> = Recorder::new();
@@ -114,8 +117,12 @@ extern "C" fn kmain(start_info: u64) -> ! {
         "minimal-kernel: {REQUESTS} requests, events {REQUEST_START:#x}/{REQUEST_DONE:#x}, \
          doorbell port {DOORBELL:#x}"
     );
+    // vmtsync-glue: begin (the application's producer handle)
+    let events = RECORDER.producer(0).expect("vCPU 0 has a ring");
+    // vmtsync-glue: end
     let mut app = App {
         tsc,
+        events,
         next: tsc.read_ordered(),
         done: 0,
     };

@@ -393,6 +393,88 @@ impl FrameReceiver {
             Err(error) => Feed::Error { error, rest },
         }
     }
+
+    /// [`FrameReceiver::feed`] for a link that carries console text between its frames (a
+    /// UART shared with a console, whose sender writes a `0x00` before each frame as well as
+    /// the frame's own trailing one). Every non-empty `0x00`-delimited run that does not
+    /// decode is text: its bytes go to `text` in order, and the run's end is a
+    /// [`Feed::Error`] with the decode error. A run too long for any frame is
+    /// [`DecodeError::FrameTooLong`] at its end; its bytes go to `text` as they arrive, so a
+    /// text run of any length costs no more than the frame buffer. Delimiters are not text.
+    ///
+    /// The run is decoded from a copy on the stack ([`MAX_FRAME_SIZE`] bytes), so its bytes
+    /// survive a failed decode; the decode itself is [`decode_frame`], as in `feed`. Use one
+    /// of `feed` and `feed_text` on a receiver, not both: after an overlong run `feed` drops
+    /// bytes where this streams them.
+    pub fn feed_text<'a>(&mut self, input: &'a [u8], text: &mut dyn FnMut(&[u8])) -> Feed<'a> {
+        let mut input = input;
+        loop {
+            let (bytes, rest) = match input.iter().position(|&b| b == 0) {
+                Some(i) => (
+                    input.get(..i).unwrap_or_default(),
+                    Some(input.get(i + 1..).unwrap_or_default()),
+                ),
+                None => (input, None),
+            };
+            if self.discarding {
+                // The run already outgrew every frame: text up to its delimiter.
+                if !bytes.is_empty() {
+                    text(bytes);
+                }
+            } else {
+                let end = self.len + bytes.len();
+                // The delimiter must fit too, as in `feed`.
+                let slot = if end < MAX_FRAME_SIZE {
+                    self.buf.get_mut(self.len..end)
+                } else {
+                    None
+                };
+                match slot {
+                    Some(slot) => {
+                        slot.copy_from_slice(bytes);
+                        self.len = end;
+                    }
+                    None => {
+                        text(self.buf.get(..self.len).unwrap_or_default());
+                        text(bytes);
+                        self.len = 0;
+                        self.discarding = true;
+                    }
+                }
+            }
+            let Some(rest) = rest else {
+                return Feed::Consumed;
+            };
+            if core::mem::take(&mut self.discarding) {
+                return Feed::Error {
+                    error: DecodeError::FrameTooLong,
+                    rest,
+                };
+            }
+            let len = core::mem::take(&mut self.len);
+            let Some(run) = self.buf.get(..len).filter(|r| !r.is_empty()) else {
+                // An empty run (the delimiter a sender writes before each frame, or two in a
+                // row): nothing to decode, nothing to print.
+                input = rest;
+                continue;
+            };
+            let mut scratch = [0u8; MAX_FRAME_SIZE];
+            let result = match scratch.get_mut(..len) {
+                Some(copy) => {
+                    copy.copy_from_slice(run);
+                    decode_frame(copy)
+                }
+                None => Err(DecodeError::FrameTooLong),
+            };
+            return match result {
+                Ok(msg) => Feed::Message { msg, rest },
+                Err(error) => {
+                    text(run);
+                    Feed::Error { error, rest }
+                }
+            };
+        }
+    }
 }
 
 /// postcard tag of [`Message::ProbeReply`] (pinned by the golden tests).
@@ -589,6 +671,73 @@ mod tests {
             }
         }
         out
+    }
+
+    /// Feeds `chunks` in order through [`FrameReceiver::feed_text`]: the messages and the
+    /// text, and how many runs ended as text.
+    fn feed_text_all(chunks: &[&[u8]]) -> (Vec<Message>, Vec<u8>, usize) {
+        let mut rx = FrameReceiver::new();
+        let (mut msgs, mut text, mut runs) = (Vec::new(), Vec::new(), 0);
+        for chunk in chunks {
+            let mut input: &[u8] = chunk;
+            loop {
+                match rx.feed_text(input, &mut |t| text.extend_from_slice(t)) {
+                    Feed::Consumed => break,
+                    Feed::Message { msg, rest } => {
+                        msgs.push(msg);
+                        input = rest;
+                    }
+                    Feed::Error { rest, .. } => {
+                        runs += 1;
+                        input = rest;
+                    }
+                }
+            }
+        }
+        (msgs, text, runs)
+    }
+
+    /// Cuts `stream` at the (sorted) points `cuts` picks.
+    fn chunked<'s>(stream: &'s [u8], cuts: &[prop::sample::Index]) -> Vec<&'s [u8]> {
+        let mut points: Vec<usize> = cuts.iter().map(|i| i.index(stream.len() + 1)).collect();
+        points.sort_unstable();
+        let mut chunks = Vec::new();
+        let mut start = 0;
+        for p in points {
+            chunks.push(&stream[start..p]);
+            start = p;
+        }
+        chunks.push(&stream[start..]);
+        chunks
+    }
+
+    #[test]
+    fn text_between_delimited_frames_comes_out_and_frames_still_decode() {
+        let probe = frame_of(&Message::Probe { seq: 7 });
+        let mut stream = b"boot: hello\r\n".to_vec();
+        stream.push(0);
+        stream.extend_from_slice(&probe);
+        stream.extend_from_slice(b"tick 1\n");
+        // A text run longer than any frame, then a frame right behind it.
+        let long: Vec<u8> = (0..3 * MAX_FRAME_SIZE)
+            .map(|i| b'a' + (i % 26) as u8)
+            .collect();
+        stream.extend_from_slice(&long);
+        stream.push(0);
+        stream.extend_from_slice(&probe);
+        for cuts in [1, 7, 256, stream.len()] {
+            let chunks: Vec<&[u8]> = stream.chunks(cuts).collect();
+            let (msgs, text, runs) = feed_text_all(&chunks);
+            assert_eq!(msgs, [Message::Probe { seq: 7 }, Message::Probe { seq: 7 }]);
+            let mut want = b"boot: hello\r\ntick 1\n".to_vec();
+            want.extend_from_slice(&long);
+            assert_eq!(text, want, "chunks of {cuts}");
+            assert_eq!(runs, 2);
+        }
+        // A plain receiver gets the same messages (the leading delimiter is an empty frame).
+        let mut rx = FrameReceiver::new();
+        let got = feed_all(&mut rx, &[&stream]);
+        assert_eq!(got.iter().filter(|r| r.is_ok()).count(), 2);
     }
 
     #[test]
@@ -944,6 +1093,55 @@ mod tests {
             let got = feed_all(&mut rx, &chunks);
             let want: Vec<Result<Message, DecodeError>> = msgs.into_iter().map(Ok).collect();
             prop_assert_eq!(got, want);
+        }
+
+        /// Console text (any bytes but NUL) and frames interleaved at random on one link, in
+        /// any chunking, with the shared-UART wire rule (a delimiter before every frame): every
+        /// frame decodes, in order, and the text comes out byte for byte; no text run is ever
+        /// taken for a frame.
+        #[test]
+        fn text_and_frames_interleaved_lose_nothing(
+            parts in pvec(prop_oneof![
+                arb_message().prop_map(Ok),
+                pvec(1u8..=255, 0..600).prop_map(Err),
+            ], 1..12),
+            cuts in pvec(any::<prop::sample::Index>(), 0..24),
+        ) {
+            let mut stream = Vec::new();
+            let (mut want_msgs, mut want_text) = (Vec::new(), Vec::new());
+            for p in &parts {
+                match p {
+                    Ok(m) => {
+                        stream.push(0);
+                        stream.extend_from_slice(&frame_of(m));
+                        want_msgs.push(m.clone());
+                    }
+                    Err(t) => {
+                        stream.extend_from_slice(t);
+                        want_text.extend_from_slice(t);
+                    }
+                }
+            }
+            // The next frame's leading delimiter ends the text after the last one.
+            stream.push(0);
+            let (msgs, text, _) = feed_text_all(&chunked(&stream, &cuts));
+            prop_assert_eq!(msgs, want_msgs);
+            prop_assert_eq!(text, want_text);
+        }
+
+        /// Whatever bytes arrive, `feed_text` never panics, never holds more than its buffer,
+        /// and hands out every byte that is neither a delimiter nor part of a message.
+        #[test]
+        fn feed_text_accounts_for_every_byte(
+            bytes in pvec(any::<u8>(), 0..3000),
+            cuts in pvec(any::<prop::sample::Index>(), 0..12),
+        ) {
+            let mut stream = bytes.clone();
+            stream.push(0);
+            let (msgs, text, _) = feed_text_all(&chunked(&stream, &cuts));
+            let zeros = stream.iter().filter(|&&b| b == 0).count();
+            let framed: usize = msgs.iter().map(|m| frame_of(m).len() - 1).sum();
+            prop_assert_eq!(text.len() + framed + zeros, stream.len());
         }
 
         /// The late-TSC encoder is byte-identical to encode_frame for any values.

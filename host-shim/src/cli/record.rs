@@ -82,6 +82,12 @@ pub struct RecordArgs {
     /// validate --probe-log` can check the sync against the probes' own kvm_pio exits.
     #[arg(long, value_name = "FILE")]
     pub probe_log: Option<PathBuf>,
+    /// Append the guest's console text to this file, byte for byte: the bytes it prints on
+    /// the UART between frames (a guest sharing one UART writes a 0x00 before each frame and
+    /// after it; every run that does not decode is text). Without it the text is counted
+    /// and dropped.
+    #[arg(long, value_name = "FILE")]
+    pub console: Option<PathBuf>,
     /// Debugfs and /proc (for --vm).
     #[command(flatten)]
     pub source: super::source::SourceArgs,
@@ -114,6 +120,7 @@ impl RecordArgs {
         probe.shutdown = self.shutdown;
         probe.progress = !self.no_progress;
         probe.probe_log = self.probe_log.clone();
+        probe.console = self.console.clone();
         probe.anchor = AnchorOptions {
             mode: self.anchor,
             vm: self.vm.clone(),

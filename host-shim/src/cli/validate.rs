@@ -9,34 +9,49 @@ use clap::Args;
 use super::exit::CliError;
 use crate::validate::check::SegmentWorst;
 use crate::validate::{
-    LagStats, Numbering, ProbeReport, ValidateOptions, ValidateReport, validate,
+    EventRule, LagStats, Numbering, ProbeReport, Side, ValidateOptions, ValidateReport, validate,
+    workload_rules,
 };
 
 /// `vmtsync validate` flags.
 #[derive(Debug, Args)]
 #[command(group = clap::ArgGroup::new("checked").required(true).multiple(true).args(["guest_trace", "probe_log"]))]
+#[command(group = clap::ArgGroup::new("rules").multiple(true).args(["port", "before", "after"]))]
 pub struct ValidateArgs {
     /// The sync file whose conversion is checked (`vmtsync probe --continuous --out`, or
-    /// `vmtsync record --sync-out`).
+    /// `vmtsync record --sync-out`). Without it, the conversion `vmtsync record --format
+    /// jsonl` wrote beside each event (host_tsc, host_lo, host_hi) is checked.
     #[arg(long, value_name = "SYNCFILE")]
-    pub sync: PathBuf,
+    pub sync: Option<PathBuf>,
     /// The host's trace.dat (`trace-cmd extract` of a tracefs instance with clock x86-tsc and
     /// `kvm:kvm_pio` enabled for the workload's port, and for the probes' ports with
     /// --probe-log, while they ran), compressed or not.
     #[arg(long, value_name = "HOST.dat")]
     pub host_trace: PathBuf,
-    /// The guest's recording from `vmtsync record`: its trace.dat (raw guest TSC) or its
-    /// JSON Lines (--format jsonl; any guest rate), holding the workload events recorded next
-    /// to port I/O (agent option workload=RATE,COUNT,PORT).
-    #[arg(long, value_name = "GUEST.dat|GUEST.jsonl", requires = "port")]
+    /// The guest's recording from `vmtsync record`: its trace.dat (raw guest TSC; needs
+    /// --sync) or its JSON Lines (--format jsonl; any guest rate), holding events recorded
+    /// next to port I/O, named by --before/--after (or --port for the bundled agent).
+    #[arg(long, value_name = "GUEST.dat|GUEST.jsonl", requires = "rules")]
     pub guest_trace: Option<PathBuf>,
-    /// The workload's port (decimal or 0x hex).
+    /// The bundled agent's workload port (agent option workload=RATE,COUNT,PORT): the same as
+    /// --before 0x100:PORT --after 0x101:PORT.
     #[arg(long, value_name = "PORT", value_parser = parse_port, requires = "guest_trace")]
     pub port: Option<u16>,
+    /// Event ID is recorded before the guest's next port I/O on PORT, an `out` of the low
+    /// byte of the step number the event carries (its payload's first bytes, little-endian;
+    /// without a payload, its order among the ID's events): its host time must not be after
+    /// that exit. Repeatable; ID and PORT decimal or 0x hex (docs/validate.md).
+    #[arg(long, value_name = "ID:PORT", value_parser = parse_before, requires = "guest_trace")]
+    pub before: Vec<EventRule>,
+    /// Event ID is recorded after the guest's previous port I/O on PORT: the `in` right
+    /// after its step's `out` when there is one, else that `out`: its host time must not be
+    /// before that exit. Repeatable, as --before.
+    #[arg(long, value_name = "ID:PORT", value_parser = parse_after, requires = "guest_trace")]
+    pub after: Vec<EventRule>,
     /// A probe log (`vmtsync probe|record --probe-log`): each probe is paired with its own
     /// kvm_pio exits in the host trace (UART bytes or sync port), its guest TSC converted
     /// with the sync file and checked against them.
-    #[arg(long, value_name = "FILE")]
+    #[arg(long, value_name = "FILE", requires = "sync")]
     pub probe_log: Option<PathBuf>,
     /// The host thread of a vCPU, as VCPU=PID (repeatable); needed only when the host trace
     /// has no GUEST option and several threads did I/O on the port. When threads are known
@@ -49,7 +64,7 @@ pub struct ValidateArgs {
     /// sync is off by less than 128 event periods).
     #[arg(long)]
     pub from_boot: bool,
-    /// Print the report as one JSON object (schema 2, see docs/validate.md).
+    /// Print the report as one JSON object (schema 3, see docs/validate.md).
     #[arg(long)]
     pub json: bool,
 }
@@ -60,6 +75,35 @@ fn parse_port(s: &str) -> Result<u16, String> {
         None => s.parse(),
     };
     r.map_err(|e| format!("{s:?} is not a port (0..=65535, decimal or 0x hex): {e}"))
+}
+
+/// A decimal or 0x-hex number of type `T`.
+fn number<T: TryFrom<u64>>(s: &str) -> Option<T> {
+    let v = match s.strip_prefix("0x").or_else(|| s.strip_prefix("0X")) {
+        Some(hex) => u64::from_str_radix(hex, 16).ok()?,
+        None => s.parse().ok()?,
+    };
+    T::try_from(v).ok()
+}
+
+/// `ID:PORT` as a rule for `side`.
+fn parse_rule(s: &str, side: Side) -> Result<EventRule, String> {
+    let (id, port) = s
+        .split_once(':')
+        .ok_or_else(|| format!("{s:?}: expected ID:PORT (e.g. 0x100:0x3f0)"))?;
+    Ok(EventRule {
+        id: number(id).ok_or_else(|| format!("{s:?}: event id {id:?} is not 0..=65535"))?,
+        port: number(port).ok_or_else(|| format!("{s:?}: port {port:?} is not 0..=65535"))?,
+        side,
+    })
+}
+
+fn parse_before(s: &str) -> Result<EventRule, String> {
+    parse_rule(s, Side::BeforeOut)
+}
+
+fn parse_after(s: &str) -> Result<EventRule, String> {
+    parse_rule(s, Side::AfterIn)
 }
 
 fn parse_thread(s: &str) -> Result<(u32, u32), String> {
@@ -76,10 +120,20 @@ fn parse_thread(s: &str) -> Result<(u32, u32), String> {
 /// [`CliError::Validate`] when the inputs cannot be checked, [`CliError::Violations`] when
 /// they were and failed.
 pub fn run_validate_cmd(args: &ValidateArgs) -> Result<(), CliError> {
+    let mut rules: Vec<EventRule> = args
+        .port
+        .map(workload_rules)
+        .into_iter()
+        .flatten()
+        .collect();
+    rules.extend(args.before.iter().chain(&args.after));
+    rules.sort_unstable();
+    rules.dedup();
     let opts = ValidateOptions {
         sync: args.sync.clone(),
         host_trace: args.host_trace.clone(),
-        guest_trace: args.guest_trace.clone().zip(args.port),
+        guest_trace: args.guest_trace.clone(),
+        rules,
         probe_log: args.probe_log.clone(),
         threads: args.threads.iter().copied().collect::<BTreeMap<_, _>>(),
         numbering: if args.from_boot {
@@ -104,7 +158,7 @@ pub fn run_validate_cmd(args: &ValidateArgs) -> Result<(), CliError> {
     }
     if args.guest_trace.is_some() && report.checked == 0 {
         return Err(CliError::Usage(
-            "no event could be checked: no exit of the host trace matches a guest event (is it the same run, the right --port, the right thread?)".into(),
+            "no event could be checked: no exit of the host trace matches a guest event (is it the same run, the right port in --port/--before/--after, the right thread?)".into(),
         ));
     }
     if probes.is_some_and(|p| p.checked == 0) {
@@ -269,9 +323,35 @@ mod tests {
     }
 
     #[test]
-    fn a_guest_trace_needs_its_port_and_something_must_be_checked() {
+    fn a_guest_trace_needs_its_rules_and_something_must_be_checked() {
         use clap::CommandFactory;
         Cli::command().debug_assert();
+        let a =
+            parse("--host-trace h --guest-trace g.jsonl --before 7:0x80 --after 0x8:128").unwrap();
+        assert!(a.sync.is_none());
+        assert_eq!(
+            (a.before, a.after),
+            (
+                vec![EventRule {
+                    id: 7,
+                    port: 0x80,
+                    side: Side::BeforeOut
+                }],
+                vec![EventRule {
+                    id: 8,
+                    port: 0x80,
+                    side: Side::AfterIn
+                }]
+            )
+        );
+        assert!(
+            parse("--host-trace h --probe-log p").is_err(),
+            "probes need the sync file"
+        );
+        assert!(
+            parse("--host-trace h --before 7:0x80 --probe-log p --sync s").is_err(),
+            "a rule for no guest trace"
+        );
         let base = "--sync s --host-trace h";
         let a = parse(&format!("{base} --probe-log p")).unwrap();
         assert!(a.guest_trace.is_none() && a.port.is_none());
@@ -283,7 +363,7 @@ mod tests {
         assert!(parse(base).is_err(), "nothing to check");
         assert!(
             parse(&format!("{base} --guest-trace g")).is_err(),
-            "no --port"
+            "no --port, --before or --after"
         );
         assert!(
             parse(&format!("{base} --port 1 --probe-log p")).is_err(),
@@ -297,6 +377,17 @@ mod tests {
         assert_eq!(parse_port("1008"), Ok(1008));
         assert!(parse_port("0x10000").is_err());
         assert_eq!(parse_thread("1=4242"), Ok((1, 4242)));
+        assert_eq!(
+            parse_before("0x100:0x3f0"),
+            Ok(EventRule {
+                id: 0x100,
+                port: 0x3f0,
+                side: Side::BeforeOut
+            })
+        );
+        assert!(parse_after("0x10000:1").is_err(), "an id beyond u16");
+        assert!(parse_after("1:65536").is_err(), "a port beyond u16");
+        assert!(parse_after("1").is_err(), "no port");
         assert!(parse_thread("1:4242").is_err());
     }
 }

@@ -103,6 +103,12 @@ pub struct ProbeArgs {
     /// sync against the probes' own kvm_pio exits in a host trace (docs/validate.md).
     #[arg(long, value_name = "FILE")]
     pub probe_log: Option<PathBuf>,
+    /// Append the guest's console text to this file, byte for byte: the bytes it prints on
+    /// the UART between frames (a guest sharing one UART writes a 0x00 before each frame and
+    /// after it; every run that does not decode is text). Without it the text is counted
+    /// and dropped.
+    #[arg(long, value_name = "FILE")]
+    pub console: Option<PathBuf>,
 }
 
 impl ProbeArgs {
@@ -133,6 +139,7 @@ impl ProbeArgs {
             ..AnchorOptions::default()
         };
         o.probe_log = self.probe_log.clone();
+        o.console = self.console.clone();
         o.continuous = match (&self.out, self.continuous) {
             (Some(out), true) => Some(ContinuousOptions {
                 out: out.clone(),

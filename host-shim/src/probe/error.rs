@@ -97,6 +97,14 @@ pub enum ProbeError {
         /// The cause.
         source: io::Error,
     },
+    /// The console file (`--console`) could not be written.
+    #[error("writing the guest's console text to {path}: {source}")]
+    Console {
+        /// The file.
+        path: std::path::PathBuf,
+        /// The cause.
+        source: io::Error,
+    },
     /// `--anchor kvm-pio` was asked for and cannot be done (docs/anchor.md).
     #[error("exit anchoring (--anchor kvm-pio): {0}")]
     Anchor(String),

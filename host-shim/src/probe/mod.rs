@@ -16,6 +16,8 @@
 //! - [`report`]: estimates, RTT statistics, text and `--json` (schema 2) output.
 //! - [`continuous`]: periodic re-sync into a sync file ([`crate::syncfile`]).
 //! - [`log`](mod@log): `--probe-log`, every probe exchange for `vmtsync validate`.
+//! - [`console`]: `--console`, the guest's console text from the UART it shares with the
+//!   protocol.
 //! - `run` ([`run_probe`], [`ProbeOptions`]) and `error` ([`ProbeError`]): one run, and why it
 //!   failed.
 //! - `testutil` (tests only): `SimTransport`, the core agent on a simulated host clock.
@@ -27,6 +29,7 @@ pub mod addr;
 pub mod anchor;
 pub mod args;
 pub mod connect;
+pub mod console;
 pub mod continuous;
 mod error;
 pub mod log;
@@ -46,6 +49,7 @@ pub mod vsock;
 pub use addr::{AddrError, ProbeAddr};
 pub use args::ProbeArgs;
 pub use connect::{ConnectError, ConnectOptions};
+pub use console::ConsoleLog;
 pub use continuous::{ContinuousOptions, ContinuousSummary};
 pub use error::ProbeError;
 pub use log::{ProbeExchange, ProbeLog, ProbePath};

@@ -38,7 +38,8 @@
 //! | `drift_ppb_lo`, `drift_ppb_hi` | i64 or null | guaranteed drift bounds |
 //! | `rtt_min_ticks`, `rtt_median_ticks`, `rtt_max_ticks` | u64 | round-trip times in host TSC ticks |
 //! | `probes` | u32 | samples used |
-//! | `sent`, `lost_probes`, `bad_frames`, `stale_replies` | u64 | what did not become a sample |
+//! | `sent`, `lost_probes`, `bad_frames`, `stale_replies` | u64 | what did not become a sample (`bad_frames`: runs between delimiters that did not decode: console text on a shared UART, or damaged frames) |
+//! | `console_bytes` | u64 | bytes of those runs: the guest's console text, written to `--console FILE` when given (added in schema 2 without a bump; readers treat a missing key as 0) |
 //! | `unexpected`, `unknown_seq` | u64 | skipped messages: well-formed but unasked for; replies to a sequence number never sent |
 //! | `ambiguous`, `out_of_window`, `wrong_vcpu`, `bad_stamps`, `flooded` | u64 | why probes were lost (each also in `lost_probes`): compact reply not uniquely unwrappable (a stall); TSC outside the window the last verified reading allows; another vCPU; host stamps out of order; the wait drowned in other traffic |
 //! | `unanchored` | u64 | probes lost because an exit-anchored transport found no exits for them (added in schema 2; docs/anchor.md) |
@@ -164,6 +165,7 @@ struct JsonSummary {
     sent: u64,
     lost_probes: u64,
     bad_frames: u64,
+    console_bytes: u64,
     stale_replies: u64,
     unexpected: u64,
     unknown_seq: u64,
@@ -286,6 +288,7 @@ impl ProbeSummary {
             sent: self.stats.sent,
             lost_probes: self.stats.lost_probes,
             bad_frames: self.stats.bad_frames,
+            console_bytes: self.stats.console_bytes,
             stale_replies: self.stats.stale_replies,
             unexpected: self.stats.unexpected,
             unknown_seq: self.stats.unknown_seq,
@@ -323,14 +326,23 @@ impl ProbeSummary {
             }
             _ => String::new(),
         };
+        // Runs that did not decode are the guest's console text on a shared UART: say so
+        // instead of calling a boot log "bad frames".
+        let undecoded = if self.stats.console_bytes > 0 {
+            format!(
+                "{} bytes of console text or damaged frames in {} runs",
+                self.stats.console_bytes, self.stats.bad_frames
+            )
+        } else {
+            format!("{} bad frames", self.stats.bad_frames)
+        };
         writeln!(
             out,
-            "vCPU {}: {} probes ({} sent, {} lost, {} bad frames, {} stale replies)",
+            "vCPU {}: {} probes ({} sent, {} lost, {undecoded}, {} stale replies)",
             self.vcpu,
             self.probes,
             self.stats.sent,
             self.stats.lost_probes,
-            self.stats.bad_frames,
             self.stats.stale_replies
         )?;
         let st = &self.stats;

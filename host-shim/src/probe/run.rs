@@ -11,6 +11,7 @@ use vmtsync_core::estimate::EstimateError;
 use super::addr::ProbeAddr;
 use super::anchor::{self, AnchorMode, AnchorOptions};
 use super::connect::{self, ConnectOptions};
+use super::console::ConsoleLog;
 use super::continuous::{self, ContinuousOptions};
 use super::error::ProbeError;
 use super::log::ProbeLog;
@@ -56,6 +57,8 @@ pub struct ProbeOptions {
     /// Append every probe that gives a sample to this file (`--probe-log`, for `vmtsync
     /// validate --probe-log`).
     pub probe_log: Option<PathBuf>,
+    /// Append the guest's console text to this file (`--console`, [`super::console`]).
+    pub console: Option<PathBuf>,
 }
 
 impl ProbeOptions {
@@ -77,6 +80,7 @@ impl ProbeOptions {
             shutdown: false,
             anchor: AnchorOptions::default(),
             probe_log: None,
+            console: None,
         }
     }
 }
@@ -153,7 +157,13 @@ pub fn run_probe_vcpus_on<T: StampedTransport>(
     out: &mut dyn Write,
 ) -> Result<Vec<ProbeSummary>, ProbeError> {
     let mut progress = Progress::stderr_if_terminal(opts.progress);
-    let mut session = ProbeSession::hello_until_stopped(transport, opts.timeout, opts.stop)?;
+    let console = opts
+        .console
+        .as_deref()
+        .map(ConsoleLog::create)
+        .transpose()?;
+    let mut session =
+        ProbeSession::hello_until_stopped(transport, opts.timeout, opts.stop, console)?;
     if let Some(path) = &opts.probe_log {
         session.log_probes(ProbeLog::create(path, &opts.addr, &opts.anchor)?);
     }

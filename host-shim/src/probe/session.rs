@@ -10,9 +10,11 @@
 //! the largest event batch), whatever the guest sends. A round's samples (32 B each) grow with
 //! the host's `--probes`, and an event drain's batches with the host's `max`
 //! ([`ProbeSession::drain_events`]), not with guest input; continuous mode
-//! adds a fixed-capacity hull ([`super::report::HULL_CAPACITY`] vertices). A frame that does not decode, or is too long, is counted
-//! in [`SessionStats::bad_frames`] and skipped; nothing the guest sends can make this code
-//! panic. Every wait has a deadline, so a guest that stops answering is a
+//! adds a fixed-capacity hull ([`super::report::HULL_CAPACITY`] vertices). A run of bytes
+//! that does not decode, or is too long, is counted in [`SessionStats::bad_frames`] and its
+//! bytes in [`SessionStats::console_bytes`]: under the shared-UART wire rule it is the guest's
+//! console text (written out with `--console`, [`super::console`]), streamed, never held
+//! beyond the frame buffer; nothing the guest sends can make this code panic. Every wait has a deadline, so a guest that stops answering is a
 //! [`ProbeError::Timeout`], never a hang; and one wait handles at most [`MAX_BYTES_PER_WAIT`]
 //! bytes, so a guest that floods the link loses its probe ([`SessionStats::flooded`]) instead
 //! of keeping the host busy until the deadline. Replies that cannot be true are rejected with a
@@ -47,6 +49,7 @@ use vmtsync_core::{GuestTicks, HostTicks};
 
 use super::ProbeError;
 use super::anchor::AnchorKind;
+use super::console::ConsoleLog;
 use super::log::ProbeLog;
 use super::progress::Progress;
 pub use super::reference::{RATE_MAX, RATE_MIN, Reference, Window};
@@ -112,8 +115,12 @@ pub struct AgentInfo {
 pub struct SessionStats {
     /// Probes sent (compact and full).
     pub sent: u64,
-    /// Frames that did not decode or were too long (skipped).
+    /// Runs of bytes between delimiters that did not decode or were too long for a frame
+    /// (skipped): console text on a shared UART, or damaged frames.
     pub bad_frames: u64,
+    /// Bytes of those runs: the guest's console text (written to `--console FILE` when
+    /// given), delimiters not counted.
+    pub console_bytes: u64,
     /// Replies to an earlier probe (skipped).
     pub stale_replies: u64,
     /// Probes that gave no sample, for any reason.
@@ -176,6 +183,8 @@ pub struct ProbeSession<T> {
     stop: Option<&'static AtomicBool>,
     /// Where every probe that gave a sample is written (`--probe-log`).
     log: Option<ProbeLog>,
+    /// Where console text is written (`--console`).
+    console: Option<ConsoleLog>,
 }
 
 impl<T: StampedTransport> ProbeSession<T> {
@@ -187,19 +196,23 @@ impl<T: StampedTransport> ProbeSession<T> {
     /// [`ProbeError::Timeout`] if no capabilities arrive, [`ProbeError::VersionMismatch`],
     /// [`ProbeError::Transport`].
     pub fn hello(transport: T, timeout: Duration) -> Result<Self, ProbeError> {
-        Self::hello_until_stopped(transport, timeout, None)
+        Self::hello_until_stopped(transport, timeout, None, None)
     }
 
     /// [`ProbeSession::hello`] with a stop flag (the CLI's SIGINT/SIGTERM flag): this and
     /// every later wait of the session (hello, replies, the pause between probes) gives up
     /// with [`ProbeError::Interrupted`] within about [`STOP_POLL`] of `stop` being raised.
+    /// Console text the guest prints between frames, from the first byte received on (its
+    /// boot log may arrive during the hello), goes to `console` (`--console`).
     ///
     /// # Errors
-    /// As [`ProbeSession::hello`], plus [`ProbeError::Interrupted`].
+    /// As [`ProbeSession::hello`], plus [`ProbeError::Interrupted`] and
+    /// [`ProbeError::Console`].
     pub fn hello_until_stopped(
         transport: T,
         timeout: Duration,
         stop: Option<&'static AtomicBool>,
+        console: Option<ConsoleLog>,
     ) -> Result<Self, ProbeError> {
         let mut s = Self {
             transport,
@@ -230,6 +243,7 @@ impl<T: StampedTransport> ProbeSession<T> {
             garbage_losses: 0,
             stop,
             log: None,
+            console,
         };
         let deadline = Instant::now() + timeout;
         // The capabilities may answer any of the hellos: the first send bounds them all.
@@ -790,7 +804,14 @@ impl<T: StampedTransport> ProbeSession<T> {
                 }
             }
             let input = self.buf.get(self.pos..self.end).unwrap_or_default();
-            let (msg, rest_len) = match self.rx.feed(input) {
+            let (console, text_bytes) = (&mut self.console, &mut self.stats.console_bytes);
+            let mut text = |t: &[u8]| {
+                *text_bytes += t.len() as u64;
+                if let Some(c) = console.as_mut() {
+                    c.write(t);
+                }
+            };
+            let (msg, rest_len) = match self.rx.feed_text(input, &mut text) {
                 Feed::Consumed => (None, 0),
                 Feed::Message { msg, rest } => (Some(msg), rest.len()),
                 Feed::Error { rest, .. } => {
@@ -799,6 +820,9 @@ impl<T: StampedTransport> ProbeSession<T> {
                 }
             };
             self.pos = self.end - rest_len.min(self.end);
+            if let Some(c) = &mut self.console {
+                c.check()?;
+            }
             if let Some(msg) = msg {
                 return Ok((msg, self.buf_stamp));
             }
@@ -1089,6 +1113,7 @@ mod tests {
             SimTransport::new(1_000),
             Duration::from_secs(2),
             Some(&STOP),
+            None,
         )
         .unwrap();
         assert_eq!(
@@ -1197,7 +1222,67 @@ mod tests {
         );
     }
 
+    #[test]
+    fn console_text_between_frames_is_written_byte_for_byte_and_counted() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("console.txt");
+        let mut t = SimTransport::new(17);
+        // Popped from the end: text before the hello's reply, then before each probe reply,
+        // each ended by the delimiter a shared-UART guest writes before its next frame.
+        let texts: Vec<Vec<u8>> = vec![
+            b"boot: vmtsync test kernel\r\n".to_vec(),
+            Vec::new(),
+            b"\x01\xff high bytes and a long line: ".repeat(200),
+            b"tick\n".to_vec(),
+        ];
+        t.garbage = texts
+            .iter()
+            .rev()
+            .map(|x| {
+                let mut g = x.clone();
+                g.push(0);
+                g
+            })
+            .collect();
+        let console = ConsoleLog::create(&path).unwrap();
+        let mut s =
+            ProbeSession::hello_until_stopped(t, Duration::from_secs(1), None, Some(console))
+                .unwrap();
+        let samples = s
+            .probe_round(6, Duration::ZERO, &mut Progress::hidden())
+            .unwrap();
+        let stats = s.stats();
+        assert_eq!((samples.len(), stats.lost_probes), (6, 0), "{stats:?}");
+        let want: Vec<u8> = texts.concat();
+        assert_eq!(std::fs::read(&path).unwrap(), want);
+        assert_eq!(stats.console_bytes, want.len() as u64);
+        // The empty one is only a delimiter: three runs of text.
+        assert_eq!(stats.bad_frames, 3);
+        assert_sound(&samples, 17);
+    }
+
     proptest! {
+        /// Console text (any bytes but NUL, short or longer than any frame) before any
+        /// reply, ended by the delimiter a shared-UART guest writes before each frame: no
+        /// probe is lost and the console file holds the text byte for byte.
+        #[test]
+        fn console_text_at_random_loses_no_probe(
+            texts in proptest::collection::vec(
+                proptest::collection::vec(1u8..=255, 0..4000), 1..10),
+        ) {
+            let dir = tempfile::tempdir().unwrap();
+            let path = dir.path().join("console.txt");
+            let mut t = SimTransport::new(1 << 40);
+            t.garbage = texts.iter().rev().map(|x| [&x[..], &[0]].concat()).collect();
+            let console = ConsoleLog::create(&path).unwrap();
+            let mut s =
+                ProbeSession::hello_until_stopped(t, Duration::from_secs(1), None, Some(console))
+                    .unwrap();
+            let samples = s.probe_round(12, Duration::ZERO, &mut Progress::hidden()).unwrap();
+            prop_assert_eq!(samples.len(), 12, "{:?}", s.stats());
+            prop_assert_eq!(std::fs::read(&path).unwrap(), texts.concat());
+        }
+
         /// Any stall at any probe, any pause between probes, any offset: every sample the
         /// session returns brackets the truth (a stalled reply is lost, never misread).
         #[test]

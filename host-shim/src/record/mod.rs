@@ -42,7 +42,8 @@ use crate::probe::anchor;
 use crate::probe::connect::{self, ConnectOptions};
 use crate::probe::continuous::{Cumulative, segment};
 use crate::probe::{
-    ProbeError, ProbeLog, ProbeOptions, ProbeSession, ProbeSummary, Progress, StampedTransport,
+    ConsoleLog, ProbeError, ProbeLog, ProbeOptions, ProbeSession, ProbeSummary, Progress,
+    StampedTransport,
 };
 use crate::syncfile::{SyncHeader, SyncSegment, SyncWriter};
 use crate::tracedat::{self, FileVersion, ShiftMode, TimeShift, TraceDatWriter, WriterOptions};
@@ -293,7 +294,8 @@ pub fn run_record_on<T: StampedTransport>(
     progress: &mut Progress,
 ) -> Result<RecordSummary, RecordError> {
     let p = &opts.probe;
-    let mut session = ProbeSession::hello_until_stopped(transport, p.timeout, p.stop)?;
+    let console = p.console.as_deref().map(ConsoleLog::create).transpose()?;
+    let mut session = ProbeSession::hello_until_stopped(transport, p.timeout, p.stop, console)?;
     if let Some(path) = &p.probe_log {
         session.log_probes(ProbeLog::create(path, &p.addr, &p.anchor)?);
     }

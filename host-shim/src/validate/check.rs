@@ -1,5 +1,14 @@
 //! The check itself, on decoded inputs: pair guest events with the host exits of their port
-//! I/O, convert each event's guest tick with the sync file, and test it against its bracket.
+//! I/O, convert each event's guest tick with the sync file (or take the conversion `record`
+//! wrote beside it), and test it against its bracket.
+//!
+//! One rule serves every guest: an event recorded before the guest's next I/O on a port
+//! ([`Side::BeforeOut`], `--before ID:PORT`) truly happened before that exit's stamp, and one
+//! recorded after its previous I/O on a port ([`Side::AfterIn`], `--after ID:PORT`) after it.
+//! Which exit is an event's own is not taken from the conversion under test (that would
+//! pass any conversion): the guest numbers its steps, each beginning with an `out` of the
+//! step's number's low byte, and each event carries its step's number ([`IoEvent::seq`]).
+//! The bundled agent's workload (ids 0x100/0x101) is one instance.
 
 use std::collections::BTreeMap;
 
@@ -15,12 +24,24 @@ use crate::syncfile::SyncSegment;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Side {
-    /// Recorded right before the `out` of its sequence number: its true host time is before
-    /// that `out`'s exit.
+    /// Recorded before the guest's next I/O on the port, the `out` that begins its step
+    /// (`--before`): its true host time is before that `out`'s exit.
     BeforeOut,
-    /// Recorded right after the `in` that follows that `out`: its true host time is after the
-    /// `in`'s exit.
+    /// Recorded after the guest's previous I/O on the port (`--after`): the `in` right after
+    /// its step's `out` when there is one (the workload's), else that `out`. Its true host
+    /// time is after that exit.
     AfterIn,
+}
+
+/// Which events are checked against which port (`--before ID:PORT`, `--after ID:PORT`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+pub struct EventRule {
+    /// The guest's event id.
+    pub id: u16,
+    /// The port whose I/O the event is recorded next to.
+    pub port: u16,
+    /// Which side of that I/O.
+    pub side: Side,
 }
 
 /// A guest event recorded next to port I/O, as the guest trace holds it.
@@ -32,16 +53,45 @@ pub struct IoEvent {
     pub guest_tsc: u64,
     /// Its side of the I/O.
     pub side: Side,
-    /// The workload's sequence number (the low byte is the value written to the port).
+    /// The port of that I/O.
+    pub port: u16,
+    /// Its step's number: the low byte is the value the guest wrote with the step's `out`.
     pub seq: u64,
+    /// The conversion `record` wrote beside the event (its JSON Lines), used when there is
+    /// no sync file to convert with.
+    pub recorded: Option<Recorded>,
 }
 
-/// One `out` and the `in` the same thread did next on the port: one workload step.
+/// An event's conversion as `vmtsync record --format jsonl` wrote it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Recorded {
+    /// `host_tsc`: the event on the host's TSC.
+    pub host: u64,
+    /// `host_lo`: its guaranteed interval's lower end.
+    pub lo: u64,
+    /// `host_hi`: its guaranteed interval's upper end.
+    pub hi: u64,
+    /// `round`: the sync round whose segment placed it.
+    pub round: u64,
+}
+
+/// One `out` of a thread on the port and the exit a `--after` event follows: the `in` the
+/// thread did right after it, or the `out` itself.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Step {
     out_ts: u64,
     in_ts: u64,
     low: u8,
+}
+
+/// How events are converted to host time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Conversion {
+    /// With the sync file's segments, as `record` does.
+    SyncFile,
+    /// As `record` converted them (its JSON Lines' `host_tsc`, `host_lo`, `host_hi`).
+    Recorded,
 }
 
 /// A converted event outside its bracket (or a guaranteed interval disjoint from it).
@@ -101,7 +151,8 @@ pub struct SegmentWorst {
     pub worst_lag: i64,
     /// Its violations.
     pub violations: u64,
-    /// Its guaranteed offset interval width, ticks.
+    /// Its guaranteed offset interval width, ticks; without a sync file, the widest
+    /// guaranteed host interval of its events.
     pub width: i64,
 }
 
@@ -118,6 +169,19 @@ impl SegmentWorst {
         }
     }
 
+    /// A round `record` converted events with ([`Conversion::Recorded`]): its width grows
+    /// with its events' guaranteed intervals.
+    const fn of_round(vcpu: u32, round: u64) -> Self {
+        Self {
+            vcpu,
+            round,
+            events: 0,
+            worst_lag: i64::MAX,
+            violations: 0,
+            width: 0,
+        }
+    }
+
     /// One more conversion through the segment, with its tight-side lag.
     pub(super) fn add(&mut self, lag: i64, violation: bool) {
         self.events += 1;
@@ -126,11 +190,15 @@ impl SegmentWorst {
     }
 }
 
-/// What `vmtsync validate` found (`--json`, schema 2).
+/// What `vmtsync validate` found (`--json`, schema 3).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct ValidateReport {
-    /// Always 2 (schema 2 added `probes`).
+    /// Always 3 (schema 2 added `probes`, schema 3 `rules` and `conversion`).
     pub schema: u32,
+    /// Which events were checked against which port's I/O.
+    pub rules: Vec<EventRule>,
+    /// Where the events' host times came from.
+    pub conversion: Conversion,
     /// Events checked against an exit.
     pub checked: u64,
     /// Of which recorded before an `out`.
@@ -146,7 +214,8 @@ pub struct ValidateReport {
     pub unmatched_events: u64,
     /// Guest events no segment of their vCPU converts: not checked.
     pub unconverted_events: u64,
-    /// Exits that do not form an `out`-then-`in` step of one thread: not used.
+    /// Exits not in a step (an `in` not right after an `out` of its thread) or of a thread no
+    /// vCPU runs on: not used.
     pub unpaired_exits: u64,
     /// How steps were numbered.
     pub numbering: Numbering,
@@ -168,27 +237,31 @@ pub struct ValidateReport {
 /// The most violations listed in a report.
 pub const MAX_LISTED: usize = 20;
 
-/// Turns one thread's exits (in time order) into steps: an `out` whose next exit is an `in`.
+/// Turns one thread's exits on one port (in time order) into steps: every `out`, with the
+/// `in` right after it when there is one. Only that `in` joins the step: if the host's ring
+/// lost a step's `out`, its `in` is not taken for the step before (a later exit there would
+/// put that step's after-events on the wrong side of it).
 fn steps(exits: &[PioExit], unpaired: &mut u64) -> Vec<Step> {
     let mut out = Vec::new();
     let mut i = 0;
     while i < exits.len() {
         let e = exits[i];
-        match (e.pio.direction, exits.get(i + 1)) {
-            (PioDirection::Out, Some(n)) if n.pio.direction == PioDirection::In => {
-                out.push(Step {
-                    out_ts: e.ts,
-                    in_ts: n.ts,
-                    // The workload writes the sequence number's low byte.
-                    low: (e.pio.val & 0xff) as u8,
-                });
-                i += 2;
-            }
-            _ => {
-                *unpaired += 1;
-                i += 1;
-            }
+        if e.pio.direction != PioDirection::Out {
+            *unpaired += 1;
+            i += 1;
+            continue;
         }
+        let next_in = exits
+            .get(i + 1)
+            .filter(|n| n.pio.direction == PioDirection::In);
+        out.push(Step {
+            out_ts: e.ts,
+            in_ts: next_in.map_or(e.ts, |n| n.ts),
+            // The guest writes its step number's low byte (the workload: its sequence
+            // number's).
+            low: (e.pio.val & 0xff) as u8,
+        });
+        i += if next_in.is_some() { 2 } else { 1 };
     }
     out
 }
@@ -254,19 +327,27 @@ fn nearest_with_low(near: u64, low: u8) -> u64 {
         .unwrap_or(near)
 }
 
-/// Checks every event of `events` against the exits of `exits` on one port, converting with
-/// `segments`; `threads` maps a vCPU to its host thread; `numbering` says how steps are
-/// paired with the guest's sequence numbers.
+/// Checks every event of `events` against the exits of `exits` on its port, converting with
+/// `segments` (`None`: each event's [`IoEvent::recorded`] conversion; an event without one is
+/// not converted); `threads` maps a vCPU to its host thread; `numbering` says how steps are
+/// paired with the guest's sequence numbers. `rules` is only reported.
 #[must_use]
 pub fn check(
     events: &[IoEvent],
     exits: &[PioExit],
-    segments: &[SyncSegment],
+    segments: Option<&[SyncSegment]>,
     threads: &BTreeMap<u32, u32>,
     numbering: Numbering,
+    rules: &[EventRule],
 ) -> ValidateReport {
     let mut r = ValidateReport {
-        schema: 2,
+        schema: 3,
+        rules: rules.to_vec(),
+        conversion: if segments.is_some() {
+            Conversion::SyncFile
+        } else {
+            Conversion::Recorded
+        },
         checked: 0,
         before_out: 0,
         after_in: 0,
@@ -286,34 +367,59 @@ pub fn check(
     let mut lags = Vec::new();
     let mut side_lags: [Vec<i64>; 2] = [Vec::new(), Vec::new()];
     let mut worst: BTreeMap<(u32, u64), SegmentWorst> = BTreeMap::new();
-    let mut exits_of: BTreeMap<u32, Vec<PioExit>> = BTreeMap::new();
+    // Each thread's exits, port by port.
+    let mut exits_of: BTreeMap<(u32, u16), Vec<PioExit>> = BTreeMap::new();
     for e in exits {
-        exits_of.entry(e.pio.pid).or_default().push(*e);
+        exits_of
+            .entry((e.pio.pid, e.pio.port))
+            .or_default()
+            .push(*e);
     }
-    for (pid, v) in &mut exits_of {
+    for ((pid, _), v) in &mut exits_of {
         if !threads.values().any(|p| p == pid) {
             r.unpaired_exits += v.len() as u64;
         }
         v.sort_by_key(|e| e.ts);
     }
-    let mut vcpus: Vec<u32> = events.iter().map(|e| e.vcpu).collect();
-    vcpus.sort_unstable();
-    vcpus.dedup();
-    for vcpu in vcpus {
+    let mut groups: Vec<(u32, u16)> = events.iter().map(|e| (e.vcpu, e.port)).collect();
+    groups.sort_unstable();
+    groups.dedup();
+    // A thread's exits on a port no event names are not in any step.
+    for ((pid, port), v) in &exits_of {
+        let named = groups
+            .iter()
+            .any(|&(vcpu, p)| p == *port && threads.get(&vcpu) == Some(pid));
+        if !named && threads.values().any(|p| p == pid) {
+            r.unpaired_exits += v.len() as u64;
+        }
+    }
+    for (vcpu, port) in groups {
         let mine: Vec<SyncSegment> = segments
+            .unwrap_or_default()
             .iter()
             .filter(|s| s.vcpu == vcpu)
             .copied()
             .collect();
-        let convert = |g: u64| covering(&mine, g).and_then(|s| Some((s, host_bounds(s, g)?)));
+        // The host time, its guaranteed interval, and the segment (or recorded round) that
+        // gave them.
+        let convert = |e: &IoEvent| -> Option<(SegmentWorst, (u64, u64, u64))> {
+            if segments.is_some() {
+                let s = covering(&mine, e.guest_tsc)?;
+                Some((SegmentWorst::of(vcpu, s), host_bounds(s, e.guest_tsc)?))
+            } else {
+                // Checked as `record` claimed them, even a centre outside its own interval.
+                let c = e.recorded?;
+                Some((SegmentWorst::of_round(vcpu, c.round), (c.host, c.lo, c.hi)))
+            }
+        };
         // Events by sequence number and side.
         let mut by_seq: BTreeMap<(u64, Side), IoEvent> = BTreeMap::new();
-        for e in events.iter().filter(|e| e.vcpu == vcpu) {
+        for e in events.iter().filter(|e| (e.vcpu, e.port) == (vcpu, port)) {
             by_seq.insert((e.seq, e.side), *e);
         }
         let exits = threads
             .get(&vcpu)
-            .and_then(|pid| exits_of.get(pid))
+            .and_then(|pid| exits_of.get(&(*pid, port)))
             .map_or(&[][..], Vec::as_slice);
         let st = steps(exits, &mut r.unpaired_exits);
         let seqs = match numbering {
@@ -325,7 +431,7 @@ pub fn check(
                 // both).
                 let converted: Vec<(u64, u64)> = by_seq
                     .values()
-                    .filter_map(|e| Some((e.seq, convert(e.guest_tsc)?.1.0)))
+                    .filter_map(|e| Some((e.seq, convert(e)?.1.0)))
                     .collect();
                 let from_step = st.first().and_then(|s0| {
                     converted
@@ -352,7 +458,7 @@ pub fn check(
             .filter_map(|(n, s)| Some(((*n)?, *s)))
             .collect();
         for e in by_seq.values() {
-            let Some((seg, (host, lo, hi))) = convert(e.guest_tsc) else {
+            let Some((seg, (host, lo, hi))) = convert(e) else {
                 r.unconverted_events += 1;
                 continue;
             };
@@ -388,10 +494,11 @@ pub fn check(
             let bound_false = exit_lo.is_some_and(|l| hi < l) || exit_hi.is_some_and(|h| lo > h);
             lags.push(lag);
             side_lags[usize::from(e.side == Side::AfterIn)].push(lag);
-            worst
-                .entry((vcpu, seg.round))
-                .or_insert(SegmentWorst::of(vcpu, seg))
-                .add(lag, outside || bound_false);
+            let w = worst.entry((vcpu, seg.round)).or_insert(seg);
+            if segments.is_none() {
+                w.width = w.width.max(signed(hi, lo));
+            }
+            w.add(lag, outside || bound_false);
             if outside || bound_false {
                 r.violations += 1;
                 r.bound_violations += u64::from(bound_false);
@@ -473,13 +580,17 @@ mod tests {
                 vcpu: 0,
                 guest_tsc: guest(before),
                 side: Side::BeforeOut,
+                port: 0x3f0,
                 seq,
+                recorded: None,
             });
             events.push(IoEvent {
                 vcpu: 0,
                 guest_tsc: guest(after),
                 side: Side::AfterIn,
+                port: 0x3f0,
                 seq,
+                recorded: None,
             });
             exits.push(exit(out_ts, PioDirection::Out, (seq & 0xff) as u32));
             exits.push(exit(in_ts, PioDirection::In, 0xff));
@@ -528,6 +639,40 @@ mod tests {
 
     fn threads() -> BTreeMap<u32, u32> {
         BTreeMap::from([(0, PID)])
+    }
+
+    /// The workload's rules on its port.
+    fn workload_rules() -> [EventRule; 2] {
+        [
+            EventRule {
+                id: 0x100,
+                port: 0x3f0,
+                side: Side::BeforeOut,
+            },
+            EventRule {
+                id: 0x101,
+                port: 0x3f0,
+                side: Side::AfterIn,
+            },
+        ]
+    }
+
+    /// [`super::check`] with a sync file and the workload's rules.
+    fn check(
+        events: &[IoEvent],
+        exits: &[PioExit],
+        segments: &[SyncSegment],
+        threads: &BTreeMap<u32, u32>,
+        numbering: Numbering,
+    ) -> ValidateReport {
+        super::check(
+            events,
+            exits,
+            Some(segments),
+            threads,
+            numbering,
+            &workload_rules(),
+        )
     }
 
     #[test]
@@ -602,12 +747,14 @@ mod tests {
     fn a_host_trace_that_starts_late_and_loses_steps_is_numbered_right() {
         let (events, exits) = run(1000);
         // The host trace starts at step 300 and loses steps 500..510 (a full ring buffer),
-        // and an `out` whose `in` is lost.
+        // and an `out` whose `in` is lost (a step of its own, numbered 1000, which no event
+        // has), and an `in` whose `out` is lost.
         let mut host: Vec<PioExit> = exits[600..1000]
             .iter()
             .chain(&exits[1020..])
             .copied()
             .collect();
+        host.push(exit(START + 1000 * PERIOD - 1_000, PioDirection::In, 0xff));
         host.push(exit(START + 1000 * PERIOD, PioDirection::Out, 0));
         let r = check(
             &events,
@@ -698,5 +845,179 @@ mod tests {
         let (events, exits) = run(10);
         let r = check(&events, &exits, &[], &threads(), Numbering::Nearest);
         assert_eq!((r.checked, r.unconverted_events), (0, 20));
+    }
+
+    /// A guest that is not the agent: `record(7); out PORT, s; record(8)` for step `s`, so
+    /// its after-event follows an `out` (no `in` at all), on another port.
+    fn foreign(n: u64, port: u16) -> (Vec<IoEvent>, Vec<PioExit>) {
+        let mut events = Vec::new();
+        let mut exits = Vec::new();
+        for seq in 0..n {
+            let before = START + seq * PERIOD + PERIOD / 2;
+            let out_ts = before + GAP_B;
+            let after = out_ts + GAP_A;
+            for (side, at) in [(Side::BeforeOut, before), (Side::AfterIn, after)] {
+                events.push(IoEvent {
+                    vcpu: 0,
+                    guest_tsc: guest(at),
+                    side,
+                    port,
+                    seq,
+                    recorded: None,
+                });
+            }
+            let mut e = exit(out_ts, PioDirection::Out, (seq & 0xff) as u32);
+            e.pio.port = port;
+            exits.push(e);
+        }
+        (events, exits)
+    }
+
+    fn foreign_rules(port: u16) -> [EventRule; 2] {
+        [
+            EventRule {
+                id: 7,
+                port,
+                side: Side::BeforeOut,
+            },
+            EventRule {
+                id: 8,
+                port,
+                side: Side::AfterIn,
+            },
+        ]
+    }
+
+    #[test]
+    fn a_foreign_guests_events_around_outs_alone_are_checked_and_a_shift_caught() {
+        let (events, exits) = foreign(600, 0x80);
+        let seg = [segment(OFFSET, 15_000)];
+        let rules = foreign_rules(0x80);
+        let r = super::check(
+            &events,
+            &exits,
+            Some(&seg),
+            &threads(),
+            Numbering::FromBoot,
+            &rules,
+        );
+        assert_eq!((r.checked, r.violations, r.unpaired_exits), (1200, 0, 0));
+        assert_eq!(r.rules, rules);
+        assert_eq!(r.conversion, Conversion::SyncFile);
+        let lag = r.lag.unwrap();
+        assert_eq!(
+            (lag.min, lag.max),
+            (GAP_A.cast_signed(), GAP_B.cast_signed())
+        );
+        // Converted a little more than the before-gap late: every before-event follows its
+        // `out`, every after-event is still after it.
+        let late = [segment(OFFSET - GAP_B.cast_signed() - 1, 15_000)];
+        let r = super::check(
+            &events,
+            &exits,
+            Some(&late),
+            &threads(),
+            Numbering::FromBoot,
+            &rules,
+        );
+        assert_eq!(r.violations, 600);
+        assert!(r.first_violations.iter().all(|v| v.side == Side::BeforeOut));
+        // And early by more than the after-gap: every after-event precedes its `out`.
+        let early = [segment(OFFSET + GAP_A.cast_signed() + 1, 15_000)];
+        let r = super::check(
+            &events,
+            &exits,
+            Some(&early),
+            &threads(),
+            Numbering::FromBoot,
+            &rules,
+        );
+        assert_eq!(r.violations, 600);
+        assert!(r.first_violations.iter().all(|v| v.side == Side::AfterIn));
+    }
+
+    #[test]
+    fn events_on_two_ports_are_each_paired_with_their_own_ports_exits() {
+        let (mut events, mut exits) = run(500);
+        let (e2, x2) = foreign(500, 0x80);
+        events.extend(e2);
+        exits.extend(x2);
+        let mut rules = workload_rules().to_vec();
+        rules.extend(foreign_rules(0x80));
+        let seg = [segment(OFFSET, 15_000)];
+        for numbering in [Numbering::FromBoot, Numbering::Nearest] {
+            let r = super::check(&events, &exits, Some(&seg), &threads(), numbering, &rules);
+            assert_eq!((r.checked, r.violations, r.unpaired_exits), (2000, 0, 0));
+        }
+        // The foreign guest's steps sit half a period after the workload's: paired with the
+        // other port's exits, its events would be violations.
+        for e in &mut events {
+            e.port = 0x3f0;
+        }
+        let r = super::check(
+            &events,
+            &exits,
+            Some(&seg),
+            &threads(),
+            Numbering::FromBoot,
+            &rules,
+        );
+        assert!(r.violations >= 500, "{}", r.violations);
+    }
+
+    #[test]
+    fn without_a_sync_file_records_own_conversion_is_checked() {
+        let (mut events, exits) = run(300);
+        let truth = |e: &IoEvent| e.guest_tsc.checked_add_signed(-OFFSET).unwrap();
+        for e in &mut events {
+            let h = truth(e);
+            e.recorded = Some(Recorded {
+                host: h,
+                lo: h - 1_000,
+                hi: h + 2_000,
+                round: 4,
+            });
+        }
+        let rules = workload_rules();
+        let r = super::check(
+            &events,
+            &exits,
+            None,
+            &threads(),
+            Numbering::FromBoot,
+            &rules,
+        );
+        assert_eq!((r.checked, r.violations), (600, 0));
+        assert_eq!(r.conversion, Conversion::Recorded);
+        assert_eq!(r.segments.len(), 1);
+        assert_eq!((r.segments[0].round, r.segments[0].width), (4, 3_000));
+        // A recording whose conversion is a bracket width late, its interval with it: every
+        // before-event follows its `out`, and the interval misses it too.
+        for e in &mut events {
+            let c = e.recorded.as_mut().unwrap();
+            c.host += 30_000;
+            c.lo += 30_000;
+            c.hi += 30_000;
+        }
+        let r = super::check(
+            &events,
+            &exits,
+            None,
+            &threads(),
+            Numbering::FromBoot,
+            &rules,
+        );
+        assert_eq!((r.violations, r.bound_violations), (300, 300));
+        // An event `record` did not convert is counted, not checked.
+        events[0].recorded = None;
+        let r = super::check(
+            &events,
+            &exits,
+            None,
+            &threads(),
+            Numbering::FromBoot,
+            &rules,
+        );
+        assert_eq!(r.unconverted_events, 1);
     }
 }

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 
 use thiserror::Error;
 
-use super::check::{IoEvent, Numbering, Side, ValidateReport, check};
+use super::check::{EventRule, IoEvent, Numbering, Recorded, Side, ValidateReport, check};
 use super::probes::{ProbeChecker, ports_of, read_probe_log};
 use crate::ftrace::format::{EventFormat, FormatError, KVM_PIO, KvmPioLayout};
 use crate::probe::anchor::PioExit;
@@ -19,20 +19,42 @@ use crate::tracedat::{TraceDatError, for_each_record, read_event_formats, read_l
 
 /// Event id the agent's workload records right before its `out`
 /// (`guest-agent/src/events.rs`, `WORKLOAD_EVENT`).
-pub const BEFORE_OUT_EVENT: u32 = 0x100;
+pub const BEFORE_OUT_EVENT: u16 = 0x100;
 /// Event id the agent's workload records right after its `in`
 /// (`guest-agent/src/events.rs`, `WORKLOAD_AFTER_IN_EVENT`).
-pub const AFTER_IN_EVENT: u32 = 0x101;
+pub const AFTER_IN_EVENT: u16 = 0x101;
+
+/// The bundled agent's workload on `port` (`workload=RATE,COUNT,PORT`) as rules: 0x100 before
+/// its `out`, 0x101 after its `in` (`--port PORT` alone).
+#[must_use]
+pub const fn workload_rules(port: u16) -> [EventRule; 2] {
+    [
+        EventRule {
+            id: BEFORE_OUT_EVENT,
+            port,
+            side: Side::BeforeOut,
+        },
+        EventRule {
+            id: AFTER_IN_EVENT,
+            port,
+            side: Side::AfterIn,
+        },
+    ]
+}
 
 /// What to check.
 #[derive(Clone, Debug)]
 pub struct ValidateOptions {
-    /// The sync file.
-    pub sync: PathBuf,
+    /// The sync file; without it, the guest trace must be `record`'s JSON Lines, whose
+    /// conversion is checked.
+    pub sync: Option<PathBuf>,
     /// The host trace.
     pub host_trace: PathBuf,
-    /// The guest trace (its workload events are checked), with the workload's port.
-    pub guest_trace: Option<(PathBuf, u16)>,
+    /// The guest trace: its events that `rules` name are checked.
+    pub guest_trace: Option<PathBuf>,
+    /// Which events are recorded next to which port's I/O ([`workload_rules`] for the
+    /// bundled agent).
+    pub rules: Vec<EventRule>,
     /// The probe log (its probes are checked).
     pub probe_log: Option<PathBuf>,
     /// vCPU → host thread, when neither the host trace's GUEST option nor a single thread on
@@ -88,11 +110,24 @@ pub enum ValidateError {
         /// The cause.
         source: std::io::Error,
     },
-    /// The guest trace has no workload event next to I/O.
+    /// The guest trace has no event the rules name.
     #[error(
-        "{0}: no workload event recorded next to port I/O (ids 0x100/0x101): boot the agent with workload=RATE,COUNT,PORT"
+        "{path}: no event with id {ids} (the ids of --before/--after; --port alone means the agent's workload, 0x100/0x101: boot it with workload=RATE,COUNT,PORT)"
     )]
-    NoEvents(PathBuf),
+    NoEvents {
+        /// The file.
+        path: PathBuf,
+        /// The ids looked for.
+        ids: String,
+    },
+    /// Without a sync file, events must carry `record`'s conversion.
+    #[error(
+        "{0}: without --sync the events' host times and guaranteed intervals come from `vmtsync record --format jsonl` (host_tsc, host_lo, host_hi), which this file does not hold: give the sync file (record --sync-out) or a JSON Lines recording"
+    )]
+    NeedsSync(PathBuf),
+    /// A probe log needs the sync file to convert its probes with.
+    #[error("--probe-log needs --sync: a probe's guest TSC is converted with the sync file")]
+    ProbesNeedSync,
     /// A probe log line is not a probe exchange.
     #[error("{path}: line {line}: {why}")]
     ProbeLine {
@@ -112,7 +147,9 @@ pub enum ValidateError {
         source: std::io::Error,
     },
     /// Neither a guest trace nor a probe log: nothing to check.
-    #[error("nothing to check: give --guest-trace (with --port) or --probe-log, or both")]
+    #[error(
+        "nothing to check: give --guest-trace (with --port, or --before/--after) or --probe-log, or both"
+    )]
     NothingToCheck,
     /// vCPU threads cannot be told apart.
     #[error(
@@ -134,15 +171,23 @@ pub enum ValidateError {
 /// # Errors
 /// [`ValidateError`].
 pub fn validate(opts: &ValidateOptions) -> Result<ValidateReport, ValidateError> {
-    if opts.guest_trace.is_none() && opts.probe_log.is_none() {
+    if opts.guest_trace.is_none() && opts.probe_log.is_none()
+        || opts.guest_trace.is_some() && opts.rules.is_empty()
+    {
         return Err(ValidateError::NothingToCheck);
     }
-    let sync = SyncFile::read(&opts.sync)?;
+    if opts.probe_log.is_some() && opts.sync.is_none() {
+        return Err(ValidateError::ProbesNeedSync);
+    }
+    let sync = opts.sync.as_deref().map(SyncFile::read).transpose()?;
+    let segments = sync.as_ref().map(|s| s.segments.as_slice());
     // The ports the probes' exits are on, from a first pass over the log: the host trace's
     // exits are read once, and only theirs are kept.
     let mut ports = vec![false; usize::from(u16::MAX) + 1];
-    if let Some((_, port)) = &opts.guest_trace {
-        ports[usize::from(*port)] = true;
+    if opts.guest_trace.is_some() {
+        for r in &opts.rules {
+            ports[usize::from(r.port)] = true;
+        }
     }
     if let Some(log) = &opts.probe_log {
         read_probe_log(log, |e| {
@@ -156,24 +201,47 @@ pub fn validate(opts: &ValidateOptions) -> Result<ValidateReport, ValidateError>
     let mut threads = guest_option;
     threads.extend(opts.threads.iter().map(|(&v, &p)| (v, p)));
     let mut report = match &opts.guest_trace {
-        Some((guest, port)) => {
-            let events = guest_events(guest)?;
-            let on_port: Vec<PioExit> = exits
+        Some(guest) => {
+            let events = guest_events(guest, &opts.rules)?;
+            if segments.is_none() && events.iter().any(|e| e.recorded.is_none()) {
+                return Err(ValidateError::NeedsSync(guest.clone()));
+            }
+            let mut rule_ports: Vec<u16> = opts.rules.iter().map(|r| r.port).collect();
+            rule_ports.sort_unstable();
+            rule_ports.dedup();
+            let on_ports: Vec<PioExit> = exits
                 .iter()
-                .filter(|e| e.pio.port == *port)
+                .filter(|e| rule_ports.contains(&e.pio.port))
                 .copied()
                 .collect();
-            let threads = event_threads(&events, &on_port, threads.clone(), *port)?;
-            check(&events, &on_port, &sync.segments, &threads, opts.numbering)
+            let mut known = threads.clone();
+            for &port in &rule_ports {
+                let of_port: Vec<IoEvent> =
+                    events.iter().filter(|e| e.port == port).copied().collect();
+                let exits_of_port: Vec<PioExit> = on_ports
+                    .iter()
+                    .filter(|e| e.pio.port == port)
+                    .copied()
+                    .collect();
+                known = event_threads(&of_port, &exits_of_port, known, port)?;
+            }
+            check(
+                &events,
+                &on_ports,
+                segments,
+                &known,
+                opts.numbering,
+                &opts.rules,
+            )
         }
-        None => check(&[], &[], &sync.segments, &threads, opts.numbering),
+        None => check(&[], &[], segments, &threads, opts.numbering, &opts.rules),
     };
     if let Some(log) = &opts.probe_log {
         // With the VM's threads known, another VM's identical I/O is not taken for its own.
         if !threads.is_empty() {
             exits.retain(|e| threads.values().any(|&p| p == e.pio.pid));
         }
-        let mut checker = ProbeChecker::new(&exits, &sync.segments);
+        let mut checker = ProbeChecker::new(&exits, segments.unwrap_or_default());
         let cut = read_probe_log(log, |e| checker.check(e))?;
         let mut probes = checker.finish();
         probes.cut_bytes = cut;
@@ -213,32 +281,86 @@ fn event_threads(
     Ok(known)
 }
 
-/// The workload events of a guest recording: `vmtsync record`'s JSON Lines (a file starting
-/// with `{`) or its trace.dat (raw guest TSC timestamps).
+/// The events `rules` name in a guest recording: `vmtsync record`'s JSON Lines (a file
+/// starting with `{`, each event with `record`'s conversion) or its trace.dat (raw guest TSC
+/// timestamps). An event gets one [`IoEvent`] per rule naming its id. Its step number is its
+/// payload's first bytes (up to 8, little-endian: the workload's sequence number); events
+/// without a payload are numbered in order, per vCPU and id from 0, which is right only for
+/// a recording that lost nothing from the guest's first such event on.
 ///
 /// # Errors
 /// [`ValidateError::Preconverted`], [`ValidateError::NoEvents`],
 /// [`ValidateError::GuestLine`], or the file's.
-pub fn guest_events(path: &Path) -> Result<Vec<IoEvent>, ValidateError> {
+pub fn guest_events(path: &Path, rules: &[EventRule]) -> Result<Vec<IoEvent>, ValidateError> {
     let io = |source| ValidateError::GuestIo {
         path: path.to_owned(),
         source,
     };
     let mut input = BufReader::new(File::open(path).map_err(io)?);
-    let events = if input.fill_buf().map_err(io)?.first() == Some(&b'{') {
-        jsonl_events(path, input)?
+    let mut raw = if input.fill_buf().map_err(io)?.first() == Some(&b'{') {
+        jsonl_events(path, input, rules)?
     } else {
-        trace_dat_events(path)?
+        trace_dat_events(path, rules)?
     };
-    if events.is_empty() {
-        return Err(ValidateError::NoEvents(path.to_owned()));
+    if raw.is_empty() {
+        let ids: BTreeSet<String> = rules.iter().map(|r| format!("{:#x}", r.id)).collect();
+        return Err(ValidateError::NoEvents {
+            path: path.to_owned(),
+            ids: ids.into_iter().collect::<Vec<_>>().join("/"),
+        });
     }
-    Ok(events)
+    // Payload-less events take their number from their order among their vCPU's events of
+    // their id, in guest time.
+    raw.sort_by_key(|e| (e.vcpu, e.id, e.guest_tsc));
+    let mut out = Vec::with_capacity(raw.len());
+    let mut ordinal = 0_u64;
+    let mut last = None;
+    for e in &raw {
+        if last != Some((e.vcpu, e.id)) {
+            ordinal = 0;
+            last = Some((e.vcpu, e.id));
+        }
+        let seq = e.seq.unwrap_or(ordinal);
+        ordinal += 1;
+        for r in rules.iter().filter(|r| r.id == e.id) {
+            out.push(IoEvent {
+                vcpu: e.vcpu,
+                guest_tsc: e.guest_tsc,
+                side: r.side,
+                port: r.port,
+                seq,
+                recorded: e.recorded,
+            });
+        }
+    }
+    Ok(out)
+}
+
+/// An event of a guest recording before rules give it a side and a number.
+struct RawEvent {
+    vcpu: u32,
+    id: u16,
+    guest_tsc: u64,
+    /// From the payload, when it has one.
+    seq: Option<u64>,
+    recorded: Option<Recorded>,
+}
+
+/// The step number a payload carries: its first bytes, up to 8, little-endian.
+fn seq_of(payload: &[u8]) -> Option<u64> {
+    let n = payload.len().min(8);
+    let mut le = [0u8; 8];
+    le.get_mut(..n)?.copy_from_slice(payload.get(..n)?);
+    (n > 0).then_some(u64::from_le_bytes(le))
 }
 
 /// The workload events of `record --format jsonl` output (`docs/record.md`), line by line
 /// with a bounded line length.
-fn jsonl_events(path: &Path, mut input: impl BufRead) -> Result<Vec<IoEvent>, ValidateError> {
+fn jsonl_events(
+    path: &Path,
+    mut input: impl BufRead,
+    rules: &[EventRule],
+) -> Result<Vec<RawEvent>, ValidateError> {
     let mut out = Vec::new();
     let mut line = Vec::new();
     let mut n = 0_u64;
@@ -264,9 +386,8 @@ fn jsonl_events(path: &Path, mut input: impl BufRead) -> Result<Vec<IoEvent>, Va
         }
         let v: serde_json::Value = serde_json::from_slice(&line).map_err(|e| bad(e.to_string()))?;
         let num = |k: &str| v.get(k).and_then(serde_json::Value::as_u64);
-        let side = match num("id").and_then(|id| u32::try_from(id).ok()) {
-            Some(BEFORE_OUT_EVENT) => Side::BeforeOut,
-            Some(AFTER_IN_EVENT) => Side::AfterIn,
+        let id = match num("id").map(u16::try_from) {
+            Some(Ok(id)) if rules.iter().any(|r| r.id == id) => id,
             Some(_) => continue,
             None => return Err(bad("no numeric \"id\"".into())),
         };
@@ -277,23 +398,41 @@ fn jsonl_events(path: &Path, mut input: impl BufRead) -> Result<Vec<IoEvent>, Va
             .get("payload")
             .and_then(serde_json::Value::as_str)
             .unwrap_or("");
-        let seq = hex
-            .get(..16)
-            .and_then(|h| u64::from_str_radix(h, 16).ok())
-            .map(|be| be.swap_bytes())
-            .ok_or_else(|| bad(format!("payload {hex:?} holds no 8-byte sequence number")))?;
-        out.push(IoEvent {
+        let payload =
+            hex::decode(hex).map_err(|e| bad(format!("payload {hex:?} is not hex bytes: {e}")))?;
+        // `record` writes its conversion on every line; all four or none.
+        let recorded = match (
+            num("host_tsc"),
+            num("host_lo"),
+            num("host_hi"),
+            num("round"),
+        ) {
+            (Some(host), Some(lo), Some(hi), Some(round)) => Some(Recorded {
+                host,
+                lo,
+                hi,
+                round,
+            }),
+            (None, None, None, None) => None,
+            _ => {
+                return Err(bad(
+                    "some of \"host_tsc\", \"host_lo\", \"host_hi\", \"round\" but not all".into(),
+                ));
+            }
+        };
+        out.push(RawEvent {
             vcpu: u32::try_from(vcpu).map_err(|_| bad(format!("vcpu {vcpu}")))?,
+            id,
             guest_tsc,
-            side,
-            seq,
+            seq: seq_of(&payload),
+            recorded,
         });
     }
     Ok(out)
 }
 
-/// The workload events of a guest trace.dat (raw guest TSC timestamps).
-fn trace_dat_events(path: &Path) -> Result<Vec<IoEvent>, ValidateError> {
+/// The events `rules` name in a guest trace.dat (raw guest TSC timestamps).
+fn trace_dat_events(path: &Path, rules: &[EventRule]) -> Result<Vec<RawEvent>, ValidateError> {
     let layout = read_layout(path)?;
     // `record` says in the UNAME option when it wrote host times instead of guest ticks.
     if layout
@@ -305,21 +444,19 @@ fn trace_dat_events(path: &Path) -> Result<Vec<IoEvent>, ValidateError> {
     let mut out = Vec::new();
     for b in 0..layout.buffers.len() {
         crate::tracedat::reader::for_each_event(path, &layout, b, |e| {
-            let side = match e.id {
-                BEFORE_OUT_EVENT => Side::BeforeOut,
-                AFTER_IN_EVENT => Side::AfterIn,
-                _ => return,
-            };
-            let Some(seq) = e.payload.get(..8).filter(|_| e.len >= 8) else {
+            let Some(id) = u16::try_from(e.id)
+                .ok()
+                .filter(|id| rules.iter().any(|r| r.id == *id))
+            else {
                 return;
             };
-            let mut le = [0u8; 8];
-            le.copy_from_slice(seq);
-            out.push(IoEvent {
+            let len = usize::from(e.len).min(e.payload.len());
+            out.push(RawEvent {
                 vcpu: e.cpu,
+                id,
                 guest_tsc: e.ts,
-                side,
-                seq: u64::from_le_bytes(le),
+                seq: seq_of(e.payload.get(..len).unwrap_or_default()),
+                recorded: None,
             });
         })?;
     }
@@ -398,7 +535,8 @@ mod tests {
             ),
         )
         .unwrap();
-        let ev = guest_events(&p).unwrap();
+        let rules = workload_rules(0x3f0);
+        let ev = guest_events(&p, &rules).unwrap();
         assert_eq!(
             ev,
             [
@@ -406,38 +544,93 @@ mod tests {
                     vcpu: 0,
                     guest_tsc: 10,
                     side: Side::BeforeOut,
-                    seq: 0x102
+                    port: 0x3f0,
+                    seq: 0x102,
+                    recorded: Some(Recorded {
+                        host: 1,
+                        lo: 0,
+                        hi: 2,
+                        round: 0
+                    }),
                 },
                 IoEvent {
                     vcpu: 1,
                     guest_tsc: 12,
                     side: Side::AfterIn,
-                    seq: 0x102
+                    port: 0x3f0,
+                    seq: 0x102,
+                    recorded: None,
                 },
             ]
         );
+        // Another guest's own ids: a one-byte payload is its step number; two rules on one
+        // id give an event of each side.
+        let mine = [
+            EventRule {
+                id: 7,
+                port: 0x80,
+                side: Side::BeforeOut,
+            },
+            EventRule {
+                id: 7,
+                port: 0x81,
+                side: Side::AfterIn,
+            },
+        ];
+        let ev = guest_events(&p, &mine).unwrap();
+        assert_eq!(ev.len(), 2);
+        assert_eq!(
+            ev.iter()
+                .map(|e| (e.port, e.side, e.seq))
+                .collect::<Vec<_>>(),
+            [(0x80, Side::BeforeOut, 0), (0x81, Side::AfterIn, 0)],
+            "a payload-less event is numbered in order"
+        );
         std::fs::write(
             &p,
-            "{\"vcpu\":0,\"id\":256,\"guest_tsc\":1,\"payload\":\"01\"}\n",
+            concat!(
+                "{\"vcpu\":0,\"id\":256,\"guest_tsc\":1,\"payload\":\"05\"}\n",
+                "{\"vcpu\":0,\"id\":256,\"guest_tsc\":3,\"payload\":\"\"}\n",
+                "{\"vcpu\":0,\"id\":256,\"guest_tsc\":2,\"payload\":\"\"}\n",
+            ),
         )
         .unwrap();
-        assert!(matches!(
-            guest_events(&p),
-            Err(ValidateError::GuestLine { line: 1, .. })
-        ));
+        let seqs: Vec<(u64, u64)> = guest_events(&p, &rules)
+            .unwrap()
+            .iter()
+            .map(|e| (e.guest_tsc, e.seq))
+            .collect();
+        assert_eq!(seqs, [(1, 5), (2, 1), (3, 2)]);
+        for bad in [
+            "{\"vcpu\":0,\"id\":256,\"guest_tsc\":1,\"payload\":\"015\"}\n",
+            "{\"vcpu\":0,\"id\":256,\"guest_tsc\":1,\"payload\":\"zz\"}\n",
+            "{\"vcpu\":0,\"id\":256,\"guest_tsc\":1,\"payload\":\"\",\"host_tsc\":5}\n",
+        ] {
+            std::fs::write(&p, bad).unwrap();
+            assert!(
+                matches!(
+                    guest_events(&p, &rules),
+                    Err(ValidateError::GuestLine { line: 1, .. })
+                ),
+                "{bad}"
+            );
+        }
         std::fs::write(
             &p,
             "{\"vcpu\":0,\"id\":7,\"guest_tsc\":1,\"payload\":\"\"}\n",
         )
         .unwrap();
-        assert!(matches!(guest_events(&p), Err(ValidateError::NoEvents(_))));
+        assert!(matches!(
+            guest_events(&p, &rules),
+            Err(ValidateError::NoEvents { .. })
+        ));
         std::fs::write(
             &p,
             format!("{{\"id\":256,\"x\":\"{}\"}}\n", "a".repeat(5000)),
         )
         .unwrap();
         assert!(matches!(
-            guest_events(&p),
+            guest_events(&p, &rules),
             Err(ValidateError::GuestLine { line: 1, .. })
         ));
     }

@@ -22,7 +22,8 @@ pub mod input;
 pub mod probes;
 
 pub use check::{
-    IoEvent, LagStats, Numbering, SegmentWorst, Side, ValidateReport, Violation, check,
+    Conversion, EventRule, IoEvent, LagStats, Numbering, Recorded, SegmentWorst, Side,
+    ValidateReport, Violation, check,
 };
-pub use input::{ValidateError, ValidateOptions, validate};
+pub use input::{ValidateError, ValidateOptions, validate, workload_rules};
 pub use probes::{ProbeChecker, ProbeReport, ProbeViolation};

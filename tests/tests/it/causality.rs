@@ -20,7 +20,7 @@ use crate::util::{HostTrace, QemuAgent, qemu_ready, text, trace_cmd};
 
 /// The workload's port: unused on QEMU microvm (no floppy controller), so QEMU answers an
 /// `in` with 0xff and ignores an `out`, both through a userspace exit `kvm_pio` stamps.
-const PORT: &str = "0x3f0";
+pub(crate) const PORT: &str = "0x3f0";
 /// Events to record (before- and after-events together): the bar is 1,000.
 const EVENTS: u64 = 1200;
 
@@ -158,20 +158,20 @@ pub(crate) fn shifted(from: &Path, to: &Path, by: i64) {
 
 /// One recording: the host's `kvm_pio` trace of the port (from before boot), the guest's
 /// recording in `format`, the sync file `record` used, the vCPU thread.
-struct Run {
-    dir: tempfile::TempDir,
-    host: PathBuf,
-    guest: PathBuf,
-    sync: PathBuf,
+pub(crate) struct Run {
+    pub(crate) dir: tempfile::TempDir,
+    pub(crate) host: PathBuf,
+    pub(crate) guest: PathBuf,
+    pub(crate) sync: PathBuf,
     /// Every sync probe `record` used (`--probe-log`).
-    probes: PathBuf,
-    thread: u64,
+    pub(crate) probes: PathBuf,
+    pub(crate) thread: u64,
 }
 
 /// Boots the agent with `skew` and the workload, records `EVENTS` events in `format` with
 /// exit-anchored sync rounds, and extracts the host's trace of the workload port; `None`
 /// (after `require` said why) when a tier-2 prerequisite is missing.
-fn recorded_run(test: &str, purpose: &str, skew: &Skew, format: &str) -> Option<Run> {
+pub(crate) fn recorded_run(test: &str, purpose: &str, skew: &Skew, format: &str) -> Option<Run> {
     if !qemu_ready(test) {
         return None;
     }
@@ -250,7 +250,7 @@ fn recorded_run(test: &str, purpose: &str, skew: &Skew, format: &str) -> Option<
 }
 
 /// The sync file's segments; each must be exit-anchored.
-fn anchored_segments(sync: &Path) -> Vec<Value> {
+pub(crate) fn anchored_segments(sync: &Path) -> Vec<Value> {
     let segments: Vec<Value> = std::fs::read_to_string(sync)
         .unwrap()
         .lines()

@@ -25,4 +25,5 @@ mod sync_crash;
 mod tracedat;
 mod util;
 mod validate;
+mod validate_rules;
 mod vsock;

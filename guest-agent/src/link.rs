@@ -3,34 +3,43 @@
 use vmtsync_core::agent::{Link, LinkError};
 use vmtsync_core::proto::Transport;
 
+use crate::options::TxOrder;
 use crate::uart::Uart;
 
 /// A polled 16550 carrying protocol frames.
 ///
-/// Invariant: the transmit holding register is empty whenever [`Link::send`] is entered. Each
-/// byte is followed by a wait for THRE instead of preceded by one, so the first byte of a frame
-/// leaves with no VM exit between the agent's TSC read and that byte's `out`: the host's exits
-/// around the first byte bracket the read.
+/// With [`TxOrder::WriteThenWait`] (the default), the transmit holding register is empty
+/// whenever [`Link::send`] is entered: each byte is followed by a wait for THRE instead of
+/// preceded by one, so the first byte of a frame leaves with no VM exit between the agent's
+/// TSC read and that byte's `out`. [`TxOrder::WaitThenWrite`] polls LSR before every byte
+/// instead, like a console putc (`uarttx=wait-then-write`, a test build of the guest whose
+/// exits the host must not mistake for its TSC read's bracket).
 #[derive(Debug)]
 pub struct UartLink {
     uart: Uart,
+    order: TxOrder,
 }
 
 impl UartLink {
     /// Takes over an initialised UART and waits until it can transmit (the invariant).
     #[must_use]
-    pub fn new(uart: Uart) -> Self {
+    pub fn new(uart: Uart, order: TxOrder) -> Self {
         uart.wait_thr_empty();
-        Self { uart }
+        Self { uart, order }
     }
 }
 
 impl Link for UartLink {
     #[inline]
     fn send(&mut self, frame: &[u8]) -> Result<(), LinkError> {
-        for &b in frame {
-            self.uart.write_unchecked(b);
-            self.uart.wait_thr_empty();
+        match self.order {
+            TxOrder::WriteThenWait => {
+                for &b in frame {
+                    self.uart.write_unchecked(b);
+                    self.uart.wait_thr_empty();
+                }
+            }
+            TxOrder::WaitThenWrite => self.uart.write_all(frame),
         }
         Ok(())
     }

@@ -58,7 +58,7 @@ use core::cell::UnsafeCell;
 use vmtsync_agent::clock::GuestClock;
 use vmtsync_agent::events::{AgentEvents, FramePerPoll, MessageEvents, NativePortIo, Workload};
 use vmtsync_agent::link::UartLink;
-use vmtsync_agent::options::{MAX_VCPUS, Options, Wire};
+use vmtsync_agent::options::{MAX_VCPUS, Options, TxOrder, Wire};
 use vmtsync_agent::tsc::SkewedTsc;
 use vmtsync_agent::uart::{COM1, COM2};
 use vmtsync_agent::{port, pvh};
@@ -196,7 +196,8 @@ pub extern "C" fn kmain(start_info_phys: u64) -> ! {
         );
     });
     log!(
-        "options: transport={} wire={} ring={} exit={} events={} workload={} skew={}+(tsc*{})>>{}",
+        "options: transport={} wire={} ring={} exit={} events={} workload={} skew={}+(tsc*{})>>{} \
+         uarttx wait-then-write {}",
         defmt::Debug2Format(&opts.transport),
         defmt::Debug2Format(&opts.wire),
         opts.ring,
@@ -205,7 +206,8 @@ pub extern "C" fn kmain(start_info_phys: u64) -> ! {
         opts.workload.is_some(),
         opts.skew.offset,
         opts.skew.ratio,
-        opts.skew.frac_bits
+        opts.skew.frac_bits,
+        opts.uart_tx == TxOrder::WaitThenWrite
     );
 
     let cpuid = NativeCpuid;
@@ -302,7 +304,7 @@ fn serve_postcard(ctx: &Ctx) -> ! {
     let (clock, tsc) = agent_clock(ctx);
     // One frame per poll, so `events=N` records one event per message (see `events`).
     let mut agent = Agent::with_events(
-        FramePerPoll::new(UartLink::new(COM1)),
+        FramePerPoll::new(UartLink::new(COM1, opts.uart_tx)),
         clock,
         agent_events(),
     );

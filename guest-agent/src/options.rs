@@ -28,6 +28,12 @@
 //!   OFFSET may be negative (it wraps, like KVM's offset); numbers are decimal or `0x` hex.
 //! - `skewN=OFFSET,RATIO,FRAC` (N below [`MAX_VCPUS`]): the same for the TSC read on vCPU N (the
 //!   APIC id KVM names `vcpuN` after), instead of `skew=`; see docs/smp.md.
+//! - `uarttx=write-then-wait|wait-then-write`: how COM1's link sends each byte. The default
+//!   writes the byte and then waits for THRE, so nothing but the frame's own stores lies
+//!   between a probe's TSC read and the `out` of its reply's first byte. `wait-then-write` is
+//!   an ordinary console putc (poll LSR until THRE, then write): a test build of the guest
+//!   whose status polls sit between the TSC read and that `out`, which the host's anchoring
+//!   must neither trust nor be fooled by.
 //!
 //! Unknown words are reported in the log and otherwise ignored, so a host can pass options a
 //! newer agent understands.
@@ -53,6 +59,15 @@ pub enum Wire {
     Postcard,
     /// One request byte, one text line back (see the agent binary's docs).
     Line,
+}
+
+/// How COM1's link hands each byte to the UART (`uarttx=`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TxOrder {
+    /// Write the byte, then wait for THRE (the default).
+    WriteThenWait,
+    /// Wait for THRE, then write the byte: an ordinary console putc.
+    WaitThenWrite,
 }
 
 /// The most vCPUs the agent brings up and serves (APIC ids below this): the boot processor and
@@ -99,6 +114,8 @@ pub struct Options {
     pub virtio_mmio: [Option<VirtioMmio>; MAX_VIRTIO_MMIO],
     /// `syncport=N`: bracket every probe's TSC read by an `in` from and an `out` to port N.
     pub sync_port: Option<u16>,
+    /// `uarttx=`: the order of COM1's per-byte write and THRE wait.
+    pub uart_tx: TxOrder,
 }
 
 /// Why an option word was rejected.
@@ -126,6 +143,7 @@ impl Default for Options {
             vsock_listen: false,
             virtio_mmio: [None; MAX_VIRTIO_MMIO],
             sync_port: None,
+            uart_tx: TxOrder::WriteThenWait,
         }
     }
 }
@@ -194,6 +212,11 @@ impl Options {
                 let v = parse_u64(value).ok_or(OptionError::BadValue)?;
                 self.sync_port = Some(u16::try_from(v).map_err(|_| OptionError::BadValue)?);
             }
+            b"uarttx" => match value {
+                b"write-then-wait" => self.uart_tx = TxOrder::WriteThenWait,
+                b"wait-then-write" => self.uart_tx = TxOrder::WaitThenWrite,
+                _ => return Err(OptionError::BadValue),
+            },
             b"workload" => {
                 self.workload = Some(parse_workload(value).ok_or(OptionError::BadValue)?);
             }
@@ -338,6 +361,22 @@ mod tests {
         assert_eq!(o.transport, Transport::Uart);
         assert_eq!(o.exit_code, 42);
         assert_eq!(o.events, 40);
+        assert_eq!(o.uart_tx, TxOrder::WriteThenWait);
+        assert_eq!(
+            parse("uarttx=wait-then-write").0.uart_tx,
+            TxOrder::WaitThenWrite
+        );
+        assert_eq!(
+            parse("uarttx=wait-then-write uarttx=write-then-wait")
+                .0
+                .uart_tx,
+            TxOrder::WriteThenWait
+        );
+        assert_eq!(
+            parse("uarttx=putc").1.len(),
+            1,
+            "an unknown order is refused"
+        );
         assert_eq!(
             o.skew,
             Skew {

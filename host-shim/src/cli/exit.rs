@@ -3,6 +3,7 @@
 use std::io;
 
 use thiserror::Error;
+use vmtsync_core::estimate::EstimateError;
 
 use super::signals::stop_signal;
 use crate::compose::ComposeError;
@@ -166,8 +167,11 @@ impl CliError {
             Self::NotRoot | Self::Mount(_) => 3,
             Self::Probe(e) => probe_exit_code(e),
             Self::Record(crate::record::RecordError::Probe(e)) => probe_exit_code(e),
+            // Every probe lost: the agent stopped answering (7); samples that contradict each
+            // other are a runtime error (1).
             Self::Record(
-                crate::record::RecordError::NoSync | crate::record::RecordError::NoEvents,
+                crate::record::RecordError::NoSync(EstimateError::NoSamples)
+                | crate::record::RecordError::NoEvents,
             ) => 7,
             Self::Record(_) => 1,
             Self::Perfetto(e) => perfetto_exit_code(e),
@@ -326,5 +330,24 @@ mod tests {
             5
         );
         assert_eq!(CliError::Plot(crate::plot::PlotError::Empty).exit_code(), 4);
+        // A recording that never synced: 7 only when every probe was lost, and the message
+        // says "lost" only then.
+        let lost = CliError::Record(crate::record::RecordError::NoSync(EstimateError::NoSamples));
+        let contradict = CliError::Record(crate::record::RecordError::NoSync(
+            EstimateError::SegmentBreak,
+        ));
+        assert_eq!((lost.exit_code(), contradict.exit_code()), (7, 1));
+        assert!(
+            lost.to_string()
+                .contains("every probe of the round was lost")
+        );
+        assert!(
+            !contradict.to_string().contains("every probe"),
+            "{contradict}"
+        );
+        assert!(
+            contradict.to_string().contains("contradict"),
+            "{contradict}"
+        );
     }
 }

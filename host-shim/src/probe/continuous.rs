@@ -48,6 +48,9 @@ pub struct ContinuousSummary {
     /// Rounds that yielded no usable samples (all lost, or a clock step inside the round);
     /// nothing was written for them.
     pub empty_rounds: u64,
+    /// Why the last round whose samples gave no estimate refused them (the run's error when
+    /// no round gave a segment: not "every probe was lost" when none was).
+    pub refused: Option<EstimateError>,
     /// The last round's summary.
     pub last: Option<ProbeSummary>,
 }
@@ -117,6 +120,7 @@ pub(super) fn run<T: StampedTransport>(
         segments: 0,
         breaks: 0,
         empty_rounds: 0,
+        refused: None,
         last: None,
     };
     let mut round = 0_u64;
@@ -203,10 +207,15 @@ fn one_vcpu_round<T: StampedTransport>(
         // nothing trustworthy to write; the next round measures the new relation.
         Some(Err(e)) => {
             summary.empty_rounds += 1;
+            summary.refused = Some(e);
             note(
                 out,
                 opts.json,
-                &format!("{name}: skipped, samples inconsistent ({e:?})"),
+                &format!(
+                    "{name}: skipped, {} samples give no estimate: {}",
+                    samples.len(),
+                    super::error::refusal_text(e)
+                ),
             )?;
         }
         Some(Ok(s)) => {

@@ -79,9 +79,7 @@ pub enum ProbeError {
     #[error("the guest agent exited during the session")]
     AgentExited,
     /// No usable sample, or the samples contradict every model.
-    #[error(
-        "cannot estimate: {0:?} (NoSamples: every probe was lost; SegmentBreak: the guest clock stepped during the round, run again)"
-    )]
+    #[error("cannot estimate: {}", refusal_text(*.0))]
     Estimate(EstimateError),
     /// The sync file could not be written.
     #[error(transparent)]
@@ -129,5 +127,38 @@ impl ProbeError {
 impl From<EstimateError> for ProbeError {
     fn from(e: EstimateError) -> Self {
         Self::Estimate(e)
+    }
+}
+
+/// Why a round's samples gave no estimate, in words that say what happened and what to do
+/// (shared by `probe`, its `--json` refusal object and `record`).
+#[must_use]
+pub const fn refusal_text(e: EstimateError) -> &'static str {
+    match e {
+        EstimateError::NoSamples => {
+            "no probe gave a sample: every probe of the round was lost (the counts of lost probes say why; is the agent answering? try a longer --timeout)"
+        }
+        EstimateError::SegmentBreak => {
+            "the probes' brackets contradict each other: no constant offset and rate fits them all (no probe was lost for it). Either the guest clock stepped during the round (run again), or a bracket missed its guest's TSC read: a guest that reads its TSC before it has the request or after it started its reply, or a fault in vmtsync's anchoring (keep the probes with --probe-log FILE and report it)"
+        }
+        EstimateError::Overflow => {
+            "a value left the range the exact arithmetic is proven for (a guest TSC near wrapping, or a skew too large for it)"
+        }
+        EstimateError::OutOfOrder => "the samples' host stamps went backwards",
+        EstimateError::VcpuMismatch => "samples of different vCPUs were mixed",
+        EstimateError::InvalidSample => "a sample's host bracket ends before it starts",
+        EstimateError::Unbounded => "the samples do not bound the rate yet",
+        _ => "the estimators refused the samples",
+    }
+}
+
+/// A short name of [`refusal_text`]'s cause, for the `--json` refusal object's `error` key.
+#[must_use]
+pub const fn refusal_kind(e: EstimateError) -> &'static str {
+    match e {
+        EstimateError::NoSamples => "no-samples",
+        EstimateError::SegmentBreak => "contradictory-samples",
+        EstimateError::Overflow => "overflow",
+        _ => "refused-samples",
     }
 }

@@ -51,7 +51,7 @@ pub use args::ProbeArgs;
 pub use connect::{ConnectError, ConnectOptions};
 pub use console::ConsoleLog;
 pub use continuous::{ContinuousOptions, ContinuousSummary};
-pub use error::ProbeError;
+pub use error::{ProbeError, refusal_kind, refusal_text};
 pub use log::{ProbeExchange, ProbeLog, ProbePath};
 pub use progress::Progress;
 pub use report::{OffsetModel, ProbeSummary};

@@ -46,6 +46,21 @@
 //! | `anchor` | `"in-process"`, `"kvm-pio-uart"` or `"kvm-pio-sync-port"` | where the samples' host brackets come from (added in schema 2; readers treat a missing key as `"in-process"`) |
 //! | `tracecmd_fastest_rtt_offset` | i64 | trace-cmd's PTP estimate (fastest round trip's midpoint) on the same samples, same sign |
 //! | `tsc_khz` | u32 or null | guest TSC frequency if the agent reported it |
+//!
+//! A round whose samples give no estimate prints instead one object with an `error` key (added
+//! in schema 2; readers tell the two apart by that key), and the command fails as without
+//! `--json` (the same message on stderr, exit code 1, or 8 for `--anchor kvm-pio` when no
+//! probe's exits were found):
+//!
+//! | key | type | meaning |
+//! |---|---|---|
+//! | `schema` | 2 | as above |
+//! | `vcpu` | u32 | the vCPU probed |
+//! | `error` | `"no-samples"`, `"contradictory-samples"`, `"overflow"` or `"refused-samples"` | why: every probe was lost; the samples' brackets contradict each other (no constant offset and rate fits them all); a value out of range; any other refusal |
+//! | `message` | string | the same in words, and what to try |
+//! | `probes` | u32 | samples the round had |
+//! | `sent`, `lost_probes`, `unanchored` | u64 | as above |
+//! | `anchor` | string | as above |
 
 use std::io::{self, Write};
 
@@ -180,6 +195,20 @@ struct JsonSummary {
     tsc_khz: Option<u32>,
 }
 
+/// The `--json` object of a round that gave no estimate (module docs).
+#[derive(Serialize)]
+struct JsonRefusal {
+    schema: u32,
+    vcpu: u32,
+    error: &'static str,
+    message: &'static str,
+    probes: u32,
+    sent: u64,
+    lost_probes: u64,
+    unanchored: u64,
+    anchor: crate::probe::anchor::AnchorKind,
+}
+
 /// The current `--json` schema version.
 pub const JSON_SCHEMA: u32 = 2;
 
@@ -302,6 +331,33 @@ impl ProbeSummary {
             tracecmd_fastest_rtt_offset: self.tracecmd_fastest,
             tsc_khz: self.tsc_khz,
         }
+    }
+
+    /// Writes the `--json` object of a round on `vcpu` whose `probes` samples gave no
+    /// estimate (`error`, see the module docs), on one line.
+    ///
+    /// # Errors
+    /// The writer's.
+    pub fn write_json_refusal(
+        out: &mut dyn Write,
+        vcpu: u32,
+        probes: usize,
+        stats: SessionStats,
+        why: EstimateError,
+    ) -> io::Result<()> {
+        let refusal = JsonRefusal {
+            schema: JSON_SCHEMA,
+            vcpu,
+            error: super::error::refusal_kind(why),
+            message: super::error::refusal_text(why),
+            probes: u32::try_from(probes).unwrap_or(u32::MAX),
+            sent: stats.sent,
+            lost_probes: stats.lost_probes,
+            unanchored: stats.unanchored,
+            anchor: stats.anchor,
+        };
+        serde_json::to_writer(&mut *out, &refusal).map_err(io::Error::from)?;
+        out.write_all(b"\n")
     }
 
     /// Writes the JSON object on one line.

@@ -217,7 +217,8 @@ fn continuous<T: StampedTransport>(
         // Stopped before any round measured something: interrupted, not "no samples".
         ProbeError::Interrupted
     } else {
-        ProbeError::Estimate(EstimateError::NoSamples)
+        // Samples that gave no estimate are not lost probes: say which it was.
+        ProbeError::Estimate(c.refused.unwrap_or(EstimateError::NoSamples))
     })?;
     Ok(vec![last])
 }
@@ -229,7 +230,23 @@ fn one_round<T: StampedTransport>(
     progress: &mut Progress,
 ) -> Result<ProbeSummary, ProbeError> {
     let samples = session.probe_round(opts.probes, opts.interval, progress)?;
-    let summary = ProbeSummary::from_samples(session.info(), &samples, session.stats())?;
+    let summary = match ProbeSummary::from_samples(session.info(), &samples, session.stats()) {
+        Ok(s) => s,
+        Err(why) => {
+            // Under --json stdout still says what became of the round, in the schema.
+            if opts.json {
+                ProbeSummary::write_json_refusal(
+                    out,
+                    session.selected_vcpu(),
+                    samples.len(),
+                    session.stats(),
+                    why,
+                )
+                .map_err(ProbeError::Output)?;
+            }
+            return Err(why.into());
+        }
+    };
     if opts.json {
         summary.write_json(out)
     } else {
@@ -254,6 +271,7 @@ pub enum VcpuChoice {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::probe::error::refusal_text;
     use crate::probe::testutil::SimTransport;
     use crate::syncfile::SyncFile;
 
@@ -299,6 +317,36 @@ mod tests {
             assert!(s.bound_lo <= truth && truth <= s.bound_hi, "{s:?}");
             assert_eq!(j["offset_ticks"], s.offset);
         }
+    }
+
+    /// Samples that contradict each other (the guest's offset steps by 2^40 ticks mid-round,
+    /// as a bracket that missed its read would look) are no lost probes: the error says what
+    /// happened, and `--json` still prints the round's object, with an `error` key.
+    #[test]
+    fn contradictory_samples_are_named_as_such_and_json_still_says_so() {
+        let mut t = SimTransport::new(1_000);
+        t.exact = true;
+        t.step_at = Some((5, 1 << 40));
+        let mut opts = options();
+        opts.json = true;
+        let mut out = Vec::new();
+        let err = run_probe_on(t, &opts, &mut out).unwrap_err();
+        assert!(
+            matches!(err, ProbeError::Estimate(EstimateError::SegmentBreak)),
+            "{err:?}"
+        );
+        let text = err.to_string();
+        assert!(text.contains("contradict"), "{text}");
+        assert!(!text.contains("every probe"), "{text}");
+        let j: serde_json::Value = serde_json::from_slice(&out).unwrap();
+        assert_eq!(j["schema"], 2);
+        assert_eq!(j["error"], "contradictory-samples");
+        // The step's first probe lands outside the unwrap window and is lost; the others
+        // are the round's samples.
+        let n = |k: &str| j[k].as_u64().unwrap();
+        assert_eq!((n("sent"), n("probes") + n("lost_probes")), (8, 8));
+        assert!(n("probes") >= 6, "{j}");
+        assert_eq!(j["message"], refusal_text(EstimateError::SegmentBreak));
     }
 
     #[test]

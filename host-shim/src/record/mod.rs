@@ -32,7 +32,7 @@ use std::time::{Duration, Instant};
 
 use thiserror::Error;
 use vmtsync_core::HostTicks;
-use vmtsync_core::estimate::ProbeSample;
+use vmtsync_core::estimate::{EstimateError, ProbeSample};
 use vmtsync_core::mapping::KvmTscMapping;
 use vmtsync_core::proto::EventClock;
 
@@ -180,11 +180,13 @@ pub enum RecordError {
         "the guest agent records no events (its capabilities lack EVENTS): link the vmtsync recorder into it (see vmtsync-core's recorder docs), or boot vmtsync-agent with workload= or events="
     )]
     NoEvents,
-    /// No sync round produced a segment, so no event can be placed on the host timeline.
+    /// No sync round produced a segment, so no event can be placed on the host timeline:
+    /// `NoSamples` when every probe was lost, else why the last round's samples were refused.
     #[error(
-        "no sync round produced usable samples: every probe was lost (is the agent answering? try a longer --timeout)"
+        "no sync round produced a segment, so no event can be placed on the host timeline: {}",
+        crate::probe::refusal_text(*.0)
     )]
-    NoSync,
+    NoSync(EstimateError),
 }
 
 impl RecordError {
@@ -337,12 +339,17 @@ pub fn run_record_on<T: StampedTransport>(
         failed_drains: 0,
         widths: Widths::default(),
         clocks: Vec::new(),
+        refused: None,
     };
     let started = Instant::now();
     // The initial sync: nothing can be placed before it.
     let first = st.sync(&mut session, p);
     let end = match first {
-        Ok(()) if st.segments() == 0 => return Err(RecordError::NoSync),
+        Ok(()) if st.segments() == 0 => {
+            return Err(RecordError::NoSync(
+                st.refused.unwrap_or(EstimateError::NoSamples),
+            ));
+        }
         Ok(()) => record_loop(&mut session, opts, &mut st, &mut out, started, progress),
         Err(ProbeError::Interrupted) => return Err(ProbeError::Interrupted.into()),
         Err(e) => return Err(e.into()),
@@ -430,6 +437,8 @@ struct State {
     widths: Widths,
     /// Host TSC/BOOTTIME snapshots, one per sync round (for the Perfetto output).
     clocks: Vec<ClockSnapshot>,
+    /// Why the last vCPU round whose samples gave no estimate refused them.
+    refused: Option<EstimateError>,
 }
 
 /// Where a batch of `len` records whose first has index `first` stands against the index the
@@ -516,10 +525,14 @@ impl State {
             if samples.is_empty() {
                 continue;
             }
-            let Ok(s) = ProbeSummary::from_samples(session.info(), &samples, session.stats())
-            else {
-                // The clock stepped inside the round: nothing trustworthy to add.
-                continue;
+            let s = match ProbeSummary::from_samples(session.info(), &samples, session.stats()) {
+                Ok(s) => s,
+                // The samples fit no constant relation (the clock stepped inside the round,
+                // or a bracket was wrong): nothing trustworthy to add.
+                Err(e) => {
+                    self.refused = Some(e);
+                    continue;
+                }
             };
             let is_break = v.cumulative.add(&samples);
             let seg = segment(&v.cumulative, &s, &samples, round, is_break)?;

@@ -3,18 +3,21 @@
 //!
 //! A guest agent on a UART reads the request byte by byte (`in` on the data port) and writes
 //! its reply byte by byte (`out`); KVM stamps every such exit with the host TSC (trace clock
-//! `x86-tsc`) before the VMM sees it. The agent reads its TSC after it has read the request's
-//! delimiter and before it writes the reply's first byte, so
-//! `h(delimiter in) ≤ host time of the guest's read ≤ h(first reply byte out)`: the exits of
-//! the vCPU thread bracket the read, whatever the VMM and the host socket add on top.
+//! `x86-tsc`) before the VMM sees it. A guest cannot answer a request before it has read it,
+//! and writes a reply frame (which holds the TSC it read) only once the frame is whole, so
+//! `h(in that completed the request) ≤ host time of the guest's read ≤ h(first reply out)`,
+//! whatever the VMM and the host socket add on top, and whatever else the guest does with its
+//! ports in between (status polls, console text, other devices, other vCPUs).
 //!
 //! [`AnchoredTransport`] wraps any [`StampedTransport`]: it remembers the last request frame it
 //! sent and the bytes received since, and in [`StampedTransport::refine`] drains the private
 //! tracefs instance's `trace_pipe_raw` ([`PioTrace`]) and looks for the exchange's exits
-//! ([`match_uart`]): the request's bytes read in order ending in its delimiter, then the
-//! reply's bytes written in order, all by one vCPU thread, inside the process's own bracket.
-//! The refined pair is returned only when every byte matches; otherwise the probe is dropped
-//! and counted ([`AnchorStats`], `SessionStats::unanchored`), never guessed.
+//! ([`match_uart`]): the earliest run of data-port reads spelling the request and the latest
+//! run of data-port writes spelling the reply, inside the process's own bracket, chosen so
+//! that no extra access can move either end inwards past the read. The refined pair is
+//! returned only when both are found in order and the kernel lost no exits meanwhile;
+//! otherwise the probe is dropped and counted ([`AnchorStats`], `SessionStats::unanchored`),
+//! never guessed.
 
 mod matching;
 mod setup;
@@ -108,8 +111,30 @@ pub enum Unmatched {
     Frames,
     /// No run of `out`s by one thread inside the bracket spells the reply.
     Reply,
-    /// No run of `in`s before the reply, by its thread, spells the request.
+    /// No run of `in`s inside the bracket spells the request.
     Request,
+    /// The earliest whole reading of the request ends after the latest writing of the reply
+    /// starts: no guest that answers what it read leaves such exits (exits are missing).
+    Order,
+    /// The kernel lost exits while this exchange ran (a flagged or unreadable ring-buffer
+    /// page, or more than [`MAX_EXITS`] waiting), so the exchange's own may be among them.
+    TraceLost,
+}
+
+impl Unmatched {
+    /// What happened, in words (for messages).
+    #[must_use]
+    pub const fn describe(self) -> &'static str {
+        match self {
+            Self::Frames => "the request or the reply frame was not known",
+            Self::Reply => "no writes of the reply's bytes were traced",
+            Self::Request => "no reads of the request's bytes were traced",
+            Self::Order => "the traced exits had the reply written before the request was read",
+            Self::TraceLost => {
+                "kvm_pio events were lost, or could not be read, during the exchange"
+            }
+        }
+    }
 }
 
 /// Counters of the anchor (reported next to the session's).
@@ -123,6 +148,10 @@ pub struct AnchorStats {
     pub no_reply: u64,
     /// Exchanges dropped: the request's `in`s were not all found.
     pub no_request: u64,
+    /// Exchanges dropped: the exits found had the reply before the request.
+    pub disordered: u64,
+    /// Exchanges dropped: the kernel lost exits while they ran.
+    pub trace_lost: u64,
     /// Exits dropped because more than [`MAX_EXITS`] were waiting.
     pub exits_overflowed: u64,
     /// Ring-buffer pages that flagged events lost by the kernel, or did not walk.

@@ -18,8 +18,8 @@ use crate::probe::transport::StampedTransport;
 use crate::procinfo::{DEFAULT_PROC_ROOT, ProcFs};
 use crate::scan::{Scanner, VmSelector};
 
-/// The 16550's register block: eight ports from the data register.
-const UART_PORTS: u16 = 8;
+/// Ports below a register from which a 2- or 4-byte access still covers it.
+const REACH: u16 = 3;
 
 /// `vmtsync probe --anchor`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
@@ -130,9 +130,10 @@ fn open_trace(
         }
     };
     let mut ports: Vec<u16> = match matcher {
-        // The whole 16550 register block: the status-register polls tighten the bracket
-        // (`match_uart`); bytes are matched on the data port only.
-        Matcher::Uart { port } => (port..port.saturating_add(UART_PORTS)).collect(),
+        // The data register and the three ports below it, from which a word or double-word
+        // access also reaches it: `match_uart` counts every access that covers the data port
+        // and nothing else (status polls cannot move its bracket, so they are not traced).
+        Matcher::Uart { port } => (port.saturating_sub(REACH)..=port).collect(),
         Matcher::SyncPort { port } => vec![port],
     };
     ports.extend(sync_port.filter(|p| !ports.contains(p)));

@@ -400,10 +400,9 @@ fn bench(args: &Args) -> Result<Report> {
             rows.push(row(&format!("{name}/stdio-first"), &q, id, |x| {
                 (x.pipe.send, x.pipe.first_recv)
             })?);
-            // What `vmtsync probe --anchor kvm-pio` uses: the thread's last exit before the
-            // reply (the request's delimiter `in` unless a status poll followed it) and the
-            // reply's first `out`.
-            let tight = |x: &qemu::Stamps| (x.exits.last_exit, x.exits.first_out);
+            // What `vmtsync probe --anchor kvm-pio` uses: the `in` that completed the request
+            // and the reply's first `out` (docs/anchor.md).
+            let tight = |x: &qemu::Stamps| (x.exits.delimiter_in, x.exits.first_out);
             rows.push(row(&format!("{name}/kvm-pio"), &q, id, tight)?);
             anchoring = Some(stats::Anchoring {
                 baseline: stdio,

@@ -65,7 +65,6 @@ impl Recorded for AnchoredTransport<PipeTransport> {
         let (pipe, sent, received) = self.inner().last();
         let exits = self.last_bracket().unwrap_or(UartBracket {
             delimiter_in: pipe.send,
-            last_exit: pipe.send,
             first_out: pipe.recv,
         });
         // An exchange whose exits were not found is lost (the session asks again), so the last

@@ -77,7 +77,7 @@ static RECORDER: Recorder<1, 4096> = Recorder::new();
 struct Com1;
 impl Link for Com1 {
     fn send(&mut self, frame: &[u8]) -> Result<(), LinkError> {
-        frame.iter().for_each(|&b| io::com1_putc_then_wait(b));
+        [0].iter().chain(frame).for_each(|&b| io::com1_putc_then_wait(b));
         Ok(())
     }
     fn recv(&mut self, buf: &mut [u8]) -> Result<usize, LinkError> {

@@ -35,6 +35,12 @@ pub const DOORBELL: u16 = 0x2402;
 /// TSC ticks between two requests (about a millisecond at 2-3 GHz): the requests run while
 /// the host records, not only before it attaches.
 const REQUEST_PERIOD: u64 = 1 << 21;
+/// The application prints a progress line on its console after every this many requests,
+/// between two polls of the agent: console text on the UART the protocol shares.
+pub const PROGRESS_EVERY: u64 = 250;
+/// `XEN_HVM_START_MAGIC_VALUE`, the first word of the PVH start info (Xen
+/// `public/arch-x86/hvm/start_info.h`).
+const PVH_START_MAGIC: u32 = 0x336e_c578;
 
 /// The application: one request whenever its period has passed, until [`REQUESTS`] are done.
 struct App {
@@ -64,6 +70,9 @@ impl App {
         // vmtsync-glue: end
         self.done += 1;
         self.next += REQUEST_PERIOD;
+        if self.done.is_multiple_of(PROGRESS_EVERY) {
+            let _ = writeln!(io::Console, "minimal-kernel: {} requests done", self.done);
+        }
     }
 }
 
@@ -77,7 +86,9 @@ static RECORDER: Recorder<1, 4096> = Recorder::new();
 struct Com1;
 impl Link for Com1 {
     fn send(&mut self, frame: &[u8]) -> Result<(), LinkError> {
-        [0].iter().chain(frame).for_each(|&b| io::com1_putc_then_wait(b));
+        [0].iter()
+            .chain(frame)
+            .for_each(|&b| io::com1_putc_then_wait(b));
         Ok(())
     }
     fn recv(&mut self, buf: &mut [u8]) -> Result<usize, LinkError> {
@@ -99,6 +110,15 @@ impl AgentClock for Clock {
     fn vcpu_id(&self) -> u32 {
         0
     }
+    fn read_tsc_for_probe(&mut self, seq: u8) -> vmtsync_core::GuestTicks {
+        let _ = io::inb(0x2400);
+        let t = self.read_tsc();
+        io::outb(0x2400, seq);
+        t
+    }
+    fn sync_port(&self) -> bool {
+        true
+    }
 }
 // vmtsync-glue: end
 
@@ -108,10 +128,15 @@ extern "C" fn kmain(start_info: u64) -> ! {
     io::com1_init();
     let mut con = io::Console;
     let tsc = NativeTsc::lfence_rdtsc();
-    let _ = writeln!(
-        con,
-        "minimal-kernel: long mode, start_info at {start_info:#x}"
-    );
+    // SAFETY: the PVH loader passes the start info's physical address, which the boot code's
+    // identity map covers; its first word is the magic. Volatile: the loader wrote it.
+    let magic = unsafe { (start_info as *const u32).read_volatile() };
+    let pvh = if magic == PVH_START_MAGIC {
+        "ok"
+    } else {
+        "bad"
+    };
+    let _ = writeln!(con, "minimal-kernel: long mode, PVH start info {pvh}");
     let _ = writeln!(
         con,
         "minimal-kernel: {REQUESTS} requests, events {REQUEST_START:#x}/{REQUEST_DONE:#x}, \

@@ -3,14 +3,17 @@
 //!
 //! Runs on the host (`cargo run -p vmtsync-core --example embed`): the "guest" and the "host"
 //! are two halves of this process joined by an in-memory link, and the clock is the machine's
-//! real TSC. In a unikernel, the three pieces marked GUEST are all there is to write:
+//! real TSC. In a unikernel, the three pieces marked GUEST are all there is:
 //!
 //! 1. a [`Link`]: send one frame whole (or refuse it), receive whatever bytes arrived, never
-//!    block — over a UART, a virtio queue, a shared-memory ring;
-//! 2. an [`AgentClock`]: the ordered TSC read and the vCPU id (pvclock, TSC frequency and
-//!    invariance are optional);
+//!    block on the host. On a 16550 UART it is ready-made:
+//!    `vmtsync_core::arch::uart16550::Uart16550::COM1` (call `init()` once), which also takes
+//!    console text between frames through `core::fmt::Write`. Here, an in-memory mailbox;
+//! 2. an [`AgentClock`]: ready-made as [`NativeClock::detect`] (the ordered TSC, the APIC id,
+//!    the TSC frequency and invariance from CPUID);
 //! 3. a `static` [`Recorder`] that the application's code records into, and a loop that calls
-//!    [`Agent::poll`] whenever the unikernel has a moment (idle loop, timer tick).
+//!    [`Agent::poll`] whenever the unikernel has a moment (idle loop, timer tick); the
+//!    [`PollAt`] it returns says whether to call again at once or when input arrives.
 //!
 //! The host (`vmtsync probe` / `vmtsync record`) then syncs the clocks with probes over the same
 //! link and drains the events; here a few lines of `vmtsync_core::proto` play that part.
@@ -19,10 +22,9 @@ use std::cell::RefCell;
 use std::collections::VecDeque;
 use std::rc::Rc;
 
-use vmtsync_core::GuestTicks;
-use vmtsync_core::agent::{Agent, AgentClock, Link, LinkError};
+use vmtsync_core::agent::{Agent, AgentClock, Link, LinkError, PollAt};
 use vmtsync_core::arch::Tsc;
-use vmtsync_core::arch::x86_64::{NativeCpuid, NativeTsc};
+use vmtsync_core::arch::x86_64::{NativeClock, NativeCpuid, NativeTsc};
 use vmtsync_core::proto::{
     Feed, FrameReceiver, Hello, MAX_FRAME_SIZE, Message, PROTOCOL_VERSION, Transport, encode_frame,
 };
@@ -62,21 +64,6 @@ impl Link for MailboxLink {
 
     fn transport(&self) -> Transport {
         Transport::Memory
-    }
-}
-
-/// The unikernel's clock: the ordered TSC read and which vCPU this is.
-struct UnikernelClock {
-    tsc: NativeTsc,
-}
-
-impl AgentClock for UnikernelClock {
-    fn read_tsc(&mut self) -> GuestTicks {
-        GuestTicks(self.tsc.read_ordered())
-    }
-
-    fn vcpu_id(&self) -> u32 {
-        0
     }
 }
 
@@ -132,14 +119,24 @@ fn main() {
         to_host: Rc::clone(&to_host),
         to_guest: Rc::clone(&to_guest),
     };
+    // The recorder's ring index is the vCPU the clock reports (the APIC id), here folded onto
+    // the one ring this example has: the host process may run on any CPU.
+    let clock = NativeClock::detect().with_vcpu(0);
+    println!(
+        "guest: vCPU {}, TSC {:?} kHz, invariant {}",
+        clock.vcpu_id(),
+        clock.tsc_khz(),
+        clock.invariant_tsc()
+    );
     let ring = RECORDER.ring(0).expect("vCPU 0 has a ring");
-    let mut agent = Agent::with_events(link, UnikernelClock { tsc }, ring);
+    let mut agent = Agent::with_events(link, clock, ring);
     for n in 0..10 {
         handle_request(&tsc, n);
     }
     let mut run_guest = || {
-        // The unikernel's idle loop: poll answers everything that arrived, then returns.
-        agent.poll().expect("the mailbox never fails");
+        // The unikernel's idle loop: poll answers everything that arrived, then says when it
+        // needs to run again (at once while input was left waiting).
+        while agent.poll().expect("the mailbox never fails").next == PollAt::Now {}
     };
 
     // HOST: hello, one probe, then drain the events.

@@ -36,16 +36,58 @@ use crate::units::{GuestTicks, HostTicks};
 #[cfg(any(test, feature = "sim"))]
 pub mod fake;
 
-/// A byte link to the host (UART, virtio-vsock, shared memory). Every call is non-blocking.
+/// A byte link to the host (UART, virtio-vsock, shared memory).
+///
+/// # Contract
+///
+/// An implementation (e.g. [`crate::arch::uart16550::Uart16550`], the bundled agent's vsock
+/// stream, a test's [`fake::FakeLink`]) promises:
+///
+/// - **Whole frames or nothing.** [`Link::send`] takes one complete frame (COBS, its `0x00`
+///   delimiter last) and either accepts all of it or refuses it with an error having sent
+///   none of it; the host never sees half a frame from a refused send. A link that shares its
+///   wire with other bytes (console text) delimits each frame on both sides, so those bytes
+///   never merge into a frame (see [`crate::arch::uart16550`]).
+/// - **Never blocks on the host.** No call waits for the peer to answer, read or grant
+///   credit: a full queue is [`LinkError::WouldBlock`]. Waiting on the local device for as
+///   long as it takes to accept a byte (a UART's THRE between two bytes) is allowed; the
+///   caller's loop is what it stalls, so keep it short.
+/// - **In order.** Frames leave in the order they were sent, received bytes are returned in
+///   the order they arrived, none twice, none skipped (a byte the device lost is lost: the
+///   frame fails its CRC and the host asks again).
+/// - **[`Link::flush`]** pushes out everything [`Link::send`] held back, in order; after it
+///   returns `Ok` every accepted frame is on its way to the host. A link that sends at once
+///   holds nothing back and keeps the default.
+///
+/// # What the host infers from its exits
+///
+/// When the host brackets a probe reply's TSC read with the VM exits of the link's device
+/// (`--anchor kvm-pio`: KVM stamps every port I/O with the host TSC), it trusts exactly two
+/// facts, both implied by the protocol rather than by this link's habits:
+///
+/// - the device access that hands the agent the **last byte of the request** (a UART's read
+///   of its delimiter) precedes the TSC read: the agent cannot answer a request it has not
+///   received;
+/// - the device access that carries the **first byte of the reply** out (a UART's `out` of
+///   it) follows the read: the reply holds the value read.
+///
+/// Anything else may happen in between: status polls, other devices' I/O, console text, the
+/// link's own bookkeeping. None of it may be taken as a bound, so none of it can break one; a
+/// link only makes the bracket narrow by doing little between the read and the first byte's
+/// exit (see [`crate::arch::uart16550::TxOrder`]). The agent reads the TSC after the whole
+/// request is decoded and hands the reply to [`Link::send`] right after, followed by
+/// [`Link::flush`].
+///
+/// # Flushing
 ///
 /// A link may hold frames back until [`Link::flush`] (a packet link, where every send costs a
 /// round trip to the device, coalesces them); the agent flushes after each message it answers,
 /// right after a probe reply, and after the last batch of an event drain, so a drain of many
 /// batches can leave in a few packets.
 pub trait Link {
-    /// Sends one complete frame (delimiter included), or refuses it whole. A link that
-    /// buffers may keep it until [`Link::flush`] (or until its buffer needs the room), always
-    /// in order.
+    /// Sends one complete frame (delimiter included), or refuses it whole, without waiting on
+    /// the host. A link that buffers may keep it until [`Link::flush`] (or until its buffer
+    /// needs the room), always in order.
     ///
     /// # Errors
     /// [`LinkError`] if the frame cannot go out now; the agent drops it (a probe reply sent
@@ -62,7 +104,8 @@ pub trait Link {
         Ok(())
     }
 
-    /// Copies received bytes into `buf`; returns how many (0 when nothing is pending).
+    /// Copies received bytes into `buf`, in arrival order; returns how many (0 at once when
+    /// nothing is pending: it never waits for bytes).
     ///
     /// # Errors
     /// [`LinkError`] if the link failed; [`Agent::poll`] returns it.
@@ -148,6 +191,37 @@ pub enum AgentState {
     Ready,
     /// Shut down by the host; [`Agent::poll`] does nothing more.
     Exited,
+}
+
+/// When the agent next needs [`Agent::poll`] (like smoltcp's `Interface::poll_delay`).
+///
+/// The agent has no timed work of its own: it answers requests, so it needs to run when
+/// bytes arrive. How late that may be is up to the kernel: a late poll delays the reply (the
+/// host re-asks a probe after its timeout) but widens no exit-anchored bracket, whose lower
+/// end is the read of the request's last byte, which a late poll also makes late.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "defmt", derive(defmt::Format))]
+#[non_exhaustive]
+pub enum PollAt {
+    /// Right away: this poll read its budget of input (16 × 64 bytes) without the link
+    /// running dry, so more may be waiting.
+    Now,
+    /// When the link has received bytes: the last `recv` returned nothing and nothing else is
+    /// pending. A kernel whose link raises an interrupt may sleep until it; one that polls
+    /// (a UART with interrupts off) polls again at its own pace.
+    Input,
+    /// Never: the host shut the session down ([`AgentState::Exited`]).
+    Never,
+}
+
+/// What one [`Agent::poll`] left behind.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "defmt", derive(defmt::Format))]
+pub struct Poll {
+    /// The session state after the last message handled.
+    pub state: AgentState,
+    /// When the agent next needs a poll.
+    pub next: PollAt,
 }
 
 /// Why [`Agent::poll`] failed.
@@ -243,20 +317,24 @@ impl<L: Link, C: AgentClock, E: EventSources> Agent<L, C, E> {
     }
 
     /// Drains received bytes (at most 16 × 64 per call) and answers every complete request.
-    /// Returns the state after the last message handled.
+    /// Returns the state after the last message handled and when the agent next needs a poll
+    /// ([`PollAt`]).
     ///
     /// # Errors
     /// [`AgentError::Link`] for a failed `recv` (returned at once) or the first failed `send`
     /// (the remaining input is still handled).
-    pub fn poll(&mut self) -> Result<AgentState, AgentError> {
+    pub fn poll(&mut self) -> Result<Poll, AgentError> {
         let mut first_err = None;
         let mut chunk = [0u8; RX_CHUNK];
+        // Until the link runs dry, more input may be waiting.
+        let mut next = PollAt::Now;
         for _ in 0..MAX_CHUNKS_PER_POLL {
             if self.state == AgentState::Exited {
                 break;
             }
             let n = self.link.recv(&mut chunk).map_err(AgentError::Link)?;
             if n == 0 {
+                next = PollAt::Input;
                 break;
             }
             let mut input = chunk.get(..n).unwrap_or_default();
@@ -286,9 +364,15 @@ impl<L: Link, C: AgentClock, E: EventSources> Agent<L, C, E> {
                 }
             }
         }
+        if self.state == AgentState::Exited {
+            next = PollAt::Never;
+        }
         match first_err {
             Some(e) => Err(AgentError::Link(e)),
-            None => Ok(self.state),
+            None => Ok(Poll {
+                state: self.state,
+                next,
+            }),
         }
     }
 

@@ -197,7 +197,7 @@ mod tests {
                 .link_mut()
                 .push_message(&Message::ProbeFull { seq: 9 })
         );
-        assert_eq!(agent.poll(), Ok(AgentState::Ready));
+        assert_eq!(agent.poll().map(|p| p.state), Ok(AgentState::Ready));
         let mut out = std::vec::Vec::new();
         while let Some(m) = agent.link_mut().next_sent() {
             out.push(m.expect("agent frames decode"));

@@ -314,7 +314,7 @@ fn serve_postcard(ctx: &Ctx) -> ! {
     let mut events = MessageEvents::new(opts.events);
     let mut load = workload(ctx, &tsc);
     loop {
-        let polled = agent.poll();
+        let polled = agent.poll().map(|p| p.state);
         events.after_poll(&agent, &EVENTS, &tsc);
         if let Some(w) = &mut load {
             w.tick(&EVENTS, &tsc, &NativePortIo);

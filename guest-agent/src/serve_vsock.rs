@@ -138,7 +138,7 @@ fn run_session(ctx: &Ctx, mut link: VsockLink<Stream, NativeTsc>) -> Stream {
         ctx.vcpu
     );
     loop {
-        let polled = agent.poll();
+        let polled = agent.poll().map(|p| p.state);
         events.after_poll(&agent, &crate::EVENTS, &tsc);
         if let Some(w) = &mut load {
             w.tick(&crate::EVENTS, &tsc, &NativePortIo);

@@ -730,7 +730,7 @@ mod tests {
                 agent
                     .poll()
                     .map_err(|_| ())
-                    .map(|st| st == AgentState::Exited),
+                    .map(|p| p.state == AgentState::Exited),
                 Ok(false)
             );
         }

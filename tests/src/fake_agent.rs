@@ -96,8 +96,8 @@ pub fn serve<S: SocketStream>(stream: S, clock: SkewedClock) -> AgentStats {
         return AgentStats::default();
     };
     let mut agent: Agent<_, _> = Agent::new(link, clock);
-    while let Ok(state) = agent.poll() {
-        if state == AgentState::Exited {
+    while let Ok(polled) = agent.poll() {
+        if polled.state == AgentState::Exited {
             break;
         }
     }
@@ -157,8 +157,8 @@ pub fn serve_with_events<S: SocketStream>(
         }
     });
     let mut agent = Agent::with_events(link, clock, ring);
-    while let Ok(state) = agent.poll() {
-        if state == AgentState::Exited {
+    while let Ok(polled) = agent.poll() {
+        if polled.state == AgentState::Exited {
             break;
         }
     }

@@ -699,10 +699,44 @@ fn shutdown_answers_exiting_and_stops() {
     open(&mut a);
     assert!(a.link_mut().push_message(&Message::Shutdown));
     assert!(a.link_mut().push_message(&Message::Probe { seq: 1 }));
-    assert_eq!(a.poll(), Ok(AgentState::Exited));
+    let exited = Ok(Poll {
+        state: AgentState::Exited,
+        next: PollAt::Never,
+    });
+    assert_eq!(a.poll(), exited);
     assert_eq!(drain(&mut a), [Message::Exiting]);
-    assert_eq!(a.poll(), Ok(AgentState::Exited));
+    assert_eq!(a.poll(), exited);
     assert_eq!(drain(&mut a), []);
+}
+
+/// `poll` says `Now` only while it stopped with input possibly waiting (its budget of
+/// 16 × 64 bytes read), `Input` once the link ran dry.
+#[test]
+fn poll_says_when_it_needs_to_run_again() {
+    let mut a = agent(1);
+    let idle = |state| {
+        Ok(Poll {
+            state,
+            next: PollAt::Input,
+        })
+    };
+    assert_eq!(a.poll(), idle(AgentState::AwaitHello));
+    open(&mut a);
+    let mut probes = 0u32;
+    while a.link().inbound_len() < RX_CHUNK * MAX_CHUNKS_PER_POLL + 1 {
+        assert!(a.link_mut().push_message(&Message::Probe { seq: 1 }));
+        probes += 1;
+    }
+    let first = a.poll().map(|p| p.next);
+    assert_eq!(
+        first,
+        Ok(PollAt::Now),
+        "the budget ran out with input waiting"
+    );
+    let mut answered = drain(&mut a).len();
+    assert_eq!(a.poll(), idle(AgentState::Ready), "the rest fits one poll");
+    answered += drain(&mut a).len();
+    assert_eq!(answered, usize::try_from(probes).expect("small"));
 }
 
 proptest::proptest! {

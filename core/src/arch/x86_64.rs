@@ -1,9 +1,45 @@
-//! The real x86_64 implementations: TSC, CPUID, pvclock registration, clock pairing.
+//! The real x86_64 implementations: TSC, CPUID, port I/O, the native agent clock, pvclock
+//! registration, clock pairing.
 //!
 //! Each is a few instructions long; the logic that uses them is tested through the fakes.
 
+use super::clock::TscClock;
 use super::cpuid::has_rdtscp;
-use super::{Cpuid, CpuidResult, Tsc};
+use super::{Cpuid, CpuidResult, NativePorts, PortIo, PvclockPage, Tsc};
+
+impl PortIo for NativePorts {
+    #[inline]
+    fn inb(&self, port: u16) -> u8 {
+        // SAFETY: `NativePorts::new`'s caller vouched that I/O on every port this value is
+        // used on has no effect on memory the program uses. `in` itself touches no memory;
+        // without the privilege (CPL 0 or IOPL 3) it raises #GP, a fault, not UB.
+        unsafe { x86::io::inb(port) }
+    }
+
+    #[inline]
+    fn outb(&self, port: u16, value: u8) {
+        // SAFETY: as for `inb`: the creator vouched for the port's device, and `out` touches
+        // no memory of its own.
+        unsafe { x86::io::outb(port, value) }
+    }
+}
+
+/// The guest's own clock as an [`crate::agent::AgentClock`]: the ordered TSC, the APIC id,
+/// the TSC frequency and invariance from CPUID, optionally a sync port on real port I/O and
+/// the registered pvclock page (see [`TscClock`]).
+pub type NativeClock = TscClock<NativeTsc, NativePorts, PvclockPage<'static>>;
+
+impl NativeClock {
+    /// The running vCPU's clock from the CPU's own CPUID ([`NativeTsc::detect`] picks the TSC
+    /// read, [`TscClock::from_cpuid`] the rest). No sync port, no pvclock page: add them with
+    /// [`TscClock::with_sync_port`] and [`TscClock::with_pvclock`]. Call it on the vCPU it
+    /// will serve: the APIC id is that of the vCPU running this.
+    #[must_use]
+    pub fn detect() -> Self {
+        let cpuid = NativeCpuid;
+        Self::from_cpuid(NativeTsc::detect(&cpuid), &cpuid)
+    }
+}
 
 /// The CPU's own CPUID instruction.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

@@ -1,14 +1,18 @@
 //! The kernel's port I/O: its console on COM1 (a polled 16550) and isa-debug-exit.
 //!
 //! 16550 registers (National Semiconductor PC16550D data sheet): THR/RBR at +0, IER +1, FCR
-//! +2, LCR +3 (bit 7: divisor latch access), MCR +4, LSR +5 (bit 0: data ready, bit 5: THR
-//! empty). isa-debug-exit is QEMU's `-device isa-debug-exit,iobase=0xf4`: writing `v` ends
-//! QEMU with status `(v << 1) | 1`.
+//! +2, LCR +3 (bit 7: divisor latch access), MCR +4, LSR +5 (bit 5: THR empty).
+//! isa-debug-exit is QEMU's `-device isa-debug-exit,iobase=0xf4`: writing `v` ends QEMU with
+//! status `(v << 1) | 1`.
+//!
+//! The console shares COM1 with vmtsync's link (`Uart16550::COM1` in `main.rs`): the link
+//! writes a 0x00 before and after every frame, so the host tells this text from frames as
+//! long as the text has no NUL and is never written while a frame is being sent (the kernel
+//! prints only between two polls of the agent).
 
 use core::arch::asm;
 
 const COM1: u16 = 0x3f8;
-const LSR_DR: u8 = 0x01;
 const LSR_THRE: u8 = 0x20;
 const DEBUG_EXIT: u16 = 0xf4;
 
@@ -46,17 +50,6 @@ pub fn com1_init() {
 pub fn com1_putc(b: u8) {
     while inb(COM1 + 5) & LSR_THRE == 0 {}
     outb(COM1, b);
-}
-
-/// Writes `b`, then waits until the transmitter is free again.
-pub fn com1_putc_then_wait(b: u8) {
-    outb(COM1, b);
-    while inb(COM1 + 5) & LSR_THRE == 0 {}
-}
-
-/// The next received byte, if one is waiting.
-pub fn com1_getc() -> Option<u8> {
-    (inb(COM1 + 5) & LSR_DR != 0).then(|| inb(COM1))
 }
 
 /// The kernel's console: text on COM1.

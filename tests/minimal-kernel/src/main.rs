@@ -19,9 +19,6 @@ mod io;
 
 use core::fmt::Write as _;
 
-use vmtsync_core::arch::Tsc as _;
-use vmtsync_core::arch::x86_64::NativeTsc;
-
 /// How many requests the application handles (two events each).
 pub const REQUESTS: u64 = 1000;
 /// The application's event id recorded when a request starts.
@@ -44,8 +41,9 @@ const PVH_START_MAGIC: u32 = 0x336e_c578;
 
 /// The application: one request whenever its period has passed, until [`REQUESTS`] are done.
 struct App {
+    // vmtsync-glue: begin (core's TSC read, which the app paces itself by too, and the one
+    // producer handle of vCPU 0's ring)
     tsc: NativeTsc,
-    // vmtsync-glue: begin (the one producer handle of vCPU 0's ring)
     events: Producer<'static, 4096>,
     // vmtsync-glue: end
     next: u64,
@@ -76,50 +74,20 @@ impl App {
     }
 }
 
-// vmtsync-glue: begin (the statics, the Link and the clock)
-use vmtsync_core::agent::{Agent, AgentClock, AgentState, Link, LinkError};
+// vmtsync-glue: begin (the statics)
+use vmtsync_core::agent::{Agent, PollAt};
+use vmtsync_core::arch::uart16550::Uart16550;
+use vmtsync_core::arch::x86_64::{NativeClock, NativeTsc};
+use vmtsync_core::arch::{NativePorts, Tsc as _};
 use vmtsync_core::recorder::{Producer, Recorder};
 
 /// One ring of 4096 records (32 bytes each) for the one vCPU.
 static RECORDER: Recorder<1, 4096> = Recorder::new();
-
-struct Com1;
-impl Link for Com1 {
-    fn send(&mut self, frame: &[u8]) -> Result<(), LinkError> {
-        [0].iter()
-            .chain(frame)
-            .for_each(|&b| io::com1_putc_then_wait(b));
-        Ok(())
-    }
-    fn recv(&mut self, buf: &mut [u8]) -> Result<usize, LinkError> {
-        Ok(buf
-            .iter_mut()
-            .map_while(|s| io::com1_getc().map(|b| *s = b))
-            .count())
-    }
-    fn transport(&self) -> vmtsync_core::proto::Transport {
-        vmtsync_core::proto::Transport::Uart16550
-    }
-}
-
-struct Clock(NativeTsc);
-impl AgentClock for Clock {
-    fn read_tsc(&mut self) -> vmtsync_core::GuestTicks {
-        vmtsync_core::GuestTicks(self.0.read_ordered())
-    }
-    fn vcpu_id(&self) -> u32 {
-        0
-    }
-    fn read_tsc_for_probe(&mut self, seq: u8) -> vmtsync_core::GuestTicks {
-        let _ = io::inb(0x2400);
-        let t = self.read_tsc();
-        io::outb(0x2400, seq);
-        t
-    }
-    fn sync_port(&self) -> bool {
-        true
-    }
-}
+/// The agent's sync port: another port nothing decodes. The clock reads it right before each
+/// probe's TSC read and writes it right after, so the host's exits of this port bracket the
+/// read within a few instructions (the kernel runs in ring 0, where nested KVM emulates every
+/// instruction: the UART's own exits would bracket hundreds).
+const SYNC_PORT: u16 = 0x2400;
 // vmtsync-glue: end
 
 /// The kernel's main, entered by [`boot`] in long mode with the start-info address.
@@ -127,7 +95,6 @@ impl AgentClock for Clock {
 extern "C" fn kmain(start_info: u64) -> ! {
     io::com1_init();
     let mut con = io::Console;
-    let tsc = NativeTsc::lfence_rdtsc();
     // SAFETY: the PVH loader passes the start info's physical address, which the boot code's
     // identity map covers; its first word is the magic. Volatile: the loader wrote it.
     let magic = unsafe { (start_info as *const u32).read_volatile() };
@@ -142,7 +109,8 @@ extern "C" fn kmain(start_info: u64) -> ! {
         "minimal-kernel: {REQUESTS} requests, events {REQUEST_START:#x}/{REQUEST_DONE:#x}, \
          doorbell port {DOORBELL:#x}"
     );
-    // vmtsync-glue: begin (the application's producer handle)
+    // vmtsync-glue: begin (the application's TSC read and producer handle)
+    let tsc = NativeTsc::lfence_rdtsc();
     let events = RECORDER.producer(0).expect("vCPU 0 has a ring");
     // vmtsync-glue: end
     let mut app = App {
@@ -151,11 +119,14 @@ extern "C" fn kmain(start_info: u64) -> ! {
         next: tsc.read_ordered(),
         done: 0,
     };
-    // vmtsync-glue: begin (the poll loop)
-    let mut agent = Agent::with_events(Com1, Clock(tsc), &RECORDER);
+    // vmtsync-glue: begin (the clock, the link, the poll loop)
+    // SAFETY: nothing in the VM decodes SYNC_PORT: its I/O only exits to the host.
+    let sync = unsafe { NativePorts::new() };
+    let clock = NativeClock::detect().with_sync_port(sync, SYNC_PORT);
+    let mut agent = Agent::with_events(Uart16550::COM1, clock, &RECORDER);
     loop {
         app.step();
-        if agent.poll() == Ok(AgentState::Exited) {
+        if agent.poll().map(|p| p.next) == Ok(PollAt::Never) {
             io::exit(0);
         }
     }

@@ -719,8 +719,11 @@ mod tests {
         stream.extend_from_slice(&probe);
         stream.extend_from_slice(b"tick 1\n");
         // A text run longer than any frame, then a frame right behind it.
-        let long: Vec<u8> = (0..3 * MAX_FRAME_SIZE)
-            .map(|i| b'a' + (i % 26) as u8)
+        let long: Vec<u8> = b"abcdefghijklmnopqrstuvwxyz"
+            .iter()
+            .copied()
+            .cycle()
+            .take(3 * MAX_FRAME_SIZE)
             .collect();
         stream.extend_from_slice(&long);
         stream.push(0);

@@ -266,6 +266,16 @@ pub fn summary_text(s: &RecordSummary) -> String {
             s.lost, s.replayed, s.failed_drains
         ));
     }
+    match (&s.console, s.console_bytes) {
+        (Some(path), n) => t.push_str(&format!(
+            "; {n} bytes of the guest's console text appended to {}",
+            path.display()
+        )),
+        (None, 0) => {}
+        (None, n) => t.push_str(&format!(
+            "; {n} bytes of console text (or damaged frames) between frames, not kept (--console FILE keeps them)"
+        )),
+    }
     if s.host_stamped_skipped + s.unplaceable > 0 {
         t.push_str(&format!(
             "; skipped {} host-stamped and {} unplaceable events",

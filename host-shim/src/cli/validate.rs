@@ -180,6 +180,23 @@ fn print_text(out: &mut impl Write, r: &ValidateReport) -> io::Result<()> {
 }
 
 fn print_events(out: &mut impl Write, r: &ValidateReport) -> io::Result<()> {
+    let rules: Vec<String> = r
+        .rules
+        .iter()
+        .map(|x| match x.side {
+            Side::BeforeOut => format!("{:#x} before the next out on {:#x}", x.id, x.port),
+            Side::AfterIn => format!("{:#x} after the previous exit on {:#x}", x.id, x.port),
+        })
+        .collect();
+    writeln!(
+        out,
+        "rules: {}; converted {}",
+        rules.join(", "),
+        match r.conversion {
+            crate::validate::Conversion::SyncFile => "with the sync file",
+            crate::validate::Conversion::Recorded => "as record converted them (no sync file)",
+        }
+    )?;
     writeln!(
         out,
         "checked {} events against their kvm_pio exits ({} before an out, {} after an in): {} violations ({} with a false guaranteed bound)",

@@ -150,6 +150,11 @@ pub struct RecordSummary {
     pub trace_id: u64,
     /// The file written.
     pub out: PathBuf,
+    /// Bytes of console text the guest printed between frames (docs/probe.md), and the file
+    /// they were appended to (`--console`), if any.
+    pub console_bytes: u64,
+    /// `--console`'s file.
+    pub console: Option<PathBuf>,
 }
 
 /// Why `vmtsync record` failed.
@@ -363,9 +368,12 @@ pub fn run_record_on<T: StampedTransport>(
             return Err(e);
         }
     };
-    if p.shutdown && end != EndReason::AgentExited {
-        session.shutdown();
+    let console_bytes = if p.shutdown && end != EndReason::AgentExited {
+        session.shutdown()
+    } else {
+        session.stats()
     }
+    .console_bytes;
     let (preconverted, clamped) = finish(out, opts, &st)?;
     Ok(RecordSummary {
         events: st.events,
@@ -389,6 +397,8 @@ pub fn run_record_on<T: StampedTransport>(
             0
         },
         out: opts.out.clone(),
+        console_bytes,
+        console: p.console.clone(),
     })
 }
 

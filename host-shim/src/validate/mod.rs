@@ -1,13 +1,17 @@
 //! `vmtsync validate`: checks a sync file against the host's own record of the guest's I/O.
 //!
-//! The agent's workload (`workload=RATE,COUNT,PORT`) records event `0x100` right before an
-//! `out` of its sequence number's low byte to PORT, and event `0x101` right after the `in`
-//! from PORT that follows. The host kernel stamps both exits (`kvm:kvm_pio`, `x86-tsc`) before
-//! the VMM sees them, so the true host time of a before-event lies before its `out`'s stamp,
-//! and that of an after-event after its `in`'s stamp: an exit bracket from outside the sync
-//! code. `validate` converts each event's guest tick with the sync file (the segment covering
-//! it, as `record` does) and checks it lies in its bracket; it also checks that the segment's
-//! guaranteed interval meets the bracket (otherwise the sync file's bound itself is false).
+//! Any guest's events recorded next to its own port I/O, as the user's rules say: `--before
+//! ID:PORT` (event ID is recorded before the guest's next I/O on PORT, an `out` of its step
+//! number's low byte) and `--after ID:PORT` (recorded after its previous I/O on PORT); the
+//! agent's workload (`workload=RATE,COUNT,PORT`: `0x100` before its `out`, `0x101` after the
+//! `in` that follows) is one instance ([`workload_rules`], `--port`). The host kernel stamps
+//! the exits (`kvm:kvm_pio`, `x86-tsc`) before the VMM sees them, so the true host time of a
+//! before-event lies before its `out`'s stamp, and that of an after-event after its exit's
+//! stamp: a bracket from outside the sync code. `validate` converts each event's guest tick
+//! with the sync file (the segment covering it, as `record` does), or takes the conversion
+//! `record --format jsonl` wrote beside it when there is no sync file, and checks it lies in
+//! its bracket; it also checks that the guaranteed interval meets the bracket (otherwise the
+//! bound itself is false).
 //! Details, and why the offset a sync file holds decides the merged order trace-cmd shows:
 //! `docs/validate.md`.
 //!

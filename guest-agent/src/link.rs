@@ -11,9 +11,10 @@ use crate::uart::Uart;
 /// With [`TxOrder::WriteThenWait`] (the default), the transmit holding register is empty
 /// whenever [`Link::send`] is entered: each byte is followed by a wait for THRE instead of
 /// preceded by one, so the first byte of a frame leaves with no VM exit between the agent's
-/// TSC read and that byte's `out`. [`TxOrder::WaitThenWrite`] polls LSR before every byte
-/// instead, like a console putc (`uarttx=wait-then-write`, a test build of the guest whose
-/// exits the host must not mistake for its TSC read's bracket).
+/// TSC read and that byte's `out`, which keeps the host's bracket narrow. The host does not
+/// rely on it (docs/anchor.md, "The bracket argument"): [`TxOrder::WaitThenWrite`] polls LSR
+/// before every byte instead, like a console putc (`uarttx=wait-then-write`, the test build
+/// whose brackets must still hold its TSC read).
 #[derive(Debug)]
 pub struct UartLink {
     uart: Uart,

@@ -5,6 +5,7 @@ mod agent_events;
 mod agent_qemu;
 mod agent_vmm;
 mod anchor;
+mod anchor_putc;
 mod attach;
 mod causality;
 mod cli;

@@ -2,11 +2,15 @@
 //! as the agent, embedding vmtsync-core.
 //!
 //! Tier 1 counts its glue: the non-blank, non-comment lines between its `vmtsync-glue: begin`
-//! and `vmtsync-glue: end` markers must be at most 30. Tier 2 boots it under QEMU microvm/KVM,
-//! records it with `vmtsync record` into a trace.dat, and reads that back with trace-cmd
-//! itself: every event the kernel records is there (ids and sequence numbers), and each lies
-//! on the host's timeline within the recording's guaranteed width of the truth, which comes
-//! from KVM's debugfs mapping of the VM (the kernel applies no skew of its own).
+//! and `vmtsync-glue: end` markers must be at most 30. Tier 2 boots it under QEMU microvm/KVM
+//! twice. Once recorded with exit-anchored sync rounds into a trace.dat, read back with
+//! trace-cmd itself: every event the kernel records is there (ids and sequence numbers), each
+//! within the recording's guaranteed width of the truth, which comes from KVM's debugfs
+//! mapping of the VM (the kernel applies no skew of its own), and `vmtsync validate` checks
+//! each against the host kernel's stamps of the kernel's own port exits. Once with its console
+//! and the protocol on one UART from its first byte: the text arrives byte for byte and no
+//! event is lost. The ids, counts and texts below are the kernel's
+//! (`tests/minimal-kernel/src/main.rs`); a change there that is not made here fails a test.
 
 use std::collections::BTreeSet;
 use std::path::Path;
@@ -24,7 +28,7 @@ use crate::util::{HostTrace, QemuAgent, anchor_ready, have_trace_cmd, scratch, t
 
 /// The most glue lines the embedding may take (issue 17).
 const GLUE_LIMIT: usize = 30;
-/// The kernel's request count and event ids (`tests/minimal-kernel/src/main.rs`).
+/// The kernel's request count, event ids, doorbell port and progress interval.
 const REQUESTS: u64 = 1000;
 const REQUEST_START: u64 = 0x51;
 const REQUEST_DONE: u64 = 0x52;

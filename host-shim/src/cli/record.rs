@@ -228,10 +228,16 @@ pub fn summary_text(s: &RecordSummary) -> String {
          {} sync segments ({} breaks); guaranteed interval widths: {widths}",
         s.events,
         s.out.display(),
-        s.dropped,
+        s.dropped + s.overwritten,
         s.segments,
         s.breaks
     );
+    if s.overwritten > 0 {
+        t.push_str(&format!(
+            " ({} overwritten by its flight recorder before they were sent, {} refused by a full ring)",
+            s.overwritten, s.dropped
+        ));
+    }
     if s.vcpus.len() > 1 {
         let list: Vec<String> = s.vcpus.iter().map(u32::to_string).collect();
         t.push_str(&format!(

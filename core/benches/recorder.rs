@@ -1,5 +1,6 @@
 //! Recorder cost per event on the guest's code path: `Ring::record` with the real ordered TSC
-//! read (`lfence; rdtsc`, what the agent uses) against the TSC read alone, plus the
+//! read (`lfence; rdtsc`, what the agent uses) against the TSC read alone, for a
+//! stop-when-full ring and a flight recorder (through its `Producer` handle), plus the
 //! consumer's cost per record.
 //!
 //! Run with `cargo bench -p vmtsync-core --bench recorder`. Compare the numbers of one run
@@ -13,6 +14,7 @@ use vmtsync_core::arch::x86_64::{NativeCpuid, NativeTsc};
 use vmtsync_core::recorder::Ring;
 
 static RING: Ring<4096> = Ring::new();
+static FLIGHT: Ring<4096> = Ring::new_flight();
 
 fn bench_recorder(c: &mut Criterion) {
     let tsc = NativeTsc::detect(&NativeCpuid);
@@ -65,8 +67,18 @@ fn bench_recorder(c: &mut Criterion) {
             total
         });
     });
+    // A flight ring is never full: it laps itself, and every iteration is a stored event
+    // (the first 4096 into empty slots, the rest overwriting), as in a guest nobody drains.
+    let producer = FLIGHT.producer().expect("the bench's one producer");
+    g.bench_function("flight_record_no_payload", |b| {
+        b.iter(|| producer.record(&tsc, black_box(7), &[]));
+    });
+    g.bench_function("flight_record_8B_payload", |b| {
+        b.iter(|| producer.record(&tsc, black_box(7), black_box(&payload)));
+    });
     g.finish();
     assert_eq!(RING.dropped(), 0, "the bench must never fill the ring");
+    assert_eq!(FLIGHT.refused(), 0, "a flight ring never refuses");
 }
 
 criterion_group!(benches, bench_recorder);

@@ -18,10 +18,12 @@
 //! Without [`FramePerPoll`] a poll drains everything received, and on a fast host the next
 //! request often arrives before the poll returns: several messages would share one event.
 
+use core::sync::atomic::{AtomicBool, Ordering};
+
 use vmtsync_core::agent::{Agent, AgentClock, Link, LinkError};
 use vmtsync_core::arch::Tsc;
 use vmtsync_core::proto::Transport;
-use vmtsync_core::recorder::{EventSources, Record, Recorder, Ring};
+use vmtsync_core::recorder::{EventSources, Mode, ReadError, Record, Recorder, Ring};
 
 /// Event id of a handled message (`events=N`).
 pub const MESSAGE_EVENT: u16 = 1;
@@ -54,16 +56,34 @@ impl<const BSP: usize, const VCPUS: usize, const AP: usize> EventSources
     fn queue_vcpu(&self, q: usize) -> Option<u32> {
         q.checked_sub(1).and_then(|a| self.aps.queue_vcpu(a))
     }
-    fn get_in(&self, q: usize, i: usize) -> Option<Record> {
+    fn start_in(&self, q: usize) -> u64 {
         match q.checked_sub(1) {
-            None => self.bsp.get(i),
-            Some(a) => self.aps.get_in(a, i),
+            None => self.bsp.start(),
+            Some(a) => self.aps.start_in(a),
         }
     }
-    fn consume_in(&self, q: usize, n: usize) {
+    fn end_in(&self, q: usize) -> u64 {
         match q.checked_sub(1) {
-            None => self.bsp.consume(n),
-            Some(a) => self.aps.consume_in(a, n),
+            None => self.bsp.end(),
+            Some(a) => self.aps.end_in(a),
+        }
+    }
+    fn read_in(&self, q: usize, index: u64) -> Result<Record, ReadError> {
+        match q.checked_sub(1) {
+            None => self.bsp.read(index),
+            Some(a) => self.aps.read_in(a, index),
+        }
+    }
+    fn skip_in(&self, q: usize, from: u64, sent: u64) -> u64 {
+        match q.checked_sub(1) {
+            None => self.bsp.skip(from, sent),
+            Some(a) => self.aps.skip_in(a, from, sent),
+        }
+    }
+    fn release_in(&self, q: usize, end: u64) {
+        match q.checked_sub(1) {
+            None => self.bsp.release(end),
+            Some(a) => self.aps.release_in(a, end),
         }
     }
     fn waiting_in(&self, q: usize) -> usize {
@@ -78,8 +98,55 @@ impl<const BSP: usize, const VCPUS: usize, const AP: usize> EventSources
             Some(a) => self.aps.dropped_in(a),
         }
     }
+    fn overwrites_in(&self, q: usize) -> bool {
+        match q.checked_sub(1) {
+            None => self.bsp.mode() == Mode::Overwrite,
+            Some(a) => self.aps.overwrites_in(a),
+        }
+    }
     fn records_events(&self) -> bool {
         true
+    }
+}
+
+/// The boot vCPU's event ring in both modes, one of them picked at boot (`flight=`): both
+/// are `static` storage (zeroed .bss), so the choice needs no heap and no `unsafe`.
+#[derive(Debug)]
+pub struct BootRing<const CAP: usize> {
+    stop: Ring<CAP>,
+    flight: Ring<CAP>,
+    use_flight: AtomicBool,
+}
+
+impl<const CAP: usize> BootRing<CAP> {
+    /// Both rings empty, the stop-when-full one in use.
+    pub const fn new() -> Self {
+        Self {
+            stop: Ring::new(),
+            flight: Ring::new_flight(),
+            use_flight: AtomicBool::new(false),
+        }
+    }
+
+    /// Picks the flight recorder (`true`) or the stop-when-full ring; call once at boot,
+    /// before anything records.
+    pub fn choose(&self, flight: bool) {
+        self.use_flight.store(flight, Ordering::Relaxed);
+    }
+
+    /// The ring in use.
+    pub fn ring(&self) -> &Ring<CAP> {
+        if self.use_flight.load(Ordering::Relaxed) {
+            &self.flight
+        } else {
+            &self.stop
+        }
+    }
+}
+
+impl<const CAP: usize> Default for BootRing<CAP> {
+    fn default() -> Self {
+        Self::new()
     }
 }
 

@@ -56,7 +56,9 @@ mod smp;
 
 use core::cell::UnsafeCell;
 use vmtsync_agent::clock::GuestClock;
-use vmtsync_agent::events::{AgentEvents, FramePerPoll, MessageEvents, NativePortIo, Workload};
+use vmtsync_agent::events::{
+    AgentEvents, BootRing, FramePerPoll, MessageEvents, NativePortIo, Workload,
+};
 use vmtsync_agent::link::UartLink;
 use vmtsync_agent::options::{MAX_VCPUS, Options, TxOrder, Wire};
 use vmtsync_agent::tsc::SkewedTsc;
@@ -64,7 +66,7 @@ use vmtsync_agent::uart::{COM1, COM2};
 use vmtsync_agent::{port, pvh};
 use vmtsync_core::agent::{Agent, AgentState};
 use vmtsync_core::arch::Cpuid as _;
-use vmtsync_core::recorder::{Recorder, Ring};
+use vmtsync_core::recorder::Recorder;
 
 use vmtsync_core::arch::cpuid::{has_invariant_tsc, kvm_info, tsc_freq};
 use vmtsync_core::arch::x86_64::{NativeCpuid, NativeTsc, register_pvclock};
@@ -81,12 +83,13 @@ macro_rules! log {
 // After `log!`, which it uses.
 mod serve_vsock;
 
-/// Capacity of the agent's event ring, in records (32 bytes each: 128 KiB of .bss).
+/// Capacity of the agent's event ring, in records (32 bytes each: 128 KiB of .bss per mode;
+/// `flight=` picks the stop-when-full ring or the flight recorder at boot).
 const EVENT_RING: usize = 4096;
 
 /// The boot vCPU's event ring: the protocol loop is its consumer, the loop's event sources
 /// (`events=`, `workload=`) its producer, all on the boot vCPU.
-static EVENTS: Ring<EVENT_RING> = Ring::new();
+static EVENTS: BootRing<EVENT_RING> = BootRing::new();
 
 /// Capacity of each application processor's event ring, in records (8 KiB each of .bss:
 /// an AP records one event per probe it answers, and .bss is zeroed in emulated ring 0).
@@ -97,9 +100,9 @@ const AP_EVENT_RING: usize = 256;
 static AP_EVENTS: Recorder<MAX_VCPUS, AP_EVENT_RING> = Recorder::new();
 
 /// Every event ring, as the agent drains them.
-const fn agent_events() -> AgentEvents<'static, EVENT_RING, MAX_VCPUS, AP_EVENT_RING> {
+fn agent_events() -> AgentEvents<'static, EVENT_RING, MAX_VCPUS, AP_EVENT_RING> {
     AgentEvents {
-        bsp: &EVENTS,
+        bsp: EVENTS.ring(),
         aps: &AP_EVENTS,
     }
 }
@@ -210,6 +213,8 @@ pub extern "C" fn kmain(start_info_phys: u64) -> ! {
         opts.uart_tx == TxOrder::WaitThenWrite
     );
 
+    EVENTS.choose(opts.flight);
+
     let cpuid = NativeCpuid;
     let mut features = Features::NONE;
     if has_invariant_tsc(&cpuid) {
@@ -315,9 +320,9 @@ fn serve_postcard(ctx: &Ctx) -> ! {
     let mut load = workload(ctx, &tsc);
     loop {
         let polled = agent.poll().map(|p| p.state);
-        events.after_poll(&agent, &EVENTS, &tsc);
+        events.after_poll(&agent, EVENTS.ring(), &tsc);
         if let Some(w) = &mut load {
-            w.tick(&EVENTS, &tsc, &NativePortIo);
+            w.tick(EVENTS.ring(), &tsc, &NativePortIo);
         }
         agent.link_mut().rearm();
         match polled {
@@ -332,7 +337,7 @@ fn serve_postcard(ctx: &Ctx) -> ! {
                     events.recorded(),
                     load.map_or(0, |w| w.emitted()),
                     s.events_out,
-                    EVENTS.dropped(),
+                    EVENTS.ring().dropped(),
                     opts.exit_code
                 );
                 port::exit(opts.exit_code);

@@ -16,6 +16,9 @@
 //! - `events=N`: record up to N guest events, one per loop poll that handled messages (see the
 //!   agent binary's docs), and on each application processor up to N more, one per probe it
 //!   answers, for the host to drain with `EventsRequest` (default 0: none).
+//! - `flight=1`: the boot vCPU's event ring (`events=`, `workload=`) overwrites its oldest
+//!   records when full, a flight recorder, instead of refusing new ones (`flight=0`, the
+//!   default); the host counts what it overwrote.
 //! - `workload=RATE,COUNT[,PORT]`: emit COUNT (0: unlimited) events at RATE per second while
 //!   serving probes, each with its sequence number as payload; with PORT, bracket each by an
 //!   `out` to and an `in` from PORT (see [`crate::events::Workload`]).
@@ -103,6 +106,9 @@ pub struct Options {
     pub vcpu_skews: [Option<Skew>; MAX_VCPUS],
     /// How many guest events to record (0: none).
     pub events: u32,
+    /// `flight=1`: the boot vCPU's event ring is a flight recorder (it overwrites its oldest
+    /// records) instead of stopping when full.
+    pub flight: bool,
     /// `workload=RATE,COUNT[,PORT]`: events per second, how many (0: until shutdown), and
     /// the port each event's `out`/`in` goes to.
     pub workload: Option<WorkloadOption>,
@@ -138,6 +144,7 @@ impl Default for Options {
             skew: Skew::IDENTITY,
             vcpu_skews: [None; MAX_VCPUS],
             events: 0,
+            flight: false,
             workload: None,
             vsock_port: DEFAULT_VSOCK_PORT,
             vsock_listen: false,
@@ -190,6 +197,11 @@ impl Options {
                 let v = parse_u64(value).ok_or(OptionError::BadValue)?;
                 self.events = u32::try_from(v).map_err(|_| OptionError::BadValue)?;
             }
+            b"flight" => match value {
+                b"0" => self.flight = false,
+                b"1" => self.flight = true,
+                _ => return Err(OptionError::BadValue),
+            },
             b"port" => {
                 let v = parse_u64(value).ok_or(OptionError::BadValue)?;
                 self.vsock_port = u32::try_from(v).map_err(|_| OptionError::BadValue)?;
@@ -354,6 +366,9 @@ mod tests {
             "transport=uart exit=0x2a  skew=-1000,0x3,1 wire=line ring=0 events=40 syncport=0x2400",
         );
         assert!(errs.is_empty(), "{errs:?}");
+        assert!(!o.flight, "stop-when-full is the default");
+        assert!(parse("flight=1").0.flight);
+        assert_eq!(parse("flight=yes").1.len(), 1, "flight is 0 or 1");
         assert_eq!(o.sync_port, Some(0x2400));
         assert_eq!(parse("syncport=65536").1.len(), 1, "a port is 16 bits");
         assert_eq!(o.wire, Wire::Line);

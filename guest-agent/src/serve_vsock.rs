@@ -139,9 +139,9 @@ fn run_session(ctx: &Ctx, mut link: VsockLink<Stream, NativeTsc>) -> Stream {
     );
     loop {
         let polled = agent.poll().map(|p| p.state);
-        events.after_poll(&agent, &crate::EVENTS, &tsc);
+        events.after_poll(&agent, crate::EVENTS.ring(), &tsc);
         if let Some(w) = &mut load {
-            w.tick(&crate::EVENTS, &tsc, &NativePortIo);
+            w.tick(crate::EVENTS.ring(), &tsc, &NativePortIo);
         }
         match polled {
             Ok(AgentState::Exited) => {
@@ -161,7 +161,7 @@ fn run_session(ctx: &Ctx, mut link: VsockLink<Stream, NativeTsc>) -> Stream {
                     l.errors,
                     load.map_or(0, |w| w.emitted()),
                     s.events_out,
-                    crate::EVENTS.dropped(),
+                    crate::EVENTS.ring().dropped(),
                     opts.exit_code
                 );
                 port::exit(opts.exit_code);

@@ -230,12 +230,22 @@ pub fn summary_text(s: &RecordSummary) -> String {
         || "no events".to_owned(),
         |(lo, med, hi)| format!("min {lo}, median {med}, max {hi} ticks"),
     );
+    // A flight recorder's overwritten records are named apart from refused events.
+    let split = if s.overwritten > 0 {
+        format!(
+            " ({} overwritten by its flight recorder before they were sent, {} refused by a \
+             full ring)",
+            s.overwritten, s.dropped
+        )
+    } else {
+        String::new()
+    };
     let mut t = format!(
-        "vmtsync: recorded {} events to {} (ended by {end}); {} dropped by the guest's ring; \
-         {} sync segments ({} breaks); guaranteed interval widths: {widths}",
+        "vmtsync: recorded {} events to {} (ended by {end}); {} dropped by the guest's \
+         ring{split}; {} sync segments ({} breaks); guaranteed interval widths: {widths}",
         s.events,
         s.out.display(),
-        s.dropped,
+        s.dropped + s.overwritten,
         s.segments,
         s.breaks
     );

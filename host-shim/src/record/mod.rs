@@ -34,7 +34,7 @@ use thiserror::Error;
 use vmtsync_core::HostTicks;
 use vmtsync_core::estimate::{EstimateError, ProbeSample};
 use vmtsync_core::mapping::KvmTscMapping;
-use vmtsync_core::proto::EventClock;
+use vmtsync_core::proto::{EventBatch, EventClock};
 
 use crate::export::perfetto::PerfettoWriter;
 use crate::export::perfetto::clock::{BootClock, ClockSnapshot};
@@ -113,8 +113,11 @@ pub enum EndReason {
 pub struct RecordSummary {
     /// Events written.
     pub events: u64,
-    /// Events the guest's ring refused (its cumulative counter at the end).
+    /// Events the guest's stop-when-full rings refused (their cumulative counters at the end).
     pub dropped: u64,
+    /// Records the guest's flight-recorder rings overwrote before the agent sent them (exact:
+    /// each gap in a flight ring's indices split into these and `lost`).
+    pub overwritten: u64,
     /// Sync rounds that became segments.
     pub segments: u64,
     /// Of which started a new estimate (the relation changed).
@@ -377,7 +380,8 @@ pub fn run_record_on<T: StampedTransport>(
     let (preconverted, clamped) = finish(out, opts, &st)?;
     Ok(RecordSummary {
         events: st.events,
-        dropped: st.vcpus.iter().map(|v| v.dropped).sum(),
+        dropped: st.vcpus.iter().map(|v| v.ledger.refused).sum(),
+        overwritten: st.vcpus.iter().map(|v| v.ledger.overwritten).sum(),
         segments: st.segments(),
         breaks: st.breaks,
         widths: st.widths.summary(),
@@ -408,10 +412,8 @@ struct VcpuSync {
     vcpu: u32,
     segments: Vec<SyncSegment>,
     cumulative: Cumulative,
-    /// Events its queue refused (cumulative, as the agent reports it).
-    dropped: u64,
-    /// The index its next batch's first record should have.
-    next_index: Option<u64>,
+    /// What its batches' indices and counters say was lost, and where.
+    ledger: Ledger,
 }
 
 impl VcpuSync {
@@ -420,8 +422,7 @@ impl VcpuSync {
             vcpu,
             segments: Vec::new(),
             cumulative: Cumulative::new(),
-            dropped: 0,
-            next_index: None,
+            ledger: Ledger::default(),
         }
     }
 }
@@ -465,6 +466,49 @@ fn account(expected: Option<u64>, first: u64, len: usize) -> (usize, u64, u64) {
             n.max(end),
         ),
         Some(n) => (0, first - n, end),
+    }
+}
+
+/// One vCPU's accounting of its batches: where the next record should start, and what the
+/// guest says it lost before it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Ledger {
+    /// The index the next batch's first record should have (`None` before the first batch).
+    next: Option<u64>,
+    /// Events a stop-when-full ring refused (its cumulative counter; they have no index).
+    refused: u64,
+    /// Records a flight ring overwrote before they were sent, attributed gap by gap.
+    overwritten: u64,
+    /// The flight ring's cumulative `dropped` already attributed.
+    attributed: u64,
+}
+
+impl Ledger {
+    /// Accounts batch `b`: returns how many of its records were delivered already (skip
+    /// them) and how many records sent before it never arrived. A flight ring's `dropped`
+    /// counts only records below `first`, so the growth since the last batch is the part of
+    /// the gap in indices the ring overwrote (never more than the gap: a guest cannot make
+    /// the host count more than it missed); the rest of the gap was lost in transit. Before
+    /// the first batch the host expected nothing, so the ring's whole count (at most `first`)
+    /// is what it overwrote.
+    fn batch(&mut self, b: &EventBatch) -> (usize, u64) {
+        let (skip, gap, next) = account(self.next, b.first, b.records.len());
+        let mut lost = gap;
+        if b.overwrite {
+            let new = b.dropped.saturating_sub(self.attributed);
+            let over = if self.next.is_none() {
+                new.min(b.first)
+            } else {
+                new.min(gap)
+            };
+            self.overwritten += over;
+            lost -= over.min(lost);
+            self.attributed = self.attributed.max(b.dropped);
+        } else {
+            self.refused = self.refused.max(b.dropped);
+        }
+        self.next = Some(next);
+        (skip, lost)
     }
 }
 
@@ -638,11 +682,10 @@ fn record_loop<T: StampedTransport>(
                 continue;
             };
             let v = &mut st.vcpus[vi];
-            v.dropped = v.dropped.max(b.dropped);
-            // Records before `next_index` were delivered already (a replay): skip them. A gap
-            // after it is events the agent sent that never reached us: count them.
-            let (skip, lost, next) = account(v.next_index, b.first, b.records.len());
-            v.next_index = Some(next);
+            // Records before the next expected index were delivered already (a replay): skip
+            // them. A gap after it is records the ring overwrote before sending them (a
+            // flight ring says how many) and records the agent sent that never reached us.
+            let (skip, lost) = v.ledger.batch(b);
             st.lost += lost;
             st.replayed += skip as u64;
             if b.clock == EventClock::Host {
@@ -688,7 +731,10 @@ fn record_loop<T: StampedTransport>(
         progress.status(&format!(
             "vmtsync record: {} events, {} dropped, {} segments",
             st.events,
-            st.vcpus.iter().map(|v| v.dropped).sum::<u64>(),
+            st.vcpus
+                .iter()
+                .map(|v| v.ledger.refused + v.ledger.overwritten)
+                .sum::<u64>(),
             st.segments()
         ));
         if opts.events.is_some_and(|n| st.events >= n) {
@@ -906,6 +952,38 @@ mod tests {
         assert_eq!(account(Some(243), 240, 5), (3, 0, 245));
         // An empty final batch changes nothing.
         assert_eq!(account(Some(245), 245, 0), (0, 0, 245));
+    }
+
+    fn batch(first: u64, len: usize, dropped: u64, overwrite: bool) -> EventBatch {
+        let mut b = EventBatch::new(0, EventClock::Guest, 0);
+        (b.first, b.dropped, b.overwrite) = (first, dropped, overwrite);
+        for _ in 0..len {
+            assert!(b.push(0, 0, 1, &[]));
+        }
+        b
+    }
+
+    #[test]
+    fn a_flight_rings_gaps_split_into_overwritten_and_lost_exactly() {
+        let mut l = Ledger::default();
+        // Attached late: 36864 overwritten before the first batch, none lost.
+        assert_eq!(l.batch(&batch(36864, 64, 36864, true)), (0, 0));
+        assert_eq!(l.batch(&batch(36928, 64, 36864, true)), (0, 0));
+        // A gap of 100: 60 overwritten (the counter grew by 60), 40 sent and lost in transit.
+        assert_eq!(l.batch(&batch(37092, 8, 36924, true)), (0, 40));
+        // A replay of what arrived changes nothing.
+        assert_eq!(l.batch(&batch(37092, 8, 36924, true)), (8, 0));
+        // A guest claiming more overwritten than the gap holds is held to the gap.
+        assert_eq!(l.batch(&batch(37110, 1, 99_999, true)), (0, 0));
+        assert_eq!(
+            (l.overwritten, l.refused, l.next),
+            (36864 + 60 + 10, 0, Some(37111))
+        );
+        // A stop-when-full ring's gaps are all transit loss, its counter refused events.
+        let mut s = Ledger::default();
+        assert_eq!(s.batch(&batch(0, 64, 5, false)), (0, 0));
+        assert_eq!(s.batch(&batch(100, 1, 9, false)), (0, 36));
+        assert_eq!((s.overwritten, s.refused), (0, 9));
     }
 
     #[test]

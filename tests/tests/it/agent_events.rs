@@ -351,3 +351,80 @@ fn builtin_vmm_workload_overflows_the_ring_and_counts_every_drop() {
         out.log
     );
 }
+
+#[test]
+fn builtin_vmm_flight_recorder_keeps_the_newest_and_counts_every_overwrite() {
+    // 10x the ring's capacity (4096 records) with nobody attached: a flight ring keeps the
+    // newest 4096 and the host learns exactly how many were overwritten. The truth is in the
+    // payloads: each workload event carries its own sequence number.
+    const RING: u64 = 4096;
+    const PRODUCED: u64 = 10 * RING;
+    let Some(vm) = boot(
+        "builtin_vmm_flight_recorder_keeps_the_newest_and_counts_every_overwrite",
+        &format!("workload=10000000,{PRODUCED} flight=1 exit=0"),
+    ) else {
+        return;
+    };
+    // The agent is up (its beacon came), but the host says nothing until the workload is
+    // over: at 10 M events/s it needs 4 ms of guest time (bursts of 64 between polls); two
+    // seconds leave it a wide margin, and a workload still running would show below as
+    // sequence numbers short of the last one.
+    let mut t = Com1Transport::new(vm.com1());
+    assert!(
+        wait_ready(&mut t, Instant::now() + STEP).is_ok(),
+        "log:\n{}",
+        vm.log_text()
+    );
+    std::thread::sleep(Duration::from_secs(2));
+    let c = ProbeSession::hello(t, STEP).expect("capabilities");
+    let log = vec![c.transport().last_exchange()];
+    let mut s = Session { c, log };
+    let (mut seqs, mut batches) = (Vec::new(), Vec::new());
+    loop {
+        let b = s.batch(64);
+        assert!(b.overwrite, "a flight ring's batch says so: {b:?}");
+        let mut first_seq = None;
+        for r in b.timestamped() {
+            let (_, r) = r.expect("timestamps in range");
+            assert_eq!(r.id, 0x100);
+            let seq = u64::from_le_bytes(r.payload.as_slice().try_into().expect("u64 payload"));
+            first_seq.get_or_insert(seq);
+            seqs.push(seq);
+        }
+        if let Some(f) = first_seq {
+            // Every workload event was stored (a flight ring is never full), so a record's
+            // index in the ring is its sequence number.
+            assert_eq!(b.first, f, "{b:?}");
+            batches.push((b.first, b.records.len(), b.dropped));
+        }
+        if b.remaining == 0 {
+            break;
+        }
+    }
+    // Produced, from the guest's own sequence numbers: one past the newest received.
+    let produced = seqs.last().map_or(0, |l| l + 1);
+    assert_eq!(
+        produced,
+        PRODUCED,
+        "the workload had not finished; log:\n{}",
+        vm.log_text()
+    );
+    // The newest records, contiguous, each once.
+    assert_eq!(seqs, (PRODUCED - RING..PRODUCED).collect::<Vec<_>>());
+    // Exactly produced - received overwritten, all below the first batch.
+    let received = seqs.len() as u64;
+    for &(first, len, dropped) in &batches {
+        assert_eq!(dropped, produced - received, "batch at {first} (+{len})");
+    }
+    assert_eq!(s.ask(&Message::Shutdown), Message::Exiting);
+    let out = vm.wait().expect("run ends");
+    assert_eq!(out.exit, VmExit::DebugExit(0), "log:\n{}", out.log);
+    assert!(
+        out.log.contains(&format!(
+            "({PRODUCED} workload, {RING} sent, {} dropped)",
+            PRODUCED - RING
+        )),
+        "log:\n{}",
+        out.log
+    );
+}

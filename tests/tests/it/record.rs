@@ -353,6 +353,81 @@ fn qemu_agent_workload_is_recorded_on_the_true_host_timeline() {
     }
 }
 
+/// Tier 2: a flight recorder under QEMU. The agent's workload records 10x its ring's capacity
+/// (4096 records) before `vmtsync record` attaches; the recording gets the newest 4096, in
+/// order and contiguous, and reports exactly how many were overwritten. The truth of
+/// "produced" is the guest's own sequence numbers in the payloads (the workload's count, and
+/// the newest one received), never the code under test's counter; each event's interval is
+/// checked against the debugfs+skew truth too.
+#[test]
+fn qemu_flight_recorder_gives_the_newest_records_and_the_exact_overwritten_count() {
+    let test = "qemu_flight_recorder_gives_the_newest_records_and_the_exact_overwritten_count";
+    if !qemu_ready(test) {
+        return;
+    }
+    const RING: u64 = 4096;
+    const PRODUCED: u64 = 10 * RING;
+    let skew = Skew(vmtsync_core::mapping::KvmTscMapping::offset_only(
+        Skew::pick().0.offset(),
+    ));
+    let dir = scratch("qemu-flight");
+    let append = format!(
+        "transport=uart exit=0 flight=1 workload=10000000,{PRODUCED} {}",
+        skew.agent_option()
+    );
+    let vm = QemuAgent::boot(dir.path(), &append);
+    // At 10 M events/s the workload needs 4 ms of guest time (bursts of 64 between polls of
+    // COM1); the host stays away for three seconds, boot included. A workload still running
+    // when the host attaches would show below as sequence numbers short of the last one.
+    std::thread::sleep(Duration::from_secs(3));
+    let jsonl = dir.path().join("events.jsonl");
+    let out = vm.record(&jsonl, RING, 200, &["--format", "jsonl", "--shutdown"]);
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    let truth = GuestTruth::new(
+        truth_mapping(vm.guard.pid(), 0).expect("debugfs truth"),
+        Some(skew),
+    );
+    drop(vm);
+    let lines = read_jsonl(&jsonl);
+    let seqs: Vec<u64> = lines
+        .iter()
+        .map(|v| seq_of(v["payload"].as_str().unwrap()))
+        .collect();
+    let produced = seqs.last().map_or(0, |l| l + 1);
+    println!(
+        "flight recorder under QEMU: {} events received, {produced} produced; {}",
+        seqs.len(),
+        stderr.trim()
+    );
+    assert_eq!(
+        produced, PRODUCED,
+        "the workload had not finished: {stderr}"
+    );
+    assert_eq!(
+        seqs,
+        (PRODUCED - RING..PRODUCED).collect::<Vec<_>>(),
+        "the newest records, contiguous, each once"
+    );
+    let overwritten = produced - seqs.len() as u64;
+    assert!(
+        stderr.contains(&format!("{overwritten} dropped by the guest's ring"))
+            && stderr.contains(&format!(
+                "({overwritten} overwritten by its flight recorder before they were sent, 0 refused"
+            )),
+        "the summary names the exact overwritten count {overwritten}: {stderr}"
+    );
+    assert!(!stderr.contains("lost in transit"), "{stderr}");
+    let misses = lines
+        .iter()
+        .filter(|v| {
+            let (g, lo, hi) = (u(v, "guest_tsc"), u(v, "host_lo"), u(v, "host_hi"));
+            !truth.in_bracket(HostTicks(lo), GuestTicks(g), HostTicks(hi))
+        })
+        .count();
+    assert_eq!(misses, 0, "intervals that miss the debugfs+skew truth");
+}
+
 /// Tier 2: sustained ingest over virtio-vsock (QEMU microvm + vhost-device-vsock): the agent's
 /// workload asks for a million events per second; `vmtsync record` (the library, over the rig's
 /// connection) drains for about three seconds. Every event the agent sent arrives, in order,

@@ -2,12 +2,12 @@
 //! own exits in the host trace by the live anchor's matcher, its guest TSC converted with the
 //! sync file and checked against the bracket those exits give (docs/validate.md, "Probes").
 //!
-//! The agent reads its TSC after the last exit of its thread before the reply (on the UART:
-//! the request's delimiter `in` or a later status poll; on the sync port: the `in`) and
-//! before the reply's first `out` (the sync port's `out` of the sequence number), so the true
-//! host time of the read lies in `[h(lower exit), h(upper exit)]`: the same bracket the
-//! session uses when it is exit-anchored, found again here in a trace the sync code never
-//! read. Pairing is [`match_uart`] / [`match_sync_port`] inside the in-process stamps the log
+//! The agent reads its TSC after the `in` that completed its reading of the request and
+//! before the reply's first `out` (on the sync port: after its `in`, before its `out` of the
+//! sequence number), so the true host time of the read lies in `[h(lower exit),
+//! h(upper exit)]`, with the ends chosen so that no other access can move them past the read
+//! (docs/anchor.md, "The bracket argument"): the same bracket the session uses when it is
+//! exit-anchored, found again here in a trace the sync code never read. Pairing is [`match_uart`] / [`match_sync_port`] inside the in-process stamps the log
 //! kept: byte by byte, never guessed; an exchange whose exits are not all there is counted.
 
 use std::collections::BTreeMap;
@@ -24,9 +24,13 @@ use crate::probe::log::{PROBE_LOG_SCHEMA, ProbeExchange, ProbePath};
 use crate::record::bounds::{covering, host_bounds};
 use crate::syncfile::{LineRead, SyncSegment, read_line_bounded};
 
-/// The 16550's register block: the data port and the seven after it, whose status polls the
-/// live matcher also sees (`probe::anchor`'s trace filter).
+/// The 16550's register block: the data port and the seven after it (the matcher uses only
+/// the accesses among them that reach the data port).
 const UART_PORTS: u16 = 8;
+
+/// Ports below the data port from which a 2- or 4-byte access still reaches it (the live
+/// anchor traces them too).
+const REACH: u16 = 3;
 
 /// A converted probe outside its exit bracket (or a guaranteed interval disjoint from it).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -259,7 +263,7 @@ fn read_exchanges(
 #[must_use]
 pub fn ports_of(e: &ProbeExchange) -> std::ops::RangeInclusive<u16> {
     match e.path {
-        ProbePath::Uart => e.port..=e.port.saturating_add(UART_PORTS - 1),
+        ProbePath::Uart => e.port.saturating_sub(REACH)..=e.port.saturating_add(UART_PORTS - 1),
         ProbePath::SyncPort => e.port..=e.port,
     }
 }

@@ -116,8 +116,9 @@ pub enum Unmatched {
     /// The earliest whole reading of the request ends after the latest writing of the reply
     /// starts: no guest that answers what it read leaves such exits (exits are missing).
     Order,
-    /// The kernel lost exits while this exchange ran (a flagged or unreadable ring-buffer
-    /// page, or more than [`MAX_EXITS`] waiting), so the exchange's own may be among them.
+    /// Exits of this exchange may be missing: the kernel lost some (a flagged or unreadable
+    /// ring-buffer page), more than [`MAX_EXITS`] were waiting, a drain left pages unread, or
+    /// the trace could not be read.
     TraceLost,
 }
 
@@ -156,4 +157,6 @@ pub struct AnchorStats {
     pub exits_overflowed: u64,
     /// Ring-buffer pages that flagged events lost by the kernel, or did not walk.
     pub damaged_pages: u64,
+    /// Drains that stopped at their page limit with pages still waiting.
+    pub drains_capped: u64,
 }

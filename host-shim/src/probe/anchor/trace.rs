@@ -85,6 +85,8 @@ impl PioTrace {
             }
         })?;
         stats.damaged_pages += st.bad_pages + st.lost_flagged;
+        // Pages left for the next drain may hold this exchange's own exits.
+        stats.drains_capped += u64::from(st.capped);
         // Per-CPU buffers are each in order; a thread that migrated interleaves them. The
         // x86-tsc clock is the same on every CPU, so time order is the order of the exits.
         fresh.sort_by_key(|e| e.ts);

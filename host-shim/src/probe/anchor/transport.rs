@@ -236,9 +236,10 @@ impl<T: StampedTransport> StampedTransport for AnchoredTransport<T> {
         let Some(trace) = self.trace.as_mut() else {
             return Some(stamps);
         };
-        let lost_before = (self.stats.damaged_pages, self.stats.exits_overflowed);
+        let lost_so_far = |s: &AnchorStats| (s.damaged_pages, s.exits_overflowed, s.drains_capped);
+        let lost_before = lost_so_far(&self.stats);
         let polled = trace.poll(&mut self.stats);
-        let lost = lost_before != (self.stats.damaged_pages, self.stats.exits_overflowed);
+        let lost = lost_before != lost_so_far(&self.stats);
         let m = match polled {
             // Exits lost while this exchange ran may be its own reading of the request or
             // writing of the reply; the earliest and latest runs left could then both lie on

@@ -53,6 +53,18 @@ pub(crate) fn ci_check() -> Result<()> {
     build_agent()
 }
 
+/// The `ci` step for `tests/minimal-kernel/` (excluded from the workspace like the agent):
+/// fmt check, clippy for the bare-metal target, and the release build the tier-2 tests boot.
+pub(crate) fn ci_check_minimal_kernel() -> Result<()> {
+    use vmtsync_launch::agent::{Guest, build_guest, guest_cargo};
+    let guest = Guest::MinimalKernel;
+    vmtsync_launch::prereq::ensure_rustup_target(&guest.dir())?;
+    sh(guest_cargo(guest).args(["fmt", "--check"]))?;
+    sh(guest_cargo(guest).args(["clippy", "--release", "--", "-D", "warnings"]))?;
+    build_guest(guest, BuildOutput::Shown)?;
+    Ok(())
+}
+
 #[allow(clippy::cast_precision_loss)] // Display only; sizes are far below 2^52.
 fn kib(bytes: u64) -> f64 {
     bytes as f64 / 1024.0

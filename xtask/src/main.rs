@@ -163,6 +163,7 @@ fn ci(_args: &[String]) -> Result<()> {
         ("demo", || demo::demo(&[])),
         ("no_std build", check_nostd),
         ("guest agent", agent::ci_check),
+        ("minimal kernel", agent::ci_check_minimal_kernel),
         ("benches compile", || {
             sh(cargo().args(["bench", "--workspace", "--no-run"]))
         }),

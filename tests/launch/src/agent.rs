@@ -1,6 +1,8 @@
-//! The guest agent build: `guest-agent/` in release mode for `x86_64-unknown-none`.
+//! The guest ELF builds: `guest-agent/` (the bundled agent) and `tests/minimal-kernel/` (a
+//! kernel that is not ours, docs/embedding.md), each in release mode for
+//! `x86_64-unknown-none`.
 //!
-//! The build runs with `guest-agent/` as its working directory so the agent's own
+//! A build runs with the guest crate's directory as its working directory so that crate's own
 //! `.cargo/config.toml` (target, relocation model, linker script) applies, and with the outer
 //! build's `RUSTFLAGS` and target removed so host flags never reach the bare-metal build. The
 //! rustup target is installed first when missing ([`crate::prereq::ensure_rustup_target`]), so
@@ -26,7 +28,36 @@ pub fn workspace_root() -> PathBuf {
 /// The agent crate's directory, `guest-agent/`.
 #[must_use]
 pub fn agent_dir() -> PathBuf {
-    workspace_root().join("guest-agent")
+    Guest::Agent.dir()
+}
+
+/// A bare-metal guest crate of this repository, built the same way.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Guest {
+    /// `guest-agent/`: the bundled agent, `vmtsync-agent`.
+    Agent,
+    /// `tests/minimal-kernel/`: a minimal kernel embedding vmtsync-core (docs/embedding.md).
+    MinimalKernel,
+}
+
+impl Guest {
+    /// The crate's directory.
+    #[must_use]
+    pub fn dir(self) -> PathBuf {
+        workspace_root().join(match self {
+            Self::Agent => "guest-agent",
+            Self::MinimalKernel => "tests/minimal-kernel",
+        })
+    }
+
+    /// The name of the ELF the crate builds.
+    #[must_use]
+    pub const fn bin(self) -> &'static str {
+        match self {
+            Self::Agent => "vmtsync-agent",
+            Self::MinimalKernel => "minimal-kernel",
+        }
+    }
 }
 
 /// Where the build's cargo output goes.
@@ -42,8 +73,14 @@ pub enum BuildOutput {
 /// `guest-agent/`, without the outer build's flags.
 #[must_use]
 pub fn agent_cargo() -> Command {
+    guest_cargo(Guest::Agent)
+}
+
+/// [`agent_cargo`] for any [`Guest`]: in its directory, without the outer build's flags.
+#[must_use]
+pub fn guest_cargo(guest: Guest) -> Command {
     let mut c = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
-    c.current_dir(agent_dir())
+    c.current_dir(guest.dir())
         .env_remove("RUSTFLAGS")
         .env_remove("CARGO_ENCODED_RUSTFLAGS")
         .env_remove("CARGO_BUILD_TARGET");
@@ -55,10 +92,18 @@ pub fn agent_cargo() -> Command {
 /// # Errors
 /// The target install's or the build's failure; a build that leaves no ELF.
 pub fn build(output: BuildOutput) -> Result<PathBuf, LaunchError> {
-    let dir = agent_dir();
+    build_guest(Guest::Agent, output)
+}
+
+/// [`build`] for any [`Guest`]: its ELF, under its own `target/`.
+///
+/// # Errors
+/// As [`build`].
+pub fn build_guest(guest: Guest, output: BuildOutput) -> Result<PathBuf, LaunchError> {
+    let dir = guest.dir();
     ensure_rustup_target(&dir)?;
     let target_dir = dir.join("target");
-    let mut c = agent_cargo();
+    let mut c = guest_cargo(guest);
     c.args(["build", "--release", "--target-dir"])
         .arg(&target_dir);
     match output {
@@ -67,12 +112,15 @@ pub fn build(output: BuildOutput) -> Result<PathBuf, LaunchError> {
             run_captured(&mut c)?;
         }
     }
-    let elf = target_dir.join("x86_64-unknown-none/release/vmtsync-agent");
+    let elf = target_dir
+        .join("x86_64-unknown-none/release")
+        .join(guest.bin());
     if elf.is_file() {
         Ok(elf)
     } else {
         Err(LaunchError::Missing(format!(
-            "the agent build succeeded but {} is missing",
+            "the {} build succeeded but {} is missing",
+            guest.bin(),
             elf.display()
         )))
     }
@@ -83,6 +131,20 @@ pub fn build(output: BuildOutput) -> Result<PathBuf, LaunchError> {
 /// # Errors
 /// As [`build`] (the same error on every call).
 pub fn agent_elf() -> Result<PathBuf, LaunchError> {
-    static ELF: OnceLock<Result<PathBuf, LaunchError>> = OnceLock::new();
-    ELF.get_or_init(|| build(BuildOutput::Captured)).clone()
+    guest_elf(Guest::Agent)
+}
+
+/// [`agent_elf`] for any [`Guest`]: built with captured output once per process and guest.
+///
+/// # Errors
+/// As [`build`] (the same error on every call).
+pub fn guest_elf(guest: Guest) -> Result<PathBuf, LaunchError> {
+    static AGENT: OnceLock<Result<PathBuf, LaunchError>> = OnceLock::new();
+    static MINIMAL_KERNEL: OnceLock<Result<PathBuf, LaunchError>> = OnceLock::new();
+    let cell = match guest {
+        Guest::Agent => &AGENT,
+        Guest::MinimalKernel => &MINIMAL_KERNEL,
+    };
+    cell.get_or_init(|| build_guest(guest, BuildOutput::Captured))
+        .clone()
 }

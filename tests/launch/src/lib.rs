@@ -1,10 +1,11 @@
-//! One way to launch the guest agent, shared by the tier-2 tests (`vmtsync-tests`), `cargo
-//! xtask` and the demo.
+//! One way to build and launch a guest (the agent, the minimal kernel), shared by the tier-2
+//! tests (`vmtsync-tests`), `cargo xtask` and the demo.
 //!
 //! - [`prereq`]: tier-2 prerequisite checks ([`require`]: skip with a reason, fail under
 //!   `CI=true`) and the installers a fresh machine needs (the `x86_64-unknown-none` rustup
 //!   target, QEMU through apt).
-//! - [`agent`]: the agent build (`guest-agent/`, release, its own `.cargo/config.toml`).
+//! - [`agent`]: the guest builds (`guest-agent/`, `tests/minimal-kernel/`; release, each with
+//!   its own `.cargo/config.toml`).
 //! - [`qemu`]: the QEMU command line (microvm or q35 + qboot, COM1, COM2, isa-debug-exit).
 //! - [`vhost`]: the vhost-device-vsock backend's version and install location.
 //! - [`trace_processor`]: Perfetto's trace processor (wasm, run by Node), fetched into the

@@ -94,7 +94,37 @@ pub fn command_com1_socket_smp(
     sock: &Path,
     smp: u32,
 ) -> Command {
-    let chardev = format!("socket,id=com1,path={},server=on,wait=off", sock.display());
+    com1_socket(machine, elf, append, com2_log, sock, smp, false)
+}
+
+/// [`command_com1_socket`] with `wait=on`: QEMU creates the socket, then waits for a client
+/// before it starts the guest, so the client sees every byte the guest writes on COM1 from
+/// its first (a boot log; with `wait=off` bytes written before a client connects are lost).
+#[must_use]
+pub fn command_com1_socket_waiting(
+    machine: Machine,
+    elf: &Path,
+    append: &str,
+    com2_log: &Path,
+    sock: &Path,
+) -> Command {
+    com1_socket(machine, elf, append, com2_log, sock, 1, true)
+}
+
+fn com1_socket(
+    machine: Machine,
+    elf: &Path,
+    append: &str,
+    com2_log: &Path,
+    sock: &Path,
+    smp: u32,
+    wait: bool,
+) -> Command {
+    let wait = if wait { "on" } else { "off" };
+    let chardev = format!(
+        "socket,id=com1,path={},server=on,wait={wait}",
+        sock.display()
+    );
     command_with_com1(
         machine,
         elf,
@@ -183,6 +213,17 @@ mod tests {
             4,
         ));
         assert!(c.contains("-smp 4 "), "{c}");
+        let c = display(&command_com1_socket_waiting(
+            Machine::Microvm,
+            elf,
+            "",
+            log,
+            Path::new("/s"),
+        ));
+        assert!(
+            c.contains("path=/s,server=on,wait=on -serial chardev:com1"),
+            "{c}"
+        );
     }
 
     #[test]

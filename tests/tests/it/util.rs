@@ -188,9 +188,27 @@ pub(crate) fn boot_qemu(dir: &Path, append: &str) -> (ChildGuard, PathBuf) {
 /// [`boot_qemu`] with `extra` QEMU arguments appended (such as `-name N,debug-threads=on`).
 pub(crate) fn boot_qemu_with(dir: &Path, append: &str, extra: &[&str]) -> (ChildGuard, PathBuf) {
     let elf = agent_elf().expect("agent builds");
+    boot_elf(&elf, dir, append, extra, false)
+}
+
+/// [`boot_qemu_with`] for any guest ELF (the minimal kernel: `vmtsync_launch::agent::Guest`).
+/// With `wait`, QEMU starts the guest only once a client has connected to COM1
+/// (`qemu::command_com1_socket_waiting`), so that client gets every byte from the first.
+pub(crate) fn boot_elf(
+    elf: &Path,
+    dir: &Path,
+    append: &str,
+    extra: &[&str],
+    wait: bool,
+) -> (ChildGuard, PathBuf) {
     let sock = dir.join("com1.sock");
     let com2 = dir.join("com2.log");
-    let child = qemu::command_com1_socket(Machine::Microvm, &elf, append, &com2, &sock)
+    let mut c = if wait {
+        qemu::command_com1_socket_waiting(Machine::Microvm, elf, append, &com2, &sock)
+    } else {
+        qemu::command_com1_socket(Machine::Microvm, elf, append, &com2, &sock)
+    };
+    let child = c
         .args(extra)
         .stdin(Stdio::null())
         .stdout(Stdio::null())
@@ -222,6 +240,17 @@ impl QemuAgent {
     /// Boots the agent with `append` as its command line ([`boot_qemu`]).
     pub(crate) fn boot(dir: &Path, append: &str) -> Self {
         let (guard, sock) = boot_qemu(dir, append);
+        Self::booted(guard, &sock)
+    }
+
+    /// Boots any guest ELF `elf` ([`boot_elf`]) for `vmtsync record` sessions; with `wait`,
+    /// the guest starts when the first session connects.
+    pub(crate) fn boot_elf(elf: &Path, dir: &Path, wait: bool) -> Self {
+        let (guard, sock) = boot_elf(elf, dir, "", &[], wait);
+        Self::booted(guard, &sock)
+    }
+
+    fn booted(guard: ChildGuard, sock: &Path) -> Self {
         Self {
             guard,
             addr: format!("unix:{}", sock.display()),

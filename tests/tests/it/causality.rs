@@ -13,6 +13,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
+use vmtsync::probe::anchor::DEFAULT_SYNC_PORT;
 use vmtsync_tests::truth::{GuestTruth, Skew};
 
 use crate::kvm_fixtures::{guarded_output, vmtsync};
@@ -183,14 +184,17 @@ pub(crate) fn recorded_run(test: &str, purpose: &str, skew: &Skew, format: &str)
         .unwrap();
     // The host's record of the workload's exits: enabled before the VM boots, so the k-th
     // `out` in it is step k; a buffer large enough that no exit is overwritten. The UART's
-    // exits too (its data port and status registers), for the sync probes' own brackets.
+    // exits too (its data port and status registers) and the agent's default sync port, for
+    // the sync probes' own brackets.
     let mut trace = HostTrace::start(test, purpose, "kvm/kvm_pio")?;
     trace.buffer_kb(8192);
     trace
         .instance()
         .set_filter(
             "kvm/kvm_pio",
-            &format!("port == {PORT} || (port >= 0x3f8 && port <= 0x3ff)"),
+            &format!(
+                "port == {PORT} || (port >= 0x3f8 && port <= 0x3ff) || port == {DEFAULT_SYNC_PORT:#x}"
+            ),
         )
         .unwrap();
     trace.instance().enable("kvm/kvm_pio").unwrap();
@@ -253,7 +257,8 @@ pub(crate) fn recorded_run(test: &str, purpose: &str, skew: &Skew, format: &str)
     })
 }
 
-/// The sync file's segments; each must be exit-anchored.
+/// The sync file's segments; each must be exit-anchored, by the sync port the agent enables
+/// without a boot option (the tight path by default).
 pub(crate) fn anchored_segments(sync: &Path) -> Vec<Value> {
     let segments: Vec<Value> = std::fs::read_to_string(sync)
         .unwrap()
@@ -263,7 +268,7 @@ pub(crate) fn anchored_segments(sync: &Path) -> Vec<Value> {
         .collect();
     assert!(!segments.is_empty());
     assert!(
-        segments.iter().all(|s| s["anchor"] == "kvm-pio-uart"),
+        segments.iter().all(|s| s["anchor"] == "kvm-pio-sync-port"),
         "{segments:?}"
     );
     segments
@@ -271,7 +276,8 @@ pub(crate) fn anchored_segments(sync: &Path) -> Vec<Value> {
 
 /// `validate` on the run, events and sync probes: no false bound ever, every probe paired
 /// with its exits, and (when `exact` says the estimate must pass too) no violation; the sync
-/// file shifted by one bracket width either way must do strictly worse on both (exit 9).
+/// file shifted either way by more than a round's width and the events' distance from their
+/// exits must do strictly worse on both (exit 9).
 /// Returns the run's event violations.
 fn validate_and_catch_a_shift(test: &str, run: &Run, segments: &[Value], exact: bool) -> u64 {
     let (code, v, err) = validate(&run.sync, run);
@@ -307,7 +313,16 @@ fn validate_and_catch_a_shift(test: &str, run: &Run, segments: &[Value], exact: 
         .map(|s| s["offset_hi"].as_i64().unwrap() - s["offset_lo"].as_i64().unwrap())
         .max()
         .unwrap();
-    for by in [width, -width] {
+    // A shift must also exceed how far the events sit from their own exits (validate's lags,
+    // 99th percentile): in ring 0, the agent's default, the workload's instructions between an
+    // event and its exit run emulated, and that distance outgrows a round's width.
+    let lag = ["lag_before_out", "lag_after_in"]
+        .iter()
+        .map(|k| v[*k]["p99"].as_i64().unwrap())
+        .max()
+        .unwrap();
+    let by = width.max(lag) + 1;
+    for by in [by, -by] {
         let bad = run.dir.path().join(format!("shifted{by}.jsonl"));
         shifted(&run.sync, &bad, by);
         let (code, v, err) = validate(&bad, run);

@@ -40,13 +40,17 @@
 //! one JSON object (schema `vmtsync-probe-bench/1`, documented in [`report`]).
 //!
 //! Usage: `vmtsync-probe-bench [--sessions K] [--probes N] [--machine microvm|q35] [--no-qemu] [--no-vsock]
-//! [--no-skew] [--skew OFFSET,RATIO,FRAC]`
+//! [--no-skew] [--skew OFFSET,RATIO,FRAC]`, or `vmtsync-probe-bench --record`: instead of the
+//! probe rows, `vmtsync record` under each boot configuration of [`record`] (event and round
+//! widths, errors against the truth), ending in one JSON line (schema
+//! `vmtsync-probe-bench-record/1`).
 //!
 //! Exit codes: 0 when every guaranteed interval contained the truth; 3 when one did not (a
 //! soundness bug: the table says where); 2 on usage errors; 1 when the benchmark could not run.
 
 mod builtin;
 mod qemu;
+mod record;
 mod report;
 mod stats;
 mod vsock;
@@ -85,6 +89,9 @@ usage: vmtsync-probe-bench [--sessions K] [--probes N] [--machine microvm|q35] [
                     from the host TSC now, rate 281503124208327/2^48 = 1.0001)
   --no-vsock        skip both virtio-vsock paths (vhost-device-vsock): the sync-port path
                     (QEMU q35) and the estimator comparison (QEMU microvm)
+  --record         instead of the probe rows: `vmtsync record` (the CLI binary next to this
+                    one) under each boot configuration, event and round interval widths and
+                    errors against the truth, one JSON line (vmtsync-probe-bench-record/1)
   --vsock-probes M  probes per vsock session (default 339, trace-cmd's PTP_SYNC_LOOP); the
                     vsock rows are all M probes and the first N of each session";
 
@@ -260,6 +267,8 @@ struct Args {
     skew: Option<SkewArg>,
     /// Probes per vsock session; `None` skips the path.
     vsock: Option<usize>,
+    /// `--record`: the record comparison instead of the probe rows.
+    record: bool,
 }
 
 /// Which skew the skewed path's agent applies.
@@ -288,6 +297,7 @@ fn parse_args(args: &[String]) -> Result<Args, String> {
         qemu: true,
         skew: Some(SkewArg::Pick),
         vsock: Some(TRACE_CMD_PTP_SYNC_LOOP),
+        record: false,
     };
     let mut it = args.iter();
     while let Some(flag) = it.next() {
@@ -305,6 +315,7 @@ fn parse_args(args: &[String]) -> Result<Args, String> {
             "--no-qemu" => a.qemu = false,
             "--no-skew" => a.skew = None,
             "--no-vsock" => a.vsock = None,
+            "--record" => a.record = true,
             "--vsock-probes" => {
                 a.vsock = Some(value()?.parse().map_err(|e| format!("{flag}: {e}"))?);
             }
@@ -382,7 +393,16 @@ fn bench(args: &Args) -> Result<Report> {
         } else {
             let t = Instant::now();
             let uart = Matcher::Uart { port: COM1_DATA };
-            let (q, kvm) = qemu::run(&elf, args.machine, "", uart, args.sessions, args.probes)?;
+            // The UART bytes' own bracket: the agent's default sync port would add its two
+            // exits inside it.
+            let (q, kvm) = qemu::run(
+                &elf,
+                args.machine,
+                "syncport=off",
+                uart,
+                args.sessions,
+                args.probes,
+            )?;
             eprintln!(
                 "QEMU {:?}: {} sessions in {:.1?}; KVM mapping {kvm:?}",
                 args.machine,
@@ -596,6 +616,9 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    if args.record {
+        return record_main();
+    }
     match bench(&args) {
         Ok(report) => {
             print!("{}", report.table());
@@ -662,4 +685,57 @@ mod tests {
         let ppb = (u128::from(r - (1 << 48)) * 1_000_000_000) >> 48;
         assert_eq!(ppb, 99_999);
     }
+}
+
+/// `--record`: every configuration of [`record::CONFIGS`], a table, then one JSON line; exit 3
+/// when an event's guaranteed interval missed its truth.
+fn record_main() -> ExitCode {
+    let run = || -> Result<Vec<record::RecordRow>> {
+        if !have_kvm() || !have_qemu() {
+            bail!("needs /dev/kvm (root) and qemu-system-x86_64");
+        }
+        let elf = agent_elf().context("building the guest agent")?;
+        let cli = std::env::current_exe()?.with_file_name("vmtsync");
+        if !cli.exists() {
+            bail!("{} is missing (cargo build --bin vmtsync)", cli.display());
+        }
+        record::run(&elf, &cli)
+    };
+    let rows = match run() {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("vmtsync-probe-bench: {e:#}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let mut json = Vec::new();
+    let mut unsound = false;
+    for r in &rows {
+        let max = |v: &[u64]| v.iter().copied().max().unwrap_or(0);
+        let (rw, ew) = (&r.round_widths, &r.event_widths);
+        let row = serde_json::json!({
+            "name": r.name,
+            "anchors": r.anchors,
+            "rounds": rw.len(),
+            "events": ew.len(),
+            "inside": r.inside,
+            "round_width_median": stats::median(rw),
+            "round_width_max": max(rw),
+            "event_width_median": stats::median(ew),
+            "event_width_max": max(ew),
+            "err_median": stats::median(&r.errors),
+        });
+        println!("{row}");
+        unsound |= r.inside != ew.len() as u64;
+        json.push(row);
+    }
+    println!(
+        "{}",
+        serde_json::json!({"schema": "vmtsync-probe-bench-record/1", "rows": json})
+    );
+    if unsound {
+        eprintln!("vmtsync-probe-bench: an event's guaranteed interval missed its truth");
+        return ExitCode::from(3);
+    }
+    ExitCode::SUCCESS
 }

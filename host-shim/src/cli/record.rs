@@ -88,9 +88,25 @@ pub struct RecordArgs {
     /// and dropped.
     #[arg(long, value_name = "FILE")]
     pub console: Option<PathBuf>,
+    /// How an event's guaranteed host interval is found: two-sided intersects the sync round
+    /// before the event and the one after it under the drift bounds of every round since the
+    /// last break (docs/record.md, "Placing an event"); one-sided uses the round before alone,
+    /// with the drift bounds known at that round (the placement of earlier versions, kept for
+    /// comparison).
+    #[arg(long, value_enum, value_name = "HOW", default_value_t = PlacementArg::TwoSided)]
+    pub placement: PlacementArg,
     /// Debugfs and /proc (for --vm).
     #[command(flatten)]
     pub source: super::source::SourceArgs,
+}
+
+/// `--placement`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum PlacementArg {
+    /// The round before and the round after, under the epoch's newest drift bounds.
+    TwoSided,
+    /// The round before alone (earlier versions' placement).
+    OneSided,
 }
 
 /// `--format`.
@@ -151,6 +167,10 @@ impl RecordArgs {
             resync: Duration::from_millis(self.resync.max(1)),
             drain_max: crate::record::DRAIN_MAX,
             sync_out: self.sync_out.clone(),
+            placement: match self.placement {
+                PlacementArg::TwoSided => record::Placement::TwoSided,
+                PlacementArg::OneSided => record::Placement::OneSided,
+            },
         }
     }
 }

@@ -530,6 +530,7 @@ fn record_places_every_vcpus_events_with_its_own_sync() {
             resync: Duration::from_millis(300),
             drain_max: DRAIN_MAX,
             sync_out: None,
+            placement: vmtsync::record::Placement::default(),
         };
         let s =
             run_record(&o, &mut Progress::hidden()).unwrap_or_else(|e| panic!("{}", log(dir, &e)));

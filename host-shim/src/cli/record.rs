@@ -67,8 +67,11 @@ pub struct RecordArgs {
     #[arg(long, value_name = "PID|NAME")]
     pub vm: Option<crate::scan::VmSelector>,
     /// Where each sync probe's host bracket comes from, as for `vmtsync probe`: kvm-pio takes
-    /// it from the host kernel's kvm:kvm_pio stamps of the guest's UART exits (exit code 8 if
-    /// it cannot); auto does so when it can and says why not; none stamps in this process.
+    /// it from the host kernel's kvm:kvm_pio stamps of the guest's port exits, the agent's sync
+    /// port (0x2400) when its hello announces one, else its UART's (exit code 8 if it cannot);
+    /// auto does so when it can and says why not; none stamps in this process. With --vm and
+    /// the bundled agent's default boot (sync port on, loop in ring 0) every vCPU's rounds get
+    /// the tightest bracket.
     #[arg(long, value_enum, value_name = "MODE", default_value_t = AnchorMode::Auto)]
     pub anchor: AnchorMode,
     /// tracefs, for --anchor (default: /sys/kernel/tracing, then /sys/kernel/debug/tracing).

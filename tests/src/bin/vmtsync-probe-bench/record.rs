@@ -36,16 +36,27 @@ pub struct Config {
 }
 
 /// The configurations, in the table's order: the boot a user got before the tight default
-/// (loop in ring 3, no sync port: UART-byte brackets), and the default boot now (ring 0, sync
-/// port `0x2400`), each with `record`'s default placement.
-pub const CONFIGS: [Config; 2] = [
+/// (loop in ring 3, no sync port: UART-byte brackets) with `record`'s earlier one-sided
+/// placement (before), then the default boot now (ring 0, sync port `0x2400`) with each
+/// placement, and the old boot with the two-sided one, so each change shows on its own.
+pub const CONFIGS: [Config; 4] = [
     Config {
-        name: "old default boot (ring=3 syncport=off)",
+        name: "before: ring=3 syncport=off, one-sided",
         boot: "ring=3 syncport=off",
-        record: &[],
+        record: &["--placement", "one-sided"],
     },
     Config {
-        name: "default boot (ring 0, sync port 0x2400)",
+        name: "ring=3 syncport=off, two-sided",
+        boot: "ring=3 syncport=off",
+        record: &["--placement", "two-sided"],
+    },
+    Config {
+        name: "default boot, one-sided",
+        boot: "",
+        record: &["--placement", "one-sided"],
+    },
+    Config {
+        name: "after: default boot, two-sided (the defaults)",
         boot: "",
         record: &[],
     },

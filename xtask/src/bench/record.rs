@@ -61,7 +61,8 @@ impl RecordRow {
 
     /// `event / round` in hundredths (rounded up, so a bar is never met by rounding).
     fn x100(event: u64, round: u64) -> u64 {
-        (u128::from(event) * 100).div_ceil(u128::from(round.max(1))) as u64
+        u64::try_from((u128::from(event) * 100).div_ceil(u128::from(round.max(1))))
+            .unwrap_or(u64::MAX)
     }
 }
 

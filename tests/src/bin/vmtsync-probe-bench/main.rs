@@ -620,7 +620,7 @@ fn main() -> ExitCode {
         }
     };
     if args.record {
-        return record_main();
+        return record::main();
     }
     match bench(&args) {
         Ok(report) => {
@@ -688,58 +688,4 @@ mod tests {
         let ppb = (u128::from(r - (1 << 48)) * 1_000_000_000) >> 48;
         assert_eq!(ppb, 99_999);
     }
-}
-
-/// `--record`: every configuration of [`record::CONFIGS`], a table, then one JSON line; exit 3
-/// when an event's guaranteed interval missed its truth.
-fn record_main() -> ExitCode {
-    let run = || -> Result<Vec<record::RecordRow>> {
-        if !have_kvm() || !have_qemu() {
-            bail!("needs /dev/kvm (root) and qemu-system-x86_64");
-        }
-        let elf = agent_elf().context("building the guest agent")?;
-        let cli = std::env::current_exe()?.with_file_name("vmtsync");
-        if !cli.exists() {
-            bail!("{} is missing (cargo build --bin vmtsync)", cli.display());
-        }
-        record::run(&elf, &cli)
-    };
-    let rows = match run() {
-        Ok(r) => r,
-        Err(e) => {
-            eprintln!("vmtsync-probe-bench: {e:#}");
-            return ExitCode::FAILURE;
-        }
-    };
-    let mut json = Vec::new();
-    let mut unsound = false;
-    for r in &rows {
-        let max = |v: &[u64]| v.iter().copied().max().unwrap_or(0);
-        let (rw, ew) = (&r.round_widths, &r.event_widths);
-        let row = serde_json::json!({
-            "name": r.name,
-            "anchors": r.anchors,
-            "rounds": rw.len(),
-            "events": ew.len(),
-            "inside": r.inside,
-            "round_width_median": stats::median(rw),
-            "round_width_max": max(rw),
-            "event_width_median": stats::median(ew),
-            "event_width_max": max(ew),
-            "err_median": stats::median(&r.errors),
-        });
-        println!("{row}");
-        unsound |= r.inside != ew.len() as u64;
-        json.push(row);
-    }
-    // The schema first (serde_json sorts an object's keys), as the bench's reader looks for it.
-    println!(
-        "{{\"schema\":\"vmtsync-probe-bench-record/1\",\"rows\":{}}}",
-        serde_json::Value::Array(json)
-    );
-    if unsound {
-        eprintln!("vmtsync-probe-bench: an event's guaranteed interval missed its truth");
-        return ExitCode::from(3);
-    }
-    ExitCode::SUCCESS
 }

@@ -12,15 +12,17 @@
 //! An event whose interval misses the truth fails the run (exit code 3, like the probe rows).
 
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::{Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use serde_json::Value;
 use vmtsync_core::GuestTicks;
-use vmtsync_tests::ChildGuard;
 use vmtsync_tests::truth::{GuestTruth, Skew};
+use vmtsync_tests::vmm::agent_elf;
+use vmtsync_tests::vmm::qemu::have_qemu;
 use vmtsync_tests::vmm::qemu::{self, Machine};
+use vmtsync_tests::{ChildGuard, have_kvm};
 
 use crate::STEP;
 
@@ -83,6 +85,60 @@ pub struct RecordRow {
     pub inside: u64,
     /// The segments' anchors (`kvm-pio-uart`, `kvm-pio-sync-port`), distinct, in order.
     pub anchors: Vec<String>,
+}
+
+/// `--record`: every configuration of [`CONFIGS`], a table, then one JSON line; exit 3
+/// when an event's guaranteed interval missed its truth.
+pub fn main() -> ExitCode {
+    let run = || -> Result<Vec<RecordRow>> {
+        if !have_kvm() || !have_qemu() {
+            bail!("needs /dev/kvm (root) and qemu-system-x86_64");
+        }
+        let elf = agent_elf().context("building the guest agent")?;
+        let cli = std::env::current_exe()?.with_file_name("vmtsync");
+        if !cli.exists() {
+            bail!("{} is missing (cargo build --bin vmtsync)", cli.display());
+        }
+        run(&elf, &cli)
+    };
+    let rows = match run() {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("vmtsync-probe-bench: {e:#}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let mut json = Vec::new();
+    let mut unsound = false;
+    for r in &rows {
+        let max = |v: &[u64]| v.iter().copied().max().unwrap_or(0);
+        let (rw, ew) = (&r.round_widths, &r.event_widths);
+        let row = serde_json::json!({
+            "name": r.name,
+            "anchors": r.anchors,
+            "rounds": rw.len(),
+            "events": ew.len(),
+            "inside": r.inside,
+            "round_width_median": crate::stats::median(rw),
+            "round_width_max": max(rw),
+            "event_width_median": crate::stats::median(ew),
+            "event_width_max": max(ew),
+            "err_median": crate::stats::median(&r.errors),
+        });
+        println!("{row}");
+        unsound |= r.inside != ew.len() as u64;
+        json.push(row);
+    }
+    // The schema first (serde_json sorts an object's keys), as the bench's reader looks for it.
+    println!(
+        "{{\"schema\":\"vmtsync-probe-bench-record/1\",\"rows\":{}}}",
+        serde_json::Value::Array(json)
+    );
+    if unsound {
+        eprintln!("vmtsync-probe-bench: an event's guaranteed interval missed its truth");
+        return ExitCode::from(3);
+    }
+    ExitCode::SUCCESS
 }
 
 /// Runs every configuration once with the `vmtsync` binary `cli`.

@@ -380,14 +380,16 @@ fn qemu_flight_recorder_gives_the_newest_records_and_the_exact_overwritten_count
     // COM1); the host stays away for three seconds, boot included. A workload still running
     // when the host attaches would show below as sequence numbers short of the last one.
     std::thread::sleep(Duration::from_secs(3));
-    let jsonl = dir.path().join("events.jsonl");
-    let out = vm.record(&jsonl, RING, 200, &["--format", "jsonl", "--shutdown"]);
-    let stderr = text(&out.stderr);
-    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    // The truth is read while the VM surely runs: `--shutdown` ends it, and its debugfs
+    // directory with it, as soon as the recording is done.
     let truth = GuestTruth::new(
         truth_mapping(vm.guard.pid(), 0).expect("debugfs truth"),
         Some(skew),
     );
+    let jsonl = dir.path().join("events.jsonl");
+    let out = vm.record(&jsonl, RING, 200, &["--format", "jsonl", "--shutdown"]);
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
     drop(vm);
     let lines = read_jsonl(&jsonl);
     let seqs: Vec<u64> = lines

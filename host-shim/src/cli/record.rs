@@ -112,6 +112,15 @@ pub enum PlacementArg {
     OneSided,
 }
 
+impl From<PlacementArg> for record::Placement {
+    fn from(a: PlacementArg) -> Self {
+        match a {
+            PlacementArg::TwoSided => Self::TwoSided,
+            PlacementArg::OneSided => Self::OneSided,
+        }
+    }
+}
+
 /// `--format`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum FormatArg {
@@ -170,10 +179,7 @@ impl RecordArgs {
             resync: Duration::from_millis(self.resync.max(1)),
             drain_max: crate::record::DRAIN_MAX,
             sync_out: self.sync_out.clone(),
-            placement: match self.placement {
-                PlacementArg::TwoSided => record::Placement::TwoSided,
-                PlacementArg::OneSided => record::Placement::OneSided,
-            },
+            placement: self.placement.into(),
         }
     }
 }

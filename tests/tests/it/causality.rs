@@ -116,7 +116,14 @@ pub(crate) fn run_validate(args: &[&str]) -> (Option<i32>, Value, String) {
 
 /// `vmtsync validate` of the run's workload events and its sync probes (`--probe-log`).
 fn validate(sync: &Path, run: &Run) -> (Option<i32>, Value, String) {
+    validate_placed(sync, run, "two-sided")
+}
+
+/// [`validate`] with `--placement HOW`.
+fn validate_placed(sync: &Path, run: &Run, how: &str) -> (Option<i32>, Value, String) {
     run_validate(&[
+        "--placement",
+        how,
         "--sync",
         sync.to_str().unwrap(),
         "--host-trace",
@@ -429,4 +436,29 @@ fn a_drifting_guest_keeps_every_bound_and_a_shift_is_caught() {
     );
     let violations = validate_and_catch_a_shift(test, &run, &segments, true);
     assert_eq!(violations, 0);
+    // The same files placed one-sided (record's placement before two-sided placement): both
+    // hold every bound; two-sided is never wider, and both are reported side by side.
+    let (_, one, err) = validate_placed(&run.sync, &run, "one-sided");
+    let (_, two, _) = validate(&run.sync, &run);
+    assert_eq!(one["bound_violations"], 0, "{one} {err}");
+    let (w1, w2) = (&one["widths"], &two["widths"]);
+    for k in ["event_median", "event_max"] {
+        assert!(
+            w2[k].as_u64().unwrap() <= w1[k].as_u64().unwrap(),
+            "{k}: {w1} {w2}"
+        );
+    }
+    for (name, v) in [("one-sided", &one), ("two-sided", &two)] {
+        let by_round: Vec<String> = v["segments"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| format!("round {}: {}", s["round"], s["wrong_side"]))
+            .collect();
+        eprintln!(
+            "{test}: {name}: widths {}; wrong side by segment: {}",
+            v["widths"],
+            by_round.join(", ")
+        );
+    }
 }

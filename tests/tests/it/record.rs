@@ -383,7 +383,7 @@ fn qemu_flight_recorder_gives_the_newest_records_and_the_exact_overwritten_count
     // when the host attaches would show below as sequence numbers short of the last one.
     std::thread::sleep(Duration::from_secs(3));
     // The truth is read while the VM surely runs: `--shutdown` ends it, and its debugfs
-    // directory with it, as soon as the recording does.
+    // directory with it, as soon as the recording is done.
     let truth = GuestTruth::new(
         truth_mapping(vm.guard.pid(), 0).expect("debugfs truth"),
         Some(skew),

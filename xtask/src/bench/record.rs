@@ -99,10 +99,15 @@ pub(super) fn record_section(rows: &[RecordRow]) -> Section {
     let mut body = String::from(
         "The bundled agent under QEMU microvm, its TSC 100 ppm fast (a software skew derived \
          from the host TSC), emitting 400 events a second while `vmtsync record --format jsonl \
-         --anchor kvm-pio --vm PID --resync 500` records 2,000 of them; one VM per row, all in \
-         this run. A round's width is its segment's guaranteed offset interval (the sync \
-         file), an event's its `host_lo..host_hi`; |error| is `host_tsc` against the truth \
-         (KVM debugfs composed with the skew). Host TSC ticks.\n\n\
+         --anchor kvm-pio --vm PID --resync 500 [--placement one-sided]` records 2,000 of \
+         them; one VM per row, all in this run. Rows: the agent's boot before issue 18 \
+         (`ring=3 syncport=off`: its loop in ring 3, rounds on the UART's bytes) and its \
+         default boot now (sync port `0x2400` on, loop in ring 0), each with `record`'s earlier \
+         one-sided placement (the round before an event) and its default two-sided one (the \
+         rounds before and after, docs/record.md). A round's width is its segment's \
+         guaranteed offset interval (the sync file), an event's its `host_lo..host_hi`; \
+         |error| is `host_tsc` against the truth (KVM debugfs composed with the skew). Host \
+         TSC ticks.\n\n\
          | boot / placement | rounds anchored by | rounds | events | round width median / \
          max | event width median / max | median event / round | widest event / round | \
          median \\|error\\| | truth inside |\n\

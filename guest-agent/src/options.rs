@@ -8,10 +8,13 @@
 //!   its socket device among them before trying PCI. Up to [`MAX_VIRTIO_MMIO`] are kept.
 //! - `wire=postcard|line`: the vmtsync probe protocol (postcard + COBS, the default), or a
 //!   human-typable line protocol for debugging (`cargo xtask run-agent -- wire=line`).
-//! - `ring=3|0`: run the protocol loop in ring 3 with IOPL 3 (default; native speed on nested
-//!   KVM where ring 0 is emulated) or stay in ring 0. With `syncport=` on that nested KVM,
-//!   `ring=0` gives the boot vCPU's tightest bracket: emulated ring-0 port exits cost a tenth
-//!   of native ring-3 ones (the host's docs/anchor.md, "The boot vCPU's sync-port bracket").
+//! - `ring=0|3`: keep the protocol loop in ring 0 (default) or run it in ring 3 with IOPL 3.
+//!   On nested KVM that emulates ring 0 (this project's hosts) the two trade: ring 0's port
+//!   exits cost a tenth of ring 3's, so the boot vCPU's sync-port bracket is ~12 k ticks
+//!   instead of ~115 k and the estimate's error ~0.4 k instead of ~30 k (the host's
+//!   docs/anchor.md, "The boot vCPU's sync-port bracket"), while every other instruction of
+//!   the loop runs emulated, so `ring=3` serves bulk work (a vsock event workload) natively.
+//!   On an ordinary KVM host both rings run natively and the choice does not matter.
 //! - `exit=N`: the code written to isa-debug-exit when the host says quit (default 0).
 //! - `events=N`: record up to N guest events, one per loop poll that handled messages (see the
 //!   agent binary's docs), and on each application processor up to N more, one per probe it
@@ -22,11 +25,13 @@
 //! - `workload=RATE,COUNT[,PORT]`: emit COUNT (0: unlimited) events at RATE per second while
 //!   serving probes, each with its sequence number as payload; with PORT, bracket each by an
 //!   `out` to and an `in` from PORT (see [`crate::events::Workload`]).
-//! - `syncport=N`: bracket the TSC read of every probe reply by an `in` from port N right
+//! - `syncport=N|off`: bracket the TSC read of every probe reply by an `in` from port N right
 //!   before it and an `out` of the probe's sequence number right after, so the host's
 //!   `kvm:kvm_pio` stamps bracket the read on any transport (the hello announces it as
-//!   `Features::SYNC_PORT`). The port must be unused by the VMM: `0x2400` is free on QEMU
-//!   microvm and q35 (the host's docs/anchor.md; `0x510` is fw_cfg).
+//!   `Features::SYNC_PORT`). The port must be unused by the VMM. Default
+//!   [`DEFAULT_SYNC_PORT`] (`0x2400`), free on QEMU microvm and q35 and the host's
+//!   `--sync-port` default (its docs/anchor.md; `0x510` is fw_cfg), so every vCPU's probes are
+//!   sync-port bracketed without a boot option; `syncport=off` for a VMM that decodes it.
 //! - `skew=OFFSET,RATIO,FRAC`: report `OFFSET + ((tsc * RATIO) >> FRAC)` instead of the raw TSC.
 //!   OFFSET may be negative (it wraps, like KVM's offset); numbers are decimal or `0x` hex.
 //! - `skewN=OFFSET,RATIO,FRAC` (N below [`MAX_VCPUS`]): the same for the TSC read on vCPU N (the
@@ -61,6 +66,11 @@ pub enum Transport {
 /// The host vsock port the agent connects to unless `port=` says otherwise.
 pub const DEFAULT_VSOCK_PORT: u32 = 1234;
 
+/// The sync port unless `syncport=` says otherwise: no device decodes it on QEMU microvm or
+/// q35 (an `in` reads `0xff`, an `out` is ignored, both exit to the VMM), it lies below the
+/// range firmware gives PCI I/O BARs, and it is the host's `--sync-port` default.
+pub const DEFAULT_SYNC_PORT: u16 = 0x2400;
+
 /// What COM1 speaks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Wire {
@@ -93,7 +103,7 @@ pub struct Options {
     pub transport: Transport,
     /// Protocol on the transport.
     pub wire: Wire,
-    /// Privilege level of the protocol loop: 0 or 3.
+    /// Privilege level of the protocol loop: 0 (default) or 3.
     pub ring: u8,
     /// Code for isa-debug-exit on quit.
     pub exit_code: u8,
@@ -115,7 +125,8 @@ pub struct Options {
     pub vsock_listen: bool,
     /// virtio-mmio transports named on the command line, in order.
     pub virtio_mmio: [Option<VirtioMmio>; MAX_VIRTIO_MMIO],
-    /// `syncport=N`: bracket every probe's TSC read by an `in` from and an `out` to port N.
+    /// `syncport=N|off`: bracket every probe's TSC read by an `in` from and an `out` to port
+    /// N (default [`DEFAULT_SYNC_PORT`]); `None` after `syncport=off`.
     pub sync_port: Option<u16>,
     /// `uarttx=`: the order of COM1's per-byte write and THRE wait.
     pub uart_tx: TxOrder,
@@ -138,7 +149,7 @@ impl Default for Options {
         Self {
             transport: Transport::Uart,
             wire: Wire::Postcard,
-            ring: 3,
+            ring: 0,
             exit_code: 0,
             skew: Skew::IDENTITY,
             vcpu_skews: [None; MAX_VCPUS],
@@ -148,7 +159,7 @@ impl Default for Options {
             vsock_port: DEFAULT_VSOCK_PORT,
             vsock_listen: false,
             virtio_mmio: [None; MAX_VIRTIO_MMIO],
-            sync_port: None,
+            sync_port: Some(DEFAULT_SYNC_PORT),
             uart_tx: TxOrder::WriteThenWait,
             console: 0,
         }
@@ -224,6 +235,7 @@ impl Options {
                     .ok_or(OptionError::BadValue)?;
                 *slot = Some(dev);
             }
+            b"syncport" if value == b"off" => self.sync_port = None,
             b"syncport" => {
                 let v = parse_u64(value).ok_or(OptionError::BadValue)?;
                 self.sync_port = Some(u16::try_from(v).map_err(|_| OptionError::BadValue)?);
@@ -371,10 +383,23 @@ mod tests {
         );
         assert!(errs.is_empty(), "{errs:?}");
         assert!(!o.flight, "stop-when-full is the default");
+        assert_eq!(parse("").0.ring, 0, "ring 0 is the default");
+        assert_eq!(parse("ring=3").0.ring, 3);
         assert!(parse("flight=1").0.flight);
         assert_eq!(parse("flight=yes").1.len(), 1, "flight is 0 or 1");
-        assert_eq!(o.sync_port, Some(0x2400));
+        assert_eq!(
+            parse("").0.sync_port,
+            Some(DEFAULT_SYNC_PORT),
+            "on by default"
+        );
+        assert_eq!(parse("syncport=0x80").0.sync_port, Some(0x80));
+        assert_eq!(parse("syncport=off").0.sync_port, None);
+        assert_eq!(
+            parse("syncport=off syncport=0x2400").0.sync_port,
+            Some(0x2400)
+        );
         assert_eq!(parse("syncport=65536").1.len(), 1, "a port is 16 bits");
+        assert_eq!(parse("syncport=none").1.len(), 1, "only `off` turns it off");
         assert_eq!(o.wire, Wire::Line);
         assert_eq!(o.ring, 0);
         assert_eq!(o.transport, Transport::Uart);

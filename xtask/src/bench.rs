@@ -20,6 +20,7 @@
 //!   counts (in the trace.dat section);
 //! - `bench-scan`'s separate-process `vmtsync kvm --json` over a generated debugfs tree;
 //! - the real-KVM probe benchmark (`vmtsync-probe-bench --sessions K`, its JSON line);
+//! - `vmtsync record`'s event and round widths per agent boot (`vmtsync-probe-bench --record`);
 //! - the agent's `.text` size (`build-agent`);
 //! - fuzzing: `--fuzz-long` runs `cargo xtask fuzz --long` and records its `fuzz-result`
 //!   lines in `target/fuzz-results.json`; without it the last recorded results are shown with
@@ -38,6 +39,7 @@ mod ingest;
 mod machine;
 mod perfetto;
 mod probe;
+mod record;
 mod sections;
 mod writer;
 
@@ -251,6 +253,7 @@ pub(crate) fn bench(args: &[String]) -> Result<()> {
         ("perfetto", Box::new(|| perfetto::perfetto(&plan, &work))),
         ("scan", Box::new(|| sections::scan(&plan, &work))),
         ("probe", Box::new(|| probe::probe(&plan))),
+        ("record", Box::new(|| record::record(&plan))),
         ("ingest", Box::new(|| ingest::ingest(&plan))),
         ("fuzz", Box::new(|| fuzz::fuzz(&opts))),
         ("agent", Box::new(sections::agent_size)),
@@ -490,7 +493,7 @@ mod tests {
     fn the_template_names_every_section() {
         for key in [
             "timeline", "proto", "estimate", "recorder", "tracedat", "ctf", "perfetto", "scan",
-            "probe", "ingest", "fuzz", "agent", "summary", "machine",
+            "probe", "record", "ingest", "fuzz", "agent", "summary", "machine",
         ] {
             assert!(
                 TEMPLATE.contains(&format!("{{{{{key}}}}}")),

@@ -92,8 +92,8 @@ commands:
   build-agent   build guest-agent/ (release, x86_64-unknown-none); print ELF path, .text size
   run-agent [--vmm qemu|builtin] [--machine microvm|q35] [--timeout SECS] [-- AGENT OPTIONS]
                 boot the agent; COM1 on this terminal, COM2 defmt log decoded on stderr.
-                Agent options: transport=uart wire=postcard|line ring=3|0 exit=N events=N
-                skew=OFFSET,RATIO,FRAC;
+                Agent options: transport=uart wire=postcard|line ring=0|3 exit=N events=N
+                syncport=N|off skew=OFFSET,RATIO,FRAC (first value: the default);
                 with `-- wire=line` type p (probe: T<hex tsc>) and q (quit)
   run-agent --transport vsock [--machine microvm|q35] [--timeout SECS] [-- AGENT OPTIONS]
                 QEMU + vhost-user-vsock + vhost-device-vsock (installed on first use): the

@@ -67,8 +67,11 @@ pub struct RecordArgs {
     #[arg(long, value_name = "PID|NAME")]
     pub vm: Option<crate::scan::VmSelector>,
     /// Where each sync probe's host bracket comes from, as for `vmtsync probe`: kvm-pio takes
-    /// it from the host kernel's kvm:kvm_pio stamps of the guest's UART exits (exit code 8 if
-    /// it cannot); auto does so when it can and says why not; none stamps in this process.
+    /// it from the host kernel's kvm:kvm_pio stamps of the guest's port exits, the agent's sync
+    /// port (0x2400) when its hello announces one, else its UART's (exit code 8 if it cannot);
+    /// auto does so when it can and says why not; none stamps in this process. With --vm and
+    /// the bundled agent's default boot (sync port on, loop in ring 0) every vCPU's rounds get
+    /// the tightest bracket.
     #[arg(long, value_enum, value_name = "MODE", default_value_t = AnchorMode::Auto)]
     pub anchor: AnchorMode,
     /// tracefs, for --anchor (default: /sys/kernel/tracing, then /sys/kernel/debug/tracing).
@@ -88,9 +91,34 @@ pub struct RecordArgs {
     /// and dropped.
     #[arg(long, value_name = "FILE")]
     pub console: Option<PathBuf>,
+    /// How an event's guaranteed host interval is found: two-sided intersects the sync round
+    /// before the event and the one after it under the drift bounds of every round since the
+    /// last break (docs/record.md, "Placing an event"); one-sided uses the round before alone,
+    /// with the drift bounds known at that round (the placement of earlier versions, kept for
+    /// comparison).
+    #[arg(long, value_enum, value_name = "HOW", default_value_t = PlacementArg::TwoSided)]
+    pub placement: PlacementArg,
     /// Debugfs and /proc (for --vm).
     #[command(flatten)]
     pub source: super::source::SourceArgs,
+}
+
+/// `--placement`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum PlacementArg {
+    /// The round before and the round after, under the epoch's newest drift bounds.
+    TwoSided,
+    /// The round before alone (earlier versions' placement).
+    OneSided,
+}
+
+impl From<PlacementArg> for record::Placement {
+    fn from(a: PlacementArg) -> Self {
+        match a {
+            PlacementArg::TwoSided => Self::TwoSided,
+            PlacementArg::OneSided => Self::OneSided,
+        }
+    }
 }
 
 /// `--format`.
@@ -151,6 +179,7 @@ impl RecordArgs {
             resync: Duration::from_millis(self.resync.max(1)),
             drain_max: crate::record::DRAIN_MAX,
             sync_out: self.sync_out.clone(),
+            placement: self.placement.into(),
         }
     }
 }

@@ -64,7 +64,11 @@ pub struct ValidateArgs {
     /// sync is off by less than 128 event periods).
     #[arg(long)]
     pub from_boot: bool,
-    /// Print the report as one JSON object (schema 3, see docs/validate.md).
+    /// How events are placed with the sync file, as `vmtsync record --placement` does:
+    /// two-sided (the round before and the round after, record's default) or one-sided.
+    #[arg(long, value_enum, value_name = "HOW", default_value_t = super::record::PlacementArg::TwoSided)]
+    pub placement: super::record::PlacementArg,
+    /// Print the report as one JSON object (schema 4, see docs/validate.md).
     #[arg(long)]
     pub json: bool,
 }
@@ -136,6 +140,7 @@ pub fn run_validate_cmd(args: &ValidateArgs) -> Result<(), CliError> {
         rules,
         probe_log: args.probe_log.clone(),
         threads: args.threads.iter().copied().collect::<BTreeMap<_, _>>(),
+        placement: args.placement.into(),
         numbering: if args.from_boot {
             Numbering::FromBoot
         } else {
@@ -215,6 +220,26 @@ fn print_events(out: &mut impl Write, r: &ValidateReport) -> io::Result<()> {
             ("after an in", r.lag_after_in),
         ],
     )?;
+    if let Some(w) = &r.widths {
+        let ratio =
+            |m: Option<u64>| m.map_or("-".into(), |m| format!("{}.{:03}x", m / 1000, m % 1000));
+        writeln!(
+            out,
+            "event intervals ({} events, placed {}): median {} max {} ticks; rounds: median {} max {}; ratio median {} max {}",
+            w.events,
+            match r.placement {
+                Some(crate::validate::PlacementName::TwoSided) => "two-sided",
+                Some(crate::validate::PlacementName::OneSided) => "one-sided",
+                None => "as recorded",
+            },
+            w.event_median,
+            w.event_max,
+            w.round_median.map_or("-".into(), |x| x.to_string()),
+            w.round_max.map_or("-".into(), |x| x.to_string()),
+            ratio(w.median_ratio_milli),
+            ratio(w.max_ratio_milli),
+        )?;
+    }
     print_segments(out, "events", &r.segments)?;
     for v in &r.first_violations {
         writeln!(
@@ -262,13 +287,13 @@ fn print_lags<const N: usize>(
 fn print_segments(out: &mut impl Write, what: &str, segments: &[SegmentWorst]) -> io::Result<()> {
     writeln!(
         out,
-        "vcpu  round  {what:>6}  worst_lag  violations  offset_width"
+        "vcpu  round  {what:>6}  worst_lag  violations  wrong_side  offset_width"
     )?;
     for s in segments {
         writeln!(
             out,
-            "{:>4}  {:>5}  {:>6}  {:>9}  {:>10}  {:>12}",
-            s.vcpu, s.round, s.events, s.worst_lag, s.violations, s.width
+            "{:>4}  {:>5}  {:>6}  {:>9}  {:>10}  {:>10}  {:>12}",
+            s.vcpu, s.round, s.events, s.worst_lag, s.violations, s.wrong_side, s.width
         )?;
     }
     Ok(())

@@ -80,7 +80,8 @@ pub struct ProbeArgs {
     /// (unix:PATH), the agent's sync port on other transports (needs root, tracefs and the
     /// VM's vCPU threads in debugfs; fails with exit code 8 otherwise); auto does so when --vm
     /// names the VM and it can (saying why not on stderr); none stamps in this process
-    /// (docs/anchor.md).
+    /// (docs/anchor.md). The tightest bracket on every vCPU needs only --vm: the bundled
+    /// agent's default boot has its sync port on at 0x2400 and its loop in ring 0.
     #[arg(long, value_enum, value_name = "MODE", default_value_t = AnchorMode::Auto)]
     pub anchor: AnchorMode,
     /// The VM the agent runs in, for --anchor (PID, PID-FD or name; --anchor kvm-pio without
@@ -90,9 +91,9 @@ pub struct ProbeArgs {
     /// tracefs, for --anchor (default: /sys/kernel/tracing, then /sys/kernel/debug/tracing).
     #[arg(long, value_name = "DIR")]
     pub tracefs: Option<PathBuf>,
-    /// The agent's sync port (agent boot option syncport=N), for --anchor: every transport's
-    /// probes are bracketed there; on a serial chardev (unix:PATH) only when the agent's hello
-    /// announces a sync port, else on the UART's own exits.
+    /// The agent's sync port (agent boot option syncport=N, on by default at 0x2400), for
+    /// --anchor: every transport's probes are bracketed there; on a serial chardev (unix:PATH)
+    /// only when the agent's hello announces a sync port, else on the UART's own exits.
     #[arg(long, value_name = "PORT", default_value = "0x2400", value_parser = parse_port)]
     pub sync_port: u16,
     /// KVM debugfs, for --anchor.

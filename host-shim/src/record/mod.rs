@@ -48,6 +48,7 @@ use crate::probe::{
 use crate::syncfile::{SyncHeader, SyncSegment, SyncWriter};
 use crate::tracedat::{self, FileVersion, ShiftMode, TimeShift, TraceDatWriter, WriterOptions};
 
+pub use bounds::Placement;
 pub use jsonl::EVENT_SCHEMA;
 
 /// The output format of `vmtsync record`.
@@ -87,6 +88,8 @@ pub struct RecordOptions {
     /// A sync file to append each round's segment to as it is made (`--sync-out`), so the
     /// conversion the output used can be checked (`vmtsync validate`) or drawn (`plot`).
     pub sync_out: Option<PathBuf>,
+    /// How events are placed (`--placement`, default two-sided).
+    pub placement: Placement,
 }
 
 /// The most events one drain asks for: the bare-metal agent's whole ring (4096 records), so
@@ -292,6 +295,38 @@ enum Out {
     Jsonl(jsonl::Writer),
     Ctf(crate::export::ctf::GuestCtf),
     Spool(spool::Spool),
+    /// Two-sided placement: every event is spooled and placed when the recording ends, with
+    /// every round known; JSON Lines are also streamed to `OUT.partial` as soon as the round
+    /// after them is known (`live`, with the spool index of the first event still waiting),
+    /// so a killed run keeps all but the last round's events.
+    Held {
+        spool: spool::Spool,
+        live: Option<(jsonl::Writer, u64)>,
+        ctf: Option<crate::export::ctf::GuestCtf>,
+    },
+}
+
+impl Out {
+    /// A sync round was made: the JSON Lines events waiting for it are placed with it and
+    /// written.
+    fn round_made(&mut self, st: &State, opts: &RecordOptions) -> Result<(), RecordError> {
+        let Self::Held {
+            spool,
+            live: Some((w, next)),
+            ..
+        } = self
+        else {
+            return Ok(());
+        };
+        for rec in spool.iter_from(*next).map_err(RecordError::io(&opts.out))? {
+            let rec = rec.map_err(RecordError::io(&opts.out))?;
+            *next += 1;
+            if let Some(placed) = st.placed(&rec) {
+                w.event(&placed)?;
+            }
+        }
+        w.flush()
+    }
 }
 
 /// Records over an open transport (see the module docs).
@@ -321,6 +356,17 @@ pub fn run_record_on<T: StampedTransport>(
     // any of them, and each vCPU's TSC is its own clock (docs/smp.md).
     let vcpus = session.vcpus()?;
     let mut out = match opts.format {
+        _ if opts.placement == Placement::TwoSided => Out::Held {
+            spool: spool::Spool::new().map_err(RecordError::io(&opts.out))?,
+            live: match opts.format {
+                RecordFormat::Jsonl => Some((jsonl::Writer::create(&opts.out)?, 0)),
+                _ => None,
+            },
+            ctf: match opts.format {
+                RecordFormat::Ctf => Some(create_ctf(opts)?),
+                _ => None,
+            },
+        },
         RecordFormat::Jsonl => Out::Jsonl(jsonl::Writer::create(&opts.out)?),
         RecordFormat::TraceCmd | RecordFormat::Perfetto => {
             Out::Spool(spool::Spool::new().map_err(RecordError::io(&opts.out))?)
@@ -348,6 +394,7 @@ pub fn run_record_on<T: StampedTransport>(
         widths: Widths::default(),
         clocks: Vec::new(),
         refused: None,
+        placement: opts.placement,
     };
     let started = Instant::now();
     // The initial sync: nothing can be placed before it.
@@ -367,10 +414,23 @@ pub fn run_record_on<T: StampedTransport>(
         Ok(end) => end,
         Err(e) => {
             // Whatever was received is written, then the error is reported.
+            st.final_widths(&mut out);
             let _ = finish(out, opts, &st);
             return Err(e);
         }
     };
+    if opts.placement == Placement::TwoSided
+        && matches!(end, EndReason::Events | EndReason::Duration)
+    {
+        // One more round, so the last drain's events have a round after them too. It is not
+        // needed for correctness: without it they keep the one-sided interval.
+        if let Err(e) = st.sync(&mut session, p) {
+            eprintln!(
+                "vmtsync: warning: the closing sync round failed ({e}); the last events are placed from the rounds before them"
+            );
+        }
+    }
+    st.final_widths(&mut out);
     let console_bytes = if p.shutdown && end != EndReason::AgentExited {
         session.shutdown()
     } else {
@@ -450,6 +510,8 @@ struct State {
     clocks: Vec<ClockSnapshot>,
     /// Why the last vCPU round whose samples gave no estimate refused them.
     refused: Option<EstimateError>,
+    /// `--placement`.
+    placement: Placement,
 }
 
 /// Where a batch of `len` records whose first has index `first` stands against the index the
@@ -609,16 +671,53 @@ impl State {
         self.vcpus.iter().position(|v| v.vcpu == vcpu)
     }
 
-    /// The segment of `vcpu` that covers its guest tick `g` (`None`: the vCPU never synced).
-    fn covering(&self, vcpu: u32, g: u64) -> Option<&SyncSegment> {
-        let v = self.vcpus.get(self.index_of(vcpu)?)?;
-        bounds::covering(&v.segments, g)
-    }
-
     /// Guest tick `g` of `vcpu` on the host timeline: (placed, lo, hi) through the vCPU's
     /// segment that covers it; `None` without one (the vCPU never synced) or outside `u64`.
     fn place(&self, vcpu: u32, g: u64) -> Option<(u64, u64, u64)> {
-        bounds::host_bounds(self.covering(vcpu, g)?, g)
+        self.place_as(vcpu, g, self.placement)
+            .map(|p| (p.host, p.lo, p.hi))
+    }
+
+    /// [`State::place`] with a given placement, and the round that covers the event.
+    fn place_as(&self, vcpu: u32, g: u64, how: Placement) -> Option<bounds::Place> {
+        let v = self.vcpus.get(self.index_of(vcpu)?)?;
+        bounds::place(&v.segments, g, how)
+    }
+
+    /// A spooled event placed with the rounds known now.
+    fn placed<'a>(&self, rec: &'a spool::Spooled) -> Option<Placed<'a>> {
+        let p = self.place_as(rec.vcpu, rec.guest, self.placement)?;
+        Some(Placed {
+            vcpu: rec.vcpu,
+            id: rec.id,
+            guest: rec.guest,
+            payload: rec.payload(),
+            host: p.host,
+            lo: p.lo,
+            hi: p.hi,
+            round: p.round,
+        })
+    }
+
+    /// Two-sided placement: the summary's widths are those of the final placement, with
+    /// every round known (one more pass over the spool).
+    fn final_widths(&mut self, out: &mut Out) {
+        let Out::Held { spool, .. } = out else {
+            return;
+        };
+        let Ok(recs) = spool.iter() else {
+            return;
+        };
+        let mut w = Widths::default();
+        for rec in recs {
+            let Ok(rec) = rec else {
+                break;
+            };
+            if let Some(p) = self.place_as(rec.vcpu, rec.guest, self.placement) {
+                w.push(p.hi - p.lo);
+            }
+        }
+        self.widths = w;
     }
 }
 
@@ -643,7 +742,7 @@ fn record_loop<T: StampedTransport>(
         if last_sync.elapsed() >= opts.resync {
             last_sync = Instant::now();
             match st.sync(session, p) {
-                Ok(()) => {}
+                Ok(()) => out.round_made(st, opts)?,
                 Err(ProbeError::Interrupted) => return Ok(EndReason::Stopped),
                 Err(ProbeError::AgentExited) => return Ok(EndReason::AgentExited),
                 Err(e) => return Err(e.into()),
@@ -693,10 +792,11 @@ fn record_loop<T: StampedTransport>(
                 continue;
             }
             for (guest, r) in b.timestamped().flatten().skip(skip) {
-                let placed = st.covering(b.vcpu, guest).and_then(|seg| {
-                    let (host, lo, hi) = bounds::host_bounds(seg, guest)?;
-                    Some((host, lo, hi, seg.round))
-                });
+                // Placed with the rounds known now; two-sided placement places it again
+                // later, never wider (it is intersected with this).
+                let placed = st
+                    .place_as(b.vcpu, guest, Placement::OneSided)
+                    .map(|p| (p.host, p.lo, p.hi, p.round));
                 let Some((host, lo, hi, round)) = placed else {
                     // No segment of this vCPU (it never answered a probe), or outside the
                     // host's 64-bit range: no host tick to give it.
@@ -714,6 +814,9 @@ fn record_loop<T: StampedTransport>(
                     round,
                 };
                 match out {
+                    Out::Held { spool, .. } => spool
+                        .push(b.vcpu, guest, r.id, r.payload.as_slice())
+                        .map_err(RecordError::io(&opts.out))?,
                     Out::Jsonl(w) => w.event(&placed)?,
                     Out::Ctf(w) => w.push(&placed.export())?,
                     Out::Spool(s) => s
@@ -750,6 +853,36 @@ fn record_loop<T: StampedTransport>(
 /// Writes the output; returns (pre-converted, clamped timestamps).
 fn finish(out: Out, opts: &RecordOptions, st: &State) -> Result<(bool, u64), RecordError> {
     match out {
+        Out::Held {
+            mut spool,
+            live,
+            ctf,
+        } => match (opts.format, live, ctf) {
+            (RecordFormat::Jsonl, live, _) => {
+                // Placed again from the start with every round: the live file is replaced.
+                drop(live);
+                let mut w = jsonl::Writer::create(&opts.out)?;
+                for rec in spool.iter().map_err(RecordError::io(&opts.out))? {
+                    let rec = rec.map_err(RecordError::io(&opts.out))?;
+                    if let Some(placed) = st.placed(&rec) {
+                        w.event(&placed)?;
+                    }
+                }
+                w.finish(&opts.out)?;
+                Ok((false, 0))
+            }
+            (RecordFormat::Ctf, _, Some(mut w)) => {
+                for rec in spool.iter().map_err(RecordError::io(&opts.out))? {
+                    let rec = rec.map_err(RecordError::io(&opts.out))?;
+                    if let Some(placed) = st.placed(&rec) {
+                        w.push(&placed.export())?;
+                    }
+                }
+                Ok((false, w.finish()?.raised))
+            }
+            (RecordFormat::Perfetto, ..) => write_perfetto(spool, opts, st),
+            _ => write_trace_dat(spool, opts, st),
+        },
         Out::Jsonl(w) => {
             w.finish(&opts.out)?;
             Ok((false, 0))
@@ -1044,6 +1177,7 @@ mod tests {
                 resync: Duration::from_secs(3600),
                 drain_max: DRAIN_MAX,
                 sync_out: None,
+                placement: Placement::default(),
             };
             let summary = run_record_on(t, &opts, &mut Progress::hidden()).unwrap();
             (summary, truth)
@@ -1053,7 +1187,9 @@ mod tests {
         let (summary, truth) = run(RecordFormat::Jsonl, &jsonl);
         assert_eq!(summary.vcpus, [0, 2, 3]);
         assert_eq!(summary.vcpu, 3);
-        assert_eq!(summary.segments, 3, "one segment per vCPU");
+        // One segment per vCPU in the first round and in the closing one (two-sided placement
+        // syncs once more when the recording reached its event count).
+        assert_eq!(summary.segments, 6, "one segment per vCPU per round");
         assert_eq!((summary.events, summary.lost, summary.replayed), (9, 0, 0));
         assert_eq!(summary.unplaceable, 0);
         let text = std::fs::read_to_string(&jsonl).unwrap();

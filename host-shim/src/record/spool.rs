@@ -55,9 +55,18 @@ impl Spool {
 
     /// Every event, in the order pushed (again from the start at every call).
     pub(super) fn iter(&mut self) -> io::Result<impl Iterator<Item = io::Result<Spooled>> + use<>> {
+        self.iter_from(0)
+    }
+
+    /// The events from the `first`-th on (counted from 0 in the order pushed): the ones
+    /// waiting for the next sync round, while the rest stay on disk.
+    pub(super) fn iter_from(
+        &mut self,
+        first: u64,
+    ) -> io::Result<impl Iterator<Item = io::Result<Spooled>> + use<>> {
         self.out.flush()?;
         let mut f = self.out.get_ref().try_clone()?;
-        f.seek(SeekFrom::Start(0))?;
+        f.seek(SeekFrom::Start(first.saturating_mul(RECORD as u64)))?;
         let mut r = BufReader::with_capacity(256 * 1024, f);
         Ok(std::iter::from_fn(move || {
             let mut rec = [0u8; RECORD];
@@ -101,8 +110,10 @@ mod tests {
         }
         let got: Vec<Spooled> = s.iter().unwrap().map(Result::unwrap).collect();
         assert_eq!(got.len(), 10_000);
-        // A second pass reads the same from the start.
+        // A second pass reads the same from the start, and one from an index reads the rest.
         assert_eq!(s.iter().unwrap().count(), 10_000);
+        let tail: Vec<Spooled> = s.iter_from(9_990).unwrap().map(Result::unwrap).collect();
+        assert_eq!(tail, got[9_990..]);
         for (i, r) in (0u64..).zip(&got) {
             assert_eq!((r.guest, u64::from(r.id)), (i * 3, i % 7));
             assert_eq!(u64::from(r.vcpu), i % 5);

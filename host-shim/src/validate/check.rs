@@ -17,7 +17,7 @@ use serde::Serialize;
 use super::probes::ProbeReport;
 use crate::ftrace::format::PioDirection;
 use crate::probe::anchor::PioExit;
-use crate::record::bounds::{covering, host_bounds};
+use crate::record::bounds::{Placement, covering, place};
 use crate::syncfile::SyncSegment;
 
 /// Which side of its port I/O the guest recorded an event on.
@@ -151,6 +151,9 @@ pub struct SegmentWorst {
     pub worst_lag: i64,
     /// Its violations.
     pub violations: u64,
+    /// Of its events, those whose converted time lies on the wrong side of an exit of their
+    /// bracket (the estimate's error; `violations` also counts false guaranteed bounds).
+    pub wrong_side: u64,
     /// Its guaranteed offset interval width, ticks; without a sync file, the widest
     /// guaranteed host interval of its events.
     pub width: i64,
@@ -165,6 +168,7 @@ impl SegmentWorst {
             events: 0,
             worst_lag: i64::MAX,
             violations: 0,
+            wrong_side: 0,
             width: seg.offset_hi.saturating_sub(seg.offset_lo),
         }
     }
@@ -178,6 +182,7 @@ impl SegmentWorst {
             events: 0,
             worst_lag: i64::MAX,
             violations: 0,
+            wrong_side: 0,
             width: 0,
         }
     }
@@ -190,11 +195,63 @@ impl SegmentWorst {
     }
 }
 
-/// What `vmtsync validate` found (`--json`, schema 3).
+/// How wide the events' guaranteed intervals are against the sync rounds' (ticks).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct Widths {
+    /// Events converted (checked or not).
+    pub events: u64,
+    /// The median of their guaranteed host interval widths (`host_hi − host_lo`).
+    pub event_median: u64,
+    /// The widest.
+    pub event_max: u64,
+    /// The median offset interval width (`offset_hi − offset_lo`) of the sync file's
+    /// segments of the vCPUs whose events were converted; `None` without a sync file.
+    pub round_median: Option<u64>,
+    /// The widest of them.
+    pub round_max: Option<u64>,
+    /// `event_median / round_median`, in thousandths (1000: as wide as the rounds).
+    pub median_ratio_milli: Option<u64>,
+    /// `event_max / round_max`, in thousandths.
+    pub max_ratio_milli: Option<u64>,
+}
+
+impl Widths {
+    fn of(mut events: Vec<u64>, mut rounds: Vec<u64>) -> Option<Self> {
+        events.sort_unstable();
+        rounds.sort_unstable();
+        let event_median = *events.get(events.len() / 2)?;
+        let event_max = *events.last()?;
+        let round_median = rounds.get(rounds.len() / 2).copied();
+        let round_max = rounds.last().copied();
+        let milli = |a: u64, b: Option<u64>| {
+            let b = b.filter(|&b| b > 0)?;
+            u64::try_from(u128::from(a) * 1000 / u128::from(b)).ok()
+        };
+        Some(Self {
+            events: events.len() as u64,
+            event_median,
+            event_max,
+            round_median,
+            round_max,
+            median_ratio_milli: milli(event_median, round_median),
+            max_ratio_milli: milli(event_max, round_max),
+        })
+    }
+}
+
+/// The JSON schema of [`ValidateReport`].
+pub const REPORT_SCHEMA: u32 = 4;
+
+/// What `vmtsync validate` found (`--json`, schema [`REPORT_SCHEMA`]).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct ValidateReport {
-    /// Always 3 (schema 2 added `probes`, schema 3 `rules` and `conversion`).
+    /// Always 4 (schema 2 added `probes`, schema 3 `rules` and `conversion`, schema 4
+    /// `placement`, `widths` and the segments' `wrong_side`).
     pub schema: u32,
+    /// How events were placed with the sync file (`null`: as `record` placed them).
+    pub placement: Option<PlacementName>,
+    /// The events' interval widths against the rounds' (`null` without converted events).
+    pub widths: Option<Widths>,
     /// Which events were checked against which port's I/O.
     pub rules: Vec<EventRule>,
     /// Where the events' host times came from.
@@ -232,6 +289,16 @@ pub struct ValidateReport {
     pub first_violations: Vec<Violation>,
     /// The probe log's check (`--probe-log`), `null` without one.
     pub probes: Option<ProbeReport>,
+}
+
+/// [`Placement`] in the report.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum PlacementName {
+    /// The round before and the round after (what `record` does by default).
+    TwoSided,
+    /// The round before alone.
+    OneSided,
 }
 
 /// The most violations listed in a report.
@@ -340,8 +407,35 @@ pub fn check(
     numbering: Numbering,
     rules: &[EventRule],
 ) -> ValidateReport {
+    check_placed(
+        events,
+        exits,
+        segments,
+        threads,
+        numbering,
+        rules,
+        Placement::TwoSided,
+    )
+}
+
+/// [`check`], placing events with the sync file as `how` says (`--placement`).
+#[must_use]
+pub fn check_placed(
+    events: &[IoEvent],
+    exits: &[PioExit],
+    segments: Option<&[SyncSegment]>,
+    threads: &BTreeMap<u32, u32>,
+    numbering: Numbering,
+    rules: &[EventRule],
+    how: Placement,
+) -> ValidateReport {
     let mut r = ValidateReport {
-        schema: 3,
+        schema: REPORT_SCHEMA,
+        placement: segments.map(|_| match how {
+            Placement::TwoSided => PlacementName::TwoSided,
+            Placement::OneSided => PlacementName::OneSided,
+        }),
+        widths: None,
         rules: rules.to_vec(),
         conversion: if segments.is_some() {
             Conversion::SyncFile
@@ -367,6 +461,7 @@ pub fn check(
     let mut lags = Vec::new();
     let mut side_lags: [Vec<i64>; 2] = [Vec::new(), Vec::new()];
     let mut worst: BTreeMap<(u32, u64), SegmentWorst> = BTreeMap::new();
+    let mut event_widths = Vec::new();
     // Each thread's exits, port by port.
     let mut exits_of: BTreeMap<(u32, u16), Vec<PioExit>> = BTreeMap::new();
     for e in exits {
@@ -405,7 +500,8 @@ pub fn check(
         let convert = |e: &IoEvent| -> Option<(SegmentWorst, (u64, u64, u64))> {
             if segments.is_some() {
                 let s = covering(&mine, e.guest_tsc)?;
-                Some((SegmentWorst::of(vcpu, s), host_bounds(s, e.guest_tsc)?))
+                let p = place(&mine, e.guest_tsc, how)?;
+                Some((SegmentWorst::of(vcpu, s), (p.host, p.lo, p.hi)))
             } else {
                 // Checked as `record` claimed them, even a centre outside its own interval.
                 let c = e.recorded?;
@@ -462,6 +558,7 @@ pub fn check(
                 r.unconverted_events += 1;
                 continue;
             };
+            event_widths.push(hi.saturating_sub(lo));
             let Some(step) = step_of.get(&e.seq) else {
                 r.unmatched_events += 1;
                 continue;
@@ -499,6 +596,7 @@ pub fn check(
                 w.width = w.width.max(signed(hi, lo));
             }
             w.add(lag, outside || bound_false);
+            w.wrong_side += u64::from(outside);
             if outside || bound_false {
                 r.violations += 1;
                 r.bound_violations += u64::from(bound_false);
@@ -525,6 +623,16 @@ pub fn check(
     r.lag_before_out = quantiles(before);
     r.lag_after_in = quantiles(after);
     r.segments = worst.into_values().collect();
+    // The rounds of the vCPUs whose events were checked, each once (a vCPU may use several
+    // ports).
+    let vcpus: std::collections::BTreeSet<u32> = events.iter().map(|e| e.vcpu).collect();
+    let round_widths = segments
+        .unwrap_or_default()
+        .iter()
+        .filter(|s| vcpus.contains(&s.vcpu))
+        .map(|s| s.offset_hi.abs_diff(s.offset_lo))
+        .collect();
+    r.widths = Widths::of(event_widths, round_widths);
     r
 }
 
@@ -697,6 +805,52 @@ mod tests {
         );
         assert_eq!(r.segments.len(), 1);
         assert_eq!(r.segments[0].worst_lag, GAP_A.cast_signed());
+        assert_eq!(r.segments[0].wrong_side, 0);
+        // Every event as wide as its one round: a ratio of exactly 1.
+        let w = r.widths.unwrap();
+        assert_eq!(
+            (w.events, w.event_median, w.event_max),
+            (2000, 30_000, 30_000)
+        );
+        assert_eq!((w.round_median, w.round_max), (Some(30_000), Some(30_000)));
+        assert_eq!(
+            (w.median_ratio_milli, w.max_ratio_milli),
+            (Some(1000), Some(1000))
+        );
+    }
+
+    /// Two rounds 2.3 G ticks apart whose drift bounds are ±1000 ppm: one-sided, the events
+    /// late in the span are widened by up to 4.6 M ticks; two-sided, the round after bounds
+    /// them too, and the report says how much narrower.
+    #[test]
+    fn two_sided_placement_is_reported_narrower_than_one_sided() {
+        let (events, exits) = run(1000);
+        let mut a = segment(OFFSET, 15_000);
+        (a.drift_ppb_lo, a.drift_ppb_hi) = (Some(-1_000_000), Some(1_000_000));
+        let mut b = a;
+        let later = START + 1000 * PERIOD;
+        (b.round, b.host_anchor, b.guest_anchor) = (1, later, guest(later));
+        b.guest_start = guest(later);
+        let segs = [a, b];
+        let placed = |how| {
+            super::check_placed(
+                &events,
+                &exits,
+                Some(&segs),
+                &threads(),
+                Numbering::Nearest,
+                &workload_rules(),
+                how,
+            )
+        };
+        let (one, two) = (placed(Placement::OneSided), placed(Placement::TwoSided));
+        assert_eq!((one.violations, two.violations), (0, 0));
+        assert_eq!(one.placement, Some(PlacementName::OneSided));
+        let (w1, w2) = (one.widths.unwrap(), two.widths.unwrap());
+        assert!(w1.event_max > 4_000_000, "{w1:?}");
+        assert!(w2.event_max <= 30_000 + 2_400_000, "{w2:?}");
+        assert!(w2.event_median < w1.event_median, "{w1:?} {w2:?}");
+        assert!(w2.max_ratio_milli < w1.max_ratio_milli, "{w1:?} {w2:?}");
     }
 
     #[test]
@@ -714,6 +868,7 @@ mod tests {
         );
         assert_eq!(r.violations, 1000);
         assert_eq!(r.bound_violations, 1000);
+        assert_eq!(r.segments[0].wrong_side, 1000);
         assert!(
             r.first_violations
                 .iter()

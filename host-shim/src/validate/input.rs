@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 
 use thiserror::Error;
 
-use super::check::{EventRule, IoEvent, Numbering, Recorded, Side, ValidateReport, check};
+use super::check::{EventRule, IoEvent, Numbering, Recorded, Side, ValidateReport, check_placed};
 use super::probes::{ProbeChecker, ports_of, read_probe_log};
 use crate::ftrace::format::{EventFormat, FormatError, KVM_PIO, KvmPioLayout};
 use crate::probe::anchor::PioExit;
@@ -62,6 +62,9 @@ pub struct ValidateOptions {
     pub threads: BTreeMap<u32, u32>,
     /// How the host's steps are paired with the guest's sequence numbers.
     pub numbering: Numbering,
+    /// How events are placed with the sync file (`--placement`; `record`'s default is
+    /// two-sided).
+    pub placement: crate::record::Placement,
 }
 
 /// Why `validate` could not check.
@@ -225,16 +228,25 @@ pub fn validate(opts: &ValidateOptions) -> Result<ValidateReport, ValidateError>
                     .collect();
                 known = event_threads(&of_port, &exits_of_port, known, port)?;
             }
-            check(
+            check_placed(
                 &events,
                 &on_ports,
                 segments,
                 &known,
                 opts.numbering,
                 &opts.rules,
+                opts.placement,
             )
         }
-        None => check(&[], &[], segments, &threads, opts.numbering, &opts.rules),
+        None => check_placed(
+            &[],
+            &[],
+            segments,
+            &threads,
+            opts.numbering,
+            &opts.rules,
+            opts.placement,
+        ),
     };
     if let Some(log) = &opts.probe_log {
         // With the VM's threads known, another VM's identical I/O is not taken for its own.

@@ -26,8 +26,8 @@ pub mod input;
 pub mod probes;
 
 pub use check::{
-    Conversion, EventRule, IoEvent, LagStats, Numbering, Recorded, SegmentWorst, Side,
-    ValidateReport, Violation, check,
+    Conversion, EventRule, IoEvent, LagStats, Numbering, PlacementName, REPORT_SCHEMA, Recorded,
+    SegmentWorst, Side, ValidateReport, Violation, Widths, check, check_placed,
 };
 pub use input::{ValidateError, ValidateOptions, validate, workload_rules};
 pub use probes::{ProbeChecker, ProbeReport, ProbeViolation};

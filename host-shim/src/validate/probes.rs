@@ -162,10 +162,12 @@ impl<'a> ProbeChecker<'a> {
         self.lags[1].push(before_out);
         let outside = host < exit_lo || host > exit_hi;
         let bound_false = hi < exit_lo || lo > exit_hi;
-        self.worst
+        let w = self
+            .worst
             .entry((e.vcpu, seg.round))
-            .or_insert(SegmentWorst::of(e.vcpu, &seg))
-            .add(after_in.min(before_out), outside || bound_false);
+            .or_insert(SegmentWorst::of(e.vcpu, &seg));
+        w.add(after_in.min(before_out), outside || bound_false);
+        w.wrong_side += u64::from(outside);
         if outside || bound_false {
             r.violations += 1;
             r.bound_violations += u64::from(bound_false);

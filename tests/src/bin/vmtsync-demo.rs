@@ -51,7 +51,6 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use serde::Serialize;
 use serde_json::Value;
-use vmtsync::probe::anchor::DEFAULT_SYNC_PORT;
 use vmtsync_core::HostTicks;
 use vmtsync_launch::agent::BuildOutput;
 use vmtsync_launch::prereq::{display, ensure_qemu};
@@ -274,13 +273,10 @@ struct Paths<'a> {
 /// Boots the agent under `vmm` with one skew per vCPU (none: `skews` empty), COM1 reachable
 /// at `p.sock`; returns its guard. `smp` vCPUs under QEMU; the other VMMs run one.
 fn boot(vmm: Vmm, p: &Paths<'_>, skews: &[Skew], smp: u32) -> Result<ChildGuard> {
+    // The agent's default boot is the tight path (docs/anchor.md): its sync port at 0x2400
+    // (the host's `--sync-port` default), by which `--anchor auto` brackets each vCPU's
+    // probes, and its loop in ring 0, where this project's nested KVM makes those exits cheap.
     let mut append = format!("transport=uart exit={EXIT_CODE}");
-    if vmm == Vmm::Qemu {
-        // The sync port (docs/anchor.md): `--anchor auto` brackets each vCPU's probes by that
-        // vCPU's own `in`/`out` around its TSC read, about 35x tighter than the UART's exits
-        // for the application processors and as tight for the boot vCPU.
-        append.push_str(&format!(" syncport={DEFAULT_SYNC_PORT:#x}"));
-    }
     for (v, s) in (0u32..).zip(skews) {
         append.push(' ');
         append.push_str(&if skews.len() == 1 {

@@ -193,7 +193,8 @@ fn probe_session(test: &str, cmdline: &str) {
         "log:\n{}",
         out.log
     );
-    let cpl = if cmdline.contains("ring=0") { 0 } else { 3 };
+    // Ring 0 is the agent's default.
+    let cpl = if cmdline.contains("ring=3") { 3 } else { 0 };
     assert!(
         line(&out.log_lines, "info", &format!("serving at CPL {cpl}")).is_some(),
         "log:\n{}",
@@ -314,7 +315,8 @@ fn check_pvclock_against_kvm_get_clock(
 fn builtin_vmm_agent_answers_probes_within_the_exit_bracket_ring3() {
     probe_session(
         "builtin_vmm_agent_answers_probes_within_the_exit_bracket_ring3",
-        "transport=uart exit=5",
+        // The UART's own exits are under test: no sync-port exit between read and reply.
+        "transport=uart ring=3 syncport=off exit=5",
     );
 }
 
@@ -322,7 +324,7 @@ fn builtin_vmm_agent_answers_probes_within_the_exit_bracket_ring3() {
 fn builtin_vmm_agent_answers_probes_within_the_exit_bracket_ring0() {
     probe_session(
         "builtin_vmm_agent_answers_probes_within_the_exit_bracket_ring0",
-        "transport=uart ring=0 exit=5",
+        "transport=uart ring=0 syncport=off exit=5",
     );
 }
 
@@ -378,7 +380,8 @@ fn builtin_vmm_agent_applies_software_skew() {
 
 /// Boots in `wire=line` mode and reads the hello line.
 fn boot_line(test: &str, timeout: Duration) -> Option<Vm> {
-    let vm = boot(test, "wire=line", timeout)?;
+    // No sync port (on by default): the test checks that no exit lies between read and 'T'.
+    let vm = boot(test, "wire=line syncport=off", timeout)?;
     let hello = vm.com1().recv_line(STEP).expect("hello on COM1");
     assert_eq!(text(&hello), "H vmtsync-agent\n");
     Some(vm)

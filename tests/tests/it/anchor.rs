@@ -66,7 +66,8 @@ fn anchored_probes_bracket_a_skewed_truth_in_every_session() {
         .tempdir()
         .unwrap();
     let skew = Skew::pick();
-    let (guard, sock, elf) = boot(tmp.path(), skew, "");
+    // The UART bytes' bracket: the agent's default sync port would replace it.
+    let (guard, sock, elf) = boot(tmp.path(), skew, "syncport=off");
     let addr = ProbeAddr::parse(&format!("unix:{}", sock.display())).unwrap();
     let connect = ConnectOptions {
         connect_timeout: STEP,
@@ -137,7 +138,8 @@ fn sigint_during_an_anchored_run_removes_the_instance() {
         .prefix("vmtsync-anchor-int-")
         .tempdir()
         .unwrap();
-    let (qemu_guard, sock, _) = boot(tmp.path(), Skew::pick(), "");
+    // The UART bytes' bracket: the agent's default sync port would replace it.
+    let (qemu_guard, sock, _) = boot(tmp.path(), Skew::pick(), "syncport=off");
     let out = tmp.path().join("sync.jsonl");
     let child = Command::new(env!("CARGO_BIN_EXE_vmtsync-cli"))
         .args(["probe", "--connect"])

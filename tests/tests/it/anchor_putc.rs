@@ -65,7 +65,12 @@ fn median(mut v: Vec<u64>) -> u64 {
 fn uart_sessions(test: &str, order: &str) -> Vec<u64> {
     let tmp = crate::util::scratch(test);
     let skew = Skew::pick();
-    let append = format!("transport=uart exit=9 {} {order}", skew.agent_option());
+    // The UART bytes' bracket is under test: without `syncport=off` the agent's default sync
+    // port would bracket its probes instead.
+    let append = format!(
+        "transport=uart exit=9 syncport=off {} {order}",
+        skew.agent_option()
+    );
     let (guard, sock) = boot(tmp.path(), &append, 1);
     let addr = ProbeAddr::parse(&format!("unix:{}", sock.display())).unwrap();
     let connect = ConnectOptions {
@@ -231,7 +236,10 @@ fn cli_runs(test: &str, vcpus: u32) {
         .zip(&skews)
         .map(|(v, s)| s.agent_option_for(v))
         .collect();
-    let append = format!("transport=uart exit=9 {PUTC} {}", options.join(" "));
+    let append = format!(
+        "transport=uart exit=9 syncport=off {PUTC} {}",
+        options.join(" ")
+    );
     let (guard, sock) = boot(tmp.path(), &append, vcpus);
     let pid = guard.pid().to_string();
     let all: Vec<u32> = (0..vcpus).collect();

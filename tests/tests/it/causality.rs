@@ -13,6 +13,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
+use vmtsync::probe::anchor::DEFAULT_SYNC_PORT;
 use vmtsync_tests::truth::{GuestTruth, Skew};
 
 use crate::kvm_fixtures::{guarded_output, vmtsync};
@@ -115,7 +116,14 @@ pub(crate) fn run_validate(args: &[&str]) -> (Option<i32>, Value, String) {
 
 /// `vmtsync validate` of the run's workload events and its sync probes (`--probe-log`).
 fn validate(sync: &Path, run: &Run) -> (Option<i32>, Value, String) {
+    validate_placed(sync, run, "two-sided")
+}
+
+/// [`validate`] with `--placement HOW`.
+fn validate_placed(sync: &Path, run: &Run, how: &str) -> (Option<i32>, Value, String) {
     run_validate(&[
+        "--placement",
+        how,
         "--sync",
         sync.to_str().unwrap(),
         "--host-trace",
@@ -183,14 +191,17 @@ pub(crate) fn recorded_run(test: &str, purpose: &str, skew: &Skew, format: &str)
         .unwrap();
     // The host's record of the workload's exits: enabled before the VM boots, so the k-th
     // `out` in it is step k; a buffer large enough that no exit is overwritten. The UART's
-    // exits too (its data port and status registers), for the sync probes' own brackets.
+    // exits too (its data port and status registers) and the agent's default sync port, for
+    // the sync probes' own brackets.
     let mut trace = HostTrace::start(test, purpose, "kvm/kvm_pio")?;
     trace.buffer_kb(8192);
     trace
         .instance()
         .set_filter(
             "kvm/kvm_pio",
-            &format!("port == {PORT} || (port >= 0x3f8 && port <= 0x3ff)"),
+            &format!(
+                "port == {PORT} || (port >= 0x3f8 && port <= 0x3ff) || port == {DEFAULT_SYNC_PORT:#x}"
+            ),
         )
         .unwrap();
     trace.instance().enable("kvm/kvm_pio").unwrap();
@@ -253,7 +264,8 @@ pub(crate) fn recorded_run(test: &str, purpose: &str, skew: &Skew, format: &str)
     })
 }
 
-/// The sync file's segments; each must be exit-anchored.
+/// The sync file's segments; each must be exit-anchored, by the sync port the agent enables
+/// without a boot option (the tight path by default).
 pub(crate) fn anchored_segments(sync: &Path) -> Vec<Value> {
     let segments: Vec<Value> = std::fs::read_to_string(sync)
         .unwrap()
@@ -263,7 +275,7 @@ pub(crate) fn anchored_segments(sync: &Path) -> Vec<Value> {
         .collect();
     assert!(!segments.is_empty());
     assert!(
-        segments.iter().all(|s| s["anchor"] == "kvm-pio-uart"),
+        segments.iter().all(|s| s["anchor"] == "kvm-pio-sync-port"),
         "{segments:?}"
     );
     segments
@@ -271,7 +283,8 @@ pub(crate) fn anchored_segments(sync: &Path) -> Vec<Value> {
 
 /// `validate` on the run, events and sync probes: no false bound ever, every probe paired
 /// with its exits, and (when `exact` says the estimate must pass too) no violation; the sync
-/// file shifted by one bracket width either way must do strictly worse on both (exit 9).
+/// file shifted either way by more than a round's width and the events' distance from their
+/// exits must do strictly worse on both (exit 9).
 /// Returns the run's event violations.
 fn validate_and_catch_a_shift(test: &str, run: &Run, segments: &[Value], exact: bool) -> u64 {
     let (code, v, err) = validate(&run.sync, run);
@@ -307,7 +320,16 @@ fn validate_and_catch_a_shift(test: &str, run: &Run, segments: &[Value], exact: 
         .map(|s| s["offset_hi"].as_i64().unwrap() - s["offset_lo"].as_i64().unwrap())
         .max()
         .unwrap();
-    for by in [width, -width] {
+    // A shift must also exceed how far the events sit from their own exits (validate's lags,
+    // 99th percentile): in ring 0, the agent's default, the workload's instructions between an
+    // event and its exit run emulated, and that distance outgrows a round's width.
+    let lag = ["lag_before_out", "lag_after_in"]
+        .iter()
+        .map(|k| v[*k]["p99"].as_i64().unwrap())
+        .max()
+        .unwrap();
+    let by = width.max(lag) + 1;
+    for by in [by, -by] {
         let bad = run.dir.path().join(format!("shifted{by}.jsonl"));
         shifted(&run.sync, &bad, by);
         let (code, v, err) = validate(&bad, run);
@@ -395,9 +417,9 @@ fn merged_report_puts_each_workload_event_on_the_right_side_of_its_exit() {
 /// A guest TSC 100 ppm fast (the software skew `Skew::pick`): the sync must track the rate.
 /// `record` pre-converts its trace.dat then, so the guest recording is JSON Lines, which keeps
 /// the raw guest ticks. Guaranteed here: every event's interval meets its exit bracket, and a
-/// shifted sync file does worse. Not guaranteed, and so only reported: the estimate's side of
-/// each exit, which for events far from a round with tight drift bounds depends on how well
-/// the rate is known yet (docs/validate.md, "A drifting guest").
+/// shifted sync file does worse. Held as a bar too, with the agent's default boot (sync port,
+/// ring 0) and `record`'s default two-sided placement: every event and every sync probe on its
+/// own side of its exit from the first round on (issue 18).
 #[test]
 fn a_drifting_guest_keeps_every_bound_and_a_shift_is_caught() {
     let test = "causality::a_drifting_guest_keeps_every_bound_and_a_shift_is_caught";
@@ -412,6 +434,31 @@ fn a_drifting_guest_keeps_every_bound_and_a_shift_is_caught() {
             .any(|s| s["drift_ppb_lo"].as_i64().unwrap() > 0),
         "{segments:?}"
     );
-    let violations = validate_and_catch_a_shift(test, &run, &segments, false);
-    eprintln!("{test}: {violations} events on the wrong side of their exit (reported, not a bar)");
+    let violations = validate_and_catch_a_shift(test, &run, &segments, true);
+    assert_eq!(violations, 0);
+    // The same files placed one-sided (record's placement before two-sided placement): both
+    // hold every bound; two-sided is never wider, and both are reported side by side.
+    let (_, one, err) = validate_placed(&run.sync, &run, "one-sided");
+    let (_, two, _) = validate(&run.sync, &run);
+    assert_eq!(one["bound_violations"], 0, "{one} {err}");
+    let (w1, w2) = (&one["widths"], &two["widths"]);
+    for k in ["event_median", "event_max"] {
+        assert!(
+            w2[k].as_u64().unwrap() <= w1[k].as_u64().unwrap(),
+            "{k}: {w1} {w2}"
+        );
+    }
+    for (name, v) in [("one-sided", &one), ("two-sided", &two)] {
+        let by_round: Vec<String> = v["segments"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| format!("round {}: {}", s["round"], s["wrong_side"]))
+            .collect();
+        eprintln!(
+            "{test}: {name}: widths {}; wrong side by segment: {}",
+            v["widths"],
+            by_round.join(", ")
+        );
+    }
 }

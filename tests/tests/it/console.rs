@@ -33,7 +33,7 @@ fn record_console_keeps_every_frame_and_every_console_line() {
         Skew::pick().0.offset(),
     ));
     let append = format!(
-        "transport=uart exit=0 console=1 events={EVENTS} {}",
+        "transport=uart exit=0 console=1 syncport=off events={EVENTS} {}",
         skew.agent_option()
     );
     eprintln!("{test}: agent options {append}");

@@ -17,6 +17,7 @@ mod kvm_real;
 mod minimal_kernel;
 mod perf;
 mod perfetto;
+mod placement;
 mod plot;
 mod probe;
 mod probe_bench;

@@ -372,7 +372,9 @@ fn qemu_flight_recorder_gives_the_newest_records_and_the_exact_overwritten_count
     ));
     let dir = scratch("qemu-flight");
     let append = format!(
-        "transport=uart exit=0 flight=1 workload=10000000,{PRODUCED} {}",
+        // Ring 3: the workload must outrun the drains, which it does only natively (the
+        // default ring 0 is emulated on these nested hosts).
+        "transport=uart ring=3 exit=0 flight=1 workload=10000000,{PRODUCED} {}",
         skew.agent_option()
     );
     let vm = QemuAgent::boot(dir.path(), &append);
@@ -380,14 +382,16 @@ fn qemu_flight_recorder_gives_the_newest_records_and_the_exact_overwritten_count
     // COM1); the host stays away for three seconds, boot included. A workload still running
     // when the host attaches would show below as sequence numbers short of the last one.
     std::thread::sleep(Duration::from_secs(3));
-    let jsonl = dir.path().join("events.jsonl");
-    let out = vm.record(&jsonl, RING, 200, &["--format", "jsonl", "--shutdown"]);
-    let stderr = text(&out.stderr);
-    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    // The truth is read while the VM surely runs: `--shutdown` ends it, and its debugfs
+    // directory with it, as soon as the recording is done.
     let truth = GuestTruth::new(
         truth_mapping(vm.guard.pid(), 0).expect("debugfs truth"),
         Some(skew),
     );
+    let jsonl = dir.path().join("events.jsonl");
+    let out = vm.record(&jsonl, RING, 200, &["--format", "jsonl", "--shutdown"]);
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
     drop(vm);
     let lines = read_jsonl(&jsonl);
     let seqs: Vec<u64> = lines
@@ -450,7 +454,9 @@ fn vsock_ingest_keeps_every_sent_event_and_counts_the_rest() {
     let port = 5_400;
     let skew = Skew::pick();
     let append = format!(
-        "transport=vsock vsock=listen port={port} exit=0 workload=1000000,0 {}",
+        // Ring 3: a million events a second is bulk work, native there and emulated in the
+        // default ring 0 on these nested hosts (guest-agent/src/options.rs).
+        "transport=vsock vsock=listen port={port} ring=3 exit=0 workload=1000000,0 {}",
         skew.agent_option()
     );
     let step = Duration::from_secs(30);
@@ -479,6 +485,7 @@ fn vsock_ingest_keeps_every_sent_event_and_counts_the_rest() {
         resync: Duration::from_millis(500),
         drain_max: vmtsync::record::DRAIN_MAX,
         sync_out: None,
+        placement: vmtsync::record::Placement::default(),
     };
     let started = Instant::now();
     let summary = run_record_on(transport, &opts, &mut Progress::hidden())

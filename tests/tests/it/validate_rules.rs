@@ -113,15 +113,23 @@ fn before_and_after_rules_check_a_guests_own_events_with_and_without_a_sync_file
         (v["violations"].as_u64(), v["conversion"].as_str()),
         (Some(0), Some("sync-file"))
     );
-    // Shifted by the widest bracket of the run, either way, it is caught; and with the
-    // rules swapped every event is on the wrong side (each after-event follows its step's
-    // `out`, each before-event precedes its `in`).
+    // Shifted either way by more than the widest bracket of the run and the events' distance
+    // from their exits (the truth's lags, 99th percentile: in the agent's default ring 0 the
+    // workload's instructions run emulated, so that distance outgrows a round's width), it is
+    // caught; and with the rules swapped every event is on the wrong side (each after-event
+    // follows its step's `out`, each before-event precedes its `in`).
     let width = segments
         .iter()
         .map(|s| s["offset_hi"].as_i64().unwrap() - s["offset_lo"].as_i64().unwrap())
         .max()
         .unwrap();
-    for by in [width, -width] {
+    let lag = ["lag_before_out", "lag_after_in"]
+        .iter()
+        .map(|k| v[*k]["p99"].as_i64().unwrap())
+        .max()
+        .unwrap();
+    let reach = width.max(lag) + 1;
+    for by in [reach, -reach] {
         let bad = run.dir.path().join(format!("truth{by}.jsonl"));
         shifted(&exact, &bad, by);
         let (code, v, err) = with_sync(&bad, &rules);
@@ -175,8 +183,8 @@ fn before_and_after_rules_check_a_guests_own_events_with_and_without_a_sync_file
     );
     // The recording's conversion moved as a sync file shifted by the widest bracket moves
     // it (offset = guest − host: host times move the other way) finds what that sync file
-    // finds; moved ten brackets, either way, at least every event on the side it moves
-    // towards is caught.
+    // finds; moved ten times the reach above, either way, at least every event on the side it
+    // moves towards is caught.
     for by in [width, -width] {
         let bad_sync = run.dir.path().join(format!("sync{by}.jsonl"));
         shifted(&run.sync, &bad_sync, by);
@@ -195,7 +203,7 @@ fn before_and_after_rules_check_a_guests_own_events_with_and_without_a_sync_file
             "{err}"
         );
     }
-    for by in [10 * width, -10 * width] {
+    for by in [10 * reach, -10 * reach] {
         let bad = run.dir.path().join(format!("far{by}.jsonl"));
         shifted_recording(&run.guest, &bad, by);
         let (code, m, err) = validate(&run, &bad, &rules);

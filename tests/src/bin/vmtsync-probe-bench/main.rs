@@ -3,7 +3,7 @@
 //!
 //! The guest agent answers `K` sessions of `N` compact probes each, through
 //!
-//! - the built-in VMM's COM1 (ring-3 agent, the default), bracketed three ways (see
+//! - the built-in VMM's COM1 (ring-3 agent, `ring=3 syncport=off`), bracketed three ways (see
 //!   [`builtin`]): by the VM exits around the reply's first byte (`exit-tight`), by the exits
 //!   of the request's last read and the reply's first write (`exit-loose`), and by this
 //!   thread's own TSC reads around queueing and receiving the whole reply (`host-thread`) or
@@ -40,13 +40,17 @@
 //! one JSON object (schema `vmtsync-probe-bench/1`, documented in [`report`]).
 //!
 //! Usage: `vmtsync-probe-bench [--sessions K] [--probes N] [--machine microvm|q35] [--no-qemu] [--no-vsock]
-//! [--no-skew] [--skew OFFSET,RATIO,FRAC]`
+//! [--no-skew] [--skew OFFSET,RATIO,FRAC]`, or `vmtsync-probe-bench --record`: instead of the
+//! probe rows, `vmtsync record` under each boot configuration of [`record`] (event and round
+//! widths, errors against the truth), ending in one JSON line (schema
+//! `vmtsync-probe-bench-record/1`).
 //!
 //! Exit codes: 0 when every guaranteed interval contained the truth; 3 when one did not (a
 //! soundness bug: the table says where); 2 on usage errors; 1 when the benchmark could not run.
 
 mod builtin;
 mod qemu;
+mod record;
 mod report;
 mod stats;
 mod vsock;
@@ -85,6 +89,9 @@ usage: vmtsync-probe-bench [--sessions K] [--probes N] [--machine microvm|q35] [
                     from the host TSC now, rate 281503124208327/2^48 = 1.0001)
   --no-vsock        skip both virtio-vsock paths (vhost-device-vsock): the sync-port path
                     (QEMU q35) and the estimator comparison (QEMU microvm)
+  --record         instead of the probe rows: `vmtsync record` (the CLI binary next to this
+                    one) under each boot configuration, event and round interval widths and
+                    errors against the truth, one JSON line (vmtsync-probe-bench-record/1)
   --vsock-probes M  probes per vsock session (default 339, trace-cmd's PTP_SYNC_LOOP); the
                     vsock rows are all M probes and the first N of each session";
 
@@ -260,6 +267,8 @@ struct Args {
     skew: Option<SkewArg>,
     /// Probes per vsock session; `None` skips the path.
     vsock: Option<usize>,
+    /// `--record`: the record comparison instead of the probe rows.
+    record: bool,
 }
 
 /// Which skew the skewed path's agent applies.
@@ -288,6 +297,7 @@ fn parse_args(args: &[String]) -> Result<Args, String> {
         qemu: true,
         skew: Some(SkewArg::Pick),
         vsock: Some(TRACE_CMD_PTP_SYNC_LOOP),
+        record: false,
     };
     let mut it = args.iter();
     while let Some(flag) = it.next() {
@@ -305,6 +315,7 @@ fn parse_args(args: &[String]) -> Result<Args, String> {
             "--no-qemu" => a.qemu = false,
             "--no-skew" => a.skew = None,
             "--no-vsock" => a.vsock = None,
+            "--record" => a.record = true,
             "--vsock-probes" => {
                 a.vsock = Some(value()?.parse().map_err(|e| format!("{flag}: {e}"))?);
             }
@@ -349,7 +360,10 @@ fn bench(args: &Args) -> Result<Report> {
     let mut rows = Vec::new();
 
     let t = Instant::now();
-    let (s, kvm) = builtin::run(&elf, "transport=uart", args.sessions, args.probes)?;
+    // The ring-3 agent without a sync port: `exit-tight` rests on no exit between its TSC read
+    // and its reply's first byte.
+    let builtin_boot = "transport=uart ring=3 syncport=off";
+    let (s, kvm) = builtin::run(&elf, builtin_boot, args.sessions, args.probes)?;
     eprintln!(
         "built-in VMM: {} sessions in {:.1?}; KVM mapping {kvm:?}",
         s.len(),
@@ -382,7 +396,16 @@ fn bench(args: &Args) -> Result<Report> {
         } else {
             let t = Instant::now();
             let uart = Matcher::Uart { port: COM1_DATA };
-            let (q, kvm) = qemu::run(&elf, args.machine, "", uart, args.sessions, args.probes)?;
+            // The UART bytes' own bracket: the agent's default sync port would add its two
+            // exits inside it.
+            let (q, kvm) = qemu::run(
+                &elf,
+                args.machine,
+                "syncport=off",
+                uart,
+                args.sessions,
+                args.probes,
+            )?;
             eprintln!(
                 "QEMU {:?}: {} sessions in {:.1?}; KVM mapping {kvm:?}",
                 args.machine,
@@ -500,7 +523,7 @@ fn bench(args: &Args) -> Result<Report> {
             SkewArg::Pick => Skew::pick(),
             SkewArg::Given(s) => s,
         };
-        let cmdline = format!("transport=uart {}", skew.agent_option());
+        let cmdline = format!("{builtin_boot} {}", skew.agent_option());
         let t = Instant::now();
         let (s, kvm) = builtin::run(&elf, &cmdline, args.sessions, args.probes)?;
         eprintln!(
@@ -596,6 +619,9 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    if args.record {
+        return record::main();
+    }
     match bench(&args) {
         Ok(report) => {
             print!("{}", report.table());

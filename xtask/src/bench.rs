@@ -617,7 +617,7 @@ mod tests {
             [
                 ("0.0100", "met"),
                 (
-                    "4,000 ns on `vsock/sync-port-ring0`; 10,000 ns on the UART bytes (ring 3, the default)",
+                    "4,000 ns on `vsock/sync-port-ring0`; 10,000 ns on the UART bytes alone (`ring=3 syncport=off`)",
                     "met"
                 ),
                 ("2", "met")

@@ -238,13 +238,13 @@ pub(super) fn probe_section(j: &Value) -> Result<Section> {
             ],
             {
                 // The best exit-anchored path, named (its agent options are in the table
-                // above), beside the default path's figure (UART bytes, loop in ring 3).
+                // above), beside the UART bytes' own figure (loop in ring 3, no sync port).
                 let best = anchored_err.iter().min_by_key(|(_, e)| *e);
                 let default = err_ns.map_or_else(
                     || "—".into(),
                     |n| {
                         format!(
-                            "{} ns on the UART bytes (ring 3, the default)",
+                            "{} ns on the UART bytes alone (`ring=3 syncport=off`)",
                             thousands(n)
                         )
                     },

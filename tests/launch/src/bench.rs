@@ -10,7 +10,10 @@
 //! - `vmtsync-probe-bench-record/1` ([`RecordBench`]): `vmtsync-probe-bench --record`,
 //!   `vmtsync record`'s event intervals against its rounds;
 //! - `vmtsync-ingest-bench/1` ([`IngestBench`]): `vmtsync-ingest-bench`, sustained event
-//!   ingest over virtio-vsock.
+//!   ingest over virtio-vsock;
+//! - `vmtsync-fuzz-results/1` ([`FuzzRecord`]): `cargo xtask fuzz --long`'s results as `cargo
+//!   xtask bench --record-fuzz` keeps them, one [`FuzzResult`] per target (which `cargo xtask
+//!   fuzz` prints as a `fuzz-result key=value …` line).
 //!
 //! Errors and widths are in host TSC ticks unless a field's name ends in `_ns`. `Default` is
 //! there for tests that build a line by hand.
@@ -87,6 +90,10 @@ schema!(
 schema!(
     /// `vmtsync-ingest-bench/1`.
     IngestSchema = "vmtsync-ingest-bench/1"
+);
+schema!(
+    /// `vmtsync-fuzz-results/1`.
+    FuzzSchema = "vmtsync-fuzz-results/1"
 );
 
 /// `vmtsync-probe-bench --sessions K`: every path and bracket, our estimators against
@@ -343,6 +350,99 @@ pub struct IngestBench {
     pub fill_ms: Option<u64>,
 }
 
+/// `cargo xtask fuzz --long`'s results, recorded with the date for a later `cargo xtask bench`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct FuzzRecord {
+    /// `vmtsync-fuzz-results/1`.
+    pub schema: FuzzSchema,
+    /// When the run started (UTC).
+    pub date: String,
+    /// The commit it ran on, when known.
+    pub commit: Option<String>,
+    /// The command that ran.
+    pub command: String,
+    /// Whether it exited successfully (no crash, every target's runs reached).
+    pub success: bool,
+    /// One per target.
+    pub results: Vec<FuzzResult>,
+}
+
+/// One fuzz target's run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct FuzzResult {
+    /// `crate-dir:target`.
+    pub target: String,
+    /// `smoke` or `long`.
+    pub mode: String,
+    /// Inputs executed.
+    pub runs: u64,
+    /// Crashes found.
+    pub crashes: u64,
+    /// Timeouts found.
+    pub timeouts: u64,
+    /// Out-of-memory inputs found.
+    pub ooms: u64,
+    /// Wall time.
+    pub seconds: f64,
+    /// `runs / seconds`.
+    pub exec_per_s: f64,
+    /// Corpus entries at the end.
+    pub corpus: u64,
+}
+
+impl FuzzResult {
+    /// The line `cargo xtask fuzz` prints: `fuzz-result target=… mode=… runs=… …`.
+    #[must_use]
+    pub fn line(&self) -> String {
+        format!(
+            "fuzz-result target={} mode={} runs={} crashes={} timeouts={} ooms={} \
+             seconds={:.1} exec_per_s={:.0} corpus={}",
+            self.target,
+            self.mode,
+            self.runs,
+            self.crashes,
+            self.timeouts,
+            self.ooms,
+            self.seconds,
+            self.exec_per_s,
+            self.corpus
+        )
+    }
+
+    /// Every [`FuzzResult::line`] in `stdout`, skipping other output; a line that does not
+    /// parse is an error naming it.
+    ///
+    /// # Errors
+    /// A `fuzz-result` line with a missing or malformed field.
+    pub fn parse_all(stdout: &str) -> Result<Vec<Self>, String> {
+        stdout
+            .lines()
+            .filter_map(|l| l.strip_prefix("fuzz-result "))
+            .map(|l| Self::parse(l).ok_or_else(|| format!("bad fuzz-result line: {l}")))
+            .collect()
+    }
+
+    fn parse(fields: &str) -> Option<Self> {
+        let kv: BTreeMap<&str, &str> = fields
+            .split_whitespace()
+            .filter_map(|w| w.split_once('='))
+            .collect();
+        let num = |k: &str| kv.get(k)?.parse::<u64>().ok();
+        let float = |k: &str| kv.get(k)?.parse::<f64>().ok();
+        Some(Self {
+            target: (*kv.get("target")?).to_owned(),
+            mode: (*kv.get("mode")?).to_owned(),
+            runs: num("runs")?,
+            crashes: num("crashes")?,
+            timeouts: num("timeouts")?,
+            ooms: num("ooms")?,
+            seconds: float("seconds")?,
+            exec_per_s: float("exec_per_s")?,
+            corpus: num("corpus")?,
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -386,5 +486,23 @@ mod tests {
         assert!(last_line::<ProbeBench>(&probe).is_some());
         assert_eq!(last_line::<IngestBench>(&probe), None, "another schema");
         assert_eq!(last_line::<RecordBench>(&probe), None, "another schema");
+    }
+
+    #[test]
+    fn a_fuzz_result_line_reads_back() {
+        let r = FuzzResult {
+            target: "core/fuzz:decode".into(),
+            mode: "long".into(),
+            runs: 10_000_000,
+            crashes: 0,
+            timeouts: 1,
+            ooms: 0,
+            seconds: 81.5,
+            exec_per_s: 122_699.0,
+            corpus: 310,
+        };
+        let out = format!("noise\n{}\n", r.line());
+        assert_eq!(FuzzResult::parse_all(&out), Ok(vec![r]));
+        assert!(FuzzResult::parse_all("fuzz-result target=x runs=1\n").is_err());
     }
 }

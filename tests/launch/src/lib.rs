@@ -28,4 +28,4 @@ pub mod vhost;
 
 pub use error::LaunchError;
 pub use guard::ChildGuard;
-pub use prereq::{have_kvm, is_ci, is_root, require};
+pub use prereq::{gate, have_kvm, is_ci, is_root, require, set_gated};

@@ -74,13 +74,21 @@
 //! 32-byte slots. A reader that only reads (a host reading guest memory) can find each
 //! record's index and completeness in its slot alone.
 
+mod layout;
+mod mem;
 mod ring;
 mod slot;
 mod source;
 mod vcpus;
 
-pub use ring::{Producer, Ring};
-pub use slot::{BUSY, ReadError, SLOT_SIZE, STAMP_BITS, STAMP_SHIFT};
+pub use layout::{
+    BEACON_ID, ClockKind, HEADER_SIZE, HeaderInfo, HeaderLayout, LAYOUT_VERSION, MAGIC,
+    MAX_CAPACITY, MAX_VCPUS, MIN_CAPACITY, RESERVED_ID_MIN, RING_HEADER_SIZE, RingLayout, checksum,
+    ring_stride,
+};
+pub use mem::{LayoutError, MemRecorder};
+pub use ring::{Producer, Ring, RingRef};
+pub use slot::{BUSY, ReadError, SLOT_SIZE, STAMP_BITS, STAMP_SHIFT, Slot, committed};
 pub use source::{EventSource, EventSources, MAX_EVENT_SOURCES, NoEvents};
 pub use vcpus::Recorder;
 
@@ -135,6 +143,9 @@ pub enum RecordError {
     PayloadTooLong,
     /// [`Recorder::record`] named a vCPU the recorder has no ring for; nothing was counted.
     NoSuchVcpu,
+    /// A beacon was asked for but the published header names no beacon port (or the
+    /// header is not published); nothing was done.
+    NoBeaconPort,
 }
 
 #[cfg(test)]

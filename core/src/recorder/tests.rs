@@ -283,3 +283,54 @@ fn a_stop_when_full_ring_under_the_same_race_only_refuses() {
     assert_eq!((got, RING.overwritten()), (stored, 0));
     assert_eq!(got + RING.refused(), N);
 }
+
+#[test]
+fn a_mem_recorder_has_the_bytes_of_the_const_one() {
+    use std::vec;
+    static R: Recorder<3, 8> = Recorder::new_flight();
+    let storage: Vec<Slot> = (0..MemRecorder::storage_slots(3, 8).unwrap() + 1)
+        .map(|_| Slot::new())
+        .collect();
+    // A Vec<Slot> is 32-aligned; skip to a 64-byte boundary like a C buffer would be.
+    let skip = usize::from(!(storage.as_ptr() as usize).is_multiple_of(64));
+    let m = MemRecorder::init(&storage[skip..], 3, 8, Mode::Overwrite).unwrap();
+    assert_eq!(
+        MemRecorder::init(&storage[skip..skip + 10], 3, 8, Mode::Overwrite).unwrap_err(),
+        LayoutError::TooSmall
+    );
+    assert_eq!(
+        MemRecorder::init(&storage[1 - skip..], 3, 8, Mode::Overwrite).unwrap_err(),
+        LayoutError::Misaligned
+    );
+    assert_eq!(
+        MemRecorder::storage_slots(3, 12),
+        None,
+        "capacity not a power of two"
+    );
+    let info = HeaderInfo {
+        nonce: 0x1234,
+        tsc_khz: 2_000_000,
+        clock: ClockKind::RawTsc,
+        beacon_port: 0x510,
+    };
+    assert_eq!(R.header().magic, 0, "unpublished in the image");
+    let h = R.publish(&info);
+    assert_eq!(m.publish(&info), h);
+    assert!(h.is_valid());
+    for (v, n) in [(0usize, 3u32), (2, 11)] {
+        let tsc = FakeTsc::new(100, 7);
+        for i in 0..n {
+            R.record(v, &tsc, 5, &i.to_le_bytes()).unwrap();
+        }
+        let tsc = FakeTsc::new(100, 7);
+        for i in 0..n {
+            m.record(v, &tsc, 5, &i.to_le_bytes()).unwrap();
+        }
+    }
+    let size = MemRecorder::storage_bytes(3, 8).unwrap();
+    assert_eq!(size, core::mem::size_of::<Recorder<3, 8>>());
+    let (mut a, mut b) = (vec![0u8; size], vec![0u8; size]);
+    assert_eq!((R.copy_bytes(&mut a), m.copy_bytes(&mut b)), (size, size));
+    assert_eq!(a, b);
+    assert_eq!(&a[..8], b"VMTSRING");
+}

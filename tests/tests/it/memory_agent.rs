@@ -11,6 +11,8 @@ use std::fs::File;
 use std::io::{Read, Seek, SeekFrom};
 use std::time::{Duration, Instant};
 
+use vmtsync_tests::ChildGuard;
+
 use crate::util::{boot_qemu, scratch, vm_ready};
 
 /// The workload the test asks for: events per second and how many (fewer than a ring holds,
@@ -99,23 +101,21 @@ fn find_headers(pid: u32, mem: &mut File) -> Vec<u64> {
     found
 }
 
-#[test]
-fn agent_without_a_transport_publishes_its_rings_in_guest_memory() {
-    let test = "agent_without_a_transport_publishes_its_rings_in_guest_memory";
-    if !vm_ready(test) {
-        return;
-    }
-    let dir = scratch(test);
-    // A skew makes the records' clock not the raw TSC, which the header must say (clock 1).
-    let append = format!(
-        "transport=none workload={RATE},{COUNT} beacons={BEACON_EVERY} skew=1000,3,1 \
-         syncport={SYNC_PORT:#x}"
-    );
-    let (mut guard, _sock) = boot_qemu(dir.path(), &append);
+/// QEMU running the agent, its memory, and the address of the one valid header in it.
+struct Booted {
+    /// QEMU; dropping it ends the VM.
+    _guard: ChildGuard,
+    mem: File,
+    base: u64,
+    header: Vec<u8>,
+}
+
+/// Boots the agent with `append` and finds its header from outside: exactly one valid
+/// header must appear in QEMU's writable memory (none in its ROM copy of the image).
+fn boot_and_find(dir: &std::path::Path, append: &str) -> Booted {
+    let (mut guard, _sock) = boot_qemu(dir, append);
     let pid = guard.child().id();
     let mut mem = File::open(format!("/proc/{pid}/mem")).expect("/proc/PID/mem (run as root)");
-
-    // The header appears once the agent has booted; before that, none may be valid.
     let end = Instant::now() + Duration::from_secs(30);
     let headers = loop {
         let h = find_headers(pid, &mut mem);
@@ -130,7 +130,91 @@ fn agent_without_a_transport_publishes_its_rings_in_guest_memory() {
         "exactly one valid header in QEMU's memory (no copy in its ROM of the image): {headers:x?}"
     );
     let base = headers[0];
-    let h = read_at(&mut mem, base, 128).unwrap();
+    let header = read_at(&mut mem, base, 128).unwrap();
+    Booted {
+        _guard: guard,
+        mem,
+        base,
+        header,
+    }
+}
+
+/// Waits until ring 0 holds `count` workload events and its beacons and stops changing (the
+/// agent halted); returns the ring header's (head, refused, beacons).
+fn wait_done(b: &mut Booted, count: u64) -> (u64, u64, u64) {
+    let ring = b.base + 128;
+    let end = Instant::now() + Duration::from_secs(30);
+    let mut last = None;
+    loop {
+        let r = read_at(&mut b.mem, ring, 128).unwrap();
+        let now = (le64(&r, 0), le64(&r, 8), le64(&r, 24));
+        let (head, _, beacons) = now;
+        if head >= count + beacons && beacons >= 2 && last == Some(now) || Instant::now() > end {
+            return now;
+        }
+        last = Some(now);
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// Checks records `from..head` of ring 0: each committed with its own stamp and length 8,
+/// workload and beacon sequence numbers each counting up by one (from `first_work` and
+/// `first_beacon`), the TSC never going back. Returns the (workload, beacon) records seen.
+fn check_records(b: &mut Booted, from: u64, head: u64) -> (Vec<u64>, Vec<u64>) {
+    let ring = b.base + 128;
+    let slots = read_at(
+        &mut b.mem,
+        ring + 128,
+        usize::try_from(32 * CAPACITY).unwrap(),
+    )
+    .unwrap();
+    let (mut work, mut beacon, mut last_tsc) = (Vec::new(), Vec::new(), 0u64);
+    for n in from..head {
+        let s = &slots[usize::try_from(32 * (n % CAPACITY)).unwrap()..][..32];
+        let meta = le64(s, 0);
+        assert_eq!(meta >> 25, n + 1, "record {n}'s stamp");
+        assert_eq!(meta & (1 << 24), 0, "record {n} not busy");
+        let (id, len, tsc, payload) = (meta & 0xffff, (meta >> 16) & 0xff, le64(s, 8), le64(s, 16));
+        assert!(tsc >= last_tsc, "record {n}: tsc {tsc} after {last_tsc}");
+        last_tsc = tsc;
+        assert_eq!(len, 8, "record {n}'s length");
+        let seen = match id {
+            WORKLOAD_EVENT => &mut work,
+            BEACON_ID => &mut beacon,
+            other => panic!("record {n}: unexpected id {other:#x}"),
+        };
+        if let Some(&prev) = seen.last() {
+            assert_eq!(
+                payload,
+                prev + 1,
+                "record {n} ({id:#x}) follows its predecessor"
+            );
+        }
+        seen.push(payload);
+    }
+    let last = usize::try_from(32 * ((head - 1) % CAPACITY)).unwrap();
+    assert_eq!(
+        le64(&slots, last) & 0xffff,
+        BEACON_ID,
+        "a beacon comes last"
+    );
+    (work, beacon)
+}
+
+#[test]
+fn agent_without_a_transport_publishes_its_rings_in_guest_memory() {
+    let test = "agent_without_a_transport_publishes_its_rings_in_guest_memory";
+    if !vm_ready(test) {
+        return;
+    }
+    let dir = scratch(test);
+    // A skew makes the records' clock not the raw TSC, which the header must say (clock 1).
+    let append = format!(
+        "transport=none workload={RATE},{COUNT} beacons={BEACON_EVERY} skew=1000,3,1 \
+         syncport={SYNC_PORT:#x}"
+    );
+    let mut b = boot_and_find(dir.path(), &append);
+    let h = b.header.clone();
     assert_eq!(
         (le32(&h, 8), le32(&h, 12)),
         (1, 128),
@@ -152,19 +236,9 @@ fn agent_without_a_transport_publishes_its_rings_in_guest_memory() {
         "reserved"
     );
 
-    // Ring 0 fills while we wait: every workload event plus the beacons, then the agent
-    // halts and the count stays.
-    let ring = base + 128;
-    let end = Instant::now() + Duration::from_secs(30);
-    let (head, beacons) = loop {
-        let r = read_at(&mut mem, ring, 128).unwrap();
-        let (head, beacons) = (le64(&r, 0), le64(&r, 24));
-        if head >= COUNT + beacons && beacons >= 2 || Instant::now() > end {
-            assert_eq!(le64(&r, 8), 0, "nothing refused");
-            break (head, beacons);
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    };
+    // Ring 0 fills: every workload event plus the beacons, then the agent halts.
+    let (head, refused, beacons) = wait_done(&mut b, COUNT);
+    assert_eq!(refused, 0, "nothing refused");
     assert_eq!(head, COUNT + beacons, "every event and beacon stored");
     // One before the first event, one after the last, and one per burst that crossed K.
     let max_burst = 64;
@@ -172,34 +246,46 @@ fn agent_without_a_transport_publishes_its_rings_in_guest_memory() {
         (2 + COUNT / (BEACON_EVERY + max_burst)..=2 + COUNT / BEACON_EVERY).contains(&beacons),
         "{beacons} beacons"
     );
+    let (work, beacon) = check_records(&mut b, 0, head);
+    assert_eq!((work.first(), work.len() as u64), (Some(&0), COUNT));
+    assert_eq!((beacon.first(), beacon.len() as u64), (Some(&0), beacons));
+    let first = read_at(&mut b.mem, b.base + 256, 8).unwrap();
+    assert_eq!(le64(&first, 0) & 0xffff, BEACON_ID, "a beacon comes first");
+}
 
-    // Every record is committed with its own stamp; workload sequence numbers and beacon
-    // sequence numbers each count up from 0; the (skewed) TSC never goes back.
-    let slots = read_at(&mut mem, ring + 128, usize::try_from(32 * head).unwrap()).unwrap();
-    let (mut work, mut beacon, mut last_tsc) = (0u64, 0u64, 0u64);
-    for n in 0..head {
-        let s = &slots[usize::try_from(32 * n).unwrap()..][..32];
-        let meta = le64(s, 0);
-        assert_eq!(meta >> 25, n + 1, "record {n}'s stamp");
-        assert_eq!(meta & (1 << 24), 0, "record {n} not busy");
-        let (id, len, tsc, payload) = (meta & 0xffff, (meta >> 16) & 0xff, le64(s, 8), le64(s, 16));
-        assert!(tsc >= last_tsc, "record {n}: tsc {tsc} after {last_tsc}");
-        last_tsc = tsc;
-        assert_eq!(len, 8, "record {n}'s length");
-        match id {
-            WORKLOAD_EVENT => {
-                assert_eq!(payload, work, "workload record {n}");
-                work += 1;
-            }
-            BEACON_ID => {
-                assert_eq!(payload, beacon, "beacon record {n}");
-                beacon += 1;
-            }
-            other => panic!("record {n}: unexpected id {other:#x}"),
-        }
+/// `flight=1` without a skew: the header says overwrite mode and the raw TSC, and after the
+/// guest overwrote its ring a few times the ring holds exactly the newest `CAPACITY`
+/// records, intact and in sequence.
+#[test]
+fn agent_without_a_transport_keeps_the_newest_records_in_flight_mode() {
+    let test = "agent_without_a_transport_keeps_the_newest_records_in_flight_mode";
+    if !vm_ready(test) {
+        return;
     }
-    assert_eq!((work, beacon), (COUNT, beacons));
-    assert_eq!(le64(&slots, 0) & 0xffff, BEACON_ID, "a beacon comes first");
-    let last = usize::try_from(32 * (head - 1)).unwrap();
-    assert_eq!(le64(&slots, last) & 0xffff, BEACON_ID, "and last");
+    const LAPS_COUNT: u64 = 3 * CAPACITY + 123;
+    let dir = scratch(test);
+    let append = format!(
+        "transport=none flight=1 workload=1000000,{LAPS_COUNT} beacons=1000 \
+         syncport={SYNC_PORT:#x}"
+    );
+    let mut b = boot_and_find(dir.path(), &append);
+    let h = b.header.clone();
+    assert_eq!(
+        (le32(&h, 48), le32(&h, 52)),
+        (1, 0),
+        "overwrite mode, raw TSC"
+    );
+    let (head, refused, beacons) = wait_done(&mut b, LAPS_COUNT);
+    assert_eq!((head, refused), (LAPS_COUNT + beacons, 0));
+    let (work, beacon) = check_records(&mut b, head - CAPACITY, head);
+    assert_eq!(
+        work.len() + beacon.len(),
+        usize::try_from(CAPACITY).unwrap()
+    );
+    assert_eq!(
+        work.last(),
+        Some(&(LAPS_COUNT - 1)),
+        "the newest workload event is there"
+    );
+    assert_eq!(beacon.last(), Some(&(beacons - 1)), "and the newest beacon");
 }

@@ -7,6 +7,7 @@ mod agent_vmm;
 mod anchor;
 mod anchor_putc;
 mod attach;
+mod c_guest;
 mod causality;
 mod cli;
 mod console;

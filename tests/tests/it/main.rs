@@ -8,6 +8,7 @@ mod agent_qemu;
 mod agent_vmm;
 mod anchor;
 mod attach;
+mod c_guest;
 mod causality;
 mod cli;
 mod console;

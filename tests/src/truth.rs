@@ -16,7 +16,7 @@
 //! makes of the two (`vmtsync::compose::compose`), for tools that take one mapping; it is
 //! within `KvmTscMapping::try_nested_deviation_bound` (a few ticks) of the exact value.
 
-use vmtsync::debugfs::{DEFAULT_KVM_DEBUGFS, DebugfsError, KvmDebugfs, VmId};
+use vmtsync::kvm::debugfs::{DEFAULT_KVM_DEBUGFS, DebugfsError, KvmDebugfs, VmId};
 use vmtsync_core::mapping::{KvmTscMapping, MappingError};
 use vmtsync_core::{GuestTicks, HostTicks};
 
@@ -83,7 +83,7 @@ pub fn truth_mapping_of(id: VmId, vcpu: u32) -> Result<KvmTscMapping, TruthError
 
 fn read(
     debugfs: &KvmDebugfs,
-    vm: &vmtsync::debugfs::VmDir,
+    vm: &vmtsync::kvm::debugfs::VmDir,
     vcpu: u32,
 ) -> Result<KvmTscMapping, TruthError> {
     let state = debugfs
@@ -137,7 +137,7 @@ impl Skew {
     /// host, and its size still follows the host's uptime, so no run sees a round truth.
     #[must_use]
     pub fn pick() -> Self {
-        Self::from_host_tsc(vmtsync::hosttsc::read_host_tsc())
+        Self::from_host_tsc(vmtsync::kvm::hosttsc::read_host_tsc())
     }
 
     /// [`Skew::pick`] for a given host TSC (for tests of the rule itself).
@@ -184,7 +184,7 @@ impl Skew {
     /// vCPU has its own truth and a reply filed under the wrong vCPU misses it.
     #[must_use]
     pub fn pick_per_vcpu(n: u32) -> Vec<Self> {
-        let host = vmtsync::hosttsc::read_host_tsc();
+        let host = vmtsync::kvm::hosttsc::read_host_tsc();
         (0..n)
             .map(|v| Self::from_host_tsc(HostTicks(host.0 + u64::from(v) * PER_VCPU_APART)))
             .collect()

@@ -13,7 +13,7 @@ use vmtsync_core::{GuestTicks, HostTicks};
 use super::exit::CliError;
 use super::source::{SourceArgs, single_vm};
 use crate::compose::ComposeError;
-use crate::scan::VmSelector;
+use crate::kvm::scan::VmSelector;
 use crate::syncfile::SyncFile;
 use crate::tracedat::timeshift::TimeShiftError;
 use crate::tracedat::{

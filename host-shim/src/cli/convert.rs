@@ -10,7 +10,7 @@ use super::exit::CliError;
 use super::source::{SourceArgs, single_vm};
 use crate::compose::ComposeError;
 use crate::exact_convert::{self, ConvertOptions, Direction, Rounding};
-use crate::scan::VmSelector;
+use crate::kvm::scan::VmSelector;
 use crate::syncfile::{self, SyncFile};
 
 /// `vmtsync convert`.

@@ -7,13 +7,13 @@ use vmtsync_core::estimate::EstimateError;
 
 use super::signals::stop_signal;
 use crate::compose::ComposeError;
-use crate::debugfs::{DEBUGFS_MOUNTPOINT, DebugfsError};
 use crate::exact_convert::ConvertError;
 use crate::ftrace::TraceError;
+use crate::kvm::debugfs::{DEBUGFS_MOUNTPOINT, DebugfsError};
+use crate::kvm::scan::ScanError;
+use crate::kvm::watch::WatchError;
 use crate::probe::{ConnectError, ProbeError};
-use crate::scan::ScanError;
 use crate::syncfile::SyncFileError;
-use crate::watch::WatchError;
 
 /// The exit codes, for `--help` (also in the [module docs](crate::cli)).
 pub(super) const EXIT_CODES: &str = "\

@@ -18,8 +18,8 @@ use vmtsync_core::mapping::KvmTscMapping;
 
 use super::exit::CliError;
 use super::source::{SourceArgs, single_vm};
-use crate::hosttsc::read_host_tsc;
-use crate::scan::{VcpuReport, VmSelector};
+use crate::kvm::hosttsc::read_host_tsc;
+use crate::kvm::scan::{VcpuReport, VmSelector};
 
 /// `vmtsync export perf`.
 #[derive(Debug, Args)]

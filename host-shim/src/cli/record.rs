@@ -65,7 +65,7 @@ pub struct RecordArgs {
     /// The VM (PID, PID-FD or name) whose vCPU thread goes into the GUEST option, and whose
     /// vCPU threads' exits anchor the sync rounds (default for --anchor: the only VM).
     #[arg(long, value_name = "PID|NAME")]
-    pub vm: Option<crate::scan::VmSelector>,
+    pub vm: Option<crate::kvm::scan::VmSelector>,
     /// Where each sync probe's host bracket comes from, as for `vmtsync probe`: kvm-pio takes
     /// it from the host kernel's kvm:kvm_pio stamps of the guest's port exits, the agent's sync
     /// port (0x2400) when its hello announces one, else its UART's (exit code 8 if it cannot);

@@ -10,8 +10,8 @@ use super::addr::ProbeAddr;
 use super::anchor::{AnchorMode, AnchorOptions};
 use super::continuous::ContinuousOptions;
 use super::{DEFAULT_PROBES, ProbeOptions};
-use crate::debugfs::DEFAULT_KVM_DEBUGFS;
-use crate::scan::VmSelector;
+use crate::kvm::debugfs::DEFAULT_KVM_DEBUGFS;
+use crate::kvm::scan::VmSelector;
 
 /// `vmtsync probe`: measure a guest's TSC offset and drift against the vmtsync agent, with
 /// guaranteed bounds and trace-cmd's estimate on the same samples.

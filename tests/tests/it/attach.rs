@@ -10,7 +10,7 @@ use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use vmtsync::hosttsc::read_host_tsc;
+use vmtsync::kvm::hosttsc::read_host_tsc;
 use vmtsync::tracedat::{for_each_record, read_event_formats, read_layout};
 
 use crate::kvm_fixtures::vmtsync;

@@ -19,7 +19,7 @@ use serde_json::Value;
 use vmtsync::export::perfetto::proto::{
     self, TracePacket, TrackDescriptor, TrackEvent, append_packet,
 };
-use vmtsync::hosttsc::read_host_tsc;
+use vmtsync::kvm::hosttsc::read_host_tsc;
 use vmtsync_core::GuestTicks;
 use vmtsync_launch::trace_processor::{ensure_trace_processor, query_script};
 use vmtsync_tests::require;

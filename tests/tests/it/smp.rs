@@ -10,10 +10,10 @@ use std::path::Path;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use vmtsync::debugfs::{DEFAULT_KVM_DEBUGFS, KvmDebugfs};
+use vmtsync::kvm::debugfs::{DEFAULT_KVM_DEBUGFS, KvmDebugfs};
+use vmtsync::kvm::scan::VmSelector;
 use vmtsync::probe::anchor::{AnchorMode, AnchorOptions};
 use vmtsync::probe::{ProbeAddr, ProbeError, ProbeOptions, VcpuChoice, run_probe};
-use vmtsync::scan::VmSelector;
 use vmtsync_core::HostTicks;
 use vmtsync_tests::ChildGuard;
 use vmtsync_tests::truth::{GuestTruth, Skew};

@@ -7,7 +7,7 @@
 use std::io::Write;
 use std::path::Path;
 
-use vmtsync::hosttsc::read_host_tsc;
+use vmtsync::kvm::hosttsc::read_host_tsc;
 use vmtsync::tracedat::timeshift::{exact_host_time, plan_cpu, trace_cmd_host_time};
 use vmtsync::tracedat::{
     FileVersion, GuestInfo, ShiftMode, Summary, SyncSegment, TimeShift, TraceDatError,

@@ -12,7 +12,7 @@
 
 use std::fmt;
 
-use crate::hosttsc::read_host_tsc;
+use crate::kvm::hosttsc::read_host_tsc;
 
 /// Tries per snapshot; the smallest gap wins. Each try is two `lfence; rdtsc` and one vDSO
 /// `clock_gettime`, well under a microsecond.

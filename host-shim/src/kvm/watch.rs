@@ -38,11 +38,11 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 use thiserror::Error;
 
-use crate::debugfs::{DebugfsError, VmId};
 use crate::ftrace::TraceError;
 use crate::ftrace::tsc_offset::{CoalescedWrites, Subscription, coalesce_into};
-use crate::hosttsc::read_host_tsc;
-use crate::scan::{SCHEMA_VERSION, ScanError, Scanner, VcpuReport, VmSelector};
+use crate::kvm::debugfs::{DebugfsError, VmId};
+use crate::kvm::hosttsc::read_host_tsc;
+use crate::kvm::scan::{SCHEMA_VERSION, ScanError, Scanner, VcpuReport, VmSelector};
 
 /// The longest single sleep or tracepoint wait, so a raised stop flag is seen promptly.
 const STOP_POLL: Duration = Duration::from_millis(50);

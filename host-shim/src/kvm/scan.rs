@@ -7,8 +7,8 @@ use std::str::FromStr;
 use serde::Serialize;
 use thiserror::Error;
 
-use crate::debugfs::{DebugfsError, KvmDebugfs, VcpuState, VmDir, VmId};
-use crate::procinfo::ProcFs;
+use crate::kvm::debugfs::{DebugfsError, KvmDebugfs, VcpuState, VmDir, VmId};
+use crate::kvm::procinfo::ProcFs;
 
 /// Version of the `vmtsync kvm --json` schema. Bump it when a field changes meaning.
 pub const SCHEMA_VERSION: u32 = 1;

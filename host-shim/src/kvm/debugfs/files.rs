@@ -9,10 +9,10 @@ use std::path::{Path, PathBuf};
 
 use rustix::fs::{Mode, OFlags};
 
-use super::entries::{Scaling, VcpuState};
+use super::entries::{MAX_FILE_BYTES, Scaling, VcpuState};
 use super::error::{DebugfsError, io_error, settle_teardown};
 use super::parse::{parse_i64_contents, parse_u64_contents, show, strip_newline};
-use crate::hosttsc::{TscBracket, read_host_tsc};
+use crate::kvm::hosttsc::{TscBracket, read_host_tsc};
 
 /// Per-vCPU file with the signed TSC offset (`"%lld\n"`, arch/x86/kvm/debugfs.c).
 pub const TSC_OFFSET_FILE: &CStr = c"tsc-offset";
@@ -29,10 +29,6 @@ pub const THREAD_PID_FILE: &CStr = c"pid";
 fn os(name: &CStr) -> &std::ffi::OsStr {
     std::os::unix::ffi::OsStrExt::from_bytes(name.to_bytes())
 }
-
-/// The longest file content accepted. A 64-bit decimal with sign and newline is 21 bytes; more
-/// than this means the file is not what we think it is.
-pub(super) const MAX_FILE_BYTES: usize = 64;
 
 /// Outcome of reading one small file.
 enum Small {

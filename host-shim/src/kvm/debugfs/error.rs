@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 
 use thiserror::Error;
 
-use super::tree::DEBUGFS_MOUNTPOINT;
+use super::entries::DEBUGFS_MOUNTPOINT;
 
 /// Everything that can go wrong reading KVM debugfs; each message says what to do next.
 #[derive(Debug, Error)]

@@ -1,8 +1,8 @@
 //! Strict parsers for KVM debugfs names and file contents: every byte sequence gives a value
 //! or `None`, never a panic, and never a value the kernel could not have written.
 
+use super::entries::MAX_FILE_BYTES;
 use super::entries::VmId;
-use super::files::MAX_FILE_BYTES;
 
 /// Parses a VM directory name `<pid>-<fd>` (extra `-suffix` parts allowed). `None` for the
 /// statistics files and anything else.

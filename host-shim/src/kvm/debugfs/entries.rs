@@ -2,7 +2,14 @@
 
 use std::path::PathBuf;
 
-use crate::hosttsc::TscBracket;
+use crate::kvm::hosttsc::TscBracket;
+
+/// Where debugfs is mounted on a standard Linux host.
+pub const DEBUGFS_MOUNTPOINT: &str = "/sys/kernel/debug";
+
+/// The longest file content accepted. A 64-bit decimal with sign and newline is 21 bytes; more
+/// than this means the file is not what we think it is.
+pub(super) const MAX_FILE_BYTES: usize = 64;
 
 /// A VM's identity in debugfs: the creating process and its VM file descriptor.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]

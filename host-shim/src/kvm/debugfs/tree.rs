@@ -12,9 +12,6 @@ use super::parse::{parse_vcpu_dir_name, parse_vm_dir_name};
 /// The KVM debugfs directory on a standard Linux host.
 pub const DEFAULT_KVM_DEBUGFS: &str = "/sys/kernel/debug/kvm";
 
-/// Where debugfs is mounted on a standard Linux host.
-pub const DEBUGFS_MOUNTPOINT: &str = "/sys/kernel/debug";
-
 /// How long to wait before deciding that a missing file means a broken tree rather than a
 /// VM being torn down (see [`KvmDebugfs::read_vm`]).
 pub const TEARDOWN_RECHECK: std::time::Duration = std::time::Duration::from_millis(5);

@@ -34,6 +34,7 @@ pub mod exact_convert;
 pub mod export;
 pub mod ftrace;
 pub mod kvm;
+pub mod link;
 pub mod plot;
 pub mod probe;
 pub mod record;

@@ -18,8 +18,9 @@ use std::path::{Path, PathBuf};
 use std::rc::Rc;
 use std::time::{Duration, Instant};
 
-use vmtsync::probe::transport::host_tsc_now;
-use vmtsync::probe::{ProbeSession, Received, StampedTransport, TransportError};
+use vmtsync::link::transport::host_tsc_now;
+use vmtsync::link::{Received, StampedTransport, TransportError};
+use vmtsync::probe::ProbeSession;
 use vmtsync::syncfile::{OffsetModel, SyncHeader, SyncSegment, SyncWriter};
 use vmtsync_core::agent::fake::FakeLink;
 use vmtsync_core::agent::{Agent, AgentClock};

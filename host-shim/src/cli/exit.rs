@@ -12,7 +12,8 @@ use crate::ftrace::TraceError;
 use crate::kvm::debugfs::{DEBUGFS_MOUNTPOINT, DebugfsError};
 use crate::kvm::scan::ScanError;
 use crate::kvm::watch::WatchError;
-use crate::probe::{ConnectError, ProbeError};
+use crate::link::ConnectError;
+use crate::probe::ProbeError;
 use crate::syncfile::SyncFileError;
 
 /// The exit codes, for `--help` (also in the [module docs](crate::cli)).
@@ -274,7 +275,6 @@ fn sync_exit_code(e: &SyncFileError) -> u8 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::probe;
 
     #[test]
     fn exit_codes() {
@@ -300,7 +300,7 @@ mod tests {
         assert!(!nm.is_broken_pipe());
         let gone = CliError::Probe(ProbeError::Transport {
             what: "a probe reply",
-            source: probe::TransportError::Closed,
+            source: crate::link::TransportError::Closed,
         });
         assert_eq!(gone.exit_code(), 7);
         assert!(!gone.is_broken_pipe());

@@ -7,8 +7,9 @@ use clap::{Args, ValueEnum};
 
 use super::exit::CliError;
 use super::signals::{install_stop_handler, stop_flag};
+use crate::link::ProbeAddr;
 use crate::probe::anchor::{AnchorMode, AnchorOptions};
-use crate::probe::{DEFAULT_PROBES, ProbeAddr, ProbeOptions, Progress};
+use crate::probe::{DEFAULT_PROBES, ProbeOptions, Progress};
 use crate::record::{self, EndReason, RecordFormat, RecordOptions, RecordSummary};
 use crate::tracedat::FileVersion;
 

@@ -6,12 +6,12 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use super::VcpuChoice;
-use super::addr::ProbeAddr;
 use super::anchor::{AnchorMode, AnchorOptions};
 use super::continuous::ContinuousOptions;
 use super::{DEFAULT_PROBES, ProbeOptions};
 use crate::kvm::debugfs::DEFAULT_KVM_DEBUGFS;
 use crate::kvm::scan::VmSelector;
+use crate::link::addr::ProbeAddr;
 
 /// `vmtsync probe`: measure a guest's TSC offset and drift against the vmtsync agent, with
 /// guaranteed bounds and trace-cmd's estimate on the same samples.

@@ -255,7 +255,7 @@ mod tests {
             features: vmtsync_core::proto::Features::NONE,
             tsc_khz: None,
             hello_tsc: GuestTicks(0),
-            hello_stamps: crate::probe::FrameStamps {
+            hello_stamps: crate::link::FrameStamps {
                 send: HostTicks(0),
                 recv: HostTicks(0),
             },

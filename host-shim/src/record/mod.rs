@@ -38,12 +38,13 @@ use vmtsync_core::proto::{EventBatch, EventClock};
 
 use crate::export::perfetto::PerfettoWriter;
 use crate::export::perfetto::clock::{BootClock, ClockSnapshot};
+use crate::link::ConnectOptions;
+use crate::link::StampedTransport;
+use crate::link::connect::{self};
 use crate::probe::anchor;
-use crate::probe::connect::{self, ConnectOptions};
 use crate::probe::continuous::{Cumulative, segment};
 use crate::probe::{
     ConsoleLog, ProbeError, ProbeLog, ProbeOptions, ProbeSession, ProbeSummary, Progress,
-    StampedTransport,
 };
 use crate::syncfile::{SyncHeader, SyncSegment, SyncWriter};
 use crate::tracedat::{self, FileVersion, ShiftMode, TimeShift, TraceDatWriter, WriterOptions};
@@ -1139,8 +1140,9 @@ mod tests {
     /// to its own trace.dat CPU.
     #[test]
     fn every_vcpu_s_events_are_placed_with_that_vcpu_s_own_sync() {
+        use crate::link::ProbeAddr;
+        use crate::probe::ProbeOptions;
         use crate::probe::testutil::SimTransport;
-        use crate::probe::{ProbeAddr, ProbeOptions};
         use vmtsync_core::arch::FakeTsc;
         use vmtsync_core::recorder::Recorder;
 

@@ -33,9 +33,8 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
-use vmtsync::probe::{
-    FrameStamps, ProbeAddr, ProbeOptions, Progress, Received, StampedTransport, TransportError,
-};
+use vmtsync::link::{FrameStamps, ProbeAddr, Received, StampedTransport, TransportError};
+use vmtsync::probe::{ProbeOptions, Progress};
 use vmtsync::record::{DRAIN_MAX, RecordFormat, RecordOptions, run_record_on};
 use vmtsync_core::HostTicks;
 use vmtsync_tests::vmm::agent_elf;

@@ -13,9 +13,11 @@ use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use vmtsync::kvm::scan::VmSelector;
+use vmtsync::link::ConnectOptions;
+use vmtsync::link::ProbeAddr;
+use vmtsync::link::connect::connect_until_stopped;
 use vmtsync::probe::anchor::{AnchorKind, AnchorMode, AnchorOptions, anchor_transport};
-use vmtsync::probe::connect::{ConnectOptions, connect_until_stopped};
-use vmtsync::probe::{ProbeAddr, ProbeSession, ProbeSummary, Progress};
+use vmtsync::probe::{ProbeSession, ProbeSummary, Progress};
 use vmtsync_core::HostTicks;
 use vmtsync_tests::ChildGuard;
 use vmtsync_tests::truth::{GuestTruth, Skew};

@@ -439,7 +439,8 @@ fn qemu_flight_recorder_gives_the_newest_records_and_the_exact_overwritten_count
 /// drops are printed (the figure BENCHMARKS.md quotes).
 #[test]
 fn vsock_ingest_keeps_every_sent_event_and_counts_the_rest() {
-    use vmtsync::probe::{ProbeAddr, ProbeOptions, Progress};
+    use vmtsync::link::ProbeAddr;
+    use vmtsync::probe::{ProbeOptions, Progress};
     use vmtsync::record::{RecordFormat, RecordOptions, run_record_on};
     use vmtsync_tests::vmm::vsock::{VsockRig, vhost_device_vsock_for};
 

@@ -12,8 +12,9 @@ use std::time::{Duration, Instant};
 
 use vmtsync::kvm::debugfs::{DEFAULT_KVM_DEBUGFS, KvmDebugfs};
 use vmtsync::kvm::scan::VmSelector;
+use vmtsync::link::ProbeAddr;
 use vmtsync::probe::anchor::{AnchorMode, AnchorOptions};
-use vmtsync::probe::{ProbeAddr, ProbeError, ProbeOptions, VcpuChoice, run_probe};
+use vmtsync::probe::{ProbeError, ProbeOptions, VcpuChoice, run_probe};
 use vmtsync_core::HostTicks;
 use vmtsync_tests::ChildGuard;
 use vmtsync_tests::truth::{GuestTruth, Skew};
@@ -331,8 +332,9 @@ fn exit_anchored_probes_of_every_vcpu_hold_their_truths() {
 /// every sample of every vCPU must bracket that vCPU's truth.
 #[test]
 fn sync_port_brackets_come_from_each_vcpus_own_exits() {
+    use vmtsync::link::ConnectOptions;
+    use vmtsync::link::connect::connect_until_stopped;
     use vmtsync::probe::anchor::{AnchorKind, DEFAULT_SYNC_PORT, Matcher, prepare_matcher};
-    use vmtsync::probe::connect::{ConnectOptions, connect_until_stopped};
     use vmtsync::probe::{ProbeSession, ProbeSummary, Progress};
     use vmtsync_core::proto::Features;
 

@@ -11,7 +11,7 @@ use vmtsync_core::proto::{Features, Message, decode_frame};
 use super::{
     AnchorKind, AnchorStats, Matcher, PioTrace, UartBracket, Unmatched, match_sync_port, match_uart,
 };
-use crate::probe::transport::{FrameStamps, Received, StampedTransport, TransportError};
+use crate::link::transport::{FrameStamps, Received, StampedTransport, TransportError};
 
 /// Received bytes kept per exchange at most (a reply is at most [`MAX_FRAME_SIZE`]).
 const MAX_RECEIVED: usize = 2 * MAX_FRAME_SIZE;

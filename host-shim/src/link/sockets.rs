@@ -7,8 +7,7 @@ use std::path::Path;
 use std::thread;
 use std::time::Duration;
 
-use super::connect::{ConnectError, ConnectOptions};
-use super::retry::{Retry, retryable, timeout_err};
+use super::options::{ConnectError, ConnectOptions, Retry, retryable, timeout_err};
 
 pub(super) fn connect_unix(
     path: &Path,

@@ -8,8 +8,7 @@ use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use super::connect::{ConnectError, ConnectOptions};
-use super::retry::{Retry, retryable, timeout_err};
+use super::options::{ConnectError, ConnectOptions, Retry, retryable, timeout_err};
 use super::sockets::connect_unix;
 
 /// Connects to the guest's vsock port `port` through vhost-device-vsock's Unix socket `path`,

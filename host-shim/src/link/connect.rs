@@ -3,7 +3,7 @@
 //! Every wait has a deadline. A guest whose vsock queues are not up yet makes
 //! vhost-device-vsock drop (or, about one connect in twenty in early experiments, hang) a
 //! host connection, so connects and handshakes are retried with a short backoff until the
-//! connect deadline passes (docs/probe.md). The pieces: `retry` (backoff, deadline,
+//! connect deadline passes (docs/probe.md). The pieces: [`super::options`] (what to wait for, why it failed, backoff, deadline,
 //! stop flag), `sockets` (Unix and TCP), [`super::vhost_uds`] (vhost-device-vsock's
 //! `CONNECT` handshake), [`super::vsock`] (AF_VSOCK).
 
@@ -11,76 +11,12 @@ use std::io;
 use std::sync::atomic::AtomicBool;
 use std::time::Duration;
 
-use thiserror::Error;
-
 use super::addr::ProbeAddr;
-use super::retry::{Retry, retryable, timeout_err};
+use super::options::{ConnectError, ConnectOptions, Retry, retryable, timeout_err};
 use super::sockets::{accept_unix, connect_tcp, connect_unix};
 use super::transport::{SocketStream, StampedTransport, StreamTransport};
 use super::vhost_uds::vsock_uds_handshake;
 use super::vsock::VsockStream;
-/// How long to keep trying, and how long any single read may block.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct ConnectOptions {
-    /// Total time allowed to establish the connection (all retries included).
-    pub connect_timeout: Duration,
-    /// The longest any single read or write may block once connected.
-    pub io_timeout: Duration,
-}
-
-impl Default for ConnectOptions {
-    fn default() -> Self {
-        Self {
-            connect_timeout: Duration::from_secs(10),
-            io_timeout: Duration::from_secs(2),
-        }
-    }
-}
-
-/// Why a connection could not be established.
-#[derive(Debug, Error)]
-#[non_exhaustive]
-pub enum ConnectError {
-    /// The deadline passed; `last` is the last error seen while retrying.
-    #[error(
-        "{addr}: no connection within {waited:?} (last error: {last}); is the VM running and the agent started?"
-    )]
-    Timeout {
-        /// The address.
-        addr: String,
-        /// How long we tried.
-        waited: Duration,
-        /// The last retryable error.
-        last: String,
-    },
-    /// A non-retryable error.
-    #[error("{addr}: {source}")]
-    Io {
-        /// The address.
-        addr: String,
-        /// The error.
-        source: io::Error,
-    },
-    /// vhost-device-vsock answered the `CONNECT` line with something other than `OK`.
-    #[error(
-        "{addr}: vhost-device-vsock answered \"{reply}\" instead of \"OK <port>\": is this its --uds-path?"
-    )]
-    Handshake {
-        /// The address.
-        addr: String,
-        /// The reply line, escaped.
-        reply: String,
-    },
-    /// The socket path for `unix-listen:` is already taken.
-    #[error("{0}: the path exists; remove the stale socket file or choose another path")]
-    PathInUse(String),
-    /// AF_VSOCK is only available on Linux.
-    #[error("vsock: AF_VSOCK is only supported on Linux")]
-    Unsupported,
-    /// The stop flag was raised (SIGINT/SIGTERM in the CLI) while connecting.
-    #[error("{0}: interrupted while connecting")]
-    Interrupted(String),
-}
 
 /// Connects to `addr` and wraps the socket in a [`StreamTransport`].
 ///

@@ -251,7 +251,7 @@ fn sync_file() -> Vec<u8> {
         host_first: host_anchor - 200_000,
         host_last: host_anchor + 200_000,
         is_break,
-        anchor: vmtsync::probe::anchor::AnchorKind::InProcess,
+        anchor: vmtsync::syncfile::AnchorKind::InProcess,
     };
     for seg in [
         segment(0, 0, host, -3_000_000, 0, false),

@@ -113,7 +113,7 @@ pub enum PlacementArg {
     OneSided,
 }
 
-impl From<PlacementArg> for record::Placement {
+impl From<PlacementArg> for crate::syncfile::bounds::Placement {
     fn from(a: PlacementArg) -> Self {
         match a {
             PlacementArg::TwoSided => Self::TwoSided,

@@ -110,8 +110,8 @@ pub trait StampedTransport {
     }
 
     /// Where this transport's stamps come from, for reports and sync files.
-    fn anchor(&self) -> crate::probe::anchor::AnchorKind {
-        crate::probe::anchor::AnchorKind::InProcess
+    fn anchor(&self) -> crate::syncfile::AnchorKind {
+        crate::syncfile::AnchorKind::InProcess
     }
 
     /// The host TSC now, on the clock `send` and `recv` stamp with (a simulation's own clock;
@@ -139,7 +139,7 @@ impl<T: StampedTransport + ?Sized> StampedTransport for Box<T> {
         (**self).now()
     }
 
-    fn anchor(&self) -> crate::probe::anchor::AnchorKind {
+    fn anchor(&self) -> crate::syncfile::AnchorKind {
         (**self).anchor()
     }
 }
@@ -161,7 +161,7 @@ impl<T: StampedTransport + ?Sized> StampedTransport for &mut T {
         (**self).now()
     }
 
-    fn anchor(&self) -> crate::probe::anchor::AnchorKind {
+    fn anchor(&self) -> crate::syncfile::AnchorKind {
         (**self).anchor()
     }
 }

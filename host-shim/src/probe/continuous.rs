@@ -20,10 +20,11 @@ use std::time::{Duration, Instant};
 use vmtsync_core::estimate::{DriftEstimator, EstimateError, ProbeSample};
 
 use super::progress::Progress;
-use super::report::{HULL_CAPACITY, OffsetModel, ProbeSummary, RATE_LIMITS};
+use super::report::{HULL_CAPACITY, ProbeSummary, RATE_LIMITS};
 use super::session::ProbeSession;
 use super::{ProbeError, ProbeOptions};
 use crate::link::transport::StampedTransport;
+use crate::syncfile::OffsetModel;
 use crate::syncfile::{SyncHeader, SyncSegment, SyncWriter};
 
 /// Settings of continuous mode.

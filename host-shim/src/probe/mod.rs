@@ -39,7 +39,7 @@ pub use continuous::{ContinuousOptions, ContinuousSummary};
 pub use error::{ProbeError, refusal_kind, refusal_text};
 pub use log::{ProbeExchange, ProbeLog, ProbePath};
 pub use progress::Progress;
-pub use report::{OffsetModel, ProbeSummary};
+pub use report::ProbeSummary;
 pub use run::{
     DEFAULT_PROBES, ProbeOptions, VcpuChoice, run_probe, run_probe_on, run_probe_vcpus_on,
 };

@@ -48,12 +48,12 @@ use vmtsync_core::proto::{
 use vmtsync_core::{GuestTicks, HostTicks};
 
 use super::ProbeError;
-use super::anchor::AnchorKind;
 use super::console::ConsoleLog;
 use super::log::ProbeLog;
 use super::progress::Progress;
 pub use super::reference::{RATE_MAX, RATE_MIN, Reference, Window};
 use crate::link::transport::{FrameStamps, StampedTransport, TransportError};
+use crate::syncfile::AnchorKind;
 
 /// Host ticks after the reference's bracket within which a compact probe is sent (2^30: about
 /// 0.35 s at 3 GHz). The window then spans about 1.5 · 2^30 plus twice the round trip, so a

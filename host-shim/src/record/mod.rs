@@ -21,7 +21,6 @@
 //! target only ever holds a finished file; a killed run leaves `OUT.partial` (JSON Lines) with
 //! every line flushed so far.
 
-pub mod bounds;
 mod jsonl;
 mod spool;
 
@@ -49,7 +48,7 @@ use crate::probe::{
 use crate::syncfile::{SyncHeader, SyncSegment, SyncWriter};
 use crate::tracedat::{self, FileVersion, ShiftMode, TimeShift, TraceDatWriter, WriterOptions};
 
-pub use bounds::Placement;
+use crate::syncfile::bounds::{self, Placement};
 pub use jsonl::EVENT_SCHEMA;
 
 /// The output format of `vmtsync record`.

@@ -17,8 +17,8 @@ use serde::Serialize;
 use super::probes::ProbeReport;
 use crate::ftrace::format::PioDirection;
 use crate::probe::anchor::PioExit;
-use crate::record::bounds::{Placement, covering, place};
 use crate::syncfile::SyncSegment;
+use crate::syncfile::bounds::{Placement, covering, place};
 
 /// Which side of its port I/O the guest recorded an event on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
@@ -727,7 +727,7 @@ mod tests {
             host_first: START,
             host_last: START,
             is_break: false,
-            anchor: crate::probe::anchor::AnchorKind::KvmPioUart,
+            anchor: crate::syncfile::AnchorKind::KvmPioUart,
         }
     }
 

@@ -64,7 +64,7 @@ pub struct ValidateOptions {
     pub numbering: Numbering,
     /// How events are placed with the sync file (`--placement`; `record`'s default is
     /// two-sided).
-    pub placement: crate::record::Placement,
+    pub placement: crate::syncfile::bounds::Placement,
 }
 
 /// Why `validate` could not check.

@@ -21,7 +21,7 @@ use super::check::{LagStats, MAX_LISTED, SegmentWorst, quantiles, signed};
 use super::input::ValidateError;
 use crate::probe::anchor::{PioExit, match_sync_port, match_uart};
 use crate::probe::log::{PROBE_LOG_SCHEMA, ProbeExchange, ProbePath};
-use crate::record::bounds::{covering, host_bounds};
+use crate::syncfile::bounds::{covering, host_bounds};
 use crate::syncfile::{LineRead, SyncSegment, read_line_bounded};
 
 /// The 16550's register block: the data port and the seven after it (the matcher uses only
@@ -274,8 +274,8 @@ pub fn ports_of(e: &ProbeExchange) -> std::ops::RangeInclusive<u16> {
 mod tests {
     use super::*;
     use crate::ftrace::format::{KvmPio, PioDirection};
-    use crate::probe::anchor::{AnchorKind, COM1_DATA};
-    use crate::syncfile::OffsetModel;
+    use crate::probe::anchor::COM1_DATA;
+    use crate::syncfile::{AnchorKind, OffsetModel};
 
     const OFFSET: i64 = 7_000_000_000;
     const PID: u32 = 99;

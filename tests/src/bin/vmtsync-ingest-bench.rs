@@ -212,7 +212,7 @@ fn run(a: &Args) -> Result<String> {
         resync: Duration::from_millis(500),
         drain_max: a.drain_max,
         sync_out: None,
-        placement: vmtsync::record::Placement::default(),
+        placement: vmtsync::syncfile::bounds::Placement::default(),
     };
     if a.drain_only {
         return drain_only(a, link, &mut rig);

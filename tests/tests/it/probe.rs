@@ -16,8 +16,9 @@ use vmtsync::link::addr::vsock_sockaddr;
 use vmtsync::link::transport::host_tsc_now;
 use vmtsync::link::{ProbeAddr, StreamTransport};
 use vmtsync::probe::{
-    ContinuousOptions, OffsetModel, ProbeError, ProbeOptions, ProbeSummary, run_probe, run_probe_on,
+    ContinuousOptions, ProbeError, ProbeOptions, ProbeSummary, run_probe, run_probe_on,
 };
+use vmtsync::syncfile::OffsetModel;
 use vmtsync::syncfile::{SyncFile, SyncFileError, convert_with_sync};
 use vmtsync_tests::fake_agent::{self as fake, SkewedClock};
 

@@ -486,7 +486,7 @@ fn vsock_ingest_keeps_every_sent_event_and_counts_the_rest() {
         resync: Duration::from_millis(500),
         drain_max: vmtsync::record::DRAIN_MAX,
         sync_out: None,
-        placement: vmtsync::record::Placement::default(),
+        placement: vmtsync::syncfile::bounds::Placement::default(),
     };
     let started = Instant::now();
     let summary = run_record_on(transport, &opts, &mut Progress::hidden())

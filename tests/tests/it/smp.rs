@@ -334,8 +334,9 @@ fn exit_anchored_probes_of_every_vcpu_hold_their_truths() {
 fn sync_port_brackets_come_from_each_vcpus_own_exits() {
     use vmtsync::link::ConnectOptions;
     use vmtsync::link::connect::connect_until_stopped;
-    use vmtsync::probe::anchor::{AnchorKind, DEFAULT_SYNC_PORT, Matcher, prepare_matcher};
+    use vmtsync::probe::anchor::{DEFAULT_SYNC_PORT, Matcher, prepare_matcher};
     use vmtsync::probe::{ProbeSession, ProbeSummary, Progress};
+    use vmtsync::syncfile::AnchorKind;
     use vmtsync_core::proto::Features;
 
     let test = "sync_port_brackets_come_from_each_vcpus_own_exits";
@@ -532,7 +533,7 @@ fn record_places_every_vcpus_events_with_its_own_sync() {
             resync: Duration::from_millis(300),
             drain_max: DRAIN_MAX,
             sync_out: None,
-            placement: vmtsync::record::Placement::default(),
+            placement: vmtsync::syncfile::bounds::Placement::default(),
         };
         let s =
             run_record(&o, &mut Progress::hidden()).unwrap_or_else(|e| panic!("{}", log(dir, &e)));

@@ -29,7 +29,7 @@
 //! does their intersection. A break ends the epoch: rounds after it say nothing about events
 //! before it.
 
-use crate::syncfile::SyncSegment;
+use super::SyncSegment;
 
 /// How `vmtsync record` places an event (`--placement`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -177,7 +177,7 @@ fn corner(host_anchor: u64, guest: u64, offset: i64, rate: i64) -> Option<(i128,
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::probe::report::OffsetModel;
+    use crate::syncfile::OffsetModel;
     use proptest::prelude::*;
 
     fn seg(anchor: u64, o: (i64, i64, i64), drift: Option<(i64, i64)>) -> SyncSegment {
@@ -203,7 +203,7 @@ mod tests {
             host_first: anchor,
             host_last: anchor,
             is_break: false,
-            anchor: crate::probe::anchor::AnchorKind::InProcess,
+            anchor: crate::syncfile::AnchorKind::InProcess,
         }
     }
 

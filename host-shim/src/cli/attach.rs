@@ -1,7 +1,7 @@
 //! `vmtsync trace-cmd attach`: a Linux guest's trace.dat (trace-cmd, `x86-tsc` clock) copied
 //! with a TIME_SHIFT that puts its events on the host's timeline, from a given mapping, a sync
 //! file or the live KVM mapping of every vCPU; optionally a copy of the host's trace with the
-//! GUEST option. The work is in [`crate::tracedat::attach`]; the choices are in
+//! GUEST option. The work is in [`crate::formats::tracedat::attach`]; the choices are in
 //! `docs/attach.md`.
 
 use std::path::PathBuf;
@@ -13,13 +13,13 @@ use vmtsync_core::{GuestTicks, HostTicks};
 use super::exit::CliError;
 use super::source::{SourceArgs, single_vm};
 use crate::compose::ComposeError;
-use crate::kvm::scan::VmSelector;
-use crate::syncfile::SyncFile;
-use crate::tracedat::timeshift::TimeShiftError;
-use crate::tracedat::{
+use crate::formats::tracedat::timeshift::TimeShiftError;
+use crate::formats::tracedat::{
     self, GuestInfo, Layout, ShiftMode, SyncSegment, TimeShift, TraceDatError, cpu_time_ranges,
     read_layout, trace_cpus,
 };
+use crate::kvm::scan::VmSelector;
+use crate::syncfile::SyncFile;
 
 /// `vmtsync trace-cmd …`.
 #[derive(Debug, Subcommand)]

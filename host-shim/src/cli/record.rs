@@ -7,11 +7,11 @@ use clap::{Args, ValueEnum};
 
 use super::exit::CliError;
 use super::signals::{install_stop_handler, stop_flag};
+use crate::formats::tracedat::FileVersion;
 use crate::link::ProbeAddr;
 use crate::probe::anchor::{AnchorMode, AnchorOptions};
 use crate::probe::{DEFAULT_PROBES, ProbeOptions, Progress};
 use crate::record::{self, EndReason, RecordFormat, RecordOptions, RecordSummary};
-use crate::tracedat::FileVersion;
 
 /// `vmtsync record` flags.
 #[derive(Debug, Args)]
@@ -225,7 +225,7 @@ pub(super) fn run_record_cmd(a: &RecordArgs) -> Result<(), CliError> {
                     .map(|t| (cpu, t))
             })
             .collect();
-        let guest = crate::tracedat::GuestInfo {
+        let guest = crate::formats::tracedat::GuestInfo {
             name: vm
                 .name
                 .clone()
@@ -233,7 +233,7 @@ pub(super) fn run_record_cmd(a: &RecordArgs) -> Result<(), CliError> {
             trace_id: s.trace_id,
             vcpu_pids,
         };
-        let c = crate::tracedat::copy_host_trace(&input, &output, &guest, None)
+        let c = crate::formats::tracedat::copy_host_trace(&input, &output, &guest, None)
             .map_err(crate::record::RecordError::from)?;
         eprintln!(
             "vmtsync: wrote {} (a copy of {} with the GUEST option for {}): trace-cmd report -i {} -i {}",

@@ -10,11 +10,11 @@ use std::path::{Path, PathBuf};
 use super::check::{EventRule, IoEvent, Numbering, Recorded, Side, ValidateReport, check_placed};
 use super::probes::{ProbeChecker, ports_of, read_probe_log};
 use super::report::ValidateError;
+use crate::formats::tracedat::consts::option;
+use crate::formats::tracedat::{for_each_record, read_event_formats, read_layout};
 use crate::ftrace::format::{EventFormat, KVM_PIO, KvmPioLayout};
 use crate::probe::anchor::PioExit;
 use crate::syncfile::{LineRead, SyncFile, read_line_bounded};
-use crate::tracedat::consts::option;
-use crate::tracedat::{for_each_record, read_event_formats, read_layout};
 
 /// Event id the agent's workload records right before its `out`
 /// (`guest-agent/src/events.rs`, `WORKLOAD_EVENT`).
@@ -353,7 +353,7 @@ fn trace_dat_events(path: &Path, rules: &[EventRule]) -> Result<Vec<RawEvent>, V
     }
     let mut out = Vec::new();
     for b in 0..layout.buffers.len() {
-        crate::tracedat::reader::for_each_event(path, &layout, b, |e| {
+        crate::formats::tracedat::reader::for_each_event(path, &layout, b, |e| {
             let Some(id) = u16::try_from(e.id)
                 .ok()
                 .filter(|id| rules.iter().any(|r| r.id == *id))

@@ -7,10 +7,10 @@ use std::path::PathBuf;
 use serde::Serialize;
 use thiserror::Error;
 
+use crate::formats::tracedat::TraceDatError;
 use crate::ftrace::format::FormatError;
 use crate::probe::log::ProbePath;
 use crate::syncfile::{SyncFileError, SyncSegment};
-use crate::tracedat::TraceDatError;
 
 /// Why `validate` could not check.
 #[derive(Debug, Error)]

@@ -206,7 +206,7 @@ fn run(a: &Args) -> Result<String> {
         probe,
         out: dir.path().join("events.jsonl"),
         format: RecordFormat::Jsonl,
-        file_version: vmtsync::tracedat::FileVersion::V7,
+        file_version: vmtsync::formats::tracedat::FileVersion::V7,
         events: None,
         duration: Some(Duration::from_secs_f64(a.seconds)),
         resync: Duration::from_millis(500),

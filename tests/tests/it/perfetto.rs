@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use serde_json::Value;
-use vmtsync::export::perfetto::proto::{
+use vmtsync::formats::perfetto::proto::{
     self, TracePacket, TrackDescriptor, TrackEvent, append_packet,
 };
 use vmtsync::kvm::hosttsc::read_host_tsc;

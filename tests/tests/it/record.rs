@@ -480,7 +480,7 @@ fn vsock_ingest_keeps_every_sent_event_and_counts_the_rest() {
         probe,
         out: out.clone(),
         format: RecordFormat::Jsonl,
-        file_version: vmtsync::tracedat::FileVersion::V7,
+        file_version: vmtsync::formats::tracedat::FileVersion::V7,
         events: None,
         duration: Some(Duration::from_secs(3)),
         resync: Duration::from_millis(500),

@@ -525,7 +525,7 @@ fn record_places_every_vcpus_events_with_its_own_sync() {
             probe,
             out: out.to_owned(),
             format,
-            file_version: vmtsync::tracedat::FileVersion::V7,
+            file_version: vmtsync::formats::tracedat::FileVersion::V7,
             // A time, not a count: a count would end the drain that reaches it early (the
             // boot vCPU's ring drains first), a time takes every vCPU's events.
             events: None,

@@ -86,3 +86,15 @@ pub const TYPE_PADDING: u32 = 29;
 pub const TYPE_TIME_EXTEND: u32 = 30;
 /// `RINGBUF_TYPE_TIME_STAMP` (absolute timestamp).
 pub const TYPE_TIME_STAMP: u32 = 31;
+
+/// The TSC2NSEC option: trace-cmd shows `(ticks * mult) >> shift` (it reads `offset` but
+/// never applies it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Tsc2Nsec {
+    /// Multiplier.
+    pub mult: u32,
+    /// Right shift.
+    pub shift: u32,
+    /// Offset (stored, unused by trace-cmd 3.1.6).
+    pub offset: u64,
+}

@@ -1,5 +1,5 @@
 use super::*;
-use crate::export::{Bound, Payload};
+use crate::formats::{Bound, Payload};
 
 fn opts() -> CtfOptions {
     CtfOptions {
@@ -293,7 +293,7 @@ fn fields_keep_their_bounds() {
 
 #[test]
 fn a_trace_without_kvm_pio_is_refused_and_writes_nothing() {
-    use crate::tracedat::{TraceDatWriter, WriterOptions};
+    use crate::formats::tracedat::{TraceDatWriter, WriterOptions};
     let d = tempfile::tempdir().unwrap();
     let dat = d.path().join("guest.dat");
     let mut w = TraceDatWriter::create(&dat, WriterOptions::new(1, 1)).unwrap();

@@ -23,7 +23,7 @@ use std::fs::File;
 use std::io::{self, Write};
 use std::path::{Path, PathBuf};
 
-use super::{ExportError, ExportEvent, MAX_PAYLOAD, Payload};
+use super::event::{ExportError, ExportEvent, MAX_PAYLOAD, Payload};
 
 /// The CTF packet magic.
 const MAGIC: u32 = 0xC1FC_1FC1;
@@ -705,10 +705,10 @@ pub fn export_kvm_pio(
     out: &Path,
     opts: &CtfOptions,
 ) -> Result<PioSummary, ExportError> {
+    use crate::formats::tracedat::reader::{for_each_record, read_event_formats, read_layout};
     use crate::ftrace::format::{EventFormat, KVM_PIO, KvmPioLayout, PioDirection};
-    use crate::tracedat::reader::{for_each_record, read_event_formats, read_layout};
     let unsupported = |reason: String| {
-        ExportError::from(crate::tracedat::TraceDatError::Unsupported {
+        ExportError::from(crate::formats::tracedat::TraceDatError::Unsupported {
             path: input.to_owned(),
             reason,
         })

@@ -1,4 +1,4 @@
-//! Exports of a recording to other tools' formats, and the one event source they all read.
+//! The one event source every exporter reads: a recording, whatever its format.
 //!
 //! [`open`] takes a file written by `vmtsync record` — JSON Lines (`--format jsonl`) or our
 //! guest trace.dat (`--format trace-cmd`) — recognised by its first bytes, and streams its
@@ -20,152 +20,21 @@
 //! Order: JSON Lines in file order (the order events were received); trace.dat CPU by CPU,
 //! each in time order. Every exporter writes one stream per vCPU, so per-vCPU order is what
 //! matters.
-//!
-//! Exporters: [`perfetto`] (a Perfetto protobuf trace on the host's CLOCK_BOOTTIME).
-
-pub mod perfetto;
-
-pub mod ctf;
 
 use std::fs::File;
-use std::io::{self, BufRead, BufReader, Read};
+use std::io::{self, Read};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
 
-use serde::Deserialize;
-use thiserror::Error;
-
-use crate::record::EVENT_SCHEMA;
-use crate::tracedat::consts::{MAGIC, option};
-use crate::tracedat::format::{EVENT_DATA_ID, EVENT_ID};
-use crate::tracedat::reader::{self, Layout};
-use crate::tracedat::timeshift::{self, TraceCmdSample};
-use crate::tracedat::{TraceDatError, read_layout};
-
-/// The most payload bytes an event carries.
-pub const MAX_PAYLOAD: usize = 16;
-
-/// An event's payload: at most [`MAX_PAYLOAD`] bytes, stored inline so events are `Copy`.
-#[derive(Clone, Copy, Default, PartialEq, Eq)]
-pub struct Payload {
-    len: u8,
-    bytes: [u8; MAX_PAYLOAD],
-}
-
-impl Payload {
-    /// `None` if `b` is longer than [`MAX_PAYLOAD`].
-    #[must_use]
-    #[inline]
-    pub fn new(b: &[u8]) -> Option<Self> {
-        let mut p = Self::default();
-        p.bytes.get_mut(..b.len())?.copy_from_slice(b);
-        p.len = u8::try_from(b.len()).ok()?;
-        Some(p)
-    }
-
-    /// The bytes.
-    #[must_use]
-    #[inline]
-    pub fn as_slice(&self) -> &[u8] {
-        &self.bytes[..usize::from(self.len)]
-    }
-}
-
-impl std::fmt::Debug for Payload {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        for b in self.as_slice() {
-            write!(f, "{b:02x}")?;
-        }
-        Ok(())
-    }
-}
-
-/// A guaranteed interval on the host's TSC: the event happened at a host tick in `[lo, hi]`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Bound {
-    /// Lowest host tick.
-    pub lo: u64,
-    /// Highest host tick.
-    pub hi: u64,
-}
-
-/// One guest event on the host timeline.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct ExportEvent {
-    /// The vCPU whose ring it came from.
-    pub vcpu: u32,
-    /// The application's event id.
-    pub id: u16,
-    /// The guest TSC, when the input has it (not in a pre-converted trace.dat).
-    pub guest_tsc: Option<u64>,
-    /// The event on the host's TSC (what `vmtsync record` computed).
-    pub host_tsc: u64,
-    /// Its guaranteed interval, when the input has it (JSON Lines only).
-    pub bound: Option<Bound>,
-    /// The payload.
-    pub payload: Payload,
-}
-
-/// What kind of file a source reads, and so what its events know.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum InputKind {
-    /// `vmtsync record --format jsonl`: everything.
-    Jsonl,
-    /// Our guest trace.dat with a TIME_SHIFT: guest TSC and host TSC, no interval.
-    TraceDatShifted,
-    /// Our guest trace.dat without one (pre-converted): host TSC only.
-    TraceDatHost,
-}
-
-/// Why reading an input failed.
-#[derive(Debug, Error)]
-pub enum ExportError {
-    /// A file operation failed.
-    #[error("{}: {source}", path.display())]
-    Io {
-        /// The file.
-        path: PathBuf,
-        /// The OS error.
-        #[source]
-        source: io::Error,
-    },
-    /// The input is neither JSON Lines nor a trace.dat.
-    #[error(
-        "{}: not a vmtsync recording (expected JSON Lines from `vmtsync record --format jsonl` or a trace.dat from `vmtsync record`)",
-        path.display()
-    )]
-    UnknownFormat {
-        /// The file.
-        path: PathBuf,
-    },
-    /// A JSON Lines line is malformed.
-    #[error("{}: line {line}: {reason}", path.display())]
-    Line {
-        /// The file.
-        path: PathBuf,
-        /// 1-based line number.
-        line: u64,
-        /// What is wrong.
-        reason: String,
-    },
-    /// The trace.dat is damaged, truncated, or not one of ours.
-    #[error(transparent)]
-    TraceDat(#[from] TraceDatError),
-    /// Writing an export failed.
-    #[error("writing {}: {source}", path.display())]
-    Write {
-        /// The output.
-        path: PathBuf,
-        /// The OS error.
-        #[source]
-        source: io::Error,
-    },
-    /// The output cannot hold the input (e.g. too many vCPUs).
-    #[error("{0}")]
-    Unsupported(String),
-}
+use super::event::{ExportError, ExportEvent, InputKind, Payload};
+use super::jsonl::JsonlSource;
+use super::tracedat::consts::{MAGIC, option};
+use super::tracedat::format::{EVENT_DATA_ID, EVENT_ID};
+use super::tracedat::reader::{self, Layout};
+use super::tracedat::timeshift::{self, TraceCmdSample};
+use super::tracedat::{TraceDatError, read_layout};
 
 /// Opens a recording and streams its events (see the module docs).
 ///
@@ -193,12 +62,7 @@ pub fn open(path: &Path) -> Result<EventSource, ExportError> {
         let f = File::open(path).map_err(io_err)?;
         return Ok(EventSource {
             kind: InputKind::Jsonl,
-            inner: Inner::Jsonl(JsonlSource {
-                path: path.to_owned(),
-                r: BufReader::with_capacity(256 * 1024, f),
-                buf: Vec::with_capacity(512),
-                line: 0,
-            }),
+            inner: Inner::Jsonl(JsonlSource::new(path, f)),
             done: false,
         });
     }
@@ -250,7 +114,7 @@ impl Iterator for EventSource {
             return None;
         }
         let r = match &mut self.inner {
-            Inner::Jsonl(s) => s.next(),
+            Inner::Jsonl(s) => s.next_event(),
             Inner::Dat(s) => s.next(),
         };
         if !matches!(r, Some(Ok(_))) {
@@ -258,122 +122,6 @@ impl Iterator for EventSource {
         }
         r
     }
-}
-
-/// The longest line accepted (ours are under 300 bytes); a longer one is an error, so a
-/// file without newlines cannot make the reader buffer it whole.
-const MAX_LINE: u64 = 4096;
-
-#[derive(Debug)]
-struct JsonlSource {
-    path: PathBuf,
-    r: BufReader<File>,
-    buf: Vec<u8>,
-    line: u64,
-}
-
-/// One line of `vmtsync record --format jsonl` (schema in `docs/record.md`).
-#[derive(Deserialize)]
-struct Line {
-    schema: u32,
-    vcpu: u32,
-    id: u16,
-    guest_tsc: u64,
-    host_tsc: u64,
-    host_lo: u64,
-    host_hi: u64,
-    payload: String,
-}
-
-impl JsonlSource {
-    fn next(&mut self) -> Option<Result<ExportEvent, ExportError>> {
-        loop {
-            self.buf.clear();
-            self.line += 1;
-            let n = match (&mut self.r)
-                .take(MAX_LINE + 1)
-                .read_until(b'\n', &mut self.buf)
-            {
-                Ok(n) => n,
-                Err(source) => {
-                    return Some(Err(ExportError::Io {
-                        path: self.path.clone(),
-                        source,
-                    }));
-                }
-            };
-            if n == 0 {
-                return None;
-            }
-            if n as u64 > MAX_LINE {
-                return Some(Err(self.bad(format!("longer than {MAX_LINE} bytes"))));
-            }
-            if self.buf.iter().all(u8::is_ascii_whitespace) {
-                continue;
-            }
-            return Some(self.parse());
-        }
-    }
-
-    fn bad(&self, reason: String) -> ExportError {
-        ExportError::Line {
-            path: self.path.clone(),
-            line: self.line,
-            reason,
-        }
-    }
-
-    fn parse(&self) -> Result<ExportEvent, ExportError> {
-        let l: Line = serde_json::from_slice(&self.buf).map_err(|e| self.bad(e.to_string()))?;
-        if l.schema != EVENT_SCHEMA {
-            return Err(self.bad(format!(
-                "schema {} (this vmtsync reads schema {EVENT_SCHEMA})",
-                l.schema
-            )));
-        }
-        if !(l.host_lo <= l.host_tsc && l.host_tsc <= l.host_hi) {
-            return Err(self.bad(format!(
-                "host_tsc {} outside its interval [{}, {}]",
-                l.host_tsc, l.host_lo, l.host_hi
-            )));
-        }
-        let payload = parse_hex(&l.payload).ok_or_else(|| {
-            self.bad(format!(
-                "payload {:?} is not lowercase hex of at most {MAX_PAYLOAD} bytes",
-                l.payload
-            ))
-        })?;
-        Ok(ExportEvent {
-            vcpu: l.vcpu,
-            id: l.id,
-            guest_tsc: Some(l.guest_tsc),
-            host_tsc: l.host_tsc,
-            bound: Some(Bound {
-                lo: l.host_lo,
-                hi: l.host_hi,
-            }),
-            payload,
-        })
-    }
-}
-
-/// Lowercase hex, two digits per byte, at most [`MAX_PAYLOAD`] bytes.
-fn parse_hex(s: &str) -> Option<Payload> {
-    let s = s.as_bytes();
-    if !s.len().is_multiple_of(2) || s.len() / 2 > MAX_PAYLOAD {
-        return None;
-    }
-    let digit = |c: u8| match c {
-        b'0'..=b'9' => Some(c - b'0'),
-        b'a'..=b'f' => Some(c - b'a' + 10),
-        _ => None,
-    };
-    let mut p = Payload::default();
-    for (i, pair) in s.chunks_exact(2).enumerate() {
-        p.bytes[i] = digit(pair[0])? << 4 | digit(pair[1])?;
-    }
-    p.len = u8::try_from(s.len() / 2).ok()?;
-    Some(p)
 }
 
 /// Events handed from the reading thread in batches of this many (two batches in flight:

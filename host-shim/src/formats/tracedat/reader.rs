@@ -119,10 +119,10 @@ impl Layout {
 
     /// The last TSC2NSEC option (trace-cmd keeps the last one it reads).
     #[must_use]
-    pub fn tsc2nsec(&self) -> Option<super::writer::Tsc2Nsec> {
+    pub fn tsc2nsec(&self) -> Option<super::consts::Tsc2Nsec> {
         let d = &self.options_with(option::TSC2NSEC).last()?.data;
         let u32_at = |i: usize| u32::from_le_bytes(d[i..i + 4].try_into().unwrap_or([0; 4]));
-        (d.len() >= 16).then(|| super::writer::Tsc2Nsec {
+        (d.len() >= 16).then(|| super::consts::Tsc2Nsec {
             mult: u32_at(0),
             shift: u32_at(4),
             offset: u64::from_le_bytes(d[8..16].try_into().unwrap_or([0; 8])),

@@ -21,10 +21,10 @@
 //! # Writing a guest trace
 //!
 //! ```no_run
-//! use vmtsync::tracedat::{ShiftMode, SyncSegment, TimeShift, TraceDatWriter, WriterOptions};
+//! use vmtsync::formats::tracedat::{ShiftMode, SyncSegment, TimeShift, TraceDatWriter, WriterOptions};
 //! use vmtsync_core::HostTicks;
 //!
-//! # fn main() -> Result<(), vmtsync::tracedat::TraceDatError> {
+//! # fn main() -> Result<(), vmtsync::formats::tracedat::TraceDatError> {
 //! let mut w = TraceDatWriter::create("guest.dat".as_ref(), WriterOptions::new(2, 0x1234))?;
 //! // (vCPU, raw guest TSC, event id, payload ≤ 16 bytes), non-decreasing TSC per vCPU.
 //! w.push(0, 1_000_500, 7, &[])?;
@@ -62,6 +62,7 @@ pub mod timeshift;
 pub mod writer;
 
 pub use attach::{AttachSummary, attach_time_shift, trace_cpus};
+pub use consts::Tsc2Nsec;
 pub use error::TraceDatError;
 pub use hostcopy::{GuestInfo, HostCopySummary, copy_host_trace};
 pub use reader::{
@@ -69,4 +70,4 @@ pub use reader::{
     verify_file,
 };
 pub use timeshift::{ShiftMode, SyncSegment, TimeShift, TimeShiftError};
-pub use writer::{FileVersion, Summary, TraceDatWriter, Tsc2Nsec, WriterOptions};
+pub use writer::{FileVersion, Summary, TraceDatWriter, WriterOptions};

@@ -1,8 +1,8 @@
 use super::*;
-use crate::tracedat::reader::{Event, cpu_time_ranges, for_each_event, read_layout};
-use crate::tracedat::timeshift::{TimeShiftError, TraceCmdSample, trace_cmd_host_time};
-use crate::tracedat::writer::{FileVersion, TraceDatWriter, WriterOptions};
-use crate::tracedat::{ShiftMode, SyncSegment};
+use crate::formats::tracedat::reader::{Event, cpu_time_ranges, for_each_event, read_layout};
+use crate::formats::tracedat::timeshift::{TimeShiftError, TraceCmdSample, trace_cmd_host_time};
+use crate::formats::tracedat::writer::{FileVersion, TraceDatWriter, WriterOptions};
+use crate::formats::tracedat::{ShiftMode, SyncSegment};
 use vmtsync_core::HostTicks;
 use vmtsync_core::mapping::KvmTscMapping;
 

@@ -33,7 +33,7 @@ use self::proto::{
     Clock, ClockSnapshot as ClockSnapshotMsg, EventPacket, InternedData, InternedString,
     ProcessDescriptor, TracePacket, TracePacketDefaults, TrackDescriptor, TrackEventDefaults,
 };
-use super::{ExportError, ExportEvent, InputKind};
+use super::event::{ExportError, ExportEvent, InputKind};
 use crate::atomic_file::{AtomicFile, BackgroundFile};
 
 /// The machine id of the guest's packets unless told otherwise (the host is 0).
@@ -572,7 +572,7 @@ pub fn export_file(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::export::{Bound, Payload};
+    use crate::formats::{Bound, Payload};
     use prost::Message;
 
     #[derive(Clone, PartialEq, Message)]

@@ -4,8 +4,8 @@ use vmtsync_core::HostTicks;
 use vmtsync_core::mapping::KvmTscMapping;
 
 use super::*;
-use crate::tracedat::reader::{Event, for_each_event, read_layout, verify_file};
-use crate::tracedat::timeshift::{ShiftMode, SyncSegment, TimeShiftError};
+use crate::formats::tracedat::reader::{Event, for_each_event, read_layout, verify_file};
+use crate::formats::tracedat::timeshift::{ShiftMode, SyncSegment, TimeShiftError};
 
 /// A seeded xorshift, so a failing case can be replayed from the printed seed.
 struct Rng(u64);

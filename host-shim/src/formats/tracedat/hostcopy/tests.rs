@@ -1,6 +1,6 @@
 use super::*;
-use crate::tracedat::reader::{for_each_event, read_layout};
-use crate::tracedat::writer::{FileVersion, TraceDatWriter, WriterOptions};
+use crate::formats::tracedat::reader::{for_each_event, read_layout};
+use crate::formats::tracedat::writer::{FileVersion, TraceDatWriter, WriterOptions};
 
 /// A stand-in host trace written by our own writer (the tier-2 tests use a real one).
 fn host_file(dir: &Path, version: FileVersion) -> PathBuf {

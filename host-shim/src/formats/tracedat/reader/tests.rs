@@ -1,7 +1,7 @@
 use proptest::prelude::*;
 
 use super::*;
-use crate::tracedat::writer::{FileVersion, TraceDatWriter, WriterOptions};
+use crate::formats::tracedat::writer::{FileVersion, TraceDatWriter, WriterOptions};
 
 fn sample(version: FileVersion) -> Vec<u8> {
     let dir = tempfile::tempdir().unwrap();
@@ -102,7 +102,9 @@ fn for_each_record_gives_raw_records_with_common_type_first() {
 
 #[test]
 fn event_formats_come_back_from_every_layout() {
-    use crate::tracedat::format::{EVENT_DATA_FORMAT, EVENT_DATA_ID, EVENT_FORMAT, EVENT_ID};
+    use crate::formats::tracedat::format::{
+        EVENT_DATA_FORMAT, EVENT_DATA_ID, EVENT_FORMAT, EVENT_ID,
+    };
     let dir = tempfile::tempdir().unwrap();
     for (name, bytes) in [
         ("v7", sample(FileVersion::V7)),

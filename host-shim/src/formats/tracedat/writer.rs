@@ -17,7 +17,9 @@ use std::io::{BufWriter, Seek, SeekFrom, Write};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-use super::consts::{PAGE_SIZE, PAGE_SIZE_U32, SECTION_HEADER_SIZE, option};
+use crate::atomic_file::AtomicFile;
+
+use super::consts::{PAGE_SIZE, PAGE_SIZE_U32, SECTION_HEADER_SIZE, Tsc2Nsec, option};
 use super::error::TraceDatError;
 use super::format::{
     EVENT_DATA_FORMAT, EVENT_FORMAT, HEADER_EVENT, HEADER_PAGE, MAX_PAYLOAD, SYSTEM,
@@ -62,18 +64,6 @@ pub struct WriterOptions {
     /// giving the guest file the host's values ([`reader::Layout::tsc2nsec`]) makes trace-cmd
     /// convert the guest's shifted ticks the same way, so a merge stays aligned.
     pub tsc2nsec: Option<Tsc2Nsec>,
-}
-
-/// The TSC2NSEC option: trace-cmd shows `(ticks * mult) >> shift` (it reads `offset` but
-/// never applies it).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Tsc2Nsec {
-    /// Multiplier.
-    pub mult: u32,
-    /// Right shift.
-    pub shift: u32,
-    /// Offset (stored, unused by trace-cmd 3.1.6).
-    pub offset: u64,
 }
 
 impl WriterOptions {
@@ -144,7 +134,7 @@ struct V7 {
 #[derive(Debug)]
 pub struct TraceDatWriter {
     path: PathBuf,
-    tmp: tempfile::NamedTempFile,
+    tmp: AtomicFile,
     out: BufWriter<File>,
     pos: u64,
     opts: WriterOptions,
@@ -166,15 +156,8 @@ impl TraceDatWriter {
             Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
             _ => PathBuf::from("."),
         };
-        let name = path
-            .file_name()
-            .map_or_else(|| "trace.dat".into(), |n| n.to_string_lossy().into_owned());
-        let tmp = tempfile::Builder::new()
-            .prefix(&format!(".{name}."))
-            .suffix(".tmp")
-            // A trace is an ordinary output file (tempfile's default would be 0600).
-            .permissions(std::os::unix::fs::PermissionsExt::from_mode(0o644))
-            .tempfile_in(&dir)
+        // A trace is an ordinary output file (tempfile's default would be 0600).
+        let tmp = AtomicFile::with_mode(path, 0o644)
             .map_err(TraceDatError::io("create a temporary file in", &dir))?;
         let file = tmp
             .as_file()
@@ -326,10 +309,10 @@ impl TraceDatWriter {
         let Self {
             tmp, path, cpus, ..
         } = self;
-        tmp.persist(&path).map_err(|e| TraceDatError::Io {
+        tmp.commit().map_err(|source| TraceDatError::Io {
             what: "rename the finished trace onto",
             path: path.clone(),
-            source: e.error,
+            source,
         })?;
         Ok(Summary {
             path,

@@ -3,7 +3,9 @@ use std::io::Write as _;
 use vmtsync_core::HostTicks;
 
 use super::*;
-use crate::tracedat::{
+use crate::formats::event::Bound;
+use crate::formats::jsonl::parse_hex;
+use crate::formats::tracedat::{
     FileVersion, ShiftMode, SyncSegment, TimeShift, TraceDatWriter, WriterOptions,
 };
 

@@ -16,7 +16,8 @@
 //!   error of its 64-bit arithmetic.
 //! - [`reader`]: layout and events with the byte offset of the first damage or truncation.
 //! - [`hostcopy`]: [`copy_host_trace`], a host trace.dat copied with GUEST (and TRACEID).
-//! - [`attach`]: [`attach_time_shift`], someone else's guest trace.dat copied with a TIME_SHIFT.
+//! - [`attach`]: [`attach_time_shift`], someone else's guest trace.dat copied with a TIME_SHIFT;
+//!   [`plan`](mod@plan): which samples, from a fixed mapping, each vCPU's or a sync file's.
 //!
 //! # Writing a guest trace
 //!
@@ -57,6 +58,7 @@ mod error;
 pub mod format;
 pub mod hostcopy;
 pub(crate) mod page;
+pub mod plan;
 pub mod reader;
 pub mod timeshift;
 pub mod writer;

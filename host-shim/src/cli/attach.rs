@@ -10,15 +10,14 @@ use clap::{Args, Subcommand};
 use vmtsync_core::mapping::KvmTscMapping;
 
 use super::exit::CliError;
-use super::source::{SourceArgs, single_vm};
-use crate::compose::ComposeError;
+use super::mapping::MappingArgs;
+use super::source::single_vm;
 use crate::formats::tracedat::plan::{AttachMapping, AttachPlan, plan};
 use crate::formats::tracedat::timeshift::TimeShiftError;
 use crate::formats::tracedat::{
     self, GuestInfo, Layout, ShiftMode, TimeShift, TraceDatError, cpu_time_ranges, read_layout,
     trace_cpus,
 };
-use crate::kvm::scan::VmSelector;
 use crate::syncfile::{SyncFile, SyncTimeline};
 
 /// `vmtsync trace-cmd …`.
@@ -43,6 +42,7 @@ pub enum TraceCmdCommand {
 
 /// `vmtsync trace-cmd attach`.
 #[derive(Debug, Args)]
+#[command(mut_arg("vcpu", |a| a.requires("sync")))]
 pub struct AttachArgs {
     /// The guest's trace.dat (trace-cmd record/extract in the guest, x86-tsc clock).
     #[arg(long, value_name = "GUEST.dat")]
@@ -50,50 +50,16 @@ pub struct AttachArgs {
     /// The copy to write (replaced atomically if it exists; never the input).
     #[arg(long, value_name = "OUT.dat")]
     pub output: PathBuf,
-    /// The guest's TSC offset, our sign: guest = offset + (host * ratio >> frac) (KVM's
-    /// tsc-offset). trace-cmd stores the opposite sign; this is converted.
-    #[arg(
-        long,
-        value_name = "O",
-        allow_negative_numbers = true,
-        required_unless_present_any = ["sync", "vm"],
-        conflicts_with_all = ["sync", "vm"]
-    )]
-    pub offset: Option<i64>,
-    /// The scaling ratio (default: identity).
-    #[arg(long, value_name = "R", requires = "offset", requires = "frac_bits",
-          value_parser = clap::value_parser!(u64).range(1..))]
-    pub ratio: Option<u64>,
-    /// Fraction bits of the ratio (48 on Intel, 32 on AMD).
-    #[arg(long, value_name = "F", requires = "ratio",
-          value_parser = clap::value_parser!(u32).range(0..64))]
-    pub frac_bits: Option<u32>,
-    /// A sync file (`vmtsync probe --continuous --out FILE`): its segments for --vcpu become
-    /// the TIME_SHIFT samples of every guest CPU.
-    #[arg(
-        long,
-        value_name = "SYNCFILE",
-        requires = "vcpu",
-        conflicts_with = "vm"
-    )]
-    pub sync: Option<PathBuf>,
-    /// The sync file's vCPU whose segments to use.
-    #[arg(long, value_name = "N", requires = "sync")]
-    pub vcpu: Option<u32>,
+    /// The mapping: --offset, --sync with --vcpu (its segments become the TIME_SHIFT samples
+    /// of every guest CPU), or --vm (every vCPU's mapping). trace-cmd stores the opposite
+    /// sign of the offset; this is converted.
+    #[command(flatten)]
+    pub mapping: MappingArgs,
     /// With --sync: write the segments as points that trace-cmd interpolates between (its
     /// PTP convention, flags=1) instead of steps (each offset holds until the next segment,
     /// flags=0, exact). Needed for segments with a non-zero drift.
     #[arg(long, requires = "sync")]
     pub interpolate: bool,
-    /// Read every vCPU's mapping from this VM's KVM debugfs entry (PID, PID-FD or name).
-    #[arg(long, value_name = "PID|NAME")]
-    pub vm: Option<VmSelector>,
-    /// Accept vCPUs in guest mode (their debugfs values are the L0->L2 mapping).
-    #[arg(long, requires = "vm")]
-    pub nested_l2: bool,
-    /// Debugfs and /proc locations (with --vm).
-    #[command(flatten)]
-    pub source: SourceArgs,
     /// A host trace.dat to pair with the guest: a copy with the GUEST option (guest name,
     /// its TRACEID, vCPU -> host thread) goes to --host-output, for
     /// `trace-cmd report -i HOST_OUT.dat -i OUT.dat`. The threads come from --vm or
@@ -136,20 +102,10 @@ fn mapping<'a>(
     cpus: usize,
     timeline: &'a mut Option<SyncTimeline>,
 ) -> Result<(AttachMapping<'a>, Option<(String, Vec<(u32, u32)>)>), CliError> {
-    if let Some(offset) = a.offset {
-        let map = match (a.ratio, a.frac_bits) {
-            (Some(r), Some(f)) => {
-                KvmTscMapping::try_new(offset, r, f).map_err(|_| ComposeError::Field {
-                    field: "--ratio/--frac-bits",
-                    value: format!("{r}/{f}"),
-                    why: "the ratio must be non-zero and frac bits at most 63",
-                })?
-            }
-            _ => KvmTscMapping::offset_only(offset),
-        };
+    if let Some(map) = a.mapping.fixed()? {
         return Ok((AttachMapping::Fixed(map), None));
     }
-    if let (Some(path), Some(vcpu)) = (a.sync.as_deref(), a.vcpu) {
+    if let (Some(path), Some(vcpu)) = (a.mapping.sync.as_deref(), a.mapping.vcpu) {
         let sync = SyncFile::read(path)?;
         if let Some(cut) = sync.cut {
             eprintln!("vmtsync: warning: {}: {cut}", path.display());
@@ -163,12 +119,12 @@ fn mapping<'a>(
             None,
         ));
     }
-    let Some(sel) = a.vm.as_ref() else {
+    let Some(sel) = a.mapping.vm.as_ref() else {
         return Err(CliError::Usage(
             "give --offset, --sync with --vcpu, or --vm".into(),
         ));
     };
-    let vm = single_vm(&a.source, sel)?;
+    let vm = single_vm(&a.mapping.source, sel)?;
     let vm_name = format!("{}-{}", vm.pid, vm.fd);
     let mut maps = Vec::with_capacity(cpus);
     let mut pids = Vec::new();
@@ -186,7 +142,7 @@ fn mapping<'a>(
                     .join(", "),
             });
         };
-        if v.guest_mode == Some(true) && !a.nested_l2 {
+        if v.guest_mode == Some(true) && !a.mapping.nested_l2 {
             return Err(CliError::Nested {
                 vm: vm_name,
                 vcpu: cpu,

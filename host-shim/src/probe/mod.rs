@@ -2,7 +2,6 @@
 //! guest agent, with guaranteed bounds, next to trace-cmd's estimate on the same samples.
 //!
 //! Layers:
-//! - [`args`]: the flags as a clap `Args` struct for the CLI.
 //! - The byte stream it runs on is [`crate::link`]'s.
 //! - [`session`]: the one host-side protocol driver: hello, probes, requests, garbage, flood
 //!   and timeout handling, every rejection counted; [`reference`](mod@reference): the window a reply's TSC
@@ -16,11 +15,10 @@
 //!   failed.
 //! - `testutil` (tests only): `SimTransport`, the core agent on a simulated host clock.
 //!
-//! The CLI parses [`ProbeArgs`] and calls [`run_probe`] with [`ProbeArgs::to_options`];
+//! The CLI parses `vmtsync::cli::probe::ProbeArgs` and calls [`run_probe`] with its options;
 //! in-process users call [`run_probe_on`] with their own transport.
 
 pub mod anchor;
-pub mod args;
 pub mod console;
 pub mod continuous;
 mod error;
@@ -33,7 +31,6 @@ pub mod session;
 #[cfg(test)]
 pub(crate) mod testutil;
 
-pub use args::ProbeArgs;
 pub use console::ConsoleLog;
 pub use continuous::{ContinuousOptions, ContinuousSummary};
 pub use error::{ProbeError, refusal_kind, refusal_text};

@@ -95,13 +95,15 @@ pub(super) fn run_trace_cmd(c: &TraceCmdCommand) -> Result<(), CliError> {
     }
 }
 
-/// The mapping the arguments name, and the vCPU threads (with the VM's name) when --vm gave
-/// them.
+/// The VM's name and its vCPU threads `(guest CPU, host thread)`, when --vm gave them.
+type VmThreads = Option<(String, Vec<(u32, u32)>)>;
+
+/// The mapping the arguments name, and the vCPU threads when --vm gave them.
 fn mapping<'a>(
     a: &AttachArgs,
     cpus: usize,
     timeline: &'a mut Option<SyncTimeline>,
-) -> Result<(AttachMapping<'a>, Option<(String, Vec<(u32, u32)>)>), CliError> {
+) -> Result<(AttachMapping<'a>, VmThreads), CliError> {
     if let Some(map) = a.mapping.fixed()? {
         return Ok((AttachMapping::Fixed(map), None));
     }

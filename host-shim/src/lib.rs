@@ -3,32 +3,31 @@
 //! Finds VMs in KVM debugfs and reads their exact per-vCPU TSC mappings, runs probe rounds
 //! against the guest agent, writes sync files, converts guest timestamps and exports them.
 //!
-//! Wings, each owning its vocabulary, from the ground up: a wing's code imports the wings
-//! above it in this list, with two ties across, both to a single leaf file: `formats`'s
-//! Perfetto clock reads the host TSC ([`kvm::hosttsc`]), and `ftrace`'s live pages are walked
-//! by the trace.dat page reader (`formats::tracedat::page`), the same kernel page layout.
-//! No files import each other in a loop.
+//! Wings, each owning its vocabulary, from the ground up: a wing's code imports only wings
+//! above it in this list, with one exception: `ftrace`'s live pages are walked by the
+//! trace.dat page reader (`formats::tracedat::page`), the same kernel page layout. No files
+//! import each other in a loop.
 //! - [`atomic_file`]: every output file written to a temporary file and renamed into place.
 //! - [`exact_convert`]: streaming timestamp conversion on `vmtsync_core::mapping`.
+//! - [`ftrace`]: private tracefs instances, `trace_pipe_raw` pages, event formats (`kvm_pio`,
+//!   `kvm_write_tsc_offset`).
+//! - [`kvm`]: what the host kernel says: the host TSC read, KVM debugfs, `/proc`, one scan in
+//!   the `vmtsync kvm --json` shape, and change watching.
 //! - [`syncfile`]: the versioned JSON Lines sync file, the vocabulary its segments are written
 //!   in ([`syncfile::AnchorKind`], [`syncfile::OffsetModel`]), the guaranteed bounds of a
 //!   placement ([`syncfile::bounds`]) and `convert --sync`.
-//! - [`ftrace`]: private tracefs instances, `trace_pipe_raw` pages, event formats (`kvm_pio`,
-//!   `kvm_write_tsc_offset`).
 //! - [`formats`]: every trace format: trace.dat (writer, reader, TIME_SHIFT, host copy,
 //!   attach planning), JSON Lines (one `Line` type both ways), CTF, Perfetto, perf, and the
 //!   one event source the exporters read.
-//! - [`kvm`]: what the host kernel says: the host TSC read, KVM debugfs, `/proc`, one scan in
-//!   the `vmtsync kvm --json` shape, and change watching.
-//! - [`compose`]: nested (L0->L1->L2) composition of scanned mappings.
 //! - [`link`]: the byte stream to the guest agent: addresses, connecting with retries,
 //!   vhost-user vsock, AF_VSOCK, and the host-TSC-stamped transport.
+//! - [`compose`]: nested (L0->L1->L2) composition of scanned mappings.
+//! - [`plot`]: `vmtsync plot`, a sync file as an SVG picture.
 //! - [`probe`]: `vmtsync probe`: hello + probe rounds against the guest agent over a link,
 //!   bounded estimates, exit anchoring, continuous re-sync into a sync file.
 //! - [`record`]: `vmtsync record`: one session that syncs the clocks and drains the guest's
 //!   events into a trace file of one of the [`formats`].
 //! - [`validate`]: `vmtsync validate`, a sync file checked against the host's `kvm_pio` exits.
-//! - [`plot`]: `vmtsync plot`, a sync file as an SVG picture.
 //! - [`cli`]: the command line: every clap struct, each command's glue, errors and exit codes.
 //!
 //! Guarantees: no file content makes this crate panic; a reading is never presented as a VM's

@@ -11,7 +11,7 @@ pub mod idle_vmm;
 pub mod truth;
 pub mod vmm;
 
-pub use vmtsync_launch::{ChildGuard, have_kvm, is_ci, is_root, require};
+pub use vmtsync_launch::{ChildGuard, gate, have_kvm, is_ci, is_root, require, set_gated};
 
 /// Serializes the tests that exit-anchor probes inside this process: the anchor's private
 /// tracefs instance is named after the process (`vmtsync-anchor-PID`), so two at once collide

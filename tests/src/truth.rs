@@ -3,7 +3,8 @@
 //!
 //! Two facts compose into the truth:
 //! - KVM's mapping for the vCPU, read from debugfs ([`truth_mapping`], [`truth_mapping_of`])
-//!   through `vmtsync`'s strict debugfs reader. On an ordinary KVM host a guest's TSC starts
+//!   with `std::fs` in a few lines of this module's own, not through `vmtsync`'s debugfs
+//!   reader (the code under test). On an ordinary KVM host a guest's TSC starts
 //!   near zero (a large negative `tsc-offset`); on the project's nested hosts the offset reads
 //!   0. Nothing here assumes either.
 //! - The agent's software skew (its `skew=OFFSET,RATIO,FRAC` boot option), picked by
@@ -16,17 +17,35 @@
 //! makes of the two (`vmtsync::compose::compose`), for tools that take one mapping; it is
 //! within `KvmTscMapping::try_nested_deviation_bound` (a few ticks) of the exact value.
 
-use vmtsync::kvm::debugfs::{DEFAULT_KVM_DEBUGFS, DebugfsError, KvmDebugfs, VmId};
+use std::path::{Path, PathBuf};
+
 use vmtsync_core::mapping::{KvmTscMapping, MappingError};
 use vmtsync_core::{GuestTicks, HostTicks};
+
+/// Where KVM keeps its per-VM debugfs directories.
+pub const KVM_DEBUGFS: &str = "/sys/kernel/debug/kvm";
+
+/// A VM's directory in KVM debugfs, `<pid>-<fd>`: the thread that created the VM and the VM's
+/// file descriptor in it. This is the test's own copy, so the truth does not depend on the
+/// parser `vmtsync kvm` uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct VmId {
+    /// The PID (for a test's built-in VMM: the TID) that created the VM.
+    pub pid: u32,
+    /// The VM's file descriptor number in that process.
+    pub fd: u32,
+}
 
 /// Why the truth could not be read.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum TruthError {
-    /// debugfs could not be read (not mounted, not root, a malformed file).
-    #[error("reading KVM debugfs: {0}")]
-    Debugfs(#[from] DebugfsError),
+    /// A debugfs file or directory could not be read (not mounted, not root).
+    #[error("reading {0}: {1}")]
+    Io(PathBuf, std::io::Error),
+    /// A debugfs file did not hold one decimal number.
+    #[error("{0} holds {1:?}, not a number")]
+    Parse(PathBuf, String),
     /// No VM directory belongs to the process.
     #[error("no VM of process {0} in KVM debugfs (has the VMM created it yet?)")]
     NoVm(u32),
@@ -53,15 +72,24 @@ pub enum TruthError {
 /// # Errors
 /// [`TruthError`]: debugfs unreadable, no VM or several VMs for the PID, no such vCPU.
 pub fn truth_mapping(vm_pid: u32, vcpu: u32) -> Result<KvmTscMapping, TruthError> {
-    let debugfs = KvmDebugfs::open(DEFAULT_KVM_DEBUGFS)?;
-    let vms: Vec<_> = debugfs
-        .vms()?
-        .into_iter()
-        .filter(|v| v.id.pid == vm_pid)
+    let root = Path::new(KVM_DEBUGFS);
+    let entries = std::fs::read_dir(root).map_err(|e| TruthError::Io(root.into(), e))?;
+    // A VM directory is named `<pid>-<fd>`; anything else (the global stat files) is skipped.
+    let vms: Vec<VmId> = entries
+        .filter_map(Result::ok)
+        .filter_map(|e| {
+            let name = e.file_name().into_string().ok()?;
+            let (pid, fd) = name.split_once('-')?;
+            Some(VmId {
+                pid: pid.parse().ok()?,
+                fd: fd.parse().ok()?,
+            })
+        })
+        .filter(|v| v.pid == vm_pid)
         .collect();
     match vms.as_slice() {
         [] => Err(TruthError::NoVm(vm_pid)),
-        [vm] => read(&debugfs, vm, vcpu),
+        [vm] => truth_mapping_of(*vm, vcpu),
         _ => Err(TruthError::SeveralVms(vm_pid, vms.len())),
     }
 }
@@ -69,37 +97,47 @@ pub fn truth_mapping(vm_pid: u32, vcpu: u32) -> Result<KvmTscMapping, TruthError
 /// KVM's TSC mapping of `vcpu` of the VM `id` (a process with several VMs, such as a test
 /// process running built-in VMMs in parallel: [`crate::vmm::Vm::debugfs_id`]).
 ///
+/// The three numbers come straight from KVM's files (`arch/x86/kvm/debugfs.c`:
+/// `tsc-offset`, `tsc-scaling-ratio`, `tsc-scaling-ratio-frac-bits`, each one decimal line),
+/// read here with `std::fs` so the truth does not go through `vmtsync`'s own debugfs reader,
+/// which `vmtsync kvm` uses and the tests check.
+///
 /// # Errors
 /// [`TruthError`]: debugfs unreadable, no such VM or vCPU.
 pub fn truth_mapping_of(id: VmId, vcpu: u32) -> Result<KvmTscMapping, TruthError> {
-    let debugfs = KvmDebugfs::open(DEFAULT_KVM_DEBUGFS)?;
-    let vm = debugfs
-        .vms()?
-        .into_iter()
-        .find(|v| v.id == id)
-        .ok_or(TruthError::NoVm(id.pid))?;
-    read(&debugfs, &vm, vcpu)
+    let vm = Path::new(KVM_DEBUGFS).join(format!("{}-{}", id.pid, id.fd));
+    if !vm.is_dir() {
+        return Err(TruthError::NoVm(id.pid));
+    }
+    let dir = vm.join(format!("vcpu{vcpu}"));
+    if !dir.is_dir() {
+        return Err(TruthError::NoVcpu(id, vcpu));
+    }
+    // `guest_mode` exists only where KVM supports nesting; 1 means the files hold L0→L2.
+    if number::<u8>(&dir, "guest_mode").is_ok_and(|m| m == 1) {
+        return Err(TruthError::Nested(id, vcpu));
+    }
+    let offset: i64 = number(&dir, "tsc-offset")?;
+    // KVM creates the two scaling files only on hosts with TSC scaling; without them the
+    // guest TSC runs at the host's rate (ratio 1 with no fraction bits).
+    let (ratio, frac_bits) = if dir.join("tsc-scaling-ratio").exists() {
+        (
+            number(&dir, "tsc-scaling-ratio")?,
+            number(&dir, "tsc-scaling-ratio-frac-bits")?,
+        )
+    } else {
+        (1, 0)
+    };
+    KvmTscMapping::try_new(offset, ratio, frac_bits).map_err(|e| TruthError::Mapping(id, vcpu, e))
 }
 
-fn read(
-    debugfs: &KvmDebugfs,
-    vm: &vmtsync::kvm::debugfs::VmDir,
-    vcpu: u32,
-) -> Result<KvmTscMapping, TruthError> {
-    let state = debugfs
-        .read_vm(vm)?
-        .into_iter()
-        .find(|s| s.vcpu == vcpu)
-        .ok_or(TruthError::NoVcpu(vm.id, vcpu))?;
-    if state.guest_mode == Some(true) {
-        return Err(TruthError::Nested(vm.id, vcpu));
-    }
-    KvmTscMapping::try_new(
-        state.tsc_offset,
-        state.scaling.ratio,
-        state.scaling.frac_bits,
-    )
-    .map_err(|e| TruthError::Mapping(vm.id, vcpu, e))
+/// The one decimal number in `dir/file`.
+fn number<T: std::str::FromStr>(dir: &Path, file: &str) -> Result<T, TruthError> {
+    let path = dir.join(file);
+    let text = std::fs::read_to_string(&path).map_err(|e| TruthError::Io(path.clone(), e))?;
+    text.trim()
+        .parse()
+        .map_err(|_| TruthError::Parse(path, text.trim().to_owned()))
 }
 
 /// Checks the prerequisites of reading the truth from debugfs (root, debugfs mounted) with
@@ -110,7 +148,7 @@ pub fn truth_ready(test: &str) -> bool {
     crate::require(test, crate::is_root(), "reading KVM debugfs needs root")
         && crate::require(
             test,
-            std::path::Path::new(DEFAULT_KVM_DEBUGFS).is_dir(),
+            Path::new(KVM_DEBUGFS).is_dir(),
             "debugfs is not mounted (mount -t debugfs none /sys/kernel/debug)",
         )
 }

@@ -466,7 +466,9 @@ fn rel(path: &Path) -> String {
 
 #[cfg(test)]
 mod tests {
-    use serde_json::Value;
+    use vmtsync_launch::bench::{
+        self as bench, Anchoring, AnchoringRow, ProbeBench, ProbeRow, Wire, WireSizes,
+    };
 
     use super::format::{rate, ratio, thousands, time_ns};
     use super::*;
@@ -524,27 +526,76 @@ mod tests {
         println!("full batch: {frame} B for {events} events");
     }
 
+    /// A probe bench line with the fields these tests read (the rest zero).
+    fn probe_line(rows: Vec<ProbeRow>, anchoring: Option<Anchoring>) -> ProbeBench {
+        ProbeBench {
+            tsc_khz: 2_600_000,
+            tsc_khz_source: "agent".into(),
+            sessions: 3,
+            probes: 64,
+            run_time_s: 1.0,
+            wire: Wire {
+                builtin: WireSizes {
+                    request: [4, 4],
+                    reply: [10, 11],
+                },
+                ..Wire::default()
+            },
+            anchoring,
+            rows,
+            ..ProbeBench::default()
+        }
+    }
+
+    fn row(name: &str) -> ProbeRow {
+        ProbeRow {
+            name: name.into(),
+            sessions: 3,
+            contains: 3,
+            drift_contains: 3,
+            rtt_min: 1,
+            rtt_median: 2,
+            ..ProbeRow::default()
+        }
+    }
+
     #[test]
     fn probe_rows_count_sessions() {
-        let j: Value = serde_json::from_str(
-            r#"{"schema":"vmtsync-probe-bench/1","tsc_khz":2600000,"tsc_khz_source":"agent",
-            "sessions":3,"probes":64,"run_time_s":1.0,
-            "wire":{"builtin":{"request":[4,4],"reply":[10,11]},"qemu":null},
-            "system_level":null,
-            "rows":[{"name":"builtin/exit-tight","sessions":3,"ours_median_err":2600,
-            "ours_max_err":5200,"tc_median_err":2600,"ratio":1.0,"drift_ratio":null,
-            "goal_met":false,"contains":3,"drift_contains":3,"rtt_min":1,"rtt_median":2},
-            {"name":"skew/exit-tight","sessions":3,"ours_median_err":9,"drift_median_err":10,
-            "tc_median_err":40,"ratio":0.2,"drift_ratio":0.25,"goal_met":true,"contains":0,
-            "drift_contains":2,"rtt_min":1,"rtt_median":2}]}"#,
-        )
-        .expect("json");
-        let s = probe::probe_section(&j).expect("renders");
+        let j = probe_line(
+            vec![
+                ProbeRow {
+                    ours_median_err: Some(2600),
+                    ours_max_err: Some(5200),
+                    tc_median_err: 2600,
+                    ratio: Some(1.0),
+                    ..row("builtin/exit-tight")
+                },
+                ProbeRow {
+                    ours_median_err: Some(9),
+                    drift_median_err: Some(10),
+                    tc_median_err: 40,
+                    ratio: Some(0.2),
+                    drift_ratio: Some(0.25),
+                    goal_met: true,
+                    contains: 0,
+                    drift_contains: 2,
+                    ..row("skew/exit-tight")
+                },
+            ],
+            None,
+        );
+        let s = probe::probe_section(&j);
         assert!(s.body.contains("3 sessions per path"), "{}", s.body);
         assert!(s.body.contains("2,600 (1,000 ns)"), "{}", s.body);
         assert!(
             s.body.contains("| 0/3; 2/3 |"),
             "both guarantees count on skew rows: {}",
+            s.body
+        );
+        assert!(
+            s.body
+                .contains("4 B request + 10–11 B reply (built-in VMM)."),
+            "{}",
             s.body
         );
         assert_eq!(s.summary[0][2], "interval 3/6, drift bounds 5/6 sessions");
@@ -559,18 +610,23 @@ mod tests {
 
     #[test]
     fn vsock_rows_render_every_estimator_and_the_half_goal() {
-        let j: Value = serde_json::from_str(
-            r#"{"schema":"vmtsync-probe-bench/1","tsc_khz":2600000,"tsc_khz_source":"agent",
-            "sessions":3,"probes":64,"run_time_s":1.0,"system_level":null,
-            "wire":{"builtin":{"request":[5,5],"reply":[11,11]},"qemu":null},
-            "rows":[{"name":"vsock/339","sessions":3,"ours_median_err":600,
-            "tc_median_err":1000,"ratio":0.6,"central_ratio":0.45,"central_median_err":450,
-            "rate1_median_err":500,"hist_median_err":1200,"goal_met":false,"contains":3,
-            "drift_contains":3,"rtt_min":1,"rtt_median":2,"min_delay_median":[3000,1000],
-            "delay_median":[5000,1200],"fastest_asymmetry_median":-1000}]}"#,
-        )
-        .expect("json");
-        let s = probe::probe_section(&j).expect("renders");
+        let j = probe_line(
+            vec![ProbeRow {
+                ours_median_err: Some(600),
+                tc_median_err: 1000,
+                ratio: Some(0.6),
+                central_ratio: Some(0.45),
+                central_median_err: Some(450),
+                rate1_median_err: Some(500),
+                hist_median_err: 1200,
+                min_delay_median: Some([3000, 1000]),
+                delay_median: Some([5000, 1200]),
+                fastest_asymmetry_median: Some(-1000),
+                ..row("vsock/339")
+            }],
+            None,
+        );
+        let s = probe::probe_section(&j);
         assert!(
             s.body.contains("| vsock/339 | 600 (230 ns) | 450 (173 ns) | 500 (192 ns) | 1,000 (384 ns) | 1,200 (461 ns) | 0.600; 0.450 |"),
             "{}",
@@ -588,21 +644,28 @@ mod tests {
 
     #[test]
     fn anchoring_rows_render_with_their_goals() {
-        let j: Value = serde_json::from_str(
-            r#"{"schema":"vmtsync-probe-bench/1","tsc_khz":2600000,"tsc_khz_source":"agent",
-            "sessions":3,"probes":64,"run_time_s":1.0,"wire":{},"system_level":null,
-            "anchoring":{"baseline":"qemu-microvm/stdio","rows":[
-              {"name":"qemu-microvm/stdio","width_median":2600000,"ours_median_err":260000,
-               "width_ratio":1.0,"err_ratio":1.0},
-              {"name":"qemu-microvm/kvm-pio","width_median":26000,"ours_median_err":26000,
-               "width_ratio":0.01,"err_ratio":0.1},
-              {"name":"vsock/sync-port-ring0","width_median":13000,"ours_median_err":10400,
-               "width_ratio":0.005,"err_ratio":0.04}],
-             "probes_to_2x":{"qemu-microvm/stdio":5,"qemu-microvm/kvm-pio":2}},
-            "rows":[]}"#,
-        )
-        .expect("json");
-        let s = probe::probe_section(&j).expect("renders");
+        let arow = |name: &str, width: u64, err: u64, wr: f64, er: f64| AnchoringRow {
+            name: name.into(),
+            width_median: Some(width),
+            ours_median_err: Some(err),
+            width_ratio: Some(wr),
+            err_ratio: Some(er),
+        };
+        let mut anchoring = Anchoring {
+            baseline: "qemu-microvm/stdio".into(),
+            rows: vec![
+                arow("qemu-microvm/stdio", 2_600_000, 260_000, 1.0, 1.0),
+                arow("qemu-microvm/kvm-pio", 26_000, 26_000, 0.01, 0.1),
+                arow("vsock/sync-port-ring0", 13_000, 10_400, 0.005, 0.04),
+            ],
+            probes_to_2x: [
+                ("qemu-microvm/stdio".to_owned(), Some(5)),
+                ("qemu-microvm/kvm-pio".to_owned(), Some(2)),
+            ]
+            .into_iter()
+            .collect(),
+        };
+        let s = probe::probe_section(&probe_line(Vec::new(), Some(anchoring.clone())));
         assert!(
             s.body.contains("| qemu-microvm/kvm-pio | 26,000 (10,000 ns) | 26,000 (10,000 ns) | 0.0100 | 0.1000 | 2 |"),
             "{}",
@@ -624,14 +687,24 @@ mod tests {
             ]
         );
         // Without a path under 5 µs the best one decides the verdict, named.
-        let mut j = j;
-        j["anchoring"]["rows"][2]["ours_median_err"] = 26_000.into();
-        let s = probe::probe_section(&j).expect("renders");
+        anchoring.rows[2].ours_median_err = Some(26_000);
+        let s = probe::probe_section(&probe_line(Vec::new(), Some(anchoring)));
         assert_eq!(s.summary[3][3], "**not met**");
         assert!(
             s.summary[3][2].starts_with("10,000 ns on `qemu-microvm/kvm-pio`"),
             "{:?}",
             s.summary[3]
         );
+    }
+
+    #[test]
+    fn a_probe_line_reads_back_as_the_producer_wrote_it() {
+        let j = probe_line(vec![row("builtin/exit-tight")], None);
+        let line = bench::to_line(&j);
+        assert!(
+            line.starts_with("{\"schema\":\"vmtsync-probe-bench/1\","),
+            "{line}"
+        );
+        assert_eq!(bench::last_line::<ProbeBench>(&line), Some(j));
     }
 }

@@ -32,6 +32,7 @@ use std::process::{Command, Stdio};
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
+use vmtsync_launch::bench::FuzzResult;
 
 use crate::{cargo, display, root, sh};
 
@@ -136,18 +137,18 @@ fn run(long: bool) -> Result<()> {
     for t in TARGETS {
         let (dir, target) = (t.dir, t.name);
         let o = run_target(&cargo_fuzz, t, long)?;
-        let line = format!(
-            "fuzz-result target={dir}:{target} mode={} runs={} crashes={} timeouts={} ooms={} \
-             seconds={:.1} exec_per_s={:.0} corpus={}",
-            if long { "long" } else { "smoke" },
-            o.runs,
-            o.crashes,
-            o.timeouts,
-            o.ooms,
-            o.seconds,
-            per_second(o.runs, o.seconds),
-            o.corpus,
-        );
+        let line = FuzzResult {
+            target: format!("{dir}:{target}"),
+            mode: if long { "long" } else { "smoke" }.into(),
+            runs: o.runs,
+            crashes: o.crashes as u64,
+            timeouts: o.timeouts as u64,
+            ooms: o.ooms as u64,
+            seconds: o.seconds,
+            exec_per_s: per_second(o.runs, o.seconds),
+            corpus: o.corpus,
+        }
+        .line();
         println!("{line}");
         lines.push(line);
         if o.crashes + o.timeouts + o.ooms > 0 || (long && o.runs < LONG_RUNS) {

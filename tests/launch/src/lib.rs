@@ -10,11 +10,15 @@
 //! - [`vhost`]: the vhost-device-vsock backend's version and install location.
 //! - [`trace_processor`]: Perfetto's trace processor (wasm, run by Node), fetched into the
 //!   project cache and checksum-checked.
+//! - [`bench`]: the benchmark binaries' result lines, typed, for the binary that prints one and
+//!   every reader.
 //! - [`ChildGuard`]: every process started here is killed by its PID when its guard drops.
 //!
-//! The crate depends on std, libc and thiserror only, so `xtask` keeps its few dependencies.
+//! The crate depends on std, libc, thiserror, serde and serde_json only, so `xtask` keeps its
+//! few dependencies.
 
 pub mod agent;
+pub mod bench;
 mod error;
 mod guard;
 pub mod prereq;
@@ -24,4 +28,4 @@ pub mod vhost;
 
 pub use error::LaunchError;
 pub use guard::ChildGuard;
-pub use prereq::{have_kvm, is_ci, is_root, require};
+pub use prereq::{gate, have_kvm, is_ci, is_root, require, set_gated};

@@ -6,6 +6,7 @@
 
 use std::path::Path;
 use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use crate::LaunchError;
 
@@ -29,22 +30,77 @@ pub fn require(test: &str, ok: bool, what: &str) -> bool {
     if ok {
         return true;
     }
+    // A harness asking first (`gate`) collects the reason instead, and decides itself.
+    if GATE_REASONS
+        .with_borrow_mut(|r| r.as_mut().map(|r| r.push(what.to_owned())))
+        .is_some()
+    {
+        return false;
+    }
     assert!(
-        !is_ci(),
-        "{test}: prerequisite missing under CI=true: {what}"
+        !is_ci() && !GATED.load(Ordering::Relaxed),
+        "{test}: prerequisite missing{}: {what}",
+        if is_ci() {
+            " under CI=true"
+        } else {
+            " that the test's gate did not declare"
+        }
     );
     eprintln!("SKIP {test}: {what}");
     false
 }
 
+thread_local! {
+    /// While [`gate`] runs a test's prerequisite check on this thread: the reasons
+    /// [`require`] found missing, instead of printing or panicking.
+    static GATE_REASONS: std::cell::RefCell<Option<Vec<String>>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// Set once a harness has checked every test's declared prerequisites before running it
+/// ([`gate`]): from then on a prerequisite missing inside a test is one its gate forgot, and
+/// [`require`] fails the test rather than letting it return early as a pass.
+static GATED: AtomicBool = AtomicBool::new(false);
+
+/// Runs a test's prerequisite check `check` (built from [`require`]) before the test, for a
+/// harness that reports a missing prerequisite as a skipped test: `Ok` when every
+/// prerequisite holds, else the reasons [`require`] gave. Nothing is printed and nothing
+/// panics, whether or not CI is set: the harness decides (skip off CI, fail under it).
+///
+/// # Errors
+/// The missing prerequisites, in the order `check` met them.
+pub fn gate(check: impl FnOnce() -> bool) -> Result<(), Vec<String>> {
+    GATE_REASONS.set(Some(Vec::new()));
+    let ok = check();
+    let reasons = GATE_REASONS.take().unwrap_or_default();
+    match (ok, reasons.is_empty()) {
+        (true, true) => Ok(()),
+        (false, true) => Err(vec!["the check failed without naming a reason".to_owned()]),
+        (_, false) => Err(reasons),
+    }
+}
+
+/// Marks this process as gated ([`GATED`]): every test's prerequisites were checked by
+/// [`gate`] before it ran, so [`require`] inside a test fails instead of skipping.
+pub fn set_gated() {
+    GATED.store(true, Ordering::Relaxed);
+}
+
+/// Test support for checking a prerequisite's absence: `VMTSYNC_TEST_NO_KVM=1` makes
+/// [`have_kvm`] answer false, so the skip path can be seen on a machine that has KVM.
+fn kvm_hidden() -> bool {
+    std::env::var_os("VMTSYNC_TEST_NO_KVM").is_some_and(|v| v == "1")
+}
+
 /// True when this process can open `/dev/kvm` read-write.
 #[must_use]
 pub fn have_kvm() -> bool {
-    std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open("/dev/kvm")
-        .is_ok()
+    !kvm_hidden()
+        && std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open("/dev/kvm")
+            .is_ok()
 }
 
 /// True when running as root.

@@ -5,13 +5,8 @@
 //! counter payload, until shutdown) and serves the protocol on vsock; the host runs
 //! `vmtsync record` (the library, `run_record_on`, JSON Lines into a temporary file) over the
 //! rig's connection for the given time, each drain asking for at most `--drain-max` events, and
-//! counts every byte it received. It prints one JSON line:
-//!
-//! ```text
-//! {"schema":"vmtsync-ingest-bench/1","drain_max":u32,"rate":u64,"seconds":f64,
-//!  "events":u64,"events_per_s":f64,"dropped":u64,"sent":u64,"bytes":u64,
-//!  "bytes_per_event":f64,"packets":u64|null}
-//! ```
+//! counts every byte it received. It prints one JSON line, a
+//! [`vmtsync_launch::bench::IngestBench`] (schema `vmtsync-ingest-bench/1`).
 //!
 //! `events` arrived and were written, `sent` is the agent's own count (its shutdown line),
 //! `dropped` what its ring refused (it fills whenever the host drains slower than the workload
@@ -37,6 +32,7 @@ use vmtsync::link::{FrameStamps, ProbeAddr, Received, StampedTransport, Transpor
 use vmtsync::probe::{ProbeOptions, Progress};
 use vmtsync::record::{DRAIN_MAX, RecordFormat, RecordOptions, run_record_on};
 use vmtsync_core::HostTicks;
+use vmtsync_launch::bench::{self, IngestBench, IngestSchema};
 use vmtsync_tests::vmm::agent_elf;
 use vmtsync_tests::vmm::qemu::{Machine, debug_exit_status};
 use vmtsync_tests::vmm::vsock::{VsockRig, VsockTransport, ensure_vhost_device_vsock};
@@ -116,7 +112,7 @@ fn parse(args: &[String]) -> Result<Args, String> {
 
 /// `--drain-only`: one hello, then back-to-back `drain_events` for the run's time; every
 /// batch's `first` index must follow on from the last (nothing lost), then `Shutdown`.
-fn drain_only(a: &Args, link: Counting, rig: &mut VsockRig) -> Result<String> {
+fn drain_only(a: &Args, link: Counting, rig: &mut VsockRig) -> Result<IngestBench> {
     let mut session = vmtsync::probe::ProbeSession::hello(link, STEP)?;
     let started = Instant::now();
     let (mut events, mut drains, mut dropped) = (0u64, 0u64, 0u64);
@@ -155,17 +151,23 @@ fn drain_only(a: &Args, link: Counting, rig: &mut VsockRig) -> Result<String> {
     let (per_s, per_event) = (events as f64 / secs, bytes as f64 / events.max(1) as f64);
     #[allow(clippy::cast_precision_loss)]
     let link_per_s = events as f64 / busy.as_secs_f64().max(1e-9);
-    Ok(format!(
-        "{{\"schema\":\"vmtsync-ingest-bench/1\",\"mode\":\"drain-only\",\"drain_max\":{},\
-         \"rate\":{},\"seconds\":{secs:.3},\"events\":{events},\"events_per_s\":{per_s:.0},\
-         \"dropped\":{dropped},\"sent\":{},\"bytes\":{bytes},\"bytes_per_event\":{per_event:.2},\
-         \"packets\":{},\"drains\":{drains},\"link_events_per_s\":{link_per_s:.0},\"fill_ms\":{}}}",
-        a.drain_max,
-        a.rate,
-        shutdown_count(&log, " sent,").map_or_else(|| "null".into(), |p| p.to_string()),
-        shutdown_count(&log, " packets").map_or_else(|| "null".into(), |p| p.to_string()),
-        a.fill.as_millis(),
-    ))
+    Ok(IngestBench {
+        schema: IngestSchema,
+        mode: "drain-only".into(),
+        drain_max: a.drain_max,
+        rate: a.rate,
+        seconds: secs,
+        events,
+        events_per_s: per_s,
+        dropped,
+        sent: shutdown_count(&log, " sent,"),
+        bytes,
+        bytes_per_event: per_event,
+        packets: shutdown_count(&log, " packets"),
+        drains: Some(drains),
+        link_events_per_s: Some(link_per_s),
+        fill_ms: Some(u64::try_from(a.fill.as_millis()).unwrap_or(u64::MAX)),
+    })
 }
 
 /// The number before `word` in the agent's shutdown line (`… 383 packets, …`).
@@ -179,7 +181,7 @@ fn shutdown_count(log: &str, word: &str) -> Option<u64> {
         .ok()
 }
 
-fn run(a: &Args) -> Result<String> {
+fn run(a: &Args) -> Result<IngestBench> {
     let backend = ensure_vhost_device_vsock()?;
     let elf = match &a.elf {
         Some(e) => e.clone(),
@@ -239,17 +241,23 @@ fn run(a: &Args) -> Result<String> {
         summary.events as f64 / secs,
         link.bytes as f64 / summary.events.max(1) as f64,
     );
-    Ok(format!(
-        "{{\"schema\":\"vmtsync-ingest-bench/1\",\"mode\":\"record\",\"drain_max\":{},\"rate\":{},\"seconds\":{secs:.3},\
-         \"events\":{},\"events_per_s\":{per_s:.0},\"dropped\":{},\"sent\":{sent},\"bytes\":{},\
-         \"bytes_per_event\":{per_event:.2},\"packets\":{}}}",
-        a.drain_max,
-        a.rate,
-        summary.events,
-        summary.dropped,
-        link.bytes,
-        shutdown_count(&log, " packets").map_or_else(|| "null".into(), |p| p.to_string()),
-    ))
+    Ok(IngestBench {
+        schema: IngestSchema,
+        mode: "record".into(),
+        drain_max: a.drain_max,
+        rate: a.rate,
+        seconds: secs,
+        events: summary.events,
+        events_per_s: per_s,
+        dropped: summary.dropped,
+        sent: Some(sent),
+        bytes: link.bytes,
+        bytes_per_event: per_event,
+        packets: shutdown_count(&log, " packets"),
+        drains: None,
+        link_events_per_s: None,
+        fill_ms: None,
+    })
 }
 
 fn main() -> ExitCode {
@@ -267,7 +275,7 @@ fn main() -> ExitCode {
     };
     match run(&args) {
         Ok(line) => {
-            println!("{line}");
+            println!("{}", bench::to_line(&line));
             ExitCode::SUCCESS
         }
         Err(e) => {

@@ -264,8 +264,8 @@ impl Vm {
     /// the *thread* that created the VM (`task_pid_nr(current)` in `kvm_create_vm_debugfs`),
     /// which for a test is its own thread, not the process: [`Vm::boot`] records that TID.
     #[must_use]
-    pub fn debugfs_id(&self) -> vmtsync::kvm::debugfs::VmId {
-        vmtsync::kvm::debugfs::VmId {
+    pub fn debugfs_id(&self) -> crate::truth::VmId {
+        crate::truth::VmId {
             pid: self.creator_tid,
             fd: u32::try_from(self.vm.as_raw_fd()).expect("an open fd is non-negative"),
         }

@@ -13,8 +13,8 @@ use std::process::{Command, Output};
 use vmtsync::formats::tracedat::{for_each_record, read_event_formats, read_layout};
 use vmtsync::kvm::hosttsc::read_host_tsc;
 
-use crate::kvm_fixtures::vmtsync;
 use crate::tracedat::{Line, assert_dump_ok, report};
+use crate::util::vmtsync;
 use crate::util::{HostTrace, have_trace_cmd, trace_cmd};
 
 /// Makes a real trace here: a private tracefs instance on `x86-tsc` with the scheduler events
@@ -490,7 +490,7 @@ fn attach_from_debugfs_refuses_a_coarse_scaling_with_exit_6_and_accepts_it_with_
     w.finish(None).unwrap();
     // The fixture VM 1001-11: two vCPUs at 1.25x the host rate (Intel, 48 fraction bits),
     // threads 1010 and 1011.
-    let tree = crate::kvm_fixtures::fixtures().join("intel");
+    let tree = crate::util::fixtures().join("intel");
     let kvm = tree.join("kvm");
     let proc_root = tree.join("proc");
     let out = dir.path().join("o.dat");
@@ -596,7 +596,7 @@ fn a_truncated_guest_trace_is_refused_with_the_offset_and_no_output() {
 
 /// `vmtsync export perf` on a fixture debugfs tree.
 fn export_perf(tree: &str, extra: &[&str]) -> Output {
-    let tree = crate::kvm_fixtures::fixtures().join(tree);
+    let tree = crate::util::fixtures().join(tree);
     vmtsync()
         .args(["export", "perf", "--debugfs-root"])
         .arg(tree.join("kvm"))

@@ -16,8 +16,8 @@ use serde_json::Value;
 use vmtsync::probe::anchor::DEFAULT_SYNC_PORT;
 use vmtsync_tests::truth::{GuestTruth, Skew};
 
-use crate::kvm_fixtures::{guarded_output, vmtsync};
 use crate::util::{HostTrace, QemuAgent, qemu_ready, text, trace_cmd};
+use crate::util::{guarded_output, vmtsync};
 
 /// The workload's port: unused on QEMU microvm (no floppy controller), so QEMU answers an
 /// `in` with 0xff and ignores an `out`, both through a userspace exit `kvm_pio` stamps.

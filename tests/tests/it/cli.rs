@@ -3,19 +3,14 @@
 //! contract: help on every command, exit codes, broken pipe.
 
 use std::io::Write;
-use std::process::{Output, Stdio};
+use std::process::Stdio;
 
 use serde_json::Value;
 use vmtsync_core::mapping::KvmTscMapping;
 use vmtsync_core::sim::SplitMix64;
 use vmtsync_core::{GuestTicks, HostTicks};
 
-use crate::kvm_fixtures::vmtsync;
-
-/// Runs `vmtsync args…` with `input` on stdin (the child guarded by `ChildGuard`).
-fn run(args: &[&str], input: &[u8]) -> Output {
-    crate::kvm_fixtures::guarded_output(vmtsync().args(args), input)
-}
+use crate::util::{run, vmtsync};
 
 /// A random mapping like KVM's: Intel or AMD frac bits, a ratio within ±50% of identity (or
 /// exactly identity), any offset.

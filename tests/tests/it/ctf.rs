@@ -14,12 +14,12 @@ use vmtsync_core::{GuestTicks, HostTicks};
 use vmtsync_tests::require;
 use vmtsync_tests::truth::{GuestTruth, Skew, truth_mapping};
 
-use crate::kvm_fixtures::{guarded_output, vmtsync};
 use crate::record::{read_jsonl, report_events, seq_of, u};
 use crate::util::{
     HostTrace, Loopback, QemuAgent, have_program, have_trace_cmd, loopback, qemu_ready, scratch,
     text, trace_cmd,
 };
+use crate::util::{guarded_output, vmtsync};
 
 /// A TSC frequency for exports made here (any integer works; the same one for traces meant
 /// to line up).

@@ -26,7 +26,7 @@ use vmtsync_tests::vmm::defmt_log::decode_file_text;
 use vmtsync_tests::vmm::qemu::{self, Machine, have_qemu};
 use vmtsync_tests::{ChildGuard, have_kvm, require};
 
-use crate::kvm_fixtures::vmtsync;
+use crate::util::vmtsync;
 
 /// A scratch directory unique to this test and `test`, removed when the returned guard drops
 /// (also when the test fails).
@@ -37,9 +37,9 @@ fn scratch(test: &str) -> tempfile::TempDir {
         .unwrap()
 }
 
-/// Runs `vmtsync args…` with `input` on stdin and waits for it (guarded by `ChildGuard`).
+/// Runs `vmtsync args…` with `input` on stdin ([`crate::util::run`]).
 fn run(args: &[&str], input: &str) -> Output {
-    crate::kvm_fixtures::guarded_output(vmtsync().args(args), input.as_bytes())
+    crate::util::run(args, input.as_bytes())
 }
 
 fn text(b: &[u8]) -> String {

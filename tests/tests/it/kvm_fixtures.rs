@@ -3,19 +3,11 @@
 
 use std::fs;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Output;
 
 use serde_json::{Value, json};
 
-/// The fixture directory.
-pub fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/debugfs")
-}
-
-/// A `vmtsync` command (the real CLI, built into this crate as `vmtsync-cli`).
-pub fn vmtsync() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_vmtsync-cli"))
-}
+use crate::util::{fixtures, guarded_output, vmtsync};
 
 /// Runs `vmtsync kvm --json` on a fixture tree with its `proc/` (if any).
 fn kvm_json(tree: &Path, extra: &[&str]) -> Output {
@@ -283,43 +275,6 @@ fn temp_dir(tag: &str) -> tempfile::TempDir {
         .prefix(&format!("vmtsync-it-{tag}-"))
         .tempdir()
         .unwrap()
-}
-
-/// Runs `c` with `input` on stdin and collects its output, the child guarded by
-/// [`vmtsync_tests::ChildGuard`] throughout (killed by PID if the test panics meanwhile).
-pub fn guarded_output(c: &mut Command, input: &[u8]) -> Output {
-    use std::io::{Read, Write};
-    use std::process::Stdio;
-    let mut g = vmtsync_tests::ChildGuard::new(
-        c.stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("spawn"),
-    );
-    let mut stdin = g.child().stdin.take().expect("stdin");
-    let mut out = g.child().stdout.take().expect("stdout");
-    let mut err = g.child().stderr.take().expect("stderr");
-    let input = input.to_vec();
-    // Separate threads so no pipe can fill up and stall the child.
-    let w = std::thread::spawn(move || {
-        let _ = stdin.write_all(&input);
-    });
-    let e = std::thread::spawn(move || {
-        let mut v = Vec::new();
-        let _ = err.read_to_end(&mut v);
-        v
-    });
-    let mut stdout = Vec::new();
-    let _ = out.read_to_end(&mut stdout);
-    let stderr = e.join().expect("stderr reader");
-    let _ = w.join();
-    let status = g.child().wait().expect("wait");
-    Output {
-        status,
-        stdout,
-        stderr,
-    }
 }
 
 /// Unreadable files, as far as root can be refused: root reads mode-000 files, so we test

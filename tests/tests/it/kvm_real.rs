@@ -19,7 +19,7 @@ use vmtsync_core::mapping::KvmTscMapping;
 use vmtsync_tests::idle_vmm::IdleVmmChild;
 use vmtsync_tests::{ChildGuard, have_kvm, is_root, require};
 
-use crate::kvm_fixtures::vmtsync;
+use crate::util::vmtsync;
 
 fn idle_vmm() -> &'static Path {
     Path::new(env!("CARGO_BIN_EXE_idle-vmm"))

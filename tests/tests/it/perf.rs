@@ -22,7 +22,7 @@ use vmtsync::kvm::hosttsc::read_host_tsc;
 use vmtsync_tests::require;
 use vmtsync_tests::truth::truth_mapping;
 
-use crate::kvm_fixtures::vmtsync;
+use crate::util::vmtsync;
 use crate::util::{boot_qemu_with, have_program, scratch, text, vm_ready};
 
 /// KVM's debugfs, where the live VM's directory is.

@@ -26,8 +26,8 @@ use vmtsync_tests::require;
 use vmtsync_tests::truth::{GuestTruth, Skew, truth_mapping};
 use vmtsync_tests::vmm::agent_elf;
 
-use crate::kvm_fixtures::{guarded_output, vmtsync};
 use crate::util::{QemuAgent, loopback, qemu_ready, scratch};
+use crate::util::{guarded_output, vmtsync};
 
 /// The trace processor's directory, or `None` (skipped; a failure under CI=true).
 fn trace_processor(test: &str) -> Option<PathBuf> {

@@ -3,7 +3,7 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::kvm_fixtures::{guarded_output, vmtsync};
+use crate::util::{guarded_output, vmtsync};
 
 fn readme_sync_file() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/sync-plot.jsonl")

@@ -2,10 +2,11 @@
 //! real samples: every guaranteed interval (constant offset for KVM's debugfs mapping alone,
 //! offset and rate with the software skew picked from the host TSC) must contain the truth in
 //! every session, which the binary reports through its exit code (3 when one missed) and its
-//! JSON line.
+//! result line (`vmtsync_launch::bench::ProbeBench`).
 
 use std::process::Command;
 
+use vmtsync_launch::bench::{ProbeBench, last_line};
 use vmtsync_tests::truth::truth_ready;
 use vmtsync_tests::vmm::qemu::have_qemu;
 use vmtsync_tests::{have_kvm, require};
@@ -31,56 +32,51 @@ fn probe_bench_intervals_contain_the_truth_on_real_kvm() {
         Some(0),
         "stdout:\n{stdout}\nstderr:\n{stderr}"
     );
-    let json = stdout.lines().last().expect("a JSON line");
-    assert!(
-        json.starts_with("{\"schema\":\"vmtsync-probe-bench/1\""),
-        "{json}"
-    );
+    let Some(bench) = last_line::<ProbeBench>(&stdout) else {
+        panic!("no probe bench line:\n{stdout}");
+    };
+    let names: Vec<&str> = bench.rows.iter().map(|r| r.name.as_str()).collect();
     for name in [
         "builtin/exit-tight",
         "builtin/exit-loose",
         "builtin/host-thread",
     ] {
+        let row = bench.rows.iter().find(|r| r.name == name);
         assert!(
-            json.contains(&format!(
-                "\"name\":\"{name}\",\"sessions\":3,\"probes\":16,"
-            )),
-            "{json}"
+            row.is_some_and(|r| (r.sessions, r.probes) == (3, 16)),
+            "{name}: {row:?}"
         );
     }
-    // Identity rows: every session's offset interval held the truth. Every row, skewed ones
-    // included: the drift estimator's offset and rate bounds held it.
-    // The rows array is the line's last member (the anchoring comparison before it names
-    // rows too).
-    let rows_json = json.rsplit("\"rows\":[").next().expect("a rows array");
-    let rows: Vec<&str> = rows_json.split("{\"name\":").skip(1).collect();
     // Built-in VMM 4, skew 2; with QEMU: stdio, stdio-first, the exit-anchored kvm-pio row,
     // the boot vCPU's sync-port rows (loop in ring 3 and in ring 0), and the plain vsock rows
     // (all 32 probes, and the first 16); the sync-port vsock rows (stream, sync-port with the
     // loop in ring 3 and in ring 0) when vhost-device-vsock is there (always under CI).
-    let sync = rows
+    let sync = names
         .iter()
-        .filter(|r| r.starts_with("\"vsock/stream") || r.starts_with("\"vsock/sync-port"))
+        .filter(|n| n.starts_with("vsock/stream") || n.starts_with("vsock/sync-port"))
         .count();
-    assert!(sync == 0 || sync == 3, "{json}");
+    assert!(sync == 0 || sync == 3, "{names:?}");
     assert_eq!(
-        rows.len(),
+        names.len(),
         4 + 7 * usize::from(have_qemu()) + sync + 2,
-        "{json}"
+        "{names:?}"
     );
     if have_qemu() {
-        assert!(json.contains("\"name\":\"qemu-microvm/kvm-pio\""), "{json}");
-        assert!(
-            json.contains("\"name\":\"qemu-microvm/sync-port-ring0\""),
-            "{json}"
-        );
-        assert!(json.contains("\"name\":\"vsock/32\""), "{json}");
-    }
-    for row in rows {
-        if !row.starts_with("\"skew/") {
-            assert!(row.contains("\"contains\":3,"), "{row}");
+        for name in [
+            "qemu-microvm/kvm-pio",
+            "qemu-microvm/sync-port-ring0",
+            "vsock/32",
+        ] {
+            assert!(names.contains(&name), "{name} missing: {names:?}");
         }
-        assert!(row.contains("\"drift_contains\":3,"), "{row}");
+    }
+    // Identity rows: every session's offset interval held the truth. Every row, skewed ones
+    // included: the drift estimator's offset and rate bounds held it.
+    for row in &bench.rows {
+        if !row.name.starts_with("skew/") {
+            assert_eq!(row.contains, 3, "{row:?}");
+        }
+        assert_eq!(row.drift_contains, 3, "{row:?}");
     }
     eprintln!("{}", stdout.lines().take(8).collect::<Vec<_>>().join("\n"));
 }

@@ -20,7 +20,7 @@ use vmtsync_tests::truth::{GuestTruth, Skew, truth_mapping};
 use vmtsync_tests::vmm::agent_elf;
 use vmtsync_tests::vmm::qemu::Machine;
 
-use crate::kvm_fixtures::vmtsync;
+use crate::util::vmtsync;
 use crate::util::{
     Loopback, QemuAgent, have_trace_cmd, loopback, qemu_ready, scratch, text, trace_cmd,
 };

@@ -16,7 +16,7 @@ use vmtsync::syncfile::{CutTail, SyncFile};
 use vmtsync_tests::ChildGuard;
 use vmtsync_tests::fake_agent::{self as fake, SkewedClock};
 
-use crate::kvm_fixtures::{guarded_output, vmtsync};
+use crate::util::{guarded_output, vmtsync};
 
 /// The agent's skew: the offset every segment must bound.
 const SKEW: i64 = 77_000;

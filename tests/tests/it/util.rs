@@ -18,7 +18,57 @@ use vmtsync_tests::vmm::agent_elf;
 use vmtsync_tests::vmm::qemu::{self, Machine, have_qemu};
 use vmtsync_tests::{ChildGuard, have_kvm, is_root, require};
 
-use crate::kvm_fixtures::vmtsync;
+/// The fixture directory.
+pub(crate) fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/debugfs")
+}
+
+/// A `vmtsync` command (the real CLI, built into this crate as `vmtsync-cli`).
+pub(crate) fn vmtsync() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_vmtsync-cli"))
+}
+
+/// Runs `c` with `input` on stdin and collects its output, the child guarded by
+/// [`vmtsync_tests::ChildGuard`] throughout (killed by PID if the test panics meanwhile).
+pub(crate) fn guarded_output(c: &mut Command, input: &[u8]) -> Output {
+    use std::io::{Read, Write};
+    use std::process::Stdio;
+    let mut g = vmtsync_tests::ChildGuard::new(
+        c.stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn"),
+    );
+    let mut stdin = g.child().stdin.take().expect("stdin");
+    let mut out = g.child().stdout.take().expect("stdout");
+    let mut err = g.child().stderr.take().expect("stderr");
+    let input = input.to_vec();
+    // Separate threads so no pipe can fill up and stall the child.
+    let w = std::thread::spawn(move || {
+        let _ = stdin.write_all(&input);
+    });
+    let e = std::thread::spawn(move || {
+        let mut v = Vec::new();
+        let _ = err.read_to_end(&mut v);
+        v
+    });
+    let mut stdout = Vec::new();
+    let _ = out.read_to_end(&mut stdout);
+    let stderr = e.join().expect("stderr reader");
+    let _ = w.join();
+    let status = g.child().wait().expect("wait");
+    Output {
+        status,
+        stdout,
+        stderr,
+    }
+}
+
+/// Runs `vmtsync args…` with `input` on stdin to completion ([`guarded_output`]).
+pub(crate) fn run(args: &[&str], input: &[u8]) -> Output {
+    guarded_output(vmtsync().args(args), input)
+}
 
 /// A scratch directory named after `test`, removed on drop.
 pub(crate) fn scratch(test: &str) -> tempfile::TempDir {
@@ -34,7 +84,7 @@ pub(crate) fn text(b: &[u8]) -> String {
 
 /// Runs `vmtsync record …` (guarded) to completion.
 pub(crate) fn record(args: &[&str]) -> Output {
-    crate::kvm_fixtures::guarded_output(vmtsync().arg("record").args(args), b"")
+    guarded_output(vmtsync().arg("record").args(args), b"")
 }
 
 /// The loopback agent on a Unix socket at `sock`, serving one session with `load`; returns the

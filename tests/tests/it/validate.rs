@@ -14,8 +14,8 @@ use serde_json::Value;
 use vmtsync_tests::truth::Skew;
 
 use crate::causality::{run_validate, shifted, vcpu_thread};
-use crate::kvm_fixtures::{guarded_output, vmtsync};
 use crate::util::{HostTrace, boot_qemu, qemu_ready, text};
+use crate::util::{guarded_output, vmtsync};
 
 /// Continuous-mode rounds (64 probes each).
 const ROUNDS: &str = "4";

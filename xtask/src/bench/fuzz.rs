@@ -6,7 +6,7 @@ use std::fmt::Write as _;
 use std::process::{Command, ExitStatus};
 
 use anyhow::{Context, Result, bail, ensure};
-use serde_json::{Value, json};
+use vmtsync_launch::bench::{self, FuzzRecord, FuzzResult, FuzzSchema};
 
 use super::format::{si, sig3, thousands, verdict};
 use super::{Options, Section, machine, run_capture};
@@ -14,26 +14,6 @@ use crate::root;
 
 /// Where `--fuzz-long` records its results, relative to the workspace root.
 const FUZZ_RESULTS: &str = "target/fuzz-results.json";
-
-/// The `fuzz-result key=value …` lines `cargo xtask fuzz` prints, as JSON objects.
-pub(super) fn fuzz_lines(stdout: &str) -> Vec<Value> {
-    stdout
-        .lines()
-        .filter_map(|l| l.strip_prefix("fuzz-result "))
-        .map(|l| {
-            let mut o = serde_json::Map::new();
-            for (k, v) in l.split_whitespace().filter_map(|w| w.split_once('=')) {
-                let v = v
-                    .parse::<u64>()
-                    .map(Value::from)
-                    .or_else(|_| v.parse::<f64>().map(Value::from))
-                    .unwrap_or_else(|_| Value::from(v));
-                o.insert(k.to_owned(), v);
-            }
-            Value::Object(o)
-        })
-        .collect()
-}
 
 /// Runs `cargo xtask fuzz --long` and records its `fuzz-result` lines with the date in
 /// [`FUZZ_RESULTS`]; returns its exit status (a found crash fails it, after recording).
@@ -44,7 +24,7 @@ pub(super) fn record_long_run() -> Result<ExitStatus> {
     cmd.current_dir(root()).args(["fuzz", "--long"]);
     let date = machine::utc_now();
     let (stdout, status) = run_capture(&mut cmd)?;
-    let results = fuzz_lines(&stdout);
+    let results = FuzzResult::parse_all(&stdout).map_err(anyhow::Error::msg)?;
     ensure!(
         !results.is_empty(),
         "`cargo xtask fuzz --long` printed no `fuzz-result` lines ({status})"
@@ -56,15 +36,15 @@ pub(super) fn record_long_run() -> Result<ExitStatus> {
         .ok()
         .filter(|o| o.status.success())
         .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned());
-    let record = json!({
-        "schema": "vmtsync-fuzz-results/1",
-        "date": date,
-        "commit": commit,
-        "command": "cargo xtask fuzz --long",
-        "success": status.success(),
-        "results": results,
-    });
-    std::fs::write(&path, format!("{record}\n"))
+    let record = FuzzRecord {
+        schema: FuzzSchema,
+        date,
+        commit,
+        command: "cargo xtask fuzz --long".into(),
+        success: status.success(),
+        results,
+    };
+    std::fs::write(&path, format!("{}\n", bench::to_line(&record)))
         .with_context(|| format!("writing {}", path.display()))?;
     eprintln!("bench: recorded the fuzz results in {}", path.display());
     Ok(status)
@@ -108,11 +88,12 @@ pub(super) fn fuzz(opts: &Options) -> Result<Section> {
 
 /// The section for a recorded fuzz run (`ran_now`: by this benchmark run).
 fn recorded_section(text: &str, ran_now: bool) -> Result<Section> {
-    let j: Value = serde_json::from_str(text).context("not a fuzz results file")?;
-    let results = j["results"].as_array().context("no results")?;
-    let date = j["date"].as_str().unwrap_or("an unknown date");
-    let commit = j["commit"]
-        .as_str()
+    let j: FuzzRecord = serde_json::from_str(text).context("not a fuzz results file")?;
+    let results = &j.results;
+    let date = &j.date;
+    let commit = j
+        .commit
+        .as_ref()
         .map_or_else(String::new, |c| format!(", commit {c}"));
     let mut body = format!(
         "`cargo xtask fuzz --long` ({}), every cargo-fuzz target from its committed seeds:\n\n\
@@ -131,24 +112,21 @@ fn recorded_section(text: &str, ran_now: bool) -> Result<Section> {
     let mut min_runs = u64::MAX;
     let mut bad = 0;
     for r in results {
-        let n = |k: &str| r[k].as_u64().unwrap_or(0);
-        min_runs = min_runs.min(n("runs"));
-        bad += n("crashes") + n("timeouts") + n("ooms");
+        min_runs = min_runs.min(r.runs);
+        bad += r.crashes + r.timeouts + r.ooms;
         let _ = writeln!(
             body,
             "| {} | {} | {} | {} | {} | {} | {} |",
-            r["target"].as_str().unwrap_or("?"),
-            thousands(n("runs")),
-            n("crashes"),
-            n("timeouts"),
-            n("ooms"),
-            r["seconds"].as_f64().map_or_else(|| "?".into(), sig3),
-            r["exec_per_s"]
-                .as_f64()
-                .map_or_else(|| "?".into(), |x| si(x).trim_end().to_owned()),
+            r.target,
+            thousands(r.runs),
+            r.crashes,
+            r.timeouts,
+            r.ooms,
+            sig3(r.seconds),
+            si(r.exec_per_s).trim_end(),
         );
     }
-    let long = results.iter().all(|r| r["mode"].as_str() == Some("long"));
+    let long = results.iter().all(|r| r.mode == "long");
     Ok(Section {
         command: "cargo xtask fuzz --long".into(),
         body,
@@ -177,28 +155,23 @@ mod tests {
     use super::*;
 
     #[test]
-    fn result_lines_become_json() {
-        let v = fuzz_lines(
-            "noise\nfuzz-result target=core/fuzz:decode mode=long runs=10000000 crashes=0 \
-             timeouts=0 ooms=0 seconds=81.5 exec_per_s=122699 corpus=310\n",
-        );
-        assert_eq!(v.len(), 1);
-        assert_eq!(v[0]["target"], "core/fuzz:decode");
-        assert_eq!(v[0]["runs"], 10_000_000);
-        assert_eq!(v[0]["seconds"], 81.5);
-    }
-
-    #[test]
     fn a_recorded_run_is_shown_with_its_date_and_judged() {
-        let results = fuzz_lines(
+        let results = FuzzResult::parse_all(
             "fuzz-result target=a:x mode=long runs=10000000 crashes=0 timeouts=0 ooms=0 \
              seconds=180.3 exec_per_s=55471 corpus=2\n\
              fuzz-result target=a:y mode=long runs=9000000 crashes=0 timeouts=0 ooms=0 \
              seconds=10 exec_per_s=1 corpus=2\n",
-        );
-        let record = json!({"date": "2026-12-01 09:00 UTC", "commit": "abc1234",
-            "results": results});
-        let s = recorded_section(&record.to_string(), false).expect("renders");
+        )
+        .expect("parses");
+        let record = FuzzRecord {
+            schema: FuzzSchema,
+            date: "2026-12-01 09:00 UTC".into(),
+            commit: Some("abc1234".into()),
+            command: "cargo xtask fuzz --long".into(),
+            success: true,
+            results,
+        };
+        let s = recorded_section(&bench::to_line(&record), false).expect("renders");
         assert!(
             s.body.contains("2026-12-01 09:00 UTC, commit abc1234"),
             "{}",

@@ -1,11 +1,11 @@
 //! Sustained event ingest from the real agent over virtio-vsock: runs `vmtsync-ingest-bench`
-//! (schema `vmtsync-ingest-bench/1`) three ways in one run and renders the comparison.
+//! ([`IngestBench`], schema `vmtsync-ingest-bench/1`) three ways in one run and renders the comparison.
 
 use std::fmt::Write as _;
 use std::process::Command;
 
-use anyhow::{Context, Result, bail};
-use serde_json::Value;
+use anyhow::{Result, bail};
+use vmtsync_launch::bench::{self, IngestBench};
 
 use super::format::{rate, sig3, thousands, verdict};
 use super::{Plan, Section, rel, run_capture};
@@ -56,15 +56,12 @@ pub(super) fn ingest(plan: &Plan) -> Result<Section> {
             }
             restarts += 1;
         };
-        let line = stdout
-            .lines()
-            .rev()
-            .find(|l| l.starts_with("{\"schema\":\"vmtsync-ingest-bench/"))
-            .context("no JSON line from the ingest bench")?;
-        let j: Value = serde_json::from_str(line).context("parsing the ingest bench's line")?;
+        let Some(j) = bench::last_line::<IngestBench>(&stdout) else {
+            bail!("`{}` printed no ingest bench line", rel(&bin));
+        };
         lines.push((label, j));
     }
-    let mut section = ingest_section(&lines)?;
+    let mut section = ingest_section(&lines);
     if restarts > 0 {
         let _ = writeln!(
             section.body,
@@ -79,9 +76,7 @@ pub(super) fn ingest(plan: &Plan) -> Result<Section> {
     Ok(section)
 }
 
-pub(super) fn ingest_section(lines: &[(&str, Value)]) -> Result<Section> {
-    let f = |j: &Value, k: &str| j[k].as_f64().unwrap_or(0.0);
-    let u = |j: &Value, k: &str| j[k].as_u64().map_or_else(|| "—".into(), thousands);
+pub(super) fn ingest_section(lines: &[(&str, IngestBench)]) -> Section {
     let mut body = String::from(
         "The agent under QEMU microvm (virtio-mmio, vhost-device-vsock) runs its workload \
          (`workload=1000000,0`: a million events per second asked for, each with an 8-byte \
@@ -96,32 +91,30 @@ pub(super) fn ingest_section(lines: &[(&str, Value)]) -> Result<Section> {
          bytes/event | vsock packets | events per packet |\n|---|---:|---:|---:|---:|---:|---:|---:|\n",
     );
     for (label, j) in lines {
-        let events = f(j, "events");
-        let packets = f(j, "packets");
+        #[allow(clippy::cast_precision_loss)] // Displayed ratios of counts far below 2^52.
+        let per_packet = j.packets.filter(|&p| p > 0).map_or_else(
+            || "—".into(),
+            |p| format!("{:.1}", j.events as f64 / p as f64),
+        );
         let _ = writeln!(
             body,
             "| {label} | {} | {} | {} | {} | {:.2} | {} | {} |",
-            rate(f(j, "events_per_s")),
-            j["link_events_per_s"]
-                .as_f64()
-                .map_or_else(|| "—".into(), rate),
-            u(j, "events"),
-            u(j, "dropped"),
-            f(j, "bytes_per_event"),
-            u(j, "packets"),
-            if packets > 0.0 {
-                format!("{:.1}", events / packets)
-            } else {
-                "—".into()
-            },
+            rate(j.events_per_s),
+            j.link_events_per_s.map_or_else(|| "—".into(), rate),
+            thousands(j.events),
+            thousands(j.dropped),
+            j.bytes_per_event,
+            j.packets.map_or_else(|| "—".into(), thousands),
+            per_packet,
         );
     }
-    let by = |i: usize, k: &str| lines.get(i).map(|(_, j)| f(j, k));
+    let by = |i: usize| lines.get(i).map(|(_, j)| j);
+    let link = |i: usize| by(i).map(|j| j.link_events_per_s.unwrap_or(0.0));
     let (one, ceiling, coalesced, record) = (
-        by(0, "link_events_per_s"),
-        by(1, "link_events_per_s"),
-        by(2, "events_per_s"),
-        by(3, "events_per_s"),
+        link(0),
+        link(1),
+        by(2).map(|j| j.events_per_s),
+        by(3).map(|j| j.events_per_s),
     );
     let best = coalesced.unwrap_or(0.0).max(record.unwrap_or(0.0));
     if let (Some(one), Some(c)) = (one, ceiling) {
@@ -148,7 +141,7 @@ pub(super) fn ingest_section(lines: &[(&str, Value)]) -> Result<Section> {
             "not met"
         }
     );
-    Ok(Section {
+    Section {
         command: String::new(),
         body,
         summary: vec![[
@@ -164,23 +157,32 @@ pub(super) fn ingest_section(lines: &[(&str, Value)]) -> Result<Section> {
             ),
             verdict(best >= GOAL_EVENTS_PER_S),
         ]],
-    })
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn line(mode: &str, per_s: u64, link: Option<u64>) -> Value {
-        let link = link.map_or_else(String::new, |l| format!(r#","link_events_per_s":{l}"#));
-        serde_json::from_str(&format!(
-            r#"{{"schema":"vmtsync-ingest-bench/1","mode":"{mode}","drain_max":4096,
-            "rate":1000000,"seconds":3.0,"events":{},"events_per_s":{per_s},"dropped":7,
-            "sent":{},"bytes":1300,"bytes_per_event":13.0,"packets":100{link}}}"#,
-            per_s * 3,
-            per_s * 3
-        ))
-        .expect("json")
+    #[allow(clippy::cast_precision_loss)] // Small test rates.
+    fn line(mode: &str, per_s: u64, link: Option<u64>) -> IngestBench {
+        IngestBench {
+            schema: vmtsync_launch::bench::IngestSchema,
+            mode: mode.into(),
+            drain_max: 4096,
+            rate: 1_000_000,
+            seconds: 3.0,
+            events: per_s * 3,
+            events_per_s: per_s as f64,
+            dropped: 7,
+            sent: Some(per_s * 3),
+            bytes: 1300,
+            bytes_per_event: 13.0,
+            packets: Some(100),
+            drains: link.map(|_| 10),
+            link_events_per_s: link.map(|l| l as f64),
+            fill_ms: link.map(|_| 0),
+        }
     }
 
     #[test]
@@ -191,7 +193,7 @@ mod tests {
             (RUNS[2].0, line("drain-only", 300_000, Some(300_000))),
             (RUNS[3].0, line("record", 200_000, None)),
         ];
-        let s = ingest_section(&lines).expect("renders");
+        let s = ingest_section(&lines);
         assert!(
             s.body
                 .contains("| 300 k/s | 300 k/s | 900,000 | 7 | 13.00 | 100 | 9000.0 |"),

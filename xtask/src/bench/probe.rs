@@ -1,11 +1,11 @@
-//! The real-KVM probe benchmark's section: runs `vmtsync-probe-bench` and renders its JSON
-//! line (schema `vmtsync-probe-bench/1`).
+//! The real-KVM probe benchmark's section: runs `vmtsync-probe-bench` and renders its result
+//! line ([`ProbeBench`], schema `vmtsync-probe-bench/1`).
 
 use std::fmt::Write as _;
 use std::process::Command;
 
-use anyhow::{Context, Result, bail};
-use serde_json::Value;
+use anyhow::{Result, bail};
+use vmtsync_launch::bench::{self, ProbeBench, ProbeRow, WireSizes};
 
 use super::format::{thousands, verdict};
 use super::{Plan, Section, rel, run_capture, shown};
@@ -15,13 +15,10 @@ pub(super) fn probe(plan: &Plan) -> Result<Section> {
     let mut cmd = Command::new(&bin);
     cmd.args(["--sessions", &plan.sessions.to_string()]);
     let (stdout, status) = run_capture(&mut cmd)?;
-    let line = stdout
-        .lines()
-        .rev()
-        .find(|l| l.starts_with("{\"schema\":\"vmtsync-probe-bench/"))
-        .with_context(|| format!("`{}` printed no JSON line ({status})", shown(&cmd)))?;
-    let j: Value = serde_json::from_str(line).context("parsing the probe bench's JSON line")?;
-    let mut section = probe_section(&j)?;
+    let Some(j) = bench::last_line::<ProbeBench>(&stdout) else {
+        bail!("`{}` printed no probe bench line ({status})", shown(&cmd));
+    };
+    let mut section = probe_section(&j);
     section.command = format!("{} --sessions {}", rel(&bin), plan.sessions);
     section.body = format!(
         "Built by `cargo build {} --bin vmtsync-probe-bench`; `cargo xtask bench-probe \
@@ -40,77 +37,68 @@ pub(super) fn probe(plan: &Plan) -> Result<Section> {
     Ok(section)
 }
 
-pub(super) fn probe_section(j: &Value) -> Result<Section> {
-    let u = |v: &Value| v.as_u64();
-    let ticks = |v: &Value| u(v).map_or_else(|| "—".into(), thousands);
-    let khz = u(&j["tsc_khz"]).unwrap_or(0).max(1);
+pub(super) fn probe_section(j: &ProbeBench) -> Section {
+    let ticks = |v: Option<u64>| v.map_or_else(|| "—".into(), thousands);
+    let khz = j.tsc_khz.max(1);
     let ns =
         |t: u64| u64::try_from(u128::from(t) * 1_000_000 / u128::from(khz)).unwrap_or(u64::MAX);
-    let ticks_ns = |v: &Value| {
-        u(v).map_or_else(
+    let ticks_ns = |v: Option<u64>| {
+        v.map_or_else(
             || "—".into(),
             |t| format!("{} ({} ns)", thousands(t), thousands(ns(t))),
         )
     };
-    let sessions = u(&j["sessions"]).context("no sessions in the JSON line")?;
-    let probes = u(&j["probes"]).unwrap_or(0);
-    let rows = j["rows"].as_array().context("no rows in the JSON line")?;
+    let (sessions, probes, rows) = (j.sessions, j.probes, &j.rows);
     let mut body = format!(
         "{sessions} sessions per path (each a hello and {probes} compact probes; **a session \
          is one independent sample**, the {probes} probes in it are one estimate), TSC {} kHz \
-         ({}), run time {} s. Truth: each VM's KVM debugfs mapping composed with the agent's \
+         ({}), run time {:.1} s. Truth: each VM's KVM debugfs mapping composed with the agent's \
          software skew where the row says `skew`. Both estimators see the same samples. Errors \
          in host TSC ticks (ns); medians and maxima are over the {sessions} sessions.\n\n\
          | path / bracket | ours median \\|err\\| | trace-cmd fastest-RTT median \\|err\\| | \
          ratio | ours max \\|err\\| | truth inside: our interval; drift bounds | bracket min / median |\n\
          |---|---:|---:|---:|---:|---:|---:|\n",
         thousands(khz),
-        j["tsc_khz_source"].as_str().unwrap_or("?"),
-        j["run_time_s"]
-            .as_f64()
-            .map_or_else(|| "?".into(), |s| format!("{s:.1}")),
+        j.tsc_khz_source,
+        j.run_time_s,
     );
     let mut inside = 0;
     let mut drift_inside = 0;
     let mut total = 0;
     let mut goal = Vec::new();
     for r in rows {
-        let name = r["name"].as_str().unwrap_or("?");
+        let name = r.name.as_str();
         let drifting = name.starts_with("skew");
         // Both guarantees must hold in every session, on identity and skew rows alike: our
         // interval (what `vmtsync probe` reports, valid for any constant rate within its
         // limits) and the drift estimator's bounds.
-        let contains = u(&r["contains"]).unwrap_or(0);
-        let drift_contains = u(&r["drift_contains"]).unwrap_or(0);
-        let n = u(&r["sessions"]).unwrap_or(sessions);
+        let (contains, drift_contains, n) = (r.contains, r.drift_contains, r.sessions);
         inside += contains;
         drift_inside += drift_contains;
         total += n;
         let (ours, ratio_v) = if drifting {
-            (&r["drift_median_err"], &r["drift_ratio"])
+            (r.drift_median_err, r.drift_ratio)
         } else {
-            (&r["ours_median_err"], &r["ratio"])
+            (r.ours_median_err, r.ratio)
         };
         let _ = writeln!(
             body,
             "| {name}{} | {} | {} | {} | {} | {contains}/{n}; {drift_contains}/{n} | {} / {} |",
             if drifting { " (drift estimator)" } else { "" },
             ticks_ns(ours),
-            ticks_ns(&r["tc_median_err"]),
-            ratio_v
-                .as_f64()
-                .map_or_else(|| "—".into(), |x| format!("{x:.3}")),
-            // The JSON line has the maximum of the constant-offset estimator only, which is
+            ticks_ns(Some(r.tc_median_err)),
+            ratio_v.map_or_else(|| "—".into(), |x| format!("{x:.3}")),
+            // The result line has the maximum of the constant-offset estimator only, which is
             // the wrong model under a skew.
             if drifting {
                 "—".into()
             } else {
-                ticks(&r["ours_max_err"])
+                ticks(r.ours_max_err)
             },
-            ticks(&r["rtt_min"]),
-            ticks(&r["rtt_median"]),
+            ticks(Some(r.rtt_min)),
+            ticks(Some(r.rtt_median)),
         );
-        goal.push((name.to_owned(), r["goal_met"].as_bool().unwrap_or(false)));
+        goal.push((name.to_owned(), r.goal_met));
     }
     let met: Vec<&str> = goal
         .iter()
@@ -134,81 +122,72 @@ pub(super) fn probe_section(j: &Value) -> Result<Section> {
             format!(" ({})", met.join(", "))
         },
     );
-    if let Some(sl) = j["system_level"].as_object() {
+    if let Some(sl) = &j.system_level {
         let _ = writeln!(
             body,
             "- **System level:** our exit-stamped bracket + estimator gets {} ticks of median \
              error where trace-cmd's estimator on an external tool's path (QEMU stdio) gets {}: \
-             a ratio of {}. That gain comes from where the host stamps, not from the estimator.",
-            ticks(&sl["ours"]),
-            ticks(&sl["trace_cmd"]),
-            sl["ratio"]
-                .as_f64()
-                .map_or_else(|| "?".into(), |x| format!("{x:.4}")),
+             a ratio of {:.4}. That gain comes from where the host stamps, not from the estimator.",
+            ticks(Some(sl.ours)),
+            ticks(Some(sl.trace_cmd)),
+            sl.ratio,
         );
     }
     let mut anchor_summary = None;
     // Every exit-anchored row's median |error| in ns (the sync-port and kvm_pio brackets).
     let mut anchored_err: Vec<(String, u64)> = Vec::new();
-    if let Some(a) = j["anchoring"].as_object() {
-        let base = a["baseline"].as_str().unwrap_or("?");
+    if let Some(a) = &j.anchoring {
+        let base = &a.baseline;
         let _ = writeln!(
             body,
             "\nThe QEMU UART path, bracketed three ways on the same probes: in this process              (`{base}`, what `vmtsync probe --anchor none` does), and by the host kernel's              `kvm:kvm_pio` stamps of the vCPU's own COM1 exits (`…/kvm-pio`, `vmtsync probe              --anchor kvm-pio`; docs/anchor.md). In two more VMs booted with `syncport=0x2400`, the              same UART probes bracketed by the agent's sync-port exits around its TSC read, its              loop in ring 3 (`…/sync-port`) and in ring 0 (`…/sync-port-ring0`; docs/anchor.md,              \"The boot vCPU's sync-port bracket\"); over vsock (q35) the sync-port bracket the same two             ways (`vsock/sync-port`, `vsock/sync-port-ring0`). Ratios are to `{base}`.\n\n\
              | path / bracket | median width | ours median \\|err\\| | width ratio | error ratio | probes to 2× the session's width |\n\
              |---|---:|---:|---:|---:|---:|"
         );
-        let f = |v: &Value| v.as_f64().map_or_else(|| "—".into(), |x| format!("{x:.4}"));
-        for r in a["rows"].as_array().into_iter().flatten() {
-            let name = r["name"].as_str().unwrap_or("?");
-            let p2 = &a["probes_to_2x"][name];
+        let f = |v: Option<f64>| v.map_or_else(|| "—".into(), |x| format!("{x:.4}"));
+        for r in &a.rows {
+            let name = r.name.as_str();
+            let p2 = a.probes_to_2x.get(name).copied().flatten();
             let _ = writeln!(
                 body,
                 "| {name} | {} | {} | {} | {} | {} |",
-                ticks_ns(&r["width_median"]),
-                ticks_ns(&r["ours_median_err"]),
-                f(&r["width_ratio"]),
-                f(&r["err_ratio"]),
-                u(p2).map_or_else(|| "—".into(), |k| k.to_string()),
+                ticks_ns(r.width_median),
+                ticks_ns(r.ours_median_err),
+                f(r.width_ratio),
+                f(r.err_ratio),
+                p2.map_or_else(|| "—".into(), |k| k.to_string()),
             );
             let exit_anchored = name.ends_with("/kvm-pio")
                 || name.ends_with("/sync-port")
                 || name.ends_with("/sync-port-ring0");
-            if let Some(e) = u(&r["ours_median_err"]).map(ns).filter(|_| exit_anchored) {
+            if let Some(e) = r.ours_median_err.map(ns).filter(|_| exit_anchored) {
                 anchored_err.push((name.to_owned(), e));
             }
             if name.ends_with("/kvm-pio") {
-                anchor_summary = Some((
-                    r["width_ratio"].as_f64(),
-                    u(&r["ours_median_err"]).map(ns),
-                    u(p2),
-                ));
+                anchor_summary = Some((r.width_ratio, r.ours_median_err.map(ns), p2));
             }
         }
         let _ = writeln!(body);
     }
-    let wire = |w: &Value| -> Option<String> {
-        let pair = |v: &Value| -> Option<String> {
-            let (a, b) = (u(&v[0])?, u(&v[1])?);
-            Some(if a == b {
+    let wire = |w: &WireSizes| {
+        let pair = |[a, b]: [u64; 2]| {
+            if a == b {
                 format!("{a}")
             } else {
                 format!("{a}–{b}")
-            })
+            }
         };
-        Some(format!(
-            "{} B request + {} B reply",
-            pair(&w["request"])?,
-            pair(&w["reply"])?
-        ))
+        format!("{} B request + {} B reply", pair(w.request), pair(w.reply))
     };
-    if let Some(w) = wire(&j["wire"]["builtin"]) {
-        let _ = writeln!(
-            body,
-            "- **Bytes on the wire per probe, counted on the wire:** {w} (built-in VMM){}.",
-            wire(&j["wire"]["qemu"]).map_or_else(String::new, |q| format!("; {q} (QEMU)"))
-        );
-    }
+    let _ = writeln!(
+        body,
+        "- **Bytes on the wire per probe, counted on the wire:** {} (built-in VMM){}.",
+        wire(&j.wire.builtin),
+        j.wire
+            .qemu
+            .as_ref()
+            .map_or_else(String::new, |q| format!("; {} (QEMU)", wire(q)))
+    );
     let vsock = vsock_rows(rows, &ticks_ns);
     if let Some((text, _)) = &vsock {
         body.push_str(text);
@@ -270,11 +249,11 @@ pub(super) fn probe_section(j: &Value) -> Result<Section> {
     if let Some((_, row)) = vsock {
         summary.push(row);
     }
-    Ok(Section {
+    Section {
         command: String::new(),
         body,
         summary,
-    })
+    }
 }
 
 /// Issue 9 §4's goal for the vsock path: our median |error| at most half of trace-cmd
@@ -285,20 +264,22 @@ const VSOCK_GOAL: f64 = 0.5;
 /// trace-cmd's histogram at its own 339 probes, the one-way delays the truth reveals, and the
 /// summary row. `None` when the run had no vsock path.
 fn vsock_rows(
-    rows: &[Value],
-    ticks_ns: &dyn Fn(&Value) -> String,
+    rows: &[ProbeRow],
+    ticks_ns: &dyn Fn(Option<u64>) -> String,
 ) -> Option<(String, [String; 4])> {
-    let v: Vec<&Value> = rows
+    let v: Vec<&ProbeRow> = rows
         .iter()
-        .filter(|r| r["name"].as_str().is_some_and(|n| n.starts_with("vsock/")))
+        .filter(|r| r.name.starts_with("vsock/"))
         .collect();
     if v.is_empty() {
         return None;
     }
-    let ratio = |x: &Value| x.as_f64().map_or_else(|| "—".into(), |x| format!("{x:.3}"));
-    let pair = |x: &Value| match (x[0].as_i64(), x[1].as_i64()) {
-        (Some(a), Some(b)) => format!("{} / {}", thousands(a), thousands(b)),
-        _ => "—".into(),
+    let ratio = |x: Option<f64>| x.map_or_else(|| "—".into(), |x| format!("{x:.3}"));
+    let pair = |x: Option<[i64; 2]>| {
+        x.map_or_else(
+            || "—".into(),
+            |[a, b]| format!("{} / {}", thousands(a), thousands(b)),
+        )
     };
     let mut s = String::from(
         "\n**Where delays vary: virtio-vsock** (QEMU microvm, vhost-device-vsock, the agent's \
@@ -314,19 +295,17 @@ fn vsock_rows(
         let _ = writeln!(
             s,
             "| {} | {} | {} | {} | {} | {} | {}; {} |",
-            r["name"].as_str().unwrap_or("?"),
-            ticks_ns(&r["ours_median_err"]),
-            ticks_ns(&r["central_median_err"]),
-            ticks_ns(&r["rate1_median_err"]),
-            ticks_ns(&r["tc_median_err"]),
-            ticks_ns(&r["hist_median_err"]),
-            ratio(&r["ratio"]),
-            ratio(&r["central_ratio"]),
+            r.name,
+            ticks_ns(r.ours_median_err),
+            ticks_ns(r.central_median_err),
+            ticks_ns(r.rate1_median_err),
+            ticks_ns(Some(r.tc_median_err)),
+            ticks_ns(Some(r.hist_median_err)),
+            ratio(r.ratio),
+            ratio(r.central_ratio),
         );
-        for x in [&r["ratio"], &r["central_ratio"]] {
-            if let Some(x) = x.as_f64() {
-                best = Some(best.map_or(x, |b: f64| b.min(x)));
-            }
+        for x in [r.ratio, r.central_ratio].into_iter().flatten() {
+            best = Some(best.map_or(x, |b: f64| b.min(x)));
         }
     }
     let _ = writeln!(
@@ -342,11 +321,10 @@ fn vsock_rows(
         let _ = writeln!(
             s,
             "| {} | {} | {} | {} |",
-            r["name"].as_str().unwrap_or("?"),
-            pair(&r["min_delay_median"]),
-            pair(&r["delay_median"]),
-            r["fastest_asymmetry_median"]
-                .as_i64()
+            r.name,
+            pair(r.min_delay_median),
+            pair(r.delay_median),
+            r.fastest_asymmetry_median
                 .map_or_else(|| "—".into(), thousands),
         );
     }

@@ -1,12 +1,12 @@
 //! `vmtsync record`'s events against its rounds, per boot configuration of the agent: runs
-//! `vmtsync-probe-bench --record` (schema `vmtsync-probe-bench-record/1`) and renders one table
+//! `vmtsync-probe-bench --record` ([`bench::RecordBench`], schema `vmtsync-probe-bench-record/1`) and renders one table
 //! from that one run.
 
 use std::fmt::Write as _;
 use std::process::Command;
 
 use anyhow::{Context, Result, bail};
-use serde_json::Value;
+use vmtsync_launch::bench::{self, RecordBench};
 
 use super::format::{ratio, thousands, verdict};
 use super::{Plan, Section, rel, run_capture};
@@ -16,7 +16,8 @@ use super::{Plan, Section, rel, run_capture};
 const MEDIAN_BAR_X100: u64 = 125;
 const WIDEST_BAR_X100: u64 = 300;
 
-/// One configuration's figures, in host TSC ticks.
+/// One configuration's figures, in host TSC ticks: the result line's row with every median
+/// present (a configuration without rounds or events is a failed run, not a row).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) struct RecordRow {
     name: String,
@@ -32,30 +33,20 @@ pub(super) struct RecordRow {
 }
 
 impl RecordRow {
-    fn from_json(v: &Value) -> Result<Self> {
-        let u = |k: &str| {
-            v[k].as_u64()
-                .with_context(|| format!("row without `{k}`: {v}"))
-        };
+    fn from_bench(r: &bench::RecordRow) -> Result<Self> {
+        let some =
+            |v: Option<u64>, k: &str| v.with_context(|| format!("row `{}` without a {k}", r.name));
         Ok(Self {
-            name: v["name"].as_str().context("row without a name")?.to_owned(),
-            anchors: v["anchors"]
-                .as_array()
-                .map(|a| {
-                    a.iter()
-                        .filter_map(Value::as_str)
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                })
-                .unwrap_or_default(),
-            rounds: u("rounds")?,
-            events: u("events")?,
-            inside: u("inside")?,
-            round_median: u("round_width_median")?,
-            round_max: u("round_width_max")?,
-            event_median: u("event_width_median")?,
-            event_max: u("event_width_max")?,
-            err_median: u("err_median")?,
+            name: r.name.clone(),
+            anchors: r.anchors.join(", "),
+            rounds: r.rounds,
+            events: r.events,
+            inside: r.inside,
+            round_median: some(r.round_width_median, "median round")?,
+            round_max: r.round_width_max,
+            event_median: some(r.event_width_median, "median event")?,
+            event_max: r.event_width_max,
+            err_median: some(r.err_median, "median error")?,
         })
     }
 
@@ -71,17 +62,13 @@ pub(super) fn record(plan: &Plan) -> Result<Section> {
     let mut cmd = Command::new(&bin);
     cmd.arg("--record");
     let (stdout, status) = run_capture(&mut cmd)?;
-    let line = stdout
-        .lines()
-        .rev()
-        .find(|l| l.starts_with("{\"schema\":\"vmtsync-probe-bench-record/"))
-        .with_context(|| format!("`{}` printed no JSON line ({status})", rel(&bin)))?;
-    let j: Value = serde_json::from_str(line).context("parsing the record bench's line")?;
-    let rows = j["rows"]
-        .as_array()
-        .context("no rows")?
+    let Some(j) = bench::last_line::<RecordBench>(&stdout) else {
+        bail!("`{}` printed no record bench line ({status})", rel(&bin));
+    };
+    let rows = j
+        .rows
         .iter()
-        .map(RecordRow::from_json)
+        .map(RecordRow::from_bench)
         .collect::<Result<Vec<_>>>()?;
     let mut section = record_section(&rows);
     section.command = format!("{} --record", rel(&bin));
@@ -168,12 +155,19 @@ fn x100(v: u64) -> String {
 mod tests {
     use super::*;
 
-    fn row(name: &str, round: (u64, u64), event: (u64, u64), inside: u64) -> Value {
-        serde_json::json!({
-            "name": name, "anchors": ["kvm-pio-sync-port"], "rounds": 10, "events": 2000,
-            "inside": inside, "round_width_median": round.0, "round_width_max": round.1,
-            "event_width_median": event.0, "event_width_max": event.1, "err_median": 170,
-        })
+    fn row(name: &str, round: (u64, u64), event: (u64, u64), inside: u64) -> bench::RecordRow {
+        bench::RecordRow {
+            name: name.into(),
+            anchors: vec!["kvm-pio-sync-port".into()],
+            rounds: 10,
+            events: 2000,
+            inside,
+            round_width_median: Some(round.0),
+            round_width_max: round.1,
+            event_width_median: Some(event.0),
+            event_width_max: event.1,
+            err_median: Some(170),
+        }
     }
 
     #[test]
@@ -183,7 +177,7 @@ mod tests {
             row("new", (12_000, 14_000), (13_000, 30_000), 2000),
         ]
         .iter()
-        .map(|v| RecordRow::from_json(v).expect("parses"))
+        .map(|v| RecordRow::from_bench(v).expect("complete"))
         .collect();
         let s = record_section(&rows);
         assert!(
@@ -196,10 +190,14 @@ mod tests {
         );
         assert!(s.body.contains("| 3.87× | 7.53× |"), "{}", s.body);
         assert_eq!(s.summary[0][3], "met");
-        let bad = RecordRow::from_json(&row("new", (10, 10), (10, 31), 2000)).unwrap();
+        let bad = RecordRow::from_bench(&row("new", (10, 10), (10, 31), 2000)).unwrap();
         assert_eq!(record_section(&[bad]).summary[0][3], "**not met**");
-        let outside = RecordRow::from_json(&row("new", (10, 10), (10, 10), 1999)).unwrap();
+        let outside = RecordRow::from_bench(&row("new", (10, 10), (10, 10), 1999)).unwrap();
         assert_eq!(record_section(&[outside]).summary[0][3], "**not met**");
-        assert!(RecordRow::from_json(&serde_json::json!({"name": "x"})).is_err());
+        let empty = bench::RecordRow {
+            event_width_median: None,
+            ..row("x", (1, 1), (1, 1), 0)
+        };
+        assert!(RecordRow::from_bench(&empty).is_err());
     }
 }

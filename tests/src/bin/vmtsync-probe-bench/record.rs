@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use serde_json::Value;
 use vmtsync_core::GuestTicks;
+use vmtsync_launch::bench::{self, RecordBench, RecordSchema};
 use vmtsync_tests::truth::{GuestTruth, Skew};
 use vmtsync_tests::vmm::agent_elf;
 use vmtsync_tests::vmm::qemu::have_qemu;
@@ -108,31 +109,38 @@ pub fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let mut json = Vec::new();
+    let mut out = Vec::new();
     let mut unsound = false;
     for r in &rows {
         let max = |v: &[u64]| v.iter().copied().max().unwrap_or(0);
         let (rw, ew) = (&r.round_widths, &r.event_widths);
-        let row = serde_json::json!({
-            "name": r.name,
-            "anchors": r.anchors,
-            "rounds": rw.len(),
-            "events": ew.len(),
-            "inside": r.inside,
-            "round_width_median": crate::stats::median(rw),
-            "round_width_max": max(rw),
-            "event_width_median": crate::stats::median(ew),
-            "event_width_max": max(ew),
-            "err_median": crate::stats::median(&r.errors),
-        });
-        println!("{row}");
-        unsound |= r.inside != ew.len() as u64;
-        json.push(row);
+        let row = bench::RecordRow {
+            name: r.name.clone(),
+            anchors: r.anchors.clone(),
+            rounds: rw.len() as u64,
+            events: ew.len() as u64,
+            inside: r.inside,
+            round_width_median: crate::stats::median(rw),
+            round_width_max: max(rw),
+            event_width_median: crate::stats::median(ew),
+            event_width_max: max(ew),
+            err_median: crate::stats::median(&r.errors),
+        };
+        // Each row on its own line as it is measured, for a human watching; the reader takes
+        // the result line after them.
+        println!(
+            "{}",
+            serde_json::to_string(&row).expect("a record row serializes")
+        );
+        unsound |= r.inside != row.events;
+        out.push(row);
     }
-    // The schema first (serde_json sorts an object's keys), as the bench's reader looks for it.
     println!(
-        "{{\"schema\":\"vmtsync-probe-bench-record/1\",\"rows\":{}}}",
-        serde_json::Value::Array(json)
+        "{}",
+        bench::to_line(&RecordBench {
+            schema: RecordSchema,
+            rows: out
+        })
     );
     if unsound {
         eprintln!("vmtsync-probe-bench: an event's guaranteed interval missed its truth");

@@ -1,52 +1,15 @@
 //! The printed table and the JSON line.
 //!
-//! JSON schema `vmtsync-probe-bench/1`, one object on one line:
-//!
-//! ```text
-//! { "schema": "vmtsync-probe-bench/1", "tsc_khz": u64, "tsc_khz_source": "agent"|"cpuinfo",
-//!   "sessions": K, "probes": N, "run_time_s": f64,
-//!   "skew": null | {"offset": i64, "ratio": u64, "frac": u32},
-//!   "wire": {"builtin": {"request": [min, max], "reply": [min, max]}, "qemu": same | null,
-//!            "vsock": same | null,
-//!            "trace_cmd_ptp_per_probe": 72},
-//!   "system_level": null | {"ours": ticks (builtin/exit-tight, our estimator),
-//!                           "trace_cmd": ticks (QEMU stdio, trace-cmd's), "ratio": f64},
-//!   "anchoring": null | {"baseline": "qemu-…/stdio" (in-process, today's QEMU path),
-//!                        "rows": [{"name": str, "width_median": ticks|null,
-//!                                  "ours_median_err": ticks|null, "width_ratio": f64|null,
-//!                                  "err_ratio": f64|null (both over the baseline's)}],
-//!                        "probes_to_2x": {row name: median probes|null}},
-//!   "rows": [{ "name": str, "sessions": K, "probes": N,
-//!              "ours_median_err": ticks|null, "ours_max_err": ticks|null,
-//!              "tc_median_err": ticks, "tc_max_err": ticks, "ratio": f64|null,
-//!              "drift_ratio": f64|null (drift estimator's median |error| over trace-cmd's),
-//!              "goal_met": bool (ratio, or drift_ratio when the truth drifts, <= 0.25),
-//!              "ours_not_worse": count,
-//!              "width_median": ticks|null, "width_max": ticks|null,
-//!              "contains": count, "segment_breaks": count,
-//!              "drift_median_err": ticks|null, "drift_width_median": ticks|null,
-//!              "drift_contains": count, "rtt_min": ticks, "rtt_median": ticks,
-//!              "ours_median_err_ns": …, "tc_median_err_ns": …, "rtt_min_ns": …,
-//!              "rtt_median_ns": …, "ours_bias_median": signed ticks|null,
-//!              "ours_bias_range": [min, max]|null, "tc_bias_median": signed ticks,
-//!              "tc_bias_range": [min, max], "drift_ppb_width_median": ppb|null,
-//!              "hist_median_err": ticks (trace-cmd's histogram estimator),
-//!              "hist_bias_median": signed ticks, "hist_ratio": f64|null (ours over it),
-//!              "central_median_err": ticks|null (our point estimate inside the guaranteed
-//!                                    bounds, `DriftEstimator::central_offset_at_within`),
-//!              "central_ratio": f64|null (that over trace-cmd fastest-RTT's),
-//!              "rate1_median_err": ticks|null (the constant-offset interval's centre),
-//!              "min_delay_median": [forward, backward]|null (each session's smallest one-way
-//!                                   delays from the truth, medians over sessions),
-//!              "delay_median": [forward, backward]|null (over all probes),
-//!              "fastest_asymmetry_median": signed ticks|null ((fwd - back) / 2 of the
-//!                                          fastest probe) }] }
-//! ```
-//!
-//! Errors and widths are in host TSC ticks; `_ns` fields convert with `tsc_khz`, rounded down.
+//! The JSON line is a [`vmtsync_launch::bench::ProbeBench`] (schema `vmtsync-probe-bench/1`),
+//! the type `cargo xtask bench` reads it back with. Errors and widths are in host TSC ticks;
+//! `_ns` fields convert with `tsc_khz`, rounded down.
 
 use std::fmt::Write as _;
 use std::time::Duration;
+
+use vmtsync_launch::bench::{
+    self, AnchoringRow, ProbeBench, ProbeRow, ProbeSchema, Skew, SystemLevel, Wire, WireSizes,
+};
 
 use crate::stats::{Anchoring, Row, Truth};
 
@@ -375,144 +338,110 @@ impl Report {
         s
     }
 
-    /// The JSON line (schema in the module docs).
+    /// The result line, typed ([`vmtsync_launch::bench::ProbeBench`]).
     #[must_use]
-    pub fn json(&self) -> String {
-        let opt = |v: Option<u64>| v.map_or_else(|| "null".into(), |x| x.to_string());
-        let pair = |(a, b): (usize, usize)| format!("[{a},{b}]");
-        let spair =
-            |p: Option<(i64, i64)>| p.map_or_else(|| "null".into(), |(a, b)| format!("[{a},{b}]"));
-        let wire = |w: ((usize, usize), (usize, usize))| {
-            format!("{{\"request\":{},\"reply\":{}}}", pair(w.0), pair(w.1))
+    pub fn bench(&self) -> ProbeBench {
+        let n = |x: usize| x as u64;
+        let sizes = |w: ((usize, usize), (usize, usize))| WireSizes {
+            request: [n(w.0.0), n(w.0.1)],
+            reply: [n(w.1.0), n(w.1.1)],
         };
-        let rows: Vec<String> = self
+        let pair = |(a, b): (i64, i64)| [a, b];
+        let rows = self
             .rows
             .iter()
-            .map(|r| {
-                format!(
-                    "{{\"name\":\"{}\",\"sessions\":{},\"probes\":{},\"ours_median_err\":{},\
-                     \"ours_max_err\":{},\"tc_median_err\":{},\"tc_max_err\":{},\"ratio\":{},\
-                     \"drift_ratio\":{},\"goal_met\":{},\"ours_not_worse\":{},\"width_median\":{},\"width_max\":{},\
-                     \"contains\":{},\"segment_breaks\":{},\"drift_median_err\":{},\
-                     \"drift_width_median\":{},\"drift_contains\":{},\"rtt_min\":{},\
-                     \"rtt_median\":{},\"ours_median_err_ns\":{},\"tc_median_err_ns\":{},\
-                     \"rtt_min_ns\":{},\"rtt_median_ns\":{},\"ours_bias_median\":{},\
-                     \"ours_bias_range\":{},\"tc_bias_median\":{},\"tc_bias_range\":[{},{}],\
-                     \"drift_ppb_width_median\":{},\"hist_median_err\":{},\
-                     \"hist_bias_median\":{},\"hist_ratio\":{},\"central_median_err\":{},\
-                     \"central_ratio\":{},\"rate1_median_err\":{},\
-                     \"min_delay_median\":{},\"delay_median\":{},\
-                     \"fastest_asymmetry_median\":{}}}",
-                    r.name,
-                    r.sessions,
-                    r.probes,
-                    opt(r.ours_median_err),
-                    opt(r.ours_max_err),
-                    r.tc_median_err,
-                    r.tc_max_err,
-                    r.ratio.map_or_else(|| "null".into(), |x| format!("{x:.4}")),
-                    r.drift_ratio
-                        .map_or_else(|| "null".into(), |x| format!("{x:.4}")),
-                    r.headline_ratio().is_some_and(|x| x <= GOAL_RATIO),
-                    r.ours_not_worse,
-                    opt(r.width_median),
-                    opt(r.width_max),
-                    r.contains,
-                    r.segment_breaks,
-                    opt(r.drift_median_err),
-                    opt(r.drift_width_median),
-                    r.drift_contains,
-                    r.rtt_min,
-                    r.rtt_median,
-                    opt(r.ours_median_err.map(|t| self.ns(t))),
-                    self.ns(r.tc_median_err),
-                    self.ns(r.rtt_min),
-                    self.ns(r.rtt_median),
-                    r.ours_bias_median
-                        .map_or_else(|| "null".into(), |b| b.to_string()),
-                    r.ours_bias_range
-                        .map_or_else(|| "null".into(), |(a, b)| format!("[{a},{b}]")),
-                    r.tc_bias_median,
-                    r.tc_bias_range.0,
-                    r.tc_bias_range.1,
-                    opt(r.drift_ppb_width_median),
-                    r.hist_median_err,
-                    r.hist_bias_median,
-                    r.hist_ratio()
-                        .map_or_else(|| "null".into(), |x| format!("{x:.4}")),
-                    opt(r.central_median_err),
-                    r.central_ratio
-                        .map_or_else(|| "null".into(), |x| format!("{x:.4}")),
-                    opt(r.rate1_median_err),
-                    spair(r.min_delay_median),
-                    spair(r.delay_median),
-                    r.fastest_asymmetry_median
-                        .map_or_else(|| "null".into(), |x| x.to_string()),
-                )
+            .map(|r| ProbeRow {
+                name: r.name.clone(),
+                sessions: n(r.sessions),
+                probes: n(r.probes),
+                ours_median_err: r.ours_median_err,
+                ours_max_err: r.ours_max_err,
+                tc_median_err: r.tc_median_err,
+                tc_max_err: r.tc_max_err,
+                ratio: r.ratio,
+                drift_ratio: r.drift_ratio,
+                goal_met: r.headline_ratio().is_some_and(|x| x <= GOAL_RATIO),
+                ours_not_worse: n(r.ours_not_worse),
+                width_median: r.width_median,
+                width_max: r.width_max,
+                contains: n(r.contains),
+                segment_breaks: n(r.segment_breaks),
+                drift_median_err: r.drift_median_err,
+                drift_width_median: r.drift_width_median,
+                drift_contains: n(r.drift_contains),
+                rtt_min: r.rtt_min,
+                rtt_median: r.rtt_median,
+                ours_median_err_ns: r.ours_median_err.map(|t| self.ns(t)),
+                tc_median_err_ns: self.ns(r.tc_median_err),
+                rtt_min_ns: self.ns(r.rtt_min),
+                rtt_median_ns: self.ns(r.rtt_median),
+                ours_bias_median: r.ours_bias_median,
+                ours_bias_range: r.ours_bias_range.map(pair),
+                tc_bias_median: r.tc_bias_median,
+                tc_bias_range: pair(r.tc_bias_range),
+                drift_ppb_width_median: r.drift_ppb_width_median,
+                hist_median_err: r.hist_median_err,
+                hist_bias_median: r.hist_bias_median,
+                hist_ratio: r.hist_ratio(),
+                central_median_err: r.central_median_err,
+                central_ratio: r.central_ratio,
+                rate1_median_err: r.rate1_median_err,
+                min_delay_median: r.min_delay_median.map(pair),
+                delay_median: r.delay_median.map(pair),
+                fastest_asymmetry_median: r.fastest_asymmetry_median,
             })
             .collect();
-        let skew = self.skew.map_or_else(
-            || "null".into(),
-            |k| {
-                format!(
-                    "{{\"offset\":{},\"ratio\":{},\"frac\":{}}}",
-                    k.offset.cast_signed(),
-                    k.ratio,
-                    k.frac
+        let anchoring = self.anchoring.as_ref().map(|a| bench::Anchoring {
+            baseline: a.baseline.clone(),
+            rows: self
+                .anchoring_rows()
+                .into_iter()
+                .map(
+                    |(name, width_median, ours_median_err, width_ratio, err_ratio)| AnchoringRow {
+                        name,
+                        width_median,
+                        ours_median_err,
+                        width_ratio,
+                        err_ratio,
+                    },
                 )
+                .collect(),
+            probes_to_2x: a.probes_to_2x.iter().cloned().collect(),
+        });
+        ProbeBench {
+            schema: ProbeSchema,
+            tsc_khz: self.tsc_khz,
+            tsc_khz_source: self.tsc_khz_source.to_owned(),
+            sessions: n(self.sessions),
+            probes: n(self.probes),
+            run_time_s: self.run_time.as_secs_f64(),
+            skew: self.skew.map(|k| Skew {
+                offset: k.offset.cast_signed(),
+                ratio: k.ratio,
+                frac: k.frac,
+            }),
+            wire: Wire {
+                builtin: sizes(self.builtin_wire),
+                qemu: self.qemu_wire.map(sizes),
+                vsock: self.vsock_wire.map(sizes),
+                trace_cmd_ptp_per_probe: n(TRACE_CMD_PTP_PROBE_BYTES),
             },
-        );
-        let f = |x: Option<f64>| x.map_or_else(|| "null".into(), |x| format!("{x:.4}"));
-        let anchoring = self.anchoring.as_ref().map_or_else(
-            || "null".into(),
-            |a| {
-                let rows: Vec<String> = self
-                    .anchoring_rows()
-                    .iter()
-                    .map(|(n, w, e, wr, er)| {
-                        format!(
-                            "{{\"name\":\"{n}\",\"width_median\":{},\"ours_median_err\":{},\
-                             \"width_ratio\":{},\"err_ratio\":{}}}",
-                            opt(*w),
-                            opt(*e),
-                            f(*wr),
-                            f(*er)
-                        )
-                    })
-                    .collect();
-                let p2: Vec<String> = a
-                    .probes_to_2x
-                    .iter()
-                    .map(|(n, k)| format!("\"{n}\":{}", opt(*k)))
-                    .collect();
-                format!(
-                    "{{\"baseline\":\"{}\",\"rows\":[{}],\"probes_to_2x\":{{{}}}}}",
-                    a.baseline,
-                    rows.join(","),
-                    p2.join(",")
-                )
-            },
-        );
-        format!(
-            "{{\"schema\":\"vmtsync-probe-bench/1\",\"tsc_khz\":{},\"tsc_khz_source\":\"{}\",\
-             \"sessions\":{},\"probes\":{},\"run_time_s\":{:.1},\"skew\":{skew},\
-             \"wire\":{{\"builtin\":{},\"qemu\":{},\"vsock\":{},\"trace_cmd_ptp_per_probe\":{}}},\
-             \"system_level\":{},\"anchoring\":{anchoring},\"rows\":[{}]}}",
-            self.tsc_khz,
-            self.tsc_khz_source,
-            self.sessions,
-            self.probes,
-            self.run_time.as_secs_f64(),
-            wire(self.builtin_wire),
-            self.qemu_wire.map_or_else(|| "null".into(), wire),
-            self.vsock_wire.map_or_else(|| "null".into(), wire),
-            TRACE_CMD_PTP_PROBE_BYTES,
-            self.system_level().map_or_else(
-                || "null".into(),
-                |(o, t, r)| format!("{{\"ours\":{o},\"trace_cmd\":{t},\"ratio\":{r:.4}}}")
-            ),
-            rows.join(",")
-        )
+            system_level: self
+                .system_level()
+                .map(|(ours, trace_cmd, ratio)| SystemLevel {
+                    ours,
+                    trace_cmd,
+                    ratio,
+                }),
+            anchoring,
+            rows,
+        }
+    }
+
+    /// The JSON line (schema `vmtsync-probe-bench/1`, [`vmtsync_launch::bench`]).
+    #[must_use]
+    pub fn json(&self) -> String {
+        bench::to_line(&self.bench())
     }
 }
 
@@ -570,25 +499,26 @@ mod tests {
         assert!(t.contains("builtin/exit-tight met"), "{t}");
         assert!(r.system_level().is_none(), "no QEMU row");
         let j = r.json();
-        assert!(
-            j.starts_with("{\"schema\":\"vmtsync-probe-bench/1\""),
-            "{j}"
+        let Some(b) = bench::last_line::<ProbeBench>(&j) else {
+            panic!("not a probe bench line: {j}");
+        };
+        assert_eq!(b, r.bench(), "reads back as it was written");
+        let row = &b.rows[0];
+        assert_eq!((row.ratio, row.drift_ratio), (Some(0.25), Some(0.375)));
+        assert!(row.goal_met);
+        assert_eq!(
+            b.wire.builtin,
+            WireSizes {
+                request: [4, 4],
+                reply: [10, 11]
+            }
         );
-        assert!(
-            j.contains("\"ratio\":0.2500,\"drift_ratio\":0.3750,\"goal_met\":true"),
-            "{j}"
+        assert_eq!(row.rtt_median_ns, 2000);
+        assert_eq!(
+            (row.ours_bias_range, row.tc_bias_median, row.tc_bias_range),
+            (Some([-2, -2]), 8, [8, 8])
         );
-        assert!(
-            j.contains("\"builtin\":{\"request\":[4,4],\"reply\":[10,11]}"),
-            "{j}"
-        );
-        assert!(j.contains("\"rtt_median_ns\":2000"), "{j}");
-        assert!(
-            j.contains("\"ours_bias_range\":[-2,-2],\"tc_bias_median\":8,\"tc_bias_range\":[8,8]"),
-            "{j}"
-        );
-        assert!(j.contains("\"system_level\":null"), "{j}");
-        assert_eq!(j.matches('{').count(), j.matches('}').count());
+        assert_eq!(b.system_level, None);
     }
 
     #[test]

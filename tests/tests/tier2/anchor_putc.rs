@@ -25,6 +25,15 @@ use vmtsync_tests::truth::{GuestTruth, Skew};
 use vmtsync_tests::vmm::agent_elf;
 use vmtsync_tests::vmm::qemu::{self, Machine};
 
+use crate::util::anchor_ready;
+
+crate::trials!(
+    anchor_ready;
+    uart_brackets_hold_the_truth_whichever_order_the_link_polls_thre,
+    the_cli_anchors_a_putc_guest_and_its_interval_holds_the_truth,
+    every_vcpu_of_a_putc_guest_holds_its_truth,
+);
+
 const STEP: Duration = Duration::from_secs(20);
 
 /// Sessions per guest: every one must hold the truth.
@@ -133,13 +142,9 @@ fn uart_sessions(test: &str, order: &str) -> Vec<u64> {
 /// The UART brackets of the putc guest, and of the default agent (write, then wait for THRE)
 /// for comparison, hold the truth in every probe and session; the median bracket widths of
 /// both are printed (docs/anchor.md quotes them).
-#[test]
 fn uart_brackets_hold_the_truth_whichever_order_the_link_polls_thre() {
     let test = "uart_brackets_hold_the_truth_whichever_order_the_link_polls_thre";
     let _one_instance = vmtsync_tests::anchor_lock();
-    if !crate::util::anchor_ready(test) {
-        return;
-    }
     for order in [PUTC, ""] {
         let widths = uart_sessions(test, order);
         println!(
@@ -274,24 +279,16 @@ fn cli_runs(test: &str, vcpus: u32) {
 }
 
 /// `vmtsync probe --anchor kvm-pio` and `--anchor auto` on the putc guest.
-#[test]
 fn the_cli_anchors_a_putc_guest_and_its_interval_holds_the_truth() {
     let test = "the_cli_anchors_a_putc_guest_and_its_interval_holds_the_truth";
     let _one_instance = vmtsync_tests::anchor_lock();
-    if !crate::util::anchor_ready(test) {
-        return;
-    }
     cli_runs(test, 1);
 }
 
 /// The same on every vCPU of a two-vCPU putc guest (`--all-vcpus`): the application
 /// processor's read lies between the boot vCPU's request and reply exits (docs/smp.md).
-#[test]
 fn every_vcpu_of_a_putc_guest_holds_its_truth() {
     let test = "every_vcpu_of_a_putc_guest_holds_its_truth";
     let _one_instance = vmtsync_tests::anchor_lock();
-    if !crate::util::anchor_ready(test) {
-        return;
-    }
     cli_runs(test, 2);
 }

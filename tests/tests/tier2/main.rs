@@ -1,0 +1,63 @@
+//! vmtsync's tier-2 test target: tests that need real KVM, QEMU, root, debugfs, tracefs or
+//! trace-cmd. Tier-1 tests (pure logic, fixtures) are in the `it` target.
+//!
+//! The harness is libtest-mimic, so the command line is libtest's (filters, `--list`,
+//! `--test-threads`, `--ignored`, `--exact`). Each module lists its tests with
+//! [`trials!`], naming the prerequisite check they need (a `fn(&str) -> bool` built from
+//! `vmtsync_tests::require`, such as `util::vm_ready`). The harness runs that check before
+//! the test (`vmtsync_tests::gate`): when a prerequisite is missing the test is reported as
+//! ignored, after a `SKIP <test>: <reason>` line, never as passed; under `CI=true` it is a
+//! failure with the same reason. A prerequisite a test's body finds missing that its check
+//! did not declare fails the test as well (`vmtsync_tests::set_gated`).
+
+use libtest_mimic::{Arguments, Failed, Trial};
+
+mod anchor_putc;
+mod smoke;
+// The helpers both targets share; this target uses only some of them.
+#[allow(dead_code)]
+#[path = "../it/util.rs"]
+mod util;
+
+/// Lists a module's tier-2 tests with the prerequisite check they share: `trials!(check; a,
+/// b)` defines the module's `trials()`, each test named `module::test` as libtest would.
+#[macro_export]
+macro_rules! trials {
+    ($check:path; $($test:ident),+ $(,)?) => {
+        pub(crate) fn trials() -> Vec<libtest_mimic::Trial> {
+            vec![$($crate::trial(module_path!(), stringify!($test), $check, $test)),+]
+        }
+    };
+}
+
+/// One test as a trial: run as is when `check` holds; ignored with its reason printed when not
+/// (off CI); failing with its reason under `CI=true`.
+fn trial(module: &str, test: &str, check: fn(&str) -> bool, run: fn()) -> Trial {
+    // `module_path!()` is `tier2::module`; libtest names a test `module::test`.
+    let module = module.split_once("::").map_or(module, |(_, m)| m);
+    let name = format!("{module}::{test}");
+    match vmtsync_tests::gate(|| check(&name)) {
+        Ok(()) => Trial::test(name, move || {
+            run();
+            Ok(())
+        }),
+        Err(reasons) if vmtsync_tests::is_ci() => {
+            let why = format!("prerequisite missing under CI=true: {}", reasons.join("; "));
+            Trial::test(name, move || Err(Failed::from(why)))
+        }
+        Err(reasons) => {
+            eprintln!("SKIP {name}: {}", reasons.join("; "));
+            Trial::test(name, || Ok(())).with_ignored_flag(true)
+        }
+    }
+}
+
+fn main() -> std::process::ExitCode {
+    let args = Arguments::from_args();
+    let trials: Vec<Trial> = [anchor_putc::trials(), smoke::trials()]
+        .into_iter()
+        .flatten()
+        .collect();
+    vmtsync_tests::set_gated();
+    libtest_mimic::run(&args, trials).exit_code()
+}

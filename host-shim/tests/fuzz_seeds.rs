@@ -18,8 +18,9 @@ use std::path::{Path, PathBuf};
 use std::rc::Rc;
 use std::time::{Duration, Instant};
 
-use vmtsync::probe::transport::host_tsc_now;
-use vmtsync::probe::{ProbeSession, Received, StampedTransport, TransportError};
+use vmtsync::link::transport::host_tsc_now;
+use vmtsync::link::{Received, StampedTransport, TransportError};
+use vmtsync::probe::ProbeSession;
 use vmtsync::syncfile::{OffsetModel, SyncHeader, SyncSegment, SyncWriter};
 use vmtsync_core::agent::fake::FakeLink;
 use vmtsync_core::agent::{Agent, AgentClock};
@@ -250,7 +251,7 @@ fn sync_file() -> Vec<u8> {
         host_first: host_anchor - 200_000,
         host_last: host_anchor + 200_000,
         is_break,
-        anchor: vmtsync::probe::anchor::AnchorKind::InProcess,
+        anchor: vmtsync::syncfile::AnchorKind::InProcess,
     };
     for seg in [
         segment(0, 0, host, -3_000_000, 0, false),
@@ -265,8 +266,8 @@ fn sync_file() -> Vec<u8> {
 
 /// A small trace.dat from our writer: two vCPUs, events with and without payloads across a
 /// time extend, a TIME_SHIFT of two segments per CPU.
-fn trace_dat(version: vmtsync::tracedat::FileVersion) -> Vec<u8> {
-    use vmtsync::tracedat::{
+fn trace_dat(version: vmtsync::formats::tracedat::FileVersion) -> Vec<u8> {
+    use vmtsync::formats::tracedat::{
         ShiftMode, SyncSegment as Seg, TimeShift, TraceDatWriter, WriterOptions,
     };
     let dir = tempfile::tempdir().expect("tempdir");
@@ -360,19 +361,19 @@ fn seeds() -> BTreeMap<PathBuf, Vec<u8>> {
     put(
         "host-shim/fuzz/seeds/tracedat",
         "v7",
-        trace_dat(vmtsync::tracedat::FileVersion::V7),
+        trace_dat(vmtsync::formats::tracedat::FileVersion::V7),
     );
     put(
         "host-shim/fuzz/seeds/tracedat",
         "v6",
-        trace_dat(vmtsync::tracedat::FileVersion::V6),
+        trace_dat(vmtsync::formats::tracedat::FileVersion::V6),
     );
     // What `trace-cmd extract` writes here: zstd sections and chunked CPU data (the reader's
     // fixture, made by trace-cmd 3.1.6 itself).
     put(
         "host-shim/fuzz/seeds/tracedat",
         "v7-zstd",
-        include_bytes!("../src/tracedat/reader/fixtures/sample-v7-zstd.dat").to_vec(),
+        include_bytes!("../src/formats/tracedat/reader/fixtures/sample-v7-zstd.dat").to_vec(),
     );
 
     for (name, contents) in [

@@ -10,8 +10,8 @@ use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use vmtsync::hosttsc::read_host_tsc;
-use vmtsync::tracedat::{for_each_record, read_event_formats, read_layout};
+use vmtsync::formats::tracedat::{for_each_record, read_event_formats, read_layout};
+use vmtsync::kvm::hosttsc::read_host_tsc;
 
 use crate::tracedat::{Line, assert_dump_ok, report};
 use crate::util::vmtsync;
@@ -471,7 +471,7 @@ fn interpolated(segs: &[(u64, i64)], hi: u64, g: u64) -> u64 {
 
 #[test]
 fn attach_from_debugfs_refuses_a_coarse_scaling_with_exit_6_and_accepts_it_with_max_error() {
-    use vmtsync::tracedat::{TraceDatWriter, WriterOptions};
+    use vmtsync::formats::tracedat::{TraceDatWriter, WriterOptions};
     let test = "attach::attach_from_debugfs_refuses_a_coarse_scaling_with_exit_6_and_accepts_it_with_max_error";
     if !have_trace_cmd(test) {
         return;
@@ -560,7 +560,7 @@ fn attach_from_debugfs_refuses_a_coarse_scaling_with_exit_6_and_accepts_it_with_
 
 #[test]
 fn a_truncated_guest_trace_is_refused_with_the_offset_and_no_output() {
-    use vmtsync::tracedat::{TraceDatWriter, WriterOptions};
+    use vmtsync::formats::tracedat::{TraceDatWriter, WriterOptions};
     let dir = tempfile::tempdir().unwrap();
     let guest = dir.path().join("g.dat");
     let mut w = TraceDatWriter::create(&guest, WriterOptions::new(1, 1)).unwrap();
@@ -643,7 +643,7 @@ fn export_perf_prints_the_guest_data_argument_or_explains_what_perf_cannot_expre
 
 #[test]
 fn attach_with_host_refuses_an_incomplete_vcpu_map_before_writing_anything() {
-    use vmtsync::tracedat::{TraceDatWriter, WriterOptions};
+    use vmtsync::formats::tracedat::{TraceDatWriter, WriterOptions};
     let dir = tempfile::tempdir().unwrap();
     let guest = dir.path().join("g.dat");
     let mut w = TraceDatWriter::create(&guest, WriterOptions::new(2, 1)).unwrap();

@@ -13,10 +13,10 @@ use std::process::{Output, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use vmtsync::probe::transport::host_tsc_now;
-use vmtsync::probe::{
-    ConnectOptions, ProbeAddr, ProbeSession, ProbeSummary, Progress, connect::connect,
-};
+use vmtsync::link::connect::connect;
+use vmtsync::link::transport::host_tsc_now;
+use vmtsync::link::{ConnectOptions, ProbeAddr};
+use vmtsync::probe::{ProbeSession, ProbeSummary, Progress};
 use vmtsync::syncfile::{SyncFile, convert_with_sync};
 use vmtsync_core::estimate::ProbeSample;
 use vmtsync_tests::fake_agent::{self as fake, SkewedClock};
@@ -279,7 +279,7 @@ fn boot_qemu(elf: &Path, sock: &Path, com2: &Path, append: &str) -> ChildGuard {
 }
 
 /// Opens a probe session on QEMU's COM1 socket (the library's own connect and hello).
-fn session(sock: &Path) -> ProbeSession<Box<dyn vmtsync::probe::StampedTransport + Send>> {
+fn session(sock: &Path) -> ProbeSession<Box<dyn vmtsync::link::StampedTransport + Send>> {
     let addr = ProbeAddr::parse(&format!("unix:{}", sock.display())).unwrap();
     let t = connect(
         &addr,

@@ -11,7 +11,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use vmtsync::ftrace::Instance;
-use vmtsync::hosttsc::read_host_tsc;
+use vmtsync::kvm::hosttsc::read_host_tsc;
 use vmtsync_tests::fake_agent::{SkewedClock, Workload, serve_with_events};
 use vmtsync_tests::truth::truth_ready;
 use vmtsync_tests::vmm::agent_elf;

@@ -34,6 +34,7 @@ pub mod debugfs;
 pub mod exact_convert;
 pub mod export;
 pub mod ftrace;
+pub mod guestmem;
 pub mod hosttsc;
 pub mod plot;
 pub mod probe;

@@ -14,6 +14,7 @@ mod ctf;
 mod e2e;
 mod kvm_fixtures;
 mod kvm_real;
+mod memory_agent;
 mod minimal_kernel;
 mod perf;
 mod perfetto;

@@ -6,38 +6,40 @@
 //! panic: every read is a fixed-offset copy out of a fixed-size array.
 
 use thiserror::Error;
-use vmtsync_core::recorder::{BUSY, SLOT_SIZE, STAMP_BITS, STAMP_SHIFT};
+use vmtsync_core::recorder::{
+    BUSY, HeaderLayout, MAX_CAPACITY as CORE_MAX_CAPACITY, MAX_VCPUS as CORE_MAX_VCPUS,
+    MIN_CAPACITY as CORE_MIN_CAPACITY, RING_HEADER_SIZE, SLOT_SIZE, STAMP_BITS, STAMP_SHIFT,
+};
 
-/// `magic`: the ASCII bytes `VMTSRING` read as a little-endian `u64`.
-pub const MAGIC: u64 = u64::from_le_bytes(*b"VMTSRING");
-/// The layout version this reader understands.
-pub const LAYOUT_VERSION: u32 = 1;
-/// The header's size in bytes.
-pub const HEADER_SIZE: usize = 128;
+pub use vmtsync_core::recorder::{BEACON_ID, HEADER_SIZE, LAYOUT_VERSION, MAGIC, checksum};
+
 /// The header's alignment: the scan looks for it only at multiples of this.
 pub const HEADER_ALIGN: u64 = 64;
 /// Bytes of a ring before its first slot (the producer's and the consumer's cache lines).
-pub const RING_PREFIX: u64 = 128;
+pub const RING_PREFIX: u64 = RING_HEADER_SIZE as u64;
 /// Bytes of one record slot.
-pub const RECORD_SIZE: u64 = 32;
+pub const RECORD_SIZE: u64 = SLOT_SIZE as u64;
 /// Most vCPUs (rings) a header may declare.
 pub const MAX_VCPUS: u32 = 1024;
-/// Largest capacity (records per ring) a header may declare.
+/// Fewest records per ring a header may declare.
+pub const MIN_CAPACITY: u64 = 2;
+/// Most records per ring a header may declare.
 pub const MAX_CAPACITY: u64 = 1 << 31;
-/// The event id of a sync beacon.
-pub const BEACON_ID: u16 = 0xFFFF;
 /// The largest payload a record carries.
 pub const MAX_PAYLOAD: u8 = 16;
 /// [`HEADER_SIZE`] as the header's `u32` field holds it.
 const HEADER_SIZE_U32: u32 = 128;
 /// [`RECORD_SIZE`] as the header's `u32` field holds it.
 const RECORD_SIZE_U32: u32 = 32;
-// The core's slot is what the guest writes: the two must agree.
-const _: () = assert!(SLOT_SIZE == 32 && HEADER_SIZE == 128);
-/// Where the checksum sits: it covers bytes `0..CHECKSUM_OFFSET`.
-const CHECKSUM_OFFSET: usize = 120;
-/// CRC-32/ISCSI (Castagnoli), the checksum the contract names.
-const CRC: crc::Crc<u32> = crc::Crc::<u32>::new(&crc::CRC_32_ISCSI);
+// The guest's definitions (the core) and this reader's agree.
+const _: () = assert!(
+    SLOT_SIZE == 32
+        && HEADER_SIZE == 128
+        && RING_HEADER_SIZE == 128
+        && CORE_MAX_VCPUS == MAX_VCPUS as usize
+        && CORE_MIN_CAPACITY as u64 == MIN_CAPACITY
+        && CORE_MAX_CAPACITY as u64 == MAX_CAPACITY
+);
 
 /// What a full ring does (header offset 48).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -143,109 +145,85 @@ pub enum HeaderError {
     Reserved(usize),
 }
 
-fn u16_at(b: &[u8; HEADER_SIZE], off: usize) -> u16 {
-    let mut w = [0u8; 2];
-    w.copy_from_slice(&b[off..off + 2]);
-    u16::from_le_bytes(w)
-}
-
-fn u32_at(b: &[u8; HEADER_SIZE], off: usize) -> u32 {
-    let mut w = [0u8; 4];
-    w.copy_from_slice(&b[off..off + 4]);
-    u32::from_le_bytes(w)
-}
-
-fn u64_at(b: &[u8; HEADER_SIZE], off: usize) -> u64 {
-    let mut w = [0u8; 8];
-    w.copy_from_slice(&b[off..off + 8]);
-    u64::from_le_bytes(w)
-}
-
-/// The CRC-32/ISCSI of a header's bytes 0..120 (what its checksum word must hold).
-#[must_use]
-pub fn checksum(bytes: &[u8; HEADER_SIZE]) -> u32 {
-    CRC.checksum(&bytes[..CHECKSUM_OFFSET])
-}
-
 impl Header {
     /// Checks 128 untrusted bytes and returns the header they hold.
     ///
     /// # Errors
     /// The first rule the bytes break, in the order magic, checksum, then the fields.
     pub fn parse(bytes: &[u8; HEADER_SIZE]) -> Result<Self, HeaderError> {
-        let magic = u64_at(bytes, 0);
-        if magic != MAGIC {
-            return Err(HeaderError::Magic(magic));
+        let h = HeaderLayout::from_bytes(bytes);
+        if h.magic != MAGIC {
+            return Err(HeaderError::Magic(h.magic));
         }
-        let stored = u32_at(bytes, CHECKSUM_OFFSET);
         let computed = checksum(bytes);
-        if stored != computed {
-            return Err(HeaderError::Checksum { stored, computed });
+        if h.checksum != computed {
+            return Err(HeaderError::Checksum {
+                stored: h.checksum,
+                computed,
+            });
         }
-        let version = u32_at(bytes, 8);
-        if version != LAYOUT_VERSION {
-            return Err(HeaderError::Version(version));
+        if h.version != LAYOUT_VERSION {
+            return Err(HeaderError::Version(h.version));
         }
-        let size = u32_at(bytes, 12);
-        if usize::try_from(size).ok() != Some(HEADER_SIZE) {
-            return Err(HeaderError::HeaderSize(size));
+        if h.header_size != HEADER_SIZE_U32 {
+            return Err(HeaderError::HeaderSize(h.header_size));
         }
-        let nonce = u64_at(bytes, 16);
-        if nonce == 0 {
+        if h.nonce == 0 {
             return Err(HeaderError::ZeroNonce);
         }
-        let vcpus = u32_at(bytes, 24);
-        if !(1..=MAX_VCPUS).contains(&vcpus) {
-            return Err(HeaderError::Vcpus(vcpus));
+        if !(1..=MAX_VCPUS).contains(&h.vcpus) {
+            return Err(HeaderError::Vcpus(h.vcpus));
         }
-        let record = u32_at(bytes, 28);
-        if record != RECORD_SIZE_U32 {
-            return Err(HeaderError::RecordSize(record));
+        if h.slot_size != RECORD_SIZE_U32 {
+            return Err(HeaderError::RecordSize(h.slot_size));
         }
-        let capacity = u64_at(bytes, 32);
-        if !capacity.is_power_of_two() || capacity > MAX_CAPACITY {
-            return Err(HeaderError::Capacity(capacity));
+        if !h.capacity.is_power_of_two() || !(MIN_CAPACITY..=MAX_CAPACITY).contains(&h.capacity) {
+            return Err(HeaderError::Capacity(h.capacity));
         }
-        let tsc_khz = u64_at(bytes, 40);
-        let mode = match u32_at(bytes, 48) {
+        let mode = match h.mode {
             0 => RingMode::StopWhenFull,
             1 => RingMode::Overwrite,
             m => return Err(HeaderError::Mode(m)),
         };
-        let clock = match u32_at(bytes, 52) {
+        let clock = match h.clock {
             0 => GuestClock::RawTsc,
             1 => GuestClock::Other,
             c => return Err(HeaderError::Clock(c)),
         };
-        let rings_offset = u64_at(bytes, 56);
-        if rings_offset < RING_PREFIX || !rings_offset.is_multiple_of(HEADER_ALIGN) {
-            return Err(HeaderError::RingsOffset(rings_offset));
+        // Version 1 fixes both: ring 0 right after the header, rings back to back.
+        if h.rings_offset != HEADER_SIZE as u64 {
+            return Err(HeaderError::RingsOffset(h.rings_offset));
         }
         // Capacity <= 2^31 keeps this product far below 2^64.
-        let ring = RING_PREFIX + RECORD_SIZE * capacity;
-        let stride = u64_at(bytes, 64);
-        if stride < ring || !stride.is_multiple_of(HEADER_ALIGN) {
-            return Err(HeaderError::RingStride { stride, ring });
+        let ring = RING_PREFIX + RECORD_SIZE * h.capacity;
+        if h.ring_stride != ring {
+            return Err(HeaderError::RingStride {
+                stride: h.ring_stride,
+                ring,
+            });
         }
-        let beacon_port = u16_at(bytes, 72);
-        for off in (74..CHECKSUM_OFFSET).chain(124..HEADER_SIZE) {
-            if bytes[off] != 0 {
-                return Err(HeaderError::Reserved(off));
-            }
+        if let Some(i) = h.reserved0.iter().position(|&b| b != 0) {
+            return Err(HeaderError::Reserved(74 + i));
+        }
+        if h.reserved1 != 0 {
+            return Err(HeaderError::Reserved(124));
         }
         let header = Self {
-            nonce,
-            vcpus,
-            capacity,
-            tsc_khz,
+            nonce: h.nonce,
+            vcpus: h.vcpus,
+            capacity: h.capacity,
+            tsc_khz: h.tsc_khz,
             mode,
             clock,
-            rings_offset,
-            ring_stride: stride,
-            beacon_port,
+            rings_offset: h.rings_offset,
+            ring_stride: h.ring_stride,
+            beacon_port: h.beacon_port,
         };
         if header.try_span().is_none() {
-            return Err(HeaderError::TooLarge { vcpus, stride });
+            return Err(HeaderError::TooLarge {
+                vcpus: h.vcpus,
+                stride: h.ring_stride,
+            });
         }
         Ok(header)
     }
@@ -272,47 +250,36 @@ impl Header {
             .saturating_add(self.ring_stride.saturating_mul(u64::from(vcpu)))
     }
 
-    /// The 128 bytes of this header, checksum included (what a guest publishes).
+    /// The 128 bytes of this header, checksum included, as the core lays them out (for
+    /// tests and the fuzzer, which also build headers a guest never would).
     #[must_use]
     pub fn to_bytes(&self) -> [u8; HEADER_SIZE] {
-        let mut b = self.to_unpublished_bytes();
-        b[0..8].copy_from_slice(&MAGIC.to_le_bytes());
-        b
-    }
-
-    /// This header as a guest writes it before publishing: every field and the checksum
-    /// (computed as if the magic were there), with the magic word still zero. The guest then
-    /// stores the magic last. No buffer ever holds the whole valid header, so a stray copy
-    /// of this one cannot be mistaken for the recorder.
-    #[must_use]
-    pub fn to_unpublished_bytes(&self) -> [u8; HEADER_SIZE] {
-        let mut b = [0u8; HEADER_SIZE];
-        b[8..12].copy_from_slice(&LAYOUT_VERSION.to_le_bytes());
-        b[12..16].copy_from_slice(&HEADER_SIZE_U32.to_le_bytes());
-        b[16..24].copy_from_slice(&self.nonce.to_le_bytes());
-        b[24..28].copy_from_slice(&self.vcpus.to_le_bytes());
-        b[28..32].copy_from_slice(&RECORD_SIZE_U32.to_le_bytes());
-        b[32..40].copy_from_slice(&self.capacity.to_le_bytes());
-        b[40..48].copy_from_slice(&self.tsc_khz.to_le_bytes());
-        let mode: u32 = match self.mode {
-            RingMode::StopWhenFull => 0,
-            RingMode::Overwrite => 1,
+        let mut h = HeaderLayout {
+            magic: MAGIC,
+            version: LAYOUT_VERSION,
+            header_size: HEADER_SIZE_U32,
+            nonce: self.nonce,
+            vcpus: self.vcpus,
+            slot_size: RECORD_SIZE_U32,
+            capacity: self.capacity,
+            tsc_khz: self.tsc_khz,
+            mode: match self.mode {
+                RingMode::StopWhenFull => 0,
+                RingMode::Overwrite => 1,
+            },
+            clock: match self.clock {
+                GuestClock::RawTsc => 0,
+                GuestClock::Other => 1,
+            },
+            rings_offset: self.rings_offset,
+            ring_stride: self.ring_stride,
+            beacon_port: self.beacon_port,
+            reserved0: [0; 46],
+            checksum: 0,
+            reserved1: 0,
         };
-        b[48..52].copy_from_slice(&mode.to_le_bytes());
-        let clock: u32 = match self.clock {
-            GuestClock::RawTsc => 0,
-            GuestClock::Other => 1,
-        };
-        b[52..56].copy_from_slice(&clock.to_le_bytes());
-        b[56..64].copy_from_slice(&self.rings_offset.to_le_bytes());
-        b[64..72].copy_from_slice(&self.ring_stride.to_le_bytes());
-        b[72..74].copy_from_slice(&self.beacon_port.to_le_bytes());
-        let mut digest = CRC.digest();
-        digest.update(&MAGIC.to_le_bytes());
-        digest.update(&b[8..CHECKSUM_OFFSET]);
-        let sum = digest.finalize();
-        b[CHECKSUM_OFFSET..CHECKSUM_OFFSET + 4].copy_from_slice(&sum.to_le_bytes());
-        b
+        h.checksum = checksum(&h.to_bytes());
+        h.to_bytes()
     }
 }
 
@@ -382,10 +349,16 @@ mod tests {
         let crc = crc::Crc::<u32>::new(&crc::CRC_32_ISCSI).checksum(&b[..120]);
         assert_eq!(b[120..124], crc.to_le_bytes());
         assert_eq!(Header::parse(&b), Ok(h));
-        let mut u = h.to_unpublished_bytes();
-        assert_eq!(Header::parse(&u), Err(HeaderError::Magic(0)));
-        u[..8].copy_from_slice(b"VMTSRING");
-        assert_eq!(u, b);
+        // The guest's own writer (the core) produces the same bytes.
+        let info = vmtsync_core::recorder::HeaderInfo {
+            nonce: h.nonce,
+            tsc_khz: h.tsc_khz,
+            clock: vmtsync_core::recorder::ClockKind::Other,
+            beacon_port: 0x510,
+        };
+        let core = HeaderLayout::new(&info, 3, 4096, vmtsync_core::recorder::Mode::Overwrite);
+        assert_eq!(core.to_bytes(), b);
+        assert!(core.is_valid());
     }
 
     #[test]

@@ -1,6 +1,6 @@
 //! The reader against a real process, without KVM: this test binary re-executed as a child
-//! that lays out a recorder in its own memory (header by hand per the layout, rings by the
-//! core's own `Recorder`) and records into it while the parent finds and drains it through
+//! that lays out the core's own `Recorder` in its own memory, publishes it and records into
+//! it while the parent finds and drains it through
 //! `/proc/PID/mem`. Truth comes from the child: it counts what it stored and refused itself
 //! and reports it on stdout; every record's contents are a function of its index.
 
@@ -11,9 +11,8 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use vmtsync_core::arch::Tsc;
-use vmtsync_core::recorder::Recorder;
+use vmtsync_core::recorder::{ClockKind, HeaderInfo, Recorder};
 
-use super::layout::{RECORD_SIZE, RING_PREFIX};
 use super::*;
 use crate::procinfo::ProcFs;
 
@@ -31,22 +30,10 @@ const CHILD_NONCE: u64 = 0x5eed_0000_0000_0016;
 /// How long a real-process test may take before it fails instead of hanging.
 const DEADLINE: Duration = Duration::from_secs(120);
 
-/// The recorder's storage: the header's sixteen words, then the core's rings.
-#[repr(C, align(64))]
-struct Storage<const CAP: usize> {
-    header: [AtomicU64; 16],
-    rec: Recorder<1, CAP>,
-}
-
-// An all-zero header until published; the stop-when-full recorder is all zero too (.bss).
-static STOP: Storage<STOP_CAP> = Storage {
-    header: [const { AtomicU64::new(0) }; 16],
-    rec: Recorder::new(),
-};
-static FLIGHT: Storage<FLIGHT_CAP> = Storage {
-    header: [const { AtomicU64::new(0) }; 16],
-    rec: Recorder::new_flight(),
-};
+// The core's recorders, header first, all zero until published (the stop-when-full one
+// lands in .bss, the flight one in .data for its mode bytes).
+static STOP: Recorder<1, STOP_CAP> = Recorder::new();
+static FLIGHT: Recorder<1, FLIGHT_CAP> = Recorder::new_flight();
 
 /// A clock that counts its reads: record `n`'s `tsc` is `n`.
 struct Counter(AtomicU64);
@@ -57,27 +44,23 @@ impl Tsc for Counter {
     }
 }
 
-/// Publishes `s` as the contract says: every word but the magic, then the magic (release).
-fn publish<const CAP: usize>(s: &Storage<CAP>, mode: RingMode) {
-    let ring = RING_PREFIX + RECORD_SIZE * CAP as u64;
-    let h = Header {
+/// Publishes `r` through the core's own publication (the guest's code path), then
+/// overwrites the stack below this frame: publication builds the whole header in a local
+/// buffer, and a stale copy of it on the child's stack would be a second valid header.
+fn publish<const CAP: usize>(r: &Recorder<1, CAP>) {
+    r.publish(&HeaderInfo {
         nonce: CHILD_NONCE,
-        vcpus: 1,
-        capacity: CAP as u64,
         tsc_khz: 0,
-        mode,
-        clock: GuestClock::Other,
-        rings_offset: 128,
-        ring_stride: ring.next_multiple_of(64),
+        clock: ClockKind::Other,
         beacon_port: 0,
-    };
-    let b = h.to_unpublished_bytes();
-    for (i, w) in b.chunks_exact(8).enumerate().skip(1) {
-        let mut v = [0u8; 8];
-        v.copy_from_slice(w);
-        s.header[i].store(u64::from_le_bytes(v), Ordering::Relaxed);
-    }
-    s.header[0].store(u64::from_le_bytes(*b"VMTSRING"), Ordering::Release);
+    });
+    scrub_stack();
+}
+
+#[inline(never)]
+fn scrub_stack() {
+    let mut junk = [0u8; 16 * 1024];
+    std::hint::black_box(&mut junk);
 }
 
 fn payload(n: u64) -> [u8; 16] {
@@ -93,12 +76,12 @@ fn id_of(n: u64) -> u16 {
 
 /// The child's records, `total` of them (ids and payloads from the index), as fast as the
 /// core records. Returns (stored, refused) as the child counted them.
-fn produce<const CAP: usize>(s: &Storage<CAP>, total: u64) -> (u64, u64) {
+fn produce<const CAP: usize>(rec: &Recorder<1, CAP>, total: u64) -> (u64, u64) {
     let clock = Counter(AtomicU64::new(0));
     let (mut stored, mut refused) = (0u64, 0u64);
     for _ in 0..total {
         let n = stored;
-        match s.rec.record(0, &clock, id_of(n), &payload(n)) {
+        match rec.record(0, &clock, id_of(n), &payload(n)) {
             Ok(()) => stored += 1,
             Err(_) => refused += 1,
         }
@@ -117,7 +100,7 @@ fn intact(r: &GuestRecord) -> bool {
 #[test]
 fn guestmem_real_process_child() {
     let Ok(spec) = std::env::var(CHILD_ENV) else {
-        publish(&STOP, RingMode::StopWhenFull);
+        publish(&STOP);
         let (stored, refused) = produce(&STOP, STOP_CAP as u64 + 10);
         assert_eq!((stored, refused), (STOP_CAP as u64, 10));
         let mut mem = ProcMemory::open(&ProcFs::default(), std::process::id()).expect("self");
@@ -145,12 +128,12 @@ fn guestmem_real_process_child() {
     let stdin = std::io::stdin();
     let mut line = String::new();
     let (stored, refused) = if mode == "flight" {
-        publish(&FLIGHT, RingMode::Overwrite);
+        publish(&FLIGHT);
         println!("vmtsync-child ready");
         stdin.lock().read_line(&mut line).expect("go");
         produce(&FLIGHT, total)
     } else {
-        publish(&STOP, RingMode::StopWhenFull);
+        publish(&STOP);
         // The stop-when-full ring is filled before the parent starts, so its drain time is
         // the reader's alone.
         let counts = produce(&STOP, total);

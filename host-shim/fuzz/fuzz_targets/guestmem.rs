@@ -7,7 +7,7 @@
 //!
 //! Input: byte 0 picks the round bound (1..=16), byte 1 the number of stores (0..=7); then
 //! 12 bytes per store (u32 offset into the image, u64 value), one store before each read;
-//! the rest is the image, mapped writable at 0x10000.
+//! the rest is the image, at the start of a writable mapping at 0x10000 (whole pages).
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
@@ -27,7 +27,8 @@ fuzz_target!(|data: &[u8]| {
         return;
     }
     let mut m = FakeMemory::new();
-    m.map(BASE, image.len(), true);
+    // Whole pages, as real mappings are: the scan reads page by page.
+    m.map(BASE, image.len().next_multiple_of(4096), true);
     m.write(BASE, image);
     let len = image.len() as u64;
     let stores: Vec<(u64, u64)> = store_bytes

@@ -567,3 +567,43 @@ proptest! {
         }
     }
 }
+
+/// The fuzz seeds are the core's own recorder bytes (`Recorder<2, 4>` after six events per
+/// ring): the reader finds them and counts them exactly as the core's producer stored them.
+#[test]
+fn the_cores_recorder_bytes_drain_with_exact_counts() {
+    for (seed, delivered, overwritten, refused) in [
+        (
+            &include_bytes!("../../fuzz/seeds/guestmem/flight-lapped")[..],
+            3,
+            3,
+            0,
+        ),
+        (
+            &include_bytes!("../../fuzz/seeds/guestmem/stop-full")[..],
+            4,
+            0,
+            2,
+        ),
+    ] {
+        let image = &seed[2..];
+        let mut m = FakeMemory::new();
+        m.map(BASE, 4096, true);
+        m.write(BASE, image);
+        let f = find(&mut m, Location::Scan).expect("the core's header");
+        assert_eq!((f.addr, f.header.vcpus, f.header.capacity), (BASE, 2, 4));
+        let mut d = Drainer::new(&f, 64);
+        let got = drain_all(&mut d, &mut m).expect("drains");
+        for c in d.counts() {
+            assert_eq!(
+                (c.delivered, c.overwritten, c.refused, c.corrupt),
+                (delivered, overwritten, refused, 0)
+            );
+        }
+        // Each record's payload is its event number, which is its index for these rings.
+        assert!(
+            got.iter()
+                .all(|r| r.id == 7 && r.payload() == r.index.to_le_bytes())
+        );
+    }
+}

@@ -19,6 +19,8 @@
 //! - [`formats`]: every trace format: trace.dat (writer, reader, TIME_SHIFT, host copy,
 //!   attach planning), JSON Lines (one `Line` type both ways), CTF, Perfetto, perf, and the
 //!   one event source the exporters read.
+//! - [`guestmem`]: a guest's recorder read straight out of the VMM's memory: the scan, the
+//!   header check, the bounded drain with exact counts.
 //! - [`link`]: the byte stream to the guest agent: addresses, connecting with retries,
 //!   vhost-user vsock, AF_VSOCK, and the host-TSC-stamped transport.
 //! - [`compose`]: nested (L0->L1->L2) composition of scanned mappings.
@@ -42,6 +44,7 @@ pub mod compose;
 pub mod exact_convert;
 pub mod formats;
 pub mod ftrace;
+pub mod guestmem;
 pub mod kvm;
 pub mod link;
 pub mod plot;

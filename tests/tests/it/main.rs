@@ -3,30 +3,17 @@
 //! a missing prerequisite as a skip; the modules here that still gate at run time with
 //! `vmtsync_tests::require` (a skip there returns early and shows as "ok") are moving there.
 
-mod agent_events;
-mod agent_qemu;
-mod agent_vmm;
 mod anchor;
 mod attach;
-mod causality;
 mod cli;
-mod console;
 mod ctf;
 mod e2e;
 mod kvm_fixtures;
 mod kvm_real;
 mod minimal_kernel;
-mod perf;
 mod perfetto;
-mod placement;
 mod plot;
 mod probe;
-mod probe_bench;
 mod record;
-mod smp;
 mod sync_crash;
-mod tracedat;
 mod util;
-mod validate;
-mod validate_rules;
-mod vsock;

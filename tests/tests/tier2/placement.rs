@@ -19,6 +19,11 @@ use vmtsync_tests::truth::{GuestTruth, Skew};
 use crate::causality::vcpu_thread;
 use crate::util::{QemuAgent, qemu_ready, text};
 
+crate::trials!(
+    qemu_ready;
+    events_are_as_tight_as_their_rounds_and_hold_the_truth,
+);
+
 /// Events to record: at the workload's 400 per second about 5 s, ten rounds 500 ms apart.
 const EVENTS: u64 = 2000;
 
@@ -27,12 +32,8 @@ fn median(v: &mut [u64]) -> u64 {
     v[v.len() / 2]
 }
 
-#[test]
 fn events_are_as_tight_as_their_rounds_and_hold_the_truth() {
     let test = "placement::events_are_as_tight_as_their_rounds_and_hold_the_truth";
-    if !qemu_ready(test) {
-        return;
-    }
     let dir = tempfile::Builder::new()
         .prefix("vmtsync-placement-")
         .tempdir()

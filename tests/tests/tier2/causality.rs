@@ -16,8 +16,14 @@ use serde_json::Value;
 use vmtsync::probe::anchor::DEFAULT_SYNC_PORT;
 use vmtsync_tests::truth::{GuestTruth, Skew};
 
-use crate::util::{HostTrace, QemuAgent, qemu_ready, text, trace_cmd};
+use crate::util::{HostTrace, QemuAgent, qemu_pio_trace_ready, text, trace_cmd};
 use crate::util::{guarded_output, vmtsync};
+
+crate::trials!(
+    qemu_pio_trace_ready;
+    merged_report_puts_each_workload_event_on_the_right_side_of_its_exit,
+    a_drifting_guest_keeps_every_bound_and_a_shift_is_caught,
+);
 
 /// The workload's port: unused on QEMU microvm (no floppy controller), so QEMU answers an
 /// `in` with 0xff and ignores an `out`, both through a userspace exit `kvm_pio` stamps.
@@ -179,12 +185,9 @@ pub(crate) struct Run {
 }
 
 /// Boots the agent with `skew` and the workload, records `EVENTS` events in `format` with
-/// exit-anchored sync rounds, and extracts the host's trace of the workload port; `None`
-/// (after `require` said why) when a tier-2 prerequisite is missing.
-pub(crate) fn recorded_run(test: &str, purpose: &str, skew: &Skew, format: &str) -> Option<Run> {
-    if !qemu_ready(test) {
-        return None;
-    }
+/// exit-anchored sync rounds, and extracts the host's trace of the workload port. Its tests'
+/// gate is [`qemu_pio_trace_ready`].
+pub(crate) fn recorded_run(purpose: &str, skew: &Skew, format: &str) -> Run {
     let dir = tempfile::Builder::new()
         .prefix(&format!("vmtsync-{purpose}-"))
         .tempdir()
@@ -193,7 +196,7 @@ pub(crate) fn recorded_run(test: &str, purpose: &str, skew: &Skew, format: &str)
     // `out` in it is step k; a buffer large enough that no exit is overwritten. The UART's
     // exits too (its data port and status registers) and the agent's default sync port, for
     // the sync probes' own brackets.
-    let mut trace = HostTrace::start(test, purpose, "kvm/kvm_pio")?;
+    let mut trace = HostTrace::start(purpose, "kvm/kvm_pio");
     trace.buffer_kb(8192);
     trace
         .instance()
@@ -253,7 +256,7 @@ pub(crate) fn recorded_run(test: &str, purpose: &str, skew: &Skew, format: &str)
     drop(vm);
     let host = dir.path().join("host.dat");
     trace.extract(&host);
-    Some(Run {
+    Run {
         dir,
         host,
         guest,
@@ -261,7 +264,7 @@ pub(crate) fn recorded_run(test: &str, purpose: &str, skew: &Skew, format: &str)
         probes,
         thread,
         truth,
-    })
+    }
 }
 
 /// The sync file's segments; each must be exit-anchored, by the sync port the agent enables
@@ -348,15 +351,12 @@ fn validate_and_catch_a_shift(test: &str, run: &Run, segments: &[Value], exact: 
 
 /// Identity rate with a non-zero offset: `record` writes raw guest ticks and a TIME_SHIFT, and
 /// `trace-cmd report -i host.dat -i guest.dat` does the merging.
-#[test]
 fn merged_report_puts_each_workload_event_on_the_right_side_of_its_exit() {
     let test = "causality::merged_report_puts_each_workload_event_on_the_right_side_of_its_exit";
     let skew = Skew(vmtsync_core::mapping::KvmTscMapping::offset_only(
         Skew::pick().0.offset(),
     ));
-    let Some(run) = recorded_run(test, "causality-rate1", &skew, "trace-cmd") else {
-        return;
-    };
+    let run = recorded_run("causality-rate1", &skew, "trace-cmd");
     let (host, guest, thread) = (&run.host, &run.guest, run.thread);
     let segments = anchored_segments(&run.sync);
 
@@ -420,12 +420,9 @@ fn merged_report_puts_each_workload_event_on_the_right_side_of_its_exit() {
 /// shifted sync file does worse. Held as a bar too, with the agent's default boot (sync port,
 /// ring 0) and `record`'s default two-sided placement: every event and every sync probe on its
 /// own side of its exit from the first round on (issue 18).
-#[test]
 fn a_drifting_guest_keeps_every_bound_and_a_shift_is_caught() {
     let test = "causality::a_drifting_guest_keeps_every_bound_and_a_shift_is_caught";
-    let Some(run) = recorded_run(test, "causality-skewed", &Skew::pick(), "jsonl") else {
-        return;
-    };
+    let run = recorded_run("causality-skewed", &Skew::pick(), "jsonl");
     let segments = anchored_segments(&run.sync);
     // The rate is bounded away from identity once rounds accumulate.
     assert!(

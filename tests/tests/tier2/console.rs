@@ -16,15 +16,16 @@ use vmtsync_tests::truth::{GuestTruth, Skew};
 use crate::causality::vcpu_thread;
 use crate::util::{QemuAgent, qemu_ready, text};
 
+crate::trials!(
+    qemu_ready;
+    record_console_keeps_every_frame_and_every_console_line,
+);
+
 /// Events to record: one per agent poll that handled messages.
 const EVENTS: u64 = 150;
 
-#[test]
 fn record_console_keeps_every_frame_and_every_console_line() {
     let test = "console::record_console_keeps_every_frame_and_every_console_line";
-    if !qemu_ready(test) {
-        return;
-    }
     let dir = tempfile::Builder::new()
         .prefix("vmtsync-console-")
         .tempdir()

@@ -1,11 +1,6 @@
-//! Tier 2: exit-anchored probing (`--anchor kvm-pio`) on real KVM with QEMU: the agent on a
-//! QEMU serial chardev socket, its COM1 exits read from a private tracefs instance.
-//!
-//! Truth: KVM's mapping of QEMU's vCPU (debugfs) composed with the agent's software skew
-//! (`Skew::pick()`: an offset derived from the host TSC now, rate 1.0001), so the anchored
-//! brackets must contain a line that is not "offset 0, rate 1". Every sample's bracket and
-//! every session's guaranteed interval are checked against it; the instance must be gone
-//! afterwards, also after SIGINT.
+//! Exit-anchored probing (`--anchor kvm-pio`), tier 1: an anchor that cannot be done fails
+//! before connecting. The anchored runs on real KVM with QEMU are the `tier2` target's
+//! `anchor` module.
 
 use std::process::Command;
 

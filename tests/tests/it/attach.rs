@@ -1,9 +1,6 @@
-//! Tier 2: real trace.dat files made here by `trace-cmd extract` (zstd-compressed v7, x86-tsc),
-//! read by our reader and rewritten by `vmtsync trace-cmd attach`, checked with trace-cmd 3.1.6.
-//!
-//! Truth comes from trace-cmd itself: `trace-cmd report` of the input gives every event's CPU,
-//! raw timestamp and name; `dump --events` lists the stored formats. An attached copy must show
-//! every event moved by exactly what the known mapping says.
+//! `vmtsync trace-cmd attach` and `export perf` on fixtures, tier 1: refusals (a truncated
+//! guest trace, an incomplete vCPU map) and the perf argument. The real trace.dat files made
+//! with `trace-cmd extract` are the `tier2` target's `attach` module.
 
 use std::process::Output;
 

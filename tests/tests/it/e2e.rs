@@ -1,5 +1,5 @@
 //! End to end through the real `vmtsync` program: `probe` and `convert --sync` against the
-//! loopback agent (tier 1), then the guest agent under QEMU on real KVM (tier 2): a software
+//! loopback agent (tier 1), then (the `tier2` target) the agent under QEMU on real KVM: a software
 //! skew recovered by probes and undone by `convert`, the KVM debugfs mapping checked against
 //! the agent's own TSC readings, and a VM killed in the middle of a probe run.
 //!

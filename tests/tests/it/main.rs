@@ -1,7 +1,7 @@
-//! vmtsync's tier-1 integration tests: pure logic and fixtures. Each module is one area.
-//! Tier-2 tests (real KVM, QEMU, trace-cmd) belong in the `tier2` target, whose harness reports
-//! a missing prerequisite as a skip; the modules here that still gate at run time with
-//! `vmtsync_tests::require` (a skip there returns early and shows as "ok") are moving there.
+//! vmtsync's tier-1 integration tests: pure logic, fixtures and the loopback agent. Each
+//! module is one area. Tier-2 tests (real KVM, QEMU, debugfs, tracefs, trace-cmd and the other
+//! real readers) are in the `tier2` target, under the same module names, whose harness reports
+//! a missing prerequisite as a skip with its reason, never as a pass.
 
 mod anchor;
 mod attach;

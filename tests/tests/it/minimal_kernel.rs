@@ -2,7 +2,7 @@
 //! as the agent, embedding vmtsync-core.
 //!
 //! Tier 1 counts its glue: the non-blank, non-comment lines between its `vmtsync-glue: begin`
-//! and `vmtsync-glue: end` markers must be at most 30. Tier 2 boots it under QEMU microvm/KVM
+//! and `vmtsync-glue: end` markers must be at most 30. Tier 2 (the `tier2` target) boots it under QEMU microvm/KVM
 //! twice. Once recorded with exit-anchored sync rounds into a trace.dat, read back with
 //! trace-cmd itself: every event the kernel records is there (ids and sequence numbers), each
 //! within the recording's guaranteed width of the truth, which comes from KVM's debugfs

@@ -1,14 +1,5 @@
-//! Perfetto traces (`vmtsync export perfetto`, `vmtsync record --format perfetto`) read back by
-//! Perfetto's own trace processor (v55.3, its wasm build under Node, through our glue
-//! `tests/assets/trace_processor_query.mjs`), with SQL.
-//!
-//! Truth from outside the writer: this file reads CLOCK_BOOTTIME and the TSC itself (libc, not
-//! vmtsync's snapshot code) to check that the trace's BOOTTIME is the host's, that a guest event
-//! lines up with a host Perfetto event stamped with the test's own BOOTTIME reading, and that
-//! events recorded between two readings land between them; the loopback agent's events have a
-//! known true host tick (guest − skew), the QEMU agent's come from KVM's debugfs mapping
-//! composed with the agent's software skew. The exporter's own numbers are checked against an
-//! independent re-computation from the snapshots the trace processor reports.
+//! `vmtsync export perfetto`, tier 1: a recording from another boot is refused. The traces
+//! read back by Perfetto's trace processor are the `tier2` target's `perfetto` module.
 
 use vmtsync::hosttsc::read_host_tsc;
 

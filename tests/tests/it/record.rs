@@ -3,7 +3,7 @@
 //!
 //! Tier 1 uses the loopback agent (`vmtsync_tests::fake_agent`): its events are stamped with
 //! the host TSC plus a known skew, so each event's true host tick is its guest tick minus the
-//! skew, exactly. Tier 2 boots the real agent under QEMU with a workload and a software skew
+//! skew, exactly. Tier 2 (the `tier2` target) boots the real agent under QEMU with a workload and a software skew
 //! derived from the host TSC (rate 1.0001 or 1), and takes the truth from KVM's debugfs
 //! mapping composed with that skew (`vmtsync_tests::truth`).
 

@@ -421,7 +421,7 @@ fn check_recorded(
     all
 }
 
-/// Tier 1: `record --format perfetto` from the loopback agent (true host tick = guest − skew):
+/// Tier 2 (node, the trace processor): `record --format perfetto` from the loopback agent (true host tick = guest − skew):
 /// every event between the test's BOOTTIME readings before and after, its interval around the
 /// truth.
 fn loopback_recording_in_perfetto_sits_on_the_host_boottime() {

@@ -35,7 +35,6 @@ fn tsc_offset_trace_ready(test: &str) -> bool {
 }
 
 /// `trace-cmd dump -v` exits non-zero on a file it cannot parse (report does not).
-
 pub(crate) fn assert_dump_ok(path: &Path) {
     let o = trace_cmd(&["dump", "-v", "-i", path.to_str().unwrap()]);
     assert!(

@@ -10,13 +10,12 @@
 //! docs/validate.md.
 
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
 
 use serde_json::Value;
 use vmtsync::probe::anchor::DEFAULT_SYNC_PORT;
 use vmtsync_tests::truth::{GuestTruth, Skew};
 
-use crate::util::{HostTrace, QemuAgent, qemu_pio_trace_ready, text, trace_cmd};
+use crate::util::{HostTrace, QemuAgent, qemu_pio_trace_ready, text, trace_cmd, wait_vcpu_thread};
 use crate::util::{guarded_output, vmtsync};
 
 crate::trials!(
@@ -99,18 +98,6 @@ fn merged_order(host: &Path, guest: &Path, thread: u64) -> Order {
         }
     }
     ord
-}
-
-/// The host thread of the VM's first vCPU, once `vmtsync kvm` shows it.
-pub(crate) fn vcpu_thread(pid: u32) -> Option<u64> {
-    let o = guarded_output(
-        vmtsync().args(["kvm", "--json", "--vm", &pid.to_string()]),
-        b"",
-    );
-    let v: Value = serde_json::from_slice(&o.stdout).unwrap_or(Value::Null);
-    v["vms"][0]["vcpus"][0]["thread_pid"]
-        .as_u64()
-        .filter(|&t| t != 0)
 }
 
 /// `vmtsync validate ARGS --json`: its exit code, JSON report and stderr.
@@ -213,19 +200,7 @@ pub(crate) fn recorded_run(purpose: &str, skew: &Skew, format: &str) -> Run {
         skew.agent_option()
     );
     let vm = QemuAgent::boot(dir.path(), &append);
-    // The anchor needs the VM's vCPU thread, which debugfs names (a non-zero `pid`) only once
-    // the vCPU has run, a little after QEMU's socket appears.
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let thread = loop {
-        if let Some(t) = vcpu_thread(vm.guard.pid()) {
-            break t;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "vcpu0's thread never appeared in KVM debugfs"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    let thread = wait_vcpu_thread(vm.guard.pid());
     let truth = GuestTruth::read(vm.guard.pid(), 0, Some(*skew)).expect("truth from debugfs");
     let guest = dir.path().join(if format == "jsonl" {
         "guest.jsonl"

@@ -14,18 +14,18 @@
 
 use std::collections::BTreeSet;
 use std::path::Path;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use vmtsync_core::{GuestTicks, HostTicks};
 use vmtsync_launch::agent::{Guest, guest_elf};
 use vmtsync_tests::truth::{GuestTruth, truth_mapping};
 use vmtsync_tests::vmm::qemu::debug_exit_status;
 
-use crate::causality::{run_validate, vcpu_thread};
+use crate::causality::run_validate;
 use crate::tracedat::{assert_dump_ok, report};
 use crate::util::{
     HostTrace, QemuAgent, anchor_ready, host_trace_ready, read_jsonl, scratch, seq_of, text, u,
-    vm_ready,
+    vm_ready, wait_vcpu_thread,
 };
 
 crate::trials!(
@@ -208,15 +208,7 @@ fn minimal_kernel_events_land_in_trace_cmd_on_the_host_timeline() {
         .unwrap();
     trace.instance().enable("kvm/kvm_pio").unwrap();
     let mut vm = QemuAgent::boot_elf(&elf, dir.path(), false);
-    // The anchor needs the vCPU's host thread, which debugfs names once the vCPU has run.
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let thread = loop {
-        if let Some(t) = vcpu_thread(vm.guard.pid()) {
-            break t;
-        }
-        assert!(Instant::now() < deadline, "vcpu0's thread never appeared");
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    let thread = wait_vcpu_thread(vm.guard.pid());
     let dat = dir.path().join("guest.dat");
     let sync = dir.path().join("sync.jsonl");
     let n = 2 * REQUESTS;

@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
+use serde_json::Value;
 use vmtsync::ftrace::Instance;
 use vmtsync_tests::truth::truth_ready;
 use vmtsync_tests::vmm::agent_elf;
@@ -300,5 +301,34 @@ impl HostTrace {
             .output()
             .unwrap();
         assert!(o.status.success(), "extract: {}", text(&o.stderr));
+    }
+}
+
+/// The host thread of the VM's first vCPU, once `vmtsync kvm` shows it.
+fn vcpu_thread(pid: u32) -> Option<u64> {
+    let o = guarded_output(
+        vmtsync().args(["kvm", "--json", "--vm", &pid.to_string()]),
+        b"",
+    );
+    let v: Value = serde_json::from_slice(&o.stdout).unwrap_or(Value::Null);
+    v["vms"][0]["vcpus"][0]["thread_pid"]
+        .as_u64()
+        .filter(|&t| t != 0)
+}
+
+/// The host thread of the VM's first vCPU (QEMU `pid`), waiting (at most 20 s) until KVM
+/// debugfs names it: it does once the vCPU has run, a little after QEMU's socket appears, and
+/// anchoring and the truth need it.
+pub(crate) fn wait_vcpu_thread(pid: u32) -> u64 {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        if let Some(t) = vcpu_thread(pid) {
+            return t;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "vcpu0's thread never appeared in KVM debugfs"
+        );
+        std::thread::sleep(Duration::from_millis(20));
     }
 }

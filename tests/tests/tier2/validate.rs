@@ -8,13 +8,12 @@
 //! sync-port matcher too.
 
 use std::path::Path;
-use std::time::{Duration, Instant};
 
 use serde_json::Value;
 use vmtsync_tests::truth::Skew;
 
-use crate::causality::{run_validate, shifted, vcpu_thread};
-use crate::util::{HostTrace, boot_qemu, qemu_pio_trace_ready, text};
+use crate::causality::{run_validate, shifted};
+use crate::util::{HostTrace, boot_qemu, qemu_pio_trace_ready, text, wait_vcpu_thread};
 use crate::util::{guarded_output, vmtsync};
 
 crate::trials!(
@@ -110,17 +109,7 @@ fn a_real_runs_probes_validate_and_a_shifted_sync_file_is_caught_on_them() {
             skew.agent_option()
         ),
     );
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let thread = loop {
-        if let Some(t) = vcpu_thread(qemu_guard.pid()) {
-            break t;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "vcpu0's thread never appeared in KVM debugfs"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    let thread = wait_vcpu_thread(qemu_guard.pid());
     let (sync, log) = (
         dir.path().join("sync.jsonl"),
         dir.path().join("probes.jsonl"),

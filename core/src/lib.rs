@@ -30,6 +30,7 @@
 //! on a 16550 UART and on virtio-vsock.
 #![no_std]
 #![deny(unsafe_code)]
+#![deny(missing_docs)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 #[cfg(test)]

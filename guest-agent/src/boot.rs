@@ -18,6 +18,58 @@
 
 use core::arch::{asm, global_asm};
 
+/// The switch to long mode that the BSP's 32-bit entry and the APs' 16-bit trampoline share, as
+/// AT&T assembly text for `global_asm!`: load the GDT from pseudo-descriptor `$gdtr`, enable PAE,
+/// load CR3 from `$cr3` (an immediate or a memory operand), set EFER.LME, then turn on protection
+/// and paging together (a no-op for PE when already in protected mode) and far-jump to `$entry`
+/// in the GDT's 64-bit code segment (selector 0x08). Both paths assemble the same instructions
+/// from this one text, so they cannot drift apart; the assembler's current `.code16`/`.code32`
+/// mode picks the operand-size prefixes.
+macro_rules! enter_long_mode {
+    ($gdtr:literal, $cr3:literal, $entry:literal) => {
+        concat!(
+            "lgdtl ",
+            $gdtr,
+            "\n",
+            "movl %cr4, %eax\n",
+            "orl $0x20, %eax\n",
+            "movl %eax, %cr4\n",
+            "movl ",
+            $cr3,
+            ", %eax\n",
+            "movl %eax, %cr3\n",
+            "movl $0xC0000080, %ecx\n",
+            "rdmsr\n",
+            "orl $0x100, %eax\n",
+            "wrmsr\n",
+            "movl %cr0, %eax\n",
+            "orl $0x80000001, %eax\n",
+            "movl %eax, %cr0\n",
+            "ljmpl $0x08, $",
+            $entry,
+            "\n",
+        )
+    };
+}
+pub(crate) use enter_long_mode;
+
+/// The first 64-bit instructions after [`enter_long_mode`]'s far jump, shared the same way: the
+/// flat data segment (selector 0x10) in DS, ES and SS, and null FS and GS. They clobber `eax`.
+macro_rules! load_data_segments {
+    () => {
+        concat!(
+            "movl $0x10, %eax\n",
+            "movl %eax, %ds\n",
+            "movl %eax, %es\n",
+            "movl %eax, %ss\n",
+            "xorl %eax, %eax\n",
+            "movl %eax, %fs\n",
+            "movl %eax, %gs\n",
+        )
+    };
+}
+pub(crate) use load_data_segments;
+
 /// GDT selector of the DPL-3 data segment, with RPL 3.
 const USER_DS: u64 = 0x18 | 3;
 /// GDT selector of the DPL-3 64-bit code segment, with RPL 3.
@@ -95,34 +147,14 @@ pvh_start32:
     xorl %eax, %eax
     rep stosb
 
-    movl %cr4, %eax
-    orl $0x20, %eax
-    movl %eax, %cr4
-
-    movl $boot_pml4, %eax
-    movl %eax, %cr3
-
-    movl $0xC0000080, %ecx
-    rdmsr
-    orl $0x100, %eax
-    wrmsr
-
-    movl %cr0, %eax
-    orl $0x80000001, %eax
-    movl %eax, %cr0
-
-    lgdtl boot_gdt_ptr
-    ljmpl $0x08, $boot_long_entry
-
+    "#,
+    enter_long_mode!("boot_gdt_ptr", "$boot_pml4", "boot_long_entry"),
+    r#"
     .code64
 boot_long_entry:
-    movl $0x10, %eax
-    movl %eax, %ds
-    movl %eax, %es
-    movl %eax, %ss
-    xorl %eax, %eax
-    movl %eax, %fs
-    movl %eax, %gs
+    "#,
+    load_data_segments!(),
+    r#"
     movabsq $__stack_top, %rsp
     movl %esi, %edi
     call kmain

@@ -23,7 +23,7 @@ use core::sync::atomic::{AtomicBool, Ordering};
 use vmtsync_core::agent::{Agent, AgentClock, Link, LinkError};
 use vmtsync_core::arch::{PortIo, Tsc};
 use vmtsync_core::proto::Transport;
-use vmtsync_core::recorder::{EventSources, Mode, ReadError, Record, Recorder, Ring};
+use vmtsync_core::recorder::{EventSources, Mode, ReadError, Record, Recorder, Ring, RingRef};
 
 /// Event id of a handled message (`events=N`).
 pub const MESSAGE_EVENT: u16 = 1;
@@ -292,12 +292,7 @@ impl Workload {
 
     /// Emits every event due by now (at most [`MAX_BURST`]); returns how many were recorded
     /// (refused ones are counted by the ring as dropped).
-    pub fn tick<const CAP: usize>(
-        &mut self,
-        ring: &Ring<CAP>,
-        tsc: &impl Tsc,
-        io: &impl PortIo,
-    ) -> u64 {
+    pub fn tick(&mut self, ring: RingRef<'_>, tsc: &impl Tsc, io: &impl PortIo) -> u64 {
         let now = tsc.read_ordered();
         // Ticks by which the next event is overdue (negative: not yet due).
         let overdue = |due: u64| now.wrapping_sub(due).cast_signed();
@@ -463,7 +458,7 @@ mod tests {
         let io = IoLog::default();
         let mut ticks = 0;
         while !w.done() {
-            w.tick(&RING, &tsc, &io);
+            w.tick(RING.view(), &tsc, &io);
             ticks += 1;
             assert!(ticks < 10_000, "the workload never finished");
         }
@@ -479,7 +474,11 @@ mod tests {
             "{recs:?}"
         );
         assert!(io.0.borrow().is_empty());
-        assert_eq!(w.tick(&RING, &tsc, &io), 0, "done means no more events");
+        assert_eq!(
+            w.tick(RING.view(), &tsc, &io),
+            0,
+            "done means no more events"
+        );
         assert!(Workload::new(0, 5, None, 1000, 0).is_none());
     }
 
@@ -491,7 +490,7 @@ mod tests {
         let mut w = Workload::new(1_000_000, 0, Some(0x3f0), 1_000_000, 0).unwrap();
         let io = IoLog::default();
         tsc.advance(1_000_000_000);
-        let n = w.tick(&RING, &tsc, &io);
+        let n = w.tick(RING.view(), &tsc, &io);
         assert_eq!(n, MAX_BURST);
         let log = io.0.borrow();
         assert_eq!(log.len(), 2 * usize::try_from(n).unwrap());

@@ -24,22 +24,3 @@ pub mod pvh;
 pub mod tsc;
 pub mod vsock;
 pub mod vsock_stream;
-
-/// The ELF's logger lives in the binary (`src/main.rs`), but core's `defmt` feature is on for
-/// every build of this crate, so the host unit-test binary needs the defmt symbols too. This
-/// logger discards frames: the unit tests check behaviour, the real-boot tests check logs.
-#[cfg(test)]
-mod test_logger {
-    #[defmt::global_logger]
-    struct Discard;
-
-    // SAFETY: no state; every call is a no-op, so nesting and ordering cannot go wrong.
-    unsafe impl defmt::Logger for Discard {
-        fn acquire() {}
-        unsafe fn flush() {}
-        unsafe fn release() {}
-        unsafe fn write(_bytes: &[u8]) {}
-    }
-
-    defmt::timestamp!("{=u64}", 0);
-}

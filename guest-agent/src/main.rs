@@ -67,11 +67,13 @@ use vmtsync_agent::options::{MAX_VCPUS, Options, TxOrder, Wire};
 use vmtsync_agent::tsc::SkewedTsc;
 use vmtsync_agent::{port, pvh};
 use vmtsync_core::agent::{Agent, AgentClock as _, AgentState};
-use vmtsync_core::recorder::Recorder;
+use vmtsync_core::recorder::{ClockKind, HeaderInfo, MemRecorder, Mode, Recorder, Slot};
 
 use vmtsync_core::arch::cpuid::kvm_info;
 use vmtsync_core::arch::uart16550::{Delimit, Uart16550};
-use vmtsync_core::arch::x86_64::{NativeClock, NativeCpuid, NativeTsc, register_pvclock};
+use vmtsync_core::arch::x86_64::{
+    NativeClock, NativeCpuid, NativeTsc, boot_nonce, register_pvclock,
+};
 use vmtsync_core::arch::{NativePorts, PvclockPage, Tsc};
 use vmtsync_core::pvclock::PvclockVcpuTimeInfo;
 
@@ -99,6 +101,29 @@ const AP_EVENT_RING: usize = 256;
 /// The application processors' event rings, by APIC id: AP N alone produces into ring N
 /// (`smp.rs`), the protocol loop drains them with the boot vCPU's ([`agent_events`]).
 static AP_EVENTS: Recorder<MAX_VCPUS, AP_EVENT_RING> = Recorder::new();
+
+/// Records per ring of the recorder a host reads from guest memory (`transport=none`):
+/// 16 Ki records, 512 KiB of .bss.
+const MEM_RING: usize = 16 * 1024;
+
+/// Rings of that recorder: one, the boot vCPU's (ring 0; under QEMU the boot vCPU is
+/// `vcpu0`). The application processors record nothing with `transport=none`.
+const MEM_VCPUS: usize = 1;
+
+/// The slots of that recorder's storage, header included.
+const MEM_SLOTS: usize = match MemRecorder::storage_slots(MEM_VCPUS, MEM_RING) {
+    Some(n) => n,
+    None => panic!("the in-memory recorder's shape is invalid"),
+};
+
+/// Storage for the recorder a host reads from guest memory, 64-byte aligned as the layout
+/// requires. It is all zero in the image (.bss), so no copy of the image holds a header; the
+/// agent lays it out and publishes it at run time ([`serve_memory`]), in the mode `flight=`
+/// picks.
+#[repr(C, align(64))]
+struct MemStorage([Slot; MEM_SLOTS]);
+
+static MEM_STORAGE: MemStorage = MemStorage([const { Slot::new() }; MEM_SLOTS]);
 
 /// Every event ring, as the agent drains them.
 fn agent_events() -> AgentEvents<'static, EVENT_RING, MAX_VCPUS, AP_EVENT_RING> {
@@ -364,8 +389,10 @@ extern "C" fn serve(ctx: usize) -> ! {
         &ctx.opts,
         format_args!("vmtsync-agent: serving at CPL {}\n", port::cpl()),
     );
-    if ctx.opts.transport == vmtsync_agent::options::Transport::Vsock {
-        serve_vsock::serve(ctx);
+    match ctx.opts.transport {
+        vmtsync_agent::options::Transport::Vsock => serve_vsock::serve(ctx),
+        vmtsync_agent::options::Transport::None => serve_memory(ctx),
+        vmtsync_agent::options::Transport::Uart => {}
     }
     match ctx.opts.wire {
         Wire::Postcard => serve_postcard(ctx),
@@ -390,6 +417,89 @@ fn agent_clock(ctx: &Ctx) -> (smp::SmpClock<GuestClock<NativeClock>>, SkewedTsc<
     )
 }
 
+/// `transport=none`: no link and no poll loop. Publishes the recorder header in guest memory,
+/// records the workload into ring 0 with a sync beacon before the first event, after every
+/// `beacons=K` events and after the last, and halts the boot vCPU once a finite workload is
+/// done (the VM stays up, so a host can read the rest of the records after that).
+fn serve_memory(ctx: &Ctx) -> ! {
+    let opts = &ctx.opts;
+    let mode = if opts.flight {
+        Mode::Overwrite
+    } else {
+        Mode::StopWhenFull
+    };
+    let Ok(rec) = MemRecorder::init(&MEM_STORAGE.0, MEM_VCPUS, MEM_RING, mode) else {
+        defmt::error!("memory: the recorder's storage does not fit its layout");
+        port::halt_forever();
+    };
+    let Some(ring) = rec.ring(0) else {
+        port::halt_forever();
+    };
+    let skew = opts.skew_of(ctx.vcpu());
+    let tsc = SkewedTsc {
+        tsc: ctx.tsc(),
+        skew,
+    };
+    // The records hold the raw TSC exactly when the skew is the identity (offset 0, ratio
+    // 1.0); any other skew is a guest clock the host can place only through beacons.
+    let raw = skew.offset == 0 && skew.frac_bits < 64 && skew.ratio == 1 << skew.frac_bits;
+    let beacon_port = opts.sync_port.filter(|_| opts.beacon_every > 0);
+    let header = rec.publish(&HeaderInfo {
+        nonce: boot_nonce(&NativeCpuid),
+        tsc_khz: ctx.clock.tsc_khz().map_or(0, u64::from),
+        clock: if raw {
+            ClockKind::RawTsc
+        } else {
+            ClockKind::Other
+        },
+        beacon_port: beacon_port.unwrap_or(0),
+    });
+    log!(
+        "ready: recorder in memory at {=u64:#x}, nonce {=u64:#x}, {=u32} ring of {=u64} \
+         ({}), clock {=u32}, beacon port {=u16:#x}, vcpu {}",
+        MEM_STORAGE.0.as_ptr() as u64,
+        header.nonce,
+        header.vcpus,
+        header.capacity,
+        defmt::Debug2Format(&mode),
+        header.clock,
+        header.beacon_port,
+        ctx.vcpu()
+    );
+    let ports = native_ports();
+    let beacon = || {
+        if let Some(port) = beacon_port {
+            let _ = ring.beacon(&tsc, &ports, port);
+        }
+    };
+    beacon();
+    let Some(mut load) = workload(ctx, &tsc) else {
+        log!("memory: no workload; halting");
+        port::halt_forever();
+    };
+    let every = u64::from(opts.beacon_every);
+    let mut since_beacon = 0;
+    loop {
+        since_beacon += load.tick(ring, &tsc, &ports);
+        // A tick emits a burst of at most 64 overdue events, so a beacon follows the burst
+        // in which the K-th event since the last one was recorded.
+        if every > 0 && since_beacon >= every {
+            beacon();
+            since_beacon = 0;
+        }
+        if load.done() {
+            beacon();
+            log!(
+                "memory: workload done, {=u64} events, {=u64} refused, {=u64} beacons; halting",
+                load.emitted(),
+                ring.refused(),
+                ring.beacons()
+            );
+            port::halt_forever();
+        }
+    }
+}
+
 fn serve_postcard(ctx: &Ctx) -> ! {
     let opts = &ctx.opts;
     let (clock, tsc) = agent_clock(ctx);
@@ -407,7 +517,7 @@ fn serve_postcard(ctx: &Ctx) -> ! {
         let polled = agent.poll().map(|p| p.state);
         events.after_poll(&agent, EVENTS.ring(), &tsc);
         if let Some(w) = &mut load {
-            w.tick(EVENTS.ring(), &tsc, &ports);
+            w.tick(EVENTS.ring().view(), &tsc, &ports);
         }
         agent.link_mut().rearm();
         let s = agent.stats();

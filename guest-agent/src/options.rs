@@ -1,8 +1,16 @@
 //! Boot options from the PVH command line: space-separated `key=value` words.
 //!
-//! - `transport=uart|vsock`: probes over COM1 (default), or over a virtio-vsock stream on
-//!   `port=N` (default [`DEFAULT_VSOCK_PORT`]) that the agent opens to the host (CID 2)
-//!   (`vsock=connect`, the default) or accepts from the host (`vsock=listen`).
+//! - `transport=uart|vsock|none`: probes over COM1 (default), or over a virtio-vsock stream
+//!   on `port=N` (default [`DEFAULT_VSOCK_PORT`]) that the agent opens to the host (CID 2)
+//!   (`vsock=connect`, the default) or accepts from the host (`vsock=listen`); or `none`: no
+//!   probes and no poll loop. The agent publishes its recorder's header in guest memory
+//!   (docs/memory-layout.md), records its `workload=` there with a sync beacon every
+//!   `beacons=K` events on the sync port, and a host reads the rings out of guest memory.
+//!   When a finite workload is done it emits a last beacon and halts the boot vCPU, leaving
+//!   the VM (and the records) in place for the host to read.
+//! - `beacons=K`: with `transport=none`, a sync beacon after every K workload events, plus
+//!   one before the first and one after the last (default [`DEFAULT_BEACON_EVERY`]; 0: no
+//!   beacons). Beacons use the `syncport=` port; `syncport=off` means no beacons.
 //! - `virtio_mmio.device=SIZE@BASE:IRQ`: a virtio-mmio transport, in Linux's syntax, which QEMU
 //!   `microvm` (with `acpi=off`) appends for each plugged device; `transport=vsock` looks for
 //!   its socket device among them before trying PCI. Up to [`MAX_VIRTIO_MMIO`] are kept.
@@ -61,7 +69,14 @@ pub enum Transport {
     Uart,
     /// virtio-vsock over PCI: a stream connection to host CID 2, port [`Options::vsock_port`].
     Vsock,
+    /// No transport: the host reads the recorder out of guest memory.
+    None,
 }
+
+/// Workload events between two sync beacons with `transport=none`, unless `beacons=` says
+/// otherwise: a beacon costs two port exits, so one per 64 events keeps their share of the
+/// guest's time small while anchoring every stretch of a fast workload.
+pub const DEFAULT_BEACON_EVERY: u32 = 64;
 
 /// The host vsock port the agent connects to unless `port=` says otherwise.
 pub const DEFAULT_VSOCK_PORT: u32 = 1234;
@@ -132,6 +147,8 @@ pub struct Options {
     pub uart_tx: TxOrder,
     /// `console=N`: a console line on COM1 after every N-th message (0: no console text).
     pub console: u32,
+    /// `beacons=K`: with `transport=none`, a sync beacon every K workload events (0: none).
+    pub beacon_every: u32,
 }
 
 /// Why an option word was rejected.
@@ -162,6 +179,7 @@ impl Default for Options {
             sync_port: Some(DEFAULT_SYNC_PORT),
             uart_tx: TxOrder::WriteThenWait,
             console: 0,
+            beacon_every: DEFAULT_BEACON_EVERY,
         }
     }
 }
@@ -188,6 +206,7 @@ impl Options {
             b"transport" => match value {
                 b"uart" => self.transport = Transport::Uart,
                 b"vsock" => self.transport = Transport::Vsock,
+                b"none" => self.transport = Transport::None,
                 _ => return Err(OptionError::BadValue),
             },
             b"wire" => match value {
@@ -207,6 +226,10 @@ impl Options {
             b"events" => {
                 let v = parse_u64(value).ok_or(OptionError::BadValue)?;
                 self.events = u32::try_from(v).map_err(|_| OptionError::BadValue)?;
+            }
+            b"beacons" => {
+                self.beacon_every = u32::try_from(parse_u64(value).ok_or(OptionError::BadValue)?)
+                    .map_err(|_| OptionError::BadValue)?;
             }
             b"console" => {
                 let v = parse_u64(value).ok_or(OptionError::BadValue)?;
@@ -432,6 +455,22 @@ mod tests {
                 frac_bits: 1
             }
         );
+    }
+
+    #[test]
+    fn transport_none_takes_a_beacon_interval() {
+        let (o, errs) = parse("transport=none beacons=16 beacons=x beacons=4294967296");
+        let kinds: Vec<_> = errs.iter().map(|(w, e)| (w.as_str(), *e)).collect();
+        assert_eq!(
+            kinds,
+            [
+                ("beacons=x", OptionError::BadValue),
+                ("beacons=4294967296", OptionError::BadValue)
+            ]
+        );
+        assert_eq!((o.transport, o.beacon_every), (Transport::None, 16));
+        assert_eq!(Options::default().beacon_every, DEFAULT_BEACON_EVERY);
+        assert_eq!(parse("beacons=0").0.beacon_every, 0);
     }
 
     #[test]

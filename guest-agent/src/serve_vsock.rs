@@ -143,7 +143,7 @@ fn run_session(ctx: &Ctx, mut link: VsockLink<Stream, NativeTsc>) -> Stream {
         let polled = agent.poll().map(|p| p.state);
         events.after_poll(&agent, crate::EVENTS.ring(), &tsc);
         if let Some(w) = &mut load {
-            w.tick(crate::EVENTS.ring(), &tsc, &ports);
+            w.tick(crate::EVENTS.ring().view(), &tsc, &ports);
         }
         match polled {
             Ok(AgentState::Exited) => {

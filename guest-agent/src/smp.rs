@@ -24,6 +24,8 @@ use core::arch::{asm, global_asm};
 use core::cell::UnsafeCell;
 use core::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
+use crate::boot::{enter_long_mode, load_data_segments};
+
 use vmtsync_agent::events::AP_PROBE_EVENT;
 use vmtsync_agent::options::{MAX_VCPUS, Options};
 use vmtsync_agent::port::outw;
@@ -373,32 +375,17 @@ ap_trampoline:
 1:
     xorw %ax, %ax
     movw %ax, %ds
-    lgdtl {tramp} + 8
-    movl %cr4, %eax
-    orl $0x20, %eax
-    movl %eax, %cr4
-    movl {tramp} + 16, %eax
-    movl %eax, %cr3
-    movl $0xC0000080, %ecx
-    rdmsr
-    orl $0x100, %eax
-    wrmsr
-    movl %cr0, %eax
-    orl $0x80000001, %eax
-    movl %eax, %cr0
-    ljmpl $0x08, $ap_long_entry
+    "#,
+    enter_long_mode!("{tramp} + 8", "{tramp} + 16", "ap_long_entry"),
+    r#"
 ap_trampoline_end:
 
     .section .text.ap_entry, "ax"
     .code64
 ap_long_entry:
-    movl $0x10, %eax
-    movl %eax, %ds
-    movl %eax, %es
-    movl %eax, %ss
-    xorl %eax, %eax
-    movl %eax, %fs
-    movl %eax, %gs
+    "#,
+    load_data_segments!(),
+    r#"
     movl $1, %eax
     lock xaddl %eax, {next}(%rip)
     cmpl ${max_aps}, %eax

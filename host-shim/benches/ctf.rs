@@ -10,8 +10,8 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use vmtsync::export::ctf::{CtfOptions, GuestCtf, GuestFields};
-use vmtsync::export::{Bound, ExportEvent, Payload};
+use vmtsync::formats::ctf::{CtfOptions, GuestCtf, GuestFields};
+use vmtsync::formats::{Bound, ExportEvent, Payload};
 
 const EVENTS: u64 = 1 << 20;
 

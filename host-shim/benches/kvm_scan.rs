@@ -7,10 +7,10 @@ use std::hint::black_box;
 use std::path::{Path, PathBuf};
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use vmtsync::debugfs::KvmDebugfs;
 use vmtsync::exact_convert::{ConvertOptions, Direction, Rounding, convert_stream};
-use vmtsync::procinfo::ProcFs;
-use vmtsync::scan::Scanner;
+use vmtsync::kvm::debugfs::KvmDebugfs;
+use vmtsync::kvm::procinfo::ProcFs;
+use vmtsync::kvm::scan::Scanner;
 use vmtsync_core::mapping::KvmTscMapping;
 
 /// Writes a KVM debugfs tree like an Intel host with TSC scaling: `vms` VMs of `vcpus` vCPUs,

@@ -12,9 +12,9 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use vmtsync::export::perfetto::clock::{BootClock, ClockSnapshot};
-use vmtsync::export::perfetto::{PerfettoOptions, PerfettoWriter};
-use vmtsync::export::{Bound, ExportEvent, Payload};
+use vmtsync::formats::perfetto::clock::{BootClock, ClockSnapshot};
+use vmtsync::formats::perfetto::{PerfettoOptions, PerfettoWriter};
+use vmtsync::formats::{Bound, ExportEvent, Payload};
 
 const EVENTS: u64 = 1 << 20;
 

@@ -10,7 +10,7 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use vmtsync::tracedat::{FileVersion, TraceDatWriter, WriterOptions};
+use vmtsync::formats::tracedat::{FileVersion, TraceDatWriter, WriterOptions};
 
 const EVENTS: u64 = 1 << 20;
 

@@ -16,7 +16,7 @@
 use std::process::ExitCode;
 use std::time::Instant;
 
-use vmtsync::tracedat::{
+use vmtsync::formats::tracedat::{
     ShiftMode, SyncSegment, TimeShift, TraceDatWriter, WriterOptions, attach_time_shift,
     cpu_time_ranges, for_each_record, read_layout,
 };
@@ -52,7 +52,7 @@ fn run(
     mb: u64,
     payload: usize,
     runs: usize,
-) -> Result<String, vmtsync::tracedat::TraceDatError> {
+) -> Result<String, vmtsync::formats::tracedat::TraceDatError> {
     let guest = dir.join(format!("attach-time-{}-{payload}.dat", std::process::id()));
     let out = dir.join(format!(
         "attach-time-{}-{payload}.out.dat",
@@ -70,7 +70,7 @@ fn measure(
     mb: u64,
     payload: usize,
     runs: usize,
-) -> Result<String, vmtsync::tracedat::TraceDatError> {
+) -> Result<String, vmtsync::formats::tracedat::TraceDatError> {
     // 4 bytes of header plus 12 (no payload) or 32 bytes of record per event.
     let per_event = if payload == 0 { 16 } else { 36 };
     let events = mb * 1_000_000 / per_event;

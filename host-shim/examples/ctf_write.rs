@@ -13,8 +13,8 @@
 
 use std::process::ExitCode;
 
-use vmtsync::export::ctf::{CtfOptions, GuestCtf, GuestFields};
-use vmtsync::export::{Bound, ExportEvent, Payload};
+use vmtsync::formats::ctf::{CtfOptions, GuestCtf, GuestFields};
+use vmtsync::formats::{Bound, ExportEvent, Payload};
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().collect();
@@ -33,7 +33,7 @@ fn main() -> ExitCode {
         name: "ctf_write".into(),
         env: Vec::new(),
     };
-    let run = || -> Result<u64, vmtsync::export::ExportError> {
+    let run = || -> Result<u64, vmtsync::formats::ExportError> {
         let mut w = GuestCtf::create(out.as_ref(), &opts, GuestFields::ALL)?;
         let mut ts = 1_000_000u64;
         for i in 0..n {

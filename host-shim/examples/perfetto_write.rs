@@ -14,8 +14,8 @@
 
 use std::process::ExitCode;
 
-use vmtsync::export::perfetto::{PerfettoOptions, PerfettoWriter, boot_clock_now};
-use vmtsync::export::{Bound, ExportEvent, Payload};
+use vmtsync::formats::perfetto::{PerfettoOptions, PerfettoWriter, boot_clock_now};
+use vmtsync::formats::{Bound, ExportEvent, Payload};
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().collect();

@@ -14,7 +14,7 @@
 
 use std::process::ExitCode;
 
-use vmtsync::tracedat::{
+use vmtsync::formats::tracedat::{
     FileVersion, ShiftMode, SyncSegment, TimeShift, TraceDatWriter, WriterOptions,
 };
 use vmtsync_core::HostTicks;
@@ -36,7 +36,7 @@ fn main() -> ExitCode {
     } else {
         FileVersion::V7
     };
-    let run = || -> Result<(), vmtsync::tracedat::TraceDatError> {
+    let run = || -> Result<(), vmtsync::formats::tracedat::TraceDatError> {
         let mut w = TraceDatWriter::create(path.as_ref(), opts)?;
         let mut ts = 1_000_000u64;
         for i in 0..n {

@@ -1,12 +1,14 @@
 //! Output files written atomically: the bytes go to a temporary file beside the target, which
 //! is synced and then renamed into place, so a reader (or whatever a crash leaves) sees the
 //! old file or the whole new one, never a part. A temporary file that is dropped uncommitted
-//! is removed; a crash leaves at most a `.vmtsync-*.tmp` file beside the target.
+//! is removed; a crash leaves at most a `.vmtsync-*.tmp` file beside the target. The one
+//! exception is a live file ([`AtomicFile::live`], `vmtsync record`'s JSON Lines): it is
+//! written at `OUT.partial`, to be followed while it grows, and kept by a run that ends early.
 //!
-//! Output files go through here (the trace.dat writer does the same with its own temporary
-//! file), except the appended part of a sync file, which is read while it is written (see
-//! [`crate::syncfile`] for why that is appended and how readers stay safe); its creation (the
-//! header) goes through here too.
+//! Every output file goes through here (a CTF trace is a directory, which its writer renames
+//! into place the same way), except the appended part of a sync file, which is read while it
+//! is written (see [`crate::syncfile`] for why that is appended and how readers stay safe);
+//! its creation (the header) goes through here too.
 
 use std::fs::File;
 use std::io::{self, Seek, SeekFrom, Write};
@@ -20,27 +22,67 @@ use tempfile::NamedTempFile;
 /// place.
 #[derive(Debug)]
 pub struct AtomicFile {
-    tmp: NamedTempFile,
+    tmp: Temp,
     target: PathBuf,
+}
+
+/// Where the bytes wait until the commit.
+#[derive(Debug)]
+enum Temp {
+    /// A randomly named file, removed when dropped uncommitted.
+    Hidden(NamedTempFile),
+    /// `<target>.partial`, kept when dropped uncommitted so a killed run leaves what it wrote.
+    Live { file: File, path: PathBuf },
 }
 
 impl AtomicFile {
     /// Starts a file that will become `target`, in `target`'s directory (a rename is atomic
-    /// only within one file system).
+    /// only within one file system), with tempfile's private mode (0600).
     ///
     /// # Errors
     /// Creating the temporary file failed (the directory does not exist or is not writable).
     pub fn new(target: &Path) -> io::Result<Self> {
+        Self::hidden(target, None)
+    }
+
+    /// Like [`AtomicFile::new`], with the file created in `mode` (e.g. 0644 for a trace that
+    /// other users' tools read).
+    ///
+    /// # Errors
+    /// Creating the temporary file failed.
+    pub fn with_mode(target: &Path, mode: u32) -> io::Result<Self> {
+        Self::hidden(target, Some(mode))
+    }
+
+    /// A file written at the visible name `<target>.partial` (an existing one is truncated), so
+    /// that it can be followed while it grows; unlike the other temporary files it is kept
+    /// when dropped uncommitted, so a killed or failed run leaves every byte written so far.
+    ///
+    /// # Errors
+    /// Creating `<target>.partial` failed.
+    pub fn live(target: &Path) -> io::Result<Self> {
+        let mut path = target.as_os_str().to_owned();
+        path.push(".partial");
+        let path = PathBuf::from(path);
+        let file = File::create(&path)?;
+        Ok(Self {
+            tmp: Temp::Live { file, path },
+            target: target.to_owned(),
+        })
+    }
+
+    fn hidden(target: &Path, mode: Option<u32>) -> io::Result<Self> {
         let dir = match target.parent() {
             Some(d) if !d.as_os_str().is_empty() => d,
             _ => Path::new("."),
         };
-        let tmp = tempfile::Builder::new()
-            .prefix(".vmtsync-")
-            .suffix(".tmp")
-            .tempfile_in(dir)?;
+        let mut b = tempfile::Builder::new();
+        b.prefix(".vmtsync-").suffix(".tmp");
+        if let Some(mode) = mode {
+            b.permissions(std::os::unix::fs::PermissionsExt::from_mode(mode));
+        }
         Ok(Self {
-            tmp,
+            tmp: Temp::Hidden(b.tempfile_in(dir)?),
             target: target.to_owned(),
         })
     }
@@ -48,26 +90,36 @@ impl AtomicFile {
     /// Syncs the bytes and renames the file over `target`, replacing any file there.
     ///
     /// # Errors
-    /// Syncing or renaming failed; the target is then unchanged and the temporary file gone.
+    /// Syncing or renaming failed; the target is then unchanged (and a hidden temporary file
+    /// gone).
     pub fn commit(mut self) -> io::Result<()> {
-        self.tmp.flush()?;
-        self.tmp.as_file().sync_all()?;
-        self.tmp.persist(&self.target).map_err(|e| e.error)?;
-        Ok(())
+        self.flush()?;
+        self.as_file().sync_all()?;
+        match self.tmp {
+            Temp::Hidden(t) => t.persist(&self.target).map(drop).map_err(|e| e.error),
+            Temp::Live { path, .. } => std::fs::rename(path, &self.target),
+        }
     }
 
     /// Like [`AtomicFile::commit`], but only if `target` does not exist: `Ok(false)` (and the
     /// existing file untouched) if it does, e.g. because another writer created it meanwhile.
     ///
     /// # Errors
-    /// Syncing or linking failed for another reason.
+    /// Syncing or linking failed for another reason, or the file is a [`AtomicFile::live`]
+    /// one (which has no no-replace commit).
     pub fn commit_new(mut self) -> io::Result<bool> {
-        self.tmp.flush()?;
-        self.tmp.as_file().sync_all()?;
-        match self.tmp.persist_noclobber(&self.target) {
-            Ok(_) => Ok(true),
-            Err(e) if e.error.kind() == io::ErrorKind::AlreadyExists => Ok(false),
-            Err(e) => Err(e.error),
+        self.flush()?;
+        self.as_file().sync_all()?;
+        match self.tmp {
+            Temp::Hidden(t) => match t.persist_noclobber(&self.target) {
+                Ok(_) => Ok(true),
+                Err(e) if e.error.kind() == io::ErrorKind::AlreadyExists => Ok(false),
+                Err(e) => Err(e.error),
+            },
+            Temp::Live { .. } => Err(io::Error::new(
+                io::ErrorKind::Unsupported,
+                "a live file is committed with commit",
+            )),
         }
     }
 }
@@ -76,30 +128,43 @@ impl AtomicFile {
     /// The temporary file's path, for writers that re-read what they wrote before committing.
     #[must_use]
     pub fn path(&self) -> &Path {
-        self.tmp.path()
+        match &self.tmp {
+            Temp::Hidden(t) => t.path(),
+            Temp::Live { path, .. } => path,
+        }
     }
 
     /// The temporary file, for writers that need more than [`Write`] and [`Seek`] (metadata,
     /// `set_len`).
     #[must_use]
     pub fn as_file(&self) -> &File {
-        self.tmp.as_file()
+        match &self.tmp {
+            Temp::Hidden(t) => t.as_file(),
+            Temp::Live { file, .. } => file,
+        }
+    }
+
+    fn file_mut(&mut self) -> &mut File {
+        match &mut self.tmp {
+            Temp::Hidden(t) => t.as_file_mut(),
+            Temp::Live { file, .. } => file,
+        }
     }
 }
 
 impl Seek for AtomicFile {
     fn seek(&mut self, pos: SeekFrom) -> io::Result<u64> {
-        self.tmp.seek(pos)
+        self.file_mut().seek(pos)
     }
 }
 
 impl Write for AtomicFile {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        self.tmp.write(buf)
+        self.file_mut().write(buf)
     }
 
     fn flush(&mut self) -> io::Result<()> {
-        self.tmp.flush()
+        self.file_mut().flush()
     }
 }
 

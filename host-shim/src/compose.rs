@@ -7,7 +7,7 @@ use serde::Serialize;
 use thiserror::Error;
 use vmtsync_core::mapping::KvmTscMapping;
 
-use crate::scan::SCHEMA_VERSION;
+use crate::kvm::scan::SCHEMA_VERSION;
 
 /// A mapping given on the command line as `OFFSET,RATIO,FRAC`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

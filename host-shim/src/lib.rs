@@ -3,44 +3,52 @@
 //! Finds VMs in KVM debugfs and reads their exact per-vCPU TSC mappings, runs probe rounds
 //! against the guest agent, writes sync files, converts guest timestamps and exports them.
 //!
-//! Layers:
-//! - [`hosttsc`]: the host TSC read that brackets every debugfs reading.
-//! - [`debugfs`]: discovery of `<pid>-<fd>/vcpuN` and strict parsing of each file.
-//! - [`procinfo`]: the VM's process (`comm`, QEMU `-name`), from an injectable `/proc`.
-//! - [`scan`]: one scan joined with `/proc`, in the versioned `vmtsync kvm --json` shape.
-//! - [`watch`]: change events by polling and by the `kvm:kvm_write_tsc_offset` tracepoint.
-//! - [`ftrace`]: private tracefs instances, `trace_pipe_raw` pages, event formats (`kvm_pio`).
-//! - [`exact_convert`], [`compose`]: streaming timestamp conversion and nested composition, on
-//!   `vmtsync_core::mapping`.
-//! - [`probe`]: `vmtsync probe`: hello + probe rounds against the guest agent, bounded
-//!   estimates, continuous re-sync.
-//! - [`syncfile`]: the versioned JSON Lines sync file and `convert --sync`.
-//! - [`tracedat`]: trace-cmd's trace.dat (v6/v7): streaming guest-event writer, TIME_SHIFT,
-//!   strict reader, GUEST option on a host trace copy.
-//! - [`ftrace`]: ftrace event record layouts (`kvm:kvm_pio`) from the kernel's descriptions.
+//! Wings, each owning its vocabulary, from the ground up: a wing's code imports only wings
+//! above it in this list, with one exception: `ftrace`'s live pages are walked by the
+//! trace.dat page reader (`formats::tracedat::page`), the same kernel page layout. No files
+//! import each other in a loop.
+//! - [`atomic_file`]: every output file written to a temporary file and renamed into place.
+//! - [`exact_convert`]: streaming timestamp conversion on `vmtsync_core::mapping`.
+//! - [`ftrace`]: private tracefs instances, `trace_pipe_raw` pages, event formats (`kvm_pio`,
+//!   `kvm_write_tsc_offset`).
+//! - [`kvm`]: what the host kernel says: the host TSC read, KVM debugfs, `/proc`, one scan in
+//!   the `vmtsync kvm --json` shape, and change watching.
+//! - [`syncfile`]: the versioned JSON Lines sync file, the vocabulary its segments are written
+//!   in ([`syncfile::AnchorKind`], [`syncfile::OffsetModel`]), the guaranteed bounds of a
+//!   placement ([`syncfile::bounds`]) and `convert --sync`.
+//! - [`formats`]: every trace format: trace.dat (writer, reader, TIME_SHIFT, host copy,
+//!   attach planning), JSON Lines (one `Line` type both ways), CTF, Perfetto, perf, and the
+//!   one event source the exporters read.
+//! - [`guestmem`]: a guest's recorder read straight out of the VMM's memory: the scan, the
+//!   header check, the bounded drain with exact counts.
+//! - [`link`]: the byte stream to the guest agent: addresses, connecting with retries,
+//!   vhost-user vsock, AF_VSOCK, and the host-TSC-stamped transport.
+//! - [`compose`]: nested (L0->L1->L2) composition of scanned mappings.
 //! - [`plot`]: `vmtsync plot`, a sync file as an SVG picture.
+//! - [`probe`]: `vmtsync probe`: hello + probe rounds against the guest agent over a link,
+//!   bounded estimates, exit anchoring, continuous re-sync into a sync file.
+//! - [`record`]: `vmtsync record`: one session that syncs the clocks and drains the guest's
+//!   events into a trace file of one of the [`formats`].
 //! - [`validate`]: `vmtsync validate`, a sync file checked against the host's `kvm_pio` exits.
-//! - [`atomic_file`]: output files written to a temporary file and renamed into place.
-//! - [`cli`]: the command line, its errors and exit codes.
+//! - [`cli`]: the command line: every clap struct, each command's glue, errors and exit codes.
 //!
 //! Guarantees: no file content makes this crate panic; a reading is never presented as a VM's
 //! own (L1) mapping while its vCPU runs a nested guest; every reading carries the host TSC
 //! interval in which it was true.
 
+#![forbid(unsafe_code)]
+
 pub mod atomic_file;
 pub mod cli;
 pub mod compose;
-pub mod debugfs;
 pub mod exact_convert;
-pub mod export;
+pub mod formats;
 pub mod ftrace;
-pub mod hosttsc;
+pub mod guestmem;
+pub mod kvm;
+pub mod link;
 pub mod plot;
 pub mod probe;
-pub mod procinfo;
 pub mod record;
-pub mod scan;
 pub mod syncfile;
-pub mod tracedat;
 pub mod validate;
-pub mod watch;

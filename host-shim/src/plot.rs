@@ -28,7 +28,7 @@ use plotters::prelude::*;
 use thiserror::Error;
 
 use crate::atomic_file::write_atomically;
-use crate::probe::anchor::AnchorKind;
+use crate::syncfile::AnchorKind;
 use crate::syncfile::{SyncFile, SyncFileError, SyncSegment};
 
 /// The picture's width in SVG user units (pixels).

@@ -10,7 +10,8 @@
 //! `VMTSYNC_WRITE_FUZZ_SEEDS=1 cargo test -p vmtsync --test fuzz_seeds`.
 //!
 //! Every seed starts with the targets' control byte: low 6 bits the chunk size minus one, top
-//! bit "rewrite checksums" (see the targets' docs).
+//! bit "rewrite checksums" (see the targets' docs). The guestmem seeds start with that
+//! target's own two control bytes instead (see its docs).
 
 use std::cell::RefCell;
 use std::collections::BTreeMap;
@@ -18,8 +19,9 @@ use std::path::{Path, PathBuf};
 use std::rc::Rc;
 use std::time::{Duration, Instant};
 
-use vmtsync::probe::transport::host_tsc_now;
-use vmtsync::probe::{ProbeSession, Received, StampedTransport, TransportError};
+use vmtsync::link::transport::host_tsc_now;
+use vmtsync::link::{Received, StampedTransport, TransportError};
+use vmtsync::probe::ProbeSession;
 use vmtsync::syncfile::{OffsetModel, SyncHeader, SyncSegment, SyncWriter};
 use vmtsync_core::agent::fake::FakeLink;
 use vmtsync_core::agent::{Agent, AgentClock};
@@ -250,7 +252,7 @@ fn sync_file() -> Vec<u8> {
         host_first: host_anchor - 200_000,
         host_last: host_anchor + 200_000,
         is_break,
-        anchor: vmtsync::probe::anchor::AnchorKind::InProcess,
+        anchor: vmtsync::syncfile::AnchorKind::InProcess,
     };
     for seg in [
         segment(0, 0, host, -3_000_000, 0, false),
@@ -265,8 +267,8 @@ fn sync_file() -> Vec<u8> {
 
 /// A small trace.dat from our writer: two vCPUs, events with and without payloads across a
 /// time extend, a TIME_SHIFT of two segments per CPU.
-fn trace_dat(version: vmtsync::tracedat::FileVersion) -> Vec<u8> {
-    use vmtsync::tracedat::{
+fn trace_dat(version: vmtsync::formats::tracedat::FileVersion) -> Vec<u8> {
+    use vmtsync::formats::tracedat::{
         ShiftMode, SyncSegment as Seg, TimeShift, TraceDatWriter, WriterOptions,
     };
     let dir = tempfile::tempdir().expect("tempdir");
@@ -294,6 +296,49 @@ fn trace_dat(version: vmtsync::tracedat::FileVersion) -> Vec<u8> {
     };
     w.finish(Some(&shift)).expect("finish");
     std::fs::read(&path).expect("read back")
+}
+
+/// A clock for the recorder seeds: 1000 ticks a read.
+struct StepTsc(std::cell::Cell<u64>);
+
+impl vmtsync_core::arch::Tsc for StepTsc {
+    fn read_ordered(&self) -> u64 {
+        let t = self.0.get() + 1000;
+        self.0.set(t);
+        t
+    }
+}
+
+/// A published core recorder's bytes after `records` events per ring, with the guestmem
+/// target's control bytes (round bound 4, then `stores` guest stores) in front.
+fn guest_memory(flight: bool, records: u64, stores: &[(u32, u64)]) -> Vec<u8> {
+    use vmtsync_core::recorder::{ClockKind, HeaderInfo, Recorder};
+    let rec: Recorder<2, 4> = if flight {
+        Recorder::new_flight()
+    } else {
+        Recorder::new()
+    };
+    rec.publish(&HeaderInfo {
+        nonce: 0x16,
+        tsc_khz: 2_000_000,
+        clock: ClockKind::RawTsc,
+        beacon_port: 0x510,
+    });
+    let tsc = StepTsc(std::cell::Cell::new(0));
+    for n in 0..records {
+        for vcpu in 0..2 {
+            let _ = rec.record(vcpu, &tsc, 7, &n.to_le_bytes());
+        }
+    }
+    let mut out = vec![4, u8::try_from(stores.len()).expect("few stores")];
+    for (off, v) in stores {
+        out.extend_from_slice(&off.to_le_bytes());
+        out.extend_from_slice(&v.to_le_bytes());
+    }
+    let mut image = vec![0u8; 128 + 2 * (128 + 32 * 4)];
+    assert_eq!(rec.copy_bytes(&mut image), image.len());
+    out.extend_from_slice(&image);
+    out
 }
 
 /// Every seed file, by path relative to the workspace root.
@@ -358,21 +403,37 @@ fn seeds() -> BTreeMap<PathBuf, Vec<u8>> {
 
     put("host-shim/fuzz/seeds/syncfile", "two-vcpus", sync_file());
     put(
+        "host-shim/fuzz/seeds/guestmem",
+        "flight-lapped",
+        guest_memory(true, 6, &[]),
+    );
+    put(
+        "host-shim/fuzz/seeds/guestmem",
+        "stop-full",
+        guest_memory(false, 6, &[]),
+    );
+    // Ring 0's head moved on, then a slot's meta rewritten, while the reader reads.
+    put(
+        "host-shim/fuzz/seeds/guestmem",
+        "flight-racing",
+        guest_memory(true, 3, &[(128, 9), (256, 0)]),
+    );
+    put(
         "host-shim/fuzz/seeds/tracedat",
         "v7",
-        trace_dat(vmtsync::tracedat::FileVersion::V7),
+        trace_dat(vmtsync::formats::tracedat::FileVersion::V7),
     );
     put(
         "host-shim/fuzz/seeds/tracedat",
         "v6",
-        trace_dat(vmtsync::tracedat::FileVersion::V6),
+        trace_dat(vmtsync::formats::tracedat::FileVersion::V6),
     );
     // What `trace-cmd extract` writes here: zstd sections and chunked CPU data (the reader's
     // fixture, made by trace-cmd 3.1.6 itself).
     put(
         "host-shim/fuzz/seeds/tracedat",
         "v7-zstd",
-        include_bytes!("../src/tracedat/reader/fixtures/sample-v7-zstd.dat").to_vec(),
+        include_bytes!("../src/formats/tracedat/reader/fixtures/sample-v7-zstd.dat").to_vec(),
     );
 
     for (name, contents) in [

@@ -18,7 +18,7 @@ use vmtsync_core::arch::Tsc;
 use vmtsync_core::proto::Transport;
 use vmtsync_core::recorder::Ring;
 
-use vmtsync::probe::transport::{SocketStream, host_tsc_now};
+use vmtsync::link::transport::{SocketStream, host_tsc_now};
 
 /// A guest clock equal to the host TSC plus `skew` (wrapping): true offset `guest - host`
 /// is `skew`, up to the ordering of the two reads.

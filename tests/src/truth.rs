@@ -175,7 +175,7 @@ impl Skew {
     /// host, and its size still follows the host's uptime, so no run sees a round truth.
     #[must_use]
     pub fn pick() -> Self {
-        Self::from_host_tsc(vmtsync::hosttsc::read_host_tsc())
+        Self::from_host_tsc(vmtsync::kvm::hosttsc::read_host_tsc())
     }
 
     /// [`Skew::pick`] for a given host TSC (for tests of the rule itself).
@@ -222,7 +222,7 @@ impl Skew {
     /// vCPU has its own truth and a reply filed under the wrong vCPU misses it.
     #[must_use]
     pub fn pick_per_vcpu(n: u32) -> Vec<Self> {
-        let host = vmtsync::hosttsc::read_host_tsc();
+        let host = vmtsync::kvm::hosttsc::read_host_tsc();
         (0..n)
             .map(|v| Self::from_host_tsc(HostTicks(host.0 + u64::from(v) * PER_VCPU_APART)))
             .collect()

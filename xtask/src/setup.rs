@@ -23,7 +23,8 @@ const APT_PACKAGES: &[(&str, &str)] = &[
     ("trace-cmd", "/usr/bin/trace-cmd"),
     // perf (record, inject --guest-data, script) for the `export perf` test.
     ("linux-perf", "/usr/bin/perf"),
-    // cc/c++ for libfuzzer-sys (the `ci` fuzz smoke run compiles libFuzzer's C++ sources).
+    // cc/c++ for libfuzzer-sys (the `ci` fuzz smoke run compiles libFuzzer's C++ sources), and
+    // gcc for the C guest (tests/c-guest) and the check of capi/include/vmtsync.h.
     ("build-essential", "/usr/bin/c++"),
     // Node runs Perfetto's trace processor (wasm) for the Perfetto tests; its npm fetches it.
     ("nodejs", "/usr/bin/node"),

@@ -45,6 +45,9 @@ pub const LEAF_FEATURES: u32 = 1;
 /// Leaf 1 ECX bit 31: running under a hypervisor (reserved for hypervisor use by Intel and
 /// AMD; Linux `X86_FEATURE_HYPERVISOR`, arch/x86/include/asm/cpufeatures.h).
 pub const FEATURES_ECX_HYPERVISOR: u32 = 31;
+/// Leaf 1 ECX bit 30: RDRAND is available (Intel SDM Vol. 2A, CPUID; Linux
+/// `X86_FEATURE_RDRAND`).
+pub const FEATURES_ECX_RDRAND: u32 = 30;
 /// Leaf 0x15: TSC / core crystal clock ratio, EAX = denominator, EBX = numerator,
 /// ECX = crystal Hz (Intel SDM Vol. 2A, CPUID leaf 15H).
 pub const LEAF_TSC_CRYSTAL: u32 = 0x15;
@@ -80,6 +83,12 @@ fn leaf_exists<C: Cpuid + ?Sized>(c: &C, leaf: u32) -> bool {
 /// probed when it is set, like Linux does, so bare metal never misreads them.
 pub fn hypervisor_present<C: Cpuid + ?Sized>(c: &C) -> bool {
     bit(c.cpuid(LEAF_FEATURES, 0).ecx, FEATURES_ECX_HYPERVISOR)
+}
+
+/// Whether `rdrand` may be executed (leaf 1 ECX bit 30); without it the instruction raises
+/// #UD.
+pub fn has_rdrand<C: Cpuid + ?Sized>(c: &C) -> bool {
+    bit(c.cpuid(LEAF_FEATURES, 0).ecx, FEATURES_ECX_RDRAND)
 }
 
 /// Whether `rdtscp` may be executed (leaf 0x80000001 EDX bit 27). On this project's nested

@@ -421,11 +421,14 @@ mod tests {
     }
 }
 
-/// A defmt global logger for this crate's own host unit tests: with `--features defmt` and a
-/// `DEFMT_LOG` level that keeps some log calls, the test binary references defmt's logger
-/// symbols, which only a final firmware image normally provides. It discards every frame.
-/// It lives here because implementing `defmt::Logger` takes `unsafe`.
-#[cfg(all(test, feature = "defmt"))]
+/// A defmt global logger that discards every frame, for host test binaries: with defmt on and
+/// a `DEFMT_LOG` level that keeps some log calls, a test binary references defmt's logger
+/// symbols, which only a final firmware image normally provides. This crate's own unit tests
+/// (`--features defmt`) get it by themselves; a dependent crate's host tests get it with
+/// feature `defmt-discard` (the guest agent's do, from a dev-dependency, so its bootable ELF,
+/// which has a real logger, never links this one). It lives here because implementing
+/// `defmt::Logger` takes `unsafe`, which this crate gathers in `arch`.
+#[cfg(any(feature = "defmt-discard", all(test, feature = "defmt")))]
 mod defmt_sink {
     #[defmt::global_logger]
     struct Discard;

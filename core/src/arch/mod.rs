@@ -17,6 +17,8 @@
 //! - [`kvm_abi`]: KVM ABI constants and structures (CPUID signature and feature bits, MSRs,
 //!   hypercalls, the pvclock page layout [`kvm_abi::PvclockVcpuTimeInfo`]).
 //! - [`PvclockPage`]: volatile reads of a pvclock page the hypervisor writes.
+//! - [`nonce_from`] (`nonce.rs`): the recorder header's boot nonce from RDRAND or the TSC
+//!   (on real hardware [`x86_64::boot_nonce`]).
 //!
 //! The ready-made pieces a unikernel embeds instead of writing its own, so they implement the
 //! [`crate::agent`] traits:
@@ -34,6 +36,7 @@ pub mod clock;
 pub mod cpuid;
 mod fake;
 pub mod kvm_abi;
+mod nonce;
 mod page;
 mod port;
 mod tsc;
@@ -45,6 +48,7 @@ pub use cpuid::{Cpuid, CpuidResult};
 pub use fake::{
     CpuidEntry, FAKE_PORTS_LOG, FAKE_UART_BUFFER, FakeCpuid, FakePorts, FakeTsc, PortAccess,
 };
+pub use nonce::nonce_from;
 pub use page::PvclockPage;
 pub use port::{NativePorts, PortIo};
 pub use tsc::Tsc;

@@ -4,7 +4,7 @@
 //! Each is a few instructions long; the logic that uses them is tested through the fakes.
 
 use super::clock::TscClock;
-use super::cpuid::has_rdtscp;
+use super::cpuid::{has_rdrand, has_rdtscp};
 use super::{Cpuid, CpuidResult, NativePorts, PortIo, PvclockPage, Tsc};
 
 impl PortIo for NativePorts {
@@ -58,6 +58,24 @@ impl Cpuid for NativeCpuid {
             edx: r.edx,
         }
     }
+}
+
+/// A non-zero boot nonce for the recorder header ([`super::nonce_from`]): RDRAND where
+/// `cpuid` says it exists (up to ten tries, as Intel's DRNG guide advises for a transient
+/// underflow), mixed with an ordered TSC read in any case.
+#[must_use]
+pub fn boot_nonce<C: Cpuid + ?Sized>(cpuid: &C) -> u64 {
+    let random = if has_rdrand(cpuid) {
+        (0..10).find_map(|_| {
+            let mut v = 0u64;
+            // SAFETY: CPUID leaf 1 ECX bit 30 says RDRAND exists, so it cannot raise #UD; it
+            // writes only `v`, a local.
+            unsafe { x86::random::rdrand64(&mut v) }.then_some(v)
+        })
+    } else {
+        None
+    };
+    super::nonce_from(random, lfence_rdtsc())
 }
 
 /// `lfence; rdtsc`: a TSC read that waits for all earlier instructions (Intel SDM Vol. 2B,

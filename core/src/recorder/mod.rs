@@ -69,18 +69,36 @@
 //! ([`ReadError::Overwritten`]); [`Ring::skip`] then moves past every record lost with it and
 //! counts them. Releasing (`tail`, `Release`) hands slots back to a stop-when-full producer.
 //!
-//! The ring is `repr(C)`: the producer's words (`head`, `refused`, the mode byte) on the
-//! first 64-byte line, the consumer's (`tail`, `overwritten`) on the second, then `CAP`
-//! 32-byte slots. A reader that only reads (a host reading guest memory) can find each
-//! record's index and completeness in its slot alone.
+//! The ring is `repr(C)`: the producer's words (`head`, `refused`, the mode byte, the
+//! beacon count) on the first 64-byte line, the consumer's (`tail`, `overwritten`) on the
+//! second, then `CAP` 32-byte slots. A reader that only reads (a host reading guest memory)
+//! can find each record's index and completeness in its slot alone.
+//!
+//! # In guest memory
+//! A [`Recorder`] is a self-describing block: a 128-byte header, zero in the image and
+//! written at run time by [`Recorder::publish`] (magic last, with a release store), then
+//! the rings. The byte layout, publication, the reading rule for a host that only reads, and
+//! beacons ([`RingRef::beacon`], records with id [`BEACON_ID`]) are described in
+//! `docs/memory-layout.md`, so that other languages can produce and read it.
+//! [`MemRecorder`] is the same layout in memory the caller provides, with its vCPU count and
+//! capacity chosen at run time (the API under the C ABI). Both hand out [`RingRef`], the one
+//! implementation of the ring.
 
+mod layout;
+mod mem;
 mod ring;
 mod slot;
 mod source;
 mod vcpus;
 
-pub use ring::{Producer, Ring};
-pub use slot::{BUSY, ReadError, SLOT_SIZE, STAMP_BITS, STAMP_SHIFT};
+pub use layout::{
+    BEACON_ID, ClockKind, HEADER_SIZE, HeaderInfo, HeaderLayout, LAYOUT_VERSION, MAGIC,
+    MAX_CAPACITY, MAX_VCPUS, MIN_CAPACITY, RESERVED_ID_MIN, RING_HEADER_SIZE, RingLayout, checksum,
+    ring_stride,
+};
+pub use mem::{LayoutError, MemRecorder};
+pub use ring::{Producer, Ring, RingRef};
+pub use slot::{BUSY, ReadError, SLOT_SIZE, STAMP_BITS, STAMP_SHIFT, Slot, committed};
 pub use source::{EventSource, EventSources, MAX_EVENT_SOURCES, NoEvents};
 pub use vcpus::Recorder;
 
@@ -135,6 +153,9 @@ pub enum RecordError {
     PayloadTooLong,
     /// [`Recorder::record`] named a vCPU the recorder has no ring for; nothing was counted.
     NoSuchVcpu,
+    /// A beacon was asked for but the published header names no beacon port (or the
+    /// header is not published); nothing was done.
+    NoBeaconPort,
 }
 
 #[cfg(test)]

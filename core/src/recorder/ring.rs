@@ -1,63 +1,47 @@
-//! One vCPU's ring: the producer's side ([`Ring::record`], [`Producer`]) and the consumer's
-//! (indexed reads, [`Ring::skip`], [`Ring::release`]).
+//! One vCPU's ring: the producer's side ([`RingRef::record`], [`Producer`], beacons) and the
+//! consumer's (indexed reads, [`RingRef::skip`], [`RingRef::release`]).
+//!
+//! All ring logic lives in [`RingRef`], a view of a ring header and its slots. [`Ring`] (a
+//! `const`-sized ring in a `static`) and [`super::MemRecorder`] (rings in caller-provided
+//! memory) are storage that hands out that view, so both have the same code and bytes.
 
 use core::cell::Cell;
 use core::marker::PhantomData;
-use core::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use core::sync::atomic::{AtomicU64, Ordering};
 
+use super::layout::{
+    BEACON_ID, CLAIMED_BIT, W_BEACONS, W_HEAD, W_MODE, W_OVERWRITTEN, W_REFUSED, W_TAIL, word,
+};
 use super::slot::{ReadError, Slot};
 use super::{MAX_PAYLOAD, Mode, Record, RecordError};
-use crate::arch::Tsc;
+use crate::arch::{PortIo, Tsc};
+
+/// A ring header's storage: 128 bytes (the producer's 64-byte line, then the consumer's) as
+/// four slots' worth of words (`super::layout::RingLayout` names them).
+pub(super) type RingHeader = [Slot; 4];
+
+/// A ring header for a ring in `mode`, for a `static`.
+pub(super) const fn ring_header(mode: Mode) -> RingHeader {
+    [
+        // Word 2 holds the mode byte (byte 16 of the ring header).
+        Slot::from_words([0, 0, mode as u64, 0]),
+        Slot::new(),
+        Slot::new(),
+        Slot::new(),
+    ]
+}
 
 /// A single-producer single-consumer ring of `CAP` records (`CAP` a power of two, at most
 /// 2^31), stop-when-full ([`Ring::new`]) or overwriting its oldest records
-/// ([`Ring::new_flight`]).
+/// ([`Ring::new_flight`]). Its methods are those of its view, [`RingRef`].
 ///
-/// `repr(C)`: the producer's words on the first 64-byte line, the consumer's on the second,
-/// then the slots (`super::slot` has their layout).
-#[derive(Debug)]
-#[repr(C)]
-pub struct Ring<const CAP: usize> {
-    prod: CacheLine<ProducerSide>,
-    cons: CacheLine<ConsumerSide>,
-    slots: [Slot; CAP],
-}
-
-/// The words the producer writes (and the mode it reads on every record).
-#[derive(Debug)]
-#[repr(C)]
-struct ProducerSide {
-    /// Records stored (free-running): the next record's index.
-    head: AtomicU64,
-    /// Events refused because the ring was full (stop-when-full only).
-    refused: AtomicU64,
-    /// What a full ring does.
-    mode: Mode,
-    /// Whether a [`Producer`] handle is out.
-    claimed: AtomicBool,
-}
-
-/// The words the consumer writes.
-#[derive(Debug)]
-#[repr(C)]
-struct ConsumerSide {
-    /// Records released by the consumer (free-running): every record below it is consumed.
-    tail: AtomicU64,
-    /// Records the producer overwrote before the consumer sent them (overwrite mode).
-    overwritten: AtomicU64,
-}
-
-/// A value alone on its 64-byte cache line, so a producer on one CPU and the consumer on
-/// another do not bounce one line between them on every record.
+/// `repr(C)`: the ring header (the producer's words on the first 64-byte line, the
+/// consumer's on the second), then the slots (`super::slot` has their layout).
 #[derive(Debug)]
 #[repr(C, align(64))]
-struct CacheLine<T>(T);
-
-impl<T> core::ops::Deref for CacheLine<T> {
-    type Target = T;
-    fn deref(&self) -> &T {
-        &self.0
-    }
+pub struct Ring<const CAP: usize> {
+    header: RingHeader,
+    slots: [Slot; CAP],
 }
 
 impl<const CAP: usize> Default for Ring<CAP> {
@@ -73,8 +57,6 @@ impl<const CAP: usize> Ring<CAP> {
         CAP.is_power_of_two() && CAP <= 1 << 31,
         "ring capacity must be a power of two, at most 2^31"
     );
-    /// `CAP` as a record count.
-    const CAP64: u64 = CAP as u64;
 
     /// An empty stop-when-full ring, usable in a `static`.
     #[must_use]
@@ -93,17 +75,18 @@ impl<const CAP: usize> Ring<CAP> {
     pub const fn with_mode(mode: Mode) -> Self {
         let () = Self::VALID;
         Self {
-            prod: CacheLine(ProducerSide {
-                head: AtomicU64::new(0),
-                refused: AtomicU64::new(0),
-                mode,
-                claimed: AtomicBool::new(false),
-            }),
-            cons: CacheLine(ConsumerSide {
-                tail: AtomicU64::new(0),
-                overwritten: AtomicU64::new(0),
-            }),
+            header: ring_header(mode),
             slots: [const { Slot::new() }; CAP],
+        }
+    }
+
+    /// The ring as a view: where all of its logic lives.
+    #[inline]
+    #[must_use]
+    pub fn view(&self) -> RingRef<'_> {
+        RingRef {
+            header: &self.header,
+            slots: &self.slots,
         }
     }
 
@@ -115,16 +98,170 @@ impl<const CAP: usize> Ring<CAP> {
 
     /// What the ring does when it is full.
     #[must_use]
-    pub const fn mode(&self) -> Mode {
-        self.prod.0.mode
+    pub fn mode(&self) -> Mode {
+        self.view().mode()
+    }
+
+    /// See [`RingRef::producer`].
+    #[must_use]
+    pub fn producer(&self) -> Option<Producer<'_>> {
+        self.view().producer()
+    }
+
+    /// See [`RingRef::record`].
+    ///
+    /// # Errors
+    /// As [`RingRef::record`].
+    #[inline]
+    pub fn record<T: Tsc + ?Sized>(
+        &self,
+        tsc: &T,
+        id: u16,
+        payload: &[u8],
+    ) -> Result<(), RecordError> {
+        self.view().record(tsc, id, payload)
+    }
+
+    /// See [`RingRef::beacon`].
+    ///
+    /// # Errors
+    /// As [`RingRef::beacon`].
+    pub fn beacon<T: Tsc + ?Sized, P: PortIo + ?Sized>(
+        &self,
+        tsc: &T,
+        ports: &P,
+        port: u16,
+    ) -> Result<u64, RecordError> {
+        self.view().beacon(tsc, ports, port)
+    }
+
+    /// See [`RingRef::end`].
+    #[must_use]
+    pub fn end(&self) -> u64 {
+        self.view().end()
+    }
+
+    /// See [`RingRef::start`].
+    #[must_use]
+    pub fn start(&self) -> u64 {
+        self.view().start()
+    }
+
+    /// See [`RingRef::read`].
+    ///
+    /// # Errors
+    /// As [`RingRef::read`].
+    pub fn read(&self, index: u64) -> Result<Record, ReadError> {
+        self.view().read(index)
+    }
+
+    /// See [`RingRef::skip`].
+    pub fn skip(&self, from: u64, sent: u64) -> u64 {
+        self.view().skip(from, sent)
+    }
+
+    /// See [`RingRef::release`].
+    pub fn release(&self, end: u64) {
+        self.view().release(end);
+    }
+
+    /// See [`RingRef::pop`].
+    #[must_use]
+    pub fn pop(&self) -> Option<Record> {
+        self.view().pop()
+    }
+
+    /// See [`RingRef::len`].
+    #[must_use]
+    pub fn len(&self) -> usize {
+        self.view().len()
+    }
+
+    /// Whether no record is waiting.
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// See [`RingRef::refused`].
+    #[must_use]
+    pub fn refused(&self) -> u64 {
+        self.view().refused()
+    }
+
+    /// See [`RingRef::overwritten`].
+    #[must_use]
+    pub fn overwritten(&self) -> u64 {
+        self.view().overwritten()
+    }
+
+    /// See [`RingRef::dropped`].
+    #[must_use]
+    pub fn dropped(&self) -> u64 {
+        self.view().dropped()
+    }
+
+    /// See [`RingRef::beacons`].
+    #[must_use]
+    pub fn beacons(&self) -> u64 {
+        self.view().beacons()
+    }
+}
+
+/// A view of one ring: its header words and its slots, wherever they are stored (a [`Ring`]
+/// or caller-provided memory). The slot count is a power of two (every constructor checks
+/// it). Copying the view does not copy the ring.
+#[derive(Clone, Copy, Debug)]
+pub struct RingRef<'a> {
+    header: &'a RingHeader,
+    slots: &'a [Slot],
+}
+
+impl<'a> RingRef<'a> {
+    /// A view of a ring header and its slots. `slots.len()` must be a power of two (checked
+    /// by the callers, which own the storage).
+    pub(super) const fn new(header: &'a RingHeader, slots: &'a [Slot]) -> Self {
+        Self { header, slots }
+    }
+
+    /// The ring header and the slots.
+    pub(super) const fn parts(&self) -> (&'a RingHeader, &'a [Slot]) {
+        (self.header, self.slots)
+    }
+
+    fn w(&self, i: usize) -> &'a AtomicU64 {
+        word(self.header, i)
+    }
+
+    /// The capacity as a record count.
+    #[inline]
+    fn cap64(&self) -> u64 {
+        self.slots.len() as u64
+    }
+
+    /// The ring's capacity in records.
+    #[must_use]
+    pub fn capacity(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// What the ring does when it is full.
+    #[must_use]
+    pub fn mode(&self) -> Mode {
+        if self.w(W_MODE).load(Ordering::Relaxed) & 0xff == Mode::Overwrite as u64 {
+            Mode::Overwrite
+        } else {
+            Mode::StopWhenFull
+        }
     }
 
     /// The ring's one producer handle; `None` while another is out. Dropping it gives the
     /// ring back, so a later producer (on the same vCPU, or after a hand-over) can claim it.
     #[must_use]
-    pub fn producer(&self) -> Option<Producer<'_, CAP>> {
+    pub fn producer(self) -> Option<Producer<'a>> {
         // Acquire: a second producer sees everything the first one stored.
-        (!self.prod.claimed.swap(true, Ordering::Acquire)).then_some(Producer {
+        let before = self.w(W_MODE).fetch_or(CLAIMED_BIT, Ordering::Acquire);
+        (before & CLAIMED_BIT == 0).then_some(Producer {
             ring: self,
             not_sync: PhantomData,
         })
@@ -136,7 +273,7 @@ impl<const CAP: usize> Ring<CAP> {
     /// [`Producer`], which cannot be duplicated).
     ///
     /// # Errors
-    /// [`RecordError::Full`] (stop-when-full; counted in [`Ring::refused`]) or
+    /// [`RecordError::Full`] (stop-when-full; counted in [`RingRef::refused`]) or
     /// [`RecordError::PayloadTooLong`]. An overwriting ring is never full.
     #[inline]
     pub fn record<T: Tsc + ?Sized>(
@@ -150,12 +287,13 @@ impl<const CAP: usize> Ring<CAP> {
             return Err(RecordError::PayloadTooLong);
         };
         dst.copy_from_slice(payload);
-        let head = self.prod.head.load(Ordering::Relaxed);
-        if self.prod.mode == Mode::StopWhenFull {
+        let head_w = self.w(W_HEAD);
+        let head = head_w.load(Ordering::Relaxed);
+        if self.mode() == Mode::StopWhenFull {
             // Acquire: the consumer's reads of the slot it released are done.
-            let tail = self.cons.tail.load(Ordering::Acquire);
-            if head.wrapping_sub(tail) >= Self::CAP64 {
-                self.prod.refused.fetch_add(1, Ordering::Relaxed);
+            let tail = self.w(W_TAIL).load(Ordering::Acquire);
+            if head.wrapping_sub(tail) >= self.cap64() {
+                self.w(W_REFUSED).fetch_add(1, Ordering::Relaxed);
                 return Err(RecordError::Full);
             }
         }
@@ -165,22 +303,55 @@ impl<const CAP: usize> Ring<CAP> {
         self.slot(head)
             .write(head, id, &data, len, || tsc.read_ordered());
         // Release: a consumer that sees the count sees the record complete.
-        self.prod
-            .head
-            .store(head.wrapping_add(1), Ordering::Release);
+        head_w.store(head.wrapping_add(1), Ordering::Release);
         Ok(())
+    }
+
+    /// Emits sync beacon number [`RingRef::beacons`]: `in` from `port`, a record with id
+    /// [`BEACON_ID`] whose payload is the sequence number (`u64`, little-endian) and whose
+    /// `tsc` is read (ordered) after the `in`, then `out` of the sequence number's low byte
+    /// to `port`. The host's timestamps of the two port exits bracket the record's TSC read.
+    ///
+    /// The sequence number advances and the `out` happens even when the record is refused,
+    /// so the exits of every beacon carry a distinct number and the host never pairs one
+    /// beacon's `in` with another's `out`. Producer side only (through a [`Producer`], or
+    /// by a caller that keeps the one-producer rule).
+    ///
+    /// # Errors
+    /// As [`RingRef::record`]: the beacon's exits happened but its record was not stored.
+    pub fn beacon<T: Tsc + ?Sized, P: PortIo + ?Sized>(
+        &self,
+        tsc: &T,
+        ports: &P,
+        port: u16,
+    ) -> Result<u64, RecordError> {
+        let seq_w = self.w(W_BEACONS);
+        let seq = seq_w.load(Ordering::Relaxed);
+        let _ = ports.inb(port);
+        let stored = self.record(tsc, BEACON_ID, &seq.to_le_bytes());
+        // The low byte is what the host matches the `out` by (the probe protocol's rule).
+        #[allow(clippy::cast_possible_truncation)]
+        ports.outb(port, seq as u8);
+        seq_w.store(seq.wrapping_add(1), Ordering::Relaxed);
+        stored.map(|()| seq)
+    }
+
+    /// Beacons emitted so far: the next beacon's sequence number.
+    #[must_use]
+    pub fn beacons(&self) -> u64 {
+        self.w(W_BEACONS).load(Ordering::Relaxed)
     }
 
     /// Records stored so far (free-running): the next record's index.
     #[must_use]
     pub fn end(&self) -> u64 {
-        self.prod.head.load(Ordering::Acquire)
+        self.w(W_HEAD).load(Ordering::Acquire)
     }
 
     /// The index of the oldest record the consumer has not released.
     #[must_use]
     pub fn start(&self) -> u64 {
-        self.cons.tail.load(Ordering::Relaxed)
+        self.w(W_TAIL).load(Ordering::Relaxed)
     }
 
     /// Reads record `index` without removing it: whole, or an error; never a record half
@@ -190,36 +361,35 @@ impl<const CAP: usize> Ring<CAP> {
     /// [`ReadError::NotYet`] when it is not stored yet, [`ReadError::Overwritten`] when the
     /// producer overwrote it (or was overwriting it during the read).
     pub fn read(&self, index: u64) -> Result<Record, ReadError> {
-        let head = self.prod.head.load(Ordering::Acquire);
+        let head_w = self.w(W_HEAD);
+        let head = head_w.load(Ordering::Acquire);
         if index >= head {
             return Err(ReadError::NotYet);
         }
-        if head - index > Self::CAP64 {
+        if head - index > self.cap64() {
             return Err(ReadError::Overwritten);
         }
-        self.slot(index).read(index, Self::CAP64, || {
-            self.prod.head.load(Ordering::Relaxed)
-        })
+        self.slot(index)
+            .read(index, self.cap64(), || head_w.load(Ordering::Relaxed))
     }
 
     /// After a read of `from` found it [`ReadError::Overwritten`]: moves the consumer past
     /// every record lost with it and returns the index to read next. Records at or above
     /// `sent` (the end of what the consumer ever handed on) that it skips count in
-    /// [`Ring::overwritten`]: they were lost before anyone saw them. Consumer side only.
+    /// [`RingRef::overwritten`]: they were lost before anyone saw them. Consumer side only.
     pub fn skip(&self, from: u64, sent: u64) -> u64 {
-        let head = self.prod.head.load(Ordering::Acquire);
+        let head = self.end();
         // Every record CAP or more below the count is overwritten; `from` itself was caught
         // being overwritten.
         let next = from
             .saturating_add(1)
-            .max(head.saturating_sub(Self::CAP64))
+            .max(head.saturating_sub(self.cap64()))
             .min(head);
         let lost = next.saturating_sub(from.max(sent));
         if lost > 0 {
-            let n = self.cons.overwritten.load(Ordering::Relaxed);
-            self.cons
-                .overwritten
-                .store(n.wrapping_add(lost), Ordering::Relaxed);
+            let o = self.w(W_OVERWRITTEN);
+            let n = o.load(Ordering::Relaxed);
+            o.store(n.wrapping_add(lost), Ordering::Relaxed);
         }
         self.release(next);
         next.max(from)
@@ -228,11 +398,12 @@ impl<const CAP: usize> Ring<CAP> {
     /// Releases every record below `end` (their slots become the producer's again).
     /// Consumer side only.
     pub fn release(&self, end: u64) {
-        let tail = self.cons.tail.load(Ordering::Relaxed);
-        let end = end.min(self.prod.head.load(Ordering::Acquire));
+        let tail_w = self.w(W_TAIL);
+        let tail = tail_w.load(Ordering::Relaxed);
+        let end = end.min(self.end());
         if end > tail {
             // Release: the reads of the freed slots happen before the producer reuses them.
-            self.cons.tail.store(end, Ordering::Release);
+            tail_w.store(end, Ordering::Release);
         }
     }
 
@@ -260,11 +431,11 @@ impl<const CAP: usize> Ring<CAP> {
     /// its consumer holds the newest `CAP`).
     #[must_use]
     pub fn len(&self) -> usize {
-        let tail = self.cons.tail.load(Ordering::Acquire);
-        let head = self.prod.head.load(Ordering::Acquire);
+        let tail = self.w(W_TAIL).load(Ordering::Acquire);
+        let head = self.end();
         // At most CAP <= 2^31: fits.
         #[allow(clippy::cast_possible_truncation)]
-        let n = head.wrapping_sub(tail).min(Self::CAP64) as usize;
+        let n = head.wrapping_sub(tail).min(self.cap64()) as usize;
         n
     }
 
@@ -277,13 +448,13 @@ impl<const CAP: usize> Ring<CAP> {
     /// Events refused so far because the ring was full (stop-when-full, cumulative).
     #[must_use]
     pub fn refused(&self) -> u64 {
-        self.prod.refused.load(Ordering::Relaxed)
+        self.w(W_REFUSED).load(Ordering::Relaxed)
     }
 
     /// Records overwritten before the consumer handed them on (cumulative).
     #[must_use]
     pub fn overwritten(&self) -> u64 {
-        self.cons.overwritten.load(Ordering::Relaxed)
+        self.w(W_OVERWRITTEN).load(Ordering::Relaxed)
     }
 
     /// Every event the ring lost: refused plus overwritten (one of them is 0 for a ring
@@ -293,30 +464,45 @@ impl<const CAP: usize> Ring<CAP> {
         self.refused().wrapping_add(self.overwritten())
     }
 
-    fn slot(&self, index: u64) -> &Slot {
-        // CAP is a power of two (checked in `with_mode`), so masking is the modulo; `get`
-        // keeps the indexing panic-free even so.
+    /// Puts the ring back to empty in `mode`, releasing any producer claim. Only for storage
+    /// no one else uses yet ([`super::MemRecorder::init`]).
+    pub(super) fn reset(&self, mode: Mode) {
+        for i in 0..16 {
+            self.w(i).store(0, Ordering::Relaxed);
+        }
+        self.w(W_MODE).store(mode as u64, Ordering::Relaxed);
+        for s in self.slots {
+            for i in 0..4 {
+                s.word(i).store(0, Ordering::Relaxed);
+            }
+        }
+    }
+
+    fn slot(&self, index: u64) -> &'a Slot {
+        // The slot count is a power of two (checked by every constructor), so masking is
+        // the modulo; `get` keeps the indexing panic-free even so.
         #[allow(clippy::cast_possible_truncation)]
-        let i = index as usize & (CAP - 1);
+        let i = index as usize & self.slots.len().wrapping_sub(1);
         self.slots.get(i).unwrap_or(&self.slots[0])
     }
 }
 
-/// The one producer of a [`Ring`] (from [`Ring::producer`] or
-/// [`super::Recorder::producer`]). It cannot be cloned and is not `Sync`, so one handle
-/// records from one place at a time; it is `Send`, so it may move to the vCPU that owns it.
+/// The one producer of a ring (from [`RingRef::producer`], [`Ring::producer`],
+/// [`super::Recorder::producer`] or [`super::MemRecorder::producer`]). It cannot be cloned
+/// and is not `Sync`, so one handle records from one place at a time; it is `Send`, so it
+/// may move to the vCPU that owns it.
 #[derive(Debug)]
-pub struct Producer<'a, const CAP: usize> {
-    ring: &'a Ring<CAP>,
+pub struct Producer<'a> {
+    ring: RingRef<'a>,
     not_sync: PhantomData<Cell<()>>,
 }
 
-impl<const CAP: usize> Producer<'_, CAP> {
+impl<'a> Producer<'a> {
     /// Records event `id` with `payload`, stamped with an ordered read of `tsc` now; never
     /// blocks, allocates or panics.
     ///
     /// # Errors
-    /// As [`Ring::record`].
+    /// As [`RingRef::record`].
     #[inline]
     pub fn record<T: Tsc + ?Sized>(
         &self,
@@ -327,28 +513,43 @@ impl<const CAP: usize> Producer<'_, CAP> {
         self.ring.record(tsc, id, payload)
     }
 
+    /// Emits the next sync beacon on `port` (see [`RingRef::beacon`]).
+    ///
+    /// # Errors
+    /// As [`RingRef::beacon`].
+    pub fn beacon<T: Tsc + ?Sized, P: PortIo + ?Sized>(
+        &self,
+        tsc: &T,
+        ports: &P,
+        port: u16,
+    ) -> Result<u64, RecordError> {
+        self.ring.beacon(tsc, ports, port)
+    }
+
     /// The ring this handle produces into.
     #[must_use]
-    pub const fn ring(&self) -> &Ring<CAP> {
+    pub const fn ring(&self) -> RingRef<'a> {
         self.ring
     }
 }
 
-impl<const CAP: usize> Drop for Producer<'_, CAP> {
+impl Drop for Producer<'_> {
     fn drop(&mut self) {
         // Release: the next producer sees this one's records.
-        self.ring.prod.claimed.store(false, Ordering::Release);
+        self.ring
+            .w(W_MODE)
+            .fetch_and(!CLAIMED_BIT, Ordering::Release);
     }
 }
 
-// The ring's header layout (a reader of guest memory finds the slots at 128).
+// The ring's layout (a reader of guest memory finds the slots at 128, and ring `i + 1`
+// right after ring `i`'s last slot).
 const _: () = {
-    assert!(core::mem::offset_of!(Ring<1>, prod) == 0);
-    assert!(core::mem::offset_of!(Ring<1>, cons) == 64);
-    assert!(core::mem::offset_of!(Ring<1>, slots) == 128);
-    assert!(core::mem::offset_of!(ProducerSide, head) == 0);
-    assert!(core::mem::offset_of!(ProducerSide, refused) == 8);
-    assert!(core::mem::offset_of!(ProducerSide, mode) == 16);
-    assert!(core::mem::offset_of!(ConsumerSide, tail) == 0);
-    assert!(core::mem::offset_of!(ConsumerSide, overwritten) == 8);
+    assert!(core::mem::offset_of!(Ring<2>, header) == 0);
+    assert!(core::mem::offset_of!(Ring<2>, slots) == 128);
+    assert!(core::mem::size_of::<Ring<2>>() == super::layout::ring_stride(2));
+    assert!(core::mem::size_of::<Ring<64>>() == super::layout::ring_stride(64));
+    assert!(core::mem::size_of::<RingHeader>() == super::layout::RING_HEADER_SIZE);
+    // `ring_header` puts the mode in slot 0's third word.
+    assert!(W_MODE == 2);
 };

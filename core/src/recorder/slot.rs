@@ -36,7 +36,9 @@ pub const STAMP_BITS: u32 = 64 - STAMP_SHIFT;
 /// The bytes of one slot.
 pub const SLOT_SIZE: usize = 32;
 
-/// One record's storage: four words, written by the producer, read by the consumer.
+/// One record's storage: four words, written by the producer, read by the consumer. It is
+/// also the recorder's unit of storage: a header or a ring header is four slots' worth of
+/// words, so caller-provided memory is a `[Slot]` ([`super::MemRecorder`]).
 #[derive(Debug)]
 #[repr(C, align(32))]
 pub struct Slot {
@@ -93,6 +95,27 @@ impl Slot {
             tsc: AtomicU64::new(0),
             lo: AtomicU64::new(0),
             hi: AtomicU64::new(0),
+        }
+    }
+
+    /// A slot holding these four words (a ring header's words are slots too).
+    pub(super) const fn from_words(w: [u64; 4]) -> Self {
+        Self {
+            meta: AtomicU64::new(w[0]),
+            tsc: AtomicU64::new(w[1]),
+            lo: AtomicU64::new(w[2]),
+            hi: AtomicU64::new(w[3]),
+        }
+    }
+
+    /// Word `i` (0..4; larger values give the last word) as storage: how headers, which
+    /// are made of slots, reach their fields.
+    pub(super) fn word(&self, i: usize) -> &AtomicU64 {
+        match i {
+            0 => &self.meta,
+            1 => &self.tsc,
+            2 => &self.lo,
+            _ => &self.hi,
         }
     }
 

@@ -2,6 +2,7 @@
 #![allow(clippy::cast_possible_truncation)]
 
 extern crate std;
+use core::cell::{Cell, RefCell};
 use core::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::vec::Vec;
 
@@ -282,4 +283,335 @@ fn a_stop_when_full_ring_under_the_same_race_only_refuses() {
     let got = consumer.join().unwrap();
     assert_eq!((got, RING.overwritten()), (stored, 0));
     assert_eq!(got + RING.refused(), N);
+}
+
+#[test]
+fn a_mem_recorder_has_the_bytes_of_the_const_one() {
+    use std::vec;
+    static R: Recorder<3, 8> = Recorder::new_flight();
+    let storage: Vec<Slot> = (0..MemRecorder::storage_slots(3, 8).unwrap() + 1)
+        .map(|_| Slot::new())
+        .collect();
+    // A Vec<Slot> is 32-aligned; skip to a 64-byte boundary like a C buffer would be.
+    let skip = usize::from(!(storage.as_ptr() as usize).is_multiple_of(64));
+    let m = MemRecorder::init(&storage[skip..], 3, 8, Mode::Overwrite).unwrap();
+    assert_eq!(
+        MemRecorder::init(&storage[skip..skip + 10], 3, 8, Mode::Overwrite).unwrap_err(),
+        LayoutError::TooSmall
+    );
+    assert_eq!(
+        MemRecorder::init(&storage[1 - skip..], 3, 8, Mode::Overwrite).unwrap_err(),
+        LayoutError::Misaligned
+    );
+    assert_eq!(
+        MemRecorder::storage_slots(3, 12),
+        None,
+        "capacity not a power of two"
+    );
+    let info = HeaderInfo {
+        nonce: 0x1234,
+        tsc_khz: 2_000_000,
+        clock: ClockKind::RawTsc,
+        beacon_port: 0x510,
+    };
+    assert_eq!(R.header().magic, 0, "unpublished in the image");
+    let h = R.publish(&info);
+    assert_eq!(m.publish(&info), h);
+    // What the guest gets back is never a whole valid header (no second copy in its
+    // memory); the stored one is.
+    assert_eq!(h.magic, 0);
+    assert!(!h.is_valid());
+    assert_eq!(R.header(), h.published());
+    assert!(R.header().is_valid());
+    for (v, n) in [(0usize, 3u32), (2, 11)] {
+        let tsc = FakeTsc::new(100, 7);
+        for i in 0..n {
+            R.record(v, &tsc, 5, &i.to_le_bytes()).unwrap();
+        }
+        let tsc = FakeTsc::new(100, 7);
+        for i in 0..n {
+            m.record(v, &tsc, 5, &i.to_le_bytes()).unwrap();
+        }
+    }
+    let size = MemRecorder::storage_bytes(3, 8).unwrap();
+    assert_eq!(size, core::mem::size_of::<Recorder<3, 8>>());
+    let (mut a, mut b) = (vec![0u8; size], vec![0u8; size]);
+    assert_eq!((R.copy_bytes(&mut a), m.copy_bytes(&mut b)), (size, size));
+    assert_eq!(a, b);
+    assert_eq!(&a[..8], b"VMTSRING");
+}
+
+/// A reader outside the guest, written from docs/memory-layout.md over byte snapshots (not
+/// the host's code and not this crate's layout code): what it concludes about one ring.
+#[derive(Debug, Default)]
+struct Drained {
+    /// Valid records: (index, id, len, tsc, payload words).
+    valid: Vec<(u64, u16, u8, u64, u64, u64)>,
+    /// Records counted lost because the producer may have overwritten them.
+    overwritten: u64,
+    /// Records counted lost because their slot did not hold them whole.
+    corrupt: u64,
+    /// The index to read from next time.
+    next: u64,
+}
+
+fn le64(b: &[u8], at: usize) -> u64 {
+    u64::from_le_bytes(b[at..at + 8].try_into().unwrap())
+}
+
+/// The header fields a reader needs, after checking magic and checksum: (vcpus, capacity,
+/// rings offset, stride).
+fn header_of(snap: &[u8]) -> Option<(u64, u64, u64, u64)> {
+    const CRC: crc::Crc<u32> = crc::Crc::<u32>::new(&crc::CRC_32_ISCSI);
+    let h = snap.get(..128)?;
+    let sum = u32::from_le_bytes(h[120..124].try_into().unwrap());
+    (&h[..8] == b"VMTSRING" && CRC.checksum(&h[..120]) == sum).then(|| {
+        let vcpus = u64::from(u32::from_le_bytes(h[24..28].try_into().unwrap()));
+        (vcpus, le64(h, 32), le64(h, 56), le64(h, 64))
+    })
+}
+
+/// The reading rule for ring `r`: head `h1` from snapshot `a`, the slots from `b`, head
+/// `h2` from `c` (snapshots taken in that order), records from `next` on.
+fn drain(a: &[u8], b: &[u8], c: &[u8], r: u64, next: u64) -> Drained {
+    let (vcpus, cap, off, stride) = header_of(a).expect("a valid header");
+    assert!(r < vcpus);
+    let ring = usize::try_from(off + r * stride).unwrap();
+    let (h1, h2) = (le64(a, ring), le64(c, ring));
+    // Stop-when-full: the producer reuses slot n only after the in-guest consumer released
+    // record n (tail > n), so a tail read with h2 that is still at most n keeps n safe.
+    let stop_when_full = b[ring + 16] == 0;
+    let t2 = le64(c, ring + 64);
+    let from = next.max(h1.saturating_sub(cap));
+    let mut d = Drained {
+        // Records below the oldest one a ring of `cap` can still hold are gone.
+        overwritten: from - next.min(from),
+        next: h1.max(next),
+        ..Drained::default()
+    };
+    for n in from..h1 {
+        let slot = ring + 128 + 32 * usize::try_from(n % cap).unwrap();
+        let meta = le64(b, slot);
+        let (id, len) = ((meta & 0xffff) as u16, ((meta >> 16) & 0xff) as u8);
+        let stamp_ok = meta >> 25 == (n + 1) & ((1 << 39) - 1) && meta & (1 << 24) == 0;
+        let not_reused = h2 < n + cap || (stop_when_full && t2 <= n);
+        if not_reused && stamp_ok && len <= 16 {
+            let words = (le64(b, slot + 8), le64(b, slot + 16), le64(b, slot + 24));
+            d.valid.push((n, id, len, words.0, words.1, words.2));
+        } else if !not_reused {
+            d.overwritten += 1;
+        } else {
+            d.corrupt += 1;
+        }
+    }
+    d
+}
+
+/// 64-byte aligned storage for a `MemRecorder` of this shape: the Vec and the offset of the
+/// first aligned slot.
+fn aligned_storage(vcpus: usize, cap: usize) -> (Vec<Slot>, usize) {
+    let n = MemRecorder::storage_slots(vcpus, cap).unwrap() + 1;
+    let v: Vec<Slot> = (0..n).map(|_| Slot::new()).collect();
+    let skip = usize::from(!(v.as_ptr() as usize).is_multiple_of(64));
+    (v, skip)
+}
+
+fn snapshot(m: &MemRecorder<'_>) -> Vec<u8> {
+    let mut out = std::vec![0u8; MemRecorder::storage_bytes(m.vcpus(), m.capacity()).unwrap()];
+    assert_eq!(m.copy_bytes(&mut out), out.len());
+    out
+}
+
+/// A TSC that counts, and takes a snapshot of the recorder on one chosen read: that read
+/// happens inside `record`, between the slot's BUSY store and its data stores, so the
+/// snapshot holds a record half written.
+struct SnapTsc<'a> {
+    reads: Cell<u64>,
+    snap_on: Option<u64>,
+    rec: MemRecorder<'a>,
+    snap: RefCell<Option<Vec<u8>>>,
+}
+
+impl Tsc for SnapTsc<'_> {
+    fn read_ordered(&self) -> u64 {
+        let n = self.reads.get();
+        self.reads.set(n + 1);
+        if self.snap_on == Some(n) {
+            *self.snap.borrow_mut() = Some(snapshot(&self.rec));
+        }
+        1000 + n
+    }
+}
+
+proptest! {
+    /// Rounds of: produce, snapshot A, produce, snapshot B (possibly in the middle of a
+    /// record), produce, snapshot C, drain by the reading rule. Every record the reader
+    /// accepts is exactly the one produced at its index, none is accepted twice, and every
+    /// stored record is either accepted or counted lost: exactly, in both modes. A flight
+    /// ring's losses are all overwrites; nothing is ever corrupt in a snapshot, and a
+    /// stop-when-full ring loses nothing and counts every refused event.
+    #[test]
+    fn a_reader_of_the_bytes_sees_every_record_exactly_or_counts_it_lost(
+        flight in any::<bool>(),
+        cap_log in 1u32..5,
+        rounds in proptest::collection::vec((0u64..40, 0u64..40, 0u64..40, any::<bool>()), 1..12),
+    ) {
+        let cap = 1usize << cap_log;
+        let mode = if flight { Mode::Overwrite } else { Mode::StopWhenFull };
+        let (storage, skip) = aligned_storage(2, cap);
+        let m = MemRecorder::init(&storage[skip..], 2, cap, mode).unwrap();
+        m.publish(&HeaderInfo { nonce: 9, tsc_khz: 0, clock: ClockKind::RawTsc, beacon_port: 0 });
+        let mut tsc = SnapTsc { reads: Cell::new(0), snap_on: None, rec: m, snap: RefCell::new(None) };
+        let (mut attempts, mut next, mut seen) = (0u64, 0u64, std::collections::BTreeSet::new());
+        let (mut overwritten, mut corrupt) = (0u64, 0u64);
+        // Ring 1 is produced into as well, so the reader must find ring 0 by the stride.
+        let mut produce = |k: u64, tsc: &SnapTsc<'_>| {
+            for _ in 0..k {
+                let n = attempts;
+                attempts += 1;
+                let _ = m.record(0, tsc, n as u16, &n.to_le_bytes());
+                let _ = m.record(1, tsc, 7, &[1, 2, 3]);
+            }
+        };
+        for (a, b, c, torn) in rounds {
+            produce(a, &tsc);
+            let sa = snapshot(&m);
+            // With `torn`, snapshot B is taken by the TSC read of the next record.
+            tsc.snap_on = torn.then(|| tsc.reads.get());
+            produce(b.max(u64::from(torn)), &tsc);
+            let sb = tsc.snap.borrow_mut().take().unwrap_or_else(|| snapshot(&m));
+            produce(c, &tsc);
+            let sc = snapshot(&m);
+            let d = drain(&sa, &sb, &sc, 0, next);
+            for &(n, id, len, _tsc, lo, hi) in &d.valid {
+                prop_assert!(seen.insert(n), "record {} accepted twice", n);
+                // Stop-when-full stores the first `cap` attempts; the stored record at index
+                // n is attempt n either way (refused attempts get no index).
+                prop_assert_eq!((id, len, lo, hi), (n as u16, 8, n, 0));
+            }
+            overwritten += d.overwritten;
+            corrupt += d.corrupt;
+            next = d.next;
+        }
+        let ring = m.ring(0).unwrap();
+        prop_assert_eq!(corrupt, 0, "whole snapshots of a single producer are never torn");
+        prop_assert_eq!(seen.len() as u64 + overwritten, next, "every record up to the last h1");
+        if flight {
+            prop_assert_eq!(ring.refused(), 0);
+        } else {
+            prop_assert_eq!(overwritten, 0, "a stop-when-full ring without a consumer overwrites nothing");
+            prop_assert_eq!(ring.end() + ring.refused(), attempts);
+        }
+    }
+}
+
+/// A producer thread laps a reader that copies the bytes word by word while they change:
+/// every record the reading rule accepts is intact and at its index, and accepted plus
+/// counted lost is every record, exactly.
+#[test]
+fn a_reader_of_live_bytes_never_accepts_a_torn_record() {
+    const CAP: usize = 64;
+    const N: u64 = 300_000;
+    let (storage, skip) = aligned_storage(1, CAP);
+    let storage: &'static [Slot] = Vec::leak(storage);
+    let m = MemRecorder::init(&storage[skip..], 1, CAP, Mode::Overwrite).unwrap();
+    m.publish(&HeaderInfo {
+        nonce: 1,
+        tsc_khz: 0,
+        clock: ClockKind::Other,
+        beacon_port: 0,
+    });
+    static DONE: AtomicBool = AtomicBool::new(false);
+    let producer = std::thread::spawn(move || {
+        let tsc = Counter(AtomicU64::new(0));
+        let p = m.producer(0).unwrap();
+        for seq in 0..N {
+            let mut payload = [0u8; 16];
+            payload[..8].copy_from_slice(&seq.to_le_bytes());
+            payload[8..].copy_from_slice(&(!seq).to_le_bytes());
+            p.record(&tsc, seq as u16, &payload).unwrap();
+        }
+        DONE.store(true, Ordering::Release);
+    });
+    let (mut next, mut valid, mut lost) = (0u64, 0u64, 0u64);
+    loop {
+        let finished = DONE.load(Ordering::Acquire);
+        let a = snapshot(&m);
+        let b = snapshot(&m);
+        let c = snapshot(&m);
+        let d = drain(&a, &b, &c, 0, next);
+        for &(n, id, len, tsc, lo, hi) in &d.valid {
+            assert_eq!(
+                (id, len, tsc, lo, hi),
+                (n as u16, 16, n, n, !n),
+                "record {n}"
+            );
+        }
+        valid += d.valid.len() as u64;
+        lost += d.overwritten + d.corrupt;
+        next = d.next;
+        if finished && next == N {
+            break;
+        }
+    }
+    producer.join().unwrap();
+    assert_eq!(valid + lost, N);
+    assert!(lost > 0, "the producer never lapped the reader");
+    assert!(valid > 0, "the reader never kept up");
+}
+
+/// A beacon is, in this order: an `in` from the port, the record's TSC read, the `out` of
+/// the sequence number's low byte; its record has the reserved id and the sequence number,
+/// and the sequence goes on across a refused record.
+#[test]
+fn a_beacon_is_in_then_its_record_then_out() {
+    use crate::arch::{FakePorts, PortAccess};
+    struct MarkingTsc<'a>(&'a FakePorts, Cell<u64>);
+    impl Tsc for MarkingTsc<'_> {
+        fn read_ordered(&self) -> u64 {
+            self.0.mark(0x75c);
+            self.1.set(self.1.get() + 10);
+            self.1.get()
+        }
+    }
+    static R: Recorder<1, 2> = Recorder::new();
+    let ports = FakePorts::new();
+    let tsc = MarkingTsc(&ports, Cell::new(0));
+    assert_eq!(R.beacon(0, &tsc, &ports), Err(RecordError::NoBeaconPort));
+    assert!(ports.accesses().is_empty(), "no port, no exits");
+    R.publish(&HeaderInfo {
+        nonce: 3,
+        tsc_khz: 1,
+        clock: ClockKind::Other,
+        beacon_port: 0x2400,
+    });
+    assert_eq!(R.beacon(0, &tsc, &ports), Ok(0));
+    assert_eq!(R.beacon(0, &tsc, &ports), Ok(1));
+    // The ring (capacity 2) is full: the third beacon's exits still happen, numbered 2.
+    assert_eq!(R.beacon(0, &tsc, &ports), Err(RecordError::Full));
+    let mut expected = Vec::new();
+    for seq in 0..3u8 {
+        expected.push(PortAccess::In {
+            port: 0x2400,
+            // FakePorts reads 0xff from a port with nothing behind it, like QEMU.
+            value: 0xff,
+        });
+        if seq < 2 {
+            expected.push(PortAccess::Mark(0x75c));
+        }
+        expected.push(PortAccess::Out {
+            port: 0x2400,
+            value: seq,
+        });
+    }
+    assert_eq!(ports.accesses().as_slice(), expected.as_slice());
+    let ring = R.ring(0).unwrap();
+    assert_eq!((ring.beacons(), ring.refused()), (3, 1));
+    for seq in 0..2u64 {
+        let r = ring.read(seq).unwrap();
+        assert_eq!(
+            (r.id, r.payload(), r.tsc.0),
+            (BEACON_ID, &seq.to_le_bytes()[..], 10 * (seq + 1))
+        );
+    }
 }

@@ -1,4 +1,4 @@
-//! KVM debugfs parsing (`vmtsync::debugfs::parse`): file contents and directory names. A panic
+//! KVM debugfs parsing (`vmtsync::kvm::debugfs::parse`): file contents and directory names. A panic
 //! is a crash, and so is any disagreement with a reference taken from `std` on what the kernel
 //! can have written: `"%lld\n"`/`"%llu\n"` contents (std's integer parser minus its leading
 //! `+`, which the kernel never prints), `<pid>-<fd>[-...]` VM directories, and `vcpu%d`
@@ -6,7 +6,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use vmtsync::debugfs::{
+use vmtsync::kvm::debugfs::{
     VmId, parse_i64_contents, parse_u64_contents, parse_vcpu_dir_name, parse_vm_dir_name,
 };
 

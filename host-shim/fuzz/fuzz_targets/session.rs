@@ -12,8 +12,9 @@
 use std::time::{Duration, Instant};
 
 use libfuzzer_sys::fuzz_target;
-use vmtsync::probe::transport::host_tsc_now;
-use vmtsync::probe::{ProbeSession, Received, StampedTransport, TransportError};
+use vmtsync::link::transport::host_tsc_now;
+use vmtsync::link::{Received, StampedTransport, TransportError};
+use vmtsync::probe::ProbeSession;
 use vmtsync_core::HostTicks;
 use vmtsync_core::proto::{MAX_FRAME_SIZE, reseal_stream};
 

@@ -1,4 +1,4 @@
-//! The trace.dat reader (`vmtsync::tracedat::reader`): arbitrary bytes as a trace.dat, read
+//! The trace.dat reader (`vmtsync::formats::tracedat::reader`): arbitrary bytes as a trace.dat, read
 //! for its layout and every event. A panic or a hang is a crash; any damage must be an error
 //! (with the offset where parsing failed), never a wrong success: a file the reader accepts is
 //! read again with the same result.
@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use std::sync::OnceLock;
 
 use libfuzzer_sys::fuzz_target;
-use vmtsync::tracedat::verify_file;
+use vmtsync::formats::tracedat::verify_file;
 
 /// One scratch file per fuzzing process, in memory-backed /dev/shm when there is one: the
 /// reader takes a path (it reads pages at offsets, like trace-cmd).

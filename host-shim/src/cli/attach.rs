@@ -1,25 +1,24 @@
 //! `vmtsync trace-cmd attach`: a Linux guest's trace.dat (trace-cmd, `x86-tsc` clock) copied
 //! with a TIME_SHIFT that puts its events on the host's timeline, from a given mapping, a sync
 //! file or the live KVM mapping of every vCPU; optionally a copy of the host's trace with the
-//! GUEST option. The work is in [`crate::tracedat::attach`]; the choices are in
+//! GUEST option. The work is in [`crate::formats::tracedat::attach`]; the choices are in
 //! `docs/attach.md`.
 
 use std::path::PathBuf;
 
 use clap::{Args, Subcommand};
 use vmtsync_core::mapping::KvmTscMapping;
-use vmtsync_core::{GuestTicks, HostTicks};
 
 use super::exit::CliError;
-use super::source::{SourceArgs, single_vm};
-use crate::compose::ComposeError;
-use crate::scan::VmSelector;
-use crate::syncfile::SyncFile;
-use crate::tracedat::timeshift::TimeShiftError;
-use crate::tracedat::{
-    self, GuestInfo, Layout, ShiftMode, SyncSegment, TimeShift, TraceDatError, cpu_time_ranges,
-    read_layout, trace_cpus,
+use super::mapping::MappingArgs;
+use super::source::single_vm;
+use crate::formats::tracedat::plan::{AttachMapping, AttachPlan, plan};
+use crate::formats::tracedat::timeshift::TimeShiftError;
+use crate::formats::tracedat::{
+    self, GuestInfo, Layout, ShiftMode, TimeShift, TraceDatError, cpu_time_ranges, read_layout,
+    trace_cpus,
 };
+use crate::syncfile::{SyncFile, SyncTimeline};
 
 /// `vmtsync trace-cmd …`.
 #[derive(Debug, Subcommand)]
@@ -43,6 +42,7 @@ pub enum TraceCmdCommand {
 
 /// `vmtsync trace-cmd attach`.
 #[derive(Debug, Args)]
+#[command(mut_arg("vcpu", |a| a.requires("sync")))]
 pub struct AttachArgs {
     /// The guest's trace.dat (trace-cmd record/extract in the guest, x86-tsc clock).
     #[arg(long, value_name = "GUEST.dat")]
@@ -50,50 +50,16 @@ pub struct AttachArgs {
     /// The copy to write (replaced atomically if it exists; never the input).
     #[arg(long, value_name = "OUT.dat")]
     pub output: PathBuf,
-    /// The guest's TSC offset, our sign: guest = offset + (host * ratio >> frac) (KVM's
-    /// tsc-offset). trace-cmd stores the opposite sign; this is converted.
-    #[arg(
-        long,
-        value_name = "O",
-        allow_negative_numbers = true,
-        required_unless_present_any = ["sync", "vm"],
-        conflicts_with_all = ["sync", "vm"]
-    )]
-    pub offset: Option<i64>,
-    /// The scaling ratio (default: identity).
-    #[arg(long, value_name = "R", requires = "offset", requires = "frac_bits",
-          value_parser = clap::value_parser!(u64).range(1..))]
-    pub ratio: Option<u64>,
-    /// Fraction bits of the ratio (48 on Intel, 32 on AMD).
-    #[arg(long, value_name = "F", requires = "ratio",
-          value_parser = clap::value_parser!(u32).range(0..64))]
-    pub frac_bits: Option<u32>,
-    /// A sync file (`vmtsync probe --continuous --out FILE`): its segments for --vcpu become
-    /// the TIME_SHIFT samples of every guest CPU.
-    #[arg(
-        long,
-        value_name = "SYNCFILE",
-        requires = "vcpu",
-        conflicts_with = "vm"
-    )]
-    pub sync: Option<PathBuf>,
-    /// The sync file's vCPU whose segments to use.
-    #[arg(long, value_name = "N", requires = "sync")]
-    pub vcpu: Option<u32>,
+    /// The mapping: --offset, --sync with --vcpu (its segments become the TIME_SHIFT samples
+    /// of every guest CPU), or --vm (every vCPU's mapping). trace-cmd stores the opposite
+    /// sign of the offset; this is converted.
+    #[command(flatten)]
+    pub mapping: MappingArgs,
     /// With --sync: write the segments as points that trace-cmd interpolates between (its
     /// PTP convention, flags=1) instead of steps (each offset holds until the next segment,
     /// flags=0, exact). Needed for segments with a non-zero drift.
     #[arg(long, requires = "sync")]
     pub interpolate: bool,
-    /// Read every vCPU's mapping from this VM's KVM debugfs entry (PID, PID-FD or name).
-    #[arg(long, value_name = "PID|NAME")]
-    pub vm: Option<VmSelector>,
-    /// Accept vCPUs in guest mode (their debugfs values are the L0->L2 mapping).
-    #[arg(long, requires = "vm")]
-    pub nested_l2: bool,
-    /// Debugfs and /proc locations (with --vm).
-    #[command(flatten)]
-    pub source: SourceArgs,
     /// A host trace.dat to pair with the guest: a copy with the GUEST option (guest name,
     /// its TRACEID, vCPU -> host thread) goes to --host-output, for
     /// `trace-cmd report -i HOST_OUT.dat -i OUT.dat`. The threads come from --vm or
@@ -129,79 +95,40 @@ pub(super) fn run_trace_cmd(c: &TraceCmdCommand) -> Result<(), CliError> {
     }
 }
 
-/// The host tick a single-mapping segment starts at: where the CPU's first event falls, else
-/// where guest tick 0 falls, else host tick 0 (any start works for one segment: trace-cmd uses
-/// the same pair of samples for every timestamp).
-fn start_for(map: KvmTscMapping, first: Option<u64>) -> HostTicks {
-    first
-        .and_then(|g| map.try_host_from_guest_ceil(GuestTicks(g)))
-        .or_else(|| map.try_host_from_guest_ceil(GuestTicks(0)))
-        .unwrap_or(HostTicks(0))
-}
+/// The VM's name and its vCPU threads `(guest CPU, host thread)`, when --vm gave them.
+type VmThreads = Option<(String, Vec<(u32, u32)>)>;
 
-/// One segment list per guest CPU, and the vCPU threads when --vm gave them.
-type Plan = (
-    ShiftMode,
-    Vec<Vec<SyncSegment>>,
-    Option<(String, Vec<(u32, u32)>)>,
-);
-
-fn plan(a: &AttachArgs, cpus: usize, ranges: &[Option<(u64, u64)>]) -> Result<Plan, CliError> {
-    let first = |c: usize| ranges.get(c).copied().flatten().map(|r| r.0);
-    if let Some(offset) = a.offset {
-        let map = match (a.ratio, a.frac_bits) {
-            (Some(r), Some(f)) => {
-                KvmTscMapping::try_new(offset, r, f).map_err(|_| ComposeError::Field {
-                    field: "--ratio/--frac-bits",
-                    value: format!("{r}/{f}"),
-                    why: "the ratio must be non-zero and frac bits at most 63",
-                })?
-            }
-            _ => KvmTscMapping::offset_only(offset),
-        };
-        let segs = (0..cpus)
-            .map(|c| {
-                vec![SyncSegment {
-                    start: start_for(map, first(c)),
-                    map,
-                }]
-            })
-            .collect();
-        return Ok((ShiftMode::Step, segs, None));
+/// The mapping the arguments name, and the vCPU threads when --vm gave them.
+fn mapping<'a>(
+    a: &AttachArgs,
+    cpus: usize,
+    timeline: &'a mut Option<SyncTimeline>,
+) -> Result<(AttachMapping<'a>, VmThreads), CliError> {
+    if let Some(map) = a.mapping.fixed()? {
+        return Ok((AttachMapping::Fixed(map), None));
     }
-    if let (Some(path), Some(vcpu)) = (a.sync.as_deref(), a.vcpu) {
+    if let (Some(path), Some(vcpu)) = (a.mapping.sync.as_deref(), a.mapping.vcpu) {
         let sync = SyncFile::read(path)?;
         if let Some(cut) = sync.cut {
             eprintln!("vmtsync: warning: {}: {cut}", path.display());
         }
-        let tl = sync.timeline(vcpu)?;
-        let first = ranges.iter().flatten().map(|r| r.0).min();
-        let last = ranges.iter().flatten().map(|r| r.1).max();
-        let segs = if a.interpolate {
-            let (segs, deviation) = sync_points(&tl, first, last).map_err(CliError::Usage)?;
-            eprintln!(
-                "vmtsync: interpolating between {} sync points: the lines between them depart from the sync file's per-segment conversion by up to {deviation} ticks over the trace (0 with no offset change; without --interpolate each segment's offset holds until the next)",
-                segs.len()
-            );
-            segs
-        } else {
-            sync_steps(&tl).map_err(CliError::Usage)?
-        };
-        let mode = if a.interpolate {
-            ShiftMode::Interpolate
-        } else {
-            ShiftMode::Step
-        };
-        return Ok((mode, vec![segs; cpus], None));
+        let timeline = timeline.insert(sync.timeline(vcpu)?);
+        return Ok((
+            AttachMapping::Sync {
+                timeline,
+                interpolate: a.interpolate,
+            },
+            None,
+        ));
     }
-    let Some(sel) = a.vm.as_ref() else {
+    let Some(sel) = a.mapping.vm.as_ref() else {
         return Err(CliError::Usage(
             "give --offset, --sync with --vcpu, or --vm".into(),
         ));
     };
-    let vm = single_vm(&a.source, sel)?;
+    let vm = single_vm(&a.mapping.source, sel)?;
     let vm_name = format!("{}-{}", vm.pid, vm.fd);
-    let mut segs = Vec::with_capacity(cpus);
+    let mut maps = Vec::with_capacity(cpus);
     let mut pids = Vec::new();
     for c in 0..cpus {
         let cpu = u32::try_from(c).unwrap_or(u32::MAX);
@@ -217,103 +144,41 @@ fn plan(a: &AttachArgs, cpus: usize, ranges: &[Option<(u64, u64)>]) -> Result<Pl
                     .join(", "),
             });
         };
-        if v.guest_mode == Some(true) && !a.nested_l2 {
+        if v.guest_mode == Some(true) && !a.mapping.nested_l2 {
             return Err(CliError::Nested {
                 vm: vm_name,
                 vcpu: cpu,
             });
         }
-        let map = KvmTscMapping::try_new(v.tsc_offset, v.tsc_scaling_ratio, v.tsc_frac_bits)
-            .map_err(|e| CliError::Usage(format!("VM {vm_name} vcpu{cpu}: {e}")))?;
-        segs.push(vec![SyncSegment {
-            start: start_for(map, first(c)),
-            map,
-        }]);
+        maps.push(
+            KvmTscMapping::try_new(v.tsc_offset, v.tsc_scaling_ratio, v.tsc_frac_bits)
+                .map_err(|e| CliError::Usage(format!("VM {vm_name} vcpu{cpu}: {e}")))?,
+        );
         if let Some(t) = v.thread_pid {
             pids.push((cpu, t));
         }
     }
     let name = vm.name.clone().unwrap_or(vm_name);
-    Ok((ShiftMode::Step, segs, Some((name, pids))))
-}
-
-/// Step samples: each sync segment's offset from its first host tick on. Exact for
-/// constant-offset segments; a drifting one cannot be a step (the reader would scale the
-/// guest value in 64 bits), so it is refused with the way out.
-fn sync_steps(tl: &crate::syncfile::SyncTimeline) -> Result<Vec<SyncSegment>, String> {
-    tl.records()
-        .iter()
-        .map(|r| {
-            r.to_timeline_segment()
-                .as_ref()
-                .and_then(SyncSegment::try_from_timeline)
-                .ok_or_else(|| {
-                    format!(
-                        "sync segment of round {} drifts ({} ppb): a step TIME_SHIFT cannot carry a rate; pass --interpolate (points at each segment start) or pre-convert",
-                        r.round, r.drift_ppb
-                    )
-                })
-        })
-        .collect()
-}
-
-/// Interpolation points: the sync file's exact conversion at each segment's first guest tick,
-/// plus one at the trace's last guest tick on the last segment's line, so that trace-cmd's
-/// extrapolation past the last start follows that segment's rate. Also returns how far the
-/// lines between the points depart from the sync file's own per-segment conversion over
-/// `[first, last]`, in ticks: both are linear between two points, so the largest difference
-/// is at an end of each stretch (where it is evaluated exactly, floors on both sides).
-fn sync_points(
-    tl: &crate::syncfile::SyncTimeline,
-    first: Option<u64>,
-    last: Option<u64>,
-) -> Result<(Vec<SyncSegment>, u64), String> {
-    let host_of = |g: u64| {
-        tl.try_host_from_guest_floor(GuestTicks(g))
-            .map(|h| h.0)
-            .ok_or_else(|| format!("guest tick {g} has no host tick in the sync file"))
-    };
-    let point = |g: u64| {
-        let h = host_of(g)?;
-        let off = i64::try_from(i128::from(g) - i128::from(h))
-            .map_err(|_| format!("guest tick {g}: offset beyond 64 bits"))?;
-        Ok::<_, String>((g, h, SyncSegment::offset_only(HostTicks(h), off)))
-    };
-    let mut pts = tl
-        .records()
-        .iter()
-        .map(|r| point(r.guest_start))
-        .collect::<Result<Vec<_>, _>>()?;
-    let last_start = pts.last().map_or(0, |p| p.0);
-    if let Some(g) = last.filter(|&g| g > last_start) {
-        pts.push(point(g)?);
-    }
-    // The line through neighbouring points (the first pair also serves before the first
-    // point), floored, against the sync file's floor.
-    let mut deviation = 0u64;
-    for w in pts.windows(2) {
-        let ((ga, ha, _), (gb, hb, _)) = (w[0], w[1]);
-        let mut ends = vec![gb - 1];
-        if w[0].0 == pts[0].0
-            && let Some(f) = first.filter(|&f| f < ga)
-        {
-            ends.push(f);
-        }
-        for g in ends {
-            let num = (i128::from(g) - i128::from(ga)) * (i128::from(hb) - i128::from(ha));
-            let line = i128::from(ha) + num.div_euclid(i128::from(gb) - i128::from(ga));
-            let d = (line - i128::from(host_of(g)?)).unsigned_abs();
-            deviation = deviation.max(u64::try_from(d).unwrap_or(u64::MAX));
-        }
-    }
-    Ok((pts.into_iter().map(|p| p.2).collect(), deviation))
+    Ok((AttachMapping::PerCpu(maps), Some((name, pids))))
 }
 
 fn run_attach(a: &AttachArgs) -> Result<(), CliError> {
     let layout: Layout = read_layout(&a.guest)?;
     let ranges = cpu_time_ranges(&a.guest, &layout)?;
     let cpus = trace_cpus(&layout, &ranges);
-    let (mode, segs, vm) = plan(a, cpus, &ranges)?;
+    let mut timeline = None;
+    let (m, vm) = mapping(a, cpus, &mut timeline)?;
+    let AttachPlan {
+        mode,
+        cpus: segs,
+        deviation,
+    } = plan(&m, cpus, &ranges).map_err(CliError::Usage)?;
+    if let Some(deviation) = deviation {
+        eprintln!(
+            "vmtsync: interpolating between {} sync points: the lines between them depart from the sync file's per-segment conversion by up to {deviation} ticks over the trace (0 with no offset change; without --interpolate each segment's offset holds until the next)",
+            segs.first().map_or(0, Vec::len)
+        );
+    }
     // trace-cmd 3.1.6 gives instance buffers a handle without the file's time sync
     // (docs/attach.md): their events keep their guest timestamps.
     let instances: Vec<&str> = layout
@@ -430,52 +295,5 @@ mod tests {
         assert_eq!(parse_cpu_pid("1=4242"), Ok((1, 4242)));
         assert!(parse_cpu_pid("1:4242").is_err());
         assert!(parse_cpu_pid("x=1").is_err());
-    }
-
-    /// A sync file of vCPU 0 with constant-offset segments `(guest start, offset)`.
-    fn sync(segs: &[(u64, i64)]) -> crate::syncfile::SyncTimeline {
-        let mut t = String::from(
-            "{\"type\":\"header\",\"schema\":1,\"tool\":\"t\",\"host_clock\":\"x86-tsc\",\"created_unix_s\":1}\n",
-        );
-        for (r, &(g, o)) in segs.iter().enumerate() {
-            let h = g.checked_add_signed(-o).unwrap();
-            t.push_str(&format!(
-                "{{\"type\":\"segment\",\"vcpu\":0,\"round\":{r},\"guest_start\":{g},\"host_anchor\":{h},\"guest_anchor\":{g},\"offset\":{o},\"offset_lo\":{o},\"offset_hi\":{o},\"drift_ppb\":0,\"drift_ppb_lo\":0,\"drift_ppb_hi\":0,\"model\":\"drift\",\"probes\":1,\"rtt_min_ticks\":1,\"host_first\":{h},\"host_last\":{h},\"break\":false}}\n"
-            ));
-        }
-        SyncFile::parse(t.as_bytes()).unwrap().timeline(0).unwrap()
-    }
-
-    #[test]
-    fn sync_steps_are_the_offsets_and_points_report_their_departure() {
-        let tl = sync(&[(1000, 0), (2000, -100), (3000, 50)]);
-        let steps = sync_steps(&tl).unwrap();
-        assert_eq!(
-            steps,
-            [
-                SyncSegment::offset_only(HostTicks(1000), 0),
-                SyncSegment::offset_only(HostTicks(2100), -100),
-                SyncSegment::offset_only(HostTicks(2950), 50),
-            ]
-        );
-        let (pts, dev) = sync_points(&tl, Some(500), Some(4000)).unwrap();
-        // The three starts and the last tick on the last segment.
-        assert_eq!(pts.len(), 4);
-        assert_eq!(pts[3], SyncSegment::offset_only(HostTicks(3950), 50));
-        // Worst at 2999: the line from (2000, 2100) to (3000, 2950) gives 2949, the sync
-        // file's second segment 3099.
-        assert_eq!(dev, 150);
-    }
-
-    #[test]
-    fn a_single_segment_starts_where_the_first_event_falls() {
-        let m = KvmTscMapping::offset_only(-1000);
-        assert_eq!(start_for(m, Some(5000)), HostTicks(6000));
-        assert_eq!(start_for(m, None), HostTicks(1000));
-        // Guest ahead of the host: guest 0 is before host 0, modulo 2^64 as KVM adds, and
-        // maps back to guest 0 (what the TIME_SHIFT sample's time becomes).
-        let m = KvmTscMapping::offset_only(1000);
-        let s = start_for(m, None);
-        assert_eq!(m.try_guest_from_host(s), Some(GuestTicks(0)));
     }
 }

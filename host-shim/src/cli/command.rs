@@ -10,11 +10,11 @@ use super::exit::{CliError, EXIT_CODES};
 use super::export::{ExportCommand, run_export};
 use super::kvm::{KvmArgs, run_kvm};
 use super::plot::{PlotArgs, run_plot_cmd};
+use super::probe::ProbeArgs;
 use super::probe::run_probe_cmd;
 use super::record::{RecordArgs, run_record_cmd};
 use super::tsc::{TscCommand, run_tsc};
 use super::validate::{ValidateArgs, run_validate_cmd};
-use crate::probe::ProbeArgs;
 
 /// vmtsync: exact host<->guest TSC mappings from KVM, for putting VM trace events on the host
 /// timeline.

@@ -1,56 +1,28 @@
 //! `vmtsync convert`: TSC values on stdin through a given, debugfs or sync-file mapping.
 
 use std::io::{self, BufReader, BufWriter, Write};
-use std::path::PathBuf;
 
 use clap::Args;
 use vmtsync_core::mapping::KvmTscMapping;
 
 use super::exit::CliError;
-use super::source::{SourceArgs, single_vm};
-use crate::compose::ComposeError;
+use super::mapping::MappingArgs;
+use super::source::single_vm;
 use crate::exact_convert::{self, ConvertOptions, Direction, Rounding};
-use crate::scan::VmSelector;
 use crate::syncfile::{self, SyncFile};
 
 /// `vmtsync convert`.
 #[derive(Debug, Args)]
+#[command(
+    mut_arg("vm", |a| a.requires("vcpu")),
+    mut_arg("vcpu", |a| a.conflicts_with("offset")),
+    mut_arg("sync", |a| a.conflicts_with_all(["to", "round", "nested_l2"])),
+)]
 pub struct ConvertArgs {
-    /// The vCPU's TSC offset (guest = offset + host * ratio >> frac).
-    #[arg(
-        long,
-        value_name = "O",
-        allow_negative_numbers = true,
-        required_unless_present_any = ["vm", "sync"],
-        conflicts_with = "vm"
-    )]
-    pub offset: Option<i64>,
-    /// The scaling ratio (default: none, i.e. identity).
-    #[arg(long, value_name = "R", requires = "offset", requires = "frac_bits",
-          value_parser = clap::value_parser!(u64).range(1..))]
-    pub ratio: Option<u64>,
-    /// Fraction bits of the ratio (48 on Intel, 32 on AMD).
-    #[arg(long, value_name = "F", requires = "ratio",
-          value_parser = clap::value_parser!(u32).range(0..64))]
-    pub frac_bits: Option<u32>,
-    /// Read the mapping from this VM's debugfs entry (PID, PID-FD or name).
-    #[arg(long, value_name = "PID|NAME", requires = "vcpu")]
-    pub vm: Option<VmSelector>,
-    /// The vCPU id (debugfs `vcpuN`, or the sync file's `vcpu`) whose mapping to use.
-    #[arg(long, value_name = "N", conflicts_with = "offset")]
-    pub vcpu: Option<u32>,
-    /// Convert guest TSC values to host TSC (rounded down) through a sync file written by
-    /// `vmtsync probe --continuous --out FILE`: piecewise, one segment per probe round.
-    #[arg(long, value_name = "SYNCFILE", requires = "vcpu",
-          conflicts_with_all = ["offset", "vm", "to", "round", "nested_l2"])]
-    pub sync: Option<PathBuf>,
-    /// Accept a vCPU in guest mode: its debugfs values are then the L0->L2 mapping, and the
-    /// input must be L2 timestamps.
-    #[arg(long, requires = "vm")]
-    pub nested_l2: bool,
-    /// Debugfs and /proc locations (with --vm).
+    /// The mapping: --offset, --vm with --vcpu, or --sync with --vcpu (which converts guest
+    /// TSC values to host TSC, rounded down, piecewise).
     #[command(flatten)]
-    pub source: SourceArgs,
+    pub mapping: MappingArgs,
     /// Output clock: `host` (input is guest TSC) or `guest` (input is host TSC).
     #[arg(long, value_enum, default_value_t = Direction::Host)]
     pub to: Direction,
@@ -63,23 +35,9 @@ pub struct ConvertArgs {
 }
 
 /// Resolves the mapping `convert` uses, from flags or from debugfs.
-fn convert_mapping(a: &ConvertArgs) -> Result<KvmTscMapping, CliError> {
-    if let Some(offset) = a.offset {
-        return match (a.ratio, a.frac_bits) {
-            (Some(r), Some(f)) => KvmTscMapping::try_new(offset, r, f).map_err(|e| {
-                ComposeError::Field {
-                    field: "--ratio/--frac-bits",
-                    value: format!("{r}/{f}"),
-                    why: if matches!(e, vmtsync_core::mapping::MappingError::ZeroRatio) {
-                        "the ratio must be non-zero"
-                    } else {
-                        "frac bits must be at most 63"
-                    },
-                }
-                .into()
-            }),
-            _ => Ok(KvmTscMapping::offset_only(offset)),
-        };
+fn convert_mapping(a: &MappingArgs) -> Result<KvmTscMapping, CliError> {
+    if let Some(m) = a.fixed()? {
+        return Ok(m);
     }
     let (Some(sel), Some(vcpu)) = (a.vm.as_ref(), a.vcpu) else {
         // clap enforces one of the two forms.
@@ -110,7 +68,7 @@ fn convert_mapping(a: &ConvertArgs) -> Result<KvmTscMapping, CliError> {
 }
 
 pub(super) fn run_convert(a: &ConvertArgs) -> Result<(), CliError> {
-    if let (Some(path), Some(vcpu)) = (a.sync.as_deref(), a.vcpu) {
+    if let (Some(path), Some(vcpu)) = (a.mapping.sync.as_deref(), a.mapping.vcpu) {
         let stdin = io::stdin();
         let mut input = BufReader::with_capacity(64 * 1024, stdin.lock());
         let mut output = BufWriter::with_capacity(64 * 1024, io::stdout().lock());
@@ -129,7 +87,7 @@ pub(super) fn run_convert(a: &ConvertArgs) -> Result<(), CliError> {
         }
         return Ok(());
     }
-    let mapping = convert_mapping(a)?;
+    let mapping = convert_mapping(&a.mapping)?;
     let opts = ConvertOptions {
         mapping,
         to: a.to,

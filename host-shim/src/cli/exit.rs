@@ -7,13 +7,14 @@ use vmtsync_core::estimate::EstimateError;
 
 use super::signals::stop_signal;
 use crate::compose::ComposeError;
-use crate::debugfs::{DEBUGFS_MOUNTPOINT, DebugfsError};
 use crate::exact_convert::ConvertError;
 use crate::ftrace::TraceError;
-use crate::probe::{ConnectError, ProbeError};
-use crate::scan::ScanError;
+use crate::kvm::debugfs::{DEBUGFS_MOUNTPOINT, DebugfsError};
+use crate::kvm::scan::ScanError;
+use crate::kvm::watch::WatchError;
+use crate::link::ConnectError;
+use crate::probe::ProbeError;
 use crate::syncfile::SyncFileError;
-use crate::watch::WatchError;
 
 /// The exit codes, for `--help` (also in the [module docs](crate::cli)).
 pub(super) const EXIT_CODES: &str = "\
@@ -63,10 +64,10 @@ pub enum CliError {
     Record(#[from] crate::record::RecordError),
     /// From `export perfetto` (and `record --format perfetto`'s writer).
     #[error(transparent)]
-    Perfetto(#[from] crate::export::perfetto::PerfettoError),
+    Perfetto(#[from] crate::formats::perfetto::PerfettoError),
     /// From `export`.
     #[error(transparent)]
-    Export(#[from] crate::export::ExportError),
+    Export(#[from] crate::formats::ExportError),
     /// Bad flag values clap cannot check.
     #[error("{0}")]
     Usage(String),
@@ -123,7 +124,7 @@ pub enum CliError {
     Output(#[from] io::Error),
     /// From `trace-cmd attach` (reading or writing a trace.dat).
     #[error(transparent)]
-    TraceDat(#[from] crate::tracedat::TraceDatError),
+    TraceDat(#[from] crate::formats::tracedat::TraceDatError),
     /// `trace-cmd attach`: trace-cmd's 64-bit TIME_SHIFT arithmetic would be too coarse.
     #[error(
         "guest CPU {cpu}: trace-cmd's 64-bit TIME_SHIFT arithmetic would be off by up to {bound} ticks for this trace's events (limit {limit}): pass --max-error {bound} to accept that, or pre-convert the timestamps"
@@ -177,9 +178,11 @@ impl CliError {
             Self::Perfetto(e) => perfetto_exit_code(e),
             Self::Usage(_) => 2,
             Self::Export(
-                crate::export::ExportError::Io { .. }
-                | crate::export::ExportError::Write { .. }
-                | crate::export::ExportError::TraceDat(crate::tracedat::TraceDatError::Io { .. }),
+                crate::formats::ExportError::Io { .. }
+                | crate::formats::ExportError::Write { .. }
+                | crate::formats::ExportError::TraceDat(
+                    crate::formats::tracedat::TraceDatError::Io { .. },
+                ),
             ) => 1,
             Self::Export(_) => 5,
             Self::SyncFile(e) => sync_exit_code(e),
@@ -188,7 +191,7 @@ impl CliError {
             Self::Plot(_) => 1,
             Self::Validate(crate::validate::ValidateError::SyncFile(e)) => sync_exit_code(e),
             Self::Validate(crate::validate::ValidateError::TraceDat(
-                crate::tracedat::TraceDatError::Io { .. },
+                crate::formats::tracedat::TraceDatError::Io { .. },
             )) => 1,
             Self::Validate(crate::validate::ValidateError::Threads { .. }) => 2,
             Self::Validate(_) => 5,
@@ -236,9 +239,9 @@ fn probe_exit_code(e: &ProbeError) -> u8 {
 
 /// Exit code of a Perfetto export failure: 5 for input that cannot be read or mapped (a
 /// malformed recording, one from another boot), else 1.
-fn perfetto_exit_code(e: &crate::export::perfetto::PerfettoError) -> u8 {
-    use crate::export::ExportError;
-    use crate::export::perfetto::PerfettoError;
+fn perfetto_exit_code(e: &crate::formats::perfetto::PerfettoError) -> u8 {
+    use crate::formats::ExportError;
+    use crate::formats::perfetto::PerfettoError;
     match e {
         PerfettoError::Input(ExportError::Io { .. } | ExportError::Write { .. })
         | PerfettoError::Io { .. }
@@ -253,8 +256,8 @@ fn perfetto_exit_code(e: &crate::export::perfetto::PerfettoError) -> u8 {
 /// Exit code of a trace.dat failure: 1 for I/O and a copy that does not verify, 6 for a
 /// TIME_SHIFT above the error limit, else 5 (a malformed, truncated or unsupported input, a
 /// mapping TIME_SHIFT cannot hold).
-fn trace_dat_exit_code(e: &crate::tracedat::TraceDatError) -> u8 {
-    use crate::tracedat::{TimeShiftError, TraceDatError};
+fn trace_dat_exit_code(e: &crate::formats::tracedat::TraceDatError) -> u8 {
+    use crate::formats::tracedat::{TimeShiftError, TraceDatError};
     match e {
         TraceDatError::Io { .. } | TraceDatError::Verify { .. } => 1,
         TraceDatError::TimeShift(TimeShiftError::AboveLimit { .. }) => 6,
@@ -274,7 +277,6 @@ fn sync_exit_code(e: &SyncFileError) -> u8 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::probe;
 
     #[test]
     fn exit_codes() {
@@ -300,7 +302,7 @@ mod tests {
         assert!(!nm.is_broken_pipe());
         let gone = CliError::Probe(ProbeError::Transport {
             what: "a probe reply",
-            source: probe::TransportError::Closed,
+            source: crate::link::TransportError::Closed,
         });
         assert_eq!(gone.exit_code(), 7);
         assert!(!gone.is_broken_pipe());

@@ -1,11 +1,11 @@
-//! `vmtsync export ctf`: the command's glue; the work is in [`crate::export::ctf`].
+//! `vmtsync export ctf`: the command's glue; the work is in [`crate::formats::ctf`].
 
 use std::path::PathBuf;
 
 use clap::{Args, ValueEnum};
 
 use super::exit::CliError;
-use crate::export::{self, ctf};
+use crate::formats::{self, ctf};
 
 /// `vmtsync export ctf` flags.
 #[derive(Debug, Args)]
@@ -85,13 +85,15 @@ pub(super) fn run_export_ctf(a: &CtfArgs) -> Result<(), CliError> {
         );
         return Ok(());
     }
-    let src = export::open(&a.from)?;
+    let src = formats::open(&a.from)?;
     let kind = src.kind();
     let s = ctf::export_guest(src, &a.out, &opts)?;
     let known = match kind {
-        export::InputKind::Jsonl => "guest TSC, host TSC and guaranteed interval",
-        export::InputKind::TraceDatShifted => "guest TSC and host TSC (no interval in a trace.dat)",
-        export::InputKind::TraceDatHost => {
+        formats::InputKind::Jsonl => "guest TSC, host TSC and guaranteed interval",
+        formats::InputKind::TraceDatShifted => {
+            "guest TSC and host TSC (no interval in a trace.dat)"
+        }
+        formats::InputKind::TraceDatHost => {
             "host TSC only (a pre-converted trace.dat has no guest TSC and no interval)"
         }
     };

@@ -1,13 +1,13 @@
 //! `vmtsync export perfetto`: a recording's events as a Perfetto trace; the work is in
-//! [`crate::export::perfetto`].
+//! [`crate::formats::perfetto`].
 
 use std::path::PathBuf;
 
 use clap::Args;
 
 use super::exit::CliError;
-use crate::export::InputKind;
-use crate::export::perfetto::{self, DEFAULT_MACHINE_ID, ExportSummary};
+use crate::formats::InputKind;
+use crate::formats::perfetto::{self, DEFAULT_MACHINE_ID, ExportSummary};
 
 /// `vmtsync export perfetto` flags.
 #[derive(Debug, Args)]

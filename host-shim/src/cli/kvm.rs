@@ -11,8 +11,8 @@ use super::signals::{install_stop_handler, stop_flag};
 use super::source::{SourceArgs, scanner};
 use crate::ftrace::find_tracefs;
 use crate::ftrace::tsc_offset::{self, Subscription};
-use crate::scan::{self, VmSelector};
-use crate::watch::{self, WatchError, WatchOptions};
+use crate::kvm::scan::{self, VmSelector};
+use crate::kvm::watch::{self, WatchError, WatchOptions};
 
 /// `vmtsync kvm`.
 #[derive(Debug, Args)]

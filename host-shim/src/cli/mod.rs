@@ -43,6 +43,7 @@ pub mod export_ctf;
 pub mod export_perf;
 pub mod export_perfetto;
 pub mod kvm;
+pub mod mapping;
 pub mod plot;
 pub mod probe;
 pub mod record;

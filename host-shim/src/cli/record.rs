@@ -7,10 +7,11 @@ use clap::{Args, ValueEnum};
 
 use super::exit::CliError;
 use super::signals::{install_stop_handler, stop_flag};
+use crate::formats::tracedat::FileVersion;
+use crate::link::ProbeAddr;
 use crate::probe::anchor::{AnchorMode, AnchorOptions};
-use crate::probe::{DEFAULT_PROBES, ProbeAddr, ProbeOptions, Progress};
+use crate::probe::{DEFAULT_PROBES, ProbeOptions, Progress};
 use crate::record::{self, EndReason, RecordFormat, RecordOptions, RecordSummary};
-use crate::tracedat::FileVersion;
 
 /// `vmtsync record` flags.
 #[derive(Debug, Args)]
@@ -65,7 +66,7 @@ pub struct RecordArgs {
     /// The VM (PID, PID-FD or name) whose vCPU thread goes into the GUEST option, and whose
     /// vCPU threads' exits anchor the sync rounds (default for --anchor: the only VM).
     #[arg(long, value_name = "PID|NAME")]
-    pub vm: Option<crate::scan::VmSelector>,
+    pub vm: Option<crate::kvm::scan::VmSelector>,
     /// Where each sync probe's host bracket comes from, as for `vmtsync probe`: kvm-pio takes
     /// it from the host kernel's kvm:kvm_pio stamps of the guest's port exits, the agent's sync
     /// port (0x2400) when its hello announces one, else its UART's (exit code 8 if it cannot);
@@ -112,7 +113,7 @@ pub enum PlacementArg {
     OneSided,
 }
 
-impl From<PlacementArg> for record::Placement {
+impl From<PlacementArg> for crate::syncfile::bounds::Placement {
     fn from(a: PlacementArg) -> Self {
         match a {
             PlacementArg::TwoSided => Self::TwoSided,
@@ -224,7 +225,7 @@ pub(super) fn run_record_cmd(a: &RecordArgs) -> Result<(), CliError> {
                     .map(|t| (cpu, t))
             })
             .collect();
-        let guest = crate::tracedat::GuestInfo {
+        let guest = crate::formats::tracedat::GuestInfo {
             name: vm
                 .name
                 .clone()
@@ -232,7 +233,7 @@ pub(super) fn run_record_cmd(a: &RecordArgs) -> Result<(), CliError> {
             trace_id: s.trace_id,
             vcpu_pids,
         };
-        let c = crate::tracedat::copy_host_trace(&input, &output, &guest, None)
+        let c = crate::formats::tracedat::copy_host_trace(&input, &output, &guest, None)
             .map_err(crate::record::RecordError::from)?;
         eprintln!(
             "vmtsync: wrote {} (a copy of {} with the GUEST option for {}): trace-cmd report -i {} -i {}",

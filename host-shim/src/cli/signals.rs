@@ -21,7 +21,7 @@ fn signal_number(sig: i32) -> usize {
     usize::try_from(sig).unwrap_or(0)
 }
 
-/// The flag SIGINT/SIGTERM raise, for [`crate::watch::WatchOptions::stop`] and
+/// The flag SIGINT/SIGTERM raise, for [`crate::kvm::watch::WatchOptions::stop`] and
 /// [`crate::probe::ProbeOptions::stop`].
 pub(super) fn stop_flag() -> &'static AtomicBool {
     &STOP

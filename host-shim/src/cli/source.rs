@@ -7,9 +7,9 @@ use clap::Args;
 use rustix::mount::MountFlags;
 
 use super::exit::CliError;
-use crate::debugfs::{DEBUGFS_MOUNTPOINT, DEFAULT_KVM_DEBUGFS, KvmDebugfs};
-use crate::procinfo::{DEFAULT_PROC_ROOT, ProcFs};
-use crate::scan::{ScanError, Scanner, VmReport, VmSelector};
+use crate::kvm::debugfs::{DEBUGFS_MOUNTPOINT, DEFAULT_KVM_DEBUGFS, KvmDebugfs};
+use crate::kvm::procinfo::{DEFAULT_PROC_ROOT, ProcFs};
+use crate::kvm::scan::{ScanError, Scanner, VmReport, VmSelector};
 
 /// Where to read KVM debugfs and /proc.
 #[derive(Debug, Args)]

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use clap::Args;
 
 use super::exit::CliError;
-use crate::validate::check::SegmentWorst;
+use crate::validate::SegmentWorst;
 use crate::validate::{
     EventRule, LagStats, Numbering, ProbeReport, Side, ValidateOptions, ValidateReport, validate,
     workload_rules,

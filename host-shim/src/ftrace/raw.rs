@@ -4,7 +4,7 @@
 //! events) and consumes it; a page the kernel is still writing comes back partially (its
 //! `commit` says how much), so events are readable as soon as they are committed. The pages
 //! have the layout trace.dat stores, and are walked by the same code
-//! ([`crate::tracedat::page::walk_records`]). Files are opened non-blocking: a drain reads what
+//! ([`crate::formats::tracedat::page::walk_records`]). Files are opened non-blocking: a drain reads what
 //! is there and returns, at most [`MAX_PAGES_PER_DRAIN`] pages, so a flood of events cannot
 //! keep the caller from its own deadline.
 
@@ -12,7 +12,7 @@ use std::fs::File;
 use std::io::{self, Read};
 
 use super::instance::{Instance, TraceError};
-use crate::tracedat::page::walk_records;
+use crate::formats::tracedat::page::walk_records;
 
 /// The most pages one [`RawPipes::drain`] reads over all CPUs (1 MiB of 4 KiB pages).
 pub const MAX_PAGES_PER_DRAIN: usize = 256;

@@ -20,10 +20,11 @@ use std::time::{Duration, Instant};
 use vmtsync_core::estimate::{DriftEstimator, EstimateError, ProbeSample};
 
 use super::progress::Progress;
-use super::report::{HULL_CAPACITY, OffsetModel, ProbeSummary, RATE_LIMITS};
+use super::report::{HULL_CAPACITY, ProbeSummary, RATE_LIMITS};
 use super::session::ProbeSession;
-use super::transport::StampedTransport;
 use super::{ProbeError, ProbeOptions};
+use crate::link::transport::StampedTransport;
+use crate::syncfile::OffsetModel;
 use crate::syncfile::{SyncHeader, SyncSegment, SyncWriter};
 
 /// Settings of continuous mode.
@@ -347,8 +348,9 @@ impl ProbeOptions {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::link::ProbeAddr;
+    use crate::probe::run_probe_on;
     use crate::probe::testutil::SimTransport;
-    use crate::probe::{ProbeAddr, run_probe_on};
     use crate::syncfile::{SyncFile, convert_with_sync};
     use vmtsync_core::{GuestTicks, HostTicks};
 
@@ -483,7 +485,7 @@ mod tests {
             features: vmtsync_core::proto::Features::NONE,
             tsc_khz: None,
             hello_tsc: GuestTicks(0),
-            hello_stamps: crate::probe::FrameStamps {
+            hello_stamps: crate::link::FrameStamps {
                 send: HostTicks(0),
                 recv: HostTicks(0),
             },

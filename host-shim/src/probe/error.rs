@@ -7,8 +7,8 @@ use std::time::Duration;
 use thiserror::Error;
 use vmtsync_core::estimate::EstimateError;
 
-use super::connect::ConnectError;
-use super::transport::TransportError;
+use crate::link::ConnectError;
+use crate::link::transport::TransportError;
 use crate::syncfile::SyncFileError;
 
 /// Why a probe run failed. Each message says what to try next.

@@ -22,9 +22,10 @@ use vmtsync_core::estimate::ProbeSample;
 use vmtsync_core::proto::{MAX_FRAME_SIZE, Message, encode_frame};
 
 use super::ProbeError;
-use super::addr::ProbeAddr;
-use super::anchor::{AnchorKind, AnchorOptions, Matcher, matcher_for};
-use super::transport::FrameStamps;
+use super::anchor::{AnchorOptions, Matcher, matcher_for};
+use crate::link::addr::ProbeAddr;
+use crate::link::transport::FrameStamps;
+use crate::syncfile::AnchorKind;
 
 /// The schema of a probe log line.
 pub const PROBE_LOG_SCHEMA: u32 = 1;

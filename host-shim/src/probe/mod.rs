@@ -2,14 +2,7 @@
 //! guest agent, with guaranteed bounds, next to trace-cmd's estimate on the same samples.
 //!
 //! Layers:
-//! - [`addr`]: the `--connect ADDR` forms and the AF_VSOCK socket address.
-//! - [`args`]: the flags as a clap `Args` struct for the CLI.
-//! - [`connect`]: opening an address; with `retry` (backoff, one deadline, the stop flag),
-//!   `sockets` (Unix, TCP), [`vhost_uds`] (vhost-device-vsock's `CONNECT` handshake, also used
-//!   by the test rigs) and [`vsock`] (AF_VSOCK through the rust-vmm `vsock` crate).
-//! - [`transport`]: [`StampedTransport`], the byte stream that stamps with the host TSC, and
-//!   its socket implementation; the test VMM's COM1 implements the trait with its VM-exit
-//!   stamps (`vmtsync_tests::vmm::client`).
+//! - The byte stream it runs on is [`crate::link`]'s.
 //! - [`session`]: the one host-side protocol driver: hello, probes, requests, garbage, flood
 //!   and timeout handling, every rejection counted; [`reference`](mod@reference): the window a reply's TSC
 //!   must lie in, which makes compact replies unambiguous (docs/probe.md).
@@ -22,13 +15,10 @@
 //!   failed.
 //! - `testutil` (tests only): `SimTransport`, the core agent on a simulated host clock.
 //!
-//! The CLI parses [`ProbeArgs`] and calls [`run_probe`] with [`ProbeArgs::to_options`];
+//! The CLI parses `vmtsync::cli::probe::ProbeArgs` and calls [`run_probe`] with its options;
 //! in-process users call [`run_probe_on`] with their own transport.
 
-pub mod addr;
 pub mod anchor;
-pub mod args;
-pub mod connect;
 pub mod console;
 pub mod continuous;
 mod error;
@@ -36,27 +26,18 @@ pub mod log;
 pub mod progress;
 pub mod reference;
 pub mod report;
-mod retry;
 mod run;
 pub mod session;
-mod sockets;
 #[cfg(test)]
 pub(crate) mod testutil;
-pub mod transport;
-pub mod vhost_uds;
-pub mod vsock;
 
-pub use addr::{AddrError, ProbeAddr};
-pub use args::ProbeArgs;
-pub use connect::{ConnectError, ConnectOptions};
 pub use console::ConsoleLog;
 pub use continuous::{ContinuousOptions, ContinuousSummary};
 pub use error::{ProbeError, refusal_kind, refusal_text};
 pub use log::{ProbeExchange, ProbeLog, ProbePath};
 pub use progress::Progress;
-pub use report::{OffsetModel, ProbeSummary};
+pub use report::ProbeSummary;
 pub use run::{
     DEFAULT_PROBES, ProbeOptions, VcpuChoice, run_probe, run_probe_on, run_probe_vcpus_on,
 };
 pub use session::{AgentInfo, ProbeSession, SessionStats};
-pub use transport::{FrameStamps, Received, StampedTransport, StreamTransport, TransportError};

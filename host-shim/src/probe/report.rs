@@ -72,6 +72,7 @@ use vmtsync_core::estimate::{
 };
 
 use super::session::{AgentInfo, RATE_MAX, RATE_MIN, SessionStats};
+use crate::syncfile::OffsetModel;
 
 /// Vertices per hull of the drift estimator (bounds stay sound when it saturates).
 pub const HULL_CAPACITY: usize = 64;
@@ -91,17 +92,6 @@ const fn ratio((num, den): (u64, u64)) -> Ratio {
         num: num as i128,
         den: den as i128,
     }
-}
-
-/// Which model the guaranteed offset bounds come from.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum OffsetModel {
-    /// One constant offset at exactly identity rate. Only in sync files written before
-    /// probe schema 2: such bounds miss the truth under drift, and nothing writes them now.
-    Offset,
-    /// Any constant rate within the limits that fits every sample (convex-hull bounds).
-    Drift,
 }
 
 /// Round-trip time order statistics in host ticks.
@@ -190,7 +180,7 @@ struct JsonSummary {
     bad_stamps: u64,
     flooded: u64,
     unanchored: u64,
-    anchor: crate::probe::anchor::AnchorKind,
+    anchor: crate::syncfile::AnchorKind,
     tracecmd_fastest_rtt_offset: i64,
     tsc_khz: Option<u32>,
 }
@@ -206,7 +196,7 @@ struct JsonRefusal {
     sent: u64,
     lost_probes: u64,
     unanchored: u64,
-    anchor: crate::probe::anchor::AnchorKind,
+    anchor: crate::syncfile::AnchorKind,
 }
 
 /// The current `--json` schema version.
@@ -423,7 +413,7 @@ impl ProbeSummary {
         }
         // Said only when the brackets are not this process's own, so the usual report stays
         // as it was.
-        if self.stats.anchor != crate::probe::anchor::AnchorKind::InProcess {
+        if self.stats.anchor != crate::syncfile::AnchorKind::InProcess {
             writeln!(
                 out,
                 "host brackets: the vCPU's own exits stamped by kvm:kvm_pio ({})",
@@ -500,7 +490,7 @@ mod tests {
             features: vmtsync_core::proto::Features::NONE,
             tsc_khz: Some(1_000_000),
             hello_tsc: GuestTicks(0),
-            hello_stamps: crate::probe::FrameStamps {
+            hello_stamps: crate::link::FrameStamps {
                 send: HostTicks(0),
                 recv: HostTicks(0),
             },
@@ -732,7 +722,7 @@ mod tests {
         assert!(!quiet.contains("host brackets"), "{quiet}");
         assert_eq!(j["anchor"], "in-process");
         let (anchored, j) = text(SessionStats {
-            anchor: crate::probe::anchor::AnchorKind::KvmPioUart,
+            anchor: crate::syncfile::AnchorKind::KvmPioUart,
             unanchored: 3,
             lost_probes: 3,
             ..SessionStats::default()

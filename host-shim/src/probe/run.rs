@@ -8,9 +8,7 @@ use std::time::Duration;
 
 use vmtsync_core::estimate::EstimateError;
 
-use super::addr::ProbeAddr;
 use super::anchor::{self, AnchorMode, AnchorOptions};
-use super::connect::{self, ConnectOptions};
 use super::console::ConsoleLog;
 use super::continuous::{self, ContinuousOptions};
 use super::error::ProbeError;
@@ -18,7 +16,10 @@ use super::log::ProbeLog;
 use super::progress::Progress;
 use super::report::ProbeSummary;
 use super::session::ProbeSession;
-use super::transport::StampedTransport;
+use crate::link::ConnectOptions;
+use crate::link::addr::ProbeAddr;
+use crate::link::connect::{self};
+use crate::link::transport::StampedTransport;
 
 /// Default number of probes per round.
 pub const DEFAULT_PROBES: u32 = 64;

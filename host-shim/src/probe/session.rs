@@ -48,12 +48,12 @@ use vmtsync_core::proto::{
 use vmtsync_core::{GuestTicks, HostTicks};
 
 use super::ProbeError;
-use super::anchor::AnchorKind;
 use super::console::ConsoleLog;
 use super::log::ProbeLog;
 use super::progress::Progress;
 pub use super::reference::{RATE_MAX, RATE_MIN, Reference, Window};
-use super::transport::{FrameStamps, StampedTransport, TransportError};
+use crate::link::transport::{FrameStamps, StampedTransport, TransportError};
+use crate::syncfile::AnchorKind;
 
 /// Host ticks after the reference's bracket within which a compact probe is sent (2^30: about
 /// 0.35 s at 3 GHz). The window then spans about 1.5 · 2^30 plus twice the round trip, so a
@@ -844,8 +844,8 @@ impl<T: StampedTransport> ProbeSession<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::link::transport::Received;
     use crate::probe::testutil::SimTransport;
-    use crate::probe::transport::Received;
     use proptest::prelude::*;
     use vmtsync_core::estimate::estimate_offset;
 
@@ -1101,7 +1101,7 @@ mod tests {
     fn the_per_connection_state_fits_the_documented_bound() {
         use std::os::unix::net::UnixStream;
         // The whole state a connection holds, whatever the guest sends (module docs).
-        let size = std::mem::size_of::<ProbeSession<super::super::StreamTransport<UnixStream>>>();
+        let size = std::mem::size_of::<ProbeSession<crate::link::StreamTransport<UnixStream>>>();
         eprintln!("ProbeSession over a socket: {size} bytes, MAX_FRAME_SIZE {MAX_FRAME_SIZE}");
         assert!(size <= MAX_SESSION_BYTES, "{size} > {MAX_SESSION_BYTES}");
     }

@@ -9,7 +9,7 @@ use vmtsync_core::agent::fake::{FakeClock, FakeLink};
 use vmtsync_core::proto::MAX_FRAME_SIZE;
 use vmtsync_core::recorder::{EventSources, NoEvents};
 
-use super::transport::{FrameStamps, Received, StampedTransport, TransportError};
+use crate::link::transport::{FrameStamps, Received, StampedTransport, TransportError};
 
 /// An in-process transport in the style of a built-in VMM: a simulated host clock, the
 /// core agent on a fake link, and exact stamps of when the guest consumed the request and
@@ -59,7 +59,7 @@ impl<E: EventSources> SimTransport<E> {
             agent: Agent::with_events(FakeLink::new(), FakeClock::new(0, 0, 3), events),
             // Near the real host TSC, so code that (wrongly) mixes in real readings behaves
             // as it would on a real host.
-            now: super::transport::host_tsc_now().0.max(1 << 40),
+            now: crate::link::transport::host_tsc_now().0.max(1 << 40),
             offset,
             fwd: 700,
             back: 900,

@@ -21,12 +21,9 @@
 //! target only ever holds a finished file; a killed run leaves `OUT.partial` (JSON Lines) with
 //! every line flushed so far.
 
-pub mod bounds;
-mod jsonl;
 mod spool;
 
-use std::fs::File;
-use std::io::{self, BufWriter};
+use std::io;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -36,20 +33,23 @@ use vmtsync_core::estimate::{EstimateError, ProbeSample};
 use vmtsync_core::mapping::KvmTscMapping;
 use vmtsync_core::proto::{EventBatch, EventClock};
 
-use crate::export::perfetto::PerfettoWriter;
-use crate::export::perfetto::clock::{BootClock, ClockSnapshot};
+use crate::formats::perfetto::PerfettoWriter;
+use crate::formats::perfetto::clock::{BootClock, ClockSnapshot};
+use crate::formats::tracedat::{
+    self, FileVersion, ShiftMode, TimeShift, TraceDatWriter, WriterOptions,
+};
+use crate::link::ConnectOptions;
+use crate::link::StampedTransport;
+use crate::link::connect::{self};
 use crate::probe::anchor;
-use crate::probe::connect::{self, ConnectOptions};
 use crate::probe::continuous::{Cumulative, segment};
 use crate::probe::{
     ConsoleLog, ProbeError, ProbeLog, ProbeOptions, ProbeSession, ProbeSummary, Progress,
-    StampedTransport,
 };
 use crate::syncfile::{SyncHeader, SyncSegment, SyncWriter};
-use crate::tracedat::{self, FileVersion, ShiftMode, TimeShift, TraceDatWriter, WriterOptions};
 
-pub use bounds::Placement;
-pub use jsonl::EVENT_SCHEMA;
+use crate::formats::jsonl::{EVENT_SCHEMA, JsonlWriter, Line};
+use crate::syncfile::bounds::{self, Placement};
 
 /// The output format of `vmtsync record`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -174,10 +174,10 @@ pub enum RecordError {
     TraceDat(#[from] tracedat::TraceDatError),
     /// Writing the Perfetto trace failed.
     #[error(transparent)]
-    Perfetto(#[from] crate::export::perfetto::PerfettoError),
+    Perfetto(#[from] crate::formats::perfetto::PerfettoError),
     /// Writing the CTF trace failed.
     #[error(transparent)]
-    Ctf(#[from] crate::export::ExportError),
+    Ctf(#[from] crate::formats::ExportError),
     /// Writing the output failed.
     #[error("writing {path}: {source}")]
     Io {
@@ -260,25 +260,45 @@ struct Placed<'a> {
 }
 
 impl Placed<'_> {
+    /// The event as a JSON Lines line.
+    fn line(&self) -> Line {
+        Line {
+            schema: EVENT_SCHEMA,
+            vcpu: self.vcpu,
+            id: self.id,
+            guest_tsc: self.guest,
+            host_tsc: self.host,
+            host_lo: self.lo,
+            host_hi: self.hi,
+            payload: crate::formats::Payload::new(self.payload).unwrap_or_default(),
+            round: self.round,
+        }
+    }
+
     /// The event as the exporters see it (everything known).
-    fn export(&self) -> crate::export::ExportEvent {
-        crate::export::ExportEvent {
+    fn export(&self) -> crate::formats::ExportEvent {
+        crate::formats::ExportEvent {
             vcpu: self.vcpu,
             id: self.id,
             guest_tsc: Some(self.guest),
             host_tsc: self.host,
-            bound: Some(crate::export::Bound {
+            bound: Some(crate::formats::Bound {
                 lo: self.lo,
                 hi: self.hi,
             }),
-            payload: crate::export::Payload::new(self.payload).unwrap_or_default(),
+            payload: crate::formats::Payload::new(self.payload).unwrap_or_default(),
         }
     }
 }
 
+/// Appends `p` to the JSON Lines output, an error naming the file being written.
+fn jsonl_write(w: &mut JsonlWriter, p: &Placed<'_>) -> Result<(), RecordError> {
+    w.write(&p.line()).map_err(|e| RecordError::io(w.path())(e))
+}
+
 /// The CTF output: the host's TSC frequency (`ctf::host_tsc_hz`), named after the directory.
-fn create_ctf(opts: &RecordOptions) -> Result<crate::export::ctf::GuestCtf, RecordError> {
-    use crate::export::ctf;
+fn create_ctf(opts: &RecordOptions) -> Result<crate::formats::ctf::GuestCtf, RecordError> {
+    use crate::formats::ctf;
     let o = ctf::CtfOptions {
         tsc_hz: ctf::host_tsc_hz()?,
         name: opts
@@ -292,8 +312,8 @@ fn create_ctf(opts: &RecordOptions) -> Result<crate::export::ctf::GuestCtf, Reco
 
 /// Where events go while recording.
 enum Out {
-    Jsonl(jsonl::Writer),
-    Ctf(crate::export::ctf::GuestCtf),
+    Jsonl(JsonlWriter),
+    Ctf(crate::formats::ctf::GuestCtf),
     Spool(spool::Spool),
     /// Two-sided placement: every event is spooled and placed when the recording ends, with
     /// every round known; JSON Lines are also streamed to `OUT.partial` as soon as the round
@@ -301,8 +321,8 @@ enum Out {
     /// so a killed run keeps all but the last round's events.
     Held {
         spool: spool::Spool,
-        live: Option<(jsonl::Writer, u64)>,
-        ctf: Option<crate::export::ctf::GuestCtf>,
+        live: Option<(JsonlWriter, u64)>,
+        ctf: Option<crate::formats::ctf::GuestCtf>,
     },
 }
 
@@ -322,10 +342,10 @@ impl Out {
             let rec = rec.map_err(RecordError::io(&opts.out))?;
             *next += 1;
             if let Some(placed) = st.placed(&rec) {
-                w.event(&placed)?;
+                jsonl_write(w, &placed)?;
             }
         }
-        w.flush()
+        w.flush().map_err(|e| RecordError::io(w.path())(e))
     }
 }
 
@@ -359,7 +379,10 @@ pub fn run_record_on<T: StampedTransport>(
         _ if opts.placement == Placement::TwoSided => Out::Held {
             spool: spool::Spool::new().map_err(RecordError::io(&opts.out))?,
             live: match opts.format {
-                RecordFormat::Jsonl => Some((jsonl::Writer::create(&opts.out)?, 0)),
+                RecordFormat::Jsonl => Some((
+                    JsonlWriter::create(&opts.out).map_err(RecordError::io(&opts.out))?,
+                    0,
+                )),
                 _ => None,
             },
             ctf: match opts.format {
@@ -367,7 +390,9 @@ pub fn run_record_on<T: StampedTransport>(
                 _ => None,
             },
         },
-        RecordFormat::Jsonl => Out::Jsonl(jsonl::Writer::create(&opts.out)?),
+        RecordFormat::Jsonl => {
+            Out::Jsonl(JsonlWriter::create(&opts.out).map_err(RecordError::io(&opts.out))?)
+        }
         RecordFormat::TraceCmd | RecordFormat::Perfetto => {
             Out::Spool(spool::Spool::new().map_err(RecordError::io(&opts.out))?)
         }
@@ -817,7 +842,7 @@ fn record_loop<T: StampedTransport>(
                     Out::Held { spool, .. } => spool
                         .push(b.vcpu, guest, r.id, r.payload.as_slice())
                         .map_err(RecordError::io(&opts.out))?,
-                    Out::Jsonl(w) => w.event(&placed)?,
+                    Out::Jsonl(w) => jsonl_write(w, &placed)?,
                     Out::Ctf(w) => w.push(&placed.export())?,
                     Out::Spool(s) => s
                         .push(b.vcpu, guest, r.id, r.payload.as_slice())
@@ -829,7 +854,7 @@ fn record_loop<T: StampedTransport>(
             }
         }
         if let Out::Jsonl(w) = out {
-            w.flush()?;
+            w.flush().map_err(|e| RecordError::io(w.path())(e))?;
         }
         progress.status(&format!(
             "vmtsync record: {} events, {} dropped, {} segments",
@@ -861,14 +886,14 @@ fn finish(out: Out, opts: &RecordOptions, st: &State) -> Result<(bool, u64), Rec
             (RecordFormat::Jsonl, live, _) => {
                 // Placed again from the start with every round: the live file is replaced.
                 drop(live);
-                let mut w = jsonl::Writer::create(&opts.out)?;
+                let mut w = JsonlWriter::create(&opts.out).map_err(RecordError::io(&opts.out))?;
                 for rec in spool.iter().map_err(RecordError::io(&opts.out))? {
                     let rec = rec.map_err(RecordError::io(&opts.out))?;
                     if let Some(placed) = st.placed(&rec) {
-                        w.event(&placed)?;
+                        jsonl_write(&mut w, &placed)?;
                     }
                 }
-                w.finish(&opts.out)?;
+                w.finish().map_err(RecordError::io(&opts.out))?;
                 Ok((false, 0))
             }
             (RecordFormat::Ctf, _, Some(mut w)) => {
@@ -884,7 +909,7 @@ fn finish(out: Out, opts: &RecordOptions, st: &State) -> Result<(bool, u64), Rec
             _ => write_trace_dat(spool, opts, st),
         },
         Out::Jsonl(w) => {
-            w.finish(&opts.out)?;
+            w.finish().map_err(RecordError::io(&opts.out))?;
             Ok((false, 0))
         }
         Out::Spool(s) if opts.format == RecordFormat::Perfetto => write_perfetto(s, opts, st),
@@ -900,8 +925,8 @@ fn write_perfetto(
     opts: &RecordOptions,
     st: &State,
 ) -> Result<(bool, u64), RecordError> {
-    use crate::export::perfetto::{DEFAULT_MACHINE_ID, PerfettoError, PerfettoOptions};
-    use crate::export::{Bound, ExportEvent, Payload};
+    use crate::formats::perfetto::{DEFAULT_MACHINE_ID, PerfettoError, PerfettoOptions};
+    use crate::formats::{Bound, ExportEvent, Payload};
     let mut snaps = st.clocks.clone();
     snaps.extend(ClockSnapshot::take().ok());
     let clock = BootClock::new(snaps).map_err(PerfettoError::from)?;
@@ -1059,15 +1084,6 @@ fn trace_id(opts: &RecordOptions, st: &State) -> u64 {
     h
 }
 
-/// Opens `path` for writing beside a final name (used by the JSON Lines writer).
-fn create_beside(path: &Path) -> Result<(PathBuf, BufWriter<File>), RecordError> {
-    let mut partial = path.as_os_str().to_owned();
-    partial.push(".partial");
-    let partial = PathBuf::from(partial);
-    let f = File::create(&partial).map_err(RecordError::io(&partial))?;
-    Ok((partial, BufWriter::with_capacity(256 * 1024, f)))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1139,8 +1155,9 @@ mod tests {
     /// to its own trace.dat CPU.
     #[test]
     fn every_vcpu_s_events_are_placed_with_that_vcpu_s_own_sync() {
+        use crate::link::ProbeAddr;
+        use crate::probe::ProbeOptions;
         use crate::probe::testutil::SimTransport;
-        use crate::probe::{ProbeAddr, ProbeOptions};
         use vmtsync_core::arch::FakeTsc;
         use vmtsync_core::recorder::Recorder;
 

@@ -1,11 +1,51 @@
-//! The schema-1 line shapes: the header, a segment, and their `"type"` tags.
+//! The schema-1 line shapes: the header, a segment, and their `"type"` tags, with the
+//! vocabulary a segment is written in ([`AnchorKind`], [`OffsetModel`]) that the probe, record
+//! and validate share.
 
 use serde::{Deserialize, Serialize};
 use vmtsync_core::timeline::Segment;
 use vmtsync_core::{GuestTicks, HostTicks};
 
-use super::OffsetModel;
-use crate::probe::anchor::AnchorKind;
+/// Which stamps a probe's bracket came from.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum AnchorKind {
+    /// `lfence; rdtsc` in this process around the system calls (or a test VMM's own stamps).
+    #[default]
+    InProcess,
+    /// `kvm:kvm_pio` exits of the UART data port (request delimiter `in`, first reply `out`).
+    KvmPioUart,
+    /// `kvm:kvm_pio` exits of the agent's sync port (`in` before, `out` of the seq after the
+    /// TSC read).
+    KvmPioSyncPort,
+    /// A kind this version does not know (a sync file from a newer writer stays readable).
+    #[serde(other)]
+    Unknown,
+}
+
+impl AnchorKind {
+    /// The name used in reports and sync files.
+    #[must_use]
+    pub const fn name(self) -> &'static str {
+        match self {
+            Self::InProcess => "in-process",
+            Self::KvmPioUart => "kvm-pio-uart",
+            Self::KvmPioSyncPort => "kvm-pio-sync-port",
+            Self::Unknown => "unknown",
+        }
+    }
+}
+
+/// Which model the guaranteed offset bounds come from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OffsetModel {
+    /// One constant offset at exactly identity rate. Only in sync files written before
+    /// probe schema 2: such bounds miss the truth under drift, and nothing writes them now.
+    Offset,
+    /// Any constant rate within the limits that fits every sample (convex-hull bounds).
+    Drift,
+}
 
 /// The sync file schema this crate writes and reads.
 pub const SYNC_SCHEMA: u32 = 1;

@@ -58,15 +58,15 @@
 //! Conversion runs on `vmtsync_core::timeline` ([`SyncTimeline`] builds its segments with
 //! [`SyncSegment::to_timeline_segment`]).
 
+pub mod bounds;
 mod error;
 mod format;
 mod reader;
 mod timeline;
 mod writer;
 
-pub use crate::probe::report::OffsetModel;
 pub use error::SyncFileError;
-pub use format::{SYNC_SCHEMA, SyncHeader, SyncSegment};
+pub use format::{AnchorKind, OffsetModel, SYNC_SCHEMA, SyncHeader, SyncSegment};
 pub use reader::{CutTail, SyncFile};
 pub(crate) use reader::{LineRead, read_line_bounded};
 pub use timeline::{SyncConvertStats, SyncTimeline, convert_sync_file, convert_with_sync};

@@ -296,7 +296,7 @@ mod tests {
 
     #[test]
     fn segments_say_their_anchor_and_files_from_before_the_field_read_as_in_process() {
-        use crate::probe::anchor::AnchorKind;
+        use crate::syncfile::AnchorKind;
         let h = serde_json::to_string(&Tagged::Header(header())).unwrap();
         let mut anchored = seg(0, 0, 100_000, 5, 0);
         anchored.anchor = AnchorKind::KvmPioSyncPort;

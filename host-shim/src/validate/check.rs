@@ -14,11 +14,11 @@ use std::collections::BTreeMap;
 
 use serde::Serialize;
 
-use super::probes::ProbeReport;
+use super::report::{LagStats, MAX_LISTED, ProbeReport, SegmentWorst, quantiles, signed};
 use crate::ftrace::format::PioDirection;
 use crate::probe::anchor::PioExit;
-use crate::record::bounds::{Placement, covering, place};
 use crate::syncfile::SyncSegment;
+use crate::syncfile::bounds::{Placement, covering, place};
 
 /// Which side of its port I/O the guest recorded an event on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
@@ -121,78 +121,6 @@ pub struct Violation {
     /// The guaranteed interval misses the bracket: the sync file's bound is false, not only
     /// its estimate.
     pub bound_false: bool,
-}
-
-/// Quantiles of the lags, ticks.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-pub struct LagStats {
-    /// Smallest.
-    pub min: i64,
-    /// 1st percentile.
-    pub p1: i64,
-    /// Median.
-    pub median: i64,
-    /// 99th percentile.
-    pub p99: i64,
-    /// Largest.
-    pub max: i64,
-}
-
-/// The worst case of one sync segment.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-pub struct SegmentWorst {
-    /// The vCPU.
-    pub vcpu: u32,
-    /// The segment's round.
-    pub round: u64,
-    /// Events converted through it.
-    pub events: u64,
-    /// Its smallest lag (negative: a violation).
-    pub worst_lag: i64,
-    /// Its violations.
-    pub violations: u64,
-    /// Of its events, those whose converted time lies on the wrong side of an exit of their
-    /// bracket (the estimate's error; `violations` also counts false guaranteed bounds).
-    pub wrong_side: u64,
-    /// Its guaranteed offset interval width, ticks; without a sync file, the widest
-    /// guaranteed host interval of its events.
-    pub width: i64,
-}
-
-impl SegmentWorst {
-    /// Nothing converted through `seg` (vCPU `vcpu`'s) yet.
-    pub(super) const fn of(vcpu: u32, seg: &SyncSegment) -> Self {
-        Self {
-            vcpu,
-            round: seg.round,
-            events: 0,
-            worst_lag: i64::MAX,
-            violations: 0,
-            wrong_side: 0,
-            width: seg.offset_hi.saturating_sub(seg.offset_lo),
-        }
-    }
-
-    /// A round `record` converted events with ([`Conversion::Recorded`]): its width grows
-    /// with its events' guaranteed intervals.
-    const fn of_round(vcpu: u32, round: u64) -> Self {
-        Self {
-            vcpu,
-            round,
-            events: 0,
-            worst_lag: i64::MAX,
-            violations: 0,
-            wrong_side: 0,
-            width: 0,
-        }
-    }
-
-    /// One more conversion through the segment, with its tight-side lag.
-    pub(super) fn add(&mut self, lag: i64, violation: bool) {
-        self.events += 1;
-        self.worst_lag = self.worst_lag.min(lag);
-        self.violations += u64::from(violation);
-    }
 }
 
 /// How wide the events' guaranteed intervals are against the sync rounds' (ticks).
@@ -300,9 +228,6 @@ pub enum PlacementName {
     /// The round before alone.
     OneSided,
 }
-
-/// The most violations listed in a report.
-pub const MAX_LISTED: usize = 20;
 
 /// Turns one thread's exits on one port (in time order) into steps: every `out`, with the
 /// `in` right after it when there is one. Only that `in` joins the step: if the host's ring
@@ -636,25 +561,6 @@ pub fn check_placed(
     r
 }
 
-/// The quantiles of `v`, `None` when empty.
-pub(super) fn quantiles(mut v: Vec<i64>) -> Option<LagStats> {
-    v.sort_unstable();
-    let q = |p: usize| v.get(v.len().checked_sub(1)? * p / 100).copied();
-    Some(LagStats {
-        min: q(0)?,
-        p1: q(1)?,
-        median: q(50)?,
-        p99: q(99)?,
-        max: q(100)?,
-    })
-}
-
-/// `a − b` as a signed tick count, saturating.
-pub(super) fn signed(a: u64, b: u64) -> i64 {
-    let d = i128::from(a) - i128::from(b);
-    i64::try_from(d).unwrap_or(if d < 0 { i64::MIN } else { i64::MAX })
-}
-
 #[cfg(test)]
 mod tests {
     //! A simulated run with a known truth: guest = host + `OFFSET`, a workload step every
@@ -727,7 +633,7 @@ mod tests {
             host_first: START,
             host_last: START,
             is_break: false,
-            anchor: crate::probe::anchor::AnchorKind::KvmPioUart,
+            anchor: crate::syncfile::AnchorKind::KvmPioUart,
         }
     }
 

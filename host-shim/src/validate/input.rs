@@ -7,15 +7,14 @@ use std::fs::File;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 
-use thiserror::Error;
-
 use super::check::{EventRule, IoEvent, Numbering, Recorded, Side, ValidateReport, check_placed};
 use super::probes::{ProbeChecker, ports_of, read_probe_log};
-use crate::ftrace::format::{EventFormat, FormatError, KVM_PIO, KvmPioLayout};
+use super::report::ValidateError;
+use crate::formats::tracedat::consts::option;
+use crate::formats::tracedat::{for_each_record, read_event_formats, read_layout};
+use crate::ftrace::format::{EventFormat, KVM_PIO, KvmPioLayout};
 use crate::probe::anchor::PioExit;
-use crate::syncfile::{LineRead, SyncFile, SyncFileError, read_line_bounded};
-use crate::tracedat::consts::option;
-use crate::tracedat::{TraceDatError, for_each_record, read_event_formats, read_layout};
+use crate::syncfile::{LineRead, SyncFile, read_line_bounded};
 
 /// Event id the agent's workload records right before its `out`
 /// (`guest-agent/src/events.rs`, `WORKLOAD_EVENT`).
@@ -64,108 +63,7 @@ pub struct ValidateOptions {
     pub numbering: Numbering,
     /// How events are placed with the sync file (`--placement`; `record`'s default is
     /// two-sided).
-    pub placement: crate::record::Placement,
-}
-
-/// Why `validate` could not check.
-#[derive(Debug, Error)]
-#[non_exhaustive]
-pub enum ValidateError {
-    /// The sync file.
-    #[error(transparent)]
-    SyncFile(#[from] SyncFileError),
-    /// A trace file.
-    #[error(transparent)]
-    TraceDat(#[from] TraceDatError),
-    /// The host trace's `kvm_pio` format.
-    #[error("{path}: {source}")]
-    Format {
-        /// The host trace.
-        path: PathBuf,
-        /// The cause.
-        source: FormatError,
-    },
-    /// The host trace has no `kvm:kvm_pio` format.
-    #[error(
-        "{0}: no kvm:kvm_pio event in this trace: enable events/kvm/kvm_pio in the traced instance (x86-tsc clock) before `trace-cmd extract`"
-    )]
-    NoKvmPio(PathBuf),
-    /// The guest trace's timestamps are not raw guest TSCs.
-    #[error(
-        "{0}: its timestamps were pre-converted to host time by `vmtsync record` (the guest's rate is not the host's), so it no longer holds the guest ticks to check: validate a recording at the host's rate"
-    )]
-    Preconverted(PathBuf),
-    /// A guest JSON Lines file (`record --format jsonl`) has a line that is not an event.
-    #[error("{path}: line {line}: {why}")]
-    GuestLine {
-        /// The file.
-        path: PathBuf,
-        /// The 1-based line.
-        line: u64,
-        /// What is wrong.
-        why: String,
-    },
-    /// The guest trace could not be read.
-    #[error("{path}: {source}")]
-    GuestIo {
-        /// The file.
-        path: PathBuf,
-        /// The cause.
-        source: std::io::Error,
-    },
-    /// The guest trace has no event the rules name.
-    #[error(
-        "{path}: no event with id {ids} (the ids of --before/--after; --port alone means the agent's workload, 0x100/0x101: boot it with workload=RATE,COUNT,PORT)"
-    )]
-    NoEvents {
-        /// The file.
-        path: PathBuf,
-        /// The ids looked for.
-        ids: String,
-    },
-    /// Without a sync file, events must carry `record`'s conversion.
-    #[error(
-        "{0}: without --sync the events' host times and guaranteed intervals come from `vmtsync record --format jsonl` (host_tsc, host_lo, host_hi), which this file does not hold: give the sync file (record --sync-out) or a JSON Lines recording"
-    )]
-    NeedsSync(PathBuf),
-    /// A probe log needs the sync file to convert its probes with.
-    #[error("--probe-log needs --sync: a probe's guest TSC is converted with the sync file")]
-    ProbesNeedSync,
-    /// A probe log line is not a probe exchange.
-    #[error("{path}: line {line}: {why}")]
-    ProbeLine {
-        /// The file.
-        path: PathBuf,
-        /// The 1-based line.
-        line: u64,
-        /// What is wrong.
-        why: String,
-    },
-    /// The probe log could not be read.
-    #[error("{path}: {source}")]
-    ProbeLogIo {
-        /// The file.
-        path: PathBuf,
-        /// The cause.
-        source: std::io::Error,
-    },
-    /// Neither a guest trace nor a probe log: nothing to check.
-    #[error(
-        "nothing to check: give --guest-trace (with --port, or --before/--after) or --probe-log, or both"
-    )]
-    NothingToCheck,
-    /// vCPU threads cannot be told apart.
-    #[error(
-        "cannot tell which host thread runs vCPU {vcpu}: threads {threads} did I/O on port {port:#x}; give --thread {vcpu}=PID (vmtsync kvm shows each vCPU's thread)"
-    )]
-    Threads {
-        /// The vCPU.
-        vcpu: u32,
-        /// The threads seen.
-        threads: String,
-        /// The port.
-        port: u16,
-    },
+    pub placement: crate::syncfile::bounds::Placement,
 }
 
 /// Reads the inputs and runs [`check`] on the guest trace's events and the probe log's
@@ -455,7 +353,7 @@ fn trace_dat_events(path: &Path, rules: &[EventRule]) -> Result<Vec<RawEvent>, V
     }
     let mut out = Vec::new();
     for b in 0..layout.buffers.len() {
-        crate::tracedat::reader::for_each_event(path, &layout, b, |e| {
+        crate::formats::tracedat::reader::for_each_event(path, &layout, b, |e| {
             let Some(id) = u16::try_from(e.id)
                 .ok()
                 .filter(|id| rules.iter().any(|r| r.id == *id))

@@ -18,16 +18,19 @@
 //! - [`check`]: pairing events with exits and the check, on decoded inputs.
 //! - [`probes`]: the same for the probes of a probe log (`--probe-log`): each paired with its
 //!   own exits by the live anchor's matcher, its guest TSC converted and checked.
+//! - [`report`]: what the files share: the error, the report's parts, the lag arithmetic.
 //! - [`input`]: the guest trace (our trace.dat), the probe log and the host trace
 //!   (`trace-cmd extract`'s).
 
 pub mod check;
 pub mod input;
 pub mod probes;
+pub mod report;
 
 pub use check::{
-    Conversion, EventRule, IoEvent, LagStats, Numbering, PlacementName, REPORT_SCHEMA, Recorded,
-    SegmentWorst, Side, ValidateReport, Violation, Widths, check, check_placed,
+    Conversion, EventRule, IoEvent, Numbering, PlacementName, REPORT_SCHEMA, Recorded, Side,
+    ValidateReport, Violation, Widths, check, check_placed,
 };
-pub use input::{ValidateError, ValidateOptions, validate, workload_rules};
-pub use probes::{ProbeChecker, ProbeReport, ProbeViolation};
+pub use input::{ValidateOptions, validate, workload_rules};
+pub use probes::ProbeChecker;
+pub use report::{LagStats, ProbeReport, ProbeViolation, SegmentWorst, ValidateError};

@@ -15,13 +15,12 @@ use std::fs::File;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 
-use serde::Serialize;
-
-use super::check::{LagStats, MAX_LISTED, SegmentWorst, quantiles, signed};
-use super::input::ValidateError;
+use super::report::{
+    MAX_LISTED, ProbeReport, ProbeViolation, SegmentWorst, ValidateError, quantiles, signed,
+};
 use crate::probe::anchor::{PioExit, match_sync_port, match_uart};
 use crate::probe::log::{PROBE_LOG_SCHEMA, ProbeExchange, ProbePath};
-use crate::record::bounds::{covering, host_bounds};
+use crate::syncfile::bounds::{covering, host_bounds};
 use crate::syncfile::{LineRead, SyncSegment, read_line_bounded};
 
 /// The 16550's register block: the data port and the seven after it (the matcher uses only
@@ -31,62 +30,6 @@ const UART_PORTS: u16 = 8;
 /// Ports below the data port from which a 2- or 4-byte access still reaches it (the live
 /// anchor traces them too).
 const REACH: u16 = 3;
-
-/// A converted probe outside its exit bracket (or a guaranteed interval disjoint from it).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-pub struct ProbeViolation {
-    /// The vCPU.
-    pub vcpu: u32,
-    /// The probe's sequence number.
-    pub seq: u8,
-    /// Which exits bracket it.
-    pub path: ProbePath,
-    /// The guest TSC the agent replied.
-    pub guest_tsc: u64,
-    /// The converted host time.
-    pub host_tsc: u64,
-    /// Its guaranteed interval.
-    pub host_lo: u64,
-    /// Its guaranteed interval.
-    pub host_hi: u64,
-    /// The exit before the read (the host time must not precede it).
-    pub exit_lo: u64,
-    /// The exit after the read (the host time must not follow it).
-    pub exit_hi: u64,
-    /// The sync segment used (its round).
-    pub round: u64,
-    /// The guaranteed interval misses the bracket: the sync file's bound is false.
-    pub bound_false: bool,
-}
-
-/// What the probe log's check found (`"probes"` in `--json`).
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
-pub struct ProbeReport {
-    /// Exchanges in the log.
-    pub logged: u64,
-    /// Of which paired with their exits and checked.
-    pub checked: u64,
-    /// Checked probes outside their bracket (the bar: zero).
-    pub violations: u64,
-    /// Of which the guaranteed interval misses the bracket too.
-    pub bound_violations: u64,
-    /// Exchanges whose exits are not all in the host trace (not recording then, a ring buffer
-    /// that overflowed, another port or VM): not checked.
-    pub unpaired: u64,
-    /// Exchanges no segment of their vCPU converts: not checked.
-    pub unconverted: u64,
-    /// Bytes after the log's last newline (a run killed while writing): not read.
-    pub cut_bytes: u64,
-    /// Converted time minus the lower exit, per checked probe (negative: a violation).
-    pub lag_after_in: Option<LagStats>,
-    /// The upper exit minus converted time (negative: a violation).
-    pub lag_before_out: Option<LagStats>,
-    /// Per segment: probes converted through it (`events`), the smaller of each probe's two
-    /// lags at its worst, violations.
-    pub segments: Vec<SegmentWorst>,
-    /// The first violations (at most [`MAX_LISTED`]).
-    pub first_violations: Vec<ProbeViolation>,
-}
 
 /// Checks exchanges one at a time against one host trace's exits (sorted by time) and one
 /// sync file: memory grows by two lags per probe, not by the log's lines.
@@ -274,8 +217,8 @@ pub fn ports_of(e: &ProbeExchange) -> std::ops::RangeInclusive<u16> {
 mod tests {
     use super::*;
     use crate::ftrace::format::{KvmPio, PioDirection};
-    use crate::probe::anchor::{AnchorKind, COM1_DATA};
-    use crate::syncfile::OffsetModel;
+    use crate::probe::anchor::COM1_DATA;
+    use crate::syncfile::{AnchorKind, OffsetModel};
 
     const OFFSET: i64 = 7_000_000_000;
     const PID: u32 = 99;

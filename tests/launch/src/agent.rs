@@ -1,6 +1,7 @@
-//! The guest ELF builds: `guest-agent/` (the bundled agent) and `tests/minimal-kernel/` (a
+//! The guest ELF builds: `guest-agent/` (the bundled agent), `tests/minimal-kernel/` (a
 //! kernel that is not ours, docs/embedding.md), each in release mode for
-//! `x86_64-unknown-none`.
+//! `x86_64-unknown-none`, and `tests/c-guest/` (a freestanding C guest: the `vmtsync-capi`
+//! staticlib built the same way, then gcc).
 //!
 //! A build runs with the guest crate's directory as its working directory so that crate's own
 //! `.cargo/config.toml` (target, relocation model, linker script) applies, and with the outer
@@ -13,7 +14,7 @@ use std::process::Command;
 use std::sync::OnceLock;
 
 use crate::LaunchError;
-use crate::prereq::{ensure_rustup_target, run_captured, run_echoed};
+use crate::prereq::{AGENT_TARGET, ensure_rustup_target, run_captured, run_echoed};
 
 /// The workspace root (two levels above this crate, `tests/launch/`).
 #[must_use]
@@ -38,6 +39,8 @@ pub enum Guest {
     Agent,
     /// `tests/minimal-kernel/`: a minimal kernel embedding vmtsync-core (docs/embedding.md).
     MinimalKernel,
+    /// `tests/c-guest/`: a freestanding C guest linking `vmtsync-capi`'s staticlib.
+    CGuest,
 }
 
 impl Guest {
@@ -47,6 +50,7 @@ impl Guest {
         workspace_root().join(match self {
             Self::Agent => "guest-agent",
             Self::MinimalKernel => "tests/minimal-kernel",
+            Self::CGuest => "tests/c-guest",
         })
     }
 
@@ -56,6 +60,7 @@ impl Guest {
         match self {
             Self::Agent => "vmtsync-agent",
             Self::MinimalKernel => "minimal-kernel",
+            Self::CGuest => "c-guest",
         }
     }
 }
@@ -102,6 +107,9 @@ pub fn build(output: BuildOutput) -> Result<PathBuf, LaunchError> {
 pub fn build_guest(guest: Guest, output: BuildOutput) -> Result<PathBuf, LaunchError> {
     let dir = guest.dir();
     ensure_rustup_target(&dir)?;
+    if guest == Guest::CGuest {
+        return build_c_guest(&dir, output);
+    }
     let target_dir = dir.join("target");
     let mut c = guest_cargo(guest);
     c.args(["build", "--release", "--target-dir"])
@@ -126,6 +134,74 @@ pub fn build_guest(guest: Guest, output: BuildOutput) -> Result<PathBuf, LaunchE
     }
 }
 
+/// The C guest: `vmtsync-capi`'s staticlib for `x86_64-unknown-none` (a workspace member,
+/// built into `tests/c-guest/target/`, not the workspace's: a test that builds it runs while
+/// the outer cargo may still hold that directory's lock), then gcc links `entry.S`, `main.c`
+/// and it by `link.ld` into `tests/c-guest/target/c-guest`, freestanding: no libc, no PIE, no
+/// SSE (the guest never enables it), no red zone.
+fn build_c_guest(dir: &Path, output: BuildOutput) -> Result<PathBuf, LaunchError> {
+    let root = workspace_root();
+    let target_dir = dir.join("target");
+    let mut c = guest_cargo(Guest::CGuest);
+    c.args([
+        "build",
+        "--release",
+        "--target",
+        AGENT_TARGET,
+        "--manifest-path",
+    ])
+    .arg(root.join("capi/Cargo.toml"))
+    .arg("--target-dir")
+    .arg(&target_dir);
+    let run = |c: &mut Command| match output {
+        BuildOutput::Shown => run_echoed(c),
+        BuildOutput::Captured => run_captured(c).map(drop),
+    };
+    run(&mut c)?;
+    let lib = target_dir
+        .join(AGENT_TARGET)
+        .join("release/libvmtsync_capi.a");
+    let elf = target_dir.join(Guest::CGuest.bin());
+    let mut gcc = Command::new("gcc");
+    gcc.current_dir(dir)
+        .args([
+            "-std=c11",
+            "-O2",
+            "-Wall",
+            "-Wextra",
+            "-Werror",
+            "-ffreestanding",
+            "-nostdlib",
+            "-static",
+            "-no-pie",
+            "-fno-pic",
+            "-fno-stack-protector",
+            "-fcf-protection=none",
+            "-mno-red-zone",
+            "-mgeneral-regs-only",
+            "-Wl,--gc-sections",
+            "-Wl,--build-id=none",
+            "-Wl,--strip-debug",
+            "-T",
+            "link.ld",
+            "-I",
+        ])
+        .arg(root.join("capi/include"))
+        .args(["entry.S", "main.c"])
+        .arg(&lib)
+        .arg("-o")
+        .arg(&elf);
+    run(&mut gcc)?;
+    if elf.is_file() {
+        Ok(elf)
+    } else {
+        Err(LaunchError::Missing(format!(
+            "the C guest's link succeeded but {} is missing",
+            elf.display()
+        )))
+    }
+}
+
 /// [`build`] with captured output, once per process; later calls return the cached result.
 ///
 /// # Errors
@@ -141,9 +217,11 @@ pub fn agent_elf() -> Result<PathBuf, LaunchError> {
 pub fn guest_elf(guest: Guest) -> Result<PathBuf, LaunchError> {
     static AGENT: OnceLock<Result<PathBuf, LaunchError>> = OnceLock::new();
     static MINIMAL_KERNEL: OnceLock<Result<PathBuf, LaunchError>> = OnceLock::new();
+    static C_GUEST: OnceLock<Result<PathBuf, LaunchError>> = OnceLock::new();
     let cell = match guest {
         Guest::Agent => &AGENT,
         Guest::MinimalKernel => &MINIMAL_KERNEL,
+        Guest::CGuest => &C_GUEST,
     };
     cell.get_or_init(|| build_guest(guest, BuildOutput::Captured))
         .clone()

@@ -44,7 +44,7 @@ struct App {
     // vmtsync-glue: begin (core's TSC read, which the app paces itself by too, and the one
     // producer handle of vCPU 0's ring)
     tsc: NativeTsc,
-    events: Producer<'static, 4096>,
+    events: Producer<'static>,
     // vmtsync-glue: end
     next: u64,
     done: u64,

@@ -28,9 +28,8 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
-use vmtsync::probe::{
-    FrameStamps, ProbeAddr, ProbeOptions, Progress, Received, StampedTransport, TransportError,
-};
+use vmtsync::link::{FrameStamps, ProbeAddr, Received, StampedTransport, TransportError};
+use vmtsync::probe::{ProbeOptions, Progress};
 use vmtsync::record::{DRAIN_MAX, RecordFormat, RecordOptions, run_record_on};
 use vmtsync_core::HostTicks;
 use vmtsync_launch::bench::{self, IngestBench, IngestSchema};
@@ -209,13 +208,13 @@ fn run(a: &Args) -> Result<IngestBench> {
         probe,
         out: dir.path().join("events.jsonl"),
         format: RecordFormat::Jsonl,
-        file_version: vmtsync::tracedat::FileVersion::V7,
+        file_version: vmtsync::formats::tracedat::FileVersion::V7,
         events: None,
         duration: Some(Duration::from_secs_f64(a.seconds)),
         resync: Duration::from_millis(500),
         drain_max: a.drain_max,
         sync_out: None,
-        placement: vmtsync::record::Placement::default(),
+        placement: vmtsync::syncfile::bounds::Placement::default(),
     };
     if a.drain_only {
         return drain_only(a, link, &mut rig);

@@ -7,7 +7,7 @@
 //!   every stamp of the last exchange ([`Com1Exchange`]) for tests and the bench.
 //! - [`PipeTransport`]: QEMU's COM1 on a stdio chardev (two pipes), stamped by this thread
 //!   around `write(2)` and `read(2)` ([`PipeExchange`]).
-//! - The vsock rig uses vmtsync's own socket transport ([`vmtsync::probe::StreamTransport`]).
+//! - The vsock rig uses vmtsync's own socket transport ([`vmtsync::link::StreamTransport`]).
 //!
 //! [`wait_ready`] waits for the agent's ready beacon on any of them; [`probe_run`] runs a hello
 //! and a round of probes and [`ProbeRun`] summarises it, offsets as guest − host throughout,
@@ -19,10 +19,8 @@ use std::os::fd::AsRawFd;
 use std::process::{ChildStdin, ChildStdout};
 use std::time::{Duration, Instant};
 
-use vmtsync::probe::{
-    AgentInfo, FrameStamps, ProbeError, ProbeSession, Progress, Received, SessionStats,
-    StampedTransport, TransportError,
-};
+use vmtsync::link::{FrameStamps, Received, StampedTransport, TransportError};
+use vmtsync::probe::{AgentInfo, ProbeError, ProbeSession, Progress, SessionStats};
 use vmtsync_core::HostTicks;
 use vmtsync_core::estimate::{EstimateError, ProbeSample, estimate_offset};
 
@@ -420,7 +418,7 @@ impl ProbeRun {
 
 #[cfg(test)]
 mod tests {
-    use vmtsync::probe::FrameStamps;
+    use vmtsync::link::FrameStamps;
     use vmtsync_core::GuestTicks;
     use vmtsync_core::mapping::KvmTscMapping;
     use vmtsync_core::proto::{Features, Transport};
@@ -512,7 +510,7 @@ mod tests {
     #[test]
     fn beacons_and_frames_split_across_reads_reach_the_session() {
         use std::os::unix::net::UnixStream;
-        use vmtsync::probe::StreamTransport;
+        use vmtsync::link::StreamTransport;
         use vmtsync_core::proto::{Capabilities, MAX_FRAME_SIZE, Message, encode_frame};
 
         let (a, mut b) = UnixStream::pair().expect("pair");

@@ -8,7 +8,7 @@ use crate::util::{attach, ok, vmtsync};
 
 #[test]
 fn a_truncated_guest_trace_is_refused_with_the_offset_and_no_output() {
-    use vmtsync::tracedat::{TraceDatWriter, WriterOptions};
+    use vmtsync::formats::tracedat::{TraceDatWriter, WriterOptions};
     let dir = tempfile::tempdir().unwrap();
     let guest = dir.path().join("g.dat");
     let mut w = TraceDatWriter::create(&guest, WriterOptions::new(1, 1)).unwrap();
@@ -91,7 +91,7 @@ fn export_perf_prints_the_guest_data_argument_or_explains_what_perf_cannot_expre
 
 #[test]
 fn attach_with_host_refuses_an_incomplete_vcpu_map_before_writing_anything() {
-    use vmtsync::tracedat::{TraceDatWriter, WriterOptions};
+    use vmtsync::formats::tracedat::{TraceDatWriter, WriterOptions};
     let dir = tempfile::tempdir().unwrap();
     let guest = dir.path().join("g.dat");
     let mut w = TraceDatWriter::create(&guest, WriterOptions::new(2, 1)).unwrap();

@@ -60,7 +60,7 @@ fn bad_inputs_and_targets_are_refused_clearly() {
 
 /// A small guest trace.dat written by vmtsync's writer (two events, pre-converted).
 fn small_trace_dat(d: &Path) -> std::path::PathBuf {
-    use vmtsync::tracedat::{TraceDatWriter, WriterOptions};
+    use vmtsync::formats::tracedat::{TraceDatWriter, WriterOptions};
     let p = d.join("small.dat");
     let mut w = TraceDatWriter::create(&p, WriterOptions::new(1, 7)).expect("create");
     for i in 0..2_000u64 {

@@ -12,7 +12,7 @@ use std::process::{Output, Stdio};
 use std::time::Duration;
 
 use serde_json::Value;
-use vmtsync::probe::transport::host_tsc_now;
+use vmtsync::link::transport::host_tsc_now;
 use vmtsync::syncfile::{SyncFile, convert_with_sync};
 use vmtsync_tests::ChildGuard;
 use vmtsync_tests::fake_agent::{self as fake, SkewedClock};

@@ -1,7 +1,7 @@
 //! `vmtsync export perfetto`, tier 1: a recording from another boot is refused. The traces
 //! read back by Perfetto's trace processor are the `tier2` target's `perfetto` module.
 
-use vmtsync::hosttsc::read_host_tsc;
+use vmtsync::kvm::hosttsc::read_host_tsc;
 
 use crate::util::export_perfetto;
 use crate::util::scratch;

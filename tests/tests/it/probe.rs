@@ -11,13 +11,14 @@ use std::path::PathBuf;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use vmtsync::probe::addr::vsock_sockaddr;
-use vmtsync::probe::connect::ConnectError;
-use vmtsync::probe::transport::host_tsc_now;
+use vmtsync::link::ConnectError;
+use vmtsync::link::addr::vsock_sockaddr;
+use vmtsync::link::transport::host_tsc_now;
+use vmtsync::link::{ProbeAddr, StreamTransport};
 use vmtsync::probe::{
-    ContinuousOptions, OffsetModel, ProbeAddr, ProbeError, ProbeOptions, ProbeSummary,
-    StreamTransport, run_probe, run_probe_on,
+    ContinuousOptions, ProbeError, ProbeOptions, ProbeSummary, run_probe, run_probe_on,
 };
+use vmtsync::syncfile::OffsetModel;
 use vmtsync::syncfile::{SyncFile, SyncFileError, convert_with_sync};
 use vmtsync_tests::fake_agent::{self as fake, SkewedClock};
 

@@ -9,7 +9,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use vmtsync::hosttsc::read_host_tsc;
+use vmtsync::kvm::hosttsc::read_host_tsc;
 use vmtsync_tests::ChildGuard;
 use vmtsync_tests::fake_agent::{SkewedClock, Workload, serve_with_events};
 

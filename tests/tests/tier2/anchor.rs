@@ -11,10 +11,13 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use vmtsync::probe::anchor::{AnchorKind, AnchorMode, AnchorOptions, anchor_transport};
-use vmtsync::probe::connect::{ConnectOptions, connect_until_stopped};
-use vmtsync::probe::{ProbeAddr, ProbeSession, ProbeSummary, Progress};
-use vmtsync::scan::VmSelector;
+use vmtsync::kvm::scan::VmSelector;
+use vmtsync::link::ConnectOptions;
+use vmtsync::link::ProbeAddr;
+use vmtsync::link::connect::connect_until_stopped;
+use vmtsync::probe::anchor::{AnchorMode, AnchorOptions, anchor_transport};
+use vmtsync::probe::{ProbeSession, ProbeSummary, Progress};
+use vmtsync::syncfile::AnchorKind;
 use vmtsync_tests::truth::{GuestTruth, Skew};
 use vmtsync_tests::vmm::agent_elf;
 use vmtsync_tests::vmm::qemu::{self, Machine};

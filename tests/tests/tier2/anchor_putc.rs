@@ -12,10 +12,13 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use vmtsync::probe::anchor::{AnchorKind, AnchorMode, AnchorOptions, anchor_transport};
-use vmtsync::probe::connect::{ConnectOptions, connect_until_stopped};
-use vmtsync::probe::{ProbeAddr, ProbeSession, ProbeSummary, Progress};
-use vmtsync::scan::VmSelector;
+use vmtsync::kvm::scan::VmSelector;
+use vmtsync::link::ConnectOptions;
+use vmtsync::link::ProbeAddr;
+use vmtsync::link::connect::connect_until_stopped;
+use vmtsync::probe::anchor::{AnchorMode, AnchorOptions, anchor_transport};
+use vmtsync::probe::{ProbeSession, ProbeSummary, Progress};
+use vmtsync::syncfile::AnchorKind;
 use vmtsync_core::HostTicks;
 use vmtsync_tests::ChildGuard;
 use vmtsync_tests::truth::{GuestTruth, Skew};

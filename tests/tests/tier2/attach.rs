@@ -10,8 +10,8 @@ use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use vmtsync::hosttsc::read_host_tsc;
-use vmtsync::tracedat::{for_each_record, read_event_formats, read_layout};
+use vmtsync::formats::tracedat::{for_each_record, read_event_formats, read_layout};
+use vmtsync::kvm::hosttsc::read_host_tsc;
 
 use crate::tracedat::{Line, assert_dump_ok, report};
 use crate::util::{HostTrace, attach, have_trace_cmd, host_trace_ready, ok, trace_cmd};
@@ -448,7 +448,7 @@ fn interpolated(segs: &[(u64, i64)], hi: u64, g: u64) -> u64 {
 }
 
 fn attach_from_debugfs_refuses_a_coarse_scaling_with_exit_6_and_accepts_it_with_max_error() {
-    use vmtsync::tracedat::{TraceDatWriter, WriterOptions};
+    use vmtsync::formats::tracedat::{TraceDatWriter, WriterOptions};
     let dir = tempfile::tempdir().unwrap();
     // A 2-CPU guest trace (our writer stands in for a Linux guest's here: the subject is the
     // mapping from debugfs), raw guest TSCs from 10^12 on.

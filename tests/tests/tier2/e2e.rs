@@ -13,9 +13,9 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use vmtsync::probe::{
-    ConnectOptions, ProbeAddr, ProbeSession, ProbeSummary, Progress, connect::connect,
-};
+use vmtsync::link::connect::connect;
+use vmtsync::link::{ConnectOptions, ProbeAddr};
+use vmtsync::probe::{ProbeSession, ProbeSummary, Progress};
 use vmtsync_core::estimate::ProbeSample;
 use vmtsync_tests::truth::{GuestTruth, Skew, truth_mapping};
 use vmtsync_tests::vmm::agent_elf;
@@ -57,7 +57,7 @@ fn boot_qemu(elf: &Path, sock: &Path, com2: &Path, append: &str) -> ChildGuard {
 }
 
 /// Opens a probe session on QEMU's COM1 socket (the library's own connect and hello).
-fn session(sock: &Path) -> ProbeSession<Box<dyn vmtsync::probe::StampedTransport + Send>> {
+fn session(sock: &Path) -> ProbeSession<Box<dyn vmtsync::link::StampedTransport + Send>> {
     let addr = ProbeAddr::parse(&format!("unix:{}", sock.display())).unwrap();
     let t = connect(
         &addr,

@@ -12,8 +12,8 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use vmtsync::debugfs::DEFAULT_KVM_DEBUGFS;
-use vmtsync::hosttsc::read_host_tsc;
+use vmtsync::kvm::debugfs::DEFAULT_KVM_DEBUGFS;
+use vmtsync::kvm::hosttsc::read_host_tsc;
 use vmtsync_core::HostTicks;
 use vmtsync_core::mapping::KvmTscMapping;
 use vmtsync_tests::idle_vmm::IdleVmmChild;

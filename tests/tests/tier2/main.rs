@@ -18,11 +18,13 @@ mod agent_vmm;
 mod anchor;
 mod anchor_putc;
 mod attach;
+mod c_guest;
 mod causality;
 mod console;
 mod ctf;
 mod e2e;
 mod kvm_real;
+mod memory_agent;
 mod minimal_kernel;
 mod perf;
 mod perfetto;
@@ -82,11 +84,13 @@ fn main() -> std::process::ExitCode {
         anchor::trials(),
         anchor_putc::trials(),
         attach::trials(),
+        c_guest::trials(),
         causality::trials(),
         console::trials(),
         ctf::trials(),
         e2e::trials(),
         kvm_real::trials(),
+        memory_agent::trials(),
         minimal_kernel::trials(),
         perf::trials(),
         perfetto::trials(),

@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use vmtsync::hosttsc::read_host_tsc;
+use vmtsync::kvm::hosttsc::read_host_tsc;
 use vmtsync_tests::require;
 use vmtsync_tests::truth::truth_mapping;
 

@@ -16,10 +16,10 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use serde_json::Value;
-use vmtsync::export::perfetto::proto::{
+use vmtsync::formats::perfetto::proto::{
     self, TracePacket, TrackDescriptor, TrackEvent, append_packet,
 };
-use vmtsync::hosttsc::read_host_tsc;
+use vmtsync::kvm::hosttsc::read_host_tsc;
 use vmtsync_core::GuestTicks;
 use vmtsync_launch::trace_processor::{ensure_trace_processor, query_script};
 use vmtsync_tests::require;

@@ -5,14 +5,14 @@
 //! The truth is KVM's debugfs mapping under the skew the test chose, never vmtsync's: every
 //! event's guaranteed interval must hold it, and the intervals must be about as narrow as the
 //! rounds'. The same recording's sync file also gives the one-sided placement of the same
-//! events (`vmtsync::record::bounds::place`), so both are measured on one run and reported.
+//! events (`vmtsync::syncfile::bounds::place`), so both are measured on one run and reported.
 
 use std::time::Duration;
 
 use serde_json::Value;
-use vmtsync::record::Placement;
-use vmtsync::record::bounds::place;
 use vmtsync::syncfile::SyncFile;
+use vmtsync::syncfile::bounds::Placement;
+use vmtsync::syncfile::bounds::place;
 use vmtsync_core::{GuestTicks, HostTicks};
 use vmtsync_tests::truth::{GuestTruth, Skew};
 
@@ -79,7 +79,7 @@ fn events_are_as_tight_as_their_rounds_and_hold_the_truth() {
     assert!(
         segments
             .iter()
-            .all(|s| s.anchor == vmtsync::probe::anchor::AnchorKind::KvmPioSyncPort),
+            .all(|s| s.anchor == vmtsync::syncfile::AnchorKind::KvmPioSyncPort),
         "{segments:?}"
     );
     let mut rounds: Vec<u64> = segments

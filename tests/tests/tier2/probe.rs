@@ -150,7 +150,8 @@ mod qemu_serial {
     use std::process::Stdio;
     use std::time::{Duration, Instant};
 
-    use vmtsync::probe::{ProbeAddr, ProbeOptions, run_probe};
+    use vmtsync::link::ProbeAddr;
+    use vmtsync::probe::{ProbeOptions, run_probe};
     use vmtsync_tests::ChildGuard;
     use vmtsync_tests::truth::{GuestTruth, Skew};
     use vmtsync_tests::vmm::agent_elf;

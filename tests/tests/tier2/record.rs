@@ -264,7 +264,8 @@ fn qemu_flight_recorder_gives_the_newest_records_and_the_exact_overwritten_count
 /// inside the guaranteed interval of its debugfs+skew truth; the measured rate and the ring's
 /// drops are printed (the figure BENCHMARKS.md quotes).
 fn vsock_ingest_keeps_every_sent_event_and_counts_the_rest() {
-    use vmtsync::probe::{ProbeAddr, ProbeOptions, Progress};
+    use vmtsync::link::ProbeAddr;
+    use vmtsync::probe::{ProbeOptions, Progress};
     use vmtsync::record::{RecordFormat, RecordOptions, run_record_on};
     use vmtsync_tests::vmm::vsock::{VsockRig, ensure_vhost_device_vsock};
 
@@ -298,13 +299,13 @@ fn vsock_ingest_keeps_every_sent_event_and_counts_the_rest() {
         probe,
         out: out.clone(),
         format: RecordFormat::Jsonl,
-        file_version: vmtsync::tracedat::FileVersion::V7,
+        file_version: vmtsync::formats::tracedat::FileVersion::V7,
         events: None,
         duration: Some(Duration::from_secs(3)),
         resync: Duration::from_millis(500),
         drain_max: vmtsync::record::DRAIN_MAX,
         sync_out: None,
-        placement: vmtsync::record::Placement::default(),
+        placement: vmtsync::syncfile::bounds::Placement::default(),
     };
     let started = Instant::now();
     let summary = run_record_on(transport, &opts, &mut Progress::hidden())

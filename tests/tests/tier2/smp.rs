@@ -10,10 +10,11 @@ use std::path::Path;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use vmtsync::debugfs::{DEFAULT_KVM_DEBUGFS, KvmDebugfs};
+use vmtsync::kvm::debugfs::{DEFAULT_KVM_DEBUGFS, KvmDebugfs};
+use vmtsync::kvm::scan::VmSelector;
+use vmtsync::link::ProbeAddr;
 use vmtsync::probe::anchor::{AnchorMode, AnchorOptions};
-use vmtsync::probe::{ProbeAddr, ProbeError, ProbeOptions, VcpuChoice, run_probe};
-use vmtsync::scan::VmSelector;
+use vmtsync::probe::{ProbeError, ProbeOptions, VcpuChoice, run_probe};
 use vmtsync_core::HostTicks;
 use vmtsync_tests::ChildGuard;
 use vmtsync_tests::truth::{GuestTruth, Skew};
@@ -326,9 +327,11 @@ fn exit_anchored_probes_of_every_vcpu_hold_their_truths() {
 /// its own TSC read, so the bracket of a probe of vCPU N comes from vCPU N's own exits, and
 /// every sample of every vCPU must bracket that vCPU's truth.
 fn sync_port_brackets_come_from_each_vcpus_own_exits() {
-    use vmtsync::probe::anchor::{AnchorKind, DEFAULT_SYNC_PORT, Matcher, prepare_matcher};
-    use vmtsync::probe::connect::{ConnectOptions, connect_until_stopped};
+    use vmtsync::link::ConnectOptions;
+    use vmtsync::link::connect::connect_until_stopped;
+    use vmtsync::probe::anchor::{DEFAULT_SYNC_PORT, Matcher, prepare_matcher};
     use vmtsync::probe::{ProbeSession, ProbeSummary, Progress};
+    use vmtsync::syncfile::AnchorKind;
     use vmtsync_core::proto::Features;
 
     let test = "sync_port_brackets_come_from_each_vcpus_own_exits";
@@ -504,7 +507,7 @@ fn record_places_every_vcpus_events_with_its_own_sync() {
             probe,
             out: out.to_owned(),
             format,
-            file_version: vmtsync::tracedat::FileVersion::V7,
+            file_version: vmtsync::formats::tracedat::FileVersion::V7,
             // A time, not a count: a count would end the drain that reaches it early (the
             // boot vCPU's ring drains first), a time takes every vCPU's events.
             events: None,
@@ -512,7 +515,7 @@ fn record_places_every_vcpus_events_with_its_own_sync() {
             resync: Duration::from_millis(300),
             drain_max: DRAIN_MAX,
             sync_out: None,
-            placement: vmtsync::record::Placement::default(),
+            placement: vmtsync::syncfile::bounds::Placement::default(),
         };
         let s =
             run_record(&o, &mut Progress::hidden()).unwrap_or_else(|e| panic!("{}", log(dir, &e)));

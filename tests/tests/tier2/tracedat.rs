@@ -1,4 +1,4 @@
-//! Tier 2: trace.dat files from `vmtsync::tracedat` read by the real trace-cmd (3.1.6 here).
+//! Tier 2: trace.dat files from `vmtsync::formats::tracedat` read by the real trace-cmd (3.1.6 here).
 //!
 //! Truth comes from outside the writer: the raw timestamps we pushed, host times computed with
 //! the exact inverse of the segments we chose, and for the host merge the host TSC read right
@@ -7,12 +7,12 @@
 use std::io::Write;
 use std::path::Path;
 
-use vmtsync::hosttsc::read_host_tsc;
-use vmtsync::tracedat::timeshift::{exact_host_time, plan_cpu, trace_cmd_host_time};
-use vmtsync::tracedat::{
+use vmtsync::formats::tracedat::timeshift::{exact_host_time, plan_cpu, trace_cmd_host_time};
+use vmtsync::formats::tracedat::{
     FileVersion, GuestInfo, ShiftMode, Summary, SyncSegment, TimeShift, TraceDatError,
     TraceDatWriter, WriterOptions, copy_host_trace, read_layout, verify_file,
 };
+use vmtsync::kvm::hosttsc::read_host_tsc;
 use vmtsync_core::HostTicks;
 
 use crate::util::{HostTrace, have_trace_cmd, host_trace_ready, trace_cmd};
@@ -461,7 +461,7 @@ fn trace_cmd_converts_our_files_and_reads_our_copy_of_a_compressed_trace() {
 fn tsc2nsec_makes_trace_cmd_show_nanoseconds_after_the_shift() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("ns.dat");
-    let t = vmtsync::tracedat::Tsc2Nsec {
+    let t = vmtsync::formats::tracedat::Tsc2Nsec {
         mult: 6_462_042,
         shift: 24,
         offset: 0,

@@ -14,7 +14,7 @@ use vmtsync_core::HostTicks;
 
 use super::{PioExit, Unmatched};
 use crate::ftrace::format::PioDirection;
-use crate::probe::transport::FrameStamps;
+use crate::link::transport::FrameStamps;
 
 /// The exits that bracket one UART exchange's guest TSC read, host TSC each.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -64,36 +64,6 @@ pub enum Matcher {
 /// exits of its own request and reply, a few dozen). Bounds memory whatever the guest does.
 pub const MAX_EXITS: usize = 4096;
 
-/// Which stamps a probe's bracket came from.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum AnchorKind {
-    /// `lfence; rdtsc` in this process around the system calls (or a test VMM's own stamps).
-    #[default]
-    InProcess,
-    /// `kvm:kvm_pio` exits of the UART data port (request delimiter `in`, first reply `out`).
-    KvmPioUart,
-    /// `kvm:kvm_pio` exits of the agent's sync port (`in` before, `out` of the seq after the
-    /// TSC read).
-    KvmPioSyncPort,
-    /// A kind this version does not know (a sync file from a newer writer stays readable).
-    #[serde(other)]
-    Unknown,
-}
-
-impl AnchorKind {
-    /// The name used in reports and sync files.
-    #[must_use]
-    pub const fn name(self) -> &'static str {
-        match self {
-            Self::InProcess => "in-process",
-            Self::KvmPioUart => "kvm-pio-uart",
-            Self::KvmPioSyncPort => "kvm-pio-sync-port",
-            Self::Unknown => "unknown",
-        }
-    }
-}
-
 /// One port exit of a traced vCPU thread.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PioExit {

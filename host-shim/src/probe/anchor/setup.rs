@@ -11,12 +11,12 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use super::{AnchoredTransport, COM1_DATA, DEFAULT_SYNC_PORT, Matcher, PioTrace};
-use crate::debugfs::{DEFAULT_KVM_DEBUGFS, KvmDebugfs};
+use crate::kvm::debugfs::{DEFAULT_KVM_DEBUGFS, KvmDebugfs};
+use crate::kvm::procinfo::{DEFAULT_PROC_ROOT, ProcFs};
+use crate::kvm::scan::{Scanner, VmSelector};
+use crate::link::addr::ProbeAddr;
+use crate::link::transport::StampedTransport;
 use crate::probe::ProbeError;
-use crate::probe::addr::ProbeAddr;
-use crate::probe::transport::StampedTransport;
-use crate::procinfo::{DEFAULT_PROC_ROOT, ProcFs};
-use crate::scan::{Scanner, VmSelector};
 
 /// Ports below a register from which a 2- or 4-byte access still covers it.
 const REACH: u16 = 3;

@@ -8,10 +8,9 @@ use vmtsync_core::proto::MAX_FRAME_SIZE;
 
 use vmtsync_core::proto::{Features, Message, decode_frame};
 
-use super::{
-    AnchorKind, AnchorStats, Matcher, PioTrace, UartBracket, Unmatched, match_sync_port, match_uart,
-};
-use crate::probe::transport::{FrameStamps, Received, StampedTransport, TransportError};
+use super::{AnchorStats, Matcher, PioTrace, UartBracket, Unmatched, match_sync_port, match_uart};
+use crate::link::transport::{FrameStamps, Received, StampedTransport, TransportError};
+use crate::syncfile::AnchorKind;
 
 /// Received bytes kept per exchange at most (a reply is at most [`MAX_FRAME_SIZE`]).
 const MAX_RECEIVED: usize = 2 * MAX_FRAME_SIZE;

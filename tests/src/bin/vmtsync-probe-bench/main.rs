@@ -59,8 +59,9 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
+use vmtsync::link::StampedTransport;
+use vmtsync::probe::ProbeSession;
 use vmtsync::probe::anchor::{COM1_DATA, DEFAULT_SYNC_PORT, Matcher};
-use vmtsync::probe::{ProbeSession, StampedTransport};
 use vmtsync_core::estimate::{ProbeSample, TRACE_CMD_PTP_SYNC_LOOP};
 use vmtsync_core::mapping::KvmTscMapping;
 use vmtsync_core::proto::Message;
@@ -570,7 +571,7 @@ fn bench(args: &Args) -> Result<Report> {
                 .context("composing KVM's mapping with the skew")?,
         );
         vsock_wire = Some(wire_bytes(&v));
-        let pick = |x: &vmtsync::probe::FrameStamps| (x.send.0, x.recv.0);
+        let pick = |x: &vmtsync::link::FrameStamps| (x.send.0, x.recv.0);
         rows.push(row(&format!("vsock/{m}"), &v, truth, pick)?);
         if args.probes < m {
             let first: Vec<_> = v

@@ -23,8 +23,8 @@ use std::process::{Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
-use vmtsync::probe::vhost_uds::connect_vhost_uds;
-use vmtsync::probe::{ConnectOptions, StreamTransport};
+use vmtsync::link::vhost_uds::connect_vhost_uds;
+use vmtsync::link::{ConnectOptions, StreamTransport};
 
 use super::qemu::{self, Machine};
 use crate::ChildGuard;

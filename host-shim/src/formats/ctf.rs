@@ -1,0 +1,793 @@
+//! CTF 1.8 trace directories (TSDL `metadata` plus one binary stream file per vCPU), the
+//! format babeltrace2 2.0 and Trace Compass read. No Rust crate writes CTF; the layout is
+//! small (`docs/ctf.md`, "Layout").
+//!
+//! **Clock.** Timestamps are host TSC cycles, exactly the host ticks `vmtsync record`
+//! computed, on a clock class `host_tsc` with `freq` = the host's TSC frequency (integer Hz,
+//! from CPUID unless given), `offset_s = 0`, `offset = 0` and `absolute = true`. babeltrace2
+//! shows the cycles as they are (`--clock-cycles`) and derives nanoseconds from them; two
+//! traces written with the same frequency (a guest's and the host's kvm_pio exits) line up on
+//! one timeline because both clock classes are absolute.
+//!
+//! **Order.** babeltrace2 requires non-decreasing timestamps within a stream. Host times of
+//! one vCPU's events can step back where one sync segment hands over to the next; such an
+//! event's timestamp is raised to the previous one (counted in [`CtfSummary::raised`]) while
+//! its `host_tsc` field keeps the exact value.
+//!
+//! **Memory.** One packet buffer per stream ([`PACKET_BYTES`]), at most [`MAX_STREAMS`]
+//! streams: constant in the number of events. The trace is written into a temporary directory
+//! beside the target and renamed into place when complete.
+
+use std::fmt::Write as _;
+use std::fs::File;
+use std::io::{self, Write};
+use std::path::{Path, PathBuf};
+
+use super::event::{ExportError, ExportEvent, MAX_PAYLOAD, Payload};
+
+/// The CTF packet magic.
+const MAGIC: u32 = 0xC1FC_1FC1;
+/// Bytes of packet header and context (see [`Stream::flush`]).
+const PACKET_HEADER: usize = 56;
+/// The compact event header holds a timestamp's low 31 bits: the step from the previous event
+/// of the packet must be below this.
+const COMPACT_SPAN: u64 = 1 << 31;
+/// A packet is written when its buffer reaches this size.
+pub const PACKET_BYTES: usize = 64 * 1024;
+/// The most streams (vCPUs, host CPUs) a trace holds: bounds memory whatever the input says.
+pub const MAX_STREAMS: usize = 512;
+
+/// The host's TSC frequency in Hz, the same on every call on one boot of one host: the
+/// kernel's own `tsc_khz` as its log states it (`tsc: Refined TSC clocksource calibration`, else
+/// `tsc: Detected ... MHz TSC|processor`, read from `/dev/kmsg`), else CPUID (leaf 0x15, the
+/// hypervisor timing leaf, the nominal base frequency). The kernel's value comes first because
+/// it is what the host's own clocks (and trace-cmd's `--tsc2nsec`) use; CPUID reports none on
+/// some hypervisors (this project's machine among them).
+///
+/// # Errors
+/// [`ExportError::Unsupported`] when neither says (give `--tsc-hz`).
+pub fn host_tsc_hz() -> Result<u64, ExportError> {
+    if let Some(khz) = kernel_tsc_khz() {
+        return Ok(khz * 1000);
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        use vmtsync_core::arch::cpuid::tsc_freq;
+        use vmtsync_core::arch::x86_64::NativeCpuid;
+        if let Some(f) = tsc_freq(&NativeCpuid) {
+            return Ok(f.hz);
+        }
+    }
+    Err(ExportError::Unsupported(
+        "neither the kernel log (/dev/kmsg: no \"tsc:\" line, or it has been overwritten) nor CPUID states the host's TSC frequency: give it with --tsc-hz".into(),
+    ))
+}
+
+/// The kernel's TSC frequency in kHz from its log, if the boot messages are still there.
+fn kernel_tsc_khz() -> Option<u64> {
+    use std::io::Read as _;
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let mut f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open("/dev/kmsg")
+        .ok()?;
+    let mut best = None;
+    let mut buf = vec![0u8; 8192];
+    // One record per read; EPIPE means records were overwritten meanwhile (read on), EAGAIN
+    // the end of the log. The bound keeps a log that never ends from holding us.
+    for _ in 0..1_000_000 {
+        match f.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => {
+                let rec = String::from_utf8_lossy(&buf[..n]);
+                let msg = rec.split_once(';').map_or(&*rec, |(_, m)| m);
+                if let Some(k) = tsc_khz_from_log(msg.trim_end()) {
+                    best = Some(best.map_or(k, |b: (u8, u64)| if k.0 >= b.0 { k } else { b }));
+                }
+            }
+            Err(e) if e.raw_os_error() == Some(libc::EPIPE) => {}
+            Err(_) => break,
+        }
+    }
+    best.map(|(_, khz)| khz)
+}
+
+/// A kernel log line stating the TSC frequency: (priority, kHz). A refined calibration
+/// replaces the detected value; "MHz TSC" is stated only when it differs from the processor's.
+fn tsc_khz_from_log(msg: &str) -> Option<(u8, u64)> {
+    let (prio, rest) =
+        if let Some(r) = msg.strip_prefix("tsc: Refined TSC clocksource calibration: ") {
+            (2, r.strip_suffix(" MHz")?)
+        } else if let Some(r) = msg.strip_prefix("tsc: Detected ") {
+            if let Some(r) = r.strip_suffix(" MHz TSC") {
+                (1, r)
+            } else {
+                (0, r.strip_suffix(" MHz processor")?)
+            }
+        } else {
+            return None;
+        };
+    // The kernel prints `khz / 1000`, a dot, and `khz % 1000` in three digits.
+    let (mhz, frac) = rest.split_once('.')?;
+    if frac.len() != 3 || !frac.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    let khz = mhz.parse::<u64>().ok()?.checked_mul(1000)? + frac.parse::<u64>().ok()?;
+    (khz > 0).then_some((prio, khz))
+}
+
+/// What a CTF trace directory holds about its clock and origin.
+#[derive(Clone, Debug)]
+pub struct CtfOptions {
+    /// The host TSC frequency in Hz (the clock class's `freq`).
+    pub tsc_hz: u64,
+    /// `env.trace_name`: how babeltrace2 names the trace.
+    pub name: String,
+    /// More `env` entries (key, value), e.g. the input file.
+    pub env: Vec<(String, String)>,
+}
+
+/// What a finished trace holds.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CtfSummary {
+    /// Events written.
+    pub events: u64,
+    /// Streams (one per vCPU or host CPU).
+    pub streams: usize,
+    /// Events whose timestamp was raised to the previous one of their stream (their
+    /// `host_tsc` field holds the exact value).
+    pub raised: u64,
+    /// The directory.
+    pub dir: PathBuf,
+}
+
+/// One stream file with the packet being filled.
+#[derive(Debug)]
+struct Stream {
+    file: File,
+    path: PathBuf,
+    instance: u32,
+    buf: Vec<u8>,
+    begin: u64,
+    last: u64,
+    seq: u64,
+    in_packet: u64,
+}
+
+impl Stream {
+    fn new(dir: &Path, prefix: &str, instance: u32) -> io::Result<Self> {
+        let path = dir.join(format!("{prefix}{instance}"));
+        Ok(Self {
+            file: File::create_new(&path)?,
+            path,
+            instance,
+            buf: Self::empty_packet(),
+            begin: 0,
+            last: 0,
+            seq: 0,
+            in_packet: 0,
+        })
+    }
+
+    fn empty_packet() -> Vec<u8> {
+        let mut b = Vec::with_capacity(PACKET_BYTES + 256);
+        b.resize(PACKET_HEADER, 0);
+        b
+    }
+
+    /// Writes the packet: header (magic, stream class 0, instance) and context (first and
+    /// last timestamps, content and packet size in bits, sequence number), then the events.
+    fn flush(&mut self) -> io::Result<()> {
+        if self.in_packet == 0 {
+            return Ok(());
+        }
+        let bits = (self.buf.len() as u64) * 8;
+        let mut h = [0u8; PACKET_HEADER];
+        h[0..4].copy_from_slice(&MAGIC.to_le_bytes());
+        h[4..8].copy_from_slice(&0u32.to_le_bytes());
+        h[8..16].copy_from_slice(&u64::from(self.instance).to_le_bytes());
+        h[16..24].copy_from_slice(&self.begin.to_le_bytes());
+        h[24..32].copy_from_slice(&self.last.to_le_bytes());
+        h[32..40].copy_from_slice(&bits.to_le_bytes());
+        h[40..48].copy_from_slice(&bits.to_le_bytes());
+        h[48..56].copy_from_slice(&self.seq.to_le_bytes());
+        self.buf[..PACKET_HEADER].copy_from_slice(&h);
+        self.file.write_all(&self.buf)?;
+        self.buf.truncate(PACKET_HEADER);
+        self.seq += 1;
+        self.in_packet = 0;
+        Ok(())
+    }
+}
+
+/// A CTF trace directory being written: one stream class whose event classes are given as
+/// TSDL, stream files created as instances appear.
+#[derive(Debug)]
+pub struct CtfTrace {
+    tmp: Option<tempfile::TempDir>,
+    target: PathBuf,
+    metadata: String,
+    prefix: &'static str,
+    /// Few in practice (one per vCPU): a list, the last one used checked first.
+    streams: Vec<Stream>,
+    last: usize,
+    events: u64,
+    raised: u64,
+}
+
+impl CtfTrace {
+    /// Starts a trace that becomes directory `target` (which must not exist, or be empty).
+    /// `events_tsdl` declares the event classes of stream class 0 (ids from 0, in the order
+    /// [`CtfTrace::event`] is called with); `prefix` names the stream files.
+    ///
+    /// # Errors
+    /// The target exists and is not an empty directory, or the temporary directory beside it
+    /// cannot be made.
+    pub fn create(
+        target: &Path,
+        opts: &CtfOptions,
+        events_tsdl: &str,
+        prefix: &'static str,
+    ) -> Result<Self, ExportError> {
+        let werr = |source| ExportError::Write {
+            path: target.to_owned(),
+            source,
+        };
+        if opts.tsc_hz == 0 {
+            return Err(ExportError::Unsupported(
+                "a TSC frequency of 0 Hz: give the host's with --tsc-hz".into(),
+            ));
+        }
+        match std::fs::read_dir(target).map(|mut d| d.next().is_none()) {
+            Ok(true) => {}
+            Ok(false) => {
+                return Err(ExportError::Unsupported(format!(
+                    "{} exists and is not empty: a CTF trace is a directory of its own",
+                    target.display()
+                )));
+            }
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) if target.is_file() || e.kind() == io::ErrorKind::NotADirectory => {
+                return Err(ExportError::Unsupported(format!(
+                    "{} is a file: a CTF trace is a directory",
+                    target.display()
+                )));
+            }
+            Err(e) => return Err(werr(e)),
+        }
+        let parent = match target.parent() {
+            Some(p) if !p.as_os_str().is_empty() => p,
+            _ => Path::new("."),
+        };
+        let name = target
+            .file_name()
+            .map_or_else(|| "ctf".into(), |n| n.to_string_lossy().into_owned());
+        let tmp = tempfile::Builder::new()
+            .prefix(&format!(".{name}."))
+            .suffix(".partial")
+            .tempdir_in(parent)
+            .map_err(werr)?;
+        Ok(Self {
+            tmp: Some(tmp),
+            target: target.to_owned(),
+            metadata: metadata(opts, events_tsdl),
+            prefix,
+            streams: Vec::new(),
+            last: 0,
+            events: 0,
+            raised: 0,
+        })
+    }
+
+    /// Appends one event of class `class` at host tick `ts` to stream `instance` with its
+    /// `fields`, behind a compact header (class 0, a step below 2^31 ticks from the packet's
+    /// previous event) or an extended one (`docs/ctf.md`, "Layout"). A timestamp before the
+    /// stream's previous one is raised to it; returns whether it was.
+    ///
+    /// # Errors
+    /// Writing a packet failed, or the trace would exceed [`MAX_STREAMS`].
+    pub fn event(
+        &mut self,
+        instance: u32,
+        class: u8,
+        ts: u64,
+        fields: &Fields,
+    ) -> Result<bool, ExportError> {
+        if self
+            .streams
+            .get(self.last)
+            .is_none_or(|s| s.instance != instance)
+        {
+            self.last = self.stream_index(instance)?;
+        }
+        let s = &mut self.streams[self.last];
+        let raised = s.seq + s.in_packet > 0 && ts < s.last;
+        let ts = if raised { s.last } else { ts };
+        if s.in_packet == 0 {
+            s.begin = ts;
+            s.last = ts;
+        }
+        // The compact header (4 bytes: kind bit 0, then the timestamp's low 31 bits, which
+        // babeltrace2 extends from the previous event's timestamp) when the class is 0 and the
+        // step from the previous event of the packet is below 2^31 ticks; else the extended
+        // one (kind 1, the class, the whole timestamp). A packet's first event is always
+        // extended, so no reader has to know what the packet context did to its clock.
+        // `docs/ctf.md`, "Layout".
+        let step = ts - s.last;
+        if class == 0 && s.in_packet > 0 && step < COMPACT_SPAN {
+            let word = (u32::try_from(ts & (COMPACT_SPAN - 1)).unwrap_or(0)) << 1;
+            s.buf.extend_from_slice(&word.to_le_bytes());
+        } else {
+            let mut header = [1, class, 0, 0, 0, 0, 0, 0, 0, 0];
+            header[2..].copy_from_slice(&ts.to_le_bytes());
+            s.buf.extend_from_slice(&header);
+        }
+        s.last = ts;
+        // The whole array (a fixed-size copy), then back to the fields' length.
+        let end = s.buf.len() + fields.n;
+        s.buf.extend_from_slice(&fields.b);
+        s.buf.truncate(end);
+        s.in_packet += 1;
+        self.events += 1;
+        self.raised += u64::from(raised);
+        if s.buf.len() >= PACKET_BYTES {
+            s.flush().map_err(|source| ExportError::Write {
+                path: s.path.clone(),
+                source,
+            })?;
+        }
+        Ok(raised)
+    }
+
+    /// The index of `instance`'s stream, created (with its file) if new.
+    fn stream_index(&mut self, instance: u32) -> Result<usize, ExportError> {
+        if let Some(i) = self.streams.iter().position(|s| s.instance == instance) {
+            return Ok(i);
+        }
+        let Some(dir) = self.tmp.as_ref() else {
+            return Err(ExportError::Unsupported("trace already finished".into()));
+        };
+        if self.streams.len() >= MAX_STREAMS {
+            return Err(ExportError::Unsupported(format!(
+                "more than {MAX_STREAMS} streams (vCPU {instance}): is the input damaged?"
+            )));
+        }
+        let s = Stream::new(dir.path(), self.prefix, instance).map_err(|source| {
+            ExportError::Write {
+                path: self.target.clone(),
+                source,
+            }
+        })?;
+        self.streams.push(s);
+        Ok(self.streams.len() - 1)
+    }
+
+    /// Writes the last packets and the metadata, syncs, and renames the directory into place.
+    ///
+    /// # Errors
+    /// Writing, syncing or renaming failed (the target is then unchanged).
+    pub fn finish(mut self) -> Result<CtfSummary, ExportError> {
+        let Some(tmp) = self.tmp.take() else {
+            return Err(ExportError::Unsupported("trace already finished".into()));
+        };
+        let werr = |path: &Path| {
+            let path = path.to_owned();
+            move |source| ExportError::Write { path, source }
+        };
+        for s in &mut self.streams {
+            s.flush().map_err(werr(&s.path))?;
+            s.file.sync_all().map_err(werr(&s.path))?;
+        }
+        let meta = tmp.path().join("metadata");
+        let mut f = File::create_new(&meta).map_err(werr(&meta))?;
+        f.write_all(self.metadata.as_bytes())
+            .and_then(|()| f.sync_all())
+            .map_err(werr(&meta))?;
+        // An empty directory at the target is replaced (rename(2) allows that).
+        std::fs::rename(tmp.path(), &self.target).map_err(werr(&self.target))?;
+        let _ = tmp.keep();
+        Ok(CtfSummary {
+            events: self.events,
+            streams: self.streams.len(),
+            raised: self.raised,
+            dir: self.target.clone(),
+        })
+    }
+}
+
+/// A TSDL string literal's contents: `"` and `\` escaped, control characters dropped.
+fn tsdl_str(s: &str) -> String {
+    let mut o = String::with_capacity(s.len());
+    for c in s.chars() {
+        match c {
+            '"' | '\\' => {
+                o.push('\\');
+                o.push(c);
+            }
+            c if c.is_control() => o.push(' '),
+            c => o.push(c),
+        }
+    }
+    o
+}
+
+/// The metadata: integer types, the trace and its packet header, `env`, the host TSC clock,
+/// stream class 0 (packet context, the compact or extended event header: see [`CtfTrace::event`])
+/// and the caller's event classes.
+fn metadata(opts: &CtfOptions, events_tsdl: &str) -> String {
+    let mut m = String::from(
+        "/* CTF 1.8 */\n\
+         /* Written by vmtsync: timestamps are host TSC cycles (see vmtsync's docs/ctf.md). */\n\n\
+         typealias integer { size = 8; align = 8; signed = false; } := uint8_t;\n\
+         typealias integer { size = 16; align = 8; signed = false; } := uint16_t;\n\
+         typealias integer { size = 32; align = 8; signed = false; } := uint32_t;\n\
+         typealias integer { size = 64; align = 8; signed = false; } := uint64_t;\n\n\
+         trace {\n\
+         \tmajor = 1;\n\
+         \tminor = 8;\n\
+         \tbyte_order = le;\n\
+         \tpacket.header := struct {\n\
+         \t\tuint32_t magic;\n\
+         \t\tuint32_t stream_id;\n\
+         \t\tuint64_t stream_instance_id;\n\
+         \t};\n\
+         };\n\n\
+         env {\n\
+         \tdomain = \"vmtsync\";\n\
+         \ttracer_name = \"vmtsync\";\n",
+    );
+    let _ = writeln!(m, "\ttrace_name = \"{}\";", tsdl_str(&opts.name));
+    for (k, v) in &opts.env {
+        // Keys are identifiers: keep only what TSDL allows.
+        let k: String = k
+            .chars()
+            .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+            .collect();
+        let _ = writeln!(m, "\t{k} = \"{}\";", tsdl_str(v));
+    }
+    let _ = write!(
+        m,
+        "}};\n\n\
+         clock {{\n\
+         \tname = host_tsc;\n\
+         \tdescription = \"host TSC (trace-cmd's x86-tsc clock)\";\n\
+         \tfreq = {};\n\
+         \toffset_s = 0;\n\
+         \toffset = 0;\n\
+         \tprecision = 0;\n\
+         \tabsolute = true;\n\
+         }};\n\n\
+         typealias integer {{ size = 64; align = 8; signed = false; map = clock.host_tsc.value; }} := host_tsc_t;\n\
+         typealias integer {{ size = 31; align = 1; signed = false; map = clock.host_tsc.value; }} := host_tsc31_t;\n\n\
+         stream {{\n\
+         \tid = 0;\n\
+         \tpacket.context := struct {{\n\
+         \t\thost_tsc_t timestamp_begin;\n\
+         \t\thost_tsc_t timestamp_end;\n\
+         \t\tuint64_t content_size;\n\
+         \t\tuint64_t packet_size;\n\
+         \t\tuint64_t packet_seq_num;\n\
+         \t}};\n\
+         \tevent.header := struct {{\n\
+         \t\tenum : integer {{ size = 1; align = 8; signed = false; }} {{ compact = 0, extended = 1 }} id;\n\
+         \t\tvariant <id> {{\n\
+         \t\t\tstruct {{ host_tsc31_t timestamp; }} compact;\n\
+         \t\t\tstruct {{ uint8_t id; host_tsc_t timestamp; }} extended;\n\
+         \t\t}} v;\n\
+         \t}};\n\
+         }};\n\n",
+        opts.tsc_hz
+    );
+    m.push_str(events_tsdl);
+    m
+}
+
+/// Which optional fields a guest trace's events carry (what the input knows).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GuestFields {
+    /// `guest_tsc`.
+    pub guest_tsc: bool,
+    /// `host_lo`, `host_hi`.
+    pub bound: bool,
+}
+
+impl GuestFields {
+    /// Everything (JSON Lines, `record --format ctf`).
+    pub const ALL: Self = Self {
+        guest_tsc: true,
+        bound: true,
+    };
+
+    /// What a source of `kind` knows.
+    #[must_use]
+    pub fn of(kind: super::InputKind) -> Self {
+        match kind {
+            super::InputKind::Jsonl => Self::ALL,
+            super::InputKind::TraceDatShifted => Self {
+                guest_tsc: true,
+                bound: false,
+            },
+            super::InputKind::TraceDatHost => Self {
+                guest_tsc: false,
+                bound: false,
+            },
+        }
+    }
+}
+
+/// One event's fields (little-endian, byte-aligned, as its class's TSDL declares them),
+/// built on the stack in a fixed-size array: copies of fixed sizes compile to a few moves,
+/// which keeps the writer above 20 M events/s.
+#[derive(Clone, Copy, Debug)]
+pub struct Fields {
+    b: [u8; FIELDS_MAX + MAX_PAYLOAD],
+    n: usize,
+}
+
+/// The most bytes of fixed-size fields an event carries (before a payload).
+pub const FIELDS_MAX: usize = 64;
+
+impl Default for Fields {
+    fn default() -> Self {
+        Self {
+            b: [0; FIELDS_MAX + MAX_PAYLOAD],
+            n: 0,
+        }
+    }
+}
+
+impl Fields {
+    /// Appends a fixed-size field; fields past [`FIELDS_MAX`] bytes are dropped (the classes
+    /// here need at most 39).
+    #[inline]
+    pub fn put<const N: usize>(&mut self, v: [u8; N]) {
+        if let Some(d) = self
+            .b
+            .get_mut(self.n..self.n + N)
+            .filter(|_| self.n + N <= FIELDS_MAX)
+        {
+            d.copy_from_slice(&v);
+            self.n += N;
+        }
+    }
+
+    /// Appends a payload: its length byte, then its bytes.
+    #[inline]
+    pub fn put_payload(&mut self, p: &Payload) {
+        self.put([p.len]);
+        if let Some(d) = self.b.get_mut(self.n..self.n + MAX_PAYLOAD) {
+            // All 16 bytes are copied (a fixed-size move); only `len` of them count.
+            d.copy_from_slice(&p.bytes);
+            self.n += usize::from(p.len);
+        }
+    }
+
+    /// The bytes so far.
+    #[must_use]
+    pub fn bytes(&self) -> &[u8] {
+        &self.b[..self.n]
+    }
+}
+
+/// The name of the guest event class.
+pub const GUEST_EVENT: &str = "vmtsync:event";
+
+/// A guest trace: event class `vmtsync:event` with `id`, `vcpu`, `host_tsc`, then
+/// `guest_tsc` and `host_lo`/`host_hi` when known, and the payload (`payload_len` bytes);
+/// one stream per vCPU (`vcpuN`).
+#[derive(Debug)]
+pub struct GuestCtf {
+    trace: CtfTrace,
+    fields: GuestFields,
+}
+
+impl GuestCtf {
+    /// Starts a guest trace at directory `target`.
+    ///
+    /// # Errors
+    /// As [`CtfTrace::create`].
+    pub fn create(
+        target: &Path,
+        opts: &CtfOptions,
+        fields: GuestFields,
+    ) -> Result<Self, ExportError> {
+        let mut f = String::from("\t\tuint16_t id;\n\t\tuint32_t vcpu;\n\t\tuint64_t host_tsc;\n");
+        if fields.guest_tsc {
+            f.push_str("\t\tuint64_t guest_tsc;\n");
+        }
+        if fields.bound {
+            f.push_str("\t\tuint64_t host_lo;\n\t\tuint64_t host_hi;\n");
+        }
+        f.push_str("\t\tuint8_t payload_len;\n\t\tuint8_t payload[payload_len];\n");
+        let tsdl = format!(
+            "event {{\n\tname = \"{GUEST_EVENT}\";\n\tid = 0;\n\tstream_id = 0;\n\tfields := struct {{\n{f}\t}};\n}};\n"
+        );
+        Ok(Self {
+            trace: CtfTrace::create(target, opts, &tsdl, "vcpu")?,
+            fields,
+        })
+    }
+
+    /// Appends one event to its vCPU's stream.
+    ///
+    /// # Errors
+    /// The event lacks a field the trace declares, or writing failed.
+    pub fn push(&mut self, e: &ExportEvent) -> Result<(), ExportError> {
+        let guest = match (self.fields.guest_tsc, e.guest_tsc) {
+            (false, _) => None,
+            (true, Some(g)) => Some(g),
+            (true, None) => {
+                return Err(ExportError::Unsupported(
+                    "an event without a guest TSC in a trace that declares one".into(),
+                ));
+            }
+        };
+        let bound = match (self.fields.bound, e.bound) {
+            (false, _) => None,
+            (true, Some(b)) => Some(b),
+            (true, None) => {
+                return Err(ExportError::Unsupported(
+                    "an event without its interval in a trace that declares one".into(),
+                ));
+            }
+        };
+        let mut f = Fields::default();
+        f.put(e.id.to_le_bytes());
+        f.put(e.vcpu.to_le_bytes());
+        f.put(e.host_tsc.to_le_bytes());
+        if let Some(g) = guest {
+            f.put(g.to_le_bytes());
+        }
+        if let Some(bd) = bound {
+            f.put(bd.lo.to_le_bytes());
+            f.put(bd.hi.to_le_bytes());
+        }
+        f.put_payload(&e.payload);
+        self.trace.event(e.vcpu, 0, e.host_tsc, &f)?;
+        Ok(())
+    }
+
+    /// Finishes the trace (see [`CtfTrace::finish`]).
+    ///
+    /// # Errors
+    /// As [`CtfTrace::finish`].
+    pub fn finish(self) -> Result<CtfSummary, ExportError> {
+        self.trace.finish()
+    }
+}
+
+/// Exports a recording (`vmtsync export ctf --from IN --out DIR`): every event of `src` into
+/// a guest trace at `out`.
+///
+/// # Errors
+/// Reading the input or writing the trace failed; nothing is left at `out` then.
+pub fn export_guest(
+    mut src: super::EventSource,
+    out: &Path,
+    opts: &CtfOptions,
+) -> Result<CtfSummary, ExportError> {
+    let mut w = GuestCtf::create(out, opts, GuestFields::of(src.kind()))?;
+    for e in &mut src {
+        w.push(&e?)?;
+    }
+    w.finish()
+}
+
+/// The name of the host event class.
+pub const PIO_EVENT: &str = "kvm:kvm_pio";
+
+/// What [`export_kvm_pio`] found besides the events it wrote.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PioSummary {
+    /// The trace written.
+    pub ctf: CtfSummary,
+    /// Records with `kvm_pio`'s id that did not decode (too short, values out of range):
+    /// skipped, never guessed.
+    pub undecodable: u64,
+    /// The clock the file states for its buffers when that is not `x86-tsc`. trace-cmd 3.1.6's
+    /// `extract -B` states `local` for an instance on any clock (its timestamps are the
+    /// instance's), so the statement cannot be trusted either way: the caller is warned.
+    pub stated_clock: Option<String>,
+}
+
+/// Exports the `kvm:kvm_pio` exits of a host trace.dat (`trace-cmd record`/`extract` with the
+/// x86-tsc clock, compressed or not) to a CTF trace whose clock is the same as a guest trace's:
+/// event class `kvm:kvm_pio` with `cpu` (host CPU), `pid` (the vCPU thread), `rw` (0 in, 1
+/// out), `port`, `size`, `count`, `val`; one stream per host CPU (`cpuN`; with several trace
+/// buffers, one per buffer and CPU). Timestamps are the file's raw ticks, taken to be x86-tsc
+/// (see [`PioSummary::stated_clock`]).
+///
+/// # Errors
+/// The file is damaged, it has no `kvm_pio` format, or writing failed.
+pub fn export_kvm_pio(
+    input: &Path,
+    out: &Path,
+    opts: &CtfOptions,
+) -> Result<PioSummary, ExportError> {
+    use crate::formats::tracedat::reader::{for_each_record, read_event_formats, read_layout};
+    use crate::ftrace::format::{EventFormat, KVM_PIO, KvmPioLayout, PioDirection};
+    let unsupported = |reason: String| {
+        ExportError::from(crate::formats::tracedat::TraceDatError::Unsupported {
+            path: input.to_owned(),
+            reason,
+        })
+    };
+    let layout = read_layout(input)?;
+    let with_data: Vec<(usize, u32)> = layout
+        .buffers
+        .iter()
+        .enumerate()
+        .flat_map(|(i, b)| {
+            b.cpus
+                .iter()
+                .filter(|c| c.size > 0)
+                .map(move |c| (i, c.cpu))
+        })
+        .collect();
+    let stated_clock = with_data
+        .iter()
+        .filter_map(|&(i, _)| layout.buffers[i].clock.clone())
+        .find(|c| c != "x86-tsc");
+    let formats = read_event_formats(input, &layout)?;
+    let Some(f) = formats
+        .iter()
+        .find(|f| f.system == "kvm" && f.name == KVM_PIO)
+    else {
+        return Err(unsupported(
+            "no kvm:kvm_pio format in the file: record with -e kvm:kvm_pio".into(),
+        ));
+    };
+    let pio = EventFormat::parse(&f.format)
+        .and_then(|f| KvmPioLayout::new(&f))
+        .map_err(|e| unsupported(e.to_string()))?;
+    let tsdl = format!(
+        "event {{\n\tname = \"{PIO_EVENT}\";\n\tid = 0;\n\tstream_id = 0;\n\tfields := struct {{\n\
+         \t\tuint32_t cpu;\n\t\tuint32_t pid;\n\t\tuint8_t rw;\n\t\tuint16_t port;\n\
+         \t\tuint32_t size;\n\t\tuint32_t count;\n\t\tuint32_t val;\n\t}};\n}};\n"
+    );
+    let mut w = CtfTrace::create(out, opts, &tsdl, "cpu")?;
+    let one_buffer = with_data.iter().all(|&(i, _)| i == with_data[0].0);
+    let mut undecodable = 0;
+    let mut failed = None;
+    let buffers: std::collections::BTreeSet<usize> = with_data.iter().map(|&(i, _)| i).collect();
+    for b in buffers {
+        for_each_record(input, &layout, b, |cpu, ts, data| {
+            if failed.is_some() || data.get(..2) != Some(&pio.id.to_le_bytes()[..]) {
+                return;
+            }
+            let Some(p) = pio.decode(data) else {
+                undecodable += 1;
+                return;
+            };
+            let instance = if one_buffer {
+                cpu
+            } else {
+                u32::try_from(b).unwrap_or(u32::MAX).saturating_mul(1 << 16) | (cpu & 0xffff)
+            };
+            let mut f = Fields::default();
+            f.put(cpu.to_le_bytes());
+            f.put(p.pid.to_le_bytes());
+            f.put([u8::from(p.direction == PioDirection::Out)]);
+            f.put(p.port.to_le_bytes());
+            f.put(p.size.to_le_bytes());
+            f.put(p.count.to_le_bytes());
+            f.put(p.val.to_le_bytes());
+            let r = w.event(instance, 0, ts, &f);
+            if let Err(e) = r {
+                failed = Some(e);
+            }
+        })?;
+    }
+    if let Some(e) = failed {
+        return Err(e);
+    }
+    Ok(PioSummary {
+        ctf: w.finish()?,
+        undecodable,
+        stated_clock,
+    })
+}
+
+#[cfg(test)]
+mod tests;

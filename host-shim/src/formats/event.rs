@@ -1,0 +1,133 @@
+//! What every format's reader hands on and every exporter takes: one guest event on the host
+//! timeline ([`ExportEvent`], its [`Payload`] and guaranteed [`Bound`]), what an input knows
+//! ([`InputKind`]), and why reading or exporting failed ([`ExportError`]).
+
+use std::io;
+use std::path::PathBuf;
+
+use thiserror::Error;
+
+use super::tracedat::TraceDatError;
+
+/// The most payload bytes an event carries.
+pub const MAX_PAYLOAD: usize = 16;
+
+/// An event's payload: at most [`MAX_PAYLOAD`] bytes, stored inline so events are `Copy`.
+#[derive(Clone, Copy, Default, PartialEq, Eq)]
+pub struct Payload {
+    pub(super) len: u8,
+    pub(super) bytes: [u8; MAX_PAYLOAD],
+}
+
+impl Payload {
+    /// `None` if `b` is longer than [`MAX_PAYLOAD`].
+    #[must_use]
+    #[inline]
+    pub fn new(b: &[u8]) -> Option<Self> {
+        let mut p = Self::default();
+        p.bytes.get_mut(..b.len())?.copy_from_slice(b);
+        p.len = u8::try_from(b.len()).ok()?;
+        Some(p)
+    }
+
+    /// The bytes.
+    #[must_use]
+    #[inline]
+    pub fn as_slice(&self) -> &[u8] {
+        &self.bytes[..usize::from(self.len)]
+    }
+}
+
+impl std::fmt::Debug for Payload {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for b in self.as_slice() {
+            write!(f, "{b:02x}")?;
+        }
+        Ok(())
+    }
+}
+
+/// A guaranteed interval on the host's TSC: the event happened at a host tick in `[lo, hi]`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Bound {
+    /// Lowest host tick.
+    pub lo: u64,
+    /// Highest host tick.
+    pub hi: u64,
+}
+
+/// One guest event on the host timeline.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ExportEvent {
+    /// The vCPU whose ring it came from.
+    pub vcpu: u32,
+    /// The application's event id.
+    pub id: u16,
+    /// The guest TSC, when the input has it (not in a pre-converted trace.dat).
+    pub guest_tsc: Option<u64>,
+    /// The event on the host's TSC (what `vmtsync record` computed).
+    pub host_tsc: u64,
+    /// Its guaranteed interval, when the input has it (JSON Lines only).
+    pub bound: Option<Bound>,
+    /// The payload.
+    pub payload: Payload,
+}
+
+/// What kind of file a source reads, and so what its events know.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum InputKind {
+    /// `vmtsync record --format jsonl`: everything.
+    Jsonl,
+    /// Our guest trace.dat with a TIME_SHIFT: guest TSC and host TSC, no interval.
+    TraceDatShifted,
+    /// Our guest trace.dat without one (pre-converted): host TSC only.
+    TraceDatHost,
+}
+
+/// Why reading an input failed.
+#[derive(Debug, Error)]
+pub enum ExportError {
+    /// A file operation failed.
+    #[error("{}: {source}", path.display())]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The OS error.
+        #[source]
+        source: io::Error,
+    },
+    /// The input is neither JSON Lines nor a trace.dat.
+    #[error(
+        "{}: not a vmtsync recording (expected JSON Lines from `vmtsync record --format jsonl` or a trace.dat from `vmtsync record`)",
+        path.display()
+    )]
+    UnknownFormat {
+        /// The file.
+        path: PathBuf,
+    },
+    /// A JSON Lines line is malformed.
+    #[error("{}: line {line}: {reason}", path.display())]
+    Line {
+        /// The file.
+        path: PathBuf,
+        /// 1-based line number.
+        line: u64,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The trace.dat is damaged, truncated, or not one of ours.
+    #[error(transparent)]
+    TraceDat(#[from] TraceDatError),
+    /// Writing an export failed.
+    #[error("writing {}: {source}", path.display())]
+    Write {
+        /// The output.
+        path: PathBuf,
+        /// The OS error.
+        #[source]
+        source: io::Error,
+    },
+    /// The output cannot hold the input (e.g. too many vCPUs).
+    #[error("{0}")]
+    Unsupported(String),
+}

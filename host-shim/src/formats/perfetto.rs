@@ -1,0 +1,800 @@
+//! Guest events as a Perfetto protobuf trace, on the host's CLOCK_BOOTTIME (docs/perfetto.md).
+//!
+//! The trace holds, on a separate machine (`TracePacket.machine_id`), one process track for
+//! the guest and one child track per vCPU; each event is an instant on its vCPU's track, named
+//! `event <id>`, with the guest TSC, the host TSC, the guaranteed interval mapped to BOOTTIME
+//! and the payload as arguments. Timestamps are pre-converted: the host TSC of each event (the
+//! recording's placement) goes through [`clock::BootClock`], the host's own TSC/BOOTTIME
+//! snapshots. Perfetto's trace processor converts between clocks only by the offset at the
+//! nearest earlier snapshot, which cannot follow the TSC's rate against BOOTTIME, so the
+//! events carry BOOTTIME directly and line up with a host Perfetto trace recorded on BOOTTIME
+//! (its default). No `RemoteClockSync` is written: the trace processor then leaves the guest
+//! machine's timestamps as they are.
+//!
+//! The snapshots are written too, as clock snapshots pairing BOOTTIME with a sequence-scoped
+//! clock 64 holding the host TSC (no packet is timestamped in it: they document the
+//! conversion; the trace processor lists them in `clock_snapshot`).
+//!
+//! Memory is constant: packets are encoded one by one into one reused buffer (names interned
+//! per vCPU sequence, one bit per event id) and streamed to a temporary file beside the
+//! target, renamed into place by [`PerfettoWriter::finish`].
+
+pub mod clock;
+pub mod proto;
+
+use std::io;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use thiserror::Error;
+
+use self::clock::{BootClock, ClockError, ClockSnapshot, PairHint};
+use self::proto::{
+    Clock, ClockSnapshot as ClockSnapshotMsg, EventPacket, InternedData, InternedString,
+    ProcessDescriptor, TracePacket, TracePacketDefaults, TrackDescriptor, TrackEventDefaults,
+};
+use super::event::{ExportError, ExportEvent, InputKind};
+use crate::atomic_file::{AtomicFile, BackgroundFile};
+
+/// The machine id of the guest's packets unless told otherwise (the host is 0).
+pub const DEFAULT_MACHINE_ID: u32 = 1;
+
+/// Packets are encoded straight into one buffer, written to the file when it holds this much.
+/// The buffer has [`proto::EVENT_PACKET_MAX`] bytes more, so an event packet is always
+/// encoded in place, right after the last one.
+const BUFFER: usize = 1 << 20;
+
+/// The packet sequence of the trace-wide packets (snapshots, the process track); the `n`-th
+/// vCPU to appear writes on sequence `FIRST_VCPU_SEQUENCE + n`.
+const META_SEQUENCE: u32 = 1;
+/// See [`META_SEQUENCE`]; sequences go by the order vCPUs first appear, not by their number.
+const FIRST_VCPU_SEQUENCE: u32 = 2;
+
+/// What the trace describes.
+#[derive(Clone, Debug)]
+pub struct PerfettoOptions {
+    /// The guest's machine id (not 0, the host's).
+    pub machine_id: u32,
+    /// The name of the guest's process track (e.g. the VM's name).
+    pub guest_name: String,
+    /// The host's TSC on BOOTTIME.
+    pub clock: BootClock,
+}
+
+/// Why writing a Perfetto trace failed.
+#[derive(Debug, Error)]
+pub enum PerfettoError {
+    /// Writing the file failed.
+    #[error("writing {path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The error.
+        source: io::Error,
+    },
+    /// Reading the input failed.
+    #[error(transparent)]
+    Input(#[from] ExportError),
+    /// No TSC → BOOTTIME mapping.
+    #[error(transparent)]
+    Clock(#[from] ClockError),
+    /// An event later than the host's TSC now: the input was recorded on another boot (or
+    /// host), whose TSC this boot's clocks cannot map.
+    #[error(
+        "an event's host TSC {host_tsc} is later than this host's TSC now ({now}): the recording comes from another boot or host, and its TSC cannot be mapped to this boot's BOOTTIME (record with --format perfetto on the recording host instead)"
+    )]
+    NotThisBoot {
+        /// The event's host TSC.
+        host_tsc: u64,
+        /// The host TSC at export.
+        now: u64,
+    },
+    /// More distinct vCPUs than [`MAX_VCPUS`] in one input.
+    #[error(
+        "the input names more than {MAX_VCPUS} vCPUs (the next is vCPU {vcpu}): not a VM's recording"
+    )]
+    TooManyVcpus {
+        /// The vCPU that would have been one too many.
+        vcpu: u32,
+    },
+    /// Machine id 0 is the host's.
+    #[error("machine id 0 is the host's: the guest needs another (e.g. 1)")]
+    HostMachineId,
+}
+
+/// What [`PerfettoWriter::finish`] reports.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PerfettoSummary {
+    /// Events written.
+    pub events: u64,
+    /// Events skipped because their host TSC maps outside BOOTTIME's 64-bit range.
+    pub unmappable: u64,
+    /// vCPU tracks.
+    pub vcpus: u32,
+    /// Bytes written.
+    pub bytes: u64,
+    /// The earliest and latest host TSC written.
+    pub host_tsc_range: Option<(u64, u64)>,
+    /// The largest [`BootClock::error_ns`] of any event written: how far a timestamp can be
+    /// from BOOTTIME by the snapshots' resolutions alone (it grows with the distance from the
+    /// snapshots, so an export long after the recording says so here).
+    pub max_error_ns: u64,
+}
+
+/// Per-vCPU sequence state.
+#[derive(Debug)]
+struct Vcpu {
+    vcpu: u32,
+    /// The sequence's incremental clock ([`proto::CLOCK_EVENT_DELTA`]): the BOOTTIME of the
+    /// latest event written in it.
+    clock_ns: u64,
+    /// Event ids whose name is interned on this sequence, one bit each.
+    interned: Box<[u64; 1024]>,
+}
+
+/// A streaming writer of one Perfetto trace file.
+#[derive(Debug)]
+pub struct PerfettoWriter {
+    /// The file, written on its own thread a buffer at a time (`spill`).
+    out: BackgroundFile,
+    path: PathBuf,
+    opts: PerfettoOptions,
+    vcpus: Vec<Vcpu>,
+    /// `BUFFER + EVENT_PACKET_MAX` bytes, of which `used` are packets not written yet (always
+    /// fewer than `BUFFER` between calls).
+    buf: Vec<u8>,
+    used: usize,
+    /// Packets encoded by prost (or too large for the fast encoder), before they are copied.
+    tmp: Vec<u8>,
+    summary: PerfettoSummary,
+    /// The earliest and latest host TSC written (the summary's range once one is).
+    tsc_min: u64,
+    tsc_max: u64,
+    /// The snapshot pair the last conversion used.
+    pair_hint: PairHint,
+}
+
+/// The uuid of the guest's process track: one per machine id.
+fn process_uuid(machine_id: u32) -> u64 {
+    0x766d_7473_0000_0000 | (u64::from(machine_id) << 20)
+}
+
+/// The uuid of the track of the `index`-th vCPU seen (below [`MAX_VCPUS`], so tracks of one
+/// machine never meet the next machine's).
+fn vcpu_uuid(machine_id: u32, index: usize) -> u64 {
+    process_uuid(machine_id) + 1 + index as u64
+}
+
+/// The `index`-th vCPU's packet sequence.
+fn vcpu_sequence(index: usize) -> u32 {
+    FIRST_VCPU_SEQUENCE + u32::try_from(index).unwrap_or(0)
+}
+
+/// The most vCPUs one trace holds (KVM's limit on x86): the input is untrusted, and each vCPU
+/// costs a sequence, a track and an 8 KiB interning bitmap.
+pub const MAX_VCPUS: usize = 4096;
+
+impl PerfettoWriter {
+    /// Starts the trace at `path` (written beside it, renamed by [`Self::finish`]): the clock
+    /// snapshots and the guest's process track.
+    ///
+    /// # Errors
+    /// [`PerfettoError`].
+    pub fn create(path: &Path, opts: PerfettoOptions) -> Result<Self, PerfettoError> {
+        if opts.machine_id == 0 {
+            return Err(PerfettoError::HostMachineId);
+        }
+        let io = |source| PerfettoError::Io {
+            path: path.to_owned(),
+            source,
+        };
+        let file = AtomicFile::new(path).map_err(io)?;
+        let (out, buf) = BackgroundFile::new(file, BUFFER + proto::EVENT_PACKET_MAX).map_err(io)?;
+        let mut w = Self {
+            out,
+            path: path.to_owned(),
+            opts,
+            vcpus: Vec::new(),
+            buf,
+            used: 0,
+            tmp: Vec::new(),
+            summary: PerfettoSummary::default(),
+            tsc_min: u64::MAX,
+            tsc_max: 0,
+            pair_hint: PairHint::default(),
+        };
+        let snaps: Vec<TracePacket> = w
+            .opts
+            .clock
+            .snapshots()
+            .iter()
+            .enumerate()
+            .map(|(i, s)| TracePacket {
+                trusted_packet_sequence_id: Some(META_SEQUENCE),
+                first_packet_on_sequence: (i == 0).then_some(true),
+                sequence_flags: (i == 0).then_some(proto::SEQ_INCREMENTAL_STATE_CLEARED),
+                clock_snapshot: Some(ClockSnapshotMsg {
+                    clocks: vec![
+                        Clock {
+                            clock_id: Some(proto::CLOCK_BOOTTIME),
+                            timestamp: Some(s.boottime_ns),
+                            is_incremental: None,
+                        },
+                        Clock {
+                            clock_id: Some(proto::CLOCK_HOST_TSC),
+                            timestamp: Some(s.tsc),
+                            is_incremental: None,
+                        },
+                    ],
+                }),
+                ..Default::default()
+            })
+            .collect();
+        for p in &snaps {
+            w.write_packet(p)?;
+        }
+        let machine_id = w.opts.machine_id;
+        let process = TracePacket {
+            trusted_packet_sequence_id: Some(META_SEQUENCE),
+            machine_id: Some(machine_id),
+            track_descriptor: Some(TrackDescriptor {
+                uuid: Some(process_uuid(machine_id)),
+                name: Some(w.opts.guest_name.clone()),
+                process: Some(ProcessDescriptor {
+                    // The guest is not a host process: a pid in its own machine's space.
+                    pid: Some(1),
+                    process_name: Some(w.opts.guest_name.clone()),
+                }),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        w.write_packet(&process)?;
+        Ok(w)
+    }
+
+    fn write_packet(&mut self, p: &TracePacket) -> Result<(), PerfettoError> {
+        let mut tmp = std::mem::take(&mut self.tmp);
+        tmp.clear();
+        proto::append_packet(p, &mut tmp);
+        let r = self.put(&tmp);
+        self.tmp = tmp;
+        r
+    }
+
+    /// Appends encoded packets to the buffer (one larger than it in buffer-sized pieces).
+    fn put(&mut self, bytes: &[u8]) -> Result<(), PerfettoError> {
+        self.summary.bytes += bytes.len() as u64;
+        for piece in bytes.chunks(BUFFER) {
+            if self.used + piece.len() > BUFFER {
+                self.spill(0)?;
+            }
+            if let Some(d) = self.buf.get_mut(self.used..self.used + piece.len()) {
+                d.copy_from_slice(piece);
+                self.used += piece.len();
+            }
+            self.spill(BUFFER)?;
+        }
+        Ok(())
+    }
+
+    /// Hands the buffered packets to the writing thread once they reach `at` bytes (and
+    /// continues in the buffer it gives back).
+    fn spill(&mut self, at: usize) -> Result<(), PerfettoError> {
+        if self.used < at || self.used == 0 {
+            return Ok(());
+        }
+        let full = std::mem::take(&mut self.buf);
+        let r = self.out.submit(full, self.used);
+        self.used = 0;
+        match r {
+            Ok(free) => {
+                self.buf = free;
+                Ok(())
+            }
+            Err(source) => Err(PerfettoError::Io {
+                path: self.path.clone(),
+                source,
+            }),
+        }
+    }
+
+    /// The index of `vcpu`'s state, starting its sequence on first use: its track descriptor,
+    /// defaults (the track; timestamps on its incremental clock) and interned annotation
+    /// names, then the snapshot that pins the incremental clock to BOOTTIME at `ts`, the
+    /// first event's.
+    #[inline]
+    fn vcpu_index(&mut self, vcpu: u32, ts: u64) -> Result<usize, PerfettoError> {
+        match self.vcpus.iter().position(|v| v.vcpu == vcpu) {
+            Some(i) => Ok(i),
+            None => self.start_vcpu(vcpu, ts),
+        }
+    }
+
+    /// [`Self::vcpu_index`] for a vCPU not seen before (kept out of line: it runs once per
+    /// vCPU, and inlined into [`Self::push`] it crowded the per-event path).
+    #[cold]
+    #[inline(never)]
+    fn start_vcpu(&mut self, vcpu: u32, ts: u64) -> Result<usize, PerfettoError> {
+        if self.vcpus.len() >= MAX_VCPUS {
+            return Err(PerfettoError::TooManyVcpus { vcpu });
+        }
+        let machine_id = self.opts.machine_id;
+        let index = self.vcpus.len();
+        let seq = vcpu_sequence(index);
+        let start = TracePacket {
+            trusted_packet_sequence_id: Some(seq),
+            machine_id: Some(machine_id),
+            first_packet_on_sequence: Some(true),
+            sequence_flags: Some(proto::SEQ_INCREMENTAL_STATE_CLEARED),
+            trace_packet_defaults: Some(TracePacketDefaults {
+                timestamp_clock_id: Some(proto::CLOCK_EVENT_DELTA),
+                track_event_defaults: Some(TrackEventDefaults {
+                    track_uuid: Some(vcpu_uuid(machine_id, index)),
+                }),
+            }),
+            interned_data: Some(InternedData {
+                debug_annotation_names: proto::ANNOTATIONS
+                    .iter()
+                    .zip(1u64..)
+                    .map(|(n, iid)| InternedString {
+                        iid: Some(iid),
+                        name: Some((*n).to_owned()),
+                    })
+                    .collect(),
+                ..Default::default()
+            }),
+            track_descriptor: Some(TrackDescriptor {
+                uuid: Some(vcpu_uuid(machine_id, index)),
+                parent_uuid: Some(process_uuid(machine_id)),
+                name: Some(format!("vCPU {vcpu}")),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        self.write_packet(&start)?;
+        // A packet holds one payload (the snapshot cannot ride on the descriptor's packet).
+        let pin = TracePacket {
+            trusted_packet_sequence_id: Some(seq),
+            machine_id: Some(machine_id),
+            clock_snapshot: Some(ClockSnapshotMsg {
+                clocks: vec![
+                    Clock {
+                        clock_id: Some(proto::CLOCK_BOOTTIME),
+                        timestamp: Some(ts),
+                        is_incremental: None,
+                    },
+                    Clock {
+                        clock_id: Some(proto::CLOCK_EVENT_DELTA),
+                        timestamp: Some(ts),
+                        is_incremental: Some(true),
+                    },
+                ],
+            }),
+            ..Default::default()
+        };
+        self.write_packet(&pin)?;
+        self.vcpus.push(Vcpu {
+            vcpu,
+            clock_ns: ts,
+            interned: Box::new([0; 1024]),
+        });
+        self.summary.vcpus += 1;
+        Ok(self.vcpus.len() - 1)
+    }
+
+    /// Writes one event (any order: the trace processor sorts). Its arguments are what the
+    /// input knows: the guest TSC and the guaranteed interval only when present.
+    ///
+    /// # Errors
+    /// [`PerfettoError::Io`].
+    pub fn push(&mut self, e: &ExportEvent) -> Result<(), PerfettoError> {
+        let clock = &self.opts.clock;
+        let hint = &mut self.pair_hint;
+        // The trace processor keeps timestamps as signed 64-bit ns.
+        let Some(ts) = clock
+            .boottime_ns_near(e.host_tsc, hint)
+            .filter(|&t| i64::try_from(t).is_ok())
+        else {
+            self.summary.unmappable += 1;
+            return Ok(());
+        };
+        // The interval widened by what the snapshots' resolutions allow, so it still holds,
+        // as distances from the timestamp (saturated: only wider).
+        let interval = e.bound.and_then(|b| {
+            let (lo, hi) = clock.widened_ns(b.lo, b.hi, hint)?;
+            let before = i128::from(ts) - i128::from(lo);
+            let after = i128::from(hi) - i128::from(ts);
+            let sat = |d: i128| i64::try_from(d).unwrap_or(if d < 0 { i64::MIN } else { i64::MAX });
+            Some((sat(before), sat(after)))
+        });
+        let i = self.vcpu_index(e.vcpu, ts)?;
+        let v = &mut self.vcpus[i];
+        let (word, bit) = (usize::from(e.id >> 6), 1u64 << (e.id & 63));
+        let first_use = v.interned[word] & bit == 0;
+        v.interned[word] |= bit;
+        // On the incremental clock when not earlier than the previous event on it; else
+        // BOOTTIME itself (the trace processor sorts).
+        let absolute = ts < v.clock_ns;
+        let timestamp = if absolute {
+            ts
+        } else {
+            let d = ts - v.clock_ns;
+            v.clock_ns = ts;
+            d
+        };
+        let ev = EventPacket {
+            timestamp,
+            absolute,
+            sequence: vcpu_sequence(i),
+            machine_id: self.opts.machine_id,
+            name_iid: u64::from(e.id) + 1,
+            event_id: e.id,
+            host_tsc: e.host_tsc,
+            guest_tsc: e.guest_tsc,
+            interval,
+            payload: e.payload.as_slice(),
+        };
+        // Encoded in place after the buffered packets (`used < BUFFER` leaves room), unless it
+        // is the first event of its id on this vCPU (it also interns the name) or has a
+        // message of 128 bytes or more: prost writes those.
+        let slot = self
+            .buf
+            .get_mut(self.used..self.used + proto::EVENT_PACKET_MAX)
+            .and_then(|s| <&mut [u8; proto::EVENT_PACKET_MAX]>::try_from(s).ok());
+        match slot.filter(|_| !first_use).and_then(|s| ev.write(s)) {
+            Some(n) => {
+                self.used += n;
+                self.summary.bytes += n as u64;
+            }
+            // By value: a reference would keep the packet's fields in memory on the hot path.
+            None => self.write_event_by_prost(ev, first_use)?,
+        }
+        self.summary.events += 1;
+        self.tsc_min = self.tsc_min.min(e.host_tsc);
+        self.tsc_max = self.tsc_max.max(e.host_tsc);
+        if self.used >= BUFFER {
+            self.spill(0)?;
+        }
+        Ok(())
+    }
+
+    /// Writes an event packet through prost: the first of its id on its vCPU, which also
+    /// interns the name, or one with a message of 128 bytes or more (out of line: rare).
+    #[cold]
+    #[inline(never)]
+    fn write_event_by_prost(
+        &mut self,
+        ev: EventPacket<'_>,
+        intern: bool,
+    ) -> Result<(), PerfettoError> {
+        let mut packet = ev.to_message();
+        if intern {
+            packet.interned_data = Some(InternedData {
+                event_names: vec![InternedString {
+                    iid: Some(ev.name_iid),
+                    name: Some(format!("event {}", ev.event_id)),
+                }],
+                ..Default::default()
+            });
+        }
+        self.write_packet(&packet)
+    }
+
+    /// Flushes, syncs and renames the file into place.
+    ///
+    /// # Errors
+    /// [`PerfettoError::Io`]; the target is then untouched.
+    pub fn finish(mut self) -> Result<PerfettoSummary, PerfettoError> {
+        self.spill(0)?;
+        let path = self.path.clone();
+        self.out
+            .finish()
+            .and_then(AtomicFile::commit)
+            .map_err(|source| PerfettoError::Io { path, source })?;
+        let mut s = self.summary;
+        if s.events > 0 {
+            let (a, b) = (self.tsc_min, self.tsc_max);
+            s.host_tsc_range = Some((a, b));
+            s.max_error_ns = self.opts.clock.error_ns(a).max(self.opts.clock.error_ns(b));
+        }
+        Ok(s)
+    }
+}
+
+/// How far apart `export` takes its two clock snapshots: the rate they give is off by about
+/// their resolutions over this span (a few ns over 200 ms: a few parts in 10^8).
+pub const EXPORT_SNAPSHOT_SPAN: Duration = Duration::from_millis(200);
+
+/// The host's TSC on BOOTTIME from two snapshots taken `span` apart, now.
+///
+/// # Errors
+/// [`ClockError`].
+pub fn boot_clock_now(span: Duration) -> Result<BootClock, ClockError> {
+    let a = ClockSnapshot::take()?;
+    std::thread::sleep(span);
+    let b = ClockSnapshot::take()?;
+    BootClock::new(vec![a, b])
+}
+
+/// What `vmtsync export perfetto` did.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ExportSummary {
+    /// The writer's summary.
+    pub trace: PerfettoSummary,
+    /// What the input was (and so which arguments the events carry).
+    pub input: InputKind,
+}
+
+/// `vmtsync export perfetto --from IN --out OUT`: the events of a recording (JSON Lines or our
+/// trace.dat, read by [`super::open`]) as a Perfetto trace, their host TSCs mapped to BOOTTIME
+/// by snapshots taken now. That is right only for a recording made on this host since its last
+/// boot (an event later than the TSC now is refused); the further back the recording, the more
+/// the extrapolated rate can be off ([`ExportSummary`]'s `max_error_ns`, which also widens
+/// every event's interval). `record --format perfetto` takes its snapshots while recording.
+///
+/// # Errors
+/// [`PerfettoError`]; the target is then untouched.
+pub fn export_file(
+    from: &Path,
+    out: &Path,
+    machine_id: u32,
+    guest_name: &str,
+) -> Result<ExportSummary, PerfettoError> {
+    let source = super::open(from)?;
+    let input = source.kind();
+    let clock = boot_clock_now(EXPORT_SNAPSHOT_SPAN)?;
+    let now = clock.snapshots().last().map_or(0, |s| s.tsc);
+    let mut w = PerfettoWriter::create(
+        out,
+        PerfettoOptions {
+            machine_id,
+            guest_name: guest_name.to_owned(),
+            clock,
+        },
+    )?;
+    for e in source {
+        let e = e?;
+        if e.host_tsc > now {
+            return Err(PerfettoError::NotThisBoot {
+                host_tsc: e.host_tsc,
+                now,
+            });
+        }
+        w.push(&e)?;
+    }
+    Ok(ExportSummary {
+        trace: w.finish()?,
+        input,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::formats::{Bound, Payload};
+    use prost::Message;
+
+    #[derive(Clone, PartialEq, Message)]
+    struct Trace {
+        #[prost(message, repeated, tag = "1")]
+        packet: Vec<TracePacket>,
+    }
+
+    fn clock() -> BootClock {
+        let s = |tsc, ns| ClockSnapshot {
+            tsc,
+            boottime_ns: ns,
+            resolution: 0,
+        };
+        // 2 ticks per ns, BOOTTIME 1 s at TSC 0.
+        BootClock::new(vec![s(0, 1_000_000_000), s(2_000_000, 1_001_000_000)]).unwrap()
+    }
+
+    #[test]
+    fn events_land_on_their_vcpu_tracks_in_boottime() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.perfetto-trace");
+        let mut w = PerfettoWriter::create(
+            &path,
+            PerfettoOptions {
+                machine_id: 2,
+                guest_name: "vm".into(),
+                clock: clock(),
+            },
+        )
+        .unwrap();
+        // The last one earlier than its vCPU's previous event.
+        let pushed = [
+            (0, 7, 1000),
+            (1, 7, 2000),
+            (0, 7, 3000),
+            (0, 9, 4000),
+            (0, 7, 2500),
+        ];
+        for (vcpu, id, host) in pushed {
+            w.push(&ExportEvent {
+                vcpu,
+                id,
+                guest_tsc: Some(host + 5),
+                host_tsc: host,
+                bound: Some(Bound {
+                    lo: host - 10,
+                    hi: host + 10,
+                }),
+                payload: Payload::new(if id == 9 { &[0xab, 0x01] } else { &[] }).unwrap(),
+            })
+            .unwrap();
+        }
+        let s = w.finish().unwrap();
+        assert_eq!((s.events, s.vcpus, s.unmappable), (5, 2, 0));
+        let bytes = std::fs::read(&path).unwrap();
+        assert_eq!(bytes.len() as u64, s.bytes);
+        let t = Trace::decode(bytes.as_slice()).unwrap();
+        let events: Vec<&TracePacket> = t
+            .packet
+            .iter()
+            .filter(|p| p.track_event.is_some())
+            .collect();
+        assert_eq!(events.len(), 5);
+        assert_eq!(
+            boottimes(&t.packet),
+            [
+                1_000_000_500,
+                1_000_001_000,
+                1_000_001_500,
+                1_000_002_000,
+                1_000_001_250
+            ]
+        );
+        // Deltas on the incremental clock, and BOOTTIME itself for the one going back.
+        let raw: Vec<(u64, Option<u32>)> = events
+            .iter()
+            .map(|p| (p.timestamp.unwrap(), p.timestamp_clock_id))
+            .collect();
+        assert_eq!(
+            raw,
+            [
+                (0, None),
+                (0, None),
+                (1000, None),
+                (500, None),
+                (1_000_001_250, Some(proto::CLOCK_BOOTTIME))
+            ]
+        );
+        // Names interned once per vCPU sequence: vCPU 0 interns 7 then 9, vCPU 1 interns 7.
+        let interned: Vec<(u32, u64)> = events
+            .iter()
+            .filter_map(|p| {
+                let d = p.interned_data.as_ref()?;
+                Some((p.trusted_packet_sequence_id?, d.event_names[0].iid?))
+            })
+            .collect();
+        assert_eq!(interned, [(2, 8), (3, 8), (2, 10)]);
+        let last = events[3].track_event.as_ref().unwrap();
+        assert_eq!(
+            last.debug_annotations
+                .last()
+                .unwrap()
+                .string_value
+                .as_deref(),
+            Some("ab01")
+        );
+        // The bound is widened by one ns of rounding each way: [3990, 4010] ticks → ns, as
+        // distances from the timestamp, 1_000_002_000.
+        let arg = |name: &str| {
+            let iid = proto::ANNOTATIONS.iter().position(|n| *n == name).unwrap() as u64 + 1;
+            let d = last
+                .debug_annotations
+                .iter()
+                .find(|d| d.name_iid == Some(iid))?;
+            d.uint_value
+                .or(d.int_value.and_then(|v| u64::try_from(v).ok()))
+        };
+        assert_eq!(arg("before_ns"), Some(1_000_002_000 - (1_000_001_995 - 1)));
+        assert_eq!(arg("after_ns"), Some(1_000_002_005 + 1 - 1_000_002_000));
+        assert_eq!(arg("guest_tsc"), Some(4005));
+        assert_eq!(arg("event_id"), Some(9));
+        assert_eq!(s.host_tsc_range, Some((1000, 4000)));
+        // Every guest packet is on the guest machine.
+        assert!(
+            t.packet
+                .iter()
+                .filter(|p| p.track_event.is_some() || p.track_descriptor.is_some())
+                .all(|p| p.machine_id == Some(2))
+        );
+    }
+
+    /// The events' BOOTTIME, replaying Perfetto's rule: a packet on a sequence's incremental
+    /// clock adds its timestamp to the clock's value, which a snapshot sets.
+    fn boottimes(packets: &[TracePacket]) -> Vec<u64> {
+        let mut clocks = std::collections::HashMap::new();
+        let mut out = Vec::new();
+        for p in packets {
+            let seq = p.trusted_packet_sequence_id.unwrap();
+            if let Some(s) = &p.clock_snapshot {
+                for c in &s.clocks {
+                    if c.clock_id == Some(proto::CLOCK_EVENT_DELTA) {
+                        assert_eq!(c.is_incremental, Some(true));
+                        clocks.insert(seq, c.timestamp.unwrap());
+                    }
+                }
+            }
+            if p.track_event.is_some() {
+                let ts = p.timestamp.unwrap();
+                if p.timestamp_clock_id == Some(proto::CLOCK_BOOTTIME) {
+                    out.push(ts);
+                } else {
+                    let c = clocks.get_mut(&seq).unwrap();
+                    *c += ts;
+                    out.push(*c);
+                }
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn machine_zero_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let r = PerfettoWriter::create(
+            &dir.path().join("t"),
+            PerfettoOptions {
+                machine_id: 0,
+                guest_name: "vm".into(),
+                clock: clock(),
+            },
+        );
+        assert!(matches!(r, Err(PerfettoError::HostMachineId)));
+    }
+
+    #[test]
+    fn vcpu_numbers_cannot_collide_or_grow_without_bound() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t");
+        let mut w = PerfettoWriter::create(
+            &path,
+            PerfettoOptions {
+                machine_id: 1,
+                guest_name: "vm".into(),
+                clock: clock(),
+            },
+        )
+        .unwrap();
+        let ev = |vcpu| ExportEvent {
+            vcpu,
+            id: 1,
+            guest_tsc: None,
+            host_tsc: 1000,
+            bound: None,
+            payload: Payload::default(),
+        };
+        // Numbers that would meet in a sequence id or uuid derived from the number itself.
+        for vcpu in [u32::MAX, u32::MAX - 1, 0x8_0000, 0] {
+            w.push(&ev(vcpu)).unwrap();
+        }
+        for vcpu in 1..u32::try_from(MAX_VCPUS - 3).unwrap() {
+            w.push(&ev(vcpu)).unwrap();
+        }
+        assert!(matches!(
+            w.push(&ev(7_777_777)),
+            Err(PerfettoError::TooManyVcpus { vcpu: 7_777_777 })
+        ));
+        let s = w.finish().unwrap();
+        assert_eq!(s.vcpus as usize, MAX_VCPUS);
+        let t = Trace::decode(std::fs::read(&path).unwrap().as_slice()).unwrap();
+        let mut uuids: Vec<u64> = t
+            .packet
+            .iter()
+            .filter_map(|p| p.track_descriptor.as_ref()?.uuid)
+            .collect();
+        let n = uuids.len();
+        uuids.sort_unstable();
+        uuids.dedup();
+        assert_eq!(
+            (n, uuids.len()),
+            (MAX_VCPUS + 1, MAX_VCPUS + 1),
+            "unique tracks"
+        );
+    }
+}

@@ -1,0 +1,75 @@
+//! What a debugfs scan finds: VMs, and each vCPU's reading with its host-TSC bracket.
+
+use std::path::PathBuf;
+
+use crate::kvm::hosttsc::TscBracket;
+
+/// Where debugfs is mounted on a standard Linux host.
+pub const DEBUGFS_MOUNTPOINT: &str = "/sys/kernel/debug";
+
+/// The longest file content accepted. A 64-bit decimal with sign and newline is 21 bytes; more
+/// than this means the file is not what we think it is.
+pub(super) const MAX_FILE_BYTES: usize = 64;
+
+/// A VM's identity in debugfs: the creating process and its VM file descriptor.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct VmId {
+    /// PID of the process that created the VM (the VMM, e.g. QEMU).
+    pub pid: u32,
+    /// The VM's file descriptor number in that process.
+    pub fd: u32,
+}
+
+/// A VM directory found under the debugfs root.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct VmDir {
+    /// Which VM.
+    pub id: VmId,
+    /// Its directory.
+    pub path: PathBuf,
+}
+
+/// The TSC scaling of one vCPU: `guest = offset + (host * ratio) >> frac_bits`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Scaling {
+    /// The multiplier (`1 << frac_bits` means no scaling).
+    pub ratio: u64,
+    /// Fraction bits of the multiplier.
+    pub frac_bits: u32,
+    /// Whether the scaling files exist. When false the kernel does not scale this host's TSC
+    /// and `ratio`/`frac_bits` are the identity `1`/`0`.
+    pub present: bool,
+}
+
+impl Scaling {
+    /// Identity scaling, used when the scaling files are absent (no TSC scaling on this CPU).
+    pub const ABSENT: Self = Self {
+        ratio: 1,
+        frac_bits: 0,
+        present: false,
+    };
+
+    /// True when the ratio is exactly `1 << frac_bits` (guest TSC runs at host rate).
+    #[must_use]
+    pub fn is_identity(&self) -> bool {
+        self.frac_bits < 64 && self.ratio == 1u64 << self.frac_bits
+    }
+}
+
+/// One vCPU's state as read from debugfs, with the host TSC interval in which it was true.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct VcpuState {
+    /// The VMM's vCPU id (`vcpu<N>`), not the guest's CPU index.
+    pub vcpu: u32,
+    /// `tsc-offset`: added to the scaled host TSC to give the guest TSC.
+    pub tsc_offset: i64,
+    /// The scaling ratio and fraction bits.
+    pub scaling: Scaling,
+    /// `guest_mode`: `Some(true)` while the vCPU runs a nested guest, in which case offset and
+    /// ratio are the combined L0→L2 values, not L1's. `None` if the file is absent.
+    pub guest_mode: Option<bool>,
+    /// `pid`: TID of the host thread running the vCPU; `None` if absent or not yet run.
+    pub thread_pid: Option<u32>,
+    /// Host TSC read before the first and after the last file of this vCPU.
+    pub bracket: TscBracket,
+}

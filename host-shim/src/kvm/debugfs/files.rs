@@ -1,0 +1,287 @@
+//! One vCPU's debugfs files: each read once, bounded, non-blocking, relative to the open VM
+//! directory, and parsed strictly.
+
+use std::ffi::CStr;
+use std::fs::File;
+use std::io::{self, Read};
+use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+
+use rustix::fs::{Mode, OFlags};
+
+use super::entries::{MAX_FILE_BYTES, Scaling, VcpuState};
+use super::error::{DebugfsError, io_error, settle_teardown};
+use super::parse::{parse_i64_contents, parse_u64_contents, show, strip_newline};
+use crate::kvm::hosttsc::{TscBracket, read_host_tsc};
+
+/// Per-vCPU file with the signed TSC offset (`"%lld\n"`, arch/x86/kvm/debugfs.c).
+pub const TSC_OFFSET_FILE: &CStr = c"tsc-offset";
+/// Per-vCPU file with the TSC scaling multiplier (`"%llu\n"`), present only with TSC scaling.
+pub const TSC_RATIO_FILE: &CStr = c"tsc-scaling-ratio";
+/// Per-vCPU file with the multiplier's fraction bits (`"%llu\n"`: 48 on VMX, 32 on SVM).
+pub const TSC_FRAC_FILE: &CStr = c"tsc-scaling-ratio-frac-bits";
+/// Per-vCPU file: `1` while the vCPU runs a nested (L2) guest (arch/x86/kvm/debugfs.c).
+pub const GUEST_MODE_FILE: &CStr = c"guest_mode";
+/// Per-vCPU file with the TID of the thread that last ran the vCPU, `0` if none yet.
+pub const THREAD_PID_FILE: &CStr = c"pid";
+
+/// A file-name constant as a path component.
+fn os(name: &CStr) -> &std::ffi::OsStr {
+    std::os::unix::ffi::OsStrExt::from_bytes(name.to_bytes())
+}
+
+/// Outcome of reading one small file.
+enum Small {
+    /// The file's bytes (at most `MAX_FILE_BYTES + 1`, the extra byte flags "overlong").
+    Bytes(usize),
+    /// The file does not exist.
+    Absent,
+}
+
+/// Reads at most `MAX_FILE_BYTES + 1` bytes of `name` in the open directory `dir` into `buf`.
+/// `path` names the file in errors. Opened relative to the directory (one path component to
+/// resolve instead of the whole path: this is most of a scan's cost) and non-blocking, so a
+/// FIFO in the tree cannot hang us.
+fn read_small(
+    dir: &File,
+    name: &CStr,
+    path: &dyn Fn() -> PathBuf,
+    buf: &mut [u8; MAX_FILE_BYTES + 1],
+) -> Result<Small, DebugfsError> {
+    let fd = match rustix::fs::openat(
+        dir,
+        name,
+        OFlags::RDONLY | OFlags::NONBLOCK | OFlags::CLOEXEC,
+        Mode::empty(),
+    ) {
+        Ok(fd) => fd,
+        Err(errno) => {
+            let e = io::Error::from(errno);
+            if e.kind() == io::ErrorKind::NotFound {
+                return Ok(Small::Absent);
+            }
+            return Err(io_error(&path(), e));
+        }
+    };
+    let mut f = File::from(fd);
+    let mut n = 0;
+    while n < buf.len() {
+        match f.read(&mut buf[n..]) {
+            Ok(0) => break,
+            Ok(k) => {
+                n += k;
+                // A regular file returns everything up to the buffer size in one read; the
+                // kernel's values end in a newline. Skip the read that would return 0.
+                if buf[n - 1] == b'\n' && n < buf.len() {
+                    break;
+                }
+            }
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) if e.raw_os_error() == Some(libc::EISDIR) => {
+                return Err(DebugfsError::NotAFile {
+                    path: path(),
+                    kind: "a directory",
+                });
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                return Err(not_a_file(&path(), &f));
+            }
+            // A debugfs file of an exiting VM can fail with ENODEV/EIO; the caller decides.
+            Err(e) => return Err(io_error(&path(), e)),
+        }
+    }
+    if n == 0 {
+        // Empty: report a FIFO/socket/device as such rather than as "empty content".
+        if let Ok(m) = f.metadata()
+            && !m.file_type().is_file()
+        {
+            return Err(not_a_file(&path(), &f));
+        }
+    }
+    Ok(Small::Bytes(n))
+}
+
+fn not_a_file(path: &Path, f: &File) -> DebugfsError {
+    let kind = match f.metadata().map(|m| m.file_type()) {
+        Ok(t) if t.is_fifo() => "a FIFO",
+        Ok(t) if t.is_socket() => "a socket",
+        Ok(t) if t.is_char_device() || t.is_block_device() => "a device",
+        Ok(t) if t.is_dir() => "a directory",
+        _ => "not a regular file",
+    };
+    DebugfsError::NotAFile {
+        path: path.to_path_buf(),
+        kind,
+    }
+}
+
+/// Reads and parses one file of the open directory `dir`; `Ok(None)` if it does not exist.
+fn read_parsed<T>(
+    dir: &File,
+    name: &CStr,
+    path: &dyn Fn() -> PathBuf,
+    expected: &'static str,
+    parse: impl FnOnce(&[u8]) -> Option<T>,
+) -> Result<Option<T>, DebugfsError> {
+    let mut buf = [0u8; MAX_FILE_BYTES + 1];
+    match read_small(dir, name, path, &mut buf)? {
+        Small::Absent => Ok(None),
+        Small::Bytes(n) => {
+            let bytes = &buf[..n];
+            let parsed = if n > MAX_FILE_BYTES {
+                None
+            } else {
+                parse(bytes)
+            };
+            parsed.map(Some).ok_or_else(|| DebugfsError::Malformed {
+                path: path(),
+                expected,
+                shown: show(bytes),
+            })
+        }
+    }
+}
+
+/// Reads one vCPU directory (`.../vcpu<id>`), bracketed by host TSC reads.
+///
+/// # Errors
+/// [`DebugfsError::VmExited`] if the directory vanished; [`DebugfsError::Missing`] without
+/// `tsc-offset`; parse and I/O errors naming the file.
+pub fn read_vcpu(dir: &Path, vcpu: u32) -> Result<VcpuState, DebugfsError> {
+    let vm_dir = dir.parent().unwrap_or(dir);
+    let vmf = open_dir(vm_dir)?;
+    read_vcpu_at(&vmf, dir, vcpu)
+}
+
+/// Opens a directory for `openat`; a missing one means the VM exited.
+pub(super) fn open_dir(dir: &Path) -> Result<File, DebugfsError> {
+    match File::options()
+        .read(true)
+        .custom_flags(libc::O_DIRECTORY | libc::O_CLOEXEC)
+        .open(dir)
+    {
+        Ok(f) => Ok(f),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Err(DebugfsError::VmExited {
+            path: dir.to_path_buf(),
+        }),
+        Err(e) => Err(io_error(dir, e)),
+    }
+}
+
+/// `vcpu<N>/<name>` as a C string in `buf`, for `openat` relative to the VM directory.
+fn rel_name<'a>(buf: &'a mut [u8; 64], vcpu: u32, name: &CStr) -> &'a CStr {
+    use std::io::Write;
+    let mut cur = io::Cursor::new(&mut buf[..]);
+    // "vcpu" + at most 10 digits + "/" + the longest name (28 bytes with NUL) fits in 64.
+    let _ = write!(cur, "vcpu{vcpu}/");
+    let _ = cur.write_all(name.to_bytes_with_nul());
+    let n = usize::try_from(cur.position()).unwrap_or(0);
+    // No interior NUL can occur (decimal digits and constant names), so this never falls back.
+    CStr::from_bytes_with_nul(&buf[..n]).unwrap_or(c"")
+}
+
+/// Reads vCPU `vcpu` of the VM whose directory is open as `vmf`; `dir` is the vCPU
+/// directory's path, used in messages and to tell "absent" from "VM exited".
+pub(super) fn read_vcpu_at(vmf: &File, dir: &Path, vcpu: u32) -> Result<VcpuState, DebugfsError> {
+    let exited = || DebugfsError::VmExited {
+        path: dir.parent().unwrap_or(dir).to_path_buf(),
+    };
+    let mut nb = [0u8; 64];
+    let dirf = vmf;
+    let p_off = || dir.join(os(TSC_OFFSET_FILE));
+    let p_ratio = || dir.join(os(TSC_RATIO_FILE));
+    let p_frac = || dir.join(os(TSC_FRAC_FILE));
+    let p_gm = || dir.join(os(GUEST_MODE_FILE));
+    let p_pid = || dir.join(os(THREAD_PID_FILE));
+
+    let before = read_host_tsc();
+    let offset = read_parsed(
+        dirf,
+        rel_name(&mut nb, vcpu, TSC_OFFSET_FILE),
+        &p_off,
+        "a signed decimal integer",
+        parse_i64_contents,
+    );
+    let ratio = read_parsed(
+        dirf,
+        rel_name(&mut nb, vcpu, TSC_RATIO_FILE),
+        &p_ratio,
+        "a non-zero unsigned decimal integer",
+        |b| parse_u64_contents(b).filter(|&r| r != 0),
+    );
+    let frac = read_parsed(
+        dirf,
+        rel_name(&mut nb, vcpu, TSC_FRAC_FILE),
+        &p_frac,
+        "an integer from 0 to 63",
+        |b| {
+            parse_u64_contents(b)
+                .filter(|&f| f < 64)
+                .and_then(|f| u32::try_from(f).ok())
+        },
+    );
+    let guest_mode = read_parsed(
+        dirf,
+        rel_name(&mut nb, vcpu, GUEST_MODE_FILE),
+        &p_gm,
+        "0 or 1",
+        |b| match strip_newline(b) {
+            b"0" => Some(false),
+            b"1" => Some(true),
+            _ => None,
+        },
+    );
+    let thread = read_parsed(
+        dirf,
+        rel_name(&mut nb, vcpu, THREAD_PID_FILE),
+        &p_pid,
+        "a thread id (unsigned decimal)",
+        |b| parse_u64_contents(b).and_then(|p| u32::try_from(p).ok()),
+    );
+    let after = read_host_tsc();
+
+    // Any absent file may mean the VM exited mid-read: check before believing "absent".
+    let gone = || !dir.exists();
+    let offset = settle_teardown(offset, &gone, &exited);
+    let ratio = settle_teardown(ratio, &gone, &exited);
+    let frac = settle_teardown(frac, &gone, &exited);
+    let guest_mode = settle_teardown(guest_mode, &gone, &exited);
+    let thread = settle_teardown(thread, &gone, &exited);
+    let tsc_offset = match offset? {
+        Some(o) => o,
+        None if gone() => return Err(exited()),
+        None => return Err(DebugfsError::Missing { path: p_off() }),
+    };
+    let (ratio, frac, guest_mode, thread) = (ratio?, frac?, guest_mode?, thread?);
+    if (ratio.is_none() || frac.is_none() || guest_mode.is_none() || thread.is_none()) && gone() {
+        return Err(exited());
+    }
+    let scaling = match (ratio, frac) {
+        (Some(ratio), Some(frac_bits)) => Scaling {
+            ratio,
+            frac_bits,
+            present: true,
+        },
+        (None, None) => Scaling::ABSENT,
+        (Some(_), None) => {
+            return Err(DebugfsError::InconsistentScaling {
+                present: p_ratio(),
+                missing: p_frac(),
+            });
+        }
+        (None, Some(_)) => {
+            return Err(DebugfsError::InconsistentScaling {
+                present: p_frac(),
+                missing: p_ratio(),
+            });
+        }
+    };
+    Ok(VcpuState {
+        vcpu,
+        tsc_offset,
+        scaling,
+        guest_mode,
+        thread_pid: thread.filter(|&t| t != 0),
+        bracket: TscBracket { before, after },
+    })
+}

@@ -1,0 +1,264 @@
+//! The vocabulary the check's files share: why validation could not run ([`ValidateError`]),
+//! what a report holds ([`LagStats`], [`SegmentWorst`], [`ProbeReport`], [`ProbeViolation`])
+//! and the arithmetic on lags.
+
+use std::path::PathBuf;
+
+use serde::Serialize;
+use thiserror::Error;
+
+use crate::formats::tracedat::TraceDatError;
+use crate::ftrace::format::FormatError;
+use crate::probe::log::ProbePath;
+use crate::syncfile::{SyncFileError, SyncSegment};
+
+/// Why `validate` could not check.
+#[derive(Debug, Error)]
+#[non_exhaustive]
+pub enum ValidateError {
+    /// The sync file.
+    #[error(transparent)]
+    SyncFile(#[from] SyncFileError),
+    /// A trace file.
+    #[error(transparent)]
+    TraceDat(#[from] TraceDatError),
+    /// The host trace's `kvm_pio` format.
+    #[error("{path}: {source}")]
+    Format {
+        /// The host trace.
+        path: PathBuf,
+        /// The cause.
+        source: FormatError,
+    },
+    /// The host trace has no `kvm:kvm_pio` format.
+    #[error(
+        "{0}: no kvm:kvm_pio event in this trace: enable events/kvm/kvm_pio in the traced instance (x86-tsc clock) before `trace-cmd extract`"
+    )]
+    NoKvmPio(PathBuf),
+    /// The guest trace's timestamps are not raw guest TSCs.
+    #[error(
+        "{0}: its timestamps were pre-converted to host time by `vmtsync record` (the guest's rate is not the host's), so it no longer holds the guest ticks to check: validate a recording at the host's rate"
+    )]
+    Preconverted(PathBuf),
+    /// A guest JSON Lines file (`record --format jsonl`) has a line that is not an event.
+    #[error("{path}: line {line}: {why}")]
+    GuestLine {
+        /// The file.
+        path: PathBuf,
+        /// The 1-based line.
+        line: u64,
+        /// What is wrong.
+        why: String,
+    },
+    /// The guest trace could not be read.
+    #[error("{path}: {source}")]
+    GuestIo {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// The guest trace has no event the rules name.
+    #[error(
+        "{path}: no event with id {ids} (the ids of --before/--after; --port alone means the agent's workload, 0x100/0x101: boot it with workload=RATE,COUNT,PORT)"
+    )]
+    NoEvents {
+        /// The file.
+        path: PathBuf,
+        /// The ids looked for.
+        ids: String,
+    },
+    /// Without a sync file, events must carry `record`'s conversion.
+    #[error(
+        "{0}: without --sync the events' host times and guaranteed intervals come from `vmtsync record --format jsonl` (host_tsc, host_lo, host_hi), which this file does not hold: give the sync file (record --sync-out) or a JSON Lines recording"
+    )]
+    NeedsSync(PathBuf),
+    /// A probe log needs the sync file to convert its probes with.
+    #[error("--probe-log needs --sync: a probe's guest TSC is converted with the sync file")]
+    ProbesNeedSync,
+    /// A probe log line is not a probe exchange.
+    #[error("{path}: line {line}: {why}")]
+    ProbeLine {
+        /// The file.
+        path: PathBuf,
+        /// The 1-based line.
+        line: u64,
+        /// What is wrong.
+        why: String,
+    },
+    /// The probe log could not be read.
+    #[error("{path}: {source}")]
+    ProbeLogIo {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// Neither a guest trace nor a probe log: nothing to check.
+    #[error(
+        "nothing to check: give --guest-trace (with --port, or --before/--after) or --probe-log, or both"
+    )]
+    NothingToCheck,
+    /// vCPU threads cannot be told apart.
+    #[error(
+        "cannot tell which host thread runs vCPU {vcpu}: threads {threads} did I/O on port {port:#x}; give --thread {vcpu}=PID (vmtsync kvm shows each vCPU's thread)"
+    )]
+    Threads {
+        /// The vCPU.
+        vcpu: u32,
+        /// The threads seen.
+        threads: String,
+        /// The port.
+        port: u16,
+    },
+}
+
+/// Quantiles of the lags, ticks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct LagStats {
+    /// Smallest.
+    pub min: i64,
+    /// 1st percentile.
+    pub p1: i64,
+    /// Median.
+    pub median: i64,
+    /// 99th percentile.
+    pub p99: i64,
+    /// Largest.
+    pub max: i64,
+}
+
+/// The worst case of one sync segment.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct SegmentWorst {
+    /// The vCPU.
+    pub vcpu: u32,
+    /// The segment's round.
+    pub round: u64,
+    /// Events converted through it.
+    pub events: u64,
+    /// Its smallest lag (negative: a violation).
+    pub worst_lag: i64,
+    /// Its violations.
+    pub violations: u64,
+    /// Of its events, those whose converted time lies on the wrong side of an exit of their
+    /// bracket (the estimate's error; `violations` also counts false guaranteed bounds).
+    pub wrong_side: u64,
+    /// Its guaranteed offset interval width, ticks; without a sync file, the widest
+    /// guaranteed host interval of its events.
+    pub width: i64,
+}
+
+impl SegmentWorst {
+    /// Nothing converted through `seg` (vCPU `vcpu`'s) yet.
+    pub(super) const fn of(vcpu: u32, seg: &SyncSegment) -> Self {
+        Self {
+            vcpu,
+            round: seg.round,
+            events: 0,
+            worst_lag: i64::MAX,
+            violations: 0,
+            wrong_side: 0,
+            width: seg.offset_hi.saturating_sub(seg.offset_lo),
+        }
+    }
+
+    /// A round `record` converted events with ([`Conversion::Recorded`]): its width grows
+    /// with its events' guaranteed intervals.
+    pub(super) const fn of_round(vcpu: u32, round: u64) -> Self {
+        Self {
+            vcpu,
+            round,
+            events: 0,
+            worst_lag: i64::MAX,
+            violations: 0,
+            wrong_side: 0,
+            width: 0,
+        }
+    }
+
+    /// One more conversion through the segment, with its tight-side lag.
+    pub(super) fn add(&mut self, lag: i64, violation: bool) {
+        self.events += 1;
+        self.worst_lag = self.worst_lag.min(lag);
+        self.violations += u64::from(violation);
+    }
+}
+
+/// A converted probe outside its exit bracket (or a guaranteed interval disjoint from it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct ProbeViolation {
+    /// The vCPU.
+    pub vcpu: u32,
+    /// The probe's sequence number.
+    pub seq: u8,
+    /// Which exits bracket it.
+    pub path: ProbePath,
+    /// The guest TSC the agent replied.
+    pub guest_tsc: u64,
+    /// The converted host time.
+    pub host_tsc: u64,
+    /// Its guaranteed interval.
+    pub host_lo: u64,
+    /// Its guaranteed interval.
+    pub host_hi: u64,
+    /// The exit before the read (the host time must not precede it).
+    pub exit_lo: u64,
+    /// The exit after the read (the host time must not follow it).
+    pub exit_hi: u64,
+    /// The sync segment used (its round).
+    pub round: u64,
+    /// The guaranteed interval misses the bracket: the sync file's bound is false.
+    pub bound_false: bool,
+}
+
+/// What the probe log's check found (`"probes"` in `--json`).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct ProbeReport {
+    /// Exchanges in the log.
+    pub logged: u64,
+    /// Of which paired with their exits and checked.
+    pub checked: u64,
+    /// Checked probes outside their bracket (the bar: zero).
+    pub violations: u64,
+    /// Of which the guaranteed interval misses the bracket too.
+    pub bound_violations: u64,
+    /// Exchanges whose exits are not all in the host trace (not recording then, a ring buffer
+    /// that overflowed, another port or VM): not checked.
+    pub unpaired: u64,
+    /// Exchanges no segment of their vCPU converts: not checked.
+    pub unconverted: u64,
+    /// Bytes after the log's last newline (a run killed while writing): not read.
+    pub cut_bytes: u64,
+    /// Converted time minus the lower exit, per checked probe (negative: a violation).
+    pub lag_after_in: Option<LagStats>,
+    /// The upper exit minus converted time (negative: a violation).
+    pub lag_before_out: Option<LagStats>,
+    /// Per segment: probes converted through it (`events`), the smaller of each probe's two
+    /// lags at its worst, violations.
+    pub segments: Vec<SegmentWorst>,
+    /// The first violations (at most [`MAX_LISTED`]).
+    pub first_violations: Vec<ProbeViolation>,
+}
+
+/// The most violations listed in a report.
+pub const MAX_LISTED: usize = 20;
+
+/// The quantiles of `v`, `None` when empty.
+pub(super) fn quantiles(mut v: Vec<i64>) -> Option<LagStats> {
+    v.sort_unstable();
+    let q = |p: usize| v.get(v.len().checked_sub(1)? * p / 100).copied();
+    Some(LagStats {
+        min: q(0)?,
+        p1: q(1)?,
+        median: q(50)?,
+        p99: q(99)?,
+        max: q(100)?,
+    })
+}
+
+/// `a − b` as a signed tick count, saturating.
+pub(super) fn signed(a: u64, b: u64) -> i64 {
+    let d = i128::from(a) - i128::from(b);
+    i64::try_from(d).unwrap_or(if d < 0 { i64::MIN } else { i64::MAX })
+}

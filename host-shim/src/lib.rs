@@ -21,6 +21,8 @@
 //!   one event source the exporters read.
 //! - [`link`]: the byte stream to the guest agent: addresses, connecting with retries,
 //!   vhost-user vsock, AF_VSOCK, and the host-TSC-stamped transport.
+//! - [`guestmem`]: a guest's recorder read straight out of its VMM's memory (`/proc/PID/mem`):
+//!   finding the header, and a bounded, polled drain with exact lost counts.
 //! - [`compose`]: nested (L0->L1->L2) composition of scanned mappings.
 //! - [`plot`]: `vmtsync plot`, a sync file as an SVG picture.
 //! - [`probe`]: `vmtsync probe`: hello + probe rounds against the guest agent over a link,
@@ -42,6 +44,7 @@ pub mod compose;
 pub mod exact_convert;
 pub mod formats;
 pub mod ftrace;
+pub mod guestmem;
 pub mod kvm;
 pub mod link;
 pub mod plot;

@@ -10,7 +10,8 @@
 //! `VMTSYNC_WRITE_FUZZ_SEEDS=1 cargo test -p vmtsync --test fuzz_seeds`.
 //!
 //! Every seed starts with the targets' control byte: low 6 bits the chunk size minus one, top
-//! bit "rewrite checksums" (see the targets' docs).
+//! bit "rewrite checksums" (see the targets' docs). The guestmem seeds start with that
+//! target's own two control bytes instead (see its docs).
 
 use std::cell::RefCell;
 use std::collections::BTreeMap;
@@ -297,6 +298,49 @@ fn trace_dat(version: vmtsync::formats::tracedat::FileVersion) -> Vec<u8> {
     std::fs::read(&path).expect("read back")
 }
 
+/// A clock for the recorder seeds: 1000 ticks a read.
+struct StepTsc(std::cell::Cell<u64>);
+
+impl vmtsync_core::arch::Tsc for StepTsc {
+    fn read_ordered(&self) -> u64 {
+        let t = self.0.get() + 1000;
+        self.0.set(t);
+        t
+    }
+}
+
+/// A published core recorder's bytes after `records` events per ring, with the guestmem
+/// target's control bytes (round bound 4, then `stores` guest stores) in front.
+fn guest_memory(flight: bool, records: u64, stores: &[(u32, u64)]) -> Vec<u8> {
+    use vmtsync_core::recorder::{ClockKind, HeaderInfo, Recorder};
+    let rec: Recorder<2, 4> = if flight {
+        Recorder::new_flight()
+    } else {
+        Recorder::new()
+    };
+    rec.publish(&HeaderInfo {
+        nonce: 0x16,
+        tsc_khz: 2_000_000,
+        clock: ClockKind::RawTsc,
+        beacon_port: 0x510,
+    });
+    let tsc = StepTsc(std::cell::Cell::new(0));
+    for n in 0..records {
+        for vcpu in 0..2 {
+            let _ = rec.record(vcpu, &tsc, 7, &n.to_le_bytes());
+        }
+    }
+    let mut out = vec![4, u8::try_from(stores.len()).expect("few stores")];
+    for (off, v) in stores {
+        out.extend_from_slice(&off.to_le_bytes());
+        out.extend_from_slice(&v.to_le_bytes());
+    }
+    let mut image = vec![0u8; 128 + 2 * (128 + 32 * 4)];
+    assert_eq!(rec.copy_bytes(&mut image), image.len());
+    out.extend_from_slice(&image);
+    out
+}
+
 /// Every seed file, by path relative to the workspace root.
 fn seeds() -> BTreeMap<PathBuf, Vec<u8>> {
     let mut out = BTreeMap::new();
@@ -358,6 +402,22 @@ fn seeds() -> BTreeMap<PathBuf, Vec<u8>> {
     );
 
     put("host-shim/fuzz/seeds/syncfile", "two-vcpus", sync_file());
+    put(
+        "host-shim/fuzz/seeds/guestmem",
+        "flight-lapped",
+        guest_memory(true, 6, &[]),
+    );
+    put(
+        "host-shim/fuzz/seeds/guestmem",
+        "stop-full",
+        guest_memory(false, 6, &[]),
+    );
+    // Ring 0's head moved on, then a slot's meta rewritten, while the reader reads.
+    put(
+        "host-shim/fuzz/seeds/guestmem",
+        "flight-racing",
+        guest_memory(true, 3, &[(128, 9), (256, 0)]),
+    );
     put(
         "host-shim/fuzz/seeds/tracedat",
         "v7",

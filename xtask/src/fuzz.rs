@@ -1,6 +1,6 @@
 //! `cargo xtask fuzz [--long]`: every cargo-fuzz target of `core/fuzz` (the protocol's guest
 //! side: decoder, stream receiver, agent) and `host-shim/fuzz` (the host's probe session,
-//! debugfs parsing, the sync-file reader), each started from its committed seeds
+//! debugfs parsing, the sync-file reader, the guest-memory reader), each started from its committed seeds
 //! (`<fuzz dir>/seeds/<target>/`, generated from real encodings by
 //! `cargo test -p vmtsync --test fuzz_seeds`).
 //!
@@ -72,6 +72,13 @@ const TARGETS: &[Target] = &[
         dir: "host-shim/fuzz",
         name: "syncfile",
         max_len: 8192,
+    },
+    // A VMM's memory holding a small recorder (header, rings of a few records) and the
+    // guest stores made between the reader's reads.
+    Target {
+        dir: "host-shim/fuzz",
+        name: "guestmem",
+        max_len: 4096,
     },
     // A few pages of a trace.dat: the seeds are whole small files written by our writer.
     Target {

@@ -1,0 +1,391 @@
+//! Draining a live recorder: polled, a bounded number of records per ring per round, the
+//! contract's reading rule, exact loss counts, and the header checked around every ring read.
+
+use thiserror::Error;
+
+use super::find::Found;
+use super::layout::{
+    BEACON_ID, HEADER_SIZE, Header, RECORD_SIZE, RING_PREFIX, RingMode, committed,
+};
+use super::memory::{GuestMemory, MemError};
+
+/// One slot's bytes, as a buffer length.
+const SLOT_BYTES: usize = 32;
+// The buffer length and the layout's slot size are one number.
+const _: () = assert!(SLOT_BYTES as u64 == RECORD_SIZE);
+
+/// Records read per ring per round unless the caller asks otherwise (128 KiB of slots).
+pub const DEFAULT_MAX_PER_ROUND: usize = 4096;
+/// The most a caller may ask for per ring per round (2 MiB of slots).
+pub const MAX_PER_ROUND_LIMIT: usize = 65536;
+
+/// One record read out of guest memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GuestRecord {
+    /// The ring (vCPU) it came from.
+    pub vcpu: u32,
+    /// Its index in that ring's sequence (0 for the ring's first record).
+    pub index: u64,
+    /// The event id ([`BEACON_ID`] for a sync beacon).
+    pub id: u16,
+    /// The guest clock read when it was recorded (see the header's clock word).
+    pub tsc: u64,
+    /// Payload bytes in `payload[..len]`.
+    pub len: u8,
+    /// The payload; bytes past `len` are zero.
+    pub payload: [u8; 16],
+}
+
+impl GuestRecord {
+    /// Whether this is a sync beacon (id 0xFFFF; its payload is the sequence number).
+    #[must_use]
+    pub fn is_beacon(&self) -> bool {
+        self.id == BEACON_ID
+    }
+
+    /// The payload bytes.
+    #[must_use]
+    pub fn payload(&self) -> &[u8] {
+        &self.payload[..usize::from(self.len.min(16))]
+    }
+}
+
+/// One ring's exact tallies since draining began.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RingCounts {
+    /// Records handed to the caller.
+    pub delivered: u64,
+    /// Records the guest overwrote before the reader got them (it lapped the reader), or
+    /// while the reader copied them.
+    pub overwritten: u64,
+    /// The ring's own `refused` word as last read: events the guest dropped because the
+    /// ring was full (stop-when-full). The guest counts these; the host only reports them.
+    pub refused: u64,
+    /// Records whose slot did not hold them complete although the guest had not lapped
+    /// the reader: the guest broke the layout's rules for that slot.
+    pub corrupt: u64,
+    /// The ring's `head` as last read: records the guest says it stored.
+    pub head: u64,
+    /// The next index the reader wants (everything below was delivered or counted lost).
+    pub next: u64,
+}
+
+/// Why draining stopped. Every variant carries the counts so far; what was delivered stays
+/// delivered.
+#[derive(Debug, Error)]
+#[non_exhaustive]
+pub enum DrainError {
+    /// The header could not be read or no longer parses: the guest reset or the VMM's
+    /// memory moved.
+    #[error("the recorder header at {addr:#x} is gone ({why}); find it again to continue")]
+    HeaderGone {
+        /// The header's address.
+        addr: u64,
+        /// What was seen instead.
+        why: String,
+        /// Counts up to the last good round.
+        counts: Vec<RingCounts>,
+    },
+    /// The header now has another boot nonce: the guest restarted.
+    #[error(
+        "the guest republished its recorder at {addr:#x} with nonce {new:#x} (was {old:#x}): it restarted"
+    )]
+    NonceChanged {
+        /// The header's address.
+        addr: u64,
+        /// The nonce drained so far.
+        old: u64,
+        /// The new one.
+        new: u64,
+        /// Counts up to the last good round.
+        counts: Vec<RingCounts>,
+    },
+    /// The header is valid but describes other rings.
+    #[error("the recorder header at {addr:#x} changed its geometry ({old:?} -> {new:?})")]
+    GeometryChanged {
+        /// The header's address.
+        addr: u64,
+        /// The header drained so far.
+        old: Box<Header>,
+        /// The new one.
+        new: Box<Header>,
+        /// Counts up to the last good round.
+        counts: Vec<RingCounts>,
+    },
+    /// A ring's head went backwards with the same header: the guest broke the layout.
+    #[error("ring {vcpu}'s head went back from {from} to {to} under the same header")]
+    HeadRewound {
+        /// The ring.
+        vcpu: u32,
+        /// Where it was.
+        from: u64,
+        /// Where it is.
+        to: u64,
+        /// Counts up to this ring's round.
+        counts: Vec<RingCounts>,
+    },
+    /// Ring memory could not be read.
+    #[error("reading ring {vcpu}: {source}")]
+    Read {
+        /// The ring.
+        vcpu: u32,
+        /// The read error.
+        source: MemError,
+        /// Counts so far.
+        counts: Vec<RingCounts>,
+    },
+}
+
+impl DrainError {
+    /// The counts per ring when draining stopped.
+    #[must_use]
+    pub fn counts(&self) -> &[RingCounts] {
+        match self {
+            Self::HeaderGone { counts, .. }
+            | Self::NonceChanged { counts, .. }
+            | Self::GeometryChanged { counts, .. }
+            | Self::HeadRewound { counts, .. }
+            | Self::Read { counts, .. } => counts,
+        }
+    }
+}
+
+/// What one [`Drainer::poll`] did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PollSummary {
+    /// Records delivered this round.
+    pub delivered: u64,
+    /// Records lost this round (overwritten or corrupt).
+    pub lost: u64,
+    /// Whether some ring had more than one round's worth: poll again without waiting.
+    pub more: bool,
+}
+
+/// Drains one recorder found in memory.
+#[derive(Debug)]
+pub struct Drainer {
+    addr: u64,
+    header: Header,
+    header_bytes: [u8; HEADER_SIZE],
+    rings: Vec<RingCounts>,
+    max_per_round: usize,
+    /// Slot copies of one ring's round (at most `max_per_round` slots).
+    buf: Vec<u8>,
+    /// Records of one ring's round, held until the header is checked again.
+    pending: Vec<GuestRecord>,
+}
+
+fn u64_at(b: &[u8], off: usize) -> u64 {
+    let mut w = [0u8; 8];
+    if let Some(s) = b.get(off..off + 8) {
+        w.copy_from_slice(s);
+    }
+    u64::from_le_bytes(w)
+}
+
+impl Drainer {
+    /// Starts draining the recorder `found` from each ring's record 0, at most
+    /// `max_per_round` records per ring per round (clamped to 1..=[`MAX_PER_ROUND_LIMIT`]).
+    #[must_use]
+    pub fn new(found: &Found, max_per_round: usize) -> Self {
+        let max = max_per_round.clamp(1, MAX_PER_ROUND_LIMIT);
+        Self {
+            addr: found.addr,
+            header: found.header,
+            header_bytes: found.header.to_bytes(),
+            rings: vec![RingCounts::default(); found.header.vcpus as usize],
+            max_per_round: max,
+            buf: Vec::with_capacity(max * SLOT_BYTES),
+            pending: Vec::with_capacity(max),
+        }
+    }
+
+    /// The header being drained.
+    #[must_use]
+    pub fn header(&self) -> &Header {
+        &self.header
+    }
+
+    /// Its host virtual address.
+    #[must_use]
+    pub fn addr(&self) -> u64 {
+        self.addr
+    }
+
+    /// Counts per ring so far.
+    #[must_use]
+    pub fn counts(&self) -> &[RingCounts] {
+        &self.rings
+    }
+
+    /// Checks that the header still says what it said when draining began.
+    fn check_header(&self, mem: &mut impl GuestMemory) -> Result<(), DrainError> {
+        let mut now = [0u8; HEADER_SIZE];
+        let gone = |why: String| DrainError::HeaderGone {
+            addr: self.addr,
+            why,
+            counts: self.rings.clone(),
+        };
+        mem.read(self.addr, &mut now)
+            .map_err(|e| gone(e.to_string()))?;
+        if now == self.header_bytes {
+            return Ok(());
+        }
+        let new = Header::parse(&now).map_err(|e| gone(e.to_string()))?;
+        if new.nonce != self.header.nonce {
+            return Err(DrainError::NonceChanged {
+                addr: self.addr,
+                old: self.header.nonce,
+                new: new.nonce,
+                counts: self.rings.clone(),
+            });
+        }
+        Err(DrainError::GeometryChanged {
+            addr: self.addr,
+            old: Box::new(self.header),
+            new: Box::new(new),
+            counts: self.rings.clone(),
+        })
+    }
+
+    /// One round: for every ring, the records it holds past the reader (at most the
+    /// round's bound), each delivered to `sink` or counted lost.
+    ///
+    /// The reading rule, per ring: read `head` (h1); copy the slots of indices
+    /// `[max(next, h1 - cap), min(h1, next' + bound))`; read `head` again (h2), and for a
+    /// stop-when-full ring the in-guest consumer's `tail` (t2); read the header again.
+    /// Record `n` is delivered iff the producer cannot have begun record `n + cap` (which it
+    /// does only after publishing head = `n + cap`): `h2 < n + cap`, or, stop-when-full,
+    /// `t2 <= n` (such a producer refuses record `m` while `m - tail >= cap`); and its
+    /// copied `meta` is record `n`'s, complete. (The tail clause refines the layout
+    /// contract's rule, which would call a full stop-when-full ring's oldest record lost.) Otherwise it is overwritten (`h2 >= n + cap`) or
+    /// corrupt. Because validity rests on the two head reads around the whole copy and on
+    /// the stamp the copy itself holds, the order in which the copy reads bytes does not
+    /// matter. A ring's records reach `sink` only after the header read after its copy
+    /// matched: no record is delivered from memory that another boot had taken over.
+    ///
+    /// # Errors
+    /// [`DrainError`], with the counts so far.
+    pub fn poll(
+        &mut self,
+        mem: &mut impl GuestMemory,
+        sink: &mut impl FnMut(&GuestRecord),
+    ) -> Result<PollSummary, DrainError> {
+        let mut summary = PollSummary::default();
+        self.check_header(mem)?;
+        for vcpu in 0..self.header.vcpus {
+            let base = self.addr + self.header.ring_offset(vcpu);
+            let read_err = |source, rings: &[RingCounts]| DrainError::Read {
+                vcpu,
+                source,
+                counts: rings.to_vec(),
+            };
+            let mut words = [0u8; 16];
+            mem.read(base, &mut words)
+                .map_err(|e| read_err(e, &self.rings))?;
+            let h1 = u64_at(&words, 0);
+            let refused = u64_at(&words, 8);
+            let ring = self.rings[vcpu as usize];
+            if h1 < ring.next {
+                return Err(DrainError::HeadRewound {
+                    vcpu,
+                    from: ring.next,
+                    to: h1,
+                    counts: self.rings.clone(),
+                });
+            }
+            let cap = self.header.capacity;
+            let start = ring.next.max(h1.saturating_sub(cap));
+            let lapped = start - ring.next;
+            let end = h1.min(start.saturating_add(self.max_per_round as u64));
+            // Copy the slots of [start, end): at most two contiguous runs (the ring wraps).
+            let count = usize::try_from(end - start).unwrap_or(0);
+            self.buf.clear();
+            self.buf.resize(count * SLOT_BYTES, 0);
+            let slots = base + RING_PREFIX;
+            let first_slot = start & (cap - 1);
+            let first_run = usize::try_from((cap - first_slot).min(end - start)).unwrap_or(0);
+            let (a, b) = self.buf.split_at_mut(first_run * SLOT_BYTES);
+            mem.read(slots + first_slot * RECORD_SIZE, a)
+                .map_err(|e| read_err(e, &self.rings))?;
+            if !b.is_empty() {
+                mem.read(slots, b).map_err(|e| read_err(e, &self.rings))?;
+            }
+            // The head again, and for a stop-when-full ring the in-guest consumer's tail too
+            // (read after the head, so it is no older than the producer's last check).
+            let mut after = [0u8; 72];
+            let after_len = match self.header.mode {
+                RingMode::StopWhenFull => 72,
+                RingMode::Overwrite => 8,
+            };
+            mem.read(base, &mut after[..after_len])
+                .map_err(|e| read_err(e, &self.rings))?;
+            let h2 = u64_at(&after, 0);
+            let tail2 = match self.header.mode {
+                RingMode::StopWhenFull => Some(u64_at(&after, 64)),
+                RingMode::Overwrite => None,
+            };
+            if h2 < h1 {
+                return Err(DrainError::HeadRewound {
+                    vcpu,
+                    from: h1,
+                    to: h2,
+                    counts: self.rings.clone(),
+                });
+            }
+            self.pending.clear();
+            let (mut overwritten, mut corrupt) = (0u64, 0u64);
+            for (k, slot) in self.buf.chunks_exact(SLOT_BYTES).enumerate() {
+                let n = start + k as u64;
+                // Past 2^64 the producer can never have begun record n + cap. A
+                // stop-when-full producer begins record n + cap only once its consumer has
+                // released record n (tail > n), so a tail at or below n also rules it out.
+                let may_be_rewritten =
+                    n.checked_add(cap).is_some_and(|lap| h2 >= lap) && tail2.is_none_or(|t| t > n);
+                if may_be_rewritten {
+                    overwritten += 1;
+                    continue;
+                }
+                let Some((id, len)) = committed(u64_at(slot, 0), n) else {
+                    corrupt += 1;
+                    continue;
+                };
+                let mut payload = [0u8; 16];
+                payload[..8].copy_from_slice(&slot[16..24]);
+                payload[8..].copy_from_slice(&slot[24..32]);
+                payload[usize::from(len)..].fill(0);
+                self.pending.push(GuestRecord {
+                    vcpu,
+                    index: n,
+                    id,
+                    tsc: u64_at(slot, 8),
+                    len,
+                    payload,
+                });
+            }
+            self.check_header(mem)?;
+            for r in &self.pending {
+                sink(r);
+            }
+            let delivered = self.pending.len() as u64;
+            let ring = &mut self.rings[vcpu as usize];
+            ring.delivered = ring.delivered.saturating_add(delivered);
+            ring.overwritten = ring
+                .overwritten
+                .saturating_add(lapped)
+                .saturating_add(overwritten);
+            ring.corrupt = ring.corrupt.saturating_add(corrupt);
+            ring.refused = refused;
+            ring.head = h2;
+            ring.next = end;
+            summary.delivered += delivered;
+            summary.lost = summary
+                .lost
+                .saturating_add(lapped)
+                .saturating_add(overwritten)
+                .saturating_add(corrupt);
+            summary.more |= end < h2;
+        }
+        Ok(summary)
+    }
+}

@@ -1,0 +1,56 @@
+//! Reading a guest's recorder straight out of the VMM's memory (issue 16's host side).
+//!
+//! The guest's recorder storage is one block: a 128-byte header, then one ring per vCPU
+//! (layout version 1, documented in `docs/`). The host finds the header in the VMM
+//! process's address space ([`find()`]), then drains the rings while the guest keeps
+//! recording ([`Drainer`]). It never writes guest memory, and it treats every byte it reads
+//! as hostile: every number is range-checked before it sizes a read, a round reads a
+//! bounded number of records, and a header that changes under the reader ends draining with
+//! a typed error that carries the exact counts so far.
+//!
+//! Layers:
+//! - [`memory`]: the [`GuestMemory`] trait, `/proc/PID/mem` ([`ProcMemory`]) and a fake that
+//!   can rewrite itself between (and inside) reads ([`FakeMemory`]).
+//! - [`layout`]: the header's bytes and their checked parse ([`Header::parse`]).
+//! - [`find`](mod@find): the scan of writable mappings (skipping pages the page map calls
+//!   absent), a named host address, or a guest-physical address.
+//! - [`elf`]: an ELF symbol's guest-physical address.
+//! - [`drain`]: the reading rule and the counts ([`RingCounts`]).
+//!
+//! Header (all little-endian):
+//!
+//! | off | type | field |
+//! |---|---|---|
+//! | 0 | u64 | magic `VMTSRING` (zero until the guest publishes) |
+//! | 8 | u32 | layout version 1 |
+//! | 12 | u32 | header size 128 |
+//! | 16 | u64 | boot nonce, non-zero |
+//! | 24 | u32 | vCPU count 1..=1024 |
+//! | 28 | u32 | record size 32 |
+//! | 32 | u64 | capacity, a power of two ≤ 2^31 |
+//! | 40 | u64 | guest TSC kHz, 0 unknown |
+//! | 48 | u32 | mode: 0 stop-when-full, 1 overwrite |
+//! | 52 | u32 | clock: 0 raw TSC, 1 other |
+//! | 56 | u64 | rings offset (≥ 128, 64-aligned) |
+//! | 64 | u64 | ring stride (≥ 128 + 32 × capacity, 64-aligned) |
+//! | 72 | u16 | beacon port |
+//! | 120 | u32 | CRC-32/ISCSI of bytes 0..120 |
+//!
+//! Bytes 74..120 and 124..128 are reserved and must be zero.
+
+pub mod drain;
+pub mod elf;
+pub mod find;
+pub mod layout;
+pub mod memory;
+
+pub use drain::{DEFAULT_MAX_PER_ROUND, DrainError, Drainer, GuestRecord, PollSummary, RingCounts};
+pub use elf::{ElfError, symbol_guest_physical, symbol_guest_physical_in};
+pub use find::{FindError, Found, Location, Rejected, ScanStats, find, scan};
+pub use layout::{BEACON_ID, GuestClock, Header, HeaderError, RingMode};
+pub use memory::{FakeMemory, GuestMemory, MemError, ProcMemory, Region};
+
+#[cfg(test)]
+mod proc_tests;
+#[cfg(test)]
+mod tests;

@@ -51,6 +51,7 @@ pub use layout::{BEACON_ID, GuestClock, Header, HeaderError, RingMode};
 pub use memory::{FakeMemory, GuestMemory, MemError, ProcMemory, Region};
 
 #[cfg(test)]
+#[allow(unsafe_code)]
 mod proc_tests;
 #[cfg(test)]
 mod tests;

@@ -21,6 +21,7 @@
 //! target only ever holds a finished file; a killed run leaves `OUT.partial` (JSON Lines) with
 //! every line flushed so far.
 
+mod memory;
 mod place;
 mod session;
 mod spool;
@@ -54,14 +55,15 @@ use crate::syncfile::{SyncHeader, SyncSegment, SyncWriter};
 use crate::formats::jsonl::{EVENT_SCHEMA, JsonlWriter, Line};
 use crate::syncfile::bounds::{self, Placement};
 
+pub use memory::{DEFAULT_POLL, MemoryOptions, MemorySummary, run_record_memory};
+use place::{Placed, State};
 #[cfg(test)]
-use place::WIDTH_SAMPLE;
-use place::{Placed, State, VcpuSync, Widths};
+use place::{WIDTH_SAMPLE, Widths};
 use session::Ledger;
 #[cfg(test)]
 use session::account;
 pub use session::{run_record, run_record_on};
-use write::{Out, Target, create_ctf, finish, jsonl_write, trace_id};
+use write::{Out, Target, finish, trace_id};
 
 /// The output format of `vmtsync record`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -121,6 +123,30 @@ pub enum EndReason {
     Stopped,
     /// The agent ended the session.
     AgentExited,
+    /// The VMM whose memory was read exited (`--from-memory`).
+    VmmExited,
+}
+
+/// Where the events' host times came from.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum HostTime {
+    /// Sync rounds with the agent (bounded intervals).
+    #[default]
+    Sync,
+    /// KVM's own per-vCPU mapping in debugfs, for records that hold the raw TSC: exact,
+    /// every interval of width 0.
+    ExactDebugfs,
+}
+
+impl HostTime {
+    /// How the summary and JSON name it.
+    #[must_use]
+    pub const fn name(self) -> &'static str {
+        match self {
+            Self::Sync => "sync rounds",
+            Self::ExactDebugfs => "exact (KVM debugfs)",
+        }
+    }
 }
 
 /// What a recording did.
@@ -173,6 +199,8 @@ pub struct RecordSummary {
     pub console_bytes: u64,
     /// `--console`'s file.
     pub console: Option<PathBuf>,
+    /// Where the host times came from.
+    pub host_time: HostTime,
 }
 
 /// Why `vmtsync record` failed.
@@ -210,6 +238,9 @@ pub enum RecordError {
         crate::probe::refusal_text(*.0)
     )]
     NoSync(EstimateError),
+    /// Reading the guest's recorder out of its VMM's memory failed (`--from-memory`).
+    #[error("reading the guest's recorder from memory: {0}")]
+    Memory(String),
 }
 
 impl RecordError {

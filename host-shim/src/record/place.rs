@@ -141,6 +141,26 @@ impl Widths {
 }
 
 impl State {
+    /// A recording of `vcpus` with no segment yet.
+    pub(super) fn new(vcpus: &[u32], sync_out: Option<SyncWriter>, placement: Placement) -> Self {
+        Self {
+            sync_out,
+            vcpus: vcpus.iter().map(|&v| VcpuSync::new(v)).collect(),
+            round: 0,
+            breaks: 0,
+            events: 0,
+            host_stamped: 0,
+            unplaceable: 0,
+            lost: 0,
+            replayed: 0,
+            failed_drains: 0,
+            widths: Widths::default(),
+            clocks: Vec::new(),
+            refused: None,
+            placement,
+        }
+    }
+
     /// Segments made so far, every vCPU's.
     pub(super) fn segments(&self) -> u64 {
         self.vcpus.iter().map(|v| v.segments.len() as u64).sum()

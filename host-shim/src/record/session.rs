@@ -41,6 +41,8 @@ pub fn run_record(
     r
 }
 
+/// Records over an open transport (see the module docs).
+///
 /// # Errors
 /// [`RecordError`]; events received before a failure are still written.
 pub fn run_record_on<T: StampedTransport>(
@@ -66,29 +68,7 @@ pub fn run_record_on<T: StampedTransport>(
     // Every vCPU the agent serves is synced on itself each round: a unikernel may record on
     // any of them, and each vCPU's TSC is its own clock (docs/smp.md).
     let vcpus = session.vcpus()?;
-    let mut out = match opts.format {
-        _ if opts.placement == Placement::TwoSided => Out::Held {
-            spool: spool::Spool::new().map_err(RecordError::io(&opts.out))?,
-            live: match opts.format {
-                RecordFormat::Jsonl => Some((
-                    JsonlWriter::create(&opts.out).map_err(RecordError::io(&opts.out))?,
-                    0,
-                )),
-                _ => None,
-            },
-            ctf: match opts.format {
-                RecordFormat::Ctf => Some(create_ctf(&target)?),
-                _ => None,
-            },
-        },
-        RecordFormat::Jsonl => {
-            Out::Jsonl(JsonlWriter::create(&opts.out).map_err(RecordError::io(&opts.out))?)
-        }
-        RecordFormat::TraceCmd | RecordFormat::Perfetto => {
-            Out::Spool(spool::Spool::new().map_err(RecordError::io(&opts.out))?)
-        }
-        RecordFormat::Ctf => Out::Ctf(create_ctf(&target)?),
-    };
+    let mut out = Out::create(&target, opts.placement)?;
     let sync_out = match &opts.sync_out {
         Some(path) => Some(
             SyncWriter::open(path, &SyncHeader::now(p.addr.to_string()))
@@ -96,22 +76,7 @@ pub fn run_record_on<T: StampedTransport>(
         ),
         None => None,
     };
-    let mut st = State {
-        sync_out,
-        vcpus: vcpus.iter().map(|&v| VcpuSync::new(v)).collect(),
-        round: 0,
-        breaks: 0,
-        events: 0,
-        host_stamped: 0,
-        unplaceable: 0,
-        lost: 0,
-        replayed: 0,
-        failed_drains: 0,
-        widths: Widths::default(),
-        clocks: Vec::new(),
-        refused: None,
-        placement: opts.placement,
-    };
+    let mut st = State::new(&vcpus, sync_out, opts.placement);
     let started = Instant::now();
     // The initial sync: nothing can be placed before it.
     let first = st.sync(&mut session, p);
@@ -179,6 +144,7 @@ pub fn run_record_on<T: StampedTransport>(
         out: opts.out.clone(),
         console_bytes,
         console: p.console.clone(),
+        host_time: HostTime::Sync,
     })
 }
 
@@ -378,16 +344,7 @@ pub(super) fn record_loop<T: StampedTransport>(
                     hi,
                     round,
                 };
-                match out {
-                    Out::Held { spool, .. } => spool
-                        .push(b.vcpu, guest, r.id, r.payload.as_slice())
-                        .map_err(RecordError::io(&opts.out))?,
-                    Out::Jsonl(w) => jsonl_write(w, &placed)?,
-                    Out::Ctf(w) => w.push(&placed.export())?,
-                    Out::Spool(s) => s
-                        .push(b.vcpu, guest, r.id, r.payload.as_slice())
-                        .map_err(RecordError::io(&opts.out))?,
-                }
+                out.push(&placed, &opts.out)?;
                 st.widths.push(hi - lo);
                 st.events += 1;
                 got += 1;

@@ -65,6 +65,46 @@ pub(super) enum Out {
 }
 
 impl Out {
+    /// Where events go for `target`: with two-sided placement every event is spooled and
+    /// placed at the end; otherwise JSON Lines and CTF are streamed as placed now.
+    pub(super) fn create(target: &Target, placement: Placement) -> Result<Self, RecordError> {
+        Ok(match target.format {
+            _ if placement == Placement::TwoSided => Out::Held {
+                spool: spool::Spool::new().map_err(RecordError::io(&target.out))?,
+                live: match target.format {
+                    RecordFormat::Jsonl => Some((
+                        JsonlWriter::create(&target.out).map_err(RecordError::io(&target.out))?,
+                        0,
+                    )),
+                    _ => None,
+                },
+                ctf: match target.format {
+                    RecordFormat::Ctf => Some(create_ctf(target)?),
+                    _ => None,
+                },
+            },
+            RecordFormat::Jsonl => {
+                Out::Jsonl(JsonlWriter::create(&target.out).map_err(RecordError::io(&target.out))?)
+            }
+            RecordFormat::TraceCmd | RecordFormat::Perfetto => {
+                Out::Spool(spool::Spool::new().map_err(RecordError::io(&target.out))?)
+            }
+            RecordFormat::Ctf => Out::Ctf(create_ctf(target)?),
+        })
+    }
+
+    /// One event, placed with what is known now: streamed, or spooled to be placed again
+    /// when the recording ends.
+    pub(super) fn push(&mut self, p: &Placed<'_>, out: &Path) -> Result<(), RecordError> {
+        match self {
+            Self::Held { spool, .. } | Self::Spool(spool) => spool
+                .push(p.vcpu, p.guest, p.id, p.payload)
+                .map_err(RecordError::io(out)),
+            Self::Jsonl(w) => jsonl_write(w, p),
+            Self::Ctf(w) => Ok(w.push(&p.export())?),
+        }
+    }
+
     /// A sync round was made: the JSON Lines events waiting for it are placed with it and
     /// written.
     pub(super) fn round_made(&mut self, st: &State, opts: &Target) -> Result<(), RecordError> {
@@ -87,8 +127,6 @@ impl Out {
     }
 }
 
-/// Records over an open transport (see the module docs).
-///
 
 /// Writes the output; returns (pre-converted, clamped timestamps).
 pub(super) fn finish(out: Out, opts: &Target, st: &State) -> Result<(bool, u64), RecordError> {

@@ -345,7 +345,7 @@ pub fn memory_text(s: &RecordSummary, m: &record::MemorySummary) -> String {
     format!(
         "vmtsync: read the recorder at {:#x} ({} vCPU ring(s) of {} records): host time {}; {} \
          beacons; {} overwritten, {} refused, {} corrupt, {} ambiguous across {} mapping \
-         changes, {} past --events; {} rounds in {:.3} s ({:.2} M records/s)",
+         changes, {} past --events; {} drain rounds, records read over {:.3} s at {:.3} M records/s",
         m.header_addr,
         s.vcpus.len(),
         m.capacity,
@@ -387,14 +387,17 @@ pub fn summary_text(s: &RecordSummary) -> String {
     } else {
         String::new()
     };
+    // Exact mode has no sync rounds: its segments are KVM's mappings, one per change seen.
+    let segments = match s.host_time {
+        record::HostTime::Sync => format!("{} sync segments ({} breaks)", s.segments, s.breaks),
+        record::HostTime::ExactDebugfs => format!("{} KVM mapping segment(s)", s.segments),
+    };
     let mut t = format!(
         "vmtsync: recorded {} events to {} (ended by {end}); {} dropped by the guest's \
-         ring{split}; {} sync segments ({} breaks); guaranteed interval widths: {widths}",
+         ring{split}; {segments}; guaranteed interval widths: {widths}",
         s.events,
         s.out.display(),
         s.dropped + s.overwritten,
-        s.segments,
-        s.breaks
     );
     if s.vcpus.len() > 1 {
         let list: Vec<String> = s.vcpus.iter().map(u32::to_string).collect();

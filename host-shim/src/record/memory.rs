@@ -74,12 +74,14 @@ pub struct MemorySummary {
     pub mapping_changes: u64,
     /// Drain rounds.
     pub polls: u64,
-    /// Time spent draining (first round to last).
+    /// Time from the first round that delivered records to the last one that did (the
+    /// guest was producing in between; waiting for the header or for the end is not in it).
     pub drain: Duration,
 }
 
 impl MemorySummary {
-    /// Records read per second while draining (events and beacons).
+    /// Records read per second while the guest produced them (events and beacons over
+    /// [`MemorySummary::drain`]): a floor of the reader's rate, not its ceiling.
     #[must_use]
     pub fn rate(&self, events: u64) -> f64 {
         let secs = self.drain.as_secs_f64();
@@ -184,11 +186,16 @@ pub fn run_record_memory(
         )));
     }
     let vcpus: Vec<u32> = (0..found.header.vcpus).collect();
+    let dirs: Vec<PathBuf> = vcpus
+        .iter()
+        .map(|v| opts.vm.path.join(format!("vcpu{v}")))
+        .collect();
     let read_all = || -> Result<Vec<Reading>, RecordError> {
         vcpus
             .iter()
-            .map(|&v| {
-                read_vcpu(&opts.vm.path, v)
+            .zip(&dirs)
+            .map(|(&v, dir)| {
+                read_vcpu(dir, v)
                     .map_err(|e| RecordError::Memory(e.to_string()))
                     .and_then(|s| reading(&s))
             })
@@ -215,6 +222,8 @@ pub fn run_record_memory(
     };
     let mut pending: Vec<GuestRecord> = Vec::new();
     let started = Instant::now();
+    // The first and last rounds that delivered records.
+    let mut active: Option<(Instant, Instant)> = None;
     let mut closing = false;
     let result = loop {
         let now_end = if stopped() {
@@ -236,7 +245,13 @@ pub fn run_record_memory(
         let polled = drainer.poll(&mut mem, &mut |r| pending.push(*r));
         ms.polls += 1;
         let summary = match polled {
-            Ok(s) => s,
+            Ok(s) => {
+                if s.delivered > 0 {
+                    let now = Instant::now();
+                    active = Some((active.map_or(now, |(first, _)| first), now));
+                }
+                s
+            }
             Err(e) => {
                 // A VMM that exited takes its memory with it: what was read is written.
                 break if vmm_gone(&proc, pid) {
@@ -329,7 +344,7 @@ pub fn run_record_memory(
         }
     };
     progress.clear();
-    ms.drain = started.elapsed();
+    ms.drain = active.map_or(Duration::ZERO, |(first, last)| last - first);
     for c in drainer.counts() {
         ms.overwritten += c.overwritten;
         ms.refused += c.refused;

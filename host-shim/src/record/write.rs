@@ -127,7 +127,6 @@ impl Out {
     }
 }
 
-
 /// Writes the output; returns (pre-converted, clamped timestamps).
 pub(super) fn finish(out: Out, opts: &Target, st: &State) -> Result<(bool, u64), RecordError> {
     match out {

@@ -25,6 +25,7 @@ mod plot;
 mod probe;
 mod probe_bench;
 mod record;
+mod record_memory;
 mod smp;
 mod sync_crash;
 mod tracedat;

@@ -147,9 +147,21 @@ fn exact_segment(vcpu: u32, round: u64, guest_start: u64, r: Reading) -> SyncSeg
     }
 }
 
-/// Whether the VMM process is gone (its `/proc` entry no longer exists).
-fn vmm_gone(proc: &ProcFs, pid: u32) -> bool {
-    !proc.root().join(pid.to_string()).exists()
+/// Whether the VMM is gone: its KVM debugfs directory went away (the VM's last file closed),
+/// or its process is no more than a zombie (its memory is unreadable before it is reaped).
+fn vmm_gone(proc: &ProcFs, vm: &VmDir) -> bool {
+    if !vm.path.exists() {
+        return true;
+    }
+    let stat = proc.root().join(vm.id.pid.to_string()).join("stat");
+    match std::fs::read_to_string(stat) {
+        // The state is the first field after the parenthesised command name.
+        Ok(s) => s
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.trim_start().chars().next())
+            .is_some_and(|state| matches!(state, 'Z' | 'X')),
+        Err(_) => true,
+    }
 }
 
 /// Records a guest by reading its recorder out of its VMM's memory (see the module docs).
@@ -254,7 +266,7 @@ pub fn run_record_memory(
             }
             Err(e) => {
                 // A VMM that exited takes its memory with it: what was read is written.
-                break if vmm_gone(&proc, pid) {
+                break if vmm_gone(&proc, &opts.vm) {
                     Ok(EndReason::VmmExited)
                 } else {
                     Err(RecordError::Memory(e.to_string()))
@@ -264,7 +276,7 @@ pub fn run_record_memory(
         // The mapping after the round: every record just read was written before it.
         let now = match read_all() {
             Ok(n) => n,
-            Err(_) if vmm_gone(&proc, pid) => break Ok(EndReason::VmmExited),
+            Err(_) if vmm_gone(&proc, &opts.vm) => break Ok(EndReason::VmmExited),
             Err(e) => break Err(e),
         };
         let mut changed = vec![false; vcpus.len()];

@@ -42,6 +42,19 @@ fn record_memory(pid: u32, out: &std::path::Path, format: &str) -> std::process:
     crate::util::guarded_output(&mut c, &[])
 }
 
+/// Waits until KVM debugfs shows QEMU `pid`'s VM with vcpu0 (it has run), so `--vm` and the
+/// truth name a VM that exists.
+fn wait_for_vcpu0(pid: u32) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while crate::causality::vcpu_thread(pid).is_none() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "QEMU {pid}'s vcpu0 never appeared in KVM debugfs"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
 #[test]
 fn record_from_memory_recovers_every_agent_event_with_its_exact_host_time() {
     let test = "record_from_memory_recovers_every_agent_event_with_its_exact_host_time";
@@ -177,15 +190,7 @@ fn record_from_memory_recovers_every_c_guest_event_with_its_exact_host_time() {
     .expect("qemu starts");
     let mut guard = ChildGuard::new(child);
     let pid = guard.child().id();
-    // `--vm` names a VM that exists: wait until KVM debugfs shows QEMU's (its vCPU ran).
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-    while crate::causality::vcpu_thread(pid).is_none() {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the C guest's VM never appeared in KVM debugfs"
-        );
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
+    wait_for_vcpu0(pid);
     let out = dir.path().join("c.jsonl");
     let mut c = vmtsync();
     c.args([
@@ -317,4 +322,66 @@ fn record_from_memory_passes_validate_against_the_hosts_kvm_pio_exits() {
         "{v} {err}"
     );
     assert_eq!(code, Some(0), "{err}");
+}
+
+#[test]
+fn record_from_memory_writes_what_it_read_when_the_vmm_exits() {
+    use std::io::Read as _;
+    use std::process::Stdio;
+    use std::time::Duration;
+    use vmtsync_tests::ChildGuard;
+
+    let test = "record_from_memory_writes_what_it_read_when_the_vmm_exits";
+    if !vm_ready(test) {
+        return;
+    }
+    let dir = scratch(test);
+    // An endless workload: only the VMM's exit ends this recording.
+    let (qemu, _sock) = boot_qemu(dir.path(), "transport=none workload=20000,0 beacons=100");
+    let pid = qemu.pid();
+    wait_for_vcpu0(pid);
+    // The truth, read while the VM runs (nothing changes it: the agent never writes its TSC).
+    let kvm = truth_mapping(pid, 0).expect("truth from debugfs");
+    let out = dir.path().join("events.jsonl");
+    let mut rec = ChildGuard::new(
+        vmtsync()
+            .args(["record", "--from-memory", "--vm", &pid.to_string()])
+            .args(["--format", "jsonl", "--duration", "60", "--no-progress"])
+            .arg("--out")
+            .arg(&out)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("vmtsync starts"),
+    );
+    std::thread::sleep(Duration::from_secs(3));
+    // QEMU ends (the guard kills it by PID and reaps it).
+    drop(qemu);
+    let mut pipe = rec.child().stderr.take().expect("stderr piped");
+    let status = rec
+        .wait_timeout(Duration::from_secs(30))
+        .expect("waitpid")
+        .expect("record ends within 30 s of the VMM's exit");
+    let mut stderr = String::new();
+    pipe.read_to_string(&mut stderr).unwrap();
+    println!("record --from-memory, VMM killed: {}", stderr.trim());
+    assert!(status.success(), "{stderr}");
+    assert!(stderr.contains("ended by the VMM exiting"), "{stderr}");
+    let lines: Vec<serde_json::Value> = std::fs::read_to_string(&out)
+        .expect("what was read is written")
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("a JSON line"))
+        .collect();
+    assert!(!lines.is_empty(), "events were read in 3 s: {stderr}");
+    for (i, v) in lines.iter().enumerate() {
+        assert_eq!(seq_of(v["payload"].as_str().unwrap()), i as u64, "{v}");
+        let g = GuestTicks(u(v, "guest_tsc"));
+        let host = kvm.try_host_from_guest_floor(g).expect("in range").0;
+        assert_eq!((u(v, "host_lo"), u(v, "host_hi")), (host, host), "{v}");
+    }
+    assert!(
+        stderr.contains(&format!("recorded {} events", lines.len())),
+        "{stderr}"
+    );
 }

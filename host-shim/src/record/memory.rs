@@ -74,8 +74,9 @@ pub struct MemorySummary {
     pub mapping_changes: u64,
     /// Drain rounds.
     pub polls: u64,
-    /// Time from the first round that delivered records to the last one that did (the
-    /// guest was producing in between; waiting for the header or for the end is not in it).
+    /// Time from the start of the first round that delivered records to the end of the last
+    /// one that did, its records written (the guest was producing in between; waiting for
+    /// the header or for the end is not in it).
     pub drain: Duration,
 }
 
@@ -123,6 +124,34 @@ fn reading(v: &VcpuState) -> Result<Reading, RecordError> {
     })
 }
 
+/// Which mapping a record read in the round of a mapping change belongs to, with its host
+/// time under it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Side {
+    /// Written before the change.
+    Old(u64),
+    /// Written after it.
+    New(u64),
+}
+
+/// A record with guest tick `tsc`, read after reading `old` and before reading `new` of a
+/// mapping that changed in between. The change happened after `old.after` and before
+/// `new.before`; a record written before it has, under the old mapping, a host time no later
+/// than `new.before`, and one written after it has, under the new mapping, a host time no
+/// earlier than `old.after`. Exactly one of the two holding decides; both or neither
+/// (`None`) leave it ambiguous. (A record's host time under a negative offset past 2^64 is
+/// outside the host's range and cannot fit.)
+fn across_change(tsc: u64, old: Reading, new: Reading) -> Option<Side> {
+    let host = |offset: i64| tsc.checked_add_signed(offset.checked_neg()?);
+    let fits_old = host(old.offset).filter(|&h| h <= new.before);
+    let fits_new = host(new.offset).filter(|&h| h >= old.after);
+    match (fits_old, fits_new) {
+        (Some(h), None) => Some(Side::Old(h)),
+        (None, Some(h)) => Some(Side::New(h)),
+        _ => None,
+    }
+}
+
 /// The width-0 segment of mapping `r` from guest tick `guest_start` on.
 fn exact_segment(vcpu: u32, round: u64, guest_start: u64, r: Reading) -> SyncSegment {
     SyncSegment {
@@ -163,6 +192,25 @@ fn vmm_gone(proc: &ProcFs, vm: &VmDir) -> bool {
         Err(_) => true,
     }
 }
+
+/// Whether the VMM is gone within `limit`: a VMM that is exiting loses its mappings before
+/// its process becomes a zombie and its VM directory goes, so a read that fails then is
+/// given that long to turn into an exit.
+fn vmm_gone_within(proc: &ProcFs, vm: &VmDir, limit: Duration) -> bool {
+    let end = Instant::now() + limit;
+    loop {
+        if vmm_gone(proc, vm) {
+            return true;
+        }
+        if Instant::now() >= end {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// How long a failed read waits for the VMM's exit to show.
+const EXIT_GRACE: Duration = Duration::from_secs(2);
 
 /// Records a guest by reading its recorder out of its VMM's memory (see the module docs).
 ///
@@ -225,6 +273,10 @@ pub fn run_record_memory(
         v.segments.push(exact_segment(v.vcpu, 0, 0, *r));
     }
     st.round = 1;
+    // Host TSC/BOOTTIME snapshots for the Perfetto output (it needs two or more): one now,
+    // one a second while draining, and the one its writer takes at the end.
+    st.clocks.extend(ClockSnapshot::take().ok());
+    let mut last_clock = Instant::now();
     let mut out = Out::create(&target, Placement::OneSided)?;
     let mut drainer = Drainer::new(&found, guestmem::DEFAULT_MAX_PER_ROUND);
     let mut ms = MemorySummary {
@@ -254,19 +306,14 @@ pub fn run_record_memory(
         }
         closing = now_end.is_some();
         pending.clear();
+        let round_start = Instant::now();
         let polled = drainer.poll(&mut mem, &mut |r| pending.push(*r));
         ms.polls += 1;
         let summary = match polled {
-            Ok(s) => {
-                if s.delivered > 0 {
-                    let now = Instant::now();
-                    active = Some((active.map_or(now, |(first, _)| first), now));
-                }
-                s
-            }
+            Ok(s) => s,
             Err(e) => {
                 // A VMM that exited takes its memory with it: what was read is written.
-                break if vmm_gone(&proc, &opts.vm) {
+                break if vmm_gone_within(&proc, &opts.vm, EXIT_GRACE) {
                     Ok(EndReason::VmmExited)
                 } else {
                     Err(RecordError::Memory(e.to_string()))
@@ -276,7 +323,9 @@ pub fn run_record_memory(
         // The mapping after the round: every record just read was written before it.
         let now = match read_all() {
             Ok(n) => n,
-            Err(_) if vmm_gone(&proc, &opts.vm) => break Ok(EndReason::VmmExited),
+            Err(_) if vmm_gone_within(&proc, &opts.vm, EXIT_GRACE) => {
+                break Ok(EndReason::VmmExited);
+            }
             Err(e) => break Err(e),
         };
         let mut changed = vec![false; vcpus.len()];
@@ -302,17 +351,10 @@ pub fn run_record_memory(
             }
             let i = r.vcpu as usize;
             let (host, round) = if changed[i] {
-                // Written before the change (old mapping: host time at most the change's
-                // latest moment) or after it (new mapping: at least its earliest).
-                let (old, new) = (last[i], now[i]);
-                let h_old = r.tsc.wrapping_add_signed(-old.offset);
-                let h_new = r.tsc.wrapping_add_signed(-new.offset);
-                let fits_old = h_old <= new.before;
-                let fits_new = h_new >= old.after;
-                match (fits_old, fits_new) {
-                    (true, false) => (h_old, st.round - 2),
-                    (false, true) => (h_new, st.round - 1),
-                    _ => {
+                match across_change(r.tsc, last[i], now[i]) {
+                    Some(Side::Old(h)) => (h, st.round - 2),
+                    Some(Side::New(h)) => (h, st.round - 1),
+                    None => {
                         ms.ambiguous += 1;
                         continue;
                     }
@@ -339,6 +381,15 @@ pub fn run_record_memory(
             st.events += 1;
         }
         last = now;
+        if !pending.is_empty() {
+            // The round's records are placed and written: its end counts in the rate.
+            let end = Instant::now();
+            active = Some((active.map_or(round_start, |(first, _)| first), end));
+        }
+        if last_clock.elapsed() >= Duration::from_secs(1) {
+            last_clock = Instant::now();
+            st.clocks.extend(ClockSnapshot::take().ok());
+        }
         progress.status(&format!(
             "vmtsync record: {} events from guest memory, {} lost",
             st.events,
@@ -411,5 +462,41 @@ mod tests {
         let seg = exact_segment(0, 0, 0, r);
         let p = bounds::place(&[seg], 7_000_000, Placement::TwoSided).unwrap();
         assert_eq!((p.host, p.lo, p.hi), (8_000_000, 8_000_000, 8_000_000));
+    }
+
+    #[test]
+    fn a_record_read_across_a_mapping_change_goes_to_the_one_mapping_it_fits() {
+        // Read at host 1000..1010 with offset 0, then at 2000..2010 with offset 500 000 (the
+        // guest TSC jumped forward between the two readings).
+        let old = Reading {
+            offset: 0,
+            before: 1000,
+            after: 1010,
+        };
+        let new = Reading {
+            offset: 500_000,
+            before: 2000,
+            after: 2010,
+        };
+        // Guest 1500: old host 1500 (before 2000: fits), new host below 0: only old.
+        assert_eq!(across_change(1500, old, new), Some(Side::Old(1500)));
+        // Guest 501 500: old host 501 500 is after the second reading, so it was written
+        // after the change: new host 1500.
+        assert_eq!(across_change(501_500, old, new), Some(Side::New(1500)));
+        // A guest jump backwards makes ticks that fit both: ambiguous, never guessed.
+        let back = Reading {
+            offset: -500,
+            ..new
+        };
+        // Guest 1200: old host 1200 <= 2000 fits; new host 1700 >= 1010 fits.
+        assert_eq!(across_change(1200, old, back), None);
+        // Guest 2500 under offset 500 000 would be below host 0: it fits only the new
+        // mapping (offset 0, read after host 2010).
+        let later = Reading {
+            offset: 0,
+            before: 3000,
+            after: 3010,
+        };
+        assert_eq!(across_change(2500, new, later), Some(Side::New(2500)));
     }
 }

@@ -115,6 +115,11 @@ fn record_from_memory_recovers_every_agent_event_with_its_exact_host_time() {
     let dat = dir.path().join("events.dat");
     let o = record_memory(pid, &dat, "trace-cmd");
     assert!(o.status.success(), "record failed: {}", text(&o.stderr));
+    // The guest is done: this run's rate is the reader's own on a ring that is already full.
+    println!(
+        "record --from-memory trace-cmd (guest halted): {}",
+        text(&o.stderr).trim()
+    );
     let rep = trace_cmd(&["report", "-i", dat.to_str().unwrap()]);
     assert!(
         rep.status.success(),
@@ -125,6 +130,18 @@ fn record_from_memory_recovers_every_agent_event_with_its_exact_host_time() {
     assert_eq!(events.len() as u64, COUNT, "every event in trace.dat");
     for (i, (_, seq)) in events.iter().enumerate() {
         assert_eq!(*seq, i as u64, "trace.dat event {i} in sequence");
+    }
+    // The other outputs go through the same writers: each is written whole.
+    for (format, name) in [("perfetto", "events.pftrace"), ("ctf", "events.ctf")] {
+        let path = dir.path().join(name);
+        let o = record_memory(pid, &path, format);
+        let stderr = text(&o.stderr);
+        assert!(o.status.success(), "record --format {format}: {stderr}");
+        assert!(
+            stderr.contains(&format!("recorded {COUNT} events")),
+            "{format}: {stderr}"
+        );
+        assert!(path.exists(), "{format}: {} written", path.display());
     }
     drop(guard);
 }

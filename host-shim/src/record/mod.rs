@@ -1,6 +1,13 @@
 //! `vmtsync record`: one session that syncs the clocks and drains the guest's events into a
 //! trace file (trace-cmd's trace.dat, JSON Lines or CTF).
 //!
+//! Stages, read forward: a front end, then placement, then output.
+//! - `session.rs` (`--connect`): the probe session described below.
+//! - `memory.rs` (`--from-memory`): the guest's recorder read out of its VMM's memory, each
+//!   raw-TSC record placed exactly by KVM's debugfs mapping ([`run_record_memory`]).
+//! - `place.rs`: every vCPU's segments, an event's host interval, the recording's counters.
+//! - `write.rs`: where events go while recording and every format's writer.
+//!
 //! The session: hello, an initial sync round, then event drains
 //! ([`ProbeSession::drain_events`]) interleaved with a re-sync round every `resync`, with the
 //! same probe engine and estimators as `vmtsync probe --continuous` (each round becomes a

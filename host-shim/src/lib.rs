@@ -19,6 +19,8 @@
 //! - [`formats`]: every trace format: trace.dat (writer, reader, TIME_SHIFT, host copy,
 //!   attach planning), JSON Lines (one `Line` type both ways), CTF, Perfetto, perf, and the
 //!   one event source the exporters read.
+//! - [`guestmem`]: a guest's recorder read straight out of the VMM's memory: the scan, the
+//!   header check, the bounded drain with exact counts.
 //! - [`link`]: the byte stream to the guest agent: addresses, connecting with retries,
 //!   vhost-user vsock, AF_VSOCK, and the host-TSC-stamped transport.
 //! - [`guestmem`]: a guest's recorder read straight out of its VMM's memory (`/proc/PID/mem`):
@@ -36,10 +38,7 @@
 //! own (L1) mapping while its vCPU runs a nested guest; every reading carries the host TSC
 //! interval in which it was true.
 
-// Library code has no unsafe; only the guestmem test that maps a large sparse region into
-// this process (to scan real memory) needs it, and allows it for that module alone.
-#![cfg_attr(not(test), forbid(unsafe_code))]
-#![cfg_attr(test, deny(unsafe_code))]
+#![forbid(unsafe_code)]
 
 pub mod atomic_file;
 pub mod cli;

@@ -106,11 +106,14 @@ pub struct HeaderLayout {
 }
 
 impl HeaderLayout {
-    /// The published header of a recorder with `vcpus` rings of `capacity` records.
+    /// The header a recorder with `vcpus` rings of `capacity` records publishes, with its
+    /// checksum, but with the magic left zero: publication stores [`MAGIC`] itself, last. So
+    /// no value the guest handles (this one, on its stack) is ever a whole valid header: a
+    /// reader scanning guest memory would otherwise find a second copy and refuse both.
     #[must_use]
     pub fn new(info: &HeaderInfo, vcpus: usize, capacity: usize, mode: Mode) -> Self {
         let mut h = Self {
-            magic: MAGIC,
+            magic: 0,
             version: LAYOUT_VERSION,
             header_size: HEADER_SIZE32,
             nonce: info.nonce,
@@ -129,8 +132,16 @@ impl HeaderLayout {
             checksum: 0,
             reserved1: 0,
         };
-        h.checksum = checksum(&h.to_bytes());
+        h.checksum = published_checksum(&h.to_bytes());
         h
+    }
+
+    /// This header as published: the same fields with the magic set (for readers and tests;
+    /// guest code has no need to hold one).
+    #[must_use]
+    pub const fn published(mut self) -> Self {
+        self.magic = MAGIC;
+        self
     }
 
     /// The header's 128 bytes, little-endian.
@@ -209,6 +220,17 @@ pub fn checksum(header: &[u8; HEADER_SIZE]) -> u32 {
     CRC.checksum(&header[..120])
 }
 
+/// The checksum of a published header whose other fields are `body`'s (its magic bytes are
+/// ignored): [`MAGIC`] is fed to the CRC on its own, so that the whole valid header never sits
+/// in one buffer in guest memory.
+fn published_checksum(body: &[u8; HEADER_SIZE]) -> u32 {
+    const CRC: crc::Crc<u32> = crc::Crc::<u32>::new(&crc::CRC_32_ISCSI);
+    let mut d = CRC.digest();
+    d.update(&MAGIC.to_le_bytes());
+    d.update(&body[8..120]);
+    d.finalize()
+}
+
 /// Bytes from one ring to the next: its header and its slots.
 #[must_use]
 pub const fn ring_stride(capacity: usize) -> usize {
@@ -267,7 +289,7 @@ pub(super) fn publish(words: &HeaderWords, h: &HeaderLayout) {
         w.copy_from_slice(&bytes[i * 8..i * 8 + 8]);
         word(words, i).store(u64::from_le_bytes(w), Ordering::Relaxed);
     }
-    word(words, 0).store(h.magic, Ordering::Release);
+    word(words, 0).store(MAGIC, Ordering::Release);
 }
 
 /// Copies `slots`' words little-endian into `out` from `*at` on, as far as `out` goes, and

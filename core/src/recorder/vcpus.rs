@@ -61,7 +61,7 @@ impl<const VCPUS: usize, const CAP: usize> Recorder<VCPUS, CAP> {
     /// Writes the self-describing header (magic last, with a release store), so that a
     /// reader of guest memory can find and trust the rings. Call it once at run time,
     /// before recording; calling it again with another nonce tells a reader that the guest
-    /// restarted. Returns what it wrote.
+    /// restarted. Returns what it wrote, with the magic left zero ([`HeaderLayout::new`]).
     pub fn publish(&self, info: &HeaderInfo) -> HeaderLayout {
         let h = HeaderLayout::new(info, VCPUS, CAP, self.mode());
         layout::publish(&self.header.0, &h);

@@ -356,7 +356,8 @@ mod tests {
             clock: vmtsync_core::recorder::ClockKind::Other,
             beacon_port: 0x510,
         };
-        let core = HeaderLayout::new(&info, 3, 4096, vmtsync_core::recorder::Mode::Overwrite);
+        let core =
+            HeaderLayout::new(&info, 3, 4096, vmtsync_core::recorder::Mode::Overwrite).published();
         assert_eq!(core.to_bytes(), b);
         assert!(core.is_valid());
     }

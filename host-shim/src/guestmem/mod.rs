@@ -51,7 +51,6 @@ pub use layout::{BEACON_ID, GuestClock, Header, HeaderError, RingMode};
 pub use memory::{FakeMemory, GuestMemory, MemError, ProcMemory, Region};
 
 #[cfg(test)]
-#[allow(unsafe_code)]
 mod proc_tests;
 #[cfg(test)]
 mod tests;

@@ -1,22 +1,17 @@
-//! Set-up the integration tests share, one way each: scratch directories; `vmtsync record`
-//! sessions against the loopback agent ([`Loopback`]) or the real agent under QEMU
-//! ([`QemuAgent`]); running trace-cmd; and host traces made the way this machine's lockdown
-//! kernel allows ([`HostTrace`]: a private tracefs instance on `x86-tsc`, then
-//! `trace-cmd extract`).
+//! Set-up both test targets share, one way each (the `tier2` target includes this file in its
+//! own `util`, which adds the tier-2 helpers): the CLI runner, scratch directories, `vmtsync
+//! record` sessions against the loopback agent ([`Loopback`]), and reading recordings.
 
 use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Output};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use vmtsync::ftrace::Instance;
+use serde_json::Value;
 use vmtsync::kvm::hosttsc::read_host_tsc;
+use vmtsync_tests::ChildGuard;
 use vmtsync_tests::fake_agent::{SkewedClock, Workload, serve_with_events};
-use vmtsync_tests::truth::truth_ready;
-use vmtsync_tests::vmm::agent_elf;
-use vmtsync_tests::vmm::qemu::{self, Machine, have_qemu};
-use vmtsync_tests::{ChildGuard, have_kvm, is_root, require};
 
 /// The fixture directory.
 pub(crate) fn fixtures() -> PathBuf {
@@ -65,9 +60,102 @@ pub(crate) fn guarded_output(c: &mut Command, input: &[u8]) -> Output {
     }
 }
 
+/// Sends SIGINT to the guarded child by PID and waits (at most 10 s) for it to exit.
+pub(crate) fn interrupt(guard: &mut ChildGuard) -> (Option<i32>, String) {
+    let pid = libc::pid_t::try_from(guard.pid()).unwrap();
+    // SAFETY: kill(2) on the PID of our own, not yet reaped, child.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGINT) }, 0);
+    let end = Instant::now() + Duration::from_secs(10);
+    let status = loop {
+        if let Some(s) = guard.child().try_wait().unwrap() {
+            break s;
+        }
+        assert!(Instant::now() < end, "vmtsync ignored SIGINT for 10 s");
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    let mut err = String::new();
+    std::io::Read::read_to_string(guard.child().stderr.as_mut().unwrap(), &mut err).unwrap();
+    (status.code(), err)
+}
+
 /// Runs `vmtsync args…` with `input` on stdin to completion ([`guarded_output`]).
 pub(crate) fn run(args: &[&str], input: &[u8]) -> Output {
     guarded_output(vmtsync().args(args), input)
+}
+
+/// Runs `vmtsync trace-cmd attach` with `args`.
+pub(crate) fn attach(args: &[&str]) -> Output {
+    vmtsync()
+        .args(["trace-cmd", "attach"])
+        .args(args)
+        .output()
+        .expect("run vmtsync")
+}
+
+/// The stdout of a `vmtsync` run `o`, which must have succeeded (its output shown if not).
+pub(crate) fn ok(o: &Output) -> String {
+    assert!(
+        o.status.success(),
+        "vmtsync: {}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+/// Runs `vmtsync export ctf ...` (guarded).
+pub(crate) fn export_ctf(args: &[&str]) -> Output {
+    guarded_output(vmtsync().args(["export", "ctf"]).args(args), b"")
+}
+
+/// A JSON line as `vmtsync record --format jsonl` writes it.
+pub(crate) fn jsonl_line(
+    vcpu: u64,
+    id: u64,
+    guest: u64,
+    host: u64,
+    lo: u64,
+    hi: u64,
+    payload: &[u8],
+) -> String {
+    let hex: String = payload.iter().map(|b| format!("{b:02x}")).collect();
+    format!(
+        r#"{{"schema":1,"vcpu":{vcpu},"id":{id},"guest_tsc":{guest},"host_tsc":{host},"host_lo":{lo},"host_hi":{hi},"payload":"{hex}","round":0}}"#
+    )
+}
+
+/// The JSON Lines output: every object.
+pub(crate) fn read_jsonl(path: &Path) -> Vec<Value> {
+    std::fs::read_to_string(path)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+/// The unsigned field `k` of a JSON object, which must be there.
+pub(crate) fn u(v: &Value, k: &str) -> u64 {
+    v[k].as_u64().unwrap_or_else(|| panic!("{k} in {v}"))
+}
+
+/// The sequence number in a workload event's payload (hex of a u64 LE).
+pub(crate) fn seq_of(payload_hex: &str) -> u64 {
+    let b: Vec<u8> = (0..payload_hex.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&payload_hex[i..i + 2], 16).unwrap())
+        .collect();
+    u64::from_le_bytes(b.try_into().unwrap())
+}
+
+/// `vmtsync export perfetto --from IN --out OUT`, its output captured.
+pub(crate) fn export_perfetto(from: &Path, out: &Path) -> std::process::Output {
+    vmtsync()
+        .args(["export", "perfetto", "--from"])
+        .arg(from)
+        .arg("--out")
+        .arg(out)
+        .output()
+        .unwrap()
 }
 
 /// A scratch directory named after `test`, removed on drop.
@@ -142,248 +230,5 @@ impl Loopback {
         let o = record(&args);
         assert_eq!(o.status.code(), Some(0), "{}", text(&o.stderr));
         o
-    }
-}
-
-/// trace-cmd with a closed stdin and its output captured.
-pub(crate) fn trace_cmd(args: &[&str]) -> Output {
-    Command::new("trace-cmd")
-        .args(args)
-        .stdin(Stdio::null())
-        .output()
-        .expect("run trace-cmd")
-}
-
-/// The CPU and timestamp of one event line of `trace-cmd report`:
-/// `comm-pid [CPU] 1234.567890: event: …`, or with `--raw-ts` `[CPU]12345:`. The timestamp is
-/// its digits with the `.` removed (raw ticks, or nanoseconds with `-t`).
-pub(crate) fn report_cpu_ts(line: &str) -> (usize, u64) {
-    let (head, rest) = line
-        .split_once(']')
-        .unwrap_or_else(|| panic!("no [CPU] in {line}"));
-    let cpu = head
-        .rsplit('[')
-        .next()
-        .and_then(|c| c.parse().ok())
-        .unwrap_or_else(|| panic!("CPU in {line}"));
-    let ts: String = rest
-        .trim_start()
-        .chars()
-        .take_while(|c| c.is_ascii_digit() || *c == '.')
-        .collect();
-    let ts = ts
-        .replace('.', "")
-        .parse()
-        .unwrap_or_else(|_| panic!("timestamp in {line}"));
-    (cpu, ts)
-}
-
-/// Whether trace-cmd is installed; `false` (after [`require`] said why) when not.
-pub(crate) fn have_trace_cmd(test: &str) -> bool {
-    let ok = Command::new("trace-cmd")
-        .arg("--version")
-        .stdin(Stdio::null())
-        .output()
-        .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains("trace-cmd version"));
-    require(
-        test,
-        ok,
-        "trace-cmd is not installed (apt-get install trace-cmd, or cargo xtask setup)",
-    )
-}
-
-/// Whether `program --version` runs and succeeds (an installed tool).
-pub(crate) fn have_program(program: &str) -> bool {
-    Command::new(program)
-        .arg("--version")
-        .stdin(Stdio::null())
-        .output()
-        .is_ok_and(|o| o.status.success())
-}
-
-/// Tier 2 prerequisites of a test that runs a QEMU VM and reads its truth from debugfs:
-/// `/dev/kvm`, QEMU, root and a mounted debugfs. `false` (after [`require`] said why) when
-/// one is missing.
-pub(crate) fn vm_ready(test: &str) -> bool {
-    require(test, have_kvm(), "/dev/kvm is not accessible read-write")
-        && require(
-            test,
-            have_qemu(),
-            "qemu-system-x86_64 is missing (apt-get install qemu-system-x86)",
-        )
-        && truth_ready(test)
-}
-
-/// Tier 2 prerequisites of exit-anchored probing of a QEMU VM: [`vm_ready`] and a tracefs
-/// with `kvm:kvm_pio`.
-pub(crate) fn anchor_ready(test: &str) -> bool {
-    vm_ready(test)
-        && require(
-            test,
-            vmtsync::ftrace::find_tracefs(None, vmtsync::probe::anchor::EVENT).is_ok(),
-            "no tracefs with events/kvm/kvm_pio (mount tracefs, load kvm)",
-        )
-}
-
-/// Tier 2 prerequisites for the QEMU recording tests: [`vm_ready`] and trace-cmd.
-pub(crate) fn qemu_ready(test: &str) -> bool {
-    vm_ready(test) && have_trace_cmd(test)
-}
-
-/// Boots the agent under QEMU microvm (COM1 on `sock`), waits for the socket.
-pub(crate) fn boot_qemu(dir: &Path, append: &str) -> (ChildGuard, PathBuf) {
-    boot_qemu_with(dir, append, &[])
-}
-
-/// [`boot_qemu`] with `extra` QEMU arguments appended (such as `-name N,debug-threads=on`).
-pub(crate) fn boot_qemu_with(dir: &Path, append: &str, extra: &[&str]) -> (ChildGuard, PathBuf) {
-    let elf = agent_elf().expect("agent builds");
-    boot_elf(&elf, dir, append, extra, false)
-}
-
-/// [`boot_qemu_with`] for any guest ELF (the minimal kernel: `vmtsync_launch::agent::Guest`).
-/// With `wait`, QEMU starts the guest only once a client has connected to COM1
-/// (`qemu::command_com1_socket_waiting`), so that client gets every byte from the first.
-pub(crate) fn boot_elf(
-    elf: &Path,
-    dir: &Path,
-    append: &str,
-    extra: &[&str],
-    wait: bool,
-) -> (ChildGuard, PathBuf) {
-    let sock = dir.join("com1.sock");
-    let com2 = dir.join("com2.log");
-    let mut c = if wait {
-        qemu::command_com1_socket_waiting(Machine::Microvm, elf, append, &com2, &sock)
-    } else {
-        qemu::command_com1_socket(Machine::Microvm, elf, append, &com2, &sock)
-    };
-    let child = c
-        .args(extra)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("qemu starts");
-    let guard = ChildGuard::new(child);
-    let end = Instant::now() + Duration::from_secs(20);
-    while !sock.exists() {
-        assert!(
-            Instant::now() < end,
-            "QEMU did not create {}",
-            sock.display()
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    (guard, sock)
-}
-
-/// The real agent under QEMU microvm with COM1 on a socket, for `vmtsync record` sessions.
-pub(crate) struct QemuAgent {
-    /// QEMU; dropping it ends the VM.
-    pub(crate) guard: ChildGuard,
-    /// The `--connect` address of COM1.
-    pub(crate) addr: String,
-}
-
-impl QemuAgent {
-    /// Boots the agent with `append` as its command line ([`boot_qemu`]).
-    pub(crate) fn boot(dir: &Path, append: &str) -> Self {
-        let (guard, sock) = boot_qemu(dir, append);
-        Self::booted(guard, &sock)
-    }
-
-    /// Boots any guest ELF `elf` ([`boot_elf`]) for `vmtsync record` sessions; with `wait`,
-    /// the guest starts when the first session connects.
-    pub(crate) fn boot_elf(elf: &Path, dir: &Path, wait: bool) -> Self {
-        let (guard, sock) = boot_elf(elf, dir, "", &[], wait);
-        Self::booted(guard, &sock)
-    }
-
-    fn booted(guard: ChildGuard, sock: &Path) -> Self {
-        Self {
-            guard,
-            addr: format!("unix:{}", sock.display()),
-        }
-    }
-
-    /// `vmtsync record --connect ADDR --out OUT --events N --duration 120 --resync MS
-    /// --timeout 10000` and `extra` (the format, `--shutdown`, anchoring) to completion.
-    pub(crate) fn record(&self, out: &Path, events: u64, resync_ms: u32, extra: &[&str]) -> Output {
-        let (n, resync) = (events.to_string(), resync_ms.to_string());
-        let mut args = vec!["--connect", &self.addr, "--out", out.to_str().unwrap()];
-        args.extend(["--events", &n, "--duration", "120", "--resync", &resync]);
-        args.extend(["--timeout", "10000"]);
-        args.extend_from_slice(extra);
-        record(&args)
-    }
-}
-
-/// A host trace in the making: a private tracefs instance (`vmtsync::ftrace::Instance`) on
-/// the `x86-tsc` clock, so its timestamps are host TSC ticks, removed when dropped or
-/// extracted.
-pub(crate) struct HostTrace {
-    inst: Instance,
-    name: String,
-}
-
-impl HostTrace {
-    /// Checks for root, trace-cmd and a tracefs that has `event` (`system/name`) with
-    /// [`require`], then creates the instance for `purpose`; `None` (after `require` said why)
-    /// when one is missing.
-    pub(crate) fn start(test: &str, purpose: &str, event: &'static str) -> Option<Self> {
-        if !have_trace_cmd(test) || !require(test, is_root(), "needs root (tracefs instances)") {
-            return None;
-        }
-        let tracefs = vmtsync::ftrace::find_tracefs(None, event);
-        if !require(
-            test,
-            tracefs.is_ok(),
-            &format!("no tracefs with events/{event} at /sys/kernel/{{debug/,}}tracing"),
-        ) {
-            return None;
-        }
-        let inst = Instance::create(&tracefs.unwrap(), purpose).expect("create tracefs instance");
-        assert!(inst.tsc_clock(), "the instance clock must be x86-tsc");
-        let name = inst
-            .path()
-            .file_name()
-            .unwrap()
-            .to_string_lossy()
-            .into_owned();
-        Some(Self { inst, name })
-    }
-
-    /// The instance, to enable events, set filters or read its files.
-    pub(crate) fn instance(&mut self) -> &mut Instance {
-        &mut self.inst
-    }
-
-    /// The instance directory.
-    pub(crate) fn path(&self) -> &Path {
-        self.inst.path()
-    }
-
-    /// Sets the instance's per-CPU buffer size (room for every event of a longer run).
-    pub(crate) fn buffer_kb(&self, kb: u32) {
-        std::fs::write(self.path().join("buffer_size_kb"), kb.to_string()).expect("buffer size");
-    }
-
-    /// Stops tracing.
-    pub(crate) fn stop(&self) {
-        std::fs::write(self.path().join("tracing_on"), "0").unwrap();
-    }
-
-    /// Stops tracing, writes the instance's buffer to `out` with `trace-cmd extract -B` (a v7
-    /// trace.dat with zstd-compressed sections here) and removes the instance.
-    pub(crate) fn extract(self, out: &Path) {
-        self.stop();
-        let o = Command::new("trace-cmd")
-            .args(["extract", "-B", &self.name, "-o", out.to_str().unwrap()])
-            .current_dir(out.parent().unwrap())
-            .stdin(Stdio::null())
-            .output()
-            .unwrap();
-        assert!(o.status.success(), "extract: {}", text(&o.stderr));
     }
 }

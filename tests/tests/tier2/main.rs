@@ -12,20 +12,44 @@
 
 use libtest_mimic::{Arguments, Failed, Trial};
 
+mod agent_events;
+mod agent_qemu;
+mod agent_vmm;
+mod anchor;
 mod anchor_putc;
+mod attach;
+mod c_guest;
+mod causality;
+mod console;
+mod ctf;
+mod e2e;
+mod kvm_real;
+mod memory_agent;
+mod minimal_kernel;
+mod perf;
+mod perfetto;
+mod placement;
+mod probe;
+mod probe_bench;
+mod record;
+mod record_memory;
 mod smoke;
-// The helpers both targets share; this target uses only some of them.
-#[allow(dead_code)]
-#[path = "../it/util.rs"]
+mod smp;
+mod tracedat;
 mod util;
+mod validate;
+mod validate_rules;
+mod vsock;
 
-/// Lists a module's tier-2 tests with the prerequisite check they share: `trials!(check; a,
-/// b)` defines the module's `trials()`, each test named `module::test` as libtest would.
+/// Lists a module's tier-2 tests with the prerequisite check each needs: `trials!(check; a,
+/// b)` defines the module's `trials()`, each test named `module::test` as libtest would; a
+/// module whose tests need different checks lists one group per check, `trials!(check_a; a,
+/// b; check_b; c)`.
 #[macro_export]
 macro_rules! trials {
-    ($check:path; $($test:ident),+ $(,)?) => {
+    ($($check:path; $($test:ident),+ $(,)?);+ $(;)?) => {
         pub(crate) fn trials() -> Vec<libtest_mimic::Trial> {
-            vec![$($crate::trial(module_path!(), stringify!($test), $check, $test)),+]
+            vec![$($($crate::trial(module_path!(), stringify!($test), $check, $test)),+),+]
         }
     };
 }
@@ -54,10 +78,38 @@ fn trial(module: &str, test: &str, check: fn(&str) -> bool, run: fn()) -> Trial 
 
 fn main() -> std::process::ExitCode {
     let args = Arguments::from_args();
-    let trials: Vec<Trial> = [anchor_putc::trials(), smoke::trials()]
-        .into_iter()
-        .flatten()
-        .collect();
+    let trials: Vec<Trial> = [
+        agent_events::trials(),
+        agent_qemu::trials(),
+        agent_vmm::trials(),
+        anchor::trials(),
+        anchor_putc::trials(),
+        attach::trials(),
+        c_guest::trials(),
+        causality::trials(),
+        console::trials(),
+        ctf::trials(),
+        e2e::trials(),
+        kvm_real::trials(),
+        memory_agent::trials(),
+        minimal_kernel::trials(),
+        perf::trials(),
+        perfetto::trials(),
+        placement::trials(),
+        probe::trials(),
+        probe_bench::trials(),
+        record::trials(),
+        record_memory::trials(),
+        smoke::trials(),
+        smp::trials(),
+        tracedat::trials(),
+        validate::trials(),
+        validate_rules::trials(),
+        vsock::trials(),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
     vmtsync_tests::set_gated();
     libtest_mimic::run(&args, trials).exit_code()
 }

@@ -3,7 +3,7 @@
 //! option added to a copy of a host trace.
 //!
 //! No Rust crate reads or writes trace.dat, so this is std plus `tempfile`. Every file is checked
-//! against trace-cmd 3.1.6 itself in the tier-2 tests (`tests/tests/it/tracedat.rs`); the
+//! against trace-cmd 3.1.6 itself in the tier-2 tests (`tests/tests/tier2/tracedat.rs`); the
 //! format, the reader's traps and the choices made here are in `docs/trace-dat.md`.
 //!
 //! Layers:

@@ -72,19 +72,6 @@ pub fn ensure_vhost_device_vsock() -> Result<PathBuf, VsockRigError> {
         .map_err(|e| VsockRigError::Install(e.to_string()))
 }
 
-/// [`ensure_vhost_device_vsock`] for a tier-2 test: the backend's path, or `None` after
-/// [`crate::require`] said why it is missing (which fails the test under `CI=true`).
-#[must_use]
-pub fn vhost_device_vsock_for(test: &str) -> Option<PathBuf> {
-    match ensure_vhost_device_vsock() {
-        Ok(b) => Some(b),
-        Err(e) => {
-            let _skipped = crate::require(test, false, &e.to_string());
-            None
-        }
-    }
-}
-
 /// A QEMU q35 + qboot VM with `vhost-user-vsock-pci`, its backend, and a host listener.
 #[derive(Debug)]
 pub struct VsockRig {

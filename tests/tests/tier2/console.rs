@@ -7,24 +7,22 @@
 //! (KVM debugfs composed with the agent's software skew), so the console's `out`s between
 //! frames did not confuse the exit matcher.
 
-use std::time::{Duration, Instant};
-
 use serde_json::Value;
 use vmtsync_core::HostTicks;
 use vmtsync_tests::truth::{GuestTruth, Skew};
 
-use crate::causality::vcpu_thread;
-use crate::util::{QemuAgent, qemu_ready, text};
+use crate::util::{QemuAgent, qemu_ready, text, wait_vcpu_thread};
+
+crate::trials!(
+    qemu_ready;
+    record_console_keeps_every_frame_and_every_console_line,
+);
 
 /// Events to record: one per agent poll that handled messages.
 const EVENTS: u64 = 150;
 
-#[test]
 fn record_console_keeps_every_frame_and_every_console_line() {
     let test = "console::record_console_keeps_every_frame_and_every_console_line";
-    if !qemu_ready(test) {
-        return;
-    }
     let dir = tempfile::Builder::new()
         .prefix("vmtsync-console-")
         .tempdir()
@@ -38,14 +36,7 @@ fn record_console_keeps_every_frame_and_every_console_line() {
     );
     eprintln!("{test}: agent options {append}");
     let vm = QemuAgent::boot(dir.path(), &append);
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while vcpu_thread(vm.guard.pid()).is_none() {
-        assert!(
-            Instant::now() < deadline,
-            "vcpu0's thread never appeared in KVM debugfs"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_vcpu_thread(vm.guard.pid());
     let truth = GuestTruth::read(vm.guard.pid(), 0, Some(skew)).expect("truth from debugfs");
     let (guest, sync, console) = (
         dir.path().join("guest.jsonl"),

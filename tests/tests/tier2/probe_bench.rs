@@ -7,16 +7,16 @@
 use std::process::Command;
 
 use vmtsync_launch::bench::{ProbeBench, last_line};
-use vmtsync_tests::truth::truth_ready;
 use vmtsync_tests::vmm::qemu::have_qemu;
-use vmtsync_tests::{have_kvm, require};
 
-#[test]
+use crate::util::kvm_truth_ready;
+
+crate::trials!(
+    kvm_truth_ready;
+    probe_bench_intervals_contain_the_truth_on_real_kvm,
+);
+
 fn probe_bench_intervals_contain_the_truth_on_real_kvm() {
-    let test = "probe_bench_intervals_contain_the_truth_on_real_kvm";
-    if !require(test, have_kvm(), "/dev/kvm is not accessible read-write") || !truth_ready(test) {
-        return;
-    }
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_vmtsync-probe-bench"));
     // The vsock sessions are 32 probes here (trace-cmd's 339 in the benchmark itself).
     cmd.args(["--sessions", "3", "--probes", "16", "--vsock-probes", "32"]);

@@ -18,8 +18,41 @@ use vmtsync_tests::vmm::agent_elf;
 use vmtsync_tests::vmm::client::{probe_run, wait_ready};
 use vmtsync_tests::vmm::defmt_log::decode_file_text;
 use vmtsync_tests::vmm::qemu::{self, Machine, debug_exit_status, have_qemu};
-use vmtsync_tests::vmm::vsock::{VsockRig, vhost_device_vsock_for};
-use vmtsync_tests::{ChildGuard, have_kvm, require};
+use vmtsync_tests::vmm::vsock::{VsockRig, ensure_vhost_device_vsock};
+use vmtsync_tests::{ChildGuard, require};
+
+use crate::util::kvm_ready;
+
+crate::trials!(
+    qboot_truth_ready;
+    vsock_probes_bracket_the_guest_tsc_under_qemu_q35,
+    vsock_host_connects_to_a_listening_agent,
+    vsock_probes_from_ring_0_bracket_the_guest_tsc,
+    vsock_probes_under_qemu_microvm_over_virtio_mmio,
+    vsock_agent_serves_a_new_session_after_the_host_hangs_up;
+    qboot_vm_ready;
+    vsock_without_a_device_fails_cleanly,
+);
+
+/// The prerequisites of a q35 VM booted by QEMU with qboot: `/dev/kvm`, QEMU and qboot.
+fn qboot_vm_ready(test: &str) -> bool {
+    kvm_ready(test)
+        && require(
+            test,
+            have_qemu(),
+            "qemu-system-x86_64 is missing (apt-get install qemu-system-x86)",
+        )
+        && require(
+            test,
+            std::path::Path::new(qemu::QBOOT).is_file(),
+            "qboot.rom is missing (apt-get install qemu-system-x86)",
+        )
+}
+
+/// [`qboot_vm_ready`] and the truth from debugfs.
+fn qboot_truth_ready(test: &str) -> bool {
+    qboot_vm_ready(test) && truth_ready(test)
+}
 
 const STEP: Duration = Duration::from_secs(20);
 const PORT: u32 = 1234;
@@ -28,85 +61,36 @@ const PROBES: u32 = 200;
 /// (`vmtsync_agent::vsock::SETUP_FAILED_EXIT_CODE`; the agent crate is not a host dependency).
 const SETUP_FAILED_EXIT_CODE: u8 = 0x7c;
 
-#[test]
 fn vsock_probes_bracket_the_guest_tsc_under_qemu_q35() {
-    session(
-        "vsock_probes_bracket_the_guest_tsc_under_qemu_q35",
-        Machine::Q35,
-        3,
-        PORT,
-        false,
-        false,
-    );
+    session(Machine::Q35, 3, PORT, false, false);
 }
 
 /// The other direction: the agent listens (`vsock=listen`) and the host connects through the
 /// backend's `CONNECT <port>` handshake, as a host tool would connect to a guest's CID.
-#[test]
 fn vsock_host_connects_to_a_listening_agent() {
-    session(
-        "vsock_host_connects_to_a_listening_agent",
-        Machine::Q35,
-        3,
-        PORT + 2,
-        true,
-        false,
-    );
+    session(Machine::Q35, 3, PORT + 2, true, false);
 }
 
 /// The same session with the protocol loop left in ring 0 (`ring=0`), where the project's
 /// nested KVM emulates every guest instruction: slower, and it must still bracket the truth.
-#[test]
 fn vsock_probes_from_ring_0_bracket_the_guest_tsc() {
-    session(
-        "vsock_probes_from_ring_0_bracket_the_guest_tsc",
-        Machine::Q35,
-        0,
-        PORT + 1,
-        false,
-        false,
-    );
+    session(Machine::Q35, 0, PORT + 1, false, false);
 }
 
 /// QEMU microvm: `vhost-user-vsock-device` on virtio-mmio, found through the
 /// `virtio_mmio.device=` word QEMU appends to the command line; no PCI, no BARs to place. The
 /// agent also applies a software skew here ([`Skew::pick`]: an offset derived from the host
 /// TSC and a rate != 1), so the truth the brackets must contain moves with time.
-#[test]
 fn vsock_probes_under_qemu_microvm_over_virtio_mmio() {
-    session(
-        "vsock_probes_under_qemu_microvm_over_virtio_mmio",
-        Machine::Microvm,
-        3,
-        PORT + 4,
-        false,
-        true,
-    );
+    session(Machine::Microvm, 3, PORT + 4, false, true);
 }
 
 /// Boots the agent on `machine` with `transport=vsock port={port} ring={ring} exit=5` (and
 /// `vsock=listen` when `listen`, a [`Skew::pick`] skew when `skew`), runs [`PROBES`] probes,
 /// checks every bracket, the guaranteed bounds and (for a constant offset) the offset
 /// interval against the truth (debugfs, then the skew), shuts down.
-fn session(test: &str, machine: Machine, ring: u8, port: u32, listen: bool, skew: bool) {
-    if !require(test, have_kvm(), "/dev/kvm is not accessible read-write")
-        || !require(
-            test,
-            have_qemu(),
-            "qemu-system-x86_64 is missing (apt-get install qemu-system-x86)",
-        )
-        || !require(
-            test,
-            std::path::Path::new(qemu::QBOOT).is_file(),
-            "qboot.rom is missing (apt-get install qemu-system-x86)",
-        )
-        || !truth_ready(test)
-    {
-        return;
-    }
-    let Some(backend) = vhost_device_vsock_for(test) else {
-        return;
-    };
+fn session(machine: Machine, ring: u8, port: u32, listen: bool, skew: bool) {
+    let backend = ensure_vhost_device_vsock().expect("the vhost-device-vsock backend installs");
     let elf = agent_elf().expect("agent builds");
     let started = Instant::now();
     let mode = if listen { "listen" } else { "connect" };
@@ -241,23 +225,8 @@ fn session(test: &str, machine: Machine, ring: u8, port: u32, listen: bool, skew
 
 /// A host that hangs up without `Shutdown` does not strand the agent: it accepts the next
 /// connection and serves a fresh session (`vsock=listen`).
-#[test]
 fn vsock_agent_serves_a_new_session_after_the_host_hangs_up() {
-    let test = "vsock_agent_serves_a_new_session_after_the_host_hangs_up";
-    if !require(test, have_kvm(), "/dev/kvm is not accessible read-write")
-        || !require(test, have_qemu(), "qemu-system-x86_64 is missing")
-        || !require(
-            test,
-            std::path::Path::new(qemu::QBOOT).is_file(),
-            "qboot.rom is missing",
-        )
-        || !truth_ready(test)
-    {
-        return;
-    }
-    let Some(backend) = vhost_device_vsock_for(test) else {
-        return;
-    };
+    let backend = ensure_vhost_device_vsock().expect("the vhost-device-vsock backend installs");
     let elf = agent_elf().expect("agent builds");
     let port = PORT + 3;
     let machine = Machine::Q35;
@@ -311,19 +280,8 @@ fn vsock_agent_serves_a_new_session_after_the_host_hangs_up() {
 
 /// Without a vsock device the agent says so on COM2 and exits with its setup-failure code,
 /// instead of hanging: q35 with no `vhost-user-vsock-pci`, so PCI bus 0 has no socket device.
-#[test]
 fn vsock_without_a_device_fails_cleanly() {
     let test = "vsock_without_a_device_fails_cleanly";
-    if !require(test, have_kvm(), "/dev/kvm is not accessible read-write")
-        || !require(test, have_qemu(), "qemu-system-x86_64 is missing")
-        || !require(
-            test,
-            std::path::Path::new(qemu::QBOOT).is_file(),
-            "qboot.rom is missing",
-        )
-    {
-        return;
-    }
     let elf = agent_elf().expect("agent builds");
     let dir = std::env::temp_dir().join(format!("vmtsync-{test}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");

@@ -10,14 +10,19 @@
 //! docs/validate.md.
 
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
 
 use serde_json::Value;
 use vmtsync::probe::anchor::DEFAULT_SYNC_PORT;
 use vmtsync_tests::truth::{GuestTruth, Skew};
 
-use crate::util::{HostTrace, QemuAgent, qemu_ready, text, trace_cmd};
+use crate::util::{HostTrace, QemuAgent, qemu_pio_trace_ready, text, trace_cmd, wait_vcpu_thread};
 use crate::util::{guarded_output, vmtsync};
+
+crate::trials!(
+    qemu_pio_trace_ready;
+    merged_report_puts_each_workload_event_on_the_right_side_of_its_exit,
+    a_drifting_guest_keeps_every_bound_and_a_shift_is_caught,
+);
 
 /// The workload's port: unused on QEMU microvm (no floppy controller), so QEMU answers an
 /// `in` with 0xff and ignores an `out`, both through a userspace exit `kvm_pio` stamps.
@@ -95,18 +100,6 @@ fn merged_order(host: &Path, guest: &Path, thread: u64) -> Order {
     ord
 }
 
-/// The host thread of the VM's first vCPU, once `vmtsync kvm` shows it.
-pub(crate) fn vcpu_thread(pid: u32) -> Option<u64> {
-    let o = guarded_output(
-        vmtsync().args(["kvm", "--json", "--vm", &pid.to_string()]),
-        b"",
-    );
-    let v: Value = serde_json::from_slice(&o.stdout).unwrap_or(Value::Null);
-    v["vms"][0]["vcpus"][0]["thread_pid"]
-        .as_u64()
-        .filter(|&t| t != 0)
-}
-
 /// `vmtsync validate ARGS --json`: its exit code, JSON report and stderr.
 pub(crate) fn run_validate(args: &[&str]) -> (Option<i32>, Value, String) {
     let o = guarded_output(vmtsync().arg("validate").args(args).arg("--json"), b"");
@@ -179,12 +172,9 @@ pub(crate) struct Run {
 }
 
 /// Boots the agent with `skew` and the workload, records `EVENTS` events in `format` with
-/// exit-anchored sync rounds, and extracts the host's trace of the workload port; `None`
-/// (after `require` said why) when a tier-2 prerequisite is missing.
-pub(crate) fn recorded_run(test: &str, purpose: &str, skew: &Skew, format: &str) -> Option<Run> {
-    if !qemu_ready(test) {
-        return None;
-    }
+/// exit-anchored sync rounds, and extracts the host's trace of the workload port. Its tests'
+/// gate is [`qemu_pio_trace_ready`].
+pub(crate) fn recorded_run(purpose: &str, skew: &Skew, format: &str) -> Run {
     let dir = tempfile::Builder::new()
         .prefix(&format!("vmtsync-{purpose}-"))
         .tempdir()
@@ -193,7 +183,7 @@ pub(crate) fn recorded_run(test: &str, purpose: &str, skew: &Skew, format: &str)
     // `out` in it is step k; a buffer large enough that no exit is overwritten. The UART's
     // exits too (its data port and status registers) and the agent's default sync port, for
     // the sync probes' own brackets.
-    let mut trace = HostTrace::start(test, purpose, "kvm/kvm_pio")?;
+    let mut trace = HostTrace::start(purpose, "kvm/kvm_pio");
     trace.buffer_kb(8192);
     trace
         .instance()
@@ -210,19 +200,7 @@ pub(crate) fn recorded_run(test: &str, purpose: &str, skew: &Skew, format: &str)
         skew.agent_option()
     );
     let vm = QemuAgent::boot(dir.path(), &append);
-    // The anchor needs the VM's vCPU thread, which debugfs names (a non-zero `pid`) only once
-    // the vCPU has run, a little after QEMU's socket appears.
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let thread = loop {
-        if let Some(t) = vcpu_thread(vm.guard.pid()) {
-            break t;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "vcpu0's thread never appeared in KVM debugfs"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    let thread = wait_vcpu_thread(vm.guard.pid());
     let truth = GuestTruth::read(vm.guard.pid(), 0, Some(*skew)).expect("truth from debugfs");
     let guest = dir.path().join(if format == "jsonl" {
         "guest.jsonl"
@@ -253,7 +231,7 @@ pub(crate) fn recorded_run(test: &str, purpose: &str, skew: &Skew, format: &str)
     drop(vm);
     let host = dir.path().join("host.dat");
     trace.extract(&host);
-    Some(Run {
+    Run {
         dir,
         host,
         guest,
@@ -261,7 +239,7 @@ pub(crate) fn recorded_run(test: &str, purpose: &str, skew: &Skew, format: &str)
         probes,
         thread,
         truth,
-    })
+    }
 }
 
 /// The sync file's segments; each must be exit-anchored, by the sync port the agent enables
@@ -348,15 +326,12 @@ fn validate_and_catch_a_shift(test: &str, run: &Run, segments: &[Value], exact: 
 
 /// Identity rate with a non-zero offset: `record` writes raw guest ticks and a TIME_SHIFT, and
 /// `trace-cmd report -i host.dat -i guest.dat` does the merging.
-#[test]
 fn merged_report_puts_each_workload_event_on_the_right_side_of_its_exit() {
     let test = "causality::merged_report_puts_each_workload_event_on_the_right_side_of_its_exit";
     let skew = Skew(vmtsync_core::mapping::KvmTscMapping::offset_only(
         Skew::pick().0.offset(),
     ));
-    let Some(run) = recorded_run(test, "causality-rate1", &skew, "trace-cmd") else {
-        return;
-    };
+    let run = recorded_run("causality-rate1", &skew, "trace-cmd");
     let (host, guest, thread) = (&run.host, &run.guest, run.thread);
     let segments = anchored_segments(&run.sync);
 
@@ -420,12 +395,9 @@ fn merged_report_puts_each_workload_event_on_the_right_side_of_its_exit() {
 /// shifted sync file does worse. Held as a bar too, with the agent's default boot (sync port,
 /// ring 0) and `record`'s default two-sided placement: every event and every sync probe on its
 /// own side of its exit from the first round on (issue 18).
-#[test]
 fn a_drifting_guest_keeps_every_bound_and_a_shift_is_caught() {
     let test = "causality::a_drifting_guest_keeps_every_bound_and_a_shift_is_caught";
-    let Some(run) = recorded_run(test, "causality-skewed", &Skew::pick(), "jsonl") else {
-        return;
-    };
+    let run = recorded_run("causality-skewed", &Skew::pick(), "jsonl");
     let segments = anchored_segments(&run.sync);
     // The rate is bounded away from identity once rounds accumulate.
     assert!(

@@ -19,6 +19,25 @@ use vmtsync_tests::vmm::qemu::{self, Machine, debug_exit_status};
 use vmtsync_tests::vmm::{agent_elf, tsc::host_tsc};
 use vmtsync_tests::{ChildGuard, require};
 
+use crate::util::vm_ready;
+
+crate::trials!(
+    vm_ready;
+    qemu_microvm_boots_agent_elf;
+    qboot_ready;
+    qemu_q35_qboot_boots_agent_elf,
+);
+
+/// The q35 test's prerequisites: [`vm_ready`] and QEMU's qboot firmware.
+fn qboot_ready(test: &str) -> bool {
+    vm_ready(test)
+        && require(
+            test,
+            std::path::Path::new(qemu::QBOOT).is_file(),
+            "qboot.rom is missing",
+        )
+}
+
 const STEP: Duration = Duration::from_secs(20);
 
 /// The decoded COM2 line at `level` whose message is exactly `text`, if any.
@@ -29,18 +48,6 @@ fn line<'a>(lines: &'a [LogLine], level: &str, text: &str) -> Option<&'a LogLine
 }
 
 fn boots_under(machine: Machine, test: &str) {
-    if !crate::util::vm_ready(test) {
-        return;
-    }
-    if machine == Machine::Q35
-        && !require(
-            test,
-            std::path::Path::new(qemu::QBOOT).is_file(),
-            "qboot.rom is missing",
-        )
-    {
-        return;
-    }
     let elf = agent_elf().expect("agent builds");
     let dir = std::env::temp_dir().join(format!("vmtsync-{test}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
@@ -183,12 +190,10 @@ fn boots_under(machine: Machine, test: &str) {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-#[test]
 fn qemu_microvm_boots_agent_elf() {
     boots_under(Machine::Microvm, "qemu_microvm_boots_agent_elf");
 }
 
-#[test]
 fn qemu_q35_qboot_boots_agent_elf() {
     boots_under(Machine::Q35, "qemu_q35_qboot_boots_agent_elf");
 }

@@ -25,6 +25,11 @@ use vmtsync_tests::truth::truth_mapping;
 use crate::util::vmtsync;
 use crate::util::{boot_qemu_with, have_program, scratch, text, vm_ready};
 
+crate::trials!(
+    perf_ready;
+    perf_inject_moves_the_guests_records_exactly_as_export_perf_says,
+);
+
 /// KVM's debugfs, where the live VM's directory is.
 const KVM_DEBUGFS: &str = "/sys/kernel/debug/kvm";
 
@@ -42,6 +47,16 @@ const SCRIPT_ARGS: &[&str] = &[
 ];
 
 /// Runs `perf ARGS` to success (a failure shows perf's stderr) and returns its stdout.
+/// The test's prerequisites: [`vm_ready`] and perf.
+fn perf_ready(test: &str) -> bool {
+    vm_ready(test)
+        && require(
+            test,
+            have_program("perf"),
+            "perf is missing (apt-get install linux-perf, or cargo xtask setup)",
+        )
+}
+
 fn perf(args: &[&str]) -> String {
     let o = Command::new("perf")
         .args(args)
@@ -233,18 +248,7 @@ fn check_inject(
 /// that mapping says; then the same through a fixture tree for the same VM with a negative
 /// offset derived from the host TSC and scale 2 (`--guest-data=…,PID,-O,2`), which checks
 /// the sign and scale format against perf's own arithmetic.
-#[test]
 fn perf_inject_moves_the_guests_records_exactly_as_export_perf_says() {
-    let test = "perf::perf_inject_moves_the_guests_records_exactly_as_export_perf_says";
-    if !vm_ready(test)
-        || !require(
-            test,
-            have_program("perf"),
-            "perf is missing (apt-get install linux-perf, or cargo xtask setup)",
-        )
-    {
-        return;
-    }
     let dir = scratch("perf");
     let (qemu_guard, _sock) = boot_qemu_with(
         dir.path(),

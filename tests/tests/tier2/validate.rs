@@ -8,14 +8,18 @@
 //! sync-port matcher too.
 
 use std::path::Path;
-use std::time::{Duration, Instant};
 
 use serde_json::Value;
 use vmtsync_tests::truth::Skew;
 
-use crate::causality::{run_validate, shifted, vcpu_thread};
-use crate::util::{HostTrace, boot_qemu, qemu_ready, text};
+use crate::causality::{run_validate, shifted};
+use crate::util::{HostTrace, boot_qemu, qemu_pio_trace_ready, text, wait_vcpu_thread};
 use crate::util::{guarded_output, vmtsync};
+
+crate::trials!(
+    qemu_pio_trace_ready;
+    a_real_runs_probes_validate_and_a_shifted_sync_file_is_caught_on_them,
+);
 
 /// Continuous-mode rounds (64 probes each).
 const ROUNDS: &str = "4";
@@ -76,12 +80,8 @@ fn lines(path: &Path) -> Vec<Value> {
 /// Identity rate with a non-zero software offset: the exit-anchored sync file passes on every
 /// probe; shifted by one bracket width either way it fails (exit 9) on the probes. The same
 /// VM probed with in-process stamps is reported for comparison, never with a false bound.
-#[test]
 fn a_real_runs_probes_validate_and_a_shifted_sync_file_is_caught_on_them() {
     let test = "validate::a_real_runs_probes_validate_and_a_shifted_sync_file_is_caught_on_them";
-    if !qemu_ready(test) {
-        return;
-    }
     let dir = tempfile::Builder::new()
         .prefix("vmtsync-validate-probes-")
         .tempdir()
@@ -89,9 +89,7 @@ fn a_real_runs_probes_validate_and_a_shifted_sync_file_is_caught_on_them() {
     // The host's own record of the UART's exits (the data port and the status registers the
     // agent polls) and of the sync port, on from before boot, in a buffer no probe session
     // overflows.
-    let Some(mut trace) = HostTrace::start(test, "validate-probes", "kvm/kvm_pio") else {
-        return;
-    };
+    let mut trace = HostTrace::start("validate-probes", "kvm/kvm_pio");
     trace.buffer_kb(8192);
     trace
         .instance()
@@ -111,17 +109,7 @@ fn a_real_runs_probes_validate_and_a_shifted_sync_file_is_caught_on_them() {
             skew.agent_option()
         ),
     );
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let thread = loop {
-        if let Some(t) = vcpu_thread(qemu_guard.pid()) {
-            break t;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "vcpu0's thread never appeared in KVM debugfs"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    let thread = wait_vcpu_thread(qemu_guard.pid());
     let (sync, log) = (
         dir.path().join("sync.jsonl"),
         dir.path().join("probes.jsonl"),

@@ -21,6 +21,19 @@ use vmtsync_tests::truth::{GuestTruth, Skew};
 use vmtsync_tests::vmm::agent_elf;
 use vmtsync_tests::vmm::qemu::{self, debug_exit_status};
 
+use crate::util::{anchor_ready, qemu_ready, vm_ready};
+
+crate::trials!(
+    vm_ready;
+    every_vcpu_of_a_four_vcpu_guest_is_synced_on_itself,
+    continuous_all_vcpus_writes_each_vcpus_segments_holding_its_truth;
+    anchor_ready;
+    exit_anchored_probes_of_every_vcpu_hold_their_truths,
+    sync_port_brackets_come_from_each_vcpus_own_exits;
+    qemu_ready;
+    record_places_every_vcpus_events_with_its_own_sync,
+);
+
 /// vCPUs of the guest.
 const VCPUS: u32 = 4;
 
@@ -136,35 +149,25 @@ impl Smp {
     }
 }
 
-/// Checks the prerequisites (with `anchored`, a tracefs with `kvm_pio` too), then boots
-/// QEMU microvm with [`VCPUS`] vCPUs running the agent (`extra` boot options), each vCPU with
-/// its own skew, COM1 on a socket in a scratch directory named after `test`. `None` (after
-/// `require` said why) when a prerequisite is missing.
-fn boot_smp(test: &str, extra: &str, anchored: bool) -> Option<Smp> {
-    boot_smp_with(test, Skew::pick_per_vcpu(VCPUS), extra, anchored)
+/// Boots QEMU microvm with [`VCPUS`] vCPUs running the agent (`extra` boot options), each
+/// vCPU with its own skew, COM1 on a socket in a scratch directory named after `test`.
+fn boot_smp(test: &str, extra: &str) -> Smp {
+    boot_smp_with(test, Skew::pick_per_vcpu(VCPUS), extra)
 }
 
 /// [`boot_smp`] with the given skews, vCPU N's at index N.
-fn boot_smp_with(test: &str, skews: Vec<Skew>, extra: &str, anchored: bool) -> Option<Smp> {
-    let ready = if anchored {
-        crate::util::anchor_ready(test)
-    } else {
-        crate::util::vm_ready(test)
-    };
-    if !ready {
-        return None;
-    }
+fn boot_smp_with(test: &str, skews: Vec<Skew>, extra: &str) -> Smp {
     let tmp_dir = tempfile::Builder::new()
         .prefix(&format!("vmtsync-{test}-"))
         .tempdir()
         .unwrap();
     let (guard, opts) = boot(tmp_dir.path(), &skews, extra);
-    Some(Smp {
+    Smp {
         tmp_dir,
         skews,
         guard,
         opts,
-    })
+    }
 }
 
 /// QEMU microvm with [`VCPUS`] vCPUs running the agent (`extra` boot options), vCPU N with
@@ -205,18 +208,14 @@ fn log(dir: &Path, e: &dyn std::fmt::Display) -> String {
     )
 }
 
-#[test]
 fn every_vcpu_of_a_four_vcpu_guest_is_synced_on_itself() {
     let test = "every_vcpu_of_a_four_vcpu_guest_is_synced_on_itself";
-    let Some(Smp {
+    let Smp {
         tmp_dir,
         skews,
         mut guard,
         mut opts,
-    }) = boot_smp(test, "", false)
-    else {
-        return;
-    };
+    } = boot_smp(test, "");
     let dir = tmp_dir.path();
     let log = |e: &dyn std::fmt::Display| log(dir, e);
 
@@ -295,14 +294,11 @@ fn wait_exit(guard: &mut ChildGuard) {
 /// `--all-vcpus --anchor kvm-pio` sessions: every vCPU's host bracket comes from the host
 /// kernel's `kvm_pio` stamps of the BSP's COM1 exits (the AP's read lies between them:
 /// docs/smp.md), and every vCPU's truth lies inside its interval in every session.
-#[test]
 fn exit_anchored_probes_of_every_vcpu_hold_their_truths() {
     let test = "exit_anchored_probes_of_every_vcpu_hold_their_truths";
     let _one_instance = vmtsync_tests::anchor_lock();
     // The UART bytes' bracket is under test: the agent's default sync port would replace it.
-    let Some(mut smp) = boot_smp(test, "syncport=off", true) else {
-        return;
-    };
+    let mut smp = boot_smp(test, "syncport=off");
     smp.opts.anchor = smp.anchor();
     let Smp {
         tmp_dir,
@@ -330,7 +326,6 @@ fn exit_anchored_probes_of_every_vcpu_hold_their_truths() {
 /// probe's sequence number): each application processor does the `in` and the `out` around
 /// its own TSC read, so the bracket of a probe of vCPU N comes from vCPU N's own exits, and
 /// every sample of every vCPU must bracket that vCPU's truth.
-#[test]
 fn sync_port_brackets_come_from_each_vcpus_own_exits() {
     use vmtsync::link::ConnectOptions;
     use vmtsync::link::connect::connect_until_stopped;
@@ -341,9 +336,7 @@ fn sync_port_brackets_come_from_each_vcpus_own_exits() {
 
     let test = "sync_port_brackets_come_from_each_vcpus_own_exits";
     let _one_instance = vmtsync_tests::anchor_lock();
-    let Some(mut smp) = boot_smp(test, &format!("syncport={DEFAULT_SYNC_PORT:#x}"), true) else {
-        return;
-    };
+    let mut smp = boot_smp(test, &format!("syncport={DEFAULT_SYNC_PORT:#x}"));
     let (anchor, dir, pid) = (smp.anchor(), smp.tmp_dir.path(), smp.guard.pid());
     let step = Duration::from_secs(20);
     let inner = connect_until_stopped(
@@ -430,21 +423,17 @@ fn sync_port_brackets_come_from_each_vcpus_own_exits() {
 /// segment per vCPU, each vCPU with its own estimate; every segment must hold its own vCPU's
 /// truth (per-vCPU skews set them ~2^36 ticks apart, so a segment made or judged with another
 /// vCPU's clock misses).
-#[test]
 fn continuous_all_vcpus_writes_each_vcpus_segments_holding_its_truth() {
     use vmtsync::probe::ContinuousOptions;
     use vmtsync::syncfile::SyncFile;
 
     let test = "continuous_all_vcpus_writes_each_vcpus_segments_holding_its_truth";
-    let Some(Smp {
+    let Smp {
         tmp_dir,
         skews,
         mut guard,
         mut opts,
-    }) = boot_smp(test, "", false)
-    else {
-        return;
-    };
+    } = boot_smp(test, "");
     let dir = tmp_dir.path();
     let sync = dir.join("sync.jsonl");
     opts.json = false;
@@ -488,33 +477,26 @@ fn continuous_all_vcpus_writes_each_vcpus_segments_holding_its_truth() {
 /// event's interval holds its own vCPU's truth (debugfs + that vCPU's skew), and the trace.dat
 /// has one CPU per vCPU whose events trace-cmd 3.1.6 puts on the host timeline through that
 /// CPU's own TIME_SHIFT (within the run's widest interval of the truth).
-#[test]
 fn record_places_every_vcpus_events_with_its_own_sync() {
-    use crate::util::{have_trace_cmd, text, trace_cmd};
+    use crate::util::{text, trace_cmd};
     use vmtsync::probe::Progress;
     use vmtsync::record::{DRAIN_MAX, RecordFormat, RecordOptions, run_record};
     use vmtsync_core::GuestTicks;
     use vmtsync_core::mapping::KvmTscMapping;
 
     let test = "record_places_every_vcpus_events_with_its_own_sync";
-    if !have_trace_cmd(test) {
-        return;
-    }
     // Identity rates (offsets only), so the trace.dat keeps raw guest TSCs with a TIME_SHIFT
     // per CPU that trace-cmd applies; the offsets still differ per vCPU.
     let identity: Vec<Skew> = Skew::pick_per_vcpu(VCPUS)
         .into_iter()
         .map(|s| Skew(KvmTscMapping::offset_only(s.0.offset())))
         .collect();
-    let Some(Smp {
+    let Smp {
         tmp_dir,
         skews,
         mut guard,
         mut opts,
-    }) = boot_smp_with(test, identity, "events=1000000", false)
-    else {
-        return;
-    };
+    } = boot_smp_with(test, identity, "events=1000000");
     let dir = tmp_dir.path();
     opts.json = false;
     let pid = guard.pid();
@@ -545,14 +527,14 @@ fn record_places_every_vcpus_events_with_its_own_sync() {
     assert_eq!(s.vcpus, [0, 1, 2, 3]);
     // The VM runs now (the agent keeps serving after the first recording).
     let truth = truths(pid, &skews);
-    let lines = crate::record::read_jsonl(&jsonl);
+    let lines = crate::util::read_jsonl(&jsonl);
     let mut per_vcpu = [0u32; VCPUS as usize];
     for v in &lines {
-        let vcpu = usize::try_from(crate::record::u(v, "vcpu")).unwrap();
+        let vcpu = usize::try_from(crate::util::u(v, "vcpu")).unwrap();
         let (g, lo, hi) = (
-            crate::record::u(v, "guest_tsc"),
-            crate::record::u(v, "host_lo"),
-            crate::record::u(v, "host_hi"),
+            crate::util::u(v, "guest_tsc"),
+            crate::util::u(v, "host_lo"),
+            crate::util::u(v, "host_hi"),
         );
         assert!(
             truth[vcpu].in_bracket(HostTicks(lo), GuestTicks(g), HostTicks(hi)),

@@ -16,6 +16,12 @@ use serde_json::Value;
 use vmtsync_tests::truth::Skew;
 
 use crate::causality::{PORT, Run, anchored_segments, recorded_run, run_validate, shifted};
+use crate::util::qemu_pio_trace_ready;
+
+crate::trials!(
+    qemu_pio_trace_ready;
+    before_and_after_rules_check_a_guests_own_events_with_and_without_a_sync_file,
+);
 
 /// `validate --json` of the run's guest recording with `extra` (the rules, the sync file),
 /// its threads and from-boot numbering.
@@ -81,15 +87,12 @@ fn shifted_recording(from: &Path, to: &Path, by: i64) {
     std::fs::write(to, out).unwrap();
 }
 
-#[test]
 fn before_and_after_rules_check_a_guests_own_events_with_and_without_a_sync_file() {
     let test = "validate_rules::before_and_after_rules_check_a_guests_own_events_with_and_without_a_sync_file";
     let skew = Skew(vmtsync_core::mapping::KvmTscMapping::offset_only(
         Skew::pick().0.offset(),
     ));
-    let Some(run) = recorded_run(test, "validate-rules", &skew, "jsonl") else {
-        return;
-    };
+    let run = recorded_run("validate-rules", &skew, "jsonl");
     let segments = anchored_segments(&run.sync);
     let before = format!("0x100:{PORT}");
     let after = format!("0x101:{PORT}");

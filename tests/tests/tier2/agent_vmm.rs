@@ -13,11 +13,25 @@ use vmtsync_core::proto::{Features, Message, Transport};
 use vmtsync_core::pvclock::PvclockVcpuTimeInfo;
 use vmtsync_core::sim::median;
 use vmtsync_core::{GuestTicks, HostTicks};
-use vmtsync_tests::truth::{GuestTruth, Skew, truth_mapping_of, truth_ready};
+use vmtsync_tests::truth::{GuestTruth, Skew, truth_mapping_of};
 use vmtsync_tests::vmm::client::{Com1Transport, wait_ready};
 use vmtsync_tests::vmm::defmt_log::{DefmtLog, LogLine, MALFORMED};
 use vmtsync_tests::vmm::{SerialByte, Vm, VmConfig, VmExit, agent_elf};
-use vmtsync_tests::{have_kvm, require};
+
+use crate::util::{kvm_ready, kvm_truth_ready};
+
+crate::trials!(
+    kvm_truth_ready;
+    builtin_vmm_agent_answers_probes_within_the_exit_bracket_ring3,
+    builtin_vmm_agent_answers_probes_within_the_exit_bracket_ring0,
+    builtin_vmm_agent_applies_software_skew,
+    builtin_vmm_line_mode_probe_then_panic_logs_and_exits_with_failure_code,
+    builtin_vmm_watchdog_ends_a_guest_that_spins_without_exits,
+    builtin_vmm_agent_log_is_defmt_decoded_with_tsc_timestamps;
+    kvm_ready;
+    builtin_vmm_rejects_an_elf_without_pvh_note,
+    vmtsync_vmm_binary_bridges_com1_to_stdio_and_returns_the_exit_code,
+);
 
 const STEP: Duration = Duration::from_secs(20);
 
@@ -32,17 +46,14 @@ fn text(line: &[SerialByte]) -> String {
     line.iter().map(|b| char::from(b.byte)).collect()
 }
 
-fn boot(test: &str, cmdline: &str, timeout: Duration) -> Option<Vm> {
-    if !require(test, have_kvm(), "/dev/kvm is not accessible read-write") || !truth_ready(test) {
-        return None;
-    }
+fn boot(cmdline: &str, timeout: Duration) -> Vm {
     let elf = agent_elf().expect("agent builds");
     let cfg = VmConfig {
         cmdline: cmdline.into(),
         timeout,
         ..VmConfig::default()
     };
-    Some(Vm::boot(&elf, &cfg).expect("VM boots"))
+    Vm::boot(&elf, &cfg).expect("VM boots")
 }
 
 /// The truth for the VM's vcpu0 with the agent's `skew` (debugfs; the VM exists once booted).
@@ -72,10 +83,8 @@ fn greet<'a>(vm: &'a Vm) -> ProbeSession<Com1Transport<'a>> {
 
 /// Boots the agent with `cmdline` (which must set `exit=5`), runs hello, 40 probes (full and
 /// compact alternating) and shutdown, and checks every reported TSC against the exit bracket.
-fn probe_session(test: &str, cmdline: &str) {
-    let Some(vm) = boot(test, cmdline, Duration::from_secs(60)) else {
-        return;
-    };
+fn probe_session(cmdline: &str) {
+    let vm = boot(cmdline, Duration::from_secs(60));
     let mut t = Com1Transport::new(vm.com1());
     assert!(
         wait_ready(&mut t, Instant::now() + STEP).is_ok(),
@@ -311,35 +320,23 @@ fn check_pvclock_against_kvm_get_clock(
     }
 }
 
-#[test]
 fn builtin_vmm_agent_answers_probes_within_the_exit_bracket_ring3() {
-    probe_session(
-        "builtin_vmm_agent_answers_probes_within_the_exit_bracket_ring3",
-        // The UART's own exits are under test: no sync-port exit between read and reply.
-        "transport=uart ring=3 syncport=off exit=5",
-    );
+    // The UART's own exits are under test: no sync-port exit between read and reply.
+    probe_session("transport=uart ring=3 syncport=off exit=5");
 }
 
-#[test]
 fn builtin_vmm_agent_answers_probes_within_the_exit_bracket_ring0() {
-    probe_session(
-        "builtin_vmm_agent_answers_probes_within_the_exit_bracket_ring0",
-        "transport=uart ring=0 syncport=off exit=5",
-    );
+    probe_session("transport=uart ring=0 syncport=off exit=5");
 }
 
-#[test]
 fn builtin_vmm_agent_applies_software_skew() {
     // reported = offset + ((tsc * ratio) >> frac) of the TSC KVM shows the guest, with the
     // offset derived from the host TSC now and a rate != 1.
     let skew = Skew::pick();
-    let Some(vm) = boot(
-        "builtin_vmm_agent_applies_software_skew",
+    let vm = boot(
         &format!("{} exit=0", skew.agent_option()),
         Duration::from_secs(60),
-    ) else {
-        return;
-    };
+    );
     let t = truth(&vm, Some(skew));
     let mut c = greet(&vm);
     let k = *c.info();
@@ -379,22 +376,16 @@ fn builtin_vmm_agent_applies_software_skew() {
 }
 
 /// Boots in `wire=line` mode and reads the hello line.
-fn boot_line(test: &str, timeout: Duration) -> Option<Vm> {
+fn boot_line(timeout: Duration) -> Vm {
     // No sync port (on by default): the test checks that no exit lies between read and 'T'.
-    let vm = boot(test, "wire=line syncport=off", timeout)?;
+    let vm = boot("wire=line syncport=off", timeout);
     let hello = vm.com1().recv_line(STEP).expect("hello on COM1");
     assert_eq!(text(&hello), "H vmtsync-agent\n");
-    Some(vm)
+    vm
 }
 
-#[test]
 fn builtin_vmm_line_mode_probe_then_panic_logs_and_exits_with_failure_code() {
-    let Some(vm) = boot_line(
-        "builtin_vmm_line_mode_probe_then_panic_logs_and_exits_with_failure_code",
-        Duration::from_secs(60),
-    ) else {
-        return;
-    };
+    let vm = boot_line(Duration::from_secs(60));
     vm.com1().send(b"p");
     let line = vm.com1().recv_line(STEP).expect("probe answer");
     let read = vm
@@ -432,15 +423,9 @@ fn builtin_vmm_line_mode_probe_then_panic_logs_and_exits_with_failure_code() {
     assert!(panic.text.contains("host asked for a panic"), "{panic:?}");
 }
 
-#[test]
 fn builtin_vmm_watchdog_ends_a_guest_that_spins_without_exits() {
     let timeout = Duration::from_secs(3);
-    let Some(vm) = boot_line(
-        "builtin_vmm_watchdog_ends_a_guest_that_spins_without_exits",
-        timeout,
-    ) else {
-        return;
-    };
+    let vm = boot_line(timeout);
     vm.com1().send(b"w");
     let ack = vm.com1().recv_line(STEP).expect("spin acknowledged");
     assert_eq!(text(&ack), "W\n");
@@ -457,33 +442,17 @@ fn builtin_vmm_watchdog_ends_a_guest_that_spins_without_exits() {
     assert!(out.run_time >= timeout);
 }
 
-#[test]
 fn builtin_vmm_rejects_an_elf_without_pvh_note() {
-    if !require(
-        "builtin_vmm_rejects_an_elf_without_pvh_note",
-        have_kvm(),
-        "/dev/kvm is not accessible read-write",
-    ) {
-        return;
-    }
     // The test binary itself is an ELF without a Xen PVH note.
     let me = std::env::current_exe().expect("own path");
     let err = Vm::boot(&me, &VmConfig::default()).expect_err("no PVH entry");
     assert!(err.to_string().contains("loading the guest ELF"), "{err}");
 }
 
-#[test]
 fn vmtsync_vmm_binary_bridges_com1_to_stdio_and_returns_the_exit_code() {
     use std::io::{Read, Write};
     use std::process::{Command, Stdio};
 
-    if !require(
-        "vmtsync_vmm_binary_bridges_com1_to_stdio_and_returns_the_exit_code",
-        have_kvm(),
-        "/dev/kvm is not accessible read-write",
-    ) {
-        return;
-    }
     let elf = agent_elf().expect("agent builds");
     let child = Command::new(env!("CARGO_BIN_EXE_vmtsync-vmm"))
         .arg(&elf)
@@ -535,16 +504,9 @@ fn vmtsync_vmm_binary_bridges_com1_to_stdio_and_returns_the_exit_code() {
     assert!(err.contains("DebugExit(3)"), "stderr:\n{err}");
 }
 
-#[test]
 fn builtin_vmm_agent_log_is_defmt_decoded_with_tsc_timestamps() {
     let before_boot = vmtsync_tests::vmm::tsc::host_tsc();
-    let Some(vm) = boot(
-        "builtin_vmm_agent_log_is_defmt_decoded_with_tsc_timestamps",
-        "exit=0",
-        Duration::from_secs(60),
-    ) else {
-        return;
-    };
+    let vm = boot("exit=0", Duration::from_secs(60));
     // In postcard mode the first COM1 byte is the ready beacon, sent right after the "ready"
     // log line: the line's TSC lies between the boot and the exit carrying the beacon.
     let beacon = vm.com1().recv_timeout(STEP).expect("ready beacon");

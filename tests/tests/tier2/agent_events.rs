@@ -16,24 +16,31 @@ use vmtsync::probe::ProbeSession;
 use vmtsync_core::HostTicks;
 use vmtsync_core::proto::{EventBatch, EventClock, Features, MappingPush, Message};
 use vmtsync_core::sim::median;
-use vmtsync_tests::truth::{GuestTruth, truth_mapping_of, truth_ready};
+use vmtsync_tests::truth::{GuestTruth, truth_mapping_of};
 use vmtsync_tests::vmm::client::{Com1Exchange, Com1Transport, wait_ready};
 use vmtsync_tests::vmm::{Vm, VmConfig, VmExit, agent_elf};
-use vmtsync_tests::{have_kvm, require};
+
+use crate::util::{kvm_ready, kvm_truth_ready};
+
+crate::trials!(
+    kvm_truth_ready;
+    builtin_vmm_agent_records_events_in_the_session_bracket_guest_then_host_stamped;
+    kvm_ready;
+    builtin_vmm_agent_stops_after_n_events,
+    builtin_vmm_workload_overflows_the_ring_and_counts_every_drop,
+    builtin_vmm_flight_recorder_keeps_the_newest_and_counts_every_overwrite,
+);
 
 const STEP: Duration = Duration::from_secs(20);
 
-fn boot(test: &str, cmdline: &str) -> Option<Vm> {
-    if !require(test, have_kvm(), "/dev/kvm is not accessible read-write") {
-        return None;
-    }
+fn boot(cmdline: &str) -> Vm {
     let elf = agent_elf().expect("agent builds");
     let cfg = VmConfig {
         cmdline: cmdline.into(),
         timeout: Duration::from_secs(60),
         ..VmConfig::default()
     };
-    Some(Vm::boot(&elf, &cfg).expect("VM boots"))
+    Vm::boot(&elf, &cfg).expect("VM boots")
 }
 
 /// A session that keeps every exchange's stamps, so message `k` (1-based) is `log[k - 1]`.
@@ -163,15 +170,8 @@ impl Event {
     }
 }
 
-#[test]
 fn builtin_vmm_agent_records_events_in_the_session_bracket_guest_then_host_stamped() {
-    let test = "builtin_vmm_agent_records_events_in_the_session_bracket_guest_then_host_stamped";
-    if !truth_ready(test) {
-        return;
-    }
-    let Some(vm) = boot(test, "events=100 exit=0") else {
-        return;
-    };
+    let vm = boot("events=100 exit=0");
     let mut s = Session::start(&vm);
     let kvm = truth_mapping_of(vm.debugfs_id(), 0).expect("truth from debugfs");
     let truth = GuestTruth::new(kvm, None);
@@ -272,11 +272,8 @@ fn builtin_vmm_agent_records_events_in_the_session_bracket_guest_then_host_stamp
     );
 }
 
-#[test]
 fn builtin_vmm_agent_stops_after_n_events() {
-    let Some(vm) = boot("builtin_vmm_agent_stops_after_n_events", "events=36 exit=0") else {
-        return;
-    };
+    let vm = boot("events=36 exit=0");
     // The capabilities came (or the hello would have failed): message 1.
     let mut s = Session::start(&vm);
     for _ in 0..40 {
@@ -295,17 +292,11 @@ fn builtin_vmm_agent_stops_after_n_events() {
     assert_eq!(vm.wait().expect("run ends").exit, VmExit::DebugExit(0));
 }
 
-#[test]
 fn builtin_vmm_workload_overflows_the_ring_and_counts_every_drop() {
     // 5000 workload events with nobody draining: the ring (4096 records) keeps the first
     // 4096 and counts the other 904 as dropped, exactly.
-    let Some(vm) = boot(
-        "builtin_vmm_workload_overflows_the_ring_and_counts_every_drop",
-        // Ring 3: bulk work, native there (the default ring 0 is emulated on these hosts).
-        "ring=3 workload=1000000,5000 exit=0",
-    ) else {
-        return;
-    };
+    // Ring 3: bulk work, native there (the default ring 0 is emulated on these hosts).
+    let vm = boot("ring=3 workload=1000000,5000 exit=0");
     let mut s = Session::start(&vm);
     // Wait (without draining: max 0) until the workload has emitted all 5000.
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -353,20 +344,16 @@ fn builtin_vmm_workload_overflows_the_ring_and_counts_every_drop() {
     );
 }
 
-#[test]
 fn builtin_vmm_flight_recorder_keeps_the_newest_and_counts_every_overwrite() {
     // 10x the ring's capacity (4096 records) with nobody attached: a flight ring keeps the
     // newest 4096 and the host learns exactly how many were overwritten. The truth is in the
     // payloads: each workload event carries its own sequence number.
     const RING: u64 = 4096;
     const PRODUCED: u64 = 10 * RING;
-    let Some(vm) = boot(
-        "builtin_vmm_flight_recorder_keeps_the_newest_and_counts_every_overwrite",
-        // Ring 3: bulk work, native there (the default ring 0 is emulated on these hosts).
-        &format!("ring=3 workload=10000000,{PRODUCED} flight=1 exit=0"),
-    ) else {
-        return;
-    };
+    // Ring 3: bulk work, native there (the default ring 0 is emulated on these hosts).
+    let vm = boot(&format!(
+        "ring=3 workload=10000000,{PRODUCED} flight=1 exit=0"
+    ));
     // The agent is up (its beacon came), but the host says nothing until the workload is
     // over: at 10 M events/s it needs 4 ms of guest time (bursts of 64 between polls); two
     // seconds leave it a wide margin, and a workload still running would show below as

@@ -32,18 +32,20 @@ fn field<'a>(line: &'a str, key: &str) -> Option<&'a str> {
     words.next()
 }
 
-#[test]
-fn c_guest_records_through_the_c_abi_and_exits_cleanly() {
-    let test = "c_guest_records_through_the_c_abi_and_exits_cleanly";
-    if !vm_ready(test)
-        || !require(
+crate::trials!(c_guest_ready; c_guest_records_through_the_c_abi_and_exits_cleanly);
+
+/// [`vm_ready`] and gcc (the guest is C).
+fn c_guest_ready(test: &str) -> bool {
+    vm_ready(test)
+        && require(
             test,
             have_program("gcc"),
             "gcc is missing (apt-get install gcc, or cargo xtask setup)",
         )
-    {
-        return;
-    }
+}
+
+fn c_guest_records_through_the_c_abi_and_exits_cleanly() {
+    let test = "c_guest_records_through_the_c_abi_and_exits_cleanly";
     let elf = guest_elf(Guest::CGuest).expect("the C guest builds");
     let dir = scratch(test);
     let com2 = dir.path().join("com2.log");

@@ -15,6 +15,10 @@ use vmtsync_tests::ChildGuard;
 
 use crate::util::{boot_qemu, scratch, vm_ready};
 
+crate::trials!(vm_ready;
+    agent_without_a_transport_publishes_its_rings_in_guest_memory,
+    agent_without_a_transport_keeps_the_newest_records_in_flight_mode);
+
 /// The workload the test asks for: events per second and how many (fewer than a ring holds,
 /// so the stop-when-full ring refuses none), and the beacon interval.
 const RATE: u64 = 200_000;
@@ -201,12 +205,8 @@ fn check_records(b: &mut Booted, from: u64, head: u64) -> (Vec<u64>, Vec<u64>) {
     (work, beacon)
 }
 
-#[test]
 fn agent_without_a_transport_publishes_its_rings_in_guest_memory() {
     let test = "agent_without_a_transport_publishes_its_rings_in_guest_memory";
-    if !vm_ready(test) {
-        return;
-    }
     let dir = scratch(test);
     // A skew makes the records' clock not the raw TSC, which the header must say (clock 1).
     let append = format!(
@@ -256,12 +256,8 @@ fn agent_without_a_transport_publishes_its_rings_in_guest_memory() {
 /// `flight=1` without a skew: the header says overwrite mode and the raw TSC, and after the
 /// guest overwrote its ring a few times the ring holds exactly the newest `CAPACITY`
 /// records, intact and in sequence.
-#[test]
 fn agent_without_a_transport_keeps_the_newest_records_in_flight_mode() {
     let test = "agent_without_a_transport_keeps_the_newest_records_in_flight_mode";
-    if !vm_ready(test) {
-        return;
-    }
     const LAPS_COUNT: u64 = 3 * CAPACITY + 123;
     let dir = scratch(test);
     let append = format!(

@@ -15,7 +15,24 @@ use vmtsync::formats::tracedat::{
 use vmtsync::kvm::hosttsc::read_host_tsc;
 use vmtsync_core::HostTicks;
 
-use crate::util::{HostTrace, have_trace_cmd, trace_cmd};
+use crate::util::{HostTrace, have_trace_cmd, host_trace_ready, trace_cmd};
+
+crate::trials!(
+    have_trace_cmd;
+    both_versions_report_raw_guest_tscs_and_exact_host_times,
+    a_million_events_cross_pages_and_time_extends,
+    a_truncated_file_is_caught_by_our_reader,
+    trace_cmd_converts_our_files_and_reads_our_copy_of_a_compressed_trace,
+    tsc2nsec_makes_trace_cmd_show_nanoseconds_after_the_shift,
+    a_scaled_segment_over_a_short_span_is_within_its_bound_in_trace_cmd;
+    tsc_offset_trace_ready;
+    a_host_trace_copy_merges_with_the_guest_in_host_time_order,
+);
+
+/// The host-trace test's prerequisites: a host trace of `kvm:kvm_write_tsc_offset`.
+fn tsc_offset_trace_ready(test: &str) -> bool {
+    host_trace_ready(test, vmtsync::ftrace::tsc_offset::EVENT)
+}
 
 /// `trace-cmd dump -v` exits non-zero on a file it cannot parse (report does not).
 pub(crate) fn assert_dump_ok(path: &Path) {
@@ -100,12 +117,7 @@ fn id_of(rest: &str) -> u32 {
         .unwrap()
 }
 
-#[test]
 fn both_versions_report_raw_guest_tscs_and_exact_host_times() {
-    let test = "tracedat::both_versions_report_raw_guest_tscs_and_exact_host_times";
-    if !have_trace_cmd(test) {
-        return;
-    }
     let dir = tempfile::tempdir().unwrap();
     // Two vCPUs, gaps that need time extends, and three segments per vCPU with non-zero
     // offsets that change in both directions (guest starts fall inside the event range).
@@ -186,12 +198,7 @@ fn both_versions_report_raw_guest_tscs_and_exact_host_times() {
     }
 }
 
-#[test]
 fn a_million_events_cross_pages_and_time_extends() {
-    let test = "tracedat::a_million_events_cross_pages_and_time_extends";
-    if !have_trace_cmd(test) {
-        return;
-    }
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("big.dat");
     let n = 1_000_000u64;
@@ -225,12 +232,7 @@ fn a_million_events_cross_pages_and_time_extends() {
     }
 }
 
-#[test]
 fn a_truncated_file_is_caught_by_our_reader() {
-    let test = "tracedat::a_truncated_file_is_caught_by_our_reader";
-    if !have_trace_cmd(test) {
-        return;
-    }
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("t.dat");
     let events: Vec<_> = (0..2000u32)
@@ -255,12 +257,8 @@ fn a_truncated_file_is_caught_by_our_reader() {
     }
 }
 
-#[test]
 fn a_host_trace_copy_merges_with_the_guest_in_host_time_order() {
-    let test = "tracedat::a_host_trace_copy_merges_with_the_guest_in_host_time_order";
-    let Some(trace) = HostTrace::start(test, "tracedat", vmtsync::ftrace::tsc_offset::EVENT) else {
-        return;
-    };
+    let trace = HostTrace::start("tracedat", vmtsync::ftrace::tsc_offset::EVENT);
 
     // Each marker's ftrace timestamp lies between the host TSC reads around its write.
     let mut marker = std::fs::OpenOptions::new()
@@ -395,12 +393,7 @@ fn unsafe_free_gettid() -> i64 {
     i64::from(unsafe { libc::gettid() })
 }
 
-#[test]
 fn trace_cmd_converts_our_files_and_reads_our_copy_of_a_compressed_trace() {
-    let test = "tracedat::trace_cmd_converts_our_files_and_reads_our_copy_of_a_compressed_trace";
-    if !have_trace_cmd(test) {
-        return;
-    }
     let dir = tempfile::tempdir().unwrap();
     let ours = dir.path().join("ours.dat");
     let events: Vec<_> = (0..5000u32)
@@ -465,12 +458,7 @@ fn trace_cmd_converts_our_files_and_reads_our_copy_of_a_compressed_trace() {
     assert!(opts.contains("vmtsync-copy-test"), "{opts}");
 }
 
-#[test]
 fn tsc2nsec_makes_trace_cmd_show_nanoseconds_after_the_shift() {
-    let test = "tracedat::tsc2nsec_makes_trace_cmd_show_nanoseconds_after_the_shift";
-    if !have_trace_cmd(test) {
-        return;
-    }
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("ns.dat");
     let t = vmtsync::formats::tracedat::Tsc2Nsec {
@@ -498,12 +486,7 @@ fn tsc2nsec_makes_trace_cmd_show_nanoseconds_after_the_shift() {
     assert_eq!(lines[0].ts, ns);
 }
 
-#[test]
 fn a_scaled_segment_over_a_short_span_is_within_its_bound_in_trace_cmd() {
-    let test = "tracedat::a_scaled_segment_over_a_short_span_is_within_its_bound_in_trace_cmd";
-    if !have_trace_cmd(test) {
-        return;
-    }
     // guest = offset + host * 1.0001 (Intel fraction bits), a host TSC like a fresh boot's,
     // 2000 events over 2 ms of guest time: trace-cmd's 64-bit fixed point fits within a tick.
     let ratio = (1u64 << 48) + (1u64 << 48) / 10_000;

@@ -7,7 +7,7 @@
 //! rounds'. The same recording's sync file also gives the one-sided placement of the same
 //! events (`vmtsync::syncfile::bounds::place`), so both are measured on one run and reported.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use serde_json::Value;
 use vmtsync::syncfile::SyncFile;
@@ -16,8 +16,12 @@ use vmtsync::syncfile::bounds::place;
 use vmtsync_core::{GuestTicks, HostTicks};
 use vmtsync_tests::truth::{GuestTruth, Skew};
 
-use crate::causality::vcpu_thread;
-use crate::util::{QemuAgent, qemu_ready, text};
+use crate::util::{QemuAgent, qemu_ready, text, wait_vcpu_thread};
+
+crate::trials!(
+    qemu_ready;
+    events_are_as_tight_as_their_rounds_and_hold_the_truth,
+);
 
 /// Events to record: at the workload's 400 per second about 5 s, ten rounds 500 ms apart.
 const EVENTS: u64 = 2000;
@@ -27,12 +31,8 @@ fn median(v: &mut [u64]) -> u64 {
     v[v.len() / 2]
 }
 
-#[test]
 fn events_are_as_tight_as_their_rounds_and_hold_the_truth() {
     let test = "placement::events_are_as_tight_as_their_rounds_and_hold_the_truth";
-    if !qemu_ready(test) {
-        return;
-    }
     let dir = tempfile::Builder::new()
         .prefix("vmtsync-placement-")
         .tempdir()
@@ -45,15 +45,7 @@ fn events_are_as_tight_as_their_rounds_and_hold_the_truth() {
             skew.agent_option()
         ),
     );
-    // The anchor needs the vCPU's thread, which debugfs names once the vCPU has run.
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while vcpu_thread(vm.guard.pid()).is_none() {
-        assert!(
-            Instant::now() < deadline,
-            "vcpu0's thread never appeared in KVM debugfs"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_vcpu_thread(vm.guard.pid());
     let truth = GuestTruth::read(vm.guard.pid(), 0, Some(skew)).expect("truth from debugfs");
     // Let the workload fill part of the ring first: those events precede the first round.
     std::thread::sleep(Duration::from_secs(1));

@@ -358,8 +358,19 @@ fn record_from_memory_writes_what_it_read_when_the_vmm_exits() {
             .spawn()
             .expect("vmtsync starts"),
     );
-    std::thread::sleep(Duration::from_secs(3));
-    // QEMU ends (the guard kills it by PID and reaps it).
+    // Once the reader streams events (JSON Lines go to `OUT.partial` as they are placed), it
+    // has found the recorder: let it drain a while, then end QEMU (the guard kills it by PID
+    // and reaps it).
+    let partial = dir.path().join("events.jsonl.partial");
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while std::fs::metadata(&partial).map_or(true, |m| m.len() == 0) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "record --from-memory wrote no event within 60 s"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    std::thread::sleep(Duration::from_secs(1));
     drop(qemu);
     let mut pipe = rec.child().stderr.take().expect("stderr piped");
     let status = rec
@@ -376,7 +387,7 @@ fn record_from_memory_writes_what_it_read_when_the_vmm_exits() {
         .lines()
         .map(|l| serde_json::from_str(l).expect("a JSON line"))
         .collect();
-    assert!(!lines.is_empty(), "events were read in 3 s: {stderr}");
+    assert!(!lines.is_empty(), "events were read: {stderr}");
     for (i, v) in lines.iter().enumerate() {
         assert_eq!(seq_of(v["payload"].as_str().unwrap()), i as u64, "{v}");
         let g = GuestTicks(u(v, "guest_tsc"));

@@ -23,6 +23,8 @@
 //!   header check, the bounded drain with exact counts.
 //! - [`link`]: the byte stream to the guest agent: addresses, connecting with retries,
 //!   vhost-user vsock, AF_VSOCK, and the host-TSC-stamped transport.
+//! - [`guestmem`]: a guest's recorder read straight out of its VMM's memory (`/proc/PID/mem`):
+//!   finding the header, and a bounded, polled drain with exact lost counts.
 //! - [`compose`]: nested (L0->L1->L2) composition of scanned mappings.
 //! - [`plot`]: `vmtsync plot`, a sync file as an SVG picture.
 //! - [`probe`]: `vmtsync probe`: hello + probe rounds against the guest agent over a link,

@@ -3,7 +3,8 @@
  * it lays out a recorder in its own memory, publishes the header, records N events (N from
  * the kernel command line's `events=N`, default 10000) with a sync beacon every 1000 and one
  * at each end, prints one summary line on COM1 and ends QEMU through isa-debug-exit with
- * code 0 when every call returned VMTSYNC_OK, 1 otherwise. Nothing else: no driver, no
+ * code 0 when every call returned VMTSYNC_OK, 1 otherwise (with `hold` on the command line it
+ * halts instead, for a host that reads its rings after it is done). Nothing else: no driver, no
  * transport; the host reads the rings out of guest memory.
  *
  * Built by vmtsync_launch::agent::build_guest(Guest::CGuest): gcc -ffreestanding -nostdlib.
@@ -90,6 +91,27 @@ static uint32_t events_from_cmdline(const uint8_t *start_info) {
     return DEFAULT_EVENTS;
 }
 
+/* Whether the PVH command line holds the word `hold`: then the guest halts when done instead
+ * of ending QEMU, so a host can still read its rings out of its memory. */
+static int hold_from_cmdline(const uint8_t *start_info) {
+    uint64_t paddr = *(const uint64_t *)(start_info + 24);
+    if (paddr == 0) {
+        return 0;
+    }
+    const char *line = (const char *)(uintptr_t)paddr;
+    static const char key[] = "hold";
+    for (const char *p = line; *p; p++) {
+        size_t k = 0;
+        while (key[k] && p[k] == key[k]) {
+            k++;
+        }
+        if (key[k] == 0 && (p == line || p[-1] == ' ') && (p[k] == 0 || p[k] == ' ')) {
+            return 1;
+        }
+    }
+    return 0;
+}
+
 void c_main(const uint8_t *start_info) {
     uint32_t n = events_from_cmdline(start_info);
     int32_t first_error = VMTSYNC_OK;
@@ -143,5 +165,12 @@ void c_main(const uint8_t *start_info) {
         putu((uint64_t)(-(int64_t)first_error), 10);
     }
     puts_com1("\n");
+    if (hold_from_cmdline(start_info)) {
+        /* Interrupts stay off (the PVH entry never enables them): the vCPU halts for good
+         * and QEMU keeps the guest's memory until it is killed. */
+        for (;;) {
+            __asm__ volatile("cli; hlt");
+        }
+    }
     outb(DEBUG_EXIT, failed == 0 ? 0 : 1);
 }

@@ -18,8 +18,32 @@ use crate::record::{self, EndReason, RecordFormat, RecordOptions, RecordSummary}
 pub struct RecordArgs {
     /// Where the agent is: unix:PATH, unix-listen:PATH, vsock-uds:PATH:PORT, vsock:CID:PORT,
     /// tcp:HOST:PORT.
-    #[arg(long, value_name = "ADDR")]
-    pub connect: ProbeAddr,
+    #[arg(
+        long,
+        value_name = "ADDR",
+        required_unless_present = "from_memory",
+        conflicts_with = "from_memory"
+    )]
+    pub connect: Option<ProbeAddr>,
+    /// Read the guest's recorder straight out of the VM's memory (--vm names the VM; root):
+    /// no link and no agent protocol. Each event's host time comes from KVM's per-vCPU
+    /// mapping in debugfs, exactly, when the recorder says it holds the raw TSC
+    /// (docs/record.md, "Recording from guest memory").
+    #[arg(long, requires = "vm", conflicts_with_all = ["anchor", "probe_log", "console", "sync_out", "host_trace", "shutdown"])]
+    pub from_memory: bool,
+    /// With --from-memory: the header is at this host virtual address in the VMM (hex
+    /// 0x... or decimal) instead of being searched for.
+    #[arg(long, value_name = "HOSTVA", requires = "from_memory", conflicts_with = "elf", value_parser = parse_addr)]
+    pub addr: Option<u64>,
+    /// With --from-memory: the guest image whose symbol --symbol names the header.
+    #[arg(long, value_name = "FILE", requires_all = ["from_memory", "symbol"])]
+    pub elf: Option<PathBuf>,
+    /// With --elf: the symbol of the recorder's header.
+    #[arg(long, value_name = "NAME", requires = "elf")]
+    pub symbol: Option<String>,
+    /// With --from-memory: milliseconds between two drain rounds that found nothing.
+    #[arg(long, value_name = "MS", default_value_t = 2, requires = "from_memory")]
+    pub poll_ms: u64,
     /// The output file (written beside it and renamed into place when complete).
     #[arg(long, value_name = "PATH")]
     pub out: PathBuf,
@@ -136,13 +160,37 @@ pub enum FormatArg {
 }
 
 impl RecordArgs {
-    /// The options these flags ask for.
+    fn format(&self) -> RecordFormat {
+        match self.format {
+            FormatArg::TraceCmd => RecordFormat::TraceCmd,
+            FormatArg::Jsonl => RecordFormat::Jsonl,
+            FormatArg::Perfetto => RecordFormat::Perfetto,
+            FormatArg::Ctf => RecordFormat::Ctf,
+        }
+    }
+
+    fn file_version(&self) -> FileVersion {
+        if self.file_version == 6 {
+            FileVersion::V6
+        } else {
+            FileVersion::V7
+        }
+    }
+
+    fn duration(&self) -> Option<Duration> {
+        self.duration
+            .filter(|d| d.is_finite() && *d >= 0.0)
+            .map(Duration::from_secs_f64)
+    }
+
+    /// The options these flags ask for (the protocol front end: `--connect`).
     #[must_use]
     pub fn to_options(
         &self,
+        connect: ProbeAddr,
         stop: Option<&'static std::sync::atomic::AtomicBool>,
     ) -> RecordOptions {
-        let mut probe = ProbeOptions::new(self.connect.clone());
+        let mut probe = ProbeOptions::new(connect);
         probe.probes = self.probes;
         probe.timeout = Duration::from_millis(self.timeout);
         probe.stop = stop;
@@ -161,22 +209,10 @@ impl RecordArgs {
         RecordOptions {
             probe,
             out: self.out.clone(),
-            format: match self.format {
-                FormatArg::TraceCmd => RecordFormat::TraceCmd,
-                FormatArg::Jsonl => RecordFormat::Jsonl,
-                FormatArg::Perfetto => RecordFormat::Perfetto,
-                FormatArg::Ctf => RecordFormat::Ctf,
-            },
-            file_version: if self.file_version == 6 {
-                FileVersion::V6
-            } else {
-                FileVersion::V7
-            },
+            format: self.format(),
+            file_version: self.file_version(),
             events: self.events,
-            duration: self
-                .duration
-                .filter(|d| d.is_finite() && *d >= 0.0)
-                .map(Duration::from_secs_f64),
+            duration: self.duration(),
             resync: Duration::from_millis(self.resync.max(1)),
             drain_max: crate::record::DRAIN_MAX,
             sync_out: self.sync_out.clone(),
@@ -206,8 +242,11 @@ pub(super) fn run_record_cmd(a: &RecordArgs) -> Result<(), CliError> {
         }
         _ => None,
     };
+    let Some(connect) = a.connect.clone() else {
+        return run_record_memory_cmd(a);
+    };
     install_stop_handler();
-    let opts = a.to_options(Some(stop_flag()));
+    let opts = a.to_options(connect, Some(stop_flag()));
     let mut progress = Progress::stderr_if_terminal(opts.probe.progress);
     let s = record::run_record(&opts, &mut progress)?;
     eprintln!("{}", summary_text(&s));
@@ -247,6 +286,83 @@ pub(super) fn run_record_cmd(a: &RecordArgs) -> Result<(), CliError> {
     Ok(())
 }
 
+/// A `--addr` value: hex with `0x`, else decimal.
+fn parse_addr(s: &str) -> Result<u64, String> {
+    let r = match s.strip_prefix("0x").or_else(|| s.strip_prefix("0X")) {
+        Some(h) => u64::from_str_radix(h, 16),
+        None => s.parse(),
+    };
+    r.map_err(|e| format!("{s:?} is not an address: {e}"))
+}
+
+/// `vmtsync record --from-memory`: the VM's VMM memory is read, no link (see
+/// [`record::run_record_memory`]).
+fn run_record_memory_cmd(a: &RecordArgs) -> Result<(), CliError> {
+    use crate::guestmem::{Location, symbol_guest_physical_in};
+    let Some(sel) = &a.vm else {
+        return Err(CliError::Usage("--from-memory needs --vm".into()));
+    };
+    let vm = super::source::single_vm(&a.source, sel)?;
+    let vm_dir = super::source::scanner(&a.source)?
+        .select(Some(sel))?
+        .into_iter()
+        .map(|(d, _)| d)
+        .find(|d| d.id == vm.id())
+        .ok_or_else(|| CliError::Usage(format!("the VM {sel} exited")))?;
+    let location = match (a.addr, &a.elf, &a.symbol) {
+        (Some(addr), _, _) => Location::HostAddress(addr),
+        (None, Some(elf), Some(sym)) => Location::GuestPhysical(
+            symbol_guest_physical_in(elf, sym)
+                .map_err(|e| CliError::Usage(format!("--elf {}: {e}", elf.display())))?,
+        ),
+        _ => Location::Scan,
+    };
+    install_stop_handler();
+    let opts = record::MemoryOptions {
+        vm: vm_dir,
+        proc_root: a.source.proc_root.clone(),
+        location,
+        out: a.out.clone(),
+        format: a.format(),
+        file_version: a.file_version(),
+        events: a.events,
+        duration: a.duration(),
+        poll: Duration::from_millis(a.poll_ms),
+        find_timeout: Duration::from_secs(30),
+        stop: Some(stop_flag()),
+    };
+    let mut progress = Progress::stderr_if_terminal(!a.no_progress);
+    let (s, m) = record::run_record_memory(&opts, &mut progress)?;
+    eprintln!("{}", summary_text(&s));
+    eprintln!("{}", memory_text(&s, &m));
+    Ok(())
+}
+
+/// The second summary line of a memory recording: where the recorder was and what the
+/// reader counted.
+#[must_use]
+pub fn memory_text(s: &RecordSummary, m: &record::MemorySummary) -> String {
+    format!(
+        "vmtsync: read the recorder at {:#x} ({} vCPU ring(s) of {} records): host time {}; {} \
+         beacons; {} overwritten, {} refused, {} corrupt, {} ambiguous across {} mapping \
+         changes, {} past --events; {} drain rounds, records read over {:.3} s at {:.3} M records/s",
+        m.header_addr,
+        s.vcpus.len(),
+        m.capacity,
+        s.host_time.name(),
+        m.beacons,
+        m.overwritten,
+        m.refused,
+        m.corrupt,
+        m.ambiguous,
+        m.mapping_changes,
+        m.past_limit,
+        m.polls,
+        m.drain.as_secs_f64(),
+        m.rate(s.events) / 1e6
+    )
+}
+
 /// The summary printed on stderr.
 #[must_use]
 pub fn summary_text(s: &RecordSummary) -> String {
@@ -255,6 +371,7 @@ pub fn summary_text(s: &RecordSummary) -> String {
         EndReason::Duration => "the duration",
         EndReason::Stopped => "a signal",
         EndReason::AgentExited => "the agent ending the session",
+        EndReason::VmmExited => "the VMM exiting",
     };
     let widths = s.widths.map_or_else(
         || "no events".to_owned(),
@@ -270,14 +387,17 @@ pub fn summary_text(s: &RecordSummary) -> String {
     } else {
         String::new()
     };
+    // Exact mode has no sync rounds: its segments are KVM's mappings, one per change seen.
+    let segments = match s.host_time {
+        record::HostTime::Sync => format!("{} sync segments ({} breaks)", s.segments, s.breaks),
+        record::HostTime::ExactDebugfs => format!("{} KVM mapping segment(s)", s.segments),
+    };
     let mut t = format!(
         "vmtsync: recorded {} events to {} (ended by {end}); {} dropped by the guest's \
-         ring{split}; {} sync segments ({} breaks); guaranteed interval widths: {widths}",
+         ring{split}; {segments}; guaranteed interval widths: {widths}",
         s.events,
         s.out.display(),
         s.dropped + s.overwritten,
-        s.segments,
-        s.breaks
     );
     if s.vcpus.len() > 1 {
         let list: Vec<String> = s.vcpus.iter().map(u32::to_string).collect();

@@ -38,6 +38,12 @@ impl Region {
 #[derive(Debug, Error)]
 #[non_exhaustive]
 pub enum MemError {
+    /// The process is gone: its proc files no longer exist.
+    #[error("{path} is gone: the VMM process exited")]
+    Exited {
+        /// The file.
+        path: PathBuf,
+    },
     /// A proc file could not be opened.
     #[error("open {path}: {source} (reading a VMM's memory needs root or CAP_SYS_PTRACE)")]
     Open {
@@ -72,6 +78,18 @@ pub enum MemError {
         /// The line.
         line: String,
     },
+}
+
+impl MemError {
+    /// The error of opening `path`: [`MemError::Exited`] when the process is gone (the file
+    /// no longer exists, or ESRCH), else [`MemError::Open`].
+    fn open(path: PathBuf, source: io::Error) -> Self {
+        if source.kind() == io::ErrorKind::NotFound || source.raw_os_error() == Some(libc::ESRCH) {
+            Self::Exited { path }
+        } else {
+            Self::Open { path, source }
+        }
+    }
 }
 
 /// A process's memory, read only.
@@ -124,7 +142,7 @@ impl ProcMemory {
     pub fn open(proc: &ProcFs, pid: u32) -> Result<Self, MemError> {
         let dir = proc.root().join(pid.to_string());
         let path = dir.join("mem");
-        let mem = File::open(&path).map_err(|source| MemError::Open { path, source })?;
+        let mem = File::open(&path).map_err(|source| MemError::open(path, source))?;
         let pagemap = File::open(dir.join("pagemap")).ok();
         Ok(Self {
             mem,
@@ -171,10 +189,8 @@ impl GuestMemory for ProcMemory {
     }
 
     fn regions(&mut self) -> Result<Vec<Region>, MemError> {
-        let text = std::fs::read_to_string(&self.maps).map_err(|source| MemError::Open {
-            path: self.maps.clone(),
-            source,
-        })?;
+        let text = std::fs::read_to_string(&self.maps)
+            .map_err(|source| MemError::open(self.maps.clone(), source))?;
         text.lines()
             .filter(|l| !l.is_empty())
             .map(|l| {

@@ -15,5 +15,6 @@ mod perfetto;
 mod plot;
 mod probe;
 mod record;
+mod record_memory;
 mod sync_crash;
 mod util;

@@ -32,6 +32,7 @@ mod placement;
 mod probe;
 mod probe_bench;
 mod record;
+mod record_memory;
 mod smoke;
 mod smp;
 mod tracedat;
@@ -98,6 +99,7 @@ fn main() -> std::process::ExitCode {
         probe::trials(),
         probe_bench::trials(),
         record::trials(),
+        record_memory::trials(),
         smoke::trials(),
         smp::trials(),
         tracedat::trials(),

@@ -305,7 +305,7 @@ impl HostTrace {
 }
 
 /// The host thread of the VM's first vCPU, once `vmtsync kvm` shows it.
-fn vcpu_thread(pid: u32) -> Option<u64> {
+pub(crate) fn vcpu_thread(pid: u32) -> Option<u64> {
     let o = guarded_output(
         vmtsync().args(["kvm", "--json", "--vm", &pid.to_string()]),
         b"",

@@ -1,0 +1,502 @@
+//! The memory front end of `vmtsync record --from-memory`: no link and no agent protocol.
+//! The guest's recorder is found in its VMM process's memory ([`crate::guestmem::find`]) and
+//! drained while the guest runs ([`crate::guestmem::Drainer`]); each record's host time
+//! comes from KVM's own per-vCPU mapping in debugfs (exact mode: the header says the records
+//! hold the raw TSC). Events and per-vCPU segments go into the same placement and output
+//! stages as the protocol front end's ([`super::place`], [`super::write`]).
+//!
+//! Ring `r` is vCPU `r` (debugfs `vcpuR`). A vCPU's mapping `guest = host + tsc_offset`
+//! becomes one segment of width 0; debugfs is read again after every drain round, and a
+//! mapping that changed starts a new segment. The records drained in the round in which a
+//! change was seen were written either before it (old mapping) or after it (new mapping):
+//! each is placed with the one mapping under which its host time is consistent with when
+//! the change could have happened, and one that fits both is counted as ambiguous and not
+//! written.
+
+use std::time::{Duration, Instant};
+
+use super::*;
+use crate::guestmem::{self, Drainer, FindError, GuestClock, GuestRecord, Location, ProcMemory};
+use crate::kvm::debugfs::{VcpuState, VmDir, read_vcpu};
+use crate::kvm::procinfo::ProcFs;
+use crate::syncfile::{AnchorKind, OffsetModel};
+
+/// Everything `vmtsync record --from-memory` needs.
+#[derive(Clone, Debug)]
+pub struct MemoryOptions {
+    /// The VM's debugfs directory (its VMM's PID is the process whose memory is read).
+    pub vm: VmDir,
+    /// The proc tree (normally `/proc`).
+    pub proc_root: PathBuf,
+    /// Where the recorder's header is.
+    pub location: Location,
+    /// The output file.
+    pub out: PathBuf,
+    /// Its format.
+    pub format: RecordFormat,
+    /// trace.dat version.
+    pub file_version: FileVersion,
+    /// Stop after this many events.
+    pub events: Option<u64>,
+    /// Stop after this long.
+    pub duration: Option<Duration>,
+    /// Time between two drain rounds that found nothing.
+    pub poll: Duration,
+    /// How long to wait for the guest to publish its header.
+    pub find_timeout: Duration,
+    /// SIGINT/SIGTERM.
+    pub stop: Option<&'static std::sync::atomic::AtomicBool>,
+}
+
+/// The default time between two idle drain rounds.
+pub const DEFAULT_POLL: Duration = Duration::from_millis(2);
+
+/// What a memory recording read, beyond the common summary.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct MemorySummary {
+    /// The header's host virtual address in the VMM.
+    pub header_addr: u64,
+    /// Records per ring.
+    pub capacity: u64,
+    /// Sync beacons read (not written: in exact mode they carry nothing the mapping lacks).
+    pub beacons: u64,
+    /// Records the guest overwrote before the reader got them (exact, all rings).
+    pub overwritten: u64,
+    /// Records a full stop-when-full ring refused (the guest's own count).
+    pub refused: u64,
+    /// Records whose slot broke the layout's rules (not written).
+    pub corrupt: u64,
+    /// Events read after `--events` was reached (not written).
+    pub past_limit: u64,
+    /// Events drained in a round where the vCPU's mapping changed that fit both mappings.
+    pub ambiguous: u64,
+    /// Mapping changes seen.
+    pub mapping_changes: u64,
+    /// Drain rounds.
+    pub polls: u64,
+    /// Time from the start of the first round that delivered records to the end of the last
+    /// one that did, its records written (the guest was producing in between; waiting for
+    /// the header or for the end is not in it).
+    pub drain: Duration,
+}
+
+impl MemorySummary {
+    /// Records read per second while the guest produced them (events and beacons over
+    /// [`MemorySummary::drain`]): a floor of the reader's rate, not its ceiling.
+    #[must_use]
+    pub fn rate(&self, events: u64) -> f64 {
+        let secs = self.drain.as_secs_f64();
+        if secs > 0.0 {
+            (events + self.beacons) as f64 / secs
+        } else {
+            0.0
+        }
+    }
+}
+
+/// One vCPU's mapping as debugfs said it, and when.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Reading {
+    offset: i64,
+    /// Host TSC before and after the read.
+    before: u64,
+    after: u64,
+}
+
+fn reading(v: &VcpuState) -> Result<Reading, RecordError> {
+    if v.guest_mode == Some(true) {
+        return Err(RecordError::Memory(format!(
+            "vCPU {} runs a nested guest: its debugfs mapping is L0->L2, not this VM's own",
+            v.vcpu
+        )));
+    }
+    if !v.scaling.is_identity() {
+        return Err(RecordError::Memory(format!(
+            "vCPU {}'s TSC is scaled (ratio {} / 2^{}): exact mode here places only guests whose \
+             TSC runs at the host's rate",
+            v.vcpu, v.scaling.ratio, v.scaling.frac_bits
+        )));
+    }
+    Ok(Reading {
+        offset: v.tsc_offset,
+        before: v.bracket.before.0,
+        after: v.bracket.after.0,
+    })
+}
+
+/// Which mapping a record read in the round of a mapping change belongs to, with its host
+/// time under it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Side {
+    /// Written before the change.
+    Old(u64),
+    /// Written after it.
+    New(u64),
+}
+
+/// A record with guest tick `tsc`, read after reading `old` and before reading `new` of a
+/// mapping that changed in between. The change happened after `old.after` and before
+/// `new.before`; a record written before it has, under the old mapping, a host time no later
+/// than `new.before`, and one written after it has, under the new mapping, a host time no
+/// earlier than `old.after`. Exactly one of the two holding decides; both or neither
+/// (`None`) leave it ambiguous. (A record's host time under a negative offset past 2^64 is
+/// outside the host's range and cannot fit.)
+fn across_change(tsc: u64, old: Reading, new: Reading) -> Option<Side> {
+    let host = |offset: i64| tsc.checked_add_signed(offset.checked_neg()?);
+    let fits_old = host(old.offset).filter(|&h| h <= new.before);
+    let fits_new = host(new.offset).filter(|&h| h >= old.after);
+    match (fits_old, fits_new) {
+        (Some(h), None) => Some(Side::Old(h)),
+        (None, Some(h)) => Some(Side::New(h)),
+        _ => None,
+    }
+}
+
+/// The width-0 segment of mapping `r` from guest tick `guest_start` on.
+fn exact_segment(vcpu: u32, round: u64, guest_start: u64, r: Reading) -> SyncSegment {
+    SyncSegment {
+        vcpu,
+        round,
+        guest_start,
+        host_anchor: r.before,
+        guest_anchor: r.before.wrapping_add_signed(r.offset),
+        offset: r.offset,
+        offset_lo: r.offset,
+        offset_hi: r.offset,
+        drift_ppb: 0,
+        drift_ppb_lo: Some(0),
+        drift_ppb_hi: Some(0),
+        model: OffsetModel::Offset,
+        probes: 0,
+        rtt_min_ticks: 0,
+        host_first: r.before,
+        host_last: r.after,
+        is_break: true,
+        anchor: AnchorKind::InProcess,
+    }
+}
+
+/// Whether the VMM is gone: its KVM debugfs directory went away (the VM's last file closed),
+/// or its process is no more than a zombie (its memory is unreadable before it is reaped).
+fn vmm_gone(proc: &ProcFs, vm: &VmDir) -> bool {
+    if !vm.path.exists() {
+        return true;
+    }
+    let stat = proc.root().join(vm.id.pid.to_string()).join("stat");
+    match std::fs::read_to_string(stat) {
+        // The state is the first field after the parenthesised command name.
+        Ok(s) => s
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.trim_start().chars().next())
+            .is_some_and(|state| matches!(state, 'Z' | 'X')),
+        Err(_) => true,
+    }
+}
+
+/// Whether the VMM is gone within `limit`: a VMM that is exiting loses its mappings before
+/// its process becomes a zombie and its VM directory goes, so a read that fails then is
+/// given that long to turn into an exit.
+fn vmm_gone_within(proc: &ProcFs, vm: &VmDir, limit: Duration) -> bool {
+    let end = Instant::now() + limit;
+    loop {
+        if vmm_gone(proc, vm) {
+            return true;
+        }
+        if Instant::now() >= end {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// How long a failed read waits for the VMM's exit to show.
+const EXIT_GRACE: Duration = Duration::from_secs(2);
+
+/// Records a guest by reading its recorder out of its VMM's memory (see the module docs).
+///
+/// # Errors
+/// [`RecordError`]; events read before a failure are still written.
+pub fn run_record_memory(
+    opts: &MemoryOptions,
+    progress: &mut Progress,
+) -> Result<(RecordSummary, MemorySummary), RecordError> {
+    let pid = opts.vm.id.pid;
+    let proc = ProcFs::new(&opts.proc_root);
+    let mut mem = ProcMemory::open(&proc, pid).map_err(|e| RecordError::Memory(e.to_string()))?;
+    let stopped = || {
+        opts.stop
+            .is_some_and(|s| s.load(std::sync::atomic::Ordering::Relaxed))
+    };
+    // The guest publishes its header at run time: wait for it (a scan finds nothing before).
+    let deadline = Instant::now() + opts.find_timeout;
+    let found = loop {
+        match guestmem::find(&mut mem, opts.location) {
+            Ok(f) => break f,
+            Err(FindError::NotFound { .. }) if Instant::now() < deadline && !stopped() => {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            Err(e) => return Err(RecordError::Memory(e.to_string())),
+        }
+    };
+    if found.header.clock != GuestClock::RawTsc {
+        return Err(RecordError::Memory(format!(
+            "the recorder at {:#x} says its records do not hold the raw TSC (clock 1, e.g. a \
+             software skew): exact mode cannot place them, and beacon mode is not built yet",
+            found.addr
+        )));
+    }
+    let vcpus: Vec<u32> = (0..found.header.vcpus).collect();
+    let dirs: Vec<PathBuf> = vcpus
+        .iter()
+        .map(|v| opts.vm.path.join(format!("vcpu{v}")))
+        .collect();
+    let read_all = || -> Result<Vec<Reading>, RecordError> {
+        vcpus
+            .iter()
+            .zip(&dirs)
+            .map(|(&v, dir)| {
+                read_vcpu(dir, v)
+                    .map_err(|e| RecordError::Memory(e.to_string()))
+                    .and_then(|s| reading(&s))
+            })
+            .collect()
+    };
+    let mut last = read_all()?;
+    let target = Target {
+        out: opts.out.clone(),
+        format: opts.format,
+        file_version: opts.file_version,
+        source: format!("memory of VMM {pid} at {:#x}", found.addr),
+    };
+    let mut st = State::new(&vcpus, None, Placement::OneSided);
+    for (v, r) in st.vcpus.iter_mut().zip(&last) {
+        v.segments.push(exact_segment(v.vcpu, 0, 0, *r));
+    }
+    st.round = 1;
+    // Host TSC/BOOTTIME snapshots for the Perfetto output (it needs two or more): one now,
+    // one a second while draining, and the one its writer takes at the end.
+    st.clocks.extend(ClockSnapshot::take().ok());
+    let mut last_clock = Instant::now();
+    let mut out = Out::create(&target, Placement::OneSided)?;
+    let mut drainer = Drainer::new(&found, guestmem::DEFAULT_MAX_PER_ROUND);
+    let mut ms = MemorySummary {
+        header_addr: found.addr,
+        capacity: found.header.capacity,
+        ..MemorySummary::default()
+    };
+    let mut pending: Vec<GuestRecord> = Vec::new();
+    let started = Instant::now();
+    // The first and last rounds that delivered records.
+    let mut active: Option<(Instant, Instant)> = None;
+    let mut closing = false;
+    let result = loop {
+        let now_end = if stopped() {
+            Some(EndReason::Stopped)
+        } else if opts.duration.is_some_and(|d| started.elapsed() >= d) {
+            Some(EndReason::Duration)
+        } else {
+            None
+        };
+        // The round after a stop or the duration is the last: what the guest stored until
+        // then is still read.
+        if let Some(e) = now_end
+            && closing
+        {
+            break Ok(e);
+        }
+        closing = now_end.is_some();
+        pending.clear();
+        let round_start = Instant::now();
+        let polled = drainer.poll(&mut mem, &mut |r| pending.push(*r));
+        ms.polls += 1;
+        let summary = match polled {
+            Ok(s) => s,
+            Err(e) => {
+                // A VMM that exited takes its memory with it: what was read is written.
+                break if vmm_gone_within(&proc, &opts.vm, EXIT_GRACE) {
+                    Ok(EndReason::VmmExited)
+                } else {
+                    Err(RecordError::Memory(e.to_string()))
+                };
+            }
+        };
+        // The mapping after the round: every record just read was written before it.
+        let now = match read_all() {
+            Ok(n) => n,
+            Err(_) if vmm_gone_within(&proc, &opts.vm, EXIT_GRACE) => {
+                break Ok(EndReason::VmmExited);
+            }
+            Err(e) => break Err(e),
+        };
+        let mut changed = vec![false; vcpus.len()];
+        for (i, (old, new)) in last.iter().zip(&now).enumerate() {
+            if old.offset != new.offset {
+                changed[i] = true;
+                ms.mapping_changes += 1;
+                // From the earliest guest tick the new mapping can have started at.
+                let start = old.after.wrapping_add_signed(new.offset);
+                let seg = exact_segment(vcpus[i], st.round, start, *new);
+                st.vcpus[i].segments.push(seg);
+                st.round += 1;
+            }
+        }
+        for r in &pending {
+            if r.is_beacon() {
+                ms.beacons += 1;
+                continue;
+            }
+            if opts.events.is_some_and(|n| st.events >= n) {
+                ms.past_limit += 1;
+                continue;
+            }
+            let i = r.vcpu as usize;
+            let (host, round) = if changed[i] {
+                match across_change(r.tsc, last[i], now[i]) {
+                    Some(Side::Old(h)) => (h, st.round - 2),
+                    Some(Side::New(h)) => (h, st.round - 1),
+                    None => {
+                        ms.ambiguous += 1;
+                        continue;
+                    }
+                }
+            } else {
+                let Some(p) = st.place_as(r.vcpu, r.tsc, Placement::OneSided) else {
+                    st.unplaceable += 1;
+                    continue;
+                };
+                (p.host, p.round)
+            };
+            let placed = Placed {
+                vcpu: r.vcpu,
+                id: r.id,
+                guest: r.tsc,
+                payload: r.payload(),
+                host,
+                lo: host,
+                hi: host,
+                round,
+            };
+            out.push(&placed, &opts.out)?;
+            st.widths.push(0);
+            st.events += 1;
+        }
+        last = now;
+        if !pending.is_empty() {
+            // The round's records are placed and written: its end counts in the rate.
+            let end = Instant::now();
+            active = Some((active.map_or(round_start, |(first, _)| first), end));
+        }
+        if last_clock.elapsed() >= Duration::from_secs(1) {
+            last_clock = Instant::now();
+            st.clocks.extend(ClockSnapshot::take().ok());
+        }
+        progress.status(&format!(
+            "vmtsync record: {} events from guest memory, {} lost",
+            st.events,
+            drainer
+                .counts()
+                .iter()
+                .map(|c| c.overwritten + c.corrupt)
+                .sum::<u64>()
+        ));
+        if opts.events.is_some_and(|n| st.events >= n) {
+            break Ok(EndReason::Events);
+        }
+        if !summary.more {
+            std::thread::sleep(opts.poll);
+        }
+    };
+    progress.clear();
+    ms.drain = active.map_or(Duration::ZERO, |(first, last)| last - first);
+    for c in drainer.counts() {
+        ms.overwritten += c.overwritten;
+        ms.refused += c.refused;
+        ms.corrupt += c.corrupt;
+    }
+    let written = finish(out, &target, &st);
+    let end = result?;
+    let (preconverted, clamped) = written?;
+    Ok((
+        RecordSummary {
+            events: st.events,
+            dropped: ms.refused,
+            overwritten: ms.overwritten,
+            segments: st.segments(),
+            breaks: st.segments(),
+            widths: st.widths.summary(),
+            host_stamped_skipped: 0,
+            unplaceable: st.unplaceable + ms.ambiguous,
+            lost: ms.corrupt,
+            replayed: 0,
+            failed_drains: 0,
+            preconverted,
+            clamped,
+            end,
+            vcpu: 0,
+            vcpus: vcpus.clone(),
+            trace_id: if opts.format == RecordFormat::TraceCmd {
+                trace_id(&target, &st)
+            } else {
+                0
+            },
+            out: opts.out.clone(),
+            console_bytes: 0,
+            console: None,
+            host_time: HostTime::ExactDebugfs,
+        },
+        ms,
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_exact_segment_places_every_tick_with_width_zero() {
+        let r = Reading {
+            offset: -1_000_000,
+            before: 5_000_000,
+            after: 5_000_100,
+        };
+        let seg = exact_segment(0, 0, 0, r);
+        let p = bounds::place(&[seg], 7_000_000, Placement::TwoSided).unwrap();
+        assert_eq!((p.host, p.lo, p.hi), (8_000_000, 8_000_000, 8_000_000));
+    }
+
+    #[test]
+    fn a_record_read_across_a_mapping_change_goes_to_the_one_mapping_it_fits() {
+        // Read at host 1000..1010 with offset 0, then at 2000..2010 with offset 500 000 (the
+        // guest TSC jumped forward between the two readings).
+        let old = Reading {
+            offset: 0,
+            before: 1000,
+            after: 1010,
+        };
+        let new = Reading {
+            offset: 500_000,
+            before: 2000,
+            after: 2010,
+        };
+        // Guest 1500: old host 1500 (before 2000: fits), new host below 0: only old.
+        assert_eq!(across_change(1500, old, new), Some(Side::Old(1500)));
+        // Guest 501 500: old host 501 500 is after the second reading, so it was written
+        // after the change: new host 1500.
+        assert_eq!(across_change(501_500, old, new), Some(Side::New(1500)));
+        // A guest jump backwards makes ticks that fit both: ambiguous, never guessed.
+        let back = Reading {
+            offset: -500,
+            ..new
+        };
+        // Guest 1200: old host 1200 <= 2000 fits; new host 1700 >= 1010 fits.
+        assert_eq!(across_change(1200, old, back), None);
+        // Guest 2500 under offset 500 000 would be below host 0: it fits only the new
+        // mapping (offset 0, read after host 2010).
+        let later = Reading {
+            offset: 0,
+            before: 3000,
+            after: 3010,
+        };
+        assert_eq!(across_change(2500, new, later), Some(Side::New(2500)));
+    }
+}

@@ -1,0 +1,222 @@
+//! The placement stage both front ends share: every vCPU's segments (from sync rounds or
+//! from KVM's own mapping), the counters of a recording, and an event's host interval.
+
+use super::*;
+
+/// One event on its way to the output.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Placed<'a> {
+    pub(super) vcpu: u32,
+    pub(super) id: u16,
+    pub(super) guest: u64,
+    pub(super) payload: &'a [u8],
+    pub(super) host: u64,
+    pub(super) lo: u64,
+    pub(super) hi: u64,
+    pub(super) round: u64,
+}
+
+impl Placed<'_> {
+    /// The event as a JSON Lines line.
+    pub(super) fn line(&self) -> Line {
+        Line {
+            schema: EVENT_SCHEMA,
+            vcpu: self.vcpu,
+            id: self.id,
+            guest_tsc: self.guest,
+            host_tsc: self.host,
+            host_lo: self.lo,
+            host_hi: self.hi,
+            payload: crate::formats::Payload::new(self.payload).unwrap_or_default(),
+            round: self.round,
+        }
+    }
+
+    /// The event as the exporters see it (everything known).
+    pub(super) fn export(&self) -> crate::formats::ExportEvent {
+        crate::formats::ExportEvent {
+            vcpu: self.vcpu,
+            id: self.id,
+            guest_tsc: Some(self.guest),
+            host_tsc: self.host,
+            bound: Some(crate::formats::Bound {
+                lo: self.lo,
+                hi: self.hi,
+            }),
+            payload: crate::formats::Payload::new(self.payload).unwrap_or_default(),
+        }
+    }
+}
+
+/// One vCPU's part of a recording: its segments (its own clock's), its cumulative estimate,
+/// and its event queue's counters (the agent counts each vCPU's `first` indices on their own).
+pub(super) struct VcpuSync {
+    pub(super) vcpu: u32,
+    pub(super) segments: Vec<SyncSegment>,
+    pub(super) cumulative: Cumulative,
+    /// What its batches' indices and counters say was lost, and where.
+    pub(super) ledger: Ledger,
+}
+
+impl VcpuSync {
+    pub(super) fn new(vcpu: u32) -> Self {
+        Self {
+            vcpu,
+            segments: Vec::new(),
+            cumulative: Cumulative::new(),
+            ledger: Ledger::default(),
+        }
+    }
+}
+
+/// The state of a recording.
+pub(super) struct State {
+    /// `--sync-out`: every segment is appended as it is made.
+    pub(super) sync_out: Option<SyncWriter>,
+    /// Every vCPU synced, in increasing order.
+    pub(super) vcpus: Vec<VcpuSync>,
+    pub(super) round: u64,
+    pub(super) breaks: u64,
+    pub(super) events: u64,
+    pub(super) host_stamped: u64,
+    pub(super) unplaceable: u64,
+    /// Events the agent sent that never arrived (gaps in the batches' `first` index).
+    pub(super) lost: u64,
+    /// Records received twice (skipped).
+    pub(super) replayed: u64,
+    /// Drains that failed and were asked again.
+    pub(super) failed_drains: u64,
+    /// Interval widths, for the summary's min/median/max, in constant memory.
+    pub(super) widths: Widths,
+    /// Host TSC/BOOTTIME snapshots, one per sync round (for the Perfetto output).
+    pub(super) clocks: Vec<ClockSnapshot>,
+    /// Why the last vCPU round whose samples gave no estimate refused them.
+    pub(super) refused: Option<EstimateError>,
+    /// `--placement`.
+    pub(super) placement: Placement,
+}
+
+/// Event interval widths in constant memory: the exact minimum and maximum, and an evenly
+/// spaced sample for the median (every `stride`-th width; when the sample fills up, every
+/// other one is dropped and the stride doubles).
+#[derive(Debug, Default)]
+pub(super) struct Widths {
+    pub(super) min: Option<u64>,
+    pub(super) max: u64,
+    pub(super) sample: Vec<u64>,
+    pub(super) stride: u64,
+    pub(super) seen: u64,
+}
+
+/// The sample's capacity.
+pub(super) const WIDTH_SAMPLE: usize = 1 << 16;
+
+impl Widths {
+    pub(super) fn push(&mut self, w: u64) {
+        self.min = Some(self.min.map_or(w, |m| m.min(w)));
+        self.max = self.max.max(w);
+        let stride = self.stride.max(1);
+        if self.seen.is_multiple_of(stride) {
+            if self.sample.len() == WIDTH_SAMPLE {
+                let mut keep = false;
+                self.sample.retain(|_| {
+                    keep = !keep;
+                    keep
+                });
+                self.stride = stride * 2;
+            }
+            if self.seen.is_multiple_of(self.stride.max(1)) {
+                self.sample.push(w);
+            }
+        }
+        self.seen += 1;
+    }
+
+    /// (min, median of the sample, max), `None` without widths.
+    pub(super) fn summary(&self) -> Option<(u64, u64, u64)> {
+        let mut s = self.sample.clone();
+        s.sort_unstable();
+        Some((self.min?, *s.get(s.len() / 2)?, self.max))
+    }
+}
+
+impl State {
+    /// A recording of `vcpus` with no segment yet.
+    pub(super) fn new(vcpus: &[u32], sync_out: Option<SyncWriter>, placement: Placement) -> Self {
+        Self {
+            sync_out,
+            vcpus: vcpus.iter().map(|&v| VcpuSync::new(v)).collect(),
+            round: 0,
+            breaks: 0,
+            events: 0,
+            host_stamped: 0,
+            unplaceable: 0,
+            lost: 0,
+            replayed: 0,
+            failed_drains: 0,
+            widths: Widths::default(),
+            clocks: Vec::new(),
+            refused: None,
+            placement,
+        }
+    }
+
+    /// Segments made so far, every vCPU's.
+    pub(super) fn segments(&self) -> u64 {
+        self.vcpus.iter().map(|v| v.segments.len() as u64).sum()
+    }
+
+    /// Where `vcpu` stands in [`State::vcpus`].
+    pub(super) fn index_of(&self, vcpu: u32) -> Option<usize> {
+        self.vcpus.iter().position(|v| v.vcpu == vcpu)
+    }
+
+    /// Guest tick `g` of `vcpu` on the host timeline: (placed, lo, hi) through the vCPU's
+    /// segment that covers it; `None` without one (the vCPU never synced) or outside `u64`.
+    pub(super) fn place(&self, vcpu: u32, g: u64) -> Option<(u64, u64, u64)> {
+        self.place_as(vcpu, g, self.placement)
+            .map(|p| (p.host, p.lo, p.hi))
+    }
+
+    /// [`State::place`] with a given placement, and the round that covers the event.
+    pub(super) fn place_as(&self, vcpu: u32, g: u64, how: Placement) -> Option<bounds::Place> {
+        let v = self.vcpus.get(self.index_of(vcpu)?)?;
+        bounds::place(&v.segments, g, how)
+    }
+
+    /// A spooled event placed with the rounds known now.
+    pub(super) fn placed<'a>(&self, rec: &'a spool::Spooled) -> Option<Placed<'a>> {
+        let p = self.place_as(rec.vcpu, rec.guest, self.placement)?;
+        Some(Placed {
+            vcpu: rec.vcpu,
+            id: rec.id,
+            guest: rec.guest,
+            payload: rec.payload(),
+            host: p.host,
+            lo: p.lo,
+            hi: p.hi,
+            round: p.round,
+        })
+    }
+
+    /// Two-sided placement: the summary's widths are those of the final placement, with
+    /// every round known (one more pass over the spool).
+    pub(super) fn final_widths(&mut self, out: &mut Out) {
+        let Out::Held { spool, .. } = out else {
+            return;
+        };
+        let Ok(recs) = spool.iter() else {
+            return;
+        };
+        let mut w = Widths::default();
+        for rec in recs {
+            let Ok(rec) = rec else {
+                break;
+            };
+            if let Some(p) = self.place_as(rec.vcpu, rec.guest, self.placement) {
+                w.push(p.hi - p.lo);
+            }
+        }
+        self.widths = w;
+    }
+}

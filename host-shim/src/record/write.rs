@@ -1,0 +1,331 @@
+//! The output stage both front ends share: where events go while recording ([`Out`]) and
+//! the writers of every format, reading placements from the [`State`].
+
+use super::*;
+
+/// What the output stage writes, whichever front end fed it.
+#[derive(Clone, Debug)]
+pub(super) struct Target {
+    /// The output file (or CTF directory).
+    pub(super) out: PathBuf,
+    /// Its format.
+    pub(super) format: RecordFormat,
+    /// trace.dat version.
+    pub(super) file_version: FileVersion,
+    /// Where the events came from, as the outputs name it (the agent's address, or the VMM
+    /// whose memory was read); it also seeds the trace.dat TRACEID.
+    pub(super) source: String,
+}
+
+impl Target {
+    /// The protocol front end's target: named after the agent's address.
+    pub(super) fn of(opts: &RecordOptions) -> Self {
+        Self {
+            out: opts.out.clone(),
+            format: opts.format,
+            file_version: opts.file_version,
+            source: opts.probe.addr.to_string(),
+        }
+    }
+}
+
+/// Appends `p` to the JSON Lines output, an error naming the file being written.
+pub(super) fn jsonl_write(w: &mut JsonlWriter, p: &Placed<'_>) -> Result<(), RecordError> {
+    w.write(&p.line()).map_err(|e| RecordError::io(w.path())(e))
+}
+
+/// The CTF output: the host's TSC frequency (`ctf::host_tsc_hz`), named after the directory.
+pub(super) fn create_ctf(opts: &Target) -> Result<crate::formats::ctf::GuestCtf, RecordError> {
+    use crate::formats::ctf;
+    let o = ctf::CtfOptions {
+        tsc_hz: ctf::host_tsc_hz()?,
+        name: opts
+            .out
+            .file_name()
+            .map_or_else(|| "vmtsync".into(), |n| n.to_string_lossy().into_owned()),
+        env: vec![("vmtsync_agent".into(), opts.source.clone())],
+    };
+    Ok(ctf::GuestCtf::create(&opts.out, &o, ctf::GuestFields::ALL)?)
+}
+
+/// Where events go while recording.
+pub(super) enum Out {
+    Jsonl(JsonlWriter),
+    Ctf(crate::formats::ctf::GuestCtf),
+    Spool(spool::Spool),
+    /// Two-sided placement: every event is spooled and placed when the recording ends, with
+    /// every round known; JSON Lines are also streamed to `OUT.partial` as soon as the round
+    /// after them is known (`live`, with the spool index of the first event still waiting),
+    /// so a killed run keeps all but the last round's events.
+    Held {
+        spool: spool::Spool,
+        live: Option<(JsonlWriter, u64)>,
+        ctf: Option<crate::formats::ctf::GuestCtf>,
+    },
+}
+
+impl Out {
+    /// Where events go for `target`: with two-sided placement every event is spooled and
+    /// placed at the end; otherwise JSON Lines and CTF are streamed as placed now.
+    pub(super) fn create(target: &Target, placement: Placement) -> Result<Self, RecordError> {
+        Ok(match target.format {
+            _ if placement == Placement::TwoSided => Out::Held {
+                spool: spool::Spool::new().map_err(RecordError::io(&target.out))?,
+                live: match target.format {
+                    RecordFormat::Jsonl => Some((
+                        JsonlWriter::create(&target.out).map_err(RecordError::io(&target.out))?,
+                        0,
+                    )),
+                    _ => None,
+                },
+                ctf: match target.format {
+                    RecordFormat::Ctf => Some(create_ctf(target)?),
+                    _ => None,
+                },
+            },
+            RecordFormat::Jsonl => {
+                Out::Jsonl(JsonlWriter::create(&target.out).map_err(RecordError::io(&target.out))?)
+            }
+            RecordFormat::TraceCmd | RecordFormat::Perfetto => {
+                Out::Spool(spool::Spool::new().map_err(RecordError::io(&target.out))?)
+            }
+            RecordFormat::Ctf => Out::Ctf(create_ctf(target)?),
+        })
+    }
+
+    /// One event, placed with what is known now: streamed, or spooled to be placed again
+    /// when the recording ends.
+    pub(super) fn push(&mut self, p: &Placed<'_>, out: &Path) -> Result<(), RecordError> {
+        match self {
+            Self::Held { spool, .. } | Self::Spool(spool) => spool
+                .push(p.vcpu, p.guest, p.id, p.payload)
+                .map_err(RecordError::io(out)),
+            Self::Jsonl(w) => jsonl_write(w, p),
+            Self::Ctf(w) => Ok(w.push(&p.export())?),
+        }
+    }
+
+    /// A sync round was made: the JSON Lines events waiting for it are placed with it and
+    /// written.
+    pub(super) fn round_made(&mut self, st: &State, opts: &Target) -> Result<(), RecordError> {
+        let Self::Held {
+            spool,
+            live: Some((w, next)),
+            ..
+        } = self
+        else {
+            return Ok(());
+        };
+        for rec in spool.iter_from(*next).map_err(RecordError::io(&opts.out))? {
+            let rec = rec.map_err(RecordError::io(&opts.out))?;
+            *next += 1;
+            if let Some(placed) = st.placed(&rec) {
+                jsonl_write(w, &placed)?;
+            }
+        }
+        w.flush().map_err(|e| RecordError::io(w.path())(e))
+    }
+}
+
+/// Writes the output; returns (pre-converted, clamped timestamps).
+pub(super) fn finish(out: Out, opts: &Target, st: &State) -> Result<(bool, u64), RecordError> {
+    match out {
+        Out::Held {
+            mut spool,
+            live,
+            ctf,
+        } => match (opts.format, live, ctf) {
+            (RecordFormat::Jsonl, live, _) => {
+                // Placed again from the start with every round: the live file is replaced.
+                drop(live);
+                let mut w = JsonlWriter::create(&opts.out).map_err(RecordError::io(&opts.out))?;
+                for rec in spool.iter().map_err(RecordError::io(&opts.out))? {
+                    let rec = rec.map_err(RecordError::io(&opts.out))?;
+                    if let Some(placed) = st.placed(&rec) {
+                        jsonl_write(&mut w, &placed)?;
+                    }
+                }
+                w.finish().map_err(RecordError::io(&opts.out))?;
+                Ok((false, 0))
+            }
+            (RecordFormat::Ctf, _, Some(mut w)) => {
+                for rec in spool.iter().map_err(RecordError::io(&opts.out))? {
+                    let rec = rec.map_err(RecordError::io(&opts.out))?;
+                    if let Some(placed) = st.placed(&rec) {
+                        w.push(&placed.export())?;
+                    }
+                }
+                Ok((false, w.finish()?.raised))
+            }
+            (RecordFormat::Perfetto, ..) => write_perfetto(spool, opts, st),
+            _ => write_trace_dat(spool, opts, st),
+        },
+        Out::Jsonl(w) => {
+            w.finish().map_err(RecordError::io(&opts.out))?;
+            Ok((false, 0))
+        }
+        Out::Spool(s) if opts.format == RecordFormat::Perfetto => write_perfetto(s, opts, st),
+        Out::Ctf(w) => Ok((false, w.finish()?.raised)),
+        Out::Spool(s) => write_trace_dat(s, opts, st),
+    }
+}
+
+/// The Perfetto trace from the spool: each event placed as the JSON Lines output places it,
+/// its host TSC mapped to BOOTTIME through the rounds' snapshots and one taken now.
+pub(super) fn write_perfetto(
+    mut s: spool::Spool,
+    opts: &Target,
+    st: &State,
+) -> Result<(bool, u64), RecordError> {
+    use crate::formats::perfetto::{DEFAULT_MACHINE_ID, PerfettoError, PerfettoOptions};
+    use crate::formats::{Bound, ExportEvent, Payload};
+    let mut snaps = st.clocks.clone();
+    snaps.extend(ClockSnapshot::take().ok());
+    let clock = BootClock::new(snaps).map_err(PerfettoError::from)?;
+    let mut w = PerfettoWriter::create(
+        &opts.out,
+        PerfettoOptions {
+            machine_id: DEFAULT_MACHINE_ID,
+            guest_name: format!("vmtsync guest ({})", opts.source),
+            clock,
+        },
+    )?;
+    for rec in s.iter().map_err(RecordError::io(&opts.out))? {
+        let rec = rec.map_err(RecordError::io(&opts.out))?;
+        let Some((host, lo, hi)) = st.place(rec.vcpu, rec.guest) else {
+            continue;
+        };
+        w.push(&ExportEvent {
+            vcpu: rec.vcpu,
+            id: rec.id,
+            guest_tsc: Some(rec.guest),
+            host_tsc: host,
+            bound: Some(Bound { lo, hi }),
+            payload: Payload::new(rec.payload()).unwrap_or_default(),
+        })?;
+    }
+    w.finish()?;
+    Ok((false, 0))
+}
+
+/// The trace.dat from the spool: raw guest TSCs plus a TIME_SHIFT when every segment is at
+/// identity rate (trace-cmd then computes exactly what we do), else host TSCs.
+pub(super) fn write_trace_dat(
+    mut s: spool::Spool,
+    opts: &Target,
+    st: &State,
+) -> Result<(bool, u64), RecordError> {
+    let identity = st
+        .vcpus
+        .iter()
+        .flat_map(|v| &v.segments)
+        .all(|g| g.drift_ppb == 0);
+    if identity {
+        match write_trace_dat_as(&mut s, opts, st, true) {
+            // Raw guest TSCs that go backwards (the guest clock stepped back) or segments
+            // trace-cmd's TIME_SHIFT cannot hold: write host TSCs instead.
+            Err(RecordError::TraceDat(
+                tracedat::TraceDatError::NotMonotonic { .. }
+                | tracedat::TraceDatError::TimeShift(_),
+            )) => {}
+            r => return r,
+        }
+    }
+    write_trace_dat_as(&mut s, opts, st, false)
+}
+
+/// One attempt at the trace.dat: raw guest TSCs with a TIME_SHIFT (`identity`), or host TSCs.
+pub(super) fn write_trace_dat_as(
+    s: &mut spool::Spool,
+    opts: &Target,
+    st: &State,
+    identity: bool,
+) -> Result<(bool, u64), RecordError> {
+    let trace_id = trace_id(opts, st);
+    // One CPU buffer per vCPU synced, in increasing vCPU order (`cpu` N of the file is the
+    // N-th of them: the UNAME names them).
+    let cpus = u32::try_from(st.vcpus.len()).unwrap_or(u32::MAX);
+    let mut wo = WriterOptions::new(cpus, trace_id);
+    wo.version = opts.file_version;
+    let names = st
+        .vcpus
+        .iter()
+        .map(|v| v.vcpu.to_string())
+        .collect::<Vec<_>>()
+        .join(",");
+    let which = if st.vcpus.len() == 1 {
+        format!("vCPU {names}")
+    } else {
+        format!("vCPUs {names} as CPUs 0..{}", st.vcpus.len())
+    };
+    wo.uname = Some(if identity {
+        format!("vmtsync record: {which}, raw guest TSC, TIME_SHIFT to host TSC")
+    } else {
+        format!(
+            "vmtsync record: {which}, timestamps pre-converted to host TSC (the guest TSC \
+             rate is not the host's: trace-cmd's TIME_SHIFT cannot represent it exactly)"
+        )
+    });
+    let mut w = TraceDatWriter::create(&opts.out, wo)?;
+    let mut clamped = 0;
+    // The last timestamp written per CPU: each CPU's buffer must be in order.
+    let mut last = vec![0u64; st.vcpus.len()];
+    for rec in s.iter().map_err(RecordError::io(&opts.out))? {
+        let rec = rec.map_err(RecordError::io(&opts.out))?;
+        let Some(cpu) = st.index_of(rec.vcpu) else {
+            continue;
+        };
+        let ts = if identity {
+            rec.guest
+        } else {
+            let host = st
+                .place(rec.vcpu, rec.guest)
+                .map_or(last[cpu], |(h, _, _)| h);
+            if host < last[cpu] {
+                clamped += 1;
+            }
+            host.max(last[cpu])
+        };
+        last[cpu] = ts;
+        w.push(
+            u32::try_from(cpu).unwrap_or(u32::MAX),
+            ts,
+            u32::from(rec.id),
+            rec.payload(),
+        )?;
+    }
+    let shift = identity.then(|| TimeShift {
+        peer_trace_id: 0,
+        mode: ShiftMode::Step,
+        cpus: st
+            .vcpus
+            .iter()
+            .map(|v| {
+                v.segments
+                    .iter()
+                    .map(|g| tracedat::SyncSegment {
+                        // The host tick where the segment's first guest tick falls.
+                        start: HostTicks(g.guest_start.wrapping_sub(g.offset.cast_unsigned())),
+                        map: KvmTscMapping::offset_only(g.offset),
+                    })
+                    .collect()
+            })
+            .collect(),
+    });
+    w.finish(shift.as_ref())?;
+    Ok((!identity, clamped))
+}
+
+/// A TRACEID for the guest file: stable for one run (source and first anchor).
+pub(super) fn trace_id(opts: &Target, st: &State) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let first = st
+        .vcpus
+        .iter()
+        .find_map(|v| v.segments.first())
+        .map_or(0, |g| g.host_anchor);
+    for b in opts.source.bytes().chain(first.to_le_bytes()) {
+        h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+    }
+    h
+}

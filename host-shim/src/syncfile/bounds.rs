@@ -431,6 +431,11 @@ mod tests {
             let gaps: Vec<u64> = (0..probes.len()).map(|i| gap / (1 + i as u64 % 3)).collect();
             let brk = brk.filter(|b| b.0 < probes.len());
             let (segs, starts) = simulate(&mut sim, &probes, &gaps, brk);
+            // The bounds rest on a constant rate since the last break. A step the rounds do not
+            // see as a break (small against the time between rounds, within the rate limits)
+            // is, to the samples, a rate change the hull takes for drift: no placement from
+            // samples alone can tell the two apart, so such cases are outside the claim.
+            prop_assume!(brk.is_none_or(|(at, _)| segs[at].is_break));
             let end = sim.now().0;
             // The truth at host tick h: the clock before the step, or after it.
             let truth = |h: u64| {
@@ -444,13 +449,14 @@ mod tests {
             let span = end + 1_000_000_000 - from;
             for (pick, jitter) in events {
                 let h = from + span / 1_000_000 * pick + jitter % (span / 1_000_000 + 1);
-                // No event between a step and the first probe of the round that sees it: no
-                // round can say on which side of the step such an event lies.
-                if let Some((at, _)) = brk && (starts[at]..=sim.now().0).contains(&h)
-                    && segs.iter().all(|s| s.host_first > h) {
+                let g = truth(h);
+                // No event between a step and the guest's reading in the first probe of the
+                // round that sees it (its tick is past the step but below that round's first
+                // reading): no round can say on which side of the step such an event lies.
+                if let Some((at, _)) = brk && h >= starts[at]
+                    && segs.get(at).is_none_or(|s| g < s.guest_start) {
                     continue;
                 }
-                let g = truth(h);
                 let one = place(&segs, g, Placement::OneSided).unwrap();
                 let two = place(&segs, g, Placement::TwoSided).unwrap();
                 prop_assert!(holds(&one, h), "one-sided {one:?} truth {h}");

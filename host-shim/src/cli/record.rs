@@ -41,6 +41,12 @@ pub struct RecordArgs {
     /// With --elf: the symbol of the recorder's header.
     #[arg(long, value_name = "NAME", requires = "elf")]
     pub symbol: Option<String>,
+    /// With --from-memory: take the recorder header's word that every record holds the
+    /// vCPU's raw TSC, and place each event at KVM's exact mapping with width 0. Without
+    /// it the guaranteed intervals come from the guest's sync beacons, bracketed by the
+    /// host's own kvm_pio exits (docs/record.md, "Recording from guest memory").
+    #[arg(long, requires = "from_memory")]
+    pub trust_raw_tsc: bool,
     /// With --from-memory: milliseconds between two drain rounds that found nothing.
     #[arg(long, value_name = "MS", default_value_t = 2, requires = "from_memory")]
     pub poll_ms: u64,
@@ -328,6 +334,7 @@ fn run_record_memory_cmd(a: &RecordArgs) -> Result<(), CliError> {
         events: a.events,
         duration: a.duration(),
         poll: Duration::from_millis(a.poll_ms),
+        trust_raw_tsc: a.trust_raw_tsc,
         find_timeout: Duration::from_secs(30),
         stop: Some(stop_flag()),
     };

@@ -42,6 +42,8 @@ pub struct MemoryOptions {
     pub duration: Option<Duration>,
     /// Time between two drain rounds that found nothing.
     pub poll: Duration,
+    /// `--trust-raw-tsc`: the header's clock claim is taken as stated (width 0).
+    pub trust_raw_tsc: bool,
     /// How long to wait for the guest to publish its header.
     pub find_timeout: Duration,
     /// SIGINT/SIGTERM.
@@ -244,6 +246,13 @@ pub fn run_record_memory(
              software skew): exact mode cannot place them, and beacon mode is not built yet",
             found.addr
         )));
+    }
+    if !opts.trust_raw_tsc {
+        return Err(RecordError::Memory(
+            "beacon placement is not built yet: pass --trust-raw-tsc to place raw-TSC records \
+             by KVM's exact mapping on the header's word"
+                .into(),
+        ));
     }
     let vcpus: Vec<u32> = (0..found.header.vcpus).collect();
     let dirs: Vec<PathBuf> = vcpus

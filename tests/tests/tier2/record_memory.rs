@@ -51,6 +51,7 @@ fn record_memory(pid: u32, out: &std::path::Path, format: &str) -> std::process:
     c.args([
         "record",
         "--from-memory",
+        "--trust-raw-tsc",
         "--vm",
         &pid.to_string(),
         "--format",
@@ -208,6 +209,7 @@ fn record_from_memory_recovers_every_c_guest_event_with_its_exact_host_time() {
     c.args([
         "record",
         "--from-memory",
+        "--trust-raw-tsc",
         "--vm",
         &pid.to_string(),
         "--format",
@@ -280,6 +282,7 @@ fn record_from_memory_passes_validate_against_the_hosts_kvm_pio_exits() {
     c.args([
         "record",
         "--from-memory",
+        "--trust-raw-tsc",
         "--vm",
         &pid.to_string(),
         "--format",
@@ -348,7 +351,7 @@ fn record_from_memory_writes_what_it_read_when_the_vmm_exits() {
     let out = dir.path().join("events.jsonl");
     let mut rec = ChildGuard::new(
         vmtsync()
-            .args(["record", "--from-memory", "--vm", &pid.to_string()])
+            .args(["record", "--from-memory", "--trust-raw-tsc", "--vm", &pid.to_string()])
             .args(["--format", "jsonl", "--duration", "60", "--no-progress"])
             .arg("--out")
             .arg(&out)

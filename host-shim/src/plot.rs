@@ -74,7 +74,9 @@ impl Stamping {
             AnchorKind::InProcess => Self::InProcess,
             // Both are the host kernel's `kvm_pio` stamps: of the UART's data port, or of the
             // agent's sync port.
-            AnchorKind::KvmPioUart | AnchorKind::KvmPioSyncPort => Self::ExitAnchored,
+            AnchorKind::KvmPioUart | AnchorKind::KvmPioSyncPort | AnchorKind::KvmPioBeacon => {
+                Self::ExitAnchored
+            }
             AnchorKind::Unknown => Self::Unknown,
         }
     }

@@ -342,6 +342,22 @@ fn run_record_memory_cmd(a: &RecordArgs) -> Result<(), CliError> {
     let (s, m) = record::run_record_memory(&opts, &mut progress)?;
     eprintln!("{}", summary_text(&s));
     eprintln!("{}", memory_text(&s, &m));
+    let b = &m.beacon_stats;
+    if let Some(d) = &b.first_disagreement {
+        eprintln!(
+            "vmtsync: warning: KVM's mapping and the beacons disagree at {} beacon(s): the \
+             records do not hold the raw TSC as the header says (first: {d}){}",
+            b.disagree,
+            if opts.trust_raw_tsc {
+                "; --trust-raw-tsc placed them by the mapping anyway"
+            } else {
+                "; each event's point is the beacons' then"
+            }
+        );
+    }
+    if let Some(why) = &b.broken {
+        eprintln!("vmtsync: warning: beacons stopped being bracketed: {why}");
+    }
     Ok(())
 }
 
@@ -351,13 +367,18 @@ fn run_record_memory_cmd(a: &RecordArgs) -> Result<(), CliError> {
 pub fn memory_text(s: &RecordSummary, m: &record::MemorySummary) -> String {
     format!(
         "vmtsync: read the recorder at {:#x} ({} vCPU ring(s) of {} records): host time {}; {} \
-         beacons; {} overwritten, {} refused, {} corrupt, {} ambiguous across {} mapping \
+         beacons ({} bracketed by kvm_pio exits, {} before the trace saw them whole, {} not \
+         bracketed, {} disagree with KVM's mapping); {} overwritten, {} refused, {} corrupt, {} ambiguous across {} mapping \
          changes, {} past --events; {} drain rounds, records read over {:.3} s at {:.3} M records/s",
         m.header_addr,
         s.vcpus.len(),
         m.capacity,
         s.host_time.name(),
         m.beacons,
+        m.beacon_stats.bracketed,
+        m.beacon_stats.early,
+        m.beacon_stats.unbracketed + m.beacon_stats.malformed,
+        m.beacon_stats.disagree,
         m.overwritten,
         m.refused,
         m.corrupt,
@@ -398,6 +419,9 @@ pub fn summary_text(s: &RecordSummary) -> String {
     let segments = match s.host_time {
         record::HostTime::Sync => format!("{} sync segments ({} breaks)", s.segments, s.breaks),
         record::HostTime::ExactDebugfs => format!("{} KVM mapping segment(s)", s.segments),
+        record::HostTime::Beacons | record::HostTime::BeaconsExactPoints => {
+            format!("{} beacon segments ({} breaks)", s.segments, s.breaks)
+        }
     };
     let mut t = format!(
         "vmtsync: recorded {} events to {} (ended by {end}); {} dropped by the guest's \

@@ -68,6 +68,9 @@ pub struct RingCounts {
     pub head: u64,
     /// The next index the reader wants (everything below was delivered or counted lost).
     pub next: u64,
+    /// The ring's `beacons` word as last read (read with `head`, before the round's copy):
+    /// the beacons the guest says it has emitted.
+    pub beacons: u64,
 }
 
 /// Why draining stopped. Every variant carries the counts so far; what was delivered stays
@@ -280,11 +283,13 @@ impl Drainer {
                 source,
                 counts: rings.to_vec(),
             };
-            let mut words = [0u8; 16];
+            // head, refused, mode, beacons (docs/memory-layout.md, the ring header).
+            let mut words = [0u8; 32];
             mem.read(base, &mut words)
                 .map_err(|e| read_err(e, &self.rings))?;
             let h1 = u64_at(&words, 0);
             let refused = u64_at(&words, 8);
+            let beacons = u64_at(&words, 24);
             let ring = self.rings[vcpu as usize];
             if h1 < ring.next {
                 return Err(DrainError::HeadRewound {
@@ -376,6 +381,7 @@ impl Drainer {
                 .saturating_add(overwritten);
             ring.corrupt = ring.corrupt.saturating_add(corrupt);
             ring.refused = refused;
+            ring.beacons = beacons;
             ring.head = h2;
             ring.next = end;
             summary.delivered += delivered;

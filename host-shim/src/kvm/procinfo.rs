@@ -59,6 +59,18 @@ impl ProcFs {
         &self.root
     }
 
+    /// The thread ids of process `pid` (`/proc/PID/task`).
+    ///
+    /// # Errors
+    /// The directory could not be read (no such process, or no permission).
+    pub fn tasks(&self, pid: u32) -> std::io::Result<Vec<u32>> {
+        let mut tids: Vec<u32> = fs::read_dir(self.root.join(pid.to_string()).join("task"))?
+            .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+            .collect();
+        tids.sort_unstable();
+        Ok(tids)
+    }
+
     /// Looks up `pid`. Missing or unreadable files give `None` fields: a VM whose process
     /// cannot be inspected is still listed, just without a name.
     #[must_use]

@@ -15,10 +15,13 @@
 
 use std::time::{Duration, Instant};
 
+use super::beacons::{BeaconStats, Beacons};
 use super::*;
 use crate::guestmem::{self, Drainer, FindError, GuestClock, GuestRecord, Location, ProcMemory};
 use crate::kvm::debugfs::{VcpuState, VmDir, read_vcpu};
+use crate::kvm::hosttsc::read_host_tsc;
 use crate::kvm::procinfo::ProcFs;
+use crate::probe::anchor::PioTrace;
 use crate::syncfile::{AnchorKind, OffsetModel};
 
 /// Everything `vmtsync record --from-memory` needs.
@@ -80,6 +83,8 @@ pub struct MemorySummary {
     /// one that did, its records written (the guest was producing in between; waiting for
     /// the header or for the end is not in it).
     pub drain: Duration,
+    /// What beacon mode counted (beacons bracketed, disagreements with KVM's mapping).
+    pub beacon_stats: BeaconStats,
 }
 
 impl MemorySummary {
@@ -214,6 +219,159 @@ fn vmm_gone_within(proc: &ProcFs, vm: &VmDir, limit: Duration) -> bool {
 /// How long a failed read waits for the VMM's exit to show.
 const EXIT_GRACE: Duration = Duration::from_secs(2);
 
+/// Where a memory recording's intervals come from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Mode {
+    /// `--trust-raw-tsc`: KVM's exact mapping, width 0, on the header's word.
+    Exact,
+    /// The beacons' kvm_pio brackets (a raw-TSC guest's points still come from the mapping).
+    Beacons,
+}
+
+/// The mode for a header that says `raw` (clock 0) and names beacon port `port`, or why it
+/// cannot be recorded.
+fn mode_for(raw: bool, port: u16, trust: bool) -> Result<Mode, String> {
+    match (raw, port, trust) {
+        (true, _, true) => Ok(Mode::Exact),
+        (false, _, true) => Err(
+            "--trust-raw-tsc: the header says its records do not hold the \
+             raw TSC (clock 1), so KVM's mapping cannot place them"
+                .into(),
+        ),
+        (_, 0, false) if raw => Err(
+            "the guest emits no sync beacons (its header names no beacon \
+             port), so nothing the host observes checks that its records hold the raw TSC, as \
+             the header says: pass --trust-raw-tsc to place them by KVM's exact mapping on the \
+             header's word"
+                .into(),
+        ),
+        (_, 0, false) => Err(
+            "its records do not hold the raw TSC (clock 1) and it emits no sync \
+             beacons: nothing can place them on the host timeline"
+                .into(),
+        ),
+        _ => Ok(Mode::Beacons),
+    }
+}
+
+/// Where a vCPU's debugfs mappings go: its segments (exact mode) or its exact points.
+fn exact_list(v: &mut super::place::VcpuSync, mode: Mode) -> &mut Vec<SyncSegment> {
+    match mode {
+        Mode::Exact => &mut v.segments,
+        Mode::Beacons => &mut v.exact,
+    }
+}
+
+/// Starts the kvm_pio trace of beacon port `port` on every thread of the VMM (a beacon's
+/// exits are its vCPU thread's, and every one of them must be traced for a bracket to hold,
+/// whichever ring a vCPU writes), or why not. `None` without a beacon port.
+fn start_beacons(
+    proc: &ProcFs,
+    vm: &VmDir,
+    vcpus: &[u32],
+    port: u16,
+    mode: Mode,
+) -> Result<Option<Beacons>, String> {
+    if port == 0 {
+        return Ok(None);
+    }
+    let why = |e: String| match mode {
+        Mode::Beacons => format!(
+            "beacon placement needs the host's kvm_pio trace, and {e} (--trust-raw-tsc places \
+             raw-TSC records by KVM's mapping without it)"
+        ),
+        Mode::Exact => e,
+    };
+    let mut threads = proc
+        .tasks(vm.id.pid)
+        .map_err(|e| why(format!("the VMM's threads could not be listed: {e}")))?;
+    for &v in vcpus {
+        if let Ok(s) = read_vcpu(&vm.path.join(format!("vcpu{v}")), v)
+            && let Some(t) = s.thread_pid
+            && !threads.contains(&t)
+        {
+            threads.push(t);
+        }
+    }
+    let trace = PioTrace::start(None, &threads, &[port])
+        .map_err(|e| why(format!("it could not be started: {e}")))?;
+    Ok(Some(Beacons::new(trace, port, vcpus.len())))
+}
+
+/// A drain round's beacon samples: checked against KVM's mapping (`mappings`: the vCPUs'
+/// readings around the round) for a raw-TSC guest, and made segments in beacon mode.
+fn use_samples(
+    b: &mut Beacons,
+    st: &mut State,
+    out: &mut Out,
+    target: &Target,
+    mode: Mode,
+    rounds: Vec<Vec<ProbeSample>>,
+    mappings: &[&[Reading]],
+) -> Result<(), RecordError> {
+    for (i, samples) in rounds.into_iter().enumerate() {
+        if samples.is_empty() {
+            continue;
+        }
+        let offsets: Vec<i64> = mappings
+            .iter()
+            .filter_map(|m| m.get(i))
+            .map(|r| r.offset)
+            .collect();
+        if !offsets.is_empty() {
+            for s in &samples {
+                b.check_exact(s, &offsets);
+            }
+        }
+        if mode == Mode::Beacons {
+            beacon_round(st, i, &samples)?;
+            // JSON Lines: the events the new round covers are written as they are now.
+            out.round_made(st, target)?;
+        }
+    }
+    Ok(())
+}
+
+/// One ring's beacon samples of a drain round become a segment of its vCPU, as a probe
+/// round's samples do (the same estimators and bounds).
+fn beacon_round(st: &mut State, i: usize, samples: &[ProbeSample]) -> Result<(), RecordError> {
+    let info = beacon_info(st.vcpus[i].vcpu);
+    let stats = crate::probe::SessionStats {
+        anchor: AnchorKind::KvmPioBeacon,
+        ..Default::default()
+    };
+    let s = match ProbeSummary::from_samples(&info, samples, stats) {
+        Ok(s) => s,
+        Err(e) => {
+            st.refused = Some(e);
+            return Ok(());
+        }
+    };
+    let round = st.round;
+    st.round += 1;
+    let v = &mut st.vcpus[i];
+    let is_break = v.cumulative.add(samples);
+    let seg = segment(&v.cumulative, &s, samples, round, is_break)?;
+    st.breaks += u64::from(is_break);
+    v.segments.push(seg);
+    Ok(())
+}
+
+/// What the estimators need to know of a beacon "agent": its vCPU (nothing else is used).
+fn beacon_info(vcpu: u32) -> crate::probe::AgentInfo {
+    crate::probe::AgentInfo {
+        vcpu,
+        transport: vmtsync_core::proto::Transport::Memory,
+        features: vmtsync_core::proto::Features::NONE,
+        tsc_khz: None,
+        hello_tsc: vmtsync_core::GuestTicks(0),
+        hello_stamps: crate::link::transport::FrameStamps {
+            send: HostTicks(0),
+            recv: HostTicks(0),
+        },
+    }
+}
+
 /// Records a guest by reading its recorder out of its VMM's memory (see the module docs).
 ///
 /// # Errors
@@ -235,25 +393,17 @@ pub fn run_record_memory(
         match guestmem::find(&mut mem, opts.location) {
             Ok(f) => break f,
             Err(FindError::NotFound { .. }) if Instant::now() < deadline && !stopped() => {
-                std::thread::sleep(Duration::from_millis(50));
+                // Soon after it appears: a beacon-mode recording brackets beacons from the
+                // second after the first read on.
+                std::thread::sleep(Duration::from_millis(10));
             }
             Err(e) => return Err(RecordError::Memory(e.to_string())),
         }
     };
-    if found.header.clock != GuestClock::RawTsc {
-        return Err(RecordError::Memory(format!(
-            "the recorder at {:#x} says its records do not hold the raw TSC (clock 1, e.g. a \
-             software skew): exact mode cannot place them, and beacon mode is not built yet",
-            found.addr
-        )));
-    }
-    if !opts.trust_raw_tsc {
-        return Err(RecordError::Memory(
-            "beacon placement is not built yet: pass --trust-raw-tsc to place raw-TSC records \
-             by KVM's exact mapping on the header's word"
-                .into(),
-        ));
-    }
+    let port = found.header.beacon_port;
+    let raw = found.header.clock == GuestClock::RawTsc;
+    let mode = mode_for(raw, port, opts.trust_raw_tsc)
+        .map_err(|why| RecordError::Memory(format!("the recorder at {:#x}: {why}", found.addr)))?;
     let vcpus: Vec<u32> = (0..found.header.vcpus).collect();
     let dirs: Vec<PathBuf> = vcpus
         .iter()
@@ -270,23 +420,40 @@ pub fn run_record_memory(
             })
             .collect()
     };
+    // The mapping is read only for records that hold the raw TSC.
+    let read_all = || if raw { read_all() } else { Ok(Vec::new()) };
     let mut last = read_all()?;
+    let mut beacons = match start_beacons(&proc, &opts.vm, &vcpus, port, mode) {
+        Ok(b) => b,
+        Err(why) if mode == Mode::Exact => {
+            if port != 0 {
+                eprintln!("vmtsync: warning: beacons not checked against KVM's mapping: {why}");
+            }
+            None
+        }
+        Err(why) => return Err(RecordError::Memory(why)),
+    };
     let target = Target {
         out: opts.out.clone(),
         format: opts.format,
         file_version: opts.file_version,
         source: format!("memory of VMM {pid} at {:#x}", found.addr),
     };
-    let mut st = State::new(&vcpus, None, Placement::OneSided);
+    let placement = match mode {
+        Mode::Exact => Placement::OneSided,
+        Mode::Beacons => Placement::TwoSided,
+    };
+    let mut st = State::new(&vcpus, None, placement);
     for (v, r) in st.vcpus.iter_mut().zip(&last) {
-        v.segments.push(exact_segment(v.vcpu, 0, 0, *r));
+        let seg = exact_segment(v.vcpu, 0, 0, *r);
+        exact_list(v, mode).push(seg);
     }
     st.round = 1;
     // Host TSC/BOOTTIME snapshots for the Perfetto output (it needs two or more): one now,
     // one a second while draining, and the one its writer takes at the end.
     st.clocks.extend(ClockSnapshot::take().ok());
     let mut last_clock = Instant::now();
-    let mut out = Out::create(&target, Placement::OneSided)?;
+    let mut out = Out::create(&target, placement)?;
     let mut drainer = Drainer::new(&found, guestmem::DEFAULT_MAX_PER_ROUND);
     let mut ms = MemorySummary {
         header_addr: found.addr,
@@ -316,7 +483,9 @@ pub fn run_record_memory(
         closing = now_end.is_some();
         pending.clear();
         let round_start = Instant::now();
+        let before = read_host_tsc().0;
         let polled = drainer.poll(&mut mem, &mut |r| pending.push(*r));
+        let after = read_host_tsc().0;
         ms.polls += 1;
         let summary = match polled {
             Ok(s) => s,
@@ -345,13 +514,36 @@ pub fn run_record_memory(
                 // From the earliest guest tick the new mapping can have started at.
                 let start = old.after.wrapping_add_signed(new.offset);
                 let seg = exact_segment(vcpus[i], st.round, start, *new);
-                st.vcpus[i].segments.push(seg);
+                exact_list(&mut st.vcpus[i], mode).push(seg);
                 st.round += 1;
             }
         }
         for r in &pending {
             if r.is_beacon() {
                 ms.beacons += 1;
+                if let Some(b) = &mut beacons {
+                    b.record(r);
+                }
+                continue;
+            }
+            if mode == Mode::Beacons {
+                // Placed when the recording ends, with the beacons on both sides of it.
+                if opts.events.is_some_and(|n| st.events >= n) {
+                    ms.past_limit += 1;
+                    continue;
+                }
+                let placed = Placed {
+                    vcpu: r.vcpu,
+                    id: r.id,
+                    guest: r.tsc,
+                    payload: r.payload(),
+                    host: 0,
+                    lo: 0,
+                    hi: 0,
+                    round: 0,
+                };
+                out.push(&placed, &opts.out)?;
+                st.events += 1;
                 continue;
             }
             if opts.events.is_some_and(|n| st.events >= n) {
@@ -389,6 +581,11 @@ pub fn run_record_memory(
             st.widths.push(0);
             st.events += 1;
         }
+        if let Some(b) = &mut beacons {
+            let counts = drainer.counts().to_vec();
+            let rounds = b.round(&counts, before, after);
+            use_samples(b, &mut st, &mut out, &target, mode, rounds, &[&now, &last])?;
+        }
         last = now;
         if !pending.is_empty() {
             // The round's records are placed and written: its end counts in the rate.
@@ -415,12 +612,51 @@ pub fn run_record_memory(
             std::thread::sleep(opts.poll);
         }
     };
+    // The beacons read last wait for a count past them: one more read of the rings, unless
+    // the VMM is gone, brackets them (its events are past the end and not written).
+    if let (Ok(end), Some(b)) = (&result, &mut beacons)
+        && *end != EndReason::VmmExited
+        && b.waiting() > 0
+    {
+        std::thread::sleep(opts.poll.max(Duration::from_millis(10)));
+        let before = read_host_tsc().0;
+        let past = &mut ms.past_limit;
+        let polled = drainer.poll(&mut mem, &mut |r| {
+            if r.is_beacon() {
+                b.record(r);
+            } else {
+                *past += 1;
+            }
+        });
+        let after = read_host_tsc().0;
+        if polled.is_ok() {
+            let counts = drainer.counts().to_vec();
+            let rounds = b.round(&counts, before, after);
+            let now = read_all().unwrap_or_default();
+            use_samples(b, &mut st, &mut out, &target, mode, rounds, &[&now, &last])?;
+        }
+    }
     progress.clear();
     ms.drain = active.map_or(Duration::ZERO, |(first, last)| last - first);
     for c in drainer.counts() {
         ms.overwritten += c.overwritten;
         ms.refused += c.refused;
         ms.corrupt += c.corrupt;
+    }
+    if let Some(b) = &beacons {
+        ms.beacon_stats = b.stats.clone();
+        ms.beacon_stats.unbracketed += b.waiting() as u64;
+    }
+    // A raw-TSC guest whose beacons disagree with KVM's mapping does not record the raw TSC:
+    // the mapping gives no point then, the beacons do.
+    let exact_points = raw && ms.beacon_stats.disagree == 0;
+    if !exact_points {
+        for v in &mut st.vcpus {
+            v.exact.clear();
+        }
+    }
+    if mode == Mode::Beacons {
+        st.final_widths(&mut out);
     }
     let written = finish(out, &target, &st);
     let end = result?;
@@ -431,7 +667,10 @@ pub fn run_record_memory(
             dropped: ms.refused,
             overwritten: ms.overwritten,
             segments: st.segments(),
-            breaks: st.segments(),
+            breaks: match mode {
+                Mode::Exact => st.segments(),
+                Mode::Beacons => st.breaks,
+            },
             widths: st.widths.summary(),
             host_stamped_skipped: 0,
             unplaceable: st.unplaceable + ms.ambiguous,
@@ -451,7 +690,11 @@ pub fn run_record_memory(
             out: opts.out.clone(),
             console_bytes: 0,
             console: None,
-            host_time: HostTime::ExactDebugfs,
+            host_time: match (mode, raw) {
+                (Mode::Exact, _) => HostTime::ExactDebugfs,
+                (Mode::Beacons, true) if exact_points => HostTime::BeaconsExactPoints,
+                (Mode::Beacons, _) => HostTime::Beacons,
+            },
         },
         ms,
     ))

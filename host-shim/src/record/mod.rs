@@ -28,6 +28,7 @@
 //! target only ever holds a finished file; a killed run leaves `OUT.partial` (JSON Lines) with
 //! every line flushed so far.
 
+mod beacons;
 mod memory;
 mod place;
 mod session;
@@ -143,6 +144,11 @@ pub enum HostTime {
     /// KVM's own per-vCPU mapping in debugfs, for records that hold the raw TSC: exact,
     /// every interval of width 0.
     ExactDebugfs,
+    /// The guest's sync beacons, bracketed by the host's kvm_pio exits (bounded intervals).
+    Beacons,
+    /// As [`HostTime::Beacons`], for records that hold the raw TSC: each point is KVM's
+    /// exact mapping (inside the beacons' interval), each interval the beacons'.
+    BeaconsExactPoints,
 }
 
 impl HostTime {
@@ -152,6 +158,10 @@ impl HostTime {
         match self {
             Self::Sync => "sync rounds",
             Self::ExactDebugfs => "exact (KVM debugfs)",
+            Self::Beacons => "beacons (kvm_pio brackets)",
+            Self::BeaconsExactPoints => {
+                "exact points (KVM debugfs) in intervals from the beacons (kvm_pio brackets)"
+            }
         }
     }
 }

@@ -53,16 +53,31 @@ impl Placed<'_> {
 pub(super) struct VcpuSync {
     pub(super) vcpu: u32,
     pub(super) segments: Vec<SyncSegment>,
+    /// A raw-TSC guest's mappings from KVM's debugfs (width 0), when `segments` are the
+    /// beacons': an event's point is its exact host time whenever that lies inside the
+    /// interval the beacons guarantee.
+    pub(super) exact: Vec<SyncSegment>,
     pub(super) cumulative: Cumulative,
     /// What its batches' indices and counters say was lost, and where.
     pub(super) ledger: Ledger,
 }
 
 impl VcpuSync {
+    /// The segments a trace.dat's timestamps follow: KVM's exact mappings when the points
+    /// come from them, else the sync segments.
+    pub(super) fn time_segments(&self) -> &[SyncSegment] {
+        if self.exact.is_empty() {
+            &self.segments
+        } else {
+            &self.exact
+        }
+    }
+
     pub(super) fn new(vcpu: u32) -> Self {
         Self {
             vcpu,
             segments: Vec::new(),
+            exact: Vec::new(),
             cumulative: Cumulative::new(),
             ledger: Ledger::default(),
         }
@@ -181,7 +196,13 @@ impl State {
     /// [`State::place`] with a given placement, and the round that covers the event.
     pub(super) fn place_as(&self, vcpu: u32, g: u64, how: Placement) -> Option<bounds::Place> {
         let v = self.vcpus.get(self.index_of(vcpu)?)?;
-        bounds::place(&v.segments, g, how)
+        let mut p = bounds::place(&v.segments, g, how)?;
+        if let Some(e) = bounds::place(&v.exact, g, Placement::OneSided)
+            && (p.lo..=p.hi).contains(&e.host)
+        {
+            p.host = e.host;
+        }
+        Some(p)
     }
 
     /// A spooled event placed with the rounds known now.
@@ -213,8 +234,14 @@ impl State {
             let Ok(rec) = rec else {
                 break;
             };
-            if let Some(p) = self.place_as(rec.vcpu, rec.guest, self.placement) {
-                w.push(p.hi - p.lo);
+            match self.place_as(rec.vcpu, rec.guest, self.placement) {
+                Some(p) => w.push(p.hi - p.lo),
+                // Spooled before any round could place it (memory beacon mode spools every
+                // record) and still without one: not written, counted.
+                None => {
+                    self.unplaceable += 1;
+                    self.events = self.events.saturating_sub(1);
+                }
             }
         }
         self.widths = w;

@@ -218,7 +218,7 @@ pub(super) fn write_trace_dat(
     let identity = st
         .vcpus
         .iter()
-        .flat_map(|v| &v.segments)
+        .flat_map(|v| v.time_segments())
         .all(|g| g.drift_ppb == 0);
     if identity {
         match write_trace_dat_as(&mut s, opts, st, true) {
@@ -301,7 +301,7 @@ pub(super) fn write_trace_dat_as(
             .vcpus
             .iter()
             .map(|v| {
-                v.segments
+                v.time_segments()
                     .iter()
                     .map(|g| tracedat::SyncSegment {
                         // The host tick where the segment's first guest tick falls.

@@ -60,8 +60,10 @@ pub struct Place {
 /// covering segment, or two-sided (see the module docs). Two-sided never gives a wider
 /// interval than one-sided: it is intersected with it. The point estimate is the covering
 /// segment's line when it converts at identity rate (what a trace.dat TIME_SHIFT applies)
-/// and lies inside the interval, else the interval's midpoint (rounded down), so it always
-/// lies inside the interval. `None` without a segment or outside `u64`.
+/// and lies inside the interval; else the line through the anchors of the rounds around the
+/// event (the last two before it at the end of an epoch) when that lies inside; else the
+/// interval's midpoint (rounded down). It always lies inside the interval. `None` without a
+/// segment or outside `u64`.
 #[must_use]
 pub fn place(segments: &[SyncSegment], g: u64, how: Placement) -> Option<Place> {
     let i = segments
@@ -113,8 +115,23 @@ pub fn place(segments: &[SyncSegment], g: u64, how: Placement) -> Option<Place> 
         // wrong with a bracket, and the wider one-sided answer is the honest one.
         return Some(one);
     }
+    // Two rounds of the epoch around the event (or the last two before it): the line through
+    // their anchors, which follows the rate the rounds show rather than the worst case the
+    // interval allows.
+    let pair = if i + 1 < end {
+        Some((seg, &segments[i + 1]))
+    } else if i > 0 && !seg.is_break {
+        Some((&segments[i - 1], seg))
+    } else {
+        None
+    };
     let host = if seg.drift_ppb == 0 && (lo..=hi).contains(&centre) {
         centre
+    } else if let Some(p) = pair
+        .and_then(|(a, b)| through_anchors(a, b, g))
+        .filter(|p| (lo..=hi).contains(p))
+    {
+        p
     } else {
         lo + (hi - lo) / 2
     };
@@ -124,6 +141,18 @@ pub fn place(segments: &[SyncSegment], g: u64, how: Placement) -> Option<Place> 
         hi,
         round: seg.round,
     })
+}
+
+/// Guest tick `g` on the line through the anchors (host, guest) of rounds `a` and `b`, `None`
+/// when they do not go forward in both clocks or the result leaves `u64`.
+fn through_anchors(a: &SyncSegment, b: &SyncSegment, g: u64) -> Option<u64> {
+    let (ha, ga) = (i128::from(a.host_anchor), i128::from(a.guest_anchor));
+    let (hb, gb) = (i128::from(b.host_anchor), i128::from(b.guest_anchor));
+    if hb <= ha || gb <= ga {
+        return None;
+    }
+    let h = ha + (i128::from(g) - ga) * (hb - ha) / (gb - ga);
+    u64::try_from(h).ok()
 }
 
 const PPB: i128 = 1_000_000_000;

@@ -18,6 +18,9 @@ pub enum AnchorKind {
     /// `kvm:kvm_pio` exits of the agent's sync port (`in` before, `out` of the seq after the
     /// TSC read).
     KvmPioSyncPort,
+    /// `kvm:kvm_pio` exits of a guest's sync beacons read from its memory (`in` before,
+    /// `out` of the seq after the clock read; docs/memory-reader.md).
+    KvmPioBeacon,
     /// A kind this version does not know (a sync file from a newer writer stays readable).
     #[serde(other)]
     Unknown,
@@ -31,6 +34,7 @@ impl AnchorKind {
             Self::InProcess => "in-process",
             Self::KvmPioUart => "kvm-pio-uart",
             Self::KvmPioSyncPort => "kvm-pio-sync-port",
+            Self::KvmPioBeacon => "kvm-pio-beacon",
             Self::Unknown => "unknown",
         }
     }

@@ -3,12 +3,13 @@
 //! reads its recorder out of QEMU's memory and places every event with KVM's debugfs mapping.
 //!
 //! The truth is read here, independently of the reader: KVM's mapping through
-//! `vmtsync_tests::truth` (its own `std::fs` reads of debugfs), and the event sequence from
-//! the agent's payloads. The agent runs unskewed (its clock is the raw TSC, which exact mode
-//! needs); a skewed agent is refused with a clear error, also checked here.
+//! `vmtsync_tests::truth` (its own `std::fs` reads of debugfs), the agent's software skew
+//! (derived from the host TSC when the test starts), and the event sequence from the agent's
+//! payloads. Exact mode (`--trust-raw-tsc`) needs a raw-TSC guest and refuses a skewed one;
+//! beacon mode (the default) places both, each event's interval holding its truth.
 
-use vmtsync_core::GuestTicks;
-use vmtsync_tests::truth::truth_mapping;
+use vmtsync_core::{GuestTicks, HostTicks};
+use vmtsync_tests::truth::{GuestTruth, Skew, truth_mapping};
 
 use crate::util::{
     anchor_ready, boot_qemu, have_program, qemu_ready, scratch, text, trace_cmd, vm_ready, vmtsync,
@@ -20,9 +21,17 @@ crate::trials!(
     qemu_ready; record_from_memory_recovers_every_agent_event_with_its_exact_host_time;
     vm_ready; record_from_memory_refuses_a_skewed_guest_clock_in_exact_mode,
         record_from_memory_writes_what_it_read_when_the_vmm_exits;
+    beacons_ready; record_from_memory_places_a_skewed_guest_by_its_beacons,
+        record_from_memory_checks_a_raw_tsc_guest_by_its_beacons;
     c_guest_ready; record_from_memory_recovers_every_c_guest_event_with_its_exact_host_time;
-    validate_ready; record_from_memory_passes_validate_against_the_hosts_kvm_pio_exits;
+    validate_ready; record_from_memory_passes_validate_against_the_hosts_kvm_pio_exits,
+        record_from_memory_in_beacon_mode_passes_validate_on_a_skewed_guest;
 );
+
+/// [`vm_ready`] and the host's `kvm_pio` tracepoint (beacon mode traces it).
+fn beacons_ready(test: &str) -> bool {
+    anchor_ready(test)
+}
 
 /// [`vm_ready`] and gcc (the C guest).
 fn c_guest_ready(test: &str) -> bool {
@@ -45,27 +54,33 @@ const RATE: u64 = 200_000;
 const COUNT: u64 = 10_000;
 const WORKLOAD_EVENT: u64 = 0x100;
 
-/// Runs `vmtsync record --from-memory` against QEMU `pid` into `out`.
+/// Runs `vmtsync record --from-memory --trust-raw-tsc` against QEMU `pid` into `out`.
 fn record_memory(pid: u32, out: &std::path::Path, format: &str) -> std::process::Output {
+    record_memory_as(pid, out, format, &["--trust-raw-tsc"], COUNT)
+}
+
+/// Runs `vmtsync record --from-memory` with `extra` flags against QEMU `pid` into `out`,
+/// for `events` events.
+fn record_memory_as(
+    pid: u32,
+    out: &std::path::Path,
+    format: &str,
+    extra: &[&str],
+    events: u64,
+) -> std::process::Output {
     let mut c = vmtsync();
-    c.args([
-        "record",
-        "--from-memory",
-        "--trust-raw-tsc",
-        "--vm",
-        &pid.to_string(),
-        "--format",
-        format,
-    ])
-    .args([
-        "--events",
-        &COUNT.to_string(),
-        "--duration",
-        "60",
-        "--no-progress",
-    ])
-    .arg("--out")
-    .arg(out);
+    c.args(["record", "--from-memory", "--vm", &pid.to_string()])
+        .args(extra)
+        .args(["--format", format])
+        .args([
+            "--events",
+            &events.to_string(),
+            "--duration",
+            "60",
+            "--no-progress",
+        ])
+        .arg("--out")
+        .arg(out);
     crate::util::guarded_output(&mut c, &[])
 }
 
@@ -257,11 +272,33 @@ fn record_from_memory_recovers_every_c_guest_event_with_its_exact_host_time() {
 const STEPS: u64 = 5_000;
 
 fn record_from_memory_passes_validate_against_the_hosts_kvm_pio_exits() {
+    validate_memory_run(
+        "record_from_memory_passes_validate_against_the_hosts_kvm_pio_exits",
+        "beacons=1000",
+        &["--trust-raw-tsc"],
+    );
+}
+
+/// Beacon mode on a skewed guest (its clock is not the raw TSC): every event's interval comes
+/// from the beacons' kvm_pio brackets (one beacon per 100 events), and validate checks it
+/// against the host's own exits.
+fn record_from_memory_in_beacon_mode_passes_validate_on_a_skewed_guest() {
+    let skew = Skew::pick();
+    validate_memory_run(
+        "record_from_memory_in_beacon_mode_passes_validate_on_a_skewed_guest",
+        &format!("beacons=100 {}", skew.agent_option()),
+        &[],
+    );
+}
+
+/// Records the validate workload (`STEPS` port round trips, an event before each `out` and
+/// after each `in`) from memory with `flags`, the agent booted with `agent_extra`, and checks
+/// every event against the host's kvm_pio exits with `vmtsync validate`.
+fn validate_memory_run(test: &str, agent_extra: &str, flags: &[&str]) {
     use crate::causality::{PORT, run_validate};
     use crate::util::HostTrace;
     use crate::util::vcpu_thread;
 
-    let test = "record_from_memory_passes_validate_against_the_hosts_kvm_pio_exits";
     let dir = scratch(test);
     // The host's record of the workload's exits, enabled before the VM boots so the k-th
     // `out` in it is step k; a buffer large enough that none is overwritten.
@@ -274,26 +311,13 @@ fn record_from_memory_passes_validate_against_the_hosts_kvm_pio_exits() {
     trace.instance().enable("kvm/kvm_pio").unwrap();
     let (mut guard, _sock) = boot_qemu(
         dir.path(),
-        &format!("transport=none workload=20000,{STEPS},{PORT} beacons=1000"),
+        &format!("transport=none workload=20000,{STEPS},{PORT} {agent_extra}"),
     );
     let pid = guard.child().id();
     let guest = dir.path().join("guest.jsonl");
-    let mut c = vmtsync();
-    c.args([
-        "record",
-        "--from-memory",
-        "--trust-raw-tsc",
-        "--vm",
-        &pid.to_string(),
-        "--format",
-        "jsonl",
-    ])
-    .args(["--events", &(2 * STEPS).to_string(), "--duration", "60"])
-    .arg("--no-progress")
-    .arg("--out")
-    .arg(&guest);
-    let o = crate::util::guarded_output(&mut c, &[]);
+    let o = record_memory_as(pid, &guest, "jsonl", flags, 2 * STEPS);
     assert!(o.status.success(), "record failed: {}", text(&o.stderr));
+    println!("record --from-memory {flags:?}: {}", text(&o.stderr).trim());
     let thread = vcpu_thread(pid).expect("vcpu0's thread in debugfs");
     drop(guard);
     let host = dir.path().join("host.dat");
@@ -351,7 +375,13 @@ fn record_from_memory_writes_what_it_read_when_the_vmm_exits() {
     let out = dir.path().join("events.jsonl");
     let mut rec = ChildGuard::new(
         vmtsync()
-            .args(["record", "--from-memory", "--trust-raw-tsc", "--vm", &pid.to_string()])
+            .args([
+                "record",
+                "--from-memory",
+                "--trust-raw-tsc",
+                "--vm",
+                &pid.to_string(),
+            ])
             .args(["--format", "jsonl", "--duration", "60", "--no-progress"])
             .arg("--out")
             .arg(&out)
@@ -401,4 +431,146 @@ fn record_from_memory_writes_what_it_read_when_the_vmm_exits() {
         stderr.contains(&format!("recorded {} events", lines.len())),
         "{stderr}"
     );
+}
+
+/// Parses the JSON Lines of a recording.
+fn lines_of(path: &std::path::Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(path)
+        .expect("jsonl written")
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("a JSON line"))
+        .collect()
+}
+
+/// The number before `what` in the memory summary line.
+fn count_before(stderr: &str, what: &str) -> u64 {
+    let at = stderr
+        .rfind(what)
+        .unwrap_or_else(|| panic!("{what:?} in {stderr}"));
+    let head = stderr[..at].trim_end();
+    let from = head
+        .rfind(|c: char| !c.is_ascii_digit())
+        .map_or(0, |k| k + 1);
+    head[from..]
+        .parse()
+        .unwrap_or_else(|_| panic!("a count before {what:?}: {stderr}"))
+}
+
+/// Every beacon read is bracketed, but those the rule says began before the trace could see
+/// them whole (the first read's count and the next), and there are some.
+fn assert_beacons_bracketed(stderr: &str) {
+    let read = count_before(stderr, "beacons (");
+    let bracketed = count_before(stderr, "bracketed by kvm_pio exits");
+    let early = count_before(stderr, "before the trace saw them whole");
+    let missed = count_before(stderr, "not bracketed");
+    assert!(
+        bracketed > 10 && bracketed + early == read && missed == 0 && early <= 2 + read / 2,
+        "{stderr}"
+    );
+}
+
+/// The agent's clock is a software skew of the raw TSC (derived from the host TSC when the
+/// test starts, +100 ppm): its header says clock 1, so only its beacons can place it. Every
+/// event's interval holds the host time at which the skewed clock read its value, by the truth
+/// (KVM's mapping from debugfs, then the skew), and its point lies inside.
+fn record_from_memory_places_a_skewed_guest_by_its_beacons() {
+    let test = "record_from_memory_places_a_skewed_guest_by_its_beacons";
+    let dir = scratch(test);
+    let skew = Skew::pick();
+    let (mut guard, _sock) = boot_qemu(
+        dir.path(),
+        &format!(
+            "transport=none workload={RATE},{COUNT} beacons=100 {}",
+            skew.agent_option()
+        ),
+    );
+    let pid = guard.child().id();
+    let out = dir.path().join("skewed.jsonl");
+    let o = record_memory_as(pid, &out, "jsonl", &[], COUNT);
+    let stderr = text(&o.stderr);
+    assert!(o.status.success(), "record failed: {stderr}");
+    println!("record --from-memory (skewed, beacons): {}", stderr.trim());
+    assert!(
+        stderr.contains("host time beacons (kvm_pio brackets)"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains(&format!("recorded {COUNT} events")),
+        "{stderr}"
+    );
+    // Every beacon read is bracketed but the first two (they may have begun before the trace).
+    assert_beacons_bracketed(&stderr);
+    let truth = GuestTruth::read(pid, 0, Some(skew)).expect("truth from debugfs");
+    let lines = lines_of(&out);
+    assert_eq!(lines.len() as u64, COUNT, "every event recovered");
+    let mut widths = Vec::new();
+    for (i, v) in lines.iter().enumerate() {
+        assert_eq!(seq_of(v["payload"].as_str().unwrap()), i as u64, "{v}");
+        let (lo, hi, host) = (u(v, "host_lo"), u(v, "host_hi"), u(v, "host_tsc"));
+        let g = GuestTicks(u(v, "guest_tsc"));
+        assert!(
+            truth.in_bracket(HostTicks(lo), g, HostTicks(hi)),
+            "event {i}'s interval misses the truth: {v}"
+        );
+        assert!((lo..=hi).contains(&host), "event {i}'s point: {v}");
+        widths.push(hi - lo);
+    }
+    widths.sort_unstable();
+    println!(
+        "beacon-placed widths: min {} median {} max {} ticks",
+        widths[0],
+        widths[widths.len() / 2],
+        widths[widths.len() - 1]
+    );
+    // Exact mode refuses the same guest: its header says its records are not the raw TSC.
+    let o = record_memory(pid, &dir.path().join("refused.jsonl"), "jsonl");
+    assert!(!o.status.success(), "{}", text(&o.stderr));
+    drop(guard);
+}
+
+/// A raw-TSC guest recorded without `--trust-raw-tsc`: its beacons check KVM's mapping (none
+/// disagrees), every event's point is its exact host time, and its interval, the beacons',
+/// holds it.
+fn record_from_memory_checks_a_raw_tsc_guest_by_its_beacons() {
+    let test = "record_from_memory_checks_a_raw_tsc_guest_by_its_beacons";
+    let dir = scratch(test);
+    let (mut guard, _sock) = boot_qemu(
+        dir.path(),
+        &format!("transport=none workload={RATE},{COUNT} beacons=100"),
+    );
+    let pid = guard.child().id();
+    let out = dir.path().join("raw.jsonl");
+    let o = record_memory_as(pid, &out, "jsonl", &[], COUNT);
+    let stderr = text(&o.stderr);
+    assert!(o.status.success(), "record failed: {stderr}");
+    println!("record --from-memory (raw TSC, beacons): {}", stderr.trim());
+    assert!(
+        stderr.contains("host time exact points (KVM debugfs) in intervals from the beacons"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("0 disagree with KVM's mapping"), "{stderr}");
+    assert_beacons_bracketed(&stderr);
+    let kvm = truth_mapping(pid, 0).expect("truth from debugfs");
+    let lines = lines_of(&out);
+    assert_eq!(lines.len() as u64, COUNT, "every event recovered");
+    let mut wide = 0u64;
+    for (i, v) in lines.iter().enumerate() {
+        assert_eq!(seq_of(v["payload"].as_str().unwrap()), i as u64, "{v}");
+        let g = GuestTicks(u(v, "guest_tsc"));
+        let exact = kvm.try_host_from_guest_floor(g).expect("in range").0;
+        let (lo, hi) = (u(v, "host_lo"), u(v, "host_hi"));
+        assert!(
+            (lo..=hi).contains(&exact),
+            "event {i}'s interval misses the truth: {v}"
+        );
+        assert_eq!(
+            u(v, "host_tsc"),
+            exact,
+            "event {i}'s point is its exact host time: {v}"
+        );
+        wide += u64::from(hi > lo);
+    }
+    // The intervals are the beacons', not width 0: the host observed them.
+    assert!(wide > 0, "beacon intervals have a width");
+    drop(guard);
 }

@@ -42,13 +42,13 @@ impl UartBracket {
 /// whose bytes the record does not show (wider than a byte, or a `rep ins/outs`, whose record
 /// carries only the first value) and which may have moved up to `n` bytes through the port.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Touch {
+pub(super) enum Touch {
     None,
     Byte(u8),
     Unknown(usize),
 }
 
-fn touch(e: &PioExit, port: u16, dir: PioDirection) -> Touch {
+pub(super) fn touch(e: &PioExit, port: u16, dir: PioDirection) -> Touch {
     let p = &e.pio;
     let start = u32::from(p.port);
     // The size comes from a trace record: saturating, so no value can overflow.

@@ -19,11 +19,13 @@
 //! otherwise the probe is dropped and counted ([`AnchorStats`], `SessionStats::unanchored`),
 //! never guessed.
 
+mod beacon;
 mod matching;
 mod setup;
 mod trace;
 mod transport;
 
+pub use beacon::{BeaconBracket, BeaconChain, ChainBroken};
 pub use matching::{UartBracket, match_sync_port, match_uart};
 pub use setup::{
     AnchorMode, AnchorOptions, AnchorSetup, anchor_transport, matcher_for, prepare, prepare_matcher,

@@ -442,7 +442,9 @@ fn serve_memory(ctx: &Ctx) -> ! {
     };
     // The records hold the raw TSC exactly when the skew is the identity (offset 0, ratio
     // 1.0); any other skew is a guest clock the host can place only through beacons.
-    let raw = skew.offset == 0 && skew.frac_bits < 64 && skew.ratio == 1 << skew.frac_bits;
+    // (`claim=raw` makes the header say so anyway: a lying guest, for the host's checks.)
+    let raw = opts.claim_raw
+        || (skew.offset == 0 && skew.frac_bits < 64 && skew.ratio == 1 << skew.frac_bits);
     let beacon_port = opts.sync_port.filter(|_| opts.beacon_every > 0);
     let header = rec.publish(&HeaderInfo {
         nonce: boot_nonce(&NativeCpuid),

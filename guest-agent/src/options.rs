@@ -30,6 +30,8 @@
 //! - `flight=1`: the boot vCPU's event ring (`events=`, `workload=`) overwrites its oldest
 //!   records when full, a flight recorder, instead of refusing new ones (`flight=0`, the
 //!   default); the host counts what it overwrote.
+//! - `claim=raw`: with `transport=none`, the recorder's header says its records hold the raw
+//!   TSC whatever `skew=` makes them: a guest whose header lies, for the host's checks.
 //! - `workload=RATE,COUNT[,PORT]`: emit COUNT (0: unlimited) events at RATE per second while
 //!   serving probes, each with its sequence number as payload; with PORT, bracket each by an
 //!   `out` to and an `in` from PORT (see [`crate::events::Workload`]).
@@ -131,6 +133,8 @@ pub struct Options {
     /// `flight=1`: the boot vCPU's event ring is a flight recorder (it overwrites its oldest
     /// records) instead of stopping when full.
     pub flight: bool,
+    /// `claim=raw`: the memory header claims the raw TSC whatever the skew.
+    pub claim_raw: bool,
     /// `workload=RATE,COUNT[,PORT]`: events per second, how many (0: until shutdown), and
     /// the port each event's `out`/`in` goes to.
     pub workload: Option<WorkloadOption>,
@@ -172,6 +176,7 @@ impl Default for Options {
             vcpu_skews: [None; MAX_VCPUS],
             events: 0,
             flight: false,
+            claim_raw: false,
             workload: None,
             vsock_port: DEFAULT_VSOCK_PORT,
             vsock_listen: false,
@@ -240,6 +245,7 @@ impl Options {
                 b"1" => self.flight = true,
                 _ => return Err(OptionError::BadValue),
             },
+            b"claim" if value == b"raw" => self.claim_raw = true,
             b"port" => {
                 let v = parse_u64(value).ok_or(OptionError::BadValue)?;
                 self.vsock_port = u32::try_from(v).map_err(|_| OptionError::BadValue)?;
@@ -409,6 +415,8 @@ mod tests {
         assert_eq!(parse("").0.ring, 0, "ring 0 is the default");
         assert_eq!(parse("ring=3").0.ring, 3);
         assert!(parse("flight=1").0.flight);
+        assert!(parse("claim=raw").0.claim_raw && !o.claim_raw);
+        assert_eq!(parse("claim=yes").1.len(), 1, "claim is raw");
         assert_eq!(parse("flight=yes").1.len(), 1, "flight is 0 or 1");
         assert_eq!(
             parse("").0.sync_port,

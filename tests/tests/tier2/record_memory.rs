@@ -22,7 +22,8 @@ crate::trials!(
     vm_ready; record_from_memory_refuses_a_skewed_guest_clock_in_exact_mode,
         record_from_memory_writes_what_it_read_when_the_vmm_exits;
     beacons_ready; record_from_memory_places_a_skewed_guest_by_its_beacons,
-        record_from_memory_checks_a_raw_tsc_guest_by_its_beacons;
+        record_from_memory_checks_a_raw_tsc_guest_by_its_beacons,
+        record_from_memory_catches_a_false_raw_tsc_claim;
     c_guest_ready; record_from_memory_recovers_every_c_guest_event_with_its_exact_host_time;
     validate_ready; record_from_memory_passes_validate_against_the_hosts_kvm_pio_exits,
         record_from_memory_in_beacon_mode_passes_validate_on_a_skewed_guest;
@@ -572,5 +573,79 @@ fn record_from_memory_checks_a_raw_tsc_guest_by_its_beacons() {
     }
     // The intervals are the beacons', not width 0: the host observed them.
     assert!(wide > 0, "beacon intervals have a width");
+    drop(guard);
+}
+
+/// A guest whose header lies: the agent's clock is skewed, but `claim=raw` makes its header
+/// say the records hold the raw TSC. Its beacons, bracketed by the host's own exits, show the
+/// lie: the recording says the mapping and the beacons disagree, takes every point from the
+/// beacons, and every interval still holds the truth (KVM's mapping, then the skew). With
+/// `--trust-raw-tsc` the user took the header's word: the recording warns that the beacons
+/// disagree.
+fn record_from_memory_catches_a_false_raw_tsc_claim() {
+    let test = "record_from_memory_catches_a_false_raw_tsc_claim";
+    let dir = scratch(test);
+    let skew = Skew::pick();
+    let (mut guard, _sock) = boot_qemu(
+        dir.path(),
+        &format!(
+            "transport=none workload={RATE},{COUNT} beacons=100 {} claim=raw",
+            skew.agent_option()
+        ),
+    );
+    let pid = guard.child().id();
+    let out = dir.path().join("liar.jsonl");
+    let o = record_memory_as(pid, &out, "jsonl", &[], COUNT);
+    let stderr = text(&o.stderr);
+    assert!(o.status.success(), "record failed: {stderr}");
+    println!("record --from-memory (a lying header): {}", stderr.trim());
+    assert!(
+        stderr.contains("host time beacons (kvm_pio brackets)"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("warning: KVM's mapping and the beacons disagree"),
+        "{stderr}"
+    );
+    let disagree = count_before(&stderr, "disagree with KVM's mapping");
+    let bracketed = count_before(&stderr, "bracketed by kvm_pio exits");
+    assert!(
+        bracketed > 10 && disagree == bracketed,
+        "every beacon shows it: {stderr}"
+    );
+    let truth = GuestTruth::read(pid, 0, Some(skew)).expect("truth from debugfs");
+    let lines = lines_of(&out);
+    assert_eq!(lines.len() as u64, COUNT, "every event recovered");
+    for (i, v) in lines.iter().enumerate() {
+        let (lo, hi) = (u(v, "host_lo"), u(v, "host_hi"));
+        let g = GuestTicks(u(v, "guest_tsc"));
+        assert!(
+            truth.in_bracket(HostTicks(lo), g, HostTicks(hi)),
+            "event {i}'s interval misses the truth: {v}"
+        );
+    }
+    drop(guard);
+    // Taking the header's word places the events where the lie says; the beacons of a guest
+    // that runs while it records still say it was wrong.
+    let second = dir.path().join("2");
+    std::fs::create_dir(&second).unwrap();
+    let (mut guard, _sock) = boot_qemu(
+        &second,
+        &format!(
+            "transport=none workload={RATE},{COUNT} beacons=100 {} claim=raw",
+            skew.agent_option()
+        ),
+    );
+    let o = record_memory(
+        guard.child().id(),
+        &dir.path().join("trusted.jsonl"),
+        "jsonl",
+    );
+    let stderr = text(&o.stderr);
+    assert!(o.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("disagree at") && stderr.contains("--trust-raw-tsc placed them"),
+        "{stderr}"
+    );
     drop(guard);
 }

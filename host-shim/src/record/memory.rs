@@ -420,8 +420,25 @@ pub fn run_record_memory(
             })
             .collect()
     };
-    // The mapping is read only for records that hold the raw TSC.
-    let read_all = || if raw { read_all() } else { Ok(Vec::new()) };
+    // The mapping is read only for records that hold the raw TSC. In beacon mode a mapping
+    // exact mode refuses (a scaled TSC, a nested guest) only loses the exact points.
+    let mut use_mapping = raw;
+    if raw
+        && mode == Mode::Beacons
+        && let Err(e) = read_all()
+    {
+        eprintln!(
+            "vmtsync: note: no exact points from KVM's mapping ({e}); the beacons place every event"
+        );
+        use_mapping = false;
+    }
+    let read_all = || {
+        if use_mapping {
+            read_all()
+        } else {
+            Ok(Vec::new())
+        }
+    };
     let mut last = read_all()?;
     let mut beacons = match start_beacons(&proc, &opts.vm, &vcpus, port, mode) {
         Ok(b) => b,
@@ -649,7 +666,7 @@ pub fn run_record_memory(
     }
     // A raw-TSC guest whose beacons disagree with KVM's mapping does not record the raw TSC:
     // the mapping gives no point then, the beacons do.
-    let exact_points = raw && ms.beacon_stats.disagree == 0;
+    let exact_points = use_mapping && ms.beacon_stats.disagree == 0;
     if !exact_points {
         for v in &mut st.vcpus {
             v.exact.clear();
@@ -657,6 +674,18 @@ pub fn run_record_memory(
     }
     if mode == Mode::Beacons {
         st.final_widths(&mut out);
+        if ms.beacon_stats.bracketed == 0 && st.unplaceable > 0 {
+            eprintln!(
+                "vmtsync: warning: no beacon was bracketed, so no event could be placed: beacon \
+                 mode needs the guest to emit beacons while the reader runs (the first two after \
+                 its first read are not used){}",
+                if raw {
+                    "; --trust-raw-tsc places raw-TSC records by KVM's mapping alone"
+                } else {
+                    ""
+                }
+            );
+        }
     }
     let written = finish(out, &target, &st);
     let end = result?;

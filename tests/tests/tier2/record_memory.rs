@@ -527,6 +527,32 @@ fn record_from_memory_places_a_skewed_guest_by_its_beacons() {
     let o = record_memory(pid, &dir.path().join("refused.jsonl"), "jsonl");
     assert!(!o.status.success(), "{}", text(&o.stderr));
     drop(guard);
+    // The same guest into trace.dat (pre-converted: its rate is not the host's), read by
+    // trace-cmd: every event, in order.
+    let second = dir.path().join("2");
+    std::fs::create_dir(&second).unwrap();
+    let (guard, _sock) = boot_qemu(
+        &second,
+        &format!(
+            "transport=none workload={RATE},{COUNT} beacons=100 {}",
+            skew.agent_option()
+        ),
+    );
+    let dat = dir.path().join("skewed.dat");
+    let o = record_memory_as(guard.pid(), &dat, "trace-cmd", &[], COUNT);
+    assert!(o.status.success(), "record failed: {}", text(&o.stderr));
+    let rep = trace_cmd(&["report", "-i", dat.to_str().unwrap()]);
+    assert!(
+        rep.status.success(),
+        "trace-cmd report: {}",
+        text(&rep.stderr)
+    );
+    let events = report_events(&rep);
+    assert_eq!(events.len() as u64, COUNT, "every event in trace.dat");
+    for (i, (_, seq)) in events.iter().enumerate() {
+        assert_eq!(*seq, i as u64, "trace.dat event {i} in sequence");
+    }
+    drop(guard);
 }
 
 /// A raw-TSC guest recorded without `--trust-raw-tsc`: its beacons check KVM's mapping (none

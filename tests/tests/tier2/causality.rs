@@ -32,21 +32,21 @@ const EVENTS: u64 = 1200;
 
 /// Where each workload step and event sits in `trace-cmd report`'s merged order.
 #[derive(Debug, Default)]
-struct Order {
+pub(crate) struct Order {
     /// Line index of the k-th `out` to the port (step k).
-    writes: Vec<usize>,
+    pub(crate) writes: Vec<usize>,
     /// Line index of the k-th `in` from the port.
-    reads: Vec<usize>,
+    pub(crate) reads: Vec<usize>,
     /// The low byte each `out` wrote.
-    write_vals: Vec<u32>,
+    pub(crate) write_vals: Vec<u32>,
     /// (line index, seq) of before-events (id 256) and after-events (id 257).
-    before: Vec<(usize, u64)>,
-    after: Vec<(usize, u64)>,
+    pub(crate) before: Vec<(usize, u64)>,
+    pub(crate) after: Vec<(usize, u64)>,
 }
 
 /// Reads the merged report: host `kvm_pio` lines of vCPU thread `thread` (other tests' VMs
 /// may run at the same time) and guest `event_data` lines, in order.
-fn merged_order(host: &Path, guest: &Path, thread: u64) -> Order {
+pub(crate) fn merged_order(host: &Path, guest: &Path, thread: u64) -> Order {
     let o = trace_cmd(&[
         "report",
         "-i",

@@ -277,6 +277,7 @@ fn record_from_memory_passes_validate_against_the_hosts_kvm_pio_exits() {
         "record_from_memory_passes_validate_against_the_hosts_kvm_pio_exits",
         "beacons=1000",
         &["--trust-raw-tsc"],
+        false,
     );
 }
 
@@ -289,13 +290,16 @@ fn record_from_memory_in_beacon_mode_passes_validate_on_a_skewed_guest() {
         "record_from_memory_in_beacon_mode_passes_validate_on_a_skewed_guest",
         &format!("beacons=100 {}", skew.agent_option()),
         &[],
+        true,
     );
 }
 
 /// Records the validate workload (`STEPS` port round trips, an event before each `out` and
 /// after each `in`) from memory with `flags`, the agent booted with `agent_extra`, and checks
-/// every event against the host's kvm_pio exits with `vmtsync validate`.
-fn validate_memory_run(test: &str, agent_extra: &str, flags: &[&str]) {
+/// every event against the host's kvm_pio exits with `vmtsync validate`. With `trace_dat`, a
+/// second reader records the same run into trace.dat at the same time, and trace-cmd's merged
+/// report of it and the host's trace puts every event on its side of its exit.
+fn validate_memory_run(test: &str, agent_extra: &str, flags: &[&str], trace_dat: bool) {
     use crate::causality::{PORT, run_validate};
     use crate::util::HostTrace;
     use crate::util::vcpu_thread;
@@ -316,13 +320,62 @@ fn validate_memory_run(test: &str, agent_extra: &str, flags: &[&str]) {
     );
     let pid = guard.child().id();
     let guest = dir.path().join("guest.jsonl");
+    let dat = dir.path().join("guest.dat");
+    let second = trace_dat.then(|| {
+        let (dat, flags) = (
+            dat.clone(),
+            flags.iter().map(|f| f.to_string()).collect::<Vec<_>>(),
+        );
+        std::thread::spawn(move || {
+            let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+            record_memory_as(pid, &dat, "trace-cmd", &flags, 2 * STEPS)
+        })
+    });
     let o = record_memory_as(pid, &guest, "jsonl", flags, 2 * STEPS);
     assert!(o.status.success(), "record failed: {}", text(&o.stderr));
     println!("record --from-memory {flags:?}: {}", text(&o.stderr).trim());
+    let second = second.map(|t| t.join().expect("the second reader"));
+    if let Some(o) = &second {
+        assert!(
+            o.status.success(),
+            "record (trace.dat) failed: {}",
+            text(&o.stderr)
+        );
+    }
     let thread = vcpu_thread(pid).expect("vcpu0's thread in debugfs");
     drop(guard);
     let host = dir.path().join("host.dat");
     trace.extract(&host);
+    if trace_dat {
+        let ord = crate::causality::merged_order(&host, &dat, thread);
+        let (mut checked, mut wrong) = (0, Vec::new());
+        for &(line, seq) in &ord.before {
+            if let Some(&w) = usize::try_from(seq).ok().and_then(|k| ord.writes.get(k)) {
+                checked += 1;
+                if line > w {
+                    wrong.push(format!(
+                        "before-event {seq} at line {line} after its out at {w}"
+                    ));
+                }
+            }
+        }
+        for &(line, seq) in &ord.after {
+            if let Some(&r) = usize::try_from(seq).ok().and_then(|k| ord.reads.get(k)) {
+                checked += 1;
+                if line < r {
+                    wrong.push(format!(
+                        "after-event {seq} at line {line} before its in at {r}"
+                    ));
+                }
+            }
+        }
+        println!(
+            "trace-cmd's merged report: {checked} events checked, {} on the wrong side",
+            wrong.len()
+        );
+        assert_eq!(checked, 2 * STEPS, "every event in the merged report");
+        assert!(wrong.is_empty(), "{wrong:#?}");
+    }
     let before = format!("0x100:{PORT}");
     let after = format!("0x101:{PORT}");
     let thread = format!("0={thread}");

@@ -66,6 +66,11 @@ impl core::fmt::Write for Console {
 /// Ends the VM through isa-debug-exit with `code`.
 pub fn exit(code: u8) -> ! {
     outb(DEBUG_EXIT, code);
+    halt()
+}
+
+/// Stops this vCPU for good; the VM stays up (its memory readable from the host).
+pub fn halt() -> ! {
     loop {
         // SAFETY: `hlt` with interrupts off stops this vCPU for good; it touches no memory.
         unsafe { asm!("hlt", options(nomem, nostack)) };

@@ -10,12 +10,16 @@
 //!
 //! The host (`vmtsync record --connect unix:COM1 --shutdown`) syncs the clocks and drains the
 //! events over COM1; on its shutdown the kernel ends the VM through isa-debug-exit with 0.
+//! With `memory` on its command line the kernel runs the same application in memory mode
+//! ([`memory`]): it publishes its recorder in its own memory for a host to read there, with no
+//! link and no poll loop, and COM1 carries only its console.
 
 #![no_std]
 #![no_main]
 
 mod boot;
 mod io;
+mod memory;
 
 use core::fmt::Write as _;
 
@@ -38,6 +42,11 @@ pub const PROGRESS_EVERY: u64 = 250;
 /// `XEN_HVM_START_MAGIC_VALUE`, the first word of the PVH start info (Xen
 /// `public/arch-x86/hvm/start_info.h`).
 const PVH_START_MAGIC: u32 = 0x336e_c578;
+/// Offset of `cmdline_paddr` (u64: the NUL-terminated command line's physical address, 0 for
+/// none) in the PVH start info (Xen `public/arch-x86/hvm/start_info.h`).
+const PVH_CMDLINE_PADDR: u64 = 24;
+/// The longest command line the kernel reads.
+const CMDLINE_MAX: usize = 256;
 
 /// The application: one request whenever its period has passed, until [`REQUESTS`] are done.
 struct App {
@@ -104,6 +113,10 @@ extern "C" fn kmain(start_info: u64) -> ! {
         "bad"
     };
     let _ = writeln!(con, "minimal-kernel: long mode, PVH start info {pvh}");
+    let memory_mode = magic == PVH_START_MAGIC
+        && cmdline(start_info)
+            .split(|&b| b == b' ')
+            .any(|w| w == b"memory");
     let _ = writeln!(
         con,
         "minimal-kernel: {REQUESTS} requests, events {REQUEST_START:#x}/{REQUEST_DONE:#x}, \
@@ -119,6 +132,9 @@ extern "C" fn kmain(start_info: u64) -> ! {
         next: tsc.read_ordered(),
         done: 0,
     };
+    if memory_mode {
+        memory::run(app);
+    }
     // vmtsync-glue: begin (the clock, the link, the poll loop)
     // SAFETY: nothing in the VM decodes SYNC_PORT: its I/O only exits to the host.
     let sync = unsafe { NativePorts::new() };
@@ -131,6 +147,24 @@ extern "C" fn kmain(start_info: u64) -> ! {
         }
     }
     // vmtsync-glue: end
+}
+
+/// The command line the PVH start info at `start_info` names, up to its NUL (at most
+/// [`CMDLINE_MAX`] bytes; empty if there is none).
+fn cmdline(start_info: u64) -> &'static [u8] {
+    // SAFETY: the start info is valid (its magic was checked) and identity-mapped; its
+    // `cmdline_paddr` word is 8-byte aligned. Volatile: the loader wrote it.
+    let at = unsafe { ((start_info + PVH_CMDLINE_PADDR) as *const u64).read_volatile() };
+    if at == 0 {
+        return &[];
+    }
+    // SAFETY: the loader placed the command line in low RAM, which the boot code's
+    // identity map covers, and nothing writes it after; reading stops at its NUL.
+    let len = (0..CMDLINE_MAX)
+        .find(|&i| unsafe { ((at + i as u64) as *const u8).read_volatile() } == 0)
+        .unwrap_or(CMDLINE_MAX);
+    // SAFETY: those `len` bytes are readable, as above, and stay unchanged.
+    unsafe { core::slice::from_raw_parts(at as *const u8, len) }
 }
 
 #[panic_handler]

@@ -62,7 +62,7 @@ fn have_bt2() -> bool {
 }
 
 /// The CTF tests' prerequisites: the babeltrace2 CLI and python3-bt2.
-fn ctf_ready(test: &str) -> bool {
+pub(crate) fn ctf_ready(test: &str) -> bool {
     require(
         test,
         have_program("babeltrace2"),
@@ -91,22 +91,22 @@ fn ctf_qemu_pio_trace_ready(test: &str) -> bool {
 
 /// One event as python3-bt2 delivers it.
 #[derive(Debug)]
-struct BtEvent {
-    trace: String,
-    event: String,
-    cycles: u64,
-    ns: i64,
-    fields: Value,
+pub(crate) struct BtEvent {
+    pub(crate) trace: String,
+    pub(crate) event: String,
+    pub(crate) cycles: u64,
+    pub(crate) ns: i64,
+    pub(crate) fields: Value,
 }
 
 impl BtEvent {
-    fn f(&self, k: &str) -> u64 {
+    pub(crate) fn f(&self, k: &str) -> u64 {
         self.fields[k]
             .as_u64()
             .unwrap_or_else(|| panic!("{k} in {:?}", self.fields))
     }
 
-    fn payload(&self) -> Vec<u8> {
+    pub(crate) fn payload(&self) -> Vec<u8> {
         self.fields["payload"]
             .as_array()
             .unwrap()
@@ -117,7 +117,7 @@ impl BtEvent {
 }
 
 /// Every event of the trace directories, in babeltrace2's (muxed, time-sorted) order.
-fn bt2_events(dirs: &[&Path]) -> Vec<BtEvent> {
+pub(crate) fn bt2_events(dirs: &[&Path]) -> Vec<BtEvent> {
     let out = Command::new("/usr/bin/python3")
         .arg("-c")
         .arg(BT2_READER)
@@ -142,7 +142,7 @@ fn bt2_events(dirs: &[&Path]) -> Vec<BtEvent> {
 }
 
 /// `babeltrace2 --clock-cycles DIR...`: (cycles, vcpu, host_tsc) of every event line.
-fn cli_events(dirs: &[&Path]) -> Vec<(u64, u64, u64)> {
+pub(crate) fn cli_events(dirs: &[&Path]) -> Vec<(u64, u64, u64)> {
     let out = Command::new("babeltrace2")
         .arg("--clock-cycles")
         .args(dirs)
@@ -170,7 +170,7 @@ fn cli_events(dirs: &[&Path]) -> Vec<(u64, u64, u64)> {
 /// Checks the ns babeltrace2 derived from `cycles` on our clock (offset 0) against the exact
 /// `floor(cycles · 1e9 / freq)`. babeltrace2 2.0 computes it in double precision, so it may
 /// differ by one ns, and by 2^-52 of the value beyond 2^53 ns (about 104 days).
-fn assert_ns(ns: i64, cycles: u64, hz: u64, what: &dyn std::fmt::Display) {
+pub(crate) fn assert_ns(ns: i64, cycles: u64, hz: u64, what: &dyn std::fmt::Display) {
     let exact = i64::try_from(u128::from(cycles) * 1_000_000_000 / u128::from(hz)).unwrap();
     let tolerance = 1 + (exact >> 52);
     assert!(
@@ -484,7 +484,7 @@ fn report_pio(host_dat: &Path) -> Vec<(u64, u16)> {
 }
 
 /// The `freq` of a CTF trace's clock.
-fn metadata_hz(dir: &Path) -> u64 {
+pub(crate) fn metadata_hz(dir: &Path) -> u64 {
     std::fs::read_to_string(dir.join("metadata"))
         .unwrap()
         .split("freq = ")

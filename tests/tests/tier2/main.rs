@@ -25,6 +25,8 @@ mod ctf;
 mod e2e;
 mod kvm_real;
 mod memory_agent;
+mod memory_flight;
+mod memory_outputs;
 mod minimal_kernel;
 mod perf;
 mod perfetto;
@@ -92,6 +94,8 @@ fn main() -> std::process::ExitCode {
         e2e::trials(),
         kvm_real::trials(),
         memory_agent::trials(),
+        memory_flight::trials(),
+        memory_outputs::trials(),
         minimal_kernel::trials(),
         perf::trials(),
         perfetto::trials(),

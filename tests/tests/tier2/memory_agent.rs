@@ -31,7 +31,7 @@ const BEACON_ID: u64 = 0xffff;
 const CAPACITY: u64 = 16 * 1024;
 const SYNC_PORT: u64 = 0x2400;
 
-fn le64(b: &[u8], at: usize) -> u64 {
+pub(crate) fn le64(b: &[u8], at: usize) -> u64 {
     u64::from_le_bytes(b[at..at + 8].try_into().unwrap())
 }
 
@@ -72,7 +72,7 @@ fn writable_mappings(pid: u32) -> Vec<(u64, u64)> {
         .collect()
 }
 
-fn read_at(mem: &mut File, addr: u64, len: usize) -> Option<Vec<u8>> {
+pub(crate) fn read_at(mem: &mut File, addr: u64, len: usize) -> Option<Vec<u8>> {
     let mut buf = vec![0u8; len];
     mem.seek(SeekFrom::Start(addr)).ok()?;
     mem.read_exact(&mut buf).ok()?;
@@ -81,7 +81,7 @@ fn read_at(mem: &mut File, addr: u64, len: usize) -> Option<Vec<u8>> {
 
 /// Every address, at 64-byte alignment in a writable mapping, holding the magic and a
 /// header whose checksum matches.
-fn find_headers(pid: u32, mem: &mut File) -> Vec<u64> {
+pub(crate) fn find_headers(pid: u32, mem: &mut File) -> Vec<u64> {
     const CHUNK: u64 = 1 << 20;
     let magic = b"VMTSRING";
     let mut found = Vec::new();
@@ -106,17 +106,17 @@ fn find_headers(pid: u32, mem: &mut File) -> Vec<u64> {
 }
 
 /// QEMU running the agent, its memory, and the address of the one valid header in it.
-struct Booted {
+pub(crate) struct Booted {
     /// QEMU; dropping it ends the VM.
-    _guard: ChildGuard,
-    mem: File,
-    base: u64,
-    header: Vec<u8>,
+    pub(crate) guard: ChildGuard,
+    pub(crate) mem: File,
+    pub(crate) base: u64,
+    pub(crate) header: Vec<u8>,
 }
 
 /// Boots the agent with `append` and finds its header from outside: exactly one valid
 /// header must appear in QEMU's writable memory (none in its ROM copy of the image).
-fn boot_and_find(dir: &std::path::Path, append: &str) -> Booted {
+pub(crate) fn boot_and_find(dir: &std::path::Path, append: &str) -> Booted {
     let (mut guard, _sock) = boot_qemu(dir, append);
     let pid = guard.child().id();
     let mut mem = File::open(format!("/proc/{pid}/mem")).expect("/proc/PID/mem (run as root)");
@@ -136,7 +136,7 @@ fn boot_and_find(dir: &std::path::Path, append: &str) -> Booted {
     let base = headers[0];
     let header = read_at(&mut mem, base, 128).unwrap();
     Booted {
-        _guard: guard,
+        guard,
         mem,
         base,
         header,

@@ -32,8 +32,16 @@ crate::trials!(
     vm_ready;
     minimal_kernel_console_and_events_share_com1;
     anchored_trace_ready;
-    minimal_kernel_events_land_in_trace_cmd_on_the_host_timeline,
+    minimal_kernel_events_land_in_trace_cmd_on_the_host_timeline;
+    memory_mode_ready;
+    minimal_kernel_in_memory_mode_is_read_from_guest_memory_at_its_exact_host_times,
 );
+
+/// The memory-mode test's prerequisites: exit anchoring ([`anchor_ready`]: the recording
+/// without `--trust-raw-tsc` places by beacons bracketed by `kvm_pio` exits) and trace-cmd.
+fn memory_mode_ready(test: &str) -> bool {
+    anchor_ready(test) && crate::util::have_trace_cmd(test)
+}
 
 /// The trace-cmd test's prerequisites: exit anchoring ([`anchor_ready`]) and a host trace of
 /// `kvm:kvm_pio`.
@@ -303,5 +311,293 @@ fn minimal_kernel_events_land_in_trace_cmd_on_the_host_timeline() {
         (v["violations"].as_u64(), v["bound_violations"].as_u64()),
         (Some(0), Some(0)),
         "{v}"
+    );
+}
+
+/// The kernel's memory mode (`tests/minimal-kernel/src/memory.rs`): events between its sync
+/// beacons, its beacon port, and its console lines of that mode.
+const MEMORY_BEACON_EVERY: u64 = 100;
+
+const MEMORY_BEACON_PORT: &str = "0x2400";
+
+/// The console text of the kernel in memory mode: its boot log, the mode's line, the
+/// application's progress lines, and its own count of events and beacons at the end (one
+/// beacon before the first event, one after every [`MEMORY_BEACON_EVERY`], one after the last
+/// unless it just had one).
+fn memory_console_text() -> String {
+    let mut t = String::from("minimal-kernel: long mode, PVH start info ok\n");
+    t.push_str(&format!(
+        "minimal-kernel: {REQUESTS} requests, events {REQUEST_START:#x}/{REQUEST_DONE:#x}, \
+         doorbell port {DOORBELL}\n"
+    ));
+    t.push_str(&format!(
+        "minimal-kernel: memory mode, recorder published, a beacon on port \
+         {MEMORY_BEACON_PORT} every {MEMORY_BEACON_EVERY} events\n"
+    ));
+    for n in (PROGRESS_EVERY..=REQUESTS).step_by(usize::try_from(PROGRESS_EVERY).unwrap()) {
+        t.push_str(&format!("minimal-kernel: {n} requests done\n"));
+    }
+    let beacons = 1 + (2 * REQUESTS).div_ceil(MEMORY_BEACON_EVERY);
+    t.push_str(&format!(
+        "minimal-kernel: memory mode done, {} events, {beacons} beacons; halting\n",
+        2 * REQUESTS
+    ));
+    t
+}
+
+/// Sends `cont` on QEMU's QMP socket at `path` (a VM started with `-S`): the guest runs from
+/// then on.
+fn qmp_cont(path: &Path) {
+    use std::io::{BufRead as _, BufReader, Write as _};
+    let s = std::os::unix::net::UnixStream::connect(path).expect("QMP socket");
+    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    let mut r = BufReader::new(s.try_clone().unwrap());
+    let mut w = s;
+    let mut reply = |cmd: &str| {
+        if !cmd.is_empty() {
+            w.write_all(cmd.as_bytes()).unwrap();
+        }
+        loop {
+            let mut line = String::new();
+            r.read_line(&mut line).expect("a QMP reply");
+            let v: serde_json::Value = serde_json::from_str(&line).expect("QMP JSON");
+            // Events (`{"event": ...}`) may come in between; the greeting or a return ends.
+            if v.get("QMP").is_some() || v.get("return").is_some() {
+                return;
+            }
+            assert!(v.get("error").is_none(), "QMP {cmd}: {v}");
+        }
+    };
+    reply("");
+    reply("{\"execute\": \"qmp_capabilities\"}\n");
+    reply("{\"execute\": \"cont\"}\n");
+}
+
+/// Waits (at most 20 s) until KVM debugfs lists vCPU 0 of QEMU `pid`'s VM (`vmtsync kvm`):
+/// a VM started with `-S` has its vCPUs before it runs them (their threads show only then).
+fn wait_paused_vcpu(pid: u32) {
+    let end = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let o = crate::util::guarded_output(
+            crate::util::vmtsync().args(["kvm", "--json", "--vm", &pid.to_string()]),
+            b"",
+        );
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap_or_default();
+        if v["vms"][0]["vcpus"][0].is_object() {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < end,
+            "vCPU 0 of QEMU {pid} never appeared in KVM debugfs"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// `vmtsync record --from-memory --vm PID --format FORMAT` and `extra` of the kernel's events
+/// into `out`, as a child whose stderr goes to `out.stderr`.
+fn spawn_memory_record(
+    pid: u32,
+    out: &Path,
+    format: &str,
+    extra: &[&str],
+) -> vmtsync_tests::ChildGuard {
+    let err = std::fs::File::create(out.with_extension("stderr")).unwrap();
+    let child = crate::util::vmtsync()
+        .args(["record", "--from-memory", "--vm", &pid.to_string()])
+        .args(["--events", &(2 * REQUESTS).to_string(), "--duration", "60"])
+        .args(["--no-progress", "--format", format])
+        .args(extra)
+        .arg("--out")
+        .arg(out)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(err)
+        .spawn()
+        .expect("vmtsync starts");
+    vmtsync_tests::ChildGuard::new(child)
+}
+
+/// Waits for a [`spawn_memory_record`] child; its success and stderr.
+fn wait_memory_record(mut rec: vmtsync_tests::ChildGuard, out: &Path) -> (bool, String) {
+    let status = rec
+        .wait_timeout(Duration::from_secs(90))
+        .expect("waitpid")
+        .expect("record --from-memory ends within 90 s");
+    let stderr = std::fs::read_to_string(out.with_extension("stderr")).unwrap();
+    (status.success(), stderr)
+}
+
+/// The exact host TSC of guest TSC `g` under KVM's mapping `kvm` (floor and ceiling of its
+/// inverse agree: the mapping is an offset here).
+fn exact_host(kvm: &vmtsync_core::mapping::KvmTscMapping, g: u64) -> u64 {
+    let lo = kvm.try_host_from_guest_ceil(GuestTicks(g)).expect("maps").0;
+    let hi = kvm
+        .try_host_from_guest_floor(GuestTicks(g))
+        .expect("maps")
+        .0;
+    assert_eq!(lo, hi, "KVM's inverse of guest tick {g} is one host tick");
+    lo
+}
+
+/// Tier 2: the minimal kernel in memory mode (`memory` on its command line) under QEMU
+/// microvm/KVM, started paused (`-S`) so both readers below run before its first
+/// instruction, then resumed over QMP. `record --from-memory --trust-raw-tsc` recovers every
+/// one of its 2,000 events exactly once and in order, each at its exact host time from
+/// KVM's debugfs (read here), and sees the beacons the kernel's own console counts; the
+/// console (COM1, QEMU's stdout) holds the kernel's own text byte for byte. The same
+/// recording without `--trust-raw-tsc` either succeeds with every event's [host_lo,
+/// host_hi] holding its exact host time (placement by beacons bracketed by `kvm_pio` exits)
+/// or, while that placement is not built, fails naming `--trust-raw-tsc` and writes nothing.
+/// A last reader, after the kernel halted, writes a trace.dat that `trace-cmd report` reads
+/// back: every event, each at its exact host time.
+fn minimal_kernel_in_memory_mode_is_read_from_guest_memory_at_its_exact_host_times() {
+    use std::process::Stdio;
+    use vmtsync_tests::vmm::qemu::{self, Machine};
+
+    let elf = guest_elf(Guest::MinimalKernel).expect("the minimal kernel builds");
+    let dir = scratch("minimal-kernel-memory");
+    let console = dir.path().join("console.txt");
+    let qmp = dir.path().join("qmp.sock");
+    let child = qemu::command(
+        Machine::Microvm,
+        &elf,
+        "memory",
+        &dir.path().join("com2.log"),
+    )
+    .arg("-S")
+    .arg("-qmp")
+    .arg(format!("unix:{},server=on,wait=off", qmp.display()))
+    .stdin(Stdio::null())
+    .stdout(std::fs::File::create(&console).unwrap())
+    .stderr(Stdio::null())
+    .spawn()
+    .expect("qemu starts");
+    let guard = vmtsync_tests::ChildGuard::new(child);
+    let pid = guard.pid();
+    wait_paused_vcpu(pid);
+    let exact_out = dir.path().join("exact.jsonl");
+    let loose_out = dir.path().join("beacons.jsonl");
+    let exact = spawn_memory_record(pid, &exact_out, "jsonl", &["--trust-raw-tsc"]);
+    let loose = spawn_memory_record(pid, &loose_out, "jsonl", &[]);
+    let end = std::time::Instant::now() + Duration::from_secs(20);
+    while !qmp.exists() {
+        assert!(std::time::Instant::now() < end, "no QMP socket");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    qmp_cont(&qmp);
+    let (ok, stderr) = wait_memory_record(exact, &exact_out);
+    assert!(ok, "record --from-memory --trust-raw-tsc: {stderr}");
+    println!(
+        "minimal kernel, memory mode, --trust-raw-tsc: {}",
+        stderr.trim()
+    );
+    let (loose_ok, loose_stderr) = wait_memory_record(loose, &loose_out);
+    // The truth: KVM's mapping of vCPU 0 (the kernel never writes its TSC; the summary says
+    // whether the mapping changed while the reader ran).
+    let kvm = truth_mapping(pid, 0).expect("debugfs truth");
+    assert!(stderr.contains("host time exact (KVM debugfs)"), "{stderr}");
+    assert!(stderr.contains("across 0 mapping"), "{stderr}");
+    assert!(
+        stderr.contains(&format!("recorded {} events", 2 * REQUESTS)),
+        "{stderr}"
+    );
+
+    let lines = read_jsonl(&exact_out);
+    let ids: Vec<(u64, u64)> = lines
+        .iter()
+        .map(|v| (u(v, "id"), seq_of(v["payload"].as_str().unwrap())))
+        .collect();
+    assert_every_event_once(&ids, "record --from-memory --trust-raw-tsc");
+    for v in &lines {
+        assert_eq!(u(v, "vcpu"), 0, "{v}");
+        let host = exact_host(&kvm, u(v, "guest_tsc"));
+        assert_eq!(
+            (u(v, "host_tsc"), u(v, "host_lo"), u(v, "host_hi")),
+            (host, host, host),
+            "the exact host time from debugfs: {v}"
+        );
+    }
+
+    // The kernel's own console, complete once it printed its count and halted.
+    let want = memory_console_text();
+    let end = std::time::Instant::now() + Duration::from_secs(30);
+    let got = loop {
+        let got = std::fs::read_to_string(&console).unwrap();
+        if got.len() >= want.len() || std::time::Instant::now() > end {
+            break got;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(got, want, "the kernel's console, byte for byte");
+
+    // Without --trust-raw-tsc: placement by beacons, or a refusal naming the flag.
+    if loose_ok {
+        println!(
+            "minimal kernel, memory mode, by beacons: {}",
+            loose_stderr.trim()
+        );
+        let lines = read_jsonl(&loose_out);
+        let ids: Vec<(u64, u64)> = lines
+            .iter()
+            .map(|v| (u(v, "id"), seq_of(v["payload"].as_str().unwrap())))
+            .collect();
+        assert_every_event_once(&ids, "record --from-memory by beacons");
+        let misses: Vec<&serde_json::Value> = lines
+            .iter()
+            .filter(|v| {
+                let host = exact_host(&kvm, u(v, "guest_tsc"));
+                !(u(v, "host_lo") <= host && host <= u(v, "host_hi"))
+            })
+            .collect();
+        assert!(
+            misses.is_empty(),
+            "{} intervals miss the exact host time, first {}",
+            misses.len(),
+            misses[0]
+        );
+    } else {
+        println!(
+            "minimal kernel, memory mode, without --trust-raw-tsc (refused): {}",
+            loose_stderr.trim()
+        );
+        assert!(
+            loose_stderr.contains("--trust-raw-tsc"),
+            "a refusal names --trust-raw-tsc: {loose_stderr}"
+        );
+        assert!(!loose_out.exists(), "no output for a refused recording");
+    }
+
+    // The kernel halted with its rings in QEMU's memory: a last reader writes a trace.dat.
+    let dat = dir.path().join("events.dat");
+    let rec = spawn_memory_record(pid, &dat, "trace-cmd", &["--trust-raw-tsc"]);
+    let (ok, dat_stderr) = wait_memory_record(rec, &dat);
+    assert!(ok, "record --from-memory --format trace-cmd: {dat_stderr}");
+    println!("minimal kernel halted, trace-cmd: {}", dat_stderr.trim());
+    // The kernel is done: this reader sees every beacon its console counts.
+    let beacons = 1 + (2 * REQUESTS).div_ceil(MEMORY_BEACON_EVERY);
+    assert!(
+        dat_stderr.contains(&format!("; {beacons} beacons;")),
+        "the reader saw the {beacons} beacons the kernel counts: {dat_stderr}"
+    );
+    drop(guard);
+    assert_dump_ok(&dat);
+    let host_times = events(&dat, "-t");
+    let ids: Vec<(u64, u64)> = host_times.iter().map(|&(_, id, seq)| (id, seq)).collect();
+    assert_every_event_once(&ids, "trace-cmd report");
+    for (&(ts, id, seq), v) in host_times.iter().zip(&lines) {
+        assert_eq!(
+            (id, seq),
+            (u(v, "id"), seq_of(v["payload"].as_str().unwrap()))
+        );
+        assert_eq!(
+            ts,
+            exact_host(&kvm, u(v, "guest_tsc")),
+            "trace-cmd's host time of {id:#x} #{seq}"
+        );
+    }
+    println!(
+        "trace-cmd report: {} events, each at its exact host time",
+        host_times.len()
     );
 }

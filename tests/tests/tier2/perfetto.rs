@@ -39,7 +39,7 @@ crate::trials!(
 
 /// The trace processor's prerequisite: Node (the trace processor is its wasm build). The
 /// trace processor itself is fetched by the test, like the agent it builds.
-fn node_ready(test: &str) -> bool {
+pub(crate) fn node_ready(test: &str) -> bool {
     let node = Command::new("node").arg("--version").output();
     require(
         test,
@@ -54,7 +54,7 @@ fn node_qemu_ready(test: &str) -> bool {
 }
 
 /// The trace processor's directory (fetched and checked on first use).
-fn trace_processor() -> PathBuf {
+pub(crate) fn trace_processor() -> PathBuf {
     ensure_trace_processor().expect("Perfetto's trace processor")
 }
 
@@ -96,7 +96,7 @@ fn int(v: &Value) -> i128 {
 }
 
 /// CLOCK_BOOTTIME, ns, read by the test itself.
-fn boottime_ns() -> u64 {
+pub(crate) fn boottime_ns() -> u64 {
     let mut ts = libc::timespec {
         tv_sec: 0,
         tv_nsec: 0,
@@ -122,7 +122,7 @@ fn own_pair() -> (u64, u64, u64) {
 
 /// The TSC/BOOTTIME snapshots the trace processor read from the trace: `(tsc, ns)` sorted
 /// (snapshot ids are per machine, and the guest machine has its own snapshots).
-fn snapshots(tp: &Path, trace: &Path) -> Vec<(i128, i128)> {
+pub(crate) fn snapshots(tp: &Path, trace: &Path) -> Vec<(i128, i128)> {
     let rows = sql(
         tp,
         trace,
@@ -137,7 +137,7 @@ fn snapshots(tp: &Path, trace: &Path) -> Vec<(i128, i128)> {
 
 /// `tsc` on BOOTTIME through `snaps`, recomputed here: the line through the nearest snapshot at
 /// or before it and the next (the first pair before the first, the last pair after the last).
-fn mapped(snaps: &[(i128, i128)], tsc: i128) -> i128 {
+pub(crate) fn mapped(snaps: &[(i128, i128)], tsc: i128) -> i128 {
     assert!(
         snaps.len() >= 2,
         "the trace carries {} snapshots",
@@ -160,19 +160,19 @@ const EVENTS: &str = "select s.ts, s.name, t.name, m.raw_id, \
 
 /// One slice as the trace processor reports it.
 #[derive(Debug)]
-struct Slice {
-    ts: i128,
-    name: String,
-    track: String,
-    machine: Option<i128>,
-    host_tsc: Option<i128>,
-    guest_tsc: Option<i128>,
-    lo_ns: Option<i128>,
-    hi_ns: Option<i128>,
-    payload: Option<String>,
+pub(crate) struct Slice {
+    pub(crate) ts: i128,
+    pub(crate) name: String,
+    pub(crate) track: String,
+    pub(crate) machine: Option<i128>,
+    pub(crate) host_tsc: Option<i128>,
+    pub(crate) guest_tsc: Option<i128>,
+    pub(crate) lo_ns: Option<i128>,
+    pub(crate) hi_ns: Option<i128>,
+    pub(crate) payload: Option<String>,
 }
 
-fn slices(tp: &Path, trace: &Path) -> Vec<Slice> {
+pub(crate) fn slices(tp: &Path, trace: &Path) -> Vec<Slice> {
     let opt = |v: &Value| (!v.is_null()).then(|| int(v));
     sql(tp, trace, &[EVENTS])[0]
         .iter()

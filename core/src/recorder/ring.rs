@@ -7,7 +7,7 @@
 
 use core::cell::Cell;
 use core::marker::PhantomData;
-use core::sync::atomic::{AtomicU64, Ordering};
+use core::sync::atomic::{AtomicU64, Ordering, compiler_fence};
 
 use super::layout::{
     BEACON_ID, CLAIMED_BIT, W_BEACONS, W_HEAD, W_MODE, W_OVERWRITTEN, W_REFUSED, W_TAIL, word,
@@ -328,10 +328,17 @@ impl<'a> RingRef<'a> {
         let seq_w = self.w(W_BEACONS);
         let seq = seq_w.load(Ordering::Relaxed);
         let _ = ports.inb(port);
+        // The host's bracket rests on this program order (docs/memory-reader.md, "Beacon
+        // brackets"): no memory access moves across a port access, whatever `PortIo` the
+        // caller gives (one whose asm says `nomem` would otherwise let the compiler move the
+        // count's store above the `out`).
+        compiler_fence(Ordering::SeqCst);
         let stored = self.record(tsc, BEACON_ID, &seq.to_le_bytes());
+        compiler_fence(Ordering::SeqCst);
         // The low byte is what the host matches the `out` by (the probe protocol's rule).
         #[allow(clippy::cast_possible_truncation)]
         ports.outb(port, seq as u8);
+        compiler_fence(Ordering::SeqCst);
         seq_w.store(seq.wrapping_add(1), Ordering::Relaxed);
         stored.map(|()| seq)
     }

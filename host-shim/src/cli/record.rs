@@ -407,8 +407,12 @@ pub fn summary_text(s: &RecordSummary) -> String {
     );
     // A flight recorder's overwritten records are named apart from refused events.
     let split = if s.overwritten > 0 {
+        let how = match s.host_time {
+            record::HostTime::Sync => "sent",
+            _ => "read",
+        };
         format!(
-            " ({} overwritten by its flight recorder before they were sent, {} refused by a \
+            " ({} overwritten by its flight recorder before they were {how}, {} refused by a \
              full ring)",
             s.overwritten, s.dropped
         )

@@ -158,6 +158,11 @@ impl Instance {
             tsc_clock: false,
         };
         inst.tsc_clock = fs::write(inst.path.join("trace_clock"), "x86-tsc").is_ok();
+        // Overwrite mode, whatever the global options say: a full per-CPU buffer then drops
+        // its oldest page and the reader sees the loss flagged; without it the kernel drops
+        // new events, unflagged in what the reader reads.
+        let overwrite = inst.path.join("options").join("overwrite");
+        fs::write(&overwrite, "1").map_err(io_err("set", &overwrite))?;
         Ok(inst)
     }
 

@@ -319,9 +319,10 @@ impl Drainer {
             // The head again, and for a stop-when-full ring the in-guest consumer's tail too
             // (read after the head, so it is no older than the producer's last check).
             let mut after = [0u8; 72];
+            // (Both modes: the beacon count again too, at offset 24.)
             let after_len = match self.header.mode {
                 RingMode::StopWhenFull => 72,
-                RingMode::Overwrite => 8,
+                RingMode::Overwrite => 32,
             };
             mem.read(base, &mut after[..after_len])
                 .map_err(|e| read_err(e, &self.rings))?;
@@ -381,7 +382,13 @@ impl Drainer {
                 .saturating_add(overwritten);
             ring.corrupt = ring.corrupt.saturating_add(corrupt);
             ring.refused = refused;
-            ring.beacons = beacons;
+            // The count is used only when both reads agree: a copy of another process's
+            // memory is atomic per byte, so one read could mix two values of a word the guest
+            // was storing (a count too high by 255 at a carry). A count kept from before is
+            // never too high.
+            if beacons == u64_at(&after, 24) {
+                ring.beacons = beacons;
+            }
             ring.head = h2;
             ring.next = end;
             summary.delivered += delivered;

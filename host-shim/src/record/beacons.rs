@@ -8,7 +8,7 @@ use vmtsync_core::estimate::ProbeSample;
 use vmtsync_core::{GuestTicks, HostTicks};
 
 use crate::guestmem::{GuestRecord, RingCounts};
-use crate::probe::anchor::{AnchorStats, BeaconChain, ChainBroken, PioTrace};
+use crate::probe::anchor::{AnchorStats, BeaconChain, ChainBroken, MAX_EXITS, PioTrace};
 
 /// Beacon records read but not yet bracketed, at most (each ring's oldest dropped first).
 const MAX_WAITING_RECORDS: usize = 4096;
@@ -35,6 +35,8 @@ pub struct BeaconStats {
     pub first_disagreement: Option<String>,
     /// Why a ring's chain stopped (the first one).
     pub broken: Option<String>,
+    /// Chains started again because their ring stopped beaconing while exits piled up.
+    pub restarts: u64,
 }
 
 /// One ring's beacon state.
@@ -42,7 +44,7 @@ pub struct BeaconStats {
 struct Ring {
     chain: BeaconChain,
     /// Beacon records read, waiting for their bracket: (seq, guest clock).
-    waiting: Vec<(u64, u64)>,
+    waiting: std::collections::VecDeque<(u64, u64)>,
 }
 
 /// The trace and every ring's chain.
@@ -64,7 +66,7 @@ impl Beacons {
             rings: (0..rings)
                 .map(|_| Ring {
                     chain: BeaconChain::new(port),
-                    waiting: Vec::new(),
+                    waiting: std::collections::VecDeque::new(),
                 })
                 .collect(),
             stats: BeaconStats::default(),
@@ -88,10 +90,10 @@ impl Beacons {
             return;
         };
         if ring.waiting.len() >= MAX_WAITING_RECORDS {
-            ring.waiting.remove(0);
+            ring.waiting.pop_front();
             self.stats.unbracketed += 1;
         }
-        ring.waiting.push((seq, r.tsc));
+        ring.waiting.push_back((seq, r.tsc));
     }
 
     /// After a drain round that read the rings' counts `counts` between host times `before`
@@ -104,11 +106,11 @@ impl Beacons {
         before: u64,
         after: u64,
     ) -> Vec<Vec<ProbeSample>> {
-        let lost = |s: &AnchorStats| s.damaged_pages + s.exits_overflowed;
-        let lost_before = lost(&self.anchor);
+        let damaged_before = self.anchor.damaged_pages;
         let capped_before = self.anchor.drains_capped;
         let read = self.trace.poll(&mut self.anchor);
-        if read.is_err() || lost(&self.anchor) != lost_before {
+        // Pages the kernel lost hold exits of unknown times: every chain may miss one.
+        if read.is_err() || self.anchor.damaged_pages != damaged_before {
             for r in &mut self.rings {
                 r.chain.break_off(ChainBroken::TraceLost);
             }
@@ -116,6 +118,14 @@ impl Beacons {
                 self.stats
                     .broken
                     .get_or_insert_with(|| format!("the kvm_pio trace could not be read: {e}"));
+            }
+        }
+        // Exits dropped from the kept window: only chains that still need exits that old.
+        if let Some(dropped) = self.trace.dropped_until() {
+            for r in &mut self.rings {
+                if r.chain.needs_from().is_some_and(|from| from <= dropped) {
+                    r.chain.break_off(ChainBroken::TraceLost);
+                }
             }
         }
         // A drain that left pages unread may not hold every exit before this round's read:
@@ -137,7 +147,7 @@ impl Beacons {
             let stats = &mut self.stats;
             ring.waiting.retain(|&(seq, tsc)| {
                 if !chain.may_bracket(seq) {
-                    if chain.broken().is_none() && chain.first().is_some_and(|f| seq < f) {
+                    if chain.is_early(seq) {
                         stats.early += 1;
                     } else {
                         stats.unbracketed += 1;
@@ -165,9 +175,23 @@ impl Beacons {
             got.sort_by_key(|s| s.guest.0);
             samples.push(got);
         }
+        // A ring whose beacons stopped holds the oldest exits: past half the window it starts
+        // again (its next beacons are bracketed from a later read), so the others lose none.
+        if self.trace.exits().len() > MAX_EXITS / 2
+            && let Some(oldest) = self.rings.iter().filter_map(|r| r.chain.needs_from()).min()
+        {
+            for r in &mut self.rings {
+                if r.chain.needs_from() == Some(oldest) {
+                    r.chain.restart();
+                    self.stats.restarts += 1;
+                }
+            }
+        }
         // Exits no chain needs any more.
-        if let Some(from) = self.rings.iter().filter_map(|r| r.chain.needs_from()).min() {
-            self.trace.forget_before(from);
+        match self.rings.iter().filter_map(|r| r.chain.needs_from()).min() {
+            Some(from) => self.trace.forget_before(from),
+            // No chain needs any (all broken or restarting): keep none.
+            None => self.trace.forget_before(after),
         }
         samples
     }

@@ -282,18 +282,9 @@ fn start_beacons(
         ),
         Mode::Exact => e,
     };
-    let mut threads = proc
-        .tasks(vm.id.pid)
-        .map_err(|e| why(format!("the VMM's threads could not be listed: {e}")))?;
-    for &v in vcpus {
-        if let Ok(s) = read_vcpu(&vm.path.join(format!("vcpu{v}")), v)
-            && let Some(t) = s.thread_pid
-            && !threads.contains(&t)
-        {
-            threads.push(t);
-        }
-    }
-    let trace = PioTrace::start(None, &threads, &[port])
+    // Every thread of the VMM, also one it creates later (the kernel filter names only the
+    // port; the reader keeps the exits of the VMM's own threads).
+    let trace = PioTrace::start_process(None, proc.root(), vm.id.pid, &[port])
         .map_err(|e| why(format!("it could not be started: {e}")))?;
     Ok(Some(Beacons::new(trace, port, vcpus.len())))
 }
@@ -481,29 +472,38 @@ pub fn run_record_memory(
     let started = Instant::now();
     // The first and last rounds that delivered records.
     let mut active: Option<(Instant, Instant)> = None;
-    let mut closing = false;
-    let result = loop {
-        let now_end = if stopped() {
+    // Each ring's head when a stop or the duration was seen: the rounds after it read
+    // everything the guest stored until then (however many rounds that takes), and stop there.
+    let mut stop_heads: Option<Vec<u64>> = None;
+    let ended = || {
+        if stopped() {
             Some(EndReason::Stopped)
         } else if opts.duration.is_some_and(|d| started.elapsed() >= d) {
             Some(EndReason::Duration)
         } else {
             None
-        };
-        // The round after a stop or the duration is the last: what the guest stored until
-        // then is still read.
-        if let Some(e) = now_end
-            && closing
+        }
+    };
+    let result = loop {
+        let now_end = ended();
+        if let (Some(e), Some(heads)) = (now_end, &stop_heads)
+            && drainer
+                .counts()
+                .iter()
+                .zip(heads)
+                .all(|(c, &h)| c.next >= h)
         {
             break Ok(e);
         }
-        closing = now_end.is_some();
         pending.clear();
         let round_start = Instant::now();
         let before = read_host_tsc().0;
         let polled = drainer.poll(&mut mem, &mut |r| pending.push(*r));
         let after = read_host_tsc().0;
         ms.polls += 1;
+        if now_end.is_some() && stop_heads.is_none() && polled.is_ok() {
+            stop_heads = Some(drainer.counts().iter().map(|c| c.head).collect());
+        }
         let summary = match polled {
             Ok(s) => s,
             Err(e) => {
@@ -625,8 +625,16 @@ pub fn run_record_memory(
         if opts.events.is_some_and(|n| st.events >= n) {
             break Ok(EndReason::Events);
         }
-        if !summary.more {
-            std::thread::sleep(opts.poll);
+        if !summary.more && stop_heads.is_none() {
+            // Idle: wait for the guest, but see a stop or the end of the duration at once.
+            let wake = Instant::now() + opts.poll;
+            while ended().is_none() {
+                let left = wake.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    break;
+                }
+                std::thread::sleep(left.min(Duration::from_millis(10)));
+            }
         }
     };
     // The beacons read last wait for a count past them: one more read of the rings, unless

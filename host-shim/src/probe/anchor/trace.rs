@@ -7,14 +7,47 @@ use super::{AnchorStats, EVENT, MAX_EXITS, PioExit};
 use crate::ftrace::format::KvmPioLayout;
 use crate::ftrace::{Instance, RawPipes, TraceError, find_tracefs};
 
+/// Whose exits a [`PioTrace`] keeps.
+#[derive(Debug)]
+enum Threads {
+    /// These threads (the kernel filter names them too).
+    Listed(Vec<u32>),
+    /// Every thread of one process, whenever it was created (checked in `/proc`, each
+    /// thread id once).
+    Of {
+        task_dir: std::path::PathBuf,
+        known: std::collections::HashMap<u32, bool>,
+    },
+}
+
+impl Threads {
+    fn keeps(&mut self, tid: u32) -> bool {
+        match self {
+            Self::Listed(t) => t.contains(&tid),
+            Self::Of { task_dir, known } => {
+                // Bounded: a thread id is looked up once; the map is cleared if a host runs
+                // through many (foreign threads on the port are only filtered out).
+                if known.len() >= 1 << 16 {
+                    known.clear();
+                }
+                *known
+                    .entry(tid)
+                    .or_insert_with(|| task_dir.join(tid.to_string()).exists())
+            }
+        }
+    }
+}
+
 /// `kvm_pio` in a private instance, filtered to some vCPU threads and ports, read as it comes.
 #[derive(Debug)]
 pub struct PioTrace {
     /// Declared before `instance`: the pipes close first, so the instance can be removed.
     pipes: RawPipes,
     layout: KvmPioLayout,
-    threads: Vec<u32>,
+    threads: Threads,
     exits: VecDeque<PioExit>,
+    /// The latest stamp of an exit dropped because more than [`MAX_EXITS`] waited.
+    dropped_until: Option<u64>,
     instance: Instance,
 }
 
@@ -30,6 +63,33 @@ impl PioTrace {
     pub fn start(
         tracefs: Option<&Path>,
         threads: &[u32],
+        ports: &[u16],
+    ) -> Result<Self, TraceError> {
+        Self::start_with(tracefs, Threads::Listed(threads.to_vec()), threads, ports)
+    }
+
+    /// [`PioTrace::start`] for every thread of process `pid` (its tasks under `proc_root`),
+    /// also those it creates later: the kernel filter names only the ports.
+    ///
+    /// # Errors
+    /// As [`PioTrace::start`].
+    pub fn start_process(
+        tracefs: Option<&Path>,
+        proc_root: &Path,
+        pid: u32,
+        ports: &[u16],
+    ) -> Result<Self, TraceError> {
+        let threads = Threads::Of {
+            task_dir: proc_root.join(pid.to_string()).join("task"),
+            known: std::collections::HashMap::new(),
+        };
+        Self::start_with(tracefs, threads, &[], ports)
+    }
+
+    fn start_with(
+        tracefs: Option<&Path>,
+        threads: Threads,
+        filter_threads: &[u32],
         ports: &[u16],
     ) -> Result<Self, TraceError> {
         let root = find_tracefs(tracefs, EVENT)?;
@@ -50,14 +110,15 @@ impl PioTrace {
                 path: instance.path().join("events").join(EVENT).join("format"),
                 source,
             })?;
-        instance.set_filter(EVENT, &filter(threads, ports))?;
+        instance.set_filter(EVENT, &filter(filter_threads, ports))?;
         instance.enable(EVENT)?;
         let pipes = RawPipes::open(&instance)?;
         Ok(Self {
             pipes,
             layout,
-            threads: threads.to_vec(),
+            threads,
             exits: VecDeque::new(),
+            dropped_until: None,
             instance,
         })
     }
@@ -68,18 +129,20 @@ impl PioTrace {
         self.instance.path()
     }
 
-    /// Reads every exit that is ready into the window of kept exits (time-ordered).
+    /// Reads every exit that is ready into the window of kept exits, kept in time order: an
+    /// exit read late (its CPU's buffer was read before it was committed) goes where its
+    /// stamp puts it, before exits of other CPUs read earlier.
     ///
     /// # Errors
     /// Read errors of `trace_pipe_raw`.
     pub fn poll(&mut self, stats: &mut AnchorStats) -> Result<(), TraceError> {
         let mut fresh = Vec::new();
-        let (layout, threads) = (&self.layout, &self.threads);
+        let (layout, threads) = (&self.layout, &mut self.threads);
         let st = self.pipes.drain(|_, ts, rec| {
             // The kernel filter already selects; checking again keeps a wrong filter (or a
             // kernel that ignored it) from matching another thread's bytes.
             if let Some(pio) = layout.decode(rec)
-                && threads.contains(&pio.pid)
+                && threads.keeps(pio.pid)
             {
                 fresh.push(PioExit { ts, pio });
             }
@@ -91,13 +154,22 @@ impl PioTrace {
         // x86-tsc clock is the same on every CPU, so time order is the order of the exits.
         fresh.sort_by_key(|e| e.ts);
         for e in fresh {
-            if self.exits.len() >= MAX_EXITS {
-                self.exits.pop_front();
+            if self.exits.len() >= MAX_EXITS
+                && let Some(old) = self.exits.pop_front()
+            {
                 stats.exits_overflowed += 1;
+                self.dropped_until = Some(self.dropped_until.map_or(old.ts, |d| d.max(old.ts)));
             }
-            self.exits.push_back(e);
+            insert_in_order(&mut self.exits, e);
         }
         Ok(())
+    }
+
+    /// The latest stamp of an exit dropped because more than [`MAX_EXITS`] waited (a bracket
+    /// that needs exits at or before it cannot be made).
+    #[must_use]
+    pub const fn dropped_until(&self) -> Option<u64> {
+        self.dropped_until
     }
 
     /// Forgets exits before `ts` (an exchange that started at `ts` cannot use them).
@@ -111,6 +183,13 @@ impl PioTrace {
     pub fn exits(&mut self) -> &[PioExit] {
         self.exits.make_contiguous()
     }
+}
+
+/// Puts `e` into `exits` (in stamp order) where its stamp goes: usually at the back; a late
+/// exit of another CPU goes back to its place, after exits of the same stamp.
+fn insert_in_order(exits: &mut VecDeque<PioExit>, e: PioExit) {
+    let at = exits.partition_point(|k| k.ts <= e.ts);
+    exits.insert(at, e);
 }
 
 /// The kernel filter: the ports, and the threads (an empty thread list filters by port only).
@@ -132,6 +211,28 @@ pub fn filter(threads: &[u32], ports: &[u16]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_exit_read_late_goes_back_to_its_place_in_stamp_order() {
+        use crate::ftrace::format::{KvmPio, PioDirection};
+        let at = |ts| PioExit {
+            ts,
+            pio: KvmPio {
+                pid: 1,
+                direction: PioDirection::In,
+                port: 0x2400,
+                size: 1,
+                count: 1,
+                val: 0,
+            },
+        };
+        let mut q = VecDeque::new();
+        for ts in [10, 20, 40, 15, 50, 20, 5] {
+            insert_in_order(&mut q, at(ts));
+        }
+        let stamps: Vec<u64> = q.iter().map(|e| e.ts).collect();
+        assert_eq!(stamps, [5, 10, 15, 20, 20, 40, 50]);
+    }
 
     #[test]
     fn the_filter_names_ports_and_threads() {

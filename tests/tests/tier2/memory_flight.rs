@@ -16,13 +16,12 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use vmtsync_core::GuestTicks;
 use vmtsync_core::mapping::KvmTscMapping;
 use vmtsync_tests::ChildGuard;
 use vmtsync_tests::truth::truth_mapping;
 
 use crate::memory_agent::{Booted, boot_and_find, find_headers, le64, read_at};
-use crate::util::{boot_qemu, read_jsonl, scratch, seq_of, u, vm_ready, vmtsync};
+use crate::util::{boot_qemu, exact_host, read_jsonl, scratch, seq_of, u, vm_ready, vmtsync};
 
 crate::trials!(vm_ready;
     flight_recorder_read_late_counts_every_overwritten_record_exactly,
@@ -108,18 +107,6 @@ fn counts(stderr: &str) -> (u64, u64, u64, u64) {
         before("overwritten,"),
         before("corrupt,"),
     )
-}
-
-/// The exact host TSC of guest TSC `g` (floor and ceiling of KVM's inverse agree: the mapping
-/// is an offset here).
-fn exact_host(kvm: &KvmTscMapping, g: u64) -> u64 {
-    let lo = kvm.try_host_from_guest_ceil(GuestTicks(g)).expect("maps").0;
-    let hi = kvm
-        .try_host_from_guest_floor(GuestTicks(g))
-        .expect("maps")
-        .0;
-    assert_eq!(lo, hi, "KVM's inverse of guest tick {g} is one host tick");
-    lo
 }
 
 /// Checks what the reader delivered against the guest's `produced` records, the reader's

@@ -10,13 +10,11 @@
 
 use std::path::Path;
 
-use vmtsync_core::GuestTicks;
-use vmtsync_core::mapping::KvmTscMapping;
 use vmtsync_tests::truth::truth_mapping;
 
 use crate::ctf::{assert_ns, bt2_events, cli_events, ctf_ready, metadata_hz};
 use crate::perfetto::{boottime_ns, mapped, node_ready, slices, snapshots, trace_processor};
-use crate::util::{boot_qemu, qemu_ready, scratch, text, vmtsync};
+use crate::util::{boot_qemu, exact_host, qemu_ready, scratch, text, vmtsync};
 
 crate::trials!(
     ctf_memory_ready; record_from_memory_into_ctf_reads_back_exactly_in_babeltrace2;
@@ -67,18 +65,6 @@ fn record_memory(pid: u32, out: &Path, format: &str) -> String {
         "{stderr}"
     );
     stderr
-}
-
-/// The exact host TSC of guest TSC `g` under KVM's mapping: its inverse's floor and ceiling
-/// must agree (KVM's mapping here is an offset, ratio 1), so there is one answer.
-fn exact_host(kvm: &KvmTscMapping, g: u64) -> u64 {
-    let lo = kvm.try_host_from_guest_ceil(GuestTicks(g)).expect("maps").0;
-    let hi = kvm
-        .try_host_from_guest_floor(GuestTicks(g))
-        .expect("maps")
-        .0;
-    assert_eq!(lo, hi, "KVM's mapping of guest {g} is not one host tick");
-    lo
 }
 
 /// A workload payload's sequence number (u64 LE).

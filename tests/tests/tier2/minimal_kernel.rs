@@ -24,8 +24,8 @@ use vmtsync_tests::vmm::qemu::debug_exit_status;
 use crate::causality::run_validate;
 use crate::tracedat::{assert_dump_ok, report};
 use crate::util::{
-    HostTrace, QemuAgent, anchor_ready, host_trace_ready, read_jsonl, scratch, seq_of, text, u,
-    vm_ready, wait_vcpu_thread,
+    HostTrace, QemuAgent, anchor_ready, exact_host, host_trace_ready, read_jsonl, scratch, seq_of,
+    text, u, vm_ready, wait_vcpu_thread,
 };
 
 crate::trials!(
@@ -426,18 +426,6 @@ fn wait_memory_record(mut rec: vmtsync_tests::ChildGuard, out: &Path) -> (bool, 
         .expect("record --from-memory ends within 90 s");
     let stderr = std::fs::read_to_string(out.with_extension("stderr")).unwrap();
     (status.success(), stderr)
-}
-
-/// The exact host TSC of guest TSC `g` under KVM's mapping `kvm` (floor and ceiling of its
-/// inverse agree: the mapping is an offset here).
-fn exact_host(kvm: &vmtsync_core::mapping::KvmTscMapping, g: u64) -> u64 {
-    let lo = kvm.try_host_from_guest_ceil(GuestTicks(g)).expect("maps").0;
-    let hi = kvm
-        .try_host_from_guest_floor(GuestTicks(g))
-        .expect("maps")
-        .0;
-    assert_eq!(lo, hi, "KVM's inverse of guest tick {g} is one host tick");
-    lo
 }
 
 /// Tier 2: the minimal kernel in memory mode (`memory` on its command line) under QEMU

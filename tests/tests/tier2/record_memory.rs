@@ -491,6 +491,28 @@ fn record_from_memory_writes_what_it_read_when_the_vmm_exits() {
     );
 }
 
+/// Boots the agent with the beacon workload (`COUNT` events at `RATE`, a beacon every 100)
+/// and `extra` options, and records it from memory in beacon mode into `dir/name` (JSON
+/// Lines), which must succeed: the guard, the reader's stderr (printed with `label`) and the
+/// output.
+fn beacon_run(
+    dir: &std::path::Path,
+    extra: &str,
+    name: &str,
+    label: &str,
+) -> (vmtsync_tests::ChildGuard, String, std::path::PathBuf) {
+    let (mut guard, _sock) = boot_qemu(
+        dir,
+        &format!("transport=none workload={RATE},{COUNT} beacons=100 {extra}"),
+    );
+    let out = dir.join(name);
+    let o = record_memory_as(guard.child().id(), &out, "jsonl", &[], COUNT);
+    let stderr = text(&o.stderr);
+    assert!(o.status.success(), "record failed: {stderr}");
+    println!("record --from-memory ({label}): {}", stderr.trim());
+    (guard, stderr, out)
+}
+
 /// Parses the JSON Lines of a recording.
 fn lines_of(path: &std::path::Path) -> Vec<serde_json::Value> {
     std::fs::read_to_string(path)
@@ -535,19 +557,13 @@ fn record_from_memory_places_a_skewed_guest_by_its_beacons() {
     let test = "record_from_memory_places_a_skewed_guest_by_its_beacons";
     let dir = scratch(test);
     let skew = Skew::pick();
-    let (mut guard, _sock) = boot_qemu(
+    let (mut guard, stderr, out) = beacon_run(
         dir.path(),
-        &format!(
-            "transport=none workload={RATE},{COUNT} beacons=100 {}",
-            skew.agent_option()
-        ),
+        &skew.agent_option(),
+        "skewed.jsonl",
+        "skewed, beacons",
     );
     let pid = guard.child().id();
-    let out = dir.path().join("skewed.jsonl");
-    let o = record_memory_as(pid, &out, "jsonl", &[], COUNT);
-    let stderr = text(&o.stderr);
-    assert!(o.status.success(), "record failed: {stderr}");
-    println!("record --from-memory (skewed, beacons): {}", stderr.trim());
     assert!(
         stderr.contains("host time beacons (kvm_pio brackets)"),
         "{stderr}"
@@ -618,16 +634,8 @@ fn record_from_memory_places_a_skewed_guest_by_its_beacons() {
 fn record_from_memory_checks_a_raw_tsc_guest_by_its_beacons() {
     let test = "record_from_memory_checks_a_raw_tsc_guest_by_its_beacons";
     let dir = scratch(test);
-    let (mut guard, _sock) = boot_qemu(
-        dir.path(),
-        &format!("transport=none workload={RATE},{COUNT} beacons=100"),
-    );
+    let (mut guard, stderr, out) = beacon_run(dir.path(), "", "raw.jsonl", "raw TSC, beacons");
     let pid = guard.child().id();
-    let out = dir.path().join("raw.jsonl");
-    let o = record_memory_as(pid, &out, "jsonl", &[], COUNT);
-    let stderr = text(&o.stderr);
-    assert!(o.status.success(), "record failed: {stderr}");
-    println!("record --from-memory (raw TSC, beacons): {}", stderr.trim());
     assert!(
         stderr.contains("host time exact points (KVM debugfs) in intervals from the beacons"),
         "{stderr}"
@@ -669,19 +677,13 @@ fn record_from_memory_catches_a_false_raw_tsc_claim() {
     let test = "record_from_memory_catches_a_false_raw_tsc_claim";
     let dir = scratch(test);
     let skew = Skew::pick();
-    let (mut guard, _sock) = boot_qemu(
+    let (mut guard, stderr, out) = beacon_run(
         dir.path(),
-        &format!(
-            "transport=none workload={RATE},{COUNT} beacons=100 {} claim=raw",
-            skew.agent_option()
-        ),
+        &format!("{} claim=raw", skew.agent_option()),
+        "liar.jsonl",
+        "a lying header",
     );
     let pid = guard.child().id();
-    let out = dir.path().join("liar.jsonl");
-    let o = record_memory_as(pid, &out, "jsonl", &[], COUNT);
-    let stderr = text(&o.stderr);
-    assert!(o.status.success(), "record failed: {stderr}");
-    println!("record --from-memory (a lying header): {}", stderr.trim());
     assert!(
         stderr.contains("host time beacons (kvm_pio brackets)"),
         "{stderr}"

@@ -332,3 +332,16 @@ pub(crate) fn wait_vcpu_thread(pid: u32) -> u64 {
         std::thread::sleep(Duration::from_millis(20));
     }
 }
+
+/// The exact host TSC of guest TSC `g` under KVM's mapping `kvm`: its inverse's floor and
+/// ceiling must agree (the mapping is an offset, ratio 1, on these hosts), so there is one.
+pub(crate) fn exact_host(kvm: &vmtsync_core::mapping::KvmTscMapping, g: u64) -> u64 {
+    use vmtsync_core::GuestTicks;
+    let lo = kvm.try_host_from_guest_ceil(GuestTicks(g)).expect("maps").0;
+    let hi = kvm
+        .try_host_from_guest_floor(GuestTicks(g))
+        .expect("maps")
+        .0;
+    assert_eq!(lo, hi, "KVM's inverse of guest tick {g} is one host tick");
+    lo
+}

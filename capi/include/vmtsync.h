@@ -58,6 +58,7 @@ extern "C" {
 #define VMTSYNC_EPAYLOAD_TOO_LONG (-7)
 #define VMTSYNC_ENO_SUCH_VCPU (-8)
 #define VMTSYNC_ENO_BEACON_PORT (-9)
+#define VMTSYNC_ERESERVED_ID (-10)
 
 /* The published header as it sits at the start of the buffer (for C code that reads one). */
 struct vmtsync_header {

@@ -47,6 +47,8 @@ pub const VMTSYNC_EPAYLOAD_TOO_LONG: i32 = -7;
 pub const VMTSYNC_ENO_SUCH_VCPU: i32 = -8;
 /// A beacon was asked for, but the header is not published or names no beacon port.
 pub const VMTSYNC_ENO_BEACON_PORT: i32 = -9;
+/// The event id is reserved for vmtsync (`VMTSYNC_RESERVED_ID_MIN` and above).
+pub const VMTSYNC_ERESERVED_ID: i32 = -10;
 
 /// The recorder's buffer (null until [`vmtsync_recorder_init`] succeeds).
 static STORAGE: AtomicPtr<Slot> = AtomicPtr::new(core::ptr::null_mut());
@@ -73,6 +75,7 @@ fn record_status(r: Result<(), RecordError>) -> i32 {
         Err(RecordError::PayloadTooLong) => VMTSYNC_EPAYLOAD_TOO_LONG,
         Err(RecordError::NoSuchVcpu) => VMTSYNC_ENO_SUCH_VCPU,
         Err(RecordError::NoBeaconPort) => VMTSYNC_ENO_BEACON_PORT,
+        Err(RecordError::ReservedId) => VMTSYNC_ERESERVED_ID,
         Err(_) => VMTSYNC_EINVALID,
     }
 }

@@ -158,6 +158,7 @@ fn the_header_matches_the_rust_layout() {
         ("VMTSYNC_EPAYLOAD_TOO_LONG", VMTSYNC_EPAYLOAD_TOO_LONG),
         ("VMTSYNC_ENO_SUCH_VCPU", VMTSYNC_ENO_SUCH_VCPU),
         ("VMTSYNC_ENO_BEACON_PORT", VMTSYNC_ENO_BEACON_PORT),
+        ("VMTSYNC_ERESERVED_ID", VMTSYNC_ERESERVED_ID),
     ] {
         eq(name, v.to_string());
     }

@@ -80,7 +80,7 @@ fn record_session(tsc: u64, step: u64) -> (Frames, Frames) {
         (1, &[][..]),
         (2, &[0, 0, 7][..]),
         (300, &[0xff; 16][..]),
-        (65_535, &[1][..]),
+        (0xfeff, &[1][..]),
     ] {
         assert!(ring.record(&events_tsc, id, payload).is_ok());
     }

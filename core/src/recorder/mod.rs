@@ -156,6 +156,9 @@ pub enum RecordError {
     /// A beacon was asked for but the published header names no beacon port (or the
     /// header is not published); nothing was done.
     NoBeaconPort,
+    /// The event id is vmtsync's own ([`RESERVED_ID_MIN`] and above; a beacon's record
+    /// carries [`BEACON_ID`]); nothing was stored or counted.
+    ReservedId,
 }
 
 #[cfg(test)]

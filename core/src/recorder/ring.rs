@@ -273,8 +273,10 @@ impl<'a> RingRef<'a> {
     /// [`Producer`], which cannot be duplicated).
     ///
     /// # Errors
-    /// [`RecordError::Full`] (stop-when-full; counted in [`RingRef::refused`]) or
-    /// [`RecordError::PayloadTooLong`]. An overwriting ring is never full.
+    /// [`RecordError::Full`] (stop-when-full; counted in [`RingRef::refused`]),
+    /// [`RecordError::PayloadTooLong`], or [`RecordError::ReservedId`] for an id of
+    /// vmtsync's own (from [`super::RESERVED_ID_MIN`]: a beacon's record is the beacon's
+    /// alone). An overwriting ring is never full.
     #[inline]
     pub fn record<T: Tsc + ?Sized>(
         &self,
@@ -282,6 +284,15 @@ impl<'a> RingRef<'a> {
         id: u16,
         payload: &[u8],
     ) -> Result<(), RecordError> {
+        if id >= super::RESERVED_ID_MIN {
+            return Err(RecordError::ReservedId);
+        }
+        self.store(tsc, id, payload)
+    }
+
+    /// [`RingRef::record`] for any id.
+    #[inline]
+    fn store<T: Tsc + ?Sized>(&self, tsc: &T, id: u16, payload: &[u8]) -> Result<(), RecordError> {
         let mut data = [0u8; MAX_PAYLOAD];
         let Some(dst) = data.get_mut(..payload.len()) else {
             return Err(RecordError::PayloadTooLong);
@@ -333,7 +344,7 @@ impl<'a> RingRef<'a> {
         // caller gives (one whose asm says `nomem` would otherwise let the compiler move the
         // count's store above the `out`).
         compiler_fence(Ordering::SeqCst);
-        let stored = self.record(tsc, BEACON_ID, &seq.to_le_bytes());
+        let stored = self.store(tsc, BEACON_ID, &seq.to_le_bytes());
         compiler_fence(Ordering::SeqCst);
         // The low byte is what the host matches the `out` by (the probe protocol's rule).
         #[allow(clippy::cast_possible_truncation)]

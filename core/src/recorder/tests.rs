@@ -10,6 +10,12 @@ use super::*;
 use crate::arch::{FakeTsc, Tsc};
 use proptest::prelude::*;
 
+/// An event id for sequence number `n`, below the ids vmtsync reserves.
+#[allow(clippy::cast_possible_truncation)]
+fn id_of(n: u64) -> u16 {
+    (n % u64::from(RESERVED_ID_MIN)) as u16
+}
+
 #[test]
 fn a_full_ring_counts_every_refused_event_exactly() {
     let ring = Ring::<4>::new();
@@ -117,7 +123,7 @@ proptest! {
     /// Against a model queue: any interleaving of records and pops keeps order, loses
     /// nothing that was not counted as refused, and never exceeds the capacity.
     #[test]
-    fn matches_a_model_queue(ops in proptest::collection::vec(any::<(bool, u16, u8)>(), 0..400)) {
+    fn matches_a_model_queue(ops in proptest::collection::vec((any::<bool>(), 0..RESERVED_ID_MIN, any::<u8>()), 0..400)) {
         let ring = Ring::<8>::new();
         let tsc = FakeTsc::new(10, 5);
         let mut model = std::collections::VecDeque::new();
@@ -159,7 +165,7 @@ proptest! {
                 let t = tsc.read_ordered();
                 tsc.advance(0);
                 let _ = t;
-                ring.record(&tsc, next as u16, &next.to_le_bytes()).unwrap();
+                ring.record(&tsc, id_of(next), &next.to_le_bytes()).unwrap();
                 // The fake TSC stepped once inside `record`: that read is the stamp.
                 model.push_back(t + 5);
                 if model.len() > 8 {
@@ -181,7 +187,7 @@ fn check_intact(r: &Record) -> u64 {
     assert_eq!(
         (r.id, r.len, lo, hi),
         (
-            seq as u16,
+            id_of(seq),
             16,
             seq,
             !seq.wrapping_mul(0x9e37_79b9_7f4a_7c15)
@@ -208,7 +214,7 @@ fn produce<const CAP: usize>(ring: &Ring<CAP>, n: u64, done: &AtomicBool) -> u64
         payload[..8].copy_from_slice(&seq.to_le_bytes());
         payload[8..].copy_from_slice(&(!seq.wrapping_mul(0x9e37_79b9_7f4a_7c15)).to_le_bytes());
         // The counter must match `seq`: a refused event still read the clock.
-        if p.record(&tsc, seq as u16, &payload).is_ok() {
+        if p.record(&tsc, id_of(seq), &payload).is_ok() {
             stored += 1;
         } else {
             tsc.0.store(seq + 1, Ordering::Relaxed);
@@ -469,7 +475,7 @@ proptest! {
             for _ in 0..k {
                 let n = attempts;
                 attempts += 1;
-                let _ = m.record(0, tsc, n as u16, &n.to_le_bytes());
+                let _ = m.record(0, tsc, id_of(n), &n.to_le_bytes());
                 let _ = m.record(1, tsc, 7, &[1, 2, 3]);
             }
         };
@@ -487,7 +493,7 @@ proptest! {
                 prop_assert!(seen.insert(n), "record {} accepted twice", n);
                 // Stop-when-full stores the first `cap` attempts; the stored record at index
                 // n is attempt n either way (refused attempts get no index).
-                prop_assert_eq!((id, len, lo, hi), (n as u16, 8, n, 0));
+                prop_assert_eq!((id, len, lo, hi), (id_of(n), 8, n, 0));
             }
             overwritten += d.overwritten;
             corrupt += d.corrupt;
@@ -529,7 +535,7 @@ fn a_reader_of_live_bytes_never_accepts_a_torn_record() {
             let mut payload = [0u8; 16];
             payload[..8].copy_from_slice(&seq.to_le_bytes());
             payload[8..].copy_from_slice(&(!seq).to_le_bytes());
-            p.record(&tsc, seq as u16, &payload).unwrap();
+            p.record(&tsc, id_of(seq), &payload).unwrap();
         }
         DONE.store(true, Ordering::Release);
     });
@@ -543,7 +549,7 @@ fn a_reader_of_live_bytes_never_accepts_a_torn_record() {
         for &(n, id, len, tsc, lo, hi) in &d.valid {
             assert_eq!(
                 (id, len, tsc, lo, hi),
-                (n as u16, 16, n, n, !n),
+                (id_of(n), 16, n, n, !n),
                 "record {n}"
             );
         }
@@ -614,4 +620,21 @@ fn a_beacon_is_in_then_its_record_then_out() {
             (BEACON_ID, &seq.to_le_bytes()[..], 10 * (seq + 1))
         );
     }
+}
+
+/// Ids from `RESERVED_ID_MIN` are vmtsync's (a beacon's record is the beacon's alone): a
+/// record with one is refused with nothing stored or counted; a beacon still stores its own.
+#[test]
+fn reserved_ids_are_refused_and_a_beacon_keeps_its_own() {
+    let ring = Ring::<4>::new();
+    let tsc = FakeTsc::new(10, 5);
+    for id in [RESERVED_ID_MIN, BEACON_ID] {
+        assert_eq!(ring.record(&tsc, id, &[]), Err(RecordError::ReservedId));
+    }
+    assert_eq!((ring.len(), ring.refused()), (0, 0));
+    ring.record(&tsc, RESERVED_ID_MIN - 1, &[]).unwrap();
+    let ports = crate::arch::FakePorts::new();
+    assert_eq!(ring.beacon(&tsc, &ports, 0x2400), Ok(0));
+    assert_eq!(ring.pop().map(|r| r.id), Some(RESERVED_ID_MIN - 1));
+    assert_eq!(ring.pop().map(|r| r.id), Some(BEACON_ID));
 }

@@ -161,8 +161,11 @@ impl Instance {
         // Overwrite mode, whatever the global options say: a full per-CPU buffer then drops
         // its oldest page and the reader sees the loss flagged; without it the kernel drops
         // new events, unflagged in what the reader reads.
+        // (A directory that is not a kernel's instance, as in tests, has no options.)
         let overwrite = inst.path.join("options").join("overwrite");
-        fs::write(&overwrite, "1").map_err(io_err("set", &overwrite))?;
+        if overwrite.exists() {
+            fs::write(&overwrite, "1").map_err(io_err("set", &overwrite))?;
+        }
         Ok(inst)
     }
 

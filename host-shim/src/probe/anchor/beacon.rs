@@ -442,7 +442,7 @@ mod tests {
                 // exits may show up a while later (its CPU's buffer was read just before):
                 // a beacon's own exits are there once its count is (they were committed
                 // before the guest went on).
-                let late = |e: &PioExit| e.pio.pid == 2 && e.ts % 3 == 0 && e.ts + 30 > at;
+                let late = |e: &PioExit| e.pio.pid == 2 && e.ts.is_multiple_of(3) && e.ts + 30 > at;
                 let seen: Vec<PioExit> =
                     exits.iter().copied().filter(|e| e.ts <= at && !late(e)).collect();
                 c.observe(count, at, at + 1, &seen);

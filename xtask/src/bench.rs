@@ -24,7 +24,8 @@
 //! - the agent's `.text` size (`build-agent`);
 //! - fuzzing: `--fuzz-long` runs `cargo xtask fuzz --long` and records its `fuzz-result`
 //!   lines in `target/fuzz-results.json`; without it the last recorded results are shown with
-//!   their date (`--record-fuzz` runs and records only the fuzzing, writing no BENCHMARKS.md).
+//!   their date (`--record-fuzz` runs and records only the fuzzing, writing no BENCHMARKS.md;
+//!   with `--fuzz-target NAME` only that target, and the section then names it).
 //!
 //! `--quick` is the smoke run `ci` makes: criterion's quick mode, tiny sizes, the binaries ci's
 //! test step already built (dev profile), and the output in `target/BENCHMARKS.quick.md`
@@ -104,6 +105,8 @@ struct Options {
     quick: bool,
     fuzz_long: bool,
     record_fuzz: bool,
+    /// `--fuzz-target NAME`: `--record-fuzz` runs only this fuzz target.
+    fuzz_target: Option<String>,
     sessions: Option<usize>,
     out: Option<PathBuf>,
 }
@@ -116,6 +119,7 @@ impl Options {
             quick: false,
             fuzz_long: false,
             record_fuzz: false,
+            fuzz_target: None,
             sessions: None,
             out: None,
         };
@@ -125,6 +129,7 @@ impl Options {
                 "--quick" => o.quick = true,
                 "--fuzz-long" => o.fuzz_long = true,
                 "--record-fuzz" => o.record_fuzz = true,
+                "--fuzz-target" => o.fuzz_target = Some(it.next().context(USAGE)?.clone()),
                 "--sessions" => {
                     let k = it.next().context(USAGE)?;
                     o.sessions = Some(k.parse().with_context(|| format!("--sessions {k}"))?);
@@ -134,6 +139,10 @@ impl Options {
             }
         }
         ensure!(o.sessions != Some(0), "--sessions must be at least 1");
+        ensure!(
+            o.fuzz_target.is_none() || o.record_fuzz,
+            "--fuzz-target only goes with --record-fuzz"
+        );
         Ok(o)
     }
 }
@@ -218,7 +227,7 @@ pub(crate) fn bench(args: &[String]) -> Result<()> {
     let opts = Options::parse(args)?;
     if opts.record_fuzz {
         // Only the long fuzz run, recorded for the next `bench` (which shows it with its date).
-        let status = fuzz::record_long_run()?;
+        let status = fuzz::record_long_run(opts.fuzz_target.as_deref())?;
         ensure!(
             status.success(),
             "`cargo xtask fuzz --long` failed: {status}"

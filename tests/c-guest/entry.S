@@ -14,9 +14,10 @@
  * c_main runs in ring 3 with IOPL 3 (RFLAGS 0x3002: interrupts stay off), entered by iretq:
  * on nested KVM ring-0 guest code is emulated one instruction at a time (~1 us each) while
  * ring-3 code runs natively, and IOPL 3 keeps port I/O (COM1, the beacons, isa-debug-exit)
- * available there. The one way back to ring 0 is `syscall` (EFER.SCE; STAR names the ring-0
- * code segment 0x08, LSTAR halt_forever), which halts the vCPU for good: `cli; hlt` faults in
- * ring 3, and a spin would keep a host core busy.
+ * available there. Nothing returns to ring 0: when c_main returns (or holds) the vCPU spins
+ * on `pause` (`hlt` faults in ring 3; `syscall` does reach a ring-0 handler on this nested
+ * KVM, but `cli` and `hlt` there triple-fault as if still in ring 3), which keeps one host
+ * core busy while a held guest waits to be killed.
  */
     .section .note.Xen, "a", @note
     .balign 4
@@ -48,7 +49,7 @@ pvh_start32:
     movl %eax, %cr3
     movl $0xC0000080, %ecx
     rdmsr
-    orl $0x101, %eax
+    orl $0x100, %eax
     wrmsr
     movl %cr0, %eax
     orl $0x80000001, %eax
@@ -65,16 +66,6 @@ long_entry:
     movl %eax, %fs
     movl %eax, %gs
     movabsq $__stack_top, %rsp
-    /* STAR[47:32]: syscall's CS (its SS is that + 8); LSTAR: syscall's RIP. */
-    movl $0xC0000081, %ecx
-    xorl %eax, %eax
-    movl $0x08, %edx
-    wrmsr
-    movl $0xC0000082, %ecx
-    movabsq $halt_forever, %rax
-    movq %rax, %rdx
-    shrq $32, %rdx
-    wrmsr
     movl %esi, %edi
     movl $0x1b, %eax
     movl %eax, %ds
@@ -92,14 +83,8 @@ long_entry:
 user_entry:
     call c_main
 1:
-    syscall
+    pause
     jmp 1b
-
-    /* Ring 0 again, by syscall from ring 3: stop this vCPU for good. */
-halt_forever:
-    cli
-    hlt
-    jmp halt_forever
 
     .section .rodata.gdt, "a"
     .balign 16

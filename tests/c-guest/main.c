@@ -4,7 +4,7 @@
  * the kernel command line's `events=N`, default 10000) with a sync beacon every 1000 and one
  * at each end, prints one summary line on COM1 and ends QEMU through isa-debug-exit with
  * code 0 when every call returned VMTSYNC_OK, 1 otherwise (with `hold` on the command line it
- * halts instead, for a host that reads its rings after it is done). Nothing else: no driver, no
+ * spins instead, for a host that reads its rings after it is done). Nothing else: no driver, no
  * transport; the host reads the rings out of guest memory.
  *
  * Options for benchmarks (cargo xtask bench's memory section), all on the command line:
@@ -268,10 +268,10 @@ void c_main(const uint8_t *start_info) {
     }
     puts_com1("\n");
     if (hold) {
-        /* Back to ring 0 (entry.S's halt_forever): the vCPU halts for good, interrupts off,
-         * and QEMU keeps the guest's memory until it is killed. */
+        /* Ring 3 cannot halt (entry.S): the vCPU spins, and QEMU keeps the guest's memory
+         * until it is killed. */
         for (;;) {
-            __asm__ volatile("syscall" : : : "rcx", "r11", "memory");
+            __asm__ volatile("pause");
         }
     }
     outb(DEBUG_EXIT, failed == 0 ? 0 : 1);

@@ -17,8 +17,8 @@
  *   the first event's TSC + i * tsc_khz * 1000 / R); needs `tsc_khz=K` (the host's TSC rate,
  *   which the guest's TSC runs at), else the run fails with VMTSYNC_EINVALID.
  * - `tsc_khz=K`: also published in the header.
- * A full stop-when-full ring refuses events (VMTSYNC_EFULL): those are counted as `refused`
- * on the summary line, not as failed calls. The line also carries `tsc0` and `tsc1`, TSC
+ * A full stop-when-full ring refuses events and beacons (VMTSYNC_EFULL): those are counted
+ * as `refused` on the summary line, not as failed calls. The line also carries `tsc0` and `tsc1`, TSC
  * reads right before the first event and right after the last, in hex.
  *
  * Built by vmtsync_launch::agent::build_guest(Guest::CGuest): gcc -ffreestanding -nostdlib.
@@ -175,6 +175,17 @@ void c_main(const uint8_t *start_info) {
             }                                                                                  \
         }                                                                                      \
     } while (0)
+    /* A beacon a full ring refuses counts as refused, as an event does. */
+#define BEACON()                                                                               \
+    do {                                                                                       \
+        int32_t b_ = vmtsync_beacon(0);                                                        \
+        if (b_ == VMTSYNC_EFULL) {                                                             \
+            refused++;                                                                         \
+        } else {                                                                               \
+            CHECK(b_);                                                                         \
+            beacons += b_ == VMTSYNC_OK;                                                       \
+        }                                                                                      \
+    } while (0)
 
     int given_ring, given_events, given_rate, given_khz;
     uint64_t ring = number(start_info, "ring=", VMTSYNC_MAX_CAPACITY, &given_ring);
@@ -215,8 +226,7 @@ void c_main(const uint8_t *start_info) {
                                            : VMTSYNC_MODE_STOP_WHEN_FULL));
         /* nonce 0: the library makes one; the records hold the raw TSC. */
         CHECK(vmtsync_publish(0, tsc_khz, VMTSYNC_CLOCK_RAW_TSC, BEACON_PORT));
-        CHECK(vmtsync_beacon(0));
-        beacons++;
+        BEACON();
         tsc0 = rdtsc();
         uint64_t next = tsc0;
         for (uint64_t i = 0; i < n; i++) {
@@ -234,13 +244,11 @@ void c_main(const uint8_t *start_info) {
             }
             recorded += s == VMTSYNC_OK;
             if ((i + 1) % BEACON_EVERY == 0) {
-                CHECK(vmtsync_beacon(0));
-                beacons++;
+                BEACON();
             }
         }
         tsc1 = rdtsc();
-        CHECK(vmtsync_beacon(0));
-        beacons++;
+        BEACON();
     }
 
     const struct vmtsync_header *h = (const struct vmtsync_header *)mem;

@@ -76,7 +76,7 @@ impl Sizes {
 /// The most events a stop-when-full ring of `ring` records holds with the C guest's beacons
 /// (one every [`BEACON_EVERY`] events and one at each end).
 fn events_filling(ring: u64) -> u64 {
-    let mut n = (ring - 2) * BEACON_EVERY / (BEACON_EVERY + 1);
+    let mut n = ring - 2;
     while n + n / BEACON_EVERY + 2 > ring {
         n -= 1;
     }

@@ -50,7 +50,10 @@ fn run(pid: u32, runs: usize) -> Result<String, Box<dyn std::error::Error>> {
         let t = Instant::now();
         let f = guestmem::find(&mut mem, Location::Scan)?;
         times.push(format!("{:.3}", t.elapsed().as_secs_f64() * 1e3));
-        if found.as_ref().is_some_and(|g: &guestmem::Found| g.addr != f.addr) {
+        if found
+            .as_ref()
+            .is_some_and(|g: &guestmem::Found| g.addr != f.addr)
+        {
             return Err("the header moved between two scans".into());
         }
         found = Some(f);

@@ -8,8 +8,9 @@
  * transport; the host reads the rings out of guest memory.
  *
  * Options for benchmarks (cargo xtask bench's memory section), all on the command line:
- * - `ring=N`: N records per ring (VMTSYNC_MIN_CAPACITY..2^31) in RAM above RING_BASE instead
- *   of the built-in 32,768-record buffer; `events=N` may then exceed the ring (up to 2^32-1).
+ * - `ring=N`: N records per ring (a power of two, VMTSYNC_MIN_CAPACITY..2^31) in RAM from
+ *   RING_BASE instead of the built-in 32,768-record buffer; `events=N` may then exceed the
+ *   ring (up to 2^32-1).
  *   The guest checks the ring lies inside a RAM entry of the PVH memory map and below the
  *   1 GiB entry.S maps, and fails (`failed 1 first error -5`) otherwise.
  * - `flight`: the ring overwrites its oldest records instead of refusing new ones.

@@ -351,7 +351,13 @@ fn record_from_memory_writes_what_it_read_when_the_vmm_exits() {
     let out = dir.path().join("events.jsonl");
     let mut rec = ChildGuard::new(
         vmtsync()
-            .args(["record", "--from-memory", "--trust-raw-tsc", "--vm", &pid.to_string()])
+            .args([
+                "record",
+                "--from-memory",
+                "--trust-raw-tsc",
+                "--vm",
+                &pid.to_string(),
+            ])
             .args(["--format", "jsonl", "--duration", "60", "--no-progress"])
             .arg("--out")
             .arg(&out)

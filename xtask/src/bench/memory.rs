@@ -106,7 +106,10 @@ impl GuestLine {
     fn parse(line: &str) -> Option<Self> {
         let words: Vec<&str> = line.split_whitespace().collect();
         let field = |key: &str| {
-            let v = words.iter().position(|w| *w == key).and_then(|i| words.get(i + 1))?;
+            let v = words
+                .iter()
+                .position(|w| *w == key)
+                .and_then(|i| words.get(i + 1))?;
             match v.strip_prefix("0x") {
                 Some(hex) => u64::from_str_radix(hex, 16).ok(),
                 None => v.parse().ok(),
@@ -204,7 +207,10 @@ impl CGuest {
         let end = Instant::now() + limit;
         loop {
             let text = std::fs::read_to_string(&self.com1).unwrap_or_default();
-            if let Some(l) = text.lines().find(|l| l.starts_with("c-guest: ") && l.len() > 9) {
+            if let Some(l) = text
+                .lines()
+                .find(|l| l.starts_with("c-guest: ") && l.len() > 9)
+            {
                 // The line is complete once its newline is there.
                 if text.contains(&format!("{l}\n")) {
                     let g = GuestLine::parse(l)
@@ -269,7 +275,10 @@ impl ReaderRun {
             drain_s: field(after(&stderr, "records read over "), "drain time")?,
             m_records_per_s: field(before(&stderr, "M records/s"), "rate")?,
             recorded: count(field(after(&stderr, "vmtsync: recorded "), "event count")?),
-            overwritten: count(field(before(&stderr, " overwritten, "), "overwritten count")?),
+            overwritten: count(field(
+                before(&stderr, " overwritten, "),
+                "overwritten count",
+            )?),
             refused: count(field(before(&stderr, " refused, "), "refused count")?),
             corrupt: count(field(before(&stderr, " corrupt, "), "corrupt count")?),
             wall,
@@ -333,7 +342,10 @@ fn record(
     let (code, cpu) = wait_rusage(&child)?;
     let wall = start.elapsed();
     let stderr = std::fs::read_to_string(log).unwrap_or_default();
-    ensure!(code == Some(0), "vmtsync record exited with {code:?}: {stderr}");
+    ensure!(
+        code == Some(0),
+        "vmtsync record exited with {code:?}: {stderr}"
+    );
     eprintln!("{}", stderr.trim_end());
     ReaderRun::parse(wall, cpu, stderr)
 }
@@ -422,7 +434,11 @@ fn report(dat: &Path) -> Result<Report> {
     let status = child
         .wait_timeout(Duration::from_secs(600))?
         .context("trace-cmd report did not end")?;
-    ensure!(status.success(), "trace-cmd report {}: {status}", dat.display());
+    ensure!(
+        status.success(),
+        "trace-cmd report {}: {status}",
+        dat.display()
+    );
     Ok(r)
 }
 
@@ -518,7 +534,11 @@ pub(super) fn memory(plan: &Plan, work: &Path) -> Result<Section> {
             &dat,
             &dir.join(format!("ceiling-{k}.log")),
         )?;
-        ensure!(run.recorded == n, "run {k} recorded {} of {n}", run.recorded);
+        ensure!(
+            run.recorded == n,
+            "run {k} recorded {} of {n}",
+            run.recorded
+        );
         ceiling.push(run);
     }
     let ceiling_report = report(&dat)?;
@@ -730,7 +750,11 @@ fn memory_section(m: &Measured) -> Result<Section> {
         thousands(s.bytes_mapped >> 20),
         thousands(s.bytes_read >> 10),
         thousands(s.pages_skipped),
-        if s.pagemap { "read" } else { "unreadable: every page read" },
+        if s.pagemap {
+            "read"
+        } else {
+            "unreadable: every page read"
+        },
         m.scan_guest.nonce,
     );
 
@@ -754,12 +778,17 @@ fn memory_section(m: &Measured) -> Result<Section> {
                 r.overwritten,
                 r.refused + m.rate_guest.refused
             ),
-            verdict(lost == 0 && m.rate_guest.refused == 0 && achieved >= 0.99 * PRODUCED_RATE as f64),
+            verdict(
+                lost == 0 && m.rate_guest.refused == 0 && achieved >= 0.99 * PRODUCED_RATE as f64,
+            ),
         ],
         [
             "memory reader host CPU per million events".into(),
             "reported".into(),
-            format!("{:.3} s (ceiling, median); {cpu2:.3} s (1 M/s)", cpu1.median),
+            format!(
+                "{:.3} s (ceiling, median); {cpu2:.3} s (1 M/s)",
+                cpu1.median
+            ),
             "—".into(),
         ],
         [
@@ -828,6 +857,9 @@ mod tests {
         )
         .expect("parses");
         assert_eq!(s.find_ms, [29.5, 31.0]);
-        assert_eq!((s.nonce, s.bytes_read, s.pages_skipped, s.pagemap), (0xab, 2048, 7, true));
+        assert_eq!(
+            (s.nonce, s.bytes_read, s.pages_skipped, s.pagemap),
+            (0xab, 2048, 7, true)
+        );
     }
 }

@@ -120,7 +120,7 @@ fn recorded_section(text: &str, ran_now: bool) -> Result<Section> {
         if every {
             "every cargo-fuzz target"
         } else {
-            "only the target named (the other targets have no recorded long run)"
+            "only the target named (the other targets are not in this record)"
         }
     );
     let mut min_runs = u64::MAX;
@@ -211,5 +211,16 @@ mod tests {
             "one target ran fewer than 10 M inputs"
         );
         assert!(recorded_section("{}", true).is_err());
+        // A one-target record names its target and its command, and judges that target only.
+        let one = FuzzRecord {
+            command: "cargo xtask fuzz --long --target x".into(),
+            results: record.results[..1].to_vec(),
+            ..record
+        };
+        let s = recorded_section(&bench::to_line(&one), true).expect("renders");
+        assert_eq!(s.command, "cargo xtask fuzz --long --target x");
+        assert!(s.body.contains("only the target named"), "{}", s.body);
+        assert_eq!(s.summary[0][0], "fuzzing, only a:x");
+        assert_eq!(s.summary[0][3], "met");
     }
 }

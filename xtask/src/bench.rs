@@ -21,10 +21,17 @@
 //! - `bench-scan`'s separate-process `vmtsync kvm --json` over a generated debugfs tree;
 //! - the real-KVM probe benchmark (`vmtsync-probe-bench --sessions K`, its JSON line);
 //! - `vmtsync record`'s event and round widths per agent boot (`vmtsync-probe-bench --record`);
+//! - the memory reader on a live C guest (`vmtsync record --from-memory`: ceiling, 1 M
+//!   events/s into a 64 Ki ring, its CPU per million events, the scan of a 4 GiB guest's
+//!   memory through `examples/mem_scan`);
 //! - the agent's `.text` size (`build-agent`);
 //! - fuzzing: `--fuzz-long` runs `cargo xtask fuzz --long` and records its `fuzz-result`
 //!   lines in `target/fuzz-results.json`; without it the last recorded results are shown with
-//!   their date (`--record-fuzz` runs and records only the fuzzing, writing no BENCHMARKS.md).
+//!   their date (`--record-fuzz` runs and records only the fuzzing, writing no BENCHMARKS.md;
+//!   with `--fuzz-target NAME` only that target, and the section then names it).
+//!
+//! `--only SECTION` runs one section (e.g. `memory`) and writes it alone to
+//! `target/bench-only-SECTION.md`, leaving BENCHMARKS.md alone: for iterating on it.
 //!
 //! `--quick` is the smoke run `ci` makes: criterion's quick mode, tiny sizes, the binaries ci's
 //! test step already built (dev profile), and the output in `target/BENCHMARKS.quick.md`
@@ -37,6 +44,7 @@ mod format;
 mod fuzz;
 mod ingest;
 mod machine;
+mod memory;
 mod perfetto;
 mod probe;
 mod record;
@@ -104,11 +112,17 @@ struct Options {
     quick: bool,
     fuzz_long: bool,
     record_fuzz: bool,
+    /// `--fuzz-target NAME`: `--record-fuzz` runs only this fuzz target.
+    fuzz_target: Option<String>,
+    /// `--only NAME`: run only this section and write it alone to
+    /// `target/bench-only-NAME.md` (BENCHMARKS.md is left alone).
+    only: Option<String>,
     sessions: Option<usize>,
     out: Option<PathBuf>,
 }
 
-const USAGE: &str = "usage: cargo xtask bench [--quick] [--fuzz-long] [--sessions K] [--out PATH]";
+const USAGE: &str = "usage: cargo xtask bench [--quick] [--fuzz-long] [--sessions K] [--out PATH] \
+                     [--only SECTION]";
 
 impl Options {
     fn parse(args: &[String]) -> Result<Self> {
@@ -116,6 +130,8 @@ impl Options {
             quick: false,
             fuzz_long: false,
             record_fuzz: false,
+            fuzz_target: None,
+            only: None,
             sessions: None,
             out: None,
         };
@@ -125,6 +141,8 @@ impl Options {
                 "--quick" => o.quick = true,
                 "--fuzz-long" => o.fuzz_long = true,
                 "--record-fuzz" => o.record_fuzz = true,
+                "--fuzz-target" => o.fuzz_target = Some(it.next().context(USAGE)?.clone()),
+                "--only" => o.only = Some(it.next().context(USAGE)?.clone()),
                 "--sessions" => {
                     let k = it.next().context(USAGE)?;
                     o.sessions = Some(k.parse().with_context(|| format!("--sessions {k}"))?);
@@ -134,6 +152,10 @@ impl Options {
             }
         }
         ensure!(o.sessions != Some(0), "--sessions must be at least 1");
+        ensure!(
+            o.fuzz_target.is_none() || o.record_fuzz,
+            "--fuzz-target only goes with --record-fuzz"
+        );
         Ok(o)
     }
 }
@@ -141,6 +163,8 @@ impl Options {
 /// The sizes of one run.
 #[derive(Debug, Clone)]
 struct Plan {
+    /// `--quick`: the smoke run's sizes.
+    quick: bool,
     /// Arguments after `--` for every criterion bench.
     criterion_args: Vec<String>,
     /// Probe-bench sessions per path.
@@ -162,6 +186,7 @@ impl Plan {
         let strings = |a: &[&str]| a.iter().map(|s| (*s).to_owned()).collect();
         if o.quick {
             Self {
+                quick: true,
                 criterion_args: strings(&[
                     "--quick",
                     "--measurement-time",
@@ -180,6 +205,7 @@ impl Plan {
             }
         } else {
             Self {
+                quick: false,
                 criterion_args: strings(&[
                     "--warm-up-time",
                     "1",
@@ -218,7 +244,7 @@ pub(crate) fn bench(args: &[String]) -> Result<()> {
     let opts = Options::parse(args)?;
     if opts.record_fuzz {
         // Only the long fuzz run, recorded for the next `bench` (which shows it with its date).
-        let status = fuzz::record_long_run()?;
+        let status = fuzz::record_long_run(opts.fuzz_target.as_deref())?;
         ensure!(
             status.success(),
             "`cargo xtask fuzz --long` failed: {status}"
@@ -255,10 +281,21 @@ pub(crate) fn bench(args: &[String]) -> Result<()> {
         ("probe", Box::new(|| probe::probe(&plan))),
         ("record", Box::new(|| record::record(&plan))),
         ("ingest", Box::new(|| ingest::ingest(&plan))),
+        ("memory", Box::new(|| memory::memory(&plan, &work))),
         ("fuzz", Box::new(|| fuzz::fuzz(&opts))),
         ("agent", Box::new(sections::agent_size)),
     ];
+    if let Some(only) = &opts.only {
+        ensure!(
+            steps.iter().any(|(name, _)| name == only),
+            "--only {only}: no such section (one of: {})",
+            steps.iter().map(|(n, _)| *n).collect::<Vec<_>>().join(", ")
+        );
+    }
     for (name, step) in &steps {
+        if opts.only.as_ref().is_some_and(|o| o != name) {
+            continue;
+        }
         let t = Instant::now();
         eprintln!("\n==> bench: {name}");
         let section = step().unwrap_or_else(|e| {
@@ -274,6 +311,9 @@ pub(crate) fn bench(args: &[String]) -> Result<()> {
         sections.push((name, section));
     }
 
+    if let Some(only) = &opts.only {
+        return write_only(only, &sections, &failed, &machine, started.elapsed());
+    }
     let mut keys: BTreeMap<String, String> = BTreeMap::new();
     let mut command = String::from("cargo xtask bench");
     for a in args {
@@ -320,6 +360,37 @@ pub(crate) fn bench(args: &[String]) -> Result<()> {
             failed.join(", ")
         );
     }
+    Ok(())
+}
+
+/// `--only NAME`: the one section's body and summary rows, with the machine, written to
+/// `target/bench-only-NAME.md` for iterating on it; BENCHMARKS.md is not touched.
+fn write_only(
+    only: &str,
+    sections: &[(&'static str, Section)],
+    failed: &[&str],
+    machine: &Machine,
+    took: Duration,
+) -> Result<()> {
+    let path = root().join(format!("target/bench-only-{only}.md"));
+    let mut text = format!(
+        "# `cargo xtask bench --only {only}` (not BENCHMARKS.md)\n\n{}\n\n",
+        machine_text(machine, took, false)
+    );
+    for (name, s) in sections {
+        let _ = write!(
+            text,
+            "## {name}\n\n`{}`\n\n{}\n\n| claim | goal | measured | verdict |\n|---|---|---|---|\n",
+            s.command,
+            s.body.trim_end()
+        );
+        for row in &s.summary {
+            let _ = writeln!(text, "| {} |", row.join(" | "));
+        }
+    }
+    std::fs::write(&path, &text).with_context(|| format!("writing {}", path.display()))?;
+    eprintln!("\nbench: wrote {}", path.display());
+    ensure!(failed.is_empty(), "{only} failed");
     Ok(())
 }
 
@@ -410,6 +481,8 @@ fn build_binaries(plan: &Plan) -> Result<()> {
         "attach_time",
         "--example",
         "perfetto_write",
+        "--example",
+        "mem_scan",
     ]))
 }
 
@@ -495,7 +568,7 @@ mod tests {
     fn the_template_names_every_section() {
         for key in [
             "timeline", "proto", "estimate", "recorder", "tracedat", "ctf", "perfetto", "scan",
-            "probe", "record", "ingest", "fuzz", "agent", "summary", "machine",
+            "probe", "record", "ingest", "memory", "fuzz", "agent", "summary", "machine",
         ] {
             assert!(
                 TEMPLATE.contains(&format!("{{{{{key}}}}}")),

@@ -16,6 +16,8 @@
 //! take (a few frames, one debugfs file, a sync file of a few dozen lines), which keeps the
 //! fuzzer from spending its time on ever longer inputs that exercise the same paths.
 //!
+//! `--target NAME` runs only the target of that name (e.g. `guestmem`).
+//!
 //! Both print one `fuzz-result` line per target (`key=value`: target, mode, runs, crashes,
 //! timeouts, ooms, seconds, exec_per_s, corpus) for BENCHMARKS.md, and fail if any target
 //! found a crash, a timeout or an out-of-memory input (libFuzzer stops at the first and leaves
@@ -103,18 +105,44 @@ const LONG_RUNS: u64 = 10_000_000;
 /// every target handles an input in well under a millisecond.
 const TIMEOUT_PER_INPUT_S: u32 = 10;
 
-/// `cargo xtask fuzz [--long]`.
+const USAGE: &str = "usage: cargo xtask fuzz [--long] [--target NAME]";
+
+/// `cargo xtask fuzz [--long] [--target NAME]`.
 pub(crate) fn fuzz(args: &[String]) -> Result<()> {
-    match args {
-        [] => run(false),
-        [flag] if flag == "--long" => run(true),
-        _ => bail!("usage: cargo xtask fuzz [--long]"),
+    let mut long = false;
+    let mut only = None;
+    let mut it = args.iter();
+    while let Some(flag) = it.next() {
+        match flag.as_str() {
+            "--long" => long = true,
+            "--target" => only = Some(it.next().context(USAGE)?.as_str()),
+            other => bail!("fuzz: unknown argument `{other}`\n{USAGE}"),
+        }
     }
+    run(long, only)
 }
 
 /// The `ci` step: the bounded-time run.
 pub(crate) fn smoke() -> Result<()> {
-    run(false)
+    run(false, None)
+}
+
+/// The targets `only` selects (every target when `None`); an unknown name is an error
+/// listing the known ones.
+fn selected(only: Option<&str>) -> Result<Vec<&'static Target>> {
+    let picked: Vec<&Target> = TARGETS
+        .iter()
+        .filter(|t| only.is_none_or(|n| n == t.name))
+        .collect();
+    if picked.is_empty() {
+        let names: Vec<&str> = TARGETS.iter().map(|t| t.name).collect();
+        bail!(
+            "fuzz: no target named `{}` (known: {})",
+            only.unwrap_or_default(),
+            names.join(", ")
+        );
+    }
+    Ok(picked)
 }
 
 /// What one target's run found.
@@ -128,9 +156,10 @@ struct Outcome {
     seconds: f64,
 }
 
-fn run(long: bool) -> Result<()> {
+fn run(long: bool, only: Option<&str>) -> Result<()> {
+    let targets = selected(only)?;
     let cargo_fuzz = install_cargo_fuzz()?;
-    let mut dirs: Vec<&str> = TARGETS.iter().map(|t| t.dir).collect();
+    let mut dirs: Vec<&str> = targets.iter().map(|t| t.dir).collect();
     dirs.dedup();
     for dir in &dirs {
         // The fuzz crates are outside the workspace, so `cargo fmt --all` does not see them.
@@ -141,7 +170,7 @@ fn run(long: bool) -> Result<()> {
     }
     let mut lines = Vec::new();
     let mut failed = Vec::new();
-    for t in TARGETS {
+    for t in targets {
         let (dir, target) = (t.dir, t.name);
         let o = run_target(&cargo_fuzz, t, long)?;
         let line = FuzzResult {

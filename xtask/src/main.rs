@@ -77,14 +77,16 @@ commands:
                 bench-probe with K sessions, agent size) and write BENCHMARKS.md from that
                 run; --fuzz-long also runs `fuzz --long` (else its last recorded results are
                 shown, dated); --quick is ci's smoke run (writes target/BENCHMARKS.quick.md)
-  bench --record-fuzz
-                only run `fuzz --long` and record its results for the next `bench`
+  bench --record-fuzz [--fuzz-target NAME]
+                only run `fuzz --long` (one target with --fuzz-target) and record its
+                results for the next `bench`
   bench-scan [--vms N] [--vcpus N] [--runs N]
                 median wall time of `vmtsync kvm --json` over a generated debugfs tree
   bench-probe [--sessions K] [--probes N] [--machine microvm|q35] [--no-qemu] [--no-skew]
                 real-KVM probe benchmark: our estimator vs trace-cmd fastest-RTT on the same
                 samples (built-in VMM, QEMU stdio, software skew); table + JSON line
-  fuzz [--long] build the core/fuzz and host-shim/fuzz targets and run each from its seeds
+  fuzz [--long] [--target NAME]
+                build the core/fuzz and host-shim/fuzz targets and run each from its seeds
                 for 20 s (the ci fuzz step), or for 10 M inputs with --long; one
                 `fuzz-result` key=value line per target (runs, crashes, timeouts, ...)
   setup         install tier-2 prerequisites (rustup target, apt packages, debugfs mount,

@@ -66,7 +66,40 @@ pub fn debug_exit_code(status: i32) -> Option<i32> {
 /// 0x10a" (IA32_ARCH_CAPABILITIES is refused), so that MSR's feature is turned off.
 #[must_use]
 pub fn command(machine: Machine, elf: &Path, append: &str, com2_log: &Path) -> Command {
-    command_with_com1(machine, elf, append, com2_log, &["-serial", "stdio"], 1)
+    command_with_com1(
+        machine,
+        elf,
+        append,
+        com2_log,
+        &["-serial", "stdio"],
+        1,
+        DEFAULT_MEMORY_MIB,
+    )
+}
+
+/// The guest RAM every command here gives, in MiB (`-m 64M`), unless
+/// [`command_with_memory`] names another size.
+pub const DEFAULT_MEMORY_MIB: u32 = 64;
+
+/// [`command`] with `memory_mib` MiB of guest RAM (`-m <N>M`) instead of
+/// [`DEFAULT_MEMORY_MIB`], e.g. a 4 GiB guest for the memory reader's scan benchmark.
+#[must_use]
+pub fn command_with_memory(
+    machine: Machine,
+    elf: &Path,
+    append: &str,
+    com2_log: &Path,
+    memory_mib: u32,
+) -> Command {
+    command_with_com1(
+        machine,
+        elf,
+        append,
+        com2_log,
+        &["-serial", "stdio"],
+        1,
+        memory_mib,
+    )
 }
 
 /// [`command`] with COM1 on a Unix socket QEMU listens on at `sock` (`server=on,wait=off`:
@@ -132,6 +165,7 @@ fn com1_socket(
         com2_log,
         &["-chardev", &chardev, "-serial", "chardev:com1"],
         smp,
+        DEFAULT_MEMORY_MIB,
     )
 }
 
@@ -142,6 +176,7 @@ fn command_with_com1(
     com2_log: &Path,
     com1: &[&str],
     smp: u32,
+    memory_mib: u32,
 ) -> Command {
     let mut c = Command::new(QEMU);
     match machine {
@@ -154,7 +189,7 @@ fn command_with_com1(
         "-cpu",
         "host,+invtsc,-arch-capabilities",
         "-m",
-        "64M",
+        &format!("{memory_mib}M"),
         "-smp",
         smp.to_string().as_str(),
         "-display",
@@ -224,6 +259,16 @@ mod tests {
             c.contains("path=/s,server=on,wait=on -serial chardev:com1"),
             "{c}"
         );
+    }
+
+    #[test]
+    fn the_memory_size_can_be_named() {
+        let (elf, log) = (Path::new("/a.elf"), Path::new("/c2"));
+        let c = display(&command(Machine::Microvm, elf, "", log));
+        assert!(c.contains(" -m 64M "), "{c}");
+        let c = display(&command_with_memory(Machine::Microvm, elf, "x", log, 4096));
+        assert!(c.contains(" -m 4096M ") && !c.contains("64M"), "{c}");
+        assert!(c.ends_with("-kernel /a.elf -append x"), "{c}");
     }
 
     #[test]

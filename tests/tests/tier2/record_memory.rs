@@ -205,7 +205,7 @@ fn record_from_memory_recovers_every_c_guest_event_with_its_exact_host_time() {
     let test = "record_from_memory_recovers_every_c_guest_event_with_its_exact_host_time";
     let elf = guest_elf(Guest::CGuest).expect("the C guest builds");
     let dir = scratch(test);
-    // `hold`: the guest halts when done instead of ending QEMU, so its rings stay readable.
+    // `hold`: the guest spins when done instead of ending QEMU, so its rings stay readable.
     let child = qemu::command(
         Machine::Microvm,
         &elf,

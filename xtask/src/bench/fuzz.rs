@@ -15,13 +15,20 @@ use crate::root;
 /// Where `--fuzz-long` records its results, relative to the workspace root.
 const FUZZ_RESULTS: &str = "target/fuzz-results.json";
 
-/// Runs `cargo xtask fuzz --long` and records its `fuzz-result` lines with the date in
-/// [`FUZZ_RESULTS`]; returns its exit status (a found crash fails it, after recording).
-pub(super) fn record_long_run() -> Result<ExitStatus> {
+/// Runs `cargo xtask fuzz --long` (only the target `only` when given) and records its
+/// `fuzz-result` lines with the date and the command in [`FUZZ_RESULTS`]; returns its exit
+/// status (a found crash fails it, after recording).
+pub(super) fn record_long_run(only: Option<&str>) -> Result<ExitStatus> {
     let path = root().join(FUZZ_RESULTS);
     let exe = std::env::current_exe().context("locating the xtask binary")?;
     let mut cmd = Command::new(exe);
     cmd.current_dir(root()).args(["fuzz", "--long"]);
+    let mut command = String::from("cargo xtask fuzz --long");
+    if let Some(name) = only {
+        cmd.args(["--target", name]);
+        command.push_str(" --target ");
+        command.push_str(name);
+    }
     let date = machine::utc_now();
     let (stdout, status) = run_capture(&mut cmd)?;
     let results = FuzzResult::parse_all(&stdout).map_err(anyhow::Error::msg)?;
@@ -40,7 +47,7 @@ pub(super) fn record_long_run() -> Result<ExitStatus> {
         schema: FuzzSchema,
         date,
         commit,
-        command: "cargo xtask fuzz --long".into(),
+        command,
         success: status.success(),
         results,
     };
@@ -53,7 +60,7 @@ pub(super) fn record_long_run() -> Result<ExitStatus> {
 pub(super) fn fuzz(opts: &Options) -> Result<Section> {
     let path = root().join(FUZZ_RESULTS);
     let run_status = if opts.fuzz_long {
-        Some(record_long_run()?)
+        Some(record_long_run(None)?)
     } else {
         None
     };
@@ -95,10 +102,12 @@ fn recorded_section(text: &str, ran_now: bool) -> Result<Section> {
         .commit
         .as_ref()
         .map_or_else(String::new, |c| format!(", commit {c}"));
+    let every = j.command == "cargo xtask fuzz --long";
     let mut body = format!(
-        "`cargo xtask fuzz --long` ({}), every cargo-fuzz target from its committed seeds:\n\n\
+        "`{}` ({}), {} from its committed seeds:\n\n\
          | target | executions | crashes | timeouts | out-of-memory | seconds | executions/s |\n\
          |---|---:|---:|---:|---:|---:|---:|\n",
+        j.command,
         if ran_now {
             format!("run by this benchmark run, {date}{commit}")
         } else {
@@ -107,6 +116,11 @@ fn recorded_section(text: &str, ran_now: bool) -> Result<Section> {
                  on {date}{commit}; `cargo xtask bench --fuzz-long` (or `--record-fuzz` alone) \
                  refreshes them"
             )
+        },
+        if every {
+            "every cargo-fuzz target"
+        } else {
+            "only the target named (the other targets are not in this record)"
         }
     );
     let mut min_runs = u64::MAX;
@@ -127,13 +141,18 @@ fn recorded_section(text: &str, ran_now: bool) -> Result<Section> {
         );
     }
     let long = results.iter().all(|r| r.mode == "long");
+    let names: Vec<&str> = results.iter().map(|r| r.target.as_str()).collect();
     Ok(Section {
-        command: "cargo xtask fuzz --long".into(),
+        command: j.command.clone(),
         body,
         summary: vec![[
             format!(
-                "fuzzing, {} targets{}",
-                results.len(),
+                "fuzzing, {}{}",
+                if every {
+                    format!("{} targets", results.len())
+                } else {
+                    format!("only {}", names.join(", "))
+                },
                 if ran_now {
                     String::new()
                 } else {
@@ -192,5 +211,16 @@ mod tests {
             "one target ran fewer than 10 M inputs"
         );
         assert!(recorded_section("{}", true).is_err());
+        // A one-target record names its target and its command, and judges that target only.
+        let one = FuzzRecord {
+            command: "cargo xtask fuzz --long --target x".into(),
+            results: record.results[..1].to_vec(),
+            ..record
+        };
+        let s = recorded_section(&bench::to_line(&one), true).expect("renders");
+        assert_eq!(s.command, "cargo xtask fuzz --long --target x");
+        assert!(s.body.contains("only the target named"), "{}", s.body);
+        assert_eq!(s.summary[0][0], "fuzzing, only a:x");
+        assert_eq!(s.summary[0][3], "met");
     }
 }

@@ -402,6 +402,51 @@ pub(super) fn recorder(plan: &Plan, work: &Path) -> Result<Section> {
         ),
     ];
     let mut body = criterion_table(&r, &rows, Some("event"), None)?;
+    // The two recorders over the same ring code, side by side: `Recorder` (a `static` of
+    // const shape) and `MemRecorder` (caller memory, run-time shape: the C ABI's).
+    let pair = [
+        (
+            "`Recorder::record(0, …)`, no payload (stop-when-full, real TSC read)",
+            "recorder/recorder_record_no_payload",
+        ),
+        (
+            "`MemRecorder::record(0, …)`, no payload (the C ABI's recorder)",
+            "recorder/mem_recorder_record_no_payload",
+        ),
+        (
+            "`Recorder::record(0, …)`, 8-byte payload",
+            "recorder/recorder_record_8B_payload",
+        ),
+        (
+            "`MemRecorder::record(0, …)`, 8-byte payload",
+            "recorder/mem_recorder_record_8B_payload",
+        ),
+        (
+            "`Recorder::record(0, …)` alone (no payload, a constant clock)",
+            "recorder/recorder_record_no_payload_fixed_clock",
+        ),
+        (
+            "`MemRecorder::record(0, …)` alone (no payload, a constant clock)",
+            "recorder/mem_recorder_record_no_payload_fixed_clock",
+        ),
+    ];
+    let static_rec = r.get("recorder/recorder_record_no_payload")?;
+    let _ = writeln!(
+        body,
+        "\nThe two recorders, one vCPU of 4096 records each, through their `record(vcpu, …)` \
+         paths (times against the first row):\n"
+    );
+    body.push_str(&criterion_table(
+        &r,
+        &pair,
+        Some("event"),
+        Some(static_rec),
+    )?);
+    let mem_rec = r
+        .get("recorder/mem_recorder_record_no_payload")?
+        .ns_per_element();
+    let static_ns = static_rec.ns_per_element();
+    let mem_ratio = mem_rec.median / static_ns.median;
     let tsc = r.get("recorder/tsc_read_alone")?.ns_per_element();
     let rec = r.get("recorder/record_no_payload")?.ns_per_element();
     let rec8 = r.get("recorder/record_8B_payload")?.ns_per_element();
@@ -450,6 +495,18 @@ pub(super) fn recorder(plan: &Plan, work: &Path) -> Result<Section> {
                 "≤ 20 ns".into(),
                 flight.show(time_ns),
                 verdict(flight.median <= 20.0),
+            ],
+            [
+                "`MemRecorder` (C ABI) cost per event vs `Recorder` (no payload, real TSC read)"
+                    .into(),
+                "≤ 20 ns".into(),
+                format!(
+                    "{} vs {} (median; {})",
+                    time_ns(mem_rec.median),
+                    time_ns(static_ns.median),
+                    ratio(mem_ratio)
+                ),
+                verdict(mem_rec.median <= 20.0),
             ],
             [
                 "bytes per payload-less event on the wire (full batch)".into(),

@@ -163,6 +163,7 @@ impl<'a> MemRecorder<'a> {
     }
 
     /// The ring of `vcpu`, if the recorder has one.
+    #[inline]
     #[must_use]
     pub fn ring(&self, vcpu: usize) -> Option<RingRef<'a>> {
         if vcpu >= self.vcpus {

@@ -191,6 +191,11 @@ pub fn host_bounds(seg: &SyncSegment, guest: u64) -> Option<(u64, u64, u64)> {
 
 /// `host_anchor + (guest − host_anchor − offset) · 1e9 / (1e9 + rate)`, floored and ceiled.
 fn corner(host_anchor: u64, guest: u64, offset: i64, rate: i64) -> Option<(i128, i128)> {
+    if rate == 0 {
+        // Identity rate: the quotient is exact (`· 1e9 / 1e9`), no division needed.
+        let v = i128::from(guest) - i128::from(offset);
+        return Some((v, v));
+    }
     let den = PPB + i128::from(rate);
     if den <= 0 {
         return None;

@@ -15,7 +15,7 @@ const SLOT_BYTES: usize = 32;
 const _: () = assert!(SLOT_BYTES as u64 == RECORD_SIZE);
 
 /// Records read per ring per round unless the caller asks otherwise (128 KiB of slots).
-pub const DEFAULT_MAX_PER_ROUND: usize = 4096;
+pub const DEFAULT_MAX_PER_ROUND: usize = 16384;
 /// The most a caller may ask for per ring per round (2 MiB of slots).
 pub const MAX_PER_ROUND_LIMIT: usize = 65536;
 

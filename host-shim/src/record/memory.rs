@@ -159,6 +159,18 @@ fn across_change(tsc: u64, old: Reading, new: Reading) -> Option<Side> {
     }
 }
 
+/// Guest tick `g` through the width-0 segments `segments` (KVM's mappings, in guest
+/// order): its host tick `g - offset` under the covering one (the last that starts at or
+/// before it, else the first) and that segment's round, as `bounds::place` would give with no
+/// arithmetic beyond the subtraction; `None` outside the host's range.
+fn exact_at(segments: &[SyncSegment], g: u64) -> Option<(u64, u64)> {
+    let i = segments
+        .partition_point(|s| s.guest_start <= g)
+        .saturating_sub(1);
+    let s = segments.get(i)?;
+    Some((g.checked_add_signed(s.offset.checked_neg()?)?, s.round))
+}
+
 /// The width-0 segment of mapping `r` from guest tick `guest_start` on.
 fn exact_segment(vcpu: u32, round: u64, guest_start: u64, r: Reading) -> SyncSegment {
     SyncSegment {
@@ -578,11 +590,11 @@ pub fn run_record_memory(
                     }
                 }
             } else {
-                let Some(p) = st.place_as(r.vcpu, r.tsc, Placement::OneSided) else {
+                let Some(p) = exact_at(&st.vcpus[i].segments, r.tsc) else {
                     st.unplaceable += 1;
                     continue;
                 };
-                (p.host, p.round)
+                p
             };
             let placed = Placed {
                 vcpu: r.vcpu,
@@ -751,6 +763,46 @@ mod tests {
         let seg = exact_segment(0, 0, 0, r);
         let p = bounds::place(&[seg], 7_000_000, Placement::TwoSided).unwrap();
         assert_eq!((p.host, p.lo, p.hi), (8_000_000, 8_000_000, 8_000_000));
+    }
+
+    #[test]
+    fn exact_placement_is_bounds_place_of_the_width_zero_segments() {
+        let segs = [
+            exact_segment(
+                0,
+                0,
+                0,
+                Reading {
+                    offset: -1_000_000,
+                    before: 5_000_000,
+                    after: 5_000_100,
+                },
+            ),
+            exact_segment(
+                0,
+                1,
+                9_000_000,
+                Reading {
+                    offset: 250,
+                    before: 9_000_000,
+                    after: 9_000_100,
+                },
+            ),
+        ];
+        for g in [
+            0,
+            1,
+            999_999,
+            1_000_000,
+            8_999_999,
+            9_000_000,
+            9_000_249,
+            9_000_250,
+            u64::MAX,
+        ] {
+            let want = bounds::place(&segs, g, Placement::OneSided).map(|p| (p.host, p.round));
+            assert_eq!(exact_at(&segs, g), want, "guest {g}");
+        }
     }
 
     #[test]

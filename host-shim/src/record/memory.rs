@@ -657,9 +657,10 @@ pub fn run_record_memory(
     {
         std::thread::sleep(opts.poll.max(Duration::from_millis(10)));
         let before = read_host_tsc().0;
-        let past = &mut ms.past_limit;
+        let (past, read) = (&mut ms.past_limit, &mut ms.beacons);
         let polled = drainer.poll(&mut mem, &mut |r| {
             if r.is_beacon() {
+                *read += 1;
                 b.record(r);
             } else {
                 *past += 1;

@@ -171,6 +171,20 @@ fn exact_at(segments: &[SyncSegment], g: u64) -> Option<(u64, u64)> {
     Some((g.checked_add_signed(s.offset.checked_neg()?)?, s.round))
 }
 
+/// Record `r` at host tick `host` with width 0, in segment round `round`.
+fn exact_placed(r: &GuestRecord, host: u64, round: u64) -> Placed<'_> {
+    Placed {
+        vcpu: r.vcpu,
+        id: r.id,
+        guest: r.tsc,
+        payload: r.payload(),
+        host,
+        lo: host,
+        hi: host,
+        round,
+    }
+}
+
 /// The width-0 segment of mapping `r` from guest tick `guest_start` on.
 fn exact_segment(vcpu: u32, round: u64, guest_start: u64, r: Reading) -> SyncSegment {
     SyncSegment {
@@ -561,17 +575,8 @@ pub fn run_record_memory(
                     ms.past_limit += 1;
                     continue;
                 }
-                let placed = Placed {
-                    vcpu: r.vcpu,
-                    id: r.id,
-                    guest: r.tsc,
-                    payload: r.payload(),
-                    host: 0,
-                    lo: 0,
-                    hi: 0,
-                    round: 0,
-                };
-                out.push(&placed, &opts.out)?;
+                // Spooled: its host time is given when the recording ends.
+                out.push(&exact_placed(r, 0, 0), &opts.out)?;
                 st.events += 1;
                 continue;
             }
@@ -596,17 +601,7 @@ pub fn run_record_memory(
                 };
                 p
             };
-            let placed = Placed {
-                vcpu: r.vcpu,
-                id: r.id,
-                guest: r.tsc,
-                payload: r.payload(),
-                host,
-                lo: host,
-                hi: host,
-                round,
-            };
-            out.push(&placed, &opts.out)?;
+            out.push(&exact_placed(r, host, round), &opts.out)?;
             st.widths.push(0);
             st.events += 1;
         }

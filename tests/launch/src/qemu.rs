@@ -66,15 +66,7 @@ pub fn debug_exit_code(status: i32) -> Option<i32> {
 /// 0x10a" (IA32_ARCH_CAPABILITIES is refused), so that MSR's feature is turned off.
 #[must_use]
 pub fn command(machine: Machine, elf: &Path, append: &str, com2_log: &Path) -> Command {
-    command_with_com1(
-        machine,
-        elf,
-        append,
-        com2_log,
-        &["-serial", "stdio"],
-        1,
-        DEFAULT_MEMORY_MIB,
-    )
+    command_with_memory(machine, elf, append, com2_log, DEFAULT_MEMORY_MIB)
 }
 
 /// The guest RAM every command here gives, in MiB (`-m 64M`), unless

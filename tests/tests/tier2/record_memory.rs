@@ -147,17 +147,7 @@ fn record_from_memory_recovers_every_agent_event_with_its_exact_host_time() {
         "record --from-memory trace-cmd (guest halted): {}",
         text(&o.stderr).trim()
     );
-    let rep = trace_cmd(&["report", "-i", dat.to_str().unwrap()]);
-    assert!(
-        rep.status.success(),
-        "trace-cmd report: {}",
-        text(&rep.stderr)
-    );
-    let events = report_events(&rep);
-    assert_eq!(events.len() as u64, COUNT, "every event in trace.dat");
-    for (i, (_, seq)) in events.iter().enumerate() {
-        assert_eq!(*seq, i as u64, "trace.dat event {i} in sequence");
-    }
+    assert_trace_dat_holds_every_event_in_order(&dat);
     // The other outputs go through the same writers: each is written whole.
     for (format, name) in [("perfetto", "events.pftrace"), ("ctf", "events.ctf")] {
         let path = dir.path().join(name);
@@ -544,6 +534,21 @@ fn beacon_run(
     (guard, stderr, out)
 }
 
+/// `trace-cmd report` reads `dat` and shows the workload's `COUNT` events, in sequence.
+fn assert_trace_dat_holds_every_event_in_order(dat: &std::path::Path) {
+    let rep = trace_cmd(&["report", "-i", dat.to_str().unwrap()]);
+    assert!(
+        rep.status.success(),
+        "trace-cmd report: {}",
+        text(&rep.stderr)
+    );
+    let events = report_events(&rep);
+    assert_eq!(events.len() as u64, COUNT, "every event in trace.dat");
+    for (i, (_, seq)) in events.iter().enumerate() {
+        assert_eq!(*seq, i as u64, "trace.dat event {i} in sequence");
+    }
+}
+
 /// Parses the JSON Lines of a recording.
 fn lines_of(path: &std::path::Path) -> Vec<serde_json::Value> {
     std::fs::read_to_string(path)
@@ -645,17 +650,7 @@ fn record_from_memory_places_a_skewed_guest_by_its_beacons() {
     let dat = dir.path().join("skewed.dat");
     let o = record_memory_as(guard.pid(), &dat, "trace-cmd", &[], COUNT);
     assert!(o.status.success(), "record failed: {}", text(&o.stderr));
-    let rep = trace_cmd(&["report", "-i", dat.to_str().unwrap()]);
-    assert!(
-        rep.status.success(),
-        "trace-cmd report: {}",
-        text(&rep.stderr)
-    );
-    let events = report_events(&rep);
-    assert_eq!(events.len() as u64, COUNT, "every event in trace.dat");
-    for (i, (_, seq)) in events.iter().enumerate() {
-        assert_eq!(*seq, i as u64, "trace.dat event {i} in sequence");
-    }
+    assert_trace_dat_holds_every_event_in_order(&dat);
     drop(guard);
 }
 

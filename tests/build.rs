@@ -31,7 +31,9 @@ fn main() {
         .include(capi.join("include"))
         .opt_level(2)
         .flag("-std=gnu11")
-        .warnings(true);
+        .warnings(true)
+        // barectf's generated tracer keeps helpers this configuration never calls.
+        .flag("-Wno-unused-function");
     if let Some(barectf) = env::var_os("VMTSYNC_BARECTF").filter(|s| !s.is_empty()) {
         let gen_dir = out.join("barectf");
         std::fs::create_dir_all(&gen_dir).expect("OUT_DIR is writable");
@@ -45,7 +47,12 @@ fn main() {
             .arg(&gen_dir)
             .arg(bench.join("barectf.yaml"))
             .status()
-            .unwrap_or_else(|e| panic!("run VMTSYNC_BARECTF={}: {e}", PathBuf::from(&barectf).display()));
+            .unwrap_or_else(|e| {
+                panic!(
+                    "run VMTSYNC_BARECTF={}: {e}",
+                    PathBuf::from(&barectf).display()
+                )
+            });
         assert!(status.success(), "barectf generate failed: {status}");
         build
             .file(gen_dir.join("vbt.c"))

@@ -1,7 +1,8 @@
 //! The recorder's cost per event, every contender in this one process on the same clock:
 //! the C recorder (`capi/`, `vmtsync_record`), core's `Recorder` and `MemRecorder`, barectf
-//! (when tests/build.rs generated it) and two floors (`lfence; rdtsc` alone, and with a plain
-//! 32-byte slot store). Each event carries an 8-byte payload; every ring is a flight ring of
+//! (when tests/build.rs generated it) and three floors: `lfence; rdtsc` alone; with a plain
+//! 32-byte slot store; and with the least a ring read through a head word adds (load the head,
+//! mark the slot busy, commit it, store the head). Each event carries an 8-byte payload; every ring is a flight ring of
 //! 4096 records, so no event is refused and nothing drains in the timed loop.
 //!
 //! The process pins itself to one CPU; each round runs every contender once (`--events` events
@@ -10,7 +11,6 @@
 //! writes the table). Ticks become nanoseconds through a TSC frequency calibrated here against
 //! CLOCK_MONOTONIC.
 
-use std::hint::black_box;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
@@ -26,6 +26,7 @@ unsafe extern "C" {
     fn vb_c_produced() -> u64;
     fn vb_barectf_init() -> i32;
     fn vb_barectf(n: u64, payload: u64) -> u64;
+    fn vb_floor_head(n: u64, payload: u64) -> u64;
 }
 
 /// The one clock every contender reads: `lfence; rdtsc` (NativeTsc may pick RDTSCP).
@@ -67,6 +68,7 @@ enum Contender {
     Recorder,
     MemRecorder,
     Barectf,
+    FloorHead,
 }
 
 impl Contender {
@@ -78,6 +80,7 @@ impl Contender {
             Self::Recorder => "rust_recorder",
             Self::MemRecorder => "rust_mem_recorder",
             Self::Barectf => "barectf",
+            Self::FloorHead => "floor_tsc_store_head",
         }
     }
 }
@@ -94,17 +97,20 @@ fn run(c: Contender, n: u64, mem: &MemRecorder<'_>) -> u64 {
         Contender::C => unsafe { vb_c_record(n, PAYLOAD) },
         // SAFETY: as above; vb_barectf_init succeeded before the first round.
         Contender::Barectf => unsafe { vb_barectf(n, PAYLOAD) },
+        // SAFETY: as above.
+        Contender::FloorHead => unsafe { vb_floor_head(n, PAYLOAD) },
         Contender::Recorder => {
             let t0 = stamp();
+            // The same call as the C contender's: constant vCPU, id and payload length.
             for _ in 0..n {
-                let _ = RECORDER.record(black_box(0), &tsc, black_box(7), black_box(&payload));
+                let _ = RECORDER.record(0, &tsc, 7, &payload);
             }
             stamp() - t0
         }
         Contender::MemRecorder => {
             let t0 = stamp();
             for _ in 0..n {
-                let _ = mem.record(black_box(0), &tsc, black_box(7), black_box(&payload));
+                let _ = mem.record(0, &tsc, 7, &payload);
             }
             stamp() - t0
         }
@@ -133,7 +139,11 @@ fn tsc_mhz(span: Duration) -> f64 {
 fn median(v: &mut [f64]) -> f64 {
     v.sort_by(f64::total_cmp);
     let m = v.len() / 2;
-    if v.len() % 2 == 1 { v[m] } else { (v[m - 1] + v[m]) / 2.0 }
+    if v.len() % 2 == 1 {
+        v[m]
+    } else {
+        (v[m - 1] + v[m]) / 2.0
+    }
 }
 
 fn arg(args: &[String], name: &str, default: u64) -> Result<u64, String> {
@@ -178,6 +188,7 @@ fn main() -> ExitCode {
         Contender::C,
         Contender::Recorder,
         Contender::MemRecorder,
+        Contender::FloorHead,
     ];
     if barectf {
         contenders.push(Contender::Barectf);
@@ -210,7 +221,7 @@ fn main() -> ExitCode {
     out.insert("pinned".into(), pinned.into());
     out.insert("rounds".into(), rounds.into());
     out.insert("events_per_round".into(), events.into());
-    out.insert("barectf".into(), barectf.into());
+    out.insert("barectf_built".into(), barectf.into());
     for (i, c) in contenders.iter().enumerate() {
         let v = &mut ticks[i];
         let med = median(v);

@@ -229,6 +229,11 @@ static inline void vmtsync_store_commit_(volatile void *w, uint64_t v) {
 static inline uint64_t vmtsync_load_le_(const unsigned char *p, uint32_t n) {
     uint64_t v = 0;
     uint32_t i;
+    if (n == 8) {
+        /* One 8-byte load (x86 is little-endian); a constant-size builtin copy is inlined. */
+        __builtin_memcpy(&v, p, 8);
+        return v;
+    }
     for (i = 0; i < n; i++) {
         v |= (uint64_t)p[i] << (8 * i);
     }

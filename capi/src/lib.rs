@@ -51,8 +51,15 @@ pub const STRICT: &[&str] = &[
     "-O2",
 ];
 
-/// Freestanding flags a firmware build uses: no libc, no SSE, MMX or x87 code.
-pub const FREESTANDING: &[&str] = &["-ffreestanding", "-mno-sse", "-mno-mmx", "-mno-80387"];
+/// Freestanding flags a firmware build uses: no libc, position-dependent code, no SSE, MMX or
+/// x87 code.
+pub const FREESTANDING: &[&str] = &[
+    "-ffreestanding",
+    "-fno-pic",
+    "-mno-sse",
+    "-mno-mmx",
+    "-mno-80387",
+];
 
 impl Toolchain {
     /// A name for files and messages, such as `gcc-m32`.

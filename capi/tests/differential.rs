@@ -211,7 +211,9 @@ fn rust_transcript(calls: &[Call]) -> String {
                 misalign,
             } => {
                 let b = &mut blocks[usize::from(r)];
-                b.slots = (0..(len + misalign) / 32 + 2).map(|_| Slot::new()).collect();
+                b.slots = (0..(len + misalign) / 32 + 2)
+                    .map(|_| Slot::new())
+                    .collect();
                 for w in b.words() {
                     w.store(0xa5a5_a5a5_a5a5_a5a5, Ordering::Relaxed);
                 }
@@ -302,8 +304,10 @@ fn rust_transcript(calls: &[Call]) -> String {
                     say("-4".into());
                     continue;
                 };
-                let status =
-                    record_status(rec.beacon(vcpu as usize, &clock, &LogPorts(&out)).map(|_| ()));
+                let status = record_status(
+                    rec.beacon(vcpu as usize, &clock, &LogPorts(&out))
+                        .map(|_| ()),
+                );
                 say(status.to_string());
             }
             Call::Poke {
@@ -456,7 +460,12 @@ fn call(r_max: u8, vcpus: u32) -> impl Strategy<Value = Call> {
 /// A sequence: both recorders initialised (mostly valid shapes), then calls.
 fn sequence() -> impl Strategy<Value = Vec<Call>> {
     let shape = (1u32..=3, 1u32..=4, 0u32..=1);
-    (shape.clone(), shape, prop::bool::weighted(0.1), prop::bool::weighted(0.05))
+    (
+        shape.clone(),
+        shape,
+        prop::bool::weighted(0.1),
+        prop::bool::weighted(0.05),
+    )
         .prop_flat_map(|((v0, c0, m0), (v1, c1, m1), short, misaligned)| {
             let size = |v: u32, c: u32| 128 + v as usize * (128 + 32 * (1usize << c));
             let init0 = Call::Init {

@@ -261,8 +261,15 @@ fn the_checksum_test_vector_holds_in_rust_and_c() {
     let h = vector_header();
     let bytes = h.to_bytes();
     let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
-    eprintln!("vector header bytes: {hex}\nvector crc: {:#010x}", h.checksum);
-    assert_eq!(checksum(&bytes), h.checksum, "the published checksum is the CRC");
+    eprintln!(
+        "vector header bytes: {hex}\nvector crc: {:#010x}",
+        h.checksum
+    );
+    assert_eq!(
+        checksum(&bytes),
+        h.checksum,
+        "the published checksum is the CRC"
+    );
     assert_eq!(h.checksum, VECTOR_CRC, "the documented test vector");
     assert!(h.is_valid());
 

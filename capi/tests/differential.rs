@@ -549,3 +549,66 @@ fn init_refuses_what_the_rust_recorder_refuses() {
     calls.push(Call::Beacon { r: 1, vcpu: 0 });
     compare(&calls).unwrap();
 }
+
+/// Head, refused and the beacon count cross a 32-bit carry (on i386 the one store that is a
+/// `lock cmpxchg8b`), in both modes, with the same bytes as the Rust recorder.
+#[test]
+fn counters_carry_into_their_high_half_alike() {
+    for mode in [0, 1] {
+        let mut calls = vec![
+            Call::Init {
+                r: 0,
+                vcpus: 2,
+                capacity: 4,
+                mode,
+                len: 128 + 2 * (128 + 32 * 4),
+                misalign: 0,
+            },
+            Call::Publish {
+                r: 0,
+                nonce: 9,
+                tsc_khz: 1,
+                clock: 0,
+                port: 0x2400,
+            },
+        ];
+        for (word, value) in [(0usize, 0xffff_fffeu64), (1, 0xffff_ffff), (3, 0xffff_ffff)] {
+            calls.push(Call::Poke {
+                r: 0,
+                vcpu: 1,
+                word,
+                value,
+            });
+        }
+        for _ in 0..3 {
+            calls.push(Call::Record {
+                r: 0,
+                vcpu: 1,
+                id: 3,
+                payload: Some(vec![1, 2, 3]),
+                len: 3,
+            });
+            calls.push(Call::Beacon { r: 0, vcpu: 1 });
+        }
+        calls.push(Call::Produced { r: 0, vcpu: 1 });
+        calls.push(Call::Refused { r: 0, vcpu: 1 });
+        // The carries happened: stop-when-full refuses all six (the ring looks full), flight
+        // stores them.
+        let rust = rust_transcript(&calls);
+        let last: Vec<&str> = rust.lines().rev().skip(2).take(2).collect();
+        let (produced, refused) = if mode == 0 {
+            (0xffff_fffe_u64, 0xffff_ffff_u64 + 6)
+        } else {
+            (0xffff_fffe + 6, 0xffff_ffff)
+        };
+        assert_eq!(
+            last,
+            [format!("= {refused}"), format!("= {produced}")],
+            "{rust}"
+        );
+        // The beacon count crossed its carry: sequence bytes 255, 0, 1.
+        let outs: Vec<&str> = rust.lines().filter(|l| l.starts_with("out ")).collect();
+        assert_eq!(outs, ["out 9216 255", "out 9216 0", "out 9216 1"], "{rust}");
+        compare(&calls).unwrap();
+    }
+}

@@ -45,7 +45,10 @@ int main(void) {
 
 const AT: u64 = 0x4000_0040;
 
-fn drain(image: &[u8]) -> (Vec<GuestRecord>, Vec<(u64, u64, u64, u64, u64)>) {
+/// A ring's (delivered, overwritten, corrupt, refused, beacons).
+type Counts = (u64, u64, u64, u64, u64);
+
+fn drain(image: &[u8]) -> (Vec<GuestRecord>, Vec<Counts>) {
     let mut m = FakeMemory::new();
     m.map(AT - 0x40, 1 << 16, true);
     m.write(AT, image);

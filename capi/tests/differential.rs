@@ -283,18 +283,16 @@ fn rust_transcript(calls: &[Call]) -> String {
                     say("-4".into());
                     continue;
                 };
-                // The C API's own argument checks before the ring's (in the header's order).
-                let status = if vcpu as usize >= rec.vcpus() {
-                    -8
-                } else if id >= 0xff00 {
-                    -10
-                } else if len > 16 {
-                    -7
-                } else if payload.is_none() && len > 0 {
-                    -5
-                } else {
-                    let data = payload.as_deref().unwrap_or(&[]);
-                    record_status(rec.record(vcpu as usize, &clock, id, &data[..len as usize]))
+                // The Rust recorder decides every status (its own order of checks: vCPU, id,
+                // length, full), except for a NULL payload pointer, which Rust has no way to
+                // pass: the C API's checks before it are the same three.
+                let status = match payload {
+                    Some(p) => record_status(rec.record(vcpu as usize, &clock, id, p)),
+                    None if len == 0 => record_status(rec.record(vcpu as usize, &clock, id, &[])),
+                    None if vcpu as usize >= rec.vcpus() => -8,
+                    None if id >= 0xff00 => -10,
+                    None if len > 16 => -7,
+                    None => -5,
                 };
                 say(status.to_string());
             }

@@ -334,9 +334,18 @@ impl Drainer {
             // head, refused and beacons (docs/memory-layout.md, the ring header), each read
             // byte by byte from its most significant byte down: never above the word's value
             // at the end of the read, whatever the guest stores meanwhile (see `read_at_most`).
+            // A count the quick read shows unchanged keeps its known lower bound.
             let h1_read = read_at_most(mem, base).map_err(|e| read_err(e, &self.rings))?;
-            let refused = read_at_most(mem, base + 8).map_err(|e| read_err(e, &self.rings))?;
-            let beacons = read_at_most(mem, base + 24).map_err(|e| read_err(e, &self.rings))?;
+            let refused = if u64_at(&quick, 8) == ring.refused {
+                ring.refused
+            } else {
+                read_at_most(mem, base + 8).map_err(|e| read_err(e, &self.rings))?
+            };
+            let beacons = if u64_at(&quick, 24) == ring.beacons {
+                ring.beacons
+            } else {
+                read_at_most(mem, base + 24).map_err(|e| read_err(e, &self.rings))?
+            };
             // Every record below `next` was committed already (an earlier round's lower
             // bound), so the larger of the two is still a lower bound of the head.
             let h1 = h1_read.max(ring.next);

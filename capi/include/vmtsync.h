@@ -17,7 +17,9 @@
  * - VMTSYNC_READ_TSC(): the clock read stored in each record (default `lfence; rdtsc`);
  * - VMTSYNC_INB(port), VMTSYNC_OUTB(port, value): the beacon's port I/O (default `inb`/`outb`);
  * - VMTSYNC_HAVE_STDINT: the includer already provides uint8_t..uint64_t and size_t (for a build
- *   without the compiler's <stdint.h>).
+ *   without the compiler's <stdint.h>);
+ * - VMTSYNC_KEEP_SLOTS (vmtsync.c): vmtsync_init clears the header's magic and the ring headers
+ *   but not the slots (the host never reads a slot at or above a ring's head).
  */
 #ifndef VMTSYNC_H
 #define VMTSYNC_H

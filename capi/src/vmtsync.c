@@ -77,8 +77,15 @@ int32_t vmtsync_init(struct vmtsync_rec *r, void *mem, size_t len, uint32_t vcpu
     VMTSYNC_BARRIER_();
     for (v = 0; v < vcpus; v++) {
         unsigned char *ring = block + VMTSYNC_HEADER_SIZE + v * stride;
-        /* Volatile word stores: also keeps the compiler from making this a memset call. */
+        /* Volatile word stores: also keeps the compiler from making this a memset call. The
+         * slots are cleared too unless VMTSYNC_KEEP_SLOTS is defined: a reader never takes a
+         * slot at or above head, so stale slots are harmless, and where every instruction is
+         * slow (ring 0 emulated) a build may skip the clearing. */
+#ifdef VMTSYNC_KEEP_SLOTS
+        for (i = 0; i < VMTSYNC_RING_HEADER_SIZE; i += 8) {
+#else
         for (i = 0; i < stride; i += 8) {
+#endif
             vmtsync_put_(ring + i, 0);
         }
         vmtsync_put_(ring + 16, mode); /* the mode byte (16); "claimed" (17) stays 0 */

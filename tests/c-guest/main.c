@@ -1,6 +1,6 @@
 /*
- * A freestanding C guest that links vmtsync's C ABI (libvmtsync_capi.a, include/vmtsync.h):
- * it lays out a recorder in its own memory, publishes the header, records N events (N from
+ * A freestanding C guest built with vmtsync's C recorder (capi/include/vmtsync.h and
+ * capi/src/vmtsync.c, compiled in as they are): it lays out a recorder in its own memory, publishes the header, records N events (N from
  * the kernel command line's `events=N`, default 10000) with a sync beacon every 1000 and one
  * at each end, prints one summary line on COM1 and ends QEMU through isa-debug-exit with
  * code 0 when every call returned VMTSYNC_OK, 1 otherwise (with `hold` on the command line it
@@ -22,7 +22,8 @@
  * as `refused` on the summary line, not as failed calls. The line also carries `tsc0` and `tsc1`, TSC
  * reads right before the first event and right after the last, in hex.
  *
- * Built by vmtsync_launch::agent::build_guest(Guest::CGuest): gcc -ffreestanding -nostdlib.
+ * Built by vmtsync_launch::agent::build_guest(Guest::CGuest): gcc -ffreestanding -nostdlib,
+ * with capi/src/vmtsync.c as one more source file.
  */
 #include <stddef.h>
 #include <stdint.h>
@@ -47,8 +48,9 @@
 /* hvm_memmap_table_entry's type for RAM. */
 #define E820_RAM 1u
 
-static uint8_t storage[VMTSYNC_STORAGE_BYTES(1, CAPACITY)]
-    __attribute__((aligned(64), section(".recorder")));
+static VMTSYNC_DEFINE_STORAGE(storage, 1, CAPACITY) __attribute__((section(".recorder")));
+/* The recorder's handle. */
+static struct vmtsync_rec rec;
 
 static inline void outb(uint16_t port, uint8_t v) {
     __asm__ volatile("outb %0, %1" : : "a"(v), "Nd"(port));
@@ -179,7 +181,7 @@ void c_main(const uint8_t *start_info) {
     /* A beacon a full ring refuses counts as refused, as an event does. */
 #define BEACON()                                                                               \
     do {                                                                                       \
-        int32_t b_ = vmtsync_beacon(0);                                                        \
+        int32_t b_ = vmtsync_beacon(&rec, 0);                                                        \
         if (b_ == VMTSYNC_EFULL) {                                                             \
             refused++;                                                                         \
         } else {                                                                               \
@@ -203,7 +205,7 @@ void c_main(const uint8_t *start_info) {
     uint64_t n = events > 0 && events <= CAPACITY ? events : DEFAULT_EVENTS;
     if (given_ring) {
         capacity = ring;
-        size_t bytes = vmtsync_storage_bytes(1, capacity);
+        size_t bytes = vmtsync_storage_bytes(1, (uint32_t)capacity);
         int fits = bytes != 0 && RING_BASE + bytes <= MAPPED_END &&
                    in_ram(start_info, RING_BASE, bytes);
         CHECK(fits ? VMTSYNC_OK : VMTSYNC_EINVALID);
@@ -219,14 +221,13 @@ void c_main(const uint8_t *start_info) {
 
     uint64_t tsc0 = 0, tsc1 = 0;
     if (failed == 0) {
-        size_t bytes = vmtsync_storage_bytes(1, capacity);
+        size_t bytes = vmtsync_storage_bytes(1, (uint32_t)capacity);
         CHECK(bytes != 0 && (mem != storage || bytes == sizeof storage) ? VMTSYNC_OK
                                                                        : VMTSYNC_EINVALID);
-        CHECK(vmtsync_recorder_init(mem, bytes, 1, capacity,
-                                    flight ? VMTSYNC_MODE_OVERWRITE
-                                           : VMTSYNC_MODE_STOP_WHEN_FULL));
+        CHECK(vmtsync_init(&rec, mem, bytes, 1, (uint32_t)capacity,
+                           flight ? VMTSYNC_MODE_OVERWRITE : VMTSYNC_MODE_STOP_WHEN_FULL));
         /* nonce 0: the library makes one; the records hold the raw TSC. */
-        CHECK(vmtsync_publish(0, tsc_khz, VMTSYNC_CLOCK_RAW_TSC, BEACON_PORT));
+        CHECK(vmtsync_publish(&rec, 0, tsc_khz, VMTSYNC_CLOCK_RAW_TSC, BEACON_PORT));
         BEACON();
         tsc0 = rdtsc();
         uint64_t next = tsc0;
@@ -237,7 +238,7 @@ void c_main(const uint8_t *start_info) {
                 next += period;
             }
             uint64_t seq = i;
-            int32_t s = vmtsync_record(0, EVENT_ID, &seq, sizeof seq);
+            int32_t s = vmtsync_record(&rec, 0, EVENT_ID, &seq, sizeof seq);
             if (s == VMTSYNC_EFULL) {
                 refused++;
             } else {

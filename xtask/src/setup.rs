@@ -75,6 +75,11 @@ pub(crate) fn setup() -> Result<()> {
         problems.push(format!("Perfetto trace processor: {e:#}"));
     }
 
+    // The recorder bench's peer (`cargo xtask bench --only recorder`); needs python3's venv.
+    if let Err(e) = vmtsync_launch::barectf::ensure_barectf() {
+        problems.push(format!("barectf: {e:#}"));
+    }
+
     if problems.is_empty() {
         return Ok(());
     }

@@ -229,6 +229,7 @@ impl<'a> RingRef<'a> {
         (self.header, self.slots)
     }
 
+    #[inline]
     fn w(&self, i: usize) -> &'a AtomicU64 {
         word(self.header, i)
     }
@@ -246,6 +247,7 @@ impl<'a> RingRef<'a> {
     }
 
     /// What the ring does when it is full.
+    #[inline]
     #[must_use]
     pub fn mode(&self) -> Mode {
         if self.w(W_MODE).load(Ordering::Relaxed) & 0xff == Mode::Overwrite as u64 {
@@ -496,12 +498,16 @@ impl<'a> RingRef<'a> {
         }
     }
 
+    #[inline]
     fn slot(&self, index: u64) -> &'a Slot {
         // The slot count is a power of two (checked by every constructor), so masking is
-        // the modulo; `get` keeps the indexing panic-free even so.
+        // the modulo and `get` always finds the slot. Its `None` arm, which cannot happen,
+        // names a spare slot rather than indexing: an index that could panic would pull the
+        // panic machinery (and its formatting code) into every producer's path.
+        static SPARE: Slot = Slot::new();
         #[allow(clippy::cast_possible_truncation)]
         let i = index as usize & self.slots.len().wrapping_sub(1);
-        self.slots.get(i).unwrap_or(&self.slots[0])
+        self.slots.get(i).unwrap_or(&SPARE)
     }
 }
 

@@ -18,6 +18,7 @@
 //! few dependencies.
 
 pub mod agent;
+pub mod barectf;
 pub mod bench;
 mod error;
 mod guard;

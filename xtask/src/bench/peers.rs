@@ -1,0 +1,125 @@
+//! The recorder against its peer and its floors, per event on one clock in one process
+//! (`vmtsync-recorder-bench`, tests/src/bin/): the C recorder (capi/), core's `Recorder` and
+//! `MemRecorder`, barectf 3.1.2, and three floors.
+
+use std::fmt::Write as _;
+
+use anyhow::{Context, Result, bail, ensure};
+use serde_json::Value;
+
+use super::format::{ratio, verdict};
+use super::{Plan, run_capture, shown};
+use crate::{cargo, sh};
+
+/// The goal of the floor comparisons: at most this many nanoseconds above the floor.
+const FLOOR_SLACK_NS: f64 = 1.5;
+
+/// Builds the bench binary with barectf generated in (installing barectf when missing), runs
+/// it, and renders its table, its text and its summary rows.
+pub(super) fn side_by_side(plan: &Plan) -> Result<(String, String, Vec<[String; 4]>)> {
+    let barectf = vmtsync_launch::barectf::ensure_barectf()
+        .context("barectf is the bench's peer: `cargo xtask setup` installs it")?;
+    sh(cargo()
+        .env("VMTSYNC_BARECTF", &barectf)
+        .arg("build")
+        .args(&plan.build_profile)
+        .args(["-p", "vmtsync-tests", "--bin", "vmtsync-recorder-bench"]))?;
+    let (rounds, events) = if plan.quick {
+        ("5", "20000")
+    } else {
+        ("41", "200000")
+    };
+    let mut cmd = std::process::Command::new(plan.bin_dir.join("vmtsync-recorder-bench"));
+    cmd.args(["--rounds", rounds, "--events", events, "--cpu", "1"]);
+    let command = shown(&cmd);
+    let (out, status) = run_capture(&mut cmd)?;
+    ensure!(status.success(), "`{command}` failed: {status}");
+    let v: Value = serde_json::from_str(out.trim()).context("the bench's JSON line")?;
+    ensure!(
+        v["barectf_built"] == Value::Bool(true),
+        "the bench binary was built without barectf"
+    );
+    let ns = |key: &str| -> Result<(f64, f64)> {
+        let m = v[key]["ns_median"].as_f64();
+        let n = v[key]["ns_min"].as_f64();
+        match (m, n) {
+            (Some(m), Some(n)) => Ok((m, n)),
+            _ => bail!("no {key} in the bench's output"),
+        }
+    };
+    let rows = [
+        ("`lfence; rdtsc` alone (floor 1)", "floor_tsc"),
+        (
+            "`lfence; rdtsc` + a plain 32-byte slot store (floor 2)",
+            "floor_tsc_store",
+        ),
+        (
+            "floor 2 + the head word: load it, slot busy, commit, store it (floor 3)",
+            "floor_tsc_store_head",
+        ),
+        ("C recorder `vmtsync_record` (capi/, gcc -O2)", "c_recorder"),
+        ("Rust `Recorder::record`", "rust_recorder"),
+        ("Rust `MemRecorder::record`", "rust_mem_recorder"),
+        ("barectf 3.1.2 tracing function", "barectf"),
+    ];
+    let floor2 = ns("floor_tsc_store")?.0;
+    let floor3 = ns("floor_tsc_store_head")?.0;
+    let mut body = String::from(
+        "| contender | ns per event (median; fastest round) | − floor 2 | − floor 3 | vs barectf |\n\
+         |---|---:|---:|---:|---:|\n",
+    );
+    let bt = ns("barectf")?.0;
+    for (label, key) in rows {
+        let (m, n) = ns(key)?;
+        let _ = writeln!(
+            body,
+            "| {label} | {m:.2}; {n:.2} | {:+.2} | {:+.2} | {} |",
+            m - floor2,
+            m - floor3,
+            ratio(m / bt)
+        );
+    }
+    let mhz = v["tsc_mhz"].as_f64().unwrap_or(f64::NAN);
+    let _ = write!(
+        body,
+        "\nOne process pinned to CPU 1 ({}), {rounds} interleaved rounds of {events} events per \
+         contender (the order rotates each round), medians over rounds; every event has an \
+         8-byte payload and every ring is a flight ring of 4096 records, so nothing is refused \
+         and nothing drains in the timed loop. Every contender reads the same clock \
+         (`lfence; rdtsc`), and the same stamps time the loops (TSC at {mhz:.0} MHz, calibrated \
+         against CLOCK_MONOTONIC). barectf writes CTF packets into one 128 KiB buffer that its \
+         platform closes and reopens in place when full. Floor 3 is the least a ring whose \
+         reader follows a head word must add to floor 2 (docs/memory-layout.md's protocol \
+         without its checks): a recorder of this layout cannot go below it.\n",
+        if v["pinned"] == Value::Bool(true) {
+            "pinned"
+        } else {
+            "pinning refused"
+        }
+    );
+    let c = ns("c_recorder")?.0;
+    let mut summary = vec![[
+        "C recorder per event vs barectf (same clock, one process)".into(),
+        "≤ barectf".into(),
+        format!("{c:.2} vs {bt:.2} ns ({})", ratio(c / bt)),
+        verdict(c <= bt),
+    ]];
+    for (name, key) in [
+        ("C recorder", "c_recorder"),
+        ("Rust `Recorder`", "rust_recorder"),
+        ("Rust `MemRecorder`", "rust_mem_recorder"),
+    ] {
+        let m = ns(key)?.0;
+        summary.push([
+            format!("{name} per event above `lfence; rdtsc` + a 32-byte slot store (floor 2)"),
+            format!("≤ {FLOOR_SLACK_NS} ns"),
+            format!(
+                "{:+.2} ns ({m:.2} vs {floor2:.2}); {:+.2} ns above floor 3",
+                m - floor2,
+                m - floor3
+            ),
+            verdict(m - floor2 <= FLOOR_SLACK_NS),
+        ]);
+    }
+    Ok((command, body, summary))
+}

@@ -35,7 +35,13 @@ pub struct RecordArgs {
     /// 0x... or decimal) instead of being searched for.
     #[arg(long, value_name = "HOSTVA", requires = "from_memory", conflicts_with = "elf", value_parser = parse_addr)]
     pub addr: Option<u64>,
-    /// With --from-memory: the guest image whose symbol --symbol names the header.
+    /// With --from-memory: the header is at this guest-physical address (hex 0x... or
+    /// decimal), as firmware that puts its ring at a fixed address knows it; vmtsync waits for
+    /// the guest to publish it there.
+    #[arg(long, value_name = "GPA", requires = "from_memory", conflicts_with_all = ["addr", "elf"], value_parser = parse_addr)]
+    pub guest_phys: Option<u64>,
+    /// With --from-memory: the guest image whose symbol --symbol names the header (a 32-bit
+    /// or 64-bit ELF file).
     #[arg(long, value_name = "FILE", requires_all = ["from_memory", "symbol"])]
     pub elf: Option<PathBuf>,
     /// With --elf: the symbol of the recorder's header.
@@ -315,9 +321,10 @@ fn run_record_memory_cmd(a: &RecordArgs) -> Result<(), CliError> {
         .map(|(d, _)| d)
         .find(|d| d.id == vm.id())
         .ok_or_else(|| CliError::Usage(format!("the VM {sel} exited")))?;
-    let location = match (a.addr, &a.elf, &a.symbol) {
-        (Some(addr), _, _) => Location::HostAddress(addr),
-        (None, Some(elf), Some(sym)) => Location::GuestPhysical(
+    let location = match (a.guest_phys, a.addr, &a.elf, &a.symbol) {
+        (Some(gpa), _, _, _) => Location::GuestPhysical(gpa),
+        (None, Some(addr), _, _) => Location::HostAddress(addr),
+        (None, None, Some(elf), Some(sym)) => Location::GuestPhysical(
             symbol_guest_physical_in(elf, sym)
                 .map_err(|e| CliError::Usage(format!("--elf {}: {e}", elf.display())))?,
         ),

@@ -148,6 +148,20 @@ pub enum FindError {
     },
 }
 
+impl FindError {
+    /// Whether the recorder may simply not be published yet (nothing valid where it should
+    /// be), so that waiting can help; read errors and a location outside every mapping
+    /// cannot get better.
+    #[must_use]
+    pub fn not_yet(&self) -> bool {
+        match self {
+            Self::NotFound { .. } | Self::Invalid { .. } => true,
+            Self::NoRamMapping { tried, .. } => *tried > 0,
+            _ => false,
+        }
+    }
+}
+
 fn rejected_note(rejected: &[(u64, Rejected)]) -> String {
     rejected
         .first()

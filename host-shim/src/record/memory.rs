@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use super::beacons::{BeaconStats, Beacons};
 use super::*;
-use crate::guestmem::{self, Drainer, FindError, GuestClock, GuestRecord, Location, ProcMemory};
+use crate::guestmem::{self, Drainer, GuestClock, GuestRecord, Location, ProcMemory};
 use crate::kvm::debugfs::{VcpuState, VmDir, read_vcpu};
 use crate::kvm::hosttsc::read_host_tsc;
 use crate::kvm::procinfo::ProcFs;
@@ -404,15 +404,22 @@ pub fn run_record_memory(
         opts.stop
             .is_some_and(|s| s.load(std::sync::atomic::Ordering::Relaxed))
     };
-    // The guest publishes its header at run time: wait for it (a scan finds nothing before).
+    // The guest publishes its header at run time: wait for it, wherever it is to appear (a
+    // scan, a named address or a guest-physical one finds nothing valid before).
     let deadline = Instant::now() + opts.find_timeout;
     let found = loop {
         match guestmem::find(&mut mem, opts.location) {
             Ok(f) => break f,
-            Err(FindError::NotFound { .. }) if Instant::now() < deadline && !stopped() => {
+            Err(e) if e.not_yet() && Instant::now() < deadline && !stopped() => {
                 // Soon after it appears: a beacon-mode recording brackets beacons from the
                 // second after the first read on.
                 std::thread::sleep(Duration::from_millis(10));
+            }
+            Err(e) if e.not_yet() => {
+                return Err(RecordError::Memory(format!(
+                    "waited {:.1?} for the guest to publish its recorder: {e}",
+                    opts.find_timeout
+                )));
             }
             Err(e) => return Err(RecordError::Memory(e.to_string())),
         }

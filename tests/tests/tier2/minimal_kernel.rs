@@ -375,7 +375,7 @@ fn qmp_cont(path: &Path) {
 
 /// Waits (at most 20 s) until KVM debugfs lists vCPU 0 of QEMU `pid`'s VM (`vmtsync kvm`):
 /// a VM started with `-S` has its vCPUs before it runs them (their threads show only then).
-fn wait_paused_vcpu(pid: u32) {
+pub(crate) fn wait_paused_vcpu(pid: u32) {
     let end = std::time::Instant::now() + Duration::from_secs(20);
     loop {
         let o = crate::util::guarded_output(

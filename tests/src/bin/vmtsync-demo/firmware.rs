@@ -1,5 +1,5 @@
 //! `vmtsync-demo --firmware` (`cargo xtask demo --firmware`): SeaBIOS traced live. It fetches
-//! and builds the traced SeaBIOS (`vmtsync_launch::firmware`: Debian's source, the 18-line
+//! and builds the traced SeaBIOS (`vmtsync_launch::firmware`: Debian's source, the 17-line
 //! patch, the C recorder), boots it under QEMU `-M pc` paused, attaches `vmtsync record
 //! --from-memory` (beacon mode: guaranteed intervals from the firmware's sync beacons,
 //! bracketed by the host's own `kvm_pio` exits), resumes it, and once SeaBIOS has tried every

@@ -65,10 +65,12 @@ fn spawn_reader(pid: u32, out: &Path, extra: &[&str]) -> ChildGuard {
 fn stop_reader(mut rec: ChildGuard, out: &Path) -> (bool, String) {
     let pid = libc::pid_t::try_from(rec.pid()).expect("a pid");
     // SAFETY: kill(2) with our own child's PID (still unreaped: the guard holds it).
+    let sent = unsafe { libc::kill(pid, libc::SIGINT) };
     assert_eq!(
-        unsafe { libc::kill(pid, libc::SIGINT) },
+        sent,
         0,
-        "SIGINT the reader"
+        "SIGINT the reader: {}",
+        std::io::Error::last_os_error()
     );
     let status = rec
         .wait_timeout(Duration::from_secs(60))

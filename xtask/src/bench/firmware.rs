@@ -85,9 +85,11 @@ fn boot(bios: &Path, dir: &Path, vmtsync: Option<&Path>) -> Result<Run> {
         Some((mut g, err)) => {
             let pid = libc::pid_t::try_from(g.pid())?;
             // SAFETY: kill(2) with our own child's PID, unreaped (the guard holds it).
+            let sent = unsafe { libc::kill(pid, libc::SIGINT) };
             ensure!(
-                unsafe { libc::kill(pid, libc::SIGINT) } == 0,
-                "SIGINT vmtsync"
+                sent == 0,
+                "SIGINT vmtsync: {}",
+                std::io::Error::last_os_error()
             );
             let status = g
                 .wait_timeout(Duration::from_secs(60))?

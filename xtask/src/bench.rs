@@ -24,6 +24,7 @@
 //! - the memory reader on a live C guest (`vmtsync record --from-memory`: ceiling, 1 M
 //!   events/s into a 64 Ki ring, its CPU per million events, the scan of a 4 GiB guest's
 //!   memory through `examples/mem_scan`);
+//! - SeaBIOS's time to its first boot attempt, stock and with its POST phases recorded;
 //! - the agent's `.text` size (`build-agent`);
 //! - fuzzing: `--fuzz-long` runs `cargo xtask fuzz --long` and records its `fuzz-result`
 //!   lines in `target/fuzz-results.json`; without it the last recorded results are shown with
@@ -40,6 +41,7 @@
 
 mod criterion;
 mod ctf;
+mod firmware;
 mod format;
 mod fuzz;
 mod ingest;
@@ -283,6 +285,7 @@ pub(crate) fn bench(args: &[String]) -> Result<()> {
         ("record", Box::new(|| record::record(&plan))),
         ("ingest", Box::new(|| ingest::ingest(&plan))),
         ("memory", Box::new(|| memory::memory(&plan, &work))),
+        ("firmware", Box::new(|| firmware::firmware(&plan, &work))),
         ("fuzz", Box::new(|| fuzz::fuzz(&opts))),
         ("agent", Box::new(sections::agent_size)),
     ];
@@ -569,7 +572,8 @@ mod tests {
     fn the_template_names_every_section() {
         for key in [
             "timeline", "proto", "estimate", "recorder", "tracedat", "ctf", "perfetto", "scan",
-            "probe", "record", "ingest", "memory", "fuzz", "agent", "summary", "machine",
+            "probe", "record", "ingest", "memory", "firmware", "fuzz", "agent", "summary",
+            "machine",
         ] {
             assert!(
                 TEMPLATE.contains(&format!("{{{{{key}}}}}")),

@@ -1,5 +1,6 @@
 //! `cargo xtask demo [--json] [--vmm auto|qemu|builtin|sim] [--no-skew] [--smp N]`: the first command
-//! on a fresh clone. It builds the real `vmtsync` program and the demo's helpers, then runs
+//! on a fresh clone. `cargo xtask demo --firmware` shows SeaBIOS traced live instead: it builds
+//! the traced SeaBIOS, boots, records and prints its phases with host times and intervals. It builds the real `vmtsync` program and the demo's helpers, then runs
 //! `vmtsync-tests`' `vmtsync-demo` binary, which installs what it still needs (the rustup
 //! target before building the agent, QEMU through apt when root), boots the agent with a
 //! software skew picked from the host TSC, and checks `vmtsync probe`'s bounds against the

@@ -163,6 +163,7 @@ fn ci(_args: &[String]) -> Result<()> {
         // The README's first command, end to end: real VM, skewed agent, truth from debugfs.
         // Under CI=true it fails instead of falling back to the simulation.
         ("demo", || demo::demo(&[])),
+        ("demo --firmware", || demo::demo(&["--firmware".into()])),
         ("no_std build", check_nostd),
         ("guest agent", agent::ci_check),
         ("minimal kernel", agent::ci_check_minimal_kernel),

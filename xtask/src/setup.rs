@@ -1,6 +1,7 @@
 //! Installs what the tier-2 tests need on a fresh machine of this project: the rustup target,
-//! Debian packages, vhost-device-vsock and Perfetto's trace processor (into the project's
-//! cache under `$HOME/.cache/vmtsync/`), and a mounted debugfs. Each step checks first and does nothing
+//! Debian packages, vhost-device-vsock, Perfetto's trace processor and SeaBIOS's source
+//! (Debian's `seabios` source package; both into the project's cache under
+//! `$HOME/.cache/vmtsync/`), and a mounted debugfs. Each step checks first and does nothing
 //! when the prerequisite is already there. Under `CI=true` a step that cannot be done fails
 //! the run. The checks and installers are `vmtsync_launch::prereq`'s, which the demo and the
 //! tests' agent build use too.
@@ -68,6 +69,12 @@ pub(crate) fn setup() -> Result<()> {
 
     if let Err(e) = ensure_vhost_device_vsock(BuildOutput::Shown) {
         problems.push(format!("vhost-device-vsock: {e:#}"));
+    }
+
+    // After the packages: apt-get source and dpkg-source (build-essential's dpkg-dev). The
+    // traced SeaBIOS is built from it on first use (tests, demo, bench), cached by its inputs.
+    if let Err(e) = vmtsync_launch::firmware::ensure_source() {
+        problems.push(format!("SeaBIOS source: {e:#}"));
     }
 
     // After the packages: it needs npm (from nodejs) and tar.

@@ -7,6 +7,8 @@
 //! - [`agent`]: the guest builds (`guest-agent/`, `tests/minimal-kernel/`; release, each with
 //!   its own `.cargo/config.toml`).
 //! - [`qemu`]: the QEMU command line (microvm or q35 + qboot, COM1, COM2, isa-debug-exit).
+//! - [`firmware`]: SeaBIOS from Debian's source package, stock or traced (patched with the C
+//!   recorder), built into the project cache.
 //! - [`vhost`]: the vhost-device-vsock backend's version and install location.
 //! - [`trace_processor`]: Perfetto's trace processor (wasm, run by Node), fetched into the
 //!   project cache and checksum-checked.
@@ -21,6 +23,7 @@ pub mod agent;
 pub mod barectf;
 pub mod bench;
 mod error;
+pub mod firmware;
 mod guard;
 pub mod prereq;
 pub mod qemu;

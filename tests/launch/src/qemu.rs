@@ -1,5 +1,6 @@
 //! The QEMU command line that boots the agent ELF, for the tests, `cargo xtask run-agent`,
-//! the vsock rig and the demo alike.
+//! the vsock rig and the demo alike, and the one that boots a firmware image as the BIOS
+//! ([`command_firmware`], traced SeaBIOS: [`crate::firmware`]), paused until [`qmp_cont`].
 //!
 //! QEMU 7.2 boots a PVH ELF with `-kernel`. Never SeaBIOS (seconds of emulated ring-0 code on
 //! nested KVM, docs/launching.md): `microvm` (its default firmware is qboot) or `q35` with
@@ -203,6 +204,98 @@ fn command_with_com1(
     c
 }
 
+/// A QEMU command that boots the firmware image `bios` as the machine's BIOS on `-M pc`
+/// (`-bios`; SeaBIOS is QEMU's own choice for this machine), with `memory_mib` MiB of RAM, its
+/// debug console (port 0x402, where SeaBIOS prints its log) written to `debug_log`, no NIC
+/// (with its default NIC, `-M pc` QEMU exits during SeaBIOS's network boot) and no display.
+/// `-no-reboot`: a guest reset ends QEMU. The caller adds `-S` and a QMP socket
+/// ([`qmp_cont`]) to attach a reader before the first instruction, and sets up stdio.
+#[must_use]
+pub fn command_firmware(bios: &Path, debug_log: &Path, memory_mib: u32) -> Command {
+    let mut c = Command::new(QEMU);
+    c.args([
+        "-M",
+        "pc",
+        "-accel",
+        "kvm",
+        "-cpu",
+        "host,-arch-capabilities",
+        "-m",
+        &format!("{memory_mib}M"),
+        "-display",
+        "none",
+        "-monitor",
+        "none",
+        "-nic",
+        "none",
+        "-no-reboot",
+    ]);
+    c.arg("-bios").arg(bios);
+    c.arg("-chardev")
+        .arg(format!("file,id=dbg,path={}", debug_log.display()));
+    c.args(["-device", "isa-debugcon,iobase=0x402,chardev=dbg"]);
+    c
+}
+
+/// The arguments that start QEMU paused (`-S`) with a QMP socket at `sock` that it listens on
+/// without waiting for a client; [`qmp_cont`] resumes it.
+#[must_use]
+pub fn paused_with_qmp(sock: &Path) -> [String; 3] {
+    [
+        "-S".to_owned(),
+        "-qmp".to_owned(),
+        format!("unix:{},server=on,wait=off", sock.display()),
+    ]
+}
+
+/// Resumes a QEMU started with [`paused_with_qmp`]: waits (at most `wait`) for its QMP socket
+/// at `sock`, then sends `qmp_capabilities` and `cont`.
+///
+/// # Errors
+/// [`LaunchError::Missing`] when the socket never appears, QEMU refuses a command or the
+/// socket fails.
+pub fn qmp_cont(sock: &Path, wait: std::time::Duration) -> Result<(), crate::LaunchError> {
+    use std::io::{BufRead as _, BufReader, Write as _};
+    let fail =
+        |what: String| crate::LaunchError::Missing(format!("QMP at {}: {what}", sock.display()));
+    let end = std::time::Instant::now() + wait;
+    let s = loop {
+        match std::os::unix::net::UnixStream::connect(sock) {
+            Ok(s) => break s,
+            Err(e) if std::time::Instant::now() >= end => return Err(fail(e.to_string())),
+            Err(_) => std::thread::sleep(std::time::Duration::from_millis(10)),
+        }
+    };
+    s.set_read_timeout(Some(wait))
+        .map_err(|e| fail(e.to_string()))?;
+    let mut r = BufReader::new(s.try_clone().map_err(|e| fail(e.to_string()))?);
+    let mut w = s;
+    let mut reply = |cmd: &str| -> Result<(), crate::LaunchError> {
+        if !cmd.is_empty() {
+            w.write_all(cmd.as_bytes())
+                .map_err(|e| fail(e.to_string()))?;
+        }
+        loop {
+            let mut line = String::new();
+            if r.read_line(&mut line).map_err(|e| fail(e.to_string()))? == 0 {
+                return Err(fail(format!("closed before it answered {cmd:?}")));
+            }
+            let v: serde_json::Value =
+                serde_json::from_str(&line).map_err(|e| fail(format!("{e}: {line:?}")))?;
+            // Events (`{"event": ...}`) may come in between; the greeting or a return ends.
+            if v.get("QMP").is_some() || v.get("return").is_some() {
+                return Ok(());
+            }
+            if v.get("error").is_some() {
+                return Err(fail(format!("{cmd:?} refused: {v}")));
+            }
+        }
+    };
+    reply("")?;
+    reply("{\"execute\": \"qmp_capabilities\"}\n")?;
+    reply("{\"execute\": \"cont\"}\n")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -261,6 +354,31 @@ mod tests {
         let c = display(&command_with_memory(Machine::Microvm, elf, "x", log, 4096));
         assert!(c.contains(" -m 4096M ") && !c.contains("64M"), "{c}");
         assert!(c.ends_with("-kernel /a.elf -append x"), "{c}");
+    }
+
+    #[test]
+    fn the_firmware_command_boots_a_bios_on_pc() {
+        let c = display(&command_firmware(
+            Path::new("/b.bin"),
+            Path::new("/d.log"),
+            128,
+        ));
+        assert!(
+            c.starts_with(
+                "qemu-system-x86_64 -M pc -accel kvm -cpu host,-arch-capabilities -m 128M "
+            ),
+            "{c}"
+        );
+        assert!(
+            c.contains(" -nic none -no-reboot -bios /b.bin -chardev file,id=dbg,path=/d.log "),
+            "{c}"
+        );
+        assert!(
+            c.ends_with("-device isa-debugcon,iobase=0x402,chardev=dbg"),
+            "{c}"
+        );
+        let p = paused_with_qmp(Path::new("/q"));
+        assert_eq!(p.join(" "), "-S -qmp unix:/q,server=on,wait=off");
     }
 
     #[test]

@@ -2,7 +2,8 @@
 //! reads its vCPU's exact TSC mapping from KVM debugfs (`vmtsync kvm --json`), measures the
 //! offset with probes (`vmtsync probe --json`), and prints both next to the truth.
 //!
-//! Usage: `vmtsync-demo [--json] [--vmm auto|qemu|builtin|sim] [--no-skew] [--smp N]`
+//! Usage: `vmtsync-demo [--json] [--vmm auto|qemu|builtin|sim] [--no-skew] [--smp N]`, or
+//! `vmtsync-demo --firmware`: SeaBIOS traced live from guest memory (`firmware.rs`).
 //!
 //! The demo runs the real `vmtsync` program (the binary next to this one), so it shows exactly
 //! what a user runs. The agent boots with a skew picked from the host TSC now
@@ -59,7 +60,10 @@ use vmtsync_launch::{ChildGuard, have_kvm, is_ci, is_root};
 use vmtsync_tests::truth::{GuestTruth, Skew};
 
 const USAGE: &str =
-    "usage: vmtsync-demo [--json] [--vmm auto|qemu|builtin|sim] [--no-skew] [--smp N]";
+    "usage: vmtsync-demo [--json] [--vmm auto|qemu|builtin|sim] [--no-skew] [--smp N] | --firmware";
+
+#[path = "vmtsync-demo/firmware.rs"]
+mod firmware;
 
 /// vCPUs of the QEMU guest unless `--smp` says otherwise: the project's hosts have 2 cores,
 /// and parked application processors cost nothing while nobody probes them.
@@ -98,6 +102,8 @@ struct DemoArgs {
     skew: bool,
     /// `--smp N` (QEMU only).
     smp: Option<u32>,
+    /// `--firmware`: the traced SeaBIOS instead of the agent.
+    firmware: bool,
 }
 
 fn parse_args(args: &[String]) -> Result<DemoArgs> {
@@ -106,12 +112,14 @@ fn parse_args(args: &[String]) -> Result<DemoArgs> {
         vmm: None,
         skew: true,
         smp: None,
+        firmware: false,
     };
     let mut it = args.iter();
     while let Some(a) = it.next() {
         match a.as_str() {
             "--json" => d.json = true,
             "--no-skew" => d.skew = false,
+            "--firmware" => d.firmware = true,
             "--smp" => {
                 d.smp = match it.next().and_then(|n| n.parse::<u32>().ok()) {
                     Some(n @ 1..=8) => Some(n),
@@ -129,6 +137,9 @@ fn parse_args(args: &[String]) -> Result<DemoArgs> {
             }
             other => bail!("unknown option `{other}`"),
         }
+    }
+    if d.firmware && (d.json || d.vmm.is_some() || !d.skew || d.smp.is_some()) {
+        bail!("--firmware takes no other option");
     }
     Ok(d)
 }
@@ -614,6 +625,9 @@ fn main() -> ExitCode {
 }
 
 fn demo(a: &DemoArgs) -> Result<()> {
+    if a.firmware {
+        return firmware::run(&sibling("vmtsync")?);
+    }
     let t0 = Instant::now();
     let (vmm, why) = choose(a.vmm)?;
     eprintln!("demo: VMM {} ({why})", vmm.name());

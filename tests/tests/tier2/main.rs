@@ -23,6 +23,7 @@ mod causality;
 mod console;
 mod ctf;
 mod e2e;
+mod firmware;
 mod kvm_real;
 mod memory_agent;
 mod memory_flight;
@@ -92,6 +93,7 @@ fn main() -> std::process::ExitCode {
         console::trials(),
         ctf::trials(),
         e2e::trials(),
+        firmware::trials(),
         kvm_real::trials(),
         memory_agent::trials(),
         memory_flight::trials(),

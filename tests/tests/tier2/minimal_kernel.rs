@@ -345,37 +345,9 @@ fn memory_console_text() -> String {
     t
 }
 
-/// Sends `cont` on QEMU's QMP socket at `path` (a VM started with `-S`): the guest runs from
-/// then on.
-fn qmp_cont(path: &Path) {
-    use std::io::{BufRead as _, BufReader, Write as _};
-    let s = std::os::unix::net::UnixStream::connect(path).expect("QMP socket");
-    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
-    let mut r = BufReader::new(s.try_clone().unwrap());
-    let mut w = s;
-    let mut reply = |cmd: &str| {
-        if !cmd.is_empty() {
-            w.write_all(cmd.as_bytes()).unwrap();
-        }
-        loop {
-            let mut line = String::new();
-            r.read_line(&mut line).expect("a QMP reply");
-            let v: serde_json::Value = serde_json::from_str(&line).expect("QMP JSON");
-            // Events (`{"event": ...}`) may come in between; the greeting or a return ends.
-            if v.get("QMP").is_some() || v.get("return").is_some() {
-                return;
-            }
-            assert!(v.get("error").is_none(), "QMP {cmd}: {v}");
-        }
-    };
-    reply("");
-    reply("{\"execute\": \"qmp_capabilities\"}\n");
-    reply("{\"execute\": \"cont\"}\n");
-}
-
 /// Waits (at most 20 s) until KVM debugfs lists vCPU 0 of QEMU `pid`'s VM (`vmtsync kvm`):
 /// a VM started with `-S` has its vCPUs before it runs them (their threads show only then).
-fn wait_paused_vcpu(pid: u32) {
+pub(crate) fn wait_paused_vcpu(pid: u32) {
     let end = std::time::Instant::now() + Duration::from_secs(20);
     loop {
         let o = crate::util::guarded_output(
@@ -453,9 +425,7 @@ fn minimal_kernel_in_memory_mode_is_read_from_guest_memory_at_its_exact_host_tim
         "memory",
         &dir.path().join("com2.log"),
     )
-    .arg("-S")
-    .arg("-qmp")
-    .arg(format!("unix:{},server=on,wait=off", qmp.display()))
+    .args(qemu::paused_with_qmp(&qmp))
     .stdin(Stdio::null())
     .stdout(std::fs::File::create(&console).unwrap())
     .stderr(Stdio::null())
@@ -468,12 +438,7 @@ fn minimal_kernel_in_memory_mode_is_read_from_guest_memory_at_its_exact_host_tim
     let loose_out = dir.path().join("beacons.jsonl");
     let exact = spawn_memory_record(pid, &exact_out, "jsonl", &["--trust-raw-tsc"]);
     let loose = spawn_memory_record(pid, &loose_out, "jsonl", &[]);
-    let end = std::time::Instant::now() + Duration::from_secs(20);
-    while !qmp.exists() {
-        assert!(std::time::Instant::now() < end, "no QMP socket");
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    qmp_cont(&qmp);
+    qemu::qmp_cont(&qmp, Duration::from_secs(20)).expect("QEMU resumes");
     let (ok, stderr) = wait_memory_record(exact, &exact_out);
     assert!(ok, "record --from-memory --trust-raw-tsc: {stderr}");
     println!(

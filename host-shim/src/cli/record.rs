@@ -50,15 +50,30 @@ pub struct RecordArgs {
     /// paused (adding -S and a private QMP socket), arms its reader, resumes it, records until
     /// a stop condition or the VMM's exit, then ends it (QMP quit, then SIGKILL). Instead of
     /// --vm.
-    #[arg(last = true, value_name = "VMM", requires = "from_memory", conflicts_with = "vm")]
+    #[arg(
+        last = true,
+        value_name = "VMM",
+        requires = "from_memory",
+        conflicts_with = "vm"
+    )]
     pub vmm: Vec<String>,
     /// With --from-memory: the guest image whose symbol --symbol names the header (a 32-bit
     /// or 64-bit ELF file).
-    #[arg(long, value_name = "FILE", requires_all = ["from_memory", "symbol"])]
+    #[arg(long, value_name = "FILE", requires = "from_memory")]
     pub elf: Option<PathBuf>,
     /// With --elf: the symbol of the recorder's header.
-    #[arg(long, value_name = "NAME", requires = "elf")]
+    #[arg(
+        long,
+        value_name = "NAME",
+        requires = "elf",
+        conflicts_with = "pointer"
+    )]
     pub symbol: Option<String>,
+    /// With --elf: a pointer variable that holds the header's guest-physical address (a
+    /// recorder the guest allocates at run time; 4 or 8 bytes by the image's class). vmtsync
+    /// waits until it is set and a valid header sits where it points.
+    #[arg(long, value_name = "NAME", requires = "elf")]
+    pub pointer: Option<String>,
     /// With --from-memory: take the recorder header's word that every record holds the
     /// vCPU's raw TSC, and place each event at KVM's exact mapping with width 0. Without
     /// it the guaranteed intervals come from the guest's sync beacons, bracketed by the
@@ -331,7 +346,7 @@ fn parse_addr(s: &str) -> Result<u64, String> {
 /// `vmtsync record --from-memory`: the VM's VMM memory is read, no link (see
 /// [`record::run_record_memory`]).
 fn run_record_memory_cmd(a: &RecordArgs) -> Result<(), CliError> {
-    use crate::guestmem::{Location, symbol_guest_physical_in};
+    use crate::guestmem::{Location, pointer_guest_physical_in, symbol_guest_physical_in};
     use crate::kvm::scan::VmSelector;
     // `-- VMM…`: started here, paused, and ended here whatever happens (the value's drop).
     let mut vmm = if a.vmm.is_empty() {
@@ -355,13 +370,27 @@ fn run_record_memory_cmd(a: &RecordArgs) -> Result<(), CliError> {
         .map(|(d, _)| d)
         .find(|d| d.id == vm.id())
         .ok_or_else(|| CliError::Usage(format!("the VM {sel} exited")))?;
-    let location = match (a.guest_phys, a.addr, &a.elf, &a.symbol) {
-        (Some(gpa), _, _, _) => Location::GuestPhysical(gpa),
-        (None, Some(addr), _, _) => Location::HostAddress(addr),
-        (None, None, Some(elf), Some(sym)) => Location::GuestPhysical(
-            symbol_guest_physical_in(elf, sym)
-                .map_err(|e| CliError::Usage(format!("--elf {}: {e}", elf.display())))?,
-        ),
+    let elf_error = |elf: &PathBuf, e| CliError::Usage(format!("--elf {}: {e}", elf.display()));
+    let location = match (a.guest_phys, a.addr, &a.elf) {
+        (Some(gpa), _, _) => Location::GuestPhysical(gpa),
+        (None, Some(addr), _) => Location::HostAddress(addr),
+        (None, None, Some(elf)) => match (&a.symbol, &a.pointer) {
+            (Some(sym), _) => Location::GuestPhysical(
+                symbol_guest_physical_in(elf, sym).map_err(|e| elf_error(elf, e))?,
+            ),
+            (None, Some(ptr)) => {
+                let (gpa, width) =
+                    pointer_guest_physical_in(elf, ptr).map_err(|e| elf_error(elf, e))?;
+                Location::Pointer { gpa, width }
+            }
+            (None, None) => {
+                return Err(CliError::Usage(
+                    "--elf needs --symbol (the header) or --pointer (a variable holding its \
+                     address)"
+                        .into(),
+                ));
+            }
+        },
         _ => Location::Scan,
     };
     install_stop_handler();

@@ -57,9 +57,14 @@ pub enum ElfError {
 /// # Errors
 /// [`ElfError`]: not ELF, no such symbol, or not in a loaded segment.
 pub fn symbol_guest_physical(bytes: &[u8], name: &str) -> Result<u64, ElfError> {
+    symbol_and_pointer_width(bytes, name).map(|(gpa, _)| gpa)
+}
+
+/// [`symbol_guest_physical`], with the image's pointer size in bytes (4 or 8).
+fn symbol_and_pointer_width(bytes: &[u8], name: &str) -> Result<(u64, u8), ElfError> {
     match FileKind::parse(bytes)? {
-        FileKind::Elf32 => in_elf(&ElfFile32::<Endianness>::parse(bytes)?, name),
-        FileKind::Elf64 => in_elf(&ElfFile64::<Endianness>::parse(bytes)?, name),
+        FileKind::Elf32 => Ok((in_elf(&ElfFile32::<Endianness>::parse(bytes)?, name)?, 4)),
+        FileKind::Elf64 => Ok((in_elf(&ElfFile64::<Endianness>::parse(bytes)?, name)?, 8)),
         other => Err(ElfError::NotElf(other)),
     }
 }
@@ -92,11 +97,25 @@ fn in_elf<Elf: FileHeader<Endian = Endianness>>(
         })
 }
 
+/// The guest-physical address of the pointer variable `name` in the image at `path`, and the
+/// pointer's size (4 in a 32-bit image, 8 in a 64-bit one).
+///
+/// # Errors
+/// As [`symbol_guest_physical_in`].
+pub fn pointer_guest_physical_in(path: &Path, name: &str) -> Result<(u64, u8), ElfError> {
+    symbol_and_pointer_width(&read_image(path)?, name)
+}
+
 /// [`symbol_guest_physical`] of the image at `path`.
 ///
 /// # Errors
 /// [`ElfError`], also for a file that cannot be read or is too large.
 pub fn symbol_guest_physical_in(path: &Path, name: &str) -> Result<u64, ElfError> {
+    symbol_guest_physical(&read_image(path)?, name)
+}
+
+/// The image at `path`, refused beyond [`MAX_IMAGE_BYTES`].
+fn read_image(path: &Path) -> Result<Vec<u8>, ElfError> {
     let read = |source| ElfError::Read {
         path: path.to_owned(),
         source,
@@ -107,8 +126,7 @@ pub fn symbol_guest_physical_in(path: &Path, name: &str) -> Result<u64, ElfError
             path: path.to_owned(),
         });
     }
-    let bytes = std::fs::read(path).map_err(read)?;
-    symbol_guest_physical(&bytes, name)
+    std::fs::read(path).map_err(read)
 }
 
 #[cfg(test)]
@@ -139,7 +157,14 @@ mod tests {
         )
         .expect("write the linker script");
         let out = Command::new("gcc")
-            .args(["-m32", "-ffreestanding", "-fno-pic", "-no-pie", "-nostdlib", "-static"])
+            .args([
+                "-m32",
+                "-ffreestanding",
+                "-fno-pic",
+                "-no-pie",
+                "-nostdlib",
+                "-static",
+            ])
             .arg("-T")
             .arg(&lds)
             .arg("-o")
@@ -184,7 +209,15 @@ mod tests {
             })
             .expect("readelf shows the segment holding the symbol");
         assert_eq!(gpa, seg);
-        assert!(gpa < 0x20_0000, "{gpa:#x} is the load address, not the link address");
+        assert!(
+            gpa < 0x20_0000,
+            "{gpa:#x} is the load address, not the link address"
+        );
+        assert_eq!(
+            super::pointer_guest_physical_in(&elf, "vmtsync_fw_block").expect("a symbol"),
+            (gpa, 4),
+            "a 32-bit image's pointers are 4 bytes"
+        );
         let e = symbol_guest_physical_in(&elf, "absent").expect_err("no such symbol");
         assert!(matches!(e, ElfError::NoSymbol(_)), "{e}");
     }

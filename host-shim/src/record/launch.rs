@@ -26,7 +26,9 @@ const QUIT_WAIT: Duration = Duration::from_secs(5);
 #[non_exhaustive]
 pub enum LaunchError {
     /// No program after `--`.
-    #[error("nothing to start after `--` (give the VMM's command line, e.g. -- qemu-system-x86_64 …)")]
+    #[error(
+        "nothing to start after `--` (give the VMM's command line, e.g. -- qemu-system-x86_64 …)"
+    )]
     Empty,
     /// The program did not start.
     #[error("could not start {program}: {source}")]
@@ -113,8 +115,8 @@ impl Qmp {
                         Err(self.fail(format!("closed before it answered {cmd:?}")))
                     };
                 }
-                let v: serde_json::Value = serde_json::from_str(&line)
-                    .map_err(|e| self.fail(format!("{e}: {line:?}")))?;
+                let v: serde_json::Value =
+                    serde_json::from_str(&line).map_err(|e| self.fail(format!("{e}: {line:?}")))?;
                 // Events may come in between; the greeting or a return ends the wait.
                 if v.get("QMP").is_some() || v.get("return").is_some() {
                     return Ok(());

@@ -312,7 +312,13 @@ fn seabios_started_by_the_reader_brackets_every_beacon_from_the_first() {
     let qemu = command_firmware(&out.join("bios.bin"), &log, MEMORY_MIB);
     let err = std::fs::File::create(jsonl.with_extension("stderr")).unwrap();
     let child = vmtsync()
-        .args(["record", "--from-memory", "--format", "jsonl", "--no-progress"])
+        .args([
+            "record",
+            "--from-memory",
+            "--format",
+            "jsonl",
+            "--no-progress",
+        ])
         .args(["--guest-phys", &format!("{:#x}", firmware::RING_GPA)])
         .args(["--beacon-port", &format!("{:#x}", firmware::BEACON_PORT)])
         .args(["--duration", "180", "--out"])

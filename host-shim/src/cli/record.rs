@@ -25,22 +25,55 @@ pub struct RecordArgs {
         conflicts_with = "from_memory"
     )]
     pub connect: Option<ProbeAddr>,
-    /// Read the guest's recorder straight out of the VM's memory (--vm names the VM; root):
-    /// no link and no agent protocol. Each event's host time comes from KVM's per-vCPU
-    /// mapping in debugfs, exactly, when the recorder says it holds the raw TSC
-    /// (docs/record.md, "Recording from guest memory").
-    #[arg(long, requires = "vm", conflicts_with_all = ["anchor", "probe_log", "console", "sync_out", "host_trace", "shutdown"])]
+    /// Read the guest's recorder straight out of the VM's memory (--vm names the VM, or
+    /// `-- VMM ARGS…` starts it; root): no link and no agent protocol. Each event's host time
+    /// comes from KVM's per-vCPU mapping in debugfs, exactly, when the recorder says it holds
+    /// the raw TSC (docs/record.md, "Recording from guest memory").
+    #[arg(long, conflicts_with_all = ["anchor", "probe_log", "console", "sync_out", "host_trace", "shutdown"])]
     pub from_memory: bool,
     /// With --from-memory: the header is at this host virtual address in the VMM (hex
     /// 0x... or decimal) instead of being searched for.
     #[arg(long, value_name = "HOSTVA", requires = "from_memory", conflicts_with = "elf", value_parser = parse_addr)]
     pub addr: Option<u64>,
-    /// With --from-memory: the guest image whose symbol --symbol names the header.
-    #[arg(long, value_name = "FILE", requires_all = ["from_memory", "symbol"])]
+    /// With --from-memory: the header is at this guest-physical address (hex 0x... or
+    /// decimal), as firmware that puts its ring at a fixed address knows it; vmtsync waits for
+    /// the guest to publish it there.
+    #[arg(long, value_name = "GPA", requires = "from_memory", conflicts_with_all = ["addr", "elf"], value_parser = parse_addr)]
+    pub guest_phys: Option<u64>,
+    /// With --from-memory: trace this I/O port's kvm_pio exits from the start, before the
+    /// recorder's header (which must name the same port) is found, so that beacons the
+    /// guest emits early are traced too; with `-- VMM…` every beacon, the first included,
+    /// gets a bracket.
+    #[arg(long, value_name = "PORT", requires = "from_memory", value_parser = parse_port)]
+    pub beacon_port: Option<u16>,
+    /// With --from-memory, after `--`: the VMM's command line (QEMU). vmtsync starts it
+    /// paused (adding -S and a private QMP socket), arms its reader, resumes it, records until
+    /// a stop condition or the VMM's exit, then ends it (QMP quit, then SIGKILL). Instead of
+    /// --vm.
+    #[arg(
+        last = true,
+        value_name = "VMM",
+        requires = "from_memory",
+        conflicts_with = "vm"
+    )]
+    pub vmm: Vec<String>,
+    /// With --from-memory: the guest image whose symbol --symbol names the header (a 32-bit
+    /// or 64-bit ELF file).
+    #[arg(long, value_name = "FILE", requires = "from_memory")]
     pub elf: Option<PathBuf>,
     /// With --elf: the symbol of the recorder's header.
-    #[arg(long, value_name = "NAME", requires = "elf")]
+    #[arg(
+        long,
+        value_name = "NAME",
+        requires = "elf",
+        conflicts_with = "pointer"
+    )]
     pub symbol: Option<String>,
+    /// With --elf: a pointer variable that holds the header's guest-physical address (a
+    /// recorder the guest allocates at run time; 4 or 8 bytes by the image's class). vmtsync
+    /// waits until it is set and a valid header sits where it points.
+    #[arg(long, value_name = "NAME", requires = "elf")]
+    pub pointer: Option<String>,
     /// With --from-memory: take the recorder header's word that every record holds the
     /// vCPU's raw TSC, and place each event at KVM's exact mapping with width 0. Without
     /// it the guaranteed intervals come from the guest's sync beacons, bracketed by the
@@ -292,6 +325,15 @@ pub(super) fn run_record_cmd(a: &RecordArgs) -> Result<(), CliError> {
     Ok(())
 }
 
+/// A `--beacon-port` value: hex with `0x`, else decimal, 1..=0xffff.
+fn parse_port(s: &str) -> Result<u16, String> {
+    let v = parse_addr(s)?;
+    u16::try_from(v)
+        .ok()
+        .filter(|p| *p != 0)
+        .ok_or_else(|| format!("{s:?} is not an I/O port (1..=0xffff)"))
+}
+
 /// A `--addr` value: hex with `0x`, else decimal.
 fn parse_addr(s: &str) -> Result<u64, String> {
     let r = match s.strip_prefix("0x").or_else(|| s.strip_prefix("0X")) {
@@ -304,9 +346,22 @@ fn parse_addr(s: &str) -> Result<u64, String> {
 /// `vmtsync record --from-memory`: the VM's VMM memory is read, no link (see
 /// [`record::run_record_memory`]).
 fn run_record_memory_cmd(a: &RecordArgs) -> Result<(), CliError> {
-    use crate::guestmem::{Location, symbol_guest_physical_in};
-    let Some(sel) = &a.vm else {
-        return Err(CliError::Usage("--from-memory needs --vm".into()));
+    use crate::guestmem::{Location, pointer_guest_physical_in, symbol_guest_physical_in};
+    use crate::kvm::scan::VmSelector;
+    // `-- VMM…`: started here, paused, and ended here whatever happens (the value's drop).
+    let mut vmm = if a.vmm.is_empty() {
+        None
+    } else {
+        Some(
+            record::launch::Vmm::spawn_paused(&a.vmm)
+                .map_err(|e| CliError::Usage(e.to_string()))?,
+        )
+    };
+    let launched = vmm.as_ref().map(|v| VmSelector::Pid(v.pid()));
+    let Some(sel) = a.vm.as_ref().or(launched.as_ref()) else {
+        return Err(CliError::Usage(
+            "--from-memory needs --vm, or the VMM's command line after `--`".into(),
+        ));
     };
     let vm = super::source::single_vm(&a.source, sel)?;
     let vm_dir = super::source::scanner(&a.source)?
@@ -315,12 +370,27 @@ fn run_record_memory_cmd(a: &RecordArgs) -> Result<(), CliError> {
         .map(|(d, _)| d)
         .find(|d| d.id == vm.id())
         .ok_or_else(|| CliError::Usage(format!("the VM {sel} exited")))?;
-    let location = match (a.addr, &a.elf, &a.symbol) {
-        (Some(addr), _, _) => Location::HostAddress(addr),
-        (None, Some(elf), Some(sym)) => Location::GuestPhysical(
-            symbol_guest_physical_in(elf, sym)
-                .map_err(|e| CliError::Usage(format!("--elf {}: {e}", elf.display())))?,
-        ),
+    let elf_error = |elf: &PathBuf, e| CliError::Usage(format!("--elf {}: {e}", elf.display()));
+    let location = match (a.guest_phys, a.addr, &a.elf) {
+        (Some(gpa), _, _) => Location::GuestPhysical(gpa),
+        (None, Some(addr), _) => Location::HostAddress(addr),
+        (None, None, Some(elf)) => match (&a.symbol, &a.pointer) {
+            (Some(sym), _) => Location::GuestPhysical(
+                symbol_guest_physical_in(elf, sym).map_err(|e| elf_error(elf, e))?,
+            ),
+            (None, Some(ptr)) => {
+                let (gpa, width) =
+                    pointer_guest_physical_in(elf, ptr).map_err(|e| elf_error(elf, e))?;
+                Location::Pointer { gpa, width }
+            }
+            (None, None) => {
+                return Err(CliError::Usage(
+                    "--elf needs --symbol (the header) or --pointer (a variable holding its \
+                     address)"
+                        .into(),
+                ));
+            }
+        },
         _ => Location::Scan,
     };
     install_stop_handler();
@@ -337,9 +407,18 @@ fn run_record_memory_cmd(a: &RecordArgs) -> Result<(), CliError> {
         trust_raw_tsc: a.trust_raw_tsc,
         find_timeout: Duration::from_secs(30),
         stop: Some(stop_flag()),
+        beacon_port: a.beacon_port,
+        paused: vmm.as_ref().map(record::launch::Vmm::resume),
     };
     let mut progress = Progress::stderr_if_terminal(!a.no_progress);
-    let (s, m) = record::run_record_memory(&opts, &mut progress)?;
+    let result = record::run_record_memory(&opts, &mut progress);
+    if let Some(v) = vmm.as_mut() {
+        match v.finish() {
+            Some(status) => eprintln!("vmtsync: the VMM (PID {}) ended: {status}", v.pid()),
+            None => eprintln!("vmtsync: the VMM (PID {}) was killed", v.pid()),
+        }
+    }
+    let (s, m) = result?;
     eprintln!("{}", summary_text(&s));
     eprintln!("{}", memory_text(&s, &m));
     let b = &m.beacon_stats;

@@ -1,4 +1,5 @@
-//! `--elf IMAGE SYMBOL`: the guest-physical address of the recorder's symbol.
+//! `--elf IMAGE --symbol NAME`: the guest-physical address of the recorder's symbol, in a
+//! 32-bit or a 64-bit ELF image.
 //!
 //! A symbol's value is a link-time virtual address. The guest-physical address is where the
 //! loader put that byte: the `PT_LOAD` segment that contains the value, moved from its
@@ -6,8 +7,8 @@
 
 use std::path::{Path, PathBuf};
 
-use object::read::elf::{ElfFile64, ProgramHeader};
-use object::{Endianness, Object, ObjectSymbol};
+use object::read::elf::{ElfFile, ElfFile32, ElfFile64, FileHeader, ProgramHeader};
+use object::{Endianness, FileKind, Object, ObjectSymbol};
 use thiserror::Error;
 
 /// Largest image read (guest kernels here are a few MiB).
@@ -31,9 +32,12 @@ pub enum ElfError {
         /// The image.
         path: PathBuf,
     },
-    /// Not a 64-bit ELF file.
-    #[error("not a 64-bit ELF image: {0}")]
+    /// Not an ELF file that parses.
+    #[error("not an ELF image: {0}")]
     Parse(#[from] object::Error),
+    /// A file of another kind (not ELF).
+    #[error("not an ELF image (a {0:?} file)")]
+    NotElf(FileKind),
     /// No such symbol.
     #[error("no symbol {0:?} in the image's symbol tables (is it stripped?)")]
     NoSymbol(String),
@@ -47,12 +51,29 @@ pub enum ElfError {
     },
 }
 
-/// `name`'s guest-physical address in the ELF image `bytes`.
+/// `name`'s guest-physical address in the ELF image `bytes`, 32-bit (SeaBIOS's `out/rom.o`,
+/// coreboot's stages) or 64-bit.
 ///
 /// # Errors
-/// [`ElfError`]: not ELF64, no such symbol, or not in a loaded segment.
+/// [`ElfError`]: not ELF, no such symbol, or not in a loaded segment.
 pub fn symbol_guest_physical(bytes: &[u8], name: &str) -> Result<u64, ElfError> {
-    let elf = ElfFile64::<Endianness>::parse(bytes)?;
+    symbol_and_pointer_width(bytes, name).map(|(gpa, _)| gpa)
+}
+
+/// [`symbol_guest_physical`], with the image's pointer size in bytes (4 or 8).
+fn symbol_and_pointer_width(bytes: &[u8], name: &str) -> Result<(u64, u8), ElfError> {
+    match FileKind::parse(bytes)? {
+        FileKind::Elf32 => Ok((in_elf(&ElfFile32::<Endianness>::parse(bytes)?, name)?, 4)),
+        FileKind::Elf64 => Ok((in_elf(&ElfFile64::<Endianness>::parse(bytes)?, name)?, 8)),
+        other => Err(ElfError::NotElf(other)),
+    }
+}
+
+/// [`symbol_guest_physical`] for one ELF class.
+fn in_elf<Elf: FileHeader<Endian = Endianness>>(
+    elf: &ElfFile<'_, Elf>,
+    name: &str,
+) -> Result<u64, ElfError> {
     let value = elf
         .symbols()
         .chain(elf.dynamic_symbols())
@@ -64,9 +85,11 @@ pub fn symbol_guest_physical(bytes: &[u8], name: &str) -> Result<u64, ElfError> 
         .iter()
         .filter(|p| p.p_type(endian) == object::elf::PT_LOAD)
         .find_map(|p| {
-            let vaddr = p.p_vaddr(endian);
+            let vaddr: u64 = p.p_vaddr(endian).into();
+            let memsz: u64 = p.p_memsz(endian).into();
+            let paddr: u64 = p.p_paddr(endian).into();
             let off = value.checked_sub(vaddr)?;
-            (off < p.p_memsz(endian)).then(|| p.p_paddr(endian).checked_add(off))?
+            (off < memsz).then(|| paddr.checked_add(off))?
         })
         .ok_or(ElfError::NotLoaded {
             name: name.to_owned(),
@@ -74,11 +97,25 @@ pub fn symbol_guest_physical(bytes: &[u8], name: &str) -> Result<u64, ElfError> 
         })
 }
 
+/// The guest-physical address of the pointer variable `name` in the image at `path`, and the
+/// pointer's size (4 in a 32-bit image, 8 in a 64-bit one).
+///
+/// # Errors
+/// As [`symbol_guest_physical_in`].
+pub fn pointer_guest_physical_in(path: &Path, name: &str) -> Result<(u64, u8), ElfError> {
+    symbol_and_pointer_width(&read_image(path)?, name)
+}
+
 /// [`symbol_guest_physical`] of the image at `path`.
 ///
 /// # Errors
 /// [`ElfError`], also for a file that cannot be read or is too large.
 pub fn symbol_guest_physical_in(path: &Path, name: &str) -> Result<u64, ElfError> {
+    symbol_guest_physical(&read_image(path)?, name)
+}
+
+/// The image at `path`, refused beyond [`MAX_IMAGE_BYTES`].
+fn read_image(path: &Path) -> Result<Vec<u8>, ElfError> {
     let read = |source| ElfError::Read {
         path: path.to_owned(),
         source,
@@ -89,6 +126,99 @@ pub fn symbol_guest_physical_in(path: &Path, name: &str) -> Result<u64, ElfError
             path: path.to_owned(),
         });
     }
-    let bytes = std::fs::read(path).map_err(read)?;
-    symbol_guest_physical(&bytes, name)
+    std::fs::read(path).map_err(read)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::process::Command;
+
+    use super::{ElfError, symbol_guest_physical_in};
+
+    /// A real 32-bit image, linked by gcc and ld for i386 with its load address moved from its
+    /// link address (`AT`), and the symbol's physical address as `nm` and `readelf` see it.
+    #[test]
+    fn a_32_bit_image_maps_a_symbol_to_its_load_address() {
+        let dir = tempfile::tempdir().expect("a scratch directory");
+        let c = dir.path().join("fw.c");
+        let lds = dir.path().join("fw.lds");
+        let elf = dir.path().join("fw.elf");
+        std::fs::write(
+            &c,
+            "unsigned char vmtsync_fw_block[128] __attribute__((aligned(64)));\n\
+             void _start(void) { vmtsync_fw_block[0] = 1; for (;;) {} }\n",
+        )
+        .expect("write the source");
+        // Linked at 0xc0100000, loaded at 0x100000: the answer must be the load address.
+        std::fs::write(
+            &lds,
+            "SECTIONS { . = 0xc0100000; .text : AT(0x100000) { *(.text*) } \
+             .bss : AT(0x100000 + SIZEOF(.text) + 0x40) { *(.bss*) *(COMMON) } }\n",
+        )
+        .expect("write the linker script");
+        let out = Command::new("gcc")
+            .args([
+                "-m32",
+                "-ffreestanding",
+                "-fno-pic",
+                "-no-pie",
+                "-nostdlib",
+                "-static",
+            ])
+            .arg("-T")
+            .arg(&lds)
+            .arg("-o")
+            .arg(&elf)
+            .arg(&c)
+            .output();
+        let out = match out {
+            Ok(o) => o,
+            Err(e) if std::env::var_os("CI").is_none_or(|v| v != "true") => {
+                eprintln!("skipped: gcc does not run here ({e})");
+                return;
+            }
+            Err(e) => panic!("gcc under CI=true: {e}"),
+        };
+        assert!(
+            out.status.success(),
+            "gcc -m32: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let gpa = symbol_guest_physical_in(&elf, "vmtsync_fw_block").expect("the symbol's GPA");
+        // The truth from binutils: the symbol's link address and the segment's p_vaddr/p_paddr.
+        let nm = Command::new("nm").arg(&elf).output().expect("nm runs");
+        let link = String::from_utf8_lossy(&nm.stdout)
+            .lines()
+            .find(|l| l.ends_with(" vmtsync_fw_block"))
+            .and_then(|l| u64::from_str_radix(l.split_whitespace().next()?, 16).ok())
+            .expect("nm lists the symbol");
+        let re = Command::new("readelf")
+            .args(["-lW"])
+            .arg(&elf)
+            .output()
+            .expect("readelf runs");
+        let text = String::from_utf8_lossy(&re.stdout);
+        let seg = text
+            .lines()
+            .filter(|l| l.trim_start().starts_with("LOAD"))
+            .find_map(|l| {
+                let f: Vec<&str> = l.split_whitespace().collect();
+                let hex = |s: &str| u64::from_str_radix(s.trim_start_matches("0x"), 16).ok();
+                let (v, p, mem) = (hex(f[2])?, hex(f[3])?, hex(f[5])?);
+                (link >= v && link < v + mem).then_some(link - v + p)
+            })
+            .expect("readelf shows the segment holding the symbol");
+        assert_eq!(gpa, seg);
+        assert!(
+            gpa < 0x20_0000,
+            "{gpa:#x} is the load address, not the link address"
+        );
+        assert_eq!(
+            super::pointer_guest_physical_in(&elf, "vmtsync_fw_block").expect("a symbol"),
+            (gpa, 4),
+            "a 32-bit image's pointers are 4 bytes"
+        );
+        let e = symbol_guest_physical_in(&elf, "absent").expect_err("no such symbol");
+        assert!(matches!(e, ElfError::NoSymbol(_)), "{e}");
+    }
 }

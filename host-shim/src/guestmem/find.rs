@@ -28,6 +28,15 @@ pub enum Location {
     /// The header is at this guest-physical address (an ELF symbol's load address): see
     /// [`find`] for the rule that maps it to the host.
     GuestPhysical(u64),
+    /// A pointer variable at guest-physical `gpa`, `width` (4 or 8) bytes little-endian,
+    /// holds the header's guest-physical address (a recorder the guest allocates at run time;
+    /// the value is taken as physical, as in firmware that runs flat or identity-mapped).
+    Pointer {
+        /// The variable's guest-physical address (its ELF symbol's load address).
+        gpa: u64,
+        /// Its size: 4 in a 32-bit image, 8 in a 64-bit one.
+        width: u8,
+    },
 }
 
 /// A header found in memory, with its mapping.
@@ -146,6 +155,34 @@ pub enum FindError {
         /// Mappings large enough to hold it.
         tried: u64,
     },
+    /// The pointer variable is null, or points at no valid header, in every mapping that
+    /// could hold it.
+    #[error(
+        "the pointer at guest-physical {gpa:#x} names no valid recorder header ({tried} \
+         mappings tried; the last value read: {last:#x}); has the guest set it and published?"
+    )]
+    NoPointerTarget {
+        /// The variable's guest-physical address.
+        gpa: u64,
+        /// Mappings large enough to hold it.
+        tried: u64,
+        /// The last value read from it.
+        last: u64,
+    },
+}
+
+impl FindError {
+    /// Whether the recorder may simply not be published yet (nothing valid where it should
+    /// be), so that waiting can help; read errors and a location outside every mapping
+    /// cannot get better.
+    #[must_use]
+    pub fn not_yet(&self) -> bool {
+        match self {
+            Self::NotFound { .. } | Self::Invalid { .. } => true,
+            Self::NoRamMapping { tried, .. } | Self::NoPointerTarget { tried, .. } => *tried > 0,
+            _ => false,
+        }
+    }
 }
 
 fn rejected_note(rejected: &[(u64, Rejected)]) -> String {
@@ -241,6 +278,43 @@ pub fn find(mem: &mut impl GuestMemory, loc: Location) -> Result<Found, FindErro
             }
             match hits.len() {
                 0 => Err(FindError::NoRamMapping { gpa, tried }),
+                1 => Ok(hits.swap_remove(0)),
+                n => Err(FindError::Ambiguous {
+                    first: hits[0].addr,
+                    second: hits[1].addr,
+                    count: n as u64,
+                }),
+            }
+        }
+        Location::Pointer { gpa, width } => {
+            // The variable and what it points at in the same mapping: guest RAM from 0 is one
+            // mapping (the rule above). Its value is untrusted: only a header that validates
+            // where it points counts.
+            let width = usize::from(width.clamp(1, 8));
+            let (mut tried, mut last) = (0, 0);
+            let mut hits = Vec::new();
+            for r in regions.iter().filter(|r| r.writable) {
+                let Some(at) = r.start.checked_add(gpa) else {
+                    continue;
+                };
+                if !r.holds(at, width as u64) {
+                    continue;
+                }
+                tried += 1;
+                let mut b = [0u8; 8];
+                mem.read(at, &mut b[..width])?;
+                last = u64::from_le_bytes(b);
+                let Some(addr) = r.start.checked_add(last).filter(|_| last != 0) else {
+                    continue;
+                };
+                if r.holds(addr, HEADER_SIZE as u64)
+                    && let Ok(f) = check_at(mem, addr, r)
+                {
+                    hits.push(f);
+                }
+            }
+            match hits.len() {
+                0 => Err(FindError::NoPointerTarget { gpa, tried, last }),
                 1 => Ok(hits.swap_remove(0)),
                 n => Err(FindError::Ambiguous {
                     first: hits[0].addr,

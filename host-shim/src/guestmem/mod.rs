@@ -45,7 +45,9 @@ pub mod layout;
 pub mod memory;
 
 pub use drain::{DEFAULT_MAX_PER_ROUND, DrainError, Drainer, GuestRecord, PollSummary, RingCounts};
-pub use elf::{ElfError, symbol_guest_physical, symbol_guest_physical_in};
+pub use elf::{
+    ElfError, pointer_guest_physical_in, symbol_guest_physical, symbol_guest_physical_in,
+};
 pub use find::{FindError, Found, Location, Rejected, ScanStats, find, scan};
 pub use layout::{BEACON_ID, GuestClock, Header, HeaderError, RingMode};
 pub use memory::{FakeMemory, GuestMemory, MemError, ProcMemory, Region};

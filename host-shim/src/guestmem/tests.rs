@@ -309,6 +309,44 @@ fn guest_physical_is_start_plus_address_in_the_mapping_where_the_header_validate
     assert!(matches!(e, FindError::NoRamMapping { tried: 2, .. }), "{e}");
 }
 
+#[test]
+fn a_pointer_variable_names_the_header_once_the_guest_sets_it() {
+    let h = header(1, 8, RingMode::Overwrite);
+    let mut m = FakeMemory::new();
+    m.map(BASE, MAP_LEN, true);
+    let loc = Location::Pointer {
+        gpa: 0x1000,
+        width: 4,
+    };
+    // Null: not yet, and the error says so.
+    let e = find(&mut m, loc).expect_err("null pointer");
+    assert!(
+        matches!(
+            e,
+            FindError::NoPointerTarget {
+                tried: 1,
+                last: 0,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    assert!(e.not_yet());
+    // Set, but nothing published there yet.
+    m.write(BASE + 0x1000, &0x2_0000u32.to_le_bytes());
+    let e = find(&mut m, loc).expect_err("unpublished");
+    assert!(
+        matches!(e, FindError::NoPointerTarget { last: 0x2_0000, .. }),
+        "{e}"
+    );
+    publish(&mut m, BASE + 0x2_0000, &h);
+    let f = find(&mut m, loc).expect("found through the pointer");
+    assert_eq!(f.addr, BASE + 0x2_0000);
+    // A pointer out of every mapping is never followed outside it.
+    m.write(BASE + 0x1000, &u32::MAX.to_le_bytes());
+    assert!(find(&mut m, loc).is_err());
+}
+
 /// Drains a few rounds, then lets `change` rewrite the header, and checks the error and
 /// that the counts in it are those of the rounds before.
 fn drain_then(change: impl FnOnce(&mut FakeMemory, &Header)) -> (DrainError, Vec<GuestRecord>) {

@@ -58,14 +58,18 @@ pub(super) struct Beacons {
 
 impl Beacons {
     /// Beacons on `port` for `rings` rings, the trace already started (before the first
-    /// drain round).
-    pub(super) fn new(trace: PioTrace, port: u16, rings: usize) -> Self {
+    /// drain round). `armed_at`: a host time before which the guest had not run and after
+    /// which the trace was running (a VMM started paused), so chains bracket from beacon 0.
+    pub(super) fn new(trace: PioTrace, port: u16, rings: usize, armed_at: Option<u64>) -> Self {
         Self {
             trace,
             anchor: AnchorStats::default(),
             rings: (0..rings)
                 .map(|_| Ring {
-                    chain: BeaconChain::new(port),
+                    chain: match armed_at {
+                        Some(t) => BeaconChain::armed_since(port, t),
+                        None => BeaconChain::new(port),
+                    },
                     waiting: std::collections::VecDeque::new(),
                 })
                 .collect(),

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use super::beacons::{BeaconStats, Beacons};
 use super::*;
-use crate::guestmem::{self, Drainer, FindError, GuestClock, GuestRecord, Location, ProcMemory};
+use crate::guestmem::{self, Drainer, GuestClock, GuestRecord, Location, ProcMemory};
 use crate::kvm::debugfs::{VcpuState, VmDir, read_vcpu};
 use crate::kvm::hosttsc::read_host_tsc;
 use crate::kvm::procinfo::ProcFs;
@@ -51,6 +51,12 @@ pub struct MemoryOptions {
     pub find_timeout: Duration,
     /// SIGINT/SIGTERM.
     pub stop: Option<&'static std::sync::atomic::AtomicBool>,
+    /// `--beacon-port`: the port whose `kvm_pio` exits are traced from the start, before the
+    /// header that names it is found (the header must then name the same port).
+    pub beacon_port: Option<u16>,
+    /// The VMM is paused and this resumes it (`record --from-memory -- VMM…`): the reader
+    /// arms its trace first, so the guest's every exit follows a host time it took.
+    pub paused: Option<super::launch::Resume>,
 }
 
 /// The default time between two idle drain rounds.
@@ -308,11 +314,18 @@ fn start_beacons(
         ),
         Mode::Exact => e,
     };
-    // Every thread of the VMM, also one it creates later (the kernel filter names only the
-    // port; the reader keeps the exits of the VMM's own threads).
-    let trace = PioTrace::start_process(None, proc.root(), vm.id.pid, &[port])
-        .map_err(|e| why(format!("it could not be started: {e}")))?;
-    Ok(Some(Beacons::new(trace, port, vcpus.len())))
+    let trace = start_trace(proc, vm, port).map_err(|e| why(e.to_string()))?;
+    Ok(Some(Beacons::new(trace, port, vcpus.len(), None)))
+}
+
+/// The `kvm_pio` trace of `port` for every thread of the VMM, also one it creates later (the
+/// kernel filter names only the port; the reader keeps the exits of the VMM's own threads).
+fn start_trace(proc: &ProcFs, vm: &VmDir, port: u16) -> Result<PioTrace, RecordError> {
+    PioTrace::start_process(None, proc.root(), vm.id.pid, &[port]).map_err(|e| {
+        RecordError::Memory(format!(
+            "the host's kvm_pio trace of port {port:#x} could not be started: {e}"
+        ))
+    })
 }
 
 /// A drain round's beacon samples: checked against KVM's mapping (`mappings`: the vCPUs'
@@ -404,20 +417,58 @@ pub fn run_record_memory(
         opts.stop
             .is_some_and(|s| s.load(std::sync::atomic::Ordering::Relaxed))
     };
-    // The guest publishes its header at run time: wait for it (a scan finds nothing before).
+    // `--beacon-port`: the trace runs before the guest can emit a beacon we would not see.
+    let early = match opts.beacon_port {
+        Some(port) => Some((start_trace(&proc, &opts.vm, port)?, port)),
+        None => None,
+    };
+    // A paused VMM: every guest exit comes after this host time, taken with the trace (if
+    // any) already running and before the guest runs its first instruction.
+    let armed_at = match &opts.paused {
+        Some(resume) => {
+            let t = read_host_tsc().0;
+            resume
+                .cont()
+                .map_err(|e| RecordError::Memory(e.to_string()))?;
+            Some(t)
+        }
+        None => None,
+    };
+    // The guest publishes its header at run time: wait for it, wherever it is to appear (a
+    // scan, a named address or a guest-physical one finds nothing valid before).
     let deadline = Instant::now() + opts.find_timeout;
     let found = loop {
         match guestmem::find(&mut mem, opts.location) {
             Ok(f) => break f,
-            Err(FindError::NotFound { .. }) if Instant::now() < deadline && !stopped() => {
+            Err(e) if e.not_yet() && Instant::now() < deadline && !stopped() => {
                 // Soon after it appears: a beacon-mode recording brackets beacons from the
                 // second after the first read on.
                 std::thread::sleep(Duration::from_millis(10));
+            }
+            Err(e) if e.not_yet() => {
+                return Err(RecordError::Memory(format!(
+                    "waited {:.1?} for the guest to publish its recorder: {e}",
+                    opts.find_timeout
+                )));
             }
             Err(e) => return Err(RecordError::Memory(e.to_string())),
         }
     };
     let port = found.header.beacon_port;
+    if let Some((_, armed)) = &early
+        && *armed != port
+    {
+        return Err(RecordError::Memory(format!(
+            "--beacon-port {armed:#x}, but the recorder at {:#x} names {} (give its port, or \
+             leave the flag out)",
+            found.addr,
+            if port == 0 {
+                "no beacon port".to_owned()
+            } else {
+                format!("port {port:#x}")
+            }
+        )));
+    }
     let raw = found.header.clock == GuestClock::RawTsc;
     let mode = mode_for(raw, port, opts.trust_raw_tsc)
         .map_err(|why| RecordError::Memory(format!("the recorder at {:#x}: {why}", found.addr)))?;
@@ -457,7 +508,12 @@ pub fn run_record_memory(
         }
     };
     let mut last = read_all()?;
-    let mut beacons = match start_beacons(&proc, &opts.vm, &vcpus, port, mode) {
+    let started = match early {
+        // Armed before the guest ran (a paused VMM): chains bracket from beacon 0.
+        Some((trace, port)) => Ok(Some(Beacons::new(trace, port, vcpus.len(), armed_at))),
+        None => start_beacons(&proc, &opts.vm, &vcpus, port, mode),
+    };
+    let mut beacons = match started {
         Ok(b) => b,
         Err(why) if mode == Mode::Exact => {
             if port != 0 {

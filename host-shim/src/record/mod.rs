@@ -29,6 +29,7 @@
 //! every line flushed so far.
 
 mod beacons;
+pub mod launch;
 mod memory;
 mod place;
 mod session;

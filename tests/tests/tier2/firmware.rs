@@ -26,7 +26,8 @@ use vmtsync_tests::{ChildGuard, require};
 use crate::util::{anchor_ready, have_trace_cmd, scratch, text, trace_cmd, u, vmtsync};
 
 crate::trials!(
-    seabios_ready; seabios_every_post_phase_and_boot_attempt_is_recorded_at_its_host_time;
+    seabios_ready; seabios_every_post_phase_and_boot_attempt_is_recorded_at_its_host_time,
+    seabios_started_by_the_reader_brackets_every_beacon_from_the_first;
 );
 
 /// [`anchor_ready`] (QEMU, KVM, debugfs, the `kvm_pio` tracepoint for beacon mode), trace-cmd,
@@ -294,4 +295,88 @@ fn seabios_every_post_phase_and_boot_attempt_is_recorded_at_its_host_time() {
     expected.extend(vec![BOOT_EVENT.to_string(); boots]);
     assert_eq!(ids, expected, "trace-cmd report of trace.dat:\n{report}");
     drop(qemu);
+}
+
+/// `vmtsync record --from-memory --guest-phys … --beacon-port … -- qemu-system-x86_64 …`: the
+/// reader starts QEMU itself, paused, arms the `kvm_pio` trace of the beacon port, then
+/// resumes it, so the firmware's first beacons are bracketed too (before, the first three
+/// never were: the trace started only once the header naming the port was found). The
+/// recorder is located at its guest-physical address, which it is published at only after
+/// the reader attached (the reader waits for it there).
+fn seabios_started_by_the_reader_brackets_every_beacon_from_the_first() {
+    let test = "seabios_started_by_the_reader_brackets_every_beacon_from_the_first";
+    let out = firmware::build(Variant::Traced).expect("the traced SeaBIOS builds");
+    let dir = scratch(test);
+    let log = dir.path().join("debug.log");
+    let jsonl = dir.path().join("launched.jsonl");
+    let qemu = command_firmware(&out.join("bios.bin"), &log, MEMORY_MIB);
+    let err = std::fs::File::create(jsonl.with_extension("stderr")).unwrap();
+    let child = vmtsync()
+        .args([
+            "record",
+            "--from-memory",
+            "--format",
+            "jsonl",
+            "--no-progress",
+        ])
+        .args(["--guest-phys", &format!("{:#x}", firmware::RING_GPA)])
+        .args(["--beacon-port", &format!("{:#x}", firmware::BEACON_PORT)])
+        .args(["--duration", "180", "--out"])
+        .arg(&jsonl)
+        .arg("--")
+        .arg(qemu.get_program())
+        .args(qemu.get_args())
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(err)
+        .spawn()
+        .expect("vmtsync starts");
+    let rec = ChildGuard::new(child);
+    let text_log = wait_log(&log, "No bootable device", Duration::from_secs(180));
+    // The VMM is the reader's child: KVM's mapping of its vCPU 0 is the truth.
+    let children = std::fs::read_to_string(format!("/proc/{0}/task/{0}/children", rec.pid()))
+        .expect("the reader's children");
+    let qemu_pid: u32 = children
+        .split_whitespace()
+        .next()
+        .and_then(|p| p.parse().ok())
+        .expect("the reader started QEMU");
+    let kvm = truth_mapping(qemu_pid, 0).expect("truth from debugfs");
+    let counts = firmware::counts_in(&text_log);
+    let &(_, produced, refused) = counts.last().expect("a counts line per boot attempt");
+    assert_eq!(refused, 0, "{text_log}");
+    let (ok, stderr) = stop_reader(rec, &jsonl);
+    assert!(ok, "record --from-memory -- qemu: {stderr}");
+    println!("SeaBIOS, started by the reader: {}", stderr.trim());
+    // The reader ended the VMM it started.
+    assert!(
+        !Path::new(&format!("/proc/{qemu_pid}")).exists()
+            || std::fs::read_to_string(format!("/proc/{qemu_pid}/stat"))
+                .is_ok_and(|s| !s.contains("qemu")),
+        "QEMU (PID {qemu_pid}) outlived the reader"
+    );
+    let lines = lines_of(&jsonl);
+    assert_phases_then_boots(&lines, counts.len(), "launched");
+    let read_beacons = count_before(&stderr, "beacons (");
+    let bracketed = count_before(&stderr, "bracketed by kvm_pio exits");
+    let early = count_before(&stderr, "before the trace saw them whole");
+    let overwritten = count_before(&stderr, "overwritten,");
+    assert_eq!(
+        lines.len() as u64 + read_beacons + overwritten,
+        produced,
+        "events + beacons + overwritten = the firmware's produced count: {stderr}"
+    );
+    assert!(read_beacons > 0, "{stderr}");
+    assert_eq!(early, 0, "no beacon before the trace: {stderr}");
+    assert_eq!(bracketed, read_beacons, "every beacon bracketed: {stderr}");
+    for v in &lines {
+        let g = GuestTicks(u(v, "guest_tsc"));
+        let lo = kvm.try_host_from_guest_ceil(g).expect("in range").0;
+        let hi = kvm.try_host_from_guest_floor(g).expect("in range").0;
+        let (exact_lo, exact_hi) = (lo.min(hi), lo.max(hi));
+        assert!(
+            u(v, "host_lo") <= exact_lo && exact_hi <= u(v, "host_hi"),
+            "the interval misses the truth [{exact_lo}, {exact_hi}]: {v}"
+        );
+    }
 }

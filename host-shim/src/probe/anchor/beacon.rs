@@ -121,6 +121,19 @@ impl BeaconChain {
         }
     }
 
+    /// A chain for beacons on `port` whose every exit came after host time `since`: the
+    /// caller observed that the guest had not run yet then (its VMM was paused, and the
+    /// trace was already running). The chain then brackets from beacon 0, with `since` as
+    /// the lower limit of beacon 0's `in`, instead of two beacons past its first read.
+    #[must_use]
+    pub fn armed_since(port: u16, since: u64) -> Self {
+        let mut c = Self::new(port);
+        c.next = Some((0, since));
+        c.first = Some(0);
+        c.first_ever = Some(0);
+        c
+    }
+
     /// The first beacon the chain brackets (`None` before the first read).
     #[must_use]
     pub const fn first(&self) -> Option<u64> {
@@ -354,6 +367,38 @@ mod tests {
         );
         assert_eq!(c.take(8), None);
         assert!(c.is_due(8) && !c.is_due(9));
+    }
+
+    #[test]
+    fn a_chain_armed_before_the_guest_ran_brackets_from_beacon_zero() {
+        // The trace ran from 100 on, before the guest's first instruction; the first read,
+        // at 700, already sees 3 beacons done.
+        let mut c = BeaconChain::armed_since(PORT, 100);
+        assert_eq!(c.needs_from(), Some(100));
+        assert!(c.may_bracket(0) && !c.is_early(0));
+        let mut exits = Vec::new();
+        for (k, s) in (0u8..=2).enumerate() {
+            let t = 200 + 100 * k as u64;
+            exits.push(pio(t, 1, PioDirection::In, 0));
+            exits.push(pio(t + 50, 1, PioDirection::Out, s));
+        }
+        c.observe(3, 700, 710, &exits);
+        for s in 0..3u64 {
+            assert_eq!(
+                c.take(s),
+                Some(BeaconBracket {
+                    seq: s,
+                    lo: 200 + 100 * s,
+                    hi: 250 + 100 * s
+                })
+            );
+        }
+        // An exit before the arming time is not this guest's beacon: it cannot lower a bound.
+        let mut c = BeaconChain::armed_since(PORT, 150);
+        let early = [pio(120, 1, PioDirection::In, 0)];
+        let all: Vec<PioExit> = early.iter().copied().chain(exits.iter().copied()).collect();
+        c.observe(1, 700, 710, &all);
+        assert_eq!(c.take(0).map(|b| b.lo), Some(200));
     }
 
     #[test]

@@ -355,6 +355,14 @@ fn run_record_memory_cmd(a: &RecordArgs) -> Result<(), CliError> {
             }
         );
     }
+    if m.unverified > 0 {
+        eprintln!(
+            "vmtsync: note: {} event(s) of vCPUs that no bracketed beacon covers (their beacons \
+             came before the reader could bracket them) were placed by KVM's mapping alone: \
+             exact if the header's raw-TSC claim holds, which no beacon checked",
+            m.unverified
+        );
+    }
     if let Some(why) = &b.broken {
         eprintln!("vmtsync: warning: beacons stopped being bracketed: {why}");
     }
@@ -423,6 +431,7 @@ pub fn summary_text(s: &RecordSummary) -> String {
     let segments = match s.host_time {
         record::HostTime::Sync => format!("{} sync segments ({} breaks)", s.segments, s.breaks),
         record::HostTime::ExactDebugfs => format!("{} KVM mapping segment(s)", s.segments),
+        record::HostTime::ExactUnverified => "no beacon segment".to_owned(),
         record::HostTime::Beacons | record::HostTime::BeaconsExactPoints => {
             format!("{} beacon segments ({} breaks)", s.segments, s.breaks)
         }

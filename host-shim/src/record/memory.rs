@@ -85,6 +85,10 @@ pub struct MemorySummary {
     pub drain: Duration,
     /// What beacon mode counted (beacons bracketed, disagreements with KVM's mapping).
     pub beacon_stats: BeaconStats,
+    /// Beacon mode, raw-TSC guest: events of a vCPU no bracketed beacon covers (a late
+    /// attach), placed by KVM's mapping alone with width 0: exact if the header's raw-TSC
+    /// claim holds, which no beacon checked.
+    pub unverified: u64,
 }
 
 impl MemorySummary {
@@ -703,9 +707,26 @@ pub fn run_record_memory(
             );
         }
     }
+    ms.unverified = st.unverified;
     let written = finish(out, &target, &st);
     let end = result?;
     let (preconverted, clamped) = written?;
+    // Events were read but none could be placed: an empty output is no success.
+    let unplaced = st.unplaceable + ms.ambiguous;
+    if st.events == 0 && unplaced > 0 {
+        return Err(RecordError::Unplaced {
+            read: unplaced,
+            out: opts.out.clone(),
+            why: if raw {
+                "no beacon was bracketed and KVM's mapping could not be used".into()
+            } else {
+                "the header says its records do not hold the raw TSC, so only bracketed \
+                 beacons can place them, and none was (attach before the guest emits its \
+                 beacons, or keep it emitting them while the reader runs)"
+                    .into()
+            },
+        });
+    }
     Ok((
         RecordSummary {
             events: st.events,
@@ -737,6 +758,9 @@ pub fn run_record_memory(
             console: None,
             host_time: match (mode, raw) {
                 (Mode::Exact, _) => HostTime::ExactDebugfs,
+                (Mode::Beacons, true) if exact_points && st.unverified == st.events => {
+                    HostTime::ExactUnverified
+                }
                 (Mode::Beacons, true) if exact_points => HostTime::BeaconsExactPoints,
                 (Mode::Beacons, _) => HostTime::Beacons,
             },

@@ -25,6 +25,7 @@ mod ctf;
 mod e2e;
 mod kvm_real;
 mod memory_agent;
+mod memory_drain;
 mod memory_flight;
 mod memory_outputs;
 mod minimal_kernel;
@@ -94,6 +95,7 @@ fn main() -> std::process::ExitCode {
         e2e::trials(),
         kvm_real::trials(),
         memory_agent::trials(),
+        memory_drain::trials(),
         memory_flight::trials(),
         memory_outputs::trials(),
         minimal_kernel::trials(),

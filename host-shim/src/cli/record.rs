@@ -377,7 +377,7 @@ pub fn memory_text(s: &RecordSummary, m: &record::MemorySummary) -> String {
         "vmtsync: read the recorder at {:#x} ({} vCPU ring(s) of {} records): host time {}; {} \
          beacons ({} bracketed by kvm_pio exits, {} before the trace saw them whole, {} not \
          bracketed, {} disagree with KVM's mapping); {} overwritten, {} refused, {} corrupt, {} ambiguous across {} mapping \
-         changes, {} past --events; {} drain rounds, records read over {:.3} s at {:.3} M records/s",
+         changes, {} past --events; {} drain rounds in {:.3} s, {}",
         m.header_addr,
         s.vcpus.len(),
         m.capacity,
@@ -394,9 +394,29 @@ pub fn memory_text(s: &RecordSummary, m: &record::MemorySummary) -> String {
         m.mapping_changes,
         m.past_limit,
         m.polls,
-        m.drain.as_secs_f64(),
-        m.rate(s.events) / 1e6
+        m.elapsed.as_secs_f64(),
+        drain_text(m)
     )
+}
+
+/// How fast the records were read: every record read (events placed or not, and beacons:
+/// counting only the events written made a late attach's rate that of its beacons) over the
+/// time between the first and the last round that delivered records, in seconds to the microsecond (a short drain printed to the
+/// millisecond read "0.000 s"); one such round has a read time but no rate to speak of.
+fn drain_text(m: &record::MemorySummary) -> String {
+    let records = m.records;
+    match m.active_rounds {
+        0 => "no records read".to_owned(),
+        1 => format!(
+            "{records} records read in one round of {:.6} s (no sustained rate)",
+            m.drain.as_secs_f64()
+        ),
+        _ => format!(
+            "records read over {:.6} s at {:.3} M records/s",
+            m.drain.as_secs_f64(),
+            m.rate() / 1e6
+        ),
+    }
 }
 
 /// The summary printed on stderr.

@@ -83,6 +83,12 @@ pub struct MemorySummary {
     /// one that did, its records written (the guest was producing in between; waiting for
     /// the header or for the end is not in it).
     pub drain: Duration,
+    /// Records read in the drain loop (events, written or not, and beacons).
+    pub records: u64,
+    /// Drain rounds that delivered records (one such round has a read time, not a rate).
+    pub active_rounds: u64,
+    /// From the header found to the end of the recording.
+    pub elapsed: Duration,
     /// What beacon mode counted (beacons bracketed, disagreements with KVM's mapping).
     pub beacon_stats: BeaconStats,
     /// Beacon mode, raw-TSC guest: events of a vCPU no bracketed beacon covers (a late
@@ -92,13 +98,13 @@ pub struct MemorySummary {
 }
 
 impl MemorySummary {
-    /// Records read per second while the guest produced them (events and beacons over
-    /// [`MemorySummary::drain`]): a floor of the reader's rate, not its ceiling.
+    /// Records read per second while the guest produced them ([`MemorySummary::records`]
+    /// over [`MemorySummary::drain`]): a floor of the reader's rate, not its ceiling.
     #[must_use]
-    pub fn rate(&self, events: u64) -> f64 {
+    pub fn rate(&self) -> f64 {
         let secs = self.drain.as_secs_f64();
         if secs > 0.0 {
-            (events + self.beacons) as f64 / secs
+            self.records as f64 / secs
         } else {
             0.0
         }
@@ -619,6 +625,8 @@ pub fn run_record_memory(
             // The round's records are placed and written: its end counts in the rate.
             let end = Instant::now();
             active = Some((active.map_or(round_start, |(first, _)| first), end));
+            ms.active_rounds += 1;
+            ms.records += pending.len() as u64;
         }
         if last_clock.elapsed() >= Duration::from_secs(1) {
             last_clock = Instant::now();
@@ -675,6 +683,7 @@ pub fn run_record_memory(
     }
     progress.clear();
     ms.drain = active.map_or(Duration::ZERO, |(first, last)| last - first);
+    ms.elapsed = started.elapsed();
     for c in drainer.counts() {
         ms.overwritten += c.overwritten;
         ms.refused += c.refused;

@@ -29,7 +29,7 @@ pub struct RecordArgs {
     /// no link and no agent protocol. Each event's host time comes from KVM's per-vCPU
     /// mapping in debugfs, exactly, when the recorder says it holds the raw TSC
     /// (docs/record.md, "Recording from guest memory").
-    #[arg(long, requires = "vm", conflicts_with_all = ["anchor", "probe_log", "console", "sync_out", "host_trace", "shutdown"])]
+    #[arg(long, requires = "vm", conflicts_with_all = ["anchor", "probe_log", "console", "shutdown"])]
     pub from_memory: bool,
     /// With --from-memory: the header is at this host virtual address in the VMM (hex
     /// 0x... or decimal) instead of being searched for.
@@ -249,13 +249,24 @@ pub(super) fn run_record_cmd(a: &RecordArgs) -> Result<(), CliError> {
         _ => None,
     };
     let Some(connect) = a.connect.clone() else {
-        return run_record_memory_cmd(a);
+        let s = run_record_memory_cmd(a)?;
+        return host_copy(host, &s);
     };
     install_stop_handler();
     let opts = a.to_options(connect, Some(stop_flag()));
     let mut progress = Progress::stderr_if_terminal(opts.probe.progress);
     let s = record::run_record(&opts, &mut progress)?;
     eprintln!("{}", summary_text(&s));
+    host_copy(host, &s)
+}
+
+/// `--host-trace IN --host-output OUT`: a copy of the host trace with the GUEST option for the
+/// recording `s` (and the TSC2NSEC option the guest file carries), for trace-cmd's merged
+/// report.
+fn host_copy(
+    host: Option<(PathBuf, PathBuf, crate::kvm::scan::VmReport)>,
+    s: &RecordSummary,
+) -> Result<(), CliError> {
     if let Some((input, output, vm)) = host {
         // The guest file's CPU N is the N-th vCPU recorded (increasing vCPU order).
         let vcpu_pids = s
@@ -278,8 +289,14 @@ pub(super) fn run_record_cmd(a: &RecordArgs) -> Result<(), CliError> {
             trace_id: s.trace_id,
             vcpu_pids,
         };
-        let c = crate::formats::tracedat::copy_host_trace(&input, &output, &guest, None)
-            .map_err(crate::record::RecordError::from)?;
+        let c = crate::formats::tracedat::copy_host_trace_with(
+            &input,
+            &output,
+            &guest,
+            None,
+            crate::record::host_tsc2nsec(),
+        )
+        .map_err(crate::record::RecordError::from)?;
         eprintln!(
             "vmtsync: wrote {} (a copy of {} with the GUEST option for {}): trace-cmd report -i {} -i {}",
             c.path.display(),
@@ -303,7 +320,7 @@ fn parse_addr(s: &str) -> Result<u64, String> {
 
 /// `vmtsync record --from-memory`: the VM's VMM memory is read, no link (see
 /// [`record::run_record_memory`]).
-fn run_record_memory_cmd(a: &RecordArgs) -> Result<(), CliError> {
+fn run_record_memory_cmd(a: &RecordArgs) -> Result<RecordSummary, CliError> {
     use crate::guestmem::{Location, symbol_guest_physical_in};
     let Some(sel) = &a.vm else {
         return Err(CliError::Usage("--from-memory needs --vm".into()));
@@ -337,6 +354,8 @@ fn run_record_memory_cmd(a: &RecordArgs) -> Result<(), CliError> {
         trust_raw_tsc: a.trust_raw_tsc,
         find_timeout: Duration::from_secs(30),
         stop: Some(stop_flag()),
+        sync_out: a.sync_out.clone(),
+        tracefs: a.tracefs.clone(),
     };
     let mut progress = Progress::stderr_if_terminal(!a.no_progress);
     let (s, m) = record::run_record_memory(&opts, &mut progress)?;
@@ -366,7 +385,7 @@ fn run_record_memory_cmd(a: &RecordArgs) -> Result<(), CliError> {
     if let Some(why) = &b.broken {
         eprintln!("vmtsync: warning: beacons stopped being bracketed: {why}");
     }
-    Ok(())
+    Ok(s)
 }
 
 /// The second summary line of a memory recording: where the recorder was and what the

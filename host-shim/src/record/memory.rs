@@ -51,6 +51,11 @@ pub struct MemoryOptions {
     pub find_timeout: Duration,
     /// SIGINT/SIGTERM.
     pub stop: Option<&'static std::sync::atomic::AtomicBool>,
+    /// `--sync-out`: the segments the recording placed its events by, written when it ends
+    /// (see [`write_sync_out`]).
+    pub sync_out: Option<PathBuf>,
+    /// `--tracefs` for the beacons' kvm_pio trace (default: the usual mount points).
+    pub tracefs: Option<PathBuf>,
 }
 
 /// The default time between two idle drain rounds.
@@ -302,6 +307,7 @@ fn exact_list(v: &mut super::place::VcpuSync, mode: Mode) -> &mut Vec<SyncSegmen
 /// exits are its vCPU thread's, and every one of them must be traced for a bracket to hold,
 /// whichever ring a vCPU writes), or why not. `None` without a beacon port.
 fn start_beacons(
+    tracefs: Option<&Path>,
     proc: &ProcFs,
     vm: &VmDir,
     vcpus: &[u32],
@@ -320,7 +326,7 @@ fn start_beacons(
     };
     // Every thread of the VMM, also one it creates later (the kernel filter names only the
     // port; the reader keeps the exits of the VMM's own threads).
-    let trace = PioTrace::start_process(None, proc.root(), vm.id.pid, &[port])
+    let trace = PioTrace::start_process(tracefs, proc.root(), vm.id.pid, &[port])
         .map_err(|e| why(format!("it could not be started: {e}")))?;
     Ok(Some(Beacons::new(trace, port, vcpus.len())))
 }
@@ -399,6 +405,25 @@ fn beacon_info(vcpu: u32) -> crate::probe::AgentInfo {
     }
 }
 
+/// `--sync-out` of a memory recording: every vCPU's segments that placed its events, in
+/// order: the beacons' (beacon mode), else KVM's mappings (exact mode, or a vCPU no bracketed
+/// beacon covers). Written when the recording ends, since beacon segments are final only then.
+fn write_sync_out(path: &Path, source: &str, st: &State) -> Result<(), RecordError> {
+    let mut w =
+        SyncWriter::open(path, &SyncHeader::now(source.to_owned())).map_err(ProbeError::from)?;
+    for v in &st.vcpus {
+        let segs = if v.segments.is_empty() {
+            &v.exact
+        } else {
+            &v.segments
+        };
+        for seg in segs {
+            w.append(seg).map_err(ProbeError::from)?;
+        }
+    }
+    Ok(())
+}
+
 /// Records a guest by reading its recorder out of its VMM's memory (see the module docs).
 ///
 /// # Errors
@@ -467,16 +492,17 @@ pub fn run_record_memory(
         }
     };
     let mut last = read_all()?;
-    let mut beacons = match start_beacons(&proc, &opts.vm, &vcpus, port, mode) {
-        Ok(b) => b,
-        Err(why) if mode == Mode::Exact => {
-            if port != 0 {
-                eprintln!("vmtsync: warning: beacons not checked against KVM's mapping: {why}");
+    let mut beacons =
+        match start_beacons(opts.tracefs.as_deref(), &proc, &opts.vm, &vcpus, port, mode) {
+            Ok(b) => b,
+            Err(why) if mode == Mode::Exact => {
+                if port != 0 {
+                    eprintln!("vmtsync: warning: beacons not checked against KVM's mapping: {why}");
+                }
+                None
             }
-            None
-        }
-        Err(why) => return Err(RecordError::Memory(why)),
-    };
+            Err(why) => return Err(RecordError::Memory(why)),
+        };
     let target = Target {
         out: opts.out.clone(),
         format: opts.format,
@@ -717,6 +743,9 @@ pub fn run_record_memory(
         }
     }
     ms.unverified = st.unverified;
+    if let Some(path) = &opts.sync_out {
+        write_sync_out(path, &target.source, &st)?;
+    }
     let written = finish(out, &target, &st);
     let end = result?;
     let (preconverted, clamped) = written?;

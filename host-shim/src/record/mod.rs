@@ -33,7 +33,7 @@ mod memory;
 mod place;
 mod session;
 mod spool;
-mod write;
+pub(crate) mod write;
 
 use std::io;
 use std::path::{Path, PathBuf};
@@ -71,6 +71,7 @@ use session::Ledger;
 #[cfg(test)]
 use session::account;
 pub use session::{run_record, run_record_on};
+pub use write::host_tsc2nsec;
 use write::{Out, Target, finish, trace_id};
 
 /// The output format of `vmtsync record`.

@@ -105,11 +105,13 @@ pub struct RecordArgs {
     /// the tightest bracket.
     #[arg(long, value_enum, value_name = "MODE", default_value_t = AnchorMode::Auto)]
     pub anchor: AnchorMode,
-    /// tracefs, for --anchor (default: /sys/kernel/tracing, then /sys/kernel/debug/tracing).
+    /// tracefs, for --anchor and --from-memory's beacons (default: /sys/kernel/tracing, then
+    /// /sys/kernel/debug/tracing).
     #[arg(long, value_name = "DIR")]
     pub tracefs: Option<PathBuf>,
     /// Also append every sync round's segment to this sync file (created with a header if
-    /// missing), for `vmtsync validate` and `vmtsync plot`.
+    /// missing), for `vmtsync validate` and `vmtsync plot` (--from-memory: the segments its
+    /// events were placed by, written when it ends).
     #[arg(long, value_name = "SYNCFILE")]
     pub sync_out: Option<PathBuf>,
     /// Append every sync probe that gave a sample to this file (JSON Lines), so `vmtsync

@@ -864,6 +864,28 @@ mod tests {
     }
 
     #[test]
+    fn a_vcpu_without_beacon_segments_is_placed_by_kvms_mapping_only_when_known() {
+        let r = Reading {
+            offset: -1_000,
+            before: 5_000,
+            after: 5_100,
+        };
+        let mut st = State::new(&[0, 1], None, Placement::TwoSided);
+        // vCPU 0: KVM's mapping known, no beacon bracketed; vCPU 1: neither.
+        st.vcpus[0].exact.push(exact_segment(0, 0, 0, r));
+        assert_eq!(st.place(0, 7_000), Some((8_000, 8_000, 8_000)));
+        assert_eq!(st.place(1, 7_000), None);
+        // Once a beacon segment exists its interval rules, the mapping gives only the point.
+        let mut wide = exact_segment(0, 1, 0, r);
+        wide.offset_lo = r.offset - 50;
+        wide.offset_hi = r.offset + 50;
+        st.vcpus[0].segments.push(wide);
+        let (host, lo, hi) = st.place(0, 7_000).unwrap();
+        assert_eq!(host, 8_000);
+        assert!(lo < host && host < hi, "{lo} {host} {hi}");
+    }
+
+    #[test]
     fn a_record_read_across_a_mapping_change_goes_to_the_one_mapping_it_fits() {
         // Read at host 1000..1010 with offset 0, then at 2000..2010 with offset 500 000 (the
         // guest TSC jumped forward between the two readings).

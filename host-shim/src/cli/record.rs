@@ -452,7 +452,14 @@ pub fn summary_text(s: &RecordSummary) -> String {
     };
     let widths = s.widths.map_or_else(
         || "no events".to_owned(),
-        |(lo, med, hi)| format!("min {lo}, median {med}, max {hi} ticks"),
+        |(lo, med, hi)| {
+            // The same widths in microseconds of the host's clock, when its TSC rate is known.
+            let us = record::host_tsc2nsec().map_or_else(String::new, |t| {
+                let us = |w: u64| t.nanos(w) as f64 / 1e3;
+                format!(" ({:.3}, {:.3}, {:.3} µs)", us(lo), us(med), us(hi))
+            });
+            format!("min {lo}, median {med}, max {hi} ticks{us}")
+        },
     );
     // A flight recorder's overwritten records are named apart from refused events.
     let split = if s.overwritten > 0 {

@@ -451,7 +451,12 @@ pub fn summary_text(s: &RecordSummary) -> String {
         EndReason::VmmExited => "the VMM exiting",
     };
     let widths = s.widths.map_or_else(
-        || "no events".to_owned(),
+        || match s.host_time {
+            record::HostTime::ExactUnverified => {
+                "none (every point is KVM's mapping, not verified by a beacon)".to_owned()
+            }
+            _ => "no events".to_owned(),
+        },
         |(lo, med, hi)| {
             // The same widths in microseconds of the host's clock, when its TSC rate is known.
             let us = record::host_tsc2nsec().map_or_else(String::new, |t| {

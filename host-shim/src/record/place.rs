@@ -246,11 +246,16 @@ impl State {
             };
             match self.place_as(rec.vcpu, rec.guest, self.placement) {
                 Some(p) => {
-                    w.push(p.hi - p.lo);
+                    // A point of KVM's mapping that no beacon verified has no guaranteed
+                    // interval: counted apart, not among the widths.
                     let unverified = self
                         .index_of(rec.vcpu)
                         .is_some_and(|i| self.vcpus[i].segments.is_empty());
-                    self.unverified += u64::from(unverified);
+                    if unverified {
+                        self.unverified += 1;
+                    } else {
+                        w.push(p.hi - p.lo);
+                    }
                 }
                 // Spooled before any round could place it (memory beacon mode spools every
                 // record) and still without one: not written, counted.

@@ -37,6 +37,8 @@ Exit codes:
   8  probe --anchor kvm-pio: exit anchoring is not possible here (no tracefs or kvm_pio,
      not root, VM not found in debugfs, not a serial chardev) or no probe's exits were found
   9  validate: at least one event converted to the wrong side of its exit
+  10 record --from-memory: events were read but none could be placed on the host
+     timeline (no bracketed beacon, and KVM's mapping cannot place them)
   130  probe: interrupted by SIGINT (143: by SIGTERM) before it measured anything; in
      continuous mode a signal instead ends the run after the current round";
 
@@ -174,6 +176,7 @@ impl CliError {
                 crate::record::RecordError::NoSync(EstimateError::NoSamples)
                 | crate::record::RecordError::NoEvents,
             ) => 7,
+            Self::Record(crate::record::RecordError::Unplaced { .. }) => 10,
             Self::Record(_) => 1,
             Self::Perfetto(e) => perfetto_exit_code(e),
             Self::Usage(_) => 2,

@@ -29,7 +29,7 @@ pub struct RecordArgs {
     /// `-- VMM ARGS…` starts it; root): no link and no agent protocol. Each event's host time
     /// comes from KVM's per-vCPU mapping in debugfs, exactly, when the recorder says it holds
     /// the raw TSC (docs/record.md, "Recording from guest memory").
-    #[arg(long, conflicts_with_all = ["anchor", "probe_log", "console", "sync_out", "host_trace", "shutdown"])]
+    #[arg(long, conflicts_with_all = ["anchor", "probe_log", "console", "shutdown"])]
     pub from_memory: bool,
     /// With --from-memory: the header is at this host virtual address in the VMM (hex
     /// 0x... or decimal) instead of being searched for.
@@ -138,11 +138,13 @@ pub struct RecordArgs {
     /// the tightest bracket.
     #[arg(long, value_enum, value_name = "MODE", default_value_t = AnchorMode::Auto)]
     pub anchor: AnchorMode,
-    /// tracefs, for --anchor (default: /sys/kernel/tracing, then /sys/kernel/debug/tracing).
+    /// tracefs, for --anchor and --from-memory's beacons (default: /sys/kernel/tracing, then
+    /// /sys/kernel/debug/tracing).
     #[arg(long, value_name = "DIR")]
     pub tracefs: Option<PathBuf>,
     /// Also append every sync round's segment to this sync file (created with a header if
-    /// missing), for `vmtsync validate` and `vmtsync plot`.
+    /// missing), for `vmtsync validate` and `vmtsync plot` (--from-memory: the segments its
+    /// events were placed by, written when it ends).
     #[arg(long, value_name = "SYNCFILE")]
     pub sync_out: Option<PathBuf>,
     /// Append every sync probe that gave a sample to this file (JSON Lines), so `vmtsync
@@ -282,13 +284,24 @@ pub(super) fn run_record_cmd(a: &RecordArgs) -> Result<(), CliError> {
         _ => None,
     };
     let Some(connect) = a.connect.clone() else {
-        return run_record_memory_cmd(a);
+        let s = run_record_memory_cmd(a)?;
+        return host_copy(host, &s);
     };
     install_stop_handler();
     let opts = a.to_options(connect, Some(stop_flag()));
     let mut progress = Progress::stderr_if_terminal(opts.probe.progress);
     let s = record::run_record(&opts, &mut progress)?;
     eprintln!("{}", summary_text(&s));
+    host_copy(host, &s)
+}
+
+/// `--host-trace IN --host-output OUT`: a copy of the host trace with the GUEST option for the
+/// recording `s` (and the TSC2NSEC option the guest file carries), for trace-cmd's merged
+/// report.
+fn host_copy(
+    host: Option<(PathBuf, PathBuf, crate::kvm::scan::VmReport)>,
+    s: &RecordSummary,
+) -> Result<(), CliError> {
     if let Some((input, output, vm)) = host {
         // The guest file's CPU N is the N-th vCPU recorded (increasing vCPU order).
         let vcpu_pids = s
@@ -311,8 +324,14 @@ pub(super) fn run_record_cmd(a: &RecordArgs) -> Result<(), CliError> {
             trace_id: s.trace_id,
             vcpu_pids,
         };
-        let c = crate::formats::tracedat::copy_host_trace(&input, &output, &guest, None)
-            .map_err(crate::record::RecordError::from)?;
+        let c = crate::formats::tracedat::copy_host_trace_with(
+            &input,
+            &output,
+            &guest,
+            None,
+            crate::record::host_tsc2nsec(),
+        )
+        .map_err(crate::record::RecordError::from)?;
         eprintln!(
             "vmtsync: wrote {} (a copy of {} with the GUEST option for {}): trace-cmd report -i {} -i {}",
             c.path.display(),
@@ -345,7 +364,7 @@ fn parse_addr(s: &str) -> Result<u64, String> {
 
 /// `vmtsync record --from-memory`: the VM's VMM memory is read, no link (see
 /// [`record::run_record_memory`]).
-fn run_record_memory_cmd(a: &RecordArgs) -> Result<(), CliError> {
+fn run_record_memory_cmd(a: &RecordArgs) -> Result<RecordSummary, CliError> {
     use crate::guestmem::{Location, pointer_guest_physical_in, symbol_guest_physical_in};
     use crate::kvm::scan::VmSelector;
     // `-- VMM…`: started here, paused, and ended here whatever happens (the value's drop).
@@ -409,6 +428,8 @@ fn run_record_memory_cmd(a: &RecordArgs) -> Result<(), CliError> {
         stop: Some(stop_flag()),
         beacon_port: a.beacon_port,
         paused: vmm.as_ref().map(record::launch::Vmm::resume),
+        sync_out: a.sync_out.clone(),
+        tracefs: a.tracefs.clone(),
     };
     let mut progress = Progress::stderr_if_terminal(!a.no_progress);
     let result = record::run_record_memory(&opts, &mut progress);
@@ -434,10 +455,18 @@ fn run_record_memory_cmd(a: &RecordArgs) -> Result<(), CliError> {
             }
         );
     }
+    if m.unverified > 0 {
+        eprintln!(
+            "vmtsync: note: {} event(s) of vCPUs that no bracketed beacon covers (their beacons \
+             came before the reader could bracket them) were placed by KVM's mapping alone: \
+             exact if the header's raw-TSC claim holds, which no beacon checked",
+            m.unverified
+        );
+    }
     if let Some(why) = &b.broken {
         eprintln!("vmtsync: warning: beacons stopped being bracketed: {why}");
     }
-    Ok(())
+    Ok(s)
 }
 
 /// The second summary line of a memory recording: where the recorder was and what the
@@ -448,7 +477,7 @@ pub fn memory_text(s: &RecordSummary, m: &record::MemorySummary) -> String {
         "vmtsync: read the recorder at {:#x} ({} vCPU ring(s) of {} records): host time {}; {} \
          beacons ({} bracketed by kvm_pio exits, {} before the trace saw them whole, {} not \
          bracketed, {} disagree with KVM's mapping); {} overwritten, {} refused, {} corrupt, {} ambiguous across {} mapping \
-         changes, {} past --events; {} drain rounds, records read over {:.3} s at {:.3} M records/s",
+         changes, {} past --events; {} drain rounds in {:.3} s, {}",
         m.header_addr,
         s.vcpus.len(),
         m.capacity,
@@ -465,9 +494,29 @@ pub fn memory_text(s: &RecordSummary, m: &record::MemorySummary) -> String {
         m.mapping_changes,
         m.past_limit,
         m.polls,
-        m.drain.as_secs_f64(),
-        m.rate(s.events) / 1e6
+        m.elapsed.as_secs_f64(),
+        drain_text(m)
     )
+}
+
+/// How fast the records were read: every record read (events placed or not, and beacons:
+/// counting only the events written made a late attach's rate that of its beacons) over the
+/// time between the first and the last round that delivered records, in seconds to the microsecond (a short drain printed to the
+/// millisecond read "0.000 s"); one such round has a read time but no rate to speak of.
+fn drain_text(m: &record::MemorySummary) -> String {
+    let records = m.records;
+    match m.active_rounds {
+        0 => "no records read".to_owned(),
+        1 => format!(
+            "{records} records read in one round of {:.6} s (no sustained rate)",
+            m.drain.as_secs_f64()
+        ),
+        _ => format!(
+            "records read over {:.6} s at {:.3} M records/s",
+            m.drain.as_secs_f64(),
+            m.rate() / 1e6
+        ),
+    }
 }
 
 /// The summary printed on stderr.
@@ -481,8 +530,20 @@ pub fn summary_text(s: &RecordSummary) -> String {
         EndReason::VmmExited => "the VMM exiting",
     };
     let widths = s.widths.map_or_else(
-        || "no events".to_owned(),
-        |(lo, med, hi)| format!("min {lo}, median {med}, max {hi} ticks"),
+        || match s.host_time {
+            record::HostTime::ExactUnverified => {
+                "none (every point is KVM's mapping, not verified by a beacon)".to_owned()
+            }
+            _ => "no events".to_owned(),
+        },
+        |(lo, med, hi)| {
+            // The same widths in microseconds of the host's clock, when its TSC rate is known.
+            let us = record::host_tsc2nsec().map_or_else(String::new, |t| {
+                let us = |w: u64| t.nanos(w) as f64 / 1e3;
+                format!(" ({:.3}, {:.3}, {:.3} µs)", us(lo), us(med), us(hi))
+            });
+            format!("min {lo}, median {med}, max {hi} ticks{us}")
+        },
     );
     // A flight recorder's overwritten records are named apart from refused events.
     let split = if s.overwritten > 0 {
@@ -502,6 +563,7 @@ pub fn summary_text(s: &RecordSummary) -> String {
     let segments = match s.host_time {
         record::HostTime::Sync => format!("{} sync segments ({} breaks)", s.segments, s.breaks),
         record::HostTime::ExactDebugfs => format!("{} KVM mapping segment(s)", s.segments),
+        record::HostTime::ExactUnverified => "no beacon segment".to_owned(),
         record::HostTime::Beacons | record::HostTime::BeaconsExactPoints => {
             format!("{} beacon segments ({} breaks)", s.segments, s.breaks)
         }

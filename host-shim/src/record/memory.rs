@@ -57,6 +57,11 @@ pub struct MemoryOptions {
     /// The VMM is paused and this resumes it (`record --from-memory -- VMM…`): the reader
     /// arms its trace first, so the guest's every exit follows a host time it took.
     pub paused: Option<super::launch::Resume>,
+    /// `--sync-out`: the segments the recording placed its events by, written when it ends
+    /// (see [`write_sync_out`]).
+    pub sync_out: Option<PathBuf>,
+    /// `--tracefs` for the beacons' kvm_pio trace (default: the usual mount points).
+    pub tracefs: Option<PathBuf>,
 }
 
 /// The default time between two idle drain rounds.
@@ -89,18 +94,28 @@ pub struct MemorySummary {
     /// one that did, its records written (the guest was producing in between; waiting for
     /// the header or for the end is not in it).
     pub drain: Duration,
+    /// Records read in the drain loop (events, written or not, and beacons).
+    pub records: u64,
+    /// Drain rounds that delivered records (one such round has a read time, not a rate).
+    pub active_rounds: u64,
+    /// From the header found to the end of the recording.
+    pub elapsed: Duration,
     /// What beacon mode counted (beacons bracketed, disagreements with KVM's mapping).
     pub beacon_stats: BeaconStats,
+    /// Beacon mode, raw-TSC guest: events of a vCPU no bracketed beacon covers (a late
+    /// attach), placed by KVM's mapping alone with width 0: exact if the header's raw-TSC
+    /// claim holds, which no beacon checked.
+    pub unverified: u64,
 }
 
 impl MemorySummary {
-    /// Records read per second while the guest produced them (events and beacons over
-    /// [`MemorySummary::drain`]): a floor of the reader's rate, not its ceiling.
+    /// Records read per second while the guest produced them ([`MemorySummary::records`]
+    /// over [`MemorySummary::drain`]): a floor of the reader's rate, not its ceiling.
     #[must_use]
-    pub fn rate(&self, events: u64) -> f64 {
+    pub fn rate(&self) -> f64 {
         let secs = self.drain.as_secs_f64();
         if secs > 0.0 {
-            (events + self.beacons) as f64 / secs
+            self.records as f64 / secs
         } else {
             0.0
         }
@@ -298,6 +313,7 @@ fn exact_list(v: &mut super::place::VcpuSync, mode: Mode) -> &mut Vec<SyncSegmen
 /// exits are its vCPU thread's, and every one of them must be traced for a bracket to hold,
 /// whichever ring a vCPU writes), or why not. `None` without a beacon port.
 fn start_beacons(
+    tracefs: Option<&Path>,
     proc: &ProcFs,
     vm: &VmDir,
     vcpus: &[u32],
@@ -314,14 +330,19 @@ fn start_beacons(
         ),
         Mode::Exact => e,
     };
-    let trace = start_trace(proc, vm, port).map_err(|e| why(e.to_string()))?;
+    let trace = start_trace(tracefs, proc, vm, port).map_err(|e| why(e.to_string()))?;
     Ok(Some(Beacons::new(trace, port, vcpus.len(), None)))
 }
 
 /// The `kvm_pio` trace of `port` for every thread of the VMM, also one it creates later (the
 /// kernel filter names only the port; the reader keeps the exits of the VMM's own threads).
-fn start_trace(proc: &ProcFs, vm: &VmDir, port: u16) -> Result<PioTrace, RecordError> {
-    PioTrace::start_process(None, proc.root(), vm.id.pid, &[port]).map_err(|e| {
+fn start_trace(
+    tracefs: Option<&Path>,
+    proc: &ProcFs,
+    vm: &VmDir,
+    port: u16,
+) -> Result<PioTrace, RecordError> {
+    PioTrace::start_process(tracefs, proc.root(), vm.id.pid, &[port]).map_err(|e| {
         RecordError::Memory(format!(
             "the host's kvm_pio trace of port {port:#x} could not be started: {e}"
         ))
@@ -402,6 +423,25 @@ fn beacon_info(vcpu: u32) -> crate::probe::AgentInfo {
     }
 }
 
+/// `--sync-out` of a memory recording: every vCPU's segments that placed its events, in
+/// order: the beacons' (beacon mode), else KVM's mappings (exact mode, or a vCPU no bracketed
+/// beacon covers). Written when the recording ends, since beacon segments are final only then.
+fn write_sync_out(path: &Path, source: &str, st: &State) -> Result<(), RecordError> {
+    let mut w =
+        SyncWriter::open(path, &SyncHeader::now(source.to_owned())).map_err(ProbeError::from)?;
+    for v in &st.vcpus {
+        let segs = if v.segments.is_empty() {
+            &v.exact
+        } else {
+            &v.segments
+        };
+        for seg in segs {
+            w.append(seg).map_err(ProbeError::from)?;
+        }
+    }
+    Ok(())
+}
+
 /// Records a guest by reading its recorder out of its VMM's memory (see the module docs).
 ///
 /// # Errors
@@ -419,7 +459,10 @@ pub fn run_record_memory(
     };
     // `--beacon-port`: the trace runs before the guest can emit a beacon we would not see.
     let early = match opts.beacon_port {
-        Some(port) => Some((start_trace(&proc, &opts.vm, port)?, port)),
+        Some(port) => Some((
+            start_trace(opts.tracefs.as_deref(), &proc, &opts.vm, port)?,
+            port,
+        )),
         None => None,
     };
     // A paused VMM: every guest exit comes after this host time, taken with the trace (if
@@ -508,12 +551,12 @@ pub fn run_record_memory(
         }
     };
     let mut last = read_all()?;
-    let started = match early {
+    let armed = match early {
         // Armed before the guest ran (a paused VMM): chains bracket from beacon 0.
         Some((trace, port)) => Ok(Some(Beacons::new(trace, port, vcpus.len(), armed_at))),
-        None => start_beacons(&proc, &opts.vm, &vcpus, port, mode),
+        None => start_beacons(opts.tracefs.as_deref(), &proc, &opts.vm, &vcpus, port, mode),
     };
-    let mut beacons = match started {
+    let mut beacons = match armed {
         Ok(b) => b,
         Err(why) if mode == Mode::Exact => {
             if port != 0 {
@@ -671,6 +714,8 @@ pub fn run_record_memory(
             // The round's records are placed and written: its end counts in the rate.
             let end = Instant::now();
             active = Some((active.map_or(round_start, |(first, _)| first), end));
+            ms.active_rounds += 1;
+            ms.records += pending.len() as u64;
         }
         if last_clock.elapsed() >= Duration::from_secs(1) {
             last_clock = Instant::now();
@@ -727,6 +772,7 @@ pub fn run_record_memory(
     }
     progress.clear();
     ms.drain = active.map_or(Duration::ZERO, |(first, last)| last - first);
+    ms.elapsed = started.elapsed();
     for c in drainer.counts() {
         ms.overwritten += c.overwritten;
         ms.refused += c.refused;
@@ -759,9 +805,29 @@ pub fn run_record_memory(
             );
         }
     }
+    ms.unverified = st.unverified;
+    if let Some(path) = &opts.sync_out {
+        write_sync_out(path, &target.source, &st)?;
+    }
     let written = finish(out, &target, &st);
     let end = result?;
     let (preconverted, clamped) = written?;
+    // Events were read but none could be placed: an empty output is no success.
+    let unplaced = st.unplaceable + ms.ambiguous;
+    if st.events == 0 && unplaced > 0 {
+        return Err(RecordError::Unplaced {
+            read: unplaced,
+            out: opts.out.clone(),
+            why: if raw {
+                "no beacon was bracketed and KVM's mapping could not be used".into()
+            } else {
+                "the header says its records do not hold the raw TSC, so only bracketed \
+                 beacons can place them, and none was (attach before the guest emits its \
+                 beacons, or keep it emitting them while the reader runs)"
+                    .into()
+            },
+        });
+    }
     Ok((
         RecordSummary {
             events: st.events,
@@ -793,6 +859,9 @@ pub fn run_record_memory(
             console: None,
             host_time: match (mode, raw) {
                 (Mode::Exact, _) => HostTime::ExactDebugfs,
+                (Mode::Beacons, true) if exact_points && st.unverified == st.events => {
+                    HostTime::ExactUnverified
+                }
                 (Mode::Beacons, true) if exact_points => HostTime::BeaconsExactPoints,
                 (Mode::Beacons, _) => HostTime::Beacons,
             },
@@ -855,6 +924,28 @@ mod tests {
             let want = bounds::place(&segs, g, Placement::OneSided).map(|p| (p.host, p.round));
             assert_eq!(exact_at(&segs, g), want, "guest {g}");
         }
+    }
+
+    #[test]
+    fn a_vcpu_without_beacon_segments_is_placed_by_kvms_mapping_only_when_known() {
+        let r = Reading {
+            offset: -1_000,
+            before: 5_000,
+            after: 5_100,
+        };
+        let mut st = State::new(&[0, 1], None, Placement::TwoSided);
+        // vCPU 0: KVM's mapping known, no beacon bracketed; vCPU 1: neither.
+        st.vcpus[0].exact.push(exact_segment(0, 0, 0, r));
+        assert_eq!(st.place(0, 7_000), Some((8_000, 8_000, 8_000)));
+        assert_eq!(st.place(1, 7_000), None);
+        // Once a beacon segment exists its interval rules, the mapping gives only the point.
+        let mut wide = exact_segment(0, 1, 0, r);
+        wide.offset_lo = r.offset - 50;
+        wide.offset_hi = r.offset + 50;
+        st.vcpus[0].segments.push(wide);
+        let (host, lo, hi) = st.place(0, 7_000).unwrap();
+        assert_eq!(host, 8_000);
+        assert!(lo < host && host < hi, "{lo} {host} {hi}");
     }
 
     #[test]

@@ -34,7 +34,7 @@ mod memory;
 mod place;
 mod session;
 mod spool;
-mod write;
+pub(crate) mod write;
 
 use std::io;
 use std::path::{Path, PathBuf};
@@ -72,6 +72,7 @@ use session::Ledger;
 #[cfg(test)]
 use session::account;
 pub use session::{run_record, run_record_on};
+pub use write::host_tsc2nsec;
 use write::{Out, Target, finish, trace_id};
 
 /// The output format of `vmtsync record`.
@@ -150,6 +151,9 @@ pub enum HostTime {
     /// As [`HostTime::Beacons`], for records that hold the raw TSC: each point is KVM's
     /// exact mapping (inside the beacons' interval), each interval the beacons'.
     BeaconsExactPoints,
+    /// Beacon mode on a raw-TSC guest with no bracketed beacon (a late attach): every point
+    /// and width-0 interval is KVM's exact mapping on the header's word, not verified.
+    ExactUnverified,
 }
 
 impl HostTime {
@@ -162,6 +166,10 @@ impl HostTime {
             Self::Beacons => "beacons (kvm_pio brackets)",
             Self::BeaconsExactPoints => {
                 "exact points (KVM debugfs) in intervals from the beacons (kvm_pio brackets)"
+            }
+            Self::ExactUnverified => {
+                "KVM's mapping (debugfs), not verified: no beacon was bracketed, so the \
+                 header's raw-TSC claim is unchecked"
             }
         }
     }
@@ -259,6 +267,21 @@ pub enum RecordError {
     /// Reading the guest's recorder out of its VMM's memory failed (`--from-memory`).
     #[error("reading the guest's recorder from memory: {0}")]
     Memory(String),
+    /// Events were read but none could be placed on the host timeline (`--from-memory`):
+    /// the output holds none of them.
+    #[error(
+        "read {read} events from the guest's recorder but could place none on the host \
+         timeline, so {} holds no event: {why}",
+        out.display()
+    )]
+    Unplaced {
+        /// Events read.
+        read: u64,
+        /// The output written.
+        out: PathBuf,
+        /// Why, and what to do.
+        why: String,
+    },
 }
 
 impl RecordError {

@@ -107,6 +107,9 @@ pub(super) struct State {
     pub(super) clocks: Vec<ClockSnapshot>,
     /// Why the last vCPU round whose samples gave no estimate refused them.
     pub(super) refused: Option<EstimateError>,
+    /// Events of a vCPU with no beacon segment placed by KVM's mapping alone (width 0, not
+    /// verified by any bracketed beacon): counted by [`State::final_widths`].
+    pub(super) unverified: u64,
     /// `--placement`.
     pub(super) placement: Placement,
 }
@@ -172,6 +175,7 @@ impl State {
             widths: Widths::default(),
             clocks: Vec::new(),
             refused: None,
+            unverified: 0,
             placement,
         }
     }
@@ -196,6 +200,12 @@ impl State {
     /// [`State::place`] with a given placement, and the round that covers the event.
     pub(super) fn place_as(&self, vcpu: u32, g: u64, how: Placement) -> Option<bounds::Place> {
         let v = self.vcpus.get(self.index_of(vcpu)?)?;
+        if v.segments.is_empty() {
+            // No round ever covered this vCPU (a late attach read its beacons before the
+            // trace could bracket them): a raw-TSC guest's event is placed by KVM's mapping
+            // alone, width 0 on the header's word (`exact` is empty unless that is known).
+            return bounds::place(&v.exact, g, Placement::OneSided);
+        }
         let mut p = bounds::place(&v.segments, g, how)?;
         if let Some(e) = bounds::place(&v.exact, g, Placement::OneSided)
             && (p.lo..=p.hi).contains(&e.host)
@@ -235,7 +245,18 @@ impl State {
                 break;
             };
             match self.place_as(rec.vcpu, rec.guest, self.placement) {
-                Some(p) => w.push(p.hi - p.lo),
+                Some(p) => {
+                    // A point of KVM's mapping that no beacon verified has no guaranteed
+                    // interval: counted apart, not among the widths.
+                    let unverified = self
+                        .index_of(rec.vcpu)
+                        .is_some_and(|i| self.vcpus[i].segments.is_empty());
+                    if unverified {
+                        self.unverified += 1;
+                    } else {
+                        w.push(p.hi - p.lo);
+                    }
+                }
                 // Spooled before any round could place it (memory beacon mode spools every
                 // record) and still without one: not written, counted.
                 None => {

@@ -247,6 +247,7 @@ pub(super) fn write_trace_dat_as(
     let cpus = u32::try_from(st.vcpus.len()).unwrap_or(u32::MAX);
     let mut wo = WriterOptions::new(cpus, trace_id);
     wo.version = opts.file_version;
+    wo.tsc2nsec = host_tsc2nsec();
     let names = st
         .vcpus
         .iter()
@@ -314,6 +315,19 @@ pub(super) fn write_trace_dat_as(
     });
     w.finish(shift.as_ref())?;
     Ok((!identity, clamped))
+}
+
+/// The TSC2NSEC option of the host's TSC frequency ([`crate::formats::ctf::host_tsc_hz`]):
+/// written into the guest trace.dat and into the host trace's copy, so trace-cmd shows both
+/// in seconds on the host's clock (docs/record.md). Read once per process, so both files of a
+/// recording carry the same values; `None` when the frequency is unknown (ticks then).
+pub fn host_tsc2nsec() -> Option<tracedat::Tsc2Nsec> {
+    static T: std::sync::OnceLock<Option<tracedat::Tsc2Nsec>> = std::sync::OnceLock::new();
+    *T.get_or_init(|| {
+        crate::formats::ctf::host_tsc_hz()
+            .ok()
+            .and_then(tracedat::Tsc2Nsec::for_hz)
+    })
 }
 
 /// A TRACEID for the guest file: stable for one run (source and first anchor).

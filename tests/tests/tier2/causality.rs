@@ -47,8 +47,12 @@ pub(crate) struct Order {
 /// Reads the merged report: host `kvm_pio` lines of vCPU thread `thread` (other tests' VMs
 /// may run at the same time) and guest `event_data` lines, in order.
 pub(crate) fn merged_order(host: &Path, guest: &Path, thread: u64) -> Order {
+    // In ticks: the guest file's TSC2NSEC would put it in nanoseconds beside a raw host
+    // extract's ticks (a 1 GHz `--ts2secs` makes both files ticks again).
     let o = trace_cmd(&[
         "report",
+        crate::util::TICKS[0],
+        crate::util::TICKS[1],
         "-i",
         host.to_str().unwrap(),
         "-i",

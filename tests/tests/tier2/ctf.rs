@@ -361,7 +361,14 @@ fn export_of_a_trace_dat_matches_trace_cmd_report() {
         &HZ.to_string(),
     ]);
     assert_eq!(e.status.code(), Some(0), "{}", text(&e.stderr));
-    let report = report_events(&trace_cmd(&["report", "-t", "-i", dat.to_str().unwrap()]));
+    let report = report_events(&trace_cmd(&[
+        "report",
+        "-t",
+        crate::util::TICKS[0],
+        crate::util::TICKS[1],
+        "-i",
+        dat.to_str().unwrap(),
+    ]));
     let bt = bt2_events(&[&out]);
     assert_eq!(report.len(), bt.len());
     assert!(!bt.is_empty());

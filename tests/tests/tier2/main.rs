@@ -26,6 +26,7 @@ mod e2e;
 mod firmware;
 mod kvm_real;
 mod memory_agent;
+mod memory_drain;
 mod memory_flight;
 mod memory_outputs;
 mod minimal_kernel;
@@ -96,6 +97,7 @@ fn main() -> std::process::ExitCode {
         firmware::trials(),
         kvm_real::trials(),
         memory_agent::trials(),
+        memory_drain::trials(),
         memory_flight::trials(),
         memory_outputs::trials(),
         minimal_kernel::trials(),

@@ -62,27 +62,34 @@ const PROGRESS_EVERY: u64 = 250;
 
 /// One event of `trace-cmd report`: (timestamp, id, sequence number from the payload).
 fn events(dat: &Path, how: &str) -> Vec<(u64, u64, u64)> {
-    report(&["report", how, "-i", dat.to_str().unwrap()])
-        .into_iter()
-        .filter(|l| l.rest.starts_with("event_data:"))
-        .map(|l| {
-            let field = |k: &str| {
-                l.rest
-                    .split(k)
-                    .nth(1)
-                    .unwrap_or_else(|| panic!("no {k} in {}", l.rest))
-                    .to_string()
-            };
-            let id = field("id=")
-                .split_whitespace()
-                .next()
-                .unwrap()
-                .parse()
-                .unwrap();
-            let hex: String = field("payload=").split_whitespace().collect();
-            (l.ts, id, seq_of(&hex[..16]))
-        })
-        .collect()
+    report(&[
+        "report",
+        how,
+        crate::util::TICKS[0],
+        crate::util::TICKS[1],
+        "-i",
+        dat.to_str().unwrap(),
+    ])
+    .into_iter()
+    .filter(|l| l.rest.starts_with("event_data:"))
+    .map(|l| {
+        let field = |k: &str| {
+            l.rest
+                .split(k)
+                .nth(1)
+                .unwrap_or_else(|| panic!("no {k} in {}", l.rest))
+                .to_string()
+        };
+        let id = field("id=")
+            .split_whitespace()
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap();
+        let hex: String = field("payload=").split_whitespace().collect();
+        (l.ts, id, seq_of(&hex[..16]))
+    })
+    .collect()
 }
 
 /// Checks that `got` holds every event the kernel records exactly once, as `(id, seq)` in

@@ -17,8 +17,8 @@ use vmtsync_tests::vmm::agent_elf;
 use vmtsync_tests::vmm::qemu::Machine;
 
 use crate::util::{
-    Loopback, QemuAgent, have_trace_cmd, loopback, qemu_ready, read_jsonl, report_events, scratch,
-    seq_of, text, trace_cmd, u,
+    Loopback, QemuAgent, TICKS, have_trace_cmd, loopback, qemu_ready, read_jsonl, report_events,
+    scratch, seq_of, text, trace_cmd, u,
 };
 
 crate::trials!(
@@ -40,7 +40,7 @@ fn raw_and_host_reports(dat: &Path) -> (Reported, Reported) {
     let p = dat.to_str().unwrap();
     (
         report_events(&trace_cmd(&["report", "--raw-ts", "-i", p])),
-        report_events(&trace_cmd(&["report", "-t", "-i", p])),
+        report_events(&trace_cmd(&["report", "-t", TICKS[0], TICKS[1], "-i", p])),
     )
 }
 

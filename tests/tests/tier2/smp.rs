@@ -573,7 +573,14 @@ fn record_places_every_vcpus_events_with_its_own_sync() {
         by
     };
     let raw = per_cpu(events(&["report", "--raw-ts", "-i", path]));
-    let host = per_cpu(events(&["report", "-t", "-i", path]));
+    let host = per_cpu(events(&[
+        "report",
+        "-t",
+        crate::util::TICKS[0],
+        crate::util::TICKS[1],
+        "-i",
+        path,
+    ]));
     let total: usize = raw.iter().map(Vec::len).sum();
     assert_eq!(total as u64, s.events, "every event in the file");
     let mut cpus = [0usize; VCPUS as usize];

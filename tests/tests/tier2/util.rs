@@ -22,6 +22,11 @@ use vmtsync_tests::{ChildGuard, have_kvm, is_root, require};
 mod shared;
 pub(crate) use shared::*;
 
+/// `trace-cmd report` arguments that show host ticks, not nanoseconds: `vmtsync record`'s
+/// trace.dat carries a TSC2NSEC option (seconds on the host's clock), and a frequency of
+/// 1 GHz makes trace-cmd's conversion the identity, so a test can compare with TSC truths.
+pub(crate) const TICKS: [&str; 2] = ["--ts2secs", "1000000000"];
+
 /// `(timestamp, seq)` of every `vmtsync` event line `trace-cmd report` printed.
 pub(crate) fn report_events(out: &Output) -> Vec<(u64, u64)> {
     text(&out.stdout)

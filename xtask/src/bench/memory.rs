@@ -371,7 +371,8 @@ impl Report {
 
 fn report(dat: &Path) -> Result<Report> {
     let mut cmd = Command::new("trace-cmd");
-    cmd.args(["report", "-i"])
+    // Ticks, as before: a 1 GHz `--ts2secs` undoes the file's TSC2NSEC option.
+    cmd.args(["report", "--ts2secs", "1000000000", "-i"])
         .arg(dat)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())

@@ -98,3 +98,60 @@ pub struct Tsc2Nsec {
     /// Offset (stored, unused by trace-cmd 3.1.6).
     pub offset: u64,
 }
+
+impl Tsc2Nsec {
+    /// Nanoseconds of a TSC at `hz` ticks per second, as trace-cmd's `mul_u64_u32_shr` takes
+    /// them: the largest `shift` (at most 32, which that function allows) whose
+    /// `mult = 10^9 * 2^shift / hz` fits a `u32`, so the rounding error is below one part in
+    /// 2^31 of the time; `None` for a frequency of 0 or one too high for any shift.
+    #[must_use]
+    pub fn for_hz(hz: u64) -> Option<Self> {
+        if hz == 0 {
+            return None;
+        }
+        (0..=32u32).rev().find_map(|shift| {
+            let mult = (1_000_000_000u128 << shift) / u128::from(hz);
+            Some(Self {
+                mult: u32::try_from(mult).ok().filter(|&m| m > 0)?,
+                shift,
+                offset: 0,
+            })
+        })
+    }
+
+    /// `ticks` in nanoseconds, exactly as trace-cmd 3.1.6 computes it (two 32-bit halves).
+    #[must_use]
+    pub fn nanos(&self, ticks: u64) -> u64 {
+        let (lo, hi) = (ticks & 0xffff_ffff, ticks >> 32);
+        let m = u64::from(self.mult);
+        ((lo * m) >> self.shift).wrapping_add((hi * m) << (32 - self.shift.min(32)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Tsc2Nsec;
+
+    #[test]
+    fn for_hz_gives_nanoseconds_within_a_part_in_two_billion() {
+        for hz in [
+            1_000_000u64,
+            999_999_999,
+            1_000_000_000,
+            2_100_000_000,
+            3_599_999_000,
+        ] {
+            let t = Tsc2Nsec::for_hz(hz).unwrap();
+            // One hour of ticks.
+            let ticks = hz * 3600;
+            let want = 3_600_000_000_000u64;
+            let got = t.nanos(ticks);
+            assert!(
+                got.abs_diff(want) <= want >> 30,
+                "{hz} Hz: {got} ns for {want}"
+            );
+        }
+        assert_eq!(Tsc2Nsec::for_hz(0), None);
+        assert_eq!(Tsc2Nsec::for_hz(2_000_000_000).unwrap().shift, 32);
+    }
+}

@@ -68,6 +68,22 @@ pub fn copy_host_trace(
     guest: &GuestInfo,
     trace_id: Option<u64>,
 ) -> Result<HostCopySummary, TraceDatError> {
+    copy_host_trace_with(input, output, guest, trace_id, None)
+}
+
+/// [`copy_host_trace`], and with `tsc2nsec` a TSC2NSEC option when the input has none (a
+/// host trace on `x86-tsc` then shows seconds, as the guest file written with the same
+/// values does; an input recorded with `--tsc2nsec` keeps its own).
+///
+/// # Errors
+/// As [`copy_host_trace`].
+pub fn copy_host_trace_with(
+    input: &Path,
+    output: &Path,
+    guest: &GuestInfo,
+    trace_id: Option<u64>,
+    tsc2nsec: Option<super::Tsc2Nsec>,
+) -> Result<HostCopySummary, TraceDatError> {
     if guest
         .vcpu_pids
         .iter()
@@ -92,6 +108,14 @@ pub fn copy_host_trace(
         put(&mut opts, option::TRACEID, &host_trace_id.to_le_bytes());
     }
     put(&mut opts, option::GUEST, &guest_option(guest));
+    let add_tsc2nsec = tsc2nsec.filter(|_| layout.tsc2nsec().is_none());
+    if let Some(t) = add_tsc2nsec {
+        let mut b = Vec::with_capacity(16);
+        b.extend_from_slice(&t.mult.to_le_bytes());
+        b.extend_from_slice(&t.shift.to_le_bytes());
+        b.extend_from_slice(&t.offset.to_le_bytes());
+        put(&mut opts, option::TSC2NSEC, &b);
+    }
     let bytes = copy_with_options(input, output, &layout, &opts, |path, l| {
         let bad = |reason: &str| TraceDatError::Verify {
             path: path.to_path_buf(),
@@ -103,6 +127,9 @@ pub fn copy_host_trace(
         let want = guest_option(guest);
         if l.options_with(option::GUEST).last().map(|o| &o.data) != Some(&want) {
             return Err(bad("GUEST option does not read back"));
+        }
+        if add_tsc2nsec.is_some() && l.tsc2nsec() != add_tsc2nsec {
+            return Err(bad("TSC2NSEC option does not read back"));
         }
         Ok(())
     })?;

@@ -66,7 +66,7 @@ pub mod writer;
 pub use attach::{AttachSummary, attach_time_shift, trace_cpus};
 pub use consts::Tsc2Nsec;
 pub use error::TraceDatError;
-pub use hostcopy::{GuestInfo, HostCopySummary, copy_host_trace};
+pub use hostcopy::{GuestInfo, HostCopySummary, copy_host_trace, copy_host_trace_with};
 pub use reader::{
     Event, EventFormat, Layout, cpu_time_ranges, for_each_record, read_event_formats, read_layout,
     verify_file,

@@ -276,15 +276,7 @@ pub fn find(mem: &mut impl GuestMemory, loc: Location) -> Result<Found, FindErro
                     hits.push(f);
                 }
             }
-            match hits.len() {
-                0 => Err(FindError::NoRamMapping { gpa, tried }),
-                1 => Ok(hits.swap_remove(0)),
-                n => Err(FindError::Ambiguous {
-                    first: hits[0].addr,
-                    second: hits[1].addr,
-                    count: n as u64,
-                }),
-            }
+            the_one(hits, FindError::NoRamMapping { gpa, tried })
         }
         Location::Pointer { gpa, width } => {
             // The variable and what it points at in the same mapping: guest RAM from 0 is one
@@ -313,16 +305,22 @@ pub fn find(mem: &mut impl GuestMemory, loc: Location) -> Result<Found, FindErro
                     hits.push(f);
                 }
             }
-            match hits.len() {
-                0 => Err(FindError::NoPointerTarget { gpa, tried, last }),
-                1 => Ok(hits.swap_remove(0)),
-                n => Err(FindError::Ambiguous {
-                    first: hits[0].addr,
-                    second: hits[1].addr,
-                    count: n as u64,
-                }),
-            }
+            the_one(hits, FindError::NoPointerTarget { gpa, tried, last })
         }
+    }
+}
+
+/// The one header among `hits`: `none` when there is none, [`FindError::Ambiguous`] when
+/// there are several.
+fn the_one(mut hits: Vec<Found>, none: FindError) -> Result<Found, FindError> {
+    match hits.len() {
+        0 => Err(none),
+        1 => Ok(hits.swap_remove(0)),
+        n => Err(FindError::Ambiguous {
+            first: hits[0].addr,
+            second: hits[1].addr,
+            count: n as u64,
+        }),
     }
 }
 

@@ -116,12 +116,7 @@ pub struct RecordArgs {
     /// A host trace.dat (trace-cmd extract, x86-tsc clock) to pair with the guest trace: a copy
     /// of it with the GUEST option (this guest's name, trace id, vCPU -> host thread) is
     /// written to --host-output, so `trace-cmd report -i HOST_OUT -i GUEST.dat` shows both.
-    #[arg(
-        long,
-        value_name = "HOST.dat",
-        requires = "host_output",
-        requires = "vm"
-    )]
+    #[arg(long, value_name = "HOST.dat", requires = "host_output")]
     pub host_trace: Option<PathBuf>,
     /// Where the host trace's copy goes (the input is never modified).
     #[arg(long, value_name = "OUT.dat", requires = "host_trace")]
@@ -275,6 +270,13 @@ pub(super) fn run_record_cmd(a: &RecordArgs) -> Result<(), CliError> {
             "--host-trace pairs a host trace with a trace-cmd format recording".into(),
         ));
     }
+    if a.host_trace.is_some() && a.vm.is_none() && a.vmm.is_empty() {
+        return Err(CliError::Usage(
+            "--host-trace needs the VM: --vm, or with --from-memory the VMM's command line \
+             after `--`"
+                .into(),
+        ));
+    }
     // The VM's vCPU threads, read before recording so a wrong --vm fails at once.
     let host = match (&a.host_trace, &a.host_output, &a.vm) {
         (Some(input), Some(output), Some(sel)) => {
@@ -284,7 +286,11 @@ pub(super) fn run_record_cmd(a: &RecordArgs) -> Result<(), CliError> {
         _ => None,
     };
     let Some(connect) = a.connect.clone() else {
-        let s = run_record_memory_cmd(a)?;
+        let (s, vm) = run_record_memory_cmd(a)?;
+        let host = match (&a.host_trace, &a.host_output) {
+            (Some(input), Some(output)) => Some((input.clone(), output.clone(), vm)),
+            _ => None,
+        };
         return host_copy(host, &s);
     };
     install_stop_handler();
@@ -364,7 +370,11 @@ fn parse_addr(s: &str) -> Result<u64, String> {
 
 /// `vmtsync record --from-memory`: the VM's VMM memory is read, no link (see
 /// [`record::run_record_memory`]).
-fn run_record_memory_cmd(a: &RecordArgs) -> Result<RecordSummary, CliError> {
+/// Returns the summary and the VM's report, read after the recording when the VM is still
+/// there (a VMM started paused names its vCPU threads only once they ran).
+fn run_record_memory_cmd(
+    a: &RecordArgs,
+) -> Result<(RecordSummary, crate::kvm::scan::VmReport), CliError> {
     use crate::guestmem::{Location, pointer_guest_physical_in, symbol_guest_physical_in};
     use crate::kvm::scan::VmSelector;
     // `-- VMM…`: started here, paused, and ended here whatever happens (the value's drop).
@@ -433,6 +443,7 @@ fn run_record_memory_cmd(a: &RecordArgs) -> Result<RecordSummary, CliError> {
     };
     let mut progress = Progress::stderr_if_terminal(!a.no_progress);
     let result = record::run_record_memory(&opts, &mut progress);
+    let vm = super::source::single_vm(&a.source, sel).unwrap_or(vm);
     if let Some(v) = vmm.as_mut() {
         match v.finish() {
             Some(status) => eprintln!("vmtsync: the VMM (PID {}) ended: {status}", v.pid()),
@@ -466,7 +477,7 @@ fn run_record_memory_cmd(a: &RecordArgs) -> Result<RecordSummary, CliError> {
     if let Some(why) = &b.broken {
         eprintln!("vmtsync: warning: beacons stopped being bracketed: {why}");
     }
-    Ok(s)
+    Ok((s, vm))
 }
 
 /// The second summary line of a memory recording: where the recorder was and what the

@@ -371,8 +371,9 @@ impl Report {
 
 fn report(dat: &Path) -> Result<Report> {
     let mut cmd = Command::new("trace-cmd");
-    // Ticks, as before: a 1 GHz `--ts2secs` undoes the file's TSC2NSEC option.
-    cmd.args(["report", "--ts2secs", "1000000000", "-i"])
+    // Ticks, as before: a 1 GHz `--ts2secs` undoes the file's TSC2NSEC option, and `-t`
+    // prints all nine decimals (without it trace-cmd cuts them to six: microticks).
+    cmd.args(["report", "-t", "--ts2secs", "1000000000", "-i"])
         .arg(dat)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())

@@ -284,7 +284,12 @@ pub(super) fn run_record_cmd(a: &RecordArgs) -> Result<(), CliError> {
         _ => None,
     };
     let Some(connect) = a.connect.clone() else {
-        let s = run_record_memory_cmd(a)?;
+        let (s, launched) = run_record_memory_cmd(a)?;
+        // A VMM started here is the VM the host trace's copy names (no --vm to name it).
+        let host = host.or_else(|| {
+            let (input, output) = (a.host_trace.clone()?, a.host_output.clone()?);
+            Some((input, output, launched?))
+        });
         return host_copy(host, &s);
     };
     install_stop_handler();
@@ -364,7 +369,11 @@ fn parse_addr(s: &str) -> Result<u64, String> {
 
 /// `vmtsync record --from-memory`: the VM's VMM memory is read, no link (see
 /// [`record::run_record_memory`]).
-fn run_record_memory_cmd(a: &RecordArgs) -> Result<RecordSummary, CliError> {
+/// Returns the summary and, for a VMM started here, the VM as it was when the recording
+/// ended (running, so its vCPU threads are known; paused, debugfs names none).
+fn run_record_memory_cmd(
+    a: &RecordArgs,
+) -> Result<(RecordSummary, Option<crate::kvm::scan::VmReport>), CliError> {
     use crate::guestmem::{Location, pointer_guest_physical_in, symbol_guest_physical_in};
     use crate::kvm::scan::VmSelector;
     // `-- VMM…`: started here, paused, and ended here whatever happens (the value's drop).
@@ -433,6 +442,9 @@ fn run_record_memory_cmd(a: &RecordArgs) -> Result<RecordSummary, CliError> {
     };
     let mut progress = Progress::stderr_if_terminal(!a.no_progress);
     let result = record::run_record_memory(&opts, &mut progress);
+    let launched_vm = launched
+        .as_ref()
+        .and_then(|sel| super::source::single_vm(&a.source, sel).ok());
     if let Some(v) = vmm.as_mut() {
         match v.finish() {
             Some(status) => eprintln!("vmtsync: the VMM (PID {}) ended: {status}", v.pid()),
@@ -466,7 +478,7 @@ fn run_record_memory_cmd(a: &RecordArgs) -> Result<RecordSummary, CliError> {
     if let Some(why) = &b.broken {
         eprintln!("vmtsync: warning: beacons stopped being bracketed: {why}");
     }
-    Ok(s)
+    Ok((s, launched_vm))
 }
 
 /// The second summary line of a memory recording: where the recorder was and what the

@@ -249,9 +249,9 @@ fn print_table(events: &[Event], boot_secs: f64) {
         None => format!("{} ticks", e.hi - e.lo),
     };
     println!(
-        "SeaBIOS, traced live from guest memory: host time of each event in seconds after the \
-         first (host TSC{}), exact from KVM's mapping, inside its guaranteed interval from the \
-         beacons",
+        "SeaBIOS, traced live from guest memory: host time of each event (the host's TSC{} in \
+         seconds, as trace-cmd reports host traces, and seconds after the first event), exact \
+         from KVM's mapping, inside its guaranteed interval from the beacons",
         hz.map_or_else(String::new, |h| format!(" at {:.3} GHz", h as f64 / 1e9))
     );
     println!(
@@ -268,5 +268,5 @@ fn print_table(events: &[Event], boot_secs: f64) {
             width(e)
         );
     }
-    println!("QEMU resumed to SeaBIOS's \"No bootable device\": {boot_secs:.2} s (wall clock)");
+    println!("vmtsync record started to SeaBIOS's \"No bootable device\": {boot_secs:.2} s (wall clock)");
 }

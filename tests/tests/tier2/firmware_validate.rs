@@ -159,7 +159,9 @@ fn seabios_fw_cfg_writes_validate_against_their_kvm_pio_exits() {
     let phase_at: Vec<usize> = (0..lines.len()).filter(|&i| phase(&&lines[i])).collect();
     assert_eq!(phase_at.len(), PHASES.len(), "every phase in the report");
     for port in [FW_CFG_CTL_PORT, FW_CFG_DMA_PORT, 0xcf8, 0xcfc] {
-        let at: Vec<usize> = (0..lines.len()).filter(|&i| pio(&&lines[i], port)).collect();
+        let at: Vec<usize> = (0..lines.len())
+            .filter(|&i| pio(&&lines[i], port))
+            .collect();
         assert!(!at.is_empty(), "kvm_pio exits of {port:#x} in the report");
         println!(
             "trace-cmd report: {} kvm_pio lines of port {port:#x}, {}..{} s",
@@ -174,7 +176,11 @@ fn seabios_fw_cfg_writes_validate_against_their_kvm_pio_exits() {
         .filter(|w| (w[0]..w[1]).any(|i| pio(&&lines[i], 0xcf8)))
         .count();
     assert!(between > 0, "PCI exits between two phases:\n{report}");
-    for (i, l) in lines.iter().enumerate().filter(|(i, _)| phase_at.contains(i)) {
+    for (i, l) in lines
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| phase_at.contains(i))
+    {
         println!("  phase line {i}: {l}");
     }
     // Each fw_cfg write: its before-event, then the exit, then its after-event, in the report
@@ -192,7 +198,8 @@ fn seabios_fw_cfg_writes_validate_against_their_kvm_pio_exits() {
             if let (Some(p), Some(n)) = (prev, next) {
                 triples += 1;
                 assert!(
-                    p.contains(&format!("id={before_id} ")) && n.contains(&format!("id={after_id} ")),
+                    p.contains(&format!("id={before_id} "))
+                        && n.contains(&format!("id={after_id} ")),
                     "before-event, exit, after-event:\n{p}\n{l}\n{n}"
                 );
             }

@@ -268,5 +268,7 @@ fn print_table(events: &[Event], boot_secs: f64) {
             width(e)
         );
     }
-    println!("vmtsync record started to SeaBIOS's \"No bootable device\": {boot_secs:.2} s (wall clock)");
+    println!(
+        "vmtsync record started to SeaBIOS's \"No bootable device\": {boot_secs:.2} s (wall clock)"
+    );
 }

@@ -16,6 +16,7 @@
 #include "output.h"  /* dprintf */
 #include "e820map.h" /* e820_add, E820_RESERVED */
 #include "util.h"    /* the prototypes vmtsync.patch adds */
+#include "x86.h"     /* outw, outl */
 
 /* SeaBIOS has no <stdint.h> types; the recorder needs them. */
 typedef u8 uint8_t;
@@ -40,15 +41,63 @@ typedef u32 uintptr_t;
  * number, 4 bytes). */
 #define VMTSYNC_FW_PHASE 1
 #define VMTSYNC_FW_BOOT 2
+/* Event ids around SeaBIOS's writes to fw_cfg's ports (docs/firmware.md, "Checking against
+ * fw_cfg's exits"): one before and one after each write to the selector (0x510) and to the DMA
+ * address's low half (0x518, the write that starts a DMA transfer); payload: the step number,
+ * 8 bytes. */
+#define VMTSYNC_FW_CFG_CTL_BEFORE 3
+#define VMTSYNC_FW_CFG_CTL_AFTER 4
+#define VMTSYNC_FW_CFG_DMA_BEFORE 5
+#define VMTSYNC_FW_CFG_DMA_AFTER 6
+
+/* The next step number of each port: kept beside the handle, in the reserved RAM. */
+struct vmtsync_fw_steps {
+    u64 next_ctl, next_dma;
+};
 
 _Static_assert(VMTSYNC_STORAGE_BYTES(1, VMTSYNC_FW_CAPACITY) + sizeof(struct vmtsync_rec) <=
                    VMTSYNC_FW_SIZE,
                "the block and its handle fit the reserved region");
+_Static_assert(VMTSYNC_STORAGE_BYTES(1, VMTSYNC_FW_CAPACITY) + sizeof(struct vmtsync_rec) +
+                       sizeof(struct vmtsync_fw_steps) <=
+                   VMTSYNC_FW_SIZE,
+               "the step counters fit the reserved region too");
 
 static struct vmtsync_rec *vmtsync_fw_rec(void)
 {
     return (struct vmtsync_rec *)(VMTSYNC_FW_BASE +
                                   VMTSYNC_STORAGE_BYTES(1, VMTSYNC_FW_CAPACITY));
+}
+
+static struct vmtsync_fw_steps *vmtsync_fw_steps(void)
+{
+    return (struct vmtsync_fw_steps *)(VMTSYNC_FW_BASE +
+                                       VMTSYNC_STORAGE_BYTES(1, VMTSYNC_FW_CAPACITY) +
+                                       sizeof(struct vmtsync_rec));
+}
+
+/* Writes `value` (`width` 2 or 4 bytes) to fw_cfg's `port` between two events that carry the
+ * write's step number. The host cannot see a step number in what SeaBIOS writes (a selector
+ * key, a DMA address), so both sides number the port's writes alike from the first one:
+ * each write is the smallest number above the previous one whose low byte is the low byte
+ * written (the first: its low byte), which is how `vmtsync validate` numbers the `out`s of
+ * its host trace. No other I/O on `port` lies between an event and its write. */
+void vmtsync_fw_out(u32 value, u16 port, int width)
+{
+    struct vmtsync_fw_steps *st = vmtsync_fw_steps();
+    int dma = port != 0x510;
+    u64 *next = dma ? &st->next_dma : &st->next_ctl;
+    u64 step = *next + (u8)((u8)value - (u8)*next);
+    *next = step + 1;
+    vmtsync_record(vmtsync_fw_rec(), 0,
+                   dma ? VMTSYNC_FW_CFG_DMA_BEFORE : VMTSYNC_FW_CFG_CTL_BEFORE, &step,
+                   sizeof(step));
+    if (width == 2)
+        outw(value, port);
+    else
+        outl(value, port);
+    vmtsync_record(vmtsync_fw_rec(), 0, dma ? VMTSYNC_FW_CFG_DMA_AFTER : VMTSYNC_FW_CFG_CTL_AFTER,
+                   &step, sizeof(step));
 }
 
 /* Records a phase event named `name` (at most 16 bytes kept), then a beacon. */
@@ -66,6 +115,9 @@ void vmtsync_fw_phase(const char *name)
 void vmtsync_fw_init(void)
 {
     struct vmtsync_rec *r = vmtsync_fw_rec();
+    /* RAM keeps its contents across a reset: every POST numbers fw_cfg's writes from 0. */
+    vmtsync_fw_steps()->next_ctl = 0;
+    vmtsync_fw_steps()->next_dma = 0;
     if (vmtsync_init(r, (void *)VMTSYNC_FW_BASE, VMTSYNC_STORAGE_BYTES(1, VMTSYNC_FW_CAPACITY),
                      1, VMTSYNC_FW_CAPACITY, VMTSYNC_MODE_STOP_WHEN_FULL) == VMTSYNC_OK)
         vmtsync_publish(r, 0, 0, VMTSYNC_CLOCK_RAW_TSC, VMTSYNC_FW_BEACON_PORT);

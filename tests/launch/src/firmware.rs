@@ -39,6 +39,17 @@ pub const MEMORY_MIB: u32 = 128;
 pub const PHASE_EVENT: u16 = 1;
 /// The event id of a boot attempt (payload: the attempt's number, 4 bytes little-endian).
 pub const BOOT_EVENT: u16 = 2;
+/// The event ids recorded right before and right after each write to fw_cfg's selector port
+/// (payload: the write's step number, 8 bytes little-endian; docs/firmware.md).
+pub const FW_CFG_CTL_EVENTS: (u16, u16) = (3, 4);
+/// The same around each write to fw_cfg's DMA address (its low half, the write that starts a
+/// transfer).
+pub const FW_CFG_DMA_EVENTS: (u16, u16) = (5, 6);
+/// fw_cfg's selector port on `-M pc`.
+pub const FW_CFG_CTL_PORT: u16 = 0x510;
+/// fw_cfg's DMA address register, low half (the DMA block is 0x514-0x51b; SeaBIOS writes only
+/// this half, which starts the transfer).
+pub const FW_CFG_DMA_PORT: u16 = 0x518;
 /// The POST phases the patch records, in the order SeaBIOS reaches them.
 pub const PHASES: &[&str] = &[
     "post",

@@ -24,6 +24,7 @@ mod console;
 mod ctf;
 mod e2e;
 mod firmware;
+mod firmware_validate;
 mod kvm_real;
 mod memory_agent;
 mod memory_drain;
@@ -95,6 +96,7 @@ fn main() -> std::process::ExitCode {
         ctf::trials(),
         e2e::trials(),
         firmware::trials(),
+        firmware_validate::trials(),
         kvm_real::trials(),
         memory_agent::trials(),
         memory_drain::trials(),

@@ -1,6 +1,6 @@
 //! SeaBIOS's boot, stock against traced (issue 24): what recording its POST phases costs the
 //! firmware. Both images are built from the same Debian source by `vmtsync_launch::firmware`
-//! (the traced one with the 17-line patch and the C recorder) and booted the same way: QEMU
+//! (the traced one with the 19-line patch and the C recorder) and booted the same way: QEMU
 //! `-M pc` started paused, resumed over QMP, and timed from the `cont` reply to the first
 //! `Booting from` line on SeaBIOS's debug console (its first boot attempt, after the boot
 //! menu's wait). The traced runs have `vmtsync record --from-memory` (beacon mode) attached

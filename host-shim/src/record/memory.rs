@@ -851,7 +851,16 @@ pub fn run_record_memory(
         if let Some(b) = &mut beacons {
             let counts = drainer.counts().to_vec();
             let rounds = b.round(&counts, before, after);
-            use_samples(b, &mut st, &mut out, &target, mode, rounds, &[&now, &last], base)?;
+            use_samples(
+                b,
+                &mut st,
+                &mut out,
+                &target,
+                mode,
+                rounds,
+                &[&now, &last],
+                base,
+            )?;
         }
         last = now;
         if !pending.is_empty() {
@@ -913,7 +922,16 @@ pub fn run_record_memory(
             let counts = drainer.counts().to_vec();
             let rounds = b.round(&counts, before, after);
             let now = read_all(rings).unwrap_or_default();
-            use_samples(b, &mut st, &mut out, &target, mode, rounds, &[&now, &last], base)?;
+            use_samples(
+                b,
+                &mut st,
+                &mut out,
+                &target,
+                mode,
+                rounds,
+                &[&now, &last],
+                base,
+            )?;
         }
     }
     progress.clear();

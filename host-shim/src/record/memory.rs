@@ -430,6 +430,8 @@ fn start_trace(
 
 /// A drain round's beacon samples: checked against KVM's mapping (`mappings`: the vCPUs'
 /// readings around the round) for a raw-TSC guest, and made segments in beacon mode.
+// One stage's inputs, each used once: grouping them would only rename them.
+#[allow(clippy::too_many_arguments)]
 fn use_samples(
     b: &mut Beacons,
     st: &mut State,

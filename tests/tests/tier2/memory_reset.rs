@@ -34,10 +34,25 @@ fn reset_ready(test: &str) -> bool {
         )
 }
 
-/// Waits (at most `limit`) until the debug log at `log` holds `what` `n` times.
-fn wait_log(log: &Path, what: &str, n: usize, limit: Duration) -> String {
+/// Waits (at most `limit`) until the debug log at `log` holds `what` `n` times, while the
+/// reader `rec` (whose stderr is `err`) runs: a reader that ends meanwhile (and ends the QEMU
+/// it started) fails the test with its own words.
+fn wait_log(
+    log: &Path,
+    what: &str,
+    n: usize,
+    limit: Duration,
+    rec: &mut ChildGuard,
+    err: &Path,
+) -> String {
     let end = Instant::now() + limit;
     loop {
+        if let Some(status) = rec.wait_timeout(Duration::ZERO).expect("waitpid") {
+            panic!(
+                "the reader ended ({status}) before SeaBIOS printed {what:?} {n} times: {}",
+                std::fs::read_to_string(err).unwrap_or_default()
+            );
+        }
         let t = std::fs::read_to_string(log).unwrap_or_default();
         if t.matches(what).count() >= n {
             return t;
@@ -100,9 +115,10 @@ fn seabios_reset() {
         .stderr(err)
         .spawn()
         .expect("vmtsync starts");
-    let rec = ChildGuard::new(child);
+    let mut rec = ChildGuard::new(child);
     let done = "No bootable device";
-    wait_log(&log, done, 1, Duration::from_secs(180));
+    let err_path = jsonl.with_extension("stderr");
+    wait_log(&log, done, 1, Duration::from_secs(180), &mut rec, &err_path);
     let children = std::fs::read_to_string(format!("/proc/{0}/task/{0}/children", rec.pid()))
         .expect("the reader's children");
     let qemu_pid: u32 = children
@@ -113,7 +129,7 @@ fn seabios_reset() {
     // Each boot's truth is KVM's mapping read during that boot.
     let kvm0 = truth_mapping(qemu_pid, 0).expect("truth from debugfs");
     qmp_execute(&qmp, "system_reset", Duration::from_secs(20)).expect("QEMU resets");
-    let text_log = wait_log(&log, done, 2, Duration::from_secs(180));
+    let text_log = wait_log(&log, done, 2, Duration::from_secs(180), &mut rec, &err_path);
     let kvm1 = truth_mapping(qemu_pid, 0).expect("truth from debugfs");
     // The counts lines, split into boots where the attempt number starts again.
     let mut boots: Vec<Vec<(u32, u64, u64)>> = Vec::new();
@@ -128,7 +144,6 @@ fn seabios_reset() {
     let pid = libc::pid_t::try_from(rec.pid()).expect("a pid");
     // SAFETY: kill(2) with our own child's PID (still unreaped: the guard holds it).
     assert_eq!(unsafe { libc::kill(pid, libc::SIGINT) }, 0);
-    let mut rec = rec;
     let status = rec
         .wait_timeout(Duration::from_secs(60))
         .expect("waitpid")

@@ -453,6 +453,20 @@ fn run_record_memory_cmd(
     let (s, m) = result?;
     eprintln!("{}", summary_text(&s));
     eprintln!("{}", memory_text(&s, &m));
+    for (i, c) in m.boots.iter().enumerate() {
+        eprintln!(
+            "vmtsync: boot {i} (nonce {:#x}, {} ring(s)): {} records read ({} events, {} \
+             beacons), {} overwritten, {} refused, {} corrupt",
+            c.nonce,
+            c.rings,
+            c.records,
+            c.records - c.beacons,
+            c.beacons,
+            c.overwritten,
+            c.refused,
+            c.corrupt
+        );
+    }
     let b = &m.beacon_stats;
     if let Some(d) = &b.first_disagreement {
         eprintln!(

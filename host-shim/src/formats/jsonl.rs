@@ -42,6 +42,10 @@ pub struct Line {
     /// The sync round whose segment placed the event (absent from lines that predate it).
     #[serde(default)]
     pub round: u64,
+    /// Memory recordings: the guest boot the event belongs to (0, 1, … one per header the
+    /// reader followed across guest resets); absent from other recordings.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub boot: Option<u32>,
 }
 
 impl Line {

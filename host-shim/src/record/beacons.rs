@@ -77,6 +77,21 @@ impl Beacons {
         }
     }
 
+    /// A new guest boot with `rings` rings on the same port: the trace keeps running (its
+    /// exits are in time order), every chain starts again. A chain of the new boot must not
+    /// bracket from a base of the old boot's counts, so it follows [`BeaconChain::new`]'s
+    /// rule (its first read's count plus two) as a late attach does. Beacons of the old boot
+    /// still waiting count as not bracketed.
+    pub(super) fn new_boot(&mut self, port: u16, rings: usize) {
+        self.stats.unbracketed += self.waiting() as u64;
+        self.rings = (0..rings)
+            .map(|_| Ring {
+                chain: BeaconChain::new(port),
+                waiting: std::collections::VecDeque::new(),
+            })
+            .collect();
+    }
+
     /// Beacon records waiting for their bracket.
     pub(super) fn waiting(&self) -> usize {
         self.rings.iter().map(|r| r.waiting.len()).sum()

@@ -106,6 +106,40 @@ pub struct MemorySummary {
     /// attach), placed by KVM's mapping alone with width 0: exact if the header's raw-TSC
     /// claim holds, which no beacon checked.
     pub unverified: u64,
+    /// Each guest boot's counts, in order (a reset that republishes the header starts the
+    /// next one).
+    pub boots: Vec<BootCounts>,
+}
+
+/// One guest boot's exact counts: `records + overwritten` is what its rings produced.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct BootCounts {
+    /// The header's boot nonce.
+    pub nonce: u64,
+    /// Its rings.
+    pub rings: u32,
+    /// Records read (events, written or not, and beacons).
+    pub records: u64,
+    /// Of these, sync beacons.
+    pub beacons: u64,
+    /// Records the guest overwrote before the reader got them.
+    pub overwritten: u64,
+    /// Records its full stop-when-full rings refused (the guest's count).
+    pub refused: u64,
+    /// Records whose slot broke the layout's rules.
+    pub corrupt: u64,
+}
+
+impl BootCounts {
+    /// Adds a drained boot's ring counts.
+    fn add(&mut self, counts: &[guestmem::RingCounts]) {
+        for c in counts {
+            self.records += c.delivered;
+            self.overwritten += c.overwritten;
+            self.refused += c.refused;
+            self.corrupt += c.corrupt;
+        }
+    }
 }
 
 impl MemorySummary {
@@ -192,10 +226,12 @@ fn exact_at(segments: &[SyncSegment], g: u64) -> Option<(u64, u64)> {
     Some((g.checked_add_signed(s.offset.checked_neg()?)?, s.round))
 }
 
-/// Record `r` at host tick `host` with width 0, in segment round `round`.
-fn exact_placed(r: &GuestRecord, host: u64, round: u64) -> Placed<'_> {
+/// Record `r` of guest boot `boot` at host tick `host` with width 0, in segment round
+/// `round`.
+fn exact_placed(r: &GuestRecord, boot: u32, host: u64, round: u64) -> Placed<'_> {
     Placed {
-        vcpu: r.vcpu,
+        vcpu: super::place::boot_key(boot, r.vcpu),
+        keyed: true,
         id: r.id,
         guest: r.tsc,
         payload: r.payload(),
@@ -259,6 +295,49 @@ fn vmm_gone_within(proc: &ProcFs, vm: &VmDir, limit: Duration) -> bool {
         if Instant::now() >= end {
             return false;
         }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Whether a drain error says the guest restarted: its header went away, or came back with
+/// another nonce or geometry.
+fn is_restart(e: &guestmem::DrainError) -> bool {
+    matches!(
+        e,
+        guestmem::DrainError::HeaderGone { .. }
+            | guestmem::DrainError::NonceChanged { .. }
+            | guestmem::DrainError::GeometryChanged { .. }
+    )
+}
+
+/// After a restart: waits for a valid header whose nonce is not `old` (where the first one
+/// was looked for), for as long as the recording runs: `Err` with how it ends otherwise (a
+/// stop, its duration, the VMM's exit, or a memory error). A header that comes back with
+/// the old nonce is the old boot's, not a new one: it is waited past.
+fn find_again(
+    mem: &mut ProcMemory,
+    opts: &MemoryOptions,
+    proc: &ProcFs,
+    old: u64,
+    ended: &dyn Fn() -> Option<EndReason>,
+) -> Result<guestmem::Found, Result<EndReason, RecordError>> {
+    loop {
+        if let Some(e) = ended() {
+            return Err(Ok(e));
+        }
+        if vmm_gone(proc, &opts.vm) {
+            return Err(Ok(EndReason::VmmExited));
+        }
+        match guestmem::find(mem, opts.location) {
+            Ok(f) if f.header.nonce != old => return Ok(f),
+            Ok(_) => {}
+            Err(e) if e.not_yet() => {}
+            Err(_) if vmm_gone_within(proc, &opts.vm, EXIT_GRACE) => {
+                return Err(Ok(EndReason::VmmExited));
+            }
+            Err(e) => return Err(Err(RecordError::Memory(e.to_string()))),
+        }
+        // Soon after it appears: the new boot's beacons are bracketed from its second on.
         std::thread::sleep(Duration::from_millis(10));
     }
 }
@@ -351,6 +430,8 @@ fn start_trace(
 
 /// A drain round's beacon samples: checked against KVM's mapping (`mappings`: the vCPUs'
 /// readings around the round) for a raw-TSC guest, and made segments in beacon mode.
+// One stage's inputs, each used once: grouping them would only rename them.
+#[allow(clippy::too_many_arguments)]
 fn use_samples(
     b: &mut Beacons,
     st: &mut State,
@@ -359,6 +440,7 @@ fn use_samples(
     mode: Mode,
     rounds: Vec<Vec<ProbeSample>>,
     mappings: &[&[Reading]],
+    base: usize,
 ) -> Result<(), RecordError> {
     for (i, samples) in rounds.into_iter().enumerate() {
         if samples.is_empty() {
@@ -375,7 +457,7 @@ fn use_samples(
             }
         }
         if mode == Mode::Beacons {
-            beacon_round(st, i, &samples)?;
+            beacon_round(st, base + i, &samples)?;
             // JSON Lines: the events the new round covers are written as they are now.
             out.round_made(st, target)?;
         }
@@ -516,41 +598,40 @@ pub fn run_record_memory(
     let mode = mode_for(raw, port, opts.trust_raw_tsc)
         .map_err(|why| RecordError::Memory(format!("the recorder at {:#x}: {why}", found.addr)))?;
     let vcpus: Vec<u32> = (0..found.header.vcpus).collect();
-    let dirs: Vec<PathBuf> = vcpus
-        .iter()
-        .map(|v| opts.vm.path.join(format!("vcpu{v}")))
-        .collect();
-    let read_all = || -> Result<Vec<Reading>, RecordError> {
-        vcpus
-            .iter()
-            .zip(&dirs)
-            .map(|(&v, dir)| {
-                read_vcpu(dir, v)
+    // KVM's mapping of vCPUs 0..n (one per ring of the current boot).
+    let read_n = |n: u32| -> Result<Vec<Reading>, RecordError> {
+        (0..n)
+            .map(|v| {
+                read_vcpu(&opts.vm.path.join(format!("vcpu{v}")), v)
                     .map_err(|e| RecordError::Memory(e.to_string()))
                     .and_then(|s| reading(&s))
             })
             .collect()
     };
+    // The boot drained now, its rings, and where its rings' vCPUs start in the state.
+    let mut boot: u32 = 0;
+    let mut rings = found.header.vcpus;
+    let mut base = 0usize;
     // The mapping is read only for records that hold the raw TSC. In beacon mode a mapping
     // exact mode refuses (a scaled TSC, a nested guest) only loses the exact points.
     let mut use_mapping = raw;
     if raw
         && mode == Mode::Beacons
-        && let Err(e) = read_all()
+        && let Err(e) = read_n(rings)
     {
         eprintln!(
             "vmtsync: note: no exact points from KVM's mapping ({e}); the beacons place every event"
         );
         use_mapping = false;
     }
-    let read_all = || {
+    let read_all = |n: u32| {
         if use_mapping {
-            read_all()
+            read_n(n)
         } else {
             Ok(Vec::new())
         }
     };
-    let mut last = read_all()?;
+    let mut last = read_all(rings)?;
     let armed = match early {
         // Armed before the guest ran (a paused VMM): chains bracket from beacon 0.
         Some((trace, port)) => Ok(Some(Beacons::new(trace, port, vcpus.len(), armed_at))),
@@ -576,7 +657,9 @@ pub fn run_record_memory(
         Mode::Exact => Placement::OneSided,
         Mode::Beacons => Placement::TwoSided,
     };
+    // Boot 0's keys are its rings' numbers.
     let mut st = State::new(&vcpus, None, placement);
+    st.keyed = true;
     for (v, r) in st.vcpus.iter_mut().zip(&last) {
         let seg = exact_segment(v.vcpu, 0, 0, *r);
         exact_list(v, mode).push(seg);
@@ -588,6 +671,11 @@ pub fn run_record_memory(
     let mut last_clock = Instant::now();
     let mut out = Out::create(&target, placement)?;
     let mut drainer = Drainer::new(&found, guestmem::DEFAULT_MAX_PER_ROUND);
+    let mut cur = BootCounts {
+        nonce: found.header.nonce,
+        rings,
+        ..BootCounts::default()
+    };
     let mut ms = MemorySummary {
         header_addr: found.addr,
         capacity: found.header.capacity,
@@ -631,6 +719,63 @@ pub fn run_record_memory(
         }
         let summary = match polled {
             Ok(s) => s,
+            // The guest reset (or re-published its recorder): everything its old rings held
+            // until the header changed was delivered; the next header starts a new boot.
+            Err(e) if is_restart(&e) && !vmm_gone(&proc, &opts.vm) => {
+                cur.add(drainer.counts());
+                let old_nonce = cur.nonce;
+                ms.boots.push(std::mem::take(&mut cur));
+                progress.clear();
+                eprintln!(
+                    "vmtsync: boot {boot}: {e}; waiting for the guest to publish its recorder again"
+                );
+                let f = match find_again(&mut mem, opts, &proc, old_nonce, &ended) {
+                    Ok(f) => f,
+                    Err(end) => break end,
+                };
+                if f.header.beacon_port != port || (f.header.clock == GuestClock::RawTsc) != raw {
+                    break Err(RecordError::Memory(format!(
+                        "the guest restarted with a recorder at {:#x} of another clock or beacon                          port: the recording of its earlier boots ends here (record the new                          boot on its own)",
+                        f.addr
+                    )));
+                }
+                boot += 1;
+                rings = f.header.vcpus;
+                base = st.vcpus.len();
+                // KVM's mapping of the new boot, read anew: a reset may change a vCPU's offset.
+                last = match read_all(rings) {
+                    Ok(n) => n,
+                    Err(_) if vmm_gone_within(&proc, &opts.vm, EXIT_GRACE) => {
+                        break Ok(EndReason::VmmExited);
+                    }
+                    Err(e) => break Err(e),
+                };
+                for r in 0..rings {
+                    st.vcpus
+                        .push(super::place::VcpuSync::new(super::place::boot_key(boot, r)));
+                }
+                for (k, r) in last.iter().enumerate() {
+                    let key = st.vcpus[base + k].vcpu;
+                    let seg = exact_segment(key, st.round, 0, *r);
+                    exact_list(&mut st.vcpus[base + k], mode).push(seg);
+                }
+                st.round += 1;
+                if let Some(b) = &mut beacons {
+                    b.new_boot(port, rings as usize);
+                }
+                eprintln!(
+                    "vmtsync: boot {boot}: the recorder at {:#x}, nonce {:#x}",
+                    f.addr, f.header.nonce
+                );
+                drainer = Drainer::new(&f, guestmem::DEFAULT_MAX_PER_ROUND);
+                cur = BootCounts {
+                    nonce: f.header.nonce,
+                    rings,
+                    ..BootCounts::default()
+                };
+                stop_heads = None;
+                continue;
+            }
             Err(e) => {
                 // A VMM that exited takes its memory with it: what was read is written.
                 break if vmm_gone_within(&proc, &opts.vm, EXIT_GRACE) {
@@ -641,28 +786,29 @@ pub fn run_record_memory(
             }
         };
         // The mapping after the round: every record just read was written before it.
-        let now = match read_all() {
+        let now = match read_all(rings) {
             Ok(n) => n,
             Err(_) if vmm_gone_within(&proc, &opts.vm, EXIT_GRACE) => {
                 break Ok(EndReason::VmmExited);
             }
             Err(e) => break Err(e),
         };
-        let mut changed = vec![false; vcpus.len()];
+        let mut changed = vec![false; rings as usize];
         for (i, (old, new)) in last.iter().zip(&now).enumerate() {
             if old.offset != new.offset {
                 changed[i] = true;
                 ms.mapping_changes += 1;
                 // From the earliest guest tick the new mapping can have started at.
                 let start = old.after.wrapping_add_signed(new.offset);
-                let seg = exact_segment(vcpus[i], st.round, start, *new);
-                exact_list(&mut st.vcpus[i], mode).push(seg);
+                let seg = exact_segment(st.vcpus[base + i].vcpu, st.round, start, *new);
+                exact_list(&mut st.vcpus[base + i], mode).push(seg);
                 st.round += 1;
             }
         }
         for r in &pending {
             if r.is_beacon() {
                 ms.beacons += 1;
+                cur.beacons += 1;
                 if let Some(b) = &mut beacons {
                     b.record(r);
                 }
@@ -675,7 +821,7 @@ pub fn run_record_memory(
                     continue;
                 }
                 // Spooled: its host time is given when the recording ends.
-                out.push(&exact_placed(r, 0, 0), &opts.out)?;
+                out.push(&exact_placed(r, boot, 0, 0), &opts.out)?;
                 st.events += 1;
                 continue;
             }
@@ -684,7 +830,7 @@ pub fn run_record_memory(
                 continue;
             }
             let i = r.vcpu as usize;
-            let (host, round) = if changed[i] {
+            let (host, round) = if changed.get(i).copied().unwrap_or(false) {
                 match across_change(r.tsc, last[i], now[i]) {
                     Some(Side::Old(h)) => (h, st.round - 2),
                     Some(Side::New(h)) => (h, st.round - 1),
@@ -694,20 +840,29 @@ pub fn run_record_memory(
                     }
                 }
             } else {
-                let Some(p) = exact_at(&st.vcpus[i].segments, r.tsc) else {
+                let Some(p) = exact_at(&st.vcpus[base + i].segments, r.tsc) else {
                     st.unplaceable += 1;
                     continue;
                 };
                 p
             };
-            out.push(&exact_placed(r, host, round), &opts.out)?;
+            out.push(&exact_placed(r, boot, host, round), &opts.out)?;
             st.widths.push(0);
             st.events += 1;
         }
         if let Some(b) = &mut beacons {
             let counts = drainer.counts().to_vec();
             let rounds = b.round(&counts, before, after);
-            use_samples(b, &mut st, &mut out, &target, mode, rounds, &[&now, &last])?;
+            use_samples(
+                b,
+                &mut st,
+                &mut out,
+                &target,
+                mode,
+                rounds,
+                &[&now, &last],
+                base,
+            )?;
         }
         last = now;
         if !pending.is_empty() {
@@ -752,6 +907,7 @@ pub fn run_record_memory(
         && b.waiting() > 0
     {
         std::thread::sleep(opts.poll.max(Duration::from_millis(10)));
+        let beacons_before = ms.beacons;
         let before = read_host_tsc().0;
         let (past, read) = (&mut ms.past_limit, &mut ms.beacons);
         let polled = drainer.poll(&mut mem, &mut |r| {
@@ -763,17 +919,29 @@ pub fn run_record_memory(
             }
         });
         let after = read_host_tsc().0;
+        cur.beacons += ms.beacons - beacons_before;
         if polled.is_ok() {
             let counts = drainer.counts().to_vec();
             let rounds = b.round(&counts, before, after);
-            let now = read_all().unwrap_or_default();
-            use_samples(b, &mut st, &mut out, &target, mode, rounds, &[&now, &last])?;
+            let now = read_all(rings).unwrap_or_default();
+            use_samples(
+                b,
+                &mut st,
+                &mut out,
+                &target,
+                mode,
+                rounds,
+                &[&now, &last],
+                base,
+            )?;
         }
     }
     progress.clear();
     ms.drain = active.map_or(Duration::ZERO, |(first, last)| last - first);
     ms.elapsed = started.elapsed();
-    for c in drainer.counts() {
+    cur.add(drainer.counts());
+    ms.boots.push(cur);
+    for c in &ms.boots {
         ms.overwritten += c.overwritten;
         ms.refused += c.refused;
         ms.corrupt += c.corrupt;

@@ -14,14 +14,35 @@ pub(super) struct Placed<'a> {
     pub(super) lo: u64,
     pub(super) hi: u64,
     pub(super) round: u64,
+    /// `vcpu` is a boot key ([`boot_key`]): the output shows its boot and ring apart.
+    pub(super) keyed: bool,
+}
+
+/// A memory recording's placement key of ring `ring` in guest boot `boot`: each boot's rings
+/// are vCPUs of their own for placement (a reset restarts the guest's clock and KVM may give
+/// it another offset, so no boot's segments may place another boot's records).
+pub(super) fn boot_key(boot: u32, ring: u32) -> u32 {
+    (boot << 16) | (ring & 0xFFFF)
+}
+
+/// The (boot, ring) of a key made by [`boot_key`].
+pub(super) fn split_key(key: u32) -> (u32, u32) {
+    (key >> 16, key & 0xFFFF)
 }
 
 impl Placed<'_> {
     /// The event as a JSON Lines line.
     pub(super) fn line(&self) -> Line {
+        let (boot, vcpu) = if self.keyed {
+            let (b, r) = split_key(self.vcpu);
+            (Some(b), r)
+        } else {
+            (None, self.vcpu)
+        };
         Line {
             schema: EVENT_SCHEMA,
-            vcpu: self.vcpu,
+            vcpu,
+            boot,
             id: self.id,
             guest_tsc: self.guest,
             host_tsc: self.host,
@@ -35,7 +56,12 @@ impl Placed<'_> {
     /// The event as the exporters see it (everything known).
     pub(super) fn export(&self) -> crate::formats::ExportEvent {
         crate::formats::ExportEvent {
-            vcpu: self.vcpu,
+            // A memory recording's boots share their rings' vCPU streams.
+            vcpu: if self.keyed {
+                split_key(self.vcpu).1
+            } else {
+                self.vcpu
+            },
             id: self.id,
             guest_tsc: Some(self.guest),
             host_tsc: self.host,
@@ -112,6 +138,8 @@ pub(super) struct State {
     pub(super) unverified: u64,
     /// `--placement`.
     pub(super) placement: Placement,
+    /// A memory recording: every vCPU here is a [`boot_key`].
+    pub(super) keyed: bool,
 }
 
 /// Event interval widths in constant memory: the exact minimum and maximum, and an evenly
@@ -177,6 +205,7 @@ impl State {
             refused: None,
             unverified: 0,
             placement,
+            keyed: false,
         }
     }
 
@@ -227,6 +256,7 @@ impl State {
             lo: p.lo,
             hi: p.hi,
             round: p.round,
+            keyed: self.keyed,
         })
     }
 

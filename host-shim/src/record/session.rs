@@ -343,6 +343,7 @@ pub(super) fn record_loop<T: StampedTransport>(
                     lo,
                     hi,
                     round,
+                    keyed: false,
                 };
                 out.push(&placed, &opts.out)?;
                 st.widths.push(hi - lo);

@@ -196,7 +196,12 @@ pub(super) fn write_perfetto(
             continue;
         };
         w.push(&ExportEvent {
-            vcpu: rec.vcpu,
+            // A memory recording's boots share their rings' vCPU tracks.
+            vcpu: if st.keyed {
+                super::place::split_key(rec.vcpu).1
+            } else {
+                rec.vcpu
+            },
             id: rec.id,
             guest_tsc: Some(rec.guest),
             host_tsc: host,
@@ -251,7 +256,15 @@ pub(super) fn write_trace_dat_as(
     let names = st
         .vcpus
         .iter()
-        .map(|v| v.vcpu.to_string())
+        .map(|v| {
+            // A memory recording: each boot's rings are CPUs of their own (boot 0's are
+            // named by their vCPU alone).
+            match super::place::split_key(v.vcpu) {
+                (b, r) if st.keyed && b > 0 => format!("{r} of boot {b}"),
+                (_, r) if st.keyed => r.to_string(),
+                _ => v.vcpu.to_string(),
+            }
+        })
         .collect::<Vec<_>>()
         .join(",");
     let which = if st.vcpus.len() == 1 {

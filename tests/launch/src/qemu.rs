@@ -212,6 +212,18 @@ fn command_with_com1(
 /// ([`qmp_cont`]) to attach a reader before the first instruction, and sets up stdio.
 #[must_use]
 pub fn command_firmware(bios: &Path, debug_log: &Path, memory_mib: u32) -> Command {
+    command_firmware_resets(bios, debug_log, memory_mib, false)
+}
+
+/// [`command_firmware`], but with `resets` a guest reset restarts the firmware in the same
+/// QEMU (no `-no-reboot`).
+#[must_use]
+pub fn command_firmware_resets(
+    bios: &Path,
+    debug_log: &Path,
+    memory_mib: u32,
+    resets: bool,
+) -> Command {
     let mut c = Command::new(QEMU);
     c.args([
         "-M",
@@ -228,8 +240,10 @@ pub fn command_firmware(bios: &Path, debug_log: &Path, memory_mib: u32) -> Comma
         "none",
         "-nic",
         "none",
-        "-no-reboot",
     ]);
+    if !resets {
+        c.arg("-no-reboot");
+    }
     c.arg("-bios").arg(bios);
     c.arg("-chardev")
         .arg(format!("file,id=dbg,path={}", debug_log.display()));
@@ -252,9 +266,23 @@ pub fn paused_with_qmp(sock: &Path) -> [String; 3] {
 /// at `sock`, then sends `qmp_capabilities` and `cont`.
 ///
 /// # Errors
+/// As [`qmp_execute`].
+pub fn qmp_cont(sock: &Path, wait: std::time::Duration) -> Result<(), crate::LaunchError> {
+    qmp_execute(sock, "cont", wait)
+}
+
+/// Sends QMP command `command` (no arguments, e.g. `cont` or `system_reset`) to the QEMU whose
+/// QMP socket is `sock`: waits (at most `wait`) for the socket, then sends
+/// `qmp_capabilities` and the command, and waits for its answer.
+///
+/// # Errors
 /// [`LaunchError::Missing`] when the socket never appears, QEMU refuses a command or the
 /// socket fails.
-pub fn qmp_cont(sock: &Path, wait: std::time::Duration) -> Result<(), crate::LaunchError> {
+pub fn qmp_execute(
+    sock: &Path,
+    command: &str,
+    wait: std::time::Duration,
+) -> Result<(), crate::LaunchError> {
     use std::io::{BufRead as _, BufReader, Write as _};
     let fail =
         |what: String| crate::LaunchError::Missing(format!("QMP at {}: {what}", sock.display()));
@@ -293,7 +321,7 @@ pub fn qmp_cont(sock: &Path, wait: std::time::Duration) -> Result<(), crate::Lau
     };
     reply("")?;
     reply("{\"execute\": \"qmp_capabilities\"}\n")?;
-    reply("{\"execute\": \"cont\"}\n")
+    reply(&format!("{{\"execute\": \"{command}\"}}\n"))
 }
 
 #[cfg(test)]

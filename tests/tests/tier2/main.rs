@@ -30,6 +30,7 @@ mod memory_agent;
 mod memory_drain;
 mod memory_flight;
 mod memory_outputs;
+mod memory_reset;
 mod minimal_kernel;
 mod perf;
 mod perfetto;
@@ -102,6 +103,7 @@ fn main() -> std::process::ExitCode {
         memory_drain::trials(),
         memory_flight::trials(),
         memory_outputs::trials(),
+        memory_reset::trials(),
         minimal_kernel::trials(),
         perf::trials(),
         perfetto::trials(),

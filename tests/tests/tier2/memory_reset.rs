@@ -1,0 +1,207 @@
+//! Tier 2: a memory recording follows its guest across resets. The traced SeaBIOS, started by
+//! `vmtsync record --from-memory -- qemu…` (QEMU without `-no-reboot`), runs its POST and
+//! every boot attempt; the test then resets the guest over its own QMP socket, and SeaBIOS
+//! re-POSTs and publishes its recorder again with a new nonce. The reader must keep what the
+//! first boot recorded and record the second as its own boot.
+//!
+//! The truth is the firmware's and KVM's: SeaBIOS prints its ring's produced count at each
+//! boot attempt (each boot's last line accounts for every record of that boot), and KVM's
+//! mapping of vCPU 0, read from debugfs in each boot (a reset may change it on other hosts),
+//! gives each event's exact host time.
+
+use std::path::Path;
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use vmtsync_core::GuestTicks;
+use vmtsync_launch::firmware::{self, BOOT_EVENT, MEMORY_MIB, PHASE_EVENT, PHASES, Variant};
+use vmtsync_launch::qemu::{command_firmware_resets, qmp_execute};
+use vmtsync_tests::truth::truth_mapping;
+use vmtsync_tests::{ChildGuard, require};
+
+use crate::util::{anchor_ready, scratch, u, vmtsync};
+
+crate::trials!(reset_ready; seabios_reset);
+
+/// [`anchor_ready`] (QEMU, KVM, debugfs, the `kvm_pio` tracepoint) and a SeaBIOS build.
+fn reset_ready(test: &str) -> bool {
+    let build = firmware::build_ready();
+    anchor_ready(test)
+        && require(
+            test,
+            build.is_ok(),
+            &build.err().map_or_else(String::new, |e| e.to_string()),
+        )
+}
+
+/// Waits (at most `limit`) until the debug log at `log` holds `what` `n` times, while the
+/// reader `rec` (whose stderr is `err`) runs: a reader that ends meanwhile (and ends the QEMU
+/// it started) fails the test with its own words.
+fn wait_log(
+    log: &Path,
+    what: &str,
+    n: usize,
+    limit: Duration,
+    rec: &mut ChildGuard,
+    err: &Path,
+) -> String {
+    let end = Instant::now() + limit;
+    loop {
+        if let Some(status) = rec.wait_timeout(Duration::ZERO).expect("waitpid") {
+            panic!(
+                "the reader ended ({status}) before SeaBIOS printed {what:?} {n} times: {}",
+                std::fs::read_to_string(err).unwrap_or_default()
+            );
+        }
+        let t = std::fs::read_to_string(log).unwrap_or_default();
+        if t.matches(what).count() >= n {
+            return t;
+        }
+        assert!(
+            Instant::now() < end,
+            "SeaBIOS's debug log has {what:?} fewer than {n} times after {limit:?}:\n{t}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// The payload bytes of a JSON Lines event.
+fn payload(v: &serde_json::Value) -> Vec<u8> {
+    let hex = v["payload"].as_str().unwrap_or("");
+    (0..hex.len() / 2)
+        .map(|i| u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).expect("hex payload"))
+        .collect()
+}
+
+/// Boot `b`'s (records read, beacons, overwritten) from the reader's per-boot summary line.
+fn boot_counts(stderr: &str, b: usize) -> (u64, u64, u64) {
+    let line = stderr
+        .lines()
+        .find(|l| l.starts_with(&format!("vmtsync: boot {b} (nonce")))
+        .unwrap_or_else(|| panic!("no summary line of boot {b}: {stderr}"));
+    let num = |what: &str| -> u64 {
+        let head = line[..line.find(what).expect(what)].trim_end();
+        let from = head
+            .rfind(|c: char| !c.is_ascii_digit())
+            .map_or(0, |k| k + 1);
+        head[from..].parse().expect("a count")
+    };
+    (num(" records read"), num(" beacons)"), num(" overwritten"))
+}
+
+fn seabios_reset() {
+    let test = "seabios_reset";
+    let out = firmware::build(Variant::Traced).expect("the traced SeaBIOS builds");
+    let dir = scratch(test);
+    let log = dir.path().join("debug.log");
+    let qmp = dir.path().join("qmp.sock");
+    let jsonl = dir.path().join("reset.jsonl");
+    let qemu = command_firmware_resets(&out.join("bios.bin"), &log, MEMORY_MIB, true);
+    let err = std::fs::File::create(jsonl.with_extension("stderr")).unwrap();
+    let child = vmtsync()
+        .args(["record", "--from-memory", "--format", "jsonl"])
+        .args(["--no-progress", "--duration", "400"])
+        .args(["--guest-phys", &format!("{:#x}", firmware::RING_GPA)])
+        .args(["--beacon-port", &format!("{:#x}", firmware::BEACON_PORT)])
+        .arg("--out")
+        .arg(&jsonl)
+        .arg("--")
+        .arg(qemu.get_program())
+        .args(qemu.get_args())
+        .arg("-qmp")
+        .arg(format!("unix:{},server=on,wait=off", qmp.display()))
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(err)
+        .spawn()
+        .expect("vmtsync starts");
+    let mut rec = ChildGuard::new(child);
+    let done = "No bootable device";
+    let err_path = jsonl.with_extension("stderr");
+    wait_log(&log, done, 1, Duration::from_secs(180), &mut rec, &err_path);
+    let children = std::fs::read_to_string(format!("/proc/{0}/task/{0}/children", rec.pid()))
+        .expect("the reader's children");
+    let qemu_pid: u32 = children
+        .split_whitespace()
+        .next()
+        .and_then(|p| p.parse().ok())
+        .expect("the reader started QEMU");
+    // Each boot's truth is KVM's mapping read during that boot.
+    let kvm0 = truth_mapping(qemu_pid, 0).expect("truth from debugfs");
+    qmp_execute(&qmp, "system_reset", Duration::from_secs(20)).expect("QEMU resets");
+    let text_log = wait_log(&log, done, 2, Duration::from_secs(180), &mut rec, &err_path);
+    let kvm1 = truth_mapping(qemu_pid, 0).expect("truth from debugfs");
+    // The counts lines, split into boots where the attempt number starts again.
+    let mut boots: Vec<Vec<(u32, u64, u64)>> = Vec::new();
+    for c in firmware::counts_in(&text_log) {
+        if c.0 == 0 {
+            boots.push(Vec::new());
+        }
+        boots.last_mut().expect("attempt 0 first").push(c);
+    }
+    assert_eq!(boots.len(), 2, "two boots in the log:\n{text_log}");
+
+    let pid = libc::pid_t::try_from(rec.pid()).expect("a pid");
+    // SAFETY: kill(2) with our own child's PID (still unreaped: the guard holds it).
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGINT) }, 0);
+    let status = rec
+        .wait_timeout(Duration::from_secs(60))
+        .expect("waitpid")
+        .expect("the reader ends within 60 s of SIGINT");
+    let stderr = std::fs::read_to_string(jsonl.with_extension("stderr")).unwrap();
+    println!("SeaBIOS reset: {}", stderr.trim());
+    assert!(status.success(), "the reader: {status}: {stderr}");
+
+    let lines: Vec<serde_json::Value> = std::fs::read_to_string(&jsonl)
+        .expect("jsonl written")
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("a JSON line"))
+        .collect();
+    for (b, (counts, kvm)) in boots.iter().zip([&kvm0, &kvm1]).enumerate() {
+        let &(_, produced, refused) = counts.last().expect("a counts line");
+        assert_eq!(refused, 0, "boot {b}: {text_log}");
+        let mine: Vec<&serde_json::Value> = lines
+            .iter()
+            .filter(|v| v.get("boot").and_then(serde_json::Value::as_u64) == Some(b as u64))
+            .collect();
+        let phases: Vec<String> = mine
+            .iter()
+            .filter(|v| u(v, "id") == u64::from(PHASE_EVENT))
+            .map(|v| String::from_utf8_lossy(&payload(v)).into_owned())
+            .collect();
+        assert_eq!(phases, PHASES, "boot {b}: every POST phase once, in order");
+        let attempts: Vec<u32> = mine
+            .iter()
+            .filter(|v| u(v, "id") == u64::from(BOOT_EVENT))
+            .map(|v| u32::from_le_bytes(payload(v).try_into().expect("4 bytes")))
+            .collect();
+        let want: Vec<u32> = (0..u32::try_from(counts.len()).unwrap()).collect();
+        assert_eq!(attempts, want, "boot {b}: every boot attempt");
+        assert_eq!(
+            mine.len(),
+            PHASES.len() + counts.len(),
+            "boot {b}: no other"
+        );
+        let (_, beacons, overwritten) = boot_counts(&stderr, b);
+        assert_eq!(
+            mine.len() as u64 + beacons + overwritten,
+            produced,
+            "boot {b}: events + beacons + overwritten = its produced count: {stderr}"
+        );
+        for v in &mine {
+            let g = GuestTicks(u(v, "guest_tsc"));
+            let lo = kvm.try_host_from_guest_ceil(g).expect("in range").0;
+            let hi = kvm.try_host_from_guest_floor(g).expect("in range").0;
+            let (exact_lo, exact_hi) = (lo.min(hi), lo.max(hi));
+            assert!(
+                u(v, "host_lo") <= exact_lo && exact_hi <= u(v, "host_hi"),
+                "boot {b}: the interval misses the truth [{exact_lo}, {exact_hi}]: {v}"
+            );
+        }
+    }
+    assert_eq!(
+        lines.len(),
+        2 * PHASES.len() + boots.iter().map(Vec::len).sum::<usize>(),
+        "no event of another boot"
+    );
+}

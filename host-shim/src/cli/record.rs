@@ -59,20 +59,26 @@ pub struct RecordArgs {
     pub vmm: Vec<String>,
     /// With --from-memory: the guest image whose symbol --symbol names the header (a 32-bit
     /// or 64-bit ELF file).
-    #[arg(long, value_name = "FILE", requires = "from_memory")]
+    #[arg(
+        long,
+        value_name = "FILE",
+        requires = "from_memory",
+        requires = "elf_name"
+    )]
     pub elf: Option<PathBuf>,
     /// With --elf: the symbol of the recorder's header.
     #[arg(
         long,
         value_name = "NAME",
         requires = "elf",
+        group = "elf_name",
         conflicts_with = "pointer"
     )]
     pub symbol: Option<String>,
     /// With --elf: a pointer variable that holds the header's guest-physical address (a
     /// recorder the guest allocates at run time; 4 or 8 bytes by the image's class). vmtsync
     /// waits until it is set and a valid header sits where it points.
-    #[arg(long, value_name = "NAME", requires = "elf")]
+    #[arg(long, value_name = "NAME", requires = "elf", group = "elf_name")]
     pub pointer: Option<String>,
     /// With --from-memory: take the recorder header's word that every record holds the
     /// vCPU's raw TSC, and place each event at KVM's exact mapping with width 0. Without

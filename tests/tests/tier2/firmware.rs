@@ -16,6 +16,7 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use vmtsync_core::GuestTicks;
+use vmtsync_core::mapping::KvmTscMapping;
 use vmtsync_launch::firmware::{
     self, BOOT_EVENT, BOOTING_LINE, FW_CFG_CTL_EVENTS, FW_CFG_DMA_EVENTS, MEMORY_MIB, PHASE_EVENT,
     PHASES, Variant,
@@ -24,7 +25,9 @@ use vmtsync_launch::qemu::{command_firmware, paused_with_qmp, qmp_cont};
 use vmtsync_tests::truth::truth_mapping;
 use vmtsync_tests::{ChildGuard, require};
 
-use crate::util::{anchor_ready, have_trace_cmd, scratch, text, trace_cmd, u, vmtsync};
+use crate::util::{
+    anchor_ready, count_before, have_trace_cmd, lines_of, scratch, text, trace_cmd, u, vmtsync,
+};
 
 crate::trials!(
     seabios_ready; seabios_every_post_phase_and_boot_attempt_is_recorded_at_its_host_time,
@@ -98,34 +101,71 @@ pub(crate) fn wait_log(log: &Path, what: &str, limit: Duration) -> String {
     }
 }
 
-/// The number before `what` in a reader's summary.
-pub(crate) fn count_before(stderr: &str, what: &str) -> u64 {
-    let at = stderr
-        .rfind(what)
-        .unwrap_or_else(|| panic!("{what:?} in {stderr}"));
-    let head = stderr[..at].trim_end();
-    let from = head
-        .rfind(|c: char| !c.is_ascii_digit())
-        .map_or(0, |k| k + 1);
-    head[from..]
-        .parse()
-        .unwrap_or_else(|_| panic!("a count before {what:?}: {stderr}"))
-}
-
-fn lines_of(path: &Path) -> Vec<serde_json::Value> {
-    std::fs::read_to_string(path)
-        .expect("jsonl written")
-        .lines()
-        .map(|l| serde_json::from_str(l).expect("a JSON line"))
-        .collect()
-}
-
 /// The payload bytes of a JSON Lines event.
-fn payload(v: &serde_json::Value) -> Vec<u8> {
+pub(crate) fn payload(v: &serde_json::Value) -> Vec<u8> {
     let hex = v["payload"].as_str().unwrap_or("");
     (0..hex.len() / 2)
         .map(|i| u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).expect("hex payload"))
         .collect()
+}
+
+/// `vmtsync record --from-memory` that starts `qemu` itself, paused, and finds the traced
+/// SeaBIOS's ring at its guest-physical address with its beacon port armed: `flags` are the
+/// recording's own (format, duration, ...), `out` its output, `qemu_extra` arguments added
+/// to QEMU's; its stderr goes to `out.stderr`.
+pub(crate) fn launch_reader(
+    qemu: &std::process::Command,
+    out: &Path,
+    flags: &[&str],
+    qemu_extra: &[String],
+) -> ChildGuard {
+    let err = std::fs::File::create(out.with_extension("stderr")).unwrap();
+    let child = vmtsync()
+        .args(["record", "--from-memory", "--no-progress"])
+        .args(["--guest-phys", &format!("{:#x}", firmware::RING_GPA)])
+        .args(["--beacon-port", &format!("{:#x}", firmware::BEACON_PORT)])
+        .args(flags)
+        .arg("--out")
+        .arg(out)
+        .arg("--")
+        .arg(qemu.get_program())
+        .args(qemu.get_args())
+        .args(qemu_extra)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(err)
+        .spawn()
+        .expect("vmtsync starts");
+    ChildGuard::new(child)
+}
+
+/// The QEMU a reader started: its one child.
+pub(crate) fn launched_qemu(rec: &ChildGuard) -> u32 {
+    let children = std::fs::read_to_string(format!("/proc/{0}/task/{0}/children", rec.pid()))
+        .expect("the reader's children");
+    children
+        .split_whitespace()
+        .next()
+        .and_then(|p| p.parse().ok())
+        .expect("the reader started QEMU")
+}
+
+/// Asserts that event `v`'s guaranteed interval holds its exact host time under `kvm` (KVM's
+/// mapping from debugfs), and returns that time's range.
+pub(crate) fn assert_holds_truth(
+    v: &serde_json::Value,
+    kvm: &KvmTscMapping,
+    what: &str,
+) -> (u64, u64) {
+    let g = GuestTicks(u(v, "guest_tsc"));
+    let lo = kvm.try_host_from_guest_ceil(g).expect("in range").0;
+    let hi = kvm.try_host_from_guest_floor(g).expect("in range").0;
+    let (exact_lo, exact_hi) = (lo.min(hi), lo.max(hi));
+    assert!(
+        u(v, "host_lo") <= exact_lo && exact_hi <= u(v, "host_hi"),
+        "{what}: the interval misses the truth [{exact_lo}, {exact_hi}]: {v}"
+    );
+    (exact_lo, exact_hi)
 }
 
 /// Checks the events of one recording against the firmware's own account: each POST phase
@@ -233,15 +273,8 @@ fn seabios_every_post_phase_and_boot_attempt_is_recorded_at_its_host_time() {
         assert_eq!(count_before(stderr, "refused,"), 0, "{what}: {stderr}");
         let mut widths = Vec::new();
         for v in &lines {
-            let g = GuestTicks(u(v, "guest_tsc"));
-            let lo = kvm.try_host_from_guest_ceil(g).expect("in range").0;
-            let hi = kvm.try_host_from_guest_floor(g).expect("in range").0;
-            let (exact_lo, exact_hi) = (lo.min(hi), lo.max(hi));
+            let (exact_lo, exact_hi) = assert_holds_truth(v, &kvm, what);
             let (host_lo, host_hi) = (u(v, "host_lo"), u(v, "host_hi"));
-            assert!(
-                host_lo <= exact_lo && exact_hi <= host_hi,
-                "{what}: the interval misses the truth [{exact_lo}, {exact_hi}]: {v}"
-            );
             assert!(
                 (exact_lo..=exact_hi).contains(&u(v, "host_tsc")),
                 "{what}: the point is not the exact host time: {v}"
@@ -330,37 +363,15 @@ fn seabios_started_by_the_reader_brackets_every_beacon_from_the_first() {
     let log = dir.path().join("debug.log");
     let jsonl = dir.path().join("launched.jsonl");
     let qemu = command_firmware(&out.join("bios.bin"), &log, MEMORY_MIB);
-    let err = std::fs::File::create(jsonl.with_extension("stderr")).unwrap();
-    let child = vmtsync()
-        .args([
-            "record",
-            "--from-memory",
-            "--format",
-            "jsonl",
-            "--no-progress",
-        ])
-        .args(["--guest-phys", &format!("{:#x}", firmware::RING_GPA)])
-        .args(["--beacon-port", &format!("{:#x}", firmware::BEACON_PORT)])
-        .args(["--duration", "180", "--out"])
-        .arg(&jsonl)
-        .arg("--")
-        .arg(qemu.get_program())
-        .args(qemu.get_args())
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(err)
-        .spawn()
-        .expect("vmtsync starts");
-    let rec = ChildGuard::new(child);
+    let rec = launch_reader(
+        &qemu,
+        &jsonl,
+        &["--format", "jsonl", "--duration", "180"],
+        &[],
+    );
     let text_log = wait_log(&log, "No bootable device", Duration::from_secs(180));
     // The VMM is the reader's child: KVM's mapping of its vCPU 0 is the truth.
-    let children = std::fs::read_to_string(format!("/proc/{0}/task/{0}/children", rec.pid()))
-        .expect("the reader's children");
-    let qemu_pid: u32 = children
-        .split_whitespace()
-        .next()
-        .and_then(|p| p.parse().ok())
-        .expect("the reader started QEMU");
+    let qemu_pid = launched_qemu(&rec);
     let kvm = truth_mapping(qemu_pid, 0).expect("truth from debugfs");
     let counts = firmware::counts_in(&text_log);
     let &(_, produced, refused) = counts.last().expect("a counts line per boot attempt");
@@ -390,13 +401,6 @@ fn seabios_started_by_the_reader_brackets_every_beacon_from_the_first() {
     assert_eq!(early, 0, "no beacon before the trace: {stderr}");
     assert_eq!(bracketed, read_beacons, "every beacon bracketed: {stderr}");
     for v in &lines {
-        let g = GuestTicks(u(v, "guest_tsc"));
-        let lo = kvm.try_host_from_guest_ceil(g).expect("in range").0;
-        let hi = kvm.try_host_from_guest_floor(g).expect("in range").0;
-        let (exact_lo, exact_hi) = (lo.min(hi), lo.max(hi));
-        assert!(
-            u(v, "host_lo") <= exact_lo && exact_hi <= u(v, "host_hi"),
-            "the interval misses the truth [{exact_lo}, {exact_hi}]: {v}"
-        );
+        assert_holds_truth(v, &kvm, "launched");
     }
 }

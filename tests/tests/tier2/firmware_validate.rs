@@ -13,7 +13,6 @@
 //!   write's before-event ahead of its exit and its after-event behind it.
 
 use std::path::Path;
-use std::process::Stdio;
 use std::time::Duration;
 
 use vmtsync_launch::firmware::{
@@ -21,11 +20,10 @@ use vmtsync_launch::firmware::{
     PHASE_EVENT, PHASES, Variant,
 };
 use vmtsync_launch::qemu::command_firmware;
-use vmtsync_tests::ChildGuard;
 
 use crate::causality::{run_validate, shifted};
-use crate::firmware::{count_before, seabios_ready, stop_reader, wait_log};
-use crate::util::{HostTrace, scratch, text, trace_cmd, vmtsync};
+use crate::firmware::{launch_reader, seabios_ready, stop_reader, wait_log};
+use crate::util::{HostTrace, count_before, scratch, text, trace_cmd};
 
 crate::trials!(
     ready; seabios_fw_cfg_writes_validate_against_their_kvm_pio_exits;
@@ -62,22 +60,23 @@ fn seabios_fw_cfg_writes_validate_against_their_kvm_pio_exits() {
     let (log, dat, sync) = (path("debug.log"), path("guest.dat"), path("run.sync"));
     let (host, host_out) = (path("host.dat"), path("host_out.dat"));
     let qemu = command_firmware(&out.join("bios.bin"), &log, MEMORY_MIB);
-    let err = std::fs::File::create(dat.with_extension("stderr")).unwrap();
-    let child = vmtsync()
-        .args(["record", "--from-memory", "--no-progress"])
-        .args(["--guest-phys", &format!("{:#x}", firmware::RING_GPA)])
-        .args(["--beacon-port", &format!("{:#x}", firmware::BEACON_PORT)])
-        .args(["--format", "trace-cmd", "--sync-out", &s(&sync)])
-        .args(["--host-trace", &s(&host), "--host-output", &s(&host_out)])
-        .args(["--duration", "180", "--out", &s(&dat), "--"])
-        .arg(qemu.get_program())
-        .args(qemu.get_args())
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(err)
-        .spawn()
-        .expect("vmtsync starts");
-    let rec = ChildGuard::new(child);
+    let rec = launch_reader(
+        &qemu,
+        &dat,
+        &[
+            "--format",
+            "trace-cmd",
+            "--sync-out",
+            &s(&sync),
+            "--host-trace",
+            &s(&host),
+            "--host-output",
+            &s(&host_out),
+            "--duration",
+            "180",
+        ],
+        &[],
+    );
     let text_log = wait_log(&log, "No bootable device", Duration::from_secs(180));
     let &(_, produced, refused) = firmware::counts_in(&text_log)
         .last()

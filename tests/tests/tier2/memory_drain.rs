@@ -14,7 +14,7 @@
 use vmtsync_core::GuestTicks;
 use vmtsync_tests::truth::{Skew, truth_mapping};
 
-use crate::util::{anchor_ready, boot_qemu, scratch, seq_of, text, u, vmtsync};
+use crate::util::{anchor_ready, boot_qemu, lines_of, scratch, seq_of, text, u, vmtsync};
 
 crate::trials!(
     anchor_ready; late_attach_places_a_raw_tsc_guest_by_kvms_mapping,
@@ -53,15 +53,6 @@ fn record_as(
         .args(["--duration", "60", "--no-progress", "--out"])
         .arg(out);
     crate::util::guarded_output(&mut c, &[])
-}
-
-/// The JSON Lines of a recording.
-fn lines_of(path: &std::path::Path) -> Vec<serde_json::Value> {
-    std::fs::read_to_string(path)
-        .expect("jsonl written")
-        .lines()
-        .map(|l| serde_json::from_str(l).expect("a JSON line"))
-        .collect()
 }
 
 fn late_attach_places_a_raw_tsc_guest_by_kvms_mapping() {

@@ -10,16 +10,15 @@
 //! gives each event's exact host time.
 
 use std::path::Path;
-use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use vmtsync_core::GuestTicks;
 use vmtsync_launch::firmware::{self, BOOT_EVENT, MEMORY_MIB, PHASE_EVENT, PHASES, Variant};
 use vmtsync_launch::qemu::{command_firmware_resets, qmp_execute};
 use vmtsync_tests::truth::truth_mapping;
 use vmtsync_tests::{ChildGuard, require};
 
-use crate::util::{anchor_ready, scratch, u, vmtsync};
+use crate::firmware::{assert_holds_truth, launch_reader, launched_qemu, payload};
+use crate::util::{anchor_ready, lines_of, scratch, u};
 
 crate::trials!(reset_ready; seabios_reset);
 
@@ -65,14 +64,6 @@ fn wait_log(
     }
 }
 
-/// The payload bytes of a JSON Lines event.
-fn payload(v: &serde_json::Value) -> Vec<u8> {
-    let hex = v["payload"].as_str().unwrap_or("");
-    (0..hex.len() / 2)
-        .map(|i| u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).expect("hex payload"))
-        .collect()
-}
-
 /// Boot `b`'s (records read, beacons, overwritten) from the reader's per-boot summary line.
 fn boot_counts(stderr: &str, b: usize) -> (u64, u64, u64) {
     let line = stderr
@@ -97,35 +88,19 @@ fn seabios_reset() {
     let qmp = dir.path().join("qmp.sock");
     let jsonl = dir.path().join("reset.jsonl");
     let qemu = command_firmware_resets(&out.join("bios.bin"), &log, MEMORY_MIB, true);
-    let err = std::fs::File::create(jsonl.with_extension("stderr")).unwrap();
-    let child = vmtsync()
-        .args(["record", "--from-memory", "--format", "jsonl"])
-        .args(["--no-progress", "--duration", "400"])
-        .args(["--guest-phys", &format!("{:#x}", firmware::RING_GPA)])
-        .args(["--beacon-port", &format!("{:#x}", firmware::BEACON_PORT)])
-        .arg("--out")
-        .arg(&jsonl)
-        .arg("--")
-        .arg(qemu.get_program())
-        .args(qemu.get_args())
-        .arg("-qmp")
-        .arg(format!("unix:{},server=on,wait=off", qmp.display()))
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(err)
-        .spawn()
-        .expect("vmtsync starts");
-    let mut rec = ChildGuard::new(child);
+    let mut rec = launch_reader(
+        &qemu,
+        &jsonl,
+        &["--format", "jsonl", "--duration", "400"],
+        &[
+            "-qmp".to_owned(),
+            format!("unix:{},server=on,wait=off", qmp.display()),
+        ],
+    );
     let done = "No bootable device";
     let err_path = jsonl.with_extension("stderr");
     wait_log(&log, done, 1, Duration::from_secs(180), &mut rec, &err_path);
-    let children = std::fs::read_to_string(format!("/proc/{0}/task/{0}/children", rec.pid()))
-        .expect("the reader's children");
-    let qemu_pid: u32 = children
-        .split_whitespace()
-        .next()
-        .and_then(|p| p.parse().ok())
-        .expect("the reader started QEMU");
+    let qemu_pid = launched_qemu(&rec);
     // Each boot's truth is KVM's mapping read during that boot.
     let kvm0 = truth_mapping(qemu_pid, 0).expect("truth from debugfs");
     qmp_execute(&qmp, "system_reset", Duration::from_secs(20)).expect("QEMU resets");
@@ -152,11 +127,7 @@ fn seabios_reset() {
     println!("SeaBIOS reset: {}", stderr.trim());
     assert!(status.success(), "the reader: {status}: {stderr}");
 
-    let lines: Vec<serde_json::Value> = std::fs::read_to_string(&jsonl)
-        .expect("jsonl written")
-        .lines()
-        .map(|l| serde_json::from_str(l).expect("a JSON line"))
-        .collect();
+    let lines = lines_of(&jsonl);
     for (b, (counts, kvm)) in boots.iter().zip([&kvm0, &kvm1]).enumerate() {
         let &(_, produced, refused) = counts.last().expect("a counts line");
         assert_eq!(refused, 0, "boot {b}: {text_log}");
@@ -200,14 +171,7 @@ fn seabios_reset() {
             "boot {b}: events + beacons + overwritten = its produced count: {stderr}"
         );
         for v in &mine {
-            let g = GuestTicks(u(v, "guest_tsc"));
-            let lo = kvm.try_host_from_guest_ceil(g).expect("in range").0;
-            let hi = kvm.try_host_from_guest_floor(g).expect("in range").0;
-            let (exact_lo, exact_hi) = (lo.min(hi), lo.max(hi));
-            assert!(
-                u(v, "host_lo") <= exact_lo && exact_hi <= u(v, "host_hi"),
-                "boot {b}: the interval misses the truth [{exact_lo}, {exact_hi}]: {v}"
-            );
+            assert_holds_truth(v, kvm, &format!("boot {b}"));
         }
     }
     assert!(

@@ -12,7 +12,8 @@ use vmtsync_core::{GuestTicks, HostTicks};
 use vmtsync_tests::truth::{GuestTruth, Skew, truth_mapping};
 
 use crate::util::{
-    anchor_ready, boot_qemu, have_program, qemu_ready, scratch, text, trace_cmd, vm_ready, vmtsync,
+    anchor_ready, boot_qemu, count_before, have_program, lines_of, qemu_ready, scratch, text,
+    trace_cmd, vm_ready, vmtsync,
 };
 use crate::util::{report_events, seq_of, u};
 use vmtsync_tests::require;
@@ -547,29 +548,6 @@ fn assert_trace_dat_holds_every_event_in_order(dat: &std::path::Path) {
     for (i, (_, seq)) in events.iter().enumerate() {
         assert_eq!(*seq, i as u64, "trace.dat event {i} in sequence");
     }
-}
-
-/// Parses the JSON Lines of a recording.
-fn lines_of(path: &std::path::Path) -> Vec<serde_json::Value> {
-    std::fs::read_to_string(path)
-        .expect("jsonl written")
-        .lines()
-        .map(|l| serde_json::from_str(l).expect("a JSON line"))
-        .collect()
-}
-
-/// The number before `what` in the memory summary line.
-fn count_before(stderr: &str, what: &str) -> u64 {
-    let at = stderr
-        .rfind(what)
-        .unwrap_or_else(|| panic!("{what:?} in {stderr}"));
-    let head = stderr[..at].trim_end();
-    let from = head
-        .rfind(|c: char| !c.is_ascii_digit())
-        .map_or(0, |k| k + 1);
-    head[from..]
-        .parse()
-        .unwrap_or_else(|_| panic!("a count before {what:?}: {stderr}"))
 }
 
 /// Every beacon read is bracketed, but those the rule says began before the trace could see

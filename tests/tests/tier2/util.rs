@@ -350,3 +350,26 @@ pub(crate) fn exact_host(kvm: &vmtsync_core::mapping::KvmTscMapping, g: u64) -> 
     assert_eq!(lo, hi, "KVM's inverse of guest tick {g} is one host tick");
     lo
 }
+
+/// Parses the JSON Lines of a recording.
+pub(crate) fn lines_of(path: &std::path::Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(path)
+        .expect("jsonl written")
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("a JSON line"))
+        .collect()
+}
+
+/// The number before `what` in a memory recording's summary line.
+pub(crate) fn count_before(stderr: &str, what: &str) -> u64 {
+    let at = stderr
+        .rfind(what)
+        .unwrap_or_else(|| panic!("{what:?} in {stderr}"));
+    let head = stderr[..at].trim_end();
+    let from = head
+        .rfind(|c: char| !c.is_ascii_digit())
+        .map_or(0, |k| k + 1);
+    head[from..]
+        .parse()
+        .unwrap_or_else(|_| panic!("a count before {what:?}: {stderr}"))
+}

@@ -96,6 +96,27 @@ impl Toolchain {
         }
     }
 
+    /// Builds the program `exe` from `sources` with [`STRICT`], `extra` flags, and the
+    /// recorder's header and source directories on the include path.
+    ///
+    /// # Errors
+    /// As [`Toolchain::compile`].
+    pub fn program(&self, sources: &[&Path], exe: &Path, extra: &[&str]) -> Result<(), String> {
+        use std::ffi::OsStr;
+        let (include, src) = (include_dir(), source());
+        let src_dir = src.parent().unwrap_or(Path::new("."));
+        let mut args: Vec<&OsStr> = STRICT.iter().chain(extra).map(OsStr::new).collect();
+        args.extend([
+            OsStr::new("-I"),
+            include.as_os_str(),
+            OsStr::new("-I"),
+            src_dir.as_os_str(),
+        ]);
+        args.extend(sources.iter().map(|s| s.as_os_str()));
+        args.extend([OsStr::new("-o"), exe.as_os_str()]);
+        self.compile(&args)
+    }
+
     /// Runs the compiler with this ABI and `args`.
     ///
     /// # Errors

@@ -14,7 +14,7 @@ use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use proptest::prelude::*;
-use vmtsync_capi::{STRICT, Toolchain, include_dir, source, usable_toolchains};
+use vmtsync_capi::{Toolchain, usable_toolchains};
 use vmtsync_core::arch::{PortIo, Tsc};
 use vmtsync_core::recorder::{
     ClockKind, HeaderInfo, LayoutError, MemRecorder, Mode, RecordError, Slot,
@@ -362,23 +362,12 @@ fn drivers() -> &'static [(Toolchain, PathBuf)] {
         let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("capi-differential");
         std::fs::create_dir_all(&dir).unwrap();
         let driver_c = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/driver.c");
-        let src_dir = source().parent().unwrap().to_path_buf();
-        let include = include_dir();
         usable_toolchains(&dir)
             .into_iter()
             .map(|t| {
                 let exe = dir.join(format!("driver-{}", t.name()));
-                let mut args: Vec<&std::ffi::OsStr> = STRICT.iter().map(|s| s.as_ref()).collect();
-                args.extend([
-                    "-I".as_ref(),
-                    include.as_os_str(),
-                    "-I".as_ref(),
-                    src_dir.as_os_str(),
-                    driver_c.as_os_str(),
-                    "-o".as_ref(),
-                    exe.as_os_str(),
-                ]);
-                t.compile(&args).unwrap_or_else(|e| panic!("{e}"));
+                t.program(&[&driver_c], &exe, &[])
+                    .unwrap_or_else(|e| panic!("{e}"));
                 (t, exe)
             })
             .collect()

@@ -291,20 +291,11 @@ fn the_checksum_test_vector_holds_in_rust_and_c() {
         ),
     )
     .unwrap();
-    let include = include_dir();
     let src = source();
     for t in usable_toolchains(&dir) {
         let exe = dir.join(format!("vector-{}", t.name()));
-        let mut args = os(STRICT);
-        args.extend([
-            OsStr::new("-I"),
-            include.as_os_str(),
-            prog.as_os_str(),
-            src.as_os_str(),
-            OsStr::new("-o"),
-            exe.as_os_str(),
-        ]);
-        t.compile(&args).unwrap_or_else(|e| panic!("{e}"));
+        t.program(&[&prog, &src], &exe, &[])
+            .unwrap_or_else(|e| panic!("{e}"));
         let got = run(exe.to_str().unwrap(), &[]);
         assert_eq!(got, hex, "{}: the C recorder's published header", t.name());
     }
@@ -329,21 +320,10 @@ fn a_zero_nonce_is_made_from_the_tsc() {
          return 0;\n}\n",
     )
     .unwrap();
-    let include = include_dir();
-    let src_dir = source().parent().unwrap().to_path_buf();
     for t in usable_toolchains(&dir) {
         let exe = dir.join(format!("nonce-{}", t.name()));
-        let mut args = os(STRICT);
-        args.extend([
-            OsStr::new("-I"),
-            include.as_os_str(),
-            OsStr::new("-I"),
-            src_dir.as_os_str(),
-            prog.as_os_str(),
-            OsStr::new("-o"),
-            exe.as_os_str(),
-        ]);
-        t.compile(&args).unwrap_or_else(|e| panic!("{e}"));
+        t.program(&[&prog], &exe, &[])
+            .unwrap_or_else(|e| panic!("{e}"));
         let hex = run(exe.to_str().unwrap(), &[]);
         let bytes: Vec<u8> = (0..128)
             .map(|i| u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap())

@@ -3,12 +3,11 @@
 //! counts, also when the block held a previous boot's records and `VMTSYNC_KEEP_SLOTS` left
 //! them in the slots.
 
-use std::ffi::OsStr;
 use std::path::PathBuf;
 use std::process::Command;
 
 use vmtsync::guestmem::{Drainer, FakeMemory, GuestRecord, Location, find};
-use vmtsync_capi::{STRICT, include_dir, source, usable_toolchains};
+use vmtsync_capi::usable_toolchains;
 
 /// The C side: a block of 2 rings of 8 records (flight mode) pre-filled with a previous boot's
 /// records (ids 0x7777, stamps of indices 0..8), then laid out, published and recorded into:
@@ -71,25 +70,12 @@ fn the_host_reads_exactly_what_the_c_recorder_wrote() {
     std::fs::create_dir_all(&dir).unwrap();
     let prog = dir.join("image.c");
     std::fs::write(&prog, PROGRAM).unwrap();
-    let include = include_dir();
-    let src_dir = source().parent().unwrap().to_path_buf();
     for t in usable_toolchains(&dir) {
         for keep in [false, true] {
             let exe = dir.join(format!("image-{}-{keep}", t.name()));
-            let mut args: Vec<&OsStr> = STRICT.iter().map(|s| OsStr::new(*s)).collect();
-            if keep {
-                args.push(OsStr::new("-DVMTSYNC_KEEP_SLOTS"));
-            }
-            args.extend([
-                OsStr::new("-I"),
-                include.as_os_str(),
-                OsStr::new("-I"),
-                src_dir.as_os_str(),
-                prog.as_os_str(),
-                OsStr::new("-o"),
-                exe.as_os_str(),
-            ]);
-            t.compile(&args).unwrap_or_else(|e| panic!("{e}"));
+            let extra: &[&str] = if keep { &["-DVMTSYNC_KEEP_SLOTS"] } else { &[] };
+            t.program(&[&prog], &exe, extra)
+                .unwrap_or_else(|e| panic!("{e}"));
             let out = Command::new(&exe).output().unwrap();
             assert!(out.status.success(), "{}: {:?}", t.name(), out.status);
             let hex = String::from_utf8(out.stdout).unwrap();

@@ -79,11 +79,12 @@ impl Qmp {
     }
 
     /// Connects (waiting at most `wait` for the socket), negotiates and runs `command` (a
-    /// QMP command name without arguments).
+    /// QMP command name without arguments); returns its `return` value (null when the VMM
+    /// closed the socket on `quit` before answering).
     ///
     /// # Errors
     /// [`LaunchError::Qmp`]: no socket within `wait`, a refusal, or a closed connection.
-    pub fn execute(&self, command: &str, wait: Duration) -> Result<(), LaunchError> {
+    pub fn execute(&self, command: &str, wait: Duration) -> Result<serde_json::Value, LaunchError> {
         let end = Instant::now() + wait;
         let s = loop {
             match UnixStream::connect(&self.sock) {
@@ -96,7 +97,7 @@ impl Qmp {
             .map_err(|e| self.fail(e.to_string()))?;
         let mut r = BufReader::new(s.try_clone().map_err(|e| self.fail(e.to_string()))?);
         let mut w = s;
-        let mut reply = |cmd: Option<&str>| -> Result<(), LaunchError> {
+        let mut reply = |cmd: Option<&str>| -> Result<serde_json::Value, LaunchError> {
             if let Some(c) = cmd {
                 let line = format!("{{\"execute\": \"{c}\"}}\n");
                 w.write_all(line.as_bytes())
@@ -110,7 +111,7 @@ impl Qmp {
                 if n == 0 {
                     // `quit` may close the socket before its answer arrives.
                     return if cmd == Some("quit") {
-                        Ok(())
+                        Ok(serde_json::Value::Null)
                     } else {
                         Err(self.fail(format!("closed before it answered {cmd:?}")))
                     };
@@ -118,8 +119,11 @@ impl Qmp {
                 let v: serde_json::Value =
                     serde_json::from_str(&line).map_err(|e| self.fail(format!("{e}: {line:?}")))?;
                 // Events may come in between; the greeting or a return ends the wait.
-                if v.get("QMP").is_some() || v.get("return").is_some() {
-                    return Ok(());
+                if let Some(ret) = v.get("return") {
+                    return Ok(ret.clone());
+                }
+                if v.get("QMP").is_some() {
+                    return Ok(serde_json::Value::Null);
                 }
                 if v.get("error").is_some() {
                     return Err(self.fail(format!("{cmd:?} refused: {v}")));
@@ -145,7 +149,7 @@ impl Resume {
     /// # Errors
     /// [`LaunchError::Qmp`].
     pub fn cont(&self) -> Result<(), LaunchError> {
-        self.qmp.execute("cont", QMP_WAIT)
+        self.qmp.execute("cont", QMP_WAIT).map(|_| ())
     }
 }
 
@@ -191,12 +195,21 @@ impl Vmm {
             dir,
         };
         // Its QMP server answering means it has created its VM and vCPUs (QEMU opens the
-        // monitor after machine init) and is waiting at -S.
+        // monitor after machine init). That its guest has not run yet is what the beacon
+        // chains' arming rests on: the VMM's own status says so, not an assumption about -S.
         let end = Instant::now() + QMP_WAIT;
         loop {
             vmm.exited()?;
             match vmm.qmp.execute("query-status", Duration::from_millis(500)) {
-                Ok(()) => return Ok(vmm),
+                Ok(status) if status["running"] == serde_json::Value::Bool(false) => {
+                    return Ok(vmm);
+                }
+                Ok(status) => {
+                    return Err(vmm.qmp.fail(format!(
+                        "the VMM reports {status} after -S: its guest is not paused, so the \
+                         reader cannot arm itself before the first instruction"
+                    )));
+                }
                 Err(e) if Instant::now() >= end => return Err(e),
                 Err(_) => std::thread::sleep(Duration::from_millis(20)),
             }

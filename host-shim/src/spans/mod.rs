@@ -16,6 +16,7 @@
 //! are named from the image's ELF symbols after undoing relocations ([`symbols`]).
 
 mod record;
+pub mod report;
 pub mod symbols;
 mod track;
 

@@ -32,6 +32,7 @@ use super::event::{ExportError, ExportEvent, InputKind, Payload};
 use super::jsonl::JsonlSource;
 use super::tracedat::consts::{MAGIC, option};
 use super::tracedat::format::{EVENT_DATA_ID, EVENT_ID};
+use super::tracedat::funcgraph::{FUNCGRAPH_ENTRY_ID, FUNCGRAPH_EXIT_ID, SPAN_ORPHAN_ID};
 use super::tracedat::reader::{self, Layout};
 use super::tracedat::timeshift::{self, TraceCmdSample};
 use super::tracedat::{TraceDatError, read_layout};
@@ -247,6 +248,13 @@ fn read_dat(
     };
     let r = reader::for_each_event(path, layout, 0, |ev| {
         if failed.is_some() || cancel.load(Ordering::Relaxed) {
+            return;
+        }
+        // The function graph's records restate span records the file also holds as events.
+        if matches!(
+            ev.common_type,
+            FUNCGRAPH_ENTRY_ID | FUNCGRAPH_EXIT_ID | SPAN_ORPHAN_ID
+        ) {
             return;
         }
         let e = (|| {

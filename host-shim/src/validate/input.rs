@@ -354,6 +354,11 @@ fn trace_dat_events(path: &Path, rules: &[EventRule]) -> Result<Vec<RawEvent>, V
     let mut out = Vec::new();
     for b in 0..layout.buffers.len() {
         crate::formats::tracedat::reader::for_each_event(path, &layout, b, |e| {
+            use crate::formats::tracedat::format::{EVENT_DATA_ID, EVENT_ID};
+            // Only the recording's events (not the function graph's records beside them).
+            if e.common_type != EVENT_ID && e.common_type != EVENT_DATA_ID {
+                return;
+            }
             let Some(id) = u16::try_from(e.id)
                 .ok()
                 .filter(|id| rules.iter().any(|r| r.id == *id))

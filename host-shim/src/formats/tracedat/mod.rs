@@ -56,6 +56,7 @@ pub mod attach;
 pub mod consts;
 mod error;
 pub mod format;
+pub mod funcgraph;
 pub mod hostcopy;
 pub(crate) mod page;
 pub mod plan;
@@ -65,6 +66,7 @@ pub mod writer;
 
 pub use attach::{AttachSummary, attach_time_shift, trace_cpus};
 pub use consts::Tsc2Nsec;
+pub use funcgraph::SpanGraph;
 pub use error::TraceDatError;
 pub use hostcopy::{GuestInfo, HostCopySummary, copy_host_trace, copy_host_trace_with};
 pub use reader::{

@@ -53,32 +53,8 @@ impl PageBuf {
         } else {
             EVENT_DATA_SIZE
         };
-        let delta = if self.events == 0 {
-            self.buf[..8].copy_from_slice(&ts.to_le_bytes());
-            0
-        } else {
-            let delta = ts - self.last_ts;
-            if delta > MAX_EXTENDED_DELTA {
-                return false;
-            }
-            delta
-        };
-        let extend = delta > MAX_DELTA;
-        let need = 4 + size + if extend { 8 } else { 0 };
-        if self.used + need > PAGE_DATA_SIZE {
+        let Some((at, event_delta)) = self.reserve(ts, size) else {
             return false;
-        }
-        let mut at = PAGE_HEADER_SIZE + self.used;
-        let event_delta = if extend {
-            // The low 27 bits ride in the header, the rest in array[0].
-            let low = u32::try_from(delta & MAX_DELTA).unwrap_or(0);
-            let high = u32::try_from(delta >> TS_SHIFT).unwrap_or(u32::MAX);
-            let ext = u64::from(TYPE_TIME_EXTEND | (low << 5)) | (u64::from(high) << 32);
-            self.buf[at..at + 8].copy_from_slice(&ext.to_le_bytes());
-            at += 8;
-            0
-        } else {
-            u32::try_from(delta).unwrap_or(0)
         };
         // The record is assembled in registers and stored with one copy: header word, then
         // common_type, zero flags/preempt_count/pid, id (little endian throughout). type_len
@@ -98,10 +74,59 @@ impl PageBuf {
             rec[20..20 + payload.len()].copy_from_slice(payload);
             self.buf[at..at + rec.len()].copy_from_slice(&rec);
         }
+        true
+    }
+
+    /// Appends a record of another event type at `ts` (same rules as [`Self::try_push`]):
+    /// `data` is the whole record from `common_type` on, a multiple of 4 bytes from 8 to
+    /// `4 * TYPE_DATA_MAX` (checked by the caller).
+    pub(super) fn try_push_raw(&mut self, ts: u64, data: &[u8]) -> bool {
+        debug_assert!(data.len() % 4 == 0 && (8..=4 * TYPE_DATA_MAX as usize).contains(&data.len()));
+        let Some((at, event_delta)) = self.reserve(ts, data.len()) else {
+            return false;
+        };
+        let type_len = u32::try_from(data.len() / 4).unwrap_or(0);
+        self.buf[at..at + 4].copy_from_slice(&(type_len | (event_delta << 5)).to_le_bytes());
+        self.buf[at + 4..at + 4 + data.len()].copy_from_slice(data);
+        true
+    }
+
+    /// Makes room for a record of `size` data bytes at `ts` (a time extend first when the
+    /// delta needs one) and counts it; returns where its header goes and the delta it
+    /// carries, or `None` when the page cannot take it.
+    #[inline]
+    fn reserve(&mut self, ts: u64, size: usize) -> Option<(usize, u32)> {
+        let delta = if self.events == 0 {
+            self.buf[..8].copy_from_slice(&ts.to_le_bytes());
+            0
+        } else {
+            let delta = ts - self.last_ts;
+            if delta > MAX_EXTENDED_DELTA {
+                return None;
+            }
+            delta
+        };
+        let extend = delta > MAX_DELTA;
+        let need = 4 + size + if extend { 8 } else { 0 };
+        if self.used + need > PAGE_DATA_SIZE {
+            return None;
+        }
+        let mut at = PAGE_HEADER_SIZE + self.used;
+        let event_delta = if extend {
+            // The low 27 bits ride in the header, the rest in array[0].
+            let low = u32::try_from(delta & MAX_DELTA).unwrap_or(0);
+            let high = u32::try_from(delta >> TS_SHIFT).unwrap_or(u32::MAX);
+            let ext = u64::from(TYPE_TIME_EXTEND | (low << 5)) | (u64::from(high) << 32);
+            self.buf[at..at + 8].copy_from_slice(&ext.to_le_bytes());
+            at += 8;
+            0
+        } else {
+            u32::try_from(delta).unwrap_or(0)
+        };
         self.used += need;
         self.last_ts = ts;
         self.events += 1;
-        true
+        Some((at, event_delta))
     }
 
     /// Seals the page (writes `commit`, zeroes the unused tail) and returns it; the buffer is

@@ -24,6 +24,7 @@ use super::error::TraceDatError;
 use super::format::{
     EVENT_DATA_FORMAT, EVENT_FORMAT, HEADER_EVENT, HEADER_PAGE, MAX_PAYLOAD, SYSTEM,
 };
+use super::funcgraph::{FUNCGRAPH_ENTRY_FORMAT, FUNCGRAPH_EXIT_FORMAT, SPAN_ORPHAN_FORMAT};
 use super::page::PageBuf;
 use super::reader;
 use super::timeshift::{self, TimeShift};
@@ -141,6 +142,10 @@ pub struct TraceDatWriter {
     cpus: Vec<Cpu>,
     strings: Strings,
     v7: Option<V7>,
+    /// The kallsyms text ([`Self::set_kallsyms`]), written at the end.
+    kallsyms: String,
+    /// The saved command lines text ([`Self::set_cmdlines`]), written at the end.
+    cmdlines: String,
 }
 
 impl TraceDatWriter {
@@ -190,6 +195,8 @@ impl TraceDatWriter {
             cpus,
             strings: Strings::default(),
             v7: None,
+            kallsyms: String::new(),
+            cmdlines: String::new(),
         };
         if w.opts.version == FileVersion::V7 {
             w.start_v7()?;
@@ -249,6 +256,63 @@ impl TraceDatWriter {
         c.events += 1;
         c.last = ts;
         Ok(())
+    }
+
+    /// Appends a record of one of the other event types the file describes (the function
+    /// graph's, [`super::funcgraph`]): `data` from `common_type` on, a multiple of 4 bytes
+    /// from 8 to 112. The same ordering rule as [`Self::push`].
+    ///
+    /// # Errors
+    /// `CpuOutOfRange`, `PayloadTooLong` (a record of the wrong size), `NotMonotonic`, `Io`.
+    pub fn push_raw(&mut self, cpu: u32, ts: u64, data: &[u8]) -> Result<(), TraceDatError> {
+        let ncpus = self.opts.cpus;
+        let Self {
+            cpus,
+            out,
+            pos,
+            tmp,
+            ..
+        } = self;
+        let c = cpus
+            .get_mut(cpu as usize)
+            .ok_or(TraceDatError::CpuOutOfRange { cpu, cpus: ncpus })?;
+        let max = 4 * super::consts::TYPE_DATA_MAX as usize;
+        if data.len() % 4 != 0 || !(8..=max).contains(&data.len()) {
+            return Err(TraceDatError::PayloadTooLong {
+                len: data.len(),
+                max,
+            });
+        }
+        if c.events > 0 && ts < c.last {
+            return Err(TraceDatError::NotMonotonic {
+                cpu,
+                ts,
+                last: c.last,
+            });
+        }
+        if !c.page.try_push_raw(ts, data) {
+            flush_page(c, out, pos).map_err(TraceDatError::io("write", tmp.path()))?;
+            let pushed = c.page.try_push_raw(ts, data);
+            debug_assert!(pushed, "a record always fits an empty page");
+        }
+        if c.events == 0 {
+            c.first = ts;
+        }
+        c.events += 1;
+        c.last = ts;
+        Ok(())
+    }
+
+    /// The file's kallsyms text (`/proc/kallsyms` lines, `ADDR TYPE NAME`): what trace-cmd
+    /// names function addresses with. Written by [`Self::finish`].
+    pub fn set_kallsyms(&mut self, text: String) {
+        self.kallsyms = text;
+    }
+
+    /// The file's saved command lines (`PID COMM` lines): the names trace-cmd shows for the
+    /// records' `common_pid`. Written by [`Self::finish`].
+    pub fn set_cmdlines(&mut self, text: String) {
+        self.cmdlines = text;
     }
 
     /// Events pushed so far per CPU.
@@ -407,19 +471,9 @@ impl TraceDatWriter {
         let mut meta = Vec::new();
         for (id, desc, body) in [
             (option::HEADER_INFO, "headers", header_info()),
-            (
-                option::FTRACE_EVENTS,
-                "ftrace events",
-                0u32.to_le_bytes().to_vec(),
-            ),
+            (option::FTRACE_EVENTS, "ftrace events", ftrace_formats()),
             (option::EVENT_FORMATS, "events format", event_formats()),
-            (option::KALLSYMS, "kallsyms", 0u32.to_le_bytes().to_vec()),
             (option::PRINTK, "printk", 0u32.to_le_bytes().to_vec()),
-            (
-                option::CMDLINES,
-                "command lines",
-                0u64.to_le_bytes().to_vec(),
-            ),
         ] {
             meta.push((id, b.len() as u64));
             self.strings
@@ -451,8 +505,26 @@ impl TraceDatWriter {
         let fly_size = self.pos - v7.flyrecord - SECTION_HEADER_SIZE;
         self.patch(v7.flyrecord + 8, &fly_size.to_le_bytes())?;
 
+        // kallsyms and the command lines are known only now (the names the events used): as
+        // sections after the data, which trace-cmd finds by the options' offsets.
+        let mut meta = v7.meta.clone();
+        for (id, desc, body) in [
+            (option::KALLSYMS, "kallsyms", kallsyms_body(&self.kallsyms)),
+            (
+                option::CMDLINES,
+                "command lines",
+                cmdlines_body(&self.cmdlines),
+            ),
+        ] {
+            meta.push((id, self.pos));
+            let mut b = Vec::with_capacity(body.len() + 16);
+            self.strings
+                .section_header(&mut b, id, desc, body.len() as u64);
+            b.extend_from_slice(&body);
+            self.write(&b)?;
+        }
         let mut opts = Vec::new();
-        for &(id, off) in &v7.meta {
+        for &(id, off) in &meta {
             put_option(&mut opts, id, &off.to_le_bytes());
         }
         put_option(&mut opts, 8, &self.opts.cpus.to_le_bytes()); // CPUCOUNT
@@ -514,11 +586,11 @@ impl TraceDatWriter {
     fn finish_v6(&mut self, shift: Option<&[u8]>) -> Result<Vec<(u64, u64)>, TraceDatError> {
         let mut b = Self::header("6");
         b.extend_from_slice(&header_info());
-        b.extend_from_slice(&0u32.to_le_bytes()); // No ftrace formats.
+        b.extend_from_slice(&ftrace_formats());
         b.extend_from_slice(&event_formats());
-        b.extend_from_slice(&0u32.to_le_bytes()); // kallsyms
+        b.extend_from_slice(&kallsyms_body(&self.kallsyms));
         b.extend_from_slice(&0u32.to_le_bytes()); // printk formats
-        b.extend_from_slice(&0u64.to_le_bytes()); // saved cmdlines
+        b.extend_from_slice(&cmdlines_body(&self.cmdlines));
         b.extend_from_slice(&self.opts.cpus.to_le_bytes());
         b.extend_from_slice(b"options  \0");
         self.common_options(&mut b, shift);
@@ -615,17 +687,46 @@ fn header_info() -> Vec<u8> {
     b
 }
 
-/// One system (`vmtsync`) with its two event formats.
+/// One system (`vmtsync`) with its event formats.
 fn event_formats() -> Vec<u8> {
     let mut b = Vec::new();
     b.extend_from_slice(&1u32.to_le_bytes());
     b.extend_from_slice(SYSTEM.as_bytes());
     b.push(0);
-    b.extend_from_slice(&2u32.to_le_bytes());
-    for f in [EVENT_FORMAT, EVENT_DATA_FORMAT] {
+    format_list(&mut b, &[EVENT_FORMAT, EVENT_DATA_FORMAT, SPAN_ORPHAN_FORMAT]);
+    b
+}
+
+/// The ftrace formats block: the function graph's entry and exit (trace-cmd prints records of
+/// these two as a call graph).
+fn ftrace_formats() -> Vec<u8> {
+    let mut b = Vec::new();
+    format_list(&mut b, &[FUNCGRAPH_ENTRY_FORMAT, FUNCGRAPH_EXIT_FORMAT]);
+    b
+}
+
+/// `u32 count`, then `u64 size, text` per format.
+fn format_list(b: &mut Vec<u8>, formats: &[&str]) {
+    b.extend_from_slice(&u32::try_from(formats.len()).unwrap_or(0).to_le_bytes());
+    for f in formats {
         b.extend_from_slice(&(f.len() as u64).to_le_bytes());
         b.extend_from_slice(f.as_bytes());
     }
+}
+
+/// The kallsyms block: `u32 size`, then the text.
+fn kallsyms_body(text: &str) -> Vec<u8> {
+    let mut b = Vec::with_capacity(4 + text.len());
+    b.extend_from_slice(&u32::try_from(text.len()).unwrap_or(0).to_le_bytes());
+    b.extend_from_slice(text.as_bytes());
+    b
+}
+
+/// The saved command lines block: `u64 size`, then the text.
+fn cmdlines_body(text: &str) -> Vec<u8> {
+    let mut b = Vec::with_capacity(8 + text.len());
+    b.extend_from_slice(&(text.len() as u64).to_le_bytes());
+    b.extend_from_slice(text.as_bytes());
     b
 }
 

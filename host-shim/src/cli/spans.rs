@@ -87,7 +87,11 @@ pub fn run_spans_cmd(a: &SpansArgs) -> Result<(), CliError> {
         top: a.top,
         last: a.last,
     };
-    let source = formats::open(&a.from)?;
+    let mut source = formats::open(&a.from)?;
+    let source = std::iter::from_fn(move || {
+        let e = source.next()?;
+        Some(e.map(|e| (e, source.boot())))
+    });
     let report: SpanReport = match &a.out {
         Some(path) => {
             // The input's errors keep their own exit code; only the file's become `Write`.

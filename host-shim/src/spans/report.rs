@@ -62,13 +62,13 @@ pub struct SpanReport {
     pub other_events: u64,
 }
 
-/// Reads `events`, pairs their span records with `cfg`'s names, writes every span as a JSON
+/// Reads `events` (each with its guest boot: 0 unless the recording followed resets), pairs their span records with `cfg`'s names, writes every span as a JSON
 /// line to `sink` (if any) and sums them up.
 ///
 /// # Errors
 /// The input's [`ExportError`], or [`ExportError::Write`] naming `sink_name` for the sink.
 pub fn collect(
-    events: impl Iterator<Item = Result<ExportEvent, ExportError>>,
+    events: impl Iterator<Item = Result<(ExportEvent, u32), ExportError>>,
     cfg: &SpanConfig,
     opts: ReportOptions,
     mut sink: Option<(&mut dyn Write, &std::path::Path)>,
@@ -82,11 +82,11 @@ pub fn collect(
     let mut one_ended: VecDeque<Span> = VecDeque::new();
     let mut steps = Vec::new();
     for e in events {
-        let e = e?;
+        let (e, boot) = e?;
         r.first_tsc = Some(r.first_tsc.map_or(e.host_tsc, |t| t.min(e.host_tsc)));
         r.last_tsc = Some(r.last_tsc.map_or(e.host_tsc, |t| t.max(e.host_tsc)));
         steps.clear();
-        if !tracker.push(&e, &mut steps) {
+        if !tracker.push_in_boot(&e, boot, &mut steps) {
             r.other_events += 1;
             continue;
         }
@@ -324,18 +324,25 @@ mod tests {
     use crate::formats::{Bound, ExportEvent, Payload};
     use crate::spans::SpanConfig;
 
-    fn ev(id: u16, payload: &[u8], t: u64) -> Result<ExportEvent, crate::formats::ExportError> {
-        Ok(ExportEvent {
-            vcpu: 0,
-            id,
-            guest_tsc: Some(t),
-            host_tsc: t,
-            bound: Some(Bound {
-                lo: t - 2,
-                hi: t + 3,
-            }),
-            payload: Payload::new(payload).unwrap(),
-        })
+    fn ev(
+        id: u16,
+        payload: &[u8],
+        t: u64,
+    ) -> Result<(ExportEvent, u32), crate::formats::ExportError> {
+        Ok((
+            ExportEvent {
+                vcpu: 0,
+                id,
+                guest_tsc: Some(t),
+                host_tsc: t,
+                bound: Some(Bound {
+                    lo: t - 2,
+                    hi: t + 3,
+                }),
+                payload: Payload::new(payload).unwrap(),
+            },
+            0,
+        ))
     }
 
     #[test]

@@ -188,6 +188,8 @@ fn functions<Elf: FileHeader<Endian = Endianness>>(elf: &ElfFile<'_, Elf>) -> Ve
 pub struct Namer {
     symbols: Option<std::sync::Arc<Symbols>>,
     relocs: Vec<Reloc>,
+    /// How many of `relocs` the user named (they come first and stay across boots).
+    named: usize,
     /// Relocations refused beyond [`MAX_RELOCS`].
     pub dropped_relocs: u64,
 }
@@ -203,7 +205,18 @@ impl Namer {
         for r in relocs {
             n.add_reloc(*r);
         }
+        n.named = n.relocs.len();
         n
+    }
+
+    /// Adds a relocation the guest recorded.
+    pub fn add_guest_reloc(&mut self, r: Reloc) {
+        self.add_reloc(r);
+    }
+
+    /// Forgets the guest's relocations (a new boot), keeping the user's.
+    pub fn forget_guest_relocs(&mut self) {
+        self.relocs.truncate(self.named);
     }
 
     /// Adds a relocation; it takes precedence over earlier ones that overlap it.

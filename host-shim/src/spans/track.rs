@@ -55,6 +55,8 @@ struct Frame {
 pub struct SpanTracker {
     namer: Namer,
     stacks: BTreeMap<(u32, SpanKind), Vec<Frame>>,
+    /// Each vCPU's guest boot so far.
+    boots: BTreeMap<u32, u32>,
     counts: SpanCounts,
 }
 
@@ -71,9 +73,28 @@ impl SpanTracker {
     /// Takes `e` if it is a span record (`true`: its steps are appended to `out`); `false`:
     /// an ordinary event, for the caller to handle as before.
     pub fn push(&mut self, e: &ExportEvent, out: &mut Vec<SpanStep>) -> bool {
+        self.push_in_boot(e, 0, out)
+    }
+
+    /// [`Self::push`] for a recording that followed the guest across resets: `boot` numbers
+    /// the guest's boots (0, 1, …). When a vCPU's boot changes, every frame it had open is
+    /// abandoned first (the reset ended them; their exits will never come), and the
+    /// relocations the old boot's records made are forgotten.
+    pub fn push_in_boot(&mut self, e: &ExportEvent, boot: u32, out: &mut Vec<SpanStep>) -> bool {
         let Some(rec) = decode(e.id, e.payload.as_slice()) else {
             return false;
         };
+        let was = *self.boots.entry(e.vcpu).or_insert(boot);
+        if was != boot {
+            self.boots.insert(e.vcpu, boot);
+            self.namer.forget_guest_relocs();
+            for kind in [SpanKind::Phase, SpanKind::Function] {
+                for f in self.stacks.remove(&(e.vcpu, kind)).unwrap_or_default() {
+                    self.counts.abandoned += 1;
+                    out.push(SpanStep::Abandoned(f.span));
+                }
+            }
+        }
         let at = SpanEnd::of(e);
         match rec {
             SpanRecord::Begin(name) => {
@@ -112,7 +133,7 @@ impl SpanTracker {
             }
             SpanRecord::Reloc { link, runtime, len } => {
                 self.counts.relocs += 1;
-                self.namer.add_reloc(Reloc {
+                self.namer.add_guest_reloc(Reloc {
                     link,
                     runtime,
                     len: u64::from(len),
@@ -378,6 +399,33 @@ mod tests {
             ]
         );
         assert_eq!(t.counts().relocs, 1);
+    }
+
+    #[test]
+    fn a_new_boot_abandons_what_the_old_one_left_open() {
+        let mut t = SpanTracker::new(&SpanConfig::default());
+        let mut out = Vec::new();
+        t.push_in_boot(&func(FUNC_ENTRY_ID, 0x10, 1), 0, &mut out);
+        t.push_in_boot(&func(FUNC_ENTRY_ID, 0x20, 2), 1, &mut out);
+        t.push_in_boot(&func(FUNC_EXIT_ID, 0x20, 3), 1, &mut out);
+        let steps: Vec<_> = out
+            .iter()
+            .map(|s| match s {
+                SpanStep::Enter(s) => ("enter", s.name.clone(), s.depth),
+                SpanStep::Exit(s) => ("exit", s.name.clone(), s.depth),
+                SpanStep::Abandoned(s) => ("abandoned", s.name.clone(), s.depth),
+                SpanStep::Orphan(s) => ("orphan", s.name.clone(), s.depth),
+            })
+            .collect();
+        assert_eq!(
+            steps,
+            [
+                ("enter", "0x10".into(), 0),
+                ("abandoned", "0x10".into(), 0),
+                ("enter", "0x20".into(), 0),
+                ("exit", "0x20".into(), 0),
+            ]
+        );
     }
 
     #[test]

@@ -259,6 +259,7 @@ impl RecordArgs {
             drain_max: crate::record::DRAIN_MAX,
             sync_out: self.sync_out.clone(),
             placement: self.placement.into(),
+            spans: crate::spans::SpanConfig::default(),
         }
     }
 }
@@ -446,6 +447,7 @@ fn run_record_memory_cmd(
         paused: vmm.as_ref().map(record::launch::Vmm::resume),
         sync_out: a.sync_out.clone(),
         tracefs: a.tracefs.clone(),
+        spans: crate::spans::SpanConfig::default(),
     };
     let mut progress = Progress::stderr_if_terminal(!a.no_progress);
     let result = record::run_record_memory(&opts, &mut progress);

@@ -62,6 +62,8 @@ pub struct MemoryOptions {
     pub sync_out: Option<PathBuf>,
     /// `--tracefs` for the beacons' kvm_pio trace (default: the usual mount points).
     pub tracefs: Option<PathBuf>,
+    /// How span records are named in the outputs that show spans.
+    pub spans: crate::spans::SpanConfig,
 }
 
 /// The default time between two idle drain rounds.
@@ -652,6 +654,7 @@ pub fn run_record_memory(
         format: opts.format,
         file_version: opts.file_version,
         source: format!("memory of VMM {pid} at {:#x}", found.addr),
+        spans: opts.spans.clone(),
     };
     let placement = match mode {
         Mode::Exact => Placement::OneSided,

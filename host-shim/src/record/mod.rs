@@ -114,6 +114,8 @@ pub struct RecordOptions {
     pub sync_out: Option<PathBuf>,
     /// How events are placed (`--placement`, default two-sided).
     pub placement: Placement,
+    /// How span records are named in the outputs that show spans (symbols, relocations).
+    pub spans: crate::spans::SpanConfig,
 }
 
 /// The most events one drain asks for: the bare-metal agent's whole ring (4096 records), so
@@ -404,6 +406,7 @@ mod tests {
                 drain_max: DRAIN_MAX,
                 sync_out: None,
                 placement: Placement::default(),
+                spans: crate::spans::SpanConfig::default(),
             };
             let summary = run_record_on(t, &opts, &mut Progress::hidden()).unwrap();
             (summary, truth)

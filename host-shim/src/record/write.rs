@@ -15,6 +15,8 @@ pub(super) struct Target {
     /// Where the events came from, as the outputs name it (the agent's address, or the VMM
     /// whose memory was read); it also seeds the trace.dat TRACEID.
     pub(super) source: String,
+    /// How span records are named (symbols, relocations) in the outputs that show spans.
+    pub(super) spans: crate::spans::SpanConfig,
 }
 
 impl Target {
@@ -25,6 +27,7 @@ impl Target {
             format: opts.format,
             file_version: opts.file_version,
             source: opts.probe.addr.to_string(),
+            spans: opts.spans.clone(),
         }
     }
 }
@@ -280,7 +283,10 @@ pub(super) fn write_trace_dat_as(
              rate is not the host's: trace-cmd's TIME_SHIFT cannot represent it exactly)"
         )
     });
+    let tsc2nsec = wo.tsc2nsec;
     let mut w = TraceDatWriter::create(&opts.out, wo)?;
+    // Span records are also written as the function graph trace-cmd prints.
+    let mut graph = tracedat::SpanGraph::new(&opts.spans, tsc2nsec);
     let mut clamped = 0;
     // The last timestamp written per CPU: each CPU's buffer must be in order.
     let mut last = vec![0u64; st.vcpus.len()];
@@ -301,13 +307,28 @@ pub(super) fn write_trace_dat_as(
             host.max(last[cpu])
         };
         last[cpu] = ts;
-        w.push(
-            u32::try_from(cpu).unwrap_or(u32::MAX),
-            ts,
-            u32::from(rec.id),
-            rec.payload(),
-        )?;
+        let cpu = u32::try_from(cpu).unwrap_or(u32::MAX);
+        match st.place(rec.vcpu, rec.guest) {
+            Some((host, lo, hi)) => graph.push(
+                &mut w,
+                cpu,
+                ts,
+                &crate::formats::ExportEvent {
+                    // Each boot's rings are CPUs of their own here: keyed, they are stacks
+                    // of their own too.
+                    vcpu: rec.vcpu,
+                    id: rec.id,
+                    guest_tsc: Some(rec.guest),
+                    host_tsc: host,
+                    bound: Some(crate::formats::Bound { lo, hi }),
+                    payload: crate::formats::Payload::new(rec.payload()).unwrap_or_default(),
+                },
+            )?,
+            // No host time: a span record left out of the graph (an exit then finds no entry).
+            None => w.push(cpu, ts, u32::from(rec.id), rec.payload())?,
+        }
     }
+    graph.finish(&mut w, cpus);
     let shift = identity.then(|| TimeShift {
         peer_trace_id: 0,
         mode: ShiftMode::Step,

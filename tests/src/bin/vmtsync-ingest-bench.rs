@@ -215,6 +215,7 @@ fn run(a: &Args) -> Result<IngestBench> {
         drain_max: a.drain_max,
         sync_out: None,
         placement: vmtsync::syncfile::bounds::Placement::default(),
+        spans: vmtsync::spans::SpanConfig::default(),
     };
     if a.drain_only {
         return drain_only(a, link, &mut rig);

@@ -41,6 +41,7 @@ mod record;
 mod record_memory;
 mod smoke;
 mod smp;
+mod span_outputs;
 mod tracedat;
 mod util;
 mod validate;
@@ -114,6 +115,7 @@ fn main() -> std::process::ExitCode {
         record_memory::trials(),
         smoke::trials(),
         smp::trials(),
+        span_outputs::trials(),
         tracedat::trials(),
         validate::trials(),
         validate_rules::trials(),

@@ -306,6 +306,7 @@ fn vsock_ingest_keeps_every_sent_event_and_counts_the_rest() {
         drain_max: vmtsync::record::DRAIN_MAX,
         sync_out: None,
         placement: vmtsync::syncfile::bounds::Placement::default(),
+        spans: vmtsync::spans::SpanConfig::default(),
     };
     let started = Instant::now();
     let summary = run_record_on(transport, &opts, &mut Progress::hidden())

@@ -516,6 +516,7 @@ fn record_places_every_vcpus_events_with_its_own_sync() {
             drain_max: DRAIN_MAX,
             sync_out: None,
             placement: vmtsync::syncfile::bounds::Placement::default(),
+            spans: vmtsync::spans::SpanConfig::default(),
         };
         let s =
             run_record(&o, &mut Progress::hidden()).unwrap_or_else(|e| panic!("{}", log(dir, &e)));

@@ -102,8 +102,11 @@ pub struct Tsc2Nsec {
 impl Tsc2Nsec {
     /// Nanoseconds of a TSC at `hz` ticks per second, as trace-cmd's `mul_u64_u32_shr` takes
     /// them: the largest `shift` (at most 32, which that function allows) whose
-    /// `mult = 10^9 * 2^shift / hz` fits a `u32`, so the rounding error is below one part in
-    /// 2^31 of the time; `None` for a frequency of 0 or one too high for any shift.
+    /// `mult = 10^9 * 2^shift / hz` fits an `i32`, so the rounding error is below one part in
+    /// 2^30 of the time; `None` for a frequency of 0 or one too high for any shift. trace-cmd
+    /// 3.1.6 keeps `mult` in an `int` and widens it with its sign: a `mult` of 2^31 or more
+    /// (any TSC below 2 GHz with shift 32) would come out as a huge number and make time run
+    /// backwards.
     #[must_use]
     pub fn for_hz(hz: u64) -> Option<Self> {
         if hz == 0 {
@@ -112,7 +115,10 @@ impl Tsc2Nsec {
         (0..=32u32).rev().find_map(|shift| {
             let mult = (1_000_000_000u128 << shift) / u128::from(hz);
             Some(Self {
-                mult: u32::try_from(mult).ok().filter(|&m| m > 0)?,
+                mult: i32::try_from(mult)
+                    .ok()
+                    .filter(|&m| m > 0)
+                    .and_then(|m| u32::try_from(m).ok())?,
                 shift,
                 offset: 0,
             })
@@ -147,11 +153,24 @@ mod tests {
             let want = 3_600_000_000_000u64;
             let got = t.nanos(ticks);
             assert!(
-                got.abs_diff(want) <= want >> 30,
+                got.abs_diff(want) <= want >> 29,
                 "{hz} Hz: {got} ns for {want}"
             );
         }
         assert_eq!(Tsc2Nsec::for_hz(0), None);
-        assert_eq!(Tsc2Nsec::for_hz(2_000_000_000).unwrap().shift, 32);
+        assert_eq!(Tsc2Nsec::for_hz(2_100_000_000).unwrap().shift, 32);
+        // 2^31 would be read back as negative by trace-cmd: one shift less.
+        assert_eq!(Tsc2Nsec::for_hz(2_000_000_000).unwrap().shift, 31);
+        for hz in [
+            1_000_000_000u64,
+            1_500_000_000,
+            1_999_999_999,
+            3_000_000_000,
+        ] {
+            assert!(
+                Tsc2Nsec::for_hz(hz).unwrap().mult <= i32::MAX as u32,
+                "{hz}"
+            );
+        }
     }
 }

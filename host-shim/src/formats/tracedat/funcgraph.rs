@@ -193,7 +193,13 @@ impl GraphNames {
         for (a, n) in &self.by_addr {
             let mut name: String = n
                 .chars()
-                .map(|c| if c.is_whitespace() || c.is_control() { '_' } else { c })
+                .map(|c| {
+                    if c.is_whitespace() || c.is_control() {
+                        '_'
+                    } else {
+                        c
+                    }
+                })
                 .collect();
             if name.is_empty() || name.starts_with('$') {
                 name.insert(0, '_');
@@ -217,7 +223,13 @@ pub fn entry_record(pid: i32, func: u64, depth: u32) -> [u8; ENTRY_SIZE] {
 
 /// A `funcgraph_exit` record: `calltime` and `rettime` in the file's nanoseconds.
 #[must_use]
-pub fn exit_record(pid: i32, func: u64, depth: u32, calltime: u64, rettime: u64) -> [u8; EXIT_SIZE] {
+pub fn exit_record(
+    pid: i32,
+    func: u64,
+    depth: u32,
+    calltime: u64,
+    rettime: u64,
+) -> [u8; EXIT_SIZE] {
     let mut r = [0u8; EXIT_SIZE];
     r[..2].copy_from_slice(&FUNCGRAPH_EXIT_ID.to_le_bytes());
     r[4..8].copy_from_slice(&pid.to_le_bytes());
@@ -367,9 +379,14 @@ mod tests {
         // An unnamed run-time address that a symbol's address holds gets one of its own.
         let other = n.addr_of(&span(f, "0x1000", Some(0x1000))).unwrap();
         assert!(other >= SYNTHETIC_BASE);
-        let p = n.addr_of(&span(SpanKind::Phase, "post init", None)).unwrap();
+        let p = n
+            .addr_of(&span(SpanKind::Phase, "post init", None))
+            .unwrap();
         assert_ne!(p, other);
-        assert_eq!(n.addr_of(&span(SpanKind::Phase, "post init", None)), Some(p));
+        assert_eq!(
+            n.addr_of(&span(SpanKind::Phase, "post init", None)),
+            Some(p)
+        );
         let k = n.kallsyms();
         assert!(k.contains("0000000000001000 T startBoot\n"), "{k}");
         assert!(k.contains("0000000000002010 T main+0x10\n"), "{k}");
@@ -381,7 +398,10 @@ mod tests {
     fn names_stop_at_the_cap_and_known_ones_still_resolve() {
         let mut n = GraphNames::new(Vec::new());
         for i in 0..MAX_GRAPH_NAMES {
-            assert!(n.addr_of(&span(SpanKind::Phase, &i.to_string(), None)).is_some());
+            assert!(
+                n.addr_of(&span(SpanKind::Phase, &i.to_string(), None))
+                    .is_some()
+            );
         }
         assert_eq!(n.addr_of(&span(SpanKind::Phase, "one more", None)), None);
         assert!(n.addr_of(&span(SpanKind::Phase, "7", None)).is_some());

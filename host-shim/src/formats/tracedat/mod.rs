@@ -66,8 +66,8 @@ pub mod writer;
 
 pub use attach::{AttachSummary, attach_time_shift, trace_cpus};
 pub use consts::Tsc2Nsec;
-pub use funcgraph::SpanGraph;
 pub use error::TraceDatError;
+pub use funcgraph::SpanGraph;
 pub use hostcopy::{GuestInfo, HostCopySummary, copy_host_trace, copy_host_trace_with};
 pub use reader::{
     Event, EventFormat, Layout, cpu_time_ranges, for_each_record, read_event_formats, read_layout,

@@ -81,7 +81,9 @@ impl PageBuf {
     /// `data` is the whole record from `common_type` on, a multiple of 4 bytes from 8 to
     /// `4 * TYPE_DATA_MAX` (checked by the caller).
     pub(super) fn try_push_raw(&mut self, ts: u64, data: &[u8]) -> bool {
-        debug_assert!(data.len() % 4 == 0 && (8..=4 * TYPE_DATA_MAX as usize).contains(&data.len()));
+        debug_assert!(
+            data.len() % 4 == 0 && (8..=4 * TYPE_DATA_MAX as usize).contains(&data.len())
+        );
         let Some((at, event_delta)) = self.reserve(ts, data.len()) else {
             return false;
         };

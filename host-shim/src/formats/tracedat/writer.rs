@@ -693,7 +693,10 @@ fn event_formats() -> Vec<u8> {
     b.extend_from_slice(&1u32.to_le_bytes());
     b.extend_from_slice(SYSTEM.as_bytes());
     b.push(0);
-    format_list(&mut b, &[EVENT_FORMAT, EVENT_DATA_FORMAT, SPAN_ORPHAN_FORMAT]);
+    format_list(
+        &mut b,
+        &[EVENT_FORMAT, EVENT_DATA_FORMAT, SPAN_ORPHAN_FORMAT],
+    );
     b
 }
 

@@ -1,0 +1,282 @@
+//! Tier 2: a synthetic recording's spans in every output, read back by the real readers:
+//! trace-cmd 3.1.6's function graph, Perfetto's trace processor (`slice` table) and
+//! babeltrace2.
+//!
+//! Truth is the recording itself: [`recording`] lists the span records with the spans they
+//! make (name, depth, start, end in host ticks), chosen by hand so each case appears once: a
+//! nested call, a leaf, phases beside functions, two vCPUs, a frame an outer exit abandons,
+//! an exit without its entry and frames still open at the end.
+
+use std::sync::Arc;
+
+use vmtsync::formats::tracedat::{SpanGraph, TraceDatWriter, Tsc2Nsec, WriterOptions};
+use vmtsync::formats::{Bound, ExportEvent, Payload};
+use vmtsync::spans::{SpanConfig, Symbols};
+
+use crate::util::{have_trace_cmd, trace_cmd};
+
+crate::trials!(
+    have_trace_cmd;
+    trace_cmd_prints_the_call_graph_with_names_depths_and_durations,
+);
+
+const SPAN_BEGIN: u16 = 0xFF01;
+const SPAN_END: u16 = 0xFF02;
+const FUNC_ENTRY: u16 = 0xFF03;
+const FUNC_EXIT: u16 = 0xFF04;
+
+/// The image's functions: (address, size, name).
+const SYMBOLS: [(u64, u64, &str); 6] = [
+    (0x1000, 0x100, "startBoot"),
+    (0x2000, 0x100, "memset"),
+    (0x3000, 0x100, "helper"),
+    (0x4000, 0x100, "inner"),
+    (0x5000, 0x100, "waitForever"),
+    (0x6000, 0x100, "smpEntry"),
+];
+
+fn ev(vcpu: u32, id: u16, payload: &[u8], t: u64) -> ExportEvent {
+    ExportEvent {
+        vcpu,
+        id,
+        guest_tsc: Some(t + 1_000_000),
+        host_tsc: t,
+        bound: Some(Bound {
+            lo: t - 3,
+            hi: t + 4,
+        }),
+        payload: Payload::new(payload).unwrap(),
+    }
+}
+
+fn func(vcpu: u32, id: u16, addr: u32, t: u64) -> ExportEvent {
+    let mut p = [0u8; 8];
+    p[..4].copy_from_slice(&addr.to_le_bytes());
+    p[4..].copy_from_slice(&0x9999u32.to_le_bytes());
+    ev(vcpu, id, &p, t)
+}
+
+/// What a span must look like in every output.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Truth {
+    vcpu: u32,
+    phase: bool,
+    name: &'static str,
+    depth: u32,
+    begin: Option<u64>,
+    end: Option<u64>,
+}
+
+const fn closed(vcpu: u32, phase: bool, name: &'static str, depth: u32, b: u64, e: u64) -> Truth {
+    Truth {
+        vcpu,
+        phase,
+        name,
+        depth,
+        begin: Some(b),
+        end: Some(e),
+    }
+}
+
+/// The recording (events in each vCPU's order, host ticks) and its spans.
+pub(crate) fn recording() -> (Vec<ExportEvent>, Vec<Truth>) {
+    let events = vec![
+        ev(0, SPAN_BEGIN, b"post", 500),
+        func(0, FUNC_ENTRY, 0x1000, 1_000),
+        func(0, FUNC_ENTRY, 0x2000, 2_000),
+        func(0, FUNC_EXIT, 0x2000, 5_000),
+        func(0, FUNC_ENTRY, 0x3000, 6_000),
+        ev(0, 7, b"x", 6_200),
+        func(0, FUNC_ENTRY, 0x4000, 6_500),
+        func(0, FUNC_EXIT, 0x4000, 7_000),
+        func(0, FUNC_EXIT, 0x3000, 9_000),
+        ev(0, SPAN_BEGIN, b"clear memory", 9_500),
+        ev(0, SPAN_END, b"clear memory", 1_509_500),
+        func(0, FUNC_EXIT, 0x1000, 2_000_000),
+        ev(0, SPAN_END, b"post", 2_500_000),
+        func(0, FUNC_ENTRY, 0x5000, 3_000_000),
+        // helper's exit again: its entry is not on the stack (an orphan).
+        func(0, FUNC_EXIT, 0x3000, 3_100_000),
+        ev(1, SPAN_BEGIN, b"smp init", 1_500),
+        func(1, FUNC_ENTRY, 0x6000, 2_000),
+        func(1, FUNC_ENTRY, 0x2000, 2_500),
+        // smpEntry's exit abandons memset (its exit never comes).
+        func(1, FUNC_EXIT, 0x6000, 4_000),
+    ];
+    let open = |vcpu, phase, name, depth, b| Truth {
+        vcpu,
+        phase,
+        name,
+        depth,
+        begin: Some(b),
+        end: None,
+    };
+    let truth = vec![
+        closed(0, true, "post", 0, 500, 2_500_000),
+        closed(0, false, "startBoot", 0, 1_000, 2_000_000),
+        closed(0, false, "memset", 1, 2_000, 5_000),
+        closed(0, false, "helper", 1, 6_000, 9_000),
+        closed(0, false, "inner", 2, 6_500, 7_000),
+        closed(0, true, "clear memory", 1, 9_500, 1_509_500),
+        open(0, false, "waitForever", 0, 3_000_000),
+        Truth {
+            vcpu: 0,
+            phase: false,
+            name: "helper",
+            depth: 1,
+            begin: None,
+            end: Some(3_100_000),
+        },
+        open(1, true, "smp init", 0, 1_500),
+        closed(1, false, "smpEntry", 0, 2_000, 4_000),
+        open(1, false, "memset", 1, 2_500),
+    ];
+    (events, truth)
+}
+
+fn config() -> SpanConfig {
+    SpanConfig {
+        symbols: Some(Arc::new(Symbols::from_pairs(&SYMBOLS))),
+        relocs: Vec::new(),
+    }
+}
+
+/// The recording as a trace.dat on host time (1 GHz: ticks are nanoseconds), through the
+/// writer `vmtsync record` uses, events merged in host-time order per CPU.
+fn write_trace_dat(path: &std::path::Path) {
+    let (mut events, _) = recording();
+    events.sort_by_key(|e| e.host_tsc);
+    let mut wo = WriterOptions::new(2, 0x5a5a);
+    wo.tsc2nsec = Tsc2Nsec::for_hz(1_000_000_000);
+    let mut g = SpanGraph::new(&config(), wo.tsc2nsec);
+    let mut w = TraceDatWriter::create(path, wo).unwrap();
+    for e in &events {
+        g.push(&mut w, e.vcpu, e.host_tsc, e).unwrap();
+    }
+    g.finish(&mut w, 2);
+    w.finish(None).unwrap();
+}
+
+/// One function-graph line of `trace-cmd report`: who (comm), CPU, timestamp in ns, the
+/// duration in ns if printed, the indentation (2 per depth) and the text after it.
+#[derive(Debug, PartialEq, Eq)]
+struct GraphLine {
+    comm: String,
+    cpu: u32,
+    ts: u64,
+    dur: Option<u64>,
+    depth: usize,
+    text: String,
+}
+
+/// Parses `comm-pid [CPU] TS: funcgraph_entry|exit: [+] DUR us | <indent>text`.
+fn graph_lines(report: &str) -> Vec<GraphLine> {
+    report
+        .lines()
+        .filter(|l| l.contains(": funcgraph_") || l.contains(": span_orphan:"))
+        .map(|l| {
+            let (head, rest) = l.split_once(']').unwrap();
+            let (who, cpu) = head.trim().rsplit_once('[').unwrap();
+            let comm = who.trim().rsplit_once('-').unwrap().0.to_owned();
+            let (ts, rest) = rest.trim_start().split_once(':').unwrap();
+            let ts: u64 = ts.replace('.', "").parse().unwrap();
+            let (_, body) = rest.trim_start().split_once(':').unwrap();
+            let (dur, text) = match body.split_once('|') {
+                Some((d, t)) => (d, t.strip_prefix("  ").unwrap_or(t)),
+                None => ("", body.trim_start()),
+            };
+            let dur = dur
+                .trim()
+                .trim_start_matches(['+', '!', '#', '$'])
+                .trim()
+                .strip_suffix("us")
+                .map(|d| {
+                    let (us, ns) = d.trim().split_once('.').unwrap();
+                    us.parse::<u64>().unwrap() * 1000 + ns.parse::<u64>().unwrap()
+                });
+            let depth = text.len() - text.trim_start().len();
+            GraphLine {
+                comm,
+                cpu: cpu.parse().unwrap(),
+                ts,
+                dur,
+                depth: depth / 2,
+                text: text.trim().to_owned(),
+            }
+        })
+        .collect()
+}
+
+fn trace_cmd_prints_the_call_graph_with_names_depths_and_durations() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("spans.dat");
+    write_trace_dat(&path);
+    let o = trace_cmd(&["report", "-t", "-i", path.to_str().unwrap()]);
+    let report = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        o.status.success(),
+        "trace-cmd report: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let got = graph_lines(&report);
+    let (_, truth) = recording();
+    // Every closed span: an entry line at its start, and its duration on the leaf line or on
+    // the closing brace at its end; open ones: an opening line and nothing else.
+    for t in &truth {
+        let comm = if t.phase { "phases" } else { "functions" };
+        let mine = |l: &&GraphLine| l.comm == comm && l.cpu == t.vcpu;
+        match (t.begin, t.end) {
+            (Some(b), Some(e)) => {
+                // kallsyms names are one token: a phase's spaces show as `_`.
+                let name = t.name.replace(' ', "_");
+                let leaf = format!("{name}();");
+                let open = format!("{name}() {{");
+                let entry = got
+                    .iter()
+                    .filter(mine)
+                    .find(|l| l.ts == b && (l.text == leaf || l.text == open))
+                    .unwrap_or_else(|| panic!("no entry line for {t:?}"));
+                assert_eq!(entry.depth, t.depth as usize, "{t:?}");
+                let dur = if entry.text == leaf {
+                    entry.dur
+                } else {
+                    let close = got
+                        .iter()
+                        .filter(mine)
+                        .find(|l| l.ts == e && l.text == "}" && l.depth == t.depth as usize)
+                        .unwrap_or_else(|| panic!("no closing line for {t:?}"));
+                    close.dur
+                };
+                assert_eq!(dur, Some(e - b), "{t:?}");
+            }
+            (Some(b), None) => {
+                let entry = got
+                    .iter()
+                    .filter(mine)
+                    .find(|l| l.ts == b && l.text == format!("{}() {{", t.name.replace(' ', "_")))
+                    .unwrap_or_else(|| panic!("no open line for {t:?}"));
+                assert_eq!((entry.depth, entry.dur), (t.depth as usize, None));
+            }
+            (None, Some(e)) => {
+                let l = got
+                    .iter()
+                    .filter(mine)
+                    .find(|l| l.ts == e && l.text.contains("entry not seen"))
+                    .unwrap_or_else(|| panic!("no orphan line for {t:?}"));
+                assert!(l.text.starts_with(t.name), "{l:?}");
+                assert_eq!(l.dur, None);
+            }
+            (None, None) => unreachable!(),
+        }
+    }
+    // No duration anywhere but on the closed spans' lines.
+    let closed_durs: Vec<u64> = truth
+        .iter()
+        .filter_map(|t| Some(t.end? - t.begin?))
+        .collect();
+    let mut durs: Vec<u64> = got.iter().filter_map(|l| l.dur).collect();
+    durs.sort_unstable();
+    let mut want = closed_durs.clone();
+    want.sort_unstable();
+    assert_eq!(durs, want, "every duration printed is a closed span's");
+}

@@ -29,7 +29,13 @@ pub struct PerfettoArgs {
 
 /// Runs `vmtsync export perfetto`.
 pub(super) fn run_export_perfetto(a: &PerfettoArgs) -> Result<(), CliError> {
-    let s = perfetto::export_file(&a.from, &a.out, a.machine_id, &a.name)?;
+    let s = perfetto::export_file(
+        &a.from,
+        &a.out,
+        a.machine_id,
+        &a.name,
+        &crate::spans::SpanConfig::default(),
+    )?;
     eprintln!("{}", perfetto_summary(&s, &a.out));
     Ok(())
 }

@@ -21,6 +21,7 @@
 
 pub mod clock;
 pub mod proto;
+mod spans;
 
 use std::io;
 use std::path::{Path, PathBuf};
@@ -152,6 +153,8 @@ pub struct PerfettoWriter {
     tsc_max: u64,
     /// The snapshot pair the last conversion used.
     pair_hint: PairHint,
+    /// Span records paired into slices ([`spans`]).
+    spans: spans::Spans,
 }
 
 /// The uuid of the guest's process track: one per machine id.
@@ -202,6 +205,7 @@ impl PerfettoWriter {
             tsc_min: u64::MAX,
             tsc_max: 0,
             pair_hint: PairHint::default(),
+            spans: spans::Spans::default(),
         };
         let snaps: Vec<TracePacket> = w
             .opts
@@ -383,12 +387,18 @@ impl PerfettoWriter {
         Ok(self.vcpus.len() - 1)
     }
 
-    /// Writes one event (any order: the trace processor sorts). Its arguments are what the
-    /// input knows: the guest TSC and the guaranteed interval only when present.
+    /// Writes one event (any order: the trace processor sorts; a vCPU's span records in its
+    /// own order). Its arguments are what the input knows: the guest TSC and the guaranteed
+    /// interval only when present. A span record is also paired into slices ([`spans`]).
     ///
     /// # Errors
     /// [`PerfettoError::Io`].
     pub fn push(&mut self, e: &ExportEvent) -> Result<(), PerfettoError> {
+        self.push_in_boot(e, 0)
+    }
+
+    /// The instant of one event.
+    fn push_event(&mut self, e: &ExportEvent) -> Result<(), PerfettoError> {
         let clock = &self.opts.clock;
         let hint = &mut self.pair_hint;
         // The trace processor keeps timestamps as signed 64-bit ns.
@@ -486,6 +496,7 @@ impl PerfettoWriter {
     /// # Errors
     /// [`PerfettoError::Io`]; the target is then untouched.
     pub fn finish(mut self) -> Result<PerfettoSummary, PerfettoError> {
+        self.finish_spans()?;
         self.spill(0)?;
         let path = self.path.clone();
         self.out
@@ -540,6 +551,7 @@ pub fn export_file(
     out: &Path,
     machine_id: u32,
     guest_name: &str,
+    spans: &crate::spans::SpanConfig,
 ) -> Result<ExportSummary, PerfettoError> {
     let source = super::open(from)?;
     let input = source.kind();
@@ -553,7 +565,9 @@ pub fn export_file(
             clock,
         },
     )?;
-    for e in source {
+    w.set_spans(spans);
+    let mut source = source;
+    while let Some(e) = source.next() {
         let e = e?;
         if e.host_tsc > now {
             return Err(PerfettoError::NotThisBoot {
@@ -561,7 +575,7 @@ pub fn export_file(
                 now,
             });
         }
-        w.push(&e)?;
+        w.push_in_boot(&e, source.boot())?;
     }
     Ok(ExportSummary {
         trace: w.finish()?,

@@ -193,24 +193,35 @@ pub(super) fn write_perfetto(
             clock,
         },
     )?;
+    w.set_spans(&opts.spans);
     for rec in s.iter().map_err(RecordError::io(&opts.out))? {
         let rec = rec.map_err(RecordError::io(&opts.out))?;
         let Some((host, lo, hi)) = st.place(rec.vcpu, rec.guest) else {
             continue;
         };
-        w.push(&ExportEvent {
-            // A memory recording's boots share their rings' vCPU tracks.
-            vcpu: if st.keyed {
-                super::place::split_key(rec.vcpu).1
-            } else {
-                rec.vcpu
+        // A memory recording's boots share their rings' tracks: a new boot abandons the
+        // spans the last one left open.
+        let boot = if st.keyed {
+            super::place::split_key(rec.vcpu).0
+        } else {
+            0
+        };
+        w.push_in_boot(
+            &ExportEvent {
+                // A memory recording's boots share their rings' vCPU tracks.
+                vcpu: if st.keyed {
+                    super::place::split_key(rec.vcpu).1
+                } else {
+                    rec.vcpu
+                },
+                id: rec.id,
+                guest_tsc: Some(rec.guest),
+                host_tsc: host,
+                bound: Some(Bound { lo, hi }),
+                payload: Payload::new(rec.payload()).unwrap_or_default(),
             },
-            id: rec.id,
-            guest_tsc: Some(rec.guest),
-            host_tsc: host,
-            bound: Some(Bound { lo, hi }),
-            payload: Payload::new(rec.payload()).unwrap_or_default(),
-        })?;
+            boot,
+        )?;
     }
     w.finish()?;
     Ok((false, 0))

@@ -59,7 +59,7 @@ pub(crate) fn trace_processor() -> PathBuf {
 }
 
 /// Runs `queries` on `trace`; each query's rows (integers come as decimal strings).
-fn sql(tp: &Path, trace: &Path, queries: &[&str]) -> Vec<Vec<Vec<Value>>> {
+pub(crate) fn sql(tp: &Path, trace: &Path, queries: &[&str]) -> Vec<Vec<Vec<Value>>> {
     let input = serde_json::to_vec(queries).unwrap();
     let out = guarded_output(
         Command::new("node").arg(query_script()).arg(tp).arg(trace),
@@ -87,7 +87,7 @@ fn sql(tp: &Path, trace: &Path, queries: &[&str]) -> Vec<Vec<Vec<Value>>> {
 }
 
 /// An integer cell.
-fn int(v: &Value) -> i128 {
+pub(crate) fn int(v: &Value) -> i128 {
     match v {
         Value::String(s) => s.parse().unwrap_or_else(|_| panic!("not an integer: {s}")),
         Value::Number(n) => i128::from(n.as_i64().unwrap()),

@@ -13,11 +13,14 @@ use vmtsync::formats::tracedat::{SpanGraph, TraceDatWriter, Tsc2Nsec, WriterOpti
 use vmtsync::formats::{Bound, ExportEvent, Payload};
 use vmtsync::spans::{SpanConfig, Symbols};
 
+use crate::perfetto::{int, node_ready, sql, trace_processor};
 use crate::util::{have_trace_cmd, trace_cmd};
 
 crate::trials!(
     have_trace_cmd;
-    trace_cmd_prints_the_call_graph_with_names_depths_and_durations,
+    trace_cmd_prints_the_call_graph_with_names_depths_and_durations;
+    node_ready;
+    the_trace_processor_holds_every_span_as_a_slice_or_an_open_mark,
 );
 
 const SPAN_BEGIN: u16 = 0xFF01;
@@ -65,6 +68,8 @@ pub(crate) struct Truth {
     depth: u32,
     begin: Option<u64>,
     end: Option<u64>,
+    /// Open because an outer frame's exit came first (else open at the end).
+    abandoned: bool,
 }
 
 const fn closed(vcpu: u32, phase: bool, name: &'static str, depth: u32, b: u64, e: u64) -> Truth {
@@ -75,6 +80,7 @@ const fn closed(vcpu: u32, phase: bool, name: &'static str, depth: u32, b: u64, 
         depth,
         begin: Some(b),
         end: Some(e),
+        abandoned: false,
     }
 }
 
@@ -100,16 +106,19 @@ pub(crate) fn recording() -> (Vec<ExportEvent>, Vec<Truth>) {
         ev(1, SPAN_BEGIN, b"smp init", 1_500),
         func(1, FUNC_ENTRY, 0x6000, 2_000),
         func(1, FUNC_ENTRY, 0x2000, 2_500),
+        func(1, FUNC_ENTRY, 0x4000, 3_000),
+        func(1, FUNC_EXIT, 0x4000, 3_500),
         // smpEntry's exit abandons memset (its exit never comes).
         func(1, FUNC_EXIT, 0x6000, 4_000),
     ];
-    let open = |vcpu, phase, name, depth, b| Truth {
+    let open = |vcpu, phase, name, depth, b, abandoned| Truth {
         vcpu,
         phase,
         name,
         depth,
         begin: Some(b),
         end: None,
+        abandoned,
     };
     let truth = vec![
         closed(0, true, "post", 0, 500, 2_500_000),
@@ -118,7 +127,7 @@ pub(crate) fn recording() -> (Vec<ExportEvent>, Vec<Truth>) {
         closed(0, false, "helper", 1, 6_000, 9_000),
         closed(0, false, "inner", 2, 6_500, 7_000),
         closed(0, true, "clear memory", 1, 9_500, 1_509_500),
-        open(0, false, "waitForever", 0, 3_000_000),
+        open(0, false, "waitForever", 0, 3_000_000, false),
         Truth {
             vcpu: 0,
             phase: false,
@@ -126,10 +135,13 @@ pub(crate) fn recording() -> (Vec<ExportEvent>, Vec<Truth>) {
             depth: 1,
             begin: None,
             end: Some(3_100_000),
+            abandoned: false,
         },
-        open(1, true, "smp init", 0, 1_500),
+        open(1, true, "smp init", 0, 1_500, false),
         closed(1, false, "smpEntry", 0, 2_000, 4_000),
-        open(1, false, "memset", 1, 2_500),
+        open(1, false, "memset", 1, 2_500, true),
+        // Inside the abandoned memset: depth 2 in the guest's stack.
+        closed(1, false, "inner", 2, 3_000, 3_500),
     ];
     (events, truth)
 }
@@ -279,4 +291,107 @@ fn trace_cmd_prints_the_call_graph_with_names_depths_and_durations() {
     let mut want = closed_durs.clone();
     want.sort_unstable();
     assert_eq!(durs, want, "every duration printed is a closed span's");
+}
+
+/// BOOTTIME of host tick `t` in the Perfetto test: 1 tick = 1 ns, from 1 s.
+const BOOT_BASE: u64 = 1_000_000_000;
+
+/// The recording through the writer `vmtsync record --format perfetto` and `vmtsync export
+/// perfetto` use, on a clock of one tick per nanosecond.
+fn write_perfetto(path: &std::path::Path) {
+    use vmtsync::formats::perfetto::clock::{BootClock, ClockSnapshot};
+    use vmtsync::formats::perfetto::{PerfettoOptions, PerfettoWriter};
+    let snap = |tsc: u64| ClockSnapshot {
+        tsc,
+        boottime_ns: BOOT_BASE + tsc,
+        resolution: 0,
+    };
+    let clock = BootClock::new(vec![snap(0), snap(1_000_000_000)]).unwrap();
+    let mut w = PerfettoWriter::create(
+        path,
+        PerfettoOptions {
+            machine_id: 1,
+            guest_name: "spans".into(),
+            clock,
+        },
+    )
+    .unwrap();
+    w.set_spans(&config());
+    let (events, _) = recording();
+    for e in &events {
+        w.push(e).unwrap();
+    }
+    w.finish().unwrap();
+}
+
+fn the_trace_processor_holds_every_span_as_a_slice_or_an_open_mark() {
+    let tp = trace_processor();
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("spans.perfetto-trace");
+    write_perfetto(&trace);
+    let rows = sql(
+        &tp,
+        &trace,
+        &["select s.name, s.depth, s.ts, s.dur, t.name, \
+           extract_arg(s.arg_set_id, 'debug.depth'), \
+           extract_arg(s.arg_set_id, 'debug.open'), \
+           extract_arg(s.arg_set_id, 'debug.before_ns'), \
+           extract_arg(s.arg_set_id, 'debug.after_ns'), \
+           extract_arg(s.arg_set_id, 'debug.end_before_ns'), \
+           extract_arg(s.arg_set_id, 'debug.end_after_ns') \
+           from slice s join track t on s.track_id = t.id \
+           where t.name like 'vCPU % phases' or t.name like 'vCPU % functions' \
+           order by s.ts"],
+    )
+    .remove(0);
+    let (_, truth) = recording();
+    assert_eq!(rows.len(), truth.len(), "one slice per span: {rows:?}");
+    let text = |v: &serde_json::Value| v.as_str().unwrap_or_default().to_owned();
+    let opt = |v: &serde_json::Value| (!v.is_null()).then(|| int(v));
+    for t in &truth {
+        let track = format!(
+            "vCPU {} {}",
+            t.vcpu,
+            if t.phase { "phases" } else { "functions" }
+        );
+        let (name, ts, dur) = match (t.begin, t.end) {
+            (Some(b), Some(e)) => (t.name.to_owned(), b, i128::from(e - b)),
+            // Open at the end: the trace processor's "did not end".
+            (Some(b), None) if !t.abandoned => (t.name.to_owned(), b, -1),
+            (Some(b), None) => (format!("{} (exit not seen)", t.name), b, 0),
+            (None, Some(e)) => (format!("{} (entry not seen)", t.name), e, 0),
+            (None, None) => unreachable!(),
+        };
+        let ts = i128::from(BOOT_BASE + ts);
+        let row = rows
+            .iter()
+            .find(|r| text(&r[0]) == name && int(&r[2]) == ts && text(&r[4]) == track)
+            .unwrap_or_else(|| panic!("no slice for {t:?} in {rows:?}"));
+        assert_eq!(int(&row[3]), dur, "{t:?}");
+        assert_eq!(
+            int(&row[5]),
+            i128::from(t.depth),
+            "the guest's depth: {t:?}"
+        );
+        // The trace processor nests by its own stack: a span inside an abandoned frame (which
+        // is no slice) sits one level higher there.
+        let inside_abandoned = i128::from(t.vcpu == 1 && t.name == "inner");
+        assert_eq!(
+            int(&row[1]),
+            i128::from(t.depth) - inside_abandoned,
+            "{t:?}"
+        );
+        let open = t.end.is_none() || t.begin.is_none();
+        assert_eq!(opt(&row[6]), open.then_some(1), "{t:?}");
+        // The guaranteed interval of each end known ([t-3, t+4] ticks, each way at most one
+        // ns wider by rounding).
+        let near = |v: Option<i128>, want: i128| v.is_some_and(|v| v == want || v == want + 1);
+        let begin_known = near(opt(&row[7]), 3) && near(opt(&row[8]), 4);
+        let end_known = near(opt(&row[9]), 3) && near(opt(&row[10]), 4);
+        assert_eq!(
+            (begin_known, end_known),
+            (t.begin.is_some(), t.end.is_some()),
+            "{t:?}: {row:?}"
+        );
+    }
 }

@@ -27,6 +27,10 @@ pub const SEQ_INCREMENTAL_STATE_CLEARED: u32 = 1;
 /// `TracePacket.SequenceFlags.SEQ_NEEDS_INCREMENTAL_STATE`.
 pub const SEQ_NEEDS_INCREMENTAL_STATE: u32 = 2;
 
+/// `TrackEvent.Type.TYPE_SLICE_BEGIN`.
+pub const TYPE_SLICE_BEGIN: i32 = 1;
+/// `TrackEvent.Type.TYPE_SLICE_END`.
+pub const TYPE_SLICE_END: i32 = 2;
 /// `TrackEvent.Type.TYPE_INSTANT`.
 pub const TYPE_INSTANT: i32 = 3;
 
@@ -185,6 +189,12 @@ pub struct DebugAnnotation {
     /// Field 1: the interned name.
     #[prost(uint64, optional, tag = "1")]
     pub name_iid: Option<u64>,
+    /// Field 10: the name, not interned.
+    #[prost(string, optional, tag = "10")]
+    pub name: Option<String>,
+    /// Field 2: a boolean value.
+    #[prost(bool, optional, tag = "2")]
+    pub bool_value: Option<bool>,
     /// Field 3: an unsigned value.
     #[prost(uint64, optional, tag = "3")]
     pub uint_value: Option<u64>,
@@ -277,6 +287,7 @@ impl EventPacket<'_> {
             uint_value,
             int_value,
             string_value,
+            ..Default::default()
         };
         let mut args = vec![
             ann(IID_EVENT_ID, Some(u64::from(self.event_id)), None, None),

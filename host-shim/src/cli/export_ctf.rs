@@ -87,7 +87,7 @@ pub(super) fn run_export_ctf(a: &CtfArgs) -> Result<(), CliError> {
     }
     let src = formats::open(&a.from)?;
     let kind = src.kind();
-    let s = ctf::export_guest(src, &a.out, &opts)?;
+    let s = ctf::export_guest(src, &a.out, &opts, &crate::spans::SpanConfig::default())?;
     let known = match kind {
         formats::InputKind::Jsonl => "guest TSC, host TSC and guaranteed interval",
         formats::InputKind::TraceDatShifted => {

@@ -294,6 +294,46 @@ impl CtfTrace {
         ts: u64,
         fields: &Fields,
     ) -> Result<bool, ExportError> {
+        self.event_with(instance, class, ts, |buf| {
+            // The whole array (a fixed-size copy), then back to the fields' length.
+            let end = buf.len() + fields.n;
+            buf.extend_from_slice(&fields.b);
+            buf.truncate(end);
+        })
+    }
+
+    /// [`Self::event`] with fields of any length, already encoded as the class declares them
+    /// (the span classes, whose names have no fixed size).
+    ///
+    /// # Errors
+    /// As [`Self::event`].
+    pub fn event_bytes(
+        &mut self,
+        instance: u32,
+        class: u8,
+        ts: u64,
+        fields: &[u8],
+    ) -> Result<bool, ExportError> {
+        self.event_with(instance, class, ts, |buf| buf.extend_from_slice(fields))
+    }
+
+    /// The last timestamp of `instance`'s stream, if it has one.
+    #[must_use]
+    pub fn last_ts(&self, instance: u32) -> Option<u64> {
+        self.streams
+            .iter()
+            .find(|s| s.instance == instance && s.seq + s.in_packet > 0)
+            .map(|s| s.last)
+    }
+
+    #[inline]
+    fn event_with(
+        &mut self,
+        instance: u32,
+        class: u8,
+        ts: u64,
+        put: impl FnOnce(&mut Vec<u8>),
+    ) -> Result<bool, ExportError> {
         if self
             .streams
             .get(self.last)
@@ -324,10 +364,7 @@ impl CtfTrace {
             s.buf.extend_from_slice(&header);
         }
         s.last = ts;
-        // The whole array (a fixed-size copy), then back to the fields' length.
-        let end = s.buf.len() + fields.n;
-        s.buf.extend_from_slice(&fields.b);
-        s.buf.truncate(end);
+        put(&mut s.buf);
         s.in_packet += 1;
         self.events += 1;
         self.raised += u64::from(raised);
@@ -580,6 +617,8 @@ pub const GUEST_EVENT: &str = "vmtsync:event";
 pub struct GuestCtf {
     trace: CtfTrace,
     fields: GuestFields,
+    /// Span records paired into span events ([`spans`]).
+    spans: spans::Spans,
 }
 
 impl GuestCtf {
@@ -600,20 +639,28 @@ impl GuestCtf {
             f.push_str("\t\tuint64_t host_lo;\n\t\tuint64_t host_hi;\n");
         }
         f.push_str("\t\tuint8_t payload_len;\n\t\tuint8_t payload[payload_len];\n");
-        let tsdl = format!(
+        let mut tsdl = format!(
             "event {{\n\tname = \"{GUEST_EVENT}\";\n\tid = 0;\n\tstream_id = 0;\n\tfields := struct {{\n{f}\t}};\n}};\n"
         );
+        tsdl.push_str(&spans::tsdl(fields));
         Ok(Self {
             trace: CtfTrace::create(target, opts, &tsdl, "vcpu")?,
             fields,
+            spans: spans::Spans::default(),
         })
     }
 
-    /// Appends one event to its vCPU's stream.
+    /// Appends one event to its vCPU's stream (each vCPU's events in its own order); a span
+    /// record is also paired into span events ([`spans`]).
     ///
     /// # Errors
     /// The event lacks a field the trace declares, or writing failed.
     pub fn push(&mut self, e: &ExportEvent) -> Result<(), ExportError> {
+        self.push_in_boot(e, 0)
+    }
+
+    /// The `vmtsync:event` of one event.
+    fn push_event(&mut self, e: &ExportEvent) -> Result<(), ExportError> {
         let guest = match (self.fields.guest_tsc, e.guest_tsc) {
             (false, _) => None,
             (true, Some(g)) => Some(g),
@@ -652,7 +699,8 @@ impl GuestCtf {
     ///
     /// # Errors
     /// As [`CtfTrace::finish`].
-    pub fn finish(self) -> Result<CtfSummary, ExportError> {
+    pub fn finish(mut self) -> Result<CtfSummary, ExportError> {
+        self.finish_spans()?;
         self.trace.finish()
     }
 }
@@ -666,10 +714,12 @@ pub fn export_guest(
     mut src: super::EventSource,
     out: &Path,
     opts: &CtfOptions,
+    spans: &crate::spans::SpanConfig,
 ) -> Result<CtfSummary, ExportError> {
     let mut w = GuestCtf::create(out, opts, GuestFields::of(src.kind()))?;
-    for e in &mut src {
-        w.push(&e?)?;
+    w.set_spans(spans);
+    while let Some(e) = src.next() {
+        w.push_in_boot(&e?, src.boot())?;
     }
     w.finish()
 }
@@ -788,6 +838,8 @@ pub fn export_kvm_pio(
         stated_clock,
     })
 }
+
+mod spans;
 
 #[cfg(test)]
 mod tests;

@@ -53,6 +53,16 @@ impl Placed<'_> {
         }
     }
 
+    /// The guest boot the event comes from (a memory recording followed across resets; 0
+    /// otherwise).
+    pub(super) fn boot(&self) -> u32 {
+        if self.keyed {
+            split_key(self.vcpu).0
+        } else {
+            0
+        }
+    }
+
     /// The event as the exporters see it (everything known).
     pub(super) fn export(&self) -> crate::formats::ExportEvent {
         crate::formats::ExportEvent {

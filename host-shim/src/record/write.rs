@@ -48,7 +48,9 @@ pub(super) fn create_ctf(opts: &Target) -> Result<crate::formats::ctf::GuestCtf,
             .map_or_else(|| "vmtsync".into(), |n| n.to_string_lossy().into_owned()),
         env: vec![("vmtsync_agent".into(), opts.source.clone())],
     };
-    Ok(ctf::GuestCtf::create(&opts.out, &o, ctf::GuestFields::ALL)?)
+    let mut w = ctf::GuestCtf::create(&opts.out, &o, ctf::GuestFields::ALL)?;
+    w.set_spans(&opts.spans);
+    Ok(w)
 }
 
 /// Where events go while recording.
@@ -104,7 +106,7 @@ impl Out {
                 .push(p.vcpu, p.guest, p.id, p.payload)
                 .map_err(RecordError::io(out)),
             Self::Jsonl(w) => jsonl_write(w, p),
-            Self::Ctf(w) => Ok(w.push(&p.export())?),
+            Self::Ctf(w) => Ok(w.push_in_boot(&p.export(), p.boot())?),
         }
     }
 
@@ -155,7 +157,7 @@ pub(super) fn finish(out: Out, opts: &Target, st: &State) -> Result<(bool, u64),
                 for rec in spool.iter().map_err(RecordError::io(&opts.out))? {
                     let rec = rec.map_err(RecordError::io(&opts.out))?;
                     if let Some(placed) = st.placed(&rec) {
-                        w.push(&placed.export())?;
+                        w.push_in_boot(&placed.export(), placed.boot())?;
                     }
                 }
                 Ok((false, w.finish()?.raised))

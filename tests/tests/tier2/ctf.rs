@@ -47,7 +47,12 @@ for m in bt2.TraceCollectionMessageIterator(sys.argv[1:]):
     cs = m.default_clock_snapshot
     f = {}
     for k, v in e.payload_field.items():
-        f[k] = [int(x) for x in v] if isinstance(v, bt2._ArrayFieldConst) else int(v)
+        if isinstance(v, bt2._ArrayFieldConst):
+            f[k] = [int(x) for x in v]
+        elif isinstance(v, bt2._StringFieldConst):
+            f[k] = str(v)
+        else:
+            f[k] = int(v)
     print(json.dumps({"trace": str(e.stream.trace.environment["trace_name"]),
         "stream": e.stream.id, "event": e.name, "cycles": cs.value,
         "ns": cs.ns_from_origin, "fields": f}))

@@ -13,6 +13,7 @@ use vmtsync::formats::tracedat::{SpanGraph, TraceDatWriter, Tsc2Nsec, WriterOpti
 use vmtsync::formats::{Bound, ExportEvent, Payload};
 use vmtsync::spans::{SpanConfig, Symbols};
 
+use crate::ctf::{bt2_events, ctf_ready};
 use crate::perfetto::{int, node_ready, sql, trace_processor};
 use crate::util::{have_trace_cmd, trace_cmd};
 
@@ -20,7 +21,9 @@ crate::trials!(
     have_trace_cmd;
     trace_cmd_prints_the_call_graph_with_names_depths_and_durations;
     node_ready;
-    the_trace_processor_holds_every_span_as_a_slice_or_an_open_mark,
+    the_trace_processor_holds_every_span_as_a_slice_or_an_open_mark;
+    ctf_ready;
+    babeltrace2_reads_span_events_with_durations_only_for_closed_spans,
 );
 
 const SPAN_BEGIN: u16 = 0xFF01;
@@ -394,4 +397,102 @@ fn the_trace_processor_holds_every_span_as_a_slice_or_an_open_mark() {
             "{t:?}: {row:?}"
         );
     }
+}
+
+fn babeltrace2_reads_span_events_with_durations_only_for_closed_spans() {
+    use vmtsync::formats::ctf::{CtfOptions, GuestCtf, GuestFields};
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("ctf");
+    let opts = CtfOptions {
+        tsc_hz: 1_000_000_000,
+        name: "spans".into(),
+        env: Vec::new(),
+    };
+    let mut w = GuestCtf::create(&out, &opts, GuestFields::ALL).unwrap();
+    w.set_spans(&config());
+    let (events, truth) = recording();
+    for e in &events {
+        w.push(e).unwrap();
+    }
+    let summary = w.finish().unwrap();
+    let all = bt2_events(&[&out]);
+    assert_eq!(all.len() as u64, summary.events);
+    // Every record is still a `vmtsync:event`.
+    assert_eq!(
+        all.iter().filter(|e| e.event == "vmtsync:event").count(),
+        events.len()
+    );
+    let spans: Vec<_> = all
+        .iter()
+        .filter(|e| e.event.starts_with("vmtsync:span_"))
+        .collect();
+    let text = |e: &crate::ctf::BtEvent, k: &str| e.fields[k].as_str().unwrap().to_owned();
+    let find = |class: &str, t: &Truth, at: u64| {
+        spans
+            .iter()
+            .find(|e| {
+                e.event == class
+                    && e.cycles == at
+                    && text(e, "name") == t.name
+                    && e.f("vcpu") == u64::from(t.vcpu)
+            })
+            .unwrap_or_else(|| panic!("no {class} at {at} for {t:?}"))
+    };
+    let mut expected = 0;
+    for t in &truth {
+        let mine = |e: &&&crate::ctf::BtEvent| {
+            text(e, "name") == t.name && e.f("vcpu") == u64::from(t.vcpu)
+        };
+        if let Some(b) = t.begin {
+            let e = find("vmtsync:span_begin", t, b);
+            assert_eq!(e.f("depth"), u64::from(t.depth), "{t:?}");
+            assert_eq!(e.f("kind"), u64::from(!t.phase), "{t:?}");
+            assert_eq!((e.f("host_lo"), e.f("host_hi")), (b - 3, b + 4));
+            expected += 1;
+        }
+        match (t.begin, t.end) {
+            (Some(b), Some(e)) => {
+                let ev = find("vmtsync:span_end", t, e);
+                assert_eq!(ev.f("duration"), e - b, "{t:?}");
+                assert_eq!(ev.f("begin_host_tsc"), b);
+                assert_eq!(
+                    (ev.f("duration_lo"), ev.f("duration_hi")),
+                    (e - b - 7, e - b + 7)
+                );
+                expected += 1;
+            }
+            (Some(_), None) => {
+                let u = spans
+                    .iter()
+                    .filter(mine)
+                    .find(|e| e.event == "vmtsync:span_unfinished")
+                    .unwrap_or_else(|| panic!("not marked unfinished: {t:?}"));
+                // Abandoned: at the outer exit (smpEntry's, 4000); open at the end: at its
+                // stream's last event.
+                let (state, at) = if t.abandoned {
+                    (0, 4_000)
+                } else {
+                    let last = all
+                        .iter()
+                        .filter(|e| e.event == "vmtsync:event" && e.f("vcpu") == u64::from(t.vcpu))
+                        .map(|e| e.cycles)
+                        .max()
+                        .unwrap();
+                    (1, last)
+                };
+                assert_eq!((u.f("state"), u.cycles), (state, at), "{t:?}");
+                assert_eq!(u.f("begin_host_tsc"), t.begin.unwrap());
+                assert!(u.fields.get("duration").is_none());
+                expected += 1;
+            }
+            (None, Some(e)) => {
+                let o = find("vmtsync:span_orphan", t, e);
+                assert_eq!(o.f("depth"), u64::from(t.depth));
+                assert!(o.fields.get("duration").is_none());
+                expected += 1;
+            }
+            (None, None) => unreachable!(),
+        }
+    }
+    assert_eq!(spans.len(), expected, "no span event beyond the truth's");
 }

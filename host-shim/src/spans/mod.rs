@@ -17,6 +17,7 @@
 
 mod record;
 pub mod report;
+pub mod svg;
 pub mod symbols;
 mod track;
 

@@ -30,6 +30,17 @@ pub const MAX_CAPACITY: usize = 1 << 31;
 pub const MIN_CAPACITY: usize = 2;
 /// The event id of a sync beacon record ([`super::Ring::beacon`]).
 pub const BEACON_ID: u16 = 0xFFFF;
+/// A named phase began: payload = its name, 1..=16 bytes ([`super::span`]).
+pub const SPAN_BEGIN_ID: u16 = 0xFF01;
+/// A named phase ended: payload = the name its begin gave.
+pub const SPAN_END_ID: u16 = 0xFF02;
+/// A function was entered: payload = its address then the call site, 4 bytes each (32-bit
+/// code) or 8 bytes each (64-bit code), little-endian.
+pub const FUNC_ENTRY_ID: u16 = 0xFF03;
+/// A function returned: payload as [`FUNC_ENTRY_ID`]'s.
+pub const FUNC_EXIT_ID: u16 = 0xFF04;
+/// Code moved: payload = link start (6 bytes), runtime start (6 bytes), length (4 bytes).
+pub const RELOC_ID: u16 = 0xFF05;
 /// The lowest event id reserved for vmtsync itself (`RESERVED_ID_MIN..=0xFFFF`).
 pub const RESERVED_ID_MIN: u16 = 0xFF00;
 

@@ -78,7 +78,8 @@
 //! A [`Recorder`] is a self-describing block: a 128-byte header, zero in the image and
 //! written at run time by [`Recorder::publish`] (magic last, with a release store), then
 //! the rings. The byte layout, publication, the reading rule for a host that only reads, and
-//! beacons ([`RingRef::beacon`], records with id [`BEACON_ID`]) are described in
+//! beacons ([`RingRef::beacon`], records with id [`BEACON_ID`]) and span records ([`span`]:
+//! phases, function entries and exits, relocations) are described in
 //! `docs/memory-layout.md`, so that other languages can produce and read it.
 //! [`MemRecorder`] is the same layout in memory the caller provides, with its vCPU count and
 //! capacity chosen at run time (the API under the C ABI). Both hand out [`RingRef`], the one
@@ -89,12 +90,13 @@ mod mem;
 mod ring;
 mod slot;
 mod source;
+pub mod span;
 mod vcpus;
 
 pub use layout::{
-    BEACON_ID, ClockKind, HEADER_SIZE, HeaderInfo, HeaderLayout, LAYOUT_VERSION, MAGIC,
-    MAX_CAPACITY, MAX_VCPUS, MIN_CAPACITY, RESERVED_ID_MIN, RING_HEADER_SIZE, RingLayout, checksum,
-    ring_stride,
+    BEACON_ID, ClockKind, FUNC_ENTRY_ID, FUNC_EXIT_ID, HEADER_SIZE, HeaderInfo, HeaderLayout,
+    LAYOUT_VERSION, MAGIC, MAX_CAPACITY, MAX_VCPUS, MIN_CAPACITY, RELOC_ID, RESERVED_ID_MIN,
+    RING_HEADER_SIZE, RingLayout, SPAN_BEGIN_ID, SPAN_END_ID, checksum, ring_stride,
 };
 pub use mem::{LayoutError, MemRecorder};
 pub use ring::{Producer, Ring, RingRef};
@@ -159,6 +161,9 @@ pub enum RecordError {
     /// The event id is vmtsync's own ([`RESERVED_ID_MIN`] and above; a beacon's record
     /// carries [`BEACON_ID`]); nothing was stored or counted.
     ReservedId,
+    /// A span record that cannot be said: an empty span name, or a relocation address that
+    /// is not a sign-extended 48-bit value ([`span`]); nothing was stored or counted.
+    BadSpan,
 }
 
 #[cfg(test)]

@@ -292,9 +292,14 @@ impl<'a> RingRef<'a> {
         self.store(tsc, id, payload)
     }
 
-    /// [`RingRef::record`] for any id.
+    /// [`RingRef::record`] for any id (beacons and [`super::span`] records use it).
     #[inline]
-    fn store<T: Tsc + ?Sized>(&self, tsc: &T, id: u16, payload: &[u8]) -> Result<(), RecordError> {
+    pub(super) fn store<T: Tsc + ?Sized>(
+        &self,
+        tsc: &T,
+        id: u16,
+        payload: &[u8],
+    ) -> Result<(), RecordError> {
         let mut data = [0u8; MAX_PAYLOAD];
         let Some(dst) = data.get_mut(..payload.len()) else {
             return Err(RecordError::PayloadTooLong);

@@ -415,7 +415,7 @@ fn drain(a: &[u8], b: &[u8], c: &[u8], r: u64, next: u64) -> Drained {
 
 /// 64-byte aligned storage for a `MemRecorder` of this shape: the Vec and the offset of the
 /// first aligned slot.
-fn aligned_storage(vcpus: usize, cap: usize) -> (Vec<Slot>, usize) {
+pub(super) fn aligned_storage(vcpus: usize, cap: usize) -> (Vec<Slot>, usize) {
     let n = MemRecorder::storage_slots(vcpus, cap).unwrap() + 1;
     let v: Vec<Slot> = (0..n).map(|_| Slot::new()).collect();
     let skip = usize::from(!(v.as_ptr() as usize).is_multiple_of(64));

@@ -15,13 +15,11 @@
 //! A span's depth is its frame's place in its own stack, 0 the outermost. Function addresses
 //! are named from the image's ELF symbols after undoing relocations ([`symbols`]).
 
-mod record;
 pub mod report;
 pub mod svg;
 pub mod symbols;
 mod track;
 
-pub use record::{SpanRecord, decode};
 pub use symbols::{Namer, Reloc, Symbols, parse_reloc};
 pub use track::{SpanConfig, SpanCounts, SpanTracker};
 

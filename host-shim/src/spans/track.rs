@@ -3,7 +3,8 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use super::record::{SpanRecord, decode};
+use vmtsync_core::recorder::span::{SpanRecord, decode};
+
 use super::symbols::{Namer, Reloc, Symbols};
 use super::{Span, SpanEnd, SpanKind, SpanStep};
 use crate::formats::ExportEvent;
@@ -97,8 +98,8 @@ impl SpanTracker {
         }
         let at = SpanEnd::of(e);
         match rec {
-            SpanRecord::Begin(name) => {
-                let name = String::from_utf8_lossy(name).into_owned();
+            SpanRecord::Begin { name } => {
+                let name = String::from_utf8_lossy(name.as_bytes()).into_owned();
                 self.enter(
                     e.vcpu,
                     SpanKind::Phase,
@@ -109,8 +110,8 @@ impl SpanTracker {
                     out,
                 );
             }
-            SpanRecord::End(name) => {
-                let name = String::from_utf8_lossy(name).into_owned();
+            SpanRecord::End { name } => {
+                let name = String::from_utf8_lossy(name.as_bytes()).into_owned();
                 self.exit(
                     e.vcpu,
                     SpanKind::Phase,
@@ -257,8 +258,10 @@ impl SpanTracker {
 mod tests {
     use super::{SpanConfig, SpanTracker};
     use crate::formats::{Bound, ExportEvent, Payload};
-    use crate::spans::record::{FUNC_ENTRY_ID, FUNC_EXIT_ID, RELOC_ID, SPAN_BEGIN_ID, SPAN_END_ID};
     use crate::spans::{SpanKind, SpanState, SpanStep};
+    use vmtsync_core::recorder::{
+        FUNC_ENTRY_ID, FUNC_EXIT_ID, RELOC_ID, SPAN_BEGIN_ID, SPAN_END_ID,
+    };
 
     fn ev(vcpu: u32, id: u16, payload: &[u8], t: u64) -> ExportEvent {
         ExportEvent {

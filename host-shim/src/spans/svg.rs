@@ -323,25 +323,26 @@ pub fn draw(
         o,
         r#"<line class="axis" x1="{LEFT}" y1="{plot_bottom}" x2="{right}" y2="{plot_bottom}" stroke="black"/>"#
     );
-    let mut k = 0u32;
-    loop {
+    // Enough decimals to tell the ticks apart.
+    let mut digits = 0usize;
+    let mut scaled = step;
+    while scaled < 1.0 - 1e-9 && digits < 9 {
+        scaled *= 10.0;
+        digits += 1;
+    }
+    // About 10 ticks: the bound only guards against a step that does not advance.
+    for k in 0..=100u32 {
         let v = f64::from(k) * step;
         if v > range * (1.0 + 1e-9) {
             break;
         }
         let x = LEFT + v / range * span_px;
-        let digits = if step >= 1.0 {
-            0
-        } else {
-            (-step.log10()).ceil() as usize
-        };
         let _ = writeln!(
             o,
             r#"<line class="tick" x1="{x:.2}" y1="{plot_bottom}" x2="{x:.2}" y2="{}" stroke="black"/><text class="tick" x="{x:.2}" y="{}" text-anchor="middle">{v:.digits$}</text>"#,
             plot_bottom + 4.0,
             plot_bottom + 16.0
         );
-        k += 1;
     }
     let _ = writeln!(
         o,

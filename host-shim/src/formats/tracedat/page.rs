@@ -82,7 +82,7 @@ impl PageBuf {
     /// `4 * TYPE_DATA_MAX` (checked by the caller).
     pub(super) fn try_push_raw(&mut self, ts: u64, data: &[u8]) -> bool {
         debug_assert!(
-            data.len() % 4 == 0 && (8..=4 * TYPE_DATA_MAX as usize).contains(&data.len())
+            data.len().is_multiple_of(4) && (8..=4 * TYPE_DATA_MAX as usize).contains(&data.len())
         );
         let Some((at, event_delta)) = self.reserve(ts, data.len()) else {
             return false;

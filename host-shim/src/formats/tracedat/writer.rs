@@ -277,7 +277,7 @@ impl TraceDatWriter {
             .get_mut(cpu as usize)
             .ok_or(TraceDatError::CpuOutOfRange { cpu, cpus: ncpus })?;
         let max = 4 * super::consts::TYPE_DATA_MAX as usize;
-        if data.len() % 4 != 0 || !(8..=max).contains(&data.len()) {
+        if !data.len().is_multiple_of(4) || !(8..=max).contains(&data.len()) {
             return Err(TraceDatError::PayloadTooLong {
                 len: data.len(),
                 max,

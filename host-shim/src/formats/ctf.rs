@@ -655,11 +655,18 @@ impl GuestCtf {
     ///
     /// # Errors
     /// The event lacks a field the trace declares, or writing failed.
+    #[inline]
     pub fn push(&mut self, e: &ExportEvent) -> Result<(), ExportError> {
-        self.push_in_boot(e, 0)
+        // Most events are not span records: straight to their class (the per-event path).
+        if e.is_span_record() {
+            self.push_in_boot(e, 0)
+        } else {
+            self.push_event(e)
+        }
     }
 
     /// The `vmtsync:event` of one event.
+    #[inline]
     fn push_event(&mut self, e: &ExportEvent) -> Result<(), ExportError> {
         let guest = match (self.fields.guest_tsc, e.guest_tsc) {
             (false, _) => None,

@@ -73,6 +73,17 @@ pub struct ExportEvent {
     pub payload: Payload,
 }
 
+impl ExportEvent {
+    /// Whether its id is one of the span records' (`SPAN_BEGIN` to `RELOC`, which
+    /// [`crate::spans::SpanTracker`] pairs): a cheap test before the per-event path.
+    #[must_use]
+    #[inline]
+    pub fn is_span_record(&self) -> bool {
+        use vmtsync_core::recorder::{RELOC_ID, SPAN_BEGIN_ID};
+        (SPAN_BEGIN_ID..=RELOC_ID).contains(&self.id)
+    }
+}
+
 /// What kind of file a source reads, and so what its events know.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum InputKind {

@@ -108,7 +108,8 @@ pub enum PerfettoError {
 pub struct PerfettoSummary {
     /// Events written.
     pub events: u64,
-    /// Events skipped because their host TSC maps outside BOOTTIME's 64-bit range.
+    /// Events (and spans, by an end) skipped because their host TSC maps outside BOOTTIME's
+    /// 64-bit range.
     pub unmappable: u64,
     /// vCPU tracks.
     pub vcpus: u32,
@@ -393,11 +394,18 @@ impl PerfettoWriter {
     ///
     /// # Errors
     /// [`PerfettoError::Io`].
+    #[inline]
     pub fn push(&mut self, e: &ExportEvent) -> Result<(), PerfettoError> {
-        self.push_in_boot(e, 0)
+        // Most events are not span records: straight to their instant (the per-event path).
+        if e.is_span_record() {
+            self.push_in_boot(e, 0)
+        } else {
+            self.push_event(e)
+        }
     }
 
     /// The instant of one event.
+    #[inline]
     fn push_event(&mut self, e: &ExportEvent) -> Result<(), PerfettoError> {
         let clock = &self.opts.clock;
         let hint = &mut self.pair_hint;

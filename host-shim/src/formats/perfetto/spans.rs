@@ -159,10 +159,15 @@ impl PerfettoWriter {
             Some(e) => self.place(e),
             None => None,
         };
-        // The instant of an orphan is at its exit; everything else starts at its entry.
-        let Some((ts, _)) = begin.or(end) else {
-            self.summary.unmappable += 1;
-            return Ok(());
+        // A slice needs the ends it shows; an orphan's instant is at its exit, everything
+        // else starts at its entry. An end outside BOOTTIME's range leaves the span out.
+        let ts = match (shape, begin, end) {
+            (Shape::Slice, Some((b, _)), Some(_)) | (Shape::OpenSlice, Some((b, _)), _) => b,
+            (Shape::Instant(_), Some((b, _)), _) | (Shape::Instant(_), None, Some((b, _))) => b,
+            _ => {
+                self.summary.unmappable += 1;
+                return Ok(());
+            }
         };
         let machine_id = self.opts.machine_id;
         // The vCPU's sequence normally exists from its first event; if not, it starts here.

@@ -290,6 +290,9 @@ impl SpanGraph {
         ts: u64,
         e: &ExportEvent,
     ) -> Result<(), TraceDatError> {
+        if !e.is_span_record() {
+            return w.push(cpu, ts, u32::from(e.id), e.payload.as_slice());
+        }
         self.steps.clear();
         let mut steps = std::mem::take(&mut self.steps);
         let span = self.tracker.push(e, &mut steps);

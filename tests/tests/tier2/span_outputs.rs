@@ -9,7 +9,7 @@
 
 use std::sync::Arc;
 
-use vmtsync::formats::tracedat::{SpanGraph, TraceDatWriter, Tsc2Nsec, WriterOptions};
+use vmtsync::formats::tracedat::{FileVersion, SpanGraph, TraceDatWriter, Tsc2Nsec, WriterOptions};
 use vmtsync::formats::{Bound, ExportEvent, Payload};
 use vmtsync::spans::{SpanConfig, Symbols};
 
@@ -158,10 +158,11 @@ fn config() -> SpanConfig {
 
 /// The recording as a trace.dat on host time (1 GHz: ticks are nanoseconds), through the
 /// writer `vmtsync record` uses, events merged in host-time order per CPU.
-fn write_trace_dat(path: &std::path::Path) {
+fn write_trace_dat(path: &std::path::Path, version: FileVersion) {
     let (mut events, _) = recording();
     events.sort_by_key(|e| e.host_tsc);
     let mut wo = WriterOptions::new(2, 0x5a5a);
+    wo.version = version;
     wo.tsc2nsec = Tsc2Nsec::for_hz(1_000_000_000);
     let mut g = SpanGraph::new(&config(), wo.tsc2nsec);
     let mut w = TraceDatWriter::create(path, wo).unwrap();
@@ -223,9 +224,17 @@ fn graph_lines(report: &str) -> Vec<GraphLine> {
 }
 
 fn trace_cmd_prints_the_call_graph_with_names_depths_and_durations() {
+    for version in [FileVersion::V7, FileVersion::V6] {
+        call_graph_of(version);
+    }
+}
+
+/// The checks of the test above on one file version.
+fn call_graph_of(version: FileVersion) {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("spans.dat");
-    write_trace_dat(&path);
+    write_trace_dat(&path, version);
+    crate::tracedat::assert_dump_ok(&path);
     let o = trace_cmd(&["report", "-t", "-i", path.to_str().unwrap()]);
     let report = String::from_utf8_lossy(&o.stdout);
     assert!(

@@ -16,7 +16,7 @@
 
 use std::fmt::Write as _;
 
-use super::{ExportError, GuestCtf, GuestFields};
+use super::{CtfTrace, ExportError, GuestCtf, GuestFields};
 use crate::formats::ExportEvent;
 use crate::spans::{Span, SpanConfig, SpanEnd, SpanKind, SpanStep, SpanTracker};
 
@@ -69,6 +69,32 @@ pub(super) fn tsdl(fields: GuestFields) -> String {
         );
     }
     t
+}
+
+impl CtfTrace {
+    /// [`Self::event`] with fields of any length, already encoded as the class declares them
+    /// (the span classes, whose names have no fixed size).
+    ///
+    /// # Errors
+    /// As [`Self::event`].
+    pub fn event_bytes(
+        &mut self,
+        instance: u32,
+        class: u8,
+        ts: u64,
+        fields: &[u8],
+    ) -> Result<bool, ExportError> {
+        self.event_with(instance, class, ts, |buf| buf.extend_from_slice(fields))
+    }
+
+    /// The last timestamp of `instance`'s stream, if it has one.
+    #[must_use]
+    pub fn last_ts(&self, instance: u32) -> Option<u64> {
+        self.streams
+            .iter()
+            .find(|s| s.instance == instance && s.seq + s.in_packet > 0)
+            .map(|s| s.last)
+    }
 }
 
 impl GuestCtf {

@@ -16,6 +16,7 @@
 use std::time::{Duration, Instant};
 
 use super::beacons::{BeaconStats, Beacons};
+use super::error::{MemoryError, Unplaceable};
 use super::*;
 use crate::guestmem::{self, Drainer, GuestClock, GuestRecord, Location, ProcMemory};
 use crate::kvm::debugfs::{VcpuState, VmDir, read_vcpu};
@@ -165,19 +166,16 @@ struct Reading {
     after: u64,
 }
 
-fn reading(v: &VcpuState) -> Result<Reading, RecordError> {
+fn reading(v: &VcpuState) -> Result<Reading, MemoryError> {
     if v.guest_mode == Some(true) {
-        return Err(RecordError::Memory(format!(
-            "vCPU {} runs a nested guest: its debugfs mapping is L0->L2, not this VM's own",
-            v.vcpu
-        )));
+        return Err(MemoryError::Nested { vcpu: v.vcpu });
     }
     if !v.scaling.is_identity() {
-        return Err(RecordError::Memory(format!(
-            "vCPU {}'s TSC is scaled (ratio {} / 2^{}): exact mode here places only guests whose \
-             TSC runs at the host's rate",
-            v.vcpu, v.scaling.ratio, v.scaling.frac_bits
-        )));
+        return Err(MemoryError::Scaled {
+            vcpu: v.vcpu,
+            ratio: v.scaling.ratio,
+            frac_bits: v.scaling.frac_bits,
+        });
     }
     Ok(Reading {
         offset: v.tsc_offset,
@@ -335,7 +333,7 @@ fn find_again(
             Err(_) if vmm_gone_within(proc, &opts.vm, EXIT_GRACE) => {
                 return Err(Ok(EndReason::VmmExited));
             }
-            Err(e) => return Err(Err(RecordError::Memory(e.to_string()))),
+            Err(e) => return Err(Err(MemoryError::Find(e).into())),
         }
         // Soon after it appears: the new boot's beacons are bracketed from its second on.
         std::thread::sleep(Duration::from_millis(10));
@@ -356,26 +354,12 @@ enum Mode {
 
 /// The mode for a header that says `raw` (clock 0) and names beacon port `port`, or why it
 /// cannot be recorded.
-fn mode_for(raw: bool, port: u16, trust: bool) -> Result<Mode, String> {
+fn mode_for(raw: bool, port: u16, trust: bool) -> Result<Mode, Unplaceable> {
     match (raw, port, trust) {
         (true, _, true) => Ok(Mode::Exact),
-        (false, _, true) => Err(
-            "--trust-raw-tsc: the header says its records do not hold the \
-             raw TSC (clock 1), so KVM's mapping cannot place them"
-                .into(),
-        ),
-        (_, 0, false) if raw => Err(
-            "the guest emits no sync beacons (its header names no beacon \
-             port), so nothing the host observes checks that its records hold the raw TSC, as \
-             the header says: pass --trust-raw-tsc to place them by KVM's exact mapping on the \
-             header's word"
-                .into(),
-        ),
-        (_, 0, false) => Err(
-            "its records do not hold the raw TSC (clock 1) and it emits no sync \
-             beacons: nothing can place them on the host timeline"
-                .into(),
-        ),
+        (false, _, true) => Err(Unplaceable::TrustNotRaw),
+        (_, 0, false) if raw => Err(Unplaceable::RawUnchecked),
+        (_, 0, false) => Err(Unplaceable::NoClock),
         _ => Ok(Mode::Beacons),
     }
 }
@@ -398,18 +382,18 @@ fn start_beacons(
     vcpus: &[u32],
     port: u16,
     mode: Mode,
-) -> Result<Option<Beacons>, String> {
+) -> Result<Option<Beacons>, MemoryError> {
     if port == 0 {
         return Ok(None);
     }
-    let why = |e: String| match mode {
-        Mode::Beacons => format!(
-            "beacon placement needs the host's kvm_pio trace, and {e} (--trust-raw-tsc places \
-             raw-TSC records by KVM's mapping without it)"
-        ),
-        Mode::Exact => e,
-    };
-    let trace = start_trace(tracefs, proc, vm, port).map_err(|e| why(e.to_string()))?;
+    let trace = start_trace(tracefs, proc, vm, port).map_err(|e| match e {
+        MemoryError::Trace { port, source, .. } => MemoryError::Trace {
+            port,
+            needed: mode == Mode::Beacons,
+            source,
+        },
+        e => e,
+    })?;
     Ok(Some(Beacons::new(trace, port, vcpus.len(), None)))
 }
 
@@ -420,11 +404,13 @@ fn start_trace(
     proc: &ProcFs,
     vm: &VmDir,
     port: u16,
-) -> Result<PioTrace, RecordError> {
-    PioTrace::start_process(tracefs, proc.root(), vm.id.pid, &[port]).map_err(|e| {
-        RecordError::Memory(format!(
-            "the host's kvm_pio trace of port {port:#x} could not be started: {e}"
-        ))
+) -> Result<PioTrace, MemoryError> {
+    PioTrace::start_process(tracefs, proc.root(), vm.id.pid, &[port]).map_err(|source| {
+        MemoryError::Trace {
+            port,
+            needed: false,
+            source,
+        }
     })
 }
 
@@ -534,7 +520,7 @@ pub fn run_record_memory(
 ) -> Result<(RecordSummary, MemorySummary), RecordError> {
     let pid = opts.vm.id.pid;
     let proc = ProcFs::new(&opts.proc_root);
-    let mut mem = ProcMemory::open(&proc, pid).map_err(|e| RecordError::Memory(e.to_string()))?;
+    let mut mem = ProcMemory::open(&proc, pid).map_err(MemoryError::from)?;
     let stopped = || {
         opts.stop
             .is_some_and(|s| s.load(std::sync::atomic::Ordering::Relaxed))
@@ -542,7 +528,15 @@ pub fn run_record_memory(
     // `--beacon-port`: the trace runs before the guest can emit a beacon we would not see.
     let early = match opts.beacon_port {
         Some(port) => Some((
-            start_trace(opts.tracefs.as_deref(), &proc, &opts.vm, port)?,
+            start_trace(opts.tracefs.as_deref(), &proc, &opts.vm, port).map_err(|e| match e {
+                // Beacon mode needs it; exact mode is not known before the header is found.
+                MemoryError::Trace { port, source, .. } => MemoryError::Trace {
+                    port,
+                    needed: !opts.trust_raw_tsc,
+                    source,
+                },
+                e => e,
+            })?,
             port,
         )),
         None => None,
@@ -552,9 +546,7 @@ pub fn run_record_memory(
     let armed_at = match &opts.paused {
         Some(resume) => {
             let t = read_host_tsc().0;
-            resume
-                .cont()
-                .map_err(|e| RecordError::Memory(e.to_string()))?;
+            resume.cont().map_err(MemoryError::from)?;
             Some(t)
         }
         None => None,
@@ -570,41 +562,41 @@ pub fn run_record_memory(
                 // second after the first read on.
                 std::thread::sleep(Duration::from_millis(10));
             }
-            Err(e) if e.not_yet() => {
-                return Err(RecordError::Memory(format!(
-                    "waited {:.1?} for the guest to publish its recorder: {e}",
-                    opts.find_timeout
-                )));
+            Err(source) if source.not_yet() => {
+                return Err(MemoryError::NotPublished {
+                    waited: opts.find_timeout,
+                    source,
+                }
+                .into());
             }
-            Err(e) => return Err(RecordError::Memory(e.to_string())),
+            Err(e) => return Err(MemoryError::Find(e).into()),
         }
     };
     let port = found.header.beacon_port;
     if let Some((_, armed)) = &early
         && *armed != port
     {
-        return Err(RecordError::Memory(format!(
-            "--beacon-port {armed:#x}, but the recorder at {:#x} names {} (give its port, or \
-             leave the flag out)",
-            found.addr,
-            if port == 0 {
-                "no beacon port".to_owned()
-            } else {
-                format!("port {port:#x}")
-            }
-        )));
+        return Err(MemoryError::PortMismatch {
+            armed: *armed,
+            addr: found.addr,
+            named: port,
+        }
+        .into());
     }
     let raw = found.header.clock == GuestClock::RawTsc;
-    let mode = mode_for(raw, port, opts.trust_raw_tsc)
-        .map_err(|why| RecordError::Memory(format!("the recorder at {:#x}: {why}", found.addr)))?;
+    let mode = mode_for(raw, port, opts.trust_raw_tsc).map_err(|why| MemoryError::Unplaceable {
+        addr: found.addr,
+        why,
+    })?;
     let vcpus: Vec<u32> = (0..found.header.vcpus).collect();
     // KVM's mapping of vCPUs 0..n (one per ring of the current boot).
     let read_n = |n: u32| -> Result<Vec<Reading>, RecordError> {
         (0..n)
             .map(|v| {
                 read_vcpu(&opts.vm.path.join(format!("vcpu{v}")), v)
-                    .map_err(|e| RecordError::Memory(e.to_string()))
+                    .map_err(MemoryError::from)
                     .and_then(|s| reading(&s))
+                    .map_err(RecordError::from)
             })
             .collect()
     };
@@ -645,7 +637,7 @@ pub fn run_record_memory(
             }
             None
         }
-        Err(why) => return Err(RecordError::Memory(why)),
+        Err(why) => return Err(why.into()),
     };
     let target = Target {
         out: opts.out.clone(),
@@ -734,10 +726,7 @@ pub fn run_record_memory(
                     Err(end) => break end,
                 };
                 if f.header.beacon_port != port || (f.header.clock == GuestClock::RawTsc) != raw {
-                    break Err(RecordError::Memory(format!(
-                        "the guest restarted with a recorder at {:#x} of another clock or beacon                          port: the recording of its earlier boots ends here (record the new                          boot on its own)",
-                        f.addr
-                    )));
+                    break Err(MemoryError::Restarted { addr: f.addr }.into());
                 }
                 boot += 1;
                 rings = f.header.vcpus;
@@ -781,7 +770,7 @@ pub fn run_record_memory(
                 break if vmm_gone_within(&proc, &opts.vm, EXIT_GRACE) {
                     Ok(EndReason::VmmExited)
                 } else {
-                    Err(RecordError::Memory(e.to_string()))
+                    Err(MemoryError::Drain(e).into())
                 };
             }
         };

@@ -29,6 +29,7 @@
 //! every line flushed so far.
 
 mod beacons;
+mod error;
 pub mod launch;
 mod memory;
 mod place;
@@ -36,11 +37,9 @@ mod session;
 mod spool;
 pub(crate) mod write;
 
-use std::io;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use thiserror::Error;
 use vmtsync_core::HostTicks;
 use vmtsync_core::estimate::{EstimateError, ProbeSample};
 use vmtsync_core::mapping::KvmTscMapping;
@@ -64,6 +63,7 @@ use crate::syncfile::{SyncHeader, SyncSegment, SyncWriter};
 use crate::formats::jsonl::{EVENT_SCHEMA, JsonlWriter, Line};
 use crate::syncfile::bounds::{self, Placement};
 
+pub use error::{MemoryError, RecordError, Unplaceable};
 pub use memory::{DEFAULT_POLL, MemoryOptions, MemorySummary, run_record_memory};
 use place::{Placed, State};
 #[cfg(test)]
@@ -227,70 +227,6 @@ pub struct RecordSummary {
     pub console: Option<PathBuf>,
     /// Where the host times came from.
     pub host_time: HostTime,
-}
-
-/// Why `vmtsync record` failed.
-#[derive(Debug, Error)]
-pub enum RecordError {
-    /// The session failed (connect, hello, a probe round, a drain).
-    #[error(transparent)]
-    Probe(#[from] ProbeError),
-    /// Writing the trace.dat failed.
-    #[error(transparent)]
-    TraceDat(#[from] tracedat::TraceDatError),
-    /// Writing the Perfetto trace failed.
-    #[error(transparent)]
-    Perfetto(#[from] crate::formats::perfetto::PerfettoError),
-    /// Writing the CTF trace failed.
-    #[error(transparent)]
-    Ctf(#[from] crate::formats::ExportError),
-    /// Writing the output failed.
-    #[error("writing {path}: {source}")]
-    Io {
-        /// The file.
-        path: PathBuf,
-        /// The error.
-        source: io::Error,
-    },
-    /// The agent records no events (its capabilities lack `EVENTS`).
-    #[error(
-        "the guest agent records no events (its capabilities lack EVENTS): link the vmtsync recorder into it (see vmtsync-core's recorder docs), or boot vmtsync-agent with workload= or events="
-    )]
-    NoEvents,
-    /// No sync round produced a segment, so no event can be placed on the host timeline:
-    /// `NoSamples` when every probe was lost, else why the last round's samples were refused.
-    #[error(
-        "no sync round produced a segment, so no event can be placed on the host timeline: {}",
-        crate::probe::refusal_text(*.0)
-    )]
-    NoSync(EstimateError),
-    /// Reading the guest's recorder out of its VMM's memory failed (`--from-memory`).
-    #[error("reading the guest's recorder from memory: {0}")]
-    Memory(String),
-    /// Events were read but none could be placed on the host timeline (`--from-memory`):
-    /// the output holds none of them.
-    #[error(
-        "read {read} events from the guest's recorder but could place none on the host \
-         timeline, so {} holds no event: {why}",
-        out.display()
-    )]
-    Unplaced {
-        /// Events read.
-        read: u64,
-        /// The output written.
-        out: PathBuf,
-        /// Why, and what to do.
-        why: String,
-    },
-}
-
-impl RecordError {
-    fn io(path: &Path) -> impl FnOnce(io::Error) -> Self + '_ {
-        move |source| Self::Io {
-            path: path.to_owned(),
-            source,
-        }
-    }
 }
 
 #[cfg(test)]

@@ -37,43 +37,30 @@ mod session;
 mod spool;
 pub(crate) mod write;
 
-use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::path::PathBuf;
+use std::time::Duration;
 
-use vmtsync_core::HostTicks;
-use vmtsync_core::estimate::{EstimateError, ProbeSample};
-use vmtsync_core::mapping::KvmTscMapping;
-use vmtsync_core::proto::{EventBatch, EventClock};
-
-use crate::formats::perfetto::PerfettoWriter;
-use crate::formats::perfetto::clock::{BootClock, ClockSnapshot};
-use crate::formats::tracedat::{
-    self, FileVersion, ShiftMode, TimeShift, TraceDatWriter, WriterOptions,
-};
-use crate::link::ConnectOptions;
-use crate::link::StampedTransport;
-use crate::link::connect::{self};
-use crate::probe::anchor;
-use crate::probe::continuous::{Cumulative, segment};
-use crate::probe::{
-    ConsoleLog, ProbeError, ProbeLog, ProbeOptions, ProbeSession, ProbeSummary, Progress,
-};
-use crate::syncfile::{SyncHeader, SyncSegment, SyncWriter};
-
-use crate::formats::jsonl::{EVENT_SCHEMA, JsonlWriter, Line};
-use crate::syncfile::bounds::{self, Placement};
+use crate::formats::tracedat::FileVersion;
+use crate::probe::ProbeOptions;
+use crate::syncfile::bounds::Placement;
 
 pub use error::{MemoryError, RecordError, Unplaceable};
 pub use memory::{DEFAULT_POLL, MemoryOptions, MemorySummary, run_record_memory};
-use place::{Placed, State};
-#[cfg(test)]
-use place::{WIDTH_SAMPLE, Widths};
-use session::Ledger;
-#[cfg(test)]
-use session::account;
 pub use session::{run_record, run_record_on};
 pub use write::host_tsc2nsec;
-use write::{Out, Target, finish, trace_id};
+
+// What `write.rs` still takes through its `use super::*` (the last such prelude in this
+// module: that file's own imports are its owner's to make explicit).
+use {
+    crate::formats::jsonl::JsonlWriter,
+    crate::formats::perfetto::PerfettoWriter,
+    crate::formats::perfetto::clock::{BootClock, ClockSnapshot},
+    crate::formats::tracedat::{self, ShiftMode, TimeShift, TraceDatWriter, WriterOptions},
+    place::{Placed, State},
+    std::path::Path,
+    vmtsync_core::HostTicks,
+    vmtsync_core::mapping::KvmTscMapping,
+};
 
 /// The output format of `vmtsync record`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -231,7 +218,15 @@ pub struct RecordSummary {
 
 #[cfg(test)]
 mod tests {
+    use std::path::Path;
+
+    use vmtsync_core::proto::{EventBatch, EventClock};
+
+    use super::place::{WIDTH_SAMPLE, Widths};
+    use super::session::{Ledger, account};
     use super::*;
+    use crate::formats::tracedat;
+    use crate::probe::Progress;
 
     #[test]
     fn batch_indices_count_gaps_and_replays_exactly() {

@@ -1,7 +1,16 @@
 //! The placement stage both front ends share: every vCPU's segments (from sync rounds or
 //! from KVM's own mapping), the counters of a recording, and an event's host interval.
 
-use super::*;
+use vmtsync_core::estimate::EstimateError;
+
+use super::session::Ledger;
+use super::spool;
+use super::write::Out;
+use crate::formats::jsonl::{EVENT_SCHEMA, Line};
+use crate::formats::perfetto::clock::ClockSnapshot;
+use crate::probe::continuous::Cumulative;
+use crate::syncfile::bounds::{self, Placement};
+use crate::syncfile::{SyncSegment, SyncWriter};
 
 /// One event on its way to the output.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

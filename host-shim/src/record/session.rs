@@ -2,7 +2,25 @@
 //! rounds, event drains) and the accounting of the agent's batches. It feeds events and
 //! per-vCPU segments into the shared stages ([`super::place`], [`super::write`]).
 
-use super::*;
+use std::time::{Duration, Instant};
+
+use vmtsync_core::estimate::{EstimateError, ProbeSample};
+use vmtsync_core::proto::{EventBatch, EventClock};
+
+use super::place::{Placed, State};
+use super::write::{Out, Target, finish, trace_id};
+use super::{EndReason, HostTime, RecordError, RecordFormat, RecordOptions, RecordSummary};
+use crate::formats::perfetto::clock::ClockSnapshot;
+use crate::link::ConnectOptions;
+use crate::link::StampedTransport;
+use crate::link::connect;
+use crate::probe::anchor;
+use crate::probe::continuous::segment;
+use crate::probe::{
+    ConsoleLog, ProbeError, ProbeLog, ProbeOptions, ProbeSession, ProbeSummary, Progress,
+};
+use crate::syncfile::bounds::Placement;
+use crate::syncfile::{SyncHeader, SyncWriter};
 
 /// Connects to `opts.probe.addr` and records (see [`run_record_on`]).
 ///

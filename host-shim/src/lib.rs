@@ -21,6 +21,9 @@
 //!   one event source the exporters read.
 //! - [`guestmem`]: a guest's recorder read straight out of the VMM's memory: the scan, the
 //!   header check, the bounded drain with exact counts.
+//! - [`exits`]: the host's `kvm:kvm_pio` exits: the private trace, matching an exchange's
+//!   exits, beacon chains, [`exits::PioExit`] and its counters (probe, record and validate
+//!   use them).
 //! - [`link`]: the byte stream to the guest agent: addresses, connecting with retries,
 //!   vhost-user vsock, AF_VSOCK, and the host-TSC-stamped transport.
 //! - [`guestmem`]: a guest's recorder read straight out of its VMM's memory (`/proc/PID/mem`):
@@ -44,6 +47,7 @@ pub mod atomic_file;
 pub mod cli;
 pub mod compose;
 pub mod exact_convert;
+pub mod exits;
 pub mod formats;
 pub mod ftrace;
 pub mod guestmem;

@@ -9,16 +9,16 @@
 //! - `write.rs`: where events go while recording and every format's writer.
 //!
 //! The session: hello, an initial sync round, then event drains
-//! ([`ProbeSession::drain_events`]) interleaved with a re-sync round every `resync`, with the
+//! ([`crate::probe::ProbeSession::drain_events`]) interleaved with a re-sync round every `resync`, with the
 //! same probe engine and estimators as `vmtsync probe --continuous` (each round becomes a
-//! [`SyncSegment`]). It ends after `events` events, after `duration`, on the stop flag
+//! [`crate::syncfile::SyncSegment`]). It ends after `events` events, after `duration`, on the stop flag
 //! (SIGINT/SIGTERM in the CLI) or when the agent ends the session; whatever was received is
 //! written either way, and the summary says why it ended.
 //!
 //! Every event is placed with the segment that covers its guest tick (the last one whose
 //! `guest_start` is at or before it; the first one before that), the same rule a sync file's
 //! conversion and the trace.dat TIME_SHIFT use; its guaranteed host interval comes from
-//! [`bounds::host_bounds`].
+//! [`crate::syncfile::bounds::host_bounds`].
 //!
 //! Memory is constant in the number of events: JSON Lines are streamed; for trace.dat the events
 //! go to a spool file (32 bytes each) and are written when the segments are all known, as raw
@@ -31,6 +31,7 @@
 mod beacons;
 mod error;
 pub mod launch;
+mod ledger;
 mod memory;
 mod place;
 mod session;
@@ -222,8 +223,8 @@ mod tests {
 
     use vmtsync_core::proto::{EventBatch, EventClock};
 
+    use super::ledger::{Ledger, account};
     use super::place::{WIDTH_SAMPLE, Widths};
-    use super::session::{Ledger, account};
     use super::*;
     use crate::formats::tracedat;
     use crate::probe::Progress;

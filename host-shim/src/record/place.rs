@@ -3,9 +3,8 @@
 
 use vmtsync_core::estimate::EstimateError;
 
-use super::session::Ledger;
-use super::spool;
-use super::write::Out;
+use super::ledger::Ledger;
+use super::spool::{self, Spool};
 use crate::formats::jsonl::{EVENT_SCHEMA, Line};
 use crate::formats::perfetto::clock::ClockSnapshot;
 use crate::probe::continuous::Cumulative;
@@ -271,10 +270,7 @@ impl State {
 
     /// Two-sided placement: the summary's widths are those of the final placement, with
     /// every round known (one more pass over the spool).
-    pub(super) fn final_widths(&mut self, out: &mut Out) {
-        let Out::Held { spool, .. } = out else {
-            return;
-        };
+    pub(super) fn final_widths(&mut self, spool: &mut Spool) {
         let Ok(recs) = spool.iter() else {
             return;
         };

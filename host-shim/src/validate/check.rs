@@ -15,8 +15,8 @@ use std::collections::BTreeMap;
 use serde::Serialize;
 
 use super::report::{LagStats, MAX_LISTED, ProbeReport, SegmentWorst, quantiles, signed};
+use crate::exits::PioExit;
 use crate::ftrace::format::PioDirection;
-use crate::probe::anchor::PioExit;
 use crate::syncfile::SyncSegment;
 use crate::syncfile::bounds::{Placement, covering, place};
 

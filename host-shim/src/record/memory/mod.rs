@@ -70,7 +70,7 @@ pub struct MemoryOptions {
     /// arms its trace first, so the guest's every exit follows a host time it took.
     pub paused: Option<Resume>,
     /// `--sync-out`: the segments the recording placed its events by, written when it ends
-    /// (see [`mode::write_sync_out`]).
+    /// (see `mode.rs`).
     pub sync_out: Option<PathBuf>,
     /// `--tracefs` for the beacons' kvm_pio trace (default: the usual mount points).
     pub tracefs: Option<PathBuf>,

@@ -8,9 +8,9 @@ use vmtsync_core::HostTicks;
 use vmtsync_core::estimate::ProbeSample;
 
 use super::mapping::Reading;
+use crate::exits::PioTrace;
 use crate::kvm::debugfs::VmDir;
 use crate::kvm::procinfo::ProcFs;
-use crate::probe::anchor::PioTrace;
 use crate::probe::continuous::segment;
 use crate::probe::{ProbeError, ProbeSummary};
 use crate::record::RecordError;

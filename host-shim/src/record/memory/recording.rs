@@ -12,6 +12,7 @@ use super::mode::{
 };
 use super::vmm::{EXIT_GRACE, find_again, is_restart, vmm_gone, vmm_gone_within};
 use super::{BootCounts, MemoryOptions, MemorySummary};
+use crate::exits::PioTrace;
 use crate::formats::perfetto::clock::ClockSnapshot;
 use crate::guestmem::{
     self, DrainError, Drainer, Found, GuestClock, GuestRecord, PollSummary, ProcMemory,
@@ -19,7 +20,6 @@ use crate::guestmem::{
 use crate::kvm::hosttsc::read_host_tsc;
 use crate::kvm::procinfo::ProcFs;
 use crate::probe::Progress;
-use crate::probe::anchor::PioTrace;
 use crate::record::beacons::Beacons;
 use crate::record::error::MemoryError;
 use crate::record::place::{State, VcpuSync, boot_key};
@@ -630,7 +630,9 @@ impl<'a> Recording<'a> {
             }
         }
         if self.mode == Mode::Beacons {
-            self.st.final_widths(&mut self.out);
+            if let Out::Held { spool, .. } = &mut self.out {
+                self.st.final_widths(spool);
+            }
             if self.ms.beacon_stats.bracketed == 0 && self.st.unplaceable > 0 {
                 eprintln!(
                     "vmtsync: warning: no beacon was bracketed, so no event could be placed: \

@@ -2,9 +2,12 @@
 //! trace file (trace-cmd's trace.dat, JSON Lines or CTF).
 //!
 //! Stages, read forward: a front end, then placement, then output.
-//! - `session.rs` (`--connect`): the probe session described below.
-//! - `memory.rs` (`--from-memory`): the guest's recorder read out of its VMM's memory, each
-//!   raw-TSC record placed exactly by KVM's debugfs mapping ([`run_record_memory`]).
+//! - `session.rs` (`--connect`): the probe session described below (its batch accounting in
+//!   `ledger.rs`).
+//! - `memory/` (`--from-memory`): the guest's recorder read out of its VMM's memory, each
+//!   raw-TSC record placed exactly by KVM's debugfs mapping ([`run_record_memory`]), or by
+//!   the guest's sync beacons bracketed by the host's exits; `launch.rs` starts its VMM paused.
+//! - `error.rs`: why a recording failed, typed for the CLI's exit codes.
 //! - `place.rs`: every vCPU's segments, an event's host interval, the recording's counters.
 //! - `write.rs`: where events go while recording and every format's writer.
 //!

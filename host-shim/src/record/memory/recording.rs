@@ -365,20 +365,7 @@ impl<'a> Recording<'a> {
         };
         let changed = self.mapping_changes(&now);
         self.place_round(&now, &changed)?;
-        if let Some(b) = &mut self.beacons {
-            let counts = self.drainer.counts().to_vec();
-            let rounds = b.round(&counts, before, after);
-            use_samples(
-                b,
-                &mut self.st,
-                &mut self.out,
-                &self.target,
-                self.mode,
-                rounds,
-                &[&now, &self.last],
-                self.base,
-            )?;
-        }
+        self.beacon_rounds(before, after, &now)?;
         self.last = now;
         self.after_round(round_start, progress);
         if self.opts.events.is_some_and(|n| self.st.events >= n) {
@@ -593,25 +580,36 @@ impl<'a> Recording<'a> {
         let after = read_host_tsc().0;
         self.cur.beacons += self.ms.beacons - beacons_before;
         if polled.is_ok() {
-            let counts = self.drainer.counts().to_vec();
-            let rounds = b.round(&counts, before, after);
-            let now = if self.use_mapping {
-                read_mappings(&self.opts.vm, self.rings).unwrap_or_default()
-            } else {
-                Vec::new()
-            };
-            use_samples(
-                b,
-                &mut self.st,
-                &mut self.out,
-                &self.target,
-                self.mode,
-                rounds,
-                &[&now, &self.last],
-                self.base,
-            )?;
+            let now = self.read_all(self.rings).unwrap_or_default();
+            self.beacon_rounds(before, after, &now)?;
         }
         Ok(())
+    }
+
+    /// The beacons' samples of the rounds read between host times `before` and `after`,
+    /// checked against KVM's mapping around them (`now` and the last round's) and, in beacon
+    /// mode, made segments.
+    fn beacon_rounds(
+        &mut self,
+        before: u64,
+        after: u64,
+        now: &[Reading],
+    ) -> Result<(), RecordError> {
+        let Some(b) = &mut self.beacons else {
+            return Ok(());
+        };
+        let counts = self.drainer.counts().to_vec();
+        let rounds = b.round(&counts, before, after);
+        use_samples(
+            b,
+            &mut self.st,
+            &mut self.out,
+            &self.target,
+            self.mode,
+            rounds,
+            &[now, &self.last],
+            self.base,
+        )
     }
 
     /// The end: the counts summed, the final placement of beacon mode, `--sync-out`, the

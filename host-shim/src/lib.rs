@@ -19,12 +19,15 @@
 //! - [`formats`]: every trace format: trace.dat (writer, reader, TIME_SHIFT, host copy,
 //!   attach planning), JSON Lines (one `Line` type both ways), CTF, Perfetto, perf, and the
 //!   one event source the exporters read.
-//! - [`guestmem`]: a guest's recorder read straight out of the VMM's memory: the scan, the
-//!   header check, the bounded drain with exact counts.
 //! - [`link`]: the byte stream to the guest agent: addresses, connecting with retries,
 //!   vhost-user vsock, AF_VSOCK, and the host-TSC-stamped transport.
 //! - [`guestmem`]: a guest's recorder read straight out of its VMM's memory (`/proc/PID/mem`):
 //!   finding the header, and a bounded, polled drain with exact lost counts.
+//! - [`exits`]: the host's `kvm:kvm_pio` exits: the private trace, matching an exchange's
+//!   exits, beacon chains, [`exits::PioExit`] and its counters (probe, record and validate
+//!   use them).
+//! - [`spans`]: a guest's span and function records paired into spans on the host timeline,
+//!   functions named from an ELF image's symbols.
 //! - [`compose`]: nested (L0->L1->L2) composition of scanned mappings.
 //! - [`plot`]: `vmtsync plot`, a sync file as an SVG picture.
 //! - [`probe`]: `vmtsync probe`: hello + probe rounds against the guest agent over a link,
@@ -44,6 +47,7 @@ pub mod atomic_file;
 pub mod cli;
 pub mod compose;
 pub mod exact_convert;
+pub mod exits;
 pub mod formats;
 pub mod ftrace;
 pub mod guestmem;

@@ -185,6 +185,7 @@ impl CliError {
                 | crate::record::RecordError::NoEvents,
             ) => 7,
             Self::Record(crate::record::RecordError::Unplaced { .. }) => 10,
+            Self::Record(crate::record::RecordError::Memory(e)) => memory_exit_code(e),
             Self::Record(_) => 1,
             Self::Perfetto(e) => perfetto_exit_code(e),
             Self::Usage(_) => 2,
@@ -249,6 +250,16 @@ fn probe_exit_code(e: &ProbeError) -> u8 {
         | ProbeError::AgentExited => 7,
         ProbeError::SyncFile(s) => sync_exit_code(s),
         ProbeError::Anchor(_) => 8,
+        _ => 1,
+    }
+}
+
+/// Exit code of a `record --from-memory` failure: 6 for a vCPU running a nested guest, 3 for
+/// what the host lacks (root, tracefs, debugfs), else 1.
+fn memory_exit_code(e: &crate::record::MemoryError) -> u8 {
+    match e {
+        crate::record::MemoryError::Nested { .. } => 6,
+        e if e.is_environment() => 3,
         _ => 1,
     }
 }
@@ -366,6 +377,60 @@ mod tests {
         assert!(
             contradict.to_string().contains("contradict"),
             "{contradict}"
+        );
+    }
+
+    /// `record --from-memory` keeps the documented codes: a nested vCPU 6, not root (the
+    /// VMM's memory, debugfs or tracefs refused) and no tracefs 3, a VM gone mid-read 1.
+    #[test]
+    fn memory_mode_exit_codes() {
+        use crate::record::{MemoryError, RecordError};
+        let code = |e: MemoryError| CliError::Record(RecordError::Memory(e)).exit_code();
+        assert_eq!(code(MemoryError::Nested { vcpu: 1 }), 6);
+        let denied = || crate::guestmem::MemError::Open {
+            path: "/proc/1/mem".into(),
+            source: io::Error::from(io::ErrorKind::PermissionDenied),
+        };
+        assert_eq!(code(MemoryError::Mem(denied())), 3);
+        assert_eq!(
+            code(MemoryError::Find(crate::guestmem::FindError::Mem(denied()))),
+            3
+        );
+        assert_eq!(
+            code(MemoryError::Debugfs(DebugfsError::PermissionDenied {
+                path: "/sys/kernel/debug/kvm".into()
+            })),
+            3
+        );
+        let no_tracefs = TraceError::NoTracefs {
+            event: "kvm/kvm_pio",
+            tried: "/x".into(),
+        };
+        assert_eq!(
+            code(MemoryError::Trace {
+                port: 0x2400,
+                needed: true,
+                source: no_tracefs
+            }),
+            3
+        );
+        let gone = crate::guestmem::MemError::Exited {
+            path: "/proc/1/mem".into(),
+        };
+        assert_eq!(code(MemoryError::Mem(gone)), 1);
+        assert_eq!(
+            code(MemoryError::Scaled {
+                vcpu: 0,
+                ratio: 3,
+                frac_bits: 1
+            }),
+            1
+        );
+        // The message names the vCPU, as the other commands' nested refusal does.
+        let nested = CliError::Record(RecordError::Memory(MemoryError::Nested { vcpu: 1 }));
+        assert!(
+            nested.to_string().contains("vCPU 1 runs a nested guest"),
+            "{nested}"
         );
     }
 }

@@ -13,23 +13,117 @@ use crate::probe::anchor::{AnchorMode, AnchorOptions};
 use crate::probe::{DEFAULT_PROBES, ProbeOptions, Progress};
 use crate::record::{self, EndReason, RecordFormat, RecordOptions, RecordSummary};
 
-/// `vmtsync record` flags.
+/// `vmtsync record` flags: the two front ends' own flags (each refused with the other, never
+/// silently ignored), then the flags both take.
 #[derive(Debug, Args)]
 pub struct RecordArgs {
+    /// The protocol front end (`--connect`).
+    #[command(flatten)]
+    pub protocol: ProtocolArgs,
+    /// The memory front end (`--from-memory`).
+    #[command(flatten)]
+    pub memory: MemoryArgs,
+    /// The output file (written beside it and renamed into place when complete).
+    #[arg(long, value_name = "PATH")]
+    pub out: PathBuf,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = FormatArg::TraceCmd)]
+    pub format: FormatArg,
+    /// Stop after N events.
+    #[arg(long, value_name = "N")]
+    pub events: Option<u64>,
+    /// Stop after SECS seconds (with --events: whichever comes first).
+    #[arg(long, value_name = "SECS")]
+    pub duration: Option<f64>,
+    /// trace.dat version (trace-cmd 3.x writes 7).
+    #[arg(long, value_name = "6|7", default_value_t = 7, value_parser = clap::value_parser!(u8).range(6..=7))]
+    pub file_version: u8,
+    /// No progress line on stderr.
+    #[arg(long)]
+    pub no_progress: bool,
+    /// A host trace.dat (trace-cmd extract, x86-tsc clock) to pair with the guest trace: a copy
+    /// of it with the GUEST option (this guest's name, trace id, vCPU -> host thread) is
+    /// written to --host-output, so `trace-cmd report -i HOST_OUT -i GUEST.dat` shows both.
+    #[arg(long, value_name = "HOST.dat", requires = "host_output")]
+    pub host_trace: Option<PathBuf>,
+    /// Where the host trace's copy goes (the input is never modified).
+    #[arg(long, value_name = "OUT.dat", requires = "host_trace")]
+    pub host_output: Option<PathBuf>,
+    /// The VM (PID, PID-FD or name) whose vCPU thread goes into the GUEST option, and whose
+    /// vCPU threads' exits anchor the sync rounds (default for --anchor: the only VM).
+    #[arg(long, value_name = "PID|NAME")]
+    pub vm: Option<crate::kvm::scan::VmSelector>,
+    /// tracefs, for --anchor and --from-memory's beacons (default: /sys/kernel/tracing, then
+    /// /sys/kernel/debug/tracing).
+    #[arg(long, value_name = "DIR")]
+    pub tracefs: Option<PathBuf>,
+    /// Also append every sync round's segment to this sync file (created with a header if
+    /// missing), for `vmtsync validate` and `vmtsync plot` (--from-memory: the segments its
+    /// events were placed by, written when it ends).
+    #[arg(long, value_name = "SYNCFILE")]
+    pub sync_out: Option<PathBuf>,
+    /// Debugfs and /proc (for --vm).
+    #[command(flatten)]
+    pub source: super::source::SourceArgs,
+}
+
+/// The flags of the protocol front end: a guest agent over a link. `--from-memory` refuses
+/// every one of them.
+#[derive(Debug, Args)]
+#[group(id = "protocol", multiple = true)]
+pub struct ProtocolArgs {
     /// Where the agent is: unix:PATH, unix-listen:PATH, vsock-uds:PATH:PORT, vsock:CID:PORT,
     /// tcp:HOST:PORT.
-    #[arg(
-        long,
-        value_name = "ADDR",
-        required_unless_present = "from_memory",
-        conflicts_with = "from_memory"
-    )]
+    #[arg(long, value_name = "ADDR", required_unless_present = "from_memory")]
     pub connect: Option<ProbeAddr>,
+    /// Milliseconds between the starts of two sync rounds.
+    #[arg(long, value_name = "MS", default_value_t = 1000)]
+    pub resync: u64,
+    /// Probes per sync round.
+    #[arg(long, value_name = "N", default_value_t = DEFAULT_PROBES, value_parser = clap::value_parser!(u32).range(1..))]
+    pub probes: u32,
+    /// The longest wait for any reply, in milliseconds.
+    #[arg(long, value_name = "MS", default_value_t = 2000, value_parser = clap::value_parser!(u64).range(1..))]
+    pub timeout: u64,
+    /// End the agent when done (send Shutdown); by default it keeps serving.
+    #[arg(long)]
+    pub shutdown: bool,
+    /// Where each sync probe's host bracket comes from, as for `vmtsync probe`: kvm-pio takes
+    /// it from the host kernel's kvm:kvm_pio stamps of the guest's port exits, the agent's sync
+    /// port (0x2400) when its hello announces one, else its UART's (exit code 8 if it cannot);
+    /// auto does so when it can and says why not; none stamps in this process. With --vm and
+    /// the bundled agent's default boot (sync port on, loop in ring 0) every vCPU's rounds get
+    /// the tightest bracket.
+    #[arg(long, value_enum, value_name = "MODE", default_value_t = AnchorMode::Auto)]
+    pub anchor: AnchorMode,
+    /// Append every sync probe that gave a sample to this file (JSON Lines), so `vmtsync
+    /// validate --probe-log` can check the sync against the probes' own kvm_pio exits.
+    #[arg(long, value_name = "FILE")]
+    pub probe_log: Option<PathBuf>,
+    /// Append the guest's console text to this file, byte for byte: the bytes it prints on
+    /// the UART between frames (a guest sharing one UART writes a 0x00 before each frame and
+    /// after it; every run that does not decode is text). Without it the text is counted
+    /// and dropped.
+    #[arg(long, value_name = "FILE")]
+    pub console: Option<PathBuf>,
+    /// How an event's guaranteed host interval is found: two-sided intersects the sync round
+    /// before the event and the one after it under the drift bounds of every round since the
+    /// last break (docs/record.md, "Placing an event"); one-sided uses the round before alone,
+    /// with the drift bounds known at that round (the placement of earlier versions, kept for
+    /// comparison).
+    #[arg(long, value_enum, value_name = "HOW", default_value_t = PlacementArg::TwoSided)]
+    pub placement: PlacementArg,
+}
+
+/// The flags of the memory front end: each needs `--from-memory`.
+#[derive(Debug, Args)]
+#[group(id = "memory", multiple = true, conflicts_with = "protocol")]
+pub struct MemoryArgs {
     /// Read the guest's recorder straight out of the VM's memory (--vm names the VM, or
     /// `-- VMM ARGS…` starts it; root): no link and no agent protocol. Each event's host time
     /// comes from KVM's per-vCPU mapping in debugfs, exactly, when the recorder says it holds
     /// the raw TSC (docs/record.md, "Recording from guest memory").
-    #[arg(long, conflicts_with_all = ["anchor", "probe_log", "console", "shutdown"])]
+    #[arg(long)]
     pub from_memory: bool,
     /// With --from-memory: the header is at this host virtual address in the VMM (hex
     /// 0x... or decimal) instead of being searched for.
@@ -89,85 +183,6 @@ pub struct RecordArgs {
     /// With --from-memory: milliseconds between two drain rounds that found nothing.
     #[arg(long, value_name = "MS", default_value_t = 2, requires = "from_memory")]
     pub poll_ms: u64,
-    /// The output file (written beside it and renamed into place when complete).
-    #[arg(long, value_name = "PATH")]
-    pub out: PathBuf,
-    /// Output format.
-    #[arg(long, value_enum, default_value_t = FormatArg::TraceCmd)]
-    pub format: FormatArg,
-    /// Stop after N events.
-    #[arg(long, value_name = "N")]
-    pub events: Option<u64>,
-    /// Stop after SECS seconds (with --events: whichever comes first).
-    #[arg(long, value_name = "SECS")]
-    pub duration: Option<f64>,
-    /// Milliseconds between the starts of two sync rounds.
-    #[arg(long, value_name = "MS", default_value_t = 1000)]
-    pub resync: u64,
-    /// trace.dat version (trace-cmd 3.x writes 7).
-    #[arg(long, value_name = "6|7", default_value_t = 7, value_parser = clap::value_parser!(u8).range(6..=7))]
-    pub file_version: u8,
-    /// Probes per sync round.
-    #[arg(long, value_name = "N", default_value_t = DEFAULT_PROBES, value_parser = clap::value_parser!(u32).range(1..))]
-    pub probes: u32,
-    /// The longest wait for any reply, in milliseconds.
-    #[arg(long, value_name = "MS", default_value_t = 2000, value_parser = clap::value_parser!(u64).range(1..))]
-    pub timeout: u64,
-    /// End the agent when done (send Shutdown); by default it keeps serving.
-    #[arg(long)]
-    pub shutdown: bool,
-    /// No progress line on stderr.
-    #[arg(long)]
-    pub no_progress: bool,
-    /// A host trace.dat (trace-cmd extract, x86-tsc clock) to pair with the guest trace: a copy
-    /// of it with the GUEST option (this guest's name, trace id, vCPU -> host thread) is
-    /// written to --host-output, so `trace-cmd report -i HOST_OUT -i GUEST.dat` shows both.
-    #[arg(long, value_name = "HOST.dat", requires = "host_output")]
-    pub host_trace: Option<PathBuf>,
-    /// Where the host trace's copy goes (the input is never modified).
-    #[arg(long, value_name = "OUT.dat", requires = "host_trace")]
-    pub host_output: Option<PathBuf>,
-    /// The VM (PID, PID-FD or name) whose vCPU thread goes into the GUEST option, and whose
-    /// vCPU threads' exits anchor the sync rounds (default for --anchor: the only VM).
-    #[arg(long, value_name = "PID|NAME")]
-    pub vm: Option<crate::kvm::scan::VmSelector>,
-    /// Where each sync probe's host bracket comes from, as for `vmtsync probe`: kvm-pio takes
-    /// it from the host kernel's kvm:kvm_pio stamps of the guest's port exits, the agent's sync
-    /// port (0x2400) when its hello announces one, else its UART's (exit code 8 if it cannot);
-    /// auto does so when it can and says why not; none stamps in this process. With --vm and
-    /// the bundled agent's default boot (sync port on, loop in ring 0) every vCPU's rounds get
-    /// the tightest bracket.
-    #[arg(long, value_enum, value_name = "MODE", default_value_t = AnchorMode::Auto)]
-    pub anchor: AnchorMode,
-    /// tracefs, for --anchor and --from-memory's beacons (default: /sys/kernel/tracing, then
-    /// /sys/kernel/debug/tracing).
-    #[arg(long, value_name = "DIR")]
-    pub tracefs: Option<PathBuf>,
-    /// Also append every sync round's segment to this sync file (created with a header if
-    /// missing), for `vmtsync validate` and `vmtsync plot` (--from-memory: the segments its
-    /// events were placed by, written when it ends).
-    #[arg(long, value_name = "SYNCFILE")]
-    pub sync_out: Option<PathBuf>,
-    /// Append every sync probe that gave a sample to this file (JSON Lines), so `vmtsync
-    /// validate --probe-log` can check the sync against the probes' own kvm_pio exits.
-    #[arg(long, value_name = "FILE")]
-    pub probe_log: Option<PathBuf>,
-    /// Append the guest's console text to this file, byte for byte: the bytes it prints on
-    /// the UART between frames (a guest sharing one UART writes a 0x00 before each frame and
-    /// after it; every run that does not decode is text). Without it the text is counted
-    /// and dropped.
-    #[arg(long, value_name = "FILE")]
-    pub console: Option<PathBuf>,
-    /// How an event's guaranteed host interval is found: two-sided intersects the sync round
-    /// before the event and the one after it under the drift bounds of every round since the
-    /// last break (docs/record.md, "Placing an event"); one-sided uses the round before alone,
-    /// with the drift bounds known at that round (the placement of earlier versions, kept for
-    /// comparison).
-    #[arg(long, value_enum, value_name = "HOW", default_value_t = PlacementArg::TwoSided)]
-    pub placement: PlacementArg,
-    /// Debugfs and /proc (for --vm).
-    #[command(flatten)]
-    pub source: super::source::SourceArgs,
 }
 
 /// `--placement`.
@@ -233,15 +248,15 @@ impl RecordArgs {
         stop: Option<&'static std::sync::atomic::AtomicBool>,
     ) -> RecordOptions {
         let mut probe = ProbeOptions::new(connect);
-        probe.probes = self.probes;
-        probe.timeout = Duration::from_millis(self.timeout);
+        probe.probes = self.protocol.probes;
+        probe.timeout = Duration::from_millis(self.protocol.timeout);
         probe.stop = stop;
-        probe.shutdown = self.shutdown;
+        probe.shutdown = self.protocol.shutdown;
         probe.progress = !self.no_progress;
-        probe.probe_log = self.probe_log.clone();
-        probe.console = self.console.clone();
+        probe.probe_log = self.protocol.probe_log.clone();
+        probe.console = self.protocol.console.clone();
         probe.anchor = AnchorOptions {
-            mode: self.anchor,
+            mode: self.protocol.anchor,
             vm: self.vm.clone(),
             tracefs: self.tracefs.clone(),
             debugfs_root: self.source.debugfs_root.clone(),
@@ -255,10 +270,10 @@ impl RecordArgs {
             file_version: self.file_version(),
             events: self.events,
             duration: self.duration(),
-            resync: Duration::from_millis(self.resync.max(1)),
+            resync: Duration::from_millis(self.protocol.resync.max(1)),
             drain_max: crate::record::DRAIN_MAX,
             sync_out: self.sync_out.clone(),
-            placement: self.placement.into(),
+            placement: self.protocol.placement.into(),
             spans: crate::spans::SpanConfig::default(),
         }
     }
@@ -277,7 +292,7 @@ pub(super) fn run_record_cmd(a: &RecordArgs) -> Result<(), CliError> {
             "--host-trace pairs a host trace with a trace-cmd format recording".into(),
         ));
     }
-    if a.host_trace.is_some() && a.vm.is_none() && a.vmm.is_empty() {
+    if a.host_trace.is_some() && a.vm.is_none() && a.memory.vmm.is_empty() {
         return Err(CliError::Usage(
             "--host-trace needs the VM: --vm, or with --from-memory the VMM's command line \
              after `--`"
@@ -292,7 +307,7 @@ pub(super) fn run_record_cmd(a: &RecordArgs) -> Result<(), CliError> {
         }
         _ => None,
     };
-    let Some(connect) = a.connect.clone() else {
+    let Some(connect) = a.protocol.connect.clone() else {
         let (s, vm) = run_record_memory_cmd(a)?;
         let host = match (&a.host_trace, &a.host_output) {
             (Some(input), Some(output)) => Some((input.clone(), output.clone(), vm)),
@@ -385,11 +400,11 @@ fn run_record_memory_cmd(
     use crate::guestmem::{Location, pointer_guest_physical_in, symbol_guest_physical_in};
     use crate::kvm::scan::VmSelector;
     // `-- VMM…`: started here, paused, and ended here whatever happens (the value's drop).
-    let mut vmm = if a.vmm.is_empty() {
+    let mut vmm = if a.memory.vmm.is_empty() {
         None
     } else {
         Some(
-            record::launch::Vmm::spawn_paused(&a.vmm)
+            record::launch::Vmm::spawn_paused(&a.memory.vmm)
                 .map_err(|e| CliError::Usage(e.to_string()))?,
         )
     };
@@ -407,10 +422,10 @@ fn run_record_memory_cmd(
         .find(|d| d.id == vm.id())
         .ok_or_else(|| CliError::Usage(format!("the VM {sel} exited")))?;
     let elf_error = |elf: &PathBuf, e| CliError::Usage(format!("--elf {}: {e}", elf.display()));
-    let location = match (a.guest_phys, a.addr, &a.elf) {
+    let location = match (a.memory.guest_phys, a.memory.addr, &a.memory.elf) {
         (Some(gpa), _, _) => Location::GuestPhysical(gpa),
         (None, Some(addr), _) => Location::HostAddress(addr),
-        (None, None, Some(elf)) => match (&a.symbol, &a.pointer) {
+        (None, None, Some(elf)) => match (&a.memory.symbol, &a.memory.pointer) {
             (Some(sym), _) => Location::GuestPhysical(
                 symbol_guest_physical_in(elf, sym).map_err(|e| elf_error(elf, e))?,
             ),
@@ -439,11 +454,11 @@ fn run_record_memory_cmd(
         file_version: a.file_version(),
         events: a.events,
         duration: a.duration(),
-        poll: Duration::from_millis(a.poll_ms),
-        trust_raw_tsc: a.trust_raw_tsc,
+        poll: Duration::from_millis(a.memory.poll_ms),
+        trust_raw_tsc: a.memory.trust_raw_tsc,
         find_timeout: Duration::from_secs(30),
         stop: Some(stop_flag()),
-        beacon_port: a.beacon_port,
+        beacon_port: a.memory.beacon_port,
         paused: vmm.as_ref().map(record::launch::Vmm::resume),
         sync_out: a.sync_out.clone(),
         tracefs: a.tracefs.clone(),

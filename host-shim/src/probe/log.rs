@@ -22,7 +22,8 @@ use vmtsync_core::estimate::ProbeSample;
 use vmtsync_core::proto::{MAX_FRAME_SIZE, Message, encode_frame};
 
 use super::ProbeError;
-use super::anchor::{AnchorOptions, Matcher, matcher_for};
+use super::anchor::{AnchorOptions, matcher_for};
+use crate::exits::Matcher;
 use crate::link::addr::ProbeAddr;
 use crate::link::transport::FrameStamps;
 use crate::syncfile::AnchorKind;
@@ -35,10 +36,10 @@ pub const PROBE_LOG_SCHEMA: u32 = 1;
 #[serde(rename_all = "kebab-case")]
 pub enum ProbePath {
     /// The request's `in`s and the reply's `out`s on a UART data port
-    /// ([`super::anchor::match_uart`]).
+    /// ([`crate::exits::match_uart`]).
     Uart,
     /// The agent's sync-port `in` and `out` of the sequence number
-    /// ([`super::anchor::match_sync_port`]).
+    /// ([`crate::exits::match_sync_port`]).
     SyncPort,
 }
 
@@ -187,7 +188,7 @@ impl ProbeLog {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::probe::anchor::COM1_DATA;
+    use crate::exits::COM1_DATA;
     use crate::probe::testutil::SimTransport;
     use crate::probe::{ProbeSession, Progress};
     use crate::validate::probes::read_probe_log;

@@ -116,8 +116,8 @@ pub fn run_probe(opts: &ProbeOptions, out: &mut dyn Write) -> Result<ProbeSummar
             if opts.anchor.mode == AnchorMode::KvmPio && t.stats().matched == 0 =>
         {
             let how = match anchor::matcher_for(&opts.addr, &opts.anchor) {
-                anchor::Matcher::Uart { port } => format!("the UART at {port:#x}"),
-                anchor::Matcher::SyncPort { port } => {
+                crate::exits::Matcher::Uart { port } => format!("the UART at {port:#x}"),
+                crate::exits::Matcher::SyncPort { port } => {
                     format!("the sync port {port:#x} (boot the agent with syncport={port:#x})")
                 }
             };

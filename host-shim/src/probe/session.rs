@@ -55,6 +55,14 @@ pub use super::reference::{RATE_MAX, RATE_MIN, Reference, Window};
 use crate::link::transport::{FrameStamps, StampedTransport, TransportError};
 use crate::syncfile::AnchorKind;
 
+/// What a probe's matching reply said.
+enum Reading {
+    /// A compact reply's low 32 bits.
+    Low32(u32),
+    /// A full reply's guest tick.
+    Full(GuestTicks),
+}
+
 /// Host ticks after the reference's bracket within which a compact probe is sent (2^30: about
 /// 0.35 s at 3 GHz). The window then spans about 1.5 · 2^30 plus twice the round trip, so a
 /// reply unwraps unless it took longer than about 2^30 ticks; later, a full probe is asked for.
@@ -428,11 +436,6 @@ impl<T: StampedTransport> ProbeSession<T> {
     /// session, [`ProbeError::Flooded`] when several probes in a row drowned in other traffic,
     /// [`ProbeError::Transport`].
     pub fn probe(&mut self) -> Result<Option<ProbeSample>, ProbeError> {
-        /// What the matching reply said.
-        enum Reading {
-            Low32(u32),
-            Full(GuestTicks),
-        }
         self.seq = self.seq.wrapping_add(1);
         let seq = self.seq;
         let now = self.transport.now();
@@ -522,39 +525,8 @@ impl<T: StampedTransport> ProbeSession<T> {
             self.stats.bad_stamps += 1;
             return Ok(self.lost());
         }
-        let window = self.reference.map(|r| r.window(stamps.send, stamps.recv));
-        let guest = match (reading, window) {
-            // The first reading after the reference was forgotten: nothing to check against.
-            (Reading::Full(g), None) => g,
-            (Reading::Full(g), Some(Some(w))) if w.contains(g) => g,
-            (Reading::Low32(low), Some(Some(w))) if w.is_unambiguous() => {
-                match w.unwrap_low32(low) {
-                    Some(g) => {
-                        self.stats.compact_samples += 1;
-                        g
-                    }
-                    None => {
-                        self.stats.out_of_window += 1;
-                        return Ok(self.lost());
-                    }
-                }
-            }
-            (Reading::Low32(_), Some(Some(_))) => {
-                self.stats.ambiguous += 1;
-                return Ok(self.lost());
-            }
-            // A full reading outside its window, or a window that is empty (a reference whose
-            // bracket ends after this one's, which in-order stamps cannot produce).
-            (Reading::Full(_), Some(_)) | (Reading::Low32(_), Some(None)) => {
-                self.stats.out_of_window += 1;
-                return Ok(self.lost());
-            }
-            // A compact probe is only sent with a reference; a lost reference makes this
-            // reply unusable.
-            (Reading::Low32(_), None) => {
-                self.stats.ambiguous += 1;
-                return Ok(self.lost());
-            }
+        let Some(guest) = self.guest_reading(reading, stamps) else {
+            return Ok(self.lost());
         };
         self.reference = Some(Reference {
             send: stamps.send,
@@ -580,6 +552,46 @@ impl<T: StampedTransport> ProbeSession<T> {
             )?;
         }
         Ok(Some(sample))
+    }
+
+    /// The guest tick a matching reply read, checked against (or, compact, unwrapped in)
+    /// the window the last reference gives for `stamps`; `None`, counted under its reason,
+    /// when it cannot be used.
+    fn guest_reading(&mut self, reading: Reading, stamps: FrameStamps) -> Option<GuestTicks> {
+        let window = self.reference.map(|r| r.window(stamps.send, stamps.recv));
+        match (reading, window) {
+            // The first reading after the reference was forgotten: nothing to check against.
+            (Reading::Full(g), None) => Some(g),
+            (Reading::Full(g), Some(Some(w))) if w.contains(g) => Some(g),
+            (Reading::Low32(low), Some(Some(w))) if w.is_unambiguous() => {
+                match w.unwrap_low32(low) {
+                    Some(g) => {
+                        self.stats.compact_samples += 1;
+                        Some(g)
+                    }
+                    None => {
+                        self.stats.out_of_window += 1;
+                        None
+                    }
+                }
+            }
+            (Reading::Low32(_), Some(Some(_))) => {
+                self.stats.ambiguous += 1;
+                None
+            }
+            // A full reading outside its window, or a window that is empty (a reference whose
+            // bracket ends after this one's, which in-order stamps cannot produce).
+            (Reading::Full(_), Some(_)) | (Reading::Low32(_), Some(None)) => {
+                self.stats.out_of_window += 1;
+                None
+            }
+            // A compact probe is only sent with a reference; a lost reference makes this
+            // reply unusable.
+            (Reading::Low32(_), None) => {
+                self.stats.ambiguous += 1;
+                None
+            }
+        }
     }
 
     /// Whether a probe with sequence number `seq` was sent in this session: one of the last

@@ -1,5 +1,5 @@
 //! Beacon mode of `record --from-memory`: the guest's sync beacons, bracketed by the host's own
-//! `kvm:kvm_pio` exits ([`crate::probe::anchor::BeaconChain`]), become samples of the guest's
+//! `kvm:kvm_pio` exits ([`crate::exits::BeaconChain`]), become samples of the guest's
 //! clock against host time, one round per ring per drain round. They place the records of a
 //! guest whose clock is not the raw TSC, and they check KVM's mapping for one whose header says
 //! it is (docs/memory-reader.md, "Beacon brackets").
@@ -7,8 +7,8 @@
 use vmtsync_core::estimate::ProbeSample;
 use vmtsync_core::{GuestTicks, HostTicks};
 
+use crate::exits::{AnchorStats, BeaconChain, ChainBroken, MAX_EXITS, PioTrace};
 use crate::guestmem::{GuestRecord, RingCounts};
-use crate::probe::anchor::{AnchorStats, BeaconChain, ChainBroken, MAX_EXITS, PioTrace};
 
 /// Beacon records read but not yet bracketed, at most (each ring's oldest dropped first).
 const MAX_WAITING_RECORDS: usize = 4096;

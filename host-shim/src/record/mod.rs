@@ -2,23 +2,26 @@
 //! trace file (trace-cmd's trace.dat, JSON Lines or CTF).
 //!
 //! Stages, read forward: a front end, then placement, then output.
-//! - `session.rs` (`--connect`): the probe session described below.
-//! - `memory.rs` (`--from-memory`): the guest's recorder read out of its VMM's memory, each
-//!   raw-TSC record placed exactly by KVM's debugfs mapping ([`run_record_memory`]).
+//! - `session.rs` (`--connect`): the probe session described below (its batch accounting in
+//!   `ledger.rs`).
+//! - `memory/` (`--from-memory`): the guest's recorder read out of its VMM's memory, each
+//!   raw-TSC record placed exactly by KVM's debugfs mapping ([`run_record_memory`]), or by
+//!   the guest's sync beacons bracketed by the host's exits; `launch.rs` starts its VMM paused.
+//! - `error.rs`: why a recording failed, typed for the CLI's exit codes.
 //! - `place.rs`: every vCPU's segments, an event's host interval, the recording's counters.
 //! - `write.rs`: where events go while recording and every format's writer.
 //!
 //! The session: hello, an initial sync round, then event drains
-//! ([`ProbeSession::drain_events`]) interleaved with a re-sync round every `resync`, with the
+//! ([`crate::probe::ProbeSession::drain_events`]) interleaved with a re-sync round every `resync`, with the
 //! same probe engine and estimators as `vmtsync probe --continuous` (each round becomes a
-//! [`SyncSegment`]). It ends after `events` events, after `duration`, on the stop flag
+//! [`crate::syncfile::SyncSegment`]). It ends after `events` events, after `duration`, on the stop flag
 //! (SIGINT/SIGTERM in the CLI) or when the agent ends the session; whatever was received is
 //! written either way, and the summary says why it ended.
 //!
 //! Every event is placed with the segment that covers its guest tick (the last one whose
 //! `guest_start` is at or before it; the first one before that), the same rule a sync file's
 //! conversion and the trace.dat TIME_SHIFT use; its guaranteed host interval comes from
-//! [`bounds::host_bounds`].
+//! [`crate::syncfile::bounds::host_bounds`].
 //!
 //! Memory is constant in the number of events: JSON Lines are streamed; for trace.dat the events
 //! go to a spool file (32 bytes each) and are written when the segments are all known, as raw
@@ -29,51 +32,39 @@
 //! every line flushed so far.
 
 mod beacons;
+mod error;
 pub mod launch;
+mod ledger;
 mod memory;
 mod place;
 mod session;
 mod spool;
 pub(crate) mod write;
 
-use std::io;
-use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::path::PathBuf;
+use std::time::Duration;
 
-use thiserror::Error;
-use vmtsync_core::HostTicks;
-use vmtsync_core::estimate::{EstimateError, ProbeSample};
-use vmtsync_core::mapping::KvmTscMapping;
-use vmtsync_core::proto::{EventBatch, EventClock};
+use crate::formats::tracedat::FileVersion;
+use crate::probe::ProbeOptions;
+use crate::syncfile::bounds::Placement;
 
-use crate::formats::perfetto::PerfettoWriter;
-use crate::formats::perfetto::clock::{BootClock, ClockSnapshot};
-use crate::formats::tracedat::{
-    self, FileVersion, ShiftMode, TimeShift, TraceDatWriter, WriterOptions,
-};
-use crate::link::ConnectOptions;
-use crate::link::StampedTransport;
-use crate::link::connect::{self};
-use crate::probe::anchor;
-use crate::probe::continuous::{Cumulative, segment};
-use crate::probe::{
-    ConsoleLog, ProbeError, ProbeLog, ProbeOptions, ProbeSession, ProbeSummary, Progress,
-};
-use crate::syncfile::{SyncHeader, SyncSegment, SyncWriter};
-
-use crate::formats::jsonl::{EVENT_SCHEMA, JsonlWriter, Line};
-use crate::syncfile::bounds::{self, Placement};
-
+pub use error::{MemoryError, RecordError, Unplaceable};
 pub use memory::{DEFAULT_POLL, MemoryOptions, MemorySummary, run_record_memory};
-use place::{Placed, State};
-#[cfg(test)]
-use place::{WIDTH_SAMPLE, Widths};
-use session::Ledger;
-#[cfg(test)]
-use session::account;
 pub use session::{run_record, run_record_on};
 pub use write::host_tsc2nsec;
-use write::{Out, Target, finish, trace_id};
+
+// What `write.rs` still takes through its `use super::*` (the last such prelude in this
+// module: that file's own imports are its owner's to make explicit).
+use {
+    crate::formats::jsonl::JsonlWriter,
+    crate::formats::perfetto::PerfettoWriter,
+    crate::formats::perfetto::clock::{BootClock, ClockSnapshot},
+    crate::formats::tracedat::{self, ShiftMode, TimeShift, TraceDatWriter, WriterOptions},
+    place::{Placed, State},
+    std::path::Path,
+    vmtsync_core::HostTicks,
+    vmtsync_core::mapping::KvmTscMapping,
+};
 
 /// The output format of `vmtsync record`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -231,73 +222,17 @@ pub struct RecordSummary {
     pub host_time: HostTime,
 }
 
-/// Why `vmtsync record` failed.
-#[derive(Debug, Error)]
-pub enum RecordError {
-    /// The session failed (connect, hello, a probe round, a drain).
-    #[error(transparent)]
-    Probe(#[from] ProbeError),
-    /// Writing the trace.dat failed.
-    #[error(transparent)]
-    TraceDat(#[from] tracedat::TraceDatError),
-    /// Writing the Perfetto trace failed.
-    #[error(transparent)]
-    Perfetto(#[from] crate::formats::perfetto::PerfettoError),
-    /// Writing the CTF trace failed.
-    #[error(transparent)]
-    Ctf(#[from] crate::formats::ExportError),
-    /// Writing the output failed.
-    #[error("writing {path}: {source}")]
-    Io {
-        /// The file.
-        path: PathBuf,
-        /// The error.
-        source: io::Error,
-    },
-    /// The agent records no events (its capabilities lack `EVENTS`).
-    #[error(
-        "the guest agent records no events (its capabilities lack EVENTS): link the vmtsync recorder into it (see vmtsync-core's recorder docs), or boot vmtsync-agent with workload= or events="
-    )]
-    NoEvents,
-    /// No sync round produced a segment, so no event can be placed on the host timeline:
-    /// `NoSamples` when every probe was lost, else why the last round's samples were refused.
-    #[error(
-        "no sync round produced a segment, so no event can be placed on the host timeline: {}",
-        crate::probe::refusal_text(*.0)
-    )]
-    NoSync(EstimateError),
-    /// Reading the guest's recorder out of its VMM's memory failed (`--from-memory`).
-    #[error("reading the guest's recorder from memory: {0}")]
-    Memory(String),
-    /// Events were read but none could be placed on the host timeline (`--from-memory`):
-    /// the output holds none of them.
-    #[error(
-        "read {read} events from the guest's recorder but could place none on the host \
-         timeline, so {} holds no event: {why}",
-        out.display()
-    )]
-    Unplaced {
-        /// Events read.
-        read: u64,
-        /// The output written.
-        out: PathBuf,
-        /// Why, and what to do.
-        why: String,
-    },
-}
-
-impl RecordError {
-    fn io(path: &Path) -> impl FnOnce(io::Error) -> Self + '_ {
-        move |source| Self::Io {
-            path: path.to_owned(),
-            source,
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
+    use std::path::Path;
+
+    use vmtsync_core::proto::{EventBatch, EventClock};
+
+    use super::ledger::{Ledger, account};
+    use super::place::{WIDTH_SAMPLE, Widths};
     use super::*;
+    use crate::formats::tracedat;
+    use crate::probe::Progress;
 
     #[test]
     fn batch_indices_count_gaps_and_replays_exactly() {

@@ -1,7 +1,15 @@
 //! The placement stage both front ends share: every vCPU's segments (from sync rounds or
 //! from KVM's own mapping), the counters of a recording, and an event's host interval.
 
-use super::*;
+use vmtsync_core::estimate::EstimateError;
+
+use super::ledger::Ledger;
+use super::spool::{self, Spool};
+use crate::formats::jsonl::{EVENT_SCHEMA, Line};
+use crate::formats::perfetto::clock::ClockSnapshot;
+use crate::probe::continuous::Cumulative;
+use crate::syncfile::bounds::{self, Placement};
+use crate::syncfile::{SyncSegment, SyncWriter};
 
 /// One event on its way to the output.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -272,10 +280,7 @@ impl State {
 
     /// Two-sided placement: the summary's widths are those of the final placement, with
     /// every round known (one more pass over the spool).
-    pub(super) fn final_widths(&mut self, out: &mut Out) {
-        let Out::Held { spool, .. } = out else {
-            return;
-        };
+    pub(super) fn final_widths(&mut self, spool: &mut Spool) {
         let Ok(recs) = spool.iter() else {
             return;
         };

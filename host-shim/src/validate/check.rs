@@ -15,8 +15,8 @@ use std::collections::BTreeMap;
 use serde::Serialize;
 
 use super::report::{LagStats, MAX_LISTED, ProbeReport, SegmentWorst, quantiles, signed};
+use crate::exits::PioExit;
 use crate::ftrace::format::PioDirection;
-use crate::probe::anchor::PioExit;
 use crate::syncfile::SyncSegment;
 use crate::syncfile::bounds::{Placement, covering, place};
 
@@ -354,7 +354,34 @@ pub fn check_placed(
     rules: &[EventRule],
     how: Placement,
 ) -> ValidateReport {
-    let mut r = ValidateReport {
+    let mut c = Checker {
+        r: empty_report(segments, rules, numbering, how),
+        segments,
+        how,
+        lags: Vec::new(),
+        side_lags: [Vec::new(), Vec::new()],
+        worst: BTreeMap::new(),
+        event_widths: Vec::new(),
+    };
+    let exits_of = exits_by_thread(exits, threads, events, &mut c.r.unpaired_exits);
+    for (vcpu, port) in groups(events) {
+        let exits = threads
+            .get(&vcpu)
+            .and_then(|pid| exits_of.get(&(*pid, port)))
+            .map_or(&[][..], Vec::as_slice);
+        c.group(vcpu, port, events, exits, numbering);
+    }
+    c.finish(events)
+}
+
+/// A report with nothing checked yet.
+fn empty_report(
+    segments: Option<&[SyncSegment]>,
+    rules: &[EventRule],
+    numbering: Numbering,
+    how: Placement,
+) -> ValidateReport {
+    ValidateReport {
         schema: REPORT_SCHEMA,
         placement: segments.map(|_| match how {
             Placement::TwoSided => PlacementName::TwoSided,
@@ -382,12 +409,25 @@ pub fn check_placed(
         segments: Vec::new(),
         first_violations: Vec::new(),
         probes: None,
-    };
-    let mut lags = Vec::new();
-    let mut side_lags: [Vec<i64>; 2] = [Vec::new(), Vec::new()];
-    let mut worst: BTreeMap<(u32, u64), SegmentWorst> = BTreeMap::new();
-    let mut event_widths = Vec::new();
-    // Each thread's exits, port by port.
+    }
+}
+
+/// The (vCPU, port) pairs the events name, in order.
+fn groups(events: &[IoEvent]) -> Vec<(u32, u16)> {
+    let mut groups: Vec<(u32, u16)> = events.iter().map(|e| (e.vcpu, e.port)).collect();
+    groups.sort_unstable();
+    groups.dedup();
+    groups
+}
+
+/// Each thread's exits, port by port, in time order; the exits of a thread no vCPU maps to,
+/// and those on a port no event of its vCPU names, are counted in `unpaired`.
+fn exits_by_thread(
+    exits: &[PioExit],
+    threads: &BTreeMap<u32, u32>,
+    events: &[IoEvent],
+    unpaired: &mut u64,
+) -> BTreeMap<(u32, u16), Vec<PioExit>> {
     let mut exits_of: BTreeMap<(u32, u16), Vec<PioExit>> = BTreeMap::new();
     for e in exits {
         exits_of
@@ -397,168 +437,224 @@ pub fn check_placed(
     }
     for ((pid, _), v) in &mut exits_of {
         if !threads.values().any(|p| p == pid) {
-            r.unpaired_exits += v.len() as u64;
+            *unpaired += v.len() as u64;
         }
         v.sort_by_key(|e| e.ts);
     }
-    let mut groups: Vec<(u32, u16)> = events.iter().map(|e| (e.vcpu, e.port)).collect();
-    groups.sort_unstable();
-    groups.dedup();
+    let groups = groups(events);
     // A thread's exits on a port no event names are not in any step.
     for ((pid, port), v) in &exits_of {
         let named = groups
             .iter()
             .any(|&(vcpu, p)| p == *port && threads.get(&vcpu) == Some(pid));
         if !named && threads.values().any(|p| p == pid) {
-            r.unpaired_exits += v.len() as u64;
+            *unpaired += v.len() as u64;
         }
     }
-    for (vcpu, port) in groups {
-        let mine: Vec<SyncSegment> = segments
+    exits_of
+}
+
+/// An event's host time, its guaranteed interval, and the segment (or recorded round) that
+/// gave them: by the sync file's segments of its vCPU (`mine`) when there is one, else as
+/// `record` claimed them (checked even with a centre outside its own interval).
+fn convert(
+    e: &IoEvent,
+    vcpu: u32,
+    mine: &[SyncSegment],
+    sync_file: bool,
+    how: Placement,
+) -> Option<(SegmentWorst, (u64, u64, u64))> {
+    if sync_file {
+        let s = covering(mine, e.guest_tsc)?;
+        let p = place(mine, e.guest_tsc, how)?;
+        Some((SegmentWorst::of(vcpu, s), (p.host, p.lo, p.hi)))
+    } else {
+        let c = e.recorded?;
+        Some((SegmentWorst::of_round(vcpu, c.round), (c.host, c.lo, c.hi)))
+    }
+}
+
+/// Each step's sequence number (`None`: not numbered), by `numbering`.
+fn numbers(
+    st: &[Step],
+    numbering: Numbering,
+    by_seq: &BTreeMap<(u64, Side), IoEvent>,
+    converted_host: impl Fn(&IoEvent) -> Option<u64>,
+) -> Vec<Option<u64>> {
+    match numbering {
+        Numbering::FromBoot => number(st, 0, st.first().map_or(0, |s| u64::from(s.low))),
+        Numbering::Nearest => {
+            // One event and one step close in time anchor the numbering: the first step and
+            // the event converted nearest it, or the first event and the step nearest it,
+            // whichever pair is closer (the later of the two traces' starts lies in both).
+            let converted: Vec<(u64, u64)> = by_seq
+                .values()
+                .filter_map(|e| Some((e.seq, converted_host(e)?)))
+                .collect();
+            let from_step = st.first().and_then(|s0| {
+                converted
+                    .iter()
+                    .map(|&(seq, h)| (0, seq, h.abs_diff(s0.out_ts)))
+                    .min_by_key(|&(_, _, d)| d)
+            });
+            let from_event = converted
+                .first()
+                .and_then(|&(seq, h)| nearest_step(st, h).map(|(j, d)| (j, seq, d)));
+            match [from_step, from_event]
+                .into_iter()
+                .flatten()
+                .min_by_key(|&(_, _, d)| d)
+            {
+                Some((j, seq, _)) => number(st, j, nearest_with_low(seq, st[j].low)),
+                None => Vec::new(),
+            }
+        }
+    }
+}
+
+/// The check under way: the report, and what its statistics are made from.
+struct Checker<'a> {
+    r: ValidateReport,
+    segments: Option<&'a [SyncSegment]>,
+    how: Placement,
+    lags: Vec<i64>,
+    /// Before-out, after-in.
+    side_lags: [Vec<i64>; 2],
+    worst: BTreeMap<(u32, u64), SegmentWorst>,
+    event_widths: Vec<u64>,
+}
+
+impl Checker<'_> {
+    /// The events of `vcpu` on `port` against that vCPU thread's exits on it.
+    fn group(
+        &mut self,
+        vcpu: u32,
+        port: u16,
+        events: &[IoEvent],
+        exits: &[PioExit],
+        numbering: Numbering,
+    ) {
+        let mine: Vec<SyncSegment> = self
+            .segments
             .unwrap_or_default()
             .iter()
             .filter(|s| s.vcpu == vcpu)
             .copied()
             .collect();
-        // The host time, its guaranteed interval, and the segment (or recorded round) that
-        // gave them.
-        let convert = |e: &IoEvent| -> Option<(SegmentWorst, (u64, u64, u64))> {
-            if segments.is_some() {
-                let s = covering(&mine, e.guest_tsc)?;
-                let p = place(&mine, e.guest_tsc, how)?;
-                Some((SegmentWorst::of(vcpu, s), (p.host, p.lo, p.hi)))
-            } else {
-                // Checked as `record` claimed them, even a centre outside its own interval.
-                let c = e.recorded?;
-                Some((SegmentWorst::of_round(vcpu, c.round), (c.host, c.lo, c.hi)))
-            }
-        };
+        let (sync_file, how) = (self.segments.is_some(), self.how);
+        let conv = |e: &IoEvent| convert(e, vcpu, &mine, sync_file, how);
         // Events by sequence number and side.
         let mut by_seq: BTreeMap<(u64, Side), IoEvent> = BTreeMap::new();
         for e in events.iter().filter(|e| (e.vcpu, e.port) == (vcpu, port)) {
             by_seq.insert((e.seq, e.side), *e);
         }
-        let exits = threads
-            .get(&vcpu)
-            .and_then(|pid| exits_of.get(&(*pid, port)))
-            .map_or(&[][..], Vec::as_slice);
-        let st = steps(exits, &mut r.unpaired_exits);
-        let seqs = match numbering {
-            Numbering::FromBoot => number(&st, 0, st.first().map_or(0, |s| u64::from(s.low))),
-            Numbering::Nearest => {
-                // One event and one step close in time anchor the numbering: the first step
-                // and the event converted nearest it, or the first event and the step nearest
-                // it, whichever pair is closer (the later of the two traces' starts lies in
-                // both).
-                let converted: Vec<(u64, u64)> = by_seq
-                    .values()
-                    .filter_map(|e| Some((e.seq, convert(e)?.1.0)))
-                    .collect();
-                let from_step = st.first().and_then(|s0| {
-                    converted
-                        .iter()
-                        .map(|&(seq, h)| (0, seq, h.abs_diff(s0.out_ts)))
-                        .min_by_key(|&(_, _, d)| d)
-                });
-                let from_event = converted
-                    .first()
-                    .and_then(|&(seq, h)| nearest_step(&st, h).map(|(j, d)| (j, seq, d)));
-                match [from_step, from_event]
-                    .into_iter()
-                    .flatten()
-                    .min_by_key(|&(_, _, d)| d)
-                {
-                    Some((j, seq, _)) => number(&st, j, nearest_with_low(seq, st[j].low)),
-                    None => Vec::new(),
-                }
-            }
-        };
+        let st = steps(exits, &mut self.r.unpaired_exits);
+        let seqs = numbers(&st, numbering, &by_seq, |e| conv(e).map(|c| c.1.0));
         let step_of: BTreeMap<u64, Step> = seqs
             .iter()
             .zip(&st)
             .filter_map(|(n, s)| Some(((*n)?, *s)))
             .collect();
         for e in by_seq.values() {
-            let Some((seg, (host, lo, hi))) = convert(e) else {
-                r.unconverted_events += 1;
+            let Some((seg, placed)) = conv(e) else {
+                self.r.unconverted_events += 1;
                 continue;
             };
-            event_widths.push(hi.saturating_sub(lo));
-            let Some(step) = step_of.get(&e.seq) else {
-                r.unmatched_events += 1;
-                continue;
-            };
-            // The tight side is the event's own I/O; the loose side the neighbouring step's.
-            let (exit_lo, exit_hi, lag) = match e.side {
-                Side::BeforeOut => {
-                    let prev = e.seq.checked_sub(1).and_then(|p| step_of.get(&p));
-                    (
-                        prev.map(|p| p.in_ts),
-                        Some(step.out_ts),
-                        signed(step.out_ts, host),
-                    )
-                }
-                Side::AfterIn => {
-                    let next = step_of.get(&(e.seq + 1));
-                    (
-                        Some(step.in_ts),
-                        next.map(|n| n.out_ts),
-                        signed(host, step.in_ts),
-                    )
-                }
-            };
-            r.checked += 1;
-            match e.side {
-                Side::BeforeOut => r.before_out += 1,
-                Side::AfterIn => r.after_in += 1,
+            self.event(vcpu, e, seg, placed, &step_of);
+        }
+    }
+
+    /// One event placed at `host` in `[lo, hi]` by segment `seg`, against its steps.
+    fn event(
+        &mut self,
+        vcpu: u32,
+        e: &IoEvent,
+        seg: SegmentWorst,
+        (host, lo, hi): (u64, u64, u64),
+        step_of: &BTreeMap<u64, Step>,
+    ) {
+        let r = &mut self.r;
+        self.event_widths.push(hi.saturating_sub(lo));
+        let Some(step) = step_of.get(&e.seq) else {
+            r.unmatched_events += 1;
+            return;
+        };
+        // The tight side is the event's own I/O; the loose side the neighbouring step's.
+        let (exit_lo, exit_hi, lag) = match e.side {
+            Side::BeforeOut => {
+                let prev = e.seq.checked_sub(1).and_then(|p| step_of.get(&p));
+                (
+                    prev.map(|p| p.in_ts),
+                    Some(step.out_ts),
+                    signed(step.out_ts, host),
+                )
             }
-            let outside = exit_lo.is_some_and(|l| host < l) || exit_hi.is_some_and(|h| host > h);
-            let bound_false = exit_lo.is_some_and(|l| hi < l) || exit_hi.is_some_and(|h| lo > h);
-            lags.push(lag);
-            side_lags[usize::from(e.side == Side::AfterIn)].push(lag);
-            let w = worst.entry((vcpu, seg.round)).or_insert(seg);
-            if segments.is_none() {
-                w.width = w.width.max(signed(hi, lo));
+            Side::AfterIn => {
+                let next = step_of.get(&(e.seq + 1));
+                (
+                    Some(step.in_ts),
+                    next.map(|n| n.out_ts),
+                    signed(host, step.in_ts),
+                )
             }
-            w.add(lag, outside || bound_false);
-            w.wrong_side += u64::from(outside);
-            if outside || bound_false {
-                r.violations += 1;
-                r.bound_violations += u64::from(bound_false);
-                if r.first_violations.len() < MAX_LISTED {
-                    r.first_violations.push(Violation {
-                        vcpu,
-                        seq: e.seq,
-                        side: e.side,
-                        guest_tsc: e.guest_tsc,
-                        host_tsc: host,
-                        host_lo: lo,
-                        host_hi: hi,
-                        exit_lo,
-                        exit_hi,
-                        round: seg.round,
-                        bound_false,
-                    });
-                }
+        };
+        r.checked += 1;
+        match e.side {
+            Side::BeforeOut => r.before_out += 1,
+            Side::AfterIn => r.after_in += 1,
+        }
+        let outside = exit_lo.is_some_and(|l| host < l) || exit_hi.is_some_and(|h| host > h);
+        let bound_false = exit_lo.is_some_and(|l| hi < l) || exit_hi.is_some_and(|h| lo > h);
+        self.lags.push(lag);
+        self.side_lags[usize::from(e.side == Side::AfterIn)].push(lag);
+        let w = self.worst.entry((vcpu, seg.round)).or_insert(seg);
+        if self.segments.is_none() {
+            w.width = w.width.max(signed(hi, lo));
+        }
+        w.add(lag, outside || bound_false);
+        w.wrong_side += u64::from(outside);
+        if outside || bound_false {
+            r.violations += 1;
+            r.bound_violations += u64::from(bound_false);
+            if r.first_violations.len() < MAX_LISTED {
+                r.first_violations.push(Violation {
+                    vcpu,
+                    seq: e.seq,
+                    side: e.side,
+                    guest_tsc: e.guest_tsc,
+                    host_tsc: host,
+                    host_lo: lo,
+                    host_hi: hi,
+                    exit_lo,
+                    exit_hi,
+                    round: seg.round,
+                    bound_false,
+                });
             }
         }
     }
-    r.lag = quantiles(lags);
-    let [before, after] = side_lags;
-    r.lag_before_out = quantiles(before);
-    r.lag_after_in = quantiles(after);
-    r.segments = worst.into_values().collect();
-    // The rounds of the vCPUs whose events were checked, each once (a vCPU may use several
-    // ports).
-    let vcpus: std::collections::BTreeSet<u32> = events.iter().map(|e| e.vcpu).collect();
-    let round_widths = segments
-        .unwrap_or_default()
-        .iter()
-        .filter(|s| vcpus.contains(&s.vcpu))
-        .map(|s| s.offset_hi.abs_diff(s.offset_lo))
-        .collect();
-    r.widths = Widths::of(event_widths, round_widths);
-    r
+
+    /// The statistics into the report.
+    fn finish(self, events: &[IoEvent]) -> ValidateReport {
+        let mut r = self.r;
+        r.lag = quantiles(self.lags);
+        let [before, after] = self.side_lags;
+        r.lag_before_out = quantiles(before);
+        r.lag_after_in = quantiles(after);
+        r.segments = self.worst.into_values().collect();
+        // The rounds of the vCPUs whose events were checked, each once (a vCPU may use
+        // several ports).
+        let vcpus: std::collections::BTreeSet<u32> = events.iter().map(|e| e.vcpu).collect();
+        let round_widths = self
+            .segments
+            .unwrap_or_default()
+            .iter()
+            .filter(|s| vcpus.contains(&s.vcpu))
+            .map(|s| s.offset_hi.abs_diff(s.offset_lo))
+            .collect();
+        r.widths = Widths::of(self.event_widths, round_widths);
+        r
+    }
 }
 
 #[cfg(test)]

@@ -10,10 +10,10 @@ use std::path::{Path, PathBuf};
 use super::check::{EventRule, IoEvent, Numbering, Recorded, Side, ValidateReport, check_placed};
 use super::probes::{ProbeChecker, ports_of, read_probe_log};
 use super::report::ValidateError;
+use crate::exits::PioExit;
 use crate::formats::tracedat::consts::option;
 use crate::formats::tracedat::{for_each_record, read_event_formats, read_layout};
 use crate::ftrace::format::{EventFormat, KVM_PIO, KvmPioLayout};
-use crate::probe::anchor::PioExit;
 use crate::syncfile::{LineRead, SyncFile, read_line_bounded};
 
 /// Event id the agent's workload records right before its `out`

@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 use super::report::{
     MAX_LISTED, ProbeReport, ProbeViolation, SegmentWorst, ValidateError, quantiles, signed,
 };
-use crate::probe::anchor::{PioExit, match_sync_port, match_uart};
+use crate::exits::{PioExit, match_sync_port, match_uart};
 use crate::probe::log::{PROBE_LOG_SCHEMA, ProbeExchange, ProbePath};
 use crate::syncfile::bounds::{covering, host_bounds};
 use crate::syncfile::{LineRead, SyncSegment, read_line_bounded};
@@ -216,8 +216,8 @@ pub fn ports_of(e: &ProbeExchange) -> std::ops::RangeInclusive<u16> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::exits::COM1_DATA;
     use crate::ftrace::format::{KvmPio, PioDirection};
-    use crate::probe::anchor::COM1_DATA;
     use crate::syncfile::{AnchorKind, OffsetModel};
 
     const OFFSET: i64 = 7_000_000_000;

@@ -215,7 +215,7 @@ fn sigint_during_an_anchored_run_removes_the_instance() {
 /// chardev: the probes must be bracketed on the sync port the hello announced, and every
 /// sample must bracket the skewed truth (rate 1.0001), in every session.
 fn boot_vcpu_sync_port_brackets_in_ring_0_hold_a_skewed_truth() {
-    use vmtsync::probe::anchor::DEFAULT_SYNC_PORT;
+    use vmtsync::exits::DEFAULT_SYNC_PORT;
     use vmtsync_core::proto::Features;
 
     let _one_instance = vmtsync_tests::anchor_lock();
@@ -293,7 +293,8 @@ fn boot_vcpu_sync_port_brackets_in_ring_0_hold_a_skewed_truth() {
 /// skew, announces the sync port in its hello, and every probe's bracket is its own `in` /
 /// `out` pair on that port.
 fn sync_port_anchored_probes_over_vsock_bracket_a_skewed_truth() {
-    use vmtsync::probe::anchor::{DEFAULT_SYNC_PORT, Matcher, prepare_matcher};
+    use vmtsync::exits::{DEFAULT_SYNC_PORT, Matcher};
+    use vmtsync::probe::anchor::prepare_matcher;
     use vmtsync_core::proto::Features;
     use vmtsync_tests::vmm::client::{probe_run, wait_ready};
     use vmtsync_tests::vmm::vsock::{VsockRig, ensure_vhost_device_vsock};

@@ -12,7 +12,7 @@
 use std::path::{Path, PathBuf};
 
 use serde_json::Value;
-use vmtsync::probe::anchor::DEFAULT_SYNC_PORT;
+use vmtsync::exits::DEFAULT_SYNC_PORT;
 use vmtsync_tests::truth::{GuestTruth, Skew};
 
 use crate::util::{HostTrace, QemuAgent, qemu_pio_trace_ready, text, trace_cmd, wait_vcpu_thread};

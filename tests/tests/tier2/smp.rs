@@ -327,9 +327,10 @@ fn exit_anchored_probes_of_every_vcpu_hold_their_truths() {
 /// its own TSC read, so the bracket of a probe of vCPU N comes from vCPU N's own exits, and
 /// every sample of every vCPU must bracket that vCPU's truth.
 fn sync_port_brackets_come_from_each_vcpus_own_exits() {
+    use vmtsync::exits::{DEFAULT_SYNC_PORT, Matcher};
     use vmtsync::link::ConnectOptions;
     use vmtsync::link::connect::connect_until_stopped;
-    use vmtsync::probe::anchor::{DEFAULT_SYNC_PORT, Matcher, prepare_matcher};
+    use vmtsync::probe::anchor::prepare_matcher;
     use vmtsync::probe::{ProbeSession, ProbeSummary, Progress};
     use vmtsync::syncfile::AnchorKind;
     use vmtsync_core::proto::Features;

@@ -133,7 +133,7 @@ pub(crate) fn anchor_ready(test: &str) -> bool {
     vm_ready(test)
         && require(
             test,
-            vmtsync::ftrace::find_tracefs(None, vmtsync::probe::anchor::EVENT).is_ok(),
+            vmtsync::ftrace::find_tracefs(None, vmtsync::exits::EVENT).is_ok(),
             "no tracefs with events/kvm/kvm_pio (mount tracefs, load kvm)",
         )
 }

@@ -171,7 +171,7 @@ fn a_real_runs_probes_validate_and_a_shifted_sync_file_is_caught_on_them() {
         .map(|p| {
             let mut p = p.clone();
             p["path"] = "uart".into();
-            p["port"] = vmtsync::probe::anchor::COM1_DATA.into();
+            p["port"] = vmtsync::exits::COM1_DATA.into();
             format!("{p}\n")
         })
         .collect();

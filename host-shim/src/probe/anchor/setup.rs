@@ -10,7 +10,8 @@
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use super::{AnchoredTransport, COM1_DATA, DEFAULT_SYNC_PORT, Matcher, PioTrace};
+use super::AnchoredTransport;
+use crate::exits::{COM1_DATA, DEFAULT_SYNC_PORT, Matcher, PioTrace};
 use crate::kvm::debugfs::{DEFAULT_KVM_DEBUGFS, KvmDebugfs};
 use crate::kvm::procinfo::{DEFAULT_PROC_ROOT, ProcFs};
 use crate::kvm::scan::{Scanner, VmSelector};
@@ -120,7 +121,8 @@ fn open_trace(
     wait: Duration,
 ) -> Result<PioTrace, String> {
     // The instance first: without tracefs or root there is nothing to wait for.
-    crate::ftrace::find_tracefs(o.tracefs.as_deref(), super::EVENT).map_err(|e| e.to_string())?;
+    crate::ftrace::find_tracefs(o.tracefs.as_deref(), crate::exits::EVENT)
+        .map_err(|e| e.to_string())?;
     let deadline = Instant::now() + wait;
     let (_, threads) = loop {
         match vcpu_threads(o) {

@@ -8,7 +8,9 @@ use vmtsync_core::proto::MAX_FRAME_SIZE;
 
 use vmtsync_core::proto::{Features, Message, decode_frame};
 
-use super::{AnchorStats, Matcher, PioTrace, UartBracket, Unmatched, match_sync_port, match_uart};
+use crate::exits::{
+    AnchorStats, Matcher, PioTrace, UartBracket, Unmatched, match_sync_port, match_uart,
+};
 use crate::link::transport::{FrameStamps, Received, StampedTransport, TransportError};
 use crate::syncfile::AnchorKind;
 
@@ -322,7 +324,7 @@ impl<T: StampedTransport> StampedTransport for AnchoredTransport<T> {
 /// One exchange's bracket by `matcher` among `exits`, with the UART's exits when it matched
 /// there.
 fn match_one(
-    exits: &[super::PioExit],
+    exits: &[crate::exits::PioExit],
     matcher: Matcher,
     request: &[u8],
     reply: Option<&[u8]>,
@@ -343,8 +345,8 @@ fn match_one(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::exits::{COM1_DATA, DEFAULT_SYNC_PORT, PioExit};
     use crate::ftrace::format::{KvmPio, PioDirection};
-    use crate::probe::anchor::{COM1_DATA, DEFAULT_SYNC_PORT, PioExit};
 
     fn exit(ts: u64, port: u16, direction: PioDirection, val: u8) -> PioExit {
         PioExit {

@@ -59,9 +59,9 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
+use vmtsync::exits::{COM1_DATA, DEFAULT_SYNC_PORT, Matcher};
 use vmtsync::link::StampedTransport;
 use vmtsync::probe::ProbeSession;
-use vmtsync::probe::anchor::{COM1_DATA, DEFAULT_SYNC_PORT, Matcher};
 use vmtsync_core::estimate::{ProbeSample, TRACE_CMD_PTP_SYNC_LOOP};
 use vmtsync_core::mapping::KvmTscMapping;
 use vmtsync_core::proto::Message;

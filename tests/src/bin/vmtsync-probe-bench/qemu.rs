@@ -24,10 +24,9 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
+use vmtsync::exits::{Matcher, UartBracket};
 use vmtsync::kvm::scan::VmSelector;
-use vmtsync::probe::anchor::{
-    AnchorMode, AnchorOptions, AnchoredTransport, Matcher, UartBracket, prepare_matcher,
-};
+use vmtsync::probe::anchor::{AnchorMode, AnchorOptions, AnchoredTransport, prepare_matcher};
 use vmtsync_core::mapping::KvmTscMapping;
 use vmtsync_tests::ChildGuard;
 use vmtsync_tests::vmm::client::{PipeExchange, PipeTransport, wait_ready};

@@ -19,11 +19,10 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
+use vmtsync::exits::{DEFAULT_SYNC_PORT, Matcher};
 use vmtsync::kvm::scan::VmSelector;
 use vmtsync::link::{FrameStamps, Received, StampedTransport, TransportError};
-use vmtsync::probe::anchor::{
-    AnchorMode, AnchorOptions, AnchoredTransport, DEFAULT_SYNC_PORT, Matcher, prepare_matcher,
-};
+use vmtsync::probe::anchor::{AnchorMode, AnchorOptions, AnchoredTransport, prepare_matcher};
 use vmtsync_core::HostTicks;
 use vmtsync_core::mapping::KvmTscMapping;
 use vmtsync_tests::vmm::client::wait_ready;

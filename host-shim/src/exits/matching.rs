@@ -179,8 +179,8 @@ pub fn match_sync_port(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::exits::COM1_DATA;
     use crate::ftrace::format::KvmPio;
-    use crate::probe::anchor::COM1_DATA;
     use proptest::prelude::*;
 
     const T: u32 = 77;

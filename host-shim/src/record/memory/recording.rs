@@ -1,0 +1,775 @@
+//! A memory recording's steps: [`Armed`] (the VMM's memory opened, the recorder's header
+//! found, the mode chosen), then [`Recording`]: drain rounds that place and write what they
+//! read, a guest's restarts, the beacons read last, and the summaries.
+
+use std::time::{Duration, Instant};
+
+use super::mapping::{
+    Reading, Side, across_change, exact_at, exact_placed, exact_segment, read_mappings,
+};
+use super::mode::{
+    Mode, exact_list, mode_for, start_beacons, start_trace, use_samples, write_sync_out,
+};
+use super::vmm::{EXIT_GRACE, find_again, is_restart, vmm_gone, vmm_gone_within};
+use super::{BootCounts, MemoryOptions, MemorySummary};
+use crate::exits::PioTrace;
+use crate::formats::perfetto::clock::ClockSnapshot;
+use crate::guestmem::{
+    self, DrainError, Drainer, Found, GuestClock, GuestRecord, PollSummary, ProcMemory,
+};
+use crate::kvm::hosttsc::read_host_tsc;
+use crate::kvm::procinfo::ProcFs;
+use crate::probe::Progress;
+use crate::record::beacons::Beacons;
+use crate::record::error::MemoryError;
+use crate::record::place::{State, VcpuSync, boot_key};
+use crate::record::write::{Out, Target, finish, trace_id};
+use crate::record::{EndReason, HostTime, RecordError, RecordFormat, RecordSummary};
+use crate::syncfile::bounds::Placement;
+
+/// How a recording ended: why, or the error that ended it (what was read is still written).
+pub(super) type Ended = Result<EndReason, RecordError>;
+
+/// Whether SIGINT/SIGTERM asked the recording to stop.
+fn stopped(opts: &MemoryOptions) -> bool {
+    opts.stop
+        .is_some_and(|s| s.load(std::sync::atomic::Ordering::Relaxed))
+}
+
+/// Why the recording should end now (a stop, or its duration past), if it should.
+fn ended(opts: &MemoryOptions, started: Instant) -> Option<EndReason> {
+    if stopped(opts) {
+        Some(EndReason::Stopped)
+    } else if opts.duration.is_some_and(|d| started.elapsed() >= d) {
+        Some(EndReason::Duration)
+    } else {
+        None
+    }
+}
+
+/// The first step: the VMM's memory open, the early trace running, the guest resumed, its
+/// recorder's header found and the mode its records are placed in chosen.
+pub(super) struct Armed {
+    proc: ProcFs,
+    mem: ProcMemory,
+    found: Found,
+    /// `--beacon-port`'s trace, started before the header was found.
+    early: Option<(PioTrace, u16)>,
+    /// The host time before a paused VMM was resumed.
+    armed_at: Option<u64>,
+    mode: Mode,
+    /// The header says its records hold the raw TSC.
+    raw: bool,
+}
+
+impl Armed {
+    /// Opens the VMM's memory, starts `--beacon-port`'s trace, resumes a paused VMM and waits
+    /// for the guest to publish its recorder.
+    pub(super) fn arm(opts: &MemoryOptions) -> Result<Self, RecordError> {
+        let proc = ProcFs::new(&opts.proc_root);
+        let mut mem = ProcMemory::open(&proc, opts.vm.id.pid).map_err(MemoryError::from)?;
+        // `--beacon-port`: the trace runs before the guest can emit a beacon we would not see.
+        let early = match opts.beacon_port {
+            Some(port) => {
+                let trace = start_trace(opts.tracefs.as_deref(), &proc, &opts.vm, port).map_err(
+                    |e| match e {
+                        // Beacon mode needs it; exact mode is not known before the header is
+                        // found.
+                        MemoryError::Trace { port, source, .. } => MemoryError::Trace {
+                            port,
+                            needed: !opts.trust_raw_tsc,
+                            source,
+                        },
+                        e => e,
+                    },
+                )?;
+                Some((trace, port))
+            }
+            None => None,
+        };
+        // A paused VMM: every guest exit comes after this host time, taken with the trace (if
+        // any) already running and before the guest runs its first instruction.
+        let armed_at = match &opts.paused {
+            Some(resume) => {
+                let t = read_host_tsc().0;
+                resume.cont().map_err(MemoryError::from)?;
+                Some(t)
+            }
+            None => None,
+        };
+        let found = wait_for_header(&mut mem, opts)?;
+        let port = found.header.beacon_port;
+        if let Some((_, armed)) = &early
+            && *armed != port
+        {
+            return Err(MemoryError::PortMismatch {
+                armed: *armed,
+                addr: found.addr,
+                named: port,
+            }
+            .into());
+        }
+        let raw = found.header.clock == GuestClock::RawTsc;
+        let mode =
+            mode_for(raw, port, opts.trust_raw_tsc).map_err(|why| MemoryError::Unplaceable {
+                addr: found.addr,
+                why,
+            })?;
+        Ok(Self {
+            proc,
+            mem,
+            found,
+            early,
+            armed_at,
+            mode,
+            raw,
+        })
+    }
+}
+
+/// The guest publishes its header at run time: waits for it, wherever it is to appear (a
+/// scan, a named address or a guest-physical one finds nothing valid before).
+fn wait_for_header(mem: &mut ProcMemory, opts: &MemoryOptions) -> Result<Found, MemoryError> {
+    let deadline = Instant::now() + opts.find_timeout;
+    loop {
+        match guestmem::find(mem, opts.location) {
+            Ok(f) => return Ok(f),
+            Err(e) if e.not_yet() && Instant::now() < deadline && !stopped(opts) => {
+                // Soon after it appears: a beacon-mode recording brackets beacons from the
+                // second after the first read on.
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            Err(source) if source.not_yet() => {
+                return Err(MemoryError::NotPublished {
+                    waited: opts.find_timeout,
+                    source,
+                });
+            }
+            Err(e) => return Err(MemoryError::Find(e)),
+        }
+    }
+}
+
+/// A recording under way: everything its rounds share, from the first drain round to the
+/// written file.
+pub(super) struct Recording<'a> {
+    opts: &'a MemoryOptions,
+    proc: ProcFs,
+    mem: ProcMemory,
+    mode: Mode,
+    raw: bool,
+    port: u16,
+    /// The first boot's rings (vCPUs).
+    vcpus: Vec<u32>,
+    /// KVM's mapping is read (records that hold the raw TSC, and a mapping that can be read).
+    use_mapping: bool,
+    /// The boot drained now, its rings, and where its rings' vCPUs start in the state.
+    boot: u32,
+    rings: u32,
+    base: usize,
+    /// KVM's mapping at the end of the last round.
+    last: Vec<Reading>,
+    beacons: Option<Beacons>,
+    target: Target,
+    st: State,
+    out: Out,
+    drainer: Drainer,
+    /// The current boot's counts.
+    cur: BootCounts,
+    ms: MemorySummary,
+    /// The round's records.
+    pending: Vec<GuestRecord>,
+    started: Instant,
+    /// The first and last rounds that delivered records.
+    active: Option<(Instant, Instant)>,
+    /// Each ring's head when a stop or the duration was seen: the rounds after it read
+    /// everything the guest stored until then (however many rounds that takes), and stop
+    /// there.
+    stop_heads: Option<Vec<u64>>,
+    /// When the last TSC/BOOTTIME snapshot was taken.
+    last_clock: Instant,
+}
+
+impl<'a> Recording<'a> {
+    /// The state before the first round: boot 0's mappings as its first segments, the
+    /// beacons' trace (beacon mode, or a check of exact mode), the output created.
+    pub(super) fn start(opts: &'a MemoryOptions, armed: Armed) -> Result<Self, RecordError> {
+        let Armed {
+            proc,
+            mem,
+            found,
+            early,
+            armed_at,
+            mode,
+            raw,
+        } = armed;
+        let port = found.header.beacon_port;
+        let rings = found.header.vcpus;
+        let vcpus: Vec<u32> = (0..rings).collect();
+        // The mapping is read only for records that hold the raw TSC. In beacon mode a
+        // mapping exact mode refuses (a scaled TSC, a nested guest) only loses the exact
+        // points.
+        let mut use_mapping = raw;
+        if raw
+            && mode == Mode::Beacons
+            && let Err(e) = read_mappings(&opts.vm, rings)
+        {
+            eprintln!(
+                "vmtsync: note: no exact points from KVM's mapping ({e}); the beacons place every event"
+            );
+            use_mapping = false;
+        }
+        let last = if use_mapping {
+            read_mappings(&opts.vm, rings)?
+        } else {
+            Vec::new()
+        };
+        let armed = match early {
+            // Armed before the guest ran (a paused VMM): chains bracket from beacon 0.
+            Some((trace, port)) => Ok(Some(Beacons::new(trace, port, vcpus.len(), armed_at))),
+            None => start_beacons(opts.tracefs.as_deref(), &proc, &opts.vm, &vcpus, port, mode),
+        };
+        let beacons = match armed {
+            Ok(b) => b,
+            Err(why) if mode == Mode::Exact => {
+                if port != 0 {
+                    eprintln!("vmtsync: warning: beacons not checked against KVM's mapping: {why}");
+                }
+                None
+            }
+            Err(why) => return Err(why.into()),
+        };
+        let target = Target {
+            out: opts.out.clone(),
+            format: opts.format,
+            file_version: opts.file_version,
+            source: format!("memory of VMM {} at {:#x}", opts.vm.id.pid, found.addr),
+            spans: opts.spans.clone(),
+        };
+        let placement = match mode {
+            Mode::Exact => Placement::OneSided,
+            Mode::Beacons => Placement::TwoSided,
+        };
+        // Boot 0's keys are its rings' numbers.
+        let mut st = State::new(&vcpus, None, placement);
+        st.keyed = true;
+        for (v, r) in st.vcpus.iter_mut().zip(&last) {
+            let seg = exact_segment(v.vcpu, 0, 0, *r);
+            exact_list(v, mode).push(seg);
+        }
+        st.round = 1;
+        // Host TSC/BOOTTIME snapshots for the Perfetto output (it needs two or more): one
+        // now, one a second while draining, and the one its writer takes at the end.
+        st.clocks.extend(ClockSnapshot::take().ok());
+        let out = Out::create(&target, placement)?;
+        Ok(Self {
+            opts,
+            proc,
+            mem,
+            mode,
+            raw,
+            port,
+            vcpus,
+            use_mapping,
+            boot: 0,
+            rings,
+            base: 0,
+            last,
+            beacons,
+            target,
+            st,
+            out,
+            drainer: Drainer::new(&found, guestmem::DEFAULT_MAX_PER_ROUND),
+            cur: BootCounts {
+                nonce: found.header.nonce,
+                rings,
+                ..BootCounts::default()
+            },
+            ms: MemorySummary {
+                header_addr: found.addr,
+                capacity: found.header.capacity,
+                ..MemorySummary::default()
+            },
+            pending: Vec::new(),
+            started: Instant::now(),
+            active: None,
+            stop_heads: None,
+            last_clock: Instant::now(),
+        })
+    }
+
+    /// KVM's mapping of the current boot's `n` vCPUs, or none when it is not used.
+    fn read_all(&self, n: u32) -> Result<Vec<Reading>, RecordError> {
+        if self.use_mapping {
+            Ok(read_mappings(&self.opts.vm, n)?)
+        } else {
+            Ok(Vec::new())
+        }
+    }
+
+    /// `failed` unless the VMM turns out to have exited meanwhile: then its end.
+    fn unless_gone(&self, failed: RecordError) -> Ended {
+        if vmm_gone_within(&self.proc, &self.opts.vm, EXIT_GRACE) {
+            Ok(EndReason::VmmExited)
+        } else {
+            Err(failed)
+        }
+    }
+
+    /// Drain rounds until the recording ends. `Err`: a failure that leaves nothing to write.
+    pub(super) fn drain(&mut self, progress: &mut Progress) -> Result<Ended, RecordError> {
+        loop {
+            if let Some(end) = self.round(progress)? {
+                return Ok(end);
+            }
+        }
+    }
+
+    /// One drain round: read the rings, re-read KVM's mapping, place and write the records,
+    /// make the beacons' segments. `Some`: the recording ends.
+    fn round(&mut self, progress: &mut Progress) -> Result<Option<Ended>, RecordError> {
+        let now_end = ended(self.opts, self.started);
+        if let (Some(e), Some(heads)) = (now_end, &self.stop_heads)
+            && self
+                .drainer
+                .counts()
+                .iter()
+                .zip(heads)
+                .all(|(c, &h)| c.next >= h)
+        {
+            return Ok(Some(Ok(e)));
+        }
+        self.pending.clear();
+        let round_start = Instant::now();
+        let before = read_host_tsc().0;
+        let pending = &mut self.pending;
+        let polled = self.drainer.poll(&mut self.mem, &mut |r| pending.push(*r));
+        let after = read_host_tsc().0;
+        self.ms.polls += 1;
+        if now_end.is_some() && self.stop_heads.is_none() && polled.is_ok() {
+            self.stop_heads = Some(self.drainer.counts().iter().map(|c| c.head).collect());
+        }
+        let summary = match polled {
+            Ok(s) => s,
+            // The guest reset (or re-published its recorder): everything its old rings held
+            // until the header changed was delivered; the next header starts a new boot.
+            Err(e) if is_restart(&e) && !vmm_gone(&self.proc, &self.opts.vm) => {
+                return Ok(self.restart(&e, progress));
+            }
+            // A VMM that exited takes its memory with it: what was read is written.
+            Err(e) => return Ok(Some(self.unless_gone(MemoryError::Drain(e).into()))),
+        };
+        // The mapping after the round: every record just read was written before it.
+        let now = match self.read_all(self.rings) {
+            Ok(n) => n,
+            Err(e) => return Ok(Some(self.unless_gone(e))),
+        };
+        let changed = self.mapping_changes(&now);
+        self.place_round(&now, &changed)?;
+        self.beacon_rounds(before, after, &now)?;
+        self.last = now;
+        self.after_round(round_start, progress);
+        if self.opts.events.is_some_and(|n| self.st.events >= n) {
+            return Ok(Some(Ok(EndReason::Events)));
+        }
+        self.idle(&summary);
+        Ok(None)
+    }
+
+    /// A guest restart: the old boot's counts kept, the new header waited for, and the new
+    /// boot's rings, mappings and beacon chains set up. `Some`: the recording ends.
+    fn restart(&mut self, e: &DrainError, progress: &mut Progress) -> Option<Ended> {
+        self.cur.add(self.drainer.counts());
+        let old_nonce = self.cur.nonce;
+        self.ms.boots.push(std::mem::take(&mut self.cur));
+        progress.clear();
+        eprintln!(
+            "vmtsync: boot {}: {e}; waiting for the guest to publish its recorder again",
+            self.boot
+        );
+        let (opts, started) = (self.opts, self.started);
+        let f = match find_again(&mut self.mem, opts, &self.proc, old_nonce, &|| {
+            ended(opts, started)
+        }) {
+            Ok(f) => f,
+            Err(end) => return Some(end),
+        };
+        if f.header.beacon_port != self.port || (f.header.clock == GuestClock::RawTsc) != self.raw {
+            return Some(Err(MemoryError::Restarted { addr: f.addr }.into()));
+        }
+        self.boot += 1;
+        self.rings = f.header.vcpus;
+        self.base = self.st.vcpus.len();
+        // KVM's mapping of the new boot, read anew: a reset may change a vCPU's offset.
+        self.last = match self.read_all(self.rings) {
+            Ok(n) => n,
+            Err(e) => return Some(self.unless_gone(e)),
+        };
+        for r in 0..self.rings {
+            self.st.vcpus.push(VcpuSync::new(boot_key(self.boot, r)));
+        }
+        for (k, r) in self.last.iter().enumerate() {
+            let key = self.st.vcpus[self.base + k].vcpu;
+            let seg = exact_segment(key, self.st.round, 0, *r);
+            exact_list(&mut self.st.vcpus[self.base + k], self.mode).push(seg);
+        }
+        self.st.round += 1;
+        if let Some(b) = &mut self.beacons {
+            b.new_boot(self.port, self.rings as usize);
+        }
+        eprintln!(
+            "vmtsync: boot {}: the recorder at {:#x}, nonce {:#x}",
+            self.boot, f.addr, f.header.nonce
+        );
+        self.drainer = Drainer::new(&f, guestmem::DEFAULT_MAX_PER_ROUND);
+        self.cur = BootCounts {
+            nonce: f.header.nonce,
+            rings: self.rings,
+            ..BootCounts::default()
+        };
+        self.stop_heads = None;
+        None
+    }
+
+    /// Each vCPU whose mapping changed since the last round starts a new segment; returns
+    /// which changed.
+    fn mapping_changes(&mut self, now: &[Reading]) -> Vec<bool> {
+        let mut changed = vec![false; self.rings as usize];
+        for (i, (old, new)) in self.last.iter().zip(now).enumerate() {
+            if old.offset != new.offset {
+                changed[i] = true;
+                self.ms.mapping_changes += 1;
+                // From the earliest guest tick the new mapping can have started at.
+                let start = old.after.wrapping_add_signed(new.offset);
+                let seg = exact_segment(
+                    self.st.vcpus[self.base + i].vcpu,
+                    self.st.round,
+                    start,
+                    *new,
+                );
+                exact_list(&mut self.st.vcpus[self.base + i], self.mode).push(seg);
+                self.st.round += 1;
+            }
+        }
+        changed
+    }
+
+    /// The round's records: beacons to their chains, events placed (exact mode) or spooled
+    /// for the end (beacon mode) and written.
+    fn place_round(&mut self, now: &[Reading], changed: &[bool]) -> Result<(), RecordError> {
+        let pending = std::mem::take(&mut self.pending);
+        let result = pending
+            .iter()
+            .try_for_each(|r| self.place_record(r, now, changed));
+        self.pending = pending;
+        result
+    }
+
+    /// One record of the round (see [`Recording::place_round`]).
+    fn place_record(
+        &mut self,
+        r: &GuestRecord,
+        now: &[Reading],
+        changed: &[bool],
+    ) -> Result<(), RecordError> {
+        let st = &mut self.st;
+        if r.is_beacon() {
+            self.ms.beacons += 1;
+            self.cur.beacons += 1;
+            if let Some(b) = &mut self.beacons {
+                b.record(r);
+            }
+            return Ok(());
+        }
+        if self.opts.events.is_some_and(|n| st.events >= n) {
+            self.ms.past_limit += 1;
+            return Ok(());
+        }
+        if self.mode == Mode::Beacons {
+            // Spooled: its host time is given when the recording ends, with the beacons on
+            // both sides of it.
+            self.out
+                .push(&exact_placed(r, self.boot, 0, 0), &self.opts.out)?;
+            st.events += 1;
+            return Ok(());
+        }
+        let i = r.vcpu as usize;
+        let (host, round) = if changed.get(i).copied().unwrap_or(false) {
+            match across_change(r.tsc, self.last[i], now[i]) {
+                Some(Side::Old(h)) => (h, st.round - 2),
+                Some(Side::New(h)) => (h, st.round - 1),
+                None => {
+                    self.ms.ambiguous += 1;
+                    return Ok(());
+                }
+            }
+        } else {
+            let Some(p) = exact_at(&st.vcpus[self.base + i].segments, r.tsc) else {
+                st.unplaceable += 1;
+                return Ok(());
+            };
+            p
+        };
+        self.out
+            .push(&exact_placed(r, self.boot, host, round), &self.opts.out)?;
+        st.widths.push(0);
+        st.events += 1;
+        Ok(())
+    }
+
+    /// After a round: the read rate's window, a clock snapshot a second, the progress line.
+    fn after_round(&mut self, round_start: Instant, progress: &mut Progress) {
+        if !self.pending.is_empty() {
+            // The round's records are placed and written: its end counts in the rate.
+            let end = Instant::now();
+            self.active = Some((self.active.map_or(round_start, |(first, _)| first), end));
+            self.ms.active_rounds += 1;
+            self.ms.records += self.pending.len() as u64;
+        }
+        if self.last_clock.elapsed() >= Duration::from_secs(1) {
+            self.last_clock = Instant::now();
+            self.st.clocks.extend(ClockSnapshot::take().ok());
+        }
+        progress.status(&format!(
+            "vmtsync record: {} events from guest memory, {} lost",
+            self.st.events,
+            self.drainer
+                .counts()
+                .iter()
+                .map(|c| c.overwritten + c.corrupt)
+                .sum::<u64>()
+        ));
+    }
+
+    /// Idle (the round found nothing more): waits for the guest, but sees a stop or the end
+    /// of the duration at once.
+    fn idle(&self, summary: &PollSummary) {
+        if summary.more || self.stop_heads.is_some() {
+            return;
+        }
+        let wake = Instant::now() + self.opts.poll;
+        while ended(self.opts, self.started).is_none() {
+            let left = wake.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            std::thread::sleep(left.min(Duration::from_millis(10)));
+        }
+    }
+
+    /// The beacons read last wait for a count past them: one more read of the rings, unless
+    /// the VMM is gone, brackets them (its events are past the end and not written).
+    pub(super) fn last_beacons(&mut self, result: &Ended) -> Result<(), RecordError> {
+        let Some(b) = &mut self.beacons else {
+            return Ok(());
+        };
+        if !matches!(result, Ok(end) if *end != EndReason::VmmExited) || b.waiting() == 0 {
+            return Ok(());
+        }
+        std::thread::sleep(self.opts.poll.max(Duration::from_millis(10)));
+        let beacons_before = self.ms.beacons;
+        let before = read_host_tsc().0;
+        let (past, read) = (&mut self.ms.past_limit, &mut self.ms.beacons);
+        let polled = self.drainer.poll(&mut self.mem, &mut |r| {
+            if r.is_beacon() {
+                *read += 1;
+                b.record(r);
+            } else {
+                *past += 1;
+            }
+        });
+        let after = read_host_tsc().0;
+        self.cur.beacons += self.ms.beacons - beacons_before;
+        if polled.is_ok() {
+            let now = self.read_all(self.rings).unwrap_or_default();
+            self.beacon_rounds(before, after, &now)?;
+        }
+        Ok(())
+    }
+
+    /// The beacons' samples of the rounds read between host times `before` and `after`,
+    /// checked against KVM's mapping around them (`now` and the last round's) and, in beacon
+    /// mode, made segments.
+    fn beacon_rounds(
+        &mut self,
+        before: u64,
+        after: u64,
+        now: &[Reading],
+    ) -> Result<(), RecordError> {
+        let Some(b) = &mut self.beacons else {
+            return Ok(());
+        };
+        let counts = self.drainer.counts().to_vec();
+        let rounds = b.round(&counts, before, after);
+        use_samples(
+            b,
+            &mut self.st,
+            &mut self.out,
+            &self.target,
+            self.mode,
+            rounds,
+            &[now, &self.last],
+            self.base,
+        )
+    }
+
+    /// The end: the counts summed, the final placement of beacon mode, `--sync-out`, the
+    /// output finished, and the summaries.
+    pub(super) fn finish(
+        mut self,
+        result: Ended,
+    ) -> Result<(RecordSummary, MemorySummary), RecordError> {
+        self.sum_counts();
+        // A raw-TSC guest whose beacons disagree with KVM's mapping does not record the raw
+        // TSC: the mapping gives no point then, the beacons do.
+        let exact_points = self.use_mapping && self.ms.beacon_stats.disagree == 0;
+        if !exact_points {
+            for v in &mut self.st.vcpus {
+                v.exact.clear();
+            }
+        }
+        if self.mode == Mode::Beacons {
+            if let Out::Held { spool, .. } = &mut self.out {
+                self.st.final_widths(spool);
+            }
+            if self.ms.beacon_stats.bracketed == 0 && self.st.unplaceable > 0 {
+                eprintln!(
+                    "vmtsync: warning: no beacon was bracketed, so no event could be placed: \
+                     beacon mode needs the guest to emit beacons while the reader runs (the \
+                     first two after its first read are not used){}",
+                    if self.raw {
+                        "; --trust-raw-tsc places raw-TSC records by KVM's mapping alone"
+                    } else {
+                        ""
+                    }
+                );
+            }
+        }
+        self.ms.unverified = self.st.unverified;
+        if let Some(path) = &self.opts.sync_out {
+            write_sync_out(path, &self.target.source, &self.st)?;
+        }
+        let Self {
+            out,
+            target,
+            st,
+            ms,
+            opts,
+            mode,
+            raw,
+            vcpus,
+            ..
+        } = self;
+        let written = finish(out, &target, &st);
+        let end = result?;
+        let (preconverted, clamped) = written?;
+        let done = Done {
+            opts,
+            mode,
+            raw,
+            vcpus,
+            target,
+            st,
+            ms,
+        };
+        done.summaries(end, exact_points, preconverted, clamped)
+    }
+
+    /// The counts of every boot, and the beacons', into the memory summary.
+    fn sum_counts(&mut self) {
+        let ms = &mut self.ms;
+        ms.drain = self
+            .active
+            .map_or(Duration::ZERO, |(first, last)| last - first);
+        ms.elapsed = self.started.elapsed();
+        self.cur.add(self.drainer.counts());
+        ms.boots.push(std::mem::take(&mut self.cur));
+        for c in &ms.boots {
+            ms.overwritten += c.overwritten;
+            ms.refused += c.refused;
+            ms.corrupt += c.corrupt;
+        }
+        if let Some(b) = &self.beacons {
+            ms.beacon_stats = b.stats.clone();
+            ms.beacon_stats.unbracketed += b.waiting() as u64;
+        }
+    }
+}
+
+/// The last step: a recording whose output is written, and what its summaries need.
+struct Done<'a> {
+    opts: &'a MemoryOptions,
+    mode: Mode,
+    raw: bool,
+    vcpus: Vec<u32>,
+    target: Target,
+    st: State,
+    ms: MemorySummary,
+}
+
+impl Done<'_> {
+    /// The two summaries of a recording that wrote its output, or [`RecordError::Unplaced`]
+    /// when events were read but none could be placed (an empty output is no success).
+    fn summaries(
+        self,
+        end: EndReason,
+        exact_points: bool,
+        preconverted: bool,
+        clamped: u64,
+    ) -> Result<(RecordSummary, MemorySummary), RecordError> {
+        let (st, ms, opts) = (&self.st, self.ms, self.opts);
+        let unplaced = st.unplaceable + ms.ambiguous;
+        if st.events == 0 && unplaced > 0 {
+            return Err(RecordError::Unplaced {
+                read: unplaced,
+                out: opts.out.clone(),
+                why: if self.raw {
+                    "no beacon was bracketed and KVM's mapping could not be used".into()
+                } else {
+                    "the header says its records do not hold the raw TSC, so only bracketed \
+                     beacons can place them, and none was (attach before the guest emits its \
+                     beacons, or keep it emitting them while the reader runs)"
+                        .into()
+                },
+            });
+        }
+        let summary = RecordSummary {
+            events: st.events,
+            dropped: ms.refused,
+            overwritten: ms.overwritten,
+            segments: st.segments(),
+            breaks: match self.mode {
+                Mode::Exact => st.segments(),
+                Mode::Beacons => st.breaks,
+            },
+            widths: st.widths.summary(),
+            host_stamped_skipped: 0,
+            unplaceable: unplaced,
+            lost: ms.corrupt,
+            replayed: 0,
+            failed_drains: 0,
+            preconverted,
+            clamped,
+            end,
+            vcpu: 0,
+            vcpus: self.vcpus,
+            trace_id: if opts.format == RecordFormat::TraceCmd {
+                trace_id(&self.target, st)
+            } else {
+                0
+            },
+            out: opts.out.clone(),
+            console_bytes: 0,
+            console: None,
+            host_time: match (self.mode, self.raw) {
+                (Mode::Exact, _) => HostTime::ExactDebugfs,
+                (Mode::Beacons, true) if exact_points && st.unverified == st.events => {
+                    HostTime::ExactUnverified
+                }
+                (Mode::Beacons, true) if exact_points => HostTime::BeaconsExactPoints,
+                (Mode::Beacons, _) => HostTime::Beacons,
+            },
+        };
+        Ok((summary, ms))
+    }
+}

@@ -73,7 +73,7 @@ pub enum Command {
     /// host's CLOCK_BOOTTIME, one track per vCPU (docs/perfetto.md). SIGINT/SIGTERM end the
     /// recording cleanly; everything received is written.
     #[command(after_help = EXIT_CODES)]
-    Record(RecordArgs),
+    Record(Box<RecordArgs>),
     /// Draw a sync file as an SVG: per vCPU, the offset estimate and its guaranteed interval
     /// over host time, exit-anchored and in-process segments in their own colours, segment
     /// breaks marked.

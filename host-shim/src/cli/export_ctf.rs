@@ -24,6 +24,9 @@ pub struct CtfArgs {
     /// the same clock as a guest trace, so babeltrace2 lines both up.
     #[arg(long, value_enum, value_name = "EVENTS")]
     pub host_events: Option<HostEvents>,
+    /// How span records' function addresses are named.
+    #[command(flatten)]
+    pub names: super::spans::SpanArgs,
 }
 
 /// `--host-events`.
@@ -87,7 +90,7 @@ pub(super) fn run_export_ctf(a: &CtfArgs) -> Result<(), CliError> {
     }
     let src = formats::open(&a.from)?;
     let kind = src.kind();
-    let s = ctf::export_guest(src, &a.out, &opts, &crate::spans::SpanConfig::default())?;
+    let s = ctf::export_guest(src, &a.out, &opts, &a.names.config()?)?;
     let known = match kind {
         formats::InputKind::Jsonl => "guest TSC, host TSC and guaranteed interval",
         formats::InputKind::TraceDatShifted => {

@@ -25,17 +25,14 @@ pub struct PerfettoArgs {
     /// The name of the guest's process track.
     #[arg(long, value_name = "NAME", default_value = "vmtsync guest")]
     pub name: String,
+    /// How span records' function addresses are named.
+    #[command(flatten)]
+    pub names: super::spans::SpanArgs,
 }
 
 /// Runs `vmtsync export perfetto`.
 pub(super) fn run_export_perfetto(a: &PerfettoArgs) -> Result<(), CliError> {
-    let s = perfetto::export_file(
-        &a.from,
-        &a.out,
-        a.machine_id,
-        &a.name,
-        &crate::spans::SpanConfig::default(),
-    )?;
+    let s = perfetto::export_file(&a.from, &a.out, a.machine_id, &a.name, &a.names.config()?)?;
     eprintln!("{}", perfetto_summary(&s, &a.out));
     Ok(())
 }

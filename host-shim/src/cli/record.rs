@@ -65,6 +65,9 @@ pub struct RecordArgs {
     /// Debugfs and /proc (for --vm).
     #[command(flatten)]
     pub source: super::source::SourceArgs,
+    /// How span records' function addresses are named.
+    #[command(flatten)]
+    pub names: super::spans::SpanArgs,
 }
 
 /// The flags of the protocol front end: a guest agent over a link. `--from-memory` refuses
@@ -316,7 +319,8 @@ pub(super) fn run_record_cmd(a: &RecordArgs) -> Result<(), CliError> {
         return host_copy(host, &s);
     };
     install_stop_handler();
-    let opts = a.to_options(connect, Some(stop_flag()));
+    let mut opts = a.to_options(connect, Some(stop_flag()));
+    opts.spans = a.names.config()?;
     let mut progress = Progress::stderr_if_terminal(opts.probe.progress);
     let s = record::run_record(&opts, &mut progress)?;
     eprintln!("{}", summary_text(&s));
@@ -462,7 +466,7 @@ fn run_record_memory_cmd(
         paused: vmm.as_ref().map(record::launch::Vmm::resume),
         sync_out: a.sync_out.clone(),
         tracefs: a.tracefs.clone(),
-        spans: crate::spans::SpanConfig::default(),
+        spans: a.names.config()?,
     };
     let mut progress = Progress::stderr_if_terminal(!a.no_progress);
     let result = record::run_record_memory(&opts, &mut progress);

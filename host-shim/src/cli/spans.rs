@@ -67,6 +67,17 @@ pub struct SpansArgs {
     /// with host_tsc, lo, hi, guest_tsc) to this file.
     #[arg(long, value_name = "FILE")]
     pub out: Option<PathBuf>,
+    /// Draw the spans over host time as an SVG picture (lanes per vCPU, kind and depth; open
+    /// spans hatched to the edge).
+    #[arg(long, value_name = "FILE.svg")]
+    pub svg: Option<PathBuf>,
+    /// With --svg: the host trace.dat of the same run (`record --host-trace`, x86-tsc clock),
+    /// whose `kvm_pio` exits inside the recording's time are drawn as ticks, one per exit.
+    #[arg(long, value_name = "HOST.dat", requires = "svg")]
+    pub host_trace: Option<PathBuf>,
+    /// With --host-trace: only the exits of these I/O ports (repeatable; hex with 0x).
+    #[arg(long, value_name = "PORT", requires = "host_trace", value_parser = parse_port)]
+    pub port: Vec<u16>,
     /// The host TSC frequency in Hz for times and durations (default: the kernel's, or
     /// CPUID's).
     #[arg(long, value_name = "HZ", value_parser = clap::value_parser!(u64).range(1..))]
@@ -128,5 +139,54 @@ pub fn run_spans_cmd(a: &SpansArgs) -> Result<(), CliError> {
         None => collect(source, &cfg, opts, None)?,
     };
     print!("{}", report.render(tsc_hz));
+    if let Some(svg) = &a.svg {
+        draw_picture(a, svg, &report, tsc_hz)?;
+    }
+    Ok(())
+}
+
+/// `--port`: decimal or `0x` hex.
+fn parse_port(s: &str) -> Result<u16, String> {
+    let r = match s.strip_prefix("0x").or_else(|| s.strip_prefix("0X")) {
+        Some(h) => u16::from_str_radix(h, 16),
+        None => s.parse(),
+    };
+    r.map_err(|e| format!("{s:?}: {e}"))
+}
+
+/// `--svg`: the report's spans and the host trace's exits inside the recording's time.
+fn draw_picture(
+    a: &SpansArgs,
+    svg: &std::path::Path,
+    report: &SpanReport,
+    tsc_hz: u64,
+) -> Result<(), CliError> {
+    let mut exits = Vec::new();
+    if let (Some(host), Some(first), Some(last)) =
+        (&a.host_trace, report.first_tsc, report.last_tsc)
+    {
+        let keep = |p: u16| a.port.is_empty() || a.port.contains(&p);
+        let (pio, _) = crate::validate::input::host_exits(host, keep)?;
+        exits = pio
+            .iter()
+            .filter(|e| (first..=last).contains(&e.ts))
+            .map(|e| (e.ts, format!("{:#x}", e.pio.port)))
+            .collect();
+    }
+    let title = format!("spans of {}", a.from.display());
+    let text = crate::spans::svg::draw(&report.picture, &exits, &title, tsc_hz)
+        .map_err(|e| CliError::Usage(format!("--svg: {e}")))?;
+    write_atomically(svg, |w| w.write_all(text.as_bytes())).map_err(|source| {
+        formats::ExportError::Write {
+            path: svg.to_owned(),
+            source,
+        }
+    })?;
+    eprintln!(
+        "vmtsync: wrote {}: {} spans, {} host exits",
+        svg.display(),
+        report.picture.len(),
+        exits.len()
+    );
     Ok(())
 }

@@ -81,13 +81,16 @@ fn spans_are_named_paired_and_the_unfinished_ones_marked() {
     let rec = dir.path().join("rec.jsonl");
     std::fs::write(&rec, lines.join("\n") + "\n").unwrap();
     let out = dir.path().join("spans.jsonl");
+    let svg = dir.path().join("spans.svg");
     let o = guarded_output(
         vmtsync()
             .args(["spans", "--from"])
             .arg(&rec)
             .arg("--symbols")
             .arg(&image)
-            .args(["--tsc-hz", "1000000000", "--out", out.to_str().unwrap()]),
+            .args(["--tsc-hz", "1000000000", "--out", out.to_str().unwrap()])
+            .arg("--svg")
+            .arg(&svg),
         b"",
     );
     let text = String::from_utf8_lossy(&o.stdout).into_owned();
@@ -140,6 +143,21 @@ fn spans_are_named_paired_and_the_unfinished_ones_marked() {
     );
     assert_eq!(spans[1]["begin"]["lo"].as_u64(), Some(2095));
     assert!(spans[5]["end"].is_null());
+    // The picture: valid SVG whose titles name every span drawn.
+    let text = std::fs::read_to_string(&svg).unwrap();
+    let doc = roxmltree::Document::parse(&text).expect("the picture is well-formed XML");
+    assert_eq!(doc.root_element().tag_name().name(), "svg");
+    let titles: Vec<&str> = doc
+        .descendants()
+        .filter(|n| n.has_tag_name("title"))
+        .filter_map(|n| n.text())
+        .collect();
+    for name in ["beta", "alpha", "_start", "post"] {
+        assert!(
+            titles.iter().any(|t| t.contains(name)),
+            "{name} in {titles:?}"
+        );
+    }
 }
 
 #[test]

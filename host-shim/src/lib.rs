@@ -52,5 +52,6 @@ pub mod link;
 pub mod plot;
 pub mod probe;
 pub mod record;
+pub mod spans;
 pub mod syncfile;
 pub mod validate;

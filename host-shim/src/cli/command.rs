@@ -13,6 +13,7 @@ use super::plot::{PlotArgs, run_plot_cmd};
 use super::probe::ProbeArgs;
 use super::probe::run_probe_cmd;
 use super::record::{RecordArgs, run_record_cmd};
+use super::spans::{SpansArgs, run_spans_cmd};
 use super::tsc::{TscCommand, run_tsc};
 use super::validate::{ValidateArgs, run_validate_cmd};
 
@@ -93,6 +94,17 @@ pub enum Command {
     /// (docs/validate.md).
     #[command(after_help = EXIT_CODES)]
     Validate(ValidateArgs),
+    /// A recording's spans: the guest's named phases and function calls (span records, e.g.
+    /// from `-finstrument-functions`), paired on the host timeline and named from the
+    /// guest's ELF image (`--symbols`, relocations undone).
+    ///
+    /// Prints the longest spans with the guaranteed interval of each duration, the spans the
+    /// guest was inside when the recording ended (open: their exit never came, as in a hang),
+    /// and the last spans closed before that. An exit whose entry was not seen, or an entry
+    /// whose exit will never come, is shown with its one end, never with a duration
+    /// (docs/spans.md). --out writes every span as a JSON line.
+    #[command(after_help = EXIT_CODES)]
+    Spans(SpansArgs),
     /// TSC mapping arithmetic.
     #[command(subcommand)]
     Tsc(TscCommand),
@@ -132,6 +144,7 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
         Command::Record(a) => run_record_cmd(&a),
         Command::Plot(a) => run_plot_cmd(&a),
         Command::Validate(a) => run_validate_cmd(&a),
+        Command::Spans(a) => run_spans_cmd(&a),
         Command::Tsc(c) => run_tsc(&c),
         Command::Export(c) => run_export(&c),
         Command::TraceCmd(c) => run_trace_cmd(&c),

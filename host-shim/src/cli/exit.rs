@@ -85,6 +85,14 @@ pub enum CliError {
     /// From `plot`.
     #[error(transparent)]
     Plot(#[from] crate::plot::PlotError),
+    /// `--symbols`: the image cannot be read or is not ELF.
+    #[error("--symbols {}: {source}", path.display())]
+    Symbols {
+        /// The image.
+        path: std::path::PathBuf,
+        /// Why.
+        source: crate::guestmem::elf::ElfError,
+    },
     /// `--vcpu` names no vCPU of the VM.
     #[error("VM {vm} has no vcpu{vcpu}; its vCPUs are: {available}")]
     NoVcpu {
@@ -192,6 +200,11 @@ impl CliError {
             Self::Plot(crate::plot::PlotError::SyncFile(e)) => sync_exit_code(e),
             Self::Plot(crate::plot::PlotError::Empty) => 4,
             Self::Plot(_) => 1,
+            Self::Symbols {
+                source: crate::guestmem::elf::ElfError::Read { .. },
+                ..
+            } => 1,
+            Self::Symbols { .. } => 5,
             Self::Validate(crate::validate::ValidateError::SyncFile(e)) => sync_exit_code(e),
             Self::Validate(crate::validate::ValidateError::TraceDat(
                 crate::formats::tracedat::TraceDatError::Io { .. },

@@ -49,6 +49,7 @@ pub mod probe;
 pub mod record;
 mod signals;
 pub mod source;
+pub mod spans;
 pub mod tsc;
 pub mod validate;
 

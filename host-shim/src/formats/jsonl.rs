@@ -194,6 +194,7 @@ pub struct JsonlSource {
     r: BufReader<File>,
     buf: Vec<u8>,
     line: u64,
+    boot: Option<u32>,
 }
 
 impl JsonlSource {
@@ -205,7 +206,15 @@ impl JsonlSource {
             r: BufReader::with_capacity(256 * 1024, f),
             buf: Vec::with_capacity(512),
             line: 0,
+            boot: None,
         }
+    }
+
+    /// The guest boot of the last event read (memory recordings followed across resets;
+    /// `None` for lines without one).
+    #[must_use]
+    pub fn boot(&self) -> Option<u32> {
+        self.boot
     }
 
     /// The next event, `None` at the end of the file.
@@ -237,7 +246,10 @@ impl JsonlSource {
             return Some(
                 serde_json::from_slice::<Line>(&self.buf)
                     .map_err(|e| e.to_string())
-                    .and_then(|l| l.to_event())
+                    .and_then(|l| {
+                        self.boot = l.boot;
+                        l.to_event()
+                    })
                     .map_err(|reason| self.bad(reason)),
             );
         }

@@ -98,6 +98,16 @@ impl EventSource {
     pub fn kind(&self) -> InputKind {
         self.kind
     }
+
+    /// The guest boot of the last event read: a JSON Lines memory recording followed across
+    /// guest resets numbers them 0, 1, …; 0 for every other input.
+    #[must_use]
+    pub fn boot(&self) -> u32 {
+        match &self.inner {
+            Inner::Jsonl(s) => s.boot().unwrap_or(0),
+            Inner::Dat(_) => 0,
+        }
+    }
 }
 
 #[derive(Debug)]

@@ -115,7 +115,7 @@ pub fn symbol_guest_physical_in(path: &Path, name: &str) -> Result<u64, ElfError
 }
 
 /// The image at `path`, refused beyond [`MAX_IMAGE_BYTES`].
-fn read_image(path: &Path) -> Result<Vec<u8>, ElfError> {
+pub(crate) fn read_image(path: &Path) -> Result<Vec<u8>, ElfError> {
     let read = |source| ElfError::Read {
         path: path.to_owned(),
         source,

@@ -16,5 +16,6 @@ mod plot;
 mod probe;
 mod record;
 mod record_memory;
+mod spans;
 mod sync_crash;
 mod util;

@@ -10,7 +10,10 @@
 //! `Relocating init from L to R (size N)` line is what the relocation record must say; every
 //! function address, with the relocation undone, must be a function symbol of the image
 //! (`nm out/rom.o`); and KVM's mapping of vCPU 0 (debugfs) gives each event's exact host time,
-//! which its interval must hold.
+//! which its interval must hold. `vmtsync spans` then pairs and names the recording: its
+//! counts must be the ones this test finds by pairing the records itself, every exit has its
+//! entry or is marked open, the spans' ends hold the truth, and the hung build's open spans
+//! are where it hangs.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -29,7 +32,7 @@ use crate::firmware::{
     assert_holds_truth, expected_phase_events, launch_reader, launched_qemu, payload, phase_event,
     seabios_ready, stop_reader, wait_log,
 };
-use crate::util::{count_before, have_program, lines_of, scratch, u};
+use crate::util::{count_before, have_program, lines_of, scratch, text, u, vmtsync};
 
 crate::trials!(
     ready; seabios_function_tracing_records_every_entry_and_exit_at_its_host_time,
@@ -137,6 +140,77 @@ fn pair(spans: &[(usize, SpanRecord)]) -> (usize, usize, usize, Vec<u64>) {
         }
     }
     (pairs, orphans, abandoned, stack)
+}
+
+/// `vmtsync spans --from JSONL --symbols rom.o --out …`: its report and its spans.
+fn run_spans(jsonl: &Path, rom: &Path) -> (String, Vec<serde_json::Value>) {
+    let out = jsonl.with_extension("spans.jsonl");
+    let o = vmtsync()
+        .args(["spans", "--from"])
+        .arg(jsonl)
+        .arg("--symbols")
+        .arg(rom)
+        .arg("--out")
+        .arg(&out)
+        .output()
+        .expect("vmtsync spans runs");
+    assert!(o.status.success(), "vmtsync spans: {}", text(&o.stderr));
+    (text(&o.stdout), lines_of(&out))
+}
+
+/// The names the report lists as open when the recording ended, outermost first, with their
+/// kind (`phase` or `function`).
+fn open_at_end(report: &str) -> Vec<(String, String)> {
+    report
+        .lines()
+        .skip_while(|l| !l.starts_with("open when the recording ended"))
+        .skip(1)
+        .take_while(|l| !l.trim().is_empty())
+        .filter_map(|l| {
+            let rest = l.split_once("vCPU 0 ")?.1;
+            let mut w = rest.split_whitespace();
+            Some((w.next()?.to_owned(), w.next()?.to_owned()))
+        })
+        .collect()
+}
+
+/// Checks `vmtsync spans`' spans: each is closed (both ends, in order), open (its entry only)
+/// or an orphan (its exit only); every end's guaranteed interval holds its exact host time
+/// under `kvm`; returns the count of each (state, kind).
+fn check_spans(
+    spans: &[serde_json::Value],
+    kvm: &vmtsync_core::mapping::KvmTscMapping,
+) -> BTreeMap<(String, String), u64> {
+    let mut counts = BTreeMap::new();
+    for s in spans {
+        let state = s["state"].as_str().expect("a state").to_owned();
+        let kind = s["kind"].as_str().expect("a kind").to_owned();
+        let (b, e) = (&s["begin"], &s["end"]);
+        match state.as_str() {
+            "closed" => assert!(
+                !b.is_null() && !e.is_null() && u(b, "host_tsc") <= u(e, "host_tsc"),
+                "{s}"
+            ),
+            "open" => assert!(!b.is_null() && e.is_null(), "{s}"),
+            "orphan" => assert!(b.is_null() && !e.is_null(), "{s}"),
+            other => panic!("state {other}: {s}"),
+        }
+        for end in [b, e].into_iter().filter(|x| !x.is_null()) {
+            let g = vmtsync_core::GuestTicks(u(end, "guest_tsc"));
+            let x = kvm.try_host_from_guest_ceil(g).expect("in range").0;
+            let y = kvm.try_host_from_guest_floor(g).expect("in range").0;
+            assert!(
+                u(end, "lo") <= x.min(y) && x.max(y) <= u(end, "hi"),
+                "a span's end misses its exact host time [{x}, {y}]: {s}"
+            );
+        }
+        if kind == "function" {
+            let name = s["name"].as_str().unwrap_or("");
+            assert!(!name.starts_with("0x"), "every function named: {s}");
+        }
+        *counts.entry((state, kind)).or_insert(0) += 1;
+    }
+    counts
 }
 
 fn seabios_function_tracing_records_every_entry_and_exit_at_its_host_time() {
@@ -250,6 +324,52 @@ fn seabios_function_tracing_records_every_entry_and_exit_at_its_host_time() {
     }
     let ticks: Vec<u64> = lines.iter().map(|v| u(v, "guest_tsc")).collect();
     assert!(ticks.windows(2).all(|w| w[0] <= w[1]), "records in order");
+
+    // `vmtsync spans`: the same pairing, every exit with its entry or marked open, the
+    // relocation stated, every function named, every end's interval holding the truth.
+    let (report, spans) = run_spans(&jsonl, &out.join("rom.o"));
+    println!("vmtsync spans:\n{report}");
+    let (link, runtime, len) = reloc;
+    assert!(
+        report.contains(&format!(
+            "relocation: code linked at {link:#x}..{:#x} runs at {runtime:#x}..",
+            link + len
+        )),
+        "{report}"
+    );
+    let counts = check_spans(&spans, &kvm);
+    let n = |state: &str, kind: &str| {
+        counts
+            .get(&(state.to_owned(), kind.to_owned()))
+            .copied()
+            .unwrap_or(0)
+    };
+    assert_eq!(n("closed", "function"), pairs as u64, "{counts:?}");
+    assert_eq!(n("orphan", "function"), orphans as u64, "{counts:?}");
+    assert_eq!(
+        n("open", "function"),
+        (abandoned + open.len()) as u64,
+        "{counts:?}"
+    );
+    // Every exit is a closed span's end or an orphan; every entry a closed span's begin or open.
+    assert_eq!(n("closed", "function") + n("orphan", "function"), exits);
+    assert_eq!(n("closed", "function") + n("open", "function"), entries);
+    let phase_spans: Vec<(&str, u64)> = spans
+        .iter()
+        .filter(|s| s["kind"] == "phase")
+        .map(|s| (s["name"].as_str().unwrap_or(""), u(s, "depth")))
+        .collect();
+    let want: Vec<(&str, u64)> = PHASES.iter().map(|p| (*p, 0)).collect();
+    assert_eq!(
+        phase_spans, want,
+        "every phase a closed span, at depth 0, in order"
+    );
+    assert_eq!(n("closed", "phase"), PHASES.len() as u64);
+    let listed: Vec<String> = open_at_end(&report).into_iter().map(|(_, n)| n).collect();
+    assert_eq!(
+        listed, open_names,
+        "the report's open spans are the stack left at the end"
+    );
 }
 
 /// Waits until the hung build's vCPU halts with interrupts off (QEMU's `info registers`:
@@ -363,4 +483,27 @@ fn seabios_hung_in_post_leaves_its_last_functions_open() {
     for v in &lines {
         assert_holds_truth(v, &kvm, "hung");
     }
+
+    // `vmtsync spans` shows where it hangs: open at the end, outermost first, the hung phase
+    // and the functions down to the one it hangs in.
+    let (report, spans) = run_spans(&jsonl, &out.join("rom.o"));
+    println!("vmtsync spans:\n{report}");
+    check_spans(&spans, &kvm);
+    let listed = open_at_end(&report);
+    let functions: Vec<&str> = listed
+        .iter()
+        .filter(|(k, _)| k == "function")
+        .map(|(_, n)| n.as_str())
+        .collect();
+    assert_eq!(functions, open_names, "{report}");
+    assert!(
+        listed.contains(&("phase".to_owned(), hung_phase.to_owned())),
+        "{report}"
+    );
+    assert!(
+        spans
+            .iter()
+            .any(|s| s["kind"] == "phase" && s["name"] == hung_phase && s["state"] == "open"),
+        "the hung phase is an open span"
+    );
 }

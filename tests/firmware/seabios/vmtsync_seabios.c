@@ -129,20 +129,29 @@ void vmtsync_fw_out(u32 value, u16 port, int width)
 }
 
 #ifdef VMTSYNC_FW_FUNCS
-/* Whether POST got far enough for the hooks to record. This flag lives in the BIOS's own data
- * (0xe0000-0xfffff): its stores are lost until make_bios_writable() and a reset brings back
- * the ROM's 0, so hooks that run before this POST set it (after a reset: handle_post, before
- * vmtsync_fw_init lays the recorder out afresh) record nothing. Set by each phase, it stays set
- * once make_bios_readonly() protects it again. */
+/* Whether this POST laid its recorder out: set by each phase, in the BIOS's own data
+ * (0xe0000-0xfffff), which holds the ROM's 0 at power-on (its stores are lost until
+ * make_bios_writable()) and again once SeaBIOS's reboot path restored its pristine image. A
+ * reset alone keeps it: QEMU leaves the shadowed BIOS as it was, so SeaBIOS first runs its
+ * reboot path (handle_resume32, which vmtsync-functions.patch makes call vmtsync_fw_stop). */
 static int vmtsync_fw_hooks_ready;
 
-/* The hooks record while this POST's recorder is ready and until the first boot attempt, so
- * that the counts printed there are final (boot attempts record their own events). */
+/* The hooks record once this POST's recorder is ready, until the first boot attempt (so that
+ * the counts printed there are final; boot attempts record their own events) or a reset. RAM
+ * at 16 MiB, where the stop is kept, survives the reset with the last recorder in it: without
+ * the stop, the reboot path would record into the last boot's recording. */
 static inline VMTSYNC_NOINSTR_ int vmtsync_fw_hooks_on(void)
 {
     return vmtsync_fw_hooks_ready && !vmtsync_fw_steps()->hooks_done;
 }
 #endif
+
+/* Stops the function hooks until the next POST lays its recorder out: SeaBIOS's reboot path
+ * after a reset (handle_resume32) calls it first. */
+void vmtsync_fw_stop(void)
+{
+    vmtsync_fw_steps()->hooks_done = 1;
+}
 
 /* Ends the open phase, if any, then begins phase `name` (at most 16 bytes kept), then a beacon:
  * POST's phases follow one another, each one's begin ending the one before. */

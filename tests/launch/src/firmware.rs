@@ -95,7 +95,7 @@ pub enum Variant {
     /// phases as spans, boot attempts, fw_cfg writes, beacons; a stop-when-full ring of 1024.
     Traced,
     /// [`Variant::Traced`] plus `vmtsync-functions.patch`: all of SeaBIOS's 32-bit flat code
-    /// (but the recorder, its glue, headers and `stacks.c`) built with
+    /// (but the recorder, its glue, headers, `stacks.c` and `resume.c`) built with
     /// `-finstrument-functions`, recording every function's entry and exit from the first
     /// phase to the first boot attempt, and the relocation of its init code; a flight ring of
     /// [`FUNCTIONS_CAPACITY`] records.
@@ -464,17 +464,17 @@ pub fn parse_counts(line: &str) -> Option<(u32, u64, u64)> {
 /// The debug log's `Relocating init from 0xL to 0xR (size N)` line: `(L, R, N)`.
 #[must_use]
 pub fn reloc_in(log: &str) -> Option<(u64, u64, u64)> {
-    let line = log
-        .lines()
-        .find_map(|l| l.trim().strip_prefix(RELOC_LINE))?;
-    let mut w = line.split_whitespace();
-    let hex = |s: &str| u64::from_str_radix(s.strip_prefix("0x")?, 16).ok();
-    let link = hex(w.next()?)?;
-    (w.next()? == "to").then_some(())?;
-    let runtime = hex(w.next()?)?;
-    (w.next()? == "(size").then_some(())?;
-    let len = w.next()?.strip_suffix(')')?.parse().ok()?;
-    Some((link, runtime, len))
+    // The first whole one: a reset can cut a line short.
+    log.lines().find_map(|l| {
+        let mut w = l.trim().strip_prefix(RELOC_LINE)?.split_whitespace();
+        let hex = |s: &str| u64::from_str_radix(s.strip_prefix("0x")?, 16).ok();
+        let link = hex(w.next()?)?;
+        (w.next()? == "to").then_some(())?;
+        let runtime = hex(w.next()?)?;
+        (w.next()? == "(size").then_some(())?;
+        let len = w.next()?.strip_suffix(')')?.parse().ok()?;
+        Some((link, runtime, len))
+    })
 }
 
 /// Every counts line of a debug log, in order.
@@ -508,6 +508,11 @@ mod tests {
         let log = "x\nRelocating init from 0x000d5400 to 0x07fa9360 (size 74912)\ny";
         assert_eq!(reloc_in(log), Some((0xd5400, 0x7fa_9360, 74912)));
         assert_eq!(reloc_in("Relocating init from 0x1 to"), None);
+        let cut = "Relocating init from 0x000cb4a0 to 0x06fe5880 (In resume (status=0)\n";
+        assert_eq!(
+            reloc_in(&format!("{cut}{log}")),
+            Some((0xd5400, 0x7fa_9360, 74912))
+        );
     }
 
     #[test]
@@ -574,11 +579,14 @@ mod tests {
         // docs say.
         let functions =
             std::fs::read_to_string(patch_dir().join("vmtsync-functions.patch")).unwrap();
-        assert!(added(&functions) <= 5, "{functions}");
+        assert!(added(&functions) <= 6, "{functions}");
         assert!(
-            functions.contains("-finstrument-functions-exclude-file-list=src/vmtsync,.h,stacks.c"),
+            functions.contains(
+                "-finstrument-functions-exclude-file-list=src/vmtsync,.h,stacks.c,resume.c"
+            ),
             "{functions}"
         );
+        assert!(functions.contains("+    vmtsync_fw_stop();"), "{functions}");
         assert!(functions.contains("vmtsync_fw_reloc((u32)codesrc, (u32)codedest, initsize)"));
         let hung = std::fs::read_to_string(patch_dir().join("vmtsync-hung.patch")).unwrap();
         assert_eq!(added(&hung), 1, "{hung}");

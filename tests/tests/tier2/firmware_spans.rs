@@ -21,10 +21,11 @@ use std::time::{Duration, Instant};
 
 use vmtsync_core::recorder::span::{SpanRecord, decode};
 use vmtsync_core::recorder::{FUNC_ENTRY_ID, FUNC_EXIT_ID, RELOC_ID, SPAN_BEGIN_ID, SPAN_END_ID};
+use vmtsync_launch::firmware::BOOT_EVENT;
 use vmtsync_launch::firmware::{
     self, HUNG_IN, MEMORY_MIB, PHASE_BEGIN, PHASE_END, PHASES, Variant,
 };
-use vmtsync_launch::qemu::{command_firmware, qmp_hmp};
+use vmtsync_launch::qemu::{command_firmware, command_firmware_resets, qmp_execute, qmp_hmp};
 use vmtsync_tests::require;
 use vmtsync_tests::truth::truth_mapping;
 
@@ -36,7 +37,8 @@ use crate::util::{count_before, have_program, lines_of, scratch, text, u, vmtsyn
 
 crate::trials!(
     ready; seabios_function_tracing_records_every_entry_and_exit_at_its_host_time,
-    seabios_hung_in_post_leaves_its_last_functions_open;
+    seabios_hung_in_post_leaves_its_last_functions_open,
+    seabios_function_tracing_starts_afresh_after_a_reset;
 );
 
 /// [`seabios_ready`], and `nm` for the image's symbols.
@@ -505,5 +507,137 @@ fn seabios_hung_in_post_leaves_its_last_functions_open() {
             .iter()
             .any(|s| s["kind"] == "phase" && s["name"] == hung_phase && s["state"] == "open"),
         "the hung phase is an open span"
+    );
+}
+
+/// The function hooks across a reset in the middle of POST: RAM at 16 MiB still holds the
+/// first boot's recorder, and QEMU leaves SeaBIOS's shadowed BIOS data as it was (the hooks'
+/// flag set), so SeaBIOS's reboot path (`handle_resume32`, which restores its pristine image and
+/// resets again) would record into the old recording, with the reset TSC, unless the glue turns
+/// the hooks off there. The first boot's records stay in order and on KVM's mapping of that
+/// boot; the second POST is recorded afresh (new nonce) and accounted for by its own counts.
+fn seabios_function_tracing_starts_afresh_after_a_reset() {
+    let test = "seabios_function_tracing_starts_afresh_after_a_reset";
+    let out = firmware::build(Variant::Functions).expect("the function-tracing SeaBIOS builds");
+    let dir = scratch(test);
+    let log = dir.path().join("debug.log");
+    let qmp = dir.path().join("qmp.sock");
+    let jsonl = dir.path().join("reset.jsonl");
+    let err = jsonl.with_extension("stderr");
+    let qemu = command_firmware_resets(&out.join("bios.bin"), &log, MEMORY_MIB, true);
+    let mut rec = launch_reader(
+        &qemu,
+        &jsonl,
+        &["--format", "jsonl", "--duration", "900"],
+        &[
+            "-qmp".to_owned(),
+            format!("unix:{},server=on,wait=off", qmp.display()),
+        ],
+    );
+    // Mid-POST: the init code has moved and the hooks are recording.
+    crate::memory_reset::wait_log(&log, firmware::RELOC_LINE, 1, POST_LIMIT, &mut rec, &err);
+    let pid = launched_qemu(&rec);
+    let kvm0 = truth_mapping(pid, 0).expect("truth from debugfs");
+    qmp_execute(&qmp, "system_reset", Duration::from_secs(20)).expect("QEMU resets");
+    let done = "No bootable device";
+    let text_log = crate::memory_reset::wait_log(&log, done, 1, POST_LIMIT, &mut rec, &err);
+    let kvm1 = truth_mapping(pid, 0).expect("truth from debugfs");
+    let (ok, stderr) = stop_reader(rec, &jsonl);
+    assert!(ok, "record --from-memory -- qemu: {stderr}");
+    println!(
+        "SeaBIOS with function tracing, reset mid-POST: {}",
+        stderr.trim()
+    );
+    assert!(stderr.contains(" 0 ambiguous across"), "{stderr}");
+    let lines = lines_of(&jsonl);
+    let func_ids = [FUNC_ENTRY_ID, FUNC_EXIT_ID].map(u64::from);
+    let boot = |b: u64| -> Vec<&serde_json::Value> {
+        lines
+            .iter()
+            .filter(|v| v.get("boot").and_then(serde_json::Value::as_u64) == Some(b))
+            .collect()
+    };
+    let (first, second) = (boot(0), boot(1));
+    assert_eq!(
+        first.len() + second.len(),
+        lines.len(),
+        "two boots: {stderr}"
+    );
+    // The first boot: cut short, its records in order on its own mapping (a record from the
+    // reboot path would carry the reset TSC: out of order, off this mapping).
+    let ticks: Vec<u64> = first.iter().map(|v| u(v, "guest_tsc")).collect();
+    assert!(
+        ticks.windows(2).all(|w| w[0] <= w[1]),
+        "boot 0's records in order"
+    );
+    for v in &first {
+        assert_holds_truth(v, &kvm0, "boot 0");
+    }
+    let f0 = first
+        .iter()
+        .filter(|v| func_ids.contains(&u(v, "id")))
+        .count();
+    assert!(f0 > 0, "the hooks recorded before the reset");
+    // Nothing of the reboot path after the reset (QEMU's reset need not reset the TSC, so
+    // order and mapping alone cannot tell): no function of it in the first boot's records.
+    let names = Names {
+        syms: symbols(&out.join("rom.o")),
+        reloc: firmware::reloc_in(&text_log),
+    };
+    let reboot_path = ["handle_resume32", "tryReboot", "qemu_reboot"];
+    let leaked: Vec<&str> = first
+        .iter()
+        .filter(|v| func_ids.contains(&u(v, "id")))
+        .filter_map(|v| {
+            let p = payload(v);
+            names.name(u64::from(u32::from_le_bytes(p.get(..4)?.try_into().ok()?)))
+        })
+        .filter(|n| reboot_path.contains(n))
+        .collect();
+    assert!(
+        leaked.is_empty(),
+        "the reboot path recorded into boot 0: {leaked:?}"
+    );
+    // The second: whole, its first record its first phase's begin, every record accounted for.
+    assert_eq!(
+        second.first().and_then(|v| phase_event(v)),
+        Some((true, PHASES[0].to_owned())),
+        "boot 1's first record"
+    );
+    let phases: Vec<(bool, String)> = second.iter().filter_map(|v| phase_event(v)).collect();
+    assert_eq!(phases, expected_phase_events(), "boot 1: every phase");
+    let f1 = second
+        .iter()
+        .filter(|v| func_ids.contains(&u(v, "id")))
+        .count();
+    assert!(f1 > 1000, "boot 1: {f1} function records");
+    let first_boot = second
+        .iter()
+        .position(|v| u(v, "id") == u64::from(BOOT_EVENT))
+        .expect("a boot attempt");
+    assert!(
+        second[first_boot..]
+            .iter()
+            .all(|v| !func_ids.contains(&u(v, "id"))),
+        "boot 1: no function record after the first boot attempt"
+    );
+    let &(_, produced, refused) = firmware::counts_in(&text_log)
+        .last()
+        .expect("a counts line");
+    assert_eq!(refused, 0);
+    let (_, beacons, overwritten) = crate::memory_reset::boot_counts(&stderr, 1);
+    assert_eq!(
+        second.len() as u64 + beacons + overwritten,
+        produced,
+        "boot 1: events + beacons + overwritten = its produced count: {stderr}"
+    );
+    for v in &second {
+        assert_holds_truth(v, &kvm1, "boot 1");
+    }
+    println!(
+        "reset mid-POST: boot 0 {} events ({f0} function records) before the reset; boot 1 {} \
+         events ({f1} function records), {produced} records produced",
+        first.len(),
+        second.len()
     );
 }

@@ -38,7 +38,7 @@ fn reset_ready(test: &str) -> bool {
 /// Waits (at most `limit`) until the debug log at `log` holds `what` `n` times, while the
 /// reader `rec` (whose stderr is `err`) runs: a reader that ends meanwhile (and ends the QEMU
 /// it started) fails the test with its own words.
-fn wait_log(
+pub(crate) fn wait_log(
     log: &Path,
     what: &str,
     n: usize,
@@ -67,7 +67,7 @@ fn wait_log(
 }
 
 /// Boot `b`'s (records read, beacons, overwritten) from the reader's per-boot summary line.
-fn boot_counts(stderr: &str, b: usize) -> (u64, u64, u64) {
+pub(crate) fn boot_counts(stderr: &str, b: usize) -> (u64, u64, u64) {
     let line = stderr
         .lines()
         .find(|l| l.starts_with(&format!("vmtsync: boot {b} (nonce")))

@@ -49,6 +49,12 @@ extern "C" {
 #define VMTSYNC_MAX_CAPACITY (1ULL << 31)
 #define VMTSYNC_BEACON_ID 0xFFFF
 #define VMTSYNC_RESERVED_ID_MIN 0xFF00
+/* Span records (docs/memory-layout.md, reserved ids): written only by the calls below. */
+#define VMTSYNC_SPAN_BEGIN_ID 0xFF01 /* payload: the phase's name, 1..=16 bytes */
+#define VMTSYNC_SPAN_END_ID 0xFF02   /* payload: the same name */
+#define VMTSYNC_FUNC_ENTRY_ID 0xFF03 /* payload: function, call site (4 bytes each, or 8) */
+#define VMTSYNC_FUNC_EXIT_ID 0xFF04  /* payload: as the entry's */
+#define VMTSYNC_RELOC_ID 0xFF05      /* payload: link (6 bytes), runtime (6), length (4) */
 
 /* Modes and clocks. */
 #define VMTSYNC_MODE_STOP_WHEN_FULL 0
@@ -62,7 +68,9 @@ extern "C" {
 #define VMTSYNC_ETOO_SMALL (-2)          /* the block is smaller than VMTSYNC_STORAGE_BYTES */
 #define VMTSYNC_EMISALIGNED (-3)         /* the block is null or not 64-byte aligned */
 #define VMTSYNC_ENOT_INITIALISED (-4)    /* the handle was never initialised successfully */
-#define VMTSYNC_EINVALID (-5)            /* a mode or clock out of range, null data with len > 0 */
+#define VMTSYNC_EINVALID (-5)            /* a mode or clock out of range, null data with len > 0,
+                                          * an empty or NULL span name, a relocation address that
+                                          * is not a sign-extended 48-bit value */
 #define VMTSYNC_EFULL (-6)               /* stop-when-full ring full: counted as refused */
 #define VMTSYNC_EPAYLOAD_TOO_LONG (-7)   /* more than 16 payload bytes: nothing stored or counted */
 #define VMTSYNC_ENO_SUCH_VCPU (-8)       /* no ring for that vCPU: nothing counted */
@@ -140,6 +148,21 @@ int32_t vmtsync_publish(struct vmtsync_rec *r, uint64_t nonce, uint64_t tsc_khz,
  * (VMTSYNC_EFULL, counted as refused like any event). */
 int32_t vmtsync_beacon(struct vmtsync_rec *r, uint32_t vcpu);
 
+/* Span records (docs/c-abi.md, "Spans and function tracing"). Like vmtsync_record they are
+ * for `vcpu`'s ring only, from vCPU v, and a full stop-when-full ring refuses them
+ * (VMTSYNC_EFULL, counted); checks: VMTSYNC_ENOT_INITIALISED, _ENO_SUCH_VCPU, _EINVALID.
+ *
+ * vmtsync_span_begin/_end: the phase `name` began/ended; the name's bytes up to its NUL, at
+ * most the first 16 (1..=16: an empty or NULL name is VMTSYNC_EINVALID). */
+int32_t vmtsync_span_begin(struct vmtsync_rec *r, uint32_t vcpu, const char *name);
+int32_t vmtsync_span_end(struct vmtsync_rec *r, uint32_t vcpu, const char *name);
+
+/* Code linked at [link, link + len) runs at [runtime, runtime + len) from now on (a firmware
+ * that copies its code elsewhere). Both addresses must be sign-extended 48-bit values (any
+ * 32-bit address is), else VMTSYNC_EINVALID. */
+int32_t vmtsync_reloc(struct vmtsync_rec *r, uint32_t vcpu, uint64_t link, uint64_t runtime,
+                      uint32_t len);
+
 /* Records stored on `vcpu`'s ring so far (its head), 0 for no such ring. */
 uint64_t vmtsync_produced(const struct vmtsync_rec *r, uint32_t vcpu);
 
@@ -152,11 +175,15 @@ uint64_t vmtsync_refused(const struct vmtsync_rec *r, uint32_t vcpu);
 typedef uint64_t __attribute__((may_alias)) vmtsync_u64_;
 typedef uint32_t __attribute__((may_alias)) vmtsync_u32_;
 
+/* Every function of the recorder: never instrumented by -finstrument-functions (a hook that
+ * records would otherwise call itself). */
+#define VMTSYNC_NOINSTR_ __attribute__((no_instrument_function))
+
 /* A compiler barrier. With x86's TSO (stores become visible in program order, loads are not
  * reordered with other loads) it makes each store below a release store. */
 #define VMTSYNC_BARRIER_() __asm__ __volatile__("" ::: "memory")
 
-static inline uint64_t vmtsync_rdtsc_(void) {
+static inline VMTSYNC_NOINSTR_ uint64_t vmtsync_rdtsc_(void) {
     uint32_t lo, hi;
     /* lfence: RDTSC waits for every earlier instruction. "memory": no store moves across. */
     __asm__ __volatile__("lfence\n\trdtsc" : "=a"(lo), "=d"(hi) : : "memory");
@@ -176,7 +203,7 @@ static inline uint64_t vmtsync_rdtsc_(void) {
  * the low half wraps, and then `lock cmpxchg8b` writes all 8 bytes at once (the only 8-byte
  * store without x87, MMX or SSE; LOCK makes the SDM's atomicity guarantee explicit and orders
  * it like any locked instruction). docs/c-abi.md says more. */
-static inline void vmtsync_store_inc_(volatile void *w, uint64_t old) {
+static inline VMTSYNC_NOINSTR_ void vmtsync_store_inc_(volatile void *w, uint64_t old) {
     uint64_t v = old + 1;
     if ((uint32_t)v != 0) {
         *(volatile vmtsync_u32_ *)w = (uint32_t)v;
@@ -193,7 +220,7 @@ static inline void vmtsync_store_inc_(volatile void *w, uint64_t old) {
 
 /* A data word (tsc, payload) as two halves: the reading rule never takes a slot the producer
  * may be writing, so these need no single access. */
-static inline void vmtsync_store_data_(volatile void *w, uint64_t v) {
+static inline VMTSYNC_NOINSTR_ void vmtsync_store_data_(volatile void *w, uint64_t v) {
     volatile vmtsync_u32_ *h = (volatile vmtsync_u32_ *)w;
     h[0] = (uint32_t)v;
     h[1] = (uint32_t)(v >> 32);
@@ -201,7 +228,7 @@ static inline void vmtsync_store_data_(volatile void *w, uint64_t v) {
 
 /* meta = stamp | BUSY: the low half first, so the word's only in-between state carries BUSY
  * (and the new stamp's low bits): it is never a committed record. */
-static inline void vmtsync_store_busy_(volatile void *w, uint64_t v) {
+static inline VMTSYNC_NOINSTR_ void vmtsync_store_busy_(volatile void *w, uint64_t v) {
     volatile vmtsync_u32_ *h = (volatile vmtsync_u32_ *)w;
     h[0] = (uint32_t)v;
     VMTSYNC_BARRIER_();
@@ -209,26 +236,26 @@ static inline void vmtsync_store_busy_(volatile void *w, uint64_t v) {
 }
 
 /* meta = stamp | len | id over stamp | BUSY: the high halves are equal, one 32-bit store. */
-static inline void vmtsync_store_commit_(volatile void *w, uint64_t v) {
+static inline VMTSYNC_NOINSTR_ void vmtsync_store_commit_(volatile void *w, uint64_t v) {
     *(volatile vmtsync_u32_ *)w = (uint32_t)v;
 }
 #else
-static inline void vmtsync_store_inc_(volatile void *w, uint64_t old) {
+static inline VMTSYNC_NOINSTR_ void vmtsync_store_inc_(volatile void *w, uint64_t old) {
     *(volatile vmtsync_u64_ *)w = old + 1;
 }
-static inline void vmtsync_store_data_(volatile void *w, uint64_t v) {
+static inline VMTSYNC_NOINSTR_ void vmtsync_store_data_(volatile void *w, uint64_t v) {
     *(volatile vmtsync_u64_ *)w = v;
 }
-static inline void vmtsync_store_busy_(volatile void *w, uint64_t v) {
+static inline VMTSYNC_NOINSTR_ void vmtsync_store_busy_(volatile void *w, uint64_t v) {
     *(volatile vmtsync_u64_ *)w = v;
 }
-static inline void vmtsync_store_commit_(volatile void *w, uint64_t v) {
+static inline VMTSYNC_NOINSTR_ void vmtsync_store_commit_(volatile void *w, uint64_t v) {
     *(volatile vmtsync_u64_ *)w = v;
 }
 #endif
 
 /* Up to 8 bytes at `p` as a little-endian word, zero-extended. */
-static inline uint64_t vmtsync_load_le_(const unsigned char *p, uint32_t n) {
+static inline VMTSYNC_NOINSTR_ uint64_t vmtsync_load_le_(const unsigned char *p, uint32_t n) {
     uint64_t v = 0;
     uint32_t i;
     if (n == 8) {
@@ -246,8 +273,8 @@ static inline uint64_t vmtsync_load_le_(const unsigned char *p, uint32_t n) {
  * docs/memory-layout.md's order: meta = stamp | BUSY, the TSC read, the data words,
  * meta = stamp | len | id, then head = n + 1; stop-when-full refuses (refused += 1) when
  * head - tail >= capacity. */
-static inline int32_t vmtsync_store_(struct vmtsync_rec *r, uint32_t vcpu, uint32_t id_len,
-                                     uint64_t lo, uint64_t hi) {
+static inline VMTSYNC_NOINSTR_ int32_t vmtsync_store_(struct vmtsync_rec *r, uint32_t vcpu,
+                                                      uint32_t id_len, uint64_t lo, uint64_t hi) {
     unsigned char *ring = r->vmtsync_rings_ + (size_t)vcpu * r->vmtsync_stride_;
     uint64_t head = *VMTSYNC_W_(ring, 0);
     unsigned char *slot;
@@ -280,8 +307,9 @@ static inline int32_t vmtsync_store_(struct vmtsync_rec *r, uint32_t vcpu, uint3
  * after the slot is marked busy. Call it for vCPU v's ring only from vCPU v. Checks, in order:
  * VMTSYNC_ENOT_INITIALISED, _ENO_SUCH_VCPU, _ERESERVED_ID, _EPAYLOAD_TOO_LONG, _EINVALID,
  * then _EFULL (counted as refused). */
-static inline int32_t vmtsync_record(struct vmtsync_rec *r, uint32_t vcpu, uint16_t id,
-                                     const void *data, uint32_t len) {
+static inline VMTSYNC_NOINSTR_ int32_t vmtsync_record(struct vmtsync_rec *r, uint32_t vcpu,
+                                                      uint16_t id, const void *data,
+                                                      uint32_t len) {
     const unsigned char *p = (const unsigned char *)data;
     uint64_t lo, hi = 0;
     if (r->vmtsync_rings_ == NULL) {
@@ -307,6 +335,52 @@ static inline int32_t vmtsync_record(struct vmtsync_rec *r, uint32_t vcpu, uint1
     }
     return vmtsync_store_(r, vcpu, (uint32_t)id | len << 16, lo, hi);
 }
+
+/* The function address and call site in one record's two data words: 4 bytes each (len 8) in
+ * 32-bit code, 8 bytes each (len 16) in 64-bit code. */
+static inline VMTSYNC_NOINSTR_ int32_t vmtsync_func_(struct vmtsync_rec *r, uint32_t vcpu,
+                                                     uint32_t id, void *fn, void *site) {
+    if (r->vmtsync_rings_ == NULL) {
+        return VMTSYNC_ENOT_INITIALISED;
+    }
+    if (vcpu >= r->vmtsync_vcpus_) {
+        return VMTSYNC_ENO_SUCH_VCPU;
+    }
+#if defined(__i386__)
+    return vmtsync_store_(r, vcpu, id | 8u << 16,
+                          (uint64_t)(uintptr_t)fn | (uint64_t)(uintptr_t)site << 32, 0);
+#else
+    return vmtsync_store_(r, vcpu, id | 16u << 16, (uint64_t)(uintptr_t)fn,
+                          (uint64_t)(uintptr_t)site);
+#endif
+}
+
+/* The function at `fn` was entered from call site `site` (what -finstrument-functions passes
+ * __cyg_profile_func_enter). Checks as vmtsync_span_begin's, without the name. */
+static inline VMTSYNC_NOINSTR_ int32_t vmtsync_func_enter(struct vmtsync_rec *r, uint32_t vcpu,
+                                                          void *fn, void *site) {
+    return vmtsync_func_(r, vcpu, VMTSYNC_FUNC_ENTRY_ID, fn, site);
+}
+
+/* The function at `fn` returns to `site` (__cyg_profile_func_exit's arguments). */
+static inline VMTSYNC_NOINSTR_ int32_t vmtsync_func_exit(struct vmtsync_rec *r, uint32_t vcpu,
+                                                         void *fn, void *site) {
+    return vmtsync_func_(r, vcpu, VMTSYNC_FUNC_EXIT_ID, fn, site);
+}
+
+/* Opt-in hooks for gcc/clang -finstrument-functions: vmtsync.c built with
+ * -DVMTSYNC_PROFILE_HOOKS defines __cyg_profile_func_enter/_exit, which record on the recorder
+ * VMTSYNC_PROFILE_REC() names (NULL: nothing recorded) for vCPU VMTSYNC_PROFILE_VCPU(). By
+ * default that is the global below (NULL until the program sets it: set it once the recorder
+ * is initialised) and vCPU 0. */
+#if defined(VMTSYNC_PROFILE_HOOKS) && !defined(VMTSYNC_PROFILE_REC)
+extern struct vmtsync_rec *vmtsync_profile_rec;
+#define VMTSYNC_PROFILE_REC() vmtsync_profile_rec
+#define VMTSYNC_PROFILE_DEFAULT_REC_ 1
+#endif
+#if defined(VMTSYNC_PROFILE_HOOKS) && !defined(VMTSYNC_PROFILE_VCPU)
+#define VMTSYNC_PROFILE_VCPU() 0u
+#endif
 
 #ifdef __cplusplus
 }

@@ -2,6 +2,8 @@
  * vmtsync.c: the recorder's cold paths (layout, publication, beacons, counters). The hot path,
  * vmtsync_record, is static inline in vmtsync.h. Freestanding C: no libc, no libgcc helpers (no
  * 64-bit division), no floating point. docs/memory-layout.md is the byte layout written here.
+ * Every function is no_instrument_function, so a build may compile this file with
+ * -finstrument-functions too; -DVMTSYNC_PROFILE_HOOKS adds the hooks (vmtsync.h).
  */
 #include "vmtsync.h"
 
@@ -14,29 +16,29 @@
 
 /* Port I/O. "memory": a compiler barrier, so no memory access moves across a port access (the
  * host's beacon bracket rests on that order); `in`/`out` serialise nothing else and need none. */
-static inline uint8_t vmtsync_inb_(uint16_t port) {
+static inline VMTSYNC_NOINSTR_ uint8_t vmtsync_inb_(uint16_t port) {
     uint8_t v;
     __asm__ __volatile__("inb %w1, %b0" : "=a"(v) : "Nd"(port) : "memory");
     return v;
 }
 
-static inline void vmtsync_outb_(uint16_t port, uint8_t value) {
+static inline VMTSYNC_NOINSTR_ void vmtsync_outb_(uint16_t port, uint8_t value) {
     __asm__ __volatile__("outb %b0, %w1" : : "a"(value), "Nd"(port) : "memory");
 }
 
 /* Whether the shape is one a header can describe. */
-static int vmtsync_valid_shape_(uint32_t vcpus, uint32_t capacity) {
+VMTSYNC_NOINSTR_ static int vmtsync_valid_shape_(uint32_t vcpus, uint32_t capacity) {
     return vcpus >= 1 && vcpus <= VMTSYNC_MAX_VCPUS && capacity >= VMTSYNC_MIN_CAPACITY &&
            capacity <= VMTSYNC_MAX_CAPACITY && (capacity & (capacity - 1)) == 0;
 }
 
 /* The block's size in 64-bit arithmetic (multiplication only: no libgcc on i386). */
-static uint64_t vmtsync_bytes64_(uint32_t vcpus, uint32_t capacity) {
+VMTSYNC_NOINSTR_ static uint64_t vmtsync_bytes64_(uint32_t vcpus, uint32_t capacity) {
     uint64_t stride = VMTSYNC_RING_HEADER_SIZE + ((uint64_t)capacity << 5);
     return VMTSYNC_HEADER_SIZE + (uint64_t)vcpus * stride;
 }
 
-size_t vmtsync_storage_bytes(uint32_t vcpus, uint32_t capacity) {
+VMTSYNC_NOINSTR_ size_t vmtsync_storage_bytes(uint32_t vcpus, uint32_t capacity) {
     uint64_t n;
     if (!vmtsync_valid_shape_(vcpus, capacity)) {
         return 0;
@@ -47,11 +49,11 @@ size_t vmtsync_storage_bytes(uint32_t vcpus, uint32_t capacity) {
 
 /* A plain 64-bit store of a word no reader relies on while it changes (ring headers during
  * init, header words before the magic): two halves on i386. */
-static void vmtsync_put_(unsigned char *p, uint64_t v) {
+VMTSYNC_NOINSTR_ static void vmtsync_put_(unsigned char *p, uint64_t v) {
     vmtsync_store_data_(p, v);
 }
 
-int32_t vmtsync_init(struct vmtsync_rec *r, void *mem, size_t len, uint32_t vcpus,
+VMTSYNC_NOINSTR_ int32_t vmtsync_init(struct vmtsync_rec *r, void *mem, size_t len, uint32_t vcpus,
                      uint32_t capacity, uint32_t mode) {
     unsigned char *block = (unsigned char *)mem;
     size_t stride, v, i;
@@ -104,7 +106,7 @@ int32_t vmtsync_init(struct vmtsync_rec *r, void *mem, size_t len, uint32_t vcpu
 
 /* CRC-32C (Castagnoli, reflected 0x82F63B78, initial value and final XOR all ones), bitwise:
  * it runs once per publication, so a 1 KiB table is not worth it. */
-static uint32_t vmtsync_crc32c_(uint32_t crc, const volatile unsigned char *p, size_t n) {
+VMTSYNC_NOINSTR_ static uint32_t vmtsync_crc32c_(uint32_t crc, const volatile unsigned char *p, size_t n) {
     size_t i;
     int k;
     for (i = 0; i < n; i++) {
@@ -117,14 +119,14 @@ static uint32_t vmtsync_crc32c_(uint32_t crc, const volatile unsigned char *p, s
 }
 
 /* SplitMix64's finalizer: every input bit affects every output bit. */
-static uint64_t vmtsync_mix_(uint64_t x) {
+VMTSYNC_NOINSTR_ static uint64_t vmtsync_mix_(uint64_t x) {
     uint64_t z = x + 0x9e3779b97f4a7c15ULL;
     z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
     z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
     return z ^ (z >> 31);
 }
 
-int32_t vmtsync_publish(struct vmtsync_rec *r, uint64_t nonce, uint64_t tsc_khz, uint32_t clock,
+VMTSYNC_NOINSTR_ int32_t vmtsync_publish(struct vmtsync_rec *r, uint64_t nonce, uint64_t tsc_khz, uint32_t clock,
                         uint16_t beacon_port) {
     unsigned char *h;
     unsigned char magic[8];
@@ -182,7 +184,7 @@ int32_t vmtsync_publish(struct vmtsync_rec *r, uint64_t nonce, uint64_t tsc_khz,
     return VMTSYNC_OK;
 }
 
-int32_t vmtsync_beacon(struct vmtsync_rec *r, uint32_t vcpu) {
+VMTSYNC_NOINSTR_ int32_t vmtsync_beacon(struct vmtsync_rec *r, uint32_t vcpu) {
     unsigned char *ring;
     uint64_t seq;
     uint16_t port;
@@ -209,16 +211,97 @@ int32_t vmtsync_beacon(struct vmtsync_rec *r, uint32_t vcpu) {
     return stored;
 }
 
-uint64_t vmtsync_produced(const struct vmtsync_rec *r, uint32_t vcpu) {
+VMTSYNC_NOINSTR_ uint64_t vmtsync_produced(const struct vmtsync_rec *r, uint32_t vcpu) {
     if (r == NULL || r->vmtsync_rings_ == NULL || vcpu >= r->vmtsync_vcpus_) {
         return 0;
     }
     return *VMTSYNC_W_(r->vmtsync_rings_ + (size_t)vcpu * r->vmtsync_stride_, 0);
 }
 
-uint64_t vmtsync_refused(const struct vmtsync_rec *r, uint32_t vcpu) {
+VMTSYNC_NOINSTR_ uint64_t vmtsync_refused(const struct vmtsync_rec *r, uint32_t vcpu) {
     if (r == NULL || r->vmtsync_rings_ == NULL || vcpu >= r->vmtsync_vcpus_) {
         return 0;
     }
     return *VMTSYNC_W_(r->vmtsync_rings_ + (size_t)vcpu * r->vmtsync_stride_, 1);
 }
+
+/* A span name's first bytes up to its NUL, at most 16, as the record's two data words. */
+static VMTSYNC_NOINSTR_ int32_t vmtsync_span_(struct vmtsync_rec *r, uint32_t vcpu, uint32_t id,
+                                              const char *name) {
+    uint64_t w[2] = {0, 0};
+    uint32_t len = 0;
+    if (r == NULL || r->vmtsync_rings_ == NULL) {
+        return VMTSYNC_ENOT_INITIALISED;
+    }
+    if (vcpu >= r->vmtsync_vcpus_) {
+        return VMTSYNC_ENO_SUCH_VCPU;
+    }
+    if (name == NULL || name[0] == '\0') {
+        return VMTSYNC_EINVALID;
+    }
+    while (len < VMTSYNC_MAX_PAYLOAD && name[len] != '\0') {
+        w[len >> 3] |= (uint64_t)(unsigned char)name[len] << (8 * (len & 7));
+        len++;
+    }
+    return vmtsync_store_(r, vcpu, id | len << 16, w[0], w[1]);
+}
+
+VMTSYNC_NOINSTR_ int32_t vmtsync_span_begin(struct vmtsync_rec *r, uint32_t vcpu,
+                                            const char *name) {
+    return vmtsync_span_(r, vcpu, VMTSYNC_SPAN_BEGIN_ID, name);
+}
+
+VMTSYNC_NOINSTR_ int32_t vmtsync_span_end(struct vmtsync_rec *r, uint32_t vcpu, const char *name) {
+    return vmtsync_span_(r, vcpu, VMTSYNC_SPAN_END_ID, name);
+}
+
+/* Whether `v` is its low 48 bits sign-extended from bit 47 (the upper 17 bits all equal). */
+static VMTSYNC_NOINSTR_ int vmtsync_canonical48_(uint64_t v) {
+    uint32_t top = (uint32_t)(v >> 47);
+    return top == 0 || top == 0x1FFFFu;
+}
+
+VMTSYNC_NOINSTR_ int32_t vmtsync_reloc(struct vmtsync_rec *r, uint32_t vcpu, uint64_t link,
+                                       uint64_t runtime, uint32_t len) {
+    const uint64_t low48 = 0xFFFFFFFFFFFFULL;
+    if (r == NULL || r->vmtsync_rings_ == NULL) {
+        return VMTSYNC_ENOT_INITIALISED;
+    }
+    if (vcpu >= r->vmtsync_vcpus_) {
+        return VMTSYNC_ENO_SUCH_VCPU;
+    }
+    if (!vmtsync_canonical48_(link) || !vmtsync_canonical48_(runtime)) {
+        return VMTSYNC_EINVALID;
+    }
+    /* Bytes 0..6 link, 6..12 runtime, 12..16 len: runtime's low 2 bytes end the first word. */
+    return vmtsync_store_(r, vcpu, VMTSYNC_RELOC_ID | 16u << 16,
+                          (link & low48) | (runtime & 0xFFFFu) << 48,
+                          ((runtime & low48) >> 16) | (uint64_t)len << 32);
+}
+
+#ifdef VMTSYNC_PROFILE_HOOKS
+#ifdef VMTSYNC_PROFILE_DEFAULT_REC_
+/* The hooks' default recorder: NULL (nothing recorded) until the program points it at an
+ * initialised one. Defined only when the build names no VMTSYNC_PROFILE_REC of its own. */
+struct vmtsync_rec *vmtsync_profile_rec;
+#endif
+
+/* gcc/clang -finstrument-functions call these at every instrumented function's entry and
+ * exit. A NULL recorder, or one not initialised yet, records nothing; a full ring counts. */
+void __cyg_profile_func_enter(void *fn, void *site) VMTSYNC_NOINSTR_;
+void __cyg_profile_func_exit(void *fn, void *site) VMTSYNC_NOINSTR_;
+
+VMTSYNC_NOINSTR_ void __cyg_profile_func_enter(void *fn, void *site) {
+    struct vmtsync_rec *r = VMTSYNC_PROFILE_REC();
+    if (r != NULL) {
+        (void)vmtsync_func_enter(r, VMTSYNC_PROFILE_VCPU(), fn, site);
+    }
+}
+
+VMTSYNC_NOINSTR_ void __cyg_profile_func_exit(void *fn, void *site) {
+    struct vmtsync_rec *r = VMTSYNC_PROFILE_REC();
+    if (r != NULL) {
+        (void)vmtsync_func_exit(r, VMTSYNC_PROFILE_VCPU(), fn, site);
+    }
+}
+#endif

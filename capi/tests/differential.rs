@@ -1,8 +1,10 @@
 //! The C recorder against vmtsync-core's Rust recorder (`MemRecorder`): the same generated call
 //! sequences (init shapes, publication, records with every kind of id and payload length 0..=17,
 //! beacons, both modes, fills past capacity, several vCPUs and two recorders, counters moved
-//! next to a 32-bit carry) must leave the same memory byte for byte, return the same results
-//! and do the same port I/O. The C side is `tests/driver.c`, built with gcc and clang for
+//! next to a 32-bit carry, span begins and ends, function entries and exits, relocations) must
+//! leave the same memory byte for byte, return the same results and do the same port I/O.
+//! Function records carry 4-byte addresses from `-m32` code and 8-byte ones from `-m64` code,
+//! so the Rust side records `u32`s against the `-m32` builds and `u64`s against the others. The C side is `tests/driver.c`, built with gcc and clang for
 //! `-m64` and `-m32` and run as a subprocess per case.
 
 use std::cell::{Cell, RefCell};
@@ -64,6 +66,28 @@ enum Call {
         r: u8,
         vcpu: u32,
     },
+    /// `vmtsync_span_begin` (or `_end`) of a name: its bytes, `None` for a NULL pointer.
+    Span {
+        r: u8,
+        vcpu: u32,
+        end: bool,
+        name: Option<String>,
+    },
+    /// `vmtsync_func_enter` (or `_exit`).
+    Func {
+        r: u8,
+        vcpu: u32,
+        exit: bool,
+        func: u64,
+        site: u64,
+    },
+    Reloc {
+        r: u8,
+        vcpu: u32,
+        link: u64,
+        runtime: u64,
+        len: u32,
+    },
 }
 
 impl Call {
@@ -109,6 +133,28 @@ impl Call {
             } => format!("poke {r} {vcpu} {word} {value}"),
             Self::Produced { r, vcpu } => format!("produced {r} {vcpu}"),
             Self::Refused { r, vcpu } => format!("refused {r} {vcpu}"),
+            Self::Span { r, vcpu, end, name } => {
+                let hex = match name {
+                    None => "-".to_string(),
+                    Some(n) if n.is_empty() => "z".to_string(),
+                    Some(n) => n.bytes().map(|b| format!("{b:02x}")).collect(),
+                };
+                format!("span {r} {vcpu} {} {hex}", u8::from(*end))
+            }
+            Self::Func {
+                r,
+                vcpu,
+                exit,
+                func,
+                site,
+            } => format!("func {r} {vcpu} {} {func} {site}", u8::from(*exit)),
+            Self::Reloc {
+                r,
+                vcpu,
+                link,
+                runtime,
+                len,
+            } => format!("reloc {r} {vcpu} {link} {runtime} {len}"),
         }
     }
 }
@@ -194,8 +240,9 @@ fn record_status(r: Result<(), RecordError>) -> i32 {
     }
 }
 
-/// The transcript the Rust recorder writes for `calls`.
-fn rust_transcript(calls: &[Call]) -> String {
+/// The transcript the Rust recorder writes for `calls`; function records with 8-byte addresses
+/// when `wide` (as `-m64` code writes them), else 4-byte ones.
+fn rust_transcript(calls: &[Call], wide: bool) -> String {
     let out = RefCell::new(String::new());
     let clock = FakeClock(Cell::new(1000));
     let mut blocks = [Block::default(), Block::default()];
@@ -337,6 +384,65 @@ fn rust_transcript(calls: &[Call]) -> String {
                     .map_or(0, |ring| ring.refused());
                 say(n.to_string());
             }
+            Call::Span {
+                r,
+                vcpu,
+                end,
+                ref name,
+            } => {
+                let Some(rec) = blocks[usize::from(r)].rec() else {
+                    say("-4".into());
+                    continue;
+                };
+                let v = vcpu as usize;
+                // C takes a NUL-terminated string: its name ends at the first NUL. A NULL
+                // pointer (Rust has none) is refused after the vCPU check, like an empty name.
+                let status = match name.as_deref().map(|n| n.split('\0').next().unwrap_or("")) {
+                    Some(n) if end => record_status(rec.span_end(v, &clock, n)),
+                    Some(n) => record_status(rec.span_begin(v, &clock, n)),
+                    None if v >= rec.vcpus() => -8,
+                    None => -5,
+                };
+                say(status.to_string());
+            }
+            Call::Func {
+                r,
+                vcpu,
+                exit,
+                func,
+                site,
+            } => {
+                let Some(rec) = blocks[usize::from(r)].rec() else {
+                    say("-4".into());
+                    continue;
+                };
+                let v = vcpu as usize;
+                // `-m32` code passes 32-bit pointers: the C driver's casts keep the low half.
+                #[allow(clippy::cast_possible_truncation)]
+                let (f32, s32) = (func as u32, site as u32);
+                let status = match (exit, wide) {
+                    (false, true) => rec.func_entry(v, &clock, func, site),
+                    (true, true) => rec.func_exit(v, &clock, func, site),
+                    (false, false) => rec.func_entry(v, &clock, f32, s32),
+                    (true, false) => rec.func_exit(v, &clock, f32, s32),
+                };
+                say(record_status(status).to_string());
+            }
+            Call::Reloc {
+                r,
+                vcpu,
+                link,
+                runtime,
+                len,
+            } => {
+                let Some(rec) = blocks[usize::from(r)].rec() else {
+                    say("-4".into());
+                    continue;
+                };
+                say(
+                    record_status(rec.reloc(vcpu as usize, &clock, link, runtime, len)).to_string(),
+                );
+            }
         }
     }
     let mut out = out.into_inner();
@@ -394,10 +500,11 @@ fn c_transcript(exe: &PathBuf, input: &str) -> String {
 /// Asserts that every C build leaves what the Rust recorder leaves.
 fn compare(calls: &[Call]) -> Result<(), TestCaseError> {
     let input: String = calls.iter().map(|c| c.line() + "\n").collect();
-    let want = rust_transcript(calls);
+    let wants = [rust_transcript(calls, false), rust_transcript(calls, true)];
     for (t, exe) in drivers() {
+        let want = &wants[usize::from(t.abi == "-m64")];
         let got = c_transcript(exe, &input);
-        if got != want {
+        if got != *want {
             let first = got
                 .lines()
                 .zip(want.lines())
@@ -425,6 +532,28 @@ fn id() -> impl Strategy<Value = u16> {
     ]
 }
 
+/// Span names: empty, short, 16 bytes, longer (cut at 16, also inside a UTF-8 character),
+/// with an occasional NUL (where C's name ends).
+fn span_name() -> impl Strategy<Value = String> {
+    prop_oneof![
+        Just(String::new()),
+        "[a-z_]{1,20}",
+        "[a-zé\\x{1F600}]{1,12}",
+        "[a-z]{0,5}\\x00[a-z]{0,5}",
+    ]
+}
+
+/// Addresses: 32-bit ones, canonical 64-bit ones from both halves, and any (relocations
+/// refuse the non-canonical ones).
+fn addr() -> impl Strategy<Value = u64> {
+    prop_oneof![
+        0u64..0x1_0000_0000,
+        0u64..0x8000_0000_0000,
+        0xffff_8000_0000_0000u64..,
+        any::<u64>(),
+    ]
+}
+
 fn call(r_max: u8, vcpus: u32) -> impl Strategy<Value = Call> {
     let r = 0..=r_max;
     let v = 0..vcpus + 1;
@@ -440,7 +569,13 @@ fn call(r_max: u8, vcpus: u32) -> impl Strategy<Value = Call> {
               prop_oneof![(0xffff_fff0u64..0x1_0000_0000), (0xff_ffff_fff0u64..0x100_0000_0000), 0u64..64])
             .prop_map(|(r, vcpu, word, value)| Call::Poke { r, vcpu, word, value }),
         1 => (r.clone(), v.clone()).prop_map(|(r, vcpu)| Call::Produced { r, vcpu }),
-        1 => (r, v).prop_map(|(r, vcpu)| Call::Refused { r, vcpu }),
+        1 => (r.clone(), v.clone()).prop_map(|(r, vcpu)| Call::Refused { r, vcpu }),
+        2 => (r.clone(), v.clone(), any::<bool>(), prop::option::weighted(0.95, span_name()))
+            .prop_map(|(r, vcpu, end, name)| Call::Span { r, vcpu, end, name }),
+        3 => (r.clone(), v.clone(), any::<bool>(), addr(), addr())
+            .prop_map(|(r, vcpu, exit, func, site)| Call::Func { r, vcpu, exit, func, site }),
+        1 => (r, v, addr(), addr(), any::<u32>())
+            .prop_map(|(r, vcpu, link, runtime, len)| Call::Reloc { r, vcpu, link, runtime, len }),
     ]
 }
 
@@ -581,7 +716,7 @@ fn counters_carry_into_their_high_half_alike() {
         calls.push(Call::Refused { r: 0, vcpu: 1 });
         // The carries happened: stop-when-full refuses all six (the ring looks full), flight
         // stores them.
-        let rust = rust_transcript(&calls);
+        let rust = rust_transcript(&calls, true);
         let last: Vec<&str> = rust.lines().rev().skip(2).take(2).collect();
         let (produced, refused) = if mode == 0 {
             (0xffff_fffe_u64, 0xffff_ffff_u64 + 6)
@@ -598,4 +733,90 @@ fn counters_carry_into_their_high_half_alike() {
         assert_eq!(outs, ["out 9216 255", "out 9216 0", "out 9216 1"], "{rust}");
         compare(&calls).unwrap();
     }
+}
+
+/// Every span call with a fixed sequence on both ABIs: names cut at 16 bytes, at a NUL, and
+/// refused when empty or NULL; 32- and 64-bit function addresses; relocations at the edges of
+/// the canonical range; a full stop-when-full ring refusing and counting them.
+#[test]
+fn span_records_match_byte_for_byte() {
+    let mut calls = vec![Call::Init {
+        r: 0,
+        vcpus: 2,
+        capacity: 8,
+        mode: 0,
+        len: 128 + 2 * (128 + 32 * 8),
+        misalign: 0,
+    }];
+    for (end, name) in [
+        (false, Some("post")),
+        (true, Some("a_phase_name_longer_than_16")),
+        (false, Some("")),
+        (true, None),
+        (false, Some("ab\0cd")),
+    ] {
+        calls.push(Call::Span {
+            r: 0,
+            vcpu: 1,
+            end,
+            name: name.map(str::to_owned),
+        });
+    }
+    for (exit, func, site) in [
+        (false, 0x000f_1234, 0x000f_0010),
+        (true, 0xffff_ffff_8100_0000, 0x7fff_ffff_ffff),
+    ] {
+        calls.push(Call::Func {
+            r: 0,
+            vcpu: 1,
+            exit,
+            func,
+            site,
+        });
+    }
+    for (link, runtime) in [
+        (0x000f_0000, 0x07fb_0000),
+        (0xffff_8000_0000_0000, 0x7fff_ffff_ffff),
+        (0x8000_0000_0000, 0),
+    ] {
+        calls.push(Call::Reloc {
+            r: 0,
+            vcpu: 1,
+            link,
+            runtime,
+            len: 0x1_2345,
+        });
+    }
+    // Ring 1 holds 8: four more fill it, the rest are refused and counted.
+    for _ in 0..6 {
+        calls.push(Call::Func {
+            r: 0,
+            vcpu: 1,
+            exit: false,
+            func: 1,
+            site: 2,
+        });
+    }
+    calls.push(Call::Span {
+        r: 0,
+        vcpu: 2,
+        end: false,
+        name: Some("x".into()),
+    });
+    calls.push(Call::Produced { r: 0, vcpu: 1 });
+    calls.push(Call::Refused { r: 0, vcpu: 1 });
+    let rust = rust_transcript(&calls, false);
+    let results: Vec<&str> = rust.lines().filter(|l| l.starts_with("= ")).collect();
+    assert_eq!(
+        results[1..],
+        [
+            "= 0", "= 0", "= -5", "= -5", "= 0", // the spans
+            "= 0", "= 0", // the functions
+            "= 0", "= 0", "= -5", // the relocations
+            "= 0", "= -6", "= -6", "= -6", "= -6", "= -6", // a full ring
+            "= -8", "= 8", "= 5",
+        ],
+        "{rust}"
+    );
+    compare(&calls).unwrap();
 }

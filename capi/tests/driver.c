@@ -15,6 +15,10 @@
  *                                              run that far)
  *   produced r vcpu
  *   refused r vcpu
+ *   span r vcpu end hex|-|z                    (vmtsync_span_begin, or _end when `end` is 1, of
+ *                                              the name in hex; `-` NULL, `z` empty)
+ *   func r vcpu exit fn site                   (vmtsync_func_enter, or _exit when `exit` is 1)
+ *   reloc r vcpu link runtime len
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -124,6 +128,33 @@ int main(void) {
                 return 2;
             }
             printf("= %llu\n", (unsigned long long)vmtsync_refused(&recs[r], (uint32_t)a));
+        } else if (strcmp(op, "span") == 0) {
+            char name[32];
+            size_t i, n;
+            if (sscanf(line, "%*s %*u %llu %llu %63s", &a, &b, hex) != 3) {
+                return 2;
+            }
+            n = hex[0] == 'z' ? 0 : strlen(hex) / 2;
+            for (i = 0; i < n && i + 1 < sizeof name; i++) {
+                name[i] = (char)(hexval(hex[2 * i]) * 16 + hexval(hex[2 * i + 1]));
+            }
+            name[i] = '\0';
+            printf("= %d\n", (int)(b ? vmtsync_span_end : vmtsync_span_begin)(
+                                 &recs[r], (uint32_t)a, hex[0] == '-' ? NULL : name));
+        } else if (strcmp(op, "func") == 0) {
+            void *fn, *site;
+            if (sscanf(line, "%*s %*u %llu %llu %llu %llu", &a, &b, &c, &d) != 4) {
+                return 2;
+            }
+            fn = (void *)(uintptr_t)c;
+            site = (void *)(uintptr_t)d;
+            printf("= %d\n", (int)(b ? vmtsync_func_exit(&recs[r], (uint32_t)a, fn, site)
+                                     : vmtsync_func_enter(&recs[r], (uint32_t)a, fn, site)));
+        } else if (strcmp(op, "reloc") == 0) {
+            if (sscanf(line, "%*s %*u %llu %llu %llu %llu", &a, &b, &c, &d) != 4) {
+                return 2;
+            }
+            printf("= %d\n", (int)vmtsync_reloc(&recs[r], (uint32_t)a, b, c, (uint32_t)d));
         } else {
             fprintf(stderr, "bad op: %s", line);
             return 2;

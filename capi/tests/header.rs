@@ -10,9 +10,9 @@ use std::process::Command;
 
 use vmtsync_capi::{FREESTANDING, STRICT, Toolchain, include_dir, source, usable_toolchains};
 use vmtsync_core::recorder::{
-    BEACON_ID, ClockKind, HEADER_SIZE, HeaderInfo, HeaderLayout, LAYOUT_VERSION, MAGIC,
-    MAX_CAPACITY, MAX_PAYLOAD, MAX_VCPUS, MIN_CAPACITY, MemRecorder, Mode, RESERVED_ID_MIN,
-    RING_HEADER_SIZE, SLOT_SIZE, checksum,
+    BEACON_ID, ClockKind, FUNC_ENTRY_ID, FUNC_EXIT_ID, HEADER_SIZE, HeaderInfo, HeaderLayout,
+    LAYOUT_VERSION, MAGIC, MAX_CAPACITY, MAX_PAYLOAD, MAX_VCPUS, MIN_CAPACITY, MemRecorder, Mode,
+    RELOC_ID, RESERVED_ID_MIN, RING_HEADER_SIZE, SLOT_SIZE, SPAN_BEGIN_ID, SPAN_END_ID, checksum,
 };
 
 fn tmp(name: &str) -> PathBuf {
@@ -66,6 +66,11 @@ fn the_header_matches_the_rust_layout() {
     eq("VMTSYNC_MAX_CAPACITY", format!("{MAX_CAPACITY}ULL"));
     eq("VMTSYNC_BEACON_ID", BEACON_ID.to_string());
     eq("VMTSYNC_RESERVED_ID_MIN", RESERVED_ID_MIN.to_string());
+    eq("VMTSYNC_SPAN_BEGIN_ID", SPAN_BEGIN_ID.to_string());
+    eq("VMTSYNC_SPAN_END_ID", SPAN_END_ID.to_string());
+    eq("VMTSYNC_FUNC_ENTRY_ID", FUNC_ENTRY_ID.to_string());
+    eq("VMTSYNC_FUNC_EXIT_ID", FUNC_EXIT_ID.to_string());
+    eq("VMTSYNC_RELOC_ID", RELOC_ID.to_string());
     eq(
         "VMTSYNC_MODE_STOP_WHEN_FULL",
         (Mode::StopWhenFull as u32).to_string(),
@@ -161,7 +166,10 @@ fn the_header_matches_the_rust_layout() {
 
 /// Builds vmtsync.c and a file calling every function (the inline hot path included) into
 /// objects with each toolchain and flag set; neither may leave an undefined symbol (no libc,
-/// no libgcc helper such as __udivdi3, no memcpy or memset call). Prints `size` per object.
+/// no libgcc helper such as __udivdi3, no memcpy or memset call). vmtsync.c also with the
+/// `-finstrument-functions` hooks, itself compiled with `-finstrument-functions`: its own
+/// functions are not instrumented, so it needs no hook from outside either. Prints `size` per
+/// object.
 #[test]
 fn the_recorder_builds_freestanding_with_no_outside_symbol() {
     let dir = tmp("capi-freestanding");
@@ -177,6 +185,10 @@ fn the_recorder_builds_freestanding_with_no_outside_symbol() {
          s |= vmtsync_record(&rec_, 1, 7, d, len);\n\
          s |= vmtsync_record(&rec_, 0, 7, d, 8);\n\
          s |= vmtsync_beacon(&rec_, 0);\n\
+         s |= vmtsync_span_begin(&rec_, 0, \"phase\") | vmtsync_span_end(&rec_, 0, \"phase\");\n\
+         s |= vmtsync_func_enter(&rec_, 0, (void *)d, (void *)d);\n\
+         s |= vmtsync_func_exit(&rec_, 0, (void *)d, (void *)d);\n\
+         s |= vmtsync_reloc(&rec_, 0, 0xf0000, 0x7fb0000, 0x12345);\n\
          return s | (int32_t)vmtsync_produced(&rec_, 0) | (int32_t)vmtsync_refused(&rec_, 1);\n\
          }\n",
     )
@@ -186,9 +198,18 @@ fn the_recorder_builds_freestanding_with_no_outside_symbol() {
     let mut built = 0;
     for t in usable_toolchains(&dir) {
         for (k, flags) in flag_sets(&t).into_iter().enumerate() {
-            for (name, file) in [("vmtsync", src.as_path()), ("user", user.as_path())] {
+            for (name, file, extra) in [
+                ("vmtsync", src.as_path(), &[][..]),
+                (
+                    "vmtsync-hooks",
+                    src.as_path(),
+                    &["-DVMTSYNC_PROFILE_HOOKS", "-finstrument-functions"][..],
+                ),
+                ("user", user.as_path(), &[][..]),
+            ] {
                 let obj = dir.join(format!("{name}-{}-{k}.o", t.name()));
                 let mut args = os(&flags);
+                args.extend(os(extra));
                 args.extend([
                     OsStr::new("-c"),
                     OsStr::new("-I"),

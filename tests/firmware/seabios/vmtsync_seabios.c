@@ -26,20 +26,43 @@ typedef u64 uint64_t;
 typedef s32 int32_t;
 typedef u32 uintptr_t;
 #define VMTSYNC_HAVE_STDINT
-#include "vmtsync.c"
 
 /* Guest-physical address and size of the reserved region (the host test reads it there). */
 #define VMTSYNC_FW_BASE 0x01000000u
+#ifdef VMTSYNC_FW_FUNCS
+/* Function tracing (vmtsync-functions.patch builds the 32-bit flat code with
+ * -finstrument-functions and -DVMTSYNC_FW_FUNCS): a flight ring of 65536 records (2 MiB), which
+ * a live reader drains long before it wraps. It reaches past 17 MiB, where bit 20 is set: sound,
+ * because SeaBIOS enables A20 on every entry to 32-bit mode (romlayout.S, transition32), the
+ * only mode that records. Slots are not cleared (VMTSYNC_KEEP_SLOTS): 2 MiB of stores take
+ * seconds where ring 0 is emulated, and a reader never reads a slot at or above the head. */
+#define VMTSYNC_FW_SIZE 0x00210000u
+#define VMTSYNC_FW_CAPACITY 65536
+#define VMTSYNC_FW_MODE VMTSYNC_MODE_OVERWRITE
+#define VMTSYNC_KEEP_SLOTS
+#else
 #define VMTSYNC_FW_SIZE 0x00010000u
 /* One ring (SeaBIOS records on its boot CPU only), far more records than one boot makes. */
 #define VMTSYNC_FW_CAPACITY 1024
+#define VMTSYNC_FW_MODE VMTSYNC_MODE_STOP_WHEN_FULL
+#endif
 /* The sync beacon's port: nothing on QEMU's -M pc decodes 0x2400 (ISA devices sit below
  * 0x1000, the PIIX4 power-management and SMBus blocks at 0x600 and 0x700, and SeaBIOS gives
  * PCI I/O BARs 0xc000 and up), so each access is a plain exit the host traces as kvm_pio. */
 #define VMTSYNC_FW_BEACON_PORT 0x2400
-/* Event ids: a POST phase (payload: its name) and a boot attempt (payload: the sequence
- * number, 4 bytes). */
-#define VMTSYNC_FW_PHASE 1
+/* The -finstrument-functions hooks record on the recorder below, on vCPU 0, only while
+ * vmtsync_fw_hooks_on() (further down) says so. */
+#ifdef VMTSYNC_FW_FUNCS
+#define VMTSYNC_PROFILE_HOOKS
+#define VMTSYNC_PROFILE_REC() (vmtsync_fw_hooks_on() ? vmtsync_fw_rec() : NULL)
+#include "vmtsync.h"
+static inline VMTSYNC_NOINSTR_ int vmtsync_fw_hooks_on(void);
+static inline VMTSYNC_NOINSTR_ struct vmtsync_rec *vmtsync_fw_rec(void);
+#endif
+#include "vmtsync.c"
+
+/* Event id of a boot attempt (payload: the sequence number, 4 bytes). POST phases are span
+ * records (VMTSYNC_SPAN_BEGIN_ID and _END_ID, payload: the phase's name). */
 #define VMTSYNC_FW_BOOT 2
 /* Event ids around SeaBIOS's writes to fw_cfg's ports (docs/firmware.md, "Checking against
  * fw_cfg's exits"): one before and one after each write to the selector (0x510) and to the DMA
@@ -50,9 +73,14 @@ typedef u32 uintptr_t;
 #define VMTSYNC_FW_CFG_DMA_BEFORE 5
 #define VMTSYNC_FW_CFG_DMA_AFTER 6
 
-/* The next step number of each port: kept beside the handle, in the reserved RAM. */
+/* The glue's state, beside the handle in the reserved RAM (RAM keeps it across a reset, so
+ * vmtsync_fw_init sets it afresh on every POST): the next step number of each fw_cfg port, the
+ * open phase's name (NUL-terminated; "" when none), and whether the function hooks have
+ * stopped. */
 struct vmtsync_fw_steps {
     u64 next_ctl, next_dma;
+    char phase[VMTSYNC_MAX_PAYLOAD + 1];
+    u8 hooks_done;
 };
 
 _Static_assert(VMTSYNC_STORAGE_BYTES(1, VMTSYNC_FW_CAPACITY) + sizeof(struct vmtsync_rec) <=
@@ -63,13 +91,13 @@ _Static_assert(VMTSYNC_STORAGE_BYTES(1, VMTSYNC_FW_CAPACITY) + sizeof(struct vmt
                    VMTSYNC_FW_SIZE,
                "the step counters fit the reserved region too");
 
-static struct vmtsync_rec *vmtsync_fw_rec(void)
+static inline VMTSYNC_NOINSTR_ struct vmtsync_rec *vmtsync_fw_rec(void)
 {
     return (struct vmtsync_rec *)(VMTSYNC_FW_BASE +
                                   VMTSYNC_STORAGE_BYTES(1, VMTSYNC_FW_CAPACITY));
 }
 
-static struct vmtsync_fw_steps *vmtsync_fw_steps(void)
+static inline VMTSYNC_NOINSTR_ struct vmtsync_fw_steps *vmtsync_fw_steps(void)
 {
     return (struct vmtsync_fw_steps *)(VMTSYNC_FW_BASE +
                                        VMTSYNC_STORAGE_BYTES(1, VMTSYNC_FW_CAPACITY) +
@@ -100,14 +128,56 @@ void vmtsync_fw_out(u32 value, u16 port, int width)
                    &step, sizeof(step));
 }
 
-/* Records a phase event named `name` (at most 16 bytes kept), then a beacon. */
+#ifdef VMTSYNC_FW_FUNCS
+/* Whether this POST laid its recorder out: set by each phase, in the BIOS's own data
+ * (0xe0000-0xfffff), which holds the ROM's 0 at power-on (its stores are lost until
+ * make_bios_writable()) and again once SeaBIOS's reboot path restored its pristine image. A
+ * reset alone keeps it: QEMU leaves the shadowed BIOS as it was, so SeaBIOS first runs its
+ * reboot path (handle_resume32, which vmtsync-functions.patch makes call vmtsync_fw_stop). */
+static int vmtsync_fw_hooks_ready;
+
+/* The hooks record once this POST's recorder is ready, until the first boot attempt (so that
+ * the counts printed there are final; boot attempts record their own events) or a reset. RAM
+ * at 16 MiB, where the stop is kept, survives the reset with the last recorder in it: without
+ * the stop, the reboot path would record into the last boot's recording. */
+static inline VMTSYNC_NOINSTR_ int vmtsync_fw_hooks_on(void)
+{
+    return vmtsync_fw_hooks_ready && !vmtsync_fw_steps()->hooks_done;
+}
+#endif
+
+/* Stops the function hooks until the next POST lays its recorder out: SeaBIOS's reboot path
+ * after a reset (handle_resume32) calls it first. */
+void vmtsync_fw_stop(void)
+{
+    vmtsync_fw_steps()->hooks_done = 1;
+}
+
+/* Ends the open phase, if any, then begins phase `name` (at most 16 bytes kept), then a beacon:
+ * POST's phases follow one another, each one's begin ending the one before. */
 void vmtsync_fw_phase(const char *name)
 {
+    struct vmtsync_fw_steps *st = vmtsync_fw_steps();
     u32 len = 0;
-    while (len < VMTSYNC_MAX_PAYLOAD && name[len])
+    if (st->phase[0])
+        vmtsync_span_end(vmtsync_fw_rec(), 0, st->phase);
+    vmtsync_span_begin(vmtsync_fw_rec(), 0, name);
+    while (len < VMTSYNC_MAX_PAYLOAD && name[len]) {
+        st->phase[len] = name[len];
         len++;
-    vmtsync_record(vmtsync_fw_rec(), 0, VMTSYNC_FW_PHASE, name, len);
+    }
+    st->phase[len] = 0;
+#ifdef VMTSYNC_FW_FUNCS
+    vmtsync_fw_hooks_ready = 1;
+#endif
     vmtsync_beacon(vmtsync_fw_rec(), 0);
+}
+
+/* Records where SeaBIOS moved its init code (reloc_preinit): code linked at `link` runs at
+ * `runtime` from now on, so the host can name its functions from the image's symbols. */
+void vmtsync_fw_reloc(u32 link, u32 runtime, u32 len)
+{
+    vmtsync_reloc(vmtsync_fw_rec(), 0, link, runtime, len);
 }
 
 /* Lays out and publishes the recorder (a new nonce on every POST, so a reader sees a reset
@@ -118,8 +188,10 @@ void vmtsync_fw_init(void)
     /* RAM keeps its contents across a reset: every POST numbers fw_cfg's writes from 0. */
     vmtsync_fw_steps()->next_ctl = 0;
     vmtsync_fw_steps()->next_dma = 0;
+    vmtsync_fw_steps()->phase[0] = 0;
+    vmtsync_fw_steps()->hooks_done = 0;
     if (vmtsync_init(r, (void *)VMTSYNC_FW_BASE, VMTSYNC_STORAGE_BYTES(1, VMTSYNC_FW_CAPACITY),
-                     1, VMTSYNC_FW_CAPACITY, VMTSYNC_MODE_STOP_WHEN_FULL) == VMTSYNC_OK)
+                     1, VMTSYNC_FW_CAPACITY, VMTSYNC_FW_MODE) == VMTSYNC_OK)
         vmtsync_publish(r, 0, 0, VMTSYNC_CLOCK_RAW_TSC, VMTSYNC_FW_BEACON_PORT);
     vmtsync_fw_phase("post");
 }
@@ -131,12 +203,20 @@ void vmtsync_fw_reserve(void)
     e820_add(VMTSYNC_FW_BASE, VMTSYNC_FW_SIZE, E820_RESERVED);
 }
 
-/* Records boot attempt `seq`, then a beacon, and prints the recorder's own counts on the debug
- * console: every record stored so far (events and beacons) and every one refused. */
+/* Ends the last phase (at the first attempt), records boot attempt `seq`, then a beacon, and
+ * prints the recorder's own counts on the debug console: every record stored so far (events
+ * and beacons) and every one refused. From here on the function hooks record nothing, so the
+ * last attempt's counts are final. */
 void vmtsync_fw_boot(int seq)
 {
     struct vmtsync_rec *r = vmtsync_fw_rec();
+    struct vmtsync_fw_steps *st = vmtsync_fw_steps();
     u32 s = seq;
+    st->hooks_done = 1;
+    if (st->phase[0]) {
+        vmtsync_span_end(r, 0, st->phase);
+        st->phase[0] = 0;
+    }
     vmtsync_record(r, 0, VMTSYNC_FW_BOOT, &s, sizeof(s));
     vmtsync_beacon(r, 0);
     dprintf(1, "vmtsync: boot attempt %d produced %u refused %u\n", seq,

@@ -29,14 +29,25 @@ pub const KEYRING: &str = "/usr/share/keyrings/debian-archive-keyring.gpg";
 /// Guest-physical address of the traced build's recorder block (its header; e820 reserves
 /// [`RING_RESERVED`] bytes from here). Must match `vmtsync_seabios.c`.
 pub const RING_GPA: u64 = 0x0100_0000;
-/// Bytes the traced build reserves at [`RING_GPA`].
+/// Bytes the traced build reserves at [`RING_GPA`] ([`Variant::Traced`]; see
+/// [`Variant::ring_reserved`] for the others).
 pub const RING_RESERVED: u64 = 0x1_0000;
+/// Bytes the function-tracing builds reserve at [`RING_GPA`]: a flight ring of
+/// [`FUNCTIONS_CAPACITY`] records, its handle and the glue's state.
+pub const FUNCTIONS_RESERVED: u64 = 0x21_0000;
+/// Records in the function-tracing builds' flight ring.
+pub const FUNCTIONS_CAPACITY: u64 = 65536;
 /// The traced build's beacon port (no device on `-M pc` decodes it; docs/firmware.md).
 pub const BEACON_PORT: u16 = 0x2400;
 /// The guest RAM the firmware is booted with (the ring at 16 MiB needs at least 17).
 pub const MEMORY_MIB: u32 = 128;
-/// The event id of a POST phase (payload: the phase's name).
-pub const PHASE_EVENT: u16 = 1;
+/// The event id of a POST phase's begin (payload: the phase's name): vmtsync's span begin,
+/// `vmtsync_core::recorder::SPAN_BEGIN_ID`. Each phase's begin follows the end of the one
+/// before.
+pub const PHASE_BEGIN: u16 = 0xFF01;
+/// The event id of a POST phase's end (payload: its name): `SPAN_END_ID`. The last phase ends
+/// at the first boot attempt.
+pub const PHASE_END: u16 = 0xFF02;
 /// The event id of a boot attempt (payload: the attempt's number, 4 bytes little-endian).
 pub const BOOT_EVENT: u16 = 2;
 /// The event ids recorded right before and right after each write to fw_cfg's selector port
@@ -68,14 +79,30 @@ pub const PHASES: &[&str] = &[
 pub const COUNTS_LINE: &str = "vmtsync: boot attempt ";
 /// The line SeaBIOS prints before each boot attempt with a device (stock and traced alike).
 pub const BOOTING_LINE: &str = "Booting from ";
+/// The line SeaBIOS prints where it moves its init code: `Relocating init from 0xL to 0xR
+/// (size N)`. The function-tracing builds record the same move (a relocation record).
+pub const RELOC_LINE: &str = "Relocating init from ";
+/// The function [`Variant::Hung`] stops in (for ever, interrupts off), and the POST phase it
+/// is in then.
+pub const HUNG_IN: (&str, &str) = ("ps2port_setup", "devices");
 
 /// Which SeaBIOS to build.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Variant {
     /// Debian's source as it is (Debian's own patches not applied), default config.
     Stock,
-    /// The same source with `tests/firmware/seabios/vmtsync.patch` and the C recorder.
+    /// The same source with `tests/firmware/seabios/vmtsync.patch` and the C recorder: POST
+    /// phases as spans, boot attempts, fw_cfg writes, beacons; a stop-when-full ring of 1024.
     Traced,
+    /// [`Variant::Traced`] plus `vmtsync-functions.patch`: all of SeaBIOS's 32-bit flat code
+    /// (but the recorder, its glue, headers, `stacks.c` and `resume.c`) built with
+    /// `-finstrument-functions`, recording every function's entry and exit from the first
+    /// phase to the first boot attempt, and the relocation of its init code; a flight ring of
+    /// [`FUNCTIONS_CAPACITY`] records.
+    Functions,
+    /// [`Variant::Functions`] plus `vmtsync-hung.patch`: POST stops for ever in
+    /// [`HUNG_IN`]'s function, during device setup.
+    Hung,
 }
 
 impl Variant {
@@ -83,6 +110,32 @@ impl Variant {
         match self {
             Self::Stock => "stock",
             Self::Traced => "traced",
+            Self::Functions => "functions",
+            Self::Hung => "hung",
+        }
+    }
+
+    /// The patches applied to SeaBIOS's source, in order.
+    fn patches(self) -> &'static [&'static str] {
+        match self {
+            Self::Stock => &[],
+            Self::Traced => &["vmtsync.patch"],
+            Self::Functions => &["vmtsync.patch", "vmtsync-functions.patch"],
+            Self::Hung => &[
+                "vmtsync.patch",
+                "vmtsync-functions.patch",
+                "vmtsync-hung.patch",
+            ],
+        }
+    }
+
+    /// Bytes the build reserves at [`RING_GPA`] (0 for [`Variant::Stock`]).
+    #[must_use]
+    pub const fn ring_reserved(self) -> u64 {
+        match self {
+            Self::Stock => 0,
+            Self::Traced => RING_RESERVED,
+            Self::Functions | Self::Hung => FUNCTIONS_RESERVED,
         }
     }
 }
@@ -286,15 +339,18 @@ fn fnv1a(h: u64, bytes: &[u8]) -> u64 {
     })
 }
 
-/// The hash of `variant`'s inputs: the source's version and, for [`Variant::Traced`], the
-/// patch, the glue and the recorder's C files (each with its length, so no two inputs run
+/// The hash of `variant`'s inputs: the source's version and, for a traced build, its
+/// patches, the glue and the recorder's C files (each with its length, so no two inputs run
 /// together).
 fn inputs_hash(variant: Variant) -> Result<u64, LaunchError> {
     let version_file = source_dir().join(".version");
     let version = std::fs::read(&version_file).map_err(|e| io_err("reading", &version_file, &e))?;
-    let mut files = Vec::new();
-    if variant == Variant::Traced {
-        files.push(patch_dir().join("vmtsync.patch"));
+    let mut files: Vec<PathBuf> = variant
+        .patches()
+        .iter()
+        .map(|p| patch_dir().join(p))
+        .collect();
+    if variant != Variant::Stock {
         files.push(patch_dir().join("vmtsync_seabios.c"));
         files.extend(recorder_files());
     }
@@ -353,13 +409,15 @@ pub fn build(variant: Variant) -> Result<PathBuf, LaunchError> {
     ));
     let _ = std::fs::remove_dir_all(&tmp);
     run_captured(Command::new("cp").arg("-a").arg(source_dir()).arg(&tmp))?;
-    if variant == Variant::Traced {
+    for patch in variant.patches() {
         run_captured(
             Command::new("patch")
                 .args(["-p1", "--batch", "--forward", "--quiet", "-i"])
-                .arg(patch_dir().join("vmtsync.patch"))
+                .arg(patch_dir().join(patch))
                 .current_dir(&tmp),
         )?;
+    }
+    if variant != Variant::Stock {
         copy(
             &patch_dir().join("vmtsync_seabios.c"),
             &tmp.join("src/vmtsync_seabios.c"),
@@ -403,6 +461,22 @@ pub fn parse_counts(line: &str) -> Option<(u32, u64, u64)> {
     Some((n, p, r))
 }
 
+/// The debug log's `Relocating init from 0xL to 0xR (size N)` line: `(L, R, N)`.
+#[must_use]
+pub fn reloc_in(log: &str) -> Option<(u64, u64, u64)> {
+    // The first whole one: a reset can cut a line short.
+    log.lines().find_map(|l| {
+        let mut w = l.trim().strip_prefix(RELOC_LINE)?.split_whitespace();
+        let hex = |s: &str| u64::from_str_radix(s.strip_prefix("0x")?, 16).ok();
+        let link = hex(w.next()?)?;
+        (w.next()? == "to").then_some(())?;
+        let runtime = hex(w.next()?)?;
+        (w.next()? == "(size").then_some(())?;
+        let len = w.next()?.strip_suffix(')')?.parse().ok()?;
+        Some((link, runtime, len))
+    })
+}
+
 /// Every counts line of a debug log, in order.
 #[must_use]
 pub fn counts_in(log: &str) -> Vec<(u32, u64, u64)> {
@@ -427,6 +501,18 @@ mod tests {
         let log = "a\nvmtsync: boot attempt 0 produced 22 refused 0\nb\n\
                    vmtsync: boot attempt 1 produced 24 refused 0\nNo bootable device.";
         assert_eq!(counts_in(log), vec![(0, 22, 0), (1, 24, 0)]);
+    }
+
+    #[test]
+    fn the_relocation_line_parses() {
+        let log = "x\nRelocating init from 0x000d5400 to 0x07fa9360 (size 74912)\ny";
+        assert_eq!(reloc_in(log), Some((0xd5400, 0x7fa_9360, 74912)));
+        assert_eq!(reloc_in("Relocating init from 0x1 to"), None);
+        let cut = "Relocating init from 0x000cb4a0 to 0x06fe5880 (In resume (status=0)\n";
+        assert_eq!(
+            reloc_in(&format!("{cut}{log}")),
+            Some((0xd5400, 0x7fa_9360, 74912))
+        );
     }
 
     #[test]
@@ -478,13 +564,35 @@ mod tests {
             "ring address"
         );
         assert!(glue.contains(&format!("VMTSYNC_FW_BEACON_PORT {BEACON_PORT:#x}")));
-        let changed = patch
-            .lines()
-            .filter(|l| l.starts_with('+') && !l.starts_with("+++"))
-            .count();
+        let added = |patch: &str| {
+            patch
+                .lines()
+                .filter(|l| l.starts_with('+') && !l.starts_with("+++"))
+                .count()
+        };
+        let changed = added(&patch);
         assert!(
             changed <= 20,
             "the patch changes {changed} lines of SeaBIOS"
         );
+        // The function-tracing and hang patches stay small too, and name what the tests and
+        // docs say.
+        let functions =
+            std::fs::read_to_string(patch_dir().join("vmtsync-functions.patch")).unwrap();
+        assert!(added(&functions) <= 6, "{functions}");
+        assert!(
+            functions.contains(
+                "-finstrument-functions-exclude-file-list=src/vmtsync,.h,stacks.c,resume.c"
+            ),
+            "{functions}"
+        );
+        assert!(functions.contains("+    vmtsync_fw_stop();"), "{functions}");
+        assert!(functions.contains("vmtsync_fw_reloc((u32)codesrc, (u32)codedest, initsize)"));
+        let hung = std::fs::read_to_string(patch_dir().join("vmtsync-hung.patch")).unwrap();
+        assert_eq!(added(&hung), 1, "{hung}");
+        assert!(hung.contains(&format!(" {}(void)", HUNG_IN.0)), "{hung}");
+        assert!(glue.contains(&format!("VMTSYNC_FW_CAPACITY {FUNCTIONS_CAPACITY}\n")));
+        assert!(glue.contains(&format!("VMTSYNC_FW_SIZE {FUNCTIONS_RESERVED:#010x}u")));
+        assert!(glue.contains(&format!("VMTSYNC_FW_SIZE {RING_RESERVED:#010x}u")));
     }
 }

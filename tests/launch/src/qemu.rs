@@ -283,6 +283,34 @@ pub fn qmp_execute(
     command: &str,
     wait: std::time::Duration,
 ) -> Result<(), crate::LaunchError> {
+    qmp_request(sock, &format!("{{\"execute\": \"{command}\"}}"), wait).map(|_| ())
+}
+
+/// Runs HMP command `line` (such as `info registers`) through QMP's `human-monitor-command` on
+/// the QEMU whose QMP socket is `sock`, and returns its output.
+///
+/// # Errors
+/// As [`qmp_execute`].
+pub fn qmp_hmp(
+    sock: &Path,
+    line: &str,
+    wait: std::time::Duration,
+) -> Result<String, crate::LaunchError> {
+    let req = serde_json::json!({
+        "execute": "human-monitor-command",
+        "arguments": {"command-line": line},
+    });
+    let v = qmp_request(sock, &req.to_string(), wait)?;
+    Ok(v.as_str().unwrap_or_default().to_owned())
+}
+
+/// Sends one QMP request (a JSON object on one line) after `qmp_capabilities`, and returns its
+/// `return` value.
+fn qmp_request(
+    sock: &Path,
+    request: &str,
+    wait: std::time::Duration,
+) -> Result<serde_json::Value, crate::LaunchError> {
     use std::io::{BufRead as _, BufReader, Write as _};
     let fail =
         |what: String| crate::LaunchError::Missing(format!("QMP at {}: {what}", sock.display()));
@@ -298,7 +326,7 @@ pub fn qmp_execute(
         .map_err(|e| fail(e.to_string()))?;
     let mut r = BufReader::new(s.try_clone().map_err(|e| fail(e.to_string()))?);
     let mut w = s;
-    let mut reply = |cmd: &str| -> Result<(), crate::LaunchError> {
+    let mut reply = |cmd: &str| -> Result<serde_json::Value, crate::LaunchError> {
         if !cmd.is_empty() {
             w.write_all(cmd.as_bytes())
                 .map_err(|e| fail(e.to_string()))?;
@@ -311,8 +339,11 @@ pub fn qmp_execute(
             let v: serde_json::Value =
                 serde_json::from_str(&line).map_err(|e| fail(format!("{e}: {line:?}")))?;
             // Events (`{"event": ...}`) may come in between; the greeting or a return ends.
-            if v.get("QMP").is_some() || v.get("return").is_some() {
-                return Ok(());
+            if let Some(ret) = v.get("return") {
+                return Ok(ret.clone());
+            }
+            if v.get("QMP").is_some() {
+                return Ok(serde_json::Value::Null);
             }
             if v.get("error").is_some() {
                 return Err(fail(format!("{cmd:?} refused: {v}")));
@@ -321,7 +352,7 @@ pub fn qmp_execute(
     };
     reply("")?;
     reply("{\"execute\": \"qmp_capabilities\"}\n")?;
-    reply(&format!("{{\"execute\": \"{command}\"}}\n"))
+    reply(&format!("{request}\n"))
 }
 
 #[cfg(test)]

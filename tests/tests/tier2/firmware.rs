@@ -18,8 +18,8 @@ use std::time::{Duration, Instant};
 use vmtsync_core::GuestTicks;
 use vmtsync_core::mapping::KvmTscMapping;
 use vmtsync_launch::firmware::{
-    self, BOOT_EVENT, BOOTING_LINE, FW_CFG_CTL_EVENTS, FW_CFG_DMA_EVENTS, MEMORY_MIB, PHASE_EVENT,
-    PHASES, Variant,
+    self, BOOT_EVENT, BOOTING_LINE, FW_CFG_CTL_EVENTS, FW_CFG_DMA_EVENTS, MEMORY_MIB, PHASE_BEGIN,
+    PHASE_END, PHASES, Variant,
 };
 use vmtsync_launch::qemu::{command_firmware, paused_with_qmp, qmp_cont};
 use vmtsync_tests::truth::truth_mapping;
@@ -168,8 +168,29 @@ pub(crate) fn assert_holds_truth(
     (exact_lo, exact_hi)
 }
 
-/// Checks the events of one recording against the firmware's own account: each POST phase
-/// once and in order, then `boots` boot attempts 0, 1, ... (one per counts line of the log).
+/// A POST phase's begin or end event: `Some((true, name))` for a begin.
+pub(crate) fn phase_event(v: &serde_json::Value) -> Option<(bool, String)> {
+    let id = u16::try_from(u(v, "id")).ok()?;
+    let name = || String::from_utf8_lossy(&payload(v)).into_owned();
+    match id {
+        PHASE_BEGIN => Some((true, name())),
+        PHASE_END => Some((false, name())),
+        _ => None,
+    }
+}
+
+/// The phase events one POST records, in order: each phase's begin, then its end (which the
+/// next phase's begin follows; the last one ends at the first boot attempt).
+pub(crate) fn expected_phase_events() -> Vec<(bool, String)> {
+    PHASES
+        .iter()
+        .flat_map(|p| [(true, (*p).to_owned()), (false, (*p).to_owned())])
+        .collect()
+}
+
+/// Checks the events of one recording against the firmware's own account: each POST phase's
+/// begin and end once and in order, then `boots` boot attempts 0, 1, ... (one per counts line
+/// of the log).
 fn assert_phases_then_boots(lines: &[serde_json::Value], boots: usize, what: &str) {
     // The events around fw_cfg's port writes are checked by firmware_validate.rs.
     let fw_cfg = [
@@ -185,12 +206,12 @@ fn assert_phases_then_boots(lines: &[serde_json::Value], boots: usize, what: &st
         .cloned()
         .collect();
     assert!(!lines.is_empty(), "{what}: events");
-    let phases: Vec<String> = lines
-        .iter()
-        .filter(|v| u(v, "id") == u64::from(PHASE_EVENT))
-        .map(|v| String::from_utf8_lossy(&payload(v)).into_owned())
-        .collect();
-    assert_eq!(phases, PHASES, "{what}: every POST phase once, in order");
+    let phases: Vec<(bool, String)> = lines.iter().filter_map(phase_event).collect();
+    assert_eq!(
+        phases,
+        expected_phase_events(),
+        "{what}: every POST phase begins and ends once, in order"
+    );
     let attempts: Vec<u32> = lines
         .iter()
         .filter(|v| u(v, "id") == u64::from(BOOT_EVENT))
@@ -198,12 +219,11 @@ fn assert_phases_then_boots(lines: &[serde_json::Value], boots: usize, what: &st
         .collect();
     let expected: Vec<u32> = (0..u32::try_from(boots).unwrap()).collect();
     assert_eq!(attempts, expected, "{what}: every boot attempt");
-    assert_eq!(lines.len(), PHASES.len() + boots, "{what}: no other event");
+    let n = 2 * PHASES.len();
+    assert_eq!(lines.len(), n + boots, "{what}: no other event");
     // The phases come first: the boot attempts are int 0x19's, after POST.
     assert!(
-        lines[..PHASES.len()]
-            .iter()
-            .all(|v| u(v, "id") == u64::from(PHASE_EVENT)),
+        lines[..n].iter().all(|v| phase_event(v).is_some()),
         "{what}"
     );
 }
@@ -344,7 +364,10 @@ fn seabios_every_post_phase_and_boot_attempt_is_recorded_at_its_host_time() {
                 .any(|&(b, a)| *id == b.to_string() || *id == a.to_string())
         })
         .collect();
-    let mut expected = vec![PHASE_EVENT.to_string(); PHASES.len()];
+    let mut expected: Vec<String> = expected_phase_events()
+        .iter()
+        .map(|(begin, _)| if *begin { PHASE_BEGIN } else { PHASE_END }.to_string())
+        .collect();
     expected.extend(vec![BOOT_EVENT.to_string(); boots]);
     assert_eq!(ids, expected, "trace-cmd report of trace.dat:\n{report}");
     drop(qemu);

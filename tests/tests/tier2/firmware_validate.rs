@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use vmtsync_launch::firmware::{
     self, FW_CFG_CTL_EVENTS, FW_CFG_CTL_PORT, FW_CFG_DMA_EVENTS, FW_CFG_DMA_PORT, MEMORY_MIB,
-    PHASE_EVENT, PHASES, Variant,
+    PHASE_BEGIN, PHASES, Variant,
 };
 use vmtsync_launch::qemu::command_firmware;
 
@@ -164,7 +164,8 @@ fn seabios_fw_cfg_writes_validate_against_their_kvm_pio_exits() {
         assert!(ns >= last, "host time order: {l}");
         last = ns;
     }
-    let phase = |l: &&&str| l.contains(&format!("id={PHASE_EVENT} "));
+    // Each phase by its begin (its end is the next one's begin, moments earlier).
+    let phase = |l: &&&str| l.contains(&format!("id={PHASE_BEGIN} "));
     let pio = |l: &&&str, port: u16| l.contains(" kvm_pio: ") && l.contains(&format!("{port:#x}"));
     let phase_at: Vec<usize> = (0..lines.len()).filter(|&i| phase(&&lines[i])).collect();
     assert_eq!(phase_at.len(), PHASES.len(), "every phase in the report");

@@ -12,12 +12,14 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use vmtsync_launch::firmware::{self, BOOT_EVENT, MEMORY_MIB, PHASE_EVENT, PHASES, Variant};
+use vmtsync_launch::firmware::{self, BOOT_EVENT, MEMORY_MIB, PHASES, Variant};
 use vmtsync_launch::qemu::{command_firmware_resets, qmp_execute};
 use vmtsync_tests::truth::truth_mapping;
 use vmtsync_tests::{ChildGuard, require};
 
-use crate::firmware::{assert_holds_truth, launch_reader, launched_qemu, payload};
+use crate::firmware::{
+    assert_holds_truth, expected_phase_events, launch_reader, launched_qemu, payload, phase_event,
+};
 use crate::util::{anchor_ready, lines_of, scratch, u};
 
 crate::trials!(reset_ready; seabios_reset);
@@ -36,7 +38,7 @@ fn reset_ready(test: &str) -> bool {
 /// Waits (at most `limit`) until the debug log at `log` holds `what` `n` times, while the
 /// reader `rec` (whose stderr is `err`) runs: a reader that ends meanwhile (and ends the QEMU
 /// it started) fails the test with its own words.
-fn wait_log(
+pub(crate) fn wait_log(
     log: &Path,
     what: &str,
     n: usize,
@@ -65,7 +67,7 @@ fn wait_log(
 }
 
 /// Boot `b`'s (records read, beacons, overwritten) from the reader's per-boot summary line.
-fn boot_counts(stderr: &str, b: usize) -> (u64, u64, u64) {
+pub(crate) fn boot_counts(stderr: &str, b: usize) -> (u64, u64, u64) {
     let line = stderr
         .lines()
         .find(|l| l.starts_with(&format!("vmtsync: boot {b} (nonce")))
@@ -135,12 +137,12 @@ fn seabios_reset() {
             .iter()
             .filter(|v| v.get("boot").and_then(serde_json::Value::as_u64) == Some(b as u64))
             .collect();
-        let phases: Vec<String> = mine
-            .iter()
-            .filter(|v| u(v, "id") == u64::from(PHASE_EVENT))
-            .map(|v| String::from_utf8_lossy(&payload(v)).into_owned())
-            .collect();
-        assert_eq!(phases, PHASES, "boot {b}: every POST phase once, in order");
+        let phases: Vec<(bool, String)> = mine.iter().filter_map(|v| phase_event(v)).collect();
+        assert_eq!(
+            phases,
+            expected_phase_events(),
+            "boot {b}: every POST phase begins and ends once, in order"
+        );
         let attempts: Vec<u32> = mine
             .iter()
             .filter(|v| u(v, "id") == u64::from(BOOT_EVENT))
@@ -161,7 +163,7 @@ fn seabios_reset() {
             .count();
         assert_eq!(
             mine.len(),
-            PHASES.len() + counts.len() + others,
+            2 * PHASES.len() + counts.len() + others,
             "boot {b}: no other"
         );
         let (_, beacons, overwritten) = boot_counts(&stderr, b);

@@ -20,7 +20,8 @@ use anyhow::{Context, Result, bail};
 use serde_json::Value;
 use vmtsync_core::GuestTicks;
 use vmtsync_launch::firmware::{
-    self, BOOT_EVENT, FW_CFG_CTL_EVENTS, FW_CFG_DMA_EVENTS, MEMORY_MIB, PHASE_EVENT, Variant,
+    self, BOOT_EVENT, FW_CFG_CTL_EVENTS, FW_CFG_DMA_EVENTS, MEMORY_MIB, PHASE_BEGIN, PHASE_END,
+    Variant,
 };
 use vmtsync_launch::prereq::ensure_qemu;
 use vmtsync_launch::qemu::command_firmware;
@@ -103,12 +104,18 @@ pub(crate) fn run(vmtsync: &Path) -> Result<()> {
 
     let mut events = Vec::new();
     let mut fw_cfg = 0u64;
+    let mut phase_ends = 0u64;
     for line in std::fs::read_to_string(&jsonl)?.lines() {
         let v: Value = serde_json::from_str(line)?;
         let n = |k: &str| v[k].as_u64().with_context(|| format!("{k} in {v}"));
         let payload = hex(v["payload"].as_str().unwrap_or(""));
         let name = match u16::try_from(n("id")?)? {
-            PHASE_EVENT => String::from_utf8_lossy(&payload).into_owned(),
+            // A phase's end is the next one's begin, moments earlier: the table shows begins.
+            PHASE_BEGIN => String::from_utf8_lossy(&payload).into_owned(),
+            PHASE_END => {
+                phase_ends += 1;
+                continue;
+            }
             BOOT_EVENT => format!(
                 "boot attempt {}",
                 u32::from_le_bytes(payload.try_into().unwrap_or_default())
@@ -138,11 +145,12 @@ pub(crate) fn run(vmtsync: &Path) -> Result<()> {
     let beacons = count_before(&stderr, "beacons (").unwrap_or(0);
     let bracketed = count_before(&stderr, "bracketed by kvm_pio exits").unwrap_or(0);
     let overwritten = count_before(&stderr, "overwritten,").unwrap_or(0);
-    let read = events.len() as u64 + fw_cfg;
+    let read = events.len() as u64 + fw_cfg + phase_ends;
     print_table(&events, boot_secs);
     println!(
         "firmware's own count: {produced} records stored, {refused} refused; read: {read} events \
-         ({} phases and boot attempts, {fw_cfg} around fw_cfg port writes) + {beacons} beacons + \
+         ({} phase begins and boot attempts, {phase_ends} phase ends, {fw_cfg} around fw_cfg port \
+         writes) + {beacons} beacons + \
          {overwritten} overwritten",
         events.len()
     );

@@ -24,6 +24,7 @@ mod console;
 mod ctf;
 mod e2e;
 mod firmware;
+mod firmware_graph;
 mod firmware_spans;
 mod firmware_validate;
 mod kvm_real;
@@ -99,6 +100,7 @@ fn main() -> std::process::ExitCode {
         ctf::trials(),
         e2e::trials(),
         firmware::trials(),
+        firmware_graph::trials(),
         firmware_spans::trials(),
         firmware_validate::trials(),
         kvm_real::trials(),

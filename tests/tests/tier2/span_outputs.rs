@@ -176,17 +176,21 @@ fn write_trace_dat(path: &std::path::Path, version: FileVersion) {
 /// One function-graph line of `trace-cmd report`: who (comm), CPU, timestamp in ns, the
 /// duration in ns if printed, the indentation (2 per depth) and the text after it.
 #[derive(Debug, PartialEq, Eq)]
-struct GraphLine {
-    comm: String,
-    cpu: u32,
-    ts: u64,
-    dur: Option<u64>,
-    depth: usize,
-    text: String,
+pub(crate) struct GraphLine {
+    pub(crate) comm: String,
+    pub(crate) cpu: u32,
+    pub(crate) ts: u64,
+    pub(crate) dur: Option<u64>,
+    /// The nanoseconds the printed duration is truncated to: trace-cmd, like the kernel,
+    /// prints at most 7 digits of microseconds and fraction together (1 for a duration under
+    /// 10 ms, 1000 for one of 1 s or more).
+    pub(crate) dur_unit: u64,
+    pub(crate) depth: usize,
+    pub(crate) text: String,
 }
 
 /// Parses `comm-pid [CPU] TS: funcgraph_entry|exit: [+] DUR us | <indent>text`.
-fn graph_lines(report: &str) -> Vec<GraphLine> {
+pub(crate) fn graph_lines(report: &str) -> Vec<GraphLine> {
     report
         .lines()
         .filter(|l| l.contains(": funcgraph_") || l.contains(": span_orphan:"))
@@ -201,14 +205,16 @@ fn graph_lines(report: &str) -> Vec<GraphLine> {
                 Some((d, t)) => (d, t.strip_prefix("  ").unwrap_or(t)),
                 None => ("", body.trim_start()),
             };
+            let mut dur_unit = 1;
             let dur = dur
                 .trim()
-                .trim_start_matches(['+', '!', '#', '$'])
+                .trim_start_matches(['+', '!', '#', '$', '@', '*'])
                 .trim()
                 .strip_suffix("us")
                 .map(|d| {
-                    let (us, ns) = d.trim().split_once('.').unwrap();
-                    us.parse::<u64>().unwrap() * 1000 + ns.parse::<u64>().unwrap()
+                    let (us, frac) = d.trim().split_once('.').unwrap_or((d.trim(), ""));
+                    dur_unit = 10u64.pow(3 - u32::try_from(frac.len()).unwrap());
+                    us.parse::<u64>().unwrap() * 1000 + frac.parse::<u64>().unwrap_or(0) * dur_unit
                 });
             let depth = text.len() - text.trim_start().len();
             GraphLine {
@@ -216,6 +222,7 @@ fn graph_lines(report: &str) -> Vec<GraphLine> {
                 cpu: cpu.parse().unwrap(),
                 ts,
                 dur,
+                dur_unit,
                 depth: depth / 2,
                 text: text.trim().to_owned(),
             }

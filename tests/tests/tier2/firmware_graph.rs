@@ -95,7 +95,7 @@ fn trace_cmd_spans(dat: &Path) -> Vec<Shown> {
 fn trace_processor_spans(trace: &Path, conv: (u128, u32, i128)) -> Vec<Shown> {
     let (mult, shift, offset) = conv;
     let ns = |tsc: i128| -> u64 {
-        let v = ((u128::try_from(tsc).unwrap() * mult) >> shift) as i128 + offset;
+        let v = i128::try_from((u128::try_from(tsc).unwrap() * mult) >> shift).unwrap() + offset;
         u64::try_from(v).unwrap()
     };
     let rows = sql(

@@ -19,6 +19,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use serde_json::Value;
 use vmtsync_core::GuestTicks;
+use vmtsync_core::recorder::{FUNC_ENTRY_ID, FUNC_EXIT_ID, RELOC_ID};
 use vmtsync_launch::firmware::{
     self, BOOT_EVENT, FW_CFG_CTL_EVENTS, FW_CFG_DMA_EVENTS, MEMORY_MIB, PHASE_BEGIN, PHASE_END,
     Variant,
@@ -51,7 +52,7 @@ pub(crate) fn run(vmtsync: &Path) -> Result<()> {
     ensure_qemu()?;
     let t0 = Instant::now();
     firmware::ensure_source()?;
-    let out = firmware::build(Variant::Traced)?;
+    let out = firmware::build(Variant::Functions)?;
     let built = t0.elapsed();
     eprintln!(
         "demo: traced SeaBIOS in {} ({:.1} s, cached by its inputs)",
@@ -67,6 +68,9 @@ pub(crate) fn run(vmtsync: &Path) -> Result<()> {
     // The reader starts QEMU itself (paused), arms the kvm_pio trace of the beacon port, then
     // resumes it: every beacon from the first is bracketed.
     let qemu = command_firmware(&out.join("bios.bin"), &log, MEMORY_MIB);
+    // The host's own port-I/O exits, for the picture's ticks: a private tracefs instance on
+    // the host's TSC clock, armed before the VMM starts.
+    let host_trace = host_trace()?;
     let mut rec = vmtsync_cmd(vmtsync, &jsonl);
     rec.arg("--").arg(qemu.get_program()).args(qemu.get_args());
     rec.stderr(std::fs::File::create(&err_path)?);
@@ -101,10 +105,15 @@ pub(crate) fn run(vmtsync: &Path) -> Result<()> {
     if !status.success() {
         bail!("vmtsync record failed ({status}): {stderr}");
     }
+    let keep = keep_dir()?;
+    let host_dat = keep.join("host.dat");
+    extract(host_trace, &host_dat)?;
 
     let mut events = Vec::new();
     let mut fw_cfg = 0u64;
     let mut phase_ends = 0u64;
+    let mut functions = 0u64;
+    let mut function_misses = 0u64;
     for line in std::fs::read_to_string(&jsonl)?.lines() {
         let v: Value = serde_json::from_str(line)?;
         let n = |k: &str| v[k].as_u64().with_context(|| format!("{k} in {v}"));
@@ -114,6 +123,17 @@ pub(crate) fn run(vmtsync: &Path) -> Result<()> {
             PHASE_BEGIN => String::from_utf8_lossy(&payload).into_owned(),
             PHASE_END => {
                 phase_ends += 1;
+                continue;
+            }
+            // Function entries and exits, and the relocation of SeaBIOS's init code: checked
+            // against KVM's mapping here, summed up by `vmtsync spans` below.
+            FUNC_ENTRY_ID | FUNC_EXIT_ID | RELOC_ID => {
+                functions += 1;
+                let exact = kvm
+                    .try_host_from_guest_floor(GuestTicks(n("guest_tsc")?))
+                    .map(|h| h.0)
+                    .context("KVM's mapping places no host time")?;
+                function_misses += u64::from(!(n("host_lo")?..=n("host_hi")?).contains(&exact));
                 continue;
             }
             BOOT_EVENT => format!(
@@ -145,12 +165,12 @@ pub(crate) fn run(vmtsync: &Path) -> Result<()> {
     let beacons = count_before(&stderr, "beacons (").unwrap_or(0);
     let bracketed = count_before(&stderr, "bracketed by kvm_pio exits").unwrap_or(0);
     let overwritten = count_before(&stderr, "overwritten,").unwrap_or(0);
-    let read = events.len() as u64 + fw_cfg + phase_ends;
+    let read = events.len() as u64 + fw_cfg + phase_ends + functions;
     print_table(&events, boot_secs);
     println!(
         "firmware's own count: {produced} records stored, {refused} refused; read: {read} events \
-         ({} phase begins and boot attempts, {phase_ends} phase ends, {fw_cfg} around fw_cfg port \
-         writes) + {beacons} beacons + \
+         ({} phase begins and boot attempts, {phase_ends} phase ends, {functions} function \
+         entries, exits and relocations, {fw_cfg} around fw_cfg port writes) + {beacons} beacons + \
          {overwritten} overwritten",
         events.len()
     );
@@ -166,6 +186,9 @@ pub(crate) fn run(vmtsync: &Path) -> Result<()> {
         .iter()
         .filter(|e| !(e.lo..=e.hi).contains(&e.exact))
         .collect();
+    if function_misses > 0 {
+        bail!("{function_misses} function records' intervals miss their exact host time");
+    }
     if !missed.is_empty() {
         bail!(
             "{} interval(s) miss their event's exact host time (first: {})",
@@ -181,6 +204,99 @@ pub(crate) fn run(vmtsync: &Path) -> Result<()> {
     }
     println!(
         "every interval holds its event's exact host time (KVM's mapping from debugfs); every record recovered"
+    );
+    spans(vmtsync, &jsonl, &out.join("rom.o"), &host_dat, &keep)
+}
+
+/// Where the demo leaves what a newcomer opens afterwards: `target/demo-firmware/`.
+fn keep_dir() -> Result<std::path::PathBuf> {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/demo-firmware");
+    std::fs::create_dir_all(&dir)?;
+    Ok(dir.canonicalize()?)
+}
+
+/// A private tracefs instance tracing every `kvm_pio` exit on the host's TSC clock.
+fn host_trace() -> Result<vmtsync::ftrace::Instance> {
+    let tracefs = vmtsync::ftrace::find_tracefs(None, "kvm/kvm_pio")?;
+    let mut inst = vmtsync::ftrace::Instance::create(&tracefs, "demo-firmware")?;
+    if !inst.tsc_clock() {
+        bail!(
+            "this kernel's tracefs has no x86-tsc clock: the host's exits cannot be drawn on its TSC"
+        );
+    }
+    std::fs::write(inst.path().join("buffer_size_kb"), "8192")?;
+    inst.enable("kvm/kvm_pio")?;
+    Ok(inst)
+}
+
+/// Stops the instance and writes its buffer to `out` with `trace-cmd extract`; the instance
+/// is removed when dropped.
+fn extract(inst: vmtsync::ftrace::Instance, out: &Path) -> Result<()> {
+    std::fs::write(inst.path().join("tracing_on"), "0")?;
+    let name = inst
+        .path()
+        .file_name()
+        .context("the instance's name")?
+        .to_string_lossy()
+        .into_owned();
+    let o = std::process::Command::new("trace-cmd")
+        .args(["extract", "-B", &name, "-o"])
+        .arg(out)
+        .current_dir(out.parent().context("the output's directory")?)
+        .stdin(Stdio::null())
+        .output()
+        .context("trace-cmd extract (cargo xtask setup installs trace-cmd)")?;
+    if !o.status.success() {
+        bail!("trace-cmd extract: {}", String::from_utf8_lossy(&o.stderr));
+    }
+    Ok(())
+}
+
+/// Where the boot time went: `vmtsync spans` names the functions from SeaBIOS's image and
+/// prints the longest spans with their guaranteed intervals and draws the picture, with the
+/// host's exits of fw_cfg's ports and PCI configuration as ticks; `vmtsync export perfetto`
+/// writes the trace for ui.perfetto.dev.
+fn spans(vmtsync: &Path, jsonl: &Path, rom: &Path, host: &Path, keep: &Path) -> Result<()> {
+    let svg = keep.join("seabios-boot.svg");
+    let trace = keep.join("seabios.perfetto-trace");
+    let mut c = std::process::Command::new(vmtsync);
+    c.args(["spans", "--from"])
+        .arg(jsonl)
+        .arg("--symbols")
+        .arg(rom)
+        .args(["--top", "10", "--last", "0", "--svg"])
+        .arg(&svg)
+        .arg("--host-trace")
+        .arg(host)
+        .args([
+            "--port", "0x510", "--port", "0x518", "--port", "0xcf8", "--port", "0xcfc",
+        ]);
+    println!("\n$ {}", vmtsync_launch::prereq::display(&c));
+    let o = c.output()?;
+    if !o.status.success() {
+        bail!("vmtsync spans: {}", String::from_utf8_lossy(&o.stderr));
+    }
+    print!("{}", String::from_utf8_lossy(&o.stdout));
+    let mut c = std::process::Command::new(vmtsync);
+    c.args(["export", "perfetto", "--from"])
+        .arg(jsonl)
+        .arg("--out")
+        .arg(&trace)
+        .arg("--symbols")
+        .arg(rom);
+    println!("\n$ {}", vmtsync_launch::prereq::display(&c));
+    let o = c.output()?;
+    if !o.status.success() {
+        bail!(
+            "vmtsync export perfetto: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+    }
+    println!(
+        "\nthe picture: {} (spans over host time, the host's exits as ticks)\nthe trace: {} \
+         (open it in ui.perfetto.dev: a track per vCPU with nested phase and function slices)",
+        svg.display(),
+        trace.display()
     );
     Ok(())
 }

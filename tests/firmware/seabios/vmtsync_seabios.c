@@ -1,7 +1,8 @@
 /*
  * vmtsync_seabios.c: SeaBIOS's glue to vmtsync's C recorder (capi/include/vmtsync.h and
  * capi/src/vmtsync.c). tests/launch's firmware build copies this file and the recorder's two
- * files into SeaBIOS's src/, and vmtsync.patch calls the functions below from post.c and boot.c.
+ * files into SeaBIOS's src/, and vmtsync.patch calls the functions below from post.c and boot.c
+ * (vmtsync-functions.patch also from post.c's reloc_preinit and resume.c's handle_resume32).
  * docs/firmware.md explains the choices; the short version:
  *
  * - The ring sits at guest-physical 16 MiB, in ordinary RAM. SeaBIOS starts from the BIOS ROM
@@ -10,7 +11,9 @@
  *   instruction, and e820 marks it reserved so neither SeaBIOS's allocator nor the OS reuses
  *   it. Below 16 MiB + 1 MiB every address has bit 20 clear, so the A20 gate cannot alias it.
  * - The handle sits right after the block, in the same reserved RAM, for the same reason.
- * - One producer: only SeaBIOS's POST and boot path (one CPU, no interrupt handler) records.
+ * - One producer: only SeaBIOS's POST and boot path (one CPU) records. Its 32-bit code runs with
+ *   interrupts off; an interrupt handler's 32-bit code (with function tracing) runs only while
+ *   POST waits in 16-bit mode, never inside a record call.
  */
 #include "types.h"   /* u8..u64, size_t */
 #include "output.h"  /* dprintf */

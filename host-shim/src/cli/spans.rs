@@ -173,7 +173,13 @@ fn draw_picture(
             .map(|e| (e.ts, format!("{:#x}", e.pio.port)))
             .collect();
     }
-    let title = format!("spans of {}", a.from.display());
+    let title = format!(
+        "spans of {}",
+        a.from.file_name().map_or_else(
+            || a.from.display().to_string(),
+            |n| n.to_string_lossy().into_owned()
+        )
+    );
     let text = crate::spans::svg::draw(&report.picture, &exits, &title, tsc_hz)
         .map_err(|e| CliError::Usage(format!("--svg: {e}")))?;
     write_atomically(svg, |w| w.write_all(text.as_bytes())).map_err(|source| {

@@ -12,7 +12,7 @@ use std::io::Write;
 use serde_json::json;
 
 use super::{Span, SpanConfig, SpanCounts, SpanEnd, SpanKind, SpanState, SpanStep, SpanTracker};
-use crate::formats::{ExportError, ExportEvent};
+use crate::formats::{Bound, ExportError, ExportEvent};
 
 /// The most spans kept for a picture; beyond it the shortest are let go (a span shorter than
 /// a pixel does not show anyway).
@@ -194,20 +194,58 @@ fn write_line(w: &mut dyn Write, path: &std::path::Path, s: &Span) -> Result<(),
     })
 }
 
-/// Ticks as a duration in the unit that suits it.
+/// Ticks as a duration in the unit that suits it, to the nanosecond below a microsecond
+/// and to the microsecond above.
 #[must_use]
 pub fn duration(ticks: u64, tsc_hz: u64) -> String {
     let ns = u128::from(ticks) * 1_000_000_000 / u128::from(tsc_hz.max(1));
-    #[allow(clippy::cast_precision_loss)]
-    let ns = ns as f64;
-    if ns >= 1e9 {
-        format!("{:.3} s", ns / 1e9)
-    } else if ns >= 1e6 {
-        format!("{:.3} ms", ns / 1e6)
-    } else if ns >= 1e3 {
-        format!("{:.3} µs", ns / 1e3)
-    } else {
-        format!("{ns:.0} ns")
+    in_unit(ns, unit_of(ns))
+}
+
+/// The unit (ns per unit, name) a duration of `ns` is shown in.
+fn unit_of(ns: u128) -> (u128, &'static str) {
+    match ns {
+        1_000_000_000.. => (1_000_000_000, "s"),
+        1_000_000.. => (1_000_000, "ms"),
+        1_000.. => (1_000, "µs"),
+        _ => (1, "ns"),
+    }
+}
+
+/// `ns` in `unit`, to the microsecond (the nanosecond for `ns`).
+fn in_unit(ns: u128, (per, name): (u128, &str)) -> String {
+    let decimals = match per {
+        1_000_000_000 => 6,
+        1_000_000 => 3,
+        1_000 => 3,
+        _ => 0,
+    };
+    if decimals == 0 {
+        return format!("{ns} {name}");
+    }
+    let scale = 10u128.pow(decimals);
+    let v = ns * scale / per;
+    format!(
+        "{}.{:0w$} {name}",
+        v / scale,
+        v % scale,
+        w = usize::try_from(decimals).unwrap_or(3)
+    )
+}
+
+/// A duration and its guaranteed interval in the duration's unit: `2.333253 s (guaranteed
+/// 2.333180 .. 2.333330 s)`.
+fn duration_with_bound(ticks: u64, bound: Option<Bound>, tsc_hz: u64) -> String {
+    let ns = |t: u64| u128::from(t) * 1_000_000_000 / u128::from(tsc_hz.max(1));
+    let unit = unit_of(ns(ticks));
+    let d = in_unit(ns(ticks), unit);
+    match bound {
+        Some(b) => {
+            let lo = in_unit(ns(b.lo), unit);
+            let lo = lo.strip_suffix(unit.1).unwrap_or(&lo).trim_end();
+            format!("{d} (guaranteed {lo} .. {})", in_unit(ns(b.hi), unit))
+        }
+        None => d,
     }
 }
 
@@ -229,20 +267,15 @@ impl SpanReport {
             s.name
         );
         match (s.begin, s.end) {
-            (Some(b), Some(e)) => {
-                let width = s.ticks_bound().map_or(String::new(), |d| {
-                    format!(
-                        " (guaranteed {} .. {})",
-                        duration(d.lo, tsc_hz),
-                        duration(d.hi, tsc_hz)
-                    )
-                });
-                format!(
-                    "{:>12}{width}  at {}  {what}",
-                    duration(e.host_tsc.saturating_sub(b.host_tsc), tsc_hz),
-                    self.at(b.host_tsc, tsc_hz)
-                )
-            }
+            (Some(b), Some(e)) => format!(
+                "{:>12}  at {}  {what}",
+                duration_with_bound(
+                    e.host_tsc.saturating_sub(b.host_tsc),
+                    s.ticks_bound(),
+                    tsc_hz
+                ),
+                self.at(b.host_tsc, tsc_hz)
+            ),
             (Some(b), None) => format!(
                 "{:>12}  at {}  {what}  (open: exit not seen)",
                 "open",
@@ -389,7 +422,7 @@ mod tests {
         assert!(text.contains("open when the recording ended"), "{text}");
         assert!(text.contains("hang  (open: exit not seen)"), "{text}");
         assert!(
-            text.contains("1.000 µs (guaranteed 995 ns .. 1.005 µs)"),
+            text.contains("1.000 µs (guaranteed 0.995 .. 1.005 µs)"),
             "{text}"
         );
     }
@@ -397,7 +430,19 @@ mod tests {
     #[test]
     fn durations_pick_their_unit() {
         assert_eq!(duration(1_500, 1_000_000_000), "1.500 µs");
-        assert_eq!(duration(3_000_000_000, 1_000_000_000), "3.000 s");
+        assert_eq!(duration(3_000_000_000, 1_000_000_000), "3.000000 s");
+        assert_eq!(duration(2_500_000, 1_000_000_000), "2.500 ms");
+        assert_eq!(
+            super::duration_with_bound(
+                2_333_253_000,
+                Some(Bound {
+                    lo: 2_333_180_400,
+                    hi: 2_333_330_000
+                }),
+                1_000_000_000
+            ),
+            "2.333253 s (guaranteed 2.333180 .. 2.333330 s)"
+        );
         assert_eq!(duration(12, 1_000_000_000), "12 ns");
     }
 }

@@ -112,7 +112,7 @@ fn spans_are_named_paired_and_the_unfinished_ones_marked() {
     assert!(text.contains("alpha  (exit; entry not seen)"), "{text}");
     // The longest: beta, 1000 ns, guaranteed within 990..1010 ns.
     assert!(
-        text.contains("1.000 µs (guaranteed 990 ns .. 1.010 µs)"),
+        text.contains("1.000 µs (guaranteed 0.990 .. 1.010 µs)"),
         "{text}"
     );
     let spans = read_jsonl(&out);

@@ -1,11 +1,15 @@
 //! `vmtsync-demo --firmware` (`cargo xtask demo --firmware`): SeaBIOS traced live. It fetches
-//! and builds the traced SeaBIOS (`vmtsync_launch::firmware`: Debian's source, the 19-line
-//! patch, the C recorder), and has `vmtsync record --from-memory --guest-phys … --beacon-port
-//! … -- qemu-system-x86_64 …` start QEMU `-M pc` paused, arm its `kvm_pio` trace and resume it
-//! (beacon mode: guaranteed intervals from the firmware's sync beacons, each bracketed by the
-//! host's own `kvm_pio` exits from the first). Once SeaBIOS has tried every boot device it
-//! prints each POST phase and boot attempt with its host time in seconds and its guaranteed
-//! interval, and how many beacons were bracketed.
+//! and builds the function-tracing SeaBIOS (`vmtsync_launch::firmware`: Debian's source, the
+//! phase patch, `-finstrument-functions` on its 32-bit flat code, the C recorder), and has
+//! `vmtsync record --from-memory --guest-phys … --beacon-port … -- qemu-system-x86_64 …` start
+//! QEMU `-M pc` paused, arm its `kvm_pio` trace and resume it (beacon mode: guaranteed
+//! intervals from the firmware's sync beacons, each bracketed by the host's own `kvm_pio`
+//! exits from the first). Once SeaBIOS has tried every boot device it prints each POST phase
+//! and boot attempt with its host time in seconds and its guaranteed interval, and how many
+//! beacons were bracketed. Then where the boot time went: `vmtsync spans` with the image's
+//! symbols (the longest spans, each duration with its guaranteed interval; what was open at
+//! the end; a picture with the host's own exits as ticks) and `vmtsync export perfetto`, left
+//! in `target/demo-firmware/` with the recording and the host's trace.
 //!
 //! Truth: KVM's mapping of vCPU 0 from debugfs (`vmtsync_tests::truth`), read after the run
 //! (SeaBIOS never writes its TSC), and the firmware's own produced count on its debug console.
@@ -63,7 +67,9 @@ pub(crate) fn run(vmtsync: &Path) -> Result<()> {
         .prefix("vmtsync-demo-firmware-")
         .tempdir()?;
     let log = dir.path().join("debug.log");
-    let jsonl = dir.path().join("seabios.jsonl");
+    // What a newcomer opens afterwards stays in target/demo-firmware/.
+    let keep = keep_dir()?;
+    let jsonl = keep.join("seabios.jsonl");
     let err_path = dir.path().join("record.stderr");
     // The reader starts QEMU itself (paused), arms the kvm_pio trace of the beacon port, then
     // resumes it: every beacon from the first is bracketed.
@@ -105,7 +111,6 @@ pub(crate) fn run(vmtsync: &Path) -> Result<()> {
     if !status.success() {
         bail!("vmtsync record failed ({status}): {stderr}");
     }
-    let keep = keep_dir()?;
     let host_dat = keep.join("host.dat");
     extract(host_trace, &host_dat)?;
 
@@ -293,8 +298,10 @@ fn spans(vmtsync: &Path, jsonl: &Path, rom: &Path, host: &Path, keep: &Path) -> 
         );
     }
     println!(
-        "\nthe picture: {} (spans over host time, the host's exits as ticks)\nthe trace: {} \
-         (open it in ui.perfetto.dev: a track per vCPU with nested phase and function slices)",
+        "\nthe recording: {}\nthe picture: {} (spans over host time, the host's exits as \
+         ticks)\nthe trace: {} (open it in ui.perfetto.dev: a track per vCPU with nested phase \
+         and function slices)",
+        jsonl.display(),
         svg.display(),
         trace.display()
     );

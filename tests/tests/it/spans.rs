@@ -182,3 +182,29 @@ fn an_image_that_is_not_elf_is_bad_input() {
     );
     assert!(String::from_utf8_lossy(&o.stderr).contains("--symbols"));
 }
+
+/// The picture the README shows (drawn by `vmtsync spans --svg` from a real `demo --firmware`
+/// run) is a valid SVG with spans and host exits in it, and the README links it.
+#[test]
+fn the_readme_picture_is_valid_svg() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
+    assert!(
+        readme.contains("](docs/seabios-boot.svg)"),
+        "the README shows the picture"
+    );
+    let text = std::fs::read_to_string(root.join("docs/seabios-boot.svg")).unwrap();
+    let doc = roxmltree::Document::parse(&text).expect("well-formed XML");
+    let svg = doc.root_element();
+    assert_eq!(svg.tag_name().name(), "svg");
+    assert!(svg.attribute("viewBox").is_some() || svg.attribute("width").is_some());
+    let titles: Vec<&str> = doc
+        .descendants()
+        .filter(|n| n.has_tag_name("title"))
+        .filter_map(|n| n.text())
+        .collect();
+    for name in ["startBoot", "pci_setup", "platform"] {
+        assert!(titles.iter().any(|t| t.contains(name)), "{name} is drawn");
+    }
+    assert!(doc.descendants().filter(|n| n.has_tag_name("rect")).count() > 100);
+}

@@ -53,32 +53,30 @@ pub const EVENT_SIZE: usize = 12;
 pub const EVENT_DATA_SIZE: usize = 32;
 
 /// The `format` file of `vmtsync:event`.
-pub const EVENT_FORMAT: &str = "name: event\n\
+pub const EVENT_FORMAT: &str = concat!(
+    "name: event\n\
 ID: 60001\n\
 format:\n\
-\tfield:unsigned short common_type;\toffset:0;\tsize:2;\tsigned:0;\n\
-\tfield:unsigned char common_flags;\toffset:2;\tsize:1;\tsigned:0;\n\
-\tfield:unsigned char common_preempt_count;\toffset:3;\tsize:1;\tsigned:0;\n\
-\tfield:int common_pid;\toffset:4;\tsize:4;\tsigned:1;\n\
+",
+    common_fields!(),
+    "\tfield:unsigned int id;\toffset:8;\tsize:4;\tsigned:0;\n\
 \n\
-\tfield:unsigned int id;\toffset:8;\tsize:4;\tsigned:0;\n\
-\n\
-print fmt: \"id=%u\", REC->id\n";
+print fmt: \"id=%u\", REC->id\n"
+);
 
 /// The `format` file of `vmtsync:event_data`.
-pub const EVENT_DATA_FORMAT: &str = "name: event_data\n\
+pub const EVENT_DATA_FORMAT: &str = concat!(
+    "name: event_data\n\
 ID: 60002\n\
 format:\n\
-\tfield:unsigned short common_type;\toffset:0;\tsize:2;\tsigned:0;\n\
-\tfield:unsigned char common_flags;\toffset:2;\tsize:1;\tsigned:0;\n\
-\tfield:unsigned char common_preempt_count;\toffset:3;\tsize:1;\tsigned:0;\n\
-\tfield:int common_pid;\toffset:4;\tsize:4;\tsigned:1;\n\
-\n\
-\tfield:unsigned int id;\toffset:8;\tsize:4;\tsigned:0;\n\
+",
+    common_fields!(),
+    "\tfield:unsigned int id;\toffset:8;\tsize:4;\tsigned:0;\n\
 \tfield:unsigned short len;\toffset:12;\tsize:2;\tsigned:0;\n\
 \tfield:unsigned char payload[16];\toffset:16;\tsize:16;\tsigned:0;\n\
 \n\
-print fmt: \"id=%u len=%u payload=%s\", REC->id, REC->len, __print_hex(REC->payload, REC->len)\n";
+print fmt: \"id=%u len=%u payload=%s\", REC->id, REC->len, __print_hex(REC->payload, REC->len)\n"
+);
 
 #[cfg(test)]
 mod tests {

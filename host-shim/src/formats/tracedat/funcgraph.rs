@@ -47,49 +47,46 @@ pub const EXIT_SIZE: usize = 40;
 
 /// `funcgraph_entry`'s format, Linux 6.18's without the empty `args[]` (function arguments,
 /// which a guest span has none of).
-pub const FUNCGRAPH_ENTRY_FORMAT: &str = "name: funcgraph_entry\n\
+pub const FUNCGRAPH_ENTRY_FORMAT: &str = concat!(
+    "name: funcgraph_entry\n\
 ID: 60010\n\
 format:\n\
-\tfield:unsigned short common_type;\toffset:0;\tsize:2;\tsigned:0;\n\
-\tfield:unsigned char common_flags;\toffset:2;\tsize:1;\tsigned:0;\n\
-\tfield:unsigned char common_preempt_count;\toffset:3;\tsize:1;\tsigned:0;\n\
-\tfield:int common_pid;\toffset:4;\tsize:4;\tsigned:1;\n\
-\n\
-\tfield:unsigned long func;\toffset:8;\tsize:8;\tsigned:0;\n\
+",
+    common_fields!(),
+    "\tfield:unsigned long func;\toffset:8;\tsize:8;\tsigned:0;\n\
 \tfield:unsigned int depth;\toffset:16;\tsize:4;\tsigned:0;\n\
 \n\
-print fmt: \"--> %ps (%u)\", (void *)REC->func, REC->depth\n";
+print fmt: \"--> %ps (%u)\", (void *)REC->func, REC->depth\n"
+);
 
 /// `funcgraph_exit`'s format, exactly Linux 6.18's.
-pub const FUNCGRAPH_EXIT_FORMAT: &str = "name: funcgraph_exit\n\
+pub const FUNCGRAPH_EXIT_FORMAT: &str = concat!(
+    "name: funcgraph_exit\n\
 ID: 60011\n\
 format:\n\
-\tfield:unsigned short common_type;\toffset:0;\tsize:2;\tsigned:0;\n\
-\tfield:unsigned char common_flags;\toffset:2;\tsize:1;\tsigned:0;\n\
-\tfield:unsigned char common_preempt_count;\toffset:3;\tsize:1;\tsigned:0;\n\
-\tfield:int common_pid;\toffset:4;\tsize:4;\tsigned:1;\n\
-\n\
-\tfield:unsigned long func;\toffset:8;\tsize:8;\tsigned:0;\n\
+",
+    common_fields!(),
+    "\tfield:unsigned long func;\toffset:8;\tsize:8;\tsigned:0;\n\
 \tfield:unsigned int depth;\toffset:16;\tsize:4;\tsigned:0;\n\
 \tfield:unsigned int overrun;\toffset:20;\tsize:4;\tsigned:0;\n\
 \tfield:unsigned long long calltime;\toffset:24;\tsize:8;\tsigned:0;\n\
 \tfield:unsigned long long rettime;\toffset:32;\tsize:8;\tsigned:0;\n\
 \n\
-print fmt: \"<-- %ps (%u) (start: %llx  end: %llx) over: %u\", (void *)REC->func, REC->depth, REC->calltime, REC->rettime, REC->depth\n";
+print fmt: \"<-- %ps (%u) (start: %llx  end: %llx) over: %u\", (void *)REC->func, REC->depth, REC->calltime, REC->rettime, REC->depth\n"
+);
 
 /// `vmtsync:span_orphan`: an exit whose entry was not seen (the same layout as an entry).
-pub const SPAN_ORPHAN_FORMAT: &str = "name: span_orphan\n\
+pub const SPAN_ORPHAN_FORMAT: &str = concat!(
+    "name: span_orphan\n\
 ID: 60003\n\
 format:\n\
-\tfield:unsigned short common_type;\toffset:0;\tsize:2;\tsigned:0;\n\
-\tfield:unsigned char common_flags;\toffset:2;\tsize:1;\tsigned:0;\n\
-\tfield:unsigned char common_preempt_count;\toffset:3;\tsize:1;\tsigned:0;\n\
-\tfield:int common_pid;\toffset:4;\tsize:4;\tsigned:1;\n\
-\n\
-\tfield:unsigned long func;\toffset:8;\tsize:8;\tsigned:0;\n\
+",
+    common_fields!(),
+    "\tfield:unsigned long func;\toffset:8;\tsize:8;\tsigned:0;\n\
 \tfield:unsigned int depth;\toffset:16;\tsize:4;\tsigned:0;\n\
 \n\
-print fmt: \"%ps exit, entry not seen (depth %u)\", (void *)REC->func, REC->depth\n";
+print fmt: \"%ps exit, entry not seen (depth %u)\", (void *)REC->func, REC->depth\n"
+);
 
 /// The most names the graph adds to the image's symbols (phases, unnamed addresses, names at
 /// an address another name holds): the guest chooses them, and each costs host memory. A

@@ -52,6 +52,18 @@
 //! [`WriterOptions::max_shift_error`] is refused; the target path only ever holds a complete,
 //! verified file; no file content makes the reader panic.
 
+/// The common fields every event `format` file this crate writes starts with, as the kernel
+/// prints them (and the blank line after them).
+macro_rules! common_fields {
+    () => {
+        "\tfield:unsigned short common_type;\toffset:0;\tsize:2;\tsigned:0;\n\
+\tfield:unsigned char common_flags;\toffset:2;\tsize:1;\tsigned:0;\n\
+\tfield:unsigned char common_preempt_count;\toffset:3;\tsize:1;\tsigned:0;\n\
+\tfield:int common_pid;\toffset:4;\tsize:4;\tsigned:1;\n\
+\n"
+    };
+}
+
 pub mod attach;
 pub mod consts;
 mod error;

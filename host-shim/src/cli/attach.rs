@@ -30,7 +30,7 @@ pub enum TraceCmdCommand {
     /// The guest trace must use the x86-tsc clock (raw guest TSC). v6 and v7 files, compressed
     /// or not; v7 gets a new options section linked from the last one (nothing is
     /// recompressed), v6 gets the option inserted before its data. The input is never
-    /// modified: the copy is written beside --output, re-read, verified and renamed.
+    /// modified: the copy is written beside --out, re-read, verified and renamed.
     /// Guest CPU N is taken to run on vCPU N (debugfs vcpuN). With a rate other than the
     /// host's, trace-cmd's 64-bit arithmetic is approximate: the worst-case error over the
     /// file's events is computed and above --max-error ticks the copy is refused (exit 6).
@@ -45,10 +45,10 @@ pub enum TraceCmdCommand {
 #[command(mut_arg("vcpu", |a| a.requires("sync")))]
 pub struct AttachArgs {
     /// The guest's trace.dat (trace-cmd record/extract in the guest, x86-tsc clock).
-    #[arg(long, value_name = "GUEST.dat")]
+    #[arg(long = "from", alias = "guest", value_name = "GUEST.dat")]
     pub guest: PathBuf,
     /// The copy to write (replaced atomically if it exists; never the input).
-    #[arg(long, value_name = "OUT.dat")]
+    #[arg(long = "out", alias = "output", value_name = "OUT.dat")]
     pub output: PathBuf,
     /// The mapping: --offset, --sync with --vcpu (its segments become the TIME_SHIFT samples
     /// of every guest CPU), or --vm (every vCPU's mapping). trace-cmd stores the opposite
@@ -61,15 +61,25 @@ pub struct AttachArgs {
     #[arg(long, requires = "sync")]
     pub interpolate: bool,
     /// A host trace.dat to pair with the guest: a copy with the GUEST option (guest name,
-    /// its TRACEID, vCPU -> host thread) goes to --host-output, for
+    /// its TRACEID, vCPU -> host thread) goes to --host-out, for
     /// `trace-cmd report -i HOST_OUT.dat -i OUT.dat`. The threads come from --vm or
     /// --vcpu-pid.
-    #[arg(long, value_name = "HOST.dat", requires = "host_output")]
+    #[arg(
+        long = "host-trace",
+        alias = "host",
+        value_name = "HOST.dat",
+        requires = "host_output"
+    )]
     pub host: Option<PathBuf>,
     /// Where the host copy goes.
-    #[arg(long, value_name = "HOST_OUT.dat", requires = "host")]
+    #[arg(
+        long = "host-out",
+        alias = "host-output",
+        value_name = "HOST_OUT.dat",
+        requires = "host"
+    )]
     pub host_output: Option<PathBuf>,
-    /// With --host but without --vm: guest CPU N runs on host thread PID (repeat per CPU).
+    /// With --host-trace but without --vm: guest CPU N runs on host thread PID (repeat per CPU).
     #[arg(long, value_name = "N=PID", requires = "host", conflicts_with = "vm",
           value_parser = parse_cpu_pid)]
     pub vcpu_pid: Vec<(u32, u32)>,
@@ -217,7 +227,7 @@ fn run_attach(a: &AttachArgs) -> Result<(), CliError> {
                     .ne(0..u32::try_from(cpus_given.len()).unwrap_or(0))
             {
                 return Err(CliError::Usage(format!(
-                    "--host needs the host thread of each guest CPU 0..N once (from --vm or --vcpu-pid CPU=PID), got CPUs {cpus_given:?}"
+                    "--host-trace needs the host thread of each guest CPU 0..N once (from --vm or --vcpu-pid CPU=PID), got CPUs {cpus_given:?}"
                 )));
             }
             Some((input, output, name, pids))

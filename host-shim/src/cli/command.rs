@@ -61,7 +61,7 @@ pub enum Command {
     #[command(after_help = EXIT_CODES)]
     Probe(ProbeArgs),
     /// Record the guest agent's events into a trace file, synced to the host's TSC: one
-    /// session of probe rounds (every --resync) and event drains.
+    /// session of probe rounds (every --resync-ms) and event drains.
     ///
     /// trace-cmd format: a trace.dat (v7, or v6) with an event system `vmtsync`, one trace CPU
     /// for the vCPU, raw guest TSC timestamps (x86-tsc) and a TIME_SHIFT holding the sync
@@ -170,15 +170,15 @@ mod tests {
                 "vmtsync",
                 "kvm",
                 "--watch",
-                "--interval",
+                "--interval-ms",
                 "50",
                 "--trace-events"
             ])
             .is_ok()
         );
         assert!(
-            p(&["vmtsync", "kvm", "--interval", "50"]).is_err(),
-            "--interval needs --watch"
+            p(&["vmtsync", "kvm", "--interval-ms", "50"]).is_err(),
+            "--interval-ms needs --watch"
         );
         assert!(p(&["vmtsync", "convert", "--offset", "-5"]).is_ok());
         assert!(
@@ -241,16 +241,27 @@ mod tests {
                 "--json",
                 "--probes",
                 "10",
-                "--timeout",
+                "--timeout-ms",
                 "500"
             ])
             .is_ok()
         );
         assert!(p(&["vmtsync", "probe"]).is_err(), "--connect is required");
-        assert!(p(&["vmtsync", "plot", "s.jsonl", "--out", "s.svg"]).is_ok());
+        assert!(p(&["vmtsync", "plot", "--sync", "s.jsonl", "--out", "s.svg"]).is_ok());
         assert!(
-            p(&["vmtsync", "plot", "s.jsonl"]).is_err(),
+            p(&["vmtsync", "plot", "--sync", "s.jsonl"]).is_err(),
             "--out is required"
+        );
+        assert!(
+            p(&["vmtsync", "plot", "--out", "s.svg"]).is_err(),
+            "the sync file is required"
+        );
+        assert!(
+            p(&[
+                "vmtsync", "plot", "s.jsonl", "--sync", "t", "--out", "s.svg"
+            ])
+            .is_err(),
+            "the sync file twice"
         );
     }
 }

@@ -31,7 +31,7 @@ pub struct KvmArgs {
     #[arg(long)]
     pub watch: bool,
     /// Poll interval in milliseconds for --watch.
-    #[arg(long, value_name = "MS", default_value_t = 100, requires = "watch",
+    #[arg(long = "interval-ms", alias = "interval", value_name = "MS", default_value_t = 100, requires = "watch",
           value_parser = clap::value_parser!(u64).range(1..=3_600_000))]
     pub interval: u64,
     /// Also subscribe to the kvm:kvm_write_tsc_offset tracepoint (a private tracefs instance),

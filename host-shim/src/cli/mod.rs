@@ -3,8 +3,8 @@
 //! One module per command ([`kvm`], [`convert`], [`plot`], [`probe`], [`record`], [`tsc`],
 //! [`validate`], [`attach`] for `trace-cmd attach`), the top-level parser and
 //! dispatch ([`command`]), the shared error type and exit codes ([`exit`]), SIGINT/SIGTERM
-//! handling (`signals`) and the debugfs/`/proc` source flags shared by `kvm` and `convert`
-//! ([`source`]).
+//! handling (`signals`), the debugfs/`/proc` source flags shared by every command that reads
+//! them ([`source`]) and the vocabulary every command's flags follow (`vocabulary`).
 //!
 //! Exit codes (also in `--help`):
 //! - 0: success; also when stdout is a closed pipe (`vmtsync … | head`).
@@ -52,6 +52,7 @@ pub mod source;
 pub mod spans;
 pub mod tsc;
 pub mod validate;
+mod vocabulary;
 
 pub use command::{Cli, Command, main, run};
 pub use convert::ConvertArgs;

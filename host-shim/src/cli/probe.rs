@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use super::exit::CliError;
 use super::signals::{install_stop_handler, stop_flag};
-use crate::kvm::debugfs::DEFAULT_KVM_DEBUGFS;
+use super::source::{SourceArgs, mount_if_asked};
 use crate::kvm::scan::VmSelector;
 use crate::link::addr::ProbeAddr;
 use crate::probe::anchor::{AnchorMode, AnchorOptions};
@@ -29,14 +29,24 @@ pub struct ProbeArgs {
           value_parser = clap::value_parser!(u32).range(1..))]
     pub probes: u32,
     /// Pause between two probes, in milliseconds (0: back to back).
-    #[arg(long, value_name = "MS", default_value_t = 0)]
+    #[arg(
+        long = "interval-ms",
+        alias = "interval",
+        value_name = "MS",
+        default_value_t = 0
+    )]
     pub interval: u64,
     /// The longest wait for any reply from the agent, in milliseconds.
-    #[arg(long, value_name = "MS", default_value_t = 2000,
+    #[arg(long = "timeout-ms", alias = "timeout", value_name = "MS", default_value_t = 2000,
           value_parser = clap::value_parser!(u64).range(1..))]
     pub timeout: u64,
     /// The longest wait to connect (retries included), in milliseconds.
-    #[arg(long, value_name = "MS", default_value_t = 10_000)]
+    #[arg(
+        long = "connect-timeout-ms",
+        alias = "connect-timeout",
+        value_name = "MS",
+        default_value_t = 10_000
+    )]
     pub connect_timeout: u64,
     /// Re-sync periodically and append one segment per round to the sync file given by --out
     /// (JSON Lines, schema 1); runs until --rounds or Ctrl-C.
@@ -47,7 +57,8 @@ pub struct ProbeArgs {
     pub out: Option<PathBuf>,
     /// Time between the starts of two continuous-mode rounds, in milliseconds.
     #[arg(
-        long,
+        long = "resync-ms",
+        alias = "resync",
         value_name = "MS",
         default_value_t = 1000,
         requires = "continuous"
@@ -87,7 +98,7 @@ pub struct ProbeArgs {
     pub anchor: AnchorMode,
     /// The VM the agent runs in, for --anchor (PID, PID-FD or name; --anchor kvm-pio without
     /// it: the only VM in debugfs).
-    #[arg(long, value_name = "VM")]
+    #[arg(long, value_name = "PID|NAME")]
     pub vm: Option<VmSelector>,
     /// tracefs, for --anchor (default: /sys/kernel/tracing, then /sys/kernel/debug/tracing).
     #[arg(long, value_name = "DIR")]
@@ -97,9 +108,9 @@ pub struct ProbeArgs {
     /// only when the agent's hello announces a sync port, else on the UART's own exits.
     #[arg(long, value_name = "PORT", default_value = "0x2400", value_parser = parse_port)]
     pub sync_port: u16,
-    /// KVM debugfs, for --anchor.
-    #[arg(long, value_name = "DIR", default_value = DEFAULT_KVM_DEBUGFS)]
-    pub debugfs_root: PathBuf,
+    /// KVM debugfs and /proc, for --anchor.
+    #[command(flatten)]
+    pub source: SourceArgs,
     /// Append every probe that gave a sample to this file (JSON Lines: vCPU, sequence number,
     /// guest TSC, frames, in-process stamps), so `vmtsync validate --probe-log` can check the
     /// sync against the probes' own kvm_pio exits in a host trace (docs/validate.md).
@@ -136,7 +147,8 @@ impl ProbeArgs {
             mode: self.anchor,
             vm: self.vm.clone(),
             tracefs: self.tracefs.clone(),
-            debugfs_root: self.debugfs_root.clone(),
+            debugfs_root: self.source.debugfs_root.clone(),
+            proc_root: self.source.proc_root.clone(),
             sync_port: self.sync_port,
             ..AnchorOptions::default()
         };
@@ -158,6 +170,7 @@ impl ProbeArgs {
 /// `vmtsync probe`: SIGINT/SIGTERM end continuous mode after the current round, and abandon
 /// anything else (connect, hello, a round) with exit code 130/143.
 pub(super) fn run_probe_cmd(a: &ProbeArgs) -> Result<(), CliError> {
+    mount_if_asked(&a.source)?;
     install_stop_handler();
     let opts = a.to_options(Some(stop_flag()));
     let mut out = io::stdout().lock();
@@ -225,12 +238,12 @@ mod tests {
             "vsock-uds:/tmp/v.sock:5000",
             "--probes",
             "339",
-            "--interval",
+            "--interval-ms",
             "5",
             "--continuous",
             "--out",
             "s.jsonl",
-            "--resync",
+            "--resync-ms",
             "250",
             "--rounds",
             "3",

@@ -33,7 +33,7 @@ pub struct RecordArgs {
     #[arg(long, value_name = "N")]
     pub events: Option<u64>,
     /// Stop after SECS seconds (with --events: whichever comes first).
-    #[arg(long, value_name = "SECS")]
+    #[arg(long = "duration-s", alias = "duration", value_name = "SECS")]
     pub duration: Option<f64>,
     /// trace.dat version (trace-cmd 3.x writes 7).
     #[arg(long, value_name = "6|7", default_value_t = 7, value_parser = clap::value_parser!(u8).range(6..=7))]
@@ -43,11 +43,16 @@ pub struct RecordArgs {
     pub no_progress: bool,
     /// A host trace.dat (trace-cmd extract, x86-tsc clock) to pair with the guest trace: a copy
     /// of it with the GUEST option (this guest's name, trace id, vCPU -> host thread) is
-    /// written to --host-output, so `trace-cmd report -i HOST_OUT -i GUEST.dat` shows both.
+    /// written to --host-out, so `trace-cmd report -i HOST_OUT -i GUEST.dat` shows both.
     #[arg(long, value_name = "HOST.dat", requires = "host_output")]
     pub host_trace: Option<PathBuf>,
     /// Where the host trace's copy goes (the input is never modified).
-    #[arg(long, value_name = "OUT.dat", requires = "host_trace")]
+    #[arg(
+        long = "host-out",
+        alias = "host-output",
+        value_name = "OUT.dat",
+        requires = "host_trace"
+    )]
     pub host_output: Option<PathBuf>,
     /// The VM (PID, PID-FD or name) whose vCPU thread goes into the GUEST option, and whose
     /// vCPU threads' exits anchor the sync rounds (default for --anchor: the only VM).
@@ -80,13 +85,18 @@ pub struct ProtocolArgs {
     #[arg(long, value_name = "ADDR", required_unless_present = "from_memory")]
     pub connect: Option<ProbeAddr>,
     /// Milliseconds between the starts of two sync rounds.
-    #[arg(long, value_name = "MS", default_value_t = 1000)]
+    #[arg(
+        long = "resync-ms",
+        alias = "resync",
+        value_name = "MS",
+        default_value_t = 1000
+    )]
     pub resync: u64,
     /// Probes per sync round.
     #[arg(long, value_name = "N", default_value_t = DEFAULT_PROBES, value_parser = clap::value_parser!(u32).range(1..))]
     pub probes: u32,
     /// The longest wait for any reply, in milliseconds.
-    #[arg(long, value_name = "MS", default_value_t = 2000, value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long = "timeout-ms", alias = "timeout", value_name = "MS", default_value_t = 2000, value_parser = clap::value_parser!(u64).range(1..))]
     pub timeout: u64,
     /// End the agent when done (send Shutdown); by default it keeps serving.
     #[arg(long)]
@@ -287,7 +297,7 @@ impl RecordArgs {
 pub(super) fn run_record_cmd(a: &RecordArgs) -> Result<(), CliError> {
     if a.duration.is_some_and(|d| !d.is_finite() || d < 0.0) {
         return Err(CliError::Usage(
-            "--duration must be a non-negative number of seconds".into(),
+            "--duration-s must be a non-negative number of seconds".into(),
         ));
     }
     if a.host_trace.is_some() && a.format != FormatArg::TraceCmd {
@@ -327,7 +337,7 @@ pub(super) fn run_record_cmd(a: &RecordArgs) -> Result<(), CliError> {
     host_copy(host, &s)
 }
 
-/// `--host-trace IN --host-output OUT`: a copy of the host trace with the GUEST option for the
+/// `--host-trace IN --host-out OUT`: a copy of the host trace with the GUEST option for the
 /// recording `s` (and the TSC2NSEC option the guest file carries), for trace-cmd's merged
 /// report.
 fn host_copy(

@@ -1,4 +1,6 @@
-//! Where `kvm` and `convert --vm` read KVM debugfs and `/proc`, and `--mount-debugfs`.
+//! Where every command that reads KVM debugfs and `/proc` (`kvm`, `convert --vm`, `probe
+//! --anchor`, `record --vm`, `export perf`, `trace-cmd attach --vm`) finds them, and
+//! `--mount-debugfs`.
 
 use std::io;
 use std::path::{Path, PathBuf};
@@ -11,8 +13,8 @@ use crate::kvm::debugfs::{DEBUGFS_MOUNTPOINT, DEFAULT_KVM_DEBUGFS, KvmDebugfs};
 use crate::kvm::procinfo::{DEFAULT_PROC_ROOT, ProcFs};
 use crate::kvm::scan::{ScanError, Scanner, VmReport, VmSelector};
 
-/// Where to read KVM debugfs and /proc.
-#[derive(Debug, Args)]
+/// Where to read KVM debugfs and /proc: the same flags on every command that reads them.
+#[derive(Clone, Debug, PartialEq, Eq, Args)]
 pub struct SourceArgs {
     /// KVM debugfs directory (holds one `<pid>-<fd>` directory per VM).
     #[arg(long, value_name = "DIR", default_value = DEFAULT_KVM_DEBUGFS)]
@@ -44,14 +46,23 @@ pub(super) fn single_vm(src: &SourceArgs, sel: &VmSelector) -> Result<VmReport, 
 }
 
 pub(super) fn scanner(src: &SourceArgs) -> Result<Scanner, CliError> {
-    if src.mount_debugfs {
-        mount_debugfs_if_needed(&src.debugfs_root)?;
-    }
+    mount_if_asked(src)?;
     let debugfs = KvmDebugfs::open(&src.debugfs_root).map_err(ScanError::from)?;
     Ok(Scanner {
         debugfs,
         proc: ProcFs::new(&src.proc_root),
     })
+}
+
+/// With `--mount-debugfs`: mounts debugfs unless `--debugfs-root` already exists.
+///
+/// # Errors
+/// [`CliError::NotRoot`] or [`CliError::Mount`] when it must mount and cannot.
+pub(super) fn mount_if_asked(src: &SourceArgs) -> Result<(), CliError> {
+    if src.mount_debugfs {
+        mount_debugfs_if_needed(&src.debugfs_root)?;
+    }
+    Ok(())
 }
 
 /// Mounts debugfs at the standard mount point unless `root` already exists.

@@ -31,7 +31,12 @@ pub struct ValidateArgs {
     /// The guest's recording from `vmtsync record`: its trace.dat (raw guest TSC; needs
     /// --sync) or its JSON Lines (--format jsonl; any guest rate), holding events recorded
     /// next to port I/O, named by --before/--after (or --port for the bundled agent).
-    #[arg(long, value_name = "GUEST.dat|GUEST.jsonl", requires = "rules")]
+    #[arg(
+        long = "from",
+        alias = "guest-trace",
+        value_name = "GUEST.dat|GUEST.jsonl",
+        requires = "rules"
+    )]
     pub guest_trace: Option<PathBuf>,
     /// The bundled agent's workload port (agent option workload=RATE,COUNT,PORT): the same as
     /// --before 0x100:PORT --after 0x101:PORT.
@@ -368,8 +373,7 @@ mod tests {
     fn a_guest_trace_needs_its_rules_and_something_must_be_checked() {
         use clap::CommandFactory;
         Cli::command().debug_assert();
-        let a =
-            parse("--host-trace h --guest-trace g.jsonl --before 7:0x80 --after 0x8:128").unwrap();
+        let a = parse("--host-trace h --from g.jsonl --before 7:0x80 --after 0x8:128").unwrap();
         assert!(a.sync.is_none());
         assert_eq!(
             (a.before, a.after),
@@ -397,14 +401,11 @@ mod tests {
         let base = "--sync s --host-trace h";
         let a = parse(&format!("{base} --probe-log p")).unwrap();
         assert!(a.guest_trace.is_none() && a.port.is_none());
-        let a = parse(&format!(
-            "{base} --guest-trace g --port 0x3f0 --probe-log p"
-        ))
-        .unwrap();
+        let a = parse(&format!("{base} --from g --port 0x3f0 --probe-log p")).unwrap();
         assert_eq!((a.port, a.probe_log.is_some()), (Some(0x3f0), true));
         assert!(parse(base).is_err(), "nothing to check");
         assert!(
-            parse(&format!("{base} --guest-trace g")).is_err(),
+            parse(&format!("{base} --from g")).is_err(),
             "no --port, --before or --after"
         );
         assert!(

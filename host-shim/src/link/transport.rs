@@ -49,7 +49,7 @@ pub fn host_tsc_now() -> HostTicks {
 pub enum TransportError {
     /// The deadline passed with no (or an incomplete) answer.
     #[error(
-        "timed out after {0:?} waiting for the guest agent: is it running and attached to this socket? (raise --timeout for slow guests)"
+        "timed out after {0:?} waiting for the guest agent: is it running and attached to this socket? (raise --timeout-ms for slow guests)"
     )]
     Timeout(Duration),
     /// The peer closed the connection.

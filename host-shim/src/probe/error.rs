@@ -20,7 +20,7 @@ pub enum ProbeError {
     Connect(#[from] ConnectError),
     /// No (complete) reply within the timeout.
     #[error(
-        "the guest agent did not send {what} within {after:?} ({bad_frames} undecodable frames so far): is the agent running on this socket? (raise --timeout for slow guests)"
+        "the guest agent did not send {what} within {after:?} ({bad_frames} undecodable frames so far): is the agent running on this socket? (raise --timeout-ms for slow guests)"
     )]
     Timeout {
         /// What we were waiting for.
@@ -136,7 +136,7 @@ impl From<EstimateError> for ProbeError {
 pub const fn refusal_text(e: EstimateError) -> &'static str {
     match e {
         EstimateError::NoSamples => {
-            "no probe gave a sample: every probe of the round was lost (the counts of lost probes say why; is the agent answering? try a longer --timeout)"
+            "no probe gave a sample: every probe of the round was lost (the counts of lost probes say why; is the agent answering? try a longer --timeout-ms)"
         }
         EstimateError::SegmentBreak => {
             "the probes' brackets contradict each other: no constant offset and rate fits them all (no probe was lost for it). Either the guest clock stepped during the round (run again), or a bracket missed its guest's TSC read: a guest that reads its TSC before it has the request or after it started its reply, or a fault in vmtsync's anchoring (keep the probes with --probe-log FILE and report it)"

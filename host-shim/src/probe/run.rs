@@ -31,9 +31,9 @@ pub struct ProbeOptions {
     pub addr: ProbeAddr,
     /// Probes per round (`--probes`, default 64).
     pub probes: u32,
-    /// Pause between probes (`--interval MS`, default 0: back to back).
+    /// Pause between probes (`--interval-ms`, default 0: back to back).
     pub interval: Duration,
-    /// The longest wait for any reply (`--timeout MS`, default 2 s).
+    /// The longest wait for any reply (`--timeout-ms`, default 2 s).
     pub timeout: Duration,
     /// The longest wait to connect, retries included (default 10 s).
     pub connect_timeout: Duration,

@@ -712,7 +712,7 @@ impl<T: StampedTransport> ProbeSession<T> {
         let mut samples = Vec::with_capacity(usize::try_from(n).unwrap_or(0).min(1 << 16));
         for i in 0..n {
             if i > 0 && !interval.is_zero() {
-                // In short steps, so a stop is seen promptly even with a long --interval.
+                // In short steps, so a stop is seen promptly even with a long --interval-ms.
                 let until = Instant::now() + interval;
                 while let Some(left) = until.checked_duration_since(Instant::now()) {
                     if left.is_zero() || self.stopped() {

@@ -379,7 +379,7 @@ fn trace_dat_events(path: &Path, rules: &[EventRule]) -> Result<Vec<RawEvent>, V
 }
 
 /// The `kvm_pio` exits of the ports `keep` accepts in a host trace.dat (every buffer), and the
-/// vCPU → thread map of its GUEST option if it has one (`vmtsync record --host-output` writes
+/// vCPU → thread map of its GUEST option if it has one (`vmtsync record --host-out` writes
 /// it).
 ///
 /// # Errors

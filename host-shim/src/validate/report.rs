@@ -96,7 +96,7 @@ pub enum ValidateError {
     },
     /// Neither a guest trace nor a probe log: nothing to check.
     #[error(
-        "nothing to check: give --guest-trace (with --port, or --before/--after) or --probe-log, or both"
+        "nothing to check: give --from (with --port, or --before/--after) or --probe-log, or both"
     )]
     NothingToCheck,
     /// vCPU threads cannot be told apart.

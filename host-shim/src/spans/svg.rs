@@ -118,189 +118,242 @@ pub fn draw(
     title: &str,
     tsc_hz: u64,
 ) -> Result<String, SvgError> {
-    if tsc_hz == 0 {
-        return Err(SvgError::ZeroHz);
-    }
-    let times = spans
-        .iter()
-        .flat_map(|s| [s.begin, s.end])
-        .flatten()
-        .map(|e| e.host_tsc)
-        .chain(exits.iter().map(|e| e.0));
-    let (t0, t1) = times
-        .fold(None, |r: Option<(u64, u64)>, t| {
-            Some(r.map_or((t, t), |(a, b)| (a.min(t), b.max(t))))
-        })
-        .ok_or(SvgError::Empty)?;
-    let t1 = t1.max(t0 + 1);
-
-    // Lanes: every (vCPU, kind) that has spans, depths 0..=deepest (below MAX_LANES).
-    let mut deepest: BTreeMap<(u32, SpanKind), u32> = BTreeMap::new();
-    let mut too_deep = 0u64;
-    for s in spans {
-        if s.depth >= MAX_LANES {
-            too_deep += 1;
-            continue;
-        }
-        let d = deepest.entry((s.vcpu, s.kind)).or_insert(0);
-        *d = (*d).max(s.depth);
-    }
-    let mut lane_y: BTreeMap<LaneKey, f64> = BTreeMap::new();
-    let mut labels = Vec::new();
-    let mut y = TOP;
-    let mut last_vcpu = None;
-    for (&(vcpu, kind), &d) in &deepest {
-        if last_vcpu.is_some_and(|v| v != vcpu) {
-            y += GAP;
-        }
-        last_vcpu = Some(vcpu);
-        for depth in 0..=d {
-            lane_y.insert((vcpu, kind, depth), y);
-            let name = match kind {
-                SpanKind::Phase => "phases",
-                SpanKind::Function => "functions",
-            };
-            labels.push((y, format!("vCPU {vcpu} {name} {depth}")));
-            y += LANE;
-        }
-    }
-    let exits_y = (!exits.is_empty()).then(|| {
-        let at = y + GAP;
-        labels.push((at, "host exits".to_owned()));
-        y = at + LANE;
-        at
-    });
-    let plot_bottom = y;
-    let height = plot_bottom + BOTTOM + if too_deep > 0 { 16.0 } else { 0.0 };
-    let span_px = WIDTH - LEFT - RIGHT;
-    let x_of = |t: u64| LEFT + (t - t0) as f64 / (t1 - t0) as f64 * span_px;
-    let right = LEFT + span_px;
-
+    let c = Canvas::layout(spans, exits, tsc_hz)?;
     let mut o = String::with_capacity(4096 + spans.len().min(100_000) * 160);
-    let _ = writeln!(
-        o,
-        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" viewBox="0 0 {WIDTH} {height}" font-family="sans-serif" font-size="11">"#
-    );
-    let _ = writeln!(
-        o,
-        r#"<defs>{}{}</defs>"#,
-        hatch("hatch-phase", PHASE),
-        hatch("hatch-function", FUNCTION)
-    );
-    let _ = writeln!(o, r#"<rect width="100%" height="100%" fill="white"/>"#);
-    let _ = writeln!(
-        o,
-        r#"<text class="title" x="{LEFT}" y="22" font-size="15">{}</text>"#,
-        esc(title)
-    );
-    // The legend, top right: what the fills mean.
-    let mut lx = WIDTH - RIGHT - 420.0;
-    for (class, paint, stroke, text) in [
-        ("phase", PHASE.to_owned(), "", "phase"),
-        ("function", FUNCTION.to_owned(), "", "function"),
-        (
-            "unfinished",
-            "url(#hatch-function)".to_owned(),
-            r##" stroke="#f58518" stroke-dasharray="4 2""##,
-            "exit (or entry) not seen",
-        ),
-    ] {
-        let _ = writeln!(
-            o,
-            r#"<rect class="legend {class}" x="{lx}" y="8" width="18" height="10" fill="{paint}"{stroke}/><text class="legend" x="{}" y="17">{text}</text>"#,
-            lx + 22.0
-        );
-        lx += 22.0 + text.len() as f64 * 6.5 + 16.0;
-    }
-    for (ly, name) in &labels {
-        let _ = writeln!(
-            o,
-            r#"<text class="lane" x="{}" y="{}" text-anchor="end">{}</text>"#,
-            LEFT - 6.0,
-            ly + LANE - 4.0,
-            esc(name)
-        );
+    c.head(&mut o, title);
+    c.spans(&mut o, spans);
+    c.exits(&mut o, exits);
+    c.axis(&mut o);
+    o.push_str("</svg>\n");
+    Ok(o)
+}
+
+/// Where everything goes: the time range, each lane's height, the exits' lane.
+struct Canvas {
+    t0: u64,
+    t1: u64,
+    tsc_hz: u64,
+    lane_y: BTreeMap<LaneKey, f64>,
+    labels: Vec<(f64, String)>,
+    exits_y: Option<f64>,
+    plot_bottom: f64,
+    height: f64,
+    too_deep: u64,
+}
+
+impl Canvas {
+    /// Lanes for every (vCPU, kind) that has spans, depths 0..=deepest (below MAX_LANES),
+    /// and one for the exits if there are any.
+    fn layout(spans: &[Span], exits: &[(u64, String)], tsc_hz: u64) -> Result<Self, SvgError> {
+        if tsc_hz == 0 {
+            return Err(SvgError::ZeroHz);
+        }
+        let times = spans
+            .iter()
+            .flat_map(|s| [s.begin, s.end])
+            .flatten()
+            .map(|e| e.host_tsc)
+            .chain(exits.iter().map(|e| e.0));
+        let (t0, t1) = times
+            .fold(None, |r: Option<(u64, u64)>, t| {
+                Some(r.map_or((t, t), |(a, b)| (a.min(t), b.max(t))))
+            })
+            .ok_or(SvgError::Empty)?;
+        let t1 = t1.max(t0 + 1);
+        let mut deepest: BTreeMap<(u32, SpanKind), u32> = BTreeMap::new();
+        let mut too_deep = 0u64;
+        for s in spans {
+            if s.depth >= MAX_LANES {
+                too_deep += 1;
+                continue;
+            }
+            let d = deepest.entry((s.vcpu, s.kind)).or_insert(0);
+            *d = (*d).max(s.depth);
+        }
+        let mut lane_y: BTreeMap<LaneKey, f64> = BTreeMap::new();
+        let mut labels = Vec::new();
+        let mut y = TOP;
+        let mut last_vcpu = None;
+        for (&(vcpu, kind), &d) in &deepest {
+            if last_vcpu.is_some_and(|v| v != vcpu) {
+                y += GAP;
+            }
+            last_vcpu = Some(vcpu);
+            for depth in 0..=d {
+                lane_y.insert((vcpu, kind, depth), y);
+                let name = match kind {
+                    SpanKind::Phase => "phases",
+                    SpanKind::Function => "functions",
+                };
+                labels.push((y, format!("vCPU {vcpu} {name} {depth}")));
+                y += LANE;
+            }
+        }
+        let exits_y = (!exits.is_empty()).then(|| {
+            let at = y + GAP;
+            labels.push((at, "host exits".to_owned()));
+            y = at + LANE;
+            at
+        });
+        Ok(Self {
+            t0,
+            t1,
+            tsc_hz,
+            lane_y,
+            labels,
+            exits_y,
+            plot_bottom: y,
+            height: y + BOTTOM + if too_deep > 0 { 16.0 } else { 0.0 },
+            too_deep,
+        })
     }
 
-    // Spans: the wide ones one by one, the narrow ones as one mark per lane and pixel column.
-    let mut dense: BTreeSet<(LaneKey, u32)> = BTreeSet::new();
-    for s in spans {
-        let Some(&ly) = lane_y.get(&(s.vcpu, s.kind, s.depth)) else {
-            continue;
-        };
-        let (fill, hatch_id) = match s.kind {
-            SpanKind::Phase => (PHASE, "hatch-phase"),
-            SpanKind::Function => (FUNCTION, "hatch-function"),
-        };
-        let (x0, x1, state) = match (s.state(), s.begin, s.end) {
-            (SpanState::Closed, Some(b), Some(e)) => (x_of(b.host_tsc), x_of(e.host_tsc), "closed"),
-            (SpanState::Open, Some(b), _) => (x_of(b.host_tsc), right, "open"),
-            (SpanState::Orphan, _, Some(e)) => (LEFT, x_of(e.host_tsc), "orphan"),
-            _ => continue,
-        };
-        let w = x1 - x0;
-        if state == "closed" && w < 0.5 {
-            // Truncation to the pixel column is the point here.
-            #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
-            dense.insert(((s.vcpu, s.kind, s.depth), x0.max(0.0) as u32));
-            continue;
-        }
-        let tip = match (state, s.ticks()) {
-            ("closed", Some(t)) => format!("{} ({})", s.name, duration(t, tsc_hz)),
-            ("open", _) => format!("{} (exit not seen)", s.name),
-            _ => format!("{} (entry not seen)", s.name),
-        };
-        let (paint, stroke) = if state == "closed" {
-            (fill.to_owned(), String::new())
-        } else {
-            (
-                format!("url(#{hatch_id})"),
-                format!(r#" stroke="{fill}" stroke-dasharray="4 2""#),
-            )
-        };
-        let _ = write!(
+    /// The plot's width in SVG units.
+    fn span_px() -> f64 {
+        WIDTH - LEFT - RIGHT
+    }
+
+    /// The x of host tick `t`.
+    fn x_of(&self, t: u64) -> f64 {
+        LEFT + (t - self.t0) as f64 / (self.t1 - self.t0) as f64 * Self::span_px()
+    }
+
+    /// The document's start, the patterns, the title, the legend and the lanes' names.
+    fn head(&self, o: &mut String, title: &str) {
+        let height = self.height;
+        let _ = writeln!(
             o,
-            r#"<rect class="span {} {state}" x="{x0:.2}" y="{:.1}" width="{:.2}" height="{:.1}" fill="{paint}"{stroke}><title>{}</title></rect>"#,
-            s.kind.as_str(),
-            ly + 1.0,
-            w.max(1.0),
-            LANE - 2.0,
-            esc(&tip)
+            r#"<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" viewBox="0 0 {WIDTH} {height}" font-family="sans-serif" font-size="11">"#
         );
-        // The name inside when it fits (about 6 units per character).
-        let label = s.name.chars().count() as f64 * 6.0 + 4.0;
-        if w >= label {
-            let _ = write!(
+        let _ = writeln!(
+            o,
+            r#"<defs>{}{}</defs>"#,
+            hatch("hatch-phase", PHASE),
+            hatch("hatch-function", FUNCTION)
+        );
+        let _ = writeln!(o, r#"<rect width="100%" height="100%" fill="white"/>"#);
+        let _ = writeln!(
+            o,
+            r#"<text class="title" x="{LEFT}" y="22" font-size="15">{}</text>"#,
+            esc(title)
+        );
+        // The legend, top right: what the fills mean.
+        let mut lx = WIDTH - RIGHT - 420.0;
+        for (class, paint, stroke, text) in [
+            ("phase", PHASE.to_owned(), "", "phase"),
+            ("function", FUNCTION.to_owned(), "", "function"),
+            (
+                "unfinished",
+                "url(#hatch-function)".to_owned(),
+                r##" stroke="#f58518" stroke-dasharray="4 2""##,
+                "exit (or entry) not seen",
+            ),
+        ] {
+            let _ = writeln!(
                 o,
-                r#"<text class="name" x="{:.2}" y="{:.1}" fill="white">{}</text>"#,
-                x0 + 2.0,
+                r#"<rect class="legend {class}" x="{lx}" y="8" width="18" height="10" fill="{paint}"{stroke}/><text class="legend" x="{}" y="17">{text}</text>"#,
+                lx + 22.0
+            );
+            lx += 22.0 + text.len() as f64 * 6.5 + 16.0;
+        }
+        for (ly, name) in &self.labels {
+            let _ = writeln!(
+                o,
+                r#"<text class="lane" x="{}" y="{}" text-anchor="end">{}</text>"#,
+                LEFT - 6.0,
                 ly + LANE - 4.0,
-                esc(&s.name)
+                esc(name)
             );
         }
-        o.push('\n');
-    }
-    for ((lane, px), ..) in dense.iter().map(|d| (d, ())) {
-        let ly = lane_y.get(lane).copied().unwrap_or(TOP);
-        let fill = match lane.1 {
-            SpanKind::Phase => PHASE,
-            SpanKind::Function => FUNCTION,
-        };
-        let _ = writeln!(
-            o,
-            r#"<rect class="span {} dense" x="{px}" y="{:.1}" width="1" height="{:.1}" fill="{fill}"/>"#,
-            lane.1.as_str(),
-            ly + 1.0,
-            LANE - 2.0
-        );
     }
 
-    // Exits: one tick per pixel column and label.
-    if let Some(ey) = exits_y {
+    /// Spans: the wide ones one by one, the narrow ones as one mark per lane and pixel column.
+    fn spans(&self, o: &mut String, spans: &[Span]) {
+        let right = LEFT + Self::span_px();
+        let mut dense: BTreeSet<(LaneKey, u32)> = BTreeSet::new();
+        for s in spans {
+            let Some(&ly) = self.lane_y.get(&(s.vcpu, s.kind, s.depth)) else {
+                continue;
+            };
+            let (fill, hatch_id) = match s.kind {
+                SpanKind::Phase => (PHASE, "hatch-phase"),
+                SpanKind::Function => (FUNCTION, "hatch-function"),
+            };
+            let (x0, x1, state) = match (s.state(), s.begin, s.end) {
+                (SpanState::Closed, Some(b), Some(e)) => {
+                    (self.x_of(b.host_tsc), self.x_of(e.host_tsc), "closed")
+                }
+                (SpanState::Open, Some(b), _) => (self.x_of(b.host_tsc), right, "open"),
+                (SpanState::Orphan, _, Some(e)) => (LEFT, self.x_of(e.host_tsc), "orphan"),
+                _ => continue,
+            };
+            let w = x1 - x0;
+            if state == "closed" && w < 0.5 {
+                // Truncation to the pixel column is the point here.
+                #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+                dense.insert(((s.vcpu, s.kind, s.depth), x0.max(0.0) as u32));
+                continue;
+            }
+            let tip = match (state, s.ticks()) {
+                ("closed", Some(t)) => format!("{} ({})", s.name, duration(t, self.tsc_hz)),
+                ("open", _) => format!("{} (exit not seen)", s.name),
+                _ => format!("{} (entry not seen)", s.name),
+            };
+            let (paint, stroke) = if state == "closed" {
+                (fill.to_owned(), String::new())
+            } else {
+                (
+                    format!("url(#{hatch_id})"),
+                    format!(r#" stroke="{fill}" stroke-dasharray="4 2""#),
+                )
+            };
+            let _ = write!(
+                o,
+                r#"<rect class="span {} {state}" x="{x0:.2}" y="{:.1}" width="{:.2}" height="{:.1}" fill="{paint}"{stroke}><title>{}</title></rect>"#,
+                s.kind.as_str(),
+                ly + 1.0,
+                w.max(1.0),
+                LANE - 2.0,
+                esc(&tip)
+            );
+            // The name inside when it fits (about 6 units per character).
+            let label = s.name.chars().count() as f64 * 6.0 + 4.0;
+            if w >= label {
+                let _ = write!(
+                    o,
+                    r#"<text class="name" x="{:.2}" y="{:.1}" fill="white">{}</text>"#,
+                    x0 + 2.0,
+                    ly + LANE - 4.0,
+                    esc(&s.name)
+                );
+            }
+            o.push('\n');
+        }
+        for (lane, px) in &dense {
+            let ly = self.lane_y.get(lane).copied().unwrap_or(TOP);
+            let fill = match lane.1 {
+                SpanKind::Phase => PHASE,
+                SpanKind::Function => FUNCTION,
+            };
+            let _ = writeln!(
+                o,
+                r#"<rect class="span {} dense" x="{px}" y="{:.1}" width="1" height="{:.1}" fill="{fill}"/>"#,
+                lane.1.as_str(),
+                ly + 1.0,
+                LANE - 2.0
+            );
+        }
+    }
+
+    /// Exits: one tick per pixel column and label.
+    fn exits(&self, o: &mut String, exits: &[(u64, String)]) {
+        let Some(ey) = self.exits_y else {
+            return;
+        };
         let mut ticks: BTreeMap<(u32, &str), u64> = BTreeMap::new();
         for (t, label) in exits {
             #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
-            let px = x_of(*t).round() as u32;
+            let px = self.x_of(*t).round() as u32;
             *ticks.entry((px, label.as_str())).or_default() += 1;
         }
         for ((px, label), n) in ticks {
@@ -314,51 +367,54 @@ pub fn draw(
         }
     }
 
-    // The time axis.
-    let secs = (t1 - t0) as f64 / tsc_hz as f64;
-    let (uname, per) = unit(secs);
-    let range = secs / per;
-    let step = tick_step(range);
-    let _ = writeln!(
-        o,
-        r#"<line class="axis" x1="{LEFT}" y1="{plot_bottom}" x2="{right}" y2="{plot_bottom}" stroke="black"/>"#
-    );
-    // Enough decimals to tell the ticks apart.
-    let mut digits = 0usize;
-    let mut scaled = step;
-    while scaled < 1.0 - 1e-9 && digits < 9 {
-        scaled *= 10.0;
-        digits += 1;
-    }
-    // About 10 ticks: the bound only guards against a step that does not advance.
-    for k in 0..=100u32 {
-        let v = f64::from(k) * step;
-        if v > range * (1.0 + 1e-9) {
-            break;
+    /// The time axis, its ticks and label, and the note on lanes too deep to draw.
+    fn axis(&self, o: &mut String) {
+        let (plot_bottom, span_px) = (self.plot_bottom, Self::span_px());
+        let right = LEFT + span_px;
+        let secs = (self.t1 - self.t0) as f64 / self.tsc_hz as f64;
+        let (uname, per) = unit(secs);
+        let range = secs / per;
+        let step = tick_step(range);
+        let _ = writeln!(
+            o,
+            r#"<line class="axis" x1="{LEFT}" y1="{plot_bottom}" x2="{right}" y2="{plot_bottom}" stroke="black"/>"#
+        );
+        // Enough decimals to tell the ticks apart.
+        let mut digits = 0usize;
+        let mut scaled = step;
+        while scaled < 1.0 - 1e-9 && digits < 9 {
+            scaled *= 10.0;
+            digits += 1;
         }
-        let x = LEFT + v / range * span_px;
+        // About 10 ticks: the bound only guards against a step that does not advance.
+        for k in 0..=100u32 {
+            let v = f64::from(k) * step;
+            if v > range * (1.0 + 1e-9) {
+                break;
+            }
+            let x = LEFT + v / range * span_px;
+            let _ = writeln!(
+                o,
+                r#"<line class="tick" x1="{x:.2}" y1="{plot_bottom}" x2="{x:.2}" y2="{}" stroke="black"/><text class="tick" x="{x:.2}" y="{}" text-anchor="middle">{v:.digits$}</text>"#,
+                plot_bottom + 4.0,
+                plot_bottom + 16.0
+            );
+        }
         let _ = writeln!(
             o,
-            r#"<line class="tick" x1="{x:.2}" y1="{plot_bottom}" x2="{x:.2}" y2="{}" stroke="black"/><text class="tick" x="{x:.2}" y="{}" text-anchor="middle">{v:.digits$}</text>"#,
-            plot_bottom + 4.0,
-            plot_bottom + 16.0
+            r#"<text class="axis-label" x="{}" y="{}" text-anchor="middle">host time ({uname}) since the first event</text>"#,
+            LEFT + span_px / 2.0,
+            plot_bottom + 34.0
         );
+        if self.too_deep > 0 {
+            let _ = writeln!(
+                o,
+                r#"<text class="note" x="{LEFT}" y="{}">{} spans deeper than {MAX_LANES} levels not drawn</text>"#,
+                plot_bottom + 50.0,
+                self.too_deep
+            );
+        }
     }
-    let _ = writeln!(
-        o,
-        r#"<text class="axis-label" x="{}" y="{}" text-anchor="middle">host time ({uname}) since the first event</text>"#,
-        LEFT + span_px / 2.0,
-        plot_bottom + 34.0
-    );
-    if too_deep > 0 {
-        let _ = writeln!(
-            o,
-            r#"<text class="note" x="{LEFT}" y="{}">{too_deep} spans deeper than {MAX_LANES} levels not drawn</text>"#,
-            plot_bottom + 50.0
-        );
-    }
-    o.push_str("</svg>\n");
-    Ok(o)
 }
 
 /// A diagonal hatch pattern in `color`.

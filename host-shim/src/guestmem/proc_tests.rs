@@ -81,7 +81,11 @@ fn produce<const CAP: usize>(rec: &Recorder<1, CAP>, total: u64) -> (u64, u64) {
     let (mut stored, mut refused) = (0u64, 0u64);
     for _ in 0..total {
         let n = stored;
-        match rec.record(0, &clock, id_of(n), &payload(n)) {
+        match rec
+            .ring(0)
+            .expect("vCPU 0")
+            .record(&clock, id_of(n), &payload(n))
+        {
             Ok(()) => stored += 1,
             Err(_) => refused += 1,
         }

@@ -100,7 +100,7 @@ pub use layout::{
 };
 pub use mem::{LayoutError, MemRecorder};
 pub use ring::{Producer, Ring, RingRef};
-pub use slot::{BUSY, ReadError, SLOT_SIZE, STAMP_BITS, STAMP_SHIFT, Slot, committed};
+pub use slot::{BUSY, ReadError, SLOT_SIZE, STAMP_BITS, STAMP_SHIFT, Slot, committed, holds};
 pub use source::{EventSource, EventSources, MAX_EVENT_SOURCES, NoEvents};
 pub use vcpus::Recorder;
 

@@ -49,7 +49,7 @@ pub use elf::{
     ElfError, pointer_guest_physical_in, symbol_guest_physical, symbol_guest_physical_in,
 };
 pub use find::{FindError, Found, Location, Rejected, ScanStats, find, scan};
-pub use layout::{BEACON_ID, GuestClock, Header, HeaderError, RingMode};
+pub use layout::{BEACON_ID, ClockKind, Header, HeaderError, Mode};
 pub use memory::{FakeMemory, GuestMemory, MemError, ProcMemory, Region};
 
 #[cfg(test)]

@@ -336,7 +336,7 @@ fn guestmem_real_process_flight_recorder_racing_the_reader() {
     child.expect_line("ready");
     let mut mem = ProcMemory::open(&ProcFs::default(), child.pid()).expect("open child mem");
     let f = find(&mut mem, Location::Scan).expect("find");
-    assert_eq!(f.header.mode, RingMode::Overwrite);
+    assert_eq!(f.header.mode, Mode::Overwrite);
     let mut d = Drainer::new(&f, DEFAULT_MAX_PER_ROUND);
     let mut bad = 0u64;
     let mut last = None::<u64>;

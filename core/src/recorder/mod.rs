@@ -94,9 +94,10 @@ pub mod span;
 mod vcpus;
 
 pub use layout::{
-    BEACON_ID, ClockKind, FUNC_ENTRY_ID, FUNC_EXIT_ID, HEADER_SIZE, HeaderInfo, HeaderLayout,
-    LAYOUT_VERSION, MAGIC, MAX_CAPACITY, MAX_VCPUS, MIN_CAPACITY, RELOC_ID, RESERVED_ID_MIN,
-    RING_HEADER_SIZE, RingLayout, SPAN_BEGIN_ID, SPAN_END_ID, checksum, ring_stride,
+    BEACON_ID, ClockKind, FUNC_ENTRY_ID, FUNC_EXIT_ID, HEADER_SIZE, HeaderField, HeaderInfo,
+    HeaderLayout, LAYOUT_VERSION, MAGIC, MAX_CAPACITY, MAX_VCPUS, MIN_CAPACITY, RELOC_ID,
+    RESERVED_ID_MIN, RING_HEADER_SIZE, RingLayout, SPAN_BEGIN_ID, SPAN_END_ID, checksum,
+    ring_stride,
 };
 pub use mem::{LayoutError, MemRecorder};
 pub use ring::{Producer, Ring, RingRef};

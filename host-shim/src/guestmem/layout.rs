@@ -1,9 +1,10 @@
 //! The recorder header's byte layout (layout version 1) and its checked parse.
 //!
-//! Every field is little-endian at a fixed offset; the table is in [`super`]'s docs. The parse
-//! takes 128 untrusted bytes and either returns a [`Header`] whose numbers are all in range and
-//! whose whole storage span fits in a `u64`, or says which rule the bytes broke. It cannot
-//! panic: every read is a fixed-offset copy out of a fixed-size array.
+//! Every field is little-endian at a fixed offset, as `docs/memory-layout.md` ("Header") and
+//! core's `HeaderLayout::FIELDS` give them. The parse takes 128 untrusted bytes and either
+//! returns a [`Header`] whose numbers are all in range and whose whole storage span fits in a
+//! `u64`, or says which rule the bytes broke. It cannot panic: every read is a fixed-offset
+//! copy out of a fixed-size array.
 
 use thiserror::Error;
 use vmtsync_core::recorder::{

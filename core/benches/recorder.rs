@@ -1,9 +1,10 @@
-//! Recorder cost per event on the guest's code path: `Ring::record` with the real ordered TSC
+//! Recorder cost per event on the guest's code path: `RingRef::record` with the real ordered TSC
 //! read (`lfence; rdtsc`, what the agent uses) against the TSC read alone, for a
 //! stop-when-full ring and a flight recorder (through its `Producer` handle), plus the
 //! consumer's cost per record; and side by side the two recorders over those rings, the
 //! `static` `Recorder` and `MemRecorder` in caller-provided memory (what the C ABI's
-//! `vmtsync_record` calls), each through its `record(vcpu, …)` path on the same shape.
+//! `vmtsync_record` mirrors), each through its `ring(vcpu)` then `record` path on the same
+//! shape.
 //!
 //! Run with `cargo bench -p vmtsync-core --bench recorder`. Compare the numbers of one run
 //! with each other (the machine is shared); absolute times are only indicative.

@@ -24,8 +24,10 @@ pub const RING_PREFIX: u64 = RING_HEADER_SIZE as u64;
 /// Bytes of one record slot, as a `u64` offset.
 pub const RECORD_SIZE: u64 = SLOT_SIZE as u64;
 /// [`HEADER_SIZE`] as the header's `u32` field holds it.
+#[allow(clippy::cast_possible_truncation)] // 128: the assertion below checks the round trip.
 const HEADER_SIZE_U32: u32 = HEADER_SIZE as u32;
 /// [`RECORD_SIZE`] as the header's `u32` field holds it.
+#[allow(clippy::cast_possible_truncation)] // 32: the assertion below checks the round trip.
 const RECORD_SIZE_U32: u32 = SLOT_SIZE as u32;
 // The casts above and in the parse keep every value (core's limits are 128, 32, 1024, 2^31).
 const _: () = assert!(

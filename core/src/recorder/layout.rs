@@ -28,7 +28,7 @@ pub const MAX_CAPACITY: usize = 1 << 31;
 /// The smallest ring capacity in records a recorder with a header has (two slots make a
 /// 64-byte line, so every ring starts on a cache line and the stride is `128 + 32 * cap`).
 pub const MIN_CAPACITY: usize = 2;
-/// The event id of a sync beacon record ([`super::Ring::beacon`]).
+/// The event id of a sync beacon record ([`super::RingRef::beacon`]).
 pub const BEACON_ID: u16 = 0xFFFF;
 /// A named phase began: payload = its name, 1..=16 bytes ([`super::span`]).
 pub const SPAN_BEGIN_ID: u16 = 0xFF01;

@@ -26,7 +26,7 @@ fn header(vcpus: u32, capacity: u64, mode: Mode) -> Header {
     }
 }
 
-/// A guest's producer, written as the core's `Ring::record` writes, one store per step, so
+/// A guest's producer, written as the core's `RingRef::record` writes, one store per step, so
 /// a test can stop it anywhere (including inside a record).
 #[derive(Clone, Debug)]
 struct Model {

@@ -116,12 +116,13 @@ pub struct HeaderLayout {
     pub reserved1: u32,
 }
 
-/// One field of the header: its name in [`HeaderLayout`], its byte offset and its size.
-/// [`HeaderLayout::FIELDS`] lists them all; it is the one table the C header
-/// (`capi/include/vmtsync.h`) and `docs/memory-layout.md` are checked against.
+/// One field of a header: its name in [`HeaderLayout`] (or [`RingLayout`]), its byte offset
+/// and its size. [`HeaderLayout::FIELDS`] and [`RingLayout::FIELDS`] list them all; they are
+/// the tables the C header (`capi/include/vmtsync.h`) and `docs/memory-layout.md` are checked
+/// against.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct HeaderField {
-    /// The field's name in [`HeaderLayout`] (and in C's `struct vmtsync_header`).
+    /// The field's name in its struct (and in C's `struct vmtsync_header`).
     pub name: &'static str,
     /// Bytes from the header's first byte.
     pub offset: usize,
@@ -129,27 +130,41 @@ pub struct HeaderField {
     pub size: usize,
 }
 
-/// The size of the field `_f` picks out of a [`HeaderLayout`].
-const fn field_size<F>(_f: fn(&HeaderLayout) -> &F) -> usize {
+/// The size of the field `_f` picks out of an `S`.
+const fn field_size<S, F>(_f: fn(&S) -> &F) -> usize {
     core::mem::size_of::<F>()
 }
 
-/// [`HeaderField`]s of the named [`HeaderLayout`] fields, from the struct itself.
+/// [`HeaderField`]s of the named fields of struct `$s`, from the struct itself.
 macro_rules! header_fields {
-    ($($f:ident),* $(,)?) => {
+    ($s:ident: $($f:ident),* $(,)?) => {
         [$(HeaderField {
             name: stringify!($f),
-            offset: core::mem::offset_of!(HeaderLayout, $f),
-            size: field_size(|h: &HeaderLayout| &h.$f),
+            offset: core::mem::offset_of!($s, $f),
+            size: field_size(|h: &$s| &h.$f),
         }),*]
     };
+}
+
+/// Whether `fields` tile `size` bytes in order, with no gap and no overlap.
+const fn tiles(fields: &[HeaderField], size: usize) -> bool {
+    let mut end = 0;
+    let mut i = 0;
+    while i < fields.len() {
+        if fields[i].offset != end {
+            return false;
+        }
+        end += fields[i].size;
+        i += 1;
+    }
+    end == size
 }
 
 impl HeaderLayout {
     /// Every field in byte order (a `const` assertion below checks that they tile the 128
     /// bytes with no gap).
     pub const FIELDS: [HeaderField; 16] = header_fields!(
-        magic,
+        HeaderLayout: magic,
         version,
         header_size,
         nonce,
@@ -421,6 +436,23 @@ pub struct RingLayout {
     pub reserved2: [u8; 48],
 }
 
+impl RingLayout {
+    /// Every field in byte order (a `const` assertion below checks that they tile the 128
+    /// bytes with no gap).
+    pub const FIELDS: [HeaderField; 10] = header_fields!(
+        RingLayout: head,
+        refused,
+        mode,
+        claimed,
+        reserved0,
+        beacons,
+        reserved1,
+        tail,
+        overwritten,
+        reserved2,
+    );
+}
+
 /// The header word holding the beacon port (in its low 16 bits).
 const W_BEACON_PORT: usize = core::mem::offset_of!(HeaderLayout, beacon_port) / 8;
 
@@ -455,15 +487,9 @@ const _: () = {
     assert!(offset_of!(HeaderLayout, checksum) == 120);
     assert!(offset_of!(HeaderLayout, reserved1) == 124);
     assert!(size_of::<HeaderWords>() == HEADER_SIZE);
-    // FIELDS names every byte once, in order: no field is left out of the table.
-    let mut end = 0;
-    let mut i = 0;
-    while i < HeaderLayout::FIELDS.len() {
-        assert!(HeaderLayout::FIELDS[i].offset == end);
-        end += HeaderLayout::FIELDS[i].size;
-        i += 1;
-    }
-    assert!(end == HEADER_SIZE);
+    // FIELDS names every byte once, in order: no field is left out of either table.
+    assert!(tiles(&HeaderLayout::FIELDS, HEADER_SIZE));
+    assert!(tiles(&RingLayout::FIELDS, RING_HEADER_SIZE));
     assert!(HEADER_SIZE32 as usize == HEADER_SIZE);
     assert!(SLOT_SIZE32 as usize == SLOT_SIZE);
     assert!(MAX_VCPUS32 as usize == MAX_VCPUS);
@@ -485,16 +511,21 @@ mod tests {
     use std::string::String;
     use std::vec::Vec;
 
-    use super::{HEADER_SIZE, HeaderField, HeaderLayout};
+    use super::{HEADER_SIZE, HeaderField, HeaderLayout, RingLayout};
 
-    /// `(offset, size)` of each row of the "## Header" table of a memory-layout page: the
-    /// rows between that heading and the next, whose first cell is a number.
-    fn doc_header_rows(page: &str) -> Vec<(usize, usize, String)> {
+    fn page() -> String {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/memory-layout.md");
+        std::fs::read_to_string(path).expect("docs/memory-layout.md")
+    }
+
+    /// `(offset, size, text)` of each row of the table under `heading` of a memory-layout
+    /// page: the rows between that heading and the next, whose first cell is a number.
+    fn doc_rows(page: &str, heading: &str) -> Vec<(usize, usize, String)> {
         let section = page
-            .split("\n## Header")
+            .split(heading)
             .nth(1)
             .and_then(|s| s.split("\n## ").next())
-            .expect("docs/memory-layout.md has a \"## Header\" section");
+            .unwrap_or_else(|| panic!("docs/memory-layout.md has no {heading:?} section"));
         section
             .lines()
             .filter_map(|line| {
@@ -523,9 +554,7 @@ mod tests {
     /// fields at the same offsets with the same sizes, in order.
     #[test]
     fn the_docs_header_table_is_the_code_s() {
-        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/memory-layout.md");
-        let page = std::fs::read_to_string(path).expect("docs/memory-layout.md");
-        let rows = doc_header_rows(&page);
+        let rows = doc_rows(&page(), "\n## Header");
         let want: Vec<(usize, usize)> = HeaderLayout::FIELDS
             .iter()
             .map(|f: &HeaderField| (f.offset, f.size))
@@ -560,5 +589,22 @@ mod tests {
             );
         }
         assert_eq!(rows.iter().map(|r| r.1).sum::<usize>(), HEADER_SIZE);
+    }
+
+    /// The same for the ring header's table and [`RingLayout::FIELDS`] (offsets and sizes).
+    #[test]
+    fn the_docs_ring_header_table_is_the_code_s() {
+        let got: Vec<(usize, usize)> = doc_rows(&page(), "\n## Ring header")
+            .iter()
+            .map(|&(o, s, _)| (o, s))
+            .collect();
+        let want: Vec<(usize, usize)> = RingLayout::FIELDS
+            .iter()
+            .map(|f| (f.offset, f.size))
+            .collect();
+        assert_eq!(
+            got, want,
+            "docs/memory-layout.md's ring header (offset, size) rows"
+        );
     }
 }

@@ -19,7 +19,7 @@ use proptest::prelude::*;
 use vmtsync_capi::{Toolchain, usable_toolchains};
 use vmtsync_core::arch::{PortIo, Tsc};
 use vmtsync_core::recorder::{
-    ClockKind, HeaderInfo, LayoutError, MemRecorder, Mode, RecordError, Slot,
+    ClockKind, HeaderInfo, LayoutError, MemRecorder, Mode, RecordError, RingRef, Slot,
 };
 
 /// One call of the C API (recorder `r` is 0 or 1).
@@ -228,6 +228,15 @@ fn layout_status(e: LayoutError) -> i32 {
     }
 }
 
+/// `f` on `vcpu`'s ring of `rec`: the C API's per-vCPU calls, which name a missing vCPU first.
+fn on<T>(
+    rec: &MemRecorder<'_>,
+    vcpu: usize,
+    f: impl FnOnce(RingRef<'_>) -> Result<T, RecordError>,
+) -> Result<T, RecordError> {
+    f(rec.ring(vcpu).ok_or(RecordError::NoSuchVcpu)?)
+}
+
 fn record_status(r: Result<(), RecordError>) -> i32 {
     match r {
         Ok(()) => OK,
@@ -334,8 +343,10 @@ fn rust_transcript(calls: &[Call], wide: bool) -> String {
                 // length, full), except for a NULL payload pointer, which Rust has no way to
                 // pass: the C API's checks before it are the same three.
                 let status = match payload {
-                    Some(p) => record_status(rec.record(vcpu as usize, &clock, id, p)),
-                    None if len == 0 => record_status(rec.record(vcpu as usize, &clock, id, &[])),
+                    Some(p) => record_status(on(&rec, vcpu as usize, |r| r.record(&clock, id, p))),
+                    None if len == 0 => {
+                        record_status(on(&rec, vcpu as usize, |r| r.record(&clock, id, &[])))
+                    }
                     None if vcpu as usize >= rec.vcpus() => -8,
                     None if id >= 0xff00 => -10,
                     None if len > 16 => -7,
@@ -350,8 +361,11 @@ fn rust_transcript(calls: &[Call], wide: bool) -> String {
                     continue;
                 };
                 let status = record_status(
-                    rec.beacon(vcpu as usize, &clock, &LogPorts(&out))
-                        .map(|_| ()),
+                    on(&rec, vcpu as usize, |r| {
+                        let port = rec.beacon_port().ok_or(RecordError::NoBeaconPort)?;
+                        r.beacon(&clock, &LogPorts(&out), port)
+                    })
+                    .map(|_| ()),
                 );
                 say(status.to_string());
             }
@@ -398,8 +412,8 @@ fn rust_transcript(calls: &[Call], wide: bool) -> String {
                 // C takes a NUL-terminated string: its name ends at the first NUL. A NULL
                 // pointer (Rust has none) is refused after the vCPU check, like an empty name.
                 let status = match name.as_deref().map(|n| n.split('\0').next().unwrap_or("")) {
-                    Some(n) if end => record_status(rec.span_end(v, &clock, n)),
-                    Some(n) => record_status(rec.span_begin(v, &clock, n)),
+                    Some(n) if end => record_status(on(&rec, v, |r| r.span_end(&clock, n))),
+                    Some(n) => record_status(on(&rec, v, |r| r.span_begin(&clock, n))),
                     None if v >= rec.vcpus() => -8,
                     None => -5,
                 };
@@ -421,10 +435,10 @@ fn rust_transcript(calls: &[Call], wide: bool) -> String {
                 #[allow(clippy::cast_possible_truncation)]
                 let (f32, s32) = (func as u32, site as u32);
                 let status = match (exit, wide) {
-                    (false, true) => rec.func_entry(v, &clock, func, site),
-                    (true, true) => rec.func_exit(v, &clock, func, site),
-                    (false, false) => rec.func_entry(v, &clock, f32, s32),
-                    (true, false) => rec.func_exit(v, &clock, f32, s32),
+                    (false, true) => on(&rec, v, |r| r.func_entry(&clock, func, site)),
+                    (true, true) => on(&rec, v, |r| r.func_exit(&clock, func, site)),
+                    (false, false) => on(&rec, v, |r| r.func_entry(&clock, f32, s32)),
+                    (true, false) => on(&rec, v, |r| r.func_exit(&clock, f32, s32)),
                 };
                 say(record_status(status).to_string());
             }
@@ -439,9 +453,10 @@ fn rust_transcript(calls: &[Call], wide: bool) -> String {
                     say("-4".into());
                     continue;
                 };
-                say(
-                    record_status(rec.reloc(vcpu as usize, &clock, link, runtime, len)).to_string(),
-                );
+                say(record_status(on(&rec, vcpu as usize, |r| {
+                    r.reloc(&clock, link, runtime, len)
+                }))
+                .to_string());
             }
         }
     }

@@ -1,9 +1,10 @@
-//! Recorder cost per event on the guest's code path: `Ring::record` with the real ordered TSC
+//! Recorder cost per event on the guest's code path: `RingRef::record` with the real ordered TSC
 //! read (`lfence; rdtsc`, what the agent uses) against the TSC read alone, for a
 //! stop-when-full ring and a flight recorder (through its `Producer` handle), plus the
 //! consumer's cost per record; and side by side the two recorders over those rings, the
 //! `static` `Recorder` and `MemRecorder` in caller-provided memory (what the C ABI's
-//! `vmtsync_record` calls), each through its `record(vcpu, …)` path on the same shape.
+//! `vmtsync_record` mirrors), each through its `ring(vcpu)` then `record` path on the same
+//! shape.
 //!
 //! Run with `cargo bench -p vmtsync-core --bench recorder`. Compare the numbers of one run
 //! with each other (the machine is shared); absolute times are only indicative.
@@ -40,20 +41,20 @@ fn bench_recorder(c: &mut Criterion) {
     // Record then pop: the ring never fills, so every iteration is a stored event.
     g.bench_function("record_8B_payload_then_pop", |b| {
         b.iter(|| {
-            let _ = RING.record(&tsc, black_box(7), black_box(&payload));
-            black_box(RING.pop())
+            let _ = RING.view().record(&tsc, black_box(7), black_box(&payload));
+            black_box(RING.view().pop())
         });
     });
     // Record only, draining outside the timed loop in batches, so the producer's path alone
     // is timed.
     g.bench_function("record_8B_payload", |b| {
         record_batched(b, drain_ring, || {
-            let _ = RING.record(&tsc, black_box(7), black_box(&payload));
+            let _ = RING.view().record(&tsc, black_box(7), black_box(&payload));
         });
     });
     g.bench_function("record_no_payload", |b| {
         record_batched(b, drain_ring, || {
-            let _ = RING.record(&tsc, black_box(7), &[]);
+            let _ = RING.view().record(&tsc, black_box(7), &[]);
         });
     });
     // The two recorders side by side, stop-when-full, drained outside the timed part.
@@ -61,12 +62,16 @@ fn bench_recorder(c: &mut Criterion) {
     let drain_recorder = || while rec_ring.pop().is_some() {};
     g.bench_function("recorder_record_no_payload", |b| {
         record_batched(b, drain_recorder, || {
-            let _ = RECORDER.record(black_box(0), &tsc, black_box(7), &[]);
+            let _ = RECORDER
+                .ring(black_box(0))
+                .map(|r| r.record(&tsc, black_box(7), &[]));
         });
     });
     g.bench_function("recorder_record_8B_payload", |b| {
         record_batched(b, drain_recorder, || {
-            let _ = RECORDER.record(black_box(0), &tsc, black_box(7), black_box(&payload));
+            let _ = RECORDER
+                .ring(black_box(0))
+                .map(|r| r.record(&tsc, black_box(7), black_box(&payload)));
         });
     });
     let mem = MemRecorder::init(&MEM.0, 1, 4096, Mode::StopWhenFull).expect("lays out");
@@ -74,17 +79,21 @@ fn bench_recorder(c: &mut Criterion) {
     let drain_mem = || while mem_ring.pop().is_some() {};
     g.bench_function("mem_recorder_record_no_payload", |b| {
         record_batched(b, drain_mem, || {
-            let _ = mem.record(black_box(0), &tsc, black_box(7), &[]);
+            let _ = mem
+                .ring(black_box(0))
+                .map(|r| r.record(&tsc, black_box(7), &[]));
         });
     });
     g.bench_function("mem_recorder_record_8B_payload", |b| {
         record_batched(b, drain_mem, || {
-            let _ = mem.record(black_box(0), &tsc, black_box(7), black_box(&payload));
+            let _ = mem
+                .ring(black_box(0))
+                .map(|r| r.record(&tsc, black_box(7), black_box(&payload)));
         });
     });
     // A flight ring is never full: it laps itself, and every iteration is a stored event
     // (the first 4096 into empty slots, the rest overwriting), as in a guest nobody drains.
-    let producer = FLIGHT.producer().expect("the bench's one producer");
+    let producer = FLIGHT.view().producer().expect("the bench's one producer");
     g.bench_function("flight_record_no_payload", |b| {
         b.iter(|| producer.record(&tsc, black_box(7), &[]));
     });
@@ -97,24 +106,32 @@ fn bench_recorder(c: &mut Criterion) {
     // Both recorders' own cost, with the constant clock.
     g.bench_function("recorder_record_no_payload_fixed_clock", |b| {
         record_batched(b, drain_recorder, || {
-            let _ = RECORDER.record(black_box(0), &fixed, black_box(7), &[]);
+            let _ = RECORDER
+                .ring(black_box(0))
+                .map(|r| r.record(&fixed, black_box(7), &[]));
         });
     });
     g.bench_function("mem_recorder_record_no_payload_fixed_clock", |b| {
         record_batched(b, drain_mem, || {
-            let _ = mem.record(black_box(0), &fixed, black_box(7), &[]);
+            let _ = mem
+                .ring(black_box(0))
+                .map(|r| r.record(&fixed, black_box(7), &[]));
         });
     });
     g.bench_function("record_no_payload_fixed_clock", |b| {
         record_batched(b, drain_ring, || {
-            let _ = RING.record(&fixed, black_box(7), &[]);
+            let _ = RING.view().record(&fixed, black_box(7), &[]);
         });
     });
     g.bench_function("flight_record_no_payload_fixed_clock", |b| {
         b.iter(|| producer.record(&fixed, black_box(7), &[]));
     });
     g.finish();
-    assert_eq!(RING.dropped(), 0, "the bench must never fill the ring");
+    assert_eq!(
+        RING.view().dropped(),
+        0,
+        "the bench must never fill the ring"
+    );
     assert_eq!(
         rec_ring.dropped(),
         0,
@@ -125,12 +142,12 @@ fn bench_recorder(c: &mut Criterion) {
         0,
         "the bench must never fill the MemRecorder's ring"
     );
-    assert_eq!(FLIGHT.refused(), 0, "a flight ring never refuses");
+    assert_eq!(FLIGHT.view().refused(), 0, "a flight ring never refuses");
 }
 
 /// Empties `RING`.
 fn drain_ring() {
-    while RING.pop().is_some() {}
+    while RING.view().pop().is_some() {}
 }
 
 /// Times `record` (one record call) alone: it runs in batches of the ring's size and the

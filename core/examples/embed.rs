@@ -70,9 +70,12 @@ impl Link for MailboxLink {
 /// What the unikernel's application does: record events around its work.
 fn handle_request(tsc: &NativeTsc, n: u32) {
     // `record` never blocks, allocates or panics; a full ring counts the event as dropped.
-    let _ = RECORDER.record(0, tsc, REQUEST_START, &n.to_le_bytes());
+    let Some(ring) = RECORDER.ring(0) else {
+        return;
+    };
+    let _ = ring.record(tsc, REQUEST_START, &n.to_le_bytes());
     let work: u64 = (0..1000u64).map(|i| i * u64::from(n)).sum();
-    let _ = RECORDER.record(0, tsc, REQUEST_DONE, &work.to_le_bytes());
+    let _ = ring.record(tsc, REQUEST_DONE, &work.to_le_bytes());
 }
 
 // ----------------------------------------------------------------------------------- HOST --

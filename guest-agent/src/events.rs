@@ -58,49 +58,49 @@ impl<const BSP: usize, const VCPUS: usize, const AP: usize> EventSources
     }
     fn start_in(&self, q: usize) -> u64 {
         match q.checked_sub(1) {
-            None => self.bsp.start(),
+            None => self.bsp.view().start(),
             Some(a) => self.aps.start_in(a),
         }
     }
     fn end_in(&self, q: usize) -> u64 {
         match q.checked_sub(1) {
-            None => self.bsp.end(),
+            None => self.bsp.view().end(),
             Some(a) => self.aps.end_in(a),
         }
     }
     fn read_in(&self, q: usize, index: u64) -> Result<Record, ReadError> {
         match q.checked_sub(1) {
-            None => self.bsp.read(index),
+            None => self.bsp.view().read(index),
             Some(a) => self.aps.read_in(a, index),
         }
     }
     fn skip_in(&self, q: usize, from: u64, sent: u64) -> u64 {
         match q.checked_sub(1) {
-            None => self.bsp.skip(from, sent),
+            None => self.bsp.view().skip(from, sent),
             Some(a) => self.aps.skip_in(a, from, sent),
         }
     }
     fn release_in(&self, q: usize, end: u64) {
         match q.checked_sub(1) {
-            None => self.bsp.release(end),
+            None => self.bsp.view().release(end),
             Some(a) => self.aps.release_in(a, end),
         }
     }
     fn waiting_in(&self, q: usize) -> usize {
         match q.checked_sub(1) {
-            None => self.bsp.len(),
+            None => self.bsp.view().len(),
             Some(a) => self.aps.waiting_in(a),
         }
     }
     fn dropped_in(&self, q: usize) -> u64 {
         match q.checked_sub(1) {
-            None => self.bsp.dropped(),
+            None => self.bsp.view().dropped(),
             Some(a) => self.aps.dropped_in(a),
         }
     }
     fn overwrites_in(&self, q: usize) -> bool {
         match q.checked_sub(1) {
-            None => self.bsp.mode() == Mode::Overwrite,
+            None => self.bsp.view().mode() == Mode::Overwrite,
             Some(a) => self.aps.overwrites_in(a),
         }
     }
@@ -242,7 +242,7 @@ impl MessageEvents {
     {
         let now = agent.stats().messages_in;
         if now != self.handled && self.recorded < self.budget {
-            let _ = ring.record(tsc, MESSAGE_EVENT, &now.to_le_bytes());
+            let _ = ring.view().record(tsc, MESSAGE_EVENT, &now.to_le_bytes());
             self.recorded += 1;
         }
         self.handled = now;
@@ -462,8 +462,8 @@ mod tests {
             ticks += 1;
             assert!(ticks < 10_000, "the workload never finished");
         }
-        assert_eq!((w.emitted(), RING.len()), (5, 5));
-        let recs: Vec<_> = core::iter::from_fn(|| RING.pop()).collect();
+        assert_eq!((w.emitted(), RING.view().len()), (5, 5));
+        let recs: Vec<_> = core::iter::from_fn(|| RING.view().pop()).collect();
         for (i, r) in recs.iter().enumerate() {
             assert_eq!(r.id, WORKLOAD_EVENT);
             assert_eq!(r.payload(), (i as u64).to_le_bytes());
@@ -502,8 +502,8 @@ mod tests {
         }
         // Two records per event, before-out then after-in, same payload; the ring (64) holds
         // 32 events' worth, the rest were counted as dropped.
-        let recs: Vec<_> = core::iter::from_fn(|| RING.pop()).collect();
-        assert_eq!((recs.len() as u64, RING.dropped()), (64, 2 * n - 64));
+        let recs: Vec<_> = core::iter::from_fn(|| RING.view().pop()).collect();
+        assert_eq!((recs.len() as u64, RING.view().dropped()), (64, 2 * n - 64));
         for (i, pair) in recs.chunks(2).enumerate() {
             assert_eq!(
                 (pair[0].id, pair[1].id),
@@ -544,13 +544,21 @@ mod tests {
             FakeClock::new(1000, 10, 0),
             AgentEvents { bsp, aps },
         );
-        assert!(bsp.record(&FakeTsc::new(5, 0), MESSAGE_EVENT, &[]).is_ok());
         assert!(
-            aps.record(2, &FakeTsc::new(7, 0), AP_PROBE_EVENT, &[9])
+            bsp.view()
+                .record(&FakeTsc::new(5, 0), MESSAGE_EVENT, &[])
                 .is_ok()
         );
         assert!(
-            aps.record(3, &FakeTsc::new(8, 0), AP_PROBE_EVENT, &[4])
+            aps.ring(2)
+                .unwrap()
+                .record(&FakeTsc::new(7, 0), AP_PROBE_EVENT, &[9])
+                .is_ok()
+        );
+        assert!(
+            aps.ring(3)
+                .unwrap()
+                .record(&FakeTsc::new(8, 0), AP_PROBE_EVENT, &[4])
                 .is_ok()
         );
         assert_eq!(agent.waiting_events(), 3);

@@ -544,7 +544,7 @@ fn serve_postcard(ctx: &Ctx) -> ! {
                     events.recorded(),
                     load.map_or(0, |w| w.emitted()),
                     s.events_out,
-                    EVENTS.ring().dropped(),
+                    EVENTS.ring().view().dropped(),
                     opts.exit_code
                 );
                 console(

@@ -163,7 +163,7 @@ fn run_session(ctx: &Ctx, mut link: VsockLink<Stream, NativeTsc>) -> Stream {
                     l.errors,
                     load.map_or(0, |w| w.emitted()),
                     s.events_out,
-                    crate::EVENTS.ring().dropped(),
+                    crate::EVENTS.ring().view().dropped(),
                     opts.exit_code
                 );
                 port::exit(opts.exit_code);

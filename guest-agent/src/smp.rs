@@ -349,7 +349,9 @@ extern "C" fn ap_main(index: u32) -> ! {
         if recorded < events {
             recorded += 1;
             let stamp = SkewedTsc { tsc, skew };
-            let _ = crate::AP_EVENTS.record(id as usize, &stamp, AP_PROBE_EVENT, &[seq]);
+            let _ = crate::AP_EVENTS
+                .ring(id as usize)
+                .map(|r| r.record(&stamp, AP_PROBE_EVENT, &[seq]));
         }
     }
 }

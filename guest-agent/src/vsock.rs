@@ -659,7 +659,11 @@ mod tests {
         let ring: &'static Ring<4096> = std::boxed::Box::leak(std::boxed::Box::new(Ring::new()));
         let tsc = FakeTsc::new(1 << 40, 2_600);
         for i in 0..4_000u32 {
-            assert!(ring.record(&tsc, 7, &u64::from(i).to_le_bytes()).is_ok());
+            assert!(
+                ring.view()
+                    .record(&tsc, 7, &u64::from(i).to_le_bytes())
+                    .is_ok()
+            );
         }
         let mut buf = [0u8; MAX_FRAME_SIZE];
         let mut s = FakeStream::default();
@@ -677,7 +681,7 @@ mod tests {
         for _ in 0..10 {
             agent.poll().expect("polls");
         }
-        assert_eq!(ring.len(), 0, "all sent");
+        assert_eq!(ring.view().len(), 0, "all sent");
         let sent = core::mem::take(&mut agent.link_mut().stream_mut().sent);
         let bytes: usize = sent.iter().map(Vec::len).sum();
         // Capabilities, then 63 batches of ~64 × 14 bytes in packets of at most TX_BUFFER.

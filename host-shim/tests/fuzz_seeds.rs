@@ -327,7 +327,10 @@ fn guest_memory(flight: bool, records: u64, stores: &[(u32, u64)]) -> Vec<u8> {
     let tsc = StepTsc(std::cell::Cell::new(0));
     for n in 0..records {
         for vcpu in 0..2 {
-            let _ = rec.record(vcpu, &tsc, 7, &n.to_le_bytes());
+            let _ = rec
+                .ring(vcpu)
+                .expect("two rings")
+                .record(&tsc, 7, &n.to_le_bytes());
         }
     }
     let mut out = vec![4, u8::try_from(stores.len()).expect("few stores")];

@@ -153,7 +153,7 @@ pub fn serve_with_events<S: SocketStream>(
                     std::hint::spin_loop();
                 }
             }
-            let _ = ring.record(&tsc, WORKLOAD_EVENT, &seq.to_le_bytes());
+            let _ = ring.view().record(&tsc, WORKLOAD_EVENT, &seq.to_le_bytes());
         }
     });
     let mut agent = Agent::with_events(link, clock, ring);
@@ -163,7 +163,7 @@ pub fn serve_with_events<S: SocketStream>(
         }
     }
     let _ = producer.join();
-    (agent.stats(), ring.dropped())
+    (agent.stats(), ring.view().dropped())
 }
 
 /// Starts an agent on a Unix socket pair; returns the host's end and the agent thread.

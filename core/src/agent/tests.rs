@@ -24,7 +24,10 @@ fn agent(step: u64) -> TestAgent {
 
 /// Records event `id` stamped exactly `tsc` into the agent's ring.
 fn record_at(a: &TestAgent, id: u16, tsc: u64) -> bool {
-    a.events().record(&FakeTsc::new(tsc, 0), id, &[]).is_ok()
+    a.events()
+        .view()
+        .record(&FakeTsc::new(tsc, 0), id, &[])
+        .is_ok()
 }
 
 /// The batch's records as (timestamp, id).
@@ -418,7 +421,11 @@ fn events_come_in_bounded_batches_and_overflow_is_counted() {
     open(&mut a);
     let tsc = FakeTsc::new(T0, 7);
     for id in 0..300u16 {
-        let queued = a.events().record(&tsc, id, &id.to_le_bytes()).is_ok();
+        let queued = a
+            .events()
+            .view()
+            .record(&tsc, id, &id.to_le_bytes())
+            .is_ok();
         assert_eq!(queued, id < 256, "event {id}");
     }
     assert_eq!(a.waiting_events(), 256);
@@ -559,7 +566,10 @@ fn a_lapped_flight_ring_sends_the_newest_records_and_counts_the_rest() {
     open(&mut a);
     let tsc = FakeTsc::new(T0, 1);
     for seq in 0..2560u64 {
-        a.events().record(&tsc, 1, &seq.to_le_bytes()).unwrap();
+        a.events()
+            .view()
+            .record(&tsc, 1, &seq.to_le_bytes())
+            .unwrap();
     }
     let got = exchange(&mut a, &Message::EventsRequest { max: 4096 });
     let (heads, seqs) = flight_batches(&got);
@@ -573,7 +583,10 @@ fn a_lapped_flight_ring_sends_the_newest_records_and_counts_the_rest() {
             (2496, 64, 2304, true)
         ]
     );
-    assert_eq!((a.waiting_events(), a.events().overwritten()), (0, 2304));
+    assert_eq!(
+        (a.waiting_events(), a.events().view().overwritten()),
+        (0, 2304)
+    );
 }
 
 /// An answer whose flush failed is sent again under the same indices, minus what the ring
@@ -588,7 +601,10 @@ fn a_failed_flight_answer_is_resent_and_what_was_overwritten_meanwhile_counted_o
     let mut seq = 0u64;
     let mut record = |a: &TestAgent, n: u64| {
         for _ in 0..n {
-            a.events().record(&tsc, 1, &seq.to_le_bytes()).unwrap();
+            a.events()
+                .view()
+                .record(&tsc, 1, &seq.to_le_bytes())
+                .unwrap();
             seq += 1;
         }
     };
@@ -608,7 +624,7 @@ fn a_failed_flight_answer_is_resent_and_what_was_overwritten_meanwhile_counted_o
     let (heads, seqs) = flight_batches(&got);
     assert_eq!(seqs, (244..500).collect::<Vec<_>>());
     assert_eq!(heads[0], (244, 64, 244 - 128, true));
-    assert_eq!(a.events().overwritten(), 244 - 128);
+    assert_eq!(a.events().view().overwritten(), 244 - 128);
 }
 
 #[test]
@@ -791,7 +807,12 @@ fn a_recorder_s_vcpus_are_sent_queue_by_queue_each_counted_on_its_own() {
         [Message::Capabilities(c)] if c.features.contains(Features::EVENTS)
     ));
     let at = |v: usize, id: u16, tsc: u64| {
-        assert!(rec.record(v, &FakeTsc::new(tsc, 0), id, &[]).is_ok());
+        assert!(
+            rec.ring(v)
+                .unwrap()
+                .record(&FakeTsc::new(tsc, 0), id, &[])
+                .is_ok()
+        );
     };
     for i in 0..3 {
         at(0, 10, T0 + 100 + i);

@@ -82,7 +82,7 @@ fn record_session(tsc: u64, step: u64) -> (Frames, Frames) {
         (300, &[0xff; 16][..]),
         (0xfeff, &[1][..]),
     ] {
-        assert!(ring.record(&events_tsc, id, payload).is_ok());
+        assert!(ring.view().record(&events_tsc, id, payload).is_ok());
     }
     assert_eq!(send(&mut agent, &Message::EventsRequest { max: 3 }), 1);
     assert_eq!(send(&mut agent, &Message::EventsRequest { max: 8 }), 1);

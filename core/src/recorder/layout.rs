@@ -28,7 +28,7 @@ pub const MAX_CAPACITY: usize = 1 << 31;
 /// The smallest ring capacity in records a recorder with a header has (two slots make a
 /// 64-byte line, so every ring starts on a cache line and the stride is `128 + 32 * cap`).
 pub const MIN_CAPACITY: usize = 2;
-/// The event id of a sync beacon record ([`super::Ring::beacon`]).
+/// The event id of a sync beacon record ([`super::RingRef::beacon`]).
 pub const BEACON_ID: u16 = 0xFFFF;
 /// A named phase began: payload = its name, 1..=16 bytes ([`super::span`]).
 pub const SPAN_BEGIN_ID: u16 = 0xFF01;
@@ -116,7 +116,72 @@ pub struct HeaderLayout {
     pub reserved1: u32,
 }
 
+/// One field of a header: its name in [`HeaderLayout`] (or [`RingLayout`]), its byte offset
+/// and its size. [`HeaderLayout::FIELDS`] and [`RingLayout::FIELDS`] list them all; they are
+/// the tables the C header (`capi/include/vmtsync.h`) and `docs/memory-layout.md` are checked
+/// against.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HeaderField {
+    /// The field's name in its struct (and in C's `struct vmtsync_header`).
+    pub name: &'static str,
+    /// Bytes from the header's first byte.
+    pub offset: usize,
+    /// The field's size in bytes.
+    pub size: usize,
+}
+
+/// The size of the field `_f` picks out of an `S`.
+const fn field_size<S, F>(_f: fn(&S) -> &F) -> usize {
+    core::mem::size_of::<F>()
+}
+
+/// [`HeaderField`]s of the named fields of struct `$s`, from the struct itself.
+macro_rules! header_fields {
+    ($s:ident: $($f:ident),* $(,)?) => {
+        [$(HeaderField {
+            name: stringify!($f),
+            offset: core::mem::offset_of!($s, $f),
+            size: field_size(|h: &$s| &h.$f),
+        }),*]
+    };
+}
+
+/// Whether `fields` tile `size` bytes in order, with no gap and no overlap.
+const fn tiles(fields: &[HeaderField], size: usize) -> bool {
+    let mut end = 0;
+    let mut i = 0;
+    while i < fields.len() {
+        if fields[i].offset != end {
+            return false;
+        }
+        end += fields[i].size;
+        i += 1;
+    }
+    end == size
+}
+
 impl HeaderLayout {
+    /// Every field in byte order (a `const` assertion below checks that they tile the 128
+    /// bytes with no gap).
+    pub const FIELDS: [HeaderField; 16] = header_fields!(
+        HeaderLayout: magic,
+        version,
+        header_size,
+        nonce,
+        vcpus,
+        slot_size,
+        capacity,
+        tsc_khz,
+        mode,
+        clock,
+        rings_offset,
+        ring_stride,
+        beacon_port,
+        reserved0,
+        checksum,
+        reserved1,
+    );
+
     /// The header a recorder with `vcpus` rings of `capacity` records publishes, with its
     /// checksum, but with the magic left zero: publication stores [`MAGIC`] itself, last. So
     /// no value the guest handles (this one, on its stack) is ever a whole valid header: a
@@ -371,6 +436,23 @@ pub struct RingLayout {
     pub reserved2: [u8; 48],
 }
 
+impl RingLayout {
+    /// Every field in byte order (a `const` assertion below checks that they tile the 128
+    /// bytes with no gap).
+    pub const FIELDS: [HeaderField; 10] = header_fields!(
+        RingLayout: head,
+        refused,
+        mode,
+        claimed,
+        reserved0,
+        beacons,
+        reserved1,
+        tail,
+        overwritten,
+        reserved2,
+    );
+}
+
 /// The header word holding the beacon port (in its low 16 bits).
 const W_BEACON_PORT: usize = core::mem::offset_of!(HeaderLayout, beacon_port) / 8;
 
@@ -405,6 +487,9 @@ const _: () = {
     assert!(offset_of!(HeaderLayout, checksum) == 120);
     assert!(offset_of!(HeaderLayout, reserved1) == 124);
     assert!(size_of::<HeaderWords>() == HEADER_SIZE);
+    // FIELDS names every byte once, in order: no field is left out of either table.
+    assert!(tiles(&HeaderLayout::FIELDS, HEADER_SIZE));
+    assert!(tiles(&RingLayout::FIELDS, RING_HEADER_SIZE));
     assert!(HEADER_SIZE32 as usize == HEADER_SIZE);
     assert!(SLOT_SIZE32 as usize == SLOT_SIZE);
     assert!(MAX_VCPUS32 as usize == MAX_VCPUS);
@@ -420,3 +505,106 @@ const _: () = {
     assert!(offset_of!(RingLayout, overwritten) == 72);
     assert!(W_MODE == 2 && CLAIMED_BIT == 1 << 8);
 };
+
+#[cfg(test)]
+mod tests {
+    use std::string::String;
+    use std::vec::Vec;
+
+    use super::{HEADER_SIZE, HeaderField, HeaderLayout, RingLayout};
+
+    fn page() -> String {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/memory-layout.md");
+        std::fs::read_to_string(path).expect("docs/memory-layout.md")
+    }
+
+    /// `(offset, size, text)` of each row of the table under `heading` of a memory-layout
+    /// page: the rows between that heading and the next, whose first cell is a number.
+    fn doc_rows(page: &str, heading: &str) -> Vec<(usize, usize, String)> {
+        let section = page
+            .split(heading)
+            .nth(1)
+            .and_then(|s| s.split("\n## ").next())
+            .unwrap_or_else(|| panic!("docs/memory-layout.md has no {heading:?} section"));
+        section
+            .lines()
+            .filter_map(|line| {
+                let cells: Vec<&str> = line.trim().trim_matches('|').split('|').collect();
+                let [offset, ty, field, ..] = cells.as_slice() else {
+                    return None;
+                };
+                let offset = offset.trim().parse().ok()?;
+                let ty = ty.trim();
+                let size = match ty {
+                    "u8" => 1,
+                    "u16" => 2,
+                    "u32" => 4,
+                    "u64" => 8,
+                    _ => ty
+                        .strip_suffix(" bytes")
+                        .and_then(|n| n.parse().ok())
+                        .unwrap_or_else(|| panic!("unknown type {ty:?} in {line:?}")),
+                };
+                Some((offset, size, String::from(field.trim())))
+            })
+            .collect()
+    }
+
+    /// docs/memory-layout.md's header table says what [`HeaderLayout::FIELDS`] says: the same
+    /// fields at the same offsets with the same sizes, in order.
+    #[test]
+    fn the_docs_header_table_is_the_code_s() {
+        let rows = doc_rows(&page(), "\n## Header");
+        let want: Vec<(usize, usize)> = HeaderLayout::FIELDS
+            .iter()
+            .map(|f: &HeaderField| (f.offset, f.size))
+            .collect();
+        let got: Vec<(usize, usize)> = rows.iter().map(|&(o, s, _)| (o, s)).collect();
+        assert_eq!(
+            got, want,
+            "docs/memory-layout.md's header table (offset, size) rows"
+        );
+        // Each row names its field: the reserved rows say so, the others start with the
+        // field's words (`ring_stride` is "ring stride: …").
+        for ((_, _, text), f) in rows.iter().zip(HeaderLayout::FIELDS) {
+            let text = text.to_lowercase();
+            let words = f
+                .name
+                .trim_end_matches(|c: char| c.is_ascii_digit())
+                .replace('_', " ");
+            let named = match words.as_str() {
+                "header size" | "rings offset" | "ring stride" | "beacon port" | "checksum"
+                | "magic" | "capacity" | "mode" | "clock" | "reserved" => text.starts_with(&words),
+                "version" => text.starts_with("layout version"),
+                "nonce" => text.starts_with("boot nonce"),
+                "vcpus" => text.starts_with("vcpu count"),
+                "slot size" => text.starts_with("slot size"),
+                "tsc khz" => text.starts_with("guest tsc frequency in khz"),
+                other => panic!("no wording known for header field {other:?}"),
+            };
+            assert!(
+                named,
+                "row at offset {} ({text:?}) is not field {}",
+                f.offset, f.name
+            );
+        }
+        assert_eq!(rows.iter().map(|r| r.1).sum::<usize>(), HEADER_SIZE);
+    }
+
+    /// The same for the ring header's table and [`RingLayout::FIELDS`] (offsets and sizes).
+    #[test]
+    fn the_docs_ring_header_table_is_the_code_s() {
+        let got: Vec<(usize, usize)> = doc_rows(&page(), "\n## Ring header")
+            .iter()
+            .map(|&(o, s, _)| (o, s))
+            .collect();
+        let want: Vec<(usize, usize)> = RingLayout::FIELDS
+            .iter()
+            .map(|f| (f.offset, f.size))
+            .collect();
+        assert_eq!(
+            got, want,
+            "docs/memory-layout.md's ring header (offset, size) rows"
+        );
+    }
+}

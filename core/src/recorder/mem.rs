@@ -1,11 +1,10 @@
 //! [`MemRecorder`]: the recorder over caller-provided memory, with its vCPU count and
 //! capacity chosen at run time. This is the API the C ABI is built on.
 
+use super::Mode;
 use super::layout::{self, HEADER_SIZE, HeaderInfo, HeaderLayout, HeaderWords};
 use super::ring::{Producer, RingHeader, RingRef};
 use super::slot::{SLOT_SIZE, Slot};
-use super::{Mode, RecordError};
-use crate::arch::{PortIo, Tsc};
 
 /// Slots (32-byte units) of a header or a ring header.
 const HEADER_SLOTS: usize = HEADER_SIZE / SLOT_SIZE;
@@ -182,37 +181,9 @@ impl<'a> MemRecorder<'a> {
         self.ring(vcpu)?.producer()
     }
 
-    /// Records event `id` on `vcpu`'s ring: the unchecked path (see
-    /// [`super::Recorder::record`]).
-    ///
-    /// # Errors
-    /// [`RecordError::NoSuchVcpu`], or what [`RingRef::record`] returns.
-    #[inline]
-    pub fn record<T: Tsc + ?Sized>(
-        &self,
-        vcpu: usize,
-        tsc: &T,
-        id: u16,
-        payload: &[u8],
-    ) -> Result<(), RecordError> {
-        self.ring(vcpu)
-            .ok_or(RecordError::NoSuchVcpu)?
-            .record(tsc, id, payload)
-    }
-
-    /// Emits `vcpu`'s next sync beacon on the published beacon port (see
-    /// [`super::Recorder::beacon`]).
-    ///
-    /// # Errors
-    /// As [`super::Recorder::beacon`].
-    pub fn beacon<T: Tsc + ?Sized, P: PortIo + ?Sized>(
-        &self,
-        vcpu: usize,
-        tsc: &T,
-        ports: &P,
-    ) -> Result<u64, RecordError> {
-        let ring = self.ring(vcpu).ok_or(RecordError::NoSuchVcpu)?;
-        let port = layout::beacon_port(self.header).ok_or(RecordError::NoBeaconPort)?;
-        ring.beacon(tsc, ports, port)
+    /// The beacon port the published header names (see [`super::Recorder::beacon_port`]).
+    #[must_use]
+    pub fn beacon_port(&self) -> Option<u16> {
+        layout::beacon_port(self.header)
     }
 }

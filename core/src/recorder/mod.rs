@@ -31,10 +31,10 @@
 //!
 //! # Contract
 //! - **One producer per ring.** Each vCPU records only into its own ring. A [`Producer`]
-//!   (from [`Recorder::producer`] or [`Ring::producer`]) enforces it: a ring hands out one
+//!   (from [`Recorder::producer`] or [`RingRef::producer`]) enforces it: a ring hands out one
 //!   handle at a time, the handle cannot be cloned and is not `Sync`, and a vCPU index
-//!   without a ring gives `None`. [`Ring::record`] and [`Recorder::record`] are the unchecked
-//!   path for code that keeps the rule itself.
+//!   without a ring gives `None`. [`RingRef::record`] (on [`Ring::view`] or
+//!   [`Recorder::ring`]) is the unchecked path for code that keeps the rule itself.
 //! - **Interrupt handlers.** A handler that interrupts a producer on the same vCPU must not
 //!   record through that producer's ring: give handlers a ring of their own (for example a
 //!   second `Recorder` with one ring per vCPU, whose handles the handlers claim), or mask
@@ -45,12 +45,12 @@
 //!   [`Recorder`] through [`EventSources`] (each batch names its vCPU).
 //! - Recording never blocks, never allocates and never panics.
 //!   - **Stop when full** ([`Recorder::new`], [`Ring::new`], the default): a full ring
-//!     refuses the event, counts it in [`Ring::refused`] (exactly: one per refused event) and
+//!     refuses the event, counts it in [`RingRef::refused`] (exactly: one per refused event) and
 //!     returns [`RecordError::Full`]. The host sees the oldest records.
 //!   - **Flight recorder** ([`Recorder::new_flight`], [`Ring::new_flight`]; ftrace's and
 //!     LTTng's default): a full ring overwrites its oldest record, so a host that attaches
 //!     late sees the recent past. The consumer counts, exactly, every record overwritten
-//!     before it handed it on ([`Ring::overwritten`]), and never returns a record the
+//!     before it handed it on ([`RingRef::overwritten`]), and never returns a record the
 //!     producer overwrote while it was being read.
 //! - Every stored record has an index: its position in its ring's sequence (0, 1, …). Records
 //!   come out of a ring in index order; each carries the TSC read inside `record` (ordered:
@@ -66,7 +66,7 @@
 //! and refuses when `head - tail` is `CAP`; an overwriting producer never looks at `tail`.
 //! The consumer reads a record by index, checking the slot's stamp before and after the read
 //! and `head` after it, so a record overwritten meanwhile is reported as such
-//! ([`ReadError::Overwritten`]); [`Ring::skip`] then moves past every record lost with it and
+//! ([`ReadError::Overwritten`]); [`RingRef::skip`] then moves past every record lost with it and
 //! counts them. Releasing (`tail`, `Release`) hands slots back to a stop-when-full producer.
 //!
 //! The ring is `repr(C)`: the producer's words (`head`, `refused`, the mode byte, the
@@ -94,13 +94,14 @@ pub mod span;
 mod vcpus;
 
 pub use layout::{
-    BEACON_ID, ClockKind, FUNC_ENTRY_ID, FUNC_EXIT_ID, HEADER_SIZE, HeaderInfo, HeaderLayout,
-    LAYOUT_VERSION, MAGIC, MAX_CAPACITY, MAX_VCPUS, MIN_CAPACITY, RELOC_ID, RESERVED_ID_MIN,
-    RING_HEADER_SIZE, RingLayout, SPAN_BEGIN_ID, SPAN_END_ID, checksum, ring_stride,
+    BEACON_ID, ClockKind, FUNC_ENTRY_ID, FUNC_EXIT_ID, HEADER_SIZE, HeaderField, HeaderInfo,
+    HeaderLayout, LAYOUT_VERSION, MAGIC, MAX_CAPACITY, MAX_VCPUS, MIN_CAPACITY, RELOC_ID,
+    RESERVED_ID_MIN, RING_HEADER_SIZE, RingLayout, SPAN_BEGIN_ID, SPAN_END_ID, checksum,
+    ring_stride,
 };
 pub use mem::{LayoutError, MemRecorder};
 pub use ring::{Producer, Ring, RingRef};
-pub use slot::{BUSY, ReadError, SLOT_SIZE, STAMP_BITS, STAMP_SHIFT, Slot, committed};
+pub use slot::{BUSY, ReadError, SLOT_SIZE, STAMP_BITS, STAMP_SHIFT, Slot, committed, holds};
 pub use source::{EventSource, EventSources, MAX_EVENT_SOURCES, NoEvents};
 pub use vcpus::Recorder;
 
@@ -149,14 +150,15 @@ impl Record {
 #[cfg_attr(feature = "defmt", derive(defmt::Format))]
 #[non_exhaustive]
 pub enum RecordError {
-    /// The stop-when-full ring is full; the event was counted in [`Ring::refused`].
+    /// The stop-when-full ring is full; the event was counted in [`RingRef::refused`].
     Full,
     /// The payload is longer than [`MAX_PAYLOAD`]; nothing was stored or counted.
     PayloadTooLong,
-    /// [`Recorder::record`] named a vCPU the recorder has no ring for; nothing was counted.
+    /// A vCPU the recorder has no ring for ([`Recorder::ring`] gives `None`; the C ABI's
+    /// per-vCPU calls return this); nothing was counted.
     NoSuchVcpu,
     /// A beacon was asked for but the published header names no beacon port (or the
-    /// header is not published); nothing was done.
+    /// header is not published: [`Recorder::beacon_port`] gives `None`); nothing was done.
     NoBeaconPort,
     /// The event id is vmtsync's own ([`RESERVED_ID_MIN`] and above; a beacon's record
     /// carries [`BEACON_ID`]); nothing was stored or counted.

@@ -7,6 +7,7 @@
 
 use core::cell::Cell;
 use core::marker::PhantomData;
+use core::ops::Deref;
 use core::sync::atomic::{AtomicU64, Ordering, compiler_fence};
 
 use super::layout::{
@@ -33,7 +34,8 @@ pub(super) const fn ring_header(mode: Mode) -> RingHeader {
 
 /// A single-producer single-consumer ring of `CAP` records (`CAP` a power of two, at most
 /// 2^31), stop-when-full ([`Ring::new`]) or overwriting its oldest records
-/// ([`Ring::new_flight`]). Its methods are those of its view, [`RingRef`].
+/// ([`Ring::new_flight`]). It is storage only: [`Ring::view`] hands out its one set of
+/// methods, [`RingRef`]'s.
 ///
 /// `repr(C)`: the ring header (the producer's words on the first 64-byte line, the
 /// consumer's on the second), then the slots (`super::slot` has their layout).
@@ -95,116 +97,12 @@ impl<const CAP: usize> Ring<CAP> {
     pub const fn capacity(&self) -> usize {
         CAP
     }
+}
 
-    /// What the ring does when it is full.
-    #[must_use]
-    pub fn mode(&self) -> Mode {
-        self.view().mode()
-    }
-
-    /// See [`RingRef::producer`].
-    #[must_use]
-    pub fn producer(&self) -> Option<Producer<'_>> {
-        self.view().producer()
-    }
-
-    /// See [`RingRef::record`].
-    ///
-    /// # Errors
-    /// As [`RingRef::record`].
+impl<'a, const CAP: usize> From<&'a Ring<CAP>> for RingRef<'a> {
     #[inline]
-    pub fn record<T: Tsc + ?Sized>(
-        &self,
-        tsc: &T,
-        id: u16,
-        payload: &[u8],
-    ) -> Result<(), RecordError> {
-        self.view().record(tsc, id, payload)
-    }
-
-    /// See [`RingRef::beacon`].
-    ///
-    /// # Errors
-    /// As [`RingRef::beacon`].
-    pub fn beacon<T: Tsc + ?Sized, P: PortIo + ?Sized>(
-        &self,
-        tsc: &T,
-        ports: &P,
-        port: u16,
-    ) -> Result<u64, RecordError> {
-        self.view().beacon(tsc, ports, port)
-    }
-
-    /// See [`RingRef::end`].
-    #[must_use]
-    pub fn end(&self) -> u64 {
-        self.view().end()
-    }
-
-    /// See [`RingRef::start`].
-    #[must_use]
-    pub fn start(&self) -> u64 {
-        self.view().start()
-    }
-
-    /// See [`RingRef::read`].
-    ///
-    /// # Errors
-    /// As [`RingRef::read`].
-    pub fn read(&self, index: u64) -> Result<Record, ReadError> {
-        self.view().read(index)
-    }
-
-    /// See [`RingRef::skip`].
-    pub fn skip(&self, from: u64, sent: u64) -> u64 {
-        self.view().skip(from, sent)
-    }
-
-    /// See [`RingRef::release`].
-    pub fn release(&self, end: u64) {
-        self.view().release(end);
-    }
-
-    /// See [`RingRef::pop`].
-    #[must_use]
-    pub fn pop(&self) -> Option<Record> {
-        self.view().pop()
-    }
-
-    /// See [`RingRef::len`].
-    #[must_use]
-    pub fn len(&self) -> usize {
-        self.view().len()
-    }
-
-    /// Whether no record is waiting.
-    #[must_use]
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// See [`RingRef::refused`].
-    #[must_use]
-    pub fn refused(&self) -> u64 {
-        self.view().refused()
-    }
-
-    /// See [`RingRef::overwritten`].
-    #[must_use]
-    pub fn overwritten(&self) -> u64 {
-        self.view().overwritten()
-    }
-
-    /// See [`RingRef::dropped`].
-    #[must_use]
-    pub fn dropped(&self) -> u64 {
-        self.view().dropped()
-    }
-
-    /// See [`RingRef::beacons`].
-    #[must_use]
-    pub fn beacons(&self) -> u64 {
-        self.view().beacons()
+    fn from(ring: &'a Ring<CAP>) -> Self {
+        ring.view()
     }
 }
 
@@ -516,10 +414,11 @@ impl<'a> RingRef<'a> {
     }
 }
 
-/// The one producer of a ring (from [`RingRef::producer`], [`Ring::producer`],
-/// [`super::Recorder::producer`] or [`super::MemRecorder::producer`]). It cannot be cloned
-/// and is not `Sync`, so one handle records from one place at a time; it is `Send`, so it
-/// may move to the vCPU that owns it.
+/// The one producer of a ring (from [`RingRef::producer`], [`super::Recorder::producer`] or
+/// [`super::MemRecorder::producer`]). It cannot be cloned and is not `Sync`, so one handle
+/// records from one place at a time; it is `Send`, so it may move to the vCPU that owns it.
+/// It dereferences to its ring's view, so it records through [`RingRef`]'s methods
+/// ([`RingRef::record`], [`RingRef::beacon`], the span records).
 #[derive(Debug)]
 pub struct Producer<'a> {
     ring: RingRef<'a>,
@@ -527,38 +426,19 @@ pub struct Producer<'a> {
 }
 
 impl<'a> Producer<'a> {
-    /// Records event `id` with `payload`, stamped with an ordered read of `tsc` now; never
-    /// blocks, allocates or panics.
-    ///
-    /// # Errors
-    /// As [`RingRef::record`].
-    #[inline]
-    pub fn record<T: Tsc + ?Sized>(
-        &self,
-        tsc: &T,
-        id: u16,
-        payload: &[u8],
-    ) -> Result<(), RecordError> {
-        self.ring.record(tsc, id, payload)
-    }
-
-    /// Emits the next sync beacon on `port` (see [`RingRef::beacon`]).
-    ///
-    /// # Errors
-    /// As [`RingRef::beacon`].
-    pub fn beacon<T: Tsc + ?Sized, P: PortIo + ?Sized>(
-        &self,
-        tsc: &T,
-        ports: &P,
-        port: u16,
-    ) -> Result<u64, RecordError> {
-        self.ring.beacon(tsc, ports, port)
-    }
-
     /// The ring this handle produces into.
     #[must_use]
     pub const fn ring(&self) -> RingRef<'a> {
         self.ring
+    }
+}
+
+impl<'a> Deref for Producer<'a> {
+    type Target = RingRef<'a>;
+
+    #[inline]
+    fn deref(&self) -> &RingRef<'a> {
+        &self.ring
     }
 }
 

@@ -4,7 +4,7 @@
 //! the consumer can name exactly.
 
 use super::slot::ReadError;
-use super::{Mode, Record, Recorder, Ring};
+use super::{Mode, Record, Recorder, Ring, RingRef};
 
 /// One queue of records: a [`Ring`] (or a reference to one), or [`NoEvents`].
 pub trait EventSource {
@@ -38,30 +38,58 @@ pub trait EventSource {
     }
 }
 
-impl<const CAP: usize> EventSource for Ring<CAP> {
+impl EventSource for RingRef<'_> {
     fn start(&self) -> u64 {
-        Ring::start(self)
+        RingRef::start(self)
     }
     fn end(&self) -> u64 {
-        Ring::end(self)
+        RingRef::end(self)
     }
     fn read(&self, index: u64) -> Result<Record, ReadError> {
-        Ring::read(self, index)
+        RingRef::read(self, index)
     }
     fn skip(&self, from: u64, sent: u64) -> u64 {
-        Ring::skip(self, from, sent)
+        RingRef::skip(self, from, sent)
     }
     fn release(&self, end: u64) {
-        Ring::release(self, end);
+        RingRef::release(self, end);
     }
     fn waiting(&self) -> usize {
         self.len()
     }
     fn dropped(&self) -> u64 {
-        Ring::dropped(self)
+        RingRef::dropped(self)
     }
     fn overwrites(&self) -> bool {
         self.mode() == Mode::Overwrite
+    }
+}
+
+/// A [`Ring`] is the queue its view is.
+impl<const CAP: usize> EventSource for Ring<CAP> {
+    fn start(&self) -> u64 {
+        self.view().start()
+    }
+    fn end(&self) -> u64 {
+        self.view().end()
+    }
+    fn read(&self, index: u64) -> Result<Record, ReadError> {
+        self.view().read(index)
+    }
+    fn skip(&self, from: u64, sent: u64) -> u64 {
+        self.view().skip(from, sent)
+    }
+    fn release(&self, end: u64) {
+        self.view().release(end);
+    }
+    fn waiting(&self) -> usize {
+        self.view().len()
+    }
+    fn dropped(&self) -> u64 {
+        self.view().dropped()
+    }
+    fn overwrites(&self) -> bool {
+        self.view().mode() == Mode::Overwrite
     }
 }
 
@@ -214,10 +242,10 @@ impl<const VCPUS: usize, const CAP: usize> EventSources for Recorder<VCPUS, CAP>
         u32::try_from(q).ok()
     }
     fn start_in(&self, q: usize) -> u64 {
-        self.ring(q).map_or(0, Ring::start)
+        self.ring(q).map_or(0, |r| r.start())
     }
     fn end_in(&self, q: usize) -> u64 {
-        self.ring(q).map_or(0, Ring::end)
+        self.ring(q).map_or(0, |r| r.end())
     }
     fn read_in(&self, q: usize, index: u64) -> Result<Record, ReadError> {
         self.ring(q)
@@ -232,10 +260,10 @@ impl<const VCPUS: usize, const CAP: usize> EventSources for Recorder<VCPUS, CAP>
         }
     }
     fn waiting_in(&self, q: usize) -> usize {
-        self.ring(q).map_or(0, Ring::len)
+        self.ring(q).map_or(0, |r| r.len())
     }
     fn dropped_in(&self, q: usize) -> u64 {
-        self.ring(q).map_or(0, Ring::dropped)
+        self.ring(q).map_or(0, |r| r.dropped())
     }
     fn overwrites_in(&self, q: usize) -> bool {
         self.ring(q).is_some_and(|r| r.mode() == Mode::Overwrite)

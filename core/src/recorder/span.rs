@@ -17,8 +17,8 @@
 //! ring overwrites its oldest.
 
 use super::layout::{FUNC_ENTRY_ID, FUNC_EXIT_ID, RELOC_ID, SPAN_BEGIN_ID, SPAN_END_ID};
-use super::ring::{Producer, Ring, RingRef};
-use super::{MAX_PAYLOAD, MemRecorder, RecordError, Recorder};
+use super::ring::RingRef;
+use super::{MAX_PAYLOAD, RecordError};
 use crate::arch::Tsc;
 
 /// The longest span name in bytes: one record's payload.
@@ -306,173 +306,6 @@ impl RingRef<'_> {
     }
 }
 
-/// The same five methods on every handle that names one ring ([`Ring`], [`Producer`]), and,
-/// with a vCPU index first, on the recorders ([`Recorder`], [`MemRecorder`]).
-macro_rules! span_methods {
-    ($(#[$m:meta])* $ring:ident => $view:expr) => {
-        /// See [`RingRef::span_begin`].
-        ///
-        /// # Errors
-        /// As [`RingRef::span_begin`].
-        pub fn span_begin<T: Tsc + ?Sized>(&self, tsc: &T, name: &str) -> Result<(), RecordError> {
-            let $ring = self;
-            $view.span_begin(tsc, name)
-        }
-
-        /// See [`RingRef::span_end`].
-        ///
-        /// # Errors
-        /// As [`RingRef::span_end`].
-        pub fn span_end<T: Tsc + ?Sized>(&self, tsc: &T, name: &str) -> Result<(), RecordError> {
-            let $ring = self;
-            $view.span_end(tsc, name)
-        }
-
-        /// See [`RingRef::func_entry`].
-        ///
-        /// # Errors
-        /// As [`RingRef::func_entry`].
-        #[inline]
-        pub fn func_entry<T: Tsc + ?Sized, A: FuncAddr>(
-            &self,
-            tsc: &T,
-            func: A,
-            site: A,
-        ) -> Result<(), RecordError> {
-            let $ring = self;
-            $view.func_entry(tsc, func, site)
-        }
-
-        /// See [`RingRef::func_exit`].
-        ///
-        /// # Errors
-        /// As [`RingRef::func_exit`].
-        #[inline]
-        pub fn func_exit<T: Tsc + ?Sized, A: FuncAddr>(
-            &self,
-            tsc: &T,
-            func: A,
-            site: A,
-        ) -> Result<(), RecordError> {
-            let $ring = self;
-            $view.func_exit(tsc, func, site)
-        }
-
-        /// See [`RingRef::reloc`].
-        ///
-        /// # Errors
-        /// As [`RingRef::reloc`].
-        pub fn reloc<T: Tsc + ?Sized>(
-            &self,
-            tsc: &T,
-            link_start: u64,
-            runtime_start: u64,
-            len: u32,
-        ) -> Result<(), RecordError> {
-            let $ring = self;
-            $view.reloc(tsc, link_start, runtime_start, len)
-        }
-    };
-}
-
-impl<const CAP: usize> Ring<CAP> {
-    span_methods!(r => r.view());
-}
-
-impl Producer<'_> {
-    span_methods!(p => p.ring());
-}
-
-/// The same five methods on a recorder, for `vcpu`'s ring: the unchecked path (the caller
-/// guarantees that it runs on `vcpu`), like `record`.
-macro_rules! span_methods_vcpu {
-    ($r:ident => $view:expr) => {
-        /// [`RingRef::span_begin`] on `vcpu`'s ring.
-        ///
-        /// # Errors
-        /// [`RecordError::NoSuchVcpu`], or as [`RingRef::span_begin`].
-        pub fn span_begin<T: Tsc + ?Sized>(
-            &self,
-            vcpu: usize,
-            tsc: &T,
-            name: &str,
-        ) -> Result<(), RecordError> {
-            let $r = self.ring(vcpu).ok_or(RecordError::NoSuchVcpu)?;
-            $view.span_begin(tsc, name)
-        }
-
-        /// [`RingRef::span_end`] on `vcpu`'s ring.
-        ///
-        /// # Errors
-        /// [`RecordError::NoSuchVcpu`], or as [`RingRef::span_end`].
-        pub fn span_end<T: Tsc + ?Sized>(
-            &self,
-            vcpu: usize,
-            tsc: &T,
-            name: &str,
-        ) -> Result<(), RecordError> {
-            let $r = self.ring(vcpu).ok_or(RecordError::NoSuchVcpu)?;
-            $view.span_end(tsc, name)
-        }
-
-        /// [`RingRef::func_entry`] on `vcpu`'s ring.
-        ///
-        /// # Errors
-        /// [`RecordError::NoSuchVcpu`], or as [`RingRef::func_entry`].
-        #[inline]
-        pub fn func_entry<T: Tsc + ?Sized, A: FuncAddr>(
-            &self,
-            vcpu: usize,
-            tsc: &T,
-            func: A,
-            site: A,
-        ) -> Result<(), RecordError> {
-            let $r = self.ring(vcpu).ok_or(RecordError::NoSuchVcpu)?;
-            $view.func_entry(tsc, func, site)
-        }
-
-        /// [`RingRef::func_exit`] on `vcpu`'s ring.
-        ///
-        /// # Errors
-        /// [`RecordError::NoSuchVcpu`], or as [`RingRef::func_exit`].
-        #[inline]
-        pub fn func_exit<T: Tsc + ?Sized, A: FuncAddr>(
-            &self,
-            vcpu: usize,
-            tsc: &T,
-            func: A,
-            site: A,
-        ) -> Result<(), RecordError> {
-            let $r = self.ring(vcpu).ok_or(RecordError::NoSuchVcpu)?;
-            $view.func_exit(tsc, func, site)
-        }
-
-        /// [`RingRef::reloc`] on `vcpu`'s ring.
-        ///
-        /// # Errors
-        /// [`RecordError::NoSuchVcpu`], or as [`RingRef::reloc`].
-        pub fn reloc<T: Tsc + ?Sized>(
-            &self,
-            vcpu: usize,
-            tsc: &T,
-            link_start: u64,
-            runtime_start: u64,
-            len: u32,
-        ) -> Result<(), RecordError> {
-            let $r = self.ring(vcpu).ok_or(RecordError::NoSuchVcpu)?;
-            $view.reloc(tsc, link_start, runtime_start, len)
-        }
-    };
-}
-
-impl<const VCPUS: usize, const CAP: usize> Recorder<VCPUS, CAP> {
-    span_methods_vcpu!(r => r.view());
-}
-
-impl MemRecorder<'_> {
-    span_methods_vcpu!(r => r);
-}
-
 #[cfg(test)]
 mod tests {
     extern crate std;
@@ -481,9 +314,9 @@ mod tests {
 
     use super::*;
     use crate::arch::FakeTsc;
-    use crate::recorder::{BEACON_ID, Mode, Record};
+    use crate::recorder::{BEACON_ID, MemRecorder, Mode, Record, Recorder, Ring};
 
-    fn drain<const CAP: usize>(ring: &Ring<CAP>) -> Vec<Record> {
+    fn drain(ring: &RingRef<'_>) -> Vec<Record> {
         core::iter::from_fn(|| ring.pop()).collect()
     }
 
@@ -496,6 +329,7 @@ mod tests {
     #[test]
     fn every_span_record_round_trips_through_the_ring_and_the_decoder() {
         let ring = Ring::<16>::new();
+        let ring = ring.view();
         let tsc = FakeTsc::new(1, 1);
         ring.span_begin(&tsc, "post").unwrap();
         ring.func_entry(&tsc, 0x000f_1234u32, 0x000f_0010u32)
@@ -574,6 +408,7 @@ mod tests {
             })
         );
         let ring = Ring::<4>::new();
+        let ring = ring.view();
         let tsc = FakeTsc::new(1, 1);
         for bad in [
             0x0000_8000_0000_0000u64,
@@ -630,6 +465,7 @@ mod tests {
     #[test]
     fn names_are_cut_at_16_bytes_and_empty_ones_refused() {
         let ring = Ring::<4>::new();
+        let ring = ring.view();
         let tsc = FakeTsc::new(1, 1);
         assert_eq!(ring.span_begin(&tsc, ""), Err(RecordError::BadSpan));
         assert_eq!(ring.span_end(&tsc, ""), Err(RecordError::BadSpan));
@@ -654,6 +490,7 @@ mod tests {
     fn span_records_are_refused_or_overwritten_like_any_record() {
         let tsc = FakeTsc::new(1, 1);
         let ring = Ring::<2>::new();
+        let ring = ring.view();
         for _ in 0..2 {
             ring.func_entry(&tsc, 1u32, 2u32).unwrap();
         }
@@ -666,6 +503,7 @@ mod tests {
         }
 
         let flight = Ring::<2>::new_flight();
+        let flight = flight.view();
         assert_eq!(flight.mode(), Mode::Overwrite);
         for i in 0..5u64 {
             flight.func_entry(&tsc, i, i).unwrap();
@@ -684,38 +522,37 @@ mod tests {
         assert_eq!(flight.overwritten(), 3);
     }
 
-    /// The recorders take a vCPU index first and name a missing one; a producer records on
-    /// its ring.
+    /// The recorders' rings record spans on the named vCPU's ring, and name no ring for a
+    /// missing vCPU; a producer records on its ring.
     #[test]
     fn recorders_and_producers_record_spans_on_the_named_ring() {
         static R: Recorder<2, 8> = Recorder::new();
         let tsc = FakeTsc::new(1, 1);
-        assert_eq!(R.span_begin(2, &tsc, "x"), Err(RecordError::NoSuchVcpu));
-        assert_eq!(
-            R.func_entry(2, &tsc, 1u32, 1u32),
-            Err(RecordError::NoSuchVcpu)
-        );
-        R.span_begin(1, &tsc, "x").unwrap();
-        R.func_entry(1, &tsc, 1u32, 2u32).unwrap();
-        R.func_exit(1, &tsc, 1u32, 2u32).unwrap();
-        R.reloc(1, &tsc, 1, 2, 3).unwrap();
-        R.span_end(1, &tsc, "x").unwrap();
-        assert_eq!((R.rings()[0].len(), R.rings()[1].len()), (0, 5));
+        assert!(R.ring(2).is_none(), "no ring 2");
+        R.ring(1).unwrap().span_begin(&tsc, "x").unwrap();
+        R.ring(1).unwrap().func_entry(&tsc, 1u32, 2u32).unwrap();
+        R.ring(1).unwrap().func_exit(&tsc, 1u32, 2u32).unwrap();
+        R.ring(1).unwrap().reloc(&tsc, 1, 2, 3).unwrap();
+        R.ring(1).unwrap().span_end(&tsc, "x").unwrap();
+        assert_eq!((R.ring(0).unwrap().len(), R.ring(1).unwrap().len()), (0, 5));
         let p = R.producer(0).unwrap();
         p.span_begin(&tsc, "y").unwrap();
         p.func_entry(&tsc, 5u64, 6u64).unwrap();
         drop(p);
-        let ids: Vec<u16> = drain(&R.rings()[0]).iter().map(|r| r.id).collect();
+        let ids: Vec<u16> = drain(&R.ring(0).unwrap()).iter().map(|r| r.id).collect();
         assert_eq!(ids, [SPAN_BEGIN_ID, FUNC_ENTRY_ID]);
 
         let (storage, skip) = crate::recorder::tests::aligned_storage(1, 4);
         let m = MemRecorder::init(&storage[skip..], 1, 4, Mode::StopWhenFull).unwrap();
-        assert_eq!(m.span_end(1, &tsc, "x"), Err(RecordError::NoSuchVcpu));
-        m.span_begin(0, &tsc, "m").unwrap();
-        m.func_entry(0, &tsc, 1u32, 2u32).unwrap();
-        m.func_exit(0, &tsc, 1u32, 2u32).unwrap();
-        m.reloc(0, &tsc, 1, 2, 3).unwrap();
-        assert_eq!(m.span_end(0, &tsc, "m"), Err(RecordError::Full));
+        assert!(m.ring(1).is_none(), "no ring 1");
+        m.ring(0).unwrap().span_begin(&tsc, "m").unwrap();
+        m.ring(0).unwrap().func_entry(&tsc, 1u32, 2u32).unwrap();
+        m.ring(0).unwrap().func_exit(&tsc, 1u32, 2u32).unwrap();
+        m.ring(0).unwrap().reloc(&tsc, 1, 2, 3).unwrap();
+        assert_eq!(
+            m.ring(0).unwrap().span_end(&tsc, "m"),
+            Err(RecordError::Full)
+        );
         assert_eq!(m.ring(0).map(|r| (r.end(), r.refused())), Some((4, 1)));
     }
 }

@@ -19,6 +19,7 @@ fn id_of(n: u64) -> u16 {
 #[test]
 fn a_full_ring_counts_every_refused_event_exactly() {
     let ring = Ring::<4>::new();
+    let ring = ring.view();
     let tsc = FakeTsc::new(100, 1);
     for i in 0..4 {
         ring.record(&tsc, i, &[]).unwrap();
@@ -38,6 +39,7 @@ fn a_full_ring_counts_every_refused_event_exactly() {
 #[test]
 fn payloads_round_trip_and_overlong_ones_are_refused_uncounted() {
     let ring = Ring::<2>::new();
+    let ring = ring.view();
     let tsc = FakeTsc::new(7, 3);
     let p: [u8; 16] = core::array::from_fn(|i| i as u8 + 1);
     ring.record(&tsc, 0xbeef, &p).unwrap();
@@ -55,9 +57,9 @@ fn payloads_round_trip_and_overlong_ones_are_refused_uncounted() {
 fn the_recorder_names_its_vcpus() {
     static R: Recorder<2, 8> = Recorder::new();
     let tsc = FakeTsc::new(1, 1);
-    assert_eq!(R.record(2, &tsc, 1, &[]), Err(RecordError::NoSuchVcpu));
-    R.record(1, &tsc, 1, &[]).unwrap();
-    assert_eq!((R.rings()[0].len(), R.rings()[1].len()), (0, 1));
+    assert!(R.ring(2).is_none(), "no ring 2");
+    R.ring(1).unwrap().record(&tsc, 1, &[]).unwrap();
+    assert_eq!((R.ring(0).unwrap().len(), R.ring(1).unwrap().len()), (0, 1));
 }
 
 #[test]
@@ -74,7 +76,7 @@ fn a_ring_hands_out_one_producer_at_a_time() {
     let p = R.producer(1).expect("claimable again");
     p.record(&tsc, 4, &[]).unwrap();
     assert_eq!(
-        (R.rings()[1].end(), R.rings()[1].mode()),
+        (R.ring(1).unwrap().end(), R.ring(1).unwrap().mode()),
         (2, Mode::Overwrite)
     );
     assert!(R.producer(0).is_some());
@@ -83,6 +85,7 @@ fn a_ring_hands_out_one_producer_at_a_time() {
 #[test]
 fn reads_by_index_leave_records_until_released() {
     let ring = Ring::<2>::new();
+    let ring = ring.view();
     let tsc = FakeTsc::new(1, 1);
     ring.record(&tsc, 3, &[]).unwrap();
     assert_eq!(ring.read(0).map(|r| r.id), Ok(3));
@@ -98,6 +101,7 @@ fn reads_by_index_leave_records_until_released() {
 #[test]
 fn a_flight_ring_keeps_the_newest_and_counts_the_overwritten_once() {
     let ring = Ring::<4>::new_flight();
+    let ring = ring.view();
     let tsc = FakeTsc::new(0, 1);
     for i in 0..10u8 {
         ring.record(&tsc, u16::from(i), &[i]).unwrap();
@@ -125,6 +129,7 @@ proptest! {
     #[test]
     fn matches_a_model_queue(ops in proptest::collection::vec((any::<bool>(), 0..RESERVED_ID_MIN, any::<u8>()), 0..400)) {
         let ring = Ring::<8>::new();
+        let ring = ring.view();
         let tsc = FakeTsc::new(10, 5);
         let mut model = std::collections::VecDeque::new();
         let mut refused = 0u64;
@@ -154,6 +159,7 @@ proptest! {
     #[test]
     fn a_flight_ring_matches_an_evicting_model(ops in proptest::collection::vec(0u8..4, 0..600)) {
         let ring = Ring::<8>::new_flight();
+        let ring = ring.view();
         let tsc = FakeTsc::new(10, 5);
         let mut model = std::collections::VecDeque::new();
         let (mut next, mut evicted) = (0u64, 0u64);
@@ -207,7 +213,7 @@ impl Tsc for Counter {
 
 fn produce<const CAP: usize>(ring: &Ring<CAP>, n: u64, done: &AtomicBool) -> u64 {
     let tsc = Counter(AtomicU64::new(0));
-    let p = ring.producer().expect("the test's one producer");
+    let p = ring.view().producer().expect("the test's one producer");
     let mut stored = 0;
     for seq in 0..n {
         let mut payload = [0u8; 16];
@@ -236,14 +242,14 @@ fn a_lapping_producer_never_hands_the_consumer_a_torn_record() {
         let (mut popped, mut last) = (0u64, None);
         loop {
             let finished = DONE.load(Ordering::Acquire);
-            match RING.pop() {
+            match RING.view().pop() {
                 Some(r) => {
                     let seq = check_intact(&r);
                     assert!(last.is_none_or(|l| seq > l), "{seq} after {last:?}");
                     last = Some(seq);
                     popped += 1;
                 }
-                None if finished && RING.start() == RING.end() => return popped,
+                None if finished && RING.view().start() == RING.view().end() => return popped,
                 None => std::thread::yield_now(),
             }
         }
@@ -251,9 +257,9 @@ fn a_lapping_producer_never_hands_the_consumer_a_torn_record() {
     let stored = produce(&RING, N, &DONE);
     let popped = consumer.join().unwrap();
     assert_eq!(stored, N, "a flight ring is never full");
-    assert_eq!(popped + RING.overwritten(), N);
+    assert_eq!(popped + RING.view().overwritten(), N);
     assert!(
-        RING.overwritten() > 0,
+        RING.view().overwritten() > 0,
         "the producer never lapped the consumer"
     );
 }
@@ -269,7 +275,7 @@ fn a_stop_when_full_ring_under_the_same_race_only_refuses() {
         let mut got = 0u64;
         loop {
             let finished = DONE.load(Ordering::Acquire);
-            let start = RING.start();
+            let start = RING.view().start();
             let mut at = start;
             while let Ok(r) = RING.read(at) {
                 check_intact(&r);
@@ -278,7 +284,7 @@ fn a_stop_when_full_ring_under_the_same_race_only_refuses() {
             got += at - start;
             RING.release(at);
             if at == start {
-                if finished && RING.start() == RING.end() {
+                if finished && RING.view().start() == RING.view().end() {
                     return got;
                 }
                 std::thread::yield_now();
@@ -287,8 +293,8 @@ fn a_stop_when_full_ring_under_the_same_race_only_refuses() {
     });
     let stored = produce(&RING, N, &DONE);
     let got = consumer.join().unwrap();
-    assert_eq!((got, RING.overwritten()), (stored, 0));
-    assert_eq!(got + RING.refused(), N);
+    assert_eq!((got, RING.view().overwritten()), (stored, 0));
+    assert_eq!(got + RING.view().refused(), N);
 }
 
 #[test]
@@ -332,11 +338,17 @@ fn a_mem_recorder_has_the_bytes_of_the_const_one() {
     for (v, n) in [(0usize, 3u32), (2, 11)] {
         let tsc = FakeTsc::new(100, 7);
         for i in 0..n {
-            R.record(v, &tsc, 5, &i.to_le_bytes()).unwrap();
+            R.ring(v)
+                .unwrap()
+                .record(&tsc, 5, &i.to_le_bytes())
+                .unwrap();
         }
         let tsc = FakeTsc::new(100, 7);
         for i in 0..n {
-            m.record(v, &tsc, 5, &i.to_le_bytes()).unwrap();
+            m.ring(v)
+                .unwrap()
+                .record(&tsc, 5, &i.to_le_bytes())
+                .unwrap();
         }
     }
     let size = MemRecorder::storage_bytes(3, 8).unwrap();
@@ -475,8 +487,8 @@ proptest! {
             for _ in 0..k {
                 let n = attempts;
                 attempts += 1;
-                let _ = m.record(0, tsc, id_of(n), &n.to_le_bytes());
-                let _ = m.record(1, tsc, 7, &[1, 2, 3]);
+                let _ = m.ring(0).unwrap().record(tsc, id_of(n), &n.to_le_bytes());
+                let _ = m.ring(1).unwrap().record(tsc, 7, &[1, 2, 3]);
             }
         };
         for (a, b, c, torn) in rounds {
@@ -583,7 +595,11 @@ fn a_beacon_is_in_then_its_record_then_out() {
     static R: Recorder<1, 2> = Recorder::new();
     let ports = FakePorts::new();
     let tsc = MarkingTsc(&ports, Cell::new(0));
-    assert_eq!(R.beacon(0, &tsc, &ports), Err(RecordError::NoBeaconPort));
+    let beacon = || -> Result<u64, RecordError> {
+        let port = R.beacon_port().ok_or(RecordError::NoBeaconPort)?;
+        R.ring(0).unwrap().beacon(&tsc, &ports, port)
+    };
+    assert_eq!(beacon(), Err(RecordError::NoBeaconPort));
     assert!(ports.accesses().is_empty(), "no port, no exits");
     R.publish(&HeaderInfo {
         nonce: 3,
@@ -591,10 +607,10 @@ fn a_beacon_is_in_then_its_record_then_out() {
         clock: ClockKind::Other,
         beacon_port: 0x2400,
     });
-    assert_eq!(R.beacon(0, &tsc, &ports), Ok(0));
-    assert_eq!(R.beacon(0, &tsc, &ports), Ok(1));
+    assert_eq!(beacon(), Ok(0));
+    assert_eq!(beacon(), Ok(1));
     // The ring (capacity 2) is full: the third beacon's exits still happen, numbered 2.
-    assert_eq!(R.beacon(0, &tsc, &ports), Err(RecordError::Full));
+    assert_eq!(beacon(), Err(RecordError::Full));
     let mut expected = Vec::new();
     for seq in 0..3u8 {
         expected.push(PortAccess::In {
@@ -627,6 +643,7 @@ fn a_beacon_is_in_then_its_record_then_out() {
 #[test]
 fn reserved_ids_are_refused_and_a_beacon_keeps_its_own() {
     let ring = Ring::<4>::new();
+    let ring = ring.view();
     let tsc = FakeTsc::new(10, 5);
     for id in [RESERVED_ID_MIN, BEACON_ID] {
         assert_eq!(ring.record(&tsc, id, &[]), Err(RecordError::ReservedId));

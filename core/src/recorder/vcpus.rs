@@ -1,9 +1,8 @@
 //! [`Recorder`]: the header and one ring per vCPU in static storage.
 
+use super::Mode;
 use super::layout::{self, HeaderInfo, HeaderLayout, HeaderWords};
-use super::ring::{Producer, Ring};
-use super::{Mode, RecordError};
-use crate::arch::{PortIo, Tsc};
+use super::ring::{Producer, Ring, RingRef};
 
 /// The recorder header's storage, on its own 64-byte aligned block.
 #[derive(Debug)]
@@ -82,7 +81,7 @@ impl<const VCPUS: usize, const CAP: usize> Recorder<VCPUS, CAP> {
         layout::copy_slots(&self.header.0, out, &mut at);
         for v in 0..VCPUS {
             if let Some(r) = self.ring(v) {
-                let (h, s) = r.view().parts();
+                let (h, s) = r.parts();
                 layout::copy_slots(h, out, &mut at);
                 layout::copy_slots(s, out, &mut at);
             }
@@ -93,7 +92,7 @@ impl<const VCPUS: usize, const CAP: usize> Recorder<VCPUS, CAP> {
     /// What the rings do when full.
     #[must_use]
     pub fn mode(&self) -> Mode {
-        self.rings.first().map_or(Mode::StopWhenFull, Ring::mode)
+        self.ring(0).map_or(Mode::StopWhenFull, |r| r.mode())
     }
 
     /// The producer handle of `vcpu`'s ring: `None` if the recorder has no ring for it or its
@@ -103,10 +102,13 @@ impl<const VCPUS: usize, const CAP: usize> Recorder<VCPUS, CAP> {
         self.ring(vcpu)?.producer()
     }
 
-    /// The ring of `vcpu`, if the recorder has one.
+    /// The ring of `vcpu`, if the recorder has one: its [`RingRef`] methods record
+    /// ([`RingRef::record`] is the unchecked path, where the caller guarantees that it runs on
+    /// `vcpu`; prefer [`Recorder::producer`]) and consume.
+    #[inline]
     #[must_use]
-    pub fn ring(&self, vcpu: usize) -> Option<&Ring<CAP>> {
-        self.rings.get(vcpu)
+    pub fn ring(&self, vcpu: usize) -> Option<RingRef<'_>> {
+        self.rings.get(vcpu).map(Ring::view)
     }
 
     /// All rings, by vCPU index.
@@ -115,39 +117,11 @@ impl<const VCPUS: usize, const CAP: usize> Recorder<VCPUS, CAP> {
         &self.rings
     }
 
-    /// Records event `id` on `vcpu`'s ring (see [`Ring::record`]): the unchecked path, where
-    /// the caller guarantees that it runs on `vcpu` (prefer [`Recorder::producer`]).
-    ///
-    /// # Errors
-    /// [`RecordError::NoSuchVcpu`], or what [`Ring::record`] returns.
-    #[inline]
-    pub fn record<T: Tsc + ?Sized>(
-        &self,
-        vcpu: usize,
-        tsc: &T,
-        id: u16,
-        payload: &[u8],
-    ) -> Result<(), RecordError> {
-        self.ring(vcpu)
-            .ok_or(RecordError::NoSuchVcpu)?
-            .record(tsc, id, payload)
-    }
-
-    /// Emits `vcpu`'s next sync beacon on the published beacon port (see
-    /// [`super::RingRef::beacon`]); the unchecked path, like [`Recorder::record`].
-    ///
-    /// # Errors
-    /// [`RecordError::NoSuchVcpu`], [`RecordError::NoBeaconPort`] when the published header
-    /// names none (nothing is done), or what [`Ring::record`] returns.
-    pub fn beacon<T: Tsc + ?Sized, P: PortIo + ?Sized>(
-        &self,
-        vcpu: usize,
-        tsc: &T,
-        ports: &P,
-    ) -> Result<u64, RecordError> {
-        let ring = self.ring(vcpu).ok_or(RecordError::NoSuchVcpu)?;
-        let port = layout::beacon_port(&self.header.0).ok_or(RecordError::NoBeaconPort)?;
-        ring.beacon(tsc, ports, port)
+    /// The beacon port the published header names: `None` before [`Recorder::publish`] or
+    /// when it names none. A vCPU's beacon is `ring(vcpu)?.beacon(tsc, ports, port)`.
+    #[must_use]
+    pub fn beacon_port(&self) -> Option<u16> {
+        layout::beacon_port(&self.header.0)
     }
 }
 

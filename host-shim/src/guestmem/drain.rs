@@ -5,7 +5,7 @@ use thiserror::Error;
 
 use super::find::Found;
 use super::layout::{
-    BEACON_ID, HEADER_SIZE, Header, RECORD_SIZE, RING_PREFIX, RingMode, committed,
+    BEACON_ID, HEADER_SIZE, Header, Mode, RECORD_SIZE, RING_PREFIX, decode_committed,
 };
 use super::memory::{GuestMemory, MemError};
 
@@ -372,10 +372,10 @@ impl Drainer {
             // began, so never below what it was when the copy ended.
             let h2 = read_at_least(mem, base).map_err(|e| read_err(e, &self.rings))?;
             let tail2 = match self.header.mode {
-                RingMode::StopWhenFull => {
+                Mode::StopWhenFull => {
                     Some(read_at_least(mem, base + 64).map_err(|e| read_err(e, &self.rings))?)
                 }
-                RingMode::Overwrite => None,
+                Mode::Overwrite => None,
             };
             // An upper bound below a lower bound: the head really went back.
             if h2 < h1 {
@@ -399,7 +399,7 @@ impl Drainer {
                     overwritten += 1;
                     continue;
                 }
-                let Some((id, len)) = committed(u64_at(slot, 0), n) else {
+                let Some((id, len)) = decode_committed(u64_at(slot, 0), n) else {
                     corrupt += 1;
                     continue;
                 };

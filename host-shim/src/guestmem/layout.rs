@@ -1,63 +1,41 @@
 //! The recorder header's byte layout (layout version 1) and its checked parse.
 //!
-//! Every field is little-endian at a fixed offset; the table is in [`super`]'s docs. The parse
-//! takes 128 untrusted bytes and either returns a [`Header`] whose numbers are all in range and
-//! whose whole storage span fits in a `u64`, or says which rule the bytes broke. It cannot
-//! panic: every read is a fixed-offset copy out of a fixed-size array.
+//! Every field is little-endian at a fixed offset, as `docs/memory-layout.md` ("Header") and
+//! core's `HeaderLayout::FIELDS` give them. The parse takes 128 untrusted bytes and either
+//! returns a [`Header`] whose numbers are all in range and whose whole storage span fits in a
+//! `u64`, or says which rule the bytes broke. It cannot panic: every read is a fixed-offset
+//! copy out of a fixed-size array.
 
 use thiserror::Error;
 use vmtsync_core::recorder::{
-    BUSY, HeaderLayout, MAX_CAPACITY as CORE_MAX_CAPACITY, MAX_VCPUS as CORE_MAX_VCPUS,
-    MIN_CAPACITY as CORE_MIN_CAPACITY, RING_HEADER_SIZE, SLOT_SIZE, STAMP_BITS, STAMP_SHIFT,
+    BUSY, HeaderLayout, MAX_CAPACITY, MAX_PAYLOAD, MAX_VCPUS, MIN_CAPACITY, RING_HEADER_SIZE,
+    SLOT_SIZE, holds,
 };
 
-pub use vmtsync_core::recorder::{BEACON_ID, HEADER_SIZE, LAYOUT_VERSION, MAGIC, checksum};
+pub use vmtsync_core::recorder::{
+    BEACON_ID, ClockKind, HEADER_SIZE, LAYOUT_VERSION, MAGIC, Mode, checksum,
+};
 
 /// The header's alignment: the scan looks for it only at multiples of this.
 pub const HEADER_ALIGN: u64 = 64;
-/// Bytes of a ring before its first slot (the producer's and the consumer's cache lines).
+/// Bytes of a ring before its first slot (the producer's and the consumer's cache lines), as
+/// the `u64` offsets the reader computes with.
 pub const RING_PREFIX: u64 = RING_HEADER_SIZE as u64;
-/// Bytes of one record slot.
+/// Bytes of one record slot, as a `u64` offset.
 pub const RECORD_SIZE: u64 = SLOT_SIZE as u64;
-/// Most vCPUs (rings) a header may declare.
-pub const MAX_VCPUS: u32 = 1024;
-/// Fewest records per ring a header may declare.
-pub const MIN_CAPACITY: u64 = 2;
-/// Most records per ring a header may declare.
-pub const MAX_CAPACITY: u64 = 1 << 31;
-/// The largest payload a record carries.
-pub const MAX_PAYLOAD: u8 = 16;
 /// [`HEADER_SIZE`] as the header's `u32` field holds it.
-const HEADER_SIZE_U32: u32 = 128;
+#[allow(clippy::cast_possible_truncation)] // 128: the assertion below checks the round trip.
+const HEADER_SIZE_U32: u32 = HEADER_SIZE as u32;
 /// [`RECORD_SIZE`] as the header's `u32` field holds it.
-const RECORD_SIZE_U32: u32 = 32;
-// The guest's definitions (the core) and this reader's agree.
+#[allow(clippy::cast_possible_truncation)] // 32: the assertion below checks the round trip.
+const RECORD_SIZE_U32: u32 = SLOT_SIZE as u32;
+// The casts above and in the parse keep every value (core's limits are 128, 32, 1024, 2^31).
 const _: () = assert!(
-    SLOT_SIZE == 32
-        && HEADER_SIZE == 128
-        && RING_HEADER_SIZE == 128
-        && CORE_MAX_VCPUS == MAX_VCPUS as usize
-        && CORE_MIN_CAPACITY as u64 == MIN_CAPACITY
-        && CORE_MAX_CAPACITY as u64 == MAX_CAPACITY
+    HEADER_SIZE_U32 as usize == HEADER_SIZE
+        && RECORD_SIZE_U32 as usize == SLOT_SIZE
+        && MAX_VCPUS <= u32::MAX as usize
+        && MAX_PAYLOAD <= u8::MAX as usize
 );
-
-/// What a full ring does (header offset 48).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum RingMode {
-    /// 0: the guest refuses new events and counts them in the ring's `refused` word.
-    StopWhenFull,
-    /// 1: the guest overwrites its oldest records (a flight recorder).
-    Overwrite,
-}
-
-/// What a record's `tsc` word holds (header offset 52).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum GuestClock {
-    /// 0: the vCPU's raw TSC, to which KVM's per-vCPU mapping applies exactly.
-    RawTsc,
-    /// 1: some other guest clock; the host places it through beacons.
-    Other,
-}
 
 /// A header that passed every check.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -71,9 +49,9 @@ pub struct Header {
     /// The guest's TSC frequency in kHz, 0 if it does not know it.
     pub tsc_khz: u64,
     /// What a full ring does.
-    pub mode: RingMode,
+    pub mode: Mode,
     /// What the records' `tsc` words hold.
-    pub clock: GuestClock,
+    pub clock: ClockKind,
     /// Bytes from the header's first byte to ring 0.
     pub rings_offset: u64,
     /// Bytes from ring `i` to ring `i + 1`.
@@ -171,23 +149,25 @@ impl Header {
         if h.nonce == 0 {
             return Err(HeaderError::ZeroNonce);
         }
-        if !(1..=MAX_VCPUS).contains(&h.vcpus) {
+        if !(1..=MAX_VCPUS).contains(&(h.vcpus as usize)) {
             return Err(HeaderError::Vcpus(h.vcpus));
         }
         if h.slot_size != RECORD_SIZE_U32 {
             return Err(HeaderError::RecordSize(h.slot_size));
         }
-        if !h.capacity.is_power_of_two() || !(MIN_CAPACITY..=MAX_CAPACITY).contains(&h.capacity) {
+        if !h.capacity.is_power_of_two()
+            || !(MIN_CAPACITY as u64..=MAX_CAPACITY as u64).contains(&h.capacity)
+        {
             return Err(HeaderError::Capacity(h.capacity));
         }
         let mode = match h.mode {
-            0 => RingMode::StopWhenFull,
-            1 => RingMode::Overwrite,
+            0 => Mode::StopWhenFull,
+            1 => Mode::Overwrite,
             m => return Err(HeaderError::Mode(m)),
         };
         let clock = match h.clock {
-            0 => GuestClock::RawTsc,
-            1 => GuestClock::Other,
+            0 => ClockKind::RawTsc,
+            1 => ClockKind::Other,
             c => return Err(HeaderError::Clock(c)),
         };
         // Version 1 fixes both: ring 0 right after the header, rings back to back.
@@ -263,14 +243,8 @@ impl Header {
             slot_size: RECORD_SIZE_U32,
             capacity: self.capacity,
             tsc_khz: self.tsc_khz,
-            mode: match self.mode {
-                RingMode::StopWhenFull => 0,
-                RingMode::Overwrite => 1,
-            },
-            clock: match self.clock {
-                GuestClock::RawTsc => 0,
-                GuestClock::Other => 1,
-            },
+            mode: self.mode as u32,
+            clock: self.clock as u32,
             rings_offset: self.rings_offset,
             ring_stride: self.ring_stride,
             beacon_port: self.beacon_port,
@@ -283,36 +257,28 @@ impl Header {
     }
 }
 
-/// Mask of the commit stamp's width.
-const STAMP_MASK: u64 = (1 << STAMP_BITS) - 1;
-
-/// A slot's `meta` word, decoded if it says "record `index`, complete".
+/// A slot's `meta` word, decoded if it says "record `index`, complete" (core's
+/// [`vmtsync_core::recorder::committed`] is the encoder of the same word).
 ///
 /// Complete means: the stamp is `(index + 1) mod 2^39`, `BUSY` is clear and the length is at
 /// most 16. Returns `(id, len)`.
 #[must_use]
-pub fn committed(meta: u64, index: u64) -> Option<(u16, u8)> {
-    let stamp = meta >> STAMP_SHIFT;
-    if stamp != index.wrapping_add(1) & STAMP_MASK || meta & BUSY != 0 {
+pub fn decode_committed(meta: u64, index: u64) -> Option<(u16, u8)> {
+    if !holds(meta, index) {
         return None;
     }
     let len = u8::try_from((meta >> 16) & 0xFF).unwrap_or(u8::MAX);
-    if len > MAX_PAYLOAD {
+    if usize::from(len) > MAX_PAYLOAD {
         return None;
     }
     Some((u16::try_from(meta & 0xFFFF).unwrap_or(u16::MAX), len))
 }
 
-/// The `meta` word of record `index`, complete, with `id` and `len` (what a producer writes).
-#[must_use]
-pub fn meta_committed(index: u64, id: u16, len: u8) -> u64 {
-    (index.wrapping_add(1) & STAMP_MASK) << STAMP_SHIFT | u64::from(len) << 16 | u64::from(id)
-}
-
-/// The `meta` word of record `index` while its producer writes it.
+/// The `meta` word of record `index` while its producer writes it (for tests that tear
+/// records).
 #[must_use]
 pub fn meta_busy(index: u64) -> u64 {
-    (index.wrapping_add(1) & STAMP_MASK) << STAMP_SHIFT | BUSY
+    vmtsync_core::recorder::committed(index, 0, 0) | BUSY
 }
 
 #[cfg(test)]
@@ -328,8 +294,8 @@ mod tests {
             vcpus: 3,
             capacity: 1 << 12,
             tsc_khz: 2_000_000,
-            mode: RingMode::Overwrite,
-            clock: GuestClock::Other,
+            mode: Mode::Overwrite,
+            clock: ClockKind::Other,
             rings_offset: 128,
             ring_stride: 128 + 32 * 4096,
             beacon_port: 0x510,
@@ -364,11 +330,12 @@ mod tests {
 
     #[test]
     fn committed_meta_decodes_only_for_its_own_index() {
-        let m = meta_committed(41, 7, 16);
-        assert_eq!(committed(m, 41), Some((7, 16)));
-        assert_eq!(committed(m, 40), None);
-        assert_eq!(committed(m, 41 + (1 << 39)), Some((7, 16)));
-        assert_eq!(committed(meta_busy(41), 41), None);
-        assert_eq!(committed(meta_committed(41, 7, 17), 41), None);
+        use vmtsync_core::recorder::committed;
+        let m = committed(41, 7, 16);
+        assert_eq!(decode_committed(m, 41), Some((7, 16)));
+        assert_eq!(decode_committed(m, 40), None);
+        assert_eq!(decode_committed(m, 41 + (1 << 39)), Some((7, 16)));
+        assert_eq!(decode_committed(meta_busy(41), 41), None);
+        assert_eq!(decode_committed(committed(41, 7, 17), 41), None);
     }
 }

@@ -1,7 +1,7 @@
 //! Reading a guest's recorder straight out of the VMM's memory (issue 16's host side).
 //!
 //! The guest's recorder storage is one block: a 128-byte header, then one ring per vCPU
-//! (layout version 1, documented in `docs/`). The host finds the header in the VMM
+//! (layout version 1, documented in `docs/memory-layout.md`). The host finds the header in the VMM
 //! process's address space ([`find()`]), then drains the rings while the guest keeps
 //! recording ([`Drainer`]). It never writes guest memory, and it treats every byte it reads
 //! as hostile: every number is range-checked before it sizes a read, a round reads a
@@ -17,26 +17,9 @@
 //! - [`elf`]: an ELF symbol's guest-physical address.
 //! - [`drain`]: the reading rule and the counts ([`RingCounts`]).
 //!
-//! Header (all little-endian):
-//!
-//! | off | type | field |
-//! |---|---|---|
-//! | 0 | u64 | magic `VMTSRING` (zero until the guest publishes) |
-//! | 8 | u32 | layout version 1 |
-//! | 12 | u32 | header size 128 |
-//! | 16 | u64 | boot nonce, non-zero |
-//! | 24 | u32 | vCPU count 1..=1024 |
-//! | 28 | u32 | record size 32 |
-//! | 32 | u64 | capacity, a power of two ≤ 2^31 |
-//! | 40 | u64 | guest TSC kHz, 0 unknown |
-//! | 48 | u32 | mode: 0 stop-when-full, 1 overwrite |
-//! | 52 | u32 | clock: 0 raw TSC, 1 other |
-//! | 56 | u64 | rings offset (≥ 128, 64-aligned) |
-//! | 64 | u64 | ring stride (≥ 128 + 32 × capacity, 64-aligned) |
-//! | 72 | u16 | beacon port |
-//! | 120 | u32 | CRC-32/ISCSI of bytes 0..120 |
-//!
-//! Bytes 74..120 and 124..128 are reserved and must be zero.
+//! The header's fields, their offsets and the rules a valid header keeps are in
+//! `docs/memory-layout.md` ("Header"); core's `HeaderLayout::FIELDS` is the one table, and
+//! tests check that page and the C header against it.
 
 pub mod drain;
 pub mod elf;
@@ -49,7 +32,7 @@ pub use elf::{
     ElfError, pointer_guest_physical_in, symbol_guest_physical, symbol_guest_physical_in,
 };
 pub use find::{FindError, Found, Location, Rejected, ScanStats, find, scan};
-pub use layout::{BEACON_ID, GuestClock, Header, HeaderError, RingMode};
+pub use layout::{BEACON_ID, ClockKind, Header, HeaderError, Mode};
 pub use memory::{FakeMemory, GuestMemory, MemError, ProcMemory, Region};
 
 #[cfg(test)]

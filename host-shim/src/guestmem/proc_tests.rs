@@ -81,7 +81,11 @@ fn produce<const CAP: usize>(rec: &Recorder<1, CAP>, total: u64) -> (u64, u64) {
     let (mut stored, mut refused) = (0u64, 0u64);
     for _ in 0..total {
         let n = stored;
-        match rec.record(0, &clock, id_of(n), &payload(n)) {
+        match rec
+            .ring(0)
+            .expect("vCPU 0")
+            .record(&clock, id_of(n), &payload(n))
+        {
             Ok(()) => stored += 1,
             Err(_) => refused += 1,
         }
@@ -332,7 +336,7 @@ fn guestmem_real_process_flight_recorder_racing_the_reader() {
     child.expect_line("ready");
     let mut mem = ProcMemory::open(&ProcFs::default(), child.pid()).expect("open child mem");
     let f = find(&mut mem, Location::Scan).expect("find");
-    assert_eq!(f.header.mode, RingMode::Overwrite);
+    assert_eq!(f.header.mode, Mode::Overwrite);
     let mut d = Drainer::new(&f, DEFAULT_MAX_PER_ROUND);
     let mut bad = 0u64;
     let mut last = None::<u64>;

@@ -4,34 +4,35 @@ use std::sync::{Arc, Mutex};
 
 use proptest::prelude::*;
 
-use super::layout::{HEADER_SIZE, RECORD_SIZE, RING_PREFIX, meta_busy, meta_committed};
+use super::layout::{HEADER_SIZE, RECORD_SIZE, RING_PREFIX, meta_busy};
 use super::*;
+use vmtsync_core::recorder::committed;
 
 const BASE: u64 = 0x10_0000;
 const MAP_LEN: usize = 1 << 20;
 const NONCE: u64 = 0x1234_5678_9abc_def0;
 
-fn header(vcpus: u32, capacity: u64, mode: RingMode) -> Header {
+fn header(vcpus: u32, capacity: u64, mode: Mode) -> Header {
     Header {
         nonce: NONCE,
         vcpus,
         capacity,
         tsc_khz: 0,
         mode,
-        clock: GuestClock::RawTsc,
+        clock: ClockKind::RawTsc,
         rings_offset: 128,
         ring_stride: RING_PREFIX + RECORD_SIZE * capacity,
         beacon_port: 0,
     }
 }
 
-/// A guest's producer, written as the core's `Ring::record` writes, one store per step, so
+/// A guest's producer, written as the core's `RingRef::record` writes, one store per step, so
 /// a test can stop it anywhere (including inside a record).
 #[derive(Clone, Debug)]
 struct Model {
     ring: u64,
     cap: u64,
-    mode: RingMode,
+    mode: Mode,
     head: u64,
     refused: u64,
     /// Store of the record in progress (0 = none begun).
@@ -62,7 +63,7 @@ impl Model {
     /// One store of the producer.
     fn step(&mut self, m: &mut FakeMemory) {
         let n = self.head;
-        if self.step == 0 && self.mode == RingMode::StopWhenFull && n >= self.cap {
+        if self.step == 0 && self.mode == Mode::StopWhenFull && n >= self.cap {
             self.refused += 1;
             m.write_u64(self.ring + 8, self.refused);
             return;
@@ -73,7 +74,7 @@ impl Model {
             1 => m.write_u64(s + 8, n.wrapping_mul(3)),
             2 => m.write_u64(s + 16, n),
             3 => m.write_u64(s + 24, !n),
-            4 => m.write_u64(s, meta_committed(n, Self::id(n), 16)),
+            4 => m.write_u64(s, committed(n, Self::id(n), 16)),
             _ => {
                 self.head = n + 1;
                 m.write_u64(self.ring, self.head);
@@ -109,7 +110,7 @@ fn publish(m: &mut FakeMemory, addr: u64, h: &Header) {
     for v in 0..h.vcpus {
         m.write_u64(
             addr + h.ring_offset(v) + 16,
-            u64::from(h.mode == RingMode::Overwrite),
+            u64::from(h.mode == Mode::Overwrite),
         );
     }
 }
@@ -133,7 +134,7 @@ fn drain_all(d: &mut Drainer, m: &mut FakeMemory) -> Result<Vec<GuestRecord>, Dr
 
 #[test]
 fn scan_finds_the_one_header_and_drains_exactly() {
-    let h = header(2, 64, RingMode::Overwrite);
+    let h = header(2, 64, Mode::Overwrite);
     let mut m = memory_with(&h);
     let mut p0 = Model::new(BASE + 0x4000, &h, 0);
     let mut p1 = Model::new(BASE + 0x4000, &h, 1);
@@ -165,7 +166,7 @@ fn scan_finds_the_one_header_and_drains_exactly() {
 
 #[test]
 fn a_round_reads_at_most_its_bound() {
-    let h = header(1, 1024, RingMode::StopWhenFull);
+    let h = header(1, 1024, Mode::StopWhenFull);
     let mut m = memory_with(&h);
     let mut p = Model::new(BASE + 0x4000, &h, 0);
     for _ in 0..1000 {
@@ -183,7 +184,7 @@ fn a_round_reads_at_most_its_bound() {
 
 #[test]
 fn stop_when_full_reports_the_rings_refused_word() {
-    let h = header(1, 8, RingMode::StopWhenFull);
+    let h = header(1, 8, Mode::StopWhenFull);
     let mut m = memory_with(&h);
     let mut p = Model::new(BASE + 0x4000, &h, 0);
     for _ in 0..20 {
@@ -199,7 +200,7 @@ fn stop_when_full_reports_the_rings_refused_word() {
 
 #[test]
 fn a_fake_header_with_a_bad_checksum_is_named_and_rejected() {
-    let h = header(1, 8, RingMode::Overwrite);
+    let h = header(1, 8, Mode::Overwrite);
     let mut m = memory_with(&h);
     // One changed byte (the capacity) without a new checksum.
     m.write(BASE + 0x4000 + 32, &[16]);
@@ -224,7 +225,7 @@ fn a_fake_header_with_a_bad_checksum_is_named_and_rejected() {
 
 #[test]
 fn capacity_two_to_the_forty_is_refused_even_with_a_good_checksum() {
-    let mut h = header(1, 8, RingMode::Overwrite);
+    let mut h = header(1, 8, Mode::Overwrite);
     h.capacity = 1 << 40;
     let mut m = memory_with(&h);
     let e = find(&mut m, Location::HostAddress(BASE + 0x4000)).expect_err("refused");
@@ -243,7 +244,7 @@ fn capacity_two_to_the_forty_is_refused_even_with_a_good_checksum() {
 #[test]
 fn rings_past_the_mappings_end_are_refused() {
     // 4 rings of 8 Ki records need 1 MiB + a little: more than the mapping has after 0x4000.
-    let h = header(4, 8192, RingMode::Overwrite);
+    let h = header(4, 8192, Mode::Overwrite);
     let mut m = FakeMemory::new();
     m.map(BASE, MAP_LEN, true);
     m.write(BASE + 0x4000, &h.to_bytes());
@@ -258,7 +259,7 @@ fn rings_past_the_mappings_end_are_refused() {
 
 #[test]
 fn a_copy_of_the_header_elsewhere_is_an_error_naming_both() {
-    let h = header(1, 8, RingMode::Overwrite);
+    let h = header(1, 8, Mode::Overwrite);
     let mut m = memory_with(&h);
     m.map(0x4000_0000, 1 << 16, true);
     publish(&mut m, 0x4000_0040, &h);
@@ -279,7 +280,7 @@ fn a_copy_of_the_header_elsewhere_is_an_error_naming_both() {
 
 #[test]
 fn pages_the_page_map_calls_absent_are_not_read() {
-    let h = header(1, 8, RingMode::Overwrite);
+    let h = header(1, 8, Mode::Overwrite);
     let mut m = memory_with(&h);
     m.mark_absent(BASE + 0x4000);
     let e = find(&mut m, Location::Scan).expect_err("skipped");
@@ -298,7 +299,7 @@ fn pages_the_page_map_calls_absent_are_not_read() {
 
 #[test]
 fn guest_physical_is_start_plus_address_in_the_mapping_where_the_header_validates() {
-    let h = header(1, 8, RingMode::Overwrite);
+    let h = header(1, 8, Mode::Overwrite);
     let mut m = FakeMemory::new();
     m.map(BASE, MAP_LEN, true);
     m.map(0x7000_0000, MAP_LEN, true);
@@ -311,7 +312,7 @@ fn guest_physical_is_start_plus_address_in_the_mapping_where_the_header_validate
 
 #[test]
 fn a_pointer_variable_names_the_header_once_the_guest_sets_it() {
-    let h = header(1, 8, RingMode::Overwrite);
+    let h = header(1, 8, Mode::Overwrite);
     let mut m = FakeMemory::new();
     m.map(BASE, MAP_LEN, true);
     let loc = Location::Pointer {
@@ -350,7 +351,7 @@ fn a_pointer_variable_names_the_header_once_the_guest_sets_it() {
 /// Drains a few rounds, then lets `change` rewrite the header, and checks the error and
 /// that the counts in it are those of the rounds before.
 fn drain_then(change: impl FnOnce(&mut FakeMemory, &Header)) -> (DrainError, Vec<GuestRecord>) {
-    let h = header(1, 16, RingMode::Overwrite);
+    let h = header(1, 16, Mode::Overwrite);
     let mut m = memory_with(&h);
     let mut p = Model::new(BASE + 0x4000, &h, 0);
     for _ in 0..5 {
@@ -419,7 +420,7 @@ fn changed_geometry_is_an_error() {
 
 #[test]
 fn a_header_changed_during_a_rings_copy_delivers_nothing_of_it() {
-    let h = header(1, 16, RingMode::Overwrite);
+    let h = header(1, 16, Mode::Overwrite);
     let mut m = memory_with(&h);
     let mut p = Model::new(BASE + 0x4000, &h, 0);
     for _ in 0..5 {
@@ -445,14 +446,14 @@ fn a_header_changed_during_a_rings_copy_delivers_nothing_of_it() {
 
 #[test]
 fn a_slot_with_a_wrong_stamp_inside_the_window_is_corrupt_not_delivered() {
-    let h = header(1, 16, RingMode::Overwrite);
+    let h = header(1, 16, Mode::Overwrite);
     let mut m = memory_with(&h);
     let mut p = Model::new(BASE + 0x4000, &h, 0);
     for _ in 0..6 {
         p.record(&mut m);
     }
     // Slot 2 claims record 18 (a stamp from the future), slot 4 is left BUSY.
-    m.write_u64(p.slot(2), meta_committed(18, 1, 0));
+    m.write_u64(p.slot(2), committed(18, 1, 0));
     m.write_u64(p.slot(4), meta_busy(4));
     let f = find(&mut m, Location::Scan).expect("found");
     let mut d = Drainer::new(&f, 64);
@@ -466,7 +467,7 @@ fn a_slot_with_a_wrong_stamp_inside_the_window_is_corrupt_not_delivered() {
 
 #[test]
 fn a_hostile_head_costs_one_bounded_round_and_an_exact_count() {
-    let h = header(1, 16, RingMode::Overwrite);
+    let h = header(1, 16, Mode::Overwrite);
     let mut m = memory_with(&h);
     m.write_u64(BASE + 0x4000 + 128, u64::MAX);
     let f = find(&mut m, Location::Scan).expect("found");
@@ -485,7 +486,7 @@ fn a_hostile_head_costs_one_bounded_round_and_an_exact_count() {
 
 #[test]
 fn records_rewritten_while_being_read_are_counted_overwritten_exactly() {
-    let h = header(1, 8, RingMode::Overwrite);
+    let h = header(1, 8, Mode::Overwrite);
     let mut m = memory_with(&h);
     let model = Arc::new(Mutex::new(Model::new(BASE + 0x4000, &h, 0)));
     for _ in 0..8 {
@@ -529,7 +530,7 @@ proptest! {
         bound in 1usize..20,
         rounds in 1usize..30,
     ) {
-        let mode = if flight { RingMode::Overwrite } else { RingMode::StopWhenFull };
+        let mode = if flight { Mode::Overwrite } else { Mode::StopWhenFull };
         let h = header(1, 1 << cap_log, mode);
         let mut m = memory_with(&h);
         let f = find(&mut m, Location::Scan).expect("found");
@@ -573,7 +574,7 @@ proptest! {
         writes in proptest::collection::vec((0u64..0x800, any::<u64>(), 0u8..4), 0..40),
         rounds in 1usize..8,
     ) {
-        let h = header(2, 8, RingMode::Overwrite);
+        let h = header(2, 8, Mode::Overwrite);
         let mut m = memory_with(&h);
         let mut p = Model::new(BASE + 0x4000, &h, 0);
         for _ in 0..11 {

@@ -12,8 +12,9 @@ use std::sync::{Arc, Mutex};
 
 use proptest::prelude::*;
 
-use super::layout::{HEADER_SIZE, RECORD_SIZE, RING_PREFIX, meta_busy, meta_committed};
+use super::layout::{HEADER_SIZE, RECORD_SIZE, RING_PREFIX, meta_busy};
 use super::*;
+use vmtsync_core::recorder::committed;
 
 const BASE: u64 = 0x20_0000;
 const AT: u64 = BASE + 0x1000;
@@ -76,7 +77,7 @@ impl Producer {
         beacons: u64,
         plan: Vec<u8>,
     ) -> Self {
-        let flight = h.mode == RingMode::Overwrite;
+        let flight = h.mode == Mode::Overwrite;
         let mut p = Self {
             ring: AT + h.ring_offset(0),
             cap: h.capacity,
@@ -96,7 +97,7 @@ impl Producer {
         for n in head.saturating_sub(p.cap)..head {
             let (id, tsc, len, payload) = contents(n);
             let s = p.slot(n);
-            m.write_u64(s, meta_committed(n, id, len));
+            m.write_u64(s, committed(n, id, len));
             m.write_u64(s + 8, tsc);
             m.write(s + 16, &payload);
             p.written.insert(n, contents(n));
@@ -170,7 +171,7 @@ impl Producer {
         words.extend(self.data(s + 24, u64::from_le_bytes(hi)));
         words.extend(self.data(s + 8, tsc));
         self.queue.extend(words);
-        let commit = meta_committed(n, id, len).to_le_bytes();
+        let commit = committed(n, id, len).to_le_bytes();
         self.queue.push_back(match self.width {
             Width::Bits64 => (s, commit.to_vec()),
             // The high halves of BUSY and commit are equal: one 32-bit store.
@@ -199,14 +200,14 @@ impl Producer {
     }
 }
 
-fn header(capacity: u64, mode: RingMode) -> Header {
+fn header(capacity: u64, mode: Mode) -> Header {
     Header {
         nonce: NONCE,
         vcpus: 1,
         capacity,
         tsc_khz: 0,
         mode,
-        clock: GuestClock::RawTsc,
+        clock: ClockKind::RawTsc,
         rings_offset: HEADER_SIZE as u64,
         ring_stride: RING_PREFIX + RECORD_SIZE * capacity,
         beacon_port: 0,
@@ -244,7 +245,7 @@ proptest! {
         bound in 1usize..24,
         rounds in 1usize..24,
     ) {
-        let mode = if flight { RingMode::Overwrite } else { RingMode::StopWhenFull };
+        let mode = if flight { Mode::Overwrite } else { Mode::StopWhenFull };
         let h = header(1 << cap_log, mode);
         let mut m = FakeMemory::new();
         m.map(BASE, 1 << 16, true);

@@ -324,7 +324,10 @@ mod tests {
                 let host = t.now + 10_000 * (i as u64 + 1);
                 let payload = u32::try_from(i).unwrap().to_le_bytes();
                 let tsc = FakeTsc::new(guest_of(v, host), 0);
-                rec.record(v as usize, &tsc, 7, &payload).unwrap();
+                rec.ring(v as usize)
+                    .unwrap()
+                    .record(&tsc, 7, &payload)
+                    .unwrap();
                 truth.push((v, host));
             }
             let mut probe = ProbeOptions::new(ProbeAddr::Unix("sim".into()));
@@ -416,11 +419,23 @@ mod tests {
             let mut t = SimTransport::with_events(OFFSET, rec);
             t.exact = true;
             let at = |i: u64| FakeTsc::new(t.now + 10_000 * i + OFFSET, 0);
-            rec.func_entry(3, &at(1), 0x10u32, 0x99).unwrap();
-            rec.func_entry(3, &at(2), 0x20u32, 0x99).unwrap();
-            rec.func_exit(3, &at(4), 0x20u32, 0x99).unwrap();
-            rec.span_begin(3, &at(5), "boot").unwrap();
-            rec.func_exit(3, &at(7), 0x10u32, 0x99).unwrap();
+            rec.ring(3)
+                .unwrap()
+                .func_entry(&at(1), 0x10u32, 0x99)
+                .unwrap();
+            rec.ring(3)
+                .unwrap()
+                .func_entry(&at(2), 0x20u32, 0x99)
+                .unwrap();
+            rec.ring(3)
+                .unwrap()
+                .func_exit(&at(4), 0x20u32, 0x99)
+                .unwrap();
+            rec.ring(3).unwrap().span_begin(&at(5), "boot").unwrap();
+            rec.ring(3)
+                .unwrap()
+                .func_exit(&at(7), 0x10u32, 0x99)
+                .unwrap();
             let mut probe = ProbeOptions::new(ProbeAddr::Unix("sim".into()));
             probe.progress = false;
             probe.probes = 8;

@@ -103,14 +103,14 @@ fn run(c: Contender, n: u64, mem: &MemRecorder<'_>) -> u64 {
             let t0 = stamp();
             // The same call as the C contender's: constant vCPU, id and payload length.
             for _ in 0..n {
-                let _ = RECORDER.record(0, &tsc, 7, &payload);
+                let _ = RECORDER.ring(0).map(|r| r.record(&tsc, 7, &payload));
             }
             stamp() - t0
         }
         Contender::MemRecorder => {
             let t0 = stamp();
             for _ in 0..n {
-                let _ = mem.record(0, &tsc, 7, &payload);
+                let _ = mem.ring(0).map(|r| r.record(&tsc, 7, &payload));
             }
             stamp() - t0
         }

@@ -15,7 +15,7 @@ use super::{BootCounts, MemoryOptions, MemorySummary};
 use crate::exits::PioTrace;
 use crate::formats::perfetto::clock::ClockSnapshot;
 use crate::guestmem::{
-    self, DrainError, Drainer, Found, GuestClock, GuestRecord, PollSummary, ProcMemory,
+    self, ClockKind, DrainError, Drainer, Found, GuestRecord, PollSummary, ProcMemory,
 };
 use crate::kvm::hosttsc::read_host_tsc;
 use crate::kvm::procinfo::ProcFs;
@@ -109,7 +109,7 @@ impl Armed {
             }
             .into());
         }
-        let raw = found.header.clock == GuestClock::RawTsc;
+        let raw = found.header.clock == ClockKind::RawTsc;
         let mode =
             mode_for(raw, port, opts.trust_raw_tsc).map_err(|why| MemoryError::Unplaceable {
                 addr: found.addr,
@@ -394,7 +394,7 @@ impl<'a> Recording<'a> {
             Ok(f) => f,
             Err(end) => return Some(end),
         };
-        if f.header.beacon_port != self.port || (f.header.clock == GuestClock::RawTsc) != self.raw {
+        if f.header.beacon_port != self.port || (f.header.clock == ClockKind::RawTsc) != self.raw {
             return Some(Err(MemoryError::Restarted { addr: f.addr }.into()));
         }
         self.boot += 1;

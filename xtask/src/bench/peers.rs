@@ -58,8 +58,11 @@ pub(super) fn side_by_side(plan: &Plan) -> Result<(String, String, Vec<[String; 
             "floor_tsc_store_head",
         ),
         ("C recorder `vmtsync_record` (capi/, gcc -O2)", "c_recorder"),
-        ("Rust `Recorder::record`", "rust_recorder"),
-        ("Rust `MemRecorder::record`", "rust_mem_recorder"),
+        ("Rust `Recorder::ring(0)` + `record`", "rust_recorder"),
+        (
+            "Rust `MemRecorder::ring(0)` + `record`",
+            "rust_mem_recorder",
+        ),
         ("barectf 3.1.2 tracing function", "barectf"),
     ];
     let floor2 = ns("floor_tsc_store")?.0;

@@ -373,11 +373,11 @@ pub(super) fn recorder(plan: &Plan, work: &Path) -> Result<Section> {
             "recorder/tsc_read_alone",
         ),
         (
-            "`Ring::record`, no payload (includes the TSC read)",
+            "`Ring::view().record`, no payload (includes the TSC read)",
             "recorder/record_no_payload",
         ),
         (
-            "`Ring::record`, 8-byte payload",
+            "`Ring::view().record`, 8-byte payload",
             "recorder/record_8B_payload",
         ),
         (
@@ -406,27 +406,27 @@ pub(super) fn recorder(plan: &Plan, work: &Path) -> Result<Section> {
     // const shape) and `MemRecorder` (caller memory, run-time shape: the C ABI's).
     let pair = [
         (
-            "`Recorder::record(0, …)`, no payload (stop-when-full, real TSC read)",
+            "`Recorder::ring(0)` + `record`, no payload (stop-when-full, real TSC read)",
             "recorder/recorder_record_no_payload",
         ),
         (
-            "`MemRecorder::record(0, …)`, no payload (caller memory, run-time shape)",
+            "`MemRecorder::ring(0)` + `record`, no payload (caller memory, run-time shape)",
             "recorder/mem_recorder_record_no_payload",
         ),
         (
-            "`Recorder::record(0, …)`, 8-byte payload",
+            "`Recorder::ring(0)` + `record`, 8-byte payload",
             "recorder/recorder_record_8B_payload",
         ),
         (
-            "`MemRecorder::record(0, …)`, 8-byte payload",
+            "`MemRecorder::ring(0)` + `record`, 8-byte payload",
             "recorder/mem_recorder_record_8B_payload",
         ),
         (
-            "`Recorder::record(0, …)` alone (no payload, a constant clock)",
+            "`Recorder::ring(0)` + `record` alone (no payload, a constant clock)",
             "recorder/recorder_record_no_payload_fixed_clock",
         ),
         (
-            "`MemRecorder::record(0, …)` alone (no payload, a constant clock)",
+            "`MemRecorder::ring(0)` + `record` alone (no payload, a constant clock)",
             "recorder/mem_recorder_record_no_payload_fixed_clock",
         ),
     ];

@@ -89,7 +89,13 @@ fn events_are_as_tight_as_their_rounds_and_hold_the_truth() {
     let widest_round = *rounds.iter().max().unwrap();
     let median_round = median(&mut rounds);
 
+    // Each round's width, by its place in the file (rounds in guest-time order).
+    let width_of = |i: usize| segments[i].offset_hi.abs_diff(segments[i].offset_lo);
     let (mut two, mut one) = (Vec::new(), Vec::new());
+    // Each event's width against the wider of the rounds on either side of it, in percent:
+    // an event can be only as tight as the rounds that place it, and a loaded host widens
+    // some rounds and not others.
+    let mut against_neighbours = Vec::new();
     let mut before_first = 0;
     for line in std::fs::read_to_string(&guest).unwrap().lines() {
         let j: Value = serde_json::from_str(line).unwrap();
@@ -117,6 +123,18 @@ fn events_are_as_tight_as_their_rounds_and_hold_the_truth() {
         before_first += u64::from(g < segments[0].guest_start);
         two.push(hi - lo);
         one.push(o.hi - o.lo);
+        let after = segments.partition_point(|s| s.guest_start <= g);
+        let neighbours = [
+            after.checked_sub(1),
+            (after < segments.len()).then_some(after),
+        ];
+        let wider = neighbours
+            .into_iter()
+            .flatten()
+            .map(width_of)
+            .max()
+            .unwrap_or(1);
+        against_neighbours.push((hi - lo) * 100 / wider.max(1));
     }
     assert!(two.len() as u64 >= EVENTS, "{} events", two.len());
     assert!(before_first > 0, "no event preceded the first round");
@@ -134,9 +152,12 @@ fn events_are_as_tight_as_their_rounds_and_hold_the_truth() {
         ratio(median_two, median_round),
         ratio(widest_two, widest_round),
     );
+    let median_against = median(&mut against_neighbours);
+    eprintln!("{test}: median event width {median_against}% of the wider round beside it");
     assert!(
-        median_two * 4 <= median_round * 5,
-        "median event {median_two} > 1.25 x median round {median_round}"
+        median_against <= 125,
+        "median event {median_against}% > 125% of the wider of the rounds beside it (median \
+         event {median_two}, median round {median_round})"
     );
     assert!(
         widest_two <= 3 * widest_round,

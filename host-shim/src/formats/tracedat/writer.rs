@@ -221,41 +221,13 @@ impl TraceDatWriter {
         id: u32,
         payload: &[u8],
     ) -> Result<(), TraceDatError> {
-        let ncpus = self.opts.cpus;
-        let Self {
-            cpus,
-            out,
-            pos,
-            tmp,
-            ..
-        } = self;
-        let c = cpus
-            .get_mut(cpu as usize)
-            .ok_or(TraceDatError::CpuOutOfRange { cpu, cpus: ncpus })?;
         if payload.len() > MAX_PAYLOAD {
             return Err(TraceDatError::PayloadTooLong {
                 len: payload.len(),
                 max: MAX_PAYLOAD,
             });
         }
-        if c.events > 0 && ts < c.last {
-            return Err(TraceDatError::NotMonotonic {
-                cpu,
-                ts,
-                last: c.last,
-            });
-        }
-        if !c.page.try_push(ts, id, payload) {
-            flush_page(c, out, pos).map_err(TraceDatError::io("write", tmp.path()))?;
-            let pushed = c.page.try_push(ts, id, payload);
-            debug_assert!(pushed, "an event always fits an empty page");
-        }
-        if c.events == 0 {
-            c.first = ts;
-        }
-        c.events += 1;
-        c.last = ts;
-        Ok(())
+        self.append(cpu, ts, |page| page.try_push(ts, id, payload))
     }
 
     /// Appends a record of one of the other event types the file describes (the function
@@ -265,6 +237,25 @@ impl TraceDatWriter {
     /// # Errors
     /// `CpuOutOfRange`, `PayloadTooLong` (a record of the wrong size), `NotMonotonic`, `Io`.
     pub fn push_raw(&mut self, cpu: u32, ts: u64, data: &[u8]) -> Result<(), TraceDatError> {
+        let max = 4 * super::consts::TYPE_DATA_MAX as usize;
+        if !data.len().is_multiple_of(4) || !(8..=max).contains(&data.len()) {
+            return Err(TraceDatError::PayloadTooLong {
+                len: data.len(),
+                max,
+            });
+        }
+        self.append(cpu, ts, |page| page.try_push_raw(ts, data))
+    }
+
+    /// What [`Self::push`] and [`Self::push_raw`] share: CPU `cpu`'s buffer takes a record at
+    /// `ts` (in order) through `try_push`, on a fresh page when the current one is full.
+    #[inline]
+    fn append(
+        &mut self,
+        cpu: u32,
+        ts: u64,
+        try_push: impl Fn(&mut super::page::PageBuf) -> bool,
+    ) -> Result<(), TraceDatError> {
         let ncpus = self.opts.cpus;
         let Self {
             cpus,
@@ -276,13 +267,6 @@ impl TraceDatWriter {
         let c = cpus
             .get_mut(cpu as usize)
             .ok_or(TraceDatError::CpuOutOfRange { cpu, cpus: ncpus })?;
-        let max = 4 * super::consts::TYPE_DATA_MAX as usize;
-        if !data.len().is_multiple_of(4) || !(8..=max).contains(&data.len()) {
-            return Err(TraceDatError::PayloadTooLong {
-                len: data.len(),
-                max,
-            });
-        }
         if c.events > 0 && ts < c.last {
             return Err(TraceDatError::NotMonotonic {
                 cpu,
@@ -290,9 +274,9 @@ impl TraceDatWriter {
                 last: c.last,
             });
         }
-        if !c.page.try_push_raw(ts, data) {
+        if !try_push(&mut c.page) {
             flush_page(c, out, pos).map_err(TraceDatError::io("write", tmp.path()))?;
-            let pushed = c.page.try_push_raw(ts, data);
+            let pushed = try_push(&mut c.page);
             debug_assert!(pushed, "a record always fits an empty page");
         }
         if c.events == 0 {

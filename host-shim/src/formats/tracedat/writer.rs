@@ -18,7 +18,7 @@ use std::io::{BufWriter, Seek, SeekFrom, Write};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-use crate::atomic_file::AtomicFile;
+use crate::atomic_file::{AtomicFile, BackgroundFile};
 
 use super::consts::{PAGE_SIZE, PAGE_SIZE_U32, SECTION_HEADER_SIZE, Tsc2Nsec, option};
 use super::error::TraceDatError;
@@ -151,6 +151,52 @@ pub struct TraceDatWriter {
     kallsyms: String,
     /// The saved command lines text ([`Self::set_cmdlines`]), written at the end.
     cmdlines: String,
+    /// v7's CPU 0 pages, on their way into the output.
+    main: MainPages,
+}
+
+/// Pages of v7's first CPU, which go straight into the output: written by a second thread
+/// ([`BackgroundFile`]) a [`MAIN_BUF`] at a time, so the kernel's copy into the page cache runs
+/// beside the encoding of the next pages. Started at the first page, once the header before
+/// it is flushed; both write through one open file, so they share its position.
+#[derive(Debug, Default)]
+struct MainPages {
+    bg: Option<(BackgroundFile<File>, Vec<u8>, usize)>,
+}
+
+/// Bytes of [`MainPages`]' buffers (two exist).
+const MAIN_BUF: usize = 1 << 20;
+
+impl MainPages {
+    fn write(&mut self, out: &mut BufWriter<File>, page: &[u8; PAGE_SIZE]) -> std::io::Result<()> {
+        if self.bg.is_none() {
+            out.flush()?;
+            let (bg, buf) = BackgroundFile::new(out.get_ref().try_clone()?, MAIN_BUF)?;
+            self.bg = Some((bg, buf, 0));
+        }
+        let Some((bg, buf, used)) = &mut self.bg else {
+            return Ok(());
+        };
+        buf[*used..*used + PAGE_SIZE].copy_from_slice(page);
+        *used += PAGE_SIZE;
+        if *used + PAGE_SIZE > buf.len() {
+            let full = std::mem::take(buf);
+            *buf = bg.submit(full, *used)?;
+            *used = 0;
+        }
+        Ok(())
+    }
+
+    /// Writes what is buffered and waits until every page is in the file.
+    fn finish(&mut self) -> std::io::Result<()> {
+        if let Some((mut bg, buf, used)) = self.bg.take() {
+            if used > 0 {
+                bg.submit(buf, used)?;
+            }
+            bg.finish()?;
+        }
+        Ok(())
+    }
 }
 
 impl TraceDatWriter {
@@ -202,6 +248,7 @@ impl TraceDatWriter {
             v7: None,
             kallsyms: String::new(),
             cmdlines: String::new(),
+            main: MainPages::default(),
         };
         if w.opts.version == FileVersion::V7 {
             w.start_v7()?;
@@ -267,6 +314,7 @@ impl TraceDatWriter {
             out,
             pos,
             tmp,
+            main,
             ..
         } = self;
         let c = cpus
@@ -280,7 +328,7 @@ impl TraceDatWriter {
             });
         }
         if !try_push(&mut c.page) {
-            flush_page(c, out, pos).map_err(TraceDatError::io("write", tmp.path()))?;
+            flush_page(c, out, main, pos).map_err(TraceDatError::io("write", tmp.path()))?;
             let pushed = try_push(&mut c.page);
             debug_assert!(pushed, "a record always fits an empty page");
         }
@@ -378,9 +426,10 @@ impl TraceDatWriter {
         let io = |what| TraceDatError::io(what, &tmp_path);
         for c in &mut self.cpus {
             if !c.page.is_empty() {
-                flush_page(c, &mut self.out, &mut self.pos).map_err(io("write"))?;
+                flush_page(c, &mut self.out, &mut self.main, &mut self.pos).map_err(io("write"))?;
             }
         }
+        self.main.finish().map_err(io("write"))?;
         let table = match self.opts.version {
             FileVersion::V7 => self.finish_v7(shift_bytes.as_deref())?,
             FileVersion::V6 => self.finish_v6(shift_bytes.as_deref())?,
@@ -686,11 +735,16 @@ fn verify_summary(s: &Summary) -> Result<(), TraceDatError> {
 }
 
 /// Seals `c`'s page and writes it to its sink.
-fn flush_page(c: &mut Cpu, out: &mut BufWriter<File>, pos: &mut u64) -> std::io::Result<()> {
+fn flush_page(
+    c: &mut Cpu,
+    out: &mut BufWriter<File>,
+    main: &mut MainPages,
+    pos: &mut u64,
+) -> std::io::Result<()> {
     let page = c.page.seal();
     match &mut c.sink {
         Sink::Main => {
-            out.write_all(page)?;
+            main.write(out, page)?;
             *pos += PAGE_SIZE as u64;
         }
         Sink::Spill(w) => w.write_all(page)?,

@@ -22,8 +22,10 @@
 //!   record (a drainer bounded to 1 record per round, 2,000 rounds, per ring), and of a
 //!   round over rings with nothing new (the drained drainer polled 2,000 more times). One line
 //!   per method: `mem-poll: method=M rings=V records=N drain_seconds=s1,… ns_per_record=P
-//!   busy_round_ns=B idle_poll_ns=I` (`busy_round_ns` and `idle_poll_ns` per ring and round,
-//!   medians of PASSES).
+//!   busy_round_ns=B idle_poll_ns=I head_bytewise_ns=W head_batched_ns=X` (`busy_round_ns`
+//!   and `idle_poll_ns` per ring and round; the last two: ring 0's `head` read a byte at a
+//!   time, most significant first, as 8 reads and as one `read_many` of 8 parts; medians of
+//!   PASSES).
 //!
 //! The first line, `mem-open: method=M`, names the method `ProcMemory::open` chose (what
 //! `vmtsync record --from-memory` reads with). Needs ptrace rights over the process (root).
@@ -162,6 +164,7 @@ fn run(pid: u32, passes: usize, chunks: &[usize]) -> Result<Vec<String>, Error> 
     for (m, method) in METHODS.iter().enumerate() {
         let mem = &mut mems[m];
         let (mut drain, mut busy, mut idle) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut bytewise, mut batched) = (Vec::new(), Vec::new());
         let mut records = 0;
         for _ in 0..passes {
             let (s, n, d) = drain_all(mem, &found)?;
@@ -169,18 +172,23 @@ fn run(pid: u32, passes: usize, chunks: &[usize]) -> Result<Vec<String>, Error> 
             records = n;
             busy.push(busy_round(mem, &found)? / f64::from(h.vcpus));
             idle.push(idle_polls(mem, d)? / f64::from(h.vcpus));
+            let (a, b) = head_reads(mem, found.addr + h.ring_offset(0))?;
+            bytewise.push(a);
+            batched.push(b);
         }
         #[allow(clippy::cast_precision_loss)] // Counts far below 2^52.
         let per_record = median(&drain) / records.max(1) as f64 * 1e9;
         lines.push(format!(
             "mem-poll: method={} rings={} records={records} drain_seconds={} ns_per_record={:.2} \
-             busy_round_ns={:.0} idle_poll_ns={:.0}",
+             busy_round_ns={:.0} idle_poll_ns={:.0} head_bytewise_ns={:.0} head_batched_ns={:.0}",
             method.name(),
             h.vcpus,
             seconds(&drain),
             per_record,
             median(&busy) * 1e9,
             median(&idle) * 1e9,
+            median(&bytewise) * 1e9,
+            median(&batched) * 1e9,
         ));
     }
     Ok(lines)
@@ -209,6 +217,41 @@ fn busy_round(mem: &mut ProcMemory, found: &Found) -> Result<f64, Error> {
         return Err("the rings hold no records".into());
     }
     Ok(s / f64::from(ROUNDS))
+}
+
+/// Seconds per read of a ring's `head` word one byte at a time, most significant first (the
+/// drainer's torn-read-safe read): as 8 reads, and as one `read_many` of 8 one-byte parts
+/// (the same order, in one `process_vm_readv` where the method allows).
+fn head_reads(mem: &mut ProcMemory, head: u64) -> Result<(f64, f64), Error> {
+    let mut w = [0u8; 8];
+    let t = Instant::now();
+    for _ in 0..ROUNDS {
+        for i in (0..8).rev() {
+            mem.read(head + i as u64, &mut w[i..=i])?;
+        }
+    }
+    let bytewise = t.elapsed().as_secs_f64() / f64::from(ROUNDS);
+    let first = u64::from_le_bytes(w);
+    let t = Instant::now();
+    for _ in 0..ROUNDS {
+        let [b0, b1, b2, b3, b4, b5, b6, b7] = &mut w;
+        let mut parts: [(u64, &mut [u8]); 8] = [
+            (head + 7, std::slice::from_mut(b7)),
+            (head + 6, std::slice::from_mut(b6)),
+            (head + 5, std::slice::from_mut(b5)),
+            (head + 4, std::slice::from_mut(b4)),
+            (head + 3, std::slice::from_mut(b3)),
+            (head + 2, std::slice::from_mut(b2)),
+            (head + 1, std::slice::from_mut(b1)),
+            (head, std::slice::from_mut(b0)),
+        ];
+        mem.read_many(&mut parts)?;
+    }
+    let batched = t.elapsed().as_secs_f64() / f64::from(ROUNDS);
+    if u64::from_le_bytes(w) != first {
+        return Err("a held guest's head moved".into());
+    }
+    Ok((bytewise, batched))
 }
 
 /// Seconds per poll of a drainer that has read everything (rounds that deliver nothing).

@@ -554,11 +554,12 @@ fn perfetto_events(trace: &Path, dir: &Path) -> Result<(u64, u64)> {
     Ok((ours, all))
 }
 
-/// The events babeltrace2 reads in a CTF trace directory (its `sink.utils.counter`).
+/// The events babeltrace2 reads in a CTF trace directory (its `sink.utils.counter`, which
+/// prints its counts once at the end with `step=+0`).
 fn ctf_events(dir: &Path) -> Result<u64> {
     let mut cmd = Command::new("babeltrace2");
     cmd.arg(dir)
-        .args(["--component", "sink.utils.counter"])
+        .args(["--component", "sink.utils.counter", "--params", "step=+0"])
         .stdin(Stdio::null());
     eprintln!("$ {}", crate::display(&cmd));
     let out = cmd.output().context("starting babeltrace2")?;
@@ -569,14 +570,16 @@ fn ctf_events(dir: &Path) -> Result<u64> {
         dir.display(),
         String::from_utf8_lossy(&out.stderr)
     );
-    // `   4190112  events` among the counter's lines.
-    text.lines()
-        .find_map(|l| {
-            let mut w = l.split_whitespace();
-            let n = w.next()?.replace(',', "").parse().ok()?;
-            (w.next()? == "events").then_some(n)
-        })
+    counted_events(&text)
         .with_context(|| format!("no event count in babeltrace2's counter: {text}"))
+}
+
+/// The last `N Event messages` line of babeltrace2's counter.
+fn counted_events(text: &str) -> Option<u64> {
+    text.lines().rev().find_map(|l| {
+        let n = l.trim().strip_suffix(" Event messages")?;
+        n.trim().parse().ok()
+    })
 }
 
 /// How one format's last ceiling output read back in its reader.
@@ -652,6 +655,8 @@ struct PollLine {
     ns_per_record: f64,
     busy_round_ns: f64,
     idle_poll_ns: f64,
+    head_bytewise_ns: f64,
+    head_batched_ns: f64,
 }
 
 /// `key=value` of a line's words.
@@ -689,6 +694,8 @@ impl PollLine {
             ns_per_record: word(line, "ns_per_record")?.parse().ok()?,
             busy_round_ns: word(line, "busy_round_ns")?.parse().ok()?,
             idle_poll_ns: word(line, "idle_poll_ns")?.parse().ok()?,
+            head_bytewise_ns: word(line, "head_bytewise_ns")?.parse().ok()?,
+            head_batched_ns: word(line, "head_batched_ns")?.parse().ok()?,
         })
     }
 }
@@ -1280,27 +1287,42 @@ fn memory_section(m: &Measured) -> Result<Section> {
         "\n**Rounds and many vCPUs.** The same example drains the ring with \
          `vmtsync::guestmem::Drainer::poll` alone (records counted, nothing written; default \
          round bound), then times 2,000 rounds of a drainer bounded to one record per round (a \
-         round with news: the ring's header read, `head` read byte by byte before and after \
-         the copy, the header checked again) and 2,000 polls of the drained drainer (a round \
-         with nothing new: the recorder header and one 32-byte read of the ring's counters). \
+         round with news: the recorder header, the ring's counters, `head` a byte at a time \
+         before the copy, the copy, `head` and the stop-when-full ring's `tail` a byte at a \
+         time after it, the header again: some 28 reads) and 2,000 polls of the drained \
+         drainer (a round with nothing new: the recorder header and one 32-byte read of the \
+         ring's counters). \
          Per ring and round, medians of {} passes:\n\n\
-         | method | drain, no writer | per record | round with one record | idle poll |\n\
-         |---|---:|---:|---:|---:|",
+         | method | drain, no writer | per record | round with one record | idle poll | `head` \
+         read a byte at a time: 8 reads / one `read_many` |\n\
+         |---|---:|---:|---:|---:|---:|",
         c.polls.first().map_or(0, |p| p.drain_seconds.len()),
     );
     for p in &c.polls {
         let d = Stat::of(&p.drain_seconds).context("no drain pass")?;
         let _ = writeln!(
             body,
-            "| `{}` | {} | {} | {} | {} |",
+            "| `{}` | {} | {} | {} | {} | {} / {} |",
             p.method,
             rate(p.records as f64 / d.median),
             time_ns(p.ns_per_record),
             time_ns(p.busy_round_ns),
             time_ns(p.idle_poll_ns),
+            time_ns(p.head_bytewise_ns),
+            time_ns(p.head_batched_ns),
         );
     }
     let poll = c.poll(&m.reader_method)?;
+    let _ = writeln!(
+        body,
+        "\nA round with news is mostly one-byte reads (each word read a byte at a time, so a \
+         torn read errs on the safe side). With `{}`, a word's 8 one-byte reads take {}; one \
+         `GuestMemory::read_many` of the same 8 parts, in the same order, {} ({}).",
+        m.reader_method,
+        time_ns(poll.head_bytewise_ns),
+        time_ns(poll.head_batched_ns),
+        super::format::ratio(poll.head_bytewise_ns / poll.head_batched_ns),
+    );
     let round_s = poll.busy_round_ns * 1e-9;
     let idle_s = poll.idle_poll_ns * 1e-9;
     let v = MANY_VCPUS as f64;
@@ -1634,7 +1656,7 @@ mod tests {
             seconds=0.020000,0.020000 gbps=6.711 records_per_s=209715200\n\
             mem-poll: method=process_vm_readv rings=1 records=4194304 \
             drain_seconds=0.100000,0.110000 ns_per_record=25.03 busy_round_ns=9000 \
-            idle_poll_ns=1200\n";
+            idle_poll_ns=1200 head_bytewise_ns=5000 head_batched_ns=700\n";
         let c = CopyRun::parse(out, "cmd".into()).expect("parses");
         let p = c.copy("pread", 524_288).expect("pread line");
         assert_eq!(
@@ -1654,6 +1676,14 @@ mod tests {
         );
         assert!(c.poll("pread").is_err());
         assert!(CopyRun::parse("mem-open: method=pread\n", String::new()).is_err());
+        assert_eq!(
+            counted_events(
+                "        9989 Event messages\n        4190112 Event messages\n              1 \
+                 Stream beginning message\n        4196642 messages (TOTAL)\n"
+            ),
+            Some(4_190_112)
+        );
+        assert_eq!(counted_events("1 Stream end message"), None);
     }
 
     #[test]
@@ -1719,7 +1749,8 @@ mod tests {
                 })
                 .collect::<String>()
             + "mem-poll: method=process_vm_readv rings=1 records=4194304 drain_seconds=0.1 \
-               ns_per_record=25 busy_round_ns=9000 idle_poll_ns=1200\n";
+               ns_per_record=25 busy_round_ns=9000 idle_poll_ns=1200 head_bytewise_ns=5000 \
+               head_batched_ns=700\n";
         let report = Report {
             events: 5_000_000,
             first_seq: 0,

@@ -1327,7 +1327,7 @@ fn memory_section(m: &Measured) -> Result<Section> {
     let idle_s = poll.idle_poll_ns * 1e-9;
     let v = MANY_VCPUS as f64;
     let idle_share = v * idle_s / (POLL_S + v * idle_s);
-    let _ = writeln!(
+    let _ = write!(
         body,
         "\nThe C guest has one vCPU; {MANY_VCPUS} vCPUs are worked out from these per-ring \
          figures (`{}`). The reader polls every ring each round and waits {} ms \
@@ -1564,10 +1564,11 @@ fn memory_section(m: &Measured) -> Result<Section> {
             ),
             "reported".into(),
             format!(
-                "{} of a core; idle poll {} per ring",
-                share_1m
-                    .flatten()
-                    .map_or_else(|| "more than one core".to_owned(), percent),
+                "{}; idle poll {} per ring",
+                share_1m.flatten().map_or_else(
+                    || "more than one core (falls behind)".to_owned(),
+                    |v| format!("{} of a core", percent(v))
+                ),
                 time_ns(poll.idle_poll_ns)
             ),
             "—".into(),

@@ -16,7 +16,7 @@ use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 
 use super::report::{
-    MAX_LISTED, ProbeReport, ProbeViolation, SegmentWorst, ValidateError, quantiles, signed,
+    ProbeReport, ProbeViolation, SegmentWorst, ValidateError, Verdict, quantiles, signed,
 };
 use crate::exits::{PioExit, match_sync_port, match_uart};
 use crate::probe::log::{PROBE_LOG_SCHEMA, ProbeExchange, ProbePath};
@@ -103,33 +103,30 @@ impl<'a> ProbeChecker<'a> {
         let (after_in, before_out) = (signed(host, exit_lo), signed(exit_hi, host));
         self.lags[0].push(after_in);
         self.lags[1].push(before_out);
-        let outside = host < exit_lo || host > exit_hi;
-        let bound_false = hi < exit_lo || lo > exit_hi;
+        let verdict = Verdict::of((host, lo, hi), Some(exit_lo), Some(exit_hi));
         let w = self
             .worst
             .entry((e.vcpu, seg.round))
             .or_insert(SegmentWorst::of(e.vcpu, &seg));
-        w.add(after_in.min(before_out), outside || bound_false);
-        w.wrong_side += u64::from(outside);
-        if outside || bound_false {
-            r.violations += 1;
-            r.bound_violations += u64::from(bound_false);
-            if r.first_violations.len() < MAX_LISTED {
-                r.first_violations.push(ProbeViolation {
-                    vcpu: e.vcpu,
-                    seq: e.seq,
-                    path: e.path,
-                    guest_tsc: e.guest_tsc,
-                    host_tsc: host,
-                    host_lo: lo,
-                    host_hi: hi,
-                    exit_lo,
-                    exit_hi,
-                    round: seg.round,
-                    bound_false,
-                });
-            }
-        }
+        verdict.count(
+            w,
+            after_in.min(before_out),
+            [&mut r.violations, &mut r.bound_violations],
+            &mut r.first_violations,
+            || ProbeViolation {
+                vcpu: e.vcpu,
+                seq: e.seq,
+                path: e.path,
+                guest_tsc: e.guest_tsc,
+                host_tsc: host,
+                host_lo: lo,
+                host_hi: hi,
+                exit_lo,
+                exit_hi,
+                round: seg.round,
+                bound_false: verdict.bound_false,
+            },
+        );
     }
 
     /// The report.
@@ -219,6 +216,7 @@ mod tests {
     use crate::exits::COM1_DATA;
     use crate::ftrace::format::{KvmPio, PioDirection};
     use crate::syncfile::{AnchorKind, OffsetModel};
+    use crate::validate::report::MAX_LISTED;
 
     const OFFSET: i64 = 7_000_000_000;
     const PID: u32 = 99;

@@ -185,6 +185,53 @@ impl SegmentWorst {
     }
 }
 
+/// Where a converted time and its guaranteed interval stand against an exit bracket.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Verdict {
+    /// The converted time lies outside the bracket (the estimate is wrong).
+    pub outside: bool,
+    /// The guaranteed interval misses the bracket (the bound is false, not only the estimate).
+    pub bound_false: bool,
+}
+
+impl Verdict {
+    /// `host`, with its guaranteed interval `[lo, hi]`, against the bracket
+    /// `[exit_lo, exit_hi]` (`None`: no bound on that side).
+    pub(super) fn of(
+        (host, lo, hi): (u64, u64, u64),
+        exit_lo: Option<u64>,
+        exit_hi: Option<u64>,
+    ) -> Self {
+        Self {
+            outside: exit_lo.is_some_and(|l| host < l) || exit_hi.is_some_and(|h| host > h),
+            bound_false: exit_lo.is_some_and(|l| hi < l) || exit_hi.is_some_and(|h| lo > h),
+        }
+    }
+
+    /// Counts the conversion into its segment `w` with its tight-side `lag` and, when it is a
+    /// violation, into a report's `violations` and `bound_violations`, listing it in `first`
+    /// (`listed` makes the entry) while that holds fewer than [`MAX_LISTED`].
+    pub(super) fn count<V>(
+        self,
+        w: &mut SegmentWorst,
+        lag: i64,
+        [violations, bound_violations]: [&mut u64; 2],
+        first: &mut Vec<V>,
+        listed: impl FnOnce() -> V,
+    ) {
+        let violation = self.outside || self.bound_false;
+        w.add(lag, violation);
+        w.wrong_side += u64::from(self.outside);
+        if violation {
+            *violations += 1;
+            *bound_violations += u64::from(self.bound_false);
+            if first.len() < MAX_LISTED {
+                first.push(listed());
+            }
+        }
+    }
+}
+
 /// A converted probe outside its exit bracket (or a guaranteed interval disjoint from it).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub struct ProbeViolation {

@@ -84,6 +84,8 @@ pub mod hostcopy;
 pub(crate) mod page;
 pub mod plan;
 pub mod reader;
+#[cfg(test)]
+mod testutil;
 pub mod timeshift;
 pub mod writer;
 

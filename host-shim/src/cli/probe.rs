@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use super::exit::CliError;
+use super::number::hex_or_decimal;
 use super::signals::{install_stop_handler, stop_flag};
 use super::source::{SourceArgs, mount_if_asked};
 use crate::kvm::scan::VmSelector;
@@ -180,11 +181,7 @@ pub(super) fn run_probe_cmd(a: &ProbeArgs) -> Result<(), CliError> {
 }
 
 fn parse_port(s: &str) -> Result<u16, String> {
-    let parsed = match s.strip_prefix("0x").or_else(|| s.strip_prefix("0X")) {
-        Some(hex) => u16::from_str_radix(hex, 16),
-        None => s.parse(),
-    };
-    parsed.map_err(|e| format!("{s}: not a 16-bit port number ({e})"))
+    hex_or_decimal::<u16>(s).map_err(|e| format!("{s}: not a 16-bit port number ({e})"))
 }
 
 #[cfg(test)]

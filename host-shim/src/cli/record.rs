@@ -6,6 +6,7 @@ use std::time::Duration;
 use clap::{Args, ValueEnum};
 
 use super::exit::CliError;
+use super::number::hex_or_decimal;
 use super::signals::{install_stop_handler, stop_flag};
 use crate::formats::tracedat::FileVersion;
 use crate::link::ProbeAddr;
@@ -397,11 +398,7 @@ fn parse_port(s: &str) -> Result<u16, String> {
 
 /// A `--addr` value: hex with `0x`, else decimal.
 fn parse_addr(s: &str) -> Result<u64, String> {
-    let r = match s.strip_prefix("0x").or_else(|| s.strip_prefix("0X")) {
-        Some(h) => u64::from_str_radix(h, 16),
-        None => s.parse(),
-    };
-    r.map_err(|e| format!("{s:?} is not an address: {e}"))
+    hex_or_decimal::<u64>(s).map_err(|e| format!("{s:?} is not an address: {e}"))
 }
 
 /// `vmtsync record --from-memory`: the VM's VMM memory is read, no link (see

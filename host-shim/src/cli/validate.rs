@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use clap::Args;
 
 use super::exit::CliError;
+use super::number::hex_or_decimal;
 use crate::validate::SegmentWorst;
 use crate::validate::{
     EventRule, LagStats, Numbering, ProbeReport, Side, ValidateOptions, ValidateReport, validate,
@@ -79,20 +80,13 @@ pub struct ValidateArgs {
 }
 
 fn parse_port(s: &str) -> Result<u16, String> {
-    let r = match s.strip_prefix("0x").or_else(|| s.strip_prefix("0X")) {
-        Some(hex) => u16::from_str_radix(hex, 16),
-        None => s.parse(),
-    };
-    r.map_err(|e| format!("{s:?} is not a port (0..=65535, decimal or 0x hex): {e}"))
+    hex_or_decimal::<u16>(s)
+        .map_err(|e| format!("{s:?} is not a port (0..=65535, decimal or 0x hex): {e}"))
 }
 
 /// A decimal or 0x-hex number of type `T`.
 fn number<T: TryFrom<u64>>(s: &str) -> Option<T> {
-    let v = match s.strip_prefix("0x").or_else(|| s.strip_prefix("0X")) {
-        Some(hex) => u64::from_str_radix(hex, 16).ok()?,
-        None => s.parse().ok()?,
-    };
-    T::try_from(v).ok()
+    T::try_from(hex_or_decimal::<u64>(s).ok()?).ok()
 }
 
 /// `ID:PORT` as a rule for `side`.

@@ -16,12 +16,13 @@ use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 
 use super::report::{
-    ProbeReport, ProbeViolation, SegmentWorst, ValidateError, Verdict, quantiles, signed,
+    LinesEnd, ProbeReport, ProbeViolation, SegmentWorst, ValidateError, Verdict, each_line,
+    quantiles, signed,
 };
 use crate::exits::{PioExit, match_sync_port, match_uart};
 use crate::probe::log::{PROBE_LOG_SCHEMA, ProbeExchange, ProbePath};
+use crate::syncfile::SyncSegment;
 use crate::syncfile::bounds::{covering, host_bounds};
-use crate::syncfile::{LineRead, SyncSegment, read_line_bounded};
 
 /// The 16550's register block: the data port and the seven after it (the matcher uses only
 /// the accesses among them that reach the data port).
@@ -163,40 +164,37 @@ fn read_exchanges(
     input: &mut impl BufRead,
     each: &mut impl FnMut(&ProbeExchange),
 ) -> Result<u64, ValidateError> {
-    let mut line = Vec::new();
-    let mut n = 0_u64;
-    loop {
-        line.clear();
-        let r =
-            read_line_bounded(input, &mut line).map_err(|source| ValidateError::ProbeLogIo {
-                path: path.clone(),
-                source,
-            })?;
-        n += 1;
-        let bad = |why: String| ValidateError::ProbeLine {
-            path: path.clone(),
-            line: n,
-            why,
-        };
-        match r {
-            LineRead::Eof => return Ok(0),
-            // A run killed in the middle of a write: the whole lines before it stand.
-            LineRead::Partial { bytes } => return Ok(bytes),
-            LineRead::TooLong => {
-                return Err(bad(
-                    "longer than any probe exchange (is this a probe log?)".into()
-                ));
-            }
-            LineRead::Line => {}
-        }
-        let e: ProbeExchange = serde_json::from_slice(&line).map_err(|e| bad(e.to_string()))?;
+    let bad = |line: u64, why: String| ValidateError::ProbeLine {
+        path: path.clone(),
+        line,
+        why,
+    };
+    let io = |source| ValidateError::ProbeLogIo {
+        path: path.clone(),
+        source,
+    };
+    let (end, n) = each_line(input, io, |n, line| {
+        let e: ProbeExchange = serde_json::from_slice(line).map_err(|e| bad(n, e.to_string()))?;
         if e.schema != PROBE_LOG_SCHEMA {
-            return Err(bad(format!(
-                "schema {} (this vmtsync reads schema {PROBE_LOG_SCHEMA})",
-                e.schema
-            )));
+            return Err(bad(
+                n,
+                format!(
+                    "schema {} (this vmtsync reads schema {PROBE_LOG_SCHEMA})",
+                    e.schema
+                ),
+            ));
         }
         each(&e);
+        Ok(())
+    })?;
+    match end {
+        LinesEnd::Eof => Ok(0),
+        // A run killed in the middle of a write: the whole lines before it stand.
+        LinesEnd::Partial { bytes } => Ok(bytes),
+        LinesEnd::TooLong => Err(bad(
+            n,
+            "longer than any probe exchange (is this a probe log?)".into(),
+        )),
     }
 }
 

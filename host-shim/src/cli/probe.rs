@@ -145,13 +145,10 @@ impl ProbeArgs {
         o.stop = stop;
         o.shutdown = self.shutdown;
         o.anchor = AnchorOptions {
-            mode: self.anchor,
-            vm: self.vm.clone(),
-            tracefs: self.tracefs.clone(),
-            debugfs_root: self.source.debugfs_root.clone(),
-            proc_root: self.source.proc_root.clone(),
             sync_port: self.sync_port,
-            ..AnchorOptions::default()
+            ..self
+                .source
+                .anchor_options(self.anchor, self.vm.as_ref(), self.tracefs.as_ref())
         };
         o.probe_log = self.probe_log.clone();
         o.console = self.console.clone();

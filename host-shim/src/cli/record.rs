@@ -10,7 +10,7 @@ use super::number::hex_or_decimal;
 use super::signals::{install_stop_handler, stop_flag};
 use crate::formats::tracedat::FileVersion;
 use crate::link::ProbeAddr;
-use crate::probe::anchor::{AnchorMode, AnchorOptions};
+use crate::probe::anchor::AnchorMode;
 use crate::probe::{DEFAULT_PROBES, ProbeOptions, Progress};
 use crate::record::{self, EndReason, RecordFormat, RecordOptions, RecordSummary};
 
@@ -269,14 +269,11 @@ impl RecordArgs {
         probe.progress = !self.no_progress;
         probe.probe_log = self.protocol.probe_log.clone();
         probe.console = self.protocol.console.clone();
-        probe.anchor = AnchorOptions {
-            mode: self.protocol.anchor,
-            vm: self.vm.clone(),
-            tracefs: self.tracefs.clone(),
-            debugfs_root: self.source.debugfs_root.clone(),
-            proc_root: self.source.proc_root.clone(),
-            ..AnchorOptions::default()
-        };
+        probe.anchor = self.source.anchor_options(
+            self.protocol.anchor,
+            self.vm.as_ref(),
+            self.tracefs.as_ref(),
+        );
         RecordOptions {
             probe,
             out: self.out.clone(),

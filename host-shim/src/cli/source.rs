@@ -12,6 +12,7 @@ use super::exit::CliError;
 use crate::kvm::debugfs::{DEBUGFS_MOUNTPOINT, DEFAULT_KVM_DEBUGFS, KvmDebugfs};
 use crate::kvm::procinfo::{DEFAULT_PROC_ROOT, ProcFs};
 use crate::kvm::scan::{ScanError, Scanner, VcpuReport, VmReport, VmSelector};
+use crate::probe::anchor::{AnchorMode, AnchorOptions};
 
 /// Where to read KVM debugfs and /proc: the same flags on every command that reads them.
 #[derive(Clone, Debug, PartialEq, Eq, Args)]
@@ -77,6 +78,26 @@ pub(super) fn not_nested<'a>(
         });
     }
     Ok(v)
+}
+
+impl SourceArgs {
+    /// What `--anchor MODE`, `--vm` and `--tracefs` ask of the probe rounds' exit anchoring,
+    /// reading debugfs and `/proc` where these flags say (`probe` and `record`).
+    pub(super) fn anchor_options(
+        &self,
+        mode: AnchorMode,
+        vm: Option<&VmSelector>,
+        tracefs: Option<&PathBuf>,
+    ) -> AnchorOptions {
+        AnchorOptions {
+            mode,
+            vm: vm.cloned(),
+            tracefs: tracefs.cloned(),
+            debugfs_root: self.debugfs_root.clone(),
+            proc_root: self.proc_root.clone(),
+            ..AnchorOptions::default()
+        }
+    }
 }
 
 pub(super) fn scanner(src: &SourceArgs) -> Result<Scanner, CliError> {

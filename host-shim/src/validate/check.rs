@@ -661,8 +661,8 @@ mod tests {
     //! the after-event.
 
     use super::*;
-    use crate::syncfile::OffsetModel;
     use crate::validate::report::MAX_LISTED;
+    use crate::validate::testutil::segment_at;
 
     const OFFSET: i64 = 1_000_000_000_000;
     const PERIOD: u64 = 2_300_000;
@@ -709,26 +709,7 @@ mod tests {
     /// One segment with offset `offset` and guaranteed bounds `half` either side, at identity
     /// rate.
     fn segment(offset: i64, half: i64) -> SyncSegment {
-        SyncSegment {
-            vcpu: 0,
-            round: 0,
-            guest_start: 0,
-            host_anchor: START,
-            guest_anchor: START.checked_add_signed(offset).unwrap(),
-            offset,
-            offset_lo: offset - half,
-            offset_hi: offset + half,
-            drift_ppb: 0,
-            drift_ppb_lo: Some(0),
-            drift_ppb_hi: Some(0),
-            model: OffsetModel::Drift,
-            probes: 64,
-            rtt_min_ticks: 30_000,
-            host_first: START,
-            host_last: START,
-            is_break: false,
-            anchor: crate::syncfile::AnchorKind::KvmPioUart,
-        }
+        segment_at(START, offset, half, 30_000)
     }
 
     fn exit(ts: u64, direction: PioDirection, val: u32) -> PioExit {

@@ -213,8 +213,9 @@ mod tests {
     use super::*;
     use crate::exits::COM1_DATA;
     use crate::ftrace::format::{KvmPio, PioDirection};
-    use crate::syncfile::{AnchorKind, OffsetModel};
+    use crate::syncfile::AnchorKind;
     use crate::validate::report::MAX_LISTED;
+    use crate::validate::testutil::segment_at;
 
     const OFFSET: i64 = 7_000_000_000;
     const PID: u32 = 99;
@@ -266,26 +267,7 @@ mod tests {
     }
 
     fn segment(offset: i64, half: i64) -> SyncSegment {
-        SyncSegment {
-            vcpu: 0,
-            round: 0,
-            guest_start: 0,
-            host_anchor: 1_000_000,
-            guest_anchor: 1_000_000_u64.checked_add_signed(offset).unwrap(),
-            offset,
-            offset_lo: offset - half,
-            offset_hi: offset + half,
-            drift_ppb: 0,
-            drift_ppb_lo: Some(0),
-            drift_ppb_hi: Some(0),
-            model: OffsetModel::Drift,
-            probes: 64,
-            rtt_min_ticks: 5_000,
-            host_first: 0,
-            host_last: 0,
-            is_break: false,
-            anchor: AnchorKind::KvmPioUart,
-        }
+        segment_at(1_000_000, offset, half, 5_000)
     }
 
     fn run(n: u64, seg: SyncSegment, keep: impl Fn(usize) -> bool) -> ProbeReport {

@@ -262,9 +262,13 @@ mod tests {
 /// the page cache runs beside the caller's encoding of the next (on another core) rather than
 /// after it. Two buffers exist, the caller's and the one being written: memory stays constant,
 /// and a caller faster than the disk waits for the free buffer.
-/// Any writer can be given (a trace.dat's data section goes to a clone of its file's handle).
+/// Any file can be given (a trace.dat's data section goes to a clone of its file's handle).
+/// Every [`SYNC_EVERY`] bytes it also asks a third thread to sync the file's data (skipped
+/// while that one is still syncing): the disk writes while the caller works, so the sync
+/// before the rename finds little left to write, and neither the caller nor the writing
+/// thread waits for the disk.
 #[derive(Debug)]
-pub struct BackgroundFile<W: Write + Send + 'static = AtomicFile> {
+pub struct BackgroundFile<W: Write + SyncData + Send + 'static = AtomicFile> {
     /// Full buffers and how many of their bytes to write (`None` once finished).
     full: Option<SyncSender<(Vec<u8>, usize)>>,
     /// Buffers the thread has written, back for reuse.
@@ -273,7 +277,32 @@ pub struct BackgroundFile<W: Write + Send + 'static = AtomicFile> {
     thread: Option<JoinHandle<io::Result<W>>>,
 }
 
-impl<W: Write + Send + 'static> BackgroundFile<W> {
+/// A file whose written data can be synced from another thread (`fdatasync` on a second
+/// handle of it).
+pub trait SyncData {
+    /// A second handle of the same open file.
+    ///
+    /// # Errors
+    /// The handle could not be duplicated.
+    fn sync_handle(&self) -> io::Result<File>;
+}
+
+impl SyncData for File {
+    fn sync_handle(&self) -> io::Result<File> {
+        self.try_clone()
+    }
+}
+
+impl SyncData for AtomicFile {
+    fn sync_handle(&self) -> io::Result<File> {
+        self.as_file().try_clone()
+    }
+}
+
+/// How many bytes a [`BackgroundFile`] writes between two syncs of its data.
+pub const SYNC_EVERY: usize = 32 << 20;
+
+impl<W: Write + SyncData + Send + 'static> BackgroundFile<W> {
     /// Starts the thread writing to `file`; returns it and the caller's first buffer (of
     /// `buf_len` zero bytes; a second one waits in the pool).
     ///
@@ -284,15 +313,38 @@ impl<W: Write + Send + 'static> BackgroundFile<W> {
         let (free_tx, free_rx) = mpsc::sync_channel::<Vec<u8>>(2);
         // Cannot fail: the channel has room for both buffers and its receiver is here.
         let _ = free_tx.send(vec![0; buf_len]);
+        let (sync_tx, sync_rx) = mpsc::sync_channel::<()>(1);
+        let handle = file.sync_handle()?;
+        let syncer = std::thread::Builder::new()
+            .name("vmtsync-sync".into())
+            .spawn(move || -> io::Result<()> {
+                for () in sync_rx {
+                    handle.sync_data()?;
+                }
+                Ok(())
+            })?;
         let thread = std::thread::Builder::new()
             .name("vmtsync-write".into())
             .spawn(move || {
+                let mut unsynced = 0;
                 for (buf, len) in full_rx {
                     file.write_all(buf.get(..len).unwrap_or(&buf))?;
                     if free_tx.send(buf).is_err() {
                         break;
                     }
+                    unsynced += len;
+                    if unsynced >= SYNC_EVERY {
+                        file.flush()?;
+                        // Full: the syncer is still at the last one; the next sync takes both.
+                        if sync_tx.try_send(()).is_ok() {
+                            unsynced = 0;
+                        }
+                    }
                 }
+                drop(sync_tx);
+                syncer
+                    .join()
+                    .unwrap_or_else(|_| Err(io::Error::other("the syncing thread panicked")))?;
                 Ok(file)
             })?;
         Ok((
@@ -344,7 +396,7 @@ impl<W: Write + Send + 'static> BackgroundFile<W> {
     }
 }
 
-impl<W: Write + Send + 'static> Drop for BackgroundFile<W> {
+impl<W: Write + SyncData + Send + 'static> Drop for BackgroundFile<W> {
     /// Without [`BackgroundFile::finish`]: the thread ends (and an [`AtomicFile`]'s temporary
     /// file is removed).
     fn drop(&mut self) {

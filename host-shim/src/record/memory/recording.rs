@@ -171,6 +171,8 @@ pub(super) struct Recording<'a> {
     /// KVM's mapping at the end of the last round.
     last: Vec<Reading>,
     beacons: Option<Beacons>,
+    /// Exact mode: the beacons' check, its trace still being set up.
+    checking: Option<std::thread::JoinHandle<Result<Option<Beacons>, MemoryError>>>,
     target: Target,
     st: State,
     out: Out,
@@ -223,20 +225,29 @@ impl<'a> Recording<'a> {
         } else {
             Vec::new()
         };
-        let armed = match early {
+        let mut checking = None;
+        let beacons = match (early, mode) {
             // Armed before the guest ran (a paused VMM): chains bracket from beacon 0.
-            Some((trace, port)) => Ok(Some(Beacons::new(trace, port, vcpus.len(), armed_at))),
-            None => start_beacons(opts.tracefs.as_deref(), &proc, &opts.vm, &vcpus, port, mode),
-        };
-        let beacons = match armed {
-            Ok(b) => b,
-            Err(why) if mode == Mode::Exact => {
-                if port != 0 {
-                    eprintln!("vmtsync: warning: beacons not checked against KVM's mapping: {why}");
-                }
+            (Some((trace, port)), _) => Some(Beacons::new(trace, port, vcpus.len(), armed_at)),
+            (None, Mode::Beacons) => {
+                start_beacons(opts.tracefs.as_deref(), &proc, &opts.vm, &vcpus, port, mode)?
+            }
+            // Exact mode places without the beacons: their check starts beside the drain
+            // (a tracefs instance takes the kernel tens of ms to set up) and begins with the
+            // round after it is ready.
+            (None, Mode::Exact) if port != 0 => {
+                let (tracefs, proc, vm, vcpus) = (
+                    opts.tracefs.clone(),
+                    proc.clone(),
+                    opts.vm.clone(),
+                    vcpus.clone(),
+                );
+                checking = Some(std::thread::spawn(move || {
+                    start_beacons(tracefs.as_deref(), &proc, &vm, &vcpus, port, mode)
+                }));
                 None
             }
-            Err(why) => return Err(why.into()),
+            (None, Mode::Exact) => None,
         };
         let target = Target {
             out: opts.out.clone(),
@@ -279,6 +290,7 @@ impl<'a> Recording<'a> {
             base: 0,
             last,
             beacons,
+            checking,
             target,
             st,
             out,
@@ -298,6 +310,32 @@ impl<'a> Recording<'a> {
             stop_heads: None,
             last_clock: Instant::now(),
         })
+    }
+
+    /// Exact mode: the beacons' check once its trace runs (or, with `wait`, once its set-up
+    /// ends), or the warning that there is none. The beacons read before it count as emitted
+    /// before the trace could see them.
+    fn adopt_check(&mut self, wait: bool) {
+        if !wait && !self.checking.as_ref().is_some_and(|t| t.is_finished()) {
+            return;
+        }
+        let Some(t) = self.checking.take() else {
+            return;
+        };
+        match t.join() {
+            Ok(Ok(Some(mut b))) => {
+                b.stats.read += self.ms.beacons;
+                b.stats.early += self.ms.beacons;
+                self.beacons = Some(b);
+            }
+            Ok(Ok(None)) => {}
+            Ok(Err(why)) => {
+                eprintln!("vmtsync: warning: beacons not checked against KVM's mapping: {why}");
+            }
+            Err(_) => eprintln!(
+                "vmtsync: warning: beacons not checked against KVM's mapping: its set-up failed"
+            ),
+        }
     }
 
     /// KVM's mapping of the current boot's `n` vCPUs, or none when it is not used.
@@ -365,6 +403,7 @@ impl<'a> Recording<'a> {
             Err(e) => return Ok(Some(self.unless_gone(e))),
         };
         let changed = self.mapping_changes(&now);
+        self.adopt_check(false);
         self.place_round(&now, &changed)?;
         self.beacon_rounds(before, after, &now)?;
         self.last = now;
@@ -602,6 +641,8 @@ impl<'a> Recording<'a> {
         mut self,
         result: Ended,
     ) -> Result<(RecordSummary, MemorySummary), RecordError> {
+        // A check still being set up ends with its trace (nothing left for it to see).
+        self.adopt_check(true);
         self.sum_counts();
         // A raw-TSC guest whose beacons disagree with KVM's mapping does not record the raw
         // TSC: the mapping gives no point then, the beacons do.

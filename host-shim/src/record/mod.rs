@@ -21,7 +21,7 @@
 //! Every event is placed with the segment that covers its guest tick (the last one whose
 //! `guest_start` is at or before it; the first one before that), the same rule a sync file's
 //! conversion and the trace.dat TIME_SHIFT use; its guaranteed host interval comes from
-//! [`crate::syncfile::bounds::host_bounds`].
+//! [`crate::sync::host_bounds`].
 //!
 //! Memory is constant in the number of events: JSON Lines are streamed; for trace.dat the events
 //! go to a spool file (32 bytes each) and are written when the segments are all known, as raw
@@ -46,7 +46,7 @@ use std::time::Duration;
 
 use crate::formats::tracedat::FileVersion;
 use crate::probe::ProbeOptions;
-use crate::syncfile::bounds::Placement;
+use crate::sync::Placement;
 
 pub use error::{MemoryError, RecordError, Unplaceable};
 pub use memory::{DEFAULT_POLL, MemoryOptions, MemorySummary, run_record_memory};

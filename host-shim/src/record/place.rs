@@ -7,8 +7,7 @@ use super::ledger::Ledger;
 use super::spool::{self, Spool};
 use crate::formats::jsonl::{EVENT_SCHEMA, Line};
 use crate::formats::perfetto::clock::ClockSnapshot;
-use crate::probe::continuous::Cumulative;
-use crate::syncfile::bounds::{self, Placement};
+use crate::sync::{self, Cumulative, Placement};
 use crate::syncfile::{SyncSegment, SyncWriter};
 
 /// One event on its way to the output.
@@ -245,21 +244,9 @@ impl State {
     }
 
     /// [`State::place`] with a given placement, and the round that covers the event.
-    pub(super) fn place_as(&self, vcpu: u32, g: u64, how: Placement) -> Option<bounds::Place> {
+    pub(super) fn place_as(&self, vcpu: u32, g: u64, how: Placement) -> Option<sync::Place> {
         let v = self.vcpus.get(self.index_of(vcpu)?)?;
-        if v.segments.is_empty() {
-            // No round ever covered this vCPU (a late attach read its beacons before the
-            // trace could bracket them): a raw-TSC guest's event is placed by KVM's mapping
-            // alone, width 0 on the header's word (`exact` is empty unless that is known).
-            return bounds::place(&v.exact, g, Placement::OneSided);
-        }
-        let mut p = bounds::place(&v.segments, g, how)?;
-        if let Some(e) = bounds::place(&v.exact, g, Placement::OneSided)
-            && (p.lo..=p.hi).contains(&e.host)
-        {
-            p.host = e.host;
-        }
-        Some(p)
+        sync::place_with_exact(&v.segments, &v.exact, g, how)
     }
 
     /// A spooled event placed with the rounds known now.

@@ -58,7 +58,6 @@
 //! Conversion runs on `vmtsync_core::timeline` ([`SyncTimeline`] builds its segments with
 //! [`SyncSegment::to_timeline_segment`]).
 
-pub mod bounds;
 mod error;
 mod format;
 mod reader;

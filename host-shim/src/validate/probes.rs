@@ -20,7 +20,7 @@ use super::report::{
 };
 use crate::exits::{PioExit, match_sync_port, match_uart};
 use crate::probe::log::{PROBE_LOG_SCHEMA, ProbeExchange, ProbePath};
-use crate::syncfile::bounds::{covering, host_bounds};
+use crate::sync::{covering, host_bounds};
 use crate::syncfile::{LineRead, SyncSegment, read_line_bounded};
 
 /// The 16550's register block: the data port and the seven after it (the matcher uses only

@@ -25,7 +25,7 @@ use crate::record::error::MemoryError;
 use crate::record::place::{State, VcpuSync, boot_key};
 use crate::record::write::{Out, Target, finish, trace_id};
 use crate::record::{EndReason, HostTime, RecordError, RecordFormat, RecordSummary};
-use crate::syncfile::bounds::Placement;
+use crate::sync::Placement;
 
 /// How a recording ended: why, or the error that ended it (what was read is still written).
 pub(super) type Ended = Result<EndReason, RecordError>;

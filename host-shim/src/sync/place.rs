@@ -29,7 +29,7 @@
 //! does their intersection. A break ends the epoch: rounds after it say nothing about events
 //! before it.
 
-use super::SyncSegment;
+use crate::syncfile::SyncSegment;
 
 /// How `vmtsync record` places an event (`--placement`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -141,6 +141,30 @@ pub fn place(segments: &[SyncSegment], g: u64, how: Placement) -> Option<Place> 
         hi,
         round: seg.round,
     })
+}
+
+/// [`place`] through `segments`, its point the host tick of KVM's exact mappings `exact`
+/// (width 0, a raw-TSC guest's, docs/record.md) whenever that lies inside the interval. With
+/// no segment (no round ever covered the vCPU: a late attach read its beacons before the
+/// trace could bracket them) the event is placed by `exact` alone, width 0 on the header's
+/// word (`exact` is empty unless that is known).
+#[must_use]
+pub fn place_with_exact(
+    segments: &[SyncSegment],
+    exact: &[SyncSegment],
+    g: u64,
+    how: Placement,
+) -> Option<Place> {
+    if segments.is_empty() {
+        return place(exact, g, Placement::OneSided);
+    }
+    let mut p = place(segments, g, how)?;
+    if let Some(e) = place(exact, g, Placement::OneSided)
+        && (p.lo..=p.hi).contains(&e.host)
+    {
+        p.host = e.host;
+    }
+    Some(p)
 }
 
 /// Guest tick `g` on the line through the anchors (host, guest) of rounds `a` and `b`, `None`
@@ -278,22 +302,9 @@ mod tests {
         gaps: &[u64],
         brk: Option<(usize, i64)>,
     ) -> (Vec<SyncSegment>, Vec<u64>) {
-        use crate::probe::ProbeSummary;
-        use crate::probe::continuous::{Cumulative, segment};
+        use crate::sync::{Cumulative, Round};
         use vmtsync_core::estimate::ProbeSample;
         use vmtsync_core::sim::Delay;
-        use vmtsync_core::{GuestTicks, HostTicks};
-        let info = crate::probe::session::AgentInfo {
-            vcpu: 0,
-            transport: vmtsync_core::proto::Transport::Memory,
-            features: vmtsync_core::proto::Features::NONE,
-            tsc_khz: None,
-            hello_tsc: GuestTicks(0),
-            hello_stamps: crate::link::FrameStamps {
-                send: HostTicks(0),
-                recv: HostTicks(0),
-            },
-        };
         let mut c = Cumulative::new();
         let (mut segs, mut starts) = (Vec::new(), Vec::new());
         let within = sim.link.gap;
@@ -314,11 +325,9 @@ mod tests {
                 samples.push(sim.probe().unwrap());
                 sim.link.gap = within;
             }
-            let s =
-                ProbeSummary::from_samples(&info, &samples, crate::probe::SessionStats::default())
-                    .unwrap();
-            let is_break = c.add(&samples);
-            segs.push(segment(&c, &s, &samples, round as u64, is_break).unwrap());
+            let r = Round::from_samples(&samples).unwrap();
+            let anchor = crate::syncfile::AnchorKind::InProcess;
+            segs.push(c.add_round(&r, &samples, round as u64, anchor).unwrap());
         }
         (segs, starts)
     }

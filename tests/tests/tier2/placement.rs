@@ -10,9 +10,9 @@
 use std::time::Duration;
 
 use serde_json::Value;
-use vmtsync::syncfile::SyncFile;
 use vmtsync::sync::Placement;
 use vmtsync::sync::place;
+use vmtsync::syncfile::SyncFile;
 use vmtsync_core::{GuestTicks, HostTicks};
 use vmtsync_tests::truth::{GuestTruth, Skew};
 

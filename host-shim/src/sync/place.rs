@@ -191,8 +191,10 @@ pub fn covering(segments: &[SyncSegment], g: u64) -> Option<&SyncSegment> {
 }
 
 /// Guest tick `guest` on the host timeline through `seg`: the converted value (with the
-/// segment's central offset and the rate it uses) and the guaranteed interval `[lo, hi]`.
-/// `None` if a value leaves `u64` or a rate bound is not above −1e9 ppb.
+/// segment's central offset and the rate it uses) and the guaranteed interval `[lo, hi]`,
+/// clipped to the host's `u64` range (a host tick is one: the clipped interval still holds
+/// the truth). `None` if the converted value leaves `u64` or a rate bound is not above
+/// −1e9 ppb.
 #[must_use]
 pub fn host_bounds(seg: &SyncSegment, guest: u64) -> Option<(u64, u64, u64)> {
     let rates: &[i64] = match (seg.drift_ppb_lo, seg.drift_ppb_hi) {
@@ -209,8 +211,8 @@ pub fn host_bounds(seg: &SyncSegment, guest: u64) -> Option<(u64, u64, u64)> {
         }
     }
     let (center, _) = corner(seg.host_anchor, guest, seg.offset, seg.drift_ppb)?;
-    let to_u64 = |v: i128| u64::try_from(v).ok();
-    Some((to_u64(center)?, to_u64(lo)?, to_u64(hi)?))
+    let to_u64 = |v: i128| u64::try_from(v.clamp(0, i128::from(u64::MAX))).ok();
+    Some((u64::try_from(center).ok()?, to_u64(lo)?, to_u64(hi)?))
 }
 
 /// `host_anchor + (guest − host_anchor − offset) · 1e9 / (1e9 + rate)`, floored and ceiled.
@@ -290,6 +292,18 @@ mod tests {
         assert_eq!(host_bounds(&s, 5), None);
         let s = seg(10, (0, 0, 0), Some((-2_000_000_000, 0)));
         assert_eq!(host_bounds(&s, 5), None);
+    }
+
+    #[test]
+    fn an_interval_past_host_tick_0_is_clipped_there() {
+        // 900 guest ticks before the anchor at the rate limits: host ticks -820 to 555, the
+        // point at identity rate 100. No host tick is below 0, so [0, 555] holds the truth.
+        let s = seg(1_000, (-10, 0, 10), Some((-500_000_000, 1_000_000_000)));
+        assert_eq!(host_bounds(&s, 100), Some((100, 0, 555)));
+        assert_eq!(
+            place(&[s], 100, Placement::TwoSided).map(|p| (p.host, p.lo, p.hi)),
+            Some((100, 0, 555))
+        );
     }
 
     /// Segments as `vmtsync record` makes them: `rounds` rounds of simulated probes through

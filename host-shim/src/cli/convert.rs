@@ -9,7 +9,7 @@ use super::exit::CliError;
 use super::mapping::MappingArgs;
 use super::source::single_vm;
 use crate::exact_convert::{self, ConvertOptions, Direction, Rounding};
-use crate::syncfile::{self, SyncFile};
+use crate::syncfile::SyncFile;
 
 /// `vmtsync convert`.
 #[derive(Debug, Args)]
@@ -78,7 +78,8 @@ pub(super) fn run_convert(a: &ConvertArgs) -> Result<(), CliError> {
         if let Some(cut) = sync.cut {
             eprintln!("vmtsync: warning: {}: {cut}", path.display());
         }
-        let stats = syncfile::convert_with_sync(&sync, vcpu, &mut input, &mut output, a.skip_bad)?;
+        let stats =
+            crate::sync::convert_with_sync(&sync, vcpu, &mut input, &mut output, a.skip_bad)?;
         if stats.skipped > 0 {
             eprintln!(
                 "vmtsync: converted {} values, skipped {} bad lines",

@@ -236,7 +236,8 @@ mod tests {
     use crate::link::ProbeAddr;
     use crate::probe::run_probe_on;
     use crate::probe::testutil::SimTransport;
-    use crate::syncfile::{SyncFile, convert_with_sync};
+    use crate::sync::convert_with_sync;
+    use crate::syncfile::SyncFile;
 
     #[test]
     fn a_migration_between_rounds_is_a_break_and_converts_exactly() {

@@ -10,12 +10,15 @@
 //!   each round's sync segment ([`Cumulative::add_round`]).
 //! - [`place`](mod@place): the one rule for a segment's line and the one for a point and its
 //!   interval, one-sided or two-sided ([`place()`]).
+//! - [`convert`](mod@convert): `vmtsync convert --sync`, guest ticks placed by that rule.
 
+pub mod convert;
 pub mod place;
 pub mod rate;
 pub mod round;
 pub mod segment;
 
+pub use convert::{SyncConvertStats, convert_sync_file, convert_with_sync};
 pub use place::{Place, Placement, covering, host_bounds, place, place_with_exact};
 pub use rate::{HULL_CAPACITY, RATE_LIMITS, RATE_MAX, RATE_MIN};
 pub use round::{DriftSummary, Round, RttStats};

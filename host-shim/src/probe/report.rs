@@ -65,7 +65,6 @@
 use std::io::{self, Write};
 
 use serde::Serialize;
-use vmtsync_core::HostTicks;
 use vmtsync_core::estimate::{EstimateError, ProbeSample};
 
 use super::session::{AgentInfo, SessionStats};
@@ -73,36 +72,26 @@ use crate::sync::Round;
 pub use crate::sync::{DriftSummary, RttStats};
 use crate::syncfile::OffsetModel;
 
-/// Everything one probe round measured.
+/// Everything one probe round measured: the round's estimates ([`Round`], its fields read
+/// through this summary) and what the session adds to them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ProbeSummary {
-    /// The vCPU.
-    pub vcpu: u32,
-    /// Samples used.
-    pub probes: u32,
-    /// Offset `guest - host` at `at_host`, centre of the bounds.
-    pub offset: i64,
-    /// Guaranteed lower bound of the offset (any constant rate in [`crate::sync::RATE_LIMITS`]).
-    pub bound_lo: i64,
-    /// Guaranteed upper bound of the offset.
-    pub bound_hi: i64,
+    /// The round's estimates.
+    pub round: Round,
     /// Where the bounds come from.
     pub model: OffsetModel,
-    /// The constant-offset interval `(lo, hi)`: the offset's bounds only *if the guest's rate
-    /// is exactly the host's*; `None` when no constant offset fits. Not guaranteed.
-    pub rate1: Option<(i64, i64)>,
-    /// Host TSC the offset refers to.
-    pub at_host: HostTicks,
-    /// Drift bounds, once two probes bound the rate.
-    pub drift: Option<DriftSummary>,
-    /// Round-trip statistics.
-    pub rtt: RttStats,
-    /// trace-cmd's fastest-RTT offset on the same samples (our sign).
-    pub tracecmd_fastest: i64,
     /// Guest TSC frequency, if known.
     pub tsc_khz: Option<u32>,
     /// Session counters at the end of the round.
     pub stats: SessionStats,
+}
+
+impl std::ops::Deref for ProbeSummary {
+    type Target = Round;
+
+    fn deref(&self) -> &Round {
+        &self.round
+    }
 }
 
 /// The JSON shape of [`ProbeSummary`] (schema 2, see the module docs).
@@ -178,26 +167,11 @@ impl ProbeSummary {
     #[must_use]
     pub fn of(r: &Round, tsc_khz: Option<u32>, stats: SessionStats) -> Self {
         Self {
-            vcpu: r.vcpu,
-            probes: r.probes,
-            offset: r.offset,
-            bound_lo: r.bound_lo,
-            bound_hi: r.bound_hi,
+            round: *r,
             model: OffsetModel::Drift,
-            rate1: r.rate1,
-            at_host: r.at_host,
-            drift: r.drift,
-            rtt: r.rtt,
-            tracecmd_fastest: r.tracecmd_fastest,
             tsc_khz,
             stats,
         }
-    }
-
-    /// The guaranteed width of the offset bounds, `bound_hi - bound_lo`.
-    #[must_use]
-    pub const fn width(&self) -> u64 {
-        self.bound_hi.abs_diff(self.bound_lo)
     }
 
     /// The schema-2 JSON object (see the module docs).
@@ -401,7 +375,7 @@ impl ProbeSummary {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use vmtsync_core::GuestTicks;
+    use vmtsync_core::{GuestTicks, HostTicks};
 
     fn info() -> AgentInfo {
         AgentInfo {

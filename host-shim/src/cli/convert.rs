@@ -19,8 +19,8 @@ use crate::syncfile::SyncFile;
     mut_arg("sync", |a| a.conflicts_with_all(["to", "round", "nested_l2"])),
 )]
 pub struct ConvertArgs {
-    /// The mapping: --offset, --vm with --vcpu, or --sync with --vcpu (which converts guest
-    /// TSC values to host TSC, rounded down, piecewise).
+    /// The mapping: --offset, --vm with --vcpu, or --sync with --vcpu (which places guest
+    /// TSC values on the host TSC as `record` places its events: `crate::sync::convert`).
     #[command(flatten)]
     pub mapping: MappingArgs,
     /// Output clock: `host` (input is guest TSC) or `guest` (input is host TSC).

@@ -233,9 +233,8 @@ impl ProbeOptions {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::link::ProbeAddr;
     use crate::probe::run_probe_on;
-    use crate::probe::testutil::SimTransport;
+    use crate::probe::testutil::{SimTransport, continuous_into, sim_options};
     use crate::sync::convert_with_sync;
     use crate::syncfile::SyncFile;
 
@@ -251,14 +250,8 @@ mod tests {
         t.gap = 1_000_000;
         // Flush + hello, then two rounds of 8 probes; the third round sees the new offset.
         t.step_at = Some((2 + 16, 9_000_000));
-        let mut opts = ProbeOptions::new(ProbeAddr::Unix("sim".into()));
-        opts.progress = false;
-        opts.probes = 8;
-        opts.continuous = Some(ContinuousOptions {
-            out: path.clone(),
-            resync: Duration::ZERO,
-            rounds: Some(4),
-        });
+        let mut opts = sim_options();
+        opts.continuous = continuous_into(path.clone(), Some(4));
         let mut out = Vec::new();
         let last = run_probe_on(t, &opts, &mut out).unwrap();
         let text = String::from_utf8(out).unwrap();
@@ -304,14 +297,8 @@ mod tests {
             t.step_at = Some((2 + 8 + 4, 9_000_000));
             t
         };
-        let mut opts = ProbeOptions::new(ProbeAddr::Unix("sim".into()));
-        opts.progress = false;
-        opts.probes = 8;
-        opts.continuous = Some(ContinuousOptions {
-            out: dir.path().join("notes.jsonl"),
-            resync: Duration::ZERO,
-            rounds: Some(3),
-        });
+        let mut opts = sim_options();
+        opts.continuous = continuous_into(dir.path().join("notes.jsonl"), Some(3));
         let mut text = Vec::new();
         run_probe_on(sim(), &opts, &mut text).unwrap();
         let text = String::from_utf8(text).unwrap();
@@ -336,14 +323,9 @@ mod tests {
             .prefix("vmtsync-cont-")
             .tempdir()
             .unwrap();
-        let mut opts = ProbeOptions::new(ProbeAddr::Unix("sim".into()));
-        opts.progress = false;
+        let mut opts = sim_options();
         opts.stop = Some(&STOP);
-        opts.continuous = Some(ContinuousOptions {
-            out: dir.path().join("stopped.jsonl"),
-            resync: Duration::ZERO,
-            rounds: None,
-        });
+        opts.continuous = continuous_into(dir.path().join("stopped.jsonl"), None);
         let r = run_probe_on(SimTransport::new(1_000), &opts, &mut Vec::new());
         assert!(matches!(r, Err(ProbeError::Interrupted)), "{r:?}");
     }

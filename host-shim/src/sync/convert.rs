@@ -109,60 +109,39 @@ pub fn convert_sync_file(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::syncfile::samples::{file, seg};
+
+    /// `input` through vCPU 2 of a file of two segments (an exact offset, then 5,000,500
+    /// at +1000 ppb): the stats and the values written.
+    fn convert(input: &str, skip_bad: bool) -> Result<(u64, u64, Vec<u64>), SyncFileError> {
+        use crate::syncfile::samples::{file, seg};
+        let f = file(&[
+            seg(2, 0, 1_000_000, 5_000_000, 0),
+            seg(2, 1, 2_000_000, 5_000_500, 1_000),
+        ]);
+        let mut out = Vec::new();
+        let s = convert_with_sync(&f, 2, &mut input.as_bytes(), &mut out, skip_bad)?;
+        let values = String::from_utf8(out).unwrap();
+        let values = values.lines().map(|l| l.parse().unwrap()).collect();
+        Ok((s.converted, s.skipped, values))
+    }
 
     #[test]
     fn convert_with_sync_streams_lines() {
-        let a = seg(2, 0, 1_000_000, 5_000_000, 0);
-        let b = seg(2, 1, 2_000_000, 5_000_500, 1_000);
-        let f = file(&[a, b]);
-        let input = format!(
-            "{}\n  {}  \n{}\n",
-            a.guest_start,
-            b.guest_anchor,
-            b.guest_anchor + 1_000_000_000
-        );
-        let mut out = Vec::new();
-        let stats = convert_with_sync(&f, 2, &mut input.as_bytes(), &mut out, false).unwrap();
+        // The first segment's start, the second's anchor, and 1e9 guest ticks past it: at
+        // +1000 ppb 1e9 * 1e9 / (1e9 + 1000) host ticks, i.e. 999_999 fewer, rounded down.
+        let (start, anchor) = (6_000_000 - 1000, 2_000_000 + 5_000_500);
+        let input = format!("{start}\n  {anchor}  \n{}\n", anchor + 1_000_000_000);
         assert_eq!(
-            stats,
-            SyncConvertStats {
-                converted: 3,
-                skipped: 0
-            }
-        );
-        let got: Vec<u64> = String::from_utf8(out)
-            .unwrap()
-            .lines()
-            .map(|l| l.parse().unwrap())
-            .collect();
-        // 1e9 guest ticks past the anchor at +1000 ppb: 1e9 * 1e9 / (1e9 + 1000) host ticks,
-        // i.e. 999_999 fewer, rounded down.
-        assert_eq!(
-            got,
-            [
-                a.guest_start - 5_000_000,
-                b.host_anchor,
-                b.host_anchor + 999_999_000
-            ]
+            convert(&input, false).unwrap(),
+            (3, 0, vec![999_000, 2_000_000, 2_000_000 + 999_999_000])
         );
         let bad = "6000000\nabc\n\n99999999999999999999\n12\n";
-        let err =
-            convert_with_sync(&f, 2, &mut bad.as_bytes(), &mut Vec::new(), false).unwrap_err();
+        let err = convert(bad, false).unwrap_err();
         assert!(
             matches!(err, SyncFileError::BadInput { line: 2, .. }),
             "{err}"
         );
-        let mut out = Vec::new();
-        let stats = convert_with_sync(&f, 2, &mut bad.as_bytes(), &mut out, true).unwrap();
         // "12" maps below host 0 (out of range), the other three are not numbers.
-        assert_eq!(
-            stats,
-            SyncConvertStats {
-                converted: 1,
-                skipped: 4
-            }
-        );
-        assert_eq!(out, b"1000000\n");
+        assert_eq!(convert(bad, true).unwrap(), (1, 4, vec![1_000_000]));
     }
 }

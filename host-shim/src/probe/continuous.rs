@@ -56,6 +56,22 @@ pub struct ContinuousSummary {
     pub last: Option<ProbeSummary>,
 }
 
+impl ContinuousSummary {
+    /// The last round's summary (of the last vCPU synced), or why there is none: `stopped`
+    /// before any round measured something is an interruption, not "no samples"; samples
+    /// that gave no estimate are not lost probes.
+    ///
+    /// # Errors
+    /// [`ProbeError::Interrupted`], or [`ProbeError::Estimate`] with the last refusal.
+    pub fn last_or_why(self, stopped: bool) -> Result<ProbeSummary, ProbeError> {
+        self.last.ok_or(if stopped {
+            ProbeError::Interrupted
+        } else {
+            ProbeError::Estimate(self.refused.unwrap_or(EstimateError::NoSamples))
+        })
+    }
+}
+
 /// Runs rounds until `cont.rounds` or the stop flag; each round syncs every vCPU of `vcpus`
 /// in turn and writes one segment per vCPU.
 pub(super) fn run<T: StampedTransport>(

@@ -173,7 +173,8 @@ pub fn run_probe_vcpus_on<T: StampedTransport>(
     }
     let result = vcpus_of(&mut session, opts.vcpus).and_then(|vcpus| {
         if let Some(cont) = &opts.continuous {
-            return continuous(&mut session, opts, cont, &vcpus, out, &mut progress);
+            let c = continuous::run(&mut session, opts, cont, &vcpus, out, &mut progress)?;
+            return c.last_or_why(opts.stopped()).map(|last| vec![last]);
         }
         let mut all = Vec::with_capacity(vcpus.len());
         for v in vcpus {
@@ -205,26 +206,6 @@ fn vcpus_of<T: StampedTransport>(
             }
         }
     }
-}
-
-/// Continuous mode on `vcpus`; the last round's summary (of the last vCPU synced).
-fn continuous<T: StampedTransport>(
-    session: &mut ProbeSession<T>,
-    opts: &ProbeOptions,
-    cont: &ContinuousOptions,
-    vcpus: &[u32],
-    out: &mut dyn Write,
-    progress: &mut Progress,
-) -> Result<Vec<ProbeSummary>, ProbeError> {
-    let c = continuous::run(session, opts, cont, vcpus, out, progress)?;
-    let last = c.last.ok_or(if opts.stopped() {
-        // Stopped before any round measured something: interrupted, not "no samples".
-        ProbeError::Interrupted
-    } else {
-        // Samples that gave no estimate are not lost probes: say which it was.
-        ProbeError::Estimate(c.refused.unwrap_or(EstimateError::NoSamples))
-    })?;
-    Ok(vec![last])
 }
 
 fn one_round<T: StampedTransport>(

@@ -9,6 +9,10 @@
 //! `r` (for a fixed sign of `g − host_anchor − o`), so over the box of feasible `(o, r)` its
 //! extremes are at the box's corners: the interval is the floor of the smallest corner and the
 //! ceiling of the largest. The true relation lies in the box, so the interval holds the truth.
+//! That line, computed exactly in `i128` (`corner`), is the crate's one rule for a segment's
+//! line, and [`place`] its one rule for a point: `record` (both front ends), `validate` and
+//! `convert --sync` place through them (docs/record.md, "Placing an event"). The core
+//! timeline's slopes (`syncfile::SyncTimeline`) serve only trace.dat's TIME_SHIFT.
 //!
 //! Segments written by this crate always carry drift bounds: the hull's, or, while the samples
 //! do not bound the rate yet, the session's rate limits (1/2 to 2), so an event far from a

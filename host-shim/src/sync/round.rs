@@ -1,7 +1,7 @@
 //! A round: the bounded estimate one set of probe samples `(host_send, guest, host_recv)`
 //! gives, whoever took them (a probe session's exchanges, a memory recording's bracketed
-//! beacons). What "guaranteed" means is in ARCHITECTURE.md ("Bounds always contain the
-//! truth") and `probe::report`'s module docs.
+//! beacons). What "guaranteed" means: docs/probe.md ("What guaranteed means, and what it
+//! costs") and ARCHITECTURE.md ("Bounds always contain the truth").
 
 use vmtsync_core::HostTicks;
 use vmtsync_core::estimate::{

@@ -262,23 +262,24 @@ mod tests {
 /// the page cache runs beside the caller's encoding of the next (on another core) rather than
 /// after it. Two buffers exist, the caller's and the one being written: memory stays constant,
 /// and a caller faster than the disk waits for the free buffer.
+/// Any writer can be given (a trace.dat's data section goes to a clone of its file's handle).
 #[derive(Debug)]
-pub struct BackgroundFile {
+pub struct BackgroundFile<W: Write + Send + 'static = AtomicFile> {
     /// Full buffers and how many of their bytes to write (`None` once finished).
     full: Option<SyncSender<(Vec<u8>, usize)>>,
     /// Buffers the thread has written, back for reuse.
     free: Receiver<Vec<u8>>,
     /// The writing thread: the file back, or the first write error.
-    thread: Option<JoinHandle<io::Result<AtomicFile>>>,
+    thread: Option<JoinHandle<io::Result<W>>>,
 }
 
-impl BackgroundFile {
+impl<W: Write + Send + 'static> BackgroundFile<W> {
     /// Starts the thread writing to `file`; returns it and the caller's first buffer (of
     /// `buf_len` zero bytes; a second one waits in the pool).
     ///
     /// # Errors
     /// The thread could not be started.
-    pub fn new(mut file: AtomicFile, buf_len: usize) -> io::Result<(Self, Vec<u8>)> {
+    pub fn new(mut file: W, buf_len: usize) -> io::Result<(Self, Vec<u8>)> {
         let (full_tx, full_rx) = mpsc::sync_channel::<(Vec<u8>, usize)>(1);
         let (free_tx, free_rx) = mpsc::sync_channel::<Vec<u8>>(2);
         // Cannot fail: the channel has room for both buffers and its receiver is here.
@@ -327,12 +328,12 @@ impl BackgroundFile {
     ///
     /// # Errors
     /// The thread's first write error.
-    pub fn finish(mut self) -> io::Result<AtomicFile> {
+    pub fn finish(mut self) -> io::Result<W> {
         self.stop()
     }
 
     /// Ends the thread and joins it.
-    fn stop(&mut self) -> io::Result<AtomicFile> {
+    fn stop(&mut self) -> io::Result<W> {
         self.full = None;
         match self.thread.take() {
             Some(t) => t
@@ -343,8 +344,9 @@ impl BackgroundFile {
     }
 }
 
-impl Drop for BackgroundFile {
-    /// Without [`BackgroundFile::finish`]: the thread ends and its temporary file is removed.
+impl<W: Write + Send + 'static> Drop for BackgroundFile<W> {
+    /// Without [`BackgroundFile::finish`]: the thread ends (and an [`AtomicFile`]'s temporary
+    /// file is removed).
     fn drop(&mut self) {
         let _ = self.stop();
     }

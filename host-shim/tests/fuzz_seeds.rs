@@ -74,6 +74,18 @@ fn with_control(control: u8, stream: &[u8]) -> Vec<u8> {
     v
 }
 
+/// `stream` as two seeds: `name` in whole chunks, and `name-resealed-chunk7` in 7-byte chunks
+/// with the checksums rewritten.
+fn plain_and_resealed(name: &str, stream: &[u8]) -> [(String, Vec<u8>); 2] {
+    [
+        (name.to_owned(), with_control(PLAIN, stream)),
+        (
+            format!("{name}-resealed-chunk7"),
+            with_control(RESEAL_CHUNK7, stream),
+        ),
+    ]
+}
+
 /// One message of every kind, with realistic values.
 fn every_message() -> Vec<(&'static str, Message)> {
     let mapping = KvmTscMapping::try_new(-123_456_789, (1 << 48) + 777, 48).expect("valid");
@@ -358,12 +370,9 @@ fn seeds() -> BTreeMap<PathBuf, Vec<u8>> {
             with_control(PLAIN, &frame(&msg)),
         );
     }
-    put("core/fuzz/seeds/decode", "all", with_control(PLAIN, &all));
-    put(
-        "core/fuzz/seeds/decode",
-        "all-resealed-chunk7",
-        with_control(RESEAL_CHUNK7, &all),
-    );
+    for (name, bytes) in plain_and_resealed("all", &all) {
+        put("core/fuzz/seeds/decode", &name, bytes);
+    }
 
     // The agent target says hello itself; these are a session's requests after it.
     let requests: Vec<u8> = every_message()
@@ -381,28 +390,14 @@ fn seeds() -> BTreeMap<PathBuf, Vec<u8>> {
         .flat_map(|(_, m)| frame(m))
         .chain(frame(&Message::Shutdown))
         .collect();
-    put(
-        "core/fuzz/seeds/agent",
-        "requests",
-        with_control(PLAIN, &requests),
-    );
-    put(
-        "core/fuzz/seeds/agent",
-        "requests-resealed-chunk7",
-        with_control(RESEAL_CHUNK7, &requests),
-    );
+    for (name, bytes) in plain_and_resealed("requests", &requests) {
+        put("core/fuzz/seeds/agent", &name, bytes);
+    }
 
     let session = recorded_session();
-    put(
-        "host-shim/fuzz/seeds/session",
-        "agent-replies",
-        with_control(PLAIN, &session),
-    );
-    put(
-        "host-shim/fuzz/seeds/session",
-        "agent-replies-resealed-chunk7",
-        with_control(RESEAL_CHUNK7, &session),
-    );
+    for (name, bytes) in plain_and_resealed("agent-replies", &session) {
+        put("host-shim/fuzz/seeds/session", &name, bytes);
+    }
 
     put("host-shim/fuzz/seeds/syncfile", "two-vcpus", sync_file());
     put(

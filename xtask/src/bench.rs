@@ -21,9 +21,11 @@
 //! - `bench-scan`'s separate-process `vmtsync kvm --json` over a generated debugfs tree;
 //! - the real-KVM probe benchmark (`vmtsync-probe-bench --sessions K`, its JSON line);
 //! - `vmtsync record`'s event and round widths per agent boot (`vmtsync-probe-bench --record`);
-//! - the memory reader on a live C guest (`vmtsync record --from-memory`: ceiling, 1 M
-//!   events/s into a 64 Ki ring, its CPU per million events, the scan of a 4 GiB guest's
-//!   memory through `examples/mem_scan`);
+//! - the memory reader on a live C guest (`vmtsync record --from-memory`: the ceiling into
+//!   trace.dat, Perfetto and CTF, a raw copy of the same bytes with `pread` and with
+//!   `process_vm_readv` and the drain's round costs through `examples/mem_copy`, peak RSS at
+//!   ~1 M and ~10 M events, 1 M events/s into a 64 Ki ring, its CPU per million events, the
+//!   scan of a 4 GiB guest's memory through `examples/mem_scan`);
 //! - SeaBIOS's time to its first boot attempt, stock and with its POST phases recorded;
 //! - the agent's `.text` size (`build-agent`);
 //! - fuzzing: `--fuzz-long` runs `cargo xtask fuzz --long` and records its `fuzz-result`
@@ -487,6 +489,8 @@ fn build_binaries(plan: &Plan) -> Result<()> {
         "perfetto_write",
         "--example",
         "mem_scan",
+        "--example",
+        "mem_copy",
     ]))
 }
 

@@ -11,7 +11,7 @@ use vmtsync_core::mapping::KvmTscMapping;
 
 use super::exit::CliError;
 use super::mapping::MappingArgs;
-use super::source::single_vm;
+use super::source::{find_vcpu, not_nested, single_vm, vm_name};
 use crate::formats::tracedat::plan::{AttachMapping, AttachPlan, plan};
 use crate::formats::tracedat::timeshift::TimeShiftError;
 use crate::formats::tracedat::{
@@ -137,29 +137,12 @@ fn mapping<'a>(
         ));
     };
     let vm = single_vm(&a.mapping.source, sel)?;
-    let vm_name = format!("{}-{}", vm.pid, vm.fd);
+    let vm_name = vm_name(&vm);
     let mut maps = Vec::with_capacity(cpus);
     let mut pids = Vec::new();
     for c in 0..cpus {
         let cpu = u32::try_from(c).unwrap_or(u32::MAX);
-        let Some(v) = vm.vcpus.iter().find(|v| v.vcpu == cpu) else {
-            return Err(CliError::NoVcpu {
-                vm: vm_name,
-                vcpu: cpu,
-                available: vm
-                    .vcpus
-                    .iter()
-                    .map(|v| format!("vcpu{}", v.vcpu))
-                    .collect::<Vec<_>>()
-                    .join(", "),
-            });
-        };
-        if v.guest_mode == Some(true) && !a.mapping.nested_l2 {
-            return Err(CliError::Nested {
-                vm: vm_name,
-                vcpu: cpu,
-            });
-        }
+        let v = not_nested(&vm, find_vcpu(&vm, cpu)?, a.mapping.nested_l2)?;
         maps.push(
             KvmTscMapping::try_new(v.tsc_offset, v.tsc_scaling_ratio, v.tsc_frac_bits)
                 .map_err(|e| CliError::Usage(format!("VM {vm_name} vcpu{cpu}: {e}")))?,

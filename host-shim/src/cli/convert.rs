@@ -7,7 +7,7 @@ use vmtsync_core::mapping::KvmTscMapping;
 
 use super::exit::CliError;
 use super::mapping::MappingArgs;
-use super::source::single_vm;
+use super::source::{find_vcpu, not_nested, single_vm, vm_name};
 use crate::exact_convert::{self, ConvertOptions, Direction, Rounding};
 use crate::syncfile::SyncFile;
 
@@ -46,22 +46,8 @@ fn convert_mapping(a: &MappingArgs) -> Result<KvmTscMapping, CliError> {
         )));
     };
     let vm = &single_vm(&a.source, sel)?;
-    let vm_name = format!("{}-{}", vm.pid, vm.fd);
-    let Some(v) = vm.vcpus.iter().find(|v| v.vcpu == vcpu) else {
-        return Err(CliError::NoVcpu {
-            vm: vm_name,
-            vcpu,
-            available: vm
-                .vcpus
-                .iter()
-                .map(|v| format!("vcpu{}", v.vcpu))
-                .collect::<Vec<_>>()
-                .join(", "),
-        });
-    };
-    if v.guest_mode == Some(true) && !a.nested_l2 {
-        return Err(CliError::Nested { vm: vm_name, vcpu });
-    }
+    let vm_name = vm_name(vm);
+    let v = not_nested(vm, find_vcpu(vm, vcpu)?, a.nested_l2)?;
     // The debugfs parser already rejected ratio 0 and frac bits above 63.
     KvmTscMapping::try_new(v.tsc_offset, v.tsc_scaling_ratio, v.tsc_frac_bits)
         .map_err(|e| CliError::Output(io::Error::other(format!("VM {vm_name} vcpu{vcpu}: {e}"))))

@@ -5,7 +5,7 @@ use clap::Args;
 use vmtsync_core::mapping::KvmTscMapping;
 
 use super::exit::CliError;
-use super::source::{SourceArgs, single_vm};
+use super::source::{SourceArgs, find_vcpu, not_nested, single_vm, vm_name};
 use crate::formats::perf::{PerfMapping, perf_mapping};
 use crate::kvm::hosttsc::read_host_tsc;
 use crate::kvm::scan::{VcpuReport, VmSelector};
@@ -38,33 +38,14 @@ fn mapping_of(v: &VcpuReport) -> Result<KvmTscMapping, CliError> {
 
 pub(super) fn run_export_perf(a: &PerfArgs) -> Result<(), CliError> {
     let vm = single_vm(&a.source, &a.vm)?;
-    let vm_name = format!("{}-{}", vm.pid, vm.fd);
-    let vcpus: Vec<&VcpuReport> = vm
-        .vcpus
-        .iter()
-        .filter(|v| a.vcpu.is_none_or(|n| v.vcpu == n))
-        .collect();
-    if let (Some(n), true) = (a.vcpu, vcpus.is_empty()) {
-        return Err(CliError::NoVcpu {
-            vm: vm_name,
-            vcpu: n,
-            available: vm
-                .vcpus
-                .iter()
-                .map(|v| format!("vcpu{}", v.vcpu))
-                .collect::<Vec<_>>()
-                .join(", "),
-        });
-    }
+    let vm_name = vm_name(&vm);
+    let vcpus: Vec<&VcpuReport> = match a.vcpu {
+        Some(n) => vec![find_vcpu(&vm, n)?],
+        None => vm.vcpus.iter().collect(),
+    };
     let mut maps = Vec::with_capacity(vcpus.len());
     for v in vcpus {
-        if v.guest_mode == Some(true) && !a.nested_l2 {
-            return Err(CliError::Nested {
-                vm: vm_name,
-                vcpu: v.vcpu,
-            });
-        }
-        maps.push((v.vcpu, mapping_of(v)?));
+        maps.push((v.vcpu, mapping_of(not_nested(&vm, v, a.nested_l2)?)?));
     }
     match perf_mapping(&maps, read_host_tsc().0) {
         PerfMapping::Exact {

@@ -44,6 +44,7 @@ pub mod export_perf;
 pub mod export_perfetto;
 pub mod kvm;
 pub mod mapping;
+mod number;
 pub mod plot;
 pub mod probe;
 pub mod record;

@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use super::exit::CliError;
+use super::number::hex_or_decimal;
 use super::signals::{install_stop_handler, stop_flag};
 use super::source::{SourceArgs, mount_if_asked};
 use crate::kvm::scan::VmSelector;
@@ -144,13 +145,10 @@ impl ProbeArgs {
         o.stop = stop;
         o.shutdown = self.shutdown;
         o.anchor = AnchorOptions {
-            mode: self.anchor,
-            vm: self.vm.clone(),
-            tracefs: self.tracefs.clone(),
-            debugfs_root: self.source.debugfs_root.clone(),
-            proc_root: self.source.proc_root.clone(),
             sync_port: self.sync_port,
-            ..AnchorOptions::default()
+            ..self
+                .source
+                .anchor_options(self.anchor, self.vm.as_ref(), self.tracefs.as_ref())
         };
         o.probe_log = self.probe_log.clone();
         o.console = self.console.clone();
@@ -180,11 +178,7 @@ pub(super) fn run_probe_cmd(a: &ProbeArgs) -> Result<(), CliError> {
 }
 
 fn parse_port(s: &str) -> Result<u16, String> {
-    let parsed = match s.strip_prefix("0x").or_else(|| s.strip_prefix("0X")) {
-        Some(hex) => u16::from_str_radix(hex, 16),
-        None => s.parse(),
-    };
-    parsed.map_err(|e| format!("{s}: not a 16-bit port number ({e})"))
+    hex_or_decimal::<u16>(s).map_err(|e| format!("{s}: not a 16-bit port number ({e})"))
 }
 
 #[cfg(test)]

@@ -6,10 +6,11 @@ use std::time::Duration;
 use clap::{Args, ValueEnum};
 
 use super::exit::CliError;
+use super::number::hex_or_decimal;
 use super::signals::{install_stop_handler, stop_flag};
 use crate::formats::tracedat::FileVersion;
 use crate::link::ProbeAddr;
-use crate::probe::anchor::{AnchorMode, AnchorOptions};
+use crate::probe::anchor::AnchorMode;
 use crate::probe::{DEFAULT_PROBES, ProbeOptions, Progress};
 use crate::record::{self, EndReason, RecordFormat, RecordOptions, RecordSummary};
 
@@ -268,14 +269,11 @@ impl RecordArgs {
         probe.progress = !self.no_progress;
         probe.probe_log = self.protocol.probe_log.clone();
         probe.console = self.protocol.console.clone();
-        probe.anchor = AnchorOptions {
-            mode: self.protocol.anchor,
-            vm: self.vm.clone(),
-            tracefs: self.tracefs.clone(),
-            debugfs_root: self.source.debugfs_root.clone(),
-            proc_root: self.source.proc_root.clone(),
-            ..AnchorOptions::default()
-        };
+        probe.anchor = self.source.anchor_options(
+            self.protocol.anchor,
+            self.vm.as_ref(),
+            self.tracefs.as_ref(),
+        );
         RecordOptions {
             probe,
             out: self.out.clone(),
@@ -397,11 +395,7 @@ fn parse_port(s: &str) -> Result<u16, String> {
 
 /// A `--addr` value: hex with `0x`, else decimal.
 fn parse_addr(s: &str) -> Result<u64, String> {
-    let r = match s.strip_prefix("0x").or_else(|| s.strip_prefix("0X")) {
-        Some(h) => u64::from_str_radix(h, 16),
-        None => s.parse(),
-    };
-    r.map_err(|e| format!("{s:?} is not an address: {e}"))
+    hex_or_decimal::<u64>(s).map_err(|e| format!("{s:?} is not an address: {e}"))
 }
 
 /// `vmtsync record --from-memory`: the VM's VMM memory is read, no link (see

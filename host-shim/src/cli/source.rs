@@ -11,7 +11,8 @@ use rustix::mount::MountFlags;
 use super::exit::CliError;
 use crate::kvm::debugfs::{DEBUGFS_MOUNTPOINT, DEFAULT_KVM_DEBUGFS, KvmDebugfs};
 use crate::kvm::procinfo::{DEFAULT_PROC_ROOT, ProcFs};
-use crate::kvm::scan::{ScanError, Scanner, VmReport, VmSelector};
+use crate::kvm::scan::{ScanError, Scanner, VcpuReport, VmReport, VmSelector};
+use crate::probe::anchor::{AnchorMode, AnchorOptions};
 
 /// Where to read KVM debugfs and /proc: the same flags on every command that reads them.
 #[derive(Clone, Debug, PartialEq, Eq, Args)]
@@ -36,12 +37,66 @@ pub(super) fn single_vm(src: &SourceArgs, sel: &VmSelector) -> Result<VmReport, 
         Err(vms) => Err(CliError::Ambiguous {
             selector: sel.to_string(),
             count: vms.len(),
-            list: vms
+            list: vms.iter().map(vm_name).collect::<Vec<_>>().join(", "),
+        }),
+    }
+}
+
+/// The name errors give `vm`: `pid-fd`.
+pub(super) fn vm_name(vm: &VmReport) -> String {
+    format!("{}-{}", vm.pid, vm.fd)
+}
+
+/// `vm`'s vCPU `vcpu`; [`CliError::NoVcpu`], naming the vCPUs it has, when it has no such one.
+pub(super) fn find_vcpu(vm: &VmReport, vcpu: u32) -> Result<&VcpuReport, CliError> {
+    vm.vcpus
+        .iter()
+        .find(|v| v.vcpu == vcpu)
+        .ok_or_else(|| CliError::NoVcpu {
+            vm: vm_name(vm),
+            vcpu,
+            available: vm
+                .vcpus
                 .iter()
-                .map(|v| format!("{}-{}", v.pid, v.fd))
+                .map(|v| format!("vcpu{}", v.vcpu))
                 .collect::<Vec<_>>()
                 .join(", "),
-        }),
+        })
+}
+
+/// `v`, a vCPU of `vm`, unless it runs a nested guest and `nested_l2` (`--nested-l2`) does not
+/// accept its L0->L2 mapping ([`CliError::Nested`]).
+pub(super) fn not_nested<'a>(
+    vm: &VmReport,
+    v: &'a VcpuReport,
+    nested_l2: bool,
+) -> Result<&'a VcpuReport, CliError> {
+    if v.guest_mode == Some(true) && !nested_l2 {
+        return Err(CliError::Nested {
+            vm: vm_name(vm),
+            vcpu: v.vcpu,
+        });
+    }
+    Ok(v)
+}
+
+impl SourceArgs {
+    /// What `--anchor MODE`, `--vm` and `--tracefs` ask of the probe rounds' exit anchoring,
+    /// reading debugfs and `/proc` where these flags say (`probe` and `record`).
+    pub(super) fn anchor_options(
+        &self,
+        mode: AnchorMode,
+        vm: Option<&VmSelector>,
+        tracefs: Option<&PathBuf>,
+    ) -> AnchorOptions {
+        AnchorOptions {
+            mode,
+            vm: vm.cloned(),
+            tracefs: tracefs.cloned(),
+            debugfs_root: self.debugfs_root.clone(),
+            proc_root: self.proc_root.clone(),
+            ..AnchorOptions::default()
+        }
     }
 }
 

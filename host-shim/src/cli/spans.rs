@@ -8,6 +8,7 @@ use std::sync::Arc;
 use clap::Args;
 
 use super::exit::CliError;
+use super::number::hex_or_decimal;
 use crate::atomic_file::write_atomically;
 use crate::formats::{self, ctf};
 use crate::spans::report::{ReportOptions, SpanReport, collect};
@@ -147,11 +148,7 @@ pub fn run_spans_cmd(a: &SpansArgs) -> Result<(), CliError> {
 
 /// `--port`: decimal or `0x` hex.
 fn parse_port(s: &str) -> Result<u16, String> {
-    let r = match s.strip_prefix("0x").or_else(|| s.strip_prefix("0X")) {
-        Some(h) => u16::from_str_radix(h, 16),
-        None => s.parse(),
-    };
-    r.map_err(|e| format!("{s:?}: {e}"))
+    hex_or_decimal::<u16>(s).map_err(|e| format!("{s:?}: {e}"))
 }
 
 /// `--svg`: the report's spans and the host trace's exits inside the recording's time.

@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use clap::Args;
 
 use super::exit::CliError;
+use super::number::hex_or_decimal;
 use crate::validate::SegmentWorst;
 use crate::validate::{
     EventRule, LagStats, Numbering, ProbeReport, Side, ValidateOptions, ValidateReport, validate,
@@ -79,20 +80,13 @@ pub struct ValidateArgs {
 }
 
 fn parse_port(s: &str) -> Result<u16, String> {
-    let r = match s.strip_prefix("0x").or_else(|| s.strip_prefix("0X")) {
-        Some(hex) => u16::from_str_radix(hex, 16),
-        None => s.parse(),
-    };
-    r.map_err(|e| format!("{s:?} is not a port (0..=65535, decimal or 0x hex): {e}"))
+    hex_or_decimal::<u16>(s)
+        .map_err(|e| format!("{s:?} is not a port (0..=65535, decimal or 0x hex): {e}"))
 }
 
 /// A decimal or 0x-hex number of type `T`.
 fn number<T: TryFrom<u64>>(s: &str) -> Option<T> {
-    let v = match s.strip_prefix("0x").or_else(|| s.strip_prefix("0X")) {
-        Some(hex) => u64::from_str_radix(hex, 16).ok()?,
-        None => s.parse().ok()?,
-    };
-    T::try_from(v).ok()
+    T::try_from(hex_or_decimal::<u64>(s).ok()?).ok()
 }
 
 /// `ID:PORT` as a rule for `side`.
@@ -247,30 +241,22 @@ fn print_events(out: &mut impl Write, r: &ValidateReport) -> io::Result<()> {
     }
     print_segments(out, "events", &r.segments)?;
     for v in &r.first_violations {
+        let rest = against_exits(
+            v.guest_tsc,
+            [v.host_tsc, v.host_lo, v.host_hi],
+            [v.exit_lo, v.exit_hi],
+            v.round,
+            v.bound_false,
+        );
         writeln!(
             out,
-            "violation: vcpu {} seq {} {:?}: guest {} -> host {} (guaranteed [{}, {}]) vs exits [{}, {}] (segment round {}){}",
-            v.vcpu,
-            v.seq,
-            v.side,
-            v.guest_tsc,
-            v.host_tsc,
-            v.host_lo,
-            v.host_hi,
-            v.exit_lo.map_or("-".into(), |x| x.to_string()),
-            v.exit_hi.map_or("-".into(), |x| x.to_string()),
-            v.round,
-            if v.bound_false {
-                ", guaranteed bound false"
-            } else {
-                ""
-            }
+            "violation: vcpu {} seq {} {:?}: {rest}",
+            v.vcpu, v.seq, v.side
         )?;
     }
     Ok(())
 }
 
-/// The per-segment table; `what` names the column of things converted through each.
 /// One line per lag distribution that has values: `{lead} {what} (ticks; …): min … max`.
 fn print_lags<const N: usize>(
     out: &mut impl Write,
@@ -289,6 +275,7 @@ fn print_lags<const N: usize>(
     Ok(())
 }
 
+/// The per-segment table; `what` names the column of things converted through each.
 fn print_segments(out: &mut impl Write, what: &str, segments: &[SegmentWorst]) -> io::Result<()> {
     writeln!(
         out,
@@ -302,6 +289,28 @@ fn print_segments(out: &mut impl Write, what: &str, segments: &[SegmentWorst]) -
         )?;
     }
     Ok(())
+}
+
+/// The end of a violation's line, after what it names (an event or a probe): its guest TSC
+/// converted to `host` = `[time, lo, hi]` (the guaranteed interval) against the exits that
+/// bracket it (`-`: none on that side), the segment's round, and whether the guaranteed bound
+/// itself is false.
+fn against_exits(
+    guest_tsc: u64,
+    [host, lo, hi]: [u64; 3],
+    exits: [Option<u64>; 2],
+    round: u64,
+    bound_false: bool,
+) -> String {
+    let [exit_lo, exit_hi] = exits.map(|x| x.map_or("-".into(), |x| x.to_string()));
+    format!(
+        "guest {guest_tsc} -> host {host} (guaranteed [{lo}, {hi}]) vs exits [{exit_lo}, {exit_hi}] (segment round {round}){}",
+        if bound_false {
+            ", guaranteed bound false"
+        } else {
+            ""
+        }
+    )
 }
 
 fn print_probes(out: &mut impl Write, p: &ProbeReport) -> io::Result<()> {
@@ -331,24 +340,17 @@ fn print_probes(out: &mut impl Write, p: &ProbeReport) -> io::Result<()> {
     )?;
     print_segments(out, "probes", &p.segments)?;
     for v in &p.first_violations {
+        let rest = against_exits(
+            v.guest_tsc,
+            [v.host_tsc, v.host_lo, v.host_hi],
+            [Some(v.exit_lo), Some(v.exit_hi)],
+            v.round,
+            v.bound_false,
+        );
         writeln!(
             out,
-            "violation: probe vcpu {} seq {} ({:?}): guest {} -> host {} (guaranteed [{}, {}]) vs exits [{}, {}] (segment round {}){}",
-            v.vcpu,
-            v.seq,
-            v.path,
-            v.guest_tsc,
-            v.host_tsc,
-            v.host_lo,
-            v.host_hi,
-            v.exit_lo,
-            v.exit_hi,
-            v.round,
-            if v.bound_false {
-                ", guaranteed bound false"
-            } else {
-                ""
-            }
+            "violation: probe vcpu {} seq {} ({:?}): {rest}",
+            v.vcpu, v.seq, v.path
         )?;
     }
     Ok(())

@@ -332,6 +332,18 @@ mod tests {
         }
     }
 
+    /// The exits of beacons `seqs` on thread 1, the k-th of them in at `200 + 100k` and out
+    /// (the beacon's number's low byte) 50 later.
+    fn beacons(seqs: std::ops::RangeInclusive<u8>) -> Vec<PioExit> {
+        let mut exits = Vec::new();
+        for (k, s) in seqs.enumerate() {
+            let t = 200 + 100 * k as u64;
+            exits.push(pio(t, 1, PioDirection::In, 0));
+            exits.push(pio(t + 50, 1, PioDirection::Out, s));
+        }
+        exits
+    }
+
     #[test]
     fn a_chain_starts_two_beacons_past_the_first_count_and_brackets_each_beacon() {
         let mut c = BeaconChain::new(PORT);
@@ -340,13 +352,7 @@ mod tests {
         assert_eq!(c.first(), Some(7));
         assert!(!c.may_bracket(6) && c.may_bracket(7));
         // Beacons 5..=8 happen: in at 200 + 100k, out at 250 + 100k.
-        let mut exits = Vec::new();
-        for (k, s) in (5u8..=8).enumerate() {
-            let t = 200 + 100 * k as u64;
-            exits.push(pio(t, 1, PioDirection::In, 0));
-            exits.push(pio(t + 50, 1, PioDirection::Out, s));
-        }
-        c.observe(9, 700, 710, &exits);
+        c.observe(9, 700, 710, &beacons(5..=8));
         // The chain starts after beacon 6's `out` (the first `out` of 6 after the first
         // read), so beacon 7's bracket is its own exits.
         assert_eq!(
@@ -376,12 +382,7 @@ mod tests {
         let mut c = BeaconChain::armed_since(PORT, 100);
         assert_eq!(c.needs_from(), Some(100));
         assert!(c.may_bracket(0) && !c.is_early(0));
-        let mut exits = Vec::new();
-        for (k, s) in (0u8..=2).enumerate() {
-            let t = 200 + 100 * k as u64;
-            exits.push(pio(t, 1, PioDirection::In, 0));
-            exits.push(pio(t + 50, 1, PioDirection::Out, s));
-        }
+        let exits = beacons(0..=2);
         c.observe(3, 700, 710, &exits);
         for s in 0..3u64 {
             assert_eq!(

@@ -572,17 +572,29 @@ mod tests {
         f
     }
 
+    /// An exchange and what the guest adds around it: the request and reply frames, whether
+    /// the sync port brackets the read, the extra accesses before each step and the ticks
+    /// between steps.
+    type Around = (Vec<u8>, Vec<u8>, bool, Vec<Vec<Extra>>, Vec<u64>);
+
+    fn guest_around_an_exchange() -> impl Strategy<Value = Around> {
+        use proptest::collection::vec;
+        (
+            vec(1u8..16, 0..6).prop_map(frame),
+            vec(1u8..16, 1..10).prop_map(frame),
+            any::<bool>(),
+            vec(vec(extra(), 0..4), 24),
+            vec(1u64..40, 1..32),
+        )
+    }
+
     proptest! {
         /// Whatever a guest adds between any two protocol steps (reads and writes of any
         /// port, the data and sync ports included, wide and repeated accesses, by its own
         /// vCPU thread or another), a bracket either matcher returns holds the read.
         #[test]
         fn no_extra_access_moves_a_bracket_off_the_read(
-            req in proptest::collection::vec(1u8..16, 0..6).prop_map(frame),
-            rep in proptest::collection::vec(1u8..16, 1..10).prop_map(frame),
-            sync in any::<bool>(),
-            gaps in proptest::collection::vec(proptest::collection::vec(extra(), 0..4), 24),
-            dt in proptest::collection::vec(1u64..40, 1..32),
+            (req, rep, sync, gaps, dt) in guest_around_an_exchange(),
         ) {
             let g = generate(&steps(&req, &rep, sync), &gaps, &dt);
             if let Ok(b) = match_uart(&g.exits, COM1_DATA, &req, &rep, g.within) {
@@ -597,11 +609,7 @@ mod tests {
         /// devices) change nothing: the brackets are exactly the protocol's own exits.
         #[test]
         fn accesses_to_other_ports_widen_nothing(
-            req in proptest::collection::vec(1u8..16, 0..6).prop_map(frame),
-            rep in proptest::collection::vec(1u8..16, 1..10).prop_map(frame),
-            sync in any::<bool>(),
-            gaps in proptest::collection::vec(proptest::collection::vec(extra(), 0..4), 24),
-            dt in proptest::collection::vec(1u64..40, 1..32),
+            (req, rep, sync, gaps, dt) in guest_around_an_exchange(),
         ) {
             let reaches = |x: &Extra, port: u16| {
                 u32::from(x.port) <= u32::from(port)

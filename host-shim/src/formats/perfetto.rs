@@ -208,35 +208,9 @@ impl PerfettoWriter {
             pair_hint: PairHint::default(),
             spans: spans::Spans::default(),
         };
-        let snaps: Vec<TracePacket> = w
-            .opts
-            .clock
-            .snapshots()
-            .iter()
-            .enumerate()
-            .map(|(i, s)| TracePacket {
-                trusted_packet_sequence_id: Some(META_SEQUENCE),
-                first_packet_on_sequence: (i == 0).then_some(true),
-                sequence_flags: (i == 0).then_some(proto::SEQ_INCREMENTAL_STATE_CLEARED),
-                clock_snapshot: Some(ClockSnapshotMsg {
-                    clocks: vec![
-                        Clock {
-                            clock_id: Some(proto::CLOCK_BOOTTIME),
-                            timestamp: Some(s.boottime_ns),
-                            is_incremental: None,
-                        },
-                        Clock {
-                            clock_id: Some(proto::CLOCK_HOST_TSC),
-                            timestamp: Some(s.tsc),
-                            is_incremental: None,
-                        },
-                    ],
-                }),
-                ..Default::default()
-            })
-            .collect();
-        for p in &snaps {
-            w.write_packet(p)?;
+        let snaps = w.opts.clock.snapshots().to_vec();
+        for (i, s) in snaps.iter().enumerate() {
+            w.write_snapshot(s, i == 0)?;
         }
         let machine_id = w.opts.machine_id;
         let process = TracePacket {
@@ -256,6 +230,40 @@ impl PerfettoWriter {
         };
         w.write_packet(&process)?;
         Ok(w)
+    }
+
+    /// One clock snapshot packet: BOOTTIME and the host TSC (clock 64) read together.
+    fn write_snapshot(&mut self, s: &ClockSnapshot, first: bool) -> Result<(), PerfettoError> {
+        self.write_packet(&TracePacket {
+            trusted_packet_sequence_id: Some(META_SEQUENCE),
+            first_packet_on_sequence: first.then_some(true),
+            sequence_flags: first.then_some(proto::SEQ_INCREMENTAL_STATE_CLEARED),
+            clock_snapshot: Some(ClockSnapshotMsg {
+                clocks: vec![
+                    Clock {
+                        clock_id: Some(proto::CLOCK_BOOTTIME),
+                        timestamp: Some(s.boottime_ns),
+                        is_incremental: None,
+                    },
+                    Clock {
+                        clock_id: Some(proto::CLOCK_HOST_TSC),
+                        timestamp: Some(s.tsc),
+                        is_incremental: None,
+                    },
+                ],
+            }),
+            ..Default::default()
+        })
+    }
+
+    /// A snapshot taken while streaming ([`BootClock::extend`]): host TSCs from it on convert
+    /// through it, and the trace carries it like the first ones.
+    ///
+    /// # Errors
+    /// [`PerfettoError`]: the snapshot is behind the clock's last one, or writing failed.
+    pub fn add_snapshot(&mut self, s: ClockSnapshot) -> Result<(), PerfettoError> {
+        self.opts.clock.extend(s)?;
+        self.write_snapshot(&s, false)
     }
 
     fn write_packet(&mut self, p: &TracePacket) -> Result<(), PerfettoError> {

@@ -265,6 +265,15 @@ fn remove_stale_instances(instances: &Path) {
     }
 }
 
+/// Whether a read of a non-blocking trace pipe that failed with `e` only found nothing to
+/// read now (`EAGAIN`, or a signal): the caller stops reading until its next round.
+pub(crate) fn nothing_to_read_now(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -9,9 +9,9 @@
 //! keep the caller from its own deadline.
 
 use std::fs::File;
-use std::io::{self, Read};
+use std::io::Read;
 
-use super::instance::{Instance, TraceError};
+use super::instance::{Instance, TraceError, nothing_to_read_now};
 use crate::formats::tracedat::page::walk_records;
 
 /// The most pages one [`RawPipes::drain`] reads over all CPUs (1 MiB of 4 KiB pages).
@@ -92,14 +92,7 @@ impl RawPipes {
                 let n = match file.read(&mut self.page) {
                     Ok(0) => break,
                     Ok(n) => n,
-                    Err(e)
-                        if matches!(
-                            e.kind(),
-                            io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted
-                        ) =>
-                    {
-                        break;
-                    }
+                    Err(e) if nothing_to_read_now(&e) => break,
                     Err(source) => {
                         return Err(TraceError::Io {
                             action: "read",

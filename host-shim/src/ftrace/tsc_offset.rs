@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use rustix::event::{PollFd, PollFlags, Timespec};
 
-use super::instance::{Instance, TraceError};
+use super::instance::{Instance, TraceError, nothing_to_read_now};
 
 /// The most `trace_pipe` bytes one [`Subscription::wait`] reads (about 800 event lines): a
 /// guest that writes its TSC in a loop makes the kernel produce events faster than we can
@@ -138,14 +138,7 @@ fn read_bounded(r: &mut impl Read, buf: &mut Vec<u8>, cap: usize) -> io::Result<
                 buf.extend_from_slice(&chunk[..n]);
                 total += n;
             }
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted
-                ) =>
-            {
-                break;
-            }
+            Err(e) if nothing_to_read_now(&e) => break,
             Err(e) => return Err(e),
         }
     }

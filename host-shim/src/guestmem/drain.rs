@@ -172,10 +172,11 @@ pub struct Drainer {
     header_bytes: [u8; HEADER_SIZE],
     rings: Vec<RingCounts>,
     max_per_round: usize,
-    /// Slot copies of one ring's round (at most `max_per_round` slots).
+    /// Slot copies of one ring's round (at most `max_per_round` slots; never shrinks, so
+    /// it is not cleared between rounds).
     buf: Vec<u8>,
-    /// Records of one ring's round, held until the header is checked again.
-    pending: Vec<GuestRecord>,
+    /// The round's records: every ring's whose header check passed, in ring order.
+    round: Vec<GuestRecord>,
 }
 
 fn u64_at(b: &[u8], off: usize) -> u64 {
@@ -229,7 +230,7 @@ impl Drainer {
             rings: vec![RingCounts::default(); found.header.vcpus as usize],
             max_per_round: max,
             buf: Vec::with_capacity(max * SLOT_BYTES),
-            pending: Vec::with_capacity(max),
+            round: Vec::with_capacity(max),
         }
     }
 
@@ -249,6 +250,12 @@ impl Drainer {
     #[must_use]
     pub fn counts(&self) -> &[RingCounts] {
         &self.rings
+    }
+
+    /// The records of the last round ([`Self::poll_round`]), in ring order.
+    #[must_use]
+    pub fn round_records(&self) -> &[GuestRecord] {
+        &self.round
     }
 
     /// Checks that the header still says what it said when draining began.
@@ -308,6 +315,21 @@ impl Drainer {
         mem: &mut impl GuestMemory,
         sink: &mut impl FnMut(&GuestRecord),
     ) -> Result<PollSummary, DrainError> {
+        let polled = self.poll_round(mem);
+        for r in &self.round {
+            sink(r);
+        }
+        polled
+    }
+
+    /// [`Self::poll`] without a sink: the round's records stay in the drainer, for
+    /// [`Self::round_records`] to lend until the next round (also after an error: the rings
+    /// read before it).
+    ///
+    /// # Errors
+    /// As [`Self::poll`].
+    pub fn poll_round(&mut self, mem: &mut impl GuestMemory) -> Result<PollSummary, DrainError> {
+        self.round.clear();
         let mut summary = PollSummary::default();
         self.check_header(mem)?;
         for vcpu in 0..self.header.vcpus {
@@ -355,12 +377,13 @@ impl Drainer {
             let end = h1.min(start.saturating_add(self.max_per_round as u64));
             // Copy the slots of [start, end): at most two contiguous runs (the ring wraps).
             let count = usize::try_from(end - start).unwrap_or(0);
-            self.buf.clear();
-            self.buf.resize(count * SLOT_BYTES, 0);
+            if self.buf.len() < count * SLOT_BYTES {
+                self.buf.resize(count * SLOT_BYTES, 0);
+            }
             let slots = base + RING_PREFIX;
             let first_slot = start & (cap - 1);
             let first_run = usize::try_from((cap - first_slot).min(end - start)).unwrap_or(0);
-            let (a, b) = self.buf.split_at_mut(first_run * SLOT_BYTES);
+            let (a, b) = self.buf[..count * SLOT_BYTES].split_at_mut(first_run * SLOT_BYTES);
             mem.read(slots + first_slot * RECORD_SIZE, a)
                 .map_err(|e| read_err(e, &self.rings))?;
             if !b.is_empty() {
@@ -386,9 +409,12 @@ impl Drainer {
                     counts: self.rings.clone(),
                 });
             }
-            self.pending.clear();
+            let ring_start = self.round.len();
             let (mut overwritten, mut corrupt) = (0u64, 0u64);
-            for (k, slot) in self.buf.chunks_exact(SLOT_BYTES).enumerate() {
+            for (k, slot) in self.buf[..count * SLOT_BYTES]
+                .chunks_exact(SLOT_BYTES)
+                .enumerate()
+            {
                 let n = start + k as u64;
                 // Past 2^64 the producer can never have begun record n + cap. A
                 // stop-when-full producer begins record n + cap only once its consumer has
@@ -407,7 +433,7 @@ impl Drainer {
                 payload[..8].copy_from_slice(&slot[16..24]);
                 payload[8..].copy_from_slice(&slot[24..32]);
                 payload[usize::from(len)..].fill(0);
-                self.pending.push(GuestRecord {
+                self.round.push(GuestRecord {
                     vcpu,
                     index: n,
                     id,
@@ -416,11 +442,11 @@ impl Drainer {
                     payload,
                 });
             }
-            self.check_header(mem)?;
-            for r in &self.pending {
-                sink(r);
+            if let Err(e) = self.check_header(mem) {
+                self.round.truncate(ring_start);
+                return Err(e);
             }
-            let delivered = self.pending.len() as u64;
+            let delivered = (self.round.len() - ring_start) as u64;
             let ring = &mut self.rings[vcpu as usize];
             ring.delivered = ring.delivered.saturating_add(delivered);
             ring.overwritten = ring

@@ -264,13 +264,7 @@ pub fn find(mem: &mut impl GuestMemory, loc: Location) -> Result<Found, FindErro
         Location::GuestPhysical(gpa) => {
             let mut tried = 0;
             let mut hits = Vec::new();
-            for r in regions.iter().filter(|r| r.writable) {
-                let Some(addr) = r.start.checked_add(gpa) else {
-                    continue;
-                };
-                if !r.holds(addr, HEADER_SIZE as u64) {
-                    continue;
-                }
+            for (r, addr) in ram_holding(&regions, gpa, HEADER_SIZE as u64) {
                 tried += 1;
                 if let Ok(f) = check_at(mem, addr, r) {
                     hits.push(f);
@@ -285,13 +279,7 @@ pub fn find(mem: &mut impl GuestMemory, loc: Location) -> Result<Found, FindErro
             let width = usize::from(width.clamp(1, 8));
             let (mut tried, mut last) = (0, 0);
             let mut hits = Vec::new();
-            for r in regions.iter().filter(|r| r.writable) {
-                let Some(at) = r.start.checked_add(gpa) else {
-                    continue;
-                };
-                if !r.holds(at, width as u64) {
-                    continue;
-                }
+            for (r, at) in ram_holding(&regions, gpa, width as u64) {
                 tried += 1;
                 let mut b = [0u8; 8];
                 mem.read(at, &mut b[..width])?;
@@ -308,6 +296,16 @@ pub fn find(mem: &mut impl GuestMemory, loc: Location) -> Result<Found, FindErro
             the_one(hits, FindError::NoPointerTarget { gpa, tried, last })
         }
     }
+}
+
+/// Each writable mapping that may be guest RAM from guest-physical 0 (the rule of
+/// [`Location::GuestPhysical`]) with `len` bytes at guest-physical `gpa` inside it, and the host
+/// address of `gpa` there.
+fn ram_holding(regions: &[Region], gpa: u64, len: u64) -> impl Iterator<Item = (&Region, u64)> {
+    regions.iter().filter(|r| r.writable).filter_map(move |r| {
+        let addr = r.start.checked_add(gpa)?;
+        r.holds(addr, len).then_some((r, addr))
+    })
 }
 
 /// The one header among `hits`: `none` when there is none, [`FindError::Ambiguous`] when

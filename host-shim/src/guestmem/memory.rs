@@ -1,11 +1,15 @@
-//! Reading another process's memory: the [`GuestMemory`] trait, `/proc/PID/mem`
-//! ([`ProcMemory`]) and an in-memory fake that can change between reads ([`FakeMemory`]).
+//! Reading another process's memory: the [`GuestMemory`] trait, a live process
+//! ([`ProcMemory`]: `process_vm_readv(2)`, falling back to `/proc/PID/mem`) and an in-memory
+//! fake that can change between reads ([`FakeMemory`]).
 
 use std::fs::File;
-use std::io::{self, ErrorKind};
+use std::io::{self, ErrorKind, IoSliceMut};
 use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
 
+use nix::errno::Errno;
+use nix::sys::uio::{self, RemoteIoVec};
+use nix::unistd::Pid;
 use thiserror::Error;
 
 use crate::kvm::procinfo::ProcFs;
@@ -100,6 +104,21 @@ pub trait GuestMemory {
     /// The range is not (or no longer) readable.
     fn read(&mut self, addr: u64, buf: &mut [u8]) -> Result<(), MemError>;
 
+    /// Fills each `(addr, buf)` of `parts`, all of them or an error, in slice order: part
+    /// `i` is read completely before part `i + 1` begins, and each part's bytes as
+    /// [`GuestMemory::read`] reads them. A reader may do this in fewer system calls than one
+    /// per part ([`ProcMemory`]: one `process_vm_readv` per batch of parts, which the kernel
+    /// documents to process in array order); the default reads them one by one.
+    ///
+    /// # Errors
+    /// The first part that is not (or no longer) readable; the parts before it were read.
+    fn read_many(&mut self, parts: &mut [(u64, &mut [u8])]) -> Result<(), MemError> {
+        for (addr, buf) in parts.iter_mut() {
+            self.read(*addr, buf)?;
+        }
+        Ok(())
+    }
+
     /// The process's mappings, in address order.
     ///
     /// # Errors
@@ -123,9 +142,49 @@ const PM_PRESENT: u64 = 1 << 63;
 /// `/proc/PID/pagemap` entry bit: the page is in swap.
 const PM_SWAPPED: u64 = 1 << 62;
 
-/// A live process's memory through `/proc/PID/mem` (`pread` at the host virtual address).
+/// How [`ProcMemory`] copies the other process's bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ReadMethod {
+    /// `process_vm_readv(2)`: the kernel copies straight from the other process's pages into
+    /// ours. What [`ProcMemory::open`] starts with: per byte, it is the faster of the two
+    /// (`cargo xtask bench`, section 8b, measures both on the same guest).
+    VmReadv,
+    /// `pread(2)` on `/proc/PID/mem`: the kernel copies each page into a bounce page, then
+    /// into ours. The fallback when `process_vm_readv` is refused (`EPERM`: a ptrace policy
+    /// that allows the open but not the call; `ENOSYS`: a kernel without cross-memory attach,
+    /// or a seccomp filter), and the path every failed read is finished on, so errors read as
+    /// they always did.
+    Pread,
+}
+
+impl ReadMethod {
+    /// The name the bench and the examples print: `process_vm_readv` or `pread`.
+    #[must_use]
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::VmReadv => "process_vm_readv",
+            Self::Pread => "pread",
+        }
+    }
+}
+
+/// Parts per `process_vm_readv` call in [`ProcMemory`]'s [`GuestMemory::read_many`] (the
+/// kernel takes up to `IOV_MAX` = 1024).
+const IOV_BATCH: usize = 64;
+
+/// A live process's memory: `process_vm_readv(2)` at the host virtual address, with
+/// `/proc/PID/mem` (`pread`) as the fallback and for the errors.
+///
+/// `/proc/PID/mem` is opened either way: it is the permission check every caller already
+/// handles ([`MemError::Open`], [`MemError::Exited`]), and a read that `process_vm_readv`
+/// cannot complete (a page not mapped, the process gone, any error) is finished through it,
+/// so a failed read returns exactly the error a `pread` read returned before (`EIO` for an
+/// unmapped page: [`MemError::Read`]; [`MemError::Unmapped`] once the process has exited).
 #[derive(Debug)]
 pub struct ProcMemory {
+    pid: libc::pid_t,
+    method: ReadMethod,
     mem: File,
     maps: PathBuf,
     /// `None` when the page map cannot be opened (then no page is skipped).
@@ -135,21 +194,117 @@ pub struct ProcMemory {
 }
 
 impl ProcMemory {
-    /// Opens process `pid`'s memory under `proc` (normally `/proc`).
+    /// Opens process `pid`'s memory under `proc` (normally `/proc`), reading with
+    /// [`ReadMethod::VmReadv`] (falling back to [`ReadMethod::Pread`] if the kernel refuses
+    /// it).
     ///
     /// # Errors
     /// [`MemError::Open`] if `mem` cannot be opened (no such process, or not root).
     pub fn open(proc: &ProcFs, pid: u32) -> Result<Self, MemError> {
+        Self::open_with(proc, pid, ReadMethod::VmReadv)
+    }
+
+    /// [`ProcMemory::open`] with the read method chosen (the bench compares them).
+    ///
+    /// `process_vm_readv` addresses the process by PID, not by the open file, so it is used
+    /// only when `proc` is the system's `/proc` (a test's fake proc tree names no live
+    /// process).
+    ///
+    /// # Errors
+    /// As [`ProcMemory::open`].
+    pub fn open_with(proc: &ProcFs, pid: u32, method: ReadMethod) -> Result<Self, MemError> {
         let dir = proc.root().join(pid.to_string());
         let path = dir.join("mem");
         let mem = File::open(&path).map_err(|source| MemError::open(path, source))?;
         let pagemap = File::open(dir.join("pagemap")).ok();
+        let pid_t = libc::pid_t::try_from(pid).ok();
+        let method = match pid_t {
+            Some(_) if proc.root() == std::path::Path::new("/proc") => method,
+            _ => ReadMethod::Pread,
+        };
         Ok(Self {
+            pid: pid_t.unwrap_or(0),
+            method,
             mem,
             maps: dir.join("maps"),
             pagemap,
             pm_buf: Vec::new(),
         })
+    }
+
+    /// How reads are done now ([`ReadMethod::Pread`] after `process_vm_readv` was refused).
+    #[must_use]
+    pub fn method(&self) -> ReadMethod {
+        self.method
+    }
+
+    /// `pread` on `/proc/PID/mem` until `buf` is full; errors for the read the caller asked
+    /// for (`addr`, `len`), as before `process_vm_readv` was used.
+    fn pread(&self, at: u64, buf: &mut [u8], addr: u64, len: usize) -> Result<(), MemError> {
+        self.mem.read_exact_at(buf, at).map_err(|source| {
+            if source.kind() == ErrorKind::UnexpectedEof {
+                MemError::Unmapped { addr, len }
+            } else {
+                MemError::Read { addr, len, source }
+            }
+        })
+    }
+
+    /// One `process_vm_readv` of `parts` (at most [`IOV_BATCH`]): the bytes copied, in order
+    /// (all of them, or fewer when a page is not mapped or the call fails). Switches to
+    /// [`ReadMethod::Pread`] for good when the kernel refuses the call itself.
+    fn vm_readv(&mut self, parts: &mut [(u64, &mut [u8])]) -> usize {
+        let n = parts.len().min(IOV_BATCH);
+        let mut remote = [RemoteIoVec { base: 0, len: 0 }; IOV_BATCH];
+        for (r, (addr, buf)) in remote.iter_mut().zip(parts.iter()) {
+            let Ok(base) = usize::try_from(*addr) else {
+                // An address no pointer holds: nothing is read, `pread` answers.
+                return 0;
+            };
+            *r = RemoteIoVec {
+                base,
+                len: buf.len(),
+            };
+        }
+        let mut local: Vec<IoSliceMut<'_>> = parts[..n]
+            .iter_mut()
+            .map(|(_, buf)| IoSliceMut::new(buf))
+            .collect();
+        loop {
+            match uio::process_vm_readv(Pid::from_raw(self.pid), &mut local, &remote[..n]) {
+                Ok(copied) => return copied,
+                Err(Errno::EINTR) => {}
+                Err(Errno::EPERM | Errno::ENOSYS) => {
+                    self.method = ReadMethod::Pread;
+                    return 0;
+                }
+                // EFAULT (not mapped), ESRCH (gone), ENOMEM, ...: `pread` gives the answer.
+                Err(_) => return 0,
+            }
+        }
+    }
+
+    /// [`ProcMemory::vm_readv`] of one buffer (no allocation).
+    fn vm_readv_one(&mut self, addr: u64, buf: &mut [u8]) -> usize {
+        let Ok(base) = usize::try_from(addr) else {
+            return 0;
+        };
+        let remote = [RemoteIoVec {
+            base,
+            len: buf.len(),
+        }];
+        let mut local = [IoSliceMut::new(buf)];
+        loop {
+            match uio::process_vm_readv(Pid::from_raw(self.pid), &mut local, &remote) {
+                Ok(copied) => return copied,
+                Err(Errno::EINTR) => {}
+                Err(Errno::EPERM | Errno::ENOSYS) => {
+                    self.method = ReadMethod::Pread;
+                    return 0;
+                }
+                Err(_) => return 0,
+            }
+        }
     }
 }
 
@@ -179,13 +334,67 @@ fn parse_maps_line(line: &str) -> Option<Region> {
 impl GuestMemory for ProcMemory {
     fn read(&mut self, addr: u64, buf: &mut [u8]) -> Result<(), MemError> {
         let len = buf.len();
-        self.mem.read_exact_at(buf, addr).map_err(|source| {
-            if source.kind() == ErrorKind::UnexpectedEof {
-                MemError::Unmapped { addr, len }
-            } else {
-                MemError::Read { addr, len, source }
+        let mut done = 0;
+        // A partial transfer stops at the first page that cannot be read; asking again for
+        // the rest from there either makes progress or fails at once, and then `pread`
+        // finishes (or fails) exactly as it always did.
+        while self.method == ReadMethod::VmReadv && done < len {
+            let Some(at) = addr.checked_add(done as u64) else {
+                break;
+            };
+            let copied = self.vm_readv_one(at, &mut buf[done..]);
+            if copied == 0 {
+                break;
             }
-        })
+            done += copied;
+        }
+        if done == len {
+            return Ok(());
+        }
+        self.pread(addr.wrapping_add(done as u64), &mut buf[done..], addr, len)
+    }
+
+    fn read_many(&mut self, parts: &mut [(u64, &mut [u8])]) -> Result<(), MemError> {
+        let mut i = 0;
+        while i < parts.len() {
+            if self.method != ReadMethod::VmReadv {
+                let (addr, buf) = &mut parts[i];
+                self.read(*addr, buf)?;
+                i += 1;
+                continue;
+            }
+            let batch = (parts.len() - i).min(IOV_BATCH);
+            let want: usize = parts[i..i + batch].iter().map(|(_, b)| b.len()).sum();
+            let mut copied = self.vm_readv(&mut parts[i..i + batch]);
+            if copied == want {
+                i += batch;
+                continue;
+            }
+            // Short: the parts wholly copied are done; the one it stopped in is finished by
+            // `read` from where it stopped (keeping the order), the rest of the batch by the
+            // loop.
+            while copied > 0 && copied >= parts[i].1.len() {
+                copied -= parts[i].1.len();
+                i += 1;
+            }
+            let (addr, buf) = &mut parts[i];
+            let len = buf.len();
+            let rest = &mut buf[copied..];
+            if let Err(e) = self.read(addr.wrapping_add(copied as u64), rest) {
+                // The error names the whole part, as a `read` of it would.
+                return Err(match e {
+                    MemError::Read { source, .. } => MemError::Read {
+                        addr: *addr,
+                        len,
+                        source,
+                    },
+                    MemError::Unmapped { .. } => MemError::Unmapped { addr: *addr, len },
+                    other => other,
+                });
+            }
+            i += 1;
+        }
+        Ok(())
     }
 
     fn regions(&mut self) -> Result<Vec<Region>, MemError> {
@@ -447,6 +656,163 @@ mod tests {
         assert_eq!(r.name, "/usr/bin/qemu");
         assert_eq!(parse_maps_line("garbage"), None);
         assert_eq!(parse_maps_line("2000-1000 rw-p 0 0:0 0"), None);
+    }
+
+    /// The end of our main thread's stack: the mapped page below it holds bytes that do not
+    /// change while the tests run (the program's arguments and environment), and nothing is
+    /// mapped above it (mmap places mappings below the stack; only `[vsyscall]` lies above).
+    fn stack_end() -> u64 {
+        let mut m = own(ReadMethod::Pread);
+        m.regions()
+            .expect("our maps")
+            .into_iter()
+            .find(|r| r.name == "[stack]")
+            .expect("a [stack] mapping")
+            .end
+    }
+
+    fn own(method: ReadMethod) -> ProcMemory {
+        ProcMemory::open_with(&ProcFs::default(), std::process::id(), method).expect("own mem")
+    }
+
+    /// What an error says, for comparing the two methods: the variant, the address and length
+    /// it names, and the OS error.
+    fn shape(e: &MemError) -> (String, u64, usize, Option<i32>) {
+        match e {
+            MemError::Read { addr, len, source } => {
+                ("read".into(), *addr, *len, source.raw_os_error())
+            }
+            MemError::Unmapped { addr, len } => ("unmapped".into(), *addr, *len, None),
+            other => (other.to_string(), 0, 0, None),
+        }
+    }
+
+    #[test]
+    fn guestmem_both_methods_read_our_own_buffer() {
+        let data: Vec<u8> = (0..100_000u32).map(|i| (i % 253) as u8).collect();
+        let addr = data.as_ptr() as u64;
+        let mut vm = own(ReadMethod::VmReadv);
+        assert_eq!(
+            vm.method(),
+            ReadMethod::VmReadv,
+            "root may read its own memory with process_vm_readv"
+        );
+        assert_eq!(
+            ProcMemory::open(&ProcFs::default(), std::process::id())
+                .expect("open")
+                .method(),
+            ReadMethod::VmReadv
+        );
+        let mut pr = own(ReadMethod::Pread);
+        assert_eq!(pr.method(), ReadMethod::Pread);
+        for (off, len) in [
+            (0, 100_000),
+            (1, 1),
+            (4095, 2),
+            (12_345, 54_321),
+            (99_999, 1),
+            (7, 0),
+        ] {
+            let want = &data[off..off + len];
+            for m in [&mut vm, &mut pr] {
+                let mut buf = vec![0xAA; len];
+                m.read(addr + off as u64, &mut buf).expect("our own buffer");
+                assert_eq!(buf, want, "{:?} at +{off}, {len} bytes", m.method());
+            }
+        }
+        assert_eq!(vm.method(), ReadMethod::VmReadv, "no fallback needed");
+    }
+
+    #[test]
+    fn guestmem_an_unmapped_page_fails_alike_with_both_methods() {
+        let end = stack_end();
+        let mut vm = own(ReadMethod::VmReadv);
+        let mut pr = own(ReadMethod::Pread);
+        // Wholly unmapped, and straddling the mapped page and what lies past it.
+        for (addr, len) in [
+            (end + PAGE_SIZE, 64),
+            (end, 1),
+            (end - 16, 64),
+            (end - PAGE_SIZE, 2 * 4096),
+        ] {
+            let mut a = vec![0; len];
+            let mut b = vec![0; len];
+            let ea = vm.read(addr, &mut a).expect_err("not mapped");
+            let eb = pr.read(addr, &mut b).expect_err("not mapped");
+            assert_eq!(shape(&ea), shape(&eb), "{addr:#x}+{len}: {ea} / {eb}");
+            assert_eq!(
+                shape(&eb),
+                ("read".into(), addr, len, Some(libc::EIO)),
+                "pread on /proc/PID/mem says EIO"
+            );
+            assert_eq!(a[..len.min(16)], b[..len.min(16)], "the mapped bytes alike");
+        }
+        // The mapped page still reads, alike, and the reader still uses process_vm_readv.
+        let (mut a, mut b) = (vec![0; 16], vec![0; 16]);
+        vm.read(end - 16, &mut a).expect("mapped");
+        pr.read(end - 16, &mut b).expect("mapped");
+        assert_eq!(a, b);
+        assert_eq!(vm.method(), ReadMethod::VmReadv);
+    }
+
+    #[test]
+    fn guestmem_read_many_reads_every_part_in_order_or_names_the_bad_one() {
+        let data: Vec<u8> = (0..=255).cycle().take(10_000).collect();
+        let addr = data.as_ptr() as u64;
+        for method in [ReadMethod::VmReadv, ReadMethod::Pread] {
+            let mut m = own(method);
+            // More parts than one process_vm_readv batch, of mixed sizes (some empty).
+            let spans: Vec<(usize, usize)> = (0..200).map(|i| ((i * 37) % 9000, i % 9)).collect();
+            let mut bufs: Vec<Vec<u8>> = spans.iter().map(|&(_, l)| vec![0; l]).collect();
+            let mut parts: Vec<(u64, &mut [u8])> = spans
+                .iter()
+                .zip(bufs.iter_mut())
+                .map(|(&(o, _), b)| (addr + o as u64, b.as_mut_slice()))
+                .collect();
+            m.read_many(&mut parts).expect("all mapped");
+            for (&(o, l), b) in spans.iter().zip(&bufs) {
+                assert_eq!(b.as_slice(), &data[o..o + l], "{method:?} +{o}");
+            }
+            // A part in the middle crosses past the stack's end: the parts before it are read,
+            // and the error names that part as `read` would.
+            let end = stack_end();
+            let (mut a, mut b, mut c) = (vec![0; 8], vec![0; 32], vec![0; 8]);
+            let (mut a2, mut b2) = (vec![0; 8], vec![0; 8]);
+            own(ReadMethod::Pread)
+                .read_many(&mut [(end - 64, &mut a2), (end - 8, &mut b2)])
+                .expect("mapped");
+            let bad = end - 8;
+            let mut parts: Vec<(u64, &mut [u8])> =
+                vec![(end - 64, &mut a), (bad, &mut b), (end - 32, &mut c)];
+            let e = m
+                .read_many(&mut parts)
+                .expect_err("the second part is not mapped");
+            assert_eq!(
+                shape(&e),
+                ("read".into(), bad, 32, Some(libc::EIO)),
+                "{method:?}: {e}"
+            );
+            assert_eq!(
+                (&a, &b[..8]),
+                (&a2, &b2[..]),
+                "{method:?}: the bytes before the hole"
+            );
+        }
+    }
+
+    #[test]
+    fn guestmem_a_fake_proc_tree_reads_with_pread() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let pid = dir.path().join("42");
+        std::fs::create_dir(&pid).expect("dir");
+        std::fs::write(pid.join("mem"), b"0123456789").expect("mem");
+        let mut m = ProcMemory::open(&ProcFs::new(dir.path()), 42).expect("open");
+        assert_eq!(m.method(), ReadMethod::Pread);
+        let mut buf = [0; 4];
+        m.read(3, &mut buf).expect("in the file");
+        assert_eq!(&buf, b"3456");
+        let e = m.read(8, &mut buf).expect_err("past the end");
+        assert!(matches!(e, MemError::Unmapped { addr: 8, len: 4 }), "{e}");
     }
 
     #[test]

@@ -9,8 +9,9 @@
 //! a typed error that carries the exact counts so far.
 //!
 //! Layers:
-//! - [`memory`]: the [`GuestMemory`] trait, `/proc/PID/mem` ([`ProcMemory`]) and a fake that
-//!   can rewrite itself between (and inside) reads ([`FakeMemory`]).
+//! - [`memory`]: the [`GuestMemory`] trait, a live process ([`ProcMemory`]: `process_vm_readv`,
+//!   falling back to `/proc/PID/mem`) and a fake that can rewrite itself between (and inside)
+//!   reads ([`FakeMemory`]).
 //! - [`layout`]: the header's bytes and their checked parse ([`Header::parse`]).
 //! - [`find`](mod@find): the scan of writable mappings (skipping pages the page map calls
 //!   absent), a named host address, or a guest-physical address.
@@ -33,7 +34,7 @@ pub use elf::{
 };
 pub use find::{FindError, Found, Location, Rejected, ScanStats, find, scan};
 pub use layout::{BEACON_ID, ClockKind, Header, HeaderError, Mode};
-pub use memory::{FakeMemory, GuestMemory, MemError, ProcMemory, Region};
+pub use memory::{FakeMemory, GuestMemory, MemError, ProcMemory, ReadMethod, Region};
 
 #[cfg(test)]
 mod proc_tests;

@@ -132,6 +132,41 @@ fn drain_all(d: &mut Drainer, m: &mut FakeMemory) -> Result<Vec<GuestRecord>, Dr
     }
 }
 
+/// Memory with `h` published at `BASE + 0x4000` and vCPU 0's producer after `records` records.
+fn recorded(h: &Header, records: u64) -> (FakeMemory, Model) {
+    let mut m = memory_with(h);
+    let mut p = Model::new(BASE + 0x4000, h, 0);
+    for _ in 0..records {
+        p.record(&mut m);
+    }
+    (m, p)
+}
+
+/// A drainer of at most `bound` records a round, of the header a scan finds.
+fn scan_drainer(m: &mut FakeMemory, bound: usize) -> Drainer {
+    let f = find(m, Location::Scan).expect("found");
+    Drainer::new(&f, bound)
+}
+
+/// Has the fake run `steps[k]` (cycled) of `producer`'s stores before its `k`-th read; shared
+/// with the torn-word tests.
+pub(super) fn step_between_reads<P: Send + 'static>(
+    m: &mut FakeMemory,
+    producer: &Arc<Mutex<P>>,
+    steps: Vec<u8>,
+    step: fn(&mut P, &mut FakeMemory),
+) {
+    let hook_producer = Arc::clone(producer);
+    let mut k = 0usize;
+    m.set_hook(Box::new(move |m| {
+        let mut p = hook_producer.lock().unwrap();
+        for _ in 0..steps[k % steps.len()] {
+            step(&mut p, m);
+        }
+        k += 1;
+    }));
+}
+
 #[test]
 fn scan_finds_the_one_header_and_drains_exactly() {
     let h = header(2, 64, Mode::Overwrite);
@@ -166,14 +201,8 @@ fn scan_finds_the_one_header_and_drains_exactly() {
 
 #[test]
 fn a_round_reads_at_most_its_bound() {
-    let h = header(1, 1024, Mode::StopWhenFull);
-    let mut m = memory_with(&h);
-    let mut p = Model::new(BASE + 0x4000, &h, 0);
-    for _ in 0..1000 {
-        p.record(&mut m);
-    }
-    let f = find(&mut m, Location::Scan).expect("found");
-    let mut d = Drainer::new(&f, 300);
+    let (mut m, _) = recorded(&header(1, 1024, Mode::StopWhenFull), 1000);
+    let mut d = scan_drainer(&mut m, 300);
     let mut n = 0;
     let s = d.poll(&mut m, &mut |_| n += 1).expect("poll");
     assert_eq!((n, s.delivered, s.more), (300, 300, true));
@@ -184,14 +213,8 @@ fn a_round_reads_at_most_its_bound() {
 
 #[test]
 fn stop_when_full_reports_the_rings_refused_word() {
-    let h = header(1, 8, Mode::StopWhenFull);
-    let mut m = memory_with(&h);
-    let mut p = Model::new(BASE + 0x4000, &h, 0);
-    for _ in 0..20 {
-        p.record(&mut m);
-    }
-    let f = find(&mut m, Location::Scan).expect("found");
-    let mut d = Drainer::new(&f, 64);
+    let (mut m, _) = recorded(&header(1, 8, Mode::StopWhenFull), 20);
+    let mut d = scan_drainer(&mut m, 64);
     let got = drain_all(&mut d, &mut m).expect("drains");
     assert_eq!(got.len(), 8);
     assert_eq!(d.counts()[0].refused, 12);
@@ -352,13 +375,8 @@ fn a_pointer_variable_names_the_header_once_the_guest_sets_it() {
 /// that the counts in it are those of the rounds before.
 fn drain_then(change: impl FnOnce(&mut FakeMemory, &Header)) -> (DrainError, Vec<GuestRecord>) {
     let h = header(1, 16, Mode::Overwrite);
-    let mut m = memory_with(&h);
-    let mut p = Model::new(BASE + 0x4000, &h, 0);
-    for _ in 0..5 {
-        p.record(&mut m);
-    }
-    let f = find(&mut m, Location::Scan).expect("found");
-    let mut d = Drainer::new(&f, 64);
+    let (mut m, mut p) = recorded(&h, 5);
+    let mut d = scan_drainer(&mut m, 64);
     let got = drain_all(&mut d, &mut m).expect("drains");
     for _ in 0..5 {
         p.record(&mut m);
@@ -421,12 +439,8 @@ fn changed_geometry_is_an_error() {
 #[test]
 fn a_header_changed_during_a_rings_copy_delivers_nothing_of_it() {
     let h = header(1, 16, Mode::Overwrite);
-    let mut m = memory_with(&h);
-    let mut p = Model::new(BASE + 0x4000, &h, 0);
-    for _ in 0..5 {
-        p.record(&mut m);
-    }
-    let f = find(&mut m, Location::Scan).expect("found");
+    let (mut m, _) = recorded(&h, 5);
+    let mut d = scan_drainer(&mut m, 64);
     // The guest republishes while the reader is between its header check and its copy.
     let mut calls = 0;
     m.set_hook(Box::new(move |m| {
@@ -437,7 +451,6 @@ fn a_header_changed_during_a_rings_copy_delivers_nothing_of_it() {
             m.write(BASE + 0x4000, &h2.to_bytes());
         }
     }));
-    let mut d = Drainer::new(&f, 64);
     let mut got = 0;
     let e = d.poll(&mut m, &mut |_| got += 1).expect_err("restart");
     assert!(matches!(e, DrainError::NonceChanged { new: 7, .. }), "{e}");
@@ -446,17 +459,11 @@ fn a_header_changed_during_a_rings_copy_delivers_nothing_of_it() {
 
 #[test]
 fn a_slot_with_a_wrong_stamp_inside_the_window_is_corrupt_not_delivered() {
-    let h = header(1, 16, Mode::Overwrite);
-    let mut m = memory_with(&h);
-    let mut p = Model::new(BASE + 0x4000, &h, 0);
-    for _ in 0..6 {
-        p.record(&mut m);
-    }
+    let (mut m, p) = recorded(&header(1, 16, Mode::Overwrite), 6);
     // Slot 2 claims record 18 (a stamp from the future), slot 4 is left BUSY.
     m.write_u64(p.slot(2), committed(18, 1, 0));
     m.write_u64(p.slot(4), meta_busy(4));
-    let f = find(&mut m, Location::Scan).expect("found");
-    let mut d = Drainer::new(&f, 64);
+    let mut d = scan_drainer(&mut m, 64);
     let got = drain_all(&mut d, &mut m).expect("drains");
     assert_eq!(
         got.iter().map(|r| r.index).collect::<Vec<_>>(),
@@ -470,8 +477,7 @@ fn a_hostile_head_costs_one_bounded_round_and_an_exact_count() {
     let h = header(1, 16, Mode::Overwrite);
     let mut m = memory_with(&h);
     m.write_u64(BASE + 0x4000 + 128, u64::MAX);
-    let f = find(&mut m, Location::Scan).expect("found");
-    let mut d = Drainer::new(&f, 64);
+    let mut d = scan_drainer(&mut m, 64);
     let got = drain_all(&mut d, &mut m).expect("drains");
     // Every slot is empty: 15 corrupt; the oldest of them and all before it the guest may
     // have overwritten (head claims it has begun record u64::MAX).
@@ -486,24 +492,12 @@ fn a_hostile_head_costs_one_bounded_round_and_an_exact_count() {
 
 #[test]
 fn records_rewritten_while_being_read_are_counted_overwritten_exactly() {
-    let h = header(1, 8, Mode::Overwrite);
-    let mut m = memory_with(&h);
-    let model = Arc::new(Mutex::new(Model::new(BASE + 0x4000, &h, 0)));
-    for _ in 0..8 {
-        model.lock().unwrap().record(&mut m);
-    }
-    let f = find(&mut m, Location::Scan).expect("found");
+    let (mut m, p) = recorded(&header(1, 8, Mode::Overwrite), 8);
+    let mut d = scan_drainer(&mut m, 8);
     // Between every 8-byte piece the reader takes, the guest stores 3 words more: it laps
     // the reader inside its copy of the slots.
     m.set_granule(8, 0);
-    let hook_model = Arc::clone(&model);
-    m.set_hook(Box::new(move |m| {
-        let mut p = hook_model.lock().unwrap();
-        for _ in 0..3 {
-            p.step(m);
-        }
-    }));
-    let mut d = Drainer::new(&f, 8);
+    step_between_reads(&mut m, &Arc::new(Mutex::new(p)), vec![3], Model::step);
     let mut got = Vec::new();
     d.poll(&mut m, &mut |r| got.push(*r)).expect("poll");
     let c = d.counts()[0];
@@ -533,19 +527,10 @@ proptest! {
         let mode = if flight { Mode::Overwrite } else { Mode::StopWhenFull };
         let h = header(1, 1 << cap_log, mode);
         let mut m = memory_with(&h);
-        let f = find(&mut m, Location::Scan).expect("found");
+        let mut d = scan_drainer(&mut m, bound);
         let model = Arc::new(Mutex::new(Model::new(BASE + 0x4000, &h, 0)));
         m.set_granule(granule, scramble);
-        let hook_model = Arc::clone(&model);
-        let mut k = 0usize;
-        m.set_hook(Box::new(move |m| {
-            let mut p = hook_model.lock().unwrap();
-            for _ in 0..steps[k % steps.len()] {
-                p.step(m);
-            }
-            k += 1;
-        }));
-        let mut d = Drainer::new(&f, bound);
+        step_between_reads(&mut m, &model, steps, Model::step);
         let mut got = Vec::new();
         for _ in 0..rounds {
             d.poll(&mut m, &mut |r| got.push(*r)).expect("honest producer");
@@ -574,12 +559,7 @@ proptest! {
         writes in proptest::collection::vec((0u64..0x800, any::<u64>(), 0u8..4), 0..40),
         rounds in 1usize..8,
     ) {
-        let h = header(2, 8, Mode::Overwrite);
-        let mut m = memory_with(&h);
-        let mut p = Model::new(BASE + 0x4000, &h, 0);
-        for _ in 0..11 {
-            p.record(&mut m);
-        }
+        let (mut m, _) = recorded(&header(2, 8, Mode::Overwrite), 11);
         let base = BASE + 0x4000;
         let mut i = 0usize;
         m.set_hook(Box::new(move |m| {

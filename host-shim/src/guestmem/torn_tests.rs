@@ -256,15 +256,7 @@ proptest! {
         let p = Arc::new(Mutex::new(p));
         // Every read one byte at a time, in a scrambled order, guest stores between bytes.
         m.set_granule(1, scramble);
-        let hook_p = Arc::clone(&p);
-        let mut k = 0usize;
-        m.set_hook(Box::new(move |m| {
-            let mut p = hook_p.lock().unwrap();
-            for _ in 0..steps[k % steps.len()] {
-                p.step(m);
-            }
-            k += 1;
-        }));
+        super::tests::step_between_reads(&mut m, &p, steps, Producer::step);
         let mut d = Drainer::new(&f, bound);
         let mut got = Vec::new();
         for _ in 0..rounds {

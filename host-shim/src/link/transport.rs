@@ -122,49 +122,35 @@ pub trait StampedTransport {
     }
 }
 
-impl<T: StampedTransport + ?Sized> StampedTransport for Box<T> {
-    fn send(&mut self, frame: &[u8]) -> Result<HostTicks, TransportError> {
-        (**self).send(frame)
-    }
+/// [`StampedTransport`] for each pointer type given (over `T`): every method forwards to the
+/// transport pointed to, its own overrides included.
+macro_rules! forward_stamped_transport {
+    ($($ptr:ty),*) => {$(
+        impl<T: StampedTransport + ?Sized> StampedTransport for $ptr {
+            fn send(&mut self, frame: &[u8]) -> Result<HostTicks, TransportError> {
+                (**self).send(frame)
+            }
 
-    fn recv(&mut self, buf: &mut [u8], deadline: Instant) -> Result<Received, TransportError> {
-        (**self).recv(buf, deadline)
-    }
+            fn recv(&mut self, buf: &mut [u8], deadline: Instant) -> Result<Received, TransportError> {
+                (**self).recv(buf, deadline)
+            }
 
-    fn refine(&mut self, stamps: FrameStamps) -> Option<FrameStamps> {
-        (**self).refine(stamps)
-    }
+            fn refine(&mut self, stamps: FrameStamps) -> Option<FrameStamps> {
+                (**self).refine(stamps)
+            }
 
-    fn now(&mut self) -> HostTicks {
-        (**self).now()
-    }
+            fn now(&mut self) -> HostTicks {
+                (**self).now()
+            }
 
-    fn anchor(&self) -> crate::syncfile::AnchorKind {
-        (**self).anchor()
-    }
+            fn anchor(&self) -> crate::syncfile::AnchorKind {
+                (**self).anchor()
+            }
+        }
+    )*};
 }
 
-impl<T: StampedTransport + ?Sized> StampedTransport for &mut T {
-    fn send(&mut self, frame: &[u8]) -> Result<HostTicks, TransportError> {
-        (**self).send(frame)
-    }
-
-    fn recv(&mut self, buf: &mut [u8], deadline: Instant) -> Result<Received, TransportError> {
-        (**self).recv(buf, deadline)
-    }
-
-    fn refine(&mut self, stamps: FrameStamps) -> Option<FrameStamps> {
-        (**self).refine(stamps)
-    }
-
-    fn now(&mut self) -> HostTicks {
-        (**self).now()
-    }
-
-    fn anchor(&self) -> crate::syncfile::AnchorKind {
-        (**self).anchor()
-    }
-}
+forward_stamped_transport!(Box<T>, &mut T);
 
 /// A connected stream socket with kernel-side read timeouts.
 pub trait SocketStream: Read + Write {

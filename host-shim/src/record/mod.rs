@@ -39,6 +39,7 @@ mod memory;
 mod place;
 mod session;
 mod spool;
+mod stream;
 pub(crate) mod write;
 
 use std::path::PathBuf;

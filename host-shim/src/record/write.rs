@@ -67,6 +67,9 @@ pub(super) enum Out {
         live: Option<(JsonlWriter, u64)>,
         ctf: Option<crate::formats::ctf::GuestCtf>,
     },
+    /// Exact mode: every record is final when read, so trace.dat and Perfetto stream too.
+    TraceDat(Box<super::stream::TraceDatStream>),
+    Perfetto(Box<super::stream::PerfettoStream>),
 }
 
 impl Out {
@@ -98,10 +101,45 @@ impl Out {
         })
     }
 
+    /// Where exact mode's events go: placed for good when read, every format streams them
+    /// (`stream.rs`); `st` names the vCPUs known at the start.
+    pub(super) fn stream(target: &Target, st: &State) -> Result<Self, RecordError> {
+        let keys: Vec<u32> = st.vcpus.iter().map(|v| v.vcpu).collect();
+        Ok(match target.format {
+            RecordFormat::TraceCmd => {
+                Out::TraceDat(Box::new(super::stream::TraceDatStream::create(
+                    target,
+                    &keys,
+                    st.keyed,
+                    trace_id(target, st),
+                )?))
+            }
+            RecordFormat::Perfetto => Out::Perfetto(Box::new(
+                super::stream::PerfettoStream::create(target, st.keyed)?,
+            )),
+            _ => Self::create(target, Placement::OneSided)?,
+        })
+    }
+
+    /// The end of a drain round (exact mode's Perfetto stream may open its writer), and the
+    /// clock snapshot taken with it, if any.
+    pub(super) fn round_end(&mut self, snap: Option<ClockSnapshot>) -> Result<(), RecordError> {
+        if let Self::Perfetto(p) = self {
+            p.round_end()?;
+            if let Some(s) = snap {
+                p.snapshot(s)?;
+            }
+        }
+        Ok(())
+    }
+
     /// One event, placed with what is known now: streamed, or spooled to be placed again
     /// when the recording ends.
+    #[inline]
     pub(super) fn push(&mut self, p: &Placed<'_>, out: &Path) -> Result<(), RecordError> {
         match self {
+            Self::TraceDat(w) => w.push(p),
+            Self::Perfetto(w) => w.push(p),
             Self::Held { spool, .. } | Self::Spool(spool) => spool
                 .push(p.vcpu, p.guest, p.id, p.payload)
                 .map_err(RecordError::io(out)),
@@ -172,6 +210,14 @@ pub(super) fn finish(out: Out, opts: &Target, st: &State) -> Result<(bool, u64),
         Out::Spool(s) if opts.format == RecordFormat::Perfetto => write_perfetto(s, opts, st),
         Out::Ctf(w) => Ok((false, w.finish()?.raised)),
         Out::Spool(s) => write_trace_dat(s, opts, st),
+        Out::TraceDat(w) => {
+            let host_ticks = w.finish()?;
+            Ok((host_ticks > 0, 0))
+        }
+        Out::Perfetto(w) => {
+            w.finish()?;
+            Ok((false, 0))
+        }
     }
 }
 
@@ -269,33 +315,12 @@ pub(super) fn write_trace_dat_as(
     let mut wo = WriterOptions::new(cpus, trace_id);
     wo.version = opts.file_version;
     wo.tsc2nsec = host_tsc2nsec();
-    let names = st
+    let names: Vec<String> = st
         .vcpus
         .iter()
-        .map(|v| {
-            // A memory recording: each boot's rings are CPUs of their own (boot 0's are
-            // named by their vCPU alone).
-            match super::place::split_key(v.vcpu) {
-                (b, r) if st.keyed && b > 0 => format!("{r} of boot {b}"),
-                (_, r) if st.keyed => r.to_string(),
-                _ => v.vcpu.to_string(),
-            }
-        })
-        .collect::<Vec<_>>()
-        .join(",");
-    let which = if st.vcpus.len() == 1 {
-        format!("vCPU {names}")
-    } else {
-        format!("vCPUs {names} as CPUs 0..{}", st.vcpus.len())
-    };
-    wo.uname = Some(if identity {
-        format!("vmtsync record: {which}, raw guest TSC, TIME_SHIFT to host TSC")
-    } else {
-        format!(
-            "vmtsync record: {which}, timestamps pre-converted to host TSC (the guest TSC \
-             rate is not the host's: trace-cmd's TIME_SHIFT cannot represent it exactly)"
-        )
-    });
+        .map(|v| super::stream::cpu_name(v.vcpu, st.keyed))
+        .collect();
+    wo.uname = Some(super::stream::uname(&names, identity));
     let tsc2nsec = wo.tsc2nsec;
     let mut w = TraceDatWriter::create(&opts.out, wo)?;
     // Span records are also written as the function graph trace-cmd prints.

@@ -14,7 +14,7 @@ use std::collections::BTreeMap;
 
 use serde::Serialize;
 
-use super::report::{LagStats, MAX_LISTED, ProbeReport, SegmentWorst, quantiles, signed};
+use super::report::{LagStats, ProbeReport, SegmentWorst, Verdict, quantiles, signed};
 use crate::exits::PioExit;
 use crate::ftrace::format::PioDirection;
 use crate::sync::{Placement, covering, place};
@@ -213,7 +213,7 @@ pub struct ValidateReport {
     pub lag_after_in: Option<LagStats>,
     /// Per segment: its worst lag and violations.
     pub segments: Vec<SegmentWorst>,
-    /// The first violations (at most [`MAX_LISTED`]).
+    /// The first violations (at most [`MAX_LISTED`](super::report::MAX_LISTED)).
     pub first_violations: Vec<Violation>,
     /// The probe log's check (`--probe-log`), `null` without one.
     pub probes: Option<ProbeReport>,
@@ -603,35 +603,32 @@ impl Checker<'_> {
             Side::BeforeOut => r.before_out += 1,
             Side::AfterIn => r.after_in += 1,
         }
-        let outside = exit_lo.is_some_and(|l| host < l) || exit_hi.is_some_and(|h| host > h);
-        let bound_false = exit_lo.is_some_and(|l| hi < l) || exit_hi.is_some_and(|h| lo > h);
+        let verdict = Verdict::of((host, lo, hi), exit_lo, exit_hi);
         self.lags.push(lag);
         self.side_lags[usize::from(e.side == Side::AfterIn)].push(lag);
         let w = self.worst.entry((vcpu, seg.round)).or_insert(seg);
         if self.segments.is_none() {
             w.width = w.width.max(signed(hi, lo));
         }
-        w.add(lag, outside || bound_false);
-        w.wrong_side += u64::from(outside);
-        if outside || bound_false {
-            r.violations += 1;
-            r.bound_violations += u64::from(bound_false);
-            if r.first_violations.len() < MAX_LISTED {
-                r.first_violations.push(Violation {
-                    vcpu,
-                    seq: e.seq,
-                    side: e.side,
-                    guest_tsc: e.guest_tsc,
-                    host_tsc: host,
-                    host_lo: lo,
-                    host_hi: hi,
-                    exit_lo,
-                    exit_hi,
-                    round: seg.round,
-                    bound_false,
-                });
-            }
-        }
+        verdict.count(
+            w,
+            lag,
+            [&mut r.violations, &mut r.bound_violations],
+            &mut r.first_violations,
+            || Violation {
+                vcpu,
+                seq: e.seq,
+                side: e.side,
+                guest_tsc: e.guest_tsc,
+                host_tsc: host,
+                host_lo: lo,
+                host_hi: hi,
+                exit_lo,
+                exit_hi,
+                round: seg.round,
+                bound_false: verdict.bound_false,
+            },
+        );
     }
 
     /// The statistics into the report.
@@ -664,7 +661,8 @@ mod tests {
     //! the after-event.
 
     use super::*;
-    use crate::syncfile::OffsetModel;
+    use crate::validate::report::MAX_LISTED;
+    use crate::validate::testutil::segment_at;
 
     const OFFSET: i64 = 1_000_000_000_000;
     const PERIOD: u64 = 2_300_000;
@@ -711,26 +709,7 @@ mod tests {
     /// One segment with offset `offset` and guaranteed bounds `half` either side, at identity
     /// rate.
     fn segment(offset: i64, half: i64) -> SyncSegment {
-        SyncSegment {
-            vcpu: 0,
-            round: 0,
-            guest_start: 0,
-            host_anchor: START,
-            guest_anchor: START.checked_add_signed(offset).unwrap(),
-            offset,
-            offset_lo: offset - half,
-            offset_hi: offset + half,
-            drift_ppb: 0,
-            drift_ppb_lo: Some(0),
-            drift_ppb_hi: Some(0),
-            model: OffsetModel::Drift,
-            probes: 64,
-            rtt_min_ticks: 30_000,
-            host_first: START,
-            host_last: START,
-            is_break: false,
-            anchor: crate::syncfile::AnchorKind::KvmPioUart,
-        }
+        segment_at(START, offset, half, 30_000)
     }
 
     fn exit(ts: u64, direction: PioDirection, val: u32) -> PioExit {
@@ -767,21 +746,37 @@ mod tests {
         ]
     }
 
-    /// [`super::check`] with a sync file and the workload's rules.
+    /// [`super::check`] with a sync file, [`threads`] and the workload's rules.
     fn check(
         events: &[IoEvent],
         exits: &[PioExit],
         segments: &[SyncSegment],
-        threads: &BTreeMap<u32, u32>,
         numbering: Numbering,
     ) -> ValidateReport {
         super::check(
             events,
             exits,
             Some(segments),
-            threads,
+            &threads(),
             numbering,
             &workload_rules(),
+        )
+    }
+
+    /// [`super::check`] with [`threads`], numbered from boot.
+    fn from_boot(
+        events: &[IoEvent],
+        exits: &[PioExit],
+        segments: Option<&[SyncSegment]>,
+        rules: &[EventRule],
+    ) -> ValidateReport {
+        super::check(
+            events,
+            exits,
+            segments,
+            &threads(),
+            Numbering::FromBoot,
+            rules,
         )
     }
 
@@ -792,7 +787,6 @@ mod tests {
             &events,
             &exits,
             &[segment(OFFSET, 15_000)],
-            &threads(),
             Numbering::Nearest,
         );
         assert_eq!((r.checked, r.before_out, r.after_in), (2000, 1000, 1000));
@@ -865,7 +859,6 @@ mod tests {
             &events,
             &exits,
             &[segment(OFFSET - width, 10_000)],
-            &threads(),
             Numbering::Nearest,
         );
         assert_eq!(r.violations, 1000);
@@ -883,7 +876,6 @@ mod tests {
             &events,
             &exits,
             &[segment(OFFSET + width, 10_000)],
-            &threads(),
             Numbering::Nearest,
         );
         assert_eq!(r.violations, 1000);
@@ -894,7 +886,6 @@ mod tests {
             &events,
             &exits,
             &[segment(OFFSET + 5_000, 6_000)],
-            &threads(),
             Numbering::Nearest,
         );
         assert_eq!((r.violations, r.bound_violations), (1000, 0));
@@ -917,7 +908,6 @@ mod tests {
             &events,
             &host,
             &[segment(OFFSET, 15_000)],
-            &threads(),
             Numbering::Nearest,
         );
         assert_eq!(r.violations, 0);
@@ -935,13 +925,7 @@ mod tests {
         // The guest's ring dropped its first 500 steps' events; the host saw every step.
         let late = &events[1000..];
         for numbering in [Numbering::Nearest, Numbering::FromBoot] {
-            let r = check(
-                late,
-                &exits,
-                &[segment(OFFSET, 15_000)],
-                &threads(),
-                numbering,
-            );
+            let r = check(late, &exits, &[segment(OFFSET, 15_000)], numbering);
             assert_eq!((r.checked, r.violations), (1000, 0), "{numbering:?}");
             assert_eq!(r.numbering, numbering);
         }
@@ -958,7 +942,6 @@ mod tests {
             &events,
             &exits,
             &[segment(OFFSET - off, 15_000)],
-            &threads(),
             Numbering::FromBoot,
         );
         // Every event but the last after-event, which has no later `out` to be late for.
@@ -968,7 +951,6 @@ mod tests {
             &events,
             &exits,
             &[segment(OFFSET - off, 15_000)],
-            &threads(),
             Numbering::Nearest,
         );
         assert_eq!(
@@ -987,7 +969,6 @@ mod tests {
             &events,
             &exits,
             &[segment(OFFSET, 15_000)],
-            &threads(),
             Numbering::Nearest,
         );
         assert_eq!(
@@ -1000,7 +981,7 @@ mod tests {
     #[test]
     fn events_no_segment_converts_are_counted() {
         let (events, exits) = run(10);
-        let r = check(&events, &exits, &[], &threads(), Numbering::Nearest);
+        let r = check(&events, &exits, &[], Numbering::Nearest);
         assert_eq!((r.checked, r.unconverted_events), (0, 20));
     }
 
@@ -1050,14 +1031,7 @@ mod tests {
         let (events, exits) = foreign(600, 0x80);
         let seg = [segment(OFFSET, 15_000)];
         let rules = foreign_rules(0x80);
-        let r = super::check(
-            &events,
-            &exits,
-            Some(&seg),
-            &threads(),
-            Numbering::FromBoot,
-            &rules,
-        );
+        let r = from_boot(&events, &exits, Some(&seg), &rules);
         assert_eq!((r.checked, r.violations, r.unpaired_exits), (1200, 0, 0));
         assert_eq!(r.rules, rules);
         assert_eq!(r.conversion, Conversion::SyncFile);
@@ -1069,26 +1043,12 @@ mod tests {
         // Converted a little more than the before-gap late: every before-event follows its
         // `out`, every after-event is still after it.
         let late = [segment(OFFSET - GAP_B.cast_signed() - 1, 15_000)];
-        let r = super::check(
-            &events,
-            &exits,
-            Some(&late),
-            &threads(),
-            Numbering::FromBoot,
-            &rules,
-        );
+        let r = from_boot(&events, &exits, Some(&late), &rules);
         assert_eq!(r.violations, 600);
         assert!(r.first_violations.iter().all(|v| v.side == Side::BeforeOut));
         // And early by more than the after-gap: every after-event precedes its `out`.
         let early = [segment(OFFSET + GAP_A.cast_signed() + 1, 15_000)];
-        let r = super::check(
-            &events,
-            &exits,
-            Some(&early),
-            &threads(),
-            Numbering::FromBoot,
-            &rules,
-        );
+        let r = from_boot(&events, &exits, Some(&early), &rules);
         assert_eq!(r.violations, 600);
         assert!(r.first_violations.iter().all(|v| v.side == Side::AfterIn));
     }
@@ -1111,14 +1071,7 @@ mod tests {
         for e in &mut events {
             e.port = 0x3f0;
         }
-        let r = super::check(
-            &events,
-            &exits,
-            Some(&seg),
-            &threads(),
-            Numbering::FromBoot,
-            &rules,
-        );
+        let r = from_boot(&events, &exits, Some(&seg), &rules);
         assert!(r.violations >= 500, "{}", r.violations);
     }
 
@@ -1136,14 +1089,7 @@ mod tests {
             });
         }
         let rules = workload_rules();
-        let r = super::check(
-            &events,
-            &exits,
-            None,
-            &threads(),
-            Numbering::FromBoot,
-            &rules,
-        );
+        let r = from_boot(&events, &exits, None, &rules);
         assert_eq!((r.checked, r.violations), (600, 0));
         assert_eq!(r.conversion, Conversion::Recorded);
         assert_eq!(r.segments.len(), 1);
@@ -1156,25 +1102,11 @@ mod tests {
             c.lo += 30_000;
             c.hi += 30_000;
         }
-        let r = super::check(
-            &events,
-            &exits,
-            None,
-            &threads(),
-            Numbering::FromBoot,
-            &rules,
-        );
+        let r = from_boot(&events, &exits, None, &rules);
         assert_eq!((r.violations, r.bound_violations), (300, 300));
         // An event `record` did not convert is counted, not checked.
         events[0].recorded = None;
-        let r = super::check(
-            &events,
-            &exits,
-            None,
-            &threads(),
-            Numbering::FromBoot,
-            &rules,
-        );
+        let r = from_boot(&events, &exits, None, &rules);
         assert_eq!(r.unconverted_events, 1);
     }
 }

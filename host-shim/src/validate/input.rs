@@ -9,12 +9,12 @@ use std::path::{Path, PathBuf};
 
 use super::check::{EventRule, IoEvent, Numbering, Recorded, Side, ValidateReport, check_placed};
 use super::probes::{ProbeChecker, ports_of, read_probe_log};
-use super::report::ValidateError;
+use super::report::{LinesEnd, ValidateError, each_line};
 use crate::exits::PioExit;
 use crate::formats::tracedat::consts::option;
 use crate::formats::tracedat::{for_each_record, read_event_formats, read_layout};
 use crate::ftrace::format::{EventFormat, KVM_PIO, KvmPioLayout};
-use crate::syncfile::{LineRead, SyncFile, read_line_bounded};
+use crate::syncfile::SyncFile;
 
 /// Event id the agent's workload records right before its `out`
 /// (`guest-agent/src/events.rs`, `WORKLOAD_EVENT`).
@@ -272,33 +272,22 @@ fn jsonl_events(
     rules: &[EventRule],
 ) -> Result<Vec<RawEvent>, ValidateError> {
     let mut out = Vec::new();
-    let mut line = Vec::new();
-    let mut n = 0_u64;
-    loop {
-        line.clear();
-        let r =
-            read_line_bounded(&mut input, &mut line).map_err(|source| ValidateError::GuestIo {
-                path: path.to_owned(),
-                source,
-            })?;
-        n += 1;
-        let bad = |why: String| ValidateError::GuestLine {
-            path: path.to_owned(),
-            line: n,
-            why,
-        };
-        match r {
-            LineRead::Eof => break,
-            LineRead::TooLong => return Err(bad("too long for an event".into())),
-            // A last line without its newline: `record` renames the file only when complete.
-            LineRead::Partial { .. } => return Err(bad("cut short (no newline)".into())),
-            LineRead::Line => {}
-        }
-        let v: serde_json::Value = serde_json::from_slice(&line).map_err(|e| bad(e.to_string()))?;
+    let bad = |line: u64, why: String| ValidateError::GuestLine {
+        path: path.to_owned(),
+        line,
+        why,
+    };
+    let io = |source| ValidateError::GuestIo {
+        path: path.to_owned(),
+        source,
+    };
+    let (end, n) = each_line(&mut input, io, |n, line| {
+        let bad = |why: String| bad(n, why);
+        let v: serde_json::Value = serde_json::from_slice(line).map_err(|e| bad(e.to_string()))?;
         let num = |k: &str| v.get(k).and_then(serde_json::Value::as_u64);
         let id = match num("id").map(u16::try_from) {
             Some(Ok(id)) if rules.iter().any(|r| r.id == id) => id,
-            Some(_) => continue,
+            Some(_) => return Ok(()),
             None => return Err(bad("no numeric \"id\"".into())),
         };
         let (Some(vcpu), Some(guest_tsc)) = (num("vcpu"), num("guest_tsc")) else {
@@ -337,8 +326,14 @@ fn jsonl_events(
             seq: seq_of(&payload),
             recorded,
         });
+        Ok(())
+    })?;
+    match end {
+        LinesEnd::Eof => Ok(out),
+        LinesEnd::TooLong => Err(bad(n, "too long for an event".into())),
+        // A last line without its newline: `record` renames the file only when complete.
+        LinesEnd::Partial { .. } => Err(bad(n, "cut short (no newline)".into())),
     }
-    Ok(out)
 }
 
 /// The events `rules` name in a guest trace.dat (raw guest TSC timestamps).

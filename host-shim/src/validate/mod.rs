@@ -26,6 +26,8 @@ pub mod check;
 pub mod input;
 pub mod probes;
 pub mod report;
+#[cfg(test)]
+mod testutil;
 
 pub use check::{
     Conversion, EventRule, IoEvent, Numbering, PlacementName, REPORT_SCHEMA, Recorded, Side,

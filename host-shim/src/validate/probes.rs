@@ -16,12 +16,13 @@ use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 
 use super::report::{
-    MAX_LISTED, ProbeReport, ProbeViolation, SegmentWorst, ValidateError, quantiles, signed,
+    LinesEnd, ProbeReport, ProbeViolation, SegmentWorst, ValidateError, Verdict, each_line,
+    quantiles, signed,
 };
 use crate::exits::{PioExit, match_sync_port, match_uart};
 use crate::probe::log::{PROBE_LOG_SCHEMA, ProbeExchange, ProbePath};
 use crate::sync::{covering, host_bounds};
-use crate::syncfile::{LineRead, SyncSegment, read_line_bounded};
+use crate::syncfile::SyncSegment;
 
 /// The 16550's register block: the data port and the seven after it (the matcher uses only
 /// the accesses among them that reach the data port).
@@ -103,33 +104,30 @@ impl<'a> ProbeChecker<'a> {
         let (after_in, before_out) = (signed(host, exit_lo), signed(exit_hi, host));
         self.lags[0].push(after_in);
         self.lags[1].push(before_out);
-        let outside = host < exit_lo || host > exit_hi;
-        let bound_false = hi < exit_lo || lo > exit_hi;
+        let verdict = Verdict::of((host, lo, hi), Some(exit_lo), Some(exit_hi));
         let w = self
             .worst
             .entry((e.vcpu, seg.round))
             .or_insert(SegmentWorst::of(e.vcpu, &seg));
-        w.add(after_in.min(before_out), outside || bound_false);
-        w.wrong_side += u64::from(outside);
-        if outside || bound_false {
-            r.violations += 1;
-            r.bound_violations += u64::from(bound_false);
-            if r.first_violations.len() < MAX_LISTED {
-                r.first_violations.push(ProbeViolation {
-                    vcpu: e.vcpu,
-                    seq: e.seq,
-                    path: e.path,
-                    guest_tsc: e.guest_tsc,
-                    host_tsc: host,
-                    host_lo: lo,
-                    host_hi: hi,
-                    exit_lo,
-                    exit_hi,
-                    round: seg.round,
-                    bound_false,
-                });
-            }
-        }
+        verdict.count(
+            w,
+            after_in.min(before_out),
+            [&mut r.violations, &mut r.bound_violations],
+            &mut r.first_violations,
+            || ProbeViolation {
+                vcpu: e.vcpu,
+                seq: e.seq,
+                path: e.path,
+                guest_tsc: e.guest_tsc,
+                host_tsc: host,
+                host_lo: lo,
+                host_hi: hi,
+                exit_lo,
+                exit_hi,
+                round: seg.round,
+                bound_false: verdict.bound_false,
+            },
+        );
     }
 
     /// The report.
@@ -166,40 +164,37 @@ fn read_exchanges(
     input: &mut impl BufRead,
     each: &mut impl FnMut(&ProbeExchange),
 ) -> Result<u64, ValidateError> {
-    let mut line = Vec::new();
-    let mut n = 0_u64;
-    loop {
-        line.clear();
-        let r =
-            read_line_bounded(input, &mut line).map_err(|source| ValidateError::ProbeLogIo {
-                path: path.clone(),
-                source,
-            })?;
-        n += 1;
-        let bad = |why: String| ValidateError::ProbeLine {
-            path: path.clone(),
-            line: n,
-            why,
-        };
-        match r {
-            LineRead::Eof => return Ok(0),
-            // A run killed in the middle of a write: the whole lines before it stand.
-            LineRead::Partial { bytes } => return Ok(bytes),
-            LineRead::TooLong => {
-                return Err(bad(
-                    "longer than any probe exchange (is this a probe log?)".into()
-                ));
-            }
-            LineRead::Line => {}
-        }
-        let e: ProbeExchange = serde_json::from_slice(&line).map_err(|e| bad(e.to_string()))?;
+    let bad = |line: u64, why: String| ValidateError::ProbeLine {
+        path: path.clone(),
+        line,
+        why,
+    };
+    let io = |source| ValidateError::ProbeLogIo {
+        path: path.clone(),
+        source,
+    };
+    let (end, n) = each_line(input, io, |n, line| {
+        let e: ProbeExchange = serde_json::from_slice(line).map_err(|e| bad(n, e.to_string()))?;
         if e.schema != PROBE_LOG_SCHEMA {
-            return Err(bad(format!(
-                "schema {} (this vmtsync reads schema {PROBE_LOG_SCHEMA})",
-                e.schema
-            )));
+            return Err(bad(
+                n,
+                format!(
+                    "schema {} (this vmtsync reads schema {PROBE_LOG_SCHEMA})",
+                    e.schema
+                ),
+            ));
         }
         each(&e);
+        Ok(())
+    })?;
+    match end {
+        LinesEnd::Eof => Ok(0),
+        // A run killed in the middle of a write: the whole lines before it stand.
+        LinesEnd::Partial { bytes } => Ok(bytes),
+        LinesEnd::TooLong => Err(bad(
+            n,
+            "longer than any probe exchange (is this a probe log?)".into(),
+        )),
     }
 }
 
@@ -218,7 +213,9 @@ mod tests {
     use super::*;
     use crate::exits::COM1_DATA;
     use crate::ftrace::format::{KvmPio, PioDirection};
-    use crate::syncfile::{AnchorKind, OffsetModel};
+    use crate::syncfile::AnchorKind;
+    use crate::validate::report::MAX_LISTED;
+    use crate::validate::testutil::segment_at;
 
     const OFFSET: i64 = 7_000_000_000;
     const PID: u32 = 99;
@@ -270,26 +267,7 @@ mod tests {
     }
 
     fn segment(offset: i64, half: i64) -> SyncSegment {
-        SyncSegment {
-            vcpu: 0,
-            round: 0,
-            guest_start: 0,
-            host_anchor: 1_000_000,
-            guest_anchor: 1_000_000_u64.checked_add_signed(offset).unwrap(),
-            offset,
-            offset_lo: offset - half,
-            offset_hi: offset + half,
-            drift_ppb: 0,
-            drift_ppb_lo: Some(0),
-            drift_ppb_hi: Some(0),
-            model: OffsetModel::Drift,
-            probes: 64,
-            rtt_min_ticks: 5_000,
-            host_first: 0,
-            host_last: 0,
-            is_break: false,
-            anchor: AnchorKind::KvmPioUart,
-        }
+        segment_at(1_000_000, offset, half, 5_000)
     }
 
     fn run(n: u64, seg: SyncSegment, keep: impl Fn(usize) -> bool) -> ProbeReport {

@@ -10,7 +10,7 @@ use thiserror::Error;
 use crate::formats::tracedat::TraceDatError;
 use crate::ftrace::format::FormatError;
 use crate::probe::log::ProbePath;
-use crate::syncfile::{SyncFileError, SyncSegment};
+use crate::syncfile::{LineRead, SyncFileError, SyncSegment, read_line_bounded};
 
 /// Why `validate` could not check.
 #[derive(Debug, Error)]
@@ -185,6 +185,53 @@ impl SegmentWorst {
     }
 }
 
+/// Where a converted time and its guaranteed interval stand against an exit bracket.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Verdict {
+    /// The converted time lies outside the bracket (the estimate is wrong).
+    pub outside: bool,
+    /// The guaranteed interval misses the bracket (the bound is false, not only the estimate).
+    pub bound_false: bool,
+}
+
+impl Verdict {
+    /// `host`, with its guaranteed interval `[lo, hi]`, against the bracket
+    /// `[exit_lo, exit_hi]` (`None`: no bound on that side).
+    pub(super) fn of(
+        (host, lo, hi): (u64, u64, u64),
+        exit_lo: Option<u64>,
+        exit_hi: Option<u64>,
+    ) -> Self {
+        Self {
+            outside: exit_lo.is_some_and(|l| host < l) || exit_hi.is_some_and(|h| host > h),
+            bound_false: exit_lo.is_some_and(|l| hi < l) || exit_hi.is_some_and(|h| lo > h),
+        }
+    }
+
+    /// Counts the conversion into its segment `w` with its tight-side `lag` and, when it is a
+    /// violation, into a report's `violations` and `bound_violations`, listing it in `first`
+    /// (`listed` makes the entry) while that holds fewer than [`MAX_LISTED`].
+    pub(super) fn count<V>(
+        self,
+        w: &mut SegmentWorst,
+        lag: i64,
+        [violations, bound_violations]: [&mut u64; 2],
+        first: &mut Vec<V>,
+        listed: impl FnOnce() -> V,
+    ) {
+        let violation = self.outside || self.bound_false;
+        w.add(lag, violation);
+        w.wrong_side += u64::from(self.outside);
+        if violation {
+            *violations += 1;
+            *bound_violations += u64::from(self.bound_false);
+            if first.len() < MAX_LISTED {
+                first.push(listed());
+            }
+        }
+    }
+}
+
 /// A converted probe outside its exit bracket (or a guaranteed interval disjoint from it).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub struct ProbeViolation {
@@ -261,4 +308,46 @@ pub(super) fn quantiles(mut v: Vec<i64>) -> Option<LagStats> {
 pub(super) fn signed(a: u64, b: u64) -> i64 {
     let d = i128::from(a) - i128::from(b);
     i64::try_from(d).unwrap_or(if d < 0 { i64::MIN } else { i64::MAX })
+}
+
+/// How a JSON Lines input ended ([`each_line`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum LinesEnd {
+    /// At its end, after a newline (or empty).
+    Eof,
+    /// Inside a line: `bytes` after the last newline.
+    Partial {
+        /// Bytes after the last newline.
+        bytes: u64,
+    },
+    /// At a line longer than the sync file's line bound.
+    TooLong,
+}
+
+/// Hands every whole line of `input` (without its newline) and its 1-based number to `each`,
+/// each line at most the sync file's line bound ([`read_line_bounded`]), until the input ends,
+/// a line is too long, or `each` fails; returns how it ended and the number of the line it
+/// ended at. `io` names a read error.
+pub(super) fn each_line(
+    input: &mut impl std::io::BufRead,
+    io: impl Fn(std::io::Error) -> ValidateError,
+    mut each: impl FnMut(u64, &[u8]) -> Result<(), ValidateError>,
+) -> Result<(LinesEnd, u64), ValidateError> {
+    let mut line = Vec::new();
+    let mut n = 0_u64;
+    loop {
+        line.clear();
+        let r = read_line_bounded(input, &mut line).map_err(&io)?;
+        n += 1;
+        let end = match r {
+            LineRead::Line => {
+                each(n, &line)?;
+                continue;
+            }
+            LineRead::Eof => LinesEnd::Eof,
+            LineRead::Partial { bytes } => LinesEnd::Partial { bytes },
+            LineRead::TooLong => LinesEnd::TooLong,
+        };
+        return Ok((end, n));
+    }
 }

@@ -149,6 +149,19 @@ pub(crate) fn mapped(snaps: &[(i128, i128)], tsc: i128) -> i128 {
     n0 + ((tsc - t0) * (n1 - n0) * 2 + (t1 - t0)).div_euclid(2 * (t1 - t0))
 }
 
+/// `tsc` on BOOTTIME as a streaming writer may have converted it: through [`mapped`]'s pair,
+/// or, written before the snapshot after it was taken, through the pair before (the line
+/// extrapolated past its second snapshot). `record --from-memory` in exact mode streams
+/// (docs/record.md, "Exact mode streams").
+pub(crate) fn mapped_streamed(snaps: &[(i128, i128)], tsc: i128) -> Vec<i128> {
+    let mut ways = vec![mapped(snaps, tsc)];
+    let i = snaps.iter().take_while(|s| s.0 <= tsc).count();
+    if (2..snaps.len()).contains(&i) {
+        ways.push(mapped(&snaps[..i], tsc));
+    }
+    ways
+}
+
 /// Every slice with its track, machine and arguments.
 const EVENTS: &str = "select s.ts, s.name, t.name, m.raw_id, \
     extract_arg(s.arg_set_id, 'debug.host_tsc'), extract_arg(s.arg_set_id, 'debug.guest_tsc'), \

@@ -188,6 +188,27 @@ pub(crate) fn boot_elf(
         );
         std::thread::sleep(Duration::from_millis(10));
     }
+    // QEMU creates its chardevs before its VM: a reader that names the VM by QEMU's PID right
+    // away can find no VM yet on a loaded host. Wait for KVM's debugfs directory too.
+    let kvm = Path::new("/sys/kernel/debug/kvm");
+    let prefix = format!("{}-", guard.pid());
+    while kvm.is_dir()
+        && !std::fs::read_dir(kvm)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .any(|e| {
+                e.file_name().to_string_lossy().starts_with(&prefix)
+                    && e.path().join("vcpu0").is_dir()
+            })
+    {
+        assert!(
+            Instant::now() < end,
+            "QEMU {} created no KVM VM with a vCPU 0",
+            guard.pid()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
     (guard, sock)
 }
 

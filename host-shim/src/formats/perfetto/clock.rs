@@ -186,6 +186,27 @@ impl BootClock {
         Ok(Self { snaps, pairs })
     }
 
+    /// Adds a snapshot taken after every one the clock holds (a writer streaming for a long
+    /// time takes one now and then): the TSCs after it convert through it and the one before,
+    /// as [`Self::new`] with all of them would. A snapshot not after the last one is refused.
+    ///
+    /// # Errors
+    /// [`ClockError::NotMonotonic`] when its TSC or BOOTTIME is behind the last snapshot's.
+    pub fn extend(&mut self, s: ClockSnapshot) -> Result<(), ClockError> {
+        let last = *self.snaps.last().ok_or(ClockError::TooFew)?;
+        if s.tsc <= last.tsc || s.boottime_ns < last.boottime_ns {
+            return Err(ClockError::NotMonotonic {
+                tsc_a: last.tsc,
+                tsc_b: s.tsc,
+                ns_a: last.boottime_ns,
+                ns_b: s.boottime_ns,
+            });
+        }
+        self.pairs.push(Pair::new(&last, &s));
+        self.snaps.push(s);
+        Ok(())
+    }
+
     /// The snapshots, sorted by TSC.
     #[must_use]
     pub fn snapshots(&self) -> &[ClockSnapshot] {
@@ -330,6 +351,48 @@ mod tests {
             boottime_ns: ns,
             resolution: 0,
         }
+    }
+
+    #[test]
+    fn a_clock_extended_snapshot_by_snapshot_converts_as_one_made_with_all_of_them() {
+        let all = [
+            ClockSnapshot {
+                tsc: 1_000_000,
+                boottime_ns: 5_000_000,
+                resolution: 40,
+            },
+            ClockSnapshot {
+                tsc: 3_100_000,
+                boottime_ns: 6_000_000,
+                resolution: 20,
+            },
+            ClockSnapshot {
+                tsc: 5_200_007,
+                boottime_ns: 7_000_001,
+                resolution: 60,
+            },
+            ClockSnapshot {
+                tsc: 9_400_000,
+                boottime_ns: 9_000_100,
+                resolution: 10,
+            },
+        ];
+        let whole = BootClock::new(all.to_vec()).unwrap();
+        let mut grown = BootClock::new(all[..2].to_vec()).unwrap();
+        for s in &all[2..] {
+            grown.extend(*s).unwrap();
+        }
+        assert_eq!(grown.snapshots(), whole.snapshots());
+        for tsc in [
+            0, 999_999, 1_000_000, 3_099_999, 3_100_000, 5_200_007, 9_399_999, 20_000_000,
+        ] {
+            assert_eq!(grown.boottime_ns(tsc), whole.boottime_ns(tsc), "{tsc}");
+            assert_eq!(grown.error_ns(tsc), whole.error_ns(tsc), "{tsc}");
+        }
+        // Only forward: an earlier TSC, or BOOTTIME going back, is refused.
+        assert!(grown.extend(snap(9_000_000, 9_500_000)).is_err());
+        assert!(grown.extend(snap(9_500_000, 8_000_000)).is_err());
+        assert_eq!(grown.snapshots().len(), 4);
     }
 
     #[test]

@@ -18,19 +18,20 @@ fn clock() -> BootClock {
     BootClock::new(vec![s(0, 1_000_000_000), s(2_000_000, 1_001_000_000)]).unwrap()
 }
 
+/// A guest named `vm` on machine `machine_id`, on [`clock`].
+fn options(machine_id: u32) -> PerfettoOptions {
+    PerfettoOptions {
+        machine_id,
+        guest_name: "vm".into(),
+        clock: clock(),
+    }
+}
+
 #[test]
 fn events_land_on_their_vcpu_tracks_in_boottime() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("t.perfetto-trace");
-    let mut w = PerfettoWriter::create(
-        &path,
-        PerfettoOptions {
-            machine_id: 2,
-            guest_name: "vm".into(),
-            clock: clock(),
-        },
-    )
-    .unwrap();
+    let mut w = PerfettoWriter::create(&path, options(2)).unwrap();
     // The last one earlier than its vCPU's previous event.
     let pushed = [
         (0, 7, 1000),
@@ -164,14 +165,7 @@ fn boottimes(packets: &[TracePacket]) -> Vec<u64> {
 #[test]
 fn machine_zero_is_refused() {
     let dir = tempfile::tempdir().unwrap();
-    let r = PerfettoWriter::create(
-        &dir.path().join("t"),
-        PerfettoOptions {
-            machine_id: 0,
-            guest_name: "vm".into(),
-            clock: clock(),
-        },
-    );
+    let r = PerfettoWriter::create(&dir.path().join("t"), options(0));
     assert!(matches!(r, Err(PerfettoError::HostMachineId)));
 }
 
@@ -179,15 +173,7 @@ fn machine_zero_is_refused() {
 fn vcpu_numbers_cannot_collide_or_grow_without_bound() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("t");
-    let mut w = PerfettoWriter::create(
-        &path,
-        PerfettoOptions {
-            machine_id: 1,
-            guest_name: "vm".into(),
-            clock: clock(),
-        },
-    )
-    .unwrap();
+    let mut w = PerfettoWriter::create(&path, options(1)).unwrap();
     let ev = |vcpu| ExportEvent {
         vcpu,
         id: 1,

@@ -53,29 +53,23 @@ pub const EVENT_SIZE: usize = 12;
 pub const EVENT_DATA_SIZE: usize = 32;
 
 /// The `format` file of `vmtsync:event`.
-pub const EVENT_FORMAT: &str = concat!(
-    "name: event\n\
-ID: 60001\n\
-format:\n\
-",
-    common_fields!(),
-    "\tfield:unsigned int id;\toffset:8;\tsize:4;\tsigned:0;\n\
-\n\
-print fmt: \"id=%u\", REC->id\n"
+pub const EVENT_FORMAT: &str = event_format!(
+    "event",
+    60001,
+    [("unsigned int id", 8, 4, 0)],
+    r#""id=%u", REC->id"#
 );
 
 /// The `format` file of `vmtsync:event_data`.
-pub const EVENT_DATA_FORMAT: &str = concat!(
-    "name: event_data\n\
-ID: 60002\n\
-format:\n\
-",
-    common_fields!(),
-    "\tfield:unsigned int id;\toffset:8;\tsize:4;\tsigned:0;\n\
-\tfield:unsigned short len;\toffset:12;\tsize:2;\tsigned:0;\n\
-\tfield:unsigned char payload[16];\toffset:16;\tsize:16;\tsigned:0;\n\
-\n\
-print fmt: \"id=%u len=%u payload=%s\", REC->id, REC->len, __print_hex(REC->payload, REC->len)\n"
+pub const EVENT_DATA_FORMAT: &str = event_format!(
+    "event_data",
+    60002,
+    [
+        ("unsigned int id", 8, 4, 0),
+        ("unsigned short len", 12, 2, 0),
+        ("unsigned char payload[16]", 16, 16, 0),
+    ],
+    r#""id=%u len=%u payload=%s", REC->id, REC->len, __print_hex(REC->payload, REC->len)"#
 );
 
 #[cfg(test)]

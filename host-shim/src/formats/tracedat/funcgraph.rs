@@ -47,45 +47,39 @@ pub const EXIT_SIZE: usize = 40;
 
 /// `funcgraph_entry`'s format, Linux 6.18's without the empty `args[]` (function arguments,
 /// which a guest span has none of).
-pub const FUNCGRAPH_ENTRY_FORMAT: &str = concat!(
-    "name: funcgraph_entry\n\
-ID: 60010\n\
-format:\n\
-",
-    common_fields!(),
-    "\tfield:unsigned long func;\toffset:8;\tsize:8;\tsigned:0;\n\
-\tfield:unsigned int depth;\toffset:16;\tsize:4;\tsigned:0;\n\
-\n\
-print fmt: \"--> %ps (%u)\", (void *)REC->func, REC->depth\n"
+pub const FUNCGRAPH_ENTRY_FORMAT: &str = event_format!(
+    "funcgraph_entry",
+    60010,
+    [
+        ("unsigned long func", 8, 8, 0),
+        ("unsigned int depth", 16, 4, 0)
+    ],
+    r#""--> %ps (%u)", (void *)REC->func, REC->depth"#
 );
 
 /// `funcgraph_exit`'s format, exactly Linux 6.18's.
-pub const FUNCGRAPH_EXIT_FORMAT: &str = concat!(
-    "name: funcgraph_exit\n\
-ID: 60011\n\
-format:\n\
-",
-    common_fields!(),
-    "\tfield:unsigned long func;\toffset:8;\tsize:8;\tsigned:0;\n\
-\tfield:unsigned int depth;\toffset:16;\tsize:4;\tsigned:0;\n\
-\tfield:unsigned int overrun;\toffset:20;\tsize:4;\tsigned:0;\n\
-\tfield:unsigned long long calltime;\toffset:24;\tsize:8;\tsigned:0;\n\
-\tfield:unsigned long long rettime;\toffset:32;\tsize:8;\tsigned:0;\n\
-\n\
-print fmt: \"<-- %ps (%u) (start: %llx  end: %llx) over: %u\", (void *)REC->func, REC->depth, REC->calltime, REC->rettime, REC->depth\n"
+pub const FUNCGRAPH_EXIT_FORMAT: &str = event_format!(
+    "funcgraph_exit",
+    60011,
+    [
+        ("unsigned long func", 8, 8, 0),
+        ("unsigned int depth", 16, 4, 0),
+        ("unsigned int overrun", 20, 4, 0),
+        ("unsigned long long calltime", 24, 8, 0),
+        ("unsigned long long rettime", 32, 8, 0),
+    ],
+    r#""<-- %ps (%u) (start: %llx  end: %llx) over: %u", (void *)REC->func, REC->depth, REC->calltime, REC->rettime, REC->depth"#
 );
 
 /// `vmtsync:span_orphan`: an exit whose entry was not seen (the same layout as an entry).
-pub const SPAN_ORPHAN_FORMAT: &str = concat!(
-    "name: span_orphan\n\
-ID: 60003\n\
-format:\n\
-",
-    common_fields!(),
-    "\tfield:unsigned long func;\toffset:8;\tsize:8;\tsigned:0;\n\
-\tfield:unsigned int depth;\toffset:16;\tsize:4;\tsigned:0;\n\
-\n\
-print fmt: \"%ps exit, entry not seen (depth %u)\", (void *)REC->func, REC->depth\n"
+pub const SPAN_ORPHAN_FORMAT: &str = event_format!(
+    "span_orphan",
+    60003,
+    [
+        ("unsigned long func", 8, 8, 0),
+        ("unsigned int depth", 16, 4, 0)
+    ],
+    r#""%ps exit, entry not seen (depth %u)", (void *)REC->func, REC->depth"#
 );
 
 /// The most names the graph adds to the image's symbols (phases, unnamed addresses, names at

@@ -52,15 +52,26 @@
 //! [`WriterOptions::max_shift_error`] is refused; the target path only ever holds a complete,
 //! verified file; no file content makes the reader panic.
 
-/// The common fields every event `format` file this crate writes starts with, as the kernel
-/// prints them (and the blank line after them).
-macro_rules! common_fields {
-    () => {
-        "\tfield:unsigned short common_type;\toffset:0;\tsize:2;\tsigned:0;\n\
-\tfield:unsigned char common_flags;\toffset:2;\tsize:1;\tsigned:0;\n\
-\tfield:unsigned char common_preempt_count;\toffset:3;\tsize:1;\tsigned:0;\n\
-\tfield:int common_pid;\toffset:4;\tsize:4;\tsigned:1;\n\
-\n"
+/// An event's `format` file as the kernel prints it: its name and ID, the common fields every
+/// event this crate writes starts with and a blank line, the event's own fields (one `field:`
+/// line per `(declaration, offset, size, signed)`), a blank line and its print format.
+macro_rules! event_format {
+    ($name:literal, $id:literal, [$($field:tt),* $(,)?], $print:literal) => {
+        concat!(
+            "name: ", $name, "\nID: ", $id, "\nformat:\n",
+            event_format!(@fields
+                ("unsigned short common_type", 0, 2, 0),
+                ("unsigned char common_flags", 2, 1, 0),
+                ("unsigned char common_preempt_count", 3, 1, 0),
+                ("int common_pid", 4, 4, 1)
+            ),
+            "\n",
+            event_format!(@fields $($field),*),
+            "\nprint fmt: ", $print, "\n"
+        )
+    };
+    (@fields $(($decl:literal, $offset:literal, $size:literal, $signed:literal)),*) => {
+        concat!($("\tfield:", $decl, ";\toffset:", $offset, ";\tsize:", $size, ";\tsigned:", $signed, ";\n",)*)
     };
 }
 
@@ -73,6 +84,8 @@ pub mod hostcopy;
 pub(crate) mod page;
 pub mod plan;
 pub mod reader;
+#[cfg(test)]
+mod testutil;
 pub mod timeshift;
 pub mod writer;
 

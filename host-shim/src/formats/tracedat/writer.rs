@@ -8,16 +8,17 @@
 //! with the sections around it. v6 puts its options (with the TIME_SHIFT, known only at the
 //! end) before the data, so all CPUs spill and the file is assembled at the end.
 //!
-//! The output is written to a temporary file in the target's directory, re-read with
-//! [`super::reader`] (layout, every page, every event count), synced and only then renamed over
-//! the target: a failed or abandoned write never leaves a partial file under the target name.
+//! The output is written to a temporary file in the target's directory, synced and only then
+//! renamed over the target: a failed or abandoned write never leaves a partial file under the
+//! target name. Reading it back is not part of writing it: [`Summary::verify`] does that for tests and
+//! for callers that want it (layout, every page, every event count).
 
 use std::fs::File;
 use std::io::{BufWriter, Seek, SeekFrom, Write};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-use crate::atomic_file::AtomicFile;
+use crate::atomic_file::{AtomicFile, BackgroundFile};
 
 use super::consts::{PAGE_SIZE, PAGE_SIZE_U32, SECTION_HEADER_SIZE, Tsc2Nsec, option};
 use super::error::TraceDatError;
@@ -97,6 +98,10 @@ pub struct Summary {
     pub ranges: Vec<Option<(u64, u64)>>,
     /// Per CPU, the worst-case TIME_SHIFT error in ticks (`None` without TIME_SHIFT).
     pub shift_error: Option<Vec<u64>>,
+    /// Per CPU, the offset and size of its data in the file.
+    pub table: Vec<(u64, u64)>,
+    /// The TRACEID written.
+    pub trace_id: u64,
 }
 
 /// Where a CPU's pages go while streaming.
@@ -146,6 +151,52 @@ pub struct TraceDatWriter {
     kallsyms: String,
     /// The saved command lines text ([`Self::set_cmdlines`]), written at the end.
     cmdlines: String,
+    /// v7's CPU 0 pages, on their way into the output.
+    main: MainPages,
+}
+
+/// Pages of v7's first CPU, which go straight into the output: written by a second thread
+/// ([`BackgroundFile`]) a [`MAIN_BUF`] at a time, so the kernel's copy into the page cache runs
+/// beside the encoding of the next pages. Started at the first page, once the header before
+/// it is flushed; both write through one open file, so they share its position.
+#[derive(Debug, Default)]
+struct MainPages {
+    bg: Option<(BackgroundFile<File>, Vec<u8>, usize)>,
+}
+
+/// Bytes of [`MainPages`]' buffers (two exist).
+const MAIN_BUF: usize = 1 << 20;
+
+impl MainPages {
+    fn write(&mut self, out: &mut BufWriter<File>, page: &[u8; PAGE_SIZE]) -> std::io::Result<()> {
+        if self.bg.is_none() {
+            out.flush()?;
+            let (bg, buf) = BackgroundFile::new(out.get_ref().try_clone()?, MAIN_BUF)?;
+            self.bg = Some((bg, buf, 0));
+        }
+        let Some((bg, buf, used)) = &mut self.bg else {
+            return Ok(());
+        };
+        buf[*used..*used + PAGE_SIZE].copy_from_slice(page);
+        *used += PAGE_SIZE;
+        if *used + PAGE_SIZE > buf.len() {
+            let full = std::mem::take(buf);
+            *buf = bg.submit(full, *used)?;
+            *used = 0;
+        }
+        Ok(())
+    }
+
+    /// Writes what is buffered and waits until every page is in the file.
+    fn finish(&mut self) -> std::io::Result<()> {
+        if let Some((mut bg, buf, used)) = self.bg.take() {
+            if used > 0 {
+                bg.submit(buf, used)?;
+            }
+            bg.finish()?;
+        }
+        Ok(())
+    }
 }
 
 impl TraceDatWriter {
@@ -197,6 +248,7 @@ impl TraceDatWriter {
             v7: None,
             kallsyms: String::new(),
             cmdlines: String::new(),
+            main: MainPages::default(),
         };
         if w.opts.version == FileVersion::V7 {
             w.start_v7()?;
@@ -262,6 +314,7 @@ impl TraceDatWriter {
             out,
             pos,
             tmp,
+            main,
             ..
         } = self;
         let c = cpus
@@ -275,7 +328,7 @@ impl TraceDatWriter {
             });
         }
         if !try_push(&mut c.page) {
-            flush_page(c, out, pos).map_err(TraceDatError::io("write", tmp.path()))?;
+            flush_page(c, out, main, pos).map_err(TraceDatError::io("write", tmp.path()))?;
             let pushed = try_push(&mut c.page);
             debug_assert!(pushed, "a record always fits an empty page");
         }
@@ -297,6 +350,36 @@ impl TraceDatWriter {
     /// records' `common_pid`. Written by [`Self::finish`].
     pub fn set_cmdlines(&mut self, text: String) {
         self.cmdlines = text;
+    }
+
+    /// Replaces the UNAME option's text (written by [`Self::finish`]): a streaming caller
+    /// names its CPUs once it knows them all.
+    pub fn set_uname(&mut self, text: String) {
+        self.opts.uname = Some(text);
+    }
+
+    /// Adds a trace CPU after the ones the writer was created with (spilled like every CPU
+    /// but v7's first) and returns its number.
+    ///
+    /// # Errors
+    /// `Io` if its spill file cannot be created.
+    pub fn add_cpu(&mut self) -> Result<u32, TraceDatError> {
+        let dir = match self.path.parent() {
+            Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+            _ => PathBuf::from("."),
+        };
+        let f = tempfile::tempfile_in(&dir)
+            .map_err(TraceDatError::io("create a spill file in", &dir))?;
+        self.cpus.push(Cpu {
+            page: PageBuf::new(),
+            sink: Sink::Spill(BufWriter::with_capacity(SPILL_BUF, f)),
+            pages: 0,
+            events: 0,
+            first: 0,
+            last: 0,
+        });
+        self.opts.cpus += 1;
+        Ok(self.opts.cpus - 1)
     }
 
     /// Events pushed so far per CPU.
@@ -324,12 +407,12 @@ impl TraceDatWriter {
         Ok(timeshift::encode(shift, &self.ranges(), u64::MAX)?.1)
     }
 
-    /// Writes the remaining pages, the TIME_SHIFT (if any) and the metadata, verifies the file
-    /// by reading it back and renames it over the target.
+    /// Writes the remaining pages, the TIME_SHIFT (if any) and the metadata, and renames the
+    /// file over the target (synced first). [`Summary::verify`] reads it back.
     ///
     /// # Errors
-    /// `TimeShift` (the file is not written: the caller may pre-convert and write again),
-    /// `Io`, or `Verify` if the file does not read back as written.
+    /// `TimeShift` (the file is not written: the caller may pre-convert and write again), or
+    /// `Io`.
     pub fn finish(mut self, shift: Option<&TimeShift>) -> Result<Summary, TraceDatError> {
         let ranges = self.ranges();
         let (shift_bytes, shift_error) = match shift {
@@ -343,17 +426,17 @@ impl TraceDatWriter {
         let io = |what| TraceDatError::io(what, &tmp_path);
         for c in &mut self.cpus {
             if !c.page.is_empty() {
-                flush_page(c, &mut self.out, &mut self.pos).map_err(io("write"))?;
+                flush_page(c, &mut self.out, &mut self.main, &mut self.pos).map_err(io("write"))?;
             }
         }
+        self.main.finish().map_err(io("write"))?;
         let table = match self.opts.version {
             FileVersion::V7 => self.finish_v7(shift_bytes.as_deref())?,
             FileVersion::V6 => self.finish_v6(shift_bytes.as_deref())?,
         };
         self.out.flush().map_err(io("write"))?;
-        self.tmp.as_file().sync_all().map_err(io("sync"))?;
-        self.verify(&table)?;
         let bytes = self.pos;
+        let trace_id = self.opts.trace_id;
         let Self {
             tmp, path, cpus, ..
         } = self;
@@ -369,6 +452,8 @@ impl TraceDatWriter {
             pages: cpus.iter().map(|c| c.pages).collect(),
             ranges,
             shift_error,
+            table,
+            trace_id,
         })
     }
 
@@ -597,54 +682,69 @@ impl TraceDatWriter {
         self.patch(table_at as u64, &t)?;
         Ok(table)
     }
+}
 
-    /// Re-reads the temporary file: the layout must show our CPU table and every page must
-    /// parse, with the event counts we pushed.
-    fn verify(&self, table: &[(u64, u64)]) -> Result<(), TraceDatError> {
-        let p = self.tmp.path();
-        let bad = |reason: String| TraceDatError::Verify {
-            path: self.path.clone(),
-            reason,
-        };
-        let layout = reader::read_layout(p)?;
-        let top = layout
-            .buffers
-            .first()
-            .ok_or_else(|| bad("no trace buffer".into()))?;
-        let got: Vec<(u64, u64)> = top.cpus.iter().map(|c| (c.offset, c.size)).collect();
-        if got != table {
-            return Err(bad(format!("CPU table {got:?}, wrote {table:?}")));
-        }
-        if layout.trace_id() != Some(self.opts.trace_id) {
-            return Err(bad("TRACEID does not read back".into()));
-        }
-        let mut counts = vec![0u64; self.cpus.len()];
-        let mut last = vec![0u64; self.cpus.len()];
-        reader::for_each_event(p, &layout, 0, |e| {
-            let i = e.cpu as usize;
-            if let Some(n) = counts.get_mut(i) {
-                *n += 1;
-                last[i] = e.ts;
-            }
-        })?;
-        for (i, c) in self.cpus.iter().enumerate() {
-            if counts[i] != c.events || (c.events > 0 && last[i] != c.last) {
-                return Err(bad(format!(
-                    "CPU {i}: read {} events ending at {}, wrote {} ending at {}",
-                    counts[i], last[i], c.events, c.last
-                )));
-            }
-        }
-        Ok(())
+impl Summary {
+    /// Reads the finished trace.dat back: the layout must show this CPU table and TRACEID,
+    /// and each CPU the event count and last timestamp written, every page parsing. For
+    /// tests and careful callers; not part of writing.
+    ///
+    /// # Errors
+    /// `Verify` naming the first difference, or the reader's error.
+    pub fn verify(&self) -> Result<(), TraceDatError> {
+        verify_summary(self)
     }
 }
 
+fn verify_summary(s: &Summary) -> Result<(), TraceDatError> {
+    let bad = |reason: String| TraceDatError::Verify {
+        path: s.path.clone(),
+        reason,
+    };
+    let layout = reader::read_layout(&s.path)?;
+    let top = layout
+        .buffers
+        .first()
+        .ok_or_else(|| bad("no trace buffer".into()))?;
+    let got: Vec<(u64, u64)> = top.cpus.iter().map(|c| (c.offset, c.size)).collect();
+    if got != s.table {
+        return Err(bad(format!("CPU table {got:?}, wrote {:?}", s.table)));
+    }
+    if layout.trace_id() != Some(s.trace_id) {
+        return Err(bad("TRACEID does not read back".into()));
+    }
+    let mut counts = vec![0u64; s.events.len()];
+    let mut last = vec![0u64; s.events.len()];
+    reader::for_each_event(&s.path, &layout, 0, |e| {
+        let i = e.cpu as usize;
+        if let Some(n) = counts.get_mut(i) {
+            *n += 1;
+            last[i] = e.ts;
+        }
+    })?;
+    for (i, (&n, r)) in s.events.iter().zip(&s.ranges).enumerate() {
+        let want_last = r.map_or(0, |(_, l)| l);
+        if counts[i] != n || (n > 0 && last[i] != want_last) {
+            return Err(bad(format!(
+                "CPU {i}: read {} events ending at {}, wrote {n} ending at {want_last}",
+                counts[i], last[i]
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// Seals `c`'s page and writes it to its sink.
-fn flush_page(c: &mut Cpu, out: &mut BufWriter<File>, pos: &mut u64) -> std::io::Result<()> {
+fn flush_page(
+    c: &mut Cpu,
+    out: &mut BufWriter<File>,
+    main: &mut MainPages,
+    pos: &mut u64,
+) -> std::io::Result<()> {
     let page = c.page.seal();
     match &mut c.sink {
         Sink::Main => {
-            out.write_all(page)?;
+            main.write(out, page)?;
             *pos += PAGE_SIZE as u64;
         }
         Sink::Spill(w) => w.write_all(page)?,

@@ -177,8 +177,6 @@ pub(super) struct Recording<'a> {
     /// The current boot's counts.
     cur: BootCounts,
     ms: MemorySummary,
-    /// The round's records.
-    pending: Vec<GuestRecord>,
     started: Instant,
     /// The first and last rounds that delivered records.
     active: Option<(Instant, Instant)>,
@@ -261,7 +259,11 @@ impl<'a> Recording<'a> {
         // Host TSC/BOOTTIME snapshots for the Perfetto output (it needs two or more): one
         // now, one a second while draining, and the one its writer takes at the end.
         st.clocks.extend(ClockSnapshot::take().ok());
-        let out = Out::create(&target, placement)?;
+        // Exact mode places every record for good when it reads it: the outputs stream.
+        let out = match mode {
+            Mode::Exact => Out::stream(&target, &st)?,
+            Mode::Beacons => Out::create(&target, placement)?,
+        };
         Ok(Self {
             opts,
             proc,
@@ -290,7 +292,6 @@ impl<'a> Recording<'a> {
                 capacity: found.header.capacity,
                 ..MemorySummary::default()
             },
-            pending: Vec::new(),
             started: Instant::now(),
             active: None,
             stop_heads: None,
@@ -339,11 +340,9 @@ impl<'a> Recording<'a> {
         {
             return Ok(Some(Ok(e)));
         }
-        self.pending.clear();
         let round_start = Instant::now();
         let before = read_host_tsc().0;
-        let pending = &mut self.pending;
-        let polled = self.drainer.poll(&mut self.mem, &mut |r| pending.push(*r));
+        let polled = self.drainer.poll_round(&mut self.mem);
         let after = read_host_tsc().0;
         self.ms.polls += 1;
         if now_end.is_some() && self.stop_heads.is_none() && polled.is_ok() {
@@ -368,7 +367,7 @@ impl<'a> Recording<'a> {
         self.place_round(&now, &changed)?;
         self.beacon_rounds(before, after, &now)?;
         self.last = now;
-        self.after_round(round_start, progress);
+        self.after_round(round_start, progress)?;
         if self.opts.events.is_some_and(|n| self.st.events >= n) {
             return Ok(Some(Ok(EndReason::Events)));
         }
@@ -457,79 +456,61 @@ impl<'a> Recording<'a> {
     /// The round's records: beacons to their chains, events placed (exact mode) or spooled
     /// for the end (beacon mode) and written.
     fn place_round(&mut self, now: &[Reading], changed: &[bool]) -> Result<(), RecordError> {
-        let pending = std::mem::take(&mut self.pending);
-        let result = pending
-            .iter()
-            .try_for_each(|r| self.place_record(r, now, changed));
-        self.pending = pending;
-        result
-    }
-
-    /// One record of the round (see [`Recording::place_round`]).
-    fn place_record(
-        &mut self,
-        r: &GuestRecord,
-        now: &[Reading],
-        changed: &[bool],
-    ) -> Result<(), RecordError> {
-        let st = &mut self.st;
-        if r.is_beacon() {
-            self.ms.beacons += 1;
-            self.cur.beacons += 1;
-            if let Some(b) = &mut self.beacons {
-                b.record(r);
-            }
-            return Ok(());
-        }
-        if self.opts.events.is_some_and(|n| st.events >= n) {
-            self.ms.past_limit += 1;
-            return Ok(());
-        }
-        if self.mode == Mode::Beacons {
-            // Spooled: its host time is given when the recording ends, with the beacons on
-            // both sides of it.
-            self.out
-                .push(&exact_placed(r, self.boot, 0, 0), &self.opts.out)?;
-            st.events += 1;
-            return Ok(());
-        }
-        let i = r.vcpu as usize;
-        let (host, round) = if changed.get(i).copied().unwrap_or(false) {
-            match across_change(r.tsc, self.last[i], now[i]) {
-                Some(Side::Old(h)) => (h, st.round - 2),
-                Some(Side::New(h)) => (h, st.round - 1),
-                None => {
-                    self.ms.ambiguous += 1;
-                    return Ok(());
-                }
-            }
-        } else {
-            let Some(p) = exact_at(&st.vcpus[self.base + i].segments, r.tsc) else {
-                st.unplaceable += 1;
-                return Ok(());
-            };
-            p
+        let Self {
+            drainer,
+            ms,
+            cur,
+            beacons,
+            opts,
+            st,
+            mode,
+            out,
+            boot,
+            base,
+            last,
+            ..
+        } = self;
+        let mut round = Round {
+            ms,
+            cur,
+            beacons,
+            opts,
+            st,
+            mode: *mode,
+            out,
+            boot: *boot,
+            base: *base,
+            last,
+            now,
+            changed,
         };
-        self.out
-            .push(&exact_placed(r, self.boot, host, round), &self.opts.out)?;
-        st.widths.push(0);
-        st.events += 1;
-        Ok(())
+        drainer
+            .round_records()
+            .iter()
+            .try_for_each(|r| round.place(r))
     }
 
     /// After a round: the read rate's window, a clock snapshot a second, the progress line.
-    fn after_round(&mut self, round_start: Instant, progress: &mut Progress) {
-        if !self.pending.is_empty() {
+    fn after_round(
+        &mut self,
+        round_start: Instant,
+        progress: &mut Progress,
+    ) -> Result<(), RecordError> {
+        let read = self.drainer.round_records().len();
+        if read > 0 {
             // The round's records are placed and written: its end counts in the rate.
             let end = Instant::now();
             self.active = Some((self.active.map_or(round_start, |(first, _)| first), end));
             self.ms.active_rounds += 1;
-            self.ms.records += self.pending.len() as u64;
+            self.ms.records += read as u64;
         }
+        let mut snap = None;
         if self.last_clock.elapsed() >= Duration::from_secs(1) {
             self.last_clock = Instant::now();
-            self.st.clocks.extend(ClockSnapshot::take().ok());
+            snap = ClockSnapshot::take().ok();
+            self.st.clocks.extend(snap);
         }
+        self.out.round_end(snap)?;
         progress.status(&format!(
             "vmtsync record: {} events from guest memory, {} lost",
             self.st.events,
@@ -539,6 +520,7 @@ impl<'a> Recording<'a> {
                 .map(|c| c.overwritten + c.corrupt)
                 .sum::<u64>()
         ));
+        Ok(())
     }
 
     /// Idle (the round found nothing more): waits for the guest, but sees a stop or the end
@@ -771,5 +753,72 @@ impl Done<'_> {
             },
         };
         Ok((summary, ms))
+    }
+}
+
+/// What placing one round's records borrows from its [`Recording`].
+struct Round<'r, 'a> {
+    ms: &'r mut MemorySummary,
+    cur: &'r mut BootCounts,
+    beacons: &'r mut Option<Beacons>,
+    opts: &'a MemoryOptions,
+    st: &'r mut State,
+    mode: Mode,
+    out: &'r mut Out,
+    boot: u32,
+    base: usize,
+    /// KVM's mapping before the round and after it, and which vCPUs' changed.
+    last: &'r [Reading],
+    now: &'r [Reading],
+    changed: &'r [bool],
+}
+
+impl Round<'_, '_> {
+    /// One record of the round (see [`Recording::place_round`]).
+    #[inline]
+    fn place(&mut self, r: &GuestRecord) -> Result<(), RecordError> {
+        let st = &mut *self.st;
+        if r.is_beacon() {
+            self.ms.beacons += 1;
+            self.cur.beacons += 1;
+            if let Some(b) = self.beacons {
+                b.record(r);
+            }
+            return Ok(());
+        }
+        if self.opts.events.is_some_and(|n| st.events >= n) {
+            self.ms.past_limit += 1;
+            return Ok(());
+        }
+        if self.mode == Mode::Beacons {
+            // Spooled: its host time is given when the recording ends, with the beacons on
+            // both sides of it.
+            self.out
+                .push(&exact_placed(r, self.boot, 0, 0), &self.opts.out)?;
+            st.events += 1;
+            return Ok(());
+        }
+        let i = r.vcpu as usize;
+        let (host, round) = if self.changed.get(i).copied().unwrap_or(false) {
+            match across_change(r.tsc, self.last[i], self.now[i]) {
+                Some(Side::Old(h)) => (h, st.round - 2),
+                Some(Side::New(h)) => (h, st.round - 1),
+                None => {
+                    self.ms.ambiguous += 1;
+                    return Ok(());
+                }
+            }
+        } else {
+            let Some(p) = exact_at(&st.vcpus[self.base + i].segments, r.tsc) else {
+                st.unplaceable += 1;
+                return Ok(());
+            };
+            p
+        };
+        self.out
+            .push(&exact_placed(r, self.boot, host, round), &self.opts.out)?;
+        st.widths.push(0);
+        st.events += 1;
+        Ok(())
     }
 }

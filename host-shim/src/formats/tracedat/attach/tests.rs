@@ -1,7 +1,8 @@
 use super::*;
 use crate::formats::tracedat::reader::{Event, cpu_time_ranges, for_each_event, read_layout};
+use crate::formats::tracedat::testutil::two_cpu_trace;
 use crate::formats::tracedat::timeshift::{TimeShiftError, TraceCmdSample, trace_cmd_host_time};
-use crate::formats::tracedat::writer::{FileVersion, TraceDatWriter, WriterOptions};
+use crate::formats::tracedat::writer::FileVersion;
 use crate::formats::tracedat::{ShiftMode, SyncSegment};
 use vmtsync_core::HostTicks;
 use vmtsync_core::mapping::KvmTscMapping;
@@ -9,16 +10,7 @@ use vmtsync_core::mapping::KvmTscMapping;
 /// A stand-in guest trace without TIME_SHIFT (the tier-2 tests use real `trace-cmd extract`
 /// files): 2 CPUs, raw timestamps from 10^9 on.
 fn guest_file(dir: &Path, version: FileVersion) -> PathBuf {
-    let path = dir.join(format!("guest{version:?}.dat"));
-    let mut opts = WriterOptions::new(2, 0x6e57);
-    opts.version = version;
-    let mut w = TraceDatWriter::create(&path, opts).unwrap();
-    for i in 0..2000u64 {
-        w.push(u32::from(i % 2 == 1), 1_000_000_000 + i * 1_000, 0, &[])
-            .unwrap();
-    }
-    w.finish(None).unwrap();
-    path
+    two_cpu_trace(dir, "guest", version, 0x6e57, (2000, 1_000_000_000, 1_000))
 }
 
 fn events(path: &Path) -> Vec<Event> {

@@ -1,19 +1,11 @@
 use super::*;
 use crate::formats::tracedat::reader::{for_each_event, read_layout};
-use crate::formats::tracedat::writer::{FileVersion, TraceDatWriter, WriterOptions};
+use crate::formats::tracedat::testutil::two_cpu_trace;
+use crate::formats::tracedat::writer::FileVersion;
 
 /// A stand-in host trace written by our own writer (the tier-2 tests use a real one).
 fn host_file(dir: &Path, version: FileVersion) -> PathBuf {
-    let path = dir.join(format!("host{version:?}.dat"));
-    let mut opts = WriterOptions::new(2, 0xfeed);
-    opts.version = version;
-    let mut w = TraceDatWriter::create(&path, opts).unwrap();
-    for i in 0..1000u64 {
-        w.push(u32::from(i % 2 == 1), 1_000 + i * 10, 0, &[])
-            .unwrap();
-    }
-    w.finish(None).unwrap();
-    path
+    two_cpu_trace(dir, "host", version, 0xfeed, (1000, 1_000, 10))
 }
 
 fn guest() -> GuestInfo {

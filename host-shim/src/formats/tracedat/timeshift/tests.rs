@@ -165,14 +165,24 @@ fn check_bound(map: KvmTscMapping, lo: u64, len: u64, picks: &[u64]) {
     }
 }
 
+/// Up to 8 offset-only segments at distinct guest starts, and 16 guest times to convert.
+fn segments_and_times() -> impl Strategy<Value = (Vec<SyncSegment>, Vec<u64>)> {
+    (
+        proptest::collection::btree_set(1_000_000u64..1_000_000_000, 1..8),
+        proptest::collection::vec(-100_000i64..100_000, 8),
+        proptest::collection::vec(0u64..1_100_000_000, 16),
+    )
+        .prop_map(|(starts, offs, gs)| {
+            let segs = starts.iter().zip(&offs).map(|(&s, &o)| seg(s, o)).collect();
+            (segs, gs)
+        })
+}
+
 proptest! {
     #[test]
     fn step_identity_is_exact(
-        starts in proptest::collection::btree_set(1_000_000u64..1_000_000_000, 1..8),
-        offs in proptest::collection::vec(-100_000i64..100_000, 8),
-        gs in proptest::collection::vec(0u64..1_100_000_000, 16),
+        (segs, gs) in segments_and_times(),
     ) {
-        let segs: Vec<_> = starts.iter().zip(&offs).map(|(&s, &o)| seg(s, o)).collect();
         let Ok(p) = plan_cpu(0, &segs, ShiftMode::Step, Some((0, 1_100_000_000))) else {
             // Colliding guest starts are refused; nothing to check.
             return Ok(());
@@ -188,11 +198,8 @@ proptest! {
 
     #[test]
     fn interpolate_is_within_its_bound_of_the_exact_line(
-        starts in proptest::collection::btree_set(1_000_000u64..1_000_000_000, 1..8),
-        offs in proptest::collection::vec(-100_000i64..100_000, 8),
-        gs in proptest::collection::vec(0u64..1_100_000_000, 16),
+        (segs, gs) in segments_and_times(),
     ) {
-        let segs: Vec<_> = starts.iter().zip(&offs).map(|(&s, &o)| seg(s, o)).collect();
         let range = (500_000, 1_100_000_000);
         let Ok(p) = plan_cpu(0, &segs, ShiftMode::Interpolate, Some(range)) else {
             return Ok(());

@@ -51,7 +51,9 @@ fn write(path: &Path, version: FileVersion, cpus: u32, events: &Pushed) -> Summa
     for (cpu, ts, id, p) in events {
         w.push(*cpu, *ts, *id, p).unwrap();
     }
-    w.finish(None).unwrap()
+    let s = w.finish(None).unwrap();
+    s.verify().unwrap();
+    s
 }
 
 fn read_back(path: &Path) -> Pushed {
@@ -125,6 +127,41 @@ fn refusals_write_nothing_and_leave_the_writer_usable() {
     w.push(1, 5, 4, &[]).unwrap();
     let s = w.finish(None).unwrap();
     assert_eq!(s.events, vec![2, 1]);
+    s.verify().unwrap();
+}
+
+#[test]
+fn cpus_added_while_streaming_are_in_the_file_with_their_events_and_the_uname() {
+    let dir = tempfile::tempdir().unwrap();
+    for version in [FileVersion::V6, FileVersion::V7] {
+        let path = dir.path().join("added.dat");
+        let mut opts = WriterOptions::new(1, 9);
+        opts.version = version;
+        let mut w = TraceDatWriter::create(&path, opts).unwrap();
+        w.push(0, 10, 1, &[1]).unwrap();
+        assert_eq!(w.add_cpu().unwrap(), 1);
+        w.push(1, 5, 2, &[2, 2]).unwrap();
+        w.push(0, 11, 3, &[]).unwrap();
+        assert_eq!(w.add_cpu().unwrap(), 2);
+        w.push(2, 1, 4, &[]).unwrap();
+        w.set_uname("three CPUs".into());
+        let s = w.finish(None).unwrap();
+        assert_eq!(s.events, vec![2, 1, 1], "{version:?}");
+        s.verify().unwrap();
+        let layout = read_layout(&path).unwrap();
+        assert_eq!(layout.buffers[0].cpus.len(), 3, "{version:?}");
+        let uname: Vec<&[u8]> = layout
+            .options_with(crate::formats::tracedat::consts::option::UNAME)
+            .map(|o| o.data.as_slice())
+            .collect();
+        assert_eq!(uname, [b"three CPUs\0".as_slice()], "{version:?}");
+        let got = read_back(&path);
+        assert_eq!(
+            got.iter().map(|e| (e.0, e.1, e.2)).collect::<Vec<_>>(),
+            [(0, 10, 1), (0, 11, 3), (1, 5, 2), (2, 1, 4)],
+            "{version:?}"
+        );
+    }
 }
 
 #[test]
@@ -174,7 +211,7 @@ fn every_truncation_is_detected_with_an_offset_inside_the_file() {
         for (cpu, ts, id, p) in &events {
             w.push(*cpu, *ts, *id, p).unwrap();
         }
-        w.finish(Some(&shift)).unwrap();
+        w.finish(Some(&shift)).unwrap().verify().unwrap();
         let full = std::fs::read(&path).unwrap();
         let cut = dir.path().join("cut.dat");
         std::fs::write(&cut, &full).unwrap();

@@ -1,0 +1,269 @@
+//! The memory reader's raw copy and drain costs on a live VMM process, for `cargo xtask
+//! bench`'s memory section (issue 27):
+//!
+//! ```text
+//! cargo build --release -p vmtsync --example mem_copy
+//! target/release/examples/mem_copy PID PASSES CHUNK[,CHUNK...]
+//! ```
+//!
+//! Arguments: the VMM's PID (its guest holds a recorder whose rings were filled and no longer
+//! change: the C guest's `hold`), timed passes, and chunk sizes in bytes. The header is found
+//! by a scan (`vmtsync::guestmem::find`), then, for each read method of
+//! `vmtsync::guestmem::ProcMemory` (`pread` on `/proc/PID/mem` and `process_vm_readv`):
+//!
+//! - **raw copy**: every ring's slots (capacity × 32 bytes per ring), copied out of the VMM
+//!   in reads of CHUNK bytes into one reused buffer, PASSES times per chunk size (methods and
+//!   sizes interleaved within a pass). One line per method and size:
+//!   `mem-copy: method=M chunk=C bytes=B seconds=s1,s2,… gbps=G records_per_s=R` (`gbps` and
+//!   `records_per_s` from the median pass; a record is 32 bytes);
+//! - **drain without a writer**: `Drainer::poll` at its default bound
+//!   (`DEFAULT_MAX_PER_ROUND`) from record 0 until nothing is left, records handed to a sink
+//!   that only counts them, PASSES times; then the fixed cost of a round that delivers one
+//!   record (a drainer bounded to 1 record per round, 2,000 rounds, per ring), and of a
+//!   round over rings with nothing new (the drained drainer polled 2,000 more times). One line
+//!   per method: `mem-poll: method=M rings=V records=N drain_seconds=s1,… ns_per_record=P
+//!   busy_round_ns=B idle_poll_ns=I head_bytewise_ns=W head_batched_ns=X` (`busy_round_ns`
+//!   and `idle_poll_ns` per ring and round; the last two: ring 0's `head` read a byte at a
+//!   time, most significant first, as 8 reads and as one `read_many` of 8 parts; medians of
+//!   PASSES).
+//!
+//! The first line, `mem-open: method=M`, names the method `ProcMemory::open` chose (what
+//! `vmtsync record --from-memory` reads with). Needs ptrace rights over the process (root).
+
+use std::process::ExitCode;
+use std::time::Instant;
+
+use vmtsync::guestmem::layout::{RECORD_SIZE as RECORD_BYTES, RING_PREFIX};
+use vmtsync::guestmem::{
+    self, DEFAULT_MAX_PER_ROUND, Drainer, Found, GuestMemory, Location, ProcMemory, ReadMethod,
+};
+use vmtsync::kvm::procinfo::ProcFs;
+
+/// Rounds timed for the fixed costs.
+const ROUNDS: u32 = 2000;
+
+type Error = Box<dyn std::error::Error>;
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().collect();
+    let chunks: Option<Vec<usize>> = args.get(3).and_then(|s| {
+        s.split(',')
+            .map(|c| c.parse::<usize>().ok().filter(|&c| c > 0))
+            .collect()
+    });
+    let (Some(pid), Some(passes), Some(chunks)) = (
+        args.get(1).and_then(|s| s.parse::<u32>().ok()),
+        args.get(2)
+            .and_then(|s| s.parse::<usize>().ok())
+            .filter(|&r| r > 0),
+        chunks,
+    ) else {
+        eprintln!("usage: mem_copy PID PASSES(>0) CHUNK_BYTES[,CHUNK_BYTES...]");
+        return ExitCode::from(2);
+    };
+    match run(pid, passes, &chunks) {
+        Ok(lines) => {
+            for l in lines {
+                println!("{l}");
+            }
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("mem_copy: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+const METHODS: [ReadMethod; 2] = [ReadMethod::Pread, ReadMethod::VmReadv];
+
+fn open(pid: u32, method: ReadMethod) -> Result<ProcMemory, Error> {
+    let mem = ProcMemory::open_with(&ProcFs::default(), pid, method)?;
+    if mem.method() != method {
+        return Err(format!("{} is not available here", method.name()).into());
+    }
+    Ok(mem)
+}
+
+fn median(v: &[f64]) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    match v.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
+}
+
+fn seconds(v: &[f64]) -> String {
+    v.iter()
+        .map(|s| format!("{s:.6}"))
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+fn run(pid: u32, passes: usize, chunks: &[usize]) -> Result<Vec<String>, Error> {
+    // What `vmtsync record --from-memory` reads with: `ProcMemory::open`'s choice.
+    let mut mem = ProcMemory::open(&ProcFs::default(), pid)?;
+    let found = guestmem::find(&mut mem, Location::Scan)?;
+    let mut lines = vec![format!("mem-open: method={}", mem.method().name())];
+    let h = found.header;
+    // Every ring's slots: (address, bytes).
+    let rings: Vec<(u64, u64)> = (0..h.vcpus)
+        .map(|v| {
+            (
+                found.addr + h.ring_offset(v) + RING_PREFIX,
+                h.capacity * RECORD_BYTES,
+            )
+        })
+        .collect();
+    let total: u64 = rings.iter().map(|r| r.1).sum();
+    let mut mems = [open(pid, METHODS[0])?, open(pid, METHODS[1])?];
+
+    // Raw copy.
+    let biggest = chunks.iter().copied().max().unwrap_or(0);
+    let mut buf = vec![0u8; biggest];
+    let mut times = vec![vec![Vec::with_capacity(passes); chunks.len()]; METHODS.len()];
+    // One untimed pass of each method first: the first touch of a page in the VMM may fault.
+    for pass in 0..=passes {
+        for (m, mem) in mems.iter_mut().enumerate() {
+            for (c, &chunk) in chunks.iter().enumerate() {
+                let t = Instant::now();
+                for &(start, len) in &rings {
+                    let mut at = 0;
+                    while at < len {
+                        let n = usize::try_from((len - at).min(chunk as u64))?;
+                        mem.read(start + at, &mut buf[..n])?;
+                        at += n as u64;
+                    }
+                }
+                let s = t.elapsed().as_secs_f64();
+                if pass > 0 {
+                    times[m][c].push(s);
+                }
+            }
+        }
+    }
+    #[allow(clippy::cast_precision_loss)] // Byte counts far below 2^52.
+    let total_f = total as f64;
+    for (m, method) in METHODS.iter().enumerate() {
+        for (c, &chunk) in chunks.iter().enumerate() {
+            let s = median(&times[m][c]);
+            lines.push(format!(
+                "mem-copy: method={} chunk={chunk} bytes={total} seconds={} gbps={:.3} \
+                 records_per_s={:.0}",
+                method.name(),
+                seconds(&times[m][c]),
+                total_f / s / 1e9,
+                total_f / RECORD_BYTES as f64 / s,
+            ));
+        }
+    }
+
+    // Draining without a writer, and the fixed costs of a round.
+    for (m, method) in METHODS.iter().enumerate() {
+        let mem = &mut mems[m];
+        let (mut drain, mut busy, mut idle) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut bytewise, mut batched) = (Vec::new(), Vec::new());
+        let mut records = 0;
+        for _ in 0..passes {
+            let (s, n, d) = drain_all(mem, &found)?;
+            drain.push(s);
+            records = n;
+            busy.push(busy_round(mem, &found)? / f64::from(h.vcpus));
+            idle.push(idle_polls(mem, d)? / f64::from(h.vcpus));
+            let (a, b) = head_reads(mem, found.addr + h.ring_offset(0))?;
+            bytewise.push(a);
+            batched.push(b);
+        }
+        #[allow(clippy::cast_precision_loss)] // Counts far below 2^52.
+        let per_record = median(&drain) / records.max(1) as f64 * 1e9;
+        lines.push(format!(
+            "mem-poll: method={} rings={} records={records} drain_seconds={} ns_per_record={:.2} \
+             busy_round_ns={:.0} idle_poll_ns={:.0} head_bytewise_ns={:.0} head_batched_ns={:.0}",
+            method.name(),
+            h.vcpus,
+            seconds(&drain),
+            per_record,
+            median(&busy) * 1e9,
+            median(&idle) * 1e9,
+            median(&bytewise) * 1e9,
+            median(&batched) * 1e9,
+        ));
+    }
+    Ok(lines)
+}
+
+/// Drains every ring from record 0 until no ring has more: (seconds, records, the drainer).
+fn drain_all(mem: &mut ProcMemory, found: &Found) -> Result<(f64, u64, Drainer), Error> {
+    let mut d = Drainer::new(found, DEFAULT_MAX_PER_ROUND);
+    let mut n = 0u64;
+    let t = Instant::now();
+    while d.poll(mem, &mut |_| n += 1)?.more {}
+    Ok((t.elapsed().as_secs_f64(), n, d))
+}
+
+/// Seconds per round of a drainer bounded to one record per round (each round delivers one
+/// record from every ring that has one).
+fn busy_round(mem: &mut ProcMemory, found: &Found) -> Result<f64, Error> {
+    let mut d = Drainer::new(found, 1);
+    let mut n = 0u64;
+    let t = Instant::now();
+    for _ in 0..ROUNDS {
+        d.poll(mem, &mut |_| n += 1)?;
+    }
+    let s = t.elapsed().as_secs_f64();
+    if n == 0 {
+        return Err("the rings hold no records".into());
+    }
+    Ok(s / f64::from(ROUNDS))
+}
+
+/// Seconds per read of a ring's `head` word one byte at a time, most significant first (the
+/// drainer's torn-read-safe read): as 8 reads, and as one `read_many` of 8 one-byte parts
+/// (the same order, in one `process_vm_readv` where the method allows).
+fn head_reads(mem: &mut ProcMemory, head: u64) -> Result<(f64, f64), Error> {
+    let mut w = [0u8; 8];
+    let t = Instant::now();
+    for _ in 0..ROUNDS {
+        for i in (0..8).rev() {
+            mem.read(head + i as u64, &mut w[i..=i])?;
+        }
+    }
+    let bytewise = t.elapsed().as_secs_f64() / f64::from(ROUNDS);
+    let first = u64::from_le_bytes(w);
+    let t = Instant::now();
+    for _ in 0..ROUNDS {
+        let [b0, b1, b2, b3, b4, b5, b6, b7] = &mut w;
+        let mut parts: [(u64, &mut [u8]); 8] = [
+            (head + 7, std::slice::from_mut(b7)),
+            (head + 6, std::slice::from_mut(b6)),
+            (head + 5, std::slice::from_mut(b5)),
+            (head + 4, std::slice::from_mut(b4)),
+            (head + 3, std::slice::from_mut(b3)),
+            (head + 2, std::slice::from_mut(b2)),
+            (head + 1, std::slice::from_mut(b1)),
+            (head, std::slice::from_mut(b0)),
+        ];
+        mem.read_many(&mut parts)?;
+    }
+    let batched = t.elapsed().as_secs_f64() / f64::from(ROUNDS);
+    if u64::from_le_bytes(w) != first {
+        return Err("a held guest's head moved".into());
+    }
+    Ok((bytewise, batched))
+}
+
+/// Seconds per poll of a drainer that has read everything (rounds that deliver nothing).
+fn idle_polls(mem: &mut ProcMemory, mut d: Drainer) -> Result<f64, Error> {
+    let mut n = 0u64;
+    let t = Instant::now();
+    for _ in 0..ROUNDS {
+        d.poll(mem, &mut |_| n += 1)?;
+    }
+    let s = t.elapsed().as_secs_f64();
+    if n != 0 {
+        return Err(format!("{n} records appeared in a held guest's rings").into());
+    }
+    Ok(s / f64::from(ROUNDS))
+}

@@ -1,0 +1,27 @@
+//! Fixtures the trace.dat modules' tests share.
+
+use std::path::{Path, PathBuf};
+
+use super::writer::{FileVersion, TraceDatWriter, WriterOptions};
+
+/// A stand-in trace written by our own writer (the tier-2 tests use real `trace-cmd` files):
+/// `dir/{name}{version:?}.dat`, trace id `trace_id`, 2 CPUs taking turns, `n` events without
+/// payload `step` ticks apart from `first` on.
+pub(super) fn two_cpu_trace(
+    dir: &Path,
+    name: &str,
+    version: FileVersion,
+    trace_id: u64,
+    (n, first, step): (u64, u64, u64),
+) -> PathBuf {
+    let path = dir.join(format!("{name}{version:?}.dat"));
+    let mut opts = WriterOptions::new(2, trace_id);
+    opts.version = version;
+    let mut w = TraceDatWriter::create(&path, opts).unwrap();
+    for i in 0..n {
+        w.push(u32::from(i % 2 == 1), first + i * step, 0, &[])
+            .unwrap();
+    }
+    w.finish(None).unwrap();
+    path
+}

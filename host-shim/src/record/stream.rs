@@ -1,0 +1,547 @@
+//! Exact mode's trace.dat and Perfetto outputs, written as the records are read.
+//!
+//! A memory recording in exact mode places every record by KVM's mapping when it reads it
+//! (width 0, `memory/mapping.rs`): no later round can change its host time. So its records go
+//! straight into the format's streaming writer, and the file is finished, never written again,
+//! when the recording ends (docs/record.md, "Exact mode streams"). The protocol front end and
+//! two-sided placement, which place again with every round at the end, keep the spool
+//! (`write.rs`).
+//!
+//! - trace.dat: each vCPU's raw guest TSCs, with a TIME_SHIFT made of the offsets its records
+//!   were placed by (trace-cmd then computes exactly the host time we placed). A vCPU whose
+//!   guest TSC steps back (a guest that wrote its TSC) continues on a trace CPU of its own,
+//!   since a CPU's timestamps only go forward; a guest tick beyond trace-cmd's signed 64-bit
+//!   times is written as its host tick (an offset-0 part).
+//! - Perfetto: host TSCs on BOOTTIME through snapshots taken while recording. The first
+//!   conversion needs two snapshots far enough apart for a good rate, so the first events are
+//!   held (at most [`HOLD_EVENTS`], in memory) until [`MIN_SPAN`] has passed since the first.
+
+use std::time::{Duration, Instant};
+
+use vmtsync_core::HostTicks;
+use vmtsync_core::recorder::{RELOC_ID, SPAN_BEGIN_ID};
+
+use super::RecordError;
+use super::place::{Placed, split_key};
+use super::write::{Target, host_tsc2nsec};
+use crate::formats::perfetto::clock::{BootClock, ClockSnapshot};
+use crate::formats::perfetto::{
+    DEFAULT_MACHINE_ID, PerfettoError, PerfettoOptions, PerfettoWriter,
+};
+use crate::formats::tracedat::{
+    self, ShiftMode, SpanGraph, TimeShift, TraceDatWriter, WriterOptions,
+};
+use crate::formats::{Bound, ExportEvent, Payload};
+
+/// trace-cmd keeps times as signed 64-bit numbers (and its step TIME_SHIFT a sentinel at the
+/// largest): a guest tick above this is written as its host tick.
+const MAX_TICK: u64 = (i64::MAX as u64) - 1;
+
+/// Whether a record is a span record (the function graph's and the slices' input).
+fn is_span(id: u16) -> bool {
+    (SPAN_BEGIN_ID..=RELOC_ID).contains(&id)
+}
+
+/// A trace CPU's name: a memory recording's rings by their number, a later boot's with it.
+pub(super) fn cpu_name(key: u32, keyed: bool) -> String {
+    match split_key(key) {
+        (b, r) if keyed && b > 0 => format!("{r} of boot {b}"),
+        (_, r) if keyed => r.to_string(),
+        _ => key.to_string(),
+    }
+}
+
+/// The UNAME of a guest trace.dat whose CPUs are `names`: how its timestamps read.
+pub(super) fn uname(names: &[String], identity: bool) -> String {
+    let which = if names.len() == 1 {
+        format!("vCPU {}", names[0])
+    } else {
+        format!("vCPUs {} as CPUs 0..{}", names.join(","), names.len())
+    };
+    if identity {
+        format!("vmtsync record: {which}, raw guest TSC, TIME_SHIFT to host TSC")
+    } else {
+        format!(
+            "vmtsync record: {which}, timestamps pre-converted to host TSC (the guest TSC \
+             rate is not the host's: trace-cmd's TIME_SHIFT cannot represent it exactly)"
+        )
+    }
+}
+
+/// One trace CPU of a streamed trace.dat: a vCPU's records while its guest TSC only went
+/// forward.
+#[derive(Debug)]
+struct Part {
+    key: u32,
+    /// Written as host ticks (offset 0): its guest ticks are beyond trace-cmd's range.
+    host_ticks: bool,
+    /// Parts of this vCPU before it (each started by a guest TSC that stepped back).
+    after: u32,
+    /// Its TIME_SHIFT: each offset its records were placed by, from the host tick of the
+    /// first record placed by it.
+    shift: Vec<tracedat::SyncSegment>,
+    /// The latest segment's offset (`guest - host`) and the timestamp it starts at.
+    offset: i64,
+    seg_start: u64,
+    /// Its last timestamp, and how many records it holds.
+    last: u64,
+    events: u64,
+}
+
+impl Part {
+    fn new(key: u32, host_ticks: bool, after: u32) -> Self {
+        Self {
+            key,
+            host_ticks,
+            after,
+            shift: Vec::new(),
+            offset: 0,
+            seg_start: 0,
+            last: 0,
+            events: 0,
+        }
+    }
+
+    /// Whether a record at `ts` placed by `offset` can follow this part's records: in order,
+    /// and a new offset only at a later timestamp than the last segment's start (TIME_SHIFT's
+    /// starts must increase strictly).
+    fn takes(&self, host_ticks: bool, ts: u64, offset: i64) -> bool {
+        self.host_ticks == host_ticks
+            && (self.events == 0
+                || (ts >= self.last && (offset == self.offset || ts > self.seg_start)))
+    }
+
+    /// Takes a record at `ts`, placed at `host` by `offset`.
+    fn take(&mut self, ts: u64, host: u64, offset: i64) {
+        if self.events == 0 || offset != self.offset {
+            self.shift
+                .push(tracedat::SyncSegment::offset_only(HostTicks(host), offset));
+            self.offset = offset;
+            self.seg_start = ts;
+        }
+        self.last = ts;
+        self.events += 1;
+    }
+}
+
+/// A trace.dat written as exact mode places its records (see the module docs).
+#[derive(Debug)]
+pub(super) struct TraceDatStream {
+    w: TraceDatWriter,
+    graph: SpanGraph,
+    parts: Vec<Part>,
+    /// Each vCPU key's trace CPU now (its latest part), and the entry used last.
+    now: Vec<(u32, u32)>,
+    hint: usize,
+    keyed: bool,
+}
+
+impl TraceDatStream {
+    /// The file for `target`, one trace CPU per vCPU key in `keys` to start with.
+    pub(super) fn create(
+        target: &Target,
+        keys: &[u32],
+        keyed: bool,
+        trace_id: u64,
+    ) -> Result<Self, RecordError> {
+        let cpus = u32::try_from(keys.len().max(1)).unwrap_or(u32::MAX);
+        let mut wo = WriterOptions::new(cpus, trace_id);
+        wo.version = target.file_version;
+        wo.tsc2nsec = host_tsc2nsec();
+        let graph = SpanGraph::new(&target.spans, wo.tsc2nsec);
+        let w = TraceDatWriter::create(&target.out, wo)?;
+        let mut parts: Vec<Part> = keys.iter().map(|&k| Part::new(k, false, 0)).collect();
+        if parts.is_empty() {
+            parts.push(Part::new(0, false, 0));
+        }
+        let now = parts.iter().zip(0u32..).map(|(p, c)| (p.key, c)).collect();
+        Ok(Self {
+            w,
+            graph,
+            parts,
+            now,
+            hint: 0,
+            keyed,
+        })
+    }
+
+    /// One placed record.
+    #[inline]
+    pub(super) fn push(&mut self, p: &Placed<'_>) -> Result<(), RecordError> {
+        let host_ticks = p.guest > MAX_TICK;
+        let (ts, offset) = if host_ticks {
+            (p.host, 0)
+        } else {
+            (p.guest, p.guest.wrapping_sub(p.host).cast_signed())
+        };
+        let cpu = self.part_for(p.vcpu, host_ticks, ts, offset)?;
+        self.parts[cpu as usize].take(ts, p.host, offset);
+        if is_span(p.id) {
+            let mut e = p.export();
+            // Each boot's rings are CPUs of their own here: keyed, they are stacks of their own
+            // too.
+            e.vcpu = p.vcpu;
+            self.graph.push(&mut self.w, cpu, ts, &e)?;
+        } else {
+            self.w.push(cpu, ts, u32::from(p.id), p.payload)?;
+        }
+        Ok(())
+    }
+
+    /// The trace CPU a record of `key` at `ts` placed by `offset` goes to: the vCPU's part now,
+    /// or a new one when that one cannot take it.
+    fn part_for(
+        &mut self,
+        key: u32,
+        host_ticks: bool,
+        ts: u64,
+        offset: i64,
+    ) -> Result<u32, RecordError> {
+        // The vCPU of the last record, most often.
+        if let Some(&(k, cpu)) = self.now.get(self.hint)
+            && k == key
+            && self.parts[cpu as usize].takes(host_ticks, ts, offset)
+        {
+            return Ok(cpu);
+        }
+        let now = self.now.iter().position(|&(k, _)| k == key);
+        if let Some(i) = now {
+            self.hint = i;
+            let cpu = self.now[i].1;
+            if self.parts[cpu as usize].takes(host_ticks, ts, offset) {
+                return Ok(cpu);
+            }
+        }
+        let cpu = self.w.add_cpu()?;
+        let after = self.parts.iter().filter(|p| p.key == key).count();
+        self.parts.push(Part::new(
+            key,
+            host_ticks,
+            u32::try_from(after).unwrap_or(u32::MAX),
+        ));
+        match now {
+            Some(i) => self.now[i].1 = cpu,
+            None => {
+                self.hint = self.now.len();
+                self.now.push((key, cpu));
+            }
+        }
+        Ok(cpu)
+    }
+
+    /// Finishes the file: its UNAME naming the trace CPUs, the function graph's names, the
+    /// TIME_SHIFT. Returns the number of timestamps written as host ticks.
+    pub(super) fn finish(mut self) -> Result<u64, RecordError> {
+        let names: Vec<String> = self
+            .parts
+            .iter()
+            .map(|p| {
+                let mut n = cpu_name(p.key, self.keyed);
+                if p.after > 0 {
+                    n.push_str(&format!(" (part {}: its TSC stepped back)", p.after + 1));
+                }
+                if p.host_ticks {
+                    n.push_str(" (host ticks)");
+                }
+                n
+            })
+            .collect();
+        self.w.set_uname(uname(&names, true));
+        let cpus = u32::try_from(self.parts.len()).unwrap_or(u32::MAX);
+        self.graph.finish(&mut self.w, cpus);
+        let shift = TimeShift {
+            peer_trace_id: 0,
+            mode: ShiftMode::Step,
+            cpus: self
+                .parts
+                .iter()
+                .map(|p| {
+                    if p.shift.is_empty() {
+                        // No record uses it: any segment serves.
+                        vec![tracedat::SyncSegment::offset_only(HostTicks(0), 0)]
+                    } else {
+                        p.shift.clone()
+                    }
+                })
+                .collect(),
+        };
+        let host_ticks = self
+            .parts
+            .iter()
+            .filter(|p| p.host_ticks)
+            .map(|p| p.events)
+            .sum();
+        self.w.finish(Some(&shift))?;
+        Ok(host_ticks)
+    }
+}
+
+/// How many events a Perfetto stream holds before its clock has two snapshots.
+pub(super) const HOLD_EVENTS: usize = 1 << 18;
+/// How far apart the first two snapshots are at least (unless [`HOLD_EVENTS`] fill first):
+/// the rate they give is off by about their resolutions over this span.
+pub(super) const MIN_SPAN: Duration = Duration::from_millis(50);
+
+/// An event held until the Perfetto clock exists.
+#[derive(Clone, Copy, Debug)]
+struct Held {
+    key: u32,
+    id: u16,
+    len: u8,
+    guest: u64,
+    host: u64,
+    payload: [u8; 16],
+}
+
+/// A Perfetto trace written as exact mode places its records (see the module docs).
+#[derive(Debug)]
+pub(super) struct PerfettoStream {
+    target: Target,
+    keyed: bool,
+    /// The first snapshot and when it was taken, until the writer exists.
+    first: (ClockSnapshot, Instant),
+    w: Option<PerfettoWriter>,
+    held: Vec<Held>,
+}
+
+impl PerfettoStream {
+    /// The stream for `target`, its clock starting at a snapshot taken now.
+    pub(super) fn create(target: &Target, keyed: bool) -> Result<Self, RecordError> {
+        let first = ClockSnapshot::take().map_err(PerfettoError::from)?;
+        Ok(Self {
+            target: target.clone(),
+            keyed,
+            first: (first, Instant::now()),
+            w: None,
+            held: Vec::new(),
+        })
+    }
+
+    /// One placed record: held until the clock exists, then written.
+    #[inline]
+    pub(super) fn push(&mut self, p: &Placed<'_>) -> Result<(), RecordError> {
+        if let Some(w) = &mut self.w {
+            return write(w, p, self.keyed);
+        }
+        let mut payload = [0u8; 16];
+        let n = p.payload.len().min(16);
+        payload[..n].copy_from_slice(&p.payload[..n]);
+        self.held.push(Held {
+            key: p.vcpu,
+            id: p.id,
+            len: u8::try_from(n).unwrap_or(16),
+            guest: p.guest,
+            host: p.host,
+            payload,
+        });
+        if self.held.len() >= HOLD_EVENTS {
+            self.open()?;
+        }
+        Ok(())
+    }
+
+    /// After a round: the writer opens once the first snapshot is [`MIN_SPAN`] old.
+    pub(super) fn round_end(&mut self) -> Result<(), RecordError> {
+        if self.w.is_none() && self.first.1.elapsed() >= MIN_SPAN {
+            self.open()?;
+        }
+        Ok(())
+    }
+
+    /// A snapshot taken while recording (about one a second): later host TSCs convert
+    /// through it.
+    pub(super) fn snapshot(&mut self, s: ClockSnapshot) -> Result<(), RecordError> {
+        match &mut self.w {
+            Some(w) => Ok(w.add_snapshot(s)?),
+            None => Ok(()),
+        }
+    }
+
+    /// Creates the writer with the first snapshot and one taken now, and writes what was held.
+    fn open(&mut self) -> Result<(), RecordError> {
+        let now = ClockSnapshot::take().map_err(PerfettoError::from)?;
+        let clock = BootClock::new(vec![self.first.0, now]).map_err(PerfettoError::from)?;
+        let mut w = PerfettoWriter::create(
+            &self.target.out,
+            PerfettoOptions {
+                machine_id: DEFAULT_MACHINE_ID,
+                guest_name: format!("vmtsync guest ({})", self.target.source),
+                clock,
+            },
+        )?;
+        w.set_spans(&self.target.spans);
+        for h in std::mem::take(&mut self.held) {
+            let p = Placed {
+                vcpu: h.key,
+                id: h.id,
+                guest: h.guest,
+                payload: &h.payload[..usize::from(h.len)],
+                host: h.host,
+                lo: h.host,
+                hi: h.host,
+                round: 0,
+                keyed: self.keyed,
+            };
+            write(&mut w, &p, self.keyed)?;
+        }
+        self.w = Some(w);
+        Ok(())
+    }
+
+    /// Finishes the trace with a last snapshot.
+    pub(super) fn finish(mut self) -> Result<(), RecordError> {
+        if self.w.is_none() {
+            self.open()?;
+        }
+        let Some(mut w) = self.w.take() else {
+            return Ok(());
+        };
+        if let Ok(s) = ClockSnapshot::take() {
+            match w.add_snapshot(s) {
+                // A snapshot not after the last one adds nothing: the trace is complete
+                // without it.
+                Ok(()) | Err(PerfettoError::Clock(_)) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        w.finish()?;
+        Ok(())
+    }
+}
+
+/// One placed record into the Perfetto trace: a memory recording's boots share their rings'
+/// vCPU tracks, and a new boot abandons the spans the last one left open.
+#[inline]
+fn write(w: &mut PerfettoWriter, p: &Placed<'_>, keyed: bool) -> Result<(), RecordError> {
+    let (boot, vcpu) = if keyed {
+        split_key(p.vcpu)
+    } else {
+        (0, p.vcpu)
+    };
+    let e = ExportEvent {
+        vcpu,
+        id: p.id,
+        guest_tsc: Some(p.guest),
+        host_tsc: p.host,
+        bound: Some(Bound { lo: p.lo, hi: p.hi }),
+        payload: Payload::new(p.payload).unwrap_or_default(),
+    };
+    if is_span(p.id) {
+        w.push_in_boot(&e, boot)?;
+    } else {
+        w.push(&e)?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::formats::tracedat::consts::option;
+    use crate::formats::tracedat::timeshift::{decode, trace_cmd_host_time};
+    use crate::formats::tracedat::{FileVersion, read_layout, reader};
+    use crate::record::RecordFormat;
+
+    fn target(out: &std::path::Path) -> Target {
+        Target {
+            out: out.to_path_buf(),
+            format: RecordFormat::TraceCmd,
+            file_version: FileVersion::V7,
+            source: "test".into(),
+            spans: crate::spans::SpanConfig::default(),
+        }
+    }
+
+    fn placed(key: u32, guest: u64, host: u64, seq: u8) -> Placed<'static> {
+        static PAYLOADS: [[u8; 1]; 8] = [[0], [1], [2], [3], [4], [5], [6], [7]];
+        Placed {
+            vcpu: key,
+            id: 0x0C01,
+            guest,
+            payload: &PAYLOADS[usize::from(seq)],
+            host,
+            lo: host,
+            hi: host,
+            round: 0,
+            keyed: true,
+        }
+    }
+
+    /// Every event of the file as (trace CPU, the host tick trace-cmd computes, payload byte).
+    fn host_times(path: &std::path::Path) -> Vec<(u32, u64, u8)> {
+        let layout = read_layout(path).unwrap();
+        let body = &layout
+            .options_with(option::TIME_SHIFT)
+            .next()
+            .expect("TIME_SHIFT")
+            .data;
+        let shift = decode(body).unwrap();
+        let mut got = Vec::new();
+        reader::for_each_event(path, &layout, 0, |e| {
+            let host =
+                trace_cmd_host_time(&shift.cpus[e.cpu as usize], shift.flags, e.ts).unwrap();
+            got.push((e.cpu, host, e.payload[0]));
+        })
+        .unwrap();
+        got
+    }
+
+    #[test]
+    fn trace_cmd_computes_each_events_placed_host_time_across_offset_changes_and_steps_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("g.dat");
+        let mut s = TraceDatStream::create(&target(&out), &[0, 1], true, 7).unwrap();
+        // vCPU 0: offset 100, then 600 (the guest TSC jumped forward), then -5000 (it stepped
+        // back: a trace CPU of its own); vCPU 1: offset 0 throughout.
+        let events = [
+            placed(0, 1_100, 1_000, 0),
+            placed(1, 1_050, 1_050, 1),
+            placed(0, 1_300, 1_200, 2),
+            placed(0, 2_100, 1_500, 3),
+            placed(0, 2_200, 1_600, 4),
+            placed(0, 1_000, 6_000, 5),
+            placed(1, 7_000, 7_000, 6),
+            placed(0, 1_400, 6_400, 7),
+        ];
+        for e in &events {
+            s.push(e).unwrap();
+        }
+        assert_eq!(s.finish().unwrap(), 0);
+        let mut got = host_times(&out);
+        got.sort_by_key(|&(_, _, seq)| seq);
+        let want: Vec<(u32, u64, u8)> = events
+            .iter()
+            .map(|e| {
+                let cpu = match e.payload[0] {
+                    1 | 6 => 1,
+                    5 | 7 => 2,
+                    _ => 0,
+                };
+                (cpu, e.host, e.payload[0])
+            })
+            .collect();
+        assert_eq!(got, want);
+        let layout = read_layout(&out).unwrap();
+        let uname = &layout.options_with(option::UNAME).next().unwrap().data;
+        assert_eq!(
+            String::from_utf8_lossy(uname),
+            "vmtsync record: vCPUs 0,1,0 (part 2: its TSC stepped back) as CPUs 0..3, raw guest \
+             TSC, TIME_SHIFT to host TSC\0"
+        );
+    }
+
+    #[test]
+    fn a_guest_tick_beyond_trace_cmds_range_is_written_as_its_host_tick() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("h.dat");
+        let mut s = TraceDatStream::create(&target(&out), &[0], true, 7).unwrap();
+        s.push(&placed(0, 5_000, 4_000, 0)).unwrap();
+        s.push(&placed(0, u64::MAX - 10, 4_100, 1)).unwrap();
+        s.push(&placed(0, u64::MAX - 5, 4_105, 2)).unwrap();
+        assert_eq!(s.finish().unwrap(), 2);
+        assert_eq!(
+            host_times(&out),
+            [(0, 4_000, 0), (1, 4_100, 1), (1, 4_105, 2)]
+        );
+    }
+}

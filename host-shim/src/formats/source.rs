@@ -32,7 +32,7 @@ use super::event::{ExportError, ExportEvent, InputKind, Payload};
 use super::jsonl::JsonlSource;
 use super::tracedat::consts::{MAGIC, option};
 use super::tracedat::format::{EVENT_DATA_ID, EVENT_ID};
-use super::tracedat::funcgraph::{FUNCGRAPH_ENTRY_ID, FUNCGRAPH_EXIT_ID, SPAN_ORPHAN_ID};
+use super::tracedat::format::{FUNCGRAPH_ENTRY_ID, FUNCGRAPH_EXIT_ID, SPAN_ORPHAN_ID};
 use super::tracedat::reader::{self, Layout};
 use super::tracedat::timeshift::{self, TraceCmdSample};
 use super::tracedat::{TraceDatError, read_layout};

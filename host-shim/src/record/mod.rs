@@ -40,6 +40,7 @@ mod place;
 mod session;
 mod spool;
 mod stream;
+mod target;
 pub(crate) mod write;
 
 use std::path::PathBuf;
@@ -52,7 +53,7 @@ use crate::sync::Placement;
 pub use error::{MemoryError, RecordError, Unplaceable};
 pub use memory::{DEFAULT_POLL, MemoryOptions, MemorySummary, run_record_memory};
 pub use session::{run_record, run_record_on};
-pub use write::host_tsc2nsec;
+pub use target::host_tsc2nsec;
 
 // What `write.rs` still takes through its `use super::*` (the last such prelude in this
 // module: that file's own imports are its owner's to make explicit).
@@ -411,7 +412,7 @@ mod tests {
     /// entry's and exit's host times in the file's nanoseconds; CTF holds the span events.
     #[test]
     fn span_records_reach_the_trace_dat_graph_and_the_ctf_span_events() {
-        use crate::formats::tracedat::funcgraph::{FUNCGRAPH_ENTRY_ID, FUNCGRAPH_EXIT_ID};
+        use crate::formats::tracedat::format::{FUNCGRAPH_ENTRY_ID, FUNCGRAPH_EXIT_ID};
         use crate::probe::testutil::SimTransport;
         use vmtsync_core::arch::FakeTsc;
         use vmtsync_core::recorder::Recorder;
@@ -478,7 +479,7 @@ mod tests {
         // Raw guest TSCs in the file (TIME_SHIFT to host): host = guest - OFFSET, exactly.
         let ns = |guest: u64| {
             let host = guest - OFFSET;
-            write::host_tsc2nsec().map_or(host, |c| c.nanos(host))
+            target::host_tsc2nsec().map_or(host, |c| c.nanos(host))
         };
         let exit = graph[2];
         assert_eq!((exit.2, exit.4, exit.5), (0x20, ns(plain[1]), ns(plain[2])));

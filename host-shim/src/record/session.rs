@@ -8,7 +8,8 @@ use vmtsync_core::estimate::{EstimateError, ProbeSample};
 use vmtsync_core::proto::EventClock;
 
 use super::place::{Placed, State};
-use super::write::{Out, Target, finish, trace_id};
+use super::target::Target;
+use super::write::{Out, finish, trace_id};
 use super::{EndReason, HostTime, RecordError, RecordFormat, RecordOptions, RecordSummary};
 use crate::formats::perfetto::clock::ClockSnapshot;
 use crate::link::ConnectOptions;

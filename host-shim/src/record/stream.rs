@@ -23,7 +23,7 @@ use vmtsync_core::recorder::{RELOC_ID, SPAN_BEGIN_ID};
 
 use super::RecordError;
 use super::place::{Placed, split_key};
-use super::write::{Target, host_tsc2nsec};
+use super::target::{Target, host_tsc2nsec};
 use crate::formats::perfetto::clock::{BootClock, ClockSnapshot};
 use crate::formats::perfetto::{
     DEFAULT_MACHINE_ID, PerfettoError, PerfettoOptions, PerfettoWriter,
@@ -478,8 +478,7 @@ mod tests {
         let shift = decode(body).unwrap();
         let mut got = Vec::new();
         reader::for_each_event(path, &layout, 0, |e| {
-            let host =
-                trace_cmd_host_time(&shift.cpus[e.cpu as usize], shift.flags, e.ts).unwrap();
+            let host = trace_cmd_host_time(&shift.cpus[e.cpu as usize], shift.flags, e.ts).unwrap();
             got.push((e.cpu, host, e.payload[0]));
         })
         .unwrap();

@@ -1,36 +1,8 @@
 //! The output stage both front ends share: where events go while recording ([`Out`]) and
 //! the writers of every format, reading placements from the [`State`].
 
+use super::target::{Target, host_tsc2nsec};
 use super::*;
-
-/// What the output stage writes, whichever front end fed it.
-#[derive(Clone, Debug)]
-pub(super) struct Target {
-    /// The output file (or CTF directory).
-    pub(super) out: PathBuf,
-    /// Its format.
-    pub(super) format: RecordFormat,
-    /// trace.dat version.
-    pub(super) file_version: FileVersion,
-    /// Where the events came from, as the outputs name it (the agent's address, or the VMM
-    /// whose memory was read); it also seeds the trace.dat TRACEID.
-    pub(super) source: String,
-    /// How span records are named (symbols, relocations) in the outputs that show spans.
-    pub(super) spans: crate::spans::SpanConfig,
-}
-
-impl Target {
-    /// The protocol front end's target: named after the agent's address.
-    pub(super) fn of(opts: &RecordOptions) -> Self {
-        Self {
-            out: opts.out.clone(),
-            format: opts.format,
-            file_version: opts.file_version,
-            source: opts.probe.addr.to_string(),
-            spans: opts.spans.clone(),
-        }
-    }
-}
 
 /// Appends `p` to the JSON Lines output, an error naming the file being written.
 pub(super) fn jsonl_write(w: &mut JsonlWriter, p: &Placed<'_>) -> Result<(), RecordError> {
@@ -387,19 +359,6 @@ pub(super) fn write_trace_dat_as(
     });
     w.finish(shift.as_ref())?;
     Ok((!identity, clamped))
-}
-
-/// The TSC2NSEC option of the host's TSC frequency ([`crate::formats::ctf::host_tsc_hz`]):
-/// written into the guest trace.dat and into the host trace's copy, so trace-cmd shows both
-/// in seconds on the host's clock (docs/record.md). Read once per process, so both files of a
-/// recording carry the same values; `None` when the frequency is unknown (ticks then).
-pub fn host_tsc2nsec() -> Option<tracedat::Tsc2Nsec> {
-    static T: std::sync::OnceLock<Option<tracedat::Tsc2Nsec>> = std::sync::OnceLock::new();
-    *T.get_or_init(|| {
-        crate::formats::ctf::host_tsc_hz()
-            .ok()
-            .and_then(tracedat::Tsc2Nsec::for_hz)
-    })
 }
 
 /// A TRACEID for the guest file: stable for one run (source and first anchor).

@@ -72,6 +72,58 @@ pub const EVENT_DATA_FORMAT: &str = event_format!(
     r#""id=%u len=%u payload=%s", REC->id, REC->len, __print_hex(REC->payload, REC->len)"#
 );
 
+// The function graph's events (`funcgraph.rs` writes them).
+
+/// Event type id of `ftrace:funcgraph_entry` in our files (the kernel's differs; trace-cmd
+/// finds the event by name).
+pub const FUNCGRAPH_ENTRY_ID: u16 = 60010;
+/// Event type id of `ftrace:funcgraph_exit`.
+pub const FUNCGRAPH_EXIT_ID: u16 = 60011;
+/// Event type id of `vmtsync:span_orphan`.
+pub const SPAN_ORPHAN_ID: u16 = 60003;
+
+/// Data bytes of a `funcgraph_entry` record (the kernel's: `func` @8, `depth` @16, padded).
+pub const ENTRY_SIZE: usize = 24;
+/// Data bytes of a `funcgraph_exit` record.
+pub const EXIT_SIZE: usize = 40;
+
+/// `funcgraph_entry`'s format, Linux 6.18's without the empty `args[]` (function arguments,
+/// which a guest span has none of).
+pub const FUNCGRAPH_ENTRY_FORMAT: &str = event_format!(
+    "funcgraph_entry",
+    60010,
+    [
+        ("unsigned long func", 8, 8, 0),
+        ("unsigned int depth", 16, 4, 0)
+    ],
+    r#""--> %ps (%u)", (void *)REC->func, REC->depth"#
+);
+
+/// `funcgraph_exit`'s format, exactly Linux 6.18's.
+pub const FUNCGRAPH_EXIT_FORMAT: &str = event_format!(
+    "funcgraph_exit",
+    60011,
+    [
+        ("unsigned long func", 8, 8, 0),
+        ("unsigned int depth", 16, 4, 0),
+        ("unsigned int overrun", 20, 4, 0),
+        ("unsigned long long calltime", 24, 8, 0),
+        ("unsigned long long rettime", 32, 8, 0),
+    ],
+    r#""<-- %ps (%u) (start: %llx  end: %llx) over: %u", (void *)REC->func, REC->depth, REC->calltime, REC->rettime, REC->depth"#
+);
+
+/// `vmtsync:span_orphan`: an exit whose entry was not seen (the same layout as an entry).
+pub const SPAN_ORPHAN_FORMAT: &str = event_format!(
+    "span_orphan",
+    60003,
+    [
+        ("unsigned long func", 8, 8, 0),
+        ("unsigned int depth", 16, 4, 0)
+    ],
+    r#""%ps exit, entry not seen (depth %u)", (void *)REC->func, REC->depth"#
+);
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -28,59 +28,10 @@ use std::collections::{BTreeMap, HashMap};
 
 use super::consts::Tsc2Nsec;
 use super::error::TraceDatError;
+use super::format::{ENTRY_SIZE, EXIT_SIZE, FUNCGRAPH_ENTRY_ID, FUNCGRAPH_EXIT_ID, SPAN_ORPHAN_ID};
 use super::writer::TraceDatWriter;
 use crate::formats::ExportEvent;
 use crate::spans::{Span, SpanConfig, SpanKind, SpanStep, SpanTracker};
-
-/// Event type id of `ftrace:funcgraph_entry` in our files (the kernel's differs; trace-cmd
-/// finds the event by name).
-pub const FUNCGRAPH_ENTRY_ID: u16 = 60010;
-/// Event type id of `ftrace:funcgraph_exit`.
-pub const FUNCGRAPH_EXIT_ID: u16 = 60011;
-/// Event type id of `vmtsync:span_orphan`.
-pub const SPAN_ORPHAN_ID: u16 = 60003;
-
-/// Data bytes of a `funcgraph_entry` record (the kernel's: `func` @8, `depth` @16, padded).
-pub const ENTRY_SIZE: usize = 24;
-/// Data bytes of a `funcgraph_exit` record.
-pub const EXIT_SIZE: usize = 40;
-
-/// `funcgraph_entry`'s format, Linux 6.18's without the empty `args[]` (function arguments,
-/// which a guest span has none of).
-pub const FUNCGRAPH_ENTRY_FORMAT: &str = event_format!(
-    "funcgraph_entry",
-    60010,
-    [
-        ("unsigned long func", 8, 8, 0),
-        ("unsigned int depth", 16, 4, 0)
-    ],
-    r#""--> %ps (%u)", (void *)REC->func, REC->depth"#
-);
-
-/// `funcgraph_exit`'s format, exactly Linux 6.18's.
-pub const FUNCGRAPH_EXIT_FORMAT: &str = event_format!(
-    "funcgraph_exit",
-    60011,
-    [
-        ("unsigned long func", 8, 8, 0),
-        ("unsigned int depth", 16, 4, 0),
-        ("unsigned int overrun", 20, 4, 0),
-        ("unsigned long long calltime", 24, 8, 0),
-        ("unsigned long long rettime", 32, 8, 0),
-    ],
-    r#""<-- %ps (%u) (start: %llx  end: %llx) over: %u", (void *)REC->func, REC->depth, REC->calltime, REC->rettime, REC->depth"#
-);
-
-/// `vmtsync:span_orphan`: an exit whose entry was not seen (the same layout as an entry).
-pub const SPAN_ORPHAN_FORMAT: &str = event_format!(
-    "span_orphan",
-    60003,
-    [
-        ("unsigned long func", 8, 8, 0),
-        ("unsigned int depth", 16, 4, 0)
-    ],
-    r#""%ps exit, entry not seen (depth %u)", (void *)REC->func, REC->depth"#
-);
 
 /// The most names the graph adds to the image's symbols (phases, unnamed addresses, names at
 /// an address another name holds): the guest chooses them, and each costs host memory. A
@@ -403,6 +354,9 @@ mod tests {
 
     #[test]
     fn records_have_the_kernels_field_offsets() {
+        use crate::formats::tracedat::format::{
+            FUNCGRAPH_ENTRY_FORMAT, FUNCGRAPH_EXIT_FORMAT, SPAN_ORPHAN_FORMAT,
+        };
         let e = exit_record(3, 0xabc, 2, 100, 250);
         assert_eq!(u16::from_le_bytes([e[0], e[1]]), FUNCGRAPH_EXIT_ID);
         assert_eq!(i32::from_le_bytes(e[4..8].try_into().unwrap()), 3);

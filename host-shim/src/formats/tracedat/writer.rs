@@ -23,9 +23,9 @@ use crate::atomic_file::{AtomicFile, BackgroundFile};
 use super::consts::{PAGE_SIZE, PAGE_SIZE_U32, SECTION_HEADER_SIZE, Tsc2Nsec, option};
 use super::error::TraceDatError;
 use super::format::{
-    EVENT_DATA_FORMAT, EVENT_FORMAT, HEADER_EVENT, HEADER_PAGE, MAX_PAYLOAD, SYSTEM,
+    EVENT_DATA_FORMAT, EVENT_FORMAT, FUNCGRAPH_ENTRY_FORMAT, FUNCGRAPH_EXIT_FORMAT, HEADER_EVENT,
+    HEADER_PAGE, MAX_PAYLOAD, SPAN_ORPHAN_FORMAT, SYSTEM,
 };
-use super::funcgraph::{FUNCGRAPH_ENTRY_FORMAT, FUNCGRAPH_EXIT_FORMAT, SPAN_ORPHAN_FORMAT};
 use super::page::PageBuf;
 use super::reader;
 use super::timeshift::{self, TimeShift};

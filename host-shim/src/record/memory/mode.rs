@@ -15,7 +15,8 @@ use crate::record::RecordError;
 use crate::record::beacons::Beacons;
 use crate::record::error::{MemoryError, Unplaceable};
 use crate::record::place::{State, VcpuSync};
-use crate::record::write::{Out, Target};
+use crate::record::target::Target;
+use crate::record::write::Out;
 use crate::sync::Round;
 use crate::syncfile::{AnchorKind, SyncHeader, SyncSegment, SyncWriter};
 

@@ -23,7 +23,8 @@ use crate::probe::Progress;
 use crate::record::beacons::Beacons;
 use crate::record::error::MemoryError;
 use crate::record::place::{State, VcpuSync, boot_key};
-use crate::record::write::{Out, Target, finish, trace_id};
+use crate::record::target::Target;
+use crate::record::write::{Out, finish, trace_id};
 use crate::record::{EndReason, HostTime, RecordError, RecordFormat, RecordSummary};
 use crate::sync::Placement;
 
@@ -640,9 +641,17 @@ impl<'a> Recording<'a> {
             mode,
             raw,
             vcpus,
+            beacons,
             ..
         } = self;
+        // The beacons' trace is done: removing its tracefs instance waits on the kernel (tens
+        // of ms), and so does finishing the output (its sync): side by side.
+        let teardown = beacons.map(|b| std::thread::spawn(move || drop(b)));
         let written = finish(out, &target, &st);
+        if let Some(t) = teardown {
+            // A panic while removing the instance leaves it for the next run's cleanup.
+            let _ = t.join();
+        }
         let end = result?;
         let (preconverted, clamped) = written?;
         let done = Done {

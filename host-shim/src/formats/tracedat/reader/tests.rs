@@ -131,7 +131,7 @@ fn event_formats_come_back_from_every_layout() {
         // Files of this version also carry the function graph's formats (the fixture is
         // older).
         if name != "zstd" {
-            use crate::formats::tracedat::funcgraph as g;
+            use crate::formats::tracedat::format as g;
             want.insert(
                 0,
                 (

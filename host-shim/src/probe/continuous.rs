@@ -250,16 +250,13 @@ impl ProbeOptions {
 mod tests {
     use super::*;
     use crate::probe::run_probe_on;
-    use crate::probe::testutil::{SimTransport, continuous_into, sim_options};
+    use crate::probe::testutil::{SimTransport, continuous_into, sim_options, tempdir};
     use crate::sync::convert_with_sync;
     use crate::syncfile::SyncFile;
 
     #[test]
     fn a_migration_between_rounds_is_a_break_and_converts_exactly() {
-        let dir = tempfile::Builder::new()
-            .prefix("vmtsync-cont-")
-            .tempdir()
-            .unwrap();
+        let dir = tempdir();
         let path = dir.path().join("migration.jsonl");
         let mut t = SimTransport::new(1_000);
         t.exact = true;
@@ -300,10 +297,7 @@ mod tests {
 
     #[test]
     fn json_mode_keeps_round_notes_off_stdout() {
-        let dir = tempfile::Builder::new()
-            .prefix("vmtsync-cont-")
-            .tempdir()
-            .unwrap();
+        let dir = tempdir();
         let sim = || {
             let mut t = SimTransport::new(1_000);
             t.exact = true;
@@ -335,10 +329,7 @@ mod tests {
     #[test]
     fn stopped_before_any_round_is_interrupted_not_no_samples() {
         static STOP: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
-        let dir = tempfile::Builder::new()
-            .prefix("vmtsync-cont-")
-            .tempdir()
-            .unwrap();
+        let dir = tempdir();
         let mut opts = sim_options();
         opts.stop = Some(&STOP);
         opts.continuous = continuous_into(dir.path().join("stopped.jsonl"), None);

@@ -257,7 +257,7 @@ pub enum VcpuChoice {
 mod tests {
     use super::*;
     use crate::probe::error::refusal_text;
-    use crate::probe::testutil::{SimTransport, continuous_into, sim_options};
+    use crate::probe::testutil::{SimTransport, continuous_into, sim_options, tempdir};
     use crate::syncfile::SyncFile;
 
     /// A simulated agent on vCPU 3 that also serves vCPUs 0 and 2, each `2^36` ticks apart.
@@ -349,10 +349,7 @@ mod tests {
             matches!(err, ProbeError::UnknownVcpu { vcpu: 1, ref online } if online == &[0, 2, 3]),
             "{err}"
         );
-        let dir = tempfile::Builder::new()
-            .prefix("vmtsync-run-")
-            .tempdir()
-            .unwrap();
+        let dir = tempdir();
         let path = dir.path().join("vcpu2.jsonl");
         opts.vcpus = VcpuChoice::One(2);
         opts.continuous = continuous_into(path.clone(), Some(2));
@@ -368,10 +365,7 @@ mod tests {
 
     #[test]
     fn all_vcpus_continuously_writes_each_vcpus_segments_on_its_own_clock() {
-        let dir = tempfile::Builder::new()
-            .prefix("vmtsync-run-")
-            .tempdir()
-            .unwrap();
+        let dir = tempdir();
         let path = dir.path().join("all.jsonl");
         let mut opts = sim_options();
         opts.vcpus = VcpuChoice::All;

@@ -172,3 +172,11 @@ pub(crate) fn continuous_into(
         rounds,
     })
 }
+
+/// A fresh directory for a test's sync files, removed when dropped.
+pub(crate) fn tempdir() -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix("vmtsync-probe-")
+        .tempdir()
+        .unwrap()
+}

@@ -14,8 +14,10 @@
 //! - [`kvm`]: what the host kernel says: the host TSC read, KVM debugfs, `/proc`, one scan in
 //!   the `vmtsync kvm --json` shape, and change watching.
 //! - [`syncfile`]: the versioned JSON Lines sync file, the vocabulary its segments are written
-//!   in ([`syncfile::AnchorKind`], [`syncfile::OffsetModel`]), the guaranteed bounds of a
-//!   placement ([`syncfile::bounds`]) and `convert --sync`.
+//!   in ([`syncfile::AnchorKind`], [`syncfile::OffsetModel`]), and its segments on
+//!   `vmtsync_core::timeline` (for trace.dat's TIME_SHIFT).
+//! - [`sync`]: from probe samples to a placed time: rounds, segments, the rate limits, the
+//!   one rule for a segment's line and a point's interval, and `convert --sync`.
 //! - [`formats`]: every trace format: trace.dat (writer, reader, TIME_SHIFT, host copy,
 //!   attach planning), JSON Lines (one `Line` type both ways), CTF, Perfetto, perf, and the
 //!   one event source the exporters read.
@@ -57,5 +59,6 @@ pub mod plot;
 pub mod probe;
 pub mod record;
 pub mod spans;
+pub mod sync;
 pub mod syncfile;
 pub mod validate;

@@ -9,7 +9,7 @@ use super::exit::CliError;
 use super::mapping::MappingArgs;
 use super::source::{find_vcpu, not_nested, single_vm, vm_name};
 use crate::exact_convert::{self, ConvertOptions, Direction, Rounding};
-use crate::syncfile::{self, SyncFile};
+use crate::syncfile::SyncFile;
 
 /// `vmtsync convert`.
 #[derive(Debug, Args)]
@@ -19,8 +19,8 @@ use crate::syncfile::{self, SyncFile};
     mut_arg("sync", |a| a.conflicts_with_all(["to", "round", "nested_l2"])),
 )]
 pub struct ConvertArgs {
-    /// The mapping: --offset, --vm with --vcpu, or --sync with --vcpu (which converts guest
-    /// TSC values to host TSC, rounded down, piecewise).
+    /// The mapping: --offset, --vm with --vcpu, or --sync with --vcpu (which places guest
+    /// TSC values on the host TSC as `record` places its events: `crate::sync::convert`).
     #[command(flatten)]
     pub mapping: MappingArgs,
     /// Output clock: `host` (input is guest TSC) or `guest` (input is host TSC).
@@ -64,7 +64,8 @@ pub(super) fn run_convert(a: &ConvertArgs) -> Result<(), CliError> {
         if let Some(cut) = sync.cut {
             eprintln!("vmtsync: warning: {}: {cut}", path.display());
         }
-        let stats = syncfile::convert_with_sync(&sync, vcpu, &mut input, &mut output, a.skip_bad)?;
+        let stats =
+            crate::sync::convert_with_sync(&sync, vcpu, &mut input, &mut output, a.skip_bad)?;
         if stats.skipped > 0 {
             eprintln!(
                 "vmtsync: converted {} values, skipped {} bad lines",

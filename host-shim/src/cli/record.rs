@@ -208,7 +208,7 @@ pub enum PlacementArg {
     OneSided,
 }
 
-impl From<PlacementArg> for crate::syncfile::bounds::Placement {
+impl From<PlacementArg> for crate::sync::Placement {
     fn from(a: PlacementArg) -> Self {
         match a {
             PlacementArg::TwoSided => Self::TwoSided,

@@ -37,17 +37,10 @@ impl ConsoleLog {
     /// # Errors
     /// [`ProbeError::Console`].
     pub fn create(path: &Path) -> Result<Self, ProbeError> {
-        let file = OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(path)
-            .map_err(|source| ProbeError::Console {
-                path: path.to_owned(),
-                source,
-            })?;
+        let (file, path) = open_append(path, |path, source| ProbeError::Console { path, source })?;
         Ok(Self {
             file,
-            path: path.to_owned(),
+            path,
             failed: None,
         })
     }
@@ -80,5 +73,16 @@ impl ConsoleLog {
     #[must_use]
     pub fn path(&self) -> &Path {
         &self.path
+    }
+}
+/// `path` opened for appending, created if missing, and its name: the `--console` and
+/// `--probe-log` files (a later run adds to an earlier one's); `error` names a failure.
+pub(super) fn open_append(
+    path: &Path,
+    error: fn(PathBuf, io::Error) -> ProbeError,
+) -> Result<(File, PathBuf), ProbeError> {
+    match OpenOptions::new().create(true).append(true).open(path) {
+        Ok(file) => Ok((file, path.to_owned())),
+        Err(source) => Err(error(path.to_owned(), source)),
     }
 }

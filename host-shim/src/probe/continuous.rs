@@ -17,15 +17,15 @@ use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use vmtsync_core::estimate::{DriftEstimator, EstimateError, ProbeSample};
+use vmtsync_core::estimate::EstimateError;
 
 use super::progress::Progress;
-use super::report::{HULL_CAPACITY, ProbeSummary, RATE_LIMITS};
+use super::report::ProbeSummary;
 use super::session::ProbeSession;
 use super::{ProbeError, ProbeOptions};
 use crate::link::transport::StampedTransport;
-use crate::syncfile::OffsetModel;
-use crate::syncfile::{SyncHeader, SyncSegment, SyncWriter};
+use crate::sync::{Cumulative, Round};
+use crate::syncfile::{SyncHeader, SyncWriter};
 
 /// Settings of continuous mode.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -56,44 +56,19 @@ pub struct ContinuousSummary {
     pub last: Option<ProbeSummary>,
 }
 
-/// The cumulative estimate across rounds since the last break (shared with `vmtsync record`).
-#[derive(Debug)]
-pub(crate) struct Cumulative {
-    est: DriftEstimator<HULL_CAPACITY>,
-    rounds: u64,
-}
-
-impl Cumulative {
-    pub(crate) fn new() -> Self {
-        Self {
-            est: DriftEstimator::new(),
-            rounds: 0,
-        }
-    }
-
-    /// Adds a round; returns whether it broke the previous estimate (then the estimate
-    /// restarts from this round alone).
-    pub(crate) fn add(&mut self, samples: &[ProbeSample]) -> bool {
-        let mut trial = self.est.clone();
-        let fits = samples.iter().all(|s| trial.push(s).is_ok())
-            && !matches!(trial.estimate(), Err(EstimateError::SegmentBreak));
-        if fits {
-            self.est = trial;
-            self.rounds += 1;
-            return false;
-        }
-        let had_rounds = self.rounds > 0;
-        self.est = DriftEstimator::new();
-        for s in samples {
-            // A round the estimator refuses on its own leaves it empty; the round's own
-            // offset bounds are used then.
-            if self.est.push(s).is_err() {
-                self.est = DriftEstimator::new();
-                break;
-            }
-        }
-        self.rounds = 1;
-        had_rounds
+impl ContinuousSummary {
+    /// The last round's summary (of the last vCPU synced), or why there is none: `stopped`
+    /// before any round measured something is an interruption, not "no samples"; samples
+    /// that gave no estimate are not lost probes.
+    ///
+    /// # Errors
+    /// [`ProbeError::Interrupted`], or [`ProbeError::Estimate`] with the last refusal.
+    pub fn last_or_why(self, stopped: bool) -> Result<ProbeSummary, ProbeError> {
+        self.last.ok_or(if stopped {
+            ProbeError::Interrupted
+        } else {
+            ProbeError::Estimate(self.refused.unwrap_or(EstimateError::NoSamples))
+        })
     }
 }
 
@@ -193,11 +168,7 @@ fn one_vcpu_round<T: StampedTransport>(
     let estimate = if samples.is_empty() {
         None
     } else {
-        Some(ProbeSummary::from_samples(
-            session.info(),
-            &samples,
-            session.stats(),
-        ))
+        Some(Round::from_samples(&samples))
     };
     match estimate {
         None => {
@@ -219,9 +190,11 @@ fn one_vcpu_round<T: StampedTransport>(
                 ),
             )?;
         }
-        Some(Ok(s)) => {
-            let is_break = cumulative.add(&samples);
-            let seg = segment(cumulative, &s, &samples, round, is_break)?;
+        Some(Ok(r)) => {
+            let stats = session.stats();
+            let seg = cumulative.add_round(&r, &samples, round, stats.anchor)?;
+            let s = ProbeSummary::of(&r, session.info().tsc_khz, stats);
+            let is_break = seg.is_break;
             writer.append(&seg)?;
             summary.segments += 1;
             summary.breaks += u64::from(is_break);
@@ -265,78 +238,6 @@ fn note(out: &mut dyn Write, json: bool, text: &str) -> Result<(), ProbeError> {
     .map_err(ProbeError::Output)
 }
 
-/// Builds the round's segment from the cumulative estimate (constant rate since the last
-/// break, within [`RATE_LIMITS`]); when that estimate is empty (a round it refused on its own),
-/// from the round's own guaranteed bounds. Both hold for any constant rate within the limits
-/// that fits the samples, so the first round's segment is valid even before the samples bound
-/// the rate; its drift bounds are then the limits themselves, never "exactly 0".
-pub(crate) fn segment(
-    cumulative: &Cumulative,
-    s: &ProbeSummary,
-    samples: &[ProbeSample],
-    round: u64,
-    is_break: bool,
-) -> Result<SyncSegment, ProbeError> {
-    let anchor = s.at_host;
-    let (model, lo, hi) = match cumulative.est.offset_bounds_at_within(anchor, &RATE_LIMITS) {
-        Ok((lo, hi)) => (OffsetModel::Drift, lo, hi),
-        Err(_) => (s.model, s.bound_lo, s.bound_hi),
-    };
-    // Drift bounds to match: outward (the lower rate rounded down, the upper up), the
-    // round's own when the cumulative estimate is empty, the limits when nothing tighter is
-    // known.
-    let limits = (
-        RATE_LIMITS.min().drift_ppb_floor(),
-        RATE_LIMITS.max().drift_ppb_ceil(),
-    );
-    let (dlo, dhi) = match cumulative.est.rate_bounds_within(&RATE_LIMITS) {
-        Ok((a, b)) => (a.drift_ppb_floor(), b.drift_ppb_ceil()),
-        Err(_) => s.drift.map_or(limits, |d| (Some(d.lo), Some(d.hi))),
-    };
-    // Identity (KVM's default) when it fits; otherwise the centre of the bounds, which halves
-    // the worst-case conversion error away from the anchor. The bound closest to identity
-    // would convert a guest 100 ppm fast with the slowest rate that fits, early by up to the
-    // whole drift width times the distance: measured, enough to put events recorded after a
-    // port read before its exit (docs/validate.md).
-    let used = match (dlo, dhi) {
-        (Some(lo), Some(hi)) if lo > 0 || hi.max(lo) < 0 => {
-            lo + i64::try_from((i128::from(hi.max(lo)) - i128::from(lo)) / 2).unwrap_or(0)
-        }
-        _ => 0,
-    };
-    let offset = lo + i64::try_from((i128::from(hi) - i128::from(lo)) / 2).unwrap_or(0);
-    let guest_anchor = anchor
-        .0
-        .checked_add_signed(offset)
-        .ok_or(ProbeError::Estimate(EstimateError::Overflow))?;
-    let first = samples
-        .first()
-        .ok_or(ProbeError::Estimate(EstimateError::NoSamples))?;
-    let last = samples
-        .last()
-        .ok_or(ProbeError::Estimate(EstimateError::NoSamples))?;
-    Ok(SyncSegment {
-        vcpu: s.vcpu,
-        round,
-        guest_start: first.guest.0,
-        host_anchor: anchor.0,
-        guest_anchor,
-        offset,
-        offset_lo: lo,
-        offset_hi: hi,
-        drift_ppb: used,
-        drift_ppb_lo: dlo,
-        drift_ppb_hi: dhi,
-        model,
-        probes: s.probes,
-        rtt_min_ticks: s.rtt.min,
-        host_first: first.host_send.0,
-        host_last: last.host_recv.0,
-        is_break,
-        anchor: s.stats.anchor,
-    })
-}
-
 impl ProbeOptions {
     pub(crate) fn stopped(&self) -> bool {
         self.stop
@@ -348,32 +249,22 @@ impl ProbeOptions {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::link::ProbeAddr;
     use crate::probe::run_probe_on;
-    use crate::probe::testutil::SimTransport;
-    use crate::syncfile::{SyncFile, convert_with_sync};
-    use vmtsync_core::{GuestTicks, HostTicks};
+    use crate::probe::testutil::{SimTransport, continuous_into, sim_options, tempdir};
+    use crate::sync::convert_with_sync;
+    use crate::syncfile::SyncFile;
 
     #[test]
     fn a_migration_between_rounds_is_a_break_and_converts_exactly() {
-        let dir = tempfile::Builder::new()
-            .prefix("vmtsync-cont-")
-            .tempdir()
-            .unwrap();
+        let dir = tempdir();
         let path = dir.path().join("migration.jsonl");
         let mut t = SimTransport::new(1_000);
         t.exact = true;
         t.gap = 1_000_000;
         // Flush + hello, then two rounds of 8 probes; the third round sees the new offset.
         t.step_at = Some((2 + 16, 9_000_000));
-        let mut opts = ProbeOptions::new(ProbeAddr::Unix("sim".into()));
-        opts.progress = false;
-        opts.probes = 8;
-        opts.continuous = Some(ContinuousOptions {
-            out: path.clone(),
-            resync: Duration::ZERO,
-            rounds: Some(4),
-        });
+        let mut opts = sim_options();
+        opts.continuous = continuous_into(path.clone(), Some(4));
         let mut out = Vec::new();
         let last = run_probe_on(t, &opts, &mut out).unwrap();
         let text = String::from_utf8(out).unwrap();
@@ -406,10 +297,7 @@ mod tests {
 
     #[test]
     fn json_mode_keeps_round_notes_off_stdout() {
-        let dir = tempfile::Builder::new()
-            .prefix("vmtsync-cont-")
-            .tempdir()
-            .unwrap();
+        let dir = tempdir();
         let sim = || {
             let mut t = SimTransport::new(1_000);
             t.exact = true;
@@ -419,14 +307,8 @@ mod tests {
             t.step_at = Some((2 + 8 + 4, 9_000_000));
             t
         };
-        let mut opts = ProbeOptions::new(ProbeAddr::Unix("sim".into()));
-        opts.progress = false;
-        opts.probes = 8;
-        opts.continuous = Some(ContinuousOptions {
-            out: dir.path().join("notes.jsonl"),
-            resync: Duration::ZERO,
-            rounds: Some(3),
-        });
+        let mut opts = sim_options();
+        opts.continuous = continuous_into(dir.path().join("notes.jsonl"), Some(3));
         let mut text = Vec::new();
         run_probe_on(sim(), &opts, &mut text).unwrap();
         let text = String::from_utf8(text).unwrap();
@@ -447,133 +329,11 @@ mod tests {
     #[test]
     fn stopped_before_any_round_is_interrupted_not_no_samples() {
         static STOP: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
-        let dir = tempfile::Builder::new()
-            .prefix("vmtsync-cont-")
-            .tempdir()
-            .unwrap();
-        let mut opts = ProbeOptions::new(ProbeAddr::Unix("sim".into()));
-        opts.progress = false;
+        let dir = tempdir();
+        let mut opts = sim_options();
         opts.stop = Some(&STOP);
-        opts.continuous = Some(ContinuousOptions {
-            out: dir.path().join("stopped.jsonl"),
-            resync: Duration::ZERO,
-            rounds: None,
-        });
+        opts.continuous = continuous_into(dir.path().join("stopped.jsonl"), None);
         let r = run_probe_on(SimTransport::new(1_000), &opts, &mut Vec::new());
         assert!(matches!(r, Err(ProbeError::Interrupted)), "{r:?}");
-    }
-
-    fn round(start: u64, n: u64, offset: u64) -> Vec<ProbeSample> {
-        (0..n)
-            .map(|i| {
-                let send = start + i * 1000;
-                ProbeSample {
-                    host_send: HostTicks(send),
-                    guest: GuestTicks(send + 100 + offset),
-                    host_recv: HostTicks(send + 200),
-                    vcpu: 0,
-                }
-            })
-            .collect()
-    }
-
-    /// A summary of `samples` as `run` makes it (vCPU 0, no session counters).
-    fn summary(samples: &[ProbeSample]) -> ProbeSummary {
-        let info = crate::probe::session::AgentInfo {
-            vcpu: 0,
-            transport: vmtsync_core::proto::Transport::Memory,
-            features: vmtsync_core::proto::Features::NONE,
-            tsc_khz: None,
-            hello_tsc: GuestTicks(0),
-            hello_stamps: crate::link::FrameStamps {
-                send: HostTicks(0),
-                recv: HostTicks(0),
-            },
-        };
-        ProbeSummary::from_samples(&info, samples, crate::probe::SessionStats::default()).unwrap()
-    }
-
-    #[test]
-    fn segments_of_a_drifting_guest_hold_the_truth_from_the_first_round() {
-        use vmtsync_core::sim::{Delay, GuestClock, Link, Sim};
-        // A guest 100 ppm fast behind tight asymmetric brackets (the exit-stamped shape). The
-        // first round has one probe: the samples bound neither the rate nor, alone, the
-        // offset, so the segment's bounds and drift come from the rate limits.
-        let clock = GuestClock::with_drift_ppb(5_098_309_658_643, 100_000).unwrap();
-        let link = Link::tight_asymmetric();
-        let mut sim = Sim::new(7, HostTicks(1 << 41), clock, link, 0);
-        let mut c = Cumulative::new();
-        let mut centred = 0;
-        for (round, probes) in [(0_u64, 1_usize), (1, 64), (2, 64)] {
-            let samples: Vec<ProbeSample> = (0..probes).map(|_| sim.probe().unwrap()).collect();
-            let s = summary(&samples);
-            let is_break = c.add(&samples);
-            let seg = segment(&c, &s, &samples, round, is_break).unwrap();
-            assert!(!seg.is_break);
-            assert_eq!(seg.model, OffsetModel::Drift);
-            let at = HostTicks(seg.host_anchor);
-            assert_eq!(
-                clock.offset_within(at, seg.offset_lo, seg.offset_hi),
-                Some(true),
-                "round {round}: {seg:?}"
-            );
-            let (dlo, dhi) = (seg.drift_ppb_lo.unwrap(), seg.drift_ppb_hi.unwrap());
-            assert_eq!(
-                clock.drift_ppb_within(dlo, dhi),
-                Some(true),
-                "round {round}: {seg:?}"
-            );
-            if round == 0 {
-                // Only the limits bound the first round's rate: [1/2, 2] as ppb.
-                assert_eq!((dlo, dhi), (-500_000_000, 1_000_000_000));
-            } else {
-                assert!(dhi - dlo < 1_000_000, "round {round}: {seg:?}");
-                // Identity while it fits; once it does not, the centre of the bounds, not an
-                // end.
-                if dlo > 0 {
-                    assert!(
-                        (seg.drift_ppb - (dlo + (dhi - dlo) / 2)).abs() <= 1,
-                        "{seg:?}"
-                    );
-                    centred += 1;
-                } else {
-                    assert_eq!(seg.drift_ppb, 0, "{seg:?}");
-                }
-            }
-        }
-        assert_eq!(centred, 1, "round 2 excludes identity");
-        // A one-probe round three host seconds later: the cumulative hull bounds it alone.
-        sim.link.gap = Delay::Constant(3_000_000_000);
-        let samples = [sim.probe().unwrap()];
-        let s = summary(&samples);
-        assert!(!c.add(&samples));
-        let seg = segment(&c, &s, &samples, 3, false).unwrap();
-        assert_eq!(
-            clock.offset_within(HostTicks(seg.host_anchor), seg.offset_lo, seg.offset_hi),
-            Some(true),
-            "{seg:?}"
-        );
-    }
-
-    #[test]
-    fn cumulative_estimate_tightens_and_detects_a_step() {
-        let mut c = Cumulative::new();
-        assert!(!c.add(&round(1_000_000, 16, 5_000)));
-        let short = c.est.estimate().unwrap();
-        assert!(!c.add(&round(1_000_000_000, 16, 5_000)));
-        let long = c.est.estimate().unwrap();
-        assert_eq!(c.rounds, 2);
-        // A span a thousand times longer bounds the rate far more tightly.
-        assert!(
-            long.drift_ppb_max - long.drift_ppb_min
-                < (short.drift_ppb_max - short.drift_ppb_min) / 100,
-            "{short:?} {long:?}"
-        );
-        assert!(long.drift_ppb_min <= 0 && 0 <= long.drift_ppb_max);
-        // The guest TSC jumps by a million ticks: a break, and the estimate restarts.
-        assert!(c.add(&round(2_000_000_000, 16, 1_005_000)));
-        assert_eq!(c.rounds, 1);
-        let (lo, hi) = c.est.offset_bounds_at(HostTicks(2_000_000_000)).unwrap();
-        assert!(lo <= 1_005_000 && 1_005_000 <= hi, "{lo} {hi}");
     }
 }

@@ -13,7 +13,7 @@
 //! whole lines (and at worst one torn last line, which the reader reports). Its size grows with
 //! the probes the host asks for (about 220 bytes a probe), not with anything a guest sends.
 
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
@@ -107,17 +107,12 @@ impl ProbeLog {
         addr: &ProbeAddr,
         anchor: &AnchorOptions,
     ) -> Result<Self, ProbeError> {
-        let file = OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(path)
-            .map_err(|source| ProbeError::ProbeLog {
-                path: path.to_owned(),
-                source,
-            })?;
+        let (file, path) = super::console::open_append(path, |path, source| {
+            ProbeError::ProbeLog { path, source }
+        })?;
         Ok(Self {
             file,
-            path: path.to_owned(),
+            path,
             default: matcher_for(addr, anchor),
             uart_port: anchor.port,
             sync_port: anchor.sync_port,

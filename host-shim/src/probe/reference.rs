@@ -23,11 +23,7 @@
 use vmtsync_core::proto::try_unwrap_tsc_low32_in;
 use vmtsync_core::{GuestTicks, HostTicks};
 
-/// The slowest guest TSC rate against the host's that the window allows, as `(num, den)`.
-pub const RATE_MIN: (u64, u64) = (1, 2);
-
-/// The fastest guest TSC rate against the host's that the window allows, as `(num, den)`.
-pub const RATE_MAX: (u64, u64) = (2, 1);
+use crate::sync::{RATE_MAX, RATE_MIN};
 
 /// A verified guest TSC reading and the host bracket it was read in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

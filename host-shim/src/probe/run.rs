@@ -173,7 +173,8 @@ pub fn run_probe_vcpus_on<T: StampedTransport>(
     }
     let result = vcpus_of(&mut session, opts.vcpus).and_then(|vcpus| {
         if let Some(cont) = &opts.continuous {
-            return continuous(&mut session, opts, cont, &vcpus, out, &mut progress);
+            let c = continuous::run(&mut session, opts, cont, &vcpus, out, &mut progress)?;
+            return c.last_or_why(opts.stopped()).map(|last| vec![last]);
         }
         let mut all = Vec::with_capacity(vcpus.len());
         for v in vcpus {
@@ -205,26 +206,6 @@ fn vcpus_of<T: StampedTransport>(
             }
         }
     }
-}
-
-/// Continuous mode on `vcpus`; the last round's summary (of the last vCPU synced).
-fn continuous<T: StampedTransport>(
-    session: &mut ProbeSession<T>,
-    opts: &ProbeOptions,
-    cont: &ContinuousOptions,
-    vcpus: &[u32],
-    out: &mut dyn Write,
-    progress: &mut Progress,
-) -> Result<Vec<ProbeSummary>, ProbeError> {
-    let c = continuous::run(session, opts, cont, vcpus, out, progress)?;
-    let last = c.last.ok_or(if opts.stopped() {
-        // Stopped before any round measured something: interrupted, not "no samples".
-        ProbeError::Interrupted
-    } else {
-        // Samples that gave no estimate are not lost probes: say which it was.
-        ProbeError::Estimate(c.refused.unwrap_or(EstimateError::NoSamples))
-    })?;
-    Ok(vec![last])
 }
 
 fn one_round<T: StampedTransport>(
@@ -276,7 +257,7 @@ pub enum VcpuChoice {
 mod tests {
     use super::*;
     use crate::probe::error::refusal_text;
-    use crate::probe::testutil::SimTransport;
+    use crate::probe::testutil::{SimTransport, continuous_into, sim_options, tempdir};
     use crate::syncfile::SyncFile;
 
     /// A simulated agent on vCPU 3 that also serves vCPUs 0 and 2, each `2^36` ticks apart.
@@ -289,16 +270,9 @@ mod tests {
         t
     }
 
-    fn options() -> ProbeOptions {
-        let mut opts = ProbeOptions::new(ProbeAddr::Unix("sim".into()));
-        opts.progress = false;
-        opts.probes = 8;
-        opts
-    }
-
     #[test]
     fn all_vcpus_prints_one_json_object_per_vcpu_each_on_its_own_clock() {
-        let mut opts = options();
+        let mut opts = sim_options();
         opts.json = true;
         opts.vcpus = VcpuChoice::All;
         let mut out = Vec::new();
@@ -331,7 +305,7 @@ mod tests {
         let mut t = SimTransport::new(1_000);
         t.exact = true;
         t.step_at = Some((5, 1 << 40));
-        let mut opts = options();
+        let mut opts = sim_options();
         opts.json = true;
         let mut out = Vec::new();
         let err = run_probe_on(t, &opts, &mut out).unwrap_err();
@@ -357,7 +331,7 @@ mod tests {
     fn the_probe_log_holds_every_vcpus_samples() {
         let dir = tempfile::tempdir().unwrap();
         let log = dir.path().join("probes.jsonl");
-        let mut opts = options();
+        let mut opts = sim_options();
         opts.vcpus = VcpuChoice::All;
         opts.probe_log = Some(log.clone());
         run_probe_vcpus_on(smp_sim(), &opts, &mut Vec::new()).unwrap();
@@ -368,24 +342,17 @@ mod tests {
 
     #[test]
     fn one_vcpu_is_checked_against_the_agents_list_and_synced_continuously() {
-        let mut opts = options();
+        let mut opts = sim_options();
         opts.vcpus = VcpuChoice::One(1);
         let err = run_probe_vcpus_on(smp_sim(), &opts, &mut Vec::new()).unwrap_err();
         assert!(
             matches!(err, ProbeError::UnknownVcpu { vcpu: 1, ref online } if online == &[0, 2, 3]),
             "{err}"
         );
-        let dir = tempfile::Builder::new()
-            .prefix("vmtsync-run-")
-            .tempdir()
-            .unwrap();
+        let dir = tempdir();
         let path = dir.path().join("vcpu2.jsonl");
         opts.vcpus = VcpuChoice::One(2);
-        opts.continuous = Some(ContinuousOptions {
-            out: path.clone(),
-            resync: Duration::ZERO,
-            rounds: Some(2),
-        });
+        opts.continuous = continuous_into(path.clone(), Some(2));
         let last = run_probe_on(smp_sim(), &opts, &mut Vec::new()).unwrap();
         assert_eq!(last.vcpu, 2);
         let sync = SyncFile::read(&path).unwrap();
@@ -398,18 +365,11 @@ mod tests {
 
     #[test]
     fn all_vcpus_continuously_writes_each_vcpus_segments_on_its_own_clock() {
-        let dir = tempfile::Builder::new()
-            .prefix("vmtsync-run-")
-            .tempdir()
-            .unwrap();
+        let dir = tempdir();
         let path = dir.path().join("all.jsonl");
-        let mut opts = options();
+        let mut opts = sim_options();
         opts.vcpus = VcpuChoice::All;
-        opts.continuous = Some(ContinuousOptions {
-            out: path.clone(),
-            resync: Duration::ZERO,
-            rounds: Some(3),
-        });
+        opts.continuous = continuous_into(path.clone(), Some(3));
         let mut out = Vec::new();
         run_probe_on(smp_sim(), &opts, &mut out).unwrap();
         let text = String::from_utf8(out).unwrap();

@@ -10,7 +10,7 @@
 //! the largest event batch), whatever the guest sends. A round's samples (32 B each) grow with
 //! the host's `--probes`, and an event drain's batches with the host's `max`
 //! ([`ProbeSession::drain_events`]), not with guest input; continuous mode
-//! adds a fixed-capacity hull ([`super::report::HULL_CAPACITY`] vertices). A run of bytes
+//! adds a fixed-capacity hull ([`crate::sync::HULL_CAPACITY`] vertices). A run of bytes
 //! that does not decode, or is too long, is counted in [`SessionStats::bad_frames`] and its
 //! bytes in [`SessionStats::console_bytes`]: under the shared-UART wire rule it is the guest's
 //! console text (written out with `--console`, [`super::console`]), streamed, never held
@@ -51,8 +51,9 @@ use super::ProbeError;
 use super::console::ConsoleLog;
 use super::log::ProbeLog;
 use super::progress::Progress;
-pub use super::reference::{RATE_MAX, RATE_MIN, Reference, Window};
+pub use super::reference::{Reference, Window};
 use crate::link::transport::{FrameStamps, StampedTransport, TransportError};
+pub use crate::sync::{RATE_MAX, RATE_MIN};
 use crate::syncfile::AnchorKind;
 
 /// What a probe's matching reply said.

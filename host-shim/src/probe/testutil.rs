@@ -152,3 +152,31 @@ impl<E: EventSources> StampedTransport for SimTransport<E> {
         })
     }
 }
+
+/// Probe options for the simulation: eight probes a round, no progress line.
+pub(crate) fn sim_options() -> super::ProbeOptions {
+    let mut opts = super::ProbeOptions::new(crate::link::ProbeAddr::Unix("sim".into()));
+    opts.progress = false;
+    opts.probes = 8;
+    opts
+}
+
+/// Continuous mode into `out`, `rounds` rounds (`None`: until stopped) with no pause between.
+pub(crate) fn continuous_into(
+    out: std::path::PathBuf,
+    rounds: Option<u64>,
+) -> Option<super::ContinuousOptions> {
+    Some(super::ContinuousOptions {
+        out,
+        resync: std::time::Duration::ZERO,
+        rounds,
+    })
+}
+
+/// A fresh directory for a test's sync files, removed when dropped.
+pub(crate) fn tempdir() -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix("vmtsync-probe-")
+        .tempdir()
+        .unwrap()
+}

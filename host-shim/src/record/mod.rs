@@ -21,7 +21,7 @@
 //! Every event is placed with the segment that covers its guest tick (the last one whose
 //! `guest_start` is at or before it; the first one before that), the same rule a sync file's
 //! conversion and the trace.dat TIME_SHIFT use; its guaranteed host interval comes from
-//! [`crate::syncfile::bounds::host_bounds`].
+//! [`crate::sync::host_bounds`].
 //!
 //! Memory is constant in the number of events: JSON Lines are streamed; for trace.dat the events
 //! go to a spool file (32 bytes each) and are written when the segments are all known, as raw
@@ -48,7 +48,7 @@ use std::time::Duration;
 
 use crate::formats::tracedat::FileVersion;
 use crate::probe::ProbeOptions;
-use crate::syncfile::bounds::Placement;
+use crate::sync::Placement;
 
 pub use error::{MemoryError, RecordError, Unplaceable};
 pub use memory::{DEFAULT_POLL, MemoryOptions, MemorySummary, run_record_memory};
@@ -297,14 +297,33 @@ mod tests {
         assert_eq!(Widths::default().summary(), None);
     }
 
+    /// A recording of `events` events into `out` over the loopback simulation (`sim`), eight
+    /// probes a round and no resync before the end.
+    fn sim_options(out: &Path, format: RecordFormat, events: u64) -> RecordOptions {
+        let mut probe = crate::probe::ProbeOptions::new(crate::link::ProbeAddr::Unix("sim".into()));
+        probe.progress = false;
+        probe.probes = 8;
+        RecordOptions {
+            probe,
+            out: out.to_owned(),
+            format,
+            file_version: FileVersion::V7,
+            events: Some(events),
+            duration: None,
+            resync: Duration::from_secs(3600),
+            drain_max: DRAIN_MAX,
+            sync_out: None,
+            placement: Placement::default(),
+            spans: crate::spans::SpanConfig::default(),
+        }
+    }
+
     /// An SMP unikernel recording on three vCPUs whose TSCs differ by 2^36 ticks each: every
     /// vCPU is synced on itself each round and its events are placed with its own segments
     /// (the truth: the host tick each event was made up at), counted on its own, and written
     /// to its own trace.dat CPU.
     #[test]
     fn every_vcpu_s_events_are_placed_with_that_vcpu_s_own_sync() {
-        use crate::link::ProbeAddr;
-        use crate::probe::ProbeOptions;
         use crate::probe::testutil::SimTransport;
         use vmtsync_core::arch::FakeTsc;
         use vmtsync_core::recorder::Recorder;
@@ -332,22 +351,7 @@ mod tests {
                     .unwrap();
                 truth.push((v, host));
             }
-            let mut probe = ProbeOptions::new(ProbeAddr::Unix("sim".into()));
-            probe.progress = false;
-            probe.probes = 8;
-            let opts = RecordOptions {
-                probe,
-                out: out.to_owned(),
-                format,
-                file_version: FileVersion::V7,
-                events: Some(9),
-                duration: None,
-                resync: Duration::from_secs(3600),
-                drain_max: DRAIN_MAX,
-                sync_out: None,
-                placement: Placement::default(),
-                spans: crate::spans::SpanConfig::default(),
-            };
+            let opts = sim_options(out, format, 9);
             let summary = run_record_on(t, &opts, &mut Progress::hidden()).unwrap();
             (summary, truth)
         };
@@ -409,8 +413,6 @@ mod tests {
     #[test]
     fn span_records_reach_the_trace_dat_graph_and_the_ctf_span_events() {
         use crate::formats::tracedat::format::{FUNCGRAPH_ENTRY_ID, FUNCGRAPH_EXIT_ID};
-        use crate::link::ProbeAddr;
-        use crate::probe::ProbeOptions;
         use crate::probe::testutil::SimTransport;
         use vmtsync_core::arch::FakeTsc;
         use vmtsync_core::recorder::Recorder;
@@ -438,22 +440,7 @@ mod tests {
                 .unwrap()
                 .func_exit(&at(7), 0x10u32, 0x99)
                 .unwrap();
-            let mut probe = ProbeOptions::new(ProbeAddr::Unix("sim".into()));
-            probe.progress = false;
-            probe.probes = 8;
-            let opts = RecordOptions {
-                probe,
-                out: out.to_owned(),
-                format,
-                file_version: FileVersion::V7,
-                events: Some(5),
-                duration: None,
-                resync: Duration::from_secs(3600),
-                drain_max: DRAIN_MAX,
-                sync_out: None,
-                placement: Placement::default(),
-                spans: crate::spans::SpanConfig::default(),
-            };
+            let opts = sim_options(out, format, 5);
             run_record_on(t, &opts, &mut Progress::hidden()).unwrap()
         };
         let dir = tempfile::tempdir().unwrap();

@@ -7,8 +7,7 @@ use super::ledger::Ledger;
 use super::spool::{self, Spool};
 use crate::formats::jsonl::{EVENT_SCHEMA, Line};
 use crate::formats::perfetto::clock::ClockSnapshot;
-use crate::probe::continuous::Cumulative;
-use crate::syncfile::bounds::{self, Placement};
+use crate::sync::{self, Cumulative, Placement};
 use crate::syncfile::{SyncSegment, SyncWriter};
 
 /// One event on its way to the output.
@@ -245,21 +244,9 @@ impl State {
     }
 
     /// [`State::place`] with a given placement, and the round that covers the event.
-    pub(super) fn place_as(&self, vcpu: u32, g: u64, how: Placement) -> Option<bounds::Place> {
+    pub(super) fn place_as(&self, vcpu: u32, g: u64, how: Placement) -> Option<sync::Place> {
         let v = self.vcpus.get(self.index_of(vcpu)?)?;
-        if v.segments.is_empty() {
-            // No round ever covered this vCPU (a late attach read its beacons before the
-            // trace could bracket them): a raw-TSC guest's event is placed by KVM's mapping
-            // alone, width 0 on the header's word (`exact` is empty unless that is known).
-            return bounds::place(&v.exact, g, Placement::OneSided);
-        }
-        let mut p = bounds::place(&v.segments, g, how)?;
-        if let Some(e) = bounds::place(&v.exact, g, Placement::OneSided)
-            && (p.lo..=p.hi).contains(&e.host)
-        {
-            p.host = e.host;
-        }
-        Some(p)
+        sync::place_with_exact(&v.segments, &v.exact, g, how)
     }
 
     /// A spooled event placed with the rounds known now.
@@ -311,5 +298,84 @@ impl State {
             }
         }
         self.widths = w;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sync::{Round, convert_with_sync};
+    use crate::syncfile::AnchorKind;
+    use vmtsync_core::sim::{Delay, GuestClock, Link, Sim};
+    use vmtsync_core::{GuestTicks, HostTicks};
+
+    /// `record` and `convert --sync` place a guest tick by one rule: with the segments a
+    /// recording made (what `--sync-out` writes), `convert --sync` prints the point `record`
+    /// gives the event at that tick, inside `record`'s interval, which holds the truth. Before
+    /// they shared the rule, `convert --sync` followed the covering segment's line through the
+    /// core timeline; for a drifting guest that differs from `record`'s point, which the test
+    /// checks so that it shows the two rules apart.
+    #[test]
+    fn record_and_convert_sync_place_a_tick_alike() {
+        let clock = GuestClock::with_drift_ppb(5_098_309_658_643, 100_000).unwrap();
+        let mut sim = Sim::new(11, HostTicks(1 << 41), clock, Link::tight_asymmetric(), 0);
+        let within = sim.link.gap;
+        let mut st = State::new(&[0], None, Placement::TwoSided);
+        let first = sim.now().0;
+        for round in 0..4 {
+            // Rounds of 16 probes, half a host second apart.
+            sim.link.gap = Delay::Constant(500_000_000);
+            let mut samples = vec![sim.probe().unwrap()];
+            sim.link.gap = within;
+            samples.extend((1..16).map(|_| sim.probe().unwrap()));
+            let r = Round::from_samples(&samples).unwrap();
+            let v = &mut st.vcpus[0];
+            let seg = v
+                .cumulative
+                .add_round(&r, &samples, round, AnchorKind::InProcess)
+                .unwrap();
+            v.segments.push(seg);
+        }
+        let last = sim.now().0;
+        // Events from a second before the first round to a second after the last.
+        let hosts: Vec<u64> = (0..400)
+            .map(|i| first + (last + 2_000_000_000 - first) / 400 * i)
+            .collect();
+        let guests: Vec<u64> = hosts
+            .iter()
+            .map(|&h| clock.guest_at(HostTicks(h)).unwrap().0)
+            .collect();
+        let sync = crate::syncfile::samples::file(&st.vcpus[0].segments);
+        let input: String = guests.iter().map(|g| format!("{g}\n")).collect();
+        let mut out = Vec::new();
+        convert_with_sync(&sync, 0, &mut input.as_bytes(), &mut out, false).unwrap();
+        let converted: Vec<u64> = String::from_utf8(out)
+            .unwrap()
+            .lines()
+            .map(|l| l.parse().unwrap())
+            .collect();
+        assert_eq!(converted.len(), guests.len());
+        let old = sync.timeline(0).unwrap();
+        let (mut apart, mut outside, mut most) = (0, 0, 0);
+        for ((&h, &g), &c) in hosts.iter().zip(&guests).zip(&converted) {
+            let (host, lo, hi) = st.place(0, g).unwrap();
+            assert_eq!(c, host, "guest {g}: convert --sync {c}, record {host}");
+            // The truth within the one tick of the guest counter's own rounding.
+            assert!(lo <= h + 1 && h <= hi + 1, "{lo} {h} {hi}");
+            assert!(lo <= host && host <= hi);
+            let line = old.try_host_from_guest_floor(GuestTicks(g)).unwrap().0;
+            apart += u32::from(line != host);
+            outside += u32::from(!(lo..=hi).contains(&line));
+            most = most.max(line.abs_diff(host));
+        }
+        println!(
+            "{} ticks: the segment's line differed from record's point for {apart}, and left \
+             record's interval for {outside}; at most {most} ticks apart",
+            guests.len()
+        );
+        assert!(
+            apart > 0,
+            "the segment's line never differed from the point"
+        );
     }
 }

@@ -16,11 +16,8 @@ use crate::link::ConnectOptions;
 use crate::link::StampedTransport;
 use crate::link::connect;
 use crate::probe::anchor;
-use crate::probe::continuous::segment;
-use crate::probe::{
-    ConsoleLog, ProbeError, ProbeLog, ProbeOptions, ProbeSession, ProbeSummary, Progress,
-};
-use crate::syncfile::bounds::Placement;
+use crate::probe::{ConsoleLog, ProbeError, ProbeLog, ProbeOptions, ProbeSession, Progress};
+use crate::sync::{Placement, Round};
 use crate::syncfile::{SyncHeader, SyncWriter};
 
 /// Connects to `opts.probe.addr` and records (see [`run_record_on`]).
@@ -194,8 +191,8 @@ impl State {
             if samples.is_empty() {
                 continue;
             }
-            let s = match ProbeSummary::from_samples(session.info(), &samples, session.stats()) {
-                Ok(s) => s,
+            let r = match Round::from_samples(&samples) {
+                Ok(r) => r,
                 // The samples fit no constant relation (the clock stepped inside the round,
                 // or a bracket was wrong): nothing trustworthy to add.
                 Err(e) => {
@@ -203,9 +200,9 @@ impl State {
                     continue;
                 }
             };
-            let is_break = v.cumulative.add(&samples);
-            let seg = segment(&v.cumulative, &s, &samples, round, is_break)?;
-            self.breaks += u64::from(is_break);
+            let anchor = session.stats().anchor;
+            let seg = v.cumulative.add_round(&r, &samples, round, anchor)?;
+            self.breaks += u64::from(seg.is_break);
             if let Some(w) = &mut self.sync_out {
                 w.append(&seg)?;
             }

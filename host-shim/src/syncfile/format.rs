@@ -164,12 +164,12 @@ pub(super) enum Tagged {
 }
 
 #[cfg(test)]
-pub(super) mod samples {
-    //! A header and segments for the tests of this module's siblings.
+pub(crate) mod samples {
+    //! A header, segments and files for the tests of this wing and the sync wing.
 
     use super::*;
 
-    pub(in crate::syncfile) fn header() -> SyncHeader {
+    pub(crate) fn header() -> SyncHeader {
         SyncHeader {
             schema: SYNC_SCHEMA,
             tool: "vmtsync test".into(),
@@ -179,7 +179,7 @@ pub(super) mod samples {
         }
     }
 
-    pub(in crate::syncfile) fn seg(
+    pub(crate) fn seg(
         vcpu: u32,
         round: u64,
         host_anchor: u64,
@@ -206,6 +206,16 @@ pub(super) mod samples {
             host_last: host_anchor + 1000,
             is_break: round == 0,
             anchor: AnchorKind::InProcess,
+        }
+    }
+
+    /// A file of `segs` (lines numbered from 2, after the header).
+    pub(crate) fn file(segs: &[SyncSegment]) -> crate::syncfile::SyncFile {
+        crate::syncfile::SyncFile {
+            header: header(),
+            segments: segs.to_vec(),
+            lines: (2..).take(segs.len()).collect(),
+            cut: None,
         }
     }
 }

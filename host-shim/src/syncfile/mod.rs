@@ -1,5 +1,6 @@
-//! Sync files: the append-only record of `vmtsync probe --continuous`, and the guest→host
-//! conversion `vmtsync convert --sync FILE --vcpu N` does with it.
+//! Sync files: the append-only record of `vmtsync probe --continuous` (and of `record
+//! --sync-out`), read by `vmtsync convert --sync FILE --vcpu N` (`crate::sync::convert`),
+//! `validate`, `plot` and `trace-cmd attach`.
 //!
 //! # Format (schema 1)
 //!
@@ -28,11 +29,11 @@
 //! | `host_first`, `host_last` | host TSC span of the round |
 //! | `break` | the offset or rate changed since the previous round (migration, reset): a new estimate starts here |
 //!
-//! Conversion inside a segment: `host = host_anchor + floor((guest - guest_anchor) · 1e9 /
-//! (1e9 + drift_ppb))`: exact for a zero drift, at most one tick low otherwise (the core
-//! timeline's slope rounding). Before the first segment the first one is extrapolated
-//! backwards. The error is the segment's offset half-width plus the drift
-//! uncertainty times the distance from the anchor.
+//! A segment's line: `host = host_anchor + floor((guest - guest_anchor) · 1e9 /
+//! (1e9 + drift_ppb))`, exactly (`crate::sync::place`). `convert --sync` prints the point
+//! `record` gives an event at that guest tick, inside the interval the segments guarantee
+//! (docs/record.md, "Placing an event"); before the first segment the first one is
+//! extrapolated backwards.
 //!
 //! # Append-only, readable while written, and what a crash leaves
 //!
@@ -55,10 +56,10 @@
 //! - A writer reopening a file keeps its header and first truncates a torn last line left by a
 //!   crash ([`SyncWriter::cut_on_open`] says how much); readers never modify the file.
 //!
-//! Conversion runs on `vmtsync_core::timeline` ([`SyncTimeline`] builds its segments with
-//! [`SyncSegment::to_timeline_segment`]).
+//! [`SyncTimeline`] puts one vCPU's segments on `vmtsync_core::timeline`
+//! ([`SyncSegment::to_timeline_segment`]; its slope may round one tick low), the slopes a
+//! trace.dat TIME_SHIFT carries (`trace-cmd attach`).
 
-pub mod bounds;
 mod error;
 mod format;
 mod reader;
@@ -66,8 +67,10 @@ mod timeline;
 mod writer;
 
 pub use error::SyncFileError;
+#[cfg(test)]
+pub(crate) use format::samples;
 pub use format::{AnchorKind, OffsetModel, SYNC_SCHEMA, SyncHeader, SyncSegment};
 pub use reader::{CutTail, SyncFile};
 pub(crate) use reader::{LineRead, read_line_bounded};
-pub use timeline::{SyncConvertStats, SyncTimeline, convert_sync_file, convert_with_sync};
+pub use timeline::SyncTimeline;
 pub use writer::SyncWriter;

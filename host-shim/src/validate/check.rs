@@ -17,8 +17,8 @@ use serde::Serialize;
 use super::report::{LagStats, ProbeReport, SegmentWorst, Verdict, quantiles, signed};
 use crate::exits::PioExit;
 use crate::ftrace::format::PioDirection;
+use crate::sync::{Placement, covering, place};
 use crate::syncfile::SyncSegment;
-use crate::syncfile::bounds::{Placement, covering, place};
 
 /// Which side of its port I/O the guest recorded an event on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]

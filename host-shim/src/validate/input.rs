@@ -63,7 +63,7 @@ pub struct ValidateOptions {
     pub numbering: Numbering,
     /// How events are placed with the sync file (`--placement`; `record`'s default is
     /// two-sided).
-    pub placement: crate::syncfile::bounds::Placement,
+    pub placement: crate::sync::Placement,
 }
 
 /// Reads the inputs and runs [`check`] on the guest trace's events and the probe log's

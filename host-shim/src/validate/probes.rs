@@ -21,8 +21,8 @@ use super::report::{
 };
 use crate::exits::{PioExit, match_sync_port, match_uart};
 use crate::probe::log::{PROBE_LOG_SCHEMA, ProbeExchange, ProbePath};
+use crate::sync::{covering, host_bounds};
 use crate::syncfile::SyncSegment;
-use crate::syncfile::bounds::{covering, host_bounds};
 
 /// The 16550's register block: the data port and the seven after it (the matcher uses only
 /// the accesses among them that reach the data port).

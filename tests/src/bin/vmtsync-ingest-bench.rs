@@ -214,7 +214,7 @@ fn run(a: &Args) -> Result<IngestBench> {
         resync: Duration::from_millis(500),
         drain_max: a.drain_max,
         sync_out: None,
-        placement: vmtsync::syncfile::bounds::Placement::default(),
+        placement: vmtsync::sync::Placement::default(),
         spans: vmtsync::spans::SpanConfig::default(),
     };
     if a.drain_only {

@@ -13,7 +13,8 @@ use std::time::Duration;
 
 use serde_json::Value;
 use vmtsync::link::transport::host_tsc_now;
-use vmtsync::syncfile::{SyncFile, convert_with_sync};
+use vmtsync::sync::convert_with_sync;
+use vmtsync::syncfile::SyncFile;
 use vmtsync_tests::ChildGuard;
 use vmtsync_tests::fake_agent::{self as fake, SkewedClock};
 

@@ -18,8 +18,9 @@ use vmtsync::link::{ProbeAddr, StreamTransport};
 use vmtsync::probe::{
     ContinuousOptions, ProbeError, ProbeOptions, ProbeSummary, run_probe, run_probe_on,
 };
+use vmtsync::sync::convert_with_sync;
 use vmtsync::syncfile::OffsetModel;
-use vmtsync::syncfile::{SyncFile, SyncFileError, convert_with_sync};
+use vmtsync::syncfile::{SyncFile, SyncFileError};
 use vmtsync_tests::fake_agent::{self as fake, SkewedClock};
 
 const SKEW: i64 = 5_000_000;

@@ -5,14 +5,14 @@
 //! The truth is KVM's debugfs mapping under the skew the test chose, never vmtsync's: every
 //! event's guaranteed interval must hold it, and the intervals must be about as narrow as the
 //! rounds'. The same recording's sync file also gives the one-sided placement of the same
-//! events (`vmtsync::syncfile::bounds::place`), so both are measured on one run and reported.
+//! events (`vmtsync::sync::place`), so both are measured on one run and reported.
 
 use std::time::Duration;
 
 use serde_json::Value;
+use vmtsync::sync::Placement;
+use vmtsync::sync::place;
 use vmtsync::syncfile::SyncFile;
-use vmtsync::syncfile::bounds::Placement;
-use vmtsync::syncfile::bounds::place;
 use vmtsync_core::{GuestTicks, HostTicks};
 use vmtsync_tests::truth::{GuestTruth, Skew};
 

@@ -305,7 +305,7 @@ fn vsock_ingest_keeps_every_sent_event_and_counts_the_rest() {
         resync: Duration::from_millis(500),
         drain_max: vmtsync::record::DRAIN_MAX,
         sync_out: None,
-        placement: vmtsync::syncfile::bounds::Placement::default(),
+        placement: vmtsync::sync::Placement::default(),
         spans: vmtsync::spans::SpanConfig::default(),
     };
     let started = Instant::now();

@@ -516,7 +516,7 @@ fn record_places_every_vcpus_events_with_its_own_sync() {
             resync: Duration::from_millis(300),
             drain_max: DRAIN_MAX,
             sync_out: None,
-            placement: vmtsync::syncfile::bounds::Placement::default(),
+            placement: vmtsync::sync::Placement::default(),
             spans: vmtsync::spans::SpanConfig::default(),
         };
         let s =

@@ -64,13 +64,10 @@ pub(super) fn across_change(tsc: u64, old: Reading, new: Reading) -> Option<Side
 
 /// Guest tick `g` through the width-0 segments `segments` (KVM's mappings, in guest
 /// order): its host tick `g - offset` under the covering one (the last that starts at or
-/// before it, else the first) and that segment's round, as `bounds::place` would give with no
+/// before it, else the first) and that segment's round, as `sync::place` would give with no
 /// arithmetic beyond the subtraction; `None` outside the host's range.
 pub(super) fn exact_at(segments: &[SyncSegment], g: u64) -> Option<(u64, u64)> {
-    let i = segments
-        .partition_point(|s| s.guest_start <= g)
-        .saturating_sub(1);
-    let s = segments.get(i)?;
+    let s = crate::sync::covering(segments, g)?;
     Some((g.checked_add_signed(s.offset.checked_neg()?)?, s.round))
 }
 
@@ -125,7 +122,7 @@ pub(super) fn read_mappings(vm: &VmDir, n: u32) -> Result<Vec<Reading>, MemoryEr
 mod tests {
     use super::*;
     use crate::record::place::State;
-    use crate::syncfile::bounds::{self, Placement};
+    use crate::sync::{self, Placement};
 
     #[test]
     fn an_exact_segment_places_every_tick_with_width_zero() {
@@ -135,7 +132,7 @@ mod tests {
             after: 5_000_100,
         };
         let seg = exact_segment(0, 0, 0, r);
-        let p = bounds::place(&[seg], 7_000_000, Placement::TwoSided).unwrap();
+        let p = sync::place(&[seg], 7_000_000, Placement::TwoSided).unwrap();
         assert_eq!((p.host, p.lo, p.hi), (8_000_000, 8_000_000, 8_000_000));
     }
 
@@ -174,7 +171,7 @@ mod tests {
             9_000_250,
             u64::MAX,
         ] {
-            let want = bounds::place(&segs, g, Placement::OneSided).map(|p| (p.host, p.round));
+            let want = sync::place(&segs, g, Placement::OneSided).map(|p| (p.host, p.round));
             assert_eq!(exact_at(&segs, g), want, "guest {g}");
         }
     }

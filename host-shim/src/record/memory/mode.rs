@@ -4,21 +4,20 @@
 
 use std::path::Path;
 
-use vmtsync_core::HostTicks;
 use vmtsync_core::estimate::ProbeSample;
 
 use super::mapping::Reading;
 use crate::exits::PioTrace;
 use crate::kvm::debugfs::VmDir;
 use crate::kvm::procinfo::ProcFs;
-use crate::probe::continuous::segment;
-use crate::probe::{ProbeError, ProbeSummary};
+use crate::probe::ProbeError;
 use crate::record::RecordError;
 use crate::record::beacons::Beacons;
 use crate::record::error::{MemoryError, Unplaceable};
 use crate::record::place::{State, VcpuSync};
 use crate::record::target::Target;
 use crate::record::write::Out;
+use crate::sync::Round;
 use crate::syncfile::{AnchorKind, SyncHeader, SyncSegment, SyncWriter};
 
 /// Where a memory recording's intervals come from.
@@ -132,13 +131,8 @@ pub(super) fn use_samples(
 /// One ring's beacon samples of a drain round become a segment of its vCPU, as a probe
 /// round's samples do (the same estimators and bounds).
 fn beacon_round(st: &mut State, i: usize, samples: &[ProbeSample]) -> Result<(), RecordError> {
-    let info = beacon_info(st.vcpus[i].vcpu);
-    let stats = crate::probe::SessionStats {
-        anchor: AnchorKind::KvmPioBeacon,
-        ..Default::default()
-    };
-    let s = match ProbeSummary::from_samples(&info, samples, stats) {
-        Ok(s) => s,
+    let r = match Round::from_samples(samples) {
+        Ok(r) => r,
         Err(e) => {
             st.refused = Some(e);
             return Ok(());
@@ -147,26 +141,13 @@ fn beacon_round(st: &mut State, i: usize, samples: &[ProbeSample]) -> Result<(),
     let round = st.round;
     st.round += 1;
     let v = &mut st.vcpus[i];
-    let is_break = v.cumulative.add(samples);
-    let seg = segment(&v.cumulative, &s, samples, round, is_break)?;
-    st.breaks += u64::from(is_break);
+    let seg = v
+        .cumulative
+        .add_round(&r, samples, round, AnchorKind::KvmPioBeacon)
+        .map_err(ProbeError::from)?;
+    st.breaks += u64::from(seg.is_break);
     v.segments.push(seg);
     Ok(())
-}
-
-/// What the estimators need to know of a beacon "agent": its vCPU (nothing else is used).
-fn beacon_info(vcpu: u32) -> crate::probe::AgentInfo {
-    crate::probe::AgentInfo {
-        vcpu,
-        transport: vmtsync_core::proto::Transport::Memory,
-        features: vmtsync_core::proto::Features::NONE,
-        tsc_khz: None,
-        hello_tsc: vmtsync_core::GuestTicks(0),
-        hello_stamps: crate::link::transport::FrameStamps {
-            send: HostTicks(0),
-            recv: HostTicks(0),
-        },
-    }
 }
 
 /// `--sync-out` of a memory recording: every vCPU's segments that placed its events, in

@@ -26,7 +26,7 @@ use crate::record::place::{State, VcpuSync, boot_key};
 use crate::record::target::Target;
 use crate::record::write::{Out, finish, trace_id};
 use crate::record::{EndReason, HostTime, RecordError, RecordFormat, RecordSummary};
-use crate::syncfile::bounds::Placement;
+use crate::sync::Placement;
 
 /// How a recording ended: why, or the error that ended it (what was read is still written).
 pub(super) type Ended = Result<EndReason, RecordError>;

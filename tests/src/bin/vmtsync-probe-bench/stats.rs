@@ -5,7 +5,7 @@
 //! really had (KVM's debugfs mapping of the vCPU, composed with the agent's software skew
 //! where it has one), so each estimate has an exact error.
 
-use vmtsync::probe::report::RATE_LIMITS;
+use vmtsync::sync::RATE_LIMITS;
 use vmtsync_core::HostTicks;
 use vmtsync_core::estimate::{
     DriftEstimator, EstimateError, ProbeSample, Ratio, estimate_offset, trace_cmd_fastest,

@@ -9,6 +9,10 @@
 //! `r` (for a fixed sign of `g − host_anchor − o`), so over the box of feasible `(o, r)` its
 //! extremes are at the box's corners: the interval is the floor of the smallest corner and the
 //! ceiling of the largest. The true relation lies in the box, so the interval holds the truth.
+//! That line, computed exactly in `i128` (`corner`), is the crate's one rule for a segment's
+//! line, and [`place`] its one rule for a point: `record` (both front ends), `validate` and
+//! `convert --sync` place through them (docs/record.md, "Placing an event"). The core
+//! timeline's slopes (`syncfile::SyncTimeline`) serve only trace.dat's TIME_SHIFT.
 //!
 //! Segments written by this crate always carry drift bounds: the hull's, or, while the samples
 //! do not bound the rate yet, the session's rate limits (1/2 to 2), so an event far from a
@@ -29,7 +33,7 @@
 //! does their intersection. A break ends the epoch: rounds after it say nothing about events
 //! before it.
 
-use super::SyncSegment;
+use crate::syncfile::SyncSegment;
 
 /// How `vmtsync record` places an event (`--placement`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -143,6 +147,30 @@ pub fn place(segments: &[SyncSegment], g: u64, how: Placement) -> Option<Place> 
     })
 }
 
+/// [`place`] through `segments`, its point the host tick of KVM's exact mappings `exact`
+/// (width 0, a raw-TSC guest's, docs/record.md) whenever that lies inside the interval. With
+/// no segment (no round ever covered the vCPU: a late attach read its beacons before the
+/// trace could bracket them) the event is placed by `exact` alone, width 0 on the header's
+/// word (`exact` is empty unless that is known).
+#[must_use]
+pub fn place_with_exact(
+    segments: &[SyncSegment],
+    exact: &[SyncSegment],
+    g: u64,
+    how: Placement,
+) -> Option<Place> {
+    if segments.is_empty() {
+        return place(exact, g, Placement::OneSided);
+    }
+    let mut p = place(segments, g, how)?;
+    if let Some(e) = place(exact, g, Placement::OneSided)
+        && (p.lo..=p.hi).contains(&e.host)
+    {
+        p.host = e.host;
+    }
+    Some(p)
+}
+
 /// Guest tick `g` on the line through the anchors (host, guest) of rounds `a` and `b`, `None`
 /// when they do not go forward in both clocks or the result leaves `u64`.
 fn through_anchors(a: &SyncSegment, b: &SyncSegment, g: u64) -> Option<u64> {
@@ -167,8 +195,10 @@ pub fn covering(segments: &[SyncSegment], g: u64) -> Option<&SyncSegment> {
 }
 
 /// Guest tick `guest` on the host timeline through `seg`: the converted value (with the
-/// segment's central offset and the rate it uses) and the guaranteed interval `[lo, hi]`.
-/// `None` if a value leaves `u64` or a rate bound is not above −1e9 ppb.
+/// segment's central offset and the rate it uses) and the guaranteed interval `[lo, hi]`,
+/// clipped to the host's `u64` range (a host tick is one: the clipped interval still holds
+/// the truth). `None` if the converted value leaves `u64` or a rate bound is not above
+/// −1e9 ppb.
 #[must_use]
 pub fn host_bounds(seg: &SyncSegment, guest: u64) -> Option<(u64, u64, u64)> {
     let rates: &[i64] = match (seg.drift_ppb_lo, seg.drift_ppb_hi) {
@@ -185,8 +215,8 @@ pub fn host_bounds(seg: &SyncSegment, guest: u64) -> Option<(u64, u64, u64)> {
         }
     }
     let (center, _) = corner(seg.host_anchor, guest, seg.offset, seg.drift_ppb)?;
-    let to_u64 = |v: i128| u64::try_from(v).ok();
-    Some((to_u64(center)?, to_u64(lo)?, to_u64(hi)?))
+    let to_u64 = |v: i128| u64::try_from(v.clamp(0, i128::from(u64::MAX))).ok();
+    Some((u64::try_from(center).ok()?, to_u64(lo)?, to_u64(hi)?))
 }
 
 /// `host_anchor + (guest − host_anchor − offset) · 1e9 / (1e9 + rate)`, floored and ceiled.
@@ -268,6 +298,18 @@ mod tests {
         assert_eq!(host_bounds(&s, 5), None);
     }
 
+    #[test]
+    fn an_interval_past_host_tick_0_is_clipped_there() {
+        // 900 guest ticks before the anchor at the rate limits: host ticks -820 to 555, the
+        // point at identity rate 100. No host tick is below 0, so [0, 555] holds the truth.
+        let s = seg(1_000, (-10, 0, 10), Some((-500_000_000, 1_000_000_000)));
+        assert_eq!(host_bounds(&s, 100), Some((100, 0, 555)));
+        assert_eq!(
+            place(&[s], 100, Placement::TwoSided).map(|p| (p.host, p.lo, p.hi)),
+            Some((100, 0, 555))
+        );
+    }
+
     /// Segments as `vmtsync record` makes them: `rounds` rounds of simulated probes through
     /// the real cumulative estimator and segment builder, the true clock stepping forward by
     /// `step` at the start of round `break_at` (a break). Returns the segments and, per
@@ -278,22 +320,9 @@ mod tests {
         gaps: &[u64],
         brk: Option<(usize, i64)>,
     ) -> (Vec<SyncSegment>, Vec<u64>) {
-        use crate::probe::ProbeSummary;
-        use crate::probe::continuous::{Cumulative, segment};
+        use crate::sync::{Cumulative, Round};
         use vmtsync_core::estimate::ProbeSample;
         use vmtsync_core::sim::Delay;
-        use vmtsync_core::{GuestTicks, HostTicks};
-        let info = crate::probe::session::AgentInfo {
-            vcpu: 0,
-            transport: vmtsync_core::proto::Transport::Memory,
-            features: vmtsync_core::proto::Features::NONE,
-            tsc_khz: None,
-            hello_tsc: GuestTicks(0),
-            hello_stamps: crate::link::FrameStamps {
-                send: HostTicks(0),
-                recv: HostTicks(0),
-            },
-        };
         let mut c = Cumulative::new();
         let (mut segs, mut starts) = (Vec::new(), Vec::new());
         let within = sim.link.gap;
@@ -314,11 +343,9 @@ mod tests {
                 samples.push(sim.probe().unwrap());
                 sim.link.gap = within;
             }
-            let s =
-                ProbeSummary::from_samples(&info, &samples, crate::probe::SessionStats::default())
-                    .unwrap();
-            let is_break = c.add(&samples);
-            segs.push(segment(&c, &s, &samples, round as u64, is_break).unwrap());
+            let r = Round::from_samples(&samples).unwrap();
+            let anchor = crate::syncfile::AnchorKind::InProcess;
+            segs.push(c.add_round(&r, &samples, round as u64, anchor).unwrap());
         }
         (segs, starts)
     }

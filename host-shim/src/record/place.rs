@@ -195,6 +195,25 @@ impl Widths {
         self.seen += 1;
     }
 
+    /// `n` widths `w` at once: what `n` calls of [`Self::push`] do, in as many steps as
+    /// they add to the sample.
+    pub(super) fn push_n(&mut self, w: u64, mut n: u64) {
+        while n > 0 {
+            let next = self.seen.next_multiple_of(self.stride.max(1));
+            if next - self.seen >= n {
+                // None of them is sampled: only the extremes and the count change.
+                self.min = Some(self.min.map_or(w, |m| m.min(w)));
+                self.max = self.max.max(w);
+                self.seen += n;
+                return;
+            }
+            n -= next - self.seen;
+            self.seen = next;
+            self.push(w);
+            n -= 1;
+        }
+    }
+
     /// (min, median of the sample, max), `None` without widths.
     pub(super) fn summary(&self) -> Option<(u64, u64, u64)> {
         let mut s = self.sample.clone();
@@ -304,6 +323,31 @@ impl State {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn widths_pushed_n_at_a_time_are_widths_pushed_one_by_one() {
+        let mut x = 0x9e37_79b9_7f4a_7c15_u64;
+        let mut next = move |m: u64| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x % m
+        };
+        let (mut one, mut many) = (Widths::default(), Widths::default());
+        // Past the sample's capacity, so the stride doubles several times.
+        while one.seen < 6 * WIDTH_SAMPLE as u64 {
+            let (w, n) = (next(1000), next(5000));
+            for _ in 0..n {
+                one.push(w);
+            }
+            many.push_n(w, n);
+            assert_eq!(
+                (one.min, one.max, one.seen, one.stride),
+                (many.min, many.max, many.seen, many.stride)
+            );
+            assert_eq!(one.sample, many.sample);
+        }
+    }
     use crate::sync::{Round, convert_with_sync};
     use crate::syncfile::AnchorKind;
     use vmtsync_core::sim::{Delay, GuestClock, Link, Sim};

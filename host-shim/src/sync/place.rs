@@ -189,7 +189,14 @@ const PPB: i128 = 1_000_000_000;
 /// last one whose `guest_start` is at or before it, else the first (extrapolated backwards),
 /// the rule a sync file's conversion follows.
 #[must_use]
+#[inline]
 pub fn covering(segments: &[SyncSegment], g: u64) -> Option<&SyncSegment> {
+    // Events come in time order: most fall in the latest segment.
+    if let Some(last) = segments.last()
+        && last.guest_start <= g
+    {
+        return Some(last);
+    }
     let i = segments.partition_point(|s| s.guest_start <= g);
     segments.get(i.saturating_sub(1))
 }

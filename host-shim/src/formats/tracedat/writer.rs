@@ -317,9 +317,10 @@ impl TraceDatWriter {
             main,
             ..
         } = self;
-        let c = cpus
-            .get_mut(cpu as usize)
-            .ok_or(TraceDatError::CpuOutOfRange { cpu, cpus: ncpus })?;
+        // Not `ok_or`: the error would be built (and dropped) for every record.
+        let Some(c) = cpus.get_mut(cpu as usize) else {
+            return Err(TraceDatError::CpuOutOfRange { cpu, cpus: ncpus });
+        };
         if c.events > 0 && ts < c.last {
             return Err(TraceDatError::NotMonotonic {
                 cpu,

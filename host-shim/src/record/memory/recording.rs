@@ -523,11 +523,14 @@ impl<'a> Recording<'a> {
             last,
             now,
             changed,
+            zeros: 0,
         };
-        drainer
+        let placed = drainer
             .round_records()
             .iter()
-            .try_for_each(|r| round.place(r))
+            .try_for_each(|r| round.place(r));
+        round.st.widths.push_n(0, round.zeros);
+        placed
     }
 
     /// After a round: the read rate's window, a clock snapshot a second, the progress line.
@@ -821,6 +824,8 @@ struct Round<'r, 'a> {
     last: &'r [Reading],
     now: &'r [Reading],
     changed: &'r [bool],
+    /// Events placed with width 0 (added to the widths once, at the end of the round).
+    zeros: u64,
 }
 
 impl Round<'_, '_> {
@@ -867,7 +872,7 @@ impl Round<'_, '_> {
         };
         self.out
             .push(&exact_placed(r, self.boot, host, round), &self.opts.out)?;
-        st.widths.push(0);
+        self.zeros += 1;
         st.events += 1;
         Ok(())
     }

@@ -199,22 +199,35 @@ fn u64_at(b: &[u8], off: usize) -> u64 {
 /// have come from an earlier, smaller value whose higher bytes were smaller still, and so on
 /// up to the top byte, which has none. The result may be too small, never too large.
 fn read_at_most(mem: &mut impl GuestMemory, addr: u64) -> Result<u64, MemError> {
-    let mut w = [0u8; 8];
-    for i in (0..8).rev() {
-        mem.read(addr + i as u64, &mut w[i..=i])?;
-    }
-    Ok(u64::from_le_bytes(w))
+    read_bytes_in_order(mem, addr, [7, 6, 5, 4, 3, 2, 1, 0])
 }
 
 /// [`read_at_most`]'s mirror: least significant byte first, so never less than the word's
 /// value when the first byte was read (for a growing word changed in one access each time).
 /// The result may be too large, never too small.
 fn read_at_least(mem: &mut impl GuestMemory, addr: u64) -> Result<u64, MemError> {
-    let mut w = [0u8; 8];
-    for i in 0..8 {
-        mem.read(addr + i as u64, &mut w[i..=i])?;
+    read_bytes_in_order(mem, addr, [0, 1, 2, 3, 4, 5, 6, 7])
+}
+
+/// The little-endian `u64` at `addr`, its bytes read one at a time in `order` (one
+/// [`GuestMemory::read_many`]: in order, in as few system calls as the reader can).
+fn read_bytes_in_order(
+    mem: &mut impl GuestMemory,
+    addr: u64,
+    order: [usize; 8],
+) -> Result<u64, MemError> {
+    let mut w = [[0u8; 1]; 8];
+    {
+        let mut parts: Vec<(u64, &mut [u8])> = Vec::with_capacity(8);
+        let mut bytes: Vec<Option<&mut [u8; 1]>> = w.iter_mut().map(Some).collect();
+        for i in order {
+            if let Some(b) = bytes[i].take() {
+                parts.push((addr + i as u64, b.as_mut_slice()));
+            }
+        }
+        mem.read_many(&mut parts)?;
     }
-    Ok(u64::from_le_bytes(w))
+    Ok(u64::from_le_bytes(w.map(|[b]| b)))
 }
 
 impl Drainer {

@@ -189,10 +189,12 @@ pub(crate) fn boot_elf(
         std::thread::sleep(Duration::from_millis(10));
     }
     // QEMU creates its chardevs before its VM: a reader that names the VM by QEMU's PID right
-    // away can find no VM yet on a loaded host. Wait for KVM's debugfs directory too.
+    // away can find no VM yet on a loaded host. Wait for KVM's debugfs directory too (with
+    // `wait`, QEMU creates it only once a client has connected).
     let kvm = Path::new("/sys/kernel/debug/kvm");
     let prefix = format!("{}-", guard.pid());
-    while kvm.is_dir()
+    while !wait
+        && kvm.is_dir()
         && !std::fs::read_dir(kvm)
             .into_iter()
             .flatten()

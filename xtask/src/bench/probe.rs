@@ -109,9 +109,10 @@ pub(super) fn probe_section(j: &ProbeBench) -> Section {
          of {total} sessions and the drift estimator's bounds in {drift_inside} of {total} (all \
          paths together).\n- **Ours vs trace-cmd's median |error|, same samples (a figure, not \
          a goal):** {vs}. A constant path asymmetry cannot be told apart from an offset by \
-         any estimator that sees only two-way brackets (Lundelius and Lynch's bound), so ours \
-         and trace-cmd's sit on the same asymmetry and their errors meet; what ours adds is \
-         the interval guaranteed to hold the truth, which is what the goal above judges.",
+         any estimator that sees only two-way brackets (the indistinguishability behind \
+         Lundelius and Lynch's lower bound), so both estimators sit on the same asymmetry and \
+         neither can shed it; what ours adds is the interval guaranteed to hold the truth, \
+         which is what the goal above judges.",
     );
     if let Some(sl) = &j.system_level {
         let _ = writeln!(

@@ -277,7 +277,7 @@ impl Options {
             b"workload" => {
                 self.workload = Some(parse_workload(value).ok_or(OptionError::BadValue)?);
             }
-            // `skew=` and `skewN=` (one arm: the agent's .text is budgeted).
+            // `skew=` and `skewN=` (one arm: less `.text`).
             [b's', b'k', b'e', b'w', n @ ..] => {
                 let skew = parse_skew(value).ok_or(OptionError::BadValue)?;
                 if n.is_empty() {

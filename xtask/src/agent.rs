@@ -12,7 +12,13 @@ use vmtsync_launch::qemu::{self, Machine};
 
 use crate::{cargo, sh};
 
-/// Largest `.text` the agent may have: it is meant to be embedded in other people's guests.
+/// Largest `.text` of what an embedder links: vmtsync-core's agent state machine, a UART link
+/// and memory mode, as `tests/minimal-kernel/` links them (docs/embedding.md: a guest links
+/// `vmtsync-core` and nothing else of this repository). The budget is on that code because it
+/// is the code meant to go into other people's guests. The bundled agent is a whole kernel of
+/// its own (both transports, PCI and virtio, a heap, SMP bring-up, defmt logging, its console)
+/// that nobody embeds, and no loader bounds its `.text` (link.ld starts `.rodata` at the next
+/// page; PVH loaders load each segment at its address), so its size is reported, not budgeted.
 pub(crate) const TEXT_LIMIT: u64 = 64 * 1024;
 
 /// Builds the agent (release; the rustup target is installed first when missing) with cargo's
@@ -21,26 +27,40 @@ pub(crate) fn build() -> Result<PathBuf> {
     Ok(vmtsync_launch::agent::build(BuildOutput::Shown)?)
 }
 
-/// `cargo xtask build-agent`: builds, prints the ELF path and `.text` size, and fails when
-/// `.text` exceeds 64 KiB.
+/// Builds `tests/minimal-kernel/` (release), the embedding example, and returns its ELF.
+pub(crate) fn build_minimal_kernel() -> Result<PathBuf> {
+    use vmtsync_launch::agent::{Guest, build_guest};
+    Ok(build_guest(Guest::MinimalKernel, BuildOutput::Shown)?)
+}
+
+/// `cargo xtask build-agent`: builds, prints the ELF path and `.text` size (reported, not
+/// budgeted: see [`TEXT_LIMIT`]).
 pub(crate) fn build_agent() -> Result<()> {
     let elf = build()?;
     let text = section_size(&elf, ".text")?;
     println!("{}", elf.display());
+    println!(".text: {text} bytes ({:.1} KiB)", kib(text));
+    Ok(())
+}
+
+/// Fails when the minimal kernel's `.text` (what an embedder links) exceeds [`TEXT_LIMIT`].
+fn check_embedded_text(elf: &Path) -> Result<()> {
+    let text = section_size(elf, ".text")?;
     println!(
-        ".text: {text} bytes ({:.1} KiB of {} KiB allowed)",
+        "{}: .text {text} bytes ({:.1} KiB of the {} KiB an embedder's share may take)",
+        elf.display(),
         kib(text),
         TEXT_LIMIT / 1024
     );
     if text > TEXT_LIMIT {
-        bail!("agent .text is {text} bytes, over the {TEXT_LIMIT}-byte limit");
+        bail!("the minimal kernel's .text is {text} bytes, over the {TEXT_LIMIT}-byte limit");
     }
     Ok(())
 }
 
 /// The `ci` step for the agent, which the host workspace's fmt/clippy/test do not reach (it is
 /// excluded from the workspace): fmt check, clippy for the bare-metal target and for the host
-/// unit tests, the host unit tests, and the release build with its `.text` limit.
+/// unit tests, the host unit tests, and the release build (its `.text` size printed).
 pub(crate) fn ci_check() -> Result<()> {
     vmtsync_launch::prereq::ensure_rustup_target(&vmtsync_launch::agent::agent_dir())?;
     let host = "x86_64-unknown-linux-gnu";
@@ -54,15 +74,15 @@ pub(crate) fn ci_check() -> Result<()> {
 }
 
 /// The `ci` step for `tests/minimal-kernel/` (excluded from the workspace like the agent):
-/// fmt check, clippy for the bare-metal target, and the release build the tier-2 tests boot.
+/// fmt check, clippy for the bare-metal target, and the release build the tier-2 tests boot,
+/// with its `.text` limit ([`TEXT_LIMIT`]).
 pub(crate) fn ci_check_minimal_kernel() -> Result<()> {
-    use vmtsync_launch::agent::{Guest, build_guest, guest_cargo};
+    use vmtsync_launch::agent::{Guest, guest_cargo};
     let guest = Guest::MinimalKernel;
     vmtsync_launch::prereq::ensure_rustup_target(&guest.dir())?;
     sh(guest_cargo(guest).args(["fmt", "--check"]))?;
     sh(guest_cargo(guest).args(["clippy", "--release", "--", "-D", "warnings"]))?;
-    build_guest(guest, BuildOutput::Shown)?;
-    Ok(())
+    check_embedded_text(&build_minimal_kernel()?)
 }
 
 #[allow(clippy::cast_precision_loss)] // Display only; sizes are far below 2^52.

@@ -682,7 +682,14 @@ mod tests {
         );
         assert_eq!(s.summary[0][2], "interval 3/6, drift bounds 5/6 sessions");
         assert_eq!(s.summary[0][3], "**not met**");
-        assert_eq!(s.summary[1][2], "met on 1 of 2 paths");
+        // A figure, no verdict: the constant-offset ratio on identity rows, the drift
+        // estimator's on skew rows.
+        assert_eq!(
+            s.summary[1][2],
+            "0.250 / **0.625** / 1.000 over 2 paths (min / median / max)"
+        );
+        assert_eq!(s.summary[1][3], "—");
+        assert!(!s.body.contains('¼'), "{}", s.body);
         assert_eq!(
             s.summary.len(),
             2,
@@ -691,7 +698,7 @@ mod tests {
     }
 
     #[test]
-    fn vsock_rows_render_every_estimator_and_the_half_goal() {
+    fn vsock_rows_render_every_estimator_as_figures() {
         let j = probe_line(
             vec![ProbeRow {
                 ours_median_err: Some(600),
@@ -721,7 +728,8 @@ mod tests {
             s.body
         );
         assert_eq!(s.summary[2][2], "0.450 (best of ours)");
-        assert_eq!(s.summary[2][3], "met");
+        assert_eq!(s.summary[2][3], "—", "a figure, not a goal");
+        assert!(!s.body.contains('½'), "{}", s.body);
     }
 
     #[test]

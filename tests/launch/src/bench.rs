@@ -216,7 +216,8 @@ pub struct ProbeRow {
     pub ratio: Option<f64>,
     /// The drift estimator's median |error| over trace-cmd's.
     pub drift_ratio: Option<f64>,
-    /// `ratio` (or `drift_ratio` when the truth drifts) at most 0.25.
+    /// `ratio` (or `drift_ratio` when the truth drifts) at most 0.25: the retired goal (issue
+    /// 27), kept so schema-1 lines keep their shape; BENCHMARKS.md no longer reads it.
     pub goal_met: bool,
     /// Sessions where ours was no worse than trace-cmd's.
     pub ours_not_worse: u64,

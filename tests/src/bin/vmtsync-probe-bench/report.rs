@@ -17,8 +17,10 @@ use crate::stats::{Anchoring, Row, Truth};
 /// (12-byte header + 20-byte tsync command + 4-byte payload; docs/trace-cmd.md).
 const TRACE_CMD_PTP_PROBE_BYTES: usize = 72;
 
-/// The issue's goal: our median |error| at most a quarter of trace-cmd's.
-const GOAL_RATIO: f64 = 0.25;
+/// The retired goal (issue 27): our median |error| at most a quarter of trace-cmd's. Kept only
+/// for the result line's `goal_met` field; no report judges it any more, since a constant path
+/// asymmetry bounds every two-way estimator alike.
+const RETIRED_GOAL_RATIO: f64 = 0.25;
 
 /// One QEMU row against the in-process baseline: name, width median, our median |error|,
 /// width ratio, error ratio.
@@ -264,8 +266,8 @@ impl Report {
             let _ = writeln!(
                 s,
                 "skew rows: guest = {} + ((tsc * {}) >> {}); 'ours' holds there too (any \
-                 constant rate within the limits; segment breaks {}): the goal is judged on \
-                 the drift estimator (d.ratio)",
+                 constant rate within the limits; segment breaks {}): their ratio is the drift \
+                 estimator's (d.ratio)",
                 k.offset.cast_signed(),
                 k.ratio,
                 k.frac,
@@ -319,17 +321,15 @@ impl Report {
         }
         let _ = writeln!(
             s,
-            "goal, same samples (ours <= {GOAL_RATIO} x trace-cmd): {}; run time {:.1?}",
+            "ours / trace-cmd median |error|, same samples (a figure: a constant path \
+             asymmetry bounds both alike): {}; run time {:.1?}",
             self.rows
                 .iter()
                 .map(|r| format!(
                     "{} {}",
                     r.name,
-                    if r.headline_ratio().is_some_and(|x| x <= GOAL_RATIO) {
-                        "met"
-                    } else {
-                        "not met"
-                    }
+                    r.headline_ratio()
+                        .map_or_else(|| "-".into(), |x| format!("{x:.3}"))
                 ))
                 .collect::<Vec<_>>()
                 .join(", "),
@@ -360,7 +360,7 @@ impl Report {
                 tc_max_err: r.tc_max_err,
                 ratio: r.ratio,
                 drift_ratio: r.drift_ratio,
-                goal_met: r.headline_ratio().is_some_and(|x| x <= GOAL_RATIO),
+                goal_met: r.headline_ratio().is_some_and(|x| x <= RETIRED_GOAL_RATIO),
                 ours_not_worse: n(r.ours_not_worse),
                 width_median: r.width_median,
                 width_max: r.width_max,
@@ -496,7 +496,7 @@ mod tests {
         assert!(t.contains("builtin/exit-tight"), "{t}");
         assert!(t.contains("2600/5200 (1000/2000)"), "{t}");
         assert!(t.contains("4 B request + 10..11 B reply"), "{t}");
-        assert!(t.contains("builtin/exit-tight met"), "{t}");
+        assert!(t.contains("builtin/exit-tight 0.250"), "{t}");
         assert!(r.system_level().is_none(), "no QEMU row");
         let j = r.json();
         let Some(b) = bench::last_line::<ProbeBench>(&j) else {

@@ -239,7 +239,7 @@ pub fn median_signed(v: &[i64]) -> Option<i64> {
 pub struct Row {
     /// Short label of the path and bracket, e.g. `builtin/exit-tight`.
     pub name: String,
-    /// The truth's rate is not 1 (the goal is then judged on the drift estimator).
+    /// The truth's rate is not 1 (the path's ratio is then the drift estimator's).
     pub drifting: bool,
     /// Sessions evaluated.
     pub sessions: usize,
@@ -273,7 +273,7 @@ pub struct Row {
     /// Median over sessions of the fastest-RTT probe's `(forward - backward) / 2`: trace-cmd's
     /// signed error, from the truth's delays.
     pub fastest_asymmetry_median: Option<i64>,
-    /// `ours_median_err / tc_median_err` (the goal is <= 0.25).
+    /// `ours_median_err / tc_median_err` (a figure; its old goal, <= 0.25, is retired).
     pub ratio: Option<f64>,
     /// `drift_median_err / tc_median_err`.
     pub drift_ratio: Option<f64>,
@@ -421,7 +421,7 @@ impl Row {
             .map(|o| o as f64 / self.hist_median_err as f64)
     }
 
-    /// The ratio the goal is judged on: ours over trace-cmd's median |error|, or the
+    /// The ratio a path is shown with: ours over trace-cmd's median |error|, or the
     /// drift estimator's (the limit-free hull at its own reference time) when the rate is
     /// not 1.
     #[must_use]

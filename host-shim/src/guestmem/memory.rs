@@ -270,15 +270,21 @@ impl ProcMemory {
             .iter_mut()
             .map(|(_, buf)| IoSliceMut::new(buf))
             .collect();
+        self.readv(&mut local, &remote[..n])
+    }
+
+    /// One `process_vm_readv` (again after EINTR): the bytes copied, 0 when it failed. A
+    /// refusal (EPERM, ENOSYS) switches this reader to `pread` for good; any other failure
+    /// (EFAULT: not mapped, ESRCH: gone, ENOMEM, ...) is left to `pread` to answer.
+    fn readv(&mut self, local: &mut [IoSliceMut<'_>], remote: &[RemoteIoVec]) -> usize {
         loop {
-            match uio::process_vm_readv(Pid::from_raw(self.pid), &mut local, &remote[..n]) {
+            match uio::process_vm_readv(Pid::from_raw(self.pid), local, remote) {
                 Ok(copied) => return copied,
                 Err(Errno::EINTR) => {}
                 Err(Errno::EPERM | Errno::ENOSYS) => {
                     self.method = ReadMethod::Pread;
                     return 0;
                 }
-                // EFAULT (not mapped), ESRCH (gone), ENOMEM, ...: `pread` gives the answer.
                 Err(_) => return 0,
             }
         }
@@ -294,17 +300,7 @@ impl ProcMemory {
             len: buf.len(),
         }];
         let mut local = [IoSliceMut::new(buf)];
-        loop {
-            match uio::process_vm_readv(Pid::from_raw(self.pid), &mut local, &remote) {
-                Ok(copied) => return copied,
-                Err(Errno::EINTR) => {}
-                Err(Errno::EPERM | Errno::ENOSYS) => {
-                    self.method = ReadMethod::Pread;
-                    return 0;
-                }
-                Err(_) => return 0,
-            }
-        }
+        self.readv(&mut local, &remote)
     }
 }
 

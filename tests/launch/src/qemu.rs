@@ -72,6 +72,22 @@ pub fn command(machine: Machine, elf: &Path, append: &str, com2_log: &Path) -> C
 
 /// The guest RAM every command here gives, in MiB (`-m 64M`), unless
 /// [`command_with_memory`] names another size.
+/// Whether KVM lists a VM of process `pid` with a vCPU 0 (its debugfs directory
+/// `<pid>-<fd>/vcpu0` under `kvm_debugfs`, normally `/sys/kernel/debug/kvm`): QEMU creates its
+/// VM a moment after it starts (after its chardevs), and a reader that names the VM by PID
+/// needs it.
+#[must_use]
+pub fn kvm_has_vcpu0(kvm_debugfs: &Path, pid: u32) -> bool {
+    let prefix = format!("{pid}-");
+    std::fs::read_dir(kvm_debugfs)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .any(|e| {
+            e.file_name().to_string_lossy().starts_with(&prefix) && e.path().join("vcpu0").is_dir()
+        })
+}
+
 pub const DEFAULT_MEMORY_MIB: u32 = 64;
 
 /// [`command`] with `memory_mib` MiB of guest RAM (`-m <N>M`) instead of

@@ -192,18 +192,7 @@ pub(crate) fn boot_elf(
     // away can find no VM yet on a loaded host. Wait for KVM's debugfs directory too (with
     // `wait`, QEMU creates it only once a client has connected).
     let kvm = Path::new("/sys/kernel/debug/kvm");
-    let prefix = format!("{}-", guard.pid());
-    while !wait
-        && kvm.is_dir()
-        && !std::fs::read_dir(kvm)
-            .into_iter()
-            .flatten()
-            .flatten()
-            .any(|e| {
-                e.file_name().to_string_lossy().starts_with(&prefix)
-                    && e.path().join("vcpu0").is_dir()
-            })
-    {
+    while !wait && kvm.is_dir() && !qemu::kvm_has_vcpu0(kvm, guard.pid()) {
         assert!(
             Instant::now() < end,
             "QEMU {} created no KVM VM with a vCPU 0",

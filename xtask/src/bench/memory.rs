@@ -197,17 +197,8 @@ impl CGuest {
     /// reader needs to start: QEMU creates it shortly after it starts.
     fn wait_vcpu(&mut self, limit: Duration) -> Result<()> {
         let end = Instant::now() + limit;
-        let prefix = format!("{}-", self.pid());
         loop {
-            let found = std::fs::read_dir("/sys/kernel/debug/kvm")
-                .into_iter()
-                .flatten()
-                .flatten()
-                .any(|e| {
-                    e.file_name().to_string_lossy().starts_with(&prefix)
-                        && e.path().join("vcpu0").is_dir()
-                });
-            if found {
+            if qemu::kvm_has_vcpu0(Path::new("/sys/kernel/debug/kvm"), self.pid()) {
                 return Ok(());
             }
             if let Some(status) = self.guard.child().try_wait()? {

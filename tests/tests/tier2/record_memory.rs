@@ -149,6 +149,28 @@ fn record_from_memory_recovers_every_agent_event_with_its_exact_host_time() {
         text(&o.stderr).trim()
     );
     assert_trace_dat_holds_every_event_in_order(&dat);
+    // Exact mode streams trace.dat (raw guest TSCs and a TIME_SHIFT made as it goes):
+    // trace-cmd shows every event at its exact host time by the test's own debugfs read, in
+    // the nanoseconds of the file's TSC2NSEC (ticks without one).
+    let t = vmtsync::formats::tracedat::reader::read_layout(&dat)
+        .expect("trace.dat layout")
+        .tsc2nsec();
+    let rep = trace_cmd(&["report", "-t", "-i", dat.to_str().unwrap()]);
+    let shown = report_events(&rep);
+    assert_eq!(
+        shown.len() as u64,
+        COUNT,
+        "every event in trace-cmd's report"
+    );
+    for (ts, seq) in shown {
+        let v = &lines[usize::try_from(seq).unwrap()];
+        let host = crate::util::exact_host(&kvm, u(v, "guest_tsc"));
+        assert_eq!(
+            ts,
+            t.map_or(host, |t| t.nanos(host)),
+            "event {seq} at its exact host time {host}: {v}"
+        );
+    }
     // The other outputs go through the same writers: each is written whole.
     for (format, name) in [("perfetto", "events.pftrace"), ("ctf", "events.ctf")] {
         let path = dir.path().join(name);

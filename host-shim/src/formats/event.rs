@@ -79,8 +79,7 @@ impl ExportEvent {
     #[must_use]
     #[inline]
     pub fn is_span_record(&self) -> bool {
-        use vmtsync_core::recorder::{RELOC_ID, SPAN_BEGIN_ID};
-        (SPAN_BEGIN_ID..=RELOC_ID).contains(&self.id)
+        is_span_id(self.id)
     }
 }
 
@@ -141,4 +140,11 @@ pub enum ExportError {
     /// The output cannot hold the input (e.g. too many vCPUs).
     #[error("{0}")]
     Unsupported(String),
+}
+
+/// Whether event id `id` is one of the reserved span records (`SPAN_BEGIN` to `RELOC`).
+#[must_use]
+pub fn is_span_id(id: u16) -> bool {
+    use vmtsync_core::recorder::{RELOC_ID, SPAN_BEGIN_ID};
+    (SPAN_BEGIN_ID..=RELOC_ID).contains(&id)
 }

@@ -216,18 +216,16 @@ fn read_bytes_in_order(
     addr: u64,
     order: [usize; 8],
 ) -> Result<u64, MemError> {
-    let mut w = [[0u8; 1]; 8];
+    let mut w = [0u8; 8];
     {
-        let mut parts: Vec<(u64, &mut [u8])> = Vec::with_capacity(8);
-        let mut bytes: Vec<Option<&mut [u8; 1]>> = w.iter_mut().map(Some).collect();
-        for i in order {
-            if let Some(b) = bytes[i].take() {
-                parts.push((addr + i as u64, b.as_mut_slice()));
-            }
-        }
+        let mut bytes: Vec<&mut [u8]> = w.chunks_mut(1).collect();
+        let mut parts: Vec<(u64, &mut [u8])> = order
+            .iter()
+            .map(|&i| (addr + i as u64, std::mem::take(&mut bytes[i])))
+            .collect();
         mem.read_many(&mut parts)?;
     }
-    Ok(u64::from_le_bytes(w.map(|[b]| b)))
+    Ok(u64::from_le_bytes(w))
 }
 
 impl Drainer {

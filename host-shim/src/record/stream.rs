@@ -19,7 +19,6 @@
 use std::time::{Duration, Instant};
 
 use vmtsync_core::HostTicks;
-use vmtsync_core::recorder::{RELOC_ID, SPAN_BEGIN_ID};
 
 use super::RecordError;
 use super::place::{Placed, split_key};
@@ -36,11 +35,6 @@ use crate::formats::{Bound, ExportEvent, Payload};
 /// trace-cmd keeps times as signed 64-bit numbers (and its step TIME_SHIFT a sentinel at the
 /// largest): a guest tick above this is written as its host tick.
 const MAX_TICK: u64 = (i64::MAX as u64) - 1;
-
-/// Whether a record is a span record (the function graph's and the slices' input).
-fn is_span(id: u16) -> bool {
-    (SPAN_BEGIN_ID..=RELOC_ID).contains(&id)
-}
 
 /// A trace CPU's name: a memory recording's rings by their number, a later boot's with it.
 pub(super) fn cpu_name(key: u32, keyed: bool) -> String {
@@ -176,7 +170,7 @@ impl TraceDatStream {
         };
         let cpu = self.part_for(p.vcpu, host_ticks, ts, offset)?;
         self.parts[cpu as usize].take(ts, p.host, offset);
-        if is_span(p.id) {
+        if crate::formats::event::is_span_id(p.id) {
             let mut e = p.export();
             // Each boot's rings are CPUs of their own here: keyed, they are stacks of their own
             // too.
@@ -426,7 +420,7 @@ fn write(w: &mut PerfettoWriter, p: &Placed<'_>, keyed: bool) -> Result<(), Reco
         bound: Some(Bound { lo: p.lo, hi: p.hi }),
         payload: Payload::new(p.payload).unwrap_or_default(),
     };
-    if is_span(p.id) {
+    if crate::formats::event::is_span_id(p.id) {
         w.push_in_boot(&e, boot)?;
     } else {
         w.push(&e)?;

@@ -16,6 +16,13 @@ const _: () = assert!(SLOT_BYTES as u64 == RECORD_SIZE);
 
 /// Records read per ring per round unless the caller asks otherwise (128 KiB of slots).
 pub const DEFAULT_MAX_PER_ROUND: usize = 16384;
+#[doc(hidden)]
+pub fn lab_round() -> usize {
+    std::env::var("LAB_ROUND")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(DEFAULT_MAX_PER_ROUND)
+}
 /// The most a caller may ask for per ring per round (2 MiB of slots).
 pub const MAX_PER_ROUND_LIMIT: usize = 65536;
 
@@ -187,6 +194,27 @@ fn u64_at(b: &[u8], off: usize) -> u64 {
     u64::from_le_bytes(w)
 }
 
+/// A slot's payload: its first `len` bytes (at most 16), the rest zero. Masked as two words
+/// rather than filled: a fill of a variable length is a `memset` call per record.
+#[inline]
+fn payload_of(slot: &[u8], len: u8) -> [u8; 16] {
+    // The mask of a word's first `k` bytes (k ≤ 8).
+    let mask = |k: u32| {
+        if k >= 8 {
+            u64::MAX
+        } else {
+            (1u64 << (8 * k)) - 1
+        }
+    };
+    let len = u32::from(len.min(16));
+    let lo = u64_at(slot, 16) & mask(len);
+    let hi = u64_at(slot, 24) & mask(len.saturating_sub(8));
+    let mut p = [0u8; 16];
+    p[..8].copy_from_slice(&lo.to_le_bytes());
+    p[8..].copy_from_slice(&hi.to_le_bytes());
+    p
+}
+
 /// Reads the little-endian `u64` at `addr` one byte at a time, most significant byte first.
 ///
 /// A copy of another process's memory is atomic per byte only, so one read of a word the guest
@@ -267,6 +295,13 @@ impl Drainer {
     #[must_use]
     pub fn round_records(&self) -> &[GuestRecord] {
         &self.round
+    }
+
+    /// Takes the last round's records, leaving `spare` (emptied) to hold the next round's:
+    /// a caller that hands rounds on keeps no copy.
+    pub fn swap_round(&mut self, mut spare: Vec<GuestRecord>) -> Vec<GuestRecord> {
+        spare.clear();
+        std::mem::replace(&mut self.round, spare)
     }
 
     /// Checks that the header still says what it said when draining began.
@@ -440,17 +475,13 @@ impl Drainer {
                     corrupt += 1;
                     continue;
                 };
-                let mut payload = [0u8; 16];
-                payload[..8].copy_from_slice(&slot[16..24]);
-                payload[8..].copy_from_slice(&slot[24..32]);
-                payload[usize::from(len)..].fill(0);
                 self.round.push(GuestRecord {
                     vcpu,
                     index: n,
                     id,
                     tsc: u64_at(slot, 8),
                     len,
-                    payload,
+                    payload: payload_of(slot, len),
                 });
             }
             if let Err(e) = self.check_header(mem) {
@@ -479,5 +510,21 @@ impl Drainer {
             summary.more |= end < h2;
         }
         Ok(summary)
+    }
+}
+
+#[cfg(test)]
+mod payload_tests {
+    use super::payload_of;
+
+    /// Every length keeps exactly the slot's first `len` payload bytes and zeroes the rest.
+    #[test]
+    fn payload_keeps_its_length_and_zeroes_the_rest() {
+        let slot: Vec<u8> = (0u8..32).map(|b| b.wrapping_mul(7) | 1).collect();
+        for len in 0u8..=16 {
+            let mut want = [0u8; 16];
+            want[..usize::from(len)].copy_from_slice(&slot[16..16 + usize::from(len)]);
+            assert_eq!(payload_of(&slot, len), want, "len {len}");
+        }
     }
 }

@@ -31,10 +31,63 @@ use crate::formats::tracedat::{
     self, ShiftMode, SpanGraph, TimeShift, TraceDatWriter, WriterOptions,
 };
 use crate::formats::{Bound, ExportEvent, Payload};
+use crate::guestmem::GuestRecord;
 
 /// trace-cmd keeps times as signed 64-bit numbers (and its step TIME_SHIFT a sentinel at the
 /// largest): a guest tick above this is written as its host tick.
 const MAX_TICK: u64 = (i64::MAX as u64) - 1;
+
+/// One vCPU's records of a round that its latest exact segment places (KVM's mapping did not
+/// change during the round): each plain event's host tick is its guest tick minus `offset`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct ExactRun {
+    /// The vCPU's placement key.
+    pub(super) key: u32,
+    /// The segment's offset (`guest - host`), the guest tick it starts at, and its round.
+    pub(super) offset: i64,
+    pub(super) start: u64,
+    pub(super) round: u64,
+}
+
+impl ExactRun {
+    /// The host tick of `r` when it is a plain event (not a beacon, not a span record) that
+    /// the segment places: at or after its start, and in the host's range.
+    #[inline]
+    pub(super) fn places(&self, r: &GuestRecord) -> Option<u64> {
+        if r.is_beacon() || crate::formats::event::is_span_id(r.id) || r.tsc < self.start {
+            return None;
+        }
+        r.tsc.checked_add_signed(self.offset.checked_neg()?)
+    }
+}
+
+/// `f` for each record of a run its segment places plainly, as the exporters see it (a
+/// memory recording's key names its ring: its boots share the ring's vCPU stream). Stops at
+/// the first other record; returns how many it took.
+#[inline]
+pub(super) fn for_each_plain<E>(
+    run: &ExactRun,
+    records: &[GuestRecord],
+    mut f: impl FnMut(&ExportEvent) -> Result<(), E>,
+) -> Result<usize, E> {
+    let vcpu = split_key(run.key).1;
+    let mut n = 0;
+    for r in records {
+        let Some(host) = run.places(r) else {
+            break;
+        };
+        f(&ExportEvent {
+            vcpu,
+            id: r.id,
+            guest_tsc: Some(r.tsc),
+            host_tsc: host,
+            bound: Some(Bound { lo: host, hi: host }),
+            payload: Payload::new(r.payload()).unwrap_or_default(),
+        })?;
+        n += 1;
+    }
+    Ok(n)
+}
 
 /// A trace CPU's name: a memory recording's rings by their number, a later boot's with it.
 pub(super) fn cpu_name(key: u32, keyed: bool) -> String {
@@ -180,6 +233,51 @@ impl TraceDatStream {
             self.w.push(cpu, ts, u32::from(p.id), p.payload)?;
         }
         Ok(())
+    }
+
+    /// A run of vCPU `run.key`'s records, in ring order, written while each is a plain event
+    /// its latest segment places (see [`ExactRun::places`]) and its trace CPU takes in order.
+    /// Returns how many it wrote: the record after them needs [`Self::push`].
+    #[inline]
+    pub(super) fn push_run(
+        &mut self,
+        run: &ExactRun,
+        records: &[GuestRecord],
+    ) -> Result<usize, RecordError> {
+        let Some(first) = records.first() else {
+            return Ok(0);
+        };
+        if run.places(first).is_none() || first.tsc > MAX_TICK {
+            return Ok(0);
+        }
+        let cpu = self.part_for(run.key, false, first.tsc, run.offset)?;
+        let part = &mut self.parts[cpu as usize];
+        // The plain records in order (trace-cmd's range, not behind the part's last
+        // timestamp): the record after them takes the general path.
+        let mut last = if part.events > 0 { part.last } else { 0 };
+        let n = records
+            .iter()
+            .take_while(|r| {
+                let ok = r.tsc <= MAX_TICK && r.tsc >= last && run.places(r).is_some();
+                last = r.tsc;
+                ok
+            })
+            .count();
+        let Some(host) = run.places(first) else {
+            return Ok(0);
+        };
+        part.take(first.tsc, host, run.offset);
+        if let Some(l) = records[..n].last() {
+            part.last = l.tsc;
+        }
+        part.events += n.saturating_sub(1) as u64;
+        self.w.push_many(
+            cpu,
+            records[..n]
+                .iter()
+                .map(|r| (r.tsc, u32::from(r.id), r.payload())),
+        )?;
+        Ok(n)
     }
 
     /// The trace CPU a record of `key` at `ts` placed by `offset` goes to: the vCPU's part now,
@@ -332,6 +430,20 @@ impl PerfettoStream {
             self.open()?;
         }
         Ok(())
+    }
+
+    /// A run's plain records once the writer exists (see [`for_each_plain`]); while the
+    /// first events are held, none (they take [`Self::push`]).
+    #[inline]
+    pub(super) fn push_run(
+        &mut self,
+        run: &ExactRun,
+        records: &[GuestRecord],
+    ) -> Result<usize, RecordError> {
+        match &mut self.w {
+            Some(w) => Ok(for_each_plain(run, records, |e| w.push(e))?),
+            None => Ok(0),
+        }
     }
 
     /// After a round: the writer opens once the first snapshot is [`MIN_SPAN`] old.

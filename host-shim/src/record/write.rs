@@ -120,6 +120,22 @@ impl Out {
         }
     }
 
+    /// Exact mode: as many of `records` as `run` places plainly, written in one go (the
+    /// spools and JSON Lines take each record through [`Self::push`]). Returns how many.
+    #[inline]
+    pub(super) fn push_run(
+        &mut self,
+        run: &super::stream::ExactRun,
+        records: &[crate::guestmem::GuestRecord],
+    ) -> Result<usize, RecordError> {
+        match self {
+            Self::TraceDat(w) => w.push_run(run, records),
+            Self::Perfetto(w) => w.push_run(run, records),
+            Self::Ctf(w) => Ok(super::stream::for_each_plain(run, records, |e| w.push(e))?),
+            _ => Ok(0),
+        }
+    }
+
     /// A sync round was made: the JSON Lines events waiting for it are placed with it and
     /// written.
     pub(super) fn round_made(&mut self, st: &State, opts: &Target) -> Result<(), RecordError> {

@@ -282,6 +282,57 @@ impl TraceDatWriter {
         self.append(cpu, ts, |page| page.try_push(ts, id, payload))
     }
 
+    /// [`Self::push`] for many events of one CPU: `(ts, id, payload)` each, in order. The
+    /// same rules and errors; the events before a refused one are written.
+    ///
+    /// # Errors
+    /// As [`Self::push`].
+    #[inline]
+    pub fn push_many<'p>(
+        &mut self,
+        cpu: u32,
+        events: impl IntoIterator<Item = (u64, u32, &'p [u8])>,
+    ) -> Result<(), TraceDatError> {
+        let ncpus = self.opts.cpus;
+        let Self {
+            cpus,
+            out,
+            pos,
+            tmp,
+            main,
+            ..
+        } = self;
+        let Some(c) = cpus.get_mut(cpu as usize) else {
+            return Err(TraceDatError::CpuOutOfRange { cpu, cpus: ncpus });
+        };
+        for (ts, id, payload) in events {
+            if payload.len() > MAX_PAYLOAD {
+                return Err(TraceDatError::PayloadTooLong {
+                    len: payload.len(),
+                    max: MAX_PAYLOAD,
+                });
+            }
+            if c.events > 0 && ts < c.last {
+                return Err(TraceDatError::NotMonotonic {
+                    cpu,
+                    ts,
+                    last: c.last,
+                });
+            }
+            if !c.page.try_push(ts, id, payload) {
+                flush_page(c, out, main, pos).map_err(TraceDatError::io("write", tmp.path()))?;
+                let pushed = c.page.try_push(ts, id, payload);
+                debug_assert!(pushed, "a record always fits an empty page");
+            }
+            if c.events == 0 {
+                c.first = ts;
+            }
+            c.events += 1;
+            c.last = ts;
+        }
+        Ok(())
+    }
+
     /// Appends a record of one of the other event types the file describes (the function
     /// graph's, [`super::funcgraph`]): `data` from `common_type` on, a multiple of 4 bytes
     /// from 8 to 112. The same ordering rule as [`Self::push`].

@@ -4,7 +4,7 @@
 use crate::guestmem::GuestRecord;
 use crate::kvm::debugfs::{VcpuState, VmDir, read_vcpu};
 use crate::record::error::MemoryError;
-use crate::record::place::{Placed, boot_key};
+use crate::record::place::Placed;
 use crate::syncfile::{AnchorKind, OffsetModel, SyncSegment};
 
 /// One vCPU's mapping as debugfs said it, and when.
@@ -71,11 +71,11 @@ pub(super) fn exact_at(segments: &[SyncSegment], g: u64) -> Option<(u64, u64)> {
     Some((g.checked_add_signed(s.offset.checked_neg()?)?, s.round))
 }
 
-/// Record `r` of guest boot `boot` at host tick `host` with width 0, in segment round
-/// `round`.
-pub(super) fn exact_placed(r: &GuestRecord, boot: u32, host: u64, round: u64) -> Placed<'_> {
+/// Record `r` of vCPU key `key` (a `boot_key`) at host tick `host` with width 0, in segment
+/// round `round`.
+pub(super) fn exact_placed(r: &GuestRecord, key: u32, host: u64, round: u64) -> Placed<'_> {
     Placed {
-        vcpu: boot_key(boot, r.vcpu),
+        vcpu: key,
         keyed: true,
         id: r.id,
         guest: r.tsc,

@@ -21,6 +21,7 @@
 
 mod mapping;
 mod mode;
+mod pipe;
 mod recording;
 mod vmm;
 

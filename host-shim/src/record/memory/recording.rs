@@ -10,6 +10,7 @@ use super::mapping::{
 use super::mode::{
     Mode, exact_list, mode_for, start_beacons, start_trace, use_samples, write_sync_out,
 };
+use super::pipe::{Item, Pipe};
 use super::vmm::{EXIT_GRACE, find_again, is_restart, vmm_gone, vmm_gone_within};
 use super::{BootCounts, MemoryOptions, MemorySummary};
 use crate::exits::PioTrace;
@@ -23,6 +24,7 @@ use crate::probe::Progress;
 use crate::record::beacons::Beacons;
 use crate::record::error::MemoryError;
 use crate::record::place::{State, VcpuSync, boot_key};
+use crate::record::stream::ExactRun;
 use crate::record::target::Target;
 use crate::record::write::{Out, finish, trace_id};
 use crate::record::{EndReason, HostTime, RecordError, RecordFormat, RecordSummary};
@@ -30,6 +32,13 @@ use crate::sync::Placement;
 
 /// How a recording ended: why, or the error that ended it (what was read is still written).
 pub(super) type Ended = Result<EndReason, RecordError>;
+
+/// Where a recording's records go: beacon mode's output itself (its spool is placed again
+/// when the recording ends), exact mode's through the writer thread (`pipe.rs`).
+pub(super) enum Writer {
+    Direct(Box<Out>),
+    Piped(Pipe),
+}
 
 /// Whether SIGINT/SIGTERM asked the recording to stop.
 fn stopped(opts: &MemoryOptions) -> bool {
@@ -175,7 +184,7 @@ pub(super) struct Recording<'a> {
     checking: Option<std::thread::JoinHandle<Result<Option<Beacons>, MemoryError>>>,
     target: Target,
     st: State,
-    out: Out,
+    out: Writer,
     drainer: Drainer,
     /// The current boot's counts.
     cur: BootCounts,
@@ -273,8 +282,10 @@ impl<'a> Recording<'a> {
         st.clocks.extend(ClockSnapshot::take().ok());
         // Exact mode places every record for good when it reads it: the outputs stream.
         let out = match mode {
-            Mode::Exact => Out::stream(&target, &st)?,
-            Mode::Beacons => Out::create(&target, placement)?,
+            Mode::Exact => {
+                Writer::Piped(Pipe::start(Out::stream(&target, &st)?, opts.out.clone())?)
+            }
+            Mode::Beacons => Writer::Direct(Box::new(Out::create(&target, placement)?)),
         };
         Ok(Self {
             opts,
@@ -294,7 +305,7 @@ impl<'a> Recording<'a> {
             target,
             st,
             out,
-            drainer: Drainer::new(&found, guestmem::DEFAULT_MAX_PER_ROUND),
+            drainer: Drainer::new(&found, crate::guestmem::drain::lab_round()),
             cur: BootCounts {
                 nonce: found.header.nonce,
                 rings,
@@ -525,10 +536,15 @@ impl<'a> Recording<'a> {
             changed,
             zeros: 0,
         };
-        let placed = drainer
-            .round_records()
-            .iter()
-            .try_for_each(|r| round.place(r));
+        let records = drainer.round_records();
+        let mut at = 0;
+        let placed = records
+            .chunk_by(|a, b| a.vcpu == b.vcpu)
+            .try_for_each(|ring| {
+                let r = round.place_ring(ring, at);
+                at += ring.len();
+                r
+            });
         round.st.widths.push_n(0, round.zeros);
         placed
     }
@@ -553,7 +569,10 @@ impl<'a> Recording<'a> {
             snap = ClockSnapshot::take().ok();
             self.st.clocks.extend(snap);
         }
-        self.out.round_end(snap)?;
+        match &mut self.out {
+            Writer::Direct(out) => out.round_end(snap)?,
+            Writer::Piped(pipe) => pipe.send_round(&mut self.drainer, snap)?,
+        }
         progress.status(&format!(
             "vmtsync record: {} events from guest memory, {} lost",
             self.st.events,
@@ -626,10 +645,14 @@ impl<'a> Recording<'a> {
         };
         let counts = self.drainer.counts().to_vec();
         let rounds = b.round(&counts, before, after);
+        let out = match &mut self.out {
+            Writer::Direct(out) => Some(out.as_mut()),
+            Writer::Piped(_) => None,
+        };
         use_samples(
             b,
             &mut self.st,
-            &mut self.out,
+            out,
             &self.target,
             self.mode,
             rounds,
@@ -646,6 +669,14 @@ impl<'a> Recording<'a> {
     ) -> Result<(RecordSummary, MemorySummary), RecordError> {
         // A check still being set up ends with its trace (nothing left for it to see).
         self.adopt_check(true);
+        // Exact mode: the writer writes what it was sent, and the drain lasts until it did.
+        if let Writer::Piped(pipe) = &mut self.out {
+            let (out, last_written) = pipe.finish()?;
+            if let (Some((first, last)), Some(w)) = (self.active, last_written) {
+                self.active = Some((first, last.max(w)));
+            }
+            self.out = Writer::Direct(Box::new(out));
+        }
         self.sum_counts();
         // A raw-TSC guest whose beacons disagree with KVM's mapping does not record the raw
         // TSC: the mapping gives no point then, the beacons do.
@@ -656,7 +687,9 @@ impl<'a> Recording<'a> {
             }
         }
         if self.mode == Mode::Beacons {
-            if let Out::Held { spool, .. } = &mut self.out {
+            if let Writer::Direct(out) = &mut self.out
+                && let Out::Held { spool, .. } = out.as_mut()
+            {
                 self.st.final_widths(spool);
             }
             if self.ms.beacon_stats.bracketed == 0 && self.st.unplaceable > 0 {
@@ -691,7 +724,11 @@ impl<'a> Recording<'a> {
         // The beacons' trace is done: removing its tracefs instance waits on the kernel (tens
         // of ms), and so does finishing the output (its sync): side by side.
         let teardown = beacons.map(|b| std::thread::spawn(move || drop(b)));
-        let written = finish(out, &target, &st);
+        let written = match out {
+            Writer::Direct(out) => finish(*out, &target, &st),
+            // Joined above.
+            Writer::Piped(_) => Ok((false, 0)),
+        };
         if let Some(t) = teardown {
             // A panic while removing the instance leaves it for the next run's cleanup.
             let _ = t.join();
@@ -817,7 +854,7 @@ struct Round<'r, 'a> {
     opts: &'a MemoryOptions,
     st: &'r mut State,
     mode: Mode,
-    out: &'r mut Out,
+    out: &'r mut Writer,
     boot: u32,
     base: usize,
     /// KVM's mapping before the round and after it, and which vCPUs' changed.
@@ -829,9 +866,60 @@ struct Round<'r, 'a> {
 }
 
 impl Round<'_, '_> {
-    /// One record of the round (see [`Recording::place_round`]).
-    #[inline]
-    fn place(&mut self, r: &GuestRecord) -> Result<(), RecordError> {
+    /// One ring's records of the round, the first of them the round's record `at`. Exact
+    /// mode: the runs of plain events its latest segment places go to the writer as one item
+    /// each ([`Item::Run`]); every other record goes through [`Self::place`].
+    fn place_ring(&mut self, ring: &[GuestRecord], at: usize) -> Result<(), RecordError> {
+        let run = ring.first().and_then(|r| self.run(r.vcpu));
+        let mut i = 0;
+        while i < ring.len() {
+            if let (Some(run), Writer::Piped(pipe)) = (run, &mut *self.out) {
+                let left = self
+                    .opts
+                    .events
+                    .map_or(u64::MAX, |n| n.saturating_sub(self.st.events));
+                let n = ring[i..]
+                    .iter()
+                    .take(usize::try_from(left).unwrap_or(usize::MAX))
+                    .take_while(|r| run.places(r).is_some())
+                    .count();
+                if n > 0 {
+                    pipe.items.push(Item::Run {
+                        run,
+                        from: at + i,
+                        to: at + i + n,
+                    });
+                    self.st.events += n as u64;
+                    self.zeros += n as u64;
+                    i += n;
+                    continue;
+                }
+            }
+            self.place(&ring[i], at + i)?;
+            i += 1;
+        }
+        Ok(())
+    }
+
+    /// Exact mode: ring `ring`'s latest segment, when KVM's mapping of its vCPU did not
+    /// change during the round (every record then falls in it or before it).
+    fn run(&self, ring: u32) -> Option<ExactRun> {
+        let i = ring as usize;
+        if self.mode != Mode::Exact || self.changed.get(i).copied().unwrap_or(true) {
+            return None;
+        }
+        let v = self.st.vcpus.get(self.base + i)?;
+        let s = v.segments.last()?;
+        Some(ExactRun {
+            key: v.vcpu,
+            offset: s.offset,
+            start: s.guest_start,
+            round: s.round,
+        })
+    }
+
+    /// One record of the round, its record `at` (see [`Recording::place_round`]).
+    fn place(&mut self, r: &GuestRecord, at: usize) -> Result<(), RecordError> {
         let st = &mut *self.st;
         if r.is_beacon() {
             self.ms.beacons += 1;
@@ -845,14 +933,17 @@ impl Round<'_, '_> {
             self.ms.past_limit += 1;
             return Ok(());
         }
-        if self.mode == Mode::Beacons {
-            // Spooled: its host time is given when the recording ends, with the beacons on
-            // both sides of it.
-            self.out
-                .push(&exact_placed(r, self.boot, 0, 0), &self.opts.out)?;
-            st.events += 1;
-            return Ok(());
-        }
+        let key = boot_key(self.boot, r.vcpu);
+        let pipe = match &mut *self.out {
+            // Beacon mode: spooled, its host time given when the recording ends, with the
+            // beacons on both sides of it.
+            Writer::Direct(out) => {
+                out.push(&exact_placed(r, key, 0, 0), &self.opts.out)?;
+                st.events += 1;
+                return Ok(());
+            }
+            Writer::Piped(pipe) => pipe,
+        };
         let i = r.vcpu as usize;
         let (host, round) = if self.changed.get(i).copied().unwrap_or(false) {
             match across_change(r.tsc, self.last[i], self.now[i]) {
@@ -870,8 +961,12 @@ impl Round<'_, '_> {
             };
             p
         };
-        self.out
-            .push(&exact_placed(r, self.boot, host, round), &self.opts.out)?;
+        pipe.items.push(Item::One {
+            at,
+            key,
+            host,
+            round,
+        });
         self.zeros += 1;
         st.events += 1;
         Ok(())

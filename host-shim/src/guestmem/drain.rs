@@ -14,15 +14,8 @@ const SLOT_BYTES: usize = 32;
 // The buffer length and the layout's slot size are one number.
 const _: () = assert!(SLOT_BYTES as u64 == RECORD_SIZE);
 
-/// Records read per ring per round unless the caller asks otherwise (128 KiB of slots).
+/// Records read per ring per round unless the caller asks otherwise (512 KiB of slots).
 pub const DEFAULT_MAX_PER_ROUND: usize = 16384;
-#[doc(hidden)]
-pub fn lab_round() -> usize {
-    std::env::var("LAB_ROUND")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(DEFAULT_MAX_PER_ROUND)
-}
 /// The most a caller may ask for per ring per round (2 MiB of slots).
 pub const MAX_PER_ROUND_LIMIT: usize = 65536;
 

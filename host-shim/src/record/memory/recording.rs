@@ -305,7 +305,7 @@ impl<'a> Recording<'a> {
             target,
             st,
             out,
-            drainer: Drainer::new(&found, crate::guestmem::drain::lab_round()),
+            drainer: Drainer::new(&found, guestmem::DEFAULT_MAX_PER_ROUND),
             cur: BootCounts {
                 nonce: found.header.nonce,
                 rings,

@@ -8,11 +8,11 @@ use clap::Args;
 
 use super::exit::CliError;
 use super::number::hex_or_decimal;
-use crate::validate::SegmentWorst;
 use crate::validate::{
     EventRule, LagStats, Numbering, ProbeReport, Side, ValidateOptions, ValidateReport, validate,
     workload_rules,
 };
+use crate::validate::{ExitCheck, SegmentWorst};
 
 /// `vmtsync validate` flags.
 #[derive(Debug, Args)]
@@ -241,13 +241,7 @@ fn print_events(out: &mut impl Write, r: &ValidateReport) -> io::Result<()> {
     }
     print_segments(out, "events", &r.segments)?;
     for v in &r.first_violations {
-        let rest = against_exits(
-            v.guest_tsc,
-            [v.host_tsc, v.host_lo, v.host_hi],
-            [v.exit_lo, v.exit_hi],
-            v.round,
-            v.bound_false,
-        );
+        let rest = against_exits(v.check);
         writeln!(
             out,
             "violation: vcpu {} seq {} {:?}: {rest}",
@@ -292,20 +286,15 @@ fn print_segments(out: &mut impl Write, what: &str, segments: &[SegmentWorst]) -
 }
 
 /// The end of a violation's line, after what it names (an event or a probe): its guest TSC
-/// converted to `host` = `[time, lo, hi]` (the guaranteed interval) against the exits that
-/// bracket it (`-`: none on that side), the segment's round, and whether the guaranteed bound
-/// itself is false.
-fn against_exits(
-    guest_tsc: u64,
-    [host, lo, hi]: [u64; 3],
-    exits: [Option<u64>; 2],
-    round: u64,
-    bound_false: bool,
-) -> String {
-    let [exit_lo, exit_hi] = exits.map(|x| x.map_or("-".into(), |x| x.to_string()));
+/// converted to `host` (with its guaranteed interval) against the exits that bracket it (`-`:
+/// none on that side), the segment's round, and whether the guaranteed bound itself is false.
+fn against_exits<X: Into<Option<u64>>>(c: ExitCheck<X>) -> String {
+    let [exit_lo, exit_hi] =
+        [c.exit_lo, c.exit_hi].map(|x| x.into().map_or("-".into(), |x| x.to_string()));
+    let (guest_tsc, host, lo, hi, round) = (c.guest_tsc, c.host_tsc, c.host_lo, c.host_hi, c.round);
     format!(
         "guest {guest_tsc} -> host {host} (guaranteed [{lo}, {hi}]) vs exits [{exit_lo}, {exit_hi}] (segment round {round}){}",
-        if bound_false {
+        if c.bound_false {
             ", guaranteed bound false"
         } else {
             ""
@@ -340,13 +329,7 @@ fn print_probes(out: &mut impl Write, p: &ProbeReport) -> io::Result<()> {
     )?;
     print_segments(out, "probes", &p.segments)?;
     for v in &p.first_violations {
-        let rest = against_exits(
-            v.guest_tsc,
-            [v.host_tsc, v.host_lo, v.host_hi],
-            [Some(v.exit_lo), Some(v.exit_hi)],
-            v.round,
-            v.bound_false,
-        );
+        let rest = against_exits(v.check);
         writeln!(
             out,
             "violation: probe vcpu {} seq {} ({:?}): {rest}",
@@ -434,5 +417,38 @@ mod tests {
         assert!(parse_after("1:65536").is_err(), "a port beyond u16");
         assert!(parse_after("1").is_err(), "no port");
         assert!(parse_thread("1:4242").is_err());
+    }
+
+    /// A violation's line ends the same for an event (an exit may be unknown) and a probe.
+    #[test]
+    fn a_violation_line_shows_its_conversion_against_its_exits() {
+        let c = ExitCheck {
+            guest_tsc: 3,
+            host_tsc: 4,
+            host_lo: 5,
+            host_hi: 6,
+            exit_lo: None,
+            exit_hi: Some(8),
+            round: 9,
+            bound_false: true,
+        };
+        assert_eq!(
+            against_exits(c),
+            "guest 3 -> host 4 (guaranteed [5, 6]) vs exits [-, 8] (segment round 9), guaranteed bound false"
+        );
+        let p = ExitCheck {
+            exit_lo: 7,
+            exit_hi: 8,
+            bound_false: false,
+            guest_tsc: 3,
+            host_tsc: 4,
+            host_lo: 5,
+            host_hi: 6,
+            round: 9,
+        };
+        assert_eq!(
+            against_exits(p),
+            "guest 3 -> host 4 (guaranteed [5, 6]) vs exits [7, 8] (segment round 9)"
+        );
     }
 }

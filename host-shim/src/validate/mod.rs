@@ -35,4 +35,4 @@ pub use check::{
 };
 pub use input::{ValidateOptions, validate, workload_rules};
 pub use probes::ProbeChecker;
-pub use report::{LagStats, ProbeReport, ProbeViolation, SegmentWorst, ValidateError};
+pub use report::{ExitCheck, LagStats, ProbeReport, ProbeViolation, SegmentWorst, ValidateError};

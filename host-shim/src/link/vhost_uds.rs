@@ -194,11 +194,7 @@ mod tests {
         std::path::PathBuf,
         thread::JoinHandle<String>,
     ) {
-        let dir = tempfile::Builder::new()
-            .prefix("vmtsync-vhost-uds-")
-            .tempdir()
-            .unwrap();
-        let path = dir.path().join("vm.vsock");
+        let (dir, path) = crate::testutil::temp_path("vmtsync-vhost-uds-", "vm.vsock");
         let listener = UnixListener::bind(&path).unwrap();
         let name = path.clone();
         let handle = thread::spawn(move || {

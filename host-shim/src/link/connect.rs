@@ -40,10 +40,7 @@ pub fn connect_until_stopped(
     stop: Option<&'static AtomicBool>,
 ) -> Result<Box<dyn StampedTransport + Send>, ConnectError> {
     let name = addr.to_string();
-    let io_err = |source| ConnectError::Io {
-        addr: name.clone(),
-        source,
-    };
+    let io_err = ConnectError::io(&name);
     let mut retry = Retry::new(opts.connect_timeout, stop);
     match addr {
         ProbeAddr::Unix(path) => {

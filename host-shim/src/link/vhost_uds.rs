@@ -47,10 +47,7 @@ pub(super) fn vsock_uds_handshake(
     retry: &mut Retry,
     opts: &ConnectOptions,
 ) -> Result<UnixStream, ConnectError> {
-    let io_err = |source| ConnectError::Io {
-        addr: name.to_owned(),
-        source,
-    };
+    let io_err = ConnectError::io(name);
     loop {
         let mut s = connect_unix(path, name, retry, opts)?;
         let wait = retry.left().min(HANDSHAKE_ATTEMPT);

@@ -239,16 +239,11 @@ fn print_events(out: &mut impl Write, r: &ValidateReport) -> io::Result<()> {
             ratio(w.max_ratio_milli),
         )?;
     }
-    print_segments(out, "events", &r.segments)?;
-    for v in &r.first_violations {
-        let rest = against_exits(v.check);
-        writeln!(
-            out,
-            "violation: vcpu {} seq {} {:?}: {rest}",
-            v.vcpu, v.seq, v.side
-        )?;
-    }
-    Ok(())
+    let listed = r.first_violations.iter().map(|v| {
+        let who = format!("vcpu {} seq {} {:?}", v.vcpu, v.seq, v.side);
+        (who, v.check)
+    });
+    print_worst(out, "events", &r.segments, listed)
 }
 
 /// One line per lag distribution that has values: `{lead} {what} (ticks; …): min … max`.
@@ -269,8 +264,15 @@ fn print_lags<const N: usize>(
     Ok(())
 }
 
-/// The per-segment table; `what` names the column of things converted through each.
-fn print_segments(out: &mut impl Write, what: &str, segments: &[SegmentWorst]) -> io::Result<()> {
+/// The end of a check's section (events or probes), where it is worst: the per-segment table
+/// (`what` names the column of things converted through each), then one line per listed
+/// violation, `violation: {who}: ` and its conversion against its exits ([`against_exits`]).
+fn print_worst<X: Into<Option<u64>>>(
+    out: &mut impl Write,
+    what: &str,
+    segments: &[SegmentWorst],
+    violations: impl IntoIterator<Item = (String, ExitCheck<X>)>,
+) -> io::Result<()> {
     writeln!(
         out,
         "vcpu  round  {what:>6}  worst_lag  violations  wrong_side  offset_width"
@@ -281,6 +283,9 @@ fn print_segments(out: &mut impl Write, what: &str, segments: &[SegmentWorst]) -
             "{:>4}  {:>5}  {:>6}  {:>9}  {:>10}  {:>10}  {:>12}",
             s.vcpu, s.round, s.events, s.worst_lag, s.violations, s.wrong_side, s.width
         )?;
+    }
+    for (who, check) in violations {
+        writeln!(out, "violation: {who}: {}", against_exits(check))?;
     }
     Ok(())
 }
@@ -327,21 +332,17 @@ fn print_probes(out: &mut impl Write, p: &ProbeReport) -> io::Result<()> {
             ("before the exit after the read", p.lag_before_out),
         ],
     )?;
-    print_segments(out, "probes", &p.segments)?;
-    for v in &p.first_violations {
-        let rest = against_exits(v.check);
-        writeln!(
-            out,
-            "violation: probe vcpu {} seq {} ({:?}): {rest}",
-            v.vcpu, v.seq, v.path
-        )?;
-    }
-    Ok(())
+    let listed = p.first_violations.iter().map(|v| {
+        let who = format!("probe vcpu {} seq {} ({:?})", v.vcpu, v.seq, v.path);
+        (who, v.check)
+    });
+    print_worst(out, "probes", &p.segments, listed)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::validate::testutil::exit_check;
 
     #[derive(Debug, clap::Parser)]
     struct Cli {
@@ -422,33 +423,59 @@ mod tests {
     /// A violation's line ends the same for an event (an exit may be unknown) and a probe.
     #[test]
     fn a_violation_line_shows_its_conversion_against_its_exits() {
-        let c = ExitCheck {
-            guest_tsc: 3,
-            host_tsc: 4,
-            host_lo: 5,
-            host_hi: 6,
-            exit_lo: None,
-            exit_hi: Some(8),
-            round: 9,
-            bound_false: true,
-        };
         assert_eq!(
-            against_exits(c),
+            against_exits(exit_check(None, Some(8), true)),
             "guest 3 -> host 4 (guaranteed [5, 6]) vs exits [-, 8] (segment round 9), guaranteed bound false"
         );
-        let p = ExitCheck {
-            exit_lo: 7,
-            exit_hi: 8,
-            bound_false: false,
-            guest_tsc: 3,
-            host_tsc: 4,
-            host_lo: 5,
-            host_hi: 6,
-            round: 9,
-        };
         assert_eq!(
-            against_exits(p),
+            against_exits(exit_check(7, 8, false)),
             "guest 3 -> host 4 (guaranteed [5, 6]) vs exits [7, 8] (segment round 9)"
+        );
+    }
+
+    /// An event's violation and a probe's, each on its line after what names it.
+    #[test]
+    fn violations_are_listed_one_line_each() {
+        let probe = crate::validate::ProbeViolation {
+            vcpu: 0,
+            seq: 7,
+            path: crate::probe::log::ProbePath::Uart,
+            check: exit_check(1, 2, true),
+        };
+        let r = ValidateReport {
+            checked: 1,
+            first_violations: vec![crate::validate::Violation {
+                vcpu: 1,
+                seq: 2,
+                side: Side::AfterIn,
+                check: exit_check(None, Some(8), false),
+            }],
+            probes: Some(ProbeReport {
+                first_violations: vec![probe],
+                ..ProbeReport::default()
+            }),
+            ..crate::validate::check(
+                &[],
+                &[],
+                None,
+                &BTreeMap::new(),
+                crate::validate::Numbering::FromBoot,
+                &[],
+            )
+        };
+        let mut out = Vec::new();
+        print_text(&mut out, &r).unwrap();
+        let text = String::from_utf8(out).unwrap();
+        let lines: Vec<&str> = text
+            .lines()
+            .filter(|l| l.starts_with("violation"))
+            .collect();
+        assert_eq!(
+            lines,
+            [
+                "violation: vcpu 1 seq 2 AfterIn: guest 3 -> host 4 (guaranteed [5, 6]) vs exits [-, 8] (segment round 9)",
+                "violation: probe vcpu 0 seq 7 (Uart): guest 3 -> host 4 (guaranteed [5, 6]) vs exits [1, 2] (segment round 9), guaranteed bound false",
+            ]
         );
     }
 }

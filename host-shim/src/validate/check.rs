@@ -640,7 +640,7 @@ mod tests {
 
     use super::*;
     use crate::validate::report::MAX_LISTED;
-    use crate::validate::testutil::segment_at;
+    use crate::validate::testutil::{exit_check, segment_at};
 
     const OFFSET: i64 = 1_000_000_000_000;
     const PERIOD: u64 = 2_300_000;
@@ -1093,23 +1093,11 @@ mod tests {
     /// shared the check's fields).
     #[test]
     fn violations_serialize_flat_in_the_schema_order() {
-        fn check<X>(exit_lo: X, exit_hi: X) -> ExitCheck<X> {
-            ExitCheck {
-                guest_tsc: 3,
-                host_tsc: 4,
-                host_lo: 5,
-                host_hi: 6,
-                exit_lo,
-                exit_hi,
-                round: 9,
-                bound_false: true,
-            }
-        }
         let v = Violation {
             vcpu: 1,
             seq: 2,
             side: Side::AfterIn,
-            check: check(None, Some(8)),
+            check: exit_check(None, Some(8), true),
         };
         assert_eq!(
             serde_json::to_string(&v).unwrap(),
@@ -1119,10 +1107,7 @@ mod tests {
             vcpu: 1,
             seq: 2,
             path: crate::probe::log::ProbePath::SyncPort,
-            check: ExitCheck {
-                bound_false: false,
-                ..check(7, 8)
-            },
+            check: exit_check(7, 8, false),
         };
         assert_eq!(
             serde_json::to_string(&p).unwrap(),

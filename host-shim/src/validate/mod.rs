@@ -27,7 +27,7 @@ pub mod input;
 pub mod probes;
 pub mod report;
 #[cfg(test)]
-mod testutil;
+pub(crate) mod testutil;
 
 pub use check::{
     Conversion, EventRule, IoEvent, Numbering, PlacementName, REPORT_SCHEMA, Recorded, Side,

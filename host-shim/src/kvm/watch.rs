@@ -424,6 +424,22 @@ mod tests {
             })),
             "{\"schema\":1,\"event\":\"vm_added\",\"pid\":7,\"fd\":9,\"name\":\"web\",\"vcpus\":[]}\n"
         );
+        let v = VcpuState {
+            vcpu: 3,
+            tsc_offset: -4,
+            scaling: Scaling::ABSENT,
+            guest_mode: Some(false),
+            thread_pid: None,
+            bracket: TscBracket::ticks(5, 6),
+        };
+        assert_eq!(
+            line(Event::VcpuAdded {
+                pid: 1,
+                fd: 2,
+                vcpu: &v
+            }),
+            "{\"schema\":1,\"event\":\"vcpu_added\",\"pid\":1,\"fd\":2,\"vcpu\":{\"vcpu\":3,\"tsc_offset\":-4,\"tsc_scaling_ratio\":1,\"tsc_frac_bits\":0,\"scaling_present\":false,\"guest_mode\":false,\"thread_pid\":null,\"host_tsc_before\":5,\"host_tsc_after\":6}}\n"
+        );
         let started: serde_json::Value = serde_json::from_str(&line(Event::WatchStarted {
             host_tsc: 11,
             trace_events: true,

@@ -6,14 +6,15 @@
 //! `push_and_finish` adds `finish` (last packets, metadata, fsync, rename). Memory: see
 //! `examples/ctf_write.rs` (max RSS for 1 M vs 10 M events).
 
+mod common;
+
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
-use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use common::{EVENTS, time_pushes, writer_group};
+use criterion::{Criterion, criterion_group, criterion_main};
 use vmtsync::formats::ctf::{CtfOptions, GuestCtf, GuestFields};
 use vmtsync::formats::{Bound, ExportEvent, Payload};
-
-const EVENTS: u64 = 1 << 20;
 
 fn opts() -> CtfOptions {
     CtfOptions {
@@ -48,9 +49,7 @@ fn push_all(w: &mut GuestCtf, n: u64) {
 
 fn bench_write(c: &mut Criterion) {
     let dir = tempfile::tempdir().unwrap();
-    let mut g = c.benchmark_group("ctf");
-    g.sample_size(10);
-    g.throughput(Throughput::Elements(EVENTS));
+    let mut g = writer_group(c, "ctf");
     let mut k = 0u64;
     let mut next = || {
         k += 1;
@@ -58,17 +57,21 @@ fn bench_write(c: &mut Criterion) {
     };
     g.bench_function("push", |b| {
         b.iter_custom(|iters| {
-            let mut total = Duration::ZERO;
-            for _ in 0..iters {
-                let out = next();
-                let mut w = GuestCtf::create(&out, &opts(), GuestFields::ALL).unwrap();
-                let t = Instant::now();
-                push_all(&mut w, EVENTS);
-                total += t.elapsed();
-                w.finish().unwrap();
-                std::fs::remove_dir_all(&out).unwrap();
-            }
-            total
+            time_pushes(
+                iters,
+                || {
+                    let out = next();
+                    (
+                        GuestCtf::create(&out, &opts(), GuestFields::ALL).unwrap(),
+                        out,
+                    )
+                },
+                |(w, _)| push_all(w, EVENTS),
+                |(w, out)| {
+                    w.finish().unwrap();
+                    std::fs::remove_dir_all(&out).unwrap();
+                },
+            )
         });
     });
     g.bench_function("push_and_finish", |b| {

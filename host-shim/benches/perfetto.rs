@@ -8,15 +8,15 @@
 //! a pre-converted trace.dat gives them (host TSC and id only). Memory: see
 //! `examples/perfetto_write.rs` (max RSS for 1 M vs 10 M events).
 
-use std::hint::black_box;
-use std::time::{Duration, Instant};
+mod common;
 
-use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use std::hint::black_box;
+
+use common::{EVENTS, time_pushes, writer_group};
+use criterion::{Criterion, criterion_group, criterion_main};
 use vmtsync::formats::perfetto::clock::{BootClock, ClockSnapshot};
 use vmtsync::formats::perfetto::{PerfettoOptions, PerfettoWriter};
 use vmtsync::formats::{Bound, ExportEvent, Payload};
-
-const EVENTS: u64 = 1 << 20;
 
 fn options() -> PerfettoOptions {
     let s = |tsc, ns| ClockSnapshot {
@@ -73,21 +73,18 @@ fn push_all(w: &mut PerfettoWriter, n: u64, full: bool) {
 fn bench_write(c: &mut Criterion) {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("bench.perfetto-trace");
-    let mut g = c.benchmark_group("perfetto");
-    g.sample_size(10);
-    g.throughput(Throughput::Elements(EVENTS));
+    let mut g = writer_group(c, "perfetto");
     for (name, full) in [("push", true), ("push_host_only", false)] {
         g.bench_function(name, |b| {
             b.iter_custom(|iters| {
-                let mut total = Duration::ZERO;
-                for _ in 0..iters {
-                    let mut w = PerfettoWriter::create(&path, options()).unwrap();
-                    let t = Instant::now();
-                    push_all(&mut w, EVENTS, full);
-                    total += t.elapsed();
-                    w.finish().unwrap();
-                }
-                total
+                time_pushes(
+                    iters,
+                    || PerfettoWriter::create(&path, options()).unwrap(),
+                    |w| push_all(w, EVENTS, full),
+                    |w| {
+                        w.finish().unwrap();
+                    },
+                )
             });
         });
     }

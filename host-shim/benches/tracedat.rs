@@ -6,13 +6,13 @@
 //! alternate between two vCPUs, half carry an 8-byte payload, every 1000th gap needs a time
 //! extend. Memory: see `examples/tracedat_write.rs` (max RSS for 1 M vs 10 M events).
 
+mod common;
+
 use std::hint::black_box;
-use std::time::{Duration, Instant};
 
-use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use common::{EVENTS, time_pushes, writer_group};
+use criterion::{Criterion, criterion_group, criterion_main};
 use vmtsync::formats::tracedat::{FileVersion, TraceDatWriter, WriterOptions};
-
-const EVENTS: u64 = 1 << 20;
 
 fn push_all(w: &mut TraceDatWriter, n: u64) {
     let mut ts = [1_000_000u64; 2];
@@ -30,23 +30,22 @@ fn push_all(w: &mut TraceDatWriter, n: u64) {
 fn bench_write(c: &mut Criterion) {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("bench.dat");
-    let mut g = c.benchmark_group("tracedat");
-    g.sample_size(10);
-    g.throughput(Throughput::Elements(EVENTS));
+    let mut g = writer_group(c, "tracedat");
     for (name, version) in [("v7", FileVersion::V7), ("v6", FileVersion::V6)] {
         g.bench_function(format!("push_{name}"), |b| {
             b.iter_custom(|iters| {
-                let mut total = Duration::ZERO;
-                for _ in 0..iters {
-                    let mut opts = WriterOptions::new(2, 1);
-                    opts.version = version;
-                    let mut w = TraceDatWriter::create(&path, opts).unwrap();
-                    let t = Instant::now();
-                    push_all(&mut w, EVENTS);
-                    total += t.elapsed();
-                    w.finish(None).unwrap();
-                }
-                total
+                time_pushes(
+                    iters,
+                    || {
+                        let mut opts = WriterOptions::new(2, 1);
+                        opts.version = version;
+                        TraceDatWriter::create(&path, opts).unwrap()
+                    },
+                    |w| push_all(w, EVENTS),
+                    |w| {
+                        w.finish(None).unwrap();
+                    },
+                )
             });
         });
         g.bench_function(format!("push_and_finish_{name}"), |b| {

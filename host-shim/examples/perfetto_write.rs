@@ -12,48 +12,33 @@
 //! guest TSC and a ±5000-tick interval, every other one with an 8-byte counter payload. Max RSS
 //! (`Maximum resident set size` in `/usr/bin/time -v`) must not grow with the event count.
 
+mod common;
+
 use std::process::ExitCode;
 
+use common::{WriterArgs, synthetic_event};
 use vmtsync::formats::perfetto::{PerfettoOptions, PerfettoWriter, boot_clock_now};
-use vmtsync::formats::{Bound, ExportEvent, Payload};
 
 fn main() -> ExitCode {
-    let args: Vec<String> = std::env::args().collect();
-    let (Some(path), Some(n), Some(cpus)) = (
-        args.get(1),
-        args.get(2).and_then(|s| s.parse::<u64>().ok()),
-        args.get(3)
-            .and_then(|s| s.parse::<u32>().ok())
-            .filter(|&c| c > 0),
-    ) else {
-        eprintln!("usage: perfetto_write OUT EVENTS VCPUS");
-        return ExitCode::from(2);
+    let a = match WriterArgs::parse("perfetto_write OUT EVENTS VCPUS") {
+        Ok(a) => a,
+        Err(code) => return code,
     };
     let run = || -> Result<(), Box<dyn std::error::Error>> {
         let clock = boot_clock_now(std::time::Duration::from_millis(20))?;
         let start = clock.snapshots()[0].tsc;
         let mut w = PerfettoWriter::create(
-            path.as_ref(),
+            a.out.as_ref(),
             PerfettoOptions {
                 machine_id: 1,
                 guest_name: "perfetto_write".into(),
                 clock,
             },
         )?;
-        for i in 0..n {
+        for i in 0..a.events {
             let host = start + i * 1000;
-            let bytes = i.to_le_bytes();
-            w.push(&ExportEvent {
-                vcpu: u32::try_from(i % u64::from(cpus)).unwrap_or(0),
-                id: u16::try_from(i & 7).unwrap_or(0),
-                guest_tsc: Some(host + 12_345),
-                host_tsc: host,
-                bound: Some(Bound {
-                    lo: host - 5000,
-                    hi: host + 5000,
-                }),
-                payload: Payload::new(if i % 2 == 0 { &[] } else { &bytes }).unwrap_or_default(),
-            })?;
+            let id = u16::try_from(i & 7).unwrap_or(0);
+            w.push(&synthetic_event(i, a.vcpus, id, host + 12_345, host))?;
         }
         let s = w.finish()?;
         eprintln!("{} events, {} vCPUs, {} bytes", s.events, s.vcpus, s.bytes);

@@ -61,4 +61,6 @@ pub mod record;
 pub mod spans;
 pub mod sync;
 pub mod syncfile;
+#[cfg(test)]
+mod testutil;
 pub mod validate;

@@ -7,7 +7,6 @@
 use std::path::PathBuf;
 
 use clap::{Args, Subcommand};
-use vmtsync_core::mapping::KvmTscMapping;
 
 use super::exit::CliError;
 use super::mapping::MappingArgs;
@@ -144,7 +143,7 @@ fn mapping<'a>(
         let cpu = u32::try_from(c).unwrap_or(u32::MAX);
         let v = not_nested(&vm, find_vcpu(&vm, cpu)?, a.mapping.nested_l2)?;
         maps.push(
-            KvmTscMapping::try_new(v.tsc_offset, v.tsc_scaling_ratio, v.tsc_frac_bits)
+            v.mapping()
                 .map_err(|e| CliError::Usage(format!("VM {vm_name} vcpu{cpu}: {e}")))?,
         );
         if let Some(t) = v.thread_pid {

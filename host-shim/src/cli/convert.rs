@@ -49,7 +49,7 @@ fn convert_mapping(a: &MappingArgs) -> Result<KvmTscMapping, CliError> {
     let vm_name = vm_name(vm);
     let v = not_nested(vm, find_vcpu(vm, vcpu)?, a.nested_l2)?;
     // The debugfs parser already rejected ratio 0 and frac bits above 63.
-    KvmTscMapping::try_new(v.tsc_offset, v.tsc_scaling_ratio, v.tsc_frac_bits)
+    v.mapping()
         .map_err(|e| CliError::Output(io::Error::other(format!("VM {vm_name} vcpu{vcpu}: {e}"))))
 }
 

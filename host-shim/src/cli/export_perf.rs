@@ -7,8 +7,9 @@ use vmtsync_core::mapping::KvmTscMapping;
 use super::exit::CliError;
 use super::source::{SourceArgs, find_vcpu, not_nested, single_vm, vm_name};
 use crate::formats::perf::{PerfMapping, perf_mapping};
+use crate::kvm::debugfs::VcpuState;
 use crate::kvm::hosttsc::read_host_tsc;
-use crate::kvm::scan::{VcpuReport, VmSelector};
+use crate::kvm::scan::VmSelector;
 
 /// `vmtsync export perf`.
 #[derive(Debug, Args)]
@@ -31,15 +32,15 @@ pub struct PerfArgs {
     pub source: SourceArgs,
 }
 
-fn mapping_of(v: &VcpuReport) -> Result<KvmTscMapping, CliError> {
-    KvmTscMapping::try_new(v.tsc_offset, v.tsc_scaling_ratio, v.tsc_frac_bits)
+fn mapping_of(v: &VcpuState) -> Result<KvmTscMapping, CliError> {
+    v.mapping()
         .map_err(|e| CliError::Usage(format!("vcpu{}: {e}", v.vcpu)))
 }
 
 pub(super) fn run_export_perf(a: &PerfArgs) -> Result<(), CliError> {
     let vm = single_vm(&a.source, &a.vm)?;
     let vm_name = vm_name(&vm);
-    let vcpus: Vec<&VcpuReport> = match a.vcpu {
+    let vcpus: Vec<&VcpuState> = match a.vcpu {
         Some(n) => vec![find_vcpu(&vm, n)?],
         None => vm.vcpus.iter().collect(),
     };

@@ -9,9 +9,9 @@ use clap::Args;
 use rustix::mount::MountFlags;
 
 use super::exit::CliError;
-use crate::kvm::debugfs::{DEBUGFS_MOUNTPOINT, DEFAULT_KVM_DEBUGFS, KvmDebugfs};
+use crate::kvm::debugfs::{DEBUGFS_MOUNTPOINT, DEFAULT_KVM_DEBUGFS, KvmDebugfs, VcpuState};
 use crate::kvm::procinfo::{DEFAULT_PROC_ROOT, ProcFs};
-use crate::kvm::scan::{ScanError, Scanner, VcpuReport, VmReport, VmSelector};
+use crate::kvm::scan::{ScanError, Scanner, VmReport, VmSelector};
 use crate::probe::anchor::{AnchorMode, AnchorOptions};
 
 /// Where to read KVM debugfs and /proc: the same flags on every command that reads them.
@@ -48,7 +48,7 @@ pub(super) fn vm_name(vm: &VmReport) -> String {
 }
 
 /// `vm`'s vCPU `vcpu`; [`CliError::NoVcpu`], naming the vCPUs it has, when it has no such one.
-pub(super) fn find_vcpu(vm: &VmReport, vcpu: u32) -> Result<&VcpuReport, CliError> {
+pub(super) fn find_vcpu(vm: &VmReport, vcpu: u32) -> Result<&VcpuState, CliError> {
     vm.vcpus
         .iter()
         .find(|v| v.vcpu == vcpu)
@@ -68,9 +68,9 @@ pub(super) fn find_vcpu(vm: &VmReport, vcpu: u32) -> Result<&VcpuReport, CliErro
 /// accept its L0->L2 mapping ([`CliError::Nested`]).
 pub(super) fn not_nested<'a>(
     vm: &VmReport,
-    v: &'a VcpuReport,
+    v: &'a VcpuState,
     nested_l2: bool,
-) -> Result<&'a VcpuReport, CliError> {
+) -> Result<&'a VcpuState, CliError> {
     if v.guest_mode == Some(true) && !nested_l2 {
         return Err(CliError::Nested {
             vm: vm_name(vm),

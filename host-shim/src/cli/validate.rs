@@ -8,11 +8,11 @@ use clap::Args;
 
 use super::exit::CliError;
 use super::number::hex_or_decimal;
-use crate::validate::SegmentWorst;
 use crate::validate::{
     EventRule, LagStats, Numbering, ProbeReport, Side, ValidateOptions, ValidateReport, validate,
     workload_rules,
 };
+use crate::validate::{ExitCheck, SegmentWorst};
 
 /// `vmtsync validate` flags.
 #[derive(Debug, Args)]
@@ -239,22 +239,11 @@ fn print_events(out: &mut impl Write, r: &ValidateReport) -> io::Result<()> {
             ratio(w.max_ratio_milli),
         )?;
     }
-    print_segments(out, "events", &r.segments)?;
-    for v in &r.first_violations {
-        let rest = against_exits(
-            v.guest_tsc,
-            [v.host_tsc, v.host_lo, v.host_hi],
-            [v.exit_lo, v.exit_hi],
-            v.round,
-            v.bound_false,
-        );
-        writeln!(
-            out,
-            "violation: vcpu {} seq {} {:?}: {rest}",
-            v.vcpu, v.seq, v.side
-        )?;
-    }
-    Ok(())
+    let listed = r.first_violations.iter().map(|v| {
+        let who = format!("vcpu {} seq {} {:?}", v.vcpu, v.seq, v.side);
+        (who, v.check)
+    });
+    print_worst(out, "events", &r.segments, listed)
 }
 
 /// One line per lag distribution that has values: `{lead} {what} (ticks; …): min … max`.
@@ -275,8 +264,15 @@ fn print_lags<const N: usize>(
     Ok(())
 }
 
-/// The per-segment table; `what` names the column of things converted through each.
-fn print_segments(out: &mut impl Write, what: &str, segments: &[SegmentWorst]) -> io::Result<()> {
+/// The end of a check's section (events or probes), where it is worst: the per-segment table
+/// (`what` names the column of things converted through each), then one line per listed
+/// violation, `violation: {who}: ` and its conversion against its exits ([`against_exits`]).
+fn print_worst<X: Into<Option<u64>>>(
+    out: &mut impl Write,
+    what: &str,
+    segments: &[SegmentWorst],
+    violations: impl IntoIterator<Item = (String, ExitCheck<X>)>,
+) -> io::Result<()> {
     writeln!(
         out,
         "vcpu  round  {what:>6}  worst_lag  violations  wrong_side  offset_width"
@@ -288,24 +284,22 @@ fn print_segments(out: &mut impl Write, what: &str, segments: &[SegmentWorst]) -
             s.vcpu, s.round, s.events, s.worst_lag, s.violations, s.wrong_side, s.width
         )?;
     }
+    for (who, check) in violations {
+        writeln!(out, "violation: {who}: {}", against_exits(check))?;
+    }
     Ok(())
 }
 
 /// The end of a violation's line, after what it names (an event or a probe): its guest TSC
-/// converted to `host` = `[time, lo, hi]` (the guaranteed interval) against the exits that
-/// bracket it (`-`: none on that side), the segment's round, and whether the guaranteed bound
-/// itself is false.
-fn against_exits(
-    guest_tsc: u64,
-    [host, lo, hi]: [u64; 3],
-    exits: [Option<u64>; 2],
-    round: u64,
-    bound_false: bool,
-) -> String {
-    let [exit_lo, exit_hi] = exits.map(|x| x.map_or("-".into(), |x| x.to_string()));
+/// converted to `host` (with its guaranteed interval) against the exits that bracket it (`-`:
+/// none on that side), the segment's round, and whether the guaranteed bound itself is false.
+fn against_exits<X: Into<Option<u64>>>(c: ExitCheck<X>) -> String {
+    let [exit_lo, exit_hi] =
+        [c.exit_lo, c.exit_hi].map(|x| x.into().map_or("-".into(), |x| x.to_string()));
+    let (guest_tsc, host, lo, hi, round) = (c.guest_tsc, c.host_tsc, c.host_lo, c.host_hi, c.round);
     format!(
         "guest {guest_tsc} -> host {host} (guaranteed [{lo}, {hi}]) vs exits [{exit_lo}, {exit_hi}] (segment round {round}){}",
-        if bound_false {
+        if c.bound_false {
             ", guaranteed bound false"
         } else {
             ""
@@ -338,27 +332,17 @@ fn print_probes(out: &mut impl Write, p: &ProbeReport) -> io::Result<()> {
             ("before the exit after the read", p.lag_before_out),
         ],
     )?;
-    print_segments(out, "probes", &p.segments)?;
-    for v in &p.first_violations {
-        let rest = against_exits(
-            v.guest_tsc,
-            [v.host_tsc, v.host_lo, v.host_hi],
-            [Some(v.exit_lo), Some(v.exit_hi)],
-            v.round,
-            v.bound_false,
-        );
-        writeln!(
-            out,
-            "violation: probe vcpu {} seq {} ({:?}): {rest}",
-            v.vcpu, v.seq, v.path
-        )?;
-    }
-    Ok(())
+    let listed = p.first_violations.iter().map(|v| {
+        let who = format!("probe vcpu {} seq {} ({:?})", v.vcpu, v.seq, v.path);
+        (who, v.check)
+    });
+    print_worst(out, "probes", &p.segments, listed)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::validate::testutil::exit_check;
 
     #[derive(Debug, clap::Parser)]
     struct Cli {
@@ -434,5 +418,64 @@ mod tests {
         assert!(parse_after("1:65536").is_err(), "a port beyond u16");
         assert!(parse_after("1").is_err(), "no port");
         assert!(parse_thread("1:4242").is_err());
+    }
+
+    /// A violation's line ends the same for an event (an exit may be unknown) and a probe.
+    #[test]
+    fn a_violation_line_shows_its_conversion_against_its_exits() {
+        assert_eq!(
+            against_exits(exit_check(None, Some(8), true)),
+            "guest 3 -> host 4 (guaranteed [5, 6]) vs exits [-, 8] (segment round 9), guaranteed bound false"
+        );
+        assert_eq!(
+            against_exits(exit_check(7, 8, false)),
+            "guest 3 -> host 4 (guaranteed [5, 6]) vs exits [7, 8] (segment round 9)"
+        );
+    }
+
+    /// An event's violation and a probe's, each on its line after what names it.
+    #[test]
+    fn violations_are_listed_one_line_each() {
+        let probe = crate::validate::ProbeViolation {
+            vcpu: 0,
+            seq: 7,
+            path: crate::probe::log::ProbePath::Uart,
+            check: exit_check(1, 2, true),
+        };
+        let r = ValidateReport {
+            checked: 1,
+            first_violations: vec![crate::validate::Violation {
+                vcpu: 1,
+                seq: 2,
+                side: Side::AfterIn,
+                check: exit_check(None, Some(8), false),
+            }],
+            probes: Some(ProbeReport {
+                first_violations: vec![probe],
+                ..ProbeReport::default()
+            }),
+            ..crate::validate::check(
+                &[],
+                &[],
+                None,
+                &BTreeMap::new(),
+                crate::validate::Numbering::FromBoot,
+                &[],
+            )
+        };
+        let mut out = Vec::new();
+        print_text(&mut out, &r).unwrap();
+        let text = String::from_utf8(out).unwrap();
+        let lines: Vec<&str> = text
+            .lines()
+            .filter(|l| l.starts_with("violation"))
+            .collect();
+        assert_eq!(
+            lines,
+            [
+                "violation: vcpu 1 seq 2 AfterIn: guest 3 -> host 4 (guaranteed [5, 6]) vs exits [-, 8] (segment round 9)",
+                "violation: probe vcpu 0 seq 7 (Uart): guest 3 -> host 4 (guaranteed [5, 6]) vs exits [1, 2] (segment round 9), guaranteed bound false",
+            ]
+        );
     }
 }

@@ -115,3 +115,47 @@ pub struct AnchorStats {
     /// Drains that stopped at their page limit with pages still waiting.
     pub drains_capped: u64,
 }
+
+impl AnchorStats {
+    /// Counts one exchange dropped because its exits were not found, under its reason: each
+    /// [`Unmatched`] has its own counter.
+    pub fn count_unmatched(&mut self, why: Unmatched) {
+        *match why {
+            Unmatched::Frames => &mut self.no_frames,
+            Unmatched::Reply => &mut self.no_reply,
+            Unmatched::Request => &mut self.no_request,
+            Unmatched::Order => &mut self.disordered,
+            Unmatched::TraceLost => &mut self.trace_lost,
+        } += 1;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{AnchorStats, Unmatched};
+
+    /// Each reason an exchange went unmatched has its own counter, and only that one moves.
+    #[test]
+    fn each_unmatched_reason_counts_in_its_own_counter() {
+        let mut s = AnchorStats::default();
+        for why in [
+            Unmatched::Frames,
+            Unmatched::Reply,
+            Unmatched::Reply,
+            Unmatched::Request,
+            Unmatched::Order,
+            Unmatched::TraceLost,
+        ] {
+            s.count_unmatched(why);
+        }
+        let want = AnchorStats {
+            no_frames: 1,
+            no_reply: 2,
+            no_request: 1,
+            disordered: 1,
+            trace_lost: 1,
+            ..AnchorStats::default()
+        };
+        assert_eq!(s, want);
+    }
+}

@@ -4,6 +4,7 @@
 //! only useful together with the host TSC interval in which it was taken: the offset may change
 //! (e.g. on migration or a guest `wrmsr`), and the bracket says when the reading was true.
 
+use serde::Serialize;
 use vmtsync_core::HostTicks;
 
 /// Reads the host TSC, ordered after every earlier load (`lfence; rdtsc`).
@@ -27,12 +28,29 @@ pub fn read_host_tsc() -> HostTicks {
 }
 
 /// A host TSC interval `[before, after]` in which a reading was true.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+///
+/// It serializes as `host_tsc_before`/`host_tsc_after`, the names a debugfs reading's bracket
+/// has in `vmtsync kvm --json` (where it is flattened into the vCPU's object).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub struct TscBracket {
     /// Host TSC read just before the first file of the reading was opened.
+    #[serde(rename = "host_tsc_before")]
     pub before: HostTicks,
     /// Host TSC read just after the last file of the reading was read.
+    #[serde(rename = "host_tsc_after")]
     pub after: HostTicks,
+}
+
+impl TscBracket {
+    /// A bracket from raw tick counts, for tests that build readings by hand.
+    #[cfg(test)]
+    #[must_use]
+    pub(crate) const fn ticks(before: u64, after: u64) -> Self {
+        Self {
+            before: HostTicks(before),
+            after: HostTicks(after),
+        }
+    }
 }
 
 #[cfg(test)]

@@ -195,10 +195,7 @@ mod tests {
 
     #[test]
     fn fixture_proc() {
-        let tmp = tempfile::Builder::new()
-            .prefix("vmtsync-proc-")
-            .tempdir()
-            .unwrap();
+        let tmp = crate::testutil::temp_dir("vmtsync-proc-");
         let dir = tmp.path();
         let p = dir.join("42");
         fs::create_dir_all(&p).unwrap();

@@ -90,8 +90,9 @@ pub struct VmReport {
     pub fd: u32,
     /// QEMU guest name (`-name`) or else the process name; `null` if the process is gone.
     pub name: Option<String>,
-    /// The vCPUs, sorted by vCPU id.
-    pub vcpus: Vec<VcpuReport>,
+    /// The vCPUs, sorted by vCPU id: each reading as it was read, which serializes as the
+    /// schema's flat vCPU object (see [`VcpuState`]).
+    pub vcpus: Vec<VcpuState>,
 }
 
 impl VmReport {
@@ -101,46 +102,6 @@ impl VmReport {
         VmId {
             pid: self.pid,
             fd: self.fd,
-        }
-    }
-}
-
-/// One vCPU: `guest_tsc = tsc_offset + (host_tsc * tsc_scaling_ratio) >> tsc_frac_bits`,
-/// true at some host TSC in `[host_tsc_before, host_tsc_after]`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-pub struct VcpuReport {
-    /// The VMM's vCPU id (`vcpuN`), not the guest's CPU index.
-    pub vcpu: u32,
-    /// Signed TSC offset.
-    pub tsc_offset: i64,
-    /// Scaling multiplier (`1 << tsc_frac_bits` = none).
-    pub tsc_scaling_ratio: u64,
-    /// Fraction bits of the multiplier.
-    pub tsc_frac_bits: u32,
-    /// False when the host has no TSC scaling files (identity `1`/`0` reported).
-    pub scaling_present: bool,
-    /// True while the vCPU runs a nested guest: the values are then L0→L2, not L1.
-    pub guest_mode: Option<bool>,
-    /// TID of the host thread running this vCPU.
-    pub thread_pid: Option<u32>,
-    /// Host TSC before the read.
-    pub host_tsc_before: u64,
-    /// Host TSC after the read.
-    pub host_tsc_after: u64,
-}
-
-impl From<&VcpuState> for VcpuReport {
-    fn from(v: &VcpuState) -> Self {
-        Self {
-            vcpu: v.vcpu,
-            tsc_offset: v.tsc_offset,
-            tsc_scaling_ratio: v.scaling.ratio,
-            tsc_frac_bits: v.scaling.frac_bits,
-            scaling_present: v.scaling.present,
-            guest_mode: v.guest_mode,
-            thread_pid: v.thread_pid,
-            host_tsc_before: v.bracket.before.0,
-            host_tsc_after: v.bracket.after.0,
         }
     }
 }
@@ -238,7 +199,7 @@ impl Scanner {
                     pid: vm.id.pid,
                     fd: vm.id.fd,
                     name,
-                    vcpus: vcpus.iter().map(VcpuReport::from).collect(),
+                    vcpus,
                 }),
                 Err(DebugfsError::VmExited { .. }) if sel.is_none() => {}
                 Err(e) => return Err(e.into()),
@@ -268,7 +229,7 @@ pub fn warnings(report: &KvmReport) -> Vec<String> {
                     vm.pid, vm.fd, v.vcpu
                 ));
             }
-            if !v.scaling_present {
+            if !v.scaling.present {
                 absent += 1;
             }
         }
@@ -326,12 +287,12 @@ pub fn write_table(report: &KvmReport, out: &mut dyn std::io::Write) -> std::io:
                 v.vcpu,
                 thread,
                 v.tsc_offset,
-                v.tsc_scaling_ratio,
-                v.tsc_frac_bits,
-                if v.scaling_present { "yes" } else { "absent" },
+                v.scaling.ratio,
+                v.scaling.frac_bits,
+                if v.scaling.present { "yes" } else { "absent" },
                 nested,
-                v.host_tsc_before,
-                v.host_tsc_after
+                v.bracket.before.0,
+                v.bracket.after.0
             )?;
         }
     }
@@ -341,6 +302,8 @@ pub fn write_table(report: &KvmReport, out: &mut dyn std::io::Write) -> std::io:
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kvm::debugfs::Scaling;
+    use crate::kvm::hosttsc::TscBracket;
 
     #[test]
     fn selector_parses() {
@@ -365,16 +328,13 @@ mod tests {
 
     #[test]
     fn warnings_name_nested_and_absent_scaling() {
-        let v = VcpuReport {
+        let v = VcpuState {
             vcpu: 3,
             tsc_offset: 0,
-            tsc_scaling_ratio: 1,
-            tsc_frac_bits: 0,
-            scaling_present: false,
+            scaling: Scaling::ABSENT,
             guest_mode: Some(true),
             thread_pid: None,
-            host_tsc_before: 0,
-            host_tsc_after: 0,
+            bracket: TscBracket::ticks(0, 0),
         };
         let r = KvmReport {
             schema: 1,
@@ -384,7 +344,7 @@ mod tests {
                 name: None,
                 vcpus: vec![
                     v,
-                    VcpuReport {
+                    VcpuState {
                         guest_mode: Some(false),
                         ..v
                     },
@@ -395,5 +355,27 @@ mod tests {
         assert_eq!(w.len(), 2, "{w:?}");
         assert!(w[0].starts_with("VM 5-9 vcpu3 is running a nested guest"));
         assert!(w[1].starts_with("2 vCPU(s) have no tsc-scaling-ratio files"));
+    }
+
+    /// A vCPU reading serializes as the schema's flat object, its fields in this order (the
+    /// scaling and the bracket flattened in), as `vmtsync kvm --json` has always printed it.
+    #[test]
+    fn a_vcpu_serializes_as_the_flat_schema_object() {
+        let v = VcpuState {
+            vcpu: 2,
+            tsc_offset: -7,
+            scaling: Scaling {
+                ratio: 3,
+                frac_bits: 48,
+                present: true,
+            },
+            guest_mode: None,
+            thread_pid: Some(99),
+            bracket: TscBracket::ticks(10, 11),
+        };
+        assert_eq!(
+            serde_json::to_string(&v).unwrap(),
+            "{\"vcpu\":2,\"tsc_offset\":-7,\"tsc_scaling_ratio\":3,\"tsc_frac_bits\":48,\"scaling_present\":true,\"guest_mode\":null,\"thread_pid\":99,\"host_tsc_before\":10,\"host_tsc_after\":11}"
+        );
     }
 }

@@ -40,9 +40,9 @@ use thiserror::Error;
 
 use crate::ftrace::TraceError;
 use crate::ftrace::tsc_offset::{CoalescedWrites, Subscription, coalesce_into};
-use crate::kvm::debugfs::{DebugfsError, VmId};
+use crate::kvm::debugfs::{DebugfsError, VcpuState, VmId};
 use crate::kvm::hosttsc::read_host_tsc;
-use crate::kvm::scan::{SCHEMA_VERSION, ScanError, Scanner, VcpuReport, VmSelector};
+use crate::kvm::scan::{SCHEMA_VERSION, ScanError, Scanner, VmSelector};
 
 /// The longest single sleep or tracepoint wait, so a raised stop flag is seen promptly.
 const STOP_POLL: Duration = Duration::from_millis(50);
@@ -90,18 +90,16 @@ pub struct WatchOptions<'a> {
 
 struct VmState {
     name: Option<String>,
-    vcpus: BTreeMap<u32, VcpuReport>,
+    vcpus: BTreeMap<u32, VcpuState>,
     last_seen: u64,
 }
 
 /// True if two readings of a vCPU differ in anything but their host TSC bracket.
-fn changed(a: &VcpuReport, b: &VcpuReport) -> bool {
-    let strip = |v: &VcpuReport| VcpuReport {
-        host_tsc_before: 0,
-        host_tsc_after: 0,
-        ..*v
-    };
-    strip(a) != strip(b)
+fn changed(a: &VcpuState, b: &VcpuState) -> bool {
+    VcpuState {
+        bracket: b.bracket,
+        ..*a
+    } != *b
 }
 
 /// One output line: `{"schema":1,"event":NAME,…}` (see the module docs for every event).
@@ -125,13 +123,13 @@ enum Event<'a> {
     VcpuAdded {
         pid: u32,
         fd: u32,
-        vcpu: &'a VcpuReport,
+        vcpu: &'a VcpuState,
     },
     VcpuChanged {
         pid: u32,
         fd: u32,
-        vcpu: &'a VcpuReport,
-        previous: &'a VcpuReport,
+        vcpu: &'a VcpuState,
+        previous: &'a VcpuState,
     },
     VcpuRemoved {
         pid: u32,
@@ -166,7 +164,7 @@ struct VmEvent<'a> {
     pid: u32,
     fd: u32,
     name: Option<&'a str>,
-    vcpus: Vec<&'a VcpuReport>,
+    vcpus: Vec<&'a VcpuState>,
 }
 
 fn emit(out: &mut dyn Write, event: Event<'_>) -> Result<(), WatchError> {
@@ -303,13 +301,10 @@ fn poll_once(
             Err(e) => return Err(e.into()),
         };
         present.push(vm.id);
-        let now: BTreeMap<u32, VcpuReport> = vcpus
-            .iter()
-            .map(|v| (v.vcpu, VcpuReport::from(v)))
-            .collect();
+        let now: BTreeMap<u32, VcpuState> = vcpus.into_iter().map(|v| (v.vcpu, v)).collect();
         let last_seen = now
             .values()
-            .map(|v| v.host_tsc_after)
+            .map(|v| v.bracket.after.0)
             .max()
             .unwrap_or_else(|| read_host_tsc().0);
         let Some(old) = state.get_mut(&vm.id) else {
@@ -399,6 +394,8 @@ fn poll_once(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kvm::debugfs::Scaling;
+    use crate::kvm::hosttsc::TscBracket;
 
     /// The line shapes are the documented schema: `schema` and `event` first, then the fields.
     #[test]
@@ -427,6 +424,22 @@ mod tests {
             })),
             "{\"schema\":1,\"event\":\"vm_added\",\"pid\":7,\"fd\":9,\"name\":\"web\",\"vcpus\":[]}\n"
         );
+        let v = VcpuState {
+            vcpu: 3,
+            tsc_offset: -4,
+            scaling: Scaling::ABSENT,
+            guest_mode: Some(false),
+            thread_pid: None,
+            bracket: TscBracket::ticks(5, 6),
+        };
+        assert_eq!(
+            line(Event::VcpuAdded {
+                pid: 1,
+                fd: 2,
+                vcpu: &v
+            }),
+            "{\"schema\":1,\"event\":\"vcpu_added\",\"pid\":1,\"fd\":2,\"vcpu\":{\"vcpu\":3,\"tsc_offset\":-4,\"tsc_scaling_ratio\":1,\"tsc_frac_bits\":0,\"scaling_present\":false,\"guest_mode\":false,\"thread_pid\":null,\"host_tsc_before\":5,\"host_tsc_after\":6}}\n"
+        );
         let started: serde_json::Value = serde_json::from_str(&line(Event::WatchStarted {
             host_tsc: 11,
             trace_events: true,
@@ -440,27 +453,23 @@ mod tests {
 
     #[test]
     fn change_ignores_bracket_only() {
-        let a = VcpuReport {
+        let a = VcpuState {
             vcpu: 0,
             tsc_offset: 5,
-            tsc_scaling_ratio: 1,
-            tsc_frac_bits: 0,
-            scaling_present: false,
+            scaling: Scaling::ABSENT,
             guest_mode: Some(false),
             thread_pid: Some(7),
-            host_tsc_before: 1,
-            host_tsc_after: 2,
+            bracket: TscBracket::ticks(1, 2),
         };
-        let b = VcpuReport {
-            host_tsc_before: 10,
-            host_tsc_after: 20,
+        let b = VcpuState {
+            bracket: TscBracket::ticks(10, 20),
             ..a
         };
         assert!(!changed(&a, &b));
-        assert!(changed(&a, &VcpuReport { tsc_offset: 6, ..b }));
+        assert!(changed(&a, &VcpuState { tsc_offset: 6, ..b }));
         assert!(changed(
             &a,
-            &VcpuReport {
+            &VcpuState {
                 guest_mode: Some(true),
                 ..b
             }

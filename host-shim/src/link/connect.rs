@@ -40,10 +40,7 @@ pub fn connect_until_stopped(
     stop: Option<&'static AtomicBool>,
 ) -> Result<Box<dyn StampedTransport + Send>, ConnectError> {
     let name = addr.to_string();
-    let io_err = |source| ConnectError::Io {
-        addr: name.clone(),
-        source,
-    };
+    let io_err = ConnectError::io(&name);
     let mut retry = Retry::new(opts.connect_timeout, stop);
     match addr {
         ProbeAddr::Unix(path) => {
@@ -99,12 +96,7 @@ mod tests {
 
     /// `name` in a fresh temp dir, removed (with its contents) when the guard drops.
     fn tmp(name: &str) -> (tempfile::TempDir, std::path::PathBuf) {
-        let dir = tempfile::Builder::new()
-            .prefix("vmtsync-connect-")
-            .tempdir()
-            .unwrap();
-        let p = dir.path().join(name);
-        (dir, p)
+        crate::testutil::temp_path("vmtsync-connect-", name)
     }
 
     #[test]

@@ -72,6 +72,17 @@ pub enum ConnectError {
     Interrupted(String),
 }
 
+impl ConnectError {
+    /// [`ConnectError::Io`] at `addr`, as the function every step of a connection maps its
+    /// non-retryable I/O errors with.
+    pub(super) fn io(addr: &str) -> impl Fn(io::Error) -> Self + Copy + '_ {
+        move |source| Self::Io {
+            addr: addr.to_owned(),
+            source,
+        }
+    }
+}
+
 /// The longest single sleep or blocking wait while connecting, so a raised stop flag is
 /// seen within about this long.
 const STOP_POLL: Duration = Duration::from_millis(20);

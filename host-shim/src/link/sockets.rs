@@ -23,12 +23,7 @@ pub(super) fn connect_unix(
                     return Err(timeout_err(name, retry, opts));
                 }
             }
-            Err(source) => {
-                return Err(ConnectError::Io {
-                    addr: name.to_owned(),
-                    source,
-                });
-            }
+            Err(source) => return Err(ConnectError::io(name)(source)),
         }
     }
 }
@@ -42,10 +37,7 @@ pub(super) fn accept_unix(
     if path.exists() {
         return Err(ConnectError::PathInUse(name.to_owned()));
     }
-    let io_err = |source| ConnectError::Io {
-        addr: name.to_owned(),
-        source,
-    };
+    let io_err = ConnectError::io(name);
     let listener = UnixListener::bind(path).map_err(io_err)?;
     // The socket file is ours: remove it whatever happens next.
     let _cleanup = RemoveOnDrop(path);
@@ -92,10 +84,7 @@ pub(super) fn connect_tcp(
     retry: &mut Retry,
     opts: &ConnectOptions,
 ) -> Result<TcpStream, ConnectError> {
-    let io_err = |source| ConnectError::Io {
-        addr: name.to_owned(),
-        source,
-    };
+    let io_err = ConnectError::io(name);
     let addrs: Vec<_> = (host, port).to_socket_addrs().map_err(io_err)?.collect();
     loop {
         for a in &addrs {

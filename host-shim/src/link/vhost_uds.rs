@@ -47,10 +47,7 @@ pub(super) fn vsock_uds_handshake(
     retry: &mut Retry,
     opts: &ConnectOptions,
 ) -> Result<UnixStream, ConnectError> {
-    let io_err = |source| ConnectError::Io {
-        addr: name.to_owned(),
-        source,
-    };
+    let io_err = ConnectError::io(name);
     loop {
         let mut s = connect_unix(path, name, retry, opts)?;
         let wait = retry.left().min(HANDSHAKE_ATTEMPT);
@@ -194,11 +191,7 @@ mod tests {
         std::path::PathBuf,
         thread::JoinHandle<String>,
     ) {
-        let dir = tempfile::Builder::new()
-            .prefix("vmtsync-vhost-uds-")
-            .tempdir()
-            .unwrap();
-        let path = dir.path().join("vm.vsock");
+        let (dir, path) = crate::testutil::temp_path("vmtsync-vhost-uds-", "vm.vsock");
         let listener = UnixListener::bind(&path).unwrap();
         let name = path.clone();
         let handle = thread::spawn(move || {

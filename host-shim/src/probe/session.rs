@@ -915,26 +915,25 @@ mod tests {
 
     #[test]
     fn a_guest_stalled_before_the_first_compact_reply_loses_that_probe_not_the_truth() {
-        let offset = 77_000;
-        let mut t = SimTransport::new(offset);
         // Sends 1 and 2 are the hello's delimiter and hello; 3 is the first (compact) probe.
-        t.stall_at = Some((3, STALL));
-        let (samples, stats) = run(t, 8);
-        // The stalled reply's window spans ~2 * 3.6e9 ticks: ambiguous, lost; the next
-        // probe asks for the full TSC and the session carries on.
-        assert_eq!((stats.ambiguous, stats.lost_probes), (1, 1), "{stats:?}");
-        assert_eq!(samples.len(), 7);
-        assert_sound(&samples, offset);
+        one_stall_loses_one_probe(77_000, 3, 8);
     }
 
     #[test]
     fn a_guest_stalled_mid_run_loses_that_probe_not_the_truth() {
-        let offset = 1 << 33;
+        one_stall_loses_one_probe(1 << 33, 10, 20);
+    }
+
+    /// A run of `n` probes whose guest stalls [`STALL`] ticks before answering send `send`:
+    /// the stalled reply's window spans ~2 * 3.6e9 ticks, so that probe alone is ambiguous and
+    /// lost; the next probe asks for the full TSC, the session carries on, and every other
+    /// probe is a sound sample.
+    fn one_stall_loses_one_probe(offset: u64, send: u64, n: u32) {
         let mut t = SimTransport::new(offset);
-        t.stall_at = Some((10, STALL));
-        let (samples, stats) = run(t, 20);
+        t.stall_at = Some((send, STALL));
+        let (samples, stats) = run(t, n);
         assert_eq!((stats.ambiguous, stats.lost_probes), (1, 1), "{stats:?}");
-        assert_eq!(samples.len(), 19);
+        assert_eq!(samples.len(), n as usize - 1);
         assert_sound(&samples, offset);
     }
 

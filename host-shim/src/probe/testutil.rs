@@ -175,8 +175,5 @@ pub(crate) fn continuous_into(
 
 /// A fresh directory for a test's sync files, removed when dropped.
 pub(crate) fn tempdir() -> tempfile::TempDir {
-    tempfile::Builder::new()
-        .prefix("vmtsync-probe-")
-        .tempdir()
-        .unwrap()
+    crate::testutil::temp_dir("vmtsync-probe-")
 }

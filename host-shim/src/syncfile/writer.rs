@@ -133,12 +133,7 @@ mod tests {
 
     /// `name` in a fresh temp dir, removed (with its contents) when the guard drops.
     fn tmp(name: &str) -> (tempfile::TempDir, std::path::PathBuf) {
-        let dir = tempfile::Builder::new()
-            .prefix("vmtsync-syncfile-")
-            .tempdir()
-            .unwrap();
-        let p = dir.path().join(name);
-        (dir, p)
+        crate::testutil::temp_path("vmtsync-syncfile-", name)
     }
 
     #[test]

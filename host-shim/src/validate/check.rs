@@ -14,7 +14,7 @@ use std::collections::BTreeMap;
 
 use serde::Serialize;
 
-use super::report::{LagStats, ProbeReport, SegmentWorst, Verdict, quantiles, signed};
+use super::report::{ExitCheck, LagStats, ProbeReport, SegmentWorst, Verdict, quantiles, signed};
 use crate::exits::PioExit;
 use crate::ftrace::format::PioDirection;
 use crate::sync::{Placement, covering, place};
@@ -103,24 +103,9 @@ pub struct Violation {
     pub seq: u64,
     /// The side of the I/O.
     pub side: Side,
-    /// The guest TSC.
-    pub guest_tsc: u64,
-    /// The converted host time.
-    pub host_tsc: u64,
-    /// Its guaranteed interval.
-    pub host_lo: u64,
-    /// Its guaranteed interval.
-    pub host_hi: u64,
-    /// The exit bracket: the host stamp it must not precede (the `in` for an after-event,
-    /// the previous step's `in` for a before-event, when known).
-    pub exit_lo: Option<u64>,
-    /// The host stamp it must not follow.
-    pub exit_hi: Option<u64>,
-    /// The sync segment used (its round).
-    pub round: u64,
-    /// The guaranteed interval misses the bracket: the sync file's bound is false, not only
-    /// its estimate.
-    pub bound_false: bool,
+    /// The converted time against its exit bracket.
+    #[serde(flatten)]
+    pub check: ExitCheck<Option<u64>>,
 }
 
 /// How wide the events' guaranteed intervals are against the sync rounds' (ticks).
@@ -619,14 +604,7 @@ impl Checker<'_> {
                 vcpu,
                 seq: e.seq,
                 side: e.side,
-                guest_tsc: e.guest_tsc,
-                host_tsc: host,
-                host_lo: lo,
-                host_hi: hi,
-                exit_lo,
-                exit_hi,
-                round: seg.round,
-                bound_false: verdict.bound_false,
+                check: verdict.check(e.guest_tsc, (host, lo, hi), [exit_lo, exit_hi], seg.round),
             },
         );
     }
@@ -662,7 +640,7 @@ mod tests {
 
     use super::*;
     use crate::validate::report::MAX_LISTED;
-    use crate::validate::testutil::segment_at;
+    use crate::validate::testutil::{exit_check, segment_at};
 
     const OFFSET: i64 = 1_000_000_000_000;
     const PERIOD: u64 = 2_300_000;
@@ -867,7 +845,7 @@ mod tests {
         assert!(
             r.first_violations
                 .iter()
-                .all(|v| v.side == Side::BeforeOut && v.bound_false)
+                .all(|v| v.side == Side::BeforeOut && v.check.bound_false)
         );
         assert_eq!(r.first_violations.len(), MAX_LISTED);
         assert_eq!(r.lag.unwrap().min, GAP_B.cast_signed() - width);
@@ -1108,5 +1086,32 @@ mod tests {
         events[0].recorded = None;
         let r = from_boot(&events, &exits, None, &rules);
         assert_eq!(r.unconverted_events, 1);
+    }
+
+    /// A listed violation, an event's or a probe's, is one flat JSON object: what it names,
+    /// then its [`ExitCheck`] flattened in, in this order (`--json` schema 4, as before the two
+    /// shared the check's fields).
+    #[test]
+    fn violations_serialize_flat_in_the_schema_order() {
+        let v = Violation {
+            vcpu: 1,
+            seq: 2,
+            side: Side::AfterIn,
+            check: exit_check(None, Some(8), true),
+        };
+        assert_eq!(
+            serde_json::to_string(&v).unwrap(),
+            r#"{"vcpu":1,"seq":2,"side":"after_in","guest_tsc":3,"host_tsc":4,"host_lo":5,"host_hi":6,"exit_lo":null,"exit_hi":8,"round":9,"bound_false":true}"#
+        );
+        let p = crate::validate::ProbeViolation {
+            vcpu: 1,
+            seq: 2,
+            path: crate::probe::log::ProbePath::SyncPort,
+            check: exit_check(7, 8, false),
+        };
+        assert_eq!(
+            serde_json::to_string(&p).unwrap(),
+            r#"{"vcpu":1,"seq":2,"path":"sync-port","guest_tsc":3,"host_tsc":4,"host_lo":5,"host_hi":6,"exit_lo":7,"exit_hi":8,"round":9,"bound_false":false}"#
+        );
     }
 }

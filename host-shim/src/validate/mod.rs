@@ -27,7 +27,7 @@ pub mod input;
 pub mod probes;
 pub mod report;
 #[cfg(test)]
-mod testutil;
+pub(crate) mod testutil;
 
 pub use check::{
     Conversion, EventRule, IoEvent, Numbering, PlacementName, REPORT_SCHEMA, Recorded, Side,
@@ -35,4 +35,4 @@ pub use check::{
 };
 pub use input::{ValidateOptions, validate, workload_rules};
 pub use probes::ProbeChecker;
-pub use report::{LagStats, ProbeReport, ProbeViolation, SegmentWorst, ValidateError};
+pub use report::{ExitCheck, LagStats, ProbeReport, ProbeViolation, SegmentWorst, ValidateError};

@@ -118,14 +118,7 @@ impl<'a> ProbeChecker<'a> {
                 vcpu: e.vcpu,
                 seq: e.seq,
                 path: e.path,
-                guest_tsc: e.guest_tsc,
-                host_tsc: host,
-                host_lo: lo,
-                host_hi: hi,
-                exit_lo,
-                exit_hi,
-                round: seg.round,
-                bound_false: verdict.bound_false,
+                check: verdict.check(e.guest_tsc, (host, lo, hi), [exit_lo, exit_hi], seg.round),
             },
         );
     }
@@ -313,7 +306,7 @@ mod tests {
             let r = run(300, segment(OFFSET + by, 100), |_| true);
             assert_eq!((r.violations, r.bound_violations), (300, 300), "{by}");
             assert_eq!(r.first_violations.len(), MAX_LISTED);
-            assert!(r.first_violations.iter().all(|v| v.bound_false));
+            assert!(r.first_violations.iter().all(|v| v.check.bound_false));
         }
         // An estimate off the bracket whose guaranteed interval still holds it.
         let r = run(10, segment(OFFSET + width, 2 * width), |_| true);

@@ -208,6 +208,27 @@ impl Verdict {
         }
     }
 
+    /// What a listed violation shows of this verdict: `guest_tsc`, converted by the segment
+    /// of round `round` to `host` with its guaranteed interval `[lo, hi]`, against `exits`.
+    pub(super) fn check<X>(
+        self,
+        guest_tsc: u64,
+        (host, lo, hi): (u64, u64, u64),
+        [exit_lo, exit_hi]: [X; 2],
+        round: u64,
+    ) -> ExitCheck<X> {
+        ExitCheck {
+            guest_tsc,
+            host_tsc: host,
+            host_lo: lo,
+            host_hi: hi,
+            exit_lo,
+            exit_hi,
+            round,
+            bound_false: self.bound_false,
+        }
+    }
+
     /// Counts the conversion into its segment `w` with its tight-side `lag` and, when it is a
     /// violation, into a report's `violations` and `bound_violations`, listing it in `first`
     /// (`listed` makes the entry) while that holds fewer than [`MAX_LISTED`].
@@ -232,6 +253,33 @@ impl Verdict {
     }
 }
 
+/// A converted time against the exits that bracket it, as a listed violation shows it. A guest
+/// event and a probe are checked the same way ([`Verdict`]), so both lists show the same fields,
+/// flattened into [`Violation`](super::check::Violation) and [`ProbeViolation`] after what names
+/// the event or probe. `X` is how an exit is known: `Option<u64>` for an event (a side may have
+/// no exit), `u64` for a probe (it always has both).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct ExitCheck<X> {
+    /// The guest TSC (a probe's: the one the agent replied).
+    pub guest_tsc: u64,
+    /// The converted host time.
+    pub host_tsc: u64,
+    /// Its guaranteed interval.
+    pub host_lo: u64,
+    /// Its guaranteed interval.
+    pub host_hi: u64,
+    /// The exit the host time must not precede: for an after-event its `in`, for a
+    /// before-event the previous step's `in` when known; for a probe the exit before the read.
+    pub exit_lo: X,
+    /// The exit the host time must not follow (a probe's: the exit after the read).
+    pub exit_hi: X,
+    /// The sync segment used (its round).
+    pub round: u64,
+    /// The guaranteed interval misses the bracket: the sync file's bound is false, not only
+    /// its estimate.
+    pub bound_false: bool,
+}
+
 /// A converted probe outside its exit bracket (or a guaranteed interval disjoint from it).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub struct ProbeViolation {
@@ -241,22 +289,9 @@ pub struct ProbeViolation {
     pub seq: u8,
     /// Which exits bracket it.
     pub path: ProbePath,
-    /// The guest TSC the agent replied.
-    pub guest_tsc: u64,
-    /// The converted host time.
-    pub host_tsc: u64,
-    /// Its guaranteed interval.
-    pub host_lo: u64,
-    /// Its guaranteed interval.
-    pub host_hi: u64,
-    /// The exit before the read (the host time must not precede it).
-    pub exit_lo: u64,
-    /// The exit after the read (the host time must not follow it).
-    pub exit_hi: u64,
-    /// The sync segment used (its round).
-    pub round: u64,
-    /// The guaranteed interval misses the bracket: the sync file's bound is false.
-    pub bound_false: bool,
+    /// The converted time against its exits.
+    #[serde(flatten)]
+    pub check: ExitCheck<u64>,
 }
 
 /// What the probe log's check found (`"probes"` in `--json`).

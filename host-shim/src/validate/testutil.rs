@@ -1,6 +1,22 @@
-//! Fixtures the check's tests share.
+//! Fixtures the check's tests share (and the CLI's tests of how its report is printed).
 
+use super::report::ExitCheck;
 use crate::syncfile::{AnchorKind, OffsetModel, SyncSegment};
+
+/// Guest tick 3 converted by round 9's segment to host tick 4, guaranteed within `[5, 6]`,
+/// against the exits `exit_lo` and `exit_hi`.
+pub(crate) fn exit_check<X>(exit_lo: X, exit_hi: X, bound_false: bool) -> ExitCheck<X> {
+    ExitCheck {
+        guest_tsc: 3,
+        host_tsc: 4,
+        host_lo: 5,
+        host_hi: 6,
+        exit_lo,
+        exit_hi,
+        round: 9,
+        bound_false,
+    }
+}
 
 /// vCPU 0's round 0 anchored at host `anchor`: offset `offset` with guaranteed bounds `half`
 /// either side, at identity rate and no drift, its fastest probe `rtt` ticks.

@@ -2,6 +2,7 @@
 
 use std::path::{Path, PathBuf};
 
+use super::reader::{Event, for_each_event, read_layout};
 use super::writer::{FileVersion, TraceDatWriter, WriterOptions};
 
 /// A stand-in trace written by our own writer (the tier-2 tests use real `trace-cmd` files):
@@ -24,4 +25,15 @@ pub(super) fn two_cpu_trace(
     }
     w.finish(None).unwrap();
     path
+}
+
+/// Every event of the trace at `path`, buffer by buffer in file order: what a copy or a rewrite
+/// of a trace must keep.
+pub(super) fn all_events(path: &Path) -> Vec<Event> {
+    let l = read_layout(path).unwrap();
+    let mut v = Vec::new();
+    for b in 0..l.buffers.len() {
+        for_each_event(path, &l, b, |e| v.push(*e)).unwrap();
+    }
+    v
 }

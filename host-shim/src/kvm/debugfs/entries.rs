@@ -2,6 +2,9 @@
 
 use std::path::PathBuf;
 
+use serde::Serialize;
+use vmtsync_core::mapping::{KvmTscMapping, MappingError};
+
 use crate::kvm::hosttsc::TscBracket;
 
 /// Where debugfs is mounted on a standard Linux host.
@@ -30,14 +33,21 @@ pub struct VmDir {
 }
 
 /// The TSC scaling of one vCPU: `guest = offset + (host * ratio) >> frac_bits`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+///
+/// It serializes under the names `vmtsync kvm --json` gives it inside a vCPU's object
+/// (`tsc_scaling_ratio`, `tsc_frac_bits`, `scaling_present`), so that the reading itself is the
+/// report and no second, flattened copy of it has to be kept in step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub struct Scaling {
     /// The multiplier (`1 << frac_bits` means no scaling).
+    #[serde(rename = "tsc_scaling_ratio")]
     pub ratio: u64,
     /// Fraction bits of the multiplier.
+    #[serde(rename = "tsc_frac_bits")]
     pub frac_bits: u32,
     /// Whether the scaling files exist. When false the kernel does not scale this host's TSC
     /// and `ratio`/`frac_bits` are the identity `1`/`0`.
+    #[serde(rename = "scaling_present")]
     pub present: bool,
 }
 
@@ -57,13 +67,19 @@ impl Scaling {
 }
 
 /// One vCPU's state as read from debugfs, with the host TSC interval in which it was true.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+///
+/// This is also a vCPU of `vmtsync kvm --json` and of `kvm --watch`'s events: one flat object,
+/// `guest_tsc = tsc_offset + (host_tsc * tsc_scaling_ratio) >> tsc_frac_bits`, true at some
+/// host TSC in `[host_tsc_before, host_tsc_after]` (the scaling and the bracket flattened in,
+/// in this field order).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub struct VcpuState {
     /// The VMM's vCPU id (`vcpu<N>`), not the guest's CPU index.
     pub vcpu: u32,
     /// `tsc-offset`: added to the scaled host TSC to give the guest TSC.
     pub tsc_offset: i64,
     /// The scaling ratio and fraction bits.
+    #[serde(flatten)]
     pub scaling: Scaling,
     /// `guest_mode`: `Some(true)` while the vCPU runs a nested guest, in which case offset and
     /// ratio are the combined L0→L2 values, not L1's. `None` if the file is absent.
@@ -71,5 +87,18 @@ pub struct VcpuState {
     /// `pid`: TID of the host thread running the vCPU; `None` if absent or not yet run.
     pub thread_pid: Option<u32>,
     /// Host TSC read before the first and after the last file of this vCPU.
+    #[serde(flatten)]
     pub bracket: TscBracket,
+}
+
+impl VcpuState {
+    /// The guest-from-host mapping this reading states, for every command that converts with
+    /// a vCPU's debugfs values (`convert --vm`, `trace-cmd attach --vm`, `export perf`).
+    ///
+    /// # Errors
+    /// [`MappingError`] when the values are no mapping (the debugfs parser already rejects a
+    /// zero ratio and fraction bits above 63, so this is not expected from a real reading).
+    pub fn mapping(&self) -> Result<KvmTscMapping, MappingError> {
+        KvmTscMapping::try_new(self.tsc_offset, self.scaling.ratio, self.scaling.frac_bits)
+    }
 }

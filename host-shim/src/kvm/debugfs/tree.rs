@@ -201,10 +201,7 @@ mod tests {
 
     #[test]
     fn vm_exiting_between_listing_and_reading_is_reported_as_exited() {
-        let tmp = tempfile::Builder::new()
-            .prefix("vmtsync-exit-")
-            .tempdir()
-            .unwrap();
+        let tmp = crate::testutil::temp_dir("vmtsync-exit-");
         let root = tmp.path();
         let vcpu0 = root.join("kvm/77-5/vcpu0");
         fs::create_dir_all(&vcpu0).unwrap();

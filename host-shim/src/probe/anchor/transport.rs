@@ -285,24 +285,8 @@ impl<T: StampedTransport> StampedTransport for AnchoredTransport<T> {
                 self.last_pair = Some((stamps, anchored));
                 Some(anchored)
             }
-            Err(Unmatched::Frames) => {
-                self.stats.no_frames += 1;
-                None
-            }
-            Err(Unmatched::Reply) => {
-                self.stats.no_reply += 1;
-                None
-            }
-            Err(Unmatched::Request) => {
-                self.stats.no_request += 1;
-                None
-            }
-            Err(Unmatched::Order) => {
-                self.stats.disordered += 1;
-                None
-            }
-            Err(Unmatched::TraceLost) => {
-                self.stats.trace_lost += 1;
+            Err(why) => {
+                self.stats.count_unmatched(why);
                 None
             }
         }

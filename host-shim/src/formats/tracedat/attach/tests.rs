@@ -1,6 +1,6 @@
 use super::*;
-use crate::formats::tracedat::reader::{Event, cpu_time_ranges, for_each_event, read_layout};
-use crate::formats::tracedat::testutil::two_cpu_trace;
+use crate::formats::tracedat::reader::{cpu_time_ranges, read_layout};
+use crate::formats::tracedat::testutil::{all_events, two_cpu_trace};
 use crate::formats::tracedat::timeshift::{TimeShiftError, TraceCmdSample, trace_cmd_host_time};
 use crate::formats::tracedat::writer::FileVersion;
 use crate::formats::tracedat::{ShiftMode, SyncSegment};
@@ -11,15 +11,6 @@ use vmtsync_core::mapping::KvmTscMapping;
 /// files): 2 CPUs, raw timestamps from 10^9 on.
 fn guest_file(dir: &Path, version: FileVersion) -> PathBuf {
     two_cpu_trace(dir, "guest", version, 0x6e57, (2000, 1_000_000_000, 1_000))
-}
-
-fn events(path: &Path) -> Vec<Event> {
-    let l = read_layout(path).unwrap();
-    let mut v = Vec::new();
-    for b in 0..l.buffers.len() {
-        for_each_event(path, &l, b, |e| v.push(*e)).unwrap();
-    }
-    v
 }
 
 /// The samples of CPU `cpu` decoded from a TIME_SHIFT body, independently of the encoder.
@@ -84,11 +75,11 @@ fn attach_adds_a_time_shift_moving_every_event_exactly_and_never_touches_the_inp
             [2, 2],
             "one segment and the step sentinel per CPU"
         );
-        assert_eq!(events(&out), events(&input), "{version:?}");
+        assert_eq!(all_events(&out), all_events(&input), "{version:?}");
         let l = read_layout(&out).unwrap();
         let body = &l.options_with(option::TIME_SHIFT).last().unwrap().data;
         assert_eq!(u64::from_le_bytes(body[..8].try_into().unwrap()), 0xabc);
-        for e in events(&out) {
+        for e in all_events(&out) {
             let (flags, samples) = decode(body, e.cpu as usize);
             let off = if e.cpu == 0 { 777 } else { -5 };
             assert_eq!(
@@ -167,5 +158,5 @@ fn a_compressed_file_keeps_its_compressed_sections_byte_for_byte() {
     assert_eq!(a[..link], b[..link]);
     assert_eq!(a[link + 8..], b[link + 8..a.len()]);
     assert_eq!(s.bytes, b.len() as u64);
-    assert_eq!(events(&out), events(&input));
+    assert_eq!(all_events(&out), all_events(&input));
 }

@@ -1,6 +1,6 @@
 use super::*;
-use crate::formats::tracedat::reader::{for_each_event, read_layout};
-use crate::formats::tracedat::testutil::two_cpu_trace;
+use crate::formats::tracedat::reader::read_layout;
+use crate::formats::tracedat::testutil::{all_events, two_cpu_trace};
 use crate::formats::tracedat::writer::FileVersion;
 
 /// A stand-in host trace written by our own writer (the tier-2 tests use a real one).
@@ -16,13 +16,6 @@ fn guest() -> GuestInfo {
     }
 }
 
-fn events(path: &Path) -> Vec<(u32, u64)> {
-    let l = read_layout(path).unwrap();
-    let mut v = Vec::new();
-    for_each_event(path, &l, 0, |e| v.push((e.cpu, e.ts))).unwrap();
-    v
-}
-
 #[test]
 fn copy_adds_guest_keeps_data_and_never_touches_the_input() {
     let dir = tempfile::tempdir().unwrap();
@@ -36,7 +29,7 @@ fn copy_adds_guest_keeps_data_and_never_touches_the_input() {
         let l = read_layout(&out).unwrap();
         let g = l.options_with(option::GUEST).last().unwrap();
         assert_eq!(g.data, guest_option(&guest()));
-        assert_eq!(events(&out), events(&input), "{version:?}");
+        assert_eq!(all_events(&out), all_events(&input), "{version:?}");
         // A different requested id is added after the old one, which the reader then uses.
         let s = copy_host_trace(&input, &out, &guest(), Some(7)).unwrap();
         assert!(s.added_trace_id);

@@ -6,6 +6,15 @@ fn seg(start: u64, off: i64) -> SyncSegment {
     SyncSegment::offset_only(HostTicks(start), off)
 }
 
+/// The TIME_SHIFT the encoding tests write: CPU 0 with two segments, CPU 1 with one.
+fn two_cpu_shift(mode: ShiftMode) -> TimeShift {
+    TimeShift {
+        peer_trace_id: 0x1122_3344_5566_7788,
+        mode,
+        cpus: vec![vec![seg(100, 5), seg(200, 6)], vec![seg(100, -1)]],
+    }
+}
+
 fn plan(segs: &[SyncSegment], mode: ShiftMode, range: (u64, u64)) -> CpuPlan {
     plan_cpu(0, segs, mode, Some(range)).unwrap()
 }
@@ -82,11 +91,7 @@ fn interpolate_refuses_scaled_segments() {
 
 #[test]
 fn encoding_has_trace_cmds_layout() {
-    let shift = TimeShift {
-        peer_trace_id: 0x1122_3344_5566_7788,
-        mode: ShiftMode::Interpolate,
-        cpus: vec![vec![seg(100, 5), seg(200, 6)], vec![seg(100, -1)]],
-    };
+    let shift = two_cpu_shift(ShiftMode::Interpolate);
     let (bytes, errs) = encode(&shift, &[Some((150, 300)), None], 1).unwrap();
     // 16 header + 4 per CPU + 32 per sample (time, offset, scaling, fraction).
     assert_eq!(bytes.len(), 16 + 4 * 2 + 32 * 3);
@@ -230,11 +235,7 @@ proptest! {
 
 #[test]
 fn decode_reads_back_what_encode_wrote_and_refuses_damage() {
-    let shift = TimeShift {
-        peer_trace_id: 0x1122_3344_5566_7788,
-        mode: ShiftMode::Step,
-        cpus: vec![vec![seg(100, 5), seg(200, 6)], vec![seg(100, -1)]],
-    };
+    let shift = two_cpu_shift(ShiftMode::Step);
     let (bytes, _) = encode(&shift, &[Some((150, 300)), Some((99, 500))], 1).unwrap();
     let d = decode(&bytes).unwrap();
     assert_eq!(d.peer_trace_id, 0x1122_3344_5566_7788);

@@ -1,0 +1,18 @@
+//! Fixtures the unit tests of several modules share.
+
+use std::path::PathBuf;
+
+use tempfile::TempDir;
+
+/// A fresh directory whose name starts with `prefix` (each module's tests give their own, so
+/// a leftover says whose it is), removed with its contents when dropped.
+pub(crate) fn temp_dir(prefix: &str) -> TempDir {
+    tempfile::Builder::new().prefix(prefix).tempdir().unwrap()
+}
+
+/// `name` in a fresh [`temp_dir`], with the guard that removes it.
+pub(crate) fn temp_path(prefix: &str, name: &str) -> (TempDir, PathBuf) {
+    let dir = temp_dir(prefix);
+    let path = dir.path().join(name);
+    (dir, path)
+}

@@ -7,6 +7,7 @@ use super::ledger::Ledger;
 use super::spool::{self, Spool};
 use crate::formats::jsonl::{EVENT_SCHEMA, Line};
 use crate::formats::perfetto::clock::ClockSnapshot;
+use crate::guestmem::GuestRecord;
 use crate::sync::{self, Cumulative, Placement};
 use crate::syncfile::{SyncSegment, SyncWriter};
 
@@ -37,7 +38,23 @@ pub(super) fn split_key(key: u32) -> (u32, u32) {
     (key >> 16, key & 0xFFFF)
 }
 
-impl Placed<'_> {
+impl<'a> Placed<'a> {
+    /// Record `r` of a memory recording's vCPU key `key` ([`boot_key`]) at host tick `host`
+    /// with width 0, placed by segment round `round`.
+    pub(super) fn exact(r: &'a GuestRecord, key: u32, host: u64, round: u64) -> Self {
+        Self {
+            vcpu: key,
+            keyed: true,
+            id: r.id,
+            guest: r.tsc,
+            payload: r.payload(),
+            host,
+            lo: host,
+            hi: host,
+            round,
+        }
+    }
+
     /// The event as a JSON Lines line.
     pub(super) fn line(&self) -> Line {
         let (boot, vcpu) = if self.keyed {

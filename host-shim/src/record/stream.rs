@@ -70,20 +70,12 @@ pub(super) fn for_each_plain<E>(
     records: &[GuestRecord],
     mut f: impl FnMut(&ExportEvent) -> Result<(), E>,
 ) -> Result<usize, E> {
-    let vcpu = split_key(run.key).1;
     let mut n = 0;
     for r in records {
         let Some(host) = run.places(r) else {
             break;
         };
-        f(&ExportEvent {
-            vcpu,
-            id: r.id,
-            guest_tsc: Some(r.tsc),
-            host_tsc: host,
-            bound: Some(Bound { lo: host, hi: host }),
-            payload: Payload::new(r.payload()).unwrap_or_default(),
-        })?;
+        f(&Placed::exact(r, run.key, host, run.round).export())?;
         n += 1;
     }
     Ok(n)
@@ -432,18 +424,9 @@ impl PerfettoStream {
         Ok(())
     }
 
-    /// A run's plain records once the writer exists (see [`for_each_plain`]); while the
-    /// first events are held, none (they take [`Self::push`]).
-    #[inline]
-    pub(super) fn push_run(
-        &mut self,
-        run: &ExactRun,
-        records: &[GuestRecord],
-    ) -> Result<usize, RecordError> {
-        match &mut self.w {
-            Some(w) => Ok(for_each_plain(run, records, |e| w.push(e))?),
-            None => Ok(0),
-        }
+    /// The writer, once the clock exists (until then events are held).
+    pub(super) fn writer(&mut self) -> Option<&mut PerfettoWriter> {
+        self.w.as_mut()
     }
 
     /// After a round: the writer opens once the first snapshot is [`MIN_SPAN`] old.

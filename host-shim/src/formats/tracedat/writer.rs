@@ -293,44 +293,9 @@ impl TraceDatWriter {
         cpu: u32,
         events: impl IntoIterator<Item = (u64, u32, &'p [u8])>,
     ) -> Result<(), TraceDatError> {
-        let ncpus = self.opts.cpus;
-        let Self {
-            cpus,
-            out,
-            pos,
-            tmp,
-            main,
-            ..
-        } = self;
-        let Some(c) = cpus.get_mut(cpu as usize) else {
-            return Err(TraceDatError::CpuOutOfRange { cpu, cpus: ncpus });
-        };
-        for (ts, id, payload) in events {
-            if payload.len() > MAX_PAYLOAD {
-                return Err(TraceDatError::PayloadTooLong {
-                    len: payload.len(),
-                    max: MAX_PAYLOAD,
-                });
-            }
-            if c.events > 0 && ts < c.last {
-                return Err(TraceDatError::NotMonotonic {
-                    cpu,
-                    ts,
-                    last: c.last,
-                });
-            }
-            if !c.page.try_push(ts, id, payload) {
-                flush_page(c, out, main, pos).map_err(TraceDatError::io("write", tmp.path()))?;
-                let pushed = c.page.try_push(ts, id, payload);
-                debug_assert!(pushed, "a record always fits an empty page");
-            }
-            if c.events == 0 {
-                c.first = ts;
-            }
-            c.events += 1;
-            c.last = ts;
-        }
-        Ok(())
+        events
+            .into_iter()
+            .try_for_each(|(ts, id, payload)| self.push(cpu, ts, id, payload))
     }
 
     /// Appends a record of one of the other event types the file describes (the function

@@ -1,10 +1,8 @@
 //! KVM's own mapping of each vCPU, read from debugfs, and the records it places: exact
 //! (width 0) segments, and the one mapping a record read across a change belongs to.
 
-use crate::guestmem::GuestRecord;
 use crate::kvm::debugfs::{VcpuState, VmDir, read_vcpu};
 use crate::record::error::MemoryError;
-use crate::record::place::Placed;
 use crate::syncfile::{AnchorKind, OffsetModel, SyncSegment};
 
 /// One vCPU's mapping as debugfs said it, and when.
@@ -69,22 +67,6 @@ pub(super) fn across_change(tsc: u64, old: Reading, new: Reading) -> Option<Side
 pub(super) fn exact_at(segments: &[SyncSegment], g: u64) -> Option<(u64, u64)> {
     let s = crate::sync::covering(segments, g)?;
     Some((g.checked_add_signed(s.offset.checked_neg()?)?, s.round))
-}
-
-/// Record `r` of vCPU key `key` (a `boot_key`) at host tick `host` with width 0, in segment
-/// round `round`.
-pub(super) fn exact_placed(r: &GuestRecord, key: u32, host: u64, round: u64) -> Placed<'_> {
-    Placed {
-        vcpu: key,
-        keyed: true,
-        id: r.id,
-        guest: r.tsc,
-        payload: r.payload(),
-        host,
-        lo: host,
-        hi: host,
-        round,
-    }
 }
 
 /// The width-0 segment of mapping `r` from guest tick `guest_start` on.

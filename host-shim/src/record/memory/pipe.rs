@@ -14,10 +14,10 @@ use std::sync::mpsc::{Receiver, Sender, SyncSender, TrySendError, channel, sync_
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-use super::mapping::exact_placed;
 use crate::formats::perfetto::clock::ClockSnapshot;
 use crate::guestmem::{Drainer, GuestRecord};
 use crate::record::RecordError;
+use crate::record::place::Placed;
 use crate::record::stream::ExactRun;
 use crate::record::write::Out;
 
@@ -189,7 +189,7 @@ fn write_batch(out: &mut Out, path: &std::path::Path, b: &Batch) -> Result<(), R
                 key,
                 host,
                 round,
-            } => out.push(&exact_placed(&b.records[at], key, host, round), path)?,
+            } => out.push(&Placed::exact(&b.records[at], key, host, round), path)?,
         }
     }
     out.round_end(b.snap)
@@ -210,7 +210,7 @@ fn write_run(
         if let Some(r) = rest.first() {
             // Every record of a run is one its segment places.
             if let Some(host) = run.places(r) {
-                out.push(&exact_placed(r, run.key, host, run.round), path)?;
+                out.push(&Placed::exact(r, run.key, host, run.round), path)?;
             }
             rest = &rest[1..];
         }

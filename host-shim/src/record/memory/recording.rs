@@ -4,9 +4,7 @@
 
 use std::time::{Duration, Instant};
 
-use super::mapping::{
-    Reading, Side, across_change, exact_at, exact_placed, exact_segment, read_mappings,
-};
+use super::mapping::{Reading, Side, across_change, exact_at, exact_segment, read_mappings};
 use super::mode::{
     Mode, exact_list, mode_for, start_beacons, start_trace, use_samples, write_sync_out,
 };
@@ -23,7 +21,7 @@ use crate::kvm::procinfo::ProcFs;
 use crate::probe::Progress;
 use crate::record::beacons::Beacons;
 use crate::record::error::MemoryError;
-use crate::record::place::{State, VcpuSync, boot_key};
+use crate::record::place::{Placed, State, VcpuSync, boot_key};
 use crate::record::stream::ExactRun;
 use crate::record::target::Target;
 use crate::record::write::{Out, finish, trace_id};
@@ -938,7 +936,7 @@ impl Round<'_, '_> {
             // Beacon mode: spooled, its host time given when the recording ends, with the
             // beacons on both sides of it.
             Writer::Direct(out) => {
-                out.push(&exact_placed(r, key, 0, 0), &self.opts.out)?;
+                out.push(&Placed::exact(r, key, 0, 0), &self.opts.out)?;
                 st.events += 1;
                 return Ok(());
             }

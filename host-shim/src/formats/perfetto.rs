@@ -428,7 +428,11 @@ impl PerfettoWriter {
         // The interval widened by what the snapshots' resolutions allow, so it still holds,
         // as distances from the timestamp (saturated: only wider).
         let interval = e.bound.and_then(|b| {
-            let (lo, hi) = clock.widened_ns(b.lo, b.hi, hint)?;
+            let (lo, hi) = if b.lo == e.host_tsc && b.hi == e.host_tsc {
+                clock.widened_at(e.host_tsc, ts, hint)
+            } else {
+                clock.widened_ns(b.lo, b.hi, hint)?
+            };
             let before = i128::from(ts) - i128::from(lo);
             let after = i128::from(hi) - i128::from(ts);
             let sat = |d: i128| i64::try_from(d).unwrap_or(if d < 0 { i64::MIN } else { i64::MAX });

@@ -17,6 +17,12 @@
 //! **Memory.** One packet buffer per stream ([`PACKET_BYTES`]), at most [`MAX_STREAMS`]
 //! streams: constant in the number of events. The trace is written into a temporary directory
 //! beside the target and renamed into place when complete.
+//!
+//! **Writing.** The first [`BACKGROUND_STREAMS`] streams (the vCPUs of most traces) hand their
+//! full packets to a [`BackgroundFile`]: a thread writes them while the caller fills the next,
+//! and a second one syncs every 32 MiB, so the sync before the rename finds little left. The
+//! streams after them write their packets themselves: two threads per stream would not stay
+//! few at [`MAX_STREAMS`].
 
 use std::fmt::Write as _;
 use std::fs::File;
@@ -24,6 +30,7 @@ use std::io::{self, Write};
 use std::path::{Path, PathBuf};
 
 use super::event::{ExportError, ExportEvent, MAX_PAYLOAD, Payload};
+use crate::atomic_file::BackgroundFile;
 
 /// The CTF packet magic.
 const MAGIC: u32 = 0xC1FC_1FC1;
@@ -36,6 +43,17 @@ const COMPACT_SPAN: u64 = 1 << 31;
 pub const PACKET_BYTES: usize = 64 * 1024;
 /// The most streams (vCPUs, host CPUs) a trace holds: bounds memory whatever the input says.
 pub const MAX_STREAMS: usize = 512;
+/// The streams whose packets are written by a thread of their own (see the module docs).
+pub const BACKGROUND_STREAMS: usize = 8;
+
+/// Where a stream's packets go.
+#[derive(Debug)]
+enum Sink {
+    /// Written by the caller.
+    Direct(File),
+    /// Handed to a writing thread.
+    Background(BackgroundFile<File>),
+}
 
 /// The host's TSC frequency in Hz, the same on every call on one boot of one host: the
 /// kernel's own `tsc_khz` as its log states it (`tsc: Refined TSC clocksource calibration`, else
@@ -145,7 +163,7 @@ pub struct CtfSummary {
 /// One stream file with the packet being filled.
 #[derive(Debug)]
 struct Stream {
-    file: File,
+    sink: Sink,
     path: PathBuf,
     instance: u32,
     buf: Vec<u8>,
@@ -156,10 +174,17 @@ struct Stream {
 }
 
 impl Stream {
-    fn new(dir: &Path, prefix: &str, instance: u32) -> io::Result<Self> {
+    /// Stream `instance` of the trace being written in `dir`, its packets written by a
+    /// thread of its own when `background`.
+    fn new(dir: &Path, prefix: &str, instance: u32, background: bool) -> io::Result<Self> {
         let path = dir.join(format!("{prefix}{instance}"));
+        let file = File::create_new(&path)?;
         Ok(Self {
-            file: File::create_new(&path)?,
+            sink: if background {
+                Sink::Background(BackgroundFile::new(file, PACKET_BYTES + 256)?.0)
+            } else {
+                Sink::Direct(file)
+            },
             path,
             instance,
             buf: Self::empty_packet(),
@@ -193,8 +218,19 @@ impl Stream {
         h[40..48].copy_from_slice(&bits.to_le_bytes());
         h[48..56].copy_from_slice(&self.seq.to_le_bytes());
         self.buf[..PACKET_HEADER].copy_from_slice(&h);
-        self.file.write_all(&self.buf)?;
-        self.buf.truncate(PACKET_HEADER);
+        match &mut self.sink {
+            Sink::Direct(f) => {
+                f.write_all(&self.buf)?;
+                self.buf.truncate(PACKET_HEADER);
+            }
+            Sink::Background(w) => {
+                let len = self.buf.len();
+                let mut next = w.submit(std::mem::take(&mut self.buf), len)?;
+                next.clear();
+                next.resize(PACKET_HEADER, 0);
+                self.buf = next;
+            }
+        }
         self.seq += 1;
         self.in_packet = 0;
         Ok(())
@@ -366,7 +402,8 @@ impl CtfTrace {
                 "more than {MAX_STREAMS} streams (vCPU {instance}): is the input damaged?"
             )));
         }
-        let s = Stream::new(dir.path(), self.prefix, instance).map_err(|source| {
+        let background = self.streams.len() < BACKGROUND_STREAMS;
+        let s = Stream::new(dir.path(), self.prefix, instance, background).map_err(|source| {
             ExportError::Write {
                 path: self.target.clone(),
                 source,
@@ -388,9 +425,16 @@ impl CtfTrace {
             let path = path.to_owned();
             move |source| ExportError::Write { path, source }
         };
-        for s in &mut self.streams {
+        let mut streams = 0;
+        for s in std::mem::take(&mut self.streams) {
+            let mut s = s;
             s.flush().map_err(werr(&s.path))?;
-            s.file.sync_all().map_err(werr(&s.path))?;
+            let file = match s.sink {
+                Sink::Direct(f) => f,
+                Sink::Background(w) => w.finish().map_err(werr(&s.path))?,
+            };
+            file.sync_all().map_err(werr(&s.path))?;
+            streams += 1;
         }
         let meta = tmp.path().join("metadata");
         let mut f = File::create_new(&meta).map_err(werr(&meta))?;
@@ -402,7 +446,7 @@ impl CtfTrace {
         let _ = tmp.keep();
         Ok(CtfSummary {
             events: self.events,
-            streams: self.streams.len(),
+            streams,
             raised: self.raised,
             dir: self.target.clone(),
         })

@@ -306,3 +306,31 @@ fn a_trace_without_kvm_pio_is_refused_and_writes_nothing() {
     let e = export_kvm_pio(&d.path().join("missing.dat"), &out, &opts()).unwrap_err();
     assert!(matches!(e, ExportError::TraceDat(_)), "{e}");
 }
+
+/// Streams written by a thread of their own and streams written directly hold the same
+/// packets: every stream past [`BACKGROUND_STREAMS`] too, each packet in sequence, every event.
+#[test]
+fn background_and_direct_streams_hold_every_packet_in_order() {
+    let d = tempfile::tempdir().unwrap();
+    let out = d.path().join("t");
+    let mut w = CtfTrace::create(&out, &opts(), "", "s").unwrap();
+    let streams = u32::try_from(BACKGROUND_STREAMS).unwrap() + 3;
+    let n = PACKET_BYTES / 2;
+    for i in 0..n as u64 {
+        for s in 0..streams {
+            assert!(!w.event(s, 0, 100 + i, &Fields::default()).unwrap());
+        }
+    }
+    let summary = w.finish().unwrap();
+    assert_eq!(summary.streams, streams as usize);
+    for s in 0..streams {
+        let p = packets(&std::fs::read(out.join(format!("s{s}"))).unwrap());
+        assert!(p.len() >= 2, "stream {s}: {} packets", p.len());
+        let mut events = 0;
+        for (seq, (h, body)) in p.iter().enumerate() {
+            assert_eq!((h[2], h[6]), (u64::from(s), seq as u64), "stream {s}");
+            events += decode_headers(body, h[3]).len();
+        }
+        assert_eq!(events, n, "stream {s}");
+    }
+}

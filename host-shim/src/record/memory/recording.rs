@@ -569,7 +569,10 @@ impl<'a> Recording<'a> {
         }
         match &mut self.out {
             Writer::Direct(out) => out.round_end(snap)?,
-            Writer::Piped(pipe) => pipe.send_round(&mut self.drainer, snap)?,
+            Writer::Piped(pipe) => {
+                let drainer = &mut self.drainer;
+                pipe.send_round(|spare| drainer.swap_round(spare), snap)?;
+            }
         }
         progress.status(&format!(
             "vmtsync record: {} events from guest memory, {} lost",

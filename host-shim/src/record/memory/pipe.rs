@@ -230,6 +230,9 @@ mod tests {
     use crate::record::{RecordFormat, place::boot_key};
     use crate::sync::Placement;
 
+    /// A written line's guest tick, host tick, round, boot and payload.
+    type Seen = (u64, u64, u64, Option<u32>, Vec<u8>);
+
     fn rec(vcpu: u32, index: u64, id: u16, tsc: u64) -> GuestRecord {
         GuestRecord {
             vcpu,
@@ -299,7 +302,7 @@ mod tests {
             .lines()
             .map(|l| serde_json::from_str(l).unwrap())
             .collect();
-        let got: Vec<(u64, u64, u64, Option<u32>, Vec<u8>)> = lines
+        let got: Vec<Seen> = lines
             .iter()
             .map(|l| {
                 (

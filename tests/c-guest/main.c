@@ -27,7 +27,9 @@
  *   AP to finish, parks them with an INIT IPI and prints one line per vCPU (`c-guest vcpu V:
  *   events ... failed F`) before the summary line, whose counts are then the sums over the
  *   vCPUs (tsc0 the earliest, tsc1 the latest) and which ends with `vcpus N`. An AP that
- *   never checked in or never finished counts as a failed call with error -100.
+ *   never checked in or never finished counts as a failed call with error -100. With `smp=N`
+ *   below QEMU's count the other APs start too (the IPIs go to all) and spin in ring 3 until
+ *   that INIT parks them.
  * A full stop-when-full ring refuses events and beacons (VMTSYNC_EFULL): those are counted
  * as `refused` on the summary line, not as failed calls. The line also carries `tsc0` and `tsc1`, TSC
  * reads right before the first event and right after the last, in hex.

@@ -9,6 +9,8 @@
  * Page tables identity-map the first 1 GiB in 2 MiB pages, user-accessible (P|RW|US|PS =
  * 0x87; tables P|RW|US = 0x7), built by the assembler so nothing large is written at run time.
  * GDT: 0x08 64-bit code, 0x10 flat data, 0x18 DPL-3 data, 0x20 DPL-3 64-bit code.
+ * The local APIC's page (0xFEE00000) is mapped too, uncached and user-accessible, so c_main
+ * can send the INIT and start-up IPIs from ring 3 (the application processors' part below).
  * No IDT: any exception is a triple fault, which -no-reboot turns into QEMU's exit.
  *
  * c_main runs in ring 3 with IOPL 3 (RFLAGS 0x3002: interrupts stay off), entered by iretq:
@@ -86,6 +88,106 @@ user_entry:
     pause
     jmp 1b
 
+/*
+ * Application processors (c_main starts them with INIT-SIPI-SIPI when QEMU has -smp N > 1).
+ * c_main copies ap_trampoline..ap_trampoline_end to AP_TRAMPOLINE (0x8000, the SIPI vector
+ * 0x08: a page below 1 MiB that neither the image nor the PVH loader's data use), where each
+ * AP starts in real mode. The trampoline is position-independent in its own page: it names
+ * only its own GDT pointer (relative to its start) and absolute addresses in the image (the
+ * GDT, pml4, ap_long_entry), all below 4 GiB. It goes from real mode to long mode in one step
+ * (PAE, CR3, EFER.LME, then PE and PG together) and far-jumps to the 64-bit code segment,
+ * the same steps as pvh_start32. ap_long_entry takes the next AP index (lock xadd), its own
+ * stack, and enters ring 3 with IOPL 3 by iretq exactly as the BSP does, then calls
+ * c_ap_main(index). An AP beyond MAX_APS halts in ring 0. Every ring-0 instruction here is
+ * emulated on nested KVM (~1 us each): about 40 per AP.
+ */
+    .set AP_TRAMPOLINE, 0x8000
+    .set MAX_APS, 7
+    .set AP_STACK_SHIFT, 14
+
+    .section .text.ap_trampoline, "ax"
+    .code16
+    .global ap_trampoline
+    .global ap_trampoline_end
+ap_trampoline:
+    cli
+    cld
+    xorw %ax, %ax
+    movw %ax, %ds
+    lgdtl AP_TRAMPOLINE + (ap_gdt_ptr - ap_trampoline)
+    movl %cr4, %eax
+    orl $0x20, %eax
+    movl %eax, %cr4
+    movl $pml4, %eax
+    movl %eax, %cr3
+    movl $0xC0000080, %ecx
+    rdmsr
+    orl $0x100, %eax
+    wrmsr
+    movl %cr0, %eax
+    orl $0x80000001, %eax
+    movl %eax, %cr0
+    ljmpl $0x08, $ap_long_entry
+    .balign 4
+ap_gdt_ptr:
+    .word gdt_end - gdt - 1
+    .long gdt
+ap_trampoline_end:
+
+    .section .text.ap_entry, "ax"
+    .code64
+ap_long_entry:
+    movl $0x10, %eax
+    movl %eax, %ds
+    movl %eax, %es
+    movl %eax, %ss
+    xorl %eax, %eax
+    movl %eax, %fs
+    movl %eax, %gs
+    movl $1, %eax
+    lock xaddl %eax, ap_next(%rip)
+    cmpl $MAX_APS, %eax
+    jae 2f
+    leal 1(%eax), %ecx
+    shll $AP_STACK_SHIFT, %ecx
+    leaq ap_stacks(%rip), %rsp
+    addq %rcx, %rsp
+    movl %eax, %edi
+    movl $0x1b, %eax
+    movl %eax, %ds
+    movl %eax, %es
+    pushq $0x1b
+    pushq %rsp
+    addq $8, (%rsp)
+    pushq $0x3002
+    pushq $0x23
+    movabsq $ap_user_entry, %rax
+    pushq %rax
+    iretq
+2:
+    cli
+    hlt
+    jmp 2b
+
+    /* Ring 3 on the AP's own stack (16-byte aligned, as at user_entry). */
+ap_user_entry:
+    call c_ap_main
+1:
+    pause
+    jmp 1b
+
+    .section .bss.ap, "aw", @nobits
+    .balign 4
+    .global ap_next
+ap_next:
+    .skip 4
+
+    /* NOLOAD, never zeroed (link.ld's .stack): one 16 KiB ring-3 stack per AP. */
+    .section .ap_stacks, "aw", @nobits
+    .balign 16
+ap_stacks:
+    .skip MAX_APS << AP_STACK_SHIFT
+
     .section .rodata.gdt, "a"
     .balign 16
 gdt:
@@ -107,12 +209,19 @@ pml4:
     .fill 511, 8, 0
 pdpt:
     .quad pd + 0x7
-    .fill 511, 8, 0
+    .fill 2, 8, 0
+    .quad pd_apic + 0x7
+    .fill 508, 8, 0
 pd:
     .set pd_i, 0
     .rept 512
     .quad (pd_i << 21) | 0x87
     .set pd_i, pd_i + 1
     .endr
+    /* The 4th GiB: only the 2 MiB page holding the local APIC (0xFEE00000), PCD|PWT. */
+pd_apic:
+    .fill 503, 8, 0
+    .quad 0xFEE00000 | 0x9f
+    .fill 8, 8, 0
 
     .section .note.GNU-stack, "", @progbits

@@ -18,6 +18,18 @@
  *   the first event's TSC + i * tsc_khz * 1000 / R); needs `tsc_khz=K` (the host's TSC rate,
  *   which the guest's TSC runs at), else the run fails with VMTSYNC_EINVALID.
  * - `tsc_khz=K`: also published in the header.
+ * - `smp=N`: record on N vCPUs (1..QEMU's -smp count). Without it, every vCPU QEMU's fw_cfg
+ *   reports (FW_CFG_NB_CPUS; 1 without fw_cfg): `-smp 1` is the single-vCPU guest as before.
+ *   With N > 1 the BSP starts the APs (INIT-SIPI-SIPI from ring 3 through the xAPIC, the
+ *   trampoline in entry.S) and each vCPU records the same run (`events=`, `rate=`, paced by
+ *   its own TSC, beacons on its own ring) on its own ring of the one recorder (ring = APIC
+ *   id; `ring=N` is then N records per ring), in ring 3 with IOPL 3. The BSP waits for every
+ *   AP to finish, parks them with an INIT IPI and prints one line per vCPU (`c-guest vcpu V:
+ *   events ... failed F`) before the summary line, whose counts are then the sums over the
+ *   vCPUs (tsc0 the earliest, tsc1 the latest) and which ends with `vcpus N`. An AP that
+ *   never checked in or never finished counts as a failed call with error -100. With `smp=N`
+ *   below QEMU's count the other APs start too (the IPIs go to all) and spin in ring 3 until
+ *   that INIT parks them.
  * A full stop-when-full ring refuses events and beacons (VMTSYNC_EFULL): those are counted
  * as `refused` on the summary line, not as failed calls. The line also carries `tsc0` and `tsc1`, TSC
  * reads right before the first event and right after the last, in hex.
@@ -47,8 +59,31 @@
 #define MAPPED_END 0x40000000ull
 /* hvm_memmap_table_entry's type for RAM. */
 #define E820_RAM 1u
+/* vCPUs served at most: the BSP and entry.S's MAX_APS application processors. */
+#define MAX_VCPUS 8u
+/* Where the APs' real-mode trampoline is copied: page 0x08, the start-up IPI's vector. */
+#define AP_TRAMPOLINE 0x8000u
+#define SIPI_VECTOR 0x08u
+/* The xAPIC (its base MSR's reset value) and its registers. */
+#define APIC_BASE 0xfee00000ull
+#define APIC_SVR 0xf0u
+#define APIC_ICR_LOW 0x300u
+#define APIC_ICR_HIGH 0x310u
+/* ICR: "all excluding self" shorthand; INIT (level assert), start-up with the vector. */
+#define ICR_INIT_OTHERS 0x000c4500u
+#define ICR_SIPI_OTHERS (0x000c4600u | SIPI_VECTOR)
+/* QEMU fw_cfg's I/O selector and data ports, and the keys read. */
+#define FW_CFG_SELECTOR 0x510
+#define FW_CFG_DATA 0x511
+#define FW_CFG_SIGNATURE 0x0000
+#define FW_CFG_NB_CPUS 0x0005
+/* This guest's own status (not a VMTSYNC_E* code): an AP that never checked in, or did not
+ * finish its run in time. */
+#define GUEST_ETIMEOUT (-100)
 
-static VMTSYNC_DEFINE_STORAGE(storage, 1, CAPACITY) __attribute__((section(".recorder")));
+/* The built-in recorder: room for MAX_VCPUS rings of CAPACITY records (one vCPU uses the
+ * first ring's worth). */
+static VMTSYNC_DEFINE_STORAGE(storage, MAX_VCPUS, CAPACITY) __attribute__((section(".recorder")));
 /* The recorder's handle. */
 static struct vmtsync_rec rec;
 
@@ -165,38 +200,212 @@ static inline uint64_t rdtsc(void) {
     return ((uint64_t)hi << 32) | lo;
 }
 
-void c_main(const uint8_t *start_info) {
-    int32_t first_error = VMTSYNC_OK;
-    uint32_t failed = 0, recorded = 0, refused = 0, beacons = 0;
-#define CHECK(call)                                                                            \
-    do {                                                                                       \
-        int32_t s_ = (call);                                                                   \
-        if (s_ != VMTSYNC_OK) {                                                                \
-            failed++;                                                                          \
-            if (first_error == VMTSYNC_OK) {                                                   \
-                first_error = s_;                                                              \
-            }                                                                                  \
-        }                                                                                      \
-    } while (0)
-    /* A beacon a full ring refuses counts as refused, as an event does. */
-#define BEACON()                                                                               \
-    do {                                                                                       \
-        int32_t b_ = vmtsync_beacon(&rec, 0);                                                        \
-        if (b_ == VMTSYNC_EFULL) {                                                             \
-            refused++;                                                                         \
-        } else {                                                                               \
-            CHECK(b_);                                                                         \
-            beacons += b_ == VMTSYNC_OK;                                                       \
-        }                                                                                      \
-    } while (0)
+static inline void outw(uint16_t port, uint16_t v) {
+    __asm__ volatile("outw %0, %1" : : "a"(v), "Nd"(port));
+}
 
-    int given_ring, given_events, given_rate, given_khz;
+static inline void pause(void) {
+    __asm__ volatile("pause" ::: "memory");
+}
+
+/* This vCPU's initial APIC id (CPUID.1:EBX[31:24]): its ring. QEMU numbers -smp N's vCPUs
+ * 0..N-1, the BSP 0. */
+static uint32_t apic_id(void) {
+    uint32_t a = 1, b, c = 0, d;
+    __asm__ volatile("cpuid" : "+a"(a), "=b"(b), "+c"(c), "=d"(d));
+    return b >> 24;
+}
+
+/* The vCPU count from QEMU's fw_cfg (FW_CFG_NB_CPUS, checked by its "QEMU" signature), or 1
+ * without fw_cfg. Port I/O from ring 3 (IOPL 3). */
+static uint32_t fw_cfg_cpus(void) {
+    static const char sig[4] = {'Q', 'E', 'M', 'U'};
+    outw(FW_CFG_SELECTOR, FW_CFG_SIGNATURE);
+    for (int i = 0; i < 4; i++) {
+        if (inb(FW_CFG_DATA) != (uint8_t)sig[i]) {
+            return 1;
+        }
+    }
+    outw(FW_CFG_SELECTOR, FW_CFG_NB_CPUS);
+    uint32_t n = inb(FW_CFG_DATA);
+    n |= (uint32_t)inb(FW_CFG_DATA) << 8;
+    return n == 0 ? 1 : n;
+}
+
+/* Writes the local APIC's register at `off` (entry.S maps its page, user-accessible). */
+static void apic_write(uint32_t off, uint32_t v) {
+    *(volatile uint32_t *)(uintptr_t)(APIC_BASE + off) = v;
+}
+
+/* Sends an IPI to every other vCPU ("all excluding self"): INIT or start-up. */
+static void ipi_others(uint32_t icr) {
+    apic_write(APIC_ICR_HIGH, 0);
+    apic_write(APIC_ICR_LOW, icr);
+}
+
+static void wait_ticks(uint64_t ticks) {
+    uint64_t t0 = rdtsc();
+    while (rdtsc() - t0 < ticks) {
+        pause();
+    }
+}
+
+/* One vCPU's results, written by that vCPU only (`present` and `done` published last, with
+ * release stores; the BSP reads them with acquire loads). 64-byte aligned: no shared lines. */
+struct tally {
+    uint32_t failed, recorded, refused, beacons;
+    int32_t first_error;
+    uint32_t present, done;
+    uint64_t tsc0, tsc1;
+} __attribute__((aligned(64)));
+
+static struct tally tallies[MAX_VCPUS];
+/* Set by the BSP once every AP checked in: all vCPUs start recording. */
+static uint32_t go;
+/* The run every vCPU records, written by the BSP before it starts the APs. */
+static uint64_t run_events, run_period;
+static uint32_t run_vcpus;
+
+static void fail(struct tally *t, int32_t s) {
+    t->failed++;
+    if (t->first_error == VMTSYNC_OK) {
+        t->first_error = s;
+    }
+}
+
+static void check(struct tally *t, int32_t s) {
+    if (s != VMTSYNC_OK) {
+        fail(t, s);
+    }
+}
+
+/* A beacon a full ring refuses counts as refused, as an event does. */
+static void beacon(struct tally *t, uint32_t vcpu) {
+    int32_t b = vmtsync_beacon(&rec, vcpu);
+    if (b == VMTSYNC_EFULL) {
+        t->refused++;
+    } else {
+        check(t, b);
+        t->beacons += b == VMTSYNC_OK;
+    }
+}
+
+/* `n` events on ring `vcpu`, one every `period` TSC ticks (0: as fast as possible), with a
+ * beacon before the first, after every BEACON_EVERY and after the last. */
+static void record_run(struct tally *t, uint32_t vcpu, uint64_t n, uint64_t period) {
+    beacon(t, vcpu);
+    t->tsc0 = rdtsc();
+    uint64_t next = t->tsc0;
+    for (uint64_t i = 0; i < n; i++) {
+        if (period != 0) {
+            while (rdtsc() < next) {
+            }
+            next += period;
+        }
+        uint64_t seq = i;
+        int32_t s = vmtsync_record(&rec, vcpu, EVENT_ID, &seq, sizeof seq);
+        if (s == VMTSYNC_EFULL) {
+            t->refused++;
+        } else {
+            check(t, s);
+        }
+        t->recorded += s == VMTSYNC_OK;
+        if ((i + 1) % BEACON_EVERY == 0) {
+            beacon(t, vcpu);
+        }
+    }
+    t->tsc1 = rdtsc();
+    beacon(t, vcpu);
+}
+
+/* An application processor, in ring 3 from entry.S's ap_user_entry: check in on its own
+ * tally, wait for the start, record the run on its own ring, report done. It then returns
+ * to entry.S's `pause` loop, where the BSP's INIT parks it. */
+void c_ap_main(uint32_t index) {
+    (void)index;
+    uint32_t id = apic_id();
+    uint32_t vcpus = __atomic_load_n(&run_vcpus, __ATOMIC_ACQUIRE);
+    if (id == 0 || id >= vcpus) {
+        return;
+    }
+    struct tally *t = &tallies[id];
+    __atomic_store_n(&t->present, 1, __ATOMIC_RELEASE);
+    while (!__atomic_load_n(&go, __ATOMIC_ACQUIRE)) {
+        pause();
+    }
+    record_run(t, id, run_events, run_period);
+    __atomic_store_n(&t->done, 1, __ATOMIC_RELEASE);
+}
+
+/* Starts the APs (INIT, then two start-up IPIs, 10 ms apart, as the MP start-up protocol
+ * asks) and waits up to a second for vCPUs 1..vcpus-1 to check in. */
+static void start_aps(uint32_t vcpus, uint64_t ms) {
+    extern const uint8_t ap_trampoline[], ap_trampoline_end[];
+    volatile uint8_t *dst = (volatile uint8_t *)(uintptr_t)AP_TRAMPOLINE;
+    for (const uint8_t *p = ap_trampoline; p < ap_trampoline_end; p++) {
+        *dst++ = *p;
+    }
+    __atomic_store_n(&run_vcpus, vcpus, __ATOMIC_RELEASE);
+    /* The BSP's APIC software-enabled (spurious vector 0xff), to send IPIs. */
+    apic_write(APIC_SVR, 0x1ff);
+    ipi_others(ICR_INIT_OTHERS);
+    wait_ticks(10 * ms);
+    ipi_others(ICR_SIPI_OTHERS);
+    wait_ticks(10 * ms);
+    ipi_others(ICR_SIPI_OTHERS);
+    uint64_t t0 = rdtsc();
+    for (uint32_t v = 1; v < vcpus;) {
+        if (__atomic_load_n(&tallies[v].present, __ATOMIC_ACQUIRE)) {
+            v++;
+        } else if (rdtsc() - t0 > 1000 * ms) {
+            break;
+        } else {
+            pause();
+        }
+    }
+}
+
+static void put_tally(const struct tally *t) {
+    puts_com1(" events ");
+    putu(t->recorded, 10);
+    puts_com1(" refused ");
+    putu(t->refused, 10);
+    puts_com1(" beacons ");
+    putu(t->beacons, 10);
+    puts_com1(" tsc0 0x");
+    putu(t->tsc0, 16);
+    puts_com1(" tsc1 0x");
+    putu(t->tsc1, 16);
+    puts_com1(" failed ");
+    putu(t->failed, 10);
+    if (t->failed != 0) {
+        puts_com1(" first error -");
+        putu((uint64_t)(-(int64_t)t->first_error), 10);
+    }
+}
+
+void c_main(const uint8_t *start_info) {
+    struct tally *t = &tallies[0];
+    int given_ring, given_events, given_rate, given_khz, given_smp;
     uint64_t ring = number(start_info, "ring=", VMTSYNC_MAX_CAPACITY, &given_ring);
     uint64_t events = number(start_info, "events=", 0xffffffffu, &given_events);
     uint64_t rate = number(start_info, "rate=", 1000000000u, &given_rate);
     uint64_t tsc_khz = number(start_info, "tsc_khz=", 100000000u, &given_khz);
+    uint64_t smp = number(start_info, "smp=", MAX_VCPUS, &given_smp);
     int flight = option(start_info, "flight") != NULL;
     int hold = option(start_info, "hold") != NULL;
+
+    /* vCPUs: QEMU's -smp N (fw_cfg), or `smp=N` of those. */
+    uint32_t machine_cpus = fw_cfg_cpus();
+    uint32_t vcpus = machine_cpus;
+    if (given_smp) {
+        check(t, smp >= 1 && smp <= machine_cpus ? VMTSYNC_OK : VMTSYNC_EINVALID);
+        vcpus = smp >= 1 && smp <= machine_cpus ? (uint32_t)smp : 1;
+    } else if (vcpus > MAX_VCPUS) {
+        check(t, VMTSYNC_EINVALID);
+        vcpus = 1;
+    }
+    check(t, apic_id() == 0 ? VMTSYNC_OK : VMTSYNC_EINVALID);
 
     uint8_t *mem = storage;
     uint64_t capacity = CAPACITY;
@@ -205,54 +414,85 @@ void c_main(const uint8_t *start_info) {
     uint64_t n = events > 0 && events <= CAPACITY ? events : DEFAULT_EVENTS;
     if (given_ring) {
         capacity = ring;
-        size_t bytes = vmtsync_storage_bytes(1, (uint32_t)capacity);
+        size_t bytes = vmtsync_storage_bytes(vcpus, (uint32_t)capacity);
         int fits = bytes != 0 && RING_BASE + bytes <= MAPPED_END &&
                    in_ram(start_info, RING_BASE, bytes);
-        CHECK(fits ? VMTSYNC_OK : VMTSYNC_EINVALID);
+        check(t, fits ? VMTSYNC_OK : VMTSYNC_EINVALID);
         mem = fits ? (uint8_t *)(uintptr_t)RING_BASE : NULL;
         n = given_events ? events : DEFAULT_EVENTS;
     }
     /* A rate needs the TSC's: the period in ticks, 0 for as fast as possible. */
     uint64_t period = 0;
     if (given_rate) {
-        CHECK(rate != 0 && tsc_khz != 0 ? VMTSYNC_OK : VMTSYNC_EINVALID);
+        check(t, rate != 0 && tsc_khz != 0 ? VMTSYNC_OK : VMTSYNC_EINVALID);
         period = rate != 0 ? tsc_khz * 1000u / rate : 0;
     }
+    /* TSC ticks per millisecond for the APs' start-up waits: 4 GHz when unknown (at least
+     * the time asked for on any slower TSC). */
+    uint64_t ms = tsc_khz != 0 ? tsc_khz : 4000000u;
 
-    uint64_t tsc0 = 0, tsc1 = 0;
-    if (failed == 0) {
-        size_t bytes = vmtsync_storage_bytes(1, (uint32_t)capacity);
-        CHECK(bytes != 0 && (mem != storage || bytes == sizeof storage) ? VMTSYNC_OK
-                                                                       : VMTSYNC_EINVALID);
-        CHECK(vmtsync_init(&rec, mem, bytes, 1, (uint32_t)capacity,
-                           flight ? VMTSYNC_MODE_OVERWRITE : VMTSYNC_MODE_STOP_WHEN_FULL));
+    if (t->failed == 0) {
+        size_t bytes = vmtsync_storage_bytes(vcpus, (uint32_t)capacity);
+        check(t, bytes != 0 && (mem != storage || bytes <= sizeof storage) ? VMTSYNC_OK
+                                                                          : VMTSYNC_EINVALID);
+        check(t, vmtsync_init(&rec, mem, bytes, vcpus, (uint32_t)capacity,
+                              flight ? VMTSYNC_MODE_OVERWRITE : VMTSYNC_MODE_STOP_WHEN_FULL));
         /* nonce 0: the library makes one; the records hold the raw TSC. */
-        CHECK(vmtsync_publish(&rec, 0, tsc_khz, VMTSYNC_CLOCK_RAW_TSC, BEACON_PORT));
-        BEACON();
-        tsc0 = rdtsc();
-        uint64_t next = tsc0;
-        for (uint64_t i = 0; i < n; i++) {
-            if (period != 0) {
-                while (rdtsc() < next) {
-                }
-                next += period;
+        check(t, vmtsync_publish(&rec, 0, tsc_khz, VMTSYNC_CLOCK_RAW_TSC, BEACON_PORT));
+    }
+    int started = 0;
+    if (t->failed == 0) {
+        if (vcpus > 1) {
+            run_events = n;
+            run_period = period;
+            start_aps(vcpus, ms);
+            started = 1;
+            __atomic_store_n(&go, 1, __ATOMIC_RELEASE);
+        }
+        record_run(t, 0, n, period);
+    }
+    if (started) {
+        /* Every AP that checked in records as long as the BSP (give it 10 s more, and as
+         * long again); one that never checked in or never finished is a failure. */
+        uint64_t limit = (t->tsc1 - t->tsc0) + 10000 * ms;
+        uint64_t t0 = rdtsc();
+        for (uint32_t v = 1; v < vcpus; v++) {
+            struct tally *a = &tallies[v];
+            while (__atomic_load_n(&a->present, __ATOMIC_ACQUIRE) &&
+                   !__atomic_load_n(&a->done, __ATOMIC_ACQUIRE) && rdtsc() - t0 < limit) {
+                pause();
             }
-            uint64_t seq = i;
-            int32_t s = vmtsync_record(&rec, 0, EVENT_ID, &seq, sizeof seq);
-            if (s == VMTSYNC_EFULL) {
-                refused++;
-            } else {
-                CHECK(s);
-            }
-            recorded += s == VMTSYNC_OK;
-            if ((i + 1) % BEACON_EVERY == 0) {
-                BEACON();
+            if (!__atomic_load_n(&a->done, __ATOMIC_ACQUIRE)) {
+                fail(a, GUEST_ETIMEOUT);
             }
         }
-        tsc1 = rdtsc();
-        BEACON();
+        /* INIT parks every AP (wait-for-SIPI: its vCPU thread sleeps, no spinning). */
+        ipi_others(ICR_INIT_OTHERS);
     }
 
+    /* With several vCPUs: one line per vCPU, then the summary line over all of them (sums;
+     * the earliest tsc0, the latest tsc1; the first vCPU's first error), with `vcpus N`. */
+    struct tally sum = *t;
+    for (uint32_t v = 0; vcpus > 1 && v < vcpus; v++) {
+        const struct tally *a = &tallies[v];
+        puts_com1("c-guest vcpu ");
+        putu(v, 10);
+        puts_com1(":");
+        put_tally(a);
+        puts_com1("\n");
+        if (v == 0) {
+            continue;
+        }
+        sum.failed += a->failed;
+        sum.recorded += a->recorded;
+        sum.refused += a->refused;
+        sum.beacons += a->beacons;
+        if (sum.first_error == VMTSYNC_OK) {
+            sum.first_error = a->first_error;
+        }
+        sum.tsc0 = a->tsc0 < sum.tsc0 ? a->tsc0 : sum.tsc0;
+        sum.tsc1 = a->tsc1 > sum.tsc1 ? a->tsc1 : sum.tsc1;
+    }
     const struct vmtsync_header *h = (const struct vmtsync_header *)mem;
     puts_com1("c-guest: recorder at 0x");
     putu((uint64_t)(uintptr_t)mem, 16);
@@ -260,29 +500,18 @@ void c_main(const uint8_t *start_info) {
     putu(mem != NULL ? h->magic : 0, 16);
     puts_com1(" nonce 0x");
     putu(mem != NULL ? h->nonce : 0, 16);
-    puts_com1(" events ");
-    putu(recorded, 10);
-    puts_com1(" refused ");
-    putu(refused, 10);
-    puts_com1(" beacons ");
-    putu(beacons, 10);
-    puts_com1(" tsc0 0x");
-    putu(tsc0, 16);
-    puts_com1(" tsc1 0x");
-    putu(tsc1, 16);
-    puts_com1(" failed ");
-    putu(failed, 10);
-    if (failed != 0) {
-        puts_com1(" first error -");
-        putu((uint64_t)(-(int64_t)first_error), 10);
+    put_tally(&sum);
+    if (vcpus > 1) {
+        puts_com1(" vcpus ");
+        putu(vcpus, 10);
     }
     puts_com1("\n");
     if (hold) {
         /* Ring 3 cannot halt (entry.S): the vCPU spins, and QEMU keeps the guest's memory
          * until it is killed. */
         for (;;) {
-            __asm__ volatile("pause");
+            pause();
         }
     }
-    outb(DEBUG_EXIT, failed == 0 ? 0 : 1);
+    outb(DEBUG_EXIT, sum.failed == 0 ? 0 : 1);
 }

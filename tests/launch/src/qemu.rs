@@ -100,13 +100,27 @@ pub fn command_with_memory(
     com2_log: &Path,
     memory_mib: u32,
 ) -> Command {
+    command_with_memory_smp(machine, elf, append, com2_log, memory_mib, 1)
+}
+
+/// [`command_with_memory`] with `smp` vCPUs (`-smp N`; the guest starts the others itself,
+/// as the C guest does, `tests/c-guest/`).
+#[must_use]
+pub fn command_with_memory_smp(
+    machine: Machine,
+    elf: &Path,
+    append: &str,
+    com2_log: &Path,
+    memory_mib: u32,
+    smp: u32,
+) -> Command {
     command_with_com1(
         machine,
         elf,
         append,
         com2_log,
         &["-serial", "stdio"],
-        1,
+        smp,
         memory_mib,
     )
 }
@@ -429,6 +443,16 @@ mod tests {
         let c = display(&command_with_memory(Machine::Microvm, elf, "x", log, 4096));
         assert!(c.contains(" -m 4096M ") && !c.contains("64M"), "{c}");
         assert!(c.ends_with("-kernel /a.elf -append x"), "{c}");
+        assert!(c.contains(" -smp 1 "), "{c}");
+        let c = display(&command_with_memory_smp(
+            Machine::Microvm,
+            elf,
+            "x",
+            log,
+            128,
+            2,
+        ));
+        assert!(c.contains(" -m 128M -smp 2 "), "{c}");
     }
 
     #[test]

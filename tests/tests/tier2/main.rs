@@ -19,6 +19,7 @@ mod anchor;
 mod anchor_putc;
 mod attach;
 mod c_guest;
+mod c_guest_smp;
 mod causality;
 mod console;
 mod ctf;
@@ -95,6 +96,7 @@ fn main() -> std::process::ExitCode {
         anchor_putc::trials(),
         attach::trials(),
         c_guest::trials(),
+        c_guest_smp::trials(),
         causality::trials(),
         console::trials(),
         ctf::trials(),

@@ -20,6 +20,7 @@
 //! report` (every event in sequence), Perfetto by the trace processor (a slice per event),
 //! CTF by babeltrace2 (its event counter); every guest must report no failed call on COM1.
 
+use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::fs::File;
 use std::io::{BufRead, BufReader};
@@ -64,6 +65,9 @@ const POLL_S: f64 = 0.002;
 /// The production rate of run 2, events per second, and its ring.
 const PRODUCED_RATE: u64 = 1_000_000;
 const RATE_RING: u64 = 65_536;
+/// Run 2 on several vCPUs: the vCPU counts tried, in order (the next only when the one before
+/// lost nothing), each vCPU at [`PRODUCED_RATE`] into its own [`RATE_RING`]-record ring.
+const SMP_VCPUS: [u32; 2] = [2, 3];
 /// The C guest records a beacon every this many events and one at each end (main.c), in the
 /// same ring.
 const BEACON_EVERY: u64 = 1000;
@@ -169,14 +173,27 @@ impl GuestLine {
 
 impl CGuest {
     fn boot(elf: &Path, dir: &Path, name: &str, append: &str, mib: u32) -> Result<Self> {
+        Self::boot_smp(elf, dir, name, append, mib, 1)
+    }
+
+    /// [`CGuest::boot`] with `smp` vCPUs (QEMU's `-smp`): the guest records on each.
+    fn boot_smp(
+        elf: &Path,
+        dir: &Path,
+        name: &str,
+        append: &str,
+        mib: u32,
+        smp: u32,
+    ) -> Result<Self> {
         let com1 = dir.join(format!("{name}.com1"));
         let stdout = File::create(&com1).with_context(|| format!("creating {}", com1.display()))?;
-        let mut cmd = qemu::command_with_memory(
+        let mut cmd = qemu::command_with_memory_smp(
             Machine::Microvm,
             elf,
             append,
             &dir.join(format!("{name}.com2")),
             mib,
+            smp,
         );
         cmd.stdin(Stdio::null())
             .stdout(stdout)
@@ -258,6 +275,39 @@ impl CGuest {
             );
             std::thread::sleep(Duration::from_millis(20));
         }
+    }
+}
+
+/// One vCPU's line of a C guest on several vCPUs (`c-guest vcpu V: events N refused R …`),
+/// printed before its summary line.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct VcpuLine {
+    vcpu: u32,
+    events: u64,
+    refused: u64,
+    failed: u64,
+    tsc0: u64,
+    tsc1: u64,
+}
+
+impl VcpuLine {
+    fn parse(line: &str) -> Option<Self> {
+        let (head, rest) = line.strip_prefix("c-guest vcpu ")?.split_once(':')?;
+        // The same words as the summary line's, without the recorder's address and nonce.
+        let g = GuestLine::parse(&format!("nonce 0{rest}"))?;
+        Some(Self {
+            vcpu: head.parse().ok()?,
+            events: g.events,
+            refused: g.refused,
+            failed: g.failed,
+            tsc0: g.tsc0,
+            tsc1: g.tsc1,
+        })
+    }
+
+    /// Every vCPU's line in the COM1 text `com1`, in order.
+    fn all(com1: &str) -> Vec<Self> {
+        com1.lines().filter_map(Self::parse).collect()
     }
 }
 
@@ -427,6 +477,24 @@ impl Report {
 }
 
 fn report(dat: &Path) -> Result<Report> {
+    let cpus = report_cpus(dat)?;
+    ensure!(
+        cpus.len() <= 1,
+        "trace-cmd report shows events on {} CPUs, one expected",
+        cpus.len()
+    );
+    Ok(cpus.into_values().next().unwrap_or(Report {
+        events: 0,
+        first_seq: 0,
+        last_seq: 0,
+        first: 0,
+        last: 0,
+    }))
+}
+
+/// [`report`] for each trace CPU (the reader writes vCPU N's ring as CPU N), the sequence
+/// numbers checked to increase within each.
+fn report_cpus(dat: &Path) -> Result<BTreeMap<u32, Report>> {
     let mut cmd = Command::new("trace-cmd");
     // Ticks, as before: a 1 GHz `--ts2secs` undoes the file's TSC2NSEC option, and `-t`
     // prints all nine decimals (without it trace-cmd cuts them to six: microticks).
@@ -438,13 +506,7 @@ fn report(dat: &Path) -> Result<Report> {
     eprintln!("$ {}", crate::display(&cmd));
     let mut child = ChildGuard::new(cmd.spawn().context("starting trace-cmd")?);
     let stdout = child.child().stdout.take().context("trace-cmd's stdout")?;
-    let mut r = Report {
-        events: 0,
-        first_seq: 0,
-        last_seq: 0,
-        first: 0,
-        last: 0,
-    };
+    let mut cpus = BTreeMap::new();
     let id = format!("id={EVENT_ID}");
     for line in BufReader::new(stdout).lines() {
         let line = line.context("reading trace-cmd report")?;
@@ -455,6 +517,18 @@ fn report(dat: &Path) -> Result<Report> {
         if !line.contains(&id) {
             continue;
         }
+        let cpu: u32 = line
+            .split_once('[')
+            .and_then(|(_, rest)| rest.split_once(']'))
+            .and_then(|(cpu, _)| cpu.trim().parse().ok())
+            .with_context(|| format!("no CPU in `{line}`"))?;
+        let r = cpus.entry(cpu).or_insert(Report {
+            events: 0,
+            first_seq: 0,
+            last_seq: 0,
+            first: 0,
+            last: 0,
+        });
         let ts: String = line
             .split_once(']')
             .map_or("", |(_, rest)| rest)
@@ -498,7 +572,7 @@ fn report(dat: &Path) -> Result<Report> {
         "trace-cmd report {}: {status}",
         dat.display()
     );
-    Ok(r)
+    Ok(cpus)
 }
 
 /// The events Perfetto's trace processor shows in a trace the reader wrote: slices of the C
@@ -795,9 +869,148 @@ struct Measured {
     rate_guest: GuestLine,
     rate_run: ReaderRun,
     rate_report: Report,
+    smp: Vec<SmpRun>,
+    /// Why the next vCPU count was not run, or how it failed.
+    smp_note: Option<String>,
     scan_guest: GuestLine,
     scan: ScanLine,
     scan_command: String,
+}
+
+/// Run 2 on `vcpus` vCPUs: the guest's own lines, the reader's run and what trace-cmd shows
+/// of each vCPU's ring (trace CPU N is vCPU N).
+#[derive(Debug, Clone)]
+struct SmpRun {
+    vcpus: u32,
+    guest: GuestLine,
+    lines: Vec<VcpuLine>,
+    run: ReaderRun,
+    reports: BTreeMap<u32, Report>,
+}
+
+/// One vCPU of an [`SmpRun`]: its achieved rate and how many of its events are missing.
+struct SmpVcpu {
+    vcpu: u32,
+    /// Events the guest says this vCPU recorded.
+    recorded: u64,
+    /// Its events trace-cmd shows.
+    in_trace: u64,
+    achieved: f64,
+}
+
+impl SmpRun {
+    /// Each vCPU's figures: the achieved rate as run 2's (sequence numbers between the first
+    /// and the last event in the trace over their stamps).
+    #[allow(clippy::cast_precision_loss)] // Counts and ticks far below 2^52.
+    fn per_vcpu(&self, tsc_khz: u64) -> Vec<SmpVcpu> {
+        let hz = tsc_khz as f64 * 1e3;
+        self.lines
+            .iter()
+            .map(|l| {
+                let rep = self.reports.get(&l.vcpu);
+                let span = rep.map_or(0, |r| r.last.saturating_sub(r.first));
+                SmpVcpu {
+                    vcpu: l.vcpu,
+                    recorded: l.events,
+                    in_trace: rep.map_or(0, |r| r.events),
+                    achieved: match rep {
+                        Some(r) if span > 0 => (r.last_seq - r.first_seq) as f64 * hz / span as f64,
+                        _ => 0.0,
+                    },
+                }
+            })
+            .collect()
+    }
+
+    /// The reader's lost records: overwritten, refused and corrupt (its summary).
+    fn reader_lost(&self) -> u64 {
+        self.run.overwritten + self.run.refused + self.run.corrupt
+    }
+
+    /// 0 lost by every count (the reader's, the guest's refused, each vCPU's events against
+    /// trace-cmd's), every vCPU within 1 % of the rate.
+    #[allow(clippy::cast_precision_loss)] // A rate far below 2^52.
+    fn clean(&self, tsc_khz: u64) -> bool {
+        let v = self.per_vcpu(tsc_khz);
+        self.reader_lost() == 0
+            && self.guest.refused == 0
+            && v.len() == self.vcpus as usize
+            && v.iter()
+                .all(|c| c.in_trace == c.recorded && c.achieved >= 0.99 * PRODUCED_RATE as f64)
+    }
+}
+
+/// Run 2 on `vcpus` vCPUs: each records `events` events at [`PRODUCED_RATE`] into its own
+/// flight ring of [`RATE_RING`] records while the reader drains them all into trace.dat.
+fn smp_rate(
+    elf: &Path,
+    vmtsync: &Path,
+    dir: &Path,
+    tsc_khz: u64,
+    vcpus: u32,
+    events: u64,
+) -> Result<SmpRun> {
+    let name = format!("rate-smp{vcpus}");
+    let mut guest = CGuest::boot_smp(
+        elf,
+        dir,
+        &name,
+        &format!(
+            "ring={RATE_RING} events={events} rate={PRODUCED_RATE} tsc_khz={tsc_khz} flight hold"
+        ),
+        qemu::DEFAULT_MEMORY_MIB,
+        vcpus,
+    )?;
+    let dat = dir.join(format!("{name}.dat"));
+    guest.wait_vcpu(Duration::from_secs(30))?;
+    let total = events * u64::from(vcpus);
+    let run = record(
+        vmtsync,
+        guest.pid(),
+        "trace-cmd",
+        total,
+        events / PRODUCED_RATE + 10,
+        &dat,
+        &dir.join(format!("{name}.log")),
+    );
+    let line = guest.line(Duration::from_secs(60));
+    let com1 = std::fs::read_to_string(&guest.com1).unwrap_or_default();
+    drop(guest);
+    let run = run?;
+    let guest = line?;
+    let lines = VcpuLine::all(&com1);
+    ensure!(
+        lines.len() == vcpus as usize
+            && lines
+                .iter()
+                .zip(0..)
+                .all(|(l, v)| l.vcpu == v && l.failed == 0),
+        "the C guest did not report {vcpus} vCPUs without failures: {com1}"
+    );
+    let reports = report_cpus(&dat)?;
+    let shown: u64 = reports.values().map(|r| r.events).sum();
+    ensure!(
+        shown == run.recorded,
+        "trace-cmd report shows {shown} events, the reader recorded {}",
+        run.recorded
+    );
+    for l in &lines {
+        if let Some(r) = reports.get(&l.vcpu) {
+            ensure!(
+                r.last - r.first <= l.tsc1 - l.tsc0,
+                "vCPU {}'s events span more ticks in the trace than its loop",
+                l.vcpu
+            );
+        }
+    }
+    let _ = std::fs::remove_file(&dat);
+    Ok(SmpRun {
+        vcpus,
+        guest,
+        lines,
+        run,
+        reports,
+    })
 }
 
 /// Where `record` writes `format` for the run named `name` (CTF: a directory).
@@ -994,6 +1207,28 @@ pub(super) fn memory(plan: &Plan, work: &Path) -> Result<Section> {
     );
     let _ = std::fs::remove_file(&dat2);
 
+    // 2b. The same rate on several vCPUs, each into its own ring, as long as run 2: 2 vCPUs,
+    // then 3 if 2 lost nothing.
+    let mut smp = Vec::new();
+    let mut smp_note = None;
+    for vcpus in SMP_VCPUS {
+        if let Some(last) = smp.last().filter(|r: &&SmpRun| !r.clean(tsc_khz)) {
+            smp_note = Some(format!(
+                "{vcpus} vCPUs not run: {} vCPUs did not run clean",
+                last.vcpus
+            ));
+            break;
+        }
+        match smp_rate(&elf, &vmtsync, &dir, tsc_khz, vcpus, n2) {
+            Ok(r) => smp.push(r),
+            Err(e) if !smp.is_empty() => {
+                smp_note = Some(format!("{vcpus} vCPUs failed: {e:#}"));
+                break;
+            }
+            Err(e) => return Err(e),
+        }
+    }
+
     // 4. The scan of a 4 GiB guest.
     let mut guest = CGuest::boot(&elf, &dir, "scan", "events=10000 hold", SCAN_MIB)?;
     let scan_guest = guest.line(Duration::from_secs(60))?;
@@ -1029,6 +1264,8 @@ pub(super) fn memory(plan: &Plan, work: &Path) -> Result<Section> {
         rate_guest,
         rate_run,
         rate_report,
+        smp,
+        smp_note,
         scan_guest,
         scan,
         scan_command,
@@ -1040,6 +1277,104 @@ pub(super) fn memory(plan: &Plan, work: &Path) -> Result<Section> {
         m.copy.command, m.scan_command
     );
     Ok(section)
+}
+
+/// The several-vCPU runs' paragraph and table (appended to `body`) and their summary rows.
+#[allow(clippy::cast_precision_loss)] // Counts far below 2^52.
+fn smp_text(m: &Measured, body: &mut String) -> Vec<[String; 4]> {
+    let _ = write!(
+        body,
+        "\n**Several vCPUs at 1 M events/s each.** The same run on QEMU `-smp N`: the C guest's \
+         BSP starts its APs (INIT-SIPI-SIPI, tests/c-guest/entry.S) and every vCPU records {} \
+         events paced by its own TSC at {} (`ring={} events={} rate={} tsc_khz={} flight \
+         hold`), in ring 3, into its own flight ring of {} records, while one reader drains \
+         them all into trace.dat. The machine has {} host core(s) for N spinning vCPUs (each \
+         busy-waits between events) and the reader. *In trace* is the vCPU's events trace-cmd \
+         shows (trace CPU N is vCPU N), *recorded* the count the guest itself printed on COM1; \
+         *lost* is recorded − in trace. The reader's own count of lost records (overwritten + \
+         refused + corrupt, its summary) is for all rings together.\n\n\
+         | vCPUs | vCPU | achieved | recorded (guest) | in trace | lost | reader: overwritten / \
+         refused / corrupt | reader CPU (s; per million events) |\n\
+         |---:|---:|---:|---:|---:|---:|---:|---:|\n",
+        thousands(m.rate_guest.events),
+        rate(PRODUCED_RATE as f64),
+        RATE_RING,
+        m.rate_guest.events,
+        PRODUCED_RATE,
+        m.tsc_khz,
+        thousands(RATE_RING),
+        std::thread::available_parallelism().map_or(0, std::num::NonZero::get),
+    );
+    let mut rows = Vec::new();
+    for r in &m.smp {
+        let per = r.per_vcpu(m.tsc_khz);
+        for (i, v) in per.iter().enumerate() {
+            let reader = if i == 0 {
+                format!(
+                    "{} / {} / {} | {} s ({:.3} s per million)",
+                    r.run.overwritten,
+                    r.run.refused,
+                    r.run.corrupt,
+                    sig3(r.run.cpu.as_secs_f64()),
+                    r.run.cpu_per_million()
+                )
+            } else {
+                " | ".into()
+            };
+            let _ = writeln!(
+                body,
+                "| {} | {} | {} | {} | {} | {} | {reader} |",
+                r.vcpus,
+                v.vcpu,
+                rate(v.achieved),
+                thousands(v.recorded),
+                thousands(v.in_trace),
+                thousands(i128::from(v.recorded) - i128::from(v.in_trace)),
+            );
+        }
+        let lost: u64 = per
+            .iter()
+            .map(|v| v.recorded.saturating_sub(v.in_trace))
+            .sum::<u64>()
+            .max(r.reader_lost());
+        rows.push([
+            format!(
+                "memory reader, {} vCPUs × 1 M events/s each, 64 Ki ring each",
+                r.vcpus
+            ),
+            "0 lost".into(),
+            format!(
+                "{} achieved; {} lost ({} overwritten, {} refused, {} corrupt; guest {} refused); \
+                 reader CPU {} s",
+                per.iter()
+                    .map(|v| rate(v.achieved))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                lost,
+                r.run.overwritten,
+                r.run.refused,
+                r.run.corrupt,
+                r.guest.refused,
+                sig3(r.run.cpu.as_secs_f64()),
+            ),
+            verdict(r.clean(m.tsc_khz)),
+        ]);
+    }
+    let most = m
+        .smp
+        .iter()
+        .filter(|r| r.clean(m.tsc_khz))
+        .map(|r| r.vcpus)
+        .max();
+    let _ = writeln!(
+        body,
+        "\nMost vCPUs at 1 M events/s each with 0 lost on this machine: {}.{}",
+        most.map_or_else(|| "none of those tried".to_owned(), |n| n.to_string()),
+        m.smp_note
+            .as_ref()
+            .map_or_else(String::new, |n| format!(" ({n}.)"))
+    );
+    rows
 }
 
 /// The reader's share of one core for `vcpus` rings each producing `per_vcpu` events/s,
@@ -1446,6 +1781,8 @@ fn memory_section(m: &Measured) -> Result<Section> {
         verdict(rate_met),
     );
 
+    let smp_rows = smp_text(m, &mut body);
+
     let s = &m.scan;
     let find = Stat::of(&s.find_ms).context("no scan")?;
     let _ = writeln!(
@@ -1549,6 +1886,9 @@ fn memory_section(m: &Measured) -> Result<Section> {
             ),
             verdict(rate_met),
         ],
+    ]);
+    summary.extend(smp_rows);
+    summary.extend([
         [
             format!(
                 "memory reader at {MANY_VCPUS} vCPUs × 1 M events/s into trace.dat (worked out)"
@@ -1637,6 +1977,39 @@ mod tests {
             (s.nonce, s.bytes_read, s.pages_skipped, s.pagemap),
             (0xab, 2048, 7, true)
         );
+    }
+
+    #[test]
+    fn the_vcpu_lines_parse() {
+        let com1 = "c-guest vcpu 0: events 7 refused 1 beacons 3 tsc0 0x10 tsc1 0x20 failed 0\n\
+                    c-guest vcpu 1: events 8 refused 0 beacons 3 tsc0 0x11 tsc1 0x21 failed 2 \
+                    first error -100\n\
+                    c-guest: recorder at 0x1000000 magic 0x1 nonce 0x2 events 15 refused 1 \
+                    beacons 6 tsc0 0x10 tsc1 0x21 failed 2 first error -100 vcpus 2\n";
+        let l = VcpuLine::all(com1);
+        assert_eq!(
+            l,
+            [
+                VcpuLine {
+                    vcpu: 0,
+                    events: 7,
+                    refused: 1,
+                    failed: 0,
+                    tsc0: 0x10,
+                    tsc1: 0x20
+                },
+                VcpuLine {
+                    vcpu: 1,
+                    events: 8,
+                    refused: 0,
+                    failed: 2,
+                    tsc0: 0x11,
+                    tsc1: 0x21
+                }
+            ]
+        );
+        let g = GuestLine::parse(com1.lines().last().expect("a line")).expect("parses");
+        assert_eq!((g.events, g.failed), (15, 2));
     }
 
     #[test]
@@ -1750,6 +2123,11 @@ mod tests {
             first: 0,
             last: 10_499_997,
         };
+        // 5 M events at 1 M/s, 2.1 G ticks each second.
+        let smp_report = Report {
+            last: 10_499_997_900,
+            ..report
+        };
         let m = Measured {
             tsc_khz: 2_100_000,
             ceiling_ring: 1 << 22,
@@ -1775,6 +2153,22 @@ mod tests {
             },
             rate_run: run(5_000_000, 5.5, 0.7, 30_000),
             rate_report: report,
+            smp: vec![SmpRun {
+                vcpus: 2,
+                guest: GuestLine {
+                    events: 10_000_000,
+                    ..guest.clone()
+                },
+                lines: VcpuLine::all(
+                    "c-guest vcpu 0: events 5000000 refused 0 beacons 5002 tsc0 0x0 tsc1 \
+                     0xa037a0 failed 0\n\
+                     c-guest vcpu 1: events 5000000 refused 0 beacons 5002 tsc0 0x0 tsc1 \
+                     0xa037a0 failed 0\n",
+                ),
+                run: run(10_000_000, 5.5, 1.4, 30_000),
+                reports: [(0, smp_report), (1, smp_report)].into(),
+            }],
+            smp_note: None,
             scan_guest: guest,
             scan: ScanLine {
                 nonce: 0x93a2,
@@ -1802,11 +2196,23 @@ mod tests {
                 "met",
                 "met",
                 "met",
+                "met",
                 "—",
                 "—"
             ],
             "{:#?}",
             s.summary
+        );
+        assert!(
+            s.summary[8][0].contains("2 vCPUs × 1 M events/s"),
+            "{:#?}",
+            s.summary
+        );
+        assert!(
+            s.body
+                .contains("| 2 | 1 | 1.00 M/s | 5,000,000 | 5,000,000 | 0 |"),
+            "{}",
+            s.body
         );
         assert!(s.body.contains("| 512 KiB (a drain round) |"), "{}", s.body);
         assert!(

@@ -21,6 +21,28 @@
  * KVM, but `cli` and `hlt` there triple-fault as if still in ring 3), which keeps one host
  * core busy while a held guest waits to be killed.
  */
+/*
+ * From protected mode with paging off (or real mode: the same instructions, the assembler
+ * adding operand-size prefixes in .code16) to long mode on the shared page tables, then a far
+ * jump to 64-bit code at `target`: CR4.PAE, CR3 = pml4, EFER.LME, CR0.PG|PE. The BSP and the
+ * APs both take this one path.
+ */
+    .macro LONG_MODE target
+    movl %cr4, %eax
+    orl $0x20, %eax
+    movl %eax, %cr4
+    movl $pml4, %eax
+    movl %eax, %cr3
+    movl $0xC0000080, %ecx
+    rdmsr
+    orl $0x100, %eax
+    wrmsr
+    movl %cr0, %eax
+    orl $0x80000001, %eax
+    movl %eax, %cr0
+    ljmpl $0x08, $\target
+    .endm
+
     .section .note.Xen, "a", @note
     .balign 4
     .long 4
@@ -44,19 +66,7 @@ pvh_start32:
     xorl %eax, %eax
     rep stosb
     lgdtl gdt_ptr
-    movl %cr4, %eax
-    orl $0x20, %eax
-    movl %eax, %cr4
-    movl $pml4, %eax
-    movl %eax, %cr3
-    movl $0xC0000080, %ecx
-    rdmsr
-    orl $0x100, %eax
-    wrmsr
-    movl %cr0, %eax
-    orl $0x80000001, %eax
-    movl %eax, %cr0
-    ljmpl $0x08, $long_entry
+    LONG_MODE long_entry
 
     .code64
 long_entry:
@@ -115,19 +125,7 @@ ap_trampoline:
     xorw %ax, %ax
     movw %ax, %ds
     lgdtl AP_TRAMPOLINE + (ap_gdt_ptr - ap_trampoline)
-    movl %cr4, %eax
-    orl $0x20, %eax
-    movl %eax, %cr4
-    movl $pml4, %eax
-    movl %eax, %cr3
-    movl $0xC0000080, %ecx
-    rdmsr
-    orl $0x100, %eax
-    wrmsr
-    movl %cr0, %eax
-    orl $0x80000001, %eax
-    movl %eax, %cr0
-    ljmpl $0x08, $ap_long_entry
+    LONG_MODE ap_long_entry
     .balign 4
 ap_gdt_ptr:
     .word gdt_end - gdt - 1

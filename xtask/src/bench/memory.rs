@@ -1655,7 +1655,7 @@ fn memory_section(m: &Measured) -> Result<Section> {
     let idle_share = v * idle_s / (POLL_S + v * idle_s);
     let _ = write!(
         body,
-        "\nThe C guest has one vCPU; {MANY_VCPUS} vCPUs are worked out from these per-ring \
+        "\nThis machine runs a few vCPUs (the several-vCPU run below); {MANY_VCPUS} vCPUs are worked out from these per-ring \
          figures (`{}`). The reader polls every ring each round and waits {} ms \
          (`--poll-ms`'s default) after a round that found less than a round's bound, so a round \
          lasts T = ({} ms + V × r) / (1 − V × R × e) for V rings of R events/s each, r the \

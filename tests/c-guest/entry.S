@@ -43,6 +43,25 @@
     ljmpl $0x08, $\target
     .endm
 
+/*
+ * To ring 3 with IOPL 3 at `target`, on the current stack: DS/ES the DPL-3 data selector
+ * (0x1b), and an iretq frame of SS 0x1b, RSP as it was, RFLAGS 0x3002 (IOPL 3, interrupts
+ * off), CS 0x23 (DPL-3 64-bit code). The BSP and the APs both enter ring 3 this way.
+ */
+    .macro RING3 target
+    movl $0x1b, %eax
+    movl %eax, %ds
+    movl %eax, %es
+    pushq $0x1b
+    pushq %rsp
+    addq $8, (%rsp)
+    pushq $0x3002
+    pushq $0x23
+    movabsq $\target, %rax
+    pushq %rax
+    iretq
+    .endm
+
     .section .note.Xen, "a", @note
     .balign 4
     .long 4
@@ -79,17 +98,7 @@ long_entry:
     movl %eax, %gs
     movabsq $__stack_top, %rsp
     movl %esi, %edi
-    movl $0x1b, %eax
-    movl %eax, %ds
-    movl %eax, %es
-    pushq $0x1b
-    pushq %rsp
-    addq $8, (%rsp)
-    pushq $0x3002
-    pushq $0x23
-    movabsq $user_entry, %rax
-    pushq %rax
-    iretq
+    RING3 user_entry
 
     /* Ring 3, on the same stack (16-byte aligned here, as c_main's call expects). */
 user_entry:
@@ -151,17 +160,7 @@ ap_long_entry:
     leaq ap_stacks(%rip), %rsp
     addq %rcx, %rsp
     movl %eax, %edi
-    movl $0x1b, %eax
-    movl %eax, %ds
-    movl %eax, %es
-    pushq $0x1b
-    pushq %rsp
-    addq $8, (%rsp)
-    pushq $0x3002
-    pushq $0x23
-    movabsq $ap_user_entry, %rax
-    pushq %rax
-    iretq
+    RING3 ap_user_entry
 2:
     cli
     hlt

@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 use vmtsync_launch::agent::{Guest, guest_elf};
 use vmtsync_tests::ChildGuard;
 use vmtsync_tests::require;
+use vmtsync_tests::truth::truth_mapping;
 use vmtsync_tests::vmm::qemu::{self, Machine};
 
 use crate::util::{
@@ -104,6 +105,11 @@ fn c_guest_on_two_vcpus_records_both_rings_into_trace_dat() {
         assert!(Instant::now() < end, "no summary line on COM1: {out:?}");
         std::thread::sleep(Duration::from_millis(20));
     };
+    // Truth from outside the reader: each vCPU's mapping by the test's own debugfs read, taken
+    // while the VM still runs (trace CPU N is vCPU N's ring).
+    let kvm: Vec<_> = (0..VCPUS)
+        .map(|v| truth_mapping(pid, v).expect("truth from debugfs"))
+        .collect();
     drop(guard);
     let summary = out
         .lines()
@@ -166,4 +172,36 @@ fn c_guest_on_two_vcpus_records_both_rings_into_trace_dat() {
         seen, recorded,
         "trace-cmd's events per CPU against the guest's counts per vCPU"
     );
+
+    // Every event at its exact host time: trace-cmd's guest TSC (`--raw-ts`) through the test's
+    // debugfs read of its vCPU gives what trace-cmd shows as its time (`-t`, in the file's
+    // TSC2NSEC nanoseconds; ticks without one), CPU by CPU in order.
+    let t = vmtsync::formats::tracedat::reader::read_layout(&dat)
+        .expect("trace.dat layout")
+        .tsc2nsec();
+    let per_cpu = |args: &[&str]| {
+        let r = trace_cmd(args);
+        assert!(r.status.success(), "trace-cmd report: {}", text(&r.stderr));
+        let mut by: BTreeMap<usize, Vec<u64>> = BTreeMap::new();
+        for line in text(&r.stdout).lines().filter(|l| l.contains(EVENT_ID)) {
+            let (cpu, ts) = report_cpu_ts(line);
+            by.entry(cpu).or_default().push(ts);
+        }
+        by
+    };
+    let path = dat.to_str().expect("UTF-8 path");
+    let raw = per_cpu(&["report", "--raw-ts", "-i", path]);
+    let shown = per_cpu(&["report", "-t", "-i", path]);
+    for (cpu, guest) in &raw {
+        let host = &shown[cpu];
+        assert_eq!(guest.len(), host.len(), "CPU {cpu}");
+        for (k, (&g, &h)) in guest.iter().zip(host).enumerate() {
+            let exact = crate::util::exact_host(&kvm[*cpu], g);
+            assert_eq!(
+                h,
+                t.map_or(exact, |t| t.nanos(exact)),
+                "CPU {cpu} event {k}: guest tick {g} at its exact host time {exact}"
+            );
+        }
+    }
 }

@@ -263,12 +263,9 @@ impl TraceDatStream {
             part.last = l.tsc;
         }
         part.events += n.saturating_sub(1) as u64;
-        self.w.push_many(
-            cpu,
-            records[..n]
-                .iter()
-                .map(|r| (r.tsc, u32::from(r.id), r.payload())),
-        )?;
+        for r in &records[..n] {
+            self.w.push(cpu, r.tsc, u32::from(r.id), r.payload())?;
+        }
         Ok(n)
     }
 

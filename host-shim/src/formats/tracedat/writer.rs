@@ -282,22 +282,6 @@ impl TraceDatWriter {
         self.append(cpu, ts, |page| page.try_push(ts, id, payload))
     }
 
-    /// [`Self::push`] for many events of one CPU: `(ts, id, payload)` each, in order. The
-    /// same rules and errors; the events before a refused one are written.
-    ///
-    /// # Errors
-    /// As [`Self::push`].
-    #[inline]
-    pub fn push_many<'p>(
-        &mut self,
-        cpu: u32,
-        events: impl IntoIterator<Item = (u64, u32, &'p [u8])>,
-    ) -> Result<(), TraceDatError> {
-        events
-            .into_iter()
-            .try_for_each(|(ts, id, payload)| self.push(cpu, ts, id, payload))
-    }
-
     /// Appends a record of one of the other event types the file describes (the function
     /// graph's, [`super::funcgraph`]): `data` from `common_type` on, a multiple of 4 bytes
     /// from 8 to 112. The same ordering rule as [`Self::push`].

@@ -111,7 +111,8 @@ impl Pipe {
             snap,
         };
         let Some(tx) = &self.tx else {
-            return Ok(());
+            // Only after the writer ended: nothing sent now would be written.
+            return Err(self.writer_error("already ended"));
         };
         let sent = match tx.try_send(batch) {
             Ok(()) => Ok(()),
@@ -141,12 +142,19 @@ impl Pipe {
 
     fn join(&mut self) -> Result<Ended, RecordError> {
         drop(self.tx.take());
-        let failed = |why: &str| RecordError::Io {
+        let worker = self
+            .worker
+            .take()
+            .ok_or_else(|| self.writer_error("already ended"))?;
+        worker.join().map_err(|_| self.writer_error("panicked"))
+    }
+
+    /// The output's error when its writer thread is gone (`why`).
+    fn writer_error(&self, why: &str) -> RecordError {
+        RecordError::Io {
             path: self.path.clone(),
             source: std::io::Error::other(format!("its writer thread {why}")),
-        };
-        let worker = self.worker.take().ok_or_else(|| failed("already ended"))?;
-        worker.join().map_err(|_| failed("panicked"))
+        }
     }
 }
 

@@ -62,6 +62,20 @@
     iretq
     .endm
 
+/*
+ * In long mode, the kernel's data segments: DS, ES and SS the flat data selector (0x10), FS and
+ * GS null. The BSP and the APs both start their 64-bit code with it.
+ */
+    .macro FLAT_SEGMENTS
+    movl $0x10, %eax
+    movl %eax, %ds
+    movl %eax, %es
+    movl %eax, %ss
+    xorl %eax, %eax
+    movl %eax, %fs
+    movl %eax, %gs
+    .endm
+
     .section .note.Xen, "a", @note
     .balign 4
     .long 4
@@ -89,13 +103,7 @@ pvh_start32:
 
     .code64
 long_entry:
-    movl $0x10, %eax
-    movl %eax, %ds
-    movl %eax, %es
-    movl %eax, %ss
-    xorl %eax, %eax
-    movl %eax, %fs
-    movl %eax, %gs
+    FLAT_SEGMENTS
     movabsq $__stack_top, %rsp
     movl %esi, %edi
     RING3 user_entry
@@ -144,13 +152,7 @@ ap_trampoline_end:
     .section .text.ap_entry, "ax"
     .code64
 ap_long_entry:
-    movl $0x10, %eax
-    movl %eax, %ds
-    movl %eax, %es
-    movl %eax, %ss
-    xorl %eax, %eax
-    movl %eax, %fs
-    movl %eax, %gs
+    FLAT_SEGMENTS
     movl $1, %eax
     lock xaddl %eax, ap_next(%rip)
     cmpl $MAX_APS, %eax

@@ -519,6 +519,15 @@ fn run_record_memory_cmd(
             m.unverified
         );
     }
+    if m.early_placed > 0 || m.spilled > 0 {
+        eprintln!(
+            "vmtsync: note: {} event(s) were placed before the sync round after them was known \
+             (the events waiting for it reached their bound): their intervals rest on the \
+             rounds before them, wider but still guaranteed; {} waited on disk at most for \
+             their vCPU's first round",
+            m.early_placed, m.spilled
+        );
+    }
     if let Some(why) = &b.broken {
         eprintln!("vmtsync: warning: beacons stopped being bracketed: {why}");
     }

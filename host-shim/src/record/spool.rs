@@ -16,6 +16,21 @@ pub(super) struct Spooled {
 }
 
 impl Spooled {
+    /// An event of vCPU `vcpu` at guest tick `guest` (payloads are at most 16 bytes: the
+    /// protocol's limit; a longer one is cut, as [`Spool::push`] cuts it).
+    pub(super) fn new(vcpu: u32, guest: u64, id: u16, payload: &[u8]) -> Self {
+        let n = payload.len().min(16);
+        let mut data = [0u8; 16];
+        data[..n].copy_from_slice(&payload[..n]);
+        Self {
+            vcpu,
+            guest,
+            id,
+            len: u8::try_from(n).unwrap_or(16),
+            data,
+        }
+    }
+
     pub(super) fn payload(&self) -> &[u8] {
         self.data.get(..usize::from(self.len)).unwrap_or(&self.data)
     }

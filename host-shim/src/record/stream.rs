@@ -1,17 +1,19 @@
-//! Exact mode's trace.dat and Perfetto outputs, written as the records are read.
+//! A memory recording's trace.dat and Perfetto outputs, written as the records are placed.
 //!
-//! A memory recording in exact mode places every record by KVM's mapping when it reads it
-//! (width 0, `memory/mapping.rs`): no later round can change its host time. So its records go
-//! straight into the format's streaming writer, and the file is finished, never written again,
-//! when the recording ends (docs/record.md, "Exact mode streams"). The protocol front end and
-//! two-sided placement, which place again with every round at the end, keep the spool
-//! (`write.rs`).
+//! A memory recording places each record once: exact mode by KVM's mapping when it reads it
+//! (width 0, `memory/mapping.rs`), beacon mode once the sync round after it is known
+//! (`memory/hold.rs`). No later round changes what was written, so the records go straight
+//! into the format's streaming writer, and the file is finished, never written again, when the
+//! recording ends (docs/record.md, "Memory recordings stream"). The protocol front end, which
+//! places again with every round at the end, keeps the spool (`write.rs`).
 //!
 //! - trace.dat: each vCPU's raw guest TSCs, with a TIME_SHIFT made of the offsets its records
 //!   were placed by (trace-cmd then computes exactly the host time we placed). A vCPU whose
 //!   guest TSC steps back (a guest that wrote its TSC) continues on a trace CPU of its own,
 //!   since a CPU's timestamps only go forward; a guest tick beyond trace-cmd's signed 64-bit
-//!   times is written as its host tick (an offset-0 part).
+//!   times is written as its host tick (an offset-0 part). Points that do not follow KVM's
+//!   mapping (beacon mode without it) are written as host ticks, pre-converted, each vCPU's
+//!   kept in order by writing a point behind the last one at the last one (counted).
 //! - Perfetto: host TSCs on BOOTTIME through snapshots taken while recording. The first
 //!   conversion needs two snapshots far enough apart for a good rate, so the first events are
 //!   held (at most [`HOLD_EVENTS`], in memory) until [`MIN_SPAN`] has passed since the first.
@@ -173,6 +175,10 @@ pub(super) struct TraceDatStream {
     now: Vec<(u32, u32)>,
     hint: usize,
     keyed: bool,
+    /// Every record from now on is written at its host tick ([`Self::preconvert`]).
+    preconverted: bool,
+    /// Host ticks written at their CPU's last timestamp instead (they were behind it).
+    clamped: u64,
 }
 
 impl TraceDatStream {
@@ -201,18 +207,37 @@ impl TraceDatStream {
             now,
             hint: 0,
             keyed,
+            preconverted: false,
+            clamped: 0,
         })
+    }
+
+    /// From now on every record is written at its host tick, pre-converted: the points no
+    /// longer follow one offset per segment, which a TIME_SHIFT would need.
+    pub(super) fn preconvert(&mut self) {
+        self.preconverted = true;
+        for p in self.parts.iter_mut().filter(|p| p.events == 0) {
+            p.host_ticks = true;
+        }
     }
 
     /// One placed record.
     #[inline]
     pub(super) fn push(&mut self, p: &Placed<'_>) -> Result<(), RecordError> {
-        let host_ticks = p.guest > MAX_TICK;
-        let (ts, offset) = if host_ticks {
+        let host_ticks = self.preconverted || p.guest > MAX_TICK;
+        let (mut ts, offset) = if host_ticks {
             (p.host, 0)
         } else {
             (p.guest, p.guest.wrapping_sub(p.host).cast_signed())
         };
+        if self.preconverted
+            && let Some(last) = self.last_host_tick(p.vcpu)
+            && ts < last
+        {
+            // A vCPU's points may step back across segments; its CPU's timestamps may not.
+            ts = last;
+            self.clamped += 1;
+        }
         let cpu = self.part_for(p.vcpu, host_ticks, ts, offset)?;
         self.parts[cpu as usize].take(ts, p.host, offset);
         if crate::formats::event::is_span_id(p.id) {
@@ -269,6 +294,13 @@ impl TraceDatStream {
         Ok(n)
     }
 
+    /// The last timestamp of `key`'s part now, when it holds host ticks.
+    fn last_host_tick(&self, key: u32) -> Option<u64> {
+        let &(_, cpu) = self.now.iter().find(|&&(k, _)| k == key)?;
+        let part = &self.parts[cpu as usize];
+        (part.host_ticks && part.events > 0).then_some(part.last)
+    }
+
     /// The trace CPU a record of `key` at `ts` placed by `offset` goes to: the vCPU's part now,
     /// or a new one when that one cannot take it.
     fn part_for(
@@ -311,8 +343,10 @@ impl TraceDatStream {
     }
 
     /// Finishes the file: its UNAME naming the trace CPUs, the function graph's names, the
-    /// TIME_SHIFT. Returns the number of timestamps written as host ticks.
-    pub(super) fn finish(mut self) -> Result<u64, RecordError> {
+    /// TIME_SHIFT (none when every timestamp is a host tick). Returns the number of
+    /// timestamps written as host ticks, and of those written at their CPU's last one.
+    pub(super) fn finish(mut self) -> Result<(u64, u64), RecordError> {
+        let identity = !self.parts.iter().all(|p| p.host_ticks);
         let names: Vec<String> = self
             .parts
             .iter()
@@ -321,13 +355,13 @@ impl TraceDatStream {
                 if p.after > 0 {
                     n.push_str(&format!(" (part {}: its TSC stepped back)", p.after + 1));
                 }
-                if p.host_ticks {
+                if p.host_ticks && identity {
                     n.push_str(" (host ticks)");
                 }
                 n
             })
             .collect();
-        self.w.set_uname(uname(&names, true));
+        self.w.set_uname(uname(&names, identity));
         let cpus = u32::try_from(self.parts.len()).unwrap_or(u32::MAX);
         self.graph.finish(&mut self.w, cpus);
         let shift = TimeShift {
@@ -352,8 +386,8 @@ impl TraceDatStream {
             .filter(|p| p.host_ticks)
             .map(|p| p.events)
             .sum();
-        self.w.finish(Some(&shift))?;
-        Ok(host_ticks)
+        self.w.finish(identity.then_some(&shift))?;
+        Ok((host_ticks, self.clamped))
     }
 }
 
@@ -371,6 +405,8 @@ struct Held {
     len: u8,
     guest: u64,
     host: u64,
+    lo: u64,
+    hi: u64,
     payload: [u8; 16],
 }
 
@@ -413,6 +449,8 @@ impl PerfettoStream {
             len: u8::try_from(n).unwrap_or(16),
             guest: p.guest,
             host: p.host,
+            lo: p.lo,
+            hi: p.hi,
             payload,
         });
         if self.held.len() >= HOLD_EVENTS {
@@ -463,8 +501,8 @@ impl PerfettoStream {
                 guest: h.guest,
                 payload: &h.payload[..usize::from(h.len)],
                 host: h.host,
-                lo: h.host,
-                hi: h.host,
+                lo: h.lo,
+                hi: h.hi,
                 round: 0,
                 keyed: self.keyed,
             };
@@ -591,7 +629,7 @@ mod tests {
         for e in &events {
             s.push(e).unwrap();
         }
-        assert_eq!(s.finish().unwrap(), 0);
+        assert_eq!(s.finish().unwrap(), (0, 0));
         let mut got = host_times(&out);
         got.sort_by_key(|&(_, _, seq)| seq);
         let want: Vec<(u32, u64, u8)> = events
@@ -623,10 +661,47 @@ mod tests {
         s.push(&placed(0, 5_000, 4_000, 0)).unwrap();
         s.push(&placed(0, u64::MAX - 10, 4_100, 1)).unwrap();
         s.push(&placed(0, u64::MAX - 5, 4_105, 2)).unwrap();
-        assert_eq!(s.finish().unwrap(), 2);
+        assert_eq!(s.finish().unwrap(), (2, 0));
         assert_eq!(
             host_times(&out),
             [(0, 4_000, 0), (1, 4_100, 1), (1, 4_105, 2)]
+        );
+    }
+
+    /// Pre-converted, every record is written at its host tick, a point behind its vCPU's
+    /// last one at that one (counted), and the file has no TIME_SHIFT: trace-cmd shows the
+    /// host ticks as they are.
+    #[test]
+    fn a_preconverted_stream_writes_host_ticks_in_order_without_a_time_shift() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("p.dat");
+        let mut s = TraceDatStream::create(&target(&out), &[0, 1], true, 7).unwrap();
+        s.preconvert();
+        for e in [
+            placed(0, 5_000, 4_000, 0),
+            placed(1, 7_000, 6_000, 1),
+            placed(0, 5_100, 3_990, 2),
+            placed(0, 5_200, 4_200, 3),
+        ] {
+            s.push(&e).unwrap();
+        }
+        assert_eq!(s.finish().unwrap(), (4, 1));
+        let layout = read_layout(&out).unwrap();
+        assert!(layout.options_with(option::TIME_SHIFT).next().is_none());
+        let mut got = Vec::new();
+        reader::for_each_event(&out, &layout, 0, |e| got.push((e.cpu, e.ts, e.payload[0])))
+            .unwrap();
+        got.sort_by_key(|&(_, _, seq)| seq);
+        assert_eq!(
+            got,
+            [(0, 4_000, 0), (1, 6_000, 1), (0, 4_000, 2), (0, 4_200, 3)]
+        );
+        let uname = &layout.options_with(option::UNAME).next().unwrap().data;
+        assert!(
+            String::from_utf8_lossy(uname)
+                .contains("vCPUs 0,1 as CPUs 0..2, timestamps pre-converted"),
+            "{}",
+            String::from_utf8_lossy(uname)
         );
     }
 }

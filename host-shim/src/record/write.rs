@@ -73,24 +73,42 @@ impl Out {
         })
     }
 
-    /// Where exact mode's events go: placed for good when read, every format streams them
-    /// (`stream.rs`); `st` names the vCPUs known at the start.
-    pub(super) fn stream(target: &Target, st: &State) -> Result<Self, RecordError> {
+    /// Where a memory recording's events go: each placed once, for good, every format
+    /// streams them (`stream.rs`); `st` names the vCPUs known at the start. With
+    /// `preconverted` a trace.dat's timestamps are host ticks (points that do not follow
+    /// KVM's mapping), else raw guest ticks with a TIME_SHIFT.
+    pub(super) fn stream(
+        target: &Target,
+        st: &State,
+        preconverted: bool,
+    ) -> Result<Self, RecordError> {
         let keys: Vec<u32> = st.vcpus.iter().map(|v| v.vcpu).collect();
         Ok(match target.format {
             RecordFormat::TraceCmd => {
-                Out::TraceDat(Box::new(super::stream::TraceDatStream::create(
+                let mut s = super::stream::TraceDatStream::create(
                     target,
                     &keys,
                     st.keyed,
                     trace_id(target, st),
-                )?))
+                )?;
+                if preconverted {
+                    s.preconvert();
+                }
+                Out::TraceDat(Box::new(s))
             }
             RecordFormat::Perfetto => Out::Perfetto(Box::new(
                 super::stream::PerfettoStream::create(target, st.keyed)?,
             )),
             _ => Self::create(target, Placement::OneSided)?,
         })
+    }
+
+    /// From now on a trace.dat's timestamps are host ticks: the points stopped following
+    /// KVM's mapping.
+    pub(super) fn preconvert(&mut self) {
+        if let Self::TraceDat(w) = self {
+            w.preconvert();
+        }
     }
 
     /// The end of a drain round (exact mode's Perfetto stream may open its writer), and the
@@ -203,8 +221,8 @@ pub(super) fn finish(out: Out, opts: &Target, st: &State) -> Result<(bool, u64),
         Out::Ctf(w) => Ok((false, w.finish()?.raised)),
         Out::Spool(s) => write_trace_dat(s, opts, st),
         Out::TraceDat(w) => {
-            let host_ticks = w.finish()?;
-            Ok((host_ticks > 0, 0))
+            let (host_ticks, clamped) = w.finish()?;
+            Ok((host_ticks > 0, clamped))
         }
         Out::Perfetto(w) => {
             w.finish()?;

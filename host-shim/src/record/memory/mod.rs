@@ -19,6 +19,7 @@
 //! `mapping.rs` reads KVM's mapping and places by it, `mode.rs` chooses exact or beacon mode
 //! and makes the beacons' segments, `vmm.rs` tells a VMM's exit from a guest's restart.
 
+mod hold;
 mod mapping;
 mod mode;
 mod pipe;
@@ -121,6 +122,13 @@ pub struct MemorySummary {
     /// attach), placed by KVM's mapping alone with width 0: exact if the header's raw-TSC
     /// claim holds, which no beacon checked.
     pub unverified: u64,
+    /// Beacon mode: events placed before the sync round after them was known, because the
+    /// records waiting for it reached their bound (their intervals rest on the rounds before
+    /// them: wider, still guaranteed).
+    pub early_placed: u64,
+    /// Beacon mode: the most events that waited on disk at once for their vCPU's first sync
+    /// round (the records waiting in memory had reached their bound).
+    pub spilled: u64,
     /// Each guest boot's counts, in order (a reset that republishes the header starts the
     /// next one).
     pub boots: Vec<BootCounts>,

@@ -15,8 +15,6 @@ use crate::record::RecordError;
 use crate::record::beacons::Beacons;
 use crate::record::error::{MemoryError, Unplaceable};
 use crate::record::place::{State, VcpuSync};
-use crate::record::target::Target;
-use crate::record::write::Out;
 use crate::sync::Round;
 use crate::syncfile::{AnchorKind, SyncHeader, SyncSegment, SyncWriter};
 
@@ -93,19 +91,14 @@ pub(super) fn start_trace(
 
 /// A drain round's beacon samples: checked against KVM's mapping (`mappings`: the vCPUs'
 /// readings around the round) for a raw-TSC guest, and made segments in beacon mode.
-// One stage's inputs, each used once: grouping them would only rename them.
-#[allow(clippy::too_many_arguments)]
 pub(super) fn use_samples(
     b: &mut Beacons,
     st: &mut State,
-    out: Option<&mut Out>,
-    target: &Target,
     mode: Mode,
     rounds: Vec<Vec<ProbeSample>>,
     mappings: &[&[Reading]],
     base: usize,
 ) -> Result<(), RecordError> {
-    let mut out = out;
     for (i, samples) in rounds.into_iter().enumerate() {
         if samples.is_empty() {
             continue;
@@ -122,10 +115,6 @@ pub(super) fn use_samples(
         }
         if mode == Mode::Beacons {
             beacon_round(st, base + i, &samples)?;
-            // JSON Lines: the events the new round covers are written as they are now.
-            if let Some(out) = out.as_deref_mut() {
-                out.round_made(st, target)?;
-            }
         }
     }
     Ok(())

@@ -4,6 +4,7 @@
 
 use std::time::{Duration, Instant};
 
+use super::hold::Hold;
 use super::mapping::{Reading, Side, across_change, exact_at, exact_segment, read_mappings};
 use super::mode::{
     Mode, exact_list, mode_for, start_beacons, start_trace, use_samples, write_sync_out,
@@ -21,7 +22,7 @@ use crate::kvm::procinfo::ProcFs;
 use crate::probe::Progress;
 use crate::record::beacons::Beacons;
 use crate::record::error::MemoryError;
-use crate::record::place::{Placed, State, VcpuSync, boot_key};
+use crate::record::place::{State, VcpuSync, boot_key};
 use crate::record::stream::ExactRun;
 use crate::record::target::Target;
 use crate::record::write::{Out, finish, trace_id};
@@ -31,10 +32,11 @@ use crate::sync::Placement;
 /// How a recording ended: why, or the error that ended it (what was read is still written).
 pub(super) type Ended = Result<EndReason, RecordError>;
 
-/// Where a recording's records go: beacon mode's output itself (its spool is placed again
-/// when the recording ends), exact mode's through the writer thread (`pipe.rs`).
+/// Where a recording's records go: beacon mode's wait for the sync round after them and are
+/// then written on the recording's thread (`hold.rs`); exact mode's go through the writer
+/// thread (`pipe.rs`).
 pub(super) enum Writer {
-    Direct(Box<Out>),
+    Held { out: Box<Out>, hold: Hold },
     Piped(Pipe),
 }
 
@@ -278,12 +280,18 @@ impl<'a> Recording<'a> {
         // Host TSC/BOOTTIME snapshots for the Perfetto output (it needs two or more): one
         // now, one a second while draining, and the one its writer takes at the end.
         st.clocks.extend(ClockSnapshot::take().ok());
-        // Exact mode places every record for good when it reads it: the outputs stream.
+        // Every output streams: exact mode places each record for good when it reads it,
+        // beacon mode once the round after it is known. A trace.dat keeps the raw guest TSC
+        // while the points are KVM's mapping's (exact mode, or a raw-TSC guest's beacons).
         let out = match mode {
-            Mode::Exact => {
-                Writer::Piped(Pipe::start(Out::stream(&target, &st)?, opts.out.clone())?)
-            }
-            Mode::Beacons => Writer::Direct(Box::new(Out::create(&target, placement)?)),
+            Mode::Exact => Writer::Piped(Pipe::start(
+                Out::stream(&target, &st, false)?,
+                target.out.clone(),
+            )?),
+            Mode::Beacons => Writer::Held {
+                out: Box::new(Out::stream(&target, &st, !use_mapping)?),
+                hold: Hold::new(),
+            },
         };
         Ok(Self {
             opts,
@@ -415,6 +423,7 @@ impl<'a> Recording<'a> {
         self.adopt_check(false);
         self.place_round(&now, &changed)?;
         self.beacon_rounds(before, after, &now)?;
+        self.release(false)?;
         self.last = now;
         self.after_round(round_start, progress)?;
         if self.opts.events.is_some_and(|n| self.st.events >= n) {
@@ -427,6 +436,10 @@ impl<'a> Recording<'a> {
     /// A guest restart: the old boot's counts kept, the new header waited for, and the new
     /// boot's rings, mappings and beacon chains set up. `Some`: the recording ends.
     fn restart(&mut self, e: &DrainError, progress: &mut Progress) -> Option<Ended> {
+        // No later round places the old boot's records: they are written now.
+        if let Err(e) = self.release(true) {
+            return Some(Err(e));
+        }
         self.cur.add(self.drainer.counts());
         let old_nonce = self.cur.nonce;
         self.ms.boots.push(std::mem::take(&mut self.cur));
@@ -477,6 +490,30 @@ impl<'a> Recording<'a> {
         };
         self.stop_heads = None;
         None
+    }
+
+    /// Beacon mode: the records whose round after is known are written (`all`: every one
+    /// still waiting, placed with the rounds known now). Once a raw-TSC guest's beacons
+    /// disagree with KVM's mapping, its points are the beacons' (the mapping's are dropped),
+    /// and a trace.dat's timestamps from then on are host ticks.
+    fn release(&mut self, all: bool) -> Result<(), RecordError> {
+        let Writer::Held { out, hold } = &mut self.out else {
+            return Ok(());
+        };
+        if self.use_mapping
+            && self.beacons.as_ref().is_some_and(|b| b.stats.disagree > 0)
+            && self.st.vcpus.iter().any(|v| !v.exact.is_empty())
+        {
+            for v in &mut self.st.vcpus {
+                v.exact.clear();
+            }
+            out.preconvert();
+        }
+        if all {
+            hold.release_all(&mut self.st, out, &self.target.out)
+        } else {
+            hold.release(&mut self.st, out, &self.target.out)
+        }
     }
 
     /// Each vCPU whose mapping changed since the last round starts a new segment; returns
@@ -568,7 +605,7 @@ impl<'a> Recording<'a> {
             self.st.clocks.extend(snap);
         }
         match &mut self.out {
-            Writer::Direct(out) => out.round_end(snap)?,
+            Writer::Held { out, .. } => out.round_end(snap)?,
             Writer::Piped(pipe) => {
                 let drainer = &mut self.drainer;
                 pipe.send_round(|spare| drainer.swap_round(spare), snap)?;
@@ -646,15 +683,9 @@ impl<'a> Recording<'a> {
         };
         let counts = self.drainer.counts().to_vec();
         let rounds = b.round(&counts, before, after);
-        let out = match &mut self.out {
-            Writer::Direct(out) => Some(out.as_mut()),
-            Writer::Piped(_) => None,
-        };
         use_samples(
             b,
             &mut self.st,
-            out,
-            &self.target,
             self.mode,
             rounds,
             &[now, &self.last],
@@ -670,14 +701,8 @@ impl<'a> Recording<'a> {
     ) -> Result<(RecordSummary, MemorySummary), RecordError> {
         // A check still being set up ends with its trace (nothing left for it to see).
         self.adopt_check(true);
-        // Exact mode: the writer writes what it was sent, and the drain lasts until it did.
-        if let Writer::Piped(pipe) = &mut self.out {
-            let (out, last_written) = pipe.finish()?;
-            if let (Some((first, last)), Some(w)) = (self.active, last_written) {
-                self.active = Some((first, last.max(w)));
-            }
-            self.out = Writer::Direct(Box::new(out));
-        }
+        // Beacon mode: what still waits is placed with every round known.
+        let released = self.release(true);
         self.sum_counts();
         // A raw-TSC guest whose beacons disagree with KVM's mapping does not record the raw
         // TSC: the mapping gives no point then, the beacons do.
@@ -688,10 +713,9 @@ impl<'a> Recording<'a> {
             }
         }
         if self.mode == Mode::Beacons {
-            if let Writer::Direct(out) = &mut self.out
-                && let Out::Held { spool, .. } = out.as_mut()
-            {
-                self.st.final_widths(spool);
+            if let Writer::Held { hold, .. } = &self.out {
+                self.ms.early_placed = hold.early;
+                self.ms.spilled = hold.spilled_most;
             }
             if self.ms.beacon_stats.bracketed == 0 && self.st.unplaceable > 0 {
                 eprintln!(
@@ -714,22 +738,28 @@ impl<'a> Recording<'a> {
             out,
             target,
             st,
-            ms,
+            mut ms,
             opts,
             mode,
             raw,
             vcpus,
             beacons,
+            active,
             ..
         } = self;
         // The beacons' trace is done: removing its tracefs instance waits on the kernel (tens
         // of ms), and so does finishing the output (its sync): side by side.
         let teardown = beacons.map(|b| std::thread::spawn(move || drop(b)));
-        let written = match out {
-            Writer::Direct(out) => finish(*out, &target, &st),
-            // Joined above.
-            Writer::Piped(_) => Ok((false, 0)),
-        };
+        let written = released.and_then(|()| match out {
+            Writer::Held { out, .. } => finish(*out, &target, &st),
+            // Exact mode: the writer writes what it was sent, and the drain lasts until it did.
+            Writer::Piped(mut pipe) => pipe.finish().and_then(|(out, last_written)| {
+                if let (Some((first, _)), Some(w)) = (active, last_written) {
+                    ms.drain = ms.drain.max(w - first);
+                }
+                finish(out, &target, &st)
+            }),
+        });
         if let Some(t) = teardown {
             // A panic while removing the instance leaves it for the next run's cleanup.
             let _ = t.join();
@@ -936,10 +966,10 @@ impl Round<'_, '_> {
         }
         let key = boot_key(self.boot, r.vcpu);
         let pipe = match &mut *self.out {
-            // Beacon mode: spooled, its host time given when the recording ends, with the
-            // beacons on both sides of it.
-            Writer::Direct(out) => {
-                out.push(&Placed::exact(r, key, 0, 0), &self.opts.out)?;
+            // Beacon mode: placed once the sync round after it is known, with the beacons on
+            // both sides of it.
+            Writer::Held { hold, .. } => {
+                hold.push(key, r, &self.opts.out)?;
                 st.events += 1;
                 return Ok(());
             }

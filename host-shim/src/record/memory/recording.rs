@@ -48,7 +48,7 @@ fn stopped(opts: &MemoryOptions) -> bool {
 fn ended(opts: &MemoryOptions, started: Instant) -> Option<EndReason> {
     if stopped(opts) {
         Some(EndReason::Stopped)
-    } else if opts.duration.is_some_and(|d| started.elapsed() >= d) {
+    } else if opts.output.duration.is_some_and(|d| started.elapsed() >= d) {
         Some(EndReason::Duration)
     } else {
         None
@@ -257,9 +257,9 @@ impl<'a> Recording<'a> {
             (None, Mode::Exact) => None,
         };
         let target = Target {
-            out: opts.out.clone(),
-            format: opts.format,
-            file_version: opts.file_version,
+            out: opts.output.out.clone(),
+            format: opts.output.format,
+            file_version: opts.output.file_version,
             source: format!("memory of VMM {} at {:#x}", opts.vm.id.pid, found.addr),
             spans: opts.spans.clone(),
         };
@@ -280,9 +280,10 @@ impl<'a> Recording<'a> {
         st.clocks.extend(ClockSnapshot::take().ok());
         // Exact mode places every record for good when it reads it: the outputs stream.
         let out = match mode {
-            Mode::Exact => {
-                Writer::Piped(Pipe::start(Out::stream(&target, &st)?, opts.out.clone())?)
-            }
+            Mode::Exact => Writer::Piped(Pipe::start(
+                Out::stream(&target, &st)?,
+                opts.output.out.clone(),
+            )?),
             Mode::Beacons => Writer::Direct(Box::new(Out::create(&target, placement)?)),
         };
         Ok(Self {
@@ -417,7 +418,7 @@ impl<'a> Recording<'a> {
         self.beacon_rounds(before, after, &now)?;
         self.last = now;
         self.after_round(round_start, progress)?;
-        if self.opts.events.is_some_and(|n| self.st.events >= n) {
+        if self.opts.output.events.is_some_and(|n| self.st.events >= n) {
             return Ok(Some(Ok(EndReason::Events)));
         }
         self.idle(&summary);
@@ -707,7 +708,7 @@ impl<'a> Recording<'a> {
             }
         }
         self.ms.unverified = self.st.unverified;
-        if let Some(path) = &self.opts.sync_out {
+        if let Some(path) = &self.opts.output.sync_out {
             write_sync_out(path, &self.target.source, &self.st)?;
         }
         let Self {
@@ -795,7 +796,7 @@ impl Done<'_> {
         if st.events == 0 && unplaced > 0 {
             return Err(RecordError::Unplaced {
                 read: unplaced,
-                out: opts.out.clone(),
+                out: opts.output.out.clone(),
                 why: if self.raw {
                     "no beacon was bracketed and KVM's mapping could not be used".into()
                 } else {
@@ -826,12 +827,12 @@ impl Done<'_> {
             end,
             vcpu: 0,
             vcpus: self.vcpus,
-            trace_id: if opts.format == RecordFormat::TraceCmd {
+            trace_id: if opts.output.format == RecordFormat::TraceCmd {
                 trace_id(&self.target, st)
             } else {
                 0
             },
-            out: opts.out.clone(),
+            out: opts.output.out.clone(),
             console_bytes: 0,
             console: None,
             host_time: match (self.mode, self.raw) {
@@ -877,6 +878,7 @@ impl Round<'_, '_> {
             if let (Some(run), Writer::Piped(pipe)) = (run, &mut *self.out) {
                 let left = self
                     .opts
+                    .output
                     .events
                     .map_or(u64::MAX, |n| n.saturating_sub(self.st.events));
                 let n = ring[i..]
@@ -930,7 +932,7 @@ impl Round<'_, '_> {
             }
             return Ok(());
         }
-        if self.opts.events.is_some_and(|n| st.events >= n) {
+        if self.opts.output.events.is_some_and(|n| st.events >= n) {
             self.ms.past_limit += 1;
             return Ok(());
         }
@@ -939,7 +941,7 @@ impl Round<'_, '_> {
             // Beacon mode: spooled, its host time given when the recording ends, with the
             // beacons on both sides of it.
             Writer::Direct(out) => {
-                out.push(&Placed::exact(r, key, 0, 0), &self.opts.out)?;
+                out.push(&Placed::exact(r, key, 0, 0), &self.opts.output.out)?;
                 st.events += 1;
                 return Ok(());
             }

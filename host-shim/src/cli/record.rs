@@ -12,7 +12,7 @@ use crate::formats::tracedat::FileVersion;
 use crate::link::ProbeAddr;
 use crate::probe::anchor::AnchorMode;
 use crate::probe::{DEFAULT_PROBES, ProbeOptions, Progress};
-use crate::record::{self, EndReason, RecordFormat, RecordOptions, RecordSummary};
+use crate::record::{self, EndReason, OutputOptions, RecordFormat, RecordOptions, RecordSummary};
 
 /// `vmtsync record` flags: the two front ends' own flags (each refused with the other, never
 /// silently ignored), then the flags both take.
@@ -231,27 +231,28 @@ pub enum FormatArg {
 }
 
 impl RecordArgs {
-    fn format(&self) -> RecordFormat {
-        match self.format {
-            FormatArg::TraceCmd => RecordFormat::TraceCmd,
-            FormatArg::Jsonl => RecordFormat::Jsonl,
-            FormatArg::Perfetto => RecordFormat::Perfetto,
-            FormatArg::Ctf => RecordFormat::Ctf,
+    /// The output and stop options these flags ask for, the same for both front ends.
+    fn output(&self) -> OutputOptions {
+        OutputOptions {
+            out: self.out.clone(),
+            format: match self.format {
+                FormatArg::TraceCmd => RecordFormat::TraceCmd,
+                FormatArg::Jsonl => RecordFormat::Jsonl,
+                FormatArg::Perfetto => RecordFormat::Perfetto,
+                FormatArg::Ctf => RecordFormat::Ctf,
+            },
+            file_version: if self.file_version == 6 {
+                FileVersion::V6
+            } else {
+                FileVersion::V7
+            },
+            events: self.events,
+            duration: self
+                .duration
+                .filter(|d| d.is_finite() && *d >= 0.0)
+                .map(Duration::from_secs_f64),
+            sync_out: self.sync_out.clone(),
         }
-    }
-
-    fn file_version(&self) -> FileVersion {
-        if self.file_version == 6 {
-            FileVersion::V6
-        } else {
-            FileVersion::V7
-        }
-    }
-
-    fn duration(&self) -> Option<Duration> {
-        self.duration
-            .filter(|d| d.is_finite() && *d >= 0.0)
-            .map(Duration::from_secs_f64)
     }
 
     /// The options these flags ask for (the protocol front end: `--connect`).
@@ -276,14 +277,9 @@ impl RecordArgs {
         );
         RecordOptions {
             probe,
-            out: self.out.clone(),
-            format: self.format(),
-            file_version: self.file_version(),
-            events: self.events,
-            duration: self.duration(),
+            output: self.output(),
             resync: Duration::from_millis(self.protocol.resync.max(1)),
             drain_max: crate::record::DRAIN_MAX,
-            sync_out: self.sync_out.clone(),
             placement: self.protocol.placement.into(),
             spans: crate::spans::SpanConfig::default(),
         }
@@ -457,18 +453,13 @@ fn run_record_memory_cmd(
         vm: vm_dir,
         proc_root: a.source.proc_root.clone(),
         location,
-        out: a.out.clone(),
-        format: a.format(),
-        file_version: a.file_version(),
-        events: a.events,
-        duration: a.duration(),
+        output: a.output(),
         poll: Duration::from_millis(a.memory.poll_ms),
         trust_raw_tsc: a.memory.trust_raw_tsc,
         find_timeout: Duration::from_secs(30),
         stop: Some(stop_flag()),
         beacon_port: a.memory.beacon_port,
         paused: vmm.as_ref().map(record::launch::Vmm::resume),
-        sync_out: a.sync_out.clone(),
         tracefs: a.tracefs.clone(),
         spans: a.names.config()?,
     };

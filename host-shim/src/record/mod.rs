@@ -46,14 +46,13 @@ pub(crate) mod write;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use crate::formats::tracedat::FileVersion;
 use crate::probe::ProbeOptions;
 use crate::sync::Placement;
 
 pub use error::{MemoryError, RecordError, Unplaceable};
 pub use memory::{DEFAULT_POLL, MemoryOptions, MemorySummary, run_record_memory};
 pub use session::{run_record, run_record_on};
-pub use target::host_tsc2nsec;
+pub use target::{OutputOptions, host_tsc2nsec};
 
 // What `write.rs` still takes through its `use super::*` (the last such prelude in this
 // module: that file's own imports are its owner's to make explicit).
@@ -88,23 +87,12 @@ pub enum RecordFormat {
 pub struct RecordOptions {
     /// Address, probes per round, timeouts, the stop flag, `--shutdown`.
     pub probe: ProbeOptions,
-    /// The output file.
-    pub out: PathBuf,
-    /// Its format.
-    pub format: RecordFormat,
-    /// trace.dat version.
-    pub file_version: FileVersion,
-    /// Stop after this many events.
-    pub events: Option<u64>,
-    /// Stop after this long.
-    pub duration: Option<Duration>,
+    /// The output file and format, when to stop, `--sync-out`.
+    pub output: OutputOptions,
     /// Time between the starts of two sync rounds.
     pub resync: Duration,
     /// The most events one drain asks for (the CLI: [`DRAIN_MAX`]).
     pub drain_max: u32,
-    /// A sync file to append each round's segment to as it is made (`--sync-out`), so the
-    /// conversion the output used can be checked (`vmtsync validate`) or drawn (`plot`).
-    pub sync_out: Option<PathBuf>,
     /// How events are placed (`--placement`, default two-sided).
     pub placement: Placement,
     /// How span records are named in the outputs that show spans (symbols, relocations).
@@ -234,6 +222,7 @@ mod tests {
     use super::place::{WIDTH_SAMPLE, Widths};
     use super::*;
     use crate::formats::tracedat;
+    use crate::formats::tracedat::FileVersion;
     use crate::probe::Progress;
 
     #[test]
@@ -305,14 +294,16 @@ mod tests {
         probe.probes = 8;
         RecordOptions {
             probe,
-            out: out.to_owned(),
-            format,
-            file_version: FileVersion::V7,
-            events: Some(events),
-            duration: None,
+            output: OutputOptions {
+                out: out.to_owned(),
+                format,
+                file_version: FileVersion::V7,
+                events: Some(events),
+                duration: None,
+                sync_out: None,
+            },
             resync: Duration::from_secs(3600),
             drain_max: DRAIN_MAX,
-            sync_out: None,
             placement: Placement::default(),
             spans: crate::spans::SpanConfig::default(),
         }

@@ -85,7 +85,7 @@ pub fn run_record_on<T: StampedTransport>(
     // any of them, and each vCPU's TSC is its own clock (docs/smp.md).
     let vcpus = session.vcpus()?;
     let mut out = Out::create(&target, opts.placement)?;
-    let sync_out = match &opts.sync_out {
+    let sync_out = match &opts.output.sync_out {
         Some(path) => Some(
             SyncWriter::open(path, &SyncHeader::now(p.addr.to_string()))
                 .map_err(ProbeError::from)?,
@@ -156,12 +156,12 @@ pub fn run_record_on<T: StampedTransport>(
         end,
         vcpu: session_vcpu,
         vcpus,
-        trace_id: if opts.format == RecordFormat::TraceCmd {
+        trace_id: if opts.output.format == RecordFormat::TraceCmd {
             trace_id(&target, &st)
         } else {
             0
         },
-        out: opts.out.clone(),
+        out: opts.output.out.clone(),
         console_bytes,
         console: p.console.clone(),
         host_time: HostTime::Sync,
@@ -227,7 +227,7 @@ pub(super) fn record_loop<T: StampedTransport>(
         if p.stopped() {
             return Ok(EndReason::Stopped);
         }
-        if opts.duration.is_some_and(|d| started.elapsed() >= d) {
+        if opts.output.duration.is_some_and(|d| started.elapsed() >= d) {
             return Ok(EndReason::Duration);
         }
         if last_sync.elapsed() >= opts.resync {
@@ -239,7 +239,7 @@ pub(super) fn record_loop<T: StampedTransport>(
                 Err(e) => return Err(e.into()),
             }
         }
-        let want = opts.events.map_or(opts.drain_max, |n| {
+        let want = opts.output.events.map_or(opts.drain_max, |n| {
             u32::try_from(n.saturating_sub(st.events))
                 .unwrap_or(u32::MAX)
                 .min(opts.drain_max)
@@ -305,7 +305,7 @@ pub(super) fn record_loop<T: StampedTransport>(
                     round,
                     keyed: false,
                 };
-                out.push(&placed, &opts.out)?;
+                out.push(&placed, &opts.output.out)?;
                 st.widths.push(hi - lo);
                 st.events += 1;
                 got += 1;
@@ -323,7 +323,7 @@ pub(super) fn record_loop<T: StampedTransport>(
                 .sum::<u64>(),
             st.segments()
         ));
-        if opts.events.is_some_and(|n| st.events >= n) {
+        if opts.output.events.is_some_and(|n| st.events >= n) {
             return Ok(EndReason::Events);
         }
         if got == 0 {

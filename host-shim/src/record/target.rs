@@ -1,10 +1,34 @@
-//! What the output stage writes ([`Target`]), and the host TSC's TSC2NSEC every trace.dat of a
+//! What a recording writes and when it stops ([`OutputOptions`], the same for both front ends),
+//! what the output stage writes ([`Target`]), and the host TSC's TSC2NSEC every trace.dat of a
 //! recording carries: shared by the writers of `write.rs` and the streams of `stream.rs`.
 
 use std::path::PathBuf;
+use std::time::Duration;
 
 use super::{RecordFormat, RecordOptions};
 use crate::formats::tracedat::{self, FileVersion};
+
+/// The output and stop options both front ends take (`--out`, `--format`, `--file-version`,
+/// `--events`, `--duration-s`, `--sync-out`): a part of [`RecordOptions`] and of
+/// [`super::MemoryOptions`].
+#[derive(Clone, Debug)]
+pub struct OutputOptions {
+    /// The output file.
+    pub out: PathBuf,
+    /// Its format.
+    pub format: RecordFormat,
+    /// trace.dat version.
+    pub file_version: FileVersion,
+    /// Stop after this many events.
+    pub events: Option<u64>,
+    /// Stop after this long.
+    pub duration: Option<Duration>,
+    /// A sync file for the segments the events were placed by (`--sync-out`), so the
+    /// conversion the output used can be checked (`vmtsync validate`) or drawn (`plot`): the
+    /// protocol front end appends each round's segment as it is made, the memory front end
+    /// writes its segments when it ends (see `memory/mode.rs`).
+    pub sync_out: Option<PathBuf>,
+}
 
 /// What the output stage writes, whichever front end fed it.
 #[derive(Clone, Debug)]
@@ -26,9 +50,9 @@ impl Target {
     /// The protocol front end's target: named after the agent's address.
     pub(super) fn of(opts: &RecordOptions) -> Self {
         Self {
-            out: opts.out.clone(),
-            format: opts.format,
-            file_version: opts.file_version,
+            out: opts.output.out.clone(),
+            format: opts.output.format,
+            file_version: opts.output.file_version,
             source: opts.probe.addr.to_string(),
             spans: opts.spans.clone(),
         }

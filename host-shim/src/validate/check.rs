@@ -17,7 +17,7 @@ use serde::Serialize;
 use super::report::{ExitCheck, LagStats, ProbeReport, SegmentWorst, Verdict, quantiles, signed};
 use crate::exits::PioExit;
 use crate::ftrace::format::PioDirection;
-use crate::sync::{Placement, covering, place};
+use crate::sync::{Place, Placement, covering, place};
 use crate::syncfile::SyncSegment;
 
 /// Which side of its port I/O the guest recorded an event on.
@@ -57,22 +57,9 @@ pub struct IoEvent {
     pub port: u16,
     /// Its step's number: the low byte is the value the guest wrote with the step's `out`.
     pub seq: u64,
-    /// The conversion `record` wrote beside the event (its JSON Lines), used when there is
-    /// no sync file to convert with.
-    pub recorded: Option<Recorded>,
-}
-
-/// An event's conversion as `vmtsync record --format jsonl` wrote it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Recorded {
-    /// `host_tsc`: the event on the host's TSC.
-    pub host: u64,
-    /// `host_lo`: its guaranteed interval's lower end.
-    pub lo: u64,
-    /// `host_hi`: its guaranteed interval's upper end.
-    pub hi: u64,
-    /// `round`: the sync round whose segment placed it.
-    pub round: u64,
+    /// The conversion `record` wrote beside the event (its JSON Lines' `host_tsc`, `host_lo`,
+    /// `host_hi` and `round`), used when there is no sync file to convert with.
+    pub recorded: Option<Place>,
 }
 
 /// One `out` of a thread on the port and the exit a `--after` event follows: the `in` the
@@ -1059,7 +1046,7 @@ mod tests {
         let truth = |e: &IoEvent| e.guest_tsc.checked_add_signed(-OFFSET).unwrap();
         for e in &mut events {
             let h = truth(e);
-            e.recorded = Some(Recorded {
+            e.recorded = Some(Place {
                 host: h,
                 lo: h - 1_000,
                 hi: h + 2_000,

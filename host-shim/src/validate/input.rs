@@ -7,13 +7,14 @@ use std::fs::File;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 
-use super::check::{EventRule, IoEvent, Numbering, Recorded, Side, ValidateReport, check_placed};
+use super::check::{EventRule, IoEvent, Numbering, Side, ValidateReport, check_placed};
 use super::probes::{ProbeChecker, ports_of, read_probe_log};
 use super::report::{LinesEnd, ValidateError, each_line};
 use crate::exits::PioExit;
 use crate::formats::tracedat::consts::option;
 use crate::formats::tracedat::{for_each_record, read_event_formats, read_layout};
 use crate::ftrace::format::{EventFormat, KVM_PIO, KvmPioLayout};
+use crate::sync::Place;
 use crate::syncfile::SyncFile;
 
 /// Event id the agent's workload records right before its `out`
@@ -253,7 +254,7 @@ struct RawEvent {
     guest_tsc: u64,
     /// From the payload, when it has one.
     seq: Option<u64>,
-    recorded: Option<Recorded>,
+    recorded: Option<Place>,
 }
 
 /// The step number a payload carries: its first bytes, up to 8, little-endian.
@@ -306,7 +307,7 @@ fn jsonl_events(
             num("host_hi"),
             num("round"),
         ) {
-            (Some(host), Some(lo), Some(hi), Some(round)) => Some(Recorded {
+            (Some(host), Some(lo), Some(hi), Some(round)) => Some(Place {
                 host,
                 lo,
                 hi,
@@ -456,7 +457,7 @@ mod tests {
                     side: Side::BeforeOut,
                     port: 0x3f0,
                     seq: 0x102,
-                    recorded: Some(Recorded {
+                    recorded: Some(Place {
                         host: 1,
                         lo: 0,
                         hi: 2,

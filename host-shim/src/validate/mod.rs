@@ -30,8 +30,8 @@ pub mod report;
 pub(crate) mod testutil;
 
 pub use check::{
-    Conversion, EventRule, IoEvent, Numbering, PlacementName, REPORT_SCHEMA, Recorded, Side,
-    ValidateReport, Violation, Widths, check, check_placed,
+    Conversion, EventRule, IoEvent, Numbering, PlacementName, REPORT_SCHEMA, Side, ValidateReport,
+    Violation, Widths, check, check_placed,
 };
 pub use input::{ValidateOptions, validate, workload_rules};
 pub use probes::ProbeChecker;

@@ -30,7 +30,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail, ensure};
 use vmtsync::link::{FrameStamps, ProbeAddr, Received, StampedTransport, TransportError};
 use vmtsync::probe::{ProbeOptions, Progress};
-use vmtsync::record::{DRAIN_MAX, RecordFormat, RecordOptions, run_record_on};
+use vmtsync::record::{DRAIN_MAX, OutputOptions, RecordFormat, RecordOptions, run_record_on};
 use vmtsync_core::HostTicks;
 use vmtsync_launch::bench::{self, IngestBench, IngestSchema};
 use vmtsync_tests::vmm::agent_elf;
@@ -206,14 +206,16 @@ fn run(a: &Args) -> Result<IngestBench> {
     probe.shutdown = true;
     let opts = RecordOptions {
         probe,
-        out: dir.path().join("events.jsonl"),
-        format: RecordFormat::Jsonl,
-        file_version: vmtsync::formats::tracedat::FileVersion::V7,
-        events: None,
-        duration: Some(Duration::from_secs_f64(a.seconds)),
+        output: OutputOptions {
+            out: dir.path().join("events.jsonl"),
+            format: RecordFormat::Jsonl,
+            file_version: vmtsync::formats::tracedat::FileVersion::V7,
+            events: None,
+            duration: Some(Duration::from_secs_f64(a.seconds)),
+            sync_out: None,
+        },
         resync: Duration::from_millis(500),
         drain_max: a.drain_max,
-        sync_out: None,
         placement: vmtsync::sync::Placement::default(),
         spans: vmtsync::spans::SpanConfig::default(),
     };

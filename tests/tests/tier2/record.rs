@@ -266,7 +266,7 @@ fn qemu_flight_recorder_gives_the_newest_records_and_the_exact_overwritten_count
 fn vsock_ingest_keeps_every_sent_event_and_counts_the_rest() {
     use vmtsync::link::ProbeAddr;
     use vmtsync::probe::{ProbeOptions, Progress};
-    use vmtsync::record::{RecordFormat, RecordOptions, run_record_on};
+    use vmtsync::record::{OutputOptions, RecordFormat, RecordOptions, run_record_on};
     use vmtsync_tests::vmm::vsock::{VsockRig, ensure_vhost_device_vsock};
 
     let backend = ensure_vhost_device_vsock().expect("the vhost-device-vsock backend installs");
@@ -297,14 +297,16 @@ fn vsock_ingest_keeps_every_sent_event_and_counts_the_rest() {
     probe.shutdown = true;
     let opts = RecordOptions {
         probe,
-        out: out.clone(),
-        format: RecordFormat::Jsonl,
-        file_version: vmtsync::formats::tracedat::FileVersion::V7,
-        events: None,
-        duration: Some(Duration::from_secs(3)),
+        output: OutputOptions {
+            out: out.clone(),
+            format: RecordFormat::Jsonl,
+            file_version: vmtsync::formats::tracedat::FileVersion::V7,
+            events: None,
+            duration: Some(Duration::from_secs(3)),
+            sync_out: None,
+        },
         resync: Duration::from_millis(500),
         drain_max: vmtsync::record::DRAIN_MAX,
-        sync_out: None,
         placement: vmtsync::sync::Placement::default(),
         spans: vmtsync::spans::SpanConfig::default(),
     };

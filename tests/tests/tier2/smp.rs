@@ -481,7 +481,7 @@ fn continuous_all_vcpus_writes_each_vcpus_segments_holding_its_truth() {
 fn record_places_every_vcpus_events_with_its_own_sync() {
     use crate::util::{text, trace_cmd};
     use vmtsync::probe::Progress;
-    use vmtsync::record::{DRAIN_MAX, RecordFormat, RecordOptions, run_record};
+    use vmtsync::record::{DRAIN_MAX, OutputOptions, RecordFormat, RecordOptions, run_record};
     use vmtsync_core::GuestTicks;
     use vmtsync_core::mapping::KvmTscMapping;
 
@@ -506,16 +506,18 @@ fn record_places_every_vcpus_events_with_its_own_sync() {
         probe.shutdown = shutdown;
         let o = RecordOptions {
             probe,
-            out: out.to_owned(),
-            format,
-            file_version: vmtsync::formats::tracedat::FileVersion::V7,
-            // A time, not a count: a count would end the drain that reaches it early (the
-            // boot vCPU's ring drains first), a time takes every vCPU's events.
-            events: None,
-            duration: Some(Duration::from_secs(8)),
+            output: OutputOptions {
+                out: out.to_owned(),
+                format,
+                file_version: vmtsync::formats::tracedat::FileVersion::V7,
+                // A time, not a count: a count would end the drain that reaches it early (the
+                // boot vCPU's ring drains first), a time takes every vCPU's events.
+                events: None,
+                duration: Some(Duration::from_secs(8)),
+                sync_out: None,
+            },
             resync: Duration::from_millis(300),
             drain_max: DRAIN_MAX,
-            sync_out: None,
             placement: vmtsync::sync::Placement::default(),
             spans: vmtsync::spans::SpanConfig::default(),
         };

@@ -111,6 +111,19 @@ pub struct TraceCmdSample {
     pub fraction: i64,
 }
 
+impl TraceCmdSample {
+    /// The exact sample of an identity-rate mapping from guest tick `time` on: trace-cmd adds
+    /// the opposite of KVM's offset, unscaled.
+    fn identity(time: i64, map: KvmTscMapping) -> Self {
+        Self {
+            time,
+            offset: map.offset().wrapping_neg(),
+            scaling: 1,
+            fraction: 0,
+        }
+    }
+}
+
 /// Why segments cannot become a TIME_SHIFT trace-cmd reads correctly.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
@@ -316,12 +329,7 @@ fn plan_step(
     for (index, (s, &time)) in segments.iter().zip(starts).enumerate() {
         let part = range.and_then(|r| covered(starts, index, r));
         let sample = if s.map.is_identity_ratio() {
-            TraceCmdSample {
-                time,
-                offset: s.map.offset().wrapping_neg(),
-                scaling: 1,
-                fraction: 0,
-            }
+            TraceCmdSample::identity(time, s.map)
         } else {
             // Without events in range there is nothing to fit: any range gives a valid line.
             let (lo, hi) = part.unwrap_or((time.cast_unsigned(), time.cast_unsigned()));
@@ -411,12 +419,7 @@ fn plan_interpolate(
         if !s.map.is_identity_ratio() {
             return Err(TimeShiftError::InterpolateNeedsIdentity { cpu, index });
         }
-        samples.push(TraceCmdSample {
-            time,
-            offset: s.map.offset().wrapping_neg(),
-            scaling: 1,
-            fraction: 0,
-        });
+        samples.push(TraceCmdSample::identity(time, s.map));
     }
     let mut max_error = 0;
     if let (Some(range), true) = (range, samples.len() >= 2) {

@@ -31,8 +31,7 @@ use std::time::Duration;
 
 use super::beacons::BeaconStats;
 use super::launch::Resume;
-use super::{RecordError, RecordFormat, RecordSummary};
-use crate::formats::tracedat::FileVersion;
+use super::{OutputOptions, RecordError, RecordSummary};
 use crate::guestmem::{self, Location};
 use crate::kvm::debugfs::VmDir;
 use crate::probe::Progress;
@@ -47,16 +46,8 @@ pub struct MemoryOptions {
     pub proc_root: PathBuf,
     /// Where the recorder's header is.
     pub location: Location,
-    /// The output file.
-    pub out: PathBuf,
-    /// Its format.
-    pub format: RecordFormat,
-    /// trace.dat version.
-    pub file_version: FileVersion,
-    /// Stop after this many events.
-    pub events: Option<u64>,
-    /// Stop after this long.
-    pub duration: Option<Duration>,
+    /// The output file and format, when to stop, `--sync-out`.
+    pub output: OutputOptions,
     /// Time between two drain rounds that found nothing.
     pub poll: Duration,
     /// `--trust-raw-tsc`: the header's clock claim is taken as stated (width 0).
@@ -71,9 +62,6 @@ pub struct MemoryOptions {
     /// The VMM is paused and this resumes it (`record --from-memory -- VMM…`): the reader
     /// arms its trace first, so the guest's every exit follows a host time it took.
     pub paused: Option<Resume>,
-    /// `--sync-out`: the segments the recording placed its events by, written when it ends
-    /// (see `mode.rs`).
-    pub sync_out: Option<PathBuf>,
     /// `--tracefs` for the beacons' kvm_pio trace (default: the usual mount points).
     pub tracefs: Option<PathBuf>,
     /// How span records are named in the outputs that show spans.

@@ -50,7 +50,7 @@ fn stopped(opts: &MemoryOptions) -> bool {
 fn ended(opts: &MemoryOptions, started: Instant) -> Option<EndReason> {
     if stopped(opts) {
         Some(EndReason::Stopped)
-    } else if opts.duration.is_some_and(|d| started.elapsed() >= d) {
+    } else if opts.output.duration.is_some_and(|d| started.elapsed() >= d) {
         Some(EndReason::Duration)
     } else {
         None
@@ -259,9 +259,9 @@ impl<'a> Recording<'a> {
             (None, Mode::Exact) => None,
         };
         let target = Target {
-            out: opts.out.clone(),
-            format: opts.format,
-            file_version: opts.file_version,
+            out: opts.output.out.clone(),
+            format: opts.output.format,
+            file_version: opts.output.file_version,
             source: format!("memory of VMM {} at {:#x}", opts.vm.id.pid, found.addr),
             spans: opts.spans.clone(),
         };
@@ -426,7 +426,7 @@ impl<'a> Recording<'a> {
         self.release(false)?;
         self.last = now;
         self.after_round(round_start, progress)?;
-        if self.opts.events.is_some_and(|n| self.st.events >= n) {
+        if self.opts.output.events.is_some_and(|n| self.st.events >= n) {
             return Ok(Some(Ok(EndReason::Events)));
         }
         self.idle(&summary);
@@ -731,7 +731,7 @@ impl<'a> Recording<'a> {
             }
         }
         self.ms.unverified = self.st.unverified;
-        if let Some(path) = &self.opts.sync_out {
+        if let Some(path) = &self.opts.output.sync_out {
             write_sync_out(path, &self.target.source, &self.st)?;
         }
         let Self {
@@ -825,7 +825,7 @@ impl Done<'_> {
         if st.events == 0 && unplaced > 0 {
             return Err(RecordError::Unplaced {
                 read: unplaced,
-                out: opts.out.clone(),
+                out: opts.output.out.clone(),
                 why: if self.raw {
                     "no beacon was bracketed and KVM's mapping could not be used".into()
                 } else {
@@ -856,12 +856,12 @@ impl Done<'_> {
             end,
             vcpu: 0,
             vcpus: self.vcpus,
-            trace_id: if opts.format == RecordFormat::TraceCmd {
+            trace_id: if opts.output.format == RecordFormat::TraceCmd {
                 trace_id(&self.target, st)
             } else {
                 0
             },
-            out: opts.out.clone(),
+            out: opts.output.out.clone(),
             console_bytes: 0,
             console: None,
             host_time: match (self.mode, self.raw) {
@@ -907,6 +907,7 @@ impl Round<'_, '_> {
             if let (Some(run), Writer::Piped(pipe)) = (run, &mut *self.out) {
                 let left = self
                     .opts
+                    .output
                     .events
                     .map_or(u64::MAX, |n| n.saturating_sub(self.st.events));
                 let n = ring[i..]
@@ -960,7 +961,7 @@ impl Round<'_, '_> {
             }
             return Ok(());
         }
-        if self.opts.events.is_some_and(|n| st.events >= n) {
+        if self.opts.output.events.is_some_and(|n| st.events >= n) {
             self.ms.past_limit += 1;
             return Ok(());
         }
@@ -969,7 +970,7 @@ impl Round<'_, '_> {
             // Beacon mode: placed once the sync round after it is known, with the beacons on
             // both sides of it.
             Writer::Held { hold, .. } => {
-                hold.push(key, r, &self.opts.out)?;
+                hold.push(key, r, &self.opts.output.out)?;
                 st.events += 1;
                 return Ok(());
             }

@@ -301,39 +301,40 @@ impl State {
         })
     }
 
+    /// A spooled event placed with the rounds known now, and counted in the summary: its
+    /// width, or, for a point of KVM's mapping that no beacon verified (its vCPU has no beacon
+    /// segment), among the unverified (it has no guaranteed interval). `None`, counted, when
+    /// no round places it (it is not written).
+    pub(super) fn place_counted<'a>(&mut self, rec: &'a spool::Spooled) -> Option<Placed<'a>> {
+        let Some(p) = self.placed(rec) else {
+            self.unplaceable += 1;
+            self.events = self.events.saturating_sub(1);
+            return None;
+        };
+        let unverified = self
+            .index_of(rec.vcpu)
+            .is_some_and(|i| self.vcpus[i].segments.is_empty());
+        if unverified {
+            self.unverified += 1;
+        } else {
+            self.widths.push(p.hi - p.lo);
+        }
+        Some(p)
+    }
+
     /// Two-sided placement: the summary's widths are those of the final placement, with
     /// every round known (one more pass over the spool).
     pub(super) fn final_widths(&mut self, spool: &mut Spool) {
         let Ok(recs) = spool.iter() else {
             return;
         };
-        let mut w = Widths::default();
+        self.widths = Widths::default();
         for rec in recs {
             let Ok(rec) = rec else {
                 break;
             };
-            match self.place_as(rec.vcpu, rec.guest, self.placement) {
-                Some(p) => {
-                    // A point of KVM's mapping that no beacon verified has no guaranteed
-                    // interval: counted apart, not among the widths.
-                    let unverified = self
-                        .index_of(rec.vcpu)
-                        .is_some_and(|i| self.vcpus[i].segments.is_empty());
-                    if unverified {
-                        self.unverified += 1;
-                    } else {
-                        w.push(p.hi - p.lo);
-                    }
-                }
-                // Spooled before any round could place it (memory beacon mode spools every
-                // record) and still without one: not written, counted.
-                None => {
-                    self.unplaceable += 1;
-                    self.events = self.events.saturating_sub(1);
-                }
-            }
+            self.place_counted(&rec);
         }
-        self.widths = w;
     }
 }
 

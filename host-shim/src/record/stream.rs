@@ -438,7 +438,7 @@ impl PerfettoStream {
     #[inline]
     pub(super) fn push(&mut self, p: &Placed<'_>) -> Result<(), RecordError> {
         if let Some(w) = &mut self.w {
-            return write(w, p, self.keyed);
+            return write_perfetto_event(w, p, self.keyed);
         }
         let mut payload = [0u8; 16];
         let n = p.payload.len().min(16);
@@ -506,7 +506,7 @@ impl PerfettoStream {
                 round: 0,
                 keyed: self.keyed,
             };
-            write(&mut w, &p, self.keyed)?;
+            write_perfetto_event(&mut w, &p, self.keyed)?;
         }
         self.w = Some(w);
         Ok(())
@@ -536,7 +536,11 @@ impl PerfettoStream {
 /// One placed record into the Perfetto trace: a memory recording's boots share their rings'
 /// vCPU tracks, and a new boot abandons the spans the last one left open.
 #[inline]
-fn write(w: &mut PerfettoWriter, p: &Placed<'_>, keyed: bool) -> Result<(), RecordError> {
+pub(super) fn write_perfetto_event(
+    w: &mut PerfettoWriter,
+    p: &Placed<'_>,
+    keyed: bool,
+) -> Result<(), RecordError> {
     let (boot, vcpu) = if keyed {
         split_key(p.vcpu)
     } else {

@@ -239,7 +239,6 @@ pub(super) fn write_perfetto(
     st: &State,
 ) -> Result<(bool, u64), RecordError> {
     use crate::formats::perfetto::{DEFAULT_MACHINE_ID, PerfettoError, PerfettoOptions};
-    use crate::formats::{Bound, ExportEvent, Payload};
     let mut snaps = st.clocks.clone();
     snaps.extend(ClockSnapshot::take().ok());
     let clock = BootClock::new(snaps).map_err(PerfettoError::from)?;
@@ -254,32 +253,9 @@ pub(super) fn write_perfetto(
     w.set_spans(&opts.spans);
     for rec in s.iter().map_err(RecordError::io(&opts.out))? {
         let rec = rec.map_err(RecordError::io(&opts.out))?;
-        let Some((host, lo, hi)) = st.place(rec.vcpu, rec.guest) else {
-            continue;
-        };
-        // A memory recording's boots share their rings' tracks: a new boot abandons the
-        // spans the last one left open.
-        let boot = if st.keyed {
-            super::place::split_key(rec.vcpu).0
-        } else {
-            0
-        };
-        w.push_in_boot(
-            &ExportEvent {
-                // A memory recording's boots share their rings' vCPU tracks.
-                vcpu: if st.keyed {
-                    super::place::split_key(rec.vcpu).1
-                } else {
-                    rec.vcpu
-                },
-                id: rec.id,
-                guest_tsc: Some(rec.guest),
-                host_tsc: host,
-                bound: Some(Bound { lo, hi }),
-                payload: Payload::new(rec.payload()).unwrap_or_default(),
-            },
-            boot,
-        )?;
+        if let Some(p) = st.placed(&rec) {
+            super::stream::write_perfetto_event(&mut w, &p, st.keyed)?;
+        }
     }
     w.finish()?;
     Ok((false, 0))

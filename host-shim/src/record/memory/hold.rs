@@ -245,24 +245,12 @@ impl Epoch {
     }
 }
 
-/// `rec` placed with the rounds known now and written, counted in the summary's widths (a
-/// point of KVM's mapping that no beacon verified counts apart); one no round can place is
-/// counted and not written.
+/// `rec` placed with the rounds known now and written (counted: [`State::place_counted`]).
 fn write_placed(st: &mut State, w: &mut Out, rec: &Spooled, out: &Path) -> Result<(), RecordError> {
-    let Some(p) = st.placed(rec) else {
-        st.unplaceable += 1;
-        st.events = st.events.saturating_sub(1);
-        return Ok(());
-    };
-    let unverified = st
-        .index_of(rec.vcpu)
-        .is_some_and(|i| st.vcpus[i].segments.is_empty());
-    if unverified {
-        st.unverified += 1;
-    } else {
-        st.widths.push(p.hi - p.lo);
+    match st.place_counted(rec) {
+        Some(p) => w.push(&p, out),
+        None => Ok(()),
     }
-    w.push(&p, out)
 }
 
 #[cfg(test)]
@@ -288,14 +276,20 @@ mod tests {
         }
     }
 
-    fn target(d: &tempfile::TempDir) -> Target {
-        Target {
+    /// A JSON Lines output in a fresh directory, vCPUs 0 and 1 placed two-sided with no
+    /// segment yet, and a hold of `cap` records.
+    fn setup(cap: usize) -> (tempfile::TempDir, Target, State, Out, Hold) {
+        let d = tempfile::tempdir().unwrap();
+        let t = Target {
             out: d.path().join("out.jsonl"),
             format: RecordFormat::Jsonl,
             file_version: crate::formats::tracedat::FileVersion::V7,
             source: "test".into(),
             spans: crate::spans::SpanConfig::default(),
-        }
+        };
+        let st = State::new(&[0, 1], None, Placement::TwoSided);
+        let out = Out::create(&t, Placement::OneSided).unwrap();
+        (d, t, st, out, Hold::with_cap(cap))
     }
 
     /// A segment of vCPU `key` starting at guest tick `start` (offset [`OFFSET`], width 0).
@@ -328,11 +322,7 @@ mod tests {
     /// is counted, not written.
     #[test]
     fn records_wait_for_the_round_after_them_and_are_written_once_in_order() {
-        let d = tempfile::tempdir().unwrap();
-        let t = target(&d);
-        let mut st = State::new(&[0, 1], None, Placement::TwoSided);
-        let mut out = Out::create(&t, Placement::OneSided).unwrap();
-        let mut hold = Hold::new();
+        let (_d, t, mut st, mut out, mut hold) = setup(HOLD_RECORDS);
         for g in 2000..2010 {
             hold.push(0, &rec(0, g), &t.out).unwrap();
             st.events += 1;
@@ -364,11 +354,7 @@ mod tests {
     /// order once their vCPU has a segment.
     #[test]
     fn a_full_hold_places_what_it_can_and_spills_the_rest_in_order() {
-        let d = tempfile::tempdir().unwrap();
-        let t = target(&d);
-        let mut st = State::new(&[0, 1], None, Placement::TwoSided);
-        let mut out = Out::create(&t, Placement::OneSided).unwrap();
-        let mut hold = Hold::with_cap(4);
+        let (_d, t, mut st, mut out, mut hold) = setup(4);
         segment(&mut st, 0, 100);
         for g in 0..5 {
             hold.push(0, &rec(0, 2000 + g), &t.out).unwrap();

@@ -85,6 +85,10 @@ pub struct ScanStats {
     pub rejected: Vec<(u64, Rejected)>,
     /// Valid headers found (all of them, even beyond those kept).
     pub valid: u64,
+    /// Pages of valid recorders (their headers' spans) passed over unread. A recorder's rings
+    /// hold its records, whose bytes are not headers: nothing inside a valid header's span is
+    /// searched (read or not).
+    pub pages_in_recorders: u64,
 }
 
 /// Why no single recorder was found.
@@ -339,7 +343,9 @@ pub fn coalesce(regions: Vec<Region>) -> Vec<Region> {
 }
 
 /// Scans `regions`' writable mappings for valid headers: returns the first few (address
-/// order) and what it looked at. Memory use is one 1 MiB buffer and a page map slice.
+/// order) and what it looked at. A valid recorder's rings are passed over, not read (they hold
+/// its records: a magic word there is a record's bytes). Memory use is one 1 MiB buffer and a
+/// page map slice.
 ///
 /// # Errors
 /// Only errors that are not about one range (a range that will not read is skipped and
@@ -353,6 +359,8 @@ pub fn scan(
         ..ScanStats::default()
     };
     let mut found = Vec::new();
+    // The end of the last valid recorder's span: nothing before it is searched.
+    let mut past = 0;
     let mut buf = vec![0u8; SCAN_PAGES * PAGE_BYTES];
     let mut present = vec![false; SCAN_PAGES];
     for region in regions.iter().filter(|r| r.writable && r.end > r.start) {
@@ -361,7 +369,7 @@ pub fn scan(
         // Mappings are page-aligned; a fake's need not be, so round inwards.
         let mut page = region.start.div_ceil(PAGE_SIZE);
         let end_page = region.end / PAGE_SIZE;
-        while page < end_page {
+        'pages: while page < end_page {
             let n = usize::try_from((end_page - page).min(SCAN_PAGES as u64)).unwrap_or(1);
             let known = mem.resident(page, &mut present[..n])?;
             if !known {
@@ -387,7 +395,22 @@ pub fn scan(
                     continue;
                 }
                 stats.bytes_read += len as u64;
-                look_for_headers(mem, region, addr, &buf[..len], &mut found, &mut stats)?;
+                look_for_headers(
+                    mem,
+                    region,
+                    addr,
+                    &buf[..len],
+                    &mut found,
+                    &mut stats,
+                    &mut past,
+                )?;
+                // Past the rings of a recorder just found (they lie inside the mapping).
+                let (next, resume) = (page + i as u64, past.div_ceil(PAGE_SIZE));
+                if resume > next {
+                    stats.pages_in_recorders += resume.min(end_page) - next;
+                    page = resume;
+                    continue 'pages;
+                }
             }
             page += n as u64;
         }
@@ -395,8 +418,9 @@ pub fn scan(
     Ok((found, stats))
 }
 
-/// Checks every 64-byte boundary of `chunk` (read from `addr`) for the magic word, and
-/// re-reads and checks the header at each one found.
+/// Checks every 64-byte boundary of `chunk` (read from `addr`) at or after `past` for the
+/// magic word, and re-reads and checks the header at each one found; a valid one moves `past`
+/// to the end of its span.
 fn look_for_headers(
     mem: &mut impl GuestMemory,
     region: &Region,
@@ -404,18 +428,20 @@ fn look_for_headers(
     chunk: &[u8],
     found: &mut Vec<Found>,
     stats: &mut ScanStats,
+    past: &mut u64,
 ) -> Result<(), FindError> {
     let magic = MAGIC.to_le_bytes();
     for (k, line) in chunk.chunks_exact(ALIGN_BYTES).enumerate() {
-        if line[..8] != magic {
+        let at = addr + k as u64 * HEADER_ALIGN;
+        if line[..8] != magic || at < *past {
             continue;
         }
-        let at = addr + k as u64 * HEADER_ALIGN;
         // The header is read again on its own: it may cross into the next page, and the
         // guest may have changed it since the chunk was read.
         match check_at(mem, at, region) {
             Ok(f) => {
                 stats.valid += 1;
+                *past = f.addr.saturating_add(f.header.span());
                 if found.len() < MAX_KEPT {
                     found.push(f);
                 }

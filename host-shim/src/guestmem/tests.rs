@@ -301,6 +301,36 @@ fn a_copy_of_the_header_elsewhere_is_an_error_naming_both() {
     assert_eq!(f.addr, 0x4000_0040);
 }
 
+/// A recorder's rings are passed over, not read: a header-like copy inside them (a record's
+/// bytes, to the scan) is not a second recorder, and the pages past them are read.
+#[test]
+fn a_recorders_rings_are_not_scanned_for_headers() {
+    let (at, len) = (0x2000_0000, 4 << 20);
+    let h = header(2, 32_768, Mode::Overwrite);
+    let mut m = FakeMemory::new();
+    m.map(at, len, true);
+    publish(&mut m, at, &h);
+    // A copy in the first chunk read (inside ring 0) and one in a later chunk (ring 1).
+    for inside in [at + h.ring_offset(0) + 4096, at + h.ring_offset(1) + 4096] {
+        publish(&mut m, inside, &header(1, 8, Mode::Overwrite));
+    }
+    let regions = m.regions().expect("regions");
+    let (found, stats) = scan(&mut m, &regions).expect("scan");
+    assert_eq!(found.len(), 1, "{stats:?}");
+    assert_eq!(found[0].addr, at);
+    let unread = (at + h.span()).div_ceil(4096) - (at + (1 << 20)) / 4096;
+    assert_eq!(stats.pages_in_recorders, unread);
+    assert_eq!(stats.bytes_read, len as u64 - unread * 4096);
+    // A second recorder past the first one's rings is still found.
+    let after = (at + h.span()).next_multiple_of(4096) + 0x1000;
+    publish(&mut m, after, &header(1, 8, Mode::Overwrite));
+    let e = find(&mut m, Location::Scan).expect_err("two");
+    assert!(
+        matches!(e, FindError::Ambiguous { second, .. } if second == after),
+        "{e}"
+    );
+}
+
 #[test]
 fn pages_the_page_map_calls_absent_are_not_read() {
     let h = header(1, 8, Mode::Overwrite);

@@ -17,7 +17,9 @@
 //! The steps, each a file: [`recording::Armed`] opens the VMM's memory and finds the header
 //! (`recording.rs`), [`recording::Recording`] drains, places and writes round by round;
 //! `mapping.rs` reads KVM's mapping and places by it, `mode.rs` chooses exact or beacon mode
-//! and makes the beacons' segments, `vmm.rs` tells a VMM's exit from a guest's restart.
+//! and makes the beacons' segments, `pipe.rs` writes exact mode's rounds on a thread of their
+//! own, `hold.rs` keeps beacon mode's records until the sync round after them, `vmm.rs` tells
+//! a VMM's exit from a guest's restart.
 
 mod hold;
 mod mapping;

@@ -65,8 +65,8 @@ pub struct Place {
 /// interval than one-sided: it is intersected with it. The point estimate is the covering
 /// segment's line when it converts at identity rate (what a trace.dat TIME_SHIFT applies)
 /// and lies inside the interval; else the line through the anchors of the rounds around the
-/// event (the last two before it at the end of an epoch) when that lies inside; else the
-/// interval's midpoint (rounded down). It always lies inside the interval. `None` without a
+/// event, or, outside the epoch's rounds, the line from the nearest round's anchor at the
+/// epoch's newest rate, when that lies inside; else the interval's midpoint (rounded down). It always lies inside the interval. `None` without a
 /// segment or outside `u64`.
 #[must_use]
 pub fn place(segments: &[SyncSegment], g: u64, how: Placement) -> Option<Place> {
@@ -119,22 +119,23 @@ pub fn place(segments: &[SyncSegment], g: u64, how: Placement) -> Option<Place> 
         // wrong with a bracket, and the wider one-sided answer is the honest one.
         return Some(one);
     }
-    // Two rounds of the epoch around the event (or the last two before it): the line through
-    // their anchors, which follows the rate the rounds show rather than the worst case the
-    // interval allows.
-    let pair = if i + 1 < end {
-        Some((seg, &segments[i + 1]))
-    } else if i > 0 && !seg.is_break {
-        Some((&segments[i - 1], seg))
+    // Between two rounds of the epoch: the line through their anchors, which follows the rate
+    // the rounds show rather than the worst case the interval allows. Outside them (before the
+    // epoch's first round, after its last): the nearest round's anchor at the epoch's newest
+    // rate, which every round since the break refines (two anchors alone would extrapolate
+    // their own noise: two rounds 30 ms apart, each bracketed within ~100 µs, give a rate
+    // thousands of ppm off).
+    let inside = |p: &u64| (lo..=hi).contains(p);
+    let between = i + 1 < end && g >= seg.guest_start;
+    let line = if between {
+        through_anchors(seg, &segments[i + 1], g)
     } else {
-        None
+        corner(seg.host_anchor, g, seg.offset, newest.drift_ppb)
+            .and_then(|(f, _)| u64::try_from(f).ok())
     };
-    let host = if seg.drift_ppb == 0 && (lo..=hi).contains(&centre) {
+    let host = if seg.drift_ppb == 0 && inside(&centre) {
         centre
-    } else if let Some(p) = pair
-        .and_then(|(a, b)| through_anchors(a, b, g))
-        .filter(|p| (lo..=hi).contains(p))
-    {
+    } else if let Some(p) = line.filter(inside) {
         p
     } else {
         lo + (hi - lo) / 2

@@ -442,9 +442,9 @@ impl PerfettoWriter {
         let clock = &self.opts.clock;
         let hint = &mut self.pair_hint;
         // The trace processor keeps timestamps as signed 64-bit ns.
-        let Some(ts) = clock
-            .boottime_ns_near(host_tsc, hint)
-            .filter(|&t| i64::try_from(t).is_ok())
+        let Some((ts, error)) = clock
+            .boottime_and_error_near(host_tsc, hint)
+            .filter(|&(t, _)| i64::try_from(t).is_ok())
         else {
             self.summary.unmappable += 1;
             return Ok(());
@@ -452,11 +452,14 @@ impl PerfettoWriter {
         // The interval widened by what the snapshots' resolutions allow, so it still holds,
         // as distances from the timestamp (saturated: only wider).
         let interval = bound.and_then(|b| {
-            let (lo, hi) = if b.lo == host_tsc && b.hi == host_tsc {
-                clock.widened_at(host_tsc, ts, hint)
-            } else {
-                clock.widened_ns(b.lo, b.hi, hint)?
-            };
+            if b.lo == host_tsc && b.hi == host_tsc {
+                // Width 0 (an exact recording): the timestamp widened by its error
+                // ([`BootClock::widened_at`]), with `ts` below 2^63.
+                let before = i64::try_from(error.min(ts)).unwrap_or(i64::MAX);
+                let after = i64::try_from(error.min(u64::MAX - ts)).unwrap_or(i64::MAX);
+                return Some((before, after));
+            }
+            let (lo, hi) = clock.widened_ns(b.lo, b.hi, hint)?;
             let before = i128::from(ts) - i128::from(lo);
             let after = i128::from(hi) - i128::from(ts);
             let sat = |d: i128| i64::try_from(d).unwrap_or(if d < 0 { i64::MIN } else { i64::MAX });

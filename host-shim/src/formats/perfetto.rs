@@ -500,7 +500,11 @@ impl PerfettoWriter {
             .buf
             .get_mut(self.used..self.used + proto::EVENT_PACKET_MAX)
             .and_then(|s| <&mut [u8; proto::EVENT_PACKET_MAX]>::try_from(s).ok());
-        match slot.filter(|_| !first_use).and_then(|s| ev.write(s)) {
+        let written = match slot {
+            Some(s) if !first_use => ev.write(s),
+            _ => None,
+        };
+        match written {
             Some(n) => {
                 self.used += n;
                 self.summary.bytes += n as u64;

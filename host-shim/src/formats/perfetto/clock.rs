@@ -266,7 +266,7 @@ impl BootClock {
     /// lookup (the per-event path of an exact recording, whose width-0 interval is the
     /// timestamp widened by the error: [`Self::widened_at`]).
     #[must_use]
-    #[inline]
+    #[inline(always)]
     pub fn boottime_and_error_near(&self, tsc: u64, hint: &mut PairHint) -> Option<(u64, u64)> {
         let p = self.pair_near(tsc, hint);
         Some((p.ns(tsc)?, p.error_ns(tsc)))

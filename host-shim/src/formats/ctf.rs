@@ -41,6 +41,10 @@ const PACKET_HEADER: usize = 56;
 const COMPACT_SPAN: u64 = 1 << 31;
 /// A packet is written when its buffer reaches this size.
 pub const PACKET_BYTES: usize = 64 * 1024;
+/// The room kept after a packet's bytes (its buffer is this much larger than
+/// [`PACKET_BYTES`]): every event of fixed-size fields (a header and at most
+/// [`FIELDS_MAX`] + [`MAX_PAYLOAD`] bytes) is written straight into it.
+const EVENT_ROOM: usize = 256;
 /// The most streams (vCPUs, host CPUs) a trace holds: bounds memory whatever the input says.
 pub const MAX_STREAMS: usize = 512;
 /// The streams whose packets are written by a thread of their own (see the module docs).
@@ -166,7 +170,10 @@ struct Stream {
     sink: Sink,
     path: PathBuf,
     instance: u32,
+    /// The packet being filled: its first `used` bytes (the header's, filled in by
+    /// [`Self::flush`], then the events'); at least [`EVENT_ROOM`] more follow.
     buf: Vec<u8>,
+    used: usize,
     begin: u64,
     last: u64,
     seq: u64,
@@ -179,15 +186,18 @@ impl Stream {
     fn new(dir: &Path, prefix: &str, instance: u32, background: bool) -> io::Result<Self> {
         let path = dir.join(format!("{prefix}{instance}"));
         let file = File::create_new(&path)?;
+        let (sink, buf) = if background {
+            let (w, buf) = BackgroundFile::new(file, PACKET_BYTES + EVENT_ROOM)?;
+            (Sink::Background(w), buf)
+        } else {
+            (Sink::Direct(file), vec![0; PACKET_BYTES + EVENT_ROOM])
+        };
         Ok(Self {
-            sink: if background {
-                Sink::Background(BackgroundFile::new(file, PACKET_BYTES + 256)?.0)
-            } else {
-                Sink::Direct(file)
-            },
+            sink,
             path,
             instance,
-            buf: Self::empty_packet(),
+            buf,
+            used: PACKET_HEADER,
             begin: 0,
             last: 0,
             seq: 0,
@@ -195,10 +205,14 @@ impl Stream {
         })
     }
 
-    fn empty_packet() -> Vec<u8> {
-        let mut b = Vec::with_capacity(PACKET_BYTES + 256);
-        b.resize(PACKET_HEADER, 0);
-        b
+    /// The `n` bytes after the packet's (grown for an event longer than [`EVENT_ROOM`]).
+    #[inline]
+    fn room(&mut self, n: usize) -> &mut [u8] {
+        let end = self.used + n;
+        if self.buf.len() < end {
+            self.buf.resize(end, 0);
+        }
+        &mut self.buf[self.used..end]
     }
 
     /// Writes the packet: header (magic, stream class 0, instance) and context (first and
@@ -207,7 +221,7 @@ impl Stream {
         if self.in_packet == 0 {
             return Ok(());
         }
-        let bits = (self.buf.len() as u64) * 8;
+        let bits = (self.used as u64) * 8;
         let mut h = [0u8; PACKET_HEADER];
         h[0..4].copy_from_slice(&MAGIC.to_le_bytes());
         h[4..8].copy_from_slice(&0u32.to_le_bytes());
@@ -219,18 +233,16 @@ impl Stream {
         h[48..56].copy_from_slice(&self.seq.to_le_bytes());
         self.buf[..PACKET_HEADER].copy_from_slice(&h);
         match &mut self.sink {
-            Sink::Direct(f) => {
-                f.write_all(&self.buf)?;
-                self.buf.truncate(PACKET_HEADER);
-            }
+            Sink::Direct(f) => f.write_all(&self.buf[..self.used])?,
             Sink::Background(w) => {
-                let len = self.buf.len();
-                let mut next = w.submit(std::mem::take(&mut self.buf), len)?;
-                next.clear();
-                next.resize(PACKET_HEADER, 0);
+                let next = w.submit(std::mem::take(&mut self.buf), self.used)?;
                 self.buf = next;
             }
         }
+        if self.buf.len() < PACKET_BYTES + EVENT_ROOM {
+            self.buf.resize(PACKET_BYTES + EVENT_ROOM, 0);
+        }
+        self.used = PACKET_HEADER;
         self.seq += 1;
         self.in_packet = 0;
         Ok(())
@@ -330,21 +342,25 @@ impl CtfTrace {
         ts: u64,
         fields: &Fields,
     ) -> Result<bool, ExportError> {
-        self.event_with(instance, class, ts, |buf| {
-            // The whole array (a fixed-size copy), then back to the fields' length.
-            let end = buf.len() + fields.n;
-            buf.extend_from_slice(&fields.b);
-            buf.truncate(end);
+        self.event_with(instance, class, ts, FIELDS_MAX + MAX_PAYLOAD, |d| {
+            // The whole array (a fixed-size copy); only the fields' length counts.
+            if let Some(d) = d.first_chunk_mut::<{ FIELDS_MAX + MAX_PAYLOAD }>() {
+                *d = fields.b;
+            }
+            fields.n
         })
     }
 
-    #[inline]
+    /// One event whose fields `put` writes into the `room` bytes after its header (returning
+    /// how many it wrote): see [`Self::event`].
+    #[inline(always)]
     fn event_with(
         &mut self,
         instance: u32,
         class: u8,
         ts: u64,
-        put: impl FnOnce(&mut Vec<u8>),
+        room: usize,
+        put: impl FnOnce(&mut [u8]) -> usize,
     ) -> Result<bool, ExportError> {
         if self
             .streams
@@ -367,20 +383,24 @@ impl CtfTrace {
         // extended, so no reader has to know what the packet context did to its clock.
         // `docs/ctf.md`, "Layout".
         let step = ts - s.last;
-        if class == 0 && s.in_packet > 0 && step < COMPACT_SPAN {
+        let compact = class == 0 && s.in_packet > 0 && step < COMPACT_SPAN;
+        let d = s.room(10 + room);
+        let header = if compact {
             let word = (u32::try_from(ts & (COMPACT_SPAN - 1)).unwrap_or(0)) << 1;
-            s.buf.extend_from_slice(&word.to_le_bytes());
+            d[..4].copy_from_slice(&word.to_le_bytes());
+            4
         } else {
-            let mut header = [1, class, 0, 0, 0, 0, 0, 0, 0, 0];
-            header[2..].copy_from_slice(&ts.to_le_bytes());
-            s.buf.extend_from_slice(&header);
-        }
+            d[..2].copy_from_slice(&[1, class]);
+            d[2..10].copy_from_slice(&ts.to_le_bytes());
+            10
+        };
+        let n = put(&mut d[header..]);
+        s.used += header + n;
         s.last = ts;
-        put(&mut s.buf);
         s.in_packet += 1;
         self.events += 1;
         self.raised += u64::from(raised);
-        if s.buf.len() >= PACKET_BYTES {
+        if s.used >= PACKET_BYTES {
             s.flush().map_err(|source| ExportError::Write {
                 path: s.path.clone(),
                 source,
@@ -627,6 +647,10 @@ impl Fields {
     }
 }
 
+/// The most bytes of a `vmtsync:event`'s fields: id, vCPU, host and guest TSC, interval,
+/// payload length and payload.
+const GUEST_FIELDS_MAX: usize = 2 + 4 + 8 + 8 + 16 + 1 + MAX_PAYLOAD;
+
 /// The name of the guest event class.
 pub const GUEST_EVENT: &str = "vmtsync:event";
 
@@ -675,7 +699,7 @@ impl GuestCtf {
     ///
     /// # Errors
     /// The event lacks a field the trace declares, or writing failed.
-    #[inline]
+    #[inline(always)]
     pub fn push(&mut self, e: &ExportEvent) -> Result<(), ExportError> {
         // Most events are not span records: straight to their class (the per-event path).
         if e.is_span_record() {
@@ -685,8 +709,11 @@ impl GuestCtf {
         }
     }
 
-    /// The `vmtsync:event` of one event.
-    #[inline]
+    /// The `vmtsync:event` of one event, its fields written straight into the packet (inlined
+    /// into the caller, the event's fields are values in registers: building them in an
+    /// array first and copying that on waited on a store-forwarding stall per event, the
+    /// writer's costliest instruction by `perf`).
+    #[inline(always)]
     fn push_event(&mut self, e: &ExportEvent) -> Result<(), ExportError> {
         let guest = match (self.fields.guest_tsc, e.guest_tsc) {
             (false, _) => None,
@@ -706,19 +733,30 @@ impl GuestCtf {
                 ));
             }
         };
-        let mut f = Fields::default();
-        f.put(e.id.to_le_bytes());
-        f.put(e.vcpu.to_le_bytes());
-        f.put(e.host_tsc.to_le_bytes());
-        if let Some(g) = guest {
-            f.put(g.to_le_bytes());
-        }
-        if let Some(bd) = bound {
-            f.put(bd.lo.to_le_bytes());
-            f.put(bd.hi.to_le_bytes());
-        }
-        f.put_payload(&e.payload);
-        self.trace.event(e.vcpu, 0, e.host_tsc, &f)?;
+        let (id, vcpu, host, payload) = (e.id, e.vcpu, e.host_tsc, &e.payload);
+        self.trace
+            .event_with(vcpu, 0, host, GUEST_FIELDS_MAX, |d| {
+                let Some(d) = d.first_chunk_mut::<GUEST_FIELDS_MAX>() else {
+                    return 0;
+                };
+                d[..2].copy_from_slice(&id.to_le_bytes());
+                d[2..6].copy_from_slice(&vcpu.to_le_bytes());
+                d[6..14].copy_from_slice(&host.to_le_bytes());
+                let mut n = 14;
+                if let Some(g) = guest {
+                    d[n..n + 8].copy_from_slice(&g.to_le_bytes());
+                    n += 8;
+                }
+                if let Some(bd) = bound {
+                    d[n..n + 8].copy_from_slice(&bd.lo.to_le_bytes());
+                    d[n + 8..n + 16].copy_from_slice(&bd.hi.to_le_bytes());
+                    n += 16;
+                }
+                // The length byte, then all 16 bytes (a fixed-size move); only `len` count.
+                d[n] = payload.len;
+                d[n + 1..n + 1 + MAX_PAYLOAD].copy_from_slice(&payload.bytes);
+                n + 1 + usize::from(payload.len)
+            })?;
         Ok(())
     }
 

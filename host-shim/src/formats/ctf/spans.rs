@@ -84,7 +84,10 @@ impl CtfTrace {
         ts: u64,
         fields: &[u8],
     ) -> Result<bool, ExportError> {
-        self.event_with(instance, class, ts, |buf| buf.extend_from_slice(fields))
+        self.event_with(instance, class, ts, fields.len(), |d| {
+            d[..fields.len()].copy_from_slice(fields);
+            fields.len()
+        })
     }
 
     /// The last timestamp of `instance`'s stream, if it has one.

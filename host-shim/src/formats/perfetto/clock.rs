@@ -262,6 +262,16 @@ impl BootClock {
         self.pair_near(tsc, hint).ns(tsc)
     }
 
+    /// [`Self::boottime_ns_near`] and [`Self::error_ns`] of `tsc` together, through one pair
+    /// lookup (the per-event path of an exact recording, whose width-0 interval is the
+    /// timestamp widened by the error: [`Self::widened_at`]).
+    #[must_use]
+    #[inline(always)]
+    pub fn boottime_and_error_near(&self, tsc: u64, hint: &mut PairHint) -> Option<(u64, u64)> {
+        let p = self.pair_near(tsc, hint);
+        Some((p.ns(tsc)?, p.error_ns(tsc)))
+    }
+
     /// How far (ns) a BOOTTIME from [`Self::boottime_ns`] can be from the reading a snapshot
     /// taken at `tsc` would have given, from the snapshots' resolutions alone: each end of the
     /// pair used is off by up to half its resolution, which moves the line by at most that at
@@ -338,6 +348,7 @@ impl Pair {
 
 /// `ceil(d · growth / 2^64)`, saturating: at least `ceil(d · x)` for any `x ≤ growth / 2^64`,
 /// and less than 1 more when `growth` is `x · 2^64` rounded up.
+#[inline]
 fn grow(growth: u128, d: u64) -> u64 {
     let (gh, gl) = (
         u64::try_from(growth >> 64).unwrap_or(u64::MAX),
@@ -345,6 +356,11 @@ fn grow(growth: u128, d: u64) -> u64 {
     );
     let low = u128::from(d) * u128::from(gl);
     let up = u128::from(u64::try_from(low & u128::from(u64::MAX)).unwrap_or(0) != 0);
+    // Under 1 ns of growth per tick (snapshots finer than their span: every real pair), one
+    // product, whose rounded-up high half always fits (a branch that never changes).
+    if gh == 0 {
+        return u64::try_from((low >> 64) + up).unwrap_or(u64::MAX);
+    }
     let total = (u128::from(d) * u128::from(gh))
         .saturating_add(low >> 64)
         .saturating_add(up);
@@ -476,6 +492,15 @@ mod tests {
                 };
                 let general = c.widened_ns(tsc, tsc, &mut h2).unwrap();
                 assert_eq!(c.widened_at(tsc, ns, &mut h1), general, "tsc {tsc}");
+                let (ns2, e) = c
+                    .boottime_and_error_near(tsc, &mut PairHint(start))
+                    .unwrap();
+                assert_eq!((ns2, e), (ns, c.error_ns(tsc)), "tsc {tsc}");
+                assert_eq!(
+                    (ns.saturating_sub(e), ns.saturating_add(e)),
+                    general,
+                    "tsc {tsc}"
+                );
             }
         }
     }

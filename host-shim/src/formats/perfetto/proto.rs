@@ -335,7 +335,7 @@ impl EventPacket<'_> {
     /// prost's generic path cost ~16 times the trace.dat writer's time per event. (Sizing
     /// every field first and then writing, with no filling in, made more instructions: the
     /// sizes of nine fields held at once spill out of the registers.)
-    #[inline]
+    #[inline(always)]
     pub fn write(&self, out: &mut [u8; EVENT_PACKET_MAX]) -> Option<usize> {
         let mut c = OnePass { b: out, n: 0 };
         // Fields in tag order, as prost writes them. The packet: timestamp (8),

@@ -567,17 +567,11 @@ mod tests {
     use super::*;
     use crate::formats::tracedat::consts::option;
     use crate::formats::tracedat::timeshift::{decode, trace_cmd_host_time};
-    use crate::formats::tracedat::{FileVersion, read_layout, reader};
+    use crate::formats::tracedat::{read_layout, reader};
     use crate::record::RecordFormat;
 
     fn target(out: &std::path::Path) -> Target {
-        Target {
-            out: out.to_path_buf(),
-            format: RecordFormat::TraceCmd,
-            file_version: FileVersion::V7,
-            source: "test".into(),
-            spans: crate::spans::SpanConfig::default(),
-        }
+        Target::test(out, RecordFormat::TraceCmd)
     }
 
     fn placed(key: u32, guest: u64, host: u64, seq: u8) -> Placed<'static> {

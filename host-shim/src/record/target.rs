@@ -57,6 +57,18 @@ impl Target {
             spans: opts.spans.clone(),
         }
     }
+
+    /// A test's target: `out` in `format` (trace.dat v7), source "test", no span names.
+    #[cfg(test)]
+    pub(super) fn test(out: &std::path::Path, format: RecordFormat) -> Self {
+        Self {
+            out: out.to_path_buf(),
+            format,
+            file_version: FileVersion::V7,
+            source: "test".into(),
+            spans: crate::spans::SpanConfig::default(),
+        }
+    }
 }
 
 /// The TSC2NSEC option of the host's TSC frequency ([`crate::formats::ctf::host_tsc_hz`]):

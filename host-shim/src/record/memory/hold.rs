@@ -280,13 +280,7 @@ mod tests {
     /// segment yet, and a hold of `cap` records.
     fn setup(cap: usize) -> (tempfile::TempDir, Target, State, Out, Hold) {
         let d = tempfile::tempdir().unwrap();
-        let t = Target {
-            out: d.path().join("out.jsonl"),
-            format: RecordFormat::Jsonl,
-            file_version: crate::formats::tracedat::FileVersion::V7,
-            source: "test".into(),
-            spans: crate::spans::SpanConfig::default(),
-        };
+        let t = Target::test(&d.path().join("out.jsonl"), RecordFormat::Jsonl);
         let st = State::new(&[0, 1], None, Placement::TwoSided);
         let out = Out::create(&t, Placement::OneSided).unwrap();
         (d, t, st, out, Hold::with_cap(cap))

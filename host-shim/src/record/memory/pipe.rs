@@ -258,13 +258,7 @@ mod tests {
     #[test]
     fn rounds_are_written_in_order_with_their_placements() {
         let d = tempfile::tempdir().unwrap();
-        let target = Target {
-            out: d.path().join("out.jsonl"),
-            format: RecordFormat::Jsonl,
-            file_version: crate::formats::tracedat::FileVersion::V7,
-            source: "test".into(),
-            spans: crate::spans::SpanConfig::default(),
-        };
+        let target = Target::test(&d.path().join("out.jsonl"), RecordFormat::Jsonl);
         let out = Out::create(&target, Placement::OneSided).unwrap();
         let mut pipe = Pipe::start(out, target.out.clone()).unwrap();
         let key = boot_key(1, 0);

@@ -10,18 +10,25 @@
 
 use std::path::Path;
 
-use vmtsync_tests::truth::truth_mapping;
+use vmtsync_core::{GuestTicks, HostTicks};
+use vmtsync_tests::truth::{GuestTruth, Skew, truth_mapping};
 
 use crate::ctf::{assert_ns, bt2_events, cli_events, ctf_ready, metadata_hz};
 use crate::perfetto::{
     boottime_ns, mapped, mapped_streamed, node_ready, slices, snapshots, trace_processor,
 };
-use crate::util::{boot_qemu, exact_host, qemu_ready, scratch, text, vmtsync};
+use crate::util::{anchor_ready, boot_qemu, exact_host, qemu_ready, scratch, text, vmtsync};
 
 crate::trials!(
     ctf_memory_ready; record_from_memory_into_ctf_reads_back_exactly_in_babeltrace2;
     perfetto_memory_ready; record_from_memory_into_perfetto_reads_back_exactly_in_the_trace_processor;
+    beacon_outputs_ready; beacon_mode_streams_ctf_and_perfetto_whose_intervals_hold_the_truth;
 );
+
+/// Both readers, and the host's `kvm_pio` tracepoint (beacon mode traces it).
+fn beacon_outputs_ready(test: &str) -> bool {
+    ctf_ready(test) && node_ready(test) && anchor_ready(test)
+}
 
 /// [`ctf_ready`] (babeltrace2, python3-bt2) and QEMU with the debugfs truth.
 fn ctf_memory_ready(test: &str) -> bool {
@@ -39,11 +46,12 @@ const RATE: u64 = 200_000;
 const COUNT: u64 = 10_000;
 const WORKLOAD_EVENT: u64 = 0x100;
 
-/// Boots the agent with its workload in memory; returns QEMU's guard.
-fn boot(dir: &Path) -> vmtsync_tests::ChildGuard {
+/// Boots the agent with its workload in memory (`extra`: more of its options); returns
+/// QEMU's guard.
+fn boot(dir: &Path, extra: &str) -> vmtsync_tests::ChildGuard {
     let (guard, _sock) = boot_qemu(
         dir,
-        &format!("transport=none workload={RATE},{COUNT} beacons=100"),
+        &format!("transport=none workload={RATE},{COUNT} beacons=100 {extra}"),
     );
     guard
 }
@@ -81,7 +89,7 @@ fn seq(payload: &[u8]) -> u64 {
 /// interval, `guest_tsc`) the same; the babeltrace2 CLI shows the same cycles.
 fn record_from_memory_into_ctf_reads_back_exactly_in_babeltrace2() {
     let dir = scratch("memory-outputs-ctf");
-    let mut guard = boot(dir.path());
+    let mut guard = boot(dir.path(), "");
     let pid = guard.child().id();
     let out = dir.path().join("trace");
     let stderr = record_memory(pid, &out, "ctf");
@@ -133,7 +141,7 @@ fn record_from_memory_into_perfetto_reads_back_exactly_in_the_trace_processor() 
     let tp = trace_processor();
     let dir = scratch("memory-outputs-perfetto");
     let before = boottime_ns();
-    let mut guard = boot(dir.path());
+    let mut guard = boot(dir.path(), "");
     let pid = guard.child().id();
     let trace = dir.path().join("guest.perfetto-trace");
     let stderr = record_memory(pid, &trace, "perfetto");
@@ -199,4 +207,92 @@ fn record_from_memory_into_perfetto_reads_back_exactly_in_the_trace_processor() 
         all[0].ts,
         all[all.len() - 1].ts
     );
+}
+
+/// Tier 2 (babeltrace2 and the trace processor): beacon mode streams CTF and Perfetto too
+/// (docs/record.md, "Memory recordings stream"). The agent's clock is a software skew of the
+/// raw TSC (derived from the host TSC when the test starts, +100 ppm), so its header says clock
+/// 1 and only its beacons place it. Each reader shows every workload event once, in sequence,
+/// its interval holding the host time at which the skewed clock read its value, by the truth
+/// (KVM's mapping from debugfs, then the skew), and its point inside: babeltrace2 in host
+/// ticks (`host_lo`, `host_hi`, `host_tsc`), the trace processor on BOOTTIME through the
+/// trace's own snapshots.
+fn beacon_mode_streams_ctf_and_perfetto_whose_intervals_hold_the_truth() {
+    let tp = trace_processor();
+    let skew = Skew::pick();
+    for format in ["ctf", "perfetto"] {
+        let dir = scratch(&format!("memory-outputs-beacons-{format}"));
+        let mut guard = boot(dir.path(), &skew.agent_option());
+        let pid = guard.child().id();
+        let out = dir.path().join(format);
+        let mut c = vmtsync();
+        c.args(["record", "--from-memory", "--vm", &pid.to_string()])
+            .args(["--format", format, "--events", &COUNT.to_string()])
+            .args(["--duration", "60", "--no-progress", "--out"])
+            .arg(&out);
+        let o = crate::util::guarded_output(&mut c, &[]);
+        let stderr = text(&o.stderr);
+        assert!(o.status.success(), "record --format {format}: {stderr}");
+        assert!(
+            stderr.contains("host time beacons (kvm_pio brackets)")
+                && stderr.contains(&format!("recorded {COUNT} events")),
+            "{format}: {stderr}"
+        );
+        let truth = GuestTruth::read(pid, 0, Some(skew)).expect("truth from debugfs");
+        drop(guard);
+        println!("record --from-memory {format} (beacons): {}", stderr.trim());
+        if format == "ctf" {
+            let bt = bt2_events(&[&out]);
+            assert_eq!(bt.len() as u64, COUNT, "every event in babeltrace2");
+            for (i, e) in bt.iter().enumerate() {
+                assert_eq!((e.f("vcpu"), e.f("id")), (0, WORKLOAD_EVENT), "{e:?}");
+                assert_eq!(seq(&e.payload()), i as u64, "event {i} in sequence: {e:?}");
+                let (lo, hi, host) = (e.f("host_lo"), e.f("host_hi"), e.f("host_tsc"));
+                assert!(
+                    truth.in_bracket(HostTicks(lo), GuestTicks(e.f("guest_tsc")), HostTicks(hi)),
+                    "event {i}'s interval misses the truth: {e:?}"
+                );
+                assert!((lo..=hi).contains(&host), "event {i}'s point: {e:?}");
+            }
+            println!(
+                "babeltrace2: {} events, each interval holding the truth",
+                bt.len()
+            );
+        } else {
+            let exact = truth.composed().expect("the truth as one mapping");
+            let snaps = snapshots(&tp, &out);
+            let mut all = slices(&tp, &out);
+            assert_eq!(all.len() as u64, COUNT, "every event is a slice");
+            let key = |s: &crate::perfetto::Slice| {
+                let p = s.payload.as_deref().expect("payload argument");
+                u64::from_str_radix(p, 16)
+                    .expect("hex payload")
+                    .swap_bytes()
+            };
+            all.sort_by_key(key);
+            for (i, s) in all.iter().enumerate() {
+                assert_eq!(key(s), i as u64, "event {i} in sequence: {s:?}");
+                let g = u64::try_from(s.guest_tsc.expect("guest_tsc")).unwrap();
+                // The skewed clock floors: the truth lies within a tick of the floor.
+                let host = exact
+                    .try_host_from_guest_floor(GuestTicks(g))
+                    .expect("in range")
+                    .0;
+                let (lo, hi) = (s.lo_ns.unwrap(), s.hi_ns.unwrap());
+                let (t0, t1) = (
+                    mapped(&snaps, i128::from(host)),
+                    mapped(&snaps, i128::from(host) + 1),
+                );
+                assert!(
+                    lo <= t1 && t0 <= hi,
+                    "event {i}: its true host time ({t0}..{t1} ns) outside its interval: {s:?}"
+                );
+                assert!(lo <= s.ts && s.ts <= hi, "event {i}'s point: {s:?}");
+            }
+            println!(
+                "trace processor: {} events, each interval holding the truth",
+                all.len()
+            );
+        }
+    }
 }

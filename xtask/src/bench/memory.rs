@@ -1450,7 +1450,10 @@ fn memory_section(m: &Measured) -> Result<Section> {
         "The C guest (`tests/c-guest/`, recording through the C ABI's `MemRecorder` in ring 3) \
          under QEMU microvm on KVM; the reader is `vmtsync record --from-memory --trust-raw-tsc \
          --format trace-cmd|perfetto|ctf` (width-0 placement from KVM's debugfs mapping; the \
-         beacon mode would add kvm_pio tracing and is not measured here), reading the VMM's \
+         guest names a beacon port, so the reader also traces its kvm_pio exits to check the \
+         mapping against its beacons, in a tracefs instance it sets up beside the drain and \
+         removes at the end, inside the whole run; beacon mode's placement is not measured \
+         here), reading the VMM's \
          memory with `{}` (what `ProcMemory::open` chose on this host). Host TSC {} kHz. The \
          guest's options are on its kernel command line: `ring=R events=N tsc_khz=K hold` for \
          the prefilled rings, `ring=65536 events=N rate=1000000 tsc_khz=K flight hold` for the \

@@ -454,8 +454,8 @@ impl PerfettoWriter {
         // as distances from the timestamp (saturated: only wider).
         let interval = bound.and_then(|b| {
             if b.lo == host_tsc && b.hi == host_tsc {
-                // Width 0 (an exact recording): the timestamp widened by its error
-                // ([`BootClock::widened_at`]), with `ts` below 2^63.
+                // Width 0 (an exact recording): the timestamp widened by its error on both
+                // sides (`BootClock::boottime_and_error_near`), with `ts` below 2^63.
                 let before = i64::try_from(error.min(ts)).unwrap_or(i64::MAX);
                 let after = i64::try_from(error.min(u64::MAX - ts)).unwrap_or(i64::MAX);
                 return Some((before, after));

@@ -39,7 +39,8 @@ pub(super) const HOLD_RECORDS: usize = 1 << 19;
 
 /// The records waiting for their round after, per vCPU key, in ring order.
 pub(super) struct Hold {
-    queues: Vec<(u32, VecDeque<Spooled>)>,
+    /// Per vCPU key: its records and where its newest epoch starts.
+    queues: Vec<(u32, VecDeque<Spooled>, EpochStart)>,
     held: usize,
     /// When the hold was full: records of vCPUs that had no segment, in order, and those
     /// vCPUs (their later records follow them there until they are written).
@@ -82,10 +83,11 @@ impl Hold {
         if self.spilled.contains(&key) {
             return self.spill_one(&rec, out);
         }
-        let q = match self.queues.iter().position(|(k, _)| *k == key) {
+        let q = match self.queues.iter().position(|(k, ..)| *k == key) {
             Some(i) => &mut self.queues[i].1,
             None => {
-                self.queues.push((key, VecDeque::new()));
+                self.queues
+                    .push((key, VecDeque::new(), EpochStart::default()));
                 &mut self.queues.last_mut().expect("just pushed").1
             }
         };
@@ -118,11 +120,11 @@ impl Hold {
         out: &Path,
     ) -> Result<(), RecordError> {
         self.release_spill(st, w, out, false)?;
-        for (key, q) in &mut self.queues {
+        for (key, q, start) in &mut self.queues {
             let Some(v) = st.index_of(*key) else {
                 continue;
             };
-            let epoch = Epoch::of(&st.vcpus[v].segments);
+            let epoch = start.epoch(&st.vcpus[v].segments);
             while let Some(rec) = q
                 .front()
                 .filter(|r| epoch.is_some_and(|e| e.ready(&st.vcpus[v].segments, r.guest)))
@@ -141,7 +143,7 @@ impl Hold {
     /// The hold is full: records of vCPUs with a segment are placed now, the others spilled.
     fn overflow(&mut self, st: &mut State, w: &mut Out, out: &Path) -> Result<(), RecordError> {
         let mut queues = std::mem::take(&mut self.queues);
-        for (key, q) in &mut queues {
+        for (key, q, _) in &mut queues {
             let placeable = st
                 .index_of(*key)
                 .is_some_and(|i| !st.vcpus[i].segments.is_empty());
@@ -199,7 +201,7 @@ impl Hold {
     ) -> Result<(), RecordError> {
         self.release(st, w, out)?;
         self.release_spill(st, w, out, true)?;
-        for (_, q) in &mut self.queues {
+        for (_, q, _) in &mut self.queues {
             for rec in q.drain(..) {
                 write_placed(st, w, &rec, out)?;
             }
@@ -217,24 +219,45 @@ struct Epoch {
     span: u64,
 }
 
-impl Epoch {
-    fn of(segs: &[SyncSegment]) -> Option<Self> {
+/// Where a vCPU's newest epoch starts (its last break, else its first segment), kept as its
+/// segments grow: each round looks only at the segments added since the last, not at all of
+/// a long recording's.
+#[derive(Clone, Copy, Debug, Default)]
+struct EpochStart {
+    seen: usize,
+    first: usize,
+}
+
+impl EpochStart {
+    /// The newest epoch of `segs` (the vCPU's segments, which only grow).
+    fn epoch(&mut self, segs: &[SyncSegment]) -> Option<Epoch> {
+        if self.seen > segs.len() {
+            *self = Self::default();
+        }
+        if let Some(k) = segs[self.seen..].iter().rposition(|s| s.is_break) {
+            self.first = self.seen + k;
+        }
+        self.seen = segs.len();
         let newest = segs.last()?;
-        let first = segs.iter().rposition(|s| s.is_break).unwrap_or(0);
-        Some(Self {
-            first,
-            span: newest.guest_start.saturating_sub(segs[first].guest_start),
+        Some(Epoch {
+            first: self.first,
+            span: newest
+                .guest_start
+                .saturating_sub(segs[self.first].guest_start),
         })
     }
+}
 
+impl Epoch {
     /// Whether a record at guest tick `g` is placed now (see the module docs).
     fn ready(self, segs: &[SyncSegment], g: u64) -> bool {
         let i = segs.partition_point(|s| s.guest_start <= g);
         let Some(next) = segs.get(i) else {
             return false;
         };
-        // The covering segment's epoch ended before the newest one began.
-        if i > 0 && i - 1 < self.first && segs[i..=self.first].iter().any(|s| s.is_break) {
+        // The covering segment (`i - 1`) lies before the newest epoch's break: its epoch
+        // ended there.
+        if i > 0 && i <= self.first {
             return true;
         }
         let near = match i.checked_sub(1) {
@@ -392,7 +415,9 @@ mod tests {
                 },
             )
         };
-        let ready = |segs: &[SyncSegment], g: u64| Epoch::of(segs).unwrap().ready(segs, g);
+        let ready = |segs: &[SyncSegment], g: u64| {
+            EpochStart::default().epoch(segs).unwrap().ready(segs, g)
+        };
         let k = SPAN_PER_DISTANCE;
         let mut segs = vec![seg(1000, false), seg(1000 + 100 * k, false)];
         assert!(ready(&segs, 1000 + 100 * k - 100), "100 from a round");
@@ -404,5 +429,32 @@ mod tests {
         segs.push(seg(1000 + 200 * k, true));
         assert!(ready(&segs, 1000 + 150 * k), "its epoch ended at the break");
         assert!(!ready(&segs, 1001 + 200 * k), "no round after it");
+    }
+
+    /// The epoch kept as the segments grow is the one found by looking at all of them.
+    #[test]
+    fn the_epoch_kept_as_segments_grow_is_the_one_of_all_of_them() {
+        let mut segs = Vec::new();
+        let mut kept = EpochStart::default();
+        for (k, is_break) in [false, false, true, false, false, true, true, false]
+            .into_iter()
+            .enumerate()
+        {
+            let start = 1000 * (k as u64 + 1);
+            let r = Reading {
+                offset: 0,
+                before: start,
+                after: start,
+            };
+            segs.push(SyncSegment {
+                is_break,
+                ..exact_segment(0, 0, start, r)
+            });
+            let (a, b) = (
+                kept.epoch(&segs).unwrap(),
+                EpochStart::default().epoch(&segs).unwrap(),
+            );
+            assert_eq!((a.first, a.span), (b.first, b.span), "{k}");
+        }
     }
 }

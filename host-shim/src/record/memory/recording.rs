@@ -705,13 +705,8 @@ impl<'a> Recording<'a> {
         let released = self.release(true);
         self.sum_counts();
         // A raw-TSC guest whose beacons disagree with KVM's mapping does not record the raw
-        // TSC: the mapping gives no point then, the beacons do.
+        // TSC: the mapping gives no point then, the beacons do (`release` dropped its points).
         let exact_points = self.use_mapping && self.ms.beacon_stats.disagree == 0;
-        if !exact_points {
-            for v in &mut self.st.vcpus {
-                v.exact.clear();
-            }
-        }
         if self.mode == Mode::Beacons {
             if let Writer::Held { hold, .. } = &self.out {
                 self.ms.early_placed = hold.early;

@@ -366,18 +366,19 @@ static void start_aps(uint32_t vcpus, uint64_t ms) {
 }
 
 static void put_tally(const struct tally *t) {
-    puts_com1(" events ");
-    putu(t->recorded, 10);
-    puts_com1(" refused ");
-    putu(t->refused, 10);
-    puts_com1(" beacons ");
-    putu(t->beacons, 10);
-    puts_com1(" tsc0 0x");
-    putu(t->tsc0, 16);
-    puts_com1(" tsc1 0x");
-    putu(t->tsc1, 16);
-    puts_com1(" failed ");
-    putu(t->failed, 10);
+    const struct {
+        const char *label;
+        uint64_t value;
+        unsigned base;
+    } fields[] = {
+        {" events ", t->recorded, 10}, {" refused ", t->refused, 10},
+        {" beacons ", t->beacons, 10}, {" tsc0 0x", t->tsc0, 16},
+        {" tsc1 0x", t->tsc1, 16},     {" failed ", t->failed, 10},
+    };
+    for (unsigned i = 0; i < sizeof fields / sizeof fields[0]; i++) {
+        puts_com1(fields[i].label);
+        putu(fields[i].value, fields[i].base);
+    }
     if (t->failed != 0) {
         puts_com1(" first error -");
         putu((uint64_t)(-(int64_t)t->first_error), 10);

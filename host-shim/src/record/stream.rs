@@ -288,9 +288,12 @@ impl TraceDatStream {
             part.last = l.tsc;
         }
         part.events += n.saturating_sub(1) as u64;
-        for r in &records[..n] {
-            self.w.push(cpu, r.tsc, u32::from(r.id), r.payload())?;
-        }
+        self.w.push_padded(
+            cpu,
+            records[..n]
+                .iter()
+                .map(|r| (r.tsc, u32::from(r.id), r.payload().len(), &r.payload)),
+        )?;
         Ok(n)
     }
 

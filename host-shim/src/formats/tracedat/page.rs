@@ -48,7 +48,24 @@ impl PageBuf {
     #[inline]
     pub(super) fn try_push(&mut self, ts: u64, id: u32, payload: &[u8]) -> bool {
         debug_assert!(payload.len() <= MAX_PAYLOAD);
-        let size = if payload.is_empty() {
+        let mut padded = [0u8; MAX_PAYLOAD];
+        let len = payload.len().min(MAX_PAYLOAD);
+        padded[..len].copy_from_slice(&payload[..len]);
+        self.try_push_padded(ts, id, len, &padded)
+    }
+
+    /// [`Self::try_push`] of the payload `padded[..len]`, whose bytes past `len` are zero (`len`
+    /// at most [`MAX_PAYLOAD`]): every store has a fixed size.
+    #[inline(always)]
+    pub(super) fn try_push_padded(
+        &mut self,
+        ts: u64,
+        id: u32,
+        len: usize,
+        padded: &[u8; MAX_PAYLOAD],
+    ) -> bool {
+        debug_assert!(len <= MAX_PAYLOAD);
+        let size = if len == 0 {
             EVENT_SIZE
         } else {
             EVENT_DATA_SIZE
@@ -56,23 +73,23 @@ impl PageBuf {
         let Some((at, event_delta)) = self.reserve(ts, size) else {
             return false;
         };
-        // The record is assembled in registers and stored with one copy: header word, then
-        // common_type, zero flags/preempt_count/pid, id (little endian throughout). type_len
+        // The record is assembled in registers and stored in fixed-size pieces: header word,
+        // then common_type, zero flags/preempt_count/pid, id; for `event_data` then the
+        // length, its padding and the 16 payload bytes (little endian throughout). type_len
         // counts 4-byte words of data: 3 for `event`, 8 for `event_data`.
-        if payload.is_empty() {
-            let w0 = u64::from(3 | (event_delta << 5)) | (u64::from(EVENT_ID) << 32);
-            let w1 = u64::from(id) << 32;
-            let rec = (u128::from(w1) << 64) | u128::from(w0);
-            self.buf[at..at + 16].copy_from_slice(&rec.to_le_bytes());
+        let (type_len, event) = if len == 0 {
+            (3, EVENT_ID)
         } else {
-            let mut rec = [0u8; 4 + EVENT_DATA_SIZE];
-            let w0 = u64::from(8 | (event_delta << 5)) | (u64::from(EVENT_DATA_ID) << 32);
-            rec[..8].copy_from_slice(&w0.to_le_bytes());
-            rec[12..16].copy_from_slice(&id.to_le_bytes());
-            let len = u16::try_from(payload.len()).unwrap_or(0);
-            rec[16..18].copy_from_slice(&len.to_le_bytes());
-            rec[20..20 + payload.len()].copy_from_slice(payload);
-            self.buf[at..at + rec.len()].copy_from_slice(&rec);
+            (8, EVENT_DATA_ID)
+        };
+        let w0 = u64::from(type_len | (event_delta << 5)) | (u64::from(event) << 32);
+        let w1 = u64::from(id) << 32;
+        let head = (u128::from(w1) << 64) | u128::from(w0);
+        self.buf[at..at + 16].copy_from_slice(&head.to_le_bytes());
+        if len > 0 {
+            let n = u32::try_from(len).unwrap_or(0);
+            self.buf[at + 16..at + 20].copy_from_slice(&n.to_le_bytes());
+            self.buf[at + 20..at + 20 + MAX_PAYLOAD].copy_from_slice(padded);
         }
         true
     }

@@ -282,6 +282,59 @@ impl TraceDatWriter {
         self.append(cpu, ts, |page| page.try_push(ts, id, payload))
     }
 
+    /// Appends events to `cpu` in order, as [`Self::push`] of each would: `(ts, id, len,
+    /// padded)` is an event whose payload is `padded[..len]` with the bytes past `len` zero.
+    /// One lookup of the CPU for all of them, and fixed-size stores per event (the memory
+    /// path's runs of plain records). Stops at the first error; the events before it are
+    /// written.
+    ///
+    /// # Errors
+    /// As [`Self::push`].
+    pub fn push_padded<'a>(
+        &mut self,
+        cpu: u32,
+        events: impl IntoIterator<Item = (u64, u32, usize, &'a [u8; MAX_PAYLOAD])>,
+    ) -> Result<(), TraceDatError> {
+        let ncpus = self.opts.cpus;
+        let Self {
+            cpus,
+            out,
+            pos,
+            tmp,
+            main,
+            ..
+        } = self;
+        let Some(c) = cpus.get_mut(cpu as usize) else {
+            return Err(TraceDatError::CpuOutOfRange { cpu, cpus: ncpus });
+        };
+        for (ts, id, len, padded) in events {
+            if len > MAX_PAYLOAD {
+                return Err(TraceDatError::PayloadTooLong {
+                    len,
+                    max: MAX_PAYLOAD,
+                });
+            }
+            if c.events > 0 && ts < c.last {
+                return Err(TraceDatError::NotMonotonic {
+                    cpu,
+                    ts,
+                    last: c.last,
+                });
+            }
+            if !c.page.try_push_padded(ts, id, len, padded) {
+                flush_page(c, out, main, pos).map_err(TraceDatError::io("write", tmp.path()))?;
+                let pushed = c.page.try_push_padded(ts, id, len, padded);
+                debug_assert!(pushed, "a record always fits an empty page");
+            }
+            if c.events == 0 {
+                c.first = ts;
+            }
+            c.events += 1;
+            c.last = ts;
+        }
+        Ok(())
+    }
+
     /// Appends a record of one of the other event types the file describes (the function
     /// graph's, [`super::funcgraph`]): `data` from `common_type` on, a multiple of 4 bytes
     /// from 8 to 112. The same ordering rule as [`Self::push`].

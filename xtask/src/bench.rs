@@ -23,7 +23,8 @@
 //! - `vmtsync record`'s event and round widths per agent boot (`vmtsync-probe-bench --record`);
 //! - the memory reader on a live C guest (`vmtsync record --from-memory`: the ceiling into
 //!   trace.dat, Perfetto and CTF, a raw copy of the same bytes with `pread` and with
-//!   `process_vm_readv` and the drain's round costs through `examples/mem_copy`, peak RSS at
+//!   `process_vm_readv` and the drain's round costs through `examples/mem_copy`, the output's
+//!   write alone (the trace.dat's bytes into a fresh file), peak RSS at
 //!   ~1 M and ~10 M events, 1 M events/s into a 64 Ki ring, its CPU per million events, the
 //!   scan of a 4 GiB guest's memory through `examples/mem_scan`);
 //! - SeaBIOS's time to its first boot attempt, stock and with its POST phases recorded;

@@ -17,6 +17,17 @@ pub(crate) fn temp_path(prefix: &str, name: &str) -> (TempDir, PathBuf) {
     (dir, path)
 }
 
+/// `name` in a fresh [`temp_dir`], written with `contents`, with the guard that removes it.
+pub(crate) fn temp_file(
+    prefix: &str,
+    name: &str,
+    contents: impl AsRef<[u8]>,
+) -> (TempDir, PathBuf) {
+    let (dir, path) = temp_path(prefix, name);
+    std::fs::write(&path, contents).unwrap();
+    (dir, path)
+}
+
 /// Writes `contents` to `rel` below `root`, creating the directories on the way (the debugfs
 /// and /proc fixture trees).
 pub(crate) fn write_fixture(root: &Path, rel: &str, contents: impl AsRef<[u8]>) {

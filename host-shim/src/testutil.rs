@@ -1,6 +1,6 @@
 //! Fixtures the unit tests of several modules share.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use tempfile::TempDir;
 
@@ -15,4 +15,23 @@ pub(crate) fn temp_path(prefix: &str, name: &str) -> (TempDir, PathBuf) {
     let dir = temp_dir(prefix);
     let path = dir.path().join(name);
     (dir, path)
+}
+
+/// `name` in a fresh [`temp_dir`], written with `contents`, with the guard that removes it.
+pub(crate) fn temp_file(
+    prefix: &str,
+    name: &str,
+    contents: impl AsRef<[u8]>,
+) -> (TempDir, PathBuf) {
+    let (dir, path) = temp_path(prefix, name);
+    std::fs::write(&path, contents).unwrap();
+    (dir, path)
+}
+
+/// Writes `contents` to `rel` below `root`, creating the directories on the way (the debugfs
+/// and /proc fixture trees).
+pub(crate) fn write_fixture(root: &Path, rel: &str, contents: impl AsRef<[u8]>) {
+    let path = root.join(rel);
+    std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+    std::fs::write(path, contents).unwrap();
 }

@@ -9,6 +9,7 @@ use std::path::PathBuf;
 use clap::{Args, Subcommand};
 
 use super::exit::CliError;
+use super::host_copy::HostCopyArgs;
 use super::mapping::MappingArgs;
 use super::source::{find_vcpu, not_nested, single_vm, vm_name};
 use crate::formats::tracedat::plan::{AttachMapping, AttachPlan, plan};
@@ -42,6 +43,7 @@ pub enum TraceCmdCommand {
 /// `vmtsync trace-cmd attach`.
 #[derive(Debug, Args)]
 #[command(mut_arg("vcpu", |a| a.requires("sync")))]
+#[command(mut_arg("host_trace", |a| a.alias("host")))]
 pub struct AttachArgs {
     /// The guest's trace.dat (trace-cmd record/extract in the guest, x86-tsc clock).
     #[arg(long = "from", alias = "guest", value_name = "GUEST.dat")]
@@ -59,31 +61,16 @@ pub struct AttachArgs {
     /// flags=0, exact). Needed for segments with a non-zero drift.
     #[arg(long, requires = "sync")]
     pub interpolate: bool,
-    /// A host trace.dat to pair with the guest: a copy with the GUEST option (guest name,
-    /// its TRACEID, vCPU -> host thread) goes to --host-out, for
-    /// `trace-cmd report -i HOST_OUT.dat -i OUT.dat`. The threads come from --vm or
-    /// --vcpu-pid.
-    #[arg(
-        long = "host-trace",
-        alias = "host",
-        value_name = "HOST.dat",
-        requires = "host_output"
-    )]
-    pub host: Option<PathBuf>,
-    /// Where the host copy goes.
-    #[arg(
-        long = "host-out",
-        alias = "host-output",
-        value_name = "HOST_OUT.dat",
-        requires = "host"
-    )]
-    pub host_output: Option<PathBuf>,
+    /// The host trace to pair with the guest's (`--host-trace`, old spelling `--host`;
+    /// `--host-out`); the vCPU threads come from --vm or --vcpu-pid.
+    #[command(flatten)]
+    pub host: HostCopyArgs,
     /// With --host-trace but without --vm: guest CPU N runs on host thread PID (repeat per CPU).
-    #[arg(long, value_name = "N=PID", requires = "host", conflicts_with = "vm",
+    #[arg(long, value_name = "N=PID", requires = "host_trace", conflicts_with = "vm",
           value_parser = parse_cpu_pid)]
     pub vcpu_pid: Vec<(u32, u32)>,
     /// The guest's name in the GUEST option (default: the VM's name, else the guest file's).
-    #[arg(long, value_name = "NAME", requires = "host")]
+    #[arg(long, value_name = "NAME", requires = "host_trace")]
     pub guest_name: Option<String>,
     /// The largest worst-case error in ticks accepted from trace-cmd's 64-bit arithmetic.
     #[arg(long, value_name = "TICKS", default_value_t = 1)]
@@ -187,8 +174,8 @@ fn run_attach(a: &AttachArgs) -> Result<(), CliError> {
         );
     }
     // The host's TRACEID is the TIME_SHIFT's peer id.
-    let host = match (&a.host, &a.host_output) {
-        (Some(input), Some(output)) => {
+    let host = match a.host.paths() {
+        Some((input, output)) => {
             let (vm_name, pids) = match &vm {
                 Some((n, p)) => (Some(n.clone()), p.clone()),
                 None => (None, a.vcpu_pid.clone()),

@@ -77,14 +77,9 @@ pub(super) fn run_export_ctf(a: &CtfArgs) -> Result<(), CliError> {
             s.ctf.streams,
             s.ctf.dir.display(),
             opts.tsc_hz,
-            if s.undecodable > 0 {
-                format!(
-                    "; skipped {} kvm_pio records that did not decode",
-                    s.undecodable
-                )
-            } else {
-                String::new()
-            }
+            note(s.undecodable, |n| format!(
+                "; skipped {n} kvm_pio records that did not decode"
+            ))
         );
         return Ok(());
     }
@@ -106,16 +101,16 @@ pub(super) fn run_export_ctf(a: &CtfArgs) -> Result<(), CliError> {
         s.streams,
         s.dir.display(),
         opts.tsc_hz,
-        if s.raised > 0 {
-            format!(
-                "; {} timestamps raised to their stream's previous one to stay in order (their host_tsc field is exact)",
-                s.raised
-            )
-        } else {
-            String::new()
-        }
+        note(s.raised, |n| format!(
+            "; {n} timestamps raised to their stream's previous one to stay in order (their host_tsc field is exact)"
+        ))
     );
     Ok(())
+}
+
+/// The summary line's note on `n` events of one kind (`text` of them), empty for none.
+fn note(n: u64, text: impl FnOnce(u64) -> String) -> String {
+    if n > 0 { text(n) } else { String::new() }
 }
 
 #[cfg(test)]

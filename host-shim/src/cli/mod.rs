@@ -42,6 +42,7 @@ pub mod export;
 pub mod export_ctf;
 pub mod export_perf;
 pub mod export_perfetto;
+pub mod host_copy;
 pub mod kvm;
 pub mod mapping;
 mod number;

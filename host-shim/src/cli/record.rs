@@ -42,19 +42,9 @@ pub struct RecordArgs {
     /// No progress line on stderr.
     #[arg(long)]
     pub no_progress: bool,
-    /// A host trace.dat (trace-cmd extract, x86-tsc clock) to pair with the guest trace: a copy
-    /// of it with the GUEST option (this guest's name, trace id, vCPU -> host thread) is
-    /// written to --host-out, so `trace-cmd report -i HOST_OUT -i GUEST.dat` shows both.
-    #[arg(long, value_name = "HOST.dat", requires = "host_output")]
-    pub host_trace: Option<PathBuf>,
-    /// Where the host trace's copy goes (the input is never modified).
-    #[arg(
-        long = "host-out",
-        alias = "host-output",
-        value_name = "OUT.dat",
-        requires = "host_trace"
-    )]
-    pub host_output: Option<PathBuf>,
+    /// The host trace to pair with the guest's (`--host-trace`, `--host-out`).
+    #[command(flatten)]
+    pub host: super::host_copy::HostCopyArgs,
     /// The VM (PID, PID-FD or name) whose vCPU thread goes into the GUEST option, and whose
     /// vCPU threads' exits anchor the sync rounds (default for --anchor: the only VM).
     #[arg(long, value_name = "PID|NAME")]
@@ -294,12 +284,12 @@ pub(super) fn run_record_cmd(a: &RecordArgs) -> Result<(), CliError> {
             "--duration-s must be a non-negative number of seconds".into(),
         ));
     }
-    if a.host_trace.is_some() && a.format != FormatArg::TraceCmd {
+    if a.host.host_trace.is_some() && a.format != FormatArg::TraceCmd {
         return Err(CliError::Usage(
             "--host-trace pairs a host trace with a trace-cmd format recording".into(),
         ));
     }
-    if a.host_trace.is_some() && a.vm.is_none() && a.memory.vmm.is_empty() {
+    if a.host.host_trace.is_some() && a.vm.is_none() && a.memory.vmm.is_empty() {
         return Err(CliError::Usage(
             "--host-trace needs the VM: --vm, or with --from-memory the VMM's command line \
              after `--`"
@@ -307,19 +297,16 @@ pub(super) fn run_record_cmd(a: &RecordArgs) -> Result<(), CliError> {
         ));
     }
     // The VM's vCPU threads, read before recording so a wrong --vm fails at once.
-    let host = match (&a.host_trace, &a.host_output, &a.vm) {
-        (Some(input), Some(output), Some(sel)) => {
+    let host = match (a.host.paths(), &a.vm) {
+        (Some((input, output)), Some(sel)) => {
             let vm = super::source::single_vm(&a.source, sel)?;
-            Some((input.clone(), output.clone(), vm))
+            Some((input, output, vm))
         }
         _ => None,
     };
     let Some(connect) = a.protocol.connect.clone() else {
         let (s, vm) = run_record_memory_cmd(a)?;
-        let host = match (&a.host_trace, &a.host_output) {
-            (Some(input), Some(output)) => Some((input.clone(), output.clone(), vm)),
-            _ => None,
-        };
+        let host = a.host.paths().map(|(input, output)| (input, output, vm));
         return host_copy(host, &s);
     };
     install_stop_handler();

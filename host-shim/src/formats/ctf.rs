@@ -715,24 +715,8 @@ impl GuestCtf {
     /// writer's costliest instruction by `perf`).
     #[inline(always)]
     fn push_event(&mut self, e: &ExportEvent) -> Result<(), ExportError> {
-        let guest = match (self.fields.guest_tsc, e.guest_tsc) {
-            (false, _) => None,
-            (true, Some(g)) => Some(g),
-            (true, None) => {
-                return Err(ExportError::Unsupported(
-                    "an event without a guest TSC in a trace that declares one".into(),
-                ));
-            }
-        };
-        let bound = match (self.fields.bound, e.bound) {
-            (false, _) => None,
-            (true, Some(b)) => Some(b),
-            (true, None) => {
-                return Err(ExportError::Unsupported(
-                    "an event without its interval in a trace that declares one".into(),
-                ));
-            }
-        };
+        let guest = declared(self.fields.guest_tsc, e.guest_tsc, "a guest TSC")?;
+        let bound = declared(self.fields.bound, e.bound, "its interval")?;
         let (id, vcpu, host, payload) = (e.id, e.vcpu, e.host_tsc, &e.payload);
         self.trace
             .event_with(vcpu, 0, host, GUEST_FIELDS_MAX, |d| {
@@ -767,6 +751,20 @@ impl GuestCtf {
     pub fn finish(mut self) -> Result<CtfSummary, ExportError> {
         self.finish_spans()?;
         self.trace.finish()
+    }
+}
+
+/// An event's optional field where the trace's class has it or not: `None` where the class
+/// leaves it out, the value where it declares it, and an error where it declares a field the
+/// event lacks (`what`: the field, as the message names it).
+#[inline(always)]
+fn declared<T>(declares: bool, value: Option<T>, what: &str) -> Result<Option<T>, ExportError> {
+    match (declares, value) {
+        (false, _) => Ok(None),
+        (true, Some(v)) => Ok(Some(v)),
+        (true, None) => Err(ExportError::Unsupported(format!(
+            "an event without {what} in a trace that declares one"
+        ))),
     }
 }
 

@@ -292,10 +292,14 @@ format:
 print fmt: \"pio_%s at 0x%x size %d count %d val 0x%x %s\", REC->rw ? \"write\" : \"read\", REC->port, REC->size, REC->count, REC->val, REC->count > 1 ? \"(...)\" : \"\"
 ";
 
-    fn record(words: &[(usize, &[u8])], len: usize) -> Vec<u8> {
-        let mut r = vec![0u8; len];
-        for (at, bytes) in words {
-            r[*at..*at + bytes.len()].copy_from_slice(bytes);
+    /// A kvm_pio record (type 110, its pid at 4) whose own fields, `rw`, `port`, `size`,
+    /// `count` and `val` (4 bytes each), start at `at`.
+    fn kvm_pio_record(at: usize, pid: i32, fields: [u32; 5]) -> Vec<u8> {
+        let mut r = vec![0u8; at + 4 * fields.len()];
+        r[..2].copy_from_slice(&110u16.to_le_bytes());
+        r[4..8].copy_from_slice(&pid.to_le_bytes());
+        for (word, v) in r[at..].chunks_exact_mut(4).zip(fields) {
+            word.copy_from_slice(&v.to_le_bytes());
         }
         r
     }
@@ -315,18 +319,7 @@ print fmt: \"pio_%s at 0x%x size %d count %d val 0x%x %s\", REC->rw ? \"write\" 
     #[test]
     fn decodes_a_record_through_its_description() {
         let layout = KvmPioLayout::new(&EventFormat::parse(KVM_PIO_FORMAT).unwrap()).unwrap();
-        let r = record(
-            &[
-                (0, &110u16.to_le_bytes()),
-                (4, &4242i32.to_le_bytes()),
-                (8, &1u32.to_le_bytes()),
-                (12, &0x3f8u32.to_le_bytes()),
-                (16, &1u32.to_le_bytes()),
-                (20, &1u32.to_le_bytes()),
-                (24, &0x5au32.to_le_bytes()),
-            ],
-            28,
-        );
+        let r = kvm_pio_record(8, 4242, [1, 0x3f8, 1, 1, 0x5a]);
         assert_eq!(
             layout.decode(&r),
             Some(KvmPio {
@@ -362,18 +355,7 @@ print fmt: \"pio_%s at 0x%x size %d count %d val 0x%x %s\", REC->rw ? \"write\" 
             .replace("offset:12;", "offset:16;")
             .replace("offset:8;", "offset:12;");
         let layout = KvmPioLayout::new(&EventFormat::parse(&moved).unwrap()).unwrap();
-        let r = record(
-            &[
-                (0, &110u16.to_le_bytes()),
-                (4, &7i32.to_le_bytes()),
-                (12, &0u32.to_le_bytes()),
-                (16, &0x510u32.to_le_bytes()),
-                (20, &1u32.to_le_bytes()),
-                (24, &1u32.to_le_bytes()),
-                (28, &9u32.to_le_bytes()),
-            ],
-            32,
-        );
+        let r = kvm_pio_record(12, 7, [0, 0x510, 1, 1, 9]);
         let pio = layout.decode(&r).unwrap();
         assert_eq!(
             (pio.port, pio.direction, pio.val),

@@ -152,6 +152,7 @@ fn parse_name_opts(s: &str) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testutil::write_fixture;
 
     fn cmd(args: &[&str]) -> Vec<u8> {
         let mut v = Vec::new();
@@ -197,10 +198,8 @@ mod tests {
     fn fixture_proc() {
         let tmp = crate::testutil::temp_dir("vmtsync-proc-");
         let dir = tmp.path();
-        let p = dir.join("42");
-        fs::create_dir_all(&p).unwrap();
-        fs::write(p.join("comm"), "qemu-system-x86\n").unwrap();
-        fs::write(p.join("cmdline"), cmd(&["qemu", "-name", "guest=vm7"])).unwrap();
+        write_fixture(dir, "42/comm", "qemu-system-x86\n");
+        write_fixture(dir, "42/cmdline", cmd(&["qemu", "-name", "guest=vm7"]));
         let procfs = ProcFs::new(dir);
         let info = procfs.process(42);
         assert_eq!(info.comm.as_deref(), Some("qemu-system-x86"));

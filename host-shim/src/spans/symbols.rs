@@ -275,15 +275,13 @@ mod tests {
     /// inside a function is named by it.
     #[test]
     fn names_come_from_a_real_image_of_each_class() {
-        let dir = tempfile::tempdir().unwrap();
-        let src = dir.path().join("f.c");
-        std::fs::write(
-            &src,
+        let (dir, src) = crate::testutil::temp_file(
+            "vmtsync-symbols-",
+            "f.c",
             "int alpha(int x) { return x * 3 + 1; }\n\
              int beta(int x) { return alpha(x) + alpha(x + 1); }\n\
              void _start(void) { for (;;) beta(2); }\n",
-        )
-        .unwrap();
+        );
         for m in ["-m32", "-m64"] {
             let out = dir.path().join(format!("f{m}.elf"));
             let st = Command::new("gcc")

@@ -435,17 +435,15 @@ mod tests {
 
     #[test]
     fn jsonl_recordings_give_their_workload_events_and_bad_lines_are_named() {
-        let dir = tempfile::tempdir().unwrap();
-        let p = dir.path().join("g.jsonl");
-        std::fs::write(
-            &p,
+        let (_dir, p) = crate::testutil::temp_file(
+            "vmtsync-validate-",
+            "g.jsonl",
             concat!(
                 "{\"schema\":1,\"vcpu\":0,\"id\":256,\"guest_tsc\":10,\"host_tsc\":1,\"host_lo\":0,\"host_hi\":2,\"payload\":\"0201000000000000\",\"round\":0}\n",
                 "{\"schema\":1,\"vcpu\":0,\"id\":7,\"guest_tsc\":11,\"payload\":\"\"}\n",
                 "{\"schema\":1,\"vcpu\":1,\"id\":257,\"guest_tsc\":12,\"payload\":\"0201000000000000\"}\n",
             ),
-        )
-        .unwrap();
+        );
         let rules = workload_rules(0x3f0);
         let ev = guest_events(&p, &rules).unwrap();
         assert_eq!(

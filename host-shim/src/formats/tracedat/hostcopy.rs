@@ -178,10 +178,17 @@ pub(super) fn copy_with_options(
         .set_permissions(std::os::unix::fs::PermissionsExt::from_mode(0o644))
         .map_err(io("chmod"))?;
     let mut src = File::open(input).map_err(TraceDatError::io("open", input))?;
-    let mut out = tmp.as_file();
+    let out = tmp.as_file();
+    let job = CopyJob {
+        layout,
+        src: &mut src,
+        out,
+        opts,
+        out_path: &tmp_path,
+    };
     let expect = match layout.version {
-        7 => append_v7(layout, &mut src, &mut out, opts, &tmp_path)?,
-        _ => insert_v6(layout, &mut src, &mut out, opts, &tmp_path)?,
+        7 => job.append_v7()?,
+        _ => job.insert_v6()?,
     };
     out.sync_all().map_err(io("sync"))?;
     let l = verify_copy(&tmp_path, &expect)?;
@@ -200,134 +207,147 @@ struct Expect {
     options: usize,
 }
 
-fn append_v7(
-    layout: &Layout,
-    src: &mut File,
-    out: &mut &File,
-    opts: &[u8],
-    out_path: &Path,
-) -> Result<Expect, TraceDatError> {
-    let io = |what| TraceDatError::io(what, out_path);
-    let copied = std::io::copy(src, out).map_err(io("copy the host trace into"))?;
-    if copied != layout.file_len {
-        return Err(TraceDatError::Verify {
-            path: out_path.to_path_buf(),
-            reason: format!("copied {copied} bytes of {}", layout.file_len),
-        });
-    }
-    let mut strings = Strings {
-        bytes: Vec::new(),
-        base: layout.strings_size,
-    };
-    let mut b = Vec::new();
-    let mut body = opts.to_vec();
-    put(&mut body, option::DONE, &0u64.to_le_bytes());
-    strings.section_header(&mut b, option::DONE, "options", body.len() as u64);
-    b.extend_from_slice(&body);
-    let strings_id = strings.id("strings");
-    let sbody = strings.bytes.clone();
-    b.extend_from_slice(&option::STRINGS.to_le_bytes());
-    b.extend_from_slice(&0u16.to_le_bytes());
-    b.extend_from_slice(&strings_id.to_le_bytes());
-    b.extend_from_slice(&(sbody.len() as u64).to_le_bytes());
-    b.extend_from_slice(&sbody);
-    out.write_all(&b).map_err(io("write"))?;
-    out.write_all_at(&layout.file_len.to_le_bytes(), layout.options_end)
-        .map_err(io("write"))?;
-    Ok(Expect {
-        buffers: tables(layout, 0),
-        options: layout.options.len() + count_options(opts),
-    })
+/// What both ways of writing the copy work from: the input's layout and file, the copy being
+/// written and its path, and the encoded options to add (no DONE).
+struct CopyJob<'a> {
+    layout: &'a Layout,
+    src: &'a mut File,
+    out: &'a File,
+    opts: &'a [u8],
+    out_path: &'a Path,
 }
 
-fn insert_v6(
-    layout: &Layout,
-    src: &mut File,
-    out: &mut &File,
-    opts: &[u8],
-    out_path: &Path,
-) -> Result<Expect, TraceDatError> {
-    let io = |what| TraceDatError::io(what, out_path);
-    let unsupported = |reason: &str| TraceDatError::Unsupported {
-        path: out_path.to_path_buf(),
-        reason: format!("{reason}: convert it with `trace-cmd convert --file-version 7` first"),
-    };
-    let (Some(fly_end), true) = (layout.flyrecord_end, layout.options_end > 0) else {
-        return Err(unsupported("v6 file without options and flyrecord data"));
-    };
-    let ps = u64::from(layout.page_size);
-    // Every absolute offset must point past the top table, where the shift is whole pages.
-    let data_offsets: Vec<u64> = layout
-        .buffers
-        .iter()
-        .flat_map(|b| b.cpus.iter().filter(|c| c.size > 0).map(|c| c.offset))
-        .collect();
-    let instance_at: Vec<u64> = layout
-        .options_with(option::BUFFER)
-        .map(|o| u64::from_le_bytes(o.data[..8].try_into().unwrap_or([0; 8])))
-        .collect();
-    if data_offsets
-        .iter()
-        .chain(&instance_at)
-        .any(|&o| o < fly_end)
-    {
-        return Err(unsupported("v6 data before the end of the top CPU table"));
-    }
-    let ins = opts.len() as u64;
-    let shift = ins.next_multiple_of(ps);
-    // prefix | new options | end marker, "flyrecord", table, clock | padding | the rest.
-    let copy = |out: &mut &File, from: u64, len: u64| -> Result<(), TraceDatError> {
-        let mut part = src.try_clone().map_err(io("read the host trace for"))?;
-        std::io::Seek::seek(&mut part, std::io::SeekFrom::Start(from))
-            .map_err(io("read the host trace for"))?;
-        let n = std::io::copy(&mut part.take(len), out).map_err(io("copy the host trace into"))?;
-        if n == len {
-            Ok(())
-        } else {
-            Err(TraceDatError::Verify {
-                path: out_path.to_path_buf(),
-                reason: format!("copied {n} of {len} bytes at {from}"),
-            })
+impl CopyJob<'_> {
+    /// v7: the input copied whole, then a new options section linked from its last one.
+    fn append_v7(self) -> Result<Expect, TraceDatError> {
+        let mut out = self.out;
+        let io = |what| TraceDatError::io(what, self.out_path);
+        let copied = std::io::copy(self.src, &mut out).map_err(io("copy the host trace into"))?;
+        if copied != self.layout.file_len {
+            return Err(TraceDatError::Verify {
+                path: self.out_path.to_path_buf(),
+                reason: format!("copied {copied} bytes of {}", self.layout.file_len),
+            });
         }
-    };
-    copy(out, 0, layout.options_end)?;
-    out.write_all(opts).map_err(io("write"))?;
-    copy(out, layout.options_end, fly_end - layout.options_end)?;
-    out.write_all(&vec![0; usize::try_from(shift - ins).unwrap_or(0)])
-        .map_err(io("write"))?;
-    copy(out, fly_end, layout.file_len - fly_end)?;
-    // Patch the top table (moved by `ins`), the BUFFER options (not moved) and the instance
-    // tables (moved by `shift`).
-    let fly = layout.flyrecord.unwrap_or(0);
-    let patch_table = |out: &mut &File, table_at: u64, cpus: &[reader::CpuData]| {
-        for (i, c) in cpus.iter().enumerate() {
-            let at = table_at + 16 * i as u64;
-            let off = if c.size > 0 || c.offset >= fly_end {
-                c.offset + shift
-            } else {
-                c.offset
-            };
-            out.write_all_at(&off.to_le_bytes(), at)
-                .map_err(TraceDatError::io("write", out_path))?;
-        }
-        Ok::<_, TraceDatError>(())
-    };
-    if let Some(top) = layout.buffers.first() {
-        patch_table(out, fly + ins + 10, &top.cpus)?;
-    }
-    for (o, &at) in layout.options_with(option::BUFFER).zip(&instance_at) {
-        out.write_all_at(&(at + shift).to_le_bytes(), o.offset)
+        let mut strings = Strings {
+            bytes: Vec::new(),
+            base: self.layout.strings_size,
+        };
+        let mut b = Vec::new();
+        let mut body = self.opts.to_vec();
+        put(&mut body, option::DONE, &0u64.to_le_bytes());
+        strings.section_header(&mut b, option::DONE, "options", body.len() as u64);
+        b.extend_from_slice(&body);
+        let strings_id = strings.id("strings");
+        let sbody = strings.bytes.clone();
+        b.extend_from_slice(&option::STRINGS.to_le_bytes());
+        b.extend_from_slice(&0u16.to_le_bytes());
+        b.extend_from_slice(&strings_id.to_le_bytes());
+        b.extend_from_slice(&(sbody.len() as u64).to_le_bytes());
+        b.extend_from_slice(&sbody);
+        out.write_all(&b).map_err(io("write"))?;
+        out.write_all_at(&self.layout.file_len.to_le_bytes(), self.layout.options_end)
             .map_err(io("write"))?;
+        Ok(Expect {
+            buffers: tables(self.layout, 0),
+            options: self.layout.options.len() + count_options(self.opts),
+        })
     }
-    for (b, &at) in layout.buffers.iter().skip(1).zip(&instance_at) {
-        patch_table(out, at + shift + 10, &b.cpus)?;
-    }
-    Ok(Expect {
-        buffers: tables(layout, shift),
-        options: layout.options.len() + count_options(opts),
-    })
-}
 
+    /// v6: the options inserted before the data, which moves by whole pages.
+    fn insert_v6(self) -> Result<Expect, TraceDatError> {
+        let mut out = self.out;
+        let io = |what| TraceDatError::io(what, self.out_path);
+        let unsupported = |reason: &str| TraceDatError::Unsupported {
+            path: self.out_path.to_path_buf(),
+            reason: format!("{reason}: convert it with `trace-cmd convert --file-version 7` first"),
+        };
+        let (Some(fly_end), true) = (self.layout.flyrecord_end, self.layout.options_end > 0) else {
+            return Err(unsupported("v6 file without options and flyrecord data"));
+        };
+        let ps = u64::from(self.layout.page_size);
+        // Every absolute offset must point past the top table, where the shift is whole pages.
+        let data_offsets: Vec<u64> = self
+            .layout
+            .buffers
+            .iter()
+            .flat_map(|b| b.cpus.iter().filter(|c| c.size > 0).map(|c| c.offset))
+            .collect();
+        let instance_at: Vec<u64> = self
+            .layout
+            .options_with(option::BUFFER)
+            .map(|o| u64::from_le_bytes(o.data[..8].try_into().unwrap_or([0; 8])))
+            .collect();
+        if data_offsets
+            .iter()
+            .chain(&instance_at)
+            .any(|&o| o < fly_end)
+        {
+            return Err(unsupported("v6 data before the end of the top CPU table"));
+        }
+        let ins = self.opts.len() as u64;
+        let shift = ins.next_multiple_of(ps);
+        // prefix | new options | end marker, "flyrecord", table, clock | padding | the rest.
+        let copy = |out: &mut &File, from: u64, len: u64| -> Result<(), TraceDatError> {
+            let mut part = self
+                .src
+                .try_clone()
+                .map_err(io("read the host trace for"))?;
+            std::io::Seek::seek(&mut part, std::io::SeekFrom::Start(from))
+                .map_err(io("read the host trace for"))?;
+            let n =
+                std::io::copy(&mut part.take(len), out).map_err(io("copy the host trace into"))?;
+            if n == len {
+                Ok(())
+            } else {
+                Err(TraceDatError::Verify {
+                    path: self.out_path.to_path_buf(),
+                    reason: format!("copied {n} of {len} bytes at {from}"),
+                })
+            }
+        };
+        copy(&mut out, 0, self.layout.options_end)?;
+        out.write_all(self.opts).map_err(io("write"))?;
+        copy(
+            &mut out,
+            self.layout.options_end,
+            fly_end - self.layout.options_end,
+        )?;
+        out.write_all(&vec![0; usize::try_from(shift - ins).unwrap_or(0)])
+            .map_err(io("write"))?;
+        copy(&mut out, fly_end, self.layout.file_len - fly_end)?;
+        // Patch the top table (moved by `ins`), the BUFFER options (not moved) and the instance
+        // tables (moved by `shift`).
+        let fly = self.layout.flyrecord.unwrap_or(0);
+        let patch_table = |out: &mut &File, table_at: u64, cpus: &[reader::CpuData]| {
+            for (i, c) in cpus.iter().enumerate() {
+                let at = table_at + 16 * i as u64;
+                let off = if c.size > 0 || c.offset >= fly_end {
+                    c.offset + shift
+                } else {
+                    c.offset
+                };
+                out.write_all_at(&off.to_le_bytes(), at)
+                    .map_err(TraceDatError::io("write", self.out_path))?;
+            }
+            Ok::<_, TraceDatError>(())
+        };
+        if let Some(top) = self.layout.buffers.first() {
+            patch_table(&mut out, fly + ins + 10, &top.cpus)?;
+        }
+        for (o, &at) in self.layout.options_with(option::BUFFER).zip(&instance_at) {
+            out.write_all_at(&(at + shift).to_le_bytes(), o.offset)
+                .map_err(io("write"))?;
+        }
+        for (b, &at) in self.layout.buffers.iter().skip(1).zip(&instance_at) {
+            patch_table(&mut out, at + shift + 10, &b.cpus)?;
+        }
+        Ok(Expect {
+            buffers: tables(self.layout, shift),
+            options: self.layout.options.len() + count_options(self.opts),
+        })
+    }
+}
 fn tables(layout: &Layout, shift: u64) -> Vec<Vec<(u64, u64)>> {
     layout
         .buffers

@@ -298,9 +298,15 @@ pub fn plan_cpu(
         }
         starts.push(g);
     }
+    let plan = CpuSegments {
+        cpu,
+        segments,
+        starts: &starts,
+        range,
+    };
     match mode {
-        ShiftMode::Step => plan_step(cpu, segments, &starts, range),
-        ShiftMode::Interpolate => plan_interpolate(cpu, segments, &starts, range),
+        ShiftMode::Step => plan.step(),
+        ShiftMode::Interpolate => plan.interpolate(),
     }
 }
 
@@ -318,38 +324,96 @@ fn covered(starts: &[i64], j: usize, range: (u64, u64)) -> Option<(u64, u64)> {
     (lo <= hi).then_some((lo, hi))
 }
 
-fn plan_step(
+/// One CPU's segments and where each starts in guest ticks (increasing), with the guest time
+/// range its events span: what both ways of writing its samples work from.
+#[derive(Clone, Copy)]
+struct CpuSegments<'a> {
     cpu: usize,
-    segments: &[SyncSegment],
-    starts: &[i64],
+    segments: &'a [SyncSegment],
+    starts: &'a [i64],
     range: Option<(u64, u64)>,
-) -> Result<CpuPlan, TimeShiftError> {
-    let mut samples = Vec::with_capacity(segments.len() + 1);
-    let mut max_error = 0;
-    for (index, (s, &time)) in segments.iter().zip(starts).enumerate() {
-        let part = range.and_then(|r| covered(starts, index, r));
-        let sample = if s.map.is_identity_ratio() {
-            TraceCmdSample::identity(time, s.map)
-        } else {
-            // Without events in range there is nothing to fit: any range gives a valid line.
-            let (lo, hi) = part.unwrap_or((time.cast_unsigned(), time.cast_unsigned()));
-            let fit = fit_scaled(s.map, lo, hi).ok_or(TimeShiftError::Overflow { cpu, index })?;
-            if part.is_some() {
-                max_error = max_error.max(fit.bound);
-            }
-            TraceCmdSample {
-                time,
-                offset: fit.offset,
-                scaling: fit.scaling,
-                fraction: i64::from(fit.fraction),
-            }
-        };
-        samples.push(sample);
+}
+
+impl CpuSegments<'_> {
+    /// Steps: each segment's offset holds from its start to the next one's (flags=0).
+    fn step(self) -> Result<CpuPlan, TimeShiftError> {
+        let mut samples = Vec::with_capacity(self.segments.len() + 1);
+        let mut max_error = 0;
+        for (index, (s, &time)) in self.segments.iter().zip(self.starts).enumerate() {
+            let part = self.range.and_then(|r| covered(self.starts, index, r));
+            let sample = if s.map.is_identity_ratio() {
+                TraceCmdSample::identity(time, s.map)
+            } else {
+                // Without events in range there is nothing to fit: any range gives a valid line.
+                let (lo, hi) = part.unwrap_or((time.cast_unsigned(), time.cast_unsigned()));
+                let fit = fit_scaled(s.map, lo, hi).ok_or(TimeShiftError::Overflow {
+                    cpu: self.cpu,
+                    index,
+                })?;
+                if part.is_some() {
+                    max_error = max_error.max(fit.bound);
+                }
+                TraceCmdSample {
+                    time,
+                    offset: fit.offset,
+                    scaling: fit.scaling,
+                    fraction: i64::from(fit.fraction),
+                }
+            };
+            samples.push(sample);
+        }
+        let mut sentinel = *samples.last().unwrap_or(&samples[0]);
+        sentinel.time = i64::MAX;
+        samples.push(sentinel);
+        Ok(CpuPlan { samples, max_error })
     }
-    let mut sentinel = *samples.last().unwrap_or(&samples[0]);
-    sentinel.time = i64::MAX;
-    samples.push(sentinel);
-    Ok(CpuPlan { samples, max_error })
+
+    /// Points trace-cmd interpolates between (flags=1): identity-ratio segments only.
+    fn interpolate(self) -> Result<CpuPlan, TimeShiftError> {
+        let mut samples = Vec::with_capacity(self.segments.len());
+        for (index, (s, &time)) in self.segments.iter().zip(self.starts).enumerate() {
+            if !s.map.is_identity_ratio() {
+                return Err(TimeShiftError::InterpolateNeedsIdentity {
+                    cpu: self.cpu,
+                    index,
+                });
+            }
+            samples.push(TraceCmdSample::identity(time, s.map));
+        }
+        let mut max_error = 0;
+        if let (Some(range), true) = (self.range, samples.len() >= 2) {
+            // Pair j serves the guest ticks between its points (and beyond, at the ends).
+            let pair_starts = &self.starts[..self.starts.len() - 1];
+            for j in 0..pair_starts.len() {
+                let Some((lo, hi)) = covered(pair_starts, j, range) else {
+                    continue;
+                };
+                let (a, b) = (samples[j], samples[j + 1]);
+                let d_off = i128::from(b.offset) - i128::from(a.offset);
+                let delta = i128::from(b.time) - i128::from(a.time);
+                let ok = [lo, hi].iter().all(|&g| {
+                    let x = (i128::from(g) - i128::from(a.time)) * d_off;
+                    let q = (x + delta / 2) / delta;
+                    let fits = |v: i128| i64::try_from(v).is_ok();
+                    let host = i128::from(g) + i128::from(a.offset) + q;
+                    fits(d_off)
+                        && fits(x)
+                        && fits(x + delta / 2)
+                        && (0..=i128::from(u64::MAX)).contains(&host)
+                });
+                if !ok {
+                    return Err(TimeShiftError::Overflow {
+                        cpu: self.cpu,
+                        index: j,
+                    });
+                }
+                if d_off != 0 {
+                    max_error = 1;
+                }
+            }
+        }
+        Ok(CpuPlan { samples, max_error })
+    }
 }
 
 /// trace-cmd's best fixed-point line for a non-identity mapping over `[lo, hi]`.
@@ -406,51 +470,6 @@ fn fit_scaled(map: KvmTscMapping, lo: u64, hi: u64) -> Option<ScaledFit> {
         offset,
         bound: u64::try_from(bound).ok()?,
     })
-}
-
-fn plan_interpolate(
-    cpu: usize,
-    segments: &[SyncSegment],
-    starts: &[i64],
-    range: Option<(u64, u64)>,
-) -> Result<CpuPlan, TimeShiftError> {
-    let mut samples = Vec::with_capacity(segments.len());
-    for (index, (s, &time)) in segments.iter().zip(starts).enumerate() {
-        if !s.map.is_identity_ratio() {
-            return Err(TimeShiftError::InterpolateNeedsIdentity { cpu, index });
-        }
-        samples.push(TraceCmdSample::identity(time, s.map));
-    }
-    let mut max_error = 0;
-    if let (Some(range), true) = (range, samples.len() >= 2) {
-        // Pair j serves the guest ticks between its points (and beyond, at the ends).
-        let pair_starts = &starts[..starts.len() - 1];
-        for j in 0..pair_starts.len() {
-            let Some((lo, hi)) = covered(pair_starts, j, range) else {
-                continue;
-            };
-            let (a, b) = (samples[j], samples[j + 1]);
-            let d_off = i128::from(b.offset) - i128::from(a.offset);
-            let delta = i128::from(b.time) - i128::from(a.time);
-            let ok = [lo, hi].iter().all(|&g| {
-                let x = (i128::from(g) - i128::from(a.time)) * d_off;
-                let q = (x + delta / 2) / delta;
-                let fits = |v: i128| i64::try_from(v).is_ok();
-                let host = i128::from(g) + i128::from(a.offset) + q;
-                fits(d_off)
-                    && fits(x)
-                    && fits(x + delta / 2)
-                    && (0..=i128::from(u64::MAX)).contains(&host)
-            });
-            if !ok {
-                return Err(TimeShiftError::Overflow { cpu, index: j });
-            }
-            if d_off != 0 {
-                max_error = 1;
-            }
-        }
-    }
-    Ok(CpuPlan { samples, max_error })
 }
 
 /// The TIME_SHIFT option body (see `docs/trace-dat.md`) and each CPU's error bound.

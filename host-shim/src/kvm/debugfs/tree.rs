@@ -203,9 +203,8 @@ mod tests {
     fn vm_exiting_between_listing_and_reading_is_reported_as_exited() {
         let tmp = crate::testutil::temp_dir("vmtsync-exit-");
         let root = tmp.path();
+        crate::testutil::write_fixture(root, "kvm/77-5/vcpu0/tsc-offset", "-3\n");
         let vcpu0 = root.join("kvm/77-5/vcpu0");
-        fs::create_dir_all(&vcpu0).unwrap();
-        fs::write(vcpu0.join("tsc-offset"), "-3\n").unwrap();
         let d = KvmDebugfs::open(root.join("kvm")).unwrap();
         let vms = d.vms().unwrap();
         assert_eq!(vms.len(), 1);

@@ -204,14 +204,14 @@ impl<'a> Recording<'a> {
     /// The state before the first round: boot 0's mappings as its first segments, the
     /// beacons' trace (beacon mode, or a check of exact mode), the output created.
     pub(super) fn start(opts: &'a MemoryOptions, armed: Armed) -> Result<Self, RecordError> {
+        // The early trace and the resume time are taken where the beacons are set up, below.
         let Armed {
             proc,
             mem,
             found,
-            early,
-            armed_at,
             mode,
             raw,
+            ..
         } = armed;
         let port = found.header.beacon_port;
         let rings = found.header.vcpus;
@@ -235,9 +235,11 @@ impl<'a> Recording<'a> {
             Vec::new()
         };
         let mut checking = None;
-        let beacons = match (early, mode) {
+        let beacons = match (armed.early, mode) {
             // Armed before the guest ran (a paused VMM): chains bracket from beacon 0.
-            (Some((trace, port)), _) => Some(Beacons::new(trace, port, vcpus.len(), armed_at)),
+            (Some((trace, port)), _) => {
+                Some(Beacons::new(trace, port, vcpus.len(), armed.armed_at))
+            }
             (None, Mode::Beacons) => {
                 start_beacons(opts.tracefs.as_deref(), &proc, &opts.vm, &vcpus, port, mode)?
             }

@@ -135,13 +135,11 @@ fn attach_refuses_a_coarse_scaling_an_existing_time_shift_and_its_own_input() {
 
 #[test]
 fn a_compressed_file_keeps_its_compressed_sections_byte_for_byte() {
-    let dir = tempfile::tempdir().unwrap();
-    let input = dir.path().join("z.dat");
-    std::fs::write(
-        &input,
+    let (dir, input) = crate::testutil::temp_file(
+        "vmtsync-attach-",
+        "z.dat",
         include_bytes!("../reader/fixtures/sample-v7-zstd.dat"),
-    )
-    .unwrap();
+    );
     let layout = read_layout(&input).unwrap();
     assert_eq!(layout.compression.as_deref(), Some("zstd"));
     let ranges = cpu_time_ranges(&input, &layout).unwrap();

@@ -44,10 +44,16 @@ fn synth(seed: u64, n: usize, cpus: u32) -> Pushed {
         .collect()
 }
 
+/// The options of a `cpus`-CPU file of `version` whose TRACEID is `trace_id`.
+fn options(version: FileVersion, cpus: u32, trace_id: u64) -> WriterOptions {
+    WriterOptions {
+        version,
+        ..WriterOptions::new(cpus, trace_id)
+    }
+}
+
 fn write(path: &Path, version: FileVersion, cpus: u32, events: &Pushed) -> Summary {
-    let mut opts = WriterOptions::new(cpus, 42);
-    opts.version = version;
-    let mut w = TraceDatWriter::create(path, opts).unwrap();
+    let mut w = TraceDatWriter::create(path, options(version, cpus, 42)).unwrap();
     for (cpu, ts, id, p) in events {
         w.push(*cpu, *ts, *id, p).unwrap();
     }
@@ -167,9 +173,7 @@ fn cpus_added_while_streaming_are_in_the_file_with_their_events_and_the_uname() 
     let dir = tempfile::tempdir().unwrap();
     for version in [FileVersion::V6, FileVersion::V7] {
         let path = dir.path().join("added.dat");
-        let mut opts = WriterOptions::new(1, 9);
-        opts.version = version;
-        let mut w = TraceDatWriter::create(&path, opts).unwrap();
+        let mut w = TraceDatWriter::create(&path, options(version, 1, 9)).unwrap();
         w.push(0, 10, 1, &[1]).unwrap();
         assert_eq!(w.add_cpu().unwrap(), 1);
         w.push(1, 5, 2, &[2, 2]).unwrap();
@@ -237,9 +241,7 @@ fn every_truncation_is_detected_with_an_offset_inside_the_file() {
             mode: ShiftMode::Step,
             cpus: vec![vec![SyncSegment::offset_only(HostTicks(0), 10)]; 3],
         };
-        let mut opts = WriterOptions::new(3, 5);
-        opts.version = version;
-        let mut w = TraceDatWriter::create(&path, opts).unwrap();
+        let mut w = TraceDatWriter::create(&path, options(version, 3, 5)).unwrap();
         for (cpu, ts, id, p) in &events {
             w.push(*cpu, *ts, *id, p).unwrap();
         }
@@ -270,8 +272,7 @@ fn tsc2nsec_is_written_and_read_back() {
     let dir = tempfile::tempdir().unwrap();
     for version in [FileVersion::V6, FileVersion::V7] {
         let path = dir.path().join("n.dat");
-        let mut opts = WriterOptions::new(1, 3);
-        opts.version = version;
+        let mut opts = options(version, 1, 3);
         let t = Tsc2Nsec {
             mult: 6_462_042,
             shift: 24,

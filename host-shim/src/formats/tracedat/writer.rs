@@ -279,7 +279,12 @@ impl TraceDatWriter {
                 max: MAX_PAYLOAD,
             });
         }
-        self.append(cpu, ts, |page| page.try_push(ts, id, payload))
+        self.append(
+            cpu,
+            [ts],
+            |&ts| Ok(ts),
+            |page, &ts| page.try_push(ts, id, payload),
+        )
     }
 
     /// Appends events to `cpu` in order, as [`Self::push`] of each would: `(ts, id, len,
@@ -295,44 +300,20 @@ impl TraceDatWriter {
         cpu: u32,
         events: impl IntoIterator<Item = (u64, u32, usize, &'a [u8; MAX_PAYLOAD])>,
     ) -> Result<(), TraceDatError> {
-        let ncpus = self.opts.cpus;
-        let Self {
-            cpus,
-            out,
-            pos,
-            tmp,
-            main,
-            ..
-        } = self;
-        let Some(c) = cpus.get_mut(cpu as usize) else {
-            return Err(TraceDatError::CpuOutOfRange { cpu, cpus: ncpus });
-        };
-        for (ts, id, len, padded) in events {
-            if len > MAX_PAYLOAD {
-                return Err(TraceDatError::PayloadTooLong {
-                    len,
-                    max: MAX_PAYLOAD,
-                });
-            }
-            if c.events > 0 && ts < c.last {
-                return Err(TraceDatError::NotMonotonic {
-                    cpu,
-                    ts,
-                    last: c.last,
-                });
-            }
-            if !c.page.try_push_padded(ts, id, len, padded) {
-                flush_page(c, out, main, pos).map_err(TraceDatError::io("write", tmp.path()))?;
-                let pushed = c.page.try_push_padded(ts, id, len, padded);
-                debug_assert!(pushed, "a record always fits an empty page");
-            }
-            if c.events == 0 {
-                c.first = ts;
-            }
-            c.events += 1;
-            c.last = ts;
-        }
-        Ok(())
+        self.append(
+            cpu,
+            events,
+            |&(ts, _, len, _)| {
+                if len > MAX_PAYLOAD {
+                    return Err(TraceDatError::PayloadTooLong {
+                        len,
+                        max: MAX_PAYLOAD,
+                    });
+                }
+                Ok(ts)
+            },
+            |page, &(ts, id, len, padded)| page.try_push_padded(ts, id, len, padded),
+        )
     }
 
     /// Appends a record of one of the other event types the file describes (the function
@@ -349,17 +330,24 @@ impl TraceDatWriter {
                 max,
             });
         }
-        self.append(cpu, ts, |page| page.try_push_raw(ts, data))
+        self.append(
+            cpu,
+            [ts],
+            |&ts| Ok(ts),
+            |page, &ts| page.try_push_raw(ts, data),
+        )
     }
 
-    /// What [`Self::push`] and [`Self::push_raw`] share: CPU `cpu`'s buffer takes a record at
-    /// `ts` (in order) through `try_push`, on a fresh page when the current one is full.
+    /// What [`Self::push`], [`Self::push_padded`] and [`Self::push_raw`] share: CPU `cpu`'s
+    /// buffer takes each item in turn, at the timestamp `check` returns (in order), through
+    /// `try_push`, on a fresh page when the current one is full. Stops at the first error.
     #[inline]
-    fn append(
+    fn append<T>(
         &mut self,
         cpu: u32,
-        ts: u64,
-        try_push: impl Fn(&mut super::page::PageBuf) -> bool,
+        items: impl IntoIterator<Item = T>,
+        check: impl Fn(&T) -> Result<u64, TraceDatError>,
+        try_push: impl Fn(&mut super::page::PageBuf, &T) -> bool,
     ) -> Result<(), TraceDatError> {
         let ncpus = self.opts.cpus;
         let Self {
@@ -374,23 +362,26 @@ impl TraceDatWriter {
         let Some(c) = cpus.get_mut(cpu as usize) else {
             return Err(TraceDatError::CpuOutOfRange { cpu, cpus: ncpus });
         };
-        if c.events > 0 && ts < c.last {
-            return Err(TraceDatError::NotMonotonic {
-                cpu,
-                ts,
-                last: c.last,
-            });
+        for item in items {
+            let ts = check(&item)?;
+            if c.events > 0 && ts < c.last {
+                return Err(TraceDatError::NotMonotonic {
+                    cpu,
+                    ts,
+                    last: c.last,
+                });
+            }
+            if !try_push(&mut c.page, &item) {
+                flush_page(c, out, main, pos).map_err(TraceDatError::io("write", tmp.path()))?;
+                let pushed = try_push(&mut c.page, &item);
+                debug_assert!(pushed, "a record always fits an empty page");
+            }
+            if c.events == 0 {
+                c.first = ts;
+            }
+            c.events += 1;
+            c.last = ts;
         }
-        if !try_push(&mut c.page) {
-            flush_page(c, out, main, pos).map_err(TraceDatError::io("write", tmp.path()))?;
-            let pushed = try_push(&mut c.page);
-            debug_assert!(pushed, "a record always fits an empty page");
-        }
-        if c.events == 0 {
-            c.first = ts;
-        }
-        c.events += 1;
-        c.last = ts;
         Ok(())
     }
 

@@ -35,7 +35,7 @@ pub enum ExportCommand {
     /// A Perfetto protobuf trace (open it in ui.perfetto.dev), on the host's CLOCK_BOOTTIME.
     ///
     /// One track per vCPU under a separate machine; each event an instant `event <id>` with
-    /// event_id, host_tsc, guest_tsc, before_ns/after_ns (its guaranteed interval on
+    /// host_tsc, guest_tsc, before_ns/after_ns (its guaranteed interval on
     /// BOOTTIME, as distances from its timestamp) and payload as arguments. The host TSC is mapped to BOOTTIME by two clock
     /// snapshots taken now, so the recording must come from this host since its last boot;
     /// the summary gives the worst-case error this leaves (it grows with the recording's age:

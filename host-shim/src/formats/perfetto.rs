@@ -487,7 +487,6 @@ impl PerfettoWriter {
             sequence: vcpu_sequence(i),
             machine_id: self.opts.machine_id,
             name_iid: u64::from(id) + 1,
-            event_id: id,
             host_tsc,
             guest_tsc,
             interval,
@@ -510,7 +509,7 @@ impl PerfettoWriter {
                 self.summary.bytes += n as u64;
             }
             // By value: a reference would keep the packet's fields in memory on the hot path.
-            None => self.write_event_by_prost(ev, first_use)?,
+            None => self.write_event_by_prost(ev, first_use.then_some(id))?,
         }
         self.summary.events += 1;
         self.tsc_min = self.tsc_min.min(host_tsc);
@@ -522,20 +521,21 @@ impl PerfettoWriter {
     }
 
     /// Writes an event packet through prost: the first of its id on its vCPU, which also
-    /// interns the name, or one with a message of 128 bytes or more (out of line: rare).
+    /// interns the name (`intern`: the id), or one with a message of 128 bytes or more (out
+    /// of line: rare).
     #[cold]
     #[inline(never)]
     fn write_event_by_prost(
         &mut self,
         ev: EventPacket<'_>,
-        intern: bool,
+        intern: Option<u16>,
     ) -> Result<(), PerfettoError> {
         let mut packet = ev.to_message();
-        if intern {
+        if let Some(id) = intern {
             packet.interned_data = Some(InternedData {
                 event_names: vec![InternedString {
                     iid: Some(ev.name_iid),
-                    name: Some(format!("event {}", ev.event_id)),
+                    name: Some(format!("event {id}")),
                 }],
                 ..Default::default()
             });

@@ -167,7 +167,7 @@ const EVENTS: &str = "select s.ts, s.name, t.name, m.raw_id, \
     extract_arg(s.arg_set_id, 'debug.host_tsc'), extract_arg(s.arg_set_id, 'debug.guest_tsc'), \
     s.ts - extract_arg(s.arg_set_id, 'debug.before_ns'), \
     s.ts + extract_arg(s.arg_set_id, 'debug.after_ns'), \
-    extract_arg(s.arg_set_id, 'debug.payload'), extract_arg(s.arg_set_id, 'debug.event_id') \
+    extract_arg(s.arg_set_id, 'debug.payload') \
     from slice s join track t on s.track_id = t.id left join machine m on t.machine_id = m.id \
     order by s.ts";
 

@@ -577,7 +577,7 @@ fn report_cpus(dat: &Path) -> Result<BTreeMap<u32, Report>> {
 }
 
 /// The events Perfetto's trace processor shows in a trace the reader wrote: slices of the C
-/// guest's event id (`debug.event_id`), and slices in all.
+/// guest's event id (named `event <id>`), and slices in all.
 fn perfetto_events(trace: &Path, dir: &Path) -> Result<(u64, u64)> {
     let tp = vmtsync_launch::trace_processor::ensure_trace_processor()
         .context("Perfetto's trace processor (cargo xtask setup)")?;
@@ -585,8 +585,7 @@ fn perfetto_events(trace: &Path, dir: &Path) -> Result<(u64, u64)> {
     std::fs::write(
         &queries,
         serde_json::to_vec(&[format!(
-            "select count(*), sum(extract_arg(arg_set_id, 'debug.event_id') = {EVENT_ID}) \
-             from slice"
+            "select count(*), sum(name = 'event {EVENT_ID}') from slice"
         )])?,
     )?;
     let mut cmd = Command::new("node");

@@ -219,21 +219,14 @@ pub const CLOCK_EVENT_DELTA: u32 = 65;
 
 /// The debug-annotation names every vCPU sequence interns, in the order an event packet writes
 /// them: `ANNOTATIONS[i]` has iid `i + 1`. `before_ns` and `after_ns` are the guaranteed
-/// interval as distances from the event's timestamp (`ts - before_ns`, `ts + after_ns`).
-pub const ANNOTATIONS: [&str; 6] = [
-    "event_id",
-    "host_tsc",
-    "guest_tsc",
-    "before_ns",
-    "after_ns",
-    "payload",
-];
-const IID_EVENT_ID: u64 = 1;
-const IID_HOST_TSC: u64 = 2;
-const IID_GUEST_TSC: u64 = 3;
-const IID_BEFORE: u64 = 4;
-const IID_AFTER: u64 = 5;
-const IID_PAYLOAD: u64 = 6;
+/// interval as distances from the event's timestamp (`ts - before_ns`, `ts + after_ns`). The
+/// event id has no argument: the event's name, `event <id>`, says it.
+pub const ANNOTATIONS: [&str; 5] = ["host_tsc", "guest_tsc", "before_ns", "after_ns", "payload"];
+const IID_HOST_TSC: u64 = 1;
+const IID_GUEST_TSC: u64 = 2;
+const IID_BEFORE: u64 = 3;
+const IID_AFTER: u64 = 4;
+const IID_PAYLOAD: u64 = 5;
 
 /// The longest payload an event packet carries (as twice as many hex digits).
 pub const MAX_PAYLOAD: usize = 16;
@@ -254,10 +247,8 @@ pub struct EventPacket<'a> {
     pub sequence: u32,
     /// `machine_id`.
     pub machine_id: u32,
-    /// The interned event name.
+    /// The interned event name (`event <id>`).
     pub name_iid: u64,
-    /// `event_id`.
-    pub event_id: u16,
     /// `host_tsc`.
     pub host_tsc: u64,
     /// `guest_tsc`.
@@ -289,10 +280,7 @@ impl EventPacket<'_> {
             string_value,
             ..Default::default()
         };
-        let mut args = vec![
-            ann(IID_EVENT_ID, Some(u64::from(self.event_id)), None, None),
-            ann(IID_HOST_TSC, Some(self.host_tsc), None, None),
-        ];
+        let mut args = vec![ann(IID_HOST_TSC, Some(self.host_tsc), None, None)];
         if let Some(g) = self.guest_tsc {
             args.push(ann(IID_GUEST_TSC, Some(g), None, None));
         }
@@ -349,7 +337,6 @@ impl EventPacket<'_> {
         let event = c.n;
         // The track event: debug_annotations (4: key, length, then name_iid (1) and
         // uint_value (3), int_value (4) or string_value (6)), type (9), name_iid (10).
-        c.annotation(IID_EVENT_ID, 0x18, u64::from(self.event_id));
         c.annotation(IID_HOST_TSC, 0x18, self.host_tsc);
         if let Some(g) = self.guest_tsc {
             c.annotation(IID_GUEST_TSC, 0x18, g);
@@ -593,7 +580,6 @@ mod tests {
             sequence: 2,
             machine_id: 1,
             name_iid: 1,
-            event_id: 0,
             host_tsc: 0,
             guest_tsc: None,
             interval: None,
@@ -608,7 +594,6 @@ mod tests {
                 sequence: u32::try_from(w >> 32).unwrap(),
                 machine_id: u32::try_from(v & u64::from(u32::MAX)).unwrap(),
                 name_iid: w,
-                event_id: u16::try_from(v & 0xffff).unwrap(),
                 host_tsc: w,
                 guest_tsc: (i % 3 != 0).then_some(v),
                 interval: (i % 4 != 1).then_some((v.cast_signed(), w.cast_signed())),
@@ -640,7 +625,6 @@ mod tests {
             sequence: u32::MAX,
             machine_id: u32::MAX,
             name_iid: u64::MAX,
-            event_id: u16::MAX,
             host_tsc: u64::MAX,
             guest_tsc: Some(u64::MAX),
             interval: Some((-1, i64::MIN)),
@@ -672,7 +656,7 @@ mod tests {
             payload: &payload,
             ..base
         };
-        let hex = e.to_message().track_event.unwrap().debug_annotations[2]
+        let hex = e.to_message().track_event.unwrap().debug_annotations[1]
             .string_value
             .clone()
             .unwrap();
@@ -691,7 +675,6 @@ mod tests {
                 sequence: 2,
                 machine_id: 1,
                 name_iid: 1,
-                event_id: 1,
                 host_tsc: 2,
                 guest_tsc: None,
                 interval: None,
@@ -699,7 +682,7 @@ mod tests {
             };
             let n = e.write(&mut slot).unwrap();
             let got = Trace::decode(&slot[..n]).unwrap().packet.remove(0);
-            let s = got.track_event.unwrap().debug_annotations[2]
+            let s = got.track_event.unwrap().debug_annotations[1]
                 .string_value
                 .clone()
                 .unwrap();

@@ -122,7 +122,16 @@ fn events_land_on_their_vcpu_tracks_in_boottime() {
     assert_eq!(arg("before_ns"), Some(1_000_002_000 - (1_000_001_995 - 1)));
     assert_eq!(arg("after_ns"), Some(1_000_002_005 + 1 - 1_000_002_000));
     assert_eq!(arg("guest_tsc"), Some(4005));
-    assert_eq!(arg("event_id"), Some(9));
+    // The id is in the name alone (no argument): `event 9`, interned on the event's sequence.
+    let name = events
+        .iter()
+        .filter(|p| p.trusted_packet_sequence_id == events[3].trusted_packet_sequence_id)
+        .filter_map(|p| p.interned_data.as_ref())
+        .flat_map(|d| &d.event_names)
+        .find(|n| n.iid == last.name_iid)
+        .and_then(|n| n.name.as_deref());
+    assert_eq!(name, Some("event 9"));
+    assert_eq!(last.debug_annotations.len(), 5, "{last:?}");
     assert_eq!(s.host_tsc_range, Some((1000, 4000)));
     // Every guest packet is on the guest machine.
     assert!(

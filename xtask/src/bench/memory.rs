@@ -231,22 +231,20 @@ impl CGuest {
         }
     }
 
-    /// Lowers every QEMU thread's priority to nice 19: a held guest's vCPU spins (ring 3
-    /// cannot halt, tests/c-guest/entry.S), and it should not take CPU from the reader.
-    fn renice(&self) -> Result<()> {
-        let tasks = format!("/proc/{}/task", self.pid());
-        for e in std::fs::read_dir(&tasks).with_context(|| format!("reading {tasks}"))? {
-            let Ok(tid) = e?.file_name().to_string_lossy().parse::<libc::id_t>() else {
-                continue;
-            };
-            // SAFETY: setpriority takes plain integers and touches no memory of ours.
-            let r = unsafe { libc::setpriority(libc::PRIO_PROCESS, tid, 19) };
-            ensure!(
-                r == 0,
-                "setpriority({tid}): {}",
-                std::io::Error::last_os_error()
-            );
-        }
+    /// Stops the VMM (SIGSTOP) once a held guest has recorded: its vCPU cannot halt in ring
+    /// 3 (tests/c-guest/entry.S) and would spin on one of this machine's two cores, where the
+    /// scheduler left it while every reader thread shared the other core (seen with `perf
+    /// sched`; lowering QEMU to nice 19 did not move them). A stopped VMM keeps its memory,
+    /// which the reader and `mem_copy` read as before; the guard's SIGKILL ends it.
+    fn stop(&self) -> Result<()> {
+        let pid = libc::pid_t::try_from(self.pid())?;
+        // SAFETY: kill takes plain integers and touches no memory of ours.
+        let r = unsafe { libc::kill(pid, libc::SIGSTOP) };
+        ensure!(
+            r == 0,
+            "kill({pid}, SIGSTOP): {}",
+            std::io::Error::last_os_error()
+        );
         Ok(())
     }
 
@@ -1103,7 +1101,7 @@ pub(super) fn memory(plan: &Plan, work: &Path) -> Result<Section> {
         guest_mib(ring)?,
     )?;
     let ceiling_guest = guest.line(Duration::from_secs(120))?;
-    guest.renice()?;
+    guest.stop()?;
     ensure!(
         ceiling_guest.events == n && ceiling_guest.refused == 0,
         "the prefill did not record every event: {}",
@@ -1196,7 +1194,7 @@ pub(super) fn memory(plan: &Plan, work: &Path) -> Result<Section> {
             guest_mib(ring)?,
         )?;
         let g = guest.line(Duration::from_secs(300))?;
-        guest.renice()?;
+        guest.stop()?;
         ensure!(
             g.events == events && g.refused == 0,
             "the prefill did not record every event: {}",
@@ -1516,15 +1514,17 @@ fn memory_section(m: &Measured) -> Result<Section> {
          the prefilled rings, `ring=65536 events=N rate=1000000 tsc_khz=K flight hold` for the \
          1 M/s run.\n\n\
          **Ceiling.** The guest prefilled one stop-when-full ring of {} records with {} events \
-         (and {} beacons) and held (spinning); the reader then drained it into each format {} \
+         (and {} beacons) and held; the reader then drained it into each format {} \
          time(s) (the formats in turn within each pass), the guest's memory unchanged in \
          between. *Drain* is the reader's own figure: records (events and beacons) over the time \
          from the start of the first drain round that delivered records to the end of the last \
          one, their records written. *Whole run* is events over the reader process's wall time \
          from its start to its exit (finding the header by scanning, draining, writing and \
          closing the output; the guest had recorded before). CPU (user + system) and peak RSS \
-         are the reader process's own, from `wait4`. The held guest's vCPU spins (ring 3 cannot \
-         halt), so QEMU's threads run at nice 19 during these drains.\n\n\
+         are the reader process's own, from `wait4`. A held guest's vCPU cannot halt in ring 3 \
+         and spins, and with it on one of this machine's two cores the scheduler kept every \
+         reader thread on the other; so the VMM is stopped (SIGSTOP, its memory kept) once the \
+         guest has recorded, for these drains and the raw copy below alike.\n\n\
          | figure (min / median / max) |",
         m.reader_method,
         thousands(m.tsc_khz),

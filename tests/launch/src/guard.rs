@@ -32,6 +32,24 @@ impl ChildGuard {
         self.0.as_mut().expect("child present")
     }
 
+    /// Sends signal `sig` (e.g. `libc::SIGINT`) to the child by its PID.
+    ///
+    /// # Errors
+    /// The OS error of `kill`, or a PID out of `pid_t`'s range.
+    ///
+    /// # Panics
+    /// If the child was already taken.
+    pub fn signal(&self, sig: i32) -> std::io::Result<()> {
+        let pid = libc::pid_t::try_from(self.pid()).map_err(std::io::Error::other)?;
+        // SAFETY: kill(2) takes plain integers, here our own child's PID, unreaped (the guard
+        // holds it).
+        if unsafe { libc::kill(pid, sig) } == 0 {
+            Ok(())
+        } else {
+            Err(std::io::Error::last_os_error())
+        }
+    }
+
     /// Waits up to `limit` for the child to exit on its own and returns its status; `None`
     /// when it is still running then (the guard still holds it and kills it on drop).
     ///

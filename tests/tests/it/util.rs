@@ -62,9 +62,7 @@ pub(crate) fn guarded_output(c: &mut Command, input: &[u8]) -> Output {
 
 /// Sends SIGINT to the guarded child by PID and waits (at most 10 s) for it to exit.
 pub(crate) fn interrupt(guard: &mut ChildGuard) -> (Option<i32>, String) {
-    let pid = libc::pid_t::try_from(guard.pid()).unwrap();
-    // SAFETY: kill(2) on the PID of our own, not yet reaped, child.
-    assert_eq!(unsafe { libc::kill(pid, libc::SIGINT) }, 0);
+    guard.signal(libc::SIGINT).unwrap();
     let end = Instant::now() + Duration::from_secs(10);
     let status = loop {
         if let Some(s) = guard.child().try_wait().unwrap() {

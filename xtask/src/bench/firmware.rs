@@ -93,14 +93,7 @@ fn boot(bios: &Path, dir: &Path, vmtsync: Option<&Path>) -> Result<Run> {
     let cpu = cpu_secs(qemu.pid())?;
     let recorded = match reader {
         Some((mut g, err)) => {
-            let pid = libc::pid_t::try_from(g.pid())?;
-            // SAFETY: kill(2) with our own child's PID, unreaped (the guard holds it).
-            let sent = unsafe { libc::kill(pid, libc::SIGINT) };
-            ensure!(
-                sent == 0,
-                "SIGINT vmtsync: {}",
-                std::io::Error::last_os_error()
-            );
+            g.signal(libc::SIGINT).context("SIGINT vmtsync")?;
             let status = g
                 .wait_timeout(Duration::from_secs(60))?
                 .context("vmtsync record did not end within 60 s of SIGINT")?;

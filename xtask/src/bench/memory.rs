@@ -237,15 +237,9 @@ impl CGuest {
     /// sched`; lowering QEMU to nice 19 did not move them). A stopped VMM keeps its memory,
     /// which the reader and `mem_copy` read as before; the guard's SIGKILL ends it.
     fn stop(&self) -> Result<()> {
-        let pid = libc::pid_t::try_from(self.pid())?;
-        // SAFETY: kill takes plain integers and touches no memory of ours.
-        let r = unsafe { libc::kill(pid, libc::SIGSTOP) };
-        ensure!(
-            r == 0,
-            "kill({pid}, SIGSTOP): {}",
-            std::io::Error::last_os_error()
-        );
-        Ok(())
+        self.guard
+            .signal(libc::SIGSTOP)
+            .with_context(|| format!("stopping QEMU ({})", self.pid()))
     }
 
     /// Waits for the guest's summary line (it prints it when its events are recorded).

@@ -96,14 +96,8 @@ pub(crate) fn run(vmtsync: &Path) -> Result<()> {
         .and_then(|p| p.parse().ok())
         .context("vmtsync record started no QEMU")?;
     let kvm = truth_mapping(pid, 0).context("KVM's mapping from debugfs")?;
-    let rec_pid = libc::pid_t::try_from(rec.pid())?;
-    // SAFETY: kill(2) with our own child's PID, unreaped (the guard holds it).
-    if unsafe { libc::kill(rec_pid, libc::SIGINT) } != 0 {
-        bail!(
-            "could not stop vmtsync record: {}",
-            std::io::Error::last_os_error()
-        );
-    }
+    rec.signal(libc::SIGINT)
+        .context("could not stop vmtsync record")?;
     let status = rec
         .wait_timeout(Duration::from_secs(60))?
         .context("vmtsync record did not end within 60 s of SIGINT")?;

@@ -1898,7 +1898,7 @@ fn memory_section(m: &Measured) -> Result<Section> {
     for f in &figs {
         summary.push([
             format!(
-                "memory reader whole run into {} (prefilled ring, live guest)",
+                "memory reader whole run into {} (prefilled ring, its VMM stopped)",
                 f.label
             ),
             format!("≥ {}", rate(whole_goal(f))),

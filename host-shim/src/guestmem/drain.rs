@@ -179,6 +179,9 @@ pub struct Drainer {
     round: Vec<GuestRecord>,
 }
 
+/// The little-endian word at `off` of `b` (0 past its end). Inlined: the drain reads a slot's
+/// words through it, and a call per word was an eighth of the drain's time (perf).
+#[inline]
 fn u64_at(b: &[u8], off: usize) -> u64 {
     let mut w = [0u8; 8];
     if let Some(s) = b.get(off..off + 8) {
@@ -190,7 +193,7 @@ fn u64_at(b: &[u8], off: usize) -> u64 {
 /// A slot's payload: its first `len` bytes (at most 16), the rest zero. Masked as two words
 /// rather than filled: a fill of a variable length is a `memset` call per record.
 #[inline]
-fn payload_of(slot: &[u8], len: u8) -> [u8; 16] {
+fn payload_of(slot: &[u8; SLOT_BYTES], len: u8) -> [u8; 16] {
     // The mask of a word's first `k` bytes (k ≤ 8).
     let mask = |k: u32| {
         if k >= 8 {
@@ -450,8 +453,11 @@ impl Drainer {
             }
             let ring_start = self.round.len();
             let (mut overwritten, mut corrupt) = (0u64, 0u64);
+            // Fixed-size slots: each word's offset is a constant, with no bounds check.
             for (k, slot) in self.buf[..count * SLOT_BYTES]
-                .chunks_exact(SLOT_BYTES)
+                .as_chunks::<SLOT_BYTES>()
+                .0
+                .iter()
                 .enumerate()
             {
                 let n = start + k as u64;
@@ -513,7 +519,7 @@ mod payload_tests {
     /// Every length keeps exactly the slot's first `len` payload bytes and zeroes the rest.
     #[test]
     fn payload_keeps_its_length_and_zeroes_the_rest() {
-        let slot: Vec<u8> = (0u8..32).map(|b| b.wrapping_mul(7) | 1).collect();
+        let slot: [u8; 32] = std::array::from_fn(|b| u8::try_from(b).unwrap().wrapping_mul(7) | 1);
         for len in 0u8..=16 {
             let mut want = [0u8; 16];
             want[..usize::from(len)].copy_from_slice(&slot[16..16 + usize::from(len)]);

@@ -106,9 +106,7 @@ fn sigint_ends_a_recording_with_a_complete_file() {
         assert!(Instant::now() < end, "no events arrived");
         std::thread::sleep(Duration::from_millis(20));
     }
-    let pid = libc::pid_t::try_from(guard.pid()).unwrap();
-    // SAFETY: kill(2) on the PID of our own, not yet reaped, child.
-    assert_eq!(unsafe { libc::kill(pid, libc::SIGINT) }, 0);
+    guard.signal(libc::SIGINT).unwrap();
     let status = loop {
         if let Some(s) = guard.child().try_wait().unwrap() {
             break s;

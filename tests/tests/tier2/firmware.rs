@@ -68,15 +68,7 @@ fn spawn_reader(pid: u32, out: &Path, extra: &[&str]) -> ChildGuard {
 /// Ends reader `rec` as a user would (SIGINT: it drains the rings up to their heads at that
 /// moment, then writes), and returns its success and stderr.
 pub(crate) fn stop_reader(mut rec: ChildGuard, out: &Path) -> (bool, String) {
-    let pid = libc::pid_t::try_from(rec.pid()).expect("a pid");
-    // SAFETY: kill(2) with our own child's PID (still unreaped: the guard holds it).
-    let sent = unsafe { libc::kill(pid, libc::SIGINT) };
-    assert_eq!(
-        sent,
-        0,
-        "SIGINT the reader: {}",
-        std::io::Error::last_os_error()
-    );
+    rec.signal(libc::SIGINT).expect("SIGINT the reader");
     let status = rec
         .wait_timeout(Duration::from_secs(60))
         .expect("waitpid")

@@ -275,9 +275,7 @@ fn flight_recorder_read_by_a_slow_host_counts_every_overwritten_record_exactly()
     // the stop, and writes. (The JSON Lines stream to `OUT.partial` through a 256 KiB
     // buffer, so the test cannot watch the last record arrive.)
     let mut pipe = rec.child().stderr.take().expect("stderr piped");
-    let reader = libc::pid_t::try_from(rec.pid()).unwrap();
-    // SAFETY: kill(2) on the PID of our own, not yet reaped, child.
-    assert_eq!(unsafe { libc::kill(reader, libc::SIGINT) }, 0);
+    rec.signal(libc::SIGINT).unwrap();
     let status = rec
         .wait_timeout(Duration::from_secs(60))
         .expect("waitpid")

@@ -118,9 +118,7 @@ fn seabios_reset() {
     }
     assert_eq!(boots.len(), 2, "two boots in the log:\n{text_log}");
 
-    let pid = libc::pid_t::try_from(rec.pid()).expect("a pid");
-    // SAFETY: kill(2) with our own child's PID (still unreaped: the guard holds it).
-    assert_eq!(unsafe { libc::kill(pid, libc::SIGINT) }, 0);
+    rec.signal(libc::SIGINT).expect("SIGINT the reader");
     let status = rec
         .wait_timeout(Duration::from_secs(60))
         .expect("waitpid")

@@ -54,19 +54,6 @@ pub use memory::{DEFAULT_POLL, MemoryOptions, MemorySummary, run_record_memory};
 pub use session::{run_record, run_record_on};
 pub use target::{OutputOptions, host_tsc2nsec};
 
-// What `write.rs` still takes through its `use super::*` (the last such prelude in this
-// module: that file's own imports are its owner's to make explicit).
-use {
-    crate::formats::jsonl::JsonlWriter,
-    crate::formats::perfetto::PerfettoWriter,
-    crate::formats::perfetto::clock::{BootClock, ClockSnapshot},
-    crate::formats::tracedat::{self, ShiftMode, TimeShift, TraceDatWriter, WriterOptions},
-    place::{Placed, State},
-    std::path::Path,
-    vmtsync_core::HostTicks,
-    vmtsync_core::mapping::KvmTscMapping,
-};
-
 /// The output format of `vmtsync record`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum RecordFormat {

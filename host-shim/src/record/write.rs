@@ -1,8 +1,19 @@
 //! The output stage both front ends share: where events go while recording ([`Out`]) and
 //! the writers of every format, reading placements from the [`State`].
 
+use std::path::Path;
+
+use vmtsync_core::HostTicks;
+use vmtsync_core::mapping::KvmTscMapping;
+
+use super::place::{Placed, State};
 use super::target::{Target, host_tsc2nsec};
-use super::*;
+use super::{RecordError, RecordFormat, spool};
+use crate::formats::jsonl::JsonlWriter;
+use crate::formats::perfetto::PerfettoWriter;
+use crate::formats::perfetto::clock::{BootClock, ClockSnapshot};
+use crate::formats::tracedat::{self, ShiftMode, TimeShift, TraceDatWriter, WriterOptions};
+use crate::sync::Placement;
 
 /// Appends `p` to the JSON Lines output, an error naming the file being written.
 pub(super) fn jsonl_write(w: &mut JsonlWriter, p: &Placed<'_>) -> Result<(), RecordError> {

@@ -66,8 +66,8 @@ pub struct Place {
 /// segment's line when it converts at identity rate (what a trace.dat TIME_SHIFT applies)
 /// and lies inside the interval; else the line through the anchors of the rounds around the
 /// event, or, outside the epoch's rounds, the line from the nearest round's anchor at the
-/// epoch's newest rate, when that lies inside; else the interval's midpoint (rounded down). It always lies inside the interval. `None` without a
-/// segment or outside `u64`.
+/// epoch's newest rate, when that lies inside; else the interval's midpoint (rounded down).
+/// It always lies inside the interval. `None` without a segment or outside `u64`.
 #[must_use]
 pub fn place(segments: &[SyncSegment], g: u64, how: Placement) -> Option<Place> {
     let i = segments

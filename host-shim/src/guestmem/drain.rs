@@ -50,6 +50,23 @@ impl GuestRecord {
     }
 }
 
+/// One ring's records in a round ([`Drainer::round_rings`]): where they are in
+/// [`Drainer::round_records`], and the extremes of their ids and clocks, so a caller can tell
+/// at once whether every one of them is a plain event in a clock range.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RoundRing {
+    /// The ring.
+    pub vcpu: u32,
+    /// Its records' indices in the round's records (never empty).
+    pub records: std::ops::Range<usize>,
+    /// The largest event id among them.
+    pub max_id: u16,
+    /// The smallest and largest guest clock among them.
+    pub min_tsc: u64,
+    /// See `min_tsc`.
+    pub max_tsc: u64,
+}
+
 /// One ring's exact tallies since draining began.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct RingCounts {
@@ -177,6 +194,8 @@ pub struct Drainer {
     buf: Vec<u8>,
     /// The round's records: every ring's whose header check passed, in ring order.
     round: Vec<GuestRecord>,
+    /// The round's rings that delivered records, in ring order.
+    rings_read: Vec<RoundRing>,
 }
 
 /// The little-endian word at `off` of `b` (0 past its end). Inlined: the drain reads a slot's
@@ -194,17 +213,20 @@ fn u64_at(b: &[u8], off: usize) -> u64 {
 /// rather than filled: a fill of a variable length is a `memset` call per record.
 #[inline]
 fn payload_of(slot: &[u8; SLOT_BYTES], len: u8) -> [u8; 16] {
-    // The mask of a word's first `k` bytes (k ≤ 8).
-    let mask = |k: u32| {
-        if k >= 8 {
-            u64::MAX
-        } else {
-            (1u64 << (8 * k)) - 1
+    // MASK[k]: a word's first `k` bytes (k ≤ 8), looked up rather than computed with a shift
+    // and a branch per word.
+    const MASK: [u64; 9] = {
+        let mut m = [u64::MAX; 9];
+        let mut k = 0;
+        while k < 8 {
+            m[k] = (1u64 << (8 * k)) - 1;
+            k += 1;
         }
+        m
     };
-    let len = u32::from(len.min(16));
-    let lo = u64_at(slot, 16) & mask(len);
-    let hi = u64_at(slot, 24) & mask(len.saturating_sub(8));
+    let len = usize::from(len.min(16));
+    let lo = u64_at(slot, 16) & MASK[len.min(8)];
+    let hi = u64_at(slot, 24) & MASK[len.saturating_sub(8)];
     let mut p = [0u8; 16];
     p[..8].copy_from_slice(&lo.to_le_bytes());
     p[8..].copy_from_slice(&hi.to_le_bytes());
@@ -266,6 +288,7 @@ impl Drainer {
             max_per_round: max,
             buf: Vec::with_capacity(max * SLOT_BYTES),
             round: Vec::with_capacity(max),
+            rings_read: Vec::new(),
         }
     }
 
@@ -291,6 +314,13 @@ impl Drainer {
     #[must_use]
     pub fn round_records(&self) -> &[GuestRecord] {
         &self.round
+    }
+
+    /// The rings of the last round that delivered records, in ring order: the parts of
+    /// [`Self::round_records`] by ring, each with its extremes.
+    #[must_use]
+    pub fn round_rings(&self) -> &[RoundRing] {
+        &self.rings_read
     }
 
     /// Takes the last round's records, leaving `spare` (emptied) to hold the next round's:
@@ -372,6 +402,7 @@ impl Drainer {
     /// As [`Self::poll`].
     pub fn poll_round(&mut self, mem: &mut impl GuestMemory) -> Result<PollSummary, DrainError> {
         self.round.clear();
+        self.rings_read.clear();
         let mut summary = PollSummary::default();
         self.check_header(mem)?;
         for vcpu in 0..self.header.vcpus {
@@ -452,40 +483,59 @@ impl Drainer {
                 });
             }
             let ring_start = self.round.len();
-            let (mut overwritten, mut corrupt) = (0u64, 0u64);
+            // Past 2^64 the producer can never have begun record n + cap. A stop-when-full
+            // producer begins record n + cap only once its consumer has released record n
+            // (tail > n), so a tail at or below n also rules it out. Both bounds are upper
+            // bounds on n: the records the producer may have begun again are a prefix, those
+            // below `rewritten_below`.
+            let rewritten_below = h2
+                .checked_sub(cap)
+                .map_or(0, |last| last + 1)
+                .min(tail2.unwrap_or(u64::MAX));
+            let overwritten = usize::try_from(rewritten_below.saturating_sub(start))
+                .map_or(count, |r| r.min(count));
+            let mut corrupt = 0u64;
+            let (mut max_id, mut min_tsc, mut max_tsc) = (0u16, u64::MAX, 0u64);
+            self.round.reserve(count - overwritten);
             // Fixed-size slots: each word's offset is a constant, with no bounds check.
             for (k, slot) in self.buf[..count * SLOT_BYTES]
                 .as_chunks::<SLOT_BYTES>()
                 .0
                 .iter()
                 .enumerate()
+                .skip(overwritten)
             {
                 let n = start + k as u64;
-                // Past 2^64 the producer can never have begun record n + cap. A
-                // stop-when-full producer begins record n + cap only once its consumer has
-                // released record n (tail > n), so a tail at or below n also rules it out.
-                let may_be_rewritten =
-                    n.checked_add(cap).is_some_and(|lap| h2 >= lap) && tail2.is_none_or(|t| t > n);
-                if may_be_rewritten {
-                    overwritten += 1;
-                    continue;
-                }
                 let Some((id, len)) = decode_committed(u64_at(slot, 0), n) else {
                     corrupt += 1;
                     continue;
                 };
+                let tsc = u64_at(slot, 8);
+                max_id = max_id.max(id);
+                min_tsc = min_tsc.min(tsc);
+                max_tsc = max_tsc.max(tsc);
                 self.round.push(GuestRecord {
                     vcpu,
                     index: n,
                     id,
-                    tsc: u64_at(slot, 8),
+                    tsc,
                     len,
                     payload: payload_of(slot, len),
                 });
             }
+            let overwritten = overwritten as u64;
             if let Err(e) = self.check_header(mem) {
                 self.round.truncate(ring_start);
                 return Err(e);
+            }
+            if self.round.len() > ring_start {
+                self.rings_read.push(RoundRing {
+                    vcpu,
+                    records: ring_start..self.round.len(),
+                    max_id,
+                    min_tsc,
+                    max_tsc,
+                });
             }
             let delivered = (self.round.len() - ring_start) as u64;
             let ring = &mut self.rings[vcpu as usize];

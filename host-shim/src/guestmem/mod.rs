@@ -28,7 +28,9 @@ pub mod find;
 pub mod layout;
 pub mod memory;
 
-pub use drain::{DEFAULT_MAX_PER_ROUND, DrainError, Drainer, GuestRecord, PollSummary, RingCounts};
+pub use drain::{
+    DEFAULT_MAX_PER_ROUND, DrainError, Drainer, GuestRecord, PollSummary, RingCounts, RoundRing,
+};
 pub use elf::{
     ElfError, pointer_guest_physical_in, symbol_guest_physical, symbol_guest_physical_in,
 };

@@ -122,10 +122,32 @@ fn memory_with(h: &Header) -> FakeMemory {
     m
 }
 
+/// A round's rings cover its records in order, each ring's part non-empty and its own, with
+/// its exact extremes.
+fn check_round_rings(d: &Drainer) {
+    let records = d.round_records();
+    let mut at = 0;
+    for ring in d.round_rings() {
+        assert_eq!(
+            ring.records.start, at,
+            "the rings cover the records in order"
+        );
+        let part = &records[ring.records.clone()];
+        assert!(!part.is_empty());
+        assert!(part.iter().all(|r| r.vcpu == ring.vcpu));
+        assert_eq!(Some(ring.max_id), part.iter().map(|r| r.id).max());
+        assert_eq!(Some(ring.min_tsc), part.iter().map(|r| r.tsc).min());
+        assert_eq!(Some(ring.max_tsc), part.iter().map(|r| r.tsc).max());
+        at = ring.records.end;
+    }
+    assert_eq!(at, records.len(), "every record is in a ring's part");
+}
+
 fn drain_all(d: &mut Drainer, m: &mut FakeMemory) -> Result<Vec<GuestRecord>, DrainError> {
     let mut out = Vec::new();
     loop {
         let s = d.poll(m, &mut |r| out.push(*r))?;
+        check_round_rings(d);
         if !s.more {
             return Ok(out);
         }

@@ -33,7 +33,8 @@ use crate::formats::tracedat::{
     self, ShiftMode, SpanGraph, TimeShift, TraceDatWriter, WriterOptions,
 };
 use crate::formats::{Bound, ExportEvent, Payload};
-use crate::guestmem::GuestRecord;
+use crate::guestmem::{GuestRecord, RoundRing};
+use vmtsync_core::recorder::SPAN_BEGIN_ID;
 
 /// trace-cmd keeps times as signed 64-bit numbers (and its step TIME_SHIFT a sentinel at the
 /// largest): a guest tick above this is written as its host tick.
@@ -60,6 +61,22 @@ impl ExactRun {
             return None;
         }
         r.tsc.checked_add_signed(self.offset.checked_neg()?)
+    }
+
+    /// Whether [`Self::places`] places every record of `ring` (by its extremes alone): no
+    /// beacon or span record among them (those ids are the highest), and its clock range at
+    /// or after the segment's start and in the host's range at both ends.
+    #[inline]
+    pub(super) fn places_all(&self, ring: &RoundRing) -> bool {
+        let host = |tsc: u64| {
+            self.offset
+                .checked_neg()
+                .and_then(|neg| tsc.checked_add_signed(neg))
+        };
+        ring.max_id < SPAN_BEGIN_ID
+            && ring.min_tsc >= self.start
+            && host(ring.min_tsc).is_some()
+            && host(ring.max_tsc).is_some()
     }
 }
 
@@ -590,6 +607,60 @@ mod tests {
             round: 0,
             keyed: true,
         }
+    }
+
+    /// `places_all` says yes exactly when `places` places every record of the ring: checked
+    /// over rings of every mix of ids (plain, span, beacon), clocks before, at and after the
+    /// segment's start, and offsets that overflow the host's range at either end.
+    #[test]
+    fn places_all_agrees_with_placing_each_record() {
+        use crate::guestmem::{GuestRecord, RoundRing};
+        let rec = |id: u16, tsc: u64| GuestRecord {
+            vcpu: 0,
+            index: 0,
+            id,
+            tsc,
+            len: 0,
+            payload: [0; 16],
+        };
+        let ids = [0u16, 7, 0xFF00, SPAN_BEGIN_ID, 0xFF05, 0xFF06, 0xFFFF];
+        let tscs = [0u64, 99, 100, 101, 5_000, u64::MAX - 1, u64::MAX];
+        let offsets = [0i64, 50, 200, -50, i64::MIN, i64::MAX];
+        let mut both = (0, 0);
+        for offset in offsets {
+            let run = ExactRun {
+                key: 0,
+                offset,
+                start: 100,
+                round: 0,
+            };
+            for (a, b) in [(0, 0), (1, 2), (2, 4), (3, 4), (0, 6), (4, 5)] {
+                for (ia, ib) in [(1, 1), (1, 2), (0, 3), (1, 6)] {
+                    let ring = [rec(ids[ia], tscs[a]), rec(ids[ib], tscs[b])];
+                    let summary = RoundRing {
+                        vcpu: 0,
+                        records: 0..2,
+                        max_id: ring.iter().map(|r| r.id).max().unwrap(),
+                        min_tsc: tscs[a].min(tscs[b]),
+                        max_tsc: tscs[a].max(tscs[b]),
+                    };
+                    let each = ring.iter().all(|r| run.places(r).is_some());
+                    let all = run.places_all(&summary);
+                    // Sufficient, never wrong: a yes means every record is placed.
+                    assert!(!all || each, "{offset} {ring:?}");
+                    // And for the plain ids below the reserved ones, exact.
+                    if ring.iter().all(|r| r.id < SPAN_BEGIN_ID) {
+                        assert_eq!(all, each, "{offset} {ring:?}");
+                    }
+                    both.0 += usize::from(all);
+                    both.1 += usize::from(!all);
+                }
+            }
+        }
+        assert!(
+            both.0 > 0 && both.1 > 0,
+            "both answers were exercised: {both:?}"
+        );
     }
 
     /// Every event of the file as (trace CPU, the host tick trace-cmd computes, payload byte).

@@ -15,7 +15,7 @@ use super::{BootCounts, MemoryOptions, MemorySummary};
 use crate::exits::PioTrace;
 use crate::formats::perfetto::clock::ClockSnapshot;
 use crate::guestmem::{
-    self, ClockKind, DrainError, Drainer, Found, GuestRecord, PollSummary, ProcMemory,
+    self, ClockKind, DrainError, Drainer, Found, GuestRecord, PollSummary, ProcMemory, RoundRing,
 };
 use crate::kvm::hosttsc::read_host_tsc;
 use crate::kvm::procinfo::ProcFs;
@@ -574,14 +574,10 @@ impl<'a> Recording<'a> {
             zeros: 0,
         };
         let records = drainer.round_records();
-        let mut at = 0;
-        let placed = records
-            .chunk_by(|a, b| a.vcpu == b.vcpu)
-            .try_for_each(|ring| {
-                let r = round.place_ring(ring, at);
-                at += ring.len();
-                r
-            });
+        let placed = drainer
+            .round_rings()
+            .iter()
+            .try_for_each(|ring| round.place_ring(ring, records));
         round.st.widths.push_n(0, round.zeros);
         placed
     }
@@ -894,24 +890,31 @@ struct Round<'r, 'a> {
 }
 
 impl Round<'_, '_> {
-    /// One ring's records of the round, the first of them the round's record `at`. Exact
-    /// mode: the runs of plain events its latest segment places go to the writer as one item
-    /// each ([`Item::Run`]); every other record goes through [`Self::place`].
-    fn place_ring(&mut self, ring: &[GuestRecord], at: usize) -> Result<(), RecordError> {
-        let run = ring.first().and_then(|r| self.run(r.vcpu));
+    /// One ring's records of the round (`ring` of the round's `records`). Exact mode: the
+    /// runs of plain events its latest segment places go to the writer as one item each
+    /// ([`Item::Run`]); every other record goes through [`Self::place`]. When the ring's
+    /// extremes show that its latest segment places every one of its records, they are one
+    /// run, with no look at each.
+    fn place_ring(&mut self, ring: &RoundRing, records: &[GuestRecord]) -> Result<(), RecordError> {
+        let at = ring.records.start;
+        let ring_records = &records[ring.records.clone()];
+        let run = self.run(ring.vcpu);
+        let all_plain = run.is_some_and(|run| run.places_all(ring));
         let mut i = 0;
-        while i < ring.len() {
+        while i < ring_records.len() {
             if let (Some(run), Writer::Piped(pipe)) = (run, &mut *self.out) {
-                let left = self
-                    .opts
-                    .output
-                    .events
-                    .map_or(u64::MAX, |n| n.saturating_sub(self.st.events));
-                let n = ring[i..]
-                    .iter()
-                    .take(usize::try_from(left).unwrap_or(usize::MAX))
-                    .take_while(|r| run.places(r).is_some())
-                    .count();
+                let left = self.opts.output.events.map_or(usize::MAX, |n| {
+                    usize::try_from(n.saturating_sub(self.st.events)).unwrap_or(usize::MAX)
+                });
+                let rest = &ring_records[i..];
+                let n = if all_plain {
+                    rest.len().min(left)
+                } else {
+                    rest.iter()
+                        .take(left)
+                        .take_while(|r| run.places(r).is_some())
+                        .count()
+                };
                 if n > 0 {
                     pipe.items.push(Item::Run {
                         run,
@@ -924,7 +927,7 @@ impl Round<'_, '_> {
                     continue;
                 }
             }
-            self.place(&ring[i], at + i)?;
+            self.place(&ring_records[i], at + i)?;
             i += 1;
         }
         Ok(())

@@ -33,6 +33,16 @@ impl Payload {
         })
     }
 
+    /// The first `len` of `bytes`, whose bytes past `len` are zero (as a
+    /// [`crate::guestmem::GuestRecord`]'s are): no copy to pad them. `None` past
+    /// [`MAX_PAYLOAD`].
+    #[must_use]
+    #[inline]
+    pub fn from_padded(len: u8, bytes: [u8; MAX_PAYLOAD]) -> Option<Self> {
+        debug_assert!(bytes[usize::from(len).min(MAX_PAYLOAD)..].iter().all(|&b| b == 0));
+        (usize::from(len) <= MAX_PAYLOAD).then_some(Self { len, bytes })
+    }
+
     /// The bytes.
     #[must_use]
     #[inline]

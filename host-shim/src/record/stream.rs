@@ -94,7 +94,16 @@ pub(super) fn for_each_plain<E>(
         let Some(host) = run.places(r) else {
             break;
         };
-        f(&Placed::exact(r, run.key, host, run.round).export())?;
+        // What `Placed::exact(..).export()` gives, built straight from the record (its
+        // payload is already zero-padded).
+        f(&ExportEvent {
+            vcpu: split_key(run.key).1,
+            id: r.id,
+            guest_tsc: Some(r.tsc),
+            host_tsc: host,
+            bound: Some(Bound { lo: host, hi: host }),
+            payload: Payload::from_padded(r.len, r.payload).unwrap_or_default(),
+        })?;
         n += 1;
     }
     Ok(n)

@@ -27,6 +27,13 @@
 //!   time, most significant first, as 8 reads and as one `read_many` of 8 parts; medians of
 //!   PASSES).
 //!
+//! With a fourth argument, EVICT_MIB, the raw copy is also timed **from memory**: before each
+//! of PASSES more passes per method and size, EVICT_MIB MiB are written elsewhere (make it a
+//! few times the last-level cache), so the rings start out of the cache, as a reader that
+//! comes to them after other work finds them; one line per method and size,
+//! `mem-copy-cold: …` with the words of `mem-copy:`. The first passes above run right after
+//! one another, so the rings stay in a cache large enough to hold them.
+//!
 //! The first line, `mem-open: method=M`, names the method `ProcMemory::open` chose (what
 //! `vmtsync record --from-memory` reads with). Needs ptrace rights over the process (root).
 
@@ -58,10 +65,18 @@ fn main() -> ExitCode {
             .filter(|&r| r > 0),
         chunks,
     ) else {
-        eprintln!("usage: mem_copy PID PASSES(>0) CHUNK_BYTES[,CHUNK_BYTES...]");
+        eprintln!("usage: mem_copy PID PASSES(>0) CHUNK_BYTES[,CHUNK_BYTES...] [EVICT_MIB]");
         return ExitCode::from(2);
     };
-    match run(pid, passes, &chunks) {
+    let evict_mib = match args.get(4).map(|s| s.parse::<usize>()) {
+        None => None,
+        Some(Ok(m)) if m > 0 => Some(m),
+        Some(_) => {
+            eprintln!("mem_copy: EVICT_MIB must be a positive number of MiB");
+            return ExitCode::from(2);
+        }
+    };
+    match run(pid, passes, &chunks, evict_mib) {
         Ok(lines) => {
             for l in lines {
                 println!("{l}");
@@ -102,7 +117,52 @@ fn seconds(v: &[f64]) -> String {
         .join(",")
 }
 
-fn run(pid: u32, passes: usize, chunks: &[usize]) -> Result<Vec<String>, Error> {
+/// Every ring's slots copied out in reads of `chunk` bytes into `buf`: seconds.
+fn copy_rings(
+    mem: &mut ProcMemory,
+    rings: &[(u64, u64)],
+    chunk: usize,
+    buf: &mut [u8],
+) -> Result<f64, Error> {
+    let t = Instant::now();
+    for &(start, len) in rings {
+        let mut at = 0;
+        while at < len {
+            let n = usize::try_from((len - at).min(chunk as u64))?;
+            mem.read(start + at, &mut buf[..n])?;
+            at += n as u64;
+        }
+    }
+    Ok(t.elapsed().as_secs_f64())
+}
+
+/// One `mem-copy…:` line per method and chunk size (`times[method][chunk]`).
+fn copy_lines(prefix: &str, chunks: &[usize], times: &[Vec<Vec<f64>>], total: u64) -> Vec<String> {
+    #[allow(clippy::cast_precision_loss)] // Byte counts far below 2^52.
+    let total_f = total as f64;
+    let mut lines = Vec::new();
+    for (m, method) in METHODS.iter().enumerate() {
+        for (c, &chunk) in chunks.iter().enumerate() {
+            let s = median(&times[m][c]);
+            lines.push(format!(
+                "{prefix}: method={} chunk={chunk} bytes={total} seconds={} gbps={:.3} \
+                 records_per_s={:.0}",
+                method.name(),
+                seconds(&times[m][c]),
+                total_f / s / 1e9,
+                total_f / RECORD_BYTES as f64 / s,
+            ));
+        }
+    }
+    lines
+}
+
+fn run(
+    pid: u32,
+    passes: usize,
+    chunks: &[usize],
+    evict_mib: Option<usize>,
+) -> Result<Vec<String>, Error> {
     // What `vmtsync record --from-memory` reads with: `ProcMemory::open`'s choice.
     let mut mem = ProcMemory::open(&ProcFs::default(), pid)?;
     let found = guestmem::find(&mut mem, Location::Scan)?;
@@ -128,36 +188,29 @@ fn run(pid: u32, passes: usize, chunks: &[usize]) -> Result<Vec<String>, Error> 
     for pass in 0..=passes {
         for (m, mem) in mems.iter_mut().enumerate() {
             for (c, &chunk) in chunks.iter().enumerate() {
-                let t = Instant::now();
-                for &(start, len) in &rings {
-                    let mut at = 0;
-                    while at < len {
-                        let n = usize::try_from((len - at).min(chunk as u64))?;
-                        mem.read(start + at, &mut buf[..n])?;
-                        at += n as u64;
-                    }
-                }
-                let s = t.elapsed().as_secs_f64();
+                let s = copy_rings(mem, &rings, chunk, &mut buf)?;
                 if pass > 0 {
                     times[m][c].push(s);
                 }
             }
         }
     }
-    #[allow(clippy::cast_precision_loss)] // Byte counts far below 2^52.
-    let total_f = total as f64;
-    for (m, method) in METHODS.iter().enumerate() {
-        for (c, &chunk) in chunks.iter().enumerate() {
-            let s = median(&times[m][c]);
-            lines.push(format!(
-                "mem-copy: method={} chunk={chunk} bytes={total} seconds={} gbps={:.3} \
-                 records_per_s={:.0}",
-                method.name(),
-                seconds(&times[m][c]),
-                total_f / s / 1e9,
-                total_f / RECORD_BYTES as f64 / s,
-            ));
+    lines.extend(copy_lines("mem-copy", chunks, &times, total));
+    // From memory: the rings pushed out of the cache before each pass.
+    if let Some(mib) = evict_mib {
+        let mut other = vec![0u8; mib << 20];
+        let mut cold = vec![vec![Vec::with_capacity(passes); chunks.len()]; METHODS.len()];
+        for pass in 0..passes {
+            for (m, mem) in mems.iter_mut().enumerate() {
+                for (c, &chunk) in chunks.iter().enumerate() {
+                    // Every line of the other buffer written (a value that changes each time).
+                    other.fill(u8::try_from(pass % 200 + 1)?);
+                    std::hint::black_box(&other);
+                    cold[m][c].push(copy_rings(mem, &rings, chunk, &mut buf)?);
+                }
+            }
         }
+        lines.extend(copy_lines("mem-copy-cold", chunks, &cold, total));
     }
 
     // Draining without a writer, and the fixed costs of a round.

@@ -39,7 +39,11 @@ impl Payload {
     #[must_use]
     #[inline]
     pub fn from_padded(len: u8, bytes: [u8; MAX_PAYLOAD]) -> Option<Self> {
-        debug_assert!(bytes[usize::from(len).min(MAX_PAYLOAD)..].iter().all(|&b| b == 0));
+        debug_assert!(
+            bytes[usize::from(len).min(MAX_PAYLOAD)..]
+                .iter()
+                .all(|&b| b == 0)
+        );
         (usize::from(len) <= MAX_PAYLOAD).then_some(Self { len, bytes })
     }
 

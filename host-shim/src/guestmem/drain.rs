@@ -8,6 +8,7 @@ use super::layout::{
     BEACON_ID, HEADER_SIZE, Header, Mode, RECORD_SIZE, RING_PREFIX, decode_committed,
 };
 use super::memory::{GuestMemory, MemError};
+use vmtsync_core::recorder::RESERVED_ID_MIN;
 
 /// One slot's bytes, as a buffer length.
 const SLOT_BYTES: usize = 32;
@@ -51,17 +52,19 @@ impl GuestRecord {
 }
 
 /// One ring's records in a round ([`Drainer::round_rings`]): where they are in
-/// [`Drainer::round_records`], and the extremes of their ids and clocks, so a caller can tell
-/// at once whether every one of them is a plain event in a clock range.
+/// [`Drainer::round_records`], which of them carry an id vmtsync reserves (beacons, spans,
+/// the function graph: [`RESERVED_ID_MIN`] and up), and the extremes of their clocks, so a
+/// caller can take the application's events between those as runs without looking at each.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RoundRing {
     /// The ring.
     pub vcpu: u32,
     /// Its records' indices in the round's records (never empty).
     pub records: std::ops::Range<usize>,
-    /// The largest event id among them.
-    pub max_id: u16,
-    /// The smallest and largest guest clock among them.
+    /// Its part of [`Drainer::round_reserved`]: the indices (in the round's records, in
+    /// order) of its records with a reserved id.
+    pub reserved: std::ops::Range<usize>,
+    /// The smallest and largest guest clock among its records.
     pub min_tsc: u64,
     /// See `min_tsc`.
     pub max_tsc: u64,
@@ -196,6 +199,8 @@ pub struct Drainer {
     round: Vec<GuestRecord>,
     /// The round's rings that delivered records, in ring order.
     rings_read: Vec<RoundRing>,
+    /// The indices of the round's records with a reserved id, in order.
+    reserved: Vec<usize>,
 }
 
 /// The little-endian word at `off` of `b` (0 past its end). Inlined: the drain reads a slot's
@@ -289,6 +294,7 @@ impl Drainer {
             buf: Vec::with_capacity(max * SLOT_BYTES),
             round: Vec::with_capacity(max),
             rings_read: Vec::new(),
+            reserved: Vec::new(),
         }
     }
 
@@ -321,6 +327,13 @@ impl Drainer {
     #[must_use]
     pub fn round_rings(&self) -> &[RoundRing] {
         &self.rings_read
+    }
+
+    /// The indices in [`Self::round_records`] of the last round's records with an id of
+    /// [`RESERVED_ID_MIN`] or above, in order (each ring's part: [`RoundRing::reserved`]).
+    #[must_use]
+    pub fn round_reserved(&self) -> &[usize] {
+        &self.reserved
     }
 
     /// Takes the last round's records, leaving `spare` (emptied) to hold the next round's:
@@ -403,6 +416,7 @@ impl Drainer {
     pub fn poll_round(&mut self, mem: &mut impl GuestMemory) -> Result<PollSummary, DrainError> {
         self.round.clear();
         self.rings_read.clear();
+        self.reserved.clear();
         let mut summary = PollSummary::default();
         self.check_header(mem)?;
         for vcpu in 0..self.header.vcpus {
@@ -483,6 +497,7 @@ impl Drainer {
                 });
             }
             let ring_start = self.round.len();
+            let reserved_start = self.reserved.len();
             // Past 2^64 the producer can never have begun record n + cap. A stop-when-full
             // producer begins record n + cap only once its consumer has released record n
             // (tail > n), so a tail at or below n also rules it out. Both bounds are upper
@@ -495,7 +510,7 @@ impl Drainer {
             let overwritten = usize::try_from(rewritten_below.saturating_sub(start))
                 .map_or(count, |r| r.min(count));
             let mut corrupt = 0u64;
-            let (mut max_id, mut min_tsc, mut max_tsc) = (0u16, u64::MAX, 0u64);
+            let (mut min_tsc, mut max_tsc) = (u64::MAX, 0u64);
             self.round.reserve(count - overwritten);
             // Fixed-size slots: each word's offset is a constant, with no bounds check.
             for (k, slot) in self.buf[..count * SLOT_BYTES]
@@ -511,7 +526,9 @@ impl Drainer {
                     continue;
                 };
                 let tsc = u64_at(slot, 8);
-                max_id = max_id.max(id);
+                if id >= RESERVED_ID_MIN {
+                    self.reserved.push(self.round.len());
+                }
                 min_tsc = min_tsc.min(tsc);
                 max_tsc = max_tsc.max(tsc);
                 self.round.push(GuestRecord {
@@ -526,13 +543,14 @@ impl Drainer {
             let overwritten = overwritten as u64;
             if let Err(e) = self.check_header(mem) {
                 self.round.truncate(ring_start);
+                self.reserved.truncate(reserved_start);
                 return Err(e);
             }
             if self.round.len() > ring_start {
                 self.rings_read.push(RoundRing {
                     vcpu,
                     records: ring_start..self.round.len(),
-                    max_id,
+                    reserved: reserved_start..self.reserved.len(),
                     min_tsc,
                     max_tsc,
                 });

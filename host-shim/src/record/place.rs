@@ -198,12 +198,7 @@ impl Widths {
         let stride = self.stride.max(1);
         if self.seen.is_multiple_of(stride) {
             if self.sample.len() == WIDTH_SAMPLE {
-                let mut keep = false;
-                self.sample.retain(|_| {
-                    keep = !keep;
-                    keep
-                });
-                self.stride = stride * 2;
+                self.halve(stride);
             }
             if self.seen.is_multiple_of(self.stride.max(1)) {
                 self.sample.push(w);
@@ -212,23 +207,54 @@ impl Widths {
         self.seen += 1;
     }
 
-    /// `n` widths `w` at once: what `n` calls of [`Self::push`] do, in as many steps as
-    /// they add to the sample.
+    /// `n` widths `w` at once: what `n` calls of [`Self::push`] do, the sampled ones added
+    /// to the sample together up to its capacity (one step per halving, not per sample).
     pub(super) fn push_n(&mut self, w: u64, mut n: u64) {
+        if n == 0 {
+            return;
+        }
+        self.min = Some(self.min.map_or(w, |m| m.min(w)));
+        self.max = self.max.max(w);
         while n > 0 {
-            let next = self.seen.next_multiple_of(self.stride.max(1));
+            let stride = self.stride.max(1);
+            // The widths before the next sampled position only count.
+            let next = self.seen.next_multiple_of(stride);
             if next - self.seen >= n {
-                // None of them is sampled: only the extremes and the count change.
-                self.min = Some(self.min.map_or(w, |m| m.min(w)));
-                self.max = self.max.max(w);
                 self.seen += n;
                 return;
             }
             n -= next - self.seen;
             self.seen = next;
-            self.push(w);
-            n -= 1;
+            if self.sample.len() == WIDTH_SAMPLE {
+                self.halve(stride);
+                if !self.seen.is_multiple_of(self.stride) {
+                    // As `push`: this position was sampled at the old stride only.
+                    self.seen += 1;
+                    n -= 1;
+                    continue;
+                }
+            }
+            // `seen` is a sampled position: it and the ones every stride after it, below
+            // `seen + n`, as many as the sample has room for.
+            let stride = self.stride.max(1);
+            let room = (WIDTH_SAMPLE - self.sample.len()) as u64;
+            let k = n.div_ceil(stride).min(room);
+            self.sample
+                .resize(self.sample.len() + usize::try_from(k).unwrap_or(0), w);
+            let advance = ((k - 1) * stride + 1).min(n);
+            self.seen += advance;
+            n -= advance;
         }
+    }
+
+    /// Every other sampled width dropped, the stride doubled (the sample was full).
+    fn halve(&mut self, stride: u64) {
+        let mut keep = false;
+        self.sample.retain(|_| {
+            keep = !keep;
+            keep
+        });
+        self.stride = stride * 2;
     }
 
     /// (min, median of the sample, max), `None` without widths.
@@ -354,7 +380,8 @@ mod tests {
         let (mut one, mut many) = (Widths::default(), Widths::default());
         // Past the sample's capacity, so the stride doubles several times.
         while one.seen < 6 * WIDTH_SAMPLE as u64 {
-            let (w, n) = (next(1000), next(5000));
+            // Now and then a drain round's worth at once.
+            let (w, n) = (next(1000), next(5000) * (1 + 16 * u64::from(next(4) == 0)));
             for _ in 0..n {
                 one.push(w);
             }

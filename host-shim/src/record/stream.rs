@@ -34,7 +34,6 @@ use crate::formats::tracedat::{
 };
 use crate::formats::{Bound, ExportEvent, Payload};
 use crate::guestmem::{GuestRecord, RoundRing};
-use vmtsync_core::recorder::SPAN_BEGIN_ID;
 
 /// trace-cmd keeps times as signed 64-bit numbers (and its step TIME_SHIFT a sentinel at the
 /// largest): a guest tick above this is written as its host tick.
@@ -63,20 +62,17 @@ impl ExactRun {
         r.tsc.checked_add_signed(self.offset.checked_neg()?)
     }
 
-    /// Whether [`Self::places`] places every record of `ring` (by its extremes alone): no
-    /// beacon or span record among them (those ids are the highest), and its clock range at
-    /// or after the segment's start and in the host's range at both ends.
+    /// Whether [`Self::places`] places every record of `ring` whose id is not reserved (by
+    /// its clock's extremes alone: at or after the segment's start, and in the host's range
+    /// at both ends). The records with reserved ids (beacons, spans) it never places.
     #[inline]
-    pub(super) fn places_all(&self, ring: &RoundRing) -> bool {
+    pub(super) fn places_unreserved(&self, ring: &RoundRing) -> bool {
         let host = |tsc: u64| {
             self.offset
                 .checked_neg()
                 .and_then(|neg| tsc.checked_add_signed(neg))
         };
-        ring.max_id < SPAN_BEGIN_ID
-            && ring.min_tsc >= self.start
-            && host(ring.min_tsc).is_some()
-            && host(ring.max_tsc).is_some()
+        ring.min_tsc >= self.start && host(ring.min_tsc).is_some() && host(ring.max_tsc).is_some()
     }
 }
 
@@ -293,33 +289,35 @@ impl TraceDatStream {
         if run.places(first).is_none() || first.tsc > MAX_TICK {
             return Ok(0);
         }
-        let cpu = self.part_for(run.key, false, first.tsc, run.offset)?;
-        let part = &mut self.parts[cpu as usize];
-        // The plain records in order (trace-cmd's range, not behind the part's last
-        // timestamp): the record after them takes the general path.
-        let mut last = if part.events > 0 { part.last } else { 0 };
-        let n = records
-            .iter()
-            .take_while(|r| {
-                let ok = r.tsc <= MAX_TICK && r.tsc >= last && run.places(r).is_some();
-                last = r.tsc;
-                ok
-            })
-            .count();
         let Some(host) = run.places(first) else {
             return Ok(0);
         };
-        part.take(first.tsc, host, run.offset);
-        if let Some(l) = records[..n].last() {
-            part.last = l.tsc;
-        }
-        part.events += n.saturating_sub(1) as u64;
-        self.w.push_padded(
+        let cpu = self.part_for(run.key, false, first.tsc, run.offset)?;
+        let part = &mut self.parts[cpu as usize];
+        // The plain records in order (trace-cmd's range, not behind the part's last
+        // timestamp), checked as they are written, in one pass: the record after them takes
+        // the general path.
+        let mut last = if part.events > 0 { part.last } else { 0 };
+        let mut n = 0;
+        let written = self.w.push_padded(
             cpu,
-            records[..n]
+            records
                 .iter()
+                .take_while(|r| {
+                    let ok = r.tsc <= MAX_TICK && r.tsc >= last && run.places(r).is_some();
+                    last = r.tsc;
+                    n += usize::from(ok);
+                    ok
+                })
                 .map(|r| (r.tsc, u32::from(r.id), r.payload().len(), &r.payload)),
-        )?;
+        );
+        // What was written counts also when the write failed part way.
+        if n > 0 {
+            part.take(first.tsc, host, run.offset);
+            part.last = records[n - 1].tsc;
+            part.events += (n - 1) as u64;
+        }
+        written?;
         Ok(n)
     }
 
@@ -618,21 +616,20 @@ mod tests {
         }
     }
 
-    /// `places_all` says yes exactly when `places` places every record of the ring: checked
-    /// over rings of every mix of ids (plain, span, beacon), clocks before, at and after the
-    /// segment's start, and offsets that overflow the host's range at either end.
+    /// `places_unreserved` says yes exactly when `places` places every record of the ring
+    /// with an id below the reserved ones: checked over rings of clocks before, at and after
+    /// the segment's start, and offsets that overflow the host's range at either end.
     #[test]
-    fn places_all_agrees_with_placing_each_record() {
+    fn places_unreserved_agrees_with_placing_each_record() {
         use crate::guestmem::{GuestRecord, RoundRing};
-        let rec = |id: u16, tsc: u64| GuestRecord {
+        let rec = |tsc: u64| GuestRecord {
             vcpu: 0,
             index: 0,
-            id,
+            id: 7,
             tsc,
             len: 0,
             payload: [0; 16],
         };
-        let ids = [0u16, 7, 0xFF00, SPAN_BEGIN_ID, 0xFF05, 0xFF06, 0xFFFF];
         let tscs = [0u64, 99, 100, 101, 5_000, u64::MAX - 1, u64::MAX];
         let offsets = [0i64, 50, 200, -50, i64::MIN, i64::MAX];
         let mut both = (0, 0);
@@ -643,24 +640,19 @@ mod tests {
                 start: 100,
                 round: 0,
             };
-            for (a, b) in [(0, 0), (1, 2), (2, 4), (3, 4), (0, 6), (4, 5)] {
-                for (ia, ib) in [(1, 1), (1, 2), (0, 3), (1, 6)] {
-                    let ring = [rec(ids[ia], tscs[a]), rec(ids[ib], tscs[b])];
+            for a in 0..tscs.len() {
+                for b in a..tscs.len() {
+                    let ring = [rec(tscs[a]), rec(tscs[b])];
                     let summary = RoundRing {
                         vcpu: 0,
                         records: 0..2,
-                        max_id: ring.iter().map(|r| r.id).max().unwrap(),
-                        min_tsc: tscs[a].min(tscs[b]),
-                        max_tsc: tscs[a].max(tscs[b]),
+                        reserved: 0..0,
+                        min_tsc: tscs[a],
+                        max_tsc: tscs[b],
                     };
                     let each = ring.iter().all(|r| run.places(r).is_some());
-                    let all = run.places_all(&summary);
-                    // Sufficient, never wrong: a yes means every record is placed.
-                    assert!(!all || each, "{offset} {ring:?}");
-                    // And for the plain ids below the reserved ones, exact.
-                    if ring.iter().all(|r| r.id < SPAN_BEGIN_ID) {
-                        assert_eq!(all, each, "{offset} {ring:?}");
-                    }
+                    let all = run.places_unreserved(&summary);
+                    assert_eq!(all, each, "{offset} {ring:?}");
                     both.0 += usize::from(all);
                     both.1 += usize::from(!all);
                 }

@@ -573,11 +573,11 @@ impl<'a> Recording<'a> {
             changed,
             zeros: 0,
         };
-        let records = drainer.round_records();
+        let (records, reserved) = (drainer.round_records(), drainer.round_reserved());
         let placed = drainer
             .round_rings()
             .iter()
-            .try_for_each(|ring| round.place_ring(ring, records));
+            .try_for_each(|ring| round.place_ring(ring, records, reserved));
         round.st.widths.push_n(0, round.zeros);
         placed
     }
@@ -890,47 +890,82 @@ struct Round<'r, 'a> {
 }
 
 impl Round<'_, '_> {
-    /// One ring's records of the round (`ring` of the round's `records`). Exact mode: the
-    /// runs of plain events its latest segment places go to the writer as one item each
-    /// ([`Item::Run`]); every other record goes through [`Self::place`]. When the ring's
-    /// extremes show that its latest segment places every one of its records, they are one
-    /// run, with no look at each.
-    fn place_ring(&mut self, ring: &RoundRing, records: &[GuestRecord]) -> Result<(), RecordError> {
-        let at = ring.records.start;
-        let ring_records = &records[ring.records.clone()];
+    /// One ring's records of the round (`ring` of the round's `records`, its reserved ones
+    /// listed in `reserved`). Exact mode: the runs of plain events its latest segment places
+    /// go to the writer as one item each ([`Item::Run`]); every other record goes through
+    /// [`Self::place`]. When the ring's clock range shows that the segment places every
+    /// record without a reserved id, the runs are the stretches between the reserved ones,
+    /// with no look at each record.
+    fn place_ring(
+        &mut self,
+        ring: &RoundRing,
+        records: &[GuestRecord],
+        reserved: &[usize],
+    ) -> Result<(), RecordError> {
         let run = self.run(ring.vcpu);
-        let all_plain = run.is_some_and(|run| run.places_all(ring));
-        let mut i = 0;
-        while i < ring_records.len() {
-            if let (Some(run), Writer::Piped(pipe)) = (run, &mut *self.out) {
-                let left = self.opts.output.events.map_or(usize::MAX, |n| {
-                    usize::try_from(n.saturating_sub(self.st.events)).unwrap_or(usize::MAX)
-                });
-                let rest = &ring_records[i..];
-                let n = if all_plain {
-                    rest.len().min(left)
-                } else {
-                    rest.iter()
-                        .take(left)
-                        .take_while(|r| run.places(r).is_some())
-                        .count()
-                };
-                if n > 0 {
-                    pipe.items.push(Item::Run {
-                        run,
-                        from: at + i,
-                        to: at + i + n,
-                    });
-                    self.st.events += n as u64;
-                    self.zeros += n as u64;
+        if let Some(run) = run.filter(|r| r.places_unreserved(ring))
+            && matches!(self.out, Writer::Piped(_))
+        {
+            let mut i = ring.records.start;
+            for &next in reserved[ring.reserved.clone()]
+                .iter()
+                .chain(std::iter::once(&ring.records.end))
+            {
+                let taken = self.push_run(run, i, next);
+                for (at, r) in records.iter().enumerate().take(next).skip(i + taken) {
+                    self.place(r, at)?;
+                }
+                if next < ring.records.end {
+                    self.place(&records[next], next)?;
+                }
+                i = next + 1;
+            }
+            return Ok(());
+        }
+        let mut i = ring.records.start;
+        while i < ring.records.end {
+            if let Some(run) = run {
+                let n = records[i..ring.records.end]
+                    .iter()
+                    .take(self.left())
+                    .take_while(|r| run.places(r).is_some())
+                    .count();
+                if self.push_run(run, i, i + n) > 0 {
                     i += n;
                     continue;
                 }
             }
-            self.place(&ring_records[i], at + i)?;
+            self.place(&records[i], i)?;
             i += 1;
         }
         Ok(())
+    }
+
+    /// Events the recording may still write (`--events`).
+    fn left(&self) -> usize {
+        self.opts.output.events.map_or(usize::MAX, |n| {
+            usize::try_from(n.saturating_sub(self.st.events)).unwrap_or(usize::MAX)
+        })
+    }
+
+    /// The round's records `from..to`, all plain events `run` places, to the writer as one
+    /// run, as many as the recording may still write: how many it took (none without a
+    /// writer thread).
+    fn push_run(&mut self, run: ExactRun, from: usize, to: usize) -> usize {
+        let n = (to - from).min(self.left());
+        let Writer::Piped(pipe) = &mut *self.out else {
+            return 0;
+        };
+        if n > 0 {
+            pipe.items.push(Item::Run {
+                run,
+                from,
+                to: from + n,
+            });
+            self.st.events += n as u64;
+            self.zeros += n as u64;
+        }
+        n
     }
 
     /// Exact mode: ring `ring`'s latest segment, when KVM's mapping of its vCPU did not

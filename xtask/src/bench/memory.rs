@@ -1117,27 +1117,30 @@ fn cache_kib(text: &str) -> Option<u64> {
     t.parse::<u64>().ok().map(|b| b.div_ceil(1024))
 }
 
-/// A buffer written over before each timed drain of the prefilled ring, so the rings start
-/// out of the cache, as they do for `mem_copy`'s copy from memory (the same size).
-struct Evictor {
-    buf: Vec<u8>,
-    passes: u8,
-}
-
-impl Evictor {
-    fn new(mib: u64) -> Result<Self> {
-        Ok(Self {
-            buf: vec![0; usize::try_from(mib << 20)?],
-            passes: 0,
-        })
-    }
-
-    /// Writes every byte (a value that changes each time).
-    fn evict(&mut self) {
-        self.passes = self.passes.wrapping_add(1).max(1);
-        self.buf.fill(self.passes);
-        std::hint::black_box(&self.buf);
-    }
+/// Pushes the rings out of the cache before a timed drain, as `mem_copy` does before each copy
+/// from memory: `mib` MiB written elsewhere, by `dd` reading `/dev/zero` into one buffer of
+/// that size. In a process of its own: a child's peak RSS (`wait4`) starts from its parent's
+/// peak when it is forked, so a buffer this large in the bench's own process would show as
+/// every reader's.
+fn evict(mib: u64) -> Result<()> {
+    let mut cmd = Command::new("dd");
+    cmd.args([
+        "if=/dev/zero",
+        "of=/dev/null",
+        &format!("bs={mib}M"),
+        "count=1",
+        "iflag=fullblock",
+        "status=none",
+    ]);
+    let status = cmd
+        .status()
+        .context("starting dd to push the rings out of the cache")?;
+    ensure!(
+        status.success(),
+        "{} failed: {status}",
+        crate::display(&cmd)
+    );
+    Ok(())
 }
 
 pub(super) fn memory(plan: &Plan, work: &Path) -> Result<Section> {
@@ -1175,13 +1178,12 @@ pub(super) fn memory(plan: &Plan, work: &Path) -> Result<Section> {
     let evict_mib = cache_mib.map_or(EVICT_MIN_MIB, |c| {
         (c * EVICT_TIMES_CACHE).max(EVICT_MIN_MIB)
     });
-    let mut evictor = Evictor::new(evict_mib)?;
     // Formats interleaved within each pass, so a slow moment of the host hits them alike.
     for k in 0..sizes.ceiling_runs {
         for (f, (format, _)) in FORMATS.iter().enumerate() {
             let out = output_path(&dir, "ceiling", format);
             remove_output(&out);
-            evictor.evict();
+            evict(evict_mib)?;
             let run = record(
                 &vmtsync,
                 guest.pid(),
@@ -1202,7 +1204,6 @@ pub(super) fn memory(plan: &Plan, work: &Path) -> Result<Section> {
     // The raw copy of the same rings and the drain's round costs, on the same guest.
     let chunks: Vec<String> = COPY_CHUNKS.iter().map(u64::to_string).collect();
     let mut cmd = Command::new(&copier);
-    drop(evictor);
     cmd.arg(guest.pid().to_string())
         .arg(sizes.copy_passes.to_string())
         .arg(chunks.join(","))

@@ -13,7 +13,7 @@
 use std::fs::File;
 use std::io::{self, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
-use std::sync::mpsc::{self, Receiver, SyncSender};
+use std::sync::mpsc::{self, Receiver, SyncSender, TrySendError};
 use std::thread::JoinHandle;
 
 use tempfile::NamedTempFile;
@@ -299,6 +299,77 @@ impl SyncData for AtomicFile {
     }
 }
 
+/// Syncs a file's data on a thread of its own every [`SYNC_EVERY`] bytes written (skipped
+/// while that thread is still at the last one: the next sync takes both), so the disk writes
+/// while the writer works and the sync before the rename finds little left, without the writer
+/// waiting for the disk. [`BackgroundFile`]'s writing thread uses one; so does a writer that
+/// writes on its own thread (a trace.dat written beside a reader).
+#[derive(Debug)]
+pub struct Syncer {
+    tx: Option<SyncSender<()>>,
+    thread: Option<JoinHandle<io::Result<()>>>,
+    unsynced: usize,
+}
+
+impl Syncer {
+    /// Starts the syncing thread on a second handle of `file`.
+    ///
+    /// # Errors
+    /// The handle could not be duplicated or the thread not started.
+    pub fn start(file: &impl SyncData) -> io::Result<Self> {
+        let (tx, rx) = mpsc::sync_channel::<()>(1);
+        let handle = file.sync_handle()?;
+        let thread = std::thread::Builder::new()
+            .name("vmtsync-sync".into())
+            .spawn(move || -> io::Result<()> {
+                for () in rx {
+                    handle.sync_data()?;
+                }
+                Ok(())
+            })?;
+        Ok(Self {
+            tx: Some(tx),
+            thread: Some(thread),
+            unsynced: 0,
+        })
+    }
+
+    /// `len` more bytes were written to the file through `writer`: every [`SYNC_EVERY`] bytes,
+    /// `writer` is flushed and a sync asked for.
+    ///
+    /// # Errors
+    /// The flush's error, or the syncing thread's once it has ended.
+    pub fn wrote(&mut self, writer: &mut impl Write, len: usize) -> io::Result<()> {
+        self.unsynced += len;
+        if self.unsynced < SYNC_EVERY {
+            return Ok(());
+        }
+        writer.flush()?;
+        match self.tx.as_ref().map(|t| t.try_send(())) {
+            Some(Ok(())) => self.unsynced = 0,
+            // Still syncing the last: the next one takes both.
+            Some(Err(TrySendError::Full(()))) => {}
+            // The thread ended: its error.
+            Some(Err(TrySendError::Disconnected(()))) | None => return self.finish(),
+        }
+        Ok(())
+    }
+
+    /// Waits for the last sync asked for; the thread's first error.
+    ///
+    /// # Errors
+    /// A failed sync.
+    pub fn finish(&mut self) -> io::Result<()> {
+        self.tx = None;
+        match self.thread.take() {
+            Some(t) => t
+                .join()
+                .unwrap_or_else(|_| Err(io::Error::other("the syncing thread panicked"))),
+            None => Ok(()),
+        }
+    }
+}
+
 /// How many bytes a [`BackgroundFile`] writes between two syncs of its data.
 pub const SYNC_EVERY: usize = 32 << 20;
 
@@ -313,38 +384,18 @@ impl<W: Write + SyncData + Send + 'static> BackgroundFile<W> {
         let (free_tx, free_rx) = mpsc::sync_channel::<Vec<u8>>(2);
         // Cannot fail: the channel has room for both buffers and its receiver is here.
         let _ = free_tx.send(vec![0; buf_len]);
-        let (sync_tx, sync_rx) = mpsc::sync_channel::<()>(1);
-        let handle = file.sync_handle()?;
-        let syncer = std::thread::Builder::new()
-            .name("vmtsync-sync".into())
-            .spawn(move || -> io::Result<()> {
-                for () in sync_rx {
-                    handle.sync_data()?;
-                }
-                Ok(())
-            })?;
+        let mut syncer = Syncer::start(&file)?;
         let thread = std::thread::Builder::new()
             .name("vmtsync-write".into())
             .spawn(move || {
-                let mut unsynced = 0;
                 for (buf, len) in full_rx {
                     file.write_all(buf.get(..len).unwrap_or(&buf))?;
                     if free_tx.send(buf).is_err() {
                         break;
                     }
-                    unsynced += len;
-                    if unsynced >= SYNC_EVERY {
-                        file.flush()?;
-                        // Full: the syncer is still at the last one; the next sync takes both.
-                        if sync_tx.try_send(()).is_ok() {
-                            unsynced = 0;
-                        }
-                    }
+                    syncer.wrote(&mut file, len)?;
                 }
-                drop(sync_tx);
-                syncer
-                    .join()
-                    .unwrap_or_else(|_| Err(io::Error::other("the syncing thread panicked")))?;
+                syncer.finish()?;
                 Ok(file)
             })?;
         Ok((

@@ -204,16 +204,19 @@ pub(super) struct TraceDatStream {
 }
 
 impl TraceDatStream {
-    /// The file for `target`, one trace CPU per vCPU key in `keys` to start with.
+    /// The file for `target`, one trace CPU per vCPU key in `keys` to start with, its pages
+    /// written on the caller's thread with `write_here` ([`WriterOptions::write_here`]).
     pub(super) fn create(
         target: &Target,
         keys: &[u32],
         keyed: bool,
         trace_id: u64,
+        write_here: bool,
     ) -> Result<Self, RecordError> {
         let cpus = u32::try_from(keys.len().max(1)).unwrap_or(u32::MAX);
         let mut wo = WriterOptions::new(cpus, trace_id);
         wo.version = target.file_version;
+        wo.write_here = write_here;
         wo.tsc2nsec = host_tsc2nsec();
         let graph = SpanGraph::new(&target.spans, wo.tsc2nsec);
         let w = TraceDatWriter::create(&target.out, wo)?;
@@ -686,7 +689,7 @@ mod tests {
     fn trace_cmd_computes_each_events_placed_host_time_across_offset_changes_and_steps_back() {
         let dir = tempfile::tempdir().unwrap();
         let out = dir.path().join("g.dat");
-        let mut s = TraceDatStream::create(&target(&out), &[0, 1], true, 7).unwrap();
+        let mut s = TraceDatStream::create(&target(&out), &[0, 1], true, 7, false).unwrap();
         // vCPU 0: offset 100, then 600 (the guest TSC jumped forward), then -5000 (it stepped
         // back: a trace CPU of its own); vCPU 1: offset 0 throughout.
         let events = [
@@ -730,7 +733,7 @@ mod tests {
     fn a_guest_tick_beyond_trace_cmds_range_is_written_as_its_host_tick() {
         let dir = tempfile::tempdir().unwrap();
         let out = dir.path().join("h.dat");
-        let mut s = TraceDatStream::create(&target(&out), &[0], true, 7).unwrap();
+        let mut s = TraceDatStream::create(&target(&out), &[0], true, 7, true).unwrap();
         s.push(&placed(0, 5_000, 4_000, 0)).unwrap();
         s.push(&placed(0, u64::MAX - 10, 4_100, 1)).unwrap();
         s.push(&placed(0, u64::MAX - 5, 4_105, 2)).unwrap();
@@ -748,7 +751,7 @@ mod tests {
     fn a_preconverted_stream_writes_host_ticks_in_order_without_a_time_shift() {
         let dir = tempfile::tempdir().unwrap();
         let out = dir.path().join("p.dat");
-        let mut s = TraceDatStream::create(&target(&out), &[0, 1], true, 7).unwrap();
+        let mut s = TraceDatStream::create(&target(&out), &[0, 1], true, 7, false).unwrap();
         s.preconvert();
         for e in [
             placed(0, 5_000, 4_000, 0),

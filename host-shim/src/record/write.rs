@@ -87,11 +87,15 @@ impl Out {
     /// Where a memory recording's events go: each placed once, for good, every format
     /// streams them (`stream.rs`); `st` names the vCPUs known at the start. With
     /// `preconverted` a trace.dat's timestamps are host ticks (points that do not follow
-    /// KVM's mapping), else raw guest ticks with a TIME_SHIFT.
+    /// KVM's mapping), else raw guest ticks with a TIME_SHIFT. With `beside` the output is
+    /// written on a thread that already runs beside the reading (exact mode's writer
+    /// thread): a trace.dat then writes its pages on that thread too
+    /// ([`crate::formats::tracedat::WriterOptions::write_here`]).
     pub(super) fn stream(
         target: &Target,
         st: &State,
         preconverted: bool,
+        beside: bool,
     ) -> Result<Self, RecordError> {
         let keys: Vec<u32> = st.vcpus.iter().map(|v| v.vcpu).collect();
         Ok(match target.format {
@@ -101,6 +105,7 @@ impl Out {
                     &keys,
                     st.keyed,
                     trace_id(target, st),
+                    beside,
                 )?;
                 if preconverted {
                     s.preconvert();

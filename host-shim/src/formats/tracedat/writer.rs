@@ -18,7 +18,7 @@ use std::io::{BufWriter, Seek, SeekFrom, Write};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-use crate::atomic_file::{AtomicFile, BackgroundFile};
+use crate::atomic_file::{AtomicFile, BackgroundFile, Syncer};
 
 use super::consts::{PAGE_SIZE, PAGE_SIZE_U32, SECTION_HEADER_SIZE, Tsc2Nsec, option};
 use super::error::TraceDatError;
@@ -66,6 +66,10 @@ pub struct WriterOptions {
     /// giving the guest file the host's values ([`reader::Layout::tsc2nsec`]) makes trace-cmd
     /// convert the guest's shifted ticks the same way, so a merge stays aligned.
     pub tsc2nsec: Option<Tsc2Nsec>,
+    /// Write v7's first CPU's pages on the caller's thread, not on a writing thread of their
+    /// own (the data is still synced in the background): for a caller that already runs
+    /// beside what produces its records, such as a memory recording's writer thread.
+    pub write_here: bool,
 }
 
 impl WriterOptions {
@@ -79,6 +83,7 @@ impl WriterOptions {
             uname: None,
             max_shift_error: 1,
             tsc2nsec: None,
+            write_here: false,
         }
     }
 }
@@ -155,20 +160,40 @@ pub struct TraceDatWriter {
     main: MainPages,
 }
 
-/// Pages of v7's first CPU, which go straight into the output: written by a second thread
-/// ([`BackgroundFile`]) a [`MAIN_BUF`] at a time, so the kernel's copy into the page cache runs
-/// beside the encoding of the next pages. Started at the first page, once the header before
-/// it is flushed; both write through one open file, so they share its position.
+/// Pages of v7's first CPU, which go straight into the output. By default they are written by
+/// a second thread ([`BackgroundFile`]) a [`MAIN_BUF`] at a time, so the kernel's copy into
+/// the page cache runs beside the encoding of the next pages; started at the first page, once
+/// the header before it is flushed, both writing through one open file (so they share its
+/// position). With [`WriterOptions::write_here`] they are written on the caller's thread,
+/// the data synced in the background ([`Syncer`]): for a caller that already runs beside its
+/// producer, where a third busy thread on few cores would only wait for the other two.
 #[derive(Debug, Default)]
 struct MainPages {
     bg: Option<(BackgroundFile<File>, Vec<u8>, usize)>,
+    /// [`WriterOptions::write_here`]: the syncer, started at the first page.
+    here: Option<Option<Syncer>>,
 }
 
 /// Bytes of [`MainPages`]' buffers (two exist).
 const MAIN_BUF: usize = 1 << 20;
 
 impl MainPages {
+    fn new(write_here: bool) -> Self {
+        Self {
+            bg: None,
+            here: write_here.then_some(None),
+        }
+    }
+
     fn write(&mut self, out: &mut BufWriter<File>, page: &[u8; PAGE_SIZE]) -> std::io::Result<()> {
+        if let Some(here) = &mut self.here {
+            out.write_all(page)?;
+            let syncer = match here {
+                Some(s) => s,
+                None => here.insert(Syncer::start(out.get_ref())?),
+            };
+            return syncer.wrote(out, PAGE_SIZE);
+        }
         if self.bg.is_none() {
             out.flush()?;
             let (bg, buf) = BackgroundFile::new(out.get_ref().try_clone()?, MAIN_BUF)?;
@@ -187,8 +212,12 @@ impl MainPages {
         Ok(())
     }
 
-    /// Writes what is buffered and waits until every page is in the file.
+    /// Writes what is buffered and waits until every page is in the file (and, written
+    /// here, the last background sync has ended).
     fn finish(&mut self) -> std::io::Result<()> {
+        if let Some(Some(mut syncer)) = self.here.take() {
+            syncer.finish()?;
+        }
         if let Some((mut bg, buf, used)) = self.bg.take() {
             if used > 0 {
                 bg.submit(buf, used)?;
@@ -205,6 +234,7 @@ impl TraceDatWriter {
     /// # Errors
     /// `NoCpus`, or `Io` if the temporary files cannot be created beside `path`.
     pub fn create(path: &Path, opts: WriterOptions) -> Result<Self, TraceDatError> {
+        let write_here = opts.write_here;
         if opts.cpus == 0 {
             return Err(TraceDatError::NoCpus);
         }
@@ -248,7 +278,7 @@ impl TraceDatWriter {
             v7: None,
             kallsyms: String::new(),
             cmdlines: String::new(),
-            main: MainPages::default(),
+            main: MainPages::new(write_here),
         };
         if w.opts.version == FileVersion::V7 {
             w.start_v7()?;

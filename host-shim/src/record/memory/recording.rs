@@ -287,11 +287,11 @@ impl<'a> Recording<'a> {
         // while the points are KVM's mapping's (exact mode, or a raw-TSC guest's beacons).
         let out = match mode {
             Mode::Exact => Writer::Piped(Pipe::start(
-                Out::stream(&target, &st, false)?,
+                Out::stream(&target, &st, false, true)?,
                 target.out.clone(),
             )?),
             Mode::Beacons => Writer::Held {
-                out: Box::new(Out::stream(&target, &st, !use_mapping)?),
+                out: Box::new(Out::stream(&target, &st, !use_mapping, false)?),
                 hold: Hold::new(),
             },
         };

@@ -120,6 +120,34 @@ fn pushing_padded_runs_writes_what_pushing_each_event_writes() {
     assert_eq!(std::fs::read(&runs).unwrap(), std::fs::read(&one).unwrap());
 }
 
+/// The first CPU's pages written on the caller's thread (`write_here`, its data synced in the
+/// background) make the same file as on a writing thread: over more than one sync's worth
+/// of pages, with a second, spilled CPU.
+#[test]
+fn pages_written_here_make_the_file_a_writing_thread_makes() {
+    let dir = tempfile::tempdir().unwrap();
+    // About 36 MB on CPU 0, past `SYNC_EVERY`.
+    let mut events = synth(17, 1_200_000, 1);
+    events.extend(synth(19, 1000, 2).into_iter().filter(|e| e.0 == 1));
+    let bg = dir.path().join("bg.dat");
+    write(&bg, FileVersion::V7, 2, &events);
+    assert!(std::fs::metadata(&bg).unwrap().len() > crate::atomic_file::SYNC_EVERY as u64);
+    let here = dir.path().join("here.dat");
+    let mut w = TraceDatWriter::create(
+        &here,
+        WriterOptions {
+            write_here: true,
+            ..options(FileVersion::V7, 2, 42)
+        },
+    )
+    .unwrap();
+    for (cpu, ts, id, p) in &events {
+        w.push(*cpu, *ts, *id, p).unwrap();
+    }
+    w.finish(None).unwrap().verify().unwrap();
+    assert!(std::fs::read(&here).unwrap() == std::fs::read(&bg).unwrap());
+}
+
 #[test]
 fn a_cpu_without_events_and_an_empty_trace_are_valid() {
     let dir = tempfile::tempdir().unwrap();

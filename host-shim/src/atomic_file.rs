@@ -199,30 +199,39 @@ mod tests {
         v
     }
 
+    /// On a writing thread or on the caller's: every buffer in order, and a file dropped
+    /// unfinished leaves nothing.
     #[test]
     fn a_background_file_writes_every_buffer_in_order_and_a_dropped_one_leaves_nothing() {
-        let dir = tempfile::tempdir().unwrap();
-        let target = dir.path().join("out");
-        let (mut w, mut buf) = BackgroundFile::new(AtomicFile::new(&target).unwrap(), 64).unwrap();
-        let mut want = Vec::new();
-        for i in 0..1000u32 {
-            // Buffers come back stale: every byte written is set here first.
-            let len = usize::try_from(i % 65).unwrap();
-            for (k, b) in buf.iter_mut().enumerate().take(len) {
-                *b = u8::try_from((i as usize + k) % 251).unwrap();
+        type Start = fn(AtomicFile, usize) -> io::Result<(BackgroundFile, Vec<u8>)>;
+        let ways: [(&str, Start); 2] = [
+            ("a writing thread", BackgroundFile::new),
+            ("this thread", BackgroundFile::on_this_thread),
+        ];
+        for (way, start) in ways {
+            let dir = tempfile::tempdir().unwrap();
+            let target = dir.path().join("out");
+            let (mut w, mut buf) = start(AtomicFile::new(&target).unwrap(), 64).unwrap();
+            let mut want = Vec::new();
+            for i in 0..1000u32 {
+                // Buffers come back stale: every byte written is set here first.
+                let len = usize::try_from(i % 65).unwrap();
+                for (k, b) in buf.iter_mut().enumerate().take(len) {
+                    *b = u8::try_from((i as usize + k) % 251).unwrap();
+                }
+                want.extend_from_slice(&buf[..len]);
+                buf = w.submit(buf, len).unwrap();
+                assert_eq!(buf.len(), 64, "{way}");
             }
-            want.extend_from_slice(&buf[..len]);
-            buf = w.submit(buf, len).unwrap();
-            assert_eq!(buf.len(), 64);
+            w.finish().unwrap().commit().unwrap();
+            assert_eq!(std::fs::read(&target).unwrap(), want, "{way}");
+            // Dropped without finishing: the threads end and its temporary file goes.
+            let other = dir.path().join("other");
+            let (mut w, buf) = start(AtomicFile::new(&other).unwrap(), 8).unwrap();
+            let _ = w.submit(buf, 8).unwrap();
+            drop(w);
+            assert_eq!(names(dir.path()), ["out"], "{way}");
         }
-        w.finish().unwrap().commit().unwrap();
-        assert_eq!(std::fs::read(&target).unwrap(), want);
-        // Dropped without finishing: the thread ends and its temporary file goes.
-        let other = dir.path().join("other");
-        let (mut w, buf) = BackgroundFile::new(AtomicFile::new(&other).unwrap(), 8).unwrap();
-        let _ = w.submit(buf, 8).unwrap();
-        drop(w);
-        assert_eq!(names(dir.path()), ["out"]);
     }
 
     #[test]
@@ -258,23 +267,35 @@ mod tests {
     }
 }
 
-/// An [`AtomicFile`] written on a second thread, so that the kernel's copy of each buffer into
-/// the page cache runs beside the caller's encoding of the next (on another core) rather than
-/// after it. Two buffers exist, the caller's and the one being written: memory stays constant,
-/// and a caller faster than the disk waits for the free buffer.
-/// Any file can be given (a trace.dat's data section goes to a clone of its file's handle).
-/// Every [`SYNC_EVERY`] bytes it also asks a third thread to sync the file's data (skipped
-/// while that one is still syncing): the disk writes while the caller works, so the sync
-/// before the rename finds little left to write, and neither the caller nor the writing
-/// thread waits for the disk.
+/// An [`AtomicFile`] (or any file) written a buffer at a time, by default on a second thread,
+/// so that the kernel's copy of each buffer into the page cache runs beside the caller's
+/// encoding of the next (on another core) rather than after it. Two buffers exist, the
+/// caller's and the one being written: memory stays constant, and a caller faster than the
+/// disk waits for the free buffer. A trace.dat's data section goes to a clone of its file's
+/// handle. [`BackgroundFile::on_this_thread`] writes each buffer on the caller's thread
+/// instead, for a caller that already runs beside what produces its data: there a third busy
+/// thread on few cores would only wait for the other two.
+/// Either way a [`Syncer`] syncs the file's data every [`SYNC_EVERY`] bytes on a thread of
+/// its own, so the sync before the rename finds little left to write and neither the caller
+/// nor a writing thread waits for the disk.
 #[derive(Debug)]
 pub struct BackgroundFile<W: Write + SyncData + Send + 'static = AtomicFile> {
-    /// Full buffers and how many of their bytes to write (`None` once finished).
-    full: Option<SyncSender<(Vec<u8>, usize)>>,
-    /// Buffers the thread has written, back for reuse.
-    free: Receiver<Vec<u8>>,
-    /// The writing thread: the file back, or the first write error.
-    thread: Option<JoinHandle<io::Result<W>>>,
+    how: How<W>,
+}
+
+/// Where a [`BackgroundFile`]'s buffers are written.
+#[derive(Debug)]
+enum How<W: Write + SyncData + Send + 'static> {
+    Thread {
+        /// Full buffers and how many of their bytes to write (`None` once finished).
+        full: Option<SyncSender<(Vec<u8>, usize)>>,
+        /// Buffers the thread has written, back for reuse.
+        free: Receiver<Vec<u8>>,
+        /// The writing thread: the file back, or the first write error.
+        thread: Option<JoinHandle<io::Result<W>>>,
+    },
+    /// On the caller's thread (`None` once finished).
+    Here(Option<(W, Syncer)>),
 }
 
 /// A file whose written data can be synced from another thread (`fdatasync` on a second
@@ -302,10 +323,9 @@ impl SyncData for AtomicFile {
 /// Syncs a file's data on a thread of its own every [`SYNC_EVERY`] bytes written (skipped
 /// while that thread is still at the last one: the next sync takes both), so the disk writes
 /// while the writer works and the sync before the rename finds little left, without the writer
-/// waiting for the disk. [`BackgroundFile`]'s writing thread uses one; so does a writer that
-/// writes on its own thread (a trace.dat written beside a reader).
+/// waiting for the disk ([`BackgroundFile`]'s, in either of its ways).
 #[derive(Debug)]
-pub struct Syncer {
+struct Syncer {
     tx: Option<SyncSender<()>>,
     thread: Option<JoinHandle<io::Result<()>>>,
     unsynced: usize,
@@ -316,7 +336,7 @@ impl Syncer {
     ///
     /// # Errors
     /// The handle could not be duplicated or the thread not started.
-    pub fn start(file: &impl SyncData) -> io::Result<Self> {
+    fn start(file: &impl SyncData) -> io::Result<Self> {
         let (tx, rx) = mpsc::sync_channel::<()>(1);
         let handle = file.sync_handle()?;
         let thread = std::thread::Builder::new()
@@ -339,7 +359,7 @@ impl Syncer {
     ///
     /// # Errors
     /// The flush's error, or the syncing thread's once it has ended.
-    pub fn wrote(&mut self, writer: &mut impl Write, len: usize) -> io::Result<()> {
+    fn wrote(&mut self, writer: &mut impl Write, len: usize) -> io::Result<()> {
         self.unsynced += len;
         if self.unsynced < SYNC_EVERY {
             return Ok(());
@@ -359,7 +379,7 @@ impl Syncer {
     ///
     /// # Errors
     /// A failed sync.
-    pub fn finish(&mut self) -> io::Result<()> {
+    fn finish(&mut self) -> io::Result<()> {
         self.tx = None;
         match self.thread.take() {
             Some(t) => t
@@ -398,51 +418,81 @@ impl<W: Write + SyncData + Send + 'static> BackgroundFile<W> {
                 syncer.finish()?;
                 Ok(file)
             })?;
-        Ok((
-            Self {
-                full: Some(full_tx),
-                free: free_rx,
-                thread: Some(thread),
-            },
-            vec![0; buf_len],
-        ))
+        let how = How::Thread {
+            full: Some(full_tx),
+            free: free_rx,
+            thread: Some(thread),
+        };
+        Ok((Self { how }, vec![0; buf_len]))
     }
 
-    /// Hands the first `len` bytes of `buf` to the thread and returns a free buffer (its
-    /// contents stale), waiting until the thread has written the one before.
+    /// Like [`Self::new`], but each buffer is written on the caller's thread when submitted
+    /// (only the syncs run on a thread of their own); the caller's buffer comes back from
+    /// [`Self::submit`] to be filled again.
     ///
     /// # Errors
-    /// The thread's write error (the file is then incomplete; nothing more is written).
+    /// The syncing thread could not be started.
+    pub fn on_this_thread(file: W, buf_len: usize) -> io::Result<(Self, Vec<u8>)> {
+        let syncer = Syncer::start(&file)?;
+        let how = How::Here(Some((file, syncer)));
+        Ok((Self { how }, vec![0; buf_len]))
+    }
+
+    /// Writes the first `len` bytes of `buf` (or hands them to the thread) and returns a free
+    /// buffer (its contents stale); with a writing thread, waits until it has written the
+    /// buffer before.
+    ///
+    /// # Errors
+    /// The write error (the file is then incomplete; nothing more is written).
     pub fn submit(&mut self, buf: Vec<u8>, len: usize) -> io::Result<Vec<u8>> {
-        let sent = self
-            .full
-            .as_ref()
-            .is_some_and(|t| t.send((buf, len)).is_ok());
-        match self.free.recv() {
-            Ok(b) if sent => Ok(b),
-            _ => Err(self
-                .stop()
-                .err()
-                .unwrap_or_else(|| io::Error::other("the writing thread ended"))),
+        match &mut self.how {
+            How::Thread { full, free, .. } => {
+                let sent = full.as_ref().is_some_and(|t| t.send((buf, len)).is_ok());
+                match free.recv() {
+                    Ok(b) if sent => Ok(b),
+                    _ => Err(self
+                        .stop()
+                        .err()
+                        .unwrap_or_else(|| io::Error::other("the writing thread ended"))),
+                }
+            }
+            How::Here(Some((file, syncer))) => {
+                file.write_all(buf.get(..len).unwrap_or(&buf))?;
+                syncer.wrote(file, len)?;
+                Ok(buf)
+            }
+            How::Here(None) => Err(io::Error::other("the file was finished")),
         }
     }
 
-    /// Waits until every submitted buffer is written and returns the file (to commit).
+    /// Waits until every submitted buffer is written (and the last sync has ended) and
+    /// returns the file (to commit).
     ///
     /// # Errors
-    /// The thread's first write error.
+    /// The first write or sync error.
     pub fn finish(mut self) -> io::Result<W> {
         self.stop()
     }
 
-    /// Ends the thread and joins it.
+    /// Ends the writing (and the syncing) thread and joins it.
     fn stop(&mut self) -> io::Result<W> {
-        self.full = None;
-        match self.thread.take() {
-            Some(t) => t
-                .join()
-                .unwrap_or_else(|_| Err(io::Error::other("the writing thread panicked"))),
-            None => Err(io::Error::other("the writing thread has ended")),
+        match &mut self.how {
+            How::Thread { full, thread, .. } => {
+                *full = None;
+                match thread.take() {
+                    Some(t) => t
+                        .join()
+                        .unwrap_or_else(|_| Err(io::Error::other("the writing thread panicked"))),
+                    None => Err(io::Error::other("the writing thread has ended")),
+                }
+            }
+            How::Here(here) => {
+                let (file, mut syncer) = here
+                    .take()
+                    .ok_or_else(|| io::Error::other("the file was finished"))?;
+                syncer.finish()?;
+                Ok(file)
+            }
         }
     }
 }

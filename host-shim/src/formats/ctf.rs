@@ -22,7 +22,10 @@
 //! full packets to a [`BackgroundFile`]: a thread writes them while the caller fills the next,
 //! and a second one syncs every 32 MiB, so the sync before the rename finds little left. The
 //! streams after them write their packets themselves: two threads per stream would not stay
-//! few at [`MAX_STREAMS`].
+//! few at [`MAX_STREAMS`]. A writer that already runs beside what produces its events (a
+//! memory recording's writer thread) has every stream write its packets itself, synced in the
+//! background ([`CtfTrace::write_here`]): a third busy thread on few cores would only wait for
+//! the other two.
 
 use std::fmt::Write as _;
 use std::fs::File;
@@ -55,7 +58,8 @@ pub const BACKGROUND_STREAMS: usize = 8;
 enum Sink {
     /// Written by the caller.
     Direct(File),
-    /// Handed to a writing thread.
+    /// Handed to a writing thread, or written on the caller's thread and synced in the
+    /// background ([`BackgroundFile::on_this_thread`]).
     Background(BackgroundFile<File>),
 }
 
@@ -182,11 +186,21 @@ struct Stream {
 
 impl Stream {
     /// Stream `instance` of the trace being written in `dir`, its packets written by a
-    /// thread of its own when `background`.
-    fn new(dir: &Path, prefix: &str, instance: u32, background: bool) -> io::Result<Self> {
+    /// thread of its own when `background`, or by the caller and synced in the background
+    /// when `here`.
+    fn new(
+        dir: &Path,
+        prefix: &str,
+        instance: u32,
+        background: bool,
+        here: bool,
+    ) -> io::Result<Self> {
         let path = dir.join(format!("{prefix}{instance}"));
         let file = File::create_new(&path)?;
-        let (sink, buf) = if background {
+        let (sink, buf) = if here {
+            let (w, buf) = BackgroundFile::on_this_thread(file, PACKET_BYTES + EVENT_ROOM)?;
+            (Sink::Background(w), buf)
+        } else if background {
             let (w, buf) = BackgroundFile::new(file, PACKET_BYTES + EVENT_ROOM)?;
             (Sink::Background(w), buf)
         } else {
@@ -262,9 +276,18 @@ pub struct CtfTrace {
     last: usize,
     events: u64,
     raised: u64,
+    /// Streams write their packets on the caller's thread ([`Self::write_here`]).
+    here: bool,
 }
 
 impl CtfTrace {
+    /// Every stream created from now on writes its packets on the caller's thread, its data
+    /// synced in the background: for a caller that already runs beside what produces its
+    /// events.
+    pub fn write_here(&mut self) {
+        self.here = true;
+    }
+
     /// Starts a trace that becomes directory `target` (which must not exist, or be empty).
     /// `events_tsdl` declares the event classes of stream class 0 (ids from 0, in the order
     /// [`CtfTrace::event`] is called with); `prefix` names the stream files.
@@ -325,6 +348,7 @@ impl CtfTrace {
             last: 0,
             events: 0,
             raised: 0,
+            here: false,
         })
     }
 
@@ -423,12 +447,12 @@ impl CtfTrace {
             )));
         }
         let background = self.streams.len() < BACKGROUND_STREAMS;
-        let s = Stream::new(dir.path(), self.prefix, instance, background).map_err(|source| {
-            ExportError::Write {
+        let s = Stream::new(dir.path(), self.prefix, instance, background, self.here).map_err(
+            |source| ExportError::Write {
                 path: self.target.clone(),
                 source,
-            }
-        })?;
+            },
+        )?;
         self.streams.push(s);
         Ok(self.streams.len() - 1)
     }
@@ -692,6 +716,11 @@ impl GuestCtf {
             fields,
             spans: spans::Spans::default(),
         })
+    }
+
+    /// Every vCPU's stream writes its packets on the caller's thread ([`CtfTrace::write_here`]).
+    pub fn write_here(&mut self) {
+        self.trace.write_here();
     }
 
     /// Appends one event to its vCPU's stream (each vCPU's events in its own order); a span

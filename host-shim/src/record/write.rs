@@ -89,8 +89,9 @@ impl Out {
     /// `preconverted` a trace.dat's timestamps are host ticks (points that do not follow
     /// KVM's mapping), else raw guest ticks with a TIME_SHIFT. With `beside` the output is
     /// written on a thread that already runs beside the reading (exact mode's writer
-    /// thread): a trace.dat then writes its pages on that thread too
-    /// ([`crate::formats::tracedat::WriterOptions::write_here`]).
+    /// thread): a trace.dat or CTF trace then writes its file data on that thread too
+    /// ([`crate::formats::tracedat::WriterOptions::write_here`],
+    /// [`crate::formats::ctf::CtfTrace::write_here`]).
     pub(super) fn stream(
         target: &Target,
         st: &State,
@@ -115,6 +116,13 @@ impl Out {
             RecordFormat::Perfetto => Out::Perfetto(Box::new(
                 super::stream::PerfettoStream::create(target, st.keyed)?,
             )),
+            RecordFormat::Ctf => {
+                let mut w = create_ctf(target)?;
+                if beside {
+                    w.write_here();
+                }
+                Out::Ctf(w)
+            }
             _ => Self::create(target, Placement::OneSided)?,
         })
     }

@@ -108,6 +108,50 @@ fn a_guest_trace_has_its_metadata_and_one_stream_per_vcpu() {
     }));
 }
 
+/// Streams that write their packets on the caller's thread (`write_here`, synced in the
+/// background) make the same files as streams written by a thread of their own: over two
+/// vCPUs and more than one sync's worth of packets.
+#[test]
+fn streams_written_here_make_the_files_a_writing_thread_makes() {
+    let d = tempfile::tempdir().unwrap();
+    let write = |name: &str, here: bool| {
+        let out = d.path().join(name);
+        let mut w = GuestCtf::create(&out, &opts(), GuestFields::ALL).unwrap();
+        if here {
+            w.write_here();
+        }
+        // About 40 MB on vCPU 0, past `SYNC_EVERY`.
+        for i in 0..800_000u64 {
+            let len = usize::try_from(i % 17).unwrap();
+            w.push(&ev(0, 1000 + i * 3, &i.to_le_bytes().repeat(2)[..len]))
+                .unwrap();
+            if i % 1000 == 0 {
+                w.push(&ev(1, 1000 + i, &[7])).unwrap();
+            }
+        }
+        w.finish().unwrap();
+        out
+    };
+    let (bg, here) = (write("bg", false), write("here", true));
+    let files = |dir: &Path| {
+        let mut v: Vec<(String, Vec<u8>)> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| {
+                let e = e.unwrap();
+                (
+                    e.file_name().to_string_lossy().into_owned(),
+                    std::fs::read(e.path()).unwrap(),
+                )
+            })
+            .collect();
+        v.sort();
+        v
+    };
+    let (a, b) = (files(&bg), files(&here));
+    assert!(a[1].1.len() > crate::atomic_file::SYNC_EVERY, "{}", a[1].0);
+    assert!(a == b, "the two traces differ");
+}
+
 #[test]
 fn fields_follow_what_the_input_knows() {
     let d = tempfile::tempdir().unwrap();

@@ -18,7 +18,7 @@ use std::io::{BufWriter, Seek, SeekFrom, Write};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-use crate::atomic_file::{AtomicFile, BackgroundFile, Syncer};
+use crate::atomic_file::{AtomicFile, BackgroundFile};
 
 use super::consts::{PAGE_SIZE, PAGE_SIZE_U32, SECTION_HEADER_SIZE, Tsc2Nsec, option};
 use super::error::TraceDatError;
@@ -160,18 +160,16 @@ pub struct TraceDatWriter {
     main: MainPages,
 }
 
-/// Pages of v7's first CPU, which go straight into the output. By default they are written by
-/// a second thread ([`BackgroundFile`]) a [`MAIN_BUF`] at a time, so the kernel's copy into
-/// the page cache runs beside the encoding of the next pages; started at the first page, once
-/// the header before it is flushed, both writing through one open file (so they share its
-/// position). With [`WriterOptions::write_here`] they are written on the caller's thread,
-/// the data synced in the background ([`Syncer`]): for a caller that already runs beside its
-/// producer, where a third busy thread on few cores would only wait for the other two.
+/// Pages of v7's first CPU, which go straight into the output, a [`MAIN_BUF`] at a time
+/// through a [`BackgroundFile`]: by default written by a second thread, so the kernel's copy
+/// into the page cache runs beside the encoding of the next pages; with
+/// [`WriterOptions::write_here`], on the caller's thread ([`BackgroundFile::on_this_thread`]).
+/// Started at the first page, once the header before it is flushed; both write through one
+/// open file, so they share its position.
 #[derive(Debug, Default)]
 struct MainPages {
     bg: Option<(BackgroundFile<File>, Vec<u8>, usize)>,
-    /// [`WriterOptions::write_here`]: the syncer, started at the first page.
-    here: Option<Option<Syncer>>,
+    write_here: bool,
 }
 
 /// Bytes of [`MainPages`]' buffers (two exist).
@@ -181,22 +179,19 @@ impl MainPages {
     fn new(write_here: bool) -> Self {
         Self {
             bg: None,
-            here: write_here.then_some(None),
+            write_here,
         }
     }
 
     fn write(&mut self, out: &mut BufWriter<File>, page: &[u8; PAGE_SIZE]) -> std::io::Result<()> {
-        if let Some(here) = &mut self.here {
-            out.write_all(page)?;
-            let syncer = match here {
-                Some(s) => s,
-                None => here.insert(Syncer::start(out.get_ref())?),
-            };
-            return syncer.wrote(out, PAGE_SIZE);
-        }
         if self.bg.is_none() {
             out.flush()?;
-            let (bg, buf) = BackgroundFile::new(out.get_ref().try_clone()?, MAIN_BUF)?;
+            let file = out.get_ref().try_clone()?;
+            let (bg, buf) = if self.write_here {
+                BackgroundFile::on_this_thread(file, MAIN_BUF)?
+            } else {
+                BackgroundFile::new(file, MAIN_BUF)?
+            };
             self.bg = Some((bg, buf, 0));
         }
         let Some((bg, buf, used)) = &mut self.bg else {
@@ -212,12 +207,8 @@ impl MainPages {
         Ok(())
     }
 
-    /// Writes what is buffered and waits until every page is in the file (and, written
-    /// here, the last background sync has ended).
+    /// Writes what is buffered and waits until every page is in the file.
     fn finish(&mut self) -> std::io::Result<()> {
-        if let Some(Some(mut syncer)) = self.here.take() {
-            syncer.finish()?;
-        }
         if let Some((mut bg, buf, used)) = self.bg.take() {
             if used > 0 {
                 bg.submit(buf, used)?;

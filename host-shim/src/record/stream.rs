@@ -489,9 +489,42 @@ impl PerfettoStream {
         Ok(())
     }
 
-    /// The writer, once the clock exists (until then events are held).
-    pub(super) fn writer(&mut self) -> Option<&mut PerfettoWriter> {
-        self.w.as_mut()
+    /// Exact mode: as many of `records` as `run` places plainly, written in one go, or held
+    /// until the clock exists (then written, and the rest with them). Returns how many.
+    #[inline]
+    pub(super) fn push_run(
+        &mut self,
+        run: &ExactRun,
+        records: &[GuestRecord],
+    ) -> Result<usize, RecordError> {
+        let mut taken = 0;
+        if self.w.is_none() {
+            let room = HOLD_EVENTS.saturating_sub(self.held.len());
+            for r in records.iter().take(room) {
+                let Some(host) = run.places(r) else {
+                    return Ok(taken);
+                };
+                self.held.push(Held {
+                    key: run.key,
+                    id: r.id,
+                    len: r.len,
+                    guest: r.tsc,
+                    host,
+                    lo: host,
+                    hi: host,
+                    payload: r.payload,
+                });
+                taken += 1;
+            }
+            if self.held.len() < HOLD_EVENTS {
+                return Ok(taken);
+            }
+            self.open()?;
+        }
+        match &mut self.w {
+            Some(w) => Ok(taken + for_each_plain(run, &records[taken..], |e| w.push(e))?),
+            None => Ok(taken),
+        }
     }
 
     /// After a round: the writer opens once the first snapshot is [`MIN_SPAN`] old.
@@ -525,18 +558,16 @@ impl PerfettoStream {
         )?;
         w.set_spans(&self.target.spans);
         for h in std::mem::take(&mut self.held) {
-            let p = Placed {
-                vcpu: h.key,
-                id: h.id,
-                guest: h.guest,
-                payload: &h.payload[..usize::from(h.len)],
-                host: h.host,
-                lo: h.lo,
-                hi: h.hi,
-                round: 0,
-                keyed: self.keyed,
-            };
-            write_perfetto_event(&mut w, &p, self.keyed)?;
+            // Held payloads are zero-padded already.
+            let payload = Payload::from_padded(h.len, h.payload).unwrap_or_default();
+            write_perfetto(
+                &mut w,
+                h.key,
+                self.keyed,
+                h.id,
+                (h.guest, h.host, h.lo, h.hi),
+                payload,
+            )?;
         }
         self.w = Some(w);
         Ok(())
@@ -571,20 +602,38 @@ pub(super) fn write_perfetto_event(
     p: &Placed<'_>,
     keyed: bool,
 ) -> Result<(), RecordError> {
-    let (boot, vcpu) = if keyed {
-        split_key(p.vcpu)
-    } else {
-        (0, p.vcpu)
-    };
+    let payload = Payload::new(p.payload).unwrap_or_default();
+    write_perfetto(
+        w,
+        p.vcpu,
+        keyed,
+        p.id,
+        (p.guest, p.host, p.lo, p.hi),
+        payload,
+    )
+}
+
+/// [`write_perfetto_event`] of the event's parts: its key, its id, its guest tick, host tick
+/// and interval's ends, and its payload.
+#[inline]
+fn write_perfetto(
+    w: &mut PerfettoWriter,
+    key: u32,
+    keyed: bool,
+    id: u16,
+    (guest, host, lo, hi): (u64, u64, u64, u64),
+    payload: Payload,
+) -> Result<(), RecordError> {
+    let (boot, vcpu) = if keyed { split_key(key) } else { (0, key) };
     let e = ExportEvent {
         vcpu,
-        id: p.id,
-        guest_tsc: Some(p.guest),
-        host_tsc: p.host,
-        bound: Some(Bound { lo: p.lo, hi: p.hi }),
-        payload: Payload::new(p.payload).unwrap_or_default(),
+        id,
+        guest_tsc: Some(guest),
+        host_tsc: host,
+        bound: Some(Bound { lo, hi }),
+        payload,
     };
-    if crate::formats::event::is_span_id(p.id) {
+    if crate::formats::event::is_span_id(id) {
         w.push_in_boot(&e, boot)?;
     } else {
         w.push(&e)?;

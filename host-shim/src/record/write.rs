@@ -172,11 +172,7 @@ impl Out {
     ) -> Result<usize, RecordError> {
         match self {
             Self::TraceDat(w) => w.push_run(run, records),
-            Self::Perfetto(w) => match w.writer() {
-                Some(w) => Ok(super::stream::for_each_plain(run, records, |e| w.push(e))?),
-                // Held until the clock exists: one at a time.
-                None => Ok(0),
-            },
+            Self::Perfetto(w) => w.push_run(run, records),
             Self::Ctf(w) => Ok(super::stream::for_each_plain(run, records, |e| w.push(e))?),
             _ => Ok(0),
         }

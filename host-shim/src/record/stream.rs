@@ -494,7 +494,7 @@ impl PerfettoStream {
     #[inline]
     pub(super) fn push_run(
         &mut self,
-        run: &ExactRun,
+        run: ExactRun,
         records: &[GuestRecord],
     ) -> Result<usize, RecordError> {
         let mut taken = 0;
@@ -522,7 +522,7 @@ impl PerfettoStream {
             self.open()?;
         }
         match &mut self.w {
-            Some(w) => Ok(taken + for_each_plain(run, &records[taken..], |e| w.push(e))?),
+            Some(w) => Ok(taken + for_each_plain(&run, &records[taken..], |e| w.push(e))?),
             None => Ok(taken),
         }
     }

@@ -172,7 +172,7 @@ impl Out {
     ) -> Result<usize, RecordError> {
         match self {
             Self::TraceDat(w) => w.push_run(run, records),
-            Self::Perfetto(w) => w.push_run(run, records),
+            Self::Perfetto(w) => w.push_run(*run, records),
             Self::Ctf(w) => Ok(super::stream::for_each_plain(run, records, |e| w.push(e))?),
             _ => Ok(0),
         }

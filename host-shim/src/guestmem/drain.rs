@@ -407,6 +407,47 @@ impl Drainer {
         polled
     }
 
+    /// The copied slots `slots` (of the ring round's copy in `buf`, whose first is record
+    /// `start`), each one the record its index says and complete appended to the round's
+    /// records (its position marked when its id is reserved), the others counted corrupt.
+    /// Returns (corrupt, the smallest and the largest guest clock appended).
+    fn take_slots(
+        &mut self,
+        vcpu: u32,
+        start: u64,
+        slots: std::ops::Range<usize>,
+    ) -> (u64, u64, u64) {
+        let mut corrupt = 0u64;
+        let (mut min_tsc, mut max_tsc) = (u64::MAX, 0u64);
+        self.round.reserve(slots.len());
+        // Fixed-size slots: each word's offset is a constant, with no bounds check.
+        let copied = self.buf[..slots.end * SLOT_BYTES]
+            .as_chunks::<SLOT_BYTES>()
+            .0;
+        for (k, slot) in copied.iter().enumerate().skip(slots.start) {
+            let n = start + k as u64;
+            let Some((id, len)) = decode_committed(u64_at(slot, 0), n) else {
+                corrupt += 1;
+                continue;
+            };
+            let tsc = u64_at(slot, 8);
+            if id >= RESERVED_ID_MIN {
+                self.reserved.push(self.round.len());
+            }
+            min_tsc = min_tsc.min(tsc);
+            max_tsc = max_tsc.max(tsc);
+            self.round.push(GuestRecord {
+                vcpu,
+                index: n,
+                id,
+                tsc,
+                len,
+                payload: payload_of(slot, len),
+            });
+        }
+        (corrupt, min_tsc, max_tsc)
+    }
+
     /// [`Self::poll`] without a sink: the round's records stay in the drainer, for
     /// [`Self::round_records`] to lend until the next round (also after an error: the rings
     /// read before it).
@@ -509,37 +550,7 @@ impl Drainer {
                 .min(tail2.unwrap_or(u64::MAX));
             let overwritten = usize::try_from(rewritten_below.saturating_sub(start))
                 .map_or(count, |r| r.min(count));
-            let mut corrupt = 0u64;
-            let (mut min_tsc, mut max_tsc) = (u64::MAX, 0u64);
-            self.round.reserve(count - overwritten);
-            // Fixed-size slots: each word's offset is a constant, with no bounds check.
-            for (k, slot) in self.buf[..count * SLOT_BYTES]
-                .as_chunks::<SLOT_BYTES>()
-                .0
-                .iter()
-                .enumerate()
-                .skip(overwritten)
-            {
-                let n = start + k as u64;
-                let Some((id, len)) = decode_committed(u64_at(slot, 0), n) else {
-                    corrupt += 1;
-                    continue;
-                };
-                let tsc = u64_at(slot, 8);
-                if id >= RESERVED_ID_MIN {
-                    self.reserved.push(self.round.len());
-                }
-                min_tsc = min_tsc.min(tsc);
-                max_tsc = max_tsc.max(tsc);
-                self.round.push(GuestRecord {
-                    vcpu,
-                    index: n,
-                    id,
-                    tsc,
-                    len,
-                    payload: payload_of(slot, len),
-                });
-            }
+            let (corrupt, min_tsc, max_tsc) = self.take_slots(vcpu, start, overwritten..count);
             let overwritten = overwritten as u64;
             if let Err(e) = self.check_header(mem) {
                 self.round.truncate(ring_start);

@@ -34,6 +34,9 @@
 //! `mem-copy-cold: …` with the words of `mem-copy:`. The first passes above run right after
 //! one another, so the rings stay in a cache large enough to hold them.
 //!
+//! `mem_copy --evict MIB` only writes MIB MiB (a fresh buffer) and exits: what `cargo xtask
+//! bench` runs before each timed drain, so the drains start like the copies from memory.
+//!
 //! The first line, `mem-open: method=M`, names the method `ProcMemory::open` chose (what
 //! `vmtsync record --from-memory` reads with). Needs ptrace rights over the process (root).
 
@@ -53,6 +56,18 @@ type Error = Box<dyn std::error::Error>;
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().collect();
+    if args.get(1).map(String::as_str) == Some("--evict") {
+        return match args.get(2).and_then(|s| s.parse::<usize>().ok()) {
+            Some(mib) if mib > 0 => {
+                evict(&mut vec![0u8; mib << 20], 1);
+                ExitCode::SUCCESS
+            }
+            _ => {
+                eprintln!("usage: mem_copy --evict MIB(>0)");
+                ExitCode::from(2)
+            }
+        };
+    }
     let chunks: Option<Vec<usize>> = args.get(3).and_then(|s| {
         s.split(',')
             .map(|c| c.parse::<usize>().ok().filter(|&c| c > 0))
@@ -115,6 +130,13 @@ fn seconds(v: &[f64]) -> String {
         .map(|s| format!("{s:.6}"))
         .collect::<Vec<_>>()
         .join(",")
+}
+
+/// Pushes what was read before out of the cache: every byte of `other` (a few times the
+/// last-level cache) written, with `value` (change it between calls).
+fn evict(other: &mut [u8], value: u8) {
+    other.fill(value);
+    std::hint::black_box(other);
 }
 
 /// Every ring's slots copied out in reads of `chunk` bytes into `buf`: seconds.
@@ -203,9 +225,7 @@ fn run(
         for pass in 0..passes {
             for (m, mem) in mems.iter_mut().enumerate() {
                 for (c, &chunk) in chunks.iter().enumerate() {
-                    // Every line of the other buffer written (a value that changes each time).
-                    other.fill(u8::try_from(pass % 200 + 1)?);
-                    std::hint::black_box(&other);
+                    evict(&mut other, u8::try_from(pass % 200 + 1)?);
                     cold[m][c].push(copy_rings(mem, &rings, chunk, &mut buf)?);
                 }
             }

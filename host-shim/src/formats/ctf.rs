@@ -23,9 +23,9 @@
 //! and a second one syncs every 32 MiB, so the sync before the rename finds little left. The
 //! streams after them write their packets themselves: two threads per stream would not stay
 //! few at [`MAX_STREAMS`]. A writer that already runs beside what produces its events (a
-//! memory recording's writer thread) has every stream write its packets itself, synced in the
-//! background ([`CtfTrace::write_here`]): a third busy thread on few cores would only wait for
-//! the other two.
+//! memory recording's writer thread) has those first streams write their packets itself, still
+//! synced by a thread each ([`CtfTrace::write_here`]): a third busy thread on few cores would
+//! only wait for the other two.
 
 use std::fmt::Write as _;
 use std::fs::File;
@@ -52,6 +52,16 @@ const EVENT_ROOM: usize = 256;
 pub const MAX_STREAMS: usize = 512;
 /// The streams whose packets are written by a thread of their own (see the module docs).
 pub const BACKGROUND_STREAMS: usize = 8;
+
+/// Who writes a stream's packets: the caller with no syncing thread (the streams past
+/// [`BACKGROUND_STREAMS`]), a writing thread, or the caller with a syncing thread
+/// ([`CtfTrace::write_here`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Writes {
+    Direct,
+    Thread,
+    Here,
+}
 
 /// Where a stream's packets go.
 #[derive(Debug)]
@@ -185,26 +195,22 @@ struct Stream {
 }
 
 impl Stream {
-    /// Stream `instance` of the trace being written in `dir`, its packets written by a
-    /// thread of its own when `background`, or by the caller and synced in the background
-    /// when `here`.
-    fn new(
-        dir: &Path,
-        prefix: &str,
-        instance: u32,
-        background: bool,
-        here: bool,
-    ) -> io::Result<Self> {
+    /// Stream `instance` of the trace being written in `dir`, its packets written as
+    /// `writes` says.
+    fn new(dir: &Path, prefix: &str, instance: u32, writes: Writes) -> io::Result<Self> {
         let path = dir.join(format!("{prefix}{instance}"));
         let file = File::create_new(&path)?;
-        let (sink, buf) = if here {
-            let (w, buf) = BackgroundFile::on_this_thread(file, PACKET_BYTES + EVENT_ROOM)?;
-            (Sink::Background(w), buf)
-        } else if background {
-            let (w, buf) = BackgroundFile::new(file, PACKET_BYTES + EVENT_ROOM)?;
-            (Sink::Background(w), buf)
-        } else {
-            (Sink::Direct(file), vec![0; PACKET_BYTES + EVENT_ROOM])
+        let len = PACKET_BYTES + EVENT_ROOM;
+        let (sink, buf) = match writes {
+            Writes::Direct => (Sink::Direct(file), vec![0; len]),
+            Writes::Thread => {
+                let (w, buf) = BackgroundFile::new(file, len)?;
+                (Sink::Background(w), buf)
+            }
+            Writes::Here => {
+                let (w, buf) = BackgroundFile::on_this_thread(file, len)?;
+                (Sink::Background(w), buf)
+            }
         };
         Ok(Self {
             sink,
@@ -281,9 +287,9 @@ pub struct CtfTrace {
 }
 
 impl CtfTrace {
-    /// Every stream created from now on writes its packets on the caller's thread, its data
-    /// synced in the background: for a caller that already runs beside what produces its
-    /// events.
+    /// The streams created from now on write their packets on the caller's thread (the first
+    /// [`BACKGROUND_STREAMS`] with their data synced in the background, as every stream after
+    /// them already writes): for a caller that already runs beside what produces its events.
     pub fn write_here(&mut self) {
         self.here = true;
     }
@@ -446,13 +452,18 @@ impl CtfTrace {
                 "more than {MAX_STREAMS} streams (vCPU {instance}): is the input damaged?"
             )));
         }
-        let background = self.streams.len() < BACKGROUND_STREAMS;
-        let s = Stream::new(dir.path(), self.prefix, instance, background, self.here).map_err(
-            |source| ExportError::Write {
+        // Threads of their own only for the first streams, so they stay few.
+        let writes = match (self.streams.len() < BACKGROUND_STREAMS, self.here) {
+            (false, _) => Writes::Direct,
+            (true, false) => Writes::Thread,
+            (true, true) => Writes::Here,
+        };
+        let s = Stream::new(dir.path(), self.prefix, instance, writes).map_err(|source| {
+            ExportError::Write {
                 path: self.target.clone(),
                 source,
-            },
-        )?;
+            }
+        })?;
         self.streams.push(s);
         Ok(self.streams.len() - 1)
     }

@@ -89,22 +89,34 @@ impl<'a> Placed<'a> {
 
     /// The event as the exporters see it (everything known).
     pub(super) fn export(&self) -> crate::formats::ExportEvent {
-        crate::formats::ExportEvent {
-            // A memory recording's boots share their rings' vCPU streams.
-            vcpu: if self.keyed {
-                split_key(self.vcpu).1
-            } else {
-                self.vcpu
-            },
-            id: self.id,
-            guest_tsc: Some(self.guest),
-            host_tsc: self.host,
-            bound: Some(crate::formats::Bound {
-                lo: self.lo,
-                hi: self.hi,
-            }),
-            payload: crate::formats::Payload::new(self.payload).unwrap_or_default(),
-        }
+        export_event(
+            self.vcpu,
+            self.keyed,
+            self.id,
+            (self.guest, self.host, self.lo, self.hi),
+            crate::formats::Payload::new(self.payload).unwrap_or_default(),
+        )
+    }
+}
+
+/// An event as the exporters see it, everything known: of vCPU `key` (with `keyed`, a
+/// memory recording's [`boot_key`], whose boots share their ring's vCPU stream), its guest
+/// tick, host tick and guaranteed interval's ends, and its payload.
+#[inline]
+pub(super) fn export_event(
+    key: u32,
+    keyed: bool,
+    id: u16,
+    (guest, host, lo, hi): (u64, u64, u64, u64),
+    payload: crate::formats::Payload,
+) -> crate::formats::ExportEvent {
+    crate::formats::ExportEvent {
+        vcpu: if keyed { split_key(key).1 } else { key },
+        id,
+        guest_tsc: Some(guest),
+        host_tsc: host,
+        bound: Some(crate::formats::Bound { lo, hi }),
+        payload,
     }
 }
 

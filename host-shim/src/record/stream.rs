@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 use vmtsync_core::HostTicks;
 
 use super::RecordError;
-use super::place::{Placed, split_key};
+use super::place::{Placed, export_event, split_key};
 use super::target::{Target, host_tsc2nsec};
 use crate::formats::perfetto::clock::{BootClock, ClockSnapshot};
 use crate::formats::perfetto::{
@@ -32,7 +32,7 @@ use crate::formats::perfetto::{
 use crate::formats::tracedat::{
     self, ShiftMode, SpanGraph, TimeShift, TraceDatWriter, WriterOptions,
 };
-use crate::formats::{Bound, ExportEvent, Payload};
+use crate::formats::{ExportEvent, Payload};
 use crate::guestmem::{GuestRecord, RoundRing};
 
 /// trace-cmd keeps times as signed 64-bit numbers (and its step TIME_SHIFT a sentinel at the
@@ -59,7 +59,13 @@ impl ExactRun {
         if r.is_beacon() || crate::formats::event::is_span_id(r.id) || r.tsc < self.start {
             return None;
         }
-        r.tsc.checked_add_signed(self.offset.checked_neg()?)
+        self.host(r.tsc)
+    }
+
+    /// Guest tick `tsc` on the host by the segment's offset, `None` outside the host's range.
+    #[inline]
+    fn host(&self, tsc: u64) -> Option<u64> {
+        tsc.checked_add_signed(self.offset.checked_neg()?)
     }
 
     /// Whether [`Self::places`] places every record of `ring` whose id is not reserved (by
@@ -67,12 +73,9 @@ impl ExactRun {
     /// at both ends). The records with reserved ids (beacons, spans) it never places.
     #[inline]
     pub(super) fn places_unreserved(&self, ring: &RoundRing) -> bool {
-        let host = |tsc: u64| {
-            self.offset
-                .checked_neg()
-                .and_then(|neg| tsc.checked_add_signed(neg))
-        };
-        ring.min_tsc >= self.start && host(ring.min_tsc).is_some() && host(ring.max_tsc).is_some()
+        ring.min_tsc >= self.start
+            && self.host(ring.min_tsc).is_some()
+            && self.host(ring.max_tsc).is_some()
     }
 }
 
@@ -90,16 +93,15 @@ pub(super) fn for_each_plain<E>(
         let Some(host) = run.places(r) else {
             break;
         };
-        // What `Placed::exact(..).export()` gives, built straight from the record (its
-        // payload is already zero-padded).
-        f(&ExportEvent {
-            vcpu: split_key(run.key).1,
-            id: r.id,
-            guest_tsc: Some(r.tsc),
-            host_tsc: host,
-            bound: Some(Bound { lo: host, hi: host }),
-            payload: Payload::from_padded(r.len, r.payload).unwrap_or_default(),
-        })?;
+        // What `Placed::exact(..).export()` gives, without padding the record's payload again.
+        let payload = Payload::from_padded(r.len, r.payload).unwrap_or_default();
+        f(&export_event(
+            run.key,
+            true,
+            r.id,
+            (r.tsc, host, host, host),
+            payload,
+        ))?;
         n += 1;
     }
     Ok(n)
@@ -289,10 +291,7 @@ impl TraceDatStream {
         let Some(first) = records.first() else {
             return Ok(0);
         };
-        if run.places(first).is_none() || first.tsc > MAX_TICK {
-            return Ok(0);
-        }
-        let Some(host) = run.places(first) else {
+        let Some(host) = run.places(first).filter(|_| first.tsc <= MAX_TICK) else {
             return Ok(0);
         };
         let cpu = self.part_for(run.key, false, first.tsc, run.offset)?;
@@ -624,15 +623,8 @@ fn write_perfetto(
     (guest, host, lo, hi): (u64, u64, u64, u64),
     payload: Payload,
 ) -> Result<(), RecordError> {
-    let (boot, vcpu) = if keyed { split_key(key) } else { (0, key) };
-    let e = ExportEvent {
-        vcpu,
-        id,
-        guest_tsc: Some(guest),
-        host_tsc: host,
-        bound: Some(Bound { lo, hi }),
-        payload,
-    };
+    let boot = if keyed { split_key(key).0 } else { 0 };
+    let e = export_event(key, keyed, id, (guest, host, lo, hi), payload);
     if crate::formats::event::is_span_id(id) {
         w.push_in_boot(&e, boot)?;
     } else {

@@ -924,6 +924,8 @@ struct Measured {
     /// timed ceiling drain and each copy from memory.
     cache_mib: Option<u64>,
     evict_mib: u64,
+    /// The command that writes it (`mem_copy --evict MIB`).
+    evict_command: String,
     copy: CopyRun,
     /// The kernel's write of the ceiling's trace.dat bytes into a fresh file, alone.
     write: WriteFloor,
@@ -1117,24 +1119,16 @@ fn cache_kib(text: &str) -> Option<u64> {
     t.parse::<u64>().ok().map(|b| b.div_ceil(1024))
 }
 
-/// Pushes the rings out of the cache before a timed drain, as `mem_copy` does before each copy
-/// from memory: `mib` MiB written elsewhere, by `dd` reading `/dev/zero` into one buffer of
-/// that size. In a process of its own: a child's peak RSS (`wait4`) starts from its parent's
-/// peak when it is forked, so a buffer this large in the bench's own process would show as
-/// every reader's.
-fn evict(mib: u64) -> Result<()> {
-    let mut cmd = Command::new("dd");
-    cmd.args([
-        "if=/dev/zero",
-        "of=/dev/null",
-        &format!("bs={mib}M"),
-        "count=1",
-        "iflag=fullblock",
-        "status=none",
-    ]);
+/// Pushes the rings out of the cache before a timed drain as `mem_copy` does before each
+/// copy from memory: `mem_copy --evict MIB` writes `mib` MiB elsewhere. In a process of its
+/// own: a child's peak RSS (`wait4`) starts from its parent's peak when it is forked, so a
+/// buffer this large in the bench's own process would show as every reader's.
+fn evict(copier: &Path, mib: u64) -> Result<()> {
+    let mut cmd = Command::new(copier);
+    cmd.args(["--evict", &mib.to_string()]);
     let status = cmd
         .status()
-        .context("starting dd to push the rings out of the cache")?;
+        .context("starting mem_copy to push the rings out of the cache")?;
     ensure!(
         status.success(),
         "{} failed: {status}",
@@ -1183,7 +1177,7 @@ pub(super) fn memory(plan: &Plan, work: &Path) -> Result<Section> {
         for (f, (format, _)) in FORMATS.iter().enumerate() {
             let out = output_path(&dir, "ceiling", format);
             remove_output(&out);
-            evict(evict_mib)?;
+            evict(&copier, evict_mib)?;
             let run = record(
                 &vmtsync,
                 guest.pid(),
@@ -1387,6 +1381,7 @@ pub(super) fn memory(plan: &Plan, work: &Path) -> Result<Section> {
         reader_method,
         cache_mib,
         evict_mib,
+        evict_command: format!("{} --evict {evict_mib}", rel(&copier)),
         copy,
         write,
         rss,
@@ -1599,7 +1594,7 @@ fn memory_section(m: &Measured) -> Result<Section> {
          and spins, and with it on one of this machine's two cores the scheduler kept every \
          reader thread on the other; so the VMM is stopped (SIGSTOP, its memory kept) once the \
          guest has recorded, for these drains and the raw copy below alike. Before each \
-         drain, {} MiB are written elsewhere ({}), so every drain \
+         drain, {} MiB are written elsewhere ({}; `{}`), so every drain \
          starts with the rings out of the cache.\n\n\
          | figure (min / median / max) |",
         m.reader_method,
@@ -1622,6 +1617,7 @@ fn memory_section(m: &Measured) -> Result<Section> {
             ),
             None => format!("{EVICT_MIN_MIB} MiB: sysfs names no cache size"),
         },
+        m.evict_command,
     );
     for f in &figs {
         let _ = write!(body, " {} |", f.label);
@@ -2336,6 +2332,7 @@ mod tests {
             reader_method: "process_vm_readv".into(),
             cache_mib: Some(300),
             evict_mib: 1200,
+            evict_command: "mem_copy --evict 1200".into(),
             copy: CopyRun::parse(&out, "mem_copy QEMU_PID 5 …".into()).expect("parses"),
             write: WriteFloor {
                 bytes: 151_888_458,

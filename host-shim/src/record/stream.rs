@@ -30,7 +30,7 @@ use crate::formats::perfetto::{
     DEFAULT_MACHINE_ID, PerfettoError, PerfettoOptions, PerfettoWriter,
 };
 use crate::formats::tracedat::{
-    self, ShiftMode, SpanGraph, TimeShift, TraceDatWriter, WriterOptions,
+    self, Padded, ShiftMode, SpanGraph, TimeShift, TraceDatWriter, WriterOptions,
 };
 use crate::formats::{ExportEvent, Payload};
 use crate::guestmem::{GuestRecord, RoundRing};
@@ -295,26 +295,19 @@ impl TraceDatStream {
             return Ok(0);
         };
         let cpu = self.part_for(run.key, false, first.tsc, run.offset)?;
-        let part = &mut self.parts[cpu as usize];
-        // The plain records in order (trace-cmd's range, not behind the part's last
-        // timestamp), checked as they are written, in one pass: the record after them takes
-        // the general path.
-        let mut last = if part.events > 0 { part.last } else { 0 };
-        let mut n = 0;
-        let written = self.w.push_padded(
-            cpu,
-            records
-                .iter()
-                .take_while(|r| {
-                    let ok = r.tsc <= MAX_TICK && r.tsc >= last && run.places(r).is_some();
-                    last = r.tsc;
-                    n += usize::from(ok);
-                    ok
-                })
-                .map(|r| (r.tsc, u32::from(r.id), r.payload().len(), &r.payload)),
-        );
+        // The plain records in trace-cmd's range, in order on their trace CPU, checked as
+        // they are written, in one pass: the record after them takes the general path.
+        let (n, written) = self.w.push_padded_while(cpu, records, |r| {
+            (r.tsc <= MAX_TICK && run.places(r).is_some()).then(|| Padded {
+                ts: r.tsc,
+                id: u32::from(r.id),
+                len: r.payload().len(),
+                payload: r.payload,
+            })
+        });
         // What was written counts also when the write failed part way.
         if n > 0 {
+            let part = &mut self.parts[cpu as usize];
             part.take(first.tsc, host, run.offset);
             part.last = records[n - 1].tsc;
             part.events += (n - 1) as u64;

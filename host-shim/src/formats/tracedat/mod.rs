@@ -94,6 +94,7 @@ pub use consts::Tsc2Nsec;
 pub use error::TraceDatError;
 pub use funcgraph::SpanGraph;
 pub use hostcopy::{GuestInfo, HostCopySummary, copy_host_trace, copy_host_trace_with};
+pub use page::Padded;
 pub use reader::{
     Event, EventFormat, Layout, cpu_time_ranges, for_each_record, read_event_formats, read_layout,
     verify_file,

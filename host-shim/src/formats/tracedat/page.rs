@@ -42,6 +42,11 @@ impl PageBuf {
         self.events == 0
     }
 
+    /// The timestamp of the page's last event (of the page before when it is empty).
+    pub(super) fn last_ts(&self) -> u64 {
+        self.last_ts
+    }
+
     /// Appends an event at `ts` (not before the page's last event: the caller checks), or
     /// returns `false` if it needs a new page. `payload` is at most [`MAX_PAYLOAD`] bytes
     /// (checked by the caller).
@@ -92,6 +97,64 @@ impl PageBuf {
             self.buf[at + 20..at + 20 + MAX_PAYLOAD].copy_from_slice(padded);
         }
         true
+    }
+
+    /// Appends `event(r)` for each `r` of `recs` in turn, the way [`Self::try_push_padded`]
+    /// would, while it is `Some`, not before the page's last event, and fits this page with
+    /// no time extend. The page must hold an event already (its timestamp is set). One
+    /// loop with a store per piece and no call per event: the memory path's runs go through
+    /// it. Returns how many it appended and why it stopped.
+    #[inline(always)]
+    pub(super) fn fill_padded<R>(
+        &mut self,
+        recs: &[R],
+        event: &impl Fn(&R) -> Option<Padded>,
+    ) -> (usize, Stop) {
+        debug_assert!(self.events > 0);
+        // The page's counters in locals (stored back once): the stores into the page could
+        // otherwise alias them, and each would be stored again per event.
+        let (mut used, mut last_ts, mut events) = (self.used, self.last_ts, self.events);
+        let mut stop = Stop::End;
+        let mut k = 0;
+        for r in recs {
+            let Some(e) = event(r) else {
+                stop = Stop::Refused;
+                break;
+            };
+            if e.ts < last_ts {
+                stop = Stop::Refused;
+                break;
+            }
+            let delta = e.ts - last_ts;
+            let (size, type_len, id) = if e.len == 0 {
+                (EVENT_SIZE, 3, EVENT_ID)
+            } else {
+                (EVENT_DATA_SIZE, 8, EVENT_DATA_ID)
+            };
+            if delta > MAX_DELTA || e.len > MAX_PAYLOAD || used + 4 + size > PAGE_DATA_SIZE {
+                stop = Stop::General(e);
+                break;
+            }
+            let at = PAGE_HEADER_SIZE + used;
+            // As `try_push_padded`: header word, common_type, zero flags/preempt_count/pid,
+            // id; for `event_data` the length and the 16 payload bytes.
+            let delta = u32::try_from(delta).unwrap_or(0);
+            let w0 = u64::from(type_len | (delta << 5)) | (u64::from(id) << 32);
+            let w1 = u64::from(e.id) << 32;
+            let head = (u128::from(w1) << 64) | u128::from(w0);
+            self.buf[at..at + 16].copy_from_slice(&head.to_le_bytes());
+            if e.len > 0 {
+                let n = u32::try_from(e.len).unwrap_or(0);
+                self.buf[at + 16..at + 20].copy_from_slice(&n.to_le_bytes());
+                self.buf[at + 20..at + 20 + MAX_PAYLOAD].copy_from_slice(&e.payload);
+            }
+            used += 4 + size;
+            last_ts = e.ts;
+            events += 1;
+            k += 1;
+        }
+        (self.used, self.last_ts, self.events) = (used, last_ts, events);
+        (k, stop)
     }
 
     /// Appends a record of another event type at `ts` (same rules as [`Self::try_push`]):
@@ -158,6 +221,31 @@ impl PageBuf {
         self.events = 0;
         &self.buf
     }
+}
+
+/// An event the way [`PageBuf::fill_padded`] takes it: at `ts`, event `id`, its payload
+/// `payload[..len]` with the bytes past `len` zero.
+#[derive(Clone, Copy, Debug)]
+pub struct Padded {
+    /// Its timestamp.
+    pub ts: u64,
+    /// The event id.
+    pub id: u32,
+    /// Payload bytes used.
+    pub len: usize,
+    /// The payload, zero past `len`.
+    pub payload: [u8; MAX_PAYLOAD],
+}
+
+/// Why [`PageBuf::fill_padded`] stopped.
+#[derive(Clone, Copy, Debug)]
+pub(super) enum Stop {
+    /// Every record was appended.
+    End,
+    /// A record gave no event, or one before the page's last.
+    Refused,
+    /// This event needs a time extend or a new page (or is too long): the general path.
+    General(Padded),
 }
 
 /// Why a page could not be walked: the byte offset in the page and what was wrong there.

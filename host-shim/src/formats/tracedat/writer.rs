@@ -26,7 +26,7 @@ use super::format::{
     EVENT_DATA_FORMAT, EVENT_FORMAT, FUNCGRAPH_ENTRY_FORMAT, FUNCGRAPH_EXIT_FORMAT, HEADER_EVENT,
     HEADER_PAGE, MAX_PAYLOAD, SPAN_ORPHAN_FORMAT, SYSTEM,
 };
-use super::page::PageBuf;
+use super::page::{Padded, PageBuf, Stop};
 use super::reader;
 use super::timeshift::{self, TimeShift};
 
@@ -308,33 +308,75 @@ impl TraceDatWriter {
         )
     }
 
-    /// Appends events to `cpu` in order, as [`Self::push`] of each would: `(ts, id, len,
-    /// padded)` is an event whose payload is `padded[..len]` with the bytes past `len` zero.
-    /// One lookup of the CPU for all of them, and fixed-size stores per event (the memory
-    /// path's runs of plain records). Stops at the first error; the events before it are
-    /// written.
+    /// Appends `event(r)` to `cpu` for each `r` of `recs` in turn, as [`Self::push`] of each
+    /// would, while it is `Some` and not before the CPU's last event: a run of the memory
+    /// path's plain records, checked and written in one pass. Returns how many it wrote, and
+    /// the error that stopped it if one did (the events before it are written).
     ///
     /// # Errors
-    /// As [`Self::push`].
-    pub fn push_padded<'a>(
+    /// `CpuOutOfRange`, `PayloadTooLong`, `Io`.
+    pub fn push_padded_while<R>(
         &mut self,
         cpu: u32,
-        events: impl IntoIterator<Item = (u64, u32, usize, &'a [u8; MAX_PAYLOAD])>,
-    ) -> Result<(), TraceDatError> {
-        self.append(
-            cpu,
-            events,
-            |&(ts, _, len, _)| {
-                if len > MAX_PAYLOAD {
-                    return Err(TraceDatError::PayloadTooLong {
-                        len,
-                        max: MAX_PAYLOAD,
-                    });
+        recs: &[R],
+        event: impl Fn(&R) -> Option<Padded>,
+    ) -> (usize, Result<(), TraceDatError>) {
+        let ncpus = self.opts.cpus;
+        let Self {
+            cpus,
+            out,
+            pos,
+            tmp,
+            main,
+            ..
+        } = self;
+        let Some(c) = cpus.get_mut(cpu as usize) else {
+            return (0, Err(TraceDatError::CpuOutOfRange { cpu, cpus: ncpus }));
+        };
+        let mut n = 0;
+        while let Some(r) = recs.get(n) {
+            // Onto a page that has events, as many as fit it plainly, in one loop.
+            let e = if c.page.is_empty() {
+                match event(r) {
+                    Some(e) => e,
+                    None => break,
                 }
-                Ok(ts)
-            },
-            |page, &(ts, id, len, padded)| page.try_push_padded(ts, id, len, padded),
-        )
+            } else {
+                let (k, stop) = c.page.fill_padded(&recs[n..], &event);
+                c.events += k as u64;
+                c.last = c.page.last_ts();
+                n += k;
+                match stop {
+                    Stop::End | Stop::Refused => break,
+                    Stop::General(e) => e,
+                }
+            };
+            // The event that starts a page, needs a time extend or is refused.
+            if e.len > MAX_PAYLOAD {
+                let err = TraceDatError::PayloadTooLong {
+                    len: e.len,
+                    max: MAX_PAYLOAD,
+                };
+                return (n, Err(err));
+            }
+            if c.events > 0 && e.ts < c.last {
+                break;
+            }
+            if !c.page.try_push_padded(e.ts, e.id, e.len, &e.payload) {
+                if let Err(err) = flush_page(c, out, main, pos) {
+                    return (n, Err(TraceDatError::io("write", tmp.path())(err)));
+                }
+                let pushed = c.page.try_push_padded(e.ts, e.id, e.len, &e.payload);
+                debug_assert!(pushed, "a record always fits an empty page");
+            }
+            if c.events == 0 {
+                c.first = e.ts;
+            }
+            c.events += 1;
+            c.last = e.ts;
+            n += 1;
+        }
+        (n, Ok(()))
     }
 
     /// Appends a record of one of the other event types the file describes (the function
@@ -359,7 +401,7 @@ impl TraceDatWriter {
         )
     }
 
-    /// What [`Self::push`], [`Self::push_padded`] and [`Self::push_raw`] share: CPU `cpu`'s
+    /// What [`Self::push`] and [`Self::push_raw`] share: CPU `cpu`'s
     /// buffer takes each item in turn, at the timestamp `check` returns (in order), through
     /// `try_push`, on a fresh page when the current one is full. Stops at the first error.
     #[inline]

@@ -88,9 +88,10 @@ fn every_event_reads_back_exactly_in_both_versions() {
     }
 }
 
-/// Runs pushed with `push_padded` (consecutive events of one CPU at once) write the same
-/// pages as `push` of each event: the files differ only in what `finish` stamps (none here
-/// past the data), so their bytes are equal.
+/// Runs pushed with `push_padded_while` (consecutive events of one CPU at once) write the
+/// same pages as `push` of each event: the files differ only in what `finish` stamps (none
+/// here past the data), so their bytes are equal. A run stops at the first event its
+/// predicate refuses or that is before the CPU's last, and the rest is pushed again.
 #[test]
 fn pushing_padded_runs_writes_what_pushing_each_event_writes() {
     let dir = tempfile::tempdir().unwrap();
@@ -100,21 +101,37 @@ fn pushing_padded_runs_writes_what_pushing_each_event_writes() {
     let runs = dir.path().join("runs.dat");
     let mut w = TraceDatWriter::create(&runs, WriterOptions::new(3, 42)).unwrap();
     for run in events.chunk_by(|a, b| a.0 == b.0) {
-        let padded: Vec<[u8; MAX_PAYLOAD]> = run
+        let padded: Vec<Padded> = run
             .iter()
-            .map(|(_, _, _, p)| {
+            .map(|(_, ts, id, p)| {
                 let mut b = [0; MAX_PAYLOAD];
                 b[..p.len()].copy_from_slice(p);
-                b
+                Padded {
+                    ts: *ts,
+                    id: *id,
+                    len: p.len(),
+                    payload: b,
+                }
             })
             .collect();
-        w.push_padded(
-            run[0].0,
-            run.iter()
-                .zip(&padded)
-                .map(|((_, ts, id, p), b)| (*ts, *id, p.len(), b)),
-        )
-        .unwrap();
+        // Every 7th event is refused once, then pushed on its own.
+        let mut rest = &padded[..];
+        let mut refuse = true;
+        while !rest.is_empty() {
+            let (n, res) =
+                w.push_padded_while(run[0].0, rest, |e| (!refuse || e.ts % 7 != 0).then_some(*e));
+            res.unwrap();
+            rest = &rest[n..];
+            refuse = n > 0;
+        }
+        // Behind the CPU's last event: nothing written.
+        if let Some(last) = padded.last().filter(|e| e.ts > 0) {
+            let early = Padded {
+                ts: last.ts - 1,
+                ..*last
+            };
+            assert_eq!(w.push_padded_while(run[0].0, &[early], |e| Some(*e)).0, 0);
+        }
     }
     w.finish(None).unwrap().verify().unwrap();
     assert_eq!(std::fs::read(&runs).unwrap(), std::fs::read(&one).unwrap());

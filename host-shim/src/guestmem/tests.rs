@@ -561,6 +561,35 @@ fn a_hostile_head_costs_one_bounded_round_and_an_exact_count() {
     assert!(matches!(e, DrainError::HeadRewound { to: 3, .. }), "{e}");
 }
 
+/// Records the guest stores while a round reads wait for the next round, made after the
+/// poll interval: they are not "more" (a live guest's head always moves, and polling again
+/// at once for them kept a core busy at any rate). More than a round's bound waiting when a
+/// round begins is.
+#[test]
+fn only_a_backlog_past_the_bound_is_more() {
+    let (mut m, p) = recorded(&header(1, 1024, Mode::Overwrite), 10);
+    let mut d = scan_drainer(&mut m, 300);
+    let model = Arc::new(Mutex::new(p));
+    step_between_reads(&mut m, &model, vec![3], Model::step);
+    let s = d.poll(&mut m, &mut |_| {}).expect("poll");
+    let stored = model.lock().unwrap().head;
+    assert!(
+        stored > d.counts()[0].next,
+        "the guest stored during the round"
+    );
+    assert!(!s.more, "records stored during the round are not more");
+    // The guest stops with more than a bound waiting: more, until the reader caught up.
+    m.set_hook(Box::new(|_| {}));
+    for _ in 0..400 {
+        model.lock().unwrap().record(&mut m);
+    }
+    let s = d.poll(&mut m, &mut |_| {}).expect("poll");
+    assert_eq!((s.delivered, s.more), (300, true));
+    let rest = drain_all(&mut d, &mut m).expect("drains");
+    assert_eq!(d.counts()[0].next, model.lock().unwrap().head);
+    assert!(!rest.is_empty());
+}
+
 #[test]
 fn records_rewritten_while_being_read_are_counted_overwritten_exactly() {
     let (mut m, p) = recorded(&header(1, 8, Mode::Overwrite), 8);

@@ -321,20 +321,12 @@ impl TraceDatWriter {
         recs: &[R],
         event: impl Fn(&R) -> Option<Padded>,
     ) -> (usize, Result<(), TraceDatError>) {
-        let ncpus = self.opts.cpus;
-        let Self {
-            cpus,
-            out,
-            pos,
-            tmp,
-            main,
-            ..
-        } = self;
-        let Some(c) = cpus.get_mut(cpu as usize) else {
-            return (0, Err(TraceDatError::CpuOutOfRange { cpu, cpus: ncpus }));
-        };
         let mut n = 0;
         while let Some(r) = recs.get(n) {
+            let Some(c) = self.cpus.get_mut(cpu as usize) else {
+                let cpus = self.opts.cpus;
+                return (n, Err(TraceDatError::CpuOutOfRange { cpu, cpus }));
+            };
             // Onto a page that has events, as many as fit it plainly, in one loop.
             let e = if c.page.is_empty() {
                 match event(r) {
@@ -351,29 +343,28 @@ impl TraceDatWriter {
                     Stop::General(e) => e,
                 }
             };
-            // The event that starts a page, needs a time extend or is refused.
-            if e.len > MAX_PAYLOAD {
-                let err = TraceDatError::PayloadTooLong {
-                    len: e.len,
-                    max: MAX_PAYLOAD,
-                };
-                return (n, Err(err));
-            }
+            // The event that starts a page or needs a time extend, as `push` takes it (one
+            // before the CPU's last ends the run instead).
             if c.events > 0 && e.ts < c.last {
                 break;
             }
-            if !c.page.try_push_padded(e.ts, e.id, e.len, &e.payload) {
-                if let Err(err) = flush_page(c, out, main, pos) {
-                    return (n, Err(TraceDatError::io("write", tmp.path())(err)));
-                }
-                let pushed = c.page.try_push_padded(e.ts, e.id, e.len, &e.payload);
-                debug_assert!(pushed, "a record always fits an empty page");
+            let pushed = self.append(
+                cpu,
+                [e],
+                |e| {
+                    if e.len > MAX_PAYLOAD {
+                        return Err(TraceDatError::PayloadTooLong {
+                            len: e.len,
+                            max: MAX_PAYLOAD,
+                        });
+                    }
+                    Ok(e.ts)
+                },
+                |page, e| page.try_push_padded(e.ts, e.id, e.len, &e.payload),
+            );
+            if let Err(err) = pushed {
+                return (n, Err(err));
             }
-            if c.events == 0 {
-                c.first = e.ts;
-            }
-            c.events += 1;
-            c.last = e.ts;
             n += 1;
         }
         (n, Ok(()))

@@ -87,16 +87,16 @@ impl Out {
     /// Where a memory recording's events go: each placed once, for good, every format
     /// streams them (`stream.rs`); `st` names the vCPUs known at the start. With
     /// `preconverted` a trace.dat's timestamps are host ticks (points that do not follow
-    /// KVM's mapping), else raw guest ticks with a TIME_SHIFT. With `beside` the output is
+    /// KVM's mapping), else raw guest ticks with a TIME_SHIFT. `write_here`: the output is
     /// written on a thread that already runs beside the reading (exact mode's writer
-    /// thread): a trace.dat or CTF trace then writes its file data on that thread too
+    /// thread), so a trace.dat or CTF trace writes its file data on that thread too
     /// ([`crate::formats::tracedat::WriterOptions::write_here`],
     /// [`crate::formats::ctf::CtfTrace::write_here`]).
     pub(super) fn stream(
         target: &Target,
         st: &State,
         preconverted: bool,
-        beside: bool,
+        write_here: bool,
     ) -> Result<Self, RecordError> {
         let keys: Vec<u32> = st.vcpus.iter().map(|v| v.vcpu).collect();
         Ok(match target.format {
@@ -106,7 +106,7 @@ impl Out {
                     &keys,
                     st.keyed,
                     trace_id(target, st),
-                    beside,
+                    write_here,
                 )?;
                 if preconverted {
                     s.preconvert();
@@ -118,7 +118,7 @@ impl Out {
             )),
             RecordFormat::Ctf => {
                 let mut w = create_ctf(target)?;
-                if beside {
+                if write_here {
                     w.write_here();
                 }
                 Out::Ctf(w)

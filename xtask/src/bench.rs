@@ -223,7 +223,7 @@ impl Plan {
                 // the probe bench near two and a half minutes.
                 sessions: o.sessions.unwrap_or(100),
                 scan: (1000, 4, 31),
-                rss: (1_000_000, 10_000_000, 3),
+                rss: (1_000_000, 10_000_000, 7),
                 attach: (100, 5),
                 // The profile and features of `cargo bench --workspace`, so these binaries
                 // share every dependency the criterion benches were built with.

@@ -65,18 +65,23 @@ pub(super) fn section(plan: &Plan, work: &Path, w: &Writer<'_>) -> Result<Sectio
     } else {
         "\n|---:|---:|\n"
     });
-    let mut medians = Vec::new();
-    for n in [small, large] {
-        let (mut kib, mut size) = (Vec::new(), 0);
-        for _ in 0..runs {
+    // The two sizes alternate run by run, so a drift of the machine's state during the
+    // runs moves both alike.
+    let mut kib = [Vec::new(), Vec::new()];
+    let mut size = [0, 0];
+    for _ in 0..runs {
+        for (k, n) in [small, large].into_iter().enumerate() {
             remove();
             let mut cmd = Command::new(&bin);
             cmd.arg(&out).arg(n.to_string()).arg("2");
-            kib.push(max_rss_kib(&cmd)? as f64);
-            size = std::fs::metadata(&out).map_or(0, |m| m.len());
+            kib[k].push(max_rss_kib(&cmd)? as f64);
+            size[k] = std::fs::metadata(&out).map_or(0, |m| m.len());
             remove();
         }
-        let st = Stat::of(&kib).context("no runs")?;
+    }
+    let mut medians = Vec::new();
+    for (k, n) in [small, large].into_iter().enumerate() {
+        let st = Stat::of(&kib[k]).context("no runs")?;
         medians.push(st.median);
         let _ = write!(
             table,
@@ -85,7 +90,7 @@ pub(super) fn section(plan: &Plan, work: &Path, w: &Writer<'_>) -> Result<Sectio
             st.show(|x| thousands(whole(x)))
         );
         if w.one_file {
-            let _ = write!(table, " {} MB |", sig3(size as f64 / 1e6));
+            let _ = write!(table, " {} MB |", sig3(size[k] as f64 / 1e6));
         }
         table.push('\n');
     }
@@ -94,7 +99,7 @@ pub(super) fn section(plan: &Plan, work: &Path, w: &Writer<'_>) -> Result<Sectio
     let _ = writeln!(
         body,
         "\nMemory: `/usr/bin/time -v {} {} N 2` (built by `cargo build {} --example {}`), \
-         {runs} run(s) per row:\n\n{table}\nMax RSS at {} events vs {}: {:+.1} %. Goal: \
+         {runs} run(s) per row, the two sizes in turn:\n\n{table}\nMax RSS at {} events vs {}: {:+.1} %. Goal: \
          within 10 %: {}.",
         rel(&bin),
         w.out_arg,

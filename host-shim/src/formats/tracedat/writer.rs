@@ -392,9 +392,10 @@ impl TraceDatWriter {
         )
     }
 
-    /// What [`Self::push`] and [`Self::push_raw`] share: CPU `cpu`'s
-    /// buffer takes each item in turn, at the timestamp `check` returns (in order), through
-    /// `try_push`, on a fresh page when the current one is full. Stops at the first error.
+    /// What [`Self::push`], [`Self::push_raw`] and the events [`Self::push_padded_while`]
+    /// cannot put on a page plainly share: CPU `cpu`'s buffer takes each item in turn, at the
+    /// timestamp `check` returns (in order), through `try_push`, on a fresh page when the
+    /// current one is full. Stops at the first error.
     #[inline]
     fn append<T>(
         &mut self,

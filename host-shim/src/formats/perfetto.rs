@@ -451,21 +451,18 @@ impl PerfettoWriter {
             return Ok(());
         };
         // The interval widened by what the snapshots' resolutions allow, so it still holds,
-        // as distances from the timestamp (saturated: only wider).
-        let interval = bound.and_then(|b| {
-            if b.lo == host_tsc && b.hi == host_tsc {
-                // Width 0 (an exact recording): the timestamp widened by its error on both
-                // sides (`BootClock::boottime_and_error_near`), with `ts` below 2^63.
-                let before = i64::try_from(error.min(ts)).unwrap_or(i64::MAX);
-                let after = i64::try_from(error.min(u64::MAX - ts)).unwrap_or(i64::MAX);
-                return Some((before, after));
-            }
-            let (lo, hi) = clock.widened_ns(b.lo, b.hi, hint)?;
-            let before = i128::from(ts) - i128::from(lo);
-            let after = i128::from(hi) - i128::from(ts);
-            let sat = |d: i128| i64::try_from(d).unwrap_or(if d < 0 { i64::MIN } else { i64::MAX });
-            Some((sat(before), sat(after)))
-        });
+        // as distances from the timestamp (saturated: only wider). A match, not a closure:
+        // the closure was a call per event (`perf`).
+        let interval = match bound {
+            None => None,
+            // Width 0 (an exact recording): the timestamp widened by its error on both sides
+            // (`BootClock::boottime_and_error_near`), with `ts` below 2^63.
+            Some(b) if b.lo == host_tsc && b.hi == host_tsc => Some((
+                i64::try_from(error.min(ts)).unwrap_or(i64::MAX),
+                i64::try_from(error.min(u64::MAX - ts)).unwrap_or(i64::MAX),
+            )),
+            Some(b) => widened_distances(clock, b, ts, hint),
+        };
         let i = self.vcpu_index(vcpu, ts)?;
         let v = &mut self.vcpus[i];
         let (word, bit) = (usize::from(id >> 6), 1u64 << (id & 63));
@@ -633,6 +630,23 @@ pub fn export_file(
         trace: w.finish()?,
         input,
     })
+}
+
+/// An interval wider than its point, as distances from the timestamp `ts`: its ends on
+/// BOOTTIME moved out by the snapshots' resolutions ([`BootClock::widened_ns`]), saturated
+/// (only wider); `None` when an end maps outside the 64-bit range.
+fn widened_distances(
+    clock: &BootClock,
+    b: Bound,
+    ts: u64,
+    hint: &mut PairHint,
+) -> Option<(i64, i64)> {
+    let (lo, hi) = clock.widened_ns(b.lo, b.hi, hint)?;
+    let sat = |d: i128| i64::try_from(d).unwrap_or(if d < 0 { i64::MIN } else { i64::MAX });
+    Some((
+        sat(i128::from(ts) - i128::from(lo)),
+        sat(i128::from(hi) - i128::from(ts)),
+    ))
 }
 
 #[cfg(test)]

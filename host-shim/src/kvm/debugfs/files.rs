@@ -168,12 +168,25 @@ pub(super) fn open_dir(dir: &Path) -> Result<File, DebugfsError> {
     }
 }
 
-/// `vcpu<N>/<name>` as a C string in `buf`, for `openat` relative to the VM directory.
-fn rel_name<'a>(buf: &'a mut [u8; 64], vcpu: u32, name: &CStr) -> &'a CStr {
+/// Where a vCPU's files are opened from.
+#[derive(Clone, Copy)]
+enum Base<'a> {
+    /// The VM's directory: each file as `vcpu<N>/<name>` (a scan).
+    Vm(&'a File),
+    /// The vCPU's own directory, held open: each file by its name, one component to resolve
+    /// ([`VcpuDir`]).
+    Vcpu(&'a File),
+}
+
+/// File `name` of vCPU `vcpu` as a C string in `buf`, for `openat` relative to `base`:
+/// `vcpu<N>/<name>` from the VM directory, `<name>` from the vCPU's.
+fn name_in<'a>(buf: &'a mut [u8; 64], base: Base<'_>, vcpu: u32, name: &CStr) -> &'a CStr {
     use std::io::Write;
     let mut cur = io::Cursor::new(&mut buf[..]);
     // "vcpu" + at most 10 digits + "/" + the longest name (28 bytes with NUL) fits in 64.
-    let _ = write!(cur, "vcpu{vcpu}/");
+    if let Base::Vm(_) = base {
+        let _ = write!(cur, "vcpu{vcpu}/");
+    }
     let _ = cur.write_all(name.to_bytes_with_nul());
     let n = usize::try_from(cur.position()).unwrap_or(0);
     // No interior NUL can occur (decimal digits and constant names), so this never falls back.
@@ -183,11 +196,72 @@ fn rel_name<'a>(buf: &'a mut [u8; 64], vcpu: u32, name: &CStr) -> &'a CStr {
 /// Reads vCPU `vcpu` of the VM whose directory is open as `vmf`; `dir` is the vCPU
 /// directory's path, used in messages and to tell "absent" from "VM exited".
 pub(super) fn read_vcpu_at(vmf: &File, dir: &Path, vcpu: u32) -> Result<VcpuState, DebugfsError> {
+    read_vcpu_in(Base::Vm(vmf), dir, vcpu, &|| !dir.exists())
+}
+
+/// A vCPU directory held open, for a reader that follows a vCPU's mapping round after round:
+/// each [`VcpuDir::read`] opens its files relative to it (one name to resolve, no walk from
+/// the root and no VM directory to open). KVM's files must be opened again for each read:
+/// they cannot seek, and a read makes the value anew only at position 0. Held open, the
+/// directory also stays this VM's: once the VM exits, its files are gone from it, rather
+/// than found again under a reused name.
+#[derive(Debug)]
+pub struct VcpuDir {
+    path: PathBuf,
+    fd: File,
+    vcpu: u32,
+}
+
+impl VcpuDir {
+    /// Opens the vCPU directory `path` (`.../vcpu<vcpu>`).
+    ///
+    /// # Errors
+    /// [`DebugfsError::VmExited`] if it does not exist; I/O errors.
+    pub fn open(path: &Path, vcpu: u32) -> Result<Self, DebugfsError> {
+        let fd = open_dir(path).map_err(|e| match e {
+            DebugfsError::VmExited { .. } => DebugfsError::VmExited {
+                path: path.parent().unwrap_or(path).to_path_buf(),
+            },
+            e => e,
+        })?;
+        Ok(Self {
+            path: path.to_path_buf(),
+            fd,
+            vcpu,
+        })
+    }
+
+    /// Reads the vCPU's files, as [`read_vcpu`].
+    ///
+    /// # Errors
+    /// As [`read_vcpu`]; a file missing from the directory once its VM exited:
+    /// [`DebugfsError::VmExited`].
+    pub fn read(&self) -> Result<VcpuState, DebugfsError> {
+        // A directory KVM removed keeps no names: its tsc-offset, there while it lives, is
+        // gone.
+        let gone = || {
+            rustix::fs::statat(&self.fd, TSC_OFFSET_FILE, rustix::fs::AtFlags::empty())
+                .is_err_and(|e| e == rustix::io::Errno::NOENT)
+        };
+        read_vcpu_in(Base::Vcpu(&self.fd), &self.path, self.vcpu, &gone)
+    }
+}
+
+/// Reads vCPU `vcpu`'s files from `base`; `dir` is the vCPU directory's path (in messages),
+/// and `gone` tells "absent" from "VM exited".
+fn read_vcpu_in(
+    base: Base<'_>,
+    dir: &Path,
+    vcpu: u32,
+    gone: &dyn Fn() -> bool,
+) -> Result<VcpuState, DebugfsError> {
     let exited = || DebugfsError::VmExited {
         path: dir.parent().unwrap_or(dir).to_path_buf(),
     };
     let mut nb = [0u8; 64];
-    let dirf = vmf;
+    let dirf = match base {
+        Base::Vm(f) | Base::Vcpu(f) => f,
+    };
     let p_off = || dir.join(os(TSC_OFFSET_FILE));
     let p_ratio = || dir.join(os(TSC_RATIO_FILE));
     let p_frac = || dir.join(os(TSC_FRAC_FILE));
@@ -197,21 +271,21 @@ pub(super) fn read_vcpu_at(vmf: &File, dir: &Path, vcpu: u32) -> Result<VcpuStat
     let before = read_host_tsc();
     let offset = read_parsed(
         dirf,
-        rel_name(&mut nb, vcpu, TSC_OFFSET_FILE),
+        name_in(&mut nb, base, vcpu, TSC_OFFSET_FILE),
         &p_off,
         "a signed decimal integer",
         parse_i64_contents,
     );
     let ratio = read_parsed(
         dirf,
-        rel_name(&mut nb, vcpu, TSC_RATIO_FILE),
+        name_in(&mut nb, base, vcpu, TSC_RATIO_FILE),
         &p_ratio,
         "a non-zero unsigned decimal integer",
         |b| parse_u64_contents(b).filter(|&r| r != 0),
     );
     let frac = read_parsed(
         dirf,
-        rel_name(&mut nb, vcpu, TSC_FRAC_FILE),
+        name_in(&mut nb, base, vcpu, TSC_FRAC_FILE),
         &p_frac,
         "an integer from 0 to 63",
         |b| {
@@ -222,7 +296,7 @@ pub(super) fn read_vcpu_at(vmf: &File, dir: &Path, vcpu: u32) -> Result<VcpuStat
     );
     let guest_mode = read_parsed(
         dirf,
-        rel_name(&mut nb, vcpu, GUEST_MODE_FILE),
+        name_in(&mut nb, base, vcpu, GUEST_MODE_FILE),
         &p_gm,
         "0 or 1",
         |b| match strip_newline(b) {
@@ -233,7 +307,7 @@ pub(super) fn read_vcpu_at(vmf: &File, dir: &Path, vcpu: u32) -> Result<VcpuStat
     );
     let thread = read_parsed(
         dirf,
-        rel_name(&mut nb, vcpu, THREAD_PID_FILE),
+        name_in(&mut nb, base, vcpu, THREAD_PID_FILE),
         &p_pid,
         "a thread id (unsigned decimal)",
         |b| parse_u64_contents(b).and_then(|p| u32::try_from(p).ok()),
@@ -241,12 +315,11 @@ pub(super) fn read_vcpu_at(vmf: &File, dir: &Path, vcpu: u32) -> Result<VcpuStat
     let after = read_host_tsc();
 
     // Any absent file may mean the VM exited mid-read: check before believing "absent".
-    let gone = || !dir.exists();
-    let offset = settle_teardown(offset, &gone, &exited);
-    let ratio = settle_teardown(ratio, &gone, &exited);
-    let frac = settle_teardown(frac, &gone, &exited);
-    let guest_mode = settle_teardown(guest_mode, &gone, &exited);
-    let thread = settle_teardown(thread, &gone, &exited);
+    let offset = settle_teardown(offset, gone, &exited);
+    let ratio = settle_teardown(ratio, gone, &exited);
+    let frac = settle_teardown(frac, gone, &exited);
+    let guest_mode = settle_teardown(guest_mode, gone, &exited);
+    let thread = settle_teardown(thread, gone, &exited);
     let tsc_offset = match offset? {
         Some(o) => o,
         None if gone() => return Err(exited()),

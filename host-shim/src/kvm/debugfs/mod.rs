@@ -28,7 +28,8 @@ mod tree;
 pub use entries::{DEBUGFS_MOUNTPOINT, Scaling, VcpuState, VmDir, VmId};
 pub use error::DebugfsError;
 pub use files::{
-    GUEST_MODE_FILE, THREAD_PID_FILE, TSC_FRAC_FILE, TSC_OFFSET_FILE, TSC_RATIO_FILE, read_vcpu,
+    GUEST_MODE_FILE, THREAD_PID_FILE, TSC_FRAC_FILE, TSC_OFFSET_FILE, TSC_RATIO_FILE, VcpuDir,
+    read_vcpu,
 };
 pub use parse::{parse_i64_contents, parse_u64_contents, parse_vcpu_dir_name, parse_vm_dir_name};
 pub use tree::{DEFAULT_KVM_DEBUGFS, KvmDebugfs, TEARDOWN_RECHECK, TEARDOWN_RECHECKS};

@@ -234,6 +234,37 @@ mod tests {
         ));
     }
 
+    /// A vCPU directory held open reads what the path reads, sees each new value, and once
+    /// its VM's tree is removed says the VM exited, also when a new VM's tree takes the same
+    /// path (it never reads the other VM's files).
+    #[test]
+    fn a_held_vcpu_directory_reads_anew_and_sees_its_vm_exit() {
+        let tmp = crate::testutil::temp_dir("vmtsync-held-");
+        let root = tmp.path();
+        crate::testutil::write_fixture(root, "kvm/77-5/vcpu0/tsc-offset", "-3\n");
+        crate::testutil::write_fixture(root, "kvm/77-5/vcpu0/guest_mode", "0\n");
+        let vcpu0 = root.join("kvm/77-5/vcpu0");
+        let held = super::super::VcpuDir::open(&vcpu0, 0).unwrap();
+        let a = held.read().unwrap();
+        let b = super::super::read_vcpu(&vcpu0, 0).unwrap();
+        assert_eq!(
+            (a.vcpu, a.tsc_offset, a.scaling, a.guest_mode),
+            (b.vcpu, b.tsc_offset, b.scaling, b.guest_mode)
+        );
+        assert_eq!((a.tsc_offset, a.guest_mode), (-3, Some(false)));
+        crate::testutil::write_fixture(root, "kvm/77-5/vcpu0/tsc-offset", "12\n");
+        assert_eq!(held.read().unwrap().tsc_offset, 12);
+        fs::remove_dir_all(root.join("kvm/77-5")).unwrap();
+        assert!(matches!(held.read(), Err(DebugfsError::VmExited { .. })));
+        crate::testutil::write_fixture(root, "kvm/77-5/vcpu0/tsc-offset", "99\n");
+        assert!(matches!(held.read(), Err(DebugfsError::VmExited { .. })));
+        assert_eq!(super::super::read_vcpu(&vcpu0, 0).unwrap().tsc_offset, 99);
+        assert!(matches!(
+            super::super::VcpuDir::open(&root.join("kvm/77-5/vcpu1"), 1),
+            Err(DebugfsError::VmExited { .. })
+        ));
+    }
+
     fn eio(path: &str, errno: i32) -> DebugfsError {
         DebugfsError::Io {
             path: PathBuf::from(path),

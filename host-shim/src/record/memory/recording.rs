@@ -5,7 +5,7 @@
 use std::time::{Duration, Instant};
 
 use super::hold::Hold;
-use super::mapping::{Reading, Side, across_change, exact_at, exact_segment, read_mappings};
+use super::mapping::{Mappings, Reading, Side, across_change, exact_at, exact_segment};
 use super::mode::{
     Mode, exact_list, mode_for, start_beacons, start_trace, use_samples, write_sync_out,
 };
@@ -171,8 +171,9 @@ pub(super) struct Recording<'a> {
     port: u16,
     /// The first boot's rings (vCPUs).
     vcpus: Vec<u32>,
-    /// KVM's mapping is read (records that hold the raw TSC, and a mapping that can be read).
-    use_mapping: bool,
+    /// KVM's mapping of the current boot's vCPUs, when it is read (records that hold the raw
+    /// TSC, and a mapping that can be read).
+    mappings: Option<Mappings>,
     /// The boot drained now, its rings, and where its rings' vCPUs start in the state.
     boot: u32,
     rings: u32,
@@ -219,21 +220,22 @@ impl<'a> Recording<'a> {
         // The mapping is read only for records that hold the raw TSC. In beacon mode a
         // mapping exact mode refuses (a scaled TSC, a nested guest) only loses the exact
         // points.
-        let mut use_mapping = raw;
-        if raw
-            && mode == Mode::Beacons
-            && let Err(e) = read_mappings(&opts.vm, rings)
-        {
-            eprintln!(
-                "vmtsync: note: no exact points from KVM's mapping ({e}); the beacons place every event"
-            );
-            use_mapping = false;
-        }
-        let last = if use_mapping {
-            read_mappings(&opts.vm, rings)?
-        } else {
-            Vec::new()
+        let opened = raw.then(|| {
+            let m = Mappings::open(&opts.vm, rings)?;
+            m.read().map(|last| (m, last))
+        });
+        let (mappings, last) = match opened {
+            None => (None, Vec::new()),
+            Some(Ok((m, last))) => (Some(m), last),
+            Some(Err(e)) if mode == Mode::Beacons => {
+                eprintln!(
+                    "vmtsync: note: no exact points from KVM's mapping ({e}); the beacons place every event"
+                );
+                (None, Vec::new())
+            }
+            Some(Err(e)) => return Err(e.into()),
         };
+        let use_mapping = mappings.is_some();
         let mut checking = None;
         let beacons = match (armed.early, mode) {
             // Armed before the guest ran (a paused VMM): chains bracket from beacon 0.
@@ -303,7 +305,7 @@ impl<'a> Recording<'a> {
             raw,
             port,
             vcpus,
-            use_mapping,
+            mappings,
             boot: 0,
             rings,
             base: 0,
@@ -358,11 +360,10 @@ impl<'a> Recording<'a> {
     }
 
     /// KVM's mapping of the current boot's `n` vCPUs, or none when it is not used.
-    fn read_all(&self, n: u32) -> Result<Vec<Reading>, RecordError> {
-        if self.use_mapping {
-            Ok(read_mappings(&self.opts.vm, n)?)
-        } else {
-            Ok(Vec::new())
+    fn read_all(&self) -> Result<Vec<Reading>, RecordError> {
+        match &self.mappings {
+            Some(m) => Ok(m.read()?),
+            None => Ok(Vec::new()),
         }
     }
 
@@ -417,7 +418,7 @@ impl<'a> Recording<'a> {
             Err(e) => return Ok(Some(self.unless_gone(MemoryError::Drain(e).into()))),
         };
         // The mapping after the round: every record just read was written before it.
-        let now = match self.read_all(self.rings) {
+        let now = match self.read_all() {
             Ok(n) => n,
             Err(e) => return Ok(Some(self.unless_gone(e))),
         };
@@ -463,8 +464,15 @@ impl<'a> Recording<'a> {
         self.boot += 1;
         self.rings = f.header.vcpus;
         self.base = self.st.vcpus.len();
-        // KVM's mapping of the new boot, read anew: a reset may change a vCPU's offset.
-        self.last = match self.read_all(self.rings) {
+        // KVM's mapping of the new boot, read anew: a reset may change a vCPU's offset, and
+        // the new boot may have other rings.
+        if self.mappings.is_some() {
+            self.mappings = match Mappings::open(&self.opts.vm, self.rings) {
+                Ok(m) => Some(m),
+                Err(e) => return Some(self.unless_gone(e.into())),
+            };
+        }
+        self.last = match self.read_all() {
             Ok(n) => n,
             Err(e) => return Some(self.unless_gone(e)),
         };
@@ -502,7 +510,7 @@ impl<'a> Recording<'a> {
         let Writer::Held { out, hold } = &mut self.out else {
             return Ok(());
         };
-        if self.use_mapping
+        if self.mappings.is_some()
             && self.beacons.as_ref().is_some_and(|b| b.stats.disagree > 0)
             && self.st.vcpus.iter().any(|v| !v.exact.is_empty())
         {
@@ -661,7 +669,7 @@ impl<'a> Recording<'a> {
         let after = read_host_tsc().0;
         self.cur.beacons += self.ms.beacons - beacons_before;
         if polled.is_ok() {
-            let now = self.read_all(self.rings).unwrap_or_default();
+            let now = self.read_all().unwrap_or_default();
             self.beacon_rounds(before, after, &now)?;
         }
         Ok(())
@@ -704,7 +712,7 @@ impl<'a> Recording<'a> {
         self.sum_counts();
         // A raw-TSC guest whose beacons disagree with KVM's mapping does not record the raw
         // TSC: the mapping gives no point then, the beacons do (`release` dropped its points).
-        let exact_points = self.use_mapping && self.ms.beacon_stats.disagree == 0;
+        let exact_points = self.mappings.is_some() && self.ms.beacon_stats.disagree == 0;
         if self.mode == Mode::Beacons {
             if let Writer::Held { hold, .. } = &self.out {
                 self.ms.early_placed = hold.early;

@@ -300,10 +300,16 @@ fn trace_events_see_offset_writes_and_clean_up() {
     let mut vmm = IdleVmmChild::spawn(idle_vmm(), 1, &[0, 2]).expect("start idle-vmm");
     let pid = vmm.pid();
     scan_until_threads_known(pid, 2);
-    vmm.shutdown().unwrap();
     // Collect everything up to this VMM's vm_gone; the order of trace and poll events between
-    // them is not fixed.
+    // them is not fixed. The watch polls, so a VM that comes and goes between two of its scans
+    // is never listed (and never gone): the VMM ends only once the watch has listed it. (Ended
+    // at once, it sometimes lived less than a scan interval: no vm_added, no vm_gone.)
     let mut seen = Vec::new();
+    next_event(&rx, WATCH_WAIT_S, |v| {
+        seen.push(v.clone());
+        (v["event"] == "vm_added" || v["event"] == "vm_found") && v["pid"] == pid
+    });
+    vmm.shutdown().unwrap();
     let gone = next_event(&rx, WATCH_WAIT_S, |v| {
         seen.push(v.clone());
         v["event"] == "vm_gone" && v["pid"] == pid

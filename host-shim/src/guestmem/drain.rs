@@ -180,7 +180,8 @@ pub struct PollSummary {
     pub delivered: u64,
     /// Records lost this round (overwritten or corrupt).
     pub lost: u64,
-    /// Whether some ring had more than one round's worth: poll again without waiting.
+    /// Whether some ring had more than one round's worth when the round began, or holds half
+    /// a ring's worth unread after it: poll again without waiting.
     pub more: bool,
 }
 
@@ -585,10 +586,12 @@ impl Drainer {
                 .saturating_add(lapped)
                 .saturating_add(overwritten)
                 .saturating_add(corrupt);
-            // More than one round's worth waited when the round began. (Records the guest
-            // stores during the round are not "more": with a live guest the head always
-            // moves, and polling again at once for them spun a core at any rate.)
-            summary.more |= end < h1;
+            // More than one round's worth waited when the round began, or half the ring is
+            // unread after it (a ring smaller than a round's bound, filling fast, must not
+            // wait a poll interval). A few records the guest stored during the round are not
+            // "more": with a live guest the head always moves, and polling again at once for
+            // them spun a core at any rate.
+            summary.more |= end < h1 || h2 - end >= (cap / 2).max(1);
         }
         Ok(summary)
     }

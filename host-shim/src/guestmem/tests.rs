@@ -564,7 +564,7 @@ fn a_hostile_head_costs_one_bounded_round_and_an_exact_count() {
 /// Records the guest stores while a round reads wait for the next round, made after the
 /// poll interval: they are not "more" (a live guest's head always moves, and polling again
 /// at once for them kept a core busy at any rate). More than a round's bound waiting when a
-/// round begins is.
+/// round begins is, and so is half a ring unread after it.
 #[test]
 fn only_a_backlog_past_the_bound_is_more() {
     let (mut m, p) = recorded(&header(1, 1024, Mode::Overwrite), 10);
@@ -588,6 +588,19 @@ fn only_a_backlog_past_the_bound_is_more() {
     let rest = drain_all(&mut d, &mut m).expect("drains");
     assert_eq!(d.counts()[0].next, model.lock().unwrap().head);
     assert!(!rest.is_empty());
+    // A ring smaller than the bound that is half full again after a round: more (it must
+    // not wait a poll interval).
+    let (mut m, p) = recorded(&header(1, 8, Mode::Overwrite), 2);
+    let mut d = scan_drainer(&mut m, 300);
+    let model = Arc::new(Mutex::new(p));
+    step_between_reads(&mut m, &model, vec![40], Model::step);
+    let s = d.poll(&mut m, &mut |_| {}).expect("poll");
+    let unread = model.lock().unwrap().head - d.counts()[0].next;
+    assert!(
+        unread >= 4,
+        "the guest stored half a ring during the round: {unread}"
+    );
+    assert!(s.more, "half a ring unread after the round is more");
 }
 
 #[test]

@@ -359,7 +359,7 @@ impl<'a> Recording<'a> {
         }
     }
 
-    /// KVM's mapping of the current boot's `n` vCPUs, or none when it is not used.
+    /// KVM's mapping of the current boot's vCPUs now, or none when it is not used.
     fn read_all(&self) -> Result<Vec<Reading>, RecordError> {
         match &self.mappings {
             Some(m) => Ok(m.read()?),

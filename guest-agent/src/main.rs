@@ -324,8 +324,9 @@ pub extern "C" fn kmain(start_info_phys: u64) -> ! {
 
     let cpuid = NativeCpuid;
     // Never RDTSCP here: it kills the VM on the project's nested KVM (see docs/host-quirks.md).
-    // The vCPU is the initial APIC id (CPUID.1:EBX[31:24]), the id KVM names `vcpuN` after.
-    let mut clock = NativeClock::from_cpuid(NativeTsc::lfence_rdtsc(), &cpuid);
+    // The vCPU is the local APIC's id (`smp::apic_id`), the id KVM names `vcpuN` after.
+    let mut clock =
+        NativeClock::from_cpuid(NativeTsc::lfence_rdtsc(), &cpuid).with_vcpu(smp::apic_id());
     log!(
         "cpu: invariant tsc {}, tsc_khz {}, tsc at ready {}",
         clock.invariant_tsc(),

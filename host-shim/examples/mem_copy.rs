@@ -37,6 +37,11 @@
 //! `mem_copy --evict MIB` only writes MIB MiB (a fresh buffer) and exits: what `cargo xtask
 //! bench` runs before each timed drain, so the drains start like the copies from memory.
 //!
+//! Then **KVM's mapping of a vCPU**, which `vmtsync record --from-memory` reads for every vCPU
+//! after every round (`vmtsync::kvm::debugfs::VcpuDir::read_mapping`, the directory held open,
+//! its files opened by name): vCPU 0's read ROUNDS times per pass, PASSES passes. One line,
+//! `mem-kvm: reads=ROUNDS read_ns=R` (the median pass's time per read).
+//!
 //! The first line, `mem-open: method=M`, names the method `ProcMemory::open` chose (what
 //! `vmtsync record --from-memory` reads with). Needs ptrace rights over the process (root).
 
@@ -47,6 +52,7 @@ use vmtsync::guestmem::layout::{RECORD_SIZE as RECORD_BYTES, RING_PREFIX};
 use vmtsync::guestmem::{
     self, DEFAULT_MAX_PER_ROUND, Drainer, Found, GuestMemory, Location, ProcMemory, ReadMethod,
 };
+use vmtsync::kvm::debugfs::{DEFAULT_KVM_DEBUGFS, KvmDebugfs, VcpuDir};
 use vmtsync::kvm::procinfo::ProcFs;
 
 /// Rounds timed for the fixed costs.
@@ -264,7 +270,32 @@ fn run(
             median(&batched) * 1e9,
         ));
     }
+    let mut kvm = Vec::new();
+    for _ in 0..passes {
+        kvm.push(kvm_reads(pid)?);
+    }
+    lines.push(format!(
+        "mem-kvm: reads={ROUNDS} read_ns={:.0}",
+        median(&kvm) * 1e9
+    ));
     Ok(lines)
+}
+
+/// Seconds per read of KVM's mapping of the VMM's vCPU 0 from its debugfs directory, held
+/// open as a memory recording holds it.
+fn kvm_reads(pid: u32) -> Result<f64, Error> {
+    let tree = KvmDebugfs::open(DEFAULT_KVM_DEBUGFS)?;
+    let vm = tree
+        .vms()?
+        .into_iter()
+        .find(|v| v.id.pid == pid)
+        .ok_or_else(|| format!("no KVM debugfs directory of process {pid}"))?;
+    let dir = VcpuDir::open(&vm.path.join("vcpu0"), 0)?;
+    let t = Instant::now();
+    for _ in 0..ROUNDS {
+        std::hint::black_box(dir.read_mapping()?);
+    }
+    Ok(t.elapsed().as_secs_f64() / f64::from(ROUNDS))
 }
 
 /// Drains every ring from record 0 until no ring has more: (seconds, records, the drainer).

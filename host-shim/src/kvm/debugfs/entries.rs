@@ -84,7 +84,8 @@ pub struct VcpuState {
     /// `guest_mode`: `Some(true)` while the vCPU runs a nested guest, in which case offset and
     /// ratio are the combined L0→L2 values, not L1's. `None` if the file is absent.
     pub guest_mode: Option<bool>,
-    /// `pid`: TID of the host thread running the vCPU; `None` if absent or not yet run.
+    /// `pid`: TID of the host thread running the vCPU; `None` if absent, not yet run, or not
+    /// read ([`super::VcpuDir::read_mapping`]).
     pub thread_pid: Option<u32>,
     /// Host TSC read before the first and after the last file of this vCPU.
     #[serde(flatten)]

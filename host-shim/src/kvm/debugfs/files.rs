@@ -196,7 +196,7 @@ fn name_in<'a>(buf: &'a mut [u8; 64], base: Base<'_>, vcpu: u32, name: &CStr) ->
 /// Reads vCPU `vcpu` of the VM whose directory is open as `vmf`; `dir` is the vCPU
 /// directory's path, used in messages and to tell "absent" from "VM exited".
 pub(super) fn read_vcpu_at(vmf: &File, dir: &Path, vcpu: u32) -> Result<VcpuState, DebugfsError> {
-    read_vcpu_in(Base::Vm(vmf), dir, vcpu, &|| !dir.exists())
+    read_vcpu_in(Base::Vm(vmf), dir, vcpu, Reads::All, &|| !dir.exists())
 }
 
 /// A vCPU directory held open, for a reader that follows a vCPU's mapping round after round:
@@ -210,6 +210,10 @@ pub struct VcpuDir {
     path: PathBuf,
     fd: File,
     vcpu: u32,
+    /// The TSC scaling's fraction bits when KVM scales this host's TSCs, read once at open
+    /// (the host's constant); `None` when the scaling files are absent (see
+    /// [`VcpuDir::read_mapping`]).
+    frac_bits: Option<u32>,
 }
 
 impl VcpuDir {
@@ -224,11 +228,15 @@ impl VcpuDir {
             },
             e => e,
         })?;
-        Ok(Self {
+        let mut dir = Self {
             path: path.to_path_buf(),
             fd,
             vcpu,
-        })
+            frac_bits: None,
+        };
+        let scaling = dir.read()?.scaling;
+        dir.frac_bits = scaling.present.then_some(scaling.frac_bits);
+        Ok(dir)
     }
 
     /// Reads the vCPU's files, as [`read_vcpu`].
@@ -243,8 +251,48 @@ impl VcpuDir {
             rustix::fs::statat(&self.fd, TSC_OFFSET_FILE, rustix::fs::AtFlags::empty())
                 .is_err_and(|e| e == rustix::io::Errno::NOENT)
         };
-        read_vcpu_in(Base::Vcpu(&self.fd), &self.path, self.vcpu, &gone)
+        read_vcpu_in(
+            Base::Vcpu(&self.fd),
+            &self.path,
+            self.vcpu,
+            Reads::All,
+            &gone,
+        )
     }
+
+    /// Reads what the vCPU's mapping needs, for a reader that follows it round after round:
+    /// `tsc-offset`, `guest_mode`, and the scaling ratio when KVM scales this host's TSCs
+    /// (with the fraction bits read at open). The scaling files exist or not by the host
+    /// (KVM creates them with the vCPU's directory when the CPU can scale), and the fraction
+    /// bits are the host's constant, so neither is looked for again; the thread is not read
+    /// (`thread_pid` is `None`). Two or three files instead of five, and no check for absent
+    /// files: `cargo xtask bench` times it per vCPU, as every memory-recording round pays it.
+    ///
+    /// # Errors
+    /// As [`VcpuDir::read`].
+    pub fn read_mapping(&self) -> Result<VcpuState, DebugfsError> {
+        let gone = || {
+            rustix::fs::statat(&self.fd, TSC_OFFSET_FILE, rustix::fs::AtFlags::empty())
+                .is_err_and(|e| e == rustix::io::Errno::NOENT)
+        };
+        read_vcpu_in(
+            Base::Vcpu(&self.fd),
+            &self.path,
+            self.vcpu,
+            Reads::Mapping(self.frac_bits),
+            &gone,
+        )
+    }
+}
+
+/// Which of a vCPU's files a read opens.
+#[derive(Clone, Copy, Debug)]
+enum Reads {
+    /// Every file.
+    All,
+    /// [`VcpuDir::read_mapping`]'s: `tsc-offset`, `guest_mode`, and with `Some(frac_bits)`
+    /// the scaling ratio.
+    Mapping(Option<u32>),
 }
 
 /// Reads vCPU `vcpu`'s files from `base`; `dir` is the vCPU directory's path (in messages),
@@ -253,6 +301,7 @@ fn read_vcpu_in(
     base: Base<'_>,
     dir: &Path,
     vcpu: u32,
+    reads: Reads,
     gone: &dyn Fn() -> bool,
 ) -> Result<VcpuState, DebugfsError> {
     let exited = || DebugfsError::VmExited {
@@ -276,24 +325,33 @@ fn read_vcpu_in(
         "a signed decimal integer",
         parse_i64_contents,
     );
-    let ratio = read_parsed(
-        dirf,
-        name_in(&mut nb, base, vcpu, TSC_RATIO_FILE),
-        &p_ratio,
-        "a non-zero unsigned decimal integer",
-        |b| parse_u64_contents(b).filter(|&r| r != 0),
-    );
-    let frac = read_parsed(
-        dirf,
-        name_in(&mut nb, base, vcpu, TSC_FRAC_FILE),
-        &p_frac,
-        "an integer from 0 to 63",
-        |b| {
-            parse_u64_contents(b)
-                .filter(|&f| f < 64)
-                .and_then(|f| u32::try_from(f).ok())
-        },
-    );
+    let ratio = |nb: &mut [u8; 64]| {
+        read_parsed(
+            dirf,
+            name_in(nb, base, vcpu, TSC_RATIO_FILE),
+            &p_ratio,
+            "a non-zero unsigned decimal integer",
+            |b| parse_u64_contents(b).filter(|&r| r != 0),
+        )
+    };
+    let (ratio, frac) = match reads {
+        Reads::All => (
+            ratio(&mut nb),
+            read_parsed(
+                dirf,
+                name_in(&mut nb, base, vcpu, TSC_FRAC_FILE),
+                &p_frac,
+                "an integer from 0 to 63",
+                |b| {
+                    parse_u64_contents(b)
+                        .filter(|&f| f < 64)
+                        .and_then(|f| u32::try_from(f).ok())
+                },
+            ),
+        ),
+        Reads::Mapping(Some(f)) => (ratio(&mut nb), Ok(Some(f))),
+        Reads::Mapping(None) => (Ok(None), Ok(None)),
+    };
     let guest_mode = read_parsed(
         dirf,
         name_in(&mut nb, base, vcpu, GUEST_MODE_FILE),
@@ -305,13 +363,16 @@ fn read_vcpu_in(
             _ => None,
         },
     );
-    let thread = read_parsed(
-        dirf,
-        name_in(&mut nb, base, vcpu, THREAD_PID_FILE),
-        &p_pid,
-        "a thread id (unsigned decimal)",
-        |b| parse_u64_contents(b).and_then(|p| u32::try_from(p).ok()),
-    );
+    let thread = match reads {
+        Reads::All => read_parsed(
+            dirf,
+            name_in(&mut nb, base, vcpu, THREAD_PID_FILE),
+            &p_pid,
+            "a thread id (unsigned decimal)",
+            |b| parse_u64_contents(b).and_then(|p| u32::try_from(p).ok()),
+        ),
+        Reads::Mapping(_) => Ok(None),
+    };
     let after = read_host_tsc();
 
     // Any absent file may mean the VM exited mid-read: check before believing "absent".
@@ -326,7 +387,15 @@ fn read_vcpu_in(
         None => return Err(DebugfsError::Missing { path: p_off() }),
     };
     let (ratio, frac, guest_mode, thread) = (ratio?, frac?, guest_mode?, thread?);
-    if (ratio.is_none() || frac.is_none() || guest_mode.is_none() || thread.is_none()) && gone() {
+    // Only the files this read looked for and did not find.
+    let (scaling_read, thread_read) = match reads {
+        Reads::All => (true, true),
+        Reads::Mapping(f) => (f.is_some(), false),
+    };
+    let absent = (scaling_read && (ratio.is_none() || frac.is_none()))
+        || guest_mode.is_none()
+        || (thread_read && thread.is_none());
+    if absent && gone() {
         return Err(exited());
     }
     let scaling = match (ratio, frac) {

@@ -265,6 +265,57 @@ mod tests {
         ));
     }
 
+    /// The mapping-only read gives what a full read gives of the mapping, with the scaling
+    /// files absent and present (a new ratio seen, the fraction bits kept from the open),
+    /// reads no thread, and sees the VM exit.
+    #[test]
+    fn a_mapping_read_reads_the_mapping_of_a_full_read() {
+        let tmp = crate::testutil::temp_dir("vmtsync-mapping-");
+        let root = tmp.path();
+        crate::testutil::write_fixture(root, "kvm/77-5/vcpu0/tsc-offset", "-3\n");
+        crate::testutil::write_fixture(root, "kvm/77-5/vcpu0/guest_mode", "0\n");
+        crate::testutil::write_fixture(root, "kvm/77-5/vcpu0/pid", "4242\n");
+        crate::testutil::write_fixture(root, "kvm/77-5/vcpu1/tsc-offset", "7\n");
+        crate::testutil::write_fixture(root, "kvm/77-5/vcpu1/guest_mode", "1\n");
+        crate::testutil::write_fixture(root, "kvm/77-5/vcpu1/tsc-scaling-ratio", "3\n");
+        crate::testutil::write_fixture(root, "kvm/77-5/vcpu1/tsc-scaling-ratio-frac-bits", "48\n");
+        for v in [0, 1] {
+            let path = root.join(format!("kvm/77-5/vcpu{v}"));
+            let held = super::super::VcpuDir::open(&path, v).unwrap();
+            let (full, light) = (held.read().unwrap(), held.read_mapping().unwrap());
+            assert_eq!(
+                (
+                    light.vcpu,
+                    light.tsc_offset,
+                    light.scaling,
+                    light.guest_mode
+                ),
+                (full.vcpu, full.tsc_offset, full.scaling, full.guest_mode),
+                "vCPU {v}"
+            );
+            assert_eq!(light.thread_pid, None);
+        }
+        assert_eq!(
+            super::super::read_vcpu(&root.join("kvm/77-5/vcpu0"), 0)
+                .unwrap()
+                .thread_pid,
+            Some(4242)
+        );
+        let scaled = super::super::VcpuDir::open(&root.join("kvm/77-5/vcpu1"), 1).unwrap();
+        crate::testutil::write_fixture(root, "kvm/77-5/vcpu1/tsc-scaling-ratio", "5\n");
+        crate::testutil::write_fixture(root, "kvm/77-5/vcpu1/tsc-offset", "-9\n");
+        let now = scaled.read_mapping().unwrap();
+        assert_eq!(
+            (now.tsc_offset, now.scaling.ratio, now.scaling.frac_bits),
+            (-9, 5, 48)
+        );
+        fs::remove_dir_all(root.join("kvm/77-5")).unwrap();
+        assert!(matches!(
+            scaled.read_mapping(),
+            Err(DebugfsError::VmExited { .. })
+        ));
+    }
+
     fn eio(path: &str, errno: i32) -> DebugfsError {
         DebugfsError::Io {
             path: PathBuf::from(path),

@@ -109,9 +109,9 @@ impl Mappings {
         Ok(Self(dirs))
     }
 
-    /// Each vCPU's mapping now.
+    /// Each vCPU's mapping now (`VcpuDir::read_mapping`: only its mapping's files).
     pub(super) fn read(&self) -> Result<Vec<Reading>, MemoryError> {
-        self.0.iter().map(|d| reading(&d.read()?)).collect()
+        self.0.iter().map(|d| reading(&d.read_mapping()?)).collect()
     }
 }
 

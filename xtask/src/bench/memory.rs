@@ -776,6 +776,9 @@ impl PollLine {
 struct CopyRun {
     copies: Vec<CopyLine>,
     polls: Vec<PollLine>,
+    /// Its `mem-kvm:` line: ns per read of KVM's mapping of one vCPU, as every round of a
+    /// memory recording reads it for each vCPU.
+    kvm_read_ns: f64,
     command: String,
 }
 
@@ -787,9 +790,14 @@ impl CopyRun {
             !copies.is_empty() && !polls.is_empty(),
             "mem_copy printed no copy or poll line: {stdout}"
         );
+        let kvm_read_ns = stdout
+            .lines()
+            .find_map(|l| word(l.strip_prefix("mem-kvm: ")?, "read_ns")?.parse().ok())
+            .with_context(|| format!("mem_copy printed no mem-kvm line: {stdout}"))?;
         Ok(Self {
             copies,
             polls,
+            kvm_read_ns,
             command,
         })
     }
@@ -1833,8 +1841,20 @@ fn memory_section(m: &Measured) -> Result<Section> {
         time_ns(poll.head_batched_ns),
         super::format::ratio(poll.head_bytewise_ns / poll.head_batched_ns),
     );
-    let round_s = poll.busy_round_ns * 1e-9;
-    let idle_s = poll.idle_poll_ns * 1e-9;
+    // Every round also reads KVM's mapping of each vCPU (after its reads).
+    let _ = writeln!(
+        body,
+        "\nAfter each round, the reader reads KVM's mapping of every vCPU from debugfs \
+         (`VcpuDir::read_mapping`: its `tsc-offset`, `guest_mode` and, where KVM scales TSCs, \
+         its scaling ratio, each file opened by name from the vCPU's directory held open): \
+         {} per vCPU (`mem-kvm`, median of {} passes of 2,000 reads of vCPU 0). It is part of \
+         every round's cost per ring below.",
+        time_ns(c.kvm_read_ns),
+        c.polls.first().map_or(0, |p| p.drain_seconds.len()),
+    );
+    let kvm_read_ns = c.kvm_read_ns;
+    let round_s = (poll.busy_round_ns + kvm_read_ns) * 1e-9;
+    let idle_s = (poll.idle_poll_ns + kvm_read_ns) * 1e-9;
     let v = MANY_VCPUS as f64;
     let idle_share = v * idle_s / (POLL_S + v * idle_s);
     let _ = write!(
@@ -1843,7 +1863,8 @@ fn memory_section(m: &Measured) -> Result<Section> {
          figures (`{}`). The reader polls every ring each round and waits {} ms \
          (`--poll-ms`'s default) after a round that found less than a round's bound, so a round \
          lasts T = ({} ms + V × r) / (1 − V × R × e) for V rings of R events/s each, r the \
-         round cost with news above and e the whole reader's CPU per event (the ceiling's \
+         round cost with news above plus KVM's mapping read ({} per ring) and e the whole \
+         reader's CPU per event (the ceiling's \
          medians: placement and writing included), and the reader works V × r / T + V × R × e \
          of a core. Idle ({MANY_VCPUS} rings with nothing new, polled every {} ms): {} of a \
          core.\n\n\
@@ -1851,6 +1872,7 @@ fn memory_section(m: &Measured) -> Result<Section> {
         m.reader_method,
         POLL_S * 1e3,
         POLL_S * 1e3,
+        time_ns(round_s * 1e9),
         POLL_S * 1e3,
         percent(idle_share),
     );
@@ -2082,12 +2104,14 @@ fn memory_section(m: &Measured) -> Result<Section> {
             ),
             "reported".into(),
             format!(
-                "{}; idle poll {} per ring",
+                "{}; idle round {} per ring (poll {} + KVM's mapping {})",
                 share_1m.flatten().map_or_else(
                     || "more than one core (falls behind)".to_owned(),
                     |v| format!("{} of a core", percent(v))
                 ),
-                time_ns(poll.idle_poll_ns)
+                time_ns(poll.idle_poll_ns + kvm_read_ns),
+                time_ns(poll.idle_poll_ns),
+                time_ns(kvm_read_ns)
             ),
             "—".into(),
         ],
@@ -2210,8 +2234,10 @@ mod tests {
             gbps=2.1 records_per_s=65000000\n\
             mem-poll: method=process_vm_readv rings=1 records=4194304 \
             drain_seconds=0.100000,0.110000 ns_per_record=25.03 busy_round_ns=9000 \
-            idle_poll_ns=1200 head_bytewise_ns=5000 head_batched_ns=700\n";
+            idle_poll_ns=1200 head_bytewise_ns=5000 head_batched_ns=700\n\
+            mem-kvm: reads=2000 read_ns=4400\n";
         let c = CopyRun::parse(out, "cmd".into()).expect("parses");
+        assert_eq!(c.kvm_read_ns, 4400.0);
         let p = c.copy("pread", 524_288, false).expect("pread line");
         assert_eq!(
             (p.bytes, p.seconds.as_slice()),
@@ -2311,7 +2337,7 @@ mod tests {
                 .collect::<String>()
             + "mem-poll: method=process_vm_readv rings=1 records=4194304 drain_seconds=0.1 \
                ns_per_record=25 busy_round_ns=9000 idle_poll_ns=1200 head_bytewise_ns=5000 \
-               head_batched_ns=700\n";
+               head_batched_ns=700\nmem-kvm: reads=2000 read_ns=4400\n";
         let report = Report {
             events: 5_000_000,
             first_seq: 0,

@@ -16,10 +16,15 @@ use super::consts::{
 };
 use super::format::{EVENT_DATA_ID, EVENT_DATA_SIZE, EVENT_ID, EVENT_SIZE, MAX_PAYLOAD};
 
-/// A page under construction. The buffer is reused page after page.
+/// A page under construction, in a store of one or more whole pages: the page at `at` is
+/// filled, and [`PageBuf::seal`] moves to the next one, back to the first after the last. A
+/// store of one page is reused page after page; a longer one collects the sealed pages so
+/// that they go out as they are ([`PageBuf::take_store`]), with no copy.
 #[derive(Debug)]
 pub(super) struct PageBuf {
-    buf: Box<[u8; PAGE_SIZE]>,
+    store: Vec<u8>,
+    /// The page being filled.
+    at: usize,
     /// Data bytes used after the page header (the future `commit`).
     used: usize,
     /// Timestamp of the last event on the page.
@@ -30,12 +35,40 @@ pub(super) struct PageBuf {
 
 impl PageBuf {
     pub(super) fn new() -> Self {
+        Self::with_pages(1)
+    }
+
+    /// A store of `pages` pages (at least one).
+    pub(super) fn with_pages(pages: usize) -> Self {
         Self {
-            buf: Box::new([0; PAGE_SIZE]),
+            store: vec![0; pages.max(1) * PAGE_SIZE],
+            at: 0,
             used: 0,
             last_ts: 0,
             events: 0,
         }
+    }
+
+    /// The pages sealed since the store began: all of them right after the last one was
+    /// sealed (then `at` is back at the first).
+    pub(super) fn sealed(&self) -> usize {
+        self.at
+    }
+
+    /// The store's pages.
+    pub(super) fn pages(&self) -> usize {
+        self.store.len() / PAGE_SIZE
+    }
+
+    /// Hands the store out (its sealed pages: [`Self::sealed`], or all of them) and fills
+    /// `fresh` from its first page on (as many whole pages as it holds, at least one).
+    pub(super) fn take_store(&mut self, mut fresh: Vec<u8>) -> Vec<u8> {
+        if fresh.len() < PAGE_SIZE {
+            fresh.resize(PAGE_SIZE, 0);
+        }
+        fresh.truncate(fresh.len() / PAGE_SIZE * PAGE_SIZE);
+        self.at = 0;
+        std::mem::replace(&mut self.store, fresh)
     }
 
     pub(super) fn is_empty(&self) -> bool {
@@ -90,11 +123,12 @@ impl PageBuf {
         let w0 = u64::from(type_len | (event_delta << 5)) | (u64::from(event) << 32);
         let w1 = u64::from(id) << 32;
         let head = (u128::from(w1) << 64) | u128::from(w0);
-        self.buf[at..at + 16].copy_from_slice(&head.to_le_bytes());
+        let page = page_at(&mut self.store, self.at);
+        page[at..at + 16].copy_from_slice(&head.to_le_bytes());
         if len > 0 {
             let n = u32::try_from(len).unwrap_or(0);
-            self.buf[at + 16..at + 20].copy_from_slice(&n.to_le_bytes());
-            self.buf[at + 20..at + 20 + MAX_PAYLOAD].copy_from_slice(padded);
+            page[at + 16..at + 20].copy_from_slice(&n.to_le_bytes());
+            page[at + 20..at + 20 + MAX_PAYLOAD].copy_from_slice(padded);
         }
         true
     }
@@ -114,6 +148,7 @@ impl PageBuf {
         // The page's counters in locals (stored back once): the stores into the page could
         // otherwise alias them, and each would be stored again per event.
         let (mut used, mut last_ts, mut events) = (self.used, self.last_ts, self.events);
+        let page = page_at(&mut self.store, self.at);
         let mut stop = Stop::End;
         let mut k = 0;
         for r in recs {
@@ -142,11 +177,11 @@ impl PageBuf {
             let w0 = u64::from(type_len | (delta << 5)) | (u64::from(id) << 32);
             let w1 = u64::from(e.id) << 32;
             let head = (u128::from(w1) << 64) | u128::from(w0);
-            self.buf[at..at + 16].copy_from_slice(&head.to_le_bytes());
+            page[at..at + 16].copy_from_slice(&head.to_le_bytes());
             if e.len > 0 {
                 let n = u32::try_from(e.len).unwrap_or(0);
-                self.buf[at + 16..at + 20].copy_from_slice(&n.to_le_bytes());
-                self.buf[at + 20..at + 20 + MAX_PAYLOAD].copy_from_slice(&e.payload);
+                page[at + 16..at + 20].copy_from_slice(&n.to_le_bytes());
+                page[at + 20..at + 20 + MAX_PAYLOAD].copy_from_slice(&e.payload);
             }
             used += 4 + size;
             last_ts = e.ts;
@@ -168,8 +203,9 @@ impl PageBuf {
             return false;
         };
         let type_len = u32::try_from(data.len() / 4).unwrap_or(0);
-        self.buf[at..at + 4].copy_from_slice(&(type_len | (event_delta << 5)).to_le_bytes());
-        self.buf[at + 4..at + 4 + data.len()].copy_from_slice(data);
+        let page = page_at(&mut self.store, self.at);
+        page[at..at + 4].copy_from_slice(&(type_len | (event_delta << 5)).to_le_bytes());
+        page[at + 4..at + 4 + data.len()].copy_from_slice(data);
         true
     }
 
@@ -178,8 +214,9 @@ impl PageBuf {
     /// carries, or `None` when the page cannot take it.
     #[inline]
     fn reserve(&mut self, ts: u64, size: usize) -> Option<(usize, u32)> {
+        let page = page_at(&mut self.store, self.at);
         let delta = if self.events == 0 {
-            self.buf[..8].copy_from_slice(&ts.to_le_bytes());
+            page[..8].copy_from_slice(&ts.to_le_bytes());
             0
         } else {
             let delta = ts - self.last_ts;
@@ -199,7 +236,7 @@ impl PageBuf {
             let low = u32::try_from(delta & MAX_DELTA).unwrap_or(0);
             let high = u32::try_from(delta >> TS_SHIFT).unwrap_or(u32::MAX);
             let ext = u64::from(TYPE_TIME_EXTEND | (low << 5)) | (u64::from(high) << 32);
-            self.buf[at..at + 8].copy_from_slice(&ext.to_le_bytes());
+            page[at..at + 8].copy_from_slice(&ext.to_le_bytes());
             at += 8;
             0
         } else {
@@ -211,16 +248,25 @@ impl PageBuf {
         Some((at, event_delta))
     }
 
-    /// Seals the page (writes `commit`, zeroes the unused tail) and returns it; the buffer is
-    /// empty again afterwards.
+    /// Seals the page (writes `commit`, zeroes the unused tail) and returns it; the next page
+    /// of the store (the first after the last) is filled next, empty.
     pub(super) fn seal(&mut self) -> &[u8; PAGE_SIZE] {
         let commit = self.used as u64;
-        self.buf[8..16].copy_from_slice(&commit.to_le_bytes());
-        self.buf[PAGE_HEADER_SIZE + self.used..].fill(0);
+        let sealed = self.at;
+        let page = page_at(&mut self.store, sealed);
+        page[8..16].copy_from_slice(&commit.to_le_bytes());
+        page[PAGE_HEADER_SIZE + self.used..].fill(0);
         self.used = 0;
         self.events = 0;
-        &self.buf
+        self.at = (sealed + 1) % self.pages();
+        page_at(&mut self.store, sealed)
     }
+}
+
+/// Page `at` of a store of whole pages.
+#[inline(always)]
+fn page_at(store: &mut [u8], at: usize) -> &mut [u8; PAGE_SIZE] {
+    &mut store.as_chunks_mut::<PAGE_SIZE>().0[at]
 }
 
 /// An event the way [`PageBuf::fill_padded`] takes it: at `ts`, event `id`, its payload

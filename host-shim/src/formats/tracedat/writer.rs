@@ -160,19 +160,20 @@ pub struct TraceDatWriter {
     main: MainPages,
 }
 
-/// Pages of v7's first CPU, which go straight into the output, a [`MAIN_BUF`] at a time
-/// through a [`BackgroundFile`]: by default written by a second thread, so the kernel's copy
-/// into the page cache runs beside the encoding of the next pages; with
-/// [`WriterOptions::write_here`], on the caller's thread ([`BackgroundFile::on_this_thread`]).
-/// Started at the first page, once the header before it is flushed; both write through one
-/// open file, so they share its position.
+/// Pages of v7's first CPU, which go straight into the output a [`MAIN_BUF`] at a time
+/// through a [`BackgroundFile`]: that CPU's [`PageBuf`] fills them in a store of that size,
+/// handed over whole (no copy) once every page of it is sealed; by default a second thread
+/// writes it, so the kernel's copy into the page cache runs beside the encoding of the next
+/// pages; with [`WriterOptions::write_here`], the caller's thread
+/// ([`BackgroundFile::on_this_thread`]). Started at the first store, once the header before it
+/// is flushed; both write through one open file, so they share its position.
 #[derive(Debug, Default)]
 struct MainPages {
-    bg: Option<(BackgroundFile<File>, Vec<u8>, usize)>,
+    bg: Option<BackgroundFile<File>>,
     write_here: bool,
 }
 
-/// Bytes of [`MainPages`]' buffers (two exist).
+/// Bytes of [`MainPages`]' stores (two exist).
 const MAIN_BUF: usize = 1 << 20;
 
 impl MainPages {
@@ -183,36 +184,43 @@ impl MainPages {
         }
     }
 
-    fn write(&mut self, out: &mut BufWriter<File>, page: &[u8; PAGE_SIZE]) -> std::io::Result<()> {
-        if self.bg.is_none() {
-            out.flush()?;
-            let file = out.get_ref().try_clone()?;
-            let (bg, buf) = if self.write_here {
-                BackgroundFile::on_this_thread(file, MAIN_BUF)?
-            } else {
-                BackgroundFile::new(file, MAIN_BUF)?
-            };
-            self.bg = Some((bg, buf, 0));
-        }
-        let Some((bg, buf, used)) = &mut self.bg else {
-            return Ok(());
+    /// Writes the sealed pages of `page`'s store and gives it a free one.
+    fn submit(&mut self, out: &mut BufWriter<File>, page: &mut PageBuf) -> std::io::Result<()> {
+        let sealed = match page.sealed() {
+            0 => page.pages(),
+            n => n,
         };
-        buf[*used..*used + PAGE_SIZE].copy_from_slice(page);
-        *used += PAGE_SIZE;
-        if *used + PAGE_SIZE > buf.len() {
-            let full = std::mem::take(buf);
-            *buf = bg.submit(full, *used)?;
-            *used = 0;
-        }
+        let bg = match &mut self.bg {
+            Some(bg) => bg,
+            None => {
+                out.flush()?;
+                let file = out.get_ref().try_clone()?;
+                // The buffer it makes first is not needed: the page's store is the first.
+                let (bg, _) = if self.write_here {
+                    BackgroundFile::on_this_thread(file, 0)?
+                } else {
+                    BackgroundFile::new(file, MAIN_BUF)?
+                };
+                self.bg.insert(bg)
+            }
+        };
+        let full = page.take_store(Vec::new());
+        let free = bg.submit(full, sealed * PAGE_SIZE)?;
+        page.take_store(free);
         Ok(())
     }
 
-    /// Writes what is buffered and waits until every page is in the file.
-    fn finish(&mut self) -> std::io::Result<()> {
-        if let Some((mut bg, buf, used)) = self.bg.take() {
-            if used > 0 {
-                bg.submit(buf, used)?;
-            }
+    /// Writes the sealed pages of `page` (the first CPU's, after its last page was sealed)
+    /// and waits until every page is in the file.
+    fn finish(
+        &mut self,
+        out: &mut BufWriter<File>,
+        page: Option<&mut PageBuf>,
+    ) -> std::io::Result<()> {
+        if let Some(p) = page.filter(|p| p.sealed() > 0) {
+            self.submit(out, p)?;
+        }
+        if let Some(bg) = self.bg.take() {
             bg.finish()?;
         }
         Ok(())
@@ -242,15 +250,18 @@ impl TraceDatWriter {
             .map_err(TraceDatError::io("open", tmp.path()))?;
         let mut cpus = Vec::with_capacity(opts.cpus as usize);
         for i in 0..opts.cpus {
-            let sink = if i == 0 && opts.version == FileVersion::V7 {
-                Sink::Main
+            let (sink, page) = if i == 0 && opts.version == FileVersion::V7 {
+                (Sink::Main, PageBuf::with_pages(MAIN_BUF / PAGE_SIZE))
             } else {
                 let f = tempfile::tempfile_in(&dir)
                     .map_err(TraceDatError::io("create a spill file in", &dir))?;
-                Sink::Spill(BufWriter::with_capacity(SPILL_BUF, f))
+                (
+                    Sink::Spill(BufWriter::with_capacity(SPILL_BUF, f)),
+                    PageBuf::new(),
+                )
             };
             cpus.push(Cpu {
-                page: PageBuf::new(),
+                page,
                 sink,
                 pages: 0,
                 events: 0,
@@ -529,7 +540,13 @@ impl TraceDatWriter {
                 flush_page(c, &mut self.out, &mut self.main, &mut self.pos).map_err(io("write"))?;
             }
         }
-        self.main.finish().map_err(io("write"))?;
+        let main_page = match self.cpus.first_mut() {
+            Some(c) if matches!(c.sink, Sink::Main) => Some(&mut c.page),
+            _ => None,
+        };
+        self.main
+            .finish(&mut self.out, main_page)
+            .map_err(io("write"))?;
         let table = match self.opts.version {
             FileVersion::V7 => self.finish_v7(shift_bytes.as_deref())?,
             FileVersion::V6 => self.finish_v6(shift_bytes.as_deref())?,
@@ -844,8 +861,11 @@ fn flush_page(
     let page = c.page.seal();
     match &mut c.sink {
         Sink::Main => {
-            main.write(out, page)?;
             *pos += PAGE_SIZE as u64;
+            // Back at the store's first page: every page of it is sealed.
+            if c.page.sealed() == 0 {
+                main.submit(out, &mut c.page)?;
+            }
         }
         Sink::Spill(w) => w.write_all(page)?,
     }

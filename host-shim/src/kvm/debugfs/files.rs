@@ -245,19 +245,7 @@ impl VcpuDir {
     /// As [`read_vcpu`]; a file missing from the directory once its VM exited:
     /// [`DebugfsError::VmExited`].
     pub fn read(&self) -> Result<VcpuState, DebugfsError> {
-        // A directory KVM removed keeps no names: its tsc-offset, there while it lives, is
-        // gone.
-        let gone = || {
-            rustix::fs::statat(&self.fd, TSC_OFFSET_FILE, rustix::fs::AtFlags::empty())
-                .is_err_and(|e| e == rustix::io::Errno::NOENT)
-        };
-        read_vcpu_in(
-            Base::Vcpu(&self.fd),
-            &self.path,
-            self.vcpu,
-            Reads::All,
-            &gone,
-        )
+        self.read_files(Reads::All)
     }
 
     /// Reads what the vCPU's mapping needs, for a reader that follows it round after round:
@@ -271,17 +259,17 @@ impl VcpuDir {
     /// # Errors
     /// As [`VcpuDir::read`].
     pub fn read_mapping(&self) -> Result<VcpuState, DebugfsError> {
+        self.read_files(Reads::Mapping(self.frac_bits))
+    }
+
+    fn read_files(&self, reads: Reads) -> Result<VcpuState, DebugfsError> {
+        // A directory KVM removed keeps no names: its tsc-offset, there while it lives, is
+        // gone.
         let gone = || {
             rustix::fs::statat(&self.fd, TSC_OFFSET_FILE, rustix::fs::AtFlags::empty())
                 .is_err_and(|e| e == rustix::io::Errno::NOENT)
         };
-        read_vcpu_in(
-            Base::Vcpu(&self.fd),
-            &self.path,
-            self.vcpu,
-            Reads::Mapping(self.frac_bits),
-            &gone,
-        )
+        read_vcpu_in(Base::Vcpu(&self.fd), &self.path, self.vcpu, reads, &gone)
     }
 }
 

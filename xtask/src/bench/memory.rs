@@ -866,9 +866,10 @@ struct FormatRuns {
     label: &'static str,
     runs: Vec<ReaderRun>,
     read_back: ReadBack,
-    /// As many bytes as the last run's output, written and synced alone
-    /// ([`WriteFloor::measure`] with `durable`): the least time a reader that syncs its output
-    /// before it exits, as `vmtsync record` does, can take for its whole run.
+    /// As many bytes as the last run's output, written and then synced alone
+    /// ([`WriteFloor::measure`] with `durable`): for scale beside the whole run, which syncs
+    /// its output before it exits (`vmtsync record` does), overlapping the syncs with its
+    /// writing.
     durable: WriteFloor,
 }
 
@@ -1676,7 +1677,7 @@ fn memory_section(m: &Measured) -> Result<Section> {
         ("its bytes written and synced alone (s)", &|f| {
             f.durable.show(sig3)
         }),
-        ("whole-run rate that allows (median)", &|f| {
+        ("a whole run that long (median)", &|f| {
             rate(n as f64 / f.durable.median)
         }),
         ("reader CPU per million events (s)", &|f| {
@@ -1713,10 +1714,12 @@ fn memory_section(m: &Measured) -> Result<Section> {
     let _ = writeln!(
         body,
         "\nThe reader syncs its output before it renames it into place and exits (with a \
-         thread that syncs as it writes, so the disk works while the drain runs). So no whole \
-         run can be shorter than the output's bytes written into a fresh file in its directory \
-         and synced (`fdatasync`), alone: the rows above (1 MiB writes of one buffer, medians \
-         of {} passes after one untimed pass), with the whole-run rate that floor allows.",
+         thread that syncs as it writes, so the disk works while the drain runs): a whole run \
+         includes the disk's writing of the output. For scale, the rows above: the output's \
+         bytes written into a fresh file in its directory and then synced (`fdatasync`), alone \
+         (1 MiB writes of one buffer, medians of {} passes after one untimed pass), and the \
+         whole-run rate a run that long would have. (Not a strict floor: the reader's syncs \
+         overlap its writing, which this one after the other does not.)",
         m.ceiling.first().map_or(0, |f| f.durable.seconds.len()),
     );
     let _ = write!(body, "\nGoals (medians):");
@@ -2068,7 +2071,8 @@ fn memory_section(m: &Measured) -> Result<Section> {
             ),
             format!("≥ {}", rate(whole_goal(f))),
             format!(
-                "{} whole run (median); drain {}; its output written and synced alone allows {}",
+                "{} whole run (median); drain {}; its output's bytes written and synced alone: \
+                 as long as a whole run at {}",
                 rate(f.whole.median),
                 rate(f.drain.median),
                 rate(n as f64 / f.durable.median)
@@ -2492,9 +2496,9 @@ mod tests {
         );
         // 4,190,112 events over the output's synced write alone, 0.31 s (median).
         assert!(
-            s.summary[0][2].ends_with("written and synced alone allows 13.5 M/s")
+            s.summary[0][2].ends_with("as long as a whole run at 13.5 M/s")
                 && s.body
-                    .contains("| whole-run rate that allows (median) | 13.5 M/s |"),
+                    .contains("| a whole run that long (median) | 13.5 M/s |"),
             "{:#?}",
             s.summary
         );

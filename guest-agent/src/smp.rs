@@ -183,7 +183,7 @@ impl Vcpus {
 /// KVM names `vcpuN` after. Not CPUID.1:EBX\[31:24\] (the "initial APIC id"): on one of this
 /// project's nested hosts that read 1 in about half the boots of a one-vCPU guest
 /// (docs/host-quirks.md).
-pub fn apic_id() -> u32 {
+fn apic_id() -> u32 {
     // SAFETY: as in `apic_write`; reading the ID register has no side effect.
     unsafe { core::ptr::read_volatile((APIC_BASE + APIC_ID) as *const u32) >> 24 }
 }

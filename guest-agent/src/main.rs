@@ -324,9 +324,7 @@ pub extern "C" fn kmain(start_info_phys: u64) -> ! {
 
     let cpuid = NativeCpuid;
     // Never RDTSCP here: it kills the VM on the project's nested KVM (see docs/host-quirks.md).
-    // The vCPU is the initial APIC id (CPUID.1:EBX[31:24]), the id KVM names `vcpuN` after,
-    // read here in ring 0 (from ring 3 it can be wrong: docs/host-quirks.md). Not the local
-    // APIC's ID register: the built-in VMM has no local APIC, and the read would never return.
+    // The vCPU is the initial APIC id (CPUID.1:EBX[31:24]), the id KVM names `vcpuN` after.
     let mut clock = NativeClock::from_cpuid(NativeTsc::lfence_rdtsc(), &cpuid);
     log!(
         "cpu: invariant tsc {}, tsc_khz {}, tsc at ready {}",

@@ -3,11 +3,10 @@
 //! How many vCPUs there are comes from QEMU's fw_cfg (`FW_CFG_NB_CPUS`, I/O ports 0x510/0x511,
 //! checked by its "QEMU" signature); without fw_cfg (the built-in VMM) the agent stays on one
 //! vCPU. The APs are started all at once with the "all excluding self" shorthand, so their APIC
-//! ids need no table: each AP takes the next [`Slot`] and writes its own id (its local APIC's
-//! ID register, [`apic_id`]) there. An AP comes up in real mode at [`TRAMPOLINE`], a page
-//! below 1 MiB the BSP copies the trampoline to and patches with its own GDTR and CR3; the
-//! trampoline goes straight to long mode on the BSP's GDT and page tables and each AP gets its
-//! own 4 KiB stack.
+//! ids need no table: each AP takes the next [`Slot`] and writes its own id (CPUID.1:EBX[31:24])
+//! there. An AP comes up in real mode at [`TRAMPOLINE`], a page below 1 MiB the BSP copies the
+//! trampoline to and patches with its own GDTR and CR3; the trampoline goes straight to long
+//! mode on the BSP's GDT and page tables and each AP gets its own 4 KiB stack.
 //!
 //! APs stay in ring 0 (they `hlt`, which ring 3 cannot) and never spin: ring-0 code is emulated
 //! on the project's nested KVM, and a spinning AP would burn a host core. An AP waits in
@@ -56,7 +55,6 @@ const AP_STACK: usize = 4096;
 
 /// The xAPIC's registers (the APIC base MSR's reset value; KVM and QEMU keep it).
 const APIC_BASE: usize = 0xfee0_0000;
-const APIC_ID: usize = 0x20;
 const APIC_EOI: usize = 0xb0;
 const APIC_SVR: usize = 0xf0;
 const APIC_ICR_LOW: usize = 0x300;
@@ -177,15 +175,6 @@ impl Vcpus {
         }
         Some(slot.tsc.load(Ordering::Relaxed))
     }
-}
-
-/// The running vCPU's APIC id, from its local APIC's ID register (xAPIC: bits 31:24), the id
-/// KVM names `vcpuN` after. Not CPUID.1:EBX\[31:24\] (the "initial APIC id"): on one of this
-/// project's nested hosts that read 1 in about half the boots of a one-vCPU guest
-/// (docs/host-quirks.md).
-fn apic_id() -> u32 {
-    // SAFETY: as in `apic_write`; reading the ID register has no side effect.
-    unsafe { core::ptr::read_volatile((APIC_BASE + APIC_ID) as *const u32) >> 24 }
 }
 
 /// Writes the xAPIC register at `off`.
@@ -315,7 +304,8 @@ extern "C" fn ap_main(index: u32) -> ! {
     // SAFETY: ring 0; `idtr` is a valid 10-byte pseudo-descriptor of IDT, which lives forever.
     unsafe { asm!("lidt [{}]", in(reg) idtr.as_ptr(), options(nostack, readonly)) };
     apic_write(APIC_SVR, 0x100 | SPURIOUS_VECTOR);
-    let id = apic_id();
+    let cpuid = vmtsync_core::arch::x86_64::NativeCpuid;
+    let id = vmtsync_core::arch::Cpuid::cpuid(&cpuid, 1, 0).ebx >> 24;
     // SAFETY: the BSP wrote OPTIONS before starting this AP and never writes it again.
     let opts = unsafe { &*OPTIONS.0.get() }.as_ref();
     let skew = opts.map_or(Skew::IDENTITY, |o| o.skew_of(id));

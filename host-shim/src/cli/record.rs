@@ -520,7 +520,7 @@ pub fn memory_text(s: &RecordSummary, m: &record::MemorySummary) -> String {
         "vmtsync: read the recorder at {:#x} ({} vCPU ring(s) of {} records): host time {}; {} \
          beacons ({} bracketed by kvm_pio exits, {} before the trace saw them whole, {} not \
          bracketed, {} disagree with KVM's mapping); {} overwritten, {} refused, {} corrupt, {} ambiguous across {} mapping \
-         changes, {} past --events; {} drain rounds in {:.3} s, {}",
+         changes, {} past --events; {} drain rounds in {:.3} s, {}{}",
         m.header_addr,
         s.vcpus.len(),
         m.capacity,
@@ -538,7 +538,19 @@ pub fn memory_text(s: &RecordSummary, m: &record::MemorySummary) -> String {
         m.past_limit,
         m.polls,
         m.elapsed.as_secs_f64(),
-        drain_text(m)
+        drain_text(m),
+        reread_text(m)
+    )
+}
+
+/// The longest wait between two reads of a ring, when there were two rounds.
+fn reread_text(m: &record::MemorySummary) -> String {
+    if m.longest_reread.is_zero() {
+        return String::new();
+    }
+    format!(
+        "; each ring read again within {:.1} ms at most",
+        m.longest_reread.as_secs_f64() * 1e3
     )
 }
 

@@ -201,6 +201,7 @@ fn flight_recorder_read_late_counts_every_overwritten_record_exactly() {
     let kvm = truth_mapping(pid, 0).expect("truth from debugfs");
     let out = dir.path().join("late.jsonl");
     // The guest is done: a few seconds read everything there is.
+    let spawned = Instant::now();
     let mut rec = spawn_record(pid, &out, &["--duration", "3"]);
     let mut pipe = rec.child().stderr.take().expect("stderr piped");
     let status = rec
@@ -211,6 +212,14 @@ fn flight_recorder_read_late_counts_every_overwritten_record_exactly() {
     std::io::Read::read_to_string(&mut pipe, &mut stderr).unwrap();
     assert!(status.success(), "{stderr}");
     println!("flight recorder read late: {}", stderr.trim());
+    // The first round read the whole ring; every round after it found nothing new and waited
+    // `--poll-ms` (2 ms) first. So no ring was read again sooner than 2 ms after the round
+    // before, and none later than the recording lasted.
+    let reread = reread_ms(&stderr);
+    assert!(
+        (2.0..=spawned.elapsed().as_secs_f64() * 1e3).contains(&reread),
+        "each ring read again within {reread} ms: {stderr}"
+    );
     let lines = read_jsonl(&out);
     let (delivered, overwritten) = check_delivered(&lines, &stderr, COUNT, &window, &kvm);
     // The layout's reading rule trusts record n only while head < n + CAPACITY: at head =
@@ -227,6 +236,18 @@ fn flight_recorder_read_late_counts_every_overwritten_record_exactly() {
         COUNT - CAPACITY + 1,
         "the oldest record the reading rule trusts comes first"
     );
+}
+
+/// The summary's longest wait between two reads of a ring, in ms.
+fn reread_ms(stderr: &str) -> f64 {
+    stderr
+        .split("each ring read again within ")
+        .nth(1)
+        .and_then(|r| r.split(" ms").next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| {
+            panic!("no \"each ring read again within X ms\" in the summary: {stderr}")
+        })
 }
 
 /// How long the slow host sleeps after a round that emptied the ring. Under nested KVM the

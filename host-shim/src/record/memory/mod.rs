@@ -96,6 +96,10 @@ pub struct MemorySummary {
     pub mapping_changes: u64,
     /// Drain rounds.
     pub polls: u64,
+    /// The longest time from the start of one drain round to the end of the next one's
+    /// reading (within one guest boot): no ring waited longer between two reads, so a flight
+    /// ring that holds this long at its rate lost nothing to the reader's pace.
+    pub longest_reread: Duration,
     /// Time from the start of the first round that delivered records to the end of the last
     /// one that did, its records written (the guest was producing in between; waiting for
     /// the header or for the end is not in it).

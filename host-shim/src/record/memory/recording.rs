@@ -199,6 +199,8 @@ pub(super) struct Recording<'a> {
     stop_heads: Option<Vec<u64>>,
     /// When the last TSC/BOOTTIME snapshot was taken.
     last_clock: Instant,
+    /// When the last drain round of this boot began (for [`MemorySummary::longest_reread`]).
+    last_round: Option<Instant>,
 }
 
 impl<'a> Recording<'a> {
@@ -330,6 +332,7 @@ impl<'a> Recording<'a> {
             active: None,
             stop_heads: None,
             last_clock: Instant::now(),
+            last_round: None,
         })
     }
 
@@ -403,6 +406,11 @@ impl<'a> Recording<'a> {
         let before = read_host_tsc().0;
         let polled = self.drainer.poll_round(&mut self.mem);
         let after = read_host_tsc().0;
+        // Every ring was read in the last round after it began, and again in this one
+        // before now.
+        if let Some(last) = self.last_round.replace(round_start) {
+            self.ms.longest_reread = self.ms.longest_reread.max(last.elapsed());
+        }
         self.ms.polls += 1;
         if now_end.is_some() && self.stop_heads.is_none() && polled.is_ok() {
             self.stop_heads = Some(self.drainer.counts().iter().map(|c| c.head).collect());
@@ -439,6 +447,8 @@ impl<'a> Recording<'a> {
     /// A guest restart: the old boot's counts kept, the new header waited for, and the new
     /// boot's rings, mappings and beacon chains set up. `Some`: the recording ends.
     fn restart(&mut self, e: &DrainError, progress: &mut Progress) -> Option<Ended> {
+        // The wait for the new header is no wait between two reads of one ring.
+        self.last_round = None;
         // No later round places the old boot's records: they are written now.
         if let Err(e) = self.release(true) {
             return Some(Err(e));

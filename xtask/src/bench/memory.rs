@@ -324,6 +324,9 @@ struct ReaderRun {
     overwritten: u64,
     refused: u64,
     corrupt: u64,
+    /// The longest wait between two reads of a ring, ms (the summary's "each ring read again
+    /// within X ms"; absent with a single round).
+    reread_ms: Option<f64>,
 }
 
 /// The number right before `word` in `text` (`…, 3 overwritten, …`).
@@ -363,6 +366,7 @@ impl ReaderRun {
             )?),
             refused: count(field(before(&stderr, " refused, "), "refused count")?),
             corrupt: count(field(before(&stderr, " corrupt, "), "corrupt count")?),
+            reread_ms: after(&stderr, "each ring read again within "),
             wall,
             cpu: usage.cpu,
             max_rss_kib: usage.max_rss_kib,
@@ -1451,10 +1455,13 @@ fn smp_text(m: &Measured, body: &mut String) -> Vec<[String; 4]> {
          busy-waits between events) and the reader. *In trace* is the vCPU's events trace-cmd \
          shows (trace CPU N is vCPU N), *recorded* the count the guest itself printed on COM1; \
          *lost* is recorded − in trace. The reader's own count of lost records (overwritten + \
-         refused + corrupt, its summary) is for all rings together.\n\n\
+         refused + corrupt, its summary) is for all rings together, and so is its longest wait \
+         between two reads of a ring (its summary's \"each ring read again within\"): a ring of \
+         {} records at {} holds {:.1} ms, so a longer wait loses records.\n\n\
          | vCPUs | vCPU | achieved | recorded (guest) | in trace | lost | reader: overwritten / \
-         refused / corrupt | reader CPU (s; per million events) |\n\
-         |---:|---:|---:|---:|---:|---:|---:|---:|\n",
+         refused / corrupt | reader CPU (s; per million events) | reader's longest wait \
+         between two reads (ms) |\n\
+         |---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
         thousands(m.rate_guest.events),
         rate(PRODUCED_RATE as f64),
         RATE_RING,
@@ -1463,6 +1470,9 @@ fn smp_text(m: &Measured, body: &mut String) -> Vec<[String; 4]> {
         m.tsc_khz,
         thousands(RATE_RING),
         std::thread::available_parallelism().map_or(0, std::num::NonZero::get),
+        thousands(RATE_RING),
+        rate(PRODUCED_RATE as f64),
+        RATE_RING as f64 / PRODUCED_RATE as f64 * 1e3,
     );
     let mut rows = Vec::new();
     for r in &m.smp {
@@ -1470,15 +1480,18 @@ fn smp_text(m: &Measured, body: &mut String) -> Vec<[String; 4]> {
         for (i, v) in per.iter().enumerate() {
             let reader = if i == 0 {
                 format!(
-                    "{} / {} / {} | {} s ({:.3} s per million)",
+                    "{} / {} / {} | {} s ({:.3} s per million) | {}",
                     r.run.overwritten,
                     r.run.refused,
                     r.run.corrupt,
                     sig3(r.run.cpu.as_secs_f64()),
-                    r.run.cpu_per_million()
+                    r.run.cpu_per_million(),
+                    r.run
+                        .reread_ms
+                        .map_or_else(|| "—".into(), |ms| format!("{ms:.1}")),
                 )
             } else {
-                " | ".into()
+                " |  | ".into()
             };
             let _ = writeln!(
                 body,
@@ -1504,7 +1517,7 @@ fn smp_text(m: &Measured, body: &mut String) -> Vec<[String; 4]> {
             "0 lost".into(),
             format!(
                 "{} achieved; {} lost ({} overwritten, {} refused, {} corrupt; guest {} refused); \
-                 reader CPU {} s",
+                 reader CPU {} s; longest wait between reads {} ms",
                 per.iter()
                     .map(|v| rate(v.achieved))
                     .collect::<Vec<_>>()
@@ -1515,6 +1528,9 @@ fn smp_text(m: &Measured, body: &mut String) -> Vec<[String; 4]> {
                 r.run.corrupt,
                 r.guest.refused,
                 sig3(r.run.cpu.as_secs_f64()),
+                r.run
+                    .reread_ms
+                    .map_or_else(|| "—".into(), |ms| format!("{ms:.1}")),
             ),
             verdict(r.clean(m.tsc_khz)),
         ]);
@@ -2350,6 +2366,7 @@ mod tests {
             overwritten: 0,
             refused: 0,
             corrupt: 0,
+            reread_ms: Some(3.0),
         }
     }
 

@@ -352,6 +352,12 @@ fn count(v: f64) -> u64 {
 }
 
 impl ReaderRun {
+    /// [`Self::reread_ms`] to a tenth of a ms, or a dash without it.
+    fn reread_text(&self) -> String {
+        self.reread_ms
+            .map_or_else(|| "—".into(), |ms| format!("{ms:.1}"))
+    }
+
     fn parse(wall: Duration, usage: Usage, stderr: String) -> Result<Self> {
         let field = |f: Option<f64>, what: &str| {
             f.with_context(|| format!("no {what} in the reader's summary: {stderr}"))
@@ -1486,9 +1492,7 @@ fn smp_text(m: &Measured, body: &mut String) -> Vec<[String; 4]> {
                     r.run.corrupt,
                     sig3(r.run.cpu.as_secs_f64()),
                     r.run.cpu_per_million(),
-                    r.run
-                        .reread_ms
-                        .map_or_else(|| "—".into(), |ms| format!("{ms:.1}")),
+                    r.run.reread_text(),
                 )
             } else {
                 " |  | ".into()
@@ -1528,9 +1532,7 @@ fn smp_text(m: &Measured, body: &mut String) -> Vec<[String; 4]> {
                 r.run.corrupt,
                 r.guest.refused,
                 sig3(r.run.cpu.as_secs_f64()),
-                r.run
-                    .reread_ms
-                    .map_or_else(|| "—".into(), |ms| format!("{ms:.1}")),
+                r.run.reread_text(),
             ),
             verdict(r.clean(m.tsc_khz)),
         ]);

@@ -91,7 +91,7 @@ pub struct ProbeArgs {
     /// Where each probe's host bracket comes from: kvm-pio takes it from the host kernel's
     /// kvm:kvm_pio stamps of the guest's own port exits, the UART's on a serial chardev
     /// (unix:PATH), the agent's sync port on other transports (needs root, tracefs and the
-    /// VM's vCPU threads in debugfs; fails with exit code 8 otherwise); auto does so when --vm
+    /// VM in KVM debugfs; fails with exit code 8 otherwise); auto does so when --vm
     /// names the VM and it can (saying why not on stderr); none stamps in this process
     /// (docs/anchor.md). The tightest bracket on every vCPU needs only --vm: the bundled
     /// agent's default boot has its sync port on at 0x2400 and its loop in ring 0.

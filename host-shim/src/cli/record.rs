@@ -315,6 +315,14 @@ pub(super) fn run_record_cmd(a: &RecordArgs) -> Result<(), CliError> {
     let mut progress = Progress::stderr_if_terminal(opts.probe.progress);
     let s = record::run_record(&opts, &mut progress)?;
     eprintln!("{}", summary_text(&s));
+    // Read again: KVM debugfs names a vCPU's thread only after its first run, which may have
+    // come after the read above (a VM started with the recording). A VM gone by now keeps it.
+    let host = host.map(|(input, output, vm)| {
+        let again =
+            a.vm.as_ref()
+                .and_then(|sel| super::source::single_vm(&a.source, sel).ok());
+        (input, output, again.unwrap_or(vm))
+    });
     host_copy(host, &s)
 }
 

@@ -7,34 +7,26 @@ use super::{AnchorStats, EVENT, MAX_EXITS, PioExit};
 use crate::ftrace::format::KvmPioLayout;
 use crate::ftrace::{Instance, RawPipes, TraceError, find_tracefs};
 
-/// Whose exits a [`PioTrace`] keeps.
+/// The threads of one process, whenever each was created: a thread id is checked in `/proc`
+/// once.
 #[derive(Debug)]
-enum Threads {
-    /// These threads (the kernel filter names them too).
-    Listed(Vec<u32>),
-    /// Every thread of one process, whenever it was created (checked in `/proc`, each
-    /// thread id once).
-    Of {
-        task_dir: std::path::PathBuf,
-        known: std::collections::HashMap<u32, bool>,
-    },
+struct Threads {
+    task_dir: std::path::PathBuf,
+    known: std::collections::HashMap<u32, bool>,
 }
 
 impl Threads {
     fn keeps(&mut self, tid: u32) -> bool {
-        match self {
-            Self::Listed(t) => t.contains(&tid),
-            Self::Of { task_dir, known } => {
-                // Bounded: a thread id is looked up once; the map is cleared if a host runs
-                // through many (foreign threads on the port are only filtered out).
-                if known.len() >= 1 << 16 {
-                    known.clear();
-                }
-                *known
-                    .entry(tid)
-                    .or_insert_with(|| task_dir.join(tid.to_string()).exists())
-            }
+        // Bounded: a thread id is looked up once; the map is cleared if a host runs through
+        // many (foreign threads on the port are only filtered out).
+        if self.known.len() >= 1 << 16 {
+            self.known.clear();
         }
+        let task_dir = &self.task_dir;
+        *self
+            .known
+            .entry(tid)
+            .or_insert_with(|| task_dir.join(tid.to_string()).exists())
     }
 }
 
@@ -53,45 +45,25 @@ pub struct PioTrace {
 
 impl PioTrace {
     /// Creates the instance (`vmtsync-anchor-<pid>`) under `tracefs` (or the standard mount
-    /// points), clock `x86-tsc`, `kvm_pio` filtered to `threads` and `ports`, and opens every
-    /// CPU's `trace_pipe_raw`.
+    /// points), clock `x86-tsc`, `kvm_pio` filtered to `ports`, opens every CPU's
+    /// `trace_pipe_raw`, and keeps the exits of every thread of process `pid` (its tasks under
+    /// `proc_root`), also of those it creates or first runs later: a VMM's vCPU thread may run
+    /// for the first time after the trace started.
     ///
     /// # Errors
     /// [`TraceError`]; [`TraceError::is_unavailable`] tells "not here" (no tracefs, no event,
     /// not root) from a fault. A clock that cannot be set to `x86-tsc` is refused: its
     /// stamps would not be host TSC readings.
-    pub fn start(
-        tracefs: Option<&Path>,
-        threads: &[u32],
-        ports: &[u16],
-    ) -> Result<Self, TraceError> {
-        Self::start_with(tracefs, Threads::Listed(threads.to_vec()), threads, ports)
-    }
-
-    /// [`PioTrace::start`] for every thread of process `pid` (its tasks under `proc_root`),
-    /// also those it creates later: the kernel filter names only the ports.
-    ///
-    /// # Errors
-    /// As [`PioTrace::start`].
     pub fn start_process(
         tracefs: Option<&Path>,
         proc_root: &Path,
         pid: u32,
         ports: &[u16],
     ) -> Result<Self, TraceError> {
-        let threads = Threads::Of {
+        let threads = Threads {
             task_dir: proc_root.join(pid.to_string()).join("task"),
             known: std::collections::HashMap::new(),
         };
-        Self::start_with(tracefs, threads, &[], ports)
-    }
-
-    fn start_with(
-        tracefs: Option<&Path>,
-        threads: Threads,
-        filter_threads: &[u32],
-        ports: &[u16],
-    ) -> Result<Self, TraceError> {
         let root = find_tracefs(tracefs, EVENT)?;
         let mut instance = Instance::create(&root, "anchor")?;
         if !instance.tsc_clock() {
@@ -110,7 +82,7 @@ impl PioTrace {
                 path: instance.path().join("events").join(EVENT).join("format"),
                 source,
             })?;
-        instance.set_filter(EVENT, &filter(filter_threads, ports))?;
+        instance.set_filter(EVENT, &filter(ports))?;
         instance.enable(EVENT)?;
         let pipes = RawPipes::open(&instance)?;
         Ok(Self {
@@ -139,8 +111,8 @@ impl PioTrace {
         let mut fresh = Vec::new();
         let (layout, threads) = (&self.layout, &mut self.threads);
         let st = self.pipes.drain(|_, ts, rec| {
-            // The kernel filter already selects; checking again keeps a wrong filter (or a
-            // kernel that ignored it) from matching another thread's bytes.
+            // The kernel filter names only the ports: another process's exits on them (another
+            // VM's UART) are dropped here.
             if let Some(pio) = layout.decode(rec)
                 && threads.keeps(pio.pid)
             {
@@ -192,20 +164,11 @@ fn insert_in_order(exits: &mut VecDeque<PioExit>, e: PioExit) {
     exits.insert(at, e);
 }
 
-/// The kernel filter: the ports, and the threads (an empty thread list filters by port only).
+/// The kernel filter: the ports (the threads are checked here, as each is seen).
 #[must_use]
-pub fn filter(threads: &[u32], ports: &[u16]) -> String {
-    let any = |terms: Vec<String>| format!("({})", terms.join(" || "));
-    let ports = any(ports.iter().map(|p| format!("port == {p:#x}")).collect());
-    if threads.is_empty() {
-        ports
-    } else {
-        let t = any(threads
-            .iter()
-            .map(|t| format!("common_pid == {t}"))
-            .collect());
-        format!("{ports} && {t}")
-    }
+pub fn filter(ports: &[u16]) -> String {
+    let ports: Vec<String> = ports.iter().map(|p| format!("port == {p:#x}")).collect();
+    format!("({})", ports.join(" || "))
 }
 
 #[cfg(test)]
@@ -235,11 +198,8 @@ mod tests {
     }
 
     #[test]
-    fn the_filter_names_ports_and_threads() {
-        assert_eq!(filter(&[], &[0x3f8]), "(port == 0x3f8)");
-        assert_eq!(
-            filter(&[12, 13], &[0x3f8, 0x510]),
-            "(port == 0x3f8 || port == 0x510) && (common_pid == 12 || common_pid == 13)"
-        );
+    fn the_filter_names_the_ports() {
+        assert_eq!(filter(&[0x3f8]), "(port == 0x3f8)");
+        assert_eq!(filter(&[0x3f8, 0x510]), "(port == 0x3f8 || port == 0x510)");
     }
 }

@@ -123,7 +123,7 @@ pub fn run_probe(opts: &ProbeOptions, out: &mut dyn Write) -> Result<ProbeSummar
             };
             let a = t.stats();
             Err(ProbeError::Anchor(format!(
-                "no probe's exits were found among the kvm_pio events of the VM's vCPU threads on {how} (dropped: {} without the request's reads, {} without the reply's writes, {} with the reply before the request, {} while kvm_pio events were lost or unread, {} without frames): is the agent in that VM (--vm)?",
+                "no probe's exits were found among the kvm_pio events of the VM's threads on {how} (dropped: {} without the request's reads, {} without the reply's writes, {} with the reply before the request, {} while kvm_pio events were lost or unread, {} without frames): is the agent in that VM (--vm)?",
                 a.no_request, a.no_reply, a.disordered, a.trace_lost, a.no_frames
             )))
         }

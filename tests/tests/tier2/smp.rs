@@ -29,6 +29,7 @@ crate::trials!(
     continuous_all_vcpus_writes_each_vcpus_segments_holding_its_truth;
     anchor_ready;
     exit_anchored_probes_of_every_vcpu_hold_their_truths,
+    an_anchored_probe_armed_before_any_vcpu_ran_matches_every_exchange,
     sync_port_brackets_come_from_each_vcpus_own_exits;
     qemu_ready;
     record_places_every_vcpus_events_with_its_own_sync,
@@ -320,6 +321,103 @@ fn exit_anchored_probes_of_every_vcpu_hold_their_truths() {
         check_all(truth, &all, &format!("anchored session {k}"));
     }
     wait_exit(&mut guard);
+}
+
+/// A probe armed while no vCPU of its VM has run yet (QEMU paused by `-S`: KVM debugfs names
+/// no vCPU thread) must still see every vCPU's exits once the guest runs. The probe once took
+/// the threads debugfs named when it armed: started with its VM, it could trace vCPUs 1-3
+/// without the boot vCPU that answers on COM1 (KVM names a vCPU's thread at its first run, in
+/// any order), and no exchange matched.
+fn an_anchored_probe_armed_before_any_vcpu_ran_matches_every_exchange() {
+    use vmtsync::record::launch::Vmm;
+    let test = "an_anchored_probe_armed_before_any_vcpu_ran_matches_every_exchange";
+    let _one_instance = vmtsync_tests::anchor_lock();
+    let tmp_dir = tempfile::Builder::new()
+        .prefix(&format!("vmtsync-{test}-"))
+        .tempdir()
+        .unwrap();
+    let dir = tmp_dir.path();
+    let skews = Skew::pick_per_vcpu(VCPUS);
+    let elf = agent_elf().expect("agent builds");
+    let sock = dir.join("com1.sock");
+    let options: Vec<String> = (0..VCPUS)
+        .zip(&skews)
+        .map(|(v, s)| s.agent_option_for(v))
+        .collect();
+    let append = format!("transport=uart exit=9 syncport=off {}", options.join(" "));
+    let cmd = qemu::command_com1_socket_smp(
+        qemu::Machine::Microvm,
+        &elf,
+        &append,
+        &dir.join("com2.log"),
+        &sock,
+        VCPUS,
+    );
+    let argv: Vec<String> = std::iter::once(cmd.get_program())
+        .chain(cmd.get_args())
+        .map(|a| a.to_string_lossy().into_owned())
+        .collect();
+    let vmm = Vmm::spawn_paused(&argv).expect("QEMU starts paused");
+    let pid = vmm.pid();
+    let mut opts =
+        ProbeOptions::new(ProbeAddr::parse(&format!("unix:{}", sock.display())).unwrap());
+    opts.progress = false;
+    opts.timeout = Duration::from_secs(20);
+    opts.connect_timeout = Duration::from_secs(20);
+    opts.json = true;
+    opts.vcpus = VcpuChoice::All;
+    opts.anchor = AnchorOptions {
+        mode: AnchorMode::KvmPio,
+        vm: Some(VmSelector::Pid(pid)),
+        ..AnchorOptions::default()
+    };
+    let before = uart_traces();
+    let probe = std::thread::spawn(move || {
+        let mut out = Vec::new();
+        run_probe(&opts, &mut out).map(|_| out)
+    });
+    // Armed: a new instance of this process traces kvm_pio on the UART's ports.
+    let end = Instant::now() + Duration::from_secs(20);
+    while uart_traces().difference(&before).next().is_none() {
+        assert!(
+            !probe.is_finished() && Instant::now() < end,
+            "the anchored probe did not start its trace while the VM had not run"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // From outside: no vCPU has run, so debugfs names none of their threads.
+    assert_eq!(vcpu_threads(pid), [], "QEMU -S ran a vCPU");
+    vmm.resume().cont().expect("QMP cont");
+    let out = probe
+        .join()
+        .expect("the probe thread")
+        .unwrap_or_else(|e| panic!("{}", log(dir, &e)));
+    let all = rows(&out);
+    assert_eq!(all.iter().map(|r| r.vcpu).collect::<Vec<_>>(), [0, 1, 2, 3]);
+    assert!(all.iter().all(|r| r.anchor == "kvm-pio-uart"), "{all:?}");
+    // The VM still runs (no shutdown was asked): its truth is there to read; then it is
+    // ended by its PID when `vmm` drops.
+    check_all(&truths(pid, &skews), &all, "armed before the VM ran");
+    drop(vmm);
+}
+
+/// This process's tracefs instances whose `kvm_pio` filter names the UART data port's range.
+fn uart_traces() -> std::collections::BTreeSet<std::path::PathBuf> {
+    let root = vmtsync::ftrace::find_tracefs(None, vmtsync::exits::EVENT).expect("tracefs");
+    let suffix = format!("-{}", std::process::id());
+    std::fs::read_dir(root.join("instances"))
+        .expect("tracefs instances")
+        .filter_map(Result::ok)
+        .map(|e| e.path())
+        .filter(|p| {
+            let name = p.file_name().unwrap_or_default().to_string_lossy();
+            name.starts_with("vmtsync-anchor") && name.ends_with(&suffix)
+        })
+        .filter(|p| {
+            std::fs::read_to_string(p.join("events/kvm/kvm_pio/filter"))
+                .is_ok_and(|f| f.contains("0x3f5"))
+        })
+        .collect()
 }
 
 /// The sync-port variant on an SMP guest (`syncport=0x2400`, its brackets matched on the

@@ -1,6 +1,6 @@
 //! `--anchor`: deciding whether a run is exit-anchored, and setting it up.
 //!
-//! Anchoring needs the VM's vCPU threads (KVM debugfs `vcpuN/pid`), tracefs with `kvm:kvm_pio`
+//! Anchoring needs the VM (KVM debugfs names it and its VMM process), tracefs with `kvm:kvm_pio`
 //! and root. With [`AnchorMode::Auto`] any of them missing is a note on stderr and the run goes
 //! on with in-process stamps; with [`AnchorMode::KvmPio`] it is [`ProbeError::Anchor`] (CLI exit
 //! code 8). The UART variant applies to a `unix:` address (a VMM's serial chardev), where an
@@ -68,37 +68,29 @@ impl Default for AnchorOptions {
     }
 }
 
-/// The VM's vCPU threads and a name for messages.
-fn vcpu_threads(o: &AnchorOptions) -> Result<(String, Vec<u32>), String> {
+/// The VMM process of the VM (`--vm`, or the only VM in KVM debugfs).
+fn vm_process(o: &AnchorOptions) -> Result<u32, String> {
     let debugfs = KvmDebugfs::open(&o.debugfs_root).map_err(|e| e.to_string())?;
     let scanner = Scanner {
         debugfs,
         proc: ProcFs::new(&o.proc_root),
     };
     let report = scanner.scan(o.vm.as_ref()).map_err(|e| e.to_string())?;
-    let vm = match report.vms.as_slice() {
-        [vm] => vm,
-        [] => return Err("no VM in KVM debugfs".into()),
+    match report.vms.as_slice() {
+        [vm] => Ok(vm.pid),
+        [] => Err("no VM in KVM debugfs".into()),
         vms => {
             let list: Vec<String> = vms.iter().map(|v| format!("{}-{}", v.pid, v.fd)).collect();
-            return Err(format!(
+            Err(format!(
                 "{} VMs in KVM debugfs ({}): pass --vm to say which one runs the agent",
                 vms.len(),
                 list.join(", ")
-            ));
+            ))
         }
-    };
-    let threads: Vec<u32> = vm.vcpus.iter().filter_map(|c| c.thread_pid).collect();
-    if threads.is_empty() {
-        return Err(format!(
-            "VM {}-{}: no vCPU thread in debugfs",
-            vm.pid, vm.fd
-        ));
     }
-    Ok((format!("{}-{}", vm.pid, vm.fd), threads))
 }
 
-/// How often the VM's vCPU threads are looked for while they do not exist yet.
+/// How often the VM is looked for while it does not exist yet.
 const VCPU_POLL: Duration = Duration::from_millis(50);
 
 /// How the exchanges on `addr` are anchored: a serial chardev socket (`unix:PATH`) by the
@@ -111,9 +103,11 @@ pub fn matcher_for(addr: &ProbeAddr, o: &AnchorOptions) -> Matcher {
     }
 }
 
-/// Why this run cannot be anchored, or the trace to anchor it with. A VM just started may not
-/// have run its vCPUs yet (debugfs then has no thread for them): it is looked for again until
-/// `wait` has passed.
+/// Why this run cannot be anchored, or the trace to anchor it with. A VMM just started may not
+/// have made its VM yet: it is looked for again until `wait` has passed. The trace keeps the
+/// exits of every thread of the VMM process, also of a vCPU thread that has not run yet (KVM
+/// debugfs names a vCPU's thread only after its first run, and a probe that starts with the
+/// VM would otherwise miss the exits of a vCPU that ran later: docs/anchor.md).
 fn open_trace(
     matcher: Matcher,
     sync_port: Option<u16>,
@@ -124,8 +118,8 @@ fn open_trace(
     crate::ftrace::find_tracefs(o.tracefs.as_deref(), crate::exits::EVENT)
         .map_err(|e| e.to_string())?;
     let deadline = Instant::now() + wait;
-    let (_, threads) = loop {
-        match vcpu_threads(o) {
+    let pid = loop {
+        match vm_process(o) {
             Ok(t) => break t,
             Err(e) if Instant::now() >= deadline => return Err(e),
             Err(_) => std::thread::sleep(VCPU_POLL),
@@ -139,7 +133,8 @@ fn open_trace(
         Matcher::SyncPort { port } => vec![port],
     };
     ports.extend(sync_port.filter(|p| !ports.contains(p)));
-    PioTrace::start(o.tracefs.as_deref(), &threads, &ports).map_err(|e| e.to_string())
+    PioTrace::start_process(o.tracefs.as_deref(), &o.proc_root, pid, &ports)
+        .map_err(|e| e.to_string())
 }
 
 /// What [`prepare`] decided: the trace to anchor with (and how strictly), or none.
@@ -154,7 +149,7 @@ pub struct AnchorSetup {
 
 /// Decides whether a run on `addr` is anchored, before connecting (so `--anchor kvm-pio`
 /// fails at once when it cannot be done): opens the trace for `KvmPio` and `Auto`, waiting up
-/// to `wait` for the VM's vCPU threads to appear; `Auto` tells `note` why not when it cannot.
+/// to `wait` for the VM to appear; `Auto` tells `note` why not when it cannot.
 /// A serial chardev's trace also holds the sync port (`o.sync_port`): when the agent's hello
 /// announces one, its probes are bracketed there, the tighter bracket (docs/anchor.md).
 ///

@@ -505,6 +505,9 @@ fn run_record_memory_cmd(
             m.unverified
         );
     }
+    if opts.trust_raw_tsc && s.vcpus.len() > 1 {
+        eprintln!("{}", ring_claim_text(m.ring_claimed));
+    }
     if m.early_placed > 0 || m.spilled > 0 {
         eprintln!(
             "vmtsync: note: {} event(s) were placed before the sync round after them was known \
@@ -549,6 +552,22 @@ pub fn memory_text(s: &RecordSummary, m: &record::MemorySummary) -> String {
         drain_text(m),
         reread_text(m)
     )
+}
+
+/// What an exact recording of several rings rests on: the header's word that ring r is vCPU
+/// r matters only for events placed while the vCPUs' mappings differed (`claimed` of them).
+fn ring_claim_text(claimed: u64) -> String {
+    if claimed == 0 {
+        "vmtsync: every vCPU had one TSC mapping in every round: no host time depends on which \
+         vCPU wrote which ring"
+            .to_owned()
+    } else {
+        format!(
+            "vmtsync: note: {claimed} event(s) were placed while the vCPUs' TSC mappings \
+             differed: their host times rest on the header's word that ring r holds vCPU r's \
+             records"
+        )
+    }
 }
 
 /// The longest wait between two reads of a ring, when there were two rounds.

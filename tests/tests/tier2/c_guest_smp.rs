@@ -147,6 +147,15 @@ fn c_guest_on_two_vcpus_records_both_rings_into_trace_dat() {
     for what in [" overwritten, ", " refused, ", " corrupt"] {
         assert_eq!(count_before(&stderr, what), 0, "{what}: {stderr}");
     }
+    // Whether the ring->vCPU claim moved any host time, against the test's own debugfs read:
+    // with one mapping for every vCPU it cannot have.
+    let one_mapping = kvm.windows(2).all(|w| w[0] == w[1]);
+    let said = if one_mapping {
+        "every vCPU had one TSC mapping in every round"
+    } else {
+        "were placed while the vCPUs' TSC mappings differed"
+    };
+    assert!(stderr.contains(said), "mappings {kvm:?}: {stderr}");
 
     // trace-cmd: each vCPU's events on its own CPU, in sequence, as many as it recorded.
     let r = trace_cmd(&["report", "-i", dat.to_str().expect("UTF-8 path")]);

@@ -94,6 +94,10 @@ pub struct MemorySummary {
     pub ambiguous: u64,
     /// Mapping changes seen.
     pub mapping_changes: u64,
+    /// Exact mode: events placed in a round in which the vCPUs' mappings were not all one
+    /// (before or after it). Their host times rest on the header's word that ring r holds
+    /// vCPU r's records; every other event's host time is the same whichever vCPU wrote it.
+    pub ring_claimed: u64,
     /// Drain rounds.
     pub polls: u64,
     /// The longest time from the start of one drain round to the end of the next one's

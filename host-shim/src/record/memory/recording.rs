@@ -41,6 +41,15 @@ pub(super) enum Writer {
 }
 
 /// Whether SIGINT/SIGTERM asked the recording to stop.
+/// Whether the host times of a round's events depend on which vCPU wrote which ring: in
+/// exact mode, when the vCPUs' mappings before (`last`) or after (`now`) the round are not
+/// one (one offset: scaling is refused). Beacon mode's intervals come from exits of every
+/// vCPU thread, whichever ring a vCPU writes.
+fn rests_on_ring_claim(mode: Mode, last: &[Reading], now: &[Reading]) -> bool {
+    let one = |r: &[Reading]| r.windows(2).all(|w| w[0].offset == w[1].offset);
+    mode == Mode::Exact && !(one(last) && one(now))
+}
+
 fn stopped(opts: &MemoryOptions) -> bool {
     opts.stop
         .is_some_and(|s| s.load(std::sync::atomic::Ordering::Relaxed))
@@ -432,7 +441,15 @@ impl<'a> Recording<'a> {
         };
         let changed = self.mapping_changes(&now);
         self.adopt_check(false);
+        // Exact mode places a ring's records by its vCPU's mapping: while the vCPUs' mappings
+        // are one, which vCPU wrote a ring changes no host time; otherwise it rests on the
+        // header's word that ring r is vCPU r.
+        let on_claim = rests_on_ring_claim(self.mode, &self.last, &now);
+        let events_before = self.st.events;
         self.place_round(&now, &changed)?;
+        if on_claim {
+            self.ms.ring_claimed += self.st.events - events_before;
+        }
         self.beacon_rounds(before, after, &now)?;
         self.release(false)?;
         self.last = now;
@@ -1055,5 +1072,25 @@ impl Round<'_, '_> {
         self.zeros += 1;
         st.events += 1;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_an_exact_round_with_unequal_mappings_rests_on_the_ring_claim() {
+        let at = |offset| Reading {
+            offset,
+            before: 10,
+            after: 20,
+        };
+        let (same, split) = ([at(-5), at(-5)], [at(-5), at(7)]);
+        assert!(!rests_on_ring_claim(Mode::Exact, &same, &same));
+        assert!(!rests_on_ring_claim(Mode::Exact, &[at(3)], &[at(9)]));
+        assert!(rests_on_ring_claim(Mode::Exact, &same, &split));
+        assert!(rests_on_ring_claim(Mode::Exact, &split, &same));
+        assert!(!rests_on_ring_claim(Mode::Beacons, &split, &split));
     }
 }

@@ -178,18 +178,33 @@ fn boot(dir: &Path, skews: &[Skew], extra: &str) -> (ChildGuard, ProbeOptions) {
     let elf = agent_elf().expect("agent builds");
     let sock = dir.join("com1.sock");
     let com2 = dir.join("com2.log");
+    let child = qemu::command_com1_socket_smp(
+        qemu::Machine::Microvm,
+        &elf,
+        &agent_append(skews, extra),
+        &com2,
+        &sock,
+        VCPUS,
+    )
+    .stdin(Stdio::null())
+    .stdout(Stdio::null())
+    .stderr(Stdio::null())
+    .spawn()
+    .expect("qemu starts");
+    (ChildGuard::new(child), probe_options(&sock))
+}
+
+/// The agent's boot options: UART transport, `exit=9`, `extra`, and vCPU N's skew.
+fn agent_append(skews: &[Skew], extra: &str) -> String {
     let options: Vec<String> = (0..VCPUS)
         .zip(skews)
         .map(|(v, s)| s.agent_option_for(v))
         .collect();
-    let append = format!("transport=uart exit=9 {extra} {}", options.join(" "));
-    let child =
-        qemu::command_com1_socket_smp(qemu::Machine::Microvm, &elf, &append, &com2, &sock, VCPUS)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("qemu starts");
+    format!("transport=uart exit=9 {extra} {}", options.join(" "))
+}
+
+/// `--all-vcpus --json` probe options for the COM1 socket `sock`, 20 s timeouts.
+fn probe_options(sock: &Path) -> ProbeOptions {
     let mut opts =
         ProbeOptions::new(ProbeAddr::parse(&format!("unix:{}", sock.display())).unwrap());
     opts.progress = false;
@@ -197,7 +212,7 @@ fn boot(dir: &Path, skews: &[Skew], extra: &str) -> (ChildGuard, ProbeOptions) {
     opts.connect_timeout = Duration::from_secs(20);
     opts.json = true;
     opts.vcpus = VcpuChoice::All;
-    (ChildGuard::new(child), opts)
+    opts
 }
 
 /// The agent's COM2 log, decoded, after `e`.
@@ -340,15 +355,10 @@ fn an_anchored_probe_armed_before_any_vcpu_ran_matches_every_exchange() {
     let skews = Skew::pick_per_vcpu(VCPUS);
     let elf = agent_elf().expect("agent builds");
     let sock = dir.join("com1.sock");
-    let options: Vec<String> = (0..VCPUS)
-        .zip(&skews)
-        .map(|(v, s)| s.agent_option_for(v))
-        .collect();
-    let append = format!("transport=uart exit=9 syncport=off {}", options.join(" "));
     let cmd = qemu::command_com1_socket_smp(
         qemu::Machine::Microvm,
         &elf,
-        &append,
+        &agent_append(&skews, "syncport=off"),
         &dir.join("com2.log"),
         &sock,
         VCPUS,
@@ -359,13 +369,7 @@ fn an_anchored_probe_armed_before_any_vcpu_ran_matches_every_exchange() {
         .collect();
     let vmm = Vmm::spawn_paused(&argv).expect("QEMU starts paused");
     let pid = vmm.pid();
-    let mut opts =
-        ProbeOptions::new(ProbeAddr::parse(&format!("unix:{}", sock.display())).unwrap());
-    opts.progress = false;
-    opts.timeout = Duration::from_secs(20);
-    opts.connect_timeout = Duration::from_secs(20);
-    opts.json = true;
-    opts.vcpus = VcpuChoice::All;
+    let mut opts = probe_options(&sock);
     opts.anchor = AnchorOptions {
         mode: AnchorMode::KvmPio,
         vm: Some(VmSelector::Pid(pid)),
@@ -599,6 +603,10 @@ fn record_places_every_vcpus_events_with_its_own_sync() {
     let dir = tmp_dir.path();
     opts.json = false;
     let pid = guard.pid();
+    // Rounds of 16 probes: a round of all four vCPUs then takes about a second here, so the
+    // 8 s recording has several even on a loaded host (with 64, a CI run on two busy cores
+    // once ended before the first round of every vCPU, so no event could be placed).
+    opts.probes = 16;
     let run = |format: RecordFormat, out: &Path, shutdown: bool| {
         let mut probe = opts.clone();
         probe.shutdown = shutdown;

@@ -91,7 +91,7 @@ fn vm_process(o: &AnchorOptions) -> Result<u32, String> {
 }
 
 /// How often the VM is looked for while it does not exist yet.
-const VCPU_POLL: Duration = Duration::from_millis(50);
+const VM_POLL: Duration = Duration::from_millis(50);
 
 /// How the exchanges on `addr` are anchored: a serial chardev socket (`unix:PATH`) by the
 /// UART's own exits, anything else by the agent's sync port.
@@ -122,7 +122,7 @@ fn open_trace(
         match vm_process(o) {
             Ok(t) => break t,
             Err(e) if Instant::now() >= deadline => return Err(e),
-            Err(_) => std::thread::sleep(VCPU_POLL),
+            Err(_) => std::thread::sleep(VM_POLL),
         }
     };
     let mut ports: Vec<u16> = match matcher {

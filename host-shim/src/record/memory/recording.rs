@@ -40,7 +40,6 @@ pub(super) enum Writer {
     Piped(Pipe),
 }
 
-/// Whether SIGINT/SIGTERM asked the recording to stop.
 /// Whether the host times of a round's events depend on which vCPU wrote which ring: in
 /// exact mode, when the vCPUs' mappings before (`last`) or after (`now`) the round are not
 /// one (one offset: scaling is refused). Beacon mode's intervals come from exits of every
@@ -50,6 +49,7 @@ fn rests_on_ring_claim(mode: Mode, last: &[Reading], now: &[Reading]) -> bool {
     mode == Mode::Exact && !(one(last) && one(now))
 }
 
+/// Whether SIGINT/SIGTERM asked the recording to stop.
 fn stopped(opts: &MemoryOptions) -> bool {
     opts.stop
         .is_some_and(|s| s.load(std::sync::atomic::Ordering::Relaxed))

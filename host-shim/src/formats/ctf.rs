@@ -32,7 +32,7 @@ use std::fs::File;
 use std::io::{self, Write};
 use std::path::{Path, PathBuf};
 
-use super::event::{ExportError, ExportEvent, MAX_PAYLOAD, Payload};
+use super::event::{Bound, ExportError, ExportEvent, MAX_PAYLOAD, Payload};
 use crate::atomic_file::BackgroundFile;
 
 /// The CTF packet magic.
@@ -600,15 +600,34 @@ fn metadata(opts: &CtfOptions, events_tsdl: &str) -> String {
 pub struct GuestFields {
     /// `guest_tsc`.
     pub guest_tsc: bool,
-    /// `host_lo`, `host_hi`.
-    pub bound: bool,
+    /// How the guaranteed interval is carried.
+    pub interval: Interval,
+}
+
+/// How a guest trace carries each event's guaranteed interval.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Interval {
+    /// `host_lo`, `host_hi` on every event.
+    Fields,
+    /// Every event's interval is its `host_tsc` alone (an exact recording): no field carries
+    /// it, the trace's `env.vmtsync_interval` says `exact`, and an event whose interval is
+    /// wider or unknown is refused, never written as exact.
+    Exact,
+    /// The input does not know it: no field, no claim.
+    Unknown,
 }
 
 impl GuestFields {
     /// Everything (JSON Lines, `record --format ctf`).
     pub const ALL: Self = Self {
         guest_tsc: true,
-        bound: true,
+        interval: Interval::Fields,
+    };
+
+    /// An exact recording's: the guest TSC, every interval its `host_tsc` ([`Interval::Exact`]).
+    pub const EXACT: Self = Self {
+        guest_tsc: true,
+        interval: Interval::Exact,
     };
 
     /// What a source of `kind` knows.
@@ -618,13 +637,19 @@ impl GuestFields {
             super::InputKind::Jsonl => Self::ALL,
             super::InputKind::TraceDatShifted => Self {
                 guest_tsc: true,
-                bound: false,
+                interval: Interval::Unknown,
             },
             super::InputKind::TraceDatHost => Self {
                 guest_tsc: false,
-                bound: false,
+                interval: Interval::Unknown,
             },
         }
+    }
+
+    /// Whether events carry `host_lo`, `host_hi`.
+    #[must_use]
+    pub fn bound(self) -> bool {
+        self.interval == Interval::Fields
     }
 }
 
@@ -714,7 +739,7 @@ impl GuestCtf {
         if fields.guest_tsc {
             f.push_str("\t\tuint64_t guest_tsc;\n");
         }
-        if fields.bound {
+        if fields.bound() {
             f.push_str("\t\tuint64_t host_lo;\n\t\tuint64_t host_hi;\n");
         }
         f.push_str("\t\tuint8_t payload_len;\n\t\tuint8_t payload[payload_len];\n");
@@ -722,6 +747,15 @@ impl GuestCtf {
             "event {{\n\tname = \"{GUEST_EVENT}\";\n\tid = 0;\n\tstream_id = 0;\n\tfields := struct {{\n{f}\t}};\n}};\n"
         );
         tsdl.push_str(&spans::tsdl(fields));
+        let exact;
+        let opts = if fields.interval == Interval::Exact {
+            let mut o = opts.clone();
+            o.env.push(("vmtsync_interval".into(), "exact".into()));
+            exact = o;
+            &exact
+        } else {
+            opts
+        };
         Ok(Self {
             trace: CtfTrace::create(target, opts, &tsdl, "vcpu")?,
             fields,
@@ -756,8 +790,11 @@ impl GuestCtf {
     #[inline(always)]
     fn push_event(&mut self, e: &ExportEvent) -> Result<(), ExportError> {
         let guest = declared(self.fields.guest_tsc, e.guest_tsc, "a guest TSC")?;
-        let bound = declared(self.fields.bound, e.bound, "its interval")?;
+        let bound = declared(self.fields.bound(), e.bound, "its interval")?;
         let (id, vcpu, host, payload) = (e.id, e.vcpu, e.host_tsc, &e.payload);
+        if self.fields.interval == Interval::Exact {
+            exact_at(e.bound, host)?;
+        }
         self.trace
             .event_with(vcpu, 0, host, GUEST_FIELDS_MAX, |d| {
                 let Some(d) = d.first_chunk_mut::<GUEST_FIELDS_MAX>() else {
@@ -792,6 +829,30 @@ impl GuestCtf {
         self.finish_spans()?;
         self.trace.finish()
     }
+}
+
+/// An event's interval in a trace that declares every interval exact: it must be its host
+/// TSC alone.
+#[inline(always)]
+fn exact_at(bound: Option<Bound>, host: u64) -> Result<(), ExportError> {
+    match bound {
+        Some(b) if b.lo == host && b.hi == host => Ok(()),
+        _ => Err(not_exact(bound, host)),
+    }
+}
+
+#[cold]
+#[inline(never)]
+fn not_exact(bound: Option<Bound>, host: u64) -> ExportError {
+    ExportError::Unsupported(match bound {
+        Some(b) => format!(
+            "an event at host TSC {host} with the interval [{}, {}] in a trace that declares every interval exact",
+            b.lo, b.hi
+        ),
+        None => format!(
+            "an event at host TSC {host} without an interval in a trace that declares every interval exact"
+        ),
+    })
 }
 
 /// An event's optional field where the trace's class has it or not: `None` where the class

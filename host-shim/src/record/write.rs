@@ -20,8 +20,13 @@ pub(super) fn jsonl_write(w: &mut JsonlWriter, p: &Placed<'_>) -> Result<(), Rec
     w.write(&p.line()).map_err(|e| RecordError::io(w.path())(e))
 }
 
-/// The CTF output: the host's TSC frequency (`ctf::host_tsc_hz`), named after the directory.
-pub(super) fn create_ctf(opts: &Target) -> Result<crate::formats::ctf::GuestCtf, RecordError> {
+/// The CTF output: the host's TSC frequency (`ctf::host_tsc_hz`), named after the directory;
+/// `exact`: every event placed exactly (exact memory mode), so no interval fields
+/// ([`crate::formats::ctf::Interval::Exact`]).
+pub(super) fn create_ctf(
+    opts: &Target,
+    exact: bool,
+) -> Result<crate::formats::ctf::GuestCtf, RecordError> {
     use crate::formats::ctf;
     let o = ctf::CtfOptions {
         tsc_hz: ctf::host_tsc_hz()?,
@@ -31,7 +36,12 @@ pub(super) fn create_ctf(opts: &Target) -> Result<crate::formats::ctf::GuestCtf,
             .map_or_else(|| "vmtsync".into(), |n| n.to_string_lossy().into_owned()),
         env: vec![("vmtsync_agent".into(), opts.source.clone())],
     };
-    let mut w = ctf::GuestCtf::create(&opts.out, &o, ctf::GuestFields::ALL)?;
+    let fields = if exact {
+        ctf::GuestFields::EXACT
+    } else {
+        ctf::GuestFields::ALL
+    };
+    let mut w = ctf::GuestCtf::create(&opts.out, &o, fields)?;
     w.set_spans(&opts.spans);
     Ok(w)
 }
@@ -70,7 +80,7 @@ impl Out {
                     _ => None,
                 },
                 ctf: match target.format {
-                    RecordFormat::Ctf => Some(create_ctf(target)?),
+                    RecordFormat::Ctf => Some(create_ctf(target, false)?),
                     _ => None,
                 },
             },
@@ -80,23 +90,24 @@ impl Out {
             RecordFormat::TraceCmd | RecordFormat::Perfetto => {
                 Out::Spool(spool::Spool::new().map_err(RecordError::io(&target.out))?)
             }
-            RecordFormat::Ctf => Out::Ctf(create_ctf(target)?),
+            RecordFormat::Ctf => Out::Ctf(create_ctf(target, false)?),
         })
     }
 
     /// Where a memory recording's events go: each placed once, for good, every format
     /// streams them (`stream.rs`); `st` names the vCPUs known at the start. With
     /// `preconverted` a trace.dat's timestamps are host ticks (points that do not follow
-    /// KVM's mapping), else raw guest ticks with a TIME_SHIFT. `write_here`: the output is
-    /// written on a thread that already runs beside the reading (exact mode's writer
-    /// thread), so a trace.dat or CTF trace writes its file data on that thread too
-    /// ([`crate::formats::tracedat::WriterOptions::write_here`],
+    /// KVM's mapping), else raw guest ticks with a TIME_SHIFT. `exact`: exact mode, whose
+    /// events are each placed at one host tick (a CTF trace declares its intervals exact
+    /// and carries none), and whose output is written on a thread that already runs beside
+    /// the reading (its writer thread), so a trace.dat or CTF trace writes its file data on
+    /// that thread too ([`crate::formats::tracedat::WriterOptions::write_here`],
     /// [`crate::formats::ctf::CtfTrace::write_here`]).
     pub(super) fn stream(
         target: &Target,
         st: &State,
         preconverted: bool,
-        write_here: bool,
+        exact: bool,
     ) -> Result<Self, RecordError> {
         let keys: Vec<u32> = st.vcpus.iter().map(|v| v.vcpu).collect();
         Ok(match target.format {
@@ -106,7 +117,7 @@ impl Out {
                     &keys,
                     st.keyed,
                     trace_id(target, st),
-                    write_here,
+                    exact,
                 )?;
                 if preconverted {
                     s.preconvert();
@@ -117,8 +128,8 @@ impl Out {
                 super::stream::PerfettoStream::create(target, st.keyed)?,
             )),
             RecordFormat::Ctf => {
-                let mut w = create_ctf(target)?;
-                if write_here {
+                let mut w = create_ctf(target, exact)?;
+                if exact {
                     w.write_here();
                 }
                 Out::Ctf(w)

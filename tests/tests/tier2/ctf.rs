@@ -53,7 +53,9 @@ for m in bt2.TraceCollectionMessageIterator(sys.argv[1:]):
             f[k] = str(v)
         else:
             f[k] = int(v)
-    print(json.dumps({"trace": str(e.stream.trace.environment["trace_name"]),
+    env = e.stream.trace.environment
+    print(json.dumps({"trace": str(env["trace_name"]),
+        "interval": str(env["vmtsync_interval"]) if "vmtsync_interval" in env else None,
         "stream": e.stream.id, "event": e.name, "cycles": cs.value,
         "ns": cs.ns_from_origin, "fields": f}))
 "#;
@@ -98,6 +100,8 @@ fn ctf_qemu_pio_trace_ready(test: &str) -> bool {
 #[derive(Debug)]
 pub(crate) struct BtEvent {
     pub(crate) trace: String,
+    /// The trace's `env.vmtsync_interval` (`exact` for an exact recording), if any.
+    pub(crate) interval: Option<String>,
     pub(crate) event: String,
     pub(crate) cycles: u64,
     pub(crate) ns: i64,
@@ -137,6 +141,7 @@ pub(crate) fn bt2_events(dirs: &[&Path]) -> Vec<BtEvent> {
             let v: Value = serde_json::from_str(l).unwrap();
             BtEvent {
                 trace: v["trace"].as_str().unwrap().to_owned(),
+                interval: v["interval"].as_str().map(str::to_owned),
                 event: v["event"].as_str().unwrap().to_owned(),
                 cycles: v["cycles"].as_u64().unwrap(),
                 ns: v["ns"].as_i64().unwrap(),

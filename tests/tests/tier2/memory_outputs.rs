@@ -85,8 +85,9 @@ fn seq(payload: &[u8]) -> u64 {
 /// Tier 2 (babeltrace2): `record --from-memory --format ctf` of a live agent. babeltrace2's
 /// python bindings show every workload event exactly once, in sequence, each one's clock
 /// snapshot (cycles of the trace's clock, which is the host TSC) equal to its exact host
-/// time from debugfs, its ns the exact conversion, and its fields (`host_tsc`, a width-0
-/// interval, `guest_tsc`) the same; the babeltrace2 CLI shows the same cycles.
+/// time from debugfs, its ns the exact conversion, its `host_tsc` (from `guest_tsc`) the
+/// same, and the trace's environment declaring every interval exact (no interval fields);
+/// the babeltrace2 CLI shows the same cycles.
 fn record_from_memory_into_ctf_reads_back_exactly_in_babeltrace2() {
     let dir = scratch("memory-outputs-ctf");
     let mut guard = boot(dir.path(), "");
@@ -110,11 +111,11 @@ fn record_from_memory_into_ctf_reads_back_exactly_in_babeltrace2() {
         let host = exact_host(&kvm, e.f("guest_tsc"));
         assert_eq!(e.cycles, host, "event {i}'s clock snapshot: {e:?}");
         assert_ns(e.ns, host, hz, &format!("event {i}"));
-        assert_eq!(
-            (e.f("host_tsc"), e.f("host_lo"), e.f("host_hi")),
-            (host, host, host),
-            "event {i}'s fields: {e:?}"
-        );
+        // An exact recording's interval is its host_tsc alone: the trace says so, and no
+        // field repeats it.
+        assert_eq!(e.f("host_tsc"), host, "event {i}'s host_tsc: {e:?}");
+        assert_eq!(e.interval.as_deref(), Some("exact"), "the trace's env: {e:?}");
+        assert!(e.fields.get("host_lo").is_none(), "event {i}'s fields: {e:?}");
         want.push((host, 0, host));
     }
     let cli = cli_events(&[&out]);
@@ -247,6 +248,7 @@ fn beacon_mode_streams_ctf_and_perfetto_whose_intervals_hold_the_truth() {
             for (i, e) in bt.iter().enumerate() {
                 assert_eq!((e.f("vcpu"), e.f("id")), (0, WORKLOAD_EVENT), "{e:?}");
                 assert_eq!(seq(&e.payload()), i as u64, "event {i} in sequence: {e:?}");
+                assert_eq!(e.interval, None, "beacon mode claims no exact interval: {e:?}");
                 let (lo, hi, host) = (e.f("host_lo"), e.f("host_hi"), e.f("host_tsc"));
                 assert!(
                     truth.in_bracket(HostTicks(lo), GuestTicks(e.f("guest_tsc")), HostTicks(hi)),

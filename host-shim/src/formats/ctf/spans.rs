@@ -47,11 +47,11 @@ pub(super) fn tsdl(fields: GuestFields) -> String {
     if fields.guest_tsc {
         record.push_str("\t\tuint64_t guest_tsc;\n");
     }
-    if fields.bound {
+    if fields.bound() {
         record.push_str("\t\tuint64_t host_lo;\n\t\tuint64_t host_hi;\n");
     }
     let mut end = format!("{record}\t\tuint64_t begin_host_tsc;\n\t\tuint64_t duration;\n");
-    if fields.bound {
+    if fields.bound() {
         end.push_str("\t\tuint64_t duration_lo;\n\t\tuint64_t duration_hi;\n");
     }
     let unfinished = "\t\tenum : uint8_t { abandoned = 0, open_at_end = 1 } state;\n\
@@ -174,7 +174,7 @@ impl GuestCtf {
         if self.fields.guest_tsc {
             f.extend_from_slice(&at.guest_tsc.unwrap_or_default().to_le_bytes());
         }
-        if self.fields.bound {
+        if self.fields.bound() {
             let b = at.bound.map_or((0, 0), |b| (b.lo, b.hi));
             f.extend_from_slice(&b.0.to_le_bytes());
             f.extend_from_slice(&b.1.to_le_bytes());
@@ -182,7 +182,7 @@ impl GuestCtf {
         if let Some(b) = begin {
             f.extend_from_slice(&b.host_tsc.to_le_bytes());
             f.extend_from_slice(&s.ticks().unwrap_or_default().to_le_bytes());
-            if self.fields.bound {
+            if self.fields.bound() {
                 let d = s.ticks_bound().map_or((0, 0), |d| (d.lo, d.hi));
                 f.extend_from_slice(&d.0.to_le_bytes());
                 f.extend_from_slice(&d.1.to_le_bytes());

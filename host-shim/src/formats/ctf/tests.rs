@@ -157,7 +157,7 @@ fn fields_follow_what_the_input_knows() {
     let d = tempfile::tempdir().unwrap();
     let f = GuestFields {
         guest_tsc: false,
-        bound: false,
+        interval: Interval::Unknown,
     };
     let out = d.path().join("h");
     let mut w = GuestCtf::create(&out, &opts(), f).unwrap();
@@ -377,4 +377,42 @@ fn background_and_direct_streams_hold_every_packet_in_order() {
         }
         assert_eq!(events, n, "stream {s}");
     }
+}
+
+#[test]
+fn an_exact_trace_says_so_and_refuses_any_other_interval() {
+    let d = tempfile::tempdir().unwrap();
+    let out = d.path().join("x");
+    let mut w = GuestCtf::create(&out, &opts(), GuestFields::EXACT).unwrap();
+    let mut e = ev(0, 7, &[1, 2]);
+    e.bound = Some(Bound { lo: 7, hi: 7 });
+    w.push(&e).unwrap();
+    // Wider on either side, or unknown: refused, whatever the event's host TSC.
+    for bound in [
+        Some(Bound { lo: 6, hi: 7 }),
+        Some(Bound { lo: 7, hi: 8 }),
+        None,
+    ] {
+        e.bound = bound;
+        let err = w.push(&e).unwrap_err().to_string();
+        assert!(err.contains("declares every interval exact"), "{err}");
+    }
+    w.finish().unwrap();
+    let m = std::fs::read_to_string(out.join("metadata")).unwrap();
+    assert!(m.contains("\tvmtsync_interval = \"exact\";\n"), "{m}");
+    assert!(m.contains("guest_tsc") && !m.contains("host_lo"), "{m}");
+    // 10 header bytes (a packet's first event) + id, vcpu, host_tsc, guest_tsc, payload_len,
+    // the payload: the one event written.
+    assert_eq!(
+        std::fs::metadata(out.join("vcpu0")).unwrap().len(),
+        (PACKET_HEADER + 10 + 2 + 4 + 8 + 8 + 1 + 2) as u64
+    );
+    // Only an exact trace says so.
+    let all = d.path().join("a");
+    GuestCtf::create(&all, &opts(), GuestFields::ALL)
+        .unwrap()
+        .finish()
+        .unwrap();
+    let m = std::fs::read_to_string(all.join("metadata")).unwrap();
+    assert!(!m.contains("vmtsync_interval"), "{m}");
 }

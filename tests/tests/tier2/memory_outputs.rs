@@ -114,8 +114,15 @@ fn record_from_memory_into_ctf_reads_back_exactly_in_babeltrace2() {
         // An exact recording's interval is its host_tsc alone: the trace says so, and no
         // field repeats it.
         assert_eq!(e.f("host_tsc"), host, "event {i}'s host_tsc: {e:?}");
-        assert_eq!(e.interval.as_deref(), Some("exact"), "the trace's env: {e:?}");
-        assert!(e.fields.get("host_lo").is_none(), "event {i}'s fields: {e:?}");
+        assert_eq!(
+            e.interval.as_deref(),
+            Some("exact"),
+            "the trace's env: {e:?}"
+        );
+        assert!(
+            e.fields.get("host_lo").is_none(),
+            "event {i}'s fields: {e:?}"
+        );
         want.push((host, 0, host));
     }
     let cli = cli_events(&[&out]);
@@ -248,7 +255,10 @@ fn beacon_mode_streams_ctf_and_perfetto_whose_intervals_hold_the_truth() {
             for (i, e) in bt.iter().enumerate() {
                 assert_eq!((e.f("vcpu"), e.f("id")), (0, WORKLOAD_EVENT), "{e:?}");
                 assert_eq!(seq(&e.payload()), i as u64, "event {i} in sequence: {e:?}");
-                assert_eq!(e.interval, None, "beacon mode claims no exact interval: {e:?}");
+                assert_eq!(
+                    e.interval, None,
+                    "beacon mode claims no exact interval: {e:?}"
+                );
                 let (lo, hi, host) = (e.f("host_lo"), e.f("host_hi"), e.f("host_tsc"));
                 assert!(
                     truth.in_bracket(HostTicks(lo), GuestTicks(e.f("guest_tsc")), HostTicks(hi)),

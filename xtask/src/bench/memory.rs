@@ -907,8 +907,8 @@ const WRITE_CHUNK: usize = 1 << 20;
 
 impl WriteFloor {
     /// `passes` timed writes of `bytes` into `dir/write-floor.bin`, each into a fresh file
-    /// (the last one removed first, outside the timing), after one untimed pass; with
-    /// `durable`, each synced (`fdatasync`) inside its timing.
+    /// (the last one removed and the filesystem synced first, outside the timing), after one
+    /// untimed pass; with `durable`, each synced (`fdatasync`) inside its timing.
     fn measure(dir: &Path, bytes: u64, passes: usize, durable: bool) -> Result<Self> {
         use std::io::Write as _;
         let path = dir.join("write-floor.bin");
@@ -916,6 +916,7 @@ impl WriteFloor {
         let mut seconds = Vec::new();
         for pass in 0..=passes {
             let _ = std::fs::remove_file(&path);
+            settle(dir)?;
             let start = Instant::now();
             let mut f =
                 File::create(&path).with_context(|| format!("creating {}", path.display()))?;
@@ -1133,6 +1134,21 @@ fn remove_output(out: &Path) {
     let _ = std::fs::remove_file(out);
 }
 
+/// Writes back everything the filesystem holding `dir` still has to write (`sync -f`), before
+/// a timed run that writes and syncs a file there: the disk then works on that run's bytes
+/// alone, not on what earlier sections (a build, the last pass's output) left behind.
+fn settle(dir: &Path) -> Result<()> {
+    let mut cmd = Command::new("sync");
+    cmd.arg("-f").arg(dir);
+    let status = cmd.status().context("starting sync")?;
+    ensure!(
+        status.success(),
+        "{} failed: {status}",
+        crate::display(&cmd)
+    );
+    Ok(())
+}
+
 /// MiB of guest RAM for a `ring`-record ring: its bytes (32 per record) and 64 MiB for the
 /// rest.
 fn guest_mib(ring: u64) -> Result<u32> {
@@ -1219,6 +1235,7 @@ pub(super) fn memory(plan: &Plan, work: &Path) -> Result<Section> {
         for (f, (format, _)) in FORMATS.iter().enumerate() {
             let out = output_path(&dir, "ceiling", format);
             remove_output(&out);
+            settle(&dir)?;
             evict(&copier, evict_mib)?;
             let run = record(
                 &vmtsync,
@@ -1654,7 +1671,8 @@ fn memory_section(m: &Measured) -> Result<Section> {
          reader thread on the other; so the VMM is stopped (SIGSTOP, its memory kept) once the \
          guest has recorded, for these drains and the raw copy below alike. Before each \
          drain, {} MiB are written elsewhere ({}; `{}`), so every drain \
-         starts with the rings out of the cache.\n\n\
+         starts with the rings out of the cache, and the output's filesystem is synced \
+         (`sync -f`), so the disk writes that drain's output alone.\n\n\
          | figure (min / median / max) |",
         m.reader_method,
         thousands(m.tsc_khz),
@@ -1736,7 +1754,8 @@ fn memory_section(m: &Measured) -> Result<Section> {
          thread that syncs as it writes, so the disk works while the drain runs): a whole run \
          includes the disk's writing of the output. For scale, the rows above: the output's \
          bytes written into a fresh file in its directory and then synced (`fdatasync`), alone \
-         (1 MiB writes of one buffer, medians of {} passes after one untimed pass), and the \
+         (1 MiB writes of one buffer, the filesystem synced before each pass, medians of {} \
+         passes after one untimed pass), and the \
          whole-run rate a run that long would have. (Not a strict floor: the reader's syncs \
          overlap its writing, which this one after the other does not.)",
         m.ceiling.first().map_or(0, |f| f.durable.seconds.len()),

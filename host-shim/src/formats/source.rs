@@ -31,7 +31,7 @@ use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
 use super::event::{ExportError, ExportEvent, InputKind, Payload};
 use super::jsonl::JsonlSource;
 use super::tracedat::consts::{MAGIC, option};
-use super::tracedat::format::{EVENT_DATA_ID, EVENT_ID};
+use super::tracedat::format::is_vmtsync_event;
 use super::tracedat::format::{FUNCGRAPH_ENTRY_ID, FUNCGRAPH_EXIT_ID, SPAN_ORPHAN_ID};
 use super::tracedat::reader::{self, Layout};
 use super::tracedat::timeshift::{self, TraceCmdSample};
@@ -268,7 +268,7 @@ fn read_dat(
             return;
         }
         let e = (|| {
-            if ev.common_type != EVENT_ID && ev.common_type != EVENT_DATA_ID {
+            if !is_vmtsync_event(ev.common_type) {
                 return Err(bad(format!(
                     "CPU {}: event type {} is not a vmtsync event (is this a guest trace written by `vmtsync record`?)",
                     ev.cpu, ev.common_type

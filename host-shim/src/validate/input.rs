@@ -350,9 +350,9 @@ fn trace_dat_events(path: &Path, rules: &[EventRule]) -> Result<Vec<RawEvent>, V
     let mut out = Vec::new();
     for b in 0..layout.buffers.len() {
         crate::formats::tracedat::reader::for_each_event(path, &layout, b, |e| {
-            use crate::formats::tracedat::format::{EVENT_DATA_ID, EVENT_ID};
+            use crate::formats::tracedat::format::is_vmtsync_event;
             // Only the recording's events (not the function graph's records beside them).
-            if e.common_type != EVENT_ID && e.common_type != EVENT_DATA_ID {
+            if !is_vmtsync_event(e.common_type) {
                 return;
             }
             let Some(id) = u16::try_from(e.id)

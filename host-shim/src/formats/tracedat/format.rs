@@ -6,17 +6,22 @@
 //! see `docs/trace-dat.md`); libtraceevent parses them to learn the page header layout (8-byte
 //! timestamp, 8-byte `commit`) and the 5/27-bit event header.
 //!
-//! Our events are two fixed layouts, so that an event without payload costs 16 bytes of data
-//! (20 with its header) and one with payload 32 (36):
+//! Our events are two layouts, so that an event without payload costs 12 bytes of data (16
+//! with its header), one with a payload of up to 8 bytes 24 (28), and one with 9 to 16 bytes
+//! 32 (36):
 //!
 //! | event | fields after the 8 common bytes |
 //! |---|---|
 //! | `vmtsync:event` (ID [`EVENT_ID`]) | `u32 id` @8 |
-//! | `vmtsync:event_data` (ID [`EVENT_DATA_ID`]) | `u32 id` @8, `u16 len` @12, `u8 payload[16]` @16 |
+//! | `vmtsync:event_data` (ID [`EVENT_DATA_ID`]) | `u32 id` @8, `__data_loc u8[] payload` @12: the payload at @16, its length in the word's upper half, padded to 8 bytes |
+//!
+//! Files written before the payload became a dynamic array carry `vmtsync:event_data` as ID
+//! [`EVENT_DATA_FIXED_ID`] (`u16 len` @12, `u8 payload[16]` @16, always 32 bytes); the reader
+//! reads both.
 //!
 //! `common_pid` is 0 and `common_flags`/`common_preempt_count` are 0: a guest event has no host
-//! task. `trace-cmd report` prints `id=…` and, for `event_data`, `len=…` and the first `len`
-//! payload bytes in hex.
+//! task. `trace-cmd report` prints `id=…` and, for `event_data`, `len=…` and the `len` payload
+//! bytes in hex.
 
 /// Exactly `/sys/kernel/debug/tracing/events/header_page` of an x86-64 kernel (205 bytes).
 pub const HEADER_PAGE: &str = "\tfield: u64 timestamp;\toffset:0;\tsize:8;\tsigned:0;\n\
@@ -41,16 +46,47 @@ pub const SYSTEM: &str = "vmtsync";
 /// Event type id of `vmtsync:event` (any id works: the file carries its own formats; this one
 /// is far from the kernel's ftrace ids so a merged report never confuses them).
 pub const EVENT_ID: u16 = 60001;
-/// Event type id of `vmtsync:event_data`.
-pub const EVENT_DATA_ID: u16 = 60002;
+/// Event type id of `vmtsync:event_data` (its payload a dynamic array).
+pub const EVENT_DATA_ID: u16 = 60004;
+/// Event type id of `vmtsync:event_data` in files written before that (a fixed 16-byte
+/// payload and a length field): read, no longer written.
+pub const EVENT_DATA_FIXED_ID: u16 = 60002;
 
 /// The largest payload an event carries.
 pub const MAX_PAYLOAD: usize = 16;
 
 /// Data bytes of a `vmtsync:event` record (common fields + `id`, a multiple of 4).
 pub const EVENT_SIZE: usize = 12;
-/// Data bytes of a `vmtsync:event_data` record.
-pub const EVENT_DATA_SIZE: usize = 32;
+
+/// Where a `vmtsync:event_data`'s payload starts in its record (its `__data_loc` offset).
+pub const PAYLOAD_AT: usize = 16;
+
+/// Data bytes of a `vmtsync:event_data` record with a payload of `len` bytes (1 to
+/// [`MAX_PAYLOAD`]): the payload padded to 8 bytes, so it is stored in whole words.
+#[must_use]
+#[inline(always)]
+pub const fn event_data_size(len: usize) -> usize {
+    if len <= 8 {
+        PAYLOAD_AT + 8
+    } else {
+        PAYLOAD_AT + MAX_PAYLOAD
+    }
+}
+
+/// The `__data_loc` word of a `payload` of `len` bytes: its offset in the low half, its
+/// length in the high half (the kernel's encoding, which libtraceevent reads).
+#[must_use]
+#[inline(always)]
+pub const fn payload_loc(len: usize) -> u32 {
+    PAYLOAD_AT as u32 | (len as u32) << 16
+}
+
+/// Whether a record of type `common_type` is a recording's event (`vmtsync:event` or
+/// `vmtsync:event_data` of either layout), not another record beside them.
+#[must_use]
+pub const fn is_vmtsync_event(common_type: u16) -> bool {
+    matches!(common_type, EVENT_ID | EVENT_DATA_ID | EVENT_DATA_FIXED_ID)
+}
 
 /// The `format` file of `vmtsync:event`.
 pub const EVENT_FORMAT: &str = event_format!(
@@ -62,6 +98,18 @@ pub const EVENT_FORMAT: &str = event_format!(
 
 /// The `format` file of `vmtsync:event_data`.
 pub const EVENT_DATA_FORMAT: &str = event_format!(
+    "event_data",
+    60004,
+    [
+        ("unsigned int id", 8, 4, 0),
+        ("__data_loc unsigned char[] payload", 12, 4, 0),
+    ],
+    r#""id=%u len=%u payload=%s", REC->id, __get_dynamic_array_len(payload), __print_hex(__get_dynamic_array(payload), __get_dynamic_array_len(payload))"#
+);
+
+/// The `format` file of `vmtsync:event_data` in files written before [`EVENT_DATA_FORMAT`]
+/// (ID [`EVENT_DATA_FIXED_ID`]): what the reader's tests compare such a file with.
+pub const EVENT_DATA_FIXED_FORMAT: &str = event_format!(
     "event_data",
     60002,
     [
@@ -139,7 +187,12 @@ mod tests {
     fn formats_name_the_ids_and_sizes_the_writer_uses() {
         assert!(EVENT_FORMAT.contains(&format!("ID: {EVENT_ID}\n")));
         assert!(EVENT_DATA_FORMAT.contains(&format!("ID: {EVENT_DATA_ID}\n")));
-        assert!(EVENT_DATA_FORMAT.contains(&format!("payload[{MAX_PAYLOAD}];\toffset:16;")));
-        assert_eq!(EVENT_DATA_SIZE, 16 + MAX_PAYLOAD);
+        assert!(EVENT_DATA_FORMAT.contains(&format!("payload;\toffset:{}", PAYLOAD_AT - 4)));
+        assert!(EVENT_DATA_FIXED_FORMAT.contains(&format!("ID: {EVENT_DATA_FIXED_ID}\n")));
+        assert_eq!(event_data_size(1), 24);
+        assert_eq!(event_data_size(8), 24);
+        assert_eq!(event_data_size(9), 32);
+        assert_eq!(event_data_size(MAX_PAYLOAD), 32);
+        assert_eq!(payload_loc(8), 16 | 8 << 16);
     }
 }

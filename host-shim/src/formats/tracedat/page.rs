@@ -14,7 +14,9 @@ use super::consts::{
     MAX_DELTA, MAX_EXTENDED_DELTA, PAGE_DATA_SIZE, PAGE_HEADER_SIZE, PAGE_SIZE, TS_SHIFT,
     TYPE_DATA_MAX, TYPE_PADDING, TYPE_TIME_EXTEND, TYPE_TIME_STAMP,
 };
-use super::format::{EVENT_DATA_ID, EVENT_DATA_SIZE, EVENT_ID, EVENT_SIZE, MAX_PAYLOAD};
+use super::format::{
+    EVENT_DATA_ID, EVENT_ID, EVENT_SIZE, MAX_PAYLOAD, PAYLOAD_AT, event_data_size, payload_loc,
+};
 
 /// A page under construction, in a store of one or more whole pages: the page at `at` is
 /// filled, and [`PageBuf::seal`] moves to the next one, back to the first after the last. A
@@ -106,19 +108,19 @@ impl PageBuf {
         let size = if len == 0 {
             EVENT_SIZE
         } else {
-            EVENT_DATA_SIZE
+            event_data_size(len)
         };
         let Some((at, event_delta)) = self.reserve(ts, size) else {
             return false;
         };
         // The record is assembled in registers and stored in fixed-size pieces: header word,
         // then common_type, zero flags/preempt_count/pid, id; for `event_data` then the
-        // length, its padding and the 16 payload bytes (little endian throughout). type_len
-        // counts 4-byte words of data: 3 for `event`, 8 for `event_data`.
+        // payload's `__data_loc` word and its 8 or 16 bytes (little endian throughout).
+        // type_len counts 4-byte words of data.
         let (type_len, event) = if len == 0 {
             (3, EVENT_ID)
         } else {
-            (8, EVENT_DATA_ID)
+            (words(size), EVENT_DATA_ID)
         };
         let w0 = u64::from(type_len | (event_delta << 5)) | (u64::from(event) << 32);
         let w1 = u64::from(id) << 32;
@@ -126,9 +128,7 @@ impl PageBuf {
         let page = page_at(&mut self.store, self.at);
         page[at..at + 16].copy_from_slice(&head.to_le_bytes());
         if len > 0 {
-            let n = u32::try_from(len).unwrap_or(0);
-            page[at + 16..at + 20].copy_from_slice(&n.to_le_bytes());
-            page[at + 20..at + 20 + MAX_PAYLOAD].copy_from_slice(padded);
+            put_payload(page, at, len, padded);
         }
         true
     }
@@ -164,7 +164,8 @@ impl PageBuf {
             let (size, type_len, id) = if e.len == 0 {
                 (EVENT_SIZE, 3, EVENT_ID)
             } else {
-                (EVENT_DATA_SIZE, 8, EVENT_DATA_ID)
+                let size = event_data_size(e.len);
+                (size, words(size), EVENT_DATA_ID)
             };
             if delta > MAX_DELTA || e.len > MAX_PAYLOAD || used + 4 + size > PAGE_DATA_SIZE {
                 stop = Stop::General(e);
@@ -172,16 +173,14 @@ impl PageBuf {
             }
             let at = PAGE_HEADER_SIZE + used;
             // As `try_push_padded`: header word, common_type, zero flags/preempt_count/pid,
-            // id; for `event_data` the length and the 16 payload bytes.
+            // id; for `event_data` the payload's `__data_loc` word and its bytes.
             let delta = u32::try_from(delta).unwrap_or(0);
             let w0 = u64::from(type_len | (delta << 5)) | (u64::from(id) << 32);
             let w1 = u64::from(e.id) << 32;
             let head = (u128::from(w1) << 64) | u128::from(w0);
             page[at..at + 16].copy_from_slice(&head.to_le_bytes());
             if e.len > 0 {
-                let n = u32::try_from(e.len).unwrap_or(0);
-                page[at + 16..at + 20].copy_from_slice(&n.to_le_bytes());
-                page[at + 20..at + 20 + MAX_PAYLOAD].copy_from_slice(&e.payload);
+                put_payload(page, at, e.len, &e.payload);
             }
             used += 4 + size;
             last_ts = e.ts;
@@ -260,6 +259,26 @@ impl PageBuf {
         self.events = 0;
         self.at = (sealed + 1) % self.pages();
         page_at(&mut self.store, sealed)
+    }
+}
+
+/// The `type_len` of a record with `size` data bytes (a multiple of 4, at most
+/// `4 * TYPE_DATA_MAX`): its 4-byte words.
+#[inline(always)]
+fn words(size: usize) -> u32 {
+    u32::try_from(size / 4).unwrap_or(0)
+}
+
+/// An `event_data`'s payload into the record at `at` (4 header bytes, then the data): its
+/// `__data_loc` word, then `padded`'s first 8 bytes, and the other 8 when `len` is above 8
+/// ([`event_data_size`]: only the record's own bytes are written).
+#[inline(always)]
+fn put_payload(page: &mut [u8; PAGE_SIZE], at: usize, len: usize, padded: &[u8; MAX_PAYLOAD]) {
+    let p = at + 4 + PAYLOAD_AT;
+    page[p - 4..p].copy_from_slice(&payload_loc(len).to_le_bytes());
+    page[p..p + 8].copy_from_slice(&padded[..8]);
+    if len > 8 {
+        page[p + 8..p + 16].copy_from_slice(&padded[8..]);
     }
 }
 
@@ -405,15 +424,30 @@ mod tests {
         assert_eq!(u64::from_le_bytes(page[..8].try_into().unwrap()), 1_000);
         assert_eq!(
             u64::from_le_bytes(page[8..16].try_into().unwrap()),
-            (4 + 12 + 4 + 32) as u64
+            (4 + 12 + 4 + 24) as u64
         );
         // Event 1: type_len 3, delta 0.
         assert_eq!(u32_at(&page, 16), 3);
         assert_eq!(u32_at(&page, 16 + 4 + 8), 7);
-        // Event 2: type_len 8, delta 5, len 3, payload.
+        // Event 2: type_len 6 (a payload of up to 8 bytes), delta 5, the payload's
+        // `__data_loc` (at 16, 3 bytes), the payload and its zero padding.
         let e2 = 16 + 16;
-        assert_eq!(u32_at(&page, e2), 8 | (5 << 5));
-        assert_eq!(&page[e2 + 4 + 16..e2 + 4 + 19], &[1, 2, 3]);
+        assert_eq!(u32_at(&page, e2), 6 | (5 << 5));
+        assert_eq!(u32_at(&page, e2 + 4 + 12), 16 | 3 << 16);
+        assert_eq!(&page[e2 + 4 + 16..e2 + 4 + 24], &[1, 2, 3, 0, 0, 0, 0, 0]);
+    }
+
+    #[test]
+    fn a_payload_above_8_bytes_takes_16() {
+        let mut p = PageBuf::new();
+        let payload: Vec<u8> = (1..=9).collect();
+        assert!(p.try_push(1_000, 7, &payload));
+        let page = p.seal().to_vec();
+        assert_eq!(u64::from_le_bytes(page[8..16].try_into().unwrap()), 4 + 32);
+        assert_eq!(u32_at(&page, 16), 8);
+        assert_eq!(u32_at(&page, 16 + 4 + 12), 16 | 9 << 16);
+        assert_eq!(&page[16 + 4 + 16..16 + 4 + 25], &payload[..]);
+        assert_eq!(&page[16 + 4 + 25..16 + 4 + 32], &[0; 7]);
     }
 
     #[test]

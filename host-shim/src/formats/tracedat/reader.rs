@@ -19,7 +19,9 @@ use std::path::{Path, PathBuf};
 
 use super::consts::{MAGIC, SEC_FL_COMPRESS, SECTION_HEADER_SIZE, TRACING, option};
 use super::error::TraceDatError;
-use super::format::{EVENT_DATA_ID, EVENT_ID, MAX_PAYLOAD};
+use super::format::{
+    EVENT_DATA_FIXED_ID, EVENT_DATA_ID, MAX_PAYLOAD, PAYLOAD_AT, is_vmtsync_event,
+};
 
 /// Longest NUL-terminated string we accept in headers and options (names, clocks, versions).
 const MAX_CSTR: u64 = 4096;
@@ -1125,10 +1127,28 @@ pub fn for_each_event(
             len: 0,
             payload: [0; MAX_PAYLOAD],
         };
-        if (ev.common_type == EVENT_ID || ev.common_type == EVENT_DATA_ID) && len >= 12 {
+        if is_vmtsync_event(ev.common_type) && len >= 12 {
             ev.id = u32::from_le_bytes(rec[8..12].try_into().unwrap_or([0; 4]));
         }
-        if ev.common_type == EVENT_DATA_ID && len >= 32 {
+        if ev.common_type == EVENT_DATA_ID {
+            // `__data_loc`: the payload's offset (ours is always PAYLOAD_AT) and length.
+            let loc = rec
+                .get(12..16)
+                .ok_or((0, "vmtsync event_data shorter than its fields"))?;
+            let (at, l) = (
+                usize::from(u16::from_le_bytes([loc[0], loc[1]])),
+                usize::from(u16::from_le_bytes([loc[2], loc[3]])),
+            );
+            if at != PAYLOAD_AT || l > MAX_PAYLOAD {
+                return Err((12, "vmtsync payload location not 16 or length above 16"));
+            }
+            let p = rec
+                .get(at..at + l)
+                .ok_or((12, "vmtsync payload runs past its record"))?;
+            ev.len = u8::try_from(l).unwrap_or(0);
+            ev.payload[..l].copy_from_slice(p);
+        }
+        if ev.common_type == EVENT_DATA_FIXED_ID && len >= 32 {
             let l = u16::from_le_bytes([rec[12], rec[13]]);
             if usize::from(l) > MAX_PAYLOAD {
                 return Err((12, "vmtsync payload length above 16"));

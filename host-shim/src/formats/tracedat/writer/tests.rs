@@ -143,8 +143,8 @@ fn pushing_padded_runs_writes_what_pushing_each_event_writes() {
 #[test]
 fn pages_written_here_make_the_file_a_writing_thread_makes() {
     let dir = tempfile::tempdir().unwrap();
-    // About 36 MB on CPU 0, past `SYNC_EVERY`.
-    let mut events = synth(17, 1_200_000, 1);
+    // About 40 MB on CPU 0, past `SYNC_EVERY`.
+    let mut events = synth(17, 1_500_000, 1);
     events.extend(synth(19, 1000, 2).into_iter().filter(|e| e.0 == 1));
     let bg = dir.path().join("bg.dat");
     write(&bg, FileVersion::V7, 2, &events);

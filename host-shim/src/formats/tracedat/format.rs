@@ -77,8 +77,8 @@ pub const fn event_data_size(len: usize) -> usize {
 /// length in the high half (the kernel's encoding, which libtraceevent reads).
 #[must_use]
 #[inline(always)]
-pub const fn payload_loc(len: usize) -> u32 {
-    PAYLOAD_AT as u32 | (len as u32) << 16
+pub fn payload_loc(len: usize) -> u32 {
+    u32::try_from(PAYLOAD_AT | len.min(MAX_PAYLOAD) << 16).unwrap_or(0)
 }
 
 /// Whether a record of type `common_type` is a recording's event (`vmtsync:event` or

@@ -747,17 +747,12 @@ impl GuestCtf {
             "event {{\n\tname = \"{GUEST_EVENT}\";\n\tid = 0;\n\tstream_id = 0;\n\tfields := struct {{\n{f}\t}};\n}};\n"
         );
         tsdl.push_str(&spans::tsdl(fields));
-        let exact;
-        let opts = if fields.interval == Interval::Exact {
-            let mut o = opts.clone();
-            o.env.push(("vmtsync_interval".into(), "exact".into()));
-            exact = o;
-            &exact
-        } else {
-            opts
-        };
+        let mut opts = opts.clone();
+        if fields.interval == Interval::Exact {
+            opts.env.push(("vmtsync_interval".into(), "exact".into()));
+        }
         Ok(Self {
-            trace: CtfTrace::create(target, opts, &tsdl, "vcpu")?,
+            trace: CtfTrace::create(target, &opts, &tsdl, "vcpu")?,
             fields,
             spans: spans::Spans::default(),
         })

@@ -156,32 +156,42 @@ impl PageBuf {
                 stop = Stop::Refused;
                 break;
             };
-            if e.ts < last_ts {
-                stop = Stop::Refused;
-                break;
-            }
-            let delta = e.ts - last_ts;
+            // Wrapping: an event before the page's last shows as a delta above MAX_DELTA.
+            let delta = e.ts.wrapping_sub(last_ts);
             let (size, type_len, id) = if e.len == 0 {
                 (EVENT_SIZE, 3, EVENT_ID)
             } else {
                 let size = event_data_size(e.len);
                 (size, words(size), EVENT_DATA_ID)
             };
-            if delta > MAX_DELTA || e.len > MAX_PAYLOAD || used + 4 + size > PAGE_DATA_SIZE {
-                stop = Stop::General(e);
+            // Room for the longest record ([`FILL_ROOM`]) whatever this one's size, so that
+            // every piece below is stored at once, past the record's end too (the next
+            // record overwrites those bytes, [`Self::seal`] zeroes what is left); a page's
+            // last few records take the general path instead.
+            let Some(rec) = page
+                .get_mut(PAGE_HEADER_SIZE + used..PAGE_SIZE)
+                .and_then(|tail| tail.first_chunk_mut::<FILL_ROOM>())
+                .filter(|_| delta <= MAX_DELTA && e.len <= MAX_PAYLOAD)
+            else {
+                stop = if e.ts < last_ts {
+                    Stop::Refused
+                } else {
+                    Stop::General(e)
+                };
                 break;
-            }
-            let at = PAGE_HEADER_SIZE + used;
+            };
             // As `try_push_padded`: header word, common_type, zero flags/preempt_count/pid,
-            // id; for `event_data` the payload's `__data_loc` word and its bytes.
+            // id; then (meaningful for `event_data` only) the payload's `__data_loc` word
+            // and its 16 bytes.
             let delta = u32::try_from(delta).unwrap_or(0);
             let w0 = u64::from(type_len | (delta << 5)) | (u64::from(id) << 32);
             let w1 = u64::from(e.id) << 32;
-            let head = (u128::from(w1) << 64) | u128::from(w0);
-            page[at..at + 16].copy_from_slice(&head.to_le_bytes());
-            if e.len > 0 {
-                put_payload(page, at, e.len, &e.payload);
-            }
+            let (lo, hi) = e.payload.split_at(8);
+            rec[..8].copy_from_slice(&w0.to_le_bytes());
+            rec[8..16].copy_from_slice(&w1.to_le_bytes());
+            rec[16..20].copy_from_slice(&payload_loc(e.len).to_le_bytes());
+            rec[20..28].copy_from_slice(lo);
+            rec[28..36].copy_from_slice(hi);
             used += 4 + size;
             last_ts = e.ts;
             events += 1;
@@ -281,6 +291,10 @@ fn put_payload(page: &mut [u8; PAGE_SIZE], at: usize, len: usize, padded: &[u8; 
         page[p + 8..p + 16].copy_from_slice(&padded[8..]);
     }
 }
+
+/// The bytes [`PageBuf::fill_padded`] stores per record: the longest record (an
+/// `event_data` with a 16-byte payload) and its 4-byte header.
+const FILL_ROOM: usize = 4 + PAYLOAD_AT + MAX_PAYLOAD;
 
 /// Page `at` of a store of whole pages.
 #[inline(always)]

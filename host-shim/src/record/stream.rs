@@ -295,10 +295,13 @@ impl TraceDatStream {
             return Ok(0);
         };
         let cpu = self.part_for(run.key, false, first.tsc, run.offset)?;
-        // The plain records in trace-cmd's range, in order on their trace CPU, checked as
-        // they are written, in one pass: the record after them takes the general path.
+        // The records in trace-cmd's range, in order on their trace CPU, checked as they are
+        // written, in one pass: the record after them takes the general path. Each is a plain
+        // event the run places (a run holds no other: `memory::pipe`'s `Item::Run`), so only
+        // the range is checked here.
         let (n, written) = self.w.push_padded_while(cpu, records, |r| {
-            (r.tsc <= MAX_TICK && run.places(r).is_some()).then(|| Padded {
+            debug_assert!(run.places(r).is_some(), "a run's record it does not place");
+            (r.tsc <= MAX_TICK).then(|| Padded {
                 ts: r.tsc,
                 id: u32::from(r.id),
                 len: r.payload().len(),

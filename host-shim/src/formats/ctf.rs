@@ -439,6 +439,71 @@ impl CtfTrace {
         Ok(raised)
     }
 
+    /// Appends events of class 0 to `instance`'s stream while each of `recs` in turn is one
+    /// that [`Self::event_with`] would give a compact header: `event` gives its timestamp and
+    /// what `put` needs (`None` ends the run), the timestamp not before the stream's last and
+    /// less than 2^31 ticks after it, in a packet that holds an event already; `put` writes
+    /// its fields into the `ROOM` bytes after the header and returns how many it wrote. Stops after the event that fills the
+    /// packet (written out), so the next one, a packet's first, takes [`Self::event_with`].
+    /// Returns how many it appended. One loop with no call per event: the memory path's runs
+    /// go through it.
+    ///
+    /// # Errors
+    /// Writing the packet failed (the events before it count as appended).
+    #[inline(always)]
+    fn compact_while<R, E, const ROOM: usize>(
+        &mut self,
+        instance: u32,
+        recs: &[R],
+        event: impl Fn(&R) -> Option<(u64, E)>,
+        put: impl Fn(&E, &mut [u8; ROOM]) -> usize,
+    ) -> Result<usize, ExportError> {
+        let Some(i) = self.streams.iter().position(|s| s.instance == instance) else {
+            return Ok(0);
+        };
+        self.last = i;
+        let s = &mut self.streams[i];
+        let (mut used, mut last) = (s.used, s.last);
+        let mut k = 0;
+        if s.in_packet > 0 {
+            for r in recs {
+                // Wrapping: an event before the last shows as a step of 2^31 or more.
+                let Some((ts, e)) = event(r).filter(|(t, _)| t.wrapping_sub(last) < COMPACT_SPAN)
+                else {
+                    break;
+                };
+                let Some((head, fields)) = s
+                    .buf
+                    .get_mut(used..)
+                    .and_then(|tail| tail.split_first_chunk_mut::<4>())
+                else {
+                    break;
+                };
+                let Some(fields) = fields.first_chunk_mut::<ROOM>() else {
+                    break;
+                };
+                let word = (u32::try_from(ts & (COMPACT_SPAN - 1)).unwrap_or(0)) << 1;
+                *head = word.to_le_bytes();
+                used += 4 + put(&e, fields);
+                last = ts;
+                k += 1;
+                if used >= PACKET_BYTES {
+                    break;
+                }
+            }
+        }
+        (s.used, s.last) = (used, last);
+        s.in_packet += k as u64;
+        self.events += k as u64;
+        if s.used >= PACKET_BYTES {
+            s.flush().map_err(|source| ExportError::Write {
+                path: s.path.clone(),
+                source,
+            })?;
+        }
+        Ok(k)
+    }
+
     /// The index of `instance`'s stream, created (with its file) if new.
     fn stream_index(&mut self, instance: u32) -> Result<usize, ExportError> {
         if let Some(i) = self.streams.iter().position(|s| s.instance == instance) {
@@ -711,6 +776,23 @@ impl Fields {
 /// payload length and payload.
 const GUEST_FIELDS_MAX: usize = 2 + 4 + 8 + 8 + 16 + 1 + MAX_PAYLOAD;
 
+/// The most bytes of an exact trace's `vmtsync:event` fields: id, vCPU, host and guest TSC,
+/// payload length and payload.
+const EXACT_FIELDS_MAX: usize = 2 + 4 + 8 + 8 + 1 + MAX_PAYLOAD;
+
+/// An event at its exact host TSC, as [`GuestCtf::push_exact_while`] takes it.
+#[derive(Clone, Copy, Debug)]
+pub struct ExactEvent {
+    /// The event id.
+    pub id: u16,
+    /// Its host TSC, its interval's both ends.
+    pub host_tsc: u64,
+    /// The guest TSC it was recorded at.
+    pub guest_tsc: u64,
+    /// Its payload.
+    pub payload: Payload,
+}
+
 /// The name of the guest event class.
 pub const GUEST_EVENT: &str = "vmtsync:event";
 
@@ -814,6 +896,57 @@ impl GuestCtf {
                 n + 1 + usize::from(payload.len)
             })?;
         Ok(())
+    }
+
+    /// Whether [`Self::push_exact_while`] writes events: a trace that declares each event's
+    /// guest TSC and every interval exact (a memory recording in exact mode).
+    #[must_use]
+    pub fn takes_exact_runs(&self) -> bool {
+        self.fields
+            == (GuestFields {
+                guest_tsc: true,
+                interval: Interval::Exact,
+            })
+    }
+
+    /// Appends events of vCPU `vcpu` while `event` gives each of `recs` in turn as an
+    /// [`ExactEvent`] (`None` ends the run) that is not a span record and that its stream's
+    /// packet takes with a compact header, in one loop ([`CtfTrace::compact_while`]); a trace
+    /// that does not [take exact runs](Self::takes_exact_runs) takes none. Returns how many it
+    /// appended: the record after them goes to [`Self::push`].
+    ///
+    /// # Errors
+    /// Writing a packet failed.
+    #[inline(always)]
+    pub fn push_exact_while<R>(
+        &mut self,
+        vcpu: u32,
+        recs: &[R],
+        event: impl Fn(&R) -> Option<ExactEvent>,
+    ) -> Result<usize, ExportError> {
+        if !self.takes_exact_runs() {
+            return Ok(0);
+        }
+        self.trace.compact_while::<R, ExactEvent, EXACT_FIELDS_MAX>(
+            vcpu,
+            recs,
+            |r| {
+                event(r)
+                    .filter(|e| !crate::formats::event::is_span_id(e.id))
+                    .map(|e| (e.host_tsc, e))
+            },
+            |e, d| {
+                // As `push_event` with a guest TSC and no interval fields: id, vCPU, host and
+                // guest TSC, the length byte and all 16 payload bytes (only `len` count).
+                d[..2].copy_from_slice(&e.id.to_le_bytes());
+                d[2..6].copy_from_slice(&vcpu.to_le_bytes());
+                d[6..14].copy_from_slice(&e.host_tsc.to_le_bytes());
+                d[14..22].copy_from_slice(&e.guest_tsc.to_le_bytes());
+                d[22] = e.payload.len;
+                d[23..].copy_from_slice(&e.payload.bytes);
+                23 + usize::from(e.payload.len)
+            },
+        )
     }
 
     /// Finishes the trace (see [`CtfTrace::finish`]).

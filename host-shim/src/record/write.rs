@@ -184,6 +184,20 @@ impl Out {
         match self {
             Self::TraceDat(w) => w.push_run(run, records),
             Self::Perfetto(w) => w.push_run(*run, records),
+            Self::Ctf(w) if w.takes_exact_runs() => {
+                Ok(w.push_exact_while(run.key, records, |r| {
+                    // Each is a plain event the run places (a run holds no other:
+                    // `memory::pipe`'s `Item::Run`).
+                    let host = run.places(r)?;
+                    Some(crate::formats::ctf::ExactEvent {
+                        id: r.id,
+                        host_tsc: host,
+                        guest_tsc: r.tsc,
+                        payload: crate::formats::event::Payload::from_padded(r.len, r.payload)
+                            .unwrap_or_default(),
+                    })
+                })?)
+            }
             Self::Ctf(w) => Ok(super::stream::for_each_plain(run, records, |e| w.push(e))?),
             _ => Ok(0),
         }

@@ -416,3 +416,82 @@ fn an_exact_trace_says_so_and_refuses_any_other_interval() {
     let m = std::fs::read_to_string(all.join("metadata")).unwrap();
     assert!(!m.contains("vmtsync_interval"), "{m}");
 }
+
+/// Runs pushed with `push_exact_while` (an exact trace's plain events, in one loop) make the
+/// same files as `push` of each event: over packets it fills, payloads of every length, steps
+/// too long for a compact header, an event before the stream's last (raised by `push`), span
+/// records (refused by the run) and a second vCPU. A trace of another layout takes no run.
+#[test]
+fn exact_runs_write_what_pushing_each_event_writes() {
+    let events: Vec<ExportEvent> = (0..300_000u64)
+        .map(|i| {
+            let vcpu = u32::from(i % 5000 == 0);
+            let host = match i {
+                1000 => 500,                           // before the stream's last
+                2000 => 10_000 + 3 * 2000 + (1 << 31), // a step too long for a compact header
+                _ if i > 2000 => 10_000 + 3 * i + (1 << 31),
+                _ => 10_000 + 3 * i,
+            };
+            let len = usize::try_from(i % 17).unwrap();
+            let mut e = ev(vcpu, host, &i.to_le_bytes().repeat(2)[..len]);
+            e.bound = Some(Bound { lo: host, hi: host });
+            if i % 777 == 0 {
+                e.id = vmtsync_core::recorder::SPAN_BEGIN_ID;
+            }
+            e
+        })
+        .collect();
+    let d = tempfile::tempdir().unwrap();
+    let write = |name: &str, runs: bool| {
+        let out = d.path().join(name);
+        let mut w = GuestCtf::create(&out, &opts(), GuestFields::EXACT).unwrap();
+        w.write_here();
+        let exact = |e: &ExportEvent| {
+            Some(ExactEvent {
+                id: e.id,
+                host_tsc: e.host_tsc,
+                guest_tsc: e.guest_tsc?,
+                payload: e.payload,
+            })
+        };
+        for run in events.chunk_by(|a, b| a.vcpu == b.vcpu) {
+            let mut rest = run;
+            while let Some(first) = rest.first() {
+                let n = if runs {
+                    w.push_exact_while(first.vcpu, rest, exact).unwrap()
+                } else {
+                    0
+                };
+                rest = &rest[n..];
+                if let Some(e) = rest.first() {
+                    w.push(e).unwrap();
+                    rest = &rest[1..];
+                }
+            }
+        }
+        w.finish().unwrap();
+        out
+    };
+    let (one, runs) = (write("one", false), write("runs", true));
+    for f in ["vcpu0", "vcpu1"] {
+        let (a, b) = (
+            std::fs::read(one.join(f)).unwrap(),
+            std::fs::read(runs.join(f)).unwrap(),
+        );
+        assert!(
+            a.len() > 2 * PACKET_BYTES || f == "vcpu1",
+            "{f}: {}",
+            a.len()
+        );
+        assert!(a == b, "{f}: the two traces differ");
+    }
+    // Another layout: no run is taken.
+    let mut w = GuestCtf::create(&d.path().join("all"), &opts(), GuestFields::ALL).unwrap();
+    w.push(&events[0]).unwrap();
+    assert!(!w.takes_exact_runs());
+    assert_eq!(
+        w.push_exact_while(0, &events[1..], |_| None::<ExactEvent>)
+            .unwrap(),
+        0
+    );
+}

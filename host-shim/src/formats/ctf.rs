@@ -443,10 +443,10 @@ impl CtfTrace {
     /// that [`Self::event_with`] would give a compact header: `event` gives its timestamp and
     /// what `put` needs (`None` ends the run), the timestamp not before the stream's last and
     /// less than 2^31 ticks after it, in a packet that holds an event already; `put` writes
-    /// its fields into the `ROOM` bytes after the header and returns how many it wrote. Stops after the event that fills the
-    /// packet (written out), so the next one, a packet's first, takes [`Self::event_with`].
-    /// Returns how many it appended. One loop with no call per event: the memory path's runs
-    /// go through it.
+    /// its fields into the `ROOM` bytes after the header and returns how many it wrote.
+    /// Stops after the event that fills the packet (written out), so the next one, a
+    /// packet's first, takes [`Self::event_with`]. Returns how many it appended. One loop
+    /// with no call per event: the memory path's runs go through it.
     ///
     /// # Errors
     /// Writing the packet failed (the events before it count as appended).

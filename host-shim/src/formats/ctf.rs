@@ -235,6 +235,18 @@ impl Stream {
         &mut self.buf[self.used..end]
     }
 
+    /// Writes the packet once it reaches [`PACKET_BYTES`].
+    #[inline]
+    fn flush_when_full(&mut self) -> Result<(), ExportError> {
+        if self.used < PACKET_BYTES {
+            return Ok(());
+        }
+        self.flush().map_err(|source| ExportError::Write {
+            path: self.path.clone(),
+            source,
+        })
+    }
+
     /// Writes the packet: header (magic, stream class 0, instance) and context (first and
     /// last timestamps, content and packet size in bits, sequence number), then the events.
     fn flush(&mut self) -> io::Result<()> {
@@ -430,12 +442,7 @@ impl CtfTrace {
         s.in_packet += 1;
         self.events += 1;
         self.raised += u64::from(raised);
-        if s.used >= PACKET_BYTES {
-            s.flush().map_err(|source| ExportError::Write {
-                path: s.path.clone(),
-                source,
-            })?;
-        }
+        s.flush_when_full()?;
         Ok(raised)
     }
 
@@ -495,12 +502,7 @@ impl CtfTrace {
         (s.used, s.last) = (used, last);
         s.in_packet += k as u64;
         self.events += k as u64;
-        if s.used >= PACKET_BYTES {
-            s.flush().map_err(|source| ExportError::Write {
-                path: s.path.clone(),
-                source,
-            })?;
-        }
+        s.flush_when_full()?;
         Ok(k)
     }
 

@@ -778,9 +778,37 @@ impl Fields {
 /// payload length and payload.
 const GUEST_FIELDS_MAX: usize = 2 + 4 + 8 + 8 + 16 + 1 + MAX_PAYLOAD;
 
-/// The most bytes of an exact trace's `vmtsync:event` fields: id, vCPU, host and guest TSC,
-/// payload length and payload.
-const EXACT_FIELDS_MAX: usize = 2 + 4 + 8 + 8 + 1 + MAX_PAYLOAD;
+/// A `vmtsync:event`'s fields into `d`, as its class declares them: id, vCPU, host TSC, the
+/// guest TSC and the interval's ends where the trace has them (`Some`), the length byte, then
+/// all 16 payload bytes (a fixed-size move; only `len` count). Returns the bytes that count.
+/// Inlined, each call site's fixed fields make its offsets constants.
+#[inline(always)]
+fn put_guest_fields(
+    d: &mut [u8; GUEST_FIELDS_MAX],
+    id: u16,
+    vcpu: u32,
+    host: u64,
+    guest: Option<u64>,
+    bound: Option<Bound>,
+    payload: &Payload,
+) -> usize {
+    d[..2].copy_from_slice(&id.to_le_bytes());
+    d[2..6].copy_from_slice(&vcpu.to_le_bytes());
+    d[6..14].copy_from_slice(&host.to_le_bytes());
+    let mut n = 14;
+    if let Some(g) = guest {
+        d[n..n + 8].copy_from_slice(&g.to_le_bytes());
+        n += 8;
+    }
+    if let Some(bd) = bound {
+        d[n..n + 8].copy_from_slice(&bd.lo.to_le_bytes());
+        d[n + 8..n + 16].copy_from_slice(&bd.hi.to_le_bytes());
+        n += 16;
+    }
+    d[n] = payload.len;
+    d[n + 1..n + 1 + MAX_PAYLOAD].copy_from_slice(&payload.bytes);
+    n + 1 + usize::from(payload.len)
+}
 
 /// An event at its exact host TSC, as [`GuestCtf::push_exact_while`] takes it.
 #[derive(Clone, Copy, Debug)]
@@ -876,26 +904,9 @@ impl GuestCtf {
         }
         self.trace
             .event_with(vcpu, 0, host, GUEST_FIELDS_MAX, |d| {
-                let Some(d) = d.first_chunk_mut::<GUEST_FIELDS_MAX>() else {
-                    return 0;
-                };
-                d[..2].copy_from_slice(&id.to_le_bytes());
-                d[2..6].copy_from_slice(&vcpu.to_le_bytes());
-                d[6..14].copy_from_slice(&host.to_le_bytes());
-                let mut n = 14;
-                if let Some(g) = guest {
-                    d[n..n + 8].copy_from_slice(&g.to_le_bytes());
-                    n += 8;
-                }
-                if let Some(bd) = bound {
-                    d[n..n + 8].copy_from_slice(&bd.lo.to_le_bytes());
-                    d[n + 8..n + 16].copy_from_slice(&bd.hi.to_le_bytes());
-                    n += 16;
-                }
-                // The length byte, then all 16 bytes (a fixed-size move); only `len` count.
-                d[n] = payload.len;
-                d[n + 1..n + 1 + MAX_PAYLOAD].copy_from_slice(&payload.bytes);
-                n + 1 + usize::from(payload.len)
+                d.first_chunk_mut::<GUEST_FIELDS_MAX>().map_or(0, |d| {
+                    put_guest_fields(d, id, vcpu, host, guest, bound, payload)
+                })
             })?;
         Ok(())
     }
@@ -904,11 +915,7 @@ impl GuestCtf {
     /// guest TSC and every interval exact (a memory recording in exact mode).
     #[must_use]
     pub fn takes_exact_runs(&self) -> bool {
-        self.fields
-            == (GuestFields {
-                guest_tsc: true,
-                interval: Interval::Exact,
-            })
+        self.fields == GuestFields::EXACT
     }
 
     /// Appends events of vCPU `vcpu` while `event` gives each of `recs` in turn as an
@@ -929,7 +936,7 @@ impl GuestCtf {
         if !self.takes_exact_runs() {
             return Ok(0);
         }
-        self.trace.compact_while::<R, ExactEvent, EXACT_FIELDS_MAX>(
+        self.trace.compact_while::<R, ExactEvent, GUEST_FIELDS_MAX>(
             vcpu,
             recs,
             |r| {
@@ -937,16 +944,17 @@ impl GuestCtf {
                     .filter(|e| !crate::formats::event::is_span_id(e.id))
                     .map(|e| (e.host_tsc, e))
             },
+            // As `push_event` writes an exact trace's event: a guest TSC, no interval fields.
             |e, d| {
-                // As `push_event` with a guest TSC and no interval fields: id, vCPU, host and
-                // guest TSC, the length byte and all 16 payload bytes (only `len` count).
-                d[..2].copy_from_slice(&e.id.to_le_bytes());
-                d[2..6].copy_from_slice(&vcpu.to_le_bytes());
-                d[6..14].copy_from_slice(&e.host_tsc.to_le_bytes());
-                d[14..22].copy_from_slice(&e.guest_tsc.to_le_bytes());
-                d[22] = e.payload.len;
-                d[23..].copy_from_slice(&e.payload.bytes);
-                23 + usize::from(e.payload.len)
+                put_guest_fields(
+                    d,
+                    e.id,
+                    vcpu,
+                    e.host_tsc,
+                    Some(e.guest_tsc),
+                    None,
+                    &e.payload,
+                )
             },
         )
     }

@@ -310,14 +310,16 @@ impl State {
         self.vcpus.iter().position(|v| v.vcpu == vcpu)
     }
 
-    /// Guest tick `g` of `vcpu` on the host timeline: (placed, lo, hi) through the vCPU's
-    /// segment that covers it; `None` without one (the vCPU never synced) or outside `u64`.
+    /// Guest tick `g` of `vcpu` on the host timeline: (placed, lo, hi) with the recording's
+    /// placement ([`State::place_as`]).
+    #[cfg(test)]
     pub(super) fn place(&self, vcpu: u32, g: u64) -> Option<(u64, u64, u64)> {
         self.place_as(vcpu, g, self.placement)
             .map(|p| (p.host, p.lo, p.hi))
     }
 
-    /// [`State::place`] with a given placement, and the round that covers the event.
+    /// Guest tick `g` of `vcpu` on the host timeline with placement `how`, through the vCPU's
+    /// segment that covers it; `None` without one (the vCPU never synced) or outside `u64`.
     pub(super) fn place_as(&self, vcpu: u32, g: u64, how: Placement) -> Option<sync::Place> {
         let v = self.vcpus.get(self.index_of(vcpu)?)?;
         sync::place_with_exact(&v.segments, &v.exact, g, how)

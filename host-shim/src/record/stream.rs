@@ -5,7 +5,8 @@
 //! (`memory/hold.rs`). No later round changes what was written, so the records go straight
 //! into the format's streaming writer, and the file is finished, never written again, when the
 //! recording ends (docs/record.md, "Memory recordings stream"). The protocol front end, which
-//! places again with every round at the end, keeps the spool (`write.rs`).
+//! places again with every round at the end, keeps the spool (`write.rs`) and writes its
+//! trace.dat through [`TraceDatStream`] when the recording ends.
 //!
 //! - trace.dat: each vCPU's raw guest TSCs, with a TIME_SHIFT made of the offsets its records
 //!   were placed by (trace-cmd then computes exactly the host time we placed). A vCPU whose
@@ -38,6 +39,13 @@ use crate::guestmem::{GuestRecord, RoundRing};
 /// trace-cmd keeps times as signed 64-bit numbers (and its step TIME_SHIFT a sentinel at the
 /// largest): a guest tick above this is written as its host tick.
 const MAX_TICK: u64 = (i64::MAX as u64) - 1;
+
+/// What a guest's clock may cost a trace.dat written at raw guest ticks: trace CPUs beyond one
+/// per vCPU (each started by a TSC that stepped back; each holds a page and a spill file) and
+/// TIME_SHIFT samples (32 bytes each, in memory and in the file). The guest is untrusted, so
+/// past either the rest of the file is pre-converted, which needs neither.
+const MAX_EXTRA_PARTS: usize = 64;
+const MAX_SHIFT_SAMPLES: usize = 1 << 16;
 
 /// One vCPU's records of a round that its latest exact segment places (KVM's mapping did not
 /// change during the round): each plain event's host tick is its guest tick minus `offset`.
@@ -176,9 +184,14 @@ impl Part {
                 || (ts >= self.last && (offset == self.offset || ts > self.seg_start)))
     }
 
+    /// Whether taking a record placed by `offset` adds a TIME_SHIFT sample.
+    fn new_sample(&self, offset: i64) -> bool {
+        self.events == 0 || offset != self.offset
+    }
+
     /// Takes a record at `ts`, placed at `host` by `offset`.
     fn take(&mut self, ts: u64, host: u64, offset: i64) {
-        if self.events == 0 || offset != self.offset {
+        if self.new_sample(offset) {
             self.shift
                 .push(tracedat::SyncSegment::offset_only(HostTicks(host), offset));
             self.offset = offset;
@@ -203,6 +216,8 @@ pub(super) struct TraceDatStream {
     preconverted: bool,
     /// Host ticks written at their CPU's last timestamp instead (they were behind it).
     clamped: u64,
+    /// TIME_SHIFT samples taken so far, every part's.
+    samples: usize,
 }
 
 impl TraceDatStream {
@@ -236,6 +251,7 @@ impl TraceDatStream {
             keyed,
             preconverted: false,
             clamped: 0,
+            samples: 0,
         })
     }
 
@@ -251,22 +267,15 @@ impl TraceDatStream {
     /// One placed record.
     #[inline]
     pub(super) fn push(&mut self, p: &Placed<'_>) -> Result<(), RecordError> {
-        let host_ticks = self.preconverted || p.guest > MAX_TICK;
-        let (mut ts, offset) = if host_ticks {
-            (p.host, 0)
-        } else {
-            (p.guest, p.guest.wrapping_sub(p.host).cast_signed())
+        let (cpu, ts, offset) = loop {
+            if let Some(at) = self.stamp(p)? {
+                break at;
+            }
+            // Past the bounds of a raw-tick file: pre-converted, the record always has a
+            // trace CPU.
+            self.preconvert();
         };
-        if self.preconverted
-            && let Some(last) = self.last_host_tick(p.vcpu)
-            && ts < last
-        {
-            // A vCPU's points may step back across segments; its CPU's timestamps may not.
-            ts = last;
-            self.clamped += 1;
-        }
-        let cpu = self.part_for(p.vcpu, host_ticks, ts, offset)?;
-        self.parts[cpu as usize].take(ts, p.host, offset);
+        self.take(cpu, ts, p.host, offset);
         if crate::formats::event::is_span_id(p.id) {
             let mut e = p.export();
             // Each boot's rings are CPUs of their own here: keyed, they are stacks of their own
@@ -294,7 +303,9 @@ impl TraceDatStream {
         let Some(host) = run.places(first).filter(|_| first.tsc <= MAX_TICK) else {
             return Ok(0);
         };
-        let cpu = self.part_for(run.key, false, first.tsc, run.offset)?;
+        let Some(cpu) = self.part_for(run.key, false, first.tsc, run.offset)? else {
+            return Ok(0);
+        };
         // The records in trace-cmd's range, in order on their trace CPU, checked as they are
         // written, in one pass: the record after them takes the general path. Each is a plain
         // event the run places (a run holds no other: `memory::pipe`'s `Item::Run`), so only
@@ -310,13 +321,43 @@ impl TraceDatStream {
         });
         // What was written counts also when the write failed part way.
         if n > 0 {
+            self.take(cpu, first.tsc, host, run.offset);
             let part = &mut self.parts[cpu as usize];
-            part.take(first.tsc, host, run.offset);
             part.last = records[n - 1].tsc;
             part.events += (n - 1) as u64;
         }
         written?;
         Ok(n)
+    }
+
+    /// Where `p` is written: its trace CPU, timestamp and offset; `None` when that would take
+    /// a trace CPU or a TIME_SHIFT sample past the bounds of a raw-tick file (never once
+    /// pre-converted).
+    fn stamp(&mut self, p: &Placed<'_>) -> Result<Option<(u32, u64, i64)>, RecordError> {
+        let host_ticks = self.preconverted || p.guest > MAX_TICK;
+        let (mut ts, offset) = if host_ticks {
+            (p.host, 0)
+        } else {
+            (p.guest, p.guest.wrapping_sub(p.host).cast_signed())
+        };
+        if self.preconverted
+            && let Some(last) = self.last_host_tick(p.vcpu)
+            && ts < last
+        {
+            // A vCPU's points may step back across segments; its CPU's timestamps may not.
+            ts = last;
+            self.clamped += 1;
+        }
+        Ok(self
+            .part_for(p.vcpu, host_ticks, ts, offset)?
+            .map(|cpu| (cpu, ts, offset)))
+    }
+
+    /// Part `cpu` takes a record at `ts`, placed at `host` by `offset`.
+    fn take(&mut self, cpu: u32, ts: u64, host: u64, offset: i64) {
+        let part = &mut self.parts[cpu as usize];
+        self.samples += usize::from(part.new_sample(offset));
+        part.take(ts, host, offset);
     }
 
     /// The last timestamp of `key`'s part now, when it holds host ticks.
@@ -327,28 +368,41 @@ impl TraceDatStream {
     }
 
     /// The trace CPU a record of `key` at `ts` placed by `offset` goes to: the vCPU's part now,
-    /// or a new one when that one cannot take it.
+    /// or a new one when that one cannot take it; `None` when that takes a trace CPU or a
+    /// TIME_SHIFT sample past [`MAX_EXTRA_PARTS`] or [`MAX_SHIFT_SAMPLES`] before the stream
+    /// is pre-converted.
     fn part_for(
         &mut self,
         key: u32,
         host_ticks: bool,
         ts: u64,
         offset: i64,
-    ) -> Result<u32, RecordError> {
+    ) -> Result<Option<u32>, RecordError> {
+        let room = |s: &Self, part: Option<&Part>| {
+            s.preconverted
+                || (part.is_some() || s.parts.len() < s.now.len() + MAX_EXTRA_PARTS)
+                    && (part.is_some_and(|p| !p.new_sample(offset))
+                        || s.samples < MAX_SHIFT_SAMPLES)
+        };
         // The vCPU of the last record, most often.
         if let Some(&(k, cpu)) = self.now.get(self.hint)
             && k == key
             && self.parts[cpu as usize].takes(host_ticks, ts, offset)
         {
-            return Ok(cpu);
+            let part = &self.parts[cpu as usize];
+            return Ok(room(self, Some(part)).then_some(cpu));
         }
         let now = self.now.iter().position(|&(k, _)| k == key);
         if let Some(i) = now {
             self.hint = i;
             let cpu = self.now[i].1;
-            if self.parts[cpu as usize].takes(host_ticks, ts, offset) {
-                return Ok(cpu);
+            let part = &self.parts[cpu as usize];
+            if part.takes(host_ticks, ts, offset) {
+                return Ok(room(self, Some(part)).then_some(cpu));
             }
+        }
+        if !room(self, None) {
+            return Ok(None);
         }
         let cpu = self.w.add_cpu()?;
         let after = self.parts.iter().filter(|p| p.key == key).count();
@@ -364,7 +418,7 @@ impl TraceDatStream {
                 self.now.push((key, cpu));
             }
         }
-        Ok(cpu)
+        Ok(Some(cpu))
     }
 
     /// Finishes the file: its UNAME naming the trace CPUs, the function graph's names, the
@@ -815,6 +869,59 @@ mod tests {
                 .contains("vCPUs 0,1 as CPUs 0..2, timestamps pre-converted"),
             "{}",
             String::from_utf8_lossy(uname)
+        );
+    }
+
+    /// A guest TSC that keeps stepping back costs at most [`MAX_EXTRA_PARTS`] trace CPUs:
+    /// past them the rest of the file is pre-converted (host ticks, each vCPU's on one trace
+    /// CPU), and every record is still written, trace-cmd showing each at its host tick.
+    #[test]
+    fn a_tsc_that_keeps_stepping_back_is_preconverted_past_the_trace_cpu_bound() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("b.dat");
+        let mut s = TraceDatStream::create(&target(&out), &[0], true, 7, false).unwrap();
+        let n = 2 * MAX_EXTRA_PARTS as u64 + 10;
+        let hosts: Vec<u64> = (0..n).map(|i| 10_000 + 100 * i).collect();
+        for (i, &h) in hosts.iter().enumerate() {
+            // Guest ticks alternate between two far-apart clocks: every other one steps back.
+            let g = if i % 2 == 0 { h + 1_000_000 } else { h + 5_000 };
+            s.push(&placed(0, g, h, u8::try_from(i % 8).unwrap()))
+                .unwrap();
+        }
+        let (host_ticks, clamped) = s.finish().unwrap();
+        assert!(host_ticks > 0 && clamped == 0, "{host_ticks} {clamped}");
+        let layout = read_layout(&out).unwrap();
+        let cpus = layout.buffers[0].cpus.len();
+        assert!(cpus <= 1 + MAX_EXTRA_PARTS + 1, "{cpus} trace CPUs");
+        let mut got: Vec<u64> = host_times(&out).into_iter().map(|(_, h, _)| h).collect();
+        got.sort_unstable();
+        assert_eq!(got, hosts, "every record at its host tick");
+    }
+
+    /// Points whose offset changes at every record cost at most [`MAX_SHIFT_SAMPLES`]
+    /// TIME_SHIFT samples: past them the rest is pre-converted, every record still at its
+    /// host tick.
+    #[test]
+    fn offsets_that_change_at_every_record_are_preconverted_past_the_sample_bound() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("s.dat");
+        let mut s = TraceDatStream::create(&target(&out), &[0], true, 7, true).unwrap();
+        let n = MAX_SHIFT_SAMPLES as u64 + 1_000;
+        for i in 0..n {
+            s.push(&placed(0, 1_000_000 + 10 * i, 100 + 9 * i, (i % 8) as u8))
+                .unwrap();
+        }
+        let (host_ticks, _) = s.finish().unwrap();
+        assert_eq!(host_ticks, 1_000, "the records past the bound");
+        let layout = read_layout(&out).unwrap();
+        let body = &layout.options_with(option::TIME_SHIFT).next().unwrap().data;
+        let samples: usize = decode(body).unwrap().cpus.iter().map(Vec::len).sum();
+        assert!(samples <= MAX_SHIFT_SAMPLES + 4, "{samples} samples");
+        let got = host_times(&out);
+        assert_eq!(got.len() as u64, n);
+        assert!(
+            got.iter().zip(0..).all(|(&(_, h, _), i)| h == 100 + 9 * i),
+            "every record at its host tick, in order"
         );
     }
 }

@@ -3,16 +3,12 @@
 
 use std::path::Path;
 
-use vmtsync_core::HostTicks;
-use vmtsync_core::mapping::KvmTscMapping;
-
 use super::place::{Placed, State};
-use super::target::{Target, host_tsc2nsec};
+use super::target::Target;
 use super::{RecordError, RecordFormat, spool};
 use crate::formats::jsonl::JsonlWriter;
 use crate::formats::perfetto::PerfettoWriter;
 use crate::formats::perfetto::clock::{BootClock, ClockSnapshot};
-use crate::formats::tracedat::{self, ShiftMode, TimeShift, TraceDatWriter, WriterOptions};
 use crate::sync::Placement;
 
 /// Appends `p` to the JSON Lines output, an error naming the file being written.
@@ -306,8 +302,10 @@ pub(super) fn write_perfetto(
     Ok((false, 0))
 }
 
-/// The trace.dat from the spool: raw guest TSCs plus a TIME_SHIFT when every segment is at
-/// identity rate (trace-cmd then computes exactly what we do), else host TSCs.
+/// The trace.dat from the spool, each event placed as the JSON Lines output places it and
+/// written as a memory recording streams it ([`super::stream::TraceDatStream`]): raw guest
+/// TSCs with a TIME_SHIFT of the offsets the points follow when every segment is at identity
+/// rate (trace-cmd then shows each event at its point, inside its interval), else host TSCs.
 pub(super) fn write_trace_dat(
     mut s: spool::Spool,
     opts: &Target,
@@ -318,106 +316,21 @@ pub(super) fn write_trace_dat(
         .iter()
         .flat_map(|v| v.time_segments())
         .all(|g| g.drift_ppb == 0);
-    if identity {
-        match write_trace_dat_as(&mut s, opts, st, true) {
-            // Raw guest TSCs that go backwards (the guest clock stepped back) or segments
-            // trace-cmd's TIME_SHIFT cannot hold: write host TSCs instead.
-            Err(RecordError::TraceDat(
-                tracedat::TraceDatError::NotMonotonic { .. }
-                | tracedat::TraceDatError::TimeShift(_),
-            )) => {}
-            r => return r,
-        }
+    let keys: Vec<u32> = st.vcpus.iter().map(|v| v.vcpu).collect();
+    let mut w =
+        super::stream::TraceDatStream::create(opts, &keys, st.keyed, trace_id(opts, st), false)?;
+    if !identity {
+        // trace-cmd's TIME_SHIFT cannot follow another rate exactly (docs/record.md).
+        w.preconvert();
     }
-    write_trace_dat_as(&mut s, opts, st, false)
-}
-
-/// One attempt at the trace.dat: raw guest TSCs with a TIME_SHIFT (`identity`), or host TSCs.
-pub(super) fn write_trace_dat_as(
-    s: &mut spool::Spool,
-    opts: &Target,
-    st: &State,
-    identity: bool,
-) -> Result<(bool, u64), RecordError> {
-    let trace_id = trace_id(opts, st);
-    // One CPU buffer per vCPU synced, in increasing vCPU order (`cpu` N of the file is the
-    // N-th of them: the UNAME names them).
-    let cpus = u32::try_from(st.vcpus.len()).unwrap_or(u32::MAX);
-    let mut wo = WriterOptions::new(cpus, trace_id);
-    wo.version = opts.file_version;
-    wo.tsc2nsec = host_tsc2nsec();
-    let names: Vec<String> = st
-        .vcpus
-        .iter()
-        .map(|v| super::stream::cpu_name(v.vcpu, st.keyed))
-        .collect();
-    wo.uname = Some(super::stream::uname(&names, identity));
-    let tsc2nsec = wo.tsc2nsec;
-    let mut w = TraceDatWriter::create(&opts.out, wo)?;
-    // Span records are also written as the function graph trace-cmd prints.
-    let mut graph = tracedat::SpanGraph::new(&opts.spans, tsc2nsec);
-    let mut clamped = 0;
-    // The last timestamp written per CPU: each CPU's buffer must be in order.
-    let mut last = vec![0u64; st.vcpus.len()];
     for rec in s.iter().map_err(RecordError::io(&opts.out))? {
         let rec = rec.map_err(RecordError::io(&opts.out))?;
-        let Some(cpu) = st.index_of(rec.vcpu) else {
-            continue;
-        };
-        let ts = if identity {
-            rec.guest
-        } else {
-            let host = st
-                .place(rec.vcpu, rec.guest)
-                .map_or(last[cpu], |(h, _, _)| h);
-            if host < last[cpu] {
-                clamped += 1;
-            }
-            host.max(last[cpu])
-        };
-        last[cpu] = ts;
-        let cpu = u32::try_from(cpu).unwrap_or(u32::MAX);
-        match st.place(rec.vcpu, rec.guest) {
-            Some((host, lo, hi)) => graph.push(
-                &mut w,
-                cpu,
-                ts,
-                &crate::formats::ExportEvent {
-                    // Each boot's rings are CPUs of their own here: keyed, they are stacks
-                    // of their own too.
-                    vcpu: rec.vcpu,
-                    id: rec.id,
-                    guest_tsc: Some(rec.guest),
-                    host_tsc: host,
-                    bound: Some(crate::formats::Bound { lo, hi }),
-                    payload: crate::formats::Payload::new(rec.payload()).unwrap_or_default(),
-                },
-            )?,
-            // No host time: a span record left out of the graph (an exit then finds no entry).
-            None => w.push(cpu, ts, u32::from(rec.id), rec.payload())?,
+        if let Some(p) = st.placed(&rec) {
+            w.push(&p)?;
         }
     }
-    graph.finish(&mut w, cpus);
-    let shift = identity.then(|| TimeShift {
-        peer_trace_id: 0,
-        mode: ShiftMode::Step,
-        cpus: st
-            .vcpus
-            .iter()
-            .map(|v| {
-                v.time_segments()
-                    .iter()
-                    .map(|g| tracedat::SyncSegment {
-                        // The host tick where the segment's first guest tick falls.
-                        start: HostTicks(g.guest_start.wrapping_sub(g.offset.cast_unsigned())),
-                        map: KvmTscMapping::offset_only(g.offset),
-                    })
-                    .collect()
-            })
-            .collect(),
-    });
-    w.finish(shift.as_ref())?;
-    Ok((!identity, clamped))
+    let (host_ticks, clamped) = w.finish()?;
+    Ok((host_ticks > 0, clamped))
 }
 
 /// A TRACEID for the guest file: stable for one run (source and first anchor).
@@ -432,4 +345,101 @@ pub(super) fn trace_id(opts: &Target, st: &State) -> u64 {
         h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
     }
     h
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::formats::tracedat::consts::option;
+    use crate::formats::tracedat::timeshift::{decode, trace_cmd_host_time};
+    use crate::formats::tracedat::{read_layout, reader};
+    use crate::syncfile::{AnchorKind, OffsetModel, SyncSegment};
+
+    /// A round at host tick `at` whose box of offsets is `[lo, hi]` around `centre`, the rate
+    /// within 50 ppb of the host's.
+    fn round(round: u64, at: u64, (lo, centre, hi): (i64, i64, i64)) -> SyncSegment {
+        SyncSegment {
+            vcpu: 0,
+            round,
+            guest_start: at.checked_add_signed(centre).unwrap(),
+            host_anchor: at,
+            guest_anchor: at.checked_add_signed(centre).unwrap(),
+            offset: centre,
+            offset_lo: lo,
+            offset_hi: hi,
+            drift_ppb: 0,
+            drift_ppb_lo: Some(-50),
+            drift_ppb_hi: Some(50),
+            model: OffsetModel::Drift,
+            probes: 8,
+            rtt_min_ticks: 1,
+            host_first: at,
+            host_last: at,
+            is_break: false,
+            anchor: AnchorKind::InProcess,
+        }
+    }
+
+    /// A `record --connect` trace.dat at identity rate puts every event, as trace-cmd
+    /// computes it from the TIME_SHIFT, inside the event's guaranteed interval, with one
+    /// sample per segment, also when a round's own offset lies outside the interval the
+    /// rounds around it give (a round slowed down on a loaded machine: a wide box whose centre
+    /// is far from the truth, between two narrow ones).
+    #[test]
+    fn trace_cmd_shows_every_event_inside_its_interval_when_a_wide_rounds_centre_is_off() {
+        const TRUTH: i64 = 1_000_000;
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("g.dat");
+        let mut st = State::new(&[0], None, Placement::TwoSided);
+        st.vcpus[0].segments = vec![
+            round(0, 10_000_000, (TRUTH - 200, TRUTH, TRUTH + 200)),
+            round(
+                1,
+                20_000_000,
+                (TRUTH - 300_000, TRUTH - 125_000, TRUTH + 50_000),
+            ),
+            round(2, 30_000_000, (TRUTH - 100, TRUTH, TRUTH + 100)),
+            round(3, 40_000_000, (TRUTH - 100, TRUTH + 100, TRUTH + 300)),
+        ];
+        let mut spool = spool::Spool::new().unwrap();
+        let hosts: Vec<u64> = (0..400).map(|i| 5_000_000 + i * 100_000).collect();
+        for (i, &h) in hosts.iter().enumerate() {
+            let g = h.checked_add_signed(TRUTH).unwrap();
+            spool
+                .push(0, g, 7, &u32::try_from(i).unwrap().to_le_bytes())
+                .unwrap();
+        }
+        let target = Target::test(&out, RecordFormat::TraceCmd);
+        assert_eq!(write_trace_dat(spool, &target, &st).unwrap(), (false, 0));
+        let layout = read_layout(&out).unwrap();
+        let body = &layout.options_with(option::TIME_SHIFT).next().unwrap().data;
+        let shift = decode(body).unwrap();
+        let samples = &shift.cpus[0];
+        let (mut n, mut moved) = (0, 0);
+        reader::for_each_event(&out, &layout, 0, |e| {
+            let i = u32::from_le_bytes(e.payload[..4].try_into().unwrap()) as usize;
+            let (h, g) = (hosts[i], e.ts);
+            let (point, lo, hi) = st.place(0, g).unwrap();
+            assert!(
+                (lo..=hi).contains(&h),
+                "the scenario's truth {h} in [{lo}, {hi}]"
+            );
+            let shown = trace_cmd_host_time(samples, shift.flags, g).unwrap();
+            assert_eq!(shown, point, "guest tick {g}");
+            assert!((lo..=hi).contains(&shown), "{shown} outside [{lo}, {hi}]");
+            // The wide round's own offset would have shown its events 125,000 ticks early.
+            moved += usize::from(g < 30_000_000 + TRUTH as u64 && g >= 20_000_000 + TRUTH as u64);
+            n += 1;
+        })
+        .unwrap();
+        assert_eq!((n, moved), (400, 100));
+        // One sample per segment (and step mode's closing copy at the largest time).
+        let starts: Vec<i64> = samples.iter().map(|s| s.time).collect();
+        assert_eq!(starts.len(), 5, "{samples:?}");
+        assert_eq!(
+            samples[1].offset,
+            -(TRUTH - 100),
+            "the overlap's nearest offset"
+        );
+    }
 }

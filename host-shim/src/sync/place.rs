@@ -62,9 +62,9 @@ pub struct Place {
 
 /// Guest tick `g` through `segments` (one vCPU's, in guest order): one-sided through the
 /// covering segment, or two-sided (see the module docs). Two-sided never gives a wider
-/// interval than one-sided: it is intersected with it. The point estimate is the covering
-/// segment's line when it converts at identity rate (what a trace.dat TIME_SHIFT applies)
-/// and lies inside the interval; else the line through the anchors of the rounds around the
+/// interval than one-sided: it is intersected with it. The point estimate of an
+/// identity-rate segment is its line at one offset for all its events (what a trace.dat
+/// TIME_SHIFT applies: [`steady_offset`]) when that lies inside the interval; else the line through the anchors of the rounds around the
 /// event, or, outside the epoch's rounds, the line from the nearest round's anchor at the
 /// epoch's newest rate, when that lies inside; else the interval's midpoint (rounded down).
 /// It always lies inside the interval. `None` without a segment or outside `u64`.
@@ -133,8 +133,17 @@ pub fn place(segments: &[SyncSegment], g: u64, how: Placement) -> Option<Place> 
         corner(seg.host_anchor, g, seg.offset, newest.drift_ppb)
             .and_then(|(f, _)| u64::try_from(f).ok())
     };
-    let host = if seg.drift_ppb == 0 && inside(&centre) {
-        centre
+    // At identity rate, one offset for the whole segment (what a trace.dat TIME_SHIFT
+    // applies, one sample per segment): the segment's own, moved into the next round's box
+    // when it lies outside it. Both boxes hold the true offset when the rate is 1, so their
+    // overlap does, and the point lies inside the interval of every event the segment covers
+    // whenever the epoch's drift bounds allow rate 1.
+    let steady = (seg.drift_ppb == 0)
+        .then(|| steady_offset(seg, segments[i + 1..end].first()))
+        .and_then(|o| corner(seg.host_anchor, g, o, 0))
+        .and_then(|(p, _)| u64::try_from(p).ok());
+    let host = if let Some(p) = steady.filter(inside) {
+        p
     } else if let Some(p) = line.filter(inside) {
         p
     } else {
@@ -146,6 +155,21 @@ pub fn place(segments: &[SyncSegment], g: u64, how: Placement) -> Option<Place> 
         hi,
         round: seg.round,
     })
+}
+
+/// The offset an identity-rate segment's points follow: its central offset, clamped into
+/// the overlap of its box and the next round's (`next`, of the same epoch) when they overlap.
+fn steady_offset(seg: &SyncSegment, next: Option<&SyncSegment>) -> i64 {
+    let (mut lo, mut hi) = (seg.offset_lo, seg.offset_hi);
+    if let Some(n) = next {
+        lo = lo.max(n.offset_lo);
+        hi = hi.min(n.offset_hi);
+    }
+    if lo <= hi {
+        seg.offset.clamp(lo, hi)
+    } else {
+        seg.offset
+    }
 }
 
 /// [`place`] through `segments`, its point the host tick of KVM's exact mappings `exact`

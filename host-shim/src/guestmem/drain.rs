@@ -25,8 +25,6 @@ pub const MAX_PER_ROUND_LIMIT: usize = 65536;
 pub struct GuestRecord {
     /// The ring (vCPU) it came from.
     pub vcpu: u32,
-    /// Its index in that ring's sequence (0 for the ring's first record).
-    pub index: u64,
     /// The event id ([`BEACON_ID`] for a sync beacon).
     pub id: u16,
     /// The guest clock read when it was recorded (see the header's clock word).
@@ -36,6 +34,10 @@ pub struct GuestRecord {
     /// The payload; bytes past `len` are zero.
     pub payload: [u8; 16],
 }
+
+// 32 bytes, a slot's size: a drain round's records are written and read once more each
+// (take_slots, then the writer thread), so every byte of them costs twice per record.
+const _: () = assert!(size_of::<GuestRecord>() == 32);
 
 impl GuestRecord {
     /// Whether this is a sync beacon (id 0xFFFF; its payload is the sequence number).
@@ -439,7 +441,6 @@ impl Drainer {
             max_tsc = max_tsc.max(tsc);
             self.round.push(GuestRecord {
                 vcpu,
-                index: n,
                 id,
                 tsc,
                 len,

@@ -718,7 +718,6 @@ mod tests {
         use crate::guestmem::{GuestRecord, RoundRing};
         let rec = |tsc: u64| GuestRecord {
             vcpu: 0,
-            index: 0,
             id: 7,
             tsc,
             len: 0,

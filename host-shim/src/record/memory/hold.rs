@@ -291,7 +291,6 @@ mod tests {
     fn rec(vcpu: u32, tsc: u64) -> GuestRecord {
         GuestRecord {
             vcpu,
-            index: 0,
             id: 7,
             tsc,
             len: 2,

@@ -244,7 +244,6 @@ mod tests {
     fn rec(vcpu: u32, index: u64, id: u16, tsc: u64) -> GuestRecord {
         GuestRecord {
             vcpu,
-            index,
             id,
             tsc,
             len: 1,

@@ -108,12 +108,51 @@ pub fn serve<S: SocketStream>(stream: S, clock: SkewedClock) -> AgentStats {
 /// producer thread of their own (as a unikernel's application code would), each with its
 /// sequence number as payload (`u64` LE) and id [`WORKLOAD_EVENT`], stamped with the agent's
 /// skewed clock — so the true host time of every event is its guest TSC minus the skew.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Workload {
     /// Events to record.
     pub count: u64,
     /// Events per second (0: as fast as the ring takes them).
     pub rate: u64,
+    /// The first probe replies go out late.
+    pub late: Late,
+}
+
+/// The agent's first `probes` probe replies each go out `delay` after the clock read they
+/// carry, as on a host too loaded to run the agent at once: each such probe's interval is wide
+/// and the truth lies at its upper end (`guest - host_recv` is `delay` below it), so a round
+/// of them gives a box whose centre is about `delay / 2` from the truth.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Late {
+    /// How many probe replies, from the first.
+    pub probes: u32,
+    /// How late each goes out.
+    pub delay: Duration,
+}
+
+/// A skewed clock whose first probe reads are followed by a wait ([`Late`]).
+struct LateClock {
+    clock: SkewedClock,
+    late: Late,
+}
+
+impl AgentClock for LateClock {
+    fn read_tsc(&mut self) -> GuestTicks {
+        self.clock.read_tsc()
+    }
+
+    fn vcpu_id(&self) -> u32 {
+        self.clock.vcpu_id()
+    }
+
+    fn read_tsc_for_probe(&mut self, _seq: u8) -> GuestTicks {
+        let t = self.clock.read_tsc();
+        if self.late.probes > 0 {
+            self.late.probes -= 1;
+            thread::sleep(self.late.delay);
+        }
+        t
+    }
 }
 
 /// The id of a workload event (the agent's `workload=` uses the same).
@@ -156,6 +195,10 @@ pub fn serve_with_events<S: SocketStream>(
             let _ = ring.view().record(&tsc, WORKLOAD_EVENT, &seq.to_le_bytes());
         }
     });
+    let clock = LateClock {
+        clock,
+        late: load.late,
+    };
     let mut agent = Agent::with_events(link, clock, ring);
     while let Ok(polled) = agent.poll() {
         if polled.state == AgentState::Exited {

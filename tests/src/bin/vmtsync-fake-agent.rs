@@ -53,7 +53,11 @@ fn main() -> ExitCode {
     let (stats, dropped) = serve_with_events(
         stream,
         SkewedClock { skew, vcpu: 0 },
-        Workload { count, rate },
+        Workload {
+            count,
+            rate,
+            ..Workload::default()
+        },
     );
     eprintln!("vmtsync-fake-agent: session ended: {stats:?}, {dropped} events dropped");
     ExitCode::SUCCESS

@@ -202,10 +202,22 @@ pub(crate) struct Loopback {
 /// Starts the loopback agent with `count` events at `rate` per second, in a scratch directory
 /// named after `test`.
 pub(crate) fn loopback(test: &str, count: u64, rate: u64) -> Loopback {
+    loopback_with(
+        test,
+        Workload {
+            count,
+            rate,
+            ..Workload::default()
+        },
+    )
+}
+
+/// Starts the loopback agent with workload `load`, in a scratch directory named after `test`.
+pub(crate) fn loopback_with(test: &str, load: Workload) -> Loopback {
     let dir = scratch(test);
     let sock = dir.path().join("agent.sock");
     let skew = fake_skew();
-    let agent = fake_agent(&sock, skew, Workload { count, rate });
+    let agent = fake_agent(&sock, skew, load);
     let addr = format!("unix:{}", sock.display());
     Loopback {
         dir,

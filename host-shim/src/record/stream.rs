@@ -42,10 +42,11 @@ const MAX_TICK: u64 = (i64::MAX as u64) - 1;
 
 /// What a guest's clock may cost a trace.dat written at raw guest ticks: trace CPUs beyond one
 /// per vCPU (each started by a TSC that stepped back; each holds a page and a spill file) and
-/// TIME_SHIFT samples (32 bytes each, in memory and in the file). The guest is untrusted, so
-/// past either the rest of the file is pre-converted, which needs neither.
+/// TIME_SHIFT samples beyond one per sync round (32 bytes each, in memory and in the file:
+/// points of one round at more than one offset). The host makes the rounds; the guest is
+/// untrusted, so past either bound the rest of the file is pre-converted, which needs neither.
 const MAX_EXTRA_PARTS: usize = 64;
-const MAX_SHIFT_SAMPLES: usize = 1 << 16;
+const MAX_EXTRA_SAMPLES: usize = 1 << 16;
 
 /// One vCPU's records of a round that its latest exact segment places (KVM's mapping did not
 /// change during the round): each plain event's host tick is its guest tick minus `offset`.
@@ -153,9 +154,11 @@ struct Part {
     /// Its TIME_SHIFT: each offset its records were placed by, from the host tick of the
     /// first record placed by it.
     shift: Vec<tracedat::SyncSegment>,
-    /// The latest segment's offset (`guest - host`) and the timestamp it starts at.
+    /// The latest segment's offset (`guest - host`), the timestamp it starts at, and the
+    /// round of the first record it placed.
     offset: i64,
     seg_start: u64,
+    round: u64,
     /// Its last timestamp, and how many records it holds.
     last: u64,
     events: u64,
@@ -170,6 +173,7 @@ impl Part {
             shift: Vec::new(),
             offset: 0,
             seg_start: 0,
+            round: 0,
             last: 0,
             events: 0,
         }
@@ -189,13 +193,20 @@ impl Part {
         self.events == 0 || offset != self.offset
     }
 
-    /// Takes a record at `ts`, placed at `host` by `offset`.
-    fn take(&mut self, ts: u64, host: u64, offset: i64) {
+    /// Whether taking a record placed by `offset` in round `round` adds a second sample to
+    /// that round's.
+    fn extra_sample(&self, offset: i64, round: u64) -> bool {
+        self.events > 0 && offset != self.offset && round == self.round
+    }
+
+    /// Takes a record at `ts`, placed at `host` by `offset` in round `round`.
+    fn take(&mut self, ts: u64, host: u64, offset: i64, round: u64) {
         if self.new_sample(offset) {
             self.shift
                 .push(tracedat::SyncSegment::offset_only(HostTicks(host), offset));
             self.offset = offset;
             self.seg_start = ts;
+            self.round = round;
         }
         self.last = ts;
         self.events += 1;
@@ -216,8 +227,8 @@ pub(super) struct TraceDatStream {
     preconverted: bool,
     /// Host ticks written at their CPU's last timestamp instead (they were behind it).
     clamped: u64,
-    /// TIME_SHIFT samples taken so far, every part's.
-    samples: usize,
+    /// TIME_SHIFT samples taken beyond one per round so far, every part's.
+    extra_samples: usize,
 }
 
 impl TraceDatStream {
@@ -251,7 +262,7 @@ impl TraceDatStream {
             keyed,
             preconverted: false,
             clamped: 0,
-            samples: 0,
+            extra_samples: 0,
         })
     }
 
@@ -275,7 +286,7 @@ impl TraceDatStream {
             // trace CPU.
             self.preconvert();
         };
-        self.take(cpu, ts, p.host, offset);
+        self.take(cpu, ts, p.host, offset, p.round);
         if crate::formats::event::is_span_id(p.id) {
             let mut e = p.export();
             // Each boot's rings are CPUs of their own here: keyed, they are stacks of their own
@@ -303,7 +314,7 @@ impl TraceDatStream {
         let Some(host) = run.places(first).filter(|_| first.tsc <= MAX_TICK) else {
             return Ok(0);
         };
-        let Some(cpu) = self.part_for(run.key, false, first.tsc, run.offset)? else {
+        let Some(cpu) = self.part_for(run.key, false, first.tsc, run.offset, run.round)? else {
             return Ok(0);
         };
         // The records in trace-cmd's range, in order on their trace CPU, checked as they are
@@ -321,7 +332,7 @@ impl TraceDatStream {
         });
         // What was written counts also when the write failed part way.
         if n > 0 {
-            self.take(cpu, first.tsc, host, run.offset);
+            self.take(cpu, first.tsc, host, run.offset, run.round);
             let part = &mut self.parts[cpu as usize];
             part.last = records[n - 1].tsc;
             part.events += (n - 1) as u64;
@@ -349,15 +360,15 @@ impl TraceDatStream {
             self.clamped += 1;
         }
         Ok(self
-            .part_for(p.vcpu, host_ticks, ts, offset)?
+            .part_for(p.vcpu, host_ticks, ts, offset, p.round)?
             .map(|cpu| (cpu, ts, offset)))
     }
 
-    /// Part `cpu` takes a record at `ts`, placed at `host` by `offset`.
-    fn take(&mut self, cpu: u32, ts: u64, host: u64, offset: i64) {
+    /// Part `cpu` takes a record at `ts`, placed at `host` by `offset` in round `round`.
+    fn take(&mut self, cpu: u32, ts: u64, host: u64, offset: i64, round: u64) {
         let part = &mut self.parts[cpu as usize];
-        self.samples += usize::from(part.new_sample(offset));
-        part.take(ts, host, offset);
+        self.extra_samples += usize::from(part.extra_sample(offset, round));
+        part.take(ts, host, offset, round);
     }
 
     /// The last timestamp of `key`'s part now, when it holds host ticks.
@@ -367,22 +378,23 @@ impl TraceDatStream {
         (part.host_ticks && part.events > 0).then_some(part.last)
     }
 
-    /// The trace CPU a record of `key` at `ts` placed by `offset` goes to: the vCPU's part now,
-    /// or a new one when that one cannot take it; `None` when that takes a trace CPU or a
-    /// TIME_SHIFT sample past [`MAX_EXTRA_PARTS`] or [`MAX_SHIFT_SAMPLES`] before the stream
-    /// is pre-converted.
+    /// The trace CPU a record of `key` at `ts` placed by `offset` in round `round` goes to:
+    /// the vCPU's part now, or a new one when that one cannot take it; `None` when that takes
+    /// a trace CPU or a TIME_SHIFT sample past [`MAX_EXTRA_PARTS`] or [`MAX_EXTRA_SAMPLES`]
+    /// before the stream is pre-converted.
     fn part_for(
         &mut self,
         key: u32,
         host_ticks: bool,
         ts: u64,
         offset: i64,
+        round: u64,
     ) -> Result<Option<u32>, RecordError> {
         let room = |s: &Self, part: Option<&Part>| {
             s.preconverted
                 || (part.is_some() || s.parts.len() < s.now.len() + MAX_EXTRA_PARTS)
-                    && (part.is_some_and(|p| !p.new_sample(offset))
-                        || s.samples < MAX_SHIFT_SAMPLES)
+                    && (part.is_none_or(|p| !p.extra_sample(offset, round))
+                        || s.extra_samples < MAX_EXTRA_SAMPLES)
         };
         // The vCPU of the last record, most often.
         if let Some(&(k, cpu)) = self.now.get(self.hint)
@@ -897,15 +909,15 @@ mod tests {
         assert_eq!(got, hosts, "every record at its host tick");
     }
 
-    /// Points whose offset changes at every record cost at most [`MAX_SHIFT_SAMPLES`]
-    /// TIME_SHIFT samples: past them the rest is pre-converted, every record still at its
-    /// host tick.
+    /// Points of one round whose offset changes at every record cost at most
+    /// [`MAX_EXTRA_SAMPLES`] TIME_SHIFT samples beyond the round's: past them the rest is
+    /// pre-converted, every record still at its host tick.
     #[test]
     fn offsets_that_change_at_every_record_are_preconverted_past_the_sample_bound() {
         let dir = tempfile::tempdir().unwrap();
         let out = dir.path().join("s.dat");
         let mut s = TraceDatStream::create(&target(&out), &[0], true, 7, true).unwrap();
-        let n = MAX_SHIFT_SAMPLES as u64 + 1_000;
+        let n = MAX_EXTRA_SAMPLES as u64 + 1_001;
         for i in 0..n {
             s.push(&placed(0, 1_000_000 + 10 * i, 100 + 9 * i, (i % 8) as u8))
                 .unwrap();
@@ -915,12 +927,37 @@ mod tests {
         let layout = read_layout(&out).unwrap();
         let body = &layout.options_with(option::TIME_SHIFT).next().unwrap().data;
         let samples: usize = decode(body).unwrap().cpus.iter().map(Vec::len).sum();
-        assert!(samples <= MAX_SHIFT_SAMPLES + 4, "{samples} samples");
+        assert!(samples <= MAX_EXTRA_SAMPLES + 4, "{samples} samples");
         let got = host_times(&out);
         assert_eq!(got.len() as u64, n);
         assert!(
             got.iter().zip(0..).all(|(&(_, h, _), i)| h == 100 + 9 * i),
             "every record at its host tick, in order"
+        );
+    }
+
+    /// A new offset in each new round is the host's doing (it makes the rounds), never bounded:
+    /// more rounds than [`MAX_EXTRA_SAMPLES`], each at its own offset, stay raw guest ticks.
+    #[test]
+    fn an_offset_per_round_is_not_bounded() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("r.dat");
+        let mut s = TraceDatStream::create(&target(&out), &[0], true, 7, true).unwrap();
+        let n = MAX_EXTRA_SAMPLES as u64 + 1_000;
+        for i in 0..n {
+            let p = Placed {
+                round: i,
+                ..placed(0, 1_000_000 + 10 * i, 100 + 9 * i, (i % 8) as u8)
+            };
+            s.push(&p).unwrap();
+        }
+        assert_eq!(s.finish().unwrap(), (0, 0), "nothing pre-converted");
+        let got = host_times(&out);
+        assert_eq!(got.len() as u64, n);
+        assert!(
+            got.iter()
+                .zip(0..)
+                .all(|(&(c, h, _), i)| c == 0 && h == 100 + 9 * i)
         );
     }
 }

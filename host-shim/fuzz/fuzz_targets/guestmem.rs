@@ -69,7 +69,10 @@ fuzz_target!(|data: &[u8]| {
                 u128::from(c.delivered) + u128::from(c.overwritten) + u128::from(c.corrupt),
                 u128::from(c.next)
             );
-            assert_eq!(c.delivered, s, "every delivered record reached the sink once");
+            assert_eq!(
+                c.delivered, s,
+                "every delivered record reached the sink once"
+            );
         }
         if r.is_err() {
             break;

@@ -909,6 +909,21 @@ mod tests {
         assert_eq!(got, hosts, "every record at its host tick");
     }
 
+    /// `n` records of vCPU 0 into `out`, record `i` at guest tick `1_000_000 + 10 i` placed at
+    /// host tick `100 + 9 i` (its offset changes at every record) in round `round(i)`;
+    /// returns what `finish` returns.
+    fn drifting_points(out: &std::path::Path, n: u64, round: impl Fn(u64) -> u64) -> (u64, u64) {
+        let mut s = TraceDatStream::create(&target(out), &[0], true, 7, true).unwrap();
+        for i in 0..n {
+            let p = Placed {
+                round: round(i),
+                ..placed(0, 1_000_000 + 10 * i, 100 + 9 * i, (i % 8) as u8)
+            };
+            s.push(&p).unwrap();
+        }
+        s.finish().unwrap()
+    }
+
     /// Points of one round whose offset changes at every record cost at most
     /// [`MAX_EXTRA_SAMPLES`] TIME_SHIFT samples beyond the round's: past them the rest is
     /// pre-converted, every record still at its host tick.
@@ -916,13 +931,8 @@ mod tests {
     fn offsets_that_change_at_every_record_are_preconverted_past_the_sample_bound() {
         let dir = tempfile::tempdir().unwrap();
         let out = dir.path().join("s.dat");
-        let mut s = TraceDatStream::create(&target(&out), &[0], true, 7, true).unwrap();
         let n = MAX_EXTRA_SAMPLES as u64 + 1_001;
-        for i in 0..n {
-            s.push(&placed(0, 1_000_000 + 10 * i, 100 + 9 * i, (i % 8) as u8))
-                .unwrap();
-        }
-        let (host_ticks, _) = s.finish().unwrap();
+        let (host_ticks, _) = drifting_points(&out, n, |_| 0);
         assert_eq!(host_ticks, 1_000, "the records past the bound");
         let layout = read_layout(&out).unwrap();
         let body = &layout.options_with(option::TIME_SHIFT).next().unwrap().data;
@@ -942,16 +952,12 @@ mod tests {
     fn an_offset_per_round_is_not_bounded() {
         let dir = tempfile::tempdir().unwrap();
         let out = dir.path().join("r.dat");
-        let mut s = TraceDatStream::create(&target(&out), &[0], true, 7, true).unwrap();
         let n = MAX_EXTRA_SAMPLES as u64 + 1_000;
-        for i in 0..n {
-            let p = Placed {
-                round: i,
-                ..placed(0, 1_000_000 + 10 * i, 100 + 9 * i, (i % 8) as u8)
-            };
-            s.push(&p).unwrap();
-        }
-        assert_eq!(s.finish().unwrap(), (0, 0), "nothing pre-converted");
+        assert_eq!(
+            drifting_points(&out, n, |i| i),
+            (0, 0),
+            "nothing pre-converted"
+        );
         let got = host_times(&out);
         assert_eq!(got.len() as u64, n);
         assert!(

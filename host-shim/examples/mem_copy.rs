@@ -34,6 +34,20 @@
 //! `mem-copy-cold: …` with the words of `mem-copy:`. The first passes above run right after
 //! one another, so the rings stay in a cache large enough to hold them.
 //!
+//! With two more, FLOOR_DIR and FLOOR_BYTES, after the copies from memory (and with the same
+//! writing elsewhere before each pass), **the floor of a drain that writes**: every ring's
+//! slots copied out with the method `ProcMemory::open` chose, in a drain round's chunks
+//! (`DEFAULT_MAX_PER_ROUND` slots), each slot's commit stamp checked
+//! (`layout::decode_committed`, the one test a drain cannot skip), and each chunk handed to a
+//! second thread that writes its share of FLOOR_BYTES (the size of a drain's output) into a
+//! file in FLOOR_DIR through the drain's own writer (`atomic_file::BackgroundFile` on that
+//! thread, with its syncing thread; the file is dropped uncommitted, so removed). Nothing is
+//! placed or formatted: no drain that writes that many bytes can be faster. Timed from the
+//! first read to the last byte written (the sync in progress then is waited for untimed, as a
+//! drain's time ends at its last write); one line, `mem-floor: method=M chunk=C bytes=B
+//! records=N checked=K seconds=s1,… records_per_s=R` (`checked`: slots whose stamp held;
+//! `records_per_s` from the median pass).
+//!
 //! `mem_copy --evict MIB` only writes MIB MiB (a fresh buffer) and exits: what `cargo xtask
 //! bench` runs before each timed drain, so the drains start like the copies from memory.
 //!
@@ -45,10 +59,13 @@
 //! The first line, `mem-open: method=M`, names the method `ProcMemory::open` chose (what
 //! `vmtsync record --from-memory` reads with). Needs ptrace rights over the process (root).
 
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::sync::mpsc;
 use std::time::Instant;
 
-use vmtsync::guestmem::layout::{RECORD_SIZE as RECORD_BYTES, RING_PREFIX};
+use vmtsync::atomic_file::{AtomicFile, BackgroundFile};
+use vmtsync::guestmem::layout::{RECORD_SIZE as RECORD_BYTES, RING_PREFIX, decode_committed};
 use vmtsync::guestmem::{
     self, DEFAULT_MAX_PER_ROUND, Drainer, Found, GuestMemory, Location, ProcMemory, ReadMethod,
 };
@@ -86,7 +103,9 @@ fn main() -> ExitCode {
             .filter(|&r| r > 0),
         chunks,
     ) else {
-        eprintln!("usage: mem_copy PID PASSES(>0) CHUNK_BYTES[,CHUNK_BYTES...] [EVICT_MIB]");
+        eprintln!(
+            "usage: mem_copy PID PASSES(>0) CHUNK_BYTES[,CHUNK_BYTES...] [EVICT_MIB [FLOOR_DIR FLOOR_BYTES]]"
+        );
         return ExitCode::from(2);
     };
     let evict_mib = match args.get(4).map(|s| s.parse::<usize>()) {
@@ -97,7 +116,17 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    match run(pid, passes, &chunks, evict_mib) {
+    let floor = match (args.get(5), args.get(6).map(|b| b.parse::<u64>())) {
+        (None, None) => None,
+        (Some(dir), Some(Ok(bytes))) if bytes > 0 && evict_mib.is_some() => {
+            Some((PathBuf::from(dir), bytes))
+        }
+        _ => {
+            eprintln!("mem_copy: FLOOR_DIR FLOOR_BYTES(>0) come after EVICT_MIB, both or neither");
+            return ExitCode::from(2);
+        }
+    };
+    match run(pid, passes, &chunks, evict_mib, floor.as_ref()) {
         Ok(lines) => {
             for l in lines {
                 println!("{l}");
@@ -190,6 +219,7 @@ fn run(
     passes: usize,
     chunks: &[usize],
     evict_mib: Option<usize>,
+    floor: Option<&(PathBuf, u64)>,
 ) -> Result<Vec<String>, Error> {
     // What `vmtsync record --from-memory` reads with: `ProcMemory::open`'s choice.
     let mut mem = ProcMemory::open(&ProcFs::default(), pid)?;
@@ -237,6 +267,26 @@ fn run(
             }
         }
         lines.extend(copy_lines("mem-copy-cold", chunks, &cold, total));
+        if let Some((dir, bytes)) = floor {
+            let mut times = Vec::with_capacity(passes);
+            let mut checked = 0;
+            for pass in 0..passes {
+                evict(&mut other, u8::try_from(pass % 200 + 1)?);
+                let (s, k) = write_floor(&mut mem, &rings, dir, *bytes)?;
+                times.push(s);
+                checked = k;
+            }
+            let records = total / RECORD_BYTES;
+            #[allow(clippy::cast_precision_loss)] // Counts far below 2^52.
+            let per_s = records as f64 / median(&times);
+            lines.push(format!(
+                "mem-floor: method={} chunk={} bytes={bytes} records={records} checked={checked} \
+                 seconds={} records_per_s={per_s:.0}",
+                mem.method().name(),
+                DEFAULT_MAX_PER_ROUND * SLOT_BYTES,
+                seconds(&times),
+            ));
+        }
     }
 
     // Draining without a writer, and the fixed costs of a round.
@@ -296,6 +346,63 @@ fn kvm_reads(pid: u32) -> Result<f64, Error> {
         std::hint::black_box(dir.read_mapping()?);
     }
     Ok(t.elapsed().as_secs_f64() / f64::from(ROUNDS))
+}
+
+/// A slot's bytes (a record's size).
+const SLOT_BYTES: usize = vmtsync_core::recorder::SLOT_SIZE;
+
+/// One pass of the floor of a drain that writes `bytes` into `dir` (the module docs):
+/// (seconds, slots whose commit stamp held).
+fn write_floor(
+    mem: &mut ProcMemory,
+    rings: &[(u64, u64)],
+    dir: &Path,
+    bytes: u64,
+) -> Result<(f64, u64), Error> {
+    let total: u64 = rings.iter().map(|r| r.1).sum();
+    let chunk = DEFAULT_MAX_PER_ROUND * SLOT_BYTES;
+    let (full_tx, full_rx) = mpsc::sync_channel::<(Vec<u8>, usize)>(1);
+    let (free_tx, free_rx) = mpsc::channel::<Vec<u8>>();
+    let file = AtomicFile::new(&dir.join("mem-floor.out"))?;
+    let writer = std::thread::spawn(move || -> std::io::Result<Instant> {
+        let (mut out, _) = BackgroundFile::on_this_thread(file, 0)?;
+        for (buf, len) in full_rx {
+            let _ = free_tx.send(out.submit(buf, len)?);
+        }
+        let end = Instant::now();
+        // Waits for the sync in progress; the file is dropped uncommitted (removed).
+        drop(out.finish()?);
+        Ok(end)
+    });
+    let mut checked = 0u64;
+    let start = Instant::now();
+    let mut written = 0u64;
+    let mut done = 0u64;
+    for &(addr, len) in rings {
+        let mut at = 0;
+        while at < len {
+            let n = usize::try_from((len - at).min(chunk as u64))?;
+            let mut buf = free_rx.try_recv().unwrap_or_else(|_| vec![0; chunk]);
+            mem.read(addr + at, &mut buf[..n])?;
+            let first = at / RECORD_BYTES;
+            for (k, slot) in buf[..n].chunks_exact(SLOT_BYTES).enumerate() {
+                let meta = u64::from_le_bytes(slot[..8].try_into()?);
+                checked += u64::from(decode_committed(meta, first + k as u64).is_some());
+            }
+            at += n as u64;
+            done += n as u64;
+            // This chunk's share of the output, so the shares add up to `bytes`.
+            let upto = u64::try_from(u128::from(bytes) * u128::from(done) / u128::from(total))?;
+            let share = usize::try_from(upto - written)?.min(n);
+            written += share as u64;
+            if full_tx.send((buf, share)).is_err() {
+                break;
+            }
+        }
+    }
+    drop(full_tx);
+    let end = writer.join().map_err(|_| "the floor's writer panicked")??;
+    Ok((end.duration_since(start).as_secs_f64(), checked))
 }
 
 /// Drains every ring from record 0 until no ring has more: (seconds, records, the drainer).

@@ -34,8 +34,9 @@
 //! `mem-copy-cold: …` with the words of `mem-copy:`. The first passes above run right after
 //! one another, so the rings stay in a cache large enough to hold them.
 //!
-//! With two more, FLOOR_DIR and FLOOR_BYTES, after the copies from memory (and with the same
-//! writing elsewhere before each pass), **the floor of a drain that writes**: every ring's
+//! With two more, FLOOR_DIR and FLOOR_BYTES[,FLOOR_BYTES...], after the copies from memory
+//! (and with the same writing elsewhere before each pass), **the floor of a drain that
+//! writes** an output of each size (sizes interleaved within a pass): every ring's
 //! slots copied out with the method `ProcMemory::open` chose, in a drain round's chunks
 //! (`DEFAULT_MAX_PER_ROUND` slots), each slot's commit stamp checked
 //! (`layout::decode_committed`, the one test a drain cannot skip), and each chunk handed to a
@@ -44,9 +45,11 @@
 //! thread, with its syncing thread; the file is dropped uncommitted, so removed). Nothing is
 //! placed or formatted: no drain that writes that many bytes can be faster. Timed from the
 //! first read to the last byte written (the sync in progress then is waited for untimed, as a
-//! drain's time ends at its last write); one line, `mem-floor: method=M chunk=C bytes=B
-//! records=N checked=K seconds=s1,… records_per_s=R` (`checked`: slots whose stamp held;
-//! `records_per_s` from the median pass).
+//! drain's time ends at its last write), with the process's CPU time over the pass (user +
+//! system, every thread's: `getrusage`, as a reader's own CPU is counted); one line per size,
+//! `mem-floor: method=M chunk=C bytes=B records=N checked=K seconds=s1,… cpu_seconds=c1,…
+//! records_per_s=R` (`checked`: slots whose stamp held; `records_per_s` from the median
+//! pass).
 //!
 //! `mem_copy --evict MIB` only writes MIB MiB (a fresh buffer) and exits: what `cargo xtask
 //! bench` runs before each timed drain, so the drains start like the copies from memory.
@@ -116,13 +119,19 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let floor = match (args.get(5), args.get(6).map(|b| b.parse::<u64>())) {
+    let sizes: Option<Vec<u64>> = args.get(6).and_then(|s| {
+        s.split(',')
+            .map(|b| b.parse::<u64>().ok().filter(|&b| b > 0))
+            .collect()
+    });
+    let floor = match (args.get(5), sizes) {
         (None, None) => None,
-        (Some(dir), Some(Ok(bytes))) if bytes > 0 && evict_mib.is_some() => {
-            Some((PathBuf::from(dir), bytes))
-        }
+        (Some(dir), Some(sizes)) if evict_mib.is_some() => Some((PathBuf::from(dir), sizes)),
         _ => {
-            eprintln!("mem_copy: FLOOR_DIR FLOOR_BYTES(>0) come after EVICT_MIB, both or neither");
+            eprintln!(
+                "mem_copy: FLOOR_DIR FLOOR_BYTES(>0)[,FLOOR_BYTES...] come after EVICT_MIB, both \
+                 or neither"
+            );
             return ExitCode::from(2);
         }
     };
@@ -219,7 +228,7 @@ fn run(
     passes: usize,
     chunks: &[usize],
     evict_mib: Option<usize>,
-    floor: Option<&(PathBuf, u64)>,
+    floor: Option<&(PathBuf, Vec<u64>)>,
 ) -> Result<Vec<String>, Error> {
     // What `vmtsync record --from-memory` reads with: `ProcMemory::open`'s choice.
     let mut mem = ProcMemory::open(&ProcFs::default(), pid)?;
@@ -267,25 +276,34 @@ fn run(
             }
         }
         lines.extend(copy_lines("mem-copy-cold", chunks, &cold, total));
-        if let Some((dir, bytes)) = floor {
-            let mut times = Vec::with_capacity(passes);
-            let mut checked = 0;
+        if let Some((dir, sizes)) = floor {
+            let mut times =
+                vec![(Vec::with_capacity(passes), Vec::with_capacity(passes)); sizes.len()];
+            let mut checked = vec![0; sizes.len()];
             for pass in 0..passes {
-                evict(&mut other, u8::try_from(pass % 200 + 1)?);
-                let (s, k) = write_floor(&mut mem, &rings, dir, *bytes)?;
-                times.push(s);
-                checked = k;
+                for (i, &bytes) in sizes.iter().enumerate() {
+                    evict(&mut other, u8::try_from(pass % 200 + 1)?);
+                    let cpu = cpu_seconds()?;
+                    let (s, k) = write_floor(&mut mem, &rings, dir, bytes)?;
+                    times[i].0.push(s);
+                    times[i].1.push(cpu_seconds()? - cpu);
+                    checked[i] = k;
+                }
             }
             let records = total / RECORD_BYTES;
-            #[allow(clippy::cast_precision_loss)] // Counts far below 2^52.
-            let per_s = records as f64 / median(&times);
-            lines.push(format!(
-                "mem-floor: method={} chunk={} bytes={bytes} records={records} checked={checked} \
-                 seconds={} records_per_s={per_s:.0}",
-                mem.method().name(),
-                DEFAULT_MAX_PER_ROUND * SLOT_BYTES,
-                seconds(&times),
-            ));
+            for (i, &bytes) in sizes.iter().enumerate() {
+                #[allow(clippy::cast_precision_loss)] // Counts far below 2^52.
+                let per_s = records as f64 / median(&times[i].0);
+                lines.push(format!(
+                    "mem-floor: method={} chunk={} bytes={bytes} records={records} checked={} \
+                     seconds={} cpu_seconds={} records_per_s={per_s:.0}",
+                    mem.method().name(),
+                    DEFAULT_MAX_PER_ROUND * SLOT_BYTES,
+                    checked[i],
+                    seconds(&times[i].0),
+                    seconds(&times[i].1),
+                ));
+            }
         }
     }
 
@@ -348,6 +366,13 @@ fn kvm_reads(pid: u32) -> Result<f64, Error> {
     Ok(t.elapsed().as_secs_f64() / f64::from(ROUNDS))
 }
 
+/// This process's CPU time so far (user + system, all its threads, ended ones included).
+fn cpu_seconds() -> Result<f64, Error> {
+    let u = nix::sys::resource::getrusage(nix::sys::resource::UsageWho::RUSAGE_SELF)?;
+    let s = |t: nix::sys::time::TimeVal| t.tv_sec() as f64 + t.tv_usec() as f64 * 1e-6;
+    Ok(s(u.user_time()) + s(u.system_time()))
+}
+
 /// A slot's bytes (a record's size).
 const SLOT_BYTES: usize = vmtsync_core::recorder::SLOT_SIZE;
 
@@ -361,6 +386,11 @@ fn write_floor(
 ) -> Result<(f64, u64), Error> {
     let total: u64 = rings.iter().map(|r| r.1).sum();
     let chunk = DEFAULT_MAX_PER_ROUND * SLOT_BYTES;
+    // A buffer holds a chunk's slots and its share of the output, which can be larger (an
+    // output of more bytes than the slots: the bytes past the slots are written as they are).
+    let buf_len = chunk.max(usize::try_from(
+        (u128::from(bytes) * chunk as u128).div_ceil(u128::from(total.max(1))),
+    )?);
     let (full_tx, full_rx) = mpsc::sync_channel::<(Vec<u8>, usize)>(1);
     let (free_tx, free_rx) = mpsc::channel::<Vec<u8>>();
     let file = AtomicFile::new(&dir.join("mem-floor.out"))?;
@@ -382,7 +412,7 @@ fn write_floor(
         let mut at = 0;
         while at < len {
             let n = usize::try_from((len - at).min(chunk as u64))?;
-            let mut buf = free_rx.try_recv().unwrap_or_else(|_| vec![0; chunk]);
+            let mut buf = free_rx.try_recv().unwrap_or_else(|_| vec![0; buf_len]);
             mem.read(addr + at, &mut buf[..n])?;
             let first = at / RECORD_BYTES;
             for (k, slot) in buf[..n].chunks_exact(SLOT_BYTES).enumerate() {
@@ -393,7 +423,7 @@ fn write_floor(
             done += n as u64;
             // This chunk's share of the output, so the shares add up to `bytes`.
             let upto = u64::try_from(u128::from(bytes) * u128::from(done) / u128::from(total))?;
-            let share = usize::try_from(upto - written)?.min(n);
+            let share = usize::try_from(upto - written)?.min(buf.len());
             written += share as u64;
             if full_tx.send((buf, share)).is_err() {
                 break;

@@ -723,18 +723,20 @@ struct CopyLine {
     records_per_s: f64,
 }
 
-/// The `mem-floor:` line of `examples/mem_copy`: the floor of a drain that writes (a round's
-/// chunks copied, each slot's stamp checked, the output's bytes written through the reader's
-/// own writer; nothing placed or formatted).
+/// A `mem-floor:` line of `examples/mem_copy`: the floor of a drain that writes an output of
+/// `bytes` (a round's chunks copied, each slot's stamp checked, the output's bytes written
+/// through the reader's own writer; nothing placed or formatted).
 #[derive(Debug, Clone, PartialEq)]
 struct FloorLine {
     method: String,
-    /// The bytes written (the ceiling's trace.dat's size).
+    /// The bytes written (one ceiling output's size).
     bytes: u64,
     records: u64,
     /// Slots whose commit stamp held.
     checked: u64,
     seconds: Vec<f64>,
+    /// The example's CPU time (user + system, every thread) over each pass.
+    cpu_seconds: Vec<f64>,
     records_per_s: f64,
 }
 
@@ -747,6 +749,7 @@ impl FloorLine {
             records: word(line, "records")?.parse().ok()?,
             checked: word(line, "checked")?.parse().ok()?,
             seconds: list(word(line, "seconds")?)?,
+            cpu_seconds: list(word(line, "cpu_seconds")?)?,
             records_per_s: word(line, "records_per_s")?.parse().ok()?,
         })
     }
@@ -816,7 +819,8 @@ impl PollLine {
 struct CopyRun {
     copies: Vec<CopyLine>,
     polls: Vec<PollLine>,
-    floor: FloorLine,
+    /// One floor per ceiling output size, in [`FORMATS`]' order.
+    floors: Vec<FloorLine>,
     /// Its `mem-kvm:` line: ns per read of KVM's mapping of one vCPU, as every round of a
     /// memory recording reads it for each vCPU.
     kvm_read_ns: f64,
@@ -835,20 +839,23 @@ impl CopyRun {
             .lines()
             .find_map(|l| word(l.strip_prefix("mem-kvm: ")?, "read_ns")?.parse().ok())
             .with_context(|| format!("mem_copy printed no mem-kvm line: {stdout}"))?;
-        let floor = stdout
-            .lines()
-            .find_map(FloorLine::parse)
-            .with_context(|| format!("mem_copy printed no mem-floor line: {stdout}"))?;
+        let floors: Vec<FloorLine> = stdout.lines().filter_map(FloorLine::parse).collect();
         ensure!(
-            floor.checked == floor.records,
-            "mem_copy's floor found {} of {} slots committed in a held, full ring",
-            floor.checked,
-            floor.records
+            !floors.is_empty(),
+            "mem_copy printed no mem-floor line: {stdout}"
         );
+        for f in &floors {
+            ensure!(
+                f.checked == f.records,
+                "mem_copy's floor found {} of {} slots committed in a held, full ring",
+                f.checked,
+                f.records
+            );
+        }
         Ok(Self {
             copies,
             polls,
-            floor,
+            floors,
             kvm_read_ns,
             command,
         })
@@ -866,6 +873,14 @@ impl CopyRun {
                     if cold { "from memory" } else { "in the cache" }
                 )
             })
+    }
+
+    /// The floor of a drain that writes `bytes`.
+    fn floor(&self, bytes: u64) -> Result<&FloorLine> {
+        self.floors
+            .iter()
+            .find(|f| f.bytes == bytes)
+            .with_context(|| format!("mem_copy printed no floor of {bytes} bytes"))
     }
 
     fn poll(&self, method: &str) -> Result<&PollLine> {
@@ -1295,9 +1310,12 @@ pub(super) fn memory(plan: &Plan, work: &Path) -> Result<Section> {
             runs[f].push(run);
         }
     }
-    // The raw copy of the same rings, the floor of a drain that writes the ceiling's
-    // trace.dat and the drain's round costs, on the same guest.
-    let floor_bytes = output_bytes(&output_path(&dir, "ceiling", "trace-cmd"))?;
+    // The raw copy of the same rings, the floor of a drain that writes each ceiling output and
+    // the drain's round costs, on the same guest.
+    let floor_bytes: Vec<String> = FORMATS
+        .iter()
+        .map(|(format, _)| Ok(output_bytes(&output_path(&dir, "ceiling", format))?.to_string()))
+        .collect::<Result<_>>()?;
     let chunks: Vec<String> = COPY_CHUNKS.iter().map(u64::to_string).collect();
     let mut cmd = Command::new(&copier);
     cmd.arg(guest.pid().to_string())
@@ -1305,9 +1323,9 @@ pub(super) fn memory(plan: &Plan, work: &Path) -> Result<Section> {
         .arg(chunks.join(","))
         .arg(evict_mib.to_string())
         .arg(&dir)
-        .arg(floor_bytes.to_string());
+        .arg(floor_bytes.join(","));
     let copy_command = format!(
-        "{} QEMU_PID {} {} {evict_mib} OUT_DIR TRACE_DAT_BYTES",
+        "{} QEMU_PID {} {} {evict_mib} OUT_DIR TRACE_DAT_BYTES,PERFETTO_BYTES,CTF_BYTES",
         rel(&copier),
         sizes.copy_passes,
         chunks.join(",")
@@ -1931,36 +1949,103 @@ fn memory_section(m: &Measured) -> Result<Section> {
         },
         percent(tc.drain.median / write_rate),
     );
-    let f = &c.floor;
-    let floor_s = Stat::of(&f.seconds).context("no floor pass")?.median;
-    let floor_share = f.records_per_s / round_copy.records_per_s;
     let _ = writeln!(
         body,
-        "\n**The floor of a drain.** The same example then does only what no drain that writes \
-         this output can skip: it copies the rings out of the VMM in a drain round's chunks \
-         with the reader's method (`{}`), checks each slot's commit stamp ({} of {} held), and \
-         hands each chunk to a second thread that writes its share of the ceiling's trace.dat \
-         ({} MiB) into a file in its directory through the reader's own writer \
+        "\n**The floor of a drain.** The same example then does only what no drain can skip, \
+         once for each format's output: it copies the rings out of the VMM in a drain round's \
+         chunks with the reader's method, checks each slot's commit stamp, and hands each chunk \
+         to a second thread that writes its share of as many bytes as the ceiling's last output \
+         of that format into a file in its directory, through the reader's own writer \
          (`BackgroundFile`, with its thread that syncs as it writes); nothing is placed or \
-         formatted. Timed from the first read to the last byte written, after the same writing \
-         elsewhere as before each drain (median of {} passes): {:.1} ms, {}, **{} of the raw \
-         copy** from memory. {} The reader's drain into trace.dat runs at {} of this floor.",
-        f.method,
-        thousands(f.checked),
-        thousands(f.records),
-        thousands(f.bytes >> 20),
-        f.seconds.len(),
-        floor_s * 1e3,
-        rate(f.records_per_s),
+         encoded. Timed from the first read to the last byte written, after the same writing \
+         elsewhere as before each drain; CPU is the example's own (user + system, every \
+         thread: `getrusage`), as the reader's is; medians of {} passes, the formats in turn \
+         within each pass.\n\n| | trace.dat | Perfetto | CTF |\n|---|---:|---:|---:|",
+        c.floors.first().map_or(0, |f| f.seconds.len()),
+    );
+    let floors = figs
+        .iter()
+        .map(|g| {
+            let f = c.floor(g.bytes)?;
+            ensure!(
+                f.checked == f.records,
+                "the floor of {} checked {} of {} slots",
+                g.label,
+                f.checked,
+                f.records
+            );
+            let s = Stat::of(&f.seconds).context("no floor pass")?.median;
+            let cpu = Stat::of(&f.cpu_seconds).context("no floor pass")?.median / n as f64 * 1e6;
+            Ok((g, f, s, cpu))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    // A format's figures, its floor, the floor's median time and CPU per million events.
+    type FloorRow<'a> = (&'a Fig, &'a FloorLine, f64, f64);
+    type FloorCell<'a> = &'a dyn Fn(&FloorRow<'_>) -> String;
+    let rows: [(&str, FloorCell<'_>); 6] = [
+        ("output written (MiB)", &|r| thousands(r.0.bytes >> 20)),
+        ("floor: time (rate)", &|r| {
+            format!("{:.1} ms ({})", r.2 * 1e3, rate(r.1.records_per_s))
+        }),
+        ("floor vs the raw copy from memory", &|r| {
+            percent(r.1.records_per_s / round_copy.records_per_s)
+        }),
+        ("floor: CPU per million events", &|r| {
+            format!("{:.3} s", r.3)
+        }),
+        ("the reader's drain vs the floor", &|r| {
+            percent(r.0.drain.median / r.1.records_per_s)
+        }),
+        (
+            "the reader's CPU per million events beyond the floor's",
+            &|r| format!("{:.3} s", r.0.cpu.median - r.3),
+        ),
+    ];
+    for (name, cell) in rows {
+        let _ = writeln!(
+            body,
+            "| {name} | {} |",
+            floors.iter().map(cell).collect::<Vec<_>>().join(" | ")
+        );
+    }
+    let (_, tf, _, _) = floors
+        .iter()
+        .find(|r| r.0.format == "trace-cmd")
+        .context("no trace.dat floor")?;
+    let floor_share = tf.records_per_s / round_copy.records_per_s;
+    let over: Vec<&str> = floors
+        .iter()
+        .filter(|r| r.3 > CPU_GOAL)
+        .map(|r| r.0.label)
+        .collect();
+    let _ = writeln!(
+        body,
+        "\nThe floor of a drain into trace.dat is {} of the raw copy. {} {}",
         percent(floor_share),
         if floor_share < DRAIN_SHARE_GOAL {
             "So on this machine no drain that checks every record and writes this output with \
              this writer reaches ¼ of a raw copy: the floor itself is below it."
         } else {
             "So ¼ of a raw copy is within reach of a drain that writes this output: the \
-             placing and formatting are what stand between the floor and the reader."
+             placing and encoding are what stand between the floor and the reader."
         },
-        percent(tc.drain.median / f.records_per_s),
+        if over.is_empty() {
+            format!(
+                "Every floor's CPU is within the goal of {CPU_GOAL} s per million events; what \
+                 is left of it for placing and encoding an event: {}.",
+                floors
+                    .iter()
+                    .map(|r| format!("{:.1} ns {}", (CPU_GOAL - r.3) * 1e3, r.0.label))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )
+        } else {
+            format!(
+                "The floor's CPU alone is above the goal of {CPU_GOAL} s per million events for \
+                 {}: no reader that writes that output through this writer can meet it.",
+                over.join(", ")
+            )
+        },
     );
 
     // The drain without a writer, the round costs and the many-vCPU estimate.
@@ -2209,7 +2294,7 @@ fn memory_section(m: &Measured) -> Result<Section> {
                 rate(round_copy.records_per_s),
                 m.reader_method,
                 percent(tc.drain.median / round_cached.records_per_s),
-                percent(c.floor.records_per_s / round_copy.records_per_s),
+                percent(c.floor(tc.bytes)?.records_per_s / round_copy.records_per_s),
             ),
             verdict(share >= DRAIN_SHARE_GOAL),
         ],
@@ -2229,9 +2314,19 @@ fn memory_section(m: &Measured) -> Result<Section> {
             "memory reader host CPU per million events".into(),
             format!("≤ {CPU_GOAL} s"),
             format!(
-                "{} (ceiling medians); {cpu2:.3} s (1 M/s)",
+                "{} (ceiling medians); {cpu2:.3} s (1 M/s); the floors' (copy, check and write \
+                 alone): {}",
                 figs.iter()
                     .map(|f| format!("{:.3} s {}", f.cpu.median, f.label))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                figs.iter()
+                    .map(|f| {
+                        let cpu = c.floor(f.bytes).ok().and_then(|l| Stat::of(&l.cpu_seconds));
+                        cpu.map_or("—".to_owned(), |s| {
+                            format!("{:.3} s {}", s.median / n as f64 * 1e6, f.label)
+                        })
+                    })
                     .collect::<Vec<_>>()
                     .join(", ")
             ),
@@ -2405,17 +2500,17 @@ mod tests {
             idle_poll_ns=1200 head_bytewise_ns=5000 head_batched_ns=700\n\
             mem-kvm: reads=2000 read_ns=4400\n\
             mem-floor: method=process_vm_readv chunk=524288 bytes=118370890 records=4194304 \
-            checked=4194304 seconds=0.056930,0.068646 records_per_s=73674797\n";
+            checked=4194304 seconds=0.056930,0.068646 cpu_seconds=0.09,0.1 \
+            records_per_s=73674797\n";
         let c = CopyRun::parse(out, "cmd".into()).expect("parses");
         assert_eq!(c.kvm_read_ns, 4400.0);
+        let floor = c.floor(118_370_890).expect("the floor line");
         assert_eq!(
-            (
-                c.floor.bytes,
-                c.floor.seconds.as_slice(),
-                c.floor.records_per_s
-            ),
-            (118_370_890, &[0.056_93, 0.068_646][..], 73_674_797.0)
+            (floor.seconds.as_slice(), floor.cpu_seconds.as_slice()),
+            (&[0.056_93, 0.068_646][..], &[0.09, 0.1][..])
         );
+        assert_eq!(floor.records_per_s, 73_674_797.0);
+        assert!(c.floor(1).is_err());
         // A floor that found a slot uncommitted in a held, full ring is not a floor.
         let torn = out.replace("checked=4194304", "checked=4194303");
         assert!(CopyRun::parse(&torn, "cmd".into()).is_err());
@@ -2483,6 +2578,15 @@ mod tests {
         }
     }
 
+    /// The test ceiling's output size of `format`.
+    fn test_bytes(format: &str) -> u64 {
+        match format {
+            "trace-cmd" => 118_370_890,
+            "perfetto" => 310_077_594,
+            _ => 146_799_741,
+        }
+    }
+
     #[test]
     fn the_section_renders_every_goal_with_a_verdict() {
         let guest = GuestLine::parse(
@@ -2502,7 +2606,7 @@ mod tests {
                     how: "reader".into(),
                 },
                 durable: WriteFloor {
-                    bytes: 151_888_458,
+                    bytes: test_bytes(format),
                     seconds: vec![0.30, 0.32, 0.31],
                 },
             })
@@ -2525,7 +2629,14 @@ mod tests {
                ns_per_record=25 busy_round_ns=9000 idle_poll_ns=1200 head_bytewise_ns=5000 \
                head_batched_ns=700\nmem-kvm: reads=2000 read_ns=4400\n\
                mem-floor: method=process_vm_readv chunk=524288 bytes=118370890 records=4194304 \
-               checked=4194304 seconds=0.05,0.06,0.055 records_per_s=76260072\n";
+               checked=4194304 seconds=0.05,0.06,0.055 cpu_seconds=0.09,0.08,0.1 \
+               records_per_s=76260072\n\
+               mem-floor: method=process_vm_readv chunk=524288 bytes=310077594 records=4194304 \
+               checked=4194304 seconds=0.13,0.12,0.14 cpu_seconds=0.2,0.22,0.24 \
+               records_per_s=32263876\n\
+               mem-floor: method=process_vm_readv chunk=524288 bytes=146799741 records=4194304 \
+               checked=4194304 seconds=0.06,0.06,0.06 cpu_seconds=0.1,0.1,0.1 \
+               records_per_s=69905067\n";
         let report = Report {
             events: 5_000_000,
             first_seq: 0,
@@ -2646,22 +2757,48 @@ mod tests {
             s.body
         );
         assert!(s.body.contains("| 512 KiB (a drain round) |"), "{}", s.body);
-        // The floor: 76.3 M/s over the 160 M records/s copy from memory is 47.7 %, above ¼;
-        // the drain's median is 49.5 % of it.
-        let floor = s
+        let table = |row: &str| {
+            s.body
+                .lines()
+                .find(|l| l.starts_with(&format!("| {row} |")))
+                .unwrap_or_else(|| panic!("no row {row}: {}", s.body))
+                .to_owned()
+        };
+        // The floors: 76.3, 32.3 and 69.9 M/s over the 160 M records/s copy from memory; CPU
+        // 0.09, 0.22 and 0.1 s (medians) over 4,190,112 events.
+        assert_eq!(
+            table("floor vs the raw copy from memory"),
+            "| floor vs the raw copy from memory | 47.7 % | 20.2 % | 43.7 % |"
+        );
+        assert_eq!(
+            table("floor: CPU per million events"),
+            "| floor: CPU per million events | 0.021 s | 0.053 s | 0.024 s |"
+        );
+        assert_eq!(
+            table("floor: time (rate)"),
+            "| floor: time (rate) | 55.0 ms (76.3 M/s) | 130.0 ms (32.3 M/s) | 60.0 ms (69.9 M/s) |"
+        );
+        let verdicts = s
             .body
             .lines()
-            .find(|l| l.starts_with("**The floor of a drain.**"))
-            .expect("the floor's paragraph");
+            .find(|l| l.starts_with("The floor of a drain into trace.dat is "))
+            .expect("the floors' verdicts");
         assert!(
-            floor.contains("(4,194,304 of 4,194,304 held)")
-                && floor.contains("55.0 ms, 76.3 M/s, **47.7 % of the raw copy**")
-                && floor.contains("within reach")
-                && floor.contains("runs at 49.5 % of this floor"),
-            "{floor}"
+            verdicts.starts_with("The floor of a drain into trace.dat is 47.7 % of the raw copy.")
+                && verdicts.contains("within reach")
+                && verdicts.ends_with(
+                    "above the goal of 0.05 s per million events for \
+                     Perfetto: no reader that writes that output through this writer can meet it."
+                ),
+            "{verdicts}"
         );
         assert!(
-            s.summary[3][2].ends_with("nothing placed or formatted: 47.7 % of the copy"),
+            s.summary[3][2].ends_with("nothing placed or formatted: 47.7 % of the copy")
+                && s.summary
+                    .iter()
+                    .any(|r| r[0] == "memory reader host CPU per million events"
+                        && r[2]
+                            .ends_with("alone): 0.021 s trace.dat, 0.053 s Perfetto, 0.024 s CTF")),
             "{:#?}",
             s.summary
         );

@@ -14,7 +14,8 @@
 //! event's timestamp is raised to the previous one (counted in [`CtfSummary::raised`]) while
 //! its `host_tsc` field keeps the exact value.
 //!
-//! **Memory.** One packet buffer per stream ([`PACKET_BYTES`]), at most [`MAX_STREAMS`]
+//! **Memory.** One packet buffer per stream ([`PACKET_BYTES`] for the first
+//! [`BACKGROUND_STREAMS`], [`DIRECT_PACKET_BYTES`] after them), at most [`MAX_STREAMS`]
 //! streams: constant in the number of events. The trace is written into a temporary directory
 //! beside the target and renamed into place when complete.
 //!
@@ -42,10 +43,16 @@ const PACKET_HEADER: usize = 56;
 /// The compact event header holds a timestamp's low 31 bits: the step from the previous event
 /// of the packet must be below this.
 const COMPACT_SPAN: u64 = 1 << 31;
-/// A packet is written when its buffer reaches this size.
-pub const PACKET_BYTES: usize = 64 * 1024;
+/// A packet of one of the first [`BACKGROUND_STREAMS`] streams is written when its buffer
+/// reaches this size: each packet is one write, and with 64 KiB packets the writes' own costs
+/// (a system call and the file's bookkeeping each) were a large part of a memory recording's
+/// CPU (docs/ctf.md).
+pub const PACKET_BYTES: usize = 1 << 20;
+/// The packet size of the streams after the first [`BACKGROUND_STREAMS`] (which hold a buffer
+/// each for as many as [`MAX_STREAMS`]: their memory stays small).
+pub const DIRECT_PACKET_BYTES: usize = 64 * 1024;
 /// The room kept after a packet's bytes (its buffer is this much larger than
-/// [`PACKET_BYTES`]): every event of fixed-size fields (a header and at most
+/// the stream's packet size): every event of fixed-size fields (a header and at most
 /// [`FIELDS_MAX`] + [`MAX_PAYLOAD`] bytes) is written straight into it.
 const EVENT_ROOM: usize = 256;
 /// The most streams (vCPUs, host CPUs) a trace holds: bounds memory whatever the input says.
@@ -187,6 +194,8 @@ struct Stream {
     /// The packet being filled: its first `used` bytes (the header's, filled in by
     /// [`Self::flush`], then the events'); at least [`EVENT_ROOM`] more follow.
     buf: Vec<u8>,
+    /// The size at which its packet is written ([`PACKET_BYTES`] or [`DIRECT_PACKET_BYTES`]).
+    packet_bytes: usize,
     used: usize,
     begin: u64,
     last: u64,
@@ -200,7 +209,11 @@ impl Stream {
     fn new(dir: &Path, prefix: &str, instance: u32, writes: Writes) -> io::Result<Self> {
         let path = dir.join(format!("{prefix}{instance}"));
         let file = File::create_new(&path)?;
-        let len = PACKET_BYTES + EVENT_ROOM;
+        let packet_bytes = match writes {
+            Writes::Direct => DIRECT_PACKET_BYTES,
+            Writes::Thread | Writes::Here => PACKET_BYTES,
+        };
+        let len = packet_bytes + EVENT_ROOM;
         let (sink, buf) = match writes {
             Writes::Direct => (Sink::Direct(file), vec![0; len]),
             Writes::Thread => {
@@ -217,6 +230,7 @@ impl Stream {
             path,
             instance,
             buf,
+            packet_bytes,
             used: PACKET_HEADER,
             begin: 0,
             last: 0,
@@ -235,10 +249,10 @@ impl Stream {
         &mut self.buf[self.used..end]
     }
 
-    /// Writes the packet once it reaches [`PACKET_BYTES`].
+    /// Writes the packet once it reaches the stream's packet size.
     #[inline]
     fn flush_when_full(&mut self) -> Result<(), ExportError> {
-        if self.used < PACKET_BYTES {
+        if self.used < self.packet_bytes {
             return Ok(());
         }
         self.flush().map_err(|source| ExportError::Write {
@@ -271,8 +285,8 @@ impl Stream {
                 self.buf = next;
             }
         }
-        if self.buf.len() < PACKET_BYTES + EVENT_ROOM {
-            self.buf.resize(PACKET_BYTES + EVENT_ROOM, 0);
+        if self.buf.len() < self.packet_bytes + EVENT_ROOM {
+            self.buf.resize(self.packet_bytes + EVENT_ROOM, 0);
         }
         self.used = PACKET_HEADER;
         self.seq += 1;
@@ -494,7 +508,7 @@ impl CtfTrace {
                 used += 4 + put(&e, fields);
                 last = ts;
                 k += 1;
-                if used >= PACKET_BYTES {
+                if used >= s.packet_bytes {
                     break;
                 }
             }

@@ -1982,8 +1982,7 @@ fn memory_section(m: &Measured) -> Result<Section> {
     // A format's figures, its floor, the floor's median time and CPU per million events.
     type FloorRow<'a> = (&'a Fig, &'a FloorLine, f64, f64);
     type FloorCell<'a> = &'a dyn Fn(&FloorRow<'_>) -> String;
-    let rows: [(&str, FloorCell<'_>); 6] = [
-        ("output written (MiB)", &|r| thousands(r.0.bytes >> 20)),
+    let rows: [(&str, FloorCell<'_>); 5] = [
         ("floor: time (rate)", &|r| {
             format!("{:.1} ms ({})", r.2 * 1e3, rate(r.1.records_per_s))
         }),

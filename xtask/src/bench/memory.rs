@@ -2756,13 +2756,15 @@ mod tests {
             s.body
         );
         assert!(s.body.contains("| 512 KiB (a drain round) |"), "{}", s.body);
-        let table = |row: &str| {
+        // The body's line that starts with `prefix`.
+        let line = |prefix: &str| {
             s.body
                 .lines()
-                .find(|l| l.starts_with(&format!("| {row} |")))
-                .unwrap_or_else(|| panic!("no row {row}: {}", s.body))
+                .find(|l| l.starts_with(prefix))
+                .unwrap_or_else(|| panic!("no line {prefix}: {}", s.body))
                 .to_owned()
         };
+        let table = |row: &str| line(&format!("| {row} |"));
         // The floors: 76.3, 32.3 and 69.9 M/s over the 160 M records/s copy from memory; CPU
         // 0.09, 0.22 and 0.1 s (medians) over 4,190,112 events.
         assert_eq!(
@@ -2777,11 +2779,7 @@ mod tests {
             table("floor: time (rate)"),
             "| floor: time (rate) | 55.0 ms (76.3 M/s) | 130.0 ms (32.3 M/s) | 60.0 ms (69.9 M/s) |"
         );
-        let verdicts = s
-            .body
-            .lines()
-            .find(|l| l.starts_with("The floor of a drain into trace.dat is "))
-            .expect("the floors' verdicts");
+        let verdicts = line("The floor of a drain into trace.dat is ");
         assert!(
             verdicts.starts_with("The floor of a drain into trace.dat is 47.7 % of the raw copy.")
                 && verdicts.contains("within reach")
@@ -2801,11 +2799,7 @@ mod tests {
             "{:#?}",
             s.summary
         );
-        let write = s
-            .body
-            .lines()
-            .find(|l| l.starts_with("**The output's write.**"))
-            .expect("the write's paragraph");
+        let write = line("**The output's write.**");
         assert!(
             write.contains("it takes 23.0 ms: 182 M/s in the ceiling's records, 114 % of the raw")
                 && write.contains("a drain of 104.9 ms")

@@ -18,6 +18,12 @@ use std::thread::JoinHandle;
 
 use tempfile::NamedTempFile;
 
+/// The mode of every file vmtsync writes for people and their tools to read (traces, sync
+/// files): 0644 like any file a program creates (the process's umask applies), where
+/// tempfile's default for the temporary file would be 0600 and leave a trace recorded with
+/// `sudo` unreadable to the user who asked for it.
+pub const OUTPUT_MODE: u32 = 0o644;
+
 /// A file being written to a temporary name beside `target`; [`AtomicFile::commit`] puts it in
 /// place.
 #[derive(Debug)]
@@ -45,8 +51,8 @@ impl AtomicFile {
         Self::hidden(target, None)
     }
 
-    /// Like [`AtomicFile::new`], with the file created in `mode` (e.g. 0644 for a trace that
-    /// other users' tools read).
+    /// Like [`AtomicFile::new`], with the file created in `mode` (e.g. [`OUTPUT_MODE`] for a
+    /// trace that other users' tools read).
     ///
     /// # Errors
     /// Creating the temporary file failed.
@@ -169,7 +175,8 @@ impl Write for AtomicFile {
 }
 
 /// Writes `target` atomically with what `write` produces: all of it, or (on any error) none,
-/// the previous file, if any, left as it was.
+/// the previous file, if any, left as it was. The file has [`OUTPUT_MODE`] (plots, span
+/// tables: outputs people read).
 ///
 /// # Errors
 /// The error of `write`, or of creating, syncing or renaming the temporary file.
@@ -177,13 +184,28 @@ pub fn write_atomically(
     target: &Path,
     write: impl FnOnce(&mut dyn Write) -> io::Result<()>,
 ) -> io::Result<()> {
-    let mut file = AtomicFile::new(target)?;
+    let mut file = AtomicFile::with_mode(target, OUTPUT_MODE)?;
     let mut buffered = io::BufWriter::new(&mut file);
     write(&mut buffered)?;
     // Flushed here, not on drop, where an error would be lost and a short file committed.
     buffered.flush()?;
     drop(buffered);
     file.commit()
+}
+
+/// Checks that `path` has [`OUTPUT_MODE`] under this process's umask (from
+/// `/proc/self/status`: reading it with `umask(2)` would change it for every thread a moment).
+#[cfg(test)]
+pub(crate) fn assert_output_mode(path: &Path) {
+    use std::os::unix::fs::PermissionsExt;
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let umask = status
+        .lines()
+        .find_map(|l| l.strip_prefix("Umask:"))
+        .map(|m| u32::from_str_radix(m.trim(), 8).unwrap())
+        .expect("the kernel reports the umask");
+    let mode = std::fs::metadata(path).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, OUTPUT_MODE & !umask, "{}: {mode:o}", path.display());
 }
 
 #[cfg(test)]
@@ -250,6 +272,7 @@ mod tests {
         assert_eq!(names(dir.path()), ["out.dat"], "no temporary file left");
         write_atomically(&target, |w| w.write_all(b"second")).unwrap();
         assert_eq!(std::fs::read(&target).unwrap(), b"second");
+        assert_output_mode(&target);
     }
 
     #[test]

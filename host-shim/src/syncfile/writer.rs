@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use super::format::Tagged;
 use super::reader::{CutTail, SyncFile};
 use super::{SyncFileError, SyncHeader, SyncSegment};
-use crate::atomic_file::AtomicFile;
+use crate::atomic_file::{AtomicFile, OUTPUT_MODE};
 
 /// Appends segments to a sync file, one whole line per `write(2)`.
 #[derive(Debug)]
@@ -118,7 +118,7 @@ impl SyncWriter {
 /// meanwhile by another writer) is never replaced, and a crash leaves at most a temporary file,
 /// never a headerless sync file.
 fn create_with_header(path: &Path, header_line: &[u8]) -> io::Result<()> {
-    let mut file = AtomicFile::new(path)?;
+    let mut file = AtomicFile::with_mode(path, OUTPUT_MODE)?;
     file.write_all(header_line)?;
     // Someone created it first: append to theirs (its header is validated on open).
     file.commit_new().map(drop)
@@ -144,6 +144,7 @@ mod tests {
             seg(0, 1, 9_000_000, 5_000_100, 3),
         ];
         let mut w = SyncWriter::open(&path, &header()).unwrap();
+        crate::atomic_file::assert_output_mode(&path);
         w.append(&segs[0]).unwrap();
         drop(w);
         // Reopening appends after the existing header (its own header is kept).

@@ -56,6 +56,8 @@ fn events_land_on_their_vcpu_tracks_in_boottime() {
     }
     let s = w.finish().unwrap();
     assert_eq!((s.events, s.vcpus, s.unmappable), (5, 2, 0));
+    // Readable by the user's tools like any other trace, not tempfile's 0600.
+    crate::atomic_file::assert_output_mode(&path);
     let bytes = std::fs::read(&path).unwrap();
     assert_eq!(bytes.len() as u64, s.bytes);
     let t = Trace::decode(bytes.as_slice()).unwrap();

@@ -24,7 +24,7 @@ use super::consts::{PAGE_SIZE, option};
 use super::error::TraceDatError;
 use super::reader::{self, Layout};
 use super::writer::Strings;
-use crate::atomic_file::AtomicFile;
+use crate::atomic_file::{AtomicFile, OUTPUT_MODE};
 
 /// The guest a host trace is annotated with (the GUEST option, trace-cmd's layout).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -169,14 +169,10 @@ pub(super) fn copy_with_options(
     check: impl FnOnce(&Path, &Layout) -> Result<(), TraceDatError>,
 ) -> Result<u64, TraceDatError> {
     refuse_same_file(input, output)?;
-    let tmp = AtomicFile::new(output)
+    let tmp = AtomicFile::with_mode(output, OUTPUT_MODE)
         .map_err(TraceDatError::io("create a temporary file beside", output))?;
     let tmp_path = tmp.path().to_path_buf();
     let io = |what| TraceDatError::io(what, &tmp_path);
-    // A trace is an ordinary output file (the temporary file starts as 0600).
-    tmp.as_file()
-        .set_permissions(std::os::unix::fs::PermissionsExt::from_mode(0o644))
-        .map_err(io("chmod"))?;
     let mut src = File::open(input).map_err(TraceDatError::io("open", input))?;
     let out = tmp.as_file();
     let job = CopyJob {

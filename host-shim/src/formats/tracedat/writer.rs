@@ -18,7 +18,7 @@ use std::io::{BufWriter, Seek, SeekFrom, Write};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-use crate::atomic_file::{AtomicFile, BackgroundFile};
+use crate::atomic_file::{AtomicFile, BackgroundFile, OUTPUT_MODE};
 
 use super::consts::{PAGE_SIZE, PAGE_SIZE_U32, SECTION_HEADER_SIZE, Tsc2Nsec, option};
 use super::error::TraceDatError;
@@ -241,8 +241,7 @@ impl TraceDatWriter {
             Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
             _ => PathBuf::from("."),
         };
-        // A trace is an ordinary output file (tempfile's default would be 0600).
-        let tmp = AtomicFile::with_mode(path, 0o644)
+        let tmp = AtomicFile::with_mode(path, OUTPUT_MODE)
             .map_err(TraceDatError::io("create a temporary file in", &dir))?;
         let file = tmp
             .as_file()

@@ -24,6 +24,7 @@ fn copy_adds_guest_keeps_data_and_never_touches_the_input() {
         let before = std::fs::read(&input).unwrap();
         let out = dir.path().join("out.dat");
         let s = copy_host_trace(&input, &out, &guest(), None).unwrap();
+        crate::atomic_file::assert_output_mode(&out);
         assert_eq!(std::fs::read(&input).unwrap(), before, "{version:?}");
         assert_eq!((s.host_trace_id, s.added_trace_id), (0xfeed, false));
         let l = read_layout(&out).unwrap();

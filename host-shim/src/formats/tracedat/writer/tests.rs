@@ -134,6 +134,7 @@ fn pushing_padded_runs_writes_what_pushing_each_event_writes() {
         }
     }
     w.finish(None).unwrap().verify().unwrap();
+    crate::atomic_file::assert_output_mode(&runs);
     assert_eq!(std::fs::read(&runs).unwrap(), std::fs::read(&one).unwrap());
 }
 

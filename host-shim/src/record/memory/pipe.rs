@@ -23,8 +23,11 @@ use crate::record::place::Placed;
 use crate::record::stream::ExactRun;
 use crate::record::write::Out;
 
-/// Rounds that may wait for the writer: one being written, one queued.
-pub(super) const IN_FLIGHT: usize = 2;
+/// Rounds that may wait for the writer: one being written, seven queued (4 MiB of records at
+/// the default round bound). The slack is for the writer's stalls: a write into the page cache
+/// now and then waits in the kernel for far longer than a round takes to read, and with one
+/// round queued the reading waited with it.
+pub(super) const IN_FLIGHT: usize = 8;
 
 /// What to write of a round's records, in ring order.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

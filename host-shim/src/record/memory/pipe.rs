@@ -79,6 +79,14 @@ impl Pipe {
     pub(super) fn start(out: Out, path: PathBuf) -> Result<Self, RecordError> {
         let (tx, rx) = sync_channel::<Batch>(IN_FLIGHT - 1);
         let (back_tx, back) = channel();
+        // The pool of record buffers, whole from the start and taken oldest first, so every
+        // buffer is in use within the first rounds: memory reaches its bound at once, not
+        // when (and whether) the writer once fell that far behind. One more than the writer
+        // can hold, so the reading always finds one here besides the drainer's own. Cannot
+        // fail: the receiver is here.
+        for _ in 0..=IN_FLIGHT {
+            let _ = back_tx.send((Vec::new(), Vec::new()));
+        }
         let worker = std::thread::Builder::new()
             .name("vmtsync-format".into())
             .spawn({

@@ -31,8 +31,8 @@
 //! of PASSES more passes per method and size, EVICT_MIB MiB are written elsewhere (make it a
 //! few times the last-level cache; a fresh buffer each time, freed before the pass, as
 //! `--evict` below leaves memory to the reader it runs before), so the rings start out of the
-//! cache, as a reader that comes to them after other work finds them; one line per method and size,
-//! `mem-copy-cold: …` with the words of `mem-copy:`. The first passes above run right after
+//! cache, as a reader that comes to them after other work finds them; one line per method and
+//! size, `mem-copy-cold: …` with the words of `mem-copy:`. The first passes above run right after
 //! one another, so the rings stay in a cache large enough to hold them.
 //!
 //! With two more, FLOOR_DIR and FLOOR_BYTES[,FLOOR_BYTES...], after the copies from memory
@@ -182,7 +182,7 @@ fn seconds(v: &[f64]) -> String {
 /// it (the output's page cache) is memory in use moments ago, as for a reader that `--evict`
 /// ran before: a buffer held across the passes made the floor's page cache take memory this
 /// machine had never touched, which in a virtual machine costs each page a fault in the
-/// hypervisor (the floor's first pass of a 318 MB output took 0.9 s of CPU, the next 0.13 s).
+/// hypervisor, and made the floor slower than the reader it is to bound.
 fn evict(mib: usize) {
     let mut other = vec![0u8; mib << 20];
     other.fill(1);

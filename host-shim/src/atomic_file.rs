@@ -18,8 +18,8 @@ use std::thread::JoinHandle;
 
 use tempfile::NamedTempFile;
 
-/// The mode of every file vmtsync writes for people and their tools to read (traces, sync
-/// files): 0644 like any file a program creates (the process's umask applies), where
+/// The mode of every file vmtsync writes (traces, sync files, plots: all for people and their
+/// tools to read): 0644 like any file a program creates (the process's umask applies), where
 /// tempfile's default for the temporary file would be 0600 and leave a trace recorded with
 /// `sudo` unreadable to the user who asked for it.
 pub const OUTPUT_MODE: u32 = 0o644;
@@ -43,21 +43,24 @@ enum Temp {
 
 impl AtomicFile {
     /// Starts a file that will become `target`, in `target`'s directory (a rename is atomic
-    /// only within one file system), with tempfile's private mode (0600).
+    /// only within one file system), in [`OUTPUT_MODE`].
     ///
     /// # Errors
     /// Creating the temporary file failed (the directory does not exist or is not writable).
     pub fn new(target: &Path) -> io::Result<Self> {
-        Self::hidden(target, None)
-    }
-
-    /// Like [`AtomicFile::new`], with the file created in `mode` (e.g. [`OUTPUT_MODE`] for a
-    /// trace that other users' tools read).
-    ///
-    /// # Errors
-    /// Creating the temporary file failed.
-    pub fn with_mode(target: &Path, mode: u32) -> io::Result<Self> {
-        Self::hidden(target, Some(mode))
+        let dir = match target.parent() {
+            Some(d) if !d.as_os_str().is_empty() => d,
+            _ => Path::new("."),
+        };
+        let tmp = tempfile::Builder::new()
+            .prefix(".vmtsync-")
+            .suffix(".tmp")
+            .permissions(std::os::unix::fs::PermissionsExt::from_mode(OUTPUT_MODE))
+            .tempfile_in(dir)?;
+        Ok(Self {
+            tmp: Temp::Hidden(tmp),
+            target: target.to_owned(),
+        })
     }
 
     /// A file written at the visible name `<target>.partial` (an existing one is truncated), so
@@ -73,22 +76,6 @@ impl AtomicFile {
         let file = File::create(&path)?;
         Ok(Self {
             tmp: Temp::Live { file, path },
-            target: target.to_owned(),
-        })
-    }
-
-    fn hidden(target: &Path, mode: Option<u32>) -> io::Result<Self> {
-        let dir = match target.parent() {
-            Some(d) if !d.as_os_str().is_empty() => d,
-            _ => Path::new("."),
-        };
-        let mut b = tempfile::Builder::new();
-        b.prefix(".vmtsync-").suffix(".tmp");
-        if let Some(mode) = mode {
-            b.permissions(std::os::unix::fs::PermissionsExt::from_mode(mode));
-        }
-        Ok(Self {
-            tmp: Temp::Hidden(b.tempfile_in(dir)?),
             target: target.to_owned(),
         })
     }
@@ -175,8 +162,7 @@ impl Write for AtomicFile {
 }
 
 /// Writes `target` atomically with what `write` produces: all of it, or (on any error) none,
-/// the previous file, if any, left as it was. The file has [`OUTPUT_MODE`] (plots, span
-/// tables: outputs people read).
+/// the previous file, if any, left as it was.
 ///
 /// # Errors
 /// The error of `write`, or of creating, syncing or renaming the temporary file.
@@ -184,7 +170,7 @@ pub fn write_atomically(
     target: &Path,
     write: impl FnOnce(&mut dyn Write) -> io::Result<()>,
 ) -> io::Result<()> {
-    let mut file = AtomicFile::with_mode(target, OUTPUT_MODE)?;
+    let mut file = AtomicFile::new(target)?;
     let mut buffered = io::BufWriter::new(&mut file);
     write(&mut buffered)?;
     // Flushed here, not on drop, where an error would be lost and a short file committed.

@@ -35,7 +35,7 @@ use self::proto::{
     ProcessDescriptor, TracePacket, TracePacketDefaults, TrackDescriptor, TrackEventDefaults,
 };
 use super::event::{Bound, ExportError, ExportEvent, InputKind};
-use crate::atomic_file::{AtomicFile, BackgroundFile, OUTPUT_MODE};
+use crate::atomic_file::{AtomicFile, BackgroundFile};
 
 /// The machine id of the guest's packets unless told otherwise (the host is 0).
 pub const DEFAULT_MACHINE_ID: u32 = 1;
@@ -192,7 +192,7 @@ impl PerfettoWriter {
             path: path.to_owned(),
             source,
         };
-        let file = AtomicFile::with_mode(path, OUTPUT_MODE).map_err(io)?;
+        let file = AtomicFile::new(path).map_err(io)?;
         let (out, buf) = BackgroundFile::new(file, BUFFER + proto::EVENT_PACKET_MAX).map_err(io)?;
         let mut w = Self {
             out,

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use super::format::Tagged;
 use super::reader::{CutTail, SyncFile};
 use super::{SyncFileError, SyncHeader, SyncSegment};
-use crate::atomic_file::{AtomicFile, OUTPUT_MODE};
+use crate::atomic_file::AtomicFile;
 
 /// Appends segments to a sync file, one whole line per `write(2)`.
 #[derive(Debug)]
@@ -118,7 +118,7 @@ impl SyncWriter {
 /// meanwhile by another writer) is never replaced, and a crash leaves at most a temporary file,
 /// never a headerless sync file.
 fn create_with_header(path: &Path, header_line: &[u8]) -> io::Result<()> {
-    let mut file = AtomicFile::with_mode(path, OUTPUT_MODE)?;
+    let mut file = AtomicFile::new(path)?;
     file.write_all(header_line)?;
     // Someone created it first: append to theirs (its header is validated on open).
     file.commit_new().map(drop)

@@ -24,7 +24,7 @@ use super::consts::{PAGE_SIZE, option};
 use super::error::TraceDatError;
 use super::reader::{self, Layout};
 use super::writer::Strings;
-use crate::atomic_file::{AtomicFile, OUTPUT_MODE};
+use crate::atomic_file::AtomicFile;
 
 /// The guest a host trace is annotated with (the GUEST option, trace-cmd's layout).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -169,7 +169,7 @@ pub(super) fn copy_with_options(
     check: impl FnOnce(&Path, &Layout) -> Result<(), TraceDatError>,
 ) -> Result<u64, TraceDatError> {
     refuse_same_file(input, output)?;
-    let tmp = AtomicFile::with_mode(output, OUTPUT_MODE)
+    let tmp = AtomicFile::new(output)
         .map_err(TraceDatError::io("create a temporary file beside", output))?;
     let tmp_path = tmp.path().to_path_buf();
     let io = |what| TraceDatError::io(what, &tmp_path);

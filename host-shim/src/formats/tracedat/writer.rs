@@ -18,7 +18,7 @@ use std::io::{BufWriter, Seek, SeekFrom, Write};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-use crate::atomic_file::{AtomicFile, BackgroundFile, OUTPUT_MODE};
+use crate::atomic_file::{AtomicFile, BackgroundFile};
 
 use super::consts::{PAGE_SIZE, PAGE_SIZE_U32, SECTION_HEADER_SIZE, Tsc2Nsec, option};
 use super::error::TraceDatError;
@@ -241,8 +241,8 @@ impl TraceDatWriter {
             Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
             _ => PathBuf::from("."),
         };
-        let tmp = AtomicFile::with_mode(path, OUTPUT_MODE)
-            .map_err(TraceDatError::io("create a temporary file in", &dir))?;
+        let tmp =
+            AtomicFile::new(path).map_err(TraceDatError::io("create a temporary file in", &dir))?;
         let file = tmp
             .as_file()
             .try_clone()

@@ -2001,11 +2001,11 @@ fn memory_section(m: &Measured) -> Result<Section> {
             floors.iter().map(cell).collect::<Vec<_>>().join(" | ")
         );
     }
-    let (_, tf, _, _) = floors
+    let trace_floor = floors
         .iter()
         .find(|r| r.0.format == "trace-cmd")
         .context("no trace.dat floor")?;
-    let floor_share = tf.records_per_s / round_copy.records_per_s;
+    let floor_share = trace_floor.1.records_per_s / round_copy.records_per_s;
     // A floor the reader itself beat (a faster drain, or less CPU) was slowed by something
     // else in that pass: it bounds nothing, so no verdict rests on it.
     let beaten = |r: &FloorRow<'_>| r.0.drain.median > r.1.records_per_s || r.0.cpu.median < r.3;
@@ -2023,10 +2023,7 @@ fn memory_section(m: &Measured) -> Result<Section> {
         body,
         "\nThe floor of a drain into trace.dat is {} of the raw copy. {} {}{}",
         percent(floor_share),
-        if floors
-            .iter()
-            .any(|r| r.0.format == "trace-cmd" && beaten(r))
-        {
+        if beaten(trace_floor) {
             "The reader beat that floor in this run, so it is no floor and says nothing of \
              what ¼ of a raw copy needs."
         } else if floor_share < DRAIN_SHARE_GOAL {

@@ -15,6 +15,7 @@ use std::io::{self, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 use std::sync::mpsc::{self, Receiver, SyncSender, TrySendError};
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use tempfile::NamedTempFile;
 
@@ -198,6 +199,26 @@ pub(crate) fn assert_output_mode(path: &Path) {
 mod tests {
     use super::*;
 
+    /// No sync is asked for until `SYNC_START` after the first write, however much is written;
+    /// the first then takes everything written until then, and the next waits for
+    /// `SYNC_EVERY` more bytes.
+    #[test]
+    fn the_first_sync_waits_for_sync_start_and_takes_everything_before() {
+        let d = tempfile::tempdir().unwrap();
+        let f = File::create(d.path().join("f")).unwrap();
+        let mut s = Syncer::start(&f).unwrap();
+        let mut w = io::sink();
+        let t0 = Instant::now();
+        s.wrote_at(&mut w, SYNC_EVERY, t0).unwrap();
+        s.wrote_at(&mut w, 2 * SYNC_EVERY, t0 + SYNC_START / 2).unwrap();
+        assert_eq!(s.unsynced, 3 * SYNC_EVERY, "asked for a sync before SYNC_START");
+        s.wrote_at(&mut w, 1, t0 + SYNC_START).unwrap();
+        assert_eq!(s.unsynced, 0, "no sync asked for at SYNC_START");
+        s.wrote_at(&mut w, SYNC_EVERY - 1, t0 + 2 * SYNC_START).unwrap();
+        assert_eq!(s.unsynced, SYNC_EVERY - 1, "asked for a sync before SYNC_EVERY more");
+        s.finish().unwrap();
+    }
+
     fn names(dir: &Path) -> Vec<String> {
         let mut v: Vec<String> = std::fs::read_dir(dir)
             .unwrap()
@@ -285,8 +306,8 @@ mod tests {
 /// instead, for a caller that already runs beside what produces its data: there a third busy
 /// thread on few cores would only wait for the other two.
 /// Either way a [`Syncer`] syncs the file's data every [`SYNC_EVERY`] bytes on a thread of
-/// its own, so the sync before the rename finds little left to write and neither the caller
-/// nor a writing thread waits for the disk.
+/// its own, from [`SYNC_START`] after the first write on, so the sync before the rename finds
+/// little left to write and neither the caller nor a writing thread waits for the disk.
 #[derive(Debug)]
 pub struct BackgroundFile<W: Write + SyncData + Send + 'static = AtomicFile> {
     how: How<W>,
@@ -332,12 +353,15 @@ impl SyncData for AtomicFile {
 /// Syncs a file's data on a thread of its own every [`SYNC_EVERY`] bytes written (skipped
 /// while that thread is still at the last one: the next sync takes both), so the disk writes
 /// while the writer works and the sync before the rename finds little left, without the writer
-/// waiting for the disk ([`BackgroundFile`]'s, in either of its ways).
+/// waiting for the disk ([`BackgroundFile`]'s, in either of its ways). The first sync waits
+/// until [`SYNC_START`] after the first write, and takes everything written until then.
 #[derive(Debug)]
 struct Syncer {
     tx: Option<SyncSender<()>>,
     thread: Option<JoinHandle<io::Result<()>>>,
     unsynced: usize,
+    /// When the first bytes were written.
+    first_write: Option<Instant>,
 }
 
 impl Syncer {
@@ -360,17 +384,24 @@ impl Syncer {
             tx: Some(tx),
             thread: Some(thread),
             unsynced: 0,
+            first_write: None,
         })
     }
 
     /// `len` more bytes were written to the file through `writer`: every [`SYNC_EVERY`] bytes,
-    /// `writer` is flushed and a sync asked for.
+    /// from [`SYNC_START`] after the first write on, `writer` is flushed and a sync asked for.
     ///
     /// # Errors
     /// The flush's error, or the syncing thread's once it has ended.
     fn wrote(&mut self, writer: &mut impl Write, len: usize) -> io::Result<()> {
+        self.wrote_at(writer, len, Instant::now())
+    }
+
+    /// [`Self::wrote`] at `now`.
+    fn wrote_at(&mut self, writer: &mut impl Write, len: usize, now: Instant) -> io::Result<()> {
         self.unsynced += len;
-        if self.unsynced < SYNC_EVERY {
+        let first = *self.first_write.get_or_insert(now);
+        if self.unsynced < SYNC_EVERY || now.saturating_duration_since(first) < SYNC_START {
             return Ok(());
         }
         writer.flush()?;
@@ -401,6 +432,15 @@ impl Syncer {
 
 /// How many bytes a [`BackgroundFile`] writes between two syncs of its data.
 pub const SYNC_EVERY: usize = 32 << 20;
+
+/// How long after its first write a [`BackgroundFile`] asks for its first sync. A recording's
+/// heaviest moment is usually its start (the backlog a memory recording finds in the guest's
+/// rings, drained back to back), and the disk's writeback runs on the same cores: on two
+/// cores, syncing while a full 4 Mi-record ring was drained made that drain about a fifth
+/// slower, for no earlier end of the whole run (the final sync then writes what the drain
+/// skipped). After this the disk writes alongside, as before, so a long recording's final
+/// sync still finds little left.
+pub const SYNC_START: Duration = Duration::from_millis(100);
 
 impl<W: Write + SyncData + Send + 'static> BackgroundFile<W> {
     /// Starts the thread writing to `file`; returns it and the caller's first buffer (of

@@ -210,12 +210,22 @@ mod tests {
         let mut w = io::sink();
         let t0 = Instant::now();
         s.wrote_at(&mut w, SYNC_EVERY, t0).unwrap();
-        s.wrote_at(&mut w, 2 * SYNC_EVERY, t0 + SYNC_START / 2).unwrap();
-        assert_eq!(s.unsynced, 3 * SYNC_EVERY, "asked for a sync before SYNC_START");
+        s.wrote_at(&mut w, 2 * SYNC_EVERY, t0 + SYNC_START / 2)
+            .unwrap();
+        assert_eq!(
+            s.unsynced,
+            3 * SYNC_EVERY,
+            "asked for a sync before SYNC_START"
+        );
         s.wrote_at(&mut w, 1, t0 + SYNC_START).unwrap();
         assert_eq!(s.unsynced, 0, "no sync asked for at SYNC_START");
-        s.wrote_at(&mut w, SYNC_EVERY - 1, t0 + 2 * SYNC_START).unwrap();
-        assert_eq!(s.unsynced, SYNC_EVERY - 1, "asked for a sync before SYNC_EVERY more");
+        s.wrote_at(&mut w, SYNC_EVERY - 1, t0 + 2 * SYNC_START)
+            .unwrap();
+        assert_eq!(
+            s.unsynced,
+            SYNC_EVERY - 1,
+            "asked for a sync before SYNC_EVERY more"
+        );
         s.finish().unwrap();
     }
 

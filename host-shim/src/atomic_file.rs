@@ -199,16 +199,24 @@ pub(crate) fn assert_output_mode(path: &Path) {
 mod tests {
     use super::*;
 
-    /// No sync is asked for until `SYNC_START` after the first write, however much is written;
-    /// the first then takes everything written until then, and the next waits for
-    /// `SYNC_EVERY` more bytes.
+    /// A file written on the caller's thread asks for no sync until `SYNC_START` after its
+    /// first write, however much is written; the first then takes everything written until
+    /// then, and the next waits for `SYNC_EVERY` more bytes. One with a writing thread asks at
+    /// its first `SYNC_EVERY` bytes.
     #[test]
     fn the_first_sync_waits_for_sync_start_and_takes_everything_before() {
         let d = tempfile::tempdir().unwrap();
         let f = File::create(d.path().join("f")).unwrap();
-        let mut s = Syncer::start(&f).unwrap();
         let mut w = io::sink();
         let t0 = Instant::now();
+        let mut threaded = Syncer::start(&f, Duration::ZERO).unwrap();
+        threaded.wrote_at(&mut w, SYNC_EVERY, t0).unwrap();
+        assert_eq!(threaded.unsynced, 0, "no sync asked for at SYNC_EVERY");
+        threaded.finish().unwrap();
+        let (mut here, _) = BackgroundFile::on_this_thread(f.try_clone().unwrap(), 0).unwrap();
+        let How::Here(Some((_, s))) = &mut here.how else {
+            panic!("not written on this thread");
+        };
         s.wrote_at(&mut w, SYNC_EVERY, t0).unwrap();
         s.wrote_at(&mut w, 2 * SYNC_EVERY, t0 + SYNC_START / 2)
             .unwrap();
@@ -316,8 +324,9 @@ mod tests {
 /// instead, for a caller that already runs beside what produces its data: there a third busy
 /// thread on few cores would only wait for the other two.
 /// Either way a [`Syncer`] syncs the file's data every [`SYNC_EVERY`] bytes on a thread of
-/// its own, from [`SYNC_START`] after the first write on, so the sync before the rename finds
-/// little left to write and neither the caller nor a writing thread waits for the disk.
+/// its own (written on the caller's thread, from [`SYNC_START`] after the first write on), so
+/// the sync before the rename finds little left to write and neither the caller nor a writing
+/// thread waits for the disk.
 #[derive(Debug)]
 pub struct BackgroundFile<W: Write + SyncData + Send + 'static = AtomicFile> {
     how: How<W>,
@@ -363,8 +372,8 @@ impl SyncData for AtomicFile {
 /// Syncs a file's data on a thread of its own every [`SYNC_EVERY`] bytes written (skipped
 /// while that thread is still at the last one: the next sync takes both), so the disk writes
 /// while the writer works and the sync before the rename finds little left, without the writer
-/// waiting for the disk ([`BackgroundFile`]'s, in either of its ways). The first sync waits
-/// until [`SYNC_START`] after the first write, and takes everything written until then.
+/// waiting for the disk ([`BackgroundFile`]'s, in either of its ways). The first sync may be
+/// told to wait a while after the first write; it then takes everything written until then.
 #[derive(Debug)]
 struct Syncer {
     tx: Option<SyncSender<()>>,
@@ -372,14 +381,17 @@ struct Syncer {
     unsynced: usize,
     /// When the first bytes were written.
     first_write: Option<Instant>,
+    /// How long after the first write the first sync waits.
+    wait: Duration,
 }
 
 impl Syncer {
-    /// Starts the syncing thread on a second handle of `file`.
+    /// Starts the syncing thread on a second handle of `file`; no sync is asked for until
+    /// `wait` after the first write.
     ///
     /// # Errors
     /// The handle could not be duplicated or the thread not started.
-    fn start(file: &impl SyncData) -> io::Result<Self> {
+    fn start(file: &impl SyncData, wait: Duration) -> io::Result<Self> {
         let (tx, rx) = mpsc::sync_channel::<()>(1);
         let handle = file.sync_handle()?;
         let thread = std::thread::Builder::new()
@@ -395,11 +407,12 @@ impl Syncer {
             thread: Some(thread),
             unsynced: 0,
             first_write: None,
+            wait,
         })
     }
 
     /// `len` more bytes were written to the file through `writer`: every [`SYNC_EVERY`] bytes,
-    /// from [`SYNC_START`] after the first write on, `writer` is flushed and a sync asked for.
+    /// from the wait after the first write on, `writer` is flushed and a sync asked for.
     ///
     /// # Errors
     /// The flush's error, or the syncing thread's once it has ended.
@@ -411,7 +424,7 @@ impl Syncer {
     fn wrote_at(&mut self, writer: &mut impl Write, len: usize, now: Instant) -> io::Result<()> {
         self.unsynced += len;
         let first = *self.first_write.get_or_insert(now);
-        if self.unsynced < SYNC_EVERY || now.saturating_duration_since(first) < SYNC_START {
+        if self.unsynced < SYNC_EVERY || now.saturating_duration_since(first) < self.wait {
             return Ok(());
         }
         writer.flush()?;
@@ -445,13 +458,15 @@ impl Syncer {
 /// Perfetto recording of 4 M events drained about a tenth faster with 16 MiB than with 32).
 pub const SYNC_EVERY: usize = 16 << 20;
 
-/// How long after its first write a [`BackgroundFile`] asks for its first sync (which takes
-/// everything written until then). A recording's heaviest moment is usually its start, the
-/// backlog a memory recording finds in the guest's rings, drained back to back, and the
-/// disk's writeback runs on the same cores: on two cores, syncing while a full 4 Mi-record
-/// ring was drained into trace.dat made that drain about a third slower, and the whole run no
-/// shorter. A longer wait costs an output the disk keeps up with (Perfetto's) its overlap:
-/// 100 ms lengthened such a recording by a tenth, 50 ms did not.
+/// How long after its first write a [`BackgroundFile`] written on the caller's thread
+/// ([`BackgroundFile::on_this_thread`]) asks for its first sync (which takes everything written
+/// until then). Such a file's writer runs beside what produces its data, on the other core (a
+/// memory recording's format thread beside its reading), and a recording's heaviest moment is
+/// usually its start, the backlog found in the guest's rings, drained back to back: on two
+/// cores, the disk's writeback during the drain of a full 4 Mi-record ring into trace.dat made
+/// it about a third slower, and the whole run no shorter. A file with a writing thread of its
+/// own syncs from the start: there the overlap with the disk is worth more (a Perfetto export
+/// of 1 Mi events took a fifth longer when its first sync waited 50 ms).
 pub const SYNC_START: Duration = Duration::from_millis(50);
 
 impl<W: Write + SyncData + Send + 'static> BackgroundFile<W> {
@@ -465,7 +480,7 @@ impl<W: Write + SyncData + Send + 'static> BackgroundFile<W> {
         let (free_tx, free_rx) = mpsc::sync_channel::<Vec<u8>>(2);
         // Cannot fail: the channel has room for both buffers and its receiver is here.
         let _ = free_tx.send(vec![0; buf_len]);
-        let mut syncer = Syncer::start(&file)?;
+        let mut syncer = Syncer::start(&file, Duration::ZERO)?;
         let thread = std::thread::Builder::new()
             .name("vmtsync-write".into())
             .spawn(move || {
@@ -488,13 +503,13 @@ impl<W: Write + SyncData + Send + 'static> BackgroundFile<W> {
     }
 
     /// Like [`Self::new`], but each buffer is written on the caller's thread when submitted
-    /// (only the syncs run on a thread of their own); the caller's buffer comes back from
-    /// [`Self::submit`] to be filled again.
+    /// (only the syncs run on a thread of their own, the first [`SYNC_START`] after the first
+    /// write); the caller's buffer comes back from [`Self::submit`] to be filled again.
     ///
     /// # Errors
     /// The syncing thread could not be started.
     pub fn on_this_thread(file: W, buf_len: usize) -> io::Result<(Self, Vec<u8>)> {
-        let syncer = Syncer::start(&file)?;
+        let syncer = Syncer::start(&file, SYNC_START)?;
         let how = How::Here(Some((file, syncer)));
         Ok((Self { how }, vec![0; buf_len]))
     }

@@ -21,12 +21,13 @@
 //!
 //! **Writing.** The first [`BACKGROUND_STREAMS`] streams (the vCPUs of most traces) hand their
 //! full packets to a [`BackgroundFile`]: a thread writes them while the caller fills the next,
-//! and a second one syncs every 16 MiB (from 50 ms on), so the sync before the rename finds
-//! little left. The streams after them write their packets themselves: two threads per stream
-//! would not stay few at [`MAX_STREAMS`]. A writer that already runs beside what produces its
-//! events (a memory recording's writer thread) has those first streams write their packets
-//! itself, still synced by a thread each ([`CtfTrace::write_here`]): a third busy thread on
-//! few cores would only wait for the other two.
+//! and a second one syncs every 16 MiB, so the sync before the rename finds little left. The
+//! streams after them write their packets themselves: two threads per stream would not stay
+//! few at [`MAX_STREAMS`]. A writer that already runs beside what produces its events (a
+//! memory recording's writer thread) has those first streams write their packets itself, still
+//! synced by a thread each, the first sync 50 ms after the first write
+//! ([`CtfTrace::write_here`], [`crate::atomic_file::SYNC_START`]): a third busy thread on few
+//! cores would only wait for the other two.
 
 use std::fmt::Write as _;
 use std::fs::File;

@@ -1814,8 +1814,9 @@ fn memory_section(m: &Measured) -> Result<Section> {
     let _ = writeln!(
         body,
         "\nThe reader syncs its output before it renames it into place and exits (with a \
-         thread that syncs as it writes, so the disk works while the drain runs): a whole run \
-         includes the disk's writing of the output. For scale, the rows above: the output's \
+         thread that syncs as it writes, every 16 MiB, into trace.dat and CTF from 50 ms after \
+         the output's first write on, so the disk works beside the run but not beside its \
+         opening drain): a whole run includes the disk's writing of the output. For scale, the rows above: the output's \
          bytes written into a fresh file in its directory and then synced (`fdatasync`), alone \
          (1 MiB writes of one buffer, the filesystem synced before each pass, medians of {} \
          passes after one untimed pass), and the \
@@ -1956,7 +1957,8 @@ fn memory_section(m: &Measured) -> Result<Section> {
          chunks with the reader's method, checks each slot's commit stamp, and hands each chunk \
          to a second thread that writes its share of as many bytes as the ceiling's last output \
          of that format into a file in its directory, through the reader's own writer \
-         (`BackgroundFile`, with its thread that syncs as it writes); nothing is placed or \
+         (`BackgroundFile` on that thread, as trace.dat's and CTF's, with its thread that \
+         syncs as it writes from 50 ms after the first write on); nothing is placed or \
          encoded. Timed from the first read to the last byte written, after the same writing \
          elsewhere as before each drain; CPU is the example's own (user + system, every \
          thread: `getrusage`), as the reader's is; medians of {} passes, the formats in turn \
